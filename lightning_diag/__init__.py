@@ -1,0 +1,18 @@
+"""lightning_diag: PyTorch Lightning callbacks that diagnose training runs from the inside."""
+
+import logging as _logging
+
+from lightning_diag.alerts import Alert, AlertLog, Severity, read_alerts
+from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
+
+__version__ = "0.1.0"
+
+__all__ = ["Alert", "AlertLog", "AnomalyAlarm", "NonFiniteError", "Severity", "__version__", "read_alerts"]
+
+_logger = _logging.getLogger("lightning_diag")
+if not _logger.handlers:
+    _handler = _logging.StreamHandler()
+    _handler.setFormatter(_logging.Formatter("lightning_diag %(levelname)s: %(message)s"))
+    _logger.addHandler(_handler)
+    _logger.setLevel(_logging.INFO)
+    _logger.propagate = False

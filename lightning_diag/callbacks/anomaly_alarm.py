@@ -1,0 +1,508 @@
+"""AnomalyAlarm: non-finite guard, loss-swing and validation-trend alerts, learning-rate and loss logging."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.trainer.states import TrainerFn
+
+from lightning_diag._validation import check_choice, check_int, check_number
+from lightning_diag.alerts import NONFINITE_GRAD, NONFINITE_LOSS, Alert, NonFiniteAction, Severity
+from lightning_diag.callbacks.base import DiagCallback, extract_loss
+from lightning_diag.rules.anomaly import (
+    DEFAULT_SWING_MIN_DELTA,
+    DEFAULT_SWING_PATIENCE,
+    DEFAULT_SWING_THRESHOLD,
+    DEFAULT_VAL_DECLINE_MIN_DELTA,
+    DEFAULT_VAL_DECLINE_PATIENCE,
+    DEFAULT_VAL_FLUCTUATION_MIN,
+    DEFAULT_VAL_FLUCTUATION_RATIO,
+    DEFAULT_VAL_FLUCTUATION_WINDOW,
+    LossSwingRule,
+    ValDeclineRule,
+    ValFluctuationRule,
+)
+from lightning_diag.rules.base import Latch
+from lightning_diag.stats.norms import all_finite
+from lightning_diag.tensorboard import tag
+
+__all__ = ["DEFAULT_MAX_SKIPS", "NONFINITE_ACTIONS", "AnomalyAlarm", "NonFiniteError"]
+
+#: ``on_nonfinite="skip"``: skipped optimizer steps allowed in one fit before the alarm stops training.
+DEFAULT_MAX_SKIPS = 5
+NONFINITE_ACTIONS: tuple[str, ...] = ("stop", "raise", "skip", "warn")
+_SHOWN_PARAMS = 5
+_STATE_KEYS = ("swing", "val_decline", "val_fluctuation", "nonfinite_latch", "skips", "accumulators")
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by :class:`AnomalyAlarm` with ``on_nonfinite="raise"`` instead of applying a non-finite update.
+
+    Attributes:
+        alert: The critical alert that was written before raising.
+    """
+
+    def __init__(self, alert: Alert) -> None:
+        super().__init__(alert.message)
+        self.alert = alert
+
+
+class AnomalyAlarm(DiagCallback):
+    r"""Stops training before a non-finite update, and alerts on loss swings and validation trends.
+
+    Rules (exact definitions in ``docs/anomaly_alarm.md``):
+
+    * ``nonfinite_loss`` / ``nonfinite_grad`` (critical): a NaN/Inf in the loss of any micro-batch since the last
+      optimizer step, or in a gradient the optimizer is about to apply (after accumulation and AMP unscaling,
+      before clipping). Checked on every optimizer step.
+    * ``loss_swing`` (warning): the training loss swings by more than ``swing_threshold`` on ``swing_patience``
+      consecutive epochs (or windows of ``swing_window`` steps).
+    * ``val_decline`` (warning): ``monitor`` worsens on ``val_decline_patience`` consecutive validation runs.
+    * ``val_fluctuation`` (warning): the validation fluctuation exceeds ``val_fluctuation_ratio`` times the
+      training-loss fluctuation over the last ``val_fluctuation_window`` validation runs.
+
+    Logged metrics (TensorBoard, global rank zero):
+
+    * ``diag/lr/<Optimizer>/group_<j>``: learning rate of every optimizer and parameter group (logging steps).
+    * ``diag/loss/train_step``: the training loss (logging steps).
+    * ``diag/loss/train_epoch``: mean training loss of the epoch (or window) over all ranks.
+    * ``diag/loss/swing``: relative change of that mean from the previous epoch (or window).
+    * ``diag/loss/val``: the monitored validation value.
+    * ``diag/loss/train_fluctuation``, ``diag/loss/val_fluctuation``: the two fluctuations once the window is full.
+
+    Args:
+        on_nonfinite: ``"stop"`` (default): the offending step changes no parameter and no optimizer state, a
+            critical alert is written and ``trainer.fit`` returns; ``"raise"``: the same, then
+            :class:`NonFiniteError`; ``"skip"``: the step is skipped and training goes on, until ``max_skips``
+            steps were skipped, then as ``"stop"``; ``"warn"``: alert only, the update is applied.
+        max_skips: With ``on_nonfinite="skip"``, skipped steps allowed in one fit.
+        swing_threshold: Relative change of the loss that counts as a swing (0.10 = 10%).
+        swing_patience: Consecutive swinging epochs (windows) before ``loss_swing`` fires.
+        swing_min_delta: Absolute loss change below which nothing swings.
+        swing_window: ``"epoch"`` to compare epoch means, or a number of optimizer steps to compare means over
+            consecutive windows of that many steps (runs with one long epoch).
+        monitor: Validation metric read from ``trainer.callback_metrics``.
+        mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is.
+        val_decline_patience: Consecutive worse validation runs before ``val_decline`` fires.
+        val_decline_min_delta: Change that counts as worse.
+        val_fluctuation_ratio: Multiple of the training fluctuation the validation fluctuation must exceed.
+        val_fluctuation_window: Validation runs the fluctuations are measured over (at least 3).
+        val_fluctuation_min: Validation fluctuation below which ``val_fluctuation`` never fires.
+        log_every_n_steps: Logging interval for step-level tags; defaults to the trainer's.
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If an argument is out of range or not one of its allowed values.
+        NonFiniteError: During ``fit``, with ``on_nonfinite="raise"``, at the first non-finite step.
+
+    Example:
+        >>> alarm = AnomalyAlarm(on_nonfinite="skip", max_skips=3)
+        >>> alarm.on_nonfinite
+        'skip'
+    """
+
+    def __init__(
+        self,
+        on_nonfinite: NonFiniteAction = "stop",
+        max_skips: int = DEFAULT_MAX_SKIPS,
+        swing_threshold: float = DEFAULT_SWING_THRESHOLD,
+        swing_patience: int = DEFAULT_SWING_PATIENCE,
+        swing_min_delta: float = DEFAULT_SWING_MIN_DELTA,
+        swing_window: Literal["epoch"] | int = "epoch",
+        monitor: str = "val_loss",
+        mode: Literal["min", "max"] = "min",
+        val_decline_patience: int = DEFAULT_VAL_DECLINE_PATIENCE,
+        val_decline_min_delta: float = DEFAULT_VAL_DECLINE_MIN_DELTA,
+        val_fluctuation_ratio: float = DEFAULT_VAL_FLUCTUATION_RATIO,
+        val_fluctuation_window: int = DEFAULT_VAL_FLUCTUATION_WINDOW,
+        val_fluctuation_min: float = DEFAULT_VAL_FLUCTUATION_MIN,
+        log_every_n_steps: int | None = None,
+    ) -> None:
+        super().__init__(log_every_n_steps=log_every_n_steps)
+        self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, NONFINITE_ACTIONS)
+        self.max_skips = check_int("max_skips", max_skips, low=0)
+        check_number("swing_threshold", swing_threshold, low=0.0)
+        check_int("swing_patience", swing_patience, low=1)
+        check_number("swing_min_delta", swing_min_delta, low=0.0, low_inclusive=True)
+        if swing_window != "epoch":
+            if isinstance(swing_window, str):
+                raise ValueError(
+                    f"Expected argument `swing_window` to be 'epoch' or an int >= 1, but got {swing_window!r}"
+                )
+            check_int("swing_window", swing_window, low=1)
+        self.swing_window = swing_window
+        if not isinstance(monitor, str) or not monitor:
+            raise TypeError(f"Expected argument `monitor` to be a non-empty metric name, but got {monitor!r}")
+        self.monitor = monitor
+        self.mode = check_choice("mode", mode, ("min", "max"))
+        check_int("val_decline_patience", val_decline_patience, low=1)
+        check_number("val_decline_min_delta", val_decline_min_delta, low=0.0, low_inclusive=True)
+        check_number("val_fluctuation_ratio", val_fluctuation_ratio, low=0.0)
+        check_int("val_fluctuation_window", val_fluctuation_window, low=3)
+        check_number("val_fluctuation_min", val_fluctuation_min, low=0.0, low_inclusive=True)
+
+        self.swing_threshold = float(swing_threshold)
+        self.swing_patience = swing_patience
+        self.swing_min_delta = float(swing_min_delta)
+        self.val_decline_patience = val_decline_patience
+        self.val_decline_min_delta = float(val_decline_min_delta)
+        self.val_fluctuation_ratio = float(val_fluctuation_ratio)
+        self.val_fluctuation_window = val_fluctuation_window
+        self.val_fluctuation_min = float(val_fluctuation_min)
+        self._make_rules()
+        self._nonfinite_latch = Latch()
+        self._skips = 0
+        self._reset_step_state()
+        self._reset_accumulators()
+
+    # -- state -------------------------------------------------------------------------------------------
+    def _make_rules(self) -> None:
+        unit = "epoch" if self.swing_window == "epoch" else f"window of {self.swing_window} step"
+        self.swing_rule = LossSwingRule(
+            threshold=self.swing_threshold, patience=self.swing_patience, min_delta=self.swing_min_delta, unit=unit
+        )
+        self.val_decline_rule = ValDeclineRule(
+            monitor=self.monitor,
+            mode=self.mode,  # type: ignore[arg-type]
+            patience=self.val_decline_patience,
+            min_delta=self.val_decline_min_delta,
+        )
+        self.val_fluctuation_rule = ValFluctuationRule(
+            ratio=self.val_fluctuation_ratio,
+            window=self.val_fluctuation_window,
+            min_fluctuation=self.val_fluctuation_min,
+            monitor=self.monitor,
+        )
+
+    def _reset_step_state(self) -> None:
+        self._halted = False
+        self._loss_bad: torch.Tensor | None = None  # NaN/Inf in a micro-batch loss since the last step
+        self._last_finite_loss: torch.Tensor | float = math.nan
+        # "warn" mode keeps its findings on the device until a logging step reads them.
+        self._pending_loss_step: torch.Tensor | None = None
+        self._pending_grad_step: torch.Tensor | None = None
+
+    def _reset_accumulators(self) -> None:
+        self._acc: dict[str, torch.Tensor | float] = {
+            "epoch_sum": 0.0,
+            "epoch_count": 0.0,
+            "since_val_sum": 0.0,
+            "since_val_count": 0.0,
+            "window_sum": 0.0,
+            "window_count": 0.0,
+        }
+        self._window_steps = 0
+        self._window_last_step = -1
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(monitor=self.monitor, swing_window=self.swing_window)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rule histories, latches, the skip count and the partial loss means (for mid-epoch resumes)."""
+        acc = {k: float(v) for k, v in self._acc.items()}
+        acc["window_steps"] = float(self._window_steps)
+        return {
+            "swing": self.swing_rule.state_dict(),
+            "val_decline": self.val_decline_rule.state_dict(),
+            "val_fluctuation": self.val_fluctuation_rule.state_dict(),
+            "nonfinite_latch": self._nonfinite_latch.state_dict(),
+            "skips": self._skips,
+            "accumulators": acc,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing key.
+        """
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise KeyError(f"AnomalyAlarm.load_state_dict: missing state keys {missing}")
+        self.swing_rule.load_state_dict(state_dict["swing"])
+        self.val_decline_rule.load_state_dict(state_dict["val_decline"])
+        self.val_fluctuation_rule.load_state_dict(state_dict["val_fluctuation"])
+        self._nonfinite_latch.load_state_dict(state_dict["nonfinite_latch"])
+        self._skips = int(state_dict["skips"])
+        acc = dict(state_dict["accumulators"])
+        self._window_steps = int(acc.pop("window_steps", 0))
+        self._acc = {k: float(acc.get(k, 0.0)) for k in self._acc}
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Start a fit with fresh rules (a resume then loads their state)."""
+        super().setup(trainer, pl_module, stage)
+        if stage == TrainerFn.FITTING:
+            self._make_rules()
+            self._nonfinite_latch = Latch()
+            self._skips = 0
+            self._reset_step_state()
+            self._reset_accumulators()
+
+    # -- non-finite guard --------------------------------------------------------------------------------
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """Remember, on the device, whether this micro-batch's loss is finite."""
+        if not isinstance(loss, torch.Tensor):
+            return
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._loss_bad = bad if self._loss_bad is None else (self._loss_bad | bad)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Check the loss and the gradients about to be applied; block the step if they are not finite."""
+        loss_bad = self._loss_bad
+        self._loss_bad = None
+        if self._halted:
+            _drop_gradients(optimizer)
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grad_bad = ~all_finite(grads)
+        if loss_bad is not None:
+            loss_bad = loss_bad.to(grad_bad.device)
+        if self.on_nonfinite == "warn":
+            self._defer(trainer, loss_bad, grad_bad)
+            return
+        # Deciding not to apply an update is a host decision: one 2-element read per optimizer step.
+        local_loss, local_grad = (
+            torch.stack([loss_bad if loss_bad is not None else torch.zeros_like(grad_bad), grad_bad]).tolist()
+        )
+        strategy = trainer.strategy
+        if not strategy.reduce_boolean_decision(bool(local_loss or local_grad), all=False):
+            self._nonfinite_latch.update("loss", False)
+            self._nonfinite_latch.update("gradients", False)
+            return
+        any_loss = strategy.reduce_boolean_decision(bool(local_loss), all=False)
+        alert = self._nonfinite_alert(trainer, pl_module, any_loss, self.context(trainer).global_step)
+        latched = [alert] if self._nonfinite_latch.update(alert.source, True) else []
+        if self.on_nonfinite == "raise":
+            self.record([alert])
+            self.writer.flush()
+            raise NonFiniteError(alert)
+        _drop_gradients(optimizer)
+        if self.on_nonfinite == "skip":
+            self._skips += 1
+            self.record(latched)
+            if self._skips > self.max_skips:
+                self._stop(trainer)
+                self.record(
+                    [
+                        Alert(
+                            rule=alert.rule,
+                            severity=Severity.CRITICAL,
+                            message=f"{self._skips} optimizer steps had non-finite values, more than "
+                            f"max_skips={self.max_skips}: training stopped before applying this one",
+                            epoch=alert.epoch,
+                            global_step=alert.global_step,
+                            value=float(self._skips),
+                            threshold=float(self.max_skips),
+                            source="skip_limit",
+                        )
+                    ]
+                )
+            return
+        self.record([alert])
+        self._stop(trainer)
+
+    def _stop(self, trainer: pl.Trainer) -> None:
+        self._halted = True
+        trainer.should_stop = True
+        for opt in trainer.optimizers:
+            _drop_gradients(opt)
+
+    def _defer(self, trainer: pl.Trainer, loss_bad: torch.Tensor | None, grad_bad: torch.Tensor) -> None:
+        step = trainer.global_step
+        if self._pending_grad_step is None:
+            self._pending_grad_step = torch.full((), -1, dtype=torch.long, device=grad_bad.device)
+            self._pending_loss_step = torch.full((), -1, dtype=torch.long, device=grad_bad.device)
+        assert self._pending_loss_step is not None
+        self._pending_grad_step = torch.where(
+            grad_bad & (self._pending_grad_step < 0), step, self._pending_grad_step
+        )
+        if loss_bad is not None:
+            self._pending_loss_step = torch.where(
+                loss_bad & (self._pending_loss_step < 0), step, self._pending_loss_step
+            )
+
+    def _flush_deferred(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending_grad_step is None or self._pending_loss_step is None:
+            return
+        loss_step, grad_step = torch.stack([self._pending_loss_step, self._pending_grad_step]).tolist()
+        self._pending_loss_step.fill_(-1)
+        self._pending_grad_step.fill_(-1)
+        strategy = trainer.strategy
+        bad = strategy.reduce_boolean_decision(loss_step >= 0 or grad_step >= 0, all=False)
+        if not bad:
+            self._nonfinite_latch.update("loss", False)
+            self._nonfinite_latch.update("gradients", False)
+            return
+        any_loss = strategy.reduce_boolean_decision(loss_step >= 0, all=False)
+        first = int(loss_step if loss_step >= 0 else grad_step)
+        alert = self._nonfinite_alert(trainer, pl_module, any_loss, first if first >= 0 else trainer.global_step)
+        if self._nonfinite_latch.update(alert.source, True):
+            self.record([alert])
+
+    def _nonfinite_alert(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss_bad: bool, step: int
+    ) -> Alert:
+        lrs = _learning_rates(trainer)
+        lr_text = ", ".join(f"{k}={v:.3g}" for k, v in lrs.items()) or "none"
+        bad_params = _nonfinite_parameters(pl_module)
+        params_text = ", ".join(bad_params) if bad_params else "none (the gradients are finite)"
+        last = float(self._last_finite_loss)
+        what = "the training loss is non-finite" if loss_bad else "a gradient is non-finite"
+        action = {
+            "stop": "the update was not applied and training stops",
+            "raise": "the update was not applied; raising NonFiniteError",
+            "skip": "the update was skipped",
+            "warn": "the update was applied (on_nonfinite='warn')",
+        }[self.on_nonfinite]
+        message = (
+            f"{what} at epoch {trainer.current_epoch}, global step {step}: {action}. "
+            f"Learning rates: {lr_text}. Non-finite gradients in: {params_text}. "
+            f"Last finite loss: {last:.6g}."
+        )
+        return Alert(
+            rule=NONFINITE_LOSS if loss_bad else NONFINITE_GRAD,
+            severity=Severity.CRITICAL,
+            message=message,
+            epoch=trainer.current_epoch,
+            global_step=step,
+            value=None,
+            threshold=None,
+            source="loss" if loss_bad else "gradients",
+        )
+
+    # -- loss trend --------------------------------------------------------------------------------------
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Accumulate the loss on the device; on logging steps write the loss and learning rates."""
+        loss, problem = extract_loss(outputs)
+        if problem is not None:
+            self.notice(trainer, "loss:" + problem.split(":")[0], problem)
+        if loss is not None:
+            finite = torch.isfinite(loss)
+            clean = torch.where(finite, loss, torch.zeros_like(loss))
+            weight = finite.to(loss.dtype)
+            for prefix in ("epoch", "since_val", "window"):
+                self._acc[prefix + "_sum"] = self._acc[prefix + "_sum"] + clean
+                self._acc[prefix + "_count"] = self._acc[prefix + "_count"] + weight
+            last = self._last_finite_loss
+            self._last_finite_loss = torch.where(
+                finite, loss, last if isinstance(last, torch.Tensor) else torch.full_like(loss, last)
+            )
+        if isinstance(self.swing_window, int) and trainer.global_step != self._window_last_step:
+            self._window_last_step = trainer.global_step
+            self._window_steps += 1
+            if self._window_steps >= self.swing_window:
+                self._close_window(trainer, pl_module, "window")
+        if not self.is_logging_step(trainer):
+            return
+        step = trainer.global_step
+        values = {tag("lr", *name.split("/")): lr for name, lr in _learning_rates(trainer).items()}
+        if loss is not None:
+            values[tag("loss", "train_step")] = float(loss)
+        self.writer.scalars(values, step)
+        if self.on_nonfinite == "warn":
+            self._flush_deferred(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Close the epoch: its mean loss over all ranks feeds ``loss_swing`` in epoch mode."""
+        if self.on_nonfinite == "warn":
+            self._flush_deferred(trainer, pl_module)
+        self._close_window(trainer, pl_module, "epoch")
+
+    def _reduced_mean(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> float:
+        total = torch.stack(
+            [
+                torch.as_tensor(self._acc[prefix + "_sum"], dtype=torch.float32, device=pl_module.device),
+                torch.as_tensor(self._acc[prefix + "_count"], dtype=torch.float32, device=pl_module.device),
+            ]
+        )
+        total = trainer.strategy.reduce(total, reduce_op="sum")
+        self._acc[prefix + "_sum"] = 0.0
+        self._acc[prefix + "_count"] = 0.0
+        loss_sum, count = total.tolist()
+        return loss_sum / count if count > 0 else math.nan
+
+    def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
+        mean = self._reduced_mean(trainer, pl_module, prefix)
+        if prefix == "window":
+            self._window_steps = 0
+        if not math.isfinite(mean):
+            return
+        step = trainer.global_step
+        self.writer.scalar(tag("loss", "train_epoch" if prefix == "epoch" else "train_window"), mean, step)
+        if (prefix == "epoch") != (self.swing_window == "epoch"):
+            return
+        self.record(self.swing_rule.update(mean, self.context(trainer)))
+        if math.isfinite(self.swing_rule.last_change):
+            self.writer.scalar(tag("loss", "swing"), self.swing_rule.last_change, step)
+
+    # -- validation trend --------------------------------------------------------------------------------
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Feed the monitored validation value to ``val_decline`` and ``val_fluctuation``."""
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        train_mean = self._reduced_mean(trainer, pl_module, "since_val")
+        raw = trainer.callback_metrics.get(self.monitor)
+        if raw is None:
+            available = sorted(k for k in trainer.callback_metrics if "val" in k) or sorted(trainer.callback_metrics)
+            self.notice(
+                trainer,
+                "monitor-missing",
+                f"`{self.monitor}` was not logged during validation, so val_decline and val_fluctuation are off; "
+                f"log it with self.log({self.monitor!r}, ...) or pass monitor=... (logged: {available})",
+            )
+            return
+        value = torch.as_tensor(raw, dtype=torch.float32, device=pl_module.device).detach().mean()
+        val = float(trainer.strategy.reduce(value, reduce_op="mean"))
+        ctx = self.context(trainer)
+        alerts = self.val_decline_rule.update(val, ctx)
+        alerts += self.val_fluctuation_rule.update(train_mean, val, ctx)
+        self.record(alerts)
+        values = {tag("loss", "val"): val}
+        train_f, val_f = self.val_fluctuation_rule.measures()
+        if math.isfinite(train_f) and math.isfinite(val_f):
+            values[tag("loss", "train_fluctuation")] = train_f
+            values[tag("loss", "val_fluctuation")] = val_f
+        self.writer.scalars(values, ctx.global_step)
+
+
+def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
+    # torch optimizers skip parameters whose .grad is None: no parameter, moment or step count changes.
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
+
+
+def _learning_rates(trainer: pl.Trainer) -> dict[str, float]:
+    names: dict[str, int] = {}
+    out: dict[str, float] = {}
+    for opt in trainer.optimizers:
+        base = type(opt).__name__
+        n = names.get(base, 0)
+        names[base] = n + 1
+        name = base if n == 0 else f"{base}_{n}"
+        for j, group in enumerate(opt.param_groups):
+            lr = group.get("lr")
+            if lr is not None:
+                out[f"{name}/group_{j}"] = float(lr)
+    return out
+
+
+def _nonfinite_parameters(pl_module: pl.LightningModule) -> list[str]:
+    # Only on the failure path: a per-parameter loop here is fine.
+    bad = []
+    for name, p in pl_module.named_parameters():
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            bad.append(name)
+            if len(bad) >= _SHOWN_PARAMS:
+                bad.append("...")
+                break
+    return bad

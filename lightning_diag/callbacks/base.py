@@ -1,0 +1,186 @@
+"""What every lightning_diag callback shares: the per-trainer session (writer + alert log), alerts, notices."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.trainer.states import TrainerFn
+
+from lightning_diag._validation import check_int
+from lightning_diag.alerts import Alert, AlertLog
+from lightning_diag.rules.base import StepContext
+from lightning_diag.tensorboard import DiagWriter, alert_markdown, tag
+
+__all__ = ["DiagCallback", "DiagSession", "extract_loss"]
+
+log = logging.getLogger("lightning_diag")
+
+ALERTS_FILE = "alerts.jsonl"
+
+
+class DiagSession:
+    """The writer and alert log shared by every lightning_diag callback attached to one trainer.
+
+    Args:
+        log_dir: ``trainer.log_dir`` (or ``default_root_dir`` when there is no logger); files go to
+            ``<log_dir>/diag``.
+        trainer: The trainer; used lazily to find its TensorBoard writer.
+        is_global_zero: Only global rank zero writes anything.
+    """
+
+    def __init__(self, log_dir: str, trainer: pl.Trainer, is_global_zero: bool) -> None:
+        self.log_dir = log_dir
+        self.diag_dir = os.path.join(log_dir, "diag")
+        self.is_global_zero = is_global_zero
+        self._trainer_ref = weakref.ref(trainer)
+        self._writer: DiagWriter | None = None
+        self.users = 0
+        self.alert_log = AlertLog(
+            os.path.join(self.diag_dir, ALERTS_FILE) if is_global_zero else None,
+            text_sink=self._alert_text,
+            enabled=is_global_zero,
+        )
+
+    @property
+    def writer(self) -> DiagWriter:
+        """The TensorBoard writer, created on first use (a no-op writer off rank zero)."""
+        if self._writer is None:
+            trainer = self._trainer_ref()
+            if trainer is None or not self.is_global_zero:
+                self._writer = DiagWriter(None)
+            else:
+                self._writer = DiagWriter.for_trainer(trainer, self.log_dir)
+        return self._writer
+
+    def _alert_text(self, alert: Alert) -> None:
+        self.writer.text(tag("alerts"), alert_markdown(alert), alert.global_step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Close the alert log and the writer (if the library opened it)."""
+        self.alert_log.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+_SESSIONS: weakref.WeakKeyDictionary[pl.Trainer, DiagSession] = weakref.WeakKeyDictionary()
+
+
+def _acquire_session(trainer: pl.Trainer) -> DiagSession:
+    # trainer.log_dir broadcasts from rank zero: every rank calls this from `setup`.
+    log_dir = trainer.log_dir or trainer.default_root_dir
+    session = _SESSIONS.get(trainer)
+    if session is None or session.log_dir != log_dir:
+        session = DiagSession(log_dir, trainer, trainer.is_global_zero)
+        _SESSIONS[trainer] = session
+    session.users += 1
+    return session
+
+
+def _release_session(trainer: pl.Trainer, session: DiagSession) -> None:
+    session.users -= 1
+    if session.users <= 0:
+        session.close()
+        if _SESSIONS.get(trainer) is session:
+            del _SESSIONS[trainer]
+
+
+def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
+    """The loss tensor in what ``training_step`` returned, or ``(None, reason)``.
+
+    Accepts a tensor or a mapping with a ``"loss"`` tensor (Lightning's two forms). A non-scalar loss is
+    reduced with its mean and reported.
+    """
+    if outputs is None:
+        return None, "`training_step` returned None (a skipped batch): the batch is not counted in the loss trend"
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if not isinstance(loss, torch.Tensor):
+        kind = "a dict without a 'loss' tensor" if isinstance(outputs, dict) else type(outputs).__name__
+        return None, f"`training_step` returned {kind}: the loss trend needs a tensor or a dict with 'loss'"
+    if loss.numel() != 1:
+        return loss.detach().float().mean(), (
+            f"`training_step` returned a loss of shape {tuple(loss.shape)}: its mean is used for the loss trend"
+        )
+    return loss.detach().float().reshape(()), None
+
+
+class DiagCallback(pl.Callback):
+    """Base of the library's callbacks.
+
+    Attributes:
+        alerts: The alerts this callback raised in the current fit, in order.
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None) -> None:
+        super().__init__()
+        if log_every_n_steps is not None:
+            check_int("log_every_n_steps", log_every_n_steps, low=1)
+        self.log_every_n_steps = log_every_n_steps
+        self.alerts: list[Alert] = []
+        self._session: DiagSession | None = None
+        self._notices: set[str] = set()
+        self._last_logged_step = -1
+
+    # -- session ---------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Attach to the trainer's diagnostics session; a new fit starts with no alerts."""
+        self._session = _acquire_session(trainer)
+        if stage == TrainerFn.FITTING:
+            self.alerts = []
+            self._notices = set()
+            self._last_logged_step = -1
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Flush and release the session."""
+        if self._session is not None:
+            self._session.writer.flush()
+            _release_session(trainer, self._session)
+            self._session = None
+
+    @property
+    def writer(self) -> DiagWriter:
+        """The TensorBoard writer of the current session (a no-op outside one)."""
+        return self._session.writer if self._session is not None else DiagWriter(None)
+
+    # -- helpers for subclasses --------------------------------------------------------------------------
+    @staticmethod
+    def context(trainer: pl.Trainer) -> StepContext:
+        """The trainer's epoch and global step."""
+        return StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
+
+    def record(self, alerts: Iterable[Alert]) -> list[Alert]:
+        """Keep alerts in :attr:`alerts` and write them to the alert log (rank zero only)."""
+        batch = list(alerts)
+        if batch:
+            self.alerts.extend(batch)
+            if self._session is not None:
+                self._session.alert_log.write(batch)
+        return batch
+
+    def notice(self, trainer: pl.Trainer, key: str, message: str) -> None:
+        """Log an informational message once per fit (rank zero only)."""
+        if key in self._notices:
+            return
+        self._notices.add(key)
+        if trainer.is_global_zero:
+            log.info("%s: %s", type(self).__name__, message)
+
+    def every_n_steps(self, trainer: pl.Trainer) -> int:
+        """The logging interval: this callback's own, or the trainer's ``log_every_n_steps``."""
+        return self.log_every_n_steps or max(1, int(trainer.log_every_n_steps))
+
+    def is_logging_step(self, trainer: pl.Trainer) -> bool:
+        """Whether the optimizer step just taken is one to log, once per global step."""
+        step = trainer.global_step
+        if step == self._last_logged_step or step % self.every_n_steps(trainer) != 0:
+            return False
+        self._last_logged_step = step
+        return True
+

@@ -1,0 +1,258 @@
+"""Loss and validation trend rules used by :class:`~lightning_diag.AnomalyAlarm`.
+
+Exact definitions (also in ``docs/anomaly_alarm.md``):
+
+* ``loss_swing``: for consecutive loss points ``L[k-1], L[k]`` (epoch means, or means over windows of steps),
+  the relative change is ``r = (L[k] - L[k-1]) / |L[k-1]|``. A point *swings* when ``|r| > threshold`` and
+  ``|L[k] - L[k-1]| > min_delta``, and it is either a rise (``r > 0``) or a fall that reverses a swinging
+  rise just before it. Falls that follow falls never swing, so a loss that drops steadily, however fast,
+  is healthy. The rule fires when ``patience`` consecutive points swing.
+* ``val_decline``: a validation value is *worse* than the one before it when it is larger by more than
+  ``min_delta`` (mode ``"min"``) or smaller by more than ``min_delta`` (mode ``"max"``). Fires when
+  ``patience`` consecutive validation runs are worse.
+* ``val_fluctuation``: over the last ``window`` validation runs, the fluctuation of a series is the standard
+  deviation of its residuals around a least-squares line divided by its mean absolute level
+  (:func:`~lightning_diag.stats.fluctuation`). Fires when the validation fluctuation exceeds ``ratio`` times
+  the training-loss fluctuation over the same runs, and is itself above ``min_fluctuation``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Literal
+
+from lightning_diag.alerts import LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION, Alert
+from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.stats.trend import fluctuation, relative_change
+
+__all__ = [
+    "DEFAULT_SWING_MIN_DELTA",
+    "DEFAULT_SWING_PATIENCE",
+    "DEFAULT_SWING_THRESHOLD",
+    "DEFAULT_VAL_DECLINE_MIN_DELTA",
+    "DEFAULT_VAL_DECLINE_PATIENCE",
+    "DEFAULT_VAL_FLUCTUATION_MIN",
+    "DEFAULT_VAL_FLUCTUATION_RATIO",
+    "DEFAULT_VAL_FLUCTUATION_WINDOW",
+    "LossSwingRule",
+    "ValDeclineRule",
+    "ValFluctuationRule",
+]
+
+#: ``loss_swing``: relative change that counts as a swing (seed 001 §1.2: 10%).
+DEFAULT_SWING_THRESHOLD = 0.10
+#: ``loss_swing``: consecutive swinging epochs (or windows) before the rule fires (seed 001 §1.2: 3).
+DEFAULT_SWING_PATIENCE = 3
+#: ``loss_swing``: absolute change below which a point never swings (keeps near-zero losses quiet).
+DEFAULT_SWING_MIN_DELTA = 1e-3
+#: ``val_decline``: consecutive worsening validation runs before the rule fires (seed 001 §1.2: 5).
+DEFAULT_VAL_DECLINE_PATIENCE = 5
+#: ``val_decline``: change that counts as worse.
+DEFAULT_VAL_DECLINE_MIN_DELTA = 0.0
+#: ``val_fluctuation``: validation fluctuation above this multiple of the training one (seed 000 §4.1: 2x).
+DEFAULT_VAL_FLUCTUATION_RATIO = 2.0
+#: ``val_fluctuation``: validation runs in the window.
+DEFAULT_VAL_FLUCTUATION_WINDOW = 5
+#: ``val_fluctuation``: validation fluctuation (relative to its level) below which the rule never fires.
+DEFAULT_VAL_FLUCTUATION_MIN = 0.02
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:+.1f}%"
+
+
+class LossSwingRule(Rule):
+    """``loss_swing``: the training loss swings by more than ``threshold`` on ``patience`` consecutive points.
+
+    Args:
+        threshold: Relative change that counts as a swing.
+        patience: Consecutive swinging points before the rule fires.
+        min_delta: Absolute change below which a point never swings.
+        unit: What one point is, for messages (``"epoch"`` or ``"window of N steps"``).
+
+    Example:
+        >>> rule = LossSwingRule()
+        >>> fired = [rule.update(v, StepContext(e, e * 10)) for e, v in enumerate([1.0, 0.8, 1.0, 0.8, 1.0])]
+        >>> [len(a) for a in fired]
+        [0, 0, 0, 1, 0]
+    """
+
+    rule_id = LOSS_SWING
+    state_keys = ("previous", "previous_rise", "streak", "last_change", "history")
+
+    def __init__(
+        self,
+        threshold: float = DEFAULT_SWING_THRESHOLD,
+        patience: int = DEFAULT_SWING_PATIENCE,
+        min_delta: float = DEFAULT_SWING_MIN_DELTA,
+        unit: str = "epoch",
+        source: str = "train_loss",
+    ) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.patience = patience
+        self.min_delta = min_delta
+        self.unit = unit
+        self.source = source
+        self.previous: float | None = None
+        self.previous_rise = False
+        self.streak = 0
+        self.last_change = math.nan
+        self.history: list[float] = []
+
+    def update(self, value: float, ctx: StepContext) -> list[Alert]:
+        """Feed the next loss point; return the alerts it raises."""
+        if not math.isfinite(value):
+            return []  # non-finite losses are AnomalyAlarm's nonfinite_loss, not a trend
+        self.history = [*self.history[-(self.patience) :], value]
+        if self.previous is None:
+            self.previous = value
+            return []
+        change = relative_change(self.previous, value)
+        delta = abs(value - self.previous)
+        significant = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
+        rise = significant and change > 0
+        reversal = significant and change < 0 and self.previous_rise
+        self.streak = self.streak + 1 if (rise or reversal) else 0
+        self.previous_rise = rise
+        self.previous = value
+        self.last_change = change
+        active = self.streak >= self.patience
+        if not self.latch.update(self.source, active):
+            return []
+        points = ", ".join(f"{v:.4g}" for v in self.history)
+        return [
+            self._alert(
+                ctx,
+                f"training loss swung by more than {self.threshold:.0%} on {self.streak} consecutive "
+                f"{self.unit}s (last change {_pct(change)}; recent values {points}): the learning rate may be "
+                "too high or the data order unstable",
+                source=self.source,
+                value=change,
+                threshold=self.threshold,
+            )
+        ]
+
+
+class ValDeclineRule(Rule):
+    """``val_decline``: the monitored validation value worsens on ``patience`` consecutive runs.
+
+    Args:
+        monitor: Name of the metric, for messages and the alert's ``source``.
+        mode: ``"min"`` if lower is better, ``"max"`` if higher is better.
+        patience: Consecutive worsening runs before the rule fires.
+        min_delta: Change that counts as worse.
+
+    Example:
+        >>> rule = ValDeclineRule(patience=2)
+        >>> [len(rule.update(v, StepContext(i, i))) for i, v in enumerate([1.0, 1.1, 1.2, 1.3])]
+        [0, 0, 1, 0]
+    """
+
+    rule_id = VAL_DECLINE
+    state_keys = ("previous", "streak", "history")
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        mode: Literal["min", "max"] = "min",
+        patience: int = DEFAULT_VAL_DECLINE_PATIENCE,
+        min_delta: float = DEFAULT_VAL_DECLINE_MIN_DELTA,
+    ) -> None:
+        super().__init__()
+        self.monitor = monitor
+        self.mode = mode
+        self.patience = patience
+        self.min_delta = min_delta
+        self.previous: float | None = None
+        self.streak = 0
+        self.history: list[float] = []
+
+    def update(self, value: float, ctx: StepContext) -> list[Alert]:
+        """Feed the next validation value; return the alerts it raises."""
+        if not math.isfinite(value):
+            return []
+        self.history = [*self.history[-self.patience :], value]
+        if self.previous is not None:
+            worse = (
+                value > self.previous + self.min_delta
+                if self.mode == "min"
+                else value < self.previous - self.min_delta
+            )
+            self.streak = self.streak + 1 if worse else 0
+        self.previous = value
+        if not self.latch.update(self.monitor, self.streak >= self.patience):
+            return []
+        points = ", ".join(f"{v:.4g}" for v in self.history)
+        return [
+            self._alert(
+                ctx,
+                f"`{self.monitor}` got worse on {self.streak} consecutive validation runs ({points}): "
+                "the model is likely overfitting; consider early stopping, more data or regularisation",
+                source=self.monitor,
+                value=float(self.streak),
+                threshold=float(self.patience),
+            )
+        ]
+
+
+class ValFluctuationRule(Rule):
+    """``val_fluctuation``: validation-loss fluctuation above ``ratio`` times the training-loss fluctuation.
+
+    Args:
+        ratio: Multiple of the training fluctuation the validation fluctuation must exceed.
+        window: Validation runs in the window (at least 3).
+        min_fluctuation: Validation fluctuation (relative to its level) below which the rule never fires.
+        monitor: Name of the validation metric, for messages and the alert's ``source``.
+    """
+
+    rule_id = VAL_FLUCTUATION
+    state_keys = ("train", "val", "last_ratio")
+
+    def __init__(
+        self,
+        ratio: float = DEFAULT_VAL_FLUCTUATION_RATIO,
+        window: int = DEFAULT_VAL_FLUCTUATION_WINDOW,
+        min_fluctuation: float = DEFAULT_VAL_FLUCTUATION_MIN,
+        monitor: str = "val_loss",
+    ) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.window = window
+        self.min_fluctuation = min_fluctuation
+        self.monitor = monitor
+        self.train: list[float] = []
+        self.val: list[float] = []
+        self.last_ratio = math.nan
+
+    def measures(self) -> tuple[float, float]:
+        """``(train_fluctuation, val_fluctuation)`` over the current window (``nan`` until it is full)."""
+        if len(self.val) < self.window:
+            return math.nan, math.nan
+        return fluctuation(self.train), fluctuation(self.val)
+
+    def update(self, train_loss: float, val_loss: float, ctx: StepContext) -> list[Alert]:
+        """Feed the mean training loss since the last validation run and the validation value."""
+        if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
+            return []
+        self.train = list(deque([*self.train, train_loss], maxlen=self.window))
+        self.val = list(deque([*self.val, val_loss], maxlen=self.window))
+        train_f, val_f = self.measures()
+        if not (math.isfinite(train_f) and math.isfinite(val_f)):
+            return []
+        self.last_ratio = val_f / train_f if train_f > 0 else math.inf
+        active = val_f > self.min_fluctuation and val_f > self.ratio * train_f
+        if not self.latch.update(self.monitor, active):
+            return []
+        return [
+            self._alert(
+                ctx,
+                f"`{self.monitor}` fluctuates {val_f:.1%} around its trend over the last {self.window} "
+                f"validation runs, more than {self.ratio:g}x the training loss ({train_f:.1%}): the validation "
+                "set may be too small or unrepresentative, or the model unstable",
+                source=self.monitor,
+                value=self.last_ratio if math.isfinite(self.last_ratio) else val_f,
+                threshold=self.ratio,
+            )
+        ]

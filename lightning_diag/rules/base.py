@@ -1,0 +1,124 @@
+"""Shared machinery for rules: latching, the step context and declared, checked state."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from lightning_diag.alerts import Alert, Severity
+
+__all__ = ["Latch", "Rule", "StepContext"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """Where in training a value was measured."""
+
+    epoch: int
+    global_step: int
+
+
+class Latch:
+    """Remembers which sources are in alarm so each alerts once per episode.
+
+    A source alerts when its condition becomes true, and again only after it has cleared.
+
+    Example:
+        >>> latch = Latch()
+        >>> [latch.update("layer1", c) for c in (False, True, True, False, True)]
+        [False, True, False, False, True]
+    """
+
+    def __init__(self) -> None:
+        self._active: set[str] = set()
+
+    def update(self, source: str, active: bool) -> bool:
+        """Record the condition for ``source``; return ``True`` only when it has just become active."""
+        if active:
+            if source in self._active:
+                return False
+            self._active.add(source)
+            return True
+        self._active.discard(source)
+        return False
+
+    def is_active(self, source: str) -> bool:
+        """Whether ``source`` is currently in alarm."""
+        return source in self._active
+
+    @property
+    def active(self) -> frozenset[str]:
+        """The sources currently in alarm."""
+        return frozenset(self._active)
+
+    def state_dict(self) -> list[str]:
+        """Serializable state."""
+        return sorted(self._active)
+
+    def load_state_dict(self, state: Iterable[str]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._active = set(state)
+
+
+class Rule:
+    """Base class of the stateful detectors.
+
+    Subclasses set :attr:`rule_id`, :attr:`severity` and :attr:`state_keys`; their state is the attributes
+    named by ``state_keys`` plus the latch. :meth:`load_state_dict` names any key that is missing.
+    """
+
+    rule_id: ClassVar[str]
+    severity: ClassVar[Severity] = Severity.WARNING
+    state_keys: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self.latch = Latch()
+
+    def _alert(
+        self,
+        ctx: StepContext,
+        message: str,
+        source: str,
+        value: float | None,
+        threshold: float | None,
+        rule: str | None = None,
+        severity: Severity | None = None,
+    ) -> Alert:
+        return Alert(
+            rule=rule or self.rule_id,
+            severity=severity or self.severity,
+            message=message,
+            epoch=ctx.epoch,
+            global_step=ctx.global_step,
+            value=None if value is None else float(value),
+            threshold=None if threshold is None else float(threshold),
+            source=source,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The declared state keys and the latch."""
+        state = {key: _copy(getattr(self, key)) for key in self.state_keys}
+        state["latch"] = self.latch.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a declared key is missing; the message names every missing key.
+        """
+        missing = [k for k in (*self.state_keys, "latch") if k not in state]
+        if missing:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys {missing}")
+        for key in self.state_keys:
+            setattr(self, key, _copy(state[key]))
+        self.latch.load_state_dict(state["latch"])
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return value
