@@ -44,7 +44,7 @@ class DemoConfig:
     lr: float = 3e-3
     weight_decay: float = 0.0
     lr_schedule: str = "constant"
-    oscillate_factor: float = 30.0
+    oscillate_factor: float = 10.0
     nan_at_step: int | None = None
     inf_input_at_step: int | None = None
     kill_hidden_at_step: int | None = None

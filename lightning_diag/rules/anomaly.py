@@ -13,7 +13,8 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
 * ``val_fluctuation``: over the last ``window`` validation runs, the fluctuation of a series is the standard
   deviation of its residuals around a least-squares line divided by its mean absolute level
   (:func:`~lightning_diag.stats.fluctuation`). Fires when the validation fluctuation exceeds ``ratio`` times
-  the training-loss fluctuation over the same runs, and is itself above ``min_fluctuation``.
+  the training-loss fluctuation over the same runs, is itself above ``min_fluctuation`` and the range of the
+  validation window (loss units) is above ``min_abs`` (so a converged run whose losses are near zero stays quiet).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "DEFAULT_VAL_DECLINE_MIN_DELTA",
     "DEFAULT_VAL_DECLINE_PATIENCE",
     "DEFAULT_VAL_FLUCTUATION_MIN",
+    "DEFAULT_VAL_FLUCTUATION_MIN_ABS",
     "DEFAULT_VAL_FLUCTUATION_RATIO",
     "DEFAULT_VAL_FLUCTUATION_WINDOW",
     "LossSwingRule",
@@ -56,6 +58,8 @@ DEFAULT_VAL_FLUCTUATION_RATIO = 2.0
 DEFAULT_VAL_FLUCTUATION_WINDOW = 5
 #: ``val_fluctuation``: validation fluctuation (relative to its level) below which the rule never fires.
 DEFAULT_VAL_FLUCTUATION_MIN = 0.02
+#: ``val_fluctuation``: range (max - min, loss units) of the validation window below which it never fires.
+DEFAULT_VAL_FLUCTUATION_MIN_ABS = 0.01
 
 
 def _pct(x: float) -> str:
@@ -204,6 +208,7 @@ class ValFluctuationRule(Rule):
         ratio: Multiple of the training fluctuation the validation fluctuation must exceed.
         window: Validation runs in the window (at least 3).
         min_fluctuation: Validation fluctuation (relative to its level) below which the rule never fires.
+        min_abs: Range (max - min) of the validation window below which the rule never fires.
         monitor: Name of the validation metric, for messages and the alert's ``source``.
     """
 
@@ -216,8 +221,10 @@ class ValFluctuationRule(Rule):
         window: int = DEFAULT_VAL_FLUCTUATION_WINDOW,
         min_fluctuation: float = DEFAULT_VAL_FLUCTUATION_MIN,
         monitor: str = "val_loss",
+        min_abs: float = DEFAULT_VAL_FLUCTUATION_MIN_ABS,
     ) -> None:
         super().__init__()
+        self.min_abs = min_abs
         self.ratio = ratio
         self.window = window
         self.min_fluctuation = min_fluctuation
@@ -242,7 +249,8 @@ class ValFluctuationRule(Rule):
         if not (math.isfinite(train_f) and math.isfinite(val_f)):
             return []
         self.last_ratio = val_f / train_f if train_f > 0 else math.inf
-        active = val_f > self.min_fluctuation and val_f > self.ratio * train_f
+        val_abs = max(self.val) - min(self.val)
+        active = val_f > self.min_fluctuation and val_abs > self.min_abs and val_f > self.ratio * train_f
         if not self.latch.update(self.monitor, active):
             return []
         return [

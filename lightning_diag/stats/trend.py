@@ -9,7 +9,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import stats as _sstats
 
 __all__ = ["fluctuation", "relative_change"]
 
@@ -29,16 +28,21 @@ def relative_change(previous: float, current: float) -> float:
 
 
 def fluctuation(series: Sequence[float]) -> float:
-    """Relative fluctuation of a series around its linear trend.
+    """Relative fluctuation of a series around its smooth trend.
 
-    The series is fitted with a least-squares line (``scipy.stats.linregress``); the fluctuation is the
-    standard deviation of the residuals divided by the mean absolute level of the series. A series that
-    falls or rises steadily has fluctuation near 0 whatever its slope; one that zig-zags has a large one.
+    For a positive series (losses) the trend is fitted to ``log(series)``, so an exponential decay, the usual
+    shape of a healthy loss, is all trend; otherwise to the series itself. The fit is a least-squares line for
+    3 or 4 points and a parabola from 5 on, so a smooth bend is trend too. The fluctuation is the
+    root-mean-square of the residuals: in log units (about the relative deviation) for a positive series,
+    divided by the mean absolute level otherwise. A smooth series has fluctuation near 0 whatever its slope;
+    one that zig-zags has a large one.
 
     Returns ``nan`` for fewer than 3 points, non-finite values or a zero mean level.
 
     Example:
-        >>> round(fluctuation([5.0, 4.0, 3.0, 2.0]), 6)
+        >>> round(fluctuation([5.0, 4.0, 3.0, 2.0]), 2)
+        0.05
+        >>> round(fluctuation([1.0, 0.5, 0.25, 0.125, 0.0625]), 6)
         0.0
         >>> fluctuation([1.0, 2.0, 1.0, 2.0, 1.0]) > 0.2
         True
@@ -51,7 +55,9 @@ def fluctuation(series: Sequence[float]) -> float:
         return math.nan
     if np.all(y == y[0]):
         return 0.0
+    positive = bool(np.all(y > 0))
+    target = np.log(y) if positive else y
     x = np.arange(y.size, dtype=np.float64)
-    fit = _sstats.linregress(x, y)
-    residuals = y - (fit.intercept + fit.slope * x)
-    return float(np.std(residuals, ddof=2) / level) if y.size > 2 else math.nan
+    coefficients = np.polyfit(x, target, 1 if y.size < 5 else 2)
+    rms = float(np.sqrt(np.mean((target - np.polyval(coefficients, x)) ** 2)))
+    return rms if positive else rms / level

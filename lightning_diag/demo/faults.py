@@ -1,0 +1,99 @@
+"""The fault library: named training faults, each with its onset and the rules expected to catch it.
+
+Used by ``lightning-diag demo``, the scenario tests and the benchmarks. A fault is a change to the healthy
+:class:`~lightning_diag.demo.models.DemoConfig` and data module; ``"none"`` is the healthy run.
+
+Example:
+    >>> sorted(FAULTS)[:3]
+    ['nan', 'none', 'overfit']
+    >>> FAULTS["nan"].expected_rules
+    ('nonfinite_loss',)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lightning_diag.alerts import LOSS_SWING, NONFINITE_LOSS, VAL_DECLINE
+from lightning_diag.demo.data import SyntheticDataModule
+from lightning_diag.demo.models import DemoConfig, TinyTransformerClassifier
+
+__all__ = ["FAULTS", "Fault", "build_fault"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One entry of the fault library.
+
+    Attributes:
+        name: The name ``--fault`` takes.
+        description: What goes wrong, in a sentence.
+        expected_rules: Rule ids that must fire (empty for a healthy run).
+        onset_step: Global step where the fault begins, if it begins at a step.
+        onset_epoch: Epoch where the fault begins, if it begins at an epoch.
+        window: How many epochs after onset the expected rules must have fired by.
+        max_epochs: Epochs the demo trains for.
+        config: Overrides of :class:`DemoConfig`.
+        data: Overrides of :class:`SyntheticDataModule` arguments.
+    """
+
+    name: str
+    description: str
+    expected_rules: tuple[str, ...]
+    onset_step: int | None = None
+    onset_epoch: int | None = None
+    window: int = 0
+    max_epochs: int = 6
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in (
+        Fault("none", "a healthy run: no fault", (), max_epochs=6),
+        Fault(
+            "nan",
+            "the loss becomes NaN at global step 30",
+            (NONFINITE_LOSS,),
+            onset_step=30,
+            max_epochs=6,
+            config={"nan_at_step": 30},
+        ),
+        Fault(
+            "swing",
+            "the learning rate oscillates between 3e-3 and 0.03 every epoch: the loss swings",
+            (LOSS_SWING,),
+            onset_epoch=1,
+            window=5,
+            max_epochs=8,
+            config={"lr_schedule": "oscillate", "oscillate_factor": 10.0},
+        ),
+        Fault(
+            "overfit",
+            "a tiny training set with random labels: the model memorises and validation worsens",
+            (VAL_DECLINE,),
+            onset_epoch=0,
+            window=25,
+            max_epochs=30,
+            config={"lr": 3e-3, "d_model": 48},
+            data={"n_train": 64, "batch_size": 16, "random_labels": True},
+        ),
+    )
+}
+
+
+def build_fault(
+    name: str, seed: int = 0
+) -> tuple[TinyTransformerClassifier, SyntheticDataModule, Fault]:
+    """The model, data module and fault entry for ``name``.
+
+    Raises:
+        ValueError: If ``name`` is not in :data:`FAULTS`.
+    """
+    if name not in FAULTS:
+        raise ValueError(f"Expected argument `fault` to be one of {sorted(FAULTS)}, but got {name!r}")
+    fault = FAULTS[name]
+    config = dataclasses.replace(DemoConfig(seed=seed), **fault.config)
+    return TinyTransformerClassifier(config), SyntheticDataModule(seed=seed, **fault.data), fault

@@ -1,0 +1,91 @@
+"""``lightning-diag demo``: train the tiny transformer with every callback attached and summarise the alerts."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.loggers import TensorBoardLogger
+
+from lightning_diag.alerts import Alert
+from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.demo.faults import build_fault
+
+__all__ = ["DemoResult", "default_callbacks", "run_demo"]
+
+
+def default_callbacks() -> list[DiagCallback]:
+    """One instance of every callback the library has, with default settings."""
+    from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm
+
+    return [AnomalyAlarm()]
+
+
+@dataclasses.dataclass
+class DemoResult:
+    """What a demo run produced."""
+
+    fault: str
+    alerts: list[Alert]
+    log_dir: str
+    global_step: int
+    epochs: int
+
+    def summary(self) -> str:
+        """A short text summary: the alerts, and where the logs are."""
+        lines = [f"lightning-diag demo --fault {self.fault}: trained {self.global_step} steps ({self.epochs} epochs)"]
+        serious = [a for a in self.alerts if a.severity != "info"]
+        if not self.alerts:
+            lines.append("alerts: none")
+        else:
+            lines.append(f"alerts: {len(self.alerts)} ({len(serious)} warning or critical)")
+            lines += [f"  - {a.format()}" for a in self.alerts]
+        lines.append(f"alert log:   {os.path.join(self.log_dir, 'diag', 'alerts.jsonl')}")
+        lines.append(f"TensorBoard: tensorboard --logdir {self.log_dir}")
+        return "\n".join(lines)
+
+
+def run_demo(
+    fault: str = "none",
+    max_epochs: int | None = None,
+    root: str | None = None,
+    seed: int = 0,
+    callbacks: list[Any] | None = None,
+    **trainer_kwargs: Any,
+) -> DemoResult:
+    """Train the demo model with one injected fault (or none) and return the alerts.
+
+    Args:
+        fault: A name from :data:`~lightning_diag.demo.faults.FAULTS`.
+        max_epochs: Epochs to train; defaults to the fault's own.
+        root: Directory for logs (default ``./diag_runs``).
+        seed: Seed of data, model and trainer.
+        callbacks: Callbacks to attach instead of :func:`default_callbacks`.
+        **trainer_kwargs: Passed on to :class:`pytorch_lightning.Trainer`.
+    """
+    model, data, entry = build_fault(fault, seed=seed)
+    root = root or os.path.join(os.getcwd(), "diag_runs")
+    cbs = default_callbacks() if callbacks is None else callbacks
+    pl.seed_everything(seed, verbose=False)
+    kwargs: dict[str, Any] = {
+        "max_epochs": max_epochs or entry.max_epochs,
+        "logger": TensorBoardLogger(root, name=fault),
+        "callbacks": cbs,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "log_every_n_steps": 5,
+        "accelerator": "cpu",
+        "deterministic": True,
+    }
+    kwargs.update(trainer_kwargs)
+    trainer = pl.Trainer(**kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*enable_nested_tensor.*")
+        trainer.fit(model, datamodule=data)
+    alerts = sorted((a for cb in cbs for a in getattr(cb, "alerts", [])), key=lambda a: a.global_step)
+    return DemoResult(fault, alerts, trainer.log_dir or root, trainer.global_step, trainer.current_epoch)
