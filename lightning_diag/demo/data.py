@@ -69,6 +69,7 @@ class SyntheticDataModule(pl.LightningDataModule):
         seed: Seed of the generator (validation uses ``seed + 1``).
         random_labels: Train on random labels (memorisation; validation keeps the true ones).
         shuffle_targets: Permute the training labels against their inputs (a label/target bug).
+        shuffle: Shuffle the training loader (``False`` gives the same batches every epoch).
     """
 
     def __init__(
@@ -79,10 +80,11 @@ class SyntheticDataModule(pl.LightningDataModule):
         seed: int = 0,
         random_labels: bool = False,
         shuffle_targets: bool = False,
+        shuffle: bool = True,
     ) -> None:
         super().__init__()
         self.n_train, self.n_val, self.batch_size, self.seed = n_train, n_val, batch_size, seed
-        self.random_labels, self.shuffle_targets = random_labels, shuffle_targets
+        self.random_labels, self.shuffle_targets, self.shuffle = random_labels, shuffle_targets, shuffle
 
     def setup(self, stage: str | None = None) -> None:
         self.train_set = make_dataset(self.n_train, self.seed, random_labels=self.random_labels)
@@ -94,7 +96,7 @@ class SyntheticDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=g)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, generator=g)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size)

@@ -79,7 +79,7 @@ class LossSwingRule(Rule):
         >>> rule = LossSwingRule()
         >>> fired = [rule.update(v, StepContext(e, e * 10)) for e, v in enumerate([1.0, 0.8, 1.0, 0.8, 1.0])]
         >>> [len(a) for a in fired]
-        [0, 0, 0, 1, 0]
+        [0, 0, 0, 0, 1]
     """
 
     rule_id = LOSS_SWING

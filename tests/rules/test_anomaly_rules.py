@@ -1,0 +1,99 @@
+import pytest
+
+from lightning_diag.rules import Latch, LossSwingRule, StepContext, ValDeclineRule, ValFluctuationRule
+
+
+def feed(rule, values):
+    return [len(rule.update(v, StepContext(i, i * 10))) for i, v in enumerate(values)]
+
+
+@pytest.mark.parametrize(
+    ("name", "losses", "fires_at"),
+    [
+        ("steady 20% fall", [2.0 * 0.8**k for k in range(10)], []),
+        ("steady 50% fall", [2.0 * 0.5**k for k in range(8)], []),
+        ("plateau with noise", [1.0, 1.02, 0.99, 1.01, 1.0, 0.98], []),
+        ("oscillation", [1.0, 0.8, 1.0, 0.8, 1.0, 0.8], [4]),
+        ("steady rise", [1.0, 1.15, 1.35, 1.6, 1.9], [3]),
+        ("two rises only", [1.0, 1.2, 1.45, 1.44, 1.43], []),
+        ("rise, rise, crash", [1.0, 1.2, 1.45, 1.0, 0.9], [3]),
+        ("near zero jitter", [0.0010, 0.0005, 0.0012, 0.0006, 0.0013], []),
+    ],
+)
+def test_loss_swing_table(name, losses, fires_at):
+    fired = feed(LossSwingRule(), losses)
+    assert [i for i, n in enumerate(fired) if n] == fires_at, name
+
+
+def test_loss_swing_latches_and_rearms():
+    rule = LossSwingRule()
+    # swing 3 times (fires), keep swinging (quiet), calm down (clears), swing again (fires again)
+    values = [1.0, 0.8, 1.0, 0.8, 1.0, 0.8, 0.79, 0.78, 0.77, 1.0, 0.8, 1.0]
+    fired = feed(rule, values)
+    assert [i for i, n in enumerate(fired) if n] == [4, 11]
+
+
+def test_loss_swing_alert_content():
+    rule = LossSwingRule()
+    alerts = [a for i, v in enumerate([1.0, 1.2, 1.44, 1.8]) for a in rule.update(v, StepContext(i, 5 * i))]
+    (a,) = alerts
+    assert (a.rule, a.severity, a.epoch, a.global_step, a.source) == ("loss_swing", "warning", 3, 15, "train_loss")
+    assert a.threshold == 0.1 and a.value == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "fires_at"),
+    [
+        ("min", [1.0, 1.1, 1.2, 1.3, 1.4, 1.5], [5]),
+        ("min", [1.0, 1.1, 1.2, 1.3, 1.2, 1.4, 1.5], []),
+        ("min", [1.0, 0.9, 0.8, 0.7, 0.6, 0.5], []),
+        ("max", [0.9, 0.8, 0.7, 0.6, 0.5, 0.4], [5]),
+        ("max", [0.5, 0.6, 0.7, 0.8, 0.9, 0.95], []),
+    ],
+)
+def test_val_decline_table(mode, values, fires_at):
+    fired = feed(ValDeclineRule(mode=mode), values)
+    assert [i for i, n in enumerate(fired) if n] == fires_at
+
+
+def test_val_fluctuation():
+    rule = ValFluctuationRule()
+    train = [1.0 * 0.8**k for k in range(6)]
+    val = [1.0, 1.4, 0.9, 1.5, 0.9, 1.4]
+    fired = [len(rule.update(t, v, StepContext(i, i))) for i, (t, v) in enumerate(zip(train, val))]
+    assert fired == [0, 0, 0, 0, 1, 0]
+    quiet = ValFluctuationRule()
+    smooth_val = [1.2 * 0.85**k for k in range(6)]
+    assert all(not quiet.update(t, v, StepContext(i, i)) for i, (t, v) in enumerate(zip(train, smooth_val)))
+
+
+def test_val_fluctuation_quiet_near_zero():
+    rule = ValFluctuationRule()
+    train = [0.001] * 6
+    val = [0.002, 0.004, 0.002, 0.004, 0.002, 0.004]
+    assert all(not rule.update(t, v, StepContext(i, i)) for i, (t, v) in enumerate(zip(train, val)))
+
+
+@pytest.mark.parametrize("factory", [LossSwingRule, ValDeclineRule, ValFluctuationRule])
+def test_state_roundtrip_and_missing_keys(factory):
+    rule = factory()
+    for i, v in enumerate([1.0, 1.3, 1.0, 1.3]):
+        if isinstance(rule, ValFluctuationRule):
+            rule.update(v, v, StepContext(i, i))
+        else:
+            rule.update(v, StepContext(i, i))
+    clone = factory()
+    clone.load_state_dict(rule.state_dict())
+    assert clone.state_dict() == rule.state_dict()
+    state = rule.state_dict()
+    del state["latch"]
+    with pytest.raises(KeyError, match="latch"):
+        factory().load_state_dict(state)
+
+
+def test_latch():
+    latch = Latch()
+    assert latch.update("a", True) and not latch.update("a", True)
+    assert latch.is_active("a")
+    latch.update("a", False)
+    assert latch.update("a", True)
