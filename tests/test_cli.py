@@ -1,0 +1,39 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_diag.cli import main
+
+
+def test_demo_nan_stops_with_critical_alert(tmp_path, capsys):
+    assert main(["demo", "--fault", "nan", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "nonfinite_loss" in out and "[critical]" in out
+    assert "tensorboard --logdir" in out
+    files = list(tmp_path.rglob("alerts.jsonl"))
+    assert len(files) == 1
+    (record,) = [json.loads(x) for x in files[0].read_text().splitlines()]
+    assert record["rule"] == "nonfinite_loss" and record["global_step"] == 30
+
+
+def test_demo_none_has_no_alerts(tmp_path, capsys):
+    assert main(["demo", "--fault", "none", "--max-epochs", "2", "--root", str(tmp_path)]) == 0
+    assert "alerts: none" in capsys.readouterr().out
+
+
+def test_unknown_fault_is_rejected(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--fault", "gremlins"])
+    assert info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_bad_max_epochs(capsys):
+    assert main(["demo", "--max-epochs", "0"]) == 2
+
+
+def test_python_dash_m_help():
+    out = subprocess.run([sys.executable, "-m", "lightning_diag", "demo", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--fault" in out.stdout
