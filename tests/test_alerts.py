@@ -9,8 +9,16 @@ FIELDS = {"rule", "severity", "message", "epoch", "global_step", "value", "thres
 
 
 def make(**kw):
-    base = dict(rule=LOSS_SWING, severity="warning", message="m", epoch=1, global_step=10, value=0.2,
-                threshold=0.1, source="train_loss")
+    base = dict(
+        rule=LOSS_SWING,
+        severity="warning",
+        message="m",
+        epoch=1,
+        global_step=10,
+        value=0.2,
+        threshold=0.1,
+        source="train_loss",
+    )
     base.update(kw)
     return Alert(**base)
 
@@ -40,8 +48,18 @@ def test_nonfinite_value_stays_valid_json():
 
 def test_rule_ids_are_the_contract():
     assert set(ALL_RULES) == {
-        "nonfinite_loss", "nonfinite_grad", "loss_swing", "val_decline", "val_fluctuation", "grad_vanish",
-        "grad_explode", "grad_layer_spread", "grad_collapse", "attn_entropy_low", "attn_entropy_high", "attn_sink",
+        "nonfinite_loss",
+        "nonfinite_grad",
+        "loss_swing",
+        "val_decline",
+        "val_fluctuation",
+        "grad_vanish",
+        "grad_explode",
+        "grad_layer_spread",
+        "grad_collapse",
+        "attn_entropy_low",
+        "attn_entropy_high",
+        "attn_sink",
     }
 
 

@@ -162,7 +162,10 @@ class AnomalyAlarm(DiagCallback):
     def _make_rules(self) -> None:
         unit = "epoch" if self.swing_window == "epoch" else f"window of {self.swing_window} step"
         self.swing_rule = LossSwingRule(
-            threshold=self.swing_threshold, patience=self.swing_patience, min_delta=self.swing_min_delta, unit=unit
+            threshold=self.swing_threshold,
+            patience=self.swing_patience,
+            min_delta=self.swing_min_delta,
+            unit=unit,
         )
         self.val_decline_rule = ValDeclineRule(
             monitor=self.monitor,
@@ -244,7 +247,9 @@ class AnomalyAlarm(DiagCallback):
             self._reset_accumulators()
 
     # -- non-finite guard --------------------------------------------------------------------------------
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
         """Remember, on the device, whether this micro-batch's loss is finite."""
         if not isinstance(loss, torch.Tensor):
             return
@@ -268,9 +273,9 @@ class AnomalyAlarm(DiagCallback):
             self._defer(trainer, loss_bad, grad_bad)
             return
         # Deciding not to apply an update is a host decision: one 2-element read per optimizer step.
-        local_loss, local_grad = (
-            torch.stack([loss_bad if loss_bad is not None else torch.zeros_like(grad_bad), grad_bad]).tolist()
-        )
+        local_loss, local_grad = torch.stack(
+            [loss_bad if loss_bad is not None else torch.zeros_like(grad_bad), grad_bad]
+        ).tolist()
         strategy = trainer.strategy
         if not strategy.reduce_boolean_decision(bool(local_loss or local_grad), all=False):
             self._nonfinite_latch.update("loss", False)
@@ -342,7 +347,9 @@ class AnomalyAlarm(DiagCallback):
             return
         any_loss = strategy.reduce_boolean_decision(loss_step >= 0, all=False)
         first = int(loss_step if loss_step >= 0 else grad_step)
-        alert = self._nonfinite_alert(trainer, pl_module, any_loss, first if first >= 0 else trainer.global_step)
+        alert = self._nonfinite_alert(
+            trainer, pl_module, any_loss, first if first >= 0 else trainer.global_step
+        )
         if self._nonfinite_latch.update(alert.source, True):
             self.record([alert])
 
@@ -452,7 +459,9 @@ class AnomalyAlarm(DiagCallback):
         train_mean = self._reduced_mean(trainer, pl_module, "since_val")
         raw = trainer.callback_metrics.get(self.monitor)
         if raw is None:
-            available = sorted(k for k in trainer.callback_metrics if "val" in k) or sorted(trainer.callback_metrics)
+            available = sorted(k for k in trainer.callback_metrics if "val" in k) or sorted(
+                trainer.callback_metrics
+            )
             self.notice(
                 trainer,
                 "monitor-missing",

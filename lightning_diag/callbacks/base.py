@@ -99,7 +99,10 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
     reduced with its mean and reported.
     """
     if outputs is None:
-        return None, "`training_step` returned None (a skipped batch): the batch is not counted in the loss trend"
+        return (
+            None,
+            "`training_step` returned None (a skipped batch): the batch is not counted in the loss trend",
+        )
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     if not isinstance(loss, torch.Tensor):
         kind = "a dict without a 'loss' tensor" if isinstance(outputs, dict) else type(outputs).__name__
@@ -174,7 +177,8 @@ class DiagCallback(pl.Callback):
 
     def every_n_steps(self, trainer: pl.Trainer) -> int:
         """The logging interval: this callback's own, or the trainer's ``log_every_n_steps``."""
-        return self.log_every_n_steps or max(1, int(trainer.log_every_n_steps))
+        # Lightning sets `log_every_n_steps` on the trainer at init (0 with barebones=True).
+        return self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 0) or 50)
 
     def is_logging_step(self, trainer: pl.Trainer) -> bool:
         """Whether the optimizer step just taken is one to log, once per global step."""
@@ -183,4 +187,3 @@ class DiagCallback(pl.Callback):
             return False
         self._last_logged_step = step
         return True
-

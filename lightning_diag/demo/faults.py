@@ -84,9 +84,7 @@ FAULTS: dict[str, Fault] = {
 }
 
 
-def build_fault(
-    name: str, seed: int = 0
-) -> tuple[TinyTransformerClassifier, SyntheticDataModule, Fault]:
+def build_fault(name: str, seed: int = 0) -> tuple[TinyTransformerClassifier, SyntheticDataModule, Fault]:
     """The model, data module and fault entry for ``name``.
 
     Raises:

@@ -36,14 +36,25 @@ if __name__ == "__main__":
     alarm = AnomalyAlarm()
     model = Model()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, default_root_dir=root,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=2,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
         callbacks=[alarm],
     )
     trainer.fit(model)
     if strategy == "ddp":
         finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-        out = {"rank": trainer.global_rank, "step": trainer.global_step, "finite": finite,
-               "alerts": [a.to_dict() for a in alarm.alerts]}
+        out = {
+            "rank": trainer.global_rank,
+            "step": trainer.global_step,
+            "finite": finite,
+            "alerts": [a.to_dict() for a in alarm.alerts],
+        }
         with open(os.path.join(root, f"rank{trainer.global_rank}.json"), "w") as fh:
             json.dump(out, fh)

@@ -62,8 +62,15 @@ def test_healthy_run_raises_nothing_and_logs_tags(tmp_path):
     acc = EventAccumulator(result.log_dir)
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for expected in ("diag/lr/AdamW/group_0", "diag/loss/train_epoch", "diag/loss/train_step", "diag/loss/val",
-                     "diag/loss/swing", "diag/loss/val_fluctuation", "val_loss"):
+    for expected in (
+        "diag/lr/AdamW/group_0",
+        "diag/loss/train_epoch",
+        "diag/loss/train_step",
+        "diag/loss/val",
+        "diag/loss/swing",
+        "diag/loss/val_fluctuation",
+        "val_loss",
+    ):
         assert expected in tags, expected
     epochs = acc.Scalars("diag/loss/train_epoch")
     assert len(epochs) == FAULTS["none"].max_epochs
@@ -104,8 +111,13 @@ def test_nan_stop_blocks_the_update_and_returns(tmp_path):
     assert snap.steps[-1] == fault.onset_step + 1  # the bad batch was the last one
     (alert,) = alarm.alerts
     assert (alert.rule, alert.severity, alert.global_step) == ("nonfinite_loss", "critical", fault.onset_step)
-    for needle in ("epoch 1", f"global step {fault.onset_step}", "AdamW/group_0=0.003", "Last finite loss",
-                   "encoder.layers.0"):
+    for needle in (
+        "epoch 1",
+        f"global step {fault.onset_step}",
+        "AdamW/group_0=0.003",
+        "Last finite loss",
+        "encoder.layers.0",
+    ):
         assert needle in alert.message, needle
     _assert_unchanged(model, snap, trainer.optimizers[0])
     assert trainer.current_epoch < 5
@@ -153,8 +165,11 @@ def test_skip_goes_on_then_stops_at_the_limit(tmp_path):
     # bad steps 5, 7, 9 are skipped (each its own episode: a good step clears the latch); the 4th (11)
     # exceeds max_skips and stops training
     assert [(a.rule, a.global_step, a.source) for a in alarm.alerts] == [
-        ("nonfinite_loss", 5, "loss"), ("nonfinite_loss", 7, "loss"), ("nonfinite_loss", 9, "loss"),
-        ("nonfinite_loss", 11, "loss"), ("nonfinite_loss", 11, "skip_limit"),
+        ("nonfinite_loss", 5, "loss"),
+        ("nonfinite_loss", 7, "loss"),
+        ("nonfinite_loss", 9, "loss"),
+        ("nonfinite_loss", 11, "loss"),
+        ("nonfinite_loss", 11, "skip_limit"),
     ]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert trainer.global_step < 16
@@ -261,8 +276,14 @@ def test_missing_monitor_is_reported_once(tmp_path, caplog):
 
 def test_no_logger_writes_to_default_root_dir(tmp_path):
     model, data, _ = build_fault("nan")
-    trainer = pl.Trainer(max_epochs=3, default_root_dir=tmp_path, logger=False, callbacks=[AnomalyAlarm()],
-                         enable_checkpointing=False, **FAST)
+    trainer = pl.Trainer(
+        max_epochs=3,
+        default_root_dir=tmp_path,
+        logger=False,
+        callbacks=[AnomalyAlarm()],
+        enable_checkpointing=False,
+        **FAST,
+    )
     trainer.fit(model, datamodule=data)
     assert [a.rule for a in read_alerts(tmp_path / "diag" / "alerts.jsonl")] == ["nonfinite_loss"]
 
@@ -272,8 +293,14 @@ def _overfit_trainer(tmp_path, max_epochs, alarm, ckpt_every=None):
     callbacks = [alarm]
     if ckpt_every:
         callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=ckpt_every))
-    return pl.Trainer(max_epochs=max_epochs, default_root_dir=tmp_path, callbacks=callbacks,
-                      enable_checkpointing=bool(ckpt_every), deterministic=True, **FAST)
+    return pl.Trainer(
+        max_epochs=max_epochs,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+        enable_checkpointing=bool(ckpt_every),
+        deterministic=True,
+        **FAST,
+    )
 
 
 def _overfit_parts():

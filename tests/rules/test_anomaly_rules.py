@@ -37,7 +37,13 @@ def test_loss_swing_alert_content():
     rule = LossSwingRule()
     alerts = [a for i, v in enumerate([1.0, 1.2, 1.44, 1.8]) for a in rule.update(v, StepContext(i, 5 * i))]
     (a,) = alerts
-    assert (a.rule, a.severity, a.epoch, a.global_step, a.source) == ("loss_swing", "warning", 3, 15, "train_loss")
+    assert (a.rule, a.severity, a.epoch, a.global_step, a.source) == (
+        "loss_swing",
+        "warning",
+        3,
+        15,
+        "train_loss",
+    )
     assert a.threshold == 0.1 and a.value == pytest.approx(0.25)
 
 
@@ -60,18 +66,19 @@ def test_val_fluctuation():
     rule = ValFluctuationRule()
     train = [1.0 * 0.8**k for k in range(6)]
     val = [1.0, 1.4, 0.9, 1.5, 0.9, 1.4]
-    fired = [len(rule.update(t, v, StepContext(i, i))) for i, (t, v) in enumerate(zip(train, val))]
+    fired = [len(rule.update(t, v, StepContext(i, i))) for i, (t, v) in enumerate(zip(train, val, strict=False))]
     assert fired == [0, 0, 0, 0, 1, 0]
     quiet = ValFluctuationRule()
     smooth_val = [1.2 * 0.85**k for k in range(6)]
-    assert all(not quiet.update(t, v, StepContext(i, i)) for i, (t, v) in enumerate(zip(train, smooth_val)))
+    pairs = enumerate(zip(train, smooth_val, strict=True))
+    assert all(not quiet.update(t, v, StepContext(i, i)) for i, (t, v) in pairs)
 
 
 def test_val_fluctuation_quiet_near_zero():
     rule = ValFluctuationRule()
     train = [0.001] * 6
     val = [0.002, 0.004, 0.002, 0.004, 0.002, 0.004]
-    assert all(not rule.update(t, v, StepContext(i, i)) for i, (t, v) in enumerate(zip(train, val)))
+    assert all(not rule.update(t, v, StepContext(i, i)) for i, (t, v) in enumerate(zip(train, val, strict=False)))
 
 
 @pytest.mark.parametrize("factory", [LossSwingRule, ValDeclineRule, ValFluctuationRule])
