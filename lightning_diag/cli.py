@@ -12,19 +12,11 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     from lightning_diag.demo.faults import FAULTS
 
-    parser = argparse.ArgumentParser(
-        prog="lightning-diag", description="Diagnose PyTorch Lightning training runs."
-    )
+    parser = argparse.ArgumentParser(prog="lightning-diag", description="Diagnose PyTorch Lightning training runs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo", help="train a tiny transformer on the shipped synthetic task, with one fault"
-    )
-    demo.add_argument(
-        "--fault", default="none", choices=sorted(FAULTS), help="the fault to inject (default: none)"
-    )
-    demo.add_argument(
-        "--max-epochs", type=int, default=None, help="epochs to train (default: the fault's own)"
-    )
+    demo = sub.add_parser("demo", help="train a tiny transformer on the shipped synthetic task, with one fault")
+    demo.add_argument("--fault", default="none", choices=sorted(FAULTS), help="the fault to inject (default: none)")
+    demo.add_argument("--max-epochs", type=int, default=None, help="epochs to train (default: the fault's own)")
     demo.add_argument("--root", default=None, help="directory for the logs (default: ./diag_runs)")
     demo.add_argument("--seed", type=int, default=0, help="seed of data, model and trainer")
     return parser

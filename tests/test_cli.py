@@ -35,7 +35,5 @@ def test_bad_max_epochs(capsys):
 
 
 def test_python_dash_m_help():
-    out = subprocess.run(
-        [sys.executable, "-m", "lightning_diag", "demo", "--help"], capture_output=True, text=True
-    )
+    out = subprocess.run([sys.executable, "-m", "lightning_diag", "demo", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--fault" in out.stdout

@@ -19,6 +19,7 @@ from lightning_diag.rules.anomaly import (
     DEFAULT_VAL_DECLINE_MIN_DELTA,
     DEFAULT_VAL_DECLINE_PATIENCE,
     DEFAULT_VAL_FLUCTUATION_MIN,
+    DEFAULT_VAL_FLUCTUATION_MIN_ABS,
     DEFAULT_VAL_FLUCTUATION_RATIO,
     DEFAULT_VAL_FLUCTUATION_WINDOW,
     LossSwingRule,
@@ -91,6 +92,8 @@ class AnomalyAlarm(DiagCallback):
         val_fluctuation_ratio: Multiple of the training fluctuation the validation fluctuation must exceed.
         val_fluctuation_window: Validation runs the fluctuations are measured over (at least 3).
         val_fluctuation_min: Validation fluctuation below which ``val_fluctuation`` never fires.
+        val_fluctuation_min_range: Range (max - min, metric units) of the validation window below which
+            ``val_fluctuation`` never fires (keeps converged runs with near-zero losses quiet).
         log_every_n_steps: Logging interval for step-level tags; defaults to the trainer's.
 
     Raises:
@@ -119,6 +122,7 @@ class AnomalyAlarm(DiagCallback):
         val_fluctuation_ratio: float = DEFAULT_VAL_FLUCTUATION_RATIO,
         val_fluctuation_window: int = DEFAULT_VAL_FLUCTUATION_WINDOW,
         val_fluctuation_min: float = DEFAULT_VAL_FLUCTUATION_MIN,
+        val_fluctuation_min_range: float = DEFAULT_VAL_FLUCTUATION_MIN_ABS,
         log_every_n_steps: int | None = None,
     ) -> None:
         super().__init__(log_every_n_steps=log_every_n_steps)
@@ -143,6 +147,7 @@ class AnomalyAlarm(DiagCallback):
         check_number("val_fluctuation_ratio", val_fluctuation_ratio, low=0.0)
         check_int("val_fluctuation_window", val_fluctuation_window, low=3)
         check_number("val_fluctuation_min", val_fluctuation_min, low=0.0, low_inclusive=True)
+        check_number("val_fluctuation_min_range", val_fluctuation_min_range, low=0.0, low_inclusive=True)
 
         self.swing_threshold = float(swing_threshold)
         self.swing_patience = swing_patience
@@ -152,6 +157,7 @@ class AnomalyAlarm(DiagCallback):
         self.val_fluctuation_ratio = float(val_fluctuation_ratio)
         self.val_fluctuation_window = val_fluctuation_window
         self.val_fluctuation_min = float(val_fluctuation_min)
+        self.val_fluctuation_min_range = float(val_fluctuation_min_range)
         self._make_rules()
         self._nonfinite_latch = Latch()
         self._skips = 0
@@ -178,6 +184,7 @@ class AnomalyAlarm(DiagCallback):
             window=self.val_fluctuation_window,
             min_fluctuation=self.val_fluctuation_min,
             monitor=self.monitor,
+            min_abs=self.val_fluctuation_min_range,
         )
 
     def _reset_step_state(self) -> None:
@@ -247,9 +254,7 @@ class AnomalyAlarm(DiagCallback):
             self._reset_accumulators()
 
     # -- non-finite guard --------------------------------------------------------------------------------
-    def on_before_backward(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
-    ) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """Remember, on the device, whether this micro-batch's loss is finite."""
         if not isinstance(loss, torch.Tensor):
             return
@@ -325,9 +330,7 @@ class AnomalyAlarm(DiagCallback):
             self._pending_grad_step = torch.full((), -1, dtype=torch.long, device=grad_bad.device)
             self._pending_loss_step = torch.full((), -1, dtype=torch.long, device=grad_bad.device)
         assert self._pending_loss_step is not None
-        self._pending_grad_step = torch.where(
-            grad_bad & (self._pending_grad_step < 0), step, self._pending_grad_step
-        )
+        self._pending_grad_step = torch.where(grad_bad & (self._pending_grad_step < 0), step, self._pending_grad_step)
         if loss_bad is not None:
             self._pending_loss_step = torch.where(
                 loss_bad & (self._pending_loss_step < 0), step, self._pending_loss_step
@@ -347,15 +350,11 @@ class AnomalyAlarm(DiagCallback):
             return
         any_loss = strategy.reduce_boolean_decision(loss_step >= 0, all=False)
         first = int(loss_step if loss_step >= 0 else grad_step)
-        alert = self._nonfinite_alert(
-            trainer, pl_module, any_loss, first if first >= 0 else trainer.global_step
-        )
+        alert = self._nonfinite_alert(trainer, pl_module, any_loss, first if first >= 0 else trainer.global_step)
         if self._nonfinite_latch.update(alert.source, True):
             self.record([alert])
 
-    def _nonfinite_alert(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss_bad: bool, step: int
-    ) -> Alert:
+    def _nonfinite_alert(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss_bad: bool, step: int) -> Alert:
         lrs = _learning_rates(trainer)
         lr_text = ", ".join(f"{k}={v:.3g}" for k, v in lrs.items()) or "none"
         bad_params = _nonfinite_parameters(pl_module)
@@ -459,9 +458,7 @@ class AnomalyAlarm(DiagCallback):
         train_mean = self._reduced_mean(trainer, pl_module, "since_val")
         raw = trainer.callback_metrics.get(self.monitor)
         if raw is None:
-            available = sorted(k for k in trainer.callback_metrics if "val" in k) or sorted(
-                trainer.callback_metrics
-            )
+            available = sorted(k for k in trainer.callback_metrics if "val" in k) or sorted(trainer.callback_metrics)
             self.notice(
                 trainer,
                 "monitor-missing",

@@ -36,9 +36,7 @@ class DemoResult:
 
     def summary(self) -> str:
         """A short text summary: the alerts, and where the logs are."""
-        lines = [
-            f"lightning-diag demo --fault {self.fault}: trained {self.global_step} steps ({self.epochs} epochs)"
-        ]
+        lines = [f"lightning-diag demo --fault {self.fault}: trained {self.global_step} steps ({self.epochs} epochs)"]
         serious = [a for a in self.alerts if a.severity != "info"]
         if not self.alerts:
             lines.append("alerts: none")

@@ -180,9 +180,7 @@ class ValDeclineRule(Rule):
         self.history = [*self.history[-self.patience :], value]
         if self.previous is not None:
             worse = (
-                value > self.previous + self.min_delta
-                if self.mode == "min"
-                else value < self.previous - self.min_delta
+                value > self.previous + self.min_delta if self.mode == "min" else value < self.previous - self.min_delta
             )
             self.streak = self.streak + 1 if worse else 0
         self.previous = value

@@ -38,6 +38,7 @@ def serious(alerts):
         ({"val_fluctuation_ratio": -2}, ValueError, "val_fluctuation_ratio"),
         ({"val_fluctuation_window": 2}, ValueError, "val_fluctuation_window"),
         ({"val_fluctuation_min": -0.1}, ValueError, "val_fluctuation_min"),
+        ({"val_fluctuation_min_range": -1}, ValueError, "val_fluctuation_min_range"),
         ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
     ],
 )

@@ -10,19 +10,13 @@ SCRIPT = Path(__file__).with_name("ddp_nan_script.py")
 
 @pytest.mark.slow
 def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["step"] == ranks[1]["step"] == 7  # the blocked step 6 was the last one
     assert all(r["finite"] for r in ranks)
     # every rank decided the same; rank 0 (whose own loss was finite) knows it was the loss
-    assert (
-        [a["rule"] for a in ranks[0]["alerts"]]
-        == [a["rule"] for a in ranks[1]["alerts"]]
-        == ["nonfinite_loss"]
-    )
+    assert [a["rule"] for a in ranks[0]["alerts"]] == [a["rule"] for a in ranks[1]["alerts"]] == ["nonfinite_loss"]
     lines = (tmp_path / "diag" / "alerts.jsonl").read_text().splitlines()
     assert len(lines) == 1  # one set of records: only global rank zero writes
     assert json.loads(lines[0])["global_step"] == 6
