@@ -98,7 +98,8 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
     Accepts a tensor or a mapping with a ``"loss"`` tensor (Lightning's two forms). A non-scalar loss is
     reduced with its mean and reported.
     """
-    if outputs is None:
+    # Lightning hands callbacks `{}` for a `training_step` that returned None under automatic optimization.
+    if outputs is None or (isinstance(outputs, dict) and not outputs):
         return (
             None,
             "`training_step` returned None (a skipped batch): the batch is not counted in the loss trend",

@@ -333,3 +333,80 @@ def test_resume_raises_the_same_alerts_at_the_same_epochs(tmp_path):
     assert [key(a) for a in first.alerts + second.alerts] == [key(a) for a in full.alerts]
     assert second.val_decline_rule.state_dict() == full.val_decline_rule.state_dict()
     assert second.swing_rule.history == pytest.approx(full.swing_rule.history, rel=1e-4)
+
+
+class _Returns(pl.LightningModule):
+    """Returns the loss as a dict, or None on every third batch (a skipped batch)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).pow(2).mean()
+        if self.kind == "none" and batch_idx % 3 == 2:
+            return None
+        return {"loss": loss, "extra": 1} if self.kind == "dict" else loss
+
+    def train_dataloader(self):
+        x = torch.randn(48, 4, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("kind", ["dict", "none"])
+def test_runtime_outputs_are_handled(tmp_path, caplog, kind):
+    import logging
+
+    alarm = AnomalyAlarm()
+    trainer = pl.Trainer(max_epochs=2, default_root_dir=tmp_path, callbacks=[alarm], **FAST)
+    with caplog.at_level(logging.INFO, logger="lightning_diag"):
+        trainer.fit(_Returns(kind))
+    skipped = [r for r in caplog.records if "returned None" in r.getMessage()]
+    assert len(skipped) == (1 if kind == "none" else 0)  # said once, not every batch
+    assert alarm.swing_rule.previous is not None  # the loss trend still got its epoch means
+    assert serious(alarm.alerts) == []
+
+
+class _TwoOptimizers(pl.LightningModule):
+    """Manual optimization with two optimizers (a GAN-style step); the second loss is NaN at step 6."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = torch.nn.Linear(4, 4)
+        self.disc = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        g_loss = self.disc(self.gen(batch[0])).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        d_loss = self.disc(batch[0]).pow(2).mean()
+        if batch_idx == 3:
+            d_loss = d_loss * math.nan
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        return d_loss
+
+    def train_dataloader(self):
+        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.gen.parameters()), torch.optim.Adam(self.disc.parameters())
+
+
+def test_manual_optimization_two_optimizers(tmp_path):
+    model = _TwoOptimizers()
+    alarm = AnomalyAlarm()
+    trainer = pl.Trainer(max_epochs=1, default_root_dir=tmp_path, callbacks=[alarm], **FAST)
+    trainer.fit(model)
+    assert [a.rule for a in alarm.alerts] == ["nonfinite_loss"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert trainer.global_step < 32  # stopped early (each batch takes two optimizer steps)
