@@ -1,0 +1,189 @@
+"""Gradient-flow rules (framework-free): ``grad_vanish``, ``grad_explode``, ``grad_layer_spread``,
+``grad_collapse``. Fed with per-layer and global gradient L2 norms at each measured step.
+
+Exact meaning (each condition must hold on ``patience`` consecutive measurements, so a single noisy step never
+alerts; non-finite norms are AnomalyAlarm's business and are skipped):
+
+* ``grad_vanish`` / ``grad_explode``: a layer's norm below ``vanish_threshold`` / above ``explode_threshold``.
+* ``grad_layer_spread``: largest / smallest layer norm (over layers with a non-zero norm) above ``spread_ratio``.
+* ``grad_collapse``: the global norm below ``collapse_ratio`` times the baseline, the median of the first
+  ``baseline_measurements`` finite global norms of the fit.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+
+from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert
+from lightning_diag.rules.base import Rule, StepContext
+
+__all__ = [
+    "DEFAULT_BASELINE_MEASUREMENTS",
+    "DEFAULT_COLLAPSE_RATIO",
+    "DEFAULT_EXPLODE_THRESHOLD",
+    "DEFAULT_GRAD_PATIENCE",
+    "DEFAULT_SPREAD_RATIO",
+    "DEFAULT_VANISH_THRESHOLD",
+    "GradBandRule",
+    "GradCollapseRule",
+    "GradSpreadRule",
+]
+
+#: ``grad_vanish``: a layer's gradient L2 norm below this (seed 000 §3.1).
+DEFAULT_VANISH_THRESHOLD = 1e-3
+#: ``grad_explode``: a layer's gradient L2 norm above this (seed 000 §3.1).
+DEFAULT_EXPLODE_THRESHOLD = 1e1
+#: ``grad_layer_spread``: largest / smallest layer norm above this: two orders of magnitude (seed 000 §3.1).
+DEFAULT_SPREAD_RATIO = 100.0
+#: ``grad_collapse``: global norm below this fraction of its baseline (seed 001 §1.2).
+DEFAULT_COLLAPSE_RATIO = 0.01
+#: Consecutive measurements a gradient condition must hold before it alerts.
+DEFAULT_GRAD_PATIENCE = 3
+#: ``grad_collapse``: measurements whose median global norm is the baseline.
+DEFAULT_BASELINE_MEASUREMENTS = 5
+
+
+class GradBandRule(Rule):
+    """``grad_vanish`` and ``grad_explode``, per layer.
+
+    Example:
+        >>> rule = GradBandRule(patience=2)
+        >>> [len(rule.update({"fc": n}, StepContext(0, i))) for i, n in enumerate([1.0, 50.0, 60.0, 70.0])]
+        [0, 0, 1, 0]
+    """
+
+    rule_id = GRAD_VANISH
+    state_keys = ("streaks",)
+
+    def __init__(
+        self,
+        vanish_threshold: float = DEFAULT_VANISH_THRESHOLD,
+        explode_threshold: float = DEFAULT_EXPLODE_THRESHOLD,
+        patience: int = DEFAULT_GRAD_PATIENCE,
+    ) -> None:
+        super().__init__()
+        self.vanish_threshold = vanish_threshold
+        self.explode_threshold = explode_threshold
+        self.patience = patience
+        self.streaks: dict[str, int] = {}
+
+    def update(self, layer_norms: Mapping[str, float], ctx: StepContext) -> list[Alert]:
+        """Feed one measurement of every layer's norm; return the alerts raised."""
+        alerts = []
+        for layer, norm in layer_norms.items():
+            if not math.isfinite(norm):
+                continue
+            for rule, bad, threshold, word in (
+                (GRAD_VANISH, norm < self.vanish_threshold, self.vanish_threshold, "below"),
+                (GRAD_EXPLODE, norm > self.explode_threshold, self.explode_threshold, "above"),
+            ):
+                key = f"{rule}:{layer}"
+                self.streaks[key] = self.streaks.get(key, 0) + 1 if bad else 0
+                if self.latch.update(key, self.streaks[key] >= self.patience):
+                    hint = (
+                        "check saturating activations, depth without residuals or normalisation, a too-small init"
+                        if rule == GRAD_VANISH
+                        else "lower the learning rate, clip gradients or check the loss scale"
+                    )
+                    alerts.append(
+                        self._alert(
+                            ctx,
+                            f"gradient L2 norm of `{layer}` is {norm:.3g}, {word} {threshold:g} on {self.patience} "
+                            f"consecutive measurements: {hint}",
+                            source=layer,
+                            value=norm,
+                            threshold=threshold,
+                            rule=rule,
+                        )
+                    )
+        return alerts
+
+
+class GradSpreadRule(Rule):
+    """``grad_layer_spread``: largest / smallest layer norm above ``spread_ratio``."""
+
+    rule_id = GRAD_LAYER_SPREAD
+    state_keys = ("streak",)
+
+    def __init__(self, spread_ratio: float = DEFAULT_SPREAD_RATIO, patience: int = DEFAULT_GRAD_PATIENCE) -> None:
+        super().__init__()
+        self.spread_ratio = spread_ratio
+        self.patience = patience
+        self.streak = 0
+
+    def update(self, layer_norms: Mapping[str, float], ctx: StepContext) -> list[Alert]:
+        """Feed one measurement of every layer's norm; return the alerts raised."""
+        finite = {k: v for k, v in layer_norms.items() if math.isfinite(v) and v > 0}
+        if len(finite) < 2:
+            return []
+        high = max(finite, key=finite.__getitem__)
+        low = min(finite, key=finite.__getitem__)
+        ratio = finite[high] / finite[low]
+        self.streak = self.streak + 1 if ratio > self.spread_ratio else 0
+        if not self.latch.update("model", self.streak >= self.patience):
+            return []
+        return [
+            self._alert(
+                ctx,
+                f"gradient norms across layers span {ratio:.3g}x (largest `{high}` {finite[high]:.3g}, smallest "
+                f"`{low}` {finite[low]:.3g}), more than {self.spread_ratio:g}x: layers learn at very different "
+                "speeds; check normalisation, initialisation and per-layer learning rates",
+                source="model",
+                value=ratio,
+                threshold=self.spread_ratio,
+            )
+        ]
+
+
+class GradCollapseRule(Rule):
+    """``grad_collapse``: the global norm falls below ``collapse_ratio`` times its early-training baseline.
+
+    Example:
+        >>> rule = GradCollapseRule(patience=1, baseline_measurements=2)
+        >>> [len(rule.update(n, StepContext(0, i))) for i, n in enumerate([1.0, 1.2, 0.5, 0.001])]
+        [0, 0, 0, 1]
+    """
+
+    rule_id = GRAD_COLLAPSE
+    state_keys = ("early", "baseline", "streak")
+
+    def __init__(
+        self,
+        collapse_ratio: float = DEFAULT_COLLAPSE_RATIO,
+        patience: int = DEFAULT_GRAD_PATIENCE,
+        baseline_measurements: int = DEFAULT_BASELINE_MEASUREMENTS,
+    ) -> None:
+        super().__init__()
+        self.collapse_ratio = collapse_ratio
+        self.patience = patience
+        self.baseline_measurements = baseline_measurements
+        self.early: list[float] = []
+        self.baseline: float | None = None
+        self.streak = 0
+
+    def update(self, total_norm: float, ctx: StepContext) -> list[Alert]:
+        """Feed one global gradient norm; return the alerts raised."""
+        if not math.isfinite(total_norm):
+            return []
+        if self.baseline is None:
+            self.early.append(total_norm)
+            if len(self.early) >= self.baseline_measurements:
+                self.baseline = statistics.median(self.early)
+            return []
+        limit = self.collapse_ratio * self.baseline
+        self.streak = self.streak + 1 if total_norm < limit else 0
+        if not self.latch.update("global", self.streak >= self.patience):
+            return []
+        return [
+            self._alert(
+                ctx,
+                f"global gradient norm {total_norm:.3g} is below {self.collapse_ratio:g} x its baseline "
+                f"{self.baseline:.3g} on {self.patience} consecutive measurements: units may have died (ReLU), "
+                "the loss may have saturated, or the graph may be cut",
+                source="global",
+                value=total_norm / self.baseline if self.baseline > 0 else total_norm,
+                threshold=self.collapse_ratio,
+            )
+        ]
