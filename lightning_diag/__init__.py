@@ -4,10 +4,20 @@ import logging as _logging
 
 from lightning_diag.alerts import Alert, AlertLog, Severity, read_alerts
 from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
+from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
 
 __version__ = "0.1.0"
 
-__all__ = ["Alert", "AlertLog", "AnomalyAlarm", "NonFiniteError", "Severity", "__version__", "read_alerts"]
+__all__ = [
+    "Alert",
+    "AlertLog",
+    "AnomalyAlarm",
+    "GradientFlowMonitor",
+    "NonFiniteError",
+    "Severity",
+    "__version__",
+    "read_alerts",
+]
 
 _logger = _logging.getLogger("lightning_diag")
 if not _logger.handlers:

@@ -2,5 +2,6 @@
 
 from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
 from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
 
-__all__ = ["AnomalyAlarm", "DiagCallback", "NonFiniteError"]
+__all__ = ["AnomalyAlarm", "DiagCallback", "GradientFlowMonitor", "NonFiniteError"]

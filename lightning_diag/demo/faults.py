@@ -4,8 +4,8 @@ Used by ``lightning-diag demo``, the scenario tests and the benchmarks. A fault 
 :class:`~lightning_diag.demo.models.DemoConfig` and data module; ``"none"`` is the healthy run.
 
 Example:
-    >>> sorted(FAULTS)[:3]
-    ['nan', 'none', 'overfit']
+    >>> sorted(FAULTS)[:4]
+    ['collapse', 'explode', 'healthy_deep', 'healthy_sgd']
     >>> FAULTS["nan"].expected_rules
     ('nonfinite_loss',)
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lightning_diag.alerts import LOSS_SWING, NONFINITE_LOSS, VAL_DECLINE
+from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_VANISH, LOSS_SWING, NONFINITE_LOSS, VAL_DECLINE
 from lightning_diag.demo.data import SyntheticDataModule
 from lightning_diag.demo.models import DemoConfig, TinyTransformerClassifier
 
@@ -69,6 +69,47 @@ FAULTS: dict[str, Fault] = {
             window=5,
             max_epochs=8,
             config={"lr_schedule": "oscillate", "oscillate_factor": 10.0},
+        ),
+        Fault(
+            "explode",
+            "plain SGD with a learning rate of 6: gradients explode within a few steps",
+            (GRAD_EXPLODE,),
+            onset_step=0,
+            window=10,
+            max_epochs=2,
+            config={"optimizer": "sgd", "lr": 6.0},
+        ),
+        Fault(
+            "healthy_sgd",
+            "healthy counterpart of `explode`: plain SGD with a learning rate of 0.05",
+            (),
+            max_epochs=6,
+            config={"optimizer": "sgd", "lr": 0.05},
+        ),
+        Fault(
+            "vanish",
+            "a classifier head of 10 sigmoid layers: the gradients reaching the encoder vanish",
+            (GRAD_VANISH,),
+            onset_step=0,
+            window=20,
+            max_epochs=3,
+            config={"head_depth": 10, "hidden_activation": "sigmoid"},
+        ),
+        Fault(
+            "healthy_deep",
+            "healthy counterpart of `vanish`: a classifier head of 4 tanh layers",
+            (),
+            max_epochs=6,
+            config={"head_depth": 4, "hidden_activation": "tanh"},
+        ),
+        Fault(
+            "collapse",
+            "every unit dies at global step 40: all gradients become 0",
+            (GRAD_COLLAPSE,),
+            onset_step=40,
+            window=15,
+            max_epochs=4,
+            config={"kill_hidden_at_step": 40},
         ),
         Fault(
             "overfit",

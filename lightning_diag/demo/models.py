@@ -23,14 +23,16 @@ class DemoConfig:
         d_model: Width of the transformer.
         nhead: Attention heads per layer.
         num_layers: Encoder layers.
-        lr: Learning rate of AdamW.
+        lr: Learning rate.
+        optimizer: ``"adamw"`` or ``"sgd"`` (plain SGD, which lets a too-high learning rate diverge).
         weight_decay: AdamW weight decay.
         lr_schedule: ``"constant"``, or ``"oscillate"``: the learning rate alternates every epoch between
             ``lr`` and ``lr * oscillate_factor``.
         oscillate_factor: Multiplier of the high epochs of the oscillating schedule.
         nan_at_step: Multiply the loss by NaN at this global step.
         inf_input_at_step: Put an Inf into the input embeddings at this global step.
-        kill_hidden_at_step: From this step on, every feed-forward hidden unit outputs 0 (dead ReLUs).
+        kill_hidden_at_step: From this step on, every linear layer outputs 0 (all units dead): the logits are
+            constant and every gradient is exactly 0.
         freeze: Module-name prefixes whose parameters get ``requires_grad=False``.
         hidden_activation: Activation of the classifier head's hidden layers (``"relu"``, ``"sigmoid"``).
         head_depth: Hidden layers in the classifier head.
@@ -42,6 +44,7 @@ class DemoConfig:
     nhead: int = 4
     num_layers: int = 2
     lr: float = 3e-3
+    optimizer: str = "adamw"
     weight_decay: float = 0.0
     lr_schedule: str = "constant"
     oscillate_factor: float = 10.0
@@ -105,7 +108,7 @@ class TinyTransformerClassifier(pl.LightningModule):
             if isinstance(module, nn.TransformerEncoderLayer):
                 self._kill_handles.append(module.linear1.register_forward_hook(lambda m, i, o: o * 0.0))
         for module in self.head:
-            if isinstance(module, nn.Linear) and module is not self.head[-1]:
+            if isinstance(module, nn.Linear):
                 self._kill_handles.append(module.register_forward_hook(lambda m, i, o: o * 0.0))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -134,7 +137,11 @@ class TinyTransformerClassifier(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         c = self.config
         params = [p for p in self.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
+        opt: torch.optim.Optimizer
+        if c.optimizer == "sgd":
+            opt = torch.optim.SGD(params, lr=c.lr, weight_decay=c.weight_decay)
+        else:
+            opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
         if c.lr_schedule == "oscillate":
             factor = c.oscillate_factor
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: factor if epoch % 2 == 1 else 1.0)

@@ -20,8 +20,9 @@ __all__ = ["DemoResult", "default_callbacks", "run_demo"]
 def default_callbacks() -> list[DiagCallback]:
     """One instance of every callback the library has, with default settings."""
     from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm
+    from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
 
-    return [AnomalyAlarm()]
+    return [GradientFlowMonitor(), AnomalyAlarm()]
 
 
 @dataclasses.dataclass

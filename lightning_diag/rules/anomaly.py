@@ -57,7 +57,7 @@ DEFAULT_VAL_FLUCTUATION_RATIO = 2.0
 #: ``val_fluctuation``: validation runs in the window.
 DEFAULT_VAL_FLUCTUATION_WINDOW = 5
 #: ``val_fluctuation``: validation fluctuation (relative to its level) below which the rule never fires.
-DEFAULT_VAL_FLUCTUATION_MIN = 0.02
+DEFAULT_VAL_FLUCTUATION_MIN = 0.15
 #: ``val_fluctuation``: range (max - min, loss units) of the validation window below which it never fires.
 DEFAULT_VAL_FLUCTUATION_MIN_ABS = 0.01
 

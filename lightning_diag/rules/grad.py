@@ -4,7 +4,11 @@
 Exact meaning (each condition must hold on ``patience`` consecutive measurements, so a single noisy step never
 alerts; non-finite norms are AnomalyAlarm's business and are skipped):
 
-* ``grad_vanish`` / ``grad_explode``: a layer's norm below ``vanish_threshold`` / above ``explode_threshold``.
+* ``grad_vanish``: a layer's norm below ``vanish_threshold`` **and** more than ``relative`` (default 100) times
+  smaller than the global norm. A converged model whose gradients are all small together is not vanishing
+  (that is ``grad_collapse``'s question); one layer starved while the rest learn is.
+* ``grad_explode``: a layer's norm above ``explode_threshold`` on a single measurement: an explosion grows
+  within a few steps into non-finite values, so it is reported at once.
 * ``grad_layer_spread``: largest / smallest layer norm (over layers with a non-zero norm) above ``spread_ratio``.
 * ``grad_collapse``: the global norm below ``collapse_ratio`` times the baseline, the median of the first
   ``baseline_measurements`` finite global norms of the fit.
@@ -51,7 +55,7 @@ class GradBandRule(Rule):
     Example:
         >>> rule = GradBandRule(patience=2)
         >>> [len(rule.update({"fc": n}, StepContext(0, i))) for i, n in enumerate([1.0, 50.0, 60.0, 70.0])]
-        [0, 0, 1, 0]
+        [0, 1, 0, 0]
     """
 
     rule_id = GRAD_VANISH
@@ -62,26 +66,32 @@ class GradBandRule(Rule):
         vanish_threshold: float = DEFAULT_VANISH_THRESHOLD,
         explode_threshold: float = DEFAULT_EXPLODE_THRESHOLD,
         patience: int = DEFAULT_GRAD_PATIENCE,
+        relative: float = DEFAULT_SPREAD_RATIO,
     ) -> None:
         super().__init__()
+        self.relative = relative
         self.vanish_threshold = vanish_threshold
         self.explode_threshold = explode_threshold
         self.patience = patience
         self.streaks: dict[str, int] = {}
 
-    def update(self, layer_norms: Mapping[str, float], ctx: StepContext) -> list[Alert]:
-        """Feed one measurement of every layer's norm; return the alerts raised."""
+    def update(self, layer_norms: Mapping[str, float], ctx: StepContext, total: float | None = None) -> list[Alert]:
+        """Feed one measurement of every layer's norm (and the global norm); return the alerts raised."""
         alerts = []
+        if total is None:
+            total = math.sqrt(sum(v * v for v in layer_norms.values() if math.isfinite(v)))
         for layer, norm in layer_norms.items():
             if not math.isfinite(norm):
                 continue
+            starved = norm < self.vanish_threshold and norm * self.relative < total
             for rule, bad, threshold, word in (
-                (GRAD_VANISH, norm < self.vanish_threshold, self.vanish_threshold, "below"),
+                (GRAD_VANISH, starved, self.vanish_threshold, "below"),
                 (GRAD_EXPLODE, norm > self.explode_threshold, self.explode_threshold, "above"),
             ):
                 key = f"{rule}:{layer}"
                 self.streaks[key] = self.streaks.get(key, 0) + 1 if bad else 0
-                if self.latch.update(key, self.streaks[key] >= self.patience):
+                needed = self.patience if rule == GRAD_VANISH else 1
+                if self.latch.update(key, self.streaks[key] >= needed):
                     hint = (
                         "check saturating activations, depth without residuals or normalisation, a too-small init"
                         if rule == GRAD_VANISH
@@ -90,8 +100,9 @@ class GradBandRule(Rule):
                     alerts.append(
                         self._alert(
                             ctx,
-                            f"gradient L2 norm of `{layer}` is {norm:.3g}, {word} {threshold:g} on {self.patience} "
-                            f"consecutive measurements: {hint}",
+                            f"gradient L2 norm of `{layer}` is {norm:.3g}, {word} {threshold:g}"
+                            + (f" on {needed} consecutive measurements" if needed > 1 else "")
+                            + f": {hint}",
                             source=layer,
                             value=norm,
                             threshold=threshold,

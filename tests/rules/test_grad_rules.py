@@ -12,9 +12,10 @@ def run(rule, series):
     ("series", "expected_at", "expected"),
     [
         ([{"a": 0.1, "b": 1.0}] * 6, None, None),
-        ([{"a": 1e-4}] * 4, 2, [("grad_vanish", "a")]),
-        ([{"a": 20.0}] * 4, 2, [("grad_explode", "a")]),
-        ([{"a": 20.0}, {"a": 1.0}, {"a": 20.0}, {"a": 1.0}], None, None),  # isolated spikes: patience
+        ([{"a": 1e-5, "b": 0.5}] * 4, 2, [("grad_vanish", "a")]),
+        ([{"a": 1e-4, "b": 2e-4}] * 4, None, None),  # all small together (converged): not vanishing
+        ([{"a": 20.0}] * 4, 0, [("grad_explode", "a")]),  # an explosion is reported at once
+        ([{"a": 1e-5, "b": 0.5}, {"a": 0.1, "b": 0.5}] * 3, None, None),  # vanish needs patience
         ([{"a": float("nan")}] * 4, None, None),
     ],
 )
@@ -25,7 +26,7 @@ def test_band_table(series, expected_at, expected):
 
 
 def test_band_latches_per_layer_and_rearms():
-    rule = GradBandRule(patience=1)
+    rule = GradBandRule()
     out = run(rule, [{"a": 20.0, "b": 20.0}, {"a": 20.0, "b": 1.0}, {"a": 1.0, "b": 20.0}, {"a": 20.0, "b": 20.0}])
     assert out == [[("grad_explode", "a"), ("grad_explode", "b")], [], [("grad_explode", "b")], [("grad_explode", "a")]]
 

@@ -1,0 +1,253 @@
+"""GradientFlowMonitor: per-layer gradient norms, weight norms and update ratios; vanishing/exploding alerts."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.trainer.states import TrainerFn
+
+from lightning_diag._validation import check_int, check_number
+from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.rules.grad import (
+    DEFAULT_BASELINE_MEASUREMENTS,
+    DEFAULT_COLLAPSE_RATIO,
+    DEFAULT_EXPLODE_THRESHOLD,
+    DEFAULT_GRAD_PATIENCE,
+    DEFAULT_SPREAD_RATIO,
+    DEFAULT_VANISH_THRESHOLD,
+    GradBandRule,
+    GradCollapseRule,
+    GradSpreadRule,
+)
+from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
+from lightning_diag.tensorboard import tag
+
+__all__ = ["GradientFlowMonitor"]
+
+ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
+_STATE_KEYS = ("band", "spread", "collapse")
+
+
+class _Index:
+    """Which parameters are measured, and the layer each belongs to (built once per fit)."""
+
+    def __init__(self, names: list[str], params: list[torch.nn.Parameter], per_parameter: bool) -> None:
+        layers = [n if per_parameter else (n.rsplit(".", 1)[0] if "." in n else n) for n in names]
+        self.layers = list(dict.fromkeys(layers))
+        position = {layer: i for i, layer in enumerate(self.layers)}
+        self.names = names
+        self.params = params
+        self.layer_of = [position[layer] for layer in layers]
+
+
+class GradientFlowMonitor(DiagCallback):
+    r"""Per-layer gradient flow in TensorBoard, with vanishing, exploding, spread and collapse alerts.
+
+    Measured in ``on_before_optimizer_step``: the gradients the optimizer is about to apply, after gradient
+    accumulation and AMP unscaling, **before** gradient clipping. Only on measured steps (every
+    ``log_every_n_steps`` optimizer steps); other steps cost one integer comparison. On a measured step the norms
+    of every selected gradient take one multi-tensor kernel per device/dtype group, are summed per layer on the
+    device and copied to the host once.
+
+    A *layer* is the module that owns the parameters (``encoder.layers.0.linear1`` for its weight and bias), or
+    each parameter with ``per_parameter=True``.
+
+    Logged metrics (global rank zero):
+
+    * ``diag/grad_norm/total``: L2 norm of all selected gradients.
+    * ``diag/grad_norm/<layer>``: L2 norm of the layer's gradients.
+    * ``diag/weight_norm/<layer>``: L2 norm of the layer's parameters (``log_weight_norms``).
+    * ``diag/update_ratio/<layer>``: ``||W_after - W_before|| / ||W_before||`` of the measured step
+      (``log_weight_norms``; SageMaker Debugger's WeightUpdateRatio).
+    * ``diag/grad_hist/<layer>``: gradient histograms every ``histogram_every_n_steps`` steps.
+
+    Rules: ``grad_vanish`` / ``grad_explode`` (a layer's norm outside ``vanish_threshold`` ..
+    ``explode_threshold``), ``grad_layer_spread`` (largest / smallest layer norm above ``spread_ratio``),
+    ``grad_collapse`` (global norm below ``collapse_ratio`` times its baseline: the median of the first
+    ``baseline_measurements`` measurements). Each must hold on ``patience`` consecutive measurements.
+
+    Args:
+        log_every_n_steps: Measure every this many optimizer steps; defaults to the trainer's interval.
+        params: Parameter names as ``fnmatch`` patterns (``["encoder.*"]``), or a predicate
+            ``(name, parameter) -> bool``; default: every trainable parameter.
+        per_parameter: Report each parameter instead of each owning module.
+        histogram_every_n_steps: Interval of gradient histograms; ``None`` (default) is 10 times the
+            measuring interval, ``0`` turns them off.
+        log_weight_norms: Also log weight norms and update-to-weight ratios (one parameter copy on measured
+            steps).
+        vanish_threshold: ``grad_vanish`` threshold (default 1e-3).
+        explode_threshold: ``grad_explode`` threshold (default 1e1).
+        spread_ratio: ``grad_layer_spread`` threshold (default 100).
+        collapse_ratio: ``grad_collapse`` fraction of the baseline (default 0.01).
+        patience: Consecutive measurements a condition must hold (default 3).
+        baseline_measurements: Measurements whose median is the ``grad_collapse`` baseline (default 5).
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        params: ParamSelector | None = None,
+        per_parameter: bool = False,
+        histogram_every_n_steps: int | None = None,
+        log_weight_norms: bool = True,
+        vanish_threshold: float = DEFAULT_VANISH_THRESHOLD,
+        explode_threshold: float = DEFAULT_EXPLODE_THRESHOLD,
+        spread_ratio: float = DEFAULT_SPREAD_RATIO,
+        collapse_ratio: float = DEFAULT_COLLAPSE_RATIO,
+        patience: int = DEFAULT_GRAD_PATIENCE,
+        baseline_measurements: int = DEFAULT_BASELINE_MEASUREMENTS,
+    ) -> None:
+        super().__init__(log_every_n_steps=log_every_n_steps)
+        if (
+            params is not None
+            and not callable(params)
+            and (isinstance(params, str) or not all(isinstance(p, str) for p in params))
+        ):
+            raise TypeError(
+                "Expected argument `params` to be a list of name patterns or a predicate (name, param) -> bool,"
+                f" but got {params!r}"
+            )
+        self.params = params
+        for name, flag in (("per_parameter", per_parameter), ("log_weight_norms", log_weight_norms)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"Expected argument `{name}` to be True or False, but got {flag!r}")
+        self.per_parameter = per_parameter
+        self.log_weight_norms = log_weight_norms
+        if histogram_every_n_steps is not None:
+            check_int("histogram_every_n_steps", histogram_every_n_steps, low=0)
+        self.histogram_every_n_steps = histogram_every_n_steps
+        self.vanish_threshold = check_number("vanish_threshold", vanish_threshold, low=0.0)
+        self.explode_threshold = check_number("explode_threshold", explode_threshold, low=self.vanish_threshold)
+        self.spread_ratio = check_number("spread_ratio", spread_ratio, low=1.0)
+        self.collapse_ratio = check_number("collapse_ratio", collapse_ratio, low=0.0, high=1.0, high_inclusive=False)
+        self.patience = check_int("patience", patience, low=1)
+        self.baseline_measurements = check_int("baseline_measurements", baseline_measurements, low=1)
+        self._make_rules()
+        self._index: _Index | None = None
+        self._before: list[torch.Tensor] | None = None
+
+    def _make_rules(self) -> None:
+        self.band_rule = GradBandRule(self.vanish_threshold, self.explode_threshold, self.patience)
+        self.spread_rule = GradSpreadRule(self.spread_ratio, self.patience)
+        self.collapse_rule = GradCollapseRule(self.collapse_ratio, self.patience, self.baseline_measurements)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The three rules' streaks, latches and the collapse baseline."""
+        return {
+            "band": self.band_rule.state_dict(),
+            "spread": self.spread_rule.state_dict(),
+            "collapse": self.collapse_rule.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing key.
+        """
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise KeyError(f"GradientFlowMonitor.load_state_dict: missing state keys {missing}")
+        self.band_rule.load_state_dict(state_dict["band"])
+        self.spread_rule.load_state_dict(state_dict["spread"])
+        self.collapse_rule.load_state_dict(state_dict["collapse"])
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """A new fit starts with fresh rules (a resume then loads their state)."""
+        super().setup(trainer, pl_module, stage)
+        if stage == TrainerFn.FITTING:
+            self._make_rules()
+            self._index = None
+            self._before = None
+
+    def _selected(self, name: str, param: torch.nn.Parameter) -> bool:
+        if self.params is None:
+            return True
+        if callable(self.params):
+            return bool(self.params(name, param))
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.params)
+
+    def _build_index(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> _Index:
+        named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad and self._selected(n, p)]
+        if not named:
+            self.notice(
+                trainer,
+                "no-params",
+                "no trainable parameter matches `params`; gradient flow is not measured"
+                if self.params is not None
+                else "the model has no trainable parameters; gradient flow is not measured",
+            )
+        return _Index([n for n, _ in named], [p for _, p in named], self.per_parameter)
+
+    def _measuring(self, trainer: pl.Trainer) -> bool:
+        return trainer.global_step % self.every_n_steps(trainer) == 0
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """On measured steps: per-layer gradient norms, rules, and a weight snapshot for the update ratio."""
+        if not self._measuring(trainer):
+            return
+        if self._index is None:
+            self._index = self._build_index(trainer, pl_module)
+        index = self._index
+        in_opt = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        chosen = [i for i, p in enumerate(index.params) if p.grad is not None and id(p) in in_opt]
+        if not chosen:
+            return
+        grads = [index.params[i].grad for i in chosen]
+        device = grads[0].device  # type: ignore[union-attr]
+        group_of = torch.tensor([index.layer_of[i] for i in chosen], device=device)
+        layer_norms = grouped_norms(per_tensor_norms(grads), group_of, len(index.layers))  # type: ignore[arg-type]
+        total = layer_norms.pow(2).sum().sqrt()
+        present = sorted(set(group_of.tolist()))
+        host = torch.cat([total.reshape(1), layer_norms]).tolist()  # the one copy of this measured step
+        norms = {index.layers[g]: host[1 + g] for g in present}
+        step = trainer.global_step
+        values = {tag("grad_norm", "total"): host[0]}
+        values.update({tag("grad_norm", layer): v for layer, v in norms.items()})
+        self.writer.scalars(values, step)
+        ctx = self.context(trainer)
+        self.record(self.band_rule.update(norms, ctx, host[0]) + self.spread_rule.update(norms, ctx))
+        self.record(self.collapse_rule.update(host[0], ctx))
+        hist_every = self.histogram_every_n_steps
+        if hist_every is None:
+            hist_every = 10 * self.every_n_steps(trainer)
+        if hist_every and step % hist_every == 0 and self.writer.active:
+            for i in chosen:
+                self.writer.histogram(tag("grad_hist", index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
+        if self.log_weight_norms:
+            self._chosen = chosen
+            self._before = [index.params[i].detach().clone() for i in chosen]
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """After a measured step: weight norms and update-to-weight ratios per layer."""
+        if self._before is None or self._index is None:
+            return
+        before, chosen, index = self._before, self._chosen, self._index
+        self._before = None
+        device = before[0].device
+        group_of = torch.tensor([index.layer_of[i] for i in chosen], device=device)
+        after = [index.params[i].detach() for i in chosen]
+        deltas = torch._foreach_sub(after, before)
+        n = len(index.layers)
+        weight = grouped_norms(per_tensor_norms(before), group_of, n)
+        update = grouped_norms(per_tensor_norms(deltas), group_of, n)
+        ratio = update / weight.clamp_min(1e-12)
+        w_host, r_host = torch.stack([weight, ratio]).tolist()
+        step = trainer.global_step - 1  # the step that was measured
+        values = {}
+        for g in sorted(set(group_of.tolist())):
+            values[tag("weight_norm", index.layers[g])] = w_host[g]
+            values[tag("update_ratio", index.layers[g])] = r_host[g]
+        self.writer.scalars(values, max(step, 0))

@@ -1,0 +1,143 @@
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_diag import AnomalyAlarm, GradientFlowMonitor
+from lightning_diag.demo import FAULTS, build_fault, run_demo
+
+FAST = dict(enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", log_every_n_steps=5)
+GRAD_RULES = {"grad_vanish", "grad_explode", "grad_layer_spread", "grad_collapse"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"params": "encoder.*"}, TypeError, "params"),
+        ({"params": [1]}, TypeError, "params"),
+        ({"per_parameter": "yes"}, TypeError, "per_parameter"),
+        ({"log_weight_norms": 1}, TypeError, "log_weight_norms"),
+        ({"histogram_every_n_steps": -1}, ValueError, "histogram_every_n_steps"),
+        ({"vanish_threshold": 0}, ValueError, "vanish_threshold"),
+        ({"explode_threshold": 1e-4}, ValueError, "explode_threshold"),
+        ({"spread_ratio": 0.5}, ValueError, "spread_ratio"),
+        ({"collapse_ratio": 1.5}, ValueError, "collapse_ratio"),
+        ({"patience": 0}, ValueError, "patience"),
+        ({"baseline_measurements": 0}, ValueError, "baseline_measurements"),
+        ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
+    ],
+)
+def test_invalid_configuration(kwargs, error, name):
+    with pytest.raises(error, match=f"`{name}`"):
+        GradientFlowMonitor(**kwargs)
+
+
+@pytest.mark.parametrize("fault", ["explode", "vanish", "collapse"])
+def test_fault_fires_its_rule_within_window(tmp_path, fault):
+    entry = FAULTS[fault]
+    result = run_demo(fault, root=str(tmp_path))
+    (expected,) = entry.expected_rules
+    hits = [a for a in result.alerts if a.rule == expected]
+    assert hits, [a.rule for a in result.alerts]
+    assert hits[0].global_step <= entry.onset_step + entry.window
+    # and no other gradient rule cries wolf on the specific faults that have a single cause
+    if fault == "collapse":
+        assert {a.rule for a in result.alerts} & GRAD_RULES == {"grad_collapse"}
+
+
+@pytest.mark.parametrize("healthy", ["none", "healthy_sgd", "healthy_deep"])
+def test_healthy_runs_raise_nothing(tmp_path, healthy):
+    result = run_demo(healthy, root=str(tmp_path))
+    assert [a.format() for a in result.alerts if a.severity != "info"] == []
+
+
+def test_tags_steps_and_values(tmp_path):
+    monitor = GradientFlowMonitor(histogram_every_n_steps=10)
+    result = run_demo("none", max_epochs=1, root=str(tmp_path), callbacks=[monitor])
+    acc = EventAccumulator(result.log_dir, size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    scalars = set(acc.Tags()["scalars"])
+    for t in (
+        "diag/grad_norm/total",
+        "diag/grad_norm/encoder.layers.0.linear1",
+        "diag/grad_norm/head.0",
+        "diag/weight_norm/encoder.layers.0.linear1",
+        "diag/update_ratio/encoder.layers.0.linear1",
+    ):
+        assert t in scalars, t
+    assert [e.step for e in acc.Scalars("diag/grad_norm/total")] == list(range(0, result.global_step, 5))
+    ratios = [e.value for e in acc.Scalars("diag/update_ratio/head.0")]
+    assert all(0 < r < 1 for r in ratios)  # AdamW at lr 3e-3 moves weights by well under their norm
+    hist = set(acc.Tags()["histograms"])
+    assert "diag/grad_hist/encoder.layers.0.linear1.weight" in hist
+    assert [e.step for e in acc.Histograms("diag/grad_hist/head.0.weight")] == [0, 10]
+
+
+def test_layer_norms_match_brute_force(tmp_path):
+    model, data, _ = build_fault("none")
+    seen = {}
+
+    class Check(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 0:
+                layer = pl_module.encoder.layers[0].linear1
+                seen["want"] = torch.cat([layer.weight.grad.flatten(), layer.bias.grad.flatten()]).norm().item()
+                seen["total"] = torch.cat([p.grad.flatten() for p in pl_module.parameters()]).norm().item()
+
+    monitor = GradientFlowMonitor()
+    trainer = pl.Trainer(max_steps=1, default_root_dir=tmp_path, callbacks=[Check(), monitor], **FAST)
+    trainer.fit(model, datamodule=data)
+    acc = EventAccumulator(trainer.log_dir)
+    acc.Reload()
+    assert acc.Scalars("diag/grad_norm/encoder.layers.0.linear1")[0].value == pytest.approx(seen["want"], rel=1e-5)
+    assert acc.Scalars("diag/grad_norm/total")[0].value == pytest.approx(seen["total"], rel=1e-5)
+
+
+def test_parameter_selection_and_per_parameter(tmp_path):
+    monitor = GradientFlowMonitor(params=["head.*"], per_parameter=True, log_weight_norms=False)
+    result = run_demo("none", max_epochs=1, root=str(tmp_path), callbacks=[monitor])
+    acc = EventAccumulator(result.log_dir)
+    acc.Reload()
+    tags = {t for t in acc.Tags()["scalars"] if t.startswith("diag/grad_norm/")}
+    assert tags == {
+        "diag/grad_norm/total",
+        "diag/grad_norm/head.0.weight",
+        "diag/grad_norm/head.0.bias",
+        "diag/grad_norm/head.2.weight",
+        "diag/grad_norm/head.2.bias",
+    }
+    predicate = GradientFlowMonitor(params=lambda name, p: name.startswith("embed"))
+    result = run_demo("none", max_epochs=1, root=str(tmp_path / "p"), callbacks=[predicate])
+    acc = EventAccumulator(result.log_dir)
+    acc.Reload()
+    assert {t for t in acc.Tags()["scalars"] if t.startswith("diag/grad_norm/")} == {
+        "diag/grad_norm/total",
+        "diag/grad_norm/embed",
+    }
+
+
+def test_no_matching_parameters_is_reported_once(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="lightning_diag"):
+        run_demo("none", max_epochs=1, root=str(tmp_path), callbacks=[GradientFlowMonitor(params=["nothing.*"])])
+    assert sum("no trainable parameter matches" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_resume_keeps_the_collapse_baseline(tmp_path):
+    pl.seed_everything(0)
+    model, data, _ = build_fault("collapse")
+    first = GradientFlowMonitor()
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1)
+    pl.Trainer(max_epochs=2, default_root_dir=tmp_path, callbacks=[first, ckpt_cb], **FAST).fit(model, datamodule=data)
+    assert first.collapse_rule.baseline is not None
+    ckpt = sorted((tmp_path / "ckpt").glob("epoch=1*.ckpt"))[0]
+    model2, data2, _ = build_fault("collapse")
+    second = GradientFlowMonitor()
+    pl.Trainer(max_epochs=4, default_root_dir=tmp_path / "b", callbacks=[second, AnomalyAlarm()], **FAST).fit(
+        model2, datamodule=data2, ckpt_path=ckpt
+    )
+    # the baseline came from the first fit, not from the dead steps after the resume
+    assert second.collapse_rule.baseline == pytest.approx(first.collapse_rule.baseline)
+    assert [a.rule for a in second.alerts] == ["grad_collapse"]
