@@ -3,9 +3,10 @@ from pathlib import Path
 
 import lightning_diag.callbacks.anomaly_alarm as alarm_module
 import lightning_diag.rules.anomaly as anomaly_rules
+import lightning_diag.rules.grad as grad_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-MODULES = (anomaly_rules, alarm_module)
+MODULES = (anomaly_rules, alarm_module, grad_rules)
 
 
 def _rows():
@@ -30,13 +31,12 @@ def test_thresholds_table_matches_the_constants():
 def test_thresholds_arguments_are_real_constructor_arguments():
     import inspect
 
-    from lightning_diag import AnomalyAlarm
+    from lightning_diag import AnomalyAlarm, GradientFlowMonitor
 
-    params = inspect.signature(AnomalyAlarm).parameters
-    for _rule, argument, _constant, default, _m, _s in _rows():
+    for rule, argument, _constant, default, _m, _s in _rows():
+        callback = GradientFlowMonitor if rule.startswith("`grad") else AnomalyAlarm
+        params = inspect.signature(callback).parameters
         arg = argument.strip("`")
-        if arg == "—":
-            continue
         assert arg in params, arg
         assert float(params[arg].default) == float(default), arg
 
@@ -61,3 +61,11 @@ def test_anomaly_alarm_page_lists_every_tag_and_rule():
         assert needle in page, needle
     for match in re.findall(r"`(\w+)=", page):
         assert match in __import__("inspect").signature(__import__("lightning_diag").AnomalyAlarm).parameters
+
+
+def test_gradient_flow_page_lists_every_tag_and_rule():
+    page = (DOCS / "gradient_flow.md").read_text()
+    for needle in ("diag/grad_norm/total", "diag/grad_norm/<layer>", "diag/weight_norm/", "diag/update_ratio/",
+                   "diag/grad_hist/", "grad_vanish", "grad_explode", "grad_layer_spread", "grad_collapse",
+                   "before clipping"):
+        assert needle in page, needle
