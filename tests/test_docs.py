@@ -65,7 +65,16 @@ def test_anomaly_alarm_page_lists_every_tag_and_rule():
 
 def test_gradient_flow_page_lists_every_tag_and_rule():
     page = (DOCS / "gradient_flow.md").read_text()
-    for needle in ("diag/grad_norm/total", "diag/grad_norm/<layer>", "diag/weight_norm/", "diag/update_ratio/",
-                   "diag/grad_hist/", "grad_vanish", "grad_explode", "grad_layer_spread", "grad_collapse",
-                   "before clipping"):
+    for needle in (
+        "diag/grad_norm/total",
+        "diag/grad_norm/<layer>",
+        "diag/weight_norm/",
+        "diag/update_ratio/",
+        "diag/grad_hist/",
+        "grad_vanish",
+        "grad_explode",
+        "grad_layer_spread",
+        "grad_collapse",
+        "before clipping",
+    ):
         assert needle in page, needle

@@ -8,7 +8,7 @@ import sys
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag import AnomalyAlarm
+from lightning_diag import AnomalyAlarm, GradientFlowMonitor
 
 
 class Model(pl.LightningModule):
@@ -34,6 +34,8 @@ if __name__ == "__main__":
     root = sys.argv[1]
     strategy = sys.argv[2] if len(sys.argv) > 2 else "ddp"
     alarm = AnomalyAlarm()
+    # a tiny explode threshold makes every layer alert, so the ranks' gradient decisions can be compared
+    monitor = GradientFlowMonitor(log_every_n_steps=1, vanish_threshold=1e-9, explode_threshold=1e-2)
     model = Model()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -45,7 +47,7 @@ if __name__ == "__main__":
         enable_model_summary=False,
         enable_checkpointing=False,
         logger=False,
-        callbacks=[alarm],
+        callbacks=[alarm, monitor],
     )
     trainer.fit(model)
     if strategy == "ddp":
@@ -55,6 +57,8 @@ if __name__ == "__main__":
             "step": trainer.global_step,
             "finite": finite,
             "alerts": [a.to_dict() for a in alarm.alerts],
+            "grad_alerts": [a.to_dict() for a in monitor.alerts],
+            "grad_streaks": monitor.band_rule.streaks,
         }
         with open(os.path.join(root, f"rank{trainer.global_rank}.json"), "w") as fh:
             json.dump(out, fh)
