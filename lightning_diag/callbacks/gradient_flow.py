@@ -64,6 +64,8 @@ class GradientFlowMonitor(DiagCallback):
     * ``diag/update_ratio/<layer>``: ``||W_after - W_before|| / ||W_before||`` of the measured step
       (``log_weight_norms``; SageMaker Debugger's WeightUpdateRatio).
     * ``diag/grad_hist/<layer>``: gradient histograms every ``histogram_every_n_steps`` steps.
+    * ``diag/act_grad_norm/<module>``: L2 norm of the gradient of the module's output (``activation_grads``),
+      summed over the micro-batches of the measured step.
 
     Rules: ``grad_vanish`` / ``grad_explode`` (a layer's norm outside ``vanish_threshold`` ..
     ``explode_threshold``), ``grad_layer_spread`` (largest / smallest layer norm above ``spread_ratio``),
@@ -77,6 +79,9 @@ class GradientFlowMonitor(DiagCallback):
         per_parameter: Report each parameter instead of each owning module.
         histogram_every_n_steps: Interval of gradient histograms; ``None`` (default) is 10 times the
             measuring interval, ``0`` turns them off.
+        activation_grads: Opt-in activation-gradient norms (seed 000 §3.1): ``True`` for every module that owns
+            parameters, or a list of module-name patterns. Hooks are attached only for measured steps and
+            removed before the optimizer step.
         log_weight_norms: Also log weight norms and update-to-weight ratios (one parameter copy on measured
             steps).
         vanish_threshold: ``grad_vanish`` threshold (default 1e-3).
@@ -98,6 +103,7 @@ class GradientFlowMonitor(DiagCallback):
         per_parameter: bool = False,
         histogram_every_n_steps: int | None = None,
         log_weight_norms: bool = True,
+        activation_grads: bool | Sequence[str] = False,
         vanish_threshold: float = DEFAULT_VANISH_THRESHOLD,
         explode_threshold: float = DEFAULT_EXPLODE_THRESHOLD,
         spread_ratio: float = DEFAULT_SPREAD_RATIO,
@@ -120,6 +126,16 @@ class GradientFlowMonitor(DiagCallback):
             if not isinstance(flag, bool):
                 raise TypeError(f"Expected argument `{name}` to be True or False, but got {flag!r}")
         self.per_parameter = per_parameter
+        if not isinstance(activation_grads, bool) and (
+            isinstance(activation_grads, str) or not all(isinstance(p, str) for p in activation_grads)
+        ):
+            raise TypeError(
+                "Expected argument `activation_grads` to be True, False or a list of module-name patterns,"
+                f" but got {activation_grads!r}"
+            )
+        self.activation_grads = activation_grads
+        self._act_handles: list[Any] = []
+        self._act_sq: dict[str, torch.Tensor] = {}
         self.log_weight_norms = log_weight_norms
         if histogram_every_n_steps is not None:
             check_int("histogram_every_n_steps", histogram_every_n_steps, low=0)
@@ -190,10 +206,63 @@ class GradientFlowMonitor(DiagCallback):
     def _measuring(self, trainer: pl.Trainer) -> bool:
         return trainer.global_step % self.every_n_steps(trainer) == 0
 
+    # -- activation gradients (opt-in) ----------------------------------------------------------------------
+    def _act_modules(self, pl_module: pl.LightningModule) -> list[tuple[str, torch.nn.Module]]:
+        out = []
+        for name, module in pl_module.named_modules():
+            if not name:
+                continue
+            if self.activation_grads is True:
+                if any(True for _ in module.parameters(recurse=False)):
+                    out.append((name, module))
+            elif any(fnmatch.fnmatchcase(name, pat) for pat in self.activation_grads):  # type: ignore[union-attr]
+                out.append((name, module))
+        return out
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Attach the activation-gradient hooks when the coming optimizer step is a measured one."""
+        if not self.activation_grads or self._act_handles or not self._measuring(trainer):
+            return
+        for name, module in self._act_modules(pl_module):
+            self._act_handles.append(module.register_forward_hook(self._make_forward_hook(trainer, name)))
+
+    def _make_forward_hook(self, trainer: pl.Trainer, name: str) -> Callable[..., None]:
+        def forward_hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) and output else output
+            if not isinstance(out, torch.Tensor) or not out.requires_grad:
+                return
+            try:
+                out.register_hook(lambda grad: self._add_act(name, grad))
+            except RuntimeError as err:
+                self.notice(trainer, f"act:{name}", f"no activation gradient for `{name}`: {err}")
+
+        return forward_hook
+
+    def _add_act(self, name: str, grad: torch.Tensor) -> None:
+        sq = grad.detach().float().pow(2).sum()
+        self._act_sq[name] = self._act_sq[name] + sq if name in self._act_sq else sq
+
+    def _flush_activations(self, trainer: pl.Trainer) -> None:
+        for handle in self._act_handles:
+            handle.remove()
+        self._act_handles = []
+        if not self._act_sq:
+            return
+        names = list(self._act_sq)
+        values = torch.stack([self._act_sq[n] for n in names]).sqrt().tolist()
+        self._act_sq = {}
+        self.writer.scalars(
+            {tag("act_grad_norm", n): v for n, v in zip(names, values, strict=True)}, trainer.global_step
+        )
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """On measured steps: per-layer gradient norms, rules, and a weight snapshot for the update ratio."""
+        if self._act_handles:
+            self._flush_activations(trainer)
         if not self._measuring(trainer):
             return
         if self._index is None:

@@ -141,3 +141,32 @@ def test_resume_keeps_the_collapse_baseline(tmp_path):
     # the baseline came from the first fit, not from the dead steps after the resume
     assert second.collapse_rule.baseline == pytest.approx(first.collapse_rule.baseline)
     assert [a.rule for a in second.alerts] == ["grad_collapse"]
+
+
+def test_activation_gradients_opt_in_and_removed(tmp_path):
+    monitor = GradientFlowMonitor(activation_grads=["encoder.layers.*.linear2", "head.0"])
+    model, data, _ = build_fault("none")
+    counts = []
+
+    class CountHooks(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            counts.append(len(pl_module.head[0]._forward_hooks))
+
+    trainer = pl.Trainer(max_steps=12, default_root_dir=tmp_path, callbacks=[monitor, CountHooks()], **FAST)
+    trainer.fit(model, datamodule=data)
+    assert counts and all(c == 0 for c in counts)  # hooks never outlive the measured step
+    acc = EventAccumulator(trainer.log_dir)
+    acc.Reload()
+    tags = {t for t in acc.Tags()["scalars"] if t.startswith("diag/act_grad_norm/")}
+    assert tags == {
+        "diag/act_grad_norm/encoder.layers.0.linear2",
+        "diag/act_grad_norm/encoder.layers.1.linear2",
+        "diag/act_grad_norm/head.0",
+    }
+    assert [e.step for e in acc.Scalars("diag/act_grad_norm/head.0")] == [0, 5, 10]
+    assert all(e.value > 0 for e in acc.Scalars("diag/act_grad_norm/head.0"))
+
+
+def test_activation_grads_type_check():
+    with pytest.raises(TypeError, match="`activation_grads`"):
+        GradientFlowMonitor(activation_grads="head.0")
