@@ -230,9 +230,7 @@ class AnomalyAlarm(DiagCallback):
         Raises:
             KeyError: If a key is missing; the message names every missing key.
         """
-        missing = [k for k in _STATE_KEYS if k not in state_dict]
-        if missing:
-            raise KeyError(f"AnomalyAlarm.load_state_dict: missing state keys {missing}")
+        self.check_state_keys(state_dict, _STATE_KEYS)
         self.swing_rule.load_state_dict(state_dict["swing"])
         self.val_decline_rule.load_state_dict(state_dict["val_decline"])
         self.val_fluctuation_rule.load_state_dict(state_dict["val_fluctuation"])

@@ -168,6 +168,12 @@ class DiagCallback(pl.Callback):
                 self._session.alert_log.write(batch)
         return batch
 
+    def check_state_keys(self, state_dict: dict[str, Any], keys: Iterable[str]) -> None:
+        """Raise ``KeyError`` naming every key of ``keys`` missing from a checkpointed ``state_dict``."""
+        missing = [k for k in keys if k not in state_dict]
+        if missing:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys {missing}")
+
     def notice(self, trainer: pl.Trainer, key: str, message: str) -> None:
         """Log an informational message once per fit (rank zero only)."""
         if key in self._notices:

@@ -169,9 +169,7 @@ class GradientFlowMonitor(DiagCallback):
         Raises:
             KeyError: If a key is missing; the message names every missing key.
         """
-        missing = [k for k in _STATE_KEYS if k not in state_dict]
-        if missing:
-            raise KeyError(f"GradientFlowMonitor.load_state_dict: missing state keys {missing}")
+        self.check_state_keys(state_dict, _STATE_KEYS)
         self.band_rule.load_state_dict(state_dict["band"])
         self.spread_rule.load_state_dict(state_dict["spread"])
         self.collapse_rule.load_state_dict(state_dict["collapse"])

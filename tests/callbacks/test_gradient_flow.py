@@ -170,3 +170,14 @@ def test_activation_gradients_opt_in_and_removed(tmp_path):
 def test_activation_grads_type_check():
     with pytest.raises(TypeError, match="`activation_grads`"):
         GradientFlowMonitor(activation_grads="head.0")
+
+
+@pytest.mark.parametrize("factory", [GradientFlowMonitor, AnomalyAlarm])
+def test_load_state_dict_names_missing_keys(factory):
+    state = factory().state_dict()
+    dropped = sorted(state)[0]
+    del state[dropped]
+    with pytest.raises(KeyError, match=dropped):
+        factory().load_state_dict(state)
+    fresh = factory()
+    fresh.load_state_dict(factory().state_dict())  # a complete state loads
