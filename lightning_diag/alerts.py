@@ -181,7 +181,7 @@ def read_alerts(path: str | os.PathLike[str]) -> list[Alert]:
                 continue
             try:
                 alerts.append(Alert.from_json(line))
-            except (ValueError, KeyError):
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue
     return alerts
 

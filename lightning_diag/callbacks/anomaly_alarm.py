@@ -30,10 +30,12 @@ from lightning_diag.rules.base import Latch
 from lightning_diag.stats.norms import all_finite
 from lightning_diag.tensorboard import tag
 
-__all__ = ["DEFAULT_MAX_SKIPS", "NONFINITE_ACTIONS", "AnomalyAlarm", "NonFiniteError"]
+__all__ = ["DEFAULT_MAX_SCALER_OVERFLOWS", "DEFAULT_MAX_SKIPS", "NONFINITE_ACTIONS", "AnomalyAlarm", "NonFiniteError"]
 
 #: ``on_nonfinite="skip"``: skipped optimizer steps allowed in one fit before the alarm stops training.
 DEFAULT_MAX_SKIPS = 5
+#: With a GradScaler (``16-mixed``), consecutive overflow steps with a finite loss before ``nonfinite_grad``.
+DEFAULT_MAX_SCALER_OVERFLOWS = 5
 NONFINITE_ACTIONS: tuple[str, ...] = ("stop", "raise", "skip", "warn")
 _SHOWN_PARAMS = 5
 _STATE_KEYS = ("swing", "val_decline", "val_fluctuation", "nonfinite_latch", "skips", "accumulators")
@@ -80,6 +82,8 @@ class AnomalyAlarm(DiagCallback):
             :class:`NonFiniteError`; ``"skip"``: the step is skipped and training goes on, until ``max_skips``
             steps were skipped, then as ``"stop"``; ``"warn"``: alert only, the update is applied.
         max_skips: With ``on_nonfinite="skip"``, skipped steps allowed in one fit.
+        max_scaler_overflows: With a GradScaler (``16-mixed``), consecutive overflow steps with a finite loss
+            (which the scaler skips by design) before ``nonfinite_grad`` fires.
         swing_threshold: Relative change of the loss that counts as a swing (0.10 = 10%).
         swing_patience: Consecutive swinging epochs (windows) before ``loss_swing`` fires.
         swing_min_delta: Absolute loss change below which nothing swings.
@@ -111,6 +115,7 @@ class AnomalyAlarm(DiagCallback):
         self,
         on_nonfinite: NonFiniteAction = "stop",
         max_skips: int = DEFAULT_MAX_SKIPS,
+        max_scaler_overflows: int = DEFAULT_MAX_SCALER_OVERFLOWS,
         swing_threshold: float = DEFAULT_SWING_THRESHOLD,
         swing_patience: int = DEFAULT_SWING_PATIENCE,
         swing_min_delta: float = DEFAULT_SWING_MIN_DELTA,
@@ -128,6 +133,7 @@ class AnomalyAlarm(DiagCallback):
         super().__init__(log_every_n_steps=log_every_n_steps)
         self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, NONFINITE_ACTIONS)
         self.max_skips = check_int("max_skips", max_skips, low=0)
+        self.max_scaler_overflows = check_int("max_scaler_overflows", max_scaler_overflows, low=1)
         check_number("swing_threshold", swing_threshold, low=0.0)
         check_int("swing_patience", swing_patience, low=1)
         check_number("swing_min_delta", swing_min_delta, low=0.0, low_inclusive=True)
@@ -189,6 +195,7 @@ class AnomalyAlarm(DiagCallback):
 
     def _reset_step_state(self) -> None:
         self._halted = False
+        self._scaler_overflows = 0
         self._loss_bad: torch.Tensor | None = None  # NaN/Inf in a micro-batch loss since the last step
         self._last_finite_loss: torch.Tensor | float = math.nan
         # "warn" mode keeps its findings on the device until a logging step reads them.
@@ -269,7 +276,9 @@ class AnomalyAlarm(DiagCallback):
             _drop_gradients(optimizer)
             return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grad_bad = ~all_finite(grads)
+        if not grads and loss_bad is None:
+            return
+        grad_bad = ~all_finite(grads).to(grads[0].device if grads else loss_bad.device)  # type: ignore[union-attr]
         if loss_bad is not None:
             loss_bad = loss_bad.to(grad_bad.device)
         if self.on_nonfinite == "warn":
@@ -283,8 +292,14 @@ class AnomalyAlarm(DiagCallback):
         if not strategy.reduce_boolean_decision(bool(local_loss or local_grad), all=False):
             self._nonfinite_latch.update("loss", False)
             self._nonfinite_latch.update("gradients", False)
+            self._scaler_overflows = 0
             return
         any_loss = strategy.reduce_boolean_decision(bool(local_loss), all=False)
+        if not any_loss and getattr(trainer.precision_plugin, "scaler", None) is not None:
+            # GradScaler skips overflow steps and lowers its scale by design: only a run of them is a fault.
+            self._scaler_overflows += 1
+            if self._scaler_overflows < self.max_scaler_overflows:
+                return
         alert = self._nonfinite_alert(trainer, pl_module, any_loss, self.context(trainer).global_step)
         latched = [alert] if self._nonfinite_latch.update(alert.source, True) else []
         if self.on_nonfinite == "raise":
@@ -389,6 +404,8 @@ class AnomalyAlarm(DiagCallback):
         loss, problem = extract_loss(outputs)
         if problem is not None:
             self.notice(trainer, "loss:" + problem.split(":")[0], problem)
+        if loss is not None and pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
+            loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
         if loss is not None:
             finite = torch.isfinite(loss)
             clean = torch.where(finite, loss, torch.zeros_like(loss))
@@ -455,7 +472,8 @@ class AnomalyAlarm(DiagCallback):
             return
         train_mean = self._reduced_mean(trainer, pl_module, "since_val")
         raw = trainer.callback_metrics.get(self.monitor)
-        if raw is None:
+        # Every rank must take part in the reduce below, so they first agree that the value exists everywhere.
+        if not trainer.strategy.reduce_boolean_decision(raw is not None, all=True):
             available = sorted(k for k in trainer.callback_metrics if "val" in k) or sorted(trainer.callback_metrics)
             self.notice(
                 trainer,

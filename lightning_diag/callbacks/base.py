@@ -148,6 +148,10 @@ class DiagCallback(pl.Callback):
             _release_session(trainer, self._session)
             self._session = None
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Lightning skips ``teardown`` when ``fit`` raises: flush and release the session here."""
+        self.teardown(trainer, pl_module, "exception")
+
     @property
     def writer(self) -> DiagWriter:
         """The TensorBoard writer of the current session (a no-op outside one)."""

@@ -10,8 +10,8 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
 * ``val_decline``: a validation value is *worse* than the one before it when it is larger by more than
   ``min_delta`` (mode ``"min"``) or smaller by more than ``min_delta`` (mode ``"max"``). Fires when
   ``patience`` consecutive validation runs are worse.
-* ``val_fluctuation``: over the last ``window`` validation runs, the fluctuation of a series is the standard
-  deviation of its residuals around a least-squares line divided by its mean absolute level
+* ``val_fluctuation``: over the last ``window`` validation runs, the fluctuation of a series is the RMS of its
+  residuals around a least-squares line or parabola fitted to its logarithm
   (:func:`~lightning_diag.stats.fluctuation`). Fires when the validation fluctuation exceeds ``ratio`` times
   the training-loss fluctuation over the same runs, is itself above ``min_fluctuation`` and the range of the
   validation window (loss units) is above ``min_abs`` (so a converged run whose losses are near zero stays quiet).

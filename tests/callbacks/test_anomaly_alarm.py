@@ -410,3 +410,51 @@ def test_manual_optimization_two_optimizers(tmp_path):
     assert [a.rule for a in alarm.alerts] == ["nonfinite_loss"]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert trainer.global_step < 32  # stopped early (each batch takes two optimizer steps)
+
+
+def _scaler_trainer(tmp_path, alarm, init_scale):
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    return pl.Trainer(
+        max_epochs=1,
+        default_root_dir=tmp_path,
+        callbacks=[alarm],
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        **FAST,
+    )
+
+
+def test_gradscaler_overflows_are_the_scalers_business(tmp_path):
+    # an absurd initial scale overflows for a few steps while the scaler calibrates: not a fault
+    alarm = AnomalyAlarm()
+    trainer = _scaler_trainer(tmp_path, alarm, 2.0**18)
+    trainer.fit(_Returns("tensor"))
+    assert trainer.precision_plugin.scaler.get_scale() < 2.0**18  # the scaler did skip overflow steps
+    assert serious(alarm.alerts) == []
+    assert trainer.global_step == 12  # not stopped
+
+
+def test_gradscaler_persistent_overflow_alerts(tmp_path):
+    alarm = AnomalyAlarm(max_scaler_overflows=3)
+    trainer = _scaler_trainer(tmp_path, alarm, 2.0**127)  # overflows far longer than 3 steps
+    trainer.fit(_Returns("tensor"))
+    assert [a.rule for a in alarm.alerts] == ["nonfinite_grad"]
+    assert alarm.alerts[0].global_step == 2  # the 3rd overflow in a row
+
+
+def test_accumulated_loss_is_on_the_same_scale(tmp_path):
+    means = {}
+    for accumulate in (1, 4):
+        alarm = AnomalyAlarm()
+        pl.seed_everything(0)
+        trainer = pl.Trainer(
+            max_epochs=1,
+            default_root_dir=tmp_path / str(accumulate),
+            callbacks=[alarm],
+            accumulate_grad_batches=accumulate,
+            **FAST,
+        )
+        trainer.fit(_Returns("tensor"))
+        means[accumulate] = alarm.swing_rule.previous
+    assert means[4] == pytest.approx(means[1], rel=0.3)  # not divided by 4
