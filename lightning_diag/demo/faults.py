@@ -15,7 +15,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_VANISH, LOSS_SWING, NONFINITE_LOSS, VAL_DECLINE
+from lightning_diag.alerts import (
+    ATTN_ENTROPY_LOW,
+    GRAD_COLLAPSE, 
+    GRAD_EXPLODE,
+    GRAD_VANISH,
+    LOSS_SWING,
+    NONFINITE_LOSS,
+    VAL_DECLINE,
+)
 from lightning_diag.demo.data import SyntheticDataModule
 from lightning_diag.demo.models import DemoConfig, TinyTransformerClassifier
 
@@ -110,6 +118,15 @@ FAULTS: dict[str, Fault] = {
             window=15,
             max_epochs=4,
             config={"kill_hidden_at_step": 40},
+        ),
+        Fault(
+            "attention",
+            "from global step 30 every query attends only to [CLS]: attention collapses onto one token",
+            (ATTN_ENTROPY_LOW,),
+            onset_step=30,
+            window=15,
+            max_epochs=3,
+            config={"attention_collapse_at_step": 30},
         ),
         Fault(
             "overfit",
