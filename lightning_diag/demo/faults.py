@@ -5,7 +5,7 @@ Used by ``lightning-diag demo``, the scenario tests and the benchmarks. A fault 
 
 Example:
     >>> sorted(FAULTS)[:4]
-    ['collapse', 'explode', 'healthy_deep', 'healthy_sgd']
+    ['attention', 'collapse', 'explode', 'healthy_deep']
     >>> FAULTS["nan"].expected_rules
     ('nonfinite_loss',)
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_diag.alerts import (
     ATTN_ENTROPY_LOW,
-    GRAD_COLLAPSE, 
+    GRAD_COLLAPSE,
     GRAD_EXPLODE,
     GRAD_VANISH,
     LOSS_SWING,
