@@ -1,8 +1,9 @@
 """Tiny synthetic tasks shipped with the package (generated, deterministic).
 
-* :class:`SyntheticDataModule`: sequence classification (transformer and GRU classifiers). Each example is ``[CLS] t_1 ... t_n [SEP] PAD ...`` with ``n`` between ``min_len`` and ``max_len``. Four
-*marker* tokens are scattered among filler tokens; the label is the marker that occurs most often. Solving it
-needs attention over the whole sequence, so heads learn real patterns, and padding exercises masks.
+* :class:`SyntheticDataModule`: sequence classification (transformer and GRU classifiers). Each example is
+  ``[CLS] t_1 ... t_n [SEP] PAD ...`` with ``n`` between ``min_len`` and ``max_len``. Four *marker* tokens are
+  scattered among filler tokens; the label is the marker that occurs most often. Solving it needs attention
+  over the whole sequence, so heads learn real patterns, and padding exercises masks.
 * :class:`RegressionDataModule`: regression of a smooth non-linear function of 8 features, with Gaussian noise
   on the targets (the MLP).
 * :class:`CausalLMDataModule`: next-token prediction (the causal language model). Each sequence is
