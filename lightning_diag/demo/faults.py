@@ -189,8 +189,8 @@ FAULTS: dict[str, Fault] = {
             "the training targets are permuted against their inputs: the loss never falls below chance level",
             (LOSS_STAGNANT,),
             onset_epoch=0,
-            window=3,
-            max_epochs=4,
+            window=4,
+            max_epochs=5,
             data={"shuffle_targets": True},
         ),
         Fault(

@@ -74,7 +74,7 @@ DEFAULT_VAL_FLUCTUATION_MIN_ABS = 0.01
 #: ``loss_stagnant``: fraction of the initial loss the training loss must have fallen by.
 DEFAULT_STAGNANT_MIN_DROP = 0.10
 #: ``loss_stagnant``: loss points (epochs or windows) the training loss has to get there.
-DEFAULT_STAGNANT_PATIENCE = 3
+DEFAULT_STAGNANT_PATIENCE = 4
 #: ``loss_stagnant``: first optimizer steps whose mean loss is the initial loss.
 DEFAULT_STAGNANT_BASELINE_STEPS = 5
 
