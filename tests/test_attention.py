@@ -41,7 +41,7 @@ def test_recomputed_probabilities_match_the_module(case):
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(E, H, **spec["module"]).eval()
     batch_first = spec["module"]["batch_first"]
-    x = torch.randn(B, L if spec["self_attention"] else L, E)
+    x = torch.randn(B, L, E)
     src_len = L if spec["self_attention"] else S
     kv = x if spec["self_attention"] else torch.randn(B, S, spec["module"].get("kdim", E))
     kpm = None
@@ -58,7 +58,7 @@ def test_recomputed_probabilities_match_the_module(case):
     if spec["self_attention"]:
         k = q
     _, expected = mha(q, k, k, key_padding_mask=kpm, attn_mask=attn, need_weights=True, average_attn_weights=False)
-    probs, allowed, key_valid, query_valid = mha_probabilities(mha, q, k, kpm, attn, sample_size=B, max_queries=L)
+    probs, _, key_valid, query_valid = mha_probabilities(mha, q, k, kpm, attn, sample_size=B, max_queries=L)
     assert probs.shape == expected.shape
     assert torch.allclose(probs, expected.nan_to_num(0.0), atol=1e-6)
     assert (query_valid is not None) == spec["self_attention"]

@@ -207,7 +207,9 @@ class AttentionEntropyMonitor(DiagCallback):
     # -- sampling ------------------------------------------------------------------------------------------
     def _find_modules(self, pl_module: pl.LightningModule) -> list[tuple[str, nn.Module]]:
         self._names = {id(m): n for n, m in pl_module.named_modules()}
-        found = [(n, m) for n, m in pl_module.named_modules() if isinstance(m, nn.MultiheadAttention)]
+        found: list[tuple[str, nn.Module]] = [
+            (n, m) for n, m in pl_module.named_modules() if isinstance(m, nn.MultiheadAttention)
+        ]
         if self.modules is not None:
             found = [(n, m) for n, m in found if any(fnmatch.fnmatchcase(n, p) for p in self.modules)]
         return found
@@ -352,12 +354,12 @@ class AttentionEntropyMonitor(DiagCallback):
         if not by_shape:
             return
         names = max(by_shape.values(), key=len)
-        maps = torch.cat([recorder.flat[n] for n in names])
-        if maps.shape[0] < 2:
+        stacked = torch.cat([recorder.flat[n] for n in names])
+        if stacked.shape[0] < 2:
             return
         groups = [g for g, n in enumerate(names) for _ in range(recorder.flat[n].shape[0])]
-        corr = head_similarity(maps).cpu().numpy()
+        corr = head_similarity(stacked).cpu().numpy()
         cell = max(2, min(16, 256 // corr.shape[0]))
         self.writer.image(tag("attn_heads", "similarity"), heatmap(corr, cell, -1.0, 1.0, diverging=True), step)
-        coords = head_pca(maps).cpu().numpy()
+        coords = head_pca(stacked).cpu().numpy()
         self.writer.image(tag("attn_heads", "pca"), scatter(coords, groups), step)

@@ -7,15 +7,15 @@ Fed, at each measured step, with every attention module's per-head statistics
 * ``attn_entropy_low``: a head's entropy below ``low`` nats (seed 000 §3.2: 0.5): the head looks at about one
   key (e^0.5 = 1.6 keys). Judged only where the head had room to spread: where uniform attention over its allowed
   keys would have at least ``2 * low`` nats (about 3 keys), so short or heavily masked rows never count as collapse.
-* ``attn_entropy_high`` (severity ``info``): a head's entropy above ``high`` nats (seed 000 §3.2: 2.5, about 12 keys) **and** above
-  ``uniform_fraction`` of the uniform entropy over its allowed keys: the head still spreads its mass (nearly)
-  evenly over everything, it has not learned to look anywhere. The second condition is what makes the band mean
-  the same for long sequences: uniform over 128 keys is 4.85 nats, and a head at 3 nats there (about 20 keys) is
-  focused, not diffuse. With fewer than e^2.5 = 12 allowed keys a head cannot exceed 2.5 nats and the rule is
-  silent. Not judged before ``warmup_steps``: a freshly initialised model attends almost uniformly by
-  construction, which is not an anomaly. It is informational, never a warning: spreading attention evenly is a
-  legitimate solution when the task needs an average (the shipped demo task is solved that way, its heads stay at
-  about 0.95 of uniform), and a hint of an untrained or frozen attention block when it does not.
+* ``attn_entropy_high`` (severity ``info``): a head's entropy above ``high`` nats (seed 000 §3.2: 2.5, about
+  12 keys) **and** above ``uniform_fraction`` of the uniform entropy over its allowed keys: the head still
+  spreads its mass (nearly) evenly over everything. The second condition makes the band mean the same for long
+  sequences: uniform over 128 keys is 4.85 nats, and a head at 3 nats there (about 20 keys) is focused, not
+  diffuse. With fewer than e^2.5 = 12 allowed keys a head cannot exceed 2.5 nats and the rule is silent. Not
+  judged before ``warmup_steps``: a freshly initialised model attends almost uniformly by construction, which is
+  not an anomaly. It is informational, never a warning: spreading attention evenly is a legitimate solution when
+  the task needs an average (the shipped demo task is solved that way; its heads stay at about 0.95 of uniform),
+  and a hint of an untrained or frozen attention block when it does not.
 * ``attn_sink``: **every** head of a layer puts more than ``sink_mass`` of its attention on the special keys
   ([CLS]/[SEP], BOS) and more than twice what uniform attention would put there (so a 3-token sequence whose two
   special tokens hold 2/3 of the keys is not a sink).
