@@ -202,7 +202,9 @@ def run_entry(name: str, root: str, max_epochs: int | None, comparisons: bool) -
         for label, tool in COMPARISONS.items():
             sub = os.path.join(root, label.split("(")[0].split("=")[0], name)
             outcomes[label] = tool(name, sub, max_epochs)
-    return Row(FAULTS[name], result.alerts, result.global_step, seconds, outcomes, [type(c).__name__ for c in callbacks])
+    return Row(
+        FAULTS[name], result.alerts, result.global_step, seconds, outcomes, [type(c).__name__ for c in callbacks]
+    )
 
 
 def _onset(fault: Fault) -> str:

@@ -130,10 +130,11 @@ class Variant:
 
 def single_callback_factories() -> dict[str, Callable[[], list[pl.Callback]]]:
     """``{class name: factory}`` for every callback of ``default_callbacks()``, each with its defaults."""
-    out: dict[str, Callable[[], list[pl.Callback]]] = {}
-    for cb in default_callbacks():
-        out[type(cb).__name__] = lambda cls=type(cb): [cls()]
-    return out
+    return {type(cb).__name__: _factory(type(cb)) for cb in default_callbacks()}
+
+
+def _factory(cls: type[pl.Callback]) -> Callable[[], list[pl.Callback]]:
+    return lambda: [cls()]
 
 
 def variants() -> list[Variant]:

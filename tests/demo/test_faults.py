@@ -46,9 +46,9 @@ def test_library_has_ten_faults_with_onset_and_four_healthy_shapes():
 
 
 def test_unknown_names_raise_value_error_naming_the_argument():
-    with pytest.raises(ValueError, match="`fault`.*'none'"):
+    with pytest.raises(ValueError, match=r"`fault`.*'none'"):
         build_fault("nope")
-    with pytest.raises(ValueError, match="`model`.*'gru'"):
+    with pytest.raises(ValueError, match=r"`model`.*'gru'"):
         build_model(DemoConfig(model="cnn"))
 
 
@@ -65,7 +65,12 @@ def test_every_shape_builds_trains_one_step_and_has_its_data(model):
 
 
 def test_freeze_switch_turns_requires_grad_off_for_every_shape():
-    for model, prefix in (("transformer", "encoder.layers.1."), ("mlp", "net.0."), ("gru", "rnn."), ("causal_lm", "lm_head.")):
+    for model, prefix in (
+        ("transformer", "encoder.layers.1."),
+        ("mlp", "net.0."),
+        ("gru", "rnn."),
+        ("causal_lm", "lm_head."),
+    ):
         net = build_model(DemoConfig(model=model, freeze=(prefix,)))
         frozen = {n for n, p in net.named_parameters() if not p.requires_grad}
         assert frozen and all(n.startswith(prefix) for n in frozen), model
