@@ -13,6 +13,7 @@ the matrix at the next run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytorch_lightning as pl
@@ -298,6 +299,25 @@ rule is in bold; other rules that fired on a fault are listed too (a fault often
 """
 
 
+@contextlib.contextmanager
+def quiet(threads: int) -> Iterator[None]:
+    """Torch threads set, warnings and library logs silenced; all restored afterwards (the tests call main)."""
+    names = ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning_diag")
+    levels = {name: logging.getLogger(name).level for name in names}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            for name in names:
+                logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+            yield
+    finally:
+        torch.set_num_threads(before)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", action="append", choices=sorted(FAULTS), help="run only these entries")
@@ -309,10 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_epochs is not None and args.max_epochs < 1:
         parser.error("--max-epochs must be >= 1")
-    torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
-    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning_diag"):
-        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    with quiet(args.threads):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     root = args.root or tempfile.mkdtemp(prefix="detection_matrix_")
     names = args.only or [n for n, f in FAULTS.items() if not f.healthy] + [n for n, f in FAULTS.items() if f.healthy]
     t0 = time.perf_counter()

@@ -21,6 +21,7 @@ they cause are counted (target: 0).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -30,7 +31,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytorch_lightning as pl
@@ -354,6 +355,25 @@ def sync_check(args: argparse.Namespace, root: str) -> list[str]:
     return rows
 
 
+@contextlib.contextmanager
+def quiet(threads: int) -> Iterator[None]:
+    """Torch threads set, warnings and library logs silenced; all restored afterwards (the tests call main)."""
+    names = ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning_diag")
+    levels = {name: logging.getLogger(name).level for name in names}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            for name in names:
+                logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+            yield
+    finally:
+        torch.set_num_threads(before)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -399,10 +419,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must exceed --warmup + 1 and --mlp-steps must exceed --mlp-warmup + 1")
     if args.memory_steps < 4:
         parser.error(f"--memory-steps must be >= 4, got {args.memory_steps}")
-    torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
-    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning_diag"):
-        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    with quiet(args.threads):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
+    gpu = args.device == "cuda"
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="overhead_") as root:
         rows = []
