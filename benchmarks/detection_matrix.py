@@ -290,12 +290,14 @@ rule is in bold; other rules that fired on a fault are listed too (a fault often
 * `EarlyStopping(check_finite=True)` sees a non-finite value only once it reaches `val_loss`, at the end of the
   epoch, after the NaN update has already been applied to the weights. Its patience stop is a generic "no
   improvement" signal, not a diagnosis.
-* `SpikeDetection` looks at the training loss only: it catches non-finite losses at the step and large loss
-  spikes, nothing that leaves the loss small (frozen layers, vanishing gradients, attention collapse).
-* `detect_anomaly=True` raises only when backward produces a NaN, and slows every step (see
-  `docs/performance.md`).
-* An expected rule whose callback is not in `default_callbacks()` yet (the `attention` fault needs
-  `AttentionEntropyMonitor`, issue 4) shows what the current callbacks do.
+* `SpikeDetection` looks at the training loss only and raises when it jumps to 3x its running mean: it stops
+  non-finite losses at the step and faults whose loss jumps, but says nothing about the cause, cannot see a
+  fault that leaves the loss smooth (a frozen layer, vanishing gradients), and raises on healthy runs whose
+  loss has fallen near zero, where ordinary batch-to-batch noise is a 3x "spike".
+* `detect_anomaly=True` raises only when backward produces a NaN, and slows every step several times over
+  (see `docs/performance.md`).
+* A fault whose expected rule belongs to a callback missing from `default_callbacks()` would read "no: ... is
+  not in `default_callbacks()` yet".
 """
 
 
