@@ -150,3 +150,12 @@ def test_fault_configs_are_valid_config_fields():
     fields = {f.name for f in dataclasses.fields(DemoConfig)}
     for fault in FAULTS.values():
         assert set(fault.config) <= fields, fault.name
+
+
+def test_readme_lists_every_fault():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if "--fault none|" in x)
+    listed = line.split("--fault ", 1)[1].split("`", 1)[0].split("|")
+    assert sorted(listed) == sorted(FAULTS)
