@@ -35,7 +35,7 @@ from lightning_diag.demo.run import default_callbacks, run_demo
 try:  # SpikeDetection is in pytorch_lightning >= 2.2 (experimental); older versions lack it
     from pytorch_lightning.callbacks import SpikeDetection
 except ImportError:  # pragma: no cover - depends on the installed Lightning
-    SpikeDetection = None
+    SpikeDetection = None  # type: ignore[assignment,misc]
 
 COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/detection_matrix.py --write docs/detection.md"
 

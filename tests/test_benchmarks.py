@@ -114,3 +114,15 @@ def test_overhead_rejects_bad_arguments(capsys):
     assert "--reps must be >= 1" in capsys.readouterr().err
     assert _exit_code(main, ["--device", "tpu"]) == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_overhead_sync_probe_wraps_only_the_hooks_a_callback_overrides():
+    overhead = _load("overhead")
+    probe = overhead.SyncProbe(every=10)
+    assert [s for s in range(12) if probe.quiet(s)] == [1, 2, 3, 4, 5, 6, 7, 8, 11]
+    from lightning_diag import AnomalyAlarm
+
+    alarm = AnomalyAlarm()
+    probe.wrap([alarm])
+    assert "on_before_optimizer_step" in vars(alarm) and "on_train_batch_end" in vars(alarm)
+    assert "on_after_backward" not in vars(alarm)  # not overridden: left alone
