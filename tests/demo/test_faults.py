@@ -19,7 +19,6 @@ from lightning_diag.demo.models import MODELS, TinyCausalLM, build_model
 
 ANOMALY_FAULTS = [f.name for f in FAULTS.values() if not f.healthy]
 HEALTHY = [f.name for f in FAULTS.values() if f.healthy]
-SLOW_FAULTS = {"overfit", "swing"}  # 30 and 8 epochs; also covered by tests/callbacks/test_anomaly_alarm.py
 
 
 @pytest.fixture(autouse=True)
@@ -113,9 +112,7 @@ def _callback_present(rule):
     return ALL_RULES[rule] in {type(cb).__name__ for cb in default_callbacks()}
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_FAULTS else n for n in ANOMALY_FAULTS]
-)
+@pytest.mark.parametrize("name", ANOMALY_FAULTS)
 def test_every_fault_fires_its_expected_rules_within_its_window(tmp_path, name):
     fault = FAULTS[name]
     missing = [r for r in fault.expected_rules if not _callback_present(r)]
