@@ -58,8 +58,9 @@ class DemoConfig:
         kill_hidden_at_step: From this step on, every linear layer outputs 0 (all units dead): the logits are
             constant and every gradient is exactly 0.
         freeze: Module-name prefixes whose parameters get ``requires_grad=False``.
-        hidden_activation: Activation of the classifier head's hidden layers (``"relu"``, ``"sigmoid"``).
-        head_depth: Hidden layers in the classifier head.
+        hidden_activation: Activation of the classifier head's hidden layers (``"relu"``, ``"sigmoid"``,
+            ``"tanh"``); of the MLP's hidden layers for ``model="mlp"``.
+        head_depth: Hidden layers in the classifier head (the MLP's hidden layers for ``model="mlp"``).
         attention_collapse_at_step: From this step on, every head puts all its attention on [CLS].
         seed: Seed of the model's initialisation.
     """
