@@ -169,7 +169,6 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
             ],
             "update-to-weight ratio per layer": ["Multiline", [f"{p}/update_ratio/"]],
             "weight norm per layer": ["Multiline", [f"{p}/weight_norm/"]],
-            "activation-gradient norm per module": ["Multiline", [f"{p}/act_grad_norm/"]],
         }
     if any(r.startswith("attn_") for r in rules):
         layout["Attention"] = {
