@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -57,7 +59,7 @@ def _free_port() -> int:
 
 
 def _get_json(url: str) -> object:
-    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - localhost only
+    with urllib.request.urlopen(url, timeout=10) as response:  # localhost only
         return json.loads(response.read().decode("utf-8"))
 
 
@@ -82,6 +84,29 @@ def _text_tags(base: str) -> list[str]:
         for run_tags in listing.values():
             tags += list(run_tags)
     return tags
+
+
+def _chart_data(base: str, layout: dict) -> dict[str, int]:
+    """For every chart of the layout, how many of its series TensorBoard serves (summed over runs)."""
+    runs = _get_json(f"{base}/data/runs")
+    counts: dict[str, int] = {}
+    for category in layout["category"]:
+        for chart in category.get("chart", []):
+            title = f"{category['title']} / {chart['title']}"
+            if "multiline" in chart:
+                regexes = chart["multiline"].get("tag", [])
+            else:
+                series = chart.get("margin", {}).get("series", [])
+                regexes = ["^" + re.escape(s["value"]) + "$" for s in series]
+            found = 0
+            for run in runs if isinstance(runs, list) else []:
+                for regex in regexes:
+                    query = urllib.parse.urlencode({"run": run, "tag": regex})
+                    answer = _get_json(f"{base}/data/plugin/custom_scalars/scalars?{query}")
+                    if isinstance(answer, dict):
+                        found += len(answer.get("tag_to_events", {}))
+            counts[title] = found
+    return counts
 
 
 def screenshot(chromium: str, url: str, path: Path, size: str, wait_ms: int) -> None:
@@ -116,6 +141,10 @@ def run_check(logdir: Path, out: Path, chromium: str, size: str = "1600,2200", w
         missing = [c for c in EXPECTED_CATEGORIES if c not in categories]
         if missing:
             raise RuntimeError(f"layout lacks the categories {missing}; it has {categories}")
+        charts = _chart_data(base, layout)
+        for category in categories:
+            if not any(n for title, n in charts.items() if title.startswith(f"{category} / ")):
+                raise RuntimeError(f"no chart of {category!r} has data: {charts}")
         texts = _text_tags(base)
         if not any(t.startswith("diag/thresholds") for t in texts):
             raise RuntimeError(f"no diag/thresholds text is served; text tags: {texts}")
@@ -124,7 +153,7 @@ def run_check(logdir: Path, out: Path, chromium: str, size: str = "1600,2200", w
             path = out / f"{name}.png"
             screenshot(chromium, f"{base}/{fragment}", path, size, wait_ms)
             shots[name] = str(path)
-        return {"categories": categories, "text_tags": texts, "screenshots": shots}
+        return {"categories": categories, "series_per_chart": charts, "text_tags": texts, "screenshots": shots}
     finally:
         server.terminate()
         try:
@@ -138,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("logdir", help="a log directory with lightning_diag runs")
-    parser.add_argument("--out", default="browser_check", help="directory for the screenshots (default: ./browser_check)")
+    parser.add_argument(
+        "--out", default="browser_check", help="directory for the screenshots (default: ./browser_check)"
+    )
     parser.add_argument("--size", default="1600,2200", help="browser window WIDTH,HEIGHT (default 1600,2200)")
     parser.add_argument("--wait-ms", type=int, default=20000, help="virtual time the page gets to load (ms)")
     args = parser.parse_args(argv)
