@@ -72,7 +72,11 @@ def _report(logdir: str, fmt: str, out: str | None) -> int:
         if tmp is not None:
             tmp.cleanup()
     if out_dir is None:
-        print(text)
+        try:
+            print(text)
+            sys.stdout.flush()
+        except BrokenPipeError:  # `lightning-diag report ... | head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"report.{fmt}"

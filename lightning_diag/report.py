@@ -557,13 +557,14 @@ def _check_val_fluctuation(run: RunData) -> Check:
     return _finish(check, run, bool(ratios))
 
 
-def _not_measured(check_id: str, layer: str, title: str, threshold: str) -> Check:
+def _not_measured(check_id: str, layer: str, title: str, threshold: str, value: float) -> Check:
     return Check(
         check_id,
         layer,
         title,
         (),
         threshold=threshold,
+        threshold_value={"value": value},
         note="outside what a training callback sees; no lightning_diag callback measures it",
     )
 
@@ -571,8 +572,8 @@ def _not_measured(check_id: str, layer: str, title: str, threshold: str) -> Chec
 def diagnose(run: RunData) -> RunReport:
     """The checklist of one run (seed 000 §7.1, layer by layer, plus the training-process checks)."""
     checks = [
-        _not_measured("data_label_balance", "Data", "Label distribution standard deviation < 0.1", "< 0.1"),
-        _not_measured("data_train_test_overlap", "Data", "Train/test Jaccard similarity < 0.15", "< 0.15"),
+        _not_measured("data_label_balance", "Data", "Label distribution standard deviation < 0.1", "< 0.1", 0.1),
+        _not_measured("data_train_test_overlap", "Data", "Train/test Jaccard similarity < 0.15", "< 0.15", 0.15),
         _check_grad_band(run),
         _check_grad_spread(run),
         _check_grad_collapse(run),
@@ -582,8 +583,8 @@ def diagnose(run: RunData) -> RunReport:
         _check_loss_swing(run),
         _check_val_decline(run),
         _check_val_fluctuation(run),
-        _not_measured("deploy_quantization_error", "Deployment", "Quantization error < 5%", "< 5%"),
-        _not_measured("deploy_latency_fluctuation", "Deployment", "Latency fluctuation < 15%", "< 15%"),
+        _not_measured("deploy_quantization_error", "Deployment", "Quantization error < 5%", "< 5%", 0.05),
+        _not_measured("deploy_latency_fluctuation", "Deployment", "Latency fluctuation < 15%", "< 15%", 0.15),
     ]
     covered = {r for c in checks for r in c.rules}
     # Rules without a check of their own (new callbacks): judged by their alerts and logged threshold.
