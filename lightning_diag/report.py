@@ -305,6 +305,9 @@ def load_run(path: str | os.PathLike[str]) -> RunData:
             run.threshold_source = "diag/thresholds text in the event file"
     for values in run.callbacks.values():
         run.thresholds.update(values)
+    for alert in run.alerts:  # a callback that logged no thresholds still put them in its alerts
+        if alert.threshold is not None and run.callbacks and alert.rule not in run.thresholds:
+            run.thresholds[alert.rule] = alert.threshold
     if not run.callbacks:
         owners = {owner for prefix, owner in _TAG_OWNERS.items() if run.tags(prefix)}
         owners |= {ALL_RULES[a.rule] for a in run.alerts if a.rule in ALL_RULES}
@@ -446,8 +449,9 @@ def _check_attn_band(run: RunData) -> Check:
         what = "heads" if _HEAD_TAG.match(heads[0]) else "layer means"
         check.measured = f"entropy {_fmt(min(values))} .. {_fmt(max(values))} nats over {len(heads)} {what}"
         check.measured_value = {"min": min(values), "max": max(values)}
-    if values and (low is None or high is None):
-        check.note = "the run logged no attention thresholds"
+    missing = [rule for rule, v in ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high)) if v is None]
+    if values and missing:
+        check.note = f"the run logged no {' or '.join(missing)} threshold"
     return _finish(check, run, bool(values))
 
 

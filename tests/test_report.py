@@ -205,3 +205,14 @@ def test_runs_are_found_beside_their_diag_folder(tmp_path):
     _write_run(tmp_path / "b", {"diag/grad_norm/total": [1.0]})
     assert find_runs(tmp_path) == [tmp_path / "a", tmp_path / "b"]
     assert load_run(tmp_path / "a").scalars["diag/grad_norm/total"] == [(0, 1.0)]
+
+
+def test_a_callback_without_thresholds_is_judged_by_its_alert_thresholds(tmp_path, capsys):
+    # An attention callback that writes no thresholds() yet: the report takes them from its alerts.
+    alerts = [Alert("attn_sink", Severity.WARNING, "sink", 2, 35, 1.0, 0.5, "encoder.layers.0.self_attn")]
+    thresholds = {"AttentionEntropyMonitor": {}, "AnomalyAlarm": {"loss_swing": 0.1}}
+    _write_run(tmp_path / "run", {"diag/attn_sink/encoder.layers.0.self_attn": [0.1, 1.0]}, alerts, thresholds)
+    (run,) = _report_json(tmp_path, capsys)["runs"]
+    sink = next(c for c in run["checks"] if c["id"] == "attn_sink")
+    assert sink["status"] == "fail" and sink["threshold_value"] == {"value": 0.5}
+    assert sink["measured_value"] == {"max": 1.0} and sink["first_alert_step"] == 35
