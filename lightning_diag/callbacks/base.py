@@ -153,6 +153,10 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
 class DiagCallback(pl.Callback):
     """Base of the library's callbacks.
 
+    Subclasses override :meth:`thresholds` so the run records what it is judged against; one that overrides
+    ``on_fit_start`` calls ``super().on_fit_start(trainer, pl_module)``, which writes the thresholds and the
+    dashboard layout.
+
     Attributes:
         alerts: The alerts this callback raised in the current fit, in order.
     """
