@@ -25,6 +25,7 @@ CHECK_IDS = [
     "val_fluctuation",
     "deploy_quantization_error",
     "deploy_latency_fluctuation",
+    "loss_stagnant",  # no check of its own: listed from AnomalyAlarm.thresholds() under "Other"
 ]
 
 
