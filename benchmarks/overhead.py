@@ -401,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true", help="tiny models and few steps: a smoke test")
     parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 3; quick 1)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per transformer fit (cpu 10, cuda 300)")
-    parser.add_argument("--mlp-steps", type=int, default=None, help="steps per MLP fit (default 200)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per transformer fit (cpu 8, cuda 300)")
+    parser.add_argument("--mlp-steps", type=int, default=None, help="steps per MLP fit (default 150)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed first transformer steps (default 2)")
     parser.add_argument("--mlp-warmup", type=int, default=None, help="untimed first MLP steps (default 20)")
     parser.add_argument("--log-every", type=int, default=50, help="Trainer log_every_n_steps (default 50)")
@@ -420,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick
     gpu = args.device == "cuda"
     args.reps = args.reps or (1 if quick else 3)
-    args.steps = args.steps or (6 if quick else (300 if gpu else 10))
-    args.mlp_steps = args.mlp_steps or (8 if quick else 200)
+    args.steps = args.steps or (6 if quick else (300 if gpu else 8))
+    args.mlp_steps = args.mlp_steps or (8 if quick else 150)
     args.warmup = args.warmup if args.warmup is not None else 2
     args.mlp_warmup = args.mlp_warmup if args.mlp_warmup is not None else (2 if quick else 20)
     args.memory_steps = args.memory_steps or (20 if quick else 1000)
