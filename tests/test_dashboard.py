@@ -29,7 +29,7 @@ def test_layout_is_in_the_event_file_once(nan_run):
     acc = _accumulator(nan_run.log_dir)
     layout = _layout(acc)
     charts = {c.title: {ch.title: ch for ch in c.chart} for c in layout.category}
-    assert list(charts) == ["Gradients", "Loss & LR"]  # no attention callback, no Attention section
+    assert list(charts) == ["Gradients", "Attention", "Loss & LR"]  # the three default callbacks
     margin = charts["Gradients"]["global gradient norm (band: grad_vanish .. grad_explode)"].margin.series[0]
     assert (margin.value, margin.lower, margin.upper) == (
         "diag/grad_norm/total",

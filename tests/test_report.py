@@ -75,11 +75,16 @@ def test_json_report_carries_every_check(nan_run, capsys):
     band = checks["grad_norm_band"]
     assert band["status"] == "pass" and band["threshold_value"] == {"low": 0.001, "high": 10.0}
     assert 0.001 < band["measured_value"]["min"] <= band["measured_value"]["max"] < 10.0
-    assert checks["attn_entropy_band"]["status"] == "not measured"
-    assert "AttentionEntropyMonitor was not attached" in checks["attn_entropy_band"]["note"]
+    attention = checks["attn_entropy_band"]
+    assert attention["status"] == "pass" and attention["threshold_value"] == {"low": 0.5, "high": 2.5}
+    assert 0.5 < attention["measured_value"]["min"] <= attention["measured_value"]["max"] < 3.0
     assert checks["data_label_balance"]["status"] == "not measured"
     assert [a["rule"] for a in run["alerts"]] == ["nonfinite_loss"]
-    assert run["dashboard_layout"] is True and run["callbacks"] == ["AnomalyAlarm", "GradientFlowMonitor"]
+    assert run["dashboard_layout"] is True and run["callbacks"] == [
+        "AnomalyAlarm",
+        "AttentionEntropyMonitor",
+        "GradientFlowMonitor",
+    ]
 
 
 def test_html_with_out_writes_report_and_plots(nan_run, tmp_path, capsys):
@@ -89,7 +94,7 @@ def test_html_with_out_writes_report_and_plots(nan_run, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     html = (out / "report.html").read_text()
     pngs = sorted(p.name for p in out.rglob("*.png"))
-    assert pngs == ["grad_norms.png", "loss.png"]
+    assert pngs == ["attn_entropy.png", "grad_norms.png", "loss.png"]
     for png in out.rglob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
         assert f"src='{png.relative_to(out)}'" in html
@@ -99,7 +104,7 @@ def test_html_with_out_writes_report_and_plots(nan_run, tmp_path, capsys):
 def test_html_to_stdout_embeds_the_plots(nan_run, capsys):
     pytest.importorskip("matplotlib")
     assert main(["report", nan_run.log_dir, "--format", "html"]) == 0
-    assert capsys.readouterr().out.count("src='data:image/png;base64,") == 2
+    assert capsys.readouterr().out.count("src='data:image/png;base64,") == 3
 
 
 def test_md_and_json_work_without_matplotlib(nan_run, tmp_path):
@@ -171,6 +176,7 @@ def test_attention_and_new_rules_are_judged_from_the_log(tmp_path, capsys):
     assert sink["threshold_value"] == {"value": 0.6}
     assert checks["attn_rank_collapse"]["status"] == "fail" and checks["attn_rank_collapse"]["layer"] == "Other"
     assert checks["grad_norm_band"]["status"] == "not measured"
+    assert "GradientFlowMonitor was not attached" in checks["grad_norm_band"]["note"]
 
 
 def test_attention_heatmap_is_drawn(tmp_path):
