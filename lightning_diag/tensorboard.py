@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from typing import Any
 
 import pytorch_lightning as pl
@@ -23,6 +24,16 @@ log = logging.getLogger("lightning_diag")
 
 TAG_PREFIX = "diag"
 _BAD_TAG_CHARS = re.compile(r"[^A-Za-z0-9_.\-/]")
+
+
+def _tensorboard_logger_types() -> tuple[type, ...]:
+    """``TensorBoardLogger`` of ``pytorch_lightning``, and of the unified ``lightning`` package once it is in use."""
+    types: list[type] = [TensorBoardLogger]
+    if "lightning.pytorch" in sys.modules:  # never import the unified package for a user who does not use it
+        from lightning.pytorch.loggers import TensorBoardLogger as UnifiedTensorBoardLogger
+
+        types.append(UnifiedTensorBoardLogger)
+    return tuple(types)
 
 
 def sanitize_tag(part: str) -> str:
@@ -71,9 +82,10 @@ class DiagWriter:
         """The trainer's TensorBoard writer, or a new one at ``<log_dir>/diag``; a no-op off rank zero."""
         if not trainer.is_global_zero:
             return cls(None)
+        tensorboard_loggers = _tensorboard_logger_types()
         for lg in trainer.loggers:
-            if isinstance(lg, TensorBoardLogger):
-                return cls(lg.experiment)
+            if isinstance(lg, tensorboard_loggers):
+                return cls(getattr(lg, "experiment", None))
         from torch.utils.tensorboard import SummaryWriter
 
         path = os.path.join(log_dir, "diag")

@@ -38,7 +38,19 @@ DEFAULT_MAX_SKIPS = 5
 DEFAULT_MAX_SCALER_OVERFLOWS = 5
 NONFINITE_ACTIONS: tuple[str, ...] = ("stop", "raise", "skip", "warn")
 _SHOWN_PARAMS = 5
-_STATE_KEYS = ("swing", "val_decline", "val_fluctuation", "nonfinite_latch", "skips", "accumulators")
+_STATE_KEYS = (
+    "swing",
+    "val_decline",
+    "val_fluctuation",
+    "nonfinite_latch",
+    "skips",
+    "accumulators",
+    "window_start",
+    "last_finite_loss",
+    "pending_nonfinite",
+)
+#: "No non-finite step seen" in the MIN-reduction of warn mode's first bad step.
+_NO_STEP = 2**62
 
 
 class NonFiniteError(RuntimeError):
@@ -198,7 +210,7 @@ class AnomalyAlarm(DiagCallback):
         self._scaler_overflows = 0
         self._loss_bad: torch.Tensor | None = None  # NaN/Inf in a micro-batch loss since the last step
         self._last_finite_loss: torch.Tensor | float = math.nan
-        # "warn" mode keeps its findings on the device until a logging step reads them.
+        # "warn" mode keeps its findings on the device until a logging step reads them (-1: none).
         self._pending_loss_step: torch.Tensor | None = None
         self._pending_grad_step: torch.Tensor | None = None
 
@@ -211,24 +223,34 @@ class AnomalyAlarm(DiagCallback):
             "window_sum": 0.0,
             "window_count": 0.0,
         }
-        self._window_steps = 0
-        self._window_last_step = -1
+        # The global step the current step window started at; set at train start unless a checkpoint did.
+        self._window_start: int | None = None
+        # Set by load_state_dict: the accumulators hold the sums of every rank (see on_save_checkpoint).
+        self._acc_restored = False
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(monitor=self.monitor, swing_window=self.swing_window)
 
     def state_dict(self) -> dict[str, Any]:
-        """Rule histories, latches, the skip count and the partial loss means (for mid-epoch resumes)."""
-        acc = {k: float(v) for k, v in self._acc.items()}
-        acc["window_steps"] = float(self._window_steps)
+        """Rule histories, latches, the skip count, the partial loss sums and warn mode's pending findings.
+
+        The loss sums here are this process's; a checkpoint saved by the trainer holds the sums of every rank
+        (see :meth:`on_save_checkpoint`).
+        """
+        pending = [-1, -1]
+        if self._pending_loss_step is not None and self._pending_grad_step is not None:
+            pending = torch.stack([self._pending_loss_step, self._pending_grad_step]).tolist()
         return {
             "swing": self.swing_rule.state_dict(),
             "val_decline": self.val_decline_rule.state_dict(),
             "val_fluctuation": self.val_fluctuation_rule.state_dict(),
             "nonfinite_latch": self._nonfinite_latch.state_dict(),
             "skips": self._skips,
-            "accumulators": acc,
+            "accumulators": {k: float(v) for k, v in self._acc.items()},
+            "window_start": self._window_start,
+            "last_finite_loss": float(self._last_finite_loss),
+            "pending_nonfinite": {"loss_step": int(pending[0]), "grad_step": int(pending[1])},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -243,9 +265,40 @@ class AnomalyAlarm(DiagCallback):
         self.val_fluctuation_rule.load_state_dict(state_dict["val_fluctuation"])
         self._nonfinite_latch.load_state_dict(state_dict["nonfinite_latch"])
         self._skips = int(state_dict["skips"])
-        acc = dict(state_dict["accumulators"])
-        self._window_steps = int(acc.pop("window_steps", 0))
+        acc = state_dict["accumulators"]
         self._acc = {k: float(acc.get(k, 0.0)) for k in self._acc}
+        self._acc_restored = True
+        start = state_dict["window_start"]
+        self._window_start = None if start is None else int(start)
+        self._last_finite_loss = float(state_dict["last_finite_loss"])
+        pending = state_dict["pending_nonfinite"]
+        self._pending_loss_step = torch.tensor(int(pending["loss_step"]))
+        self._pending_grad_step = torch.tensor(int(pending["grad_step"]))
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Replace this rank's partial loss sums in the saved state with the sums over all ranks.
+
+        Lightning builds the checkpoint on every rank (only rank zero writes it), so the reduction runs on all.
+        """
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if state is None or trainer.world_size <= 1:
+            return
+        keys = list(self._acc)
+        local = torch.tensor([float(self._acc[k]) for k in keys], dtype=torch.float64, device=pl_module.device)
+        total = trainer.strategy.reduce(local, reduce_op="sum").tolist()
+        state["accumulators"] = dict(zip(keys, total, strict=True))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the step window, and share restored all-rank loss sums out evenly over this run's ranks."""
+        if self._window_start is None:
+            self._window_start = trainer.global_step
+        if self._acc_restored and trainer.world_size > 1:
+            # The checkpoint holds the sums over all ranks: each rank takes an equal share, so the next
+            # all-reduce adds up to them again (whatever the world size of the run that saved them).
+            self._acc = {k: float(v) / trainer.world_size for k, v in self._acc.items()}
+        self._acc_restored = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -339,10 +392,13 @@ class AnomalyAlarm(DiagCallback):
 
     def _defer(self, trainer: pl.Trainer, loss_bad: torch.Tensor | None, grad_bad: torch.Tensor) -> None:
         step = trainer.global_step
-        if self._pending_grad_step is None:
-            self._pending_grad_step = torch.full((), -1, dtype=torch.long, device=grad_bad.device)
-            self._pending_loss_step = torch.full((), -1, dtype=torch.long, device=grad_bad.device)
-        assert self._pending_loss_step is not None
+        device = grad_bad.device
+        if self._pending_grad_step is None or self._pending_loss_step is None:
+            self._pending_grad_step = torch.full((), -1, dtype=torch.long, device=device)
+            self._pending_loss_step = torch.full((), -1, dtype=torch.long, device=device)
+        elif self._pending_grad_step.device != device:  # restored from a checkpoint onto the CPU
+            self._pending_grad_step = self._pending_grad_step.to(device)
+            self._pending_loss_step = self._pending_loss_step.to(device)
         self._pending_grad_step = torch.where(grad_bad & (self._pending_grad_step < 0), step, self._pending_grad_step)
         if loss_bad is not None:
             self._pending_loss_step = torch.where(
@@ -362,8 +418,13 @@ class AnomalyAlarm(DiagCallback):
             self._nonfinite_latch.update("gradients", False)
             return
         any_loss = strategy.reduce_boolean_decision(loss_step >= 0, all=False)
-        first = int(loss_step if loss_step >= 0 else grad_step)
-        alert = self._nonfinite_alert(trainer, pl_module, any_loss, first if first >= 0 else trainer.global_step)
+        # The first bad step over all ranks (MIN), so every rank's alert names the same step.
+        local_first = [loss_step if loss_step >= 0 else _NO_STEP, grad_step if grad_step >= 0 else _NO_STEP]
+        first_loss, first_grad = (
+            strategy.reduce(torch.tensor(local_first, device=pl_module.device), reduce_op="min").long().tolist()
+        )
+        first = first_loss if any_loss else first_grad
+        alert = self._nonfinite_alert(trainer, pl_module, any_loss, first if first < _NO_STEP else trainer.global_step)
         if self._nonfinite_latch.update(alert.source, True):
             self.record([alert])
 
@@ -417,10 +478,12 @@ class AnomalyAlarm(DiagCallback):
             self._last_finite_loss = torch.where(
                 finite, loss, last if isinstance(last, torch.Tensor) else torch.full_like(loss, last)
             )
-        if isinstance(self.swing_window, int) and trainer.global_step != self._window_last_step:
-            self._window_last_step = trainer.global_step
-            self._window_steps += 1
-            if self._window_steps >= self.swing_window:
+        # Optimizer steps, not batches: accumulation micro-batches (global_step unchanged) do not count.
+        if isinstance(self.swing_window, int):
+            if self._window_start is None:
+                self._window_start = trainer.global_step
+            if trainer.global_step - self._window_start >= self.swing_window:
+                self._window_start = trainer.global_step
                 self._close_window(trainer, pl_module, "window")
         if not self.is_logging_step(trainer):
             return
@@ -453,8 +516,6 @@ class AnomalyAlarm(DiagCallback):
 
     def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
         mean = self._reduced_mean(trainer, pl_module, prefix)
-        if prefix == "window":
-            self._window_steps = 0
         if not math.isfinite(mean):
             return
         step = trainer.global_step
