@@ -3,7 +3,9 @@
 import logging as _logging
 
 from lightning_diag.alerts import Alert, AlertLog, Severity, read_alerts
+from lightning_diag.attention import attention_requested, record_attention, record_hf_attentions
 from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
+from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
 from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
 
 __version__ = "0.1.0"
@@ -12,11 +14,15 @@ __all__ = [
     "Alert",
     "AlertLog",
     "AnomalyAlarm",
+    "AttentionEntropyMonitor",
     "GradientFlowMonitor",
     "NonFiniteError",
     "Severity",
     "__version__",
+    "attention_requested",
     "read_alerts",
+    "record_attention",
+    "record_hf_attentions",
 ]
 
 _logger = _logging.getLogger("lightning_diag")

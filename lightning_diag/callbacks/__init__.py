@@ -1,7 +1,8 @@
 """Thin Lightning adapters over ``stats/`` and ``rules/``."""
 
 from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
+from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
 
-__all__ = ["AnomalyAlarm", "DiagCallback", "GradientFlowMonitor", "NonFiniteError"]
+__all__ = ["AnomalyAlarm", "AttentionEntropyMonitor", "DiagCallback", "GradientFlowMonitor", "NonFiniteError"]

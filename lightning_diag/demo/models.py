@@ -36,7 +36,7 @@ class DemoConfig:
         freeze: Module-name prefixes whose parameters get ``requires_grad=False``.
         hidden_activation: Activation of the classifier head's hidden layers (``"relu"``, ``"sigmoid"``).
         head_depth: Hidden layers in the classifier head.
-        attention_collapse_at_step: From this step on, every head attends only to [CLS].
+        attention_collapse_at_step: From this step on, every head puts all its attention on [CLS].
         seed: Seed of the model's initialisation.
     """
 
@@ -92,11 +92,15 @@ class TinyTransformerClassifier(pl.LightningModule):
         if self.training and c.inf_input_at_step is not None and self.global_step == c.inf_input_at_step:
             x = x.clone()
             x[0, 1, 0] = math.inf
-        mask = padding_mask
+        mask: torch.Tensor | None = padding_mask
         if c.attention_collapse_at_step is not None and self.global_step >= c.attention_collapse_at_step:
-            # Only [CLS] stays visible to every query: attention collapses onto one token.
-            mask = torch.ones_like(tokens, dtype=torch.bool)
-            mask[:, 0] = False
+            # Every key but [CLS] gets a score penalty of 20 (still allowed, unlike padding): every query puts
+            # all its mass on one token, as attention-logit growth does in a real run.
+            bias = torch.full(tokens.shape, -20.0, device=tokens.device)
+            bias[:, 0] = 0.0
+            if padding_mask is not None:
+                bias = bias.masked_fill(padding_mask, -math.inf)
+            mask = bias
         x = self.encoder(x, src_key_padding_mask=mask)
         return self.head(x[:, 0])
 

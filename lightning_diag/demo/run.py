@@ -20,9 +20,10 @@ __all__ = ["DemoResult", "default_callbacks", "run_demo"]
 def default_callbacks() -> list[DiagCallback]:
     """One instance of every callback the library has, with default settings."""
     from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm
+    from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
     from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
 
-    return [GradientFlowMonitor(), AnomalyAlarm()]
+    return [GradientFlowMonitor(), AnomalyAlarm(), AttentionEntropyMonitor()]
 
 
 @dataclasses.dataclass

@@ -1,0 +1,365 @@
+"""AttentionEntropyMonitor: per-head attention entropy, collapse / diffusion / [CLS]-[SEP] sink alerts, heatmaps."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.trainer.states import TrainerFn
+from torch import nn
+
+from lightning_diag._validation import check_int, check_number
+from lightning_diag.attention import AttentionRecorder
+from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.images import heatmap, scatter, tile
+from lightning_diag.rules.attention import (
+    DEFAULT_ATTN_PATIENCE,
+    DEFAULT_ATTN_WARMUP_STEPS,
+    DEFAULT_ENTROPY_HIGH,
+    DEFAULT_ENTROPY_LOW,
+    DEFAULT_SINK_MASS,
+    DEFAULT_UNIFORM_FRACTION,
+    AttentionEntropyRule,
+    AttentionSinkRule,
+    LayerStats,
+)
+from lightning_diag.stats.attention import head_pca, head_similarity
+from lightning_diag.tensorboard import tag
+
+__all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonitor"]
+
+#: Sequences of the batch measured on a sampled step.
+DEFAULT_SAMPLE_SIZE = 8
+#: Query positions per sequence measured on a sampled step (evenly spaced).
+DEFAULT_MAX_QUERIES = 64
+_STATE_KEYS = ("entropy", "sink")
+_IMAGE_KEYS = 128  # keys shown at most per heatmap
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _default_input_ids(batch: Any) -> torch.Tensor | None:
+    """``batch["input_ids"]``, or the first 2-D integer tensor of a tuple/list batch."""
+    if isinstance(batch, dict):
+        value = batch.get("input_ids")
+        return value if isinstance(value, torch.Tensor) else None
+    if isinstance(batch, (tuple, list)):
+        for item in batch:
+            if isinstance(item, torch.Tensor) and item.dim() == 2 and item.dtype in _INT_DTYPES:
+                return item
+    return None
+
+
+class AttentionEntropyMonitor(DiagCallback):
+    r"""Per-head attention entropy in TensorBoard, with collapse, diffusion and special-token sink alerts.
+
+    Every ``torch.nn.MultiheadAttention`` of the model is found automatically, also inside
+    ``nn.TransformerEncoderLayer`` / ``DecoderLayer``; other attention modules report through
+    :func:`~lightning_diag.record_attention` and Hugging Face models through
+    :func:`~lightning_diag.record_hf_attentions`. On a sampled step (every ``log_every_n_steps`` optimizer steps,
+    the first micro-batch of the step) the probabilities are recomputed from the module's inputs without gradient,
+    before dropout, for the first ``sample_size`` sequences and at most ``max_queries`` query positions of each:
+    the step's loss, gradients and random numbers are exactly those of a run without the monitor. Other steps cost
+    one integer comparison: no hook is attached.
+
+    Entropy is in nats, per head, averaged over valid query rows only: padded keys carry no mass (the key padding
+    mask and attention mask are honoured) and padded query rows are left out. Uniform attention over ``n`` keys
+    has ``ln n`` nats (2.48 for 12 keys, 4.85 for 128); one-hot attention has 0.
+
+    Logged metrics (global rank zero; ``<module>`` is the module's qualified name):
+
+    * ``diag/attn_entropy/<module>/head_<h>``: entropy of head ``h``.
+    * ``diag/attn_entropy/<module>/mean``: mean over the module's heads.
+    * ``diag/attn_entropy/<module>/uniform``: entropy uniform attention over the same keys would have (the
+      ceiling; ``attn_entropy_high`` compares with it).
+    * ``diag/attn_sink/<module>``: the smallest attention mass any head puts on the special tokens.
+    * ``diag/attn_map/<module>`` (image, every ``image_every_n_steps``): each head's attention map of the first
+      sampled sequence (query rows x keys, padding cut off), heads side by side.
+    * ``diag/attn_heads/similarity`` (image): correlation between every pair of heads' maps (blue -1, white 0,
+      red 1), heads in module order.
+    * ``diag/attn_heads/pca`` (image): every head projected onto the first two principal components of the heads'
+      maps, one colour per module: heads that do the same job sit together.
+
+    Rules (definitions in :mod:`lightning_diag.rules.attention`), each on ``patience`` consecutive measurements:
+
+    * ``attn_entropy_low``: a head below ``entropy_low`` nats (where uniform attention would exceed twice that).
+    * ``attn_entropy_high``: after ``warmup_steps``, a head above ``entropy_high`` nats and above
+      ``uniform_fraction`` of uniform.
+    * ``attn_sink``: every head of a module puts more than ``sink_mass`` of its attention (and twice its uniform
+      share) on special tokens.
+
+    Args:
+        log_every_n_steps: Sample every this many optimizer steps; defaults to the trainer's interval.
+        modules: ``fnmatch`` patterns of ``nn.MultiheadAttention`` module names to watch; default: all.
+        sample_size: Sequences of the batch measured (default 8).
+        max_queries: Query positions per sequence measured, evenly spaced (default 64).
+        special_positions: Positions among each sequence's non-padding keys that are special tokens: ``0`` is
+            the first ([CLS] / BOS), ``-1`` the last ([SEP] / EOS). Default ``(0, -1)``.
+        special_token_ids: Token ids that are special, in addition to ``special_positions``; needs the batch's
+            token ids (``input_ids``).
+        input_ids: ``batch -> LongTensor[B, S]`` giving the token ids; default: ``batch["input_ids"]`` or the
+            first 2-D integer tensor of a tuple batch.
+        image_every_n_steps: Interval of the images; ``None`` (default) is 10 times the sampling interval, ``0``
+            turns them off.
+        entropy_low: ``attn_entropy_low`` threshold in nats (default 0.5).
+        entropy_high: ``attn_entropy_high`` threshold in nats (default 2.5).
+        uniform_fraction: ``attn_entropy_high`` also needs the entropy above this fraction of uniform (0.9).
+        warmup_steps: Optimizer steps before ``attn_entropy_high`` judges (default 200).
+        sink_mass: ``attn_sink`` threshold: mass on special tokens (default 0.5).
+        patience: Consecutive measurements a condition must hold (default 2).
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If an argument is out of range.
+
+    Example:
+        >>> monitor = AttentionEntropyMonitor(log_every_n_steps=10, special_positions=(0,))
+        >>> monitor.entropy_low, monitor.entropy_high
+        (0.5, 2.5)
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        modules: Sequence[str] | None = None,
+        sample_size: int = DEFAULT_SAMPLE_SIZE,
+        max_queries: int = DEFAULT_MAX_QUERIES,
+        special_positions: Sequence[int] = (0, -1),
+        special_token_ids: Sequence[int] | None = None,
+        input_ids: Callable[[Any], torch.Tensor | None] | None = None,
+        image_every_n_steps: int | None = None,
+        entropy_low: float = DEFAULT_ENTROPY_LOW,
+        entropy_high: float = DEFAULT_ENTROPY_HIGH,
+        uniform_fraction: float = DEFAULT_UNIFORM_FRACTION,
+        warmup_steps: int = DEFAULT_ATTN_WARMUP_STEPS,
+        sink_mass: float = DEFAULT_SINK_MASS,
+        patience: int = DEFAULT_ATTN_PATIENCE,
+    ) -> None:
+        super().__init__(log_every_n_steps=log_every_n_steps)
+        if modules is not None and (isinstance(modules, str) or not all(isinstance(m, str) for m in modules)):
+            raise TypeError(f"Expected argument `modules` to be a list of module-name patterns, but got {modules!r}")
+        self.modules = None if modules is None else tuple(modules)
+        self.sample_size = check_int("sample_size", sample_size, low=1)
+        self.max_queries = check_int("max_queries", max_queries, low=1)
+        self.special_positions = self._int_tuple("special_positions", special_positions)
+        self.special_token_ids = self._int_tuple("special_token_ids", special_token_ids or ())
+        if input_ids is not None and not callable(input_ids):
+            raise TypeError(f"Expected argument `input_ids` to be a callable batch -> tensor, but got {input_ids!r}")
+        self.input_ids = input_ids
+        if image_every_n_steps is not None:
+            check_int("image_every_n_steps", image_every_n_steps, low=0)
+        self.image_every_n_steps = image_every_n_steps
+        self.entropy_low = check_number("entropy_low", entropy_low, low=0.0)
+        self.entropy_high = check_number("entropy_high", entropy_high, low=self.entropy_low)
+        self.uniform_fraction = check_number("uniform_fraction", uniform_fraction, low=0.0, high=1.0)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
+        self.sink_mass = check_number("sink_mass", sink_mass, low=0.0, high=1.0, high_inclusive=False)
+        self.patience = check_int("patience", patience, low=1)
+        self._make_rules()
+        self._recorder: AttentionRecorder | None = None
+        self._handles: list[Any] = []
+        self._mha: list[tuple[str, nn.Module]] | None = None
+        self._names: dict[int, str] = {}
+        self._sampled_step = -1
+
+    @staticmethod
+    def _int_tuple(name: str, values: Sequence[int]) -> tuple[int, ...]:
+        if isinstance(values, (str, bytes)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise TypeError(f"Expected argument `{name}` to be a sequence of ints, but got {values!r}")
+        return tuple(values)
+
+    def _make_rules(self) -> None:
+        self.entropy_rule = AttentionEntropyRule(
+            self.entropy_low, self.entropy_high, self.uniform_fraction, self.warmup_steps, self.patience
+        )
+        self.sink_rule = AttentionSinkRule(self.sink_mass, self.patience)
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The rules' streaks and latches."""
+        return {"entropy": self.entropy_rule.state_dict(), "sink": self.sink_rule.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing key.
+        """
+        self.check_state_keys(state_dict, _STATE_KEYS)
+        self.entropy_rule.load_state_dict(state_dict["entropy"])
+        self.sink_rule.load_state_dict(state_dict["sink"])
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """A new fit starts with fresh rules (a resume then loads their state)."""
+        super().setup(trainer, pl_module, stage)
+        if stage == TrainerFn.FITTING:
+            self._make_rules()
+            self._mha = None
+            self._sampled_step = -1
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Remove any hook still attached, then release the session."""
+        self._detach()
+        super().teardown(trainer, pl_module, stage)
+
+    # -- sampling ------------------------------------------------------------------------------------------
+    def _find_modules(self, pl_module: pl.LightningModule) -> list[tuple[str, nn.Module]]:
+        self._names = {id(m): n for n, m in pl_module.named_modules()}
+        found: list[tuple[str, nn.Module]] = [
+            (n, m) for n, m in pl_module.named_modules() if isinstance(m, nn.MultiheadAttention)
+        ]
+        if self.modules is not None:
+            found = [(n, m) for n, m in found if any(fnmatch.fnmatchcase(n, p) for p in self.modules)]
+        return found
+
+    def image_interval(self, trainer: pl.Trainer) -> int:
+        """Steps between images (0: none)."""
+        if self.image_every_n_steps is not None:
+            return self.image_every_n_steps
+        return 10 * self.every_n_steps(trainer)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """On the first micro-batch of a sampled step: attach the measuring hooks and open the recorder."""
+        step = trainer.global_step
+        if step % self.every_n_steps(trainer) != 0 or step == self._sampled_step:
+            return
+        self._sampled_step = step
+        if self._mha is None:
+            self._mha = self._find_modules(pl_module)
+        token_ids = None
+        if self.special_token_ids:
+            token_ids = (self.input_ids or _default_input_ids)(batch)
+            if token_ids is None:
+                self.notice(
+                    trainer,
+                    "no-input-ids",
+                    "`special_token_ids` is set but the batch's token ids were not found: pass `input_ids=` "
+                    "(batch -> LongTensor[B, S]); only `special_positions` mark special tokens",
+                )
+        interval = self.image_interval(trainer)
+        recorder = AttentionRecorder(
+            self.sample_size,
+            self.max_queries,
+            self.special_positions,
+            self.special_token_ids,
+            token_ids,
+            keep_maps=bool(interval) and step % interval == 0 and self.writer.active,
+            module_names=self._names,
+        )
+        self._handles = [
+            module.register_forward_pre_hook(recorder.mha_pre_hook(name), with_kwargs=True)
+            for name, module in self._mha
+        ]
+        recorder.activate()
+        self._recorder = recorder
+
+    def _detach(self) -> AttentionRecorder | None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.deactivate()
+        return recorder
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """After a sampled micro-batch: remove the hooks, log the statistics, run the rules, draw images."""
+        recorder = self._detach()
+        if recorder is None:
+            return
+        for name, problem in recorder.problems.items():
+            self.notice(trainer, f"problem:{name}", f"attention of `{name}` is not measured: {problem}")
+        layers = self._reduce(trainer, recorder)
+        if layers is None:
+            return
+        step = self._sampled_step
+        values: dict[str, float] = {}
+        for name, stats in layers.items():
+            for h, ent in enumerate(stats.entropy):
+                values[tag("attn_entropy", name, f"head_{h}")] = ent
+            values[tag("attn_entropy", name, "mean")] = sum(stats.entropy) / len(stats.entropy)
+            values[tag("attn_entropy", name, "uniform")] = max(stats.uniform)
+            values[tag("attn_sink", name)] = min(stats.special_mass)
+        self.writer.scalars(values, step)
+        ctx = self.context(trainer)
+        ctx = type(ctx)(epoch=ctx.epoch, global_step=step)
+        self.record(self.entropy_rule.update(layers, ctx) + self.sink_rule.update(layers, ctx))
+        if recorder.keep_maps:
+            self._draw(recorder, step)
+
+    def _reduce(self, trainer: pl.Trainer, recorder: AttentionRecorder) -> dict[str, LayerStats] | None:
+        """One host copy of every module's statistics, averaged over ranks (weighted by valid rows)."""
+        names = list(recorder.stats)
+        distributed = trainer.world_size > 1
+        if distributed:
+            # Every rank reaches this point on the same step; agree on the module count before reducing.
+            count = torch.tensor([len(names), -len(names)], dtype=torch.float32, device=trainer.strategy.root_device)
+            count = trainer.strategy.reduce(count, reduce_op="max")
+            if int(count[0]) != -int(count[1]):
+                self.notice(
+                    trainer,
+                    "ranks-differ",
+                    "ranks recorded different attention modules on one step; each rank's statistics are its own",
+                )
+                distributed = False
+        if not names:
+            self.notice(
+                trainer,
+                "no-attention",
+                "no nn.MultiheadAttention found"
+                + (" matching `modules`" if self.modules is not None else "")
+                + " and nothing handed over through record_attention(): attention entropy is not measured",
+            )
+            return None
+        heads = [int(recorder.stats[n].entropy.numel()) for n in names]
+        parts = []
+        for n in names:
+            s = recorder.stats[n]
+            rows = s.rows.reshape(-1)[:1]
+            parts += [s.entropy * rows, s.uniform * rows, s.special_mass * rows, s.special_share * rows, rows]
+        flat = torch.cat([p.reshape(-1).float() for p in parts])
+        if distributed:
+            flat = trainer.strategy.reduce(flat, reduce_op="sum")
+        host = flat.tolist()  # the one copy of this sampled step
+        layers: dict[str, LayerStats] = {}
+        i = 0
+        for name, h in zip(names, heads, strict=True):
+            chunk = host[i : i + 4 * h + 1]
+            i += 4 * h + 1
+            rows = chunk[-1]
+            if rows <= 0:
+                continue
+            cols = [[v / rows for v in chunk[j * h : (j + 1) * h]] for j in range(4)]
+            layers[name] = LayerStats(*cols)
+        return layers
+
+    # -- images --------------------------------------------------------------------------------------------
+    def _draw(self, recorder: AttentionRecorder, step: int) -> None:
+        for name, probs in recorder.maps.items():
+            maps = probs[..., :_IMAGE_KEYS].cpu().numpy()
+            if maps.size == 0:
+                continue
+            cell = max(1, min(8, 128 // max(maps.shape[1], maps.shape[2], 1)))
+            self.writer.image(tag("attn_map", name), tile([heatmap(m, cell, 0.0, 1.0) for m in maps], gap=cell), step)
+        # Heads are compared within the largest set of modules whose maps have the same shape.
+        by_shape: dict[tuple[int, ...], list[str]] = {}
+        for name, flat in recorder.flat.items():
+            by_shape.setdefault(tuple(flat.shape[1:]), []).append(name)
+        if not by_shape:
+            return
+        names = max(by_shape.values(), key=len)
+        stacked = torch.cat([recorder.flat[n] for n in names])
+        if stacked.shape[0] < 2:
+            return
+        groups = [g for g, n in enumerate(names) for _ in range(recorder.flat[n].shape[0])]
+        corr = head_similarity(stacked).cpu().numpy()
+        cell = max(2, min(16, 256 // corr.shape[0]))
+        self.writer.image(tag("attn_heads", "similarity"), heatmap(corr, cell, -1.0, 1.0, diverging=True), step)
+        coords = head_pca(stacked).cpu().numpy()
+        self.writer.image(tag("attn_heads", "pca"), scatter(coords, groups), step)

@@ -1,0 +1,183 @@
+"""Attention rules (framework-free): ``attn_entropy_low``, ``attn_entropy_high``, ``attn_sink``.
+
+Fed, at each measured step, with every attention module's per-head statistics
+(:class:`~lightning_diag.stats.attention.HeadStats` as host floats). Exact meaning (each condition must hold on
+``patience`` consecutive measurements of that head or layer; latching is per (rule, module, head)):
+
+* ``attn_entropy_low``: a head's entropy below ``low`` nats (seed 000 §3.2: 0.5): the head looks at about one
+  key (e^0.5 = 1.6 keys). Judged only where the head had room to spread: where uniform attention over its allowed
+  keys would have at least ``2 * low`` nats (about 3 keys), so short or heavily masked rows never count as collapse.
+* ``attn_entropy_high`` (severity ``info``): a head's entropy above ``high`` nats (seed 000 §3.2: 2.5, about
+  12 keys) **and** above ``uniform_fraction`` of the uniform entropy over its allowed keys: the head still
+  spreads its mass (nearly) evenly over everything. The second condition makes the band mean the same for long
+  sequences: uniform over 128 keys is 4.85 nats, and a head at 3 nats there (about 20 keys) is focused, not
+  diffuse. With fewer than e^2.5 = 12 allowed keys a head cannot exceed 2.5 nats and the rule is silent. Not
+  judged before ``warmup_steps``: a freshly initialised model attends almost uniformly by construction, which is
+  not an anomaly. It is informational, never a warning: spreading attention evenly is a legitimate solution when
+  the task needs an average (the shipped demo task is solved that way; its heads stay at about 0.95 of uniform),
+  and a hint of an untrained or frozen attention block when it does not.
+* ``attn_sink``: **every** head of a layer puts more than ``sink_mass`` of its attention on the special keys
+  ([CLS]/[SEP], BOS) and more than twice what uniform attention would put there (so a 3-token sequence whose two
+  special tokens hold 2/3 of the keys is not a sink).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from lightning_diag.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK, Alert, Severity
+from lightning_diag.rules.base import Rule, StepContext
+
+__all__ = [
+    "DEFAULT_ATTN_PATIENCE",
+    "DEFAULT_ATTN_WARMUP_STEPS",
+    "DEFAULT_ENTROPY_HIGH",
+    "DEFAULT_ENTROPY_LOW",
+    "DEFAULT_SINK_MASS",
+    "DEFAULT_UNIFORM_FRACTION",
+    "AttentionEntropyRule",
+    "AttentionSinkRule",
+    "LayerStats",
+]
+
+#: ``attn_entropy_low``: a head's attention entropy below this many nats (seed 000 §3.2).
+DEFAULT_ENTROPY_LOW = 0.5
+#: ``attn_entropy_high``: a head's attention entropy above this many nats (seed 000 §3.2).
+DEFAULT_ENTROPY_HIGH = 2.5
+#: ``attn_entropy_high``: ... and above this fraction of the entropy of uniform attention over its keys.
+DEFAULT_UNIFORM_FRACTION = 0.9
+#: ``attn_entropy_high``: optimizer steps before the rule judges (a fresh model attends uniformly).
+DEFAULT_ATTN_WARMUP_STEPS = 200
+#: ``attn_sink``: attention mass on special tokens that every head of a layer must exceed ("most of its mass").
+DEFAULT_SINK_MASS = 0.5
+#: Consecutive measurements an attention condition must hold before it alerts.
+DEFAULT_ATTN_PATIENCE = 2
+
+
+class LayerStats(NamedTuple):
+    """One attention module's per-head statistics at one measured step (host floats, one per head)."""
+
+    entropy: Sequence[float]
+    uniform: Sequence[float]
+    special_mass: Sequence[float]
+    special_share: Sequence[float]
+
+
+class AttentionEntropyRule(Rule):
+    """``attn_entropy_low`` and ``attn_entropy_high``, per head.
+
+    Example:
+        >>> rule = AttentionEntropyRule(patience=2, warmup_steps=0)
+        >>> collapsed = {"attn": LayerStats([0.1, 1.5], [2.7, 2.7], [0.0, 0.0], [0.1, 0.1])}
+        >>> [[a.source for a in rule.update(collapsed, StepContext(0, s))] for s in (0, 1, 2)]
+        [[], ['attn/head_0'], []]
+    """
+
+    rule_id = ATTN_ENTROPY_LOW
+    state_keys = ("streaks",)
+
+    def __init__(
+        self,
+        low: float = DEFAULT_ENTROPY_LOW,
+        high: float = DEFAULT_ENTROPY_HIGH,
+        uniform_fraction: float = DEFAULT_UNIFORM_FRACTION,
+        warmup_steps: int = DEFAULT_ATTN_WARMUP_STEPS,
+        patience: int = DEFAULT_ATTN_PATIENCE,
+    ) -> None:
+        super().__init__()
+        self.low = low
+        self.high = high
+        self.uniform_fraction = uniform_fraction
+        self.warmup_steps = warmup_steps
+        self.patience = patience
+        self.streaks: dict[str, int] = {}
+
+    def update(self, layers: Mapping[str, LayerStats], ctx: StepContext) -> list[Alert]:
+        """Feed one measurement of every module's heads; return the alerts raised."""
+        alerts = []
+        judge_high = ctx.global_step >= self.warmup_steps
+        for module, stats in layers.items():
+            for h, (ent, uni) in enumerate(zip(stats.entropy, stats.uniform, strict=True)):
+                if not (math.isfinite(ent) and math.isfinite(uni)):
+                    continue
+                source = f"{module}/head_{h}"
+                low = uni >= 2 * self.low and ent < self.low
+                high = judge_high and ent > self.high and ent > self.uniform_fraction * uni
+                for rule, bad in ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high)):
+                    key = f"{rule}:{source}"
+                    self.streaks[key] = self.streaks.get(key, 0) + 1 if bad else 0
+                    if self.latch.update(key, self.streaks[key] >= self.patience):
+                        alerts.append(self._entropy_alert(rule, source, ent, uni, ctx))
+        return alerts
+
+    def _entropy_alert(self, rule: str, source: str, ent: float, uni: float, ctx: StepContext) -> Alert:
+        if rule == ATTN_ENTROPY_LOW:
+            message = (
+                f"attention entropy of `{source}` is {ent:.3g} nats, below {self.low:g} (uniform over its keys: "
+                f"{uni:.3g}) on {self.patience} consecutive measurements: the head looks at about one token; "
+                "check for attention collapse (masks, a dominating position, too high a learning rate)"
+            )
+            threshold = self.low
+        else:
+            message = (
+                f"attention entropy of `{source}` is {ent:.3g} nats, above {self.high:g} and "
+                f"{ent / uni:.0%} of uniform ({uni:.3g}) on {self.patience} consecutive measurements after "
+                f"{self.warmup_steps} steps: the head still attends evenly to everything; check its learning rate, "
+                "whether its parameters are trained, and the positional information"
+            )
+            threshold = self.high
+        # Diffuse attention is an info alert: averaging over every token is a legitimate learned solution (the
+        # shipped demo task is solved that way), so it must never count as a warning on a healthy run.
+        severity = Severity.WARNING if rule == ATTN_ENTROPY_LOW else Severity.INFO
+        return self._alert(ctx, message, source=source, value=ent, threshold=threshold, rule=rule, severity=severity)
+
+
+class AttentionSinkRule(Rule):
+    """``attn_sink``: every head of a layer puts most of its mass on the special tokens.
+
+    Example:
+        >>> rule = AttentionSinkRule(patience=1)
+        >>> sink = {"attn": LayerStats([0.2, 0.3], [2.7, 2.7], [0.9, 0.8], [0.13, 0.13])}
+        >>> [a.rule for a in rule.update(sink, StepContext(0, 5))]
+        ['attn_sink']
+    """
+
+    rule_id = ATTN_SINK
+    state_keys = ("streaks",)
+
+    def __init__(self, sink_mass: float = DEFAULT_SINK_MASS, patience: int = DEFAULT_ATTN_PATIENCE) -> None:
+        super().__init__()
+        self.sink_mass = sink_mass
+        self.patience = patience
+        self.streaks: dict[str, int] = {}
+
+    def update(self, layers: Mapping[str, LayerStats], ctx: StepContext) -> list[Alert]:
+        """Feed one measurement of every module's heads; return the alerts raised."""
+        alerts = []
+        for module, stats in layers.items():
+            pairs = [
+                (m, s)
+                for m, s in zip(stats.special_mass, stats.special_share, strict=True)
+                if math.isfinite(m) and math.isfinite(s)
+            ]
+            if not pairs:
+                continue
+            sunk = all(m > self.sink_mass and m > 2 * s for m, s in pairs)
+            least = min(m for m, _ in pairs)
+            self.streaks[module] = self.streaks.get(module, 0) + 1 if sunk else 0
+            if self.latch.update(module, self.streaks[module] >= self.patience):
+                alerts.append(
+                    self._alert(
+                        ctx,
+                        f"every head of `{module}` puts more than {self.sink_mass:.0%} of its attention on the "
+                        f"special tokens (least: {least:.0%}) on {self.patience} consecutive measurements: the layer "
+                        "attends to [CLS]/[SEP] instead of the content; check masks, positional encodings and "
+                        "whether the layer still learns",
+                        source=module,
+                        value=least,
+                        threshold=self.sink_mass,
+                    )
+                )
+        return alerts

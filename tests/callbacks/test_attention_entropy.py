@@ -1,0 +1,281 @@
+import logging
+import math
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from lightning_diag import AttentionEntropyMonitor, attention_requested, record_attention
+from lightning_diag.demo import FAULTS, build_fault, run_demo
+
+FAST = dict(enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", log_every_n_steps=5)
+NO_VAL = dict(limit_val_batches=0, num_sanity_val_steps=0)
+ATTN_RULES = {"attn_entropy_low", "attn_entropy_high", "attn_sink"}
+HEADS = [f"encoder.layers.{i}.self_attn/head_{h}" for i in range(2) for h in range(4)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"modules": "encoder.*"}, TypeError, "modules"),
+        ({"modules": [3]}, TypeError, "modules"),
+        ({"sample_size": 0}, ValueError, "sample_size"),
+        ({"sample_size": 2.5}, TypeError, "sample_size"),
+        ({"max_queries": 0}, ValueError, "max_queries"),
+        ({"special_positions": "0"}, TypeError, "special_positions"),
+        ({"special_positions": [0.5]}, TypeError, "special_positions"),
+        ({"special_token_ids": [True]}, TypeError, "special_token_ids"),
+        ({"input_ids": "input_ids"}, TypeError, "input_ids"),
+        ({"image_every_n_steps": -1}, ValueError, "image_every_n_steps"),
+        ({"entropy_low": -0.1}, ValueError, "entropy_low"),
+        ({"entropy_high": 0.1}, ValueError, "entropy_high"),
+        ({"uniform_fraction": 1.5}, ValueError, "uniform_fraction"),
+        ({"warmup_steps": -1}, ValueError, "warmup_steps"),
+        ({"sink_mass": 1.0}, ValueError, "sink_mass"),
+        ({"patience": 0}, ValueError, "patience"),
+        ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
+    ],
+)
+def test_invalid_configuration(kwargs, error, name):
+    with pytest.raises(error, match=f"`{name}`"):
+        AttentionEntropyMonitor(**kwargs)
+
+
+def test_attention_fault_fires_low_entropy_and_sink_within_window(tmp_path):
+    entry = FAULTS["attention"]
+    monitor = AttentionEntropyMonitor()
+    run_demo(
+        "attention", root=str(tmp_path), callbacks=[monitor], max_steps=entry.onset_step + entry.window + 1, **NO_VAL
+    )
+    low = [a for a in monitor.alerts if a.rule == "attn_entropy_low"]
+    assert sorted(a.source for a in low) == HEADS  # every head collapsed, each alerts once
+    assert all(entry.onset_step < a.global_step <= entry.onset_step + entry.window for a in monitor.alerts)
+    assert all(a.value is not None and a.value < 0.01 and a.severity == "warning" for a in low)
+    sinks = [a for a in monitor.alerts if a.rule == "attn_sink"]
+    assert sorted(a.source for a in sinks) == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
+    assert {a.rule for a in monitor.alerts} == {"attn_entropy_low", "attn_sink"}
+
+
+def test_fresh_and_healthy_model_raises_no_warning(tmp_path):
+    # warm-up off: the diffuse heads of the healthy demo (the task is solved by averaging) may only be `info`
+    monitor = AttentionEntropyMonitor(warmup_steps=0)
+    run_demo("none", max_epochs=1, root=str(tmp_path), callbacks=[monitor], **NO_VAL)
+    assert [a for a in monitor.alerts if a.severity != "info"] == []
+    assert all(a.rule == "attn_entropy_high" for a in monitor.alerts)
+    default = AttentionEntropyMonitor()
+    run_demo("none", max_epochs=2, root=str(tmp_path / "b"), callbacks=[default], **NO_VAL)
+    assert default.alerts == []
+
+
+def test_tags_images_and_steps_in_the_event_file(tmp_path):
+    monitor = AttentionEntropyMonitor(image_every_n_steps=10)
+    result = run_demo("none", max_epochs=1, root=str(tmp_path), callbacks=[monitor], max_steps=16)
+    acc = EventAccumulator(result.log_dir, size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    scalars = {t for t in acc.Tags()["scalars"] if t.startswith("diag/attn")}
+    expected = {f"diag/attn_entropy/{h}" for h in HEADS}
+    for layer in ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn"):
+        expected |= {f"diag/attn_entropy/{layer}/mean", f"diag/attn_entropy/{layer}/uniform", f"diag/attn_sink/{layer}"}
+    assert scalars == expected
+    assert [e.step for e in acc.Scalars("diag/attn_entropy/encoder.layers.0.self_attn/mean")] == [0, 5, 10, 15]
+    # a fresh model on sequences of 10 to 16 tokens: close to, never above, uniform
+    for e in acc.Scalars("diag/attn_entropy/encoder.layers.0.self_attn/head_0"):
+        assert 2.0 < e.value <= 2.8
+    images = set(acc.Tags()["images"])
+    assert images == {
+        "diag/attn_map/encoder.layers.0.self_attn",
+        "diag/attn_map/encoder.layers.1.self_attn",
+        "diag/attn_heads/similarity",
+        "diag/attn_heads/pca",
+    }
+    assert [e.step for e in acc.Images("diag/attn_heads/similarity")] == [0, 10]
+    heat = acc.Images("diag/attn_map/encoder.layers.0.self_attn")[0]
+    assert heat.width > 4 * heat.height  # four heads side by side
+
+
+class DropoutTransformer(pl.LightningModule):
+    """A tiny encoder with attention dropout: any change to the forward or the RNG stream shows in the weights."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(20, 16)
+        layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.2, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 2)
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        mask = tokens == 0
+        loss = nn.functional.cross_entropy(
+            self.head(self.encoder(self.embed(tokens), src_key_padding_mask=mask)[:, 0]), labels
+        )
+        self.losses.append(loss.detach())
+        return loss
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(1, 20, (64, 12), generator=g)
+        tokens[::2, 9:] = 0
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, tokens[:, 1] % 2), batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _train(tmp_path, callbacks):
+    pl.seed_everything(3)
+    model = DropoutTransformer()
+    trainer = pl.Trainer(max_steps=8, default_root_dir=tmp_path, callbacks=callbacks, logger=False, **FAST)
+    trainer.fit(model)
+    return model
+
+
+def test_monitoring_leaves_loss_gradients_and_rng_bitwise_identical(tmp_path):
+    bare = _train(tmp_path / "bare", [])
+    monitor = AttentionEntropyMonitor(log_every_n_steps=1, image_every_n_steps=1)
+    watched = _train(tmp_path / "watched", [monitor])
+    assert len(monitor.entropy_rule.streaks) == 16  # every step of 8 heads was measured
+    assert torch.equal(torch.stack(bare.losses), torch.stack(watched.losses))
+    for (name, a), b in zip(bare.named_parameters(), watched.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_hooks_exist_only_on_sampled_steps(tmp_path):
+    seen = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            attn = pl_module.encoder.layers[0].self_attn
+            seen.append((trainer.global_step, len(attn._forward_pre_hooks), attention_requested()))
+
+    model, data, _ = build_fault("none")
+    trainer = pl.Trainer(
+        max_steps=12,
+        default_root_dir=tmp_path,
+        callbacks=[AttentionEntropyMonitor(), Probe()],
+        logger=False,
+        **FAST,
+        **NO_VAL,
+    )
+    trainer.fit(model, datamodule=data)
+    assert seen == [(s, int(s % 5 == 0), s % 5 == 0) for s in range(12)]
+    assert len(model.encoder.layers[0].self_attn._forward_pre_hooks) == 0 and not attention_requested()
+
+
+class NoAttention(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def train_dataloader(self):
+        x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_model_without_attention_gets_one_info_message(tmp_path, caplog):
+    monitor = AttentionEntropyMonitor(log_every_n_steps=1)
+    with caplog.at_level(logging.INFO, logger="lightning_diag"):
+        pl.Trainer(max_steps=6, default_root_dir=tmp_path, callbacks=[monitor], **FAST).fit(NoAttention())
+    messages = [r.getMessage() for r in caplog.records if "attention entropy is not measured" in r.getMessage()]
+    assert len(messages) == 1 and "no nn.MultiheadAttention found" in messages[0]
+    assert monitor.alerts == []
+
+
+class CustomAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, dim=-1)
+        probs = torch.softmax(q @ k.transpose(-2, -1) * 50.0, dim=-1)  # very sharp: near one-hot
+        if attention_requested():
+            record_attention(probs.unsqueeze(1), self)
+        return probs @ x
+
+
+class CustomModel(NoAttention):
+    def __init__(self):
+        super().__init__()
+        self.attn = CustomAttention()
+        self.layer = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(self.attn(batch[0].reshape(-1, 4, 8))).pow(2).mean()
+
+    def train_dataloader(self):
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8)
+
+
+def test_custom_module_reports_through_the_explicit_api(tmp_path):
+    monitor = AttentionEntropyMonitor(log_every_n_steps=1, special_positions=())
+    trainer = pl.Trainer(max_steps=4, default_root_dir=tmp_path, callbacks=[monitor], **FAST)
+    trainer.fit(CustomModel())
+    assert [(a.rule, a.source, a.global_step) for a in monitor.alerts] == [("attn_entropy_low", "attn/head_0", 1)]
+    acc = EventAccumulator(trainer.log_dir)
+    acc.Reload()
+    assert len(acc.Scalars("diag/attn_entropy/attn/head_0")) == 4
+
+
+def test_resume_keeps_streaks_and_latches(tmp_path):
+    def fit(root, max_steps, ckpt_path=None, callbacks=()):
+        pl.seed_everything(0)
+        model, data, _ = build_fault("attention")
+        monitor = AttentionEntropyMonitor()
+        trainer = pl.Trainer(
+            max_steps=max_steps,
+            default_root_dir=root,
+            callbacks=[monitor, *callbacks],
+            deterministic=True,
+            **FAST,
+            **NO_VAL,
+        )
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        return monitor
+
+    straight = fit(tmp_path / "a", 40)
+    # the checkpoint at step 32 holds a streak of 1 (the collapse was measured at step 30)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1)
+    fit(tmp_path / "b", 32, callbacks=[saver])
+    ckpt = sorted((tmp_path / "ckpt").glob("*.ckpt"))[-1]
+    resumed = fit(tmp_path / "c", 40, ckpt_path=ckpt)
+    key = lambda a: (a.rule, a.source, a.global_step)  # noqa: E731
+    assert [key(a) for a in resumed.alerts] == [key(a) for a in straight.alerts]
+    assert {a.global_step for a in resumed.alerts} == {35}
+
+
+def test_load_state_dict_names_missing_keys():
+    state = AttentionEntropyMonitor().state_dict()
+    del state["sink"]
+    with pytest.raises(KeyError, match="sink"):
+        AttentionEntropyMonitor().load_state_dict(state)
+
+
+def test_accumulation_samples_one_micro_batch_per_step(tmp_path):
+    calls = []
+    monitor = AttentionEntropyMonitor(log_every_n_steps=2)
+    original = monitor._reduce
+
+    def spy(trainer, recorder):
+        calls.append(monitor._sampled_step)
+        return original(trainer, recorder)
+
+    monitor._reduce = spy
+    model, data, _ = build_fault("none")
+    pl.Trainer(
+        max_steps=6, accumulate_grad_batches=3, default_root_dir=tmp_path, callbacks=[monitor], logger=False, **FAST
+    ).fit(model, datamodule=data)
+    assert calls == [0, 2, 4]
+    assert math.isfinite(monitor.sink_rule.streaks["encoder.layers.0.self_attn"])
