@@ -213,6 +213,7 @@ class AnomalyAlarm(DiagCallback):
         # "warn" mode keeps its findings on the device until a logging step reads them (-1: none).
         self._pending_loss_step: torch.Tensor | None = None
         self._pending_grad_step: torch.Tensor | None = None
+        self._deferred_steps = 0  # steps checked since the last read-back (the same count on every rank)
 
     def _reset_accumulators(self) -> None:
         self._acc: dict[str, torch.Tensor | float] = {
@@ -250,7 +251,11 @@ class AnomalyAlarm(DiagCallback):
             "accumulators": {k: float(v) for k, v in self._acc.items()},
             "window_start": self._window_start,
             "last_finite_loss": float(self._last_finite_loss),
-            "pending_nonfinite": {"loss_step": int(pending[0]), "grad_step": int(pending[1])},
+            "pending_nonfinite": {
+                "loss_step": int(pending[0]),
+                "grad_step": int(pending[1]),
+                "steps": self._deferred_steps,
+            },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -274,6 +279,7 @@ class AnomalyAlarm(DiagCallback):
         pending = state_dict["pending_nonfinite"]
         self._pending_loss_step = torch.tensor(int(pending["loss_step"]))
         self._pending_grad_step = torch.tensor(int(pending["grad_step"]))
+        self._deferred_steps = int(pending["steps"])
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -393,6 +399,7 @@ class AnomalyAlarm(DiagCallback):
     def _defer(self, trainer: pl.Trainer, loss_bad: torch.Tensor | None, grad_bad: torch.Tensor) -> None:
         step = trainer.global_step
         device = grad_bad.device
+        self._deferred_steps += 1
         if self._pending_grad_step is None or self._pending_loss_step is None:
             self._pending_grad_step = torch.full((), -1, dtype=torch.long, device=device)
             self._pending_loss_step = torch.full((), -1, dtype=torch.long, device=device)
@@ -406,8 +413,9 @@ class AnomalyAlarm(DiagCallback):
             )
 
     def _flush_deferred(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._pending_grad_step is None or self._pending_loss_step is None:
-            return
+        if self._pending_grad_step is None or self._pending_loss_step is None or not self._deferred_steps:
+            return  # nothing checked since the last read-back: no news, and the latch stays as it is
+        self._deferred_steps = 0
         loss_step, grad_step = torch.stack([self._pending_loss_step, self._pending_grad_step]).tolist()
         self._pending_loss_step.fill_(-1)
         self._pending_grad_step.fill_(-1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -315,6 +316,8 @@ class GradientFlowMonitor(DiagCallback):
             hist_every = 10 * self.every_n_steps(trainer)
         if hist_every and step % hist_every == 0 and self.writer.active:
             for i in chosen:
+                if not math.isfinite(host[1 + index.layer_of[i]]):
+                    continue  # TensorBoard cannot bin NaN/Inf (AnomalyAlarm's business)
                 self.writer.histogram(tag("grad_hist", index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
         if self.log_weight_norms:
             self._before.append((chosen, [index.params[i].detach().clone() for i in chosen]))
