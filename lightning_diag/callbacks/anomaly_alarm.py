@@ -150,11 +150,11 @@ class AnomalyAlarm(DiagCallback):
         check_int("swing_patience", swing_patience, low=1)
         check_number("swing_min_delta", swing_min_delta, low=0.0, low_inclusive=True)
         if swing_window != "epoch":
-            if isinstance(swing_window, str):
-                raise ValueError(
-                    f"Expected argument `swing_window` to be 'epoch' or an int >= 1, but got {swing_window!r}"
-                )
-            check_int("swing_window", swing_window, low=1)
+            bad_window = f"Expected argument `swing_window` to be 'epoch' or an int >= 1, but got {swing_window!r}"
+            if isinstance(swing_window, bool) or not isinstance(swing_window, (int, str)):
+                raise TypeError(bad_window)
+            if isinstance(swing_window, str) or swing_window < 1:
+                raise ValueError(bad_window)
         self.swing_window = swing_window
         if not isinstance(monitor, str) or not monitor:
             raise TypeError(f"Expected argument `monitor` to be a non-empty metric name, but got {monitor!r}")
