@@ -284,9 +284,10 @@ class AnomalyAlarm(DiagCallback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Replace this rank's partial loss sums in the saved state with the sums over all ranks.
+        """Save what all ranks know, not rank zero's part: the partial loss sums over all ranks (SUM) and warn
+        mode's first pending non-finite steps over all ranks (MIN).
 
-        Lightning builds the checkpoint on every rank (only rank zero writes it), so the reduction runs on all.
+        Lightning builds the checkpoint on every rank (only rank zero writes it), so the reductions run on all.
         """
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is None or trainer.world_size <= 1:
@@ -295,6 +296,11 @@ class AnomalyAlarm(DiagCallback):
         local = torch.tensor([float(self._acc[k]) for k in keys], dtype=torch.float64, device=pl_module.device)
         total = trainer.strategy.reduce(local, reduce_op="sum").tolist()
         state["accumulators"] = dict(zip(keys, total, strict=True))
+        pending = state["pending_nonfinite"]
+        steps = [pending["loss_step"], pending["grad_step"]]
+        local_first = torch.tensor([s if s >= 0 else _NO_STEP for s in steps], device=pl_module.device)
+        first = trainer.strategy.reduce(local_first, reduce_op="min").long().tolist()
+        pending["loss_step"], pending["grad_step"] = (s if s < _NO_STEP else -1 for s in first)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the step window, and share restored all-rank loss sums out evenly over this run's ranks."""

@@ -319,3 +319,21 @@ def test_model_without_trainable_parameters_is_explained_once(tmp_path, caplog):
     assert sum("no trainable parameters" in m for m in messages) == 1, messages
     assert trainer.global_step == 6
     assert serious(callbacks) == []
+
+
+class NoAttention(TinyAttention):
+    """The attention layer exists but is never called."""
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).mean(dim=1))
+
+
+def test_model_without_attention_is_explained_once(tmp_path, caplog):
+    callbacks = every_callback()
+    trainer = pl.Trainer(max_steps=6, default_root_dir=tmp_path, callbacks=callbacks, **FAST)
+    with caplog.at_level(logging.INFO, logger="lightning_diag"):
+        trainer.fit(NoAttention())
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("no nn.MultiheadAttention found" in m for m in messages) == 1, messages
+    assert trainer.global_step == 6
+    assert serious(callbacks) == []
