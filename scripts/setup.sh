@@ -12,6 +12,9 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
 fi
-if ! .venv/bin/python -c "import lightning_diag, pytest, hypothesis" >/dev/null 2>&1; then
+# Reinstall whenever pyproject.toml changed (new dependencies), not only when the package is missing.
+stamp=.venv/.lightning-diag-pyproject
+if ! cmp -s pyproject.toml "$stamp" || ! .venv/bin/python -c "import lightning_diag" >/dev/null 2>&1; then
   .venv/bin/python -m pip install --quiet -e ".[dev]"
+  cp pyproject.toml "$stamp"
 fi

@@ -2,11 +2,13 @@ import re
 from pathlib import Path
 
 import lightning_diag.callbacks.anomaly_alarm as alarm_module
+import lightning_diag.callbacks.attention_entropy as attention_module
 import lightning_diag.rules.anomaly as anomaly_rules
+import lightning_diag.rules.attention as attention_rules
 import lightning_diag.rules.grad as grad_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-MODULES = (anomaly_rules, alarm_module, grad_rules)
+MODULES = (anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module)
 
 
 def _rows():
@@ -31,10 +33,10 @@ def test_thresholds_table_matches_the_constants():
 def test_thresholds_arguments_are_real_constructor_arguments():
     import inspect
 
-    from lightning_diag import AnomalyAlarm, GradientFlowMonitor
+    from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor
 
     for rule, argument, _constant, default, _m, _s in _rows():
-        callback = GradientFlowMonitor if rule.startswith("`grad") else AnomalyAlarm
+        callback = {"`grad": GradientFlowMonitor, "`attn": AttentionEntropyMonitor}.get(rule[:5], AnomalyAlarm)
         params = inspect.signature(callback).parameters
         arg = argument.strip("`")
         assert arg in params, arg
@@ -78,3 +80,36 @@ def test_gradient_flow_page_lists_every_tag_and_rule():
         "before clipping",
     ):
         assert needle in page, needle
+
+
+def test_attention_page_lists_every_tag_rule_and_argument():
+    import inspect
+
+    from lightning_diag import AttentionEntropyMonitor, record_attention, record_hf_attentions
+
+    page = (DOCS / "attention_entropy.md").read_text()
+    for needle in (
+        "diag/attn_entropy/<module>/head_<h>",
+        "diag/attn_entropy/<module>/mean",
+        "diag/attn_entropy/<module>/uniform",
+        "diag/attn_sink/<module>",
+        "diag/attn_map/<module>",
+        "diag/attn_heads/similarity",
+        "diag/attn_heads/pca",
+        "attn_entropy_low",
+        "attn_entropy_high",
+        "attn_sink",
+        "record_attention",
+        "record_hf_attentions",
+        "before dropout",
+        "4.85",
+    ):
+        assert needle in page, needle
+    known = {
+        *inspect.signature(AttentionEntropyMonitor).parameters,
+        *inspect.signature(record_attention).parameters,
+        *inspect.signature(record_hf_attentions).parameters,
+        *("attn_implementation", "output_attentions", "need_weights"),  # Hugging Face / torch arguments
+    }
+    for match in re.findall(r"`(\w+)=", page):
+        assert match in known, match

@@ -1,6 +1,8 @@
 import runpy
 from pathlib import Path
 
+import pytest
+
 
 def test_example_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -10,3 +12,18 @@ def test_example_runs(tmp_path, monkeypatch, capsys):
     )
     assert "0 alerts" in capsys.readouterr().out
     assert list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_hugging_face_example_logs_attention_entropy(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.chdir(tmp_path)
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "hf_attention.py"), run_name="__main__")
+    assert "0 alerts" in capsys.readouterr().out
+    (events,) = tmp_path.rglob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events.parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {f"diag/attn_entropy/bert.layer_{i}/head_{h}" for i in range(2) for h in range(4)} <= tags
+    assert len(acc.Scalars("diag/attn_entropy/bert.layer_0/mean")) == 4  # steps 0, 5, 10, 15 of 16

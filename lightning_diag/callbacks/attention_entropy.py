@@ -76,7 +76,8 @@ class AttentionEntropyMonitor(DiagCallback):
       ceiling; ``attn_entropy_high`` compares with it).
     * ``diag/attn_sink/<module>``: the smallest attention mass any head puts on the special tokens.
     * ``diag/attn_map/<module>`` (image, every ``image_every_n_steps``): each head's attention map of the first
-      sampled sequence (query rows x keys, padding cut off), heads side by side.
+      sampled sequence (query rows x keys, padding cut off), heads side by side, coloured from 0 (dark) to the
+      largest weight in the image (yellow).
     * ``diag/attn_heads/similarity`` (image): correlation between every pair of heads' maps (blue -1, white 0,
       red 1), heads in module order.
     * ``diag/attn_heads/pca`` (image): every head projected onto the first two principal components of the heads'
@@ -346,7 +347,9 @@ class AttentionEntropyMonitor(DiagCallback):
             if maps.size == 0:
                 continue
             cell = max(1, min(8, 128 // max(maps.shape[1], maps.shape[2], 1)))
-            self.writer.image(tag("attn_map", name), tile([heatmap(m, cell, 0.0, 1.0) for m in maps], gap=cell), step)
+            # one colour scale per image, 0 to its largest weight: near-uniform maps still show their structure
+            top = max(float(maps.max()), 1e-6)
+            self.writer.image(tag("attn_map", name), tile([heatmap(m, cell, 0.0, top) for m in maps], gap=cell), step)
         # Heads are compared within the largest set of modules whose maps have the same shape.
         by_shape: dict[tuple[int, ...], list[str]] = {}
         for name, flat in recorder.flat.items():
