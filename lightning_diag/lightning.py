@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-import lightning.pytorch as unified
+try:
+    import lightning.pytorch as unified
+except ModuleNotFoundError as err:  # pragma: no cover - depends on the environment
+    raise ModuleNotFoundError(
+        "lightning_diag.lightning is for the unified `lightning` package, which is not installed: "
+        "`pip install lightning`, or import the callbacks from `lightning_diag` with `pytorch_lightning`"
+    ) from err
 
 import lightning_diag
 from lightning_diag.callbacks.base import DiagCallback
