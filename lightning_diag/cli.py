@@ -1,10 +1,15 @@
-"""The ``lightning-diag`` command line: ``demo`` (and ``report`` once it lands)."""
+"""The ``lightning-diag`` command line: ``demo`` and ``report``.
+
+Exit codes: 0 done; 1 ``report`` found no diagnostics under the log directory; 2 bad command-line input.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -19,7 +24,65 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-epochs", type=int, default=None, help="epochs to train (default: the fault's own)")
     demo.add_argument("--root", default=None, help="directory for the logs (default: ./diag_runs)")
     demo.add_argument("--seed", type=int, default=0, help="seed of data, model and trainer")
+    report = sub.add_parser(
+        "report",
+        help="the diagnosis checklist and alert timeline of every run under a log directory",
+        description="Read the TensorBoard event files and diag/alerts.jsonl of every run under LOGDIR and print "
+        "the layered diagnosis checklist (pass / fail / not measured, measured value beside threshold) and the "
+        "alert timeline. html, and any format with --out, also draws PNG plots (needs matplotlib).",
+    )
+    report.add_argument("logdir", metavar="LOGDIR", help="a run's log directory, or a directory of runs")
+    report.add_argument("--format", default="md", choices=["md", "json", "html"], help="output format (default: md)")
+    report.add_argument(
+        "--out", default=None, metavar="DIR", help="write report.<format> and the plots into DIR instead of stdout"
+    )
     return parser
+
+
+def _report(logdir: str, fmt: str, out: str | None) -> int:
+    from lightning_diag.report import NoDiagnosticsError, build_report, render
+
+    if not os.path.isdir(logdir):
+        what = "is not a directory" if os.path.exists(logdir) else "does not exist"
+        print(f"lightning-diag report: LOGDIR {logdir!r} {what}", file=sys.stderr)
+        return 2
+    if out is not None and os.path.exists(out) and not os.path.isdir(out):
+        print(f"lightning-diag report: --out {out!r} exists and is not a directory", file=sys.stderr)
+        return 2
+    out_dir = Path(out) if out is not None else None
+    plot_dir = out_dir if out_dir is not None else None
+    tmp = None
+    if plot_dir is None and fmt == "html":
+        import tempfile
+
+        tmp = tempfile.TemporaryDirectory(prefix="lightning-diag-plots-")
+        plot_dir = Path(tmp.name)
+    try:
+        try:
+            reports = build_report(logdir, plot_dir=plot_dir)
+        except NoDiagnosticsError as err:
+            print(f"lightning-diag report: {err}", file=sys.stderr)
+            return 1
+        for rep in reports:
+            if rep.plot_note:
+                print(f"lightning-diag report: {rep.plot_note}", file=sys.stderr)
+                break
+        text = render(reports, fmt, plot_base=out_dir)  # type: ignore[arg-type]
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    if out_dir is None:
+        try:
+            print(text)
+            sys.stdout.flush()
+        except BrokenPipeError:  # `lightning-diag report ... | head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"report.{fmt}"
+    path.write_text(text + "\n", encoding="utf-8")
+    print(f"lightning-diag report: wrote {path} ({sum(len(r.plots) for r in reports)} plots)")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_demo(fault=args.fault, max_epochs=args.max_epochs, root=args.root, seed=args.seed)
         print(result.summary())
         return 0
+    if args.command == "report":
+        return _report(args.logdir, args.format, args.out)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

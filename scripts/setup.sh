@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates ./.venv with the CPU build of torch and lightning-diag (editable, with its dev extras).
+# Creates ./.venv with the CPU build of torch and lightning-diag (editable, with its dev and plots extras).
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,14 @@ fi
 # Reinstall whenever pyproject.toml changed (new dependencies), not only when the package is missing.
 stamp=.venv/.lightning-diag-pyproject
 if ! cmp -s pyproject.toml "$stamp" || ! .venv/bin/python -c "import lightning_diag" >/dev/null 2>&1; then
-  .venv/bin/python -m pip install --quiet -e ".[dev]"
+  .venv/bin/python -m pip install --quiet -e ".[dev,plots]"
   cp pyproject.toml "$stamp"
+fi
+# CI only: Chromium for the dashboard's browser check (tests/test_browser_check.py). Best effort: without it
+# that test is skipped with the reason.
+if [ "${CI:-}" = "true" ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+  && [ "$(id -u)" = "0" ]; then
+  timeout 300 sh -c "(apt-get update -qq || true) >/dev/null 2>&1; \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1" \
+    || echo "setup: could not install chromium; the browser check will be skipped" >&2
 fi

@@ -30,3 +30,13 @@ def _no_output_in_the_repository(request):
     yield
     written = sorted(_stray_files() - before)
     assert not written, f"{request.node.nodeid} wrote {written[:5]}: give the Trainer default_root_dir=tmp_path"
+
+
+@pytest.fixture(scope="session")
+def nan_run(tmp_path_factory):
+    """One `lightning-diag demo --fault nan` run shared by the report, dashboard and browser tests."""
+    from lightning_diag.demo.run import run_demo
+
+    root = tmp_path_factory.mktemp("nan_demo")
+    result = run_demo(fault="nan", root=str(root))
+    return result

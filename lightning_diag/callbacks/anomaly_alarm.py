@@ -10,7 +10,16 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag._validation import check_choice, check_int, check_number
-from lightning_diag.alerts import NONFINITE_GRAD, NONFINITE_LOSS, Alert, NonFiniteAction, Severity
+from lightning_diag.alerts import (
+    LOSS_SWING,
+    NONFINITE_GRAD,
+    NONFINITE_LOSS,
+    VAL_DECLINE,
+    VAL_FLUCTUATION,
+    Alert,
+    NonFiniteAction,
+    Severity,
+)
 from lightning_diag.callbacks.base import DiagCallback, extract_loss
 from lightning_diag.rules.anomaly import (
     DEFAULT_SWING_MIN_DELTA,
@@ -87,6 +96,7 @@ class AnomalyAlarm(DiagCallback):
     * ``diag/loss/swing``: relative change of that mean from the previous epoch (or window).
     * ``diag/loss/val``: the monitored validation value.
     * ``diag/loss/train_fluctuation``, ``diag/loss/val_fluctuation``: the two fluctuations once the window is full.
+    * ``diag/threshold/loss_swing``: ``swing_threshold``, at the steps of ``diag/loss/swing`` (dashboard line).
 
     Args:
         on_nonfinite: ``"stop"`` (default): the offending step changes no parameter and no optimizer state, a
@@ -181,6 +191,32 @@ class AnomalyAlarm(DiagCallback):
         self._skips = 0
         self._reset_step_state()
         self._reset_accumulators()
+
+    def thresholds(self) -> dict[str, float]:
+        """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
+
+        Example:
+            >>> AnomalyAlarm(swing_threshold=0.2).thresholds()["loss_swing"]
+            0.2
+        """
+        values = {
+            LOSS_SWING: self.swing_threshold,
+            f"{LOSS_SWING}.patience": float(self.swing_patience),
+            f"{LOSS_SWING}.min_delta": self.swing_min_delta,
+            VAL_DECLINE: float(self.val_decline_patience),
+            f"{VAL_DECLINE}.min_delta": self.val_decline_min_delta,
+            f"{VAL_DECLINE}.higher_is_better": float(self.mode == "max"),
+            VAL_FLUCTUATION: self.val_fluctuation_ratio,
+            f"{VAL_FLUCTUATION}.window": float(self.val_fluctuation_window),
+            f"{VAL_FLUCTUATION}.min": self.val_fluctuation_min,
+            f"{VAL_FLUCTUATION}.min_range": self.val_fluctuation_min_range,
+            f"{NONFINITE_GRAD}.max_scaler_overflows": float(self.max_scaler_overflows),
+        }
+        if isinstance(self.swing_window, int):
+            values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
+        if self.on_nonfinite == "skip":
+            values[f"{NONFINITE_LOSS}.max_skips"] = float(self.max_skips)
+        return values
 
     # -- state -------------------------------------------------------------------------------------------
     def _make_rules(self) -> None:
@@ -538,7 +574,8 @@ class AnomalyAlarm(DiagCallback):
             return
         self.record(self.swing_rule.update(mean, self.context(trainer)))
         if math.isfinite(self.swing_rule.last_change):
-            self.writer.scalar(tag("loss", "swing"), self.swing_rule.last_change, step)
+            values = {tag("loss", "swing"): self.swing_rule.last_change, **self.threshold_lines(LOSS_SWING)}
+            self.writer.scalars(values, step)
 
     # -- validation trend --------------------------------------------------------------------------------
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -12,6 +12,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_diag._validation import check_int, check_number
+from lightning_diag.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
 from lightning_diag.attention import AttentionRecorder
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.images import heatmap, scatter, tile
@@ -75,6 +76,8 @@ class AttentionEntropyMonitor(DiagCallback):
     * ``diag/attn_entropy/<module>/uniform``: entropy uniform attention over the same keys would have (the
       ceiling; ``attn_entropy_high`` compares with it).
     * ``diag/attn_sink/<module>``: the smallest attention mass any head puts on the special tokens.
+    * ``diag/threshold/attn_entropy_low``, ``.../attn_entropy_high``, ``.../attn_sink``: the thresholds, as
+      reference series for the dashboard's charts.
     * ``diag/attn_map/<module>`` (image, every ``image_every_n_steps``): each head's attention map of the first
       sampled sequence (query rows x keys, padding cut off), heads side by side, coloured from 0 (dark) to the
       largest weight in the image (yellow).
@@ -170,6 +173,22 @@ class AttentionEntropyMonitor(DiagCallback):
         if isinstance(values, (str, bytes)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             raise TypeError(f"Expected argument `{name}` to be a sequence of ints, but got {values!r}")
         return tuple(values)
+
+    def thresholds(self) -> dict[str, float]:
+        """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
+
+        Example:
+            >>> AttentionEntropyMonitor().thresholds()["attn_entropy_low"]
+            0.5
+        """
+        return {
+            ATTN_ENTROPY_LOW: self.entropy_low,
+            ATTN_ENTROPY_HIGH: self.entropy_high,
+            f"{ATTN_ENTROPY_HIGH}.uniform_fraction": self.uniform_fraction,
+            f"{ATTN_ENTROPY_HIGH}.warmup_steps": float(self.warmup_steps),
+            ATTN_SINK: self.sink_mass,
+            "attn.patience": float(self.patience),
+        }
 
     def _make_rules(self) -> None:
         self.entropy_rule = AttentionEntropyRule(
@@ -287,6 +306,7 @@ class AttentionEntropyMonitor(DiagCallback):
             values[tag("attn_entropy", name, "mean")] = sum(stats.entropy) / len(stats.entropy)
             values[tag("attn_entropy", name, "uniform")] = max(stats.uniform)
             values[tag("attn_sink", name)] = min(stats.special_mass)
+        values.update(self.threshold_lines(ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
         ctx = type(ctx)(epoch=ctx.epoch, global_step=step)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import weakref
@@ -15,13 +16,22 @@ from pytorch_lightning.trainer.states import TrainerFn
 from lightning_diag._validation import check_int
 from lightning_diag.alerts import Alert, AlertLog
 from lightning_diag.rules.base import StepContext
-from lightning_diag.tensorboard import DiagWriter, alert_markdown, tag
+from lightning_diag.tensorboard import (
+    ALERTS_TAG,
+    THRESHOLDS_TAG,
+    DiagWriter,
+    alerts_markdown,
+    dashboard_layout,
+    threshold_tag,
+    thresholds_markdown,
+)
 
 __all__ = ["DiagCallback", "DiagSession", "extract_loss"]
 
 log = logging.getLogger("lightning_diag")
 
 ALERTS_FILE = "alerts.jsonl"
+THRESHOLDS_FILE = "thresholds.json"
 
 
 class DiagSession:
@@ -40,6 +50,8 @@ class DiagSession:
         self.is_global_zero = is_global_zero
         self._trainer_ref = weakref.ref(trainer)
         self._writer: DiagWriter | None = None
+        self._alerts: list[Alert] = []
+        self._fit_started = False
         self.users = 0
         self.alert_log = AlertLog(
             os.path.join(self.diag_dir, ALERTS_FILE) if is_global_zero else None,
@@ -59,7 +71,30 @@ class DiagSession:
         return self._writer
 
     def _alert_text(self, alert: Alert) -> None:
-        self.writer.text(tag("alerts"), alert_markdown(alert), alert.global_step)
+        # The whole table, newest first, at every alert: the latest text entry always holds every alert.
+        self._alerts.append(alert)
+        self.writer.text(ALERTS_TAG, alerts_markdown(self._alerts), alert.global_step)
+        self.writer.flush()
+
+    def start_fit(self, trainer: pl.Trainer) -> None:
+        """Once per fit, on rank zero: record the thresholds in effect and write the dashboard layout.
+
+        The thresholds of every :class:`DiagCallback` on the trainer go to ``<log_dir>/diag/thresholds.json``
+        and to TensorBoard text under ``diag/thresholds``; the custom-scalars layout covers their rules.
+        """
+        if self._fit_started or not self.is_global_zero:
+            return
+        self._fit_started = True
+        by_callback: dict[str, dict[str, float]] = {}
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(cb, DiagCallback):
+                by_callback.setdefault(type(cb).__name__, {}).update(cb.thresholds())
+        merged = {k: v for values in by_callback.values() for k, v in values.items()}
+        os.makedirs(self.diag_dir, exist_ok=True)
+        with open(os.path.join(self.diag_dir, THRESHOLDS_FILE), "w", encoding="utf-8") as fh:
+            json.dump({"callbacks": by_callback, "thresholds": merged}, fh, indent=2, sort_keys=True)
+        self.writer.text(THRESHOLDS_TAG, thresholds_markdown(by_callback), trainer.global_step)
+        self.writer.custom_scalars(dashboard_layout([k for k in merged if "." not in k]))
         self.writer.flush()
 
     def close(self) -> None:
@@ -118,6 +153,10 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
 class DiagCallback(pl.Callback):
     """Base of the library's callbacks.
 
+    Subclasses override :meth:`thresholds` so the run records what it is judged against; one that overrides
+    ``on_fit_start`` calls ``super().on_fit_start(trainer, pl_module)``, which writes the thresholds and the
+    dashboard layout.
+
     Attributes:
         alerts: The alerts this callback raised in the current fit, in order.
     """
@@ -151,6 +190,25 @@ class DiagCallback(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Lightning skips ``teardown`` when ``fit`` raises: flush and release the session here."""
         self.teardown(trainer, pl_module, "exception")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Record the thresholds in effect and write the dashboard layout (once per fit, rank zero)."""
+        if self._session is not None:
+            self._session.start_fit(trainer)
+
+    def thresholds(self) -> dict[str, float]:
+        """The thresholds this callback judges by: rule id -> threshold, and ``"<rule>.<setting>"`` -> value.
+
+        A rule id maps to the number its alerts carry as ``threshold``; dotted keys are the settings that
+        qualify it (patience, windows). Written once per fit to ``<log_dir>/diag/thresholds.json`` and the
+        ``diag/thresholds`` text; ``lightning-diag report`` judges the run against them. Override in subclasses.
+        """
+        return {}
+
+    def threshold_lines(self, *rules: str) -> dict[str, float]:
+        """``diag/threshold/<rule>`` reference values to write beside a series, for the dashboard's charts."""
+        values = self.thresholds()
+        return {threshold_tag(rule): values[rule] for rule in rules if rule in values}
 
     @property
     def writer(self) -> DiagWriter:

@@ -13,6 +13,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag._validation import check_int, check_number
+from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.rules.grad import (
     DEFAULT_BASELINE_MEASUREMENTS,
@@ -71,6 +72,8 @@ class GradientFlowMonitor(DiagCallback):
     * ``diag/grad_hist/<layer>``: gradient histograms every ``histogram_every_n_steps`` steps.
     * ``diag/act_grad_norm/<module>``: L2 norm of the gradient of the module's output (``activation_grads``),
       summed over the micro-batches of the measured step.
+    * ``diag/threshold/grad_vanish``, ``diag/threshold/grad_explode``: the two thresholds, at the steps of
+      ``diag/grad_norm/total`` (the band of the dashboard's margin chart).
 
     Rules: ``grad_vanish`` / ``grad_explode`` (a layer's norm outside ``vanish_threshold`` ..
     ``explode_threshold``), ``grad_layer_spread`` (largest / smallest layer norm above ``spread_ratio``),
@@ -156,6 +159,23 @@ class GradientFlowMonitor(DiagCallback):
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
         self._before: list[tuple[list[int], list[torch.Tensor]]] = []
         self._measured_interval: dict[int, int] = {}
+
+    def thresholds(self) -> dict[str, float]:
+        """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
+
+        Example:
+            >>> GradientFlowMonitor().thresholds()["grad_explode"]
+            10.0
+        """
+        return {
+            GRAD_VANISH: self.vanish_threshold,
+            f"{GRAD_VANISH}.relative": self.band_rule.relative,
+            GRAD_EXPLODE: self.explode_threshold,
+            GRAD_LAYER_SPREAD: self.spread_ratio,
+            GRAD_COLLAPSE: self.collapse_ratio,
+            f"{GRAD_COLLAPSE}.baseline_measurements": float(self.baseline_measurements),
+            "grad.patience": float(self.patience),
+        }
 
     def _make_rules(self) -> None:
         self.band_rule = GradBandRule(self.vanish_threshold, self.explode_threshold, self.patience)
@@ -306,6 +326,7 @@ class GradientFlowMonitor(DiagCallback):
         total_tag = tag("grad_norm", "total") if position == 0 else tag("grad_norm", "total", f"optimizer_{position}")
         values = {total_tag: host[0]}
         values.update({tag("grad_norm", layer): v for layer, v in norms.items()})
+        values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
         self.record(self.band_rule.update(norms, ctx, host[0]) + self.spread_rule.update(norms, ctx))

@@ -76,6 +76,12 @@ def test_tags_images_and_steps_in_the_event_file(tmp_path):
     acc = EventAccumulator(result.log_dir, size_guidance={"images": 0, "scalars": 0})
     acc.Reload()
     scalars = {t for t in acc.Tags()["scalars"] if t.startswith("diag/attn")}
+    lines = {t: acc.Scalars(t)[0].value for t in acc.Tags()["scalars"] if t.startswith("diag/threshold/attn")}
+    assert lines == {
+        "diag/threshold/attn_entropy_low": 0.5,
+        "diag/threshold/attn_entropy_high": 2.5,
+        "diag/threshold/attn_sink": 0.5,
+    }
     expected = {f"diag/attn_entropy/{h}" for h in HEADS}
     for layer in ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn"):
         expected |= {f"diag/attn_entropy/{layer}/mean", f"diag/attn_entropy/{layer}/uniform", f"diag/attn_sink/{layer}"}
