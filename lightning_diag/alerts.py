@@ -31,8 +31,10 @@ __all__ = [
     "ATTN_SINK",
     "GRAD_COLLAPSE",
     "GRAD_EXPLODE",
+    "GRAD_FROZEN",
     "GRAD_LAYER_SPREAD",
     "GRAD_VANISH",
+    "LOSS_STAGNANT",
     "LOSS_SWING",
     "NONFINITE_GRAD",
     "NONFINITE_LOSS",
@@ -57,6 +59,8 @@ GRAD_VANISH = "grad_vanish"
 GRAD_EXPLODE = "grad_explode"
 GRAD_LAYER_SPREAD = "grad_layer_spread"
 GRAD_COLLAPSE = "grad_collapse"
+GRAD_FROZEN = "grad_frozen"
+LOSS_STAGNANT = "loss_stagnant"
 ATTN_ENTROPY_LOW = "attn_entropy_low"
 ATTN_ENTROPY_HIGH = "attn_entropy_high"
 ATTN_SINK = "attn_sink"
@@ -68,10 +72,12 @@ ALL_RULES: dict[str, str] = {
     LOSS_SWING: "AnomalyAlarm",
     VAL_DECLINE: "AnomalyAlarm",
     VAL_FLUCTUATION: "AnomalyAlarm",
+    LOSS_STAGNANT: "AnomalyAlarm",
     GRAD_VANISH: "GradientFlowMonitor",
     GRAD_EXPLODE: "GradientFlowMonitor",
     GRAD_LAYER_SPREAD: "GradientFlowMonitor",
     GRAD_COLLAPSE: "GradientFlowMonitor",
+    GRAD_FROZEN: "GradientFlowMonitor",
     ATTN_ENTROPY_LOW: "AttentionEntropyMonitor",
     ATTN_ENTROPY_HIGH: "AttentionEntropyMonitor",
     ATTN_SINK: "AttentionEntropyMonitor",

@@ -57,6 +57,8 @@ def test_rule_ids_are_the_contract():
         "grad_explode",
         "grad_layer_spread",
         "grad_collapse",
+        "grad_frozen",
+        "loss_stagnant",
         "attn_entropy_low",
         "attn_entropy_high",
         "attn_sink",

@@ -22,3 +22,107 @@ def test_grad_norm_benchmark_rejects_bad_device():
         [sys.executable, str(ROOT / "benchmarks" / "grad_norm.py"), "--device", "tpu"], capture_output=True, text=True
     )
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def _load(name):
+    """Import a benchmark script as a module (``benchmarks/`` is not a package); its ``main`` runs in-process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script is executed
+    spec.loader.exec_module(module)
+    return module
+
+
+def _exit_code(main, argv):
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    return exc.value.code
+
+
+def test_detection_matrix_quick_subset_writes_the_page(tmp_path, capsys):
+    page = tmp_path / "detection.md"
+    matrix = _load("detection_matrix")
+    argv = ["--only", "nan", "--only", "healthy_gru", "--max-epochs", "2", "--write", str(page)]
+    assert matrix.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| `")}
+    nan = rows["`nan`"]
+    assert "**`nonfinite_loss`** step 30, +0 steps" in nan and "| yes |" in nan
+    assert nan.count("yes, step") == 3  # EarlyStopping, SpikeDetection and detect_anomaly all stop this one
+    assert "| none |" in rows["`healthy_gru`"]
+    text = page.read_text()
+    assert "benchmarks/detection_matrix.py --write docs/detection.md" in text
+    assert "1 of 1 faults caught" in text and "0 warning/critical alerts" in text
+
+
+def test_detection_matrix_rejects_bad_arguments(capsys):
+    matrix = _load("detection_matrix")
+    assert _exit_code(matrix.main, ["--only", "gremlins"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+    assert _exit_code(matrix.main, ["--max-epochs", "0"]) == 2
+    assert "--max-epochs must be >= 1" in capsys.readouterr().err
+
+
+def test_overhead_quick_mode_reports_every_variant(capsys):
+    import torch
+
+    overhead = _load("overhead")
+    threads = torch.get_num_threads()
+    assert overhead.main(["--quick", "--models", "mlp"]) == 0
+    assert torch.get_num_threads() == threads  # restored
+    out = capsys.readouterr().out
+    variants = [line.split("|")[2].strip() for line in out.splitlines() if line.startswith("| mlp |")]
+    expected = ["bare", *(f"{n} alone" for n in overhead.single_callback_factories()), "all defaults"]
+    expected += ["every-step grad norms", "activation-gradient hooks", "Lightning grad_norm every step"]
+    assert variants == [*expected, "detect_anomaly=True"]
+    ratios = [line.split("|")[3].strip() for line in out.splitlines() if line.startswith("| mlp |")]
+    assert ratios[0] == "1.000x" and all(r.endswith("x") for r in ratios)
+    assert "| mlp, all defaults | process RSS |" in out
+
+
+def test_overhead_single_callback_factories_follow_default_callbacks():
+    from lightning_diag.demo.run import default_callbacks
+
+    overhead = _load("overhead")
+    factories = overhead.single_callback_factories()
+    assert list(factories) == [type(cb).__name__ for cb in default_callbacks()]
+    for name, factory in factories.items():
+        (cb,) = factory()
+        assert type(cb).__name__ == name
+
+
+def test_overhead_cuda_mode_fails_clearly_without_a_gpu(capsys):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the CUDA mode would run")
+    assert _exit_code(_load("overhead").main, ["--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda needs a CUDA GPU" in err and "is_available() is False" in err
+
+
+def test_overhead_rejects_bad_arguments(capsys):
+    main = _load("overhead").main
+    assert _exit_code(main, ["--steps", "2", "--warmup", "2"]) == 2
+    assert "--steps must exceed" in capsys.readouterr().err
+    assert _exit_code(main, ["--reps", "-1"]) == 2
+    assert "--reps must be >= 1" in capsys.readouterr().err
+    assert _exit_code(main, ["--device", "tpu"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_overhead_sync_probe_wraps_only_the_hooks_a_callback_overrides():
+    overhead = _load("overhead")
+    probe = overhead.SyncProbe(every=10)
+    assert [s for s in range(12) if probe.quiet(s)] == [1, 2, 3, 4, 5, 6, 7, 8, 11]
+    from lightning_diag import AnomalyAlarm
+
+    alarm = AnomalyAlarm()
+    probe.wrap([alarm])
+    assert "on_before_optimizer_step" in vars(alarm) and "on_train_batch_end" in vars(alarm)
+    assert "on_after_backward" not in vars(alarm)  # not overridden: left alone

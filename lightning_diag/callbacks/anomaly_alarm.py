@@ -11,6 +11,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag._validation import check_choice, check_int, check_number
 from lightning_diag.alerts import (
+    LOSS_STAGNANT,
     LOSS_SWING,
     NONFINITE_GRAD,
     NONFINITE_LOSS,
@@ -22,6 +23,9 @@ from lightning_diag.alerts import (
 )
 from lightning_diag.callbacks.base import DiagCallback, extract_loss
 from lightning_diag.rules.anomaly import (
+    DEFAULT_STAGNANT_BASELINE_STEPS,
+    DEFAULT_STAGNANT_MIN_DROP,
+    DEFAULT_STAGNANT_PATIENCE,
     DEFAULT_SWING_MIN_DELTA,
     DEFAULT_SWING_PATIENCE,
     DEFAULT_SWING_THRESHOLD,
@@ -31,6 +35,7 @@ from lightning_diag.rules.anomaly import (
     DEFAULT_VAL_FLUCTUATION_MIN_ABS,
     DEFAULT_VAL_FLUCTUATION_RATIO,
     DEFAULT_VAL_FLUCTUATION_WINDOW,
+    LossStagnantRule,
     LossSwingRule,
     ValDeclineRule,
     ValFluctuationRule,
@@ -49,6 +54,7 @@ NONFINITE_ACTIONS: tuple[str, ...] = ("stop", "raise", "skip", "warn")
 _SHOWN_PARAMS = 5
 _STATE_KEYS = (
     "swing",
+    "stagnant",
     "val_decline",
     "val_fluctuation",
     "nonfinite_latch",
@@ -84,6 +90,9 @@ class AnomalyAlarm(DiagCallback):
       before clipping). Checked on every optimizer step.
     * ``loss_swing`` (warning): the training loss swings by more than ``swing_threshold`` on ``swing_patience``
       consecutive epochs (or windows of ``swing_window`` steps).
+    * ``loss_stagnant`` (warning): after ``stagnant_patience`` epochs (or windows) the training loss is not
+      ``stagnant_min_drop`` below its initial level (the mean of the first ``stagnant_baseline_steps`` steps,
+      the untrained model's loss: chance level for a classifier).
     * ``val_decline`` (warning): ``monitor`` worsens on ``val_decline_patience`` consecutive validation runs.
     * ``val_fluctuation`` (warning): the validation fluctuation exceeds ``val_fluctuation_ratio`` times the
       training-loss fluctuation over the last ``val_fluctuation_window`` validation runs.
@@ -111,6 +120,9 @@ class AnomalyAlarm(DiagCallback):
         swing_min_delta: Absolute loss change below which nothing swings.
         swing_window: ``"epoch"`` to compare epoch means, or a number of optimizer steps to compare means over
             consecutive windows of that many steps (runs with one long epoch).
+        stagnant_min_drop: ``loss_stagnant``: fraction of the initial loss the training loss must fall by.
+        stagnant_patience: ``loss_stagnant``: epochs (or windows) the loss has to fall by ``stagnant_min_drop``.
+        stagnant_baseline_steps: ``loss_stagnant``: first training batches whose mean loss is the initial loss.
         monitor: Validation metric read from ``trainer.callback_metrics``.
         mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is.
         val_decline_patience: Consecutive worse validation runs before ``val_decline`` fires.
@@ -142,6 +154,9 @@ class AnomalyAlarm(DiagCallback):
         swing_patience: int = DEFAULT_SWING_PATIENCE,
         swing_min_delta: float = DEFAULT_SWING_MIN_DELTA,
         swing_window: Literal["epoch"] | int = "epoch",
+        stagnant_min_drop: float = DEFAULT_STAGNANT_MIN_DROP,
+        stagnant_patience: int = DEFAULT_STAGNANT_PATIENCE,
+        stagnant_baseline_steps: int = DEFAULT_STAGNANT_BASELINE_STEPS,
         monitor: str = "val_loss",
         mode: Literal["min", "max"] = "min",
         val_decline_patience: int = DEFAULT_VAL_DECLINE_PATIENCE,
@@ -166,6 +181,11 @@ class AnomalyAlarm(DiagCallback):
             if isinstance(swing_window, str) or swing_window < 1:
                 raise ValueError(bad_window)
         self.swing_window = swing_window
+        self.stagnant_min_drop = check_number(
+            "stagnant_min_drop", stagnant_min_drop, low=0.0, high=1.0, low_inclusive=True, high_inclusive=False
+        )
+        self.stagnant_patience = check_int("stagnant_patience", stagnant_patience, low=1)
+        self.stagnant_baseline_steps = check_int("stagnant_baseline_steps", stagnant_baseline_steps, low=1)
         if not isinstance(monitor, str) or not monitor:
             raise TypeError(f"Expected argument `monitor` to be a non-empty metric name, but got {monitor!r}")
         self.monitor = monitor
@@ -211,6 +231,9 @@ class AnomalyAlarm(DiagCallback):
             f"{VAL_FLUCTUATION}.min": self.val_fluctuation_min,
             f"{VAL_FLUCTUATION}.min_range": self.val_fluctuation_min_range,
             f"{NONFINITE_GRAD}.max_scaler_overflows": float(self.max_scaler_overflows),
+            LOSS_STAGNANT: self.stagnant_min_drop,
+            f"{LOSS_STAGNANT}.patience": float(self.stagnant_patience),
+            f"{LOSS_STAGNANT}.baseline_steps": float(self.stagnant_baseline_steps),
         }
         if isinstance(self.swing_window, int):
             values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
@@ -226,6 +249,9 @@ class AnomalyAlarm(DiagCallback):
             patience=self.swing_patience,
             min_delta=self.swing_min_delta,
             unit=unit,
+        )
+        self.stagnant_rule = LossStagnantRule(
+            min_drop=self.stagnant_min_drop, patience=self.stagnant_patience, unit=unit
         )
         self.val_decline_rule = ValDeclineRule(
             monitor=self.monitor,
@@ -259,7 +285,10 @@ class AnomalyAlarm(DiagCallback):
             "since_val_count": 0.0,
             "window_sum": 0.0,
             "window_count": 0.0,
+            "initial_sum": 0.0,
+            "initial_count": 0.0,
         }
+        self._initial_batches = 0  # batches in the initial-loss baseline (the same count on every rank)
         # The global step the current step window started at; set at train start unless a checkpoint did.
         self._window_start: int | None = None
         # Set by load_state_dict: the accumulators hold the sums of every rank (see on_save_checkpoint).
@@ -278,13 +307,16 @@ class AnomalyAlarm(DiagCallback):
         pending = [-1, -1]
         if self._pending_loss_step is not None and self._pending_grad_step is not None:
             pending = torch.stack([self._pending_loss_step, self._pending_grad_step]).tolist()
+        acc = {k: float(v) for k, v in self._acc.items()}
+        acc["initial_batches"] = float(self._initial_batches)
         return {
             "swing": self.swing_rule.state_dict(),
+            "stagnant": self.stagnant_rule.state_dict(),
             "val_decline": self.val_decline_rule.state_dict(),
             "val_fluctuation": self.val_fluctuation_rule.state_dict(),
             "nonfinite_latch": self._nonfinite_latch.state_dict(),
             "skips": self._skips,
-            "accumulators": {k: float(v) for k, v in self._acc.items()},
+            "accumulators": acc,
             "window_start": self._window_start,
             "last_finite_loss": float(self._last_finite_loss),
             "pending_nonfinite": {
@@ -302,11 +334,13 @@ class AnomalyAlarm(DiagCallback):
         """
         self.check_state_keys(state_dict, _STATE_KEYS)
         self.swing_rule.load_state_dict(state_dict["swing"])
+        self.stagnant_rule.load_state_dict(state_dict["stagnant"])
         self.val_decline_rule.load_state_dict(state_dict["val_decline"])
         self.val_fluctuation_rule.load_state_dict(state_dict["val_fluctuation"])
         self._nonfinite_latch.load_state_dict(state_dict["nonfinite_latch"])
         self._skips = int(state_dict["skips"])
-        acc = state_dict["accumulators"]
+        acc = dict(state_dict["accumulators"])
+        self._initial_batches = int(acc.pop("initial_batches", 0))
         self._acc = {k: float(acc.get(k, 0.0)) for k in self._acc}
         self._acc_restored = True
         start = state_dict["window_start"]
@@ -331,7 +365,7 @@ class AnomalyAlarm(DiagCallback):
         keys = list(self._acc)
         local = torch.tensor([float(self._acc[k]) for k in keys], dtype=torch.float64, device=pl_module.device)
         total = trainer.strategy.reduce(local, reduce_op="sum").tolist()
-        state["accumulators"] = dict(zip(keys, total, strict=True))
+        state["accumulators"].update(zip(keys, total, strict=True))
         pending = state["pending_nonfinite"]
         steps = [pending["loss_step"], pending["grad_step"]]
         local_first = torch.tensor([s if s >= 0 else _NO_STEP for s in steps], device=pl_module.device)
@@ -524,6 +558,10 @@ class AnomalyAlarm(DiagCallback):
             for prefix in ("epoch", "since_val", "window"):
                 self._acc[prefix + "_sum"] = self._acc[prefix + "_sum"] + clean
                 self._acc[prefix + "_count"] = self._acc[prefix + "_count"] + weight
+            if self._initial_batches < self.stagnant_baseline_steps:
+                self._initial_batches += 1
+                self._acc["initial_sum"] = self._acc["initial_sum"] + clean
+                self._acc["initial_count"] = self._acc["initial_count"] + weight
             last = self._last_finite_loss
             self._last_finite_loss = torch.where(
                 finite, loss, last if isinstance(last, torch.Tensor) else torch.full_like(loss, last)
@@ -572,7 +610,10 @@ class AnomalyAlarm(DiagCallback):
         self.writer.scalar(tag("loss", "train_epoch" if prefix == "epoch" else "train_window"), mean, step)
         if (prefix == "epoch") != (self.swing_window == "epoch"):
             return
-        self.record(self.swing_rule.update(mean, self.context(trainer)))
+        if self.stagnant_rule.baseline is None and self._initial_batches > 0:
+            self.stagnant_rule.set_baseline(self._reduced_mean(trainer, pl_module, "initial"))
+        ctx = self.context(trainer)
+        self.record(self.swing_rule.update(mean, ctx) + self.stagnant_rule.update(mean, ctx))
         if math.isfinite(self.swing_rule.last_change):
             values = {tag("loss", "swing"): self.swing_rule.last_change, **self.threshold_lines(LOSS_SWING)}
             self.writer.scalars(values, step)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import BaseFinetuning
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag._validation import check_int, check_number
@@ -24,6 +25,7 @@ from lightning_diag.rules.grad import (
     DEFAULT_VANISH_THRESHOLD,
     GradBandRule,
     GradCollapseRule,
+    GradFrozenRule,
     GradSpreadRule,
 )
 from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
@@ -32,7 +34,7 @@ from lightning_diag.tensorboard import tag
 __all__ = ["GradientFlowMonitor"]
 
 ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
-_STATE_KEYS = ("band", "spread", "collapse")
+_STATE_KEYS = ("band", "spread", "collapse", "frozen")
 _COMPILED_PREFIX = re.compile(r"(?:^|(?<=\.))_orig_mod\.")
 
 
@@ -79,6 +81,11 @@ class GradientFlowMonitor(DiagCallback):
     ``explode_threshold``), ``grad_layer_spread`` (largest / smallest layer norm above ``spread_ratio``),
     ``grad_collapse`` (global norm below ``collapse_ratio`` times its baseline: the median of the first
     ``baseline_measurements`` measurements). Each must hold on ``patience`` consecutive measurements.
+    ``grad_frozen``: a layer with parameters that cannot learn while the rest of the model does
+    (``requires_grad=False``, or in no optimizer: at the first measurement; no gradient at all: on ``patience``
+    consecutive measurements). Parameters matching ``expect_frozen`` are frozen on purpose and never reported;
+    with a :class:`~pytorch_lightning.callbacks.BaseFinetuning` callback attached, frozen and excluded
+    parameters are that callback's business and only ``no_grad`` is checked.
 
     Args:
         log_every_n_steps: Measure every this many optimizer steps; defaults to the trainer's interval.
@@ -96,6 +103,8 @@ class GradientFlowMonitor(DiagCallback):
         explode_threshold: ``grad_explode`` threshold (default 1e1).
         spread_ratio: ``grad_layer_spread`` threshold (default 100).
         collapse_ratio: ``grad_collapse`` fraction of the baseline (default 0.01).
+        expect_frozen: Parameter-name ``fnmatch`` patterns of parameters frozen (or left out of the optimizer)
+            on purpose: ``grad_frozen`` ignores them.
         patience: Consecutive measurements a condition must hold (default 3).
         baseline_measurements: Measurements whose median is the ``grad_collapse`` baseline (default 5).
 
@@ -116,6 +125,7 @@ class GradientFlowMonitor(DiagCallback):
         explode_threshold: float = DEFAULT_EXPLODE_THRESHOLD,
         spread_ratio: float = DEFAULT_SPREAD_RATIO,
         collapse_ratio: float = DEFAULT_COLLAPSE_RATIO,
+        expect_frozen: Sequence[str] = (),
         patience: int = DEFAULT_GRAD_PATIENCE,
         baseline_measurements: int = DEFAULT_BASELINE_MEASUREMENTS,
     ) -> None:
@@ -142,6 +152,11 @@ class GradientFlowMonitor(DiagCallback):
                 f" but got {activation_grads!r}"
             )
         self.activation_grads = activation_grads
+        if isinstance(expect_frozen, str) or not all(isinstance(p, str) for p in expect_frozen):
+            raise TypeError(
+                f"Expected argument `expect_frozen` to be a list of parameter-name patterns, but got {expect_frozen!r}"
+            )
+        self.expect_frozen = tuple(expect_frozen)
         self._act_handles: list[Any] = []
         self._act_sq: dict[str, torch.Tensor] = {}
         self.log_weight_norms = log_weight_norms
@@ -181,6 +196,7 @@ class GradientFlowMonitor(DiagCallback):
         self.band_rule = GradBandRule(self.vanish_threshold, self.explode_threshold, self.patience)
         self.spread_rule = GradSpreadRule(self.spread_ratio, self.patience)
         self.collapse_rule = GradCollapseRule(self.collapse_ratio, self.patience, self.baseline_measurements)
+        self.frozen_rule = GradFrozenRule(self.patience)
 
     def state_dict(self) -> dict[str, Any]:
         """The three rules' streaks, latches and the collapse baseline."""
@@ -188,6 +204,7 @@ class GradientFlowMonitor(DiagCallback):
             "band": self.band_rule.state_dict(),
             "spread": self.spread_rule.state_dict(),
             "collapse": self.collapse_rule.state_dict(),
+            "frozen": self.frozen_rule.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -200,6 +217,7 @@ class GradientFlowMonitor(DiagCallback):
         self.band_rule.load_state_dict(state_dict["band"])
         self.spread_rule.load_state_dict(state_dict["spread"])
         self.collapse_rule.load_state_dict(state_dict["collapse"])
+        self.frozen_rule.load_state_dict(state_dict["frozen"])
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """A new fit starts with fresh rules (a resume then loads their state)."""
@@ -228,6 +246,24 @@ class GradientFlowMonitor(DiagCallback):
                 else "the model has no trainable parameters; gradient flow is not measured",
             )
         return _Index([n for n, _ in named], [p for _, p in named], self.per_parameter)
+
+    def _stuck_parameters(self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_opt: set[int]) -> dict[str, str]:
+        """``{name: reason}`` for the selected parameters that cannot learn (see ``GradFrozenRule``)."""
+        finetuning = any(isinstance(cb, BaseFinetuning) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+        in_any = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
+        stuck: dict[str, str] = {}
+        for name, p in pl_module.named_parameters():
+            if any(fnmatch.fnmatchcase(name, pat) for pat in self.expect_frozen) or not self._selected(name, p):
+                continue
+            if not p.requires_grad:
+                if not finetuning:
+                    stuck[name] = "frozen"
+            elif id(p) not in in_any:
+                if not finetuning:
+                    stuck[name] = "excluded"
+            elif id(p) in in_opt and p.grad is None:
+                stuck[name] = "no_grad"
+        return stuck
 
     def _measuring(self, trainer: pl.Trainer) -> bool:
         return trainer.global_step % self.every_n_steps(trainer) == 0
@@ -332,6 +368,9 @@ class GradientFlowMonitor(DiagCallback):
         self.record(self.band_rule.update(norms, ctx, host[0]) + self.spread_rule.update(norms, ctx))
         if position == 0:  # one baseline of one quantity: the first optimizer's global norm
             self.record(self.collapse_rule.update(host[0], ctx))
+        stuck = self._stuck_parameters(trainer, pl_module, in_opt)
+        names = [n for n, _ in pl_module.named_parameters()]
+        self.record(self.frozen_rule.update(stuck, ctx, names))
         hist_every = self.histogram_every_n_steps
         if hist_every is None:
             hist_every = 10 * self.every_n_steps(trainer)

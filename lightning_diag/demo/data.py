@@ -1,8 +1,14 @@
-"""A tiny synthetic sequence-classification task shipped with the package (generated, deterministic).
+"""Tiny synthetic tasks shipped with the package (generated, deterministic).
 
-Each example is ``[CLS] t_1 ... t_n [SEP] PAD ...`` with ``n`` between ``min_len`` and ``max_len``. Four
-*marker* tokens are scattered among filler tokens; the label is the marker that occurs most often. Solving it
-needs attention over the whole sequence, so heads learn real patterns, and padding exercises masks.
+* :class:`SyntheticDataModule`: sequence classification (transformer and GRU classifiers). Each example is
+  ``[CLS] t_1 ... t_n [SEP] PAD ...`` with ``n`` between ``min_len`` and ``max_len``. Four *marker* tokens are
+  scattered among filler tokens; the label is the marker that occurs most often. Solving it needs attention
+  over the whole sequence, so heads learn real patterns, and padding exercises masks.
+* :class:`RegressionDataModule`: regression of a smooth non-linear function of 8 features, with Gaussian noise
+  on the targets (the MLP).
+* :class:`CausalLMDataModule`: next-token prediction (the causal language model). Each sequence is
+  ``[stride] x_0 x_1 ...`` with ``x_{t+1} = x_t + stride (mod LM_VOCAB_SIZE - 4)``; a fraction of the tokens
+  is replaced by random ones, so the loss has a floor above zero.
 """
 
 from __future__ import annotations
@@ -11,12 +17,32 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["CLS", "NUM_CLASSES", "PAD", "SEP", "VOCAB_SIZE", "SyntheticDataModule", "make_dataset"]
+__all__ = [
+    "CLS",
+    "DATA_MODULES",
+    "LM_VOCAB_SIZE",
+    "NUM_CLASSES",
+    "PAD",
+    "REGRESSION_FEATURES",
+    "SEP",
+    "VOCAB_SIZE",
+    "CausalLMDataModule",
+    "RegressionDataModule",
+    "SyntheticDataModule",
+    "make_dataset",
+    "make_lm_dataset",
+    "make_regression_dataset",
+]
 
 PAD, CLS, SEP = 0, 1, 2
 MARKERS = (3, 4, 5, 6)
 NUM_CLASSES = len(MARKERS)
 VOCAB_SIZE = 24
+#: Features of the regression task.
+REGRESSION_FEATURES = 8
+#: Vocabulary of the language-modelling task: 4 stride tokens, then the sequence tokens.
+LM_VOCAB_SIZE = 20
+_LM_STRIDES = 4
 
 
 def make_dataset(
@@ -106,3 +132,123 @@ class SyntheticDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self.val_dataloader()
+
+
+class _TensorDataModule(pl.LightningDataModule):
+    """Train/validation loaders over two generated ``TensorDataset``s."""
+
+    def __init__(self, n_train: int, n_val: int, batch_size: int, seed: int, shuffle: bool) -> None:
+        super().__init__()
+        self.n_train, self.n_val, self.batch_size, self.seed, self.shuffle = n_train, n_val, batch_size, seed, shuffle
+
+    def make(self, n: int, seed: int) -> TensorDataset:
+        """``n`` examples generated from ``seed``."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        self.train_set = self.make(self.n_train, self.seed)
+        self.val_set = self.make(self.n_val, self.seed + 1)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, generator=g)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+def make_regression_dataset(n: int, seed: int, noise: float = 0.3) -> TensorDataset:
+    """``n`` examples ``TensorDataset(x [n, 8], y [n])``: ``y = sin(x @ a) + 0.5 * (x @ b) + noise * N(0, 1)``.
+
+    ``a`` and ``b`` are fixed (seed 1234) so training and validation sets share the function.
+    """
+    fixed = torch.Generator().manual_seed(1234)
+    a = torch.randn(REGRESSION_FEATURES, generator=fixed) / REGRESSION_FEATURES**0.5
+    b = torch.randn(REGRESSION_FEATURES, generator=fixed) / REGRESSION_FEATURES**0.5
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, REGRESSION_FEATURES, generator=g)
+    y = torch.sin(2.0 * (x @ a)) + 0.5 * (x @ b) + noise * torch.randn(n, generator=g)
+    return TensorDataset(x, y)
+
+
+class RegressionDataModule(_TensorDataModule):
+    """Noisy regression: :func:`make_regression_dataset`.
+
+    Args:
+        n_train: Training examples.
+        n_val: Validation examples.
+        batch_size: Batch size of both loaders.
+        seed: Seed of the generator (validation uses ``seed + 1``).
+        noise: Standard deviation of the target noise.
+        shuffle: Shuffle the training loader.
+    """
+
+    def __init__(
+        self,
+        n_train: int = 1024,
+        n_val: int = 256,
+        batch_size: int = 32,
+        seed: int = 0,
+        noise: float = 0.3,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__(n_train, n_val, batch_size, seed, shuffle)
+        self.noise = noise
+
+    def make(self, n: int, seed: int) -> TensorDataset:
+        return make_regression_dataset(n, seed, self.noise)
+
+
+def make_lm_dataset(n: int, seed: int, length: int = 24, noise: float = 0.1) -> TensorDataset:
+    """``n`` sequences ``TensorDataset(tokens [n, length + 1])`` for next-token prediction.
+
+    Token 0..3 is the stride ``s`` (1..4); then ``x_0`` is random and ``x_{t+1} = x_t + s`` modulo the
+    ``LM_VOCAB_SIZE - 4`` sequence tokens (ids 4 and up). A fraction ``noise`` of the sequence tokens is random.
+    """
+    g = torch.Generator().manual_seed(seed)
+    span = LM_VOCAB_SIZE - _LM_STRIDES
+    stride = torch.randint(0, _LM_STRIDES, (n, 1), generator=g)
+    start = torch.randint(0, span, (n, 1), generator=g)
+    body = (start + (stride + 1) * torch.arange(length)) % span
+    random = torch.randint(0, span, body.shape, generator=g)
+    body = torch.where(torch.rand(body.shape, generator=g) < noise, random, body)
+    return TensorDataset(torch.cat([stride, body + _LM_STRIDES], dim=1))
+
+
+class CausalLMDataModule(_TensorDataModule):
+    """Next-token prediction: :func:`make_lm_dataset`.
+
+    Args:
+        n_train: Training sequences.
+        n_val: Validation sequences.
+        batch_size: Batch size of both loaders.
+        seed: Seed of the generator (validation uses ``seed + 1``).
+        length: Tokens after the stride token.
+        noise: Fraction of random tokens.
+        shuffle: Shuffle the training loader.
+    """
+
+    def __init__(
+        self,
+        n_train: int = 512,
+        n_val: int = 128,
+        batch_size: int = 32,
+        seed: int = 0,
+        length: int = 24,
+        noise: float = 0.1,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__(n_train, n_val, batch_size, seed, shuffle)
+        self.length, self.noise = length, noise
+
+    def make(self, n: int, seed: int) -> TensorDataset:
+        return make_lm_dataset(n, seed, self.length, self.noise)
+
+
+#: Model shape name (:data:`~lightning_diag.demo.models.MODELS`) -> its data module.
+DATA_MODULES: dict[str, type[pl.LightningDataModule]] = {
+    "transformer": SyntheticDataModule,
+    "gru": SyntheticDataModule,
+    "mlp": RegressionDataModule,
+    "causal_lm": CausalLMDataModule,
+}

@@ -1,13 +1,17 @@
 """The fault library: named training faults, each with its onset and the rules expected to catch it.
 
 Used by ``lightning-diag demo``, the scenario tests and the benchmarks. A fault is a change to the healthy
-:class:`~lightning_diag.demo.models.DemoConfig` and data module; ``"none"`` is the healthy run.
+:class:`~lightning_diag.demo.models.DemoConfig` and data module; an entry without expected rules is a healthy
+baseline (``"none"`` is the healthy transformer classifier). Entries with ``config["model"]`` train another
+shape: an MLP regressing noisy targets, a small causal language model, a GRU classifier.
 
 Example:
     >>> sorted(FAULTS)[:4]
-    ['attention', 'collapse', 'explode', 'healthy_deep']
+    ['attention', 'collapse', 'explode', 'frozen']
     >>> FAULTS["nan"].expected_rules
     ('nonfinite_loss',)
+    >>> [f.name for f in FAULTS.values() if f.healthy][:3]
+    ['none', 'healthy_sgd', 'healthy_deep']
 """
 
 from __future__ import annotations
@@ -15,17 +19,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytorch_lightning as pl
+
 from lightning_diag.alerts import (
     ATTN_ENTROPY_LOW,
     GRAD_COLLAPSE,
     GRAD_EXPLODE,
+    GRAD_FROZEN,
     GRAD_VANISH,
+    LOSS_STAGNANT,
     LOSS_SWING,
     NONFINITE_LOSS,
     VAL_DECLINE,
 )
-from lightning_diag.demo.data import SyntheticDataModule
-from lightning_diag.demo.models import DemoConfig, TinyTransformerClassifier
+from lightning_diag.demo.data import DATA_MODULES
+from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
 
 __all__ = ["FAULTS", "Fault", "build_fault"]
 
@@ -40,7 +48,8 @@ class Fault:
         expected_rules: Rule ids that must fire (empty for a healthy run).
         onset_step: Global step where the fault begins, if it begins at a step.
         onset_epoch: Epoch where the fault begins, if it begins at an epoch.
-        window: How many epochs after onset the expected rules must have fired by.
+        window: How many steps (``onset_step``) or epochs (``onset_epoch``) after onset the expected rules must
+            have fired by.
         max_epochs: Epochs the demo trains for.
         config: Overrides of :class:`DemoConfig`.
         data: Overrides of :class:`SyntheticDataModule` arguments.
@@ -55,6 +64,16 @@ class Fault:
     max_epochs: int = 6
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        """Whether this entry is a healthy baseline (no rule may fire)."""
+        return not self.expected_rules
+
+    @property
+    def model(self) -> str:
+        """The model's shape (a key of :data:`~lightning_diag.demo.models.MODELS`)."""
+        return str(self.config.get("model", "transformer"))
 
 
 FAULTS: dict[str, Fault] = {
@@ -71,12 +90,22 @@ FAULTS: dict[str, Fault] = {
         ),
         Fault(
             "swing",
-            "the learning rate oscillates between 3e-3 and 0.03 every epoch: the loss swings",
+            "plain SGD on the noisy-regression MLP, the learning rate alternating every epoch between 0.01 and 0.2:"
+            " the loss level swings with it",
             (LOSS_SWING,),
             onset_epoch=1,
             window=5,
             max_epochs=8,
-            config={"lr_schedule": "oscillate", "oscillate_factor": 10.0},
+            config={
+                "model": "mlp",
+                "d_model": 64,
+                "head_depth": 2,
+                "optimizer": "sgd",
+                "lr": 0.01,
+                "lr_schedule": "oscillate",
+                "oscillate_factor": 20.0,
+            },
+            data={"n_train": 512, "batch_size": 8},
         ),
         Fault(
             "explode",
@@ -138,11 +167,58 @@ FAULTS: dict[str, Fault] = {
             config={"lr": 3e-3, "d_model": 48},
             data={"n_train": 64, "batch_size": 16, "random_labels": True},
         ),
+        Fault(
+            "inf_input",
+            "an Inf enters the input embeddings of one example at global step 30: the loss becomes non-finite",
+            (NONFINITE_LOSS,),
+            onset_step=30,
+            max_epochs=3,
+            config={"inf_input_at_step": 30},
+        ),
+        Fault(
+            "frozen",
+            "`requires_grad` is mistakenly off for the second encoder layer: it never trains",
+            (GRAD_FROZEN,),
+            onset_step=0,
+            window=0,
+            max_epochs=2,
+            config={"freeze": ("encoder.layers.1.",)},
+        ),
+        Fault(
+            "shuffled_labels",
+            "the training targets are permuted against their inputs: the loss never falls below chance level",
+            (LOSS_STAGNANT,),
+            onset_epoch=0,
+            window=4,
+            max_epochs=5,
+            data={"shuffle_targets": True},
+        ),
+        Fault(
+            "healthy_regression",
+            "healthy baseline: an MLP (2 hidden layers of 64) regressing a smooth function with noisy targets",
+            (),
+            max_epochs=6,
+            config={"model": "mlp", "d_model": 64, "head_depth": 2},
+        ),
+        Fault(
+            "healthy_lm",
+            "healthy baseline: a 2-layer causal transformer language model on modular-arithmetic sequences",
+            (),
+            max_epochs=6,
+            config={"model": "causal_lm"},
+        ),
+        Fault(
+            "healthy_gru",
+            "healthy baseline: a GRU classifier on the synthetic classification task",
+            (),
+            max_epochs=6,
+            config={"model": "gru"},
+        ),
     )
 }
 
 
-def build_fault(name: str, seed: int = 0) -> tuple[TinyTransformerClassifier, SyntheticDataModule, Fault]:
+def build_fault(name: str, seed: int = 0) -> tuple[DemoModule, pl.LightningDataModule, Fault]:
     """The model, data module and fault entry for ``name``.
 
     Raises:
@@ -152,4 +228,4 @@ def build_fault(name: str, seed: int = 0) -> tuple[TinyTransformerClassifier, Sy
         raise ValueError(f"Expected argument `fault` to be one of {sorted(FAULTS)}, but got {name!r}")
     fault = FAULTS[name]
     config = dataclasses.replace(DemoConfig(seed=seed), **fault.config)
-    return TinyTransformerClassifier(config), SyntheticDataModule(seed=seed, **fault.data), fault
+    return build_model(config), DATA_MODULES[config.model](seed=seed, **fault.data), fault

@@ -1,4 +1,17 @@
-"""Tiny models for the demo, the tests and the benchmarks, with switches the fault library turns."""
+"""Tiny models for the demo, the tests and the benchmarks, with switches the fault library turns.
+
+Four shapes, each paired with a synthetic task of :mod:`lightning_diag.demo.data`:
+
+* ``"transformer"``: :class:`TinyTransformerClassifier` (``nn.TransformerEncoder`` classifier).
+* ``"mlp"``: :class:`RegressionMLP` (an MLP regressing noisy targets).
+* ``"causal_lm"``: :class:`TinyCausalLM` (a causal transformer language model).
+* ``"gru"``: :class:`GRUClassifier` (a recurrent classifier).
+
+Example:
+    >>> model = build_model(DemoConfig(model="gru"))
+    >>> type(model).__name__
+    'GRUClassifier'
+"""
 
 from __future__ import annotations
 
@@ -10,9 +23,18 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lightning_diag.demo.data import NUM_CLASSES, VOCAB_SIZE
+from lightning_diag.demo.data import LM_VOCAB_SIZE, NUM_CLASSES, REGRESSION_FEATURES, VOCAB_SIZE
 
-__all__ = ["DemoConfig", "TinyTransformerClassifier"]
+__all__ = [
+    "MODELS",
+    "DemoConfig",
+    "DemoModule",
+    "GRUClassifier",
+    "RegressionMLP",
+    "TinyCausalLM",
+    "TinyTransformerClassifier",
+    "build_model",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +42,9 @@ class DemoConfig:
     """Everything a fault can change. The defaults train a healthy model.
 
     Attributes:
-        d_model: Width of the transformer.
+        model: The model's shape, a key of :data:`MODELS` (``"transformer"``, ``"mlp"``, ``"causal_lm"``,
+            ``"gru"``).
+        d_model: Width of the transformer (hidden width of the MLP and the GRU).
         nhead: Attention heads per layer.
         num_layers: Encoder layers.
         lr: Learning rate.
@@ -34,12 +58,14 @@ class DemoConfig:
         kill_hidden_at_step: From this step on, every linear layer outputs 0 (all units dead): the logits are
             constant and every gradient is exactly 0.
         freeze: Module-name prefixes whose parameters get ``requires_grad=False``.
-        hidden_activation: Activation of the classifier head's hidden layers (``"relu"``, ``"sigmoid"``).
-        head_depth: Hidden layers in the classifier head.
+        hidden_activation: Activation of the classifier head's hidden layers (``"relu"``, ``"sigmoid"``,
+            ``"tanh"``); of the MLP's hidden layers for ``model="mlp"``.
+        head_depth: Hidden layers in the classifier head (the MLP's hidden layers for ``model="mlp"``).
         attention_collapse_at_step: From this step on, every head puts all its attention on [CLS].
         seed: Seed of the model's initialisation.
     """
 
+    model: str = "transformer"
     d_model: int = 32
     nhead: int = 4
     num_layers: int = 2
@@ -58,15 +84,60 @@ class DemoConfig:
     seed: int = 0
 
 
-class TinyTransformerClassifier(pl.LightningModule):
+class DemoModule(pl.LightningModule):
+    """What every demo model shares: the config, freezing, the NaN switch, the optimizer and its schedule.
+
+    Subclasses build their layers in ``__init__`` and then call :meth:`_apply_freeze`; they implement
+    :meth:`compute_loss`. Logs ``train_loss`` (step and epoch) and ``val_loss``.
+    """
+
+    def __init__(self, config: DemoConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or DemoConfig()
+
+    def _apply_freeze(self) -> None:
+        for prefix in self.config.freeze:
+            for name, p in self.named_parameters():
+                if name.startswith(prefix):
+                    p.requires_grad_(False)
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        """The loss of a batch."""
+        raise NotImplementedError
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.compute_loss(batch)
+        if self.config.nan_at_step is not None and self.global_step == self.config.nan_at_step:
+            loss = loss * math.nan
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.compute_loss(batch), prog_bar=True)
+
+    def configure_optimizers(self) -> Any:
+        c = self.config
+        params = [p for p in self.parameters() if p.requires_grad]
+        opt: torch.optim.Optimizer
+        if c.optimizer == "sgd":
+            opt = torch.optim.SGD(params, lr=c.lr, weight_decay=c.weight_decay)
+        else:
+            opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
+        if c.lr_schedule == "oscillate":
+            factor = c.oscillate_factor
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: factor if epoch % 2 == 1 else 1.0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+        return opt
+
+
+class TinyTransformerClassifier(DemoModule):
     """A 2-layer ``nn.TransformerEncoder`` classifier over the synthetic task; [CLS] pooling.
 
     Logs ``train_loss`` (step and epoch), ``val_loss`` and ``val_acc``.
     """
 
     def __init__(self, config: DemoConfig | None = None) -> None:
-        super().__init__()
-        self.config = config or DemoConfig()
+        super().__init__(config)
         c = self.config
         torch.manual_seed(c.seed)
         self.embed = nn.Embedding(VOCAB_SIZE, c.d_model)
@@ -80,10 +151,7 @@ class TinyTransformerClassifier(pl.LightningModule):
         for _ in range(c.head_depth):
             head += [nn.Linear(c.d_model, c.d_model), act()]
         self.head = nn.Sequential(*head, nn.Linear(c.d_model, NUM_CLASSES))
-        for prefix in c.freeze:
-            for name, p in self.named_parameters():
-                if name.startswith(prefix):
-                    p.requires_grad_(False)
+        self._apply_freeze()
         self._kill_handles: list[Any] = []
 
     def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,14 +183,13 @@ class TinyTransformerClassifier(pl.LightningModule):
             if isinstance(module, nn.Linear):
                 self._kill_handles.append(module.register_forward_hook(lambda m, i, o: o * 0.0))
 
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        tokens, mask, labels = batch
+        return nn.functional.cross_entropy(self(tokens, mask), labels)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self._maybe_kill_hidden()
-        tokens, mask, labels = batch
-        loss = nn.functional.cross_entropy(self(tokens, mask), labels)
-        if self.config.nan_at_step is not None and self.global_step == self.config.nan_at_step:
-            loss = loss * math.nan
-        self.log("train_loss", loss, on_step=True, on_epoch=True)
-        return loss
+        return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         tokens, mask, labels = batch
@@ -138,16 +205,111 @@ class TinyTransformerClassifier(pl.LightningModule):
         tokens, mask, _ = batch
         return self(tokens, mask).argmax(-1)
 
-    def configure_optimizers(self) -> Any:
+
+class RegressionMLP(DemoModule):
+    """An MLP (``head_depth`` hidden layers of width ``d_model``) regressing noisy targets; MSE loss.
+
+    Pairs with :class:`~lightning_diag.demo.data.RegressionDataModule`.
+    """
+
+    def __init__(self, config: DemoConfig | None = None) -> None:
+        super().__init__(config)
         c = self.config
-        params = [p for p in self.parameters() if p.requires_grad]
-        opt: torch.optim.Optimizer
-        if c.optimizer == "sgd":
-            opt = torch.optim.SGD(params, lr=c.lr, weight_decay=c.weight_decay)
-        else:
-            opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
-        if c.lr_schedule == "oscillate":
-            factor = c.oscillate_factor
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: factor if epoch % 2 == 1 else 1.0)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
-        return opt
+        torch.manual_seed(c.seed)
+        act: type[nn.Module] = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh}[c.hidden_activation]
+        layers: list[nn.Module] = []
+        width = REGRESSION_FEATURES
+        for _ in range(max(c.head_depth, 1)):
+            layers += [nn.Linear(width, c.d_model), act()]
+            width = c.d_model
+        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
+        self._apply_freeze()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).squeeze(-1)
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+
+class TinyCausalLM(DemoModule):
+    """A small causal language model: ``num_layers`` ``nn.TransformerEncoderLayer`` with a causal mask.
+
+    Trained on next-token prediction over :class:`~lightning_diag.demo.data.CausalLMDataModule` sequences.
+    """
+
+    def __init__(self, config: DemoConfig | None = None) -> None:
+        super().__init__(config)
+        c = self.config
+        torch.manual_seed(c.seed)
+        self.embed = nn.Embedding(LM_VOCAB_SIZE, c.d_model)
+        self.pos = nn.Parameter(torch.randn(1, 64, c.d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(
+            c.d_model, c.nhead, dim_feedforward=2 * c.d_model, dropout=0.0, batch_first=True
+        )
+        self.decoder = nn.TransformerEncoder(layer, c.num_layers, enable_nested_tensor=False)
+        self.lm_head = nn.Linear(c.d_model, LM_VOCAB_SIZE)
+        self._apply_freeze()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        x = self.embed(tokens) + self.pos[:, :length]
+        causal = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
+        return self.lm_head(self.decoder(x, mask=causal, is_causal=True))
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        (sequence,) = batch
+        logits = self(sequence[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, LM_VOCAB_SIZE), sequence[:, 1:].reshape(-1))
+
+
+class GRUClassifier(DemoModule):
+    """A single-layer GRU over the classification task of the transformer; reads the state at [SEP].
+
+    Pairs with :class:`~lightning_diag.demo.data.SyntheticDataModule`; logs ``val_acc`` too.
+    """
+
+    def __init__(self, config: DemoConfig | None = None) -> None:
+        super().__init__(config)
+        c = self.config
+        torch.manual_seed(c.seed)
+        self.embed = nn.Embedding(VOCAB_SIZE, c.d_model)
+        self.rnn = nn.GRU(c.d_model, 2 * c.d_model, batch_first=True)
+        self.head = nn.Linear(2 * c.d_model, NUM_CLASSES)
+        self._apply_freeze()
+
+    def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+        states, _ = self.rnn(self.embed(tokens))
+        last = (~padding_mask).sum(1) - 1  # the [SEP] position
+        return self.head(states[torch.arange(tokens.shape[0], device=tokens.device), last])
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        tokens, mask, labels = batch
+        return nn.functional.cross_entropy(self(tokens, mask), labels)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        tokens, mask, labels = batch
+        logits = self(tokens, mask)
+        self.log("val_loss", nn.functional.cross_entropy(logits, labels), prog_bar=True)
+        self.log("val_acc", (logits.argmax(-1) == labels).float().mean())
+
+
+#: Model shape name -> LightningModule class.
+MODELS: dict[str, type[DemoModule]] = {
+    "transformer": TinyTransformerClassifier,
+    "mlp": RegressionMLP,
+    "causal_lm": TinyCausalLM,
+    "gru": GRUClassifier,
+}
+
+
+def build_model(config: DemoConfig) -> DemoModule:
+    """The model of ``config.model``.
+
+    Raises:
+        ValueError: If ``config.model`` is not a key of :data:`MODELS`.
+    """
+    if config.model not in MODELS:
+        raise ValueError(f"Expected argument `model` to be one of {sorted(MODELS)}, but got {config.model!r}")
+    return MODELS[config.model](config)

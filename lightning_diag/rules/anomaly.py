@@ -15,6 +15,12 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   (:func:`~lightning_diag.stats.fluctuation`). Fires when the validation fluctuation exceeds ``ratio`` times
   the training-loss fluctuation over the same runs, is itself above ``min_fluctuation`` and the range of the
   validation window (loss units) is above ``min_abs`` (so a converged run whose losses are near zero stays quiet).
+* ``loss_stagnant``: the *initial loss* is the mean training loss of the first ``baseline_steps`` optimizer steps,
+  the loss of the untrained model: for a classifier this is the chance level (about ``ln C`` for ``C`` balanced
+  classes). After ``patience`` loss points (epoch or window means, as for ``loss_swing``), the rule fires while
+  the best point so far is not below ``(1 - min_drop)`` times the initial loss: the model is not learning (a
+  label/target bug, inputs and targets out of step, a dead optimizer). It clears when the loss falls below that
+  level. A positive initial loss is needed; with zero or negative losses the rule stays quiet.
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ import math
 from collections import deque
 from typing import Literal
 
-from lightning_diag.alerts import LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION, Alert
+from lightning_diag.alerts import LOSS_STAGNANT, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION, Alert
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.stats.trend import fluctuation, relative_change
 
 __all__ = [
+    "DEFAULT_STAGNANT_BASELINE_STEPS",
+    "DEFAULT_STAGNANT_MIN_DROP",
+    "DEFAULT_STAGNANT_PATIENCE",
     "DEFAULT_SWING_MIN_DELTA",
     "DEFAULT_SWING_PATIENCE",
     "DEFAULT_SWING_THRESHOLD",
@@ -37,6 +46,7 @@ __all__ = [
     "DEFAULT_VAL_FLUCTUATION_MIN_ABS",
     "DEFAULT_VAL_FLUCTUATION_RATIO",
     "DEFAULT_VAL_FLUCTUATION_WINDOW",
+    "LossStagnantRule",
     "LossSwingRule",
     "ValDeclineRule",
     "ValFluctuationRule",
@@ -60,6 +70,13 @@ DEFAULT_VAL_FLUCTUATION_WINDOW = 5
 DEFAULT_VAL_FLUCTUATION_MIN = 0.15
 #: ``val_fluctuation``: range (max - min, loss units) of the validation window below which it never fires.
 DEFAULT_VAL_FLUCTUATION_MIN_ABS = 0.01
+
+#: ``loss_stagnant``: fraction of the initial loss the training loss must have fallen by.
+DEFAULT_STAGNANT_MIN_DROP = 0.10
+#: ``loss_stagnant``: loss points (epochs or windows) the training loss has to get there.
+DEFAULT_STAGNANT_PATIENCE = 4
+#: ``loss_stagnant``: first optimizer steps whose mean loss is the initial loss.
+DEFAULT_STAGNANT_BASELINE_STEPS = 5
 
 
 def _pct(x: float) -> str:
@@ -260,5 +277,72 @@ class ValFluctuationRule(Rule):
                 source=self.monitor,
                 value=self.last_ratio if math.isfinite(self.last_ratio) else val_f,
                 threshold=self.ratio,
+            )
+        ]
+
+
+class LossStagnantRule(Rule):
+    """``loss_stagnant``: after ``patience`` loss points the training loss has not fallen below its initial level.
+
+    Args:
+        min_drop: Fraction of the initial loss the best point must be below it by (0.1: 10% below).
+        patience: Loss points (epochs or windows) before the rule can fire.
+        unit: What one point is, for messages.
+        source: The alert's ``source``.
+
+    Example:
+        >>> rule = LossStagnantRule(patience=2)
+        >>> rule.set_baseline(1.39)
+        >>> [len(rule.update(v, StepContext(e, e))) for e, v in enumerate([1.38, 1.37, 1.36, 0.9])]
+        [0, 1, 0, 0]
+    """
+
+    rule_id = LOSS_STAGNANT
+    state_keys = ("baseline", "points", "best")
+
+    def __init__(
+        self,
+        min_drop: float = DEFAULT_STAGNANT_MIN_DROP,
+        patience: int = DEFAULT_STAGNANT_PATIENCE,
+        unit: str = "epoch",
+        source: str = "train_loss",
+    ) -> None:
+        super().__init__()
+        self.min_drop = min_drop
+        self.patience = patience
+        self.unit = unit
+        self.source = source
+        self.baseline: float | None = None
+        self.points = 0
+        self.best = math.inf
+
+    def set_baseline(self, initial_loss: float) -> None:
+        """Set the initial loss once (later calls, and non-finite values, are ignored)."""
+        if self.baseline is None and math.isfinite(initial_loss):
+            self.baseline = float(initial_loss)
+
+    def update(self, value: float, ctx: StepContext) -> list[Alert]:
+        """Feed the next loss point; return the alerts it raises."""
+        if not math.isfinite(value):
+            return []
+        self.points += 1
+        self.best = min(self.best, value)
+        if self.baseline is None or self.baseline <= 0:
+            return []
+        limit = (1.0 - self.min_drop) * self.baseline
+        active = self.points >= self.patience and self.best > limit
+        if not self.latch.update(self.source, active):
+            return []
+        drop = 1.0 - self.best / self.baseline
+        return [
+            self._alert(
+                ctx,
+                f"after {self.points} {self.unit}s the training loss is no lower than {self.best:.4g}, only "
+                f"{drop:.1%} below its initial {self.baseline:.4g} (needed: {self.min_drop:.0%}): the model is "
+                "not learning; check that targets match their inputs (shuffling, label mapping), the loss, "
+                "and that the optimizer updates the parameters",
+                source=self.source,
+                value=drop,
+                threshold=self.min_drop,
             )
         ]

@@ -1,5 +1,5 @@
 """Gradient-flow rules (framework-free): ``grad_vanish``, ``grad_explode``, ``grad_layer_spread``,
-``grad_collapse``. Fed with per-layer and global gradient L2 norms at each measured step.
+``grad_collapse``, ``grad_frozen``. Fed with per-layer and global gradient L2 norms at each measured step.
 
 Exact meaning (each condition must hold on ``patience`` consecutive measurements, so a single noisy step never
 alerts; non-finite norms are AnomalyAlarm's business and are skipped):
@@ -12,15 +12,20 @@ alerts; non-finite norms are AnomalyAlarm's business and are skipped):
 * ``grad_layer_spread``: largest / smallest layer norm (over layers with a non-zero norm) above ``spread_ratio``.
 * ``grad_collapse``: the global norm below ``collapse_ratio`` times the baseline, the median of the first
   ``baseline_measurements`` finite global norms of the fit.
+* ``grad_frozen``: a layer some of whose parameters cannot learn while the rest of the model does: the
+  parameter has ``requires_grad=False`` (``"frozen"``) or is trainable but in no optimizer (``"excluded"``),
+  reported at the first measurement; or it is in the optimizer but gets no gradient (``grad is None``,
+  ``"no_grad"``: cut from the graph by a ``detach`` or unused) on ``patience`` consecutive measurements.
+  Parameters frozen on purpose are named to the callback (``expect_frozen``) and never reported.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert
+from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_FROZEN, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
@@ -30,8 +35,10 @@ __all__ = [
     "DEFAULT_GRAD_PATIENCE",
     "DEFAULT_SPREAD_RATIO",
     "DEFAULT_VANISH_THRESHOLD",
+    "FROZEN_REASONS",
     "GradBandRule",
     "GradCollapseRule",
+    "GradFrozenRule",
     "GradSpreadRule",
 ]
 
@@ -47,6 +54,13 @@ DEFAULT_COLLAPSE_RATIO = 0.01
 DEFAULT_GRAD_PATIENCE = 3
 #: ``grad_collapse``: measurements whose median global norm is the baseline.
 DEFAULT_BASELINE_MEASUREMENTS = 5
+
+#: ``grad_frozen``: why a parameter cannot learn, and the advice for each.
+FROZEN_REASONS: dict[str, str] = {
+    "frozen": "`requires_grad` is False",
+    "excluded": "it is trainable but in no optimizer's parameter groups",
+    "no_grad": "it gets no gradient (a `detach`, `torch.no_grad` or an unused branch cuts it from the loss)",
+}
 
 
 class GradBandRule(Rule):
@@ -198,3 +212,90 @@ class GradCollapseRule(Rule):
                 threshold=self.collapse_ratio,
             )
         ]
+
+
+class GradFrozenRule(Rule):
+    """``grad_frozen``: layers whose parameters cannot learn while the rest of the model trains.
+
+    Fed, at each measurement, ``{parameter name: reason}`` for every parameter that cannot learn (reasons are
+    the keys of :data:`FROZEN_REASONS`) and the names of all parameters. Stuck parameters are grouped under the
+    outermost module all of whose parameters are stuck (a whole frozen block is one alert), else under the
+    module that owns them. ``"frozen"`` and ``"excluded"`` alert at once; ``"no_grad"`` after ``patience``
+    consecutive measurements. One alert per group, latched until it learns again.
+
+    Example:
+        >>> rule = GradFrozenRule(patience=2)
+        >>> names = ["enc.0.weight", "enc.1.lin.weight", "enc.1.norm.weight", "head.weight"]
+        >>> stuck = {"enc.1.lin.weight": "frozen", "enc.1.norm.weight": "frozen"}
+        >>> [(a.rule, a.source) for a in rule.update(stuck, StepContext(0, 0), names)]
+        [('grad_frozen', 'enc.1')]
+        >>> rule.update(stuck, StepContext(0, 5), names)
+        []
+    """
+
+    rule_id = GRAD_FROZEN
+    state_keys = ("streaks",)
+
+    def __init__(self, patience: int = DEFAULT_GRAD_PATIENCE) -> None:
+        super().__init__()
+        self.patience = patience
+        self.streaks: dict[str, int] = {}
+
+    @staticmethod
+    def layer_of(name: str) -> str:
+        """The owning module of a parameter name (``enc.1.weight`` -> ``enc.1``)."""
+        return name.rsplit(".", 1)[0] if "." in name else name
+
+    @staticmethod
+    def _prefixes(name: str) -> list[str]:
+        parts = name.split(".")
+        return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+    def group_of(self, stuck: Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
+        """``{stuck parameter: its group}``: the outermost module whose parameters are all stuck."""
+        total: dict[str, int] = {}
+        for name in names:
+            for prefix in self._prefixes(name):
+                total[prefix] = total.get(prefix, 0) + 1
+        stuck_count: dict[str, int] = {}
+        for name in stuck:
+            for prefix in self._prefixes(name):
+                stuck_count[prefix] = stuck_count.get(prefix, 0) + 1
+        groups = {}
+        for name in stuck:
+            whole = [p for p in self._prefixes(name) if stuck_count.get(p, 0) == total.get(p, -1)]
+            groups[name] = whole[0] if whole else self.layer_of(name)
+        return groups
+
+    def update(self, stuck: Mapping[str, str], ctx: StepContext, names: Sequence[str] = ()) -> list[Alert]:
+        """Feed the parameters that cannot learn at this measurement and all parameter names; return the alerts."""
+        group = self.group_of(stuck, list(names) or list(stuck))
+        layers: dict[str, dict[str, list[str]]] = {}
+        for name, reason in stuck.items():
+            layers.setdefault(group[name], {}).setdefault(reason, []).append(name)
+        streaks = {layer: self.streaks.get(layer, 0) + 1 for layer in layers}
+        self.streaks = streaks
+        alerts = []
+        for layer in sorted(set(layers) | set(self.latch.active)):
+            reasons = layers.get(layer, {})
+            needed = 1 if ("frozen" in reasons or "excluded" in reasons) else self.patience
+            if not self.latch.update(layer, bool(reasons) and streaks.get(layer, 0) >= needed):
+                continue
+            parts = []
+            for reason, names in sorted(reasons.items()):
+                shown = ", ".join(f"`{n}`" for n in names[:4]) + (
+                    f" and {len(names) - 4} more" if len(names) > 4 else ""
+                )
+                parts.append(f"{shown}: {FROZEN_REASONS.get(reason, reason)}")
+            alerts.append(
+                self._alert(
+                    ctx,
+                    f"`{layer}` does not learn while the rest of the model does; "
+                    + "; ".join(parts)
+                    + ". If this is on purpose, name it in `expect_frozen`",
+                    source=layer,
+                    value=float(sum(len(n) for n in reasons.values())),
+                    threshold=None,
+                )
+            )
+        return alerts

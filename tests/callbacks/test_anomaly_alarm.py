@@ -40,6 +40,10 @@ def serious(alerts):
         ({"val_fluctuation_min": -0.1}, ValueError, "val_fluctuation_min"),
         ({"val_fluctuation_min_range": -1}, ValueError, "val_fluctuation_min_range"),
         ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
+        ({"stagnant_min_drop": 1.0}, ValueError, "stagnant_min_drop"),
+        ({"stagnant_min_drop": "10%"}, TypeError, "stagnant_min_drop"),
+        ({"stagnant_patience": 0}, ValueError, "stagnant_patience"),
+        ({"stagnant_baseline_steps": 0}, ValueError, "stagnant_baseline_steps"),
     ],
 )
 def test_invalid_configuration(kwargs, error, names):

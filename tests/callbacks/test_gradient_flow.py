@@ -26,6 +26,8 @@ GRAD_RULES = {"grad_vanish", "grad_explode", "grad_layer_spread", "grad_collapse
         ({"patience": 0}, ValueError, "patience"),
         ({"baseline_measurements": 0}, ValueError, "baseline_measurements"),
         ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
+        ({"expect_frozen": "encoder.*"}, TypeError, "expect_frozen"),
+        ({"expect_frozen": [1]}, TypeError, "expect_frozen"),
     ],
 )
 def test_invalid_configuration(kwargs, error, name):

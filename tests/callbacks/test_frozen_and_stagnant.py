@@ -1,0 +1,128 @@
+"""grad_frozen (GradientFlowMonitor) and loss_stagnant (AnomalyAlarm) through real Trainer.fit runs."""
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import BaseFinetuning
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_diag import AnomalyAlarm, GradientFlowMonitor
+from lightning_diag.demo import run_demo
+
+FAST = dict(
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    enable_checkpointing=False,
+    accelerator="cpu",
+    log_every_n_steps=2,
+    logger=False,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class _Net(pl.LightningModule):
+    """Three linear layers; ``bug="excluded"`` leaves `middle` out of the optimizer, ``"detach"`` cuts `first`."""
+
+    def __init__(self, bug=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.bug = bug
+        self.first, self.middle, self.last = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.first(x))
+        if self.bug == "detach":  # the classic slip: `first` is cut from the loss and never gets a gradient
+            h = h.detach()
+        return self.last(torch.relu(self.middle(h))).squeeze(-1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        params = [p for n, p in self.named_parameters() if not (self.bug == "excluded" and n.startswith("middle"))]
+        return torch.optim.SGD(params, lr=0.01)
+
+
+def _loader():
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, generator=g)), batch_size=8)
+
+
+def _fit(model, callbacks, tmp_path, steps=8):
+    pl.Trainer(default_root_dir=tmp_path, max_steps=steps, callbacks=callbacks, **FAST).fit(model, _loader())
+
+
+def test_healthy_net_has_no_frozen_alert(tmp_path):
+    monitor = GradientFlowMonitor()
+    _fit(_Net(), [monitor], tmp_path)
+    assert [a for a in monitor.alerts if a.rule == "grad_frozen"] == []
+
+
+def test_layer_left_out_of_the_optimizer_is_reported_at_the_first_measurement(tmp_path):
+    monitor = GradientFlowMonitor()
+    _fit(_Net("excluded"), [monitor], tmp_path)
+    frozen = [a for a in monitor.alerts if a.rule == "grad_frozen"]
+    assert [(a.source, a.global_step) for a in frozen] == [("middle", 0)]
+    assert "in no optimizer" in frozen[0].message
+
+
+def test_layer_cut_from_the_graph_is_reported_after_patience(tmp_path):
+    monitor = GradientFlowMonitor(patience=2)
+    _fit(_Net("detach"), [monitor], tmp_path)
+    frozen = [a for a in monitor.alerts if a.rule == "grad_frozen"]
+    assert [a.source for a in frozen] == ["first"]
+    assert frozen[0].global_step == 2  # second measurement (log every 2 steps)
+    assert "gets no gradient" in frozen[0].message
+
+
+def test_expect_frozen_silences_a_layer_frozen_on_purpose(tmp_path):
+    monitor = GradientFlowMonitor(expect_frozen=["encoder.layers.1.*"])
+    result = run_demo("frozen", max_epochs=1, root=str(tmp_path), callbacks=[monitor])
+    assert [a for a in result.alerts if a.rule == "grad_frozen"] == []
+
+
+class _Finetune(BaseFinetuning):
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.first)
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        pass
+
+
+def test_base_finetuning_owns_freezing(tmp_path):
+    monitor = GradientFlowMonitor()
+    _fit(_Net(), [_Finetune(), monitor], tmp_path)
+    assert [a for a in monitor.alerts if a.rule == "grad_frozen"] == []
+
+
+def test_frozen_state_survives_a_checkpoint_roundtrip(tmp_path):
+    monitor = GradientFlowMonitor()
+    _fit(_Net("excluded"), [monitor], tmp_path)
+    fresh = GradientFlowMonitor()
+    fresh.load_state_dict(monitor.state_dict())
+    assert fresh.frozen_rule.latch.active == {"middle"}
+
+
+def test_loss_stagnant_uses_the_first_steps_as_the_initial_loss(tmp_path):
+    alarm = AnomalyAlarm(stagnant_patience=2, stagnant_baseline_steps=3)
+    result = run_demo("shuffled_labels", max_epochs=2, root=str(tmp_path), callbacks=[alarm])
+    (alert,) = [a for a in alarm.alerts if a.rule == "loss_stagnant"]
+    assert alert.epoch == 1 and alert.global_step == result.global_step
+    assert 1.3 < alarm.stagnant_rule.baseline < 1.5  # about ln 4: chance level of 4 balanced classes
+    state = alarm.state_dict()
+    assert state["stagnant"]["baseline"] == alarm.stagnant_rule.baseline
+    restored = AnomalyAlarm()
+    restored.load_state_dict(state)
+    assert restored.stagnant_rule.latch.active == {"train_loss"}
+    del state["stagnant"]
+    with pytest.raises(KeyError, match="stagnant"):
+        AnomalyAlarm().load_state_dict(state)

@@ -1,0 +1,129 @@
+"""loss_stagnant and grad_frozen: table-driven, framework-free."""
+
+import math
+
+import pytest
+
+from lightning_diag.rules import LossStagnantRule, StepContext
+from lightning_diag.rules.anomaly import DEFAULT_STAGNANT_MIN_DROP, DEFAULT_STAGNANT_PATIENCE
+from lightning_diag.rules.grad import GradFrozenRule
+
+
+def stagnant_fires(baseline, points, **kwargs):
+    rule = LossStagnantRule(**kwargs)
+    if baseline is not None:
+        rule.set_baseline(baseline)
+    return [i for i, v in enumerate(points) if rule.update(v, StepContext(i, i * 10))]
+
+
+@pytest.mark.parametrize(
+    ("name", "baseline", "points", "fires_at"),
+    [
+        ("chance level throughout", 1.386, [1.385, 1.384, 1.383, 1.382, 1.381], [3]),
+        ("learns in the first epoch", 1.386, [0.9, 0.5, 0.3, 0.2, 0.1], []),
+        ("slow but real learning", 1.40, [1.38, 1.35, 1.30, 1.17, 0.9], []),
+        ("learns just too late", 1.40, [1.39, 1.38, 1.37, 1.36, 1.0], [3]),
+        ("loss rises", 1.0, [1.1, 1.2, 1.3, 1.4], [3]),
+        ("no baseline (no step was seen)", None, [1.0, 1.0, 1.0, 1.0, 1.0], []),
+        ("negative losses: rule is off", -2.0, [-2.0, -2.0, -2.0, -2.0], []),
+        ("non-finite points are skipped", 1.0, [math.nan, 1.0, math.inf, 1.0, 1.0, 1.0], [5]),
+    ],
+)
+def test_loss_stagnant_table(name, baseline, points, fires_at):
+    assert stagnant_fires(baseline, points) == fires_at, name
+
+
+def test_loss_stagnant_defaults_and_arguments():
+    assert (DEFAULT_STAGNANT_MIN_DROP, DEFAULT_STAGNANT_PATIENCE) == (0.10, 4)
+    assert stagnant_fires(1.0, [0.97, 0.97], patience=2, min_drop=0.05) == [1]
+    assert stagnant_fires(1.0, [0.94, 0.94], patience=2, min_drop=0.05) == []
+
+
+def test_loss_stagnant_fires_once_then_clears_when_learning_starts():
+    rule = LossStagnantRule(patience=2)
+    rule.set_baseline(1.0)
+    out = [rule.update(v, StepContext(i, i)) for i, v in enumerate([1.0, 1.0, 1.0, 1.0, 0.5, 0.5])]
+    assert [len(a) for a in out] == [0, 1, 0, 0, 0, 0]
+    alert = out[1][0]
+    assert alert.rule == "loss_stagnant" and alert.severity == "warning" and alert.source == "train_loss"
+    assert alert.value == pytest.approx(0.0) and alert.threshold == pytest.approx(0.1)
+    assert "initial 1" in alert.message and "targets" in alert.message
+    assert not rule.latch.active  # cleared by the fall
+
+
+def test_loss_stagnant_baseline_is_set_once():
+    rule = LossStagnantRule()
+    rule.set_baseline(math.nan)
+    assert rule.baseline is None
+    rule.set_baseline(2.0)
+    rule.set_baseline(1.0)
+    assert rule.baseline == 2.0
+
+
+def test_loss_stagnant_state_roundtrip_and_missing_keys():
+    rule = LossStagnantRule()
+    rule.set_baseline(1.4)
+    for i, v in enumerate([1.39, 1.38, 1.37, 1.36]):
+        rule.update(v, StepContext(i, i))
+    clone = LossStagnantRule()
+    clone.load_state_dict(rule.state_dict())
+    assert clone.state_dict() == rule.state_dict() and clone.latch.active == {"train_loss"}
+    state = rule.state_dict()
+    del state["baseline"]
+    with pytest.raises(KeyError, match="baseline"):
+        LossStagnantRule().load_state_dict(state)
+
+
+NAMES = [
+    "pos",
+    "embed.weight",
+    "enc.0.lin.weight",
+    "enc.0.lin.bias",
+    "enc.1.lin.weight",
+    "enc.1.norm.weight",
+    "head.weight",
+]
+
+
+@pytest.mark.parametrize(
+    ("stuck", "sources"),
+    [
+        ({}, []),
+        ({"enc.1.lin.weight": "frozen", "enc.1.norm.weight": "frozen"}, ["enc.1"]),  # a whole block: one alert
+        ({"enc.0.lin.bias": "frozen"}, ["enc.0.lin"]),  # part of a module: the owning module
+        ({"head.weight": "excluded"}, ["head"]),
+        ({"pos": "frozen"}, ["pos"]),  # a parameter of the model itself
+        ({"enc.0.lin.weight": "frozen", "enc.1.lin.weight": "excluded"}, ["enc.0.lin", "enc.1.lin"]),
+    ],
+)
+def test_grad_frozen_groups_by_outermost_fully_stuck_module(stuck, sources):
+    alerts = GradFrozenRule().update(stuck, StepContext(0, 0), NAMES)
+    assert [a.source for a in alerts] == sources
+    assert all(a.rule == "grad_frozen" and a.severity == "warning" for a in alerts)
+
+
+def test_grad_frozen_no_grad_needs_patience_and_latches():
+    rule = GradFrozenRule(patience=3)
+    stuck = {"enc.0.lin.weight": "no_grad", "enc.0.lin.bias": "no_grad"}
+    out = [len(rule.update(stuck, StepContext(0, i), NAMES)) for i in range(5)]
+    assert out == [0, 0, 1, 0, 0]
+    assert rule.update({}, StepContext(0, 5), NAMES) == [] and not rule.latch.active  # it learns again: cleared
+    assert [len(rule.update(stuck, StepContext(0, 6 + i), NAMES)) for i in range(3)] == [0, 0, 1]
+
+
+def test_grad_frozen_message_names_parameters_and_reason():
+    (alert,) = GradFrozenRule().update(
+        {"enc.1.lin.weight": "frozen", "enc.1.norm.weight": "frozen"}, StepContext(0, 0), NAMES
+    )
+    assert "`enc.1.lin.weight`" in alert.message and "requires_grad" in alert.message
+    assert "expect_frozen" in alert.message
+    (alert,) = GradFrozenRule().update({"head.weight": "excluded"}, StepContext(0, 0), NAMES)
+    assert "optimizer" in alert.message
+
+
+def test_grad_frozen_state_roundtrip():
+    rule = GradFrozenRule()
+    rule.update({"enc.0.lin.weight": "no_grad"}, StepContext(0, 0), NAMES)
+    clone = GradFrozenRule()
+    clone.load_state_dict(rule.state_dict())
+    assert clone.state_dict() == rule.state_dict()
