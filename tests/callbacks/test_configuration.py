@@ -33,6 +33,9 @@ INVALID = {
         "val_fluctuation_window": [(2, ValueError, "an int >= 3")],
         "val_fluctuation_min": [(-0.1, ValueError, "a number >= 0")],
         "val_fluctuation_min_range": [(-1, ValueError, "a number >= 0")],
+        "stagnant_min_drop": [(1.0, ValueError, "a number >= 0 and < 1")],
+        "stagnant_patience": [(0, ValueError, "an int >= 1")],
+        "stagnant_baseline_steps": [(0, ValueError, "an int >= 1")],
         "log_every_n_steps": [(0, ValueError, "an int >= 1"), (1.0, TypeError, "an int >= 1")],
     },
     GradientFlowMonitor: {
@@ -48,6 +51,7 @@ INVALID = {
         "collapse_ratio": [(1.5, ValueError, "a number > 0 and < 1"), (0, ValueError, "> 0 and < 1")],
         "patience": [(0, ValueError, "an int >= 1")],
         "baseline_measurements": [(0, ValueError, "an int >= 1")],
+        "expect_frozen": [("enc", TypeError, "a list of parameter-name patterns"), ([1], TypeError, "patterns")],
     },
     AttentionEntropyMonitor: {
         "log_every_n_steps": [(0, ValueError, "an int >= 1")],

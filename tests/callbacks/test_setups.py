@@ -322,7 +322,11 @@ def test_model_without_trainable_parameters_is_explained_once(tmp_path, caplog):
 
 
 class NoAttention(TinyAttention):
-    """The attention layer exists but is never called."""
+    """Embedding, mean pool, linear: no attention module."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Identity()
 
     def forward(self, ids):
         return self.head(self.embed(ids).mean(dim=1))
