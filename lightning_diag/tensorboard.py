@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -47,6 +48,16 @@ ALERTS_TAG = TAG_PREFIX + "/alerts"
 THRESHOLDS_TAG = TAG_PREFIX + "/thresholds"
 #: Rows of the alert table shown in TensorBoard; older alerts stay in ``alerts.jsonl``.
 MAX_ALERT_ROWS = 200
+
+
+def _tensorboard_logger_types() -> tuple[type, ...]:
+    """``TensorBoardLogger`` of ``pytorch_lightning``, and of the unified ``lightning`` package once it is in use."""
+    types: list[type] = [TensorBoardLogger]
+    if "lightning.pytorch" in sys.modules:  # never import the unified package for a user who does not use it
+        from lightning.pytorch.loggers import TensorBoardLogger as UnifiedTensorBoardLogger
+
+        types.append(UnifiedTensorBoardLogger)
+    return tuple(types)
 
 
 def sanitize_tag(part: str) -> str:
@@ -213,9 +224,10 @@ class DiagWriter:
         """The trainer's TensorBoard writer, or a new one at ``<log_dir>/diag``; a no-op off rank zero."""
         if not trainer.is_global_zero:
             return cls(None)
+        tensorboard_loggers = _tensorboard_logger_types()
         for lg in trainer.loggers:
-            if isinstance(lg, TensorBoardLogger):
-                return cls(lg.experiment)
+            if isinstance(lg, tensorboard_loggers):
+                return cls(getattr(lg, "experiment", None))
         from torch.utils.tensorboard import SummaryWriter
 
         path = os.path.join(log_dir, "diag")

@@ -1,7 +1,17 @@
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Where a run without `default_root_dir` (or with `logger=False` and no root) would write: never from a test.
+STRAY_DIRS = ("diag", "diag_runs", "lightning_logs")
+
+
+def _stray_files():
+    bases = {ROOT, Path.cwd()}
+    return {str(p) for base in bases for name in STRAY_DIRS if (base / name).is_dir() for p in (base / name).rglob("*")}
 
 
 @pytest.fixture(autouse=True)
@@ -11,6 +21,15 @@ def _quiet():
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_output_in_the_repository(request):
+    """Fail a test that writes run output into the working directory instead of ``tmp_path``."""
+    before = _stray_files()
+    yield
+    written = sorted(_stray_files() - before)
+    assert not written, f"{request.node.nodeid} wrote {written[:5]}: give the Trainer default_root_dir=tmp_path"
 
 
 @pytest.fixture(scope="session")

@@ -52,7 +52,20 @@ DEFAULT_MAX_SKIPS = 5
 DEFAULT_MAX_SCALER_OVERFLOWS = 5
 NONFINITE_ACTIONS: tuple[str, ...] = ("stop", "raise", "skip", "warn")
 _SHOWN_PARAMS = 5
-_STATE_KEYS = ("swing", "stagnant", "val_decline", "val_fluctuation", "nonfinite_latch", "skips", "accumulators")
+_STATE_KEYS = (
+    "swing",
+    "stagnant",
+    "val_decline",
+    "val_fluctuation",
+    "nonfinite_latch",
+    "skips",
+    "accumulators",
+    "window_start",
+    "last_finite_loss",
+    "pending_nonfinite",
+)
+#: "No non-finite step seen" in the MIN-reduction of warn mode's first bad step.
+_NO_STEP = 2**62
 
 
 class NonFiniteError(RuntimeError):
@@ -162,11 +175,11 @@ class AnomalyAlarm(DiagCallback):
         check_int("swing_patience", swing_patience, low=1)
         check_number("swing_min_delta", swing_min_delta, low=0.0, low_inclusive=True)
         if swing_window != "epoch":
-            if isinstance(swing_window, str):
-                raise ValueError(
-                    f"Expected argument `swing_window` to be 'epoch' or an int >= 1, but got {swing_window!r}"
-                )
-            check_int("swing_window", swing_window, low=1)
+            bad_window = f"Expected argument `swing_window` to be 'epoch' or an int >= 1, but got {swing_window!r}"
+            if isinstance(swing_window, bool) or not isinstance(swing_window, (int, str)):
+                raise TypeError(bad_window)
+            if isinstance(swing_window, str) or swing_window < 1:
+                raise ValueError(bad_window)
         self.swing_window = swing_window
         self.stagnant_min_drop = check_number(
             "stagnant_min_drop", stagnant_min_drop, low=0.0, high=1.0, low_inclusive=True, high_inclusive=False
@@ -259,9 +272,10 @@ class AnomalyAlarm(DiagCallback):
         self._scaler_overflows = 0
         self._loss_bad: torch.Tensor | None = None  # NaN/Inf in a micro-batch loss since the last step
         self._last_finite_loss: torch.Tensor | float = math.nan
-        # "warn" mode keeps its findings on the device until a logging step reads them.
+        # "warn" mode keeps its findings on the device until a logging step reads them (-1: none).
         self._pending_loss_step: torch.Tensor | None = None
         self._pending_grad_step: torch.Tensor | None = None
+        self._deferred_steps = 0  # steps checked since the last read-back (the same count on every rank)
 
     def _reset_accumulators(self) -> None:
         self._acc: dict[str, torch.Tensor | float] = {
@@ -274,18 +288,26 @@ class AnomalyAlarm(DiagCallback):
             "initial_sum": 0.0,
             "initial_count": 0.0,
         }
-        self._initial_batches = 0
-        self._window_steps = 0
-        self._window_last_step = -1
+        self._initial_batches = 0  # batches in the initial-loss baseline (the same count on every rank)
+        # The global step the current step window started at; set at train start unless a checkpoint did.
+        self._window_start: int | None = None
+        # Set by load_state_dict: the accumulators hold the sums of every rank (see on_save_checkpoint).
+        self._acc_restored = False
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(monitor=self.monitor, swing_window=self.swing_window)
 
     def state_dict(self) -> dict[str, Any]:
-        """Rule histories, latches, the skip count and the partial loss means (for mid-epoch resumes)."""
+        """Rule histories, latches, the skip count, the partial loss sums and warn mode's pending findings.
+
+        The loss sums here are this process's; a checkpoint saved by the trainer holds the sums of every rank
+        (see :meth:`on_save_checkpoint`).
+        """
+        pending = [-1, -1]
+        if self._pending_loss_step is not None and self._pending_grad_step is not None:
+            pending = torch.stack([self._pending_loss_step, self._pending_grad_step]).tolist()
         acc = {k: float(v) for k, v in self._acc.items()}
-        acc["window_steps"] = float(self._window_steps)
         acc["initial_batches"] = float(self._initial_batches)
         return {
             "swing": self.swing_rule.state_dict(),
@@ -295,6 +317,13 @@ class AnomalyAlarm(DiagCallback):
             "nonfinite_latch": self._nonfinite_latch.state_dict(),
             "skips": self._skips,
             "accumulators": acc,
+            "window_start": self._window_start,
+            "last_finite_loss": float(self._last_finite_loss),
+            "pending_nonfinite": {
+                "loss_step": int(pending[0]),
+                "grad_step": int(pending[1]),
+                "steps": self._deferred_steps,
+            },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -311,9 +340,47 @@ class AnomalyAlarm(DiagCallback):
         self._nonfinite_latch.load_state_dict(state_dict["nonfinite_latch"])
         self._skips = int(state_dict["skips"])
         acc = dict(state_dict["accumulators"])
-        self._window_steps = int(acc.pop("window_steps", 0))
         self._initial_batches = int(acc.pop("initial_batches", 0))
         self._acc = {k: float(acc.get(k, 0.0)) for k in self._acc}
+        self._acc_restored = True
+        start = state_dict["window_start"]
+        self._window_start = None if start is None else int(start)
+        self._last_finite_loss = float(state_dict["last_finite_loss"])
+        pending = state_dict["pending_nonfinite"]
+        self._pending_loss_step = torch.tensor(int(pending["loss_step"]))
+        self._pending_grad_step = torch.tensor(int(pending["grad_step"]))
+        self._deferred_steps = int(pending["steps"])
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Save what all ranks know, not rank zero's part: the partial loss sums over all ranks (SUM) and warn
+        mode's first pending non-finite steps over all ranks (MIN).
+
+        Lightning builds the checkpoint on every rank (only rank zero writes it), so the reductions run on all.
+        """
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if state is None or trainer.world_size <= 1:
+            return
+        keys = list(self._acc)
+        local = torch.tensor([float(self._acc[k]) for k in keys], dtype=torch.float64, device=pl_module.device)
+        total = trainer.strategy.reduce(local, reduce_op="sum").tolist()
+        state["accumulators"].update(zip(keys, total, strict=True))
+        pending = state["pending_nonfinite"]
+        steps = [pending["loss_step"], pending["grad_step"]]
+        local_first = torch.tensor([s if s >= 0 else _NO_STEP for s in steps], device=pl_module.device)
+        first = trainer.strategy.reduce(local_first, reduce_op="min").long().tolist()
+        pending["loss_step"], pending["grad_step"] = (s if s < _NO_STEP else -1 for s in first)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the step window, and share restored all-rank loss sums out evenly over this run's ranks."""
+        if self._window_start is None:
+            self._window_start = trainer.global_step
+        if self._acc_restored and trainer.world_size > 1:
+            # The checkpoint holds the sums over all ranks: each rank takes an equal share, so the next
+            # all-reduce adds up to them again (whatever the world size of the run that saved them).
+            self._acc = {k: float(v) / trainer.world_size for k, v in self._acc.items()}
+        self._acc_restored = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -407,10 +474,14 @@ class AnomalyAlarm(DiagCallback):
 
     def _defer(self, trainer: pl.Trainer, loss_bad: torch.Tensor | None, grad_bad: torch.Tensor) -> None:
         step = trainer.global_step
-        if self._pending_grad_step is None:
-            self._pending_grad_step = torch.full((), -1, dtype=torch.long, device=grad_bad.device)
-            self._pending_loss_step = torch.full((), -1, dtype=torch.long, device=grad_bad.device)
-        assert self._pending_loss_step is not None
+        device = grad_bad.device
+        self._deferred_steps += 1
+        if self._pending_grad_step is None or self._pending_loss_step is None:
+            self._pending_grad_step = torch.full((), -1, dtype=torch.long, device=device)
+            self._pending_loss_step = torch.full((), -1, dtype=torch.long, device=device)
+        elif self._pending_grad_step.device != device:  # restored from a checkpoint onto the CPU
+            self._pending_grad_step = self._pending_grad_step.to(device)
+            self._pending_loss_step = self._pending_loss_step.to(device)
         self._pending_grad_step = torch.where(grad_bad & (self._pending_grad_step < 0), step, self._pending_grad_step)
         if loss_bad is not None:
             self._pending_loss_step = torch.where(
@@ -418,8 +489,9 @@ class AnomalyAlarm(DiagCallback):
             )
 
     def _flush_deferred(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._pending_grad_step is None or self._pending_loss_step is None:
-            return
+        if self._pending_grad_step is None or self._pending_loss_step is None or not self._deferred_steps:
+            return  # nothing checked since the last read-back: no news, and the latch stays as it is
+        self._deferred_steps = 0
         loss_step, grad_step = torch.stack([self._pending_loss_step, self._pending_grad_step]).tolist()
         self._pending_loss_step.fill_(-1)
         self._pending_grad_step.fill_(-1)
@@ -430,8 +502,13 @@ class AnomalyAlarm(DiagCallback):
             self._nonfinite_latch.update("gradients", False)
             return
         any_loss = strategy.reduce_boolean_decision(loss_step >= 0, all=False)
-        first = int(loss_step if loss_step >= 0 else grad_step)
-        alert = self._nonfinite_alert(trainer, pl_module, any_loss, first if first >= 0 else trainer.global_step)
+        # The first bad step over all ranks (MIN), so every rank's alert names the same step.
+        local_first = [loss_step if loss_step >= 0 else _NO_STEP, grad_step if grad_step >= 0 else _NO_STEP]
+        first_loss, first_grad = (
+            strategy.reduce(torch.tensor(local_first, device=pl_module.device), reduce_op="min").long().tolist()
+        )
+        first = first_loss if any_loss else first_grad
+        alert = self._nonfinite_alert(trainer, pl_module, any_loss, first if first < _NO_STEP else trainer.global_step)
         if self._nonfinite_latch.update(alert.source, True):
             self.record([alert])
 
@@ -489,10 +566,12 @@ class AnomalyAlarm(DiagCallback):
             self._last_finite_loss = torch.where(
                 finite, loss, last if isinstance(last, torch.Tensor) else torch.full_like(loss, last)
             )
-        if isinstance(self.swing_window, int) and trainer.global_step != self._window_last_step:
-            self._window_last_step = trainer.global_step
-            self._window_steps += 1
-            if self._window_steps >= self.swing_window:
+        # Optimizer steps, not batches: accumulation micro-batches (global_step unchanged) do not count.
+        if isinstance(self.swing_window, int):
+            if self._window_start is None:
+                self._window_start = trainer.global_step
+            if trainer.global_step - self._window_start >= self.swing_window:
+                self._window_start = trainer.global_step
                 self._close_window(trainer, pl_module, "window")
         if not self.is_logging_step(trainer):
             return
@@ -525,8 +604,6 @@ class AnomalyAlarm(DiagCallback):
 
     def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
         mean = self._reduced_mean(trainer, pl_module, prefix)
-        if prefix == "window":
-            self._window_steps = 0
         if not math.isfinite(mean):
             return
         step = trainer.global_step

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fnmatch
+import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,12 +35,15 @@ __all__ = ["GradientFlowMonitor"]
 
 ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
 _STATE_KEYS = ("band", "spread", "collapse", "frozen")
+_COMPILED_PREFIX = re.compile(r"(?:^|(?<=\.))_orig_mod\.")
 
 
 class _Index:
     """Which parameters are measured, and the layer each belongs to (built once per fit)."""
 
     def __init__(self, names: list[str], params: list[torch.nn.Parameter], per_parameter: bool) -> None:
+        # A torch.compile'd submodule adds `_orig_mod` to its parameters' names: report the model's own names.
+        names = [_COMPILED_PREFIX.sub("", n) for n in names]
         layers = [n if per_parameter else (n.rsplit(".", 1)[0] if "." in n else n) for n in names]
         self.layers = list(dict.fromkeys(layers))
         position = {layer: i for i, layer in enumerate(self.layers)}
@@ -166,7 +171,9 @@ class GradientFlowMonitor(DiagCallback):
         self.baseline_measurements = check_int("baseline_measurements", baseline_measurements, low=1)
         self._make_rules()
         self._index: _Index | None = None
-        self._before: list[torch.Tensor] | None = None
+        # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
+        self._before: list[tuple[list[int], list[torch.Tensor]]] = []
+        self._measured_interval: dict[int, int] = {}
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
@@ -218,7 +225,8 @@ class GradientFlowMonitor(DiagCallback):
         if stage == TrainerFn.FITTING:
             self._make_rules()
             self._index = None
-            self._before = None
+            self._before = []
+            self._measured_interval = {}
 
     def _selected(self, name: str, param: torch.nn.Parameter) -> bool:
         if self.params is None:
@@ -259,6 +267,20 @@ class GradientFlowMonitor(DiagCallback):
 
     def _measuring(self, trainer: pl.Trainer) -> bool:
         return trainer.global_step % self.every_n_steps(trainer) == 0
+
+    def _measured_position(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> int | None:
+        """The optimizer's position in ``trainer.optimizers`` if this step is measured, else ``None``."""
+        # One optimizer: the steps that are multiples of the interval. Several (manual optimization, which steps
+        # them in turn): each optimizer's first step in every interval, so none is starved by the step parity.
+        optimizers = trainer.optimizers
+        if len(optimizers) <= 1:
+            return 0 if self._measuring(trainer) else None
+        position = next((i for i, opt in enumerate(optimizers) if _unwrap(opt) is _unwrap(optimizer)), 0)
+        interval = trainer.global_step // self.every_n_steps(trainer)
+        if self._measured_interval.get(position) == interval:
+            return None
+        self._measured_interval[position] = interval
+        return position
 
     # -- activation gradients (opt-in) ----------------------------------------------------------------------
     def _act_modules(self, pl_module: pl.LightningModule) -> list[tuple[str, torch.nn.Module]]:
@@ -317,7 +339,8 @@ class GradientFlowMonitor(DiagCallback):
         """On measured steps: per-layer gradient norms, rules, and a weight snapshot for the update ratio."""
         if self._act_handles:
             self._flush_activations(trainer)
-        if not self._measuring(trainer):
+        position = self._measured_position(trainer, optimizer)
+        if position is None:
             return
         if self._index is None:
             self._index = self._build_index(trainer, pl_module)
@@ -335,13 +358,16 @@ class GradientFlowMonitor(DiagCallback):
         host = torch.cat([total.reshape(1), layer_norms]).tolist()  # the one copy of this measured step
         norms = {index.layers[g]: host[1 + g] for g in present}
         step = trainer.global_step
-        values = {tag("grad_norm", "total"): host[0]}
+        # With several optimizers the global norm is the first optimizer's; the others' get their own tags.
+        total_tag = tag("grad_norm", "total") if position == 0 else tag("grad_norm", "total", f"optimizer_{position}")
+        values = {total_tag: host[0]}
         values.update({tag("grad_norm", layer): v for layer, v in norms.items()})
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
         self.record(self.band_rule.update(norms, ctx, host[0]) + self.spread_rule.update(norms, ctx))
-        self.record(self.collapse_rule.update(host[0], ctx))
+        if position == 0:  # one baseline of one quantity: the first optimizer's global norm
+            self.record(self.collapse_rule.update(host[0], ctx))
         stuck = self._stuck_parameters(trainer, pl_module, in_opt)
         names = [n for n, _ in pl_module.named_parameters()]
         self.record(self.frozen_rule.update(stuck, ctx, names))
@@ -350,19 +376,27 @@ class GradientFlowMonitor(DiagCallback):
             hist_every = 10 * self.every_n_steps(trainer)
         if hist_every and step % hist_every == 0 and self.writer.active:
             for i in chosen:
+                if not math.isfinite(host[1 + index.layer_of[i]]):
+                    continue  # TensorBoard cannot bin NaN/Inf (AnomalyAlarm's business)
                 self.writer.histogram(tag("grad_hist", index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
         if self.log_weight_norms:
-            self._chosen = chosen
-            self._before = [index.params[i].detach().clone() for i in chosen]
+            self._before.append((chosen, [index.params[i].detach().clone() for i in chosen]))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """After a measured step: weight norms and update-to-weight ratios per layer."""
-        if self._before is None or self._index is None:
+        if not self._before or self._index is None:
             return
-        before, chosen, index = self._before, self._chosen, self._index
-        self._before = None
+        pending, self._before = self._before, []
+        index = self._index
+        values: dict[str, float] = {}
+        for chosen, before in pending:
+            values.update(self._update_ratios(index, chosen, before))
+        self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
+
+    @staticmethod
+    def _update_ratios(index: _Index, chosen: list[int], before: list[torch.Tensor]) -> dict[str, float]:
         device = before[0].device
         group_of = torch.tensor([index.layer_of[i] for i in chosen], device=device)
         after = [index.params[i].detach() for i in chosen]
@@ -372,9 +406,13 @@ class GradientFlowMonitor(DiagCallback):
         update = grouped_norms(per_tensor_norms(deltas), group_of, n)
         ratio = update / weight.clamp_min(1e-12)
         w_host, r_host = torch.stack([weight, ratio]).tolist()
-        step = trainer.global_step - 1  # the step that was measured
         values = {}
         for g in sorted(set(group_of.tolist())):
             values[tag("weight_norm", index.layers[g])] = w_host[g]
             values[tag("update_ratio", index.layers[g])] = r_host[g]
-        self.writer.scalars(values, max(step, 0))
+        return values
+
+
+def _unwrap(optimizer: Any) -> Any:
+    # trainer.optimizers holds the torch optimizers; a manual `opt.step()` may hand over a LightningOptimizer.
+    return getattr(optimizer, "optimizer", optimizer)

@@ -20,9 +20,11 @@ def total_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch
         >>> float(total_norm([torch.tensor([3.0]), torch.tensor([4.0])]))
         5.0
     """
-    if len(tensors) == 0:
-        return torch.zeros(())
-    return torch.nn.utils.get_total_norm(list(tensors), norm_type=norm_type, foreach=None)
+    # An empty tensor adds nothing to any norm (the fused inf-norm kernel rejects it outright).
+    nonempty = [t for t in tensors if t.numel() > 0]
+    if len(nonempty) == 0:
+        return torch.zeros((), device=tensors[0].device if len(tensors) else None)
+    return torch.nn.utils.get_total_norm(nonempty, norm_type=norm_type, foreach=None)
 
 
 def max_abs(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,169 @@
+"""Property tests of ``stats/`` against numpy/scipy references, over empty, constant, huge and non-finite inputs."""
+
+import math
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from lightning_diag.stats import all_finite, fluctuation, max_abs, relative_change, total_norm
+from lightning_diag.stats.attention import row_entropy
+from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
+
+FAST = settings(max_examples=60, deadline=None)
+ANY_FLOAT = st.floats(allow_nan=True, allow_infinity=True, width=64)
+HUGE = st.floats(min_value=1e300, max_value=1.7e308) | st.floats(min_value=-1.7e308, max_value=-1e300)
+VALUES = st.one_of(st.floats(-1e6, 1e6), HUGE, st.sampled_from([math.nan, math.inf, -math.inf, 0.0]))
+
+
+def chunks(elements=VALUES, min_size=0):
+    return st.lists(st.lists(elements, min_size=0, max_size=5), min_size=min_size, max_size=4)
+
+
+def same(got, want, rel=1e-9):
+    """Equal as floats, with NaN equal to NaN and infinities exact."""
+    if math.isnan(want):
+        return math.isnan(got)
+    if math.isinf(want):
+        return got == want
+    return got == pytest.approx(want, rel=rel, abs=1e-12)
+
+
+# -- norms and the non-finite check -------------------------------------------------------------------------------
+@FAST
+@given(chunks())
+def test_all_finite_matches_numpy_including_huge_values(parts):
+    tensors = [torch.tensor(p, dtype=torch.float64) for p in parts]
+    flat = np.array([v for p in parts for v in p], dtype=np.float64)
+    assert bool(all_finite(tensors)) == bool(np.all(np.isfinite(flat)))  # empty: True, huge but finite: True
+
+
+@FAST
+@given(chunks())
+def test_max_abs_matches_numpy(parts):
+    tensors = [torch.tensor(p, dtype=torch.float64) for p in parts]
+    flat = np.array([v for p in parts for v in p], dtype=np.float64)
+    want = 0.0 if flat.size == 0 else (math.nan if np.isnan(flat).any() else float(np.max(np.abs(flat))))
+    assert same(float(max_abs(tensors)), want)
+
+
+@FAST
+@given(chunks(st.floats(-1e6, 1e6) | st.sampled_from([math.nan, math.inf, 0.0])))
+def test_total_norm_matches_numpy(parts):
+    tensors = [torch.tensor(p, dtype=torch.float64) for p in parts]
+    flat = np.array([v for p in parts for v in p], dtype=np.float64)
+    want = float(np.linalg.norm(flat)) if flat.size else 0.0
+    assert same(float(total_norm(tensors)), want)
+
+
+@FAST
+@given(chunks(min_size=1))
+def test_per_tensor_norms_match_numpy(parts):
+    tensors = [torch.tensor(p, dtype=torch.float64) for p in parts]
+    got = per_tensor_norms(tensors).tolist()
+    for g, p in zip(got, parts, strict=True):
+        ref = float(np.linalg.norm(np.asarray(p, dtype=np.float64))) if p else 0.0
+        # the result is float32: a finite float64 norm beyond its range becomes inf
+        assert same(g, float(np.float32(ref)) if math.isfinite(ref) else ref, rel=1e-6)
+
+
+@FAST
+@given(st.lists(st.tuples(st.floats(0.0, 1e3), st.integers(0, 3)), min_size=1, max_size=12))
+def test_grouped_norms_match_numpy(rows):
+    norms = torch.tensor([n for n, _ in rows], dtype=torch.float32)
+    groups = torch.tensor([g for _, g in rows])
+    got = grouped_norms(norms, groups, 4).tolist()
+    for group in range(4):
+        members = np.array([np.float32(n) for n, g in rows if g == group], dtype=np.float64)
+        assert got[group] == pytest.approx(float(np.sqrt(np.sum(members**2))), rel=1e-5, abs=1e-6)
+
+
+def test_constant_inputs():
+    assert float(total_norm([torch.full((9,), 2.0)])) == pytest.approx(6.0)
+    assert float(max_abs([torch.full((4,), -3.0)])) == 3.0
+    assert per_tensor_norms([torch.zeros(0), torch.zeros(3)]).tolist() == [0.0, 0.0]
+
+
+# -- entropy ------------------------------------------------------------------------------------------------------
+@FAST
+@given(arrays(np.float64, st.integers(1, 12), elements=st.floats(0.0, 1e6) | st.just(0.0)))
+def test_row_entropy_matches_scipy(weights):
+    assume(weights.sum() > 0)
+    probs = weights / weights.sum()
+    got = float(row_entropy(torch.tensor(probs)))
+    assert got == pytest.approx(float(scipy.stats.entropy(probs)), abs=1e-9)
+    assert -1e-12 <= got <= math.log(len(probs)) + 1e-9
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 4096])
+def test_row_entropy_constant_rows(n):
+    assert float(row_entropy(torch.full((n,), 1.0 / n, dtype=torch.float64))) == pytest.approx(math.log(n))
+    one_hot = torch.zeros(n, dtype=torch.float64)
+    one_hot[0] = 1.0
+    assert float(row_entropy(one_hot)) == 0.0
+
+
+def test_row_entropy_empty_and_non_finite():
+    assert row_entropy(torch.zeros(3, 0)).tolist() == [0.0, 0.0, 0.0]  # no keys: no uncertainty
+    assert math.isnan(float(row_entropy(torch.tensor([0.5, math.nan]))))
+
+
+# -- trend measures -----------------------------------------------------------------------------------------------
+@FAST
+@given(ANY_FLOAT, ANY_FLOAT)
+def test_relative_change_matches_its_formula(previous, current):
+    got = relative_change(previous, current)
+    if not (math.isfinite(previous) and math.isfinite(current)) or previous == 0:
+        assert math.isnan(got)
+    else:
+        with np.errstate(over="ignore"):
+            want = float((np.float64(current) - np.float64(previous)) / abs(np.float64(previous)))
+        assert same(got, want)
+
+
+def _reference_fluctuation(y):
+    y = np.asarray(y, dtype=np.float64)
+    x = np.arange(y.size, dtype=np.float64)
+    positive = bool(np.all(y > 0))
+    target = np.log(y) if positive else y
+    a = np.vander(x, 2 if y.size < 5 else 3)
+    coef = np.linalg.lstsq(a, target, rcond=None)[0]
+    rms = math.sqrt(np.mean((target - a @ coef) ** 2))
+    return rms if positive else rms / float(np.mean(np.abs(y)))
+
+
+@FAST
+@given(st.lists(st.floats(1e-300, 1e300), min_size=3, max_size=10))
+def test_fluctuation_of_positive_series_over_the_whole_range(values):
+    assume(len(set(values)) > 1)
+    assert fluctuation(values) == pytest.approx(_reference_fluctuation(values), rel=1e-6, abs=1e-6)
+
+
+@FAST
+@given(st.lists(st.floats(-1e3, 1e3), min_size=3, max_size=10), st.floats(1e-3, 1e3))
+def test_fluctuation_of_any_sign_and_its_scale_invariance(values, scale):
+    assume(len(set(values)) > 1 and np.mean(np.abs(values)) > 1e-3)
+    got = fluctuation(values)
+    assert got == pytest.approx(_reference_fluctuation(values), rel=1e-6, abs=1e-9)
+    assert fluctuation([v * scale for v in values]) == pytest.approx(got, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("series", "expected"),
+    [
+        ([], math.nan),
+        ([1.0, 2.0], math.nan),
+        ([4.0, 4.0, 4.0, 4.0], 0.0),
+        ([0.0, 0.0, 0.0], math.nan),
+        ([1.0, math.nan, 2.0], math.nan),
+        ([1.0, math.inf, 2.0], math.nan),
+        ([1e308, 1e308, 1e308], 0.0),
+    ],
+)
+def test_fluctuation_edge_cases(series, expected):
+    got = fluctuation(series)
+    assert (math.isnan(got) and math.isnan(expected)) or got == expected

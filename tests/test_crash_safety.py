@@ -1,0 +1,88 @@
+"""A training run killed with SIGKILL leaves an alerts.jsonl whose every line parses (issue 7)."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_diag import Alert
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = [f.name for f in dataclasses.fields(Alert)]
+
+# Every odd step the gradients are huge, every even step tiny: each of the 32 parameters alerts `grad_explode`
+# clears, and alerts again, so the run writes a batch of 32 alert lines every other step until it is killed.
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import pytorch_lightning as pl
+    import torch
+
+    from lightning_diag import GradientFlowMonitor
+
+    class Flapping(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(16)])
+
+        def training_step(self, batch, batch_idx):
+            scale = 1e4 if self.global_step % 2 else 1e-4
+            return self.layers(batch[0]).pow(2).mean() * scale
+
+        def train_dataloader(self):
+            x = torch.randn(64, 4)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    monitor = GradientFlowMonitor(log_every_n_steps=1, per_parameter=True, log_weight_norms=False,
+                                  histogram_every_n_steps=0, explode_threshold=1.0)
+    trainer = pl.Trainer(max_steps=10**9, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", default_root_dir=sys.argv[1],
+                         callbacks=[monitor])
+    trainer.fit(Flapping())
+    """
+)
+
+
+@pytest.mark.slow
+def test_sigkill_leaves_only_whole_alert_lines(tmp_path):
+    script = tmp_path / "flapping.py"
+    script.write_text(SCRIPT)
+    log = tmp_path / "diag" / "alerts.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if log.exists() and log.stat().st_size > 64_000:  # well past the first batches, mid-stream
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "the run ended before it was killed"
+        assert log.exists(), "no alert was written within the time limit"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    data = log.read_bytes()
+    assert data.endswith(b"\n")  # no torn last line
+    lines = data.decode("utf-8").splitlines()
+    assert len(lines) >= 100
+    for line in lines:
+        record = json.loads(line)
+        assert list(record) == FIELDS
+        assert Alert.from_dict(record).rule.startswith("grad_")
