@@ -13,24 +13,20 @@ the matrix at the next run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import logging
 import os
 import shutil
 import sys
 import tempfile
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
 
 from lightning_diag.alerts import ALL_RULES, Alert
 from lightning_diag.demo.faults import FAULTS, Fault, build_fault
-from lightning_diag.demo.run import default_callbacks, run_demo
+from lightning_diag.demo.run import default_callbacks, quiet, run_demo
 
 try:  # SpikeDetection is in pytorch_lightning >= 2.2 (experimental); older versions lack it
     from pytorch_lightning.callbacks import SpikeDetection
@@ -299,25 +295,6 @@ rule is in bold; other rules that fired on a fault are listed too (a fault often
 * A fault whose expected rule belongs to a callback missing from `default_callbacks()` would read "no: ... is
   not in `default_callbacks()` yet".
 """
-
-
-@contextlib.contextmanager
-def quiet(threads: int) -> Iterator[None]:
-    """Torch threads set, warnings and library logs silenced; all restored afterwards (the tests call main)."""
-    names = ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning_diag")
-    levels = {name: logging.getLogger(name).level for name in names}
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore")
-            for name in names:
-                logging.getLogger(name).setLevel(logging.CRITICAL + 1)
-            yield
-    finally:
-        torch.set_num_threads(before)
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,17 +21,15 @@ they cause are counted (target: 0).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
-import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -41,7 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
-from lightning_diag.demo.run import default_callbacks
+from lightning_diag.demo.run import default_callbacks, quiet
 
 COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/overhead.py"
 _HOOKS = (
@@ -375,25 +373,6 @@ def sync_check(args: argparse.Namespace, root: str) -> list[str]:
     rows.append("| **total** | " + " | ".join(str(sum(p.counts.values())) for p in probes.values()) + " |")
     rows.append("| steps checked | " + " | ".join(str(len(p.quiet_steps)) for p in probes.values()) + " |")
     return rows
-
-
-@contextlib.contextmanager
-def quiet(threads: int) -> Iterator[None]:
-    """Torch threads set, warnings and library logs silenced; all restored afterwards (the tests call main)."""
-    names = ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning_diag")
-    levels = {name: logging.getLogger(name).level for name in names}
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore")
-            for name in names:
-                logging.getLogger(name).setLevel(logging.CRITICAL + 1)
-            yield
-    finally:
-        torch.set_num_threads(before)
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,7 @@ CHROMIUM_FLAGS = (
     "--hide-scrollbars",
 )
 PAGES = {"custom_scalars": "#custom_scalars", "text": "#text"}
-EXPECTED_CATEGORIES = ("Gradients", "Loss & LR")
+EXPECTED_CATEGORIES = ("Gradients", "Attention", "Loss & LR")
 
 
 def find_chromium() -> str | None:

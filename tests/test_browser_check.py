@@ -26,11 +26,12 @@ def test_dashboard_renders_in_chromium(nan_run, tmp_path):
     out = _run(str(Path(nan_run.log_dir).parent), "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout)
-    assert summary["categories"] == ["Gradients", "Loss & LR"]
+    assert summary["categories"] == ["Gradients", "Attention", "Loss & LR"]
     charts = summary["series_per_chart"]
     assert charts["Gradients / global gradient norm (band: grad_vanish .. grad_explode)"] == 1
     assert charts["Gradients / gradient norm per layer (lines: grad_vanish, grad_explode)"] > 2
     assert charts["Loss & LR / training and validation loss"] == 3
+    assert charts["Attention / attention entropy per head, nats"] == 8  # 2 layers x 4 heads
     assert {"diag/alerts/text_summary", "diag/thresholds/text_summary"} <= set(summary["text_tags"])
     for name in ("custom_scalars", "text"):
         png = tmp_path / f"{name}.png"

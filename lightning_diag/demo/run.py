@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightning_diag.alerts import Alert
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.demo.faults import build_fault
 
-__all__ = ["DemoResult", "default_callbacks", "run_demo"]
+__all__ = ["DemoResult", "default_callbacks", "quiet", "run_demo"]
 
 
 def default_callbacks() -> list[DiagCallback]:
@@ -91,3 +95,22 @@ def run_demo(
         trainer.fit(model, datamodule=data)
     alerts = sorted((a for cb in cbs for a in getattr(cb, "alerts", [])), key=lambda a: a.global_step)
     return DemoResult(fault, alerts, trainer.log_dir or root, trainer.global_step, trainer.current_epoch)
+
+
+@contextlib.contextmanager
+def quiet(threads: int) -> Iterator[None]:
+    """Torch threads set, warnings and library logs silenced; all restored afterwards (for the benchmarks)."""
+    names = ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning_diag")
+    levels = {name: logging.getLogger(name).level for name in names}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            for name in names:
+                logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+            yield
+    finally:
+        torch.set_num_threads(before)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
