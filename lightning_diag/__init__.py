@@ -7,6 +7,7 @@ from lightning_diag.attention import attention_requested, record_attention, reco
 from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
 from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
 from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
+from lightning_diag.callbacks.system_monitor import SystemMonitor
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,7 @@ __all__ = [
     "GradientFlowMonitor",
     "NonFiniteError",
     "Severity",
+    "SystemMonitor",
     "__version__",
     "attention_requested",
     "read_alerts",

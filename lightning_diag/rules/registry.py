@@ -188,3 +188,20 @@ register(RuleSpec("attn_entropy_high", _ATTN, "info", 2.5,
 register(RuleSpec("attn_sink", _ATTN, "warning", 0.5,
                   "every head of a layer puts more than {threshold:g} of its mass on special tokens",
                   check="attn_sink", source="seed 000 §3.2"))
+
+_SYSTEM = "SystemMonitor"
+register(RuleSpec("dataloader_bound", _SYSTEM, "warning", 0.25,
+                  "waiting for data above {threshold:.0%} of the step time on {patience:g} consecutive intervals",
+                  settings={"patience": 3, "min_wait_s": 0.005}))
+register(RuleSpec("step_time_periodic", _SYSTEM, "warning", 0.05,
+                  "slow steps (more than {slow_ratio:.0%} above the median) recurring with a fixed period and costing"
+                  " above {threshold:.0%} of the time",
+                  settings={"slow_ratio": 0.5, "window": 200}, source="seed 001 §1.2"))
+register(RuleSpec("step_time_fluctuation", _SYSTEM, "warning", 0.15,
+                  "step-time fluctuation (median absolute deviation / median of {block_steps:g}-step block medians)"
+                  " above {threshold:.0%}",
+                  settings={"patience": 3, "warmup_steps": 20, "block_steps": 10}, check="deploy_latency_fluctuation",
+                  source="seed 000 §7.1"))
+register(RuleSpec("memory_growth", _SYSTEM, "warning", 0.1,
+                  "host or device memory growing by more than {threshold:.0%} over {window:g} intervals",
+                  settings={"window": 8, "rising_fraction": 0.7}))
