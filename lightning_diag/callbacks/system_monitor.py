@@ -95,7 +95,7 @@ class SystemMonitor(DiagCallback):
         dataloader_share: ``dataloader_bound`` threshold: waiting / step time (default 0.25).
         dataloader_patience: Consecutive intervals ``dataloader_bound`` must hold (default 3).
         dataloader_min_wait_s: Waiting per step (seconds) below which ``dataloader_bound`` never fires
-            (default 0.002).
+            (default 0.005).
         periodic_share: ``step_time_periodic`` threshold: the periodic slow steps' excess over the median as a
             fraction of the window's time (default 0.05).
         slow_ratio: A step is slow more than this fraction above the median (default 0.5).

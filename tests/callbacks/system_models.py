@@ -57,7 +57,9 @@ class MLP(pl.LightningModule):
         x, y = batch
         loss = (self.net(x) - y).pow(2).mean()
         if self.leak:
-            self.kept.append(loss)  # the classic leak: the loss and its whole graph are kept alive
+            # the classic leak: a loss kept for later with its whole graph (never backpropagated, so every
+            # activation it saved stays alive); `.item()` or `.detach()` is the fix
+            self.kept.append((self.net(x) - y).abs().mean())
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
