@@ -80,8 +80,9 @@ class SystemMonitor(DiagCallback):
     * ``diag/system/host_rss_mib``; on CUDA ``diag/system/cuda_allocated_mib``, ``cuda_reserved_mib``,
       ``cuda_peak_mib`` (peak over the interval); with NVML ``diag/system/gpu_utilization``,
       ``gpu_memory_mib``, ``gpu_temperature_c``, ``gpu_power_w``, ``gpu_sm_clock_mhz``.
-    * Under DDP: ``diag/system/rank_<r>/step_time_s``, ``diag/system/slowest_rank``,
-      ``diag/system/straggler_ratio`` (slowest rank / median rank).
+    * Under DDP: ``diag/system/rank_<r>/step_time_s``, ``diag/system/rank_<r>/data_wait_s``,
+      ``diag/system/slowest_rank`` (the rank with the most data waiting when that is above 10% of the step,
+      else the longest step), ``diag/system/straggler_ratio`` (longest / shortest rank step time).
     * ``diag/overhead/<CallbackName>``: fraction of the interval's wall time spent in that callback's hooks.
     * ``diag/threshold/dataloader_bound``, ``diag/threshold/step_time_fluctuation``: reference lines.
 
@@ -497,11 +498,17 @@ class SystemMonitor(DiagCallback):
         if math.isfinite(fluctuation):
             values[tag("system", "step_time_fluctuation")] = fluctuation
         if per_rank is not None:
-            slowest = int(np.argmax(per_rank))
+            rank_totals, rank_waits = per_rank
+            # The gradient all-reduce makes every rank's step as long as the slowest one's, so the step times
+            # barely differ: the rank the others wait for is the one with the most data waiting when that is
+            # material, else the one with the longest step.
+            material = rank_waits.max() > 0.1 * max(float(np.median(rank_totals)), 1e-12)
+            slowest = int(np.argmax(rank_waits if material else rank_totals))
             values[tag("system", "slowest_rank")] = float(slowest)
-            values[tag("system", "straggler_ratio")] = float(per_rank.max() / max(np.median(per_rank), 1e-12))
-            for r, v in enumerate(per_rank.tolist()):
-                values[tag("system", f"rank_{r}", "step_time_s")] = v / n
+            values[tag("system", "straggler_ratio")] = float(rank_totals.max() / max(rank_totals.min(), 1e-12))
+            for r, (total, wait) in enumerate(zip(rank_totals.tolist(), rank_waits.tolist(), strict=True)):
+                values[tag("system", f"rank_{r}", "step_time_s")] = total / n
+                values[tag("system", f"rank_{r}", "data_wait_s")] = wait / n
         if self._nvml_probe is not None:
             values.update({tag("system", k): v for k, v in self._nvml_probe.snapshot().items()})
             util = self._nvml_probe.utilization()
@@ -517,8 +524,9 @@ class SystemMonitor(DiagCallback):
 
     def _gather(
         self, trainer: pl.Trainer, header: np.ndarray, totals: np.ndarray, compute: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """Under DDP: the elementwise maximum over ranks (one collective), and each rank's summed step time."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        """Under DDP: the elementwise maximum over ranks (one collective), and each rank's summed step time and
+        data waiting."""
         if trainer.world_size <= 1:
             return header, totals, compute, None
         n = len(totals)
@@ -529,4 +537,5 @@ class SystemMonitor(DiagCallback):
         merged_header[_HEADER.index("samples")] = rows[:, _HEADER.index("samples")].sum()
         merged_header[_HEADER.index("tokens")] = rows[:, _HEADER.index("tokens")].sum()
         step_times = rows[:, len(header) : len(header) + n]
-        return merged_header, step_times.max(axis=0), rows[:, len(header) + n :].max(axis=0), step_times.sum(axis=1)
+        per_rank = (step_times.sum(axis=1), rows[:, _HEADER.index("wait")])
+        return merged_header, step_times.max(axis=0), rows[:, len(header) + n :].max(axis=0), per_rank
