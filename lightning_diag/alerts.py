@@ -19,10 +19,12 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
+
+from lightning_diag.rules.registry import OWNERS
 
 __all__ = [
     "ALL_RULES",
@@ -65,23 +67,9 @@ ATTN_ENTROPY_LOW = "attn_entropy_low"
 ATTN_ENTROPY_HIGH = "attn_entropy_high"
 ATTN_SINK = "attn_sink"
 
-#: Every rule id, mapped to the callback that raises it.
-ALL_RULES: dict[str, str] = {
-    NONFINITE_LOSS: "AnomalyAlarm",
-    NONFINITE_GRAD: "AnomalyAlarm",
-    LOSS_SWING: "AnomalyAlarm",
-    VAL_DECLINE: "AnomalyAlarm",
-    VAL_FLUCTUATION: "AnomalyAlarm",
-    LOSS_STAGNANT: "AnomalyAlarm",
-    GRAD_VANISH: "GradientFlowMonitor",
-    GRAD_EXPLODE: "GradientFlowMonitor",
-    GRAD_LAYER_SPREAD: "GradientFlowMonitor",
-    GRAD_COLLAPSE: "GradientFlowMonitor",
-    GRAD_FROZEN: "GradientFlowMonitor",
-    ATTN_ENTROPY_LOW: "AttentionEntropyMonitor",
-    ATTN_ENTROPY_HIGH: "AttentionEntropyMonitor",
-    ATTN_SINK: "AttentionEntropyMonitor",
-}
+#: Every rule id, mapped to the callback that raises it: a live view of the rule registry
+#: (:mod:`lightning_diag.rules.registry`), so a rule declared there is here too.
+ALL_RULES: Mapping[str, str] = OWNERS
 
 #: What :class:`~lightning_diag.AnomalyAlarm` does when it finds a non-finite loss or gradient.
 NonFiniteAction = Literal["stop", "raise", "skip", "warn"]

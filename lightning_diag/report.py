@@ -50,6 +50,7 @@ from lightning_diag.alerts import (
     Alert,
     read_alerts,
 )
+from lightning_diag.rules.registry import default_thresholds
 from lightning_diag.tags import attn_head, attn_mean, grad_layer
 
 __all__ = [
@@ -259,21 +260,7 @@ def _thresholds_from_text(text: str) -> dict[str, dict[str, float]]:
 
 
 def _library_defaults() -> dict[str, float]:
-    from lightning_diag.rules import anomaly, grad
-
-    return {
-        GRAD_VANISH: grad.DEFAULT_VANISH_THRESHOLD,
-        GRAD_EXPLODE: grad.DEFAULT_EXPLODE_THRESHOLD,
-        GRAD_LAYER_SPREAD: grad.DEFAULT_SPREAD_RATIO,
-        GRAD_COLLAPSE: grad.DEFAULT_COLLAPSE_RATIO,
-        f"{GRAD_COLLAPSE}.baseline_measurements": float(grad.DEFAULT_BASELINE_MEASUREMENTS),
-        "grad.patience": float(grad.DEFAULT_GRAD_PATIENCE),
-        LOSS_SWING: anomaly.DEFAULT_SWING_THRESHOLD,
-        f"{LOSS_SWING}.patience": float(anomaly.DEFAULT_SWING_PATIENCE),
-        VAL_DECLINE: float(anomaly.DEFAULT_VAL_DECLINE_PATIENCE),
-        f"{VAL_DECLINE}.min_delta": anomaly.DEFAULT_VAL_DECLINE_MIN_DELTA,
-        VAL_FLUCTUATION: anomaly.DEFAULT_VAL_FLUCTUATION_RATIO,
-    }
+    return default_thresholds()
 
 
 def load_run(path: str | os.PathLike[str]) -> RunData:

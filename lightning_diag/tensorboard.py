@@ -37,9 +37,9 @@ from lightning_diag.tags import (
 __all__ = [
     "ALERTS_TAG",
     "MAX_ALERT_ROWS",
+    "TAG_PREFIX",
     "THRESHOLDS_TAG",
     "DiagWriter",
-    "TAG_PREFIX",
     "alert_markdown",
     "alerts_markdown",
     "dashboard_layout",
