@@ -27,6 +27,7 @@ from typing import Any, Literal
 from lightning_diag.rules.registry import OWNERS
 
 __all__ = [
+    "ALERT_COLUMNS",
     "ALL_RULES",
     "ATTN_ENTROPY_HIGH",
     "ATTN_ENTROPY_LOW",
@@ -46,6 +47,8 @@ __all__ = [
     "AlertLog",
     "NonFiniteAction",
     "Severity",
+    "alert_cells",
+    "alert_table_markdown",
     "read_alerts",
 ]
 
@@ -163,6 +166,34 @@ class Alert:
             f"[{self.severity.value}] {self.rule} ({self.source}) at epoch {self.epoch}, "
             f"step {self.global_step}: {self.message}"
         )
+
+
+#: Columns of every alert table (the TensorBoard ``diag/alerts`` text and the report's timeline).
+ALERT_COLUMNS: tuple[str, ...] = ("step", "epoch", "severity", "rule", "source", "value", "threshold", "message")
+
+
+def alert_cells(alert: Alert) -> tuple[str, ...]:
+    """One alert as the plain-text cells of :data:`ALERT_COLUMNS` (numbers to 4 significant digits).
+
+    Example:
+        >>> alert_cells(Alert("grad_explode", "warning", "too big", 1, 40, 12.3456, 10.0, "fc"))
+        ('40', '1', 'warning', 'grad_explode', 'fc', '12.35', '10', 'too big')
+    """
+    value = "" if alert.value is None else f"{alert.value:.4g}"
+    threshold = "" if alert.threshold is None else f"{alert.threshold:.4g}"
+    return (str(alert.global_step), str(alert.epoch), alert.severity.value, alert.rule, alert.source, value,
+            threshold, alert.message)
+
+
+def alert_table_markdown(alerts: Iterable[Alert]) -> list[str]:
+    """The markdown lines of an alert table (header, rule, one row per alert in the order given)."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(ALERT_COLUMNS) + " |", "|" + "---|" * len(ALERT_COLUMNS)]
+    lines += ["| " + " | ".join(cell(c) for c in alert_cells(a)) + " |" for a in alerts]
+    return lines
 
 
 def read_alerts(path: str | os.PathLike[str]) -> list[Alert]:
