@@ -230,7 +230,8 @@ _HEAVY = ("torch", "pytorch_lightning", "lightning")
 
 
 def _heavy_modules_after(code: str) -> list[str]:
-    probe = code + f"\nimport json, sys\nprint(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & {set(_HEAVY)!r})))"
+    listing = f"sorted({{m.split('.')[0] for m in sys.modules}} & {set(_HEAVY)!r})"
+    probe = f"{code}\nimport json, sys\nprint(json.dumps({listing}))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_env(), check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
