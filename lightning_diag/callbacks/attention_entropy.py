@@ -14,6 +14,7 @@ from torch import nn
 from lightning_diag._validation import check_int, check_number
 from lightning_diag.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
 from lightning_diag.attention import AttentionRecorder
+from lightning_diag.attention_capture import AttentionCapture, is_compiled
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.images import heatmap, scatter, tile
 from lightning_diag.rules.attention import (
@@ -167,6 +168,8 @@ class AttentionEntropyMonitor(DiagCallback):
         self._mha: list[tuple[str, nn.Module]] | None = None
         self._names: dict[int, str] = {}
         self._sampled_step = -1
+        self._capture: AttentionCapture | None = None
+        self._compiled: bool | None = None
 
     @staticmethod
     def _int_tuple(name: str, values: Sequence[int]) -> tuple[int, ...]:
@@ -210,6 +213,7 @@ class AttentionEntropyMonitor(DiagCallback):
         if stage == TrainerFn.FITTING:
             self._make_rules()
             self._mha = None
+            self._compiled = None
             self._sampled_step = -1
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -224,8 +228,11 @@ class AttentionEntropyMonitor(DiagCallback):
             (n, m) for n, m in pl_module.named_modules() if isinstance(m, nn.MultiheadAttention)
         ]
         if self.modules is not None:
-            found = [(n, m) for n, m in found if any(fnmatch.fnmatchcase(n, p) for p in self.modules)]
+            found = [(n, m) for n, m in found if self._wanted(n)]
         return found
+
+    def _wanted(self, name: str) -> bool:
+        return self.modules is None or any(fnmatch.fnmatchcase(name, p) for p in self.modules)
 
     def image_interval(self, trainer: pl.Trainer) -> int:
         """Steps between images (0: none)."""
@@ -269,8 +276,31 @@ class AttentionEntropyMonitor(DiagCallback):
         ]
         recorder.activate()
         self._recorder = recorder
+        if self._compiled is None:
+            self._compiled = is_compiled(pl_module)
+        if self._compiled:
+            self.notice(
+                trainer,
+                "compiled",
+                "the model runs through torch.compile: scaled_dot_product_attention and eager attention are not "
+                "captured (nn.MultiheadAttention and record_attention() still are); train without compile for a "
+                "while to see them",
+            )
+        else:
+            self._capture = AttentionCapture(pl_module, recorder, self._wanted if self.modules is not None else None)
+            self._capture.start()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """The sampled forward is over: leave the function mode before backward (and any recomputation) runs."""
+        self._stop_capture()
+
+    def _stop_capture(self) -> None:
+        capture, self._capture = self._capture, None
+        if capture is not None:
+            capture.stop()
 
     def _detach(self) -> AttentionRecorder | None:
+        self._stop_capture()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -328,6 +358,7 @@ class AttentionEntropyMonitor(DiagCallback):
                 "no-attention",
                 "no nn.MultiheadAttention found"
                 + (" matching `modules`" if self.modules is not None else "")
+                + ", no scaled_dot_product_attention or attention softmax call seen"
                 + " and nothing handed over through record_attention(): attention entropy is not measured",
             )
             return None
