@@ -299,7 +299,8 @@ class AttentionEntropyMonitor(DiagCallback):
                 "while to see them",
             )
         else:
-            self._capture = AttentionCapture(pl_module, recorder, self._wanted if self.modules is not None else None)
+            include = self._wanted if self.modules is not None else None
+            self._capture = AttentionCapture(pl_module, recorder, include, self._names)
             self._capture.start()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
