@@ -29,7 +29,7 @@ from lightning_diag.rules.attention import (
     LayerStats,
 )
 from lightning_diag.stats.attention import head_pca, head_similarity
-from lightning_diag.tensorboard import tag
+from lightning_diag.tags import attn_entropy_tag, attn_heads_tag, attn_map_tag, attn_sink_tag, attn_uniform_tag
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonitor"]
 
@@ -340,10 +340,10 @@ class AttentionEntropyMonitor(DiagCallback):
         values: dict[str, float] = {}
         for name, stats in layers.items():
             for h, ent in enumerate(stats.entropy):
-                values[tag("attn_entropy", name, f"head_{h}")] = ent
-            values[tag("attn_entropy", name, "mean")] = sum(stats.entropy) / len(stats.entropy)
-            values[tag("attn_entropy", name, "uniform")] = max(stats.uniform)
-            values[tag("attn_sink", name)] = min(stats.special_mass)
+                values[attn_entropy_tag(name, h)] = ent
+            values[attn_entropy_tag(name, "mean")] = sum(stats.entropy) / len(stats.entropy)
+            values[attn_uniform_tag(name)] = max(stats.uniform)
+            values[attn_sink_tag(name)] = min(stats.special_mass)
         values.update(self.threshold_lines(ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
@@ -408,7 +408,7 @@ class AttentionEntropyMonitor(DiagCallback):
             cell = max(1, min(8, 128 // max(maps.shape[1], maps.shape[2], 1)))
             # one colour scale per image, 0 to its largest weight: near-uniform maps still show their structure
             top = max(float(maps.max()), 1e-6)
-            self.writer.image(tag("attn_map", name), tile([heatmap(m, cell, 0.0, top) for m in maps], gap=cell), step)
+            self.writer.image(attn_map_tag(name), tile([heatmap(m, cell, 0.0, top) for m in maps], gap=cell), step)
         # Heads are compared within the largest set of modules whose maps have the same shape.
         by_shape: dict[tuple[int, ...], list[str]] = {}
         for name, flat in recorder.flat.items():
@@ -422,6 +422,6 @@ class AttentionEntropyMonitor(DiagCallback):
         groups = [g for g, n in enumerate(names) for _ in range(recorder.flat[n].shape[0])]
         corr = head_similarity(stacked).cpu().numpy()
         cell = max(2, min(16, 256 // corr.shape[0]))
-        self.writer.image(tag("attn_heads", "similarity"), heatmap(corr, cell, -1.0, 1.0, diverging=True), step)
+        self.writer.image(attn_heads_tag("similarity"), heatmap(corr, cell, -1.0, 1.0, diverging=True), step)
         coords = head_pca(stacked).cpu().numpy()
-        self.writer.image(tag("attn_heads", "pca"), scatter(coords, groups), step)
+        self.writer.image(attn_heads_tag("pca"), scatter(coords, groups), step)
