@@ -317,3 +317,20 @@ def test_extra_head_dimensions_broadcast_like_the_call():
     assert torch.allclose(
         probs @ v.expand(2, 3, HK, S, E).reshape(2, 3 * HK, S, E), out.reshape(2, 3 * HK, L, E), atol=1e-5
     )
+
+
+@pytest.mark.slow
+def test_ddp_ranks_judge_the_same_averaged_sdpa_statistics(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("ddp_sdpa_script.py")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert len(ranks[0]["judged"]) == 2  # steps 0 and 2
+    assert ranks[0]["judged"] == ranks[1]["judged"]
+    assert all(sorted(j) == [f"blocks.{i}.attn" for i in range(2)] for j in ranks[0]["judged"])
+    assert len(list(tmp_path.rglob("events.out.tfevents.*"))) == 1
