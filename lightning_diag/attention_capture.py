@@ -22,6 +22,7 @@ installed on other steps.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -158,6 +159,8 @@ def softmax_probabilities(
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``module`` or a submodule runs through ``torch.compile`` (the capture then stays off)."""
+    if "torch._dynamo" not in sys.modules:  # nothing was ever compiled in this process
+        return False
     from torch._dynamo.eval_frame import OptimizedModule
 
     for m in module.modules():
