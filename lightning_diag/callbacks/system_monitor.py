@@ -43,7 +43,7 @@ from lightning_diag.rules.system import (
     StepFluctuationRule,
     StepPeriodicRule,
 )
-from lightning_diag.tensorboard import tag
+from lightning_diag.tags import family_tag, overhead_tag
 
 __all__ = ["SystemMonitor"]
 
@@ -199,29 +199,6 @@ class SystemMonitor(DiagCallback):
         self._acc = dict.fromkeys(_HEADER, 0.0)
         self._tokens_dev: torch.Tensor | None = None
         self._wall_start = time.perf_counter()
-
-    def thresholds(self) -> dict[str, float]:
-        """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
-
-        Example:
-            >>> SystemMonitor().thresholds()["step_time_fluctuation"]
-            0.15
-        """
-        return {
-            "dataloader_bound": self.dataloader_share,
-            "dataloader_bound.patience": float(self.dataloader_patience),
-            "dataloader_bound.min_wait_s": self.dataloader_min_wait_s,
-            "step_time_periodic": self.periodic_share,
-            "step_time_periodic.slow_ratio": self.slow_ratio,
-            "step_time_periodic.window": float(self.window),
-            "step_time_fluctuation": self.fluctuation_threshold,
-            "step_time_fluctuation.patience": float(self.fluctuation_patience),
-            "step_time_fluctuation.warmup_steps": float(self.warmup_steps),
-            "step_time_fluctuation.block_steps": float(self.block_steps),
-            "memory_growth": self.memory_growth,
-            "memory_growth.window": float(self.memory_window),
-            "memory_growth.rising_fraction": self.memory_rising_fraction,
-        }
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -479,24 +456,24 @@ class SystemMonitor(DiagCallback):
         alerts += self.memory_rule.update(ctx, memory)
 
         values = {
-            tag("system", "step_time_s"): step_total / n,
-            tag("system", "data_wait_s"): merged["wait"] / n,
-            tag("system", "forward_backward_s"): merged["forward_backward"] / n,
-            tag("system", "optimizer_s"): merged["optimizer"] / n,
-            tag("system", "data_wait_share"): merged["wait"] / step_total if step_total > 0 else 0.0,
-            tag("system", "validation_s"): merged["validation"],
-            tag("system", "checkpoint_s"): merged["checkpoint"],
-            tag("system", "step_time_period"): float(pattern.period),
-            tag("system", "host_rss_mib"): merged["rss"] / _MIB,
-            **{tag("system", f"{k}_mib"): v / _MIB for k, v in cuda.items()},
+            family_tag("system", "step_time_s"): step_total / n,
+            family_tag("system", "data_wait_s"): merged["wait"] / n,
+            family_tag("system", "forward_backward_s"): merged["forward_backward"] / n,
+            family_tag("system", "optimizer_s"): merged["optimizer"] / n,
+            family_tag("system", "data_wait_share"): merged["wait"] / step_total if step_total > 0 else 0.0,
+            family_tag("system", "validation_s"): merged["validation"],
+            family_tag("system", "checkpoint_s"): merged["checkpoint"],
+            family_tag("system", "step_time_period"): float(pattern.period),
+            family_tag("system", "host_rss_mib"): merged["rss"] / _MIB,
+            **{family_tag("system", f"{k}_mib"): v / _MIB for k, v in cuda.items()},
             **self.threshold_lines("dataloader_bound", "step_time_fluctuation"),
         }
         if step_total > 0:
-            values[tag("system", "samples_per_s")] = merged["samples"] / step_total
+            values[family_tag("system", "samples_per_s")] = merged["samples"] / step_total
             if merged["tokens"] > 0:
-                values[tag("system", "tokens_per_s")] = merged["tokens"] / step_total
+                values[family_tag("system", "tokens_per_s")] = merged["tokens"] / step_total
         if math.isfinite(fluctuation):
-            values[tag("system", "step_time_fluctuation")] = fluctuation
+            values[family_tag("system", "step_time_fluctuation")] = fluctuation
         if per_rank is not None:
             rank_totals, rank_waits = per_rank
             # The gradient all-reduce makes every rank's step as long as the slowest one's, so the step times
@@ -504,21 +481,21 @@ class SystemMonitor(DiagCallback):
             # material, else the one with the longest step.
             material = rank_waits.max() > 0.1 * max(float(np.median(rank_totals)), 1e-12)
             slowest = int(np.argmax(rank_waits if material else rank_totals))
-            values[tag("system", "slowest_rank")] = float(slowest)
-            values[tag("system", "straggler_ratio")] = float(rank_totals.max() / max(rank_totals.min(), 1e-12))
+            values[family_tag("system", "slowest_rank")] = float(slowest)
+            values[family_tag("system", "straggler_ratio")] = float(rank_totals.max() / max(rank_totals.min(), 1e-12))
             for r, (total, wait) in enumerate(zip(rank_totals.tolist(), rank_waits.tolist(), strict=True)):
-                values[tag("system", f"rank_{r}", "step_time_s")] = total / n
-                values[tag("system", f"rank_{r}", "data_wait_s")] = wait / n
+                values[family_tag("system", f"rank_{r}", "step_time_s")] = total / n
+                values[family_tag("system", f"rank_{r}", "data_wait_s")] = wait / n
         if self._nvml_probe is not None:
-            values.update({tag("system", k): v for k, v in self._nvml_probe.snapshot().items()})
+            values.update({family_tag("system", k): v for k, v in self._nvml_probe.snapshot().items()})
             util = self._nvml_probe.utilization()
             if math.isfinite(util):
                 self.util_window.append(util)
-                values[tag("system", "gpu_utilization")] = util
+                values[family_tag("system", "gpu_utilization")] = util
                 alerts += self.periodic_rule.update_utilization(ctx, list(self.util_window))
         if wall > 0:
             for name, seconds in self._hooks.take().items():
-                values[tag("overhead", name)] = seconds / wall
+                values[overhead_tag(name)] = seconds / wall
         self.writer.scalars(values, step)
         self.record(alerts)
 

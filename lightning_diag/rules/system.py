@@ -27,7 +27,7 @@ import numpy as np
 
 from lightning_diag.alerts import Alert
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.registry import RULES
+from lightning_diag.rules.registry import default
 from lightning_diag.stats.timing import Periodicity, Series, block_fluctuation, detect_period, growth
 
 __all__ = [
@@ -52,8 +52,7 @@ __all__ = [
 
 
 def _default(rule: str, setting: str | None = None) -> float:
-    spec = RULES[rule]
-    return float(spec.settings[setting] if setting else spec.threshold)  # type: ignore[arg-type]
+    return default(f"{rule}.{setting}" if setting else rule)
 
 
 #: ``dataloader_bound``: data waiting above this share of the step time.
