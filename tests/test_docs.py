@@ -6,9 +6,10 @@ import lightning_diag.callbacks.attention_entropy as attention_module
 import lightning_diag.rules.anomaly as anomaly_rules
 import lightning_diag.rules.attention as attention_rules
 import lightning_diag.rules.grad as grad_rules
+import lightning_diag.rules.system as system_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-MODULES = (anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module)
+MODULES = (anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, system_rules)
 
 
 def _rows():
@@ -48,10 +49,13 @@ def test_every_registry_default_is_documented_with_its_argument():
 def test_thresholds_arguments_are_real_constructor_arguments():
     import inspect
 
-    from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor
+    from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
+    from lightning_diag.rules.registry import owner_of
 
     for rule, argument, _constant, default, _m, _s in _rows():
         callback = {"`grad": GradientFlowMonitor, "`attn": AttentionEntropyMonitor}.get(rule[:5], AnomalyAlarm)
+        if owner_of(rule.strip("`")) == "SystemMonitor":
+            callback = SystemMonitor
         params = inspect.signature(callback).parameters
         arg = argument.strip("`")
         assert arg in params, arg

@@ -151,3 +151,20 @@ def test_thresholds_are_the_registry_defaults():
     from lightning_diag.rules.registry import default_thresholds
 
     assert SystemMonitor().thresholds() == default_thresholds("SystemMonitor")
+
+
+def test_the_page_lists_every_tag_rule_and_argument():
+    import inspect
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "system_monitor.md").read_text()
+    for rule in ("dataloader_bound", "step_time_periodic", "step_time_fluctuation", "memory_growth"):
+        assert f"**`{rule}`**" in page, rule
+    for name in inspect.signature(SystemMonitor).parameters:
+        if name not in ("log_every_n_steps", "nvml", "time_callbacks"):
+            assert f"`{name}`" in page, name
+    source = (Path(__file__).resolve().parents[2] / "lightning_diag" / "callbacks" / "system_monitor.py").read_text()
+    for tag in re.findall(r'family_tag\("system", "(\w+)"\)', source):
+        assert f"diag/system/{tag}" in page, tag
+    assert "diag/overhead/<CallbackName>" in page and "Not run on hardware" in page
