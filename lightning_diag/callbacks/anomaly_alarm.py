@@ -17,12 +17,9 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag._validation import check_choice, check_int, check_number
 from lightning_diag.alerts import (
-    LOSS_STAGNANT,
     LOSS_SWING,
-    NONFINITE_GRAD,
     NONFINITE_LOSS,
     VAL_DECLINE,
-    VAL_FLUCTUATION,
     NonFiniteAction,
 )
 from lightning_diag.callbacks.base import DiagCallback, extract_loss
@@ -54,7 +51,7 @@ from lightning_diag.rules.nonfinite import (
     NonFinitePolicy,
 )
 from lightning_diag.stats.loss_sums import LossSums
-from lightning_diag.tensorboard import tag
+from lightning_diag.tags import loss_tag
 
 __all__ = ["DEFAULT_MAX_SCALER_OVERFLOWS", "DEFAULT_MAX_SKIPS", "NONFINITE_ACTIONS", "AnomalyAlarm", "NonFiniteError"]
 
@@ -212,22 +209,8 @@ class AnomalyAlarm(DiagCallback):
             >>> AnomalyAlarm(swing_threshold=0.2).thresholds()["loss_swing"]
             0.2
         """
-        values = {
-            LOSS_SWING: self.swing_threshold,
-            f"{LOSS_SWING}.patience": float(self.swing_patience),
-            f"{LOSS_SWING}.min_delta": self.swing_min_delta,
-            VAL_DECLINE: float(self.val_decline_patience),
-            f"{VAL_DECLINE}.min_delta": self.val_decline_min_delta,
-            f"{VAL_DECLINE}.higher_is_better": float(self.mode == "max"),
-            VAL_FLUCTUATION: self.val_fluctuation_ratio,
-            f"{VAL_FLUCTUATION}.window": float(self.val_fluctuation_window),
-            f"{VAL_FLUCTUATION}.min": self.val_fluctuation_min,
-            f"{VAL_FLUCTUATION}.min_range": self.val_fluctuation_min_range,
-            f"{NONFINITE_GRAD}.max_scaler_overflows": float(self.max_scaler_overflows),
-            LOSS_STAGNANT: self.stagnant_min_drop,
-            f"{LOSS_STAGNANT}.patience": float(self.stagnant_patience),
-            f"{LOSS_STAGNANT}.baseline_steps": float(self.stagnant_baseline_steps),
-        }
+        values = super().thresholds()
+        values[f"{VAL_DECLINE}.higher_is_better"] = float(self.mode == "max")
         if isinstance(self.swing_window, int):
             values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
         if self.on_nonfinite == "skip":
@@ -393,7 +376,7 @@ class AnomalyAlarm(DiagCallback):
             return
         values = lr_scalars(trainer)
         if loss is not None:
-            values[tag("loss", "train_step")] = float(loss)
+            values[loss_tag("train_step")] = float(loss)
         self.writer.scalars(values, trainer.global_step)
         if self.on_nonfinite == "warn":
             self.guard.read_back(trainer, pl_module)
@@ -416,7 +399,7 @@ class AnomalyAlarm(DiagCallback):
         if not math.isfinite(mean):
             return
         step = trainer.global_step
-        self.writer.scalar(tag("loss", "train_epoch" if prefix == "epoch" else "train_window"), mean, step)
+        self.writer.scalar(loss_tag("train_epoch" if prefix == "epoch" else "train_window"), mean, step)
         if (prefix == "epoch") != (self.swing_window == "epoch"):
             return
         if self.stagnant_rule.baseline is None and self.loss_sums.initial_batches > 0:
@@ -424,7 +407,7 @@ class AnomalyAlarm(DiagCallback):
         ctx = self.context(trainer)
         self.record(self.swing_rule.update(mean, ctx) + self.stagnant_rule.update(mean, ctx))
         if math.isfinite(self.swing_rule.last_change):
-            values = {tag("loss", "swing"): self.swing_rule.last_change, **self.threshold_lines(LOSS_SWING)}
+            values = {loss_tag("swing"): self.swing_rule.last_change, **self.threshold_lines(LOSS_SWING)}
             self.writer.scalars(values, step)
 
     # -- validation trend --------------------------------------------------------------------------------
@@ -450,9 +433,9 @@ class AnomalyAlarm(DiagCallback):
         alerts = self.val_decline_rule.update(val, ctx)
         alerts += self.val_fluctuation_rule.update(train_mean, val, ctx)
         self.record(alerts)
-        values = {tag("loss", "val"): val}
+        values = {loss_tag("val"): val}
         train_f, val_f = self.val_fluctuation_rule.measures()
         if math.isfinite(train_f) and math.isfinite(val_f):
-            values[tag("loss", "train_fluctuation")] = train_f
-            values[tag("loss", "val_fluctuation")] = val_f
+            values[loss_tag("train_fluctuation")] = train_f
+            values[loss_tag("val_fluctuation")] = val_f
         self.writer.scalars(values, ctx.global_step)
