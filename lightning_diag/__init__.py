@@ -6,6 +6,7 @@ from lightning_diag.alerts import Alert, AlertLog, Severity, read_alerts
 from lightning_diag.attention import attention_requested, record_attention, record_hf_attentions
 from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
 from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
+from lightning_diag.callbacks.data_diagnostics import DataDiagnostics
 from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
 
 __version__ = "0.1.0"
@@ -15,6 +16,7 @@ __all__ = [
     "AlertLog",
     "AnomalyAlarm",
     "AttentionEntropyMonitor",
+    "DataDiagnostics",
     "GradientFlowMonitor",
     "NonFiniteError",
     "Severity",

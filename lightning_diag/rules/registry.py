@@ -188,3 +188,18 @@ register(RuleSpec("attn_entropy_high", _ATTN, "info", 2.5,
 register(RuleSpec("attn_sink", _ATTN, "warning", 0.5,
                   "every head of a layer puts more than {threshold:g} of its mass on special tokens",
                   check="attn_sink", source="seed 000 §3.2"))
+
+_DATA = "DataDiagnostics"
+register(RuleSpec("data_vocab_shift", _DATA, "warning", 0.3,
+                  "KL divergence of validation vs training token frequencies above {threshold:g} nats",
+                  settings={"min_count": 5}, source="seed 000 §2.1"))
+register(RuleSpec("data_leakage", _DATA, "warning", 0.15,
+                  "share of validation samples copying a training sample (shingle Jaccard >= {near_duplicate:g}) "
+                  "at or above {threshold:g}",
+                  settings={"near_duplicate": 0.5, "shingle_size": 3}, check="data_train_test_overlap",
+                  source="seed 000 §2.2, §7.1"))
+register(RuleSpec("label_imbalance", _DATA, "warning", 0.1,
+                  "standard deviation of the class proportions above {threshold:g}", check="data_label_balance",
+                  source="seed 000 §7.1"))
+register(RuleSpec("data_nonfinite", _DATA, "critical", None, "NaN/Inf in a floating tensor of a sampled batch",
+                  source="seed 000 §2.1"))
