@@ -121,6 +121,8 @@ class DataDiagnostics(DiagCallback):
         shingle_size: Token n-gram size of the leakage shingles (default 3).
         num_perm: MinHash signature length (default 64).
         min_count: ``data_vocab_shift``: token types rarer than this are pooled (default 5).
+        min_leaks: ``data_leakage``: leaked samples needed before the share found in a partial training sample
+            is extrapolated to the whole training set (default 3).
         seed: Seed of the private generator that draws the sample.
 
     Raises:
@@ -146,6 +148,7 @@ class DataDiagnostics(DiagCallback):
         shingle_size: int = DEFAULT_SHINGLE_SIZE,
         num_perm: int = DEFAULT_NUM_PERM,
         min_count: int = DEFAULT_MIN_COUNT,
+        min_leaks: int = DEFAULT_MIN_LEAKS,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -163,6 +166,7 @@ class DataDiagnostics(DiagCallback):
         self.shingle_size = check_int("shingle_size", shingle_size, low=1, high=16)
         self.num_perm = check_int("num_perm", num_perm, low=4, high=1024)
         self.min_count = check_int("min_count", min_count, low=1)
+        self.min_leaks = check_int("min_leaks", min_leaks, low=1)
         self.seed = check_int("seed", seed, low=0)
         self._make_rules()
         self.last_epoch = -1
@@ -267,7 +271,7 @@ class DataDiagnostics(DiagCallback):
         self.last_epoch = trainer.current_epoch
         if train is None and val is None:
             return
-        measured = measure(train, val, self.num_classes, self.near_duplicate, self.min_count, DEFAULT_MIN_LEAKS)
+        measured = measure(train, val, self.num_classes, self.near_duplicate, self.min_count, self.min_leaks)
         seconds = time.perf_counter() - start
         step = trainer.global_step
         values = {tag("data", *k.split("/")): v for k, v in measured.scalars.items()}
