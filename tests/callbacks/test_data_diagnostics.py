@@ -58,12 +58,17 @@ def tokens(n: int, seed: int, low: int = 0, high: int = VOCAB) -> torch.Tensor:
 
 
 def labels(n: int, seed: int, weights=(1, 1, 1, 1)) -> torch.Tensor:
-    return torch.multinomial(torch.tensor(weights, dtype=torch.float), n, True, generator=torch.Generator().manual_seed(seed))
+    return torch.multinomial(
+        torch.tensor(weights, dtype=torch.float), n, True, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def fit(cb, train, val, tmp_path, model=None, **trainer_kw):
-    trainer = pl.Trainer(default_root_dir=tmp_path, callbacks=[cb] if cb else [], **{**FAST, "max_steps": 2,
-                                                                                     "limit_val_batches": 1, **trainer_kw})
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        callbacks=[cb] if cb else [],
+        **{**FAST, "max_steps": 2, "limit_val_batches": 1, **trainer_kw},
+    )
     model = model or TokenModel()
     trainer.fit(model, train, val)
     return trainer, model
@@ -215,8 +220,7 @@ def test_the_run_is_bit_identical_with_and_without_the_callback(tmp_path, worker
     weights = []
     for cb in (None, DataDiagnostics(max_batches=3)):
         pl.seed_everything(3, verbose=False)
-        train = DataLoader(Augmented(), batch_size=8, shuffle=True, num_workers=workers,
-                           persistent_workers=workers > 0)
+        train = DataLoader(Augmented(), batch_size=8, shuffle=True, num_workers=workers, persistent_workers=workers > 0)
         val = DataLoader(Augmented(), batch_size=8)
         _, model = fit(cb, train, val, tmp_path, max_steps=6)
         weights.append([p.detach().clone() for p in model.parameters()])
@@ -237,8 +241,9 @@ class Stream(IterableDataset):
 
 def test_iterable_dataset_is_sampled_not_exhausted(tmp_path):
     cb = DataDiagnostics(max_batches=2)
-    trainer, _ = fit(cb, DataLoader(Stream(10_000), batch_size=8), DataLoader(Stream(64), batch_size=8), tmp_path,
-                     max_steps=3)
+    trainer, _ = fit(
+        cb, DataLoader(Stream(10_000), batch_size=8), DataLoader(Stream(64), batch_size=8), tmp_path, max_steps=3
+    )
     assert cb.last["train/samples"] == 16 and cb.last["val/samples"] == 16
     assert trainer.global_step == 3
     assert [a.rule for a in serious(cb)] == ["data_leakage"]  # both streams start with the same samples
@@ -250,9 +255,17 @@ def test_logged_tags(tmp_path, monkeypatch):
     cb = DataDiagnostics()
     fit(cb, *loaders(tokens(500, 1), labels(500, 1), tokens(200, 2), labels(200, 2)), tmp_path)
     scalars = {c.args[0] for c in experiment.add_scalar.call_args_list}
-    for name in ("diag/data/vocab_kl", "diag/data/oov_share", "diag/data/leaked_fraction", "diag/data/train/label_std",
-                 "diag/data/val/padding_ratio", "diag/data/train/head_types", "diag/data/seconds",
-                 "diag/threshold/data_vocab_shift", "diag/threshold/label_imbalance"):
+    for name in (
+        "diag/data/vocab_kl",
+        "diag/data/oov_share",
+        "diag/data/leaked_fraction",
+        "diag/data/train/label_std",
+        "diag/data/val/padding_ratio",
+        "diag/data/train/head_types",
+        "diag/data/seconds",
+        "diag/threshold/data_vocab_shift",
+        "diag/threshold/label_imbalance",
+    ):
         assert name in scalars, name
     hists = {c.args[0] for c in experiment.add_histogram.call_args_list}
     assert {"diag/data/train/seq_len", "diag/data/val/token_ids"} <= hists
@@ -267,16 +280,20 @@ def test_resume_does_not_repeat_what_was_reported(tmp_path):
     data = loaders(xt, yt, tokens(200, 2), labels(200, 2))
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     cb = DataDiagnostics()
-    trainer = pl.Trainer(default_root_dir=tmp_path, callbacks=[cb, ckpt], **{**FAST, "enable_checkpointing": True,
-                                                                              "max_epochs": 1, "limit_val_batches": 1})
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        callbacks=[cb, ckpt],
+        **{**FAST, "enable_checkpointing": True, "max_epochs": 1, "limit_val_batches": 1},
+    )
     trainer.fit(TokenModel(), *data)
     assert [a.rule for a in cb.alerts] == ["label_imbalance"]
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
     (state,) = [v for k, v in saved.items() if "DataDiagnostics" in k]
     assert state["rules"]["latch"] == ["label_imbalance:train"] and state["last_epoch"] == 0
     resumed = DataDiagnostics()
-    trainer = pl.Trainer(default_root_dir=tmp_path, callbacks=[resumed], **{**FAST, "max_epochs": 2,
-                                                                           "limit_val_batches": 1})
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, callbacks=[resumed], **{**FAST, "max_epochs": 2, "limit_val_batches": 1}
+    )
     trainer.fit(TokenModel(), *data, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     assert resumed.alerts == []  # measured again, still imbalanced, already reported
     assert resumed.rules.latch.active == {"label_imbalance:train"}
