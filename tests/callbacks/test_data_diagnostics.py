@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from unittest.mock import MagicMock
 
 import pytest
@@ -12,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from lightning_diag import DataDiagnostics
-from lightning_diag.tensorboard import DiagWriter
+from lightning_diag.tensorboard import DiagWriter, dashboard_layout
 
 FAST = dict(
     accelerator="cpu",
@@ -267,6 +268,10 @@ def test_logged_tags(tmp_path, monkeypatch):
         "diag/threshold/label_imbalance",
     ):
         assert name in scalars, name
+    layout = dashboard_layout([k for k in cb.thresholds() if "." not in k])
+    assert list(layout) == ["Data"]
+    for title, (_kind, patterns) in layout["Data"].items():
+        assert any(re.match(patterns[0], name) for name in scalars), title
     hists = {c.args[0] for c in experiment.add_histogram.call_args_list}
     assert {"diag/data/train/seq_len", "diag/data/val/token_ids"} <= hists
     assert [c.args[0] for c in experiment.add_image.call_args_list] == ["diag/data/label_distribution"]
