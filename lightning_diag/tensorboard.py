@@ -156,8 +156,9 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout for the rules in effect, in the form ``SummaryWriter.add_custom_scalars`` takes.
 
     Sections: ``Gradients`` (when a ``grad_*`` rule is in effect), ``Attention`` (an ``attn_*`` rule),
-    ``Loss & LR`` (a loss or validation rule) and ``Data`` (a ``data_*`` rule or ``label_imbalance``). Multiline charts select tags by regular expression (matched
-    from the start of the tag); their ``diag/threshold/<rule>`` series draw the thresholds as reference lines.
+    ``Loss & LR`` (a loss or validation rule) and ``Data`` (a ``data_*`` rule or ``label_imbalance``). Multiline
+    charts select tags by regular expression (matched from the start of the tag); their
+    ``diag/threshold/<rule>`` series draw the thresholds as reference lines.
     The global gradient norm is a margin chart whose band is ``grad_vanish`` .. ``grad_explode``.
 
     Example:

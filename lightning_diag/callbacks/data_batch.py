@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import random
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -82,7 +82,7 @@ def _floats(batch: Any, key: str, out: dict[str, torch.Tensor]) -> None:
             _floats(v, f"{key}[{i}]", out)
 
 
-def _is_int(t: Any) -> bool:
+def _is_int(t: Any) -> TypeGuard[torch.Tensor]:
     return isinstance(t, torch.Tensor) and t.dtype in _INT_DTYPES
 
 

@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_diag import DataDiagnostics  # noqa: E402
-from tests.callbacks.test_data_diagnostics import TokenModel, labels, tokens  # noqa: E402
+from lightning_diag import DataDiagnostics
+from tests.callbacks.test_data_diagnostics import TokenModel, labels, tokens
 
 if __name__ == "__main__":
     root = Path(sys.argv[1])
