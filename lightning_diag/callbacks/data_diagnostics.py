@@ -27,7 +27,7 @@ from lightning_diag.rules.data import (
     LABEL_IMBALANCE,
     DataRules,
 )
-from lightning_diag.rules.registry import RULES
+from lightning_diag.rules.registry import default
 from lightning_diag.tensorboard import tag
 
 __all__ = [
@@ -42,9 +42,9 @@ __all__ = [
 #: Batches read from each loader per measurement.
 DEFAULT_MAX_BATCHES = 64
 #: ``data_vocab_shift``: token types seen fewer times (both samples together) are pooled into one bin.
-DEFAULT_MIN_COUNT = int(RULES[DATA_VOCAB_SHIFT].settings["min_count"])
+DEFAULT_MIN_COUNT = int(default(f"{DATA_VOCAB_SHIFT}.min_count"))
 #: ``data_leakage``: token n-gram size of the shingles.
-DEFAULT_SHINGLE_SIZE = int(RULES[DATA_LEAKAGE].settings["shingle_size"])
+DEFAULT_SHINGLE_SIZE = int(default(f"{DATA_LEAKAGE}.shingle_size"))
 #: ``data_leakage``: MinHash signature length.
 DEFAULT_NUM_PERM = 64
 #: ``data_leakage``: leaked samples needed before the share found is extrapolated to the whole training set.
@@ -174,17 +174,6 @@ class DataDiagnostics(DiagCallback):
 
     def _make_rules(self) -> None:
         self.rules = DataRules(self.vocab_kl, self.leakage, self.label_std)
-
-    def thresholds(self) -> dict[str, float]:
-        """The thresholds in effect (see :meth:`DiagCallback.thresholds`)."""
-        return {
-            DATA_VOCAB_SHIFT: self.vocab_kl,
-            f"{DATA_VOCAB_SHIFT}.min_count": float(self.min_count),
-            DATA_LEAKAGE: self.leakage,
-            f"{DATA_LEAKAGE}.near_duplicate": self.near_duplicate,
-            f"{DATA_LEAKAGE}.shingle_size": float(self.shingle_size),
-            LABEL_IMBALANCE: self.label_std,
-        }
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 from lightning_diag.alerts import Alert, Severity
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.registry import RULES
+from lightning_diag.rules.registry import default
 
 __all__ = [
     "DATA_LEAKAGE",
@@ -48,13 +48,13 @@ LABEL_IMBALANCE = "label_imbalance"
 DATA_NONFINITE = "data_nonfinite"
 
 #: ``data_vocab_shift``: KL divergence (nats) of validation vs training token frequencies above this.
-DEFAULT_VOCAB_KL = float(RULES[DATA_VOCAB_SHIFT].threshold or 0.3)
+DEFAULT_VOCAB_KL = default(DATA_VOCAB_SHIFT)
 #: ``data_leakage``: share of validation samples that (nearly) copy a training sample, at or above this.
-DEFAULT_LEAKAGE_FRACTION = float(RULES[DATA_LEAKAGE].threshold or 0.15)
+DEFAULT_LEAKAGE_FRACTION = default(DATA_LEAKAGE)
 #: ``data_leakage``: shingle Jaccard similarity at or above which two samples count as the same sample.
-DEFAULT_NEAR_DUPLICATE = float(RULES[DATA_LEAKAGE].settings["near_duplicate"])
+DEFAULT_NEAR_DUPLICATE = default(f"{DATA_LEAKAGE}.near_duplicate")
 #: ``label_imbalance``: standard deviation of the class proportions above this.
-DEFAULT_LABEL_STD = float(RULES[LABEL_IMBALANCE].threshold or 0.1)
+DEFAULT_LABEL_STD = default(LABEL_IMBALANCE)
 
 _EXAMPLES = 5
 

@@ -325,3 +325,24 @@ def test_resume_does_not_repeat_what_was_reported(tmp_path):
 def test_constructor_validation(kwargs, error, needle):
     with pytest.raises(error, match=needle):
         DataDiagnostics(**kwargs)
+
+
+def test_report_fills_the_two_data_rows(tmp_path):
+    from lightning_diag.report import build_report
+
+    xt, yt = tokens(1000, 1), labels(1000, 1, (8, 1, 1, 1))
+    xv, yv = tokens(300, 2), labels(300, 2)
+    xv[:150] = xt[:150]
+    fit(DataDiagnostics(max_batches=None), *loaders(xt, yt, xv, yv), tmp_path / "bad")
+    fit(
+        DataDiagnostics(), *loaders(tokens(1000, 3), labels(1000, 3), tokens(300, 4), labels(300, 4)), tmp_path / "good"
+    )
+    for run, status in (("bad", "fail"), ("good", "pass")):
+        (report,) = build_report(tmp_path / run)
+        rows = {c.id: c for c in report.checks}
+        for check_id in ("data_label_balance", "data_train_test_overlap"):
+            assert rows[check_id].status == status, (run, check_id, rows[check_id])
+    (report,) = build_report(tmp_path / "bad")
+    rows = {c.id: c for c in report.checks}
+    assert rows["data_train_test_overlap"].measured_value["value"] == pytest.approx(0.5)
+    assert rows["data_label_balance"].measured_value["train"] > 0.1
