@@ -346,3 +346,20 @@ def test_report_fills_the_two_data_rows(tmp_path):
     rows = {c.id: c for c in report.checks}
     assert rows["data_train_test_overlap"].measured_value["value"] == pytest.approx(0.5)
     assert rows["data_label_balance"].measured_value["train"] > 0.1
+
+
+def test_every_n_epochs_measures_again_and_once_otherwise(tmp_path, monkeypatch):
+    experiment = MagicMock()
+    monkeypatch.setattr(DiagWriter, "for_trainer", classmethod(lambda cls, trainer, log_dir: cls(experiment)))
+    data = loaders(tokens(64, 1), labels(64, 1), tokens(32, 2), labels(32, 2))
+    for every, expected in ((None, [0]), (1, [0, 2, 4])):
+        experiment.reset_mock()
+        cb = DataDiagnostics(every_n_epochs=every)
+        fit(cb, *data, tmp_path, max_steps=-1, max_epochs=3)
+        steps = [
+            c.args[2] if len(c.args) > 2 else c.kwargs["global_step"]
+            for c in experiment.add_scalar.call_args_list
+            if c.args[0] == "diag/data/vocab_kl"
+        ]
+        assert steps == expected
+        assert cb.last_epoch == (2 if every else 0)
