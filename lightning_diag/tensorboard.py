@@ -104,9 +104,10 @@ def thresholds_markdown(by_callback: Mapping[str, Mapping[str, float]]) -> str:
 def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout for the rules in effect, in the form ``SummaryWriter.add_custom_scalars`` takes.
 
-    Sections: ``Gradients`` (when a ``grad_*`` rule is in effect), ``Attention`` (an ``attn_*`` rule) and
-    ``Loss & LR`` (a loss or validation rule). Multiline charts select tags by regular expression (matched
-    from the start of the tag); their ``diag/threshold/<rule>`` series draw the thresholds as reference lines.
+    Sections: ``Gradients`` (when a ``grad_*`` rule is in effect), ``Attention`` (an ``attn_*`` rule),
+    ``Loss & LR`` (a loss or validation rule) and ``Data`` (a ``data_*`` rule or ``label_imbalance``). Multiline
+    charts select tags by regular expression (matched from the start of the tag); their
+    ``diag/threshold/<rule>`` series draw the thresholds as reference lines.
     The global gradient norm is a margin chart whose band is ``grad_vanish`` .. ``grad_explode``.
 
     Example:
@@ -153,7 +154,38 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
             "fluctuation: validation vs training": ["Multiline", [f"{p}/loss/(train|val)_fluctuation$"]],
             "learning rate per optimizer and group": ["Multiline", [f"{p}/lr/"]],
         }
+    layout.update(_data_section(rules))
     return layout
+
+
+def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
+    """The ``Data`` section (DataDiagnostics): shown when a ``data_*`` or ``label_imbalance`` rule is in effect.
+
+    Example:
+        >>> sorted(_data_section(["label_imbalance"])["Data"])[0]
+        'label balance: std of class proportions per split (line: label_imbalance)'
+    """
+    if not any(r.startswith("data_") or r == "label_imbalance" for r in rules):
+        return {}
+    p = TAG_PREFIX
+    return {
+        "Data": {
+            "label balance: std of class proportions per split (line: label_imbalance)": [
+                "Multiline",
+                [f"{p}/data/(train|val)/label_std$", f"{p}/threshold/label_imbalance$"],
+            ],
+            "vocabulary shift: KL(val || train), nats (line: data_vocab_shift)": [
+                "Multiline",
+                [f"{p}/data/vocab_kl$", f"{p}/threshold/data_vocab_shift$"],
+            ],
+            "leakage: share of validation samples copying training ones (line: data_leakage)": [
+                "Multiline",
+                [f"{p}/data/(leaked_fraction|exact_copies|near_copies)$", f"{p}/threshold/data_leakage$"],
+            ],
+            "unseen and rare validation tokens": ["Multiline", [f"{p}/data/(oov_share|val_rare_share)$"]],
+            "padding ratio per split": ["Multiline", [f"{p}/data/(train|val)/padding_ratio$"]],
+        }
+    }
 
 
 def __getattr__(name: str) -> Any:
