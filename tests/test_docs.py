@@ -3,13 +3,17 @@ from pathlib import Path
 
 import lightning_diag.callbacks.anomaly_alarm as alarm_module
 import lightning_diag.callbacks.attention_entropy as attention_module
+import lightning_diag.callbacks.data_diagnostics as data_module
 import lightning_diag.rules.anomaly as anomaly_rules
 import lightning_diag.rules.attention as attention_rules
+import lightning_diag.rules.data as data_rules
 import lightning_diag.rules.grad as grad_rules
 import lightning_diag.rules.system as system_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-MODULES = (anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, system_rules)
+MODULES = (
+    anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, system_rules
+)
 
 
 def _rows():
@@ -49,11 +53,23 @@ def test_every_registry_default_is_documented_with_its_argument():
 def test_thresholds_arguments_are_real_constructor_arguments():
     import inspect
 
-    from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
+    from lightning_diag import (
+        AnomalyAlarm,
+        AttentionEntropyMonitor,
+        DataDiagnostics,
+        GradientFlowMonitor,
+        SystemMonitor,
+    )
     from lightning_diag.rules.registry import owner_of
 
     for rule, argument, _constant, default, _m, _s in _rows():
-        callback = {"`grad": GradientFlowMonitor, "`attn": AttentionEntropyMonitor}.get(rule[:5], AnomalyAlarm)
+        kinds = {
+            "`grad": GradientFlowMonitor,
+            "`attn": AttentionEntropyMonitor,
+            "`data": DataDiagnostics,
+            "`labe": DataDiagnostics,
+        }
+        callback = kinds.get(rule[:5], AnomalyAlarm)
         if owner_of(rule.strip("`")) == "SystemMonitor":
             callback = SystemMonitor
         params = inspect.signature(callback).parameters
@@ -132,3 +148,29 @@ def test_attention_page_lists_every_tag_rule_and_argument():
     }
     for match in re.findall(r"`(\w+)=", page):
         assert match in known, match
+
+
+def test_data_diagnostics_page_lists_every_tag_rule_and_argument():
+    import inspect
+
+    from lightning_diag import DataDiagnostics
+
+    page = (DOCS / "data_diagnostics.md").read_text()
+    for needle in (
+        "diag/data/vocab_kl",
+        "diag/data/oov_share",
+        "diag/data/leaked_fraction",
+        "diag/data/<split>/label_std",
+        "diag/data/label_distribution",
+        "diag/data/<split>/seq_len",
+        "diag/data/summary",
+        "data_vocab_shift",
+        "data_leakage",
+        "label_imbalance",
+        "data_nonfinite",
+        "Jaccard",
+        "bit for bit",
+    ):
+        assert needle in page, needle
+    for name in inspect.signature(DataDiagnostics).parameters:
+        assert f"{name}=" in page, name
