@@ -188,3 +188,14 @@ register(RuleSpec("attn_entropy_high", _ATTN, "info", 2.5,
 register(RuleSpec("attn_sink", _ATTN, "warning", 0.5,
                   "every head of a layer puts more than {threshold:g} of its mass on special tokens",
                   check="attn_sink", source="seed 000 §3.2"))
+
+_SHARP = "SharpnessProbe"
+register(RuleSpec("sharp_minimum", _SHARP, "warning", 0.3,
+                  "SAM gap L(w+ε) − L(w) above {threshold:g} (rho {rho:g}) on {patience:g} consecutive probes",
+                  settings={"rho": 0.05, "patience": 3}, check="loss_surface", source="seed 000 §4.1"))
+_QUANT = "QuantizationProbe"
+register(RuleSpec("quantization_error", _QUANT, "warning", 0.05,
+                  "INT8 end-to-end relative loss change above {threshold:.0%}, or a layer's output MSE above "
+                  "{layer_ratio:g}x the median layer's",
+                  settings={"layer_ratio": 10.0, "min_layer_error": 1e-3}, check="deploy_quantization_error",
+                  source="seed 000 §5.1, §7.1"))
