@@ -8,7 +8,8 @@ Formulas (``b = 8`` bits, ``Q = 2^(b-1) - 1 = 127``):
 - max quantization error in percent of the scale (seed 000 §5.1): ``max|w - ŵ| / s · 100``; per-channel, the
   largest over the channels of each channel's error over its own scale. Without clipping it is at most 50%.
 - weight outlier ratio: ``max|w| / quantile(|w|, 0.99)``.
-- relative output MSE of a layer: ``mean((y - ŷ)^2) / mean(y^2)`` (noise-to-signal power).
+- relative output MSE of a layer: the mean over its output channels ``c`` of ``Σ(y_c - ŷ_c)^2 / Σy_c^2``
+  (noise-to-signal power per channel; sums over the batch and positions).
 
 Dynamic activation quantization uses the same per-tensor formula on each input, with the scale computed from
 that input (no clipping, no calibration).
@@ -16,7 +17,6 @@ that input (no clipping, no calibration).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Literal
 
 import torch
@@ -117,30 +117,55 @@ def relative_error(reference: float, value: float, floor: float) -> float:
     return abs(value - reference) / max(abs(reference), floor)
 
 
-@dataclasses.dataclass
 class LayerErrorAccumulator:
-    """Sums over batches of a layer's output error: ``Σ(y - ŷ)^2``, ``Σy^2`` and the element count."""
+    """Per-output-channel sums over batches of a layer's output error ``Σ(y - ŷ)^2`` and signal ``Σy^2``.
 
-    squared_error: float = 0.0
-    signal: float = 0.0
-    count: int = 0
+    Args:
+        channel_dim: The output's channel dimension (``-1`` for ``nn.Linear``, ``1`` for ``nn.Conv*``).
+
+    Example:
+        >>> acc = LayerErrorAccumulator(channel_dim=-1)
+        >>> acc.add(torch.tensor([[1.0, 100.0]]), torch.tensor([[0.0, 100.0]]))
+        >>> acc.mse, acc.relative_mse
+        (0.5, 0.5)
+    """
+
+    def __init__(self, channel_dim: int = -1) -> None:
+        self.channel_dim = channel_dim
+        self.squared_error: torch.Tensor | None = None
+        self.signal: torch.Tensor | None = None
+        self.count = 0
 
     def add(self, reference: torch.Tensor, quantized: torch.Tensor) -> None:
         """Add one batch of the float output and the quantized output."""
-        ref = reference.detach().float()
-        diff = ref - quantized.detach().float()
-        self.squared_error += float(diff.pow(2).sum())
-        self.signal += float(ref.pow(2).sum())
+        ref = reference.detach().double()
+        dim = self.channel_dim if ref.dim() > 1 else 0
+        ref = ref.movedim(dim, -1).reshape(-1, ref.shape[dim]) if ref.dim() > 1 else ref.reshape(1, -1)
+        diff = ref - (
+            quantized.detach().double().movedim(dim, -1).reshape(ref.shape) if quantized.dim() > 1
+            else quantized.detach().double().reshape(ref.shape)
+        )
+        err, sig = diff.pow(2).sum(dim=0), ref.pow(2).sum(dim=0)
+        if self.squared_error is None or self.signal is None or self.squared_error.shape != err.shape:
+            self.squared_error, self.signal = err, sig
+        else:
+            self.squared_error, self.signal = self.squared_error + err, self.signal + sig
         self.count += ref.numel()
 
     @property
     def mse(self) -> float:
         """Mean squared error of the output."""
-        return self.squared_error / self.count if self.count else 0.0
+        if self.squared_error is None or not self.count:
+            return 0.0
+        return float(self.squared_error.sum()) / self.count
 
     @property
     def relative_mse(self) -> float:
-        """MSE over the mean squared output (0 for an all-zero output with no error)."""
-        if self.signal > 0:
-            return self.squared_error / self.signal
-        return 0.0 if self.squared_error == 0 else float("inf")
+        """The mean over output channels of each channel's ``Σ(y - ŷ)^2 / Σy^2`` (channels whose output is
+        exactly zero are left out), so that a channel with a large output does not hide the others' noise."""
+        if self.squared_error is None or self.signal is None:
+            return 0.0
+        live = self.signal > 0
+        if not bool(live.any()):
+            return 0.0 if float(self.squared_error.sum()) == 0 else float("inf")
+        return float((self.squared_error[live] / self.signal[live]).mean())

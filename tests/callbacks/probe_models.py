@@ -29,7 +29,7 @@ def dataset(n: int = 128, seed: int = 0) -> TensorDataset:
 
 
 class ReluNet(pl.LightningModule):
-    """``Linear -> ReLU -> Linear -> ReLU -> Linear`` regression; ``batchnorm`` adds a BatchNorm1d, ``dropout``
+    """Five ``Linear`` layers with ReLUs between them, regression; ``batchnorm`` adds a BatchNorm1d, ``dropout``
     a Dropout (state the probes must not touch)."""
 
     def __init__(self, lr: float = 0.05, batchnorm: bool = False, dropout: float = 0.0, seed: int = 0) -> None:
@@ -39,7 +39,10 @@ class ReluNet(pl.LightningModule):
         layers: list[nn.Module] = [nn.Linear(IN, HIDDEN)]
         if batchnorm:
             layers.append(nn.BatchNorm1d(HIDDEN))
-        layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT)]
+        layers += [nn.ReLU(), nn.Dropout(dropout)]
+        for _ in range(3):
+            layers += [nn.Linear(HIDDEN, HIDDEN), nn.ReLU()]
+        layers.append(nn.Linear(HIDDEN, OUT))
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
