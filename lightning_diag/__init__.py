@@ -7,6 +7,8 @@ from lightning_diag.attention import attention_requested, record_attention, reco
 from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
 from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
 from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
+from lightning_diag.callbacks.quantization_probe import QuantizationProbe
+from lightning_diag.callbacks.sharpness_probe import SharpnessProbe
 
 __version__ = "0.1.0"
 
@@ -17,7 +19,9 @@ __all__ = [
     "AttentionEntropyMonitor",
     "GradientFlowMonitor",
     "NonFiniteError",
+    "QuantizationProbe",
     "Severity",
+    "SharpnessProbe",
     "__version__",
     "attention_requested",
     "read_alerts",

@@ -203,7 +203,28 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
             "fluctuation: validation vs training": ["Multiline", [f"{p}/loss/(train|val)_fluctuation$"]],
             "learning rate per optimizer and group": ["Multiline", [f"{p}/lr/"]],
         }
+    layout.update(_probes_layout(rules))
     return layout
+
+
+def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
+    """The ``Probes`` section (SharpnessProbe, QuantizationProbe), when ``sharp_minimum`` or
+    ``quantization_error`` is in effect."""
+    p = TAG_PREFIX
+    charts: dict[str, list[Any]] = {}
+    if "sharp_minimum" in rules:
+        charts["SAM gap L(w+eps) - L(w) (line: sharp_minimum)"] = [
+            "Multiline", [f"{p}/sharpness/gap$", f"{p}/threshold/sharp_minimum$"]]
+        charts["SAM gap relative to the loss"] = ["Multiline", [f"{p}/sharpness/relative_gap$"]]
+        charts["SAM gap per layer (that layer perturbed alone)"] = ["Multiline", [f"{p}/sharpness/layer/"]]
+    if "quantization_error" in rules:
+        charts["INT8: end-to-end relative loss change (line: quantization_error)"] = [
+            "Multiline", [f"{p}/quant/end_to_end$", f"{p}/threshold/quantization_error$"]]
+        charts["INT8: relative output MSE per layer"] = ["Multiline", [f"{p}/quant/layer/.*/relative_mse$"]]
+        charts["INT8: worst layer / median layer"] = ["Multiline", [f"{p}/quant/worst_layer_ratio$"]]
+        charts["INT8: weight outliers (max / 99th percentile) per layer"] = [
+            "Multiline", [f"{p}/quant/layer/.*/outlier_ratio$"]]
+    return {"Probes": charts} if charts else {}
 
 
 class DiagWriter:

@@ -189,6 +189,12 @@ class QuantizationProbe(ValidationProbe):
         self.rule = QuantizationErrorRule(self.threshold, self.layer_ratio, self.min_layer_error)
         self.last_result: QuantizationResult | None = None
 
+    @property
+    def state_key(self) -> str:
+        """Unique per configuration, so several probes can sit on one trainer and be checkpointed."""
+        return self._generate_state_key(granularity=self.granularity, activations=self.activations,
+                                        backend=self.backend, every_n_epochs=self.every_n_epochs)
+
     def thresholds(self) -> dict[str, float]:
         """The thresholds in effect: ``quantization_error`` and its ``layer_ratio``, ``min_layer_error``."""
         return {QUANTIZATION_ERROR: self.threshold, f"{QUANTIZATION_ERROR}.layer_ratio": self.layer_ratio,

@@ -79,6 +79,12 @@ class SharpnessProbe(ValidationProbe):
         self.rule = SharpMinimumRule(self.threshold, self.patience)
         self.last_result: SharpnessResult | None = None
 
+    @property
+    def state_key(self) -> str:
+        """Unique per configuration, so several probes can sit on one trainer and be checkpointed."""
+        return self._generate_state_key(rho=self.rho, threshold=self.threshold, patience=self.patience,
+                                        every_n_epochs=self.every_n_epochs, num_batches=self.num_batches)
+
     def thresholds(self) -> dict[str, float]:
         """The thresholds in effect: ``sharp_minimum``, ``sharp_minimum.rho``, ``sharp_minimum.patience``."""
         return {SHARP_MINIMUM: self.threshold, f"{SHARP_MINIMUM}.rho": self.rho,

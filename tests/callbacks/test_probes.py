@@ -1,0 +1,180 @@
+"""SharpnessProbe and QuantizationProbe through real ``Trainer.fit`` runs."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_diag import QuantizationProbe, SharpnessProbe
+from lightning_diag.callbacks.quantization_probe import torchao_available
+from tests.callbacks.probe_models import FAST, ReluNet, pretrained, reparametrise
+
+
+def fit(model, tmp_path, callbacks, max_epochs=3, ckpt_path=None, **kwargs):
+    trainer = pl.Trainer(max_epochs=max_epochs, callbacks=callbacks, default_root_dir=str(tmp_path),
+                         **{**FAST, **kwargs})
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+def with_outlier(model: ReluNet, layer: int = 2, factor: float = 200.0) -> ReluNet:
+    weight = model.linears()[layer].weight
+    with torch.no_grad():
+        weight[3, 5] = factor * weight.abs().max()
+    return model
+
+
+def slow(model: ReluNet) -> ReluNet:
+    model.lr = 1e-6  # stay at the pretrained minimum (Adam moves every weight by ~lr a step, whatever its scale)
+    return model
+
+
+def test_sharpness_sees_the_reparametrised_minimum_and_not_the_original(tmp_path):
+    quiet, sharp = SharpnessProbe(), SharpnessProbe(per_layer=True)
+    fit(slow(pretrained()), tmp_path / "a", [quiet])
+    fit(slow(reparametrise(pretrained())), tmp_path / "b", [sharp])
+    assert quiet.alerts == [] and quiet.last_result is not None and quiet.last_result.gap < 0.3
+    (alert,) = sharp.alerts
+    assert (alert.rule, alert.severity, alert.epoch, alert.threshold) == ("sharp_minimum", "warning", 2, 0.3)
+    # the same function (Dinh et al. 2017): the same loss, a far larger gap; layer net.3 (÷100) is the sensitive one
+    assert sharp.last_result.loss == pytest.approx(quiet.last_result.loss, rel=0.02)
+    assert sharp.last_result.gap > 10 * quiet.last_result.gap
+    assert max(sharp.last_result.layers, key=sharp.last_result.layers.get) == "net.3" and "net.3" in alert.message
+    acc = EventAccumulator(str(tmp_path / "b" / "diag"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"diag/sharpness/gap", "diag/sharpness/relative_gap", "diag/sharpness/layer/net.3",
+            "diag/threshold/sharp_minimum"} <= tags
+    assert [e.step for e in acc.Scalars("diag/sharpness/gap")] == [4, 8, 12]  # one probe per epoch
+    records = [json.loads(x) for x in (tmp_path / "b" / "diag" / "alerts.jsonl").read_text().splitlines()]
+    assert [r["rule"] for r in records] == ["sharp_minimum"]
+
+
+def test_quantization_names_the_layer_with_an_outlier_weight_and_a_trained_model_stays_quiet(tmp_path):
+    healthy, broken = QuantizationProbe(backend="fake"), QuantizationProbe(backend="fake")
+    fit(slow(pretrained()), tmp_path / "a", [healthy], max_epochs=1)
+    fit(slow(with_outlier(pretrained())), tmp_path / "b", [broken], max_epochs=1)
+    assert healthy.alerts == []
+    assert healthy.last_result.end_to_end < 0.05 and max(healthy.last_result.relative_mse.values()) < 1e-3
+    layer_alert = next(a for a in broken.alerts if a.source != "end_to_end")
+    assert layer_alert.rule == "quantization_error" and layer_alert.source == "net.5"  # the third Linear
+    assert "net.5" in layer_alert.message and "per-channel" in layer_alert.message
+    result = broken.last_result
+    assert result.outliers["net.5"] > 100 and result.relative_mse_per_channel["net.5"] < 1e-3
+    acc = EventAccumulator(str(tmp_path / "b" / "diag"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"diag/quant/end_to_end", "diag/quant/layer/net.5/relative_mse", "diag/quant/layer/net.5/outlier_ratio",
+            "diag/quant/layer/net.5/max_error_pct", "diag/quant/worst_layer_ratio"} <= tags
+
+
+@pytest.mark.skipif(not torchao_available(), reason="torchao (the `quant` extra) is not installed")
+def test_quantization_with_torchao_agrees_with_the_fake_path(tmp_path):
+    fake = QuantizationProbe(backend="fake", activations=False)
+    tao = QuantizationProbe(backend="torchao", activations=False)
+    fit(slow(with_outlier(pretrained())), tmp_path, [fake, tao], max_epochs=1)
+    assert tao.engine == "torchao"
+    assert [a.source for a in tao.alerts if a.source != "end_to_end"] == ["net.5"]
+    assert [a.source for a in fake.alerts if a.source != "end_to_end"] == ["net.5"]
+    # the same symmetric per-tensor INT8 weights: the layers' output errors agree (rounding ties aside)
+    for name, err in fake.last_result.output_mse.items():
+        assert tao.last_result.output_mse[name] == pytest.approx(err, rel=0.3), name
+
+
+def _training_state(trainer, model):
+    opt = trainer.optimizers[0].state_dict()
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for s in opt["state"].values() for k, v in s.items()},
+        [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        torch.get_rng_state(),
+        random.random(),
+        float(np.random.rand()),
+    )
+
+
+def test_training_state_is_bit_identical_with_and_without_the_probes(tmp_path):
+    states = []
+    for probes in ([], [SharpnessProbe(per_layer=True), QuantizationProbe(backend="fake")]):
+        pl.seed_everything(0)
+        model = ReluNet(batchnorm=True, dropout=0.2)
+        trainer = fit(model, tmp_path / str(len(probes)), probes, max_epochs=2)
+        states.append(_training_state(trainer, model))
+        assert all(p.last_result is not None for p in probes)
+    (params0, opt0, grads0, rng0, py0, np0), (params1, opt1, grads1, rng1, py1, np1) = states
+    assert params0.keys() == params1.keys() and "net.1.running_mean" in params0
+    assert all(torch.equal(params0[k], params1[k]) for k in params0)
+    assert opt0.keys() == opt1.keys() and all(torch.equal(opt0[k], opt1[k]) for k in opt0)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads0, grads1, strict=True))
+    assert torch.equal(rng0, rng1) and py0 == py1 and np0 == np1
+
+
+def test_resume_keeps_the_patience_streak(tmp_path):
+    first = SharpnessProbe()
+    trainer = fit(slow(reparametrise(pretrained())), tmp_path, [first], max_epochs=2)
+    assert first.alerts == [] and first.rule.streak == 2
+    ckpt = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed = SharpnessProbe()
+    fit(slow(reparametrise(pretrained())), tmp_path, [resumed], max_epochs=3, ckpt_path=str(ckpt))
+    assert [(a.rule, a.epoch) for a in resumed.alerts] == [("sharp_minimum", 2)]
+    fresh = SharpnessProbe()
+    fit(slow(reparametrise(pretrained())), tmp_path, [fresh], max_epochs=1)
+    assert fresh.alerts == [] and fresh.rule.streak == 1
+    with pytest.raises(KeyError, match="last_probed_epoch"):
+        SharpnessProbe().load_state_dict({"rules": resumed.rule.state_dict()})
+
+
+class ManualNet(ReluNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+
+def test_manual_optimization_needs_loss_fn_and_every_n_epochs(tmp_path, caplog):
+    skipped, probe = SharpnessProbe(), SharpnessProbe(every_n_epochs=2, loss_fn=lambda m, b: {"loss": m(b[0]).var()})
+    with caplog.at_level("INFO", logger="lightning_diag"):
+        fit(ManualNet(), tmp_path, [skipped, probe], max_epochs=3)
+    assert skipped.last_result is None and "pass loss_fn" in caplog.text
+    assert probe.last_result is not None and probe.rule.streak in (0, 1) and probe._last_probed_epoch == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "kwargs", "error", "match"),
+    [
+        (SharpnessProbe, {"rho": 0.0}, ValueError, "rho"),
+        (SharpnessProbe, {"patience": 0}, ValueError, "patience"),
+        (SharpnessProbe, {"every_n_epochs": 1.5}, TypeError, "every_n_epochs"),
+        (SharpnessProbe, {"per_layer": "yes"}, TypeError, "per_layer"),
+        (SharpnessProbe, {"loss_fn": 3}, TypeError, "loss_fn"),
+        (QuantizationProbe, {"granularity": "per_group"}, ValueError, "per_tensor"),
+        (QuantizationProbe, {"backend": "onnx"}, ValueError, "backend"),
+        (QuantizationProbe, {"layer_ratio": 0.5}, ValueError, "layer_ratio"),
+        (QuantizationProbe, {"threshold": -1}, ValueError, "threshold"),
+        (QuantizationProbe, {"num_batches": 0}, ValueError, "num_batches"),
+        (QuantizationProbe, {"activations": 1}, TypeError, "activations"),
+    ],
+)
+def test_invalid_arguments_raise_at_construction(kind, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        kind(**kwargs)
+
+
+def test_thresholds_come_from_the_registry():
+    from lightning_diag.rules.registry import default_thresholds
+
+    assert SharpnessProbe().thresholds() == default_thresholds("SharpnessProbe")
+    assert QuantizationProbe(backend="fake").thresholds() == default_thresholds("QuantizationProbe")
