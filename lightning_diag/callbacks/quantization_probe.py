@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import math
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -56,7 +56,7 @@ def torchao_available() -> bool:
             import torchao.quantization as tq
 
             _TORCHAO = tq
-        except Exception:  # noqa: BLE001 - an optional extra that fails to import is simply not used
+        except Exception:  # an optional extra that fails to import (any error) is simply not used
             _TORCHAO = False
         finally:
             for lg, level in zip(loggers, levels, strict=True):
@@ -91,14 +91,16 @@ class QuantizationResult:
     backend: str
 
 
-def _fake_layer(module: nn.Module, granularity: Granularity, activations: bool) -> Callable[[torch.Tensor], Any]:
+def _fake_layer(
+    module: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d, granularity: Granularity, activations: bool
+) -> Callable[[torch.Tensor], Any]:
     weight = fake_quantize(module.weight, granularity)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         xq = fake_quantize(x, "per_tensor") if activations else x
         if isinstance(module, nn.Linear):
             return nn.functional.linear(xq, weight, module.bias)
-        return module._conv_forward(xq, weight, module.bias)  # type: ignore[operator]
+        return module._conv_forward(xq, weight, module.bias)
 
     return forward
 
@@ -109,7 +111,7 @@ def _torchao_layer(module: nn.Linear, granularity: Granularity, activations: boo
     config = (tq.Int8DynamicActivationInt8WeightConfig if activations else tq.Int8WeightOnlyConfig)(granularity=gran)
     layer = copy.deepcopy(module)
     tq.quantize_(layer, config)
-    return layer  # type: ignore[no-any-return]
+    return layer
 
 
 class QuantizationProbe(ValidationProbe):
@@ -205,7 +207,9 @@ class QuantizationProbe(ValidationProbe):
         """The engine of the Linear layers: ``"torchao"`` or ``"fake"``."""
         return "torchao" if self.backend != "fake" and torchao_available() else "fake"
 
-    def _quantizer(self, module: nn.Module, granularity: Granularity) -> Callable[[torch.Tensor], Any]:
+    def _quantizer(
+        self, module: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d, granularity: Granularity
+    ) -> Callable[[torch.Tensor], Any]:
         if isinstance(module, nn.Linear) and self.engine == "torchao":
             return _torchao_layer(module, granularity, self.activations)
         return _fake_layer(module, granularity, self.activations)
@@ -308,7 +312,7 @@ class QuantizationProbe(ValidationProbe):
 
 
 @contextlib.contextmanager
-def _hooks(layers: dict[str, nn.Module], make: Callable[[str], Callable[..., Any]]) -> Iterator[None]:
+def _hooks(layers: Mapping[str, nn.Module], make: Callable[[str], Callable[..., Any]]) -> Iterator[None]:
     handles = [m.register_forward_hook(make(n)) for n, m in layers.items()]
     try:
         yield

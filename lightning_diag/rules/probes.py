@@ -92,11 +92,11 @@ class SharpMinimumRule(Rule):
 class QuantizationErrorRule(Rule):
     """``quantization_error``: INT8 ruins the model end to end, or one layer far more than the others.
 
-    Two conditions, each latched on its own source: ``"end_to_end"`` when the relative change of the loss is
-    above ``threshold``; ``"layers"`` when one or more layers' relative output MSE is above ``layer_ratio`` times
-    the median layer's and above ``min_layer_error`` (needs at least 3 layers), latched per layer. Layers that
-    trip at once make one alert (source: the worst of them) naming the count and the worst few, each with the suggested fix: per-channel scales where they bring
-    the layer back in line, else keeping it in higher precision (mixed-precision quantization).
+    Two conditions: source ``"end_to_end"`` when the relative change of the loss is above ``threshold``; a
+    layer's name when its relative output MSE is above ``layer_ratio`` times the median layer's and above
+    ``min_layer_error`` (needs at least 3 layers), latched per layer. Layers that trip at once make one alert
+    (source: the worst of them) naming the count and the worst few, each with the suggested fix: per-channel
+    scales where they bring the layer back in line, else keeping it in higher precision (mixed precision).
 
     Example:
         >>> rule = QuantizationErrorRule()
@@ -142,15 +142,15 @@ class QuantizationErrorRule(Rule):
         """Feed one probe: the end-to-end relative loss change (``None`` when unmeasured) and each layer's
         relative output MSE under the judged scheme and under per-channel weight scales."""
         alerts: list[Alert] = []
-        if end_to_end is not None and math.isfinite(end_to_end):
-            if self.latch.update("end_to_end", end_to_end > self.threshold):
-                alerts.append(self._alert(
-                    ctx,
-                    f"INT8 ({scheme}) changes the validation loss by {end_to_end:.1%}, above {self.threshold:.0%}: "
-                    "quantize with per-channel scales, or keep the layers named by diag/quant/layer/* in higher "
-                    "precision (mixed-precision quantization)",
-                    "end_to_end", end_to_end, self.threshold,
-                ))
+        measured = end_to_end is not None and math.isfinite(end_to_end)
+        if measured and self.latch.update("end_to_end", float(end_to_end or 0.0) > self.threshold):
+            alerts.append(self._alert(
+                ctx,
+                f"INT8 ({scheme}) changes the validation loss by {end_to_end:.1%}, above {self.threshold:.0%}: "
+                "quantize with per-channel scales, or keep the layers named by diag/quant/layer/* in higher "
+                "precision (mixed-precision quantization)",
+                "end_to_end", end_to_end, self.threshold,
+            ))
         outliers = self.outlier_layers(layer_errors)
         for name in layer_errors:
             if name not in outliers:
@@ -163,7 +163,8 @@ class QuantizationErrorRule(Rule):
             for name in newly[:_WORST_NAMED]:
                 fix = (
                     "use per-channel scales"
-                    if per_channel_errors.get(name, math.inf) <= max(self.layer_ratio * median, self.min_layer_error)
+                    if per_channel_errors.get(name, math.inf)
+                    <= max(self.layer_ratio * median, self.min_layer_error)
                     else "keep it in higher precision"
                 )
                 named.append(f"{name} ({outliers[name]:.3g}x the median; {fix})")

@@ -60,7 +60,7 @@ def test_per_layer_gaps_name_the_layers_and_the_zero_gradient_case():
 def test_fake_quantize_against_brute_force(granularity, shape):
     torch.manual_seed(0)
     w = torch.randn(shape)
-    q, scale = quantize_symmetric(w, granularity)
+    q, _ = quantize_symmetric(w, granularity)
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     rows = w.reshape(w.shape[0], -1) if (granularity == "per_channel" and w.dim() > 1) else w.reshape(1, -1)
     expected = []
