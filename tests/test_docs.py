@@ -6,9 +6,10 @@ import lightning_diag.callbacks.attention_entropy as attention_module
 import lightning_diag.rules.anomaly as anomaly_rules
 import lightning_diag.rules.attention as attention_rules
 import lightning_diag.rules.grad as grad_rules
+import lightning_diag.rules.probes as probe_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-MODULES = (anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module)
+MODULES = (anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, probe_rules)
 
 
 def _rows():
@@ -33,10 +34,17 @@ def test_thresholds_table_matches_the_constants():
 def test_thresholds_arguments_are_real_constructor_arguments():
     import inspect
 
-    from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor
+    from lightning_diag import (
+        AnomalyAlarm,
+        AttentionEntropyMonitor,
+        GradientFlowMonitor,
+        QuantizationProbe,
+        SharpnessProbe,
+    )
 
     for rule, argument, _constant, default, _m, _s in _rows():
-        callback = {"`grad": GradientFlowMonitor, "`attn": AttentionEntropyMonitor}.get(rule[:5], AnomalyAlarm)
+        callback = {"`grad": GradientFlowMonitor, "`attn": AttentionEntropyMonitor, "`shar": SharpnessProbe,
+                    "`quan": QuantizationProbe}.get(rule[:5], AnomalyAlarm)
         params = inspect.signature(callback).parameters
         arg = argument.strip("`")
         assert arg in params, arg
@@ -113,3 +121,23 @@ def test_attention_page_lists_every_tag_rule_and_argument():
     }
     for match in re.findall(r"`(\w+)=", page):
         assert match in known, match
+
+
+def test_probe_pages_list_every_tag_rule_and_argument():
+    import inspect
+
+    from lightning_diag import QuantizationProbe, SharpnessProbe
+
+    for page, kind, rule, tags in (
+        ("sharpness_probe.md", SharpnessProbe, "sharp_minimum",
+         ("gap", "relative_gap", "loss", "perturbed_loss", "grad_norm", "layer/")),
+        ("quantization_probe.md", QuantizationProbe, "quantization_error",
+         ("end_to_end", "loss_float", "loss_int8", "worst_layer_ratio", "max_error_pct", "relative_mse",
+          "relative_mse_per_channel", "output_mse", "outlier_ratio")),
+    ):
+        text = (DOCS / page).read_text()
+        assert f"`{rule}`" in text and page in (DOCS / "index.md").read_text(), page
+        for name in tags:
+            assert name in text, (page, name)
+        for arg in inspect.signature(kind).parameters:
+            assert f"`{arg}`" in text, (page, arg)
