@@ -178,3 +178,20 @@ def test_thresholds_come_from_the_registry():
 
     assert SharpnessProbe().thresholds() == default_thresholds("SharpnessProbe")
     assert QuantizationProbe(backend="fake").thresholds() == default_thresholds("QuantizationProbe")
+
+
+def test_dashboard_probes_section_follows_the_rules_in_effect():
+    import re
+
+    from lightning_diag.tensorboard import dashboard_layout
+
+    assert "Probes" not in dashboard_layout(["grad_explode"])
+    sharp = dashboard_layout(["sharp_minimum"])["Probes"]
+    assert all("INT8" not in title for title in sharp)
+    gap_regex, line_regex = sharp["SAM gap L(w+eps) - L(w) (line: sharp_minimum)"][1]
+    assert re.match(gap_regex, "diag/sharpness/gap") and not re.match(gap_regex, "diag/sharpness/gap_x")
+    assert re.match(line_regex, "diag/threshold/sharp_minimum")
+    quant = dashboard_layout(["quantization_error", "sharp_minimum"])["Probes"]
+    per_layer = quant["INT8: relative output MSE per layer"][1][0]
+    assert re.match(per_layer, "diag/quant/layer/encoder.0/relative_mse")
+    assert not re.match(per_layer, "diag/quant/layer/encoder.0/relative_mse_per_channel")
