@@ -33,7 +33,7 @@ from lightning_diag.stats.quantization import (
     outlier_ratio,
     relative_error,
 )
-from lightning_diag.tensorboard import tag
+from lightning_diag.tags import quant_layer_tag, quant_tag
 
 __all__ = ["QuantizationProbe", "QuantizationResult", "torchao_available"]
 
@@ -280,11 +280,11 @@ class QuantizationProbe(ValidationProbe):
         median = statistics.median(finite) if finite else 0.0
         worst = max(result.relative_mse.values())
         values = {
-            tag("quant", "end_to_end"): result.end_to_end,
-            tag("quant", "loss_float"): result.loss,
-            tag("quant", "loss_int8"): result.quantized_loss,
-            tag("quant", "worst_layer_ratio"): worst / median if median > 0 else 0.0,
-            tag("quant", "max_error_pct"): max(result.max_error_pct.values()),
+            quant_tag("end_to_end"): result.end_to_end,
+            quant_tag("loss_float"): result.loss,
+            quant_tag("loss_int8"): result.quantized_loss,
+            quant_tag("worst_layer_ratio"): worst / median if median > 0 else 0.0,
+            quant_tag("max_error_pct"): max(result.max_error_pct.values()),
             **self.threshold_lines(QUANTIZATION_ERROR),
         }
         per_layer = {
@@ -295,7 +295,7 @@ class QuantizationProbe(ValidationProbe):
             "outlier_ratio": result.outliers,
         }
         for measure, by_layer in per_layer.items():
-            values.update({tag("quant", "layer", name, measure): v for name, v in by_layer.items()})
+            values.update({quant_layer_tag(name, measure): v for name, v in by_layer.items()})
         self.writer.scalars(values, trainer.global_step)
         scheme = self.granularity.replace("_", "-") + (" W8A8" if self.activations else " weight-only")
         return self.rule.update(

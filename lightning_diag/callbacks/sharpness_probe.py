@@ -17,7 +17,7 @@ from lightning_diag.rules.probes import (
     SharpMinimumRule,
 )
 from lightning_diag.stats.sharpness import SharpnessResult, sam_gap
-from lightning_diag.tensorboard import tag
+from lightning_diag.tags import sharpness_layer_tag, sharpness_tag
 
 __all__ = ["SharpnessProbe"]
 
@@ -116,12 +116,12 @@ class SharpnessProbe(ValidationProbe):
         self.last_result = result
         step = trainer.global_step
         values = {
-            tag("sharpness", "gap"): result.gap,
-            tag("sharpness", "relative_gap"): result.relative_gap,
-            tag("sharpness", "loss"): result.loss,
-            tag("sharpness", "perturbed_loss"): result.perturbed_loss,
-            tag("sharpness", "grad_norm"): result.grad_norm,
-            **{tag("sharpness", "layer", name): gap for name, gap in result.layers.items()},
+            sharpness_tag("gap"): result.gap,
+            sharpness_tag("relative_gap"): result.relative_gap,
+            sharpness_tag("loss"): result.loss,
+            sharpness_tag("perturbed_loss"): result.perturbed_loss,
+            sharpness_tag("grad_norm"): result.grad_norm,
+            **{sharpness_layer_tag(name): gap for name, gap in result.layers.items()},
             **self.threshold_lines(SHARP_MINIMUM),
         }
         self.writer.scalars(values, step)
