@@ -195,3 +195,12 @@ def test_dashboard_probes_section_follows_the_rules_in_effect():
     per_layer = quant["INT8: relative output MSE per layer"][1][0]
     assert re.match(per_layer, "diag/quant/layer/encoder.0/relative_mse")
     assert not re.match(per_layer, "diag/quant/layer/encoder.0/relative_mse_per_channel")
+
+
+def test_probe_tags_round_trip():
+    from lightning_diag.tags import quant_layer, quant_layer_tag, quant_tag, sharpness_layer, sharpness_layer_tag
+
+    assert quant_tag("end_to_end") == "diag/quant/end_to_end"
+    assert quant_layer(quant_layer_tag("blocks.0.mlp.fc", "outlier_ratio")) == ("blocks.0.mlp.fc", "outlier_ratio")
+    assert quant_layer("diag/quant/end_to_end") is None
+    assert sharpness_layer(sharpness_layer_tag("net.3")) == "net.3" and sharpness_layer("diag/sharpness/gap") is None
