@@ -141,6 +141,9 @@ class ValidationProbe(DiagCallback):
                 alerts = self.decide(trainer, result)
             except ProbeError as err:
                 self.notice(trainer, "probe-skipped", f"probe skipped: {err}")
+            except Exception as err:  # the probe must never end a training run: say why once, go on
+                self.notice(trainer, "probe-failed", f"probe skipped: computing the loss raised "
+                            f"{type(err).__name__}: {err} (pass loss_fn=... if training_step cannot run here)")
         payload = trainer.strategy.broadcast((alerts, self.rule_state()), src=0)
         alerts, state = payload
         if not trainer.is_global_zero:

@@ -204,3 +204,50 @@ def test_probe_tags_round_trip():
     assert quant_layer(quant_layer_tag("blocks.0.mlp.fc", "outlier_ratio")) == ("blocks.0.mlp.fc", "outlier_ratio")
     assert quant_layer("diag/quant/end_to_end") is None
     assert sharpness_layer(sharpness_layer_tag("net.3")) == "net.3" and sharpness_layer("diag/sharpness/gap") is None
+
+
+def test_a_failing_or_unusable_loss_is_one_clear_message_and_training_goes_on(tmp_path, caplog):
+    def broken(module, batch):
+        raise RuntimeError("shape mismatch in user code")
+
+    probes = [SharpnessProbe(loss_fn=broken), QuantizationProbe(backend="fake", loss_fn=lambda m, b: None)]
+    with caplog.at_level("INFO", logger="lightning_diag"):
+        trainer = fit(ReluNet(), tmp_path, probes, max_epochs=2)
+    assert trainer.current_epoch == 2 and all(p.last_result is None and p.alerts == [] for p in probes)
+    assert caplog.text.count("RuntimeError: shape mismatch in user code") == 1  # once per fit, not per probe
+    assert "`loss_fn` returned NoneType" in caplog.text
+
+
+class SmallCNN(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        nn = torch.nn
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4),
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_a_healthy_cnn_with_batchnorm_stays_quiet_and_its_convolutions_are_measured(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 3, 8, 8, generator=g)
+    y = (x[:, 0].mean((1, 2)) > 0).long() + 2 * (x[:, 1].mean((1, 2)) > 0).long()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+    probes = [SharpnessProbe(), QuantizationProbe()]  # backend "auto": torchao for the Linear when installed
+    pl.Trainer(max_epochs=3, callbacks=probes, default_root_dir=str(tmp_path), **FAST).fit(
+        SmallCNN(), loader, loader
+    )
+    assert [a.format() for p in probes for a in p.alerts] == []
+    assert set(probes[1].last_result.relative_mse) == {"net.0", "net.3", "net.8"}
