@@ -184,14 +184,7 @@ class AttentionEntropyMonitor(DiagCallback):
             >>> AttentionEntropyMonitor().thresholds()["attn_entropy_low"]
             0.5
         """
-        return {
-            ATTN_ENTROPY_LOW: self.entropy_low,
-            ATTN_ENTROPY_HIGH: self.entropy_high,
-            f"{ATTN_ENTROPY_HIGH}.uniform_fraction": self.uniform_fraction,
-            f"{ATTN_ENTROPY_HIGH}.warmup_steps": float(self.warmup_steps),
-            ATTN_SINK: self.sink_mass,
-            "attn.patience": float(self.patience),
-        }
+        return super().thresholds()
 
     def _make_rules(self) -> None:
         self.entropy_rule = AttentionEntropyRule(

@@ -14,7 +14,7 @@ from pytorch_lightning.callbacks import BaseFinetuning
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag._validation import check_int, check_number
-from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH
+from lightning_diag.alerts import GRAD_EXPLODE, GRAD_VANISH
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.rules.grad import (
     DEFAULT_BASELINE_MEASUREMENTS,
@@ -189,15 +189,7 @@ class GradientFlowMonitor(DiagCallback):
             >>> GradientFlowMonitor().thresholds()["grad_explode"]
             10.0
         """
-        return {
-            GRAD_VANISH: self.vanish_threshold,
-            f"{GRAD_VANISH}.relative": self.band_rule.relative,
-            GRAD_EXPLODE: self.explode_threshold,
-            GRAD_LAYER_SPREAD: self.spread_ratio,
-            GRAD_COLLAPSE: self.collapse_ratio,
-            f"{GRAD_COLLAPSE}.baseline_measurements": float(self.baseline_measurements),
-            "grad.patience": float(self.patience),
-        }
+        return {**super().thresholds(), f"{GRAD_VANISH}.relative": self.band_rule.relative}
 
     def _make_rules(self) -> None:
         self.band_rule = GradBandRule(self.vanish_threshold, self.explode_threshold, self.patience)

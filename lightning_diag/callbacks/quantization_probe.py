@@ -197,10 +197,6 @@ class QuantizationProbe(ValidationProbe):
         return self._generate_state_key(granularity=self.granularity, activations=self.activations,
                                         backend=self.backend, every_n_epochs=self.every_n_epochs)
 
-    def thresholds(self) -> dict[str, float]:
-        """The thresholds in effect: ``quantization_error`` and its ``layer_ratio``, ``min_layer_error``."""
-        return {QUANTIZATION_ERROR: self.threshold, f"{QUANTIZATION_ERROR}.layer_ratio": self.layer_ratio,
-                f"{QUANTIZATION_ERROR}.min_layer_error": self.min_layer_error}
 
     @property
     def engine(self) -> str:

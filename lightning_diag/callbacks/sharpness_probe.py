@@ -85,10 +85,6 @@ class SharpnessProbe(ValidationProbe):
         return self._generate_state_key(rho=self.rho, threshold=self.threshold, patience=self.patience,
                                         every_n_epochs=self.every_n_epochs, num_batches=self.num_batches)
 
-    def thresholds(self) -> dict[str, float]:
-        """The thresholds in effect: ``sharp_minimum``, ``sharp_minimum.rho``, ``sharp_minimum.patience``."""
-        return {SHARP_MINIMUM: self.threshold, f"{SHARP_MINIMUM}.rho": self.rho,
-                f"{SHARP_MINIMUM}.patience": float(self.patience)}
 
     def measure(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]

@@ -37,7 +37,7 @@ def slow(model: ReluNet) -> ReluNet:
 
 def test_sharpness_sees_the_reparametrised_minimum_and_not_the_original(tmp_path):
     quiet, sharp = SharpnessProbe(), SharpnessProbe(per_layer=True)
-    fit(slow(pretrained()), tmp_path / "a", [quiet])
+    fit(slow(pretrained()), tmp_path / "a", [quiet, QuantizationProbe(backend="fake")])
     fit(slow(reparametrise(pretrained())), tmp_path / "b", [sharp])
     assert quiet.alerts == [] and quiet.last_result is not None and quiet.last_result.gap < 0.3
     (alert,) = sharp.alerts
@@ -54,6 +54,19 @@ def test_sharpness_sees_the_reparametrised_minimum_and_not_the_original(tmp_path
     assert [e.step for e in acc.Scalars("diag/sharpness/gap")] == [4, 8, 12]  # one probe per epoch
     records = [json.loads(x) for x in (tmp_path / "b" / "diag" / "alerts.jsonl").read_text().splitlines()]
     assert [r["rule"] for r in records] == ["sharp_minimum"]
+    # the report's rows: measured from the logged series, and the rule replayed over them agrees
+    healthy, sharp_run = (checks(tmp_path / run) for run in ("a", "b"))
+    assert healthy["loss_surface"].status == "pass" and healthy["deploy_quantization_error"].status == "pass"
+    assert healthy["loss_surface"].measured_value["max"] < 0.3 and "over 3 probes" in healthy["loss_surface"].measured
+    assert sharp_run["loss_surface"].status == "fail" and sharp_run["loss_surface"].first_alert_step == 12
+    assert sharp_run["loss_surface"].replayed == 1
+    assert sharp_run["deploy_quantization_error"].status == "not measured"  # no QuantizationProbe on that run
+
+
+def checks(run_dir):
+    from lightning_diag.report import diagnose, load_run
+
+    return {c.id: c for c in diagnose(load_run(run_dir)).checks}
 
 
 def test_quantization_names_the_layer_with_an_outlier_weight_and_a_trained_model_stays_quiet(tmp_path):
@@ -72,6 +85,9 @@ def test_quantization_names_the_layer_with_an_outlier_weight_and_a_trained_model
     tags = set(acc.Tags()["scalars"])
     assert {"diag/quant/end_to_end", "diag/quant/layer/net.5/relative_mse", "diag/quant/layer/net.5/outlier_ratio",
             "diag/quant/layer/net.5/max_error_pct", "diag/quant/worst_layer_ratio"} <= tags
+    row = checks(tmp_path / "b")["deploy_quantization_error"]
+    assert row.status == "fail" and row.replayed == len(broken.alerts) and row.measured_value["worst_layer_ratio"] > 10
+    assert checks(tmp_path / "a")["deploy_quantization_error"].status == "pass"
 
 
 @pytest.mark.skipif(not torchao_available(), reason="torchao (the `quant` extra) is not installed")
@@ -178,6 +194,9 @@ def test_thresholds_come_from_the_registry():
 
     assert SharpnessProbe().thresholds() == default_thresholds("SharpnessProbe")
     assert QuantizationProbe(backend="fake").thresholds() == default_thresholds("QuantizationProbe")
+    custom = SharpnessProbe(threshold=0.5, patience=2, rho=0.1).thresholds()
+    assert custom == {"sharp_minimum": 0.5, "sharp_minimum.patience": 2.0, "sharp_minimum.rho": 0.1}
+    assert QuantizationProbe(backend="fake", layer_ratio=20).thresholds()["quantization_error.layer_ratio"] == 20.0
 
 
 def test_dashboard_probes_section_follows_the_rules_in_effect():
