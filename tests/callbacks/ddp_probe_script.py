@@ -9,8 +9,7 @@ import pytorch_lightning as pl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_diag import QuantizationProbe, SharpnessProbe
-from tests.callbacks.probe_models import FAST, pretrained, reparametrise
-from tests.callbacks.test_probes import with_outlier
+from tests.callbacks.probe_models import FAST, pretrained, reparametrise, with_outlier
 
 if __name__ == "__main__":
     root = Path(sys.argv[1])

@@ -92,3 +92,11 @@ def reparametrise(model: ReluNet, alpha: float = 100.0) -> ReluNet:
         first.bias.mul_(alpha)
         second.weight.div_(alpha)
     return model
+
+
+def with_outlier(model: ReluNet, layer: int = 2, factor: float = 200.0) -> ReluNet:
+    """One weight of a middle Linear set to ``factor`` x the layer's max: per-tensor INT8 loses that layer."""
+    weight = model.linears()[layer].weight
+    with torch.no_grad():
+        weight[3, 5] = factor * weight.abs().max()
+    return model

@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_diag import QuantizationProbe, SharpnessProbe
 from lightning_diag.callbacks.quantization_probe import torchao_available
-from tests.callbacks.probe_models import FAST, ReluNet, pretrained, reparametrise
+from tests.callbacks.probe_models import FAST, ReluNet, pretrained, reparametrise, with_outlier
 
 
 def fit(model, tmp_path, callbacks, max_epochs=3, ckpt_path=None, **kwargs):
@@ -21,13 +21,6 @@ def fit(model, tmp_path, callbacks, max_epochs=3, ckpt_path=None, **kwargs):
                          **{**FAST, **kwargs})
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer
-
-
-def with_outlier(model: ReluNet, layer: int = 2, factor: float = 200.0) -> ReluNet:
-    weight = model.linears()[layer].weight
-    with torch.no_grad():
-        weight[3, 5] = factor * weight.abs().max()
-    return model
 
 
 def slow(model: ReluNet) -> ReluNet:
