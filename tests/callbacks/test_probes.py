@@ -263,3 +263,13 @@ def test_a_healthy_cnn_with_batchnorm_stays_quiet_and_its_convolutions_are_measu
     )
     assert [a.format() for p in probes for a in p.alerts] == []
     assert set(probes[1].last_result.relative_mse) == {"net.0", "net.3", "net.8"}
+
+
+def test_bf16_mixed_and_validate_outside_fit(tmp_path):
+    probes = [SharpnessProbe(), QuantizationProbe(backend="fake")]
+    trainer = fit(slow(pretrained()), tmp_path, probes, max_epochs=1, precision="bf16-mixed")
+    assert all(p.last_result is not None and p.alerts == [] for p in probes)
+    assert probes[0].last_result.gap < 0.3 and probes[1].last_result.end_to_end < 0.05
+    before = [p.last_result for p in probes]
+    trainer.validate(trainer.lightning_module, verbose=False)  # probes run during fit only
+    assert [p.last_result for p in probes] == before
