@@ -94,9 +94,9 @@ class QuantizationResult:
 def _fake_layer(
     module: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d, granularity: Granularity, activations: bool
 ) -> Callable[[torch.Tensor], Any]:
-    weight = fake_quantize(module.weight, granularity)
-
     def forward(x: torch.Tensor) -> torch.Tensor:
+        # Quantized at each call, never stored: at most one layer's quantized weight exists at a time.
+        weight = fake_quantize(module.weight, granularity)
         xq = fake_quantize(x, "per_tensor") if activations else x
         if isinstance(module, nn.Linear):
             return nn.functional.linear(xq, weight, module.bias)
@@ -132,7 +132,9 @@ class QuantizationProbe(ValidationProbe):
     (``pip install lightning-diag[quant]``), else the fake path; ``"fake"`` always the fake path.
 
     Cost per probe: 2 forwards on ``num_batches`` batches plus one quantized matmul/conv per layer and pass
-    (x2 for the per-channel comparison), and one INT8 copy of the measured weights, freed after the probe.
+    (x2 for the per-channel comparison); the fake path quantizes each weight at each call (one layer's copy at a
+    time), the torchao path holds INT8 copies of the Linear layers (two with the per-channel comparison) for the
+    probe's duration.
 
     Args:
         threshold: ``quantization_error`` fires when the loss changes by more than this fraction (seed 000 §7.1:
