@@ -108,7 +108,9 @@ def _fake_layer(
 def _torchao_layer(module: nn.Linear, granularity: Granularity, activations: bool) -> Callable[[torch.Tensor], Any]:
     tq = _TORCHAO
     gran = tq.PerTensor() if granularity == "per_tensor" else tq.PerRow()
-    config = (tq.Int8DynamicActivationInt8WeightConfig if activations else tq.Int8WeightOnlyConfig)(granularity=gran)
+    kind = tq.Int8DynamicActivationInt8WeightConfig if activations else tq.Int8WeightOnlyConfig
+    # set_inductor_config=False: torchao would otherwise change torch._inductor's global config for the whole run
+    config = kind(granularity=gran, set_inductor_config=False)
     layer = copy.deepcopy(module)
     tq.quantize_(layer, config)
     return layer

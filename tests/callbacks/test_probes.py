@@ -85,9 +85,13 @@ def test_quantization_names_the_layer_with_an_outlier_weight_and_a_trained_model
 
 @pytest.mark.skipif(not torchao_available(), reason="torchao (the `quant` extra) is not installed")
 def test_quantization_with_torchao_agrees_with_the_fake_path(tmp_path):
+    import torch._inductor.config as inductor
+
+    before = {k: getattr(inductor, k) for k in ("coordinate_descent_tuning", "force_fuse_int_mm_with_mul")}
     fake = QuantizationProbe(backend="fake", activations=False)
     tao = QuantizationProbe(backend="torchao", activations=False)
     fit(slow(with_outlier(pretrained())), tmp_path, [fake, tao], max_epochs=1)
+    assert {k: getattr(inductor, k) for k in before} == before  # torchao left the process's config alone
     assert tao.engine == "torchao"
     assert [a.source for a in tao.alerts if a.source != "end_to_end"] == ["net.5"]
     assert [a.source for a in fake.alerts if a.source != "end_to_end"] == ["net.5"]
