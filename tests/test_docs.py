@@ -148,7 +148,7 @@ def test_probe_pages_list_every_tag_rule_and_argument():
          ("gap", "relative_gap", "loss", "perturbed_loss", "grad_norm", "layer/")),
         ("quantization_probe.md", QuantizationProbe, "quantization_error",
          ("end_to_end", "loss_float", "loss_int8", "worst_layer_ratio", "max_error_pct", "relative_mse",
-          "relative_mse_per_channel", "output_mse", "outlier_ratio")),
+          "relative_mse_per_channel", "output_mse", "outlier_ratio", "input_outlier_ratio")),
     ):
         text = (DOCS / page).read_text()
         assert f"`{rule}`" in text and page in (DOCS / "index.md").read_text(), page

@@ -28,6 +28,7 @@ from lightning_diag.rules.probes import (
 from lightning_diag.stats.quantization import (
     Granularity,
     LayerErrorAccumulator,
+    channel_outlier_ratio,
     fake_quantize,
     max_error_pct_of_scale,
     outlier_ratio,
@@ -77,6 +78,8 @@ class QuantizationResult:
         output_mse: Layer -> output MSE under the judged scheme.
         max_error_pct: Layer -> max weight quantization error in % of the scale (seed 000 §5.1).
         outliers: Layer -> ``max|w| / quantile(|w|, 0.99)``.
+        input_outliers: Layer -> the largest over the batches of its input's loudest channel maximum over the
+            median channel maximum (what a per-tensor activation scale has to cover).
         backend: ``"torchao"`` or ``"fake"`` (the engine of the Linear layers; Conv layers are always fake).
     """
 
@@ -88,6 +91,7 @@ class QuantizationResult:
     output_mse: dict[str, float]
     max_error_pct: dict[str, float]
     outliers: dict[str, float]
+    input_outliers: dict[str, float]
     backend: str
 
 
@@ -155,7 +159,7 @@ class QuantizationProbe(ValidationProbe):
     ``diag/quant/loss_int8``, ``diag/quant/worst_layer_ratio`` (largest relative MSE / median),
     ``diag/quant/max_error_pct`` (largest over the layers), and per layer ``diag/quant/layer/<layer>/
     relative_mse``, ``.../relative_mse_per_channel``, ``.../output_mse``, ``.../max_error_pct``,
-    ``.../outlier_ratio``; ``diag/threshold/quantization_error``.
+    ``.../outlier_ratio``, ``.../input_outlier_ratio``; ``diag/threshold/quantization_error``.
 
     Raises:
         TypeError: If an argument has the wrong type.
@@ -231,6 +235,7 @@ class QuantizationProbe(ValidationProbe):
                 judged if self.granularity == "per_channel"
                 else {n: self._quantizer(m, "per_channel") for n, m in layers.items()}
             )
+            input_outliers: dict[str, float] = {}
             acc = {n: LayerErrorAccumulator(-1 if isinstance(m, nn.Linear) else 1) for n, m in layers.items()}
             acc_channel = {n: LayerErrorAccumulator(-1 if isinstance(m, nn.Linear) else 1) for n, m in layers.items()}
 
@@ -238,6 +243,8 @@ class QuantizationProbe(ValidationProbe):
                 def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
                     if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
                         acc[name].add(output, judged[name](args[0]))
+                        ratio = channel_outlier_ratio(args[0], acc[name].channel_dim)
+                        input_outliers[name] = max(input_outliers.get(name, 0.0), ratio)
                         if channel is not judged:
                             acc_channel[name].add(output, channel[name](args[0]))
 
@@ -270,6 +277,7 @@ class QuantizationProbe(ValidationProbe):
             output_mse={n: acc[n].mse for n in rel},
             max_error_pct={n: max_error_pct_of_scale(layers[n].weight, self.granularity) for n in rel},
             outliers={n: outlier_ratio(layers[n].weight) for n in rel},
+            input_outliers={n: input_outliers.get(n, 0.0) for n in rel},
             backend=self.engine,
         )
 
@@ -293,13 +301,20 @@ class QuantizationProbe(ValidationProbe):
             "output_mse": result.output_mse,
             "max_error_pct": result.max_error_pct,
             "outlier_ratio": result.outliers,
+            "input_outlier_ratio": result.input_outliers,
         }
         for measure, by_layer in per_layer.items():
             values.update({quant_layer_tag(name, measure): v for name, v in by_layer.items()})
         self.writer.scalars(values, trainer.global_step)
         scheme = self.granularity.replace("_", "-") + (" W8A8" if self.activations else " weight-only")
+        notes = {
+            name: f"weights max/p99 {result.outliers[name]:.3g}, "
+            f"input channels max/median {result.input_outliers[name]:.3g}"
+            for name in result.relative_mse
+        }
         return self.rule.update(
-            result.end_to_end, result.relative_mse, result.relative_mse_per_channel, self.context(trainer), scheme
+            result.end_to_end, result.relative_mse, result.relative_mse_per_channel, self.context(trainer), scheme,
+            notes,
         )
 
     def rule_state(self) -> dict[str, Any]:

@@ -138,9 +138,11 @@ class QuantizationErrorRule(Rule):
         per_channel_errors: Mapping[str, float],
         ctx: StepContext,
         scheme: str = "per-tensor",
+        notes: Mapping[str, str] | None = None,
     ) -> list[Alert]:
         """Feed one probe: the end-to-end relative loss change (``None`` when unmeasured) and each layer's
-        relative output MSE under the judged scheme and under per-channel weight scales."""
+        relative output MSE under the judged scheme and under per-channel weight scales; ``notes`` adds a few
+        words on a named layer (its outlier ratios)."""
         alerts: list[Alert] = []
         measured = end_to_end is not None and math.isfinite(end_to_end)
         if measured and self.latch.update("end_to_end", float(end_to_end or 0.0) > self.threshold):
@@ -167,7 +169,8 @@ class QuantizationErrorRule(Rule):
                     <= max(self.layer_ratio * median, self.min_layer_error)
                     else "keep it in higher precision"
                 )
-                named.append(f"{name} ({outliers[name]:.3g}x the median; {fix})")
+                note = f"; {notes[name]}" if notes and name in notes else ""
+                named.append(f"{name} ({outliers[name]:.3g}x the median; {fix}{note})")
             more = f" and {len(newly) - _WORST_NAMED} more" if len(newly) > _WORST_NAMED else ""
             alerts.append(self._alert(
                 ctx,

@@ -7,7 +7,8 @@ Formulas (``b = 8`` bits, ``Q = 2^(b-1) - 1 = 127``):
 - ``q = clamp(round(w / s), -Q, Q)`` (``round`` half to even, as ``torch.round``); ``ŵ = q · s``.
 - max quantization error in percent of the scale (seed 000 §5.1): ``max|w - ŵ| / s · 100``; per-channel, the
   largest over the channels of each channel's error over its own scale. Without clipping it is at most 50%.
-- weight outlier ratio: ``max|w| / quantile(|w|, 0.99)``.
+- weight outlier ratio: ``max|w| / quantile(|w|, 0.99)``; input (activation) outlier ratio: the largest channel
+  maximum over the median channel maximum.
 - relative output MSE of a layer: the mean over its output channels ``c`` of ``Σ(y_c - ŷ_c)^2 / Σy_c^2``
   (noise-to-signal power per channel; sums over the batch and positions).
 
@@ -25,6 +26,7 @@ __all__ = [
     "INT8_MAX",
     "Granularity",
     "LayerErrorAccumulator",
+    "channel_outlier_ratio",
     "fake_quantize",
     "max_error_pct_of_scale",
     "outlier_ratio",
@@ -105,6 +107,25 @@ def outlier_ratio(w: torch.Tensor, quantile: float = OUTLIER_QUANTILE) -> float:
     if bulk <= 0:
         return 0.0 if top <= 0 else float("inf")
     return top / bulk
+
+
+def channel_outlier_ratio(x: torch.Tensor, channel_dim: int = -1) -> float:
+    """``max_c max|x_c| / median_c max|x_c|``: how far the loudest channel of an activation sits above a typical
+    channel (what a per-tensor activation scale has to cover; SmoothQuant's outlier channels).
+
+    Example:
+        >>> x = torch.ones(4, 8); x[:, 2] = 50.0
+        >>> channel_outlier_ratio(x)
+        50.0
+    """
+    a = x.detach().float().abs()
+    if a.dim() < 2 or a.numel() == 0:
+        return 0.0
+    amax = a.movedim(channel_dim, -1).reshape(-1, a.shape[channel_dim]).amax(dim=0)
+    top, typical = float(amax.max()), float(amax.median())
+    if typical <= 0:
+        return 0.0 if top <= 0 else float("inf")
+    return top / typical
 
 
 def relative_error(reference: float, value: float, floor: float) -> float:

@@ -71,13 +71,17 @@ def test_quantization_names_the_layer_with_an_outlier_weight_and_a_trained_model
     layer_alert = next(a for a in broken.alerts if a.source != "end_to_end")
     assert layer_alert.rule == "quantization_error" and layer_alert.source == "net.5"  # the third Linear
     assert "net.5" in layer_alert.message and "per-channel" in layer_alert.message
+    assert "weights max/p99 2" in layer_alert.message  # the 200x weight, quoted
     result = broken.last_result
     assert result.outliers["net.5"] > 100 and result.relative_mse_per_channel["net.5"] < 1e-3
+    # the outlier weight makes one hidden unit huge: the next layer's input carries the outlier
+    assert result.input_outliers["net.7"] > 10 * healthy.last_result.input_outliers["net.7"]
     acc = EventAccumulator(str(tmp_path / "b" / "diag"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"diag/quant/end_to_end", "diag/quant/layer/net.5/relative_mse", "diag/quant/layer/net.5/outlier_ratio",
-            "diag/quant/layer/net.5/max_error_pct", "diag/quant/worst_layer_ratio"} <= tags
+            "diag/quant/layer/net.5/max_error_pct", "diag/quant/worst_layer_ratio",
+            "diag/quant/layer/net.7/input_outlier_ratio"} <= tags
     row = checks(tmp_path / "b")["deploy_quantization_error"]
     assert row.status == "fail" and row.replayed == len(broken.alerts) and row.measured_value["worst_layer_ratio"] > 10
     assert checks(tmp_path / "a")["deploy_quantization_error"].status == "pass"

@@ -49,6 +49,13 @@ def test_sharp_defaults_patience_and_resume():
         SharpMinimumRule().load_state_dict({"latch": []})
 
 
+def test_quantization_notes_are_quoted_for_named_layers():
+    errors = {"a": 1e-4, "b": 1e-4, "c": 0.5}
+    notes = {"c": "input channels max/median 80"}
+    (alert,) = QuantizationErrorRule().update(None, errors, {}, StepContext(0, 0), notes=notes)
+    assert "input channels max/median 80" in alert.message and "higher precision" in alert.message
+
+
 def test_quantization_end_to_end_and_latch():
     assert (DEFAULT_QUANT_ERROR, DEFAULT_LAYER_RATIO) == (0.05, 10.0)
     rule = QuantizationErrorRule()

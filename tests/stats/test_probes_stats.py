@@ -82,6 +82,15 @@ def test_zero_tensor_outliers_and_relative_error():
     assert relative_error(0.001, 0.002, floor=0.01) == pytest.approx(0.1)
 
 
+def test_channel_outlier_ratio():
+    from lightning_diag.stats.quantization import channel_outlier_ratio
+
+    x = torch.ones(2, 5, 3, 3)
+    x[:, 4] = -30.0
+    assert channel_outlier_ratio(x, channel_dim=1) == 30.0 and channel_outlier_ratio(x, channel_dim=-1) == 1.0
+    assert channel_outlier_ratio(torch.zeros(3, 4)) == 0.0 and channel_outlier_ratio(torch.ones(4)) == 0.0
+
+
 def test_relative_mse_averages_channels_so_a_loud_channel_does_not_hide_the_others():
     acc = LayerErrorAccumulator(channel_dim=1)
     y = torch.ones(2, 3, 4)
