@@ -452,5 +452,6 @@ def diagnose(run: RunData) -> RunReport:
     return RunReport(run, checks)
 
 
-# The probes' rows register themselves (their measure and replay functions) on import.
-import lightning_diag.report.probe_checks  # noqa: E402,F401  (after MEASURES/REPLAYS exist: a circular import)
+# rows registered by their own modules (imported last: they use `measure` and `Check` from here)
+from lightning_diag.report import data_checks as _data_checks  # noqa: E402,F401  (registers the Data rows)
+from lightning_diag.report import probe_checks as _probe_checks  # noqa: E402,F401  (registers the probes' rows)

@@ -481,6 +481,24 @@ register(RuleSpec("attn_sink", _ATTN, "warning", 0.5,
 register_setting(SettingSpec("attn.patience", _ATTN, 2, "patience",
                              ("attn_entropy_low", "attn_entropy_high", "attn_sink")))
 
+_DATA = "DataDiagnostics"
+register(RuleSpec("data_vocab_shift", _DATA, "warning", 0.3,
+                  "KL divergence of validation vs training token frequencies above {threshold:g} nats",
+                  settings={"min_count": 5}, source="seed 000 §2.1",
+                  arguments={"threshold": "vocab_kl", "min_count": "min_count"}))
+register(RuleSpec("data_leakage", _DATA, "warning", 0.15,
+                  "share of validation samples copying a training sample (shingle Jaccard >= {near_duplicate:g}) "
+                  "at or above {threshold:g}",
+                  settings={"near_duplicate": 0.5, "shingle_size": 3}, check="data_train_test_overlap",
+                  source="seed 000 §2.2, §7.1",
+                  arguments={"threshold": "leakage", "near_duplicate": "near_duplicate",
+                             "shingle_size": "shingle_size"}))
+register(RuleSpec("label_imbalance", _DATA, "warning", 0.1,
+                  "standard deviation of the class proportions above {threshold:g}", check="data_label_balance",
+                  source="seed 000 §7.1", arguments={"threshold": "label_std"}))
+register(RuleSpec("data_nonfinite", _DATA, "critical", None, "NaN/Inf in a floating tensor of a sampled batch",
+                  source="seed 000 §2.1"))
+
 _SHARP = "SharpnessProbe"
 register_check(CheckSpec("loss_surface", "Training",
                          "Loss surface: SAM gap L(w+ε) − L(w) not above {sharp_minimum:g} on "
