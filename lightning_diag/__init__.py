@@ -31,6 +31,8 @@ _LAZY: dict[str, str] = {
     "AttentionEntropyMonitor": "lightning_diag.callbacks.attention_entropy",
     "DataDiagnostics": "lightning_diag.callbacks.data_diagnostics",
     "GradientFlowMonitor": "lightning_diag.callbacks.gradient_flow",
+    "QuantizationProbe": "lightning_diag.callbacks.quantization_probe",
+    "SharpnessProbe": "lightning_diag.callbacks.sharpness_probe",
     "SystemMonitor": "lightning_diag.callbacks.system_monitor",
 }
 
@@ -42,7 +44,9 @@ __all__ = [
     "DataDiagnostics",
     "GradientFlowMonitor",
     "NonFiniteError",
+    "QuantizationProbe",
     "Severity",
+    "SharpnessProbe",
     "SystemMonitor",
     "__version__",
     "attention_requested",
@@ -58,6 +62,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
     from lightning_diag.callbacks.data_diagnostics import DataDiagnostics
     from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
+    from lightning_diag.callbacks.quantization_probe import QuantizationProbe
+    from lightning_diag.callbacks.sharpness_probe import SharpnessProbe
     from lightning_diag.callbacks.system_monitor import SystemMonitor
 
 

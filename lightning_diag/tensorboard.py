@@ -178,7 +178,28 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
             "diagnostics' own share of the time, per callback": ["Multiline", [f"{p}/overhead/"]],
         }
     layout.update(_data_section(rules))
+    layout.update(_probes_layout(rules))
     return layout
+
+
+def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
+    """The ``Probes`` section (SharpnessProbe, QuantizationProbe), when ``sharp_minimum`` or
+    ``quantization_error`` is in effect."""
+    p = TAG_PREFIX
+    charts: dict[str, list[Any]] = {}
+    if "sharp_minimum" in rules:
+        charts["SAM gap L(w+eps) - L(w) (line: sharp_minimum)"] = [
+            "Multiline", [f"{p}/sharpness/gap$", f"{p}/threshold/sharp_minimum$"]]
+        charts["SAM gap relative to the loss"] = ["Multiline", [f"{p}/sharpness/relative_gap$"]]
+        charts["SAM gap per layer (that layer perturbed alone)"] = ["Multiline", [f"{p}/sharpness/layer/"]]
+    if "quantization_error" in rules:
+        charts["INT8: end-to-end relative loss change (line: quantization_error)"] = [
+            "Multiline", [f"{p}/quant/end_to_end$", f"{p}/threshold/quantization_error$"]]
+        charts["INT8: relative output MSE per layer"] = ["Multiline", [f"{p}/quant/layer/.*/relative_mse$"]]
+        charts["INT8: worst layer / median layer"] = ["Multiline", [f"{p}/quant/worst_layer_ratio$"]]
+        charts["INT8: weight outliers (max / 99th percentile) per layer"] = [
+            "Multiline", [f"{p}/quant/layer/.*/outlier_ratio$"]]
+    return {"Probes": charts} if charts else {}
 
 
 def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:

@@ -8,11 +8,13 @@ import lightning_diag.rules.anomaly as anomaly_rules
 import lightning_diag.rules.attention as attention_rules
 import lightning_diag.rules.data as data_rules
 import lightning_diag.rules.grad as grad_rules
+import lightning_diag.rules.probes as probe_rules
 import lightning_diag.rules.system as system_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODULES = (
-    anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, system_rules
+    anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, probe_rules,
+    system_rules,
 )
 
 
@@ -58,6 +60,8 @@ def test_thresholds_arguments_are_real_constructor_arguments():
         AttentionEntropyMonitor,
         DataDiagnostics,
         GradientFlowMonitor,
+        QuantizationProbe,
+        SharpnessProbe,
         SystemMonitor,
     )
     from lightning_diag.rules.registry import owner_of
@@ -68,6 +72,8 @@ def test_thresholds_arguments_are_real_constructor_arguments():
             "`attn": AttentionEntropyMonitor,
             "`data": DataDiagnostics,
             "`labe": DataDiagnostics,
+            "`shar": SharpnessProbe,
+            "`quan": QuantizationProbe,
         }
         callback = kinds.get(rule[:5], AnomalyAlarm)
         if owner_of(rule.strip("`")) == "SystemMonitor":
@@ -148,6 +154,26 @@ def test_attention_page_lists_every_tag_rule_and_argument():
     }
     for match in re.findall(r"`(\w+)=", page):
         assert match in known, match
+
+
+def test_probe_pages_list_every_tag_rule_and_argument():
+    import inspect
+
+    from lightning_diag import QuantizationProbe, SharpnessProbe
+
+    for page, kind, rule, tags in (
+        ("sharpness_probe.md", SharpnessProbe, "sharp_minimum",
+         ("gap", "relative_gap", "loss", "perturbed_loss", "grad_norm", "layer/")),
+        ("quantization_probe.md", QuantizationProbe, "quantization_error",
+         ("end_to_end", "loss_float", "loss_int8", "worst_layer_ratio", "max_error_pct", "relative_mse",
+          "relative_mse_per_channel", "output_mse", "outlier_ratio", "input_outlier_ratio")),
+    ):
+        text = (DOCS / page).read_text()
+        assert f"`{rule}`" in text and page in (DOCS / "index.md").read_text(), page
+        for name in tags:
+            assert name in text, (page, name)
+        for arg in inspect.signature(kind).parameters:
+            assert f"`{arg}`" in text, (page, arg)
 
 
 def test_data_diagnostics_page_lists_every_tag_rule_and_argument():

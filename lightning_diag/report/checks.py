@@ -469,3 +469,4 @@ def diagnose(run: RunData) -> RunReport:
 
 # rows registered by their own modules (imported last: they use `measure` and `Check` from here)
 from lightning_diag.report import data_checks as _data_checks  # noqa: E402,F401  (registers the Data rows)
+from lightning_diag.report import probe_checks as _probe_checks  # noqa: E402,F401  (registers the probes' rows)
