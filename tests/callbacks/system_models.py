@@ -132,3 +132,18 @@ class Recorder:
     def scalars(self, values: dict[str, float], step: int) -> None:
         for k, v in values.items():
             self.values.setdefault(k, []).append((step, float(v)))
+
+
+class BusyBlocks(pl.Callback):
+    """Burns a random amount of CPU time (0–40 ms, seeded) on every step of each block of ``block`` steps:
+    sustained changes of the step's compute, measured in CPU time whatever the machine's load."""
+
+    def __init__(self, block: int = 10, seed: int = 0) -> None:
+        self.block = block
+        choice = torch.randint(0, 5, (1000,), generator=torch.Generator().manual_seed(seed))
+        self.levels = torch.tensor([0.0, 0.005, 0.01, 0.02, 0.04])[choice]
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        target = time.process_time() + float(self.levels[trainer.global_step // self.block])
+        while time.process_time() < target:
+            pass

@@ -174,3 +174,16 @@ def test_the_page_lists_every_tag_rule_and_argument():
     for tag in re.findall(r'family_tag\("system", "(\w+)"\)', source):
         assert f"diag/system/{tag}" in page, tag
     assert "diag/overhead/<CallbackName>" in page and "Not run on hardware" in page
+
+
+def test_sustained_step_time_changes_are_a_fluctuation(monkeypatch, tmp_path):
+    from tests.callbacks.system_models import BusyBlocks
+
+    rec = spy(monkeypatch)
+    monitor = SystemMonitor(log_every_n_steps=10, warmup_steps=0)
+    fit(MLP(), [monitor, BusyBlocks()], 80, default_root_dir=tmp_path)
+    (alert,) = [a for a in monitor.alerts if a.rule == "step_time_fluctuation"]
+    # judged from 50 kept steps (the run's first step is left out): checks at 60, 70, 80
+    assert alert.global_step == 80 and alert.value > alert.threshold == 0.15
+    assert len(rec.values["diag/system/step_time_fluctuation"]) == 3
+    assert "step_time_periodic" not in rules(monitor)
