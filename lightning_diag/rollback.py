@@ -40,11 +40,7 @@ def _copy_tree(obj: Any, device: torch.device | str | None) -> Any:
             return t.clone()
         return t.to(device, copy=True, non_blocking=True)
     if isinstance(obj, Mapping):
-        return (
-            type(obj)((k, _copy_tree(v, device)) for k, v in obj.items())
-            if isinstance(obj, dict)
-            else {k: _copy_tree(v, device) for k, v in obj.items()}
-        )
+        return {k: _copy_tree(v, device) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_copy_tree(v, device) for v in obj]
     if isinstance(obj, tuple):
