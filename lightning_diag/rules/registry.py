@@ -188,3 +188,8 @@ register(RuleSpec("attn_entropy_high", _ATTN, "info", 2.5,
 register(RuleSpec("attn_sink", _ATTN, "warning", 0.5,
                   "every head of a layer puts more than {threshold:g} of its mass on special tokens",
                   check="attn_sink", source="seed 000 §3.2"))
+
+# AnomalyAlarm(on_nonfinite="rollback") (issue 12): the rollback warning; settings are the rollback arguments.
+register(RuleSpec("nonfinite_rollback", _ALARM, "warning", None,
+                  "a non-finite step rolled back to a snapshot, learning rates x{lr_factor:g} per rollback",
+                  settings={"every_n_steps": 50, "lr_factor": 0.5, "max_rollbacks": 3}, check="nonfinite"))

@@ -23,8 +23,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from lightning_diag.alerts import Alert, Severity
+from lightning_diag.alerts import NONFINITE_ROLLBACK, Alert, Severity
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.registry import RULES
 
 __all__ = [
     "DEFAULT_MAX_ROLLBACKS",
@@ -37,13 +38,13 @@ __all__ = [
     "RollbackRule",
 ]
 
-NONFINITE_ROLLBACK = "nonfinite_rollback"
+_SPEC = RULES[NONFINITE_ROLLBACK]
 #: Optimizer steps between two snapshots (see docs/anomaly_alarm.md for the cost).
-DEFAULT_ROLLBACK_EVERY_N_STEPS = 50
+DEFAULT_ROLLBACK_EVERY_N_STEPS = int(_SPEC.settings["every_n_steps"])
 #: Every rollback multiplies the learning rates by this, for the rest of the run.
-DEFAULT_ROLLBACK_LR_FACTOR = 0.5
+DEFAULT_ROLLBACK_LR_FACTOR = float(_SPEC.settings["lr_factor"])
 #: Rollbacks allowed in one fit before the alarm stops training.
-DEFAULT_MAX_ROLLBACKS = 3
+DEFAULT_MAX_ROLLBACKS = int(_SPEC.settings["max_rollbacks"])
 #: Snapshots kept.
 DEFAULT_ROLLBACK_KEEP = 3
 #: A snapshot is not trusted when the loss before it was above this multiple of its running median.
