@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Literal
 
@@ -15,6 +16,7 @@ from lightning_diag.alerts import (
     LOSS_SWING,
     NONFINITE_GRAD,
     NONFINITE_LOSS,
+    NONFINITE_ROLLBACK,
     VAL_DECLINE,
     VAL_FLUCTUATION,
     Alert,
@@ -22,6 +24,9 @@ from lightning_diag.alerts import (
     Severity,
 )
 from lightning_diag.callbacks.base import DiagCallback, extract_loss
+from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
+from lightning_diag.nonfinite_locate import Localisation
+from lightning_diag.rollback import RollbackDevice
 from lightning_diag.rules.anomaly import (
     DEFAULT_STAGNANT_BASELINE_STEPS,
     DEFAULT_STAGNANT_MIN_DROP,
@@ -41,6 +46,13 @@ from lightning_diag.rules.anomaly import (
     ValFluctuationRule,
 )
 from lightning_diag.rules.base import Latch
+from lightning_diag.rules.rollback import (
+    DEFAULT_MAX_ROLLBACKS,
+    DEFAULT_ROLLBACK_EVERY_N_STEPS,
+    DEFAULT_ROLLBACK_KEEP,
+    DEFAULT_ROLLBACK_LR_FACTOR,
+    DEFAULT_SPIKE_FACTOR,
+)
 from lightning_diag.stats.norms import all_finite
 from lightning_diag.tensorboard import tag
 
@@ -50,8 +62,9 @@ __all__ = ["DEFAULT_MAX_SCALER_OVERFLOWS", "DEFAULT_MAX_SKIPS", "NONFINITE_ACTIO
 DEFAULT_MAX_SKIPS = 5
 #: With a GradScaler (``16-mixed``), consecutive overflow steps with a finite loss before ``nonfinite_grad``.
 DEFAULT_MAX_SCALER_OVERFLOWS = 5
-NONFINITE_ACTIONS: tuple[str, ...] = ("stop", "raise", "skip", "warn")
+NONFINITE_ACTIONS: tuple[str, ...] = ("stop", "raise", "skip", "warn", "rollback")
 _SHOWN_PARAMS = 5
+_NOT_ROLLED_BACK = ("nonfinite_latch", "skips", "pending_nonfinite", "rollback")
 _STATE_KEYS = (
     "swing",
     "stagnant",
@@ -166,6 +179,12 @@ class AnomalyAlarm(DiagCallback):
         val_fluctuation_min: float = DEFAULT_VAL_FLUCTUATION_MIN,
         val_fluctuation_min_range: float = DEFAULT_VAL_FLUCTUATION_MIN_ABS,
         log_every_n_steps: int | None = None,
+        locate_nonfinite: bool = True,
+        rollback_every_n_steps: int = DEFAULT_ROLLBACK_EVERY_N_STEPS,
+        rollback_lr_factor: float = DEFAULT_ROLLBACK_LR_FACTOR,
+        max_rollbacks: int = DEFAULT_MAX_ROLLBACKS,
+        rollback_device: RollbackDevice = "cpu",
+        rollback_snapshots: int = DEFAULT_ROLLBACK_KEEP,
     ) -> None:
         super().__init__(log_every_n_steps=log_every_n_steps)
         self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, NONFINITE_ACTIONS)
@@ -206,6 +225,26 @@ class AnomalyAlarm(DiagCallback):
         self.val_fluctuation_window = val_fluctuation_window
         self.val_fluctuation_min = float(val_fluctuation_min)
         self.val_fluctuation_min_range = float(val_fluctuation_min_range)
+        if not isinstance(locate_nonfinite, bool):
+            raise TypeError(f"Expected argument `locate_nonfinite` to be a bool, but got {locate_nonfinite!r}")
+        self.locate_nonfinite = locate_nonfinite
+        self.rollback_every_n_steps = check_int("rollback_every_n_steps", rollback_every_n_steps, low=1)
+        self.rollback_lr_factor = check_number(
+            "rollback_lr_factor", rollback_lr_factor, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
+        )
+        self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, low=0)
+        self.rollback_device = check_choice("rollback_device", rollback_device, ("cpu", "device"))
+        self.rollback_snapshots = check_int("rollback_snapshots", rollback_snapshots, low=1)
+        self.recovery = NonFiniteRecovery(
+            locate=locate_nonfinite,
+            rollback=self.on_nonfinite == "rollback",
+            every_n_steps=self.rollback_every_n_steps,
+            lr_factor=float(self.rollback_lr_factor),
+            max_rollbacks=self.max_rollbacks,
+            device=rollback_device,
+            keep=self.rollback_snapshots,
+            spike_factor=DEFAULT_SPIKE_FACTOR,
+        )
         self._make_rules()
         self._nonfinite_latch = Latch()
         self._skips = 0
@@ -239,7 +278,21 @@ class AnomalyAlarm(DiagCallback):
             values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
         if self.on_nonfinite == "skip":
             values[f"{NONFINITE_LOSS}.max_skips"] = float(self.max_skips)
+        if self.on_nonfinite == "rollback":
+            values[f"{NONFINITE_ROLLBACK}.every_n_steps"] = float(self.rollback_every_n_steps)
+            values[f"{NONFINITE_ROLLBACK}.lr_factor"] = float(self.rollback_lr_factor)
+            values[f"{NONFINITE_ROLLBACK}.max_rollbacks"] = float(self.max_rollbacks)
         return values
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks made in this fit (``on_nonfinite="rollback"``; kept across a resume)."""
+        return self.recovery.rule.rollbacks
+
+    @property
+    def lr_scale(self) -> float:
+        """The factor on every learning rate now in force: ``rollback_lr_factor ** rollbacks``."""
+        return self.recovery.lr_scale
 
     # -- state -------------------------------------------------------------------------------------------
     def _make_rules(self) -> None:
@@ -324,6 +377,7 @@ class AnomalyAlarm(DiagCallback):
                 "grad_step": int(pending[1]),
                 "steps": self._deferred_steps,
             },
+            "rollback": self.recovery.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -350,6 +404,8 @@ class AnomalyAlarm(DiagCallback):
         self._pending_loss_step = torch.tensor(int(pending["loss_step"]))
         self._pending_grad_step = torch.tensor(int(pending["grad_step"]))
         self._deferred_steps = int(pending["steps"])
+        if "rollback" in state_dict:  # absent from checkpoints written before rollback existed
+            self.recovery.load_state_dict(state_dict["rollback"])
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -381,6 +437,25 @@ class AnomalyAlarm(DiagCallback):
             # all-reduce adds up to them again (whatever the world size of the run that saved them).
             self._acc = {k: float(v) / trainer.world_size for k, v in self._acc.items()}
         self._acc_restored = False
+        self.recovery.start(trainer, pl_module, self._rollback_state)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""
+        self.recovery.stop()
+
+    def _rollback_state(self) -> dict[str, Any]:
+        # The alarm's own loss-trend state goes into each snapshot; the non-finite bookkeeping does not.
+        state = self.state_dict()
+        for key in _NOT_ROLLED_BACK:
+            state.pop(key, None)
+        return state
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Keep a reference to the batch (no copy) for the replay of a failing step."""
+        if self.on_nonfinite != "warn":
+            self.recovery.on_batch_start(batch, batch_idx)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -389,6 +464,8 @@ class AnomalyAlarm(DiagCallback):
         if stage == TrainerFn.FITTING:
             self._make_rules()
             self._nonfinite_latch = Latch()
+            self.recovery.reset()
+            self.recovery.check_module(pl_module)
             self._skips = 0
             self._reset_step_state()
             self._reset_accumulators()
@@ -405,6 +482,12 @@ class AnomalyAlarm(DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """Check the loss and the gradients about to be applied; block the step if they are not finite."""
+        try:
+            self._check_step(trainer, pl_module, optimizer)
+        finally:
+            self.recovery.on_step_checked()
+
+    def _check_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         loss_bad = self._loss_bad
         self._loss_bad = None
         if self._halted:
@@ -435,8 +518,12 @@ class AnomalyAlarm(DiagCallback):
             self._scaler_overflows += 1
             if self._scaler_overflows < self.max_scaler_overflows:
                 return
-        alert = self._nonfinite_alert(trainer, pl_module, any_loss, self.context(trainer).global_step)
-        latched = [alert] if self._nonfinite_latch.update(alert.source, True) else []
+        found = self.recovery.localise(trainer, pl_module, bool(local_loss), bool(local_grad))
+        if self.on_nonfinite == "rollback":
+            self._rollback(trainer, pl_module, optimizer, any_loss, found)
+            return
+        alert = self._nonfinite_alert(trainer, pl_module, any_loss, self.context(trainer).global_step, found)
+        latched = [alert] if self._nonfinite_latch.update("loss" if any_loss else "gradients", True) else []
         if self.on_nonfinite == "raise":
             self.record([alert])
             self.writer.flush()
@@ -465,6 +552,39 @@ class AnomalyAlarm(DiagCallback):
             return
         self.record([alert])
         self._stop(trainer)
+
+    def _rollback(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: torch.optim.Optimizer,
+        any_loss: bool,
+        found: Localisation,
+    ) -> None:
+        ctx = self.context(trainer)
+        choice, extra = self.recovery.rollback(trainer, pl_module)
+        for opt in trainer.optimizers:
+            _drop_gradients(opt)
+        if choice.step is None:
+            alert = self._nonfinite_alert(trainer, pl_module, any_loss, ctx.global_step, found)
+            limit = dataclasses.replace(
+                alert,
+                message=f"{alert.message} No rollback: {choice.reason}; training stops.",
+                source="rollback_limit",
+                value=float(self.rollbacks),
+                threshold=float(self.max_rollbacks),
+            )
+            self.record([limit])
+            self._stop(trainer)
+            return
+        if extra:
+            keep = {k: v for k, v in self.state_dict().items() if k in _NOT_ROLLED_BACK}
+            self.load_state_dict({**extra, **keep})
+            self._acc_restored = False
+        what = "NaN/Inf in the loss" if any_loss else "NaN/Inf in a gradient"
+        where = f"; {found.detail}" if found.found else ""
+        source = found.source if found.found else ("loss" if any_loss else "gradients")
+        self.record([self.recovery.rollback_alert(ctx, choice, what + where, source)])
 
     def _stop(self, trainer: pl.Trainer) -> None:
         self._halted = True
@@ -512,7 +632,14 @@ class AnomalyAlarm(DiagCallback):
         if self._nonfinite_latch.update(alert.source, True):
             self.record([alert])
 
-    def _nonfinite_alert(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss_bad: bool, step: int) -> Alert:
+    def _nonfinite_alert(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        loss_bad: bool,
+        step: int,
+        found: Localisation | None = None,
+    ) -> Alert:
         lrs = _learning_rates(trainer)
         lr_text = ", ".join(f"{k}={v:.3g}" for k, v in lrs.items()) or "none"
         bad_params = _nonfinite_parameters(pl_module)
@@ -524,12 +651,17 @@ class AnomalyAlarm(DiagCallback):
             "raise": "the update was not applied; raising NonFiniteError",
             "skip": "the update was skipped",
             "warn": "the update was applied (on_nonfinite='warn')",
+            "rollback": "the update was not applied and training stops",
         }[self.on_nonfinite]
+        where = f" First non-finite value: {found.detail}." if found is not None and found.found else ""
         message = (
             f"{what} at epoch {trainer.current_epoch}, global step {step}: {action}. "
             f"Learning rates: {lr_text}. Non-finite gradients in: {params_text}. "
-            f"Last finite loss: {last:.6g}."
+            f"Last finite loss: {last:.6g}.{where}"
         )
+        source = "loss" if loss_bad else "gradients"
+        if found is not None and found.found:
+            source = found.source
         return Alert(
             rule=NONFINITE_LOSS if loss_bad else NONFINITE_GRAD,
             severity=Severity.CRITICAL,
@@ -538,7 +670,7 @@ class AnomalyAlarm(DiagCallback):
             global_step=step,
             value=None,
             threshold=None,
-            source="loss" if loss_bad else "gradients",
+            source=source,
         )
 
     # -- loss trend --------------------------------------------------------------------------------------
@@ -573,10 +705,12 @@ class AnomalyAlarm(DiagCallback):
             if trainer.global_step - self._window_start >= self.swing_window:
                 self._window_start = trainer.global_step
                 self._close_window(trainer, pl_module, "window")
+        self.recovery.on_batch_end(trainer, pl_module, loss, self._rollback_state)
         if not self.is_logging_step(trainer):
             return
         step = trainer.global_step
-        values = {tag("lr", *name.split("/")): lr for name, lr in _learning_rates(trainer).items()}
+        scale = self.recovery.lr_scale
+        values = {tag("lr", *name.split("/")): lr * scale for name, lr in _learning_rates(trainer).items()}
         if loss is not None:
             values[tag("loss", "train_step")] = float(loss)
         self.writer.scalars(values, step)
