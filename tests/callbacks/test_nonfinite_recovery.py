@@ -200,3 +200,26 @@ def test_healthy_run_with_rollback_armed_is_quiet_and_unchanged(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), armed.parameters(), strict=True))
     assert alarm.recovery.store.steps() == [20, 25, 30]
     assert math.isfinite(armed.losses[-1])
+
+
+@pytest.mark.slow
+def test_ddp_ranks_localise_and_roll_back_together(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("ddp_rollback_script.py")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert rank["step"] == 12 and rank["finite"] and rank["rollbacks"] == 1 and rank["lr_scale"] == 0.5
+        # rank 0's own values were finite: it learns where from rank 1's replay
+        assert [(a["rule"], a["source"], a["global_step"]) for a in rank["alerts"]] == [
+            ("nonfinite_rollback", "net.1", 7)
+        ]
+        assert "snapshot of step 6" in rank["alerts"][0]["message"]
+    assert ranks[0]["params"] == ranks[1]["params"]  # restored the same snapshot and went on in step
+    records = [json.loads(x) for x in (tmp_path / "diag" / "alerts.jsonl").read_text().splitlines()]
+    assert [r["rule"] for r in records] == ["nonfinite_rollback"]  # only global rank zero writes
