@@ -1,0 +1,126 @@
+"""Armed cost of ``AnomalyAlarm(on_nonfinite="rollback")`` against ``"stop"``: step time, snapshot time and memory.
+
+Two measurements on the models of ``benchmarks/overhead.py``:
+
+1. interleaved ``Trainer.fit`` runs (stop, rollback, stop, rollback, ...) of the MLP: the mean step time of
+   rollback over stop (the mean, not the median: the snapshot steps are rare by design and the mean amortises
+   them), per repetition, with the median and range;
+2. one snapshot of each model (transformer and MLP, with their AdamW state) timed directly, and its size: the
+   amortised cost at the default interval is ``1 + snapshot time / (rollback_every_n_steps x step time)``.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/rollback_overhead.py            # CPU (about 2 minutes)
+    PYTHONPATH=. .venv/bin/python benchmarks/rollback_overhead.py --quick    # smoke test
+    PYTHONPATH=. .venv/bin/python benchmarks/rollback_overhead.py --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_diag import AnomalyAlarm
+from lightning_diag.demo.run import quiet
+from lightning_diag.rollback import SnapshotStore
+from lightning_diag.rules.rollback import DEFAULT_ROLLBACK_EVERY_N_STEPS
+
+
+def _overhead() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_overhead", Path(__file__).with_name("overhead.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def snapshot_cost(ov: Any, model: str, args: argparse.Namespace, step_ms: float) -> str:
+    """Time one snapshot (model + AdamW state + scheduler) to the CPU; the amortised ratio at the default."""
+    net = ov._model(model, args.quick, False).to(args.device)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    for p in net.parameters():  # moments exist, as after the first step
+        p.grad = torch.randn_like(p)
+    opt.step()
+    times = []
+    store = SnapshotStore(keep=3, device="cpu")
+    for _ in range(args.snapshot_reps):
+        _sync(args.device)
+        t0 = time.perf_counter()
+        store.take(0, net, [opt], [], None)
+        _sync(args.device)  # the copies are non-blocking on CUDA: count them complete
+        times.append(time.perf_counter() - t0)
+    snap = statistics.median(times) * 1e3
+    amortised = 1 + snap / (DEFAULT_ROLLBACK_EVERY_N_STEPS * step_ms)
+    return (
+        f"| {model} | {store.get(0).nbytes / 2**20:.1f} MiB | {snap:.2f} ms | {step_ms:.2f} ms | {amortised:.4f}x |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny models and few steps: a smoke test")
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions of the MLP fits")
+    parser.add_argument("--mlp-steps", type=int, default=400, help="steps per MLP fit")
+    parser.add_argument("--snapshot-reps", type=int, default=5, help="timed snapshots per model")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU")
+    if args.quick:
+        args.reps, args.mlp_steps, args.snapshot_reps = 1, 60, 2
+    ov = _overhead()
+    ns = argparse.Namespace(
+        device=args.device, quick=args.quick, log_every=50, cpu_transformer_log_every=5, threads=args.threads
+    )
+    variants = [
+        ov.Variant("stop", lambda: [AnomalyAlarm()]),
+        ov.Variant("rollback", lambda: [AnomalyAlarm(on_nonfinite="rollback")]),
+    ]
+    t0 = time.perf_counter()
+    with quiet(args.threads), tempfile.TemporaryDirectory(prefix="rollback_") as root:
+        means: dict[str, list[float]] = {v.name: [] for v in variants}
+        for rep in range(args.reps):
+            for v in variants if rep % 2 == 0 else variants[::-1]:
+                run, _ = ov.fit(v, "mlp", ns, os.path.join(root, str(rep)), args.mlp_steps, warmup=10)
+                means[v.name].append(statistics.fmean(run.times))
+        ratios = [r / s for r, s in zip(means["rollback"], means["stop"], strict=True)]
+        mlp_ms = statistics.median(means["stop"]) * 1e3
+        rows = [snapshot_cost(ov, "mlp", args, mlp_ms)]
+        if not args.quick:
+            tf_run, _ = ov.fit(variants[0], "transformer", ns, os.path.join(root, "tf"), 8, warmup=2)
+            rows.append(snapshot_cost(ov, "transformer", args, statistics.median(tf_run.times) * 1e3))
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {args.threads} thread(s)"
+    print(
+        f"device: {device}; torch {torch.__version__}; rollback_every_n_steps={DEFAULT_ROLLBACK_EVERY_N_STEPS}; "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
+    print()
+    print("| fit | mean step time rollback / stop (median) | range over reps | reps x steps |")
+    print("|---|---|---|---|")
+    print(
+        f"| mlp | {statistics.median(ratios):.3f}x | {min(ratios):.3f}-{max(ratios):.3f}x "
+        f"| {args.reps} x {args.mlp_steps} |"
+    )
+    print()
+    print("| model | snapshot size (weights + AdamW moments) | snapshot time | step time | amortised at default |")
+    print("|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
