@@ -51,7 +51,6 @@ from lightning_diag.rules.rollback import (
     DEFAULT_ROLLBACK_EVERY_N_STEPS,
     DEFAULT_ROLLBACK_KEEP,
     DEFAULT_ROLLBACK_LR_FACTOR,
-    DEFAULT_SPIKE_FACTOR,
 )
 from lightning_diag.stats.norms import all_finite
 from lightning_diag.tensorboard import tag
@@ -243,7 +242,6 @@ class AnomalyAlarm(DiagCallback):
             max_rollbacks=self.max_rollbacks,
             device=rollback_device,
             keep=self.rollback_snapshots,
-            spike_factor=DEFAULT_SPIKE_FACTOR,
         )
         self._make_rules()
         self._nonfinite_latch = Latch()

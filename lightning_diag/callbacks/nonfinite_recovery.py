@@ -28,7 +28,7 @@ from lightning_diag.callbacks.base import extract_loss
 from lightning_diag.nonfinite_locate import NOT_FOUND, Localisation, RngState, find_nonfinite_in_batch, locate
 from lightning_diag.rollback import RollbackDevice, SnapshotStore
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.rollback import RollbackChoice, RollbackRule
+from lightning_diag.rules.rollback import DEFAULT_SPIKE_FACTOR, RollbackChoice, RollbackRule
 
 __all__ = ["NonFiniteRecovery"]
 
@@ -66,7 +66,7 @@ class NonFiniteRecovery:
         max_rollbacks: int,
         device: RollbackDevice,
         keep: int,
-        spike_factor: float,
+        spike_factor: float = DEFAULT_SPIKE_FACTOR,
     ) -> None:
         self.locate_enabled = locate
         self.rollback_enabled = rollback
