@@ -83,6 +83,8 @@ class NonFiniteRecovery:
         self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
         self._last_snapshot: int | None = None
         self._can_replay = True
+        self._extra: Callable[[], dict[str, Any]] = dict
+        self._load_extra: Callable[[dict[str, Any]], None] = lambda state: None
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -107,16 +109,30 @@ class NonFiniteRecovery:
             isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()
         )
 
-    def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, extra: Callable[[], dict[str, Any]]) -> None:
-        """Install the learning-rate hooks and take the first snapshot."""
+    def start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        extra: Callable[[], dict[str, Any]] = dict,
+        load_extra: Callable[[dict[str, Any]], None] = lambda state: None,
+    ) -> None:
+        """Install the learning-rate hooks and take the first snapshot.
+
+        Args:
+            trainer: The trainer.
+            pl_module: The model.
+            extra: Called at each snapshot: the owner's own state to keep with it.
+            load_extra: Called with that state when its snapshot is restored.
+        """
         self.stop()
+        self._extra, self._load_extra = extra, load_extra
         self._batches = collections.deque(maxlen=max(1, trainer.accumulate_grad_batches))
         if not self.rollback_enabled:
             return
         for opt in trainer.optimizers:
             self._hooks.append(opt.register_step_pre_hook(self._scale_lr))
             self._hooks.append(opt.register_step_post_hook(self._unscale_lr))
-        self._snapshot(trainer, pl_module, extra)
+        self._snapshot(trainer, pl_module)
 
     def stop(self) -> None:
         """Remove the hooks and forget the kept batches (snapshots are dropped with the next :meth:`reset`)."""
@@ -159,13 +175,7 @@ class NonFiniteRecovery:
         """The optimizer step's micro-batches are no longer needed."""
         self._batches.clear()
 
-    def on_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        loss: torch.Tensor | None,
-        extra: Callable[[], dict[str, Any]],
-    ) -> None:
+    def on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor | None) -> None:
         """Feed the loss to the trust test; take a snapshot every ``every_n_steps`` optimizer steps."""
         if not self.rollback_enabled:
             return
@@ -173,13 +183,11 @@ class NonFiniteRecovery:
             self.store.observe_loss(loss)
         step = trainer.global_step
         if step % self.every_n_steps == 0 and step != self._last_snapshot:
-            self._snapshot(trainer, pl_module, extra)
+            self._snapshot(trainer, pl_module)
 
-    def _snapshot(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, extra: Callable[[], dict[str, Any]]
-    ) -> None:
+    def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
-        self.store.take(step, pl_module, trainer.optimizers, _schedulers(trainer), _scaler(trainer), extra())
+        self.store.take(step, pl_module, trainer.optimizers, _schedulers(trainer), _scaler(trainer), self._extra())
         self._last_snapshot = step
 
     # -- failure ------------------------------------------------------------------------------------------
@@ -224,7 +232,7 @@ class NonFiniteRecovery:
                 return found
         return NOT_FOUND
 
-    def rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[RollbackChoice, dict[str, Any]]:
+    def rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RollbackChoice:
         """Choose a snapshot over all ranks, restore it and count the rollback; ``step is None``: stop instead."""
         steps = self.store.steps()
         trusted = self.store.trusted()
@@ -234,12 +242,14 @@ class NonFiniteRecovery:
         now = trainer.global_step
         choice = self.rule.choose(steps, trusted, now=now)
         if choice.step is None:
-            return choice, {}
+            return choice
         extra = self.store.restore(choice.step, pl_module, trainer.optimizers, _schedulers(trainer), _scaler(trainer))
+        if extra:
+            self._load_extra(extra)
         self.store.drop_after(choice.step)
         self.rule.record(choice.step, now)
         self._last_snapshot = now  # no snapshot of the failed step: the next one is due in every_n_steps
-        return choice, extra
+        return choice
 
     def rollback_alert(self, ctx: StepContext, choice: RollbackChoice, found: str, source: str) -> Any:
         """The ``nonfinite_rollback`` warning of the rollback just made."""
