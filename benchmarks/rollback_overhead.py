@@ -1,11 +1,14 @@
 """Armed cost of ``AnomalyAlarm(on_nonfinite="rollback")`` against ``"stop"``: step time, snapshot time and memory.
 
-Two measurements on the models of ``benchmarks/overhead.py``:
+Three measurements on the models of ``benchmarks/overhead.py``:
 
 1. interleaved ``Trainer.fit`` runs (stop, rollback, stop, rollback, ...) of the MLP: the mean step time of
    rollback over stop (the mean, not the median: the snapshot steps are rare by design and the mean amortises
    them), per repetition, with the median and range;
-2. one snapshot of each model (transformer and MLP, with their AdamW state) timed directly, and its size: the
+2. in the same runs, the time spent inside the alarm's own hooks per step (every hook timed with
+   ``perf_counter``, snapshots included): the extra time of rollback over stop as a fraction of the step, a
+   measure that the noise of a shared machine does not swamp;
+3. one snapshot of each model (transformer and MLP, with their AdamW state) timed directly, and its size: the
    amortised cost at the default interval is ``1 + snapshot time / (rollback_every_n_steps x step time)``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/rollback_overhead.py            # CPU (about 2 minutes)
@@ -69,6 +72,38 @@ def snapshot_cost(ov: Any, model: str, args: argparse.Namespace, step_ms: float)
     )
 
 
+_TIMED_HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "on_train_start",
+)
+
+
+class HookClock:
+    """Total seconds spent inside the timed hooks of the alarms it wrapped."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def alarm(self, **kwargs: Any) -> list[AnomalyAlarm]:
+        alarm = AnomalyAlarm(**kwargs)
+        for name in _TIMED_HOOKS:
+            setattr(alarm, name, self._timed(getattr(alarm, name)))
+        return [alarm]
+
+    def _timed(self, fn: Any) -> Any:
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return hook
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -86,18 +121,24 @@ def main(argv: list[str] | None = None) -> int:
     ns = argparse.Namespace(
         device=args.device, quick=args.quick, log_every=50, cpu_transformer_log_every=5, threads=args.threads
     )
+    clocks = {"stop": HookClock(), "rollback": HookClock()}
     variants = [
-        ov.Variant("stop", lambda: [AnomalyAlarm()]),
-        ov.Variant("rollback", lambda: [AnomalyAlarm(on_nonfinite="rollback")]),
+        ov.Variant("stop", lambda: clocks["stop"].alarm()),
+        ov.Variant("rollback", lambda: clocks["rollback"].alarm(on_nonfinite="rollback")),
     ]
     t0 = time.perf_counter()
     with quiet(args.threads), tempfile.TemporaryDirectory(prefix="rollback_") as root:
         means: dict[str, list[float]] = {v.name: [] for v in variants}
+        hook_ms: dict[str, list[float]] = {v.name: [] for v in variants}
         for rep in range(args.reps):
             for v in variants if rep % 2 == 0 else variants[::-1]:
+                clocks[v.name].seconds = 0.0
                 run, _ = ov.fit(v, "mlp", ns, os.path.join(root, str(rep)), args.mlp_steps, warmup=10)
                 means[v.name].append(statistics.fmean(run.times))
+                hook_ms[v.name].append(clocks[v.name].seconds / args.mlp_steps * 1e3)
         ratios = [r / s for r, s in zip(means["rollback"], means["stop"], strict=True)]
+        extra = [r - s for r, s in zip(hook_ms["rollback"], hook_ms["stop"], strict=True)]
+        hook_ratio = 1 + statistics.median(extra) / (statistics.median(means["stop"]) * 1e3)
         mlp_ms = statistics.median(means["stop"]) * 1e3
         rows = [snapshot_cost(ov, "mlp", args, mlp_ms)]
         if not args.quick:
@@ -114,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"| mlp | {statistics.median(ratios):.3f}x | {min(ratios):.3f}-{max(ratios):.3f}x "
         f"| {args.reps} x {args.mlp_steps} |"
+    )
+    print()
+    print("| fit | alarm hooks per step, stop | rollback | extra per step | 1 + extra / step time |")
+    print("|---|---|---|---|---|")
+    print(
+        f"| mlp | {statistics.median(hook_ms['stop']):.3f} ms | {statistics.median(hook_ms['rollback']):.3f} ms "
+        f"| {statistics.median(extra):.3f} ms | {hook_ratio:.4f}x |"
     )
     print()
     print("| model | snapshot size (weights + AdamW moments) | snapshot time | step time | amortised at default |")

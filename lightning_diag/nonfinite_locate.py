@@ -17,7 +17,8 @@ The algorithm, in order (the first finding wins):
    to the model's output is already non-finite).
 
 The replay must not change training: the RNG state (torch CPU and CUDA, ``random``, numpy) is set to the state
-the original step started with (so dropout draws the same masks) and put back afterwards; every buffer
+the original step started with (torch's generators, so dropout draws the same masks; ``random`` and numpy are
+not rewound, only kept unchanged) and put back afterwards; every buffer
 (BatchNorm running statistics, ``num_batches_tracked``) is copied before and restored after; parameters,
 ``.grad`` and optimizer state are not touched.
 
@@ -90,7 +91,15 @@ NOT_FOUND = Localisation("", "none", "the replay of the step did not reproduce t
 # -- RNG ------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class RngState:
-    """The random-number state of the process: torch CPU, torch CUDA (when initialised), ``random``, numpy."""
+    """The random-number state of the process: torch CPU, torch CUDA (when initialised), ``random``, numpy.
+
+    Example:
+        >>> state = RngState.capture()
+        >>> a = torch.rand(2)
+        >>> state.restore()
+        >>> torch.equal(a, torch.rand(2))
+        True
+    """
 
     cpu: torch.Tensor
     cuda: list[torch.Tensor] | None
@@ -98,24 +107,32 @@ class RngState:
     numpy: Any
 
     @classmethod
-    def capture(cls) -> RngState:
-        """Copy the current state (a few kilobytes; no device synchronisation)."""
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        np_state = None
-        try:
-            import numpy as np
+    def capture(cls, python: bool = True) -> RngState:
+        """Copy the current state (a few kilobytes; no device synchronisation).
 
-            np_state = np.random.get_state()
-        except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
-            pass
-        return cls(torch.get_rng_state(), cuda, random.getstate(), np_state)
+        Args:
+            python: Also copy the ``random`` and numpy states. The per-step copy leaves them out (numpy's takes
+                ~0.2 ms, torch's ~1 us): dropout and torch's samplers draw from torch's generators.
+        """
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        py_state = np_state = None
+        if python:
+            py_state = random.getstate()
+            try:
+                import numpy as np
+
+                np_state = np.random.get_state()
+            except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+                pass
+        return cls(torch.get_rng_state(), cuda, py_state, np_state)
 
     def restore(self) -> None:
-        """Make this the current state."""
+        """Make this the current state (the parts that were captured)."""
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
-        random.setstate(self.python)
+        if self.python is not None:
+            random.setstate(self.python)
         if self.numpy is not None:
             import numpy as np
 

@@ -129,32 +129,30 @@ class SnapshotStore:
         self.snapshots: list[Snapshot] = []
         self._losses: torch.Tensor | None = None
         self._seen = 0
-        self._interval_sum: torch.Tensor | None = None
         self._interval_count = 0
 
     # -- the loss -----------------------------------------------------------------------------------------
     def observe_loss(self, loss: torch.Tensor) -> None:
-        """Record one step's loss (a 0-dim tensor) on its device: no host synchronisation."""
-        value = loss.detach().float().reshape(())
+        """Record one step's loss (a 0-dim tensor) on its device: one copy into the ring, no host read."""
+        value = loss.detach().reshape(())
         if self._losses is None or self._losses.device != value.device:
             self._losses = torch.full((self.loss_window,), float("nan"), device=value.device)
-            self._interval_sum = None
-        finite = torch.isfinite(value)
-        self._losses[self._seen % self.loss_window] = torch.where(finite, value, torch.full_like(value, float("nan")))
+            self._interval_count = 0
+        self._losses[self._seen % self.loss_window] = value
         self._seen += 1
-        clean = torch.where(finite, value, torch.zeros_like(value))
-        self._interval_sum = clean if self._interval_sum is None else self._interval_sum + clean
         self._interval_count += 1
 
     def _spiking(self, fallback_device: torch.device) -> torch.Tensor:
-        if self._losses is None or self._interval_sum is None or self._interval_count == 0:
-            return torch.zeros((), dtype=torch.bool, device=fallback_device)
-        mean = self._interval_sum / self._interval_count
-        median = torch.nanmedian(self._losses)
-        spiking = torch.isfinite(median) & (mean > self.spike_factor * median.abs())
-        self._interval_sum = None
+        count = min(self._interval_count, self.loss_window)
         self._interval_count = 0
-        return spiking
+        if self._losses is None or count == 0:
+            return torch.zeros((), dtype=torch.bool, device=fallback_device)
+        ring = self._losses
+        recent = ring[(torch.arange(self._seen - count, self._seen) % self.loss_window).to(ring.device)]
+        finite = torch.isfinite(recent)
+        mean = torch.where(finite, recent, torch.zeros_like(recent)).sum() / finite.sum().clamp(min=1)
+        median = torch.nanmedian(torch.where(torch.isfinite(ring), ring, torch.full_like(ring, float("nan"))))
+        return torch.isfinite(median) & (mean > self.spike_factor * median.abs())
 
     # -- snapshots ----------------------------------------------------------------------------------------
     def take(
@@ -238,7 +236,6 @@ class SnapshotStore:
         if scaler is not None and snap.scaler is not None:
             scaler.load_state_dict(copy.deepcopy(snap.scaler))
         # The trust test starts afresh from the restored state.
-        self._interval_sum = None
         self._interval_count = 0
         return copy.deepcopy(snap.extra)
 

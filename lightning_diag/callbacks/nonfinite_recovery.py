@@ -169,7 +169,7 @@ class NonFiniteRecovery:
     def on_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Keep a reference to the micro-batch and the RNG state it starts with (no copy of the batch)."""
         if self.locate_enabled and self._can_replay:
-            self._batches.append((batch, batch_idx, RngState.capture()))
+            self._batches.append((batch, batch_idx, RngState.capture(python=False)))
 
     def on_step_checked(self) -> None:
         """The optimizer step's micro-batches are no longer needed."""
