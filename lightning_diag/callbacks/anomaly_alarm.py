@@ -17,13 +17,10 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag._validation import check_choice, check_int, check_number
 from lightning_diag.alerts import (
-    LOSS_STAGNANT,
     LOSS_SWING,
-    NONFINITE_GRAD,
     NONFINITE_LOSS,
     NONFINITE_ROLLBACK,
     VAL_DECLINE,
-    VAL_FLUCTUATION,
     NonFiniteAction,
 )
 from lightning_diag.callbacks.base import DiagCallback, extract_loss
@@ -268,30 +265,15 @@ class AnomalyAlarm(DiagCallback):
             >>> AnomalyAlarm(swing_threshold=0.2).thresholds()["loss_swing"]
             0.2
         """
-        values = {
-            LOSS_SWING: self.swing_threshold,
-            f"{LOSS_SWING}.patience": float(self.swing_patience),
-            f"{LOSS_SWING}.min_delta": self.swing_min_delta,
-            VAL_DECLINE: float(self.val_decline_patience),
-            f"{VAL_DECLINE}.min_delta": self.val_decline_min_delta,
-            f"{VAL_DECLINE}.higher_is_better": float(self.mode == "max"),
-            VAL_FLUCTUATION: self.val_fluctuation_ratio,
-            f"{VAL_FLUCTUATION}.window": float(self.val_fluctuation_window),
-            f"{VAL_FLUCTUATION}.min": self.val_fluctuation_min,
-            f"{VAL_FLUCTUATION}.min_range": self.val_fluctuation_min_range,
-            f"{NONFINITE_GRAD}.max_scaler_overflows": float(self.max_scaler_overflows),
-            LOSS_STAGNANT: self.stagnant_min_drop,
-            f"{LOSS_STAGNANT}.patience": float(self.stagnant_patience),
-            f"{LOSS_STAGNANT}.baseline_steps": float(self.stagnant_baseline_steps),
-        }
+        values = super().thresholds()
+        values[f"{VAL_DECLINE}.higher_is_better"] = float(self.mode == "max")
         if isinstance(self.swing_window, int):
             values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
         if self.on_nonfinite == "skip":
             values[f"{NONFINITE_LOSS}.max_skips"] = float(self.max_skips)
-        if self.on_nonfinite == "rollback":
-            values[f"{NONFINITE_ROLLBACK}.every_n_steps"] = float(self.rollback_every_n_steps)
-            values[f"{NONFINITE_ROLLBACK}.lr_factor"] = self.rollback_lr_factor
-            values[f"{NONFINITE_ROLLBACK}.max_rollbacks"] = float(self.max_rollbacks)
+        if self.on_nonfinite != "rollback":  # the rollback settings are in force only with that action
+            for key in [k for k in values if k.startswith(f"{NONFINITE_ROLLBACK}.")]:
+                del values[key]
         return values
 
     @property

@@ -14,6 +14,7 @@ from torch import nn
 from lightning_diag._validation import check_int, check_number
 from lightning_diag.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
 from lightning_diag.attention import AttentionRecorder
+from lightning_diag.attention_capture import AttentionCapture, is_compiled
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.images import heatmap, scatter, tile
 from lightning_diag.rules.attention import (
@@ -28,7 +29,7 @@ from lightning_diag.rules.attention import (
     LayerStats,
 )
 from lightning_diag.stats.attention import head_pca, head_similarity
-from lightning_diag.tensorboard import tag
+from lightning_diag.tags import attn_entropy_tag, attn_heads_tag, attn_map_tag, attn_sink_tag, attn_uniform_tag
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonitor"]
 
@@ -56,14 +57,18 @@ def _default_input_ids(batch: Any) -> torch.Tensor | None:
 class AttentionEntropyMonitor(DiagCallback):
     r"""Per-head attention entropy in TensorBoard, with collapse, diffusion and special-token sink alerts.
 
-    Every ``torch.nn.MultiheadAttention`` of the model is found automatically, also inside
-    ``nn.TransformerEncoderLayer`` / ``DecoderLayer``; other attention modules report through
-    :func:`~lightning_diag.record_attention` and Hugging Face models through
-    :func:`~lightning_diag.record_hf_attentions`. On a sampled step (every ``log_every_n_steps`` optimizer steps,
-    the first micro-batch of the step) the probabilities are recomputed from the module's inputs without gradient,
+    Attention is found automatically: every ``torch.nn.MultiheadAttention`` (also inside
+    ``nn.TransformerEncoderLayer`` / ``DecoderLayer``), every call of
+    ``torch.nn.functional.scaled_dot_product_attention`` made inside the ``LightningModule`` (Hugging Face
+    ``attn_implementation="sdpa"``, litgpt, nanoGPT, timm), and eager attention that computes its own softmax
+    inside a module whose class name contains ``Attention`` (Hugging Face ``"eager"``); see
+    :mod:`lightning_diag.attention_capture`. Other attention modules report through
+    :func:`~lightning_diag.record_attention`. On a sampled step (every ``log_every_n_steps`` optimizer steps, the
+    first micro-batch of the step) the probabilities are recomputed from each call's inputs without gradient,
     before dropout, for the first ``sample_size`` sequences and at most ``max_queries`` query positions of each:
     the step's loss, gradients and random numbers are exactly those of a run without the monitor. Other steps cost
-    one integer comparison: no hook is attached.
+    one integer comparison: no hook and no function mode is installed. Under ``torch.compile`` the
+    ``scaled_dot_product_attention`` / softmax capture stays off (one notice).
 
     Entropy is in nats, per head, averaged over valid query rows only: padded keys carry no mass (the key padding
     mask and attention mask are honoured) and padded query rows are left out. Uniform attention over ``n`` keys
@@ -96,7 +101,8 @@ class AttentionEntropyMonitor(DiagCallback):
 
     Args:
         log_every_n_steps: Sample every this many optimizer steps; defaults to the trainer's interval.
-        modules: ``fnmatch`` patterns of ``nn.MultiheadAttention`` module names to watch; default: all.
+        modules: ``fnmatch`` patterns of the attention module names to watch (``nn.MultiheadAttention`` and
+            the modules whose attention calls are captured); default: all.
         sample_size: Sequences of the batch measured (default 8).
         max_queries: Query positions per sequence measured, evenly spaced (default 64).
         special_positions: Positions among each sequence's non-padding keys that are special tokens: ``0`` is
@@ -167,6 +173,8 @@ class AttentionEntropyMonitor(DiagCallback):
         self._mha: list[tuple[str, nn.Module]] | None = None
         self._names: dict[int, str] = {}
         self._sampled_step = -1
+        self._capture: AttentionCapture | None = None
+        self._compiled: bool | None = None
 
     @staticmethod
     def _int_tuple(name: str, values: Sequence[int]) -> tuple[int, ...]:
@@ -181,14 +189,7 @@ class AttentionEntropyMonitor(DiagCallback):
             >>> AttentionEntropyMonitor().thresholds()["attn_entropy_low"]
             0.5
         """
-        return {
-            ATTN_ENTROPY_LOW: self.entropy_low,
-            ATTN_ENTROPY_HIGH: self.entropy_high,
-            f"{ATTN_ENTROPY_HIGH}.uniform_fraction": self.uniform_fraction,
-            f"{ATTN_ENTROPY_HIGH}.warmup_steps": float(self.warmup_steps),
-            ATTN_SINK: self.sink_mass,
-            "attn.patience": float(self.patience),
-        }
+        return super().thresholds()
 
     def _make_rules(self) -> None:
         self.entropy_rule = AttentionEntropyRule(
@@ -217,6 +218,7 @@ class AttentionEntropyMonitor(DiagCallback):
         if stage == TrainerFn.FITTING:
             self._make_rules()
             self._mha = None
+            self._compiled = None
             self._sampled_step = -1
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -231,8 +233,11 @@ class AttentionEntropyMonitor(DiagCallback):
             (n, m) for n, m in pl_module.named_modules() if isinstance(m, nn.MultiheadAttention)
         ]
         if self.modules is not None:
-            found = [(n, m) for n, m in found if any(fnmatch.fnmatchcase(n, p) for p in self.modules)]
+            found = [(n, m) for n, m in found if self._wanted(n)]
         return found
+
+    def _wanted(self, name: str) -> bool:
+        return self.modules is None or any(fnmatch.fnmatchcase(name, p) for p in self.modules)
 
     def image_interval(self, trainer: pl.Trainer) -> int:
         """Steps between images (0: none)."""
@@ -276,8 +281,32 @@ class AttentionEntropyMonitor(DiagCallback):
         ]
         recorder.activate()
         self._recorder = recorder
+        if self._compiled is None:
+            self._compiled = is_compiled(pl_module)
+        if self._compiled:
+            self.notice(
+                trainer,
+                "compiled",
+                "the model runs through torch.compile: scaled_dot_product_attention and eager attention are not "
+                "captured (nn.MultiheadAttention and record_attention() still are); train without compile for a "
+                "while to see them",
+            )
+        else:
+            include = self._wanted if self.modules is not None else None
+            self._capture = AttentionCapture(pl_module, recorder, include, self._names)
+            self._capture.start()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """The sampled forward is over: leave the function mode before backward (and any recomputation) runs."""
+        self._stop_capture()
+
+    def _stop_capture(self) -> None:
+        capture, self._capture = self._capture, None
+        if capture is not None:
+            capture.stop()
 
     def _detach(self) -> AttentionRecorder | None:
+        self._stop_capture()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -295,6 +324,8 @@ class AttentionEntropyMonitor(DiagCallback):
             return
         for name, problem in recorder.problems.items():
             self.notice(trainer, f"problem:{name}", f"attention of `{name}` is not measured: {problem}")
+        for key, note in recorder.notes.items():
+            self.notice(trainer, f"note:{key}", note)
         layers = self._reduce(trainer, recorder)
         if layers is None:
             return
@@ -302,10 +333,10 @@ class AttentionEntropyMonitor(DiagCallback):
         values: dict[str, float] = {}
         for name, stats in layers.items():
             for h, ent in enumerate(stats.entropy):
-                values[tag("attn_entropy", name, f"head_{h}")] = ent
-            values[tag("attn_entropy", name, "mean")] = sum(stats.entropy) / len(stats.entropy)
-            values[tag("attn_entropy", name, "uniform")] = max(stats.uniform)
-            values[tag("attn_sink", name)] = min(stats.special_mass)
+                values[attn_entropy_tag(name, h)] = ent
+            values[attn_entropy_tag(name, "mean")] = sum(stats.entropy) / len(stats.entropy)
+            values[attn_uniform_tag(name)] = max(stats.uniform)
+            values[attn_sink_tag(name)] = min(stats.special_mass)
         values.update(self.threshold_lines(ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
@@ -335,6 +366,7 @@ class AttentionEntropyMonitor(DiagCallback):
                 "no-attention",
                 "no nn.MultiheadAttention found"
                 + (" matching `modules`" if self.modules is not None else "")
+                + ", no scaled_dot_product_attention or attention softmax call seen"
                 + " and nothing handed over through record_attention(): attention entropy is not measured",
             )
             return None
@@ -369,7 +401,7 @@ class AttentionEntropyMonitor(DiagCallback):
             cell = max(1, min(8, 128 // max(maps.shape[1], maps.shape[2], 1)))
             # one colour scale per image, 0 to its largest weight: near-uniform maps still show their structure
             top = max(float(maps.max()), 1e-6)
-            self.writer.image(tag("attn_map", name), tile([heatmap(m, cell, 0.0, top) for m in maps], gap=cell), step)
+            self.writer.image(attn_map_tag(name), tile([heatmap(m, cell, 0.0, top) for m in maps], gap=cell), step)
         # Heads are compared within the largest set of modules whose maps have the same shape.
         by_shape: dict[tuple[int, ...], list[str]] = {}
         for name, flat in recorder.flat.items():
@@ -383,6 +415,6 @@ class AttentionEntropyMonitor(DiagCallback):
         groups = [g for g, n in enumerate(names) for _ in range(recorder.flat[n].shape[0])]
         corr = head_similarity(stacked).cpu().numpy()
         cell = max(2, min(16, 256 // corr.shape[0]))
-        self.writer.image(tag("attn_heads", "similarity"), heatmap(corr, cell, -1.0, 1.0, diverging=True), step)
+        self.writer.image(attn_heads_tag("similarity"), heatmap(corr, cell, -1.0, 1.0, diverging=True), step)
         coords = head_pca(stacked).cpu().numpy()
-        self.writer.image(tag("attn_heads", "pca"), scatter(coords, groups), step)
+        self.writer.image(attn_heads_tag("pca"), scatter(coords, groups), step)

@@ -14,7 +14,7 @@ from pytorch_lightning.callbacks import BaseFinetuning
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag._validation import check_int, check_number
-from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH
+from lightning_diag.alerts import GRAD_EXPLODE, GRAD_VANISH
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.rules.grad import (
     DEFAULT_BASELINE_MEASUREMENTS,
@@ -29,7 +29,14 @@ from lightning_diag.rules.grad import (
     GradSpreadRule,
 )
 from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
-from lightning_diag.tensorboard import tag
+from lightning_diag.tags import (
+    act_grad_norm_tag,
+    grad_hist_tag,
+    grad_norm_tag,
+    grad_total_tag,
+    update_ratio_tag,
+    weight_norm_tag,
+)
 
 __all__ = ["GradientFlowMonitor"]
 
@@ -182,15 +189,7 @@ class GradientFlowMonitor(DiagCallback):
             >>> GradientFlowMonitor().thresholds()["grad_explode"]
             10.0
         """
-        return {
-            GRAD_VANISH: self.vanish_threshold,
-            f"{GRAD_VANISH}.relative": self.band_rule.relative,
-            GRAD_EXPLODE: self.explode_threshold,
-            GRAD_LAYER_SPREAD: self.spread_ratio,
-            GRAD_COLLAPSE: self.collapse_ratio,
-            f"{GRAD_COLLAPSE}.baseline_measurements": float(self.baseline_measurements),
-            "grad.patience": float(self.patience),
-        }
+        return {**super().thresholds(), f"{GRAD_VANISH}.relative": self.band_rule.relative}
 
     def _make_rules(self) -> None:
         self.band_rule = GradBandRule(self.vanish_threshold, self.explode_threshold, self.patience)
@@ -330,7 +329,7 @@ class GradientFlowMonitor(DiagCallback):
         values = torch.stack([self._act_sq[n] for n in names]).sqrt().tolist()
         self._act_sq = {}
         self.writer.scalars(
-            {tag("act_grad_norm", n): v for n, v in zip(names, values, strict=True)}, trainer.global_step
+            {act_grad_norm_tag(n): v for n, v in zip(names, values, strict=True)}, trainer.global_step
         )
 
     def on_before_optimizer_step(
@@ -359,9 +358,9 @@ class GradientFlowMonitor(DiagCallback):
         norms = {index.layers[g]: host[1 + g] for g in present}
         step = trainer.global_step
         # With several optimizers the global norm is the first optimizer's; the others' get their own tags.
-        total_tag = tag("grad_norm", "total") if position == 0 else tag("grad_norm", "total", f"optimizer_{position}")
+        total_tag = grad_total_tag(position)
         values = {total_tag: host[0]}
-        values.update({tag("grad_norm", layer): v for layer, v in norms.items()})
+        values.update({grad_norm_tag(layer): v for layer, v in norms.items()})
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
@@ -378,7 +377,7 @@ class GradientFlowMonitor(DiagCallback):
             for i in chosen:
                 if not math.isfinite(host[1 + index.layer_of[i]]):
                     continue  # TensorBoard cannot bin NaN/Inf (AnomalyAlarm's business)
-                self.writer.histogram(tag("grad_hist", index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
+                self.writer.histogram(grad_hist_tag(index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
         if self.log_weight_norms:
             self._before.append((chosen, [index.params[i].detach().clone() for i in chosen]))
 
@@ -408,8 +407,8 @@ class GradientFlowMonitor(DiagCallback):
         w_host, r_host = torch.stack([weight, ratio]).tolist()
         values = {}
         for g in sorted(set(group_of.tolist())):
-            values[tag("weight_norm", index.layers[g])] = w_host[g]
-            values[tag("update_ratio", index.layers[g])] = r_host[g]
+            values[weight_norm_tag(index.layers[g])] = w_host[g]
+            values[update_ratio_tag(index.layers[g])] = r_host[g]
         return values
 
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 
 from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_FROZEN, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.registry import default
 
 __all__ = [
     "DEFAULT_BASELINE_MEASUREMENTS",
@@ -43,17 +44,17 @@ __all__ = [
 ]
 
 #: ``grad_vanish``: a layer's gradient L2 norm below this (seed 000 §3.1).
-DEFAULT_VANISH_THRESHOLD = 1e-3
+DEFAULT_VANISH_THRESHOLD = default("grad_vanish")
 #: ``grad_explode``: a layer's gradient L2 norm above this (seed 000 §3.1).
-DEFAULT_EXPLODE_THRESHOLD = 1e1
+DEFAULT_EXPLODE_THRESHOLD = default("grad_explode")
 #: ``grad_layer_spread``: largest / smallest layer norm above this: two orders of magnitude (seed 000 §3.1).
-DEFAULT_SPREAD_RATIO = 100.0
+DEFAULT_SPREAD_RATIO = default("grad_layer_spread")
 #: ``grad_collapse``: global norm below this fraction of its baseline (seed 001 §1.2).
-DEFAULT_COLLAPSE_RATIO = 0.01
+DEFAULT_COLLAPSE_RATIO = default("grad_collapse")
 #: Consecutive measurements a gradient condition must hold before it alerts.
-DEFAULT_GRAD_PATIENCE = 3
+DEFAULT_GRAD_PATIENCE = int(default("grad.patience"))
 #: ``grad_collapse``: measurements whose median global norm is the baseline.
-DEFAULT_BASELINE_MEASUREMENTS = 5
+DEFAULT_BASELINE_MEASUREMENTS = int(default("grad_collapse.baseline_measurements"))
 
 #: ``grad_frozen``: why a parameter cannot learn, and the advice for each.
 FROZEN_REASONS: dict[str, str] = {
