@@ -223,3 +223,15 @@ def test_ddp_ranks_localise_and_roll_back_together(tmp_path):
     assert ranks[0]["params"] == ranks[1]["params"]  # restored the same snapshot and went on in step
     records = [json.loads(x) for x in (tmp_path / "diag" / "alerts.jsonl").read_text().splitlines()]
     assert [r["rule"] for r in records] == ["nonfinite_rollback"]  # only global rank zero writes
+
+
+def test_report_shows_the_localisation_and_the_rollbacks(tmp_path, capsys):
+    from lightning_diag.cli import main
+
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback_every_n_steps=2)
+    _fit(Regression(fault="forward", fault_steps=(5,)), alarm, tmp_path, max_steps=12)
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    check = next(x for x in out.splitlines() if "No NaN/Inf" in x)
+    assert "nonfinite_rollback at step 5 (net.1)" in check and "1 rollback(s)" in check and "training went on" in check
+    assert "| 5 | 0 | warning | nonfinite_rollback | net.1 |" in out  # the timeline
