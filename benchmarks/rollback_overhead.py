@@ -6,8 +6,8 @@ Three measurements on the models of ``benchmarks/overhead.py``:
    rollback over stop (the mean, not the median: the snapshot steps are rare by design and the mean amortises
    them), per repetition, with the median and range;
 2. in the same runs, the time spent inside the alarm's own hooks per step (every hook timed with
-   ``perf_counter``, snapshots included): the extra time of rollback over stop as a fraction of the step, a
-   measure that the noise of a shared machine does not swamp;
+   ``perf_counter``, snapshots included), and, in isolation, the per-step work rollback adds (the batch
+   reference and torch RNG copy, the loss ring): measures that the noise of a shared machine swamps less;
 3. one snapshot of each model (transformer and MLP, with their AdamW state) timed directly, and its size: the
    amortised cost at the default interval is ``1 + snapshot time / (rollback_every_n_steps x step time)``.
 
@@ -67,9 +67,7 @@ def snapshot_cost(ov: Any, model: str, args: argparse.Namespace, step_ms: float)
         times.append(time.perf_counter() - t0)
     snap = statistics.median(times) * 1e3
     amortised = 1 + snap / (DEFAULT_ROLLBACK_EVERY_N_STEPS * step_ms)
-    return (
-        f"| {model} | {store.get(0).nbytes / 2**20:.1f} MiB | {snap:.2f} ms | {step_ms:.2f} ms | {amortised:.4f}x |"
-    )
+    return f"| {model} | {store.get(0).nbytes / 2**20:.1f} MiB | {snap:.2f} ms | {step_ms:.2f} ms | {amortised:.4f}x |"
 
 
 _TIMED_HOOKS = (
@@ -102,6 +100,24 @@ class HookClock:
                 self.seconds += time.perf_counter() - t0
 
         return hook
+
+
+def per_step_work_us(device: str, iterations: int = 20000) -> float:
+    """Microseconds of the per-step bookkeeping of rollback and localisation, outside any Trainer."""
+    from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
+
+    recovery = NonFiniteRecovery(True, True, 50, 0.5, 3, "cpu", 3)
+    batch, loss = object(), torch.tensor(1.0, device=device)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for i in range(iterations):
+            recovery.on_batch_start(batch, i)
+            recovery.store.observe_loss(loss)
+            recovery.on_step_checked()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / iterations * 1e6)
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,11 +173,16 @@ def main(argv: list[str] | None = None) -> int:
         f"| {args.reps} x {args.mlp_steps} |"
     )
     print()
-    print("| fit | alarm hooks per step, stop | rollback | extra per step | 1 + extra / step time |")
-    print("|---|---|---|---|---|")
+    work = per_step_work_us(args.device)
+    print(
+        "| fit | alarm hooks per step, stop | rollback | extra per step | 1 + extra / step time "
+        "| per-step work alone | 1 + work / step time |"
+    )
+    print("|---|---|---|---|---|---|---|")
     print(
         f"| mlp | {statistics.median(hook_ms['stop']):.3f} ms | {statistics.median(hook_ms['rollback']):.3f} ms "
-        f"| {statistics.median(extra):.3f} ms | {hook_ratio:.4f}x |"
+        f"| {statistics.median(extra):.3f} ms | {hook_ratio:.4f}x | {work:.1f} us "
+        f"| {1 + work / (mlp_ms * 1e3):.4f}x |"
     )
     print()
     print("| model | snapshot size (weights + AdamW moments) | snapshot time | step time | amortised at default |")
