@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| {args.reps} x {args.mlp_steps} |"
     )
     print()
-    work = per_step_work_us(args.device)
+    work = per_step_work_us(args.device, 2000 if args.quick else 20000)
     print(
         "| fit | alarm hooks per step, stop | rollback | extra per step | 1 + extra / step time "
         "| per-step work alone | 1 + work / step time |"
