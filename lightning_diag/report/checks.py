@@ -20,7 +20,7 @@ Adding a row (issues adding callbacks):
 3. where the row can show a measured value from the logged series, add one function here decorated with
    ``@measure(id)``: it fills ``check.measured`` / ``measured_value`` (and ``threshold`` /
    ``threshold_value`` if the generic text is not enough) and returns whether the series was measured. A
-   ``@replay(id)`` function may also re-run the row's pure rules over the series.
+   ``@replay(id)`` function in :mod:`lightning_diag.report.replay` may also re-run the row's pure rules.
 
 Example:
     >>> check = Check("nonfinite", "Training", "No NaN/Inf in loss or gradients", ("nonfinite_loss",))
@@ -38,13 +38,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from lightning_diag.alerts import ALL_RULES, Alert
-from lightning_diag.report.load import RunData, Series
-from lightning_diag.rules.anomaly import LossSwingRule, ValDeclineRule
-from lightning_diag.rules.attention import AttentionEntropyRule, LayerStats
-from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule
-from lightning_diag.rules.registry import CHECKS, RULES, CheckSpec, default
-from lightning_diag.tags import attn_head, attn_mean, attn_uniform_tag, grad_layer, grad_total_tag, loss_tag, prefix
+from lightning_diag.report.load import RunData
+from lightning_diag.report.replay import REPLAYS, _by_step, _per_layer, _setting, replay
+from lightning_diag.rules.registry import CHECKS, RULES, CheckSpec
+from lightning_diag.tags import attn_head, attn_mean, grad_total_tag, loss_tag, prefix
 
 __all__ = ["MEASURES", "REPLAYS", "Check", "RunReport", "Status", "diagnose", "measure", "replay"]
 
@@ -147,12 +144,8 @@ def _json_safe(obj: Any) -> Any:
 
 #: Fills a check's measured value from the logged series; returns whether the series was measured.
 Measure = Callable[[RunData, Check], bool]
-#: Re-runs a check's pure rules over the logged series; returns the alerts they raise.
-Replay = Callable[[RunData], list[Alert]]
 #: Check id -> its measure function.
 MEASURES: dict[str, Measure] = {}
-#: Check id -> its replay function.
-REPLAYS: dict[str, Replay] = {}
 
 
 def measure(check_id: str) -> Callable[[Measure], Measure]:
@@ -160,16 +153,6 @@ def measure(check_id: str) -> Callable[[Measure], Measure]:
 
     def decorate(fn: Measure) -> Measure:
         MEASURES[check_id] = fn
-        return fn
-
-    return decorate
-
-
-def replay(check_id: str) -> Callable[[Replay], Replay]:
-    """Register the replay function of a checklist row."""
-
-    def decorate(fn: Replay) -> Replay:
-        REPLAYS[check_id] = fn
         return fn
 
     return decorate
@@ -195,118 +178,8 @@ def _threshold(run: RunData, key: str) -> float | None:
     return None if value is None else float(value)
 
 
-def _setting(run: RunData, key: str) -> float:
-    """A threshold or setting in effect for replaying: the run's, else the registry's default."""
-    value = run.thresholds.get(key)
-    return float(value) if value is not None else default(key)
-
-
-def _by_step(series: Iterable[tuple[str, Series]]) -> dict[int, dict[str, float]]:
-    out: dict[int, dict[str, float]] = {}
-    for name, points in series:
-        for step, v in points:
-            out.setdefault(step, {})[name] = v
-    return dict(sorted(out.items()))
-
-
-def _per_layer(run: RunData) -> dict[str, Series]:
-    return {layer: run.scalars[t] for t in run.tags(prefix("grad_norm")) if (layer := grad_layer(t)) is not None}
-
-
 def _attached(run: RunData, rules: Sequence[str]) -> bool:
     return any(ALL_RULES.get(r) in run.callbacks for r in rules)
-
-
-# -- replays ----------------------------------------------------------------------------------------------
-
-
-@replay("grad_norm_band")
-def _replay_grad_band(run: RunData) -> list[Alert]:
-    patience = int(_setting(run, "grad.patience"))
-    rule = GradBandRule(_setting(run, "grad_vanish"), _setting(run, "grad_explode"), patience)
-    totals = dict(run.scalars.get(grad_total_tag(), []))
-    alerts: list[Alert] = []
-    for step, norms in _by_step(_per_layer(run).items()).items():
-        alerts += rule.update(norms, StepContext(0, step), totals.get(step))
-    return alerts
-
-
-@replay("grad_spread")
-def _replay_grad_spread(run: RunData) -> list[Alert]:
-    rule = GradSpreadRule(_setting(run, "grad_layer_spread"), int(_setting(run, "grad.patience")))
-    alerts: list[Alert] = []
-    for step, norms in _by_step(_per_layer(run).items()).items():
-        alerts += rule.update(norms, StepContext(0, step))
-    return alerts
-
-
-@replay("grad_collapse")
-def _replay_grad_collapse(run: RunData) -> list[Alert]:
-    rule = GradCollapseRule(
-        _setting(run, "grad_collapse"),
-        int(_setting(run, "grad.patience")),
-        int(_setting(run, "grad_collapse.baseline_measurements")),
-    )
-    alerts: list[Alert] = []
-    for step, total in run.scalars.get(grad_total_tag(), []):
-        alerts += rule.update(total, StepContext(0, step))
-    return alerts
-
-
-@replay("attn_entropy_band")
-def _replay_attn_band(run: RunData) -> list[Alert]:
-    rule = AttentionEntropyRule(
-        _setting(run, "attn_entropy_low"),
-        _setting(run, "attn_entropy_high"),
-        _setting(run, "attn_entropy_high.uniform_fraction"),
-        int(_setting(run, "attn_entropy_high.warmup_steps")),
-        int(_setting(run, "attn.patience")),
-    )
-    heads: dict[str, dict[int, Series]] = {}
-    for name, points in run.scalars.items():
-        parsed = attn_head(name)
-        if parsed is not None:
-            heads.setdefault(parsed[0], {})[parsed[1]] = points
-    alerts: list[Alert] = []
-    by_step: dict[int, dict[str, LayerStats]] = {}
-    for module, per_head in heads.items():
-        uniform = dict(run.scalars.get(attn_uniform_tag(module), []))
-        n = max(per_head) + 1
-        for step, values in _by_step((str(h), s) for h, s in per_head.items()).items():
-            entropy = [values.get(str(h), math.nan) for h in range(n)]
-            uni = uniform.get(step, math.inf)  # not logged: the low rule judges alone
-            by_step.setdefault(step, {})[module] = LayerStats(entropy, [uni] * n, [math.nan] * n, [math.nan] * n)
-    for step, layers in sorted(by_step.items()):
-        alerts += rule.update(layers, StepContext(0, step))
-    return alerts
-
-
-def _loss_points(run: RunData) -> Series:
-    return run.scalars.get(loss_tag("train_epoch")) or run.scalars.get(loss_tag("train_window")) or []
-
-
-@replay("loss_swing")
-def _replay_loss_swing(run: RunData) -> list[Alert]:
-    rule = LossSwingRule(
-        _setting(run, "loss_swing"), int(_setting(run, "loss_swing.patience")), _setting(run, "loss_swing.min_delta")
-    )
-    alerts: list[Alert] = []
-    for step, v in _loss_points(run):
-        alerts += rule.update(v, StepContext(0, step))
-    return alerts
-
-
-@replay("val_decline")
-def _replay_val_decline(run: RunData) -> list[Alert]:
-    mode: Literal["min", "max"] = "max" if _threshold(run, "val_decline.higher_is_better") else "min"
-    rule = ValDeclineRule(
-        mode=mode, patience=int(_setting(run, "val_decline")), min_delta=_setting(run, "val_decline.min_delta")
-    )
-    alerts: list[Alert] = []
-    for step, v in run.scalars.get(loss_tag("val"), []):
-        if math.isfinite(v):
-            alerts += rule.update(v, StepContext(0, step))
-    return alerts
 
 
 # -- measures ---------------------------------------------------------------------------------------------
