@@ -295,15 +295,10 @@ def _measure_nonfinite(run: RunData, check: Check) -> bool:
             f"{len(alerts)} non-finite alert(s); first: {first.rule} at step {first.global_step} ({first.source})"
         )
         check.measured_value = {"count": float(len(alerts)), "first_step": float(first.global_step)}
-        rollbacks = [a for a in alerts if a.rule == "nonfinite_rollback"]
-        if rollbacks:
-            where = ", ".join(f"step {a.global_step} ({a.source})" for a in rollbacks[:3])
-            more = f" and {len(rollbacks) - 3} more" if len(rollbacks) > 3 else ""
-            stopped = any(a.source == "rollback_limit" for a in alerts)
-            check.add_note(
-                f"{len(rollbacks)} rollback(s) to an earlier snapshot at {where}{more}; "
-                + ("then the rollback limit stopped training" if stopped else "training went on")
-            )
+        rolled = [f"step {a.global_step} ({a.source})" for a in alerts if a.rule == "nonfinite_rollback"]
+        if rolled:
+            end = "the rollback limit stopped training" if any(a.source == "rollback_limit" for a in alerts) else ""
+            check.add_note(f"{len(rolled)} rollback(s) at {', '.join(rolled)}; {end or 'training went on'}")
     elif bad_points:
         name, step = min(bad_points, key=lambda p: p[1])
         check.measured = f"{len(bad_points)} non-finite logged values; first: {name} at step {step}"
