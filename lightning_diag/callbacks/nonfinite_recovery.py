@@ -35,6 +35,10 @@ __all__ = ["NonFiniteRecovery"]
 _LOG_METHODS = ("log", "log_dict")
 
 
+def _ignore(state: dict[str, Any]) -> None:
+    """The default ``load_extra``: a module-level function, so the callback pickles (``ddp_spawn``)."""
+
+
 def _schedulers(trainer: pl.Trainer) -> list[Any]:
     return [config.scheduler for config in trainer.lr_scheduler_configs]
 
@@ -84,7 +88,7 @@ class NonFiniteRecovery:
         self._last_snapshot: int | None = None
         self._can_replay = True
         self._extra: Callable[[], dict[str, Any]] = dict
-        self._load_extra: Callable[[dict[str, Any]], None] = lambda state: None
+        self._load_extra: Callable[[dict[str, Any]], None] = _ignore
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -114,7 +118,7 @@ class NonFiniteRecovery:
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
         extra: Callable[[], dict[str, Any]] = dict,
-        load_extra: Callable[[dict[str, Any]], None] = lambda state: None,
+        load_extra: Callable[[dict[str, Any]], None] = _ignore,
     ) -> None:
         """Install the learning-rate hooks and take the first snapshot.
 

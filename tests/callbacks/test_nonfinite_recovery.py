@@ -235,3 +235,12 @@ def test_report_shows_the_localisation_and_the_rollbacks(tmp_path, capsys):
     check = next(x for x in out.splitlines() if "No NaN/Inf" in x)
     assert "nonfinite_rollback at step 5 (net.1)" in check and "1 rollback(s)" in check and "training went on" in check
     assert "| 5 | 0 | warning | nonfinite_rollback | net.1 |" in out  # the timeline
+
+
+def test_the_alarm_pickles_for_ddp_spawn(tmp_path):
+    import pickle
+
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback_every_n_steps=2)
+    _fit(Regression(), alarm, tmp_path, max_steps=4)  # after a fit too (snapshots, hooks removed)
+    for candidate in (AnomalyAlarm(on_nonfinite="rollback"), alarm):
+        assert pickle.loads(pickle.dumps(candidate)).on_nonfinite == "rollback"
