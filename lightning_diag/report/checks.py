@@ -291,8 +291,14 @@ def _measure_nonfinite(run: RunData, check: Check) -> bool:
     ]
     if alerts:
         first = min(alerts, key=lambda a: a.global_step)
-        check.measured = f"{len(alerts)} non-finite alert(s); first: {first.rule} at step {first.global_step}"
+        check.measured = (
+            f"{len(alerts)} non-finite alert(s); first: {first.rule} at step {first.global_step} ({first.source})"
+        )
         check.measured_value = {"count": float(len(alerts)), "first_step": float(first.global_step)}
+        rolled = [f"step {a.global_step} ({a.source})" for a in alerts if a.rule == "nonfinite_rollback"]
+        if rolled:
+            end = "the rollback limit stopped training" if any(a.source == "rollback_limit" for a in alerts) else ""
+            check.add_note(f"{len(rolled)} rollback(s) at {', '.join(rolled)}; {end or 'training went on'}")
     elif bad_points:
         name, step = min(bad_points, key=lambda p: p[1])
         check.measured = f"{len(bad_points)} non-finite logged values; first: {name} at step {step}"

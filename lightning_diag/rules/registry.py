@@ -516,6 +516,13 @@ register(RuleSpec("quantization_error", _QUANT, "warning", 0.05,
                   arguments={"threshold": "threshold", "layer_ratio": "layer_ratio",
                              "min_layer_error": "min_layer_error"}))
 
+# AnomalyAlarm(on_nonfinite="rollback") (issue 12): the rollback warning; settings are the rollback arguments.
+register(RuleSpec("nonfinite_rollback", _ALARM, "warning", None,
+                  "a non-finite step rolled back to a snapshot, learning rates x{lr_factor:g} per rollback",
+                  settings={"every_n_steps": 50, "lr_factor": 0.5, "max_rollbacks": 3}, check="nonfinite",
+                  arguments={"every_n_steps": "rollback_every_n_steps", "lr_factor": "rollback_lr_factor",
+                             "max_rollbacks": "max_rollbacks"}))
+
 _SYSTEM = "SystemMonitor"
 register(RuleSpec("dataloader_bound", _SYSTEM, "warning", 0.25,
                   "waiting for data above {threshold:.0%} of the step time on {patience:g} consecutive intervals",
