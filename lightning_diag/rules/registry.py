@@ -165,18 +165,24 @@ register(RuleSpec("loss_stagnant", _ALARM, "warning", 0.10,
                   settings={"patience": 4, "baseline_steps": 5}))
 
 _GRAD = "GradientFlowMonitor"
-register(RuleSpec("grad_vanish", _GRAD, "warning", 1e-3, "a layer's gradient below {threshold:g}",
-                  check="grad_norm_band", source="seed 000 §3.1"))
-register(RuleSpec("grad_explode", _GRAD, "warning", 1e1, "a layer's gradient above {threshold:g}",
+register(RuleSpec("grad_vanish", _GRAD, "warning", 1e-3,
+                  "a weight matrix's ||g||/||W|| below {threshold:g} and {relative:g}x below the median matrix, "
+                  "after step {warmup_steps:g}",
+                  settings={"relative": 100.0, "warmup_steps": 50}, check="grad_norm_band",
+                  source="seed 000 §3.1"))
+register(RuleSpec("grad_explode", _GRAD, "warning", 1e1, "a layer's RMS gradient per element above {threshold:g}",
                   check="grad_norm_band", source="seed 000 §3.1"))
 register(RuleSpec("grad_layer_spread", _GRAD, "warning", 100.0,
-                  "largest / smallest layer gradient above {threshold:g}", check="grad_spread",
-                  source="seed 000 §3.1"))
+                  "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
+                  settings={"warmup_steps": 50}, check="grad_spread", source="seed 000 §3.1"))
 register(RuleSpec("grad_collapse", _GRAD, "warning", 0.01,
-                  "global gradient norm below {threshold:g} of its early baseline",
-                  settings={"baseline_measurements": 5}, check="grad_collapse", source="seed 001 §1.2"))
+                  "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or "
+                  "vanished: warning)",
+                  settings={"baseline_measurements": 5, "converged_fraction": 0.1}, check="grad_collapse",
+                  source="seed 001 §1.2"))
 register(RuleSpec("grad_frozen", _GRAD, "warning", None,
-                  "a trainable parameter that cannot learn (in no optimizer, or never gets a gradient)"))
+                  "a trainable parameter that cannot learn (in no optimizer, or never gets a gradient); "
+                  "requires_grad=False is an info"))
 
 _ATTN = "AttentionEntropyMonitor"
 register(RuleSpec("attn_entropy_low", _ATTN, "warning", 0.5, "a head's attention entropy below {threshold:g} nats",
