@@ -120,7 +120,9 @@ class DemoModule(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         c = self.config
         excluded = tuple(c.exclude_from_optimizer)
-        params = [p for n, p in self.named_parameters() if p.requires_grad and not (excluded and n.startswith(excluded))]
+        params = [
+            p for n, p in self.named_parameters() if p.requires_grad and not (excluded and n.startswith(excluded))
+        ]
         opt: torch.optim.Optimizer
         if c.optimizer == "sgd":
             opt = torch.optim.SGD(params, lr=c.lr, weight_decay=c.weight_decay)
