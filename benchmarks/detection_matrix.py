@@ -309,7 +309,7 @@ def _margins(log_dir: str) -> dict[str, Any]:
     out["rel_min"] = min(late, default=None)
     out["starve"] = worst_starve
     out["spread"] = worst_spread
-    blocks = series.get("diag/grad_norm/blocks", [])
+    blocks = series.get("diag/grad_blocks/norm", [])
     if len(blocks) > 5:
         base = sorted(v for _, v in blocks[:5])[2]
         out["collapse"] = min((v / base, s) for s, v in blocks[5:]) if base > 0 else None

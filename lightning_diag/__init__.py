@@ -1,14 +1,36 @@
-"""lightning_diag: PyTorch Lightning callbacks that diagnose training runs from the inside."""
+"""lightning_diag: PyTorch Lightning callbacks that diagnose training runs from the inside.
 
+The package root is lazy (PEP 562): ``import lightning_diag`` loads neither torch nor Lightning, and each public
+name is imported from its module on first use, so ``lightning-diag report`` and ``import lightning_diag.report``
+stay light. A new callback is added with one entry in :data:`_LAZY` (and one in ``__all__``).
+
+Logging follows the library convention: the ``lightning_diag`` logger gets a :class:`logging.NullHandler` at
+import; the visible stream handler is installed only when a callback is first set up and the application has
+configured no handler of its own (see :func:`lightning_diag._logging.ensure_handler`).
+"""
+
+from __future__ import annotations
+
+import importlib
 import logging as _logging
-
-from lightning_diag.alerts import Alert, AlertLog, Severity, read_alerts
-from lightning_diag.attention import attention_requested, record_attention, record_hf_attentions
-from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
-from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
-from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it.
+_LAZY: dict[str, str] = {
+    "Alert": "lightning_diag.alerts",
+    "AlertLog": "lightning_diag.alerts",
+    "Severity": "lightning_diag.alerts",
+    "read_alerts": "lightning_diag.alerts",
+    "attention_requested": "lightning_diag.attention",
+    "record_attention": "lightning_diag.attention",
+    "record_hf_attentions": "lightning_diag.attention",
+    "AnomalyAlarm": "lightning_diag.callbacks.anomaly_alarm",
+    "NonFiniteError": "lightning_diag.callbacks.anomaly_alarm",
+    "AttentionEntropyMonitor": "lightning_diag.callbacks.attention_entropy",
+    "GradientFlowMonitor": "lightning_diag.callbacks.gradient_flow",
+}
 
 __all__ = [
     "Alert",
@@ -25,10 +47,25 @@ __all__ = [
     "record_hf_attentions",
 ]
 
-_logger = _logging.getLogger("lightning_diag")
-if not _logger.handlers:
-    _handler = _logging.StreamHandler()
-    _handler.setFormatter(_logging.Formatter("lightning_diag %(levelname)s: %(message)s"))
-    _logger.addHandler(_handler)
-    _logger.setLevel(_logging.INFO)
-    _logger.propagate = False
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from lightning_diag.alerts import Alert, AlertLog, Severity, read_alerts
+    from lightning_diag.attention import attention_requested, record_attention, record_hf_attentions
+    from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
+    from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
+    from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_diag' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+_logging.getLogger("lightning_diag").addHandler(_logging.NullHandler())

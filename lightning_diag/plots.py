@@ -18,6 +18,8 @@ matplotlib.use("Agg")  # files only; must come before pyplot
 import matplotlib.pyplot as plt
 import numpy as np
 
+from lightning_diag.tags import attn_head, grad_layer, grad_total_tag
+
 if TYPE_CHECKING:
     from lightning_diag.report import RunData
 
@@ -31,13 +33,13 @@ def _xy(points: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
 
 
 def _grad_norms(run: RunData, path: Path) -> bool:
-    total = run.scalars.get("diag/grad_norm/total", [])
-    layers = {t: s for t, s in run.scalars.items() if t.startswith("diag/grad_norm/") and t != "diag/grad_norm/total"}
+    total = run.scalars.get(grad_total_tag(), [])
+    layers = {grad_layer(t): s for t, s in run.scalars.items() if grad_layer(t) is not None}
     if not total and not layers:
         return False
     fig, ax = plt.subplots(figsize=(9, 5))
     for name, series in sorted(layers.items()):
-        ax.plot(*_xy(series), linewidth=0.8, alpha=0.6, label=name.removeprefix("diag/grad_norm/"))
+        ax.plot(*_xy(series), linewidth=0.8, alpha=0.6, label=name)
     if total:
         ax.plot(*_xy(total), color="black", linewidth=2.0, label="total")
     for key, color in (("grad_vanish", "tab:blue"), ("grad_explode", "tab:red")):
@@ -56,10 +58,8 @@ def _grad_norms(run: RunData, path: Path) -> bool:
 
 
 def _attn_heatmap(run: RunData, path: Path) -> bool:
-    rows = sorted(
-        (t for t in run.scalars if t.startswith(_HEAD) and "/head_" in t),
-        key=lambda t: (t.rsplit("/head_", 1)[0], int(t.rsplit("_", 1)[1]) if t.rsplit("_", 1)[1].isdigit() else 0),
-    )
+    heads = {t: attn_head(t) for t in run.scalars}
+    rows = sorted((t for t, h in heads.items() if h is not None), key=lambda t: heads[t] or ("", 0))
     if not rows:
         return False
     steps = sorted({s for t in rows for s, _ in run.scalars[t]})

@@ -28,7 +28,6 @@ import itertools
 import json
 import math
 import os
-import re
 import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -51,6 +50,7 @@ from lightning_diag.alerts import (
     Alert,
     read_alerts,
 )
+from lightning_diag.tags import attn_head, attn_mean, grad_layer
 
 __all__ = [
     "FORMATS",
@@ -73,8 +73,6 @@ ALERTS_FILE = "alerts.jsonl"
 THRESHOLDS_FILE = "thresholds.json"
 _EVENT_PREFIX = "events.out.tfevents"
 _LAYOUT_TAG = "custom_scalars__config__"
-_HEAD_TAG = re.compile(r"^diag/attn_entropy/(?P<module>.+)/head_(?P<head>[0-9]+)$")
-_MEAN_TAG = re.compile(r"^diag/attn_entropy/(?P<module>.+)/mean$")
 # Which callback measures which tags, for runs that logged no thresholds.json.
 _TAG_OWNERS = {
     "diag/grad_norm/": "GradientFlowMonitor",
@@ -372,7 +370,7 @@ def _threshold(run: RunData, key: str) -> float | None:
 
 
 def _per_layer(run: RunData) -> dict[str, Series]:
-    return {t: run.scalars[t] for t in run.tags("diag/grad_norm/") if t != "diag/grad_norm/total"}
+    return {t: run.scalars[t] for t in run.tags("diag/grad_norm/") if grad_layer(t) is not None}
 
 
 def _check_grad_band(run: RunData) -> Check:
@@ -443,10 +441,10 @@ def _check_attn_band(run: RunData) -> Check:
     )
     check.threshold = _band(low, high, " nats")
     check.threshold_value = {k: v for k, v in (("low", low), ("high", high)) if v is not None}
-    heads = [t for t in run.scalars if _HEAD_TAG.match(t)] or [t for t in run.scalars if _MEAN_TAG.match(t)]
+    heads = [t for t in run.scalars if attn_head(t)] or [t for t in run.scalars if attn_mean(t)]
     values = [v for t in heads for v in _finite(run.scalars[t])]
     if values:
-        what = "heads" if _HEAD_TAG.match(heads[0]) else "layer means"
+        what = "heads" if attn_head(heads[0]) else "layer means"
         check.measured = f"entropy {_fmt(min(values))} .. {_fmt(max(values))} nats over {len(heads)} {what}"
         check.measured_value = {"min": min(values), "max": max(values)}
     missing = [rule for rule, v in ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high)) if v is None]

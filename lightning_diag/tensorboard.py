@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -23,12 +22,24 @@ import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightning_diag.alerts import Alert
+from lightning_diag.tags import (
+    ALERTS_TAG,
+    GRAD_LAYER_PATTERN,
+    GRAD_TOTAL_PATTERN,
+    TAG_PREFIX,
+    THRESHOLDS_TAG,
+    grad_total_tag,
+    sanitize_tag,
+    tag,
+    threshold_tag,
+)
 
 __all__ = [
     "ALERTS_TAG",
     "MAX_ALERT_ROWS",
     "THRESHOLDS_TAG",
     "DiagWriter",
+    "TAG_PREFIX",
     "alert_markdown",
     "alerts_markdown",
     "dashboard_layout",
@@ -40,12 +51,6 @@ __all__ = [
 
 log = logging.getLogger("lightning_diag")
 
-TAG_PREFIX = "diag"
-_BAD_TAG_CHARS = re.compile(r"[^A-Za-z0-9_.\-/]")
-#: Text tag of the alert table (newest first).
-ALERTS_TAG = TAG_PREFIX + "/alerts"
-#: Text tag of the thresholds-in-effect table written at fit start.
-THRESHOLDS_TAG = TAG_PREFIX + "/thresholds"
 #: Rows of the alert table shown in TensorBoard; older alerts stay in ``alerts.jsonl``.
 MAX_ALERT_ROWS = 200
 
@@ -58,31 +63,6 @@ def _tensorboard_logger_types() -> tuple[type, ...]:
 
         types.append(UnifiedTensorBoardLogger)
     return tuple(types)
-
-
-def sanitize_tag(part: str) -> str:
-    """Make one tag component safe for TensorBoard (letters, digits, ``_ . - /``)."""
-    return _BAD_TAG_CHARS.sub("_", part) or "_"
-
-
-def tag(*parts: str) -> str:
-    """Build a ``diag/...`` tag from components.
-
-    Example:
-        >>> tag("grad_norm", "encoder.layers.0")
-        'diag/grad_norm/encoder.layers.0'
-    """
-    return "/".join([TAG_PREFIX, *(sanitize_tag(p) for p in parts)])
-
-
-def threshold_tag(rule: str) -> str:
-    """The tag of a rule's threshold reference series.
-
-    Example:
-        >>> threshold_tag("grad_explode")
-        'diag/threshold/grad_explode'
-    """
-    return tag("threshold", rule)
 
 
 def alert_markdown(alert: Alert) -> str:
@@ -172,11 +152,12 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
         layout["Gradients"] = {
             "global gradient norm (band: grad_vanish .. grad_explode)": [
                 "Margin",
-                [f"{p}/grad_norm/total", threshold_tag("grad_vanish"), threshold_tag("grad_explode")],
+                [grad_total_tag(), threshold_tag("grad_vanish"), threshold_tag("grad_explode")],
             ],
+            "global gradient norm per optimizer": ["Multiline", [GRAD_TOTAL_PATTERN]],
             "gradient norm per layer (lines: grad_vanish, grad_explode)": [
                 "Multiline",
-                [f"{p}/grad_norm/(?!total$)", f"{p}/threshold/grad_(vanish|explode)$"],
+                [GRAD_LAYER_PATTERN, f"{p}/threshold/grad_(vanish|explode)$"],
             ],
             "update-to-weight ratio per layer": ["Multiline", [f"{p}/update_ratio/"]],
             "weight norm per layer": ["Multiline", [f"{p}/weight_norm/"]],

@@ -14,6 +14,7 @@ from torch import nn
 from lightning_diag._validation import check_int, check_number
 from lightning_diag.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
 from lightning_diag.attention import AttentionRecorder
+from lightning_diag.attention_capture import AttentionCapture, is_compiled
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.images import heatmap, scatter, tile
 from lightning_diag.rules.attention import (
@@ -28,7 +29,7 @@ from lightning_diag.rules.attention import (
     LayerStats,
 )
 from lightning_diag.stats.attention import head_pca, head_similarity
-from lightning_diag.tensorboard import tag
+from lightning_diag.tags import attn_entropy_tag, attn_heads_tag, attn_map_tag, attn_sink_tag, attn_uniform_tag
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonitor"]
 
@@ -167,6 +168,8 @@ class AttentionEntropyMonitor(DiagCallback):
         self._mha: list[tuple[str, nn.Module]] | None = None
         self._names: dict[int, str] = {}
         self._sampled_step = -1
+        self._capture: AttentionCapture | None = None
+        self._compiled: bool | None = None
 
     @staticmethod
     def _int_tuple(name: str, values: Sequence[int]) -> tuple[int, ...]:
@@ -217,6 +220,7 @@ class AttentionEntropyMonitor(DiagCallback):
         if stage == TrainerFn.FITTING:
             self._make_rules()
             self._mha = None
+            self._compiled = None
             self._sampled_step = -1
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -231,8 +235,11 @@ class AttentionEntropyMonitor(DiagCallback):
             (n, m) for n, m in pl_module.named_modules() if isinstance(m, nn.MultiheadAttention)
         ]
         if self.modules is not None:
-            found = [(n, m) for n, m in found if any(fnmatch.fnmatchcase(n, p) for p in self.modules)]
+            found = [(n, m) for n, m in found if self._wanted(n)]
         return found
+
+    def _wanted(self, name: str) -> bool:
+        return self.modules is None or any(fnmatch.fnmatchcase(name, p) for p in self.modules)
 
     def image_interval(self, trainer: pl.Trainer) -> int:
         """Steps between images (0: none)."""
@@ -276,8 +283,31 @@ class AttentionEntropyMonitor(DiagCallback):
         ]
         recorder.activate()
         self._recorder = recorder
+        if self._compiled is None:
+            self._compiled = is_compiled(pl_module)
+        if self._compiled:
+            self.notice(
+                trainer,
+                "compiled",
+                "the model runs through torch.compile: scaled_dot_product_attention and eager attention are not "
+                "captured (nn.MultiheadAttention and record_attention() still are); train without compile for a "
+                "while to see them",
+            )
+        else:
+            self._capture = AttentionCapture(pl_module, recorder, self._wanted if self.modules is not None else None)
+            self._capture.start()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """The sampled forward is over: leave the function mode before backward (and any recomputation) runs."""
+        self._stop_capture()
+
+    def _stop_capture(self) -> None:
+        capture, self._capture = self._capture, None
+        if capture is not None:
+            capture.stop()
 
     def _detach(self) -> AttentionRecorder | None:
+        self._stop_capture()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -302,10 +332,10 @@ class AttentionEntropyMonitor(DiagCallback):
         values: dict[str, float] = {}
         for name, stats in layers.items():
             for h, ent in enumerate(stats.entropy):
-                values[tag("attn_entropy", name, f"head_{h}")] = ent
-            values[tag("attn_entropy", name, "mean")] = sum(stats.entropy) / len(stats.entropy)
-            values[tag("attn_entropy", name, "uniform")] = max(stats.uniform)
-            values[tag("attn_sink", name)] = min(stats.special_mass)
+                values[attn_entropy_tag(name, h)] = ent
+            values[attn_entropy_tag(name, "mean")] = sum(stats.entropy) / len(stats.entropy)
+            values[attn_uniform_tag(name)] = max(stats.uniform)
+            values[attn_sink_tag(name)] = min(stats.special_mass)
         values.update(self.threshold_lines(ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
@@ -335,6 +365,7 @@ class AttentionEntropyMonitor(DiagCallback):
                 "no-attention",
                 "no nn.MultiheadAttention found"
                 + (" matching `modules`" if self.modules is not None else "")
+                + ", no scaled_dot_product_attention or attention softmax call seen"
                 + " and nothing handed over through record_attention(): attention entropy is not measured",
             )
             return None
@@ -369,7 +400,7 @@ class AttentionEntropyMonitor(DiagCallback):
             cell = max(1, min(8, 128 // max(maps.shape[1], maps.shape[2], 1)))
             # one colour scale per image, 0 to its largest weight: near-uniform maps still show their structure
             top = max(float(maps.max()), 1e-6)
-            self.writer.image(tag("attn_map", name), tile([heatmap(m, cell, 0.0, top) for m in maps], gap=cell), step)
+            self.writer.image(attn_map_tag(name), tile([heatmap(m, cell, 0.0, top) for m in maps], gap=cell), step)
         # Heads are compared within the largest set of modules whose maps have the same shape.
         by_shape: dict[tuple[int, ...], list[str]] = {}
         for name, flat in recorder.flat.items():
@@ -383,6 +414,6 @@ class AttentionEntropyMonitor(DiagCallback):
         groups = [g for g, n in enumerate(names) for _ in range(recorder.flat[n].shape[0])]
         corr = head_similarity(stacked).cpu().numpy()
         cell = max(2, min(16, 256 // corr.shape[0]))
-        self.writer.image(tag("attn_heads", "similarity"), heatmap(corr, cell, -1.0, 1.0, diverging=True), step)
+        self.writer.image(attn_heads_tag("similarity"), heatmap(corr, cell, -1.0, 1.0, diverging=True), step)
         coords = head_pca(stacked).cpu().numpy()
-        self.writer.image(tag("attn_heads", "pca"), scatter(coords, groups), step)
+        self.writer.image(attn_heads_tag("pca"), scatter(coords, groups), step)

@@ -13,6 +13,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
+from lightning_diag._logging import ensure_handler
 from lightning_diag._validation import check_int
 from lightning_diag.alerts import Alert, AlertLog
 from lightning_diag.rules.base import StepContext
@@ -174,6 +175,7 @@ class DiagCallback(pl.Callback):
     # -- session ---------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Attach to the trainer's diagnostics session; a new fit starts with no alerts."""
+        ensure_handler()
         self._session = _acquire_session(trainer)
         if stage == TrainerFn.FITTING:
             self.alerts = []

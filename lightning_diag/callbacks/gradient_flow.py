@@ -31,7 +31,17 @@ from lightning_diag.rules.grad import (
     GradSpreadRule,
 )
 from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
-from lightning_diag.tensorboard import tag
+from lightning_diag.tags import (
+    act_grad_norm_tag,
+    grad_blocks_tag,
+    grad_hist_tag,
+    grad_norm_tag,
+    grad_relative_tag,
+    grad_rms_tag,
+    grad_total_tag,
+    update_ratio_tag,
+    weight_norm_tag,
+)
 
 __all__ = ["GradientFlowMonitor"]
 
@@ -109,7 +119,7 @@ class GradientFlowMonitor(DiagCallback):
     * ``diag/grad_rms/<layer>``: RMS gradient per element of the layer (``grad_explode``'s quantity).
     * ``diag/grad_relative/<layer>``: ``||g_W|| / ||W||`` of a comparable weight matrix (``grad_vanish`` and
       ``grad_layer_spread``'s quantity).
-    * ``diag/grad_norm/blocks``: L2 norm of the blocks' weight-matrix gradients (``grad_collapse``'s quantity).
+    * ``diag/grad_blocks/norm``: L2 norm of the blocks' weight-matrix gradients (``grad_collapse``'s quantity).
     * ``diag/weight_norm/<layer>``: L2 norm of the layer's parameters (``log_weight_norms``).
     * ``diag/update_ratio/<layer>``: ``||W_after - W_before|| / ||W_before||`` of the measured step
       (``log_weight_norms``; SageMaker Debugger's WeightUpdateRatio).
@@ -412,7 +422,7 @@ class GradientFlowMonitor(DiagCallback):
         values = torch.stack([self._act_sq[n] for n in names]).sqrt().tolist()
         self._act_sq = {}
         self.writer.scalars(
-            {tag("act_grad_norm", n): v for n, v in zip(names, values, strict=True)}, trainer.global_step
+            {act_grad_norm_tag(n): v for n, v in zip(names, values, strict=True)}, trainer.global_step
         )
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -475,13 +485,13 @@ class GradientFlowMonitor(DiagCallback):
         loss_value = host[-1] if math.isfinite(host[-1]) else None
         step = trainer.global_step
         # With several optimizers the global norm is the first optimizer's; the others' get their own tags.
-        total_tag = tag("grad_norm", "total") if position == 0 else tag("grad_norm", "total", f"optimizer_{position}")
+        total_tag = grad_total_tag(position)
         values = {total_tag: host[0]}
-        values.update({tag("grad_norm", layer): v for layer, v in norms.items()})
-        values.update({tag("grad_rms", layer): v for layer, v in rms_host.items()})
-        values.update({tag("grad_relative", layer): v for layer, v in rel_host.items()})
+        values.update({grad_norm_tag(layer): v for layer, v in norms.items()})
+        values.update({grad_rms_tag(layer): v for layer, v in rms_host.items()})
+        values.update({grad_relative_tag(layer): v for layer, v in rel_host.items()})
         if position == 0 and matrix:
-            values[tag("grad_norm", "blocks")] = blocks
+            values[grad_blocks_tag()] = blocks
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
@@ -500,7 +510,7 @@ class GradientFlowMonitor(DiagCallback):
             for i in chosen:
                 if not math.isfinite(host[1 + index.layer_of[i]]):
                     continue  # TensorBoard cannot bin NaN/Inf (AnomalyAlarm's business)
-                self.writer.histogram(tag("grad_hist", index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
+                self.writer.histogram(grad_hist_tag(index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
         if self.log_weight_norms:
             self._before.append((chosen, [index.params[i].detach().clone() for i in chosen]))
 
@@ -530,8 +540,8 @@ class GradientFlowMonitor(DiagCallback):
         w_host, r_host = torch.stack([weight, ratio]).tolist()
         values = {}
         for g in sorted(set(group_of.tolist())):
-            values[tag("weight_norm", index.layers[g])] = w_host[g]
-            values[tag("update_ratio", index.layers[g])] = r_host[g]
+            values[weight_norm_tag(index.layers[g])] = w_host[g]
+            values[update_ratio_tag(index.layers[g])] = r_host[g]
         return values
 
 

@@ -146,162 +146,51 @@ def default_thresholds(owner: str | None = None) -> dict[str, float]:
 # DEFAULT_* constants are these values, read from here.
 
 _ALARM = "AnomalyAlarm"
-register(
-    RuleSpec(
-        "nonfinite_loss", _ALARM, "critical", None, "NaN/Inf in the loss", check="nonfinite", source="seed 000 §4.2"
-    )
-)
-register(
-    RuleSpec(
-        "nonfinite_grad",
-        _ALARM,
-        "critical",
-        None,
-        "NaN/Inf in a gradient before the optimizer step",
-        settings={"max_scaler_overflows": 5},
-        check="nonfinite",
-        source="seed 000 §4.2",
-    )
-)
-register(
-    RuleSpec(
-        "loss_swing",
-        _ALARM,
-        "warning",
-        0.10,
-        "training loss swings by more than {threshold:.0%} on {patience:g} consecutive epochs",
-        settings={"patience": 3, "min_delta": 1e-3},
-        check="loss_swing",
-        source="seed 001 §1.2",
-    )
-)
-register(
-    RuleSpec(
-        "val_decline",
-        _ALARM,
-        "warning",
-        5.0,
-        "validation metric worsens on {threshold:g} consecutive validation runs",
-        settings={"min_delta": 0.0},
-        check="val_decline",
-        source="seed 001 §1.2",
-    )
-)
-register(
-    RuleSpec(
-        "val_fluctuation",
-        _ALARM,
-        "warning",
-        2.0,
-        "validation-loss fluctuation above {threshold:g}x the training-loss fluctuation",
-        settings={"window": 5, "min": 0.15, "min_range": 0.01},
-        check="val_fluctuation",
-        source="seed 000 §4.1",
-    )
-)
-register(
-    RuleSpec(
-        "loss_stagnant",
-        _ALARM,
-        "warning",
-        0.10,
-        "training loss has not fallen {threshold:.0%} below its initial value after {patience:g} points",
-        settings={"patience": 4, "baseline_steps": 5},
-    )
-)
+register(RuleSpec("nonfinite_loss", _ALARM, "critical", None, "NaN/Inf in the loss", check="nonfinite",
+                  source="seed 000 §4.2"))
+register(RuleSpec("nonfinite_grad", _ALARM, "critical", None, "NaN/Inf in a gradient before the optimizer step",
+                  settings={"max_scaler_overflows": 5}, check="nonfinite", source="seed 000 §4.2"))
+register(RuleSpec("loss_swing", _ALARM, "warning", 0.10,
+                  "training loss swings by more than {threshold:.0%} on {patience:g} consecutive epochs",
+                  settings={"patience": 3, "min_delta": 1e-3}, check="loss_swing", source="seed 001 §1.2"))
+register(RuleSpec("val_decline", _ALARM, "warning", 5.0,
+                  "validation metric worsens on {threshold:g} consecutive validation runs",
+                  settings={"min_delta": 0.0}, check="val_decline", source="seed 001 §1.2"))
+register(RuleSpec("val_fluctuation", _ALARM, "warning", 2.0,
+                  "validation-loss fluctuation above {threshold:g}x the training-loss fluctuation",
+                  settings={"window": 5, "min": 0.15, "min_range": 0.01}, check="val_fluctuation",
+                  source="seed 000 §4.1"))
+register(RuleSpec("loss_stagnant", _ALARM, "warning", 0.10,
+                  "training loss has not fallen {threshold:.0%} below its initial value after {patience:g} points",
+                  settings={"patience": 4, "baseline_steps": 5}))
 
 _GRAD = "GradientFlowMonitor"
-register(
-    RuleSpec(
-        "grad_vanish",
-        _GRAD,
-        "warning",
-        1e-3,
-        "a weight matrix's ||g||/||W|| below {threshold:g} and {relative:g}x below the median matrix, "
-        "after step {warmup_steps:g}",
-        settings={"relative": 100.0, "warmup_steps": 50},
-        check="grad_norm_band",
-        source="seed 000 §3.1",
-    )
-)
-register(
-    RuleSpec(
-        "grad_explode",
-        _GRAD,
-        "warning",
-        1e1,
-        "a layer's RMS gradient per element above {threshold:g}",
-        check="grad_norm_band",
-        source="seed 000 §3.1",
-    )
-)
-register(
-    RuleSpec(
-        "grad_layer_spread",
-        _GRAD,
-        "warning",
-        100.0,
-        "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
-        settings={"warmup_steps": 50},
-        check="grad_spread",
-        source="seed 000 §3.1",
-    )
-)
-register(
-    RuleSpec(
-        "grad_collapse",
-        _GRAD,
-        "warning",
-        0.01,
-        "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or vanished: warning)",
-        settings={"baseline_measurements": 5, "converged_fraction": 0.1},
-        check="grad_collapse",
-        source="seed 001 §1.2",
-    )
-)
-register(
-    RuleSpec(
-        "grad_frozen",
-        _GRAD,
-        "warning",
-        None,
-        "a trainable parameter that cannot learn (in no optimizer, or never gets a gradient); "
-        "requires_grad=False is an info",
-    )
-)
+register(RuleSpec("grad_vanish", _GRAD, "warning", 1e-3,
+                  "a weight matrix's ||g||/||W|| below {threshold:g} and {relative:g}x below the median matrix, "
+                  "after step {warmup_steps:g}",
+                  settings={"relative": 100.0, "warmup_steps": 50}, check="grad_norm_band",
+                  source="seed 000 §3.1"))
+register(RuleSpec("grad_explode", _GRAD, "warning", 1e1, "a layer's RMS gradient per element above {threshold:g}",
+                  check="grad_norm_band", source="seed 000 §3.1"))
+register(RuleSpec("grad_layer_spread", _GRAD, "warning", 100.0,
+                  "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
+                  settings={"warmup_steps": 50}, check="grad_spread", source="seed 000 §3.1"))
+register(RuleSpec("grad_collapse", _GRAD, "warning", 0.01,
+                  "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or "
+                  "vanished: warning)",
+                  settings={"baseline_measurements": 5, "converged_fraction": 0.1}, check="grad_collapse",
+                  source="seed 001 §1.2"))
+register(RuleSpec("grad_frozen", _GRAD, "warning", None,
+                  "a trainable parameter that cannot learn (in no optimizer, or never gets a gradient); "
+                  "requires_grad=False is an info"))
 
 _ATTN = "AttentionEntropyMonitor"
-register(
-    RuleSpec(
-        "attn_entropy_low",
-        _ATTN,
-        "warning",
-        0.5,
-        "a head's attention entropy below {threshold:g} nats",
-        check="attn_entropy_band",
-        source="seed 000 §3.2",
-    )
-)
-register(
-    RuleSpec(
-        "attn_entropy_high",
-        _ATTN,
-        "info",
-        2.5,
-        "a head's attention entropy above {threshold:g} nats and {uniform_fraction:g} of uniform",
-        settings={"uniform_fraction": 0.9, "warmup_steps": 200},
-        check="attn_entropy_band",
-        source="seed 000 §3.2",
-    )
-)
-register(
-    RuleSpec(
-        "attn_sink",
-        _ATTN,
-        "warning",
-        0.5,
-        "every head of a layer puts more than {threshold:g} of its mass on special tokens",
-        check="attn_sink",
-        source="seed 000 §3.2",
-    )
-)
+register(RuleSpec("attn_entropy_low", _ATTN, "warning", 0.5, "a head's attention entropy below {threshold:g} nats",
+                  check="attn_entropy_band", source="seed 000 §3.2"))
+register(RuleSpec("attn_entropy_high", _ATTN, "info", 2.5,
+                  "a head's attention entropy above {threshold:g} nats and {uniform_fraction:g} of uniform",
+                  settings={"uniform_fraction": 0.9, "warmup_steps": 200}, check="attn_entropy_band",
+                  source="seed 000 §3.2"))
+register(RuleSpec("attn_sink", _ATTN, "warning", 0.5,
+                  "every head of a layer puts more than {threshold:g} of its mass on special tokens",
+                  check="attn_sink", source="seed 000 §3.2"))

@@ -1,0 +1,281 @@
+"""Seeing attention that no ``nn.MultiheadAttention`` computes: ``scaled_dot_product_attention`` and eager softmax.
+
+On a step an :class:`~lightning_diag.AttentionEntropyMonitor` samples, :class:`AttentionCapture` enters a
+:class:`torch.overrides.TorchFunctionMode` around the forward of the ``LightningModule`` and installs a global
+forward pre/post hook pair that keeps a stack of the modules being run. The mode sees every call of
+``torch.nn.functional.scaled_dot_product_attention`` however it was imported (``F.``, ``torch._C._nn.``, a
+local alias: all are the same builtin, and every builtin consults the active mode). Each call runs **unchanged**
+(the mode calls the original function with the original arguments and returns its result); afterwards the
+probabilities the call implies are recomputed from its ``query``, ``key``, ``attn_mask``, ``is_causal``,
+``scale`` and ``enable_gqa`` under ``no_grad``, for a subsample, without random numbers. Attention written out by
+hand (Hugging Face ``attn_implementation="eager"``, nanoGPT's non-flash path) is seen at its softmax: a
+``softmax`` over the last dimension of a 4-D tensor called directly by a module whose class name contains
+``Attention``; the probabilities are the softmax's own output, before dropout, and the keys it masked (``-inf``
+or ``finfo.min`` scores) are read off its input.
+
+Each capture is named after the innermost module of the ``LightningModule`` that made the call (its qualified
+name, e.g. ``net.model.layers.0.self_attn``); a module's second and later calls in one step get ``.call_<i>``.
+Calls made by an ``nn.MultiheadAttention`` are left to the monitor's own hook (no double counting). Nothing is
+installed on other steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_diag.attention import AttentionRecorder, _subsample_rows
+
+__all__ = ["AttentionCapture", "is_compiled", "sdpa_probabilities", "softmax_probabilities"]
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+Probabilities = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _masked_threshold(dtype: torch.dtype) -> float:
+    """Additive mask values at or below this mean "masked" (``-inf``, or Hugging Face's ``finfo(dtype).min``)."""
+    return torch.finfo(dtype).min / 2 if dtype.is_floating_point else -math.inf
+
+
+def _valid_positions(allowed_full: torch.Tensor, length: int, source_len: int, rows: torch.Tensor) -> Any:
+    """``key_valid [b, S]``: keys some query may attend; ``query_valid``: for same-length (self) attention."""
+    key_valid = allowed_full.reshape(allowed_full.shape[0], -1, source_len).any(1)
+    query_valid = key_valid[:, rows] if length == source_len else None
+    return key_valid, query_valid
+
+
+def _to_4d(x: torch.Tensor, ndim: int) -> torch.Tensor:
+    """``[..., L, E]`` with ``ndim`` dims (right-aligned broadcasting) as ``[B, M, L, E]``."""
+    x = x.reshape((1,) * (ndim - x.dim()) + tuple(x.shape))
+    if ndim == 2:
+        return x[None, None]
+    if ndim == 3:
+        return x[:, None]
+    return x.reshape(x.shape[0], -1, *x.shape[-2:]) if ndim > 4 else x
+
+
+def sdpa_probabilities(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    sample_size: int = 8,
+    max_queries: int = 64,
+) -> Probabilities:
+    """The attention probabilities a ``scaled_dot_product_attention`` call implies, for a subsample, no gradient.
+
+    Follows the documented reference of ``torch.nn.functional.scaled_dot_product_attention``: scores
+    ``q @ k^T * scale`` (``1/sqrt(E)`` by default), a top-left causal mask when ``is_causal``, a boolean
+    ``attn_mask`` (``True`` takes part) or an additive float one (broadcast to ``[..., L, S]``), key heads repeated
+    for grouped-query attention; no dropout. Scores are computed in float32.
+
+    Args:
+        query: ``[N, ..., Hq, L, E]`` (also ``[N, L, E]`` or ``[L, E]``).
+        key: ``[N, ..., H, S, E]``.
+        attn_mask: As passed to the call.
+        is_causal: As passed to the call.
+        scale: As passed to the call.
+        enable_gqa: As passed to the call.
+        sample_size: The first this many batch rows are used.
+        max_queries: At most this many query rows, evenly spaced.
+
+    Returns:
+        ``(probs [b, H, q, S], allowed [b, H or 1, q, S], key_valid [b, S], query_valid [b, q] or None)``. A key is
+        valid when some query of its batch row may attend it; ``query_valid`` (same-length attention only) marks
+        query positions whose key is valid, so padded query rows drop out.
+    """
+    ndim = max(query.dim(), key.dim())
+    q = _to_4d(query.detach(), ndim)
+    k = _to_4d(key.detach(), ndim)
+    batch = max(q.shape[0], k.shape[0])
+    b = min(sample_size, batch)
+    length, source_len = q.shape[-2], k.shape[-2]
+    rows = _subsample_rows(length, max_queries, q.device)
+    with torch.no_grad():
+        qs = q[:b, :, rows].float()
+        ks = k[:b].float()
+        if enable_gqa and qs.shape[1] != ks.shape[1] and ks.shape[1] > 0:
+            ks = ks.repeat_interleave(qs.shape[1] // ks.shape[1], dim=1)
+        factor = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        scores = (qs @ ks.transpose(-2, -1)) * factor
+        allowed_full = torch.ones(1, 1, 1, source_len, dtype=torch.bool, device=q.device)
+        if is_causal:
+            allowed_full = torch.ones(length, source_len, dtype=torch.bool, device=q.device).tril()[None, None]
+        if attn_mask is not None:
+            mask = _to_4d(attn_mask.detach(), max(ndim, attn_mask.dim()))
+            mask = mask[:b] if mask.shape[0] > 1 else mask
+            if mask.dtype == torch.bool:
+                ok = mask
+            else:
+                ok = mask > _masked_threshold(mask.dtype)
+                scores = scores + (mask[:, :, rows] if mask.shape[2] > 1 else mask).float().masked_fill(
+                    ~(ok[:, :, rows] if ok.shape[2] > 1 else ok), 0.0
+                )
+            allowed_full = allowed_full & ok
+        allowed_full = allowed_full.expand(-1, -1, length, -1)
+        allowed = allowed_full[:, :, rows]
+        scores = scores.masked_fill(~allowed, -math.inf)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        if allowed_full.shape[0] < b:
+            allowed_full = allowed_full.expand(b, -1, -1, -1)
+        key_valid, query_valid = _valid_positions(allowed_full, length, source_len, rows)
+    return probs, allowed, key_valid, query_valid
+
+
+def softmax_probabilities(
+    scores: torch.Tensor, probs: torch.Tensor, sample_size: int = 8, max_queries: int = 64
+) -> Probabilities:
+    """Subsample an attention softmax ``probs = softmax(scores, -1)`` (both ``[B, H, L, S]``); masks from scores.
+
+    A key is masked for a query where its score is ``-inf``, NaN or at most half of ``finfo(dtype).min`` (the
+    additive masks of Hugging Face models). Returns the same tuple as :func:`sdpa_probabilities`.
+    """
+    with torch.no_grad():
+        b = min(sample_size, scores.shape[0])
+        length, source_len = scores.shape[-2], scores.shape[-1]
+        rows = _subsample_rows(length, max_queries, scores.device)
+        s = scores.detach()[:b]
+        allowed_full = s > _masked_threshold(s.dtype)
+        allowed = allowed_full[:, :, rows]
+        p = probs.detach()[:b, :, rows].float()
+        key_valid, query_valid = _valid_positions(allowed_full, length, source_len, rows)
+    return p, allowed, key_valid, query_valid
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule runs through ``torch.compile`` (the capture then stays off)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for m in module.modules():
+        if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None:
+            return True
+        if hasattr(getattr(m, "forward", None), "_torchdynamo_orig_callable"):
+            return True
+    return False
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, capture: AttentionCapture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)  # the call itself, exactly as the model made it
+        name = getattr(func, "__name__", "")
+        if name == "scaled_dot_product_attention" or name == "softmax":
+            self.capture.seen(name, args, kwargs, out)
+        return out
+
+
+class AttentionCapture:
+    """Installs the function mode and the module stack for one sampled forward (see the module docstring).
+
+    Args:
+        root: The ``LightningModule``: calls are named by qualified names inside it.
+        recorder: Receives the per-call probabilities.
+        include: ``name -> bool``: whether a module's captures are kept (the monitor's ``modules`` patterns).
+    """
+
+    def __init__(self, root: nn.Module, recorder: AttentionRecorder, include: Any = None) -> None:
+        self.names = {id(m): n for n, m in root.named_modules()}
+        self.root_name = type(root).__name__
+        self.recorder = recorder
+        self.include = include
+        self.stack: list[nn.Module] = []
+        self.calls: dict[str, int] = {}
+        self._mode: _Mode | None = None
+        self._handles: list[Any] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether the mode and the hooks are installed."""
+        return self._mode is not None
+
+    def start(self) -> None:
+        """Install the module-stack hooks and enter the function mode."""
+        if self._mode is not None:
+            return
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._push),
+            nn.modules.module.register_module_forward_hook(self._pop, always_call=True),
+        ]
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        """Leave the function mode and remove the hooks (idempotent)."""
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.stack = []
+
+    def _push(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(module)
+
+    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i] is module:
+                del self.stack[i:]
+                return
+
+    def _caller(self) -> nn.Module | None:
+        for module in reversed(self.stack):
+            if id(module) in self.names:
+                return module
+        return None
+
+    def seen(self, func: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """One intercepted call (never raises: a failure is reported once through the recorder's problems)."""
+        if torch.compiler.is_compiling() or not torch.is_tensor(out):
+            return
+        module = self._caller()
+        if isinstance(module, nn.MultiheadAttention):
+            return  # measured by the monitor's own pre-hook
+        if func == "softmax" and (module is None or "attention" not in type(module).__name__.lower()):
+            return
+        base = self.names.get(id(module), "") if module is not None else ""
+        base = base or self.root_name
+        if self.include is not None and not self.include(base):
+            return
+        try:
+            if func == "softmax":
+                measured = self._softmax(args, kwargs, out)
+            else:
+                bound = dict(zip(_SDPA_ARGS, args, strict=False)) | kwargs
+                measured = sdpa_probabilities(
+                    bound["query"],
+                    bound["key"],
+                    bound.get("attn_mask"),
+                    bool(bound.get("is_causal", False)),
+                    bound.get("scale"),
+                    bool(bound.get("enable_gqa", False)),
+                    self.recorder.sample_size,
+                    self.recorder.max_queries,
+                )
+        except Exception as err:  # a call we do not understand must never break training
+            self.recorder.problems[base] = f"{func}: {type(err).__name__}: {err}"
+            return
+        if measured is None:
+            return
+        index = self.calls.get(base, 0)
+        self.calls[base] = index + 1
+        self.recorder.add(base if index == 0 else f"{base}.call_{index}", *measured)
+
+    def _softmax(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Probabilities | None:
+        scores = args[0] if args else kwargs.get("input")
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if not isinstance(scores, torch.Tensor) or scores.dim() != 4 or dim not in (-1, 3):
+            return None
+        if not scores.dtype.is_floating_point or out.shape != scores.shape:
+            return None
+        return softmax_probabilities(scores, out, self.recorder.sample_size, self.recorder.max_queries)
