@@ -1,5 +1,9 @@
 """Attention entropy of a Hugging Face model inside a LightningModule (built from a config; nothing downloaded).
 
+Nothing in the model refers to the monitor: its ``scaled_dot_product_attention`` calls (the default
+``attn_implementation="sdpa"``; ``"eager"`` works too) are seen on the sampled steps and named after the calling
+modules (``bert.encoder.layer.0.attention.self``).
+
 Run: ``python examples/hf_attention.py`` (needs ``pip install transformers``), then
 ``tensorboard --logdir diag_runs/hf``.
 """
@@ -11,7 +15,7 @@ import torch
 from pytorch_lightning.loggers import TensorBoardLogger
 from transformers import BertConfig, BertModel
 
-from lightning_diag import AttentionEntropyMonitor, attention_requested, record_hf_attentions
+from lightning_diag import AttentionEntropyMonitor
 from lightning_diag.demo import SyntheticDataModule
 from lightning_diag.demo.data import NUM_CLASSES, VOCAB_SIZE
 
@@ -26,18 +30,14 @@ class BertClassifier(pl.LightningModule):
             num_attention_heads=4,
             intermediate_size=64,
             max_position_embeddings=64,
-            attention_probs_dropout_prob=0.0,
-            attn_implementation="eager",  # returns attentions, and computes the same on every step
         )
         self.bert = BertModel(config, add_pooling_layer=False)
         self.head = torch.nn.Linear(32, NUM_CLASSES)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         tokens, padding, labels = batch
-        mask = (~padding).long()  # Hugging Face: 1 = real token
-        # attentions are materialised only on the steps the monitor samples
-        out = self.bert(tokens, attention_mask=mask, output_attentions=attention_requested())
-        record_hf_attentions(out.attentions, "bert", attention_mask=mask)
+        mask = (~padding).long()  # Hugging Face: 1 = real token; padded keys and query rows are left out
+        out = self.bert(tokens, attention_mask=mask)
         return torch.nn.functional.cross_entropy(self.head(out.last_hidden_state[:, 0]), labels)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

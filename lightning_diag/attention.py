@@ -1,6 +1,8 @@
 """Getting attention probabilities out of a model, only on the steps a monitor samples.
 
-Three ways in, all no-ops unless an :class:`~lightning_diag.AttentionEntropyMonitor` is sampling the current step:
+Four ways in, all no-ops unless an :class:`~lightning_diag.AttentionEntropyMonitor` is sampling the current step
+(the fourth, ``torch.nn.functional.scaled_dot_product_attention`` calls and eager attention softmax, is seen
+automatically by :mod:`lightning_diag.attention_capture`):
 
 * ``torch.nn.MultiheadAttention`` (also inside ``nn.TransformerEncoderLayer`` / ``DecoderLayer``) is found
   automatically. The monitor does **not** change the module's call (``need_weights`` stays as the model set it):
@@ -88,7 +90,9 @@ def record_hf_attentions(
 ) -> None:
     """Hand the ``attentions`` of a Hugging Face model output (``output_attentions=True``) to the monitor.
 
-    Layer ``i`` is reported as ``<prefix>.layer_<i>``. Call the model with
+    Rarely needed now: the monitor sees Hugging Face attention by itself (``sdpa`` and ``eager``, see
+    :mod:`lightning_diag.attention_capture`); when it has, this call records nothing (a notice says so once), so
+    the same layers are never counted twice. Layer ``i`` is reported as ``<prefix>.layer_<i>``. Call the model with
     ``output_attentions=attention_requested()`` so the probabilities are only materialised on sampled steps, and
     build it with ``attn_implementation="eager"`` so that sampled steps compute exactly what the others do (other
     implementations fall back to eager when asked for attentions). Hugging Face returns the probabilities after
@@ -107,6 +111,12 @@ def record_hf_attentions(
     """
     recorder = _ACTIVE
     if recorder is None:
+        return
+    if recorder.captured:
+        recorder.notes["hf"] = (
+            f"record_hf_attentions(..., {prefix!r}) was ignored: the model's attention is already captured "
+            "automatically under its modules' names; the call (and output_attentions) can go"
+        )
         return
     if not attentions:
         recorder.problems[prefix] = (
@@ -252,6 +262,8 @@ class AttentionRecorder:
         self.maps: dict[str, torch.Tensor] = {}
         self.flat: dict[str, torch.Tensor] = {}
         self.problems: dict[str, str] = {}
+        self.notes: dict[str, str] = {}
+        self.captured: set[str] = set()  # names measured by the automatic capture this step
 
     def activate(self) -> None:
         """Make this the recorder :func:`record_attention` feeds."""

@@ -269,7 +269,9 @@ class AttentionCapture:
             return
         index = self.calls.get(base, 0)
         self.calls[base] = index + 1
-        self.recorder.add(base if index == 0 else f"{base}.call_{index}", *measured)
+        name = base if index == 0 else f"{base}.call_{index}"
+        self.recorder.captured.add(name)
+        self.recorder.add(name, *measured)
 
     def _softmax(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Probabilities | None:
         scores = args[0] if args else kwargs.get("input")

@@ -263,3 +263,42 @@ def test_nothing_is_installed_on_steps_that_are_not_sampled(tmp_path):
     assert torch._C._len_torch_function_stack() == 0
     assert not torch.nn.modules.module._global_forward_pre_hooks
     assert not [a for a in monitor.alerts if a.severity != "info"]
+
+
+class CompiledBlock(RootCaller):
+    def __init__(self, how: str):
+        super().__init__()
+        self.attn = Holder({"is_causal": True}).block
+        if how == "module":
+            self.attn = torch.compile(self.attn, backend="eager")
+        else:
+            self.attn.compile(backend="eager")
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        self.seen.append((self.global_step, torch._C._len_torch_function_stack(), 0))
+        q, k, v = self.proj(x).reshape(x.shape[0], L, 3, 2, E // 2).permute(2, 0, 3, 1, 4)
+        return self.attn(q, k, v).square().mean()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["module", "in_place"])
+def test_compiled_models_train_unchanged_and_are_explained_once(how, tmp_path, caplog):
+    """Under torch.compile the capture stays off (no mode, no recompilation), with one notice per fit."""
+    model = CompiledBlock(how)
+    monitor = AttentionEntropyMonitor(log_every_n_steps=1)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, L, E)), batch_size=4)
+    with caplog.at_level("INFO", logger="lightning_diag"):
+        pl.Trainer(
+            default_root_dir=tmp_path,
+            max_steps=3,
+            callbacks=[monitor],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(model, data)
+    assert [modes for _, modes, hooks in model.seen if hooks >= 0] == [0, 0, 0]
+    notices = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]
+    assert len(notices) == 1 and "not captured" in notices[0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -142,7 +142,7 @@ def reference(model, kind: str) -> dict[str, tuple[list[float], list[float]]]:
         for self_attn, cross in zip(out.decoder_attentions, out.cross_attentions, strict=True):
             per_layer += [(self_attn, dec, True), (cross, mask, False)]
     else:
-        per_layer = [(a, mask, kind != "bert") for a in out.attentions]
+        per_layer = [(a, mask, kind.startswith(("gpt2", "llama"))) for a in out.attentions]
     recorder = AttentionRecorder(sample_size=8, max_queries=64, special_positions=())
     for name, (probs, m, causal) in zip(NAMES[kind], per_layer, strict=True):
         recorder.add_probabilities(probs, name, attention_mask=m, causal=causal)
@@ -246,3 +246,28 @@ def test_training_is_bitwise_unchanged_with_dropout(kind, impl, tmp_path):
     assert bare.keys() == watched.keys()
     assert all(torch.equal(bare[k], watched[k]) for k in bare)
     assert torch.equal(bare_rng, watched_rng)
+
+
+class OldStyle(Wrapped):
+    """Eager BERT that still hands its attentions over by hand: the layers are counted once, with one notice."""
+
+    def training_step(self, batch, batch_idx):
+        from lightning_diag import attention_requested, record_hf_attentions
+
+        out = self.net(**inputs(self.kind), output_attentions=attention_requested())
+        record_hf_attentions(out.attentions, "bert", attention_mask=inputs(self.kind)["attention_mask"])
+        return out.loss
+
+
+def test_record_hf_attentions_beside_the_capture_counts_each_layer_once(tmp_path, caplog):
+    monitor = AttentionEntropyMonitor(log_every_n_steps=1, image_every_n_steps=0)
+    with caplog.at_level("INFO", logger="lightning_diag"):
+        trainer = _fit(
+            OldStyle(build("bert", "eager"), "bert"), tmp_path, [monitor], steps=2, logger=TensorBoardLogger(tmp_path)
+        )
+    events = EventAccumulator(str(trainer.log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    means = sorted(t for t in events.Tags()["scalars"] if t.startswith("diag/attn_entropy/") and t.endswith("/mean"))
+    assert means == [f"diag/attn_entropy/net.{n}/mean" for n in NAMES["bert"]]
+    notes = [r.getMessage() for r in caplog.records if "record_hf_attentions" in r.getMessage()]
+    assert len(notes) == 1 and "ignored" in notes[0]

@@ -25,5 +25,6 @@ def test_hugging_face_example_logs_attention_entropy(tmp_path, monkeypatch, caps
     acc = EventAccumulator(str(events.parent))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {f"diag/attn_entropy/bert.layer_{i}/head_{h}" for i in range(2) for h in range(4)} <= tags
-    assert len(acc.Scalars("diag/attn_entropy/bert.layer_0/mean")) == 4  # steps 0, 5, 10, 15 of 16
+    layers = [f"bert.encoder.layer.{i}.attention.self" for i in range(2)]  # seen without any call in the model
+    assert {f"diag/attn_entropy/{n}/head_{h}" for n in layers for h in range(4)} <= tags
+    assert len(acc.Scalars(f"diag/attn_entropy/{layers[0]}/mean")) == 4  # steps 0, 5, 10, 15 of 16

@@ -325,6 +325,8 @@ class AttentionEntropyMonitor(DiagCallback):
             return
         for name, problem in recorder.problems.items():
             self.notice(trainer, f"problem:{name}", f"attention of `{name}` is not measured: {problem}")
+        for key, note in recorder.notes.items():
+            self.notice(trainer, f"note:{key}", note)
         layers = self._reduce(trainer, recorder)
         if layers is None:
             return
