@@ -119,7 +119,7 @@ def _fit_real(
         log_every_n_steps=5,
         val_check_interval=50,
         check_val_every_n_epoch=None,
-        limit_val_batches=4,
+        limit_val_batches=8,
         num_sanity_val_steps=0,
         accelerator="cpu",
         callbacks=callbacks,

@@ -55,6 +55,10 @@ _COMPILED_PREFIX = re.compile(r"(?:^|(?<=\.))_orig_mod\.")
 DEFAULT_LOGIT_PROJECTIONS = ("q", "k", "query", "key", "q_proj", "k_proj", "q_lin", "k_lin", "wq", "wk", "to_q", "to_k")
 
 
+#: Name components of embedding tables and learned position/class tokens, which are not weight matrices.
+_EMBEDDING = re.compile(r".*embed.*|pos|pos_emb|wte|wpe|cls_token|mask_token|dist_token")
+
+
 def role_of(layer: str) -> str:
     """The layer's role: its name with block indices replaced by ``*`` (``h.3.mlp.fc`` -> ``h.*.mlp.fc``)."""
     return ".".join("*" if part.isdigit() else part for part in layer.split("."))
@@ -89,9 +93,9 @@ class _Index:
         self.is_matrix = [
             p.ndim >= 2
             and not isinstance(modules.get(owner), torch.nn.Embedding)
-            and "embed" not in owner.rsplit(".", 1)[-1]
+            and not any(_EMBEDDING.fullmatch(part) for part in name.split("."))
             and owner.rsplit(".", 1)[-1] not in skip
-            for p, owner in zip(params, owners, strict=True)
+            for p, owner, name in zip(params, owners, names, strict=True)
         ]
         matrix_layers = {self.layers[self.layer_of[i]] for i, m in enumerate(self.is_matrix) if m}
         in_blocks = {layer for layer in matrix_layers if role_of(layer) != layer}
@@ -131,7 +135,7 @@ class GradientFlowMonitor(DiagCallback):
 
     Rules (exact meaning in :mod:`lightning_diag.rules.grad` and ``docs/gradient_flow.md``):
     ``grad_explode`` (a layer's RMS gradient per element above ``explode_threshold``), ``grad_vanish`` (a weight
-    matrix's ``||g||/||W||`` below ``vanish_threshold`` and 100x below the median matrix, after
+    matrix's ``||g||/||W||`` below ``vanish_threshold`` and 100x below the best-fed block matrix, after
     ``warmup_steps``), ``grad_layer_spread`` (largest / smallest ``||g||/||W||`` of one role across blocks above
     ``spread_ratio``, after ``warmup_steps``), ``grad_collapse`` (the blocks' weight-matrix gradient norm below
     ``collapse_ratio`` times its baseline; the message says converged (an ``info``), dead network or vanished,
@@ -496,7 +500,8 @@ class GradientFlowMonitor(DiagCallback):
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
         self.record(
-            self.band_rule.update(rms_host, ctx, rel_host) + self.spread_rule.update(rel_host, ctx, index.roles)
+            self.band_rule.update(rms_host, ctx, rel_host, index.block_layers)
+            + self.spread_rule.update(rel_host, ctx, index.roles)
         )
         if position == 0:  # one baseline of one quantity: the first optimizer's
             self.record(self.collapse_rule.update(blocks, ctx, loss_value))

@@ -325,7 +325,7 @@ def _entries() -> list[CorpusEntry]:
         CorpusEntry("vit", "vit", "healthy", lr=2e-3),
         CorpusEntry("cnn", "cnn", "healthy", lr=3e-3),
         CorpusEntry("lstm", "lstm", "healthy", lr=3e-3),
-        CorpusEntry("finetune", "finetune", "healthy", lr=2e-3),
+        CorpusEntry("finetune", "finetune", "healthy", lr=1e-3),
     ]
     faults = [
         CorpusEntry(
@@ -432,7 +432,7 @@ def run_corpus(
 ) -> CorpusResult:
     """Train one corpus entry with :func:`~lightning_diag.demo.run.default_callbacks` (or ``callbacks``).
 
-    Validation runs every 50 steps on the 64 validation examples; everything is measured every 5 steps.
+    Validation runs every 50 steps on the 128 validation examples; everything is measured every 5 steps.
 
     Args:
         name: A key of :data:`CORPUS`.
@@ -467,7 +467,7 @@ def run_corpus(
         "log_every_n_steps": 5,
         "val_check_interval": 50,
         "check_val_every_n_epoch": None,
-        "limit_val_batches": 4,
+        "limit_val_batches": 8,
         "num_sanity_val_steps": 0,
         "accelerator": "cpu",
     }

@@ -98,7 +98,7 @@ class CorpusDataModule(pl.LightningDataModule):
         self,
         task: str,
         n_train: int = 1024,
-        n_val: int = 64,
+        n_val: int = 128,
         batch_size: int = 16,
         seed: int = 0,
         shuffle_targets: bool = False,

@@ -128,8 +128,8 @@ FAULTS: dict[str, Fault] = {
             "a classifier head of 10 sigmoid layers: the gradients reaching the encoder vanish",
             (GRAD_VANISH,),
             onset_step=0,
-            window=20,
-            max_epochs=3,
+            window=65,
+            max_epochs=5,
             config={"head_depth": 10, "hidden_activation": "sigmoid"},
         ),
         Fault(

@@ -8,11 +8,11 @@ faults rather than architecture (the measurements behind each choice are in ``do
   on one measurement. Raw L2 norms grow with the number of positions a layer is summed over (a ViT patch
   embedding reaches 21, BERT's token-type embedding 12, in healthy runs); per element they stay below 1.1.
 * ``grad_vanish``: a **weight matrix's relative gradient** ``||g_W|| / ||W||`` below ``vanish_threshold`` *and*
-  more than ``relative`` times below the median of the model's comparable matrices, on ``patience`` consecutive
-  measurements after ``warmup_steps``. One matrix starved while the others learn is vanishing; all of them small
-  together is a converged (or dead) model, ``grad_collapse``'s question. Attention query/key projections are not
-  compared (their gradient flows only through the softmax and is 1e-5 at initialisation, attention being
-  uniform), nor are embeddings (sparse rows).
+  more than ``relative`` times below the largest relative gradient of the blocks' matrices (the best-fed block),
+  on ``patience`` consecutive measurements after ``warmup_steps``. Matrices starved while a block still learns
+  are vanishing; all of them small together is a converged (or dead) model, ``grad_collapse``'s question.
+  Attention query/key projections are not compared (their gradient flows only through the softmax and is 1e-5
+  at initialisation, attention being uniform), nor are embeddings (sparse rows).
 * ``grad_layer_spread``: between comparable matrices **of the same role in different blocks** (``layers.*.fc1``
   against ``layers.*.fc1``), largest / smallest relative gradient above ``spread_ratio`` on ``patience``
   consecutive measurements after ``warmup_steps``. A LayerNorm against the LM head is architecture; block 0
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from lightning_diag.alerts import (
     GRAD_COLLAPSE,
@@ -140,7 +140,11 @@ class GradBandRule(Rule):
         self.streaks: dict[str, int] = {}
 
     def update(
-        self, rms: Mapping[str, float], ctx: StepContext, relative: Mapping[str, float] | None = None
+        self,
+        rms: Mapping[str, float],
+        ctx: StepContext,
+        relative: Mapping[str, float] | None = None,
+        blocks: Collection[str] | None = None,
     ) -> list[Alert]:
         """Feed one measurement; return the alerts raised.
 
@@ -149,13 +153,15 @@ class GradBandRule(Rule):
             ctx: Where the measurement was taken.
             relative: ``{layer: ||g_W|| / ||W||}`` of the comparable weight matrices (``grad_vanish``); ``None``
                 or empty: no vanishing check.
+            blocks: The matrices of the repeated blocks, whose largest relative gradient is the reference a
+                starved matrix is compared with (``None``: every matrix of ``relative``).
         """
         exploding = {k: v for k, v in rms.items() if math.isfinite(v) and v > self.explode_threshold}
         starved: dict[str, float] = {}
         rel = {k: v for k, v in (relative or {}).items() if math.isfinite(v)}
+        reference = max((v for k, v in rel.items() if blocks is None or k in blocks), default=0.0)
         if rel and ctx.global_step >= self.warmup_steps:
-            median = statistics.median(rel.values())
-            starved = {k: v for k, v in rel.items() if v < self.vanish_threshold and v * self.relative < median}
+            starved = {k: v for k, v in rel.items() if v < self.vanish_threshold and v * self.relative < reference}
         alerts = []
         explode_new = self._trip(GRAD_EXPLODE, exploding, set(rms), needed=1)
         if explode_new:
@@ -176,14 +182,13 @@ class GradBandRule(Rule):
         )
         if vanish_new:
             worst = min(vanish_new, key=vanish_new.__getitem__)
-            median = statistics.median(rel.values())
             alerts.append(
                 self._alert(
                     ctx,
                     f"relative gradient ||g||/||W|| below {self.vanish_threshold:g} and over "
-                    f"{self.relative:g}x below the median matrix ({median:.3g}) on {self.patience} consecutive "
-                    f"measurements in {name_layers(vanish_new, worst_first=False)}: gradients vanish before they "
-                    "reach these layers; check saturating activations, depth without residuals or normalisation, "
+                    f"{self.relative:g}x below the best-fed block matrix ({reference:.3g}) on {self.patience} "
+                    f"consecutive measurements in {name_layers(vanish_new, worst_first=False)}: gradients vanish "
+                    "before they reach these layers; check saturating activations, depth without residuals or normalisation, "
                     "a too-small init",
                     source=worst,
                     value=vanish_new[worst],

@@ -166,8 +166,8 @@ register(RuleSpec("loss_stagnant", _ALARM, "warning", 0.10,
 
 _GRAD = "GradientFlowMonitor"
 register(RuleSpec("grad_vanish", _GRAD, "warning", 1e-3,
-                  "a weight matrix's ||g||/||W|| below {threshold:g} and {relative:g}x below the median matrix, "
-                  "after step {warmup_steps:g}",
+                  "a weight matrix's ||g||/||W|| below {threshold:g} and {relative:g}x below the best-fed block "
+                  "matrix, after step {warmup_steps:g}",
                   settings={"relative": 100.0, "warmup_steps": 50}, check="grad_norm_band",
                   source="seed 000 §3.1"))
 register(RuleSpec("grad_explode", _GRAD, "warning", 1e1, "a layer's RMS gradient per element above {threshold:g}",
