@@ -188,8 +188,8 @@ class GradBandRule(Rule):
                     f"relative gradient ||g||/||W|| below {self.vanish_threshold:g} and over "
                     f"{self.relative:g}x below the best-fed block matrix ({reference:.3g}) on {self.patience} "
                     f"consecutive measurements in {name_layers(vanish_new, worst_first=False)}: gradients vanish "
-                    "before they reach these layers; check saturating activations, depth without residuals or normalisation, "
-                    "a too-small init",
+                    "before they reach these layers; check saturating activations, depth without residuals or "
+                    "normalisation, a too-small init",
                     source=worst,
                     value=vanish_new[worst],
                     threshold=self.vanish_threshold,
