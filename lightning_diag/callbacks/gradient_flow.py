@@ -479,6 +479,8 @@ class GradientFlowMonitor(DiagCallback):
                 m_grad[in_block].pow(2).sum().sqrt().reshape(1),
             ]
         loss = self._loss.reshape(1).to(device) if self._loss is not None else torch.full((1,), math.nan, device=device)
+        if trainer.world_size > 1:  # every rank reads the same loss, so the collapse verdict is the same everywhere
+            loss = trainer.strategy.reduce(loss, reduce_op="mean")
         self._loss = None
         present = sorted(set(group_of.tolist()))
         host = torch.cat([total.reshape(1), layer_norms, rms, *extra, loss]).tolist()  # the one copy of this step

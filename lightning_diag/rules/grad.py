@@ -9,8 +9,8 @@ faults rather than architecture (the measurements behind each choice are in ``do
   embedding reaches 21, BERT's token-type embedding 12, in healthy runs); per element they stay below 1.1.
 * ``grad_vanish``: a **weight matrix's relative gradient** ``||g_W|| / ||W||`` below ``vanish_threshold`` *and*
   more than ``relative`` times below the largest relative gradient of the blocks' matrices (the best-fed block),
-  on ``patience`` consecutive measurements after ``warmup_steps``. Matrices starved while a block still learns
-  are vanishing; all of them small together is a converged (or dead) model, ``grad_collapse``'s question.
+  on ``patience`` consecutive measurements after ``warmup_steps``, while that block itself is above
+  ``vanish_threshold``. Matrices starved while a block still learns are vanishing; all of them small together is a converged (or dead) model, ``grad_collapse``'s question.
   Attention query/key projections are not compared (their gradient flows only through the softmax and is 1e-5
   at initialisation, attention being uniform), nor are embeddings (sparse rows).
 * ``grad_layer_spread``: between comparable matrices **of the same role in different blocks** (``layers.*.fc1``
@@ -160,7 +160,8 @@ class GradBandRule(Rule):
         starved: dict[str, float] = {}
         rel = {k: v for k, v in (relative or {}).items() if math.isfinite(v)}
         reference = max((v for k, v in rel.items() if blocks is None or k in blocks), default=0.0)
-        if rel and ctx.global_step >= self.warmup_steps:
+        # a reference that is itself below the threshold is a converged or dead model: grad_collapse's question
+        if rel and ctx.global_step >= self.warmup_steps and reference >= self.vanish_threshold:
             starved = {k: v for k, v in rel.items() if v < self.vanish_threshold and v * self.relative < reference}
         alerts = []
         explode_new = self._trip(GRAD_EXPLODE, exploding, set(rms), needed=1)
