@@ -26,7 +26,7 @@ def _configured(logger: logging.Logger) -> bool:
             return True
         if not current.propagate:
             return False
-        current = current.parent  # type: ignore[assignment]
+        current = current.parent
     return False
 
 

@@ -19,12 +19,15 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
+from lightning_diag.rules.registry import OWNERS
+
 __all__ = [
+    "ALERT_COLUMNS",
     "ALL_RULES",
     "ATTN_ENTROPY_HIGH",
     "ATTN_ENTROPY_LOW",
@@ -44,6 +47,8 @@ __all__ = [
     "AlertLog",
     "NonFiniteAction",
     "Severity",
+    "alert_cells",
+    "alert_table_markdown",
     "read_alerts",
 ]
 
@@ -65,23 +70,9 @@ ATTN_ENTROPY_LOW = "attn_entropy_low"
 ATTN_ENTROPY_HIGH = "attn_entropy_high"
 ATTN_SINK = "attn_sink"
 
-#: Every rule id, mapped to the callback that raises it.
-ALL_RULES: dict[str, str] = {
-    NONFINITE_LOSS: "AnomalyAlarm",
-    NONFINITE_GRAD: "AnomalyAlarm",
-    LOSS_SWING: "AnomalyAlarm",
-    VAL_DECLINE: "AnomalyAlarm",
-    VAL_FLUCTUATION: "AnomalyAlarm",
-    LOSS_STAGNANT: "AnomalyAlarm",
-    GRAD_VANISH: "GradientFlowMonitor",
-    GRAD_EXPLODE: "GradientFlowMonitor",
-    GRAD_LAYER_SPREAD: "GradientFlowMonitor",
-    GRAD_COLLAPSE: "GradientFlowMonitor",
-    GRAD_FROZEN: "GradientFlowMonitor",
-    ATTN_ENTROPY_LOW: "AttentionEntropyMonitor",
-    ATTN_ENTROPY_HIGH: "AttentionEntropyMonitor",
-    ATTN_SINK: "AttentionEntropyMonitor",
-}
+#: Every rule id, mapped to the callback that raises it: a live view of the rule registry
+#: (:mod:`lightning_diag.rules.registry`), so a rule declared there is here too.
+ALL_RULES: Mapping[str, str] = OWNERS
 
 #: What :class:`~lightning_diag.AnomalyAlarm` does when it finds a non-finite loss or gradient.
 NonFiniteAction = Literal["stop", "raise", "skip", "warn"]
@@ -175,6 +166,34 @@ class Alert:
             f"[{self.severity.value}] {self.rule} ({self.source}) at epoch {self.epoch}, "
             f"step {self.global_step}: {self.message}"
         )
+
+
+#: Columns of every alert table (the TensorBoard ``diag/alerts`` text and the report's timeline).
+ALERT_COLUMNS: tuple[str, ...] = ("step", "epoch", "severity", "rule", "source", "value", "threshold", "message")
+
+
+def alert_cells(alert: Alert) -> tuple[str, ...]:
+    """One alert as the plain-text cells of :data:`ALERT_COLUMNS` (numbers to 4 significant digits).
+
+    Example:
+        >>> alert_cells(Alert("grad_explode", "warning", "too big", 1, 40, 12.3456, 10.0, "fc"))
+        ('40', '1', 'warning', 'grad_explode', 'fc', '12.35', '10', 'too big')
+    """
+    value = "" if alert.value is None else f"{alert.value:.4g}"
+    threshold = "" if alert.threshold is None else f"{alert.threshold:.4g}"
+    return (str(alert.global_step), str(alert.epoch), alert.severity.value, alert.rule, alert.source, value,
+            threshold, alert.message)
+
+
+def alert_table_markdown(alerts: Iterable[Alert]) -> list[str]:
+    """The markdown lines of an alert table (header, rule, one row per alert in the order given)."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(ALERT_COLUMNS) + " |", "|" + "---|" * len(ALERT_COLUMNS)]
+    lines += ["| " + " | ".join(cell(c) for c in alert_cells(a)) + " |" for a in alerts]
+    return lines
 
 
 def read_alerts(path: str | os.PathLike[str]) -> list[Alert]:

@@ -22,6 +22,7 @@ installed on other steps.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -91,8 +92,16 @@ def sdpa_probabilities(
         query positions whose key is valid, so padded query rows drop out.
     """
     ndim = max(query.dim(), key.dim())
-    q = _to_4d(query.detach(), ndim)
-    k = _to_4d(key.detach(), ndim)
+    query, key = query.detach(), key.detach()
+    if ndim > 4:  # several head-like dims: broadcast them before they are merged into one
+        shape = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+        if attn_mask is not None:
+            shape = torch.broadcast_shapes(shape, attn_mask.shape[:-2])
+            attn_mask = attn_mask.expand(*shape, *attn_mask.shape[-2:])
+        query = query.expand(*shape, *query.shape[-2:])
+        key = key.expand(*shape, *key.shape[-2:])
+    q = _to_4d(query, ndim)
+    k = _to_4d(key, ndim)
     batch = max(q.shape[0], k.shape[0])
     b = min(sample_size, batch)
     length, source_len = q.shape[-2], k.shape[-2]
@@ -150,6 +159,8 @@ def softmax_probabilities(
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``module`` or a submodule runs through ``torch.compile`` (the capture then stays off)."""
+    if "torch._dynamo" not in sys.modules:  # nothing was ever compiled in this process
+        return False
     from torch._dynamo.eval_frame import OptimizedModule
 
     for m in module.modules():
@@ -181,10 +192,13 @@ class AttentionCapture:
         root: The ``LightningModule``: calls are named by qualified names inside it.
         recorder: Receives the per-call probabilities.
         include: ``name -> bool``: whether a module's captures are kept (the monitor's ``modules`` patterns).
+        names: ``id(module) -> qualified name`` of ``root``'s modules, if already known.
     """
 
-    def __init__(self, root: nn.Module, recorder: AttentionRecorder, include: Any = None) -> None:
-        self.names = {id(m): n for n, m in root.named_modules()}
+    def __init__(
+        self, root: nn.Module, recorder: AttentionRecorder, include: Any = None, names: dict[int, str] | None = None
+    ) -> None:
+        self.names = names if names is not None else {id(m): n for n, m in root.named_modules()}
         self.root_name = type(root).__name__
         self.recorder = recorder
         self.include = include

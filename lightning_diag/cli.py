@@ -14,13 +14,21 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    from lightning_diag.demo.faults import FAULTS
+def _parser(fault_names: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser; ``fault_names`` are the demo's ``--fault`` choices (``None``: not checked here).
 
+    The fault library imports torch and Lightning, so it is loaded only for ``demo``: ``report`` (and its
+    ``--help``) stays light.
+    """
     parser = argparse.ArgumentParser(prog="lightning-diag", description="Diagnose PyTorch Lightning training runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a tiny transformer on the shipped synthetic task, with one fault")
-    demo.add_argument("--fault", default="none", choices=sorted(FAULTS), help="the fault to inject (default: none)")
+    demo.add_argument(
+        "--fault",
+        default="none",
+        choices=sorted(fault_names) if fault_names is not None else None,
+        help="the fault to inject (default: none)",
+    )
     demo.add_argument("--max-epochs", type=int, default=None, help="epochs to train (default: the fault's own)")
     demo.add_argument("--root", default=None, help="directory for the logs (default: ./diag_runs)")
     demo.add_argument("--seed", type=int, default=0, help="seed of data, model and trainer")
@@ -87,7 +95,13 @@ def _report(logdir: str, fmt: str, out: str | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lightning-diag`` and ``python -m lightning_diag``; returns the exit code."""
-    args = _parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    fault_names = None
+    if words[:1] == ["demo"]:
+        from lightning_diag.demo.faults import FAULTS
+
+        fault_names = list(FAULTS)
+    args = _parser(fault_names).parse_args(words)
     if args.command == "demo":
         if args.max_epochs is not None and args.max_epochs < 1:
             print("lightning-diag demo: --max-epochs must be >= 1", file=sys.stderr)

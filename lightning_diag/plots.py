@@ -1,6 +1,6 @@
 """PNG plots for ``lightning-diag report`` (needs matplotlib: ``pip install 'lightning-diag[plots]'``).
 
-Drawing only: the values come from :class:`~lightning_diag.report.RunData`, read by the report. Each plot is
+Drawing only: the values come from :class:`~lightning_diag.report.load.RunData`, read by the report. Each plot is
 drawn when its series exist: ``grad_norms.png`` (global and per-layer gradient norms, log scale, with the
 ``grad_vanish`` / ``grad_explode`` thresholds), ``attn_entropy.png`` (per-head entropy heatmap over time) and
 ``loss.png`` (training and validation loss, with the steps of warning and critical alerts).
@@ -21,7 +21,7 @@ import numpy as np
 from lightning_diag.tags import attn_head, grad_layer, grad_total_tag
 
 if TYPE_CHECKING:
-    from lightning_diag.report import RunData
+    from lightning_diag.report.load import RunData
 
 __all__ = ["draw_run"]
 

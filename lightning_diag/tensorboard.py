@@ -21,7 +21,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
 
-from lightning_diag.alerts import Alert
+from lightning_diag.alerts import Alert, alert_table_markdown
 from lightning_diag.tags import (
     ALERTS_TAG,
     GRAD_LAYER_PATTERN,
@@ -37,9 +37,9 @@ from lightning_diag.tags import (
 __all__ = [
     "ALERTS_TAG",
     "MAX_ALERT_ROWS",
+    "TAG_PREFIX",
     "THRESHOLDS_TAG",
     "DiagWriter",
-    "TAG_PREFIX",
     "alert_markdown",
     "alerts_markdown",
     "dashboard_layout",
@@ -66,26 +66,8 @@ def _tensorboard_logger_types() -> tuple[type, ...]:
 
 
 def alert_markdown(alert: Alert) -> str:
-    """A markdown table row block for one alert, as shown in TensorBoard's Text tab."""
-    value = "" if alert.value is None else f"{alert.value:.4g}"
-    threshold = "" if alert.threshold is None else f"{alert.threshold:.4g}"
-    message = alert.message.replace("|", "\\|").replace("\n", " ")
-    return (
-        "| severity | rule | source | epoch | step | value | threshold | message |\n"
-        "|---|---|---|---|---|---|---|---|\n"
-        f"| {alert.severity.value} | {alert.rule} | {alert.source} | {alert.epoch} | {alert.global_step} "
-        f"| {value} | {threshold} | {message} |"
-    )
-
-
-def _alert_row(alert: Alert) -> str:
-    value = "" if alert.value is None else f"{alert.value:.4g}"
-    threshold = "" if alert.threshold is None else f"{alert.threshold:.4g}"
-    message = alert.message.replace("|", "\\|").replace("\n", " ")
-    return (
-        f"| {alert.global_step} | {alert.epoch} | {alert.severity.value} | {alert.rule} | {alert.source} "
-        f"| {value} | {threshold} | {message} |"
-    )
+    """A markdown table of one alert, as shown in TensorBoard's Text tab."""
+    return "\n".join(alert_table_markdown([alert]))
 
 
 def alerts_markdown(alerts: Sequence[Alert], max_rows: int = MAX_ALERT_ROWS) -> str:
@@ -108,9 +90,7 @@ def alerts_markdown(alerts: Sequence[Alert], max_rows: int = MAX_ALERT_ROWS) -> 
     lines = [
         f"**{len(alerts)} alert{'s' if len(alerts) != 1 else ''}, newest first**",
         "",
-        "| step | epoch | severity | rule | source | value | threshold | message |",
-        "|---|---|---|---|---|---|---|---|",
-        *(_alert_row(a) for a in shown),
+        *alert_table_markdown(shown),
     ]
     if len(ordered) > len(shown):
         lines += ["", f"{len(ordered) - len(shown)} older alerts are in `diag/alerts.jsonl`."]

@@ -4,18 +4,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# pip, without the "WARNING: Location 'file:///...' is ignored" line some machines' pip configuration prints for
+# every package looked up (hundreds of lines that hide the real messages). Everything else, errors included,
+# is shown, and pip's exit status is kept (pipefail).
+pip_install() {
+  .venv/bin/python -m pip install "$@" 2>&1 | { grep -v "^WARNING: Location 'file://.*' is ignored" || true; }
+}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 # torch first: a bare `torch` requirement on a machine without it would pull a multi-GB CUDA build.
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet "torch==2.13.0"
+  pip_install --quiet --upgrade pip
+  pip_install --quiet "torch==2.13.0"
 fi
 # Reinstall whenever pyproject.toml changed (new dependencies), not only when the package is missing.
 stamp=.venv/.lightning-diag-pyproject
 if ! cmp -s pyproject.toml "$stamp" || ! .venv/bin/python -c "import lightning_diag" >/dev/null 2>&1; then
-  .venv/bin/python -m pip install --quiet -e ".[dev,plots]"
+  pip_install --quiet -e ".[dev,plots]"
   cp pyproject.toml "$stamp"
 fi
 # CI only: Chromium for the dashboard's browser check (tests/test_browser_check.py). Best effort: without it

@@ -302,3 +302,35 @@ def test_compiled_models_train_unchanged_and_are_explained_once(how, tmp_path, c
     notices = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]
     assert len(notices) == 1 and "not captured" in notices[0]
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_extra_head_dimensions_broadcast_like_the_call():
+    """[N, G, H, L, E] queries against keys shared over G, with a mask broadcast over the heads."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, HK, L, E, generator=g)
+    k = torch.randn(2, 1, HK, S, E, generator=g)
+    v = torch.randn(2, 1, HK, S, E, generator=g)
+    mask = _padding()[:2, None, None, None, :]  # [2, 1, 1, 1, S]
+    probs, *_ = sdpa_probabilities(q, k, attn_mask=mask, sample_size=2, max_queries=L)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert probs.shape == (2, 3 * HK, L, S)
+    assert torch.allclose(
+        probs @ v.expand(2, 3, HK, S, E).reshape(2, 3 * HK, S, E), out.reshape(2, 3 * HK, L, E), atol=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_ddp_ranks_judge_the_same_averaged_sdpa_statistics(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("ddp_sdpa_script.py")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert len(ranks[0]["judged"]) == 2  # steps 0 and 2
+    assert ranks[0]["judged"] == ranks[1]["judged"]
+    assert all(sorted(j) == [f"blocks.{i}.attn" for i in range(2)] for j in ranks[0]["judged"])
+    assert len(list(tmp_path.rglob("events.out.tfevents.*"))) == 1

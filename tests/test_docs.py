@@ -30,6 +30,21 @@ def test_thresholds_table_matches_the_constants():
     assert in_code <= set(documented), f"undocumented constants: {in_code - set(documented)}"
 
 
+def test_every_registry_default_is_documented_with_its_argument():
+    """Each rule threshold and setting the registry declares has a row naming its argument and default."""
+    from lightning_diag.rules.registry import RULES, SETTINGS
+
+    rows = {(rule.strip("`"), argument.strip("`")): float(default) for rule, argument, _c, default, _m, _s in _rows()}
+    declared = {}
+    for spec in RULES.values():
+        for name, argument in spec.arguments.items():
+            value = spec.threshold if name == "threshold" else spec.settings[name]
+            declared[(spec.rule_id, argument)] = float(value)  # type: ignore[arg-type]
+    for setting in SETTINGS.values():
+        declared[(setting.key.split(".")[0] + "_*", setting.argument)] = float(setting.default)
+    assert declared and declared.items() <= rows.items(), sorted(set(declared.items()) - set(rows.items()))
+
+
 def test_thresholds_arguments_are_real_constructor_arguments():
     import inspect
 

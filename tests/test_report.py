@@ -10,6 +10,7 @@ from torch.utils.tensorboard import SummaryWriter
 from lightning_diag.alerts import Alert, Severity
 from lightning_diag.cli import main
 from lightning_diag.report import build_report, find_runs, load_run
+from lightning_diag.rules.registry import default_thresholds
 
 CHECK_IDS = [
     "data_label_balance",
@@ -223,3 +224,76 @@ def test_a_callback_without_thresholds_is_judged_by_its_alert_thresholds(tmp_pat
     sink = next(c for c in run["checks"] if c["id"] == "attn_sink")
     assert sink["status"] == "fail" and sink["threshold_value"] == {"value": 0.5}
     assert sink["measured_value"] == {"max": 1.0} and sink["first_alert_step"] == 35
+
+
+_HEAVY = ("torch", "pytorch_lightning", "lightning")
+
+
+def _heavy_modules_after(code: str) -> list[str]:
+    listing = f"sorted({{m.split('.')[0] for m in sys.modules}} & {set(_HEAVY)!r})"
+    probe = f"{code}\nimport json, sys\nprint(json.dumps({listing}))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_env(), check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_report_and_its_cli_load_neither_torch_nor_lightning(tmp_path):
+    run = _write_run(tmp_path / "run", {"diag/grad_norm/total": [1.0, 2.0], "diag/grad_norm/fc": [0.5, 0.4]})
+    # One process for all three: none of them may have loaded a heavy module by the end.
+    code = (
+        "import contextlib, io\nimport lightning_diag, lightning_diag.report\nfrom lightning_diag.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n        main(['report', '--help'])\n    except SystemExit:\n        pass\n"
+        f"    assert main(['report', {str(run)!r}]) == 0\n"
+        "assert 'GradientFlowMonitor' in dir(lightning_diag)"
+    )
+    assert _heavy_modules_after(code) == []
+
+
+def test_titles_and_thresholds_come_from_the_registry(tmp_path, capsys):
+    thresholds = {"GradientFlowMonitor": {"grad_vanish": 1e-4, "grad_explode": 20.0, "grad_layer_spread": 1000.0}}
+    _write_run(tmp_path / "run", {"diag/grad_norm/fc": [0.5, 0.4], "diag/grad_norm/out": [0.1, 0.1]}, (), thresholds)
+    (run,) = _report_json(tmp_path, capsys)["runs"]
+    checks = {c["id"]: c for c in run["checks"]}
+    assert checks["grad_norm_band"]["title"] == "Gradient norm of every layer within 0.0001 .. 20"
+    assert checks["grad_spread"]["title"] == "Layer gradient norms within a ratio of 1000"
+    assert checks["val_decline"]["title"] == "Validation metric does not worsen on 5 consecutive runs"
+
+
+def test_checklist_cannot_pass_what_the_replayed_rules_reject(tmp_path, capsys):
+    """The run's alert log is missing; the rules replayed over the logged series still fail the checks."""
+    scalars = {
+        "diag/attn_entropy/enc.attn/head_0": [1.2, 0.2, 0.2, 0.2],  # collapsed for 3 measurements (patience 2)
+        "diag/attn_entropy/enc.attn/head_1": [1.2, 1.1, 1.2, 1.1],
+        "diag/attn_entropy/enc.attn/uniform": [2.7, 2.7, 2.7, 2.7],
+        "diag/grad_norm/fc": [0.5, 40.0, 0.5, 0.5],  # above grad_explode (patience 1)
+        "diag/grad_norm/out": [0.5, 0.5, 0.5, 0.5],
+    }
+    thresholds = {"AttentionEntropyMonitor": {}, "GradientFlowMonitor": {}}
+    _write_run(tmp_path / "run", scalars, (), thresholds)
+    (run,) = _report_json(tmp_path, capsys)["runs"]
+    checks = {c["id"]: c for c in run["checks"]}
+    for check_id, step in (("attn_entropy_band", 20), ("grad_norm_band", 10)):
+        check = checks[check_id]
+        assert check["status"] == "fail", check
+        assert check["alerts"] == 0 and check["replayed"] == 1 and check["first_alert_step"] == step
+        assert "replaying the rule" in check["note"]
+    assert checks["grad_spread"]["status"] == "pass"  # 80x once: below 100
+
+
+@pytest.mark.parametrize(("uniform", "hint"), [(3.0, False), (2.7, True)])
+def test_high_entropy_is_judged_as_the_rule_judges_it(tmp_path, capsys, uniform, hint):
+    # 2.6 nats is above attn_entropy_high's 2.5; the rule also needs 0.9 of uniform after 200 steps, and is info.
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in (300, 310, 320):
+        writer.add_scalar("diag/attn_entropy/enc.attn/head_0", 2.6, global_step=step)
+        writer.add_scalar("diag/attn_entropy/enc.attn/uniform", uniform, global_step=step)
+    writer.close()
+    (tmp_path / "run" / "diag").mkdir()
+    logged = {"AttentionEntropyMonitor": default_thresholds("AttentionEntropyMonitor")}  # what the callback writes
+    (tmp_path / "run" / "diag" / "thresholds.json").write_text(json.dumps({"callbacks": logged}))
+    (run,) = _report_json(tmp_path, capsys)["runs"]
+    band = next(c for c in run["checks"] if c["id"] == "attn_entropy_band")
+    assert "while near uniform (0.9 of it) after step 200" in band["title"]
+    assert "0.9 of uniform" in band["threshold"]
+    assert band["status"] == "pass" and "3 measurements above 2.5 nats" in band["note"]
+    assert ("replayed info hints: attn_entropy_high" in band["note"]) == hint

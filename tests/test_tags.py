@@ -36,8 +36,11 @@ def test_tensorboard_names_stay_importable():
 
 
 def test_tags_module_imports_neither_torch_nor_lightning():
-    code = "import sys, lightning_diag.tags; print(json.dumps(sorted(m for m in ('torch', 'pytorch_lightning', 'lightning') if m in sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", "import json;" + code], capture_output=True, text=True, check=True)
+    code = (
+        "import json, sys, lightning_diag.tags; "
+        "print(json.dumps(sorted(m for m in ('torch', 'pytorch_lightning', 'lightning') if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
 
 

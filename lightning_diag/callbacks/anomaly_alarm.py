@@ -1,4 +1,10 @@
-"""AnomalyAlarm: non-finite guard, loss-swing and validation-trend alerts, learning-rate and loss logging."""
+"""AnomalyAlarm: non-finite guard, loss-swing and validation-trend alerts, learning-rate and loss logging.
+
+A thin adapter: the non-finite decisions are :class:`~lightning_diag.rules.nonfinite.NonFinitePolicy` (pure),
+found and carried out by :class:`~lightning_diag.callbacks.nonfinite_guard.NonFiniteGuard`; the loss sums are
+:class:`~lightning_diag.stats.loss_sums.LossSums` (declared reductions, merged over ranks by
+:func:`~lightning_diag.callbacks.reduction.reduce_state`); the trend rules are in :mod:`lightning_diag.rules.anomaly`.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +17,15 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag._validation import check_choice, check_int, check_number
 from lightning_diag.alerts import (
-    LOSS_STAGNANT,
     LOSS_SWING,
-    NONFINITE_GRAD,
     NONFINITE_LOSS,
     VAL_DECLINE,
-    VAL_FLUCTUATION,
-    Alert,
     NonFiniteAction,
-    Severity,
 )
 from lightning_diag.callbacks.base import DiagCallback, extract_loss
+from lightning_diag.callbacks.lr_logging import lr_scalars
+from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
+from lightning_diag.callbacks.reduction import reduce_state
 from lightning_diag.rules.anomaly import (
     DEFAULT_STAGNANT_BASELINE_STEPS,
     DEFAULT_STAGNANT_MIN_DROP,
@@ -40,18 +44,17 @@ from lightning_diag.rules.anomaly import (
     ValDeclineRule,
     ValFluctuationRule,
 )
-from lightning_diag.rules.base import Latch
-from lightning_diag.stats.norms import all_finite
+from lightning_diag.rules.nonfinite import (
+    DEFAULT_MAX_SCALER_OVERFLOWS,
+    DEFAULT_MAX_SKIPS,
+    NONFINITE_ACTIONS,
+    NonFinitePolicy,
+)
+from lightning_diag.stats.loss_sums import LossSums
 from lightning_diag.tensorboard import tag
 
 __all__ = ["DEFAULT_MAX_SCALER_OVERFLOWS", "DEFAULT_MAX_SKIPS", "NONFINITE_ACTIONS", "AnomalyAlarm", "NonFiniteError"]
 
-#: ``on_nonfinite="skip"``: skipped optimizer steps allowed in one fit before the alarm stops training.
-DEFAULT_MAX_SKIPS = 5
-#: With a GradScaler (``16-mixed``), consecutive overflow steps with a finite loss before ``nonfinite_grad``.
-DEFAULT_MAX_SCALER_OVERFLOWS = 5
-NONFINITE_ACTIONS: tuple[str, ...] = ("stop", "raise", "skip", "warn")
-_SHOWN_PARAMS = 5
 _STATE_KEYS = (
     "swing",
     "stagnant",
@@ -64,20 +67,6 @@ _STATE_KEYS = (
     "last_finite_loss",
     "pending_nonfinite",
 )
-#: "No non-finite step seen" in the MIN-reduction of warn mode's first bad step.
-_NO_STEP = 2**62
-
-
-class NonFiniteError(RuntimeError):
-    """Raised by :class:`AnomalyAlarm` with ``on_nonfinite="raise"`` instead of applying a non-finite update.
-
-    Attributes:
-        alert: The critical alert that was written before raising.
-    """
-
-    def __init__(self, alert: Alert) -> None:
-        super().__init__(alert.message)
-        self.alert = alert
 
 
 class AnomalyAlarm(DiagCallback):
@@ -133,6 +122,11 @@ class AnomalyAlarm(DiagCallback):
         val_fluctuation_min_range: Range (max - min, metric units) of the validation window below which
             ``val_fluctuation`` never fires (keeps converged runs with near-zero losses quiet).
         log_every_n_steps: Logging interval for step-level tags; defaults to the trainer's.
+
+    Attributes:
+        policy: The non-finite policy (verdicts, skip and overflow counts, latch).
+        guard: Finds non-finite steps on the device and carries out the policy's verdicts.
+        loss_sums: The training-loss sums of the open periods, with declared (SUM) reductions.
 
     Raises:
         TypeError: If an argument has the wrong type.
@@ -206,11 +200,7 @@ class AnomalyAlarm(DiagCallback):
         self.val_fluctuation_window = val_fluctuation_window
         self.val_fluctuation_min = float(val_fluctuation_min)
         self.val_fluctuation_min_range = float(val_fluctuation_min_range)
-        self._make_rules()
-        self._nonfinite_latch = Latch()
-        self._skips = 0
-        self._reset_step_state()
-        self._reset_accumulators()
+        self._reset()
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
@@ -219,22 +209,8 @@ class AnomalyAlarm(DiagCallback):
             >>> AnomalyAlarm(swing_threshold=0.2).thresholds()["loss_swing"]
             0.2
         """
-        values = {
-            LOSS_SWING: self.swing_threshold,
-            f"{LOSS_SWING}.patience": float(self.swing_patience),
-            f"{LOSS_SWING}.min_delta": self.swing_min_delta,
-            VAL_DECLINE: float(self.val_decline_patience),
-            f"{VAL_DECLINE}.min_delta": self.val_decline_min_delta,
-            f"{VAL_DECLINE}.higher_is_better": float(self.mode == "max"),
-            VAL_FLUCTUATION: self.val_fluctuation_ratio,
-            f"{VAL_FLUCTUATION}.window": float(self.val_fluctuation_window),
-            f"{VAL_FLUCTUATION}.min": self.val_fluctuation_min,
-            f"{VAL_FLUCTUATION}.min_range": self.val_fluctuation_min_range,
-            f"{NONFINITE_GRAD}.max_scaler_overflows": float(self.max_scaler_overflows),
-            LOSS_STAGNANT: self.stagnant_min_drop,
-            f"{LOSS_STAGNANT}.patience": float(self.stagnant_patience),
-            f"{LOSS_STAGNANT}.baseline_steps": float(self.stagnant_baseline_steps),
-        }
+        values = super().thresholds()
+        values[f"{VAL_DECLINE}.higher_is_better"] = float(self.mode == "max")
         if isinstance(self.swing_window, int):
             values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
         if self.on_nonfinite == "skip":
@@ -242,7 +218,8 @@ class AnomalyAlarm(DiagCallback):
         return values
 
     # -- state -------------------------------------------------------------------------------------------
-    def _make_rules(self) -> None:
+    def _reset(self) -> None:
+        """Fresh rules, policy and sums: the start of a fit (a resume then loads their state)."""
         unit = "epoch" if self.swing_window == "epoch" else f"window of {self.swing_window} step"
         self.swing_rule = LossSwingRule(
             threshold=self.swing_threshold,
@@ -266,33 +243,15 @@ class AnomalyAlarm(DiagCallback):
             monitor=self.monitor,
             min_abs=self.val_fluctuation_min_range,
         )
-
-    def _reset_step_state(self) -> None:
-        self._halted = False
-        self._scaler_overflows = 0
-        self._loss_bad: torch.Tensor | None = None  # NaN/Inf in a micro-batch loss since the last step
-        self._last_finite_loss: torch.Tensor | float = math.nan
-        # "warn" mode keeps its findings on the device until a logging step reads them (-1: none).
-        self._pending_loss_step: torch.Tensor | None = None
-        self._pending_grad_step: torch.Tensor | None = None
-        self._deferred_steps = 0  # steps checked since the last read-back (the same count on every rank)
-
-    def _reset_accumulators(self) -> None:
-        self._acc: dict[str, torch.Tensor | float] = {
-            "epoch_sum": 0.0,
-            "epoch_count": 0.0,
-            "since_val_sum": 0.0,
-            "since_val_count": 0.0,
-            "window_sum": 0.0,
-            "window_count": 0.0,
-            "initial_sum": 0.0,
-            "initial_count": 0.0,
-        }
-        self._initial_batches = 0  # batches in the initial-loss baseline (the same count on every rank)
+        #: What a non-finite step leads to (a pure state machine); :attr:`guard` finds the steps and acts.
+        self.policy = NonFinitePolicy(self.on_nonfinite, self.max_skips, self.max_scaler_overflows)  # type: ignore[arg-type]
+        self.guard = NonFiniteGuard(self, self.policy)
+        #: The training-loss sums of the open periods, on the device, SUM-declared (merged over ranks).
+        self.loss_sums = LossSums(self.stagnant_baseline_steps)
         # The global step the current step window started at; set at train start unless a checkpoint did.
         self._window_start: int | None = None
-        # Set by load_state_dict: the accumulators hold the sums of every rank (see on_save_checkpoint).
-        self._acc_restored = False
+        # Set by load_state_dict: the sums are those of every rank (see on_save_checkpoint).
+        self._sums_restored = False
 
     @property
     def state_key(self) -> str:
@@ -301,33 +260,28 @@ class AnomalyAlarm(DiagCallback):
     def state_dict(self) -> dict[str, Any]:
         """Rule histories, latches, the skip count, the partial loss sums and warn mode's pending findings.
 
-        The loss sums here are this process's; a checkpoint saved by the trainer holds the sums of every rank
-        (see :meth:`on_save_checkpoint`).
+        The loss sums and pending steps here are this process's; a checkpoint saved by the trainer holds those of
+        every rank, merged by their declared reductions (see :meth:`on_save_checkpoint`).
         """
-        pending = [-1, -1]
-        if self._pending_loss_step is not None and self._pending_grad_step is not None:
-            pending = torch.stack([self._pending_loss_step, self._pending_grad_step]).tolist()
-        acc = {k: float(v) for k, v in self._acc.items()}
-        acc["initial_batches"] = float(self._initial_batches)
+        policy = self.policy.state_dict()
+        accumulators = self.loss_sums.state_dict()
+        accumulators["initial_batches"] = float(self.loss_sums.initial_batches)
         return {
             "swing": self.swing_rule.state_dict(),
             "stagnant": self.stagnant_rule.state_dict(),
             "val_decline": self.val_decline_rule.state_dict(),
             "val_fluctuation": self.val_fluctuation_rule.state_dict(),
-            "nonfinite_latch": self._nonfinite_latch.state_dict(),
-            "skips": self._skips,
-            "accumulators": acc,
+            "nonfinite_latch": policy.pop("latch"),
+            "skips": policy.pop("skips"),
+            "nonfinite_counts": policy,
+            "accumulators": accumulators,
             "window_start": self._window_start,
-            "last_finite_loss": float(self._last_finite_loss),
-            "pending_nonfinite": {
-                "loss_step": int(pending[0]),
-                "grad_step": int(pending[1]),
-                "steps": self._deferred_steps,
-            },
+            "last_finite_loss": float(self.guard.last_finite_loss),
+            "pending_nonfinite": self.guard.pending_state(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output.
+        """Restore :meth:`state_dict` output (also that of versions without ``nonfinite_counts``).
 
         Raises:
             KeyError: If a key is missing; the message names every missing key.
@@ -337,209 +291,66 @@ class AnomalyAlarm(DiagCallback):
         self.stagnant_rule.load_state_dict(state_dict["stagnant"])
         self.val_decline_rule.load_state_dict(state_dict["val_decline"])
         self.val_fluctuation_rule.load_state_dict(state_dict["val_fluctuation"])
-        self._nonfinite_latch.load_state_dict(state_dict["nonfinite_latch"])
-        self._skips = int(state_dict["skips"])
-        acc = dict(state_dict["accumulators"])
-        self._initial_batches = int(acc.pop("initial_batches", 0))
-        self._acc = {k: float(acc.get(k, 0.0)) for k in self._acc}
-        self._acc_restored = True
+        self.policy.load_state_dict(
+            {
+                **state_dict.get("nonfinite_counts", {}),
+                "latch": state_dict["nonfinite_latch"],
+                "skips": state_dict["skips"],
+            }
+        )
+        accumulators = dict(state_dict["accumulators"])
+        self.loss_sums.initial_batches = int(accumulators.pop("initial_batches", 0))
+        self.loss_sums.load_state_dict(accumulators, strict=False)
+        self._sums_restored = True
         start = state_dict["window_start"]
         self._window_start = None if start is None else int(start)
-        self._last_finite_loss = float(state_dict["last_finite_loss"])
-        pending = state_dict["pending_nonfinite"]
-        self._pending_loss_step = torch.tensor(int(pending["loss_step"]))
-        self._pending_grad_step = torch.tensor(int(pending["grad_step"]))
-        self._deferred_steps = int(pending["steps"])
+        self.guard.last_finite_loss = float(state_dict["last_finite_loss"])
+        self.guard.load_pending_state(state_dict["pending_nonfinite"])
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Save what all ranks know, not rank zero's part: the partial loss sums over all ranks (SUM) and warn
-        mode's first pending non-finite steps over all ranks (MIN).
+        """Save what all ranks know, not rank zero's part: the loss sums and warn mode's first pending non-finite
+        steps merged over all ranks by their declared reductions (SUM, MIN).
 
         Lightning builds the checkpoint on every rank (only rank zero writes it), so the reductions run on all.
         """
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is None or trainer.world_size <= 1:
             return
-        keys = list(self._acc)
-        local = torch.tensor([float(self._acc[k]) for k in keys], dtype=torch.float64, device=pl_module.device)
-        total = trainer.strategy.reduce(local, reduce_op="sum").tolist()
-        state["accumulators"].update(zip(keys, total, strict=True))
-        pending = state["pending_nonfinite"]
-        steps = [pending["loss_step"], pending["grad_step"]]
-        local_first = torch.tensor([s if s >= 0 else _NO_STEP for s in steps], device=pl_module.device)
-        first = trainer.strategy.reduce(local_first, reduce_op="min").long().tolist()
-        pending["loss_step"], pending["grad_step"] = (s if s < _NO_STEP else -1 for s in first)
+        state["accumulators"].update(reduce_state(trainer, self.loss_sums, device=pl_module.device))
+        state["pending_nonfinite"] = self.guard.pending_state(trainer, device=pl_module.device)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start the step window, and share restored all-rank loss sums out evenly over this run's ranks."""
+        """Start the step window, and share restored all-rank loss sums out over this run's ranks."""
         if self._window_start is None:
             self._window_start = trainer.global_step
-        if self._acc_restored and trainer.world_size > 1:
-            # The checkpoint holds the sums over all ranks: each rank takes an equal share, so the next
-            # all-reduce adds up to them again (whatever the world size of the run that saved them).
-            self._acc = {k: float(v) / trainer.world_size for k, v in self._acc.items()}
-        self._acc_restored = False
+        if self._sums_restored and trainer.world_size > 1:
+            # Each rank takes its share, so the next all-reduce adds up to the saved sums again (whatever the
+            # world size of the run that saved them).
+            initial_batches = self.loss_sums.initial_batches
+            shared = self.loss_sums.share(trainer.world_size, trainer.global_rank)
+            self.loss_sums.load_state_dict(shared.state_dict())
+            self.loss_sums.initial_batches = initial_batches
+        self._sums_restored = False
 
-    # -- lifecycle ---------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Start a fit with fresh rules (a resume then loads their state)."""
         super().setup(trainer, pl_module, stage)
         if stage == TrainerFn.FITTING:
-            self._make_rules()
-            self._nonfinite_latch = Latch()
-            self._skips = 0
-            self._reset_step_state()
-            self._reset_accumulators()
+            self._reset()
 
     # -- non-finite guard --------------------------------------------------------------------------------
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """Remember, on the device, whether this micro-batch's loss is finite."""
-        if not isinstance(loss, torch.Tensor):
-            return
-        bad = ~torch.isfinite(loss.detach()).all()
-        self._loss_bad = bad if self._loss_bad is None else (self._loss_bad | bad)
+        if isinstance(loss, torch.Tensor):
+            self.guard.note_loss(loss)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Check the loss and the gradients about to be applied; block the step if they are not finite."""
-        loss_bad = self._loss_bad
-        self._loss_bad = None
-        if self._halted:
-            _drop_gradients(optimizer)
-            return
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads and loss_bad is None:
-            return
-        grad_bad = ~all_finite(grads).to(grads[0].device if grads else loss_bad.device)  # type: ignore[union-attr]
-        if loss_bad is not None:
-            loss_bad = loss_bad.to(grad_bad.device)
-        if self.on_nonfinite == "warn":
-            self._defer(trainer, loss_bad, grad_bad)
-            return
-        # Deciding not to apply an update is a host decision: one 2-element read per optimizer step.
-        local_loss, local_grad = torch.stack(
-            [loss_bad if loss_bad is not None else torch.zeros_like(grad_bad), grad_bad]
-        ).tolist()
-        strategy = trainer.strategy
-        if not strategy.reduce_boolean_decision(bool(local_loss or local_grad), all=False):
-            self._nonfinite_latch.update("loss", False)
-            self._nonfinite_latch.update("gradients", False)
-            self._scaler_overflows = 0
-            return
-        any_loss = strategy.reduce_boolean_decision(bool(local_loss), all=False)
-        if not any_loss and getattr(trainer.precision_plugin, "scaler", None) is not None:
-            # GradScaler skips overflow steps and lowers its scale by design: only a run of them is a fault.
-            self._scaler_overflows += 1
-            if self._scaler_overflows < self.max_scaler_overflows:
-                return
-        alert = self._nonfinite_alert(trainer, pl_module, any_loss, self.context(trainer).global_step)
-        latched = [alert] if self._nonfinite_latch.update(alert.source, True) else []
-        if self.on_nonfinite == "raise":
-            self.record([alert])
-            self.writer.flush()
-            raise NonFiniteError(alert)
-        _drop_gradients(optimizer)
-        if self.on_nonfinite == "skip":
-            self._skips += 1
-            self.record(latched)
-            if self._skips > self.max_skips:
-                self._stop(trainer)
-                self.record(
-                    [
-                        Alert(
-                            rule=alert.rule,
-                            severity=Severity.CRITICAL,
-                            message=f"{self._skips} optimizer steps had non-finite values, more than "
-                            f"max_skips={self.max_skips}: training stopped before applying this one",
-                            epoch=alert.epoch,
-                            global_step=alert.global_step,
-                            value=float(self._skips),
-                            threshold=float(self.max_skips),
-                            source="skip_limit",
-                        )
-                    ]
-                )
-            return
-        self.record([alert])
-        self._stop(trainer)
-
-    def _stop(self, trainer: pl.Trainer) -> None:
-        self._halted = True
-        trainer.should_stop = True
-        for opt in trainer.optimizers:
-            _drop_gradients(opt)
-
-    def _defer(self, trainer: pl.Trainer, loss_bad: torch.Tensor | None, grad_bad: torch.Tensor) -> None:
-        step = trainer.global_step
-        device = grad_bad.device
-        self._deferred_steps += 1
-        if self._pending_grad_step is None or self._pending_loss_step is None:
-            self._pending_grad_step = torch.full((), -1, dtype=torch.long, device=device)
-            self._pending_loss_step = torch.full((), -1, dtype=torch.long, device=device)
-        elif self._pending_grad_step.device != device:  # restored from a checkpoint onto the CPU
-            self._pending_grad_step = self._pending_grad_step.to(device)
-            self._pending_loss_step = self._pending_loss_step.to(device)
-        self._pending_grad_step = torch.where(grad_bad & (self._pending_grad_step < 0), step, self._pending_grad_step)
-        if loss_bad is not None:
-            self._pending_loss_step = torch.where(
-                loss_bad & (self._pending_loss_step < 0), step, self._pending_loss_step
-            )
-
-    def _flush_deferred(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._pending_grad_step is None or self._pending_loss_step is None or not self._deferred_steps:
-            return  # nothing checked since the last read-back: no news, and the latch stays as it is
-        self._deferred_steps = 0
-        loss_step, grad_step = torch.stack([self._pending_loss_step, self._pending_grad_step]).tolist()
-        self._pending_loss_step.fill_(-1)
-        self._pending_grad_step.fill_(-1)
-        strategy = trainer.strategy
-        bad = strategy.reduce_boolean_decision(loss_step >= 0 or grad_step >= 0, all=False)
-        if not bad:
-            self._nonfinite_latch.update("loss", False)
-            self._nonfinite_latch.update("gradients", False)
-            return
-        any_loss = strategy.reduce_boolean_decision(loss_step >= 0, all=False)
-        # The first bad step over all ranks (MIN), so every rank's alert names the same step.
-        local_first = [loss_step if loss_step >= 0 else _NO_STEP, grad_step if grad_step >= 0 else _NO_STEP]
-        first_loss, first_grad = (
-            strategy.reduce(torch.tensor(local_first, device=pl_module.device), reduce_op="min").long().tolist()
-        )
-        first = first_loss if any_loss else first_grad
-        alert = self._nonfinite_alert(trainer, pl_module, any_loss, first if first < _NO_STEP else trainer.global_step)
-        if self._nonfinite_latch.update(alert.source, True):
-            self.record([alert])
-
-    def _nonfinite_alert(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss_bad: bool, step: int) -> Alert:
-        lrs = _learning_rates(trainer)
-        lr_text = ", ".join(f"{k}={v:.3g}" for k, v in lrs.items()) or "none"
-        bad_params = _nonfinite_parameters(pl_module)
-        params_text = ", ".join(bad_params) if bad_params else "none (the gradients are finite)"
-        last = float(self._last_finite_loss)
-        what = "the training loss is non-finite" if loss_bad else "a gradient is non-finite"
-        action = {
-            "stop": "the update was not applied and training stops",
-            "raise": "the update was not applied; raising NonFiniteError",
-            "skip": "the update was skipped",
-            "warn": "the update was applied (on_nonfinite='warn')",
-        }[self.on_nonfinite]
-        message = (
-            f"{what} at epoch {trainer.current_epoch}, global step {step}: {action}. "
-            f"Learning rates: {lr_text}. Non-finite gradients in: {params_text}. "
-            f"Last finite loss: {last:.6g}."
-        )
-        return Alert(
-            rule=NONFINITE_LOSS if loss_bad else NONFINITE_GRAD,
-            severity=Severity.CRITICAL,
-            message=message,
-            epoch=trainer.current_epoch,
-            global_step=step,
-            value=None,
-            threshold=None,
-            source="loss" if loss_bad else "gradients",
-        )
+        """Check the loss and the gradients about to be applied; block the step if the policy says so."""
+        self.guard.before_optimizer_step(trainer, pl_module, optimizer)
 
     # -- loss trend --------------------------------------------------------------------------------------
     def on_train_batch_end(
@@ -552,20 +363,8 @@ class AnomalyAlarm(DiagCallback):
         if loss is not None and pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
             loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
         if loss is not None:
-            finite = torch.isfinite(loss)
-            clean = torch.where(finite, loss, torch.zeros_like(loss))
-            weight = finite.to(loss.dtype)
-            for prefix in ("epoch", "since_val", "window"):
-                self._acc[prefix + "_sum"] = self._acc[prefix + "_sum"] + clean
-                self._acc[prefix + "_count"] = self._acc[prefix + "_count"] + weight
-            if self._initial_batches < self.stagnant_baseline_steps:
-                self._initial_batches += 1
-                self._acc["initial_sum"] = self._acc["initial_sum"] + clean
-                self._acc["initial_count"] = self._acc["initial_count"] + weight
-            last = self._last_finite_loss
-            self._last_finite_loss = torch.where(
-                finite, loss, last if isinstance(last, torch.Tensor) else torch.full_like(loss, last)
-            )
+            self.loss_sums.add(loss)
+            self.guard.note_training_loss(loss)
         # Optimizer steps, not batches: accumulation micro-batches (global_step unchanged) do not count.
         if isinstance(self.swing_window, int):
             if self._window_start is None:
@@ -575,43 +374,36 @@ class AnomalyAlarm(DiagCallback):
                 self._close_window(trainer, pl_module, "window")
         if not self.is_logging_step(trainer):
             return
-        step = trainer.global_step
-        values = {tag("lr", *name.split("/")): lr for name, lr in _learning_rates(trainer).items()}
+        values = lr_scalars(trainer)
         if loss is not None:
             values[tag("loss", "train_step")] = float(loss)
-        self.writer.scalars(values, step)
+        self.writer.scalars(values, trainer.global_step)
         if self.on_nonfinite == "warn":
-            self._flush_deferred(trainer, pl_module)
+            self.guard.read_back(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Close the epoch: its mean loss over all ranks feeds ``loss_swing`` in epoch mode."""
         if self.on_nonfinite == "warn":
-            self._flush_deferred(trainer, pl_module)
+            self.guard.read_back(trainer, pl_module)
         self._close_window(trainer, pl_module, "epoch")
 
-    def _reduced_mean(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> float:
-        total = torch.stack(
-            [
-                torch.as_tensor(self._acc[prefix + "_sum"], dtype=torch.float32, device=pl_module.device),
-                torch.as_tensor(self._acc[prefix + "_count"], dtype=torch.float32, device=pl_module.device),
-            ]
-        )
-        total = trainer.strategy.reduce(total, reduce_op="sum")
-        self._acc[prefix + "_sum"] = 0.0
-        self._acc[prefix + "_count"] = 0.0
-        loss_sum, count = total.tolist()
-        return loss_sum / count if count > 0 else math.nan
+    def _take_mean(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> float:
+        """The mean loss of a period over all ranks; the period starts again."""
+        names = LossSums.names(prefix)
+        totals = reduce_state(trainer, self.loss_sums, names, device=pl_module.device)
+        self.loss_sums.reset(names)
+        return LossSums.mean(totals, prefix)
 
     def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
-        mean = self._reduced_mean(trainer, pl_module, prefix)
+        mean = self._take_mean(trainer, pl_module, prefix)
         if not math.isfinite(mean):
             return
         step = trainer.global_step
         self.writer.scalar(tag("loss", "train_epoch" if prefix == "epoch" else "train_window"), mean, step)
         if (prefix == "epoch") != (self.swing_window == "epoch"):
             return
-        if self.stagnant_rule.baseline is None and self._initial_batches > 0:
-            self.stagnant_rule.set_baseline(self._reduced_mean(trainer, pl_module, "initial"))
+        if self.stagnant_rule.baseline is None and self.loss_sums.initial_batches > 0:
+            self.stagnant_rule.set_baseline(self._take_mean(trainer, pl_module, "initial"))
         ctx = self.context(trainer)
         self.record(self.swing_rule.update(mean, ctx) + self.stagnant_rule.update(mean, ctx))
         if math.isfinite(self.swing_rule.last_change):
@@ -623,7 +415,7 @@ class AnomalyAlarm(DiagCallback):
         """Feed the monitored validation value to ``val_decline`` and ``val_fluctuation``."""
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
-        train_mean = self._reduced_mean(trainer, pl_module, "since_val")
+        train_mean = self._take_mean(trainer, pl_module, "since_val")
         raw = trainer.callback_metrics.get(self.monitor)
         # Every rank must take part in the reduce below, so they first agree that the value exists everywhere.
         if not trainer.strategy.reduce_boolean_decision(raw is not None, all=True):
@@ -647,37 +439,3 @@ class AnomalyAlarm(DiagCallback):
             values[tag("loss", "train_fluctuation")] = train_f
             values[tag("loss", "val_fluctuation")] = val_f
         self.writer.scalars(values, ctx.global_step)
-
-
-def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
-    # torch optimizers skip parameters whose .grad is None: no parameter, moment or step count changes.
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = None
-
-
-def _learning_rates(trainer: pl.Trainer) -> dict[str, float]:
-    names: dict[str, int] = {}
-    out: dict[str, float] = {}
-    for opt in trainer.optimizers:
-        base = type(opt).__name__
-        n = names.get(base, 0)
-        names[base] = n + 1
-        name = base if n == 0 else f"{base}_{n}"
-        for j, group in enumerate(opt.param_groups):
-            lr = group.get("lr")
-            if lr is not None:
-                out[f"{name}/group_{j}"] = float(lr)
-    return out
-
-
-def _nonfinite_parameters(pl_module: pl.LightningModule) -> list[str]:
-    # Only on the failure path: a per-parameter loop here is fine.
-    bad = []
-    for name, p in pl_module.named_parameters():
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-            bad.append(name)
-            if len(bad) >= _SHOWN_PARAMS:
-                bad.append("...")
-                break
-    return bad

@@ -57,14 +57,18 @@ def _default_input_ids(batch: Any) -> torch.Tensor | None:
 class AttentionEntropyMonitor(DiagCallback):
     r"""Per-head attention entropy in TensorBoard, with collapse, diffusion and special-token sink alerts.
 
-    Every ``torch.nn.MultiheadAttention`` of the model is found automatically, also inside
-    ``nn.TransformerEncoderLayer`` / ``DecoderLayer``; other attention modules report through
-    :func:`~lightning_diag.record_attention` and Hugging Face models through
-    :func:`~lightning_diag.record_hf_attentions`. On a sampled step (every ``log_every_n_steps`` optimizer steps,
-    the first micro-batch of the step) the probabilities are recomputed from the module's inputs without gradient,
+    Attention is found automatically: every ``torch.nn.MultiheadAttention`` (also inside
+    ``nn.TransformerEncoderLayer`` / ``DecoderLayer``), every call of
+    ``torch.nn.functional.scaled_dot_product_attention`` made inside the ``LightningModule`` (Hugging Face
+    ``attn_implementation="sdpa"``, litgpt, nanoGPT, timm), and eager attention that computes its own softmax
+    inside a module whose class name contains ``Attention`` (Hugging Face ``"eager"``); see
+    :mod:`lightning_diag.attention_capture`. Other attention modules report through
+    :func:`~lightning_diag.record_attention`. On a sampled step (every ``log_every_n_steps`` optimizer steps, the
+    first micro-batch of the step) the probabilities are recomputed from each call's inputs without gradient,
     before dropout, for the first ``sample_size`` sequences and at most ``max_queries`` query positions of each:
     the step's loss, gradients and random numbers are exactly those of a run without the monitor. Other steps cost
-    one integer comparison: no hook is attached.
+    one integer comparison: no hook and no function mode is installed. Under ``torch.compile`` the
+    ``scaled_dot_product_attention`` / softmax capture stays off (one notice).
 
     Entropy is in nats, per head, averaged over valid query rows only: padded keys carry no mass (the key padding
     mask and attention mask are honoured) and padded query rows are left out. Uniform attention over ``n`` keys
@@ -97,7 +101,8 @@ class AttentionEntropyMonitor(DiagCallback):
 
     Args:
         log_every_n_steps: Sample every this many optimizer steps; defaults to the trainer's interval.
-        modules: ``fnmatch`` patterns of ``nn.MultiheadAttention`` module names to watch; default: all.
+        modules: ``fnmatch`` patterns of the attention module names to watch (``nn.MultiheadAttention`` and
+            the modules whose attention calls are captured); default: all.
         sample_size: Sequences of the batch measured (default 8).
         max_queries: Query positions per sequence measured, evenly spaced (default 64).
         special_positions: Positions among each sequence's non-padding keys that are special tokens: ``0`` is
@@ -184,14 +189,7 @@ class AttentionEntropyMonitor(DiagCallback):
             >>> AttentionEntropyMonitor().thresholds()["attn_entropy_low"]
             0.5
         """
-        return {
-            ATTN_ENTROPY_LOW: self.entropy_low,
-            ATTN_ENTROPY_HIGH: self.entropy_high,
-            f"{ATTN_ENTROPY_HIGH}.uniform_fraction": self.uniform_fraction,
-            f"{ATTN_ENTROPY_HIGH}.warmup_steps": float(self.warmup_steps),
-            ATTN_SINK: self.sink_mass,
-            "attn.patience": float(self.patience),
-        }
+        return super().thresholds()
 
     def _make_rules(self) -> None:
         self.entropy_rule = AttentionEntropyRule(
@@ -294,7 +292,8 @@ class AttentionEntropyMonitor(DiagCallback):
                 "while to see them",
             )
         else:
-            self._capture = AttentionCapture(pl_module, recorder, self._wanted if self.modules is not None else None)
+            include = self._wanted if self.modules is not None else None
+            self._capture = AttentionCapture(pl_module, recorder, include, self._names)
             self._capture.start()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from lightning_diag._logging import ensure_handler
 from lightning_diag._validation import check_int
 from lightning_diag.alerts import Alert, AlertLog
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.registry import registry_thresholds
 from lightning_diag.tensorboard import (
     ALERTS_TAG,
     THRESHOLDS_TAG,
@@ -203,9 +204,14 @@ class DiagCallback(pl.Callback):
 
         A rule id maps to the number its alerts carry as ``threshold``; dotted keys are the settings that
         qualify it (patience, windows). Written once per fit to ``<log_dir>/diag/thresholds.json`` and the
-        ``diag/thresholds`` text; ``lightning-diag report`` judges the run against them. Override in subclasses.
+        ``diag/thresholds`` text; ``lightning-diag report`` judges the run against them.
+
+        Built from the rule registry (:mod:`lightning_diag.rules.registry`): every rule and shared setting the
+        registry declares for this class (by class name, then its bases'), with the instance's value read from
+        the attribute the declaration names in ``arguments`` (the default where it names none). A subclass adds
+        entries the registry cannot know (conditional ones) by extending ``super().thresholds()``.
         """
-        return {}
+        return registry_thresholds(self)
 
     def threshold_lines(self, *rules: str) -> dict[str, float]:
         """``diag/threshold/<rule>`` reference values to write beside a series, for the dashboard's charts."""

@@ -14,7 +14,7 @@ from pytorch_lightning.callbacks import BaseFinetuning
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag._validation import check_int, check_number
-from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH
+from lightning_diag.alerts import GRAD_EXPLODE, GRAD_VANISH
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.rules.grad import (
     DEFAULT_BASELINE_MEASUREMENTS,
@@ -29,6 +29,7 @@ from lightning_diag.rules.grad import (
     GradCollapseRule,
     GradFrozenRule,
     GradSpreadRule,
+    role_of,
 )
 from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
 from lightning_diag.tags import (
@@ -57,11 +58,6 @@ DEFAULT_LOGIT_PROJECTIONS = ("q", "k", "query", "key", "q_proj", "k_proj", "q_li
 
 #: Name components of embedding tables and learned position/class tokens, which are not weight matrices.
 _EMBEDDING = re.compile(r".*embed.*|pos|pos_emb|wte|wpe|cls_token|mask_token|dist_token")
-
-
-def role_of(layer: str) -> str:
-    """The layer's role: its name with block indices replaced by ``*`` (``h.3.mlp.fc`` -> ``h.*.mlp.fc``)."""
-    return ".".join("*" if part.isdigit() else part for part in layer.split("."))
 
 
 class _Index:
@@ -264,18 +260,7 @@ class GradientFlowMonitor(DiagCallback):
             >>> GradientFlowMonitor().thresholds()["grad_explode"]
             10.0
         """
-        return {
-            GRAD_VANISH: self.vanish_threshold,
-            f"{GRAD_VANISH}.relative": self.band_rule.relative,
-            GRAD_EXPLODE: self.explode_threshold,
-            GRAD_LAYER_SPREAD: self.spread_ratio,
-            f"{GRAD_VANISH}.warmup_steps": float(self.warmup_steps),
-            GRAD_COLLAPSE: self.collapse_ratio,
-            f"{GRAD_COLLAPSE}.baseline_measurements": float(self.baseline_measurements),
-            f"{GRAD_COLLAPSE}.converged_fraction": self.converged_fraction,
-            f"{GRAD_LAYER_SPREAD}.warmup_steps": float(self.warmup_steps),
-            "grad.patience": float(self.patience),
-        }
+        return {**super().thresholds(), f"{GRAD_VANISH}.relative": self.band_rule.relative}
 
     def _make_rules(self) -> None:
         self.band_rule = GradBandRule(

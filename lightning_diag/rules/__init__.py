@@ -1,6 +1,36 @@
-"""Stateful detectors in plain Python: feed values in, get Alerts out. Never imports Lightning."""
+"""Stateful detectors in plain Python: feed values in, get Alerts out. Never imports Lightning.
 
-from lightning_diag.rules.anomaly import LossStagnantRule, LossSwingRule, ValDeclineRule, ValFluctuationRule
-from lightning_diag.rules.base import Latch, Rule, StepContext
+Lazy (PEP 562): importing ``lightning_diag.rules.registry`` (the report does) loads no rule module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY: dict[str, str] = {
+    "Latch": "lightning_diag.rules.base",
+    "Rule": "lightning_diag.rules.base",
+    "StepContext": "lightning_diag.rules.base",
+    "LossStagnantRule": "lightning_diag.rules.anomaly",
+    "LossSwingRule": "lightning_diag.rules.anomaly",
+    "ValDeclineRule": "lightning_diag.rules.anomaly",
+    "ValFluctuationRule": "lightning_diag.rules.anomaly",
+}
 
 __all__ = ["Latch", "LossStagnantRule", "LossSwingRule", "Rule", "StepContext", "ValDeclineRule", "ValFluctuationRule"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_diag.rules.anomaly import LossStagnantRule, LossSwingRule, ValDeclineRule, ValFluctuationRule
+    from lightning_diag.rules.base import Latch, Rule, StepContext
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_diag.rules' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

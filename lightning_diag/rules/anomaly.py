@@ -31,6 +31,7 @@ from typing import Literal
 
 from lightning_diag.alerts import LOSS_STAGNANT, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION, Alert
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.registry import default
 from lightning_diag.stats.trend import fluctuation, relative_change
 
 __all__ = [
@@ -53,30 +54,30 @@ __all__ = [
 ]
 
 #: ``loss_swing``: relative change that counts as a swing (seed 001 §1.2: 10%).
-DEFAULT_SWING_THRESHOLD = 0.10
+DEFAULT_SWING_THRESHOLD = default("loss_swing")
 #: ``loss_swing``: consecutive swinging epochs (or windows) before the rule fires (seed 001 §1.2: 3).
-DEFAULT_SWING_PATIENCE = 3
+DEFAULT_SWING_PATIENCE = int(default("loss_swing.patience"))
 #: ``loss_swing``: absolute change below which a point never swings (keeps near-zero losses quiet).
-DEFAULT_SWING_MIN_DELTA = 1e-3
+DEFAULT_SWING_MIN_DELTA = default("loss_swing.min_delta")
 #: ``val_decline``: consecutive worsening validation runs before the rule fires (seed 001 §1.2: 5).
-DEFAULT_VAL_DECLINE_PATIENCE = 5
+DEFAULT_VAL_DECLINE_PATIENCE = int(default("val_decline"))
 #: ``val_decline``: change that counts as worse.
-DEFAULT_VAL_DECLINE_MIN_DELTA = 0.0
+DEFAULT_VAL_DECLINE_MIN_DELTA = default("val_decline.min_delta")
 #: ``val_fluctuation``: validation fluctuation above this multiple of the training one (seed 000 §4.1: 2x).
-DEFAULT_VAL_FLUCTUATION_RATIO = 2.0
+DEFAULT_VAL_FLUCTUATION_RATIO = default("val_fluctuation")
 #: ``val_fluctuation``: validation runs in the window.
-DEFAULT_VAL_FLUCTUATION_WINDOW = 5
+DEFAULT_VAL_FLUCTUATION_WINDOW = int(default("val_fluctuation.window"))
 #: ``val_fluctuation``: validation fluctuation (relative to its level) below which the rule never fires.
-DEFAULT_VAL_FLUCTUATION_MIN = 0.15
+DEFAULT_VAL_FLUCTUATION_MIN = default("val_fluctuation.min")
 #: ``val_fluctuation``: range (max - min, loss units) of the validation window below which it never fires.
-DEFAULT_VAL_FLUCTUATION_MIN_ABS = 0.01
+DEFAULT_VAL_FLUCTUATION_MIN_ABS = default("val_fluctuation.min_range")
 
 #: ``loss_stagnant``: fraction of the initial loss the training loss must have fallen by.
-DEFAULT_STAGNANT_MIN_DROP = 0.10
+DEFAULT_STAGNANT_MIN_DROP = default("loss_stagnant")
 #: ``loss_stagnant``: loss points (epochs or windows) the training loss has to get there.
-DEFAULT_STAGNANT_PATIENCE = 4
+DEFAULT_STAGNANT_PATIENCE = int(default("loss_stagnant.patience"))
 #: ``loss_stagnant``: first optimizer steps whose mean loss is the initial loss.
-DEFAULT_STAGNANT_BASELINE_STEPS = 5
+DEFAULT_STAGNANT_BASELINE_STEPS = int(default("loss_stagnant.baseline_steps"))
 
 
 def _pct(x: float) -> str:

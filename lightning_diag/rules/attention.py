@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 from lightning_diag.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK, Alert, Severity
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.registry import default
 
 __all__ = [
     "DEFAULT_ATTN_PATIENCE",
@@ -43,17 +44,17 @@ __all__ = [
 ]
 
 #: ``attn_entropy_low``: a head's attention entropy below this many nats (seed 000 §3.2).
-DEFAULT_ENTROPY_LOW = 0.5
+DEFAULT_ENTROPY_LOW = default("attn_entropy_low")
 #: ``attn_entropy_high``: a head's attention entropy above this many nats (seed 000 §3.2).
-DEFAULT_ENTROPY_HIGH = 2.5
+DEFAULT_ENTROPY_HIGH = default("attn_entropy_high")
 #: ``attn_entropy_high``: ... and above this fraction of the entropy of uniform attention over its keys.
-DEFAULT_UNIFORM_FRACTION = 0.9
+DEFAULT_UNIFORM_FRACTION = default("attn_entropy_high.uniform_fraction")
 #: ``attn_entropy_high``: optimizer steps before the rule judges (a fresh model attends uniformly).
-DEFAULT_ATTN_WARMUP_STEPS = 200
+DEFAULT_ATTN_WARMUP_STEPS = int(default("attn_entropy_high.warmup_steps"))
 #: ``attn_sink``: attention mass on special tokens that every head of a layer must exceed ("most of its mass").
-DEFAULT_SINK_MASS = 0.5
+DEFAULT_SINK_MASS = default("attn_sink")
 #: Consecutive measurements an attention condition must hold before it alerts.
-DEFAULT_ATTN_PATIENCE = 2
+DEFAULT_ATTN_PATIENCE = int(default("attn.patience"))
 
 
 class LayerStats(NamedTuple):

@@ -10,7 +10,8 @@ faults rather than architecture (the measurements behind each choice are in ``do
 * ``grad_vanish``: a **weight matrix's relative gradient** ``||g_W|| / ||W||`` below ``vanish_threshold`` *and*
   more than ``relative`` times below the largest relative gradient of the blocks' matrices (the best-fed block),
   on ``patience`` consecutive measurements after ``warmup_steps``, while that block itself is above
-  ``vanish_threshold``. Matrices starved while a block still learns are vanishing; all of them small together is a converged (or dead) model, ``grad_collapse``'s question.
+  ``vanish_threshold``. Matrices starved while a block still learns are vanishing; all of them small together
+  is a converged (or dead) model, ``grad_collapse``'s question.
   Attention query/key projections are not compared (their gradient flows only through the softmax and is 1e-5
   at initialisation, attention being uniform), nor are embeddings (sparse rows).
 * ``grad_layer_spread``: between comparable matrices **of the same role in different blocks** (``layers.*.fc1``
@@ -45,6 +46,7 @@ from lightning_diag.alerts import (
     Severity,
 )
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.registry import default
 
 __all__ = [
     "DEFAULT_BASELINE_MEASUREMENTS",
@@ -61,24 +63,25 @@ __all__ = [
     "GradFrozenRule",
     "GradSpreadRule",
     "name_layers",
+    "role_of",
 ]
 
 #: ``grad_vanish``: a weight matrix's ``||g|| / ||W||`` below this (seed 000 §3.1's 1e-3).
-DEFAULT_VANISH_THRESHOLD = 1e-3
+DEFAULT_VANISH_THRESHOLD = default("grad_vanish")
 #: ``grad_explode``: a layer's RMS gradient per element above this (seed 000 §3.1's 1e1).
-DEFAULT_EXPLODE_THRESHOLD = 1e1
+DEFAULT_EXPLODE_THRESHOLD = default("grad_explode")
 #: ``grad_layer_spread``: largest / smallest relative gradient of one role across blocks (seed 000 §3.1).
-DEFAULT_SPREAD_RATIO = 100.0
+DEFAULT_SPREAD_RATIO = default("grad_layer_spread")
 #: ``grad_collapse``: blocks' gradient norm below this fraction of its baseline (seed 001 §1.2).
-DEFAULT_COLLAPSE_RATIO = 0.01
+DEFAULT_COLLAPSE_RATIO = default("grad_collapse")
 #: Consecutive measurements a gradient condition must hold before it alerts.
-DEFAULT_GRAD_PATIENCE = 3
+DEFAULT_GRAD_PATIENCE = int(default("grad.patience"))
 #: ``grad_collapse``: measurements whose median is the baseline (and whose median loss is the initial loss).
-DEFAULT_BASELINE_MEASUREMENTS = 5
+DEFAULT_BASELINE_MEASUREMENTS = int(default("grad_collapse.baseline_measurements"))
 #: ``grad_vanish`` / ``grad_layer_spread`` are not evaluated before this global step (initialisation transients).
-DEFAULT_GRAD_WARMUP_STEPS = 50
+DEFAULT_GRAD_WARMUP_STEPS = int(default("grad_vanish.warmup_steps"))
 #: ``grad_collapse``: a loss at most this fraction of its initial value is a converged model (``info``).
-DEFAULT_CONVERGED_FRACTION = 0.1
+DEFAULT_CONVERGED_FRACTION = default("grad_collapse.converged_fraction")
 #: ``grad_collapse``: a loss that has not fallen this fraction below its initial value is stuck (dead network).
 _STUCK_FALL = 0.1
 #: Layers named in an alert that groups several.
@@ -90,6 +93,16 @@ FROZEN_REASONS: dict[str, str] = {
     "excluded": "it is trainable but in no optimizer's parameter groups",
     "no_grad": "it gets no gradient (a `detach`, `torch.no_grad` or an unused branch cuts it from the loss)",
 }
+
+
+def role_of(layer: str) -> str:
+    """A layer's role: its name with block indices replaced by ``*``.
+
+    Example:
+        >>> role_of("h.3.mlp.fc")
+        'h.*.mlp.fc'
+    """
+    return ".".join("*" if part.isdigit() else part for part in layer.split("."))
 
 
 def name_layers(values: Mapping[str, float], worst_first: bool = True, shown: int = _SHOWN) -> str:

@@ -1,9 +1,23 @@
-"""The rule registry: one declaration per rule id.
+"""The rule registry: one declaration per rule id, and the checklist rows of ``lightning-diag report``.
 
 Every rule the library can raise is declared here exactly once, with the callback that owns it, its severity,
-its default threshold and settings, a title with the threshold filled in, and the checklist row of
-``lightning-diag report`` it belongs to. ``ALL_RULES``, the callbacks' ``thresholds()``, the report's defaults
-and titles, and the docs' thresholds table all derive from these declarations.
+its default threshold and settings, the constructor arguments that set them, a title with the threshold filled
+in, and the checklist row of ``lightning-diag report`` it belongs to. ``ALL_RULES``, the ``DEFAULT_*``
+constants of ``rules/``, the callbacks' ``thresholds()``, the report's defaults, titles and checklist, and the
+docs' thresholds table check all derive from these declarations.
+
+Declaring a new rule (issues adding callbacks append one block at the end of the declarations section)::
+
+    register(RuleSpec("label_imbalance", "DataDiagnostics", "warning", 0.1,
+                      "standard deviation of the class proportions above {threshold:g}",
+                      settings={"min_samples": 100}, arguments={"threshold": "imbalance_std"},
+                      check="data_label_balance", source="seed 000 §7.1"))
+
+``arguments`` names the callback attribute (= constructor argument) holding the value in effect, so
+:meth:`DiagCallback.thresholds` reports the instance's values with no code of its own. ``check`` puts the rule
+in a checklist row (:data:`CHECKS`); a new row is declared with :func:`register_check`, and where its status
+needs more than "did its rules raise a warning" it gets a measure function in
+:mod:`lightning_diag.report.checks`.
 
 This module imports nothing but the standard library, so the report can read it without torch or Lightning.
 
@@ -15,27 +29,42 @@ Example:
     "a layer's gradient above 10"
     >>> spec.describe({"grad_explode": 5.0})
     "a layer's gradient above 5"
+    >>> CHECKS["grad_norm_band"].describe({"grad_vanish": 1e-4})
+    'Gradient norm of every layer within 0.0001 .. 10'
 """
 
 from __future__ import annotations
 
 import dataclasses
 import string
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Literal
 
 __all__ = [
+    "CHECKS",
+    "OWNERS",
     "RULES",
+    "SETTINGS",
+    "CheckSpec",
+    "ChecklistLayer",
     "RuleSpec",
+    "SettingSpec",
     "SeverityName",
+    "default",
     "default_thresholds",
+    "describe",
     "owner_of",
     "register",
+    "register_check",
+    "register_setting",
+    "registry_thresholds",
     "rules_of",
+    "settings_of",
 ]
 
 SeverityName = Literal["info", "warning", "critical"]
+ChecklistLayer = Literal["Data", "Model", "Training", "Deployment"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +78,16 @@ class RuleSpec:
         threshold: The default value alerts carry as ``threshold``, or ``None`` for rules without a number
             (non-finite checks).
         title: What the rule detects, as a :meth:`str.format` template over the thresholds in effect:
-            ``{threshold}`` is this rule's threshold, ``{<setting>}`` one of its settings and ``{<other_rule>}``
-            another rule's threshold (``"{grad_vanish:g} .. {grad_explode:g}"``).
+            ``{threshold}`` is this rule's threshold, ``{<setting>}`` one of its settings (or of its owner's
+            shared settings, :func:`register_setting`) and ``{<other_rule>}`` another rule's threshold
+            (``"{grad_vanish:g} .. {grad_explode:g}"``).
         settings: Default values of the settings that qualify the rule (patience, windows), written to
             ``thresholds()`` as ``"<rule_id>.<setting>"``.
-        check: The id of the ``lightning-diag report`` checklist row the rule belongs to, or ``None`` for a
-            rule shown under "Other".
+        check: The id of the ``lightning-diag report`` checklist row the rule belongs to (:data:`CHECKS`), or
+            ``None`` for a rule shown under "Other".
         source: Where the default comes from (``"seed 000 §3.1"``), or ``""`` for the project's own choice.
+        arguments: ``"threshold"`` or a setting name -> the owner's constructor argument (and attribute) that
+            sets it. Entries without one always report the default.
     """
 
     rule_id: str
@@ -66,11 +98,20 @@ class RuleSpec:
     settings: Mapping[str, float] = dataclasses.field(default_factory=dict)
     check: str | None = None
     source: str = ""
+    arguments: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.severity not in ("info", "warning", "critical"):
             raise ValueError(f"`severity` can be info, warning or critical, got {self.severity!r}")
+        unknown = set(self.arguments) - {"threshold", *self.settings}
+        if unknown:
+            raise ValueError(f"`arguments` of {self.rule_id!r} name no threshold or setting: {sorted(unknown)}")
         object.__setattr__(self, "settings", MappingProxyType(dict(self.settings)))
+        object.__setattr__(self, "arguments", MappingProxyType(dict(self.arguments)))
+
+    def key(self, name: str) -> str:
+        """The ``thresholds()`` key of ``"threshold"`` or a setting name."""
+        return self.rule_id if name == "threshold" else f"{self.rule_id}.{name}"
 
     def defaults(self) -> dict[str, float]:
         """``{rule_id: threshold, "rule_id.setting": value}``: the entries this rule adds to ``thresholds()``."""
@@ -82,20 +123,135 @@ class RuleSpec:
 
     def describe(self, thresholds: Mapping[str, float] | None = None) -> str:
         """The title with the thresholds in effect filled in (the defaults where ``thresholds`` lacks one)."""
-        given = dict(thresholds or {})
-        fields: dict[str, float] = {}
-        for spec in RULES.values():
-            if spec.threshold is not None:
-                fields[spec.rule_id] = float(given.get(spec.rule_id, spec.threshold))
-        fields["threshold"] = fields.get(self.rule_id, float("nan"))
-        for key, value in self.settings.items():
-            fields[key] = float(given.get(f"{self.rule_id}.{key}", value))
-        return string.Formatter().vformat(self.title, (), fields)
+        return describe(self.title, thresholds, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingSpec:
+    """A setting shared by several rules of one callback (``grad.patience``), written to ``thresholds()``.
+
+    Attributes:
+        key: The ``thresholds()`` key (``"<family>.<name>"``).
+        owner: The callback it belongs to.
+        default: Its default value.
+        argument: The owner's constructor argument (and attribute) that sets it.
+        rules: The rule ids it qualifies.
+    """
+
+    key: str
+    owner: str
+    default: float
+    argument: str
+    rules: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The part after the dot: the field name titles use (``{patience}``)."""
+        return self.key.rsplit(".", 1)[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckSpec:
+    """One row of the ``lightning-diag report`` checklist (seed 000 §7.1).
+
+    Attributes:
+        check_id: Stable row id (``grad_norm_band``); rules join it with ``RuleSpec(check=...)``.
+        layer: ``Data``, ``Model``, ``Training`` or ``Deployment``.
+        title: What is checked, a template filled like :attr:`RuleSpec.title` (any rule's threshold or setting).
+        threshold: The criterion in words for rows no rule decides yet (``"< 0.1"``), else ``""``.
+        threshold_value: The same as a number, for such rows.
+    """
+
+    check_id: str
+    layer: ChecklistLayer
+    title: str
+    threshold: str = ""
+    threshold_value: float | None = None
+
+    @property
+    def rules(self) -> tuple[str, ...]:
+        """The rule ids declared with ``check=`` this row, in declaration order."""
+        return tuple(s.rule_id for s in _RULES.values() if s.check == self.check_id)
+
+    def describe(self, thresholds: Mapping[str, float] | None = None) -> str:
+        """The title with the thresholds in effect filled in."""
+        return describe(self.title, thresholds)
+
+
+class _Fields(Mapping[str, float]):
+    """Format fields of a title: every rule's threshold, and the settings of one rule and its owner."""
+
+    def __init__(self, values: dict[str, float]) -> None:
+        self._values = values
+
+    def __getitem__(self, key: str) -> float:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+def describe(template: str, thresholds: Mapping[str, float] | None = None, spec: RuleSpec | None = None) -> str:
+    """Fill a title template with the thresholds in effect (the registry's defaults where one is missing).
+
+    Fields: ``{<rule_id>}`` (a threshold), ``{<rule_id>__<setting>}`` (a setting of any rule), and for a rule's
+    own title ``{threshold}`` and ``{<setting>}`` (its settings and its owner's shared settings).
+
+    Example:
+        >>> describe("{grad_vanish:g} .. {grad_explode:g}", {"grad_explode": 20.0})
+        '0.001 .. 20'
+        >>> describe("{val_fluctuation__window:g} runs")
+        '5 runs'
+    """
+    given = dict(thresholds or {})
+    fields: dict[str, float] = {}
+    for rule in _RULES.values():
+        if rule.threshold is not None:
+            fields[rule.rule_id] = float(given.get(rule.rule_id, rule.threshold))
+        for name, value in rule.settings.items():
+            fields[f"{rule.rule_id}__{name}"] = float(given.get(rule.key(name), value))
+    if spec is not None:
+        fields["threshold"] = fields.get(spec.rule_id, float("nan"))
+        for setting in _SETTINGS.values():
+            if setting.owner == spec.owner and (not setting.rules or spec.rule_id in setting.rules):
+                fields[setting.name] = float(given.get(setting.key, setting.default))
+        for name, value in spec.settings.items():
+            fields[name] = float(given.get(spec.key(name), value))
+    return string.Formatter().vformat(template, (), _Fields(fields))
 
 
 _RULES: dict[str, RuleSpec] = {}
+_SETTINGS: dict[str, SettingSpec] = {}
+_CHECKS: dict[str, CheckSpec] = {}
 #: Every declared rule, by id (read-only view).
 RULES: Mapping[str, RuleSpec] = MappingProxyType(_RULES)
+#: Every shared setting, by key (read-only view).
+SETTINGS: Mapping[str, SettingSpec] = MappingProxyType(_SETTINGS)
+#: Every checklist row, by id, in checklist order (read-only view).
+CHECKS: Mapping[str, CheckSpec] = MappingProxyType(_CHECKS)
+
+
+class _Owners(Mapping[str, str]):
+    """Rule id -> owner callback, a live view of the registry (``alerts.ALL_RULES``)."""
+
+    def __getitem__(self, rule_id: str) -> str:
+        return _RULES[rule_id].owner
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_RULES)
+
+    def __len__(self) -> int:
+        return len(_RULES)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+#: Rule id -> the callback that raises it (live: includes rules registered later).
+OWNERS: Mapping[str, str] = _Owners()
 
 
 def register(spec: RuleSpec) -> RuleSpec:
@@ -111,6 +267,34 @@ def register(spec: RuleSpec) -> RuleSpec:
     return spec
 
 
+def register_setting(spec: SettingSpec) -> SettingSpec:
+    """Declare a setting shared by several rules of one callback.
+
+    Raises:
+        ValueError: If ``spec.key`` is already declared differently.
+    """
+    existing = _SETTINGS.get(spec.key)
+    if existing is not None and existing != spec:
+        raise ValueError(f"setting {spec.key!r} is already declared by {existing.owner}")
+    _SETTINGS[spec.key] = spec
+    return spec
+
+
+def register_check(spec: CheckSpec) -> CheckSpec:
+    """Declare a checklist row (rows appear in declaration order within their layer).
+
+    Raises:
+        ValueError: If ``spec.check_id`` is already declared differently, or ``spec.layer`` is unknown.
+    """
+    if spec.layer not in ("Data", "Model", "Training", "Deployment"):
+        raise ValueError(f"`layer` can be Data, Model, Training or Deployment, got {spec.layer!r}")
+    existing = _CHECKS.get(spec.check_id)
+    if existing is not None and existing != spec:
+        raise ValueError(f"check {spec.check_id!r} is already declared")
+    _CHECKS[spec.check_id] = spec
+    return spec
+
+
 def rules_of(owner: str) -> tuple[RuleSpec, ...]:
     """The rules a callback owns, in declaration order.
 
@@ -121,6 +305,11 @@ def rules_of(owner: str) -> tuple[RuleSpec, ...]:
     return tuple(s for s in _RULES.values() if s.owner == owner)
 
 
+def settings_of(owner: str) -> tuple[SettingSpec, ...]:
+    """The shared settings of a callback, in declaration order."""
+    return tuple(s for s in _SETTINGS.values() if s.owner == owner)
+
+
 def owner_of(rule_id: str) -> str | None:
     """The callback that raises ``rule_id``, or ``None`` for an unknown id."""
     spec = _RULES.get(rule_id)
@@ -128,18 +317,104 @@ def owner_of(rule_id: str) -> str | None:
 
 
 def default_thresholds(owner: str | None = None) -> dict[str, float]:
-    """The default ``thresholds()`` entries of one callback's rules, or of every rule.
+    """The default ``thresholds()`` entries of one callback's rules and shared settings, or of every rule.
 
     Example:
         >>> default_thresholds("GradientFlowMonitor")["grad_layer_spread"]
         100.0
+        >>> default_thresholds("GradientFlowMonitor")["grad.patience"]
+        3.0
     """
     values: dict[str, float] = {}
     for spec in _RULES.values():
         if owner is None or spec.owner == owner:
             values.update(spec.defaults())
+    for setting in _SETTINGS.values():
+        if owner is None or setting.owner == owner:
+            values[setting.key] = float(setting.default)
     return values
 
+
+def registry_thresholds(callback: object) -> dict[str, float]:
+    """The ``thresholds()`` of a callback instance: its class's declared rules and shared settings, with the
+    values of the attributes their ``arguments`` name (the defaults where none is named or set).
+
+    The owner is the first class in the instance's method resolution order that owns a rule, so a subclass of
+    a library callback reports its base's rules.
+
+    Example:
+        >>> class GradientFlowMonitor:
+        ...     vanish_threshold, patience = 1e-4, 5
+        >>> values = registry_thresholds(GradientFlowMonitor())
+        >>> values["grad_vanish"], values["grad_explode"], values["grad.patience"]
+        (0.0001, 10.0, 5.0)
+    """
+    owner = next((k.__name__ for k in type(callback).__mro__ if rules_of(k.__name__) or settings_of(k.__name__)), "")
+    values: dict[str, float] = {}
+
+    def read(argument: str | None, fallback: float) -> float:
+        value = getattr(callback, argument, None) if argument else None
+        return float(fallback if value is None else value)
+
+    for spec in rules_of(owner):
+        if spec.threshold is not None:
+            values[spec.rule_id] = read(spec.arguments.get("threshold"), spec.threshold)
+        for name, fallback in spec.settings.items():
+            values[spec.key(name)] = read(spec.arguments.get(name), fallback)
+    for setting in settings_of(owner):
+        values[setting.key] = read(setting.argument, setting.default)
+    return values
+
+
+def default(key: str) -> float:
+    """The default of one ``thresholds()`` key (``"loss_swing"``, ``"loss_swing.patience"``, ``"grad.patience"``).
+
+    The ``DEFAULT_*`` constants of ``rules/`` are read with it.
+
+    Raises:
+        KeyError: If no rule or shared setting declares ``key``.
+
+    Example:
+        >>> default("loss_swing.patience")
+        3.0
+    """
+    values = default_thresholds()
+    if key not in values:
+        raise KeyError(f"no rule or setting declares {key!r}")
+    return values[key]
+
+
+# -- checklist rows -------------------------------------------------------------------------------------
+# Seed 000 §7.1's layered checklist plus the training-process checks, in report order. A rule joins a row with
+# `RuleSpec(check=...)`; rows no rule decides yet are "not measured" with the seed's criterion.
+
+register_check(CheckSpec("data_label_balance", "Data", "Label distribution standard deviation < 0.1", "< 0.1", 0.1))
+register_check(CheckSpec("data_train_test_overlap", "Data", "Train/test Jaccard similarity < 0.15", "< 0.15", 0.15))
+register_check(CheckSpec("grad_norm_band", "Model",
+                         "Gradient norm of every layer within {grad_vanish:g} .. {grad_explode:g}"))
+register_check(CheckSpec("grad_spread", "Model", "Layer gradient norms within a ratio of {grad_layer_spread:g}"))
+register_check(CheckSpec("grad_collapse", "Model",
+                         "Global gradient norm above {grad_collapse:g} of its early baseline"))
+register_check(CheckSpec(
+    "attn_entropy_band", "Model",
+    "Attention entropy of every head above {attn_entropy_low:g} nats, and not above {attn_entropy_high:g} nats "
+    "while near uniform ({attn_entropy_high__uniform_fraction:g} of it) "
+    "after step {attn_entropy_high__warmup_steps:g}",
+))
+register_check(CheckSpec("attn_sink", "Model",
+                         "No layer whose every head puts more than {attn_sink:g} of its mass on [CLS]/[SEP]"))
+register_check(CheckSpec("nonfinite", "Training", "No NaN/Inf in the loss or the gradients"))
+register_check(CheckSpec(
+    "loss_swing", "Training",
+    "Training loss does not swing by more than {loss_swing:.0%} on {loss_swing__patience:g} consecutive points",
+))
+register_check(CheckSpec("val_decline", "Training",
+                         "Validation metric does not worsen on {val_decline:g} consecutive runs"))
+register_check(CheckSpec(
+    "val_fluctuation", "Training", "Validation fluctuation at most {val_fluctuation:g}x the training fluctuation"
+))
+register_check(CheckSpec("deploy_quantization_error", "Deployment", "Quantization error < 5%", "< 5%", 0.05))
+register_check(CheckSpec("deploy_latency_fluctuation", "Deployment", "Latency fluctuation < 15%", "< 15%", 0.15))
 
 # -- declarations ---------------------------------------------------------------------------------------------
 # One block per callback. Defaults are the seeds' numbers (DESIGN.md's thresholds table); the rules/ modules'
@@ -149,48 +424,65 @@ _ALARM = "AnomalyAlarm"
 register(RuleSpec("nonfinite_loss", _ALARM, "critical", None, "NaN/Inf in the loss", check="nonfinite",
                   source="seed 000 §4.2"))
 register(RuleSpec("nonfinite_grad", _ALARM, "critical", None, "NaN/Inf in a gradient before the optimizer step",
-                  settings={"max_scaler_overflows": 5}, check="nonfinite", source="seed 000 §4.2"))
+                  settings={"max_scaler_overflows": 5}, check="nonfinite", source="seed 000 §4.2",
+                  arguments={"max_scaler_overflows": "max_scaler_overflows"}))
 register(RuleSpec("loss_swing", _ALARM, "warning", 0.10,
                   "training loss swings by more than {threshold:.0%} on {patience:g} consecutive epochs",
-                  settings={"patience": 3, "min_delta": 1e-3}, check="loss_swing", source="seed 001 §1.2"))
+                  settings={"patience": 3, "min_delta": 1e-3}, check="loss_swing", source="seed 001 §1.2",
+                  arguments={"threshold": "swing_threshold", "patience": "swing_patience",
+                             "min_delta": "swing_min_delta"}))
 register(RuleSpec("val_decline", _ALARM, "warning", 5.0,
                   "validation metric worsens on {threshold:g} consecutive validation runs",
-                  settings={"min_delta": 0.0}, check="val_decline", source="seed 001 §1.2"))
+                  settings={"min_delta": 0.0}, check="val_decline", source="seed 001 §1.2",
+                  arguments={"threshold": "val_decline_patience", "min_delta": "val_decline_min_delta"}))
 register(RuleSpec("val_fluctuation", _ALARM, "warning", 2.0,
                   "validation-loss fluctuation above {threshold:g}x the training-loss fluctuation",
                   settings={"window": 5, "min": 0.15, "min_range": 0.01}, check="val_fluctuation",
-                  source="seed 000 §4.1"))
+                  source="seed 000 §4.1",
+                  arguments={"threshold": "val_fluctuation_ratio", "window": "val_fluctuation_window",
+                             "min": "val_fluctuation_min", "min_range": "val_fluctuation_min_range"}))
 register(RuleSpec("loss_stagnant", _ALARM, "warning", 0.10,
                   "training loss has not fallen {threshold:.0%} below its initial value after {patience:g} points",
-                  settings={"patience": 4, "baseline_steps": 5}))
+                  settings={"patience": 4, "baseline_steps": 5},
+                  arguments={"threshold": "stagnant_min_drop", "patience": "stagnant_patience",
+                             "baseline_steps": "stagnant_baseline_steps"}))
 
 _GRAD = "GradientFlowMonitor"
 register(RuleSpec("grad_vanish", _GRAD, "warning", 1e-3,
                   "a weight matrix's ||g||/||W|| below {threshold:g} and {relative:g}x below the best-fed block "
                   "matrix, after step {warmup_steps:g}",
-                  settings={"relative": 100.0, "warmup_steps": 50}, check="grad_norm_band",
-                  source="seed 000 §3.1"))
+                  settings={"relative": 100.0, "warmup_steps": 50}, check="grad_norm_band", source="seed 000 §3.1",
+                  arguments={"threshold": "vanish_threshold", "warmup_steps": "warmup_steps"}))
 register(RuleSpec("grad_explode", _GRAD, "warning", 1e1, "a layer's RMS gradient per element above {threshold:g}",
-                  check="grad_norm_band", source="seed 000 §3.1"))
+                  check="grad_norm_band", source="seed 000 §3.1", arguments={"threshold": "explode_threshold"}))
 register(RuleSpec("grad_layer_spread", _GRAD, "warning", 100.0,
                   "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
-                  settings={"warmup_steps": 50}, check="grad_spread", source="seed 000 §3.1"))
+                  settings={"warmup_steps": 50}, check="grad_spread", source="seed 000 §3.1",
+                  arguments={"threshold": "spread_ratio", "warmup_steps": "warmup_steps"}))
 register(RuleSpec("grad_collapse", _GRAD, "warning", 0.01,
                   "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or "
                   "vanished: warning)",
                   settings={"baseline_measurements": 5, "converged_fraction": 0.1}, check="grad_collapse",
-                  source="seed 001 §1.2"))
+                  source="seed 001 §1.2",
+                  arguments={"threshold": "collapse_ratio", "baseline_measurements": "baseline_measurements",
+                             "converged_fraction": "converged_fraction"}))
 register(RuleSpec("grad_frozen", _GRAD, "warning", None,
                   "a trainable parameter that cannot learn (in no optimizer, or never gets a gradient); "
                   "requires_grad=False is an info"))
+register_setting(SettingSpec("grad.patience", _GRAD, 3, "patience",
+                             ("grad_vanish", "grad_layer_spread", "grad_collapse", "grad_frozen")))
 
 _ATTN = "AttentionEntropyMonitor"
 register(RuleSpec("attn_entropy_low", _ATTN, "warning", 0.5, "a head's attention entropy below {threshold:g} nats",
-                  check="attn_entropy_band", source="seed 000 §3.2"))
+                  check="attn_entropy_band", source="seed 000 §3.2", arguments={"threshold": "entropy_low"}))
 register(RuleSpec("attn_entropy_high", _ATTN, "info", 2.5,
                   "a head's attention entropy above {threshold:g} nats and {uniform_fraction:g} of uniform",
                   settings={"uniform_fraction": 0.9, "warmup_steps": 200}, check="attn_entropy_band",
-                  source="seed 000 §3.2"))
+                  source="seed 000 §3.2",
+                  arguments={"threshold": "entropy_high", "uniform_fraction": "uniform_fraction",
+                             "warmup_steps": "warmup_steps"}))
 register(RuleSpec("attn_sink", _ATTN, "warning", 0.5,
                   "every head of a layer puts more than {threshold:g} of its mass on special tokens",
-                  check="attn_sink", source="seed 000 §3.2"))
+                  check="attn_sink", source="seed 000 §3.2", arguments={"threshold": "sink_mass"}))
+register_setting(SettingSpec("attn.patience", _ATTN, 2, "patience",
+                             ("attn_entropy_low", "attn_entropy_high", "attn_sink")))

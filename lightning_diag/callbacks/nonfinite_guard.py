@@ -1,0 +1,228 @@
+"""The Lightning side of the non-finite policy: find what an optimizer step looks like, carry out the verdict.
+
+:class:`NonFiniteGuard` turns the micro-batch losses and the gradients about to be applied into
+:class:`~lightning_diag.rules.nonfinite.StepFindings` agreed over all ranks (one 2-element read and one
+collective per optimizer step), asks the policy (:mod:`lightning_diag.rules.nonfinite`) and performs its
+:class:`~lightning_diag.rules.nonfinite.Decision` (:meth:`NonFiniteGuard.perform`). In ``"warn"`` mode it keeps
+the first bad steps on the device until a logging step reads them back (:meth:`NonFiniteGuard.read_back`).
+:class:`~lightning_diag.AnomalyAlarm` owns one and calls it from its hooks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_diag.alerts import Alert
+from lightning_diag.callbacks.lr_logging import learning_rates
+from lightning_diag.callbacks.reduction import reduce_state
+from lightning_diag.rules.nonfinite import Decision, NonFiniteDetails, NonFinitePolicy, StepFindings, Verdict
+from lightning_diag.stats.norms import all_finite
+from lightning_diag.stats.reduced import ReducedState, Reduction
+
+if TYPE_CHECKING:
+    from lightning_diag.callbacks.base import DiagCallback
+
+__all__ = ["NO_STEP", "NonFiniteError", "NonFiniteGuard", "drop_gradients", "nonfinite_details"]
+
+#: "No bad step seen": the identity of the MIN over ranks of warn mode's first bad steps.
+NO_STEP = 2**62
+_SHOWN_PARAMS = 5
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by :class:`~lightning_diag.AnomalyAlarm` with ``on_nonfinite="raise"`` instead of applying a
+    non-finite update.
+
+    Attributes:
+        alert: The critical alert that was written before raising.
+    """
+
+    def __init__(self, alert: Alert) -> None:
+        super().__init__(alert.message)
+        self.alert = alert
+
+
+class NonFiniteGuard:
+    """Finds the non-finite steps, asks the policy and carries out its decisions for a callback.
+
+    Args:
+        owner: The callback whose ``record``, ``writer`` and ``context`` the guard uses.
+        policy: The decisions (and the counts and latch that span steps).
+
+    Attributes:
+        halted: Set by a ``STOP`` verdict: every later step of the fit is dropped.
+        last_finite_loss: The last finite training loss (a 0-d device tensor once a loss was seen).
+        pending: ``"warn"`` mode's first bad ``loss_step`` and ``grad_step`` since the last read-back, declared
+            with ``MIN`` (:data:`NO_STEP` when none), device tensors between read-backs.
+        deferred_steps: Steps checked since the last read-back (the same count on every rank).
+    """
+
+    def __init__(self, owner: DiagCallback, policy: NonFinitePolicy) -> None:
+        self.owner = owner
+        self.policy = policy
+        self.halted = False
+        self.last_finite_loss: torch.Tensor | float = math.nan
+        self._loss_bad: torch.Tensor | None = None  # NaN/Inf in a micro-batch loss since the last step
+        self.pending = ReducedState()
+        self.pending.add_state("loss_step", NO_STEP, Reduction.MIN)
+        self.pending.add_state("grad_step", NO_STEP, Reduction.MIN)
+        self.deferred_steps = 0
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """Remember, on the device, whether a micro-batch loss is finite."""
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._loss_bad = bad if self._loss_bad is None else (self._loss_bad | bad)
+
+    def note_training_loss(self, loss: torch.Tensor) -> None:
+        """Keep the loss as :attr:`last_finite_loss` if it is finite (on the device: no read-back)."""
+        last = self.last_finite_loss
+        last_tensor = last if isinstance(last, torch.Tensor) else torch.full_like(loss, last)
+        self.last_finite_loss = torch.where(torch.isfinite(loss), loss, last_tensor)
+
+    def details(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> NonFiniteDetails:
+        """What an alert about the current step tells (read only on the failure path)."""
+        return nonfinite_details(trainer, pl_module, float(self.last_finite_loss))
+
+    def before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Check the step ``optimizer`` is about to take and carry out the policy's verdict.
+
+        Raises:
+            NonFiniteError: If the verdict is ``RAISE``.
+        """
+        if self.halted:
+            self._loss_bad = None
+            drop_gradients(optimizer)
+            return
+        findings = self.check_step(trainer, optimizer, defer=self.policy.action == "warn")
+        if findings is not None:
+            decision = self.policy.decide(
+                findings, self.owner.context(trainer), lambda: self.details(trainer, pl_module)
+            )
+            self.perform(decision, trainer, optimizer)
+
+    def perform(self, decision: Decision, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
+        """Carry out a verdict on the step ``optimizer`` is about to take, and record the decision's alerts.
+
+        Raises:
+            NonFiniteError: If the verdict is ``RAISE`` (after the alerts are recorded and flushed).
+        """
+        if decision.verdict is Verdict.RAISE:
+            self.owner.record(decision.alerts)
+            self.owner.writer.flush()
+            raise NonFiniteError(decision.error or decision.alerts[0])
+        if decision.verdict is not Verdict.APPLY:
+            drop_gradients(optimizer)
+        if decision.verdict is Verdict.STOP:
+            self.halted = True
+            trainer.should_stop = True
+            for opt in trainer.optimizers:
+                drop_gradients(opt)
+        self.owner.record(decision.alerts)
+
+    def read_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``"warn"`` mode: read the deferred findings back and record what the policy makes of them."""
+        found = self.read_deferred(trainer, pl_module.device)
+        if found is not None:
+            details = lambda: self.details(trainer, pl_module)  # noqa: E731
+            self.owner.record(self.policy.decide_deferred(*found, self.owner.context(trainer), details))
+
+    def check_step(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, defer: bool) -> StepFindings | None:
+        """The findings of the step ``optimizer`` is about to take, over all ranks.
+
+        With ``defer`` (``"warn"`` mode) nothing is read back: the first bad steps stay on the device in
+        :attr:`pending` and this returns ``None``. It also returns ``None`` when there is nothing to check.
+        """
+        loss_bad = self._loss_bad
+        self._loss_bad = None
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads and loss_bad is None:
+            return None
+        grad_bad = ~all_finite(grads).to(grads[0].device if grads else loss_bad.device)  # type: ignore[union-attr]
+        if loss_bad is not None:
+            loss_bad = loss_bad.to(grad_bad.device)
+        if defer:
+            self._defer(trainer.global_step, loss_bad, grad_bad)
+            return None
+        # Deciding not to apply an update is a host decision: one 2-element read per optimizer step.
+        local = torch.stack([loss_bad if loss_bad is not None else torch.zeros_like(grad_bad), grad_bad]).tolist()
+        if trainer.world_size > 1:
+            # Ranks with a bad loss, ranks with a bad gradient: one collective (a SUM every strategy supports).
+            counts = torch.tensor([float(v) for v in local], device=trainer.strategy.root_device)
+            local = (trainer.strategy.reduce(counts, reduce_op="sum") > 0).tolist()
+        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        return StepFindings(loss_bad=bool(local[0]), grad_bad=bool(local[1]), scaler_active=scaler)
+
+    def _defer(self, step: int, loss_bad: torch.Tensor | None, grad_bad: torch.Tensor) -> None:
+        self.deferred_steps += 1
+        for name, bad in (("loss_step", loss_bad), ("grad_step", grad_bad)):
+            if bad is None:
+                continue
+            # A number after a reset or a restore: it becomes a device tensor here (a copy to, never from, it).
+            current = torch.as_tensor(self.pending[name], dtype=torch.long, device=bad.device)
+            self.pending[name] = torch.where(bad, current.clamp(max=step), current)
+
+    def read_deferred(self, trainer: pl.Trainer, device: torch.device) -> tuple[int | None, int | None] | None:
+        """``"warn"`` mode: the first bad loss and gradient steps over all ranks since the last read-back.
+
+        ``None`` when no step was checked since then (no news); otherwise ``(loss_step, grad_step)``, each
+        ``None`` if there was none. Every rank calls this at the same steps (it is a collective).
+        """
+        if not self.deferred_steps:
+            return None
+        self.deferred_steps = 0
+        first = reduce_state(trainer, self.pending, device=device)
+        self.pending.reset()
+        return _step_or_none(first["loss_step"]), _step_or_none(first["grad_step"])
+
+    def pending_state(self, trainer: pl.Trainer | None = None, device: torch.device | None = None) -> dict[str, int]:
+        """The checkpoint form of :attr:`pending`: ``loss_step``, ``grad_step`` (``-1``: none) and ``steps``.
+
+        With a ``trainer``, the first bad steps over all ranks (a collective: every rank calls it).
+        """
+        first = reduce_state(trainer, self.pending, device=device) if trainer is not None else self.pending.state_dict()
+        loss_step, grad_step = (_step_or_none(first[k]) for k in ("loss_step", "grad_step"))
+        return {
+            "loss_step": -1 if loss_step is None else loss_step,
+            "grad_step": -1 if grad_step is None else grad_step,
+            "steps": self.deferred_steps,
+        }
+
+    def load_pending_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`pending_state` output."""
+        self.pending.load_state_dict(
+            {k: NO_STEP if int(state[k]) < 0 else int(state[k]) for k in ("loss_step", "grad_step")}
+        )
+        self.deferred_steps = int(state["steps"])
+
+
+def _step_or_none(value: float) -> int | None:
+    return None if value >= NO_STEP else int(value)
+
+
+def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Set every ``.grad`` of ``optimizer`` to ``None``.
+
+    torch optimizers skip parameters whose ``.grad`` is ``None``: no parameter, moment or step count changes.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
+
+
+def nonfinite_details(trainer: pl.Trainer, pl_module: pl.LightningModule, last_finite_loss: float) -> NonFiniteDetails:
+    """What a non-finite alert tells: learning rates, parameters with a non-finite gradient, the last finite loss."""
+    # Only on the failure path: a per-parameter loop here is fine.
+    bad: list[str] = []
+    for name, p in pl_module.named_parameters():
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            bad.append(name)
+            if len(bad) >= _SHOWN_PARAMS:
+                bad.append("...")
+                break
+    return NonFiniteDetails(learning_rates(trainer), tuple(bad), float(last_finite_loss))

@@ -1,0 +1,137 @@
+"""Rendering ``lightning-diag report``: markdown, JSON and HTML. Imports neither torch nor Lightning."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from lightning_diag.alerts import ALERT_COLUMNS, alert_cells, alert_table_markdown
+from lightning_diag.report.checks import RunReport
+
+__all__ = ["FORMATS", "Format", "render"]
+
+Format = Literal["md", "json", "html"]
+FORMATS: tuple[str, ...] = ("md", "json", "html")
+
+_MARK = {"pass": "PASS", "fail": "FAIL", "not measured": "not measured"}
+
+
+def _md_cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _render_md(reports: Sequence[RunReport], plot_base: Path | None) -> str:
+    out = ["# lightning-diag report", ""]
+    for rep in reports:
+        run = rep.run
+        c = rep.counts
+        out += [
+            f"## Run `{run.path}`",
+            "",
+            f"{c['fail']} fail, {c['pass']} pass, {c['not measured']} not measured. "
+            f"Callbacks: {', '.join(sorted(run.callbacks)) or 'unknown'}. Thresholds: {run.threshold_source}. "
+            f"Dashboard layout: {'yes' if run.has_layout else 'no'}.",
+            "",
+            "### Checklist",
+            "",
+            "| layer | check | status | measured | threshold | alerts | note |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for ch in rep.checks:
+            alerts = f"{ch.alerts} (first at step {ch.first_alert_step})" if ch.alerts else "0"
+            out.append(
+                f"| {ch.layer} | {_md_cell(ch.title)} | **{_MARK[ch.status]}** | {_md_cell(ch.measured or '-')} "
+                f"| {_md_cell(ch.threshold)} | {alerts} | {_md_cell(ch.note)} |"
+            )
+        out += ["", "### Alert timeline", ""]
+        timeline = rep.timeline
+        if not timeline:
+            out.append("No alerts.")
+        else:
+            out += alert_table_markdown(timeline)
+        if rep.plots:
+            out += ["", "### Plots", ""]
+            for p in rep.plots:
+                target = os.path.relpath(p, plot_base) if plot_base is not None else str(p)
+                out.append(f"![{p.stem}]({target})")
+        for problem in [*run.problems, *([rep.plot_note] if rep.plot_note else [])]:
+            out += ["", f"> {problem}"]
+        out.append("")
+    return "\n".join(out)
+
+
+_CSS = """body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}
+td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top;font-size:14px}
+.pass{background:#e6f4ea}.fail{background:#fce8e6;font-weight:bold}.not-measured{color:#777}
+img{max-width:100%;border:1px solid #ddd;margin:0.5em 0}"""
+
+
+def _img_src(path: Path, base: Path | None) -> str:
+    if base is not None:
+        return html.escape(os.path.relpath(path, base))
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f"data:image/png;base64,{data}"
+
+
+def _render_html(reports: Sequence[RunReport], plot_base: Path | None) -> str:
+    e = html.escape
+    out = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>lightning-diag report</title>",
+        f"<style>{_CSS}</style></head><body><h1>lightning-diag report</h1>",
+    ]
+    for rep in reports:
+        run, c = rep.run, rep.counts
+        out.append(f"<h2>Run <code>{e(str(run.path))}</code></h2>")
+        out.append(
+            f"<p>{c['fail']} fail, {c['pass']} pass, {c['not measured']} not measured. Callbacks: "
+            f"{e(', '.join(sorted(run.callbacks)) or 'unknown')}. Thresholds: {e(run.threshold_source)}.</p>"
+        )
+        out.append("<h3>Checklist</h3><table><tr><th>layer</th><th>check</th><th>status</th><th>measured</th>")
+        out.append("<th>threshold</th><th>alerts</th><th>note</th></tr>")
+        for ch in rep.checks:
+            cls = ch.status.replace(" ", "-")
+            alerts = f"{ch.alerts} (first at step {ch.first_alert_step})" if ch.alerts else "0"
+            out.append(
+                f"<tr class='{cls}'><td>{e(ch.layer)}</td><td>{e(ch.title)}</td><td>{e(_MARK[ch.status])}</td>"
+                f"<td>{e(ch.measured or '-')}</td><td>{e(ch.threshold)}</td><td>{alerts}</td><td>{e(ch.note)}</td></tr>"
+            )
+        out.append("</table><h3>Alert timeline</h3>")
+        if not rep.timeline:
+            out.append("<p>No alerts.</p>")
+        else:
+            out.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in ALERT_COLUMNS) + "</tr>")
+            for a in rep.timeline:
+                out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in alert_cells(a)) + "</tr>")
+            out.append("</table>")
+        if rep.plots:
+            out.append("<h3>Plots</h3>")
+            out += [f"<img alt='{e(p.stem)}' src='{_img_src(p, plot_base)}'>" for p in rep.plots]
+        for problem in [*run.problems, *([rep.plot_note] if rep.plot_note else [])]:
+            out.append(f"<p><em>{e(problem)}</em></p>")
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def _json_ready(reports: Sequence[RunReport]) -> str:
+    return json.dumps({"runs": [r.to_dict() for r in reports]}, indent=2, allow_nan=False)
+
+
+def render(reports: Sequence[RunReport], fmt: Format, plot_base: Path | None = None) -> str:
+    """The reports as markdown, JSON or HTML.
+
+    Args:
+        reports: One report per run.
+        fmt: ``"md"``, ``"json"`` or ``"html"``.
+        plot_base: Directory the report file is written to; plot links are made relative to it. ``None``
+            embeds the plots in HTML (data URIs) and links them by absolute path in markdown.
+    """
+    if fmt == "json":
+        return _json_ready(reports)
+    if fmt == "html":
+        return _render_html(reports, plot_base)
+    return _render_md(reports, plot_base)

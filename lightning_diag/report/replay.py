@@ -1,0 +1,186 @@
+"""Replaying the library's pure rules over a run's logged series (``lightning-diag report``).
+
+Each function re-runs the rules of one checklist row (``lightning_diag.rules``, the same code the callbacks
+run) over the ``diag/`` series the run logged, with the run's thresholds and patience (the registry's defaults
+where the run logged none), and returns the alerts they raise. :mod:`lightning_diag.report.checks` fails a row
+on them as on the run's own alerts. Imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Literal
+
+from lightning_diag.alerts import Alert
+from lightning_diag.report.load import RunData, Series
+from lightning_diag.rules.anomaly import LossSwingRule, ValDeclineRule
+from lightning_diag.rules.attention import AttentionEntropyRule, LayerStats
+from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule, role_of
+from lightning_diag.rules.registry import default
+from lightning_diag.tags import (
+    attn_head,
+    attn_uniform_tag,
+    grad_blocks_tag,
+    grad_layer,
+    loss_tag,
+    prefix,
+)
+
+__all__ = ["REPLAYS", "Replay", "replay"]
+
+#: Re-runs a check's pure rules over the logged series; returns the alerts they raise.
+Replay = Callable[[RunData], list[Alert]]
+#: Check id -> its replay function.
+REPLAYS: dict[str, Replay] = {}
+
+
+def replay(check_id: str) -> Callable[[Replay], Replay]:
+    """Register the replay function of a checklist row."""
+
+    def decorate(fn: Replay) -> Replay:
+        REPLAYS[check_id] = fn
+        return fn
+
+    return decorate
+
+
+def _threshold(run: RunData, key: str) -> float | None:
+    value = run.thresholds.get(key)
+    return None if value is None else float(value)
+
+
+def _per_layer(run: RunData) -> dict[str, Series]:
+    return {layer: run.scalars[t] for t in run.tags(prefix("grad_norm")) if (layer := grad_layer(t)) is not None}
+
+
+def _by_step(series: Iterable[tuple[str, Series]]) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for name, points in series:
+        for step, v in points:
+            out.setdefault(step, {})[name] = v
+    return dict(sorted(out.items()))
+
+
+def _setting(run: RunData, key: str) -> float:
+    """A threshold or setting in effect for replaying: the run's, else the registry's default."""
+    value = run.thresholds.get(key)
+    return float(value) if value is not None else default(key)
+
+
+# -- replays ----------------------------------------------------------------------------------------------
+
+
+def _layer_series(run: RunData, family: str) -> dict[str, Series]:
+    """``diag/<family>/<layer>`` series by layer (``grad_rms``, ``grad_relative``)."""
+    head = prefix(family)
+    return {t[len(head) :]: run.scalars[t] for t in run.tags(head)}
+
+
+def _blocks(layers: Iterable[str]) -> set[str] | None:
+    """The layers inside repeated blocks (an index in the name), or ``None`` (all) when there are none."""
+    inside = {layer for layer in layers if role_of(layer) != layer}
+    return inside or None
+
+
+@replay("grad_norm_band")
+def _replay_grad_band(run: RunData) -> list[Alert]:
+    rule = GradBandRule(
+        _setting(run, "grad_vanish"),
+        _setting(run, "grad_explode"),
+        int(_setting(run, "grad.patience")),
+        _setting(run, "grad_vanish.relative"),
+        int(_setting(run, "grad_vanish.warmup_steps")),
+    )
+    rms = _by_step(_layer_series(run, "grad_rms").items())
+    relative = _by_step(_layer_series(run, "grad_relative").items())
+    blocks = _blocks(_layer_series(run, "grad_relative"))
+    alerts: list[Alert] = []
+    for step in sorted(set(rms) | set(relative)):
+        alerts += rule.update(rms.get(step, {}), StepContext(0, step), relative.get(step), blocks)
+    return alerts
+
+
+@replay("grad_spread")
+def _replay_grad_spread(run: RunData) -> list[Alert]:
+    rule = GradSpreadRule(
+        _setting(run, "grad_layer_spread"),
+        int(_setting(run, "grad.patience")),
+        int(_setting(run, "grad_layer_spread.warmup_steps")),
+    )
+    alerts: list[Alert] = []
+    for step, values in _by_step(_layer_series(run, "grad_relative").items()).items():
+        alerts += rule.update(values, StepContext(0, step), {layer: role_of(layer) for layer in values})
+    return alerts
+
+
+@replay("grad_collapse")
+def _replay_grad_collapse(run: RunData) -> list[Alert]:
+    rule = GradCollapseRule(
+        _setting(run, "grad_collapse"),
+        int(_setting(run, "grad.patience")),
+        int(_setting(run, "grad_collapse.baseline_measurements")),
+        _setting(run, "grad_collapse.converged_fraction"),
+    )
+    losses = dict(run.scalars.get(loss_tag("train_step"), []))
+    alerts: list[Alert] = []
+    for step, norm in run.scalars.get(grad_blocks_tag(), []):
+        alerts += rule.update(norm, StepContext(0, step), losses.get(step))
+    return alerts
+
+
+@replay("attn_entropy_band")
+def _replay_attn_band(run: RunData) -> list[Alert]:
+    rule = AttentionEntropyRule(
+        _setting(run, "attn_entropy_low"),
+        _setting(run, "attn_entropy_high"),
+        _setting(run, "attn_entropy_high.uniform_fraction"),
+        int(_setting(run, "attn_entropy_high.warmup_steps")),
+        int(_setting(run, "attn.patience")),
+    )
+    heads: dict[str, dict[int, Series]] = {}
+    for name, points in run.scalars.items():
+        parsed = attn_head(name)
+        if parsed is not None:
+            heads.setdefault(parsed[0], {})[parsed[1]] = points
+    alerts: list[Alert] = []
+    by_step: dict[int, dict[str, LayerStats]] = {}
+    for module, per_head in heads.items():
+        uniform = dict(run.scalars.get(attn_uniform_tag(module), []))
+        n = max(per_head) + 1
+        for step, values in _by_step((str(h), s) for h, s in per_head.items()).items():
+            entropy = [values.get(str(h), math.nan) for h in range(n)]
+            uni = uniform.get(step, math.inf)  # not logged: the low rule judges alone
+            by_step.setdefault(step, {})[module] = LayerStats(entropy, [uni] * n, [math.nan] * n, [math.nan] * n)
+    for step, layers in sorted(by_step.items()):
+        alerts += rule.update(layers, StepContext(0, step))
+    return alerts
+
+
+def _loss_points(run: RunData) -> Series:
+    return run.scalars.get(loss_tag("train_epoch")) or run.scalars.get(loss_tag("train_window")) or []
+
+
+@replay("loss_swing")
+def _replay_loss_swing(run: RunData) -> list[Alert]:
+    rule = LossSwingRule(
+        _setting(run, "loss_swing"), int(_setting(run, "loss_swing.patience")), _setting(run, "loss_swing.min_delta")
+    )
+    alerts: list[Alert] = []
+    for step, v in _loss_points(run):
+        alerts += rule.update(v, StepContext(0, step))
+    return alerts
+
+
+@replay("val_decline")
+def _replay_val_decline(run: RunData) -> list[Alert]:
+    mode: Literal["min", "max"] = "max" if _threshold(run, "val_decline.higher_is_better") else "min"
+    rule = ValDeclineRule(
+        mode=mode, patience=int(_setting(run, "val_decline")), min_delta=_setting(run, "val_decline.min_delta")
+    )
+    alerts: list[Alert] = []
+    for step, v in run.scalars.get(loss_tag("val"), []):
+        if math.isfinite(v):
+            alerts += rule.update(v, StepContext(0, step))
+    return alerts

@@ -1,0 +1,125 @@
+"""Declared reductions: the merge of two ranks' states equals the state over the union of their data."""
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_diag.callbacks.reduction import reduce_state
+from lightning_diag.stats.loss_sums import LossSums
+from lightning_diag.stats.reduced import ReducedState, Reduction, combine
+
+
+def declared():
+    state = ReducedState()
+    state.add_state("total", 0.0, Reduction.SUM)
+    state.add_state("low", math.inf, Reduction.MIN)
+    state.add_state("high", -math.inf, Reduction.MAX)
+    state.add_state("seen", [], Reduction.CAT)
+    return state
+
+
+def fill(state, values, as_tensors):
+    for v in values:
+        x = torch.tensor(v, dtype=torch.float64) if as_tensors else v
+        state["total"] = state["total"] + x
+        state["low"] = combine(Reduction.MIN, state["low"], x)
+        state["high"] = combine(Reduction.MAX, state["high"], x)
+        state["seen"] = combine(Reduction.CAT, state["seen"], [float(v)])
+    return state
+
+
+def close(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key] == pytest.approx(b[key], rel=1e-12), key
+
+
+SPLITS = [([], []), ([1.5], []), ([], [-2.0, 3.0]), ([0.25, 4.0, -1.0], [7.0, 0.5]), ([1e-8] * 3, [1e8])]
+
+
+@pytest.mark.parametrize("as_tensors", [False, True])
+@pytest.mark.parametrize(("rank0", "rank1"), SPLITS)
+def test_merge_of_two_ranks_equals_the_state_over_the_union(rank0, rank1, as_tensors):
+    merged = fill(declared(), rank0, as_tensors).merge(fill(declared(), rank1, as_tensors))
+    close(merged.state_dict(), fill(declared(), rank0 + rank1, as_tensors).state_dict())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_loss_sums_merge_equals_the_union_including_non_finite_losses(seed):
+    rng = random.Random(seed)
+    losses = [rng.choice([math.nan, math.inf, rng.uniform(0.1, 5.0)]) for _ in range(rng.randint(1, 20))]
+    cut = rng.randint(0, len(losses))
+    parts = [LossSums(baseline_steps=100), LossSums(baseline_steps=100)]
+    union = LossSums(baseline_steps=100)
+    for i, loss in enumerate(losses):
+        parts[i >= cut].add(torch.tensor(loss))
+        union.add(torch.tensor(loss))
+    merged = parts[0].merge(parts[1]).state_dict()
+    close(merged, union.state_dict())
+    finite = [v for v in losses if math.isfinite(v)]
+    expected = sum(finite) / len(finite) if finite else math.nan
+    assert LossSums.mean(merged, "epoch") == pytest.approx(expected, nan_ok=True)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_shares_of_a_restored_state_merge_back_to_it(world_size):
+    whole = fill(declared(), [3.0, -1.0, 8.0], as_tensors=False)
+    shares = [whole.share(world_size, rank) for rank in range(world_size)]
+    merged = shares[0]
+    for share in shares[1:]:
+        merged = merged.merge(share)
+    close(merged.state_dict(), whole.state_dict())
+
+
+class _TwoRankStrategy:
+    """What `trainer.strategy` does on rank 0 of two, the other rank holding `other`'s values."""
+
+    def __init__(self, other):
+        self.other = other
+        self.root_device = torch.device("cpu")
+
+    def reduce(self, tensor, reduce_op):
+        names = [n for n, spec in self.other.specs.items() if spec.reduction.value == reduce_op]
+        theirs = torch.tensor([float(self.other[n]) for n in names], dtype=tensor.dtype)
+        return {"sum": tensor + theirs, "min": torch.minimum(tensor, theirs), "max": torch.maximum(tensor, theirs)}[
+            reduce_op
+        ]
+
+    def all_gather(self, tensor):
+        if tensor.numel() == 1 and tensor.dtype == torch.long:  # the lengths
+            return torch.stack([tensor, torch.tensor([len(self.other["seen"])])])
+        theirs = torch.zeros_like(tensor)
+        theirs[: len(self.other["seen"])] = torch.tensor(self.other["seen"], dtype=tensor.dtype)
+        return torch.stack([tensor, theirs])
+
+
+@pytest.mark.parametrize(("rank0", "rank1"), SPLITS)
+def test_ddp_adapter_reduces_by_the_declaration(rank0, rank1):
+    mine, theirs = fill(declared(), rank0, True), fill(declared(), rank1, False)
+    trainer = SimpleNamespace(world_size=2, strategy=_TwoRankStrategy(theirs))
+    close(reduce_state(trainer, mine), mine.merge(theirs).state_dict())
+    single = SimpleNamespace(world_size=1, strategy=_TwoRankStrategy(theirs))
+    close(reduce_state(single, mine, ["total", "seen"]), {k: mine.state_dict()[k] for k in ("total", "seen")})
+
+
+def test_declaration_errors_name_the_state():
+    state = declared()
+    with pytest.raises(ValueError, match="`total` is declared twice"):
+        state.add_state("total", 0.0, Reduction.SUM)
+    with pytest.raises(ValueError, match="identity of sum"):
+        state.add_state("count", 1.0, Reduction.SUM)
+    with pytest.raises(ValueError, match="identity of min"):
+        state.add_state("first", 0, Reduction.MIN)
+    with pytest.raises(KeyError, match="not declared"):
+        state["nope"] = 1.0
+    other = ReducedState()
+    other.add_state("total", 0.0, Reduction.SUM)
+    with pytest.raises(ValueError, match="different declarations"):
+        state.merge(other)
+    with pytest.raises(KeyError, match=r"\['low', 'high', 'seen'\]"):
+        state.load_state_dict({"total": 1.0})
+    state.load_state_dict({"total": 2.0}, strict=False)
+    assert state.state_dict()["total"] == 2.0 and state.state_dict()["low"] == math.inf
