@@ -26,11 +26,11 @@ Example:
     >>> spec.owner, spec.severity, spec.threshold
     ('GradientFlowMonitor', 'warning', 10.0)
     >>> spec.describe()
-    "a layer's gradient above 10"
+    "a layer's RMS gradient per element above 10"
     >>> spec.describe({"grad_explode": 5.0})
-    "a layer's gradient above 5"
+    "a layer's RMS gradient per element above 5"
     >>> CHECKS["grad_norm_band"].describe({"grad_vanish": 1e-4})
-    'Gradient norm of every layer within 0.0001 .. 10'
+    'Gradient of every layer within 0.0001 (||g||/||W||) .. 10 (RMS per element)'
 """
 
 from __future__ import annotations
@@ -391,8 +391,8 @@ def default(key: str) -> float:
 register_check(CheckSpec("data_label_balance", "Data", "Label distribution standard deviation < 0.1", "< 0.1", 0.1))
 register_check(CheckSpec("data_train_test_overlap", "Data", "Train/test Jaccard similarity < 0.15", "< 0.15", 0.15))
 register_check(CheckSpec("grad_norm_band", "Model",
-                         "Gradient norm of every layer within {grad_vanish:g} .. {grad_explode:g}"))
-register_check(CheckSpec("grad_spread", "Model", "Layer gradient norms within a ratio of {grad_layer_spread:g}"))
+                         "Gradient of every layer within {grad_vanish:g} (||g||/||W||) .. {grad_explode:g} (RMS per element)"))
+register_check(CheckSpec("grad_spread", "Model", "Relative gradients of one role across blocks within a ratio of {grad_layer_spread:g}"))
 register_check(CheckSpec("grad_collapse", "Model",
                          "Global gradient norm above {grad_collapse:g} of its early baseline"))
 register_check(CheckSpec(
