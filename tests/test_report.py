@@ -254,7 +254,8 @@ def test_titles_and_thresholds_come_from_the_registry(tmp_path, capsys):
     _write_run(tmp_path / "run", {"diag/grad_norm/fc": [0.5, 0.4], "diag/grad_norm/out": [0.1, 0.1]}, (), thresholds)
     (run,) = _report_json(tmp_path, capsys)["runs"]
     checks = {c["id"]: c for c in run["checks"]}
-    assert checks["grad_norm_band"]["title"] == "Gradient of every layer within 0.0001 (||g||/||W||) .. 20 (RMS per element)"
+    band = "Gradient of every layer within 0.0001 (||g||/||W||) .. 20 (RMS per element)"
+    assert checks["grad_norm_band"]["title"] == band
     assert checks["grad_spread"]["title"] == "Relative gradients of one role across blocks within a ratio of 1000"
     assert checks["val_decline"]["title"] == "Validation metric does not worsen on 5 consecutive runs"
 

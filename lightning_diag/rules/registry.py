@@ -391,10 +391,12 @@ def default(key: str) -> float:
 register_check(CheckSpec("data_label_balance", "Data", "Label distribution standard deviation < 0.1", "< 0.1", 0.1))
 register_check(CheckSpec("data_train_test_overlap", "Data", "Train/test Jaccard similarity < 0.15", "< 0.15", 0.15))
 register_check(CheckSpec("grad_norm_band", "Model",
-                         "Gradient of every layer within {grad_vanish:g} (||g||/||W||) .. {grad_explode:g} (RMS per element)"))
-register_check(CheckSpec("grad_spread", "Model", "Relative gradients of one role across blocks within a ratio of {grad_layer_spread:g}"))
+                         "Gradient of every layer within {grad_vanish:g} (||g||/||W||) .. {grad_explode:g} "
+                         "(RMS per element)"))
+register_check(CheckSpec("grad_spread", "Model",
+                         "Relative gradients of one role across blocks within a ratio of {grad_layer_spread:g}"))
 register_check(CheckSpec("grad_collapse", "Model",
-                         "Global gradient norm above {grad_collapse:g} of its early baseline"))
+                         "Blocks' gradient norm above {grad_collapse:g} of its early baseline"))
 register_check(CheckSpec(
     "attn_entropy_band", "Model",
     "Attention entropy of every head above {attn_entropy_low:g} nats, and not above {attn_entropy_high:g} nats "
