@@ -1,7 +1,8 @@
 """The real-architecture corpus end to end: Hugging Face and torch models trained with real ``Trainer.fit`` runs,
 quiet when healthy with the default callbacks, each injected fault caught by its rule within its window.
 
-The 14 training runs take about 3 minutes on a quiet 2-core machine (7.5 on a loaded one): ``slow``, still in CI.
+The 14 training runs took 456 s on the shared 2-core machine while other jobs ran (single runs took 40% of their
+loaded time when it was quieter): marked ``slow``, they still run in CI.
 """
 
 import pytest
