@@ -94,9 +94,9 @@ def test_healthy_architecture_converges_and_gradient_and_loss_rules_stay_quiet(t
 
 _BART_SINK = pytest.mark.xfail(
     strict=True,
-    reason="known false positive of attn_sink (AttentionEntropyMonitor, not GradientFlowMonitor): BART's decoder "
-    "self-attention is not needed by the reversal task (cross-attention solves it) and parks every head on the "
-    "start token, the healthy 'attention sink' of causal attention; reported to the coordinator",
+    reason="known false positive of attn_sink and attn_entropy_low (AttentionEntropyMonitor, not "
+    "GradientFlowMonitor): BART's decoder self-attention is not needed by the reversal task (cross-attention solves "
+    "it) and parks every head on the start token, the healthy 'attention sink' of causal attention; reported",
 )
 
 
