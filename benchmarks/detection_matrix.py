@@ -287,7 +287,7 @@ def _margins(log_dir: str) -> dict[str, Any]:
     rms = [(v, t.split("/", 2)[2], s) for t, vals in series.items() if t.startswith("diag/grad_rms/") for s, v in vals]
     out["rms_max"] = max(rms) if rms else None
     rel = {t.split("/", 2)[2]: dict(vals) for t, vals in series.items() if t.startswith("diag/grad_relative/")}
-    # grad_vanish: the smallest ratio of a matrix to the median matrix, after the warm-up
+    # grad_vanish: the smallest ratio of a matrix to the best-fed block matrix, after the warm-up
     worst_starve: tuple[float, str, int] | None = None
     worst_spread: tuple[float, str, int] | None = None
     steps = sorted({s for vals in rel.values() for s in vals if s >= 50})
@@ -295,10 +295,11 @@ def _margins(log_dir: str) -> dict[str, Any]:
         at = {layer: vals[step] for layer, vals in rel.items() if step in vals and vals[step] > 0}
         if len(at) < 2:
             continue
-        median = sorted(at.values())[len(at) // 2]
+        blocks = [v for layer, v in at.items() if role_of(layer) != layer] or list(at.values())
+        best = max(blocks)
         layer = min(at, key=at.__getitem__)
-        if worst_starve is None or at[layer] / median < worst_starve[0]:
-            worst_starve = (at[layer] / median, layer, step)
+        if worst_starve is None or at[layer] / best < worst_starve[0]:
+            worst_starve = (at[layer] / best, layer, step)
         groups: dict[str, list[float]] = {}
         for name, v in at.items():
             groups.setdefault(role_of(name), []).append(v)
@@ -423,7 +424,7 @@ def render_margins(rows: list[Row]) -> str:
         "architecture",
         "max RMS grad / element (explode > 10)",
         "min ‖g‖/‖W‖ (vanish < 1e-3 ...)",
-        "min matrix / median matrix (... and < 1/100)",
+        "min matrix / best-fed block matrix (... and < 1/100)",
         "max spread within a role (> 100)",
         "min blocks' norm / baseline (collapse < 0.01)",
     ]
