@@ -29,7 +29,10 @@ _LAZY: dict[str, str] = {
     "AnomalyAlarm": "lightning_diag.callbacks.anomaly_alarm",
     "NonFiniteError": "lightning_diag.callbacks.anomaly_alarm",
     "AttentionEntropyMonitor": "lightning_diag.callbacks.attention_entropy",
+    "DataDiagnostics": "lightning_diag.callbacks.data_diagnostics",
     "GradientFlowMonitor": "lightning_diag.callbacks.gradient_flow",
+    "QuantizationProbe": "lightning_diag.callbacks.quantization_probe",
+    "SharpnessProbe": "lightning_diag.callbacks.sharpness_probe",
 }
 
 __all__ = [
@@ -37,9 +40,12 @@ __all__ = [
     "AlertLog",
     "AnomalyAlarm",
     "AttentionEntropyMonitor",
+    "DataDiagnostics",
     "GradientFlowMonitor",
     "NonFiniteError",
+    "QuantizationProbe",
     "Severity",
+    "SharpnessProbe",
     "__version__",
     "attention_requested",
     "read_alerts",
@@ -52,7 +58,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_diag.attention import attention_requested, record_attention, record_hf_attentions
     from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
     from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
+    from lightning_diag.callbacks.data_diagnostics import DataDiagnostics
     from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
+    from lightning_diag.callbacks.quantization_probe import QuantizationProbe
+    from lightning_diag.callbacks.sharpness_probe import SharpnessProbe
 
 
 def __getattr__(name: str) -> Any:

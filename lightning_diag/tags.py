@@ -289,3 +289,49 @@ def attn_sink_module(name: str) -> str | None:
 def threshold_rule(name: str) -> str | None:
     """The rule of a ``diag/threshold/<rule>`` tag, else ``None``."""
     return name[len(_THRESHOLD) :] if name.startswith(_THRESHOLD) else None
+
+
+# -- probes (SharpnessProbe, QuantizationProbe) -------------------------------------------------------------
+# diag/sharpness/<measure>, diag/sharpness/layer/<layer>; diag/quant/<measure>, diag/quant/layer/<layer>/<measure>
+
+__all__ += ["quant_layer", "quant_layer_tag", "quant_tag", "sharpness_layer", "sharpness_layer_tag", "sharpness_tag"]
+
+_QUANT_LAYER = re.compile(r"^diag/quant/layer/(?P<layer>.+)/(?P<measure>[a-z_]+)$")
+
+
+def sharpness_tag(measure: str) -> str:
+    """``diag/sharpness/<measure>`` (``gap``, ``relative_gap``, ``loss``, ``perturbed_loss``, ``grad_norm``)."""
+    return family_tag("sharpness", measure)
+
+
+def sharpness_layer_tag(layer: str) -> str:
+    """``diag/sharpness/layer/<layer>``: the SAM gap with only that layer perturbed."""
+    return family_tag("sharpness", "layer", layer)
+
+
+def quant_tag(measure: str) -> str:
+    """``diag/quant/<measure>`` (``end_to_end``, ``loss_float``, ``loss_int8``, ``worst_layer_ratio``,
+    ``max_error_pct``)."""
+    return family_tag("quant", measure)
+
+
+def quant_layer_tag(layer: str, measure: str) -> str:
+    """``diag/quant/layer/<layer>/<measure>``.
+
+    Example:
+        >>> quant_layer(quant_layer_tag("encoder.0", "relative_mse"))
+        ('encoder.0', 'relative_mse')
+    """
+    return family_tag("quant", "layer", layer, measure)
+
+
+def sharpness_layer(name: str) -> str | None:
+    """The layer of a ``diag/sharpness/layer/<layer>`` tag, else ``None``."""
+    p = prefix("sharpness") + "layer/"
+    return name[len(p) :] if name.startswith(p) else None
+
+
+def quant_layer(name: str) -> tuple[str, str] | None:
+    """``(layer, measure)`` of a ``diag/quant/layer/<layer>/<measure>`` tag, else ``None``."""
+    match = _QUANT_LAYER.match(name)
+    return (match["layer"], match["measure"]) if match else None

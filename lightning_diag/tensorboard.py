@@ -1,8 +1,9 @@
-"""Finding or making the TensorBoard writer, tag naming, and the custom-scalars dashboard layout.
+"""The custom-scalars dashboard layout and the TensorBoard text tables (tags are in :mod:`lightning_diag.tags`).
 
-Scalars go through the trainer's :class:`~pytorch_lightning.loggers.TensorBoardLogger` writer when there is
-one, so they land in the same run as the user's own metrics; otherwise the library opens its own
-:class:`~torch.utils.tensorboard.SummaryWriter` at ``<trainer.log_dir>/diag``. Only global rank zero writes.
+Where things are written is :class:`lightning_diag.writer.DiagWriter` (still importable from here): scalars to
+every logger of the trainer, the rest to the trainer's TensorBoard writer when there is one, otherwise to a
+:class:`~torch.utils.tensorboard.SummaryWriter` the library opens at ``<trainer.log_dir>/diag``. Only global
+rank zero writes.
 
 At fit start the library writes :func:`dashboard_layout` (TensorBoard's Custom Scalars tab) and the thresholds
 in effect (:func:`thresholds_markdown`, Text tab, tag ``diag/thresholds``). Threshold reference series are
@@ -13,13 +14,8 @@ margin chart can use them as its band.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
-
-import pytorch_lightning as pl
-from pytorch_lightning.loggers import TensorBoardLogger
+from typing import TYPE_CHECKING, Any
 
 from lightning_diag.alerts import Alert, alert_table_markdown
 from lightning_diag.tags import (
@@ -33,6 +29,9 @@ from lightning_diag.tags import (
     tag,
     threshold_tag,
 )
+
+if TYPE_CHECKING:
+    from lightning_diag.writer import DiagWriter
 
 __all__ = [
     "ALERTS_TAG",
@@ -53,16 +52,6 @@ log = logging.getLogger("lightning_diag")
 
 #: Rows of the alert table shown in TensorBoard; older alerts stay in ``alerts.jsonl``.
 MAX_ALERT_ROWS = 200
-
-
-def _tensorboard_logger_types() -> tuple[type, ...]:
-    """``TensorBoardLogger`` of ``pytorch_lightning``, and of the unified ``lightning`` package once it is in use."""
-    types: list[type] = [TensorBoardLogger]
-    if "lightning.pytorch" in sys.modules:  # never import the unified package for a user who does not use it
-        from lightning.pytorch.loggers import TensorBoardLogger as UnifiedTensorBoardLogger
-
-        types.append(UnifiedTensorBoardLogger)
-    return tuple(types)
 
 
 def alert_markdown(alert: Alert) -> str:
@@ -115,9 +104,10 @@ def thresholds_markdown(by_callback: Mapping[str, Mapping[str, float]]) -> str:
 def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout for the rules in effect, in the form ``SummaryWriter.add_custom_scalars`` takes.
 
-    Sections: ``Gradients`` (when a ``grad_*`` rule is in effect), ``Attention`` (an ``attn_*`` rule) and
-    ``Loss & LR`` (a loss or validation rule). Multiline charts select tags by regular expression (matched
-    from the start of the tag); their ``diag/threshold/<rule>`` series draw the thresholds as reference lines.
+    Sections: ``Gradients`` (when a ``grad_*`` rule is in effect), ``Attention`` (an ``attn_*`` rule),
+    ``Loss & LR`` (a loss or validation rule) and ``Data`` (a ``data_*`` rule or ``label_imbalance``). Multiline
+    charts select tags by regular expression (matched from the start of the tag); their
+    ``diag/threshold/<rule>`` series draw the thresholds as reference lines.
     The global gradient norm is a margin chart whose band is ``grad_vanish`` .. ``grad_explode``.
 
     Example:
@@ -164,83 +154,66 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
             "fluctuation: validation vs training": ["Multiline", [f"{p}/loss/(train|val)_fluctuation$"]],
             "learning rate per optimizer and group": ["Multiline", [f"{p}/lr/"]],
         }
+    layout.update(_data_section(rules))
+    layout.update(_probes_layout(rules))
     return layout
 
 
-class DiagWriter:
-    """A thin, rank-aware wrapper over a ``SummaryWriter``.
+def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
+    """The ``Probes`` section (SharpnessProbe, QuantizationProbe), when ``sharp_minimum`` or
+    ``quantization_error`` is in effect."""
+    p = TAG_PREFIX
+    charts: dict[str, list[Any]] = {}
+    if "sharp_minimum" in rules:
+        charts["SAM gap L(w+eps) - L(w) (line: sharp_minimum)"] = [
+            "Multiline", [f"{p}/sharpness/gap$", f"{p}/threshold/sharp_minimum$"]]
+        charts["SAM gap relative to the loss"] = ["Multiline", [f"{p}/sharpness/relative_gap$"]]
+        charts["SAM gap per layer (that layer perturbed alone)"] = ["Multiline", [f"{p}/sharpness/layer/"]]
+    if "quantization_error" in rules:
+        charts["INT8: end-to-end relative loss change (line: quantization_error)"] = [
+            "Multiline", [f"{p}/quant/end_to_end$", f"{p}/threshold/quantization_error$"]]
+        charts["INT8: relative output MSE per layer"] = ["Multiline", [f"{p}/quant/layer/.*/relative_mse$"]]
+        charts["INT8: worst layer / median layer"] = ["Multiline", [f"{p}/quant/worst_layer_ratio$"]]
+        charts["INT8: weight outliers (max / 99th percentile) per layer"] = [
+            "Multiline", [f"{p}/quant/layer/.*/outlier_ratio$"]]
+    return {"Probes": charts} if charts else {}
 
-    Args:
-        experiment: The writer to use (a ``SummaryWriter`` or anything with its methods), or ``None`` to
-            write nothing.
-        owned: Whether this object opened the writer and must close it.
+
+def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
+    """The ``Data`` section (DataDiagnostics): shown when a ``data_*`` or ``label_imbalance`` rule is in effect.
+
+    Example:
+        >>> sorted(_data_section(["label_imbalance"])["Data"])[0]
+        'label balance: std of class proportions per split (line: label_imbalance)'
     """
+    if not any(r.startswith("data_") or r == "label_imbalance" for r in rules):
+        return {}
+    p = TAG_PREFIX
+    return {
+        "Data": {
+            "label balance: std of class proportions per split (line: label_imbalance)": [
+                "Multiline",
+                [f"{p}/data/(train|val)/label_std$", f"{p}/threshold/label_imbalance$"],
+            ],
+            "vocabulary shift: KL(val || train), nats (line: data_vocab_shift)": [
+                "Multiline",
+                [f"{p}/data/vocab_kl$", f"{p}/threshold/data_vocab_shift$"],
+            ],
+            "leakage: share of validation samples copying training ones (line: data_leakage)": [
+                "Multiline",
+                [f"{p}/data/(leaked_fraction|exact_copies|near_copies)$", f"{p}/threshold/data_leakage$"],
+            ],
+            "unseen and rare validation tokens": ["Multiline", [f"{p}/data/(oov_share|val_rare_share)$"]],
+            "padding ratio per split": ["Multiline", [f"{p}/data/(train|val)/padding_ratio$"]],
+        }
+    }
 
-    def __init__(self, experiment: Any | None, owned: bool = False) -> None:
-        self.experiment = experiment
-        self.owned = owned
 
-    @classmethod
-    def for_trainer(cls, trainer: pl.Trainer, log_dir: str) -> DiagWriter:
-        """The trainer's TensorBoard writer, or a new one at ``<log_dir>/diag``; a no-op off rank zero."""
-        if not trainer.is_global_zero:
-            return cls(None)
-        tensorboard_loggers = _tensorboard_logger_types()
-        for lg in trainer.loggers:
-            if isinstance(lg, tensorboard_loggers):
-                return cls(getattr(lg, "experiment", None))
-        from torch.utils.tensorboard import SummaryWriter
+def __getattr__(name: str) -> Any:
+    # DiagWriter lives in lightning_diag.writer; importing it from here keeps working without making this
+    # module (layout, tables) import Lightning.
+    if name == "DiagWriter":
+        from lightning_diag.writer import DiagWriter
 
-        path = os.path.join(log_dir, "diag")
-        os.makedirs(path, exist_ok=True)
-        return cls(SummaryWriter(log_dir=path), owned=True)
-
-    @property
-    def active(self) -> bool:
-        """Whether anything is written."""
-        return self.experiment is not None
-
-    def scalar(self, name: str, value: float, step: int) -> None:
-        """Write one scalar."""
-        if self.experiment is not None:
-            self.experiment.add_scalar(name, value, global_step=step)
-
-    def scalars(self, values: dict[str, float], step: int) -> None:
-        """Write several scalars, each under its own tag."""
-        if self.experiment is not None:
-            for name, value in values.items():
-                self.experiment.add_scalar(name, value, global_step=step)
-
-    def text(self, name: str, text: str, step: int) -> None:
-        """Write markdown text."""
-        if self.experiment is not None:
-            self.experiment.add_text(name, text, global_step=step)
-
-    def custom_scalars(self, layout: dict[str, dict[str, list[Any]]]) -> None:
-        """Write a custom-scalars layout (see :func:`dashboard_layout`)."""
-        if self.experiment is not None and layout:
-            self.experiment.add_custom_scalars(layout)
-
-    def histogram(self, name: str, values: Any, step: int) -> None:
-        """Write a histogram of a tensor or array."""
-        if self.experiment is not None:
-            self.experiment.add_histogram(name, values, global_step=step)
-
-    def image(self, name: str, image: Any, step: int, dataformats: str = "HWC") -> None:
-        """Write an image (uint8 or float array)."""
-        if self.experiment is not None:
-            self.experiment.add_image(name, image, global_step=step, dataformats=dataformats)
-
-    def flush(self) -> None:
-        """Flush pending events to disk."""
-        if self.experiment is not None and hasattr(self.experiment, "flush"):
-            self.experiment.flush()
-
-    def close(self) -> None:
-        """Flush, and close the writer if this object opened it."""
-        if self.experiment is None:
-            return
-        self.flush()
-        if self.owned:
-            self.experiment.close()
-        self.experiment = None
+        return DiagWriter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

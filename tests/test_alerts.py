@@ -62,6 +62,10 @@ def test_rule_ids_are_the_contract():
         "attn_entropy_low",
         "attn_entropy_high",
         "attn_sink",
+        "data_vocab_shift",
+        "data_leakage",
+        "label_imbalance",
+        "data_nonfinite",
     }
 
 

@@ -3,12 +3,17 @@ from pathlib import Path
 
 import lightning_diag.callbacks.anomaly_alarm as alarm_module
 import lightning_diag.callbacks.attention_entropy as attention_module
+import lightning_diag.callbacks.data_diagnostics as data_module
 import lightning_diag.rules.anomaly as anomaly_rules
 import lightning_diag.rules.attention as attention_rules
+import lightning_diag.rules.data as data_rules
 import lightning_diag.rules.grad as grad_rules
+import lightning_diag.rules.probes as probe_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-MODULES = (anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module)
+MODULES = (
+    anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, probe_rules
+)
 
 
 def _rows():
@@ -48,10 +53,25 @@ def test_every_registry_default_is_documented_with_its_argument():
 def test_thresholds_arguments_are_real_constructor_arguments():
     import inspect
 
-    from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor
+    from lightning_diag import (
+        AnomalyAlarm,
+        AttentionEntropyMonitor,
+        DataDiagnostics,
+        GradientFlowMonitor,
+        QuantizationProbe,
+        SharpnessProbe,
+    )
 
     for rule, argument, _constant, default, _m, _s in _rows():
-        callback = {"`grad": GradientFlowMonitor, "`attn": AttentionEntropyMonitor}.get(rule[:5], AnomalyAlarm)
+        kinds = {
+            "`grad": GradientFlowMonitor,
+            "`attn": AttentionEntropyMonitor,
+            "`data": DataDiagnostics,
+            "`labe": DataDiagnostics,
+            "`shar": SharpnessProbe,
+            "`quan": QuantizationProbe,
+        }
+        callback = kinds.get(rule[:5], AnomalyAlarm)
         params = inspect.signature(callback).parameters
         arg = argument.strip("`")
         assert arg in params, arg
@@ -128,3 +148,49 @@ def test_attention_page_lists_every_tag_rule_and_argument():
     }
     for match in re.findall(r"`(\w+)=", page):
         assert match in known, match
+
+
+def test_probe_pages_list_every_tag_rule_and_argument():
+    import inspect
+
+    from lightning_diag import QuantizationProbe, SharpnessProbe
+
+    for page, kind, rule, tags in (
+        ("sharpness_probe.md", SharpnessProbe, "sharp_minimum",
+         ("gap", "relative_gap", "loss", "perturbed_loss", "grad_norm", "layer/")),
+        ("quantization_probe.md", QuantizationProbe, "quantization_error",
+         ("end_to_end", "loss_float", "loss_int8", "worst_layer_ratio", "max_error_pct", "relative_mse",
+          "relative_mse_per_channel", "output_mse", "outlier_ratio", "input_outlier_ratio")),
+    ):
+        text = (DOCS / page).read_text()
+        assert f"`{rule}`" in text and page in (DOCS / "index.md").read_text(), page
+        for name in tags:
+            assert name in text, (page, name)
+        for arg in inspect.signature(kind).parameters:
+            assert f"`{arg}`" in text, (page, arg)
+
+
+def test_data_diagnostics_page_lists_every_tag_rule_and_argument():
+    import inspect
+
+    from lightning_diag import DataDiagnostics
+
+    page = (DOCS / "data_diagnostics.md").read_text()
+    for needle in (
+        "diag/data/vocab_kl",
+        "diag/data/oov_share",
+        "diag/data/leaked_fraction",
+        "diag/data/<split>/label_std",
+        "diag/data/label_distribution",
+        "diag/data/<split>/seq_len",
+        "diag/data/summary",
+        "data_vocab_shift",
+        "data_leakage",
+        "label_imbalance",
+        "data_nonfinite",
+        "Jaccard",
+        "bit for bit",
+    ):
+        assert needle in page, needle
+    for name in inspect.signature(DataDiagnostics).parameters:
+        assert f"{name}=" in page, name

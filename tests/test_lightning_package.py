@@ -98,6 +98,16 @@ def test_unified_trainer_runs_the_callbacks_and_resumes(tmp_path):
     assert resumed.collapse_rule.baseline == pytest.approx(monitor.collapse_rule.baseline)
 
 
+def test_unified_csv_logger_gets_the_scalars(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="csv")
+    callbacks = [unified.AnomalyAlarm(log_every_n_steps=2), unified.GradientFlowMonitor(log_every_n_steps=2)]
+    L.Trainer(max_steps=6, logger=logger, callbacks=callbacks, **FAST).fit(UnifiedModel())
+    header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"diag/grad_norm/total", "diag/lr/SGD/group_0", "diag/loss/train_step"} <= set(header)
+
+
 CONFIG = """
 trainer:
   max_steps: 3

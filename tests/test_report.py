@@ -24,6 +24,7 @@ CHECK_IDS = [
     "loss_swing",
     "val_decline",
     "val_fluctuation",
+    "loss_surface",
     "deploy_quantization_error",
     "deploy_latency_fluctuation",
     "loss_stagnant",  # no check of its own: listed from AnomalyAlarm.thresholds() under "Other"

@@ -51,7 +51,7 @@ from lightning_diag.rules.nonfinite import (
     NonFinitePolicy,
 )
 from lightning_diag.stats.loss_sums import LossSums
-from lightning_diag.tensorboard import tag
+from lightning_diag.tags import loss_tag
 
 __all__ = ["DEFAULT_MAX_SCALER_OVERFLOWS", "DEFAULT_MAX_SKIPS", "NONFINITE_ACTIONS", "AnomalyAlarm", "NonFiniteError"]
 
@@ -376,7 +376,7 @@ class AnomalyAlarm(DiagCallback):
             return
         values = lr_scalars(trainer)
         if loss is not None:
-            values[tag("loss", "train_step")] = float(loss)
+            values[loss_tag("train_step")] = float(loss)
         self.writer.scalars(values, trainer.global_step)
         if self.on_nonfinite == "warn":
             self.guard.read_back(trainer, pl_module)
@@ -399,7 +399,7 @@ class AnomalyAlarm(DiagCallback):
         if not math.isfinite(mean):
             return
         step = trainer.global_step
-        self.writer.scalar(tag("loss", "train_epoch" if prefix == "epoch" else "train_window"), mean, step)
+        self.writer.scalar(loss_tag("train_epoch" if prefix == "epoch" else "train_window"), mean, step)
         if (prefix == "epoch") != (self.swing_window == "epoch"):
             return
         if self.stagnant_rule.baseline is None and self.loss_sums.initial_batches > 0:
@@ -407,7 +407,7 @@ class AnomalyAlarm(DiagCallback):
         ctx = self.context(trainer)
         self.record(self.swing_rule.update(mean, ctx) + self.stagnant_rule.update(mean, ctx))
         if math.isfinite(self.swing_rule.last_change):
-            values = {tag("loss", "swing"): self.swing_rule.last_change, **self.threshold_lines(LOSS_SWING)}
+            values = {loss_tag("swing"): self.swing_rule.last_change, **self.threshold_lines(LOSS_SWING)}
             self.writer.scalars(values, step)
 
     # -- validation trend --------------------------------------------------------------------------------
@@ -433,9 +433,9 @@ class AnomalyAlarm(DiagCallback):
         alerts = self.val_decline_rule.update(val, ctx)
         alerts += self.val_fluctuation_rule.update(train_mean, val, ctx)
         self.record(alerts)
-        values = {tag("loss", "val"): val}
+        values = {loss_tag("val"): val}
         train_f, val_f = self.val_fluctuation_rule.measures()
         if math.isfinite(train_f) and math.isfinite(val_f):
-            values[tag("loss", "train_fluctuation")] = train_f
-            values[tag("loss", "val_fluctuation")] = val_f
+            values[loss_tag("train_fluctuation")] = train_f
+            values[loss_tag("val_fluctuation")] = val_f
         self.writer.scalars(values, ctx.global_step)

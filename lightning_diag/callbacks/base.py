@@ -21,12 +21,12 @@ from lightning_diag.rules.registry import registry_thresholds
 from lightning_diag.tensorboard import (
     ALERTS_TAG,
     THRESHOLDS_TAG,
-    DiagWriter,
     alerts_markdown,
     dashboard_layout,
     threshold_tag,
     thresholds_markdown,
 )
+from lightning_diag.writer import DiagWriter
 
 __all__ = ["DiagCallback", "DiagSession", "extract_loss"]
 
@@ -42,7 +42,7 @@ class DiagSession:
     Args:
         log_dir: ``trainer.log_dir`` (or ``default_root_dir`` when there is no logger); files go to
             ``<log_dir>/diag``.
-        trainer: The trainer; used lazily to find its TensorBoard writer.
+        trainer: The trainer; used lazily to find its loggers and TensorBoard writer.
         is_global_zero: Only global rank zero writes anything.
     """
 
@@ -63,7 +63,8 @@ class DiagSession:
 
     @property
     def writer(self) -> DiagWriter:
-        """The TensorBoard writer, created on first use (a no-op writer off rank zero)."""
+        """The writer (every logger for scalars, TensorBoard for the rest), created on first use; a no-op off rank
+        zero."""
         if self._writer is None:
             trainer = self._trainer_ref()
             if trainer is None or not self.is_global_zero:
@@ -220,7 +221,8 @@ class DiagCallback(pl.Callback):
 
     @property
     def writer(self) -> DiagWriter:
-        """The TensorBoard writer of the current session (a no-op outside one)."""
+        """The writer of the current session (a no-op outside one): ``scalar``/``scalars`` reach every logger of
+        the trainer; ``text``, ``image``, ``histogram`` and ``custom_scalars`` its TensorBoard writer."""
         return self._session.writer if self._session is not None else DiagWriter(None)
 
     # -- helpers for subclasses --------------------------------------------------------------------------

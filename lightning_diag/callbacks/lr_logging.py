@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytorch_lightning as pl
 
-from lightning_diag.tensorboard import tag
+from lightning_diag.tags import lr_tag
 
 __all__ = ["learning_rates", "lr_scalars"]
 
@@ -31,4 +31,4 @@ def learning_rates(trainer: pl.Trainer) -> dict[str, float]:
 
 def lr_scalars(trainer: pl.Trainer) -> dict[str, float]:
     """The learning rates under their ``diag/lr/...`` tags."""
-    return {tag("lr", *name.split("/")): lr for name, lr in learning_rates(trainer).items()}
+    return {lr_tag(*name.split("/")): lr for name, lr in learning_rates(trainer).items()}

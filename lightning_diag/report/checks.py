@@ -461,3 +461,8 @@ def diagnose(run: RunData) -> RunReport:
             check.measured = f"{_fmt(last.value) if last.value is not None else '-'} at step {last.global_step}"
         checks.append(_finish(check, run, rule in run.thresholds, []))
     return RunReport(run, checks)
+
+
+# rows registered by their own modules (imported last: they use `measure` and `Check` from here)
+from lightning_diag.report import data_checks as _data_checks  # noqa: E402,F401  (registers the Data rows)
+from lightning_diag.report import probe_checks as _probe_checks  # noqa: E402,F401  (registers the probes' rows)

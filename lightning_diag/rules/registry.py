@@ -415,7 +415,9 @@ register_check(CheckSpec("val_decline", "Training",
 register_check(CheckSpec(
     "val_fluctuation", "Training", "Validation fluctuation at most {val_fluctuation:g}x the training fluctuation"
 ))
-register_check(CheckSpec("deploy_quantization_error", "Deployment", "Quantization error < 5%", "< 5%", 0.05))
+register_check(CheckSpec("deploy_quantization_error", "Deployment",
+                         "Quantization error < {quantization_error:.0%} (INT8 end-to-end loss change; no layer's "
+                         "output MSE above {quantization_error__layer_ratio:g}x the median layer's)"))
 register_check(CheckSpec("deploy_latency_fluctuation", "Deployment", "Latency fluctuation < 15%", "< 15%", 0.15))
 
 # -- declarations ---------------------------------------------------------------------------------------------
@@ -488,3 +490,38 @@ register(RuleSpec("attn_sink", _ATTN, "warning", 0.5,
                   check="attn_sink", source="seed 000 §3.2", arguments={"threshold": "sink_mass"}))
 register_setting(SettingSpec("attn.patience", _ATTN, 2, "patience",
                              ("attn_entropy_low", "attn_entropy_high", "attn_sink")))
+
+_DATA = "DataDiagnostics"
+register(RuleSpec("data_vocab_shift", _DATA, "warning", 0.3,
+                  "KL divergence of validation vs training token frequencies above {threshold:g} nats",
+                  settings={"min_count": 5}, source="seed 000 §2.1",
+                  arguments={"threshold": "vocab_kl", "min_count": "min_count"}))
+register(RuleSpec("data_leakage", _DATA, "warning", 0.15,
+                  "share of validation samples copying a training sample (shingle Jaccard >= {near_duplicate:g}) "
+                  "at or above {threshold:g}",
+                  settings={"near_duplicate": 0.5, "shingle_size": 3}, check="data_train_test_overlap",
+                  source="seed 000 §2.2, §7.1",
+                  arguments={"threshold": "leakage", "near_duplicate": "near_duplicate",
+                             "shingle_size": "shingle_size"}))
+register(RuleSpec("label_imbalance", _DATA, "warning", 0.1,
+                  "standard deviation of the class proportions above {threshold:g}", check="data_label_balance",
+                  source="seed 000 §7.1", arguments={"threshold": "label_std"}))
+register(RuleSpec("data_nonfinite", _DATA, "critical", None, "NaN/Inf in a floating tensor of a sampled batch",
+                  source="seed 000 §2.1"))
+
+_SHARP = "SharpnessProbe"
+register_check(CheckSpec("loss_surface", "Training",
+                         "Loss surface: SAM gap L(w+ε) − L(w) not above {sharp_minimum:g} on "
+                         "{sharp_minimum__patience:g} consecutive probes (rho {sharp_minimum__rho:g})"))
+register(RuleSpec("sharp_minimum", _SHARP, "warning", 0.3,
+                  "SAM gap L(w+ε) − L(w) above {threshold:g} (rho {rho:g}) on {patience:g} consecutive probes",
+                  settings={"rho": 0.05, "patience": 3}, check="loss_surface", source="seed 000 §4.1",
+                  arguments={"threshold": "threshold", "rho": "rho", "patience": "patience"}))
+_QUANT = "QuantizationProbe"
+register(RuleSpec("quantization_error", _QUANT, "warning", 0.05,
+                  "INT8 end-to-end relative loss change above {threshold:.0%}, or a layer's output MSE above "
+                  "{layer_ratio:g}x the median layer's",
+                  settings={"layer_ratio": 10.0, "min_layer_error": 1e-3}, check="deploy_quantization_error",
+                  source="seed 000 §5.1, §7.1",
+                  arguments={"threshold": "threshold", "layer_ratio": "layer_ratio",
+                             "min_layer_error": "min_layer_error"}))

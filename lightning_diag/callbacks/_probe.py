@@ -1,0 +1,214 @@
+"""What the validation-end probes share: capturing a few validation batches, a sandbox that leaves the training
+state exactly as it was, the module's loss on a batch, and rank-zero measurement with broadcast decisions."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from pytorch_lightning.trainer.states import TrainerFn
+
+from lightning_diag._validation import check_int
+from lightning_diag.alerts import Alert
+from lightning_diag.callbacks.base import DiagCallback
+
+__all__ = ["LossFn", "ProbeError", "ValidationProbe"]
+
+#: ``loss_fn(pl_module, batch) -> loss``: a scalar tensor, or a dict with a ``"loss"`` tensor.
+LossFn = Callable[[pl.LightningModule, Any], Any]
+
+
+class ProbeError(RuntimeError):
+    """The probe cannot measure this model (the message says why and what to do)."""
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _as_loss(out: Any, where: str) -> torch.Tensor:
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+        kind = "a dict without a 'loss' tensor" if isinstance(out, dict) else type(out).__name__
+        raise ProbeError(f"{where} returned {kind}; the probe needs a float tensor or a dict with 'loss' "
+                         "(pass loss_fn=... to compute it)")
+    return loss.float().mean() if loss.numel() != 1 else loss.float().reshape(())
+
+
+class ValidationProbe(DiagCallback):
+    """Base of the probes that measure the model on a few validation batches at validation end.
+
+    On probe epochs (every ``every_n_epochs`` epochs, first validation of the epoch, fitting only, never the
+    sanity check) the first ``num_batches`` batches of the first validation dataloader are kept; at validation
+    end global rank zero measures (:meth:`measure`) inside :meth:`sandbox` and every rank takes the alerts and
+    the rule state rank zero broadcasts.
+
+    Args:
+        every_n_epochs: Probe every this many epochs.
+        num_batches: Validation batches per probe.
+        loss_fn: ``loss_fn(pl_module, batch)`` returning the loss (a scalar tensor or a dict with ``"loss"``);
+            by default ``pl_module.training_step(batch, batch_idx)``, with ``self.log`` silenced.
+    """
+
+    def __init__(self, every_n_epochs: int = 1, num_batches: int = 2, loss_fn: LossFn | None = None) -> None:
+        super().__init__()
+        self.every_n_epochs = check_int("every_n_epochs", every_n_epochs, low=1)
+        self.num_batches = check_int("num_batches", num_batches, low=1)
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"Expected argument `loss_fn` to be a callable (pl_module, batch) -> loss or None, "
+                            f"but got {loss_fn!r}")
+        self.loss_fn = loss_fn
+        self._batches: list[tuple[int, Any]] = []
+        self._last_probed_epoch = -1
+
+    # -- what subclasses implement ----------------------------------------------------------------------
+    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]) -> Any:
+        """Measure on rank zero inside the sandbox; the result goes to :meth:`decide`. Raise ProbeError to skip."""
+        raise NotImplementedError
+
+    def decide(self, trainer: pl.Trainer, result: Any) -> list[Alert]:
+        """Rank zero: log ``result`` and feed the rules; return the new alerts."""
+        raise NotImplementedError
+
+    def rule_state(self) -> dict[str, Any]:
+        """The rule state broadcast from rank zero after a probe (and checkpointed)."""
+        raise NotImplementedError
+
+    def load_rule_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`rule_state` output."""
+        raise NotImplementedError
+
+    # -- hooks --------------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """A new fit has probed no epoch yet (a resumed one loads its state after this)."""
+        super().setup(trainer, pl_module, stage)
+        if stage == TrainerFn.FITTING:
+            self._last_probed_epoch = -1
+            self._batches = []
+
+    def _probe_epoch(self, trainer: pl.Trainer) -> bool:
+        return (
+            trainer.state.fn == TrainerFn.FITTING
+            and not trainer.sanity_checking
+            and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+            and trainer.current_epoch != self._last_probed_epoch
+        )
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Forget the batches of the previous validation run."""
+        self._batches = []
+
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """Keep the first ``num_batches`` batches of the first dataloader on probe epochs (rank zero)."""
+        if (
+            dataloader_idx == 0
+            and len(self._batches) < self.num_batches
+            and trainer.is_global_zero
+            and self._probe_epoch(trainer)
+        ):
+            self._batches.append((batch_idx, batch))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Probe (rank zero), then share the decisions with every rank."""
+        if not self._probe_epoch(trainer):
+            return
+        self._last_probed_epoch = trainer.current_epoch
+        alerts: list[Alert] = []
+        if trainer.is_global_zero:
+            batches, self._batches = self._batches, []
+            try:
+                if not batches:
+                    raise ProbeError("no validation batch was seen (limit_val_batches=0?): nothing to probe")
+                if self.loss_fn is None and not pl_module.automatic_optimization:
+                    raise ProbeError("`training_step` steps the optimizer itself under manual optimization: "
+                                     "pass loss_fn=... so the probe can compute the loss without it")
+                with self.sandbox(trainer, pl_module):
+                    result = self.measure(trainer, pl_module, batches)
+                alerts = self.decide(trainer, result)
+            except ProbeError as err:
+                self.notice(trainer, "probe-skipped", f"probe skipped: {err}")
+            except Exception as err:  # the probe must never end a training run: say why once, go on
+                self.notice(trainer, "probe-failed", f"probe skipped: computing the loss raised "
+                            f"{type(err).__name__}: {err} (pass loss_fn=... if training_step cannot run here)")
+        payload = trainer.strategy.broadcast((alerts, self.rule_state()), src=0)
+        alerts, state = payload
+        if not trainer.is_global_zero:
+            self.load_rule_state(state)
+        self.record(alerts)
+        self.writer.flush()
+
+    # -- helpers --------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def sandbox(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
+        """Eval mode, ``self.log`` silenced, autograd enabled; training flags and every RNG restored after."""
+        modes = [(m, m.training) for m in pl_module.modules()]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        py_rng = random.getstate()
+        np_rng = np.random.get_state()
+        had_log = {name: name in pl_module.__dict__ for name in ("log", "log_dict")}
+        pl_module.eval()
+        pl_module.__dict__["log"] = _no_log
+        pl_module.__dict__["log_dict"] = _no_log
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                yield
+        finally:
+            for name, had in had_log.items():
+                if not had:
+                    pl_module.__dict__.pop(name, None)
+            for module, training in modes:
+                module.training = training
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            random.setstate(py_rng)
+            np.random.set_state(np_rng)
+
+    @staticmethod
+    def own_batch(batch: Any) -> Any:
+        """A copy of a captured batch usable by autograd (validation tensors are inference tensors)."""
+        return apply_to_collection(batch, torch.Tensor, lambda t: t.clone())
+
+    def loss_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The module's loss on one batch (``loss_fn`` or ``training_step``), under the trainer's precision."""
+        with trainer.precision_plugin.forward_context():
+            if self.loss_fn is not None:
+                return _as_loss(self.loss_fn(pl_module, batch), "`loss_fn`")
+            return _as_loss(pl_module.training_step(batch, batch_idx), "`training_step`")
+
+    def mean_loss(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
+    ) -> torch.Tensor:
+        """The mean loss over ``batches`` (already owned)."""
+        losses = [self.loss_on(trainer, pl_module, b, i) for i, b in batches]
+        return torch.stack(losses).mean()
+
+    # -- state ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The rule state and the last probed epoch."""
+        return {"rules": self.rule_state(), "last_probed_epoch": self._last_probed_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing key.
+        """
+        self.check_state_keys(state_dict, ("rules", "last_probed_epoch"))
+        self.load_rule_state(state_dict["rules"])
+        self._last_probed_epoch = int(state_dict["last_probed_epoch"])

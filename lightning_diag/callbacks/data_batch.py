@@ -1,0 +1,280 @@
+"""Reading a loader's data for :class:`~lightning_diag.DataDiagnostics` without touching the training run.
+
+Two jobs: find token ids, padding mask, labels and floating tensors in a batch of any usual shape
+(:func:`interpret`), and draw a bounded sample of a loader's dataset (:func:`read_sample`) through the loader's own
+``collate_fn`` with a private random generator: the training iterator, the sampler and its generator, worker
+processes and the global random number generators (torch, numpy, ``random``) are left exactly as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeGuard
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+__all__ = ["BatchView", "UninterpretableBatch", "describe", "interpret", "read_sample", "sample_indices"]
+
+_LABEL_KEYS = ("labels", "label", "targets", "target", "y")
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+class UninterpretableBatch(ValueError):
+    """A batch in which nothing could be found; the message says what it holds and how to pass ``extract=``."""
+
+
+@dataclasses.dataclass
+class BatchView:
+    """What a batch holds, as the data diagnostics see it.
+
+    Attributes:
+        size: Samples in the batch.
+        tokens: ``[B, L]`` integer token ids, or ``None``.
+        mask: ``[B, L]`` bool, ``True`` for real (non-padding) tokens, or ``None`` (every position counts, less
+            ``pad_token_id`` if one is given).
+        labels: ``[B]`` integer class labels, or ``None`` (no labels, token-level labels, or regression targets).
+        floats: Every floating tensor of the batch by its key (``"pixel_values"``, ``"[0]"``...).
+        inputs: The key of the floating tensor that is the model's input (for exact-copy search without tokens).
+    """
+
+    size: int
+    tokens: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    floats: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    inputs: str | None = None
+
+
+def describe(batch: Any, depth: int = 0) -> str:
+    """A short description of a batch's structure (types, keys, dtypes and shapes).
+
+    Example:
+        >>> describe({"x": torch.zeros(2, 3), "n": 4})
+        "dict{'x': float32[2, 3], 'n': int}"
+    """
+    if isinstance(batch, torch.Tensor):
+        return f"{str(batch.dtype).replace('torch.', '')}{list(batch.shape)}"
+    if depth > 2:
+        return type(batch).__name__
+    if isinstance(batch, Mapping):
+        items = list(batch.items())[:8]
+        return "dict{" + ", ".join(f"{k!r}: {describe(v, depth + 1)}" for k, v in items) + "}"
+    if isinstance(batch, (tuple, list)):
+        inner = ", ".join(describe(v, depth + 1) for v in batch[:6])
+        return f"{type(batch).__name__}({inner}{', ...' if len(batch) > 6 else ''})"
+    return type(batch).__name__
+
+
+def _floats(batch: Any, key: str, out: dict[str, torch.Tensor]) -> None:
+    if isinstance(batch, torch.Tensor):
+        if batch.is_floating_point() or batch.is_complex():
+            out[key or "batch"] = batch
+    elif isinstance(batch, Mapping):
+        for k, v in batch.items():
+            _floats(v, f"{key}.{k}" if key else str(k), out)
+    elif isinstance(batch, (tuple, list)):
+        for i, v in enumerate(batch):
+            _floats(v, f"{key}[{i}]", out)
+
+
+def _is_int(t: Any) -> TypeGuard[torch.Tensor]:
+    return isinstance(t, torch.Tensor) and t.dtype in _INT_DTYPES
+
+
+def _from_mapping(batch: Mapping[str, Any], view: BatchView) -> None:
+    ids = batch.get("input_ids")
+    if _is_int(ids) and ids.dim() == 2:
+        view.tokens = ids
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+            view.mask = mask.bool()
+    for key in _LABEL_KEYS:
+        if key in batch:
+            _set_labels(batch[key], view)
+            break
+
+
+def _set_labels(labels: Any, view: BatchView) -> None:
+    if _is_int(labels) and labels.dim() == 1:
+        view.labels = labels
+    elif _is_int(labels) and labels.dim() == 2 and labels.shape[1] == 1:
+        view.labels = labels[:, 0]
+
+
+def interpret(
+    batch: Any,
+    extract: Callable[[Any], Mapping[str, Any] | None] | None = None,
+) -> BatchView | None:
+    """Find token ids, padding mask, labels and floating tensors in a batch.
+
+    Without ``extract``: a mapping (Hugging Face style) gives ``input_ids``, ``attention_mask`` and ``labels``
+    (or ``label``, ``targets``, ``target``, ``y``); a tuple or list is ``(inputs, targets, ...)`` where inputs are
+    a 2-D integer tensor of token ids, a floating tensor of features or a mapping as above, and targets a 1-D
+    integer tensor of class labels; a plain 2-D integer tensor is token ids, a floating tensor features.
+    Token-level labels (``[B, L]``, language modelling) and floating targets are not class labels.
+
+    With ``extract``: ``extract(batch)`` returns a mapping with any of ``"token_ids"`` (``[B, L]`` int),
+    ``"mask"`` (``[B, L]``, non-zero for real tokens), ``"labels"`` (``[B]`` int) and ``"features"`` (a tensor or
+    a mapping of tensors), or ``None`` to skip the batch.
+
+    Returns:
+        The view, or ``None`` when ``extract`` skipped the batch.
+
+    Raises:
+        UninterpretableBatch: If nothing was found; the message describes the batch and how to pass ``extract=``.
+    """
+    if extract is not None:
+        got = extract(batch)
+        if got is None:
+            return None
+        if not isinstance(got, Mapping):
+            raise UninterpretableBatch(
+                f"`extract` returned {type(got).__name__}; it must return a mapping with any of 'token_ids', "
+                "'mask', 'labels', 'features' (or None to skip the batch)"
+            )
+        floats: dict[str, torch.Tensor] = {}
+        _floats(got.get("features"), "features", floats)
+        view = BatchView(size=0, floats=floats, inputs=next(iter(floats), None))
+        ids = got.get("token_ids")
+        if _is_int(ids) and ids.dim() == 2:
+            view.tokens = ids
+            mask = got.get("mask")
+            if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+                view.mask = mask.bool()
+        _set_labels(got.get("labels"), view)
+    else:
+        floats = {}
+        _floats(batch, "", floats)
+        view = BatchView(size=0, floats=floats)
+        if isinstance(batch, Mapping):
+            _from_mapping(batch, view)
+            view.inputs = next((k for k in ("pixel_values", "inputs", "input", "x", "features") if k in floats), None)
+        elif isinstance(batch, (tuple, list)) and batch:
+            x = batch[0]
+            if isinstance(x, Mapping):
+                _from_mapping(x, view)
+            elif _is_int(x) and x.dim() == 2:
+                view.tokens = x
+            elif isinstance(x, torch.Tensor) and x.is_floating_point():
+                view.inputs = "[0]"
+            if len(batch) > 1 and view.labels is None:
+                _set_labels(batch[1], view)
+        elif _is_int(batch) and batch.dim() == 2:
+            view.tokens = batch
+        elif isinstance(batch, torch.Tensor) and batch.is_floating_point():
+            view.inputs = "batch"
+    if view.tokens is None and view.labels is None and not view.floats:
+        raise UninterpretableBatch(
+            f"found no token ids, labels or floating tensors in a batch of {describe(batch)}; pass "
+            "`DataDiagnostics(extract=lambda batch: {'token_ids': ..., 'mask': ..., 'labels': ..., 'features': ...})` "
+            "returning the parts it has"
+        )
+    for t in (view.tokens, view.labels, *(view.floats[view.inputs] for _ in [0] if view.inputs in view.floats)):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            view.size = int(t.shape[0])
+            break
+    else:
+        first = next((t for t in view.floats.values() if t.dim() > 0), None)
+        view.size = int(first.shape[0]) if first is not None else 1
+    return view
+
+
+def sample_indices(length: int, count: int | None, rank: int, world: int, seed: int) -> np.ndarray:
+    """Sorted dataset indices of this rank's sample: ``count`` drawn without replacement from its shard.
+
+    The shard of rank ``r`` of ``w`` is ``r, r + w, r + 2w, ...``; ``count=None`` takes the whole shard. The draw
+    uses a private generator seeded with ``seed``: no global random state is read or changed.
+
+    Example:
+        >>> sample_indices(10, None, 1, 2, 0).tolist()
+        [1, 3, 5, 7, 9]
+        >>> len(sample_indices(1000, 5, 0, 1, 0))
+        5
+    """
+    shard = np.arange(rank, length, world)
+    if count is None or count >= len(shard):
+        return shard
+    return np.sort(np.random.default_rng(seed).choice(shard, size=count, replace=False))
+
+
+class _GlobalRngGuard:
+    """Saves torch's CPU, numpy's and ``random``'s global states and puts them back on exit."""
+
+    def __enter__(self) -> None:
+        self._torch = torch.get_rng_state()
+        self._numpy = np.random.get_state()
+        self._python = random.getstate()
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_rng_state(self._torch)
+        np.random.set_state(self._numpy)
+        random.setstate(self._python)
+
+
+def read_sample(
+    loader: Any,
+    max_batches: int | None,
+    rank: int,
+    world: int,
+    seed: int,
+) -> Iterator[tuple[Any, np.ndarray]]:
+    """``(batch, dataset indices)`` of a bounded sample of ``loader``, leaving the training run untouched.
+
+    A map-style dataset is indexed directly: ``max_batches * batch_size`` indices drawn from this rank's shard,
+    fetched in the main process and collated with ``loader.collate_fn`` (no worker is started, the sampler is not
+    iterated). An ``IterableDataset`` is read from a fresh ``iter(dataset)`` for its first ``max_batches *
+    world`` batches (rank ``r`` keeps every ``world``-th one), never exhausted. The global random states are
+    restored afterwards, so a ``__getitem__`` with random augmentation leaves no trace either.
+
+    Raises:
+        TypeError: If ``loader`` is neither a ``DataLoader`` nor a list or tuple of batches (reading any other
+            iterable could consume it).
+    """
+    with _GlobalRngGuard():
+        yield from _read(loader, max_batches, rank, world, seed)
+
+
+def _read(loader: Any, max_batches: int | None, rank: int, world: int, seed: int) -> Iterator[tuple[Any, np.ndarray]]:
+    if isinstance(loader, (list, tuple)):
+        batches = loader if max_batches is None else loader[: max_batches * world]
+        for i, batch in enumerate(batches):
+            if i % world == rank:
+                yield batch, np.array([i])
+        return
+    if not isinstance(loader, DataLoader):
+        raise TypeError(
+            f"a {type(loader).__name__} is not a torch DataLoader: reading it could consume the batches training "
+            "needs, so it is not sampled"
+        )
+    dataset = loader.dataset
+    batch_size = loader.batch_size or 32
+    collated = loader.batch_sampler is not None
+    if isinstance(dataset, IterableDataset):
+        stream = iter(dataset)
+        size = batch_size if collated else 1
+        limit = None if max_batches is None else max_batches * world
+        position = 0
+        for b in itertools.count():
+            if limit is not None and b >= limit:
+                return
+            items = list(itertools.islice(stream, size))
+            if not items:
+                return
+            idx = np.arange(position, position + len(items))
+            position += len(items)
+            if b % world == rank:
+                yield (loader.collate_fn(items) if collated else items[0]), idx
+        return
+    length = len(dataset)  # type: ignore[arg-type]
+    per_batch = batch_size if collated else 1
+    count = None if max_batches is None else max_batches * per_batch
+    indices = sample_indices(length, count, rank, world, seed)
+    for start in range(0, len(indices), per_batch):
+        idx = indices[start : start + per_batch]
+        items = [dataset[int(i)] for i in idx]
+        yield (loader.collate_fn(items) if collated else items[0]), idx

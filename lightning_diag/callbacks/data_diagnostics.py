@@ -1,0 +1,330 @@
+"""DataDiagnostics: vocabulary shift, train/validation leakage, label balance and broken inputs, before training."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.trainer.states import TrainerFn
+
+from lightning_diag._validation import check_int, check_number
+from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.data_batch import UninterpretableBatch, interpret, read_sample
+from lightning_diag.callbacks.data_sample import Measured, SplitSample, measure
+from lightning_diag.images import heatmap
+from lightning_diag.rules.data import (
+    DATA_LEAKAGE,
+    DATA_VOCAB_SHIFT,
+    DEFAULT_LABEL_STD,
+    DEFAULT_LEAKAGE_FRACTION,
+    DEFAULT_NEAR_DUPLICATE,
+    DEFAULT_VOCAB_KL,
+    LABEL_IMBALANCE,
+    DataRules,
+)
+from lightning_diag.rules.registry import default
+from lightning_diag.tensorboard import tag
+
+__all__ = [
+    "DEFAULT_MAX_BATCHES",
+    "DEFAULT_MIN_COUNT",
+    "DEFAULT_MIN_LEAKS",
+    "DEFAULT_NUM_PERM",
+    "DEFAULT_SHINGLE_SIZE",
+    "DataDiagnostics",
+]
+
+#: Batches read from each loader per measurement.
+DEFAULT_MAX_BATCHES = 64
+#: ``data_vocab_shift``: token types seen fewer times (both samples together) are pooled into one bin.
+DEFAULT_MIN_COUNT = int(default(f"{DATA_VOCAB_SHIFT}.min_count"))
+#: ``data_leakage``: token n-gram size of the shingles.
+DEFAULT_SHINGLE_SIZE = int(default(f"{DATA_LEAKAGE}.shingle_size"))
+#: ``data_leakage``: MinHash signature length.
+DEFAULT_NUM_PERM = 64
+#: ``data_leakage``: leaked samples needed before the share found is extrapolated to the whole training set.
+DEFAULT_MIN_LEAKS = 3
+_STATE_KEYS = ("rules", "last_epoch", "last")
+_MAX_HIST_VALUES = 1_000_000
+_MAX_IMAGE_CLASSES = 256
+_SPLITS = ("train", "val")
+
+
+def _first_loader(loaders: Any) -> tuple[Any, int]:
+    """The first loader of what ``trainer.train_dataloader`` / ``val_dataloaders`` hold, and how many there are."""
+    if isinstance(loaders, Mapping):
+        values = list(loaders.values())
+        return (values[0] if values else None), len(values)
+    if isinstance(loaders, (list, tuple)) and any(isinstance(x, torch.utils.data.DataLoader) for x in loaders):
+        return loaders[0], len(loaders)
+    return loaders, 1
+
+
+class DataDiagnostics(DiagCallback):
+    r"""Examines the training and validation data before the first step: vocabulary shift, leakage, labels, inputs.
+
+    At ``on_train_start`` (and, with ``every_n_epochs``, at the start of every n-th epoch) it reads a bounded
+    sample of each loader, ``max_batches`` batches, straight from the loader's dataset with its ``collate_fn``
+    and a private random generator, in the main process: the training iterator, the sampler (and its generator),
+    the workers and the global random states are untouched, so the run is bit-for-bit the run without it. An
+    ``IterableDataset`` is read from a fresh ``iter(dataset)``, its first ``max_batches`` batches, never exhausted.
+    Under DDP each rank reads its own shard (indices ``rank, rank + world, ...``); the ranks' summaries are
+    gathered, so every rank measures the union and decides the same; only global rank zero writes.
+
+    Batches are understood as Lightning users have them: ``(inputs, targets)`` tuples, Hugging Face dicts
+    (``input_ids``, ``attention_mask``, ``labels``), plain tensors; anything else through ``extract``. Token ids
+    are the vocabulary (no tokenizer needed); padding is left out (``attention_mask``, or ``pad_token_id``).
+
+    Logged (global rank zero, at the step of the measurement; ``<split>`` is ``train`` or ``val``):
+
+    * ``diag/data/vocab_kl``, ``diag/data/oov_share``, ``diag/data/val_rare_share``: vocabulary shift, share of
+      validation tokens never seen in the training sample, and seen there fewer than 5 times.
+    * ``diag/data/leaked_fraction``, ``diag/data/exact_copies``, ``diag/data/near_copies``,
+      ``diag/data/train_coverage``: leakage (see below), and the share of the training set read.
+    * ``diag/data/<split>/label_std``, ``diag/data/<split>/classes``, ``diag/data/label_tv`` (total variation
+      between the train and val label distributions); ``diag/data/label_distribution`` (image: one row per split,
+      one column per class, colour = proportion).
+    * ``diag/data/<split>/types``, ``.../head_types``, ``.../head_share``, ``.../singleton_share``: the long tail
+      (distinct token ids, fewest ids covering 90% of the tokens, share of ids seen once).
+    * ``diag/data/<split>/padding_ratio``, ``.../mean_seq_len``, ``.../samples``, ``.../nonfinite_samples``;
+      histograms ``diag/data/<split>/seq_len`` and ``diag/data/<split>/token_ids``.
+    * ``diag/data/seconds``: what the measurement cost; ``diag/data/summary`` (text): class table, leak examples,
+      broken inputs; ``diag/threshold/data_vocab_shift``, ``.../data_leakage``, ``.../label_imbalance``.
+
+    Rules (exact meaning in :mod:`lightning_diag.rules.data` and docs/data_diagnostics.md):
+
+    * ``data_vocab_shift`` (warning): smoothed ``KL(P_val || P_train)`` of the token frequencies above
+      ``vocab_kl`` nats.
+    * ``data_leakage`` (warning): share of validation samples whose token-trigram shingle set has Jaccard
+      similarity ``>= near_duplicate`` with a training sample (exact copies included) at or above ``leakage``;
+      a smaller non-zero share is an info alert.
+    * ``label_imbalance`` (warning): standard deviation of a split's class proportions above ``label_std``.
+    * ``data_nonfinite`` (critical): NaN/Inf in a floating tensor of a sampled batch (key and dataset indices
+      named); constant 2-D features and empty sequences are info alerts.
+
+    Args:
+        max_batches: Batches read from each loader per measurement (default 64); ``None`` reads a map-style
+            dataset whole (an ``IterableDataset`` is then read to its end: only for finite ones).
+        every_n_epochs: Also measure at the start of every n-th epoch; ``None`` (default): once per fit.
+        vocab_kl: ``data_vocab_shift`` threshold in nats (default 0.3, seed 000 §2.1).
+        leakage: ``data_leakage`` threshold: share of validation samples leaked (default 0.15, seed 000 §7.1).
+        near_duplicate: Shingle Jaccard similarity from which two samples are the same sample (default 0.5).
+        label_std: ``label_imbalance`` threshold (default 0.1, seed 000 §7.1).
+        num_classes: Number of classes (default: the largest label seen + 1).
+        pad_token_id: Token id that is padding, for batches without an attention mask.
+        extract: ``batch -> {"token_ids", "mask", "labels", "features"}`` (any subset) for batches of another shape.
+        shingle_size: Token n-gram size of the leakage shingles (default 3).
+        num_perm: MinHash signature length (default 64).
+        min_count: ``data_vocab_shift``: token types rarer than this are pooled (default 5).
+        min_leaks: ``data_leakage``: leaked samples needed before the share found in a partial training sample
+            is extrapolated to the whole training set (default 3).
+        seed: Seed of the private generator that draws the sample.
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If an argument is out of range.
+
+    Example:
+        >>> DataDiagnostics().thresholds()["label_imbalance"]
+        0.1
+    """
+
+    def __init__(
+        self,
+        max_batches: int | None = DEFAULT_MAX_BATCHES,
+        every_n_epochs: int | None = None,
+        vocab_kl: float = DEFAULT_VOCAB_KL,
+        leakage: float = DEFAULT_LEAKAGE_FRACTION,
+        near_duplicate: float = DEFAULT_NEAR_DUPLICATE,
+        label_std: float = DEFAULT_LABEL_STD,
+        num_classes: int | None = None,
+        pad_token_id: int | None = None,
+        extract: Callable[[Any], Mapping[str, Any] | None] | None = None,
+        shingle_size: int = DEFAULT_SHINGLE_SIZE,
+        num_perm: int = DEFAULT_NUM_PERM,
+        min_count: int = DEFAULT_MIN_COUNT,
+        min_leaks: int = DEFAULT_MIN_LEAKS,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.max_batches = None if max_batches is None else check_int("max_batches", max_batches, low=1)
+        self.every_n_epochs = None if every_n_epochs is None else check_int("every_n_epochs", every_n_epochs, low=1)
+        self.vocab_kl = check_number("vocab_kl", vocab_kl, low=0.0)
+        self.leakage = check_number("leakage", leakage, low=0.0, high=1.0)
+        self.near_duplicate = check_number("near_duplicate", near_duplicate, low=0.0, high=1.0)
+        self.label_std = check_number("label_std", label_std, low=0.0, high=0.5)
+        self.num_classes = None if num_classes is None else check_int("num_classes", num_classes, low=2)
+        self.pad_token_id = None if pad_token_id is None else check_int("pad_token_id", pad_token_id, low=0)
+        if extract is not None and not callable(extract):
+            raise TypeError(f"Expected argument `extract` to be a callable batch -> mapping, but got {extract!r}")
+        self.extract = extract
+        self.shingle_size = check_int("shingle_size", shingle_size, low=1, high=16)
+        self.num_perm = check_int("num_perm", num_perm, low=4, high=1024)
+        self.min_count = check_int("min_count", min_count, low=1)
+        self.min_leaks = check_int("min_leaks", min_leaks, low=1)
+        self.seed = check_int("seed", seed, low=0)
+        self._make_rules()
+        self.last_epoch = -1
+        self.last: dict[str, float] = {}
+
+    def _make_rules(self) -> None:
+        self.rules = DataRules(self.vocab_kl, self.leakage, self.label_std)
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The rules' latches (what was already reported), the epoch last measured and its values."""
+        return {"rules": self.rules.state_dict(), "last_epoch": self.last_epoch, "last": dict(self.last)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing key.
+        """
+        self.check_state_keys(state_dict, _STATE_KEYS)
+        self.rules.load_state_dict(state_dict["rules"])
+        self.last_epoch = int(state_dict["last_epoch"])
+        self.last = {str(k): float(v) for k, v in state_dict["last"].items()}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """A new fit starts with fresh rules (a resume then loads their state)."""
+        super().setup(trainer, pl_module, stage)
+        if stage == TrainerFn.FITTING:
+            self._make_rules()
+            self.last_epoch = -1
+            self.last = {}
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Measure the data once the loaders exist, before the first step."""
+        self._measure(trainer)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """With ``every_n_epochs``: measure again at the start of every n-th epoch."""
+        epoch = trainer.current_epoch
+        if self.every_n_epochs and epoch % self.every_n_epochs == 0 and epoch != self.last_epoch:
+            self._measure(trainer)
+
+    # -- measuring -----------------------------------------------------------------------------------------
+    def _read(self, trainer: pl.Trainer, split: str, loaders: Any) -> SplitSample | None:
+        loader, count = _first_loader(loaders)
+        if loader is None:
+            self.notice(trainer, f"no-{split}", f"no {split} loader: the {split} data is not examined")
+            return None
+        if count > 1:
+            self.notice(trainer, f"many-{split}", f"{count} {split} loaders: only the first is examined")
+        dataset = getattr(loader, "dataset", None)
+        size = None
+        try:
+            if dataset is not None and not isinstance(dataset, torch.utils.data.IterableDataset):
+                size = len(dataset)
+        except TypeError:
+            size = None
+        sample = SplitSample(split, dataset_size=size)
+        try:
+            for batch, idx in read_sample(loader, self.max_batches, trainer.global_rank, trainer.world_size, self.seed):
+                view = interpret(batch, self.extract)
+                if view is not None:
+                    sample.add(view, idx, self.pad_token_id, self.shingle_size, self.num_perm, self.seed)
+        except UninterpretableBatch as err:
+            self.notice(trainer, f"batch-{split}", f"the {split} data is not examined: {err}")
+            return None
+        except Exception as err:  # reading user data must never crash the run
+            self.notice(trainer, f"read-{split}", f"the {split} data is not examined: {type(err).__name__}: {err}")
+            return None
+        return sample.seal()
+
+    def _gather(self, trainer: pl.Trainer, mine: list[SplitSample | None]) -> list[SplitSample | None]:
+        if trainer.world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return mine
+        everyone: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+        merged: list[SplitSample | None] = []
+        for i in range(len(mine)):
+            parts = [rank[i] for rank in everyone if rank is not None and rank[i] is not None]
+            merged.append(SplitSample.merge(parts) if parts else None)
+        return merged
+
+    def _measure(self, trainer: pl.Trainer) -> None:
+        start = time.perf_counter()
+        mine = [
+            self._read(trainer, "train", trainer.train_dataloader),
+            self._read(trainer, "val", trainer.val_dataloaders),
+        ]
+        train, val = self._gather(trainer, mine)
+        self.last_epoch = trainer.current_epoch
+        if train is None and val is None:
+            return
+        measured = measure(train, val, self.num_classes, self.near_duplicate, self.min_count, self.min_leaks)
+        seconds = time.perf_counter() - start
+        step = trainer.global_step
+        values = {tag("data", *k.split("/")): v for k, v in measured.scalars.items()}
+        values[tag("data", "seconds")] = seconds
+        values.update(self.threshold_lines(DATA_VOCAB_SHIFT, DATA_LEAKAGE, LABEL_IMBALANCE))
+        self.writer.scalars({k: v for k, v in values.items() if math.isfinite(v)}, step)
+        self.last = {k: float(v) for k, v in measured.scalars.items()}
+        if self.writer.active:
+            self._draw(train, val, measured, step)
+        self.record(self.rules.update(measured.measurement, self.context(trainer)))
+
+    def _draw(self, train: SplitSample | None, val: SplitSample | None, measured: Measured, step: int) -> None:
+        for s in (train, val):
+            if s is None or not s.has_tokens:
+                continue
+            lens = s.array("seq_lens")
+            if lens.size:
+                self.writer.histogram(tag("data", s.split, "seq_len"), lens, step)
+            counts = s.token_counts
+            if counts.sum() > 0:
+                scale = max(1, math.ceil(counts.sum() / _MAX_HIST_VALUES))
+                ids = np.repeat(np.arange(len(counts)), counts // scale if scale > 1 else counts)
+                if ids.size:
+                    self.writer.histogram(tag("data", s.split, "token_ids"), ids, step)
+        label_counts = measured.label_counts
+        if label_counts:
+            width = min(max(len(c) for c in label_counts.values()), _MAX_IMAGE_CLASSES)
+            rows = np.full((len(_SPLITS), width), np.nan)
+            for r, split in enumerate(_SPLITS):
+                c = label_counts.get(split)
+                if c is not None and c.sum() > 0:
+                    rows[r, : min(len(c), width)] = (c / c.sum())[:width]
+            cell = max(2, min(24, 512 // width))
+            self.writer.image(tag("data", "label_distribution"), heatmap(rows, cell, 0.0), step)
+        self.writer.text(tag("data", "summary"), _summary(measured), step)
+
+
+def _summary(measured: Measured) -> str:
+    """The measurement as markdown: values, class table, leak examples, broken inputs."""
+    m = measured.measurement
+    lines = ["| measure | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.4g} |" for k, v in sorted(measured.scalars.items())]
+    counts = measured.label_counts
+    if counts:
+        lines += [
+            "",
+            "| class | " + " | ".join(f"{s} count | {s} share" for s in counts) + " |",
+            "|---|" + "---|---|" * len(counts),
+        ]
+        width = max(len(c) for c in counts.values())
+        for k in range(min(width, 50)):
+            cells = []
+            for c in counts.values():
+                n = int(c[k]) if k < len(c) else 0
+                cells.append(f"{n} | {n / max(int(c.sum()), 1):.1%}")
+            lines.append(f"| {k} | " + " | ".join(cells) + " |")
+        if width > 50:
+            lines.append(f"| ... {width - 50} more classes | |")
+    if m.leak_examples:
+        lines += [
+            "",
+            "Leaked validation samples (dataset index ~ training index, similarity): "
+            + ", ".join(f"{v} ~ {t} ({s:.2f})" for v, t, s in m.leak_examples),
+        ]
+    for p in m.problems:
+        lines += ["", f"{p.kind} in `{p.split}:{p.key}`: {p.count} (examples {list(p.examples)})"]
+    return "\n".join(lines)

@@ -1,0 +1,336 @@
+"""QuantizationProbe: how much INT8 quantization of the Linear/Conv layers would cost, measured at validation end."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import math
+import statistics
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from lightning_diag._validation import check_choice, check_number
+from lightning_diag.alerts import Alert
+from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
+from lightning_diag.rules.probes import (
+    DEFAULT_LAYER_RATIO,
+    DEFAULT_MIN_LAYER_ERROR,
+    DEFAULT_QUANT_ERROR,
+    QUANTIZATION_ERROR,
+    QuantizationErrorRule,
+)
+from lightning_diag.stats.quantization import (
+    Granularity,
+    LayerErrorAccumulator,
+    channel_outlier_ratio,
+    fake_quantize,
+    max_error_pct_of_scale,
+    outlier_ratio,
+    relative_error,
+)
+from lightning_diag.tags import quant_layer_tag, quant_tag
+
+__all__ = ["QuantizationProbe", "QuantizationResult", "torchao_available"]
+
+Backend = Literal["auto", "fake", "torchao"]
+#: A loss below this counts as this small when the end-to-end change is made relative to it.
+LOSS_FLOOR = 0.01
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TORCHAO: Any = None
+
+
+def torchao_available() -> bool:
+    """Whether ``torchao`` imports (its import messages about optional GPU kernels are silenced)."""
+    global _TORCHAO
+    if _TORCHAO is None:
+        loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+        levels = [lg.level for lg in loggers]
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            import torchao.quantization as tq
+
+            _TORCHAO = tq
+        except Exception:  # an optional extra that fails to import (any error) is simply not used
+            _TORCHAO = False
+        finally:
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)
+    return _TORCHAO is not False
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationResult:
+    """One probe: per-layer measures under the judged scheme and per-channel, and the end-to-end change.
+
+    Attributes:
+        loss: The float validation loss (mean over the probe's batches).
+        quantized_loss: The loss with every measured layer quantized.
+        end_to_end: ``|quantized_loss - loss| / max(|loss|, 0.01)``.
+        relative_mse: Layer -> relative output MSE under the judged scheme.
+        relative_mse_per_channel: Layer -> relative output MSE with per-channel weight scales.
+        output_mse: Layer -> output MSE under the judged scheme.
+        max_error_pct: Layer -> max weight quantization error in % of the scale (seed 000 §5.1).
+        outliers: Layer -> ``max|w| / quantile(|w|, 0.99)``.
+        input_outliers: Layer -> the largest over the batches of its input's loudest channel maximum over the
+            median channel maximum (what a per-tensor activation scale has to cover).
+        backend: ``"torchao"`` or ``"fake"`` (the engine of the Linear layers; Conv layers are always fake).
+    """
+
+    loss: float
+    quantized_loss: float
+    end_to_end: float
+    relative_mse: dict[str, float]
+    relative_mse_per_channel: dict[str, float]
+    output_mse: dict[str, float]
+    max_error_pct: dict[str, float]
+    outliers: dict[str, float]
+    input_outliers: dict[str, float]
+    backend: str
+
+
+def _fake_layer(
+    module: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d, granularity: Granularity, activations: bool
+) -> Callable[[torch.Tensor], Any]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        # Quantized at each call, never stored: at most one layer's quantized weight exists at a time.
+        weight = fake_quantize(module.weight, granularity)
+        xq = fake_quantize(x, "per_tensor") if activations else x
+        if isinstance(module, nn.Linear):
+            return nn.functional.linear(xq, weight, module.bias)
+        return module._conv_forward(xq, weight, module.bias)
+
+    return forward
+
+
+def _torchao_layer(module: nn.Linear, granularity: Granularity, activations: bool) -> Callable[[torch.Tensor], Any]:
+    tq = _TORCHAO
+    gran = tq.PerTensor() if granularity == "per_tensor" else tq.PerRow()
+    kind = tq.Int8DynamicActivationInt8WeightConfig if activations else tq.Int8WeightOnlyConfig
+    # set_inductor_config=False: torchao would otherwise change torch._inductor's global config for the whole run
+    config = kind(granularity=gran, set_inductor_config=False)
+    layer = copy.deepcopy(module)
+    tq.quantize_(layer, config)
+    return layer
+
+
+class QuantizationProbe(ValidationProbe):
+    """Simulates INT8 quantization of a copy of the model's ``nn.Linear`` / ``nn.Conv1d/2d/3d`` layers.
+
+    At the end of validation, every ``every_n_epochs`` epochs, global rank zero runs ``num_batches`` validation
+    batches twice in eval mode: once in float, with forward hooks feeding each layer's own input to its quantized
+    copy (per-layer output error, under the judged ``granularity`` and under per-channel scales), and once with
+    every layer's output replaced by its quantized copy's (the end-to-end change of the loss). The model's
+    parameters are never modified; the training state (parameters, gradients, optimizer, RNG, BatchNorm
+    statistics) is exactly as before.
+
+    Engines: ``backend="torchao"`` quantizes copies of the Linear layers with torchao (``Int8WeightOnlyConfig``,
+    or ``Int8DynamicActivationInt8WeightConfig`` with ``activations``; ``PerTensor`` / ``PerRow`` granularity);
+    Conv layers, which torchao's INT8 configs leave in float on CPU, always use the fake-quant path: symmetric
+    INT8, ``s = max|w| / 127`` per tensor or per output channel, ``ŵ = clamp(round(w/s), -127, 127) · s``, inputs
+    quantized per tensor with their own scale (dynamic). ``"auto"`` (default) uses torchao when it is installed
+    (``pip install lightning-diag[quant]``), else the fake path; ``"fake"`` always the fake path.
+
+    Cost per probe: 2 forwards on ``num_batches`` batches plus one quantized matmul/conv per layer and pass
+    (x2 for the per-channel comparison); the fake path quantizes each weight at each call (one layer's copy at a
+    time), the torchao path holds INT8 copies of the Linear layers (two with the per-channel comparison) for the
+    probe's duration.
+
+    Args:
+        threshold: ``quantization_error`` fires when the loss changes by more than this fraction (seed 000 §7.1:
+            5%) ...
+        layer_ratio: ... or a layer's relative output MSE is above this many times the median layer's (§5.1) ...
+        min_layer_error: ... and above this absolute relative output MSE (noise power / signal power).
+        granularity: The judged weight scheme, ``"per_tensor"`` or ``"per_channel"``.
+        activations: Also quantize each layer's input (dynamic, per tensor) - W8A8; else weight-only (W8A16).
+        backend: ``"auto"``, ``"fake"`` or ``"torchao"`` (raises at construction when torchao is missing).
+        every_n_epochs: Probe every this many epochs.
+        num_batches: Validation batches per probe.
+        loss_fn: ``loss_fn(pl_module, batch)`` returning the loss; default ``training_step(batch, batch_idx)``
+            with ``self.log`` silenced.
+
+    Logged (TensorBoard, step = global step): ``diag/quant/end_to_end``, ``diag/quant/loss_float``,
+    ``diag/quant/loss_int8``, ``diag/quant/worst_layer_ratio`` (largest relative MSE / median),
+    ``diag/quant/max_error_pct`` (largest over the layers), and per layer ``diag/quant/layer/<layer>/
+    relative_mse``, ``.../relative_mse_per_channel``, ``.../output_mse``, ``.../max_error_pct``,
+    ``.../outlier_ratio``, ``.../input_outlier_ratio``; ``diag/threshold/quantization_error``.
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If an argument is out of range, or ``backend="torchao"`` without torchao installed.
+
+    Example:
+        >>> QuantizationProbe(backend="fake").thresholds()["quantization_error"]
+        0.05
+    """
+
+    def __init__(
+        self,
+        threshold: float = DEFAULT_QUANT_ERROR,
+        layer_ratio: float = DEFAULT_LAYER_RATIO,
+        min_layer_error: float = DEFAULT_MIN_LAYER_ERROR,
+        granularity: Granularity = "per_tensor",
+        activations: bool = True,
+        backend: Backend = "auto",
+        every_n_epochs: int = 1,
+        num_batches: int = 2,
+        loss_fn: LossFn | None = None,
+    ) -> None:
+        super().__init__(every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn)
+        self.threshold = check_number("threshold", threshold, low=0.0)
+        self.layer_ratio = check_number("layer_ratio", layer_ratio, low=1.0, low_inclusive=True)
+        self.min_layer_error = check_number("min_layer_error", min_layer_error, low=0.0, low_inclusive=True)
+        self.granularity: Granularity = check_choice(  # type: ignore[assignment]
+            "granularity", granularity, ("per_tensor", "per_channel")
+        )
+        if not isinstance(activations, bool):
+            raise TypeError(f"Expected argument `activations` to be True or False, but got {activations!r}")
+        self.activations = activations
+        self.backend: Backend = check_choice("backend", backend, ("auto", "fake", "torchao"))  # type: ignore[assignment]
+        if backend == "torchao" and not torchao_available():
+            raise ValueError("Expected argument `backend` to be 'auto' or 'fake' when torchao is not installed "
+                             "(pip install 'lightning-diag[quant]'), but got 'torchao'")
+        self.rule = QuantizationErrorRule(self.threshold, self.layer_ratio, self.min_layer_error)
+        self.last_result: QuantizationResult | None = None
+
+    @property
+    def state_key(self) -> str:
+        """Unique per configuration, so several probes can sit on one trainer and be checkpointed."""
+        return self._generate_state_key(granularity=self.granularity, activations=self.activations,
+                                        backend=self.backend, every_n_epochs=self.every_n_epochs)
+
+
+    @property
+    def engine(self) -> str:
+        """The engine of the Linear layers: ``"torchao"`` or ``"fake"``."""
+        return "torchao" if self.backend != "fake" and torchao_available() else "fake"
+
+    def _quantizer(
+        self, module: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d, granularity: Granularity
+    ) -> Callable[[torch.Tensor], Any]:
+        if isinstance(module, nn.Linear) and self.engine == "torchao":
+            return _torchao_layer(module, granularity, self.activations)
+        return _fake_layer(module, granularity, self.activations)
+
+    def measure(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
+    ) -> QuantizationResult:
+        """Per-layer and end-to-end errors on the captured batches."""
+        layers = {
+            name: m for name, m in pl_module.named_modules()
+            if isinstance(m, (nn.Linear, *_CONV)) and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.is_floating_point()
+        }
+        if not layers:
+            raise ProbeError("the module has no nn.Linear or nn.Conv1d/2d/3d layer to quantize")
+        with torch.no_grad():
+            judged = {n: self._quantizer(m, self.granularity) for n, m in layers.items()}
+            channel = (
+                judged if self.granularity == "per_channel"
+                else {n: self._quantizer(m, "per_channel") for n, m in layers.items()}
+            )
+            input_outliers: dict[str, float] = {}
+            acc = {n: LayerErrorAccumulator(-1 if isinstance(m, nn.Linear) else 1) for n, m in layers.items()}
+            acc_channel = {n: LayerErrorAccumulator(-1 if isinstance(m, nn.Linear) else 1) for n, m in layers.items()}
+
+            def compare(name: str) -> Callable[..., None]:
+                def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+                    if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+                        acc[name].add(output, judged[name](args[0]))
+                        ratio = channel_outlier_ratio(args[0], acc[name].channel_dim)
+                        input_outliers[name] = max(input_outliers.get(name, 0.0), ratio)
+                        if channel is not judged:
+                            acc_channel[name].add(output, channel[name](args[0]))
+
+                return hook
+
+            def replace(name: str) -> Callable[..., Any]:
+                def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+                    if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+                        return judged[name](args[0]).to(output.dtype)
+                    return None
+
+                return hook
+
+            owned = [(i, self.own_batch(b)) for i, b in batches]
+            with _hooks(layers, compare):
+                loss = float(self.mean_loss(trainer, pl_module, owned))
+            with _hooks(layers, replace):
+                quantized_loss = float(self.mean_loss(trainer, pl_module, owned))
+        if channel is judged:
+            acc_channel = acc
+        rel = {n: a.relative_mse for n, a in acc.items() if a.count}
+        if not rel:
+            raise ProbeError("no nn.Linear/nn.Conv layer ran on a tensor input during the loss computation")
+        return QuantizationResult(
+            loss=loss,
+            quantized_loss=quantized_loss,
+            end_to_end=relative_error(loss, quantized_loss, LOSS_FLOOR),
+            relative_mse=rel,
+            relative_mse_per_channel={n: acc_channel[n].relative_mse for n in rel},
+            output_mse={n: acc[n].mse for n in rel},
+            max_error_pct={n: max_error_pct_of_scale(layers[n].weight, self.granularity) for n in rel},
+            outliers={n: outlier_ratio(layers[n].weight) for n in rel},
+            input_outliers={n: input_outliers.get(n, 0.0) for n in rel},
+            backend=self.engine,
+        )
+
+    def decide(self, trainer: pl.Trainer, result: QuantizationResult) -> list[Alert]:
+        """Log the measurement and feed ``quantization_error``."""
+        self.last_result = result
+        finite = [v for v in result.relative_mse.values() if math.isfinite(v)]
+        median = statistics.median(finite) if finite else 0.0
+        worst = max(result.relative_mse.values())
+        values = {
+            quant_tag("end_to_end"): result.end_to_end,
+            quant_tag("loss_float"): result.loss,
+            quant_tag("loss_int8"): result.quantized_loss,
+            quant_tag("worst_layer_ratio"): worst / median if median > 0 else 0.0,
+            quant_tag("max_error_pct"): max(result.max_error_pct.values()),
+            **self.threshold_lines(QUANTIZATION_ERROR),
+        }
+        per_layer = {
+            "relative_mse": result.relative_mse,
+            "relative_mse_per_channel": result.relative_mse_per_channel,
+            "output_mse": result.output_mse,
+            "max_error_pct": result.max_error_pct,
+            "outlier_ratio": result.outliers,
+            "input_outlier_ratio": result.input_outliers,
+        }
+        for measure, by_layer in per_layer.items():
+            values.update({quant_layer_tag(name, measure): v for name, v in by_layer.items()})
+        self.writer.scalars(values, trainer.global_step)
+        scheme = self.granularity.replace("_", "-") + (" W8A8" if self.activations else " weight-only")
+        notes = {
+            name: f"weights max/p99 {result.outliers[name]:.3g}, "
+            f"input channels max/median {result.input_outliers[name]:.3g}"
+            for name in result.relative_mse
+        }
+        return self.rule.update(
+            result.end_to_end, result.relative_mse, result.relative_mse_per_channel, self.context(trainer), scheme,
+            notes,
+        )
+
+    def rule_state(self) -> dict[str, Any]:
+        """The ``quantization_error`` latches."""
+        return self.rule.state_dict()
+
+    def load_rule_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`rule_state` output."""
+        self.rule.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def _hooks(layers: Mapping[str, nn.Module], make: Callable[[str], Callable[..., Any]]) -> Iterator[None]:
+    handles = [m.register_forward_hook(make(n)) for n, m in layers.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,133 @@
+"""SharpnessProbe: the SAM gap L(w + ε) − L(w) on a few validation batches at validation end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+
+from lightning_diag._validation import check_int, check_number
+from lightning_diag.alerts import Alert
+from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
+from lightning_diag.rules.probes import (
+    DEFAULT_RHO,
+    DEFAULT_SHARP_GAP,
+    DEFAULT_SHARP_PATIENCE,
+    SHARP_MINIMUM,
+    SharpMinimumRule,
+)
+from lightning_diag.stats.sharpness import SharpnessResult, sam_gap
+from lightning_diag.tags import sharpness_layer_tag, sharpness_tag
+
+__all__ = ["SharpnessProbe"]
+
+
+class SharpnessProbe(ValidationProbe):
+    """Measures how sharp the minimum is: the SAM gap L(w + ε) − L(w), ε = ρ·∇L/‖∇L‖ (Foret et al. 2021).
+
+    At the end of validation, every ``every_n_epochs`` epochs, global rank zero takes the first ``num_batches``
+    validation batches, computes the loss L(w) with the module's own loss (``training_step``, or ``loss_fn``) in
+    eval mode, its gradient (with :func:`torch.autograd.grad`: ``.grad`` is untouched), then the loss with every
+    trainable parameter moved by ε, and puts the parameters back bit for bit. Parameters, gradients, optimizer
+    state, RNG states and BatchNorm statistics are exactly as before. Cost per probe: 1 forward + backward and
+    1 forward (plus 1 forward per layer with ``per_layer=True``) on ``num_batches`` batches, and one copy of the
+    trainable parameters.
+
+    Args:
+        threshold: ``sharp_minimum`` fires when the gap is above this (seed 000 §4.1: 0.3) ...
+        patience: ... on this many consecutive probes.
+        rho: The perturbation radius ρ (SAM's default 0.05).
+        every_n_epochs: Probe every this many epochs.
+        num_batches: Validation batches per probe.
+        loss_fn: ``loss_fn(pl_module, batch)`` returning the loss; default ``training_step(batch, batch_idx)``
+            with ``self.log`` silenced (required under manual optimization).
+        per_layer: Also measure each layer's contribution (the gap with only that layer perturbed).
+        max_layers: With ``per_layer``, at most this many layers (those with the largest share of ε).
+
+    Logged (TensorBoard, step = global step): ``diag/sharpness/gap``, ``diag/sharpness/relative_gap`` (gap /
+    loss), ``diag/sharpness/loss``, ``diag/sharpness/perturbed_loss``, ``diag/sharpness/grad_norm``,
+    ``diag/sharpness/layer/<layer>`` (``per_layer``), ``diag/threshold/sharp_minimum``.
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If an argument is out of range.
+
+    Example:
+        >>> SharpnessProbe().thresholds()["sharp_minimum"]
+        0.3
+    """
+
+    def __init__(
+        self,
+        threshold: float = DEFAULT_SHARP_GAP,
+        patience: int = DEFAULT_SHARP_PATIENCE,
+        rho: float = DEFAULT_RHO,
+        every_n_epochs: int = 1,
+        num_batches: int = 2,
+        loss_fn: LossFn | None = None,
+        per_layer: bool = False,
+        max_layers: int = 16,
+    ) -> None:
+        super().__init__(every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn)
+        self.threshold = check_number("threshold", threshold, low=0.0)
+        self.patience = check_int("patience", patience, low=1)
+        self.rho = check_number("rho", rho, low=0.0)
+        if not isinstance(per_layer, bool):
+            raise TypeError(f"Expected argument `per_layer` to be True or False, but got {per_layer!r}")
+        self.per_layer = per_layer
+        self.max_layers = check_int("max_layers", max_layers, low=1)
+        self.rule = SharpMinimumRule(self.threshold, self.patience)
+        self.last_result: SharpnessResult | None = None
+
+    @property
+    def state_key(self) -> str:
+        """Unique per configuration, so several probes can sit on one trainer and be checkpointed."""
+        return self._generate_state_key(rho=self.rho, threshold=self.threshold, patience=self.patience,
+                                        every_n_epochs=self.every_n_epochs, num_batches=self.num_batches)
+
+
+    def measure(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
+    ) -> SharpnessResult:
+        """The SAM gap on the captured batches."""
+        params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+        if not params:
+            raise ProbeError("the module has no trainable parameter")
+        owned = [(i, self.own_batch(b)) for i, b in batches]
+        loss = self.mean_loss(trainer, pl_module, owned)
+        if not loss.requires_grad:
+            raise ProbeError("the loss does not depend on the trainable parameters (computed under no_grad?)")
+        first = [True]
+
+        def closure() -> Any:
+            if first[0]:  # the loss just computed, with its graph: one forward saved
+                first[0] = False
+                return loss
+            return self.mean_loss(trainer, pl_module, owned)
+
+        return sam_gap(params, closure, self.rho, per_layer=self.per_layer, max_layers=self.max_layers)
+
+    def decide(self, trainer: pl.Trainer, result: SharpnessResult) -> list[Alert]:
+        """Log the measurement and feed ``sharp_minimum``."""
+        self.last_result = result
+        step = trainer.global_step
+        values = {
+            sharpness_tag("gap"): result.gap,
+            sharpness_tag("relative_gap"): result.relative_gap,
+            sharpness_tag("loss"): result.loss,
+            sharpness_tag("perturbed_loss"): result.perturbed_loss,
+            sharpness_tag("grad_norm"): result.grad_norm,
+            **{sharpness_layer_tag(name): gap for name, gap in result.layers.items()},
+            **self.threshold_lines(SHARP_MINIMUM),
+        }
+        self.writer.scalars(values, step)
+        worst = sorted(result.layers.items(), key=lambda kv: -kv[1])
+        return self.rule.update(result.gap, self.context(trainer), result.relative_gap, self.rho, worst)
+
+    def rule_state(self) -> dict[str, Any]:
+        """The ``sharp_minimum`` streak and latch."""
+        return self.rule.state_dict()
+
+    def load_rule_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`rule_state` output."""
+        self.rule.load_state_dict(state)

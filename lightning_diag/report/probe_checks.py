@@ -1,0 +1,84 @@
+"""Checklist rows of the probes: ``loss_surface`` (SharpnessProbe) and ``deploy_quantization_error``
+(QuantizationProbe): measured values from the logged ``diag/sharpness/...`` and ``diag/quant/...`` series, and
+the two rules replayed over them. Registered on import by :mod:`lightning_diag.report.checks`."""
+
+from __future__ import annotations
+
+import math
+
+from lightning_diag.alerts import Alert
+from lightning_diag.report.checks import Check, _finite, _fmt, _setting, measure, replay
+from lightning_diag.report.load import RunData
+from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.probes import QuantizationErrorRule, SharpMinimumRule
+from lightning_diag.rules.registry import RULES
+from lightning_diag.tags import quant_layer, quant_tag, sharpness_tag
+
+__all__: list[str] = []
+
+
+@measure("loss_surface")
+def _measure_loss_surface(run: RunData, check: Check) -> bool:
+    check.threshold = RULES["sharp_minimum"].describe(run.thresholds)
+    check.threshold_value = {"value": _setting(run, "sharp_minimum"),
+                             "patience": _setting(run, "sharp_minimum.patience")}
+    gaps = _finite(run.scalars.get(sharpness_tag("gap"), []))
+    if not gaps:
+        return False
+    relative = _finite(run.scalars.get(sharpness_tag("relative_gap"), []))
+    check.measured = f"SAM gap {_fmt(min(gaps))} .. {_fmt(max(gaps))} over {len(gaps)} probes (last {_fmt(gaps[-1])}"
+    check.measured += f", {relative[-1]:.0%} of the loss)" if relative else ")"
+    check.measured_value = {"min": min(gaps), "max": max(gaps), "last": gaps[-1]}
+    return True
+
+
+@replay("loss_surface")
+def _replay_loss_surface(run: RunData) -> list[Alert]:
+    rule = SharpMinimumRule(_setting(run, "sharp_minimum"), int(_setting(run, "sharp_minimum.patience")))
+    alerts: list[Alert] = []
+    for step, gap in run.scalars.get(sharpness_tag("gap"), []):
+        alerts += rule.update(gap, StepContext(0, step))
+    return alerts
+
+
+def _layer_series(run: RunData, measure_name: str) -> dict[int, dict[str, float]]:
+    by_step: dict[int, dict[str, float]] = {}
+    for name, points in run.scalars.items():
+        parsed = quant_layer(name)
+        if parsed is not None and parsed[1] == measure_name:
+            for step, value in points:
+                by_step.setdefault(step, {})[parsed[0]] = value
+    return by_step
+
+
+@measure("deploy_quantization_error")
+def _measure_quantization(run: RunData, check: Check) -> bool:
+    check.threshold = RULES["quantization_error"].describe(run.thresholds)
+    check.threshold_value = {"value": _setting(run, "quantization_error"),
+                             "layer_ratio": _setting(run, "quantization_error.layer_ratio")}
+    errors = _finite(run.scalars.get(quant_tag("end_to_end"), []))
+    if not errors:
+        return False
+    ratios = _finite(run.scalars.get(quant_tag("worst_layer_ratio"), []))
+    check.measured = f"INT8 end-to-end loss change up to {max(errors):.2%} (last {errors[-1]:.2%})"
+    check.measured_value = {"max": max(errors), "last": errors[-1]}
+    if ratios:
+        check.measured += f"; worst layer up to {_fmt(max(ratios))}x the median layer's output MSE"
+        check.measured_value["worst_layer_ratio"] = max(ratios)
+    return True
+
+
+@replay("deploy_quantization_error")
+def _replay_quantization(run: RunData) -> list[Alert]:
+    rule = QuantizationErrorRule(
+        _setting(run, "quantization_error"),
+        _setting(run, "quantization_error.layer_ratio"),
+        _setting(run, "quantization_error.min_layer_error"),
+    )
+    layers = _layer_series(run, "relative_mse")
+    per_channel = _layer_series(run, "relative_mse_per_channel")
+    alerts: list[Alert] = []
+    for step, value in run.scalars.get(quant_tag("end_to_end"), []):
+        end_to_end = value if math.isfinite(value) else None
+        alerts += rule.update(end_to_end, layers.get(step, {}), per_channel.get(step, {}), StepContext(0, step))
+    return alerts

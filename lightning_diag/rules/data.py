@@ -1,0 +1,272 @@
+"""Data rules (framework-free): ``data_vocab_shift``, ``data_leakage``, ``label_imbalance``, ``data_nonfinite``.
+
+Fed with one measurement of the sampled training and validation data (:class:`DataMeasurement`, computed by
+:class:`~lightning_diag.DataDiagnostics` through :mod:`lightning_diag.stats.data`). Exact meaning:
+
+* ``data_vocab_shift`` (warning): the smoothed, bias-corrected ``KL(P_val || P_train)`` of the token
+  frequencies is above ``threshold`` nats (seed 000 §2.1: 0.3).
+* ``data_leakage`` (warning): the estimated share of validation samples that are copies or near-copies of
+  training samples is at or above ``threshold`` (seed 000 §7.1: "train/test Jaccard similarity < 0.15"; see
+  docs/data_diagnostics.md for how the share is that Jaccard similarity). Any smaller, non-zero share is an
+  ``info`` alert under the same id.
+* ``label_imbalance`` (warning): the standard deviation of a split's class proportions is above ``threshold``
+  (seed 000 §7.1: 0.1), per split (source ``train`` / ``val``).
+* ``data_nonfinite`` (critical): a floating tensor of a sampled batch holds NaN or Inf (source
+  ``<split>:<key>``). Constant features and empty sequences are ``info`` alerts under the same id.
+
+Each (rule, source) pair is latched: it alerts once, and again only after a later measurement has cleared it, so
+a resumed run (which measures again) does not repeat what it already reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from lightning_diag.alerts import Alert, Severity
+from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.registry import default
+
+__all__ = [
+    "DATA_LEAKAGE",
+    "DATA_NONFINITE",
+    "DATA_VOCAB_SHIFT",
+    "DEFAULT_LABEL_STD",
+    "DEFAULT_LEAKAGE_FRACTION",
+    "DEFAULT_NEAR_DUPLICATE",
+    "DEFAULT_VOCAB_KL",
+    "LABEL_IMBALANCE",
+    "DataMeasurement",
+    "DataRules",
+    "InputProblem",
+]
+
+DATA_VOCAB_SHIFT = "data_vocab_shift"
+DATA_LEAKAGE = "data_leakage"
+LABEL_IMBALANCE = "label_imbalance"
+DATA_NONFINITE = "data_nonfinite"
+
+#: ``data_vocab_shift``: KL divergence (nats) of validation vs training token frequencies above this.
+DEFAULT_VOCAB_KL = default(DATA_VOCAB_SHIFT)
+#: ``data_leakage``: share of validation samples that (nearly) copy a training sample, at or above this.
+DEFAULT_LEAKAGE_FRACTION = default(DATA_LEAKAGE)
+#: ``data_leakage``: shingle Jaccard similarity at or above which two samples count as the same sample.
+DEFAULT_NEAR_DUPLICATE = default(f"{DATA_LEAKAGE}.near_duplicate")
+#: ``label_imbalance``: standard deviation of the class proportions above this.
+DEFAULT_LABEL_STD = default(LABEL_IMBALANCE)
+
+_EXAMPLES = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class InputProblem:
+    """Something wrong with the inputs of one split: a non-finite tensor, constant features, empty sequences.
+
+    Attributes:
+        split: ``"train"`` or ``"val"``.
+        key: Where in the batch: ``"input_ids"``, ``"[0]"``, ``"[0].pixel_values"``...
+        kind: ``"nonfinite"`` (critical), ``"constant"`` or ``"empty"`` (info).
+        count: Samples concerned (for ``constant``: features).
+        examples: Dataset indices of a few samples concerned (for ``constant``: feature indices).
+    """
+
+    split: str
+    key: str
+    kind: str
+    count: int
+    examples: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class DataMeasurement:
+    """One measurement of the sampled data (host floats; ``nan`` where not measured).
+
+    Attributes:
+        vocab_kl: Smoothed ``KL(P_val || P_train)`` of the token frequencies.
+        oov_share: Share of validation tokens never seen in the training sample.
+        leaked_fraction: Estimated share of validation samples copying a training sample.
+        leaked: Validation samples found leaked in the sample.
+        val_samples: Validation samples compared.
+        leak_examples: ``(val index, train index, similarity)`` of a few leaked samples.
+        label_std: Standard deviation of the class proportions, per split.
+        label_counts: Samples per class, per split.
+        problems: Broken inputs found.
+    """
+
+    vocab_kl: float = math.nan
+    oov_share: float = math.nan
+    leaked_fraction: float = math.nan
+    leaked: int = 0
+    val_samples: int = 0
+    leak_examples: Sequence[tuple[int, int, float]] = ()
+    label_std: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    label_counts: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
+    problems: Sequence[InputProblem] = ()
+
+
+class DataRules(Rule):
+    """The four data rules over one :class:`DataMeasurement`; one latch for all of them (keys ``rule:source``).
+
+    Example:
+        >>> rules = DataRules()
+        >>> m = DataMeasurement(vocab_kl=0.5, label_std={"train": 0.02})
+        >>> [a.rule for a in rules.update(m, StepContext(0, 0))]
+        ['data_vocab_shift']
+        >>> rules.update(m, StepContext(1, 10))  # latched: a second measurement repeats nothing
+        []
+    """
+
+    rule_id = DATA_VOCAB_SHIFT
+    state_keys = ("measurements",)
+
+    def __init__(
+        self,
+        vocab_kl: float = DEFAULT_VOCAB_KL,
+        leakage: float = DEFAULT_LEAKAGE_FRACTION,
+        label_std: float = DEFAULT_LABEL_STD,
+    ) -> None:
+        super().__init__()
+        self.vocab_kl = vocab_kl
+        self.leakage = leakage
+        self.label_std = label_std
+        self.measurements = 0
+
+    def update(self, m: DataMeasurement, ctx: StepContext) -> list[Alert]:
+        """Judge one measurement; return the alerts that just became active."""
+        self.measurements += 1
+        alerts: list[Alert] = []
+        alerts += self._vocab(m, ctx)
+        alerts += self._leakage(m, ctx)
+        for split, std in m.label_std.items():
+            bad = math.isfinite(std) and std > self.label_std
+            if self.latch.update(f"{LABEL_IMBALANCE}:{split}", bad):
+                counts = list(m.label_counts.get(split, ()))
+                total = sum(counts) or 1
+                table = (
+                    ", ".join(f"{c}: {n / total:.0%}" for c, n in enumerate(counts))
+                    if len(counts) <= 20
+                    else (
+                        f"{len(counts)} classes, largest {max(counts) / total:.0%}, smallest {min(counts) / total:.0%}"
+                    )
+                )
+                alerts.append(
+                    self._alert(
+                        ctx,
+                        f"the {split} labels are imbalanced: the class proportions have a standard deviation "
+                        f"of {std:.3g} (above {self.label_std:g}) over {sum(counts)} sampled labels ({table}); "
+                        "consider class weights, resampling or a metric that accounts for imbalance",
+                        source=split,
+                        value=std,
+                        threshold=self.label_std,
+                        rule=LABEL_IMBALANCE,
+                    )
+                )
+        alerts += self._inputs(m, ctx)
+        return alerts
+
+    def _vocab(self, m: DataMeasurement, ctx: StepContext) -> list[Alert]:
+        bad = math.isfinite(m.vocab_kl) and m.vocab_kl > self.vocab_kl
+        if not self.latch.update(f"{DATA_VOCAB_SHIFT}:tokens", bad):
+            return []
+        oov = (
+            f"; {m.oov_share:.1%} of the validation tokens never occur in the training sample"
+            if math.isfinite(m.oov_share)
+            else ""
+        )
+        return [
+            self._alert(
+                ctx,
+                f"the validation token frequencies diverge from the training ones: KL(val || train) = {m.vocab_kl:.3g} "
+                f"nats, above {self.vocab_kl:g}{oov}; the validation set may come from another domain, period or "
+                "tokenizer",
+                source="tokens",
+                value=m.vocab_kl,
+                threshold=self.vocab_kl,
+                rule=DATA_VOCAB_SHIFT,
+            )
+        ]
+
+    def _leakage(self, m: DataMeasurement, ctx: StepContext) -> list[Alert]:
+        if not math.isfinite(m.leaked_fraction):
+            return []
+        warn = m.leaked_fraction >= self.leakage
+        hint = m.leaked > 0 and not warn
+        out = []
+        examples = ", ".join(f"val {v} ~ train {t} ({s:.2f})" for v, t, s in list(m.leak_examples)[:_EXAMPLES])
+        what = (
+            f"{m.leaked} of {m.val_samples} sampled validation samples copy or nearly copy a training sample "
+            f"(estimated share of the validation set: {m.leaked_fraction:.1%}); examples: {examples}"
+        )
+        if self.latch.update(f"{DATA_LEAKAGE}:val", warn):
+            out.append(
+                self._alert(
+                    ctx,
+                    f"train/validation leakage: {what}; validation scores overstate generalisation, deduplicate "
+                    "the splits",
+                    source="val",
+                    value=m.leaked_fraction,
+                    threshold=self.leakage,
+                    rule=DATA_LEAKAGE,
+                )
+            )
+        if self.latch.update(f"{DATA_LEAKAGE}:val/few", hint):
+            out.append(
+                self._alert(
+                    ctx,
+                    f"{what}; below the {self.leakage:.0%} threshold",
+                    source="val",
+                    value=m.leaked_fraction,
+                    threshold=self.leakage,
+                    rule=DATA_LEAKAGE,
+                    severity=Severity.INFO,
+                )
+            )
+        return out
+
+    def _inputs(self, m: DataMeasurement, ctx: StepContext) -> list[Alert]:
+        out = []
+        for p in m.problems:
+            source = f"{p.split}:{p.key}" + ("" if p.kind == "nonfinite" else f" ({p.kind})")
+            if not self.latch.update(f"{DATA_NONFINITE}:{source}", True):
+                continue
+            shown = ", ".join(str(i) for i in p.examples[:_EXAMPLES])
+            if p.kind == "nonfinite":
+                message = (
+                    f"NaN/Inf in `{p.key}` of {p.count} sampled {p.split} samples (dataset indices {shown}"
+                    f"{', ...' if p.count > len(p.examples[:_EXAMPLES]) else ''}): the first step on such a batch "
+                    "produces a non-finite loss; clean or filter these samples"
+                )
+                severity = Severity.CRITICAL
+            elif p.kind == "constant":
+                message = (
+                    f"{p.count} feature(s) of `{p.key}` are constant over every sampled {p.split} sample (feature "
+                    f"indices {shown}): they carry no information; check the preprocessing"
+                )
+                severity = Severity.INFO
+            else:
+                message = (
+                    f"{p.count} sampled {p.split} samples have an empty `{p.key}` (no non-padding token; dataset "
+                    f"indices {shown}): they add nothing but cost a step; filter them"
+                )
+                severity = Severity.INFO
+            out.append(
+                self._alert(
+                    ctx,
+                    message,
+                    source=source,
+                    value=float(p.count),
+                    threshold=None,
+                    rule=DATA_NONFINITE,
+                    severity=severity,
+                )
+            )
+        # a broken input that is gone on a later measurement clears its latch
+        seen = {
+            f"{DATA_NONFINITE}:{p.split}:{p.key}" + ("" if p.kind == "nonfinite" else f" ({p.kind})")
+            for p in m.problems
+        }
+        for key in self.latch.active:
+            if key.startswith(f"{DATA_NONFINITE}:") and key not in seen:
+                self.latch.update(key, False)
+        return out

@@ -1,0 +1,182 @@
+"""Rules of the validation-end probes: ``sharp_minimum`` (SharpnessProbe) and ``quantization_error``
+(QuantizationProbe). Plain Python; defaults read from the rule registry."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+from lightning_diag.alerts import Alert
+from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.registry import RULES
+
+__all__ = [
+    "DEFAULT_LAYER_RATIO",
+    "DEFAULT_MIN_LAYER_ERROR",
+    "DEFAULT_QUANT_ERROR",
+    "DEFAULT_RHO",
+    "DEFAULT_SHARP_GAP",
+    "DEFAULT_SHARP_PATIENCE",
+    "MIN_LAYERS_FOR_MEDIAN",
+    "QuantizationErrorRule",
+    "SharpMinimumRule",
+]
+
+SHARP_MINIMUM = "sharp_minimum"
+QUANTIZATION_ERROR = "quantization_error"
+
+_SHARP = RULES[SHARP_MINIMUM]
+_QUANT = RULES[QUANTIZATION_ERROR]
+#: SAM gap above which a probe counts as sharp (seed 000 §4.1).
+DEFAULT_SHARP_GAP: float = float(_SHARP.threshold or 0.3)
+#: SAM's perturbation radius (Foret et al. 2021).
+DEFAULT_RHO: float = float(_SHARP.settings["rho"])
+#: Consecutive sharp probes before ``sharp_minimum`` fires ("persistently").
+DEFAULT_SHARP_PATIENCE: int = int(_SHARP.settings["patience"])
+#: End-to-end relative change of the loss above which INT8 is judged too lossy (seed 000 §7.1).
+DEFAULT_QUANT_ERROR: float = float(_QUANT.threshold or 0.05)
+#: A layer whose relative output MSE is above this many times the median layer's (seed 000 §5.1).
+DEFAULT_LAYER_RATIO: float = float(_QUANT.settings["layer_ratio"])
+#: ... and above this absolute relative output MSE (noise power / signal power), so tiny errors never alert.
+DEFAULT_MIN_LAYER_ERROR: float = float(_QUANT.settings["min_layer_error"])
+#: The median comparison needs at least this many quantized layers.
+MIN_LAYERS_FOR_MEDIAN = 3
+_WORST_NAMED = 3
+
+
+class SharpMinimumRule(Rule):
+    """``sharp_minimum``: the SAM gap above ``threshold`` on ``patience`` consecutive probes.
+
+    A non-finite gap is skipped (the streak neither grows nor resets). The alert's source is ``"model"``.
+
+    Example:
+        >>> rule = SharpMinimumRule(threshold=0.3, patience=2)
+        >>> [bool(rule.update(g, StepContext(i, i))) for i, g in enumerate([0.5, 0.1, 0.5, 0.6, 0.7])]
+        [False, False, False, True, False]
+    """
+
+    rule_id = SHARP_MINIMUM
+    state_keys = ("streak",)
+
+    def __init__(self, threshold: float = DEFAULT_SHARP_GAP, patience: int = DEFAULT_SHARP_PATIENCE) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.patience = patience
+        self.streak = 0
+
+    def update(
+        self, gap: float, ctx: StepContext, relative_gap: float | None = None, rho: float | None = None,
+        worst_layers: Sequence[tuple[str, float]] = (),
+    ) -> list[Alert]:
+        """Feed one probe's gap; return the alert when the streak reaches ``patience`` (latched)."""
+        if not math.isfinite(gap):
+            return []
+        self.streak = self.streak + 1 if gap > self.threshold else 0
+        if not self.latch.update("model", self.streak >= self.patience):
+            return []
+        parts = [f"SAM gap L(w+ε) − L(w) = {gap:.3g} above {self.threshold:g} on {self.streak} consecutive probes"]
+        if rho is not None:
+            parts[0] += f" (rho {rho:g})"
+        if relative_gap is not None and math.isfinite(relative_gap):
+            parts.append(f"{relative_gap:.0%} of the loss")
+        if worst_layers:
+            parts.append("most sensitive: " + ", ".join(f"{n} (+{g:.3g})" for n, g in worst_layers[:_WORST_NAMED]))
+        message = "; ".join(parts) + (
+            ": the minimum is sharp, which tends to generalise poorly; consider SAM/ASAM, a lower learning rate "
+            "late in training, weight decay, or a larger batch-noise scale"
+        )
+        return [self._alert(ctx, message, "model", gap, self.threshold)]
+
+
+class QuantizationErrorRule(Rule):
+    """``quantization_error``: INT8 ruins the model end to end, or one layer far more than the others.
+
+    Two conditions: source ``"end_to_end"`` when the relative change of the loss is above ``threshold``; a
+    layer's name when its relative output MSE is above ``layer_ratio`` times the median layer's and above
+    ``min_layer_error`` (needs at least 3 layers), latched per layer. Layers that trip at once make one alert
+    (source: the worst of them) naming the count and the worst few, each with the suggested fix: per-channel
+    scales where they bring the layer back in line, else keeping it in higher precision (mixed precision).
+
+    Example:
+        >>> rule = QuantizationErrorRule()
+        >>> errs = {"a": 1e-4, "b": 2e-4, "c": 0.5}
+        >>> [a.source for a in rule.update(0.01, errs, {"a": 1e-4, "b": 1e-4, "c": 1e-4}, StepContext(0, 0))]
+        ['c']
+    """
+
+    rule_id = QUANTIZATION_ERROR
+    state_keys = ()
+
+    def __init__(
+        self,
+        threshold: float = DEFAULT_QUANT_ERROR,
+        layer_ratio: float = DEFAULT_LAYER_RATIO,
+        min_layer_error: float = DEFAULT_MIN_LAYER_ERROR,
+    ) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.layer_ratio = layer_ratio
+        self.min_layer_error = min_layer_error
+
+    def outlier_layers(self, layer_errors: Mapping[str, float]) -> dict[str, float]:
+        """The layers out of line: name -> their error over the median layer's, worst first."""
+        finite = [v for v in layer_errors.values() if math.isfinite(v)]
+        if len(layer_errors) < MIN_LAYERS_FOR_MEDIAN:
+            return {}
+        median = statistics.median(finite) if finite else 0.0
+        out: dict[str, float] = {}
+        for name, err in layer_errors.items():
+            if err > self.min_layer_error and (not math.isfinite(err) or err > self.layer_ratio * median):
+                out[name] = err / median if median > 0 else math.inf
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def update(
+        self,
+        end_to_end: float | None,
+        layer_errors: Mapping[str, float],
+        per_channel_errors: Mapping[str, float],
+        ctx: StepContext,
+        scheme: str = "per-tensor",
+        notes: Mapping[str, str] | None = None,
+    ) -> list[Alert]:
+        """Feed one probe: the end-to-end relative loss change (``None`` when unmeasured) and each layer's
+        relative output MSE under the judged scheme and under per-channel weight scales; ``notes`` adds a few
+        words on a named layer (its outlier ratios)."""
+        alerts: list[Alert] = []
+        measured = end_to_end is not None and math.isfinite(end_to_end)
+        if measured and self.latch.update("end_to_end", float(end_to_end or 0.0) > self.threshold):
+            alerts.append(self._alert(
+                ctx,
+                f"INT8 ({scheme}) changes the validation loss by {end_to_end:.1%}, above {self.threshold:.0%}: "
+                "quantize with per-channel scales, or keep the layers named by diag/quant/layer/* in higher "
+                "precision (mixed-precision quantization)",
+                "end_to_end", end_to_end, self.threshold,
+            ))
+        outliers = self.outlier_layers(layer_errors)
+        for name in layer_errors:
+            if name not in outliers:
+                self.latch.update(name, False)
+        newly = [name for name in outliers if self.latch.update(name, True)]
+        if newly:
+            finite = [v for v in layer_errors.values() if math.isfinite(v)]
+            median = statistics.median(finite) if finite else 0.0
+            named = []
+            for name in newly[:_WORST_NAMED]:
+                fix = (
+                    "use per-channel scales"
+                    if per_channel_errors.get(name, math.inf)
+                    <= max(self.layer_ratio * median, self.min_layer_error)
+                    else "keep it in higher precision"
+                )
+                note = f"; {notes[name]}" if notes and name in notes else ""
+                named.append(f"{name} ({outliers[name]:.3g}x the median; {fix}{note})")
+            more = f" and {len(newly) - _WORST_NAMED} more" if len(newly) > _WORST_NAMED else ""
+            alerts.append(self._alert(
+                ctx,
+                f"INT8 ({scheme}): {len(newly)} layer(s) with an output MSE above {self.layer_ratio:g}x the "
+                "median layer's (relative output MSE " + f"{layer_errors[newly[0]]:.3g} vs median {median:.3g}): "
+                + ", ".join(named) + more,
+                newly[0], layer_errors[newly[0]], self.layer_ratio,
+            ))
+        return alerts

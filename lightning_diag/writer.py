@@ -1,0 +1,164 @@
+"""Where the library's output goes: every logger of the trainer for scalars, a TensorBoard writer for the rest.
+
+:class:`DiagWriter` is what callbacks write through (``self.writer`` of a
+:class:`~lightning_diag.callbacks.base.DiagCallback`). For a trainer (:meth:`DiagWriter.for_trainer`):
+
+* **Scalars** reach every logger the user configured. The TensorBoard writer gets them with ``add_scalar``
+  under their exact ``diag/...`` tags (the dashboard layout and ``lightning-diag report`` select by them);
+  every other logger (``CSVLogger``, ``WandbLogger``, ``MLFlowLogger``, a second ``TensorBoardLogger``, a
+  custom one) through ``logger.log_metrics(metrics, step)``, as Lightning's ``LearningRateMonitor`` does, with
+  the optimizer step as ``step``. Each point is written once per logger.
+* **Text, images, histograms and the custom-scalars layout** go to the TensorBoard writer only: that of the
+  first ``TensorBoardLogger`` (of ``pytorch_lightning``, or of ``lightning`` once it is imported), or else one
+  the library opens at ``<log_dir>/diag`` (which also gets the scalars: the report reads it).
+* :meth:`DiagWriter.flush` flushes the TensorBoard writer and calls every other logger's ``save()``, so
+  buffering loggers (``CSVLogger`` writes ``metrics.csv`` on ``save``) hold nothing of ours past an alert or
+  the end of the fit; what they buffered for the user is written with it.
+
+Only global rank zero writes; elsewhere :meth:`DiagWriter.for_trainer` returns a writer that writes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.loggers import TensorBoardLogger
+
+__all__ = ["DiagWriter", "tensorboard_logger_types"]
+
+log = logging.getLogger("lightning_diag")
+
+
+def tensorboard_logger_types() -> tuple[type, ...]:
+    """``TensorBoardLogger`` of ``pytorch_lightning``, and of the unified ``lightning`` package once it is in use."""
+    types: list[type] = [TensorBoardLogger]
+    if "lightning.pytorch" in sys.modules:  # never import the unified package for a user who does not use it
+        from lightning.pytorch.loggers import TensorBoardLogger as UnifiedTensorBoardLogger
+
+        types.append(UnifiedTensorBoardLogger)
+    return tuple(types)
+
+
+class DiagWriter:
+    """A thin, rank-aware writer: scalars to a ``SummaryWriter`` and to loggers, the rest to the ``SummaryWriter``.
+
+    Args:
+        experiment: The TensorBoard writer (a ``SummaryWriter`` or anything with its methods), or ``None``.
+        owned: Whether this object opened ``experiment`` and must close it.
+        loggers: Lightning loggers (anything with ``log_metrics(metrics, step)``) that get the scalars too.
+
+    Example:
+        >>> from unittest.mock import MagicMock
+        >>> csv = MagicMock()
+        >>> writer = DiagWriter(None, loggers=[csv])
+        >>> writer.scalars({"diag/loss/train_step": 0.5}, step=10)
+        >>> csv.log_metrics.call_args
+        call({'diag/loss/train_step': 0.5}, step=10)
+    """
+
+    def __init__(self, experiment: Any | None, owned: bool = False, loggers: Sequence[Any] = ()) -> None:
+        self.experiment = experiment
+        self.owned = owned
+        self.loggers = list(loggers)
+
+    @classmethod
+    def for_trainer(cls, trainer: pl.Trainer, log_dir: str) -> DiagWriter:
+        """The writer for a trainer's run (see the module docstring); a no-op off global rank zero.
+
+        Args:
+            trainer: Its ``loggers`` get the scalars; its first ``TensorBoardLogger`` writer gets the rest.
+            log_dir: Where the library's own ``SummaryWriter`` goes (``<log_dir>/diag``) without such a logger.
+        """
+        if not trainer.is_global_zero:
+            return cls(None)
+        loggers = list(trainer.loggers)
+        tensorboard_loggers = tensorboard_logger_types()
+        for i, lg in enumerate(loggers):
+            if isinstance(lg, tensorboard_loggers):
+                experiment = getattr(lg, "experiment", None)
+                if experiment is not None:
+                    return cls(experiment, loggers=loggers[:i] + loggers[i + 1 :])
+        from torch.utils.tensorboard import SummaryWriter
+
+        path = os.path.join(log_dir, "diag")
+        os.makedirs(path, exist_ok=True)
+        return cls(SummaryWriter(log_dir=path), owned=True, loggers=loggers)
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is written."""
+        return self.experiment is not None or bool(self.loggers)
+
+    def scalar(self, name: str, value: float, step: int) -> None:
+        """Write one scalar."""
+        self.scalars({name: value}, step)
+
+    def scalars(self, values: Mapping[str, float], step: int) -> None:
+        """Write several scalars, each under its own tag (one ``log_metrics`` call per logger)."""
+        if not values:
+            return
+        if self.experiment is not None:
+            for name, value in values.items():
+                self.experiment.add_scalar(name, value, global_step=step)
+        for lg in list(self.loggers):  # a failing one is dropped mid-loop
+            try:
+                lg.log_metrics(dict(values), step=step)
+            except Exception as err:  # a broken third-party logger must not end the user's run
+                self._drop(lg, err)
+
+    def text(self, name: str, text: str, step: int) -> None:
+        """Write markdown text (TensorBoard only)."""
+        if self.experiment is not None:
+            self.experiment.add_text(name, text, global_step=step)
+
+    def custom_scalars(self, layout: dict[str, dict[str, list[Any]]]) -> None:
+        """Write a custom-scalars layout (TensorBoard only; see :func:`lightning_diag.tensorboard.dashboard_layout`)."""
+        if self.experiment is not None and layout:
+            self.experiment.add_custom_scalars(layout)
+
+    def histogram(self, name: str, values: Any, step: int) -> None:
+        """Write a histogram of a tensor or array (TensorBoard only)."""
+        if self.experiment is not None:
+            self.experiment.add_histogram(name, values, global_step=step)
+
+    def image(self, name: str, image: Any, step: int, dataformats: str = "HWC") -> None:
+        """Write an image, uint8 or float array (TensorBoard only)."""
+        if self.experiment is not None:
+            self.experiment.add_image(name, image, global_step=step, dataformats=dataformats)
+
+    def flush(self) -> None:
+        """Flush the TensorBoard writer and ``save()`` the other loggers (``CSVLogger`` writes its file)."""
+        if self.experiment is not None and hasattr(self.experiment, "flush"):
+            self.experiment.flush()
+        for lg in list(self.loggers):  # a failing one is dropped mid-loop
+            save = getattr(lg, "save", None)
+            if callable(save):
+                try:
+                    save()
+                except Exception as err:
+                    self._drop(lg, err)
+
+    def close(self) -> None:
+        """Flush, and close the TensorBoard writer if this object opened it (the loggers are the trainer's)."""
+        self.flush()
+        self.loggers = []
+        if self.experiment is None:
+            return
+        if self.owned:
+            self.experiment.close()
+        self.experiment = None
+
+    def _drop(self, logger: Any, err: Exception) -> None:
+        if logger in self.loggers:
+            self.loggers.remove(logger)
+        log.warning(
+            "%s failed (%s: %s): lightning_diag stops writing to it for this run",
+            type(logger).__name__,
+            type(err).__name__,
+            err,
+        )

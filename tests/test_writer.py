@@ -1,0 +1,134 @@
+"""Scalars reach every logger of the trainer; TensorBoard extras go to one TensorBoard writer; nothing twice."""
+
+import csv
+import logging
+from collections import Counter
+from types import SimpleNamespace
+from unittest.mock import MagicMock
+
+import pytest
+import pytorch_lightning as pl
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_diag import AnomalyAlarm, GradientFlowMonitor
+from lightning_diag.tensorboard import DiagWriter as ReExported
+from lightning_diag.writer import DiagWriter
+from tests.callbacks.tiny import FAST, TinyAttention
+
+DIAG_COLUMNS = {"diag/grad_norm/total", "diag/lr/SGD/group_0", "diag/loss/train_step", "diag/loss/val"}
+
+
+class LoggingModel(TinyAttention):
+    """Logs its own ``train_loss`` at every step, and ``val_loss``: the user's metrics."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def fit(tmp_path, loggers, with_callbacks=True):
+    callbacks = [GradientFlowMonitor(), AnomalyAlarm()] if with_callbacks else []
+    trainer = pl.Trainer(
+        max_epochs=1,
+        limit_train_batches=6,
+        log_every_n_steps=1,
+        logger=loggers,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+        **FAST,
+    )
+    trainer.fit(LoggingModel())
+    return trainer
+
+
+def csv_rows(logger):
+    with open(f"{logger.log_dir}/metrics.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def user_points(rows):
+    """The user's logged values, (column, step, value) in file order."""
+    return [(k, r["step"], v) for r in rows for k, v in r.items() if v and k in ("train_loss", "val_loss", "epoch")]
+
+
+def tensorboard_points(log_dir):
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """The same run without lightning_diag: what Lightning logs for the user by itself."""
+    root = tmp_path_factory.mktemp("baseline")
+    tb, csv_logger = TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")
+    fit(root, [tb, csv_logger], with_callbacks=False)
+    return csv_rows(csv_logger), tensorboard_points(tb.log_dir)
+
+
+def test_csv_logger_only_gets_diag_columns_and_keeps_the_users_metrics(tmp_path, baseline):
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer = fit(tmp_path, logger)
+    rows = csv_rows(logger)
+    assert set(rows[0]) >= DIAG_COLUMNS
+    for column in DIAG_COLUMNS:
+        steps = [int(r["step"]) for r in rows if r[column]]
+        assert steps and len(steps) == len(set(steps)), column  # each point once
+    assert [int(r["step"]) for r in rows if r["diag/grad_norm/total"]] == list(range(6))
+    assert [int(r["step"]) for r in rows if r["diag/loss/val"]] == [6]  # written after Lightning's last log
+    assert user_points(rows) == user_points(baseline[0])
+    # the library's own SummaryWriter (the report reads it) has the same scalars
+    points = tensorboard_points(f"{trainer.log_dir}/diag")
+    assert [step for step, _ in points["diag/grad_norm/total"]] == list(range(6))
+
+
+def test_tensorboard_and_csv_each_point_once_and_the_users_metrics_intact(tmp_path, baseline):
+    tb, csv_logger = TensorBoardLogger(tmp_path, name="tb"), CSVLogger(tmp_path, name="csv")
+    trainer = fit(tmp_path, [tb, csv_logger])
+    assert trainer.log_dir == tb.log_dir
+    events = EventAccumulator(tb.log_dir)
+    events.Reload()
+    diag_tags = [t for t in events.Tags()["scalars"] if t.startswith("diag/")]
+    assert set(diag_tags) >= DIAG_COLUMNS
+    for tag in diag_tags:
+        steps = Counter(e.step for e in events.Scalars(tag))
+        assert max(steps.values()) == 1, (tag, steps)  # no (tag, step) twice
+    assert "diag/thresholds/text_summary" in events.Tags()["tensors"]  # the text (an extra) went to the logger's writer
+    assert not list((tmp_path / "tb" / "version_0" / "diag").glob("events.out.*"))  # no second writer
+    points = tensorboard_points(tb.log_dir)
+    for tag, series in baseline[1].items():  # Lightning's own points for the user, unchanged
+        assert points[tag] == series, tag
+    rows = csv_rows(csv_logger)
+    assert set(rows[0]) >= DIAG_COLUMNS
+    assert user_points(rows) == user_points(baseline[0])
+
+
+def test_for_trainer_routes_scalars_and_extras(tmp_path):
+    tb, other = TensorBoardLogger(tmp_path), MagicMock()
+    writer = DiagWriter.for_trainer(SimpleNamespace(is_global_zero=True, loggers=[other, tb]), str(tmp_path))
+    assert writer.experiment is tb.experiment and writer.loggers == [other] and not writer.owned
+    tb.experiment.add_scalar = MagicMock()
+    writer.scalars({"diag/a": 1.0, "diag/b": 2.0}, step=3)
+    writer.text("diag/alerts", "x", 3)
+    other.log_metrics.assert_called_once_with({"diag/a": 1.0, "diag/b": 2.0}, step=3)
+    assert tb.experiment.add_scalar.call_count == 2  # direct, with the exact tags (no logger prefix)
+    assert not other.add_text.called and not other.log_text.called
+    writer.flush()
+    other.save.assert_called_once_with()
+    off_rank = DiagWriter.for_trainer(SimpleNamespace(is_global_zero=False, loggers=[other]), str(tmp_path))
+    assert not off_rank.active
+    assert ReExported is DiagWriter
+
+
+def test_a_failing_logger_is_reported_once_and_dropped(caplog):
+    broken, good = MagicMock(), MagicMock()
+    broken.log_metrics.side_effect = ConnectionError("tracking server down")
+    writer = DiagWriter(None, loggers=[broken, good])
+    with caplog.at_level(logging.WARNING, logger="lightning_diag"):
+        for step in range(3):
+            writer.scalar("diag/x", 1.0, step)
+    assert [r.getMessage() for r in caplog.records if "tracking server down" in r.getMessage()]
+    assert len(caplog.records) == 1 and broken.log_metrics.call_count == 1
+    assert good.log_metrics.call_count == 3
