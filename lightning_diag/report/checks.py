@@ -230,8 +230,16 @@ def _measure_grad_spread(run: RunData, check: Check) -> bool:
             if math.isfinite(v) and v > 0:
                 roles.setdefault(role_of(layer), []).append(v)
         spreads += [max(vs) / min(vs) for vs in roles.values() if len(vs) > 1]
+    what = "||g||/||W|| within a role"
+    if not spreads:  # a run logged before the scale-free tags: raw layer norms, for information
+        what = "layer L2 norm"
+        spreads = [
+            max(vs) / min(vs)
+            for norms in _by_step(_per_layer(run).items()).values()
+            if len(vs := [v for v in norms.values() if math.isfinite(v) and v > 0]) > 1
+        ]
     if spreads:
-        check.measured = f"largest / smallest ||g||/||W|| within a role up to {_fmt(max(spreads))}"
+        check.measured = f"largest / smallest {what} up to {_fmt(max(spreads))}"
         check.measured_value = {"max": max(spreads)}
     return bool(spreads)
 
