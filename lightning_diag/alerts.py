@@ -41,6 +41,7 @@ __all__ = [
     "LOSS_SWING",
     "NONFINITE_GRAD",
     "NONFINITE_LOSS",
+    "NONFINITE_ROLLBACK",
     "VAL_DECLINE",
     "VAL_FLUCTUATION",
     "Alert",
@@ -57,6 +58,7 @@ logger = logging.getLogger("lightning_diag")
 # Rule ids: part of the public contract (DESIGN.md). New rules get new ids.
 NONFINITE_LOSS = "nonfinite_loss"
 NONFINITE_GRAD = "nonfinite_grad"
+NONFINITE_ROLLBACK = "nonfinite_rollback"
 LOSS_SWING = "loss_swing"
 VAL_DECLINE = "val_decline"
 VAL_FLUCTUATION = "val_fluctuation"
@@ -75,7 +77,7 @@ ATTN_SINK = "attn_sink"
 ALL_RULES: Mapping[str, str] = OWNERS
 
 #: What :class:`~lightning_diag.AnomalyAlarm` does when it finds a non-finite loss or gradient.
-NonFiniteAction = Literal["stop", "raise", "skip", "warn"]
+NonFiniteAction = Literal["stop", "raise", "skip", "warn", "rollback"]
 
 
 class Severity(str, Enum):

@@ -50,6 +50,7 @@ def test_rule_ids_are_the_contract():
     assert set(ALL_RULES) == {
         "nonfinite_loss",
         "nonfinite_grad",
+        "nonfinite_rollback",
         "loss_swing",
         "val_decline",
         "val_fluctuation",
@@ -66,6 +67,8 @@ def test_rule_ids_are_the_contract():
         "data_leakage",
         "label_imbalance",
         "data_nonfinite",
+        "sharp_minimum",
+        "quantization_error",
     }
 
 

@@ -126,3 +126,12 @@ def test_overhead_sync_probe_wraps_only_the_hooks_a_callback_overrides():
     probe.wrap([alarm])
     assert "on_before_optimizer_step" in vars(alarm) and "on_train_batch_end" in vars(alarm)
     assert "on_after_backward" not in vars(alarm)  # not overridden: left alone
+
+
+def test_rollback_overhead_quick_mode_reports_the_ratios(capsys):
+    bench = _load("rollback_overhead")
+    assert bench.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| mlp |")]
+    assert len(rows) == 3 and all(row.count("x |") >= 1 for row in rows)
+    assert "rollback_every_n_steps=50" in out

@@ -19,13 +19,16 @@ from lightning_diag._validation import check_choice, check_int, check_number
 from lightning_diag.alerts import (
     LOSS_SWING,
     NONFINITE_LOSS,
+    NONFINITE_ROLLBACK,
     VAL_DECLINE,
     NonFiniteAction,
 )
 from lightning_diag.callbacks.base import DiagCallback, extract_loss
 from lightning_diag.callbacks.lr_logging import lr_scalars
 from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
+from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
 from lightning_diag.callbacks.reduction import reduce_state
+from lightning_diag.rollback import RollbackDevice
 from lightning_diag.rules.anomaly import (
     DEFAULT_STAGNANT_BASELINE_STEPS,
     DEFAULT_STAGNANT_MIN_DROP,
@@ -50,11 +53,19 @@ from lightning_diag.rules.nonfinite import (
     NONFINITE_ACTIONS,
     NonFinitePolicy,
 )
+from lightning_diag.rules.rollback import (
+    DEFAULT_MAX_ROLLBACKS,
+    DEFAULT_ROLLBACK_EVERY_N_STEPS,
+    DEFAULT_ROLLBACK_KEEP,
+    DEFAULT_ROLLBACK_LR_FACTOR,
+)
 from lightning_diag.stats.loss_sums import LossSums
 from lightning_diag.tags import loss_tag
 
 __all__ = ["DEFAULT_MAX_SCALER_OVERFLOWS", "DEFAULT_MAX_SKIPS", "NONFINITE_ACTIONS", "AnomalyAlarm", "NonFiniteError"]
 
+#: State a rollback does not restore from its snapshot: the non-finite bookkeeping (counts, latch, rollbacks).
+_NOT_ROLLED_BACK = ("nonfinite_latch", "skips", "nonfinite_counts", "pending_nonfinite", "rollback")
 _STATE_KEYS = (
     "swing",
     "stagnant",
@@ -76,7 +87,11 @@ class AnomalyAlarm(DiagCallback):
 
     * ``nonfinite_loss`` / ``nonfinite_grad`` (critical): a NaN/Inf in the loss of any micro-batch since the last
       optimizer step, or in a gradient the optimizer is about to apply (after accumulation and AMP unscaling,
-      before clipping). Checked on every optimizer step.
+      before clipping). Checked on every optimizer step. With ``locate_nonfinite`` the failing step is replayed
+      once and the alert's ``source`` is ``input``, the qualified name of the first module whose output (or
+      gradient, "in backward") turned non-finite, or ``loss``.
+    * ``nonfinite_rollback`` (warning, ``on_nonfinite="rollback"``): a non-finite step restored an in-memory
+      snapshot and lowered the learning rates; names the step restored, the factor in force and the source.
     * ``loss_swing`` (warning): the training loss swings by more than ``swing_threshold`` on ``swing_patience``
       consecutive epochs (or windows of ``swing_window`` steps).
     * ``loss_stagnant`` (warning): after ``stagnant_patience`` epochs (or windows) the training loss is not
@@ -100,7 +115,9 @@ class AnomalyAlarm(DiagCallback):
         on_nonfinite: ``"stop"`` (default): the offending step changes no parameter and no optimizer state, a
             critical alert is written and ``trainer.fit`` returns; ``"raise"``: the same, then
             :class:`NonFiniteError`; ``"skip"``: the step is skipped and training goes on, until ``max_skips``
-            steps were skipped, then as ``"stop"``; ``"warn"``: alert only, the update is applied.
+            steps were skipped, then as ``"stop"``; ``"warn"``: alert only, the update is applied;
+            ``"rollback"``: the newest trustworthy snapshot is restored, the learning rates are multiplied by
+            ``rollback_lr_factor`` and training goes on, up to ``max_rollbacks`` times, then as ``"stop"``.
         max_skips: With ``on_nonfinite="skip"``, skipped steps allowed in one fit.
         max_scaler_overflows: With a GradScaler (``16-mixed``), consecutive overflow steps with a finite loss
             (which the scaler skips by design) before ``nonfinite_grad`` fires.
@@ -122,6 +139,17 @@ class AnomalyAlarm(DiagCallback):
         val_fluctuation_min_range: Range (max - min, metric units) of the validation window below which
             ``val_fluctuation`` never fires (keeps converged runs with near-zero losses quiet).
         log_every_n_steps: Logging interval for step-level tags; defaults to the trainer's.
+        locate_nonfinite: Replay the first non-finite step of an episode once to name its source (the alert's
+            ``source``); costs one extra forward and backward at failure, nothing on healthy steps but a
+            reference to the batch and a copy of the RNG state.
+        rollback_every_n_steps: ``"rollback"``: optimizer steps between in-memory snapshots (and the window in
+            which a second non-finite step goes back further than the last rollback).
+        rollback_lr_factor: ``"rollback"``: every rollback multiplies the learning rates by this, in (0, 1),
+            for the rest of the run, on top of the schedulers.
+        max_rollbacks: ``"rollback"``: rollbacks allowed in one fit; the next non-finite step stops training.
+        rollback_device: ``"rollback"``: ``"cpu"`` keeps snapshots in host memory (non-blocking copies),
+            ``"device"`` on the training device.
+        rollback_snapshots: ``"rollback"``: snapshots kept.
 
     Attributes:
         policy: The non-finite policy (verdicts, skip and overflow counts, latch).
@@ -160,6 +188,12 @@ class AnomalyAlarm(DiagCallback):
         val_fluctuation_min: float = DEFAULT_VAL_FLUCTUATION_MIN,
         val_fluctuation_min_range: float = DEFAULT_VAL_FLUCTUATION_MIN_ABS,
         log_every_n_steps: int | None = None,
+        locate_nonfinite: bool = True,
+        rollback_every_n_steps: int = DEFAULT_ROLLBACK_EVERY_N_STEPS,
+        rollback_lr_factor: float = DEFAULT_ROLLBACK_LR_FACTOR,
+        max_rollbacks: int = DEFAULT_MAX_ROLLBACKS,
+        rollback_device: RollbackDevice = "cpu",
+        rollback_snapshots: int = DEFAULT_ROLLBACK_KEEP,
     ) -> None:
         super().__init__(log_every_n_steps=log_every_n_steps)
         self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, NONFINITE_ACTIONS)
@@ -200,6 +234,28 @@ class AnomalyAlarm(DiagCallback):
         self.val_fluctuation_window = val_fluctuation_window
         self.val_fluctuation_min = float(val_fluctuation_min)
         self.val_fluctuation_min_range = float(val_fluctuation_min_range)
+        if not isinstance(locate_nonfinite, bool):
+            raise TypeError(f"Expected argument `locate_nonfinite` to be a bool, but got {locate_nonfinite!r}")
+        self.locate_nonfinite = locate_nonfinite
+        self.rollback_every_n_steps = check_int("rollback_every_n_steps", rollback_every_n_steps, low=1)
+        self.rollback_lr_factor = float(
+            check_number(
+                "rollback_lr_factor", rollback_lr_factor, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
+            )
+        )
+        self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, low=0)
+        self.rollback_device = check_choice("rollback_device", rollback_device, ("cpu", "device"))
+        self.rollback_snapshots = check_int("rollback_snapshots", rollback_snapshots, low=1)
+        #: Localisation of non-finite values and, with ``on_nonfinite="rollback"``, the snapshots.
+        self.recovery = NonFiniteRecovery(
+            locate=locate_nonfinite,
+            rollback=self.on_nonfinite == "rollback",
+            every_n_steps=self.rollback_every_n_steps,
+            lr_factor=self.rollback_lr_factor,
+            max_rollbacks=self.max_rollbacks,
+            device=rollback_device,
+            keep=self.rollback_snapshots,
+        )
         self._reset()
 
     def thresholds(self) -> dict[str, float]:
@@ -215,7 +271,20 @@ class AnomalyAlarm(DiagCallback):
             values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
         if self.on_nonfinite == "skip":
             values[f"{NONFINITE_LOSS}.max_skips"] = float(self.max_skips)
+        if self.on_nonfinite != "rollback":  # the rollback settings are in force only with that action
+            for key in [k for k in values if k.startswith(f"{NONFINITE_ROLLBACK}.")]:
+                del values[key]
         return values
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks made in this fit (``on_nonfinite="rollback"``; kept across a resume)."""
+        return self.recovery.rule.rollbacks
+
+    @property
+    def lr_scale(self) -> float:
+        """The factor on every learning rate now in force: ``rollback_lr_factor ** rollbacks``."""
+        return self.recovery.lr_scale
 
     # -- state -------------------------------------------------------------------------------------------
     def _reset(self) -> None:
@@ -245,7 +314,8 @@ class AnomalyAlarm(DiagCallback):
         )
         #: What a non-finite step leads to (a pure state machine); :attr:`guard` finds the steps and acts.
         self.policy = NonFinitePolicy(self.on_nonfinite, self.max_skips, self.max_scaler_overflows)  # type: ignore[arg-type]
-        self.guard = NonFiniteGuard(self, self.policy)
+        self.guard = NonFiniteGuard(self, self.policy, self.recovery)
+        self.recovery.reset()
         #: The training-loss sums of the open periods, on the device, SUM-declared (merged over ranks).
         self.loss_sums = LossSums(self.stagnant_baseline_steps)
         # The global step the current step window started at; set at train start unless a checkpoint did.
@@ -278,6 +348,7 @@ class AnomalyAlarm(DiagCallback):
             "window_start": self._window_start,
             "last_finite_loss": float(self.guard.last_finite_loss),
             "pending_nonfinite": self.guard.pending_state(),
+            "rollback": self.recovery.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -306,6 +377,8 @@ class AnomalyAlarm(DiagCallback):
         self._window_start = None if start is None else int(start)
         self.guard.last_finite_loss = float(state_dict["last_finite_loss"])
         self.guard.load_pending_state(state_dict["pending_nonfinite"])
+        if "rollback" in state_dict:  # absent from checkpoints written before rollback existed
+            self.recovery.load_state_dict(state_dict["rollback"])
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -333,12 +406,38 @@ class AnomalyAlarm(DiagCallback):
             self.loss_sums.load_state_dict(shared.state_dict())
             self.loss_sums.initial_batches = initial_batches
         self._sums_restored = False
+        self.recovery.start(trainer, pl_module, self._snapshot_state, self._restore_snapshot_state)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""
+        self.recovery.stop()
+
+    def _snapshot_state(self) -> dict[str, Any]:
+        # A snapshot keeps the loss-trend state (so a rollback forgets the losses of the steps it undoes), not
+        # the non-finite bookkeeping. One host read of the loss sums, once per snapshot.
+        state = self.state_dict()
+        for key in _NOT_ROLLED_BACK:
+            state.pop(key, None)
+        return state
+
+    def _restore_snapshot_state(self, state: dict[str, Any]) -> None:
+        keep = {k: v for k, v in self.state_dict().items() if k in _NOT_ROLLED_BACK}
+        self.load_state_dict({**state, **keep})
+        self._sums_restored = False  # this rank's own sums, not a checkpoint's all-rank ones
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Start a fit with fresh rules (a resume then loads their state)."""
         super().setup(trainer, pl_module, stage)
         if stage == TrainerFn.FITTING:
             self._reset()
+            self.recovery.check_module(pl_module)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Keep a reference to the batch (no copy) for the replay of a failing step."""
+        if self.on_nonfinite != "warn":
+            self.recovery.on_batch_start(batch, batch_idx)
 
     # -- non-finite guard --------------------------------------------------------------------------------
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -372,9 +471,11 @@ class AnomalyAlarm(DiagCallback):
             if trainer.global_step - self._window_start >= self.swing_window:
                 self._window_start = trainer.global_step
                 self._close_window(trainer, pl_module, "window")
+        self.recovery.on_batch_end(trainer, pl_module, loss)
         if not self.is_logging_step(trainer):
             return
-        values = lr_scalars(trainer)
+        scale = self.recovery.lr_scale  # the rate the optimizer uses: the scheduler's times the rollback factor
+        values = {name: lr * scale for name, lr in lr_scalars(trainer).items()}
         if loss is not None:
             values[loss_tag("train_step")] = float(loss)
         self.writer.scalars(values, trainer.global_step)

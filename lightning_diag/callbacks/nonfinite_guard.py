@@ -10,6 +10,7 @@ the first bad steps on the device until a logging step reads them back (:meth:`N
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from lightning_diag.stats.reduced import ReducedState, Reduction
 
 if TYPE_CHECKING:
     from lightning_diag.callbacks.base import DiagCallback
+    from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
 
 __all__ = ["NO_STEP", "NonFiniteError", "NonFiniteGuard", "drop_gradients", "nonfinite_details"]
 
@@ -61,9 +63,13 @@ class NonFiniteGuard:
         deferred_steps: Steps checked since the last read-back (the same count on every rank).
     """
 
-    def __init__(self, owner: DiagCallback, policy: NonFinitePolicy) -> None:
+    def __init__(self, owner: DiagCallback, policy: NonFinitePolicy, recovery: NonFiniteRecovery | None = None) -> None:
         self.owner = owner
         self.policy = policy
+        #: Localisation (replay) and rollback, when the callback has them.
+        self.recovery = recovery
+        #: This rank's own (loss_bad, grad_bad) of the step being checked, before the agreement over ranks.
+        self.local_findings = (False, False)
         self.halted = False
         self.last_finite_loss: torch.Tensor | float = math.nan
         self._loss_bad: torch.Tensor | None = None  # NaN/Inf in a micro-batch loss since the last step
@@ -84,8 +90,18 @@ class NonFiniteGuard:
         self.last_finite_loss = torch.where(torch.isfinite(loss), loss, last_tensor)
 
     def details(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> NonFiniteDetails:
-        """What an alert about the current step tells (read only on the failure path)."""
-        return nonfinite_details(trainer, pl_module, float(self.last_finite_loss))
+        """What an alert about the current step tells (read only on the failure path).
+
+        With a recovery that localises, the failing step is replayed here (on one rank, a collective: every rank
+        calls this at the same step, as the policy asks for details of agreed findings only).
+        """
+        details = nonfinite_details(trainer, pl_module, float(self.last_finite_loss))
+        if self.recovery is None:
+            return details
+        found = self.recovery.localise(trainer, pl_module, *self.local_findings)
+        if not found.found:
+            return details
+        return dataclasses.replace(details, source=found.source, located=found.detail)
 
     def before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -99,12 +115,43 @@ class NonFiniteGuard:
             self._loss_bad = None
             drop_gradients(optimizer)
             return
-        findings = self.check_step(trainer, optimizer, defer=self.policy.action == "warn")
-        if findings is not None:
-            decision = self.policy.decide(
-                findings, self.owner.context(trainer), lambda: self.details(trainer, pl_module)
+        try:
+            findings = self.check_step(trainer, optimizer, defer=self.policy.action == "warn")
+            if findings is not None:
+                decision = self.policy.decide(
+                    findings, self.owner.context(trainer), lambda: self.details(trainer, pl_module)
+                )
+                if decision.verdict is Verdict.ROLLBACK:
+                    decision = self.roll_back(decision, trainer, pl_module)
+                self.perform(decision, trainer, optimizer)
+        finally:
+            if self.recovery is not None:
+                self.recovery.on_step_checked()
+
+    def roll_back(self, decision: Decision, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
+        """Carry out a ``ROLLBACK`` verdict: restore a snapshot (the ``nonfinite_rollback`` warning), or, when
+        the rollback rule has none left, turn it into a ``STOP`` with a ``rollback_limit`` critical alert."""
+        alert = decision.error
+        if self.recovery is None or alert is None:  # pragma: no cover - the alarm always wires both
+            return Decision(Verdict.STOP, decision.alerts)
+        for opt in trainer.optimizers:
+            drop_gradients(opt)
+        choice = self.recovery.rollback(trainer, pl_module)
+        if choice.step is None:
+            limit = dataclasses.replace(
+                alert,
+                message=f"{alert.message} No rollback: {choice.reason}; training stops.",
+                source="rollback_limit",
+                value=float(self.recovery.rule.rollbacks),
+                threshold=float(self.recovery.rule.max_rollbacks),
             )
-            self.perform(decision, trainer, optimizer)
+            return Decision(Verdict.STOP, (limit,))
+        what = "NaN/Inf in the loss" if alert.rule == "nonfinite_loss" else "NaN/Inf in a gradient"
+        located = alert.message.split(" First non-finite value: ", 1)
+        if len(located) == 2:
+            what += "; " + located[1].rstrip(".")
+        ctx = self.owner.context(trainer)
+        return Decision(Verdict.SKIP, (self.recovery.rollback_alert(ctx, choice, what, alert.source),))
 
     def perform(self, decision: Decision, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
         """Carry out a verdict on the step ``optimizer`` is about to take, and record the decision's alerts.
@@ -151,6 +198,7 @@ class NonFiniteGuard:
             return None
         # Deciding not to apply an update is a host decision: one 2-element read per optimizer step.
         local = torch.stack([loss_bad if loss_bad is not None else torch.zeros_like(grad_bad), grad_bad]).tolist()
+        self.local_findings = (bool(local[0]), bool(local[1]))
         if trainer.world_size > 1:
             # Ranks with a bad loss, ranks with a bad gradient: one collective (a SUM every strategy supports).
             counts = torch.tensor([float(v) for v in local], device=trainer.strategy.root_device)

@@ -42,7 +42,7 @@ from lightning_diag.report.load import RunData
 from lightning_diag.report.replay import REPLAYS, _by_step, _layer_series, _per_layer, _setting, replay
 from lightning_diag.rules.grad import role_of
 from lightning_diag.rules.registry import CHECKS, RULES, CheckSpec
-from lightning_diag.tags import attn_head, attn_mean, grad_blocks_tag, grad_total_tag, loss_tag, prefix
+from lightning_diag.tags import attn_head, attn_mean, family_tag, grad_blocks_tag, grad_total_tag, loss_tag, prefix
 
 __all__ = ["MEASURES", "REPLAYS", "Check", "RunReport", "Status", "diagnose", "measure", "replay"]
 
@@ -310,8 +310,14 @@ def _measure_nonfinite(run: RunData, check: Check) -> bool:
     ]
     if alerts:
         first = min(alerts, key=lambda a: a.global_step)
-        check.measured = f"{len(alerts)} non-finite alert(s); first: {first.rule} at step {first.global_step}"
+        check.measured = (
+            f"{len(alerts)} non-finite alert(s); first: {first.rule} at step {first.global_step} ({first.source})"
+        )
         check.measured_value = {"count": float(len(alerts)), "first_step": float(first.global_step)}
+        rolled = [f"step {a.global_step} ({a.source})" for a in alerts if a.rule == "nonfinite_rollback"]
+        if rolled:
+            end = "the rollback limit stopped training" if any(a.source == "rollback_limit" for a in alerts) else ""
+            check.add_note(f"{len(rolled)} rollback(s) at {', '.join(rolled)}; {end or 'training went on'}")
     elif bad_points:
         name, step = min(bad_points, key=lambda p: p[1])
         check.measured = f"{len(bad_points)} non-finite logged values; first: {name} at step {step}"
@@ -382,6 +388,21 @@ def _measure_val_fluctuation(run: RunData, check: Check) -> bool:
         window = _threshold(run, "val_fluctuation.window")
         check.add_note(f"needs {int(window) if window else 'more'} validation runs")
     return bool(ratios)
+
+
+@measure("deploy_latency_fluctuation")
+def _measure_latency(run: RunData, check: Check) -> bool:
+    # SystemMonitor's step-time fluctuation (relative MAD of block medians), judged by its rule's patience
+    values = _finite(run.scalars.get(family_tag("system", "step_time_fluctuation"), []))
+    limit = _threshold(run, "step_time_fluctuation")
+    check.threshold = f"step-time fluctuation <= {_fmt(limit)}" if limit is not None else "not logged"
+    check.threshold_value = {"value": limit} if limit is not None else {}
+    if values:
+        check.measured = f"step-time fluctuation up to {_fmt(max(values))} (last {_fmt(values[-1])})"
+        check.measured_value = {"max": max(values), "last": values[-1]}
+        if limit is not None and max(values) > limit:
+            check.add_note("above the threshold on fewer consecutive checks than step_time_fluctuation's patience")
+    return bool(values)
 
 
 def _measure_generic(run: RunData, check: Check) -> bool:

@@ -48,13 +48,14 @@ __all__ = [
 DEFAULT_MAX_SKIPS = 5
 #: With a GradScaler (``16-mixed``), consecutive overflow steps with a finite loss before ``nonfinite_grad``.
 DEFAULT_MAX_SCALER_OVERFLOWS = 5
-NONFINITE_ACTIONS: tuple[str, ...] = ("stop", "raise", "skip", "warn")
+NONFINITE_ACTIONS: tuple[str, ...] = ("stop", "raise", "skip", "warn", "rollback")
 #: What happened to the update, per action, as the alert message says it.
 ACTION_TEXT: dict[str, str] = {
     "stop": "the update was not applied and training stops",
     "raise": "the update was not applied; raising NonFiniteError",
     "skip": "the update was skipped",
     "warn": "the update was applied (on_nonfinite='warn')",
+    "rollback": "the update was not applied",
 }
 
 
@@ -69,6 +70,10 @@ class Verdict(str, enum.Enum):
     STOP = "stop"
     #: Drop the gradients and raise ``NonFiniteError`` carrying :attr:`Decision.error`.
     RAISE = "raise"
+    #: Drop the gradients and restore a snapshot (``on_nonfinite="rollback"``); the callback's rollback rule
+    #: decides which one, or turns it into a stop when none is left. :attr:`Decision.error` is the critical
+    #: alert the stop would write.
+    ROLLBACK = "rollback"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +104,16 @@ class NonFiniteDetails:
         learning_rates: ``"<Optimizer>/group_<j>" -> lr``.
         bad_parameters: Names of parameters with a non-finite gradient (a few, then ``"..."``).
         last_finite_loss: The last finite training loss seen (``nan`` if none).
+        source: Where the first non-finite value appeared (``"input"``, a module's qualified name, ``"loss"``), or
+            ``""`` when not localised (the alert then says ``loss`` or ``gradients``).
+        located: What the localisation found, one sentence for the message (``""`` if nothing).
     """
 
     learning_rates: Mapping[str, float] = dataclasses.field(default_factory=dict)
     bad_parameters: Sequence[str] = ()
     last_finite_loss: float = float("nan")
+    source: str = ""
+    located: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +191,10 @@ class NonFinitePolicy:
             if self.scaler_overflows < self.max_scaler_overflows:
                 return _APPLY
         alert = self.alert(findings.loss_bad, ctx, details())
-        latched = (alert,) if self.latch.update(alert.source, True) else ()
+        # The episode latch is per kind (loss / gradients), whatever the localised source, so clear() clears it.
+        latched = (alert,) if self.latch.update(_kind(findings.loss_bad), True) else ()
+        if self.action == "rollback":
+            return Decision(Verdict.ROLLBACK, (), error=alert)
         if self.action == "raise":
             return Decision(Verdict.RAISE, (alert,), error=alert)
         if self.action == "stop":
@@ -221,7 +234,7 @@ class NonFinitePolicy:
         loss_bad = first_loss_step is not None
         step = first_loss_step if first_loss_step is not None else first_grad_step
         alert = self.alert(loss_bad, StepContext(ctx.epoch, ctx.global_step if step is None else step), details())
-        return [alert] if self.latch.update(alert.source, True) else []
+        return [alert] if self.latch.update(_kind(loss_bad), True) else []
 
     def clear(self) -> None:
         """A clean step: the episode is over and the scaler-overflow run is broken."""
@@ -239,6 +252,8 @@ class NonFinitePolicy:
             f"Learning rates: {lr_text}. Non-finite gradients in: {params_text}. "
             f"Last finite loss: {float(details.last_finite_loss):.6g}."
         )
+        if details.located:
+            message += f" First non-finite value: {details.located}."
         return Alert(
             rule=NONFINITE_LOSS if loss_bad else NONFINITE_GRAD,
             severity=Severity.CRITICAL,
@@ -247,7 +262,7 @@ class NonFinitePolicy:
             global_step=ctx.global_step,
             value=None,
             threshold=None,
-            source="loss" if loss_bad else "gradients",
+            source=details.source or _kind(loss_bad),
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -265,3 +280,7 @@ class NonFinitePolicy:
         for key in self.state_keys:
             setattr(self, key, int(state.get(key, 0)))
         self.latch.load_state_dict(state["latch"])
+
+
+def _kind(loss_bad: bool) -> str:
+    return "loss" if loss_bad else "gradients"

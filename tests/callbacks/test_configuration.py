@@ -13,7 +13,10 @@ from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMo
 # callback -> argument -> [(bad value, error, what the message must say is allowed)]
 INVALID = {
     AnomalyAlarm: {
-        "on_nonfinite": [("explode", ValueError, "'stop', 'raise', 'skip', 'warn'"), (1, TypeError, "'stop'")],
+        "on_nonfinite": [
+            ("explode", ValueError, "'stop', 'raise', 'skip', 'warn', 'rollback'"),
+            (1, TypeError, "'stop'"),
+        ],
         "max_skips": [(-1, ValueError, "an int >= 0"), (1.5, TypeError, "an int >= 0")],
         "max_scaler_overflows": [(0, ValueError, "an int >= 1"), ("5", TypeError, "an int >= 1")],
         "swing_threshold": [(0, ValueError, "a number > 0"), ("10%", TypeError, "a number > 0")],
@@ -35,6 +38,12 @@ INVALID = {
         "val_fluctuation_min_range": [(-1, ValueError, "a number >= 0")],
         "stagnant_min_drop": [(1.0, ValueError, "a number >= 0 and < 1")],
         "stagnant_patience": [(0, ValueError, "an int >= 1")],
+        "locate_nonfinite": [("yes", TypeError, "a bool")],
+        "rollback_every_n_steps": [(0, ValueError, "an int >= 1")],
+        "rollback_lr_factor": [(0.0, ValueError, "a number > 0 and < 1"), (1.0, ValueError, "a number > 0 and < 1")],
+        "max_rollbacks": [(-1, ValueError, "an int >= 0")],
+        "rollback_device": [("gpu", ValueError, "'cpu', 'device'")],
+        "rollback_snapshots": [(0, ValueError, "an int >= 1")],
         "stagnant_baseline_steps": [(0, ValueError, "an int >= 1")],
         "log_every_n_steps": [(0, ValueError, "an int >= 1"), (1.0, TypeError, "an int >= 1")],
     },

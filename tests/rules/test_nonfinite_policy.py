@@ -134,3 +134,22 @@ def test_state_round_trip_and_missing_latch():
 def test_unknown_action_is_rejected():
     with pytest.raises(ValueError, match="action"):
         NonFinitePolicy("explode")  # type: ignore[arg-type]
+
+
+def test_rollback_action_hands_the_alert_to_the_callback():
+    policy = NonFinitePolicy("rollback")
+    ctx = StepContext(0, 4)
+    decision = policy.decide(STEPS["loss"], ctx)
+    assert decision.verdict is Verdict.ROLLBACK and decision.alerts == ()
+    assert decision.error is not None and decision.error.rule == "nonfinite_loss"
+    assert policy.decide(STEPS["ok"], StepContext(0, 5)).verdict is Verdict.APPLY
+
+
+def test_a_localised_source_names_the_alert_and_the_episode_still_clears():
+    policy = NonFinitePolicy("skip", max_skips=5)
+    where = NonFiniteDetails(source="net.4", located="Linear `net.4` forward: 3 NaN / 0 Inf from finite inputs")
+    first = policy.decide(STEPS["loss"], StepContext(0, 1), lambda: where)
+    assert [a.source for a in first.alerts] == ["net.4"] and "First non-finite value: Linear" in first.alerts[0].message
+    assert policy.decide(STEPS["loss"], StepContext(0, 2), lambda: where).alerts == ()  # same episode
+    policy.decide(STEPS["ok"], StepContext(0, 3))
+    assert [a.source for a in policy.decide(STEPS["loss"], StepContext(0, 4), lambda: where).alerts] == ["net.4"]

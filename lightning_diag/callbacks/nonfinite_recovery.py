@@ -1,0 +1,286 @@
+"""Lightning side of non-finite localisation and rollback, used by :class:`~lightning_diag.AnomalyAlarm`.
+
+:class:`NonFiniteRecovery` keeps, on healthy steps, only a reference to each micro-batch of the current optimizer
+step and a copy of the RNG state it started with (``locate_nonfinite``), and with ``on_nonfinite="rollback"`` a
+snapshot of the training state every ``rollback_every_n_steps`` optimizer steps. On a non-finite step the alarm
+asks it to localise (:mod:`lightning_diag.nonfinite_locate`) and to roll back (:mod:`lightning_diag.rollback`,
+:mod:`lightning_diag.rules.rollback`).
+
+DDP: the replay runs on one rank only (the lowest rank whose own loss was non-finite, else the lowest whose
+gradients were), on the underlying LightningModule, not through the DDP wrapper: no gradient all-reduce is
+triggered (gradients come from :func:`torch.autograd.grad`, which fires no DDP hook) and ``self.log`` calls of
+``training_step`` are silenced during the replay (a ``sync_dist`` there would wait for the other ranks). Its
+finding is broadcast to every rank. Models with ``SyncBatchNorm`` are not replayed (its forward is a
+collective). The rollback decision, the snapshot chosen and its trust are agreed over all ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_diag.callbacks.base import extract_loss
+from lightning_diag.nonfinite_locate import NOT_FOUND, Localisation, RngState, find_nonfinite_in_batch, locate
+from lightning_diag.rollback import RollbackDevice, SnapshotStore
+from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.rollback import DEFAULT_SPIKE_FACTOR, RollbackChoice, RollbackRule
+
+__all__ = ["NonFiniteRecovery"]
+
+_LOG_METHODS = ("log", "log_dict")
+
+
+def _ignore(state: dict[str, Any]) -> None:
+    """The default ``load_extra``: a module-level function, so the callback pickles (``ddp_spawn``)."""
+
+
+def _schedulers(trainer: pl.Trainer) -> list[Any]:
+    return [config.scheduler for config in trainer.lr_scheduler_configs]
+
+
+def _scaler(trainer: pl.Trainer) -> Any:
+    return getattr(trainer.precision_plugin, "scaler", None)
+
+
+class NonFiniteRecovery:
+    """Batch keeping, replay, snapshots and learning-rate scaling for one :class:`~lightning_diag.AnomalyAlarm`.
+
+    Args:
+        locate: Replay the failing step to localise the first non-finite value.
+        rollback: Keep snapshots and roll back on a non-finite step.
+        every_n_steps: Optimizer steps between snapshots.
+        lr_factor: Learning-rate multiplier applied at each rollback.
+        max_rollbacks: Rollbacks allowed in one fit.
+        device: Where snapshots live: ``"cpu"`` or ``"device"``.
+        keep: Snapshots kept.
+        spike_factor: Trust test of the snapshots (see :class:`~lightning_diag.rollback.SnapshotStore`).
+    """
+
+    def __init__(
+        self,
+        locate: bool,
+        rollback: bool,
+        every_n_steps: int,
+        lr_factor: float,
+        max_rollbacks: int,
+        device: RollbackDevice,
+        keep: int,
+        spike_factor: float = DEFAULT_SPIKE_FACTOR,
+    ) -> None:
+        self.locate_enabled = locate
+        self.rollback_enabled = rollback
+        self.every_n_steps = every_n_steps
+        self.lr_factor = lr_factor
+        self.max_rollbacks = max_rollbacks
+        self.device: RollbackDevice = device
+        self.keep = keep
+        self.spike_factor = spike_factor
+        self.rule = RollbackRule(lr_factor, max_rollbacks, repeat_window=every_n_steps)
+        self.store = SnapshotStore(keep=keep, device=device, spike_factor=spike_factor)
+        self._batches: collections.deque[tuple[Any, int, RngState]] = collections.deque(maxlen=1)
+        self._hooks: list[Any] = []
+        self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
+        self._last_snapshot: int | None = None
+        self._can_replay = True
+        self._extra: Callable[[], dict[str, Any]] = dict
+        self._load_extra: Callable[[dict[str, Any]], None] = _ignore
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a fit afresh (a resume then loads :meth:`state_dict`)."""
+        self.rule = RollbackRule(self.lr_factor, self.max_rollbacks, repeat_window=self.every_n_steps)
+        self.store = SnapshotStore(keep=self.keep, device=self.device, spike_factor=self.spike_factor)
+        self._batches.clear()
+        self._last_snapshot = None
+
+    def check_module(self, pl_module: pl.LightningModule) -> None:
+        """Refuse what rollback cannot do.
+
+        Raises:
+            ValueError: ``on_nonfinite="rollback"`` with manual optimization.
+        """
+        if self.rollback_enabled and not pl_module.automatic_optimization:
+            raise ValueError(
+                "`on_nonfinite='rollback'` needs automatic optimization; with manual optimization use "
+                "'stop', 'raise', 'skip' or 'warn'"
+            )
+        self._can_replay = pl_module.automatic_optimization and not any(
+            isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()
+        )
+
+    def start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        extra: Callable[[], dict[str, Any]] = dict,
+        load_extra: Callable[[dict[str, Any]], None] = _ignore,
+    ) -> None:
+        """Install the learning-rate hooks and take the first snapshot.
+
+        Args:
+            trainer: The trainer.
+            pl_module: The model.
+            extra: Called at each snapshot: the owner's own state to keep with it.
+            load_extra: Called with that state when its snapshot is restored.
+        """
+        self.stop()
+        self._extra, self._load_extra = extra, load_extra
+        self._batches = collections.deque(maxlen=max(1, trainer.accumulate_grad_batches))
+        if not self.rollback_enabled:
+            return
+        for opt in trainer.optimizers:
+            self._hooks.append(opt.register_step_pre_hook(self._scale_lr))
+            self._hooks.append(opt.register_step_post_hook(self._unscale_lr))
+        self._snapshot(trainer, pl_module)
+
+    def stop(self) -> None:
+        """Remove the hooks and forget the kept batches (snapshots are dropped with the next :meth:`reset`)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._batches.clear()
+
+    # -- learning rate --------------------------------------------------------------------------------------
+    def _scale_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        scale = self.rule.lr_scale
+        if scale == 1.0:
+            return
+        for group in optimizer.param_groups:
+            lr = group.get("lr")
+            if lr is not None:
+                scaled = lr * scale
+                group["lr"] = scaled
+                self._scaled.append((group, scaled, lr))
+
+    def _unscale_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # Groups replaced by a rollback in the middle of the step hold the snapshot's value: left alone.
+        for group, scaled, lr in self._scaled:
+            if group.get("lr") is scaled:
+                group["lr"] = lr
+        self._scaled.clear()
+
+    @property
+    def lr_scale(self) -> float:
+        """The factor on every learning rate now in force (1.0 before any rollback)."""
+        return self.rule.lr_scale
+
+    # -- healthy steps ------------------------------------------------------------------------------------
+    def on_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Keep a reference to the micro-batch and the RNG state it starts with (no copy of the batch)."""
+        if self.locate_enabled and self._can_replay:
+            self._batches.append((batch, batch_idx, RngState.capture(python=False)))
+
+    def on_step_checked(self) -> None:
+        """The optimizer step's micro-batches are no longer needed."""
+        self._batches.clear()
+
+    def on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor | None) -> None:
+        """Feed the loss to the trust test; take a snapshot every ``every_n_steps`` optimizer steps."""
+        if not self.rollback_enabled:
+            return
+        if loss is not None:
+            self.store.observe_loss(loss)
+        step = trainer.global_step
+        if step % self.every_n_steps == 0 and step != self._last_snapshot:
+            self._snapshot(trainer, pl_module)
+
+    def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        self.store.take(step, pl_module, trainer.optimizers, _schedulers(trainer), _scaler(trainer), self._extra())
+        self._last_snapshot = step
+
+    # -- failure ------------------------------------------------------------------------------------------
+    def localise(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss_bad: bool, grad_bad: bool
+    ) -> Localisation:
+        """Replay the failing step on one rank and share what it found with every rank (all ranks call this)."""
+        if not self.locate_enabled:
+            return NOT_FOUND
+        world, rank = trainer.world_size, trainer.global_rank
+        key = rank if loss_bad else world + rank if grad_bad else 2 * world
+        if not self._batches or not self._can_replay:
+            key = 2 * world
+        if world > 1:
+            key = int(trainer.strategy.reduce(torch.tensor(key, device=pl_module.device), reduce_op="min"))
+        if key >= 2 * world:
+            return NOT_FOUND
+        source_rank = key % world
+        finding = self._replay(trainer, pl_module).as_dict() if source_rank == rank else None
+        if world > 1:
+            finding = trainer.strategy.broadcast(finding, src=source_rank)
+        return Localisation.from_dict(finding) if finding else NOT_FOUND
+
+    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Localisation:
+        batches = list(self._batches)
+        for batch, _, _ in batches:
+            found = find_nonfinite_in_batch(batch)
+            if found is not None:
+                return found
+        scaler = _scaler(trainer)
+        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+        for batch, batch_idx, rng in batches:
+            found = locate(
+                pl_module,
+                functools.partial(_training_step_loss, pl_module, batch, batch_idx),
+                rng_state=rng,
+                context=trainer.precision_plugin.train_step_context,
+                loss_scale=scale,
+                root_name=type(pl_module).__name__,
+            )
+            if found.found:
+                return found
+        return NOT_FOUND
+
+    def rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RollbackChoice:
+        """Choose a snapshot over all ranks, restore it and count the rollback; ``step is None``: stop instead."""
+        steps = self.store.steps()
+        trusted = self.store.trusted()
+        if trainer.world_size > 1 and trusted:
+            untrusted = torch.tensor([0.0 if t else 1.0 for t in trusted], device=pl_module.device)
+            trusted = [v == 0.0 for v in trainer.strategy.reduce(untrusted, reduce_op="sum").tolist()]
+        now = trainer.global_step
+        choice = self.rule.choose(steps, trusted, now=now)
+        if choice.step is None:
+            return choice
+        extra = self.store.restore(choice.step, pl_module, trainer.optimizers, _schedulers(trainer), _scaler(trainer))
+        if extra:
+            self._load_extra(extra)
+        self.store.drop_after(choice.step)
+        self.rule.record(choice.step, now)
+        self._last_snapshot = now  # no snapshot of the failed step: the next one is due in every_n_steps
+        return choice
+
+    def rollback_alert(self, ctx: StepContext, choice: RollbackChoice, found: str, source: str) -> Any:
+        """The ``nonfinite_rollback`` warning of the rollback just made."""
+        return self.rule.alert(ctx, choice.step if choice.step is not None else -1, found, source, choice.reason)
+
+    # -- checkpoint ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The rollback count and learning-rate factor (snapshots are not saved)."""
+        return self.rule.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.rule.load_state_dict(state)
+
+
+def _training_step_loss(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor | None:
+    """``training_step`` once more, with ``self.log`` silenced (the replay must not log or sync)."""
+    for name in _LOG_METHODS:
+        setattr(pl_module, name, lambda *args, **kwargs: None)
+    try:
+        outputs = pl_module.training_step(batch, batch_idx)
+    finally:
+        for name in _LOG_METHODS:
+            pl_module.__dict__.pop(name, None)
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, dict) and isinstance(outputs.get("loss"), torch.Tensor):
+        return outputs["loss"]
+    loss, _ = extract_loss(outputs)
+    return loss

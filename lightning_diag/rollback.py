@@ -1,0 +1,245 @@
+"""In-memory snapshots for ``AnomalyAlarm(on_nonfinite="rollback")``: take them cheaply, restore them exactly.
+
+A snapshot holds what a resume needs: the model's ``state_dict`` (parameters and buffers), every optimizer's state,
+every LR scheduler's state, the AMP GradScaler's state and an opaque ``extra`` mapping (the alarm's own state).
+Tensors are copied to the CPU (``device="cpu"``, the default: no accelerator memory is used) or cloned on their
+own device (``device="device"``: faster, costs accelerator memory). Copies from an accelerator to the CPU are
+``non_blocking``: the host does not wait for them; a CUDA event marks when they are complete and a restore waits
+for it.
+
+The store also watches the training loss on the device (a ring of the last ``loss_window`` step losses and the
+mean since the previous snapshot, no host read) to mark each snapshot *spiking* when the mean loss since the
+previous snapshot was above ``spike_factor`` times the running median: such snapshots are not trusted
+(:mod:`lightning_diag.rules.rollback`).
+
+Nothing here imports Lightning; the callback hands in the objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+__all__ = ["DEFAULT_LOSS_WINDOW", "RollbackDevice", "Snapshot", "SnapshotStore"]
+
+RollbackDevice = Literal["cpu", "device"]
+#: Step losses the running median of the trust test is taken over.
+DEFAULT_LOSS_WINDOW = 200
+
+
+def _copy_tree(obj: Any, device: torch.device | str | None) -> Any:
+    """A deep copy whose tensors are fresh copies (on ``device``, or on their own device for ``None``)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if device is None or torch.device(device) == t.device:
+            return t.clone()
+        return t.to(device, copy=True, non_blocking=True)
+    if isinstance(obj, Mapping):
+        return {k: _copy_tree(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy_tree(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_copy_tree(v, device) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _tree_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(_tree_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tree_bytes(v) for v in obj)
+    return 0
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One saved training state.
+
+    Attributes:
+        step: The global step (optimizer steps done) the state belongs to.
+        model: ``module.state_dict()``, copied.
+        optimizers: Each optimizer's ``state_dict()``, copied.
+        schedulers: Each LR scheduler's ``state_dict()``, copied.
+        scaler: The GradScaler's ``state_dict()``, or ``None``.
+        extra: Whatever the caller added (the alarm's state).
+        spiking: A 0-dim bool tensor on the training device: the loss was spiking when it was taken.
+        ready: A CUDA event recorded after the copies were queued, or ``None`` (copies already complete).
+    """
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizers: list[dict[str, Any]]
+    schedulers: list[dict[str, Any]]
+    scaler: dict[str, Any] | None
+    extra: dict[str, Any]
+    spiking: torch.Tensor
+    ready: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data held."""
+        return _tree_bytes(self.model) + _tree_bytes(self.optimizers)
+
+    def wait(self) -> None:
+        """Block until the (non-blocking) copies are complete."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+
+
+class SnapshotStore:
+    """Keeps the newest ``keep`` snapshots and judges which ones the loss was spiking at.
+
+    Args:
+        keep: Snapshots kept (the oldest is dropped when a new one is taken).
+        device: ``"cpu"`` (copies offloaded to host memory) or ``"device"`` (clones on the training device).
+        spike_factor: A snapshot is spiking when the mean loss since the previous one is above this multiple of
+            the running median of the step losses.
+        loss_window: Step losses the running median is taken over.
+
+    Example:
+        >>> net = nn.Linear(2, 1)
+        >>> store = SnapshotStore(keep=2)
+        >>> store.take(0, net, [], [], None)
+        >>> with torch.no_grad():
+        ...     _ = net.weight.add_(1.0)
+        >>> _ = store.restore(0, net, [], [], None)
+        >>> torch.equal(net.weight, store.get(0).model["weight"])
+        True
+    """
+
+    def __init__(
+        self,
+        keep: int = 3,
+        device: RollbackDevice = "cpu",
+        spike_factor: float = 3.0,
+        loss_window: int = DEFAULT_LOSS_WINDOW,
+    ) -> None:
+        self.keep = keep
+        self.device = device
+        self.spike_factor = float(spike_factor)
+        self.loss_window = loss_window
+        self.snapshots: list[Snapshot] = []
+        self._losses: torch.Tensor | None = None
+        self._seen = 0
+        self._interval_count = 0
+
+    # -- the loss -----------------------------------------------------------------------------------------
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """Record one step's loss (a 0-dim tensor) on its device: one copy into the ring, no host read."""
+        value = loss.detach().reshape(())
+        if self._losses is None or self._losses.device != value.device:
+            self._losses = torch.full((self.loss_window,), float("nan"), device=value.device)
+            self._interval_count = 0
+        self._losses[self._seen % self.loss_window] = value
+        self._seen += 1
+        self._interval_count += 1
+
+    def _spiking(self, fallback_device: torch.device) -> torch.Tensor:
+        count = min(self._interval_count, self.loss_window)
+        self._interval_count = 0
+        if self._losses is None or count == 0:
+            return torch.zeros((), dtype=torch.bool, device=fallback_device)
+        ring = self._losses
+        recent = ring[(torch.arange(self._seen - count, self._seen) % self.loss_window).to(ring.device)]
+        finite = torch.isfinite(recent)
+        mean = torch.where(finite, recent, torch.zeros_like(recent)).sum() / finite.sum().clamp(min=1)
+        median = torch.nanmedian(torch.where(torch.isfinite(ring), ring, torch.full_like(ring, float("nan"))))
+        return torch.isfinite(median) & (mean > self.spike_factor * median.abs())
+
+    # -- snapshots ----------------------------------------------------------------------------------------
+    def take(
+        self,
+        step: int,
+        module: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        schedulers: Sequence[Any],
+        scaler: Any,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Copy the training state at ``step`` (a snapshot at the same step replaces the older one)."""
+        params = list(module.parameters())
+        source = params[0].device if params else torch.device("cpu")
+        target: torch.device | str | None = "cpu" if self.device == "cpu" else None
+        snap = Snapshot(
+            step=step,
+            model=_copy_tree(module.state_dict(), target),
+            optimizers=[_copy_tree(opt.state_dict(), target) for opt in optimizers],
+            schedulers=[copy.deepcopy(s.state_dict()) for s in schedulers],
+            scaler=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
+            extra=copy.deepcopy(dict(extra or {})),
+            spiking=self._spiking(source),
+        )
+        if source.type == "cuda" and target == "cpu":
+            snap.ready = torch.cuda.Event()
+            snap.ready.record()
+        self.snapshots = [s for s in self.snapshots if s.step != step] + [snap]
+        if len(self.snapshots) > self.keep:
+            self.snapshots = self.snapshots[-self.keep :]
+
+    def steps(self) -> list[int]:
+        """The steps of the kept snapshots, oldest first."""
+        return [s.step for s in self.snapshots]
+
+    def trusted(self) -> list[bool]:
+        """Whether each kept snapshot was taken while the loss was calm (one host read: failure path only)."""
+        if not self.snapshots:
+            return []
+        flags = torch.stack([s.spiking.to(self.snapshots[0].spiking.device) for s in self.snapshots]).tolist()
+        return [not f for f in flags]
+
+    def get(self, step: int) -> Snapshot:
+        """The snapshot of ``step``.
+
+        Raises:
+            KeyError: If no kept snapshot has that step.
+        """
+        for snap in self.snapshots:
+            if snap.step == step:
+                return snap
+        raise KeyError(f"no snapshot of step {step} (kept: {self.steps()})")
+
+    def drop_after(self, step: int) -> None:
+        """Discard the snapshots taken after ``step``."""
+        self.snapshots = [s for s in self.snapshots if s.step <= step]
+
+    def restore(
+        self,
+        step: int,
+        module: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        schedulers: Sequence[Any],
+        scaler: Any,
+    ) -> dict[str, Any]:
+        """Put the snapshot of ``step`` back in place; return its ``extra`` mapping.
+
+        Parameters are copied in place (optimizers keep referring to the same tensors); optimizer states are
+        loaded from fresh copies, so the snapshot itself stays intact for a later rollback.
+
+        Raises:
+            KeyError: If no kept snapshot has that step.
+        """
+        snap = self.get(step)
+        snap.wait()
+        module.load_state_dict(snap.model)
+        for opt, state in zip(optimizers, snap.optimizers, strict=True):
+            opt.load_state_dict(_copy_tree(state, None))
+        for sched, state in zip(schedulers, snap.schedulers, strict=True):
+            sched.load_state_dict(copy.deepcopy(state))
+        if scaler is not None and snap.scaler is not None:
+            scaler.load_state_dict(copy.deepcopy(snap.scaler))
+        # The trust test starts afresh from the restored state.
+        self._interval_count = 0
+        return copy.deepcopy(snap.extra)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data held by all kept snapshots."""
+        return sum(s.nbytes for s in self.snapshots)

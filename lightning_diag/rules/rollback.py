@@ -1,0 +1,153 @@
+"""The rollback policy of ``AnomalyAlarm(on_nonfinite="rollback")``: which snapshot to restore, and when to give up.
+
+Plain Python (no torch, no Lightning): the callback hands it snapshot steps and trust flags, it answers with the
+step to restore and writes the ``nonfinite_rollback`` alert. The snapshots themselves live in
+:mod:`lightning_diag.rollback`.
+
+Policy:
+
+* a snapshot is taken every ``every_n_steps`` optimizer steps; the newest ``keep`` are kept;
+* a snapshot is *trusted* unless the mean training loss of the steps before it was above ``spike_factor`` times
+  the running median of the loss (weights driven off by a burst of bad batches keep producing finite but
+  exploding losses for many steps before the first NaN: such a snapshot is already ruined);
+* on a non-finite step the newest trusted snapshot is restored (the oldest kept one when none is trusted);
+  snapshots newer than it are dropped (they belong to the trajectory that failed);
+* a non-finite step within ``repeat_window`` steps of the last rollback goes further back: the snapshot that
+  rollback restored is dropped too;
+* every rollback multiplies the learning rates by ``lr_factor`` for the rest of the run;
+* after ``max_rollbacks`` rollbacks (or with no snapshot left) the next non-finite step stops training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from lightning_diag.alerts import NONFINITE_ROLLBACK, Alert, Severity
+from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.registry import RULES
+
+__all__ = [
+    "DEFAULT_MAX_ROLLBACKS",
+    "DEFAULT_ROLLBACK_EVERY_N_STEPS",
+    "DEFAULT_ROLLBACK_KEEP",
+    "DEFAULT_ROLLBACK_LR_FACTOR",
+    "DEFAULT_SPIKE_FACTOR",
+    "NONFINITE_ROLLBACK",
+    "RollbackChoice",
+    "RollbackRule",
+]
+
+_SPEC = RULES[NONFINITE_ROLLBACK]
+#: Optimizer steps between two snapshots (see docs/anomaly_alarm.md for the cost).
+DEFAULT_ROLLBACK_EVERY_N_STEPS = int(_SPEC.settings["every_n_steps"])
+#: Every rollback multiplies the learning rates by this, for the rest of the run.
+DEFAULT_ROLLBACK_LR_FACTOR = float(_SPEC.settings["lr_factor"])
+#: Rollbacks allowed in one fit before the alarm stops training.
+DEFAULT_MAX_ROLLBACKS = int(_SPEC.settings["max_rollbacks"])
+#: Snapshots kept.
+DEFAULT_ROLLBACK_KEEP = 3
+#: A snapshot is not trusted when the loss before it was above this multiple of its running median.
+DEFAULT_SPIKE_FACTOR = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RollbackChoice:
+    """The answer of :meth:`RollbackRule.choose`.
+
+    Attributes:
+        step: The snapshot step to restore, or ``None`` to stop training.
+        drop_after: Snapshots taken after this step are discarded (``None``: keep all).
+        reason: Why this snapshot (or why none), for the alert message.
+    """
+
+    step: int | None
+    drop_after: int | None
+    reason: str
+
+
+class RollbackRule(Rule):
+    """Chooses the snapshot to restore and counts rollbacks.
+
+    Args:
+        lr_factor: Learning-rate multiplier applied at every rollback, in (0, 1).
+        max_rollbacks: Rollbacks allowed before the alarm stops.
+        repeat_window: A non-finite step this many optimizer steps after a rollback or fewer goes further back.
+
+    Example:
+        >>> rule = RollbackRule(lr_factor=0.5, max_rollbacks=3, repeat_window=50)
+        >>> rule.choose([0, 50, 100], [True, True, False], now=120).step
+        50
+        >>> rule.record(restored=50, now=120)
+        0.5
+        >>> rule.choose([0, 50], [True, True], now=130).step  # again within 50 steps: further back
+        0
+    """
+
+    rule_id: ClassVar[str] = NONFINITE_ROLLBACK
+    severity: ClassVar[Severity] = Severity.WARNING
+    state_keys: ClassVar[tuple[str, ...]] = ("rollbacks", "lr_scale", "last_rollback_step", "last_restored_step")
+
+    def __init__(self, lr_factor: float, max_rollbacks: int, repeat_window: int) -> None:
+        super().__init__()
+        self.lr_factor = float(lr_factor)
+        self.max_rollbacks = int(max_rollbacks)
+        self.repeat_window = int(repeat_window)
+        self.rollbacks = 0
+        self.lr_scale = 1.0
+        self.last_rollback_step: int | None = None
+        self.last_restored_step: int | None = None
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether ``max_rollbacks`` rollbacks were made already."""
+        return self.rollbacks >= self.max_rollbacks
+
+    def choose(self, steps: list[int], trusted: list[bool], now: int) -> RollbackChoice:
+        """The snapshot to restore at non-finite step ``now``, given the kept snapshot steps and their trust."""
+        if self.exhausted:
+            return RollbackChoice(None, None, f"{self.rollbacks} rollbacks made already (max_rollbacks)")
+        pairs = sorted(zip(steps, trusted, strict=True))
+        repeat = self.last_rollback_step is not None and now - self.last_rollback_step <= self.repeat_window
+        if repeat and self.last_restored_step is not None:
+            pairs = [(s, t) for s, t in pairs if s < self.last_restored_step]
+        if not pairs:
+            why = "no older snapshot is left" if repeat else "no snapshot was taken yet"
+            return RollbackChoice(None, None, why)
+        good = [s for s, t in pairs if t]
+        step = good[-1] if good else pairs[0][0]
+        how = []
+        if repeat:
+            how.append(f"non-finite again {now - (self.last_rollback_step or 0)} steps after the last rollback")
+        if not good:
+            how.append("no snapshot is trusted (the loss was spiking at each): the oldest kept")
+        elif step != pairs[-1][0]:
+            how.append(f"newer snapshots were taken while the loss was spiking ({pairs[-1][0]})")
+        return RollbackChoice(step, step, "; ".join(how))
+
+    def record(self, restored: int, now: int) -> float:
+        """Count a rollback to snapshot ``restored`` at step ``now``; return the learning-rate scale in force."""
+        self.rollbacks += 1
+        self.lr_scale *= self.lr_factor
+        self.last_rollback_step = now
+        self.last_restored_step = restored
+        return self.lr_scale
+
+    def alert(self, ctx: StepContext, restored: int, found: str, source: str, reason: str) -> Alert:
+        """The ``nonfinite_rollback`` warning of the rollback just recorded."""
+        why = f" ({reason})" if reason else ""
+        return self._alert(
+            ctx,
+            f"non-finite values at global step {ctx.global_step} ({found}): rolled back to the snapshot of step "
+            f"{restored}{why}; learning rates now x{self.lr_scale:.4g} (rollback {self.rollbacks} of "
+            f"{self.max_rollbacks}); the batches in between are not replayed",
+            source=source,
+            value=float(self.rollbacks),
+            threshold=float(self.max_rollbacks),
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (see :meth:`Rule.load_state_dict`)."""
+        super().load_state_dict(state)
+        self.rollbacks = int(self.rollbacks)
+        self.lr_scale = float(self.lr_scale)
