@@ -33,6 +33,7 @@ _LAZY: dict[str, str] = {
     "GradientFlowMonitor": "lightning_diag.callbacks.gradient_flow",
     "QuantizationProbe": "lightning_diag.callbacks.quantization_probe",
     "SharpnessProbe": "lightning_diag.callbacks.sharpness_probe",
+    "SystemMonitor": "lightning_diag.callbacks.system_monitor",
 }
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "QuantizationProbe",
     "Severity",
     "SharpnessProbe",
+    "SystemMonitor",
     "__version__",
     "attention_requested",
     "read_alerts",
@@ -62,6 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
     from lightning_diag.callbacks.quantization_probe import QuantizationProbe
     from lightning_diag.callbacks.sharpness_probe import SharpnessProbe
+    from lightning_diag.callbacks.system_monitor import SystemMonitor
 
 
 def __getattr__(name: str) -> Any:

@@ -105,6 +105,9 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout for the rules in effect, in the form ``SummaryWriter.add_custom_scalars`` takes.
 
     Sections: ``Gradients`` (when a ``grad_*`` rule is in effect), ``Attention`` (an ``attn_*`` rule),
+    ``Loss & LR`` (a loss or validation rule) and ``System`` (a SystemMonitor rule). Multiline charts select
+    tags by regular expression (matched from the start of the tag); their ``diag/threshold/<rule>`` series draw
+    the thresholds as reference lines.
     ``Loss & LR`` (a loss or validation rule) and ``Data`` (a ``data_*`` rule or ``label_imbalance``). Multiline
     charts select tags by regular expression (matched from the start of the tag); their
     ``diag/threshold/<rule>`` series draw the thresholds as reference lines.
@@ -153,6 +156,26 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
             ],
             "fluctuation: validation vs training": ["Multiline", [f"{p}/loss/(train|val)_fluctuation$"]],
             "learning rate per optimizer and group": ["Multiline", [f"{p}/lr/"]],
+        }
+    if any(r in rules for r in ("dataloader_bound", "step_time_periodic", "step_time_fluctuation", "memory_growth")):
+        layout["System"] = {
+            "step time and its parts, seconds per optimizer step": [
+                "Multiline",
+                [f"{p}/system/(step_time|data_wait|forward_backward|optimizer)_s$"],
+            ],
+            "data waiting / step time (line: dataloader_bound)": [
+                "Multiline",
+                [f"{p}/system/data_wait_share$", f"{p}/threshold/dataloader_bound$"],
+            ],
+            "step-time fluctuation (line: step_time_fluctuation)": [
+                "Multiline",
+                [f"{p}/system/step_time_fluctuation$", f"{p}/threshold/step_time_fluctuation$"],
+            ],
+            "throughput": ["Multiline", [f"{p}/system/(samples|tokens)_per_s$"]],
+            "memory, MiB": ["Multiline", [f"{p}/system/.*_mib$"]],
+            "GPU (NVML)": ["Multiline", [f"{p}/system/gpu_"]],
+            "step time per rank": ["Multiline", [f"{p}/system/rank_[0-9]+/"]],
+            "diagnostics' own share of the time, per callback": ["Multiline", [f"{p}/overhead/"]],
         }
     layout.update(_data_section(rules))
     layout.update(_probes_layout(rules))

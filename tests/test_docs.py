@@ -9,10 +9,12 @@ import lightning_diag.rules.attention as attention_rules
 import lightning_diag.rules.data as data_rules
 import lightning_diag.rules.grad as grad_rules
 import lightning_diag.rules.probes as probe_rules
+import lightning_diag.rules.system as system_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODULES = (
-    anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, probe_rules
+    anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, probe_rules,
+    system_rules,
 )
 
 
@@ -60,7 +62,9 @@ def test_thresholds_arguments_are_real_constructor_arguments():
         GradientFlowMonitor,
         QuantizationProbe,
         SharpnessProbe,
+        SystemMonitor,
     )
+    from lightning_diag.rules.registry import owner_of
 
     for rule, argument, _constant, default, _m, _s in _rows():
         kinds = {
@@ -72,6 +76,8 @@ def test_thresholds_arguments_are_real_constructor_arguments():
             "`quan": QuantizationProbe,
         }
         callback = kinds.get(rule[:5], AnomalyAlarm)
+        if owner_of(rule.strip("`")) == "SystemMonitor":
+            callback = SystemMonitor
         params = inspect.signature(callback).parameters
         arg = argument.strip("`")
         assert arg in params, arg

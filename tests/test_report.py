@@ -298,3 +298,17 @@ def test_high_entropy_is_judged_as_the_rule_judges_it(tmp_path, capsys, uniform,
     assert "0.9 of uniform" in band["threshold"]
     assert band["status"] == "pass" and "3 measurements above 2.5 nats" in band["note"]
     assert ("replayed info hints: attn_entropy_high" in band["note"]) == hint
+
+
+def test_latency_fluctuation_row_is_measured_from_the_system_monitor(tmp_path, capsys):
+    from lightning_diag.alerts import Alert
+
+    rows = {}
+    alert = Alert("step_time_fluctuation", "warning", "fluctuates", 0, 20, 0.4, 0.15, "step_time")
+    for name, values, alerts in (("ok", [0.03, 0.05, 0.04], ()), ("bad", [0.3, 0.35, 0.4], [alert])):
+        _write_run(tmp_path / name, {"diag/system/step_time_fluctuation": values}, alerts=alerts)
+        (run,) = _report_json(tmp_path / name, capsys)["runs"]
+        rows[name] = next(c for c in run["checks"] if c["id"] == "deploy_latency_fluctuation")
+    assert rows["ok"]["status"] == "pass" and rows["ok"]["measured_value"]["max"] == pytest.approx(0.05)
+    assert rows["ok"]["threshold_value"] == {"value": 0.15}
+    assert rows["bad"]["status"] == "fail" and rows["bad"]["measured_value"]["max"] == pytest.approx(0.4)

@@ -41,7 +41,7 @@ from lightning_diag.alerts import ALL_RULES, Alert
 from lightning_diag.report.load import RunData
 from lightning_diag.report.replay import REPLAYS, _by_step, _per_layer, _setting, replay
 from lightning_diag.rules.registry import CHECKS, RULES, CheckSpec
-from lightning_diag.tags import attn_head, attn_mean, grad_total_tag, loss_tag, prefix
+from lightning_diag.tags import attn_head, attn_mean, family_tag, grad_total_tag, loss_tag, prefix
 
 __all__ = ["MEASURES", "REPLAYS", "Check", "RunReport", "Status", "diagnose", "measure", "replay"]
 
@@ -369,6 +369,21 @@ def _measure_val_fluctuation(run: RunData, check: Check) -> bool:
         window = _threshold(run, "val_fluctuation.window")
         check.add_note(f"needs {int(window) if window else 'more'} validation runs")
     return bool(ratios)
+
+
+@measure("deploy_latency_fluctuation")
+def _measure_latency(run: RunData, check: Check) -> bool:
+    # SystemMonitor's step-time fluctuation (relative MAD of block medians), judged by its rule's patience
+    values = _finite(run.scalars.get(family_tag("system", "step_time_fluctuation"), []))
+    limit = _threshold(run, "step_time_fluctuation")
+    check.threshold = f"step-time fluctuation <= {_fmt(limit)}" if limit is not None else "not logged"
+    check.threshold_value = {"value": limit} if limit is not None else {}
+    if values:
+        check.measured = f"step-time fluctuation up to {_fmt(max(values))} (last {_fmt(values[-1])})"
+        check.measured_value = {"max": max(values), "last": values[-1]}
+        if limit is not None and max(values) > limit:
+            check.add_note("above the threshold on fewer consecutive checks than step_time_fluctuation's patience")
+    return bool(values)
 
 
 def _measure_generic(run: RunData, check: Check) -> bool:

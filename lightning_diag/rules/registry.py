@@ -522,3 +522,27 @@ register(RuleSpec("nonfinite_rollback", _ALARM, "warning", None,
                   settings={"every_n_steps": 50, "lr_factor": 0.5, "max_rollbacks": 3}, check="nonfinite",
                   arguments={"every_n_steps": "rollback_every_n_steps", "lr_factor": "rollback_lr_factor",
                              "max_rollbacks": "max_rollbacks"}))
+
+_SYSTEM = "SystemMonitor"
+register(RuleSpec("dataloader_bound", _SYSTEM, "warning", 0.25,
+                  "waiting for data above {threshold:.0%} of the step time on {patience:g} consecutive intervals",
+                  settings={"patience": 3, "min_wait_s": 0.005},
+                  arguments={"threshold": "dataloader_share", "patience": "dataloader_patience",
+                             "min_wait_s": "dataloader_min_wait_s"}))
+register(RuleSpec("step_time_periodic", _SYSTEM, "warning", 0.05,
+                  "slow steps (more than {slow_ratio:.0%} above the median) recurring with a fixed period and costing"
+                  " above {threshold:.0%} of the time",
+                  settings={"slow_ratio": 0.5, "window": 200}, source="seed 001 §1.2",
+                  arguments={"threshold": "periodic_share", "slow_ratio": "slow_ratio", "window": "window"}))
+register(RuleSpec("step_time_fluctuation", _SYSTEM, "warning", 0.15,
+                  "step-time fluctuation (median absolute deviation / median of {block_steps:g}-step block medians)"
+                  " above {threshold:.0%}",
+                  settings={"patience": 3, "warmup_steps": 20, "block_steps": 10}, check="deploy_latency_fluctuation",
+                  source="seed 000 §7.1",
+                  arguments={"threshold": "fluctuation_threshold", "patience": "fluctuation_patience",
+                             "warmup_steps": "warmup_steps", "block_steps": "block_steps"}))
+register(RuleSpec("memory_growth", _SYSTEM, "warning", 0.1,
+                  "host or device memory growing by more than {threshold:.0%} over {window:g} intervals",
+                  settings={"window": 8, "rising_fraction": 0.7},
+                  arguments={"threshold": "memory_growth", "window": "memory_window",
+                             "rising_fraction": "memory_rising_fraction"}))

@@ -1,0 +1,518 @@
+"""SystemMonitor: where each step's time goes, periodic stalls, memory, the hardware, and the diagnostics' cost."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.trainer.states import TrainerFn
+
+from lightning_diag._validation import check_int, check_number
+from lightning_diag.callbacks._system_probes import (
+    CudaClock,
+    HookTimer,
+    HostClock,
+    NvmlProbe,
+    batch_size_and_tokens,
+    cuda_memory,
+    host_rss_bytes,
+)
+from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.rules.system import (
+    DEFAULT_BLOCK_STEPS,
+    DEFAULT_DATALOADER_MIN_WAIT_S,
+    DEFAULT_DATALOADER_PATIENCE,
+    DEFAULT_DATALOADER_SHARE,
+    DEFAULT_FLUCTUATION,
+    DEFAULT_FLUCTUATION_PATIENCE,
+    DEFAULT_MEMORY_GROWTH,
+    DEFAULT_MEMORY_RISING_FRACTION,
+    DEFAULT_MEMORY_WINDOW,
+    DEFAULT_PERIODIC_SHARE,
+    DEFAULT_SLOW_RATIO,
+    DEFAULT_STEP_WINDOW,
+    DEFAULT_WARMUP_STEPS,
+    DataloaderBoundRule,
+    MemoryGrowthRule,
+    StepFluctuationRule,
+    StepPeriodicRule,
+)
+from lightning_diag.tags import family_tag, overhead_tag
+
+__all__ = ["SystemMonitor"]
+
+_STATE_KEYS = ("dataloader", "periodic", "fluctuation", "memory", "window", "utilization", "steps_seen")
+_MIB = 2**20
+# Per-interval numbers every rank contributes (gathered on logging steps under DDP).
+_HEADER = ("wait", "forward_backward", "optimizer", "validation", "checkpoint", "samples", "tokens", "rss")
+
+
+class SystemMonitor(DiagCallback):
+    r"""Where each optimizer step's time goes, periodic stalls, memory growth, and what the diagnostics cost.
+
+    Every optimizer step is split into **waiting for data** (from the end of one training batch to the start of
+    the next, without validation and checkpoint saving), **forward + backward** (batch start to
+    ``on_before_optimizer_step``; with gradient accumulation, every micro-batch) and the **optimizer step**
+    (``on_before_optimizer_step`` to batch end). On CPU the marks are ``time.perf_counter`` readings; on CUDA
+    the compute marks are CUDA events read on logging steps only, so quiet steps never synchronise. Validation
+    and ``trainer.save_checkpoint`` are timed on the host. Aggregated and logged every ``log_every_n_steps``
+    optimizer steps.
+
+    It also times the hooks of every other lightning_diag callback on the trainer (and its own, and the
+    attention recorder's): wall time inside them over the interval's wall time is
+    ``diag/overhead/<CallbackName>``.
+
+    Logged metrics (global rank zero; ``_s`` values are means per optimizer step over the interval):
+
+    * ``diag/system/step_time_s``, ``diag/system/data_wait_s``, ``diag/system/forward_backward_s``,
+      ``diag/system/optimizer_s``, ``diag/system/data_wait_share`` (waiting / step time).
+    * ``diag/system/validation_s``, ``diag/system/checkpoint_s``: seconds spent in the interval.
+    * ``diag/system/samples_per_s``, ``diag/system/tokens_per_s`` (when the batch has ``attention_mask`` /
+      ``input_ids`` or is 2-D integer token ids).
+    * ``diag/system/step_time_fluctuation`` (relative median absolute deviation of the window),
+      ``diag/system/step_time_period`` (steps; 0 when none).
+    * ``diag/system/host_rss_mib``; on CUDA ``diag/system/cuda_allocated_mib``, ``cuda_reserved_mib``,
+      ``cuda_peak_mib`` (peak over the interval); with NVML ``diag/system/gpu_utilization``,
+      ``gpu_memory_mib``, ``gpu_temperature_c``, ``gpu_power_w``, ``gpu_sm_clock_mhz``.
+    * Under DDP: ``diag/system/rank_<r>/step_time_s``, ``diag/system/rank_<r>/data_wait_s``,
+      ``diag/system/slowest_rank`` (the rank with the most data waiting when that is above 10% of the step,
+      else the longest step), ``diag/system/straggler_ratio`` (longest / shortest rank step time).
+    * ``diag/overhead/<CallbackName>``: fraction of the interval's wall time spent in that callback's hooks.
+    * ``diag/threshold/dataloader_bound``, ``diag/threshold/step_time_fluctuation``: reference lines.
+
+    Rules (see :mod:`lightning_diag.rules.system` for the exact meaning): ``dataloader_bound``,
+    ``step_time_periodic``, ``step_time_fluctuation``, ``memory_growth``. Under DDP the rules judge the
+    elementwise maximum over ranks (a synchronous step is as slow as its slowest rank), so every rank decides
+    the same; the NVML utilisation test judges each rank's own device.
+
+    Args:
+        log_every_n_steps: Aggregate, log and judge every this many optimizer steps; defaults to the trainer's.
+        dataloader_share: ``dataloader_bound`` threshold: waiting / step time (default 0.25).
+        dataloader_patience: Consecutive intervals ``dataloader_bound`` must hold (default 3).
+        dataloader_min_wait_s: Waiting per step (seconds) below which ``dataloader_bound`` never fires
+            (default 0.005).
+        periodic_share: ``step_time_periodic`` threshold: the periodic slow steps' excess over the median as a
+            fraction of the window's time (default 0.05).
+        slow_ratio: A step is slow more than this fraction above the median (default 0.5).
+        window: Optimizer steps the periodic and fluctuation tests look at (default 200).
+        fluctuation_threshold: ``step_time_fluctuation`` threshold (default 0.15, seed 000 §7.1).
+        fluctuation_patience: Consecutive checks it must hold (default 3).
+        warmup_steps: First optimizer steps of a fit left out of the step-time tests (default 20).
+        memory_growth: ``memory_growth`` threshold: relative growth over ``memory_window`` (default 0.1).
+        memory_window: Logging intervals the growth is measured over (default 8).
+        memory_rising_fraction: Fraction of those intervals that must rise (default 0.7).
+        nvml: Read GPU metrics through NVML when ``nvidia-ml-py`` is installed and the run is on CUDA.
+        time_callbacks: Time the other lightning_diag callbacks' hooks (``diag/overhead/...``).
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        dataloader_share: float = DEFAULT_DATALOADER_SHARE,
+        dataloader_patience: int = DEFAULT_DATALOADER_PATIENCE,
+        dataloader_min_wait_s: float = DEFAULT_DATALOADER_MIN_WAIT_S,
+        periodic_share: float = DEFAULT_PERIODIC_SHARE,
+        slow_ratio: float = DEFAULT_SLOW_RATIO,
+        window: int = DEFAULT_STEP_WINDOW,
+        fluctuation_threshold: float = DEFAULT_FLUCTUATION,
+        fluctuation_patience: int = DEFAULT_FLUCTUATION_PATIENCE,
+        warmup_steps: int = DEFAULT_WARMUP_STEPS,
+        block_steps: int = DEFAULT_BLOCK_STEPS,
+        memory_growth: float = DEFAULT_MEMORY_GROWTH,
+        memory_window: int = DEFAULT_MEMORY_WINDOW,
+        memory_rising_fraction: float = DEFAULT_MEMORY_RISING_FRACTION,
+        nvml: bool = True,
+        time_callbacks: bool = True,
+    ) -> None:
+        super().__init__(log_every_n_steps=log_every_n_steps)
+        self.dataloader_share = check_number("dataloader_share", dataloader_share, low=0.0, high=1.0)
+        self.dataloader_patience = check_int("dataloader_patience", dataloader_patience, low=1)
+        self.dataloader_min_wait_s = check_number(
+            "dataloader_min_wait_s", dataloader_min_wait_s, low=0.0, low_inclusive=True
+        )
+        self.periodic_share = check_number("periodic_share", periodic_share, low=0.0, high=1.0)
+        self.slow_ratio = check_number("slow_ratio", slow_ratio, low=0.0)
+        self.window = check_int("window", window, low=30)
+        self.fluctuation_threshold = check_number("fluctuation_threshold", fluctuation_threshold, low=0.0)
+        self.fluctuation_patience = check_int("fluctuation_patience", fluctuation_patience, low=1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
+        self.block_steps = check_int("block_steps", block_steps, low=1)
+        self.memory_growth = check_number("memory_growth", memory_growth, low=0.0)
+        self.memory_window = check_int("memory_window", memory_window, low=3)
+        self.memory_rising_fraction = check_number(
+            "memory_rising_fraction", memory_rising_fraction, low=0.0, high=1.0
+        )
+        for name, flag in (("nvml", nvml), ("time_callbacks", time_callbacks)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"Expected argument `{name}` to be a bool, but got {flag!r}")
+        self.nvml = nvml
+        self.time_callbacks = time_callbacks
+        self._make_rules()
+        self._hooks = HookTimer()
+        self._clock: HostClock | CudaClock = HostClock()
+        self._nvml_probe: NvmlProbe | None = None
+        self._boundary: tuple[Any, Any] | None = None
+        self._reset_run()
+
+    def _make_rules(self) -> None:
+        self.dataloader_rule = DataloaderBoundRule(
+            self.dataloader_share, self.dataloader_patience, self.dataloader_min_wait_s
+        )
+        self.periodic_rule = StepPeriodicRule(self.periodic_share, self.slow_ratio)
+        self.fluctuation_rule = StepFluctuationRule(
+            self.fluctuation_threshold, self.fluctuation_patience, self.block_steps
+        )
+        self.memory_rule = MemoryGrowthRule(self.memory_growth, self.memory_window, self.memory_rising_fraction)
+        # (wall step time, compute time, excluded from the fluctuation test) per optimizer step after warm-up
+        self.step_window: deque[tuple[float, float, bool]] = deque(maxlen=self.window)
+        self.util_window: deque[float] = deque(maxlen=self.window)
+        self.steps_seen = 0
+
+    def _reset_run(self) -> None:
+        self._prev_end: float | None = None
+        self._outside = 0.0  # validation + checkpoint seconds since the last batch end
+        self._after_validation = False
+        self._step_at_start = -1
+        self._batch_start: Any = None
+        self._before_opt: Any = None
+        self._pending: list[tuple[Any, Any, str]] = []  # (start, end, "fb" | "opt") marks of the interval
+        self._step_pending: list[int] = []  # index into _pending where each step of the interval ends
+        self._step_waits: list[float] = []
+        self._step_cpu: list[float] = []
+        self._step_ckpt: list[float] = []
+        self._cur_cpu = 0.0
+        self._cpu_start = 0.0
+        self._cur_wait = 0.0
+        self._first_of_run = False
+        self._step_flags: list[bool] = []
+        self._step_extra: list[float] = []  # checkpoint seconds after each step
+        self._acc = dict.fromkeys(_HEADER, 0.0)
+        self._tokens_dev: torch.Tensor | None = None
+        self._wall_start = time.perf_counter()
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The rules' state, the step-time and utilisation windows and the steps seen."""
+        return {
+            "dataloader": self.dataloader_rule.state_dict(),
+            "periodic": self.periodic_rule.state_dict(),
+            "fluctuation": self.fluctuation_rule.state_dict(),
+            "memory": self.memory_rule.state_dict(),
+            "window": [[t, c, bool(f)] for t, c, f in self.step_window],
+            "utilization": list(self.util_window),
+            "steps_seen": self.steps_seen,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing key.
+        """
+        self.check_state_keys(state_dict, _STATE_KEYS)
+        self.dataloader_rule.load_state_dict(state_dict["dataloader"])
+        self.periodic_rule.load_state_dict(state_dict["periodic"])
+        self.fluctuation_rule.load_state_dict(state_dict["fluctuation"])
+        self.memory_rule.load_state_dict(state_dict["memory"])
+        self.step_window = deque(
+            ((float(t), float(c), bool(f)) for t, c, f in state_dict["window"]), maxlen=self.window
+        )
+        self.util_window = deque((float(u) for u in state_dict["utilization"]), maxlen=self.window)
+        self.steps_seen = int(state_dict["steps_seen"])
+
+    # -- set-up ----------------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Fresh rules for a new fit; start timing the diagnostics' hooks and checkpoint saving."""
+        super().setup(trainer, pl_module, stage)
+        if stage != TrainerFn.FITTING:
+            return
+        self._make_rules()
+        self._reset_run()
+        self._unwrap_batch_end()
+        self._hooks.detach()
+        self._hooks = HookTimer()
+        if self.time_callbacks:
+            self._hooks.attach([cb for cb in trainer.callbacks if isinstance(cb, DiagCallback)])  # type: ignore[attr-defined]
+        self._wrap_save_checkpoint(trainer)
+        self._wrap_batch_end(trainer)
+
+    def _wrap_batch_end(self, trainer: pl.Trainer) -> None:
+        # The step ends after the last callback's `on_train_batch_end` (Lightning runs them in list order), so
+        # the time other callbacks spend there is the step's, not data waiting.
+        close = self._hooks.timed(type(self).__name__, self._close_batch) if self.time_callbacks else self._close_batch
+        last = trainer.callbacks[-1]  # type: ignore[attr-defined]
+        previous = vars(last).get("on_train_batch_end")
+        inner = last.on_train_batch_end
+
+        def on_train_batch_end(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return inner(trainer, *args, **kwargs)
+            finally:
+                close(trainer)
+
+        last.on_train_batch_end = on_train_batch_end
+        self._boundary = (last, previous)
+
+    def _unwrap_batch_end(self) -> None:
+        boundary, self._boundary = self._boundary, None
+        if boundary is not None:
+            last, previous = boundary
+            if previous is None:
+                vars(last).pop("on_train_batch_end", None)
+            else:
+                last.on_train_batch_end = previous
+
+    def _wrap_save_checkpoint(self, trainer: pl.Trainer) -> None:
+        if "save_checkpoint" in vars(trainer):
+            return
+        original = trainer.save_checkpoint
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self._outside += elapsed
+                self._acc["checkpoint"] += elapsed
+
+        trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Remove the timers, then release the session."""
+        self._unwrap_batch_end()
+        self._hooks.detach()
+        vars(trainer).pop("save_checkpoint", None)
+        if self._nvml_probe is not None and self._nvml_probe.nvml is not None:
+            with contextlib.suppress(Exception):
+                self._nvml_probe.nvml.nvmlShutdown()
+        self._nvml_probe = None
+        super().teardown(trainer, pl_module, stage)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Pick the clock (CUDA events on a CUDA device) and open NVML."""
+        device = pl_module.device
+        self._device = device
+        self._clock = CudaClock() if device.type == "cuda" else HostClock()
+        if self.nvml and device.type == "cuda" and self._nvml_probe is None:
+            probe = NvmlProbe(device.index if device.index is not None else torch.cuda.current_device())
+            self._nvml_probe = probe if probe.active else None
+        self._reset_run()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    # -- the step --------------------------------------------------------------------------------------------
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Close the data wait; mark the start of the batch's compute."""
+        now = time.perf_counter()
+        if self._prev_end is None:
+            self._first_of_run = True  # no previous batch end: the wait is unknown, the step is left out
+        else:
+            self._cur_wait += max(0.0, now - self._prev_end - self._outside)
+        self._outside = 0.0
+        if self._step_at_start < 0:
+            self._step_at_start = trainer.global_step
+        size, tokens = batch_size_and_tokens(batch)
+        self._acc["samples"] += size
+        if isinstance(tokens, torch.Tensor):
+            self._tokens_dev = tokens.float() if self._tokens_dev is None else self._tokens_dev + tokens
+        elif tokens is not None:
+            self._acc["tokens"] += tokens
+        self._cpu_start = time.process_time()
+        self._batch_start = self._clock.mark()
+        self._before_opt = None
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Mark the end of forward + backward."""
+        if self._batch_start is not None:
+            self._before_opt = self._clock.mark()
+
+    def _close_batch(self, trainer: pl.Trainer) -> None:
+        """After the last callback's ``on_train_batch_end``: mark the end of the batch; on an optimizer-step
+        boundary close the step, on a logging step report."""
+        if self._batch_start is None:
+            return
+        end = self._clock.mark()
+        in_batch, self._outside = self._outside, 0.0  # checkpoint saving inside the batch's hooks
+        self._cur_cpu += time.process_time() - self._cpu_start
+        if self._before_opt is not None:
+            self._pending.append((self._batch_start, self._before_opt, "fb"))
+            self._pending.append((self._before_opt, end, "opt"))
+        else:
+            self._pending.append((self._batch_start, end, "fb"))
+        self._batch_start = None
+        if trainer.global_step != self._step_at_start:
+            self._step_at_start = trainer.global_step
+            self._step_pending.append(len(self._pending))
+            self._step_waits.append(self._cur_wait)
+            self._step_cpu.append(self._cur_cpu)
+            self._step_ckpt.append(in_batch)
+            self._cur_cpu = 0.0
+            self._step_flags.append(self._after_validation or self._first_of_run or in_batch > 0)
+            self._cur_wait, self._after_validation, self._first_of_run = 0.0, False, False
+            if self.is_logging_step(trainer):
+                self._report(trainer)
+        self._prev_end = time.perf_counter()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start timing validation (its time is not data waiting)."""
+        self._val_start: float | None = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Stop timing validation; the next step is left out of the fluctuation test."""
+        start: float | None = getattr(self, "_val_start", None)
+        if start is None or trainer.sanity_checking:
+            return
+        elapsed = time.perf_counter() - start
+        self._outside += elapsed
+        self._acc["validation"] += elapsed
+        self._after_validation = True
+        self._val_start = None
+
+    # -- reporting -------------------------------------------------------------------------------------------
+    def _resolve_steps(self) -> list[tuple[float, float, float, float, float]]:
+        """(wait, forward+backward, optimizer, compute for the fluctuation test, checkpoint) seconds per
+        optimizer step.
+
+        The compute time of the fluctuation test is the process CPU time on CPU (the contention of other
+        processes on a shared machine is the machine's, not the run's) and the CUDA-event time on CUDA.
+        """
+        on_cpu = isinstance(self._clock, HostClock)
+        durations = self._clock.durations([(a, b) for a, b, _ in self._pending])
+        steps, begin = [], 0
+        for i, stop in enumerate(self._step_pending):
+            kinds = [k for _, _, k in self._pending[begin:stop]]
+            fb = sum(d for d, k in zip(durations[begin:stop], kinds, strict=True) if k == "fb")
+            opt = sum(d for d, k in zip(durations[begin:stop], kinds, strict=True) if k == "opt")
+            # checkpoint saving inside the batch (ModelCheckpoint's hook) is reported apart, and the periodic
+            # test sees it again through the step total
+            ckpt = self._step_ckpt[i]
+            opt, fb = max(0.0, opt - ckpt), max(0.0, fb - max(0.0, ckpt - opt))
+            steps.append((self._step_waits[i], fb, opt, self._step_cpu[i] if on_cpu else fb + opt, ckpt))
+            begin = stop
+        # keep the marks of a step still in progress (gradient accumulation across a logging boundary)
+        self._pending = self._pending[begin:]
+        self._step_waits, self._step_pending, self._step_cpu, self._step_ckpt = [], [], [], []
+        return steps
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        steps = self._resolve_steps()
+        flags, self._step_flags = self._step_flags, []
+        if not steps:
+            return
+        acc, self._acc = self._acc, dict.fromkeys(_HEADER, 0.0)
+        if self._tokens_dev is not None:
+            acc["tokens"] += float(self._tokens_dev.item())
+            self._tokens_dev = None
+        now = time.perf_counter()
+        wall, self._wall_start = now - self._wall_start, now
+        acc["rss"] = host_rss_bytes()
+        cuda = cuda_memory(self._device) if getattr(self, "_device", None) is not None else {}
+        waits = np.array([s[0] for s in steps], dtype=float)
+        acc["wait"] = float(waits.sum())
+        acc["forward_backward"] = float(sum(s[1] for s in steps))
+        acc["optimizer"] = float(sum(s[2] for s in steps))
+        totals = waits + np.array([s[1] + s[2] + s[4] for s in steps])
+        compute = np.array([s[3] for s in steps], dtype=float)
+        header = np.array([acc[k] for k in _HEADER], dtype=float)
+        header, totals, compute, per_rank = self._gather(trainer, header, totals, compute)
+        merged = dict(zip(_HEADER, header.tolist(), strict=True))
+        n = len(steps)
+        ctx = self.context(trainer)
+        step = trainer.global_step
+
+        for t, c, flag in zip(totals.tolist(), compute.tolist(), flags, strict=True):
+            self.steps_seen += 1
+            if self.steps_seen > self.warmup_steps:
+                self.step_window.append((float(t), float(c), bool(flag)))
+        alerts = []
+        step_total = float(totals.sum())
+        alerts += self.dataloader_rule.update(ctx, merged["wait"], step_total, n)
+        times = [t for t, _, _ in self.step_window]
+        alerts += self.periodic_rule.update(ctx, times)
+        pattern = self.periodic_rule.last
+        keep = [
+            c
+            for i, (_, c, flag) in enumerate(self.step_window)
+            if not flag and not (pattern.found and i >= pattern.phase and (i - pattern.phase) % pattern.period == 0)
+        ]
+        fluctuation, found = self.fluctuation_rule.update(ctx, keep)
+        alerts += found
+        memory = {"host_rss": merged["rss"], **{k: v for k, v in cuda.items() if k == "cuda_allocated"}}
+        alerts += self.memory_rule.update(ctx, memory)
+
+        values = {
+            family_tag("system", "step_time_s"): step_total / n,
+            family_tag("system", "data_wait_s"): merged["wait"] / n,
+            family_tag("system", "forward_backward_s"): merged["forward_backward"] / n,
+            family_tag("system", "optimizer_s"): merged["optimizer"] / n,
+            family_tag("system", "data_wait_share"): merged["wait"] / step_total if step_total > 0 else 0.0,
+            family_tag("system", "validation_s"): merged["validation"],
+            family_tag("system", "checkpoint_s"): merged["checkpoint"],
+            family_tag("system", "step_time_period"): float(pattern.period),
+            family_tag("system", "host_rss_mib"): merged["rss"] / _MIB,
+            **{family_tag("system", f"{k}_mib"): v / _MIB for k, v in cuda.items()},
+            **self.threshold_lines("dataloader_bound", "step_time_fluctuation"),
+        }
+        if step_total > 0:
+            values[family_tag("system", "samples_per_s")] = merged["samples"] / step_total
+            if merged["tokens"] > 0:
+                values[family_tag("system", "tokens_per_s")] = merged["tokens"] / step_total
+        if math.isfinite(fluctuation):
+            values[family_tag("system", "step_time_fluctuation")] = fluctuation
+        if per_rank is not None:
+            rank_totals, rank_waits = per_rank
+            # The gradient all-reduce makes every rank's step as long as the slowest one's, so the step times
+            # barely differ: the rank the others wait for is the one with the most data waiting when that is
+            # material, else the one with the longest step.
+            material = rank_waits.max() > 0.1 * max(float(np.median(rank_totals)), 1e-12)
+            slowest = int(np.argmax(rank_waits if material else rank_totals))
+            values[family_tag("system", "slowest_rank")] = float(slowest)
+            values[family_tag("system", "straggler_ratio")] = float(rank_totals.max() / max(rank_totals.min(), 1e-12))
+            for r, (total, wait) in enumerate(zip(rank_totals.tolist(), rank_waits.tolist(), strict=True)):
+                values[family_tag("system", f"rank_{r}", "step_time_s")] = total / n
+                values[family_tag("system", f"rank_{r}", "data_wait_s")] = wait / n
+        if self._nvml_probe is not None:
+            values.update({family_tag("system", k): v for k, v in self._nvml_probe.snapshot().items()})
+            util = self._nvml_probe.utilization()
+            if math.isfinite(util):
+                self.util_window.append(util)
+                values[family_tag("system", "gpu_utilization")] = util
+                alerts += self.periodic_rule.update_utilization(ctx, list(self.util_window))
+        if wall > 0:
+            for name, seconds in self._hooks.take().items():
+                values[overhead_tag(name)] = seconds / wall
+        self.writer.scalars(values, step)
+        self.record(alerts)
+
+    def _gather(
+        self, trainer: pl.Trainer, header: np.ndarray, totals: np.ndarray, compute: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        """Under DDP: the elementwise maximum over ranks (one collective), and each rank's summed step time and
+        data waiting."""
+        if trainer.world_size <= 1:
+            return header, totals, compute, None
+        n = len(totals)
+        local = torch.tensor(np.concatenate([header, totals, compute]), dtype=torch.float64, device=self._device)
+        gathered = trainer.strategy.all_gather(local)
+        rows = gathered.reshape(trainer.world_size, -1).cpu().numpy()
+        merged_header = rows[:, : len(header)].max(axis=0)
+        merged_header[_HEADER.index("samples")] = rows[:, _HEADER.index("samples")].sum()
+        merged_header[_HEADER.index("tokens")] = rows[:, _HEADER.index("tokens")].sum()
+        step_times = rows[:, len(header) : len(header) + n]
+        per_rank = (step_times.sum(axis=1), rows[:, _HEADER.index("wait")])
+        return merged_header, step_times.max(axis=0), rows[:, len(header) + n :].max(axis=0), per_rank

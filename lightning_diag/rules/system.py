@@ -1,0 +1,281 @@
+"""System rules (framework-free): ``dataloader_bound``, ``step_time_periodic``, ``step_time_fluctuation``,
+``memory_growth``. Fed by :class:`~lightning_diag.SystemMonitor` at its logging steps.
+
+Exact meaning:
+
+* ``dataloader_bound``: over one logging interval, the time spent waiting for the next batch is above
+  ``threshold`` of the step time **and** above ``min_wait_s`` per step, on ``patience`` consecutive intervals.
+* ``step_time_periodic``: in the last ``window`` optimizer steps, steps more than ``slow_ratio`` above the
+  median recur with a fixed period (:func:`~lightning_diag.stats.timing.detect_period`) and their excess over
+  the median costs more than ``threshold`` of the window's time. ``value`` is the period in steps. The same
+  test runs on dips of GPU utilisation when NVML is present (source ``gpu_utilization``).
+* ``step_time_fluctuation``: the step times of the window (after ``warmup_steps``, without the step after a
+  validation run and without the steps of a periodic pattern) are cut into blocks of ``block_steps``; the
+  relative median absolute deviation of the block medians is above ``threshold`` on ``patience`` consecutive
+  evaluations (at least :data:`MIN_BLOCKS` blocks).
+* ``memory_growth``: a memory series (host RSS, CUDA allocated) that grew by more than ``threshold`` of its
+  first value over the last ``window`` intervals (Theil–Sen slope), rising on at least ``rising_fraction`` of
+  them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from lightning_diag.alerts import Alert
+from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.registry import default
+from lightning_diag.stats.timing import Periodicity, Series, block_fluctuation, detect_period, growth
+
+__all__ = [
+    "DEFAULT_BLOCK_STEPS",
+    "DEFAULT_DATALOADER_MIN_WAIT_S",
+    "DEFAULT_DATALOADER_PATIENCE",
+    "DEFAULT_DATALOADER_SHARE",
+    "DEFAULT_FLUCTUATION",
+    "DEFAULT_FLUCTUATION_PATIENCE",
+    "DEFAULT_MEMORY_GROWTH",
+    "DEFAULT_MEMORY_RISING_FRACTION",
+    "DEFAULT_MEMORY_WINDOW",
+    "DEFAULT_PERIODIC_SHARE",
+    "DEFAULT_SLOW_RATIO",
+    "DEFAULT_STEP_WINDOW",
+    "DEFAULT_WARMUP_STEPS",
+    "DataloaderBoundRule",
+    "MemoryGrowthRule",
+    "StepFluctuationRule",
+    "StepPeriodicRule",
+]
+
+
+def _default(rule: str, setting: str | None = None) -> float:
+    return default(f"{rule}.{setting}" if setting else rule)
+
+
+#: ``dataloader_bound``: data waiting above this share of the step time.
+DEFAULT_DATALOADER_SHARE = _default("dataloader_bound")
+#: ``dataloader_bound``: consecutive logging intervals it must hold.
+DEFAULT_DATALOADER_PATIENCE = int(_default("dataloader_bound", "patience"))
+#: ``dataloader_bound``: seconds of waiting per step below which it never fires.
+DEFAULT_DATALOADER_MIN_WAIT_S = _default("dataloader_bound", "min_wait_s")
+#: ``step_time_periodic``: the periodic slow steps' excess above this share of the time.
+DEFAULT_PERIODIC_SHARE = _default("step_time_periodic")
+#: ``step_time_periodic``: a step is slow more than this fraction above the median.
+DEFAULT_SLOW_RATIO = _default("step_time_periodic", "slow_ratio")
+#: Optimizer steps of step times the periodic and fluctuation tests look at.
+DEFAULT_STEP_WINDOW = int(_default("step_time_periodic", "window"))
+#: ``step_time_fluctuation``: relative median absolute deviation above this (seed 000 §7.1: 15%).
+DEFAULT_FLUCTUATION = _default("step_time_fluctuation")
+#: ``step_time_fluctuation``: consecutive evaluations it must hold.
+DEFAULT_FLUCTUATION_PATIENCE = int(_default("step_time_fluctuation", "patience"))
+#: Optimizer steps at the start of a fit left out of the step-time tests.
+DEFAULT_WARMUP_STEPS = int(_default("step_time_fluctuation", "warmup_steps"))
+#: ``step_time_fluctuation``: optimizer steps per block whose median is one point of the fluctuation.
+DEFAULT_BLOCK_STEPS = int(_default("step_time_fluctuation", "block_steps"))
+#: ``memory_growth``: growth above this fraction of the window's first value.
+DEFAULT_MEMORY_GROWTH = _default("memory_growth")
+#: ``memory_growth``: logging intervals the growth is measured over.
+DEFAULT_MEMORY_WINDOW = int(_default("memory_growth", "window"))
+#: ``memory_growth``: fraction of the intervals that must rise.
+DEFAULT_MEMORY_RISING_FRACTION = _default("memory_growth", "rising_fraction")
+
+#: Fewest step times the periodic test judges.
+MIN_STEPS = 60
+#: Fewest blocks the fluctuation test judges.
+MIN_BLOCKS = 5
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+class DataloaderBoundRule(Rule):
+    """``dataloader_bound``: fed once per logging interval with the summed waiting and step time."""
+
+    rule_id = "dataloader_bound"
+    state_keys = ("streak",)
+
+    def __init__(
+        self,
+        threshold: float = DEFAULT_DATALOADER_SHARE,
+        patience: int = DEFAULT_DATALOADER_PATIENCE,
+        min_wait_s: float = DEFAULT_DATALOADER_MIN_WAIT_S,
+    ) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.patience = patience
+        self.min_wait_s = min_wait_s
+        self.streak = 0
+
+    def update(
+        self, ctx: StepContext, wait_s: float, step_s: float, steps: int, source: str = "dataloader"
+    ) -> list[Alert]:
+        """Judge one interval: ``wait_s`` and ``step_s`` summed over its ``steps`` optimizer steps."""
+        if steps <= 0 or not (step_s > 0) or not math.isfinite(wait_s):
+            return []
+        share = wait_s / step_s
+        active = share > self.threshold and wait_s / steps > self.min_wait_s
+        self.streak = self.streak + 1 if active else 0
+        if not self.latch.update(source, self.streak >= self.patience):
+            return []
+        return [
+            self._alert(
+                ctx,
+                f"the training loop waits for data {share:.0%} of the step time ({_seconds(wait_s / steps)} per step)"
+                f" on {self.streak} consecutive intervals: raise the DataLoader's `num_workers`, set"
+                " `pin_memory=True` and `persistent_workers=True`, raise `prefetch_factor`, or move preprocessing"
+                " out of `__getitem__`",
+                source,
+                share,
+                self.threshold,
+            )
+        ]
+
+
+class StepPeriodicRule(Rule):
+    """``step_time_periodic``: slow steps that recur with a fixed period (or periodic hardware dips)."""
+
+    rule_id = "step_time_periodic"
+    state_keys = ()
+
+    def __init__(self, threshold: float = DEFAULT_PERIODIC_SHARE, slow_ratio: float = DEFAULT_SLOW_RATIO) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.slow_ratio = slow_ratio
+        self.last = Periodicity(0)
+
+    def update(self, ctx: StepContext, times: Series, source: str = "step_time") -> list[Alert]:
+        """Judge the window of step times (seconds, oldest first)."""
+        if len(times) < MIN_STEPS:
+            return []
+        found = detect_period(times, self.slow_ratio)
+        self.last = found
+        active = found.found and found.share > self.threshold
+        if not self.latch.update(source, active):
+            return []
+        median = float(np.median(np.asarray(times, dtype=float)))
+        slow = float(np.mean(np.asarray(times, dtype=float)[found.phase :: found.period]))
+        return [
+            self._alert(
+                ctx,
+                f"every {found.period} steps a step is slow ({_seconds(slow)} against a median of {_seconds(median)};"
+                f" {found.occurrences} times in the last {len(times)} steps), costing {found.share:.0%} of the time:"
+                " look for work done every"
+                f" {found.period} steps (logging, checkpointing, evaluation, garbage collection, a callback)",
+                source,
+                float(found.period),
+                self.threshold,
+            )
+        ]
+
+    def update_utilization(self, ctx: StepContext, utilization: Series, dip: float = 20.0) -> list[Alert]:
+        """Judge a window of GPU utilisation samples (percent): periodic dips ``dip`` points below the median."""
+        if len(utilization) < MIN_STEPS:
+            return []
+        u = np.asarray(utilization, dtype=float)
+        found = detect_period(u, mask=u < float(np.median(u)) - dip)
+        source = "gpu_utilization"
+        if not self.latch.update(source, found.found):
+            return []
+        return [
+            self._alert(
+                ctx,
+                f"GPU utilisation dips every {found.period} steps ({found.occurrences} times in the last {u.size}"
+                " steps): the device idles periodically (host-side work, data stalls, synchronisation)",
+                source,
+                float(found.period),
+                self.threshold,
+            )
+        ]
+
+
+class StepFluctuationRule(Rule):
+    """``step_time_fluctuation``: relative median absolute deviation of the step times above the threshold."""
+
+    rule_id = "step_time_fluctuation"
+    state_keys = ("streak",)
+
+    def __init__(
+        self,
+        threshold: float = DEFAULT_FLUCTUATION,
+        patience: int = DEFAULT_FLUCTUATION_PATIENCE,
+        block_steps: int = DEFAULT_BLOCK_STEPS,
+    ) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.patience = patience
+        self.block_steps = block_steps
+        self.streak = 0
+
+    def update(self, ctx: StepContext, times: Series, source: str = "step_time") -> tuple[float, list[Alert]]:
+        """Judge a window of step times already cleared of warm-up, validation and periodic steps."""
+        if len(times) < MIN_BLOCKS * self.block_steps:
+            return float("nan"), []
+        value = block_fluctuation(times, self.block_steps)
+        active = math.isfinite(value) and value > self.threshold
+        self.streak = self.streak + 1 if active else 0
+        if not self.latch.update(source, self.streak >= self.patience):
+            return value, []
+        return value, [
+            self._alert(
+                ctx,
+                f"step time fluctuates by {value:.0%} (median absolute deviation / median of the medians of"
+                f" {self.block_steps}-step blocks over the last {len(times)} steps, warm-up, validation and periodic"
+                f" steps left out) on {self.streak} consecutive checks,"
+                f" above {self.threshold:.0%}: look for contention (other jobs on the machine, thermal throttling),"
+                " variable batch shapes or irregular host work",
+                source,
+                value,
+                self.threshold,
+            )
+        ]
+
+
+class MemoryGrowthRule(Rule):
+    """``memory_growth``: fed once per logging interval with each memory series' current value (bytes)."""
+
+    rule_id = "memory_growth"
+    state_keys = ("history",)
+
+    def __init__(
+        self,
+        threshold: float = DEFAULT_MEMORY_GROWTH,
+        window: int = DEFAULT_MEMORY_WINDOW,
+        rising_fraction: float = DEFAULT_MEMORY_RISING_FRACTION,
+    ) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.window = window
+        self.rising_fraction = rising_fraction
+        self.history: dict[str, list[float]] = {}
+
+    def update(self, ctx: StepContext, values: Mapping[str, float]) -> list[Alert]:
+        """Judge the latest value of each series (``{"host_rss": bytes, ...}``)."""
+        alerts = []
+        for source, value in values.items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                continue
+            series = self.history.setdefault(source, [])
+            series.append(float(value))
+            del series[: -self.window]
+            if len(series) < self.window:
+                continue
+            rel, rising = growth(series)
+            active = rel > self.threshold and rising >= self.rising_fraction
+            if self.latch.update(source, active):
+                mib = (series[-1] - series[0]) / 2**20
+                alerts.append(
+                    self._alert(
+                        ctx,
+                        f"{source} grew by {rel:.0%} ({mib:+.0f} MiB) over the last {len(series)} intervals, rising on"
+                        f" {rising:.0%} of them: a leak (tensors kept with their graph, e.g. `losses.append(loss)`"
+                        " instead of `loss.item()`/`loss.detach()`, or a cache that never evicts)",
+                        source,
+                        rel,
+                        self.threshold,
+                    )
+                )
+        return alerts

@@ -1,0 +1,149 @@
+"""Models, datasets and callbacks for the SystemMonitor scenario tests (real ``Trainer.fit`` runs)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+FAST: dict[str, Any] = dict(
+    accelerator="cpu",
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    enable_checkpointing=False,
+    num_sanity_val_steps=0,
+    logger=False,
+)
+
+
+class SleepyData(torch.utils.data.Dataset):
+    """Random features; ``__getitem__`` sleeps ``sleep_s`` (a slow dataset, with ``num_workers=0``)."""
+
+    def __init__(self, n: int, features: int, sleep_s: float = 0.0, seq: int = 0, vocab: int = 32) -> None:
+        g = torch.Generator().manual_seed(0)
+        if seq:  # token ids; the target (their mean) is learnable, so a healthy run's loss falls
+            self.x = torch.randint(0, vocab, (n, seq), generator=g)
+            self.y = self.x.float().mean(dim=1, keepdim=True) / vocab
+        else:
+            self.x = torch.randn(n, features, generator=g)
+            self.y = self.x[:, :1] * 0.5 + 0.1 * torch.randn(n, 1, generator=g)
+        self.sleep_s = sleep_s
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.x[i], self.y[i]
+
+
+class MLP(pl.LightningModule):
+    """An MLP regression whose step takes milliseconds; ``leak=True`` keeps every loss with its graph."""
+
+    def __init__(
+        self, features: int = 64, hidden: int = 256, batch: int = 16, sleep_s: float = 0.0, leak: bool = False,
+        samples: int = 4096,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, 1))
+        self.data = SleepyData(samples, features, sleep_s)
+        self.batch = batch
+        self.leak = leak
+        self.kept: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = (self.net(x) - y).pow(2).mean()
+        if self.leak:
+            # the classic leak: a loss kept for later with its whole graph (never backpropagated, so every
+            # activation it saved stays alive); `.item()` or `.detach()` is the fix
+            self.kept.append((self.net(x) - y).abs().mean())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", (self.net(x) - y).pow(2).mean())
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.data, batch_size=self.batch, shuffle=True)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.data, batch_size=self.batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class Encoder(pl.LightningModule):
+    """A small transformer encoder on token ids: a step of some milliseconds, attention the monitors can see."""
+
+    def __init__(self, width: int = 64, seq: int = 32, batch: int = 16, samples: int = 2048) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(32, width)
+        self.layers = nn.ModuleList(
+            [nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True) for _ in range(2)]
+        )
+        self.head = nn.Linear(width, 1)
+        self.data = SleepyData(samples, 0, seq=seq)
+        self.batch = batch
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h.mean(dim=1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, y = batch
+        return (self(ids) - y).pow(2).mean()
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.data, batch_size=self.batch, shuffle=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class StallEvery(pl.Callback):
+    """Sleeps ``stall_s`` at the end of every ``period``-th training batch (a periodic stall)."""
+
+    def __init__(self, period: int, stall_s: float) -> None:
+        self.period = period
+        self.stall_s = stall_s
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step % self.period == 0:
+            time.sleep(self.stall_s)
+
+
+class Recorder:
+    """A stand-in writer that keeps every scalar: ``values[tag] -> [(step, value), ...]``."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[tuple[int, float]]] = {}
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        for k, v in values.items():
+            self.values.setdefault(k, []).append((step, float(v)))
+
+
+class BusyBlocks(pl.Callback):
+    """Burns a random amount of CPU time (0–40 ms, seeded) on every step of each block of ``block`` steps:
+    sustained changes of the step's compute, measured in CPU time whatever the machine's load."""
+
+    def __init__(self, block: int = 10, seed: int = 0) -> None:
+        self.block = block
+        choice = torch.randint(0, 5, (1000,), generator=torch.Generator().manual_seed(seed))
+        self.levels = torch.tensor([0.0, 0.005, 0.01, 0.02, 0.04])[choice]
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        target = time.process_time() + float(self.levels[trainer.global_step // self.block])
+        while time.process_time() < target:
+            pass

@@ -1,0 +1,102 @@
+"""The CUDA and NVML paths of SystemMonitor, with fakes (this machine has neither)."""
+
+from types import SimpleNamespace
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_diag.callbacks._system_probes import (
+    CudaClock,
+    HookTimer,
+    NvmlProbe,
+    batch_size_and_tokens,
+    cuda_memory,
+    host_rss_bytes,
+)
+
+
+class FakeEvent:
+    clock = 0.0
+    synced = 0
+
+    def record(self):
+        FakeEvent.clock += 5.0
+        self.t = FakeEvent.clock
+
+    def synchronize(self):
+        FakeEvent.synced += 1
+
+    def elapsed_time(self, other):
+        return other.t - self.t  # milliseconds, like torch.cuda.Event
+
+
+def test_cuda_clock_synchronises_once_when_read():
+    clock = CudaClock(FakeEvent)
+    marks = [clock.mark() for _ in range(4)]
+    assert FakeEvent.synced == 0  # recording never waits for the device
+    assert clock.durations([(marks[0], marks[1]), (marks[1], marks[3])]) == [0.005, 0.010]
+    assert FakeEvent.synced == 1
+
+
+def test_cuda_memory_reads_and_resets_the_peak():
+    calls = []
+    fake = SimpleNamespace(
+        memory_allocated=lambda d: 1.0,
+        memory_reserved=lambda d: 2.0,
+        max_memory_allocated=lambda d: 3.0,
+        reset_peak_memory_stats=lambda d: calls.append(d),
+    )
+    device = torch.device("cuda", 0)
+    assert cuda_memory(device, fake) == {"cuda_allocated": 1.0, "cuda_reserved": 2.0, "cuda_peak": 3.0}
+    assert calls == [device]
+    assert cuda_memory(torch.device("cpu"), fake) == {}
+
+
+def test_nvml_probe_with_a_fake_module_and_without_one():
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: f"gpu{i}",
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=87),
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=3 * 2**20),
+        nvmlDeviceGetTemperature=lambda h, kind: 61,
+        nvmlDeviceGetPowerUsage=lambda h: 250_000,
+        nvmlDeviceGetClockInfo=lambda h, kind: (_ for _ in ()).throw(RuntimeError("not supported")),
+        NVML_TEMPERATURE_GPU=0,
+        NVML_CLOCK_SM=1,
+    )
+    probe = NvmlProbe(0, fake)
+    assert probe.active and probe.utilization() == 87.0
+    # what the driver does not support is left out
+    assert probe.snapshot() == {"gpu_memory_mib": 3.0, "gpu_temperature_c": 61.0, "gpu_power_w": 250.0}
+    broken = NvmlProbe(0, SimpleNamespace(nvmlInit=lambda: (_ for _ in ()).throw(OSError("no driver"))))
+    assert not broken.active and broken.snapshot() == {}
+
+
+def test_host_rss_is_a_plausible_number_of_bytes():
+    assert 10 * 2**20 < host_rss_bytes() < 1 << 40
+
+
+def test_batch_size_and_tokens_never_read_the_device():
+    ids = torch.zeros(4, 7, dtype=torch.long)
+    assert batch_size_and_tokens((ids, torch.zeros(4))) == (4, 28)
+    size, tokens = batch_size_and_tokens({"input_ids": ids, "attention_mask": torch.ones(4, 7)})
+    assert size == 4 and isinstance(tokens, torch.Tensor) and float(tokens) == 28.0
+    assert batch_size_and_tokens((torch.randn(8, 3), torch.randn(8))) == (8, None)
+    assert batch_size_and_tokens("text") == (0, None)
+
+
+class Slow(pl.Callback):
+    def on_train_batch_start(self, *args):
+        return "done"
+
+
+def test_hook_timer_wraps_and_unwraps_instances_only():
+    cb, other = Slow(), Slow()
+    timer = HookTimer()
+    assert timer.attach([cb, Slow()], recorder=False) == ["Slow", "Slow_2"]
+    assert "on_train_batch_start" in vars(cb) and "on_train_batch_end" not in vars(cb)
+    assert cb.on_train_batch_start(None, None, None, 0) == "done"
+    assert other.on_train_batch_start(None, None, None, 0) == "done" and "on_train_batch_start" not in vars(other)
+    assert timer.take()["Slow"] > 0 and timer.take()["Slow"] == 0.0
+    timer.detach()
+    assert "on_train_batch_start" not in vars(cb)

@@ -1,0 +1,57 @@
+import numpy as np
+import pytest
+
+from lightning_diag.stats.timing import block_fluctuation, detect_period, growth, relative_mad, slow_mask
+
+
+def _noisy(n, seed=0, jitter=0.3):
+    rng = np.random.default_rng(seed)
+    return 0.02 * (1 + jitter * rng.random(n))
+
+
+@pytest.mark.parametrize("period", [7, 10, 25])
+def test_a_periodic_stall_is_found_with_its_period(period):
+    t = _noisy(200)
+    t[3::period] += 0.05
+    found = detect_period(t)
+    assert found.period == period and found.phase == 3
+    assert found.coverage == 1.0 and found.precision == 1.0 and found.share > 0.05
+
+
+def test_random_slow_steps_are_not_periodic():
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        t = _noisy(200, seed)
+        t[rng.choice(200, 20, replace=False)] += 0.05 * rng.random(20) + 0.02
+        assert not detect_period(t).found, seed
+
+
+def test_a_periodic_stall_among_random_spikes_is_still_found():
+    rng = np.random.default_rng(1)
+    t = _noisy(200)
+    t[rng.choice(200, 8, replace=False)] += 0.04
+    t[5::10] += 0.2
+    assert detect_period(t).period == 10
+
+
+def test_jitter_is_not_slow_on_a_noisy_machine():
+    t = _noisy(200, jitter=1.0)  # uniform over 1x..2x the base: a badly shared CPU
+    assert slow_mask(t, 0.5).sum() == 0
+
+
+def test_relative_mad_and_block_fluctuation_against_brute_force():
+    x = np.array([1.0, 1.2, 0.8, 1.0, 5.0])
+    med = np.median(x)
+    assert relative_mad(x) == pytest.approx(np.median(np.abs(x - med)) / med)
+    steady = np.tile([0.01, 0.03], 50)  # alternating steps: the blocks are identical
+    assert block_fluctuation(steady, 10) == 0.0
+    drifting = np.repeat([0.01, 0.02, 0.01, 0.02, 0.01, 0.02], 10)
+    assert block_fluctuation(drifting, 10) == pytest.approx(1 / 3)
+    assert np.isnan(block_fluctuation([1.0] * 20, 10))
+
+
+def test_growth_of_a_leak_and_of_a_cache_that_fills_once():
+    rel, rising = growth(100 + 5 * np.arange(8.0))
+    assert rel == pytest.approx(35 / 100) and rising == 1.0
+    rel, rising = growth([100, 150, 150, 150, 150, 150, 150, 150])
+    assert rising < 0.2
