@@ -5,6 +5,12 @@ side by side with what Lightning users have: ``EarlyStopping(check_finite=True)`
     python benchmarks/detection_matrix.py                       # print the markdown tables
     python benchmarks/detection_matrix.py --write docs/detection.md
     python benchmarks/detection_matrix.py --only nan --only healthy_gru --max-epochs 2   # a quick subset
+    python benchmarks/detection_matrix.py --corpus real --write docs/detection.md   # the real-architecture matrix
+
+``--corpus real`` runs :data:`lightning_diag.demo.corpus.CORPUS` (Hugging Face BERT, GPT-2, Llama, BART, ViT, a
+BatchNorm CNN, an LSTM, a frozen-backbone fine-tune, and the faults injected into them) and, with ``--write``,
+replaces only the real-architecture section of the page (between its markers), so each matrix is regenerated
+on its own. It also measures, on the healthy runs, each gradient quantity's extreme against its threshold.
 
 The lightning_diag column uses ``lightning_diag.demo.run.default_callbacks()``, so a callback added there is in
 the matrix at the next run.
@@ -25,6 +31,7 @@ from typing import Any
 import pytorch_lightning as pl
 
 from lightning_diag.alerts import ALL_RULES, Alert
+from lightning_diag.demo.corpus import CORPUS, CorpusEntry, run_corpus
 from lightning_diag.demo.faults import FAULTS, Fault, build_fault
 from lightning_diag.demo.run import default_callbacks, quiet, run_demo
 
@@ -34,6 +41,8 @@ except ImportError:  # pragma: no cover - depends on the installed Lightning
     SpikeDetection = None  # type: ignore[assignment,misc]
 
 COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/detection_matrix.py --write docs/detection.md"
+REAL_COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/detection_matrix.py --corpus real --write docs/detection.md"
+REAL_START, REAL_END = "<!-- real-corpus:start -->", "<!-- real-corpus:end -->"
 
 
 @dataclasses.dataclass
@@ -45,13 +54,13 @@ class Outcome:
     epoch: int | None = None
     reason: str = ""
 
-    def cell(self, fault: Fault) -> str:
+    def cell(self, fault: Fault | CorpusEntry) -> str:
         if not self.detected:
             return f"no{f' ({self.reason})' if self.reason else ''}"
         return f"yes, step {self.step} (epoch {self.epoch}){_after(fault, self.step, self.epoch)}: {self.reason}"
 
 
-def _after(fault: Fault, step: int | None, epoch: int | None) -> str:
+def _after(fault: Fault | CorpusEntry, step: int | None, epoch: int | None) -> str:
     if fault.onset_step is not None and step is not None:
         return f", +{step - fault.onset_step} steps"
     if fault.onset_epoch is not None and epoch is not None:
@@ -77,9 +86,45 @@ def _trainer(root: str, fault: Fault, max_epochs: int | None, **kwargs: Any) -> 
 def _fit(
     name: str, root: str, max_epochs: int | None, callbacks: list[Any], seed: int = 0, **kwargs: Any
 ) -> tuple[pl.Trainer, BaseException | None]:
+    if name.startswith(_REAL):
+        return _fit_real(name[len(_REAL) :], root, callbacks, seed, **kwargs)
     model, data, fault = build_fault(name, seed=seed)
     pl.seed_everything(seed, verbose=False)
     trainer = _trainer(root, fault, max_epochs, callbacks=callbacks, **kwargs)
+    try:
+        trainer.fit(model, datamodule=data)
+    except Exception as err:  # the comparison tools stop a run by raising
+        return trainer, err
+    return trainer, None
+
+
+_REAL = "real:"
+
+
+def _fit_real(
+    name: str, root: str, callbacks: list[Any], seed: int = 0, **kwargs: Any
+) -> tuple[pl.Trainer, BaseException | None]:
+    from lightning_diag.demo.corpus import build_corpus
+
+    model, data, entry = build_corpus(name, seed=seed)
+    pl.seed_everything(seed, verbose=False)
+    trainer = pl.Trainer(
+        default_root_dir=root,
+        max_steps=entry.max_steps,
+        max_epochs=-1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=5,
+        val_check_interval=50,
+        check_val_every_n_epoch=None,
+        limit_val_batches=8,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        callbacks=callbacks,
+        **kwargs,
+    )
     try:
         trainer.fit(model, datamodule=data)
     except Exception as err:  # the comparison tools stop a run by raising
@@ -132,12 +177,13 @@ def detect_anomaly(name: str, root: str, max_epochs: int | None) -> Outcome:
 class Row:
     """One entry of the fault library with every tool's result."""
 
-    fault: Fault
+    fault: Fault | CorpusEntry
     alerts: list[Alert]
     steps: int
     seconds: float
     comparisons: dict[str, Outcome]
     callbacks: list[str]
+    margins: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def serious(self) -> list[Alert]:
@@ -204,7 +250,74 @@ def run_entry(name: str, root: str, max_epochs: int | None, comparisons: bool) -
     )
 
 
-def _onset(fault: Fault) -> str:
+def run_real_entry(name: str, root: str, comparisons: bool) -> Row:
+    """Run one corpus entry with the default callbacks, then each comparison tool."""
+    callbacks = default_callbacks()
+    result = run_corpus(name, root=os.path.join(root, "diag"), callbacks=callbacks)
+    outcomes = {}
+    if comparisons:
+        for label, tool in COMPARISONS.items():
+            sub = os.path.join(root, label.split("(")[0].split("=")[0], name)
+            outcomes[label] = tool(_REAL + name, sub, None)
+    row = Row(
+        CORPUS[name], result.alerts, result.global_step, result.seconds, outcomes, [type(c).__name__ for c in callbacks]
+    )
+    row.margins = _margins(result.log_dir) if CORPUS[name].healthy else {}
+    return row
+
+
+#: Healthy-run extremes measured against each threshold: (tag kind, extreme, threshold key, rule).
+_MARGIN_QUANTITIES = (
+    ("grad_rms", "max", "explode_threshold", "grad_explode"),
+    ("grad_relative", "min", "vanish_threshold", "grad_vanish"),
+)
+
+
+def _margins(log_dir: str) -> dict[str, Any]:
+    """Extremes of the gradient quantities of a healthy run, read back from its event file."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_diag.rules.grad import role_of
+
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    series = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags if t.startswith("diag/grad_")}
+    out: dict[str, Any] = {}
+    rms = [(v, t.split("/", 2)[2], s) for t, vals in series.items() if t.startswith("diag/grad_rms/") for s, v in vals]
+    out["rms_max"] = max(rms) if rms else None
+    rel = {t.split("/", 2)[2]: dict(vals) for t, vals in series.items() if t.startswith("diag/grad_relative/")}
+    # grad_vanish: the smallest ratio of a matrix to the best-fed block matrix, after the warm-up
+    worst_starve: tuple[float, str, int] | None = None
+    worst_spread: tuple[float, str, int] | None = None
+    steps = sorted({s for vals in rel.values() for s in vals if s >= 50})
+    for step in steps:
+        at = {layer: vals[step] for layer, vals in rel.items() if step in vals and vals[step] > 0}
+        if len(at) < 2:
+            continue
+        blocks = [v for layer, v in at.items() if role_of(layer) != layer] or list(at.values())
+        best = max(blocks)
+        layer = min(at, key=at.__getitem__)
+        if worst_starve is None or at[layer] / best < worst_starve[0]:
+            worst_starve = (at[layer] / best, layer, step)
+        groups: dict[str, list[float]] = {}
+        for name, v in at.items():
+            groups.setdefault(role_of(name), []).append(v)
+        for role, vs in groups.items():
+            if len(vs) > 1 and (worst_spread is None or max(vs) / min(vs) > worst_spread[0]):
+                worst_spread = (max(vs) / min(vs), role, step)
+    late = [(v, layer, s) for layer, vals in rel.items() for s, v in vals.items() if s >= 50]
+    out["rel_min"] = min(late, default=None)
+    out["starve"] = worst_starve
+    out["spread"] = worst_spread
+    blocks = series.get("diag/grad_blocks/norm", [])
+    if len(blocks) > 5:
+        base = sorted(v for _, v in blocks[:5])[2]
+        out["collapse"] = min((v / base, s) for s, v in blocks[5:]) if base > 0 else None
+    return out
+
+
+def _onset(fault: Fault | CorpusEntry) -> str:
     if fault.onset_step is not None:
         return f"step {fault.onset_step} (window {fault.window} steps)"
     if fault.onset_epoch is not None:
@@ -297,9 +410,111 @@ rule is in bold; other rules that fired on a fault are listed too (a fault often
 """
 
 
+def _fmt(value: tuple[Any, ...] | None, digits: str = ".3g") -> str:
+    if value is None:
+        return "-"
+    head, *rest = value
+    where = ", ".join(f"`{x}`" if isinstance(x, str) else f"step {x}" for x in rest)
+    return f"{head:{digits}} ({where})"
+
+
+def render_margins(rows: list[Row]) -> str:
+    """Healthy runs: each gradient quantity's extreme beside its default threshold."""
+    head = [
+        "architecture",
+        "max RMS grad / element (explode > 10)",
+        "min ‖g‖/‖W‖ (vanish < 1e-3 ...)",
+        "min matrix / best-fed block matrix (... and < 1/100)",
+        "max spread within a role (> 100)",
+        "min blocks' norm / baseline (collapse < 0.01)",
+    ]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if not r.fault.healthy or not r.margins:
+            continue
+        m = r.margins
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{r.fault.name}`",
+                    _fmt(m.get("rms_max")),
+                    _fmt(m.get("rel_min")),
+                    _fmt(m.get("starve")),
+                    _fmt(m.get("spread")),
+                    _fmt(m.get("collapse")),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def real_section(rows: list[Row], seconds: float) -> str:
+    """The real-architecture part of ``docs/detection.md``, between its markers."""
+    caught = sum(r.caught() for r in rows if not r.fault.healthy)
+    n_faults = sum(not r.fault.healthy for r in rows)
+    alarms = sum(len(r.serious) for r in rows if r.fault.healthy)
+    n_healthy = sum(r.fault.healthy for r in rows)
+    times = ", ".join(f"{r.fault.name} {r.seconds:.0f}s" for r in rows)
+    return f"""{REAL_START}
+## Real architectures
+
+The corpus of `lightning_diag/demo/corpus.py`: models nobody in this project wrote, built from Hugging Face
+`transformers` configs (no download) and torch, each trained with AdamW, a linear warm-up and a cosine decay
+on a learnable synthetic task (`lightning_diag/demo/corpus_data.py`), measured every 5 steps, validated every
+50: BERT (sequence classification), GPT-2 and Llama with grouped-query attention (causal LM), BART
+(encoder-decoder with cross-attention, sequence reversal), ViT and a BatchNorm CNN (images), a 2-layer LSTM,
+and a BERT fine-tune whose embeddings and first layer are frozen with `requires_grad_(False)`. Same comparison
+columns as above, each in its own real run.
+
+Reproduce (about {max(1, round(seconds / 60))} minutes on a 2-core CPU, one thread per run):
+
+```bash
+{REAL_COMMAND}
+```
+
+Result: **{caught} of {n_faults} faults caught** by their expected rule within the documented window;
+**{alarms} warning/critical alerts on the {n_healthy} healthy architectures** (target: none).
+
+{render(rows)}
+Margins of the healthy runs: the extreme of each gradient quantity over the run (from step 50 for the
+warm-up-gated rules), beside the default threshold it must not cross (`docs/gradient_flow.md` explains the
+quantities).
+
+{render_margins(rows)}
+Run times (default callbacks, one thread): {times}.
+{REAL_END}
+"""
+
+
+def _read(path: str) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return f.read()
+
+
+def _splice(path: str, section: str) -> None:
+    """Write ``section`` into the page at ``path``, replacing the marked real-architecture section."""
+    text = _read(path)
+    if REAL_START in text and REAL_END in text:
+        before, rest = text.split(REAL_START, 1)
+        after = rest.split(REAL_END, 1)[1].lstrip("\n")
+        text = before + section + ("\n" + after if after else "")
+    else:
+        marker = "## Reading the comparison columns"
+        text = text.replace(marker, section + "\n" + marker) if marker in text else text + "\n" + section
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", action="append", choices=sorted(FAULTS), help="run only these entries")
+    parser.add_argument("--only", action="append", choices=sorted(FAULTS) + sorted(CORPUS), help="run only these")
+    parser.add_argument(
+        "--corpus", choices=["demo", "real"], default="demo", help="the fault library (demo) or real architectures"
+    )
     parser.add_argument("--max-epochs", type=int, default=None, help="override every entry's epochs")
     parser.add_argument("--no-comparisons", action="store_true", help="skip the Lightning comparison runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: fastest for tiny models)")
@@ -313,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.corpus == "real":
+        return _main_real(args)
     root = args.root or tempfile.mkdtemp(prefix="detection_matrix_")
     names = args.only or [n for n, f in FAULTS.items() if not f.healthy] + [n for n, f in FAULTS.items() if f.healthy]
     t0 = time.perf_counter()
@@ -326,8 +543,33 @@ def _main(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
     print(render(rows))
     if args.write:
+        existing = _read(args.write)
         with open(args.write, "w") as f:
             f.write(page(rows, time.perf_counter() - t0))
+        if REAL_START in existing and REAL_END in existing:  # keep the real-architecture matrix
+            _splice(args.write, REAL_START + existing.split(REAL_START, 1)[1].split(REAL_END, 1)[0] + REAL_END + "\n")
+    return 0
+
+
+def _main_real(args: argparse.Namespace) -> int:
+    root = args.root or tempfile.mkdtemp(prefix="detection_matrix_real_")
+    names = args.only or [n for n, e in CORPUS.items() if not e.healthy] + [n for n, e in CORPUS.items() if e.healthy]
+    unknown = [n for n in names if n not in CORPUS]
+    if unknown:
+        raise SystemExit(f"not in the real-architecture corpus: {unknown}")
+    t0 = time.perf_counter()
+    rows = []
+    try:
+        for name in names:
+            rows.append(run_real_entry(name, os.path.join(root, name), not args.no_comparisons))
+            print(f"[{time.perf_counter() - t0:6.0f}s] {name}: {rows[-1].ours()}", file=sys.stderr)
+    finally:
+        if args.root is None:
+            shutil.rmtree(root, ignore_errors=True)
+    section = real_section(rows, time.perf_counter() - t0)
+    print(section)
+    if args.write:
+        _splice(args.write, section)
     return 0
 
 

@@ -53,9 +53,12 @@ __all__ = [
     "attn_sink_tag",
     "attn_uniform_tag",
     "family_tag",
+    "grad_blocks_tag",
     "grad_hist_tag",
     "grad_layer",
     "grad_norm_tag",
+    "grad_relative_tag",
+    "grad_rms_tag",
     "grad_total_optimizer",
     "grad_total_tag",
     "loss_tag",
@@ -211,6 +214,22 @@ def family_tag(family: str, *parts: str) -> str:
 def overhead_tag(callback: str) -> str:
     """A callback's own share of the step time: ``diag/overhead/<CallbackName>``."""
     return family_tag("overhead", callback)
+
+
+# -- GradientFlowMonitor's scale-free quantities (issue 11) ---------------------------------------------
+def grad_rms_tag(layer: str) -> str:
+    """RMS gradient per element of a layer (``grad_explode``): ``diag/grad_rms/<layer>``."""
+    return tag("grad_rms", layer)
+
+
+def grad_relative_tag(layer: str) -> str:
+    """``||g_W|| / ||W||`` of a comparable weight matrix (``grad_vanish``, ``grad_layer_spread``)."""
+    return tag("grad_relative", layer)
+
+
+def grad_blocks_tag() -> str:
+    """L2 norm of the blocks' weight-matrix gradients (``grad_collapse``): ``diag/grad_blocks/norm``."""
+    return tag("grad_blocks", "norm")
 
 
 # -- parsers ----------------------------------------------------------------------------------------------

@@ -255,8 +255,9 @@ def test_titles_and_thresholds_come_from_the_registry(tmp_path, capsys):
     _write_run(tmp_path / "run", {"diag/grad_norm/fc": [0.5, 0.4], "diag/grad_norm/out": [0.1, 0.1]}, (), thresholds)
     (run,) = _report_json(tmp_path, capsys)["runs"]
     checks = {c["id"]: c for c in run["checks"]}
-    assert checks["grad_norm_band"]["title"] == "Gradient norm of every layer within 0.0001 .. 20"
-    assert checks["grad_spread"]["title"] == "Layer gradient norms within a ratio of 1000"
+    band = "Gradient of every layer within 0.0001 (||g||/||W||) .. 20 (RMS per element)"
+    assert checks["grad_norm_band"]["title"] == band
+    assert checks["grad_spread"]["title"] == "Relative gradients of one role across blocks within a ratio of 1000"
     assert checks["val_decline"]["title"] == "Validation metric does not worsen on 5 consecutive runs"
 
 
@@ -266,8 +267,10 @@ def test_checklist_cannot_pass_what_the_replayed_rules_reject(tmp_path, capsys):
         "diag/attn_entropy/enc.attn/head_0": [1.2, 0.2, 0.2, 0.2],  # collapsed for 3 measurements (patience 2)
         "diag/attn_entropy/enc.attn/head_1": [1.2, 1.1, 1.2, 1.1],
         "diag/attn_entropy/enc.attn/uniform": [2.7, 2.7, 2.7, 2.7],
-        "diag/grad_norm/fc": [0.5, 40.0, 0.5, 0.5],  # above grad_explode (patience 1)
-        "diag/grad_norm/out": [0.5, 0.5, 0.5, 0.5],
+        "diag/grad_rms/fc": [0.5, 40.0, 0.5, 0.5],  # RMS per element above grad_explode (patience 1)
+        "diag/grad_rms/out": [0.5, 0.5, 0.5, 0.5],
+        "diag/grad_relative/h.0.fc": [0.01, 0.8, 0.01, 0.01],
+        "diag/grad_relative/h.1.fc": [0.01, 0.01, 0.01, 0.01],
     }
     thresholds = {"AttentionEntropyMonitor": {}, "GradientFlowMonitor": {}}
     _write_run(tmp_path / "run", scalars, (), thresholds)

@@ -19,20 +19,26 @@ from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.rules.grad import (
     DEFAULT_BASELINE_MEASUREMENTS,
     DEFAULT_COLLAPSE_RATIO,
+    DEFAULT_CONVERGED_FRACTION,
     DEFAULT_EXPLODE_THRESHOLD,
     DEFAULT_GRAD_PATIENCE,
+    DEFAULT_GRAD_WARMUP_STEPS,
     DEFAULT_SPREAD_RATIO,
     DEFAULT_VANISH_THRESHOLD,
     GradBandRule,
     GradCollapseRule,
     GradFrozenRule,
     GradSpreadRule,
+    role_of,
 )
 from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
 from lightning_diag.tags import (
     act_grad_norm_tag,
+    grad_blocks_tag,
     grad_hist_tag,
     grad_norm_tag,
+    grad_relative_tag,
+    grad_rms_tag,
     grad_total_tag,
     update_ratio_tag,
     weight_norm_tag,
@@ -45,10 +51,29 @@ _STATE_KEYS = ("band", "spread", "collapse", "frozen")
 _COMPILED_PREFIX = re.compile(r"(?:^|(?<=\.))_orig_mod\.")
 
 
-class _Index:
-    """Which parameters are measured, and the layer each belongs to (built once per fit)."""
+#: Attention query/key projections (last name component): their gradient flows only through the softmax, so it
+#: is tiny whenever attention is near uniform (at initialisation, or for a head the task does not need).
+DEFAULT_LOGIT_PROJECTIONS = ("q", "k", "query", "key", "q_proj", "k_proj", "q_lin", "k_lin", "wq", "wk", "to_q", "to_k")
 
-    def __init__(self, names: list[str], params: list[torch.nn.Parameter], per_parameter: bool) -> None:
+
+#: Name components of embedding tables and learned position/class tokens, which are not weight matrices.
+_EMBEDDING = re.compile(r".*embed.*|pos|pos_emb|wte|wpe|cls_token|mask_token|dist_token")
+
+
+class _Index:
+    """Which parameters are measured, the layer each belongs to, and which layers are comparable weight
+    matrices (built once per fit)."""
+
+    def __init__(
+        self,
+        names: list[str],
+        params: list[torch.nn.Parameter],
+        per_parameter: bool,
+        modules: dict[str, torch.nn.Module] | None = None,
+        logit_projections: Sequence[str] = DEFAULT_LOGIT_PROJECTIONS,
+    ) -> None:
+        modules = modules or {}
+        owners = [n.rsplit(".", 1)[0] if "." in n else "" for n in names]
         # A torch.compile'd submodule adds `_orig_mod` to its parameters' names: report the model's own names.
         names = [_COMPILED_PREFIX.sub("", n) for n in names]
         layers = [n if per_parameter else (n.rsplit(".", 1)[0] if "." in n else n) for n in names]
@@ -57,6 +82,22 @@ class _Index:
         self.names = names
         self.params = params
         self.layer_of = [position[layer] for layer in layers]
+        self.numel = [p.numel() for p in params]
+        # A comparable weight matrix: a >= 2-D parameter of a module that is neither an embedding (sparse rows)
+        # nor an attention query/key projection.
+        skip = set(logit_projections)
+        self.is_matrix = [
+            p.ndim >= 2
+            and not isinstance(modules.get(owner), torch.nn.Embedding)
+            and not any(_EMBEDDING.fullmatch(part) for part in name.split("."))
+            and owner.rsplit(".", 1)[-1] not in skip
+            for p, owner, name in zip(params, owners, names, strict=True)
+        ]
+        matrix_layers = {self.layers[self.layer_of[i]] for i, m in enumerate(self.is_matrix) if m}
+        in_blocks = {layer for layer in matrix_layers if role_of(layer) != layer}
+        self.block_layers = in_blocks or matrix_layers  # no repeated blocks (an LSTM and its head): all matrices
+        self.roles = {layer: role_of(layer) for layer in matrix_layers}
+        self.in_block = [layer in self.block_layers for layer in self.layers]
 
 
 class GradientFlowMonitor(DiagCallback):
@@ -75,6 +116,10 @@ class GradientFlowMonitor(DiagCallback):
 
     * ``diag/grad_norm/total``: L2 norm of all selected gradients.
     * ``diag/grad_norm/<layer>``: L2 norm of the layer's gradients.
+    * ``diag/grad_rms/<layer>``: RMS gradient per element of the layer (``grad_explode``'s quantity).
+    * ``diag/grad_relative/<layer>``: ``||g_W|| / ||W||`` of a comparable weight matrix (``grad_vanish`` and
+      ``grad_layer_spread``'s quantity).
+    * ``diag/grad_blocks/norm``: L2 norm of the blocks' weight-matrix gradients (``grad_collapse``'s quantity).
     * ``diag/weight_norm/<layer>``: L2 norm of the layer's parameters (``log_weight_norms``).
     * ``diag/update_ratio/<layer>``: ``||W_after - W_before|| / ||W_before||`` of the measured step
       (``log_weight_norms``; SageMaker Debugger's WeightUpdateRatio).
@@ -82,17 +127,22 @@ class GradientFlowMonitor(DiagCallback):
     * ``diag/act_grad_norm/<module>``: L2 norm of the gradient of the module's output (``activation_grads``),
       summed over the micro-batches of the measured step.
     * ``diag/threshold/grad_vanish``, ``diag/threshold/grad_explode``: the two thresholds, at the steps of
-      ``diag/grad_norm/total`` (the band of the dashboard's margin chart).
+      ``diag/grad_norm/total`` (the dashboard's reference lines beside ``grad_rms`` and ``grad_relative``).
 
-    Rules: ``grad_vanish`` / ``grad_explode`` (a layer's norm outside ``vanish_threshold`` ..
-    ``explode_threshold``), ``grad_layer_spread`` (largest / smallest layer norm above ``spread_ratio``),
-    ``grad_collapse`` (global norm below ``collapse_ratio`` times its baseline: the median of the first
-    ``baseline_measurements`` measurements). Each must hold on ``patience`` consecutive measurements.
-    ``grad_frozen``: a layer with parameters that cannot learn while the rest of the model does
-    (``requires_grad=False``, or in no optimizer: at the first measurement; no gradient at all: on ``patience``
-    consecutive measurements). Parameters matching ``expect_frozen`` are frozen on purpose and never reported;
-    with a :class:`~pytorch_lightning.callbacks.BaseFinetuning` callback attached, frozen and excluded
-    parameters are that callback's business and only ``no_grad`` is checked.
+    Rules (exact meaning in :mod:`lightning_diag.rules.grad` and ``docs/gradient_flow.md``):
+    ``grad_explode`` (a layer's RMS gradient per element above ``explode_threshold``), ``grad_vanish`` (a weight
+    matrix's ``||g||/||W||`` below ``vanish_threshold`` and 100x below the best-fed block matrix, after
+    ``warmup_steps``), ``grad_layer_spread`` (largest / smallest ``||g||/||W||`` of one role across blocks above
+    ``spread_ratio``, after ``warmup_steps``), ``grad_collapse`` (the blocks' weight-matrix gradient norm below
+    ``collapse_ratio`` times its baseline; the message says converged (an ``info``), dead network or vanished,
+    from the training loss). Attention query/key projections (``logit_projections``) and embeddings are not
+    compared. Layers that trip one rule at one measurement make one alert.
+    ``grad_frozen``: a layer with parameters that cannot learn while the rest of the model does: trainable but
+    in no optimizer (a warning, at the first measurement), no gradient at all (a warning, on ``patience``
+    consecutive measurements), or ``requires_grad=False`` (deliberate freezing: one ``info``). Parameters
+    matching ``expect_frozen`` are never reported; with a :class:`~pytorch_lightning.callbacks.BaseFinetuning`
+    callback attached, frozen and excluded parameters are that callback's business and only ``no_grad`` is
+    checked.
 
     Args:
         log_every_n_steps: Measure every this many optimizer steps; defaults to the trainer's interval.
@@ -106,10 +156,17 @@ class GradientFlowMonitor(DiagCallback):
             removed before the optimizer step.
         log_weight_norms: Also log weight norms and update-to-weight ratios (one parameter copy on measured
             steps).
-        vanish_threshold: ``grad_vanish`` threshold (default 1e-3).
-        explode_threshold: ``grad_explode`` threshold (default 1e1).
+        vanish_threshold: ``grad_vanish`` threshold on ``||g||/||W||`` (default 1e-3).
+        explode_threshold: ``grad_explode`` threshold on the RMS gradient per element (default 1e1).
         spread_ratio: ``grad_layer_spread`` threshold (default 100).
         collapse_ratio: ``grad_collapse`` fraction of the baseline (default 0.01).
+        warmup_steps: ``grad_vanish`` and ``grad_layer_spread`` are not evaluated before this global step
+            (initialisation transients; default 50).
+        converged_fraction: ``grad_collapse`` reads a collapse at a loss at most this fraction of the initial
+            loss as convergence (an ``info``; default 0.1).
+        logit_projections: Last name components of attention query/key projections, not compared by
+            ``grad_vanish`` / ``grad_layer_spread`` (default: ``q``, ``k``, ``query``, ``key``, ``q_proj``,
+            ``k_proj``, ``q_lin``, ``k_lin``, ``wq``, ``wk``, ``to_q``, ``to_k``).
         expect_frozen: Parameter-name ``fnmatch`` patterns of parameters frozen (or left out of the optimizer)
             on purpose: ``grad_frozen`` ignores them.
         patience: Consecutive measurements a condition must hold (default 3).
@@ -135,6 +192,9 @@ class GradientFlowMonitor(DiagCallback):
         expect_frozen: Sequence[str] = (),
         patience: int = DEFAULT_GRAD_PATIENCE,
         baseline_measurements: int = DEFAULT_BASELINE_MEASUREMENTS,
+        warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
+        converged_fraction: float = DEFAULT_CONVERGED_FRACTION,
+        logit_projections: Sequence[str] = DEFAULT_LOGIT_PROJECTIONS,
     ) -> None:
         super().__init__(log_every_n_steps=log_every_n_steps)
         if (
@@ -176,6 +236,17 @@ class GradientFlowMonitor(DiagCallback):
         self.collapse_ratio = check_number("collapse_ratio", collapse_ratio, low=0.0, high=1.0, high_inclusive=False)
         self.patience = check_int("patience", patience, low=1)
         self.baseline_measurements = check_int("baseline_measurements", baseline_measurements, low=1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
+        self.converged_fraction = check_number(
+            "converged_fraction", converged_fraction, low=0.0, high=1.0, high_inclusive=False
+        )
+        if isinstance(logit_projections, str) or not all(isinstance(p, str) for p in logit_projections):
+            raise TypeError(
+                "Expected argument `logit_projections` to be a list of module names (last name component),"
+                f" but got {logit_projections!r}"
+            )
+        self.logit_projections = tuple(logit_projections)
+        self._loss: torch.Tensor | None = None
         self._make_rules()
         self._index: _Index | None = None
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
@@ -192,9 +263,13 @@ class GradientFlowMonitor(DiagCallback):
         return {**super().thresholds(), f"{GRAD_VANISH}.relative": self.band_rule.relative}
 
     def _make_rules(self) -> None:
-        self.band_rule = GradBandRule(self.vanish_threshold, self.explode_threshold, self.patience)
-        self.spread_rule = GradSpreadRule(self.spread_ratio, self.patience)
-        self.collapse_rule = GradCollapseRule(self.collapse_ratio, self.patience, self.baseline_measurements)
+        self.band_rule = GradBandRule(
+            self.vanish_threshold, self.explode_threshold, self.patience, warmup_steps=self.warmup_steps
+        )
+        self.spread_rule = GradSpreadRule(self.spread_ratio, self.patience, self.warmup_steps)
+        self.collapse_rule = GradCollapseRule(
+            self.collapse_ratio, self.patience, self.baseline_measurements, self.converged_fraction
+        )
         self.frozen_rule = GradFrozenRule(self.patience)
 
     def state_dict(self) -> dict[str, Any]:
@@ -226,6 +301,7 @@ class GradientFlowMonitor(DiagCallback):
             self._index = None
             self._before = []
             self._measured_interval = {}
+            self._loss = None
 
     def _selected(self, name: str, param: torch.nn.Parameter) -> bool:
         if self.params is None:
@@ -244,7 +320,13 @@ class GradientFlowMonitor(DiagCallback):
                 if self.params is not None
                 else "the model has no trainable parameters; gradient flow is not measured",
             )
-        return _Index([n for n, _ in named], [p for _, p in named], self.per_parameter)
+        return _Index(
+            [n for n, _ in named],
+            [p for _, p in named],
+            self.per_parameter,
+            dict(pl_module.named_modules()),
+            self.logit_projections,
+        )
 
     def _stuck_parameters(self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_opt: set[int]) -> dict[str, str]:
         """``{name: reason}`` for the selected parameters that cannot learn (see ``GradFrozenRule``)."""
@@ -332,6 +414,13 @@ class GradientFlowMonitor(DiagCallback):
             {act_grad_norm_tag(n): v for n, v in zip(names, values, strict=True)}, trainer.global_step
         )
 
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """On measured steps: keep the loss (a device tensor, summed over micro-batches) for ``grad_collapse``."""
+        if not self._measuring(trainer) or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return
+        value = loss.detach().float().reshape(())
+        self._loss = value if self._loss is None else self._loss + value
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
@@ -350,23 +439,59 @@ class GradientFlowMonitor(DiagCallback):
             return
         grads = [index.params[i].grad for i in chosen]
         device = grads[0].device  # type: ignore[union-attr]
+        n_layers = len(index.layers)
         group_of = torch.tensor([index.layer_of[i] for i in chosen], device=device)
-        layer_norms = grouped_norms(per_tensor_norms(grads), group_of, len(index.layers))  # type: ignore[arg-type]
+        tensor_norms = per_tensor_norms(grads)  # type: ignore[arg-type]
+        layer_norms = grouped_norms(tensor_norms, group_of, n_layers)
         total = layer_norms.pow(2).sum().sqrt()
+        numel = torch.zeros(n_layers, dtype=torch.float32, device=device)
+        numel.index_add_(0, group_of, torch.tensor([float(index.numel[i]) for i in chosen], device=device))
+        rms = layer_norms / numel.clamp_min(1.0).sqrt()
+        # comparable weight matrices: ||g_W|| / ||W|| per layer, and the blocks' gradient norm
+        matrix = [k for k, i in enumerate(chosen) if index.is_matrix[i]]
+        matrix_layers = sorted({index.layer_of[chosen[k]] for k in matrix})
+        extra: list[torch.Tensor] = []
+        if matrix:
+            m_groups = torch.tensor([index.layer_of[chosen[k]] for k in matrix], device=device)
+            m_grad = grouped_norms(tensor_norms[torch.tensor(matrix, device=device)], m_groups, n_layers)
+            m_weight = grouped_norms(
+                per_tensor_norms([index.params[chosen[k]].detach() for k in matrix]), m_groups, n_layers
+            )
+            relative = m_grad / m_weight.clamp_min(1e-12)
+            in_block = torch.tensor(index.in_block, device=device, dtype=torch.bool)
+            extra = [
+                relative[torch.tensor(matrix_layers, device=device)],
+                m_grad[in_block].pow(2).sum().sqrt().reshape(1),
+            ]
+        loss = self._loss.reshape(1).to(device) if self._loss is not None else torch.full((1,), math.nan, device=device)
+        if trainer.world_size > 1:  # every rank reads the same loss, so the collapse verdict is the same everywhere
+            loss = trainer.strategy.reduce(loss, reduce_op="mean")
+        self._loss = None
         present = sorted(set(group_of.tolist()))
-        host = torch.cat([total.reshape(1), layer_norms]).tolist()  # the one copy of this measured step
+        host = torch.cat([total.reshape(1), layer_norms, rms, *extra, loss]).tolist()  # the one copy of this step
         norms = {index.layers[g]: host[1 + g] for g in present}
+        rms_host = {index.layers[g]: host[1 + n_layers + g] for g in present}
+        rel_host = {index.layers[g]: host[1 + 2 * n_layers + j] for j, g in enumerate(matrix_layers)}
+        blocks = host[1 + 2 * n_layers + len(matrix_layers)] if matrix else host[0]
+        loss_value = host[-1] if math.isfinite(host[-1]) else None
         step = trainer.global_step
         # With several optimizers the global norm is the first optimizer's; the others' get their own tags.
         total_tag = grad_total_tag(position)
         values = {total_tag: host[0]}
         values.update({grad_norm_tag(layer): v for layer, v in norms.items()})
+        values.update({grad_rms_tag(layer): v for layer, v in rms_host.items()})
+        values.update({grad_relative_tag(layer): v for layer, v in rel_host.items()})
+        if position == 0 and matrix:
+            values[grad_blocks_tag()] = blocks
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
-        self.record(self.band_rule.update(norms, ctx, host[0]) + self.spread_rule.update(norms, ctx))
-        if position == 0:  # one baseline of one quantity: the first optimizer's global norm
-            self.record(self.collapse_rule.update(host[0], ctx))
+        self.record(
+            self.band_rule.update(rms_host, ctx, rel_host, index.block_layers)
+            + self.spread_rule.update(rel_host, ctx, index.roles)
+        )
+        if position == 0:  # one baseline of one quantity: the first optimizer's
+            self.record(self.collapse_rule.update(blocks, ctx, loss_value))
         stuck = self._stuck_parameters(trainer, pl_module, in_opt)
         names = [n for n, _ in pl_module.named_parameters()]
         self.record(self.frozen_rule.update(stuck, ctx, names))

@@ -128,8 +128,8 @@ FAULTS: dict[str, Fault] = {
             "a classifier head of 10 sigmoid layers: the gradients reaching the encoder vanish",
             (GRAD_VANISH,),
             onset_step=0,
-            window=20,
-            max_epochs=3,
+            window=65,
+            max_epochs=5,
             config={"head_depth": 10, "hidden_activation": "sigmoid"},
         ),
         Fault(
@@ -177,12 +177,12 @@ FAULTS: dict[str, Fault] = {
         ),
         Fault(
             "frozen",
-            "`requires_grad` is mistakenly off for the second encoder layer: it never trains",
+            "the second encoder layer is trainable but left out of the optimizer: it never trains",
             (GRAD_FROZEN,),
             onset_step=0,
             window=0,
             max_epochs=2,
-            config={"freeze": ("encoder.layers.1.",)},
+            config={"exclude_from_optimizer": ("encoder.layers.1.",)},
         ),
         Fault(
             "shuffled_labels",

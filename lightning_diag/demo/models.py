@@ -58,6 +58,7 @@ class DemoConfig:
         kill_hidden_at_step: From this step on, every linear layer outputs 0 (all units dead): the logits are
             constant and every gradient is exactly 0.
         freeze: Module-name prefixes whose parameters get ``requires_grad=False``.
+        exclude_from_optimizer: Parameter-name prefixes left out of the optimizer (trainable, never updated).
         hidden_activation: Activation of the classifier head's hidden layers (``"relu"``, ``"sigmoid"``,
             ``"tanh"``); of the MLP's hidden layers for ``model="mlp"``.
         head_depth: Hidden layers in the classifier head (the MLP's hidden layers for ``model="mlp"``).
@@ -78,6 +79,7 @@ class DemoConfig:
     inf_input_at_step: int | None = None
     kill_hidden_at_step: int | None = None
     freeze: tuple[str, ...] = ()
+    exclude_from_optimizer: tuple[str, ...] = ()
     hidden_activation: str = "relu"
     head_depth: int = 1
     attention_collapse_at_step: int | None = None
@@ -117,7 +119,10 @@ class DemoModule(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         c = self.config
-        params = [p for p in self.parameters() if p.requires_grad]
+        excluded = tuple(c.exclude_from_optimizer)
+        params = [
+            p for n, p in self.named_parameters() if p.requires_grad and not (excluded and n.startswith(excluded))
+        ]
         opt: torch.optim.Optimizer
         if c.optimizer == "sgd":
             opt = torch.optim.SGD(params, lr=c.lr, weight_decay=c.weight_decay)

@@ -16,9 +16,10 @@ import statistics
 
 from lightning_diag.report.checks import Check, _attached, _finite, _fmt, _serious, _threshold, measure
 from lightning_diag.report.load import RunData
-from lightning_diag.report.replay import _by_step, _per_layer, _setting
+from lightning_diag.report.replay import _by_step, _layer_series, _per_layer, _setting
+from lightning_diag.rules.grad import role_of
 from lightning_diag.rules.registry import RULES
-from lightning_diag.tags import attn_head, attn_mean, family_tag, grad_total_tag, loss_tag, prefix
+from lightning_diag.tags import attn_head, attn_mean, family_tag, grad_blocks_tag, grad_total_tag, loss_tag, prefix
 
 __all__: list[str] = []
 
@@ -31,20 +32,27 @@ def _band_threshold(check: Check, run: RunData, low_rule: str, high_rule: str) -
 
 @measure("grad_norm_band")
 def _measure_grad_band(run: RunData, check: Check) -> bool:
-    low, high = _band_threshold(check, run, "grad_vanish", "grad_explode")
+    _band_threshold(check, run, "grad_vanish", "grad_explode")
     check.threshold = "; ".join(RULES[r].describe(run.thresholds) for r in check.rules)
-    layers = _per_layer(run)
+    rms = [v for series in _layer_series(run, "grad_rms").values() for v in _finite(series)]
+    relative = [v for series in _layer_series(run, "grad_relative").values() for v in _finite(series)]
+    if rms or relative:  # the scale-free quantities the rules judge (issue 11)
+        parts = []
+        if rms:
+            parts.append(f"RMS gradient per element up to {_fmt(max(rms))}")
+        if relative:
+            parts.append(f"||g||/||W|| of the matrices down to {_fmt(min(relative))}")
+        check.measured = "; ".join(parts)
+        check.measured_value = {
+            k: v for k, v in (("max", max(rms, default=None)), ("min", min(relative, default=None))) if v is not None
+        }
+        return True
+    layers = _per_layer(run)  # a run logged before the scale-free tags: raw L2 norms, for information
     values = [v for series in layers.values() for v in _finite(series)]
     if values:
         lo, hi = min(values), max(values)
-        check.measured = f"layer norms {_fmt(lo)} .. {_fmt(hi)} over {len(layers)} layers"
+        check.measured = f"layer L2 norms {_fmt(lo)} .. {_fmt(hi)} over {len(layers)} layers (not what the rules judge)"
         check.measured_value = {"min": lo, "max": hi}
-        outside = sum(1 for v in values if (low is not None and v < low) or (high is not None and v > high))
-        if outside:
-            check.add_note(
-                f"{outside} of {len(values)} layer measurements were outside the band; grad_vanish needs "
-                f"{_fmt(_setting(run, 'grad.patience'))} consecutive ones and the layer 100x below the global norm"
-            )
     return bool(values)
 
 
@@ -53,13 +61,23 @@ def _measure_grad_spread(run: RunData, check: Check) -> bool:
     ratio = _threshold(run, "grad_layer_spread")
     check.threshold = f"largest / smallest <= {_fmt(ratio)}" if ratio is not None else "not logged"
     check.threshold_value = {"value": ratio} if ratio is not None else {}
-    spreads = [
-        max(vs) / min(vs)
-        for norms in _by_step(_per_layer(run).items()).values()
-        if len(vs := [v for v in norms.values() if math.isfinite(v) and v > 0]) > 1
-    ]
+    spreads = []
+    for values in _by_step(_layer_series(run, "grad_relative").items()).values():
+        roles: dict[str, list[float]] = {}
+        for layer, v in values.items():
+            if math.isfinite(v) and v > 0:
+                roles.setdefault(role_of(layer), []).append(v)
+        spreads += [max(vs) / min(vs) for vs in roles.values() if len(vs) > 1]
+    what = "||g||/||W|| within a role"
+    if not spreads:  # a run logged before the scale-free tags: raw layer norms, for information
+        what = "layer L2 norm"
+        spreads = [
+            max(vs) / min(vs)
+            for norms in _by_step(_per_layer(run).items()).values()
+            if len(vs := [v for v in norms.values() if math.isfinite(v) and v > 0]) > 1
+        ]
     if spreads:
-        check.measured = f"largest / smallest up to {_fmt(max(spreads))}"
+        check.measured = f"largest / smallest {what} up to {_fmt(max(spreads))}"
         check.measured_value = {"max": max(spreads)}
     return bool(spreads)
 
@@ -70,7 +88,8 @@ def _measure_grad_collapse(run: RunData, check: Check) -> bool:
     n = int(_setting(run, "grad_collapse.baseline_measurements"))
     check.threshold = f"norm / baseline >= {_fmt(ratio)}" if ratio is not None else "not logged"
     check.threshold_value = {"value": ratio} if ratio is not None else {}
-    totals = [v for v in _finite(run.scalars.get(grad_total_tag(), [])) if v >= 0]
+    series = run.scalars.get(grad_blocks_tag()) or run.scalars.get(grad_total_tag(), [])
+    totals = [v for v in _finite(series) if v >= 0]
     if len(totals) > n:
         baseline = statistics.median(totals[:n])
         lowest = min(totals[n:]) / baseline if baseline > 0 else math.nan
@@ -78,7 +97,7 @@ def _measure_grad_collapse(run: RunData, check: Check) -> bool:
         check.measured_value = {"min": lowest, "baseline": baseline}
         return True
     if totals:
-        check.add_note(f"needs more than {n} measurements of the global norm, the run has {len(totals)}")
+        check.add_note(f"needs more than {n} measurements of the blocks' norm, the run has {len(totals)}")
     return False
 
 

@@ -17,9 +17,16 @@ from lightning_diag.report.load import RunData, Series
 from lightning_diag.rules.anomaly import LossSwingRule, ValDeclineRule
 from lightning_diag.rules.attention import AttentionEntropyRule, LayerStats
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule
+from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule, role_of
 from lightning_diag.rules.registry import default
-from lightning_diag.tags import attn_head, attn_uniform_tag, grad_layer, grad_total_tag, loss_tag, prefix
+from lightning_diag.tags import (
+    attn_head,
+    attn_uniform_tag,
+    grad_blocks_tag,
+    grad_layer,
+    loss_tag,
+    prefix,
+)
 
 __all__ = ["REPLAYS", "Replay", "replay"]
 
@@ -65,23 +72,46 @@ def _setting(run: RunData, key: str) -> float:
 # -- replays ----------------------------------------------------------------------------------------------
 
 
+def _layer_series(run: RunData, family: str) -> dict[str, Series]:
+    """``diag/<family>/<layer>`` series by layer (``grad_rms``, ``grad_relative``)."""
+    head = prefix(family)
+    return {t[len(head) :]: run.scalars[t] for t in run.tags(head)}
+
+
+def _blocks(layers: Iterable[str]) -> set[str] | None:
+    """The layers inside repeated blocks (an index in the name), or ``None`` (all) when there are none."""
+    inside = {layer for layer in layers if role_of(layer) != layer}
+    return inside or None
+
+
 @replay("grad_norm_band")
 def _replay_grad_band(run: RunData) -> list[Alert]:
-    patience = int(_setting(run, "grad.patience"))
-    rule = GradBandRule(_setting(run, "grad_vanish"), _setting(run, "grad_explode"), patience)
-    totals = dict(run.scalars.get(grad_total_tag(), []))
+    rule = GradBandRule(
+        _setting(run, "grad_vanish"),
+        _setting(run, "grad_explode"),
+        int(_setting(run, "grad.patience")),
+        _setting(run, "grad_vanish.relative"),
+        int(_setting(run, "grad_vanish.warmup_steps")),
+    )
+    rms = _by_step(_layer_series(run, "grad_rms").items())
+    relative = _by_step(_layer_series(run, "grad_relative").items())
+    blocks = _blocks(_layer_series(run, "grad_relative"))
     alerts: list[Alert] = []
-    for step, norms in _by_step(_per_layer(run).items()).items():
-        alerts += rule.update(norms, StepContext(0, step), totals.get(step))
+    for step in sorted(set(rms) | set(relative)):
+        alerts += rule.update(rms.get(step, {}), StepContext(0, step), relative.get(step), blocks)
     return alerts
 
 
 @replay("grad_spread")
 def _replay_grad_spread(run: RunData) -> list[Alert]:
-    rule = GradSpreadRule(_setting(run, "grad_layer_spread"), int(_setting(run, "grad.patience")))
+    rule = GradSpreadRule(
+        _setting(run, "grad_layer_spread"),
+        int(_setting(run, "grad.patience")),
+        int(_setting(run, "grad_layer_spread.warmup_steps")),
+    )
     alerts: list[Alert] = []
-    for step, norms in _by_step(_per_layer(run).items()).items():
-        alerts += rule.update(norms, StepContext(0, step))
+    for step, values in _by_step(_layer_series(run, "grad_relative").items()).items():
+        alerts += rule.update(values, StepContext(0, step), {layer: role_of(layer) for layer in values})
     return alerts
 
 
@@ -91,10 +121,12 @@ def _replay_grad_collapse(run: RunData) -> list[Alert]:
         _setting(run, "grad_collapse"),
         int(_setting(run, "grad.patience")),
         int(_setting(run, "grad_collapse.baseline_measurements")),
+        _setting(run, "grad_collapse.converged_fraction"),
     )
+    losses = dict(run.scalars.get(loss_tag("train_step"), []))
     alerts: list[Alert] = []
-    for step, total in run.scalars.get(grad_total_tag(), []):
-        alerts += rule.update(total, StepContext(0, step))
+    for step, norm in run.scalars.get(grad_blocks_tag(), []):
+        alerts += rule.update(norm, StepContext(0, step), losses.get(step))
     return alerts
 
 

@@ -1,39 +1,60 @@
 """Gradient-flow rules (framework-free): ``grad_vanish``, ``grad_explode``, ``grad_layer_spread``,
-``grad_collapse``, ``grad_frozen``. Fed with per-layer and global gradient L2 norms at each measured step.
+``grad_collapse``, ``grad_frozen``.
 
-Exact meaning (each condition must hold on ``patience`` consecutive measurements, so a single noisy step never
-alerts; non-finite norms are AnomalyAlarm's business and are skipped):
+The seed's numbers (band 1e-3 .. 1e1, spread 100x, collapse 1/100) are applied to quantities where they detect
+faults rather than architecture (the measurements behind each choice are in ``docs/gradient_flow.md``):
 
-* ``grad_vanish``: a layer's norm below ``vanish_threshold`` **and** more than ``relative`` (default 100) times
-  smaller than the global norm. A converged model whose gradients are all small together is not vanishing
-  (that is ``grad_collapse``'s question); one layer starved while the rest learn is.
-* ``grad_explode``: a layer's norm above ``explode_threshold`` on a single measurement: an explosion grows
-  within a few steps into non-finite values, so it is reported at once.
-* ``grad_layer_spread``: largest / smallest layer norm (over layers with a non-zero norm) above ``spread_ratio``.
-* ``grad_collapse``: the global norm below ``collapse_ratio`` times the baseline, the median of the first
-  ``baseline_measurements`` finite global norms of the fit.
-* ``grad_frozen``: a layer some of whose parameters cannot learn while the rest of the model does: the
-  parameter has ``requires_grad=False`` (``"frozen"``) or is trainable but in no optimizer (``"excluded"``),
-  reported at the first measurement; or it is in the optimizer but gets no gradient (``grad is None``,
-  ``"no_grad"``: cut from the graph by a ``detach`` or unused) on ``patience`` consecutive measurements.
-  Parameters frozen on purpose are named to the callback (``expect_frozen``) and never reported.
+* ``grad_explode``: a layer's **RMS gradient per element** (``||g|| / sqrt(numel)``) above ``explode_threshold``
+  on one measurement. Raw L2 norms grow with the number of positions a layer is summed over (a ViT patch
+  embedding reaches 21, BERT's token-type embedding 12, in healthy runs); per element they stay below 1.1.
+* ``grad_vanish``: a **weight matrix's relative gradient** ``||g_W|| / ||W||`` below ``vanish_threshold`` *and*
+  more than ``relative`` times below the largest relative gradient of the blocks' matrices (the best-fed block),
+  on ``patience`` consecutive measurements after ``warmup_steps``, while that block itself is above
+  ``vanish_threshold``. Matrices starved while a block still learns are vanishing; all of them small together
+  is a converged (or dead) model, ``grad_collapse``'s question.
+  Attention query/key projections are not compared (their gradient flows only through the softmax and is 1e-5
+  at initialisation, attention being uniform), nor are embeddings (sparse rows).
+* ``grad_layer_spread``: between comparable matrices **of the same role in different blocks** (``layers.*.fc1``
+  against ``layers.*.fc1``), largest / smallest relative gradient above ``spread_ratio`` on ``patience``
+  consecutive measurements after ``warmup_steps``. A LayerNorm against the LM head is architecture; block 0
+  against block 11 of the same kind is gradient flow.
+* ``grad_collapse``: the L2 norm of the blocks' weight-matrix gradients below ``collapse_ratio`` times its
+  baseline (median of the first ``baseline_measurements``), on ``patience`` consecutive measurements. With the
+  loss known, the verdict names the cause: loss at most ``converged_fraction`` of its initial value: the model
+  **converged** (an ``info``); loss not 10% below its initial value: a **dead network** (a warning: typically a
+  learning rate far too high or dead ReLUs); otherwise the gradients **vanished** while the loss is far from its
+  floor (a warning).
+* ``grad_frozen``: see :class:`GradFrozenRule`.
+
+When several layers cross one threshold at the same measurement they make one alert naming them (count and the
+worst few). Non-finite values are AnomalyAlarm's business and are skipped.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_FROZEN, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert
+from lightning_diag.alerts import (
+    GRAD_COLLAPSE,
+    GRAD_EXPLODE,
+    GRAD_FROZEN,
+    GRAD_LAYER_SPREAD,
+    GRAD_VANISH,
+    Alert,
+    Severity,
+)
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.registry import default
 
 __all__ = [
     "DEFAULT_BASELINE_MEASUREMENTS",
     "DEFAULT_COLLAPSE_RATIO",
+    "DEFAULT_CONVERGED_FRACTION",
     "DEFAULT_EXPLODE_THRESHOLD",
     "DEFAULT_GRAD_PATIENCE",
+    "DEFAULT_GRAD_WARMUP_STEPS",
     "DEFAULT_SPREAD_RATIO",
     "DEFAULT_VANISH_THRESHOLD",
     "FROZEN_REASONS",
@@ -41,35 +62,74 @@ __all__ = [
     "GradCollapseRule",
     "GradFrozenRule",
     "GradSpreadRule",
+    "name_layers",
+    "role_of",
 ]
 
-#: ``grad_vanish``: a layer's gradient L2 norm below this (seed 000 §3.1).
+#: ``grad_vanish``: a weight matrix's ``||g|| / ||W||`` below this (seed 000 §3.1's 1e-3).
 DEFAULT_VANISH_THRESHOLD = default("grad_vanish")
-#: ``grad_explode``: a layer's gradient L2 norm above this (seed 000 §3.1).
+#: ``grad_explode``: a layer's RMS gradient per element above this (seed 000 §3.1's 1e1).
 DEFAULT_EXPLODE_THRESHOLD = default("grad_explode")
-#: ``grad_layer_spread``: largest / smallest layer norm above this: two orders of magnitude (seed 000 §3.1).
+#: ``grad_layer_spread``: largest / smallest relative gradient of one role across blocks (seed 000 §3.1).
 DEFAULT_SPREAD_RATIO = default("grad_layer_spread")
-#: ``grad_collapse``: global norm below this fraction of its baseline (seed 001 §1.2).
+#: ``grad_collapse``: blocks' gradient norm below this fraction of its baseline (seed 001 §1.2).
 DEFAULT_COLLAPSE_RATIO = default("grad_collapse")
 #: Consecutive measurements a gradient condition must hold before it alerts.
 DEFAULT_GRAD_PATIENCE = int(default("grad.patience"))
-#: ``grad_collapse``: measurements whose median global norm is the baseline.
+#: ``grad_collapse``: measurements whose median is the baseline (and whose median loss is the initial loss).
 DEFAULT_BASELINE_MEASUREMENTS = int(default("grad_collapse.baseline_measurements"))
+#: ``grad_vanish`` / ``grad_layer_spread`` are not evaluated before this global step (initialisation transients).
+DEFAULT_GRAD_WARMUP_STEPS = int(default("grad_vanish.warmup_steps"))
+#: ``grad_collapse``: a loss at most this fraction of its initial value is a converged model (``info``).
+DEFAULT_CONVERGED_FRACTION = default("grad_collapse.converged_fraction")
+#: ``grad_collapse``: a loss that has not fallen this fraction below its initial value is stuck (dead network).
+_STUCK_FALL = 0.1
+#: Layers named in an alert that groups several.
+_SHOWN = 3
 
 #: ``grad_frozen``: why a parameter cannot learn, and the advice for each.
 FROZEN_REASONS: dict[str, str] = {
-    "frozen": "`requires_grad` is False",
+    "frozen": "`requires_grad` is False (frozen on purpose?)",
     "excluded": "it is trainable but in no optimizer's parameter groups",
     "no_grad": "it gets no gradient (a `detach`, `torch.no_grad` or an unused branch cuts it from the loss)",
 }
 
 
-class GradBandRule(Rule):
-    """``grad_vanish`` and ``grad_explode``, per layer.
+def role_of(layer: str) -> str:
+    """A layer's role: its name with block indices replaced by ``*``.
 
     Example:
-        >>> rule = GradBandRule(patience=2)
-        >>> [len(rule.update({"fc": n}, StepContext(0, i))) for i, n in enumerate([1.0, 50.0, 60.0, 70.0])]
+        >>> role_of("h.3.mlp.fc")
+        'h.*.mlp.fc'
+    """
+    return ".".join("*" if part.isdigit() else part for part in layer.split("."))
+
+
+def name_layers(values: Mapping[str, float], worst_first: bool = True, shown: int = _SHOWN) -> str:
+    """``"3 layers: `a` 1e-05, `b` 2e-05 and 1 more"``: a count and the worst few (largest or smallest first).
+
+    Example:
+        >>> name_layers({"a": 3.0, "b": 1.0, "c": 2.0, "d": 0.5}, shown=2)
+        '4 layers: `a` 3, `c` 2 and 2 more'
+        >>> name_layers({"a": 3.0})
+        '`a` 3'
+    """
+    order = sorted(values, key=values.__getitem__, reverse=worst_first)
+    parts = ", ".join(f"`{k}` {values[k]:.3g}" for k in order[:shown])
+    if len(order) == 1:
+        return parts
+    more = f" and {len(order) - shown} more" if len(order) > shown else ""
+    return f"{len(order)} layers: {parts}{more}"
+
+
+class GradBandRule(Rule):
+    """``grad_explode`` (RMS gradient per element, any layer) and ``grad_vanish`` (relative gradient of a
+    weight matrix, starved against its peers). Latched per layer; the layers that trip a rule at one
+    measurement make one alert whose ``source`` is the worst of them.
+
+    Example:
+        >>> rule = GradBandRule(patience=2, warmup_steps=0)
+        >>> [len(rule.update({"fc": r}, StepContext(0, i))) for i, r in enumerate([1.0, 50.0, 60.0, 70.0])]
         [0, 1, 0, 0]
     """
 
@@ -82,81 +142,152 @@ class GradBandRule(Rule):
         explode_threshold: float = DEFAULT_EXPLODE_THRESHOLD,
         patience: int = DEFAULT_GRAD_PATIENCE,
         relative: float = DEFAULT_SPREAD_RATIO,
+        warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
     ) -> None:
         super().__init__()
         self.relative = relative
         self.vanish_threshold = vanish_threshold
         self.explode_threshold = explode_threshold
         self.patience = patience
+        self.warmup_steps = warmup_steps
         self.streaks: dict[str, int] = {}
 
-    def update(self, layer_norms: Mapping[str, float], ctx: StepContext, total: float | None = None) -> list[Alert]:
-        """Feed one measurement of every layer's norm (and the global norm); return the alerts raised."""
+    def update(
+        self,
+        rms: Mapping[str, float],
+        ctx: StepContext,
+        relative: Mapping[str, float] | None = None,
+        blocks: Collection[str] | None = None,
+    ) -> list[Alert]:
+        """Feed one measurement; return the alerts raised.
+
+        Args:
+            rms: ``{layer: RMS gradient per element}`` of every measured layer (``grad_explode``).
+            ctx: Where the measurement was taken.
+            relative: ``{layer: ||g_W|| / ||W||}`` of the comparable weight matrices (``grad_vanish``); ``None``
+                or empty: no vanishing check.
+            blocks: The matrices of the repeated blocks, whose largest relative gradient is the reference a
+                starved matrix is compared with (``None``: every matrix of ``relative``).
+        """
+        exploding = {k: v for k, v in rms.items() if math.isfinite(v) and v > self.explode_threshold}
+        starved: dict[str, float] = {}
+        rel = {k: v for k, v in (relative or {}).items() if math.isfinite(v)}
+        reference = max((v for k, v in rel.items() if blocks is None or k in blocks), default=0.0)
+        # a reference that is itself below the threshold is a converged or dead model: grad_collapse's question
+        if rel and ctx.global_step >= self.warmup_steps and reference >= self.vanish_threshold:
+            starved = {k: v for k, v in rel.items() if v < self.vanish_threshold and v * self.relative < reference}
         alerts = []
-        if total is None:
-            total = math.sqrt(sum(v * v for v in layer_norms.values() if math.isfinite(v)))
-        for layer, norm in layer_norms.items():
-            if not math.isfinite(norm):
-                continue
-            starved = norm < self.vanish_threshold and norm * self.relative < total
-            for rule, bad, threshold, word in (
-                (GRAD_VANISH, starved, self.vanish_threshold, "below"),
-                (GRAD_EXPLODE, norm > self.explode_threshold, self.explode_threshold, "above"),
-            ):
-                key = f"{rule}:{layer}"
-                self.streaks[key] = self.streaks.get(key, 0) + 1 if bad else 0
-                needed = self.patience if rule == GRAD_VANISH else 1
-                if self.latch.update(key, self.streaks[key] >= needed):
-                    hint = (
-                        "check saturating activations, depth without residuals or normalisation, a too-small init"
-                        if rule == GRAD_VANISH
-                        else "lower the learning rate, clip gradients or check the loss scale"
-                    )
-                    alerts.append(
-                        self._alert(
-                            ctx,
-                            f"gradient L2 norm of `{layer}` is {norm:.3g}, {word} {threshold:g}"
-                            + (f" on {needed} consecutive measurements" if needed > 1 else "")
-                            + f": {hint}",
-                            source=layer,
-                            value=norm,
-                            threshold=threshold,
-                            rule=rule,
-                        )
-                    )
+        explode_new = self._trip(GRAD_EXPLODE, exploding, set(rms), needed=1)
+        if explode_new:
+            worst = max(explode_new, key=explode_new.__getitem__)
+            alerts.append(
+                self._alert(
+                    ctx,
+                    f"RMS gradient per element above {self.explode_threshold:g} in "
+                    f"{name_layers(explode_new)}: lower the learning rate, clip gradients or check the loss scale",
+                    source=worst,
+                    value=explode_new[worst],
+                    threshold=self.explode_threshold,
+                    rule=GRAD_EXPLODE,
+                )
+            )
+        vanish_new = self._trip(
+            GRAD_VANISH, starved, set(rel) if ctx.global_step >= self.warmup_steps else set(), self.patience
+        )
+        if vanish_new:
+            worst = min(vanish_new, key=vanish_new.__getitem__)
+            alerts.append(
+                self._alert(
+                    ctx,
+                    f"relative gradient ||g||/||W|| below {self.vanish_threshold:g} and over "
+                    f"{self.relative:g}x below the best-fed block matrix ({reference:.3g}) on {self.patience} "
+                    f"consecutive measurements in {name_layers(vanish_new, worst_first=False)}: gradients vanish "
+                    "before they reach these layers; check saturating activations, depth without residuals or "
+                    "normalisation, a too-small init",
+                    source=worst,
+                    value=vanish_new[worst],
+                    threshold=self.vanish_threshold,
+                    rule=GRAD_VANISH,
+                )
+            )
         return alerts
+
+    def _trip(self, rule: str, bad: Mapping[str, float], seen: set[str], needed: int) -> dict[str, float]:
+        """Advance the streaks of ``rule``; return the layers whose alarm has just begun, with their values."""
+        new = {}
+        for layer in seen | {k.split(":", 1)[1] for k in self.streaks if k.startswith(f"{rule}:")}:
+            key = f"{rule}:{layer}"
+            if layer in bad:
+                self.streaks[key] = self.streaks.get(key, 0) + 1
+            else:
+                self.streaks.pop(key, None)
+            if layer not in seen and layer not in bad:
+                continue  # not measured this time: keep the latch as it is
+            if self.latch.update(key, self.streaks.get(key, 0) >= needed):
+                new[layer] = bad[layer]
+        return new
 
 
 class GradSpreadRule(Rule):
-    """``grad_layer_spread``: largest / smallest layer norm above ``spread_ratio``."""
+    """``grad_layer_spread``: largest / smallest relative gradient among the matrices of one role, across blocks.
+
+    Example:
+        >>> rule = GradSpreadRule(patience=1, warmup_steps=0)
+        >>> roles = {"h.0.fc": "h.*.fc", "h.1.fc": "h.*.fc", "head": "head"}
+        >>> [a.source for a in rule.update({"h.0.fc": 1e-4, "h.1.fc": 0.1, "head": 1.0}, StepContext(0, 0), roles)]
+        ['h.*.fc']
+    """
 
     rule_id = GRAD_LAYER_SPREAD
     state_keys = ("streak",)
 
-    def __init__(self, spread_ratio: float = DEFAULT_SPREAD_RATIO, patience: int = DEFAULT_GRAD_PATIENCE) -> None:
+    def __init__(
+        self,
+        spread_ratio: float = DEFAULT_SPREAD_RATIO,
+        patience: int = DEFAULT_GRAD_PATIENCE,
+        warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
+    ) -> None:
         super().__init__()
         self.spread_ratio = spread_ratio
         self.patience = patience
+        self.warmup_steps = warmup_steps
         self.streak = 0
 
-    def update(self, layer_norms: Mapping[str, float], ctx: StepContext) -> list[Alert]:
-        """Feed one measurement of every layer's norm; return the alerts raised."""
-        finite = {k: v for k, v in layer_norms.items() if math.isfinite(v) and v > 0}
-        if len(finite) < 2:
+    def update(
+        self, values: Mapping[str, float], ctx: StepContext, roles: Mapping[str, str] | None = None
+    ) -> list[Alert]:
+        """Feed one measurement of the comparable layers' relative gradients and their roles (``None``: one
+        role for all); return the alerts raised."""
+        if ctx.global_step < self.warmup_steps:
             return []
-        high = max(finite, key=finite.__getitem__)
-        low = min(finite, key=finite.__getitem__)
-        ratio = finite[high] / finite[low]
+        groups: dict[str, dict[str, float]] = {}
+        for layer, v in values.items():
+            if math.isfinite(v) and v > 0:
+                role = roles.get(layer, layer) if roles is not None else "model"
+                groups.setdefault(role, {})[layer] = v
+        worst: tuple[float, str, str, str] | None = None
+        for role, members in groups.items():
+            if len(members) < 2:
+                continue
+            high = max(members, key=members.__getitem__)
+            low = min(members, key=members.__getitem__)
+            ratio = members[high] / members[low]
+            if worst is None or ratio > worst[0]:
+                worst = (ratio, role, high, low)
+        if worst is None:
+            return []
+        ratio, role, high, low = worst
         self.streak = self.streak + 1 if ratio > self.spread_ratio else 0
         if not self.latch.update("model", self.streak >= self.patience):
             return []
+        members = groups[role]
         return [
             self._alert(
                 ctx,
-                f"gradient norms across layers span {ratio:.3g}x (largest `{high}` {finite[high]:.3g}, smallest "
-                f"`{low}` {finite[low]:.3g}), more than {self.spread_ratio:g}x: layers learn at very different "
-                "speeds; check normalisation, initialisation and per-layer learning rates",
-                source="model",
+                f"relative gradients of `{role}` span {ratio:.3g}x across blocks (`{high}` {members[high]:.3g}, "
+                f"`{low}` {members[low]:.3g}), more than {self.spread_ratio:g}x: blocks of one kind learn at very "
+                "different speeds; check normalisation, residual paths, initialisation and per-layer learning rates",
+                source=role,
                 value=ratio,
                 threshold=self.spread_ratio,
             )
@@ -164,59 +295,108 @@ class GradSpreadRule(Rule):
 
 
 class GradCollapseRule(Rule):
-    """``grad_collapse``: the global norm falls below ``collapse_ratio`` times its early-training baseline.
+    """``grad_collapse``: the blocks' gradient norm falls below ``collapse_ratio`` times its early baseline;
+    the loss tells converged (``info``) from dead or vanished (warnings).
 
     Example:
         >>> rule = GradCollapseRule(patience=1, baseline_measurements=2)
         >>> [len(rule.update(n, StepContext(0, i))) for i, n in enumerate([1.0, 1.2, 0.5, 0.001])]
         [0, 0, 0, 1]
+        >>> rule = GradCollapseRule(patience=1, baseline_measurements=1)
+        >>> rule.update(1.0, StepContext(0, 0), loss=2.0)
+        []
+        >>> [a.severity.value for a in rule.update(1e-3, StepContext(0, 1), loss=0.05)]
+        ['info']
     """
 
     rule_id = GRAD_COLLAPSE
-    state_keys = ("early", "baseline", "streak")
+    state_keys = ("early", "baseline", "streak", "early_losses", "initial_loss", "recent_losses")
 
     def __init__(
         self,
         collapse_ratio: float = DEFAULT_COLLAPSE_RATIO,
         patience: int = DEFAULT_GRAD_PATIENCE,
         baseline_measurements: int = DEFAULT_BASELINE_MEASUREMENTS,
+        converged_fraction: float = DEFAULT_CONVERGED_FRACTION,
     ) -> None:
         super().__init__()
         self.collapse_ratio = collapse_ratio
         self.patience = patience
         self.baseline_measurements = baseline_measurements
+        self.converged_fraction = converged_fraction
         self.early: list[float] = []
         self.baseline: float | None = None
         self.streak = 0
+        self.early_losses: list[float] = []
+        self.initial_loss: float | None = None
+        self.recent_losses: list[float] = []
 
-    def update(self, total_norm: float, ctx: StepContext) -> list[Alert]:
-        """Feed one global gradient norm; return the alerts raised."""
-        if not math.isfinite(total_norm):
+    def verdict(self, loss: float | None) -> str:
+        """``"converged"``, ``"dead"`` or ``"vanished"`` for a collapse at this loss (``"vanished"`` without one)."""
+        if loss is None or self.initial_loss is None or not math.isfinite(loss) or self.initial_loss <= 0:
+            return "vanished"
+        if loss <= self.converged_fraction * self.initial_loss:
+            return "converged"
+        if loss >= (1.0 - _STUCK_FALL) * self.initial_loss:
+            return "dead"
+        return "vanished"
+
+    def update(self, norm: float, ctx: StepContext, loss: float | None = None) -> list[Alert]:
+        """Feed one measurement of the blocks' gradient norm (and the training loss, when known)."""
+        if loss is not None and math.isfinite(loss):
+            if self.initial_loss is None:
+                self.early_losses.append(loss)
+                if len(self.early_losses) >= self.baseline_measurements:
+                    self.initial_loss = statistics.median(self.early_losses)
+            self.recent_losses = ([*self.recent_losses, loss])[-self.patience :]
+        if not math.isfinite(norm):
             return []
         if self.baseline is None:
-            self.early.append(total_norm)
+            self.early.append(norm)
             if len(self.early) >= self.baseline_measurements:
                 self.baseline = statistics.median(self.early)
             return []
         limit = self.collapse_ratio * self.baseline
-        self.streak = self.streak + 1 if total_norm < limit else 0
+        self.streak = self.streak + 1 if norm < limit else 0
         if not self.latch.update("global", self.streak >= self.patience):
             return []
+        recent = statistics.mean(self.recent_losses) if self.recent_losses and loss is not None else None
+        kind = self.verdict(recent)
+        initial = self.initial_loss
+        if kind == "converged":
+            cause = (
+                f"the model converged: the loss {recent:.3g} is at most {self.converged_fraction:g} of its initial "
+                f"{initial:.3g}; nothing is wrong (consider stopping earlier)"
+            )
+        elif kind == "dead":
+            cause = (
+                f"dead network: the loss {recent:.3g} is stuck at its initial {initial:.3g} while every block's "
+                "gradient is ~0; typical after a learning rate far too high, or units that died (ReLU)"
+            )
+        else:
+            where = f" ({recent:.3g}, initial {initial:.3g})" if recent is not None and initial is not None else ""
+            cause = (
+                f"the gradients vanished while the loss is still far from its floor{where}: saturated "
+                "activations, dead units or a cut graph"
+            )
         return [
             self._alert(
                 ctx,
-                f"global gradient norm {total_norm:.3g} is below {self.collapse_ratio:g} x its baseline "
-                f"{self.baseline:.3g} on {self.patience} consecutive measurements: units may have died (ReLU), "
-                "the loss may have saturated, or the graph may be cut",
+                f"gradient norm of the blocks' weight matrices {norm:.3g} is below {self.collapse_ratio:g} x its "
+                f"baseline {self.baseline:.3g} on {self.patience} consecutive measurements: {cause}",
                 source="global",
-                value=total_norm / self.baseline if self.baseline > 0 else total_norm,
+                value=norm / self.baseline if self.baseline > 0 else norm,
                 threshold=self.collapse_ratio,
+                severity=Severity.INFO if kind == "converged" else None,
             )
         ]
 
 
 class GradFrozenRule(Rule):
     """``grad_frozen``: layers whose parameters cannot learn while the rest of the model trains.
+
+    ``requires_grad=False`` is how everyone freezes on purpose: a group whose only reason is ``"frozen"`` is an
+    ``info``, never a warning. ``"excluded"`` and ``"no_grad"`` are warnings.
 
     Fed, at each measurement, ``{parameter name: reason}`` for every parameter that cannot learn (reasons are
     the keys of :data:`FROZEN_REASONS`) and the names of all parameters. Stuck parameters are grouped under the
@@ -288,15 +468,25 @@ class GradFrozenRule(Rule):
                     f" and {len(names) - 4} more" if len(names) > 4 else ""
                 )
                 parts.append(f"{shown}: {FROZEN_REASONS.get(reason, reason)}")
+            deliberate = set(reasons) == {"frozen"}
             alerts.append(
                 self._alert(
                     ctx,
-                    f"`{layer}` does not learn while the rest of the model does; "
+                    (
+                        f"`{layer}` is frozen (`requires_grad=False`) and does not learn; "
+                        if deliberate
+                        else f"`{layer}` does not learn while the rest of the model does; "
+                    )
                     + "; ".join(parts)
-                    + ". If this is on purpose, name it in `expect_frozen`",
+                    + (
+                        ". Reported once as information; name it in `expect_frozen` to silence it"
+                        if deliberate
+                        else ". If this is on purpose, name it in `expect_frozen`"
+                    ),
                     source=layer,
                     value=float(sum(len(n) for n in reasons.values())),
                     threshold=None,
+                    severity=Severity.INFO if deliberate else None,
                 )
             )
         return alerts

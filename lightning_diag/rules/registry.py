@@ -26,11 +26,11 @@ Example:
     >>> spec.owner, spec.severity, spec.threshold
     ('GradientFlowMonitor', 'warning', 10.0)
     >>> spec.describe()
-    "a layer's gradient above 10"
+    "a layer's RMS gradient per element above 10"
     >>> spec.describe({"grad_explode": 5.0})
-    "a layer's gradient above 5"
+    "a layer's RMS gradient per element above 5"
     >>> CHECKS["grad_norm_band"].describe({"grad_vanish": 1e-4})
-    'Gradient norm of every layer within 0.0001 .. 10'
+    'Gradient of every layer within 0.0001 (||g||/||W||) .. 10 (RMS per element)'
 """
 
 from __future__ import annotations
@@ -391,10 +391,12 @@ def default(key: str) -> float:
 register_check(CheckSpec("data_label_balance", "Data", "Label distribution standard deviation < 0.1", "< 0.1", 0.1))
 register_check(CheckSpec("data_train_test_overlap", "Data", "Train/test Jaccard similarity < 0.15", "< 0.15", 0.15))
 register_check(CheckSpec("grad_norm_band", "Model",
-                         "Gradient norm of every layer within {grad_vanish:g} .. {grad_explode:g}"))
-register_check(CheckSpec("grad_spread", "Model", "Layer gradient norms within a ratio of {grad_layer_spread:g}"))
+                         "Gradient of every layer within {grad_vanish:g} (||g||/||W||) .. {grad_explode:g} "
+                         "(RMS per element)"))
+register_check(CheckSpec("grad_spread", "Model",
+                         "Relative gradients of one role across blocks within a ratio of {grad_layer_spread:g}"))
 register_check(CheckSpec("grad_collapse", "Model",
-                         "Global gradient norm above {grad_collapse:g} of its early baseline"))
+                         "Blocks' gradient norm above {grad_collapse:g} of its early baseline"))
 register_check(CheckSpec(
     "attn_entropy_band", "Model",
     "Attention entropy of every head above {attn_entropy_low:g} nats, and not above {attn_entropy_high:g} nats "
@@ -450,19 +452,27 @@ register(RuleSpec("loss_stagnant", _ALARM, "warning", 0.10,
                              "baseline_steps": "stagnant_baseline_steps"}))
 
 _GRAD = "GradientFlowMonitor"
-register(RuleSpec("grad_vanish", _GRAD, "warning", 1e-3, "a layer's gradient below {threshold:g}",
-                  check="grad_norm_band", source="seed 000 §3.1", arguments={"threshold": "vanish_threshold"}))
-register(RuleSpec("grad_explode", _GRAD, "warning", 1e1, "a layer's gradient above {threshold:g}",
+register(RuleSpec("grad_vanish", _GRAD, "warning", 1e-3,
+                  "a weight matrix's ||g||/||W|| below {threshold:g} and {relative:g}x below the best-fed block "
+                  "matrix, after step {warmup_steps:g}",
+                  settings={"relative": 100.0, "warmup_steps": 50}, check="grad_norm_band", source="seed 000 §3.1",
+                  arguments={"threshold": "vanish_threshold", "warmup_steps": "warmup_steps"}))
+register(RuleSpec("grad_explode", _GRAD, "warning", 1e1, "a layer's RMS gradient per element above {threshold:g}",
                   check="grad_norm_band", source="seed 000 §3.1", arguments={"threshold": "explode_threshold"}))
 register(RuleSpec("grad_layer_spread", _GRAD, "warning", 100.0,
-                  "largest / smallest layer gradient above {threshold:g}", check="grad_spread",
-                  source="seed 000 §3.1", arguments={"threshold": "spread_ratio"}))
+                  "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
+                  settings={"warmup_steps": 50}, check="grad_spread", source="seed 000 §3.1",
+                  arguments={"threshold": "spread_ratio", "warmup_steps": "warmup_steps"}))
 register(RuleSpec("grad_collapse", _GRAD, "warning", 0.01,
-                  "global gradient norm below {threshold:g} of its early baseline",
-                  settings={"baseline_measurements": 5}, check="grad_collapse", source="seed 001 §1.2",
-                  arguments={"threshold": "collapse_ratio", "baseline_measurements": "baseline_measurements"}))
+                  "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or "
+                  "vanished: warning)",
+                  settings={"baseline_measurements": 5, "converged_fraction": 0.1}, check="grad_collapse",
+                  source="seed 001 §1.2",
+                  arguments={"threshold": "collapse_ratio", "baseline_measurements": "baseline_measurements",
+                             "converged_fraction": "converged_fraction"}))
 register(RuleSpec("grad_frozen", _GRAD, "warning", None,
-                  "a trainable parameter that cannot learn (in no optimizer, or never gets a gradient)"))
+                  "a trainable parameter that cannot learn (in no optimizer, or never gets a gradient); "
+                  "requires_grad=False is an info"))
 register_setting(SettingSpec("grad.patience", _GRAD, 3, "patience",
                              ("grad_vanish", "grad_layer_spread", "grad_collapse", "grad_frozen")))
 

@@ -1,59 +1,171 @@
 import pytest
 
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule
+from lightning_diag.rules.grad import (
+    GradBandRule,
+    GradCollapseRule,
+    GradFrozenRule,
+    GradSpreadRule,
+    name_layers,
+)
 
 
-def run(rule, series):
-    return [[(a.rule, a.source) for a in rule.update(x, StepContext(0, i))] for i, x in enumerate(series)]
+def run(rule, series, step0=0, **kw):
+    return [[(a.rule, a.source) for a in rule.update(x, StepContext(0, step0 + i), **kw)] for i, x in enumerate(series)]
+
+
+def fired(out):
+    return [(i, x) for i, x in enumerate(out) if x]
+
+
+# -- grad_explode: RMS gradient per element, every layer, one measurement ---------------------------------------
+@pytest.mark.parametrize(
+    ("series", "expected"),
+    [
+        ([{"a": 0.1, "b": 1.0}] * 6, []),
+        ([{"a": 20.0}] * 4, [(0, [("grad_explode", "a")])]),  # reported at once, latched
+        ([{"a": 1.1, "patch_embed": 0.64}] * 4, []),  # the largest healthy values measured in the corpus
+        ([{"a": float("nan")}] * 4, []),  # non-finite: AnomalyAlarm's business
+        ([{"a": 20.0}, {"a": 1.0}, {"a": 20.0}], [(0, [("grad_explode", "a")]), (2, [("grad_explode", "a")])]),
+    ],
+)
+def test_explode_table(series, expected):
+    assert fired(run(GradBandRule(), series)) == expected
+
+
+def test_many_layers_exploding_together_are_one_alert_naming_them():
+    rule = GradBandRule()
+    layers = {f"h.{i}.fc": 11.0 + i for i in range(12)}
+    alerts = rule.update(layers, StepContext(0, 0))
+    assert [(a.rule, a.source) for a in alerts] == [("grad_explode", "h.11.fc")]  # the worst
+    assert "12 layers" in alerts[0].message and "and 9 more" in alerts[0].message
+    assert rule.update(layers, StepContext(0, 1)) == []  # latched
+    layers["h.0.fc"] = 1.0
+    layers["h.0.fc"] = 30.0  # a layer that was never cleared does not re-alert
+    assert rule.update(layers, StepContext(0, 2)) == []
+
+
+# -- grad_vanish: ||g||/||W|| of comparable matrices, starved against the best-fed block, after the warm-up -----
+HEALTHY_REL = {"h.0.fc": 0.02, "h.1.fc": 0.03, "h.0.out": 0.05, "h.1.out": 0.04}
 
 
 @pytest.mark.parametrize(
-    ("series", "expected_at", "expected"),
+    ("relative", "step0", "expected_at"),
     [
-        ([{"a": 0.1, "b": 1.0}] * 6, None, None),
-        ([{"a": 1e-5, "b": 0.5}] * 4, 2, [("grad_vanish", "a")]),
-        ([{"a": 1e-4, "b": 2e-4}] * 4, None, None),  # all small together (converged): not vanishing
-        ([{"a": 20.0}] * 4, 0, [("grad_explode", "a")]),  # an explosion is reported at once
-        ([{"a": 1e-5, "b": 0.5}, {"a": 0.1, "b": 0.5}] * 3, None, None),  # vanish needs patience
-        ([{"a": float("nan")}] * 4, None, None),
+        (HEALTHY_REL, 100, None),
+        ({**HEALTHY_REL, "h.0.fc": 1e-5}, 100, 2),  # one matrix starved while the others learn: patience 3
+        ({**HEALTHY_REL, "h.0.fc": 1e-5}, 0, None),  # during the warm-up (init transients): silent
+        ({**HEALTHY_REL, "h.0.fc": 1e-5}, 48, 4),  # judged from step 50 on: 3 measurements from there
+        ({k: v * 1e-3 for k, v in HEALTHY_REL.items()}, 100, None),  # all small together: converged or dead
+        ({**HEALTHY_REL, "h.0.fc": 6e-4}, 100, None),  # below 1e-3 but only 83x below the best: not starved
     ],
 )
-def test_band_table(series, expected_at, expected):
-    out = run(GradBandRule(), series)
-    fired = [(i, x) for i, x in enumerate(out) if x]
-    assert fired == ([] if expected is None else [(expected_at, expected)])
-
-
-def test_band_latches_per_layer_and_rearms():
+def test_vanish_table(relative, step0, expected_at):
     rule = GradBandRule()
-    out = run(rule, [{"a": 20.0, "b": 20.0}, {"a": 20.0, "b": 1.0}, {"a": 1.0, "b": 20.0}, {"a": 20.0, "b": 20.0}])
-    assert out == [[("grad_explode", "a"), ("grad_explode", "b")], [], [("grad_explode", "b")], [("grad_explode", "a")]]
+    out = run(rule, [{k: 0.01 for k in relative}] * 6, step0=step0, relative=relative)
+    expected = [] if expected_at is None else [(expected_at, [("grad_vanish", "h.0.fc")])]
+    assert fired(out) == expected
 
 
-def test_spread():
-    assert run(GradSpreadRule(), [{"a": 1.0, "b": 50.0}] * 5) == [[]] * 5
-    out = run(GradSpreadRule(), [{"a": 1e-3, "b": 1.0}] * 4)
-    assert out == [[], [], [("grad_layer_spread", "model")], []]
-    assert run(GradSpreadRule(), [{"a": 0.0, "b": 1.0}] * 4) == [[]] * 4  # zero layers are not a spread
+def test_vanishing_layers_at_one_step_make_one_alert():
+    # a deep stack where most matrices starve: the reference is the best-fed block, not the (vanished) median
+    relative = {f"enc.{i}.fc": 1e-6 * (i + 1) for i in range(8)} | {f"head.{i}": 0.05 for i in range(3)}
+    rule = GradBandRule(patience=1, warmup_steps=0)
+    alerts = rule.update({}, StepContext(0, 0), relative=relative)
+    assert len(alerts) == 1 and alerts[0].source == "enc.0.fc" and "8 layers" in alerts[0].message
 
 
-def test_collapse_baseline_and_slow_convergence():
+def test_dead_blocks_are_not_vanishing_against_a_head_outside_the_blocks():
+    # BERT at a 100x learning rate: every block matrix ~0, only the classifier (no block) learns: grad_collapse's
+    relative = {"enc.0.fc": 0.0, "enc.1.fc": 1e-12, "classifier": 0.5}
+    rule = GradBandRule(patience=1, warmup_steps=0)
+    assert rule.update({}, StepContext(0, 0), relative=relative, blocks={"enc.0.fc", "enc.1.fc"}) == []
+
+
+# -- grad_layer_spread: one role across blocks -------------------------------------------------------------------
+ROLES = {"h.0.fc": "h.*.fc", "h.1.fc": "h.*.fc", "norm": "norm", "head": "head"}
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({"h.0.fc": 0.01, "h.1.fc": 0.5, "norm": 1e-6, "head": 10.0}, []),  # different roles never compared
+        ({"h.0.fc": 1e-4, "h.1.fc": 0.5, "norm": 1.0, "head": 1.0}, [(2, [("grad_layer_spread", "h.*.fc")])]),
+        ({"h.0.fc": 0.0, "h.1.fc": 0.5, "norm": 1.0, "head": 1.0}, []),  # a zero gradient is not a spread
+    ],
+)
+def test_spread_table(values, expected):
+    assert fired(run(GradSpreadRule(), [values] * 5, step0=100, roles=ROLES)) == expected
+
+
+def test_spread_waits_for_the_warm_up():
+    values = {"h.0.fc": 1e-4, "h.1.fc": 0.5}
+    assert fired(run(GradSpreadRule(), [values] * 10, step0=0, roles=ROLES)) == []
+    assert fired(run(GradSpreadRule(warmup_steps=0), [values] * 4, roles=None))[0][0] == 2
+
+
+# -- grad_collapse: the loss tells converged from dead from vanished ---------------------------------------------
+def collapse(norms, losses, **kw):
+    rule = GradCollapseRule(**kw)
+    out = []
+    for i, (n, loss) in enumerate(zip(norms, losses, strict=True)):
+        out += [(i, a.severity.value, a.message) for a in rule.update(n, StepContext(0, i), loss)]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("late_loss", "severity", "word"),
+    [
+        (0.01, "info", "converged"),  # loss at 0.7% of the initial: converged, nothing wrong
+        (1.5, "warning", "dead network"),  # loss stuck at (or above) the initial: dead
+        (0.6, "warning", "vanished"),  # loss half-way: gradients vanished far from the floor
+        (None, "warning", "vanished"),  # loss unknown: the plain collapse
+    ],
+)
+def test_collapse_verdict_table(late_loss, severity, word):
+    norms = [1.0] * 8 + [1e-4] * 5
+    losses = [1.4] * 8 + [late_loss] * 5
+    out = collapse(norms, losses)
+    assert [(i, s) for i, s, _ in out] == [(10, severity)]
+    assert word in out[0][2]
+
+
+def test_collapse_slow_convergence_is_quiet():
     slow = [1.0 * 0.97**k for k in range(120)]  # falls 38x over a long run: not a collapse
-    assert all(not x for x in run(GradCollapseRule(), slow))
-    sudden = [1.0] * 8 + [1e-4] * 5
-    out = run(GradCollapseRule(), sudden)
-    assert [i for i, x in enumerate(out) if x] == [10]
+    assert collapse(slow, [1.0] * 120) == []
+
+
+# -- grad_frozen ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("reason", "severity"),
+    [("frozen", "info"), ("excluded", "warning")],
+)
+def test_frozen_on_purpose_is_info_and_excluded_is_a_warning(reason, severity):
+    names = ["emb.weight", "enc.0.w", "head.w"]
+    alerts = GradFrozenRule().update({"emb.weight": reason}, StepContext(0, 0), names)
+    assert [(a.source, a.severity.value) for a in alerts] == [("emb", severity)]
+
+
+def test_no_grad_is_a_warning_after_patience():
+    rule = GradFrozenRule(patience=2)
+    names = ["a.w", "b.w"]
+    out = [rule.update({"a.w": "no_grad"}, StepContext(0, i), names) for i in range(3)]
+    assert [len(x) for x in out] == [0, 1, 0] and out[1][0].severity == "warning"
+
+
+def test_name_layers():
+    assert name_layers({"a": 1.0}) == "`a` 1"
+    assert name_layers({"a": 1.0, "b": 3.0}, worst_first=False) == "2 layers: `a` 1, `b` 3"
 
 
 def test_grad_rules_state_roundtrip():
-    for rule, feed in (
-        (GradBandRule(), {"a": 20.0}),
-        (GradSpreadRule(), {"a": 1e-4, "b": 1.0}),
-        (GradCollapseRule(), 1.0),
+    for rule, feed, kw in (
+        (GradBandRule(), {"a": 20.0}, {}),
+        (GradSpreadRule(warmup_steps=0), {"a": 1e-4, "b": 1.0}, {}),
+        (GradCollapseRule(), 1.0, {"loss": 2.0}),
     ):
-        for i in range(4):
-            rule.update(feed, StepContext(0, i))
+        for i in range(6):
+            rule.update(feed, StepContext(0, i), **kw)
         clone = type(rule)()
         clone.load_state_dict(rule.state_dict())
         assert clone.state_dict() == rule.state_dict()

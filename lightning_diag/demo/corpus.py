@@ -1,0 +1,482 @@
+"""The real-architecture corpus: off-the-shelf architectures, healthy and with injected faults.
+
+The models nobody in this project wrote: Hugging Face ``transformers`` models built from small configs (no
+download) and plain torch models, each trained with AdamW, a linear learning-rate warm-up and a cosine decay on
+a learnable synthetic task of :mod:`lightning_diag.demo.corpus_data`:
+
+=============  ==========================================================  ==========
+architecture   model                                                       task
+=============  ==========================================================  ==========
+``bert``       ``BertForSequenceClassification`` (2 layers, d 64)          classify
+``gpt2``       ``GPT2LMHeadModel`` (2 layers, d 64)                        lm
+``llama``      ``LlamaForCausalLM`` (2 layers, d 64, 4 query / 2 KV heads)  lm
+``bart``       ``BartForConditionalGeneration`` (2+2 layers, d 64)         seq2seq
+``vit``        ``ViTForImageClassification`` (2 layers, d 64, patch 4)     image
+``cnn``        conv-BatchNorm-ReLU x 3, global pooling, linear head         image
+``lstm``       2-layer LSTM classifier                                     classify
+``finetune``   BERT whose embeddings and first layer are frozen            classify
+=============  ==========================================================  ==========
+
+:data:`CORPUS` lists a healthy run of each and the faults injected into them; :func:`run_corpus` trains one.
+
+Example:
+    >>> sorted(name for name, entry in CORPUS.items() if entry.healthy)[:3]
+    ['bart', 'bert', 'cnn']
+    >>> CORPUS["bert_high_lr"].expected_rules
+    ('grad_collapse',)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+import warnings
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from lightning_diag.alerts import ATTN_ENTROPY_LOW, GRAD_COLLAPSE, GRAD_FROZEN, LOSS_STAGNANT, NONFINITE_LOSS, Alert
+from lightning_diag.demo.corpus_data import IMAGE_CLASSES, IMAGE_SIZE, SEQ2SEQ_VOCAB, CorpusDataModule
+from lightning_diag.demo.data import LM_VOCAB_SIZE, NUM_CLASSES, VOCAB_SIZE
+
+__all__ = ["ARCHITECTURES", "CORPUS", "CorpusEntry", "CorpusModule", "CorpusResult", "build_corpus", "run_corpus"]
+
+#: Architecture -> its task of :class:`~lightning_diag.demo.corpus_data.CorpusDataModule`.
+ARCHITECTURES: dict[str, str] = {
+    "bert": "classify",
+    "gpt2": "lm",
+    "llama": "lm",
+    "bart": "seq2seq",
+    "vit": "image",
+    "cnn": "image",
+    "lstm": "classify",
+    "finetune": "classify",
+}
+
+_D = 64
+
+
+def _hf_quiet() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+def _labels(n: int) -> dict[str, Any]:
+    return {"num_labels": n}  # a PretrainedConfig keyword the configs' signatures do not declare
+
+
+def _build_net(arch: str) -> nn.Module:
+    """The bare network of ``arch`` (initialised from the current torch seed)."""
+    if arch in ("bert", "finetune"):
+        from transformers import BertConfig, BertForSequenceClassification
+
+        return BertForSequenceClassification(
+            BertConfig(
+                vocab_size=VOCAB_SIZE,
+                hidden_size=_D,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=2 * _D,
+                max_position_embeddings=32,
+                **_labels(NUM_CLASSES),
+                pad_token_id=0,
+            )
+        )
+    if arch == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=LM_VOCAB_SIZE, n_embd=_D, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0
+            )
+        )
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=LM_VOCAB_SIZE,
+                hidden_size=_D,
+                intermediate_size=2 * _D,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=32,
+                pad_token_id=0,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
+    if arch == "bart":
+        from transformers import BartConfig, BartForConditionalGeneration
+
+        return BartForConditionalGeneration(
+            BartConfig(
+                vocab_size=SEQ2SEQ_VOCAB,
+                d_model=_D,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=2 * _D,
+                decoder_ffn_dim=2 * _D,
+                max_position_embeddings=32,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+                decoder_start_token_id=1,
+                forced_eos_token_id=None,
+            )
+        )
+    if arch == "vit":
+        from transformers import ViTConfig, ViTForImageClassification
+
+        return ViTForImageClassification(
+            ViTConfig(
+                image_size=IMAGE_SIZE,
+                patch_size=4,
+                num_channels=1,
+                hidden_size=_D,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=2 * _D,
+                **_labels(IMAGE_CLASSES),
+            )
+        )
+    if arch == "cnn":
+        layers: list[nn.Module] = []
+        width = 1
+        for out in (16, 32, 32):
+            layers += [nn.Conv2d(width, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU()]
+            width = out
+        return nn.Sequential(
+            nn.Sequential(*layers), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, IMAGE_CLASSES)
+        )
+    if arch == "lstm":
+        return _LSTMClassifier()
+    raise ValueError(f"Expected argument `arch` to be one of {sorted(ARCHITECTURES)}, but got {arch!r}")
+
+
+class _LSTMClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB_SIZE, _D, padding_idx=0)
+        self.rnn = nn.LSTM(_D, _D, num_layers=2, batch_first=True)
+        self.head = nn.Linear(_D, NUM_CLASSES)
+
+    def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.embed(tokens))
+        last = (~padding_mask).sum(1) - 1
+        return self.head(out[torch.arange(tokens.shape[0]), last])
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusEntry:
+    """One run of the corpus: an architecture, healthy or with one injected fault.
+
+    Attributes:
+        name: The entry's name (the architecture for a healthy run).
+        arch: A key of :data:`ARCHITECTURES`.
+        description: What goes wrong (or "healthy").
+        expected_rules: Rule ids that must fire (empty for a healthy run).
+        onset_step: Global step where the fault begins.
+        window: Steps after onset by which the expected rules must have fired.
+        max_steps: Optimizer steps of the run.
+        lr: Peak learning rate (AdamW; linear warm-up over ``warmup_steps``, then cosine decay to 10%).
+        warmup_steps: Learning-rate warm-up steps.
+        fault: Switches of :class:`CorpusModule` (``nan_at_step``, ``qk_scale_at_step``, ``exclude``,
+            ``dead_relu_at_step``); ``shuffle_targets`` goes to the data module.
+    """
+
+    name: str
+    arch: str
+    description: str
+    expected_rules: tuple[str, ...] = ()
+    onset_step: int | None = None
+    window: int = 0
+    max_steps: int = 300
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    fault: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        """Whether this entry is a healthy run (no warning may fire)."""
+        return not self.expected_rules
+
+    @property
+    def model(self) -> str:
+        """The architecture (the fault library's column name)."""
+        return self.arch
+
+    @property
+    def onset_epoch(self) -> int | None:
+        """Corpus faults begin at a step, never at an epoch."""
+        return None
+
+
+class CorpusModule(pl.LightningModule):
+    """A corpus network, its loss and its optimizer (AdamW, warm-up then cosine), with the fault switches.
+
+    Logs ``train_loss`` and ``val_loss``.
+    """
+
+    def __init__(self, entry: CorpusEntry, seed: int = 0) -> None:
+        super().__init__()
+        _hf_quiet()
+        self.entry = entry
+        torch.manual_seed(seed)
+        net: Any = _build_net(entry.arch)
+        self.net = net
+        self.task = ARCHITECTURES[entry.arch]
+        self._nan_handle: Any = None
+        if entry.arch == "finetune":
+            # frozen on purpose, the way everyone freezes: requires_grad_(False) on the pretrained part
+            net.bert.embeddings.requires_grad_(False)
+            net.bert.encoder.layer[0].requires_grad_(False)
+
+    # -- faults -------------------------------------------------------------------------------------------
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        f, step = self.entry.fault, self.global_step
+        if f.get("qk_scale_at_step") is not None and step == f["qk_scale_at_step"]:
+            # attention-logit growth: query and key weights grow, the logits with their product
+            with torch.no_grad():
+                for layer in self.net.model.layers:
+                    layer.self_attn.q_proj.weight.mul_(f.get("qk_scale", 8.0))
+                    layer.self_attn.k_proj.weight.mul_(f.get("qk_scale", 8.0))
+        if f.get("dead_relu_at_step") is not None and step == f["dead_relu_at_step"]:
+            # a bad update pushes every BatchNorm shift far negative: every ReLU outputs 0 from here on
+            with torch.no_grad():
+                for m in self.net.modules():
+                    if isinstance(m, nn.BatchNorm2d):
+                        m.bias.fill_(-20.0)
+        if f.get("nan_at_step") is not None:
+            if step == f["nan_at_step"] and self._nan_handle is None:
+                block = self.net.transformer.h[1].mlp
+                self._nan_handle = block.register_forward_hook(lambda m, i, o: o * math.nan)
+            elif step != f["nan_at_step"] and self._nan_handle is not None:
+                self._nan_handle.remove()
+                self._nan_handle = None
+
+    # -- loss -------------------------------------------------------------------------------------------------
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        """The loss of a batch."""
+        arch = self.entry.arch
+        if self.task == "classify":
+            tokens, mask, labels = batch
+            if arch == "lstm":
+                return nn.functional.cross_entropy(self.net(tokens, mask), labels)
+            return self.net(input_ids=tokens, attention_mask=(~mask).long(), labels=labels).loss
+        if self.task == "lm":
+            (seq,) = batch
+            return self.net(input_ids=seq, labels=seq).loss
+        if self.task == "seq2seq":
+            source, target = batch
+            return self.net(input_ids=source, labels=target).loss
+        pixels, labels = batch
+        if arch == "vit":
+            return self.net(pixel_values=pixels, labels=labels).loss
+        return nn.functional.cross_entropy(self.net(pixels), labels)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.compute_loss(batch)
+        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.compute_loss(batch))
+
+    def configure_optimizers(self) -> Any:
+        e = self.entry
+        excluded = tuple(e.fault.get("exclude", ()))
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
+        for name, p in self.named_parameters():
+            if not p.requires_grad or name.startswith(excluded):
+                continue
+            (no_decay if p.ndim < 2 else decay).append(p)
+        lr = e.lr * float(e.fault.get("lr_factor", 1.0))
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
+        )
+        warm, total = e.warmup_steps, e.max_steps
+
+        def schedule(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            progress = min(1.0, (step - warm) / max(1, total - warm))
+            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _entries() -> list[CorpusEntry]:
+    healthy = [
+        CorpusEntry("bert", "bert", "healthy", lr=1e-3),
+        CorpusEntry("gpt2", "gpt2", "healthy", lr=3e-3),
+        CorpusEntry("llama", "llama", "healthy", lr=3e-3),
+        CorpusEntry("bart", "bart", "healthy", lr=3e-3),
+        CorpusEntry("vit", "vit", "healthy", lr=2e-3),
+        CorpusEntry("cnn", "cnn", "healthy", lr=3e-3),
+        CorpusEntry("lstm", "lstm", "healthy", lr=3e-3),
+        CorpusEntry("finetune", "finetune", "healthy", lr=1e-3),
+    ]
+    faults = [
+        CorpusEntry(
+            "gpt2_nan",
+            "gpt2",
+            "the MLP of GPT-2's block 1 outputs NaN at step 100",
+            (NONFINITE_LOSS,),
+            onset_step=100,
+            window=0,
+            max_steps=120,
+            fault={"nan_at_step": 100},
+        ),
+        CorpusEntry(
+            "llama_logit_growth",
+            "llama",
+            "Llama's query and key weights are scaled up 8x at step 100: attention logits grow 64x and "
+            "attention collapses to one-hot",
+            (ATTN_ENTROPY_LOW,),
+            onset_step=100,
+            window=20,
+            max_steps=140,
+            lr=3e-3,
+            fault={"qk_scale_at_step": 100, "qk_scale": 8.0},
+        ),
+        CorpusEntry(
+            "bert_high_lr",
+            "bert",
+            "BERT at a learning rate 100x too high (0.2): the network dies",
+            (GRAD_COLLAPSE,),
+            onset_step=0,
+            window=150,
+            max_steps=200,
+            lr=2e-3,
+            warmup_steps=1,
+            fault={"lr_factor": 100.0},
+        ),
+        CorpusEntry(
+            "bert_excluded",
+            "bert",
+            "BERT's pooler and classifier are left out of the optimizer",
+            (GRAD_FROZEN,),
+            onset_step=0,
+            window=0,
+            max_steps=60,
+            fault={"exclude": ("net.bert.pooler.", "net.classifier.")},
+        ),
+        CorpusEntry(
+            "cnn_dead_relu",
+            "cnn",
+            "every ReLU of the CNN dies at step 100 (BatchNorm shifts pushed to -20)",
+            (GRAD_COLLAPSE,),
+            onset_step=100,
+            window=40,
+            max_steps=180,
+            fault={"dead_relu_at_step": 100},
+        ),
+        CorpusEntry(
+            "bert_shuffled_labels",
+            "bert",
+            "BERT's training labels are permuted against the inputs",
+            (LOSS_STAGNANT,),
+            onset_step=0,
+            window=260,
+            max_steps=260,
+            fault={"shuffle_targets": True},
+        ),
+    ]
+    return healthy + faults
+
+
+#: Every corpus entry by name: the eight healthy architectures, then the faults.
+CORPUS: dict[str, CorpusEntry] = {e.name: e for e in _entries()}
+
+
+def build_corpus(name: str, seed: int = 0) -> tuple[CorpusModule, CorpusDataModule, CorpusEntry]:
+    """The module, data module and entry for ``name``.
+
+    Raises:
+        ValueError: If ``name`` is not in :data:`CORPUS`.
+    """
+    if name not in CORPUS:
+        raise ValueError(f"Expected argument `name` to be one of {sorted(CORPUS)}, but got {name!r}")
+    entry = CORPUS[name]
+    data = CorpusDataModule(
+        ARCHITECTURES[entry.arch], seed=seed, shuffle_targets=bool(entry.fault.get("shuffle_targets", False))
+    )
+    return CorpusModule(entry, seed=seed), data, entry
+
+
+@dataclasses.dataclass
+class CorpusResult:
+    """What a corpus run produced."""
+
+    name: str
+    alerts: list[Alert]
+    log_dir: str
+    global_step: int
+    seconds: float
+    losses: list[float]
+
+
+def run_corpus(
+    name: str, root: str | None = None, seed: int = 0, callbacks: list[Any] | None = None, **trainer_kwargs: Any
+) -> CorpusResult:
+    """Train one corpus entry with :func:`~lightning_diag.demo.run.default_callbacks` (or ``callbacks``).
+
+    Validation runs every 50 steps on the 128 validation examples; everything is measured every 5 steps.
+
+    Args:
+        name: A key of :data:`CORPUS`.
+        root: Directory for logs (default ``./diag_runs``).
+        seed: Seed of data, model and trainer.
+        callbacks: Callbacks to attach instead of the defaults.
+        **trainer_kwargs: Passed on to :class:`pytorch_lightning.Trainer`.
+    """
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    from lightning_diag.demo.run import default_callbacks
+
+    model, data, entry = build_corpus(name, seed=seed)
+    root = root or os.path.join(os.getcwd(), "diag_runs")
+    cbs = default_callbacks() if callbacks is None else callbacks
+    losses: list[float] = []
+
+    class _Losses(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+            if trainer.global_step % 10 == 0 and isinstance(outputs, dict) and "loss" in outputs:
+                losses.append(float(outputs["loss"]))
+
+    pl.seed_everything(seed, verbose=False)
+    kwargs: dict[str, Any] = {
+        "max_steps": entry.max_steps,
+        "max_epochs": -1,
+        "logger": TensorBoardLogger(root, name=f"corpus_{name}"),
+        "callbacks": [*cbs, _Losses()],
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "log_every_n_steps": 5,
+        "val_check_interval": 50,
+        "check_val_every_n_epoch": None,
+        "limit_val_batches": 8,
+        "num_sanity_val_steps": 0,
+        "accelerator": "cpu",
+    }
+    kwargs.update(trainer_kwargs)
+    trainer = pl.Trainer(**kwargs)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        trainer.fit(model, datamodule=data)
+    seconds = time.perf_counter() - start
+    alerts = sorted((a for cb in cbs for a in getattr(cb, "alerts", [])), key=lambda a: a.global_step)
+    return CorpusResult(name, alerts, trainer.log_dir or root, trainer.global_step, seconds, losses)
