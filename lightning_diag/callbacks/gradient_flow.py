@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +15,8 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag._validation import check_int, check_number
 from lightning_diag.alerts import GRAD_EXPLODE, GRAD_VANISH
+from lightning_diag.callbacks._act_grads import ActivationGradients
+from lightning_diag.callbacks._grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step, update_ratios
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.rules.grad import (
     DEFAULT_BASELINE_MEASUREMENTS,
@@ -29,9 +31,7 @@ from lightning_diag.rules.grad import (
     GradCollapseRule,
     GradFrozenRule,
     GradSpreadRule,
-    role_of,
 )
-from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
 from lightning_diag.tags import (
     act_grad_norm_tag,
     grad_blocks_tag,
@@ -40,64 +40,12 @@ from lightning_diag.tags import (
     grad_relative_tag,
     grad_rms_tag,
     grad_total_tag,
-    update_ratio_tag,
-    weight_norm_tag,
 )
 
 __all__ = ["GradientFlowMonitor"]
 
 ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
 _STATE_KEYS = ("band", "spread", "collapse", "frozen")
-_COMPILED_PREFIX = re.compile(r"(?:^|(?<=\.))_orig_mod\.")
-
-
-#: Attention query/key projections (last name component): their gradient flows only through the softmax, so it
-#: is tiny whenever attention is near uniform (at initialisation, or for a head the task does not need).
-DEFAULT_LOGIT_PROJECTIONS = ("q", "k", "query", "key", "q_proj", "k_proj", "q_lin", "k_lin", "wq", "wk", "to_q", "to_k")
-
-
-#: Name components of embedding tables and learned position/class tokens, which are not weight matrices.
-_EMBEDDING = re.compile(r".*embed.*|pos|pos_emb|wte|wpe|cls_token|mask_token|dist_token")
-
-
-class _Index:
-    """Which parameters are measured, the layer each belongs to, and which layers are comparable weight
-    matrices (built once per fit)."""
-
-    def __init__(
-        self,
-        names: list[str],
-        params: list[torch.nn.Parameter],
-        per_parameter: bool,
-        modules: dict[str, torch.nn.Module] | None = None,
-        logit_projections: Sequence[str] = DEFAULT_LOGIT_PROJECTIONS,
-    ) -> None:
-        modules = modules or {}
-        owners = [n.rsplit(".", 1)[0] if "." in n else "" for n in names]
-        # A torch.compile'd submodule adds `_orig_mod` to its parameters' names: report the model's own names.
-        names = [_COMPILED_PREFIX.sub("", n) for n in names]
-        layers = [n if per_parameter else (n.rsplit(".", 1)[0] if "." in n else n) for n in names]
-        self.layers = list(dict.fromkeys(layers))
-        position = {layer: i for i, layer in enumerate(self.layers)}
-        self.names = names
-        self.params = params
-        self.layer_of = [position[layer] for layer in layers]
-        self.numel = [p.numel() for p in params]
-        # A comparable weight matrix: a >= 2-D parameter of a module that is neither an embedding (sparse rows)
-        # nor an attention query/key projection.
-        skip = set(logit_projections)
-        self.is_matrix = [
-            p.ndim >= 2
-            and not isinstance(modules.get(owner), torch.nn.Embedding)
-            and not any(_EMBEDDING.fullmatch(part) for part in name.split("."))
-            and owner.rsplit(".", 1)[-1] not in skip
-            for p, owner, name in zip(params, owners, names, strict=True)
-        ]
-        matrix_layers = {self.layers[self.layer_of[i]] for i, m in enumerate(self.is_matrix) if m}
-        in_blocks = {layer for layer in matrix_layers if role_of(layer) != layer}
-        self.block_layers = in_blocks or matrix_layers  # no repeated blocks (an LSTM and its head): all matrices
-        self.roles = {layer: role_of(layer) for layer in matrix_layers}
-        self.in_block = [layer in self.block_layers for layer in self.layers]
 
 
 class GradientFlowMonitor(DiagCallback):
@@ -224,8 +172,7 @@ class GradientFlowMonitor(DiagCallback):
                 f"Expected argument `expect_frozen` to be a list of parameter-name patterns, but got {expect_frozen!r}"
             )
         self.expect_frozen = tuple(expect_frozen)
-        self._act_handles: list[Any] = []
-        self._act_sq: dict[str, torch.Tensor] = {}
+        self._act = ActivationGradients()
         self.log_weight_norms = log_weight_norms
         if histogram_every_n_steps is not None:
             check_int("histogram_every_n_steps", histogram_every_n_steps, low=0)
@@ -248,7 +195,7 @@ class GradientFlowMonitor(DiagCallback):
         self.logit_projections = tuple(logit_projections)
         self._loss: torch.Tensor | None = None
         self._make_rules()
-        self._index: _Index | None = None
+        self._index: ParamIndex | None = None
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
         self._before: list[tuple[list[int], list[torch.Tensor]]] = []
         self._measured_interval: dict[int, int] = {}
@@ -310,7 +257,7 @@ class GradientFlowMonitor(DiagCallback):
             return bool(self.params(name, param))
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.params)
 
-    def _build_index(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> _Index:
+    def _build_index(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ParamIndex:
         named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad and self._selected(n, p)]
         if not named:
             self.notice(
@@ -320,7 +267,7 @@ class GradientFlowMonitor(DiagCallback):
                 if self.params is not None
                 else "the model has no trainable parameters; gradient flow is not measured",
             )
-        return _Index(
+        return ParamIndex(
             [n for n, _ in named],
             [p for _, p in named],
             self.per_parameter,
@@ -363,56 +310,13 @@ class GradientFlowMonitor(DiagCallback):
         self._measured_interval[position] = interval
         return position
 
-    # -- activation gradients (opt-in) ----------------------------------------------------------------------
-    def _act_modules(self, pl_module: pl.LightningModule) -> list[tuple[str, torch.nn.Module]]:
-        out = []
-        for name, module in pl_module.named_modules():
-            if not name:
-                continue
-            if self.activation_grads is True:
-                if any(True for _ in module.parameters(recurse=False)):
-                    out.append((name, module))
-            elif any(fnmatch.fnmatchcase(name, pat) for pat in self.activation_grads):  # type: ignore[union-attr]
-                out.append((name, module))
-        return out
-
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Attach the activation-gradient hooks when the coming optimizer step is a measured one."""
-        if not self.activation_grads or self._act_handles or not self._measuring(trainer):
+        if not self.activation_grads or self._act.attached or not self._measuring(trainer):
             return
-        for name, module in self._act_modules(pl_module):
-            self._act_handles.append(module.register_forward_hook(self._make_forward_hook(trainer, name)))
-
-    def _make_forward_hook(self, trainer: pl.Trainer, name: str) -> Callable[..., None]:
-        def forward_hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            out = output[0] if isinstance(output, tuple) and output else output
-            if not isinstance(out, torch.Tensor) or not out.requires_grad:
-                return
-            try:
-                out.register_hook(lambda grad: self._add_act(name, grad))
-            except RuntimeError as err:
-                self.notice(trainer, f"act:{name}", f"no activation gradient for `{name}`: {err}")
-
-        return forward_hook
-
-    def _add_act(self, name: str, grad: torch.Tensor) -> None:
-        sq = grad.detach().float().pow(2).sum()
-        self._act_sq[name] = self._act_sq[name] + sq if name in self._act_sq else sq
-
-    def _flush_activations(self, trainer: pl.Trainer) -> None:
-        for handle in self._act_handles:
-            handle.remove()
-        self._act_handles = []
-        if not self._act_sq:
-            return
-        names = list(self._act_sq)
-        values = torch.stack([self._act_sq[n] for n in names]).sqrt().tolist()
-        self._act_sq = {}
-        self.writer.scalars(
-            {act_grad_norm_tag(n): v for n, v in zip(names, values, strict=True)}, trainer.global_step
-        )
+        self._act.attach(pl_module, self.activation_grads, lambda key, message: self.notice(trainer, key, message))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """On measured steps: keep the loss (a device tensor, summed over micro-batches) for ``grad_collapse``."""
@@ -425,8 +329,10 @@ class GradientFlowMonitor(DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """On measured steps: per-layer gradient norms, rules, and a weight snapshot for the update ratio."""
-        if self._act_handles:
-            self._flush_activations(trainer)
+        if self._act.attached:
+            act_norms = self._act.flush()
+            if act_norms:
+                self.writer.scalars({act_grad_norm_tag(n): v for n, v in act_norms.items()}, trainer.global_step)
         position = self._measured_position(trainer, optimizer)
         if position is None:
             return
@@ -437,61 +343,29 @@ class GradientFlowMonitor(DiagCallback):
         chosen = [i for i, p in enumerate(index.params) if p.grad is not None and id(p) in in_opt]
         if not chosen:
             return
-        grads = [index.params[i].grad for i in chosen]
-        device = grads[0].device  # type: ignore[union-attr]
-        n_layers = len(index.layers)
-        group_of = torch.tensor([index.layer_of[i] for i in chosen], device=device)
-        tensor_norms = per_tensor_norms(grads)  # type: ignore[arg-type]
-        layer_norms = grouped_norms(tensor_norms, group_of, n_layers)
-        total = layer_norms.pow(2).sum().sqrt()
-        numel = torch.zeros(n_layers, dtype=torch.float32, device=device)
-        numel.index_add_(0, group_of, torch.tensor([float(index.numel[i]) for i in chosen], device=device))
-        rms = layer_norms / numel.clamp_min(1.0).sqrt()
-        # comparable weight matrices: ||g_W|| / ||W|| per layer, and the blocks' gradient norm
-        matrix = [k for k, i in enumerate(chosen) if index.is_matrix[i]]
-        matrix_layers = sorted({index.layer_of[chosen[k]] for k in matrix})
-        extra: list[torch.Tensor] = []
-        if matrix:
-            m_groups = torch.tensor([index.layer_of[chosen[k]] for k in matrix], device=device)
-            m_grad = grouped_norms(tensor_norms[torch.tensor(matrix, device=device)], m_groups, n_layers)
-            m_weight = grouped_norms(
-                per_tensor_norms([index.params[chosen[k]].detach() for k in matrix]), m_groups, n_layers
-            )
-            relative = m_grad / m_weight.clamp_min(1e-12)
-            in_block = torch.tensor(index.in_block, device=device, dtype=torch.bool)
-            extra = [
-                relative[torch.tensor(matrix_layers, device=device)],
-                m_grad[in_block].pow(2).sum().sqrt().reshape(1),
-            ]
-        loss = self._loss.reshape(1).to(device) if self._loss is not None else torch.full((1,), math.nan, device=device)
+        reduce = None
         if trainer.world_size > 1:  # every rank reads the same loss, so the collapse verdict is the same everywhere
-            loss = trainer.strategy.reduce(loss, reduce_op="mean")
+            reduce = functools.partial(trainer.strategy.reduce, reduce_op="mean")
+        m = measure_step(index, chosen, self._loss, reduce)
         self._loss = None
-        present = sorted(set(group_of.tolist()))
-        host = torch.cat([total.reshape(1), layer_norms, rms, *extra, loss]).tolist()  # the one copy of this step
-        norms = {index.layers[g]: host[1 + g] for g in present}
-        rms_host = {index.layers[g]: host[1 + n_layers + g] for g in present}
-        rel_host = {index.layers[g]: host[1 + 2 * n_layers + j] for j, g in enumerate(matrix_layers)}
-        blocks = host[1 + 2 * n_layers + len(matrix_layers)] if matrix else host[0]
-        loss_value = host[-1] if math.isfinite(host[-1]) else None
         step = trainer.global_step
         # With several optimizers the global norm is the first optimizer's; the others' get their own tags.
         total_tag = grad_total_tag(position)
-        values = {total_tag: host[0]}
-        values.update({grad_norm_tag(layer): v for layer, v in norms.items()})
-        values.update({grad_rms_tag(layer): v for layer, v in rms_host.items()})
-        values.update({grad_relative_tag(layer): v for layer, v in rel_host.items()})
-        if position == 0 and matrix:
-            values[grad_blocks_tag()] = blocks
+        values = {total_tag: m.total}
+        values.update({grad_norm_tag(layer): v for layer, v in m.norms.items()})
+        values.update({grad_rms_tag(layer): v for layer, v in m.rms.items()})
+        values.update({grad_relative_tag(layer): v for layer, v in m.relative.items()})
+        if position == 0 and m.has_matrices:
+            values[grad_blocks_tag()] = m.blocks
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
         self.record(
-            self.band_rule.update(rms_host, ctx, rel_host, index.block_layers)
-            + self.spread_rule.update(rel_host, ctx, index.roles)
+            self.band_rule.update(m.rms, ctx, m.relative, index.block_layers)
+            + self.spread_rule.update(m.relative, ctx, index.roles)
         )
         if position == 0:  # one baseline of one quantity: the first optimizer's
-            self.record(self.collapse_rule.update(blocks, ctx, loss_value))
+            self.record(self.collapse_rule.update(m.blocks, ctx, m.loss))
         stuck = self._stuck_parameters(trainer, pl_module, in_opt)
         names = [n for n, _ in pl_module.named_parameters()]
         self.record(self.frozen_rule.update(stuck, ctx, names))
@@ -500,7 +374,7 @@ class GradientFlowMonitor(DiagCallback):
             hist_every = 10 * self.every_n_steps(trainer)
         if hist_every and step % hist_every == 0 and self.writer.active:
             for i in chosen:
-                if not math.isfinite(host[1 + index.layer_of[i]]):
+                if not math.isfinite(m.norms[index.layers[index.layer_of[i]]]):
                     continue  # TensorBoard cannot bin NaN/Inf (AnomalyAlarm's business)
                 self.writer.histogram(grad_hist_tag(index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
         if self.log_weight_norms:
@@ -516,25 +390,8 @@ class GradientFlowMonitor(DiagCallback):
         index = self._index
         values: dict[str, float] = {}
         for chosen, before in pending:
-            values.update(self._update_ratios(index, chosen, before))
+            values.update(update_ratios(index, chosen, before))
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
-
-    @staticmethod
-    def _update_ratios(index: _Index, chosen: list[int], before: list[torch.Tensor]) -> dict[str, float]:
-        device = before[0].device
-        group_of = torch.tensor([index.layer_of[i] for i in chosen], device=device)
-        after = [index.params[i].detach() for i in chosen]
-        deltas = torch._foreach_sub(after, before)
-        n = len(index.layers)
-        weight = grouped_norms(per_tensor_norms(before), group_of, n)
-        update = grouped_norms(per_tensor_norms(deltas), group_of, n)
-        ratio = update / weight.clamp_min(1e-12)
-        w_host, r_host = torch.stack([weight, ratio]).tolist()
-        values = {}
-        for g in sorted(set(group_of.tolist())):
-            values[weight_norm_tag(index.layers[g])] = w_host[g]
-            values[update_ratio_tag(index.layers[g])] = r_host[g]
-        return values
 
 
 def _unwrap(optimizer: Any) -> Any:

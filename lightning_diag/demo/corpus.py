@@ -17,7 +17,8 @@ architecture   model                                                       task
 ``finetune``   BERT whose embeddings and first layer are frozen            classify
 =============  ==========================================================  ==========
 
-:data:`CORPUS` lists a healthy run of each and the faults injected into them; :func:`run_corpus` trains one.
+:data:`CORPUS` lists a healthy run of each and the faults injected into them; :func:`run_corpus` trains one. The
+networks themselves are built in :mod:`lightning_diag.demo.corpus_models`.
 
 Example:
     >>> sorted(name for name, entry in CORPUS.items() if entry.healthy)[:3]
@@ -40,139 +41,10 @@ import torch
 from torch import nn
 
 from lightning_diag.alerts import ATTN_ENTROPY_LOW, GRAD_COLLAPSE, GRAD_FROZEN, LOSS_STAGNANT, NONFINITE_LOSS, Alert
-from lightning_diag.demo.corpus_data import IMAGE_CLASSES, IMAGE_SIZE, SEQ2SEQ_VOCAB, CorpusDataModule
-from lightning_diag.demo.data import LM_VOCAB_SIZE, NUM_CLASSES, VOCAB_SIZE
+from lightning_diag.demo.corpus_data import CorpusDataModule
+from lightning_diag.demo.corpus_models import ARCHITECTURES, build_net, hf_quiet
 
 __all__ = ["ARCHITECTURES", "CORPUS", "CorpusEntry", "CorpusModule", "CorpusResult", "build_corpus", "run_corpus"]
-
-#: Architecture -> its task of :class:`~lightning_diag.demo.corpus_data.CorpusDataModule`.
-ARCHITECTURES: dict[str, str] = {
-    "bert": "classify",
-    "gpt2": "lm",
-    "llama": "lm",
-    "bart": "seq2seq",
-    "vit": "image",
-    "cnn": "image",
-    "lstm": "classify",
-    "finetune": "classify",
-}
-
-_D = 64
-
-
-def _hf_quiet() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-
-
-def _labels(n: int) -> dict[str, Any]:
-    return {"num_labels": n}  # a PretrainedConfig keyword the configs' signatures do not declare
-
-
-def _build_net(arch: str) -> nn.Module:
-    """The bare network of ``arch`` (initialised from the current torch seed)."""
-    if arch in ("bert", "finetune"):
-        from transformers import BertConfig, BertForSequenceClassification
-
-        return BertForSequenceClassification(
-            BertConfig(
-                vocab_size=VOCAB_SIZE,
-                hidden_size=_D,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=2 * _D,
-                max_position_embeddings=32,
-                **_labels(NUM_CLASSES),
-                pad_token_id=0,
-            )
-        )
-    if arch == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        return GPT2LMHeadModel(
-            GPT2Config(
-                vocab_size=LM_VOCAB_SIZE, n_embd=_D, n_layer=2, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0
-            )
-        )
-    if arch == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        return LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=LM_VOCAB_SIZE,
-                hidden_size=_D,
-                intermediate_size=2 * _D,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=32,
-                pad_token_id=0,
-                bos_token_id=0,
-                eos_token_id=0,
-            )
-        )
-    if arch == "bart":
-        from transformers import BartConfig, BartForConditionalGeneration
-
-        return BartForConditionalGeneration(
-            BartConfig(
-                vocab_size=SEQ2SEQ_VOCAB,
-                d_model=_D,
-                encoder_layers=2,
-                decoder_layers=2,
-                encoder_attention_heads=4,
-                decoder_attention_heads=4,
-                encoder_ffn_dim=2 * _D,
-                decoder_ffn_dim=2 * _D,
-                max_position_embeddings=32,
-                pad_token_id=0,
-                bos_token_id=1,
-                eos_token_id=2,
-                decoder_start_token_id=1,
-                forced_eos_token_id=None,
-            )
-        )
-    if arch == "vit":
-        from transformers import ViTConfig, ViTForImageClassification
-
-        return ViTForImageClassification(
-            ViTConfig(
-                image_size=IMAGE_SIZE,
-                patch_size=4,
-                num_channels=1,
-                hidden_size=_D,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=2 * _D,
-                **_labels(IMAGE_CLASSES),
-            )
-        )
-    if arch == "cnn":
-        layers: list[nn.Module] = []
-        width = 1
-        for out in (16, 32, 32):
-            layers += [nn.Conv2d(width, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU()]
-            width = out
-        return nn.Sequential(
-            nn.Sequential(*layers), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, IMAGE_CLASSES)
-        )
-    if arch == "lstm":
-        return _LSTMClassifier()
-    raise ValueError(f"Expected argument `arch` to be one of {sorted(ARCHITECTURES)}, but got {arch!r}")
-
-
-class _LSTMClassifier(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB_SIZE, _D, padding_idx=0)
-        self.rnn = nn.LSTM(_D, _D, num_layers=2, batch_first=True)
-        self.head = nn.Linear(_D, NUM_CLASSES)
-
-    def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-        out, _ = self.rnn(self.embed(tokens))
-        last = (~padding_mask).sum(1) - 1
-        return self.head(out[torch.arange(tokens.shape[0]), last])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,10 +100,10 @@ class CorpusModule(pl.LightningModule):
 
     def __init__(self, entry: CorpusEntry, seed: int = 0) -> None:
         super().__init__()
-        _hf_quiet()
+        hf_quiet()
         self.entry = entry
         torch.manual_seed(seed)
-        net: Any = _build_net(entry.arch)
+        net: Any = build_net(entry.arch)
         self.net = net
         self.task = ARCHITECTURES[entry.arch]
         self._nan_handle: Any = None

@@ -24,7 +24,7 @@ faults rather than architecture (the measurements behind each choice are in ``do
   **converged** (an ``info``); loss not 10% below its initial value: a **dead network** (a warning: typically a
   learning rate far too high or dead ReLUs); otherwise the gradients **vanished** while the loss is far from its
   floor (a warning).
-* ``grad_frozen``: see :class:`GradFrozenRule`.
+* ``grad_frozen``: see :class:`~lightning_diag.rules.grad_frozen.GradFrozenRule` (re-exported here).
 
 When several layers cross one threshold at the same measurement they make one alert naming them (count and the
 worst few). Non-finite values are AnomalyAlarm's business and are skipped.
@@ -34,18 +34,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 
-from lightning_diag.alerts import (
-    GRAD_COLLAPSE,
-    GRAD_EXPLODE,
-    GRAD_FROZEN,
-    GRAD_LAYER_SPREAD,
-    GRAD_VANISH,
-    Alert,
-    Severity,
-)
+from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert, Severity
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.grad_frozen import FROZEN_REASONS, GradFrozenRule
 from lightning_diag.rules.registry import default
 
 __all__ = [
@@ -86,13 +79,6 @@ DEFAULT_CONVERGED_FRACTION = default("grad_collapse.converged_fraction")
 _STUCK_FALL = 0.1
 #: Layers named in an alert that groups several.
 _SHOWN = 3
-
-#: ``grad_frozen``: why a parameter cannot learn, and the advice for each.
-FROZEN_REASONS: dict[str, str] = {
-    "frozen": "`requires_grad` is False (frozen on purpose?)",
-    "excluded": "it is trainable but in no optimizer's parameter groups",
-    "no_grad": "it gets no gradient (a `detach`, `torch.no_grad` or an unused branch cuts it from the loss)",
-}
 
 
 def role_of(layer: str) -> str:
@@ -390,103 +376,3 @@ class GradCollapseRule(Rule):
                 severity=Severity.INFO if kind == "converged" else None,
             )
         ]
-
-
-class GradFrozenRule(Rule):
-    """``grad_frozen``: layers whose parameters cannot learn while the rest of the model trains.
-
-    ``requires_grad=False`` is how everyone freezes on purpose: a group whose only reason is ``"frozen"`` is an
-    ``info``, never a warning. ``"excluded"`` and ``"no_grad"`` are warnings.
-
-    Fed, at each measurement, ``{parameter name: reason}`` for every parameter that cannot learn (reasons are
-    the keys of :data:`FROZEN_REASONS`) and the names of all parameters. Stuck parameters are grouped under the
-    outermost module all of whose parameters are stuck (a whole frozen block is one alert), else under the
-    module that owns them. ``"frozen"`` and ``"excluded"`` alert at once; ``"no_grad"`` after ``patience``
-    consecutive measurements. One alert per group, latched until it learns again.
-
-    Example:
-        >>> rule = GradFrozenRule(patience=2)
-        >>> names = ["enc.0.weight", "enc.1.lin.weight", "enc.1.norm.weight", "head.weight"]
-        >>> stuck = {"enc.1.lin.weight": "frozen", "enc.1.norm.weight": "frozen"}
-        >>> [(a.rule, a.source) for a in rule.update(stuck, StepContext(0, 0), names)]
-        [('grad_frozen', 'enc.1')]
-        >>> rule.update(stuck, StepContext(0, 5), names)
-        []
-    """
-
-    rule_id = GRAD_FROZEN
-    state_keys = ("streaks",)
-
-    def __init__(self, patience: int = DEFAULT_GRAD_PATIENCE) -> None:
-        super().__init__()
-        self.patience = patience
-        self.streaks: dict[str, int] = {}
-
-    @staticmethod
-    def layer_of(name: str) -> str:
-        """The owning module of a parameter name (``enc.1.weight`` -> ``enc.1``)."""
-        return name.rsplit(".", 1)[0] if "." in name else name
-
-    @staticmethod
-    def _prefixes(name: str) -> list[str]:
-        parts = name.split(".")
-        return [".".join(parts[:i]) for i in range(1, len(parts))]
-
-    def group_of(self, stuck: Mapping[str, str], names: Sequence[str]) -> dict[str, str]:
-        """``{stuck parameter: its group}``: the outermost module whose parameters are all stuck."""
-        total: dict[str, int] = {}
-        for name in names:
-            for prefix in self._prefixes(name):
-                total[prefix] = total.get(prefix, 0) + 1
-        stuck_count: dict[str, int] = {}
-        for name in stuck:
-            for prefix in self._prefixes(name):
-                stuck_count[prefix] = stuck_count.get(prefix, 0) + 1
-        groups = {}
-        for name in stuck:
-            whole = [p for p in self._prefixes(name) if stuck_count.get(p, 0) == total.get(p, -1)]
-            groups[name] = whole[0] if whole else self.layer_of(name)
-        return groups
-
-    def update(self, stuck: Mapping[str, str], ctx: StepContext, names: Sequence[str] = ()) -> list[Alert]:
-        """Feed the parameters that cannot learn at this measurement and all parameter names; return the alerts."""
-        group = self.group_of(stuck, list(names) or list(stuck))
-        layers: dict[str, dict[str, list[str]]] = {}
-        for name, reason in stuck.items():
-            layers.setdefault(group[name], {}).setdefault(reason, []).append(name)
-        streaks = {layer: self.streaks.get(layer, 0) + 1 for layer in layers}
-        self.streaks = streaks
-        alerts = []
-        for layer in sorted(set(layers) | set(self.latch.active)):
-            reasons = layers.get(layer, {})
-            needed = 1 if ("frozen" in reasons or "excluded" in reasons) else self.patience
-            if not self.latch.update(layer, bool(reasons) and streaks.get(layer, 0) >= needed):
-                continue
-            parts = []
-            for reason, names in sorted(reasons.items()):
-                shown = ", ".join(f"`{n}`" for n in names[:4]) + (
-                    f" and {len(names) - 4} more" if len(names) > 4 else ""
-                )
-                parts.append(f"{shown}: {FROZEN_REASONS.get(reason, reason)}")
-            deliberate = set(reasons) == {"frozen"}
-            alerts.append(
-                self._alert(
-                    ctx,
-                    (
-                        f"`{layer}` is frozen (`requires_grad=False`) and does not learn; "
-                        if deliberate
-                        else f"`{layer}` does not learn while the rest of the model does; "
-                    )
-                    + "; ".join(parts)
-                    + (
-                        ". Reported once as information; name it in `expect_frozen` to silence it"
-                        if deliberate
-                        else ". If this is on purpose, name it in `expect_frozen`"
-                    ),
-                    source=layer,
-                    value=float(sum(len(n) for n in reasons.values())),
-                    threshold=None,
-                    severity=Severity.INFO if deliberate else None,
-                )
-            )
-        return alerts
