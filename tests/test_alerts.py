@@ -69,6 +69,10 @@ def test_rule_ids_are_the_contract():
         "data_nonfinite",
         "sharp_minimum",
         "quantization_error",
+        "dataloader_bound",
+        "step_time_periodic",
+        "step_time_fluctuation",
+        "memory_growth",
     }
 
 

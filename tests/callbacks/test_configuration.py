@@ -61,6 +61,9 @@ INVALID = {
         "patience": [(0, ValueError, "an int >= 1")],
         "baseline_measurements": [(0, ValueError, "an int >= 1")],
         "expect_frozen": [("enc", TypeError, "a list of parameter-name patterns"), ([1], TypeError, "patterns")],
+        "warmup_steps": [(-1, ValueError, "an int >= 0")],
+        "converged_fraction": [(1.0, ValueError, "a number > 0 and < 1"), (-0.1, ValueError, "> 0 and < 1")],
+        "logit_projections": [("q_proj", TypeError, "a list of module names"), ([1], TypeError, "module names")],
     },
     AttentionEntropyMonitor: {
         "log_every_n_steps": [(0, ValueError, "an int >= 1")],
