@@ -8,7 +8,7 @@ rank zero writes.
 At fit start the library writes :func:`dashboard_layout` (TensorBoard's Custom Scalars tab) and the thresholds
 in effect (:func:`thresholds_markdown`, Text tab, tag ``diag/thresholds``). Threshold reference series are
 scalars under ``diag/threshold/<rule>``, written by a callback at the steps of the series they belong to, so a
-margin chart can use them as its band.
+chart draws them as reference lines over the same steps.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from lightning_diag.tags import (
     GRAD_TOTAL_PATTERN,
     TAG_PREFIX,
     THRESHOLDS_TAG,
-    grad_total_tag,
     sanitize_tag,
     tag,
     threshold_tag,
@@ -105,33 +104,36 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout for the rules in effect, in the form ``SummaryWriter.add_custom_scalars`` takes.
 
     Sections: ``Gradients`` (when a ``grad_*`` rule is in effect), ``Attention`` (an ``attn_*`` rule),
-    ``Loss & LR`` (a loss or validation rule) and ``System`` (a SystemMonitor rule). Multiline charts select
-    tags by regular expression (matched from the start of the tag); their ``diag/threshold/<rule>`` series draw
-    the thresholds as reference lines.
-    ``Loss & LR`` (a loss or validation rule) and ``Data`` (a ``data_*`` rule or ``label_imbalance``). Multiline
-    charts select tags by regular expression (matched from the start of the tag); their
-    ``diag/threshold/<rule>`` series draw the thresholds as reference lines.
-    The global gradient norm is a margin chart whose band is ``grad_vanish`` .. ``grad_explode``.
+    ``Loss & LR`` (a loss or validation rule), ``Data`` (a ``data_*`` rule or ``label_imbalance``), ``Probes``
+    (``sharp_minimum``, ``quantization_error``) and ``System`` (a SystemMonitor rule). Multiline charts select tags
+    by regular expression (matched from the start of the tag); their ``diag/threshold/<rule>`` series draw the
+    thresholds as reference lines beside the quantity each rule judges: ``grad_explode`` beside the RMS gradient
+    per element, ``grad_vanish`` beside ``||g|| / ||W||`` of the weight matrices.
 
     Example:
         >>> sorted(dashboard_layout(["grad_explode", "loss_swing"]))
         ['Gradients', 'Loss & LR']
-        >>> dashboard_layout(["grad_explode"])["Gradients"]["global gradient norm (band: grad_vanish .. grad_explode)"]
-        ['Margin', ['diag/grad_norm/total', 'diag/threshold/grad_vanish', 'diag/threshold/grad_explode']]
+        >>> dashboard_layout(["grad_explode"])["Gradients"]["RMS gradient per element, per layer (line: grad_explode)"]
+        ['Multiline', ['diag/grad_rms/', 'diag/threshold/grad_explode$']]
     """
     p = TAG_PREFIX
     layout: dict[str, dict[str, list[Any]]] = {}
     if any(r.startswith("grad_") for r in rules):
         layout["Gradients"] = {
-            "global gradient norm (band: grad_vanish .. grad_explode)": [
-                "Margin",
-                [grad_total_tag(), threshold_tag("grad_vanish"), threshold_tag("grad_explode")],
+            "RMS gradient per element, per layer (line: grad_explode)": [
+                "Multiline",
+                [f"{p}/grad_rms/", f"{p}/threshold/grad_explode$"],
+            ],
+            "relative gradient ||g|| / ||W|| per weight matrix (line: grad_vanish)": [
+                "Multiline",
+                [f"{p}/grad_relative/", f"{p}/threshold/grad_vanish$"],
+            ],
+            "gradient norm of the blocks' weight matrices (grad_collapse baseline)": [
+                "Multiline",
+                [f"{p}/grad_blocks/norm$"],
             ],
             "global gradient norm per optimizer": ["Multiline", [GRAD_TOTAL_PATTERN]],
-            "gradient norm per layer (lines: grad_vanish, grad_explode)": [
-                "Multiline",
-                [GRAD_LAYER_PATTERN, f"{p}/threshold/grad_(vanish|explode)$"],
-            ],
+            "gradient L2 norm per layer": ["Multiline", [GRAD_LAYER_PATTERN]],
             "update-to-weight ratio per layer": ["Multiline", [f"{p}/update_ratio/"]],
             "weight norm per layer": ["Multiline", [f"{p}/weight_norm/"]],
         }

@@ -28,8 +28,8 @@ def test_dashboard_renders_in_chromium(nan_run, tmp_path):
     summary = json.loads(out.stdout)
     assert summary["categories"] == ["Gradients", "Attention", "Loss & LR"]
     charts = summary["series_per_chart"]
-    assert charts["Gradients / global gradient norm (band: grad_vanish .. grad_explode)"] == 1
-    assert charts["Gradients / gradient norm per layer (lines: grad_vanish, grad_explode)"] > 2
+    assert charts["Gradients / RMS gradient per element, per layer (line: grad_explode)"] > 2
+    assert charts["Gradients / gradient L2 norm per layer"] > 2
     assert charts["Loss & LR / training and validation loss"] == 3
     assert charts["Attention / attention entropy per head, nats"] == 8  # 2 layers x 4 heads
     assert {"diag/alerts/text_summary", "diag/thresholds/text_summary"} <= set(summary["text_tags"])

@@ -30,12 +30,11 @@ def test_layout_is_in_the_event_file_once(nan_run):
     layout = _layout(acc)
     charts = {c.title: {ch.title: ch for ch in c.chart} for c in layout.category}
     assert list(charts) == ["Gradients", "Attention", "Loss & LR"]  # the three default callbacks
-    margin = charts["Gradients"]["global gradient norm (band: grad_vanish .. grad_explode)"].margin.series[0]
-    assert (margin.value, margin.lower, margin.upper) == (
-        "diag/grad_norm/total",
-        "diag/threshold/grad_vanish",
-        "diag/threshold/grad_explode",
-    )
+    # Each gradient threshold is drawn beside the quantity its rule judges (issue 11), not beside raw norms.
+    rms = charts["Gradients"]["RMS gradient per element, per layer (line: grad_explode)"].multiline.tag
+    relative = charts["Gradients"]["relative gradient ||g|| / ||W|| per weight matrix (line: grad_vanish)"]
+    assert list(rms) == ["diag/grad_rms/", "diag/threshold/grad_explode$"]
+    assert list(relative.multiline.tag) == ["diag/grad_relative/", "diag/threshold/grad_vanish$"]
     # Every multiline regex matches at least one tag the run wrote, as TensorBoard matches them (re.match).
     scalars = acc.Tags()["scalars"]
     for category in layout.category:
@@ -107,7 +106,7 @@ def test_layout_sections_follow_the_rules_in_effect():
     assert re.match(head_chart[1][0], "diag/attn_entropy/encoder.layers.0.self_attn/head_11")
     assert re.match(sink_chart[1][0], "diag/attn_sink/encoder.layers.0.self_attn")
     per_layer = dashboard_layout(["grad_vanish"])["Gradients"][
-        "gradient norm per layer (lines: grad_vanish, grad_explode)"
+        "gradient L2 norm per layer"
     ]
     assert re.match(per_layer[1][0], "diag/grad_norm/encoder.layers.0") and not re.match(
         per_layer[1][0], "diag/grad_norm/total"

@@ -75,8 +75,8 @@ def test_optimizer_totals_are_not_layers_in_the_report(tmp_path):
 
 
 def test_optimizer_totals_are_not_layers_in_the_dashboard():
-    (pattern, _threshold) = dashboard_layout(["grad_vanish"])["Gradients"][
-        "gradient norm per layer (lines: grad_vanish, grad_explode)"
+    (pattern,) = dashboard_layout(["grad_vanish"])["Gradients"][
+        "gradient L2 norm per layer"
     ][1]
     assert [t for t in _TWO_OPTIMIZERS if re.match(pattern, t)] == ["diag/grad_norm/gen.0", "diag/grad_norm/gen.1"]
     (totals,) = dashboard_layout(["grad_vanish"])["Gradients"]["global gradient norm per optimizer"][1]

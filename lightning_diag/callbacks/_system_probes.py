@@ -1,4 +1,4 @@
-"""What SystemMonitor reads the machine with: clocks, hook timers, memory and NVML probes.
+"""What SystemMonitor reads the machine with: clocks, hook timers, trainer patches, memory and NVML probes.
 
 Each probe is a small class with its dependency injectable, so the CUDA and NVML paths are unit-tested with
 fakes on a machine that has neither.
@@ -23,6 +23,9 @@ __all__ = [
     "batch_size_and_tokens",
     "cuda_memory",
     "host_rss_bytes",
+    "time_save_checkpoint",
+    "unwrap_batch_end",
+    "wrap_batch_end",
 ]
 
 
@@ -185,6 +188,55 @@ class HookTimer:
         for key in self.seconds:
             self.seconds[key] = 0.0
         return taken
+
+
+# -- the trainer's step boundary and checkpoint saving --------------------------------------------------------
+def wrap_batch_end(trainer: pl.Trainer, close: Callable[[pl.Trainer], None]) -> tuple[Any, Any]:
+    """Call ``close(trainer)`` after the last callback's ``on_train_batch_end``; returns the handle for
+    :func:`unwrap_batch_end`.
+
+    Lightning runs the callbacks' hooks in list order, so the time other callbacks spend there is the step's,
+    not data waiting.
+    """
+    last = trainer.callbacks[-1]  # type: ignore[attr-defined]
+    previous = vars(last).get("on_train_batch_end")
+    inner = last.on_train_batch_end
+
+    def on_train_batch_end(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return inner(trainer, *args, **kwargs)
+        finally:
+            close(trainer)
+
+    last.on_train_batch_end = on_train_batch_end
+    return last, previous
+
+
+def unwrap_batch_end(boundary: tuple[Any, Any] | None) -> None:
+    """Undo :func:`wrap_batch_end` (``None``: nothing to undo)."""
+    if boundary is not None:
+        last, previous = boundary
+        if previous is None:
+            vars(last).pop("on_train_batch_end", None)
+        else:
+            last.on_train_batch_end = previous
+
+
+def time_save_checkpoint(trainer: pl.Trainer, add: Callable[[float], None]) -> None:
+    """Pass the seconds of every ``trainer.save_checkpoint`` call to ``add`` (once per trainer: an instance
+    attribute, removed with ``vars(trainer).pop("save_checkpoint", None)``)."""
+    if "save_checkpoint" in vars(trainer):
+        return
+    original = trainer.save_checkpoint
+
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            add(time.perf_counter() - start)
+
+    trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
 
 
 # -- memory --------------------------------------------------------------------------------------------------

@@ -1,14 +1,14 @@
 """AnomalyAlarm: non-finite guard, loss-swing and validation-trend alerts, learning-rate and loss logging.
 
-A thin adapter: the non-finite decisions are :class:`~lightning_diag.rules.nonfinite.NonFinitePolicy` (pure),
-found and carried out by :class:`~lightning_diag.callbacks.nonfinite_guard.NonFiniteGuard`; the loss sums are
-:class:`~lightning_diag.stats.loss_sums.LossSums` (declared reductions, merged over ranks by
-:func:`~lightning_diag.callbacks.reduction.reduce_state`); the trend rules are in :mod:`lightning_diag.rules.anomaly`.
+A thin adapter over three helpers it owns: the non-finite decisions are
+:class:`~lightning_diag.rules.nonfinite.NonFinitePolicy` (pure), found and carried out by
+:class:`~lightning_diag.callbacks.nonfinite_guard.NonFiniteGuard`; localisation and rollback are
+:class:`~lightning_diag.callbacks.nonfinite_recovery.NonFiniteRecovery`; the training-loss periods and the trend
+rules of :mod:`lightning_diag.rules.anomaly` are :class:`~lightning_diag.callbacks.loss_trend.LossTrend`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -24,10 +24,10 @@ from lightning_diag.alerts import (
     NonFiniteAction,
 )
 from lightning_diag.callbacks.base import DiagCallback, extract_loss
+from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, check_swing_window
 from lightning_diag.callbacks.lr_logging import lr_scalars
 from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
-from lightning_diag.callbacks.reduction import reduce_state
 from lightning_diag.rollback import RollbackDevice
 from lightning_diag.rules.anomaly import (
     DEFAULT_STAGNANT_BASELINE_STEPS,
@@ -64,20 +64,7 @@ from lightning_diag.tags import loss_tag
 
 __all__ = ["DEFAULT_MAX_SCALER_OVERFLOWS", "DEFAULT_MAX_SKIPS", "NONFINITE_ACTIONS", "AnomalyAlarm", "NonFiniteError"]
 
-#: State a rollback does not restore from its snapshot: the non-finite bookkeeping (counts, latch, rollbacks).
-_NOT_ROLLED_BACK = ("nonfinite_latch", "skips", "nonfinite_counts", "pending_nonfinite", "rollback")
-_STATE_KEYS = (
-    "swing",
-    "stagnant",
-    "val_decline",
-    "val_fluctuation",
-    "nonfinite_latch",
-    "skips",
-    "accumulators",
-    "window_start",
-    "last_finite_loss",
-    "pending_nonfinite",
-)
+_STATE_KEYS = (*TREND_STATE_KEYS, "nonfinite_latch", "skips", "last_finite_loss", "pending_nonfinite")
 
 
 class AnomalyAlarm(DiagCallback):
@@ -199,16 +186,10 @@ class AnomalyAlarm(DiagCallback):
         self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, NONFINITE_ACTIONS)
         self.max_skips = check_int("max_skips", max_skips, low=0)
         self.max_scaler_overflows = check_int("max_scaler_overflows", max_scaler_overflows, low=1)
-        check_number("swing_threshold", swing_threshold, low=0.0)
-        check_int("swing_patience", swing_patience, low=1)
-        check_number("swing_min_delta", swing_min_delta, low=0.0, low_inclusive=True)
-        if swing_window != "epoch":
-            bad_window = f"Expected argument `swing_window` to be 'epoch' or an int >= 1, but got {swing_window!r}"
-            if isinstance(swing_window, bool) or not isinstance(swing_window, (int, str)):
-                raise TypeError(bad_window)
-            if isinstance(swing_window, str) or swing_window < 1:
-                raise ValueError(bad_window)
-        self.swing_window = swing_window
+        self.swing_threshold = float(check_number("swing_threshold", swing_threshold, low=0.0))
+        self.swing_patience = check_int("swing_patience", swing_patience, low=1)
+        self.swing_min_delta = float(check_number("swing_min_delta", swing_min_delta, low=0.0, low_inclusive=True))
+        self.swing_window = check_swing_window(swing_window)
         self.stagnant_min_drop = check_number(
             "stagnant_min_drop", stagnant_min_drop, low=0.0, high=1.0, low_inclusive=True, high_inclusive=False
         )
@@ -218,22 +199,18 @@ class AnomalyAlarm(DiagCallback):
             raise TypeError(f"Expected argument `monitor` to be a non-empty metric name, but got {monitor!r}")
         self.monitor = monitor
         self.mode = check_choice("mode", mode, ("min", "max"))
-        check_int("val_decline_patience", val_decline_patience, low=1)
-        check_number("val_decline_min_delta", val_decline_min_delta, low=0.0, low_inclusive=True)
-        check_number("val_fluctuation_ratio", val_fluctuation_ratio, low=0.0)
-        check_int("val_fluctuation_window", val_fluctuation_window, low=3)
-        check_number("val_fluctuation_min", val_fluctuation_min, low=0.0, low_inclusive=True)
-        check_number("val_fluctuation_min_range", val_fluctuation_min_range, low=0.0, low_inclusive=True)
-
-        self.swing_threshold = float(swing_threshold)
-        self.swing_patience = swing_patience
-        self.swing_min_delta = float(swing_min_delta)
-        self.val_decline_patience = val_decline_patience
-        self.val_decline_min_delta = float(val_decline_min_delta)
-        self.val_fluctuation_ratio = float(val_fluctuation_ratio)
-        self.val_fluctuation_window = val_fluctuation_window
-        self.val_fluctuation_min = float(val_fluctuation_min)
-        self.val_fluctuation_min_range = float(val_fluctuation_min_range)
+        self.val_decline_patience = check_int("val_decline_patience", val_decline_patience, low=1)
+        self.val_decline_min_delta = float(
+            check_number("val_decline_min_delta", val_decline_min_delta, low=0.0, low_inclusive=True)
+        )
+        self.val_fluctuation_ratio = float(check_number("val_fluctuation_ratio", val_fluctuation_ratio, low=0.0))
+        self.val_fluctuation_window = check_int("val_fluctuation_window", val_fluctuation_window, low=3)
+        self.val_fluctuation_min = float(
+            check_number("val_fluctuation_min", val_fluctuation_min, low=0.0, low_inclusive=True)
+        )
+        self.val_fluctuation_min_range = float(
+            check_number("val_fluctuation_min_range", val_fluctuation_min_range, low=0.0, low_inclusive=True)
+        )
         if not isinstance(locate_nonfinite, bool):
             raise TypeError(f"Expected argument `locate_nonfinite` to be a bool, but got {locate_nonfinite!r}")
         self.locate_nonfinite = locate_nonfinite
@@ -286,42 +263,40 @@ class AnomalyAlarm(DiagCallback):
         """The factor on every learning rate now in force: ``rollback_lr_factor ** rollbacks``."""
         return self.recovery.lr_scale
 
+    @property
+    def swing_rule(self) -> LossSwingRule:
+        """``loss_swing``'s rule (of :attr:`trend`)."""
+        return self.trend.swing_rule
+
+    @property
+    def stagnant_rule(self) -> LossStagnantRule:
+        """``loss_stagnant``'s rule (of :attr:`trend`)."""
+        return self.trend.stagnant_rule
+
+    @property
+    def val_decline_rule(self) -> ValDeclineRule:
+        """``val_decline``'s rule (of :attr:`trend`)."""
+        return self.trend.val_decline_rule
+
+    @property
+    def val_fluctuation_rule(self) -> ValFluctuationRule:
+        """``val_fluctuation``'s rule (of :attr:`trend`)."""
+        return self.trend.val_fluctuation_rule
+
+    @property
+    def loss_sums(self) -> LossSums:
+        """The training-loss sums of the open periods (of :attr:`trend`)."""
+        return self.trend.loss_sums
+
     # -- state -------------------------------------------------------------------------------------------
     def _reset(self) -> None:
         """Fresh rules, policy and sums: the start of a fit (a resume then loads their state)."""
-        unit = "epoch" if self.swing_window == "epoch" else f"window of {self.swing_window} step"
-        self.swing_rule = LossSwingRule(
-            threshold=self.swing_threshold,
-            patience=self.swing_patience,
-            min_delta=self.swing_min_delta,
-            unit=unit,
-        )
-        self.stagnant_rule = LossStagnantRule(
-            min_drop=self.stagnant_min_drop, patience=self.stagnant_patience, unit=unit
-        )
-        self.val_decline_rule = ValDeclineRule(
-            monitor=self.monitor,
-            mode=self.mode,  # type: ignore[arg-type]
-            patience=self.val_decline_patience,
-            min_delta=self.val_decline_min_delta,
-        )
-        self.val_fluctuation_rule = ValFluctuationRule(
-            ratio=self.val_fluctuation_ratio,
-            window=self.val_fluctuation_window,
-            min_fluctuation=self.val_fluctuation_min,
-            monitor=self.monitor,
-            min_abs=self.val_fluctuation_min_range,
-        )
+        #: The training-loss periods and the loss and validation trend rules.
+        self.trend = LossTrend(self)
         #: What a non-finite step leads to (a pure state machine); :attr:`guard` finds the steps and acts.
         self.policy = NonFinitePolicy(self.on_nonfinite, self.max_skips, self.max_scaler_overflows)  # type: ignore[arg-type]
         self.guard = NonFiniteGuard(self, self.policy, self.recovery)
         self.recovery.reset()
-        #: The training-loss sums of the open periods, on the device, SUM-declared (merged over ranks).
-        self.loss_sums = LossSums(self.stagnant_baseline_steps)
-        # The global step the current step window started at; set at train start unless a checkpoint did.
-        self._window_start: int | None = None
-        # Set by load_state_dict: the sums are those of every rank (see on_save_checkpoint).
-        self._sums_restored = False
 
     @property
     def state_key(self) -> str:
@@ -334,18 +309,11 @@ class AnomalyAlarm(DiagCallback):
         every rank, merged by their declared reductions (see :meth:`on_save_checkpoint`).
         """
         policy = self.policy.state_dict()
-        accumulators = self.loss_sums.state_dict()
-        accumulators["initial_batches"] = float(self.loss_sums.initial_batches)
         return {
-            "swing": self.swing_rule.state_dict(),
-            "stagnant": self.stagnant_rule.state_dict(),
-            "val_decline": self.val_decline_rule.state_dict(),
-            "val_fluctuation": self.val_fluctuation_rule.state_dict(),
+            **self.trend.state_dict(),
             "nonfinite_latch": policy.pop("latch"),
             "skips": policy.pop("skips"),
             "nonfinite_counts": policy,
-            "accumulators": accumulators,
-            "window_start": self._window_start,
             "last_finite_loss": float(self.guard.last_finite_loss),
             "pending_nonfinite": self.guard.pending_state(),
             "rollback": self.recovery.state_dict(),
@@ -358,10 +326,7 @@ class AnomalyAlarm(DiagCallback):
             KeyError: If a key is missing; the message names every missing key.
         """
         self.check_state_keys(state_dict, _STATE_KEYS)
-        self.swing_rule.load_state_dict(state_dict["swing"])
-        self.stagnant_rule.load_state_dict(state_dict["stagnant"])
-        self.val_decline_rule.load_state_dict(state_dict["val_decline"])
-        self.val_fluctuation_rule.load_state_dict(state_dict["val_fluctuation"])
+        self.trend.load_state_dict(state_dict)
         self.policy.load_state_dict(
             {
                 **state_dict.get("nonfinite_counts", {}),
@@ -369,12 +334,6 @@ class AnomalyAlarm(DiagCallback):
                 "skips": state_dict["skips"],
             }
         )
-        accumulators = dict(state_dict["accumulators"])
-        self.loss_sums.initial_batches = int(accumulators.pop("initial_batches", 0))
-        self.loss_sums.load_state_dict(accumulators, strict=False)
-        self._sums_restored = True
-        start = state_dict["window_start"]
-        self._window_start = None if start is None else int(start)
         self.guard.last_finite_loss = float(state_dict["last_finite_loss"])
         self.guard.load_pending_state(state_dict["pending_nonfinite"])
         if "rollback" in state_dict:  # absent from checkpoints written before rollback existed
@@ -391,21 +350,12 @@ class AnomalyAlarm(DiagCallback):
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is None or trainer.world_size <= 1:
             return
-        state["accumulators"].update(reduce_state(trainer, self.loss_sums, device=pl_module.device))
+        state["accumulators"].update(self.trend.all_rank_sums(trainer, pl_module.device))
         state["pending_nonfinite"] = self.guard.pending_state(trainer, device=pl_module.device)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start the step window, and share restored all-rank loss sums out over this run's ranks."""
-        if self._window_start is None:
-            self._window_start = trainer.global_step
-        if self._sums_restored and trainer.world_size > 1:
-            # Each rank takes its share, so the next all-reduce adds up to the saved sums again (whatever the
-            # world size of the run that saved them).
-            initial_batches = self.loss_sums.initial_batches
-            shared = self.loss_sums.share(trainer.world_size, trainer.global_rank)
-            self.loss_sums.load_state_dict(shared.state_dict())
-            self.loss_sums.initial_batches = initial_batches
-        self._sums_restored = False
+        """Start the step window and share restored loss sums over the ranks; take the first snapshot."""
+        self.trend.start(trainer)
         self.recovery.start(trainer, pl_module, self._snapshot_state, self._restore_snapshot_state)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -414,16 +364,13 @@ class AnomalyAlarm(DiagCallback):
 
     def _snapshot_state(self) -> dict[str, Any]:
         # A snapshot keeps the loss-trend state (so a rollback forgets the losses of the steps it undoes), not
-        # the non-finite bookkeeping. One host read of the loss sums, once per snapshot.
-        state = self.state_dict()
-        for key in _NOT_ROLLED_BACK:
-            state.pop(key, None)
-        return state
+        # the non-finite bookkeeping (counts, latch, rollbacks). One host read of the loss sums per snapshot.
+        return {**self.trend.state_dict(), "last_finite_loss": float(self.guard.last_finite_loss)}
 
     def _restore_snapshot_state(self, state: dict[str, Any]) -> None:
-        keep = {k: v for k, v in self.state_dict().items() if k in _NOT_ROLLED_BACK}
-        self.load_state_dict({**state, **keep})
-        self._sums_restored = False  # this rank's own sums, not a checkpoint's all-rank ones
+        self.trend.load_state_dict(state)
+        self.trend.sums_restored = False  # this rank's own sums, not a checkpoint's all-rank ones
+        self.guard.last_finite_loss = float(state["last_finite_loss"])
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Start a fit with fresh rules (a resume then loads their state)."""
@@ -451,7 +398,7 @@ class AnomalyAlarm(DiagCallback):
         """Check the loss and the gradients about to be applied; block the step if the policy says so."""
         self.guard.before_optimizer_step(trainer, pl_module, optimizer)
 
-    # -- loss trend --------------------------------------------------------------------------------------
+    # -- loss trend and logging --------------------------------------------------------------------------
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -462,15 +409,8 @@ class AnomalyAlarm(DiagCallback):
         if loss is not None and pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
             loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
         if loss is not None:
-            self.loss_sums.add(loss)
             self.guard.note_training_loss(loss)
-        # Optimizer steps, not batches: accumulation micro-batches (global_step unchanged) do not count.
-        if isinstance(self.swing_window, int):
-            if self._window_start is None:
-                self._window_start = trainer.global_step
-            if trainer.global_step - self._window_start >= self.swing_window:
-                self._window_start = trainer.global_step
-                self._close_window(trainer, pl_module, "window")
+        self.trend.on_train_batch(trainer, pl_module, loss)
         self.recovery.on_batch_end(trainer, pl_module, loss)
         if not self.is_logging_step(trainer):
             return
@@ -486,57 +426,8 @@ class AnomalyAlarm(DiagCallback):
         """Close the epoch: its mean loss over all ranks feeds ``loss_swing`` in epoch mode."""
         if self.on_nonfinite == "warn":
             self.guard.read_back(trainer, pl_module)
-        self._close_window(trainer, pl_module, "epoch")
+        self.trend.close_period(trainer, pl_module, "epoch")
 
-    def _take_mean(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> float:
-        """The mean loss of a period over all ranks; the period starts again."""
-        names = LossSums.names(prefix)
-        totals = reduce_state(trainer, self.loss_sums, names, device=pl_module.device)
-        self.loss_sums.reset(names)
-        return LossSums.mean(totals, prefix)
-
-    def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
-        mean = self._take_mean(trainer, pl_module, prefix)
-        if not math.isfinite(mean):
-            return
-        step = trainer.global_step
-        self.writer.scalar(loss_tag("train_epoch" if prefix == "epoch" else "train_window"), mean, step)
-        if (prefix == "epoch") != (self.swing_window == "epoch"):
-            return
-        if self.stagnant_rule.baseline is None and self.loss_sums.initial_batches > 0:
-            self.stagnant_rule.set_baseline(self._take_mean(trainer, pl_module, "initial"))
-        ctx = self.context(trainer)
-        self.record(self.swing_rule.update(mean, ctx) + self.stagnant_rule.update(mean, ctx))
-        if math.isfinite(self.swing_rule.last_change):
-            values = {loss_tag("swing"): self.swing_rule.last_change, **self.threshold_lines(LOSS_SWING)}
-            self.writer.scalars(values, step)
-
-    # -- validation trend --------------------------------------------------------------------------------
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Feed the monitored validation value to ``val_decline`` and ``val_fluctuation``."""
-        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
-            return
-        train_mean = self._take_mean(trainer, pl_module, "since_val")
-        raw = trainer.callback_metrics.get(self.monitor)
-        # Every rank must take part in the reduce below, so they first agree that the value exists everywhere.
-        if not trainer.strategy.reduce_boolean_decision(raw is not None, all=True):
-            available = sorted(k for k in trainer.callback_metrics if "val" in k) or sorted(trainer.callback_metrics)
-            self.notice(
-                trainer,
-                "monitor-missing",
-                f"`{self.monitor}` was not logged during validation, so val_decline and val_fluctuation are off; "
-                f"log it with self.log({self.monitor!r}, ...) or pass monitor=... (logged: {available})",
-            )
-            return
-        value = torch.as_tensor(raw, dtype=torch.float32, device=pl_module.device).detach().mean()
-        val = float(trainer.strategy.reduce(value, reduce_op="mean"))
-        ctx = self.context(trainer)
-        alerts = self.val_decline_rule.update(val, ctx)
-        alerts += self.val_fluctuation_rule.update(train_mean, val, ctx)
-        self.record(alerts)
-        values = {loss_tag("val"): val}
-        train_f, val_f = self.val_fluctuation_rule.measures()
-        if math.isfinite(train_f) and math.isfinite(val_f):
-            values[loss_tag("train_fluctuation")] = train_f
-            values[loss_tag("val_fluctuation")] = val_f
-        self.writer.scalars(values, ctx.global_step)
+        self.trend.on_validation_end(trainer, pl_module)

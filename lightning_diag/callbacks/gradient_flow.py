@@ -127,7 +127,7 @@ class GradientFlowMonitor(DiagCallback):
     * ``diag/act_grad_norm/<module>``: L2 norm of the gradient of the module's output (``activation_grads``),
       summed over the micro-batches of the measured step.
     * ``diag/threshold/grad_vanish``, ``diag/threshold/grad_explode``: the two thresholds, at the steps of
-      ``diag/grad_norm/total`` (the band of the dashboard's margin chart).
+      ``diag/grad_norm/total`` (the dashboard's reference lines beside ``grad_rms`` and ``grad_relative``).
 
     Rules (exact meaning in :mod:`lightning_diag.rules.grad` and ``docs/gradient_flow.md``):
     ``grad_explode`` (a layer's RMS gradient per element above ``explode_threshold``), ``grad_vanish`` (a weight

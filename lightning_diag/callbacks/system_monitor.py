@@ -14,6 +14,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag._validation import check_int, check_number
+from lightning_diag.callbacks._system_interval import HEADER, Mark, gather_ranks, interval_values, resolve_steps
 from lightning_diag.callbacks._system_probes import (
     CudaClock,
     HookTimer,
@@ -22,6 +23,9 @@ from lightning_diag.callbacks._system_probes import (
     batch_size_and_tokens,
     cuda_memory,
     host_rss_bytes,
+    time_save_checkpoint,
+    unwrap_batch_end,
+    wrap_batch_end,
 )
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.rules.system import (
@@ -48,9 +52,6 @@ from lightning_diag.tags import family_tag, overhead_tag
 __all__ = ["SystemMonitor"]
 
 _STATE_KEYS = ("dataloader", "periodic", "fluctuation", "memory", "window", "utilization", "steps_seen")
-_MIB = 2**20
-# Per-interval numbers every rank contributes (gathered on logging steps under DDP).
-_HEADER = ("wait", "forward_backward", "optimizer", "validation", "checkpoint", "samples", "tokens", "rss")
 
 
 class SystemMonitor(DiagCallback):
@@ -185,7 +186,7 @@ class SystemMonitor(DiagCallback):
         self._step_at_start = -1
         self._batch_start: Any = None
         self._before_opt: Any = None
-        self._pending: list[tuple[Any, Any, str]] = []  # (start, end, "fb" | "opt") marks of the interval
+        self._pending: list[Mark] = []  # (start, end, "fb" | "opt") marks of the interval
         self._step_pending: list[int] = []  # index into _pending where each step of the interval ends
         self._step_waits: list[float] = []
         self._step_cpu: list[float] = []
@@ -196,7 +197,7 @@ class SystemMonitor(DiagCallback):
         self._first_of_run = False
         self._step_flags: list[bool] = []
         self._step_extra: list[float] = []  # checkpoint seconds after each step
-        self._acc = dict.fromkeys(_HEADER, 0.0)
+        self._acc = dict.fromkeys(HEADER, 0.0)
         self._tokens_dev: torch.Tensor | None = None
         self._wall_start = time.perf_counter()
 
@@ -238,59 +239,25 @@ class SystemMonitor(DiagCallback):
             return
         self._make_rules()
         self._reset_run()
-        self._unwrap_batch_end()
+        unwrap_batch_end(self._boundary)
+        self._boundary = None
         self._hooks.detach()
         self._hooks = HookTimer()
         if self.time_callbacks:
             self._hooks.attach([cb for cb in trainer.callbacks if isinstance(cb, DiagCallback)])  # type: ignore[attr-defined]
-        self._wrap_save_checkpoint(trainer)
-        self._wrap_batch_end(trainer)
-
-    def _wrap_batch_end(self, trainer: pl.Trainer) -> None:
-        # The step ends after the last callback's `on_train_batch_end` (Lightning runs them in list order), so
-        # the time other callbacks spend there is the step's, not data waiting.
+        time_save_checkpoint(trainer, self._add_checkpoint_time)
+        # the step ends after the last callback's `on_train_batch_end`
         close = self._hooks.timed(type(self).__name__, self._close_batch) if self.time_callbacks else self._close_batch
-        last = trainer.callbacks[-1]  # type: ignore[attr-defined]
-        previous = vars(last).get("on_train_batch_end")
-        inner = last.on_train_batch_end
+        self._boundary = wrap_batch_end(trainer, close)
 
-        def on_train_batch_end(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return inner(trainer, *args, **kwargs)
-            finally:
-                close(trainer)
-
-        last.on_train_batch_end = on_train_batch_end
-        self._boundary = (last, previous)
-
-    def _unwrap_batch_end(self) -> None:
-        boundary, self._boundary = self._boundary, None
-        if boundary is not None:
-            last, previous = boundary
-            if previous is None:
-                vars(last).pop("on_train_batch_end", None)
-            else:
-                last.on_train_batch_end = previous
-
-    def _wrap_save_checkpoint(self, trainer: pl.Trainer) -> None:
-        if "save_checkpoint" in vars(trainer):
-            return
-        original = trainer.save_checkpoint
-
-        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                elapsed = time.perf_counter() - start
-                self._outside += elapsed
-                self._acc["checkpoint"] += elapsed
-
-        trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    def _add_checkpoint_time(self, elapsed: float) -> None:
+        self._outside += elapsed
+        self._acc["checkpoint"] += elapsed
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove the timers, then release the session."""
-        self._unwrap_batch_end()
+        unwrap_batch_end(self._boundary)
+        self._boundary = None
         self._hooks.detach()
         vars(trainer).pop("save_checkpoint", None)
         if self._nvml_probe is not None and self._nvml_probe.nvml is not None:
@@ -384,53 +351,32 @@ class SystemMonitor(DiagCallback):
         self._val_start = None
 
     # -- reporting -------------------------------------------------------------------------------------------
-    def _resolve_steps(self) -> list[tuple[float, float, float, float, float]]:
-        """(wait, forward+backward, optimizer, compute for the fluctuation test, checkpoint) seconds per
-        optimizer step.
-
-        The compute time of the fluctuation test is the process CPU time on CPU (the contention of other
-        processes on a shared machine is the machine's, not the run's) and the CUDA-event time on CUDA.
-        """
-        on_cpu = isinstance(self._clock, HostClock)
-        durations = self._clock.durations([(a, b) for a, b, _ in self._pending])
-        steps, begin = [], 0
-        for i, stop in enumerate(self._step_pending):
-            kinds = [k for _, _, k in self._pending[begin:stop]]
-            fb = sum(d for d, k in zip(durations[begin:stop], kinds, strict=True) if k == "fb")
-            opt = sum(d for d, k in zip(durations[begin:stop], kinds, strict=True) if k == "opt")
-            # checkpoint saving inside the batch (ModelCheckpoint's hook) is reported apart, and the periodic
-            # test sees it again through the step total
-            ckpt = self._step_ckpt[i]
-            opt, fb = max(0.0, opt - ckpt), max(0.0, fb - max(0.0, ckpt - opt))
-            steps.append((self._step_waits[i], fb, opt, self._step_cpu[i] if on_cpu else fb + opt, ckpt))
-            begin = stop
-        # keep the marks of a step still in progress (gradient accumulation across a logging boundary)
-        self._pending = self._pending[begin:]
-        self._step_waits, self._step_pending, self._step_cpu, self._step_ckpt = [], [], [], []
-        return steps
-
     def _report(self, trainer: pl.Trainer) -> None:
-        steps = self._resolve_steps()
+        steps, self._pending = resolve_steps(
+            self._clock, self._pending, self._step_pending, self._step_waits, self._step_cpu, self._step_ckpt
+        )
+        self._step_waits, self._step_pending, self._step_cpu, self._step_ckpt = [], [], [], []
         flags, self._step_flags = self._step_flags, []
         if not steps:
             return
-        acc, self._acc = self._acc, dict.fromkeys(_HEADER, 0.0)
+        acc, self._acc = self._acc, dict.fromkeys(HEADER, 0.0)
         if self._tokens_dev is not None:
             acc["tokens"] += float(self._tokens_dev.item())
             self._tokens_dev = None
         now = time.perf_counter()
         wall, self._wall_start = now - self._wall_start, now
         acc["rss"] = host_rss_bytes()
-        cuda = cuda_memory(self._device) if getattr(self, "_device", None) is not None else {}
+        device = getattr(self, "_device", None)
+        cuda = cuda_memory(device) if device is not None else {}
         waits = np.array([s[0] for s in steps], dtype=float)
         acc["wait"] = float(waits.sum())
         acc["forward_backward"] = float(sum(s[1] for s in steps))
         acc["optimizer"] = float(sum(s[2] for s in steps))
         totals = waits + np.array([s[1] + s[2] + s[4] for s in steps])
         compute = np.array([s[3] for s in steps], dtype=float)
-        header = np.array([acc[k] for k in _HEADER], dtype=float)
-        header, totals, compute, per_rank = self._gather(trainer, header, totals, compute)
-        merged = dict(zip(_HEADER, header.tolist(), strict=True))
+        header = np.array([acc[k] for k in HEADER], dtype=float)
+        header, totals, compute, per_rank = gather_ranks(trainer, device, header, totals, compute)
+        merged = dict(zip(HEADER, header.tolist(), strict=True))
         n = len(steps)
         ctx = self.context(trainer)
         step = trainer.global_step
@@ -455,37 +401,16 @@ class SystemMonitor(DiagCallback):
         memory = {"host_rss": merged["rss"], **{k: v for k, v in cuda.items() if k == "cuda_allocated"}}
         alerts += self.memory_rule.update(ctx, memory)
 
-        values = {
-            family_tag("system", "step_time_s"): step_total / n,
-            family_tag("system", "data_wait_s"): merged["wait"] / n,
-            family_tag("system", "forward_backward_s"): merged["forward_backward"] / n,
-            family_tag("system", "optimizer_s"): merged["optimizer"] / n,
-            family_tag("system", "data_wait_share"): merged["wait"] / step_total if step_total > 0 else 0.0,
-            family_tag("system", "validation_s"): merged["validation"],
-            family_tag("system", "checkpoint_s"): merged["checkpoint"],
-            family_tag("system", "step_time_period"): float(pattern.period),
-            family_tag("system", "host_rss_mib"): merged["rss"] / _MIB,
-            **{family_tag("system", f"{k}_mib"): v / _MIB for k, v in cuda.items()},
-            **self.threshold_lines("dataloader_bound", "step_time_fluctuation"),
-        }
-        if step_total > 0:
-            values[family_tag("system", "samples_per_s")] = merged["samples"] / step_total
-            if merged["tokens"] > 0:
-                values[family_tag("system", "tokens_per_s")] = merged["tokens"] / step_total
-        if math.isfinite(fluctuation):
-            values[family_tag("system", "step_time_fluctuation")] = fluctuation
-        if per_rank is not None:
-            rank_totals, rank_waits = per_rank
-            # The gradient all-reduce makes every rank's step as long as the slowest one's, so the step times
-            # barely differ: the rank the others wait for is the one with the most data waiting when that is
-            # material, else the one with the longest step.
-            material = rank_waits.max() > 0.1 * max(float(np.median(rank_totals)), 1e-12)
-            slowest = int(np.argmax(rank_waits if material else rank_totals))
-            values[family_tag("system", "slowest_rank")] = float(slowest)
-            values[family_tag("system", "straggler_ratio")] = float(rank_totals.max() / max(rank_totals.min(), 1e-12))
-            for r, (total, wait) in enumerate(zip(rank_totals.tolist(), rank_waits.tolist(), strict=True)):
-                values[family_tag("system", f"rank_{r}", "step_time_s")] = total / n
-                values[family_tag("system", f"rank_{r}", "data_wait_s")] = wait / n
+        values = interval_values(
+            merged,
+            n,
+            pattern.period,
+            fluctuation,
+            cuda,
+            per_rank,
+            self.threshold_lines("dataloader_bound", "step_time_fluctuation"),
+            step_total,
+        )
         if self._nvml_probe is not None:
             values.update({family_tag("system", k): v for k, v in self._nvml_probe.snapshot().items()})
             util = self._nvml_probe.utilization()
@@ -498,21 +423,3 @@ class SystemMonitor(DiagCallback):
                 values[overhead_tag(name)] = seconds / wall
         self.writer.scalars(values, step)
         self.record(alerts)
-
-    def _gather(
-        self, trainer: pl.Trainer, header: np.ndarray, totals: np.ndarray, compute: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
-        """Under DDP: the elementwise maximum over ranks (one collective), and each rank's summed step time and
-        data waiting."""
-        if trainer.world_size <= 1:
-            return header, totals, compute, None
-        n = len(totals)
-        local = torch.tensor(np.concatenate([header, totals, compute]), dtype=torch.float64, device=self._device)
-        gathered = trainer.strategy.all_gather(local)
-        rows = gathered.reshape(trainer.world_size, -1).cpu().numpy()
-        merged_header = rows[:, : len(header)].max(axis=0)
-        merged_header[_HEADER.index("samples")] = rows[:, _HEADER.index("samples")].sum()
-        merged_header[_HEADER.index("tokens")] = rows[:, _HEADER.index("tokens")].sum()
-        step_times = rows[:, len(header) : len(header) + n]
-        per_rank = (step_times.sum(axis=1), rows[:, _HEADER.index("wait")])
-        return merged_header, step_times.max(axis=0), rows[:, len(header) + n :].max(axis=0), per_rank

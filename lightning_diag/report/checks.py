@@ -17,10 +17,12 @@ Adding a row (issues adding callbacks):
 2. join your rules to it with ``RuleSpec(..., check=id)``. That alone gives a working row: it fails on a
    warning/critical alert of its rules, passes when its callback logged thresholds and raised none, and shows
    each rule's described threshold and its last alert's value;
-3. where the row can show a measured value from the logged series, add one function here decorated with
-   ``@measure(id)``: it fills ``check.measured`` / ``measured_value`` (and ``threshold`` /
-   ``threshold_value`` if the generic text is not enough) and returns whether the series was measured. A
-   ``@replay(id)`` function in :mod:`lightning_diag.report.replay` may also re-run the row's pure rules.
+3. where the row can show a measured value from the logged series, add one function decorated with
+   ``@measure(id)`` to a module of this package that this one imports at its end (``measures.py`` holds the
+   built-in Model, Training and Deployment rows, ``data_checks.py`` and ``probe_checks.py`` the others): it
+   fills ``check.measured`` / ``measured_value`` (and ``threshold`` / ``threshold_value`` if the generic text is
+   not enough) and returns whether the series was measured. A ``@replay(id)`` function in
+   :mod:`lightning_diag.report.replay` may also re-run the row's pure rules.
 
 Example:
     >>> check = Check("nonfinite", "Training", "No NaN/Inf in loss or gradients", ("nonfinite_loss",))
@@ -31,18 +33,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from lightning_diag.alerts import ALL_RULES, Alert
 from lightning_diag.report.load import RunData
-from lightning_diag.report.replay import REPLAYS, _by_step, _layer_series, _per_layer, _setting, replay
-from lightning_diag.rules.grad import role_of
+from lightning_diag.report.replay import REPLAYS, _setting, replay  # noqa: F401  (_setting: for the row modules)
 from lightning_diag.rules.registry import CHECKS, RULES, CheckSpec
-from lightning_diag.tags import attn_head, attn_mean, family_tag, grad_blocks_tag, grad_total_tag, loss_tag, prefix
 
 __all__ = ["MEASURES", "REPLAYS", "Check", "RunReport", "Status", "diagnose", "measure", "replay"]
 
@@ -183,226 +181,7 @@ def _attached(run: RunData, rules: Sequence[str]) -> bool:
     return any(ALL_RULES.get(r) in run.callbacks for r in rules)
 
 
-# -- measures ---------------------------------------------------------------------------------------------
-
-
-def _band_threshold(check: Check, run: RunData, low_rule: str, high_rule: str) -> tuple[float | None, float | None]:
-    low, high = _threshold(run, low_rule), _threshold(run, high_rule)
-    check.threshold_value = {k: v for k, v in (("low", low), ("high", high)) if v is not None}
-    return low, high
-
-
-@measure("grad_norm_band")
-def _measure_grad_band(run: RunData, check: Check) -> bool:
-    _band_threshold(check, run, "grad_vanish", "grad_explode")
-    check.threshold = "; ".join(RULES[r].describe(run.thresholds) for r in check.rules)
-    rms = [v for series in _layer_series(run, "grad_rms").values() for v in _finite(series)]
-    relative = [v for series in _layer_series(run, "grad_relative").values() for v in _finite(series)]
-    if rms or relative:  # the scale-free quantities the rules judge (issue 11)
-        parts = []
-        if rms:
-            parts.append(f"RMS gradient per element up to {_fmt(max(rms))}")
-        if relative:
-            parts.append(f"||g||/||W|| of the matrices down to {_fmt(min(relative))}")
-        check.measured = "; ".join(parts)
-        check.measured_value = {
-            k: v for k, v in (("max", max(rms, default=None)), ("min", min(relative, default=None))) if v is not None
-        }
-        return True
-    layers = _per_layer(run)  # a run logged before the scale-free tags: raw L2 norms, for information
-    values = [v for series in layers.values() for v in _finite(series)]
-    if values:
-        lo, hi = min(values), max(values)
-        check.measured = f"layer L2 norms {_fmt(lo)} .. {_fmt(hi)} over {len(layers)} layers (not what the rules judge)"
-        check.measured_value = {"min": lo, "max": hi}
-    return bool(values)
-
-
-@measure("grad_spread")
-def _measure_grad_spread(run: RunData, check: Check) -> bool:
-    ratio = _threshold(run, "grad_layer_spread")
-    check.threshold = f"largest / smallest <= {_fmt(ratio)}" if ratio is not None else "not logged"
-    check.threshold_value = {"value": ratio} if ratio is not None else {}
-    spreads = []
-    for values in _by_step(_layer_series(run, "grad_relative").items()).values():
-        roles: dict[str, list[float]] = {}
-        for layer, v in values.items():
-            if math.isfinite(v) and v > 0:
-                roles.setdefault(role_of(layer), []).append(v)
-        spreads += [max(vs) / min(vs) for vs in roles.values() if len(vs) > 1]
-    what = "||g||/||W|| within a role"
-    if not spreads:  # a run logged before the scale-free tags: raw layer norms, for information
-        what = "layer L2 norm"
-        spreads = [
-            max(vs) / min(vs)
-            for norms in _by_step(_per_layer(run).items()).values()
-            if len(vs := [v for v in norms.values() if math.isfinite(v) and v > 0]) > 1
-        ]
-    if spreads:
-        check.measured = f"largest / smallest {what} up to {_fmt(max(spreads))}"
-        check.measured_value = {"max": max(spreads)}
-    return bool(spreads)
-
-
-@measure("grad_collapse")
-def _measure_grad_collapse(run: RunData, check: Check) -> bool:
-    ratio = _threshold(run, "grad_collapse")
-    n = int(_setting(run, "grad_collapse.baseline_measurements"))
-    check.threshold = f"norm / baseline >= {_fmt(ratio)}" if ratio is not None else "not logged"
-    check.threshold_value = {"value": ratio} if ratio is not None else {}
-    series = run.scalars.get(grad_blocks_tag()) or run.scalars.get(grad_total_tag(), [])
-    totals = [v for v in _finite(series) if v >= 0]
-    if len(totals) > n:
-        baseline = statistics.median(totals[:n])
-        lowest = min(totals[n:]) / baseline if baseline > 0 else math.nan
-        check.measured = f"lowest norm / baseline {_fmt(lowest)} (baseline {_fmt(baseline)})"
-        check.measured_value = {"min": lowest, "baseline": baseline}
-        return True
-    if totals:
-        check.add_note(f"needs more than {n} measurements of the blocks' norm, the run has {len(totals)}")
-    return False
-
-
-@measure("attn_entropy_band")
-def _measure_attn_band(run: RunData, check: Check) -> bool:
-    low, high = _band_threshold(check, run, "attn_entropy_low", "attn_entropy_high")
-    check.threshold = "; ".join(RULES[r].describe(run.thresholds) for r in check.rules)
-    heads = [t for t in run.scalars if attn_head(t)] or [t for t in run.scalars if attn_mean(t)]
-    values = [v for t in heads for v in _finite(run.scalars[t])]
-    if values:
-        what = "heads" if attn_head(heads[0]) else "layer means"
-        check.measured = f"entropy {_fmt(min(values))} .. {_fmt(max(values))} nats over {len(heads)} {what}"
-        check.measured_value = {"min": min(values), "max": max(values)}
-        above = sum(1 for v in values if high is not None and v > high)
-        if above and high is not None:
-            check.add_note(
-                f"{above} measurements above {_fmt(high)} nats (attn_entropy_high): an info hint at most, and only "
-                "when near uniform after warm-up, since diffuse attention can be a learned solution"
-            )
-    missing = [rule for rule, v in (("attn_entropy_low", low), ("attn_entropy_high", high)) if v is None]
-    if values and missing:
-        check.add_note(f"the run logged no {' or '.join(missing)} threshold")
-    return bool(values)
-
-
-@measure("attn_sink")
-def _measure_attn_sink(run: RunData, check: Check) -> bool:
-    mass = _threshold(run, "attn_sink")
-    check.threshold = f"smallest head's special-token mass <= {_fmt(mass)}" if mass is not None else "not logged"
-    check.threshold_value = {"value": mass} if mass is not None else {}
-    values = [v for t in run.tags(prefix("attn_sink")) for v in _finite(run.scalars[t])]
-    if values:
-        check.measured = f"special-token mass up to {_fmt(max(values))}"
-        check.measured_value = {"max": max(values)}
-    return bool(values)
-
-
-@measure("nonfinite")
-def _measure_nonfinite(run: RunData, check: Check) -> bool:
-    check.threshold = "no non-finite value"
-    check.threshold_value = {"value": 0.0}
-    alerts = _serious(run.alerts, check.rules)
-    bad_points = [
-        (t, step)
-        for t in (*run.tags(prefix("loss")), *run.tags(prefix("grad_norm")))
-        for step, v in run.scalars[t]
-        if not math.isfinite(v)
-    ]
-    if alerts:
-        first = min(alerts, key=lambda a: a.global_step)
-        check.measured = (
-            f"{len(alerts)} non-finite alert(s); first: {first.rule} at step {first.global_step} ({first.source})"
-        )
-        check.measured_value = {"count": float(len(alerts)), "first_step": float(first.global_step)}
-        rolled = [f"step {a.global_step} ({a.source})" for a in alerts if a.rule == "nonfinite_rollback"]
-        if rolled:
-            end = "the rollback limit stopped training" if any(a.source == "rollback_limit" for a in alerts) else ""
-            check.add_note(f"{len(rolled)} rollback(s) at {', '.join(rolled)}; {end or 'training went on'}")
-    elif bad_points:
-        name, step = min(bad_points, key=lambda p: p[1])
-        check.measured = f"{len(bad_points)} non-finite logged values; first: {name} at step {step}"
-        check.measured_value = {"count": float(len(bad_points)), "first_step": float(step)}
-        check.status = "fail"
-        check.add_note("non-finite values were logged but no AnomalyAlarm alert was raised (is AnomalyAlarm attached?)")
-    else:
-        check.measured = "none"
-        check.measured_value = {"count": 0.0}
-    return _attached(run, check.rules) or bool(run.tags(prefix("loss"))) or bool(run.tags(prefix("grad_norm")))
-
-
-@measure("loss_swing")
-def _measure_loss_swing(run: RunData, check: Check) -> bool:
-    threshold = _threshold(run, "loss_swing")
-    patience = _threshold(run, "loss_swing.patience")
-    check.threshold = (
-        f"rise > {_fmt(threshold * 100)}% on {int(patience) if patience else '?'} consecutive points"
-        if threshold is not None
-        else "not logged"
-    )
-    check.threshold_value = {"value": threshold} if threshold is not None else {}
-    if patience:
-        check.threshold_value["patience"] = patience
-    swings = _finite(run.scalars.get(loss_tag("swing"), []))
-    if swings:
-        check.measured = f"relative change of the mean loss {min(swings):+.1%} .. {max(swings):+.1%}"
-        check.measured_value = {"max": max(swings), "min": min(swings)}
-    elif run.scalars.get(loss_tag("train_epoch")):
-        check.add_note("needs at least two epochs (or step windows) of training loss")
-    return bool(swings)
-
-
-@measure("val_decline")
-def _measure_val_decline(run: RunData, check: Check) -> bool:
-    patience = _threshold(run, "val_decline")
-    min_delta = _threshold(run, "val_decline.min_delta") or 0.0
-    higher = bool(_threshold(run, "val_decline.higher_is_better"))
-    check.threshold = f"fewer than {int(patience)} consecutive worse runs" if patience is not None else "not logged"
-    check.threshold_value = {"value": patience} if patience is not None else {}
-    values = _finite(run.scalars.get(loss_tag("val"), []))
-    longest = streak = 0
-    for prev, cur in itertools.pairwise(values):
-        worse = (cur < prev - min_delta) if higher else (cur > prev + min_delta)
-        streak = streak + 1 if worse else 0
-        longest = max(longest, streak)
-    if values:
-        check.measured = f"longest run of worse validations: {longest} (of {len(values)} validations)"
-        check.measured_value = {"max": float(longest)}
-    return bool(values)
-
-
-@measure("val_fluctuation")
-def _measure_val_fluctuation(run: RunData, check: Check) -> bool:
-    ratio = _threshold(run, "val_fluctuation")
-    check.threshold = f"val / train fluctuation <= {_fmt(ratio)}" if ratio is not None else "not logged"
-    check.threshold_value = {"value": ratio} if ratio is not None else {}
-    train = dict(run.scalars.get(loss_tag("train_fluctuation"), []))
-    ratios = [
-        v / train[s]
-        for s, v in run.scalars.get(loss_tag("val_fluctuation"), [])
-        if s in train and train[s] > 0 and math.isfinite(v / train[s])
-    ]
-    if ratios:
-        check.measured = f"val / train fluctuation up to {_fmt(max(ratios))}"
-        check.measured_value = {"max": max(ratios)}
-    elif run.scalars.get(loss_tag("val")):
-        window = _threshold(run, "val_fluctuation.window")
-        check.add_note(f"needs {int(window) if window else 'more'} validation runs")
-    return bool(ratios)
-
-
-@measure("deploy_latency_fluctuation")
-def _measure_latency(run: RunData, check: Check) -> bool:
-    # SystemMonitor's step-time fluctuation (relative MAD of block medians), judged by its rule's patience
-    values = _finite(run.scalars.get(family_tag("system", "step_time_fluctuation"), []))
-    limit = _threshold(run, "step_time_fluctuation")
-    check.threshold = f"step-time fluctuation <= {_fmt(limit)}" if limit is not None else "not logged"
-    check.threshold_value = {"value": limit} if limit is not None else {}
-    if values:
-        check.measured = f"step-time fluctuation up to {_fmt(max(values))} (last {_fmt(values[-1])})"
-        check.measured_value = {"max": max(values), "last": values[-1]}
-        if limit is not None and max(values) > limit:
-            check.add_note("above the threshold on fewer consecutive checks than step_time_fluctuation's patience")
-    return bool(values)
+# -- the generic measure ------------------------------------------------------------------------------------------
 
 
 def _measure_generic(run: RunData, check: Check) -> bool:
@@ -492,6 +271,7 @@ def diagnose(run: RunData) -> RunReport:
     return RunReport(run, checks)
 
 
-# rows registered by their own modules (imported last: they use `measure` and `Check` from here)
+# measure functions registered by their own modules (imported last: they use `measure` and `Check` from here)
 from lightning_diag.report import data_checks as _data_checks  # noqa: E402,F401  (registers the Data rows)
+from lightning_diag.report import measures as _measures  # noqa: E402,F401  (the Model, Training, Deployment rows)
 from lightning_diag.report import probe_checks as _probe_checks  # noqa: E402,F401  (registers the probes' rows)
