@@ -129,9 +129,12 @@ def test_capture_names_calls_and_reduces_them_like_head_stats(case):
     expected, allowed, key_valid = _reference(q, k, **{n: x for n, x in kwargs.items() if n != "heads_kv"})
     rows = torch.tensor([0, 2, 5])  # max_queries=3 over 6 rows, evenly spaced
     want = head_stats(expected[:2, :, rows], allowed[:2, :, rows], key_valid[:2, rows])
+    causal = case in ("causal", "bool_2d", "bool_hf_4d", "float_finfo_min_hf", "gqa_causal_scale")
     for name in recorder.stats:
         assert torch.allclose(recorder.stats[name].entropy, want.entropy, atol=1e-5)
         assert torch.allclose(recorder.stats[name].uniform, want.uniform, atol=1e-6)
+        assert torch.allclose(recorder.stats[name].first_mass, want.first_mass, atol=1e-5)
+        assert float(recorder.stats[name].causal) == float(causal)  # read off the mask, whatever its form
     # The call ran unchanged.
     assert torch.equal(out, holder.block(q, k, v))
 

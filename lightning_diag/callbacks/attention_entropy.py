@@ -193,7 +193,7 @@ class AttentionEntropyMonitor(DiagCallback):
 
     def _make_rules(self) -> None:
         self.entropy_rule = AttentionEntropyRule(
-            self.entropy_low, self.entropy_high, self.uniform_fraction, self.warmup_steps, self.patience
+            self.entropy_low, self.entropy_high, self.uniform_fraction, self.warmup_steps, self.patience, self.sink_mass
         )
         self.sink_rule = AttentionSinkRule(self.sink_mass, self.patience)
 
@@ -375,7 +375,12 @@ class AttentionEntropyMonitor(DiagCallback):
         for n in names:
             s = recorder.stats[n]
             rows = s.rows.reshape(-1)[:1]
-            parts += [s.entropy * rows, s.uniform * rows, s.special_mass * rows, s.special_share * rows, rows]
+            unknown = torch.full_like(s.entropy, float("nan"))
+            first = s.first_mass if s.first_mass is not None else unknown
+            coverage = s.coverage if s.coverage is not None else unknown
+            causal = s.causal if s.causal is not None else torch.zeros((), device=rows.device)
+            parts += [s.entropy * rows, s.uniform * rows, s.special_mass * rows, s.special_share * rows]
+            parts += [first * rows, coverage * rows, causal.reshape(1) * rows, rows]
         flat = torch.cat([p.reshape(-1).float() for p in parts])
         if distributed:
             flat = trainer.strategy.reduce(flat, reduce_op="sum")
@@ -383,13 +388,16 @@ class AttentionEntropyMonitor(DiagCallback):
         layers: dict[str, LayerStats] = {}
         i = 0
         for name, h in zip(names, heads, strict=True):
-            chunk = host[i : i + 4 * h + 1]
-            i += 4 * h + 1
+            chunk = host[i : i + 6 * h + 2]
+            i += 6 * h + 2
             rows = chunk[-1]
             if rows <= 0:
                 continue
-            cols = [[v / rows for v in chunk[j * h : (j + 1) * h]] for j in range(4)]
-            layers[name] = LayerStats(*cols)
+            cols = [[v / rows for v in chunk[j * h : (j + 1) * h]] for j in range(6)]
+            # causal only when every rank's rows are: the summed flag is the same number on every rank
+            is_causal = chunk[-2] / rows > 1 - 1e-6
+            entropy, uniform, mass, share, first_mass, cover = cols
+            layers[name] = LayerStats(entropy, uniform, mass, share, first_mass, is_causal, cover)
         return layers
 
     # -- images --------------------------------------------------------------------------------------------

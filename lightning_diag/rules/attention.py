@@ -18,7 +18,9 @@ Fed, at each measured step, with every attention module's per-head statistics
   and a hint of an untrained or frozen attention block when it does not.
 * ``attn_sink``: **every** head of a layer puts more than ``sink_mass`` of its attention on the special keys
   ([CLS]/[SEP], BOS) and more than twice what uniform attention would put there (so a 3-token sequence whose two
-  special tokens hold 2/3 of the keys is not a sink).
+  special tokens hold 2/3 of the keys is not a sink). In causal attention, when every head also puts more than
+  ``sink_mass`` on the first visible key, the layer is a layer of attention-sink heads (healthy, see above): the
+  alert is ``info``. Bidirectional attention ([CLS]/[SEP], seed 000 §3.2) stays a warning.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.registry import default
 
 __all__ = [
+    "ALIGNED_COVERAGE",
     "DEFAULT_ATTN_PATIENCE",
     "DEFAULT_ATTN_WARMUP_STEPS",
     "DEFAULT_ENTROPY_HIGH",
@@ -55,15 +58,39 @@ DEFAULT_ATTN_WARMUP_STEPS = int(default("attn_entropy_high.warmup_steps"))
 DEFAULT_SINK_MASS = default("attn_sink")
 #: Consecutive measurements an attention condition must hold before it alerts.
 DEFAULT_ATTN_PATIENCE = int(default("attn.patience"))
+#: ``attn_entropy_low``: a low-entropy head whose queries' mean attention has at least this fraction of the
+#: entropy ``min(queries, keys)`` one-hot rows can reach is a one-to-one alignment, not a collapse (measured: the
+#: reversal alignment of the corpus's BART cross-attention 0.97..1.0, the collapsed heads of the Llama logit-growth
+#: fault 0.56..0.75, every query on [CLS] 0).
+ALIGNED_COVERAGE = 0.9
+_SINK, _ALIGNED = "attn_sink", "aligned"
 
 
 class LayerStats(NamedTuple):
-    """One attention module's per-head statistics at one measured step (host floats, one per head)."""
+    """One attention module's per-head statistics at one measured step (host floats, one per head).
+
+    ``first_mass`` (mass on the first key each query may see; empty when unknown) and ``causal`` (whether the
+    module's mask is causal) tell an attention sink of causal attention from a collapse.
+    """
 
     entropy: Sequence[float]
     uniform: Sequence[float]
     special_mass: Sequence[float]
     special_share: Sequence[float]
+    first_mass: Sequence[float] = ()
+    causal: bool = False
+    coverage: Sequence[float] = ()
+
+
+def _per_head(stats: LayerStats, values: Sequence[float]) -> list[float]:
+    """``values`` (one per head), NaN where unknown (an empty sequence: not measured)."""
+    n = len(stats.entropy)
+    out = list(values)
+    return out if len(out) == n else [math.nan] * n
+
+
+def _first_mass(stats: LayerStats) -> list[float]:
+    return _per_head(stats, stats.first_mass)
 
 
 class AttentionEntropyRule(Rule):
@@ -86,8 +113,10 @@ class AttentionEntropyRule(Rule):
         uniform_fraction: float = DEFAULT_UNIFORM_FRACTION,
         warmup_steps: int = DEFAULT_ATTN_WARMUP_STEPS,
         patience: int = DEFAULT_ATTN_PATIENCE,
+        sink_mass: float = DEFAULT_SINK_MASS,
     ) -> None:
         super().__init__()
+        self.sink_mass = sink_mass
         self.low = low
         self.high = high
         self.uniform_fraction = uniform_fraction
@@ -100,18 +129,69 @@ class AttentionEntropyRule(Rule):
         alerts = []
         judge_high = ctx.global_step >= self.warmup_steps
         for module, stats in layers.items():
-            for h, (ent, uni) in enumerate(zip(stats.entropy, stats.uniform, strict=True)):
+            explained: dict[str, list[tuple[int, float, float]]] = {_SINK: [], _ALIGNED: []}
+            for h, (ent, uni, first, cover) in enumerate(
+                zip(stats.entropy, stats.uniform, _first_mass(stats), _per_head(stats, stats.coverage), strict=True)
+            ):
                 if not (math.isfinite(ent) and math.isfinite(uni)):
                     continue
                 source = f"{module}/head_{h}"
                 low = uni >= 2 * self.low and ent < self.low
+                # causal attention parked on the first visible key: an attention sink, not a collapse
+                sink = low and stats.causal and first > self.sink_mass
+                # each query on its own key (the queries together cover the keys): an alignment, not a collapse
+                aligned = low and not sink and cover >= ALIGNED_COVERAGE
+                low = low and not (sink or aligned)
                 high = judge_high and ent > self.high and ent > self.uniform_fraction * uni
-                for rule, bad in ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high)):
+                checks = ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high), (_SINK, sink), (_ALIGNED, aligned))
+                for rule, bad in checks:
                     key = f"{rule}:{source}"
+                    if rule in explained:  # streaks kept only while running: the state stays small
+                        streak = self.streaks.pop(key, 0) + 1 if bad else 0
+                        if streak:
+                            self.streaks[key] = streak
+                        if streak >= self.patience:
+                            explained[rule].append((h, ent, first if rule == _SINK else cover))
+                        continue
                     self.streaks[key] = self.streaks.get(key, 0) + 1 if bad else 0
                     if self.latch.update(key, self.streaks[key] >= self.patience):
                         alerts.append(self._entropy_alert(rule, source, ent, uni, ctx))
+            for kind, heads in explained.items():
+                # one note per module and kind, ever: the latch key is never cleared
+                if heads and self.latch.update(f"{kind}:{module}", True):
+                    alerts.append(self._note(kind, module, heads, len(stats.entropy), ctx))
         return alerts
+
+    def _note(
+        self, kind: str, module: str, heads: list[tuple[int, float, float]], total: int, ctx: StepContext
+    ) -> Alert:
+        """The ``info`` note on heads whose low entropy is explained (an attention sink or an alignment)."""
+        named = ", ".join(f"head_{h} ({ent:.2g} nats, {v:.0%})" for h, ent, v in heads[:4])
+        named += f" and {len(heads) - 4} more" if len(heads) > 4 else ""
+        if kind == _SINK:
+            what = (
+                f"(causal attention) put more than {self.sink_mass:.0%} of their attention on the first key each "
+                f"query may see: {named}. Their entropy is below {self.low:g} nats, but this is an attention sink, "
+                "the usual resting place of a causal head with nothing to add (Xiao et al. 2023), not a collapse"
+            )
+            threshold = self.sink_mass
+        else:
+            what = (
+                f"look at one key per query, a different key for each query (their queries together cover "
+                f"{ALIGNED_COVERAGE:.0%} or more of the keys evenly): {named}. Their entropy is below {self.low:g} "
+                "nats, but this is a one-to-one alignment (copying, reordering, a previous-token head), not a "
+                "collapse onto a dominating position"
+            )
+            threshold = ALIGNED_COVERAGE
+        return self._alert(
+            ctx,
+            f"{len(heads)} of {total} heads of `{module}` {what}",
+            source=module,
+            value=min(v for _, _, v in heads),
+            threshold=threshold,
+            rule=ATTN_ENTROPY_LOW,
+            severity=Severity.INFO,
+        )
 
     def _entropy_alert(self, rule: str, source: str, ent: float, uni: float, ctx: StepContext) -> Alert:
         if rule == ATTN_ENTROPY_LOW:
@@ -169,16 +249,30 @@ class AttentionSinkRule(Rule):
             least = min(m for m, _ in pairs)
             self.streaks[module] = self.streaks.get(module, 0) + 1 if sunk else 0
             if self.latch.update(module, self.streaks[module] >= self.patience):
-                alerts.append(
-                    self._alert(
-                        ctx,
-                        f"every head of `{module}` puts more than {self.sink_mass:.0%} of its attention on the "
-                        f"special tokens (least: {least:.0%}) on {self.patience} consecutive measurements: the layer "
-                        "attends to [CLS]/[SEP] instead of the content; check masks, positional encodings and "
-                        "whether the layer still learns",
-                        source=module,
-                        value=least,
-                        threshold=self.sink_mass,
-                    )
-                )
+                alerts.append(self._sink_alert(module, stats, least, ctx))
         return alerts
+
+    def _sink_alert(self, module: str, stats: LayerStats, least: float, ctx: StepContext) -> Alert:
+        first = _first_mass(stats)
+        if stats.causal and all(f > self.sink_mass for f in first):  # NaN (unknown) compares False
+            return self._alert(
+                ctx,
+                f"every head of `{module}` (causal attention) puts more than {self.sink_mass:.0%} of its attention "
+                f"on the first key each query may see (least: {min(first):.0%}) on {self.patience} consecutive "
+                "measurements: a layer of attention-sink heads, the usual resting place of causal heads with "
+                "nothing to add (Xiao et al. 2023); information, not a fault",
+                source=module,
+                value=least,
+                threshold=self.sink_mass,
+                severity=Severity.INFO,
+            )
+        return self._alert(
+            ctx,
+            f"every head of `{module}` puts more than {self.sink_mass:.0%} of its attention on the "
+            f"special tokens (least: {least:.0%}) on {self.patience} consecutive measurements: the layer "
+            "attends to [CLS]/[SEP] instead of the content; check masks, positional encodings and "
+            "whether the layer still learns",
+            source=module,
+            value=least,
+            threshold=self.sink_mass,
+        )

@@ -30,6 +30,15 @@ class HeadStats(NamedTuple):
         special_mass: Attention mass on the special keys.
         special_share: Mass uniform attention would put on the special keys (their share of the allowed keys).
         rows: Number of valid query rows averaged over (the same for every head).
+        first_mass: Attention mass on the first key each query row may see (the "attention sink" position of
+            causal attention); ``None`` when not computed.
+        causal: ``1.0`` when the visible-key count never shrinks and somewhere grows along the query axis (a
+            causal mask, also with padding or a sliding window), else ``0.0`` (a 0-d tensor); ``None`` when not
+            computed.
+        coverage: How evenly the head's queries spread over the keys as a whole: the entropy of the mean of its
+            valid rows (per sequence) over ``ln min(rows, keys)``, the most ``rows`` one-hot rows can reach. 1 for
+            a one-to-one alignment (each query on its own key: copying, reversal, a previous-token head), near 0
+            when every query piles onto the same key; ``None`` when not computed.
     """
 
     entropy: torch.Tensor
@@ -37,6 +46,9 @@ class HeadStats(NamedTuple):
     special_mass: torch.Tensor
     special_share: torch.Tensor
     rows: torch.Tensor
+    first_mass: torch.Tensor | None = None
+    causal: torch.Tensor | None = None
+    coverage: torch.Tensor | None = None
 
 
 def row_entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -71,7 +83,8 @@ def head_stats(
         special: Boolean ``[B, S]``: ``True`` at special keys ([CLS], [SEP], BOS). Default: none.
 
     Returns:
-        :class:`HeadStats` with ``[H]`` tensors (zeros, and ``rows == 0``, when no row is valid).
+        :class:`HeadStats` with ``[H]`` tensors (zeros, and ``rows == 0``, when no row is valid). Query rows are
+        taken to be in increasing position order (as the capture subsamples them) for ``causal``.
     """
     if probs.dim() != 4:
         raise ValueError(f"Expected argument `probs` to be [batch, heads, queries, keys], but got {tuple(probs.shape)}")
@@ -94,13 +107,49 @@ def head_stats(
 
     entropy = mean(row_entropy(p))
     uniform = mean(torch.log(n_allowed.clamp_min(1).float()))
+    first = allow.expand(b, h, length, s).to(torch.uint8).argmax(-1, keepdim=True)  # first allowed key of a row
+    first_mass = mean(p.gather(-1, first).squeeze(-1))
+    causal = _grows_along_queries(n_allowed, valid)
+    coverage = _coverage(p, weight, allow.expand(b, h, length, s) & valid[..., None], rows)
     if special is None:
         zeros = torch.zeros(h, device=p.device)
-        return HeadStats(entropy, uniform, zeros, zeros.clone(), rows)
+        return HeadStats(entropy, uniform, zeros, zeros.clone(), rows, first_mass, causal, coverage)
     spec = special.bool()[:, None, None, :]
     special_mass = mean((p * spec).sum(-1))
     special_share = mean((allow & spec).sum(-1).float() / n_allowed.clamp_min(1).float())
-    return HeadStats(entropy, uniform, special_mass, special_share, rows)
+    return HeadStats(entropy, uniform, special_mass, special_share, rows, first_mass, causal, coverage)
+
+
+def _coverage(p: torch.Tensor, weight: torch.Tensor, seen: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Per head: entropy of each sequence's mean valid row over ``ln min(rows, keys)``, averaged over the
+    sequences weighted by their valid rows (``[H]``; sequences with fewer than 2 rows or keys count 0)."""
+    per_seq = weight.sum(-1)  # [B, H] valid rows
+    marginal = (p * weight[..., None]).sum(2) / per_seq.clamp_min(1.0)[..., None]
+    keys = seen.any(2).sum(-1).float()  # [B, H] keys some valid row may see
+    room = torch.log(torch.minimum(per_seq, keys).clamp_min(1.0))
+    ratio = torch.where(room > 0, row_entropy(marginal) / room.clamp_min(1e-12), torch.zeros((), device=p.device))
+    return (ratio * per_seq).sum(0) / rows.clamp_min(1.0)
+
+
+def _grows_along_queries(n_allowed: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``1.0`` when, over the valid rows of every ``[batch, head]``, the visible-key count never shrinks along the
+    query axis and grows somewhere (a causal mask), else ``0.0``; a 0-d tensor, no host sync.
+
+    Padded (invalid) rows are skipped: Hugging Face un-masks fully padded rows, which would break the pattern.
+
+    Example:
+        >>> causal = torch.tensor([[[1, 2, 3]]])
+        >>> ok = torch.ones(1, 1, 3, dtype=torch.bool)
+        >>> float(_grows_along_queries(causal, ok)), float(_grows_along_queries(causal.flip(-1), ok))
+        (1.0, 0.0)
+    """
+    n = torch.where(valid, n_allowed, torch.zeros((), dtype=n_allowed.dtype, device=n_allowed.device))
+    running = n.cummax(-1).values  # the largest count of any earlier valid row
+    shrinks = (valid & (n < running)).any()
+    big = torch.full((), torch.iinfo(n.dtype).max, dtype=n.dtype, device=n.device)
+    low = torch.where(valid, n_allowed, big).amin(-1)
+    grows = (valid.any(-1) & (running[..., -1] > low)).any()
+    return (grows & ~shrinks).float()
 
 
 def special_key_mask(

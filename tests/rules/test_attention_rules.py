@@ -4,11 +4,16 @@ from lightning_diag.rules.attention import AttentionEntropyRule, AttentionSinkRu
 from lightning_diag.rules.base import StepContext
 
 
-def layer(entropy, uniform=2.7, mass=0.1, share=0.15):
+def layer(entropy, uniform=2.7, mass=0.1, share=0.15, first=(), causal=False):
     n = len(entropy)
     return {
         "enc.attn": LayerStats(
-            list(entropy), [uniform] * n, [mass] * n if isinstance(mass, float) else mass, [share] * n
+            list(entropy),
+            [uniform] * n,
+            [mass] * n if isinstance(mass, float) else mass,
+            [share] * n,
+            [first] * n if isinstance(first, float) else list(first),
+            causal,
         )
     }
 
@@ -76,3 +81,81 @@ def test_state_round_trip_continues_the_streak(factory):
     del state["latch"]
     with pytest.raises(KeyError, match="latch"):
         factory().load_state_dict(state)
+
+
+def serious(got):
+    return [[x for x in step if x[2] != "info"] for step in got]
+
+
+# Causal attention parked on the first visible key (the attention sink of Xiao et al. 2023) is a healthy no-op
+# head; the same low entropy on a content key, or on [CLS] of bidirectional attention, is a collapse.
+SINK = layer([0.1, 0.2], mass=[0.95, 0.9], first=[0.95, 0.9], causal=True)
+CONTENT = layer([0.1, 0.2], mass=[0.02, 0.03], first=[0.02, 0.03], causal=True)
+CLS = layer([0.1, 0.2], mass=[0.95, 0.9], first=[0.95, 0.9], causal=False)
+MIXED = layer([0.1, 0.2], mass=[0.95, 0.05], first=[0.95, 0.05], causal=True)  # head 1 one-hot on content
+UNKNOWN = layer([0.1, 0.2], mass=[0.95, 0.9], causal=True)  # first-key mass not measured: judged as before
+
+
+@pytest.mark.parametrize(
+    ("feed", "low", "sink"),
+    [
+        ([SINK] * 4, [[], [], [], []], [[], [], [], []]),
+        (
+            [CONTENT] * 3,
+            [[], [("attn_entropy_low", "enc.attn/head_0"), ("attn_entropy_low", "enc.attn/head_1")], []],
+            [[], [], []],
+        ),
+        (
+            [CLS] * 3,
+            [[], [("attn_entropy_low", "enc.attn/head_0"), ("attn_entropy_low", "enc.attn/head_1")], []],
+            [[], [("attn_sink", "enc.attn")], []],
+        ),
+        ([MIXED] * 3, [[], [("attn_entropy_low", "enc.attn/head_1")], []], [[], [], []]),
+        (
+            [UNKNOWN] * 2,
+            [[], [("attn_entropy_low", "enc.attn/head_0"), ("attn_entropy_low", "enc.attn/head_1")]],
+            [[], [("attn_sink", "enc.attn")]],
+        ),
+    ],
+    ids=["causal-sink", "causal-content", "bidirectional-cls", "causal-mixed", "causal-unknown-first"],
+)
+def test_causal_sink_is_not_a_collapse_table(feed, low, sink):
+    entropy = fired(AttentionEntropyRule(warmup_steps=0), feed)
+    sinks = fired(AttentionSinkRule(), feed)
+    assert [[x[:2] for x in s] for s in serious(entropy)] == low
+    assert [[x[:2] for x in s] for s in serious(sinks)] == sink
+
+
+def test_causal_sink_heads_get_one_info_note_per_module():
+    rule = AttentionEntropyRule(warmup_steps=0)
+    got = fired(rule, [SINK] * 3 + [CONTENT] + [SINK] * 3)
+    notes = [(i, x) for i, step in enumerate(got) for x in step if x[2] == "info"]
+    assert notes == [(1, ("attn_entropy_low", "enc.attn", "info"))]  # once, after `patience`, never again
+    note = rule.update(SINK, StepContext(0, 99))
+    assert note == []
+    fresh = AttentionEntropyRule(warmup_steps=0, patience=1)
+    got = {a.severity.value: a for a in fresh.update(MIXED, StepContext(0, 0))}
+    assert set(got) == {"info", "warning"}  # head 0 is a sink (note), head 1 collapsed on content (warning)
+    assert got["warning"].source == "enc.attn/head_1"
+    assert "1 of 2 heads" in got["info"].message and "head_0" in got["info"].message
+
+
+def test_causal_layer_of_sink_heads_is_info_for_the_sink_rule():
+    rule = AttentionSinkRule(patience=1)
+    (alert,) = rule.update(SINK, StepContext(0, 0))
+    assert (alert.rule, alert.severity) == ("attn_sink", "info")
+    assert "first key" in alert.message
+    # causal, but the special mass sits on the last key (EOS), not the first one: still a warning
+    eos = layer([0.1, 0.2], mass=[0.95, 0.9], first=[0.1, 0.1], causal=True)
+    assert fired(AttentionSinkRule(patience=1), [eos]) == [[("attn_sink", "enc.attn", "warning")]]
+
+
+def test_sink_state_survives_a_round_trip():
+    first = AttentionEntropyRule(warmup_steps=0)
+    first.update(SINK, StepContext(0, 0))
+    second = AttentionEntropyRule(warmup_steps=0)
+    second.load_state_dict(first.state_dict())
+    assert [a.severity for a in second.update(SINK, StepContext(0, 1))] == ["info"]
+    third = AttentionEntropyRule(warmup_steps=0)
+    third.load_state_dict(second.state_dict())
+    assert third.update(SINK, StepContext(0, 2)) == []

@@ -100,3 +100,37 @@ def test_head_pca_matches_numpy_svd_up_to_sign():
     got = head_pca(maps).numpy()
     assert np.allclose(np.abs(got), np.abs(expected), atol=1e-5)
     assert head_pca(maps[:1]).tolist() == [[0.0, 0.0]]
+
+
+def test_causal_is_read_off_the_visible_key_counts():
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    probs = torch.softmax(torch.randn(2, 2, 5, 5).masked_fill(~causal, -math.inf), -1)
+    assert float(head_stats(probs, causal[None, None]).causal) == 1.0
+    # left padding, with the fully padded rows un-masked (as Hugging Face does for SDPA): still causal
+    padded = causal[None].repeat(2, 1, 1)
+    padded[1, :, :2] = False
+    padded[1, :2] = True
+    valid = torch.tensor([[True] * 5, [False, False, True, True, True]])
+    assert float(head_stats(probs, padded[:, None], valid).causal) == 1.0
+    # bidirectional with padding, cross-attention, one query row: not causal
+    pad = torch.tensor([[True] * 5, [True, True, True, False, False]])[:, None, None, :]
+    assert float(head_stats(torch.full((2, 2, 5, 5), 0.2), pad).causal) == 0.0
+    assert float(head_stats(torch.full((2, 2, 3, 5), 0.2)).causal) == 0.0
+    assert float(head_stats(torch.full((2, 2, 1, 5), 0.2)).causal) == 0.0
+
+
+def test_first_key_mass_and_key_coverage():
+    n = 6
+    sink = torch.zeros(1, 1, n, n)
+    sink[..., 0] = 1.0  # every query on the first key
+    reversal = torch.eye(n).flip(-1)[None, None]  # each query on its own key
+    stats = head_stats(torch.cat([sink, reversal], 1))
+    assert torch.allclose(stats.first_mass, torch.tensor([1.0, 1.0 / n]))
+    assert torch.allclose(stats.coverage, torch.tensor([0.0, 1.0]), atol=1e-6)
+    assert torch.equal(stats.entropy, torch.zeros(2))  # the same entropy: coverage tells them apart
+    # the first *visible* key of each row, and coverage over at most min(rows, keys)
+    window = torch.ones(n, n, dtype=torch.bool).tril() & ~torch.ones(n, n, dtype=torch.bool).tril(-3)
+    onto_first = torch.zeros(1, 1, n, n).scatter(-1, window.float().argmax(-1).view(1, 1, n, 1), 1.0)
+    assert torch.allclose(head_stats(onto_first, window[None, None]).first_mass, torch.ones(1))
+    rows = torch.eye(n)[None, None, :3]  # 3 queries on 3 different keys out of 6
+    assert torch.allclose(head_stats(rows).coverage, torch.ones(1), atol=1e-6)
