@@ -92,6 +92,8 @@ def run_demo(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=".*enable_nested_tensor.*")
+        # Lightning 2.6's own use of a torch pytree API that torch deprecated: nothing the demo's user can act on.
+        warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
         trainer.fit(model, datamodule=data)
     alerts = sorted((a for cb in cbs for a in getattr(cb, "alerts", [])), key=lambda a: a.global_step)
     return DemoResult(fault, alerts, trainer.log_dir or root, trainer.global_step, trainer.current_epoch)
