@@ -52,6 +52,7 @@ __all__ = [
     "attn_sink_module",
     "attn_sink_tag",
     "attn_uniform_tag",
+    "data_tag",
     "family_tag",
     "grad_blocks_tag",
     "grad_hist_tag",
@@ -209,6 +210,11 @@ def family_tag(family: str, *parts: str) -> str:
     if family not in FAMILIES:
         raise ValueError(f"`family` can be {', '.join(FAMILIES)}, got {family!r}")
     return tag(family, *parts)
+
+
+def data_tag(*parts: str) -> str:
+    """A DataDiagnostics tag: ``data_tag("train", "seq_len")`` -> ``diag/data/train/seq_len``."""
+    return family_tag("data", *parts)
 
 
 def overhead_tag(callback: str) -> str:

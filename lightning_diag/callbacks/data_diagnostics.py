@@ -28,7 +28,7 @@ from lightning_diag.rules.data import (
     DataRules,
 )
 from lightning_diag.rules.registry import default
-from lightning_diag.tensorboard import tag
+from lightning_diag.tags import data_tag
 
 __all__ = [
     "DEFAULT_MAX_BATCHES",
@@ -263,8 +263,8 @@ class DataDiagnostics(DiagCallback):
         measured = measure(train, val, self.num_classes, self.near_duplicate, self.min_count, self.min_leaks)
         seconds = time.perf_counter() - start
         step = trainer.global_step
-        values = {tag("data", *k.split("/")): v for k, v in measured.scalars.items()}
-        values[tag("data", "seconds")] = seconds
+        values = {data_tag(*k.split("/")): v for k, v in measured.scalars.items()}
+        values[data_tag("seconds")] = seconds
         values.update(self.threshold_lines(DATA_VOCAB_SHIFT, DATA_LEAKAGE, LABEL_IMBALANCE))
         self.writer.scalars({k: v for k, v in values.items() if math.isfinite(v)}, step)
         self.last = {k: float(v) for k, v in measured.scalars.items()}
@@ -278,13 +278,13 @@ class DataDiagnostics(DiagCallback):
                 continue
             lens = s.array("seq_lens")
             if lens.size:
-                self.writer.histogram(tag("data", s.split, "seq_len"), lens, step)
+                self.writer.histogram(data_tag(s.split, "seq_len"), lens, step)
             counts = s.token_counts
             if counts.sum() > 0:
                 scale = max(1, math.ceil(counts.sum() / _MAX_HIST_VALUES))
                 ids = np.repeat(np.arange(len(counts)), counts // scale if scale > 1 else counts)
                 if ids.size:
-                    self.writer.histogram(tag("data", s.split, "token_ids"), ids, step)
+                    self.writer.histogram(data_tag(s.split, "token_ids"), ids, step)
         label_counts = measured.label_counts
         if label_counts:
             width = min(max(len(c) for c in label_counts.values()), _MAX_IMAGE_CLASSES)
@@ -294,8 +294,8 @@ class DataDiagnostics(DiagCallback):
                 if c is not None and c.sum() > 0:
                     rows[r, : min(len(c), width)] = (c / c.sum())[:width]
             cell = max(2, min(24, 512 // width))
-            self.writer.image(tag("data", "label_distribution"), heatmap(rows, cell, 0.0), step)
-        self.writer.text(tag("data", "summary"), _summary(measured), step)
+            self.writer.image(data_tag("label_distribution"), heatmap(rows, cell, 0.0), step)
+        self.writer.text(data_tag("summary"), _summary(measured), step)
 
 
 def _summary(measured: Measured) -> str:
