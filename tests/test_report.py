@@ -299,6 +299,21 @@ def test_replay_honours_the_runs_own_sink_and_alignment_notes(tmp_path, capsys, 
     assert band["replayed"] == (0 if noted else 1)
 
 
+def test_replay_excuses_the_explained_module_only_when_heads_are_grouped(tmp_path, capsys):
+    """The explained module holds the worst head of the step; the other module's collapse still fails the check."""
+    scalars = {
+        "diag/attn_entropy/dec.self_attn/head_0": [1.2, 0.05, 0.05, 0.05],  # the sink the run's note explains
+        "diag/attn_entropy/dec.self_attn/uniform": [2.7, 2.7, 2.7, 2.7],
+        "diag/attn_entropy/dec.cross_attn/head_0": [1.2, 0.2, 0.2, 0.2],  # collapsed at the same steps
+        "diag/attn_entropy/dec.cross_attn/uniform": [2.7, 2.7, 2.7, 2.7],
+    }
+    note = Alert("attn_entropy_low", Severity.INFO, "1 of 1 heads ... attention sink", 0, 20, 0.9, 0.5, "dec.self_attn")
+    _write_run(tmp_path / "run", scalars, [note], {"AttentionEntropyMonitor": {}})
+    (run,) = _report_json(tmp_path, capsys)["runs"]
+    band = next(c for c in run["checks"] if c["id"] == "attn_entropy_band")
+    assert band["status"] == "fail" and band["replayed"] == 1, band
+
+
 @pytest.mark.parametrize(("uniform", "hint"), [(3.0, False), (2.7, True)])
 def test_high_entropy_is_judged_as_the_rule_judges_it(tmp_path, capsys, uniform, hint):
     # 2.6 nats is above attn_entropy_high's 2.5; the rule also needs 0.9 of uniform after 200 steps, and is info.

@@ -144,6 +144,10 @@ def _replay_attn_band(run: RunData) -> list[Alert]:
         parsed = attn_head(name)
         if parsed is not None:
             heads.setdefault(parsed[0], {})[parsed[1]] = points
+    # The first-key mass and key coverage that explain an attention sink or an alignment are not logged: a module
+    # the run's own rule explained (its `info` note) is fed as explained (full key coverage), so the replay does not
+    # fail it on its low-entropy heads, before the heads tripping together are grouped into one alert.
+    explained = {a.source for a in run.alerts if a.rule == ATTN_ENTROPY_LOW and a.severity == Severity.INFO}
     alerts: list[Alert] = []
     by_step: dict[int, dict[str, LayerStats]] = {}
     for module, per_head in heads.items():
@@ -152,13 +156,14 @@ def _replay_attn_band(run: RunData) -> list[Alert]:
         for step, values in _by_step((str(h), s) for h, s in per_head.items()).items():
             entropy = [values.get(str(h), math.nan) for h in range(n)]
             uni = uniform.get(step, math.inf)  # not logged: the low rule judges alone
-            by_step.setdefault(step, {})[module] = LayerStats(entropy, [uni] * n, [math.nan] * n, [math.nan] * n)
+            cover = [1.0] * n if module in explained else ()
+            by_step.setdefault(step, {})[module] = LayerStats(
+                entropy, [uni] * n, [math.nan] * n, [math.nan] * n, coverage=cover
+            )
     for step, layers in sorted(by_step.items()):
         alerts += rule.update(layers, StepContext(0, step))
-    # The first-key mass and key coverage that explain an attention sink or an alignment are not logged: a module
-    # the run's own rule explained (its `info` note) is not failed on its low-entropy heads by the replay.
-    explained = {a.source for a in run.alerts if a.rule == ATTN_ENTROPY_LOW and a.severity == Severity.INFO}
-    return [a for a in alerts if a.rule != ATTN_ENTROPY_LOW or (a.source or "").rsplit("/head_", 1)[0] not in explained]
+    # the replay's own notes on those modules restate the run's: not returned
+    return [a for a in alerts if not (a.rule == ATTN_ENTROPY_LOW and a.severity == Severity.INFO)]
 
 
 def _loss_points(run: RunData) -> Series:

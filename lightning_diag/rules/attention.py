@@ -21,6 +21,12 @@ Fed, at each measured step, with every attention module's per-head statistics
   special tokens hold 2/3 of the keys is not a sink). In causal attention, when every head also puts more than
   ``sink_mass`` on the first visible key, the layer is a layer of attention-sink heads (healthy, see above): the
   alert is ``info``. Bidirectional attention ([CLS]/[SEP], seed 000 §3.2) stays a warning.
+
+One event, one alert: the heads (``attn_entropy_*``) or modules (``attn_sink``) newly tripping one rule at the
+same measurement make one alert naming them (count and the worst few); its ``source`` is the worst head
+(``module/head_h``) or module and its ``value`` the worst value. Latching stays per head (per module for
+``attn_sink``): an episode alerts once, a head that clears and trips again alerts again. The ``info`` notes on
+explained low entropy (causal attention sinks, one-to-one alignments) come once per module.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from lightning_diag.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK, Alert, Severity
-from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.base import Rule, StepContext, name_layers
 from lightning_diag.rules.registry import default
 
 __all__ = [
@@ -125,8 +131,13 @@ class AttentionEntropyRule(Rule):
         self.streaks: dict[str, int] = {}
 
     def update(self, layers: Mapping[str, LayerStats], ctx: StepContext) -> list[Alert]:
-        """Feed one measurement of every module's heads; return the alerts raised."""
-        alerts = []
+        """Feed one measurement of every module's heads; return the alerts raised.
+
+        Latching and streaks are per (rule, module, head); the heads newly tripping one rule at this measurement
+        make one alert naming them (count and the worst few), whose ``source`` is the worst head.
+        """
+        notes = []
+        tripped: dict[str, dict[str, tuple[float, float]]] = {ATTN_ENTROPY_LOW: {}, ATTN_ENTROPY_HIGH: {}}
         judge_high = ctx.global_step >= self.warmup_steps
         for module, stats in layers.items():
             explained: dict[str, list[tuple[int, float, float]]] = {_SINK: [], _ALIGNED: []}
@@ -155,12 +166,13 @@ class AttentionEntropyRule(Rule):
                         continue
                     self.streaks[key] = self.streaks.get(key, 0) + 1 if bad else 0
                     if self.latch.update(key, self.streaks[key] >= self.patience):
-                        alerts.append(self._entropy_alert(rule, source, ent, uni, ctx))
+                        tripped[rule][source] = (ent, uni)
             for kind, heads in explained.items():
                 # one note per module and kind, ever: the latch key is never cleared
                 if heads and self.latch.update(f"{kind}:{module}", True):
-                    alerts.append(self._note(kind, module, heads, len(stats.entropy), ctx))
-        return alerts
+                    notes.append(self._note(kind, module, heads, len(stats.entropy), ctx))
+        alerts = [self._entropy_alert(rule, heads, ctx) for rule, heads in tripped.items() if heads]
+        return alerts + notes
 
     def _note(
         self, kind: str, module: str, heads: list[tuple[int, float, float]], total: int, ctx: StepContext
@@ -193,26 +205,50 @@ class AttentionEntropyRule(Rule):
             severity=Severity.INFO,
         )
 
-    def _entropy_alert(self, rule: str, source: str, ent: float, uni: float, ctx: StepContext) -> Alert:
-        if rule == ATTN_ENTROPY_LOW:
+    def _entropy_alert(self, rule: str, heads: Mapping[str, tuple[float, float]], ctx: StepContext) -> Alert:
+        """One alert for the heads newly tripping ``rule`` (``{module/head_h: (entropy, uniform)}``)."""
+        low = rule == ATTN_ENTROPY_LOW
+        entropy = {source: ent for source, (ent, _) in heads.items()}
+        worst = (min if low else max)(entropy, key=entropy.__getitem__)
+        ent, uni = heads[worst]
+        if len(heads) == 1:
+            where = f"of `{worst}` is {ent:.3g} nats"
+            uniform = f"uniform over its keys: {uni:.3g}"
+            head = "the head"
+        else:
+            head = "each head"
+            where = f"of {_name_heads(entropy, worst_first=not low)}"
+            uniform = f"uniform over the keys of `{worst}`: {uni:.3g}"
+        if low:
             message = (
-                f"attention entropy of `{source}` is {ent:.3g} nats, below {self.low:g} (uniform over its keys: "
-                f"{uni:.3g}) on {self.patience} consecutive measurements: the head looks at about one token; "
-                "check for attention collapse (masks, a dominating position, too high a learning rate)"
+                f"attention entropy {where}, below {self.low:g} ({uniform}) on {self.patience} consecutive "
+                f"measurements: {head} looks at about one token; check for attention collapse (masks, a "
+                "dominating position, too high a learning rate)"
             )
             threshold = self.low
         else:
             message = (
-                f"attention entropy of `{source}` is {ent:.3g} nats, above {self.high:g} and "
-                f"{ent / uni:.0%} of uniform ({uni:.3g}) on {self.patience} consecutive measurements after "
-                f"{self.warmup_steps} steps: the head still attends evenly to everything; check its learning rate, "
-                "whether its parameters are trained, and the positional information"
+                f"attention entropy {where}, above {self.high:g} and {ent / uni:.0%} of uniform ({uniform}) on "
+                f"{self.patience} consecutive measurements after {self.warmup_steps} steps: {head} still attends "
+                "evenly to everything; check its learning rate, whether its parameters are trained, and the "
+                "positional information"
             )
             threshold = self.high
         # Diffuse attention is an info alert: averaging over every token is a legitimate learned solution (the
         # shipped demo task is solved that way), so it must never count as a warning on a healthy run.
-        severity = Severity.WARNING if rule == ATTN_ENTROPY_LOW else Severity.INFO
-        return self._alert(ctx, message, source=source, value=ent, threshold=threshold, rule=rule, severity=severity)
+        severity = Severity.WARNING if low else Severity.INFO
+        return self._alert(ctx, message, source=worst, value=ent, threshold=threshold, rule=rule, severity=severity)
+
+
+def _modules(sources: Mapping[str, object]) -> int:
+    """How many modules the ``module/head_h`` sources belong to."""
+    return len({source.rpartition("/head_")[0] for source in sources})
+
+
+def _name_heads(values: Mapping[str, float], worst_first: bool) -> str:
+    """``"8 heads in 1 module: `m/head_3` 0.01, ... and 5 more"`` (:func:`~lightning_diag.rules.base.name_layers`)."""
+    n = _modules(values)
+    return name_layers(values, worst_first=worst_first, noun=f"heads in {n} module{'s' if n > 1 else ''}")
 
 
 class AttentionSinkRule(Rule):
@@ -235,8 +271,15 @@ class AttentionSinkRule(Rule):
         self.streaks: dict[str, int] = {}
 
     def update(self, layers: Mapping[str, LayerStats], ctx: StepContext) -> list[Alert]:
-        """Feed one measurement of every module's heads; return the alerts raised."""
-        alerts = []
+        """Feed one measurement of every module's heads; return the alerts raised.
+
+        Latching and streaks are per module; the modules newly sinking at this measurement make one alert naming
+        them (one for causal layers of attention-sink heads, ``info``; one for the others), whose ``source`` is
+        the module whose heads sink most (largest least-mass).
+        """
+        causal: dict[str, float] = {}
+        sunk_modules: dict[str, float] = {}
+        first_least: dict[str, float] = {}
         for module, stats in layers.items():
             pairs = [
                 (m, s)
@@ -249,30 +292,52 @@ class AttentionSinkRule(Rule):
             least = min(m for m, _ in pairs)
             self.streaks[module] = self.streaks.get(module, 0) + 1 if sunk else 0
             if self.latch.update(module, self.streaks[module] >= self.patience):
-                alerts.append(self._sink_alert(module, stats, least, ctx))
+                first = _first_mass(stats)
+                if stats.causal and all(f > self.sink_mass for f in first):  # NaN (unknown) compares False
+                    causal[module] = least
+                    first_least[module] = min(first)
+                else:
+                    sunk_modules[module] = least
+        alerts = []
+        if sunk_modules:
+            alerts.append(self._sink_alert(sunk_modules, ctx))
+        if causal:
+            alerts.append(self._causal_note(causal, first_least, ctx))
         return alerts
 
-    def _sink_alert(self, module: str, stats: LayerStats, least: float, ctx: StepContext) -> Alert:
-        first = _first_mass(stats)
-        if stats.causal and all(f > self.sink_mass for f in first):  # NaN (unknown) compares False
-            return self._alert(
-                ctx,
-                f"every head of `{module}` (causal attention) puts more than {self.sink_mass:.0%} of its attention "
-                f"on the first key each query may see (least: {min(first):.0%}) on {self.patience} consecutive "
-                "measurements: a layer of attention-sink heads, the usual resting place of causal heads with "
-                "nothing to add (Xiao et al. 2023); information, not a fault",
-                source=module,
-                value=least,
-                threshold=self.sink_mass,
-                severity=Severity.INFO,
-            )
+    def _causal_note(self, least: Mapping[str, float], first: Mapping[str, float], ctx: StepContext) -> Alert:
+        worst = max(least, key=least.__getitem__)
+        if len(least) == 1:
+            which = f"every head of `{worst}` (causal attention) puts"
+            firsts = f"least: {first[worst]:.0%}"
+        else:
+            which = f"in {name_layers(least)} (causal attention; each layer's least head), every head puts"
+            firsts = f"least in `{worst}`: {first[worst]:.0%}"
         return self._alert(
             ctx,
-            f"every head of `{module}` puts more than {self.sink_mass:.0%} of its attention on the "
-            f"special tokens (least: {least:.0%}) on {self.patience} consecutive measurements: the layer "
-            "attends to [CLS]/[SEP] instead of the content; check masks, positional encodings and "
-            "whether the layer still learns",
-            source=module,
-            value=least,
+            f"{which} more than {self.sink_mass:.0%} of its attention on the first key each query may see "
+            f"({firsts}) on {self.patience} consecutive measurements: a layer of attention-sink heads, the usual "
+            "resting place of causal heads with nothing to add (Xiao et al. 2023); information, not a fault",
+            source=worst,
+            value=least[worst],
+            threshold=self.sink_mass,
+            severity=Severity.INFO,
+        )
+
+    def _sink_alert(self, least: Mapping[str, float], ctx: StepContext) -> Alert:
+        worst = max(least, key=least.__getitem__)
+        if len(least) == 1:
+            which = f"every head of `{worst}` puts"
+            mass = f"least: {least[worst]:.0%}"
+        else:
+            which = f"in {name_layers(least)} (each layer's least head), every head puts"
+            mass = f"least in `{worst}`: {least[worst]:.0%}"
+        return self._alert(
+            ctx,
+            f"{which} more than {self.sink_mass:.0%} of its attention on the special tokens ({mass}) on "
+            f"{self.patience} consecutive measurements: the layer attends to [CLS]/[SEP] instead of the content; "
+            "check masks, positional encodings and whether the layer still learns",
+            source=worst,
+            value=least[worst],
             threshold=self.sink_mass,
         )

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 from lightning_diag.alerts import Alert, Severity
 
-__all__ = ["Latch", "Rule", "StepContext"]
+__all__ = ["Latch", "Rule", "StepContext", "name_layers"]
+
+#: Sources named in an alert that groups several.
+_SHOWN = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,3 +125,27 @@ def _copy(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _copy(v) for k, v in value.items()}
     return value
+
+
+def name_layers(
+    values: Mapping[str, float], worst_first: bool = True, shown: int = _SHOWN, noun: str = "layers"
+) -> str:
+    """``"3 layers: `a` 1e-05, `b` 2e-05 and 1 more"``: a count and the worst few (largest or smallest first).
+
+    One alert for many sources tripping one rule at once names them this way (``noun`` counts them: ``"layers"``,
+    ``"heads"``).
+
+    Example:
+        >>> name_layers({"a": 3.0, "b": 1.0, "c": 2.0, "d": 0.5}, shown=2)
+        '4 layers: `a` 3, `c` 2 and 2 more'
+        >>> name_layers({"a": 3.0})
+        '`a` 3'
+        >>> name_layers({"m/head_0": 0.1, "m/head_1": 0.2}, worst_first=False, noun="heads")
+        '2 heads: `m/head_0` 0.1, `m/head_1` 0.2'
+    """
+    order = sorted(values, key=values.__getitem__, reverse=worst_first)
+    parts = ", ".join(f"`{k}` {values[k]:.3g}" for k in order[:shown])
+    if len(order) == 1:
+        return parts
+    more = f" and {len(order) - shown} more" if len(order) > shown else ""
+    return f"{len(order)} {noun}: {parts}{more}"

@@ -37,7 +37,7 @@ import statistics
 from collections.abc import Collection, Mapping
 
 from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert, Severity
-from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.base import Rule, StepContext, name_layers
 from lightning_diag.rules.grad_frozen import FROZEN_REASONS, GradFrozenRule
 from lightning_diag.rules.registry import default
 
@@ -77,8 +77,6 @@ DEFAULT_GRAD_WARMUP_STEPS = int(default("grad_vanish.warmup_steps"))
 DEFAULT_CONVERGED_FRACTION = default("grad_collapse.converged_fraction")
 #: ``grad_collapse``: a loss that has not fallen this fraction below its initial value is stuck (dead network).
 _STUCK_FALL = 0.1
-#: Layers named in an alert that groups several.
-_SHOWN = 3
 
 
 def role_of(layer: str) -> str:
@@ -89,23 +87,6 @@ def role_of(layer: str) -> str:
         'h.*.mlp.fc'
     """
     return ".".join("*" if part.isdigit() else part for part in layer.split("."))
-
-
-def name_layers(values: Mapping[str, float], worst_first: bool = True, shown: int = _SHOWN) -> str:
-    """``"3 layers: `a` 1e-05, `b` 2e-05 and 1 more"``: a count and the worst few (largest or smallest first).
-
-    Example:
-        >>> name_layers({"a": 3.0, "b": 1.0, "c": 2.0, "d": 0.5}, shown=2)
-        '4 layers: `a` 3, `c` 2 and 2 more'
-        >>> name_layers({"a": 3.0})
-        '`a` 3'
-    """
-    order = sorted(values, key=values.__getitem__, reverse=worst_first)
-    parts = ", ".join(f"`{k}` {values[k]:.3g}" for k in order[:shown])
-    if len(order) == 1:
-        return parts
-    more = f" and {len(order) - shown} more" if len(order) > shown else ""
-    return f"{len(order)} layers: {parts}{more}"
 
 
 class GradBandRule(Rule):

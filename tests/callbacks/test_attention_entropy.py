@@ -51,11 +51,13 @@ def test_attention_fault_fires_low_entropy_and_sink_within_window(tmp_path):
         "attention", root=str(tmp_path), callbacks=[monitor], max_steps=entry.onset_step + entry.window + 1, **NO_VAL
     )
     low = [a for a in monitor.alerts if a.rule == "attn_entropy_low"]
-    assert sorted(a.source for a in low) == HEADS  # every head collapsed, each alerts once
+    # every head collapsed at one step: one alert naming the 8 heads of the 2 modules, source the worst head
+    (alert,) = low
+    assert alert.source in HEADS and "8 heads in 2 modules" in alert.message
     assert all(entry.onset_step < a.global_step <= entry.onset_step + entry.window for a in monitor.alerts)
-    assert all(a.value is not None and a.value < 0.01 and a.severity == "warning" for a in low)
-    sinks = [a for a in monitor.alerts if a.rule == "attn_sink"]
-    assert sorted(a.source for a in sinks) == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
+    assert alert.value is not None and alert.value < 0.01 and alert.severity == "warning"
+    (sink,) = [a for a in monitor.alerts if a.rule == "attn_sink"]  # both layers sink at once: one alert
+    assert "2 layers" in sink.message and sink.source in ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn")
     assert {a.rule for a in monitor.alerts} == {"attn_entropy_low", "attn_sink"}
 
 

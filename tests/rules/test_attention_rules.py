@@ -102,18 +102,18 @@ UNKNOWN = layer([0.1, 0.2], mass=[0.95, 0.9], causal=True)  # first-key mass not
         ([SINK] * 4, [[], [], [], []], [[], [], [], []]),
         (
             [CONTENT] * 3,
-            [[], [("attn_entropy_low", "enc.attn/head_0"), ("attn_entropy_low", "enc.attn/head_1")], []],
+            [[], [("attn_entropy_low", "enc.attn/head_0")], []],
             [[], [], []],
         ),
         (
             [CLS] * 3,
-            [[], [("attn_entropy_low", "enc.attn/head_0"), ("attn_entropy_low", "enc.attn/head_1")], []],
+            [[], [("attn_entropy_low", "enc.attn/head_0")], []],
             [[], [("attn_sink", "enc.attn")], []],
         ),
         ([MIXED] * 3, [[], [("attn_entropy_low", "enc.attn/head_1")], []], [[], [], []]),
         (
             [UNKNOWN] * 2,
-            [[], [("attn_entropy_low", "enc.attn/head_0"), ("attn_entropy_low", "enc.attn/head_1")]],
+            [[], [("attn_entropy_low", "enc.attn/head_0")]],
             [[], [("attn_sink", "enc.attn")]],
         ),
     ],
@@ -159,3 +159,66 @@ def test_sink_state_survives_a_round_trip():
     third = AttentionEntropyRule(warmup_steps=0)
     third.load_state_dict(second.state_dict())
     assert third.update(SINK, StepContext(0, 2)) == []
+
+
+def modules(**entropy):
+    """``{module: LayerStats}`` of heads with these entropies (uniform 2.7 nats)."""
+    return {m: LayerStats(list(e), [2.7] * len(e), [0.1] * len(e), [0.15] * len(e)) for m, e in entropy.items()}
+
+
+HEALTHY8, COLLAPSED8 = [1.5] * 8, [0.3, 0.1, 0.2, 0.05, 0.4, 0.3, 0.2, 0.1]
+
+
+# Many heads tripping one rule at one measurement make one alert naming them (count and the worst few); the
+# latches stay per (module, head), so a module tripping later, or a head clearing and tripping again, alerts again.
+@pytest.mark.parametrize(
+    ("feed", "expected"),
+    [
+        # 8 heads of one module collapse at once: one alert, source the worst head, naming "8 heads"
+        ([modules(a=COLLAPSED8)] * 2, [[], [("a/head_3", 0.05, "8 heads in 1 module")]]),
+        # a second module collapsing later: a second alert, about it alone
+        (
+            [modules(a=COLLAPSED8, b=HEALTHY8)] * 2 + [modules(a=COLLAPSED8, b=[0.2] + [1.5] * 7)] * 2,
+            [[], [("a/head_3", 0.05, "8 heads in 1 module")], [], [("b/head_0", 0.2, "`b/head_0` is 0.2 nats")]],
+        ),
+        # two modules at the same step: one alert counting both
+        (
+            [modules(a=[0.2, 1.5], b=[0.1, 0.3])] * 2,
+            [[], [("b/head_0", 0.1, "3 heads in 2 modules: `b/head_0` 0.1, `a/head_0` 0.2, `b/head_1` 0.3")]],
+        ),
+        # a head that clears and trips again alerts again; its neighbour, still latched, does not
+        (
+            [modules(a=[0.1, 0.2])] * 2 + [modules(a=[1.5, 0.2])] + [modules(a=[0.1, 0.2])] * 2,
+            [[], [("a/head_0", 0.1, "2 heads")], [], [], [("a/head_0", 0.1, "`a/head_0` is 0.1 nats")]],
+        ),
+    ],
+    ids=["8-heads-one-alert", "second-module-later", "two-modules-at-once", "clear-and-trip-again"],
+)
+def test_heads_tripping_together_make_one_alert_table(feed, expected):
+    rule = AttentionEntropyRule(warmup_steps=0)
+    got = [rule.update(x, StepContext(0, i)) for i, x in enumerate(feed)]
+    assert [[(a.source, a.value) for a in step] for step in got] == [[x[:2] for x in step] for step in expected]
+    for step, want in zip(got, expected, strict=True):
+        for alert, (_, _, text) in zip(step, want, strict=True):
+            assert alert.rule == "attn_entropy_low" and alert.severity == "warning" and text in alert.message
+
+
+def test_diffuse_heads_at_one_step_make_one_info_alert():
+    diffuse = {m: LayerStats([4.7, 4.6, 3.0], [4.85] * 3, [0.1] * 3, [0.15] * 3) for m in ("a", "b")}
+    (alert,) = AttentionEntropyRule(warmup_steps=0, patience=1).update(diffuse, StepContext(0, 0))
+    assert (alert.rule, alert.severity, alert.source, alert.value) == ("attn_entropy_high", "info", "a/head_0", 4.7)
+    assert "4 heads in 2 modules" in alert.message
+
+
+def test_modules_sinking_at_one_step_make_one_alert():
+    rule = AttentionSinkRule(patience=1)
+    sunk = {
+        m: LayerStats([0.2, 0.3], [2.7, 2.7], mass, [0.13, 0.13])
+        for m, mass in (("a", [0.9, 0.8]), ("b", [0.95, 0.92]))
+    }
+    (alert,) = rule.update(sunk, StepContext(0, 0))
+    assert (alert.rule, alert.severity, alert.source, alert.value) == ("attn_sink", "warning", "b", 0.92)
+    assert "2 layers: `b` 0.92, `a` 0.8" in alert.message
+    assert rule.update(sunk, StepContext(0, 1)) == []  # latched per module
+    third = {**sunk, "c": sunk["a"]}
+    assert [a.source for a in rule.update(third, StepContext(0, 2))] == ["c"]
