@@ -148,7 +148,7 @@ class SnapshotStore:
         if self._losses is None or count == 0:
             return torch.zeros((), dtype=torch.bool, device=fallback_device)
         ring = self._losses
-        recent = ring[(torch.arange(self._seen - count, self._seen) % self.loss_window).to(ring.device)]
+        recent = ring[torch.arange(self._seen - count, self._seen, device=ring.device) % self.loss_window]
         finite = torch.isfinite(recent)
         mean = torch.where(finite, recent, torch.zeros_like(recent)).sum() / finite.sum().clamp(min=1)
         median = torch.nanmedian(torch.where(torch.isfinite(ring), ring, torch.full_like(ring, float("nan"))))
@@ -168,14 +168,18 @@ class SnapshotStore:
         params = list(module.parameters())
         source = params[0].device if params else torch.device("cpu")
         target: torch.device | str | None = "cpu" if self.device == "cpu" else None
+        # Queued before the non-blocking copies below: the spike flag stays on the device and the scaler's
+        # state (``get_scale()`` reads back under fp16 AMP) must not wait for the snapshot's own copies.
+        spiking = self._spiking(source)
+        scaler_state = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
         snap = Snapshot(
             step=step,
             model=_copy_tree(module.state_dict(), target),
             optimizers=[_copy_tree(opt.state_dict(), target) for opt in optimizers],
             schedulers=[copy.deepcopy(s.state_dict()) for s in schedulers],
-            scaler=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
+            scaler=scaler_state,
             extra=copy.deepcopy(dict(extra or {})),
-            spiking=self._spiking(source),
+            spiking=spiking,
         )
         if source.type == "cuda" and target == "cpu":
             snap.ready = torch.cuda.Event()

@@ -60,6 +60,7 @@ from lightning_diag.rules.rollback import (
     DEFAULT_ROLLBACK_LR_FACTOR,
 )
 from lightning_diag.stats.loss_sums import LossSums
+from lightning_diag.stats.reduced import host_values
 from lightning_diag.tags import loss_tag
 
 __all__ = ["DEFAULT_MAX_SCALER_OVERFLOWS", "DEFAULT_MAX_SKIPS", "NONFINITE_ACTIONS", "AnomalyAlarm", "NonFiniteError"]
@@ -362,10 +363,19 @@ class AnomalyAlarm(DiagCallback):
         """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""
         self.recovery.stop()
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Remove the learning-rate hooks (also when ``fit`` raises: ``on_exception`` calls this), then flush."""
+        self.recovery.stop()
+        super().teardown(trainer, pl_module, stage)
+
     def _snapshot_state(self) -> dict[str, Any]:
         # A snapshot keeps the loss-trend state (so a rollback forgets the losses of the steps it undoes), not
-        # the non-finite bookkeeping (counts, latch, rollbacks). One host read of the loss sums per snapshot.
-        return {**self.trend.state_dict(), "last_finite_loss": float(self.guard.last_finite_loss)}
+        # the non-finite bookkeeping (counts, latch, rollbacks). One host read (the loss sums and the last finite
+        # loss stacked together) per snapshot.
+        sums = self.trend.loss_sums
+        values = host_values({**{name: sums[name] for name in sums}, "last_finite_loss": self.guard.last_finite_loss})
+        last_finite_loss = values.pop("last_finite_loss")
+        return {**self.trend.state_dict(sums=values), "last_finite_loss": last_finite_loss}
 
     def _restore_snapshot_state(self, state: dict[str, Any]) -> None:
         self.trend.load_state_dict(state)

@@ -11,6 +11,7 @@ it from its hooks; the alerts and scalars go out through the alarm (``record``, 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import pytorch_lightning as pl
@@ -95,9 +96,14 @@ class LossTrend:
         self.sums_restored = False
 
     # -- state -------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The rule histories and latches, this process's partial loss sums and the window start."""
-        accumulators = self.loss_sums.state_dict()
+    def state_dict(self, sums: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The rule histories and latches, this process's partial loss sums and the window start.
+
+        Args:
+            sums: The loss sums already read back (:func:`~lightning_diag.stats.reduced.host_values`), so a
+                caller can read them together with its own values; by default they are read here.
+        """
+        accumulators = dict(sums) if sums is not None else self.loss_sums.state_dict()
         accumulators["initial_batches"] = float(self.loss_sums.initial_batches)
         return {
             "swing": self.swing_rule.state_dict(),

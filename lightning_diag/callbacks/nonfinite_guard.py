@@ -197,22 +197,30 @@ class NonFiniteGuard:
             self._defer(trainer.global_step, loss_bad, grad_bad)
             return None
         # Deciding not to apply an update is a host decision: one 2-element read per optimizer step.
-        local = torch.stack([loss_bad if loss_bad is not None else torch.zeros_like(grad_bad), grad_bad]).tolist()
-        self.local_findings = (bool(local[0]), bool(local[1]))
+        flags = torch.stack([loss_bad if loss_bad is not None else torch.zeros_like(grad_bad), grad_bad])
         if trainer.world_size > 1:
-            # Ranks with a bad loss, ranks with a bad gradient: one collective (a SUM every strategy supports).
-            counts = torch.tensor([float(v) for v in local], device=trainer.strategy.root_device)
-            local = (trainer.strategy.reduce(counts, reduce_op="sum") > 0).tolist()
+            # Ranks with a bad loss, ranks with a bad gradient: one collective (a SUM every strategy supports) on
+            # the device, then this rank's flags and the agreed ones come back in the same read.
+            counts = flags.to(device=trainer.strategy.root_device, dtype=torch.float32)
+            agreed = trainer.strategy.reduce(counts, reduce_op="sum") > 0
+            both = torch.cat([flags.to(agreed.device), agreed]).tolist()
+            local, found = both[:2], both[2:]
+        else:
+            local = found = flags.tolist()
+        self.local_findings = (bool(local[0]), bool(local[1]))
         scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
-        return StepFindings(loss_bad=bool(local[0]), grad_bad=bool(local[1]), scaler_active=scaler)
+        return StepFindings(loss_bad=bool(found[0]), grad_bad=bool(found[1]), scaler_active=scaler)
 
     def _defer(self, step: int, loss_bad: torch.Tensor | None, grad_bad: torch.Tensor) -> None:
         self.deferred_steps += 1
         for name, bad in (("loss_step", loss_bad), ("grad_step", grad_bad)):
             if bad is None:
                 continue
-            # A number after a reset or a restore: it becomes a device tensor here (a copy to, never from, it).
-            current = torch.as_tensor(self.pending[name], dtype=torch.long, device=bad.device)
+            current = self.pending[name]
+            if isinstance(current, torch.Tensor):
+                current = current.to(bad.device)
+            else:  # a number before the first step or after a restore: a fill on the device, no host copy
+                current = torch.full((), int(current), dtype=torch.long, device=bad.device)
             self.pending[name] = torch.where(bad, current.clamp(max=step), current)
 
     def read_deferred(self, trainer: pl.Trainer, device: torch.device) -> tuple[int | None, int | None] | None:
@@ -225,7 +233,9 @@ class NonFiniteGuard:
             return None
         self.deferred_steps = 0
         first = reduce_state(trainer, self.pending, device=device)
-        self.pending.reset()
+        # Back to "none" as device tensors: the next steps update them without a copy from the host.
+        for name in ("loss_step", "grad_step"):
+            self.pending[name] = torch.full((), NO_STEP, dtype=torch.long, device=device)
         return _step_or_none(first["loss_step"]), _step_or_none(first["grad_step"])
 
     def pending_state(self, trainer: pl.Trainer | None = None, device: torch.device | None = None) -> dict[str, int]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReducedState", "Reduction", "StateSpec", "combine"]
+__all__ = ["ReducedState", "Reduction", "StateSpec", "combine", "host_values"]
 
 
 class Reduction(str, enum.Enum):
@@ -158,8 +158,11 @@ class ReducedState:
         return shared
 
     def state_dict(self) -> dict[str, Any]:
-        """Host copies of the values: ``float`` for scalars, ``list[float]`` for ``CAT``."""
-        return {name: _to_host(self._values[name]) for name in self._specs}
+        """Host copies of the values: ``float`` for scalars, ``list[float]`` for ``CAT``.
+
+        The 0-d tensors of one device come back in one read (:func:`host_values`).
+        """
+        return host_values({name: self._values[name] for name in self._specs})
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Restore :meth:`state_dict` output (as host values).
@@ -188,6 +191,32 @@ class ReducedState:
 
 def _fresh(default: Any) -> Any:
     return list(default) if isinstance(default, (list, tuple)) else default
+
+
+def host_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Host copies of ``values``: ``float`` for numbers and 0-d tensors, ``list[float]`` for lists and tensors.
+
+    The 0-d tensors of each device are stacked and read back together: one host read per device, not one per
+    value.
+
+    Example:
+        >>> host_values({"a": torch.tensor(1.5), "b": 2, "c": torch.tensor([1.0, 2.0])})
+        {'a': 1.5, 'b': 2.0, 'c': [1.0, 2.0]}
+    """
+    out = {name: None if _is_scalar_tensor(v) else _to_host(v) for name, v in values.items()}
+    by_device: dict[torch.device, list[str]] = {}
+    for name, value in values.items():
+        if _is_scalar_tensor(value):
+            by_device.setdefault(value.device, []).append(name)
+    for device, names in by_device.items():
+        dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        stacked = torch.stack([values[n].detach().to(dtype) for n in names])
+        out.update(zip(names, stacked.tolist(), strict=True))
+    return out
+
+
+def _is_scalar_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0
 
 
 def _to_host(value: Any) -> Any:

@@ -192,6 +192,26 @@ def test_warn_applies_the_update_and_alerts_once_per_episode(tmp_path):
     assert not all(torch.isfinite(p).all() for p in model.parameters())  # the NaN update went through
 
 
+def test_warn_keeps_the_pending_steps_on_the_device_between_read_backs(tmp_path):
+    model, data, _ = build_fault("nan")
+    alarm = AnomalyAlarm(on_nonfinite="warn")
+    kinds: list[tuple[int, bool]] = []
+
+    class Inspect(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step > 0:  # after the first step (a fresh fit starts from numbers)
+                pending = alarm.guard.pending
+                held = all(isinstance(pending[k], torch.Tensor) for k in ("loss_step", "grad_step"))
+                kinds.append((trainer.global_step, held))
+
+    trainer = pl.Trainer(max_epochs=2, default_root_dir=tmp_path, callbacks=[alarm, Inspect()], **FAST)
+    trainer.fit(model, datamodule=data)
+    assert len(kinds) > 2 * FAST["log_every_n_steps"]  # steps after several read-backs were inspected
+    # a Python number there would be copied to the device (a host sync) by the next step that logs nothing
+    assert [step for step, held in kinds if not held] == []
+    assert alarm.alerts[0].rule == "nonfinite_loss" and alarm.alerts[0].global_step == 30  # unchanged findings
+
+
 def test_swing_fault_fires_within_window(tmp_path):
     fault = FAULTS["swing"]
     alarm = AnomalyAlarm()

@@ -244,3 +244,33 @@ def test_the_alarm_pickles_for_ddp_spawn(tmp_path):
     _fit(Regression(), alarm, tmp_path, max_steps=4)  # after a fit too (snapshots, hooks removed)
     for candidate in (AnomalyAlarm(on_nonfinite="rollback"), alarm):
         assert pickle.loads(pickle.dumps(candidate)).on_nonfinite == "rollback"
+
+
+def test_a_fit_that_raises_leaves_no_hooks_on_the_optimizer(tmp_path):
+    optimizers: list[torch.optim.Optimizer] = []
+
+    class Crash(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step == 3:
+                optimizers.extend(trainer.optimizers)
+                raise RuntimeError("boom")
+
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback_every_n_steps=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit(Regression(), alarm, tmp_path, max_steps=10, callbacks=[Crash()])
+    assert len(optimizers) == 1
+    # while the fit ran, the rollback's learning-rate hooks were on the optimizer; none survives the exception
+    assert not optimizers[0]._optimizer_step_pre_hooks and not optimizers[0]._optimizer_step_post_hooks
+
+
+def test_the_hooks_are_on_the_optimizer_while_the_fit_runs(tmp_path):
+    seen: list[int] = []
+
+    class Count(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            opt = trainer.optimizers[0]
+            seen.append(len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks))
+
+    trainer = _fit(Regression(), AnomalyAlarm(on_nonfinite="rollback"), tmp_path, max_steps=3, callbacks=[Count()])
+    assert seen == [2, 2, 2]  # so the test above checks hooks that were there
+    assert not trainer.optimizers[0]._optimizer_step_pre_hooks
