@@ -70,6 +70,13 @@ class ActivationGradients:
         sq = grad.detach().float().pow(2).sum()
         self._sq[name] = self._sq[name] + sq if name in self._sq else sq
 
+    def detach(self) -> None:
+        """Remove the hooks and drop what they summed, without reading it (a fit that ended mid-step)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._sq = {}
+
     def flush(self) -> dict[str, float]:
         """Remove the hooks; return ``{module: L2 norm of its output's gradient}`` (one host copy; empty when no
         gradient arrived)."""

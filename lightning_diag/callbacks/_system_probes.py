@@ -222,11 +222,15 @@ def unwrap_batch_end(boundary: tuple[Any, Any] | None) -> None:
             last.on_train_batch_end = previous
 
 
-def time_save_checkpoint(trainer: pl.Trainer, add: Callable[[float], None]) -> None:
-    """Pass the seconds of every ``trainer.save_checkpoint`` call to ``add`` (once per trainer: an instance
-    attribute, removed with ``vars(trainer).pop("save_checkpoint", None)``)."""
+def time_save_checkpoint(trainer: pl.Trainer, add: Callable[[float], None]) -> Callable[..., Any] | None:
+    """Pass the seconds of every ``trainer.save_checkpoint`` call to ``add``.
+
+    The timer is an instance attribute of the trainer; it returns it (for :func:`untime_save_checkpoint`), or
+    ``None`` when the trainer's ``save_checkpoint`` is already replaced on the instance by someone else, which is
+    then left as it is.
+    """
     if "save_checkpoint" in vars(trainer):
-        return
+        return None
     original = trainer.save_checkpoint
 
     def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
@@ -237,6 +241,13 @@ def time_save_checkpoint(trainer: pl.Trainer, add: Callable[[float], None]) -> N
             add(time.perf_counter() - start)
 
     trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    return save_checkpoint
+
+
+def untime_save_checkpoint(trainer: pl.Trainer, timer: Callable[..., Any] | None) -> None:
+    """Remove the timer :func:`time_save_checkpoint` installed, and nothing else."""
+    if timer is not None and vars(trainer).get("save_checkpoint") is timer:
+        del vars(trainer)["save_checkpoint"]
 
 
 # -- memory --------------------------------------------------------------------------------------------------

@@ -250,6 +250,11 @@ class GradientFlowMonitor(DiagCallback):
             self._measured_interval = {}
             self._loss = None
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Remove activation-gradient hooks a fit that raised mid-step left on the model, then release the session."""
+        self._act.detach()
+        super().teardown(trainer, pl_module, stage)
+
     def _selected(self, name: str, param: torch.nn.Parameter) -> bool:
         if self.params is None:
             return True

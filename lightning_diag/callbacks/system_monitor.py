@@ -24,6 +24,7 @@ from lightning_diag.callbacks._system_probes import (
     cuda_memory,
     host_rss_bytes,
     time_save_checkpoint,
+    untime_save_checkpoint,
     unwrap_batch_end,
     wrap_batch_end,
 )
@@ -163,6 +164,7 @@ class SystemMonitor(DiagCallback):
         self._clock: HostClock | CudaClock = HostClock()
         self._nvml_probe: NvmlProbe | None = None
         self._boundary: tuple[Any, Any] | None = None
+        self._save_timer: Any = None
         self._reset_run()
 
     def _make_rules(self) -> None:
@@ -245,7 +247,8 @@ class SystemMonitor(DiagCallback):
         self._hooks = HookTimer()
         if self.time_callbacks:
             self._hooks.attach([cb for cb in trainer.callbacks if isinstance(cb, DiagCallback)])  # type: ignore[attr-defined]
-        time_save_checkpoint(trainer, self._add_checkpoint_time)
+        untime_save_checkpoint(trainer, self._save_timer)
+        self._save_timer = time_save_checkpoint(trainer, self._add_checkpoint_time)
         # the step ends after the last callback's `on_train_batch_end`
         close = self._hooks.timed(type(self).__name__, self._close_batch) if self.time_callbacks else self._close_batch
         self._boundary = wrap_batch_end(trainer, close)
@@ -259,7 +262,8 @@ class SystemMonitor(DiagCallback):
         unwrap_batch_end(self._boundary)
         self._boundary = None
         self._hooks.detach()
-        vars(trainer).pop("save_checkpoint", None)
+        untime_save_checkpoint(trainer, self._save_timer)
+        self._save_timer = None
         if self._nvml_probe is not None and self._nvml_probe.nvml is not None:
             with contextlib.suppress(Exception):
                 self._nvml_probe.nvml.nvmlShutdown()

@@ -169,6 +169,21 @@ def test_activation_gradients_opt_in_and_removed(tmp_path):
     assert all(e.value > 0 for e in acc.Scalars("diag/act_grad_norm/head.0"))
 
 
+def test_activation_gradient_hooks_are_removed_when_fit_raises_mid_step(tmp_path):
+    monitor = GradientFlowMonitor(activation_grads=["head.0"])
+    model, data, _ = build_fault("none")
+
+    class Boom(pl.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            if trainer.global_step == 5:  # a measured step: the hooks are attached
+                raise RuntimeError("boom")
+
+    trainer = pl.Trainer(max_steps=12, default_root_dir=tmp_path, callbacks=[monitor, Boom()], **FAST)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(model, datamodule=data)
+    assert len(model.head[0]._forward_hooks) == 0 and not monitor._act.attached
+
+
 def test_activation_grads_type_check():
     with pytest.raises(TypeError, match="`activation_grads`"):
         GradientFlowMonitor(activation_grads="head.0")

@@ -100,3 +100,25 @@ def test_hook_timer_wraps_and_unwraps_instances_only():
     assert timer.take()["Slow"] > 0 and timer.take()["Slow"] == 0.0
     timer.detach()
     assert "on_train_batch_start" not in vars(cb)
+
+
+class _Trainer:
+    def save_checkpoint(self, path: str) -> str:
+        return path
+
+
+def test_checkpoint_timer_is_removed_and_never_removes_someone_elses():
+    from lightning_diag.callbacks._system_probes import time_save_checkpoint, untime_save_checkpoint
+
+    trainer, seconds = _Trainer(), []
+    timer = time_save_checkpoint(trainer, seconds.append)  # type: ignore[arg-type]
+    assert trainer.save_checkpoint("a.ckpt") == "a.ckpt" and len(seconds) == 1
+    untime_save_checkpoint(trainer, timer)  # type: ignore[arg-type]
+    assert "save_checkpoint" not in vars(trainer)
+
+    theirs = lambda path: "theirs"  # noqa: E731  (another tool's instance-level wrapper)
+    trainer.save_checkpoint = theirs  # type: ignore[method-assign]
+    assert time_save_checkpoint(trainer, seconds.append) is None  # type: ignore[arg-type]
+    untime_save_checkpoint(trainer, None)  # type: ignore[arg-type]
+    untime_save_checkpoint(trainer, timer)  # type: ignore[arg-type]
+    assert vars(trainer)["save_checkpoint"] is theirs
