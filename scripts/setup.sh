@@ -21,7 +21,8 @@ fi
 # Reinstall whenever pyproject.toml changed (new dependencies), not only when the package is missing.
 stamp=.venv/.lightning-diag-pyproject
 if ! cmp -s pyproject.toml "$stamp" || ! .venv/bin/python -c "import lightning_diag" >/dev/null 2>&1; then
-  pip_install --quiet -e ".[dev,plots]"
+  # setuptools' notice that an editable install is one (a boxed multi-line UserWarning) is not for the user.
+  PYTHONWARNINGS="ignore::UserWarning" pip_install --quiet -e ".[dev,plots]"
   cp pyproject.toml "$stamp"
 fi
 # CI only: Chromium for the dashboard's browser check (tests/test_browser_check.py). Best effort: without it
