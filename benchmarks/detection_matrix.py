@@ -30,7 +30,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_diag.alerts import ALL_RULES, Alert
+from lightning_diag.core.alerts import ALL_RULES, Alert
 from lightning_diag.demo.corpus import CORPUS, CorpusEntry, run_corpus
 from lightning_diag.demo.faults import FAULTS, Fault, build_fault
 from lightning_diag.demo.run import default_callbacks, quiet, run_demo

@@ -32,7 +32,7 @@ import torch
 
 from lightning_diag import AnomalyAlarm
 from lightning_diag.demo.run import quiet
-from lightning_diag.rollback import SnapshotStore
+from lightning_diag.instrument.snapshots import SnapshotStore
 from lightning_diag.rules.rollback import DEFAULT_ROLLBACK_EVERY_N_STEPS
 
 

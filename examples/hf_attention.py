@@ -17,7 +17,7 @@ from transformers import BertConfig, BertModel
 
 from lightning_diag import AttentionEntropyMonitor
 from lightning_diag.demo import SyntheticDataModule
-from lightning_diag.demo.data import NUM_CLASSES, VOCAB_SIZE
+from lightning_diag.demo.synthetic import NUM_CLASSES, VOCAB_SIZE
 
 
 class BertClassifier(pl.LightningModule):

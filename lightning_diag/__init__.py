@@ -6,7 +6,7 @@ stay light. A new callback is added with one entry in :data:`_LAZY` (and one in 
 
 Logging follows the library convention: the ``lightning_diag`` logger gets a :class:`logging.NullHandler` at
 import; the visible stream handler is installed only when a callback is first set up and the application has
-configured no handler of its own (see :func:`lightning_diag._logging.ensure_handler`).
+configured no handler of its own (see :func:`lightning_diag.core.log_handler.ensure_handler`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _LAZY: dict[str, str] = {
-    "Alert": "lightning_diag.alerts",
-    "AlertLog": "lightning_diag.alerts",
-    "Severity": "lightning_diag.alerts",
-    "read_alerts": "lightning_diag.alerts",
-    "attention_requested": "lightning_diag.attention",
-    "record_attention": "lightning_diag.attention",
-    "record_hf_attentions": "lightning_diag.attention",
+    "Alert": "lightning_diag.core.alerts",
+    "AlertLog": "lightning_diag.core.alerts",
+    "Severity": "lightning_diag.core.alerts",
+    "read_alerts": "lightning_diag.core.alerts",
+    "attention_requested": "lightning_diag.instrument.attention_record",
+    "record_attention": "lightning_diag.instrument.attention_record",
+    "record_hf_attentions": "lightning_diag.instrument.attention_record",
     "AnomalyAlarm": "lightning_diag.callbacks.anomaly_alarm",
     "NonFiniteError": "lightning_diag.callbacks.anomaly_alarm",
     "AttentionEntropyMonitor": "lightning_diag.callbacks.attention_entropy",
@@ -56,8 +56,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from lightning_diag.alerts import Alert, AlertLog, Severity, read_alerts
-    from lightning_diag.attention import attention_requested, record_attention, record_hf_attentions
     from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
     from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
     from lightning_diag.callbacks.data_diagnostics import DataDiagnostics
@@ -65,6 +63,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_diag.callbacks.quantization_probe import QuantizationProbe
     from lightning_diag.callbacks.sharpness_probe import SharpnessProbe
     from lightning_diag.callbacks.system_monitor import SystemMonitor
+    from lightning_diag.core.alerts import Alert, AlertLog, Severity, read_alerts
+    from lightning_diag.instrument.attention_record import attention_requested, record_attention, record_hf_attentions
 
 
 def __getattr__(name: str) -> Any:

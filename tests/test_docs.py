@@ -39,7 +39,7 @@ def test_thresholds_table_matches_the_constants():
 
 def test_every_registry_default_is_documented_with_its_argument():
     """Each rule threshold and setting the registry declares has a row naming its argument and default."""
-    from lightning_diag.rules.registry import RULES, SETTINGS
+    from lightning_diag.core.registry import RULES, SETTINGS
 
     rows = {(rule.strip("`"), argument.strip("`")): float(default) for rule, argument, _c, default, _m, _s in _rows()}
     declared = {}
@@ -64,7 +64,7 @@ def test_thresholds_arguments_are_real_constructor_arguments():
         SharpnessProbe,
         SystemMonitor,
     )
-    from lightning_diag.rules.registry import owner_of
+    from lightning_diag.core.registry import owner_of
 
     for rule, argument, _constant, default, _m, _s in _rows():
         kinds = {

@@ -3,7 +3,7 @@ import logging
 import subprocess
 import sys
 
-from lightning_diag._logging import ensure_handler
+from lightning_diag.core.log_handler import ensure_handler
 
 
 def _real(logger: logging.Logger) -> list[logging.Handler]:

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from lightning_diag.alerts import Alert, Severity
 from lightning_diag.cli import main
+from lightning_diag.core.alerts import Alert, Severity
+from lightning_diag.core.registry import default_thresholds
 from lightning_diag.report import build_report, find_runs, load_run
-from lightning_diag.rules.registry import default_thresholds
 
 CHECK_IDS = [
     "data_label_balance",
@@ -113,7 +113,7 @@ def test_md_and_json_work_without_matplotlib(nan_run, tmp_path):
     # torchmetrics imports matplotlib whenever it is installed, so matplotlib itself cannot be hidden here:
     # the plotting module fails to import instead, as it does on an install without the `plots` extra.
     code = (
-        "import sys; sys.modules['lightning_diag.plots'] = None\n"
+        "import sys; sys.modules['lightning_diag.report.plots'] = None\n"
         "from lightning_diag.cli import main\n"
         f"sys.exit(main(['report', {nan_run.log_dir!r}, '--out', {str(tmp_path)!r}]))\n"
     )
@@ -124,7 +124,7 @@ def test_md_and_json_work_without_matplotlib(nan_run, tmp_path):
     code = (
         "import sys\nfrom lightning_diag.cli import main\n"
         f"assert main(['report', {nan_run.log_dir!r}, '--format', 'json']) == 0\n"
-        "sys.exit(1 if 'lightning_diag.plots' in sys.modules else 0)\n"
+        "sys.exit(1 if 'lightning_diag.report.plots' in sys.modules else 0)\n"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, env=_env()).returncode == 0
     assert "nonfinite_loss at step 30" in (tmp_path / "report.md").read_text()
@@ -334,7 +334,7 @@ def test_high_entropy_is_judged_as_the_rule_judges_it(tmp_path, capsys, uniform,
 
 
 def test_latency_fluctuation_row_is_measured_from_the_system_monitor(tmp_path, capsys):
-    from lightning_diag.alerts import Alert
+    from lightning_diag.core.alerts import Alert
 
     rows = {}
     alert = Alert("step_time_fluctuation", "warning", "fluctuates", 0, 20, 0.4, 0.15, "step_time")

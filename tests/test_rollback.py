@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_diag.rollback import SnapshotStore
+from lightning_diag.instrument.snapshots import SnapshotStore
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.rollback import RollbackRule
 

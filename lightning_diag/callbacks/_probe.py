@@ -14,9 +14,9 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag._validation import check_int
-from lightning_diag.alerts import Alert
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.core.alerts import Alert
+from lightning_diag.core.validation import check_int
 
 __all__ = ["LossFn", "ProbeError", "ValidationProbe"]
 
@@ -56,8 +56,15 @@ class ValidationProbe(DiagCallback):
             by default ``pl_module.training_step(batch, batch_idx)``, with ``self.log`` silenced.
     """
 
-    def __init__(self, every_n_epochs: int = 1, num_batches: int = 2, loss_fn: LossFn | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        *,
+        every_n_epochs: int = 1,
+        num_batches: int = 2,
+        loss_fn: LossFn | None = None,
+        on_alert: AlertHandler | None = None,
+    ) -> None:
+        super().__init__(on_alert=on_alert).__init__()
         self.every_n_epochs = check_int("every_n_epochs", every_n_epochs, low=1)
         self.num_batches = check_int("num_batches", num_batches, low=1)
         if loss_fn is not None and not callable(loss_fn):

@@ -13,8 +13,8 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag.callbacks._system_probes import CudaClock, HostClock
-from lightning_diag.tags import family_tag
+from lightning_diag.core.tags import family_tag
+from lightning_diag.instrument.clocks import CudaClock, HostClock
 
 __all__ = ["HEADER", "Mark", "Step", "gather_ranks", "interval_values", "resolve_steps"]
 

@@ -15,20 +15,21 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag._validation import check_choice, check_int, check_number
-from lightning_diag.alerts import (
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback, extract_loss
+from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, check_swing_window
+from lightning_diag.callbacks.lr_logging import lr_scalars
+from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
+from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
+from lightning_diag.core.alerts import (
     LOSS_SWING,
     NONFINITE_LOSS,
     NONFINITE_ROLLBACK,
     VAL_DECLINE,
     NonFiniteAction,
 )
-from lightning_diag.callbacks.base import DiagCallback, extract_loss
-from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, check_swing_window
-from lightning_diag.callbacks.lr_logging import lr_scalars
-from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
-from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
-from lightning_diag.rollback import RollbackDevice
+from lightning_diag.core.tags import loss_tag
+from lightning_diag.core.validation import check_choice, check_int, check_number
+from lightning_diag.instrument.snapshots import RollbackDevice
 from lightning_diag.rules.anomaly import (
     DEFAULT_STAGNANT_BASELINE_STEPS,
     DEFAULT_STAGNANT_MIN_DROP,
@@ -61,7 +62,6 @@ from lightning_diag.rules.rollback import (
 )
 from lightning_diag.stats.loss_sums import LossSums
 from lightning_diag.stats.reduced import host_values
-from lightning_diag.tags import loss_tag
 
 __all__ = ["DEFAULT_MAX_SCALER_OVERFLOWS", "DEFAULT_MAX_SKIPS", "NONFINITE_ACTIONS", "AnomalyAlarm", "NonFiniteError"]
 
@@ -157,6 +157,7 @@ class AnomalyAlarm(DiagCallback):
 
     def __init__(
         self,
+        *,
         on_nonfinite: NonFiniteAction = "stop",
         max_skips: int = DEFAULT_MAX_SKIPS,
         max_scaler_overflows: int = DEFAULT_MAX_SCALER_OVERFLOWS,
@@ -182,8 +183,9 @@ class AnomalyAlarm(DiagCallback):
         max_rollbacks: int = DEFAULT_MAX_ROLLBACKS,
         rollback_device: RollbackDevice = "cpu",
         rollback_snapshots: int = DEFAULT_ROLLBACK_KEEP,
+        on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(log_every_n_steps=log_every_n_steps)
+        super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
         self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, NONFINITE_ACTIONS)
         self.max_skips = check_int("max_skips", max_skips, low=0)
         self.max_scaler_overflows = check_int("max_scaler_overflows", max_scaler_overflows, low=1)

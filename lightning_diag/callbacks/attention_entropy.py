@@ -11,12 +11,13 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_diag._validation import check_int, check_number
-from lightning_diag.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
-from lightning_diag.attention import AttentionRecorder
-from lightning_diag.attention_capture import AttentionCapture, is_compiled
-from lightning_diag.callbacks.base import DiagCallback
-from lightning_diag.images import heatmap, scatter, tile
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.core.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
+from lightning_diag.core.tags import attn_entropy_tag, attn_heads_tag, attn_map_tag, attn_sink_tag, attn_uniform_tag
+from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.instrument.attention_capture import AttentionCapture, is_compiled
+from lightning_diag.instrument.attention_record import AttentionRecorder
+from lightning_diag.output.images import heatmap, scatter, tile
 from lightning_diag.rules.attention import (
     DEFAULT_ATTN_PATIENCE,
     DEFAULT_ATTN_WARMUP_STEPS,
@@ -28,8 +29,7 @@ from lightning_diag.rules.attention import (
     AttentionSinkRule,
     LayerStats,
 )
-from lightning_diag.stats.attention import head_pca, head_similarity
-from lightning_diag.tags import attn_entropy_tag, attn_heads_tag, attn_map_tag, attn_sink_tag, attn_uniform_tag
+from lightning_diag.stats.attention_probs import head_pca, head_similarity
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonitor"]
 
@@ -39,19 +39,6 @@ DEFAULT_SAMPLE_SIZE = 8
 DEFAULT_MAX_QUERIES = 64
 _STATE_KEYS = ("entropy", "sink")
 _IMAGE_KEYS = 128  # keys shown at most per heatmap
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def _default_input_ids(batch: Any) -> torch.Tensor | None:
-    """``batch["input_ids"]``, or the first 2-D integer tensor of a tuple/list batch."""
-    if isinstance(batch, dict):
-        value = batch.get("input_ids")
-        return value if isinstance(value, torch.Tensor) else None
-    if isinstance(batch, (tuple, list)):
-        for item in batch:
-            if isinstance(item, torch.Tensor) and item.dim() == 2 and item.dtype in _INT_DTYPES:
-                return item
-    return None
 
 
 class AttentionEntropyMonitor(DiagCallback):
@@ -62,7 +49,7 @@ class AttentionEntropyMonitor(DiagCallback):
     ``torch.nn.functional.scaled_dot_product_attention`` made inside the ``LightningModule`` (Hugging Face
     ``attn_implementation="sdpa"``, litgpt, nanoGPT, timm), and eager attention that computes its own softmax
     inside a module whose class name contains ``Attention`` (Hugging Face ``"eager"``); see
-    :mod:`lightning_diag.attention_capture`. Other attention modules report through
+    :mod:`lightning_diag.instrument.attention_capture`. Other attention modules report through
     :func:`~lightning_diag.record_attention`. On a sampled step (every ``log_every_n_steps`` optimizer steps, the
     first micro-batch of the step) the probabilities are recomputed from each call's inputs without gradient,
     before dropout, for the first ``sample_size`` sequences and at most ``max_queries`` query positions of each:
@@ -132,6 +119,7 @@ class AttentionEntropyMonitor(DiagCallback):
 
     def __init__(
         self,
+        *,
         log_every_n_steps: int | None = None,
         modules: Sequence[str] | None = None,
         sample_size: int = DEFAULT_SAMPLE_SIZE,
@@ -146,8 +134,9 @@ class AttentionEntropyMonitor(DiagCallback):
         warmup_steps: int = DEFAULT_ATTN_WARMUP_STEPS,
         sink_mass: float = DEFAULT_SINK_MASS,
         patience: int = DEFAULT_ATTN_PATIENCE,
+        on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(log_every_n_steps=log_every_n_steps)
+        super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
         if modules is not None and (isinstance(modules, str) or not all(isinstance(m, str) for m in modules)):
             raise TypeError(f"Expected argument `modules` to be a list of module-name patterns, but got {modules!r}")
         self.modules = None if modules is None else tuple(modules)
@@ -257,7 +246,7 @@ class AttentionEntropyMonitor(DiagCallback):
             self._mha = self._find_modules(pl_module)
         token_ids = None
         if self.special_token_ids:
-            token_ids = (self.input_ids or _default_input_ids)(batch)
+            token_ids = (self.input_ids or token_ids)(batch)
             if token_ids is None:
                 self.notice(
                     trainer,

@@ -6,19 +6,18 @@ import json
 import logging
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag._logging import ensure_handler
-from lightning_diag._validation import check_int
-from lightning_diag.alerts import Alert, AlertLog
-from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.registry import registry_thresholds
-from lightning_diag.tensorboard import (
+from lightning_diag.core.alerts import Alert, AlertLog
+from lightning_diag.core.log_handler import ensure_handler
+from lightning_diag.core.registry import registry_thresholds
+from lightning_diag.core.validation import check_int
+from lightning_diag.output.dashboard import (
     ALERTS_TAG,
     THRESHOLDS_TAG,
     alerts_markdown,
@@ -26,9 +25,13 @@ from lightning_diag.tensorboard import (
     threshold_tag,
     thresholds_markdown,
 )
-from lightning_diag.writer import DiagWriter
+from lightning_diag.output.writer import DiagWriter
+from lightning_diag.rules.base import StepContext
 
-__all__ = ["DiagCallback", "DiagSession", "extract_loss"]
+__all__ = ["AlertHandler", "DiagCallback", "DiagSession", "extract_loss"]
+
+#: ``on_alert=``: called with each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global rank zero).
+AlertHandler = Callable[[Alert], object]
 
 log = logging.getLogger("lightning_diag")
 
@@ -164,11 +167,15 @@ class DiagCallback(pl.Callback):
         alerts: The alerts this callback raised in the current fit, in order.
     """
 
-    def __init__(self, log_every_n_steps: int | None = None) -> None:
+    def __init__(self, *, log_every_n_steps: int | None = None, on_alert: AlertHandler | None = None) -> None:
         super().__init__()
         if log_every_n_steps is not None:
             check_int("log_every_n_steps", log_every_n_steps, low=1)
+        if on_alert is not None and not callable(on_alert):
+            raise TypeError(f"Expected argument `on_alert` to be a callable taking an Alert, but got {on_alert!r}")
         self.log_every_n_steps = log_every_n_steps
+        self.on_alert = on_alert
+        self._on_alert_failed = False
         self.alerts: list[Alert] = []
         self._session: DiagSession | None = None
         self._notices: set[str] = set()
@@ -181,6 +188,7 @@ class DiagCallback(pl.Callback):
         self._session = _acquire_session(trainer)
         if stage == TrainerFn.FITTING:
             self.alerts = []
+            self._on_alert_failed = False
             self._notices = set()
             self._last_logged_step = -1
 
@@ -207,7 +215,7 @@ class DiagCallback(pl.Callback):
         qualify it (patience, windows). Written once per fit to ``<log_dir>/diag/thresholds.json`` and the
         ``diag/thresholds`` text; ``lightning-diag report`` judges the run against them.
 
-        Built from the rule registry (:mod:`lightning_diag.rules.registry`): every rule and shared setting the
+        Built from the rule registry (:mod:`lightning_diag.core.registry`): every rule and shared setting the
         registry declares for this class (by class name, then its bases'), with the instance's value read from
         the attribute the declaration names in ``arguments`` (the default where it names none). A subclass adds
         entries the registry cannot know (conditional ones) by extending ``super().thresholds()``.
@@ -232,13 +240,28 @@ class DiagCallback(pl.Callback):
         return StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
 
     def record(self, alerts: Iterable[Alert]) -> list[Alert]:
-        """Keep alerts in :attr:`alerts` and write them to the alert log (rank zero only)."""
+        """Keep alerts in :attr:`alerts`, write them to the alert log and hand each to ``on_alert`` (rank zero
+        only)."""
         batch = list(alerts)
         if batch:
             self.alerts.extend(batch)
             if self._session is not None:
                 self._session.alert_log.write(batch)
+                if self.on_alert is not None and self._session.is_global_zero:
+                    for alert in batch:
+                        self._call_on_alert(alert)
         return batch
+
+    def _call_on_alert(self, alert: Alert) -> None:
+        # A failing handler (a Slack outage) must never stop training: reported once per fit, then kept quiet.
+        assert self.on_alert is not None
+        try:
+            self.on_alert(alert)
+        except Exception as err:  # any error of user code
+            if not self._on_alert_failed:
+                self._on_alert_failed = True
+                log.warning("%s: the on_alert handler raised %r on %s; training goes on (reported once per fit)",
+                            type(self).__name__, err, alert.rule)
 
     def check_state_keys(self, state_dict: dict[str, Any], keys: Iterable[str]) -> None:
         """Raise ``KeyError`` naming every key of ``keys`` missing from a checkpointed ``state_dict``."""

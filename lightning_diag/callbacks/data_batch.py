@@ -12,16 +12,17 @@ import dataclasses
 import itertools
 import random
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_diag.instrument.batches import is_int_tensor
+
 __all__ = ["BatchView", "UninterpretableBatch", "describe", "interpret", "read_sample", "sample_indices"]
 
 _LABEL_KEYS = ("labels", "label", "targets", "target", "y")
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 class UninterpretableBatch(ValueError):
@@ -82,13 +83,9 @@ def _floats(batch: Any, key: str, out: dict[str, torch.Tensor]) -> None:
             _floats(v, f"{key}[{i}]", out)
 
 
-def _is_int(t: Any) -> TypeGuard[torch.Tensor]:
-    return isinstance(t, torch.Tensor) and t.dtype in _INT_DTYPES
-
-
 def _from_mapping(batch: Mapping[str, Any], view: BatchView) -> None:
     ids = batch.get("input_ids")
-    if _is_int(ids) and ids.dim() == 2:
+    if is_int_tensor(ids) and ids.dim() == 2:
         view.tokens = ids
         mask = batch.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
@@ -100,9 +97,9 @@ def _from_mapping(batch: Mapping[str, Any], view: BatchView) -> None:
 
 
 def _set_labels(labels: Any, view: BatchView) -> None:
-    if _is_int(labels) and labels.dim() == 1:
+    if is_int_tensor(labels) and labels.dim() == 1:
         view.labels = labels
-    elif _is_int(labels) and labels.dim() == 2 and labels.shape[1] == 1:
+    elif is_int_tensor(labels) and labels.dim() == 2 and labels.shape[1] == 1:
         view.labels = labels[:, 0]
 
 
@@ -141,7 +138,7 @@ def interpret(
         _floats(got.get("features"), "features", floats)
         view = BatchView(size=0, floats=floats, inputs=next(iter(floats), None))
         ids = got.get("token_ids")
-        if _is_int(ids) and ids.dim() == 2:
+        if is_int_tensor(ids) and ids.dim() == 2:
             view.tokens = ids
             mask = got.get("mask")
             if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
@@ -158,13 +155,13 @@ def interpret(
             x = batch[0]
             if isinstance(x, Mapping):
                 _from_mapping(x, view)
-            elif _is_int(x) and x.dim() == 2:
+            elif is_int_tensor(x) and x.dim() == 2:
                 view.tokens = x
             elif isinstance(x, torch.Tensor) and x.is_floating_point():
                 view.inputs = "[0]"
             if len(batch) > 1 and view.labels is None:
                 _set_labels(batch[1], view)
-        elif _is_int(batch) and batch.dim() == 2:
+        elif is_int_tensor(batch) and batch.dim() == 2:
             view.tokens = batch
         elif isinstance(batch, torch.Tensor) and batch.is_floating_point():
             view.inputs = "batch"

@@ -12,11 +12,13 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag._validation import check_int, check_number
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.callbacks.data_batch import UninterpretableBatch, interpret, read_sample
 from lightning_diag.callbacks.data_sample import Measured, SplitSample, measure
-from lightning_diag.images import heatmap
+from lightning_diag.core.registry import default
+from lightning_diag.core.tags import data_tag
+from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.output.images import heatmap
 from lightning_diag.rules.data import (
     DATA_LEAKAGE,
     DATA_VOCAB_SHIFT,
@@ -27,8 +29,6 @@ from lightning_diag.rules.data import (
     LABEL_IMBALANCE,
     DataRules,
 )
-from lightning_diag.rules.registry import default
-from lightning_diag.tags import data_tag
 
 __all__ = [
     "DEFAULT_MAX_BATCHES",
@@ -136,6 +136,7 @@ class DataDiagnostics(DiagCallback):
 
     def __init__(
         self,
+        *,
         max_batches: int | None = DEFAULT_MAX_BATCHES,
         every_n_epochs: int | None = None,
         vocab_kl: float = DEFAULT_VOCAB_KL,
@@ -150,8 +151,9 @@ class DataDiagnostics(DiagCallback):
         min_count: int = DEFAULT_MIN_COUNT,
         min_leaks: int = DEFAULT_MIN_LEAKS,
         seed: int = 0,
+        on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(on_alert=on_alert)
         self.max_batches = None if max_batches is None else check_int("max_batches", max_batches, low=1)
         self.every_n_epochs = None if every_n_epochs is None else check_int("every_n_epochs", every_n_epochs, low=1)
         self.vocab_kl = check_number("vocab_kl", vocab_kl, low=0.0)

@@ -17,7 +17,7 @@ import torch
 
 from lightning_diag.callbacks.data_batch import BatchView
 from lightning_diag.rules.data import DataMeasurement, InputProblem
-from lightning_diag.stats import data as ds
+from lightning_diag.stats import token_stats as ds
 
 __all__ = ["Measured", "SplitSample", "measure"]
 

@@ -13,11 +13,20 @@ import torch
 from pytorch_lightning.callbacks import BaseFinetuning
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag._validation import check_int, check_number
-from lightning_diag.alerts import GRAD_EXPLODE, GRAD_VANISH
-from lightning_diag.callbacks._act_grads import ActivationGradients
-from lightning_diag.callbacks._grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step, update_ratios
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.core.alerts import GRAD_EXPLODE, GRAD_VANISH
+from lightning_diag.core.tags import (
+    act_grad_norm_tag,
+    grad_blocks_tag,
+    grad_hist_tag,
+    grad_norm_tag,
+    grad_relative_tag,
+    grad_rms_tag,
+    grad_total_tag,
+)
+from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.instrument.act_grads import ActivationGradients
+from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step, update_ratios
 from lightning_diag.rules.grad import (
     DEFAULT_BASELINE_MEASUREMENTS,
     DEFAULT_COLLAPSE_RATIO,
@@ -31,15 +40,6 @@ from lightning_diag.rules.grad import (
     GradCollapseRule,
     GradFrozenRule,
     GradSpreadRule,
-)
-from lightning_diag.tags import (
-    act_grad_norm_tag,
-    grad_blocks_tag,
-    grad_hist_tag,
-    grad_norm_tag,
-    grad_relative_tag,
-    grad_rms_tag,
-    grad_total_tag,
 )
 
 __all__ = ["GradientFlowMonitor"]
@@ -127,6 +127,7 @@ class GradientFlowMonitor(DiagCallback):
 
     def __init__(
         self,
+        *,
         log_every_n_steps: int | None = None,
         params: ParamSelector | None = None,
         per_parameter: bool = False,
@@ -143,8 +144,9 @@ class GradientFlowMonitor(DiagCallback):
         warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
         converged_fraction: float = DEFAULT_CONVERGED_FRACTION,
         logit_projections: Sequence[str] = DEFAULT_LOGIT_PROJECTIONS,
+        on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(log_every_n_steps=log_every_n_steps)
+        super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
         if (
             params is not None
             and not callable(params)

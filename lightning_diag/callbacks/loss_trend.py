@@ -18,11 +18,11 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.alerts import LOSS_SWING
 from lightning_diag.callbacks.reduction import reduce_state
+from lightning_diag.core.alerts import LOSS_SWING
+from lightning_diag.core.tags import loss_tag
 from lightning_diag.rules.anomaly import LossStagnantRule, LossSwingRule, ValDeclineRule, ValFluctuationRule
 from lightning_diag.stats.loss_sums import LossSums
-from lightning_diag.tags import loss_tag
 
 if TYPE_CHECKING:
     from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytorch_lightning as pl
 
-from lightning_diag.tags import lr_tag
+from lightning_diag.core.tags import lr_tag
 
 __all__ = ["learning_rates", "lr_scalars"]
 

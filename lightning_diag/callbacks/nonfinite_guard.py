@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag.alerts import Alert
 from lightning_diag.callbacks.lr_logging import learning_rates
 from lightning_diag.callbacks.reduction import reduce_state
+from lightning_diag.core.alerts import Alert
 from lightning_diag.rules.nonfinite import Decision, NonFiniteDetails, NonFinitePolicy, StepFindings, Verdict
 from lightning_diag.stats.norms import all_finite
 from lightning_diag.stats.reduced import ReducedState, Reduction

@@ -3,8 +3,8 @@
 :class:`NonFiniteRecovery` keeps, on healthy steps, only a reference to each micro-batch of the current optimizer
 step and a copy of the RNG state it started with (``locate_nonfinite``), and with ``on_nonfinite="rollback"`` a
 snapshot of the training state every ``rollback_every_n_steps`` optimizer steps. On a non-finite step the alarm
-asks it to localise (:mod:`lightning_diag.nonfinite_locate`) and to roll back (:mod:`lightning_diag.rollback`,
-:mod:`lightning_diag.rules.rollback`).
+asks it to localise (:mod:`lightning_diag.instrument.nonfinite_locate`) and to roll back
+(:mod:`lightning_diag.instrument.snapshots`, :mod:`lightning_diag.rules.rollback`).
 
 DDP: the replay runs on one rank only (the lowest rank whose own loss was non-finite, else the lowest whose
 gradients were), on the underlying LightningModule, not through the DDP wrapper: no gradient all-reduce is
@@ -25,8 +25,14 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_diag.callbacks.base import extract_loss
-from lightning_diag.nonfinite_locate import NOT_FOUND, Localisation, RngState, find_nonfinite_in_batch, locate
-from lightning_diag.rollback import RollbackDevice, SnapshotStore
+from lightning_diag.instrument.nonfinite_locate import (
+    NOT_FOUND,
+    Localisation,
+    RngState,
+    find_nonfinite_in_batch,
+    locate,
+)
+from lightning_diag.instrument.snapshots import RollbackDevice, SnapshotStore
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.rollback import DEFAULT_SPIKE_FACTOR, RollbackChoice, RollbackRule
 
@@ -58,7 +64,7 @@ class NonFiniteRecovery:
         max_rollbacks: Rollbacks allowed in one fit.
         device: Where snapshots live: ``"cpu"`` or ``"device"``.
         keep: Snapshots kept.
-        spike_factor: Trust test of the snapshots (see :class:`~lightning_diag.rollback.SnapshotStore`).
+        spike_factor: Trust test of the snapshots (see :class:`~lightning_diag.instrument.snapshots.SnapshotStore`).
     """
 
     def __init__(

@@ -15,9 +15,11 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lightning_diag._validation import check_choice, check_number
-from lightning_diag.alerts import Alert
 from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
+from lightning_diag.callbacks.base import AlertHandler
+from lightning_diag.core.alerts import Alert
+from lightning_diag.core.tags import quant_layer_tag, quant_tag
+from lightning_diag.core.validation import check_choice, check_number
 from lightning_diag.rules.probes import (
     DEFAULT_LAYER_RATIO,
     DEFAULT_MIN_LAYER_ERROR,
@@ -34,7 +36,6 @@ from lightning_diag.stats.quantization import (
     outlier_ratio,
     relative_error,
 )
-from lightning_diag.tags import quant_layer_tag, quant_tag
 
 __all__ = ["QuantizationProbe", "QuantizationResult", "torchao_available"]
 
@@ -172,6 +173,7 @@ class QuantizationProbe(ValidationProbe):
 
     def __init__(
         self,
+        *,
         threshold: float = DEFAULT_QUANT_ERROR,
         layer_ratio: float = DEFAULT_LAYER_RATIO,
         min_layer_error: float = DEFAULT_MIN_LAYER_ERROR,
@@ -181,8 +183,9 @@ class QuantizationProbe(ValidationProbe):
         every_n_epochs: int = 1,
         num_batches: int = 2,
         loss_fn: LossFn | None = None,
+        on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn)
+        super().__init__(every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn, on_alert=on_alert)
         self.threshold = check_number("threshold", threshold, low=0.0)
         self.layer_ratio = check_number("layer_ratio", layer_ratio, low=1.0, low_inclusive=True)
         self.min_layer_error = check_number("min_layer_error", min_layer_error, low=0.0, low_inclusive=True)

@@ -6,9 +6,11 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_diag._validation import check_int, check_number
-from lightning_diag.alerts import Alert
 from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
+from lightning_diag.callbacks.base import AlertHandler
+from lightning_diag.core.alerts import Alert
+from lightning_diag.core.tags import sharpness_layer_tag, sharpness_tag
+from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.rules.probes import (
     DEFAULT_RHO,
     DEFAULT_SHARP_GAP,
@@ -17,7 +19,6 @@ from lightning_diag.rules.probes import (
     SharpMinimumRule,
 )
 from lightning_diag.stats.sharpness import SharpnessResult, sam_gap
-from lightning_diag.tags import sharpness_layer_tag, sharpness_tag
 
 __all__ = ["SharpnessProbe"]
 
@@ -59,6 +60,7 @@ class SharpnessProbe(ValidationProbe):
 
     def __init__(
         self,
+        *,
         threshold: float = DEFAULT_SHARP_GAP,
         patience: int = DEFAULT_SHARP_PATIENCE,
         rho: float = DEFAULT_RHO,
@@ -67,8 +69,9 @@ class SharpnessProbe(ValidationProbe):
         loss_fn: LossFn | None = None,
         per_layer: bool = False,
         max_layers: int = 16,
+        on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn)
+        super().__init__(every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn, on_alert=on_alert)
         self.threshold = check_number("threshold", threshold, low=0.0)
         self.patience = check_int("patience", patience, low=1)
         self.rho = check_number("rho", rho, low=0.0)

@@ -13,22 +13,20 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag._validation import check_int, check_number
-from lightning_diag.callbacks._system_interval import HEADER, Mark, gather_ranks, interval_values, resolve_steps
-from lightning_diag.callbacks._system_probes import (
-    CudaClock,
+from lightning_diag.callbacks._system_hooks import (
     HookTimer,
-    HostClock,
-    NvmlProbe,
-    batch_size_and_tokens,
-    cuda_memory,
-    host_rss_bytes,
     time_save_checkpoint,
     untime_save_checkpoint,
     unwrap_batch_end,
     wrap_batch_end,
 )
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks._system_interval import HEADER, Mark, gather_ranks, interval_values, resolve_steps
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.core.tags import family_tag, overhead_tag
+from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.instrument.batches import batch_size_and_tokens
+from lightning_diag.instrument.clocks import CudaClock, HostClock
+from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 from lightning_diag.rules.system import (
     DEFAULT_BLOCK_STEPS,
     DEFAULT_DATALOADER_MIN_WAIT_S,
@@ -48,7 +46,6 @@ from lightning_diag.rules.system import (
     StepFluctuationRule,
     StepPeriodicRule,
 )
-from lightning_diag.tags import family_tag, overhead_tag
 
 __all__ = ["SystemMonitor"]
 
@@ -119,6 +116,7 @@ class SystemMonitor(DiagCallback):
 
     def __init__(
         self,
+        *,
         log_every_n_steps: int | None = None,
         dataloader_share: float = DEFAULT_DATALOADER_SHARE,
         dataloader_patience: int = DEFAULT_DATALOADER_PATIENCE,
@@ -135,8 +133,9 @@ class SystemMonitor(DiagCallback):
         memory_rising_fraction: float = DEFAULT_MEMORY_RISING_FRACTION,
         nvml: bool = True,
         time_callbacks: bool = True,
+        on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(log_every_n_steps=log_every_n_steps)
+        super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
         self.dataloader_share = check_number("dataloader_share", dataloader_share, low=0.0, high=1.0)
         self.dataloader_patience = check_int("dataloader_patience", dataloader_patience, low=1)
         self.dataloader_min_wait_s = check_number(

@@ -1,8 +1,8 @@
 """Synthetic tasks of the real-architecture corpus (generated, deterministic, shipped in the package).
 
-* ``"classify"``: the sequence-classification task of :func:`~lightning_diag.demo.data.make_dataset` (BERT,
+* ``"classify"``: the sequence-classification task of :func:`~lightning_diag.demo.synthetic.make_dataset` (BERT,
   the LSTM, the frozen-backbone fine-tune), as ``(tokens, padding_mask, labels)``.
-* ``"lm"``: next-token prediction of :func:`~lightning_diag.demo.data.make_lm_dataset` (GPT-2, Llama).
+* ``"lm"``: next-token prediction of :func:`~lightning_diag.demo.synthetic.make_lm_dataset` (GPT-2, Llama).
 * ``"seq2seq"``: reverse a sequence of tokens (BART: encoder, decoder, cross-attention), as
   ``(source, target)``.
 * ``"image"``: 1x16x16 images with a bright 4x4 blob in one of four quadrants over Gaussian noise; the label is
@@ -22,7 +22,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_diag.demo.data import make_dataset, make_lm_dataset
+from lightning_diag.demo.synthetic import make_dataset, make_lm_dataset
 
 __all__ = [
     "IMAGE_CLASSES",

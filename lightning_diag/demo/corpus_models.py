@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_diag.demo.corpus_data import IMAGE_CLASSES, IMAGE_SIZE, SEQ2SEQ_VOCAB
-from lightning_diag.demo.data import LM_VOCAB_SIZE, NUM_CLASSES, VOCAB_SIZE
+from lightning_diag.demo.synthetic import LM_VOCAB_SIZE, NUM_CLASSES, VOCAB_SIZE
 
 __all__ = ["ARCHITECTURES", "build_net", "hf_quiet"]
 

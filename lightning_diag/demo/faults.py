@@ -21,7 +21,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_diag.alerts import (
+from lightning_diag.core.alerts import (
     ATTN_ENTROPY_LOW,
     GRAD_COLLAPSE,
     GRAD_EXPLODE,
@@ -32,8 +32,8 @@ from lightning_diag.alerts import (
     NONFINITE_LOSS,
     VAL_DECLINE,
 )
-from lightning_diag.demo.data import DATA_MODULES
 from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
+from lightning_diag.demo.synthetic import DATA_MODULES
 
 __all__ = ["FAULTS", "Fault", "build_fault"]
 

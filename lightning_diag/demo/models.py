@@ -1,6 +1,6 @@
 """Tiny models for the demo, the tests and the benchmarks, with switches the fault library turns.
 
-Four shapes, each paired with a synthetic task of :mod:`lightning_diag.demo.data`:
+Four shapes, each paired with a synthetic task of :mod:`lightning_diag.demo.synthetic`:
 
 * ``"transformer"``: :class:`TinyTransformerClassifier` (``nn.TransformerEncoder`` classifier).
 * ``"mlp"``: :class:`RegressionMLP` (an MLP regressing noisy targets).
@@ -23,7 +23,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lightning_diag.demo.data import LM_VOCAB_SIZE, NUM_CLASSES, REGRESSION_FEATURES, VOCAB_SIZE
+from lightning_diag.demo.synthetic import LM_VOCAB_SIZE, NUM_CLASSES, REGRESSION_FEATURES, VOCAB_SIZE
 
 __all__ = [
     "MODELS",
@@ -214,7 +214,7 @@ class TinyTransformerClassifier(DemoModule):
 class RegressionMLP(DemoModule):
     """An MLP (``head_depth`` hidden layers of width ``d_model``) regressing noisy targets; MSE loss.
 
-    Pairs with :class:`~lightning_diag.demo.data.RegressionDataModule`.
+    Pairs with :class:`~lightning_diag.demo.synthetic.RegressionDataModule`.
     """
 
     def __init__(self, config: DemoConfig | None = None) -> None:
@@ -241,7 +241,7 @@ class RegressionMLP(DemoModule):
 class TinyCausalLM(DemoModule):
     """A small causal language model: ``num_layers`` ``nn.TransformerEncoderLayer`` with a causal mask.
 
-    Trained on next-token prediction over :class:`~lightning_diag.demo.data.CausalLMDataModule` sequences.
+    Trained on next-token prediction over :class:`~lightning_diag.demo.synthetic.CausalLMDataModule` sequences.
     """
 
     def __init__(self, config: DemoConfig | None = None) -> None:
@@ -272,7 +272,7 @@ class TinyCausalLM(DemoModule):
 class GRUClassifier(DemoModule):
     """A single-layer GRU over the classification task of the transformer; reads the state at [SEP].
 
-    Pairs with :class:`~lightning_diag.demo.data.SyntheticDataModule`; logs ``val_acc`` too.
+    Pairs with :class:`~lightning_diag.demo.synthetic.SyntheticDataModule`; logs ``val_acc`` too.
     """
 
     def __init__(self, config: DemoConfig | None = None) -> None:

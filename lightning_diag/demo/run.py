@@ -14,8 +14,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import TensorBoardLogger
 
-from lightning_diag.alerts import Alert
 from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.core.alerts import Alert
 from lightning_diag.demo.faults import build_fault
 
 __all__ = ["DemoResult", "default_callbacks", "quiet", "run_demo"]

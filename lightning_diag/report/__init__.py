@@ -7,7 +7,7 @@ Every run under the log directory is reported, one after another, with:
   a warning or critical alert, in the run or when replayed over the logged series
   (:mod:`lightning_diag.report.checks`, which also says how a new callback adds a row);
 * the alert timeline;
-* optionally PNG plots (:mod:`lightning_diag.plots`, needs matplotlib).
+* optionally PNG plots (:mod:`lightning_diag.report.plots`, needs matplotlib).
 
 The package is split into :mod:`~lightning_diag.report.load` (finding and reading runs),
 :mod:`~lightning_diag.report.checks` (the checklist) and :mod:`~lightning_diag.report.render` (md, JSON, HTML).
@@ -75,7 +75,7 @@ def build_report(logdir: str | os.PathLike[str], plot_dir: str | os.PathLike[str
     reports = [diagnose(r) for r in with_diag]
     if plot_dir is not None:
         try:
-            from lightning_diag import plots  # plots reads report.load only: no import cycle
+            from lightning_diag.report import plots  # plots reads report.load only: no import cycle
         except ImportError:  # pragma: no cover - depends on the environment
             for rep in reports:
                 rep.plot_note = "plots skipped: matplotlib is not installed (pip install 'lightning-diag[plots]')"

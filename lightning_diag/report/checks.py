@@ -1,4 +1,4 @@
-"""The checklist of ``lightning-diag report``: one row per :class:`~lightning_diag.rules.registry.CheckSpec`.
+"""The checklist of ``lightning-diag report``: one row per :class:`~lightning_diag.core.registry.CheckSpec`.
 
 Each row is judged twice and the two must agree: by the run's own alerts (``diag/alerts.jsonl``) and by
 **replaying the library's pure rules** (``lightning_diag.rules``) over the series the run logged, the way
@@ -11,7 +11,7 @@ critical alert, so the checklist cannot say PASS beside a measurement its own ru
 
 Adding a row (issues adding callbacks):
 
-1. declare it in :mod:`lightning_diag.rules.registry` with ``register_check(CheckSpec(id, layer, title))``
+1. declare it in :mod:`lightning_diag.core.registry` with ``register_check(CheckSpec(id, layer, title))``
    (or reuse one of the seed's rows: ``data_label_balance``, ``data_train_test_overlap``,
    ``deploy_quantization_error``, ``deploy_latency_fluctuation``);
 2. join your rules to it with ``RuleSpec(..., check=id)``. That alone gives a working row: it fails on a
@@ -37,10 +37,10 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
-from lightning_diag.alerts import ALL_RULES, Alert
+from lightning_diag.core.alerts import ALL_RULES, Alert
+from lightning_diag.core.registry import CHECKS, RULES, CheckSpec
 from lightning_diag.report.load import RunData
 from lightning_diag.report.replay import REPLAYS, _setting, replay  # noqa: F401  (_setting: for the row modules)
-from lightning_diag.rules.registry import CHECKS, RULES, CheckSpec
 
 __all__ = ["MEASURES", "REPLAYS", "Check", "RunReport", "Status", "diagnose", "measure", "replay"]
 
@@ -250,7 +250,7 @@ def _evaluate(spec: CheckSpec, run: RunData) -> Check:
 def diagnose(run: RunData) -> RunReport:
     """The checklist of one run (seed 000 §7.1, layer by layer, plus the training-process checks).
 
-    Rows come from the registry's :data:`~lightning_diag.rules.registry.CHECKS` (grouped by layer, in
+    Rows come from the registry's :data:`~lightning_diag.core.registry.CHECKS` (grouped by layer, in
     declaration order); rules without a row are listed under "Other", judged by their alerts and threshold.
     """
     specs = sorted(CHECKS.values(), key=lambda s: _LAYERS.index(s.layer))

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 
-from lightning_diag.alerts import Alert
+from lightning_diag.core.alerts import Alert
+from lightning_diag.core.tags import family_tag
 from lightning_diag.report.checks import Check, measure
 from lightning_diag.report.load import RunData
 from lightning_diag.report.replay import _setting, replay
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.data import DATA_LEAKAGE, LABEL_IMBALANCE, DataMeasurement, DataRules
-from lightning_diag.tags import family_tag
 
 __all__: list[str] = []
 

@@ -14,9 +14,9 @@ import json
 import os
 from pathlib import Path
 
-from lightning_diag.alerts import ALL_RULES, Alert, read_alerts
-from lightning_diag.rules.registry import default_thresholds
-from lightning_diag.tags import prefix
+from lightning_diag.core.alerts import ALL_RULES, Alert, read_alerts
+from lightning_diag.core.registry import default_thresholds
+from lightning_diag.core.tags import prefix
 
 __all__ = ["ALERTS_FILE", "THRESHOLDS_FILE", "NoDiagnosticsError", "RunData", "Series", "find_runs", "load_run"]
 

@@ -1,7 +1,7 @@
 """Measured values of the checklist's built-in Model, Training and Deployment rows, from the logged series.
 
 Each function is registered with :func:`~lightning_diag.report.checks.measure` for one row of
-:data:`~lightning_diag.rules.registry.CHECKS`: gradient norms (``grad_norm_band``, ``grad_spread``,
+:data:`~lightning_diag.core.registry.CHECKS`: gradient norms (``grad_norm_band``, ``grad_spread``,
 ``grad_collapse``), attention (``attn_entropy_band``, ``attn_sink``), the training process (``nonfinite``,
 ``loss_swing``, ``val_decline``, ``val_fluctuation``) and SystemMonitor's step-time fluctuation
 (``deploy_latency_fluctuation``). Registered on import by :mod:`lightning_diag.report.checks`. Imports neither
@@ -14,12 +14,12 @@ import itertools
 import math
 import statistics
 
+from lightning_diag.core.registry import RULES
+from lightning_diag.core.tags import attn_head, attn_mean, family_tag, grad_blocks_tag, grad_total_tag, loss_tag, prefix
 from lightning_diag.report.checks import Check, _attached, _finite, _fmt, _serious, _threshold, measure
 from lightning_diag.report.load import RunData
 from lightning_diag.report.replay import _by_step, _layer_series, _per_layer, _setting
 from lightning_diag.rules.grad import role_of
-from lightning_diag.rules.registry import RULES
-from lightning_diag.tags import attn_head, attn_mean, family_tag, grad_blocks_tag, grad_total_tag, loss_tag, prefix
 
 __all__: list[str] = []
 

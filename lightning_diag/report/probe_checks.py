@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 
-from lightning_diag.alerts import Alert
+from lightning_diag.core.alerts import Alert
+from lightning_diag.core.registry import RULES
+from lightning_diag.core.tags import quant_layer, quant_tag, sharpness_tag
 from lightning_diag.report.checks import Check, _finite, _fmt, _setting, measure, replay
 from lightning_diag.report.load import RunData
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.probes import QuantizationErrorRule, SharpMinimumRule
-from lightning_diag.rules.registry import RULES
-from lightning_diag.tags import quant_layer, quant_tag, sharpness_tag
 
 __all__: list[str] = []
 

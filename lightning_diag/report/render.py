@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from lightning_diag.alerts import ALERT_COLUMNS, alert_cells, alert_table_markdown
+from lightning_diag.core.alerts import ALERT_COLUMNS, alert_cells, alert_table_markdown
 from lightning_diag.report.checks import RunReport
 
 __all__ = ["FORMATS", "Format", "render"]

@@ -12,14 +12,9 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Literal
 
-from lightning_diag.alerts import ATTN_ENTROPY_LOW, Alert, Severity
-from lightning_diag.report.load import RunData, Series
-from lightning_diag.rules.anomaly import LossSwingRule, ValDeclineRule
-from lightning_diag.rules.attention import AttentionEntropyRule, LayerStats
-from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule, role_of
-from lightning_diag.rules.registry import default
-from lightning_diag.tags import (
+from lightning_diag.core.alerts import ATTN_ENTROPY_LOW, Alert, Severity
+from lightning_diag.core.registry import default
+from lightning_diag.core.tags import (
     attn_head,
     attn_uniform_tag,
     grad_blocks_tag,
@@ -27,6 +22,11 @@ from lightning_diag.tags import (
     loss_tag,
     prefix,
 )
+from lightning_diag.report.load import RunData, Series
+from lightning_diag.rules.anomaly import LossSwingRule, ValDeclineRule
+from lightning_diag.rules.attention import AttentionEntropyRule, LayerStats
+from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule, role_of
 
 __all__ = ["REPLAYS", "Replay", "replay"]
 

@@ -1,6 +1,6 @@
 """Stateful detectors in plain Python: feed values in, get Alerts out. Never imports Lightning.
 
-Lazy (PEP 562): importing ``lightning_diag.rules.registry`` (the report does) loads no rule module.
+Lazy (PEP 562): importing ``lightning_diag.core.registry`` (the report does) loads no rule module.
 """
 
 from __future__ import annotations

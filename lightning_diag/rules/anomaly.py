@@ -29,9 +29,9 @@ import math
 from collections import deque
 from typing import Literal
 
-from lightning_diag.alerts import LOSS_STAGNANT, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION, Alert
+from lightning_diag.core.alerts import LOSS_STAGNANT, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION, Alert
+from lightning_diag.core.registry import default
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.registry import default
 from lightning_diag.stats.trend import fluctuation, relative_change
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Attention rules (framework-free): ``attn_entropy_low``, ``attn_entropy_high``, ``attn_sink``.
 
 Fed, at each measured step, with every attention module's per-head statistics
-(:class:`~lightning_diag.stats.attention.HeadStats` as host floats). Exact meaning (each condition must hold on
+(:class:`~lightning_diag.stats.attention_probs.HeadStats` as host floats). Exact meaning (each condition must hold on
 ``patience`` consecutive measurements of that head or layer; latching is per (rule, module, head)):
 
 * ``attn_entropy_low``: a head's entropy below ``low`` nats (seed 000 §3.2: 0.5): the head looks at about one
@@ -35,9 +35,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from lightning_diag.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK, Alert, Severity
+from lightning_diag.core.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK, Alert, Severity
+from lightning_diag.core.registry import default
 from lightning_diag.rules.base import Rule, StepContext, name_layers
-from lightning_diag.rules.registry import default
 
 __all__ = [
     "ALIGNED_COVERAGE",

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
-from lightning_diag.alerts import Alert, Severity
+from lightning_diag.core.alerts import Alert, Severity
 
 __all__ = ["Latch", "Rule", "StepContext", "name_layers"]
 

@@ -1,7 +1,7 @@
 """The declarations: every checklist row and every rule of the library, one block per callback.
 
-The machinery (:class:`~lightning_diag.rules.registry.RuleSpec`, :func:`~lightning_diag.rules.registry.register`,
-the queries) is in :mod:`lightning_diag.rules.registry`, which imports this module once, at its end, so that
+The machinery (:class:`~lightning_diag.core.registry.RuleSpec`, :func:`~lightning_diag.core.registry.register`,
+the queries) is in :mod:`lightning_diag.core.registry`, which imports this module once, at its end, so that
 importing the registry always gives the complete catalogue. Standard library only, like the registry.
 
 A callback that adds rules appends one block at the end: ``register(RuleSpec(...))`` per rule id, and
@@ -10,7 +10,7 @@ A callback that adds rules appends one block at the end: ``register(RuleSpec(...
 
 from __future__ import annotations
 
-from lightning_diag.rules.registry import (
+from lightning_diag.core.registry import (
     CheckSpec,
     RuleSpec,
     SettingSpec,

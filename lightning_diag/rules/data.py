@@ -1,7 +1,7 @@
 """Data rules (framework-free): ``data_vocab_shift``, ``data_leakage``, ``label_imbalance``, ``data_nonfinite``.
 
 Fed with one measurement of the sampled training and validation data (:class:`DataMeasurement`, computed by
-:class:`~lightning_diag.DataDiagnostics` through :mod:`lightning_diag.stats.data`). Exact meaning:
+:class:`~lightning_diag.DataDiagnostics` through :mod:`lightning_diag.stats.token_stats`). Exact meaning:
 
 * ``data_vocab_shift`` (warning): the smoothed, bias-corrected ``KL(P_val || P_train)`` of the token
   frequencies is above ``threshold`` nats (seed 000 §2.1: 0.3).
@@ -24,9 +24,9 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from lightning_diag.alerts import Alert, Severity
+from lightning_diag.core.alerts import Alert, Severity
+from lightning_diag.core.registry import default
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.registry import default
 
 __all__ = [
     "DATA_LEAKAGE",

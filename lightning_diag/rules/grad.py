@@ -36,10 +36,10 @@ import math
 import statistics
 from collections.abc import Collection, Mapping
 
-from lightning_diag.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert, Severity
+from lightning_diag.core.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert, Severity
+from lightning_diag.core.registry import default
 from lightning_diag.rules.base import Rule, StepContext, name_layers
 from lightning_diag.rules.grad_frozen import FROZEN_REASONS, GradFrozenRule
-from lightning_diag.rules.registry import default
 
 __all__ = [
     "DEFAULT_BASELINE_MEASUREMENTS",

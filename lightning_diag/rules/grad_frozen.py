@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from lightning_diag.alerts import GRAD_FROZEN, Alert, Severity
+from lightning_diag.core.alerts import GRAD_FROZEN, Alert, Severity
+from lightning_diag.core.registry import default
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.registry import default
 
 __all__ = ["FROZEN_REASONS", "GradFrozenRule"]
 

@@ -29,7 +29,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from lightning_diag.alerts import NONFINITE_GRAD, NONFINITE_LOSS, Alert, NonFiniteAction, Severity
+from lightning_diag.core.alerts import NONFINITE_GRAD, NONFINITE_LOSS, Alert, NonFiniteAction, Severity
 from lightning_diag.rules.base import Latch, StepContext
 
 __all__ = [

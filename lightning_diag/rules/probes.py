@@ -7,9 +7,9 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-from lightning_diag.alerts import Alert
+from lightning_diag.core.alerts import Alert
+from lightning_diag.core.registry import RULES
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.registry import RULES
 
 __all__ = [
     "DEFAULT_LAYER_RATIO",

@@ -2,7 +2,7 @@
 
 Plain Python (no torch, no Lightning): the callback hands it snapshot steps and trust flags, it answers with the
 step to restore and writes the ``nonfinite_rollback`` alert. The snapshots themselves live in
-:mod:`lightning_diag.rollback`.
+:mod:`lightning_diag.instrument.snapshots`.
 
 Policy:
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from lightning_diag.alerts import NONFINITE_ROLLBACK, Alert, Severity
+from lightning_diag.core.alerts import NONFINITE_ROLLBACK, Alert, Severity
+from lightning_diag.core.registry import RULES
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.registry import RULES
 
 __all__ = [
     "DEFAULT_MAX_ROLLBACKS",

@@ -25,9 +25,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from lightning_diag.alerts import Alert
+from lightning_diag.core.alerts import Alert
+from lightning_diag.core.registry import default
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.registry import default
 from lightning_diag.stats.timing import Periodicity, Series, block_fluctuation, detect_period, growth
 
 __all__ = [

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from lightning_diag import DataDiagnostics
-from lightning_diag.tensorboard import DiagWriter, dashboard_layout
+from lightning_diag.output.dashboard import DiagWriter, dashboard_layout
 
 FAST = dict(
     accelerator="cpu",

@@ -191,7 +191,7 @@ def test_invalid_arguments_raise_at_construction(kind, kwargs, error, match):
 
 
 def test_thresholds_come_from_the_registry():
-    from lightning_diag.rules.registry import default_thresholds
+    from lightning_diag.core.registry import default_thresholds
 
     assert SharpnessProbe().thresholds() == default_thresholds("SharpnessProbe")
     assert QuantizationProbe(backend="fake").thresholds() == default_thresholds("QuantizationProbe")
@@ -203,7 +203,7 @@ def test_thresholds_come_from_the_registry():
 def test_dashboard_probes_section_follows_the_rules_in_effect():
     import re
 
-    from lightning_diag.tensorboard import dashboard_layout
+    from lightning_diag.output.dashboard import dashboard_layout
 
     assert "Probes" not in dashboard_layout(["grad_explode"])
     sharp = dashboard_layout(["sharp_minimum"])["Probes"]
@@ -218,7 +218,7 @@ def test_dashboard_probes_section_follows_the_rules_in_effect():
 
 
 def test_probe_tags_round_trip():
-    from lightning_diag.tags import quant_layer, quant_layer_tag, quant_tag, sharpness_layer, sharpness_layer_tag
+    from lightning_diag.core.tags import quant_layer, quant_layer_tag, quant_tag, sharpness_layer, sharpness_layer_tag
 
     assert quant_tag("end_to_end") == "diag/quant/end_to_end"
     assert quant_layer(quant_layer_tag("blocks.0.mlp.fc", "outlier_ratio")) == ("blocks.0.mlp.fc", "outlier_ratio")

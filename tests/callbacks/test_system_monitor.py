@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
-from lightning_diag.attention import AttentionRecorder
+from lightning_diag.instrument.attention_record import AttentionRecorder
 from tests.callbacks.system_models import FAST, MLP, Encoder, Recorder, StallEvery
 
 
@@ -67,7 +67,7 @@ def test_periodic_stall_every_10th_step_is_named(monkeypatch, tmp_path):
 
 def test_a_loss_kept_with_its_graph_is_a_memory_leak(monkeypatch, tmp_path):
     spy(monkeypatch)
-    from lightning_diag.callbacks._system_probes import host_rss_bytes
+    from lightning_diag.instrument.memory import host_rss_bytes
 
     # The leak is sized against the process's RSS (larger late in a long pytest session), so it grows ~30% over
     # the default 8-interval window whatever the base: each step keeps ~1.2% of the RSS (two saved activations
@@ -154,7 +154,7 @@ def test_bad_configuration_is_refused_at_construction(kwargs, error, needle):
 
 
 def test_thresholds_are_the_registry_defaults():
-    from lightning_diag.rules.registry import default_thresholds
+    from lightning_diag.core.registry import default_thresholds
 
     assert SystemMonitor().thresholds() == default_thresholds("SystemMonitor")
 

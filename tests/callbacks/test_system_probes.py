@@ -5,14 +5,10 @@ from types import SimpleNamespace
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag.callbacks._system_probes import (
-    CudaClock,
-    HookTimer,
-    NvmlProbe,
-    batch_size_and_tokens,
-    cuda_memory,
-    host_rss_bytes,
-)
+from lightning_diag.callbacks._system_hooks import HookTimer
+from lightning_diag.instrument.batches import batch_size_and_tokens
+from lightning_diag.instrument.clocks import CudaClock
+from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 
 
 class FakeEvent:
@@ -108,7 +104,7 @@ class _Trainer:
 
 
 def test_checkpoint_timer_is_removed_and_never_removes_someone_elses():
-    from lightning_diag.callbacks._system_probes import time_save_checkpoint, untime_save_checkpoint
+    from lightning_diag.callbacks._system_hooks import time_save_checkpoint, untime_save_checkpoint
 
     trainer, seconds = _Trainer(), []
     timer = time_save_checkpoint(trainer, seconds.append)  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ import pytest
 import scipy.stats
 import torch
 
-from lightning_diag.stats.attention import head_pca, head_similarity, head_stats, row_entropy, special_key_mask
+from lightning_diag.stats.attention_probs import head_pca, head_similarity, head_stats, row_entropy, special_key_mask
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 12, 128])

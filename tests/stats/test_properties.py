@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from lightning_diag.stats import all_finite, fluctuation, max_abs, relative_change, total_norm
-from lightning_diag.stats.attention import row_entropy
+from lightning_diag.stats.attention_probs import row_entropy
 from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
 
 FAST = settings(max_examples=60, deadline=None)

@@ -1,6 +1,6 @@
-"""The custom-scalars dashboard layout and the TensorBoard text tables (tags are in :mod:`lightning_diag.tags`).
+"""The custom-scalars dashboard layout and the TensorBoard text tables (tags are in :mod:`lightning_diag.core.tags`).
 
-Where things are written is :class:`lightning_diag.writer.DiagWriter` (still importable from here): scalars to
+Where things are written is :class:`lightning_diag.output.writer.DiagWriter` (still importable from here): scalars to
 every logger of the trainer, the rest to the trainer's TensorBoard writer when there is one, otherwise to a
 :class:`~torch.utils.tensorboard.SummaryWriter` the library opens at ``<trainer.log_dir>/diag``. Only global
 rank zero writes.
@@ -17,8 +17,8 @@ import logging
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning_diag.alerts import Alert, alert_table_markdown
-from lightning_diag.tags import (
+from lightning_diag.core.alerts import Alert, alert_table_markdown
+from lightning_diag.core.tags import (
     ALERTS_TAG,
     GRAD_LAYER_PATTERN,
     GRAD_TOTAL_PATTERN,
@@ -30,7 +30,7 @@ from lightning_diag.tags import (
 )
 
 if TYPE_CHECKING:
-    from lightning_diag.writer import DiagWriter
+    from lightning_diag.output.writer import DiagWriter
 
 __all__ = [
     "ALERTS_TAG",
@@ -65,7 +65,7 @@ def alerts_markdown(alerts: Sequence[Alert], max_rows: int = MAX_ALERT_ROWS) -> 
     step always holds the full list (TensorBoard keeps only a sample of older text entries).
 
     Example:
-        >>> from lightning_diag.alerts import Severity
+        >>> from lightning_diag.core.alerts import Severity
         >>> older = Alert("loss_swing", Severity.WARNING, "swings", 2, 40, 0.2, 0.1, "train_loss")
         >>> newer = Alert("nonfinite_loss", Severity.CRITICAL, "NaN", 3, 61, None, None, "loss")
         >>> table = alerts_markdown([older, newer])
@@ -235,10 +235,10 @@ def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
 
 
 def __getattr__(name: str) -> Any:
-    # DiagWriter lives in lightning_diag.writer; importing it from here keeps working without making this
+    # DiagWriter lives in lightning_diag.output.writer; importing it from here keeps working without making this
     # module (layout, tables) import Lightning.
     if name == "DiagWriter":
-        from lightning_diag.writer import DiagWriter
+        from lightning_diag.output.writer import DiagWriter
 
         return DiagWriter
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ matplotlib.use("Agg")  # files only; must come before pyplot
 import matplotlib.pyplot as plt
 import numpy as np
 
-from lightning_diag.tags import attn_head, grad_layer, grad_total_tag
+from lightning_diag.core.tags import attn_head, grad_layer, grad_total_tag
 
 if TYPE_CHECKING:
     from lightning_diag.report.load import RunData

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_diag.attention import (
+from lightning_diag.instrument.attention_record import (
     AttentionRecorder,
     attention_requested,
     mha_probabilities,

@@ -2,7 +2,7 @@
 
 Four ways in, all no-ops unless an :class:`~lightning_diag.AttentionEntropyMonitor` is sampling the current step
 (the fourth, ``torch.nn.functional.scaled_dot_product_attention`` calls and eager attention softmax, is seen
-automatically by :mod:`lightning_diag.attention_capture`):
+automatically by :mod:`lightning_diag.instrument.attention_capture`):
 
 * ``torch.nn.MultiheadAttention`` (also inside ``nn.TransformerEncoderLayer`` / ``DecoderLayer``) is found
   automatically. The monitor does **not** change the module's call (``need_weights`` stays as the model set it):
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_diag.stats.attention import HeadStats, head_stats, special_key_mask
+from lightning_diag.stats.attention_probs import HeadStats, head_stats, special_key_mask
 
 __all__ = ["AttentionRecorder", "attention_requested", "mha_probabilities", "record_attention", "record_hf_attentions"]
 
@@ -91,12 +91,12 @@ def record_hf_attentions(
     """Hand the ``attentions`` of a Hugging Face model output (``output_attentions=True``) to the monitor.
 
     Rarely needed now: the monitor sees Hugging Face attention by itself (``sdpa`` and ``eager``, see
-    :mod:`lightning_diag.attention_capture`); when it has, this call records nothing (a notice says so once), so
-    the same layers are never counted twice. Layer ``i`` is reported as ``<prefix>.layer_<i>``. Call the model with
-    ``output_attentions=attention_requested()`` so the probabilities are only materialised on sampled steps, and
-    build it with ``attn_implementation="eager"`` so that sampled steps compute exactly what the others do (other
-    implementations fall back to eager when asked for attentions). Hugging Face returns the probabilities after
-    dropout; rows are renormalised, but a model trained with attention dropout is measured with its noise.
+    :mod:`lightning_diag.instrument.attention_capture`); when it has, this call records nothing (a notice says so
+    once), so the same layers are never counted twice. Layer ``i`` is reported as ``<prefix>.layer_<i>``. Call the
+    model with ``output_attentions=attention_requested()`` so the probabilities are only materialised on sampled
+    steps, and build it with ``attn_implementation="eager"`` so that sampled steps compute exactly what the others
+    do (other implementations fall back to eager when asked for attentions). Hugging Face returns the probabilities
+    after dropout; rows are renormalised, but a model trained with attention dropout is measured with its noise.
 
     Example::
 

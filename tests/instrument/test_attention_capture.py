@@ -9,9 +9,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_diag import AttentionEntropyMonitor
-from lightning_diag.attention import AttentionRecorder
-from lightning_diag.attention_capture import AttentionCapture, sdpa_probabilities
-from lightning_diag.stats.attention import head_stats
+from lightning_diag.instrument.attention_capture import AttentionCapture, sdpa_probabilities
+from lightning_diag.instrument.attention_record import AttentionRecorder
+from lightning_diag.stats.attention_probs import head_stats
 
 B, HQ, HK, L, S, E = 3, 4, 2, 6, 6, 8
 LENGTHS = [6, 4, 2]  # real keys per batch row; the rest is padding
@@ -193,7 +193,7 @@ def test_eager_softmax_is_seen_only_in_attention_modules_and_mha_is_left_to_its_
 
 
 def test_a_call_the_capture_cannot_follow_is_named_once_and_runs_unchanged(monkeypatch):
-    import lightning_diag.attention_capture as capture_module
+    import lightning_diag.instrument.attention_capture as capture_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("unexpected shape")

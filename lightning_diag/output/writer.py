@@ -117,7 +117,8 @@ class DiagWriter:
             self.experiment.add_text(name, text, global_step=step)
 
     def custom_scalars(self, layout: dict[str, dict[str, list[Any]]]) -> None:
-        """Write a custom-scalars layout (TensorBoard only; see :func:`lightning_diag.tensorboard.dashboard_layout`)."""
+        """Write a custom-scalars layout (TensorBoard only; see
+        :func:`lightning_diag.output.dashboard.dashboard_layout`)."""
         if self.experiment is not None and layout:
             self.experiment.add_custom_scalars(layout)
 

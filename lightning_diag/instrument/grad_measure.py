@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lightning_diag.core.tags import update_ratio_tag, weight_norm_tag
 from lightning_diag.rules.grad import role_of
 from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
-from lightning_diag.tags import update_ratio_tag, weight_norm_tag
 
 __all__ = ["DEFAULT_LOGIT_PROJECTIONS", "ParamIndex", "StepMeasurement", "measure_step", "update_ratios"]
 

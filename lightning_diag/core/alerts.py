@@ -24,7 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_diag.rules.registry import OWNERS
+from lightning_diag.core.registry import OWNERS
 
 __all__ = [
     "ALERT_COLUMNS",
@@ -73,7 +73,7 @@ ATTN_ENTROPY_HIGH = "attn_entropy_high"
 ATTN_SINK = "attn_sink"
 
 #: Every rule id, mapped to the callback that raises it: a live view of the rule registry
-#: (:mod:`lightning_diag.rules.registry`), so a rule declared there is here too.
+#: (:mod:`lightning_diag.core.registry`), so a rule declared there is here too.
 ALL_RULES: Mapping[str, str] = OWNERS
 
 #: What :class:`~lightning_diag.AnomalyAlarm` does when it finds a non-finite loss or gradient.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import entropy
 
-from lightning_diag.stats import data as ds
+from lightning_diag.stats import token_stats as ds
 
 
 def _counts(rng, p, n):

@@ -6,9 +6,9 @@ import sys
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from lightning_diag import tags
+from lightning_diag.core import tags
+from lightning_diag.output.dashboard import dashboard_layout
 from lightning_diag.report import build_report, load_run
-from lightning_diag.tensorboard import dashboard_layout
 
 
 def test_builders_and_parsers_round_trip():
@@ -30,14 +30,14 @@ def test_builders_and_parsers_round_trip():
 
 
 def test_tensorboard_names_stay_importable():
-    from lightning_diag.tensorboard import sanitize_tag, tag, threshold_tag
+    from lightning_diag.output.dashboard import sanitize_tag, tag, threshold_tag
 
     assert (tag, threshold_tag, sanitize_tag) == (tags.tag, tags.threshold_tag, tags.sanitize_tag)
 
 
 def test_tags_module_imports_neither_torch_nor_lightning():
     code = (
-        "import json, sys, lightning_diag.tags; "
+        "import json, sys, lightning_diag.core.tags; "
         "print(json.dumps(sorted(m for m in ('torch', 'pytorch_lightning', 'lightning') if m in sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -85,7 +85,7 @@ def test_optimizer_totals_are_not_layers_in_the_dashboard():
 
 def test_optimizer_totals_are_not_layers_in_the_plots(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from lightning_diag import plots
+    from lightning_diag.report import plots
 
     labels: list[str] = []
     original = plots.plt.Axes.plot

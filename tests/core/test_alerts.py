@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from lightning_diag.alerts import ALL_RULES, LOSS_SWING, Alert, AlertLog, Severity, read_alerts
+from lightning_diag.core.alerts import ALL_RULES, LOSS_SWING, Alert, AlertLog, Severity, read_alerts
 
 FIELDS = {"rule", "severity", "message", "epoch", "global_step", "value", "threshold", "source"}
 

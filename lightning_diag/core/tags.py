@@ -1,6 +1,6 @@
 """The ``diag/`` tag vocabulary: every tag builder and parser, in one place.
 
-The callbacks build their tags here, and the dashboard layout (:mod:`lightning_diag.tensorboard`), the report
+The callbacks build their tags here, and the dashboard layout (:mod:`lightning_diag.output.dashboard`), the report
 and the plots read them back with the parsers and patterns here, so a tag family is defined once. This module
 imports only the standard library (the report reads runs without torch or Lightning).
 

@@ -12,8 +12,8 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
-from lightning_diag.tensorboard import DiagWriter as ReExported
-from lightning_diag.writer import DiagWriter
+from lightning_diag.output.dashboard import DiagWriter as ReExported
+from lightning_diag.output.writer import DiagWriter
 from tests.callbacks.tiny import FAST, TinyAttention
 
 DIAG_COLUMNS = {"diag/grad_norm/total", "diag/lr/SGD/group_0", "diag/loss/train_step", "diag/loss/val"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_diag.nonfinite_locate import RngState, find_nonfinite_in_batch, locate
+from lightning_diag.instrument.nonfinite_locate import RngState, find_nonfinite_in_batch, locate
 
 
 class Log(nn.Module):

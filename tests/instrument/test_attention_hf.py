@@ -14,8 +14,8 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_diag import AttentionEntropyMonitor
-from lightning_diag.attention import AttentionRecorder
-from lightning_diag.attention_capture import AttentionCapture
+from lightning_diag.instrument.attention_capture import AttentionCapture
+from lightning_diag.instrument.attention_record import AttentionRecorder
 
 transformers = pytest.importorskip("transformers")
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_diag.attention import AttentionRecorder, _subsample_rows
+from lightning_diag.instrument.attention_record import AttentionRecorder, _subsample_rows
 
 __all__ = ["AttentionCapture", "is_compiled", "sdpa_probabilities", "softmax_probabilities"]
 

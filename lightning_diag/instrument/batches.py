@@ -1,0 +1,78 @@
+"""Finding things in a batch without knowing its type: token ids, the batch size, the tokens it holds.
+
+Batches come as tensors, tuples/lists, or mappings (Hugging Face style, ``input_ids``/``attention_mask``).
+Nothing here synchronises with the device: sizes are read from shapes, token counts stay device tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeGuard
+
+import torch
+
+__all__ = ["INT_DTYPES", "batch_size_and_tokens", "first_tensor", "is_int_tensor", "token_ids"]
+
+#: Integer dtypes token ids and class labels come in.
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def is_int_tensor(value: Any) -> TypeGuard[torch.Tensor]:
+    """Whether ``value`` is a tensor of an integer dtype (:data:`INT_DTYPES`)."""
+    return isinstance(value, torch.Tensor) and value.dtype in INT_DTYPES
+
+
+def token_ids(batch: Any) -> torch.Tensor | None:
+    """The batch's token ids: ``batch["input_ids"]`` (2-D integer), or the first 2-D integer tensor of a tuple or
+    list batch, or a 2-D integer tensor batch itself; ``None`` when there is none.
+
+    Example:
+        >>> ids = torch.zeros(2, 5, dtype=torch.long)
+        >>> token_ids({"input_ids": ids}) is ids, token_ids((torch.randn(2, 3), ids)) is ids
+        (True, True)
+        >>> token_ids({"pixel_values": torch.randn(2, 3)}) is None
+        True
+    """
+    if isinstance(batch, dict):
+        value = batch.get("input_ids")
+        return value if is_int_tensor(value) and value.dim() == 2 else None
+    if isinstance(batch, (tuple, list)):
+        for item in batch:
+            if is_int_tensor(item) and item.dim() == 2:
+                return item
+        return None
+    return batch if is_int_tensor(batch) and batch.dim() == 2 else None
+
+
+def batch_size_and_tokens(batch: Any) -> tuple[int, int | torch.Tensor | None]:
+    """Samples in a batch and its tokens, without a host synchronisation.
+
+    The batch size is the first dimension of the first tensor found (a tensor, a mapping's values, a sequence).
+    Tokens: an ``attention_mask`` entry's sum (a device tensor, read later), else an ``input_ids`` entry's
+    number of elements, else the first tensor's when it is a 2-D integer tensor (token ids); ``None`` otherwise.
+    """
+    first = first_tensor(batch)
+    size = int(first.shape[0]) if first is not None and first.dim() > 0 else 0
+    tokens: int | torch.Tensor | None = None
+    if isinstance(batch, dict):
+        mask, ids = batch.get("attention_mask"), batch.get("input_ids")
+        if isinstance(mask, torch.Tensor):
+            tokens = mask.detach().sum()
+        elif isinstance(ids, torch.Tensor):
+            tokens = ids.numel()
+    elif first is not None and is_int_tensor(first) and first.dim() == 2:
+        tokens = first.numel()
+    return size, tokens
+
+
+def first_tensor(batch: Any) -> torch.Tensor | None:
+    """The first tensor in a batch (depth first through mappings, tuples and lists), or ``None``."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            found = first_tensor(item)
+            if found is not None:
+                return found
+    return None
