@@ -191,3 +191,13 @@ register(RuleSpec("memory_growth", _SYSTEM, "warning", 0.1,
                   settings={"window": 8, "rising_fraction": 0.7},
                   arguments={"threshold": "memory_growth", "window": "memory_window",
                              "rising_fraction": "memory_rising_fraction"}))
+
+_ERRORS = "ErrorAnalysis"
+register_check(CheckSpec("error_concentration", "Model",
+                         "Error concentration: no cluster of validation samples with an error rate at least "
+                         "{error_cluster:g}x the overall rate holding {error_cluster__min_share:.0%} of them"))
+register(RuleSpec("error_cluster", _ERRORS, "warning", 3.0,
+                  "a cluster of validation samples whose error rate is at least {threshold:g}x the overall rate "
+                  "and which holds at least {min_share:.0%} of the samples",
+                  settings={"min_share": 0.05}, check="error_concentration", source="seed 001 §2.2",
+                  arguments={"threshold": "ratio", "min_share": "min_share"}))
