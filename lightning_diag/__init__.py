@@ -33,6 +33,7 @@ _LAZY: dict[str, str] = {
     "ErrorAnalysis": "lightning_diag.callbacks.error_analysis",
     "GradientFlowMonitor": "lightning_diag.callbacks.gradient_flow",
     "QuantizationProbe": "lightning_diag.callbacks.quantization_probe",
+    "RobustnessProbe": "lightning_diag.callbacks.robustness_probe",
     "SharpnessProbe": "lightning_diag.callbacks.sharpness_probe",
     "SystemMonitor": "lightning_diag.callbacks.system_monitor",
 }
@@ -47,6 +48,7 @@ __all__ = [
     "GradientFlowMonitor",
     "NonFiniteError",
     "QuantizationProbe",
+    "RobustnessProbe",
     "Severity",
     "SharpnessProbe",
     "SystemMonitor",
@@ -64,6 +66,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_diag.callbacks.error_analysis import ErrorAnalysis
     from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
     from lightning_diag.callbacks.quantization_probe import QuantizationProbe
+    from lightning_diag.callbacks.robustness_probe import RobustnessProbe
     from lightning_diag.callbacks.sharpness_probe import SharpnessProbe
     from lightning_diag.callbacks.system_monitor import SystemMonitor
     from lightning_diag.core.alerts import Alert, AlertLog, Severity, read_alerts

@@ -10,12 +10,13 @@ import lightning_diag.rules.data as data_rules
 import lightning_diag.rules.errors as error_rules
 import lightning_diag.rules.grad as grad_rules
 import lightning_diag.rules.probes as probe_rules
+import lightning_diag.rules.robustness as robustness_rules
 import lightning_diag.rules.system as system_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODULES = (
     anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, probe_rules,
-    system_rules, error_rules,
+    system_rules, error_rules, robustness_rules,
 )
 
 

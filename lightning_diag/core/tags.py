@@ -67,6 +67,7 @@ __all__ = [
     "lr_tag",
     "overhead_tag",
     "prefix",
+    "robustness_tag",
     "sanitize_tag",
     "tag",
     "threshold_rule",
@@ -82,7 +83,7 @@ ALERTS_TAG = TAG_PREFIX + "/alerts"
 #: Text tag of the thresholds-in-effect table written at fit start.
 THRESHOLDS_TAG = TAG_PREFIX + "/thresholds"
 #: Tag families of the newer callbacks, for :func:`family_tag`.
-FAMILIES: tuple[str, ...] = ("data", "system", "overhead", "sharpness", "quant", "errors")
+FAMILIES: tuple[str, ...] = ("data", "system", "overhead", "sharpness", "quant", "errors", "robustness")
 
 #: The names of the ``diag/loss/<name>`` series.
 LossSeries = Literal[
@@ -347,3 +348,8 @@ def quant_layer(name: str) -> tuple[str, str] | None:
 def errors_tag(*parts: str) -> str:
     """An ErrorAnalysis tag: ``errors_tag("rate")`` -> ``diag/errors/rate``."""
     return family_tag("errors", *parts)
+
+
+def robustness_tag(*parts: str) -> str:
+    """A RobustnessProbe tag: ``robustness_tag("swap", "drop")`` -> ``diag/robustness/swap/drop``."""
+    return family_tag("robustness", *parts)

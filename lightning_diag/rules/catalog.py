@@ -201,3 +201,13 @@ register(RuleSpec("error_cluster", _ERRORS, "warning", 3.0,
                   "and which holds at least {min_share:.0%} of the samples",
                   settings={"min_share": 0.05}, check="error_concentration", source="seed 001 §2.2",
                   arguments={"threshold": "ratio", "min_share": "min_share"}))
+
+_ROBUST = "RobustnessProbe"
+register_check(CheckSpec("robustness", "Model",
+                         "Robustness ({robustness_drop__rate:.0%} perturbation): the validation metric drops by at "
+                         "most {robustness_drop:.0%}"))
+register(RuleSpec("robustness_drop", _ROBUST, "warning", 0.15,
+                  "perturbing {rate:.0%} of the tokens (typos or swapped neighbours) drops the validation metric "
+                  "by more than {threshold:.0%} (relative)",
+                  settings={"rate": 0.05}, check="robustness", source="seed 000 §2.1",
+                  arguments={"threshold": "threshold", "rate": "rate"}))
