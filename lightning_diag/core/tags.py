@@ -44,6 +44,7 @@ __all__ = [
     "THRESHOLDS_TAG",
     "LossSeries",
     "act_grad_norm_tag",
+    "attn_distance_tag",
     "attn_entropy_tag",
     "attn_head",
     "attn_heads_tag",
@@ -167,6 +168,17 @@ def attn_entropy_tag(module: str, head: int | Literal["mean", "uniform"]) -> str
         ('diag/attn_entropy/enc.0.attn/head_2', 'diag/attn_entropy/enc.0.attn/mean')
     """
     return tag("attn_entropy", module, head if isinstance(head, str) else f"head_{head}")
+
+
+def attn_distance_tag(module: str, head: int, relative: bool = False) -> str:
+    """A head's mean attention distance |i − j| (``diag/attn_distance/...``), or the same over the sequence
+    length (``diag/attn_distance_relative/...``).
+
+    Example:
+        >>> attn_distance_tag("h.0.attn", 1), attn_distance_tag("h.0.attn", 1, relative=True)
+        ('diag/attn_distance/h.0.attn/head_1', 'diag/attn_distance_relative/h.0.attn/head_1')
+    """
+    return tag("attn_distance_relative" if relative else "attn_distance", module, f"head_{head}")
 
 
 def attn_uniform_tag(module: str) -> str:

@@ -40,6 +40,8 @@ register_check(CheckSpec(
 ))
 register_check(CheckSpec("attn_sink", "Model",
                          "No layer whose every head puts more than {attn_sink:g} of its mass on [CLS]/[SEP]"))
+register_check(CheckSpec("attn_range", "Model",
+                         "Attention range: the heads that read long-range and the purely local ones (information)"))
 register_check(CheckSpec("nonfinite", "Training", "No NaN/Inf in the loss or the gradients"))
 register_check(CheckSpec(
     "loss_swing", "Training",
