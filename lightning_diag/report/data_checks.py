@@ -66,7 +66,7 @@ def _measure_overlap(run: RunData, check: Check) -> bool:
 
 
 def _rules(run: RunData) -> DataRules:
-    return DataRules(_setting(run, "data_vocab_shift"), _setting(run, DATA_LEAKAGE), _setting(run, LABEL_IMBALANCE))
+    return DataRules.from_settings(run.thresholds)
 
 
 @replay("data_label_balance")
