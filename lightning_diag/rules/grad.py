@@ -116,7 +116,7 @@ GRAD_WARMUP_SETTING = register_setting(
 #: ``grad_vanish``: a weight matrix's ``||g|| / ||W||`` below this (seed 000 §3.1's 1e-3).
 DEFAULT_VANISH_THRESHOLD = default(GRAD_VANISH)
 #: ``grad_vanish``: ... and this many times below the best-fed block matrix (``grad_vanish.relative``).
-DEFAULT_VANISH_RELATIVE = default(GRAD_VANISH_SPEC.key("relative"))
+_VANISH_RELATIVE = default(GRAD_VANISH_SPEC.key("relative"))
 #: ``grad_explode``: a layer's RMS gradient per element above this (seed 000 §3.1's 1e1).
 DEFAULT_EXPLODE_THRESHOLD = default(GRAD_EXPLODE)
 #: ``grad_layer_spread``: largest / smallest relative gradient of one role across blocks (seed 000 §3.1).
@@ -164,7 +164,7 @@ class GradBandRule(Rule):
         vanish_threshold: float = DEFAULT_VANISH_THRESHOLD,
         explode_threshold: float = DEFAULT_EXPLODE_THRESHOLD,
         patience: int = DEFAULT_GRAD_PATIENCE,
-        relative: float = DEFAULT_VANISH_RELATIVE,
+        relative: float = _VANISH_RELATIVE,
         warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
     ) -> None:
         super().__init__()
