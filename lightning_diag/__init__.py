@@ -30,6 +30,7 @@ _LAZY: dict[str, str] = {
     "NonFiniteError": "lightning_diag.callbacks.anomaly_alarm",
     "AttentionEntropyMonitor": "lightning_diag.callbacks.attention_entropy",
     "DataDiagnostics": "lightning_diag.callbacks.data_diagnostics",
+    "ErrorAnalysis": "lightning_diag.callbacks.error_analysis",
     "GradientFlowMonitor": "lightning_diag.callbacks.gradient_flow",
     "QuantizationProbe": "lightning_diag.callbacks.quantization_probe",
     "SharpnessProbe": "lightning_diag.callbacks.sharpness_probe",
@@ -42,6 +43,7 @@ __all__ = [
     "AnomalyAlarm",
     "AttentionEntropyMonitor",
     "DataDiagnostics",
+    "ErrorAnalysis",
     "GradientFlowMonitor",
     "NonFiniteError",
     "QuantizationProbe",
@@ -59,6 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
     from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
     from lightning_diag.callbacks.data_diagnostics import DataDiagnostics
+    from lightning_diag.callbacks.error_analysis import ErrorAnalysis
     from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
     from lightning_diag.callbacks.quantization_probe import QuantizationProbe
     from lightning_diag.callbacks.sharpness_probe import SharpnessProbe

@@ -56,6 +56,7 @@ __all__ = [
     "attn_sink_tag",
     "attn_uniform_tag",
     "data_tag",
+    "errors_tag",
     "family_tag",
     "grad_blocks_tag",
     "grad_hist_tag",
@@ -84,7 +85,7 @@ ALERTS_TAG = TAG_PREFIX + "/alerts"
 #: Text tag of the thresholds-in-effect table written at fit start.
 THRESHOLDS_TAG = TAG_PREFIX + "/thresholds"
 #: Tag families of the newer callbacks, for :func:`family_tag`.
-FAMILIES: tuple[str, ...] = ("data", "system", "overhead", "sharpness", "quant")
+FAMILIES: tuple[str, ...] = ("data", "system", "overhead", "sharpness", "quant", "errors")
 
 #: The names of the ``diag/loss/<name>`` series.
 LossSeries = Literal[
@@ -344,3 +345,8 @@ def quant_layer(name: str) -> tuple[str, str] | None:
     """``(layer, measure)`` of a ``diag/quant/layer/<layer>/<measure>`` tag, else ``None``."""
     match = _QUANT_LAYER.match(name)
     return (match["layer"], match["measure"]) if match else None
+
+
+def errors_tag(*parts: str) -> str:
+    """An ErrorAnalysis tag: ``errors_tag("rate")`` -> ``diag/errors/rate``."""
+    return family_tag("errors", *parts)

@@ -20,6 +20,7 @@ from lightning_diag.core.registry import CheckSpec, register_check
 from lightning_diag.rules.anomaly import LOSS_STAGNANT, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION
 from lightning_diag.rules.attention import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
 from lightning_diag.rules.data import DATA_LEAKAGE, DATA_NONFINITE, DATA_VOCAB_SHIFT, LABEL_IMBALANCE
+from lightning_diag.rules.errors import ERROR_CLUSTER
 from lightning_diag.rules.grad import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_FROZEN, GRAD_LAYER_SPREAD, GRAD_VANISH
 
 # isort: off  (the registry keeps declaration order: the order below is the order of ALL_RULES)
@@ -38,6 +39,7 @@ __all__ = [
     "DATA_LEAKAGE",
     "DATA_NONFINITE",
     "DATA_VOCAB_SHIFT",
+    "ERROR_CLUSTER",
     "GRAD_COLLAPSE",
     "GRAD_EXPLODE",
     "GRAD_FROZEN",
@@ -100,3 +102,6 @@ register_check(CheckSpec("deploy_latency_fluctuation", "Deployment",
 register_check(CheckSpec("loss_surface", "Training",
                          "Loss surface: SAM gap L(w+ε) − L(w) not above {sharp_minimum:g} on "
                          "{sharp_minimum__patience:g} consecutive probes (rho {sharp_minimum__rho:g})"))
+register_check(CheckSpec("error_concentration", "Model",
+                         "Error concentration: no cluster of validation samples with an error rate at least "
+                         "{error_cluster:g}x the overall rate holding {error_cluster__min_share:.0%} of them"))
