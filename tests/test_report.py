@@ -20,6 +20,7 @@ CHECK_IDS = [
     "grad_collapse",
     "attn_entropy_band",
     "attn_sink",
+    "error_concentration",
     "nonfinite",
     "loss_swing",
     "val_decline",

@@ -1,11 +1,11 @@
 """Measured values of the checklist's built-in Model, Training and Deployment rows, from the logged series.
 
-Each function is registered with :func:`~lightning_diag.report.checks.measure` for one row of
+Each function is registered with :func:`~lightning_diag.report.rows.measure` for one row of
 :data:`~lightning_diag.core.registry.CHECKS`: gradient norms (``grad_norm_band``, ``grad_spread``,
 ``grad_collapse``), attention (``attn_entropy_band``, ``attn_sink``), the training process (``nonfinite``,
 ``loss_swing``, ``val_decline``, ``val_fluctuation``) and SystemMonitor's step-time fluctuation
-(``deploy_latency_fluctuation``). Registered on import by :mod:`lightning_diag.report.checks`. Imports neither
-torch nor Lightning.
+(``deploy_latency_fluctuation``). Registered on import by :mod:`lightning_diag.report.checks` (machinery:
+:mod:`~lightning_diag.report.rows`). Imports neither torch nor Lightning.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from lightning_diag.core.tags import (
     loss_tag,
     prefix,
 )
-from lightning_diag.report.checks import Check, _attached, _finite, _fmt, _serious, _threshold, measure
 from lightning_diag.report.load import RunData
 from lightning_diag.report.replay import _by_step, _layer_series, _per_layer, _setting
+from lightning_diag.report.rows import Check, _attached, _finite, _fmt, _serious, _threshold, measure
 from lightning_diag.rules.catalog import (
     ATTN_ENTROPY_HIGH,
     ATTN_ENTROPY_LOW,

@@ -1,6 +1,8 @@
 """Checklist rows of the probes: ``loss_surface`` (SharpnessProbe) and ``deploy_quantization_error``
-(QuantizationProbe): measured values from the logged ``diag/sharpness/...`` and ``diag/quant/...`` series, and
-the two rules replayed over them. Registered on import by :mod:`lightning_diag.report.checks`."""
+(QuantizationProbe): measured values from the logged ``diag/sharpness/...`` and ``diag/quant/...`` series, and the
+two rules replayed over them. Registered on import by :mod:`lightning_diag.report.checks` (machinery:
+:mod:`~lightning_diag.report.rows`).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import math
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.registry import RULES
 from lightning_diag.core.tags import quant_layer, quant_tag, sharpness_tag
-from lightning_diag.report.checks import Check, _finite, _fmt, _setting, measure, replay
 from lightning_diag.report.load import RunData
+from lightning_diag.report.replay import _setting, replay
+from lightning_diag.report.rows import Check, _finite, _fmt, measure
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.catalog import QUANTIZATION_ERROR, SHARP_MINIMUM
 from lightning_diag.rules.probes import QuantizationErrorRule, SharpMinimumRule

@@ -73,6 +73,7 @@ def test_rule_ids_are_the_contract():
         "step_time_periodic",
         "step_time_fluctuation",
         "memory_growth",
+        "error_cluster",
     }
 
 
