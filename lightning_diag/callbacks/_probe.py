@@ -56,6 +56,8 @@ class ValidationProbe(DiagCallback):
             by default ``pl_module.training_step(batch, batch_idx)``, with ``self.log`` silenced.
     """
 
+    extra_state_keys = ("last_probed_epoch",)
+
     def __init__(
         self,
         *,
@@ -84,12 +86,12 @@ class ValidationProbe(DiagCallback):
         raise NotImplementedError
 
     def rule_state(self) -> dict[str, Any]:
-        """The rule state broadcast from rank zero after a probe (and checkpointed)."""
-        raise NotImplementedError
+        """The declared rules' state, broadcast from rank zero after a probe (and checkpointed)."""
+        return self.rules_state_dict()
 
     def load_rule_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`rule_state` output."""
-        raise NotImplementedError
+        self.load_rules_state_dict(state)
 
     # -- hooks --------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -207,8 +209,8 @@ class ValidationProbe(DiagCallback):
 
     # -- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The rule state and the last probed epoch."""
-        return {"rules": self.rule_state(), "last_probed_epoch": self._last_probed_epoch}
+        """The rule state (the base class: the probe's rule under ``"rules"``) and the last probed epoch."""
+        return {**super().state_dict(), "last_probed_epoch": self._last_probed_epoch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output.
@@ -216,6 +218,5 @@ class ValidationProbe(DiagCallback):
         Raises:
             KeyError: If a key is missing; the message names every missing key.
         """
-        self.check_state_keys(state_dict, ("rules", "last_probed_epoch"))
-        self.load_rule_state(state_dict["rules"])
+        super().load_state_dict(state_dict)
         self._last_probed_epoch = int(state_dict["last_probed_epoch"])

@@ -20,13 +20,7 @@ from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, che
 from lightning_diag.callbacks.lr_logging import lr_scalars
 from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
-from lightning_diag.core.alerts import (
-    LOSS_SWING,
-    NONFINITE_LOSS,
-    NONFINITE_ROLLBACK,
-    VAL_DECLINE,
-    NonFiniteAction,
-)
+from lightning_diag.core.alerts import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE, NonFiniteAction
 from lightning_diag.core.tags import loss_tag
 from lightning_diag.core.validation import check_choice, check_int, check_number
 from lightning_diag.instrument.snapshots import RollbackDevice
@@ -52,6 +46,7 @@ from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
     DEFAULT_MAX_SKIPS,
     NONFINITE_ACTIONS,
+    NONFINITE_LOSS_SPEC,
     NonFinitePolicy,
 )
 from lightning_diag.rules.rollback import (
@@ -155,6 +150,9 @@ class AnomalyAlarm(DiagCallback):
         'skip'
     """
 
+    #: Alarms with another monitored metric or swing window are checkpointed apart.
+    state_key_arguments = ("monitor", "swing_window")
+
     def __init__(
         self,
         *,
@@ -249,8 +247,8 @@ class AnomalyAlarm(DiagCallback):
         values[f"{VAL_DECLINE}.higher_is_better"] = float(self.mode == "max")
         if isinstance(self.swing_window, int):
             values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
-        if self.on_nonfinite == "skip":
-            values[f"{NONFINITE_LOSS}.max_skips"] = float(self.max_skips)
+        if self.on_nonfinite != "skip":  # max_skips is in force only with that action
+            values.pop(NONFINITE_LOSS_SPEC.key("max_skips"), None)
         if self.on_nonfinite != "rollback":  # the rollback settings are in force only with that action
             for key in [k for k in values if k.startswith(f"{NONFINITE_ROLLBACK}.")]:
                 del values[key]
@@ -297,13 +295,9 @@ class AnomalyAlarm(DiagCallback):
         #: The training-loss periods and the loss and validation trend rules.
         self.trend = LossTrend(self)
         #: What a non-finite step leads to (a pure state machine); :attr:`guard` finds the steps and acts.
-        self.policy = NonFinitePolicy(self.on_nonfinite, self.max_skips, self.max_scaler_overflows)  # type: ignore[arg-type]
+        self.policy = NonFinitePolicy.from_settings(self.thresholds(), action=self.on_nonfinite)  # type: ignore[arg-type]
         self.guard = NonFiniteGuard(self, self.policy, self.recovery)
         self.recovery.reset()
-
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(monitor=self.monitor, swing_window=self.swing_window)
 
     def state_dict(self) -> dict[str, Any]:
         """Rule histories, latches, the skip count, the partial loss sums and warn mode's pending findings.

@@ -12,7 +12,6 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
-from lightning_diag.core.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
 from lightning_diag.core.tags import (
     attn_distance_tag,
     attn_entropy_tag,
@@ -27,6 +26,11 @@ from lightning_diag.instrument.attention_record import AttentionRecorder
 from lightning_diag.instrument.batches import token_ids as find_token_ids
 from lightning_diag.output.images import heatmap, scatter, tile
 from lightning_diag.rules.attention import (
+    ATTN_ENTROPY_HIGH,
+    ATTN_ENTROPY_LOW,
+    ATTN_MAX_QUERIES_SETTING,
+    ATTN_SAMPLE_SIZE_SETTING,
+    ATTN_SINK,
     DEFAULT_ATTN_PATIENCE,
     DEFAULT_ATTN_WARMUP_STEPS,
     DEFAULT_ENTROPY_HIGH,
@@ -41,11 +45,10 @@ from lightning_diag.stats.attention_probs import head_pca, head_similarity
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonitor"]
 
-#: Sequences of the batch measured on a sampled step.
-DEFAULT_SAMPLE_SIZE = 8
-#: Query positions per sequence measured on a sampled step (evenly spaced).
-DEFAULT_MAX_QUERIES = 64
-_STATE_KEYS = ("entropy", "sink")
+#: Sequences of the batch measured on a sampled step (``attn.sample_size``).
+DEFAULT_SAMPLE_SIZE = int(ATTN_SAMPLE_SIZE_SETTING.default)
+#: Query positions per sequence measured on a sampled step, evenly spaced (``attn.max_queries``).
+DEFAULT_MAX_QUERIES = int(ATTN_MAX_QUERIES_SETTING.default)
 _IMAGE_KEYS = 128  # keys shown at most per heatmap
 
 
@@ -164,7 +167,8 @@ class AttentionEntropyMonitor(DiagCallback):
         self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
         self.sink_mass = check_number("sink_mass", sink_mass, low=0.0, high=1.0, high_inclusive=False)
         self.patience = check_int("patience", patience, low=1)
-        self._make_rules()
+        self.entropy_rule = self.add_rule("entropy_rule", AttentionEntropyRule.from_settings, state_key="entropy")
+        self.sink_rule = self.add_rule("sink_rule", AttentionSinkRule.from_settings, state_key="sink")
         self._recorder: AttentionRecorder | None = None
         self._handles: list[Any] = []
         self._mha: list[tuple[str, nn.Module]] | None = None
@@ -179,41 +183,10 @@ class AttentionEntropyMonitor(DiagCallback):
             raise TypeError(f"Expected argument `{name}` to be a sequence of ints, but got {values!r}")
         return tuple(values)
 
-    def thresholds(self) -> dict[str, float]:
-        """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
-
-        Example:
-            >>> AttentionEntropyMonitor().thresholds()["attn_entropy_low"]
-            0.5
-        """
-        return super().thresholds()
-
-    def _make_rules(self) -> None:
-        self.entropy_rule = AttentionEntropyRule(
-            self.entropy_low, self.entropy_high, self.uniform_fraction, self.warmup_steps, self.patience, self.sink_mass
-        )
-        self.sink_rule = AttentionSinkRule(self.sink_mass, self.patience)
-
-    # -- state ---------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The rules' streaks and latches."""
-        return {"entropy": self.entropy_rule.state_dict(), "sink": self.sink_rule.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output.
-
-        Raises:
-            KeyError: If a key is missing; the message names every missing key.
-        """
-        self.check_state_keys(state_dict, _STATE_KEYS)
-        self.entropy_rule.load_state_dict(state_dict["entropy"])
-        self.sink_rule.load_state_dict(state_dict["sink"])
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """A new fit starts with fresh rules (a resume then loads their state)."""
+        """A new fit starts with fresh rules (the base class; a resume then loads their state)."""
         super().setup(trainer, pl_module, stage)
         if stage == TrainerFn.FITTING:
-            self._make_rules()
             self._mha = None
             self._compiled = None
             self._sampled_step = -1

@@ -118,6 +118,8 @@ class ErrorAnalysis(DiagCallback):
         TypeError: When ``embed``, ``predict`` or ``tokenizer`` is not what is documented.
     """
 
+    extra_state_keys = ("validations",)
+
     def __init__(
         self,
         *,
@@ -155,7 +157,7 @@ class ErrorAnalysis(DiagCallback):
         self.embed, self.predict, self.tokenizer = embed, predict, tokenizer
         self.top_tokens = check_int("top_tokens", top_tokens, low=1)
         self.seed = check_int("seed", seed, low=0)
-        self.rule = ErrorClusterRule(self.ratio, self.min_share)
+        self.rule = self.add_rule("rule", ErrorClusterRule.from_settings)
         self.validations = 0
         self.last: dict[str, Any] | None = None
         self._reset_buffers()
@@ -170,14 +172,13 @@ class ErrorAnalysis(DiagCallback):
 
     # -- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The validations counted and the rule's latch."""
-        return {"validations": self.validations, "rule": self.rule.state_dict()}
+        """The validations counted and the rule's latch (the base class)."""
+        return {"validations": self.validations, **super().state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (names any missing key)."""
-        self.check_state_keys(state_dict, ("validations", "rule"))
+        super().load_state_dict(state_dict)
         self.validations = int(state_dict["validations"])
-        self.rule.load_state_dict(state_dict["rule"])
 
     # -- collection -----------------------------------------------------------------------------------------
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -14,7 +14,6 @@ from pytorch_lightning.callbacks import BaseFinetuning
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
-from lightning_diag.core.alerts import GRAD_EXPLODE, GRAD_VANISH
 from lightning_diag.core.tags import (
     act_grad_norm_tag,
     grad_blocks_tag,
@@ -36,6 +35,8 @@ from lightning_diag.rules.grad import (
     DEFAULT_GRAD_WARMUP_STEPS,
     DEFAULT_SPREAD_RATIO,
     DEFAULT_VANISH_THRESHOLD,
+    GRAD_EXPLODE,
+    GRAD_VANISH,
     GradBandRule,
     GradCollapseRule,
     GradFrozenRule,
@@ -45,7 +46,6 @@ from lightning_diag.rules.grad import (
 __all__ = ["GradientFlowMonitor"]
 
 ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
-_STATE_KEYS = ("band", "spread", "collapse", "frozen")
 
 
 class GradientFlowMonitor(DiagCallback):
@@ -196,57 +196,19 @@ class GradientFlowMonitor(DiagCallback):
             )
         self.logit_projections = tuple(logit_projections)
         self._loss: torch.Tensor | None = None
-        self._make_rules()
+        self.band_rule = self.add_rule("band_rule", GradBandRule.from_settings, state_key="band")
+        self.spread_rule = self.add_rule("spread_rule", GradSpreadRule.from_settings, state_key="spread")
+        self.collapse_rule = self.add_rule("collapse_rule", GradCollapseRule.from_settings, state_key="collapse")
+        self.frozen_rule = self.add_rule("frozen_rule", GradFrozenRule.from_settings, state_key="frozen")
         self._index: ParamIndex | None = None
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
         self._before: list[tuple[list[int], list[torch.Tensor]]] = []
         self._measured_interval: dict[int, int] = {}
 
-    def thresholds(self) -> dict[str, float]:
-        """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
-
-        Example:
-            >>> GradientFlowMonitor().thresholds()["grad_explode"]
-            10.0
-        """
-        return {**super().thresholds(), f"{GRAD_VANISH}.relative": self.band_rule.relative}
-
-    def _make_rules(self) -> None:
-        self.band_rule = GradBandRule(
-            self.vanish_threshold, self.explode_threshold, self.patience, warmup_steps=self.warmup_steps
-        )
-        self.spread_rule = GradSpreadRule(self.spread_ratio, self.patience, self.warmup_steps)
-        self.collapse_rule = GradCollapseRule(
-            self.collapse_ratio, self.patience, self.baseline_measurements, self.converged_fraction
-        )
-        self.frozen_rule = GradFrozenRule(self.patience)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The three rules' streaks, latches and the collapse baseline."""
-        return {
-            "band": self.band_rule.state_dict(),
-            "spread": self.spread_rule.state_dict(),
-            "collapse": self.collapse_rule.state_dict(),
-            "frozen": self.frozen_rule.state_dict(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output.
-
-        Raises:
-            KeyError: If a key is missing; the message names every missing key.
-        """
-        self.check_state_keys(state_dict, _STATE_KEYS)
-        self.band_rule.load_state_dict(state_dict["band"])
-        self.spread_rule.load_state_dict(state_dict["spread"])
-        self.collapse_rule.load_state_dict(state_dict["collapse"])
-        self.frozen_rule.load_state_dict(state_dict["frozen"])
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """A new fit starts with fresh rules (a resume then loads their state)."""
+        """A new fit starts with fresh rules (the base class; a resume then loads their state) and no index."""
         super().setup(trainer, pl_module, stage)
         if stage == TrainerFn.FITTING:
-            self._make_rules()
             self._index = None
             self._before = []
             self._measured_interval = {}

@@ -20,7 +20,14 @@ import torch
 from lightning_diag.callbacks.lr_logging import learning_rates
 from lightning_diag.callbacks.reduction import reduce_state
 from lightning_diag.core.alerts import Alert
-from lightning_diag.rules.nonfinite import Decision, NonFiniteDetails, NonFinitePolicy, StepFindings, Verdict
+from lightning_diag.rules.nonfinite import (
+    NONFINITE_LOSS,
+    Decision,
+    NonFiniteDetails,
+    NonFinitePolicy,
+    StepFindings,
+    Verdict,
+)
 from lightning_diag.stats.norms import all_finite
 from lightning_diag.stats.reduced import ReducedState, Reduction
 
@@ -146,7 +153,7 @@ class NonFiniteGuard:
                 threshold=float(self.recovery.rule.max_rollbacks),
             )
             return Decision(Verdict.STOP, (limit,))
-        what = "NaN/Inf in the loss" if alert.rule == "nonfinite_loss" else "NaN/Inf in a gradient"
+        what = "NaN/Inf in the loss" if alert.rule == NONFINITE_LOSS else "NaN/Inf in a gradient"
         located = alert.message.split(" First non-finite value: ", 1)
         if len(located) == 2:
             what += "; " + located[1].rstrip(".")

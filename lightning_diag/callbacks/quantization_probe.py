@@ -171,6 +171,9 @@ class QuantizationProbe(ValidationProbe):
         0.05
     """
 
+    #: Unique per configuration, so several probes can sit on one trainer and be checkpointed.
+    state_key_arguments = ("granularity", "activations", "backend", "every_n_epochs")
+
     def __init__(
         self,
         *,
@@ -199,14 +202,10 @@ class QuantizationProbe(ValidationProbe):
         if backend == "torchao" and not torchao_available():
             raise ValueError("Expected argument `backend` to be 'auto' or 'fake' when torchao is not installed "
                              "(pip install 'lightning-diag[quant]'), but got 'torchao'")
-        self.rule = QuantizationErrorRule(self.threshold, self.layer_ratio, self.min_layer_error)
+        # the probe's one rule, checkpointed under "rules"
+        self.rule = self.add_rule("rule", QuantizationErrorRule.from_settings, state_key="rules")
         self.last_result: QuantizationResult | None = None
 
-    @property
-    def state_key(self) -> str:
-        """Unique per configuration, so several probes can sit on one trainer and be checkpointed."""
-        return self._generate_state_key(granularity=self.granularity, activations=self.activations,
-                                        backend=self.backend, every_n_epochs=self.every_n_epochs)
 
 
     @property
@@ -319,14 +318,6 @@ class QuantizationProbe(ValidationProbe):
             result.end_to_end, result.relative_mse, result.relative_mse_per_channel, self.context(trainer), scheme,
             notes,
         )
-
-    def rule_state(self) -> dict[str, Any]:
-        """The ``quantization_error`` latches."""
-        return self.rule.state_dict()
-
-    def load_rule_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`rule_state` output."""
-        self.rule.load_state_dict(state)
 
 
 @contextlib.contextmanager

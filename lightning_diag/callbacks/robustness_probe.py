@@ -122,7 +122,7 @@ class RobustnessProbe(ValidationProbe):
             raise TypeError(f"Expected argument `perturb` to be a callable or None, but got {perturb!r}")
         self.perturb = perturb
         self.seed = check_int("seed", seed, low=0)
-        self.rule = RobustnessDropRule(self.threshold, self.rate)
+        self.rule = self.add_rule("rule", RobustnessDropRule.from_settings, state_key="rules")
         self.last_result: RobustnessResult | None = None
 
     # -- measuring --------------------------------------------------------------------------------------------
@@ -203,11 +203,3 @@ class RobustnessProbe(ValidationProbe):
             values[robustness_tag(kind, "drop")] = result.drops[kind]
         self.writer.scalars({k: v for k, v in values.items() if math.isfinite(v)}, trainer.global_step)
         return self.rule.update(result.drops, self.context(trainer))
-
-    def rule_state(self) -> dict[str, Any]:
-        """The ``robustness_drop`` latch."""
-        return self.rule.state_dict()
-
-    def load_rule_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`rule_state` output."""
-        self.rule.load_state_dict(state)

@@ -58,6 +58,9 @@ class SharpnessProbe(ValidationProbe):
         0.3
     """
 
+    #: Unique per configuration, so several probes can sit on one trainer and be checkpointed.
+    state_key_arguments = ("rho", "threshold", "patience", "every_n_epochs", "num_batches")
+
     def __init__(
         self,
         *,
@@ -79,14 +82,10 @@ class SharpnessProbe(ValidationProbe):
             raise TypeError(f"Expected argument `per_layer` to be True or False, but got {per_layer!r}")
         self.per_layer = per_layer
         self.max_layers = check_int("max_layers", max_layers, low=1)
-        self.rule = SharpMinimumRule(self.threshold, self.patience)
+        # the probe's one rule, checkpointed under "rules"
+        self.rule = self.add_rule("rule", SharpMinimumRule.from_settings, state_key="rules")
         self.last_result: SharpnessResult | None = None
 
-    @property
-    def state_key(self) -> str:
-        """Unique per configuration, so several probes can sit on one trainer and be checkpointed."""
-        return self._generate_state_key(rho=self.rho, threshold=self.threshold, patience=self.patience,
-                                        every_n_epochs=self.every_n_epochs, num_batches=self.num_batches)
 
 
     def measure(
@@ -127,10 +126,3 @@ class SharpnessProbe(ValidationProbe):
         worst = sorted(result.layers.items(), key=lambda kv: -kv[1])
         return self.rule.update(result.gap, self.context(trainer), result.relative_gap, self.rho, worst)
 
-    def rule_state(self) -> dict[str, Any]:
-        """The ``sharp_minimum`` streak and latch."""
-        return self.rule.state_dict()
-
-    def load_rule_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`rule_state` output."""
-        self.rule.load_state_dict(state)

@@ -28,6 +28,7 @@ from lightning_diag.instrument.batches import batch_size_and_tokens
 from lightning_diag.instrument.clocks import CudaClock, HostClock
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 from lightning_diag.rules.system import (
+    DATALOADER_BOUND,
     DEFAULT_BLOCK_STEPS,
     DEFAULT_DATALOADER_MIN_WAIT_S,
     DEFAULT_DATALOADER_PATIENCE,
@@ -41,6 +42,8 @@ from lightning_diag.rules.system import (
     DEFAULT_SLOW_RATIO,
     DEFAULT_STEP_WINDOW,
     DEFAULT_WARMUP_STEPS,
+    MEMORY_GROWTH_SPEC,
+    STEP_TIME_FLUCTUATION,
     DataloaderBoundRule,
     MemoryGrowthRule,
     StepFluctuationRule,
@@ -49,7 +52,6 @@ from lightning_diag.rules.system import (
 
 __all__ = ["SystemMonitor"]
 
-_STATE_KEYS = ("dataloader", "periodic", "fluctuation", "memory", "window", "utilization", "steps_seen")
 
 
 class SystemMonitor(DiagCallback):
@@ -114,6 +116,8 @@ class SystemMonitor(DiagCallback):
         ValueError: If an argument is out of range.
     """
 
+    extra_state_keys = ("window", "utilization", "steps_seen")
+
     def __init__(
         self,
         *,
@@ -148,7 +152,7 @@ class SystemMonitor(DiagCallback):
         self.fluctuation_patience = check_int("fluctuation_patience", fluctuation_patience, low=1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
         self.block_steps = check_int("block_steps", block_steps, low=1)
-        self.memory_growth = check_number("memory_growth", memory_growth, low=0.0)
+        self.memory_growth = check_number(MEMORY_GROWTH_SPEC.arguments["threshold"], memory_growth, low=0.0)
         self.memory_window = check_int("memory_window", memory_window, low=3)
         self.memory_rising_fraction = check_number(
             "memory_rising_fraction", memory_rising_fraction, low=0.0, high=1.0
@@ -158,7 +162,15 @@ class SystemMonitor(DiagCallback):
                 raise TypeError(f"Expected argument `{name}` to be a bool, but got {flag!r}")
         self.nvml = nvml
         self.time_callbacks = time_callbacks
-        self._make_rules()
+        self.dataloader_rule = self.add_rule(
+            "dataloader_rule", DataloaderBoundRule.from_settings, state_key="dataloader"
+        )
+        self.periodic_rule = self.add_rule("periodic_rule", StepPeriodicRule.from_settings, state_key="periodic")
+        self.fluctuation_rule = self.add_rule(
+            "fluctuation_rule", StepFluctuationRule.from_settings, state_key="fluctuation"
+        )
+        self.memory_rule = self.add_rule("memory_rule", MemoryGrowthRule.from_settings, state_key="memory")
+        self._reset_windows()
         self._hooks = HookTimer()
         self._clock: HostClock | CudaClock = HostClock()
         self._nvml_probe: NvmlProbe | None = None
@@ -166,15 +178,7 @@ class SystemMonitor(DiagCallback):
         self._save_timer: Any = None
         self._reset_run()
 
-    def _make_rules(self) -> None:
-        self.dataloader_rule = DataloaderBoundRule(
-            self.dataloader_share, self.dataloader_patience, self.dataloader_min_wait_s
-        )
-        self.periodic_rule = StepPeriodicRule(self.periodic_share, self.slow_ratio)
-        self.fluctuation_rule = StepFluctuationRule(
-            self.fluctuation_threshold, self.fluctuation_patience, self.block_steps
-        )
-        self.memory_rule = MemoryGrowthRule(self.memory_growth, self.memory_window, self.memory_rising_fraction)
+    def _reset_windows(self) -> None:
         # (wall step time, compute time, excluded from the fluctuation test) per optimizer step after warm-up
         self.step_window: deque[tuple[float, float, bool]] = deque(maxlen=self.window)
         self.util_window: deque[float] = deque(maxlen=self.window)
@@ -204,12 +208,9 @@ class SystemMonitor(DiagCallback):
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The rules' state, the step-time and utilisation windows and the steps seen."""
+        """The rules' state (the base class), the step-time and utilisation windows and the steps seen."""
         return {
-            "dataloader": self.dataloader_rule.state_dict(),
-            "periodic": self.periodic_rule.state_dict(),
-            "fluctuation": self.fluctuation_rule.state_dict(),
-            "memory": self.memory_rule.state_dict(),
+            **super().state_dict(),
             "window": [[t, c, bool(f)] for t, c, f in self.step_window],
             "utilization": list(self.util_window),
             "steps_seen": self.steps_seen,
@@ -221,11 +222,7 @@ class SystemMonitor(DiagCallback):
         Raises:
             KeyError: If a key is missing; the message names every missing key.
         """
-        self.check_state_keys(state_dict, _STATE_KEYS)
-        self.dataloader_rule.load_state_dict(state_dict["dataloader"])
-        self.periodic_rule.load_state_dict(state_dict["periodic"])
-        self.fluctuation_rule.load_state_dict(state_dict["fluctuation"])
-        self.memory_rule.load_state_dict(state_dict["memory"])
+        super().load_state_dict(state_dict)
         self.step_window = deque(
             ((float(t), float(c), bool(f)) for t, c, f in state_dict["window"]), maxlen=self.window
         )
@@ -238,7 +235,7 @@ class SystemMonitor(DiagCallback):
         super().setup(trainer, pl_module, stage)
         if stage != TrainerFn.FITTING:
             return
-        self._make_rules()
+        self._reset_windows()
         self._reset_run()
         unwrap_batch_end(self._boundary)
         self._boundary = None
@@ -412,7 +409,7 @@ class SystemMonitor(DiagCallback):
             fluctuation,
             cuda,
             per_rank,
-            self.threshold_lines("dataloader_bound", "step_time_fluctuation"),
+            self.threshold_lines(DATALOADER_BOUND, STEP_TIME_FLUCTUATION),
             step_total,
         )
         if self._nvml_probe is not None:

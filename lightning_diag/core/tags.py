@@ -2,7 +2,8 @@
 
 The callbacks build their tags here, and the dashboard layout (:mod:`lightning_diag.output.dashboard`), the report
 and the plots read them back with the parsers and patterns here, so a tag family is defined once. This module
-imports only the standard library (the report reads runs without torch or Lightning).
+imports only the standard library and the declaration of ``attn_sink`` (whose series is named after the rule), so
+the report reads runs without torch or Lightning.
 
 Families (``<layer>`` is a parameter group's module name, ``<module>`` an attention module's qualified name):
 
@@ -34,6 +35,8 @@ from __future__ import annotations
 
 import re
 from typing import Literal
+
+from lightning_diag.rules.attention import ATTN_SINK
 
 __all__ = [
     "ALERTS_TAG",
@@ -188,7 +191,7 @@ def attn_uniform_tag(module: str) -> str:
 
 def attn_sink_tag(module: str) -> str:
     """The smallest head's attention mass on special tokens, per attention module."""
-    return tag("attn_sink", module)
+    return tag(ATTN_SINK, module)
 
 
 def attn_map_tag(module: str) -> str:
@@ -302,7 +305,7 @@ def attn_mean(name: str) -> str | None:
 
 def attn_sink_module(name: str) -> str | None:
     """The module of an ``attn_sink`` tag, else ``None``."""
-    p = prefix("attn_sink")
+    p = prefix(ATTN_SINK)
     return name[len(p) :] if name.startswith(p) else None
 
 

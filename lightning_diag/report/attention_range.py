@@ -5,8 +5,8 @@ Lightning."""
 from __future__ import annotations
 
 from lightning_diag.core.tags import prefix
-from lightning_diag.report.checks import Check, measure
 from lightning_diag.report.load import RunData
+from lightning_diag.report.rows import Check, measure
 
 __all__ = ["LOCAL_TOKENS", "LONG_RANGE_SHARE", "head_ranges"]
 

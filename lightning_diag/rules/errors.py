@@ -1,19 +1,27 @@
 """``error_cluster`` (ErrorAnalysis): a group of validation samples the model gets wrong far more often than the
-rest (seed 001 §2.2). Plain Python; the default read from the rule registry."""
+rest (seed 001 §2.2). Plain Python; the rule's declaration (its ``RuleSpec``) is here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from lightning_diag.core.alerts import Alert
-from lightning_diag.core.registry import RULES
+from lightning_diag.core.record import Alert
+from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
-__all__ = ["DEFAULT_ERROR_RATIO", "DEFAULT_MIN_SHARE", "ERROR_CLUSTER", "ErrorClusterRule"]
+__all__ = ["DEFAULT_ERROR_RATIO", "DEFAULT_MIN_SHARE", "ERROR_CLUSTER", "ERROR_CLUSTER_SPEC", "ErrorClusterRule"]
 
-ERROR_CLUSTER = "error_cluster"
-_SPEC = RULES[ERROR_CLUSTER]
+# -- declaration (the docs' thresholds table and the report read it) -------------------------------------------
+ERROR_CLUSTER_SPEC = register(RuleSpec(
+    "error_cluster", "ErrorAnalysis", "warning", 3.0,
+    "a cluster of validation samples whose error rate is at least {threshold:g}x the overall rate and which holds "
+    "at least {min_share:.0%} of the samples",
+    settings={"min_share": 0.05}, check="error_concentration", source="seed 001 §2.2",
+    arguments={"threshold": "ratio", "min_share": "min_share"},
+))
+ERROR_CLUSTER = ERROR_CLUSTER_SPEC.rule_id
+_SPEC = ERROR_CLUSTER_SPEC
 #: A cluster's error rate must be at least this many times the overall rate.
 DEFAULT_ERROR_RATIO: float = float(_SPEC.threshold or 3.0)
 #: ... and the cluster must hold at least this share of the validation samples.
@@ -59,13 +67,18 @@ class ErrorClusterRule(Rule):
         []
     """
 
-    rule_id = ERROR_CLUSTER
+    specs = (ERROR_CLUSTER_SPEC,)
     state_keys = ()
 
     def __init__(self, ratio: float = DEFAULT_ERROR_RATIO, min_share: float = DEFAULT_MIN_SHARE) -> None:
         super().__init__()
         self.ratio = ratio
         self.min_share = min_share
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> ErrorClusterRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(_SPEC.value(thresholds), _SPEC.value(thresholds, "min_share"))
 
     def qualifying(self, clusters: Sequence[Cluster], overall_rate: float) -> list[Cluster]:
         """The clusters that trip the rule, worst first."""

@@ -1,19 +1,29 @@
 """``robustness_drop`` (RobustnessProbe): the model's metric falls by much more than the share of the input a
-small perturbation changes (seed 000 §2.1). Plain Python; the default read from the rule registry."""
+small perturbation changes (seed 000 §2.1). Plain Python; the rule's declaration (its ``RuleSpec``) is here."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 
-from lightning_diag.core.alerts import Alert
-from lightning_diag.core.registry import RULES
+from lightning_diag.core.record import Alert
+from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
-__all__ = ["DEFAULT_PERTURB_RATE", "DEFAULT_ROBUSTNESS_DROP", "ROBUSTNESS_DROP", "RobustnessDropRule"]
+__all__ = [
+    "DEFAULT_PERTURB_RATE", "DEFAULT_ROBUSTNESS_DROP", "ROBUSTNESS_DROP", "ROBUSTNESS_DROP_SPEC", "RobustnessDropRule",
+]
 
-ROBUSTNESS_DROP = "robustness_drop"
-_SPEC = RULES[ROBUSTNESS_DROP]
+# -- declaration (the docs' thresholds table and the report read it) -------------------------------------------
+ROBUSTNESS_DROP_SPEC = register(RuleSpec(
+    "robustness_drop", "RobustnessProbe", "warning", 0.15,
+    "perturbing {rate:.0%} of the tokens (typos or swapped neighbours) drops the validation metric by more than "
+    "{threshold:.0%} (relative)",
+    settings={"rate": 0.05}, check="robustness", source="seed 000 §2.1",
+    arguments={"threshold": "threshold", "rate": "rate"},
+))
+ROBUSTNESS_DROP = ROBUSTNESS_DROP_SPEC.rule_id
+_SPEC = ROBUSTNESS_DROP_SPEC
 #: Relative drop of the metric above which the model is judged brittle: three times the perturbed share.
 DEFAULT_ROBUSTNESS_DROP: float = float(_SPEC.threshold or 0.15)
 #: Share of the real tokens each perturbation changes (seed 000 §2.1: 5% typos or shuffled words).
@@ -39,13 +49,18 @@ class RobustnessDropRule(Rule):
         []
     """
 
-    rule_id = ROBUSTNESS_DROP
+    specs = (ROBUSTNESS_DROP_SPEC,)
     state_keys = ()
 
     def __init__(self, threshold: float = DEFAULT_ROBUSTNESS_DROP, rate: float = DEFAULT_PERTURB_RATE) -> None:
         super().__init__()
         self.threshold = threshold
         self.rate = rate
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> RobustnessDropRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(_SPEC.value(thresholds), _SPEC.value(thresholds, "rate"))
 
     def update(self, drops: Mapping[str, float], ctx: StepContext) -> list[Alert]:
         """Feed one probe's relative drops by perturbation kind; return the new alert, if any."""
