@@ -70,7 +70,8 @@ def copy_weights(tensors: Sequence[torch.Tensor], world_size: int) -> list[float
         for dim, placement in enumerate(t.placements):  # type: ignore[attr-defined]
             if placement.is_partial():
                 raise ValueError(f"a tensor with a Partial placement cannot be measured from its shard: {t.placements}")  # type: ignore[attr-defined]
-            if placement.is_shard():
+            # Shard, and FSDP2's _StridedShard over a TP-sharded parameter (not a Shard subclass in every torch)
+            if not placement.is_replicate():
                 shards *= t.device_mesh.size(dim)  # type: ignore[attr-defined]
         weights.append(shards / world_size)
     return weights

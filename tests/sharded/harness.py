@@ -15,7 +15,8 @@ Run as a script (what :func:`run_sharded` launches; Lightning's launcher re-runs
 ``CONFIG.json`` holds ``root``, ``mode``, ``max_steps``, ``nan_rank``/``nan_step`` (a NaN in that rank's
 ``blocks.1.fc2`` output at that global step), ``callbacks`` (keyword arguments per callback class name) and
 ``seed``. Each rank writes ``<root>/rank<r>.json``: the global step it ended at, its alerts per callback, the
-scalars it logged (global rank zero only logs) and whether its parameters are finite.
+scalars it logged (global rank zero only logs), whether its parameters are finite, and which parameters are
+DTensors and which have an empty local shard here.
 """
 
 from __future__ import annotations
@@ -228,6 +229,8 @@ def fit(config: dict[str, Any]) -> dict[str, Any]:
         "rank": trainer.global_rank,
         "step": trainer.global_step,
         "finite": all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters()),
+        "empty_shards": [n for n, p in model.named_parameters() if _local(p).numel() == 0],
+        "sharded": [n for n, p in model.named_parameters() if hasattr(p, "to_local")],
         "alerts": {type(cb).__name__: [a.to_dict() for a in cb.alerts] for cb in callbacks},  # type: ignore[attr-defined]
         "scalars": {k: {str(s): v for s, v in steps.items()} for k, steps in logger.scalars.items()},
     }
