@@ -99,7 +99,6 @@ class NonFiniteRecovery:
         self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
         self._last_snapshot: int | None = None
         self._can_replay = True
-        self._sharded = False
         self._extra: Callable[[], dict[str, Any]] = dict
         self._load_extra: Callable[[dict[str, Any]], None] = _ignore
 
@@ -125,7 +124,6 @@ class NonFiniteRecovery:
         self._can_replay = pl_module.automatic_optimization and not any(
             isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()
         )
-        self._sharded = any(is_sharded(p) for p in pl_module.parameters())
 
     def start(
         self,
@@ -224,7 +222,9 @@ class NonFiniteRecovery:
         if key >= 2 * world:
             return NOT_FOUND
         source_rank = key % world
-        if self._sharded and world > 1:  # the replay is a collective: every rank runs it
+        # Sharded parameters exist only after configure_model (after the callbacks' setup): looked at here, on the
+        # failure path. The replay is then a collective: every rank runs it.
+        if world > 1 and any(is_sharded(p) for p in pl_module.parameters()):
             finding = self._replay(trainer, pl_module, collective=True).as_dict()
             finding = trainer.strategy.broadcast(finding, src=source_rank)
             return Localisation.from_dict(finding) if finding else NOT_FOUND
@@ -273,6 +273,7 @@ class NonFiniteRecovery:
             found = found if found is not None else replayed
             if not first.found and found.found:
                 first = found
+        _reshard(pl_module)
         return first
 
     def rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RollbackChoice:
@@ -306,6 +307,18 @@ class NonFiniteRecovery:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.rule.load_state_dict(state)
+
+
+def _reshard(pl_module: pl.LightningModule) -> None:
+    """Put FSDP2 modules back in their sharded state after a forward-only replay (no backward reshards the ones
+    that keep their parameters gathered after forward, such as the root)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    for module in pl_module.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _training_step_loss(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor | None:

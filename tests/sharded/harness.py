@@ -282,4 +282,8 @@ def _steps(scalars: dict[str, dict[str, float]]) -> dict[str, dict[int, float]]:
 
 
 if __name__ == "__main__":
+    if os.environ.get("HARNESS_DUMP_AFTER"):  # debugging a hang: every rank prints its stacks, then exits
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["HARNESS_DUMP_AFTER"]), exit=True)
     fit(json.loads(Path(sys.argv[1]).read_text()))
