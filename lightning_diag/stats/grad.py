@@ -131,4 +131,3 @@ def grouped_squares(squares: torch.Tensor, group_of: torch.Tensor, num_groups: i
     out = torch.zeros(num_groups, dtype=torch.float32, device=squares.device)
     out.index_add_(0, group_of.to(squares.device), squares.float())
     return out
-

@@ -66,7 +66,7 @@ def test_fast_finite_is_exact_with_the_confirm():
     assert bool(fast_finite([]))
 
 
-_WORKER = r'''
+_WORKER = r"""
 import json, os, sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -97,7 +97,7 @@ if rank == 0:
            "flag": flag.item()}
     json.dump(out, open(sys.argv[1] + "/out.json", "w"))
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.slow
