@@ -58,6 +58,11 @@ class GradientFlowMonitor(DiagCallback):
     of every selected gradient take one multi-tensor kernel per device/dtype group, are summed per layer on the
     device and copied to the host once.
 
+    Under sharded training (``ModelParallelStrategy``: FSDP2, tensor parallelism, both, HSDP) every quantity is
+    that of the full, unsharded gradient, computed from the local shards: per-layer sums of squares on the device,
+    weighted so that replicated copies count once, and one all-reduce per measured step (see
+    :mod:`lightning_diag.instrument.grad_measure`); nothing is gathered. Histograms are not written then.
+
     A *layer* is the module that owns the parameters (``encoder.layers.0.linear1`` for its weight and bias), or
     each parameter with ``per_parameter=True``.
 
