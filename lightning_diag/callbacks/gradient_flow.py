@@ -403,7 +403,7 @@ class GradientFlowMonitor(DiagCallback):
                     continue  # TensorBoard cannot bin NaN/Inf (AnomalyAlarm's business)
                 self.writer.histogram(grad_hist_tag(index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
         if self.log_weight_norms:
-            self._before.append((chosen, [local_tensor(index.params[i].detach()).clone() for i in chosen]))
+            self._before.append((chosen, [local_tensor(index.params[i]).detach().clone() for i in chosen]))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

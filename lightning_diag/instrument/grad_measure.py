@@ -147,7 +147,7 @@ def measure_step(
     matrix_layers = sorted({index.layer_of[chosen[k]] for k in matrix})
     if matrix:
         m_groups = torch.tensor([index.layer_of[chosen[k]] for k in matrix], device=device)
-        m_weight = per_tensor_norms([index.params[chosen[k]].detach() for k in matrix]).pow(2)
+        m_weight = per_tensor_norms([index.params[chosen[k]] for k in matrix]).pow(2)  # no autograd inside
         if index.sharded:
             m_weight = m_weight * torch.tensor([index.weights[chosen[k]] for k in matrix], device=device)
         parts.append(grouped_squares(squares[torch.tensor(matrix, device=device)], m_groups, n_layers))
@@ -199,7 +199,7 @@ def update_ratios(
     """
     device = before[0].device
     group_of = torch.tensor([index.layer_of[i] for i in chosen], device=device)
-    after = [local_tensor(index.params[i].detach()) for i in chosen]
+    after = [local_tensor(index.params[i]).detach() for i in chosen]  # DTensor.detach() is slow: local first
     deltas = torch._foreach_sub(after, before)
     n = len(index.layers)
     weight_sq = per_tensor_norms(before).pow(2)

@@ -38,11 +38,16 @@ def is_sharded(tensor: torch.Tensor) -> bool:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's own part of ``tensor``: the local shard of a ``DTensor`` (possibly empty), else ``tensor``.
 
+    Taken outside autograd (``DTensor.to_local`` under grad mode costs ~80 us a call on CPU, ~0.2 us without).
+
     Example:
         >>> local_tensor(torch.ones(2)).tolist()
         [1.0, 1.0]
     """
-    return tensor.to_local() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
+    if not is_sharded(tensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()  # type: ignore[attr-defined]
 
 
 def copy_weights(tensors: Sequence[torch.Tensor], world_size: int) -> list[float]:
@@ -77,6 +82,7 @@ def copy_weights(tensors: Sequence[torch.Tensor], world_size: int) -> list[float
     return weights
 
 
+@torch.no_grad()
 def per_tensor_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of each tensor (of this rank's local shard for a ``DTensor``), as one float32 vector on the
     first tensor's device.
