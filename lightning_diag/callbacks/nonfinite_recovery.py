@@ -12,6 +12,11 @@ triggered (gradients come from :func:`torch.autograd.grad`, which fires no DDP h
 ``training_step`` are silenced during the replay (a ``sync_dist`` there would wait for the other ranks). Its
 finding is broadcast to every rank. Models with ``SyncBatchNorm`` are not replayed (its forward is a
 collective). The rollback decision, the snapshot chosen and its trust are agreed over all ranks.
+
+Sharded training (FSDP2, tensor parallelism: ``DTensor`` parameters): the forward pass is itself a collective
+(parameters are all-gathered, TP outputs all-reduced), so every rank replays its own micro-batches together,
+forward only and without autograd, and the finding of the lowest rank whose loss was non-finite is broadcast. A
+non-finite value that first appears in backward is not localised there (the alert names the parameters).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from lightning_diag.instrument.nonfinite_locate import (
 from lightning_diag.instrument.snapshots import RollbackDevice, SnapshotStore
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.rollback import DEFAULT_SPIKE_FACTOR, RollbackChoice, RollbackRule
+from lightning_diag.stats.grad import is_sharded
 
 __all__ = ["NonFiniteRecovery"]
 
@@ -216,17 +222,27 @@ class NonFiniteRecovery:
         if key >= 2 * world:
             return NOT_FOUND
         source_rank = key % world
+        # Sharded parameters exist only after configure_model (after the callbacks' setup): looked at here, on the
+        # failure path. The replay is then a collective: every rank runs it.
+        if world > 1 and any(is_sharded(p) for p in pl_module.parameters()):
+            shared = trainer.strategy.broadcast(self._replay(trainer, pl_module, collective=True).as_dict(),
+                                                src=source_rank)
+            return Localisation.from_dict(shared) if shared else NOT_FOUND
         finding = self._replay(trainer, pl_module).as_dict() if source_rank == rank else None
         if world > 1:
             finding = trainer.strategy.broadcast(finding, src=source_rank)
         return Localisation.from_dict(finding) if finding else NOT_FOUND
 
-    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Localisation:
+    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, collective: bool = False) -> Localisation:
+        """Replay the kept micro-batches; ``collective``: every rank runs every forward (sharded training), so the
+        same collectives run everywhere whatever each rank finds."""
         batches = list(self._batches)
         for batch, _, _ in batches:
             found = find_nonfinite_in_batch(batch)
-            if found is not None:
+            if found is not None and not collective:
                 return found
+        if collective:
+            return self._replay_forward(trainer, pl_module, batches)
         scaler = _scaler(trainer)
         scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
         for batch, batch_idx, rng in batches:
@@ -241,6 +257,24 @@ class NonFiniteRecovery:
             if found.found:
                 return found
         return NOT_FOUND
+
+    def _replay_forward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any]) -> Localisation:
+        first: Localisation = NOT_FOUND
+        for batch, batch_idx, rng in batches:
+            found = find_nonfinite_in_batch(batch)
+            replayed = locate(
+                pl_module,
+                functools.partial(_training_step_loss, pl_module, batch, batch_idx),
+                rng_state=rng,
+                context=trainer.precision_plugin.train_step_context,
+                root_name=type(pl_module).__name__,
+                forward_only=True,
+            )
+            found = found if found is not None else replayed
+            if not first.found and found.found:
+                first = found
+        _reshard(pl_module)
+        return first
 
     def rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RollbackChoice:
         """Choose a snapshot over all ranks, restore it and count the rollback; ``step is None``: stop instead."""
@@ -273,6 +307,18 @@ class NonFiniteRecovery:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.rule.load_state_dict(state)
+
+
+def _reshard(pl_module: pl.LightningModule) -> None:
+    """Put FSDP2 modules back in their sharded state after a forward-only replay (no backward reshards the ones
+    that keep their parameters gathered after forward, such as the root)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    for module in pl_module.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _training_step_loss(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor | None:
