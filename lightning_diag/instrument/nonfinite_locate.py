@@ -344,6 +344,7 @@ def locate(
     context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     loss_scale: float = 1.0,
     root_name: str | None = None,
+    backward: bool = True,
 ) -> Localisation:
     """Replay one step (``run_step`` returns its loss) with hooks and find where the first NaN/Inf appeared.
 
@@ -357,6 +358,9 @@ def locate(
         context: Called to get the context the original step ran in (autocast of a mixed-precision plugin).
         loss_scale: Multiplies the loss before backward (a GradScaler's scale, so fp16 overflows reproduce).
         root_name: The name of ``module`` itself in messages (default: its class name).
+        backward: Also replay the backward pass when the forward and the loss are finite. ``False`` replays the
+            forward only, under ``no_grad``: what a sharded model needs, where every rank replays at once and a
+            backward (its gradient reduce-scatter) would wait for ranks that already found their answer.
 
     Returns:
         A :class:`Localisation`; ``phase == "none"`` when nothing non-finite was reproduced.
@@ -369,7 +373,8 @@ def locate(
                 rng_state.restore()
             recorder.attach()
             try:
-                with torch.enable_grad(), context():
+                grad_mode = torch.enable_grad() if backward else torch.no_grad()
+                with grad_mode, context():
                     loss = run_step()
             finally:
                 recorder.detach()
@@ -380,7 +385,7 @@ def locate(
             if not bool(torch.isfinite(loss.detach()).all()):
                 value = float(loss.detach().float().reshape(-1)[0])
                 return Localisation(LOSS_SOURCE, "loss", f"every module output is finite, the loss is not ({value})")
-            if not loss.requires_grad:
+            if not backward or not loss.requires_grad:
                 return NOT_FOUND
             own = recorder.watch_parameters()
             loss_slot = recorder._slot(loss)

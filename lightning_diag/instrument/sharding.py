@@ -1,0 +1,89 @@
+"""What a callback needs to know about a sharded model (FSDP2, tensor parallelism, FSDP1), Lightning-free.
+
+* :func:`is_sharded`: whether a forward of the model is a collective (a DTensor parameter: FSDP2 ``fully_shard``
+  or ``parallelize_module``; or an FSDP1 ``FullyShardedDataParallel`` inside it). Such a model must run its
+  forward on every rank at once: a rank-zero-only forward waits forever for the others.
+* :func:`local_tensor`: a DTensor's local shard (any other tensor unchanged).
+* :func:`head_shard`: how the attention heads a module computes are split over the tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TP_DIM_NAME", "head_shard", "is_dtensor", "is_sharded", "local_tensor", "uses_fsdp1"]
+
+#: The mesh dimension name Lightning's ``ModelParallelStrategy`` gives the tensor-parallel ranks.
+TP_DIM_NAME = "tensor_parallel"
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it when distributed is off)."""
+    return hasattr(t, "to_local") and hasattr(t, "placements") and isinstance(t, torch.Tensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor; any other tensor as it is."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[operator]
+
+
+def uses_fsdp1(module: nn.Module) -> bool:
+    """Whether ``module`` is or holds an FSDP1 ``FullyShardedDataParallel`` wrapper."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is a collective: a DTensor parameter (FSDP2, TP) or an FSDP1 wrapper.
+
+    Example:
+        >>> is_sharded(nn.Linear(2, 2))
+        False
+    """
+    return any(is_dtensor(p) for p in module.parameters()) or uses_fsdp1(module)
+
+
+def head_shard(module: nn.Module | None, query: Any, tp_mesh: Any) -> tuple[int, int] | None:
+    """``(tp_rank, tp_size)`` when the heads an attention call of ``module`` sees are this rank's share only.
+
+    Two cases: the call's ``query`` is itself a DTensor sharded on its head dimension (dim ``-3`` of
+    ``[..., H, L, E]``), or it is a plain tensor while a parameter of the calling module is a DTensor sharded over
+    the tensor-parallel mesh dimension (``ColwiseParallel`` projections followed by a reshape to local heads, the
+    usual recipe). The heads are then taken to be split evenly and in order: rank ``r`` holds heads
+    ``r * H_local ... (r + 1) * H_local - 1``.
+
+    Args:
+        module: The module that made the call (``None``: unknown).
+        query: The call's ``query`` argument.
+        tp_mesh: The tensor-parallel ``DeviceMesh`` (1-D), or ``None`` when there is no tensor parallelism.
+
+    Returns:
+        ``None`` when the heads are not split (no tensor parallelism, or the call sees every head).
+    """
+    if tp_mesh is None or tp_mesh.size() <= 1:
+        return None
+    rank, size = int(tp_mesh.get_local_rank()), int(tp_mesh.size())
+    if is_dtensor(query):
+        names = query.device_mesh.mesh_dim_names or ()
+        for i, placement in enumerate(query.placements):
+            if placement.is_shard() and placement.dim % query.dim() == query.dim() - 3:
+                if TP_DIM_NAME in names and names[i] != TP_DIM_NAME:
+                    continue
+                return int(query.device_mesh.get_local_rank(i)), int(query.device_mesh.size(i))
+        return None
+    if module is None:
+        return None
+    for p in module.parameters():
+        if not is_dtensor(p):
+            continue
+        names = p.device_mesh.mesh_dim_names or ()
+        for i, placement in enumerate(p.placements):
+            if placement.is_shard() and i < len(names) and names[i] == TP_DIM_NAME:
+                return rank, size
+    return None
