@@ -13,12 +13,10 @@ triggered (gradients come from :func:`torch.autograd.grad`, which fires no DDP h
 finding is broadcast to every rank. Models with ``SyncBatchNorm`` are not replayed (its forward is a
 collective). The rollback decision, the snapshot chosen and its trust are agreed over all ranks.
 
-Sharded models (FSDP2, tensor parallelism, FSDP1: a forward is a collective): every rank replays its own
-micro-batches at once, forward only (``no_grad``), and the findings are gathered: the source rank's finding wins,
-else the lowest rank's that found one. A non-finite value that first appears in backward is reported without a
-module there (a sharded backward replay would have to run on every rank to its end). Snapshots hold each rank's
-own shards (:mod:`lightning_diag.instrument.snapshots`). DeepSpeed's engine owns the optimizer step and its
-partitioned state: ``"rollback"`` falls back to ``"stop"`` there, with a one-time message.
+Rollback under sharding (FSDP2, tensor parallelism, FSDP1): snapshots hold each rank's own shards and are restored
+in place on every rank at the agreed step (:mod:`lightning_diag.instrument.snapshots`). DeepSpeed's engine owns
+the optimizer step and its partitioned state: ``"rollback"`` falls back to ``"stop"`` there, with a one-time
+message.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ from lightning_diag.instrument.nonfinite_locate import (
     find_nonfinite_in_batch,
     locate,
 )
-from lightning_diag.instrument.sharding import is_sharded
 from lightning_diag.instrument.snapshots import RollbackDevice, SnapshotStore
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.rollback import DEFAULT_SPIKE_FACTOR, RollbackChoice, RollbackRule
@@ -106,7 +103,6 @@ class NonFiniteRecovery:
         self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
         self._last_snapshot: int | None = None
         self._can_replay = True
-        self._sharded = False
         self._unsupported = False
         self._extra: Callable[[], dict[str, Any]] = dict
         self._load_extra: Callable[[dict[str, Any]], None] = _ignore
@@ -133,7 +129,6 @@ class NonFiniteRecovery:
         self._can_replay = pl_module.automatic_optimization and not any(
             isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()
         )
-        self._sharded = is_sharded(pl_module)
 
     def start(
         self,
@@ -153,8 +148,7 @@ class NonFiniteRecovery:
         self.stop()
         self._extra, self._load_extra = extra, load_extra
         self._batches = collections.deque(maxlen=max(1, trainer.accumulate_grad_batches))
-        # The model is sharded in configure_model, after the callbacks' setup: known from here on.
-        self._sharded = is_sharded(pl_module)
+        self._unsupported = False
         if not self.rollback_enabled:
             return None
         if _engine_owns_step(trainer):
@@ -239,26 +233,12 @@ class NonFiniteRecovery:
         if key >= 2 * world:
             return NOT_FOUND
         source_rank = key % world
-        if self._sharded and world > 1:
-            return self._localise_sharded(pl_module, trainer, source_rank)
         finding = self._replay(trainer, pl_module).as_dict() if source_rank == rank else None
         if world > 1:
             finding = trainer.strategy.broadcast(finding, src=source_rank)
         return Localisation.from_dict(finding) if finding else NOT_FOUND
 
-    def _localise_sharded(self, pl_module: pl.LightningModule, trainer: pl.Trainer, source_rank: int) -> Localisation:
-        """Every rank replays (forward only: a sharded forward is a collective); the findings are gathered."""
-        mine = self._replay(trainer, pl_module, backward=False).as_dict() if self._batches else None
-        everyone: list[Any] = [None] * trainer.world_size
-        torch.distributed.all_gather_object(everyone, mine)
-        order = [source_rank] + [r for r in range(trainer.world_size) if r != source_rank]
-        for r in order:
-            found = everyone[r]
-            if found and Localisation.from_dict(found).found:
-                return Localisation.from_dict(found)
-        return NOT_FOUND
-
-    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, backward: bool = True) -> Localisation:
+    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Localisation:
         batches = list(self._batches)
         for batch, _, _ in batches:
             found = find_nonfinite_in_batch(batch)
@@ -274,7 +254,6 @@ class NonFiniteRecovery:
                 context=trainer.precision_plugin.train_step_context,
                 loss_scale=scale,
                 root_name=type(pl_module).__name__,
-                backward=backward,
             )
             if found.found:
                 return found

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 
 from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
 from lightning_diag.callbacks.base import AlertHandler
@@ -23,16 +24,33 @@ from lightning_diag.stats.sharpness import SharpnessResult, sam_gap
 __all__ = ["SharpnessProbe"]
 
 
+def _backward_gradients(loss: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """A sharded model's gradients through its own backward (FSDP2 reduce-scatters them, averaged over the
+    data-parallel ranks); the parameters' ``.grad`` are put back as they were."""
+    saved = [p.grad for p in tensors]
+    for p in tensors:
+        p.grad = None
+    try:
+        loss.backward()
+        return [p.grad for p in tensors]
+    finally:
+        for p, g in zip(tensors, saved, strict=True):
+            p.grad = g
+
+
 class SharpnessProbe(ValidationProbe):
     """Measures how sharp the minimum is: the SAM gap L(w + ε) − L(w), ε = ρ·∇L/‖∇L‖ (Foret et al. 2021).
 
     At the end of validation, every ``every_n_epochs`` epochs, global rank zero takes the first ``num_batches``
     validation batches, computes the loss L(w) with the module's own loss (``training_step``, or ``loss_fn``) in
     eval mode, its gradient (with :func:`torch.autograd.grad`: ``.grad`` is untouched), then the loss with every
-    trainable parameter moved by ε, and puts the parameters back bit for bit. Parameters, gradients, optimizer
-    state, RNG states and BatchNorm statistics are exactly as before. Cost per probe: 1 forward + backward and
-    1 forward (plus 1 forward per layer with ``per_layer=True``) on ``num_batches`` batches, and one copy of the
-    trainable parameters.
+    trainable parameter moved by ε, and puts the parameters back bit for bit. A sharded model (FSDP2, tensor
+    parallelism) is measured by every rank at once on its own batches: the gradient comes from the model's own
+    backward (``.grad`` is saved and put back), ‖∇L‖ is the full gradient's (squared norms of the shards reduced
+    over the mesh), each rank moves its own shards by ε, and the losses are averaged over the ranks.
+    Parameters, gradients, optimizer state, RNG states and BatchNorm statistics are exactly as before. Cost per
+    probe: 1 forward + backward and 1 forward (plus 1 forward per layer with ``per_layer=True``) on
+    ``num_batches`` batches, and one copy of the trainable parameters.
 
     Args:
         threshold: ``sharp_minimum`` fires when the gap is above this (seed 000 §4.1: 0.3) ...
@@ -108,7 +126,10 @@ class SharpnessProbe(ValidationProbe):
                 return loss
             return self.mean_loss(trainer, pl_module, owned)
 
-        return sam_gap(params, closure, self.rho, per_layer=self.per_layer, max_layers=self.max_layers)
+        if not self.all_ranks:
+            return sam_gap(params, closure, self.rho, per_layer=self.per_layer, max_layers=self.max_layers)
+        return sam_gap(params, closure, self.rho, per_layer=self.per_layer, max_layers=self.max_layers,
+                       gradients=_backward_gradients, to_float=lambda t: self.mean_over_ranks(trainer, t))
 
     def decide(self, trainer: pl.Trainer, result: SharpnessResult) -> list[Alert]:
         """Log the measurement and feed ``sharp_minimum``."""

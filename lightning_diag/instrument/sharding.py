@@ -5,6 +5,8 @@
   forward on every rank at once: a rank-zero-only forward waits forever for the others.
 * :func:`local_tensor`: a DTensor's local shard (any other tensor unchanged).
 * :func:`head_shard`: how the attention heads a module computes are split over the tensor-parallel ranks.
+* :func:`all_reduce_over_shards`, :func:`local_offset`, :func:`is_replica`: reductions of a quantity computed on
+  a DTensor's local shard over exactly the mesh dimensions that shard it (the quantization probe's scales).
 """
 
 from __future__ import annotations
@@ -14,7 +16,17 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TP_DIM_NAME", "head_shard", "is_dtensor", "is_sharded", "local_tensor", "uses_fsdp1"]
+__all__ = [
+    "TP_DIM_NAME",
+    "all_reduce_over_shards",
+    "head_shard",
+    "is_dtensor",
+    "is_replica",
+    "is_sharded",
+    "local_offset",
+    "local_tensor",
+    "uses_fsdp1",
+]
 
 #: The mesh dimension name Lightning's ``ModelParallelStrategy`` gives the tensor-parallel ranks.
 TP_DIM_NAME = "tensor_parallel"
@@ -87,3 +99,42 @@ def head_shard(module: nn.Module | None, query: Any, tp_mesh: Any) -> tuple[int,
             if placement.is_shard() and i < len(names) and names[i] == TP_DIM_NAME:
                 return rank, size
     return None
+
+
+# -- reductions over the shards of one DTensor (no full tensor is gathered) --------------------------------
+def _shard_dims(t: Any) -> list[int]:
+    """The mesh dimensions over which ``t``'s local tensors differ (its ``Shard`` placements)."""
+    return [i for i, p in enumerate(t.placements) if p.is_shard()]
+
+
+def all_reduce_over_shards(value: torch.Tensor, t: Any, op: str = "max") -> torch.Tensor:
+    """``value`` (computed from ``t``'s local shard) reduced with ``op`` (``"max"`` or ``"sum"``) over the mesh
+    dimensions that shard ``t``: a replicated dimension is not counted twice. Returns ``value`` unchanged when ``t``
+    is not a DTensor."""
+    if not is_dtensor(t):
+        return value
+    import torch.distributed as dist
+
+    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    for i in _shard_dims(t):
+        dist.all_reduce(value, op=reduce_op, group=t.device_mesh.get_group(i))
+    return value
+
+
+def local_offset(t: Any, dim: int) -> int:
+    """Where ``t``'s local shard starts along ``dim`` of the global tensor (0 for a plain tensor)."""
+    if not is_dtensor(t):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return int(offset[dim])
+
+
+def is_replica(t: Any) -> bool:
+    """Whether this rank's shard of ``t`` is a copy of a lower rank's (a non-zero coordinate on a mesh dimension
+    that replicates ``t``): such a rank must not contribute to a sum or a sample over the shards."""
+    if not is_dtensor(t):
+        return False
+    coordinate = t.device_mesh.get_coordinate() or []
+    return any(not p.is_shard() and coordinate[i] != 0 for i, p in enumerate(t.placements))
