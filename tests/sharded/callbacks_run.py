@@ -73,10 +73,13 @@ class Attention(nn.Module):
 class AttnModel(pl.LightningModule):
     """Per-token regression through attention + MLP block, parallelised in ``configure_model`` per ``mode``."""
 
-    def __init__(self, mode: str = "single", batch: int = BATCH, nan_rank: int | None = None, nan_step: int = -1):
+    def __init__(
+        self, mode: str = "single", batch: int = BATCH, nan_rank: int | None = None, nan_step: int = -1,
+        lr: float = 1e-3,
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.mode, self.batch, self.nan_rank, self.nan_step = mode, batch, nan_rank, nan_step
+        self.mode, self.batch, self.nan_rank, self.nan_step, self.lr = mode, batch, nan_rank, nan_step, lr
         self.inp = nn.Linear(FEATURES, D)
         self.attn = Attention(D, HEADS)
         self.block = Block(D)
@@ -120,7 +123,16 @@ class AttnModel(pl.LightningModule):
         n = self.batch * batches * (MODES[self.mode][1] if self.mode != "single" else 1)
         x = torch.randn(n, LENGTH, FEATURES, generator=g)
         y = x @ torch.randn(FEATURES, generator=g)
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=self.batch)
+        data = torch.utils.data.TensorDataset(x, y)
+        sampler = None
+        if self.mode != "single":
+            # Lightning's own sampler shuffles the training data (DistributedSampler(shuffle=True)): an unshuffled
+            # one gives data-parallel rank r samples r, r+R, ..., so a step's batches over the ranks are the
+            # single-process run's global batch (and its first sample_size rows, rank by rank).
+            dp = self.device_mesh["data_parallel"]
+            sampler = torch.utils.data.DistributedSampler(data, num_replicas=dp.size(), rank=dp.get_local_rank(),
+                                                          shuffle=False)
+        return torch.utils.data.DataLoader(data, batch_size=self.batch, sampler=sampler)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return self._data(1, TRAIN_BATCHES)
@@ -129,7 +141,7 @@ class AttnModel(pl.LightningModule):
         return self._data(2, VAL_BATCHES)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -214,12 +226,12 @@ def fit(config: dict[str, Any]) -> dict[str, Any]:
     )
     if mode == "single":
         dp = MODES[config["reference_of"]][1] if "reference_of" in config else 1
-        model = AttnModel("single", BATCH * dp)
+        model = AttnModel("single", BATCH * dp, lr=config.get("lr", 1e-3))
         trainer = pl.Trainer(devices=1, **common)
     else:
         n, dp, tp = MODES[mode]
         strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, process_group_backend="gloo")
-        model = AttnModel(mode, BATCH, config.get("nan_rank"), config.get("nan_step", -1))
+        model = AttnModel(mode, BATCH, config.get("nan_rank"), config.get("nan_step", -1), config.get("lr", 1e-3))
         trainer = pl.Trainer(devices=n, strategy=strategy, **common)
     trainer.fit(model, ckpt_path=config.get("ckpt_path"))
     recorder = next(cb for cb in callbacks if isinstance(cb, Recorder))
