@@ -41,6 +41,7 @@ from lightning_diag.rules.grad import (
     GradFrozenRule,
     GradSpreadRule,
 )
+from lightning_diag.stats.grad import local_tensor
 
 __all__ = ["GradientFlowMonitor"]
 
@@ -280,6 +281,7 @@ class GradientFlowMonitor(DiagCallback):
             self.per_parameter,
             dict(pl_module.named_modules()),
             self.logit_projections,
+            world_size=trainer.world_size,
         )
 
     def _stuck_parameters(self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_opt: set[int]) -> dict[str, str]:
@@ -299,6 +301,13 @@ class GradientFlowMonitor(DiagCallback):
             elif id(p) in in_opt and p.grad is None:
                 stuck[name] = "no_grad"
         return stuck
+
+    @staticmethod
+    def _reduce(trainer: pl.Trainer) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A SUM over all ranks (``None`` in one process): every rank then takes the same decisions."""
+        if trainer.world_size <= 1:
+            return None
+        return functools.partial(trainer.strategy.reduce, reduce_op="sum")
 
     def _measuring(self, trainer: pl.Trainer) -> bool:
         return trainer.global_step % self.every_n_steps(trainer) == 0
@@ -350,10 +359,7 @@ class GradientFlowMonitor(DiagCallback):
         chosen = [i for i, p in enumerate(index.params) if p.grad is not None and id(p) in in_opt]
         if not chosen:
             return
-        reduce = None
-        if trainer.world_size > 1:  # every rank reads the same loss, so the collapse verdict is the same everywhere
-            reduce = functools.partial(trainer.strategy.reduce, reduce_op="mean")
-        m = measure_step(index, chosen, self._loss, reduce)
+        m = measure_step(index, chosen, self._loss, self._reduce(trainer))
         self._loss = None
         step = trainer.global_step
         # With several optimizers the global norm is the first optimizer's; the others' get their own tags.
@@ -379,13 +385,20 @@ class GradientFlowMonitor(DiagCallback):
         hist_every = self.histogram_every_n_steps
         if hist_every is None:
             hist_every = 10 * self.every_n_steps(trainer)
-        if hist_every and step % hist_every == 0 and self.writer.active:
+        if hist_every and step % hist_every == 0 and self.writer.active and index.sharded:
+            # A histogram of a local shard would misrepresent the gradient, and binning the full one needs a gather.
+            self.notice(
+                trainer,
+                "sharded-histograms",
+                "gradient histograms are not written under sharded training (DTensor parameters); norms are exact",
+            )
+        elif hist_every and step % hist_every == 0 and self.writer.active:
             for i in chosen:
                 if not math.isfinite(m.norms[index.layers[index.layer_of[i]]]):
                     continue  # TensorBoard cannot bin NaN/Inf (AnomalyAlarm's business)
                 self.writer.histogram(grad_hist_tag(index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
         if self.log_weight_norms:
-            self._before.append((chosen, [index.params[i].detach().clone() for i in chosen]))
+            self._before.append((chosen, [local_tensor(index.params[i].detach()).clone() for i in chosen]))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -397,7 +410,7 @@ class GradientFlowMonitor(DiagCallback):
         index = self._index
         values: dict[str, float] = {}
         for chosen, before in pending:
-            values.update(update_ratios(index, chosen, before))
+            values.update(update_ratios(index, chosen, before, self._reduce(trainer)))
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
 
 

@@ -13,6 +13,11 @@ triggered (gradients come from :func:`torch.autograd.grad`, which fires no DDP h
 finding is broadcast to every rank. Models with ``SyncBatchNorm`` are not replayed (its forward is a
 collective). The rollback decision, the snapshot chosen and its trust are agreed over all ranks.
 
+Sharded training (FSDP2, tensor parallelism: ``DTensor`` parameters): the forward pass is itself a collective
+(parameters are all-gathered, TP outputs all-reduced), so every rank replays its own micro-batches together,
+forward only and without autograd, and the finding of the lowest rank whose loss was non-finite is broadcast. A
+non-finite value that first appears in backward is not localised there (the alert names the parameters).
+
 Rollback under sharding (FSDP2, tensor parallelism, FSDP1): snapshots hold each rank's own shards and are restored
 in place on every rank at the agreed step (:mod:`lightning_diag.instrument.snapshots`). DeepSpeed's engine owns
 the optimizer step and its partitioned state: ``"rollback"`` falls back to ``"stop"`` there, with a one-time
@@ -40,6 +45,7 @@ from lightning_diag.instrument.nonfinite_locate import (
 from lightning_diag.instrument.snapshots import RollbackDevice, SnapshotStore
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.rollback import DEFAULT_SPIKE_FACTOR, RollbackChoice, RollbackRule
+from lightning_diag.stats.grad import is_sharded
 
 __all__ = ["NonFiniteRecovery"]
 
@@ -103,6 +109,7 @@ class NonFiniteRecovery:
         self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
         self._last_snapshot: int | None = None
         self._can_replay = True
+        self._sharded = False
         self._unsupported = False
         self._extra: Callable[[], dict[str, Any]] = dict
         self._load_extra: Callable[[dict[str, Any]], None] = _ignore
@@ -129,6 +136,7 @@ class NonFiniteRecovery:
         self._can_replay = pl_module.automatic_optimization and not any(
             isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()
         )
+        self._sharded = any(is_sharded(p) for p in pl_module.parameters())
 
     def start(
         self,
@@ -149,6 +157,8 @@ class NonFiniteRecovery:
         self._extra, self._load_extra = extra, load_extra
         self._batches = collections.deque(maxlen=max(1, trainer.accumulate_grad_batches))
         self._unsupported = False
+        # configure_model shards the model after the callbacks' setup (check_module): look again now.
+        self._sharded = any(is_sharded(p) for p in pl_module.parameters())
         if not self.rollback_enabled:
             return None
         if _engine_owns_step(trainer):
@@ -233,17 +243,25 @@ class NonFiniteRecovery:
         if key >= 2 * world:
             return NOT_FOUND
         source_rank = key % world
+        if self._sharded and world > 1:  # the replay is a collective: every rank runs it
+            finding = self._replay(trainer, pl_module, collective=True).as_dict()
+            finding = trainer.strategy.broadcast(finding, src=source_rank)
+            return Localisation.from_dict(finding) if finding else NOT_FOUND
         finding = self._replay(trainer, pl_module).as_dict() if source_rank == rank else None
         if world > 1:
             finding = trainer.strategy.broadcast(finding, src=source_rank)
         return Localisation.from_dict(finding) if finding else NOT_FOUND
 
-    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Localisation:
+    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, collective: bool = False) -> Localisation:
+        """Replay the kept micro-batches; ``collective``: every rank runs every forward (sharded training), so the
+        same collectives run everywhere whatever each rank finds."""
         batches = list(self._batches)
         for batch, _, _ in batches:
             found = find_nonfinite_in_batch(batch)
-            if found is not None:
+            if found is not None and not collective:
                 return found
+        if collective:
+            return self._replay_forward(trainer, pl_module, batches)
         scaler = _scaler(trainer)
         scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
         for batch, batch_idx, rng in batches:
@@ -258,6 +276,23 @@ class NonFiniteRecovery:
             if found.found:
                 return found
         return NOT_FOUND
+
+    def _replay_forward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any]) -> Localisation:
+        first: Localisation = NOT_FOUND
+        for batch, batch_idx, rng in batches:
+            found = find_nonfinite_in_batch(batch)
+            replayed = locate(
+                pl_module,
+                functools.partial(_training_step_loss, pl_module, batch, batch_idx),
+                rng_state=rng,
+                context=trainer.precision_plugin.train_step_context,
+                root_name=type(pl_module).__name__,
+                forward_only=True,
+            )
+            found = found if found is not None else replayed
+            if not first.found and found.found:
+                first = found
+        return first
 
     def rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RollbackChoice:
         """Choose a snapshot over all ranks, restore it and count the rollback; ``step is None``: stop instead."""

@@ -38,7 +38,7 @@ if str(_REPO) not in sys.path:
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor  # noqa: E402
 
-#: Width, blocks, per-process batch, batches in the data set.
+#: Width, blocks, batch per data-parallel rank, batches in the data set (at that batch size).
 D, BLOCKS, BATCH, BATCHES = 64, 2, 8, 16
 #: Processes each mode runs on, and its (data_parallel_size, tensor_parallel_size).
 MODES: dict[str, tuple[int, int, int]] = {
@@ -144,12 +144,18 @@ class ShardedModel(pl.LightningModule):
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         g = torch.Generator().manual_seed(self.seed + 1)
-        n = self.batch * BATCHES
-        x = torch.randn(n, 8, generator=g)
+        x = torch.randn(BATCH * BATCHES, 8, generator=g)  # one data set whatever the batch size
         y = x @ torch.randn(8, generator=g)
-        # No shuffling: rank r of R data-parallel ranks gets samples r, r+R, ... (DistributedSampler), so one
-        # step's batches over the ranks are exactly the single-process run's global batch.
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=self.batch)
+        data = torch.utils.data.TensorDataset(x, y)
+        if self.mode == "single":
+            return torch.utils.data.DataLoader(data, batch_size=self.batch)
+        # No shuffling: rank r of R data-parallel ranks gets samples r, r+R, ..., so one step's batches over the
+        # ranks are exactly the single-process run's global batch (Lightning's own sampler shuffles).
+        dp = self.device_mesh["data_parallel"]
+        sampler = torch.utils.data.DistributedSampler(
+            data, num_replicas=dp.size(), rank=dp.get_local_rank(), shuffle=False
+        )
+        return torch.utils.data.DataLoader(data, batch_size=self.batch, sampler=sampler)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -216,7 +222,7 @@ def fit(config: dict[str, Any]) -> dict[str, Any]:
         n, dp, tp = MODES[mode]
         strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, process_group_backend="gloo")
         model = ShardedModel(mode, config.get("seed", 0), BATCH, config.get("nan_rank"), config.get("nan_step", -1))
-        trainer = pl.Trainer(devices=n, strategy=strategy, **common)
+        trainer = pl.Trainer(devices=n, strategy=strategy, use_distributed_sampler=False, **common)
     trainer.fit(model)
     out = {
         "rank": trainer.global_rank,
