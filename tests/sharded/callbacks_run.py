@@ -5,7 +5,7 @@ column-/row-wise parallel under TP, then the harness's MLP block) trains with ``
 "rollback")``, ``AttentionEntropyMonitor``, ``SharpnessProbe``, ``QuantizationProbe``, ``SystemMonitor`` and
 ``DataDiagnostics`` attached, validating every epoch. A test-only ``Recorder`` callback copies each rank's local
 shards (parameters and optimizer state) at the snapshot step and compares them bitwise after the rollback, and
-keeps every diag callback's state at checkpoint time and after a resume.
+keeps every diag callback's state at the start of training (after a resume: as loaded from the checkpoint).
 
 Run as ``python tests/sharded/callbacks_run.py CONFIG.json`` (what :func:`run` launches; Lightning re-runs it
 once per rank). ``CONFIG.json``: ``root``, ``mode`` (``"single"``, ``"fsdp2"``, ``"tp"``, ``"fsdp2_tp"``),
@@ -166,17 +166,14 @@ class Recorder(pl.Callback):
         self.alarm, self.snapshot_step = alarm, snapshot_step
         self.at_snapshot: dict[str, torch.Tensor] | None = None
         self.rollback: dict[str, Any] = {}
-        self.saved_states: dict[str, Any] = {}
         self.resumed_states: dict[str, Any] = {}
 
     def _diag_states(self, trainer: pl.Trainer) -> dict[str, Any]:
         return {cb.state_key: cb.state_dict() for cb in trainer.callbacks if isinstance(cb, DiagCallback)}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after the checkpoint's callback states were loaded (ModelParallelStrategy restores after setup)
         self.resumed_states = self._diag_states(trainer)
-
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
-        self.saved_states = self._diag_states(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         optimizer = trainer.optimizers[0]
@@ -240,12 +237,12 @@ def fit(config: dict[str, Any]) -> dict[str, Any]:
         "step": trainer.global_step,
         "rollbacks": recorder.alarm.rollbacks,
         "rollback": recorder.rollback,
-        "alerts": {type(cb).__name__: [a.to_dict() for a in cb.alerts] for cb in callbacks if isinstance(cb, DiagCallback)},
+        "alerts": {type(cb).__name__: [a.to_dict() for a in cb.alerts]
+                   for cb in callbacks if isinstance(cb, DiagCallback)},
         "scalars": {k: {str(s): v for s, v in steps.items()} for k, steps in logger.scalars.items()},
     }
     os.makedirs(root, exist_ok=True)
-    torch.save({"saved": recorder.saved_states, "resumed": recorder.resumed_states},
-               os.path.join(root, f"states{trainer.global_rank}.pt"))
+    torch.save(recorder.resumed_states, os.path.join(root, f"states{trainer.global_rank}.pt"))
     with open(os.path.join(root, f"rank{trainer.global_rank}.json"), "w") as fh:
         json.dump(out, fh)
     return out
@@ -258,7 +255,8 @@ def _steps(scalars: dict[str, dict[str, float]]) -> dict[str, dict[int, float]]:
 def run(root: Path, mode: str, timeout: float = 300, **config: Any) -> dict[str, Any]:
     """Launch :func:`fit` for ``mode`` in a subprocess (``"single"`` too: one process).
 
-    Returns ``{"ranks": [each rank's results], "scalars": rank zero's {tag: {step: value}}}``.
+    Returns ``{"ranks": [each rank's results], "scalars": rank zero's {tag: {step: value}}, "stderr": ...,
+    "root": ...}``.
 
     Raises:
         RuntimeError: If the run fails (with the end of its stderr).
@@ -275,7 +273,7 @@ def run(root: Path, mode: str, timeout: float = 300, **config: Any) -> dict[str,
         raise RuntimeError(f"run {mode} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
     count = 1 if mode == "single" else MODES[mode][0]
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(count)]
-    return {"ranks": ranks, "scalars": _steps(ranks[0]["scalars"]), "stderr": proc.stderr}
+    return {"ranks": ranks, "scalars": _steps(ranks[0]["scalars"]), "stderr": proc.stderr, "root": str(root)}
 
 
 if __name__ == "__main__":
