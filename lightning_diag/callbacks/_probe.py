@@ -1,7 +1,8 @@
 """What the validation-end probes share: capturing a few validation batches, a sandbox that leaves the training
 state exactly as it was, the module's loss on a batch, and rank-zero measurement with broadcast decisions.
 
-A sharded model (FSDP2, tensor parallelism, FSDP1: :func:`~lightning_diag.instrument.sharding.is_sharded`) cannot
+A sharded model (FSDP2, tensor parallelism, FSDP1: :func:`~lightning_diag.instrument.sharding.is_sharded`; and any
+model under DeepSpeed, whose ZeRO-3 gathers the partitioned parameters in forward) cannot
 run a forward on rank zero alone (every forward is a collective: the other ranks would never join it, and rank
 zero would wait forever). There every rank keeps its own first ``num_batches`` validation batches and measures at
 once; the probe reduces its numbers over the ranks (:attr:`ValidationProbe.all_ranks`), global rank zero logs and
@@ -24,12 +25,17 @@ from pytorch_lightning.trainer.states import TrainerFn
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.validation import check_int
-from lightning_diag.instrument.sharding import is_sharded
+from lightning_diag.instrument.sharding import is_sharded, reshard_fsdp
 
-__all__ = ["LossFn", "ProbeError", "ValidationProbe"]
+__all__ = ["LossFn", "ProbeError", "ValidationProbe", "uses_deepspeed"]
 
 #: ``loss_fn(pl_module, batch) -> loss``: a scalar tensor, or a dict with a ``"loss"`` tensor.
 LossFn = Callable[[pl.LightningModule, Any], Any]
+
+
+def uses_deepspeed(trainer: pl.Trainer) -> bool:
+    """DeepSpeed (ZeRO-3 partitions the parameters: a forward gathers them, a collective)."""
+    return type(trainer.strategy).__name__.startswith("DeepSpeed")
 
 
 class ProbeError(RuntimeError):
@@ -121,7 +127,7 @@ class ValidationProbe(DiagCallback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Forget the batches of the previous validation run; see whether every rank must measure."""
         self._batches = []
-        self.all_ranks = trainer.world_size > 1 and is_sharded(pl_module)
+        self.all_ranks = trainer.world_size > 1 and (is_sharded(pl_module) or uses_deepspeed(trainer))
 
     def on_validation_batch_end(
         self,
@@ -187,7 +193,12 @@ class ValidationProbe(DiagCallback):
             return []
         try:
             with self.sandbox(trainer, pl_module):
-                result = self.measure(trainer, pl_module, batches)
+                try:
+                    result = self.measure(trainer, pl_module, batches)
+                finally:
+                    # FSDP2's root keeps the last forward's gathered weights (the SAM gap's were perturbed ones):
+                    # training's next forward must gather the restored shards afresh
+                    reshard_fsdp(pl_module)
         except ProbeError as err:  # raised by the measure's own checks, the same on every rank
             self.notice(trainer, "probe-skipped", f"probe skipped: {err}")
             return []

@@ -15,13 +15,13 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
+from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
 from lightning_diag.callbacks.base import AlertHandler
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import quant_layer_tag, quant_tag
 from lightning_diag.core.validation import check_choice, check_number
 from lightning_diag.instrument.sharded_quant import sharded_fake_quantize, sharded_max_error_pct, sharded_outlier_ratio
-from lightning_diag.instrument.sharding import is_dtensor, uses_fsdp1
+from lightning_diag.instrument.sharding import is_dtensor, reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.probes import (
     DEFAULT_LAYER_RATIO,
     DEFAULT_MIN_LAYER_ERROR,
@@ -300,7 +300,9 @@ class QuantizationProbe(ValidationProbe):
         if channel is judged:
             acc_channel = acc
         rel = {n: a.relative_mse for n, a in acc.items() if a.count}
-        with _full_weights(pl_module):
+        if self.all_ranks:
+            reshard_fsdp(pl_module)  # weigh the shards, not the root's gathered copies of the last forward
+        with _full_weights(pl_module, uses_deepspeed(trainer)):
             max_error = {n: _max_error_pct(layers[n].weight, self.granularity) for n in rel}
             outliers = {n: _outlier_ratio(layers[n].weight) for n in rel}
         if not rel:
@@ -363,10 +365,15 @@ class QuantizationProbe(ValidationProbe):
         self.rule.load_state_dict(state)
 
 
-def _full_weights(module: nn.Module) -> contextlib.AbstractContextManager[Any]:
+def _full_weights(module: nn.Module, deepspeed: bool = False) -> contextlib.AbstractContextManager[Any]:
     """FSDP1 keeps flat local shards outside forward: its documented ``summon_full_params`` (read-only) gives the
-    weight-only measures the layers' real weights (not run here: FSDP1 needs CUDA in Lightning). FSDP2 and tensor
-    parallelism need nothing: their DTensor weights are measured from the shards."""
+    weight-only measures the layers' real weights; DeepSpeed ZeRO-3 likewise with ``deepspeed.zero.
+    GatheredParameters`` (a no-op below stage 3). Neither is run here (both need CUDA in Lightning). FSDP2 and
+    tensor parallelism need nothing: their DTensor weights are measured from the shards."""
+    if deepspeed:
+        import deepspeed as ds
+
+        return ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
     if not uses_fsdp1(module):
         return contextlib.nullcontext()
     from torch.distributed.fsdp import FullyShardedDataParallel

@@ -7,11 +7,12 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
+from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
 from lightning_diag.callbacks.base import AlertHandler
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import sharpness_layer_tag, sharpness_tag
 from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.probes import (
     DEFAULT_RHO,
     DEFAULT_SHARP_GAP,
@@ -111,6 +112,11 @@ class SharpnessProbe(ValidationProbe):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
     ) -> SharpnessResult:
         """The SAM gap on the captured batches."""
+        if uses_deepspeed(trainer):
+            raise ProbeError("the SAM gap is not measured under DeepSpeed: its engine owns the backward and ZeRO "
+                             "partitions the parameters, so they cannot be moved by ε and put back here")
+        if self.all_ranks:
+            reshard_fsdp(pl_module)  # the sharded parameters, not the root's gathered copies of the last forward
         params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         if not params:
             raise ProbeError("the module has no trainable parameter")
@@ -124,12 +130,17 @@ class SharpnessProbe(ValidationProbe):
             if first[0]:  # the loss just computed, with its graph: one forward saved
                 first[0] = False
                 return loss
+            if self.all_ranks:  # the forward gathers the shards just moved by ε (or put back)
+                reshard_fsdp(pl_module)
             return self.mean_loss(trainer, pl_module, owned)
 
         if not self.all_ranks:
             return sam_gap(params, closure, self.rho, per_layer=self.per_layer, max_layers=self.max_layers)
+        # FSDP1's flat parameters are plain local shards, disjoint over the ranks: their squares are summed there.
+        reduce_squares = (lambda t: trainer.strategy.reduce(t, reduce_op="sum")) if uses_fsdp1(pl_module) else None
         return sam_gap(params, closure, self.rho, per_layer=self.per_layer, max_layers=self.max_layers,
-                       gradients=_backward_gradients, to_float=lambda t: self.mean_over_ranks(trainer, t))
+                       gradients=_backward_gradients, to_float=lambda t: self.mean_over_ranks(trainer, t),
+                       reduce_squares=reduce_squares)
 
     def decide(self, trainer: pl.Trainer, result: SharpnessResult) -> list[Alert]:
         """Log the measurement and feed ``sharp_minimum``."""

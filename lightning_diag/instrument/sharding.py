@@ -25,6 +25,7 @@ __all__ = [
     "is_sharded",
     "local_offset",
     "local_tensor",
+    "reshard_fsdp",
     "uses_fsdp1",
 ]
 
@@ -59,6 +60,22 @@ def is_sharded(module: nn.Module) -> bool:
         False
     """
     return any(is_dtensor(p) for p in module.parameters()) or uses_fsdp1(module)
+
+
+def reshard_fsdp(module: nn.Module) -> None:
+    """Put every FSDP2 module of ``module`` back in its sharded state (``FSDPModule.reshard()``, no collective).
+
+    After a forward without backward (a validation step, a replay, a probe), FSDP2's root keeps its gathered
+    parameters registered: ``named_parameters()`` then yields plain full tensors, not the sharded DTensors the
+    optimizer steps, and an in-place change to the sharded ones would not reach the next forward.
+    """
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def head_shard(module: nn.Module | None, query: Any, tp_mesh: Any) -> tuple[int, int] | None:

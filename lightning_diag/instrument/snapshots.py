@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_diag.instrument.sharding import is_dtensor, is_sharded, local_tensor
+from lightning_diag.instrument.sharding import is_dtensor, is_sharded, local_tensor, reshard_fsdp
 
 __all__ = ["DEFAULT_LOSS_WINDOW", "RollbackDevice", "Snapshot", "SnapshotStore"]
 
@@ -73,22 +73,9 @@ def _local_copy(t: torch.Tensor, device: torch.device | str | None) -> torch.Ten
     return _copy_tree(local_tensor(t.detach()), device)
 
 
-def _reshard(module: nn.Module) -> None:
-    """Put every FSDP2 module back in its sharded state (``FSDPModule.reshard()``, no collective): after a
-    forward without backward (a replay, a probe) FSDP2's root keeps its gathered parameters registered, and a
-    snapshot or a restore must see the sharded ones the optimizer steps."""
-    if not torch.distributed.is_available():
-        return
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
 def _sharded_model_state(module: nn.Module, device: torch.device | str | None) -> dict[str, torch.Tensor]:
     """Each parameter's and buffer's local shard, copied (no collective)."""
-    _reshard(module)
+    reshard_fsdp(module)
     state = {name: _local_copy(p, device) for name, p in module.named_parameters()}
     state.update({name: _local_copy(b, device) for name, b in module.named_buffers()})
     return state
@@ -120,7 +107,7 @@ def _as_param_layout(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 def _restore_sharded_model(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    _reshard(module)
+    reshard_fsdp(module)
     with torch.no_grad():
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
             local_tensor(t).copy_(state[name])

@@ -56,7 +56,11 @@ def _squared_norm(g: torch.Tensor) -> float:
     return _value(torch.linalg.vector_norm(g.float())) ** 2
 
 
-def sam_epsilon(grads: Sequence[torch.Tensor], rho: float) -> tuple[list[torch.Tensor], float]:
+def sam_epsilon(
+    grads: Sequence[torch.Tensor],
+    rho: float,
+    reduce_squares: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], float]:
     """SAM's ascent step ε = ρ·g/‖g‖ (global L2 norm over every tensor) and ‖g‖.
 
     A zero gradient gives ε = 0.
@@ -68,7 +72,10 @@ def sam_epsilon(grads: Sequence[torch.Tensor], rho: float) -> tuple[list[torch.T
     """
     if not grads:
         return [], 0.0
-    if any(hasattr(g, "full_tensor") for g in grads):
+    if reduce_squares is not None:  # plain local shards, disjoint over the ranks (FSDP1's flat parameters)
+        local = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in grads]).sum()
+        norm_value = math.sqrt(float(reduce_squares(local)))
+    elif any(hasattr(g, "full_tensor") for g in grads):
         norm_value = math.sqrt(sum(_squared_norm(g) for g in grads))
     else:
         norm_value = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
@@ -104,6 +111,7 @@ def sam_gap(
     max_layers: int = 32,
     gradients: Callable[[torch.Tensor, list[torch.Tensor]], Sequence[torch.Tensor | None]] | None = None,
     to_float: Callable[[torch.Tensor], float] = _value,
+    reduce_squares: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> SharpnessResult:
     """Measure the SAM gap of ``loss_closure`` at the current parameters.
 
@@ -116,6 +124,8 @@ def sam_gap(
         gradients: ``gradients(loss, tensors)``: the gradient of ``loss`` for each tensor (``None`` if unused);
             default :func:`torch.autograd.grad`.
         to_float: A loss tensor's value (e.g. averaged over the ranks); default ``float``.
+        reduce_squares: Sums this rank's squared gradient norm over the ranks, for plain tensors that are
+            disjoint local shards (FSDP1); ``None`` for whole tensors and DTensors.
 
     Returns:
         The measurement. The parameters hold exactly their old values afterwards, even when the closure raises.
@@ -129,7 +139,7 @@ def sam_gap(
             grads = gradients(loss, tensors)
     loss_value = to_float(loss.detach())
     present = [(n, p, g) for (n, p), g in zip(params, grads, strict=True) if g is not None]
-    eps, grad_norm = sam_epsilon([g for _, _, g in present], rho)
+    eps, grad_norm = sam_epsilon([g for _, _, g in present], rho, reduce_squares)
     saved = [p.detach().clone() for _, p, _ in present]
 
     def perturbed(selected: Sequence[int]) -> float:
