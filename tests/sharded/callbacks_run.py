@@ -11,7 +11,8 @@ Run as ``python tests/sharded/callbacks_run.py CONFIG.json`` (what :func:`run` l
 once per rank). ``CONFIG.json``: ``root``, ``mode`` (``"single"``, ``"fsdp2"``, ``"tp"``, ``"fsdp2_tp"``),
 ``max_steps``, ``nan_rank``/``nan_step`` (a NaN in that rank's ``attn.o`` output at that global step),
 ``ckpt_every`` (a checkpoint every this many steps, 0: none), ``ckpt_path`` (resume from it), ``reference_of``
-(single: use that mode's global batch). Each rank writes ``<root>/rank<r>.json`` and ``<root>/states<r>.pt``.
+(single: use that mode's global batch), ``act_grads`` (also ``GradientFlowMonitor(activation_grads=True)``).
+Each rank writes ``<root>/rank<r>.json`` and ``<root>/states<r>.pt``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from lightning_diag import (  # noqa: E402
     AnomalyAlarm,
     AttentionEntropyMonitor,
     DataDiagnostics,
+    GradientFlowMonitor,
     QuantizationProbe,
     SharpnessProbe,
     SystemMonitor,
@@ -199,6 +201,8 @@ def make_callbacks(config: dict[str, Any]) -> list[pl.Callback]:
         DataDiagnostics(),
         Recorder(alarm, snapshot_step=SNAPSHOT_EVERY * max(1, config.get("nan_step", 0) // SNAPSHOT_EVERY)),
     ]
+    if config.get("act_grads"):
+        callbacks.insert(0, GradientFlowMonitor(log_every_n_steps=1, activation_grads=True))
     wanted = config.get("callbacks")
     if wanted is not None:
         callbacks = [cb for cb in callbacks if type(cb).__name__ in wanted or isinstance(cb, Recorder)]

@@ -37,7 +37,7 @@ def fsdp2_tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run(tmp_path_factory.mktemp("tp"), "tp", max_steps=PROBE_STEP + 1)
+    return run(tmp_path_factory.mktemp("tp"), "tp", max_steps=PROBE_STEP + 1, act_grads=True)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,8 @@ def single_dp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def single_dp1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run(tmp_path_factory.mktemp("single_dp1"), "single", reference_of="tp", max_steps=PROBE_STEP + 1)
+    return run(tmp_path_factory.mktemp("single_dp1"), "single", reference_of="tp", max_steps=PROBE_STEP + 1,
+               act_grads=True)
 
 
 def _close(a: float, b: float, rtol: float) -> bool:
@@ -105,6 +106,9 @@ def test_tp_logs_every_head_once_by_global_index_exactly(tp: dict[str, Any], sin
     assert _compare(tp, single_dp1, "diag/attn_entropy/", range(PROBE_STEP + 1), 1e-5) == []
     assert _compare(tp, single_dp1, "diag/sharpness/", range(PROBE_STEP + 1), 1e-4) == []
     assert _compare(tp, single_dp1, "diag/quant/", range(PROBE_STEP + 1), 1e-3) == []
+    # GradientFlowMonitor(activation_grads=True): a column-wise layer's output gradient is the full one (its
+    # hook sees the DTensor, the squares are summed over the TP ranks), not one rank's slice of the channels
+    assert _compare(tp, single_dp1, "diag/act_grad_norm/", range(PROBE_STEP + 1), 1e-5) == []
 
 
 def test_fsdp2_tp_rollback_attention_and_probes(fsdp2_tp: dict[str, Any], single_dp2: dict[str, Any]) -> None:
