@@ -20,7 +20,12 @@ from lightning_diag.callbacks.base import AlertHandler
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import quant_layer_tag, quant_tag
 from lightning_diag.core.validation import check_choice, check_number
-from lightning_diag.instrument.sharded_quant import sharded_fake_quantize, sharded_max_error_pct, sharded_outlier_ratio
+from lightning_diag.instrument.sharded_quant import (
+    global_batch_fake_quantize,
+    sharded_fake_quantize,
+    sharded_max_error_pct,
+    sharded_outlier_ratio,
+)
 from lightning_diag.instrument.sharding import is_dtensor, reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.probes import (
     DEFAULT_LAYER_RATIO,
@@ -109,12 +114,18 @@ def _full(t: Any) -> Any:
 
 
 def _fake_layer(
-    module: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d, granularity: Granularity, activations: bool
+    module: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d, granularity: Granularity, activations: bool,
+    all_ranks: bool = False,
 ) -> Callable[[torch.Tensor], Any]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         # Quantized at each call, never stored: at most one layer's quantized weight exists at a time.
         weight = _quantized(module.weight, granularity)
-        xq = _quantized(x, "per_tensor") if activations else x
+        if not activations:
+            xq = x
+        elif all_ranks:  # the activation scale of the global batch, as one process would take it
+            xq = global_batch_fake_quantize(x)
+        else:
+            xq = _quantized(x, "per_tensor")
         if isinstance(module, nn.Linear):
             return nn.functional.linear(xq, weight, module.bias)
         return module._conv_forward(xq, weight, module.bias)
@@ -239,7 +250,7 @@ class QuantizationProbe(ValidationProbe):
     ) -> Callable[[torch.Tensor], Any]:
         if isinstance(module, nn.Linear) and self.engine == "torchao":
             return _torchao_layer(module, granularity, self.activations)
-        return _fake_layer(module, granularity, self.activations)
+        return _fake_layer(module, granularity, self.activations, self.all_ranks)
 
     def measure(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
@@ -262,12 +273,14 @@ class QuantizationProbe(ValidationProbe):
             acc = {n: LayerErrorAccumulator(-1 if isinstance(m, nn.Linear) else 1) for n, m in layers.items()}
             acc_channel = {n: LayerErrorAccumulator(-1 if isinstance(m, nn.Linear) else 1) for n, m in layers.items()}
 
+            reduce_max = (lambda t: trainer.strategy.reduce(t.contiguous(), reduce_op="max")) if self.all_ranks else None
+
             def compare(name: str) -> Callable[..., None]:
                 def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
                     if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
                         reference = _full(output)
                         acc[name].add(reference, _full(judged[name](args[0])))
-                        ratio = channel_outlier_ratio(_full(args[0]), acc[name].channel_dim)
+                        ratio = channel_outlier_ratio(_full(args[0]), acc[name].channel_dim, reduce_max)
                         input_outliers[name] = max(input_outliers.get(name, 0.0), ratio)
                         if channel is not judged:
                             acc_channel[name].add(reference, _full(channel[name](args[0])))

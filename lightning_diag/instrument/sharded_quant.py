@@ -14,6 +14,10 @@ The weight outlier ratio's 99th percentile needs values, not a maximum: each ran
 sends an evenly spaced sample of its ``|w|`` (its share of the 2^20 values the single-process measure samples:
 every value of a weight under 2^20 elements), the samples are gathered and the percentile is taken over them.
 That gathers at most 2^20 numbers of one weight at a time, and only when the weight is sharded.
+
+Activations (W8A8) are quantized per tensor with the absolute maximum over every rank's batch
+(:func:`global_batch_fake_quantize`, one all-reduce MAX of a scalar per layer call), so the dynamic activation
+scale is the one a single process running the whole global batch would take.
 """
 
 from __future__ import annotations
@@ -32,7 +36,13 @@ from lightning_diag.instrument.sharding import (
 )
 from lightning_diag.stats.quantization import _QUANTILE_SAMPLE, INT8_MAX, OUTLIER_QUANTILE, Granularity
 
-__all__ = ["sharded_fake_quantize", "sharded_max_error_pct", "sharded_outlier_ratio", "sharded_scale"]
+__all__ = [
+    "global_batch_fake_quantize",
+    "sharded_fake_quantize",
+    "sharded_max_error_pct",
+    "sharded_outlier_ratio",
+    "sharded_scale",
+]
 
 
 def sharded_scale(w: Any, granularity: Granularity) -> torch.Tensor:
@@ -65,6 +75,24 @@ def sharded_fake_quantize(w: Any, granularity: Granularity = "per_tensor") -> An
     local = local_tensor(w).detach()
     quantized = _rounded(local, sharded_scale(w, granularity)).to(local.dtype)
     return DTensor.from_local(quantized, w.device_mesh, w.placements, shape=w.shape, stride=w.stride())
+
+
+def global_batch_fake_quantize(x: Any) -> Any:
+    """An activation quantized per tensor with the absolute maximum over **every rank's** batch (one all-reduce
+    MAX over the world): what one process running the global batch would use. A DTensor keeps its placements."""
+    local = local_tensor(x).detach()
+    amax = local.float().abs().amax() if local.numel() else torch.zeros((), device=local.device)
+    amax = amax.reshape(()).clone()
+    if dist.is_initialized():
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    scale = amax / INT8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    quantized = _rounded(local, scale).to(local.dtype)
+    if not is_dtensor(x):
+        return quantized
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(quantized, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
 
 
 def sharded_max_error_pct(w: Any, granularity: Granularity = "per_tensor") -> float:
