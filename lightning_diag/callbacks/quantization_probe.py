@@ -273,7 +273,9 @@ class QuantizationProbe(ValidationProbe):
             acc = {n: LayerErrorAccumulator(-1 if isinstance(m, nn.Linear) else 1) for n, m in layers.items()}
             acc_channel = {n: LayerErrorAccumulator(-1 if isinstance(m, nn.Linear) else 1) for n, m in layers.items()}
 
-            reduce_max = (lambda t: trainer.strategy.reduce(t.contiguous(), reduce_op="max")) if self.all_ranks else None
+            reduce_max = (
+                (lambda t: trainer.strategy.reduce(t.contiguous(), reduce_op="max")) if self.all_ranks else None
+            )
 
             def compare(name: str) -> Callable[..., None]:
                 def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
