@@ -52,8 +52,9 @@ def single_dp1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                act_grads=True)
 
 
-def _close(a: float, b: float, rtol: float) -> bool:
-    return abs(a - b) <= rtol * max(abs(b), 1e-12)
+def _close(a: float, b: float, rtol: float, atol: float = 1e-6) -> bool:
+    # atol: `diag/quant/end_to_end` is a difference of two losses near 10 (float32 resolution ~1e-6)
+    return abs(a - b) <= rtol * abs(b) + atol
 
 
 def _compare(sharded: dict[str, Any], single: dict[str, Any], prefix: str, steps: range, rtol: float) -> list[str]:
