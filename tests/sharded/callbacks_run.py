@@ -193,13 +193,15 @@ class Recorder(pl.Callback):
 def make_callbacks(config: dict[str, Any]) -> list[pl.Callback]:
     alarm = AnomalyAlarm(on_nonfinite="rollback", rollback_every_n_steps=SNAPSHOT_EVERY)
     callbacks: list[pl.Callback] = [
+        # first: its on_train_start sees the states as the checkpoint restored them, before any callback's own
+        # train-start work (DataDiagnostics measures there; AnomalyAlarm shares the loss sums over the ranks)
+        Recorder(alarm, snapshot_step=SNAPSHOT_EVERY * max(1, config.get("nan_step", 0) // SNAPSHOT_EVERY)),
         alarm,
         AttentionEntropyMonitor(log_every_n_steps=1, sample_size=16),
         SharpnessProbe(),
         QuantizationProbe(backend="fake"),
         SystemMonitor(log_every_n_steps=2, nvml=False),
         DataDiagnostics(),
-        Recorder(alarm, snapshot_step=SNAPSHOT_EVERY * max(1, config.get("nan_step", 0) // SNAPSHOT_EVERY)),
     ]
     if config.get("act_grads"):
         callbacks.insert(0, GradientFlowMonitor(log_every_n_steps=1, activation_grads=True))

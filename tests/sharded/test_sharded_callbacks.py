@@ -57,8 +57,12 @@ def _close(a: float, b: float, rtol: float, atol: float = 1e-6) -> bool:
     return abs(a - b) <= rtol * abs(b) + atol
 
 
-def _compare(sharded: dict[str, Any], single: dict[str, Any], prefix: str, steps: range, rtol: float) -> list[str]:
-    """Tags under ``prefix`` whose values differ from the single-process run's (or are missing)."""
+def _compare(
+    sharded: dict[str, Any], single: dict[str, Any], prefix: str, steps: range, rtol: float,
+    loose: tuple[str, float] = ("", 0.0),
+) -> list[str]:
+    """Tags under ``prefix`` whose values differ from the single-process run's (or are missing); tags ending in
+    ``loose[0]`` are held to ``loose[1]``."""
     bad = []
     ref = single["scalars"]
     tags = [t for t in ref if t.startswith(prefix) and not t.startswith("diag/threshold")]
@@ -68,7 +72,8 @@ def _compare(sharded: dict[str, Any], single: dict[str, Any], prefix: str, steps
             if step not in ref[tag]:
                 continue
             got = sharded["scalars"].get(tag, {}).get(step)
-            if got is None or not _close(got, ref[tag][step], rtol):
+            tol = loose[1] if loose[0] and tag.endswith(loose[0]) else rtol
+            if got is None or not _close(got, ref[tag][step], tol):
                 bad.append(f"{tag}@{step}: {got} vs {ref[tag][step]}")
     return bad
 
@@ -117,7 +122,9 @@ def test_fsdp2_tp_rollback_attention_and_probes(fsdp2_tp: dict[str, Any], single
     assert sorted(t for t in fsdp2_tp["scalars"] if t.startswith("diag/attn_entropy/attn/head_")) == HEAD_TAGS
     assert _compare(fsdp2_tp, single_dp2, "diag/attn_entropy/", range(PROBE_STEP + 1), 1e-5) == []
     assert _compare(fsdp2_tp, single_dp2, "diag/sharpness/", range(PROBE_STEP + 1), 1e-4) == []
-    assert _compare(fsdp2_tp, single_dp2, "diag/quant/", range(PROBE_STEP + 1), 1e-3) == []
+    # max|w| / p99|w| hinges on single weights, which four AdamW steps move apart by float reduction order (Adam's
+    # first updates are ±lr whatever the gradient's size): 1e-2 there, 1e-3 for every other quantization measure
+    assert _compare(fsdp2_tp, single_dp2, "diag/quant/", range(PROBE_STEP + 1), 1e-3, ("outlier_ratio", 1e-2)) == []
 
 
 def test_system_monitor_and_data_diagnostics_under_fsdp2(fsdp2: dict[str, Any], single_dp2: dict[str, Any]) -> None:
@@ -154,6 +161,7 @@ def test_fsdp2_resume_from_sharded_checkpoint_restores_every_callback(
     saved = torch.load(ckpt / "meta.pt", weights_only=False)["callbacks"]
     resumed = run(tmp_path / "resume", "fsdp2", ckpt_path=str(ckpt), max_steps=PROBE_STEP + 2)
     assert resumed["ranks"][0]["step"] == PROBE_STEP + 2
+    # rank zero's states as loaded (meta.pt holds rank zero's; AnomalyAlarm saves the loss sums of all ranks)
     states = torch.load(tmp_path / "resume" / "states0.pt", weights_only=False)
     diag_keys = [k for k in saved if not k.startswith("ModelCheckpoint")]
     assert sorted(diag_keys) == sorted(states)
