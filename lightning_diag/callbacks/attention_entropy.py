@@ -13,10 +13,18 @@ from torch import nn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.core.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
-from lightning_diag.core.tags import attn_entropy_tag, attn_heads_tag, attn_map_tag, attn_sink_tag, attn_uniform_tag
+from lightning_diag.core.tags import (
+    attn_distance_tag,
+    attn_entropy_tag,
+    attn_heads_tag,
+    attn_map_tag,
+    attn_sink_tag,
+    attn_uniform_tag,
+)
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.attention_capture import AttentionCapture, is_compiled
 from lightning_diag.instrument.attention_record import AttentionRecorder
+from lightning_diag.instrument.batches import token_ids as find_token_ids
 from lightning_diag.instrument.sharding import TP_DIM_NAME
 from lightning_diag.output.images import heatmap, scatter, tile
 from lightning_diag.rules.attention import (
@@ -254,7 +262,7 @@ class AttentionEntropyMonitor(DiagCallback):
             self._mha = self._find_modules(pl_module)
         token_ids = None
         if self.special_token_ids:
-            token_ids = (self.input_ids or token_ids)(batch)
+            token_ids = (self.input_ids or find_token_ids)(batch)
             if token_ids is None:
                 self.notice(
                     trainer,
@@ -352,6 +360,7 @@ class AttentionEntropyMonitor(DiagCallback):
             values[attn_entropy_tag(name, "mean")] = sum(stats.entropy) / len(stats.entropy)
             values[attn_uniform_tag(name)] = max(stats.uniform)
             values[attn_sink_tag(name)] = min(stats.special_mass)
+        values.update(self._distances(trainer, recorder, [n for n in layers if n in recorder.stats]))
         values.update(self.threshold_lines(ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
@@ -430,6 +439,43 @@ class AttentionEntropyMonitor(DiagCallback):
             entropy, uniform, mass, share, first_mass, cover = cols
             layers[name] = LayerStats(entropy, uniform, mass, share, first_mass, is_causal, cover)
         return layers
+
+    def _distances(self, trainer: pl.Trainer, recorder: AttentionRecorder, names: list[str]) -> dict[str, float]:
+        """``diag/attn_distance[_relative]/<module>/head_<h>`` of the self-attention modules, averaged over ranks
+        weighted by valid rows (one host copy; every rank has the same modules here, as :meth:`_reduce` checked)."""
+        measured = [n for n in names if recorder.stats[n].distance is not None]
+        if not measured:
+            return {}
+        distributed = trainer.world_size > 1 and "ranks-differ" not in self._notices  # the same on every rank
+        # Tensor parallelism: each rank's heads go to their global slots with per-head rows, as in _reduce.
+        parts = []
+        heads: list[int] = []
+        for n in measured:
+            s = recorder.stats[n]
+            rows = s.rows.reshape(-1)[:1].float()
+            local = int(s.entropy.numel())
+            tp_rank, tp_size = recorder.head_shards.get(n, (0, 1)) if distributed else (0, 1)
+            heads.append(local * tp_size)
+            per_head = [s.distance * rows, s.distance_relative * rows, rows.expand(local)]  # type: ignore[operator]
+            for v in per_head:
+                out = torch.zeros(local * tp_size, dtype=torch.float32, device=rows.device)
+                out[tp_rank * local : (tp_rank + 1) * local] = v.reshape(-1).float()
+                parts.append(out)
+        flat = torch.cat(parts)
+        if distributed:
+            flat = trainer.strategy.reduce(flat, reduce_op="sum")
+        host = flat.tolist()
+        values: dict[str, float] = {}
+        i = 0
+        for n, h in zip(measured, heads, strict=True):
+            chunk, i = host[i : i + 3 * h], i + 3 * h
+            head_rows = chunk[2 * h :]
+            for head in range(h):
+                if head_rows[head] <= 0:
+                    continue
+                values[attn_distance_tag(n, head)] = chunk[head] / head_rows[head]
+                values[attn_distance_tag(n, head, relative=True)] = chunk[h + head] / head_rows[head]
+        return values
 
     # -- images --------------------------------------------------------------------------------------------
     def _draw(self, recorder: AttentionRecorder, step: int) -> None:

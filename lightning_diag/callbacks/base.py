@@ -13,6 +13,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
+from lightning_diag.callbacks.provenance import write_run_record
 from lightning_diag.core.alerts import Alert, AlertLog
 from lightning_diag.core.log_handler import ensure_handler
 from lightning_diag.core.registry import registry_thresholds
@@ -57,6 +58,7 @@ class DiagSession:
         self._writer: DiagWriter | None = None
         self._alerts: list[Alert] = []
         self._fit_started = False
+        self._run_recorded = False
         self.users = 0
         self.alert_log = AlertLog(
             os.path.join(self.diag_dir, ALERTS_FILE) if is_global_zero else None,
@@ -102,6 +104,16 @@ class DiagSession:
         self.writer.text(THRESHOLDS_TAG, thresholds_markdown(by_callback), trainer.global_step)
         self.writer.custom_scalars(dashboard_layout([k for k in merged if "." not in k]))
         self.writer.flush()
+
+    def record_run(self, trainer: pl.Trainer) -> None:
+        """Once per fit, on rank zero, when training starts (the loaders are set up): ``<log_dir>/diag/run.json``,
+        the run's provenance (:mod:`lightning_diag.callbacks.provenance`)."""
+        if self._run_recorded or not self.is_global_zero:
+            return
+        self._run_recorded = True
+        problem = write_run_record(trainer, self.diag_dir)
+        if problem is not None:
+            log.warning("lightning_diag: %s", problem)
 
     def close(self) -> None:
         """Close the alert log and the writer (if the library opened it)."""
@@ -207,6 +219,11 @@ class DiagCallback(pl.Callback):
         """Record the thresholds in effect and write the dashboard layout (once per fit, rank zero)."""
         if self._session is not None:
             self._session.start_fit(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the run's provenance, ``diag/run.json`` (once per fit, rank zero)."""
+        if self._session is not None:
+            self._session.record_run(trainer)
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds this callback judges by: rule id -> threshold, and ``"<rule>.<setting>"`` -> value.
