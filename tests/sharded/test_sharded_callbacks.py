@@ -110,6 +110,7 @@ def test_tp_logs_every_head_once_by_global_index_exactly(tp: dict[str, Any], sin
     heads = sorted(t for t in scalars if t.startswith("diag/attn_entropy/attn/head_"))
     assert heads == HEAD_TAGS  # 2 local heads per rank, named 0..3 by their global index
     assert _compare(tp, single_dp1, "diag/attn_entropy/", range(PROBE_STEP + 1), 1e-5) == []
+    assert _compare(tp, single_dp1, "diag/attn_distance", range(PROBE_STEP + 1), 1e-5) == []
     assert _compare(tp, single_dp1, "diag/sharpness/", range(PROBE_STEP + 1), 1e-4) == []
     assert _compare(tp, single_dp1, "diag/quant/", range(PROBE_STEP + 1), 1e-3) == []
     # GradientFlowMonitor(activation_grads=True): a column-wise layer's output gradient is the full one (its
