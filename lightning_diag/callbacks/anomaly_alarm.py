@@ -354,7 +354,9 @@ class AnomalyAlarm(DiagCallback):
         """Start the step window and share restored loss sums over the ranks; take the first snapshot."""
         super().on_train_start(trainer, pl_module)
         self.trend.start(trainer)
-        self.recovery.start(trainer, pl_module, self._snapshot_state, self._restore_snapshot_state)
+        unsupported = self.recovery.start(trainer, pl_module, self._snapshot_state, self._restore_snapshot_state)
+        if unsupported:
+            self.notice(trainer, "rollback-unsupported", unsupported)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""

@@ -17,6 +17,11 @@ Sharded training (FSDP2, tensor parallelism: ``DTensor`` parameters): the forwar
 (parameters are all-gathered, TP outputs all-reduced), so every rank replays its own micro-batches together,
 forward only and without autograd, and the finding of the lowest rank whose loss was non-finite is broadcast. A
 non-finite value that first appears in backward is not localised there (the alert names the parameters).
+
+Rollback under sharding (FSDP2, tensor parallelism, FSDP1): snapshots hold each rank's own shards and are restored
+in place on every rank at the agreed step (:mod:`lightning_diag.instrument.snapshots`). DeepSpeed's engine owns
+the optimizer step and its partitioned state: ``"rollback"`` falls back to ``"stop"`` there, with a one-time
+message.
 """
 
 from __future__ import annotations
@@ -53,6 +58,11 @@ def _ignore(state: dict[str, Any]) -> None:
 
 def _schedulers(trainer: pl.Trainer) -> list[Any]:
     return [config.scheduler for config in trainer.lr_scheduler_configs]
+
+
+def _engine_owns_step(trainer: pl.Trainer) -> bool:
+    """DeepSpeed: the engine steps its own (ZeRO-partitioned) optimizer; no in-memory snapshot can restore it."""
+    return type(trainer.strategy).__name__.startswith("DeepSpeed")
 
 
 def _scaler(trainer: pl.Trainer) -> Any:
@@ -99,6 +109,8 @@ class NonFiniteRecovery:
         self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
         self._last_snapshot: int | None = None
         self._can_replay = True
+        self._sharded = False
+        self._unsupported = False
         self._extra: Callable[[], dict[str, Any]] = dict
         self._load_extra: Callable[[dict[str, Any]], None] = _ignore
 
@@ -131,8 +143,8 @@ class NonFiniteRecovery:
         pl_module: pl.LightningModule,
         extra: Callable[[], dict[str, Any]] = dict,
         load_extra: Callable[[dict[str, Any]], None] = _ignore,
-    ) -> None:
-        """Install the learning-rate hooks and take the first snapshot.
+    ) -> str | None:
+        """Install the learning-rate hooks and take the first snapshot; return a message when rollback cannot run.
 
         Args:
             trainer: The trainer.
@@ -143,12 +155,20 @@ class NonFiniteRecovery:
         self.stop()
         self._extra, self._load_extra = extra, load_extra
         self._batches = collections.deque(maxlen=max(1, trainer.accumulate_grad_batches))
+        self._unsupported = False
+        # configure_model shards the model after the callbacks' setup (check_module): look again now.
+        self._sharded = any(is_sharded(p) for p in pl_module.parameters())
         if not self.rollback_enabled:
-            return
+            return None
+        if _engine_owns_step(trainer):
+            self._unsupported = True
+            return ("on_nonfinite='rollback' is not supported under DeepSpeed (its engine owns the optimizer step "
+                    "and the partitioned optimizer state): a non-finite step stops training instead")
         for opt in trainer.optimizers:
             self._hooks.append(opt.register_step_pre_hook(self._scale_lr))
             self._hooks.append(opt.register_step_post_hook(self._unscale_lr))
         self._snapshot(trainer, pl_module)
+        return None
 
     def stop(self) -> None:
         """Remove the hooks and forget the kept batches (snapshots are dropped with the next :meth:`reset`)."""
@@ -193,7 +213,7 @@ class NonFiniteRecovery:
 
     def on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor | None) -> None:
         """Feed the loss to the trust test; take a snapshot every ``every_n_steps`` optimizer steps."""
-        if not self.rollback_enabled:
+        if not self.rollback_enabled or self._unsupported:
             return
         if loss is not None:
             self.store.observe_loss(loss)
