@@ -278,6 +278,7 @@ class SystemMonitor(DiagCallback):
             probe = NvmlProbe(device.index if device.index is not None else torch.cuda.current_device())
             self._nvml_probe = probe if probe.active else None
         self._reset_run()
+        host_rss_bytes()  # one-time set-up (importing psutil) here, not in the first logging step's timed hook
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
