@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -151,7 +151,11 @@ class GradientFlowMonitor(DiagCallback):
         if (
             params is not None
             and not callable(params)
-            and (isinstance(params, str) or not all(isinstance(p, str) for p in params))
+            and (
+                isinstance(params, str)
+                or not isinstance(params, Iterable)
+                or not all(isinstance(p, str) for p in params)
+            )
         ):
             raise TypeError(
                 "Expected argument `params` to be a list of name patterns or a predicate (name, param) -> bool,"
