@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections import deque
 from typing import Any
 
@@ -25,7 +24,7 @@ from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.core.tags import family_tag, overhead_tag
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.batches import batch_size_and_tokens
-from lightning_diag.instrument.clocks import CudaClock, HostClock
+from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 from lightning_diag.rules.system import (
     DATALOADER_BOUND,
@@ -162,6 +161,8 @@ class SystemMonitor(DiagCallback):
                 raise TypeError(f"Expected argument `{name}` to be a bool, but got {flag!r}")
         self.nvml = nvml
         self.time_callbacks = time_callbacks
+        #: Where host time comes from (the injection point for tests: a fake with ``wall()`` and ``cpu()``).
+        self.time_source = TimeSource()
         self.dataloader_rule = self.add_rule(
             "dataloader_rule", DataloaderBoundRule.from_settings, state_key="dataloader"
         )
@@ -204,7 +205,7 @@ class SystemMonitor(DiagCallback):
         self._step_extra: list[float] = []  # checkpoint seconds after each step
         self._acc = dict.fromkeys(HEADER, 0.0)
         self._tokens_dev: torch.Tensor | None = None
-        self._wall_start = time.perf_counter()
+        self._wall_start = self.time_source.wall()
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -240,11 +241,11 @@ class SystemMonitor(DiagCallback):
         unwrap_batch_end(self._boundary)
         self._boundary = None
         self._hooks.detach()
-        self._hooks = HookTimer()
+        self._hooks = HookTimer(self.time_source.wall)
         if self.time_callbacks:
             self._hooks.attach([cb for cb in trainer.callbacks if isinstance(cb, DiagCallback)])  # type: ignore[attr-defined]
         untime_save_checkpoint(trainer, self._save_timer)
-        self._save_timer = time_save_checkpoint(trainer, self._add_checkpoint_time)
+        self._save_timer = time_save_checkpoint(trainer, self._add_checkpoint_time, self.time_source.wall)
         # the step ends after the last callback's `on_train_batch_end`
         close = self._hooks.timed(type(self).__name__, self._close_batch) if self.time_callbacks else self._close_batch
         self._boundary = wrap_batch_end(trainer, close)
@@ -271,11 +272,12 @@ class SystemMonitor(DiagCallback):
         super().on_train_start(trainer, pl_module)
         device = pl_module.device
         self._device = device
-        self._clock = CudaClock() if device.type == "cuda" else HostClock()
+        self._clock = CudaClock() if device.type == "cuda" else HostClock(self.time_source)
         if self.nvml and device.type == "cuda" and self._nvml_probe is None:
             probe = NvmlProbe(device.index if device.index is not None else torch.cuda.current_device())
             self._nvml_probe = probe if probe.active else None
         self._reset_run()
+        host_rss_bytes()  # one-time set-up (importing psutil) here, not in the first logging step's timed hook
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -284,7 +286,7 @@ class SystemMonitor(DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Close the data wait; mark the start of the batch's compute."""
-        now = time.perf_counter()
+        now = self.time_source.wall()
         if self._prev_end is None:
             self._first_of_run = True  # no previous batch end: the wait is unknown, the step is left out
         else:
@@ -298,7 +300,7 @@ class SystemMonitor(DiagCallback):
             self._tokens_dev = tokens.float() if self._tokens_dev is None else self._tokens_dev + tokens
         elif tokens is not None:
             self._acc["tokens"] += tokens
-        self._cpu_start = time.process_time()
+        self._cpu_start = self.time_source.cpu()
         self._batch_start = self._clock.mark()
         self._before_opt = None
 
@@ -316,7 +318,7 @@ class SystemMonitor(DiagCallback):
             return
         end = self._clock.mark()
         in_batch, self._outside = self._outside, 0.0  # checkpoint saving inside the batch's hooks
-        self._cur_cpu += time.process_time() - self._cpu_start
+        self._cur_cpu += self.time_source.cpu() - self._cpu_start
         if self._before_opt is not None:
             self._pending.append((self._batch_start, self._before_opt, "fb"))
             self._pending.append((self._before_opt, end, "opt"))
@@ -334,18 +336,18 @@ class SystemMonitor(DiagCallback):
             self._cur_wait, self._after_validation, self._first_of_run = 0.0, False, False
             if self.is_logging_step(trainer):
                 self._report(trainer)
-        self._prev_end = time.perf_counter()
+        self._prev_end = self.time_source.wall()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start timing validation (its time is not data waiting)."""
-        self._val_start: float | None = time.perf_counter()
+        self._val_start: float | None = self.time_source.wall()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Stop timing validation; the next step is left out of the fluctuation test."""
         start: float | None = getattr(self, "_val_start", None)
         if start is None or trainer.sanity_checking:
             return
-        elapsed = time.perf_counter() - start
+        elapsed = self.time_source.wall() - start
         self._outside += elapsed
         self._acc["validation"] += elapsed
         self._after_validation = True
@@ -364,7 +366,7 @@ class SystemMonitor(DiagCallback):
         if self._tokens_dev is not None:
             acc["tokens"] += float(self._tokens_dev.item())
             self._tokens_dev = None
-        now = time.perf_counter()
+        now = self.time_source.wall()
         wall, self._wall_start = now - self._wall_start, now
         acc["rss"] = host_rss_bytes()
         device = getattr(self, "_device", None)
