@@ -332,6 +332,7 @@ class DiagCallback(pl.Callback):
         self._on_alert_failed = False
         self.alerts: list[Alert] = []
         self._session: DiagSession | None = None
+        self._step_axis: StepAxis | None = None
         self._notices: set[str] = set()
         self._last_logged_step = -1
 
@@ -340,6 +341,7 @@ class DiagCallback(pl.Callback):
         """Attach to the trainer's diagnostics session; a new fit starts with no alerts."""
         ensure_handler()
         self._session = _acquire_session(trainer)
+        self._step_axis = self._session.step_axis
         if stage == TrainerFn.FITTING:
             self.alerts = []
             self._on_alert_failed = False
@@ -372,8 +374,10 @@ class DiagCallback(pl.Callback):
     def _base_on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        if self._session is not None:
-            checkpoint[STEP_AXIS_KEY] = self._session.step_axis.state_dict()
+        # The session's, or the last fit's after teardown (`trainer.save_checkpoint` after `fit`).
+        axis = self._session.step_axis if self._session is not None else self._step_axis
+        if axis is not None:
+            checkpoint[STEP_AXIS_KEY] = axis.state_dict()
 
     def _base_on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
