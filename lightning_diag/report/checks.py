@@ -66,6 +66,8 @@ class Check:
         first_alert_step: Global step of the first of them (or of the first replayed one).
         replayed: Warning and critical alerts its rules raise when replayed over the logged series.
         note: Why it is not measured, or what else the reader should know.
+        severity: The worst severity (``"warning"`` or ``"critical"``) of the alerts that fail it, logged or
+            replayed; ``""`` when it does not fail. ``lightning-diag report --fail-on`` gates on it.
     """
 
     id: str
@@ -81,6 +83,7 @@ class Check:
     first_alert_step: int | None = None
     replayed: int = 0
     note: str = ""
+    severity: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (non-finite numbers as strings)."""
@@ -210,6 +213,7 @@ def _finish(check: Check, run: RunData, measured: bool, replayed: list[Alert]) -
     first = min([*logged, *again], key=lambda a: a.global_step, default=None)
     if first is not None:
         check.status = "fail"
+        check.severity = "critical" if any(a.severity == "critical" for a in [*logged, *again]) else "warning"
         check.first_alert_step = first.global_step
         if check.measured is None:
             check.measured = f"{first.rule} at step {first.global_step} ({first.source})"
