@@ -341,7 +341,8 @@ class DiagCallback(pl.Callback):
         """Attach to the trainer's diagnostics session; a new fit starts with no alerts."""
         ensure_handler()
         self._session = _acquire_session(trainer)
-        self._step_axis = self._session.step_axis
+        if self._session is not None:
+            self._step_axis = self._session.step_axis
         if stage == TrainerFn.FITTING:
             self.alerts = []
             self._on_alert_failed = False
