@@ -4,7 +4,6 @@ model. Also a script: ``python logger_models.py wandb|mlflow ROOT [nan_at]`` run
 from __future__ import annotations
 
 import math
-import os
 import sys
 from typing import Any
 

@@ -142,7 +142,8 @@ def test_mlflow_two_fits_get_their_own_folder_tag_and_artifacts(tmp_path):
         names = sorted(os.path.basename(f.path) for f in client.list_artifacts(lg.run_id, "diag"))
         expected = ["alerts.jsonl", "report.md", "thresholds.json"] if lg is first else ["report.md", "thresholds.json"]
         assert names == expected
-    report = Path(client.download_artifacts(first.run_id, "diag/report.md", str(tmp_path.parent / f"{tmp_path.name}_download"))).read_text()
+    download = tmp_path.parent / f"{tmp_path.name}_download"
+    report = Path(client.download_artifacts(first.run_id, "diag/report.md", str(download))).read_text()
     assert "nonfinite_loss" in report and "FAIL" in report
     _check_two_runs(tmp_path)
 
