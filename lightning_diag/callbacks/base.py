@@ -158,7 +158,8 @@ class DiagSession:
         self._alerts: list[Alert] = []
         self._fit_started = False
         self._sinks: list[Any] = []
-        self.step_axis = StepAxis()
+        # Per trainer, not per session: a second `trainer.fit` on the same trainer continues Lightning's count.
+        self.step_axis = _STEP_AXES.setdefault(trainer, StepAxis())
         self.users = 0
         self.alert_log = AlertLog(
             os.path.join(self.diag_dir, ALERTS_FILE) if is_global_zero else None,
@@ -237,6 +238,7 @@ class DiagSession:
 
 
 _SESSIONS: weakref.WeakKeyDictionary[pl.Trainer, DiagSession] = weakref.WeakKeyDictionary()
+_STEP_AXES: weakref.WeakKeyDictionary[pl.Trainer, StepAxis] = weakref.WeakKeyDictionary()
 
 
 def _acquire_session(trainer: pl.Trainer) -> DiagSession:

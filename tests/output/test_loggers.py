@@ -265,3 +265,19 @@ def test_tensorboard_and_csv_keep_their_diag_folder(tmp_path):
         trainer = pl.Trainer(max_steps=2, logger=logger, callbacks=[AnomalyAlarm()], **FAST)
         trainer.fit(Regression())
         assert json.loads((Path(logger.log_dir) / "diag" / "thresholds.json").read_text())["callbacks"]
+
+
+def test_a_second_fit_of_the_same_trainer_continues_the_axis(tmp_path):
+    logger = CSVLogger(tmp_path)
+    callbacks = [GradientFlowMonitor(log_every_n_steps=1)]
+    trainer = pl.Trainer(
+        max_epochs=1, limit_train_batches=3, logger=logger, log_every_n_steps=1, callbacks=callbacks, **FAST
+    )
+    model = TwoOptimizers()
+    trainer.fit(model)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model)
+    assert trainer.global_step == 12
+    steps = _steps(Path(logger.log_dir) / "metrics.csv")
+    assert steps["user_loss"] == set(range(6))
+    assert steps["diag/grad_norm/total"] == steps["user_loss"]
