@@ -43,7 +43,7 @@ THRESHOLDS_FILE = "thresholds.json"
 #: Top-level checkpoint key of the step axis (:class:`StepAxis`), shared by every lightning_diag callback.
 STEP_AXIS_KEY = "lightning_diag_step_axis"
 # Hooks whose base behaviour runs even when a subclass overrides them without calling super().
-_BASE_HOOKS = ("on_train_batch_start", "on_save_checkpoint", "on_load_checkpoint")
+_BASE_HOOKS = ("on_train_epoch_start", "on_train_batch_start", "on_save_checkpoint", "on_load_checkpoint")
 
 
 class StepAxis:
@@ -58,7 +58,8 @@ class StepAxis:
 
     :attr:`step` is what a series written now is logged at: during a batch, the number of stepping batches
     before it (the step Lightning logs that batch's ``self.log`` values at); between batches (validation, epoch
-    end), that of the last batch. Its state travels in every lightning_diag callback's checkpoint entry.
+    end), that of the last batch; from an epoch's start (:meth:`epoch_started`), the count including the last
+    batch, as Lightning's. Its state travels in the checkpoint (:data:`STEP_AXIS_KEY`).
     """
 
     _HISTORY = 256
@@ -83,6 +84,14 @@ class StepAxis:
         if self.pending:
             self.stepped += 1
         self.pending = self._steps(trainer, pl_module, batch_idx)
+        self._global_steps.append((trainer.global_step, self.stepped))
+
+    def epoch_started(self, trainer: pl.Trainer) -> None:
+        """A training epoch starts: the last batch of the previous one is counted now (Lightning's count has
+        moved past it)."""
+        if self.pending:
+            self.stepped += 1
+            self.pending = False
         self._global_steps.append((trainer.global_step, self.stepped))
 
     @staticmethod
@@ -176,7 +185,8 @@ class DiagSession:
             if trainer is None or not self.is_global_zero:
                 self._writer = DiagWriter(None)
             else:
-                self._writer = DiagWriter.for_trainer(trainer, self.log_dir, step_axis=self._user_step)
+                self._writer = DiagWriter.for_trainer(trainer, self.log_dir)
+                self._writer.step_axis = self._user_step
         return self._writer
 
     def _user_step(self, global_step: int) -> int:
@@ -368,6 +378,10 @@ class DiagCallback(pl.Callback):
             self._session.start_fit(trainer)
 
     # -- the step axis (kept in subclasses that override these hooks, see __init_subclass__) --------------------
+    def _base_on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._session is not None:
+            self._session.step_axis.epoch_started(trainer)
+
     def _base_on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, *args: Any
     ) -> None:
@@ -387,6 +401,10 @@ class DiagCallback(pl.Callback):
     ) -> None:
         if self._session is not None and STEP_AXIS_KEY in checkpoint:
             self._session.step_axis.load_state_dict(checkpoint[STEP_AXIS_KEY])
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Move the user's step axis past the previous epoch's last batch."""
+        self._base_on_train_epoch_start(trainer, pl_module)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
