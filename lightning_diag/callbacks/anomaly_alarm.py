@@ -361,6 +361,7 @@ class AnomalyAlarm(DiagCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the step window and share restored loss sums over the ranks; take the first snapshot."""
+        super().on_train_start(trainer, pl_module)
         self.trend.start(trainer)
         self.recovery.start(trainer, pl_module, self._snapshot_state, self._restore_snapshot_state)
 

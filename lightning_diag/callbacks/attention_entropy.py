@@ -13,10 +13,18 @@ from torch import nn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.core.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
-from lightning_diag.core.tags import attn_entropy_tag, attn_heads_tag, attn_map_tag, attn_sink_tag, attn_uniform_tag
+from lightning_diag.core.tags import (
+    attn_distance_tag,
+    attn_entropy_tag,
+    attn_heads_tag,
+    attn_map_tag,
+    attn_sink_tag,
+    attn_uniform_tag,
+)
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.attention_capture import AttentionCapture, is_compiled
 from lightning_diag.instrument.attention_record import AttentionRecorder
+from lightning_diag.instrument.batches import token_ids as find_token_ids
 from lightning_diag.output.images import heatmap, scatter, tile
 from lightning_diag.rules.attention import (
     DEFAULT_ATTN_PATIENCE,
@@ -249,7 +257,7 @@ class AttentionEntropyMonitor(DiagCallback):
             self._mha = self._find_modules(pl_module)
         token_ids = None
         if self.special_token_ids:
-            token_ids = (self.input_ids or token_ids)(batch)
+            token_ids = (self.input_ids or find_token_ids)(batch)
             if token_ids is None:
                 self.notice(
                     trainer,
@@ -329,6 +337,7 @@ class AttentionEntropyMonitor(DiagCallback):
             values[attn_entropy_tag(name, "mean")] = sum(stats.entropy) / len(stats.entropy)
             values[attn_uniform_tag(name)] = max(stats.uniform)
             values[attn_sink_tag(name)] = min(stats.special_mass)
+        values.update(self._distances(trainer, recorder, [n for n in layers if n in recorder.stats]))
         values.update(self.threshold_lines(ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
@@ -391,6 +400,34 @@ class AttentionEntropyMonitor(DiagCallback):
             entropy, uniform, mass, share, first_mass, cover = cols
             layers[name] = LayerStats(entropy, uniform, mass, share, first_mass, is_causal, cover)
         return layers
+
+    def _distances(self, trainer: pl.Trainer, recorder: AttentionRecorder, names: list[str]) -> dict[str, float]:
+        """``diag/attn_distance[_relative]/<module>/head_<h>`` of the self-attention modules, averaged over ranks
+        weighted by valid rows (one host copy; every rank has the same modules here, as :meth:`_reduce` checked)."""
+        measured = [n for n in names if recorder.stats[n].distance is not None]
+        if not measured:
+            return {}
+        parts = []
+        for n in measured:
+            s = recorder.stats[n]
+            rows = s.rows.reshape(-1)[:1]
+            parts += [s.distance * rows, s.distance_relative * rows, rows]  # type: ignore[operator]
+        flat = torch.cat([p.reshape(-1).float() for p in parts])
+        if trainer.world_size > 1 and "ranks-differ" not in self._notices:  # the same decision on every rank
+            flat = trainer.strategy.reduce(flat, reduce_op="sum")
+        host = flat.tolist()
+        values: dict[str, float] = {}
+        i = 0
+        for n in measured:
+            h = int(recorder.stats[n].entropy.numel())
+            chunk, i = host[i : i + 2 * h + 1], i + 2 * h + 1
+            rows = chunk[-1]
+            if rows <= 0:
+                continue
+            for head in range(h):
+                values[attn_distance_tag(n, head)] = chunk[head] / rows
+                values[attn_distance_tag(n, head, relative=True)] = chunk[h + head] / rows
+        return values
 
     # -- images --------------------------------------------------------------------------------------------
     def _draw(self, recorder: AttentionRecorder, step: int) -> None:

@@ -15,6 +15,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
+from lightning_diag.callbacks.provenance import write_run_record
 from lightning_diag.core.alerts import Alert, AlertLog
 from lightning_diag.core.log_handler import ensure_handler
 from lightning_diag.core.registry import registry_thresholds
@@ -169,6 +170,7 @@ class DiagSession:
         self._sinks: list[Any] = []
         # Per trainer, not per session: a second `trainer.fit` on the same trainer continues Lightning's count.
         self.step_axis = _STEP_AXES.setdefault(trainer, StepAxis())
+        self._run_recorded = False
         self.users = 0
         self.alert_log = AlertLog(
             os.path.join(self.diag_dir, ALERTS_FILE) if is_global_zero else None,
@@ -230,6 +232,16 @@ class DiagSession:
 
         self._sinks = sinks_for(trainer.loggers, self.diag_dir, lambda: self.step_axis.step)
         call_sinks(self._sinks, "start")
+
+    def record_run(self, trainer: pl.Trainer) -> None:
+        """Once per fit, on rank zero, when training starts (the loaders are set up): ``<log_dir>/diag/run.json``,
+        the run's provenance (:mod:`lightning_diag.callbacks.provenance`)."""
+        if self._run_recorded or not self.is_global_zero:
+            return
+        self._run_recorded = True
+        problem = write_run_record(trainer, self.diag_dir)
+        if problem is not None:
+            log.warning("lightning_diag: %s", problem)
 
     def close(self) -> None:
         """Hand the fit's alerts to the loggers' sinks (W&B, MLflow), close the alert log and the writer (if the
@@ -376,6 +388,11 @@ class DiagCallback(pl.Callback):
         """Record the thresholds in effect and write the dashboard layout (once per fit, rank zero)."""
         if self._session is not None:
             self._session.start_fit(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the run's provenance, ``diag/run.json`` (once per fit, rank zero)."""
+        if self._session is not None:
+            self._session.record_run(trainer)
 
     # -- the step axis (kept in subclasses that override these hooks, see __init_subclass__) --------------------
     def _base_on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

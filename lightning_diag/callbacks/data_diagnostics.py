@@ -207,6 +207,7 @@ class DataDiagnostics(DiagCallback):
     # -- hooks ---------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Measure the data once the loaders exist, before the first step."""
+        super().on_train_start(trainer, pl_module)
         self._measure(trainer)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

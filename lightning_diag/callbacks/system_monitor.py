@@ -274,6 +274,7 @@ class SystemMonitor(DiagCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Pick the clock (CUDA events on a CUDA device) and open NVML."""
+        super().on_train_start(trainer, pl_module)
         device = pl_module.device
         self._device = device
         self._clock = CudaClock() if device.type == "cuda" else HostClock()

@@ -44,6 +44,7 @@ __all__ = [
     "THRESHOLDS_TAG",
     "LossSeries",
     "act_grad_norm_tag",
+    "attn_distance_tag",
     "attn_entropy_tag",
     "attn_head",
     "attn_heads_tag",
@@ -53,6 +54,7 @@ __all__ = [
     "attn_sink_tag",
     "attn_uniform_tag",
     "data_tag",
+    "errors_tag",
     "family_tag",
     "grad_blocks_tag",
     "grad_hist_tag",
@@ -66,6 +68,7 @@ __all__ = [
     "lr_tag",
     "overhead_tag",
     "prefix",
+    "robustness_tag",
     "sanitize_tag",
     "tag",
     "threshold_rule",
@@ -81,7 +84,7 @@ ALERTS_TAG = TAG_PREFIX + "/alerts"
 #: Text tag of the thresholds-in-effect table written at fit start.
 THRESHOLDS_TAG = TAG_PREFIX + "/thresholds"
 #: Tag families of the newer callbacks, for :func:`family_tag`.
-FAMILIES: tuple[str, ...] = ("data", "system", "overhead", "sharpness", "quant")
+FAMILIES: tuple[str, ...] = ("data", "system", "overhead", "sharpness", "quant", "errors", "robustness")
 
 #: The names of the ``diag/loss/<name>`` series.
 LossSeries = Literal[
@@ -165,6 +168,17 @@ def attn_entropy_tag(module: str, head: int | Literal["mean", "uniform"]) -> str
         ('diag/attn_entropy/enc.0.attn/head_2', 'diag/attn_entropy/enc.0.attn/mean')
     """
     return tag("attn_entropy", module, head if isinstance(head, str) else f"head_{head}")
+
+
+def attn_distance_tag(module: str, head: int, relative: bool = False) -> str:
+    """A head's mean attention distance |i − j| (``diag/attn_distance/...``), or the same over the sequence
+    length (``diag/attn_distance_relative/...``).
+
+    Example:
+        >>> attn_distance_tag("h.0.attn", 1), attn_distance_tag("h.0.attn", 1, relative=True)
+        ('diag/attn_distance/h.0.attn/head_1', 'diag/attn_distance_relative/h.0.attn/head_1')
+    """
+    return tag("attn_distance_relative" if relative else "attn_distance", module, f"head_{head}")
 
 
 def attn_uniform_tag(module: str) -> str:
@@ -341,3 +355,13 @@ def quant_layer(name: str) -> tuple[str, str] | None:
     """``(layer, measure)`` of a ``diag/quant/layer/<layer>/<measure>`` tag, else ``None``."""
     match = _QUANT_LAYER.match(name)
     return (match["layer"], match["measure"]) if match else None
+
+
+def errors_tag(*parts: str) -> str:
+    """An ErrorAnalysis tag: ``errors_tag("rate")`` -> ``diag/errors/rate``."""
+    return family_tag("errors", *parts)
+
+
+def robustness_tag(*parts: str) -> str:
+    """A RobustnessProbe tag: ``robustness_tag("swap", "drop")`` -> ``diag/robustness/swap/drop``."""
+    return family_tag("robustness", *parts)

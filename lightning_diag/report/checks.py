@@ -276,6 +276,7 @@ def diagnose(run: RunData) -> RunReport:
 
 
 # measure functions registered by their own modules (imported last: they use `measure` and `Check` from here)
+from lightning_diag.report import attention_range as _attention_range  # noqa: E402,F401  (the attention range row)
 from lightning_diag.report import data_checks as _data_checks  # noqa: E402,F401  (registers the Data rows)
 from lightning_diag.report import measures as _measures  # noqa: E402,F401  (the Model, Training, Deployment rows)
 from lightning_diag.report import probe_checks as _probe_checks  # noqa: E402,F401  (registers the probes' rows)

@@ -40,6 +40,8 @@ register_check(CheckSpec(
 ))
 register_check(CheckSpec("attn_sink", "Model",
                          "No layer whose every head puts more than {attn_sink:g} of its mass on [CLS]/[SEP]"))
+register_check(CheckSpec("attn_range", "Model",
+                         "Attention range: the heads that read long-range and the purely local ones (information)"))
 register_check(CheckSpec("nonfinite", "Training", "No NaN/Inf in the loss or the gradients"))
 register_check(CheckSpec(
     "loss_swing", "Training",
@@ -191,3 +193,23 @@ register(RuleSpec("memory_growth", _SYSTEM, "warning", 0.1,
                   settings={"window": 8, "rising_fraction": 0.7},
                   arguments={"threshold": "memory_growth", "window": "memory_window",
                              "rising_fraction": "memory_rising_fraction"}))
+
+_ERRORS = "ErrorAnalysis"
+register_check(CheckSpec("error_concentration", "Model",
+                         "Error concentration: no cluster of validation samples with an error rate at least "
+                         "{error_cluster:g}x the overall rate holding {error_cluster__min_share:.0%} of them"))
+register(RuleSpec("error_cluster", _ERRORS, "warning", 3.0,
+                  "a cluster of validation samples whose error rate is at least {threshold:g}x the overall rate "
+                  "and which holds at least {min_share:.0%} of the samples",
+                  settings={"min_share": 0.05}, check="error_concentration", source="seed 001 §2.2",
+                  arguments={"threshold": "ratio", "min_share": "min_share"}))
+
+_ROBUST = "RobustnessProbe"
+register_check(CheckSpec("robustness", "Model",
+                         "Robustness ({robustness_drop__rate:.0%} perturbation): the validation metric drops by at "
+                         "most {robustness_drop:.0%}"))
+register(RuleSpec("robustness_drop", _ROBUST, "warning", 0.15,
+                  "perturbing {rate:.0%} of the tokens (typos or swapped neighbours) drops the validation metric "
+                  "by more than {threshold:.0%} (relative)",
+                  settings={"rate": 0.05}, check="robustness", source="seed 000 §2.1",
+                  arguments={"threshold": "threshold", "rate": "rate"}))
