@@ -21,10 +21,11 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_diag.report.checks import Check, RunReport, Status, diagnose
 from lightning_diag.report.load import ALERTS_FILE, THRESHOLDS_FILE, NoDiagnosticsError, RunData, find_runs, load_run
@@ -104,11 +105,11 @@ def iter_reports(
     if not root.is_dir():
         raise FileNotFoundError(f"{logdir} is not a directory")
     paths = find_runs(root)
-    plots = None
+    plots: Any = None
     plot_note = ""
     if plot_dir is not None:
         try:
-            from lightning_diag.report import plots  # plots reads report.load only: no import cycle
+            plots = importlib.import_module("lightning_diag.report.plots")  # reads report.load only: no cycle
         except ImportError:  # pragma: no cover - depends on the environment
             plot_note = "plots skipped: matplotlib is not installed (pip install 'lightning-diag[plots]')"
     found = 0
