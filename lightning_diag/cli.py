@@ -1,14 +1,16 @@
-"""The ``lightning-diag`` command line: ``demo``, ``report``, ``compare`` and ``repro``.
+"""The ``lightning-diag`` command line: ``demo``, ``report``, ``compare`` and ``repro``; ``--version``.
 
-Exit codes: 0 done; 1 ``report`` or ``compare`` found no diagnostics; 2 bad command-line input.
+Exit codes: 0 done; 1 ``report`` or ``compare`` found no diagnostics, or (``report --fail-on warning|critical``)
+a run has an alert or a FAIL row at that level; 2 bad command-line input.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 __all__ = ["main"]
@@ -20,7 +22,10 @@ def _parser(fault_names: Sequence[str] | None = None) -> argparse.ArgumentParser
     The fault library imports torch and Lightning, so it is loaded only for ``demo``: ``report`` (and its
     ``--help``) stays light.
     """
+    from lightning_diag import __version__
+
     parser = argparse.ArgumentParser(prog="lightning-diag", description="Diagnose PyTorch Lightning training runs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a tiny transformer on the shipped synthetic task, with one fault")
     demo.add_argument(
@@ -43,6 +48,12 @@ def _parser(fault_names: Sequence[str] | None = None) -> argparse.ArgumentParser
     report.add_argument("--format", default="md", choices=["md", "json", "html"], help="output format (default: md)")
     report.add_argument(
         "--out", default=None, metavar="DIR", help="write report.<format> and the plots into DIR instead of stdout"
+    )
+    report.add_argument(
+        "--fail-on",
+        default="never",
+        choices=["never", "warning", "critical"],
+        help="exit 1 when a run has an alert or a FAIL row at this level or above, for CI (default: never)",
     )
     compare = sub.add_parser(
         "compare",
@@ -97,8 +108,31 @@ def _repro(config: str, fraction: float) -> int:
     return _report(log_dir, "md", None)
 
 
-def _report(logdir: str, fmt: str, out: str | None) -> int:
-    from lightning_diag.report import NoDiagnosticsError, build_report, render
+class _Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal and there is more than one run."""
+
+    def __init__(self) -> None:
+        self.shown = False
+
+    def __call__(self, index: int, total: int, path: Path) -> None:
+        if total < 2 or not sys.stderr.isatty():
+            return
+        width = 24
+        filled = width * index // total
+        bar = "#" * filled + "." * (width - filled)
+        sys.stderr.write(f"\rlightning-diag report [{bar}] {index + 1}/{total} {str(path)[-40:]}\x1b[K")
+        sys.stderr.flush()
+        self.shown = True
+
+    def done(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            self.shown = False
+
+
+def _report(logdir: str, fmt: str, out: str | None, fail_on: str = "never") -> int:
+    from lightning_diag.report import NoDiagnosticsError, RunReport, gate, iter_reports, render_stream
 
     if not os.path.isdir(logdir):
         what = "is not a directory" if os.path.exists(logdir) else "does not exist"
@@ -115,32 +149,69 @@ def _report(logdir: str, fmt: str, out: str | None) -> int:
 
         tmp = tempfile.TemporaryDirectory(prefix="lightning-diag-plots-")
         plot_dir = Path(tmp.name)
+    failures: list[str] = []
+    plots = 0
+    noted = False
+    progress = _Progress()
+
+    def reports() -> Iterator[RunReport]:
+        # One run at a time: gated, its plot note printed once, then rendered and dropped.
+        nonlocal plots, noted
+        for rep in iter_reports(logdir, plot_dir=plot_dir, progress=progress):
+            if rep.plot_note and not noted:
+                progress.done()
+                print(f"lightning-diag report: {rep.plot_note}", file=sys.stderr)
+                noted = True
+            failures.extend(f"{rep.run.path}: {why}" for why in gate(rep, fail_on))  # type: ignore[arg-type]
+            plots += len(rep.plots)
+            yield rep
+
     try:
         try:
-            reports = build_report(logdir, plot_dir=plot_dir)
+            runs = reports()
+            first = next(runs)  # nothing is written before a run with diagnostics is found
+            chunks = render_stream(itertools.chain([first], runs), fmt, plot_base=out_dir)  # type: ignore[arg-type]
+            if out_dir is None:
+                _print_chunks(chunks)
+            else:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                path = out_dir / f"report.{fmt}"
+                with open(path, "w", encoding="utf-8") as fh:
+                    for chunk in chunks:
+                        fh.write(chunk)
+                    fh.write("\n")
         except NoDiagnosticsError as err:
+            progress.done()
             print(f"lightning-diag report: {err}", file=sys.stderr)
             return 1
-        for rep in reports:
-            if rep.plot_note:
-                print(f"lightning-diag report: {rep.plot_note}", file=sys.stderr)
-                break
-        text = render(reports, fmt, plot_base=out_dir)  # type: ignore[arg-type]
+        finally:
+            progress.done()
     finally:
         if tmp is not None:
             tmp.cleanup()
-    if out_dir is None:
-        try:
-            print(text)
-            sys.stdout.flush()
-        except BrokenPipeError:  # `lightning-diag report ... | head`
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"report.{fmt}"
-    path.write_text(text + "\n", encoding="utf-8")
-    print(f"lightning-diag report: wrote {path} ({sum(len(r.plots) for r in reports)} plots)")
+    if out_dir is not None:
+        print(f"lightning-diag report: wrote {out_dir / f'report.{fmt}'} ({plots} plots)")
+    if failures:
+        print(f"lightning-diag report: --fail-on {fail_on}: {len(failures)} finding(s) at that level", file=sys.stderr)
+        for why in failures[:20]:
+            print(f"  {why}", file=sys.stderr)
+        if len(failures) > 20:
+            print(f"  ... and {len(failures) - 20} more", file=sys.stderr)
+        return 1
     return 0
+
+
+def _print_chunks(chunks: Iterable[str]) -> None:
+    """Write the report to stdout as it is rendered; quiet on a closed pipe (``... | head``)."""
+    try:
+        for chunk in chunks:
+            sys.stdout.write(chunk)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        for _ in chunks:  # finish the runs, so --fail-on still judges every one
+            pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(result.summary())
         return 0
     if args.command == "report":
-        return _report(args.logdir, args.format, args.out)
+        return _report(args.logdir, args.format, args.out, args.fail_on)
     if args.command == "compare":
         return _compare(args.runs, args.format)
     if args.command == "repro":

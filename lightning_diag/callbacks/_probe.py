@@ -69,6 +69,9 @@ class ValidationProbe(DiagCallback):
         num_batches: Validation batches per probe.
         loss_fn: ``loss_fn(pl_module, batch)`` returning the loss (a scalar tensor or a dict with ``"loss"``);
             by default ``pl_module.training_step(batch, batch_idx)``, with ``self.log`` silenced.
+        on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
+            rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
+            that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
     """
 
     extra_state_keys = ("last_probed_epoch",)

@@ -133,6 +133,9 @@ class AnomalyAlarm(DiagCallback):
         rollback_device: ``"rollback"``: ``"cpu"`` keeps snapshots in host memory (non-blocking copies),
             ``"device"`` on the training device.
         rollback_snapshots: ``"rollback"``: snapshots kept.
+        on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
+            rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
+            that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
 
     Attributes:
         policy: The non-finite policy (verdicts, skip and overflow counts, latch).

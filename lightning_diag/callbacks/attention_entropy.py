@@ -125,6 +125,9 @@ class AttentionEntropyMonitor(DiagCallback):
         warmup_steps: Optimizer steps before ``attn_entropy_high`` judges (default 200).
         sink_mass: ``attn_sink`` threshold: mass on special tokens (default 0.5).
         patience: Consecutive measurements a condition must hold (default 2).
+        on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
+            rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
+            that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
 
     Raises:
         TypeError: If an argument has the wrong type.

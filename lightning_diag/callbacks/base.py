@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
 import logging
 import os
@@ -17,6 +19,7 @@ from lightning_diag.callbacks.provenance import write_run_record
 from lightning_diag.core.alerts import Alert, AlertLog
 from lightning_diag.core.log_handler import ensure_handler
 from lightning_diag.core.registry import registry_thresholds
+from lightning_diag.core.tags import sanitize_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.output.dashboard import (
     ALERTS_TAG,
@@ -26,10 +29,10 @@ from lightning_diag.output.dashboard import (
     threshold_tag,
     thresholds_markdown,
 )
-from lightning_diag.output.writer import DiagWriter
+from lightning_diag.output.writer import DiagWriter, per_version_logger_types
 from lightning_diag.rules.base import StepContext
 
-__all__ = ["AlertHandler", "DiagCallback", "DiagSession", "StatefulRule", "extract_loss"]
+__all__ = ["AlertHandler", "DiagCallback", "DiagSession", "StatefulRule", "StepAxis", "extract_loss", "run_log_dir"]
 
 #: ``on_alert=``: called with each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global rank zero).
 AlertHandler = Callable[[Alert], object]
@@ -50,14 +53,120 @@ RuleT = TypeVar("RuleT", bound=StatefulRule)
 
 ALERTS_FILE = "alerts.jsonl"
 THRESHOLDS_FILE = "thresholds.json"
+#: Top-level checkpoint key of the step axis (:class:`StepAxis`), shared by every lightning_diag callback.
+STEP_AXIS_KEY = "lightning_diag_step_axis"
+# Hooks whose base behaviour runs even when a subclass overrides them without calling super().
+_BASE_HOOKS = ("on_train_epoch_start", "on_train_batch_start", "on_save_checkpoint", "on_load_checkpoint")
+
+
+class StepAxis:
+    """The user's step axis: the number of training batches that stepped, as Lightning's ``self.log`` counts them.
+
+    Lightning logs ``self.log`` values, ``LearningRateMonitor`` and ``DeviceStatsMonitor`` at the number of
+    batches whose optimizer stepped (one per batch under manual optimization, whatever the number of optimizers;
+    one per ``accumulate_grad_batches`` batches, and the last of an epoch, under automatic optimization), not at
+    ``trainer.global_step``, which counts ``optimizer.step()`` calls (two per batch in a two-optimizer GAN). This
+    counts those batches from public hooks and attributes only: :meth:`batch_started` is called at every
+    ``on_train_batch_start`` of a lightning_diag callback (once per batch, whatever the number of callbacks).
+
+    :attr:`step` is what a series written now is logged at: during a batch, the number of stepping batches
+    before it (the step Lightning logs that batch's ``self.log`` values at); between batches (validation, epoch
+    end), that of the last batch; from an epoch's start (:meth:`epoch_started`), the count including the last
+    batch, as Lightning's. Its state travels in the checkpoint (:data:`STEP_AXIS_KEY`).
+    """
+
+    _HISTORY = 256
+
+    def __init__(self) -> None:
+        self.stepped = 0  # stepping batches before the current one
+        self.pending = False  # whether the current batch steps (counted when the next one starts)
+        self._batch: tuple[int, int, int] | None = None
+        self._global_steps: collections.deque[tuple[int, int]] = collections.deque(maxlen=self._HISTORY)
+
+    @property
+    def step(self) -> int:
+        """The step on the user's axis of what is written now."""
+        return self.stepped
+
+    def batch_started(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+        """A training batch starts (idempotent within one batch)."""
+        key = (trainer.current_epoch, batch_idx, trainer.global_step)
+        if key == self._batch:
+            return
+        self._batch = key
+        if self.pending:
+            self.stepped += 1
+        self.pending = self._steps(trainer, pl_module, batch_idx)
+        self._global_steps.append((trainer.global_step, self.stepped))
+
+    def epoch_started(self, trainer: pl.Trainer) -> None:
+        """A training epoch starts: the last batch of the previous one is counted now (Lightning's count has
+        moved past it)."""
+        if self.pending:
+            self.stepped += 1
+            self.pending = False
+        self._global_steps.append((trainer.global_step, self.stepped))
+
+    @staticmethod
+    def _steps(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> bool:
+        # Lightning's rule for counting a batch as stepped, from public attributes.
+        if not pl_module.automatic_optimization:
+            return True
+        ready = batch_idx + 1
+        accumulation_done = ready % max(int(trainer.accumulate_grad_batches), 1) == 0
+        total = trainer.num_training_batches
+        is_final = isinstance(total, int) and ready == total
+        return accumulation_done or (is_final and not trainer.strategy.handles_gradient_accumulation)
+
+    def user_step(self, global_step: int) -> int:
+        """The user-axis step of a series a callback writes at ``global_step`` (``trainer.global_step`` or the
+        step just measured): the current step, or that of the recent batch during which ``global_step`` was
+        current."""
+        for started_at, step in reversed(self._global_steps):
+            if started_at <= global_step:
+                return step
+        return self.stepped
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"stepped": n}``: the stepping batches so far, the current one included."""
+        return {"stepped": self.stepped + int(self.pending)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the count."""
+        self.stepped = int(state["stepped"])
+        self.pending = False
+        self._batch = None
+        self._global_steps.clear()
+
+
+def run_log_dir(trainer: pl.Trainer) -> str:
+    """The folder of this run's diagnostics, ``<it>/diag``: one per run, whatever the loggers.
+
+    ``trainer.log_dir`` when the first logger's folder is per run (TensorBoard's and CSV's ``version_N``) or
+    there is no logger (``default_root_dir``). Otherwise (W&B, MLflow, a custom logger, whose ``trainer.log_dir``
+    is their shared save directory) ``<save_dir or default_root_dir>/<name>/<version>``, the folder Lightning's
+    ``ModelCheckpoint`` uses for the run's checkpoints: W&B's project and run id, MLflow's experiment id and run
+    id. Decided on global rank zero and broadcast: call it on every rank.
+    """
+    base = trainer.log_dir or trainer.default_root_dir
+    loggers = trainer.loggers
+    if not loggers or isinstance(loggers[0], per_version_logger_types()):
+        return base
+    parts: list[str] | None = None
+    if trainer.is_global_zero:
+        name, version = loggers[0].name, loggers[0].version
+        if version is not None and not isinstance(version, str):
+            version = f"version_{version}"
+        parts = [sanitize_tag(str(p)) for p in (name, version) if p not in (None, "")]
+    parts = trainer.strategy.broadcast(parts)
+    return os.path.join(base, *parts) if parts else base
 
 
 class DiagSession:
-    """The writer and alert log shared by every lightning_diag callback attached to one trainer.
+    """The writer, alert log and step axis shared by every lightning_diag callback attached to one trainer.
 
     Args:
-        log_dir: ``trainer.log_dir`` (or ``default_root_dir`` when there is no logger); files go to
-            ``<log_dir>/diag``.
+        log_dir: The run's folder (:func:`run_log_dir`); files go to ``<log_dir>/diag``.
         trainer: The trainer; used lazily to find its loggers and TensorBoard writer.
         is_global_zero: Only global rank zero writes anything.
     """
@@ -70,6 +179,9 @@ class DiagSession:
         self._writer: DiagWriter | None = None
         self._alerts: list[Alert] = []
         self._fit_started = False
+        self._sinks: list[Any] = []
+        # Per trainer, not per session: a second `trainer.fit` on the same trainer continues Lightning's count.
+        self.step_axis = _STEP_AXES.setdefault(trainer, StepAxis())
         self._run_recorded = False
         self.users = 0
         self.alert_log = AlertLog(
@@ -88,13 +200,22 @@ class DiagSession:
                 self._writer = DiagWriter(None)
             else:
                 self._writer = DiagWriter.for_trainer(trainer, self.log_dir)
+                self._writer.step_axis = self._user_step
         return self._writer
+
+    def _user_step(self, global_step: int) -> int:
+        # During a fit, everything goes on the user's axis (StepAxis); outside one (validate) as given.
+        return self.step_axis.user_step(global_step) if self._fit_started else global_step
 
     def _alert_text(self, alert: Alert) -> None:
         # The whole table, newest first, at every alert: the latest text entry always holds every alert.
         self._alerts.append(alert)
         self.writer.text(ALERTS_TAG, alerts_markdown(self._alerts), alert.global_step)
         self.writer.flush()
+        if self._sinks:
+            from lightning_diag.output.logger_sinks import call_sinks
+
+            call_sinks(self._sinks, "alert", alert, list(self._alerts))
 
     def start_fit(self, trainer: pl.Trainer) -> None:
         """Once per fit, on rank zero: record the thresholds in effect and write the dashboard layout.
@@ -102,9 +223,12 @@ class DiagSession:
         The thresholds of every :class:`DiagCallback` on the trainer go to ``<log_dir>/diag/thresholds.json``
         and to TensorBoard text under ``diag/thresholds``; the custom-scalars layout covers their rules.
         """
-        if self._fit_started or not self.is_global_zero:
+        if self._fit_started:
             return
         self._fit_started = True
+        if not self.is_global_zero:
+            return
+        log.info("diagnostics of this run: %s", self.diag_dir)
         by_callback: dict[str, dict[str, float]] = {}
         for cb in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(cb, DiagCallback):
@@ -116,6 +240,10 @@ class DiagSession:
         self.writer.text(THRESHOLDS_TAG, thresholds_markdown(by_callback), trainer.global_step)
         self.writer.custom_scalars(dashboard_layout([k for k in merged if "." not in k]))
         self.writer.flush()
+        from lightning_diag.output.logger_sinks import call_sinks, sinks_for
+
+        self._sinks = sinks_for(trainer.loggers, self.diag_dir, lambda: self.step_axis.step)
+        call_sinks(self._sinks, "start")
 
     def record_run(self, trainer: pl.Trainer) -> None:
         """Once per fit, on rank zero, when training starts (the loaders are set up): ``<log_dir>/diag/run.json``,
@@ -128,19 +256,28 @@ class DiagSession:
             log.warning("lightning_diag: %s", problem)
 
     def close(self) -> None:
-        """Close the alert log and the writer (if the library opened it)."""
+        """Hand the fit's alerts to the loggers' sinks (W&B, MLflow), close the alert log and the writer (if the
+        library opened it)."""
         self.alert_log.close()
+        if self._sinks:
+            from lightning_diag.output.logger_sinks import call_sinks
+
+            if self._writer is not None:
+                self._writer.flush()  # the report the sinks upload reads the event files
+            call_sinks(self._sinks, "finish", list(self._alerts))
+            self._sinks = []
         if self._writer is not None:
             self._writer.close()
             self._writer = None
 
 
 _SESSIONS: weakref.WeakKeyDictionary[pl.Trainer, DiagSession] = weakref.WeakKeyDictionary()
+_STEP_AXES: weakref.WeakKeyDictionary[pl.Trainer, StepAxis] = weakref.WeakKeyDictionary()
 
 
 def _acquire_session(trainer: pl.Trainer) -> DiagSession:
-    # trainer.log_dir broadcasts from rank zero: every rank calls this from `setup`.
-    log_dir = trainer.log_dir or trainer.default_root_dir
+    # run_log_dir broadcasts from rank zero: every rank calls this from `setup`.
+    log_dir = run_log_dir(trainer)
     session = _SESSIONS.get(trainer)
     if session is None or session.log_dir != log_dir:
         session = DiagSession(log_dir, trainer, trainer.is_global_zero)
@@ -180,6 +317,16 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
     return loss.detach().float().reshape(()), None
 
 
+def _with_base(hook: Callable[..., Any], base: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(hook)
+    def wrapped(self: DiagCallback, *args: Any, **kwargs: Any) -> Any:
+        base(self, *args, **kwargs)
+        return hook(self, *args, **kwargs)
+
+    wrapped._diag_base_wrapped = True  # type: ignore[attr-defined]
+    return wrapped
+
+
 class DiagCallback(pl.Callback):
     """Base of the library's callbacks.
 
@@ -196,6 +343,16 @@ class DiagCallback(pl.Callback):
     keys in :attr:`extra_state_keys`. One that overrides ``on_fit_start`` calls
     ``super().on_fit_start(trainer, pl_module)``, which writes the thresholds and the dashboard layout.
 
+    Series are written on the user's step axis (:class:`StepAxis`: the step Lightning logs ``self.log`` values
+    at), which this base class counts in ``on_train_batch_start`` and saves in ``on_save_checkpoint``; a subclass
+    that overrides those hooks needs no ``super()`` call for it (:meth:`__init_subclass__` keeps the base part).
+
+    Args:
+        log_every_n_steps: The logging interval (default: the trainer's ``log_every_n_steps``).
+        on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded, on
+            global rank zero, after it is written to ``alerts.jsonl`` (Slack, e-mail, a pager). A handler that
+            raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
+
     Attributes:
         alerts: The alerts this callback raised in the current fit, in order.
     """
@@ -205,6 +362,15 @@ class DiagCallback(pl.Callback):
     state_key_arguments: ClassVar[tuple[str, ...]] = ()
     #: Checkpoint keys a subclass saves besides its declared rules (checked by :meth:`load_state_dict`).
     extra_state_keys: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Keep the base part of :data:`_BASE_HOOKS` in a subclass that overrides them without ``super()``."""
+        super().__init_subclass__(**kwargs)
+        for name in _BASE_HOOKS:
+            hook = cls.__dict__.get(name)
+            if hook is None or getattr(hook, "_diag_base_wrapped", False):
+                continue
+            setattr(cls, name, _with_base(hook, getattr(DiagCallback, "_base_" + name)))
 
     def __init__(self, *, log_every_n_steps: int | None = None, on_alert: AlertHandler | None = None) -> None:
         super().__init__()
@@ -217,6 +383,7 @@ class DiagCallback(pl.Callback):
         self._on_alert_failed = False
         self.alerts: list[Alert] = []
         self._session: DiagSession | None = None
+        self._step_axis: StepAxis | None = None
         self._notices: set[str] = set()
         self._last_logged_step = -1
         #: Declared rules: attribute name -> (builder from thresholds, checkpoint key).
@@ -284,6 +451,8 @@ class DiagCallback(pl.Callback):
         """Attach to the trainer's diagnostics session; a new fit starts with no alerts."""
         ensure_handler()
         self._session = _acquire_session(trainer)
+        if self._session is not None:
+            self._step_axis = self._session.step_axis
         if stage == TrainerFn.FITTING:
             self.alerts = []
             self._on_alert_failed = False
@@ -311,6 +480,53 @@ class DiagCallback(pl.Callback):
         """Write the run's provenance, ``diag/run.json`` (once per fit, rank zero)."""
         if self._session is not None:
             self._session.record_run(trainer)
+
+    # -- the step axis (kept in subclasses that override these hooks, see __init_subclass__) --------------------
+    def _base_on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._session is not None:
+            self._session.step_axis.epoch_started(trainer)
+
+    def _base_on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, *args: Any
+    ) -> None:
+        if self._session is not None:
+            self._session.step_axis.batch_started(trainer, pl_module, batch_idx)
+
+    def _base_on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # The session's, or the last fit's after teardown (`trainer.save_checkpoint` after `fit`).
+        axis = self._session.step_axis if self._session is not None else self._step_axis
+        if axis is not None:
+            checkpoint[STEP_AXIS_KEY] = axis.state_dict()
+
+    def _base_on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self._session is not None and STEP_AXIS_KEY in checkpoint:
+            self._session.step_axis.load_state_dict(checkpoint[STEP_AXIS_KEY])
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Move the user's step axis past the previous epoch's last batch."""
+        self._base_on_train_epoch_start(trainer, pl_module)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Count the batch on the user's step axis."""
+        self._base_on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Save the step axis (checkpoint key :data:`STEP_AXIS_KEY`)."""
+        self._base_on_save_checkpoint(trainer, pl_module, checkpoint)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Resume the step axis."""
+        self._base_on_load_checkpoint(trainer, pl_module, checkpoint)
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds this callback judges by: rule id -> threshold, and ``"<rule>.<setting>"`` -> value.

@@ -126,6 +126,9 @@ class DataDiagnostics(DiagCallback):
         min_leaks: ``data_leakage``: leaked samples needed before the share found in a partial training sample
             is extrapolated to the whole training set (default 3).
         seed: Seed of the private generator that draws the sample.
+        on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
+            rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
+            that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
 
     Raises:
         TypeError: If an argument has the wrong type.

@@ -126,6 +126,9 @@ class GradientFlowMonitor(DiagCallback):
             on purpose: ``grad_frozen`` ignores them.
         patience: Consecutive measurements a condition must hold (default 3).
         baseline_measurements: Measurements whose median is the ``grad_collapse`` baseline (default 5).
+        on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
+            rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
+            that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
 
     Raises:
         TypeError: If an argument has the wrong type.

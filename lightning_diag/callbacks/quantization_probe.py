@@ -184,6 +184,9 @@ class QuantizationProbe(ValidationProbe):
         num_batches: Validation batches per probe.
         loss_fn: ``loss_fn(pl_module, batch)`` returning the loss; default ``training_step(batch, batch_idx)``
             with ``self.log`` silenced.
+        on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
+            rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
+            that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
 
     Logged (TensorBoard, step = global step): ``diag/quant/end_to_end``, ``diag/quant/loss_float``,
     ``diag/quant/loss_int8``, ``diag/quant/worst_layer_ratio`` (largest relative MSE / median),

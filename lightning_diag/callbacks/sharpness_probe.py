@@ -63,6 +63,9 @@ class SharpnessProbe(ValidationProbe):
             with ``self.log`` silenced (required under manual optimization).
         per_layer: Also measure each layer's contribution (the gap with only that layer perturbed).
         max_layers: With ``per_layer``, at most this many layers (those with the largest share of ε).
+        on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
+            rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
+            that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
 
     Logged (TensorBoard, step = global step): ``diag/sharpness/gap``, ``diag/sharpness/relative_gap`` (gap /
     loss), ``diag/sharpness/loss``, ``diag/sharpness/perturbed_loss``, ``diag/sharpness/grad_norm``,

@@ -109,6 +109,9 @@ class SystemMonitor(DiagCallback):
         memory_rising_fraction: Fraction of those intervals that must rise (default 0.7).
         nvml: Read GPU metrics through NVML when ``nvidia-ml-py`` is installed and the run is on CUDA.
         time_callbacks: Time the other lightning_diag callbacks' hooks (``diag/overhead/...``).
+        on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
+            rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
+            that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
 
     Raises:
         TypeError: If an argument has the wrong type.

@@ -11,6 +11,10 @@
 * **Text, images, histograms and the custom-scalars layout** go to the TensorBoard writer only: that of the
   first ``TensorBoardLogger`` (of ``pytorch_lightning``, or of ``lightning`` once it is imported), or else one
   the library opens at ``<log_dir>/diag`` (which also gets the scalars: the report reads it).
+* **Steps** are on the user's axis: a trainer's writer maps the ``trainer.global_step`` a callback writes at to
+  the number of batches that stepped (:class:`~lightning_diag.callbacks.base.StepAxis`), the step Lightning logs
+  ``self.log`` values at, so diag series and the user's metrics share one x-axis in every logger, also under
+  manual optimization with several optimizers (where ``global_step`` counts every ``optimizer.step()``).
 * :meth:`DiagWriter.flush` flushes the TensorBoard writer and calls every other logger's ``save()``, so
   buffering loggers (``CSVLogger`` writes ``metrics.csv`` on ``save``) hold nothing of ours past an alert or
   the end of the fit; what they buffered for the user is written with it.
@@ -23,13 +27,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
-__all__ = ["DiagWriter", "tensorboard_logger_types"]
+__all__ = ["DiagWriter", "per_version_logger_types", "tensorboard_logger_types"]
 
 log = logging.getLogger("lightning_diag")
 
@@ -44,6 +48,17 @@ def tensorboard_logger_types() -> tuple[type, ...]:
     return tuple(types)
 
 
+def per_version_logger_types() -> tuple[type, ...]:
+    """The loggers whose ``log_dir`` is a per-run folder (``version_N``): TensorBoard's and CSV's, of
+    ``pytorch_lightning`` and of ``lightning`` once it is in use."""
+    types: list[type] = [*tensorboard_logger_types(), CSVLogger]
+    if "lightning.pytorch" in sys.modules:
+        from lightning.pytorch.loggers import CSVLogger as UnifiedCSVLogger
+
+        types.append(UnifiedCSVLogger)
+    return tuple(types)
+
+
 class DiagWriter:
     """A thin, rank-aware writer: scalars to a ``SummaryWriter`` and to loggers, the rest to the ``SummaryWriter``.
 
@@ -51,6 +66,8 @@ class DiagWriter:
         experiment: The TensorBoard writer (a ``SummaryWriter`` or anything with its methods), or ``None``.
         owned: Whether this object opened ``experiment`` and must close it.
         loggers: Lightning loggers (anything with ``log_metrics(metrics, step)``) that get the scalars too.
+        step_axis: Maps the step a caller writes at to the step written (a trainer's writer: the user's axis);
+            ``None`` writes it as given.
 
     Example:
         >>> from unittest.mock import MagicMock
@@ -61,18 +78,28 @@ class DiagWriter:
         call({'diag/loss/train_step': 0.5}, step=10)
     """
 
-    def __init__(self, experiment: Any | None, owned: bool = False, loggers: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        experiment: Any | None,
+        owned: bool = False,
+        loggers: Sequence[Any] = (),
+        step_axis: Callable[[int], int] | None = None,
+    ) -> None:
         self.experiment = experiment
         self.owned = owned
         self.loggers = list(loggers)
+        self.step_axis = step_axis
 
     @classmethod
-    def for_trainer(cls, trainer: pl.Trainer, log_dir: str) -> DiagWriter:
+    def for_trainer(
+        cls, trainer: pl.Trainer, log_dir: str, step_axis: Callable[[int], int] | None = None
+    ) -> DiagWriter:
         """The writer for a trainer's run (see the module docstring); a no-op off global rank zero.
 
         Args:
             trainer: Its ``loggers`` get the scalars; its first ``TensorBoardLogger`` writer gets the rest.
             log_dir: Where the library's own ``SummaryWriter`` goes (``<log_dir>/diag``) without such a logger.
+            step_axis: See the class.
         """
         if not trainer.is_global_zero:
             return cls(None)
@@ -82,12 +109,15 @@ class DiagWriter:
             if isinstance(lg, tensorboard_loggers):
                 experiment = getattr(lg, "experiment", None)
                 if experiment is not None:
-                    return cls(experiment, loggers=loggers[:i] + loggers[i + 1 :])
+                    return cls(experiment, loggers=loggers[:i] + loggers[i + 1 :], step_axis=step_axis)
         from torch.utils.tensorboard import SummaryWriter
 
         path = os.path.join(log_dir, "diag")
         os.makedirs(path, exist_ok=True)
-        return cls(SummaryWriter(log_dir=path), owned=True, loggers=loggers)
+        return cls(SummaryWriter(log_dir=path), owned=True, loggers=loggers, step_axis=step_axis)
+
+    def _step(self, step: int) -> int:
+        return self.step_axis(step) if self.step_axis is not None else step
 
     @property
     def active(self) -> bool:
@@ -102,6 +132,7 @@ class DiagWriter:
         """Write several scalars, each under its own tag (one ``log_metrics`` call per logger)."""
         if not values:
             return
+        step = self._step(step)
         if self.experiment is not None:
             for name, value in values.items():
                 self.experiment.add_scalar(name, value, global_step=step)
@@ -114,7 +145,7 @@ class DiagWriter:
     def text(self, name: str, text: str, step: int) -> None:
         """Write markdown text (TensorBoard only)."""
         if self.experiment is not None:
-            self.experiment.add_text(name, text, global_step=step)
+            self.experiment.add_text(name, text, global_step=self._step(step))
 
     def custom_scalars(self, layout: dict[str, dict[str, list[Any]]]) -> None:
         """Write a custom-scalars layout (TensorBoard only; see
@@ -125,7 +156,7 @@ class DiagWriter:
     def histogram(self, name: str, values: Any, step: int) -> None:
         """Write a histogram of a tensor or array (TensorBoard only)."""
         if self.experiment is not None:
-            self.experiment.add_histogram(name, values, global_step=step)
+            self.experiment.add_histogram(name, values, global_step=self._step(step))
 
     def histogram_raw(self, name: str, data: Any, step: int) -> None:
         """Write a histogram computed elsewhere (TensorBoard only): ``data`` has the fields of
@@ -146,7 +177,7 @@ class DiagWriter:
     def image(self, name: str, image: Any, step: int, dataformats: str = "HWC") -> None:
         """Write an image, uint8 or float array (TensorBoard only)."""
         if self.experiment is not None:
-            self.experiment.add_image(name, image, global_step=step, dataformats=dataformats)
+            self.experiment.add_image(name, image, global_step=self._step(step), dataformats=dataformats)
 
     def flush(self) -> None:
         """Flush the TensorBoard writer and ``save()`` the other loggers (``CSVLogger`` writes its file)."""

@@ -21,18 +21,23 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Literal
 
 from lightning_diag.report.checks import Check, RunReport, Status, diagnose
 from lightning_diag.report.load import ALERTS_FILE, THRESHOLDS_FILE, NoDiagnosticsError, RunData, find_runs, load_run
-from lightning_diag.report.render import FORMATS, Format, render
+from lightning_diag.report.render import FORMATS, Format, render, render_stream
 
 __all__ = [
     "ALERTS_FILE",
+    "FAIL_ON",
     "FORMATS",
     "THRESHOLDS_FILE",
     "Check",
+    "FailOn",
     "Format",
     "NoDiagnosticsError",
     "RunData",
@@ -41,9 +46,16 @@ __all__ = [
     "build_report",
     "diagnose",
     "find_runs",
+    "gate",
+    "iter_reports",
     "load_run",
     "render",
+    "render_stream",
 ]
+
+#: ``lightning-diag report --fail-on`` levels.
+FailOn = Literal["never", "warning", "critical"]
+FAIL_ON: tuple[str, ...] = ("never", "warning", "critical")
 
 
 def _slug(run: Path, root: Path) -> str:
@@ -57,29 +69,92 @@ def _slug(run: Path, root: Path) -> str:
 def build_report(logdir: str | os.PathLike[str], plot_dir: str | os.PathLike[str] | None = None) -> list[RunReport]:
     """Load and diagnose every run under ``logdir``; with ``plot_dir``, draw each run's PNG plots there.
 
+    Every run's series stay in memory; :func:`iter_reports` reports one run at a time instead.
+
     Raises:
         FileNotFoundError: If ``logdir`` is not a directory.
         NoDiagnosticsError: If no run under it holds lightning_diag diagnostics.
     """
+    return list(iter_reports(logdir, plot_dir=plot_dir, keep_series=True))
+
+
+def iter_reports(
+    logdir: str | os.PathLike[str],
+    plot_dir: str | os.PathLike[str] | None = None,
+    keep_series: bool = False,
+    progress: Callable[[int, int, Path], None] | None = None,
+) -> Iterator[RunReport]:
+    """Load, diagnose (and plot) the runs under ``logdir`` one at a time, in path order.
+
+    Memory is bounded by the largest run: a run is read only when the previous one has been handed on, and
+    unless ``keep_series`` its scalar series are dropped from the report once it is diagnosed and plotted (the
+    checklist, alerts and thresholds stay).
+
+    Args:
+        logdir: A run's folder or a folder of runs.
+        plot_dir: Draw each run's PNG plots into ``plot_dir/<run path relative to logdir>``.
+        keep_series: Keep :attr:`RunData.scalars` in the reports.
+        progress: Called with ``(index, total, run path)`` before each run is read (``index`` from 0).
+
+    Raises:
+        FileNotFoundError: If ``logdir`` is not a directory.
+        NoDiagnosticsError: If no run under it holds lightning_diag diagnostics (raised when the last run has
+            been read without any).
+    """
     root = Path(logdir)
     if not root.is_dir():
         raise FileNotFoundError(f"{logdir} is not a directory")
-    runs = [load_run(p) for p in find_runs(root)]
-    with_diag = [r for r in runs if r.has_diagnostics]
-    if not with_diag:
+    paths = find_runs(root)
+    plots: Any = None
+    plot_note = ""
+    if plot_dir is not None:
+        try:
+            plots = importlib.import_module("lightning_diag.report.plots")  # reads report.load only: no cycle
+        except ImportError:  # pragma: no cover - depends on the environment
+            plot_note = "plots skipped: matplotlib is not installed (pip install 'lightning-diag[plots]')"
+    found = 0
+    for i, path in enumerate(paths):
+        if progress is not None:
+            progress(i, len(paths), path)
+        run = load_run(path)
+        if not run.has_diagnostics:
+            continue
+        found += 1
+        rep = diagnose(run)
+        rep.plot_note = plot_note
+        if plots is not None and plot_dir is not None:
+            rep.plots = plots.draw_run(rep.run, Path(plot_dir) / _slug(rep.run.path, root))
+        if not keep_series:
+            rep.run.scalars = {}
+        yield rep
+    if not found:
         raise NoDiagnosticsError(
             f"no lightning_diag diagnostics under {logdir}: no diag/ tags in event files and no "
             "diag/alerts.jsonl or diag/thresholds.json. Attach GradientFlowMonitor or AnomalyAlarm to the Trainer "
             "and point the report at its log directory."
         )
-    reports = [diagnose(r) for r in with_diag]
-    if plot_dir is not None:
-        try:
-            from lightning_diag.report import plots  # plots reads report.load only: no import cycle
-        except ImportError:  # pragma: no cover - depends on the environment
-            for rep in reports:
-                rep.plot_note = "plots skipped: matplotlib is not installed (pip install 'lightning-diag[plots]')"
-            return reports
-        for rep in reports:
-            rep.plots = plots.draw_run(rep.run, Path(plot_dir) / _slug(rep.run.path, root))
-    return reports
+
+
+def gate(report: RunReport, fail_on: FailOn) -> list[str]:
+    """Why ``report`` fails the CI gate ``fail_on``: its alerts and FAIL rows at that level or above.
+
+    ``"warning"`` counts warning and critical alerts and every FAIL row; ``"critical"`` only critical alerts and
+    FAIL rows failed by a critical alert; ``"never"`` nothing.
+
+    Example:
+        >>> from lightning_diag.report.load import RunData
+        >>> rep = RunReport(RunData(Path("run")), [Check("x", "Training", "t", ("loss_swing",), status="fail",
+        ...                 severity="warning")])
+        >>> gate(rep, "warning"), gate(rep, "critical")
+        (['FAIL row x (warning)'], [])
+    """
+    if fail_on not in FAIL_ON:
+        raise ValueError(f"`fail_on` can be {', '.join(FAIL_ON)}, got {fail_on!r}")
+    if fail_on == "never":
+        return []
+    levels = ("warning", "critical") if fail_on == "warning" else ("critical",)
+    reasons = [f"{a.severity.value} alert {a.rule} at step {a.global_step} ({a.source})"
+               for a in report.timeline if a.severity.value in levels]
+    reasons += [f"FAIL row {c.id} ({c.severity or 'warning'})" for c in report.checks
+                if c.status == "fail" and (c.severity or "warning") in levels]
+    return reasons

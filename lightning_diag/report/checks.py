@@ -128,6 +128,7 @@ def _finish(check: Check, run: RunData, measured: bool, replayed: list[Alert]) -
     first = min([*logged, *again], key=lambda a: a.global_step, default=None)
     if first is not None:
         check.status = "fail"
+        check.severity = "critical" if any(a.severity == "critical" for a in [*logged, *again]) else "warning"
         check.first_alert_step = first.global_step
         if check.measured is None:
             check.measured = f"{first.rule} at step {first.global_step} ({first.source})"

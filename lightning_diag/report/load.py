@@ -1,10 +1,11 @@
 """Loading a run for ``lightning-diag report``: its ``diag/`` scalars, alert log and thresholds.
 
-A *run* is a directory holding ``diag/`` tags in event files (read with TensorBoard's own
-:class:`~tensorboard.backend.event_processing.event_accumulator.EventAccumulator`), a ``diag/alerts.jsonl`` or
-a ``diag/thresholds.json``. Thresholds come from what the run logged: ``diag/thresholds.json``, else the
-``diag/thresholds`` text in the event file, else the ``threshold`` of the run's alerts, else the library's
-defaults from the rule registry (marked as such). Imports neither torch nor Lightning.
+A *run* is a directory holding ``diag/`` tags in event files (streamed with TensorBoard's own
+:class:`~tensorboard.backend.event_processing.event_file_loader.EventFileLoader`, keeping only ``diag/`` tags), a
+``diag/alerts.jsonl`` or a ``diag/thresholds.json``; one run per diag folder, so the per-run folders of W&B and
+MLflow runs (``<save_dir>/<name>/<version>/diag``) are separate runs. Thresholds come from what the run logged:
+``diag/thresholds.json``, else the ``diag/thresholds`` text in the event file, else the ``threshold`` of the
+run's alerts, else the library's defaults from the rule registry (marked as such). Imports neither torch nor Lightning.
 """
 
 from __future__ import annotations
@@ -99,25 +100,42 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
 
 
 def _read_events(directory: Path, run: RunData) -> list[tuple[str, str]]:
-    """Add the ``diag/`` scalars of the event files in ``directory`` to ``run``; return its text entries."""
-    from tensorboard.backend.event_processing import event_accumulator as ea
+    """Add the ``diag/`` scalars of the event files in ``directory`` to ``run``; return its text entries.
 
-    guidance = {ea.SCALARS: 0, ea.TENSORS: 0, ea.HISTOGRAMS: 1, ea.IMAGES: 1, ea.AUDIO: 1, ea.COMPRESSED_HISTOGRAMS: 1}
-    acc = ea.EventAccumulator(str(directory), size_guidance=guidance)
-    acc.Reload()
-    tags = acc.Tags()
-    for name in tags.get(ea.SCALARS, []):
-        if name.startswith("diag/"):
-            points = [(int(e.step), float(e.value)) for e in acc.Scalars(name)]
-            run.scalars[name] = sorted(run.scalars.get(name, []) + points, key=lambda p: p[0])
-    texts = []
-    for name in tags.get(ea.TENSORS, []):
-        if name == _LAYOUT_TAG:
-            run.has_layout = True
-        elif name.startswith("diag/thresholds"):
-            for event in acc.Tensors(name):
-                for raw in event.tensor_proto.string_val:
-                    texts.append((name, raw.decode("utf-8", "replace")))
+    Reads each file as a stream of events and keeps only ``diag/`` tags (and the dashboard layout's marker), so
+    a run's memory is that of its diagnostics, whatever else (the user's metrics, images, histograms) its event
+    files hold.
+    """
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    points: dict[str, Series] = {}
+    texts: list[tuple[str, str]] = []
+    for path in sorted(p for p in directory.iterdir() if p.name.startswith(_EVENT_PREFIX) and p.is_file()):
+        for event in EventFileLoader(str(path)).Load():
+            if not event.HasField("summary"):
+                continue
+            step = int(event.step)
+            for value in event.summary.value:
+                name = value.tag
+                if name == _LAYOUT_TAG:
+                    run.has_layout = True
+                    continue
+                if not name.startswith("diag/"):
+                    continue
+                kind = value.WhichOneof("value")
+                if kind == "simple_value":
+                    points.setdefault(name, []).append((step, float(value.simple_value)))
+                elif kind == "tensor":
+                    if value.tensor.string_val:
+                        if name.startswith("diag/thresholds"):
+                            texts += [(name, raw.decode("utf-8", "replace")) for raw in value.tensor.string_val]
+                        continue
+                    array = tensor_util.make_ndarray(value.tensor)
+                    if array.size == 1:
+                        points.setdefault(name, []).append((step, float(array.reshape(-1)[0])))
+    for name, series in points.items():
+        run.scalars[name] = sorted(run.scalars.get(name, []) + series, key=lambda p: p[0])
     return texts
 
 

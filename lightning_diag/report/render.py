@@ -6,14 +6,14 @@ import base64
 import html
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
 from lightning_diag.core.alerts import ALERT_COLUMNS, alert_cells, alert_table_markdown
 from lightning_diag.report.checks import RunReport
 
-__all__ = ["FORMATS", "Format", "render"]
+__all__ = ["FORMATS", "Format", "render", "render_stream"]
 
 Format = Literal["md", "json", "html"]
 FORMATS: tuple[str, ...] = ("md", "json", "html")
@@ -26,43 +26,46 @@ def _md_cell(text: object) -> str:
 
 
 def _render_md(reports: Sequence[RunReport], plot_base: Path | None) -> str:
-    out = ["# lightning-diag report", ""]
-    for rep in reports:
-        run = rep.run
-        c = rep.counts
-        out += [
-            f"## Run `{run.path}`",
-            "",
-            f"{c['fail']} fail, {c['pass']} pass, {c['not measured']} not measured. "
-            f"Callbacks: {', '.join(sorted(run.callbacks)) or 'unknown'}. Thresholds: {run.threshold_source}. "
-            f"Dashboard layout: {'yes' if run.has_layout else 'no'}.",
-            "",
-            "### Checklist",
-            "",
-            "| layer | check | status | measured | threshold | alerts | note |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for ch in rep.checks:
-            alerts = f"{ch.alerts} (first at step {ch.first_alert_step})" if ch.alerts else "0"
-            out.append(
-                f"| {ch.layer} | {_md_cell(ch.title)} | **{_MARK[ch.status]}** | {_md_cell(ch.measured or '-')} "
-                f"| {_md_cell(ch.threshold)} | {alerts} | {_md_cell(ch.note)} |"
-            )
-        out += ["", "### Alert timeline", ""]
-        timeline = rep.timeline
-        if not timeline:
-            out.append("No alerts.")
-        else:
-            out += alert_table_markdown(timeline)
-        if rep.plots:
-            out += ["", "### Plots", ""]
-            for p in rep.plots:
-                target = os.path.relpath(p, plot_base) if plot_base is not None else str(p)
-                out.append(f"![{p.stem}]({target})")
-        for problem in [*run.problems, *([rep.plot_note] if rep.plot_note else [])]:
-            out += ["", f"> {problem}"]
-        out.append("")
-    return "\n".join(out)
+    return "\n".join(["# lightning-diag report", "", *(line for rep in reports for line in _md_run(rep, plot_base))])
+
+
+def _md_run(rep: RunReport, plot_base: Path | None) -> list[str]:
+    out: list[str] = []
+    run = rep.run
+    c = rep.counts
+    out += [
+        f"## Run `{run.path}`",
+        "",
+        f"{c['fail']} fail, {c['pass']} pass, {c['not measured']} not measured. "
+        f"Callbacks: {', '.join(sorted(run.callbacks)) or 'unknown'}. Thresholds: {run.threshold_source}. "
+        f"Dashboard layout: {'yes' if run.has_layout else 'no'}.",
+        "",
+        "### Checklist",
+        "",
+        "| layer | check | status | measured | threshold | alerts | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for ch in rep.checks:
+        alerts = f"{ch.alerts} (first at step {ch.first_alert_step})" if ch.alerts else "0"
+        out.append(
+            f"| {ch.layer} | {_md_cell(ch.title)} | **{_MARK[ch.status]}** | {_md_cell(ch.measured or '-')} "
+            f"| {_md_cell(ch.threshold)} | {alerts} | {_md_cell(ch.note)} |"
+        )
+    out += ["", "### Alert timeline", ""]
+    timeline = rep.timeline
+    if not timeline:
+        out.append("No alerts.")
+    else:
+        out += alert_table_markdown(timeline)
+    if rep.plots:
+        out += ["", "### Plots", ""]
+        for p in rep.plots:
+            target = os.path.relpath(p, plot_base) if plot_base is not None else str(p)
+            out.append(f"![{p.stem}]({target})")
+    for problem in [*run.problems, *([rep.plot_note] if rep.plot_note else [])]:
+        out += ["", f"> {problem}"]
+    out.append("")
+    return out
 
 
 _CSS = """body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}
@@ -78,47 +81,77 @@ def _img_src(path: Path, base: Path | None) -> str:
     return f"data:image/png;base64,{data}"
 
 
+_HTML_HEAD = [
+    "<!doctype html><html><head><meta charset='utf-8'><title>lightning-diag report</title>",
+    f"<style>{_CSS}</style></head><body><h1>lightning-diag report</h1>",
+]
+_HTML_TAIL = "</body></html>"
+
+
 def _render_html(reports: Sequence[RunReport], plot_base: Path | None) -> str:
+    return "\n".join([*_HTML_HEAD, *(line for rep in reports for line in _html_run(rep, plot_base)), _HTML_TAIL])
+
+
+def _html_run(rep: RunReport, plot_base: Path | None) -> list[str]:
     e = html.escape
-    out = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>lightning-diag report</title>",
-        f"<style>{_CSS}</style></head><body><h1>lightning-diag report</h1>",
-    ]
-    for rep in reports:
-        run, c = rep.run, rep.counts
-        out.append(f"<h2>Run <code>{e(str(run.path))}</code></h2>")
+    out: list[str] = []
+    run, c = rep.run, rep.counts
+    out.append(f"<h2>Run <code>{e(str(run.path))}</code></h2>")
+    out.append(
+        f"<p>{c['fail']} fail, {c['pass']} pass, {c['not measured']} not measured. Callbacks: "
+        f"{e(', '.join(sorted(run.callbacks)) or 'unknown')}. Thresholds: {e(run.threshold_source)}.</p>"
+    )
+    out.append("<h3>Checklist</h3><table><tr><th>layer</th><th>check</th><th>status</th><th>measured</th>")
+    out.append("<th>threshold</th><th>alerts</th><th>note</th></tr>")
+    for ch in rep.checks:
+        cls = ch.status.replace(" ", "-")
+        alerts = f"{ch.alerts} (first at step {ch.first_alert_step})" if ch.alerts else "0"
         out.append(
-            f"<p>{c['fail']} fail, {c['pass']} pass, {c['not measured']} not measured. Callbacks: "
-            f"{e(', '.join(sorted(run.callbacks)) or 'unknown')}. Thresholds: {e(run.threshold_source)}.</p>"
+            f"<tr class='{cls}'><td>{e(ch.layer)}</td><td>{e(ch.title)}</td><td>{e(_MARK[ch.status])}</td>"
+            f"<td>{e(ch.measured or '-')}</td><td>{e(ch.threshold)}</td><td>{alerts}</td><td>{e(ch.note)}</td></tr>"
         )
-        out.append("<h3>Checklist</h3><table><tr><th>layer</th><th>check</th><th>status</th><th>measured</th>")
-        out.append("<th>threshold</th><th>alerts</th><th>note</th></tr>")
-        for ch in rep.checks:
-            cls = ch.status.replace(" ", "-")
-            alerts = f"{ch.alerts} (first at step {ch.first_alert_step})" if ch.alerts else "0"
-            out.append(
-                f"<tr class='{cls}'><td>{e(ch.layer)}</td><td>{e(ch.title)}</td><td>{e(_MARK[ch.status])}</td>"
-                f"<td>{e(ch.measured or '-')}</td><td>{e(ch.threshold)}</td><td>{alerts}</td><td>{e(ch.note)}</td></tr>"
-            )
-        out.append("</table><h3>Alert timeline</h3>")
-        if not rep.timeline:
-            out.append("<p>No alerts.</p>")
-        else:
-            out.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in ALERT_COLUMNS) + "</tr>")
-            for a in rep.timeline:
-                out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in alert_cells(a)) + "</tr>")
-            out.append("</table>")
-        if rep.plots:
-            out.append("<h3>Plots</h3>")
-            out += [f"<img alt='{e(p.stem)}' src='{_img_src(p, plot_base)}'>" for p in rep.plots]
-        for problem in [*run.problems, *([rep.plot_note] if rep.plot_note else [])]:
-            out.append(f"<p><em>{e(problem)}</em></p>")
-    out.append("</body></html>")
-    return "\n".join(out)
+    out.append("</table><h3>Alert timeline</h3>")
+    if not rep.timeline:
+        out.append("<p>No alerts.</p>")
+    else:
+        out.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in ALERT_COLUMNS) + "</tr>")
+        for a in rep.timeline:
+            out.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in alert_cells(a)) + "</tr>")
+        out.append("</table>")
+    if rep.plots:
+        out.append("<h3>Plots</h3>")
+        out += [f"<img alt='{e(p.stem)}' src='{_img_src(p, plot_base)}'>" for p in rep.plots]
+    for problem in [*run.problems, *([rep.plot_note] if rep.plot_note else [])]:
+        out.append(f"<p><em>{e(problem)}</em></p>")
+    return out
 
 
 def _json_ready(reports: Sequence[RunReport]) -> str:
     return json.dumps({"runs": [r.to_dict() for r in reports]}, indent=2, allow_nan=False)
+
+
+def render_stream(reports: Iterable[RunReport], fmt: Format, plot_base: Path | None = None) -> Iterator[str]:
+    """The document of :func:`render`, in pieces: a header, one piece per run as the run comes, a footer.
+
+    Joined (``"".join``), the pieces are :func:`render`'s text; each run is rendered as soon as ``reports``
+    yields it, so a generator of reports (:func:`~lightning_diag.report.iter_reports`) keeps one run in memory.
+    """
+    if fmt == "json":
+        yield '{\n  "runs": ['
+        for i, rep in enumerate(reports):
+            body = json.dumps(rep.to_dict(), indent=2, allow_nan=False)
+            yield ("," if i else "") + "\n" + "\n".join("    " + line for line in body.splitlines())
+        yield "\n  ]\n}"
+        return
+    if fmt == "html":
+        yield "\n".join(_HTML_HEAD)
+        for rep in reports:
+            yield "".join("\n" + line for line in _html_run(rep, plot_base))
+        yield "\n" + _HTML_TAIL
+        return
+    yield "# lightning-diag report\n"
+    for rep in reports:
+        yield "".join("\n" + line for line in _md_run(rep, plot_base))
 
 
 def render(reports: Sequence[RunReport], fmt: Format, plot_base: Path | None = None) -> str:

@@ -39,6 +39,8 @@ class Check:
         first_alert_step: Global step of the first of them (or of the first replayed one).
         replayed: Warning and critical alerts its rules raise when replayed over the logged series.
         note: Why it is not measured, or what else the reader should know.
+        severity: The worst severity (``"warning"`` or ``"critical"``) of the alerts that fail it, logged or
+            replayed; ``""`` when it does not fail. ``lightning-diag report --fail-on`` gates on it.
     """
 
     id: str
@@ -54,6 +56,7 @@ class Check:
     first_alert_step: int | None = None
     replayed: int = 0
     note: str = ""
+    severity: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (non-finite numbers as strings)."""

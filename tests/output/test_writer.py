@@ -77,7 +77,11 @@ def test_csv_logger_only_gets_diag_columns_and_keeps_the_users_metrics(tmp_path,
         steps = [int(r["step"]) for r in rows if r[column]]
         assert steps and len(steps) == len(set(steps)), column  # each point once
     assert [int(r["step"]) for r in rows if r["diag/grad_norm/total"]] == list(range(6))
-    assert [int(r["step"]) for r in rows if r["diag/loss/val"]] == [6]  # written after Lightning's last log
+    # on the user's axis: the validation at the end of the epoch is at the step of the user's val_loss
+    assert [int(r["step"]) for r in rows if r["diag/loss/val"]] == [int(r["step"]) for r in rows if r["val_loss"]]
+    assert [int(r["step"]) for r in rows if r["diag/loss/train_step"]] == [
+        int(r["step"]) for r in rows if r["train_loss"]
+    ]
     assert user_points(rows) == user_points(baseline[0])
     # the library's own SummaryWriter (the report reads it) has the same scalars
     points = tensorboard_points(f"{trainer.log_dir}/diag")
