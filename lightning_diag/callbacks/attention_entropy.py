@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback, extract_loss
 from lightning_diag.core.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
 from lightning_diag.core.tags import attn_entropy_tag, attn_heads_tag, attn_map_tag, attn_sink_tag, attn_uniform_tag
 from lightning_diag.core.validation import check_int, check_number
@@ -315,9 +316,11 @@ class AttentionEntropyMonitor(DiagCallback):
             self.notice(trainer, f"problem:{name}", f"attention of `{name}` is not measured: {problem}")
         for key, note in recorder.notes.items():
             self.notice(trainer, f"note:{key}", note)
-        layers = self._reduce(trainer, recorder)
-        if layers is None:
+        loss, _ = extract_loss(outputs)
+        reduced = self._reduce(trainer, recorder, loss)
+        if reduced is None:
             return
+        layers, batch_loss = reduced
         step = self._sampled_step
         values: dict[str, float] = {}
         for name, stats in layers.items():
@@ -330,12 +333,15 @@ class AttentionEntropyMonitor(DiagCallback):
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
         ctx = type(ctx)(epoch=ctx.epoch, global_step=step)
-        self.record(self.entropy_rule.update(layers, ctx) + self.sink_rule.update(layers, ctx))
+        self.record(self.entropy_rule.update(layers, ctx, loss=batch_loss) + self.sink_rule.update(layers, ctx))
         if recorder.keep_maps:
             self._draw(recorder, step)
 
-    def _reduce(self, trainer: pl.Trainer, recorder: AttentionRecorder) -> dict[str, LayerStats] | None:
-        """One host copy of every module's statistics, averaged over ranks (weighted by valid rows)."""
+    def _reduce(
+        self, trainer: pl.Trainer, recorder: AttentionRecorder, loss: torch.Tensor | None = None
+    ) -> tuple[dict[str, LayerStats], float] | None:
+        """One host copy of every module's statistics, averaged over ranks (weighted by valid rows), and of the
+        sampled batch's training loss (averaged over the ranks that have one; ``nan`` when none has)."""
         names = list(recorder.stats)
         distributed = trainer.world_size > 1
         if distributed:
@@ -370,10 +376,18 @@ class AttentionEntropyMonitor(DiagCallback):
             causal = s.causal if s.causal is not None else torch.zeros((), device=rows.device)
             parts += [s.entropy * rows, s.uniform * rows, s.special_mass * rows, s.special_share * rows]
             parts += [first * rows, coverage * rows, causal.reshape(1) * rows, rows]
+        # the loss rides along in the same copy: [loss, 1] where it is known, [0, 0] where not
+        device = parts[0].device if parts else trainer.strategy.root_device
+        if loss is not None:
+            parts.append(torch.stack([loss.detach().float().reshape(()).to(device), torch.ones((), device=device)]))
+        else:
+            parts.append(torch.zeros(2, device=device))
         flat = torch.cat([p.reshape(-1).float() for p in parts])
         if distributed:
             flat = trainer.strategy.reduce(flat, reduce_op="sum")
         host = flat.tolist()  # the one copy of this sampled step
+        loss_sum, loss_ranks = host[-2:]
+        batch_loss = loss_sum / loss_ranks if loss_ranks > 0 else math.nan
         layers: dict[str, LayerStats] = {}
         i = 0
         for name, h in zip(names, heads, strict=True):
@@ -387,7 +401,7 @@ class AttentionEntropyMonitor(DiagCallback):
             is_causal = chunk[-2] / rows > 1 - 1e-6
             entropy, uniform, mass, share, first_mass, cover = cols
             layers[name] = LayerStats(entropy, uniform, mass, share, first_mass, is_causal, cover)
-        return layers
+        return layers, batch_loss
 
     # -- images --------------------------------------------------------------------------------------------
     def _draw(self, recorder: AttentionRecorder, step: int) -> None:
