@@ -31,7 +31,7 @@ from typing import Literal
 
 from lightning_diag.core.alerts import LOSS_STAGNANT, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION, Alert
 from lightning_diag.core.registry import default
-from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.stats.trend import fluctuation, relative_change
 
 __all__ = [
@@ -114,6 +114,7 @@ class LossSwingRule(Rule):
         super().__init__()
         self.threshold = threshold
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.min_delta = min_delta
         self.unit = unit
         self.source = source
@@ -186,6 +187,7 @@ class ValDeclineRule(Rule):
         self.monitor = monitor
         self.mode = mode
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.min_delta = min_delta
         self.previous: float | None = None
         self.streak = 0

@@ -117,14 +117,17 @@ class Latch:
         """The sources currently in alarm."""
         return frozenset(self._active)
 
-    def state_dict(self) -> dict[str, list[float]]:
-        """Serializable state: each source in alarm with its excess at the last alert and its clear count."""
-        return {k: list(v) for k, v in sorted(self._active.items())}
+    def state_dict(self) -> dict[str, list[float | None]]:
+        """Serializable state: each source in alarm with its excess at the last alert (``None``: unknown) and the
+        updates it has been without its condition."""
+        return {k: [v[0] if math.isfinite(v[0]) else None, v[1]] for k, v in sorted(self._active.items())}
 
     def load_state_dict(self, state: Mapping[str, Any] | Iterable[str]) -> None:
         """Restore :meth:`state_dict` output (also the list of sources older versions saved)."""
         if isinstance(state, Mapping):
-            self._active = {str(k): [float(v[0]), float(v[1])] for k, v in state.items()}
+            self._active = {
+                str(k): [math.nan if v[0] is None else float(v[0]), float(v[1])] for k, v in state.items()
+            }
         else:
             self._active = {str(k): [math.nan, 0.0] for k in state}
 

@@ -38,7 +38,7 @@ from collections.abc import Collection, Mapping
 
 from lightning_diag.core.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert, Severity
 from lightning_diag.core.registry import default
-from lightning_diag.rules.base import Rule, StepContext, name_layers
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import FROZEN_REASONS, GradFrozenRule
 
 __all__ = [
@@ -116,6 +116,7 @@ class GradBandRule(Rule):
         self.vanish_threshold = vanish_threshold
         self.explode_threshold = explode_threshold
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.warmup_steps = warmup_steps
         self.streaks: dict[str, int] = {}
 
@@ -190,7 +191,12 @@ class GradBandRule(Rule):
                 self.streaks.pop(key, None)
             if layer not in seen and layer not in bad:
                 continue  # not measured this time: keep the latch as it is
-            if self.latch.update(key, self.streaks.get(key, 0) >= needed):
+            over = None
+            if layer in bad:
+                explode = rule == GRAD_EXPLODE
+                threshold = self.explode_threshold if explode else self.vanish_threshold
+                over = excess(bad[layer], threshold, above=explode)
+            if self.latch.update(key, self.streaks.get(key, 0) >= needed, excess=over):
                 new[layer] = bad[layer]
         return new
 
@@ -217,6 +223,7 @@ class GradSpreadRule(Rule):
         super().__init__()
         self.spread_ratio = spread_ratio
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.warmup_steps = warmup_steps
         self.streak = 0
 
@@ -245,7 +252,7 @@ class GradSpreadRule(Rule):
             return []
         ratio, role, high, low = worst
         self.streak = self.streak + 1 if ratio > self.spread_ratio else 0
-        if not self.latch.update("model", self.streak >= self.patience):
+        if not self.latch.update("model", self.streak >= self.patience, excess(ratio, self.spread_ratio)):
             return []
         members = groups[role]
         return [
@@ -289,6 +296,7 @@ class GradCollapseRule(Rule):
         super().__init__()
         self.collapse_ratio = collapse_ratio
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.baseline_measurements = baseline_measurements
         self.converged_fraction = converged_fraction
         self.early: list[float] = []
@@ -325,7 +333,7 @@ class GradCollapseRule(Rule):
             return []
         limit = self.collapse_ratio * self.baseline
         self.streak = self.streak + 1 if norm < limit else 0
-        if not self.latch.update("global", self.streak >= self.patience):
+        if not self.latch.update("global", self.streak >= self.patience, excess(norm, limit, above=False)):
             return []
         recent = statistics.mean(self.recent_losses) if self.recent_losses and loss is not None else None
         kind = self.verdict(recent)

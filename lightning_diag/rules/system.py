@@ -27,7 +27,7 @@ import numpy as np
 
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.registry import default
-from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.stats.timing import Periodicity, Series, block_fluctuation, detect_period, growth
 
 __all__ = [
@@ -107,6 +107,7 @@ class DataloaderBoundRule(Rule):
         super().__init__()
         self.threshold = threshold
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.min_wait_s = min_wait_s
         self.streak = 0
 
@@ -207,6 +208,7 @@ class StepFluctuationRule(Rule):
         super().__init__()
         self.threshold = threshold
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.block_steps = block_steps
         self.streak = 0
 
@@ -217,7 +219,7 @@ class StepFluctuationRule(Rule):
         value = block_fluctuation(times, self.block_steps)
         active = math.isfinite(value) and value > self.threshold
         self.streak = self.streak + 1 if active else 0
-        if not self.latch.update(source, self.streak >= self.patience):
+        if not self.latch.update(source, self.streak >= self.patience, excess(value, self.threshold)):
             return value, []
         return value, [
             self._alert(
