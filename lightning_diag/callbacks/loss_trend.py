@@ -90,6 +90,7 @@ class LossTrend:
             min_fluctuation=owner.val_fluctuation_min,
             monitor=owner.monitor,
             min_abs=owner.val_fluctuation_min_range,
+            min_rise=owner.val_fluctuation_min_rise,
         )
         self.loss_sums = LossSums(owner.stagnant_baseline_steps)
         self.window_start: int | None = None

@@ -39,6 +39,7 @@ def serious(alerts):
         ({"val_fluctuation_window": 2}, ValueError, "val_fluctuation_window"),
         ({"val_fluctuation_min": -0.1}, ValueError, "val_fluctuation_min"),
         ({"val_fluctuation_min_range": -1}, ValueError, "val_fluctuation_min_range"),
+        ({"val_fluctuation_min_rise": -1}, ValueError, "val_fluctuation_min_rise"),
         ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
         ({"stagnant_min_drop": 1.0}, ValueError, "stagnant_min_drop"),
         ({"stagnant_min_drop": "10%"}, TypeError, "stagnant_min_drop"),
