@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from lightning_diag.core.alerts import Alert, Severity
 
-__all__ = ["WORSEN_FACTOR", "Latch", "Rule", "StepContext", "excess", "name_layers"]
+__all__ = ["OVERWHELMING", "WORSEN_FACTOR", "Latch", "Rule", "StepContext", "excess", "name_layers"]
 
 #: Sources named in an alert that groups several.
 _SHOWN = 3
@@ -27,6 +27,12 @@ class StepContext:
 #: than at its last alert ("clearly worsened": a head at 0.4 nats against 0.5 alerts again at 0.04, a gradient at
 #: 20 against 10 again at 200).
 WORSEN_FACTOR = 10.0
+
+
+#: A warm-up gives way to overwhelming evidence: a value this factor past its threshold (three orders of magnitude:
+#: a relative gradient below 1e-6 where the threshold is 1e-3, a spread above 1e5 where it is 100) is judged during
+#: the warm-up too. Healthy warm-ups stay far from it (the corpus's worst: a matrix 64x below its best-fed peer).
+OVERWHELMING = 1e3
 
 
 def excess(value: float, threshold: float, above: bool = True) -> float:

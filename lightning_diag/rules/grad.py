@@ -12,12 +12,17 @@ faults rather than architecture (the measurements behind each choice are in ``do
   on ``patience`` consecutive measurements after ``warmup_steps``, while that block itself is above
   ``vanish_threshold``. Matrices starved while a block still learns are vanishing; all of them small together
   is a converged (or dead) model, ``grad_collapse``'s question.
+  During the warm-up only overwhelming evidence counts: a matrix whose relative gradient is positive but below
+  ``vanish_threshold`` / :data:`~lightning_diag.rules.base.OVERWHELMING` (1e-6) and more than ``relative`` x 1000
+  (1e5) times below the best-fed block matrix (a 12-layer sigmoid MLP's first layer, 1e-12 of its last: caught at
+  its ``patience``-th measurement instead of after the warm-up). Exactly zero gradients (the zero-initialised
+  partner of a LoRA pair) wait for the warm-up.
   Attention query/key projections are not compared (their gradient flows only through the softmax and is 1e-5
   at initialisation, attention being uniform), nor are embeddings (sparse rows).
 * ``grad_layer_spread``: between comparable matrices **of the same role in different blocks** (``layers.*.fc1``
   against ``layers.*.fc1``), largest / smallest relative gradient above ``spread_ratio`` on ``patience``
-  consecutive measurements after ``warmup_steps``. A LayerNorm against the LM head is architecture; block 0
-  against block 11 of the same kind is gradient flow.
+  consecutive measurements after ``warmup_steps`` (during the warm-up: above ``spread_ratio`` x 1000). A LayerNorm
+  against the LM head is architecture; block 0 against block 11 of the same kind is gradient flow.
 * ``grad_collapse``: the L2 norm of the blocks' weight-matrix gradients below ``collapse_ratio`` times its
   baseline (median of the first ``baseline_measurements``), on ``patience`` consecutive measurements. With the
   loss known, the verdict names the cause: loss at most ``converged_fraction`` of its initial value: the model
@@ -38,7 +43,7 @@ from collections.abc import Collection, Mapping
 
 from lightning_diag.core.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert, Severity
 from lightning_diag.core.registry import default
-from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
+from lightning_diag.rules.base import OVERWHELMING, Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import FROZEN_REASONS, GradFrozenRule
 
 __all__ = [
@@ -141,9 +146,16 @@ class GradBandRule(Rule):
         starved: dict[str, float] = {}
         rel = {k: v for k, v in (relative or {}).items() if math.isfinite(v)}
         reference = max((v for k, v in rel.items() if blocks is None or k in blocks), default=0.0)
+        early = ctx.global_step < self.warmup_steps
         # a reference that is itself below the threshold is a converged or dead model: grad_collapse's question
-        if rel and ctx.global_step >= self.warmup_steps and reference >= self.vanish_threshold:
-            starved = {k: v for k, v in rel.items() if v < self.vanish_threshold and v * self.relative < reference}
+        if rel and reference >= self.vanish_threshold:
+            # during the warm-up only overwhelming evidence counts (OVERWHELMING past both thresholds)
+            factor = OVERWHELMING if early else 1.0
+            starved = {
+                k: v
+                for k, v in rel.items()
+                if v < self.vanish_threshold / factor and v * self.relative * factor < reference and (v > 0 or not early)
+            }
         alerts = []
         explode_new = self._trip(GRAD_EXPLODE, exploding, set(rms), needed=1)
         if explode_new:
@@ -159,17 +171,19 @@ class GradBandRule(Rule):
                     rule=GRAD_EXPLODE,
                 )
             )
-        vanish_new = self._trip(
-            GRAD_VANISH, starved, set(rel) if ctx.global_step >= self.warmup_steps else set(), self.patience
-        )
+        vanish_new = self._trip(GRAD_VANISH, starved, set(rel), self.patience)
         if vanish_new:
             worst = min(vanish_new, key=vanish_new.__getitem__)
+            during = (
+                f" (during the {self.warmup_steps}-step warm-up: {OVERWHELMING:g}x past both)" if early else ""
+            )
             alerts.append(
                 self._alert(
                     ctx,
                     f"relative gradient ||g||/||W|| below {self.vanish_threshold:g} and over "
-                    f"{self.relative:g}x below the best-fed block matrix ({reference:.3g}) on {self.patience} "
-                    f"consecutive measurements in {name_layers(vanish_new, worst_first=False)}: gradients vanish "
+                    f"{self.relative:g}x below the best-fed block matrix ({reference:.3g}){during} on "
+                    f"{self.patience} consecutive measurements in {name_layers(vanish_new, worst_first=False)}: "
+                    "gradients vanish "
                     "before they reach these layers; check saturating activations, depth without residuals or "
                     "normalisation, a too-small init",
                     source=worst,
@@ -232,8 +246,7 @@ class GradSpreadRule(Rule):
     ) -> list[Alert]:
         """Feed one measurement of the comparable layers' relative gradients and their roles (``None``: one
         role for all); return the alerts raised."""
-        if ctx.global_step < self.warmup_steps:
-            return []
+        early = ctx.global_step < self.warmup_steps
         groups: dict[str, dict[str, float]] = {}
         for layer, v in values.items():
             if math.isfinite(v) and v > 0:
@@ -251,7 +264,8 @@ class GradSpreadRule(Rule):
         if worst is None:
             return []
         ratio, role, high, low = worst
-        self.streak = self.streak + 1 if ratio > self.spread_ratio else 0
+        # during the warm-up only overwhelming evidence counts
+        self.streak = self.streak + 1 if ratio > self.spread_ratio * (OVERWHELMING if early else 1.0) else 0
         if not self.latch.update("model", self.streak >= self.patience, excess(ratio, self.spread_ratio)):
             return []
         members = groups[role]
