@@ -294,7 +294,7 @@ class ValFluctuationRule(Rule):
             return []
         self.last_ratio = val_f / train_f if train_f > 0 else math.inf
         val_abs = max(self.val) - min(self.val)
-        rises = sum(max(0.0, b - a) for a, b in zip(self.val, self.val[1:]))
+        rises = sum(max(0.0, b - a) for a, b in zip(self.val, self.val[1:], strict=False))
         self.last_rise = rises / self.scale if self.scale > 0 else math.inf
         active = (
             val_f > self.min_fluctuation

@@ -32,7 +32,8 @@ faults rather than architecture (the measurements behind each choice are in ``do
 * ``grad_frozen``: see :class:`~lightning_diag.rules.grad_frozen.GradFrozenRule` (re-exported here).
 
 When several layers cross one threshold at the same measurement they make one alert naming them (count and the
-worst few). Non-finite values are AnomalyAlarm's business and are skipped.
+worst few); a layer crossing it later, while others are still in alarm, joins that event silently. Non-finite
+values are AnomalyAlarm's business and are skipped.
 """
 
 from __future__ import annotations
@@ -154,7 +155,9 @@ class GradBandRule(Rule):
             starved = {
                 k: v
                 for k, v in rel.items()
-                if v < self.vanish_threshold / factor and v * self.relative * factor < reference and (v > 0 or not early)
+                if v < self.vanish_threshold / factor
+                and v * self.relative * factor < reference
+                and (v > 0 or not early)
             }
         alerts = []
         explode_new = self._trip(GRAD_EXPLODE, exploding, set(rms), needed=1)
@@ -195,7 +198,13 @@ class GradBandRule(Rule):
         return alerts
 
     def _trip(self, rule: str, bad: Mapping[str, float], seen: set[str], needed: int) -> dict[str, float]:
-        """Advance the streaks of ``rule``; return the layers whose alarm has just begun, with their values."""
+        """Advance the streaks of ``rule``; return the layers whose alarm has just begun, with their values.
+
+        While some layers of ``rule`` are in alarm, a layer whose alarm begins joins that event without a new alert
+        (vanishing gradients spread down a stack over a few measurements); a layer already in alarm that has
+        clearly worsened alerts again.
+        """
+        ongoing = {k for k in self.latch.active if k.startswith(f"{rule}:")}
         new = {}
         for layer in seen | {k.split(":", 1)[1] for k in self.streaks if k.startswith(f"{rule}:")}:
             key = f"{rule}:{layer}"
@@ -211,6 +220,8 @@ class GradBandRule(Rule):
                 threshold = self.explode_threshold if explode else self.vanish_threshold
                 over = excess(bad[layer], threshold, above=explode)
             if self.latch.update(key, self.streaks.get(key, 0) >= needed, excess=over):
+                if ongoing and key not in ongoing:
+                    continue  # joins the event in progress
                 new[layer] = bad[layer]
         return new
 
