@@ -81,7 +81,10 @@ class AttentionEntropyMonitor(DiagCallback):
 
     Rules (definitions in :mod:`lightning_diag.rules.attention`), each on ``patience`` consecutive measurements:
 
-    * ``attn_entropy_low``: a head below ``entropy_low`` nats (where uniform attention would exceed twice that).
+    * ``attn_entropy_low``: a head below ``entropy_low`` nats (where uniform attention would exceed twice that): a
+      warning when it is a collapse (every head of the layer at once, or an abrupt fall while the training loss did
+      not improve), ``info`` when the head sharpened by learning. The loss is that of the sampled batch
+      (``training_step``'s output), read in the step's one host copy.
     * ``attn_entropy_high``: after ``warmup_steps``, a head above ``entropy_high`` nats and above
       ``uniform_fraction`` of uniform.
     * ``attn_sink``: every head of a module puts more than ``sink_mass`` of its attention (and twice its uniform
