@@ -130,7 +130,7 @@ class AnomalyAlarm(DiagCallback):
             ``val_fluctuation`` never fires (keeps converged runs with near-zero losses quiet).
         val_fluctuation_min_rise: The validation window's rises (sum of its increases from run to run), as a
             fraction of the first validation value, below which ``val_fluctuation`` never fires (a converged run
-            wandering near zero is not fluctuating; default 0.25).
+            wandering near zero is not fluctuating; default 0.15).
         log_every_n_steps: Logging interval for step-level tags; defaults to the trainer's.
         locate_nonfinite: Replay the first non-finite step of an episode once to name its source (the alert's
             ``source``); costs one extra forward and backward at failure, nothing on healthy steps but a

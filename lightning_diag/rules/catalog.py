@@ -76,7 +76,7 @@ register(RuleSpec("val_decline", _ALARM, "warning", 5.0,
                   arguments={"threshold": "val_decline_patience", "min_delta": "val_decline_min_delta"}))
 register(RuleSpec("val_fluctuation", _ALARM, "warning", 2.0,
                   "validation-loss fluctuation above {threshold:g}x the training-loss fluctuation",
-                  settings={"window": 5, "min": 0.15, "min_range": 0.01, "min_rise": 0.25}, check="val_fluctuation",
+                  settings={"window": 5, "min": 0.15, "min_range": 0.01, "min_rise": 0.15}, check="val_fluctuation",
                   source="seed 000 §4.1",
                   arguments={"threshold": "val_fluctuation_ratio", "window": "val_fluctuation_window",
                              "min": "val_fluctuation_min", "min_range": "val_fluctuation_min_range",
