@@ -491,10 +491,14 @@ def test_state_of_the_layout_before_the_split_loads():
     alarm.policy.skips, alarm.policy.scaler_overflows = 2, 3
     alarm.policy.latch.update("loss", True)
     state = alarm.state_dict()
-    assert state["skips"] == 2 and state["nonfinite_latch"] == ["loss"]
+    assert state["skips"] == 2 and state["nonfinite_latch"] == {"loss": [None, 0.0]}
     assert state["nonfinite_counts"] == {"scaler_overflows": 3}
     del state["nonfinite_counts"]
     restored = AnomalyAlarm(on_nonfinite="skip")
     restored.load_state_dict(state)
     assert (restored.policy.skips, restored.policy.scaler_overflows) == (2, 0)
     assert restored.policy.latch.active == {"loss"}
+    state["nonfinite_latch"] = ["loss"]  # the latch as a list of sources (before issue 23)
+    older = AnomalyAlarm(on_nonfinite="skip")
+    older.load_state_dict(state)
+    assert older.policy.latch.active == {"loss"}
