@@ -237,6 +237,7 @@ class Row:
             steps, count, unit = d
             ok = count <= PROMPT_MEASUREMENTS
             why = "" if ok else f"; {SLOWER_BY_DEFINITION.get(rule, '**slower than the target**')}"
+            unit = unit if count != 1 else unit[:-1]
             cells.append(f"+{steps} steps ({count} {unit}){why}")
         return "; ".join(cells) or "-"
 
