@@ -218,6 +218,29 @@ class Row:
             cells.append(f"{mark}`{rule}`{mark} step {a.global_step}{_after(self.fault, a.global_step, a.epoch)}")
         return "; ".join(cells)
 
+    def steps_per_epoch(self) -> float | None:
+        epochs = getattr(self.fault, "max_epochs", None)
+        return self.steps / epochs if epochs and self.fault.onset_epoch is not None else None
+
+    def prompt(self) -> str:
+        """Steps and measurements from onset to the first alert of each expected rule, against the target."""
+        first = self.first()
+        cells = []
+        for rule in self.fault.expected_rules:
+            if rule not in first:
+                cells.append(f"`{rule}`: -")
+                continue
+            d = delay(self.fault, first[rule], self.steps_per_epoch())
+            if d is None:
+                cells.append(f"`{rule}`: -")
+                continue
+            steps, count, unit = d
+            ok = count <= PROMPT_MEASUREMENTS
+            why = "" if ok else f"; {SLOWER_BY_DEFINITION.get(rule, '**slower than the target**')}"
+            unit = unit if count != 1 else unit[:-1]
+            cells.append(f"+{steps} steps ({count} {unit}){why}")
+        return "; ".join(cells) or "-"
+
     def verdict(self) -> str:
         if self.caught():
             return "yes"
@@ -317,6 +340,35 @@ def _margins(log_dir: str) -> dict[str, Any]:
     return out
 
 
+#: Steps between two measurements of the step-measured rules in both matrices (``log_every_n_steps=5``).
+MEASURE_EVERY = 5
+#: The target of issue 23: every fault caught within this many measurements of its onset.
+PROMPT_MEASUREMENTS = 3
+#: Why a fault's rule needs more than :data:`PROMPT_MEASUREMENTS` measurements (its definition, not a warm-up).
+SLOWER_BY_DEFINITION = {
+    "loss_swing": "the seed's definition: 3 consecutive swinging epochs, so the 4th epoch point at the earliest",
+    "val_decline": "the seed's definition: 5 consecutive worsening validation runs (6 runs at the earliest)",
+    "loss_stagnant": "the loss gets 4 points (epochs or windows) to fall 10% below its initial value",
+    "grad_collapse": "the baseline is the median of the first 5 measurements, then 3 consecutive collapsed ones",
+}
+
+
+def delay(fault: Fault | CorpusEntry, alert: Alert, steps_per_epoch: float | None) -> tuple[int, int, str] | None:
+    """``(steps, measurements, unit)`` from the fault's onset to ``alert``, or ``None`` without an onset.
+
+    Step-onset faults count the measurements every :data:`MEASURE_EVERY` steps from the onset to the alert, both
+    included; epoch-onset faults count epochs (one loss point each), the onset's included.
+    """
+    if fault.onset_step is not None:
+        steps = alert.global_step - fault.onset_step
+        first = -(-fault.onset_step // MEASURE_EVERY)
+        return steps, max(1, alert.global_step // MEASURE_EVERY - first + 1), "measurements"
+    if fault.onset_epoch is not None:
+        start = round(fault.onset_epoch * steps_per_epoch) if steps_per_epoch else 0
+        return alert.global_step - start, alert.epoch - fault.onset_epoch + 1, "epochs"
+    return None
+
+
 def _onset(fault: Fault | CorpusEntry) -> str:
     if fault.onset_step is not None:
         return f"step {fault.onset_step} (window {fault.window} steps)"
@@ -332,7 +384,10 @@ def render(rows: list[Row]) -> str:
     faults = [r for r in rows if not r.fault.healthy]
     healthy = [r for r in rows if r.fault.healthy]
     if faults:
-        head = ["fault", "model", "onset", "expected", "lightning_diag (first alert of each rule)", "caught", *labels]
+        head = [
+            "fault", "model", "onset", "expected", "lightning_diag (first alert of each rule)", "caught",
+            "onset to alert (target: 3 measurements)", *labels,
+        ]  # fmt: skip
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in faults:
             cells = [
@@ -342,6 +397,7 @@ def render(rows: list[Row]) -> str:
                 ", ".join(f"`{x}`" for x in r.fault.expected_rules),
                 r.ours(),
                 r.verdict(),
+                r.prompt(),
                 *(r.comparisons[label].cell(r.fault) for label in labels),
             ]
             out.append("| " + " | ".join(cells) + " |")
@@ -391,7 +447,10 @@ Result: **{caught} of {n_faults} faults caught** by their expected rule within t
 **{alarms} warning/critical alerts on the healthy baselines** (target: none).
 
 "Step" is the global step of the first alert (or of the stop); "+N" counts from the fault's onset. The expected
-rule is in bold; other rules that fired on a fault are listed too (a fault often has several symptoms).
+rule is in bold; other rules that fired on a fault are listed too (a fault often has several symptoms). "Onset to
+alert" counts the steps from the fault's onset to its expected rule's first alert, and the measurements (every
+{MEASURE_EVERY} steps, onset and alert included) or epochs (one loss point each) that took; the target is
+{PROMPT_MEASUREMENTS} (issue 23), and a rule whose definition needs more says why.
 
 {render(rows)}
 ## Reading the comparison columns

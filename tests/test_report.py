@@ -320,6 +320,20 @@ def test_replay_excuses_the_explained_module_only_when_heads_are_grouped(tmp_pat
     assert band["status"] == "fail" and band["replayed"] == 1, band
 
 
+def test_replay_tells_learned_sharpness_from_a_collapse_with_the_logged_loss(tmp_path, capsys):
+    """Issue 23: a head that sharpens gradually while the logged training loss falls is learned, not a collapse."""
+    scalars = {
+        "diag/attn_entropy/h.1.attn/head_0": [1.2, 0.9, 0.7, 0.55, 0.47, 0.45, 0.46],
+        "diag/attn_entropy/h.1.attn/head_1": [1.5] * 7,
+        "diag/attn_entropy/h.1.attn/uniform": [2.7] * 7,
+        "diag/loss/train_step": [3.0, 2.5, 2.0, 1.6, 1.2, 1.0, 0.9],
+    }
+    _write_run(tmp_path / "run", scalars, (), {"AttentionEntropyMonitor": {}})
+    (run,) = _report_json(tmp_path, capsys)["runs"]
+    band = next(c for c in run["checks"] if c["id"] == "attn_entropy_band")
+    assert band["status"] == "pass" and band["replayed"] == 0, band
+
+
 @pytest.mark.parametrize(("uniform", "hint"), [(3.0, False), (2.7, True)])
 def test_high_entropy_is_judged_as_the_rule_judges_it(tmp_path, capsys, uniform, hint):
     # 2.6 nats is above attn_entropy_high's 2.5; the rule also needs 0.9 of uniform after 200 steps, and is info.

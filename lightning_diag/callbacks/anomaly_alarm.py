@@ -35,6 +35,7 @@ from lightning_diag.rules.anomaly import (
     DEFAULT_VAL_DECLINE_PATIENCE,
     DEFAULT_VAL_FLUCTUATION_MIN,
     DEFAULT_VAL_FLUCTUATION_MIN_ABS,
+    DEFAULT_VAL_FLUCTUATION_MIN_RISE,
     DEFAULT_VAL_FLUCTUATION_RATIO,
     DEFAULT_VAL_FLUCTUATION_WINDOW,
     LossStagnantRule,
@@ -82,7 +83,8 @@ class AnomalyAlarm(DiagCallback):
       the untrained model's loss: chance level for a classifier).
     * ``val_decline`` (warning): ``monitor`` worsens on ``val_decline_patience`` consecutive validation runs.
     * ``val_fluctuation`` (warning): the validation fluctuation exceeds ``val_fluctuation_ratio`` times the
-      training-loss fluctuation over the last ``val_fluctuation_window`` validation runs.
+      training-loss fluctuation over the last ``val_fluctuation_window`` validation runs, and rises by more than
+      ``val_fluctuation_min_rise`` of its initial value over them.
 
     Logged metrics (TensorBoard, global rank zero):
 
@@ -121,6 +123,9 @@ class AnomalyAlarm(DiagCallback):
         val_fluctuation_min: Validation fluctuation below which ``val_fluctuation`` never fires.
         val_fluctuation_min_range: Range (max - min, metric units) of the validation window below which
             ``val_fluctuation`` never fires (keeps converged runs with near-zero losses quiet).
+        val_fluctuation_min_rise: The validation window's rises (sum of its increases from run to run), as a
+            fraction of the first validation value, below which ``val_fluctuation`` never fires (a converged run
+            wandering near zero is not fluctuating; default 0.15).
         log_every_n_steps: Logging interval for step-level tags; defaults to the trainer's.
         locate_nonfinite: Replay the first non-finite step of an episode once to name its source (the alert's
             ``source``); costs one extra forward and backward at failure, nothing on healthy steps but a
@@ -177,6 +182,7 @@ class AnomalyAlarm(DiagCallback):
         val_fluctuation_window: int = DEFAULT_VAL_FLUCTUATION_WINDOW,
         val_fluctuation_min: float = DEFAULT_VAL_FLUCTUATION_MIN,
         val_fluctuation_min_range: float = DEFAULT_VAL_FLUCTUATION_MIN_ABS,
+        val_fluctuation_min_rise: float = DEFAULT_VAL_FLUCTUATION_MIN_RISE,
         log_every_n_steps: int | None = None,
         locate_nonfinite: bool = True,
         rollback_every_n_steps: int = DEFAULT_ROLLBACK_EVERY_N_STEPS,
@@ -214,6 +220,9 @@ class AnomalyAlarm(DiagCallback):
         )
         self.val_fluctuation_min_range = float(
             check_number("val_fluctuation_min_range", val_fluctuation_min_range, low=0.0, low_inclusive=True)
+        )
+        self.val_fluctuation_min_rise = float(
+            check_number("val_fluctuation_min_rise", val_fluctuation_min_rise, low=0.0, low_inclusive=True)
         )
         if not isinstance(locate_nonfinite, bool):
             raise TypeError(f"Expected argument `locate_nonfinite` to be a bool, but got {locate_nonfinite!r}")

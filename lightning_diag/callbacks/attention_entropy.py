@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback, extract_loss
 from lightning_diag.core.tags import (
     attn_distance_tag,
     attn_entropy_tag,
@@ -99,7 +100,10 @@ class AttentionEntropyMonitor(DiagCallback):
 
     Rules (definitions in :mod:`lightning_diag.rules.attention`), each on ``patience`` consecutive measurements:
 
-    * ``attn_entropy_low``: a head below ``entropy_low`` nats (where uniform attention would exceed twice that).
+    * ``attn_entropy_low``: a head below ``entropy_low`` nats (where uniform attention would exceed twice that): a
+      warning when it is a collapse (every head of the layer at once, or an abrupt fall while the training loss did
+      not improve), ``info`` when the head sharpened by learning. The loss is that of the sampled batch
+      (``training_step``'s output), read in the step's one host copy.
     * ``attn_entropy_high``: after ``warmup_steps``, a head above ``entropy_high`` nats and above
       ``uniform_fraction`` of uniform.
     * ``attn_sink``: every head of a module puts more than ``sink_mass`` of its attention (and twice its uniform
@@ -325,9 +329,11 @@ class AttentionEntropyMonitor(DiagCallback):
             self.notice(trainer, f"problem:{name}", f"attention of `{name}` is not measured: {problem}")
         for key, note in recorder.notes.items():
             self.notice(trainer, f"note:{key}", note)
-        layers = self._reduce(trainer, recorder)
-        if layers is None:
+        loss, _ = extract_loss(outputs)
+        reduced = self._reduce(trainer, recorder, loss)
+        if reduced is None:
             return
+        layers, batch_loss = reduced
         step = self._sampled_step
         values: dict[str, float] = {}
         for name, stats in layers.items():
@@ -341,12 +347,15 @@ class AttentionEntropyMonitor(DiagCallback):
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
         ctx = type(ctx)(epoch=ctx.epoch, global_step=step)
-        self.record(self.entropy_rule.update(layers, ctx) + self.sink_rule.update(layers, ctx))
+        self.record(self.entropy_rule.update(layers, ctx, loss=batch_loss) + self.sink_rule.update(layers, ctx))
         if recorder.keep_maps:
             self._draw(recorder, step)
 
-    def _reduce(self, trainer: pl.Trainer, recorder: AttentionRecorder) -> dict[str, LayerStats] | None:
-        """One host copy of every module's statistics, averaged over ranks (weighted by valid rows)."""
+    def _reduce(
+        self, trainer: pl.Trainer, recorder: AttentionRecorder, loss: torch.Tensor | None = None
+    ) -> tuple[dict[str, LayerStats], float] | None:
+        """One host copy of every module's statistics, averaged over ranks (weighted by valid rows), and of the
+        sampled batch's training loss (averaged over the ranks that have one; ``nan`` when none has)."""
         names = list(recorder.stats)
         distributed = trainer.world_size > 1
         if distributed:
@@ -396,10 +405,18 @@ class AttentionEntropyMonitor(DiagCallback):
             parts += [place(s.entropy * rows), place(s.uniform * rows), place(s.special_mass * rows)]
             parts += [place(s.special_share * rows), place(first * rows), place(coverage * rows)]
             parts += [causal.reshape(1) * rows, rows, place(rows.expand(local))]
+        # the loss rides along in the same copy: [loss, 1] where it is known, [0, 0] where not
+        device = parts[0].device if parts else trainer.strategy.root_device
+        if loss is not None:
+            parts.append(torch.stack([loss.detach().float().reshape(()).to(device), torch.ones((), device=device)]))
+        else:
+            parts.append(torch.zeros(2, device=device))
         flat = torch.cat([p.reshape(-1).float() for p in parts])
         if distributed:
             flat = trainer.strategy.reduce(flat, reduce_op="sum")
         host = flat.tolist()  # the one copy of this sampled step
+        loss_sum, loss_ranks = host[-2:]
+        batch_loss = loss_sum / loss_ranks if loss_ranks > 0 else math.nan
         layers: dict[str, LayerStats] = {}
         i = 0
         for name, h in zip(names, heads, strict=True):
@@ -414,7 +431,7 @@ class AttentionEntropyMonitor(DiagCallback):
             is_causal = chunk[6 * h] / rows > 1 - 1e-6
             entropy, uniform, mass, share, first_mass, cover = cols
             layers[name] = LayerStats(entropy, uniform, mass, share, first_mass, is_causal, cover)
-        return layers
+        return layers, batch_loss
 
     def _distances(self, trainer: pl.Trainer, recorder: AttentionRecorder, names: list[str]) -> dict[str, float]:
         """``diag/attn_distance[_relative]/<module>/head_<h>`` of the self-attention modules, averaged over ranks

@@ -197,7 +197,7 @@ class CorpusModule(pl.LightningModule):
 
 def _entries() -> list[CorpusEntry]:
     healthy = [
-        CorpusEntry("bert", "bert", "healthy", lr=1e-3),
+        CorpusEntry("bert", "bert", "healthy", lr=2e-3),
         CorpusEntry("gpt2", "gpt2", "healthy", lr=3e-3),
         CorpusEntry("llama", "llama", "healthy", lr=3e-3),
         CorpusEntry("bart", "bart", "healthy", lr=3e-3),

@@ -145,8 +145,10 @@ def _replay_attn_band(run: RunData) -> list[Alert]:
             by_step.setdefault(step, {})[module] = LayerStats(
                 entropy, [uni] * n, [math.nan] * n, [math.nan] * n, coverage=cover
             )
+    # the training loss at the measured steps tells a collapse from learned sharpness, as in the run
+    losses = dict(run.scalars.get(loss_tag("train_step"), []))
     for step, layers in sorted(by_step.items()):
-        alerts += rule.update(layers, StepContext(0, step))
+        alerts += rule.update(layers, StepContext(0, step), loss=losses.get(step))
     # the replay's own notes on those modules restate the run's: not returned
     return [a for a in alerts if not (a.rule == ATTN_ENTROPY_LOW and a.severity == Severity.INFO)]
 

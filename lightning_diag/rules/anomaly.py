@@ -14,7 +14,12 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   residuals around a least-squares line or parabola fitted to its logarithm
   (:func:`~lightning_diag.stats.fluctuation`). Fires when the validation fluctuation exceeds ``ratio`` times
   the training-loss fluctuation over the same runs, is itself above ``min_fluctuation`` and the range of the
-  validation window (loss units) is above ``min_abs`` (so a converged run whose losses are near zero stays quiet).
+  validation window (loss units) is above ``min_abs``, **and** the validation value's rises over the window (the
+  sum of its increases from one run to the next) are above ``min_rise`` of its *scale*, the first validation value
+  of the fit (the loss at the start of training). Relative fluctuations blow up near zero: a converged fine-tune
+  whose validation loss wanders 0.097 -> 0.167 -> 0.024 reads 50% in log units against 7% for its training loss,
+  yet it rises by 0.07, 7% of its initial 0.96; a validation loss that zig-zags by 40% of its level rises by 150%
+  of it.
 * ``loss_stagnant``: the *initial loss* is the mean training loss of the first ``baseline_steps`` optimizer steps,
   the loss of the untrained model: for a classifier this is the chance level (about ``ln C`` for ``C`` balanced
   classes). After ``patience`` loss points (epoch or window means, as for ``loss_swing``), the rule fires while
@@ -32,7 +37,7 @@ from typing import Literal
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, default, register
-from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.stats.trend import fluctuation, relative_change
 
 __all__ = [
@@ -46,6 +51,7 @@ __all__ = [
     "DEFAULT_VAL_DECLINE_PATIENCE",
     "DEFAULT_VAL_FLUCTUATION_MIN",
     "DEFAULT_VAL_FLUCTUATION_MIN_ABS",
+    "DEFAULT_VAL_FLUCTUATION_MIN_RISE",
     "DEFAULT_VAL_FLUCTUATION_RATIO",
     "DEFAULT_VAL_FLUCTUATION_WINDOW",
     "LOSS_STAGNANT",
@@ -78,9 +84,11 @@ VAL_DECLINE_SPEC = register(RuleSpec(
 VAL_FLUCTUATION_SPEC = register(RuleSpec(
     "val_fluctuation", _ALARM, "warning", 2.0,
     "validation-loss fluctuation above {threshold:g}x the training-loss fluctuation",
-    settings={"window": 5, "min": 0.15, "min_range": 0.01}, check="val_fluctuation", source="seed 000 §4.1",
+    settings={"window": 5, "min": 0.15, "min_range": 0.01, "min_rise": 0.15}, check="val_fluctuation",
+    source="seed 000 §4.1",
     arguments={"threshold": "val_fluctuation_ratio", "window": "val_fluctuation_window",
-               "min": "val_fluctuation_min", "min_range": "val_fluctuation_min_range"},
+               "min": "val_fluctuation_min", "min_range": "val_fluctuation_min_range",
+               "min_rise": "val_fluctuation_min_rise"},
 ))
 LOSS_STAGNANT_SPEC = register(RuleSpec(
     "loss_stagnant", _ALARM, "warning", 0.10,
@@ -112,6 +120,8 @@ DEFAULT_VAL_FLUCTUATION_WINDOW = int(default(VAL_FLUCTUATION_SPEC.key("window"))
 DEFAULT_VAL_FLUCTUATION_MIN = default(VAL_FLUCTUATION_SPEC.key("min"))
 #: ``val_fluctuation``: range (max - min, loss units) of the validation window below which it never fires.
 DEFAULT_VAL_FLUCTUATION_MIN_ABS = default(VAL_FLUCTUATION_SPEC.key("min_range"))
+#: ``val_fluctuation``: the window's rises, as a fraction of the first validation value, below which it never fires.
+DEFAULT_VAL_FLUCTUATION_MIN_RISE = default(VAL_FLUCTUATION_SPEC.key("min_rise"))
 
 #: ``loss_stagnant``: fraction of the initial loss the training loss must have fallen by.
 DEFAULT_STAGNANT_MIN_DROP = default(LOSS_STAGNANT)
@@ -155,6 +165,7 @@ class LossSwingRule(Rule):
         super().__init__()
         self.threshold = threshold
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.min_delta = min_delta
         self.unit = unit
         self.source = source
@@ -239,6 +250,7 @@ class ValDeclineRule(Rule):
         self.monitor = monitor
         self.mode = mode
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.min_delta = min_delta
         self.previous: float | None = None
         self.streak = 0
@@ -288,10 +300,21 @@ class ValFluctuationRule(Rule):
         min_fluctuation: Validation fluctuation (relative to its level) below which the rule never fires.
         min_abs: Range (max - min) of the validation window below which the rule never fires.
         monitor: Name of the validation metric, for messages and the alert's ``source``.
+        min_rise: The window's rises (sum of increases between consecutive runs), as a fraction of the first
+            validation value, below which the rule never fires.
+
+    Example:
+        >>> rule = ValFluctuationRule()
+        >>> train = [1.29, 0.52, 0.19, 0.10, 0.079, 0.041]  # a converged fine-tune (corpus BERT at lr 2e-3)
+        >>> val = [0.964, 0.237, 0.097, 0.167, 0.024, 0.025]
+        >>> [len(rule.update(t, v, StepContext(i, i))) for i, (t, v) in enumerate(zip(train, val))]
+        [0, 0, 0, 0, 0, 0]
+        >>> round(rule.last_rise, 3)
+        0.074
     """
 
     specs = (VAL_FLUCTUATION_SPEC,)
-    state_keys = ("train", "val", "last_ratio")
+    state_keys = ("train", "val", "last_ratio", "scale")
 
     def __init__(
         self,
@@ -300,9 +323,14 @@ class ValFluctuationRule(Rule):
         min_fluctuation: float = DEFAULT_VAL_FLUCTUATION_MIN,
         monitor: str = "val_loss",
         min_abs: float = DEFAULT_VAL_FLUCTUATION_MIN_ABS,
+        min_rise: float = DEFAULT_VAL_FLUCTUATION_MIN_RISE,
     ) -> None:
         super().__init__()
+        self.latch = Latch(clear_after=2)  # one calm validation run between two fluctuating ones: one event
         self.min_abs = min_abs
+        self.min_rise = min_rise
+        self.scale: float | None = None
+        self.last_rise = math.nan
         self.ratio = ratio
         self.window = window
         self.min_fluctuation = min_fluctuation
@@ -318,7 +346,7 @@ class ValFluctuationRule(Rule):
         spec = VAL_FLUCTUATION_SPEC
         return cls(
             spec.value(thresholds), int(spec.value(thresholds, "window")), spec.value(thresholds, "min"),
-            monitor=monitor, min_abs=spec.value(thresholds, "min_range"),
+            monitor=monitor, min_abs=spec.value(thresholds, "min_range"), min_rise=spec.value(thresholds, "min_rise"),
         )
 
     def measures(self) -> tuple[float, float]:
@@ -331,6 +359,8 @@ class ValFluctuationRule(Rule):
         """Feed the mean training loss since the last validation run and the validation value."""
         if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
             return []
+        if self.scale is None:
+            self.scale = abs(float(val_loss))  # the validation loss at the start of training
         self.train = list(deque([*self.train, train_loss], maxlen=self.window))
         self.val = list(deque([*self.val, val_loss], maxlen=self.window))
         train_f, val_f = self.measures()
@@ -338,15 +368,23 @@ class ValFluctuationRule(Rule):
             return []
         self.last_ratio = val_f / train_f if train_f > 0 else math.inf
         val_abs = max(self.val) - min(self.val)
-        active = val_f > self.min_fluctuation and val_abs > self.min_abs and val_f > self.ratio * train_f
-        if not self.latch.update(self.monitor, active):
+        rises = sum(max(0.0, b - a) for a, b in zip(self.val, self.val[1:], strict=False))
+        self.last_rise = rises / self.scale if self.scale > 0 else math.inf
+        active = (
+            val_f > self.min_fluctuation
+            and val_abs > self.min_abs
+            and val_f > self.ratio * train_f
+            and self.last_rise > self.min_rise
+        )
+        if not self.latch.update(self.monitor, active, excess(self.last_ratio, self.ratio)):
             return []
         return [
             self._alert(
                 ctx,
                 f"`{self.monitor}` fluctuates {val_f:.1%} around its trend over the last {self.window} "
-                f"validation runs, more than {self.ratio:g}x the training loss ({train_f:.1%}): the validation "
-                "set may be too small or unrepresentative, or the model unstable",
+                f"validation runs, more than {self.ratio:g}x the training loss ({train_f:.1%}), rising by "
+                f"{self.last_rise:.0%} of its initial {self.scale:.4g} over the window: the validation set may be "
+                "too small or unrepresentative, or the model unstable",
                 source=self.monitor,
                 value=self.last_ratio if math.isfinite(self.last_ratio) else val_f,
                 threshold=self.ratio,

@@ -7,6 +7,28 @@ Fed, at each measured step, with every attention module's per-head statistics
 * ``attn_entropy_low``: a head's entropy below ``low`` nats (seed 000 §3.2: 0.5): the head looks at about one
   key (e^0.5 = 1.6 keys). Judged only where the head had room to spread: where uniform attention over its allowed
   keys would have at least ``2 * low`` nats (about 3 keys), so short or heavily masked rows never count as collapse.
+  Low entropy alone is not a fault: trained language models keep previous-token, induction and copy heads far below
+  0.5 nats. A **collapse** is a change, and the rule tells one from learned sharpness when the head's alarm begins
+  (its entropy at the last measurement before it entered the band and the training loss there are remembered):
+
+  - *every* head of the module (two or more heads judged) is low at once: the layer lands on one key: a
+    **warning**;
+  - the head **fell abruptly** (its entropy at the last measurement above ``low`` was at least
+    :data:`ABRUPT_FALL` = 2 times its entropy at the first measurement in the band) **and** the training loss did
+    not improve meanwhile (the mean of the last :data:`LOSS_POINTS` sampled losses is not below its value at that
+    last measurement above the band), or the loss is unknown: a **warning** (logit growth, a bad update, a mask
+    bug change attention from one measurement to the next and hurt the loss);
+  - a head low from its first measurement (its fall was not seen) is judged as an abrupt one: a warning unless the
+    loss improved between that first measurement and the alarm (a pretrained or built-in sharp head);
+  - otherwise (a gradual descent, or an abrupt one while the loss fell: an induction head forming, a learned phase
+    change): an ``info`` alert, a learned sharp head.
+
+  Measured: the nanoGPT-style model of the tests (2 layers, d 64) learning two interleaved counters sharpens its
+  heads over 35 measurements while its loss falls 3.3 -> 0.2; the head that ends in the band (0.44 .. 0.54 nats,
+  not a one-to-one alignment: coverage 0.55) enters it at 1.16x per measurement: one ``info`` alert, where the
+  seed's rule warned. The demo's ``attention`` fault (every query on [CLS] from step 30) and the corpus's Llama
+  logit-growth fault (query and key weights x8 at step 100: every head of both layers at 0.03 .. 0.04 nats five
+  steps later, the loss rising) are whole-layer collapses: warnings at their first judged measurement.
 * ``attn_entropy_high`` (severity ``info``): a head's entropy above ``high`` nats (seed 000 §3.2: 2.5, about
   12 keys) **and** above ``uniform_fraction`` of the uniform entropy over its allowed keys: the head still
   spreads its mass (nearly) evenly over everything. The second condition makes the band mean the same for long
@@ -22,10 +44,14 @@ Fed, at each measured step, with every attention module's per-head statistics
   ``sink_mass`` on the first visible key, the layer is a layer of attention-sink heads (healthy, see above): the
   alert is ``info``. Bidirectional attention ([CLS]/[SEP], seed 000 §3.2) stays a warning.
 
+Attention logits are not measured: a logit growth shows as the abrupt fall and the loss it costs.
+
 One event, one alert: the heads (``attn_entropy_*``) or modules (``attn_sink``) newly tripping one rule at the
 same measurement make one alert naming them (count and the worst few); its ``source`` is the worst head
 (``module/head_h``) or module and its ``value`` the worst value. Latching stays per head (per module for
-``attn_sink``): an episode alerts once, a head that clears and trips again alerts again. The ``info`` notes on
+``attn_sink``; :meth:`~lightning_diag.rules.base.Latch.for_patience`): an event alerts once; a head alerts again
+after it has been out of the band on ``patience`` measurements, or when its entropy has fallen another 10x
+(:data:`~lightning_diag.rules.base.WORSEN_FACTOR`) past ``low`` since its last alert. The ``info`` notes on
 explained low entropy (causal attention sinks, one-to-one alignments) come once per module.
 """
 
@@ -37,9 +63,10 @@ from typing import NamedTuple
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
-from lightning_diag.rules.base import Rule, StepContext, name_layers
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
 
 __all__ = [
+    "ABRUPT_FALL",
     "ALIGNED_COVERAGE",
     "ATTN_ENTROPY_HIGH",
     "ATTN_ENTROPY_HIGH_SPEC",
@@ -56,6 +83,7 @@ __all__ = [
     "DEFAULT_ENTROPY_LOW",
     "DEFAULT_SINK_MASS",
     "DEFAULT_UNIFORM_FRACTION",
+    "LOSS_POINTS",
     "AttentionEntropyRule",
     "AttentionSinkRule",
     "LayerStats",
@@ -107,7 +135,14 @@ DEFAULT_ATTN_PATIENCE = int(ATTN_PATIENCE_SETTING.default)
 #: reversal alignment of the corpus's BART cross-attention 0.97..1.0, the collapsed heads of the Llama logit-growth
 #: fault 0.56..0.75, every query on [CLS] 0).
 ALIGNED_COVERAGE = 0.9
+#: ``attn_entropy_low``: a head whose entropy fell by at least this factor from its last measurement above the band
+#: to its first one in it fell abruptly (measured: the healthy nanoGPT copy heads at most 1.2x per measurement;
+#: the demo attention fault 100x and more, the Llama logit-growth fault 5x and more).
+ABRUPT_FALL = 2.0
+#: ``attn_entropy_low``: sampled training losses averaged to tell whether the loss improved (one batch is noisy).
+LOSS_POINTS = 3
 _SINK, _ALIGNED = ATTN_SINK, "aligned"
+_COLLAPSE, _LEARNED = "collapse", "learned"
 
 
 class LayerStats(NamedTuple):
@@ -142,13 +177,16 @@ class AttentionEntropyRule(Rule):
 
     Example:
         >>> rule = AttentionEntropyRule(patience=2, warmup_steps=0)
+        >>> spread = {"attn": LayerStats([1.8, 1.5], [2.7, 2.7], [0.0, 0.0], [0.1, 0.1])}
         >>> collapsed = {"attn": LayerStats([0.1, 1.5], [2.7, 2.7], [0.0, 0.0], [0.1, 0.1])}
-        >>> [[a.source for a in rule.update(collapsed, StepContext(0, s))] for s in (0, 1, 2)]
-        [[], ['attn/head_0'], []]
+        >>> feed = [(spread, 2.0), (collapsed, 2.5), (collapsed, 2.6), (collapsed, 2.6)]
+        >>> [[(a.source, a.severity.value) for a in rule.update(x, StepContext(0, s), loss=loss)]
+        ...  for s, (x, loss) in enumerate(feed)]
+        [[], [], [('attn/head_0', 'warning')], []]
     """
 
     specs = (ATTN_ENTROPY_LOW_SPEC, ATTN_ENTROPY_HIGH_SPEC)
-    state_keys = ("streaks",)
+    state_keys = ("streaks", "heads", "losses")
 
     def __init__(
         self,
@@ -166,7 +204,11 @@ class AttentionEntropyRule(Rule):
         self.uniform_fraction = uniform_fraction
         self.warmup_steps = warmup_steps
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.streaks: dict[str, int] = {}
+        # module/head_h -> [entropy and mean loss at its last measurement above the band, fall into the band]
+        self.heads: dict[str, list[float]] = {}
+        self.losses: list[float] = []
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> AttentionEntropyRule:
@@ -180,30 +222,47 @@ class AttentionEntropyRule(Rule):
             ATTN_SINK_SPEC.value(thresholds),
         )
 
-    def update(self, layers: Mapping[str, LayerStats], ctx: StepContext) -> list[Alert]:
-        """Feed one measurement of every module's heads; return the alerts raised.
+    def update(self, layers: Mapping[str, LayerStats], ctx: StepContext, loss: float | None = None) -> list[Alert]:
+        """Feed one measurement of every module's heads (and the training loss of the measured batch, when
+        known); return the alerts raised.
 
         Latching and streaks are per (rule, module, head); the heads newly tripping one rule at this measurement
-        make one alert naming them (count and the worst few), whose ``source`` is the worst head.
+        make one alert naming them (count and the worst few), whose ``source`` is the worst head. Low heads are
+        split into collapses (warnings) and learned sharp heads (``info``), see the module's docstring.
         """
+        known = loss is not None and math.isfinite(loss)
+        if known:
+            self.losses = [*self.losses, float(loss)][-LOSS_POINTS:]  # type: ignore[arg-type]
+        mean_loss = sum(self.losses) / len(self.losses) if known else math.nan
         notes = []
-        tripped: dict[str, dict[str, tuple[float, float]]] = {ATTN_ENTROPY_LOW: {}, ATTN_ENTROPY_HIGH: {}}
+        tripped: dict[str, dict[str, tuple[float, float]]] = {
+            _COLLAPSE: {}, _LEARNED: {}, ATTN_ENTROPY_HIGH: {}
+        }  # fmt: skip
         judge_high = ctx.global_step >= self.warmup_steps
         for module, stats in layers.items():
             explained: dict[str, list[tuple[int, float, float]]] = {_SINK: [], _ALIGNED: []}
-            for h, (ent, uni, first, cover) in enumerate(
+            heads = list(
                 zip(stats.entropy, stats.uniform, _first_mass(stats), _per_head(stats, stats.coverage), strict=True)
-            ):
+            )
+            judged = [h for h in heads if math.isfinite(h[0]) and math.isfinite(h[1]) and h[1] >= 2 * self.low]
+            # every judged head of the layer on about one key, none of them explained: the layer collapsed
+            whole_layer = len(judged) >= 2 and all(
+                ent < self.low and not (stats.causal and first > self.sink_mass) and not cover >= ALIGNED_COVERAGE
+                for ent, _, first, cover in judged
+            )
+            for h, (ent, uni, first, cover) in enumerate(heads):
                 if not (math.isfinite(ent) and math.isfinite(uni)):
                     continue
                 source = f"{module}/head_{h}"
-                low = uni >= 2 * self.low and ent < self.low
+                room = uni >= 2 * self.low
+                low = room and ent < self.low
                 # causal attention parked on the first visible key: an attention sink, not a collapse
                 sink = low and stats.causal and first > self.sink_mass
                 # each query on its own key (the queries together cover the keys): an alignment, not a collapse
                 aligned = low and not sink and cover >= ALIGNED_COVERAGE
                 low = low and not (sink or aligned)
                 high = judge_high and ent > self.high and ent > self.uniform_fraction * uni
+                kind = self._track(source, ent, mean_loss, room, low, whole_layer)
                 checks = ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high), (_SINK, sink), (_ALIGNED, aligned))
                 for rule, bad in checks:
                     key = f"{rule}:{source}"
@@ -215,14 +274,32 @@ class AttentionEntropyRule(Rule):
                             explained[rule].append((h, ent, first if rule == _SINK else cover))
                         continue
                     self.streaks[key] = self.streaks.get(key, 0) + 1 if bad else 0
-                    if self.latch.update(key, self.streaks[key] >= self.patience):
-                        tripped[rule][source] = (ent, uni)
-            for kind, heads in explained.items():
+                    over = excess(ent, self.low, above=False) if rule == ATTN_ENTROPY_LOW else None
+                    if self.latch.update(key, self.streaks[key] >= self.patience, excess=over):
+                        tripped[kind if rule == ATTN_ENTROPY_LOW else rule][source] = (ent, uni)
+            for kind, held in explained.items():
                 # one note per module and kind, ever: the latch key is never cleared
-                if heads and self.latch.update(f"{kind}:{module}", True):
-                    notes.append(self._note(kind, module, heads, len(stats.entropy), ctx))
-        alerts = [self._entropy_alert(rule, heads, ctx) for rule, heads in tripped.items() if heads]
+                if held and self.latch.update(f"{kind}:{module}", True):
+                    notes.append(self._note(kind, module, held, len(stats.entropy), ctx))
+        alerts = [self._entropy_alert(kind, heads, ctx) for kind, heads in tripped.items() if heads]
         return alerts + notes
+
+    def _track(self, source: str, ent: float, mean_loss: float, room: bool, low: bool, whole_layer: bool) -> str:
+        """Keep the head's history; ``"collapse"`` or ``"learned"``: what a low-entropy alarm beginning now is."""
+        if not low:
+            if room and ent >= self.low:  # above the band: the reference an entry into it is compared with
+                self.heads[source] = [ent, mean_loss, math.nan]
+            return _LEARNED
+        entry = self.heads.get(source)
+        if entry is None:  # low from its first measurement: the fall was not seen, the loss is compared from here
+            self.heads[source] = entry = [math.nan, mean_loss, math.inf]
+        before, before_loss, fall = entry
+        if math.isnan(fall):  # the first measurement in the band
+            entry[2] = fall = before / ent if ent > 0 else math.inf
+        if whole_layer:
+            return _COLLAPSE
+        improved = math.isfinite(mean_loss) and math.isfinite(before_loss) and mean_loss < before_loss
+        return _COLLAPSE if fall >= ABRUPT_FALL and not improved else _LEARNED
 
     def _note(
         self, kind: str, module: str, heads: list[tuple[int, float, float]], total: int, ctx: StepContext
@@ -255,9 +332,11 @@ class AttentionEntropyRule(Rule):
             severity=Severity.INFO,
         )
 
-    def _entropy_alert(self, rule: str, heads: Mapping[str, tuple[float, float]], ctx: StepContext) -> Alert:
-        """One alert for the heads newly tripping ``rule`` (``{module/head_h: (entropy, uniform)}``)."""
-        low = rule == ATTN_ENTROPY_LOW
+    def _entropy_alert(self, kind: str, heads: Mapping[str, tuple[float, float]], ctx: StepContext) -> Alert:
+        """One alert for the heads newly tripping ``kind`` (``"collapse"``, ``"learned"`` or
+        ``attn_entropy_high``; ``{module/head_h: (entropy, uniform)}``)."""
+        low = kind != ATTN_ENTROPY_HIGH
+        rule = ATTN_ENTROPY_LOW if low else ATTN_ENTROPY_HIGH
         entropy = {source: ent for source, (ent, _) in heads.items()}
         worst = (min if low else max)(entropy, key=entropy.__getitem__)
         ent, uni = heads[worst]
@@ -269,11 +348,20 @@ class AttentionEntropyRule(Rule):
             head = "each head"
             where = f"of {_name_heads(entropy, worst_first=not low)}"
             uniform = f"uniform over the keys of `{worst}`: {uni:.3g}"
-        if low:
+        if kind == _COLLAPSE:
             message = (
                 f"attention entropy {where}, below {self.low:g} ({uniform}) on {self.patience} consecutive "
-                f"measurements: {head} looks at about one token; check for attention collapse (masks, a "
-                "dominating position, too high a learning rate)"
+                f"measurements, reached by an abrupt fall (more than {ABRUPT_FALL:g}x in one measurement) while the "
+                f"loss did not improve, or by every head of the layer: {head} collapsed onto about one token; check "
+                "for attention collapse (masks, a dominating position, growing attention logits, too high a "
+                "learning rate)"
+            )
+            threshold = self.low
+        elif kind == _LEARNED:
+            message = (
+                f"attention entropy {where}, below {self.low:g} ({uniform}) on {self.patience} consecutive "
+                f"measurements: {head} sharpened onto about one token gradually, or while the loss improved (a "
+                "previous-token, induction or copy head); information, not a collapse"
             )
             threshold = self.low
         else:
@@ -285,8 +373,9 @@ class AttentionEntropyRule(Rule):
             )
             threshold = self.high
         # Diffuse attention is an info alert: averaging over every token is a legitimate learned solution (the
-        # shipped demo task is solved that way), so it must never count as a warning on a healthy run.
-        severity = Severity.WARNING if low else Severity.INFO
+        # shipped demo task is solved that way), so it must never count as a warning on a healthy run; so is a
+        # head that sharpened by learning.
+        severity = Severity.WARNING if kind == _COLLAPSE else Severity.INFO
         return self._alert(ctx, message, source=worst, value=ent, threshold=threshold, rule=rule, severity=severity)
 
 
@@ -318,6 +407,7 @@ class AttentionSinkRule(Rule):
         super().__init__()
         self.sink_mass = sink_mass
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.streaks: dict[str, int] = {}
 
     @classmethod

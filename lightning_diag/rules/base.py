@@ -4,13 +4,14 @@ from settings (:meth:`Rule.from_settings`) that the callbacks and the report's r
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec
 
-__all__ = ["Latch", "Rule", "StepContext", "name_layers"]
+__all__ = ["OVERWHELMING", "WORSEN_FACTOR", "Latch", "Rule", "StepContext", "excess", "name_layers"]
 
 #: A rule class (the return type of :meth:`Rule.from_settings`).
 RuleT = TypeVar("RuleT", bound="Rule")
@@ -27,29 +28,96 @@ class StepContext:
     global_step: int
 
 
-class Latch:
-    """Remembers which sources are in alarm so each alerts once per episode.
+#: A latched condition alerts again while it persists once it has moved this factor further past its threshold
+#: than at its last alert ("clearly worsened": a head at 0.4 nats against 0.5 alerts again at 0.04, a gradient at
+#: 20 against 10 again at 200).
+WORSEN_FACTOR = 10.0
 
-    A source alerts when its condition becomes true, and again only after it has cleared.
+
+#: A warm-up gives way to overwhelming evidence: a value this factor past its threshold (three orders of magnitude:
+#: a relative gradient below 1e-6 where the threshold is 1e-3, a spread above 1e5 where it is 100) is judged during
+#: the warm-up too. Healthy warm-ups stay far from it (the corpus's worst: a matrix 64x below its best-fed peer).
+OVERWHELMING = 1e3
+
+
+def excess(value: float, threshold: float, above: bool = True) -> float:
+    """How far ``value`` is past ``threshold``, as a factor (``value / threshold`` for an upper bound, ``threshold
+    / value`` for a lower one); ``nan`` where it cannot be told (a zero or non-finite value or threshold).
+
+    Example:
+        >>> excess(200.0, 10.0), excess(0.04, 0.5, above=False)
+        (20.0, 12.5)
+    """
+    num, den = (value, threshold) if above else (threshold, value)
+    if not (math.isfinite(num) and math.isfinite(den)) or den <= 0 or num < 0:
+        return math.nan
+    return num / den
+
+
+class Latch:
+    """Remembers which sources are in alarm so each alerts once per event.
+
+    A source alerts when its condition becomes true. While it stays true it alerts again only when it has
+    *clearly worsened*: its :func:`excess` past the threshold (passed as ``excess``) grew by ``worsen_factor``
+    (:data:`WORSEN_FACTOR`) since its last alert. A source whose condition turns false is *cleared* only after
+    ``clear_after`` consecutive updates without it; a condition that comes back sooner is the same event and stays
+    silent. A rule whose condition needs ``patience`` consecutive measurements uses :meth:`for_patience`, so the
+    condition must have been false on ``patience`` measurements before a new event can alert: a value that
+    flickers around its threshold alerts once.
 
     Example:
         >>> latch = Latch()
         >>> [latch.update("layer1", c) for c in (False, True, True, False, True)]
         [False, True, False, False, True]
+        >>> latch = Latch(clear_after=2)
+        >>> [latch.update("head", c) for c in (True, False, True, False, False, True)]
+        [True, False, False, False, False, True]
+        >>> [latch.update("grad", True, excess=x) for x in (2.0, 5.0, 19.0, 20.0, 100.0)]
+        [True, False, False, True, False]
     """
 
-    def __init__(self) -> None:
-        self._active: set[str] = set()
+    def __init__(self, clear_after: int = 1, worsen_factor: float = WORSEN_FACTOR) -> None:
+        self.clear_after = max(1, int(clear_after))
+        self.worsen_factor = worsen_factor
+        # source -> [excess at the last alert (nan: unknown), consecutive updates without the condition]
+        self._active: dict[str, list[float]] = {}
 
-    def update(self, source: str, active: bool) -> bool:
-        """Record the condition for ``source``; return ``True`` only when it has just become active."""
+    @classmethod
+    def for_patience(cls, patience: int, worsen_factor: float = WORSEN_FACTOR) -> Latch:
+        """The latch of a rule whose condition must hold on ``patience`` consecutive measurements.
+
+        A new streak of ``patience`` measurements itself counts ``patience - 1`` updates without the alarm, so
+        the latch clears after ``2 * patience - 1``: the condition was false on at least ``patience`` of them.
+        """
+        return cls(clear_after=2 * max(1, int(patience)) - 1, worsen_factor=worsen_factor)
+
+    def update(self, source: str, active: bool, excess: float | None = None) -> bool:
+        """Record the condition for ``source``; return ``True`` when it has just become active, or has clearly
+        worsened (``excess`` grew by ``worsen_factor`` since the last alert)."""
+        entry = self._active.get(source)
         if active:
-            if source in self._active:
+            now = math.nan if excess is None else float(excess)
+            if entry is None:
+                self._active[source] = [now, 0.0]
+                return True
+            entry[1] = 0.0
+            last = entry[0]
+            if math.isfinite(now) and (not math.isfinite(last) or last <= 0):
+                entry[0] = now  # the first known excess of this event: the reference for "worsened"
                 return False
-            self._active.add(source)
-            return True
-        self._active.discard(source)
+            if math.isfinite(now) and now >= last * self.worsen_factor:
+                entry[0] = now
+                return True
+            return False
+        if entry is not None:
+            entry[1] += 1
+            if entry[1] >= self.clear_after:
+                del self._active[source]
         return False
+
+    def clear(self, source: str) -> None:
+        """Forget ``source`` at once (the event is over whatever ``clear_after`` says)."""
+        self._active.pop(source, None)
 
     def is_active(self, source: str) -> bool:
         """Whether ``source`` is currently in alarm."""
@@ -60,13 +128,19 @@ class Latch:
         """The sources currently in alarm."""
         return frozenset(self._active)
 
-    def state_dict(self) -> list[str]:
-        """Serializable state."""
-        return sorted(self._active)
+    def state_dict(self) -> dict[str, list[float | None]]:
+        """Serializable state: each source in alarm with its excess at the last alert (``None``: unknown) and the
+        updates it has been without its condition."""
+        return {k: [v[0] if math.isfinite(v[0]) else None, v[1]] for k, v in sorted(self._active.items())}
 
-    def load_state_dict(self, state: Iterable[str]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self._active = set(state)
+    def load_state_dict(self, state: Mapping[str, Any] | Iterable[str]) -> None:
+        """Restore :meth:`state_dict` output (also the list of sources older versions saved)."""
+        if isinstance(state, Mapping):
+            self._active = {
+                str(k): [math.nan if v[0] is None else float(v[0]), float(v[1])] for k, v in state.items()
+            }
+        else:
+            self._active = {str(k): [math.nan, 0.0] for k in state}
 
 
 class Rule:

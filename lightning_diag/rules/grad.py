@@ -12,12 +12,17 @@ faults rather than architecture (the measurements behind each choice are in ``do
   on ``patience`` consecutive measurements after ``warmup_steps``, while that block itself is above
   ``vanish_threshold``. Matrices starved while a block still learns are vanishing; all of them small together
   is a converged (or dead) model, ``grad_collapse``'s question.
+  During the warm-up only overwhelming evidence counts: a matrix whose relative gradient is positive but below
+  ``vanish_threshold`` / :data:`~lightning_diag.rules.base.OVERWHELMING` (1e-6) and more than ``relative`` x 1000
+  (1e5) times below the best-fed block matrix (a 12-layer sigmoid MLP's first layer, 1e-12 of its last: caught at
+  its ``patience``-th measurement instead of after the warm-up). Exactly zero gradients (the zero-initialised
+  partner of a LoRA pair) wait for the warm-up.
   Attention query/key projections are not compared (their gradient flows only through the softmax and is 1e-5
   at initialisation, attention being uniform), nor are embeddings (sparse rows).
 * ``grad_layer_spread``: between comparable matrices **of the same role in different blocks** (``layers.*.fc1``
   against ``layers.*.fc1``), largest / smallest relative gradient above ``spread_ratio`` on ``patience``
-  consecutive measurements after ``warmup_steps``. A LayerNorm against the LM head is architecture; block 0
-  against block 11 of the same kind is gradient flow.
+  consecutive measurements after ``warmup_steps`` (during the warm-up: above ``spread_ratio`` x 1000). A LayerNorm
+  against the LM head is architecture; block 0 against block 11 of the same kind is gradient flow.
 * ``grad_collapse``: the L2 norm of the blocks' weight-matrix gradients below ``collapse_ratio`` times its
   baseline (median of the first ``baseline_measurements``), on ``patience`` consecutive measurements. With the
   loss known, the verdict names the cause: loss at most ``converged_fraction`` of its initial value: the model
@@ -27,7 +32,8 @@ faults rather than architecture (the measurements behind each choice are in ``do
 * ``grad_frozen``: see :class:`~lightning_diag.rules.grad_frozen.GradFrozenRule` (re-exported here).
 
 When several layers cross one threshold at the same measurement they make one alert naming them (count and the
-worst few). Non-finite values are AnomalyAlarm's business and are skipped.
+worst few); a layer crossing it later, while others are still in alarm, joins that event silently. Non-finite
+values are AnomalyAlarm's business and are skipped.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from collections.abc import Collection, Mapping
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
-from lightning_diag.rules.base import Rule, StepContext, name_layers
+from lightning_diag.rules.base import OVERWHELMING, Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import (
     FROZEN_REASONS,
     GRAD_FROZEN,
@@ -172,6 +178,7 @@ class GradBandRule(Rule):
         self.vanish_threshold = vanish_threshold
         self.explode_threshold = explode_threshold
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.warmup_steps = warmup_steps
         self.streaks: dict[str, int] = {}
 
@@ -207,9 +214,18 @@ class GradBandRule(Rule):
         starved: dict[str, float] = {}
         rel = {k: v for k, v in (relative or {}).items() if math.isfinite(v)}
         reference = max((v for k, v in rel.items() if blocks is None or k in blocks), default=0.0)
+        early = ctx.global_step < self.warmup_steps
         # a reference that is itself below the threshold is a converged or dead model: grad_collapse's question
-        if rel and ctx.global_step >= self.warmup_steps and reference >= self.vanish_threshold:
-            starved = {k: v for k, v in rel.items() if v < self.vanish_threshold and v * self.relative < reference}
+        if rel and reference >= self.vanish_threshold:
+            # during the warm-up only overwhelming evidence counts (OVERWHELMING past both thresholds)
+            factor = OVERWHELMING if early else 1.0
+            starved = {
+                k: v
+                for k, v in rel.items()
+                if v < self.vanish_threshold / factor
+                and v * self.relative * factor < reference
+                and (v > 0 or not early)
+            }
         alerts = []
         explode_new = self._trip(GRAD_EXPLODE, exploding, set(rms), needed=1)
         if explode_new:
@@ -225,17 +241,19 @@ class GradBandRule(Rule):
                     rule=GRAD_EXPLODE,
                 )
             )
-        vanish_new = self._trip(
-            GRAD_VANISH, starved, set(rel) if ctx.global_step >= self.warmup_steps else set(), self.patience
-        )
+        vanish_new = self._trip(GRAD_VANISH, starved, set(rel), self.patience)
         if vanish_new:
             worst = min(vanish_new, key=vanish_new.__getitem__)
+            during = (
+                f" (during the {self.warmup_steps}-step warm-up: {OVERWHELMING:g}x past both)" if early else ""
+            )
             alerts.append(
                 self._alert(
                     ctx,
                     f"relative gradient ||g||/||W|| below {self.vanish_threshold:g} and over "
-                    f"{self.relative:g}x below the best-fed block matrix ({reference:.3g}) on {self.patience} "
-                    f"consecutive measurements in {name_layers(vanish_new, worst_first=False)}: gradients vanish "
+                    f"{self.relative:g}x below the best-fed block matrix ({reference:.3g}){during} on "
+                    f"{self.patience} consecutive measurements in {name_layers(vanish_new, worst_first=False)}: "
+                    "gradients vanish "
                     "before they reach these layers; check saturating activations, depth without residuals or "
                     "normalisation, a too-small init",
                     source=worst,
@@ -247,7 +265,13 @@ class GradBandRule(Rule):
         return alerts
 
     def _trip(self, rule: str, bad: Mapping[str, float], seen: set[str], needed: int) -> dict[str, float]:
-        """Advance the streaks of ``rule``; return the layers whose alarm has just begun, with their values."""
+        """Advance the streaks of ``rule``; return the layers whose alarm has just begun, with their values.
+
+        While some layers of ``rule`` are in alarm, a layer whose alarm begins joins that event without a new alert
+        (vanishing gradients spread down a stack over a few measurements); a layer already in alarm that has
+        clearly worsened alerts again.
+        """
+        ongoing = {k for k in self.latch.active if k.startswith(f"{rule}:")}
         new = {}
         for layer in seen | {k.split(":", 1)[1] for k in self.streaks if k.startswith(f"{rule}:")}:
             key = f"{rule}:{layer}"
@@ -257,7 +281,14 @@ class GradBandRule(Rule):
                 self.streaks.pop(key, None)
             if layer not in seen and layer not in bad:
                 continue  # not measured this time: keep the latch as it is
-            if self.latch.update(key, self.streaks.get(key, 0) >= needed):
+            over = None
+            if layer in bad:
+                explode = rule == GRAD_EXPLODE
+                threshold = self.explode_threshold if explode else self.vanish_threshold
+                over = excess(bad[layer], threshold, above=explode)
+            if self.latch.update(key, self.streaks.get(key, 0) >= needed, excess=over):
+                if ongoing and key not in ongoing:
+                    continue  # joins the event in progress
                 new[layer] = bad[layer]
         return new
 
@@ -284,6 +315,7 @@ class GradSpreadRule(Rule):
         super().__init__()
         self.spread_ratio = spread_ratio
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.warmup_steps = warmup_steps
         self.streak = 0
 
@@ -301,8 +333,7 @@ class GradSpreadRule(Rule):
     ) -> list[Alert]:
         """Feed one measurement of the comparable layers' relative gradients and their roles (``None``: one
         role for all); return the alerts raised."""
-        if ctx.global_step < self.warmup_steps:
-            return []
+        early = ctx.global_step < self.warmup_steps
         groups: dict[str, dict[str, float]] = {}
         for layer, v in values.items():
             if math.isfinite(v) and v > 0:
@@ -320,8 +351,9 @@ class GradSpreadRule(Rule):
         if worst is None:
             return []
         ratio, role, high, low = worst
-        self.streak = self.streak + 1 if ratio > self.spread_ratio else 0
-        if not self.latch.update("model", self.streak >= self.patience):
+        # during the warm-up only overwhelming evidence counts
+        self.streak = self.streak + 1 if ratio > self.spread_ratio * (OVERWHELMING if early else 1.0) else 0
+        if not self.latch.update("model", self.streak >= self.patience, excess(ratio, self.spread_ratio)):
             return []
         members = groups[role]
         return [
@@ -365,6 +397,7 @@ class GradCollapseRule(Rule):
         super().__init__()
         self.collapse_ratio = collapse_ratio
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.baseline_measurements = baseline_measurements
         self.converged_fraction = converged_fraction
         self.early: list[float] = []
@@ -411,7 +444,7 @@ class GradCollapseRule(Rule):
             return []
         limit = self.collapse_ratio * self.baseline
         self.streak = self.streak + 1 if norm < limit else 0
-        if not self.latch.update("global", self.streak >= self.patience):
+        if not self.latch.update("global", self.streak >= self.patience, excess(norm, limit, above=False)):
             return []
         recent = statistics.mean(self.recent_losses) if self.recent_losses and loss is not None else None
         kind = self.verdict(recent)

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, register
-from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 
 __all__ = [
     "DEFAULT_LAYER_RATIO",
@@ -82,6 +82,7 @@ class SharpMinimumRule(Rule):
         super().__init__()
         self.threshold = threshold
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.streak = 0
 
     @classmethod
@@ -97,7 +98,7 @@ class SharpMinimumRule(Rule):
         if not math.isfinite(gap):
             return []
         self.streak = self.streak + 1 if gap > self.threshold else 0
-        if not self.latch.update("model", self.streak >= self.patience):
+        if not self.latch.update("model", self.streak >= self.patience, excess(gap, self.threshold)):
             return []
         parts = [f"SAM gap L(w+ε) − L(w) = {gap:.3g} above {self.threshold:g} on {self.streak} consecutive probes"]
         if rho is not None:

@@ -7,7 +7,10 @@ Exact meaning:
   ``threshold`` of the step time **and** above ``min_wait_s`` per step, on ``patience`` consecutive intervals.
 * ``step_time_periodic``: in the last ``window`` optimizer steps, steps more than ``slow_ratio`` above the
   median recur with a fixed period (:func:`~lightning_diag.stats.timing.detect_period`) and their excess over
-  the median costs more than ``threshold`` of the window's time. ``value`` is the period in steps. The same
+  the median costs more than ``threshold`` of the window's time. The test needs :data:`MIN_STEPS` step times,
+  except for a pattern seen enough times to be certain: at least :data:`CERTAIN_OCCURRENCES` slow steps, every
+  position of the pattern slow and no slow step off it (a stall every 10 steps is named after its third
+  occurrence past the warm-up, at step 50, instead of at step 80). ``value`` is the period in steps. The same
   test runs on dips of GPU utilisation when NVML is present (source ``gpu_utilization``).
 * ``step_time_fluctuation``: the step times of the window (after ``warmup_steps``, without the step after a
   validation run and without the steps of a periodic pattern) are cut into blocks of ``block_steps``; the
@@ -27,7 +30,7 @@ import numpy as np
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, default, register
-from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.stats.timing import Periodicity, Series, block_fluctuation, detect_period, growth
 
 __all__ = [
@@ -129,6 +132,9 @@ DEFAULT_MEMORY_RISING_FRACTION = _default(MEMORY_GROWTH, "rising_fraction")
 
 #: Fewest step times the periodic test judges.
 MIN_STEPS = 60
+#: Slow steps that make a pattern certain before :data:`MIN_STEPS` (every position of the pattern slow, no slow step
+#: off it): three stalls exactly one period apart in a quiet window.
+CERTAIN_OCCURRENCES = 3
 #: Fewest blocks the fluctuation test judges.
 MIN_BLOCKS = 5
 
@@ -152,6 +158,7 @@ class DataloaderBoundRule(Rule):
         super().__init__()
         self.threshold = threshold
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.min_wait_s = min_wait_s
         self.streak = 0
 
@@ -196,6 +203,7 @@ class StepPeriodicRule(Rule):
 
     def __init__(self, threshold: float = DEFAULT_PERIODIC_SHARE, slow_ratio: float = DEFAULT_SLOW_RATIO) -> None:
         super().__init__()
+        self.latch = Latch(clear_after=3)  # a pattern missed on one or two checks is the same event
         self.threshold = threshold
         self.slow_ratio = slow_ratio
         self.last = Periodicity(0)
@@ -208,12 +216,18 @@ class StepPeriodicRule(Rule):
 
     def update(self, ctx: StepContext, times: Series, source: str = "step_time") -> list[Alert]:
         """Judge the window of step times (seconds, oldest first)."""
-        if len(times) < MIN_STEPS:
+        if len(times) < 2 * CERTAIN_OCCURRENCES:
             return []
-        found = detect_period(times, self.slow_ratio)
+        if len(times) < MIN_STEPS:
+            # a short window: only a certain pattern counts (see the module's docstring)
+            found = detect_period(times, self.slow_ratio, min_occurrences=CERTAIN_OCCURRENCES)
+            if not (found.found and found.coverage >= 1.0 and found.precision >= 1.0):
+                found = Periodicity(0)
+        else:
+            found = detect_period(times, self.slow_ratio)
         self.last = found
         active = found.found and found.share > self.threshold
-        if not self.latch.update(source, active):
+        if not self.latch.update(source, active, excess(found.share, self.threshold)):
             return []
         median = float(np.median(np.asarray(times, dtype=float)))
         slow = float(np.mean(np.asarray(times, dtype=float)[found.phase :: found.period]))
@@ -266,6 +280,7 @@ class StepFluctuationRule(Rule):
         super().__init__()
         self.threshold = threshold
         self.patience = patience
+        self.latch = Latch.for_patience(patience)
         self.block_steps = block_steps
         self.streak = 0
 
@@ -284,7 +299,7 @@ class StepFluctuationRule(Rule):
         value = block_fluctuation(times, self.block_steps)
         active = math.isfinite(value) and value > self.threshold
         self.streak = self.streak + 1 if active else 0
-        if not self.latch.update(source, self.streak >= self.patience):
+        if not self.latch.update(source, self.streak >= self.patience, excess(value, self.threshold)):
             return value, []
         return value, [
             self._alert(

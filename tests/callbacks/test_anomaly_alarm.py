@@ -39,6 +39,7 @@ def serious(alerts):
         ({"val_fluctuation_window": 2}, ValueError, "val_fluctuation_window"),
         ({"val_fluctuation_min": -0.1}, ValueError, "val_fluctuation_min"),
         ({"val_fluctuation_min_range": -1}, ValueError, "val_fluctuation_min_range"),
+        ({"val_fluctuation_min_rise": -1}, ValueError, "val_fluctuation_min_rise"),
         ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
         ({"stagnant_min_drop": 1.0}, ValueError, "stagnant_min_drop"),
         ({"stagnant_min_drop": "10%"}, TypeError, "stagnant_min_drop"),
@@ -490,10 +491,14 @@ def test_state_of_the_layout_before_the_split_loads():
     alarm.policy.skips, alarm.policy.scaler_overflows = 2, 3
     alarm.policy.latch.update("loss", True)
     state = alarm.state_dict()
-    assert state["skips"] == 2 and state["nonfinite_latch"] == ["loss"]
+    assert state["skips"] == 2 and state["nonfinite_latch"] == {"loss": [None, 0.0]}
     assert state["nonfinite_counts"] == {"scaler_overflows": 3}
     del state["nonfinite_counts"]
     restored = AnomalyAlarm(on_nonfinite="skip")
     restored.load_state_dict(state)
     assert (restored.policy.skips, restored.policy.scaler_overflows) == (2, 0)
     assert restored.policy.latch.active == {"loss"}
+    state["nonfinite_latch"] = ["loss"]  # the latch as a list of sources (before issue 23)
+    older = AnomalyAlarm(on_nonfinite="skip")
+    older.load_state_dict(state)
+    assert older.policy.latch.active == {"loss"}

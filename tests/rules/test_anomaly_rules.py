@@ -74,6 +74,27 @@ def test_val_fluctuation():
     assert all(not quiet.update(t, v, StepContext(i, i)) for i, (t, v) in pairs)
 
 
+@pytest.mark.parametrize(
+    ("train", "val", "fires_at"),
+    [
+        # the converged corpus BERT at lr 2e-3: 50% in log units near zero, but it rises by 7% of its initial loss
+        ([1.29, 0.52, 0.19, 0.10, 0.079, 0.041], [0.964, 0.237, 0.097, 0.167, 0.024, 0.025], []),
+        # a validation loss zig-zagging by 40% of its level while the training loss falls smoothly
+        ([1.0 * 0.8**k for k in range(7)], [1.0, 1.4, 0.9, 1.5, 0.9, 1.4, 0.9], [4]),
+        # the same zig-zag after a fall from 4.0 (rises 1.6 = 40% of the start): it fires once the fall has left
+        # the window's trend
+        ([4.0 * 0.7**k for k in range(7)], [4.0, 1.4, 0.9, 1.5, 0.9, 1.4, 0.9], [5]),
+        # converged near zero, wandering by 0.05 from a start at 2.3: quiet
+        ([2.3 * 0.5**k for k in range(7)], [2.3, 0.4, 0.08, 0.03, 0.08, 0.03, 0.08], []),
+    ],
+    ids=["converged-finetune", "zigzag", "zigzag-after-a-fall", "converged-wander"],
+)
+def test_val_fluctuation_is_judged_against_the_initial_scale(train, val, fires_at):
+    rule = ValFluctuationRule()
+    fired = [len(rule.update(t, v, StepContext(i, i))) for i, (t, v) in enumerate(zip(train, val, strict=True))]
+    assert [i for i, n in enumerate(fired) if n] == fires_at
+
+
 def test_val_fluctuation_quiet_near_zero():
     rule = ValFluctuationRule()
     train = [0.001] * 6

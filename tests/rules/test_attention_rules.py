@@ -186,13 +186,19 @@ HEALTHY8, COLLAPSED8 = [1.5] * 8, [0.3, 0.1, 0.2, 0.05, 0.4, 0.3, 0.2, 0.1]
             [modules(a=[0.2, 1.5], b=[0.1, 0.3])] * 2,
             [[], [("b/head_0", 0.1, "3 heads in 2 modules: `b/head_0` 0.1, `a/head_0` 0.2, `b/head_1` 0.3")]],
         ),
-        # a head that clears and trips again alerts again; its neighbour, still latched, does not
+        # a head that clears for `patience` measurements and trips again alerts again; its neighbour, still
+        # latched, does not
+        (
+            [modules(a=[0.1, 0.2])] * 2 + [modules(a=[1.5, 0.2])] * 2 + [modules(a=[0.1, 0.2])] * 2,
+            [[], [("a/head_0", 0.1, "2 heads")], [], [], [], [("a/head_0", 0.1, "`a/head_0` is 0.1 nats")]],
+        ),
+        # one measurement out of the band is a flicker: the same event, no second alert
         (
             [modules(a=[0.1, 0.2])] * 2 + [modules(a=[1.5, 0.2])] + [modules(a=[0.1, 0.2])] * 2,
-            [[], [("a/head_0", 0.1, "2 heads")], [], [], [("a/head_0", 0.1, "`a/head_0` is 0.1 nats")]],
+            [[], [("a/head_0", 0.1, "2 heads")], [], [], []],
         ),
     ],
-    ids=["8-heads-one-alert", "second-module-later", "two-modules-at-once", "clear-and-trip-again"],
+    ids=["8-heads-one-alert", "second-module-later", "two-modules-at-once", "clear-and-trip-again", "flicker"],
 )
 def test_heads_tripping_together_make_one_alert_table(feed, expected):
     rule = AttentionEntropyRule(warmup_steps=0)
@@ -222,3 +228,85 @@ def test_modules_sinking_at_one_step_make_one_alert():
     assert rule.update(sunk, StepContext(0, 1)) == []  # latched per module
     third = {**sunk, "c": sunk["a"]}
     assert [a.source for a in rule.update(third, StepContext(0, 2))] == ["c"]
+
+
+# Sharp by learning is not a collapse (issue 23): the alarm's beginning is judged by how the head got there.
+def two_heads(target, other=1.8):
+    """One module: head 0 at ``target`` nats, head 1 spread (so the layer as a whole has not collapsed)."""
+    return modules(a=[target, other])
+
+
+GRADUAL = [1.6, 1.2, 0.9, 0.7, 0.55, 0.48, 0.46, 0.47, 0.45]  # at most 1.3x per measurement
+FALLING_LOSS = [3.4 - 0.3 * i for i in range(len(GRADUAL))]
+
+
+def severities(rule, entropies, losses, other=1.8):
+    got = [
+        rule.update(two_heads(e, other), StepContext(0, i * 5), loss=loss)
+        for i, (e, loss) in enumerate(zip(entropies, losses, strict=True))
+    ]
+    return [(i, a.severity.value) for i, step in enumerate(got) for a in step if a.rule == "attn_entropy_low"]
+
+
+@pytest.mark.parametrize(
+    ("entropies", "losses", "expected"),
+    [
+        # a gradual descent while the loss falls: a learned sharp head, one info alert
+        (GRADUAL, FALLING_LOSS, [(6, "info")]),
+        # the same descent with the loss unknown: still gradual, still info
+        (GRADUAL, [None] * len(GRADUAL), [(6, "info")]),
+        # the same descent while the loss rises: gradual, so still learned (a plateau is no collapse)
+        (GRADUAL, FALLING_LOSS[::-1], [(6, "info")]),
+        # an abrupt fall (1.8 -> 0.05) while the loss rises: a collapse
+        ([1.8, 1.8, 0.05, 0.05, 0.05], [2.0, 1.9, 2.6, 2.8, 2.9], [(3, "warning")]),
+        # an abrupt fall with the loss unknown: a collapse
+        ([1.8, 1.8, 0.05, 0.05, 0.05], [None] * 5, [(3, "warning")]),
+        # an abrupt fall while the loss keeps falling: a learned phase change (an induction head forming)
+        ([1.8, 1.8, 0.3, 0.2, 0.2], [3.0, 2.5, 1.5, 1.0, 0.8], [(3, "info")]),
+        # low from the first measurement while the loss falls: pretrained or built sharp, info
+        ([0.3] * 4, [3.0, 2.5, 2.0, 1.5], [(1, "info")]),
+        # low from the first measurement, loss flat: nothing says it was learned, a warning
+        ([0.3] * 4, [2.0] * 4, [(1, "warning")]),
+    ],
+    ids=[
+        "gradual-loss-falls", "gradual-loss-unknown", "gradual-loss-rises", "abrupt-loss-rises",
+        "abrupt-loss-unknown", "abrupt-loss-falls", "sharp-from-start-learning", "sharp-from-start-flat",
+    ],
+)  # fmt: skip
+def test_collapse_is_a_change_table(entropies, losses, expected):
+    assert severities(AttentionEntropyRule(warmup_steps=0), entropies, losses) == expected
+
+
+def test_every_head_of_a_layer_low_is_a_collapse_even_gradually():
+    rule = AttentionEntropyRule(warmup_steps=0)
+    got = [rule.update(modules(a=[e, e]), StepContext(0, i), loss=loss) for i, (e, loss) in enumerate(
+        zip(GRADUAL, FALLING_LOSS, strict=True))]  # fmt: skip
+    alerts = [(i, a) for i, step in enumerate(got) for a in step]
+    assert [(i, a.severity.value) for i, a in alerts] == [(6, "warning")]
+    assert "2 heads in 1 module" in alerts[0][1].message and "every head of the layer" in alerts[0][1].message
+
+
+def test_a_head_hovering_at_the_threshold_alerts_once():
+    # the nanoGPT pattern: 0.44 .. 0.54 for a long time, crossing the threshold back and forth
+    hover = [0.9, 0.7, 0.55, 0.47, 0.54, 0.51, 0.44, 0.46, 0.46, 0.35, 0.45, 0.49, 0.52, 0.47, 0.48]
+    losses = [0.5 - 0.02 * i for i in range(len(hover))]
+    rule = AttentionEntropyRule(warmup_steps=0)
+    assert severities(rule, hover, losses) == [(7, "info")]
+
+
+def test_clearly_worse_alerts_again_once():
+    # latched at 0.1 nats (5x past 0.5): again at 0.01 (50x, another 10x), not at 0.02
+    entropies = [1.8, 0.1, 0.1, 0.05, 0.02, 0.01, 0.01, 0.005]
+    rule = AttentionEntropyRule(warmup_steps=0)
+    got = severities(rule, entropies, [None] * len(entropies))
+    assert got == [(2, "warning"), (5, "warning")]
+
+
+def test_history_and_losses_survive_a_round_trip():
+    first = AttentionEntropyRule(warmup_steps=0)
+    for i, (e, loss) in enumerate([(1.8, 2.0), (0.05, 2.6)]):
+        first.update(two_heads(e), StepContext(0, i), loss=loss)
+    second = AttentionEntropyRule(warmup_steps=0)
+    second.load_state_dict(first.state_dict())
+    (alert,) = second.update(two_heads(0.05), StepContext(0, 2), loss=2.7)
+    assert alert.severity == "warning"  # the abrupt fall and the rising loss were remembered

@@ -26,7 +26,14 @@ def fired(out):
         ([{"a": 20.0}] * 4, [(0, [("grad_explode", "a")])]),  # reported at once, latched
         ([{"a": 1.1, "patch_embed": 0.64}] * 4, []),  # the largest healthy values measured in the corpus
         ([{"a": float("nan")}] * 4, []),  # non-finite: AnomalyAlarm's business
-        ([{"a": 20.0}, {"a": 1.0}, {"a": 20.0}], [(0, [("grad_explode", "a")]), (2, [("grad_explode", "a")])]),
+        ([{"a": 20.0}, {"a": 1.0}, {"a": 20.0}], [(0, [("grad_explode", "a")])]),  # a flicker: one event
+        # clear on 2 x patience - 1 measurements: a new event
+        ([{"a": 20.0}] + [{"a": 1.0}] * 5 + [{"a": 20.0}], [(0, [("grad_explode", "a")]), (6, [("grad_explode", "a")])]),  # noqa: E501
+        # 10x further past the threshold while it persists: alerts again, once
+        (
+            [{"a": 20.0}, {"a": 150.0}, {"a": 200.0}, {"a": 300.0}],
+            [(0, [("grad_explode", "a")]), (2, [("grad_explode", "a")])],
+        ),
     ],
 )
 def test_explode_table(series, expected):

@@ -123,7 +123,7 @@ def test_state_round_trip_and_missing_latch():
     for name in ("loss", "loss", "ovf"):
         policy.decide(STEPS[name], StepContext(0, 0))
     state = policy.state_dict()
-    assert state == {"skips": 2, "scaler_overflows": 1, "latch": ["loss"]}  # the overflow applied, not skipped
+    assert state == {"skips": 2, "scaler_overflows": 1, "latch": {"loss": [None, 0.0]}}  # the overflow applied
     clone = NonFinitePolicy("skip", max_skips=9)
     clone.load_state_dict(state)
     assert clone.state_dict() == state
