@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.core.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
+from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import attn_entropy_tag, attn_heads_tag, attn_map_tag, attn_sink_tag, attn_uniform_tag
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.attention_capture import AttentionCapture, is_compiled
@@ -20,11 +21,11 @@ from lightning_diag.instrument.attention_record import AttentionRecorder
 from lightning_diag.output.images import heatmap, scatter, tile
 from lightning_diag.rules.attention import (
     DEFAULT_ATTN_PATIENCE,
-    DEFAULT_ATTN_WARMUP_STEPS,
-    DEFAULT_ENTROPY_HIGH,
-    DEFAULT_ENTROPY_LOW,
-    DEFAULT_SINK_MASS,
-    DEFAULT_UNIFORM_FRACTION,
+    DEFAULT_ENTROPY_HIGH_THRESHOLD,
+    DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION,
+    DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
+    DEFAULT_ENTROPY_LOW_THRESHOLD,
+    DEFAULT_SINK_THRESHOLD,
     AttentionEntropyRule,
     AttentionSinkRule,
     LayerStats,
@@ -39,6 +40,16 @@ DEFAULT_SAMPLE_SIZE = 8
 DEFAULT_MAX_QUERIES = 64
 _STATE_KEYS = ("entropy", "sink")
 _IMAGE_KEYS = 128  # keys shown at most per heatmap
+
+
+#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
+_RENAMED_ARGUMENTS = {
+    "entropy_low": "entropy_low_threshold",
+    "entropy_high": "entropy_high_threshold",
+    "uniform_fraction": "entropy_high_uniform_fraction",
+    "warmup_steps": "entropy_high_warmup_steps",
+    "sink_mass": "sink_threshold",
+}
 
 
 class AttentionEntropyMonitor(DiagCallback):
@@ -80,10 +91,11 @@ class AttentionEntropyMonitor(DiagCallback):
 
     Rules (definitions in :mod:`lightning_diag.rules.attention`), each on ``patience`` consecutive measurements:
 
-    * ``attn_entropy_low``: a head below ``entropy_low`` nats (where uniform attention would exceed twice that).
-    * ``attn_entropy_high``: after ``warmup_steps``, a head above ``entropy_high`` nats and above
-      ``uniform_fraction`` of uniform.
-    * ``attn_sink``: every head of a module puts more than ``sink_mass`` of its attention (and twice its uniform
+    * ``attn_entropy_low``: a head below ``entropy_low_threshold`` nats (where uniform attention would exceed twice
+      that).
+    * ``attn_entropy_high``: after ``entropy_high_warmup_steps``, a head above ``entropy_high_threshold`` nats and above
+      ``entropy_high_uniform_fraction`` of uniform.
+    * ``attn_sink``: every head of a module puts more than ``sink_threshold`` of its attention (and twice its uniform
       share) on special tokens.
 
     Args:
@@ -100,11 +112,12 @@ class AttentionEntropyMonitor(DiagCallback):
             first 2-D integer tensor of a tuple batch.
         image_every_n_steps: Interval of the images; ``None`` (default) is 10 times the sampling interval, ``0``
             turns them off.
-        entropy_low: ``attn_entropy_low`` threshold in nats (default 0.5).
-        entropy_high: ``attn_entropy_high`` threshold in nats (default 2.5).
-        uniform_fraction: ``attn_entropy_high`` also needs the entropy above this fraction of uniform (0.9).
-        warmup_steps: Optimizer steps before ``attn_entropy_high`` judges (default 200).
-        sink_mass: ``attn_sink`` threshold: mass on special tokens (default 0.5).
+        entropy_low_threshold: ``attn_entropy_low`` threshold in nats (default 0.5).
+        entropy_high_threshold: ``attn_entropy_high`` threshold in nats (default 2.5).
+        entropy_high_uniform_fraction: ``attn_entropy_high`` also needs the entropy above this fraction of uniform
+            (default 0.9).
+        entropy_high_warmup_steps: Optimizer steps before ``attn_entropy_high`` judges (default 200).
+        sink_threshold: ``attn_sink`` threshold: mass on special tokens (default 0.5).
         patience: Consecutive measurements a condition must hold (default 2).
 
     Raises:
@@ -113,10 +126,11 @@ class AttentionEntropyMonitor(DiagCallback):
 
     Example:
         >>> monitor = AttentionEntropyMonitor(log_every_n_steps=10, special_positions=(0,))
-        >>> monitor.entropy_low, monitor.entropy_high
+        >>> monitor.entropy_low_threshold, monitor.entropy_high_threshold
         (0.5, 2.5)
     """
 
+    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
@@ -128,11 +142,11 @@ class AttentionEntropyMonitor(DiagCallback):
         special_token_ids: Sequence[int] | None = None,
         input_ids: Callable[[Any], torch.Tensor | None] | None = None,
         image_every_n_steps: int | None = None,
-        entropy_low: float = DEFAULT_ENTROPY_LOW,
-        entropy_high: float = DEFAULT_ENTROPY_HIGH,
-        uniform_fraction: float = DEFAULT_UNIFORM_FRACTION,
-        warmup_steps: int = DEFAULT_ATTN_WARMUP_STEPS,
-        sink_mass: float = DEFAULT_SINK_MASS,
+        entropy_low_threshold: float = DEFAULT_ENTROPY_LOW_THRESHOLD,
+        entropy_high_threshold: float = DEFAULT_ENTROPY_HIGH_THRESHOLD,
+        entropy_high_uniform_fraction: float = DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION,
+        entropy_high_warmup_steps: int = DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
+        sink_threshold: float = DEFAULT_SINK_THRESHOLD,
         patience: int = DEFAULT_ATTN_PATIENCE,
         on_alert: AlertHandler | None = None,
     ) -> None:
@@ -150,11 +164,15 @@ class AttentionEntropyMonitor(DiagCallback):
         if image_every_n_steps is not None:
             check_int("image_every_n_steps", image_every_n_steps, low=0)
         self.image_every_n_steps = image_every_n_steps
-        self.entropy_low = check_number("entropy_low", entropy_low, low=0.0)
-        self.entropy_high = check_number("entropy_high", entropy_high, low=self.entropy_low)
-        self.uniform_fraction = check_number("uniform_fraction", uniform_fraction, low=0.0, high=1.0)
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
-        self.sink_mass = check_number("sink_mass", sink_mass, low=0.0, high=1.0, high_inclusive=False)
+        self.entropy_low_threshold = check_number("entropy_low_threshold", entropy_low_threshold, low=0.0)
+        self.entropy_high_threshold = check_number(
+            "entropy_high_threshold", entropy_high_threshold, low=self.entropy_low_threshold
+        )
+        self.entropy_high_uniform_fraction = check_number(
+            "entropy_high_uniform_fraction", entropy_high_uniform_fraction, low=0.0, high=1.0
+        )
+        self.entropy_high_warmup_steps = check_int("entropy_high_warmup_steps", entropy_high_warmup_steps, low=0)
+        self.sink_threshold = check_number("sink_threshold", sink_threshold, low=0.0, high=1.0, high_inclusive=False)
         self.patience = check_int("patience", patience, low=1)
         self._make_rules()
         self._recorder: AttentionRecorder | None = None
@@ -171,20 +189,16 @@ class AttentionEntropyMonitor(DiagCallback):
             raise TypeError(f"Expected argument `{name}` to be a sequence of ints, but got {values!r}")
         return tuple(values)
 
-    def thresholds(self) -> dict[str, float]:
-        """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
-
-        Example:
-            >>> AttentionEntropyMonitor().thresholds()["attn_entropy_low"]
-            0.5
-        """
-        return super().thresholds()
-
     def _make_rules(self) -> None:
         self.entropy_rule = AttentionEntropyRule(
-            self.entropy_low, self.entropy_high, self.uniform_fraction, self.warmup_steps, self.patience, self.sink_mass
+            self.entropy_low_threshold,
+            self.entropy_high_threshold,
+            self.entropy_high_uniform_fraction,
+            self.entropy_high_warmup_steps,
+            self.patience,
+            self.sink_threshold,
         )
-        self.sink_rule = AttentionSinkRule(self.sink_mass, self.patience)
+        self.sink_rule = AttentionSinkRule(self.sink_threshold, self.patience)
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

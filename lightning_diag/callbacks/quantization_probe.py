@@ -21,9 +21,9 @@ from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import quant_layer_tag, quant_tag
 from lightning_diag.core.validation import check_choice, check_number
 from lightning_diag.rules.probes import (
-    DEFAULT_LAYER_RATIO,
-    DEFAULT_MIN_LAYER_ERROR,
-    DEFAULT_QUANT_ERROR,
+    DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO,
+    DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR,
+    DEFAULT_QUANTIZATION_ERROR_THRESHOLD,
     QUANTIZATION_ERROR,
     QuantizationErrorRule,
 )
@@ -174,9 +174,9 @@ class QuantizationProbe(ValidationProbe):
     def __init__(
         self,
         *,
-        threshold: float = DEFAULT_QUANT_ERROR,
-        layer_ratio: float = DEFAULT_LAYER_RATIO,
-        min_layer_error: float = DEFAULT_MIN_LAYER_ERROR,
+        threshold: float = DEFAULT_QUANTIZATION_ERROR_THRESHOLD,
+        layer_ratio: float = DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO,
+        min_layer_error: float = DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR,
         granularity: Granularity = "per_tensor",
         activations: bool = True,
         backend: Backend = "auto",

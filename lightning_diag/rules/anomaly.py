@@ -14,7 +14,7 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   residuals around a least-squares line or parabola fitted to its logarithm
   (:func:`~lightning_diag.stats.fluctuation`). Fires when the validation fluctuation exceeds ``ratio`` times
   the training-loss fluctuation over the same runs, is itself above ``min_fluctuation`` and the range of the
-  validation window (loss units) is above ``min_abs`` (so a converged run whose losses are near zero stays quiet).
+  validation window (loss units) is above ``min_range`` (so a converged run whose losses are near zero stays quiet).
 * ``loss_stagnant``: the *initial loss* is the mean training loss of the first ``baseline_steps`` optimizer steps,
   the loss of the untrained model: for a classifier this is the chance level (about ``ln C`` for ``C`` balanced
   classes). After ``patience`` loss points (epoch or window means, as for ``loss_swing``), the rule fires while
@@ -30,22 +30,23 @@ from collections import deque
 from typing import Literal
 
 from lightning_diag.core.alerts import LOSS_STAGNANT, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION, Alert
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.registry import default
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.stats.trend import fluctuation, relative_change
 
 __all__ = [
     "DEFAULT_STAGNANT_BASELINE_STEPS",
-    "DEFAULT_STAGNANT_MIN_DROP",
     "DEFAULT_STAGNANT_PATIENCE",
+    "DEFAULT_STAGNANT_THRESHOLD",
     "DEFAULT_SWING_MIN_DELTA",
     "DEFAULT_SWING_PATIENCE",
     "DEFAULT_SWING_THRESHOLD",
     "DEFAULT_VAL_DECLINE_MIN_DELTA",
-    "DEFAULT_VAL_DECLINE_PATIENCE",
+    "DEFAULT_VAL_DECLINE_THRESHOLD",
     "DEFAULT_VAL_FLUCTUATION_MIN",
-    "DEFAULT_VAL_FLUCTUATION_MIN_ABS",
-    "DEFAULT_VAL_FLUCTUATION_RATIO",
+    "DEFAULT_VAL_FLUCTUATION_MIN_RANGE",
+    "DEFAULT_VAL_FLUCTUATION_THRESHOLD",
     "DEFAULT_VAL_FLUCTUATION_WINDOW",
     "LossStagnantRule",
     "LossSwingRule",
@@ -60,20 +61,20 @@ DEFAULT_SWING_PATIENCE = int(default("loss_swing.patience"))
 #: ``loss_swing``: absolute change below which a point never swings (keeps near-zero losses quiet).
 DEFAULT_SWING_MIN_DELTA = default("loss_swing.min_delta")
 #: ``val_decline``: consecutive worsening validation runs before the rule fires (seed 001 §1.2: 5).
-DEFAULT_VAL_DECLINE_PATIENCE = int(default("val_decline"))
+DEFAULT_VAL_DECLINE_THRESHOLD = int(default("val_decline"))
 #: ``val_decline``: change that counts as worse.
 DEFAULT_VAL_DECLINE_MIN_DELTA = default("val_decline.min_delta")
 #: ``val_fluctuation``: validation fluctuation above this multiple of the training one (seed 000 §4.1: 2x).
-DEFAULT_VAL_FLUCTUATION_RATIO = default("val_fluctuation")
+DEFAULT_VAL_FLUCTUATION_THRESHOLD = default("val_fluctuation")
 #: ``val_fluctuation``: validation runs in the window.
 DEFAULT_VAL_FLUCTUATION_WINDOW = int(default("val_fluctuation.window"))
 #: ``val_fluctuation``: validation fluctuation (relative to its level) below which the rule never fires.
 DEFAULT_VAL_FLUCTUATION_MIN = default("val_fluctuation.min")
 #: ``val_fluctuation``: range (max - min, loss units) of the validation window below which it never fires.
-DEFAULT_VAL_FLUCTUATION_MIN_ABS = default("val_fluctuation.min_range")
+DEFAULT_VAL_FLUCTUATION_MIN_RANGE = default("val_fluctuation.min_range")
 
 #: ``loss_stagnant``: fraction of the initial loss the training loss must have fallen by.
-DEFAULT_STAGNANT_MIN_DROP = default("loss_stagnant")
+DEFAULT_STAGNANT_THRESHOLD = default("loss_stagnant")
 #: ``loss_stagnant``: loss points (epochs or windows) the training loss has to get there.
 DEFAULT_STAGNANT_PATIENCE = int(default("loss_stagnant.patience"))
 #: ``loss_stagnant``: first optimizer steps whose mean loss is the initial loss.
@@ -179,7 +180,7 @@ class ValDeclineRule(Rule):
         self,
         monitor: str = "val_loss",
         mode: Literal["min", "max"] = "min",
-        patience: int = DEFAULT_VAL_DECLINE_PATIENCE,
+        patience: int = DEFAULT_VAL_DECLINE_THRESHOLD,
         min_delta: float = DEFAULT_VAL_DECLINE_MIN_DELTA,
     ) -> None:
         super().__init__()
@@ -224,7 +225,7 @@ class ValFluctuationRule(Rule):
         ratio: Multiple of the training fluctuation the validation fluctuation must exceed.
         window: Validation runs in the window (at least 3).
         min_fluctuation: Validation fluctuation (relative to its level) below which the rule never fires.
-        min_abs: Range (max - min) of the validation window below which the rule never fires.
+        min_range: Range (max - min) of the validation window below which the rule never fires.
         monitor: Name of the validation metric, for messages and the alert's ``source``.
     """
 
@@ -233,14 +234,14 @@ class ValFluctuationRule(Rule):
 
     def __init__(
         self,
-        ratio: float = DEFAULT_VAL_FLUCTUATION_RATIO,
+        ratio: float = DEFAULT_VAL_FLUCTUATION_THRESHOLD,
         window: int = DEFAULT_VAL_FLUCTUATION_WINDOW,
         min_fluctuation: float = DEFAULT_VAL_FLUCTUATION_MIN,
         monitor: str = "val_loss",
-        min_abs: float = DEFAULT_VAL_FLUCTUATION_MIN_ABS,
+        min_range: float = DEFAULT_VAL_FLUCTUATION_MIN_RANGE,
     ) -> None:
         super().__init__()
-        self.min_abs = min_abs
+        self.min_range = min_range
         self.ratio = ratio
         self.window = window
         self.min_fluctuation = min_fluctuation
@@ -266,7 +267,7 @@ class ValFluctuationRule(Rule):
             return []
         self.last_ratio = val_f / train_f if train_f > 0 else math.inf
         val_abs = max(self.val) - min(self.val)
-        active = val_f > self.min_fluctuation and val_abs > self.min_abs and val_f > self.ratio * train_f
+        active = val_f > self.min_fluctuation and val_abs > self.min_range and val_f > self.ratio * train_f
         if not self.latch.update(self.monitor, active):
             return []
         return [
@@ -303,7 +304,7 @@ class LossStagnantRule(Rule):
 
     def __init__(
         self,
-        min_drop: float = DEFAULT_STAGNANT_MIN_DROP,
+        min_drop: float = DEFAULT_STAGNANT_THRESHOLD,
         patience: int = DEFAULT_STAGNANT_PATIENCE,
         unit: str = "epoch",
         source: str = "train_loss",
@@ -347,3 +348,14 @@ class LossStagnantRule(Rule):
                 threshold=self.min_drop,
             )
         ]
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_VAL_DECLINE_PATIENCE": "DEFAULT_VAL_DECLINE_THRESHOLD",
+        "DEFAULT_VAL_FLUCTUATION_RATIO": "DEFAULT_VAL_FLUCTUATION_THRESHOLD",
+        "DEFAULT_VAL_FLUCTUATION_MIN_ABS": "DEFAULT_VAL_FLUCTUATION_MIN_RANGE",
+        "DEFAULT_STAGNANT_MIN_DROP": "DEFAULT_STAGNANT_THRESHOLD",
+    },
+)

@@ -36,32 +36,33 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from lightning_diag.core.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK, Alert, Severity
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.registry import default
 from lightning_diag.rules.base import Rule, StepContext, name_layers
 
 __all__ = [
     "ALIGNED_COVERAGE",
     "DEFAULT_ATTN_PATIENCE",
-    "DEFAULT_ATTN_WARMUP_STEPS",
-    "DEFAULT_ENTROPY_HIGH",
-    "DEFAULT_ENTROPY_LOW",
-    "DEFAULT_SINK_MASS",
-    "DEFAULT_UNIFORM_FRACTION",
+    "DEFAULT_ENTROPY_HIGH_THRESHOLD",
+    "DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION",
+    "DEFAULT_ENTROPY_HIGH_WARMUP_STEPS",
+    "DEFAULT_ENTROPY_LOW_THRESHOLD",
+    "DEFAULT_SINK_THRESHOLD",
     "AttentionEntropyRule",
     "AttentionSinkRule",
     "LayerStats",
 ]
 
 #: ``attn_entropy_low``: a head's attention entropy below this many nats (seed 000 §3.2).
-DEFAULT_ENTROPY_LOW = default("attn_entropy_low")
+DEFAULT_ENTROPY_LOW_THRESHOLD = default("attn_entropy_low")
 #: ``attn_entropy_high``: a head's attention entropy above this many nats (seed 000 §3.2).
-DEFAULT_ENTROPY_HIGH = default("attn_entropy_high")
+DEFAULT_ENTROPY_HIGH_THRESHOLD = default("attn_entropy_high")
 #: ``attn_entropy_high``: ... and above this fraction of the entropy of uniform attention over its keys.
-DEFAULT_UNIFORM_FRACTION = default("attn_entropy_high.uniform_fraction")
+DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION = default("attn_entropy_high.uniform_fraction")
 #: ``attn_entropy_high``: optimizer steps before the rule judges (a fresh model attends uniformly).
-DEFAULT_ATTN_WARMUP_STEPS = int(default("attn_entropy_high.warmup_steps"))
+DEFAULT_ENTROPY_HIGH_WARMUP_STEPS = int(default("attn_entropy_high.warmup_steps"))
 #: ``attn_sink``: attention mass on special tokens that every head of a layer must exceed ("most of its mass").
-DEFAULT_SINK_MASS = default("attn_sink")
+DEFAULT_SINK_THRESHOLD = default("attn_sink")
 #: Consecutive measurements an attention condition must hold before it alerts.
 DEFAULT_ATTN_PATIENCE = int(default("attn.patience"))
 #: ``attn_entropy_low``: a low-entropy head whose queries' mean attention has at least this fraction of the
@@ -114,12 +115,12 @@ class AttentionEntropyRule(Rule):
 
     def __init__(
         self,
-        low: float = DEFAULT_ENTROPY_LOW,
-        high: float = DEFAULT_ENTROPY_HIGH,
-        uniform_fraction: float = DEFAULT_UNIFORM_FRACTION,
-        warmup_steps: int = DEFAULT_ATTN_WARMUP_STEPS,
+        low: float = DEFAULT_ENTROPY_LOW_THRESHOLD,
+        high: float = DEFAULT_ENTROPY_HIGH_THRESHOLD,
+        uniform_fraction: float = DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION,
+        warmup_steps: int = DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
         patience: int = DEFAULT_ATTN_PATIENCE,
-        sink_mass: float = DEFAULT_SINK_MASS,
+        sink_mass: float = DEFAULT_SINK_THRESHOLD,
     ) -> None:
         super().__init__()
         self.sink_mass = sink_mass
@@ -264,7 +265,7 @@ class AttentionSinkRule(Rule):
     rule_id = ATTN_SINK
     state_keys = ("streaks",)
 
-    def __init__(self, sink_mass: float = DEFAULT_SINK_MASS, patience: int = DEFAULT_ATTN_PATIENCE) -> None:
+    def __init__(self, sink_mass: float = DEFAULT_SINK_THRESHOLD, patience: int = DEFAULT_ATTN_PATIENCE) -> None:
         super().__init__()
         self.sink_mass = sink_mass
         self.patience = patience
@@ -341,3 +342,15 @@ class AttentionSinkRule(Rule):
             value=least[worst],
             threshold=self.sink_mass,
         )
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_ENTROPY_LOW": "DEFAULT_ENTROPY_LOW_THRESHOLD",
+        "DEFAULT_ENTROPY_HIGH": "DEFAULT_ENTROPY_HIGH_THRESHOLD",
+        "DEFAULT_UNIFORM_FRACTION": "DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION",
+        "DEFAULT_ATTN_WARMUP_STEPS": "DEFAULT_ENTROPY_HIGH_WARMUP_STEPS",
+        "DEFAULT_SINK_MASS": "DEFAULT_SINK_THRESHOLD",
+    },
+)

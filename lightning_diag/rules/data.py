@@ -25,6 +25,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from lightning_diag.core.alerts import Alert, Severity
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.registry import default
 from lightning_diag.rules.base import Rule, StepContext
 
@@ -32,10 +33,10 @@ __all__ = [
     "DATA_LEAKAGE",
     "DATA_NONFINITE",
     "DATA_VOCAB_SHIFT",
-    "DEFAULT_LABEL_STD",
-    "DEFAULT_LEAKAGE_FRACTION",
-    "DEFAULT_NEAR_DUPLICATE",
-    "DEFAULT_VOCAB_KL",
+    "DEFAULT_LABEL_IMBALANCE_THRESHOLD",
+    "DEFAULT_LEAKAGE_NEAR_DUPLICATE",
+    "DEFAULT_LEAKAGE_THRESHOLD",
+    "DEFAULT_VOCAB_SHIFT_THRESHOLD",
     "LABEL_IMBALANCE",
     "DataMeasurement",
     "DataRules",
@@ -48,13 +49,13 @@ LABEL_IMBALANCE = "label_imbalance"
 DATA_NONFINITE = "data_nonfinite"
 
 #: ``data_vocab_shift``: KL divergence (nats) of validation vs training token frequencies above this.
-DEFAULT_VOCAB_KL = default(DATA_VOCAB_SHIFT)
+DEFAULT_VOCAB_SHIFT_THRESHOLD = default(DATA_VOCAB_SHIFT)
 #: ``data_leakage``: share of validation samples that (nearly) copy a training sample, at or above this.
-DEFAULT_LEAKAGE_FRACTION = default(DATA_LEAKAGE)
+DEFAULT_LEAKAGE_THRESHOLD = default(DATA_LEAKAGE)
 #: ``data_leakage``: shingle Jaccard similarity at or above which two samples count as the same sample.
-DEFAULT_NEAR_DUPLICATE = default(f"{DATA_LEAKAGE}.near_duplicate")
+DEFAULT_LEAKAGE_NEAR_DUPLICATE = default(f"{DATA_LEAKAGE}.near_duplicate")
 #: ``label_imbalance``: standard deviation of the class proportions above this.
-DEFAULT_LABEL_STD = default(LABEL_IMBALANCE)
+DEFAULT_LABEL_IMBALANCE_THRESHOLD = default(LABEL_IMBALANCE)
 
 _EXAMPLES = 5
 
@@ -122,9 +123,9 @@ class DataRules(Rule):
 
     def __init__(
         self,
-        vocab_kl: float = DEFAULT_VOCAB_KL,
-        leakage: float = DEFAULT_LEAKAGE_FRACTION,
-        label_std: float = DEFAULT_LABEL_STD,
+        vocab_kl: float = DEFAULT_VOCAB_SHIFT_THRESHOLD,
+        leakage: float = DEFAULT_LEAKAGE_THRESHOLD,
+        label_std: float = DEFAULT_LABEL_IMBALANCE_THRESHOLD,
     ) -> None:
         super().__init__()
         self.vocab_kl = vocab_kl
@@ -270,3 +271,14 @@ class DataRules(Rule):
             if key.startswith(f"{DATA_NONFINITE}:") and key not in seen:
                 self.latch.update(key, False)
         return out
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_VOCAB_KL": "DEFAULT_VOCAB_SHIFT_THRESHOLD",
+        "DEFAULT_LEAKAGE_FRACTION": "DEFAULT_LEAKAGE_THRESHOLD",
+        "DEFAULT_NEAR_DUPLICATE": "DEFAULT_LEAKAGE_NEAR_DUPLICATE",
+        "DEFAULT_LABEL_STD": "DEFAULT_LABEL_IMBALANCE_THRESHOLD",
+    },
+)

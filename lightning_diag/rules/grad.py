@@ -37,18 +37,19 @@ import statistics
 from collections.abc import Collection, Mapping
 
 from lightning_diag.core.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert, Severity
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.registry import default
 from lightning_diag.rules.base import Rule, StepContext, name_layers
 from lightning_diag.rules.grad_frozen import FROZEN_REASONS, GradFrozenRule
 
 __all__ = [
-    "DEFAULT_BASELINE_MEASUREMENTS",
-    "DEFAULT_COLLAPSE_RATIO",
-    "DEFAULT_CONVERGED_FRACTION",
+    "DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS",
+    "DEFAULT_COLLAPSE_CONVERGED_FRACTION",
+    "DEFAULT_COLLAPSE_THRESHOLD",
     "DEFAULT_EXPLODE_THRESHOLD",
     "DEFAULT_GRAD_PATIENCE",
     "DEFAULT_GRAD_WARMUP_STEPS",
-    "DEFAULT_SPREAD_RATIO",
+    "DEFAULT_LAYER_SPREAD_THRESHOLD",
     "DEFAULT_VANISH_THRESHOLD",
     "FROZEN_REASONS",
     "GradBandRule",
@@ -64,17 +65,17 @@ DEFAULT_VANISH_THRESHOLD = default("grad_vanish")
 #: ``grad_explode``: a layer's RMS gradient per element above this (seed 000 §3.1's 1e1).
 DEFAULT_EXPLODE_THRESHOLD = default("grad_explode")
 #: ``grad_layer_spread``: largest / smallest relative gradient of one role across blocks (seed 000 §3.1).
-DEFAULT_SPREAD_RATIO = default("grad_layer_spread")
+DEFAULT_LAYER_SPREAD_THRESHOLD = default("grad_layer_spread")
 #: ``grad_collapse``: blocks' gradient norm below this fraction of its baseline (seed 001 §1.2).
-DEFAULT_COLLAPSE_RATIO = default("grad_collapse")
+DEFAULT_COLLAPSE_THRESHOLD = default("grad_collapse")
 #: Consecutive measurements a gradient condition must hold before it alerts.
 DEFAULT_GRAD_PATIENCE = int(default("grad.patience"))
 #: ``grad_collapse``: measurements whose median is the baseline (and whose median loss is the initial loss).
-DEFAULT_BASELINE_MEASUREMENTS = int(default("grad_collapse.baseline_measurements"))
+DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS = int(default("grad_collapse.baseline_measurements"))
 #: ``grad_vanish`` / ``grad_layer_spread`` are not evaluated before this global step (initialisation transients).
 DEFAULT_GRAD_WARMUP_STEPS = int(default("grad_vanish.warmup_steps"))
 #: ``grad_collapse``: a loss at most this fraction of its initial value is a converged model (``info``).
-DEFAULT_CONVERGED_FRACTION = default("grad_collapse.converged_fraction")
+DEFAULT_COLLAPSE_CONVERGED_FRACTION = default("grad_collapse.converged_fraction")
 #: ``grad_collapse``: a loss that has not fallen this fraction below its initial value is stuck (dead network).
 _STUCK_FALL = 0.1
 
@@ -108,7 +109,7 @@ class GradBandRule(Rule):
         vanish_threshold: float = DEFAULT_VANISH_THRESHOLD,
         explode_threshold: float = DEFAULT_EXPLODE_THRESHOLD,
         patience: int = DEFAULT_GRAD_PATIENCE,
-        relative: float = DEFAULT_SPREAD_RATIO,
+        relative: float = DEFAULT_LAYER_SPREAD_THRESHOLD,
         warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
     ) -> None:
         super().__init__()
@@ -210,7 +211,7 @@ class GradSpreadRule(Rule):
 
     def __init__(
         self,
-        spread_ratio: float = DEFAULT_SPREAD_RATIO,
+        spread_ratio: float = DEFAULT_LAYER_SPREAD_THRESHOLD,
         patience: int = DEFAULT_GRAD_PATIENCE,
         warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
     ) -> None:
@@ -281,10 +282,10 @@ class GradCollapseRule(Rule):
 
     def __init__(
         self,
-        collapse_ratio: float = DEFAULT_COLLAPSE_RATIO,
+        collapse_ratio: float = DEFAULT_COLLAPSE_THRESHOLD,
         patience: int = DEFAULT_GRAD_PATIENCE,
-        baseline_measurements: int = DEFAULT_BASELINE_MEASUREMENTS,
-        converged_fraction: float = DEFAULT_CONVERGED_FRACTION,
+        baseline_measurements: int = DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS,
+        converged_fraction: float = DEFAULT_COLLAPSE_CONVERGED_FRACTION,
     ) -> None:
         super().__init__()
         self.collapse_ratio = collapse_ratio
@@ -357,3 +358,14 @@ class GradCollapseRule(Rule):
                 severity=Severity.INFO if kind == "converged" else None,
             )
         ]
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_SPREAD_RATIO": "DEFAULT_LAYER_SPREAD_THRESHOLD",
+        "DEFAULT_COLLAPSE_RATIO": "DEFAULT_COLLAPSE_THRESHOLD",
+        "DEFAULT_BASELINE_MEASUREMENTS": "DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS",
+        "DEFAULT_CONVERGED_FRACTION": "DEFAULT_COLLAPSE_CONVERGED_FRACTION",
+    },
+)

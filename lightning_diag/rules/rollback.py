@@ -24,14 +24,15 @@ import dataclasses
 from typing import Any, ClassVar
 
 from lightning_diag.core.alerts import NONFINITE_ROLLBACK, Alert, Severity
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.registry import RULES
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
     "DEFAULT_MAX_ROLLBACKS",
     "DEFAULT_ROLLBACK_EVERY_N_STEPS",
-    "DEFAULT_ROLLBACK_KEEP",
     "DEFAULT_ROLLBACK_LR_FACTOR",
+    "DEFAULT_ROLLBACK_SNAPSHOTS",
     "DEFAULT_SPIKE_FACTOR",
     "NONFINITE_ROLLBACK",
     "RollbackChoice",
@@ -46,7 +47,7 @@ DEFAULT_ROLLBACK_LR_FACTOR = float(_SPEC.settings["lr_factor"])
 #: Rollbacks allowed in one fit before the alarm stops training.
 DEFAULT_MAX_ROLLBACKS = int(_SPEC.settings["max_rollbacks"])
 #: Snapshots kept.
-DEFAULT_ROLLBACK_KEEP = 3
+DEFAULT_ROLLBACK_SNAPSHOTS = 3
 #: A snapshot is not trusted when the loss before it was above this multiple of its running median.
 DEFAULT_SPIKE_FACTOR = 3.0
 
@@ -151,3 +152,11 @@ class RollbackRule(Rule):
         super().load_state_dict(state)
         self.rollbacks = int(self.rollbacks)
         self.lr_scale = float(self.lr_scale)
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_ROLLBACK_KEEP": "DEFAULT_ROLLBACK_SNAPSHOTS",
+    },
+)

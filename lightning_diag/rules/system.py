@@ -26,24 +26,25 @@ from collections.abc import Mapping
 import numpy as np
 
 from lightning_diag.core.alerts import Alert
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.registry import default
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.stats.timing import Periodicity, Series, block_fluctuation, detect_period, growth
 
 __all__ = [
-    "DEFAULT_BLOCK_STEPS",
-    "DEFAULT_DATALOADER_MIN_WAIT_S",
-    "DEFAULT_DATALOADER_PATIENCE",
-    "DEFAULT_DATALOADER_SHARE",
-    "DEFAULT_FLUCTUATION",
-    "DEFAULT_FLUCTUATION_PATIENCE",
-    "DEFAULT_MEMORY_GROWTH",
-    "DEFAULT_MEMORY_RISING_FRACTION",
-    "DEFAULT_MEMORY_WINDOW",
-    "DEFAULT_PERIODIC_SHARE",
-    "DEFAULT_SLOW_RATIO",
-    "DEFAULT_STEP_WINDOW",
-    "DEFAULT_WARMUP_STEPS",
+    "DEFAULT_DATALOADER_BOUND_MIN_WAIT_S",
+    "DEFAULT_DATALOADER_BOUND_PATIENCE",
+    "DEFAULT_DATALOADER_BOUND_THRESHOLD",
+    "DEFAULT_MEMORY_GROWTH_RISING_FRACTION",
+    "DEFAULT_MEMORY_GROWTH_THRESHOLD",
+    "DEFAULT_MEMORY_GROWTH_WINDOW",
+    "DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS",
+    "DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE",
+    "DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD",
+    "DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO",
+    "DEFAULT_STEP_TIME_PERIODIC_THRESHOLD",
+    "DEFAULT_STEP_TIME_WARMUP_STEPS",
+    "DEFAULT_STEP_TIME_WINDOW",
     "DataloaderBoundRule",
     "MemoryGrowthRule",
     "StepFluctuationRule",
@@ -56,31 +57,31 @@ def _default(rule: str, setting: str | None = None) -> float:
 
 
 #: ``dataloader_bound``: data waiting above this share of the step time.
-DEFAULT_DATALOADER_SHARE = _default("dataloader_bound")
+DEFAULT_DATALOADER_BOUND_THRESHOLD = _default("dataloader_bound")
 #: ``dataloader_bound``: consecutive logging intervals it must hold.
-DEFAULT_DATALOADER_PATIENCE = int(_default("dataloader_bound", "patience"))
+DEFAULT_DATALOADER_BOUND_PATIENCE = int(_default("dataloader_bound", "patience"))
 #: ``dataloader_bound``: seconds of waiting per step below which it never fires.
-DEFAULT_DATALOADER_MIN_WAIT_S = _default("dataloader_bound", "min_wait_s")
+DEFAULT_DATALOADER_BOUND_MIN_WAIT_S = _default("dataloader_bound", "min_wait_s")
 #: ``step_time_periodic``: the periodic slow steps' excess above this share of the time.
-DEFAULT_PERIODIC_SHARE = _default("step_time_periodic")
+DEFAULT_STEP_TIME_PERIODIC_THRESHOLD = _default("step_time_periodic")
 #: ``step_time_periodic``: a step is slow more than this fraction above the median.
-DEFAULT_SLOW_RATIO = _default("step_time_periodic", "slow_ratio")
+DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO = _default("step_time_periodic", "slow_ratio")
 #: Optimizer steps of step times the periodic and fluctuation tests look at.
-DEFAULT_STEP_WINDOW = int(_default("step_time_periodic", "window"))
+DEFAULT_STEP_TIME_WINDOW = int(_default("step_time_periodic", "window"))
 #: ``step_time_fluctuation``: relative median absolute deviation above this (seed 000 §7.1: 15%).
-DEFAULT_FLUCTUATION = _default("step_time_fluctuation")
+DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD = _default("step_time_fluctuation")
 #: ``step_time_fluctuation``: consecutive evaluations it must hold.
-DEFAULT_FLUCTUATION_PATIENCE = int(_default("step_time_fluctuation", "patience"))
+DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE = int(_default("step_time_fluctuation", "patience"))
 #: Optimizer steps at the start of a fit left out of the step-time tests.
-DEFAULT_WARMUP_STEPS = int(_default("step_time_fluctuation", "warmup_steps"))
+DEFAULT_STEP_TIME_WARMUP_STEPS = int(_default("step_time_fluctuation", "warmup_steps"))
 #: ``step_time_fluctuation``: optimizer steps per block whose median is one point of the fluctuation.
-DEFAULT_BLOCK_STEPS = int(_default("step_time_fluctuation", "block_steps"))
+DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS = int(_default("step_time_fluctuation", "block_steps"))
 #: ``memory_growth``: growth above this fraction of the window's first value.
-DEFAULT_MEMORY_GROWTH = _default("memory_growth")
+DEFAULT_MEMORY_GROWTH_THRESHOLD = _default("memory_growth")
 #: ``memory_growth``: logging intervals the growth is measured over.
-DEFAULT_MEMORY_WINDOW = int(_default("memory_growth", "window"))
+DEFAULT_MEMORY_GROWTH_WINDOW = int(_default("memory_growth", "window"))
 #: ``memory_growth``: fraction of the intervals that must rise.
-DEFAULT_MEMORY_RISING_FRACTION = _default("memory_growth", "rising_fraction")
+DEFAULT_MEMORY_GROWTH_RISING_FRACTION = _default("memory_growth", "rising_fraction")
 
 #: Fewest step times the periodic test judges.
 MIN_STEPS = 60
@@ -100,9 +101,9 @@ class DataloaderBoundRule(Rule):
 
     def __init__(
         self,
-        threshold: float = DEFAULT_DATALOADER_SHARE,
-        patience: int = DEFAULT_DATALOADER_PATIENCE,
-        min_wait_s: float = DEFAULT_DATALOADER_MIN_WAIT_S,
+        threshold: float = DEFAULT_DATALOADER_BOUND_THRESHOLD,
+        patience: int = DEFAULT_DATALOADER_BOUND_PATIENCE,
+        min_wait_s: float = DEFAULT_DATALOADER_BOUND_MIN_WAIT_S,
     ) -> None:
         super().__init__()
         self.threshold = threshold
@@ -141,7 +142,11 @@ class StepPeriodicRule(Rule):
     rule_id = "step_time_periodic"
     state_keys = ()
 
-    def __init__(self, threshold: float = DEFAULT_PERIODIC_SHARE, slow_ratio: float = DEFAULT_SLOW_RATIO) -> None:
+    def __init__(
+        self,
+        threshold: float = DEFAULT_STEP_TIME_PERIODIC_THRESHOLD,
+        slow_ratio: float = DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO,
+    ) -> None:
         super().__init__()
         self.threshold = threshold
         self.slow_ratio = slow_ratio
@@ -200,9 +205,9 @@ class StepFluctuationRule(Rule):
 
     def __init__(
         self,
-        threshold: float = DEFAULT_FLUCTUATION,
-        patience: int = DEFAULT_FLUCTUATION_PATIENCE,
-        block_steps: int = DEFAULT_BLOCK_STEPS,
+        threshold: float = DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD,
+        patience: int = DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE,
+        block_steps: int = DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS,
     ) -> None:
         super().__init__()
         self.threshold = threshold
@@ -242,9 +247,9 @@ class MemoryGrowthRule(Rule):
 
     def __init__(
         self,
-        threshold: float = DEFAULT_MEMORY_GROWTH,
-        window: int = DEFAULT_MEMORY_WINDOW,
-        rising_fraction: float = DEFAULT_MEMORY_RISING_FRACTION,
+        threshold: float = DEFAULT_MEMORY_GROWTH_THRESHOLD,
+        window: int = DEFAULT_MEMORY_GROWTH_WINDOW,
+        rising_fraction: float = DEFAULT_MEMORY_GROWTH_RISING_FRACTION,
     ) -> None:
         super().__init__()
         self.threshold = threshold
@@ -279,3 +284,24 @@ class MemoryGrowthRule(Rule):
                     )
                 )
         return alerts
+
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_DATALOADER_SHARE": "DEFAULT_DATALOADER_BOUND_THRESHOLD",
+        "DEFAULT_DATALOADER_PATIENCE": "DEFAULT_DATALOADER_BOUND_PATIENCE",
+        "DEFAULT_DATALOADER_MIN_WAIT_S": "DEFAULT_DATALOADER_BOUND_MIN_WAIT_S",
+        "DEFAULT_PERIODIC_SHARE": "DEFAULT_STEP_TIME_PERIODIC_THRESHOLD",
+        "DEFAULT_SLOW_RATIO": "DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO",
+        "DEFAULT_STEP_WINDOW": "DEFAULT_STEP_TIME_WINDOW",
+        "DEFAULT_FLUCTUATION": "DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD",
+        "DEFAULT_FLUCTUATION_PATIENCE": "DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE",
+        "DEFAULT_WARMUP_STEPS": "DEFAULT_STEP_TIME_WARMUP_STEPS",
+        "DEFAULT_BLOCK_STEPS": "DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS",
+        "DEFAULT_MEMORY_GROWTH": "DEFAULT_MEMORY_GROWTH_THRESHOLD",
+        "DEFAULT_MEMORY_WINDOW": "DEFAULT_MEMORY_GROWTH_WINDOW",
+        "DEFAULT_MEMORY_RISING_FRACTION": "DEFAULT_MEMORY_GROWTH_RISING_FRACTION",
+    },
+)
