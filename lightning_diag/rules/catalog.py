@@ -68,23 +68,25 @@ register(RuleSpec("nonfinite_grad", _ALARM, "critical", None, "NaN/Inf in a grad
 register(RuleSpec("loss_swing", _ALARM, "warning", 0.10,
                   "training loss swings by more than {threshold:.0%} on {patience:g} consecutive epochs",
                   settings={"patience": 3, "min_delta": 1e-3}, check="loss_swing", source="seed 001 §1.2",
-                  arguments={"threshold": "swing_threshold", "patience": "swing_patience",
-                             "min_delta": "swing_min_delta"}))
+                  arguments={"threshold": "loss_trend.swing_threshold", "patience": "loss_trend.swing_patience",
+                             "min_delta": "loss_trend.swing_min_delta"}))
 register(RuleSpec("val_decline", _ALARM, "warning", 5.0,
                   "validation metric worsens on {threshold:g} consecutive validation runs",
                   settings={"min_delta": 0.0}, check="val_decline", source="seed 001 §1.2",
-                  arguments={"threshold": "val_decline_patience", "min_delta": "val_decline_min_delta"}))
+                  arguments={"threshold": "loss_trend.val_decline_threshold",
+                             "min_delta": "loss_trend.val_decline_min_delta"}))
 register(RuleSpec("val_fluctuation", _ALARM, "warning", 2.0,
                   "validation-loss fluctuation above {threshold:g}x the training-loss fluctuation",
                   settings={"window": 5, "min": 0.15, "min_range": 0.01}, check="val_fluctuation",
                   source="seed 000 §4.1",
-                  arguments={"threshold": "val_fluctuation_ratio", "window": "val_fluctuation_window",
-                             "min": "val_fluctuation_min", "min_range": "val_fluctuation_min_range"}))
+                  arguments={"threshold": "loss_trend.val_fluctuation_threshold", "window": "loss_trend.val_fluctuation_window",
+                             "min": "loss_trend.val_fluctuation_min",
+                             "min_range": "loss_trend.val_fluctuation_min_range"}))
 register(RuleSpec("loss_stagnant", _ALARM, "warning", 0.10,
                   "training loss has not fallen {threshold:.0%} below its initial value after {patience:g} points",
                   settings={"patience": 4, "baseline_steps": 5},
-                  arguments={"threshold": "stagnant_min_drop", "patience": "stagnant_patience",
-                             "baseline_steps": "stagnant_baseline_steps"}))
+                  arguments={"threshold": "loss_trend.stagnant_threshold", "patience": "loss_trend.stagnant_patience",
+                             "baseline_steps": "loss_trend.stagnant_baseline_steps"}))
 
 _GRAD = "GradientFlowMonitor"
 register(RuleSpec("grad_vanish", _GRAD, "warning", 1e-3,
@@ -97,14 +99,15 @@ register(RuleSpec("grad_explode", _GRAD, "warning", 1e1, "a layer's RMS gradient
 register(RuleSpec("grad_layer_spread", _GRAD, "warning", 100.0,
                   "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
                   settings={"warmup_steps": 50}, check="grad_spread", source="seed 000 §3.1",
-                  arguments={"threshold": "spread_ratio", "warmup_steps": "warmup_steps"}))
+                  arguments={"threshold": "layer_spread_threshold", "warmup_steps": "warmup_steps"}))
 register(RuleSpec("grad_collapse", _GRAD, "warning", 0.01,
                   "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or "
                   "vanished: warning)",
                   settings={"baseline_measurements": 5, "converged_fraction": 0.1}, check="grad_collapse",
                   source="seed 001 §1.2",
-                  arguments={"threshold": "collapse_ratio", "baseline_measurements": "baseline_measurements",
-                             "converged_fraction": "converged_fraction"}))
+                  arguments={"threshold": "collapse_threshold",
+                             "baseline_measurements": "collapse_baseline_measurements",
+                             "converged_fraction": "collapse_converged_fraction"}))
 register(RuleSpec("grad_frozen", _GRAD, "warning", None,
                   "a trainable parameter that cannot learn (in no optimizer, or never gets a gradient); "
                   "requires_grad=False is an info"))
@@ -113,16 +116,16 @@ register_setting(SettingSpec("grad.patience", _GRAD, 3, "patience",
 
 _ATTN = "AttentionEntropyMonitor"
 register(RuleSpec("attn_entropy_low", _ATTN, "warning", 0.5, "a head's attention entropy below {threshold:g} nats",
-                  check="attn_entropy_band", source="seed 000 §3.2", arguments={"threshold": "entropy_low"}))
+                  check="attn_entropy_band", source="seed 000 §3.2", arguments={"threshold": "entropy_low_threshold"}))
 register(RuleSpec("attn_entropy_high", _ATTN, "info", 2.5,
                   "a head's attention entropy above {threshold:g} nats and {uniform_fraction:g} of uniform",
                   settings={"uniform_fraction": 0.9, "warmup_steps": 200}, check="attn_entropy_band",
                   source="seed 000 §3.2",
-                  arguments={"threshold": "entropy_high", "uniform_fraction": "uniform_fraction",
-                             "warmup_steps": "warmup_steps"}))
+                  arguments={"threshold": "entropy_high_threshold", "uniform_fraction": "entropy_high_uniform_fraction",
+                             "warmup_steps": "entropy_high_warmup_steps"}))
 register(RuleSpec("attn_sink", _ATTN, "warning", 0.5,
                   "every head of a layer puts more than {threshold:g} of its mass on special tokens",
-                  check="attn_sink", source="seed 000 §3.2", arguments={"threshold": "sink_mass"}))
+                  check="attn_sink", source="seed 000 §3.2", arguments={"threshold": "sink_threshold"}))
 register_setting(SettingSpec("attn.patience", _ATTN, 2, "patience",
                              ("attn_entropy_low", "attn_entropy_high", "attn_sink")))
 
@@ -130,17 +133,17 @@ _DATA = "DataDiagnostics"
 register(RuleSpec("data_vocab_shift", _DATA, "warning", 0.3,
                   "KL divergence of validation vs training token frequencies above {threshold:g} nats",
                   settings={"min_count": 5}, source="seed 000 §2.1",
-                  arguments={"threshold": "vocab_kl", "min_count": "min_count"}))
+                  arguments={"threshold": "vocab_shift_threshold", "min_count": "vocab_shift_min_count"}))
 register(RuleSpec("data_leakage", _DATA, "warning", 0.15,
                   "share of validation samples copying a training sample (shingle Jaccard >= {near_duplicate:g}) "
                   "at or above {threshold:g}",
                   settings={"near_duplicate": 0.5, "shingle_size": 3}, check="data_train_test_overlap",
                   source="seed 000 §2.2, §7.1",
-                  arguments={"threshold": "leakage", "near_duplicate": "near_duplicate",
-                             "shingle_size": "shingle_size"}))
+                  arguments={"threshold": "leakage_threshold", "near_duplicate": "leakage_near_duplicate",
+                             "shingle_size": "leakage_shingle_size"}))
 register(RuleSpec("label_imbalance", _DATA, "warning", 0.1,
                   "standard deviation of the class proportions above {threshold:g}", check="data_label_balance",
-                  source="seed 000 §7.1", arguments={"threshold": "label_std"}))
+                  source="seed 000 §7.1", arguments={"threshold": "label_imbalance_threshold"}))
 register(RuleSpec("data_nonfinite", _DATA, "critical", None, "NaN/Inf in a floating tensor of a sampled batch",
                   source="seed 000 §2.1"))
 
@@ -165,29 +168,30 @@ register(RuleSpec("quantization_error", _QUANT, "warning", 0.05,
 register(RuleSpec("nonfinite_rollback", _ALARM, "warning", None,
                   "a non-finite step rolled back to a snapshot, learning rates x{lr_factor:g} per rollback",
                   settings={"every_n_steps": 50, "lr_factor": 0.5, "max_rollbacks": 3}, check="nonfinite",
-                  arguments={"every_n_steps": "rollback_every_n_steps", "lr_factor": "rollback_lr_factor",
-                             "max_rollbacks": "max_rollbacks"}))
+                  arguments={"every_n_steps": "rollback.every_n_steps", "lr_factor": "rollback.lr_factor",
+                             "max_rollbacks": "rollback.max_rollbacks"}))
 
 _SYSTEM = "SystemMonitor"
 register(RuleSpec("dataloader_bound", _SYSTEM, "warning", 0.25,
                   "waiting for data above {threshold:.0%} of the step time on {patience:g} consecutive intervals",
                   settings={"patience": 3, "min_wait_s": 0.005},
-                  arguments={"threshold": "dataloader_share", "patience": "dataloader_patience",
-                             "min_wait_s": "dataloader_min_wait_s"}))
+                  arguments={"threshold": "dataloader_bound_threshold", "patience": "dataloader_bound_patience",
+                             "min_wait_s": "dataloader_bound_min_wait_s"}))
 register(RuleSpec("step_time_periodic", _SYSTEM, "warning", 0.05,
                   "slow steps (more than {slow_ratio:.0%} above the median) recurring with a fixed period and costing"
                   " above {threshold:.0%} of the time",
                   settings={"slow_ratio": 0.5, "window": 200}, source="seed 001 §1.2",
-                  arguments={"threshold": "periodic_share", "slow_ratio": "slow_ratio", "window": "window"}))
+                  arguments={"threshold": "step_time_periodic_threshold", "slow_ratio": "step_time_periodic_slow_ratio",
+                             "window": "window"}))
 register(RuleSpec("step_time_fluctuation", _SYSTEM, "warning", 0.15,
                   "step-time fluctuation (median absolute deviation / median of {block_steps:g}-step block medians)"
                   " above {threshold:.0%}",
                   settings={"patience": 3, "warmup_steps": 20, "block_steps": 10}, check="deploy_latency_fluctuation",
                   source="seed 000 §7.1",
-                  arguments={"threshold": "fluctuation_threshold", "patience": "fluctuation_patience",
-                             "warmup_steps": "warmup_steps", "block_steps": "block_steps"}))
+                  arguments={"threshold": "step_time_fluctuation_threshold", "patience": "step_time_fluctuation_patience",
+                             "warmup_steps": "warmup_steps", "block_steps": "step_time_fluctuation_block_steps"}))
 register(RuleSpec("memory_growth", _SYSTEM, "warning", 0.1,
                   "host or device memory growing by more than {threshold:.0%} over {window:g} intervals",
                   settings={"window": 8, "rising_fraction": 0.7},
-                  arguments={"threshold": "memory_growth", "window": "memory_window",
-                             "rising_fraction": "memory_rising_fraction"}))
+                  arguments={"threshold": "memory_growth_threshold", "window": "memory_growth_window",
+                             "rising_fraction": "memory_growth_rising_fraction"}))
