@@ -53,6 +53,7 @@ def test_every_registry_default_is_documented_with_its_argument():
 
 
 def test_thresholds_arguments_are_real_constructor_arguments():
+    import dataclasses
     import inspect
 
     from lightning_diag import (
@@ -60,7 +61,9 @@ def test_thresholds_arguments_are_real_constructor_arguments():
         AttentionEntropyMonitor,
         DataDiagnostics,
         GradientFlowMonitor,
+        LossTrendSettings,
         QuantizationProbe,
+        RollbackSettings,
         SharpnessProbe,
         SystemMonitor,
     )
@@ -80,6 +83,14 @@ def test_thresholds_arguments_are_real_constructor_arguments():
             callback = SystemMonitor
         params = inspect.signature(callback).parameters
         arg = argument.strip("`")
+        group, _, field = arg.rpartition(".")
+        if group:  # a field of a settings object (AnomalyAlarm's loss_trend= / rollback=)
+            assert group in params, arg
+            settings_class = {"loss_trend": LossTrendSettings, "rollback": RollbackSettings}[group]
+            fields = {f.name: f.default for f in dataclasses.fields(settings_class)}
+            assert field in fields, arg
+            assert float(fields[field]) == float(default), arg
+            continue
         assert arg in params, arg
         assert float(params[arg].default) == float(default), arg
 
@@ -102,8 +113,20 @@ def test_anomaly_alarm_page_lists_every_tag_and_rule():
         "val_fluctuation",
     ):
         assert needle in page, needle
+    import dataclasses
+    import inspect
+
+    from lightning_diag import AnomalyAlarm, LossTrendSettings, RollbackSettings
+
+    known = {
+        *inspect.signature(AnomalyAlarm).parameters,
+        *(f.name for kind in (LossTrendSettings, RollbackSettings) for f in dataclasses.fields(kind)),
+    }
     for match in re.findall(r"`(\w+)=", page):
-        assert match in __import__("inspect").signature(__import__("lightning_diag").AnomalyAlarm).parameters
+        assert match in known, match
+    for group, kind in (("loss_trend", LossTrendSettings), ("rollback", RollbackSettings)):
+        for field in re.findall(rf"`{group}\.(\w+)", page):
+            assert field in {f.name for f in dataclasses.fields(kind)}, (group, field)
 
 
 def test_gradient_flow_page_lists_every_tag_and_rule():
