@@ -32,6 +32,7 @@ _CALLABLE = [("print", TypeError, "a callable taking an Alert")]
 # callback -> argument -> [(bad value, error, what the message must say is allowed)]
 INVALID = {
     AnomalyAlarm: {
+        "on_alert": [(42, TypeError, "a callable")],
         "on_nonfinite": [
             ("explode", ValueError, "'stop', 'raise', 'skip', 'warn', 'rollback'"),
             (1, TypeError, "'stop'"),
@@ -47,6 +48,7 @@ INVALID = {
         "on_alert": _CALLABLE,
     },
     GradientFlowMonitor: {
+        "on_alert": [(42, TypeError, "a callable")],
         "log_every_n_steps": [(0, ValueError, "an int >= 1")],
         "params": [("encoder.*", TypeError, "a list of name patterns or a predicate"), ([1], TypeError, "patterns")],
         "per_parameter": [("yes", TypeError, "True or False")],
@@ -69,6 +71,7 @@ INVALID = {
         "on_alert": _CALLABLE,
     },
     AttentionEntropyMonitor: {
+        "on_alert": [(42, TypeError, "a callable")],
         "log_every_n_steps": [(0, ValueError, "an int >= 1")],
         "modules": [("attn", TypeError, "a list of module-name patterns")],
         "sample_size": [(0, ValueError, "an int >= 1")],
