@@ -75,7 +75,7 @@ def test_for_lightning_takes_any_diag_callback_subclass():
 
 def test_unified_trainer_runs_the_callbacks_and_resumes(tmp_path):
     alarm = unified.AnomalyAlarm()
-    monitor = unified.GradientFlowMonitor(log_every_n_steps=1, baseline_measurements=2)
+    monitor = unified.GradientFlowMonitor(log_every_n_steps=1, collapse_baseline_measurements=2)
     logger = TensorBoardLogger(tmp_path, name="run")
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     trainer = L.Trainer(max_steps=20, logger=logger, callbacks=[alarm, monitor, checkpoint], **FAST)
@@ -91,7 +91,7 @@ def test_unified_trainer_runs_the_callbacks_and_resumes(tmp_path):
     acc.Reload()
     assert "diag/grad_norm/total" in acc.Tags()["scalars"]
     (ckpt,) = (tmp_path / "ckpt").glob("*step=4*.ckpt")
-    resumed = unified.GradientFlowMonitor(log_every_n_steps=1, baseline_measurements=2)
+    resumed = unified.GradientFlowMonitor(log_every_n_steps=1, collapse_baseline_measurements=2)
     L.Trainer(max_steps=5, default_root_dir=tmp_path / "b", logger=False, callbacks=[resumed], **FAST).fit(
         UnifiedModel(), ckpt_path=ckpt
     )

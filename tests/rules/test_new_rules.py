@@ -5,7 +5,7 @@ import math
 import pytest
 
 from lightning_diag.rules import LossStagnantRule, StepContext
-from lightning_diag.rules.anomaly import DEFAULT_STAGNANT_THRESHOLD, DEFAULT_STAGNANT_PATIENCE
+from lightning_diag.rules.anomaly import DEFAULT_STAGNANT_PATIENCE, DEFAULT_STAGNANT_THRESHOLD
 from lightning_diag.rules.grad import GradFrozenRule
 
 

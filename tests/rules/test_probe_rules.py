@@ -8,8 +8,8 @@ from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.probes import (
     DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO,
     DEFAULT_QUANTIZATION_ERROR_THRESHOLD,
-    DEFAULT_SHARP_MINIMUM_THRESHOLD,
     DEFAULT_SHARP_MINIMUM_PATIENCE,
+    DEFAULT_SHARP_MINIMUM_THRESHOLD,
     QuantizationErrorRule,
     SharpMinimumRule,
 )
