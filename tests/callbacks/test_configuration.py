@@ -27,8 +27,6 @@ from lightning_diag.callbacks import anomaly_alarm, attention_entropy, data_diag
 from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.registry import default_thresholds
 
-_CALLABLE = [("print", TypeError, "a callable taking an Alert")]
-
 # callback -> argument -> [(bad value, error, what the message must say is allowed)]
 INVALID = {
     AnomalyAlarm: {
@@ -45,7 +43,6 @@ INVALID = {
         "loss_trend": [({"swing_threshold": 0.2}, TypeError, "a LossTrendSettings or None")],
         "rollback": [(RollbackSettings, TypeError, "a RollbackSettings or None")],
         "log_every_n_steps": [(0, ValueError, "an int >= 1"), (1.0, TypeError, "an int >= 1")],
-        "on_alert": _CALLABLE,
     },
     GradientFlowMonitor: {
         "on_alert": [(42, TypeError, "a callable")],
@@ -68,7 +65,6 @@ INVALID = {
             (-0.1, ValueError, "> 0 and < 1"),
         ],
         "logit_projections": [("q_proj", TypeError, "a list of module names"), ([1], TypeError, "module names")],
-        "on_alert": _CALLABLE,
     },
     AttentionEntropyMonitor: {
         "on_alert": [(42, TypeError, "a callable")],
@@ -86,7 +82,6 @@ INVALID = {
         "entropy_high_warmup_steps": [(-1, ValueError, "an int >= 0")],
         "sink_threshold": [(1.0, ValueError, "a number > 0 and < 1")],
         "patience": [(0, ValueError, "an int >= 1")],
-        "on_alert": _CALLABLE,
     },
     # The renamed thresholds of the other two callbacks (their other arguments: their own test modules).
     DataDiagnostics: {
