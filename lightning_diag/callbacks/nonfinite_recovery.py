@@ -30,10 +30,10 @@ from lightning_diag.core.validation import check_choice, check_int, check_number
 from lightning_diag.instrument.nonfinite_locate import (
     NOT_FOUND,
     Localisation,
-    RngState,
     find_nonfinite_in_batch,
     locate,
 )
+from lightning_diag.instrument.rng import RngState
 from lightning_diag.instrument.snapshots import RollbackDevice, SnapshotStore
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.rollback import (

@@ -16,8 +16,9 @@ Example:
     ...     warnings.simplefilter("always")
     ...     Monitor(spread_ratio=50.0).layer_spread_threshold
     50.0
-    >>> print(str(caught[0].message).replace('; ', ';\n'))
-    `Monitor(spread_ratio=...)` is deprecated and will be removed in the next release;
+    >>> for part in str(caught[0].message).split("; "):
+    ...     print(part)
+    `Monitor(spread_ratio=...)` is deprecated and will be removed in the next release
     use `Monitor(layer_spread_threshold=...)`
 """
 
