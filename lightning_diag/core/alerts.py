@@ -55,7 +55,7 @@ __all__ = [
 
 logger = logging.getLogger("lightning_diag")
 
-# Rule ids: part of the public contract (DESIGN.md). New rules get new ids.
+# Rule ids: part of the public contract (docs/alerts.md, docs/thresholds.md): never renamed; new rules get new ids.
 NONFINITE_LOSS = "nonfinite_loss"
 NONFINITE_GRAD = "nonfinite_grad"
 NONFINITE_ROLLBACK = "nonfinite_rollback"
