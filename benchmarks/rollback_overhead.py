@@ -9,7 +9,7 @@ Three measurements on the models of ``benchmarks/overhead.py``:
    ``perf_counter``, snapshots included), and, in isolation, the per-step work rollback adds (the batch
    reference and torch RNG copy, the loss ring): measures that the noise of a shared machine swamps less;
 3. one snapshot of each model (transformer and MLP, with their AdamW state) timed directly, and its size: the
-   amortised cost at the default interval is ``1 + snapshot time / (rollback_every_n_steps x step time)``.
+   amortised cost at the default interval is ``1 + snapshot time / (rollback.every_n_steps x step time)``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/rollback_overhead.py            # CPU (about 2 minutes)
     PYTHONPATH=. .venv/bin/python benchmarks/rollback_overhead.py --quick    # smoke test
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(snapshot_cost(ov, "transformer", args, statistics.median(tf_run.times) * 1e3))
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {args.threads} thread(s)"
     print(
-        f"device: {device}; torch {torch.__version__}; rollback_every_n_steps={DEFAULT_ROLLBACK_EVERY_N_STEPS}; "
+        f"device: {device}; torch {torch.__version__}; rollback.every_n_steps={DEFAULT_ROLLBACK_EVERY_N_STEPS}; "
         f"{time.perf_counter() - t0:.0f} s"
     )
     print()
