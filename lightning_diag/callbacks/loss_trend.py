@@ -120,11 +120,10 @@ class LossTrendSettings:
     val_fluctuation_min_range: float = DEFAULT_VAL_FLUCTUATION_MIN_RANGE
 
     def __post_init__(self) -> None:
-        nonneg = {"low": 0.0, "low_inclusive": True}
         checked: dict[str, Any] = {
             "swing_threshold": check_number("swing_threshold", self.swing_threshold, low=0.0),
             "swing_patience": check_int("swing_patience", self.swing_patience, low=1),
-            "swing_min_delta": check_number("swing_min_delta", self.swing_min_delta, **nonneg),
+            "swing_min_delta": check_number("swing_min_delta", self.swing_min_delta, low=0.0, low_inclusive=True),
             "swing_window": check_swing_window(self.swing_window),
             "stagnant_threshold": check_number(
                 "stagnant_threshold",
@@ -137,14 +136,18 @@ class LossTrendSettings:
             "stagnant_patience": check_int("stagnant_patience", self.stagnant_patience, low=1),
             "stagnant_baseline_steps": check_int("stagnant_baseline_steps", self.stagnant_baseline_steps, low=1),
             "val_decline_threshold": check_int("val_decline_threshold", self.val_decline_threshold, low=1),
-            "val_decline_min_delta": check_number("val_decline_min_delta", self.val_decline_min_delta, **nonneg),
+            "val_decline_min_delta": check_number(
+                "val_decline_min_delta", self.val_decline_min_delta, low=0.0, low_inclusive=True
+            ),
             "val_fluctuation_threshold": check_number(
                 "val_fluctuation_threshold", self.val_fluctuation_threshold, low=0.0
             ),
             "val_fluctuation_window": check_int("val_fluctuation_window", self.val_fluctuation_window, low=3),
-            "val_fluctuation_min": check_number("val_fluctuation_min", self.val_fluctuation_min, **nonneg),
+            "val_fluctuation_min": check_number(
+                "val_fluctuation_min", self.val_fluctuation_min, low=0.0, low_inclusive=True
+            ),
             "val_fluctuation_min_range": check_number(
-                "val_fluctuation_min_range", self.val_fluctuation_min_range, **nonneg
+                "val_fluctuation_min_range", self.val_fluctuation_min_range, low=0.0, low_inclusive=True
             ),
         }
         for name, value in checked.items():  # ints stay ints, numbers become floats
