@@ -9,6 +9,7 @@ import lightning_diag.rules.attention as attention_rules
 import lightning_diag.rules.data as data_rules
 import lightning_diag.rules.grad as grad_rules
 import lightning_diag.rules.probes as probe_rules
+import lightning_diag.rules.rollback as rollback_rules
 import lightning_diag.rules.system as system_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -30,7 +31,7 @@ def test_thresholds_table_matches_the_constants():
     documented = {}
     for _rule, argument, constant, default, _meaning, _source in rows:
         name = constant.strip("`")
-        value = next(getattr(m, name) for m in MODULES if hasattr(m, name))
+        value = next(getattr(m, name) for m in (*MODULES, rollback_rules) if hasattr(m, name))
         assert float(default) == float(value), name
         documented[name] = argument
     in_code = {n for m in MODULES for n in dir(m) if n.startswith("DEFAULT_")}
