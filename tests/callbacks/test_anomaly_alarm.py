@@ -276,7 +276,7 @@ def test_val_fluctuation(tmp_path, zigzag):
     if zigzag:
         assert "val_fluctuation" in rules
         first = next(a for a in alarm.alerts if a.rule == "val_fluctuation")
-        assert first.epoch == alarm.val_fluctuation_window - 1  # as soon as the window is full
+        assert first.epoch == alarm.loss_trend.val_fluctuation_window - 1  # as soon as the window is full
     else:
         assert rules == []
 
