@@ -104,9 +104,9 @@ class HookClock:
 
 def per_step_work_us(device: str, iterations: int = 20000) -> float:
     """Microseconds of the per-step bookkeeping of rollback and localisation, outside any Trainer."""
-    from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
+    from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
 
-    recovery = NonFiniteRecovery(True, True, 50, 0.5, 3, "cpu", 3)
+    recovery = NonFiniteRecovery(locate=True, rollback=True, settings=RollbackSettings())
     batch, loss = object(), torch.tensor(1.0, device=device)
     times = []
     for _ in range(5):
