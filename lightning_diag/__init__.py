@@ -32,8 +32,10 @@ _LAZY: dict[str, str] = {
     "RollbackSettings": "lightning_diag.callbacks.nonfinite_recovery",
     "AttentionEntropyMonitor": "lightning_diag.callbacks.attention_entropy",
     "DataDiagnostics": "lightning_diag.callbacks.data_diagnostics",
+    "ErrorAnalysis": "lightning_diag.callbacks.error_analysis",
     "GradientFlowMonitor": "lightning_diag.callbacks.gradient_flow",
     "QuantizationProbe": "lightning_diag.callbacks.quantization_probe",
+    "RobustnessProbe": "lightning_diag.callbacks.robustness_probe",
     "SharpnessProbe": "lightning_diag.callbacks.sharpness_probe",
     "SystemMonitor": "lightning_diag.callbacks.system_monitor",
 }
@@ -44,10 +46,12 @@ __all__ = [
     "AnomalyAlarm",
     "AttentionEntropyMonitor",
     "DataDiagnostics",
+    "ErrorAnalysis",
     "GradientFlowMonitor",
     "LossTrendSettings",
     "NonFiniteError",
     "QuantizationProbe",
+    "RobustnessProbe",
     "RollbackSettings",
     "Severity",
     "SharpnessProbe",
@@ -63,10 +67,12 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
     from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
     from lightning_diag.callbacks.data_diagnostics import DataDiagnostics
+    from lightning_diag.callbacks.error_analysis import ErrorAnalysis
     from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
     from lightning_diag.callbacks.loss_trend import LossTrendSettings
     from lightning_diag.callbacks.nonfinite_recovery import RollbackSettings
     from lightning_diag.callbacks.quantization_probe import QuantizationProbe
+    from lightning_diag.callbacks.robustness_probe import RobustnessProbe
     from lightning_diag.callbacks.sharpness_probe import SharpnessProbe
     from lightning_diag.callbacks.system_monitor import SystemMonitor
     from lightning_diag.core.alerts import Alert, AlertLog, Severity, read_alerts

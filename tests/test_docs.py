@@ -7,15 +7,17 @@ import lightning_diag.callbacks.data_diagnostics as data_module
 import lightning_diag.rules.anomaly as anomaly_rules
 import lightning_diag.rules.attention as attention_rules
 import lightning_diag.rules.data as data_rules
+import lightning_diag.rules.errors as error_rules
 import lightning_diag.rules.grad as grad_rules
 import lightning_diag.rules.probes as probe_rules
+import lightning_diag.rules.robustness as robustness_rules
 import lightning_diag.rules.rollback as rollback_rules
 import lightning_diag.rules.system as system_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODULES = (
     anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, probe_rules,
-    system_rules,
+    system_rules, error_rules, robustness_rules,
 )
 
 
@@ -57,31 +59,14 @@ def test_thresholds_arguments_are_real_constructor_arguments():
     import dataclasses
     import inspect
 
-    from lightning_diag import (
-        AnomalyAlarm,
-        AttentionEntropyMonitor,
-        DataDiagnostics,
-        GradientFlowMonitor,
-        LossTrendSettings,
-        QuantizationProbe,
-        RollbackSettings,
-        SharpnessProbe,
-        SystemMonitor,
-    )
-    from lightning_diag.core.registry import owner_of
+    import lightning_diag
+    from lightning_diag import LossTrendSettings, RollbackSettings
+    from lightning_diag.core.registry import RULES, owner_of
 
     for rule, argument, _constant, default, _m, _s in _rows():
-        kinds = {
-            "`grad": GradientFlowMonitor,
-            "`attn": AttentionEntropyMonitor,
-            "`data": DataDiagnostics,
-            "`labe": DataDiagnostics,
-            "`shar": SharpnessProbe,
-            "`quan": QuantizationProbe,
-        }
-        callback = kinds.get(rule[:5], AnomalyAlarm)
-        if owner_of(rule.strip("`")) == "SystemMonitor":
-            callback = SystemMonitor
+        name = rule.strip("`")  # a rule id, or `grad_*` for a callback's shared setting
+        owner = owner_of(name) or next(s.owner for s in RULES.values() if s.rule_id.startswith(name.rstrip("*")))
+        callback = getattr(lightning_diag, owner)
         params = inspect.signature(callback).parameters
         arg = argument.strip("`")
         group, _, field = arg.rpartition(".")

@@ -20,13 +20,7 @@ from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, Los
 from lightning_diag.callbacks.lr_logging import lr_scalars
 from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
-from lightning_diag.core.alerts import (
-    LOSS_SWING,
-    NONFINITE_LOSS,
-    NONFINITE_ROLLBACK,
-    VAL_DECLINE,
-    NonFiniteAction,
-)
+from lightning_diag.core.alerts import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE, NonFiniteAction
 from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import loss_tag
 from lightning_diag.core.validation import check_choice, check_int
@@ -35,6 +29,7 @@ from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
     DEFAULT_MAX_SKIPS,
     NONFINITE_ACTIONS,
+    NONFINITE_LOSS_SPEC,
     NonFinitePolicy,
 )
 from lightning_diag.stats.loss_sums import LossSums
@@ -159,6 +154,9 @@ class AnomalyAlarm(DiagCallback):
         100
     """
 
+    #: Alarms with another monitored metric or swing window are checkpointed apart.
+    state_key_arguments = ("monitor", "loss_trend.swing_window")
+
     @renamed_arguments(_RENAMED_ARGUMENTS, groups={"loss_trend": LossTrendSettings, "rollback": RollbackSettings})
     def __init__(
         self,
@@ -212,8 +210,8 @@ class AnomalyAlarm(DiagCallback):
         values[f"{VAL_DECLINE}.higher_is_better"] = float(self.mode == "max")
         if isinstance(self.loss_trend.swing_window, int):
             values[f"{LOSS_SWING}.window_steps"] = float(self.loss_trend.swing_window)
-        if self.on_nonfinite == "skip":
-            values[f"{NONFINITE_LOSS}.max_skips"] = float(self.max_skips)
+        if self.on_nonfinite != "skip":  # max_skips is in force only with that action
+            values.pop(NONFINITE_LOSS_SPEC.key("max_skips"), None)
         if self.on_nonfinite != "rollback":  # the rollback settings are in force only with that action
             for key in [k for k in values if k.startswith(f"{NONFINITE_ROLLBACK}.")]:
                 del values[key]
@@ -260,13 +258,9 @@ class AnomalyAlarm(DiagCallback):
         #: The training-loss periods and the loss and validation trend rules.
         self.trend = LossTrend(self.loss_trend, monitor=self.monitor, mode=self.mode)
         #: What a non-finite step leads to (a pure state machine); :attr:`guard` finds the steps and acts.
-        self.policy = NonFinitePolicy(self.on_nonfinite, self.max_skips, self.max_scaler_overflows)  # type: ignore[arg-type]
+        self.policy = NonFinitePolicy.from_settings(self.thresholds(), action=self.on_nonfinite)  # type: ignore[arg-type]
         self.guard = NonFiniteGuard(self, self.policy, self.recovery)
         self.recovery.reset()
-
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(monitor=self.monitor, swing_window=self.loss_trend.swing_window)
 
     def state_dict(self) -> dict[str, Any]:
         """Rule histories, latches, the skip count, the partial loss sums and warn mode's pending findings.
@@ -321,8 +315,11 @@ class AnomalyAlarm(DiagCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the step window and share restored loss sums over the ranks; take the first snapshot."""
+        super().on_train_start(trainer, pl_module)
         self.trend.start(trainer)
-        self.recovery.start(trainer, pl_module, self._snapshot_state, self._restore_snapshot_state)
+        unsupported = self.recovery.start(trainer, pl_module, self._snapshot_state, self._restore_snapshot_state)
+        if unsupported:
+            self.notice(trainer, "rollback-unsupported", unsupported)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""

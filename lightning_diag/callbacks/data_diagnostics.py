@@ -22,7 +22,10 @@ from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.output.images import heatmap
 from lightning_diag.rules.data import (
     DATA_LEAKAGE,
+    DATA_LEAKAGE_SPEC,
+    DATA_MAX_BATCHES_SETTING,
     DATA_VOCAB_SHIFT,
+    DATA_VOCAB_SHIFT_SPEC,
     DEFAULT_LABEL_IMBALANCE_THRESHOLD,
     DEFAULT_LEAKAGE_NEAR_DUPLICATE,
     DEFAULT_LEAKAGE_THRESHOLD,
@@ -40,17 +43,16 @@ __all__ = [
     "DataDiagnostics",
 ]
 
-#: Batches read from each loader per measurement.
-DEFAULT_MAX_BATCHES = 64
+#: Batches read from each loader per measurement (``data.max_batches``).
+DEFAULT_MAX_BATCHES = int(DATA_MAX_BATCHES_SETTING.default)
 #: ``data_vocab_shift``: token types seen fewer times (both samples together) are pooled into one bin.
-DEFAULT_VOCAB_SHIFT_MIN_COUNT = int(default(f"{DATA_VOCAB_SHIFT}.min_count"))
+DEFAULT_VOCAB_SHIFT_MIN_COUNT = int(default(DATA_VOCAB_SHIFT_SPEC.key("min_count")))
 #: ``data_leakage``: token n-gram size of the shingles.
-DEFAULT_LEAKAGE_SHINGLE_SIZE = int(default(f"{DATA_LEAKAGE}.shingle_size"))
+DEFAULT_LEAKAGE_SHINGLE_SIZE = int(default(DATA_LEAKAGE_SPEC.key("shingle_size")))
 #: ``data_leakage``: MinHash signature length.
-DEFAULT_NUM_PERM = 64
+DEFAULT_NUM_PERM = int(default(DATA_LEAKAGE_SPEC.key("num_perm")))
 #: ``data_leakage``: leaked samples needed before the share found is extrapolated to the whole training set.
-DEFAULT_MIN_LEAKS = 3
-_STATE_KEYS = ("rules", "last_epoch", "last")
+DEFAULT_MIN_LEAKS = int(default(DATA_LEAKAGE_SPEC.key("min_leaks")))
 _MAX_HIST_VALUES = 1_000_000
 _MAX_IMAGE_CLASSES = 256
 _SPLITS = ("train", "val")
@@ -148,6 +150,8 @@ class DataDiagnostics(DiagCallback):
         0.1
     """
 
+    extra_state_keys = ("last_epoch", "last")
+
     @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
@@ -187,17 +191,22 @@ class DataDiagnostics(DiagCallback):
         self.vocab_shift_min_count = check_int("vocab_shift_min_count", vocab_shift_min_count, low=1)
         self.min_leaks = check_int("min_leaks", min_leaks, low=1)
         self.seed = check_int("seed", seed, low=0)
-        self._make_rules()
+        self.rules = self.add_rule("rules", DataRules.from_settings)
         self.last_epoch = -1
         self.last: dict[str, float] = {}
 
-    def _make_rules(self) -> None:
-        self.rules = DataRules(self.vocab_shift_threshold, self.leakage_threshold, self.label_imbalance_threshold)
+    def thresholds(self) -> dict[str, float]:
+        """The thresholds in effect (see :meth:`DiagCallback.thresholds`); ``data.max_batches`` is left out when
+        ``max_batches=None`` (every batch of a map-style dataset)."""
+        values = super().thresholds()
+        if self.max_batches is None:
+            values.pop(DATA_MAX_BATCHES_SETTING.key, None)
+        return values
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The rules' latches (what was already reported), the epoch last measured and its values."""
-        return {"rules": self.rules.state_dict(), "last_epoch": self.last_epoch, "last": dict(self.last)}
+        return {**super().state_dict(), "last_epoch": self.last_epoch, "last": dict(self.last)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output.
@@ -205,8 +214,7 @@ class DataDiagnostics(DiagCallback):
         Raises:
             KeyError: If a key is missing; the message names every missing key.
         """
-        self.check_state_keys(state_dict, _STATE_KEYS)
-        self.rules.load_state_dict(state_dict["rules"])
+        super().load_state_dict(state_dict)
         self.last_epoch = int(state_dict["last_epoch"])
         self.last = {str(k): float(v) for k, v in state_dict["last"].items()}
 
@@ -214,13 +222,13 @@ class DataDiagnostics(DiagCallback):
         """A new fit starts with fresh rules (a resume then loads their state)."""
         super().setup(trainer, pl_module, stage)
         if stage == TrainerFn.FITTING:
-            self._make_rules()
             self.last_epoch = -1
             self.last = {}
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Measure the data once the loaders exist, before the first step."""
+        super().on_train_start(trainer, pl_module)
         self._measure(trainer)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -14,7 +14,6 @@ from pytorch_lightning.callbacks import BaseFinetuning
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
-from lightning_diag.core.alerts import GRAD_EXPLODE, GRAD_VANISH
 from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import (
     act_grad_norm_tag,
@@ -37,16 +36,18 @@ from lightning_diag.rules.grad import (
     DEFAULT_GRAD_WARMUP_STEPS,
     DEFAULT_LAYER_SPREAD_THRESHOLD,
     DEFAULT_VANISH_THRESHOLD,
+    GRAD_EXPLODE,
+    GRAD_VANISH,
     GradBandRule,
     GradCollapseRule,
     GradFrozenRule,
     GradSpreadRule,
 )
+from lightning_diag.stats.grad import local_tensor
 
 __all__ = ["GradientFlowMonitor"]
 
 ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
-_STATE_KEYS = ("band", "spread", "collapse", "frozen")
 
 
 #: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
@@ -66,6 +67,11 @@ class GradientFlowMonitor(DiagCallback):
     ``log_every_n_steps`` optimizer steps); other steps cost one integer comparison. On a measured step the norms
     of every selected gradient take one multi-tensor kernel per device/dtype group, are summed per layer on the
     device and copied to the host once.
+
+    Under sharded training (``ModelParallelStrategy``: FSDP2, tensor parallelism, both, HSDP) every quantity is
+    that of the full, unsharded gradient, computed from the local shards: per-layer sums of squares on the device,
+    weighted so that replicated copies count once, and one all-reduce per measured step (see
+    :mod:`lightning_diag.instrument.grad_measure`); nothing is gathered. Histograms are not written then.
 
     A *layer* is the module that owns the parameters (``encoder.layers.0.linear1`` for its weight and bias), or
     each parameter with ``per_parameter=True``.
@@ -211,60 +217,19 @@ class GradientFlowMonitor(DiagCallback):
             )
         self.logit_projections = tuple(logit_projections)
         self._loss: torch.Tensor | None = None
-        self._make_rules()
+        self.band_rule = self.add_rule("band_rule", GradBandRule.from_settings, state_key="band")
+        self.spread_rule = self.add_rule("spread_rule", GradSpreadRule.from_settings, state_key="spread")
+        self.collapse_rule = self.add_rule("collapse_rule", GradCollapseRule.from_settings, state_key="collapse")
+        self.frozen_rule = self.add_rule("frozen_rule", GradFrozenRule.from_settings, state_key="frozen")
         self._index: ParamIndex | None = None
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
         self._before: list[tuple[list[int], list[torch.Tensor]]] = []
         self._measured_interval: dict[int, int] = {}
 
-    def thresholds(self) -> dict[str, float]:
-        """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
-
-        Example:
-            >>> GradientFlowMonitor().thresholds()["grad_explode"]
-            10.0
-        """
-        return {**super().thresholds(), f"{GRAD_VANISH}.relative": self.band_rule.relative}
-
-    def _make_rules(self) -> None:
-        self.band_rule = GradBandRule(
-            self.vanish_threshold, self.explode_threshold, self.patience, warmup_steps=self.warmup_steps
-        )
-        self.spread_rule = GradSpreadRule(self.layer_spread_threshold, self.patience, self.warmup_steps)
-        self.collapse_rule = GradCollapseRule(
-            self.collapse_threshold,
-            self.patience,
-            self.collapse_baseline_measurements,
-            self.collapse_converged_fraction,
-        )
-        self.frozen_rule = GradFrozenRule(self.patience)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The three rules' streaks, latches and the collapse baseline."""
-        return {
-            "band": self.band_rule.state_dict(),
-            "spread": self.spread_rule.state_dict(),
-            "collapse": self.collapse_rule.state_dict(),
-            "frozen": self.frozen_rule.state_dict(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output.
-
-        Raises:
-            KeyError: If a key is missing; the message names every missing key.
-        """
-        self.check_state_keys(state_dict, _STATE_KEYS)
-        self.band_rule.load_state_dict(state_dict["band"])
-        self.spread_rule.load_state_dict(state_dict["spread"])
-        self.collapse_rule.load_state_dict(state_dict["collapse"])
-        self.frozen_rule.load_state_dict(state_dict["frozen"])
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """A new fit starts with fresh rules (a resume then loads their state)."""
+        """A new fit starts with fresh rules (the base class; a resume then loads their state) and no index."""
         super().setup(trainer, pl_module, stage)
         if stage == TrainerFn.FITTING:
-            self._make_rules()
             self._index = None
             self._before = []
             self._measured_interval = {}
@@ -298,6 +263,7 @@ class GradientFlowMonitor(DiagCallback):
             self.per_parameter,
             dict(pl_module.named_modules()),
             self.logit_projections,
+            world_size=trainer.world_size,
         )
 
     def _stuck_parameters(self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_opt: set[int]) -> dict[str, str]:
@@ -317,6 +283,13 @@ class GradientFlowMonitor(DiagCallback):
             elif id(p) in in_opt and p.grad is None:
                 stuck[name] = "no_grad"
         return stuck
+
+    @staticmethod
+    def _reduce(trainer: pl.Trainer) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A SUM over all ranks (``None`` in one process): every rank then takes the same decisions."""
+        if trainer.world_size <= 1:
+            return None
+        return functools.partial(trainer.strategy.reduce, reduce_op="sum")
 
     def _measuring(self, trainer: pl.Trainer) -> bool:
         return trainer.global_step % self.every_n_steps(trainer) == 0
@@ -368,10 +341,7 @@ class GradientFlowMonitor(DiagCallback):
         chosen = [i for i, p in enumerate(index.params) if p.grad is not None and id(p) in in_opt]
         if not chosen:
             return
-        reduce = None
-        if trainer.world_size > 1:  # every rank reads the same loss, so the collapse verdict is the same everywhere
-            reduce = functools.partial(trainer.strategy.reduce, reduce_op="mean")
-        m = measure_step(index, chosen, self._loss, reduce)
+        m = measure_step(index, chosen, self._loss, self._reduce(trainer))
         self._loss = None
         step = trainer.global_step
         # With several optimizers the global norm is the first optimizer's; the others' get their own tags.
@@ -397,13 +367,20 @@ class GradientFlowMonitor(DiagCallback):
         hist_every = self.histogram_every_n_steps
         if hist_every is None:
             hist_every = 10 * self.every_n_steps(trainer)
-        if hist_every and step % hist_every == 0 and self.writer.active:
+        if hist_every and step % hist_every == 0 and self.writer.active and index.sharded:
+            # A histogram of a local shard would misrepresent the gradient, and binning the full one needs a gather.
+            self.notice(
+                trainer,
+                "sharded-histograms",
+                "gradient histograms are not written under sharded training (DTensor parameters); norms are exact",
+            )
+        elif hist_every and step % hist_every == 0 and self.writer.active:
             for i in chosen:
                 if not math.isfinite(m.norms[index.layers[index.layer_of[i]]]):
                     continue  # TensorBoard cannot bin NaN/Inf (AnomalyAlarm's business)
                 self.writer.histogram(grad_hist_tag(index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
         if self.log_weight_norms:
-            self._before.append((chosen, [index.params[i].detach().clone() for i in chosen]))
+            self._before.append((chosen, [local_tensor(index.params[i]).detach().clone() for i in chosen]))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -415,7 +392,7 @@ class GradientFlowMonitor(DiagCallback):
         index = self._index
         values: dict[str, float] = {}
         for chosen, before in pending:
-            values.update(update_ratios(index, chosen, before))
+            values.update(update_ratios(index, chosen, before, self._reduce(trainer)))
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
 
 

@@ -14,15 +14,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.reduction import reduce_state
-from lightning_diag.core.alerts import LOSS_SWING, Alert
-from lightning_diag.core.tags import loss_tag, threshold_tag
+from lightning_diag.core.record import Alert
+from lightning_diag.core.tags import LossSeries, loss_tag, threshold_tag
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.rules.anomaly import (
     DEFAULT_STAGNANT_BASELINE_STEPS,
@@ -37,6 +37,13 @@ from lightning_diag.rules.anomaly import (
     DEFAULT_VAL_FLUCTUATION_MIN_RANGE,
     DEFAULT_VAL_FLUCTUATION_THRESHOLD,
     DEFAULT_VAL_FLUCTUATION_WINDOW,
+    LOSS_STAGNANT_SPEC,
+    LOSS_SWING,
+    LOSS_SWING_SPEC,
+    VAL_DECLINE,
+    VAL_DECLINE_SPEC,
+    VAL_FLUCTUATION,
+    VAL_FLUCTUATION_SPEC,
     LossStagnantRule,
     LossSwingRule,
     ValDeclineRule,
@@ -48,7 +55,7 @@ from lightning_diag.stats.loss_sums import LossSums
 __all__ = ["TREND_STATE_KEYS", "LossTrend", "LossTrendSettings", "TrendOutput", "check_swing_window"]
 
 #: The keys :meth:`LossTrend.state_dict` returns (a part of the alarm's checkpoint state).
-TREND_STATE_KEYS = ("swing", "stagnant", "val_decline", "val_fluctuation", "accumulators", "window_start")
+TREND_STATE_KEYS = ("swing", "stagnant", VAL_DECLINE, VAL_FLUCTUATION, "accumulators", "window_start")
 
 
 def check_swing_window(swing_window: object) -> Literal["epoch"] | int:
@@ -153,6 +160,24 @@ class LossTrendSettings:
         for name, value in checked.items():  # ints stay ints, numbers become floats
             object.__setattr__(self, name, value)
 
+    def thresholds(self) -> dict[str, float]:
+        """The ``thresholds()`` entries these settings set: rule id or ``"<rule>.<setting>"`` -> value.
+
+        Read through the rules' declarations (their ``arguments`` name the ``loss_trend.<field>`` each value
+        comes from), so the rules' ``from_settings`` builds them from exactly these settings.
+
+        Example:
+            >>> LossTrendSettings(swing_threshold=0.2).thresholds()["loss_swing"]
+            0.2
+        """
+        values: dict[str, float] = {}
+        for spec in (LOSS_SWING_SPEC, LOSS_STAGNANT_SPEC, VAL_DECLINE_SPEC, VAL_FLUCTUATION_SPEC):
+            for name, argument in spec.arguments.items():
+                group, _, field = argument.partition(".")
+                if group == "loss_trend" and field:
+                    values[spec.key(name)] = float(getattr(self, field))
+        return values
+
 
 @dataclasses.dataclass
 class TrendOutput:
@@ -203,29 +228,12 @@ class LossTrend:
         self.swing_window = settings.swing_window
         self.monitor = monitor
         unit = "epoch" if self.swing_window == "epoch" else f"window of {self.swing_window} step"
-        self.swing_rule = LossSwingRule(
-            threshold=settings.swing_threshold,
-            patience=settings.swing_patience,
-            min_delta=settings.swing_min_delta,
-            unit=unit,
-        )
-        self.stagnant_rule = LossStagnantRule(
-            min_drop=settings.stagnant_threshold, patience=settings.stagnant_patience, unit=unit
-        )
-        self.val_decline_rule = ValDeclineRule(
-            monitor=monitor,
-            mode=mode,
-            patience=settings.val_decline_threshold,
-            min_delta=settings.val_decline_min_delta,
-        )
-        self.val_fluctuation_rule = ValFluctuationRule(
-            ratio=settings.val_fluctuation_threshold,
-            window=settings.val_fluctuation_window,
-            min_fluctuation=settings.val_fluctuation_min,
-            monitor=monitor,
-            min_range=settings.val_fluctuation_min_range,
-        )
-        self.loss_sums = LossSums(settings.stagnant_baseline_steps)
+        thresholds = settings.thresholds()  # the rules' declarations name the settings' fields
+        self.swing_rule = LossSwingRule.from_settings(thresholds, unit=unit)
+        self.stagnant_rule = LossStagnantRule.from_settings(thresholds, unit=unit)
+        self.val_decline_rule = ValDeclineRule.from_settings(thresholds, monitor=monitor, mode=mode)
+        self.val_fluctuation_rule = ValFluctuationRule.from_settings(thresholds, monitor=monitor)
+        self.loss_sums = LossSums(int(LOSS_STAGNANT_SPEC.value(thresholds, "baseline_steps")))
         self.window_start: int | None = None
         self.sums_restored = False
 
@@ -242,8 +250,8 @@ class LossTrend:
         return {
             "swing": self.swing_rule.state_dict(),
             "stagnant": self.stagnant_rule.state_dict(),
-            "val_decline": self.val_decline_rule.state_dict(),
-            "val_fluctuation": self.val_fluctuation_rule.state_dict(),
+            VAL_DECLINE: self.val_decline_rule.state_dict(),
+            VAL_FLUCTUATION: self.val_fluctuation_rule.state_dict(),
             "accumulators": accumulators,
             "window_start": self.window_start,
         }
@@ -252,8 +260,8 @@ class LossTrend:
         """Restore the :data:`TREND_STATE_KEYS` of ``state_dict`` (other keys are ignored)."""
         self.swing_rule.load_state_dict(state_dict["swing"])
         self.stagnant_rule.load_state_dict(state_dict["stagnant"])
-        self.val_decline_rule.load_state_dict(state_dict["val_decline"])
-        self.val_fluctuation_rule.load_state_dict(state_dict["val_fluctuation"])
+        self.val_decline_rule.load_state_dict(state_dict[VAL_DECLINE])
+        self.val_fluctuation_rule.load_state_dict(state_dict[VAL_FLUCTUATION])
         accumulators = dict(state_dict["accumulators"])
         self.loss_sums.initial_batches = int(accumulators.pop("initial_batches", 0))
         self.loss_sums.load_state_dict(accumulators, strict=False)
@@ -356,5 +364,5 @@ class LossTrend:
         train_f, val_f = self.val_fluctuation_rule.measures()
         if math.isfinite(train_f) and math.isfinite(val_f):
             out.scalars[loss_tag("train_fluctuation")] = train_f
-            out.scalars[loss_tag("val_fluctuation")] = val_f
+            out.scalars[loss_tag(cast(LossSeries, VAL_FLUCTUATION))] = val_f  # the series is named after its rule
         return out

@@ -29,6 +29,7 @@ from lightning_diag.instrument.batches import batch_size_and_tokens
 from lightning_diag.instrument.clocks import CudaClock, HostClock
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 from lightning_diag.rules.system import (
+    DATALOADER_BOUND,
     DEFAULT_DATALOADER_BOUND_MIN_WAIT_S,
     DEFAULT_DATALOADER_BOUND_PATIENCE,
     DEFAULT_DATALOADER_BOUND_THRESHOLD,
@@ -42,6 +43,7 @@ from lightning_diag.rules.system import (
     DEFAULT_STEP_TIME_PERIODIC_THRESHOLD,
     DEFAULT_STEP_TIME_WARMUP_STEPS,
     DEFAULT_STEP_TIME_WINDOW,
+    STEP_TIME_FLUCTUATION,
     DataloaderBoundRule,
     MemoryGrowthRule,
     StepFluctuationRule,
@@ -50,7 +52,6 @@ from lightning_diag.rules.system import (
 
 __all__ = ["SystemMonitor"]
 
-_STATE_KEYS = ("dataloader", "periodic", "fluctuation", "memory", "window", "utilization", "steps_seen")
 
 
 #: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
@@ -132,6 +133,8 @@ class SystemMonitor(DiagCallback):
         ValueError: If an argument is out of range.
     """
 
+    extra_state_keys = ("window", "utilization", "steps_seen")
+
     @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
@@ -189,7 +192,15 @@ class SystemMonitor(DiagCallback):
                 raise TypeError(f"Expected argument `{name}` to be a bool, but got {flag!r}")
         self.nvml = nvml
         self.time_callbacks = time_callbacks
-        self._make_rules()
+        self.dataloader_rule = self.add_rule(
+            "dataloader_rule", DataloaderBoundRule.from_settings, state_key="dataloader"
+        )
+        self.periodic_rule = self.add_rule("periodic_rule", StepPeriodicRule.from_settings, state_key="periodic")
+        self.fluctuation_rule = self.add_rule(
+            "fluctuation_rule", StepFluctuationRule.from_settings, state_key="fluctuation"
+        )
+        self.memory_rule = self.add_rule("memory_rule", MemoryGrowthRule.from_settings, state_key="memory")
+        self._reset_windows()
         self._hooks = HookTimer()
         self._clock: HostClock | CudaClock = HostClock()
         self._nvml_probe: NvmlProbe | None = None
@@ -197,19 +208,7 @@ class SystemMonitor(DiagCallback):
         self._save_timer: Any = None
         self._reset_run()
 
-    def _make_rules(self) -> None:
-        self.dataloader_rule = DataloaderBoundRule(
-            self.dataloader_bound_threshold, self.dataloader_bound_patience, self.dataloader_bound_min_wait_s
-        )
-        self.periodic_rule = StepPeriodicRule(self.step_time_periodic_threshold, self.step_time_periodic_slow_ratio)
-        self.fluctuation_rule = StepFluctuationRule(
-            self.step_time_fluctuation_threshold,
-            self.step_time_fluctuation_patience,
-            self.step_time_fluctuation_block_steps,
-        )
-        self.memory_rule = MemoryGrowthRule(
-            self.memory_growth_threshold, self.memory_growth_window, self.memory_growth_rising_fraction
-        )
+    def _reset_windows(self) -> None:
         # (wall step time, compute time, excluded from the fluctuation test) per optimizer step after warm-up
         self.step_window: deque[tuple[float, float, bool]] = deque(maxlen=self.window)
         self.util_window: deque[float] = deque(maxlen=self.window)
@@ -239,12 +238,9 @@ class SystemMonitor(DiagCallback):
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The rules' state, the step-time and utilisation windows and the steps seen."""
+        """The rules' state (the base class), the step-time and utilisation windows and the steps seen."""
         return {
-            "dataloader": self.dataloader_rule.state_dict(),
-            "periodic": self.periodic_rule.state_dict(),
-            "fluctuation": self.fluctuation_rule.state_dict(),
-            "memory": self.memory_rule.state_dict(),
+            **super().state_dict(),
             "window": [[t, c, bool(f)] for t, c, f in self.step_window],
             "utilization": list(self.util_window),
             "steps_seen": self.steps_seen,
@@ -256,11 +252,7 @@ class SystemMonitor(DiagCallback):
         Raises:
             KeyError: If a key is missing; the message names every missing key.
         """
-        self.check_state_keys(state_dict, _STATE_KEYS)
-        self.dataloader_rule.load_state_dict(state_dict["dataloader"])
-        self.periodic_rule.load_state_dict(state_dict["periodic"])
-        self.fluctuation_rule.load_state_dict(state_dict["fluctuation"])
-        self.memory_rule.load_state_dict(state_dict["memory"])
+        super().load_state_dict(state_dict)
         self.step_window = deque(
             ((float(t), float(c), bool(f)) for t, c, f in state_dict["window"]), maxlen=self.window
         )
@@ -273,7 +265,7 @@ class SystemMonitor(DiagCallback):
         super().setup(trainer, pl_module, stage)
         if stage != TrainerFn.FITTING:
             return
-        self._make_rules()
+        self._reset_windows()
         self._reset_run()
         unwrap_batch_end(self._boundary)
         self._boundary = None
@@ -306,6 +298,7 @@ class SystemMonitor(DiagCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Pick the clock (CUDA events on a CUDA device) and open NVML."""
+        super().on_train_start(trainer, pl_module)
         device = pl_module.device
         self._device = device
         self._clock = CudaClock() if device.type == "cuda" else HostClock()
@@ -446,7 +439,7 @@ class SystemMonitor(DiagCallback):
             fluctuation,
             cuda,
             per_rank,
-            self.threshold_lines("dataloader_bound", "step_time_fluctuation"),
+            self.threshold_lines(DATALOADER_BOUND, STEP_TIME_FLUCTUATION),
             step_total,
         )
         if self._nvml_probe is not None:

@@ -1,36 +1,82 @@
-"""The declarations: every checklist row and every rule of the library, one block per callback.
+"""The complete catalogue: every rule-declaring module, loaded in one place, and the checklist rows.
 
-The machinery (:class:`~lightning_diag.core.registry.RuleSpec`, :func:`~lightning_diag.core.registry.register`,
-the queries) is in :mod:`lightning_diag.core.registry`, which imports this module once, at its end, so that
-importing the registry always gives the complete catalogue. Standard library only, like the registry.
+Each rule is declared once, next to the class that implements it (``register(RuleSpec(...))`` at the top of its
+``lightning_diag.rules`` module, set as the class's ``specs``); the machinery is in
+:mod:`lightning_diag.core.registry`. Importing this module loads every declaring module, so the registry is
+complete: :mod:`lightning_diag.core.alerts` (``ALL_RULES`` and the public rule-id constants, re-exported from
+here) and the report import it. It then declares the checklist rows of ``lightning-diag report``, in report
+order; a row that is named after the rule deciding it takes that rule's id from its declaration.
 
-A callback that adds rules appends one block at the end: ``register(RuleSpec(...))`` per rule id, and
-``register_check(CheckSpec(...))`` for a checklist row of its own.
+No module below it imports it (the registry does not): the import graph has no cycle. Neither torch nor Lightning
+is imported (the rules modules import the standard library, numpy and scipy only).
+
+A callback that adds rules declares them in its rules module and adds that module to the imports below (and a
+``register_check(CheckSpec(...))`` here for a checklist row of its own).
 """
 
 from __future__ import annotations
 
-from lightning_diag.core.registry import (
-    CheckSpec,
-    RuleSpec,
-    SettingSpec,
-    register,
-    register_check,
-    register_setting,
-)
+from lightning_diag.core.registry import CheckSpec, register_check
+from lightning_diag.rules.anomaly import LOSS_STAGNANT, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION
+from lightning_diag.rules.attention import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
+from lightning_diag.rules.data import DATA_LEAKAGE, DATA_NONFINITE, DATA_VOCAB_SHIFT, LABEL_IMBALANCE
+from lightning_diag.rules.errors import ERROR_CLUSTER
+from lightning_diag.rules.grad import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_FROZEN, GRAD_LAYER_SPREAD, GRAD_VANISH
+
+# isort: off  (the registry keeps declaration order: the order below is the order of ALL_RULES)
+from lightning_diag.rules.nonfinite import NONFINITE_GRAD, NONFINITE_LOSS
+from lightning_diag.rules.probes import QUANTIZATION_ERROR, SHARP_MINIMUM
+from lightning_diag.rules.robustness import ROBUSTNESS_DROP
+from lightning_diag.rules.rollback import NONFINITE_ROLLBACK
+from lightning_diag.rules.system import DATALOADER_BOUND, MEMORY_GROWTH, STEP_TIME_FLUCTUATION, STEP_TIME_PERIODIC
+
+# isort: on
+
+__all__ = [
+    "ATTN_ENTROPY_HIGH",
+    "ATTN_ENTROPY_LOW",
+    "ATTN_SINK",
+    "DATALOADER_BOUND",
+    "DATA_LEAKAGE",
+    "DATA_NONFINITE",
+    "DATA_VOCAB_SHIFT",
+    "ERROR_CLUSTER",
+    "GRAD_COLLAPSE",
+    "GRAD_EXPLODE",
+    "GRAD_FROZEN",
+    "GRAD_LAYER_SPREAD",
+    "GRAD_VANISH",
+    "LABEL_IMBALANCE",
+    "LOSS_STAGNANT",
+    "LOSS_SWING",
+    "MEMORY_GROWTH",
+    "NONFINITE_GRAD",
+    "NONFINITE_LOSS",
+    "NONFINITE_ROLLBACK",
+    "QUANTIZATION_ERROR",
+    "ROBUSTNESS_DROP",
+    "SHARP_MINIMUM",
+    "STEP_TIME_FLUCTUATION",
+    "STEP_TIME_PERIODIC",
+    "VAL_DECLINE",
+    "VAL_FLUCTUATION",
+]
 
 # -- checklist rows -------------------------------------------------------------------------------------
 # Seed 000 §7.1's layered checklist plus the training-process checks, in report order. A rule joins a row with
-# `RuleSpec(check=...)`; rows no rule decides yet are "not measured" with the seed's criterion.
+# `RuleSpec(check=...)`; a row no rule decides yet is "not measured" with the seed's criterion
+# (`CheckSpec(threshold=..., threshold_value=...)`). Titles are templates over the thresholds in effect.
 
-register_check(CheckSpec("data_label_balance", "Data", "Label distribution standard deviation < 0.1", "< 0.1", 0.1))
-register_check(CheckSpec("data_train_test_overlap", "Data", "Train/test Jaccard similarity < 0.15", "< 0.15", 0.15))
+register_check(CheckSpec("data_label_balance", "Data",
+                         "Label distribution standard deviation < {label_imbalance:g}"))
+register_check(CheckSpec("data_train_test_overlap", "Data",
+                         "Train/test Jaccard similarity < {data_leakage:g}"))
 register_check(CheckSpec("grad_norm_band", "Model",
                          "Gradient of every layer within {grad_vanish:g} (||g||/||W||) .. {grad_explode:g} "
                          "(RMS per element)"))
 register_check(CheckSpec("grad_spread", "Model",
                          "Relative gradients of one role across blocks within a ratio of {grad_layer_spread:g}"))
-register_check(CheckSpec("grad_collapse", "Model",
+register_check(CheckSpec(GRAD_COLLAPSE, "Model",
                          "Blocks' gradient norm above {grad_collapse:g} of its early baseline"))
 register_check(CheckSpec(
     "attn_entropy_band", "Model",
@@ -38,161 +84,31 @@ register_check(CheckSpec(
     "while near uniform ({attn_entropy_high__uniform_fraction:g} of it) "
     "after step {attn_entropy_high__warmup_steps:g}",
 ))
-register_check(CheckSpec("attn_sink", "Model",
+register_check(CheckSpec(ATTN_SINK, "Model",
                          "No layer whose every head puts more than {attn_sink:g} of its mass on [CLS]/[SEP]"))
+register_check(CheckSpec("attn_range", "Model",
+                         "Attention range: the heads that read long-range and the purely local ones (information)"))
 register_check(CheckSpec("nonfinite", "Training", "No NaN/Inf in the loss or the gradients"))
 register_check(CheckSpec(
-    "loss_swing", "Training",
+    LOSS_SWING, "Training",
     "Training loss does not swing by more than {loss_swing:.0%} on {loss_swing__patience:g} consecutive points",
 ))
-register_check(CheckSpec("val_decline", "Training",
+register_check(CheckSpec(VAL_DECLINE, "Training",
                          "Validation metric does not worsen on {val_decline:g} consecutive runs"))
 register_check(CheckSpec(
-    "val_fluctuation", "Training", "Validation fluctuation at most {val_fluctuation:g}x the training fluctuation"
+    VAL_FLUCTUATION, "Training", "Validation fluctuation at most {val_fluctuation:g}x the training fluctuation"
 ))
 register_check(CheckSpec("deploy_quantization_error", "Deployment",
                          "Quantization error < {quantization_error:.0%} (INT8 end-to-end loss change; no layer's "
                          "output MSE above {quantization_error__layer_ratio:g}x the median layer's)"))
-register_check(CheckSpec("deploy_latency_fluctuation", "Deployment", "Latency fluctuation < 15%", "< 15%", 0.15))
-
-# -- declarations ---------------------------------------------------------------------------------------------
-# One block per callback. Defaults are the seeds' numbers (DESIGN.md's thresholds table); the rules/ modules'
-# DEFAULT_* constants are these values, read from here.
-
-_ALARM = "AnomalyAlarm"
-register(RuleSpec("nonfinite_loss", _ALARM, "critical", None, "NaN/Inf in the loss", check="nonfinite",
-                  source="seed 000 §4.2"))
-register(RuleSpec("nonfinite_grad", _ALARM, "critical", None, "NaN/Inf in a gradient before the optimizer step",
-                  settings={"max_scaler_overflows": 5}, check="nonfinite", source="seed 000 §4.2",
-                  arguments={"max_scaler_overflows": "max_scaler_overflows"}))
-register(RuleSpec("loss_swing", _ALARM, "warning", 0.10,
-                  "training loss swings by more than {threshold:.0%} on {patience:g} consecutive epochs",
-                  settings={"patience": 3, "min_delta": 1e-3}, check="loss_swing", source="seed 001 §1.2",
-                  arguments={"threshold": "loss_trend.swing_threshold", "patience": "loss_trend.swing_patience",
-                             "min_delta": "loss_trend.swing_min_delta"}))
-register(RuleSpec("val_decline", _ALARM, "warning", 5.0,
-                  "validation metric worsens on {threshold:g} consecutive validation runs",
-                  settings={"min_delta": 0.0}, check="val_decline", source="seed 001 §1.2",
-                  arguments={"threshold": "loss_trend.val_decline_threshold",
-                             "min_delta": "loss_trend.val_decline_min_delta"}))
-register(RuleSpec("val_fluctuation", _ALARM, "warning", 2.0,
-                  "validation-loss fluctuation above {threshold:g}x the training-loss fluctuation",
-                  settings={"window": 5, "min": 0.15, "min_range": 0.01}, check="val_fluctuation",
-                  source="seed 000 §4.1",
-                  arguments={"threshold": "loss_trend.val_fluctuation_threshold",
-                             "window": "loss_trend.val_fluctuation_window", "min": "loss_trend.val_fluctuation_min",
-                             "min_range": "loss_trend.val_fluctuation_min_range"}))
-register(RuleSpec("loss_stagnant", _ALARM, "warning", 0.10,
-                  "training loss has not fallen {threshold:.0%} below its initial value after {patience:g} points",
-                  settings={"patience": 4, "baseline_steps": 5},
-                  arguments={"threshold": "loss_trend.stagnant_threshold", "patience": "loss_trend.stagnant_patience",
-                             "baseline_steps": "loss_trend.stagnant_baseline_steps"}))
-
-_GRAD = "GradientFlowMonitor"
-register(RuleSpec("grad_vanish", _GRAD, "warning", 1e-3,
-                  "a weight matrix's ||g||/||W|| below {threshold:g} and {relative:g}x below the best-fed block "
-                  "matrix, after step {warmup_steps:g}",
-                  settings={"relative": 100.0, "warmup_steps": 50}, check="grad_norm_band", source="seed 000 §3.1",
-                  arguments={"threshold": "vanish_threshold", "warmup_steps": "warmup_steps"}))
-register(RuleSpec("grad_explode", _GRAD, "warning", 1e1, "a layer's RMS gradient per element above {threshold:g}",
-                  check="grad_norm_band", source="seed 000 §3.1", arguments={"threshold": "explode_threshold"}))
-register(RuleSpec("grad_layer_spread", _GRAD, "warning", 100.0,
-                  "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
-                  settings={"warmup_steps": 50}, check="grad_spread", source="seed 000 §3.1",
-                  arguments={"threshold": "layer_spread_threshold", "warmup_steps": "warmup_steps"}))
-register(RuleSpec("grad_collapse", _GRAD, "warning", 0.01,
-                  "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or "
-                  "vanished: warning)",
-                  settings={"baseline_measurements": 5, "converged_fraction": 0.1}, check="grad_collapse",
-                  source="seed 001 §1.2",
-                  arguments={"threshold": "collapse_threshold",
-                             "baseline_measurements": "collapse_baseline_measurements",
-                             "converged_fraction": "collapse_converged_fraction"}))
-register(RuleSpec("grad_frozen", _GRAD, "warning", None,
-                  "a trainable parameter that cannot learn (in no optimizer, or never gets a gradient); "
-                  "requires_grad=False is an info"))
-register_setting(SettingSpec("grad.patience", _GRAD, 3, "patience",
-                             ("grad_vanish", "grad_layer_spread", "grad_collapse", "grad_frozen")))
-
-_ATTN = "AttentionEntropyMonitor"
-register(RuleSpec("attn_entropy_low", _ATTN, "warning", 0.5, "a head's attention entropy below {threshold:g} nats",
-                  check="attn_entropy_band", source="seed 000 §3.2", arguments={"threshold": "entropy_low_threshold"}))
-register(RuleSpec("attn_entropy_high", _ATTN, "info", 2.5,
-                  "a head's attention entropy above {threshold:g} nats and {uniform_fraction:g} of uniform",
-                  settings={"uniform_fraction": 0.9, "warmup_steps": 200}, check="attn_entropy_band",
-                  source="seed 000 §3.2",
-                  arguments={"threshold": "entropy_high_threshold", "uniform_fraction": "entropy_high_uniform_fraction",
-                             "warmup_steps": "entropy_high_warmup_steps"}))
-register(RuleSpec("attn_sink", _ATTN, "warning", 0.5,
-                  "every head of a layer puts more than {threshold:g} of its mass on special tokens",
-                  check="attn_sink", source="seed 000 §3.2", arguments={"threshold": "sink_threshold"}))
-register_setting(SettingSpec("attn.patience", _ATTN, 2, "patience",
-                             ("attn_entropy_low", "attn_entropy_high", "attn_sink")))
-
-_DATA = "DataDiagnostics"
-register(RuleSpec("data_vocab_shift", _DATA, "warning", 0.3,
-                  "KL divergence of validation vs training token frequencies above {threshold:g} nats",
-                  settings={"min_count": 5}, source="seed 000 §2.1",
-                  arguments={"threshold": "vocab_shift_threshold", "min_count": "vocab_shift_min_count"}))
-register(RuleSpec("data_leakage", _DATA, "warning", 0.15,
-                  "share of validation samples copying a training sample (shingle Jaccard >= {near_duplicate:g}) "
-                  "at or above {threshold:g}",
-                  settings={"near_duplicate": 0.5, "shingle_size": 3}, check="data_train_test_overlap",
-                  source="seed 000 §2.2, §7.1",
-                  arguments={"threshold": "leakage_threshold", "near_duplicate": "leakage_near_duplicate",
-                             "shingle_size": "leakage_shingle_size"}))
-register(RuleSpec("label_imbalance", _DATA, "warning", 0.1,
-                  "standard deviation of the class proportions above {threshold:g}", check="data_label_balance",
-                  source="seed 000 §7.1", arguments={"threshold": "label_imbalance_threshold"}))
-register(RuleSpec("data_nonfinite", _DATA, "critical", None, "NaN/Inf in a floating tensor of a sampled batch",
-                  source="seed 000 §2.1"))
-
-_SHARP = "SharpnessProbe"
+register_check(CheckSpec("deploy_latency_fluctuation", "Deployment",
+                         "Latency fluctuation < {step_time_fluctuation:.0%}"))
 register_check(CheckSpec("loss_surface", "Training",
                          "Loss surface: SAM gap L(w+ε) − L(w) not above {sharp_minimum:g} on "
                          "{sharp_minimum__patience:g} consecutive probes (rho {sharp_minimum__rho:g})"))
-register(RuleSpec("sharp_minimum", _SHARP, "warning", 0.3,
-                  "SAM gap L(w+ε) − L(w) above {threshold:g} (rho {rho:g}) on {patience:g} consecutive probes",
-                  settings={"rho": 0.05, "patience": 3}, check="loss_surface", source="seed 000 §4.1",
-                  arguments={"threshold": "threshold", "rho": "rho", "patience": "patience"}))
-_QUANT = "QuantizationProbe"
-register(RuleSpec("quantization_error", _QUANT, "warning", 0.05,
-                  "INT8 end-to-end relative loss change above {threshold:.0%}, or a layer's output MSE above "
-                  "{layer_ratio:g}x the median layer's",
-                  settings={"layer_ratio": 10.0, "min_layer_error": 1e-3}, check="deploy_quantization_error",
-                  source="seed 000 §5.1, §7.1",
-                  arguments={"threshold": "threshold", "layer_ratio": "layer_ratio",
-                             "min_layer_error": "min_layer_error"}))
-
-# AnomalyAlarm(on_nonfinite="rollback") (issue 12): the rollback warning; settings are the rollback arguments.
-register(RuleSpec("nonfinite_rollback", _ALARM, "warning", None,
-                  "a non-finite step rolled back to a snapshot, learning rates x{lr_factor:g} per rollback",
-                  settings={"every_n_steps": 50, "lr_factor": 0.5, "max_rollbacks": 3}, check="nonfinite",
-                  arguments={"every_n_steps": "rollback.every_n_steps", "lr_factor": "rollback.lr_factor",
-                             "max_rollbacks": "rollback.max_rollbacks"}))
-
-_SYSTEM = "SystemMonitor"
-register(RuleSpec("dataloader_bound", _SYSTEM, "warning", 0.25,
-                  "waiting for data above {threshold:.0%} of the step time on {patience:g} consecutive intervals",
-                  settings={"patience": 3, "min_wait_s": 0.005},
-                  arguments={"threshold": "dataloader_bound_threshold", "patience": "dataloader_bound_patience",
-                             "min_wait_s": "dataloader_bound_min_wait_s"}))
-register(RuleSpec("step_time_periodic", _SYSTEM, "warning", 0.05,
-                  "slow steps (more than {slow_ratio:.0%} above the median) recurring with a fixed period and costing"
-                  " above {threshold:.0%} of the time",
-                  settings={"slow_ratio": 0.5, "window": 200}, source="seed 001 §1.2",
-                  arguments={"threshold": "step_time_periodic_threshold", "slow_ratio": "step_time_periodic_slow_ratio",
-                             "window": "window"}))
-register(RuleSpec("step_time_fluctuation", _SYSTEM, "warning", 0.15,
-                  "step-time fluctuation (median absolute deviation / median of {block_steps:g}-step block medians)"
-                  " above {threshold:.0%}",
-                  settings={"patience": 3, "warmup_steps": 20, "block_steps": 10}, check="deploy_latency_fluctuation",
-                  source="seed 000 §7.1",
-                  arguments={"threshold": "step_time_fluctuation_threshold",
-                             "patience": "step_time_fluctuation_patience", "warmup_steps": "warmup_steps",
-                             "block_steps": "step_time_fluctuation_block_steps"}))
-register(RuleSpec("memory_growth", _SYSTEM, "warning", 0.1,
-                  "host or device memory growing by more than {threshold:.0%} over {window:g} intervals",
-                  settings={"window": 8, "rising_fraction": 0.7},
-                  arguments={"threshold": "memory_growth_threshold", "window": "memory_growth_window",
-                             "rising_fraction": "memory_growth_rising_fraction"}))
+register_check(CheckSpec("error_concentration", "Model",
+                         "Error concentration: no cluster of validation samples with an error rate at least "
+                         "{error_cluster:g}x the overall rate holding {error_cluster__min_share:.0%} of them"))
+register_check(CheckSpec("robustness", "Model",
+                         "Robustness ({robustness_drop__rate:.0%} perturbation): the validation metric drops by at "
+                         "most {robustness_drop:.0%}"))

@@ -73,6 +73,8 @@ def test_rule_ids_are_the_contract():
         "step_time_periodic",
         "step_time_fluctuation",
         "memory_growth",
+        "error_cluster",
+        "robustness_drop",
     }
 
 
