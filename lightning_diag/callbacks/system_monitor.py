@@ -43,6 +43,7 @@ from lightning_diag.rules.system import (
     DEFAULT_STEP_TIME_PERIODIC_THRESHOLD,
     DEFAULT_STEP_TIME_WARMUP_STEPS,
     DEFAULT_STEP_TIME_WINDOW,
+    MEMORY_GROWTH,
     STEP_TIME_FLUCTUATION,
     DataloaderBoundRule,
     MemoryGrowthRule,
@@ -64,7 +65,7 @@ _RENAMED_ARGUMENTS = {
     "fluctuation_threshold": "step_time_fluctuation_threshold",
     "fluctuation_patience": "step_time_fluctuation_patience",
     "block_steps": "step_time_fluctuation_block_steps",
-    "memory_growth": "memory_growth_threshold",
+    MEMORY_GROWTH: "memory_growth_threshold",  # the old argument was named after its rule
     "memory_window": "memory_growth_window",
     "memory_rising_fraction": "memory_growth_rising_fraction",
 }

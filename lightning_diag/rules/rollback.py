@@ -177,6 +177,6 @@ class RollbackRule(Rule):
 __getattr__ = renamed_constants(
     __name__,
     {
-        "DEFAULT_ROLLBACK_SNAPSHOTS": "DEFAULT_ROLLBACK_SNAPSHOTS",
+        "DEFAULT_ROLLBACK_KEEP": "DEFAULT_ROLLBACK_SNAPSHOTS",
     },
 )
