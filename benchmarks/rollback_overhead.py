@@ -9,7 +9,7 @@ Three measurements on the models of ``benchmarks/overhead.py``:
    ``perf_counter``, snapshots included), and, in isolation, the per-step work rollback adds (the batch
    reference and torch RNG copy, the loss ring): measures that the noise of a shared machine swamps less;
 3. one snapshot of each model (transformer and MLP, with their AdamW state) timed directly, and its size: the
-   amortised cost at the default interval is ``1 + snapshot time / (rollback_every_n_steps x step time)``.
+   amortised cost at the default interval is ``1 + snapshot time / (rollback.every_n_steps x step time)``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/rollback_overhead.py            # CPU (about 2 minutes)
     PYTHONPATH=. .venv/bin/python benchmarks/rollback_overhead.py --quick    # smoke test
@@ -104,9 +104,9 @@ class HookClock:
 
 def per_step_work_us(device: str, iterations: int = 20000) -> float:
     """Microseconds of the per-step bookkeeping of rollback and localisation, outside any Trainer."""
-    from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
+    from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
 
-    recovery = NonFiniteRecovery(True, True, 50, 0.5, 3, "cpu", 3)
+    recovery = NonFiniteRecovery(locate=True, rollback=True, settings=RollbackSettings())
     batch, loss = object(), torch.tensor(1.0, device=device)
     times = []
     for _ in range(5):
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(snapshot_cost(ov, "transformer", args, statistics.median(tf_run.times) * 1e3))
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {args.threads} thread(s)"
     print(
-        f"device: {device}; torch {torch.__version__}; rollback_every_n_steps={DEFAULT_ROLLBACK_EVERY_N_STEPS}; "
+        f"device: {device}; torch {torch.__version__}; rollback.every_n_steps={DEFAULT_ROLLBACK_EVERY_N_STEPS}; "
         f"{time.perf_counter() - t0:.0f} s"
     )
     print()

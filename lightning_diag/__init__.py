@@ -2,7 +2,7 @@
 
 The package root is lazy (PEP 562): ``import lightning_diag`` loads neither torch nor Lightning, and each public
 name is imported from its module on first use, so ``lightning-diag report`` and ``import lightning_diag.report``
-stay light. A new callback is added with one entry in :data:`_LAZY` (and one in ``__all__``).
+stay light. A new callback (or settings class) is added with one entry in :data:`_LAZY` (and one in ``__all__``).
 
 Logging follows the library convention: the ``lightning_diag`` logger gets a :class:`logging.NullHandler` at
 import; the visible stream handler is installed only when a callback is first set up and the application has
@@ -28,6 +28,8 @@ _LAZY: dict[str, str] = {
     "record_hf_attentions": "lightning_diag.instrument.attention_record",
     "AnomalyAlarm": "lightning_diag.callbacks.anomaly_alarm",
     "NonFiniteError": "lightning_diag.callbacks.anomaly_alarm",
+    "LossTrendSettings": "lightning_diag.callbacks.loss_trend",
+    "RollbackSettings": "lightning_diag.callbacks.nonfinite_recovery",
     "AttentionEntropyMonitor": "lightning_diag.callbacks.attention_entropy",
     "DataDiagnostics": "lightning_diag.callbacks.data_diagnostics",
     "ErrorAnalysis": "lightning_diag.callbacks.error_analysis",
@@ -46,9 +48,11 @@ __all__ = [
     "DataDiagnostics",
     "ErrorAnalysis",
     "GradientFlowMonitor",
+    "LossTrendSettings",
     "NonFiniteError",
     "QuantizationProbe",
     "RobustnessProbe",
+    "RollbackSettings",
     "Severity",
     "SharpnessProbe",
     "SystemMonitor",
@@ -65,6 +69,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_diag.callbacks.data_diagnostics import DataDiagnostics
     from lightning_diag.callbacks.error_analysis import ErrorAnalysis
     from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
+    from lightning_diag.callbacks.loss_trend import LossTrendSettings
+    from lightning_diag.callbacks.nonfinite_recovery import RollbackSettings
     from lightning_diag.callbacks.quantization_probe import QuantizationProbe
     from lightning_diag.callbacks.robustness_probe import RobustnessProbe
     from lightning_diag.callbacks.sharpness_probe import SharpnessProbe

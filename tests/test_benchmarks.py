@@ -134,7 +134,7 @@ def test_rollback_overhead_quick_mode_reports_the_ratios(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| mlp |")]
     assert len(rows) == 3 and all(row.count("x |") >= 1 for row in rows)
-    assert "rollback_every_n_steps=50" in out
+    assert "rollback.every_n_steps=50" in out
 
 
 def test_cost_table_quick_mode_reports_every_callback_and_mode(capsys):

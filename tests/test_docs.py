@@ -11,6 +11,7 @@ import lightning_diag.rules.errors as error_rules
 import lightning_diag.rules.grad as grad_rules
 import lightning_diag.rules.probes as probe_rules
 import lightning_diag.rules.robustness as robustness_rules
+import lightning_diag.rules.rollback as rollback_rules
 import lightning_diag.rules.system as system_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -32,7 +33,7 @@ def test_thresholds_table_matches_the_constants():
     documented = {}
     for _rule, argument, constant, default, _meaning, _source in rows:
         name = constant.strip("`")
-        value = next(getattr(m, name) for m in MODULES if hasattr(m, name))
+        value = next(getattr(m, name) for m in (*MODULES, rollback_rules) if hasattr(m, name))
         assert float(default) == float(value), name
         documented[name] = argument
     in_code = {n for m in MODULES for n in dir(m) if n.startswith("DEFAULT_")}
@@ -55,9 +56,11 @@ def test_every_registry_default_is_documented_with_its_argument():
 
 
 def test_thresholds_arguments_are_real_constructor_arguments():
+    import dataclasses
     import inspect
 
     import lightning_diag
+    from lightning_diag import LossTrendSettings, RollbackSettings
     from lightning_diag.core.registry import RULES, owner_of
 
     for rule, argument, _constant, default, _m, _s in _rows():
@@ -66,6 +69,14 @@ def test_thresholds_arguments_are_real_constructor_arguments():
         callback = getattr(lightning_diag, owner)
         params = inspect.signature(callback).parameters
         arg = argument.strip("`")
+        group, _, field = arg.rpartition(".")
+        if group:  # a field of a settings object (AnomalyAlarm's loss_trend= / rollback=)
+            assert group in params, arg
+            settings_class = {"loss_trend": LossTrendSettings, "rollback": RollbackSettings}[group]
+            fields = {f.name: f.default for f in dataclasses.fields(settings_class)}
+            assert field in fields, arg
+            assert float(fields[field]) == float(default), arg
+            continue
         assert arg in params, arg
         assert float(params[arg].default) == float(default), arg
 
@@ -88,8 +99,20 @@ def test_anomaly_alarm_page_lists_every_tag_and_rule():
         "val_fluctuation",
     ):
         assert needle in page, needle
+    import dataclasses
+    import inspect
+
+    from lightning_diag import AnomalyAlarm, LossTrendSettings, RollbackSettings
+
+    known = {
+        *inspect.signature(AnomalyAlarm).parameters,
+        *(f.name for kind in (LossTrendSettings, RollbackSettings) for f in dataclasses.fields(kind)),
+    }
     for match in re.findall(r"`(\w+)=", page):
-        assert match in __import__("inspect").signature(__import__("lightning_diag").AnomalyAlarm).parameters
+        assert match in known, match
+    for group, kind in (("loss_trend", LossTrendSettings), ("rollback", RollbackSettings)):
+        for field in re.findall(rf"`{group}\.(\w+)", page):
+            assert field in {f.name for f in dataclasses.fields(kind)}, (group, field)
 
 
 def test_gradient_flow_page_lists_every_tag_and_rule():

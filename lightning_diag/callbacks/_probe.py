@@ -12,11 +12,9 @@ judges, and the decisions are broadcast as under DDP.
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -25,6 +23,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.validation import check_int
+from lightning_diag.instrument.rng import preserved_rng
 from lightning_diag.instrument.sharding import is_sharded, reshard_fsdp
 
 __all__ = ["LossFn", "ProbeError", "ValidationProbe", "uses_deepspeed"]
@@ -224,16 +223,12 @@ class ValidationProbe(DiagCallback):
     def sandbox(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
         """Eval mode, ``self.log`` silenced, autograd enabled; training flags and every RNG restored after."""
         modes = [(m, m.training) for m in pl_module.modules()]
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        py_rng = random.getstate()
-        np_rng = np.random.get_state()
         had_log = {name: name in pl_module.__dict__ for name in ("log", "log_dict")}
         pl_module.eval()
         pl_module.__dict__["log"] = _no_log
         pl_module.__dict__["log_dict"] = _no_log
         try:
-            with torch.inference_mode(False), torch.enable_grad():
+            with preserved_rng(), torch.inference_mode(False), torch.enable_grad():
                 yield
         finally:
             for name, had in had_log.items():
@@ -241,11 +236,6 @@ class ValidationProbe(DiagCallback):
                     pl_module.__dict__.pop(name, None)
             for module, training in modes:
                 module.training = training
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-            random.setstate(py_rng)
-            np.random.set_state(np_rng)
 
     @staticmethod
     def own_batch(batch: Any) -> Any:

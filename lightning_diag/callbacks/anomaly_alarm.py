@@ -16,33 +16,15 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, extract_loss
-from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, check_swing_window
+from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, LossTrendSettings, TrendOutput
 from lightning_diag.callbacks.lr_logging import lr_scalars
 from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
-from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
+from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
 from lightning_diag.core.alerts import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE, NonFiniteAction
+from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import loss_tag
-from lightning_diag.core.validation import check_choice, check_int, check_number
-from lightning_diag.instrument.snapshots import RollbackDevice
-from lightning_diag.rules.anomaly import (
-    DEFAULT_STAGNANT_BASELINE_STEPS,
-    DEFAULT_STAGNANT_MIN_DROP,
-    DEFAULT_STAGNANT_PATIENCE,
-    DEFAULT_SWING_MIN_DELTA,
-    DEFAULT_SWING_PATIENCE,
-    DEFAULT_SWING_THRESHOLD,
-    DEFAULT_VAL_DECLINE_MIN_DELTA,
-    DEFAULT_VAL_DECLINE_PATIENCE,
-    DEFAULT_VAL_FLUCTUATION_MIN,
-    DEFAULT_VAL_FLUCTUATION_MIN_ABS,
-    DEFAULT_VAL_FLUCTUATION_MIN_RISE,
-    DEFAULT_VAL_FLUCTUATION_RATIO,
-    DEFAULT_VAL_FLUCTUATION_WINDOW,
-    LossStagnantRule,
-    LossSwingRule,
-    ValDeclineRule,
-    ValFluctuationRule,
-)
+from lightning_diag.core.validation import check_choice, check_int
+from lightning_diag.rules.anomaly import LossStagnantRule, LossSwingRule, ValDeclineRule, ValFluctuationRule
 from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
     DEFAULT_MAX_SKIPS,
@@ -50,18 +32,48 @@ from lightning_diag.rules.nonfinite import (
     NONFINITE_LOSS_SPEC,
     NonFinitePolicy,
 )
-from lightning_diag.rules.rollback import (
-    DEFAULT_MAX_ROLLBACKS,
-    DEFAULT_ROLLBACK_EVERY_N_STEPS,
-    DEFAULT_ROLLBACK_KEEP,
-    DEFAULT_ROLLBACK_LR_FACTOR,
-)
 from lightning_diag.stats.loss_sums import LossSums
 from lightning_diag.stats.reduced import host_values
 
-__all__ = ["DEFAULT_MAX_SCALER_OVERFLOWS", "DEFAULT_MAX_SKIPS", "NONFINITE_ACTIONS", "AnomalyAlarm", "NonFiniteError"]
+__all__ = [
+    "DEFAULT_MAX_SCALER_OVERFLOWS",
+    "DEFAULT_MAX_SKIPS",
+    "NONFINITE_ACTIONS",
+    "AnomalyAlarm",
+    "LossTrendSettings",
+    "NonFiniteError",
+    "RollbackSettings",
+]
 
 _STATE_KEYS = (*TREND_STATE_KEYS, "nonfinite_latch", "skips", "last_finite_loss", "pending_nonfinite")
+
+_TREND = {  # the flat arguments before issue 20 -> their LossTrendSettings field
+    "swing_threshold": "swing_threshold",
+    "swing_patience": "swing_patience",
+    "swing_min_delta": "swing_min_delta",
+    "swing_window": "swing_window",
+    "stagnant_min_drop": "stagnant_threshold",
+    "stagnant_patience": "stagnant_patience",
+    "stagnant_baseline_steps": "stagnant_baseline_steps",
+    "val_decline_patience": "val_decline_threshold",
+    "val_decline_min_delta": "val_decline_min_delta",
+    "val_fluctuation_ratio": "val_fluctuation_threshold",
+    "val_fluctuation_window": "val_fluctuation_window",
+    "val_fluctuation_min": "val_fluctuation_min",
+    "val_fluctuation_min_range": "val_fluctuation_min_range",
+}
+_ROLLBACK = {  # ... and their RollbackSettings field
+    "rollback_every_n_steps": "every_n_steps",
+    "rollback_lr_factor": "lr_factor",
+    "max_rollbacks": "max_rollbacks",
+    "rollback_device": "device",
+    "rollback_snapshots": "snapshots",
+}
+#: Arguments moved into the settings objects by issue 20: old name -> ``<argument>.<field>`` (warn for a release).
+_RENAMED_ARGUMENTS = {
+    **{old: f"loss_trend.{new}" for old, new in _TREND.items()},
+    **{old: f"rollback.{new}" for old, new in _ROLLBACK.items()},
+}
 
 
 class AnomalyAlarm(DiagCallback):
@@ -77,12 +89,13 @@ class AnomalyAlarm(DiagCallback):
     * ``nonfinite_rollback`` (warning, ``on_nonfinite="rollback"``): a non-finite step restored an in-memory
       snapshot and lowered the learning rates; names the step restored, the factor in force and the source.
     * ``loss_swing`` (warning): the training loss swings by more than ``swing_threshold`` on ``swing_patience``
-      consecutive epochs (or windows of ``swing_window`` steps).
+      consecutive epochs (or windows of ``swing_window`` steps); these and the next are
+      :class:`LossTrendSettings` fields (``loss_trend=``).
     * ``loss_stagnant`` (warning): after ``stagnant_patience`` epochs (or windows) the training loss is not
-      ``stagnant_min_drop`` below its initial level (the mean of the first ``stagnant_baseline_steps`` steps,
+      ``stagnant_threshold`` below its initial level (the mean of the first ``stagnant_baseline_steps`` steps,
       the untrained model's loss: chance level for a classifier).
-    * ``val_decline`` (warning): ``monitor`` worsens on ``val_decline_patience`` consecutive validation runs.
-    * ``val_fluctuation`` (warning): the validation fluctuation exceeds ``val_fluctuation_ratio`` times the
+    * ``val_decline`` (warning): ``monitor`` worsens on ``val_decline_threshold`` consecutive validation runs.
+    * ``val_fluctuation`` (warning): the validation fluctuation exceeds ``val_fluctuation_threshold`` times the
       training-loss fluctuation over the last ``val_fluctuation_window`` validation runs, and rises by more than
       ``val_fluctuation_min_rise`` of its initial value over them.
 
@@ -94,7 +107,8 @@ class AnomalyAlarm(DiagCallback):
     * ``diag/loss/swing``: relative change of that mean from the previous epoch (or window).
     * ``diag/loss/val``: the monitored validation value.
     * ``diag/loss/train_fluctuation``, ``diag/loss/val_fluctuation``: the two fluctuations once the window is full.
-    * ``diag/threshold/loss_swing``: ``swing_threshold``, at the steps of ``diag/loss/swing`` (dashboard line).
+    * ``diag/threshold/loss_swing``: ``loss_trend.swing_threshold``, at the steps of ``diag/loss/swing``
+      (dashboard line).
 
     Args:
         on_nonfinite: ``"stop"`` (default): the offending step changes no parameter and no optimizer state, a
@@ -102,45 +116,26 @@ class AnomalyAlarm(DiagCallback):
             :class:`NonFiniteError`; ``"skip"``: the step is skipped and training goes on, until ``max_skips``
             steps were skipped, then as ``"stop"``; ``"warn"``: alert only, the update is applied;
             ``"rollback"``: the newest trustworthy snapshot is restored, the learning rates are multiplied by
-            ``rollback_lr_factor`` and training goes on, up to ``max_rollbacks`` times, then as ``"stop"``.
+            ``rollback.lr_factor`` and training goes on, up to ``rollback.max_rollbacks`` times, then as
+            ``"stop"``.
         max_skips: With ``on_nonfinite="skip"``, skipped steps allowed in one fit.
         max_scaler_overflows: With a GradScaler (``16-mixed``), consecutive overflow steps with a finite loss
             (which the scaler skips by design) before ``nonfinite_grad`` fires.
-        swing_threshold: Relative change of the loss that counts as a swing (0.10 = 10%).
-        swing_patience: Consecutive swinging epochs (windows) before ``loss_swing`` fires.
-        swing_min_delta: Absolute loss change below which nothing swings.
-        swing_window: ``"epoch"`` to compare epoch means, or a number of optimizer steps to compare means over
-            consecutive windows of that many steps (runs with one long epoch).
-        stagnant_min_drop: ``loss_stagnant``: fraction of the initial loss the training loss must fall by.
-        stagnant_patience: ``loss_stagnant``: epochs (or windows) the loss has to fall by ``stagnant_min_drop``.
-        stagnant_baseline_steps: ``loss_stagnant``: first training batches whose mean loss is the initial loss.
-        monitor: Validation metric read from ``trainer.callback_metrics``.
-        mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is.
-        val_decline_patience: Consecutive worse validation runs before ``val_decline`` fires.
-        val_decline_min_delta: Change that counts as worse.
-        val_fluctuation_ratio: Multiple of the training fluctuation the validation fluctuation must exceed.
-        val_fluctuation_window: Validation runs the fluctuations are measured over (at least 3).
-        val_fluctuation_min: Validation fluctuation below which ``val_fluctuation`` never fires.
-        val_fluctuation_min_range: Range (max - min, metric units) of the validation window below which
-            ``val_fluctuation`` never fires (keeps converged runs with near-zero losses quiet).
-        val_fluctuation_min_rise: The validation window's rises (sum of its increases from run to run), as a
-            fraction of the first validation value, below which ``val_fluctuation`` never fires (a converged run
-            wandering near zero is not fluctuating; default 0.15).
-        log_every_n_steps: Logging interval for step-level tags; defaults to the trainer's.
         locate_nonfinite: Replay the first non-finite step of an episode once to name its source (the alert's
             ``source``); costs one extra forward and backward at failure, nothing on healthy steps but a
             reference to the batch and a copy of the RNG state.
-        rollback_every_n_steps: ``"rollback"``: optimizer steps between in-memory snapshots (and the window in
-            which a second non-finite step goes back further than the last rollback).
-        rollback_lr_factor: ``"rollback"``: every rollback multiplies the learning rates by this, in (0, 1),
-            for the rest of the run, on top of the schedulers.
-        max_rollbacks: ``"rollback"``: rollbacks allowed in one fit; the next non-finite step stops training.
-        rollback_device: ``"rollback"``: ``"cpu"`` keeps snapshots in host memory (non-blocking copies),
-            ``"device"`` on the training device.
-        rollback_snapshots: ``"rollback"``: snapshots kept.
-        on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
-            rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
-            that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
+        monitor: Validation metric read from ``trainer.callback_metrics``.
+        mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is.
+        loss_trend: The thresholds and settings of ``loss_swing``, ``loss_stagnant``, ``val_decline`` and
+            ``val_fluctuation`` (:class:`LossTrendSettings`; default: its defaults).
+        rollback: The settings of ``on_nonfinite="rollback"`` (:class:`RollbackSettings`: snapshot interval,
+            learning-rate factor, rollback budget, snapshot device and count; default: its defaults).
+        log_every_n_steps: Logging interval for step-level tags; defaults to the trainer's.
+        on_alert: Called with every alert this callback raises.
+
+    The flat arguments of earlier releases (``swing_threshold=``, ``val_decline_patience=``,
+    ``rollback_every_n_steps=``, ...) still work for one release, each with a ``DeprecationWarning`` naming its
+    field (docs/thresholds.md lists them all).
 
     Attributes:
         policy: The non-finite policy (verdicts, skip and overflow counts, latch).
@@ -156,95 +151,52 @@ class AnomalyAlarm(DiagCallback):
         >>> alarm = AnomalyAlarm(on_nonfinite="skip", max_skips=3)
         >>> alarm.on_nonfinite
         'skip'
+        >>> AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=100)).rollback.every_n_steps
+        100
     """
 
     #: Alarms with another monitored metric or swing window are checkpointed apart.
-    state_key_arguments = ("monitor", "swing_window")
+    state_key_arguments = ("monitor", "loss_trend.swing_window")
 
+    @renamed_arguments(_RENAMED_ARGUMENTS, groups={"loss_trend": LossTrendSettings, "rollback": RollbackSettings})
     def __init__(
         self,
         *,
         on_nonfinite: NonFiniteAction = "stop",
         max_skips: int = DEFAULT_MAX_SKIPS,
         max_scaler_overflows: int = DEFAULT_MAX_SCALER_OVERFLOWS,
-        swing_threshold: float = DEFAULT_SWING_THRESHOLD,
-        swing_patience: int = DEFAULT_SWING_PATIENCE,
-        swing_min_delta: float = DEFAULT_SWING_MIN_DELTA,
-        swing_window: Literal["epoch"] | int = "epoch",
-        stagnant_min_drop: float = DEFAULT_STAGNANT_MIN_DROP,
-        stagnant_patience: int = DEFAULT_STAGNANT_PATIENCE,
-        stagnant_baseline_steps: int = DEFAULT_STAGNANT_BASELINE_STEPS,
+        locate_nonfinite: bool = True,
         monitor: str = "val_loss",
         mode: Literal["min", "max"] = "min",
-        val_decline_patience: int = DEFAULT_VAL_DECLINE_PATIENCE,
-        val_decline_min_delta: float = DEFAULT_VAL_DECLINE_MIN_DELTA,
-        val_fluctuation_ratio: float = DEFAULT_VAL_FLUCTUATION_RATIO,
-        val_fluctuation_window: int = DEFAULT_VAL_FLUCTUATION_WINDOW,
-        val_fluctuation_min: float = DEFAULT_VAL_FLUCTUATION_MIN,
-        val_fluctuation_min_range: float = DEFAULT_VAL_FLUCTUATION_MIN_ABS,
-        val_fluctuation_min_rise: float = DEFAULT_VAL_FLUCTUATION_MIN_RISE,
+        loss_trend: LossTrendSettings | None = None,
+        rollback: RollbackSettings | None = None,
         log_every_n_steps: int | None = None,
-        locate_nonfinite: bool = True,
-        rollback_every_n_steps: int = DEFAULT_ROLLBACK_EVERY_N_STEPS,
-        rollback_lr_factor: float = DEFAULT_ROLLBACK_LR_FACTOR,
-        max_rollbacks: int = DEFAULT_MAX_ROLLBACKS,
-        rollback_device: RollbackDevice = "cpu",
-        rollback_snapshots: int = DEFAULT_ROLLBACK_KEEP,
         on_alert: AlertHandler | None = None,
     ) -> None:
         super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
         self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, NONFINITE_ACTIONS)
         self.max_skips = check_int("max_skips", max_skips, low=0)
         self.max_scaler_overflows = check_int("max_scaler_overflows", max_scaler_overflows, low=1)
-        self.swing_threshold = float(check_number("swing_threshold", swing_threshold, low=0.0))
-        self.swing_patience = check_int("swing_patience", swing_patience, low=1)
-        self.swing_min_delta = float(check_number("swing_min_delta", swing_min_delta, low=0.0, low_inclusive=True))
-        self.swing_window = check_swing_window(swing_window)
-        self.stagnant_min_drop = check_number(
-            "stagnant_min_drop", stagnant_min_drop, low=0.0, high=1.0, low_inclusive=True, high_inclusive=False
-        )
-        self.stagnant_patience = check_int("stagnant_patience", stagnant_patience, low=1)
-        self.stagnant_baseline_steps = check_int("stagnant_baseline_steps", stagnant_baseline_steps, low=1)
-        if not isinstance(monitor, str) or not monitor:
-            raise TypeError(f"Expected argument `monitor` to be a non-empty metric name, but got {monitor!r}")
-        self.monitor = monitor
-        self.mode = check_choice("mode", mode, ("min", "max"))
-        self.val_decline_patience = check_int("val_decline_patience", val_decline_patience, low=1)
-        self.val_decline_min_delta = float(
-            check_number("val_decline_min_delta", val_decline_min_delta, low=0.0, low_inclusive=True)
-        )
-        self.val_fluctuation_ratio = float(check_number("val_fluctuation_ratio", val_fluctuation_ratio, low=0.0))
-        self.val_fluctuation_window = check_int("val_fluctuation_window", val_fluctuation_window, low=3)
-        self.val_fluctuation_min = float(
-            check_number("val_fluctuation_min", val_fluctuation_min, low=0.0, low_inclusive=True)
-        )
-        self.val_fluctuation_min_range = float(
-            check_number("val_fluctuation_min_range", val_fluctuation_min_range, low=0.0, low_inclusive=True)
-        )
-        self.val_fluctuation_min_rise = float(
-            check_number("val_fluctuation_min_rise", val_fluctuation_min_rise, low=0.0, low_inclusive=True)
-        )
         if not isinstance(locate_nonfinite, bool):
             raise TypeError(f"Expected argument `locate_nonfinite` to be a bool, but got {locate_nonfinite!r}")
         self.locate_nonfinite = locate_nonfinite
-        self.rollback_every_n_steps = check_int("rollback_every_n_steps", rollback_every_n_steps, low=1)
-        self.rollback_lr_factor = float(
-            check_number(
-                "rollback_lr_factor", rollback_lr_factor, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
-            )
-        )
-        self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, low=0)
-        self.rollback_device = check_choice("rollback_device", rollback_device, ("cpu", "device"))
-        self.rollback_snapshots = check_int("rollback_snapshots", rollback_snapshots, low=1)
+        if not isinstance(monitor, str) or not monitor:
+            raise TypeError(f"Expected argument `monitor` to be a non-empty metric name, but got {monitor!r}")
+        self.monitor = monitor
+        self.mode: Literal["min", "max"] = check_choice("mode", mode, ("min", "max"))  # type: ignore[assignment]
+        for name, value, kind in (
+            ("loss_trend", loss_trend, LossTrendSettings),
+            ("rollback", rollback, RollbackSettings),
+        ):
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"Expected argument `{name}` to be a {kind.__name__} or None, but got {value!r}")
+        #: The loss-trend and validation thresholds and settings.
+        self.loss_trend = loss_trend if loss_trend is not None else LossTrendSettings()
+        #: The settings of ``on_nonfinite="rollback"``.
+        self.rollback = rollback if rollback is not None else RollbackSettings()
         #: Localisation of non-finite values and, with ``on_nonfinite="rollback"``, the snapshots.
         self.recovery = NonFiniteRecovery(
-            locate=locate_nonfinite,
-            rollback=self.on_nonfinite == "rollback",
-            every_n_steps=self.rollback_every_n_steps,
-            lr_factor=self.rollback_lr_factor,
-            max_rollbacks=self.max_rollbacks,
-            device=rollback_device,
-            keep=self.rollback_snapshots,
+            locate=locate_nonfinite, rollback=self.on_nonfinite == "rollback", settings=self.rollback
         )
         self._reset()
 
@@ -252,13 +204,13 @@ class AnomalyAlarm(DiagCallback):
         """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
 
         Example:
-            >>> AnomalyAlarm(swing_threshold=0.2).thresholds()["loss_swing"]
+            >>> AnomalyAlarm(loss_trend=LossTrendSettings(swing_threshold=0.2)).thresholds()["loss_swing"]
             0.2
         """
         values = super().thresholds()
         values[f"{VAL_DECLINE}.higher_is_better"] = float(self.mode == "max")
-        if isinstance(self.swing_window, int):
-            values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
+        if isinstance(self.loss_trend.swing_window, int):
+            values[f"{LOSS_SWING}.window_steps"] = float(self.loss_trend.swing_window)
         if self.on_nonfinite != "skip":  # max_skips is in force only with that action
             values.pop(NONFINITE_LOSS_SPEC.key("max_skips"), None)
         if self.on_nonfinite != "rollback":  # the rollback settings are in force only with that action
@@ -273,7 +225,7 @@ class AnomalyAlarm(DiagCallback):
 
     @property
     def lr_scale(self) -> float:
-        """The factor on every learning rate now in force: ``rollback_lr_factor ** rollbacks``."""
+        """The factor on every learning rate now in force: ``rollback.lr_factor ** rollbacks``."""
         return self.recovery.lr_scale
 
     @property
@@ -305,7 +257,7 @@ class AnomalyAlarm(DiagCallback):
     def _reset(self) -> None:
         """Fresh rules, policy and sums: the start of a fit (a resume then loads their state)."""
         #: The training-loss periods and the loss and validation trend rules.
-        self.trend = LossTrend(self)
+        self.trend = LossTrend(self.loss_trend, monitor=self.monitor, mode=self.mode)
         #: What a non-finite step leads to (a pure state machine); :attr:`guard` finds the steps and acts.
         self.policy = NonFinitePolicy.from_settings(self.thresholds(), action=self.on_nonfinite)  # type: ignore[arg-type]
         self.guard = NonFiniteGuard(self, self.policy, self.recovery)
@@ -431,7 +383,7 @@ class AnomalyAlarm(DiagCallback):
             loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
         if loss is not None:
             self.guard.note_training_loss(loss)
-        self.trend.on_train_batch(trainer, pl_module, loss)
+        self._send(trainer, self.trend.on_train_batch(trainer, pl_module, loss))
         self.recovery.on_batch_end(trainer, pl_module, loss)
         if not self.is_logging_step(trainer):
             return
@@ -447,8 +399,16 @@ class AnomalyAlarm(DiagCallback):
         """Close the epoch: its mean loss over all ranks feeds ``loss_swing`` in epoch mode."""
         if self.on_nonfinite == "warn":
             self.guard.read_back(trainer, pl_module)
-        self.trend.close_period(trainer, pl_module, "epoch")
+        self._send(trainer, self.trend.close_period(trainer, pl_module, "epoch"))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Feed the monitored validation value to ``val_decline`` and ``val_fluctuation``."""
-        self.trend.on_validation_end(trainer, pl_module)
+        self._send(trainer, self.trend.on_validation_end(trainer, pl_module))
+
+    def _send(self, trainer: pl.Trainer, out: TrendOutput) -> None:
+        """Send out what :attr:`trend` produced: notices, alerts, then scalars."""
+        for key, message in out.notices:
+            self.notice(trainer, key, message)
+        self.record(out.alerts)
+        if out.scalars:
+            self.writer.scalars(out.scalars, out.step)

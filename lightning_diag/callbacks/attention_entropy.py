@@ -13,6 +13,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, extract_loss
+from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import (
     attn_distance_tag,
     attn_entropy_tag,
@@ -34,11 +35,11 @@ from lightning_diag.rules.attention import (
     ATTN_SAMPLE_SIZE_SETTING,
     ATTN_SINK,
     DEFAULT_ATTN_PATIENCE,
-    DEFAULT_ATTN_WARMUP_STEPS,
-    DEFAULT_ENTROPY_HIGH,
-    DEFAULT_ENTROPY_LOW,
-    DEFAULT_SINK_MASS,
-    DEFAULT_UNIFORM_FRACTION,
+    DEFAULT_ENTROPY_HIGH_THRESHOLD,
+    DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION,
+    DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
+    DEFAULT_ENTROPY_LOW_THRESHOLD,
+    DEFAULT_SINK_THRESHOLD,
     AttentionEntropyRule,
     AttentionSinkRule,
     LayerStats,
@@ -52,6 +53,16 @@ DEFAULT_SAMPLE_SIZE = int(ATTN_SAMPLE_SIZE_SETTING.default)
 #: Query positions per sequence measured on a sampled step, evenly spaced (``attn.max_queries``).
 DEFAULT_MAX_QUERIES = int(ATTN_MAX_QUERIES_SETTING.default)
 _IMAGE_KEYS = 128  # keys shown at most per heatmap
+
+
+#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
+_RENAMED_ARGUMENTS = {
+    "entropy_low": "entropy_low_threshold",
+    "entropy_high": "entropy_high_threshold",
+    "uniform_fraction": "entropy_high_uniform_fraction",
+    "warmup_steps": "entropy_high_warmup_steps",
+    "sink_mass": "sink_threshold",
+}
 
 
 class AttentionEntropyMonitor(DiagCallback):
@@ -100,13 +111,13 @@ class AttentionEntropyMonitor(DiagCallback):
 
     Rules (definitions in :mod:`lightning_diag.rules.attention`), each on ``patience`` consecutive measurements:
 
-    * ``attn_entropy_low``: a head below ``entropy_low`` nats (where uniform attention would exceed twice that): a
-      warning when it is a collapse (every head of the layer at once, or an abrupt fall while the training loss did
-      not improve), ``info`` when the head sharpened by learning. The loss is that of the sampled batch
+    * ``attn_entropy_low``: a head below ``entropy_low_threshold`` nats (where uniform attention would exceed twice
+      that): a warning when it is a collapse (every head of the layer at once, or an abrupt fall while the training
+      loss did not improve), ``info`` when the head sharpened by learning. The loss is that of the sampled batch
       (``training_step``'s output), read in the step's one host copy.
-    * ``attn_entropy_high``: after ``warmup_steps``, a head above ``entropy_high`` nats and above
-      ``uniform_fraction`` of uniform.
-    * ``attn_sink``: every head of a module puts more than ``sink_mass`` of its attention (and twice its uniform
+    * ``attn_entropy_high``: after ``entropy_high_warmup_steps``, a head above ``entropy_high_threshold`` nats and above
+      ``entropy_high_uniform_fraction`` of uniform.
+    * ``attn_sink``: every head of a module puts more than ``sink_threshold`` of its attention (and twice its uniform
       share) on special tokens.
 
     Args:
@@ -123,11 +134,12 @@ class AttentionEntropyMonitor(DiagCallback):
             first 2-D integer tensor of a tuple batch.
         image_every_n_steps: Interval of the images; ``None`` (default) is 10 times the sampling interval, ``0``
             turns them off.
-        entropy_low: ``attn_entropy_low`` threshold in nats (default 0.5).
-        entropy_high: ``attn_entropy_high`` threshold in nats (default 2.5).
-        uniform_fraction: ``attn_entropy_high`` also needs the entropy above this fraction of uniform (0.9).
-        warmup_steps: Optimizer steps before ``attn_entropy_high`` judges (default 200).
-        sink_mass: ``attn_sink`` threshold: mass on special tokens (default 0.5).
+        entropy_low_threshold: ``attn_entropy_low`` threshold in nats (default 0.5).
+        entropy_high_threshold: ``attn_entropy_high`` threshold in nats (default 2.5).
+        entropy_high_uniform_fraction: ``attn_entropy_high`` also needs the entropy above this fraction of uniform
+            (default 0.9).
+        entropy_high_warmup_steps: Optimizer steps before ``attn_entropy_high`` judges (default 200).
+        sink_threshold: ``attn_sink`` threshold: mass on special tokens (default 0.5).
         patience: Consecutive measurements a condition must hold (default 2).
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
             rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
@@ -139,10 +151,11 @@ class AttentionEntropyMonitor(DiagCallback):
 
     Example:
         >>> monitor = AttentionEntropyMonitor(log_every_n_steps=10, special_positions=(0,))
-        >>> monitor.entropy_low, monitor.entropy_high
+        >>> monitor.entropy_low_threshold, monitor.entropy_high_threshold
         (0.5, 2.5)
     """
 
+    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
@@ -154,11 +167,11 @@ class AttentionEntropyMonitor(DiagCallback):
         special_token_ids: Sequence[int] | None = None,
         input_ids: Callable[[Any], torch.Tensor | None] | None = None,
         image_every_n_steps: int | None = None,
-        entropy_low: float = DEFAULT_ENTROPY_LOW,
-        entropy_high: float = DEFAULT_ENTROPY_HIGH,
-        uniform_fraction: float = DEFAULT_UNIFORM_FRACTION,
-        warmup_steps: int = DEFAULT_ATTN_WARMUP_STEPS,
-        sink_mass: float = DEFAULT_SINK_MASS,
+        entropy_low_threshold: float = DEFAULT_ENTROPY_LOW_THRESHOLD,
+        entropy_high_threshold: float = DEFAULT_ENTROPY_HIGH_THRESHOLD,
+        entropy_high_uniform_fraction: float = DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION,
+        entropy_high_warmup_steps: int = DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
+        sink_threshold: float = DEFAULT_SINK_THRESHOLD,
         patience: int = DEFAULT_ATTN_PATIENCE,
         on_alert: AlertHandler | None = None,
     ) -> None:
@@ -176,11 +189,15 @@ class AttentionEntropyMonitor(DiagCallback):
         if image_every_n_steps is not None:
             check_int("image_every_n_steps", image_every_n_steps, low=0)
         self.image_every_n_steps = image_every_n_steps
-        self.entropy_low = check_number("entropy_low", entropy_low, low=0.0)
-        self.entropy_high = check_number("entropy_high", entropy_high, low=self.entropy_low)
-        self.uniform_fraction = check_number("uniform_fraction", uniform_fraction, low=0.0, high=1.0)
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
-        self.sink_mass = check_number("sink_mass", sink_mass, low=0.0, high=1.0, high_inclusive=False)
+        self.entropy_low_threshold = check_number("entropy_low_threshold", entropy_low_threshold, low=0.0)
+        self.entropy_high_threshold = check_number(
+            "entropy_high_threshold", entropy_high_threshold, low=self.entropy_low_threshold
+        )
+        self.entropy_high_uniform_fraction = check_number(
+            "entropy_high_uniform_fraction", entropy_high_uniform_fraction, low=0.0, high=1.0
+        )
+        self.entropy_high_warmup_steps = check_int("entropy_high_warmup_steps", entropy_high_warmup_steps, low=0)
+        self.sink_threshold = check_number("sink_threshold", sink_threshold, low=0.0, high=1.0, high_inclusive=False)
         self.patience = check_int("patience", patience, low=1)
         self.entropy_rule = self.add_rule("entropy_rule", AttentionEntropyRule.from_settings, state_key="entropy")
         self.sink_rule = self.add_rule("sink_rule", AttentionSinkRule.from_settings, state_key="sink")

@@ -357,7 +357,8 @@ class DiagCallback(pl.Callback):
         alerts: The alerts this callback raised in the current fit, in order.
     """
 
-    #: Constructor arguments (attributes) that tell two instances' checkpoint state apart (``state_key``); empty:
+    #: Constructor arguments (attributes, or ``"<argument>.<field>"`` of a settings object) that tell two
+    #: instances' checkpoint state apart (``state_key``, keyed by the last name); empty:
     #: the class name.
     state_key_arguments: ClassVar[tuple[str, ...]] = ()
     #: Checkpoint keys a subclass saves besides its declared rules (checked by :meth:`load_state_dict`).
@@ -420,7 +421,13 @@ class DiagCallback(pl.Callback):
         """The checkpoint key: the class name, with the :attr:`state_key_arguments` values when it declares some."""
         if not self.state_key_arguments:
             return super().state_key
-        return self._generate_state_key(**{name: getattr(self, name) for name in self.state_key_arguments})
+        values: dict[str, Any] = {}
+        for path in self.state_key_arguments:  # "loss_trend.swing_window": a settings field, keyed by its name
+            value: Any = self
+            for name in path.split("."):
+                value = getattr(value, name)
+            values[path.rsplit(".", 1)[-1]] = value
+        return self._generate_state_key(**values)
 
     def rules_state_dict(self) -> dict[str, Any]:
         """Each declared rule's state under its ``state_key``."""

@@ -3,14 +3,14 @@
 Two jobs: find token ids, padding mask, labels and floating tensors in a batch of any usual shape
 (:func:`interpret`), and draw a bounded sample of a loader's dataset (:func:`read_sample`) through the loader's own
 ``collate_fn`` with a private random generator: the training iterator, the sampler and its generator, worker
-processes and the global random number generators (torch, numpy, ``random``) are left exactly as they were.
+processes and the global random number generators (torch's CPU and device generators, numpy, ``random``:
+:func:`~lightning_diag.instrument.rng.preserved_rng`) are left exactly as they were.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import random
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_diag.instrument.batches import is_int_tensor
+from lightning_diag.instrument.rng import preserved_rng
 
 __all__ = ["BatchView", "UninterpretableBatch", "describe", "interpret", "read_sample", "sample_indices"]
 
@@ -199,20 +200,6 @@ def sample_indices(length: int, count: int | None, rank: int, world: int, seed: 
     return np.sort(np.random.default_rng(seed).choice(shard, size=count, replace=False))
 
 
-class _GlobalRngGuard:
-    """Saves torch's CPU, numpy's and ``random``'s global states and puts them back on exit."""
-
-    def __enter__(self) -> None:
-        self._torch = torch.get_rng_state()
-        self._numpy = np.random.get_state()
-        self._python = random.getstate()
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_rng_state(self._torch)
-        np.random.set_state(self._numpy)
-        random.setstate(self._python)
-
-
 def read_sample(
     loader: Any,
     max_batches: int | None,
@@ -232,7 +219,7 @@ def read_sample(
         TypeError: If ``loader`` is neither a ``DataLoader`` nor a list or tuple of batches (reading any other
             iterable could consume it).
     """
-    with _GlobalRngGuard():
+    with preserved_rng():
         yield from _read(loader, max_batches, rank, world, seed)
 
 

@@ -15,6 +15,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.callbacks.data_batch import UninterpretableBatch, interpret, read_sample
 from lightning_diag.callbacks.data_sample import Measured, SplitSample, measure
+from lightning_diag.core.deprecation import renamed_arguments, renamed_constants
 from lightning_diag.core.registry import default
 from lightning_diag.core.tags import data_tag
 from lightning_diag.core.validation import check_int, check_number
@@ -25,29 +26,29 @@ from lightning_diag.rules.data import (
     DATA_MAX_BATCHES_SETTING,
     DATA_VOCAB_SHIFT,
     DATA_VOCAB_SHIFT_SPEC,
-    DEFAULT_LABEL_STD,
-    DEFAULT_LEAKAGE_FRACTION,
-    DEFAULT_NEAR_DUPLICATE,
-    DEFAULT_VOCAB_KL,
+    DEFAULT_LABEL_IMBALANCE_THRESHOLD,
+    DEFAULT_LEAKAGE_NEAR_DUPLICATE,
+    DEFAULT_LEAKAGE_THRESHOLD,
+    DEFAULT_VOCAB_SHIFT_THRESHOLD,
     LABEL_IMBALANCE,
     DataRules,
 )
 
 __all__ = [
+    "DEFAULT_LEAKAGE_SHINGLE_SIZE",
     "DEFAULT_MAX_BATCHES",
-    "DEFAULT_MIN_COUNT",
     "DEFAULT_MIN_LEAKS",
     "DEFAULT_NUM_PERM",
-    "DEFAULT_SHINGLE_SIZE",
+    "DEFAULT_VOCAB_SHIFT_MIN_COUNT",
     "DataDiagnostics",
 ]
 
 #: Batches read from each loader per measurement (``data.max_batches``).
 DEFAULT_MAX_BATCHES = int(DATA_MAX_BATCHES_SETTING.default)
 #: ``data_vocab_shift``: token types seen fewer times (both samples together) are pooled into one bin.
-DEFAULT_MIN_COUNT = int(default(DATA_VOCAB_SHIFT_SPEC.key("min_count")))
+DEFAULT_VOCAB_SHIFT_MIN_COUNT = int(default(DATA_VOCAB_SHIFT_SPEC.key("min_count")))
 #: ``data_leakage``: token n-gram size of the shingles.
-DEFAULT_SHINGLE_SIZE = int(default(DATA_LEAKAGE_SPEC.key("shingle_size")))
+DEFAULT_LEAKAGE_SHINGLE_SIZE = int(default(DATA_LEAKAGE_SPEC.key("shingle_size")))
 #: ``data_leakage``: MinHash signature length.
 DEFAULT_NUM_PERM = int(default(DATA_LEAKAGE_SPEC.key("num_perm")))
 #: ``data_leakage``: leaked samples needed before the share found is extrapolated to the whole training set.
@@ -65,6 +66,17 @@ def _first_loader(loaders: Any) -> tuple[Any, int]:
     if isinstance(loaders, (list, tuple)) and any(isinstance(x, torch.utils.data.DataLoader) for x in loaders):
         return loaders[0], len(loaders)
     return loaders, 1
+
+
+#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
+_RENAMED_ARGUMENTS = {
+    "vocab_kl": "vocab_shift_threshold",
+    "leakage": "leakage_threshold",
+    "near_duplicate": "leakage_near_duplicate",
+    "label_std": "label_imbalance_threshold",
+    "shingle_size": "leakage_shingle_size",
+    "min_count": "vocab_shift_min_count",
+}
 
 
 class DataDiagnostics(DiagCallback):
@@ -101,11 +113,13 @@ class DataDiagnostics(DiagCallback):
     Rules (exact meaning in :mod:`lightning_diag.rules.data` and docs/data_diagnostics.md):
 
     * ``data_vocab_shift`` (warning): smoothed ``KL(P_val || P_train)`` of the token frequencies above
-      ``vocab_kl`` nats.
+      ``vocab_shift_threshold`` nats.
     * ``data_leakage`` (warning): share of validation samples whose token-trigram shingle set has Jaccard
-      similarity ``>= near_duplicate`` with a training sample (exact copies included) at or above ``leakage``;
+      similarity ``>= leakage_near_duplicate`` with a training sample (exact copies included) at or above
+      ``leakage_threshold``;
       a smaller non-zero share is an info alert.
-    * ``label_imbalance`` (warning): standard deviation of a split's class proportions above ``label_std``.
+    * ``label_imbalance`` (warning): standard deviation of a split's class proportions above
+      ``label_imbalance_threshold``.
     * ``data_nonfinite`` (critical): NaN/Inf in a floating tensor of a sampled batch (key and dataset indices
       named); constant 2-D features and empty sequences are info alerts.
 
@@ -113,16 +127,16 @@ class DataDiagnostics(DiagCallback):
         max_batches: Batches read from each loader per measurement (default 64); ``None`` reads a map-style
             dataset whole (an ``IterableDataset`` is then read to its end: only for finite ones).
         every_n_epochs: Also measure at the start of every n-th epoch; ``None`` (default): once per fit.
-        vocab_kl: ``data_vocab_shift`` threshold in nats (default 0.3, seed 000 §2.1).
-        leakage: ``data_leakage`` threshold: share of validation samples leaked (default 0.15, seed 000 §7.1).
-        near_duplicate: Shingle Jaccard similarity from which two samples are the same sample (default 0.5).
-        label_std: ``label_imbalance`` threshold (default 0.1, seed 000 §7.1).
+        vocab_shift_threshold: ``data_vocab_shift`` threshold in nats (default 0.3, seed 000 §2.1).
+        leakage_threshold: ``data_leakage`` threshold: share of validation samples leaked (default 0.15, seed 000 §7.1).
+        leakage_near_duplicate: Shingle Jaccard similarity from which two samples are the same sample (default 0.5).
+        label_imbalance_threshold: ``label_imbalance`` threshold (default 0.1, seed 000 §7.1).
         num_classes: Number of classes (default: the largest label seen + 1).
         pad_token_id: Token id that is padding, for batches without an attention mask.
         extract: ``batch -> {"token_ids", "mask", "labels", "features"}`` (any subset) for batches of another shape.
-        shingle_size: Token n-gram size of the leakage shingles (default 3).
+        leakage_shingle_size: Token n-gram size of the leakage shingles (default 3).
         num_perm: MinHash signature length (default 64).
-        min_count: ``data_vocab_shift``: token types rarer than this are pooled (default 5).
+        vocab_shift_min_count: ``data_vocab_shift``: token types rarer than this are pooled (default 5).
         min_leaks: ``data_leakage``: leaked samples needed before the share found in a partial training sample
             is extrapolated to the whole training set (default 3).
         seed: Seed of the private generator that draws the sample.
@@ -141,21 +155,22 @@ class DataDiagnostics(DiagCallback):
 
     extra_state_keys = ("last_epoch", "last")
 
+    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
         max_batches: int | None = DEFAULT_MAX_BATCHES,
         every_n_epochs: int | None = None,
-        vocab_kl: float = DEFAULT_VOCAB_KL,
-        leakage: float = DEFAULT_LEAKAGE_FRACTION,
-        near_duplicate: float = DEFAULT_NEAR_DUPLICATE,
-        label_std: float = DEFAULT_LABEL_STD,
+        vocab_shift_threshold: float = DEFAULT_VOCAB_SHIFT_THRESHOLD,
+        leakage_threshold: float = DEFAULT_LEAKAGE_THRESHOLD,
+        leakage_near_duplicate: float = DEFAULT_LEAKAGE_NEAR_DUPLICATE,
+        label_imbalance_threshold: float = DEFAULT_LABEL_IMBALANCE_THRESHOLD,
         num_classes: int | None = None,
         pad_token_id: int | None = None,
         extract: Callable[[Any], Mapping[str, Any] | None] | None = None,
-        shingle_size: int = DEFAULT_SHINGLE_SIZE,
+        leakage_shingle_size: int = DEFAULT_LEAKAGE_SHINGLE_SIZE,
         num_perm: int = DEFAULT_NUM_PERM,
-        min_count: int = DEFAULT_MIN_COUNT,
+        vocab_shift_min_count: int = DEFAULT_VOCAB_SHIFT_MIN_COUNT,
         min_leaks: int = DEFAULT_MIN_LEAKS,
         seed: int = 0,
         on_alert: AlertHandler | None = None,
@@ -163,18 +178,20 @@ class DataDiagnostics(DiagCallback):
         super().__init__(on_alert=on_alert)
         self.max_batches = None if max_batches is None else check_int("max_batches", max_batches, low=1)
         self.every_n_epochs = None if every_n_epochs is None else check_int("every_n_epochs", every_n_epochs, low=1)
-        self.vocab_kl = check_number("vocab_kl", vocab_kl, low=0.0)
-        self.leakage = check_number("leakage", leakage, low=0.0, high=1.0)
-        self.near_duplicate = check_number("near_duplicate", near_duplicate, low=0.0, high=1.0)
-        self.label_std = check_number("label_std", label_std, low=0.0, high=0.5)
+        self.vocab_shift_threshold = check_number("vocab_shift_threshold", vocab_shift_threshold, low=0.0)
+        self.leakage_threshold = check_number("leakage_threshold", leakage_threshold, low=0.0, high=1.0)
+        self.leakage_near_duplicate = check_number("leakage_near_duplicate", leakage_near_duplicate, low=0.0, high=1.0)
+        self.label_imbalance_threshold = check_number(
+            "label_imbalance_threshold", label_imbalance_threshold, low=0.0, high=0.5
+        )
         self.num_classes = None if num_classes is None else check_int("num_classes", num_classes, low=2)
         self.pad_token_id = None if pad_token_id is None else check_int("pad_token_id", pad_token_id, low=0)
         if extract is not None and not callable(extract):
             raise TypeError(f"Expected argument `extract` to be a callable batch -> mapping, but got {extract!r}")
         self.extract = extract
-        self.shingle_size = check_int("shingle_size", shingle_size, low=1, high=16)
+        self.leakage_shingle_size = check_int("leakage_shingle_size", leakage_shingle_size, low=1, high=16)
         self.num_perm = check_int("num_perm", num_perm, low=4, high=1024)
-        self.min_count = check_int("min_count", min_count, low=1)
+        self.vocab_shift_min_count = check_int("vocab_shift_min_count", vocab_shift_min_count, low=1)
         self.min_leaks = check_int("min_leaks", min_leaks, low=1)
         self.seed = check_int("seed", seed, low=0)
         self.rules = self.add_rule("rules", DataRules.from_settings)
@@ -243,7 +260,7 @@ class DataDiagnostics(DiagCallback):
             for batch, idx in read_sample(loader, self.max_batches, trainer.global_rank, trainer.world_size, self.seed):
                 view = interpret(batch, self.extract)
                 if view is not None:
-                    sample.add(view, idx, self.pad_token_id, self.shingle_size, self.num_perm, self.seed)
+                    sample.add(view, idx, self.pad_token_id, self.leakage_shingle_size, self.num_perm, self.seed)
         except UninterpretableBatch as err:
             self.notice(trainer, f"batch-{split}", f"the {split} data is not examined: {err}")
             return None
@@ -273,7 +290,9 @@ class DataDiagnostics(DiagCallback):
         self.last_epoch = trainer.current_epoch
         if train is None and val is None:
             return
-        measured = measure(train, val, self.num_classes, self.near_duplicate, self.min_count, self.min_leaks)
+        measured = measure(
+            train, val, self.num_classes, self.leakage_near_duplicate, self.vocab_shift_min_count, self.min_leaks
+        )
         seconds = time.perf_counter() - start
         step = trainer.global_step
         values = {data_tag(*k.split("/")): v for k, v in measured.scalars.items()}
@@ -341,3 +360,13 @@ def _summary(measured: Measured) -> str:
     for p in m.problems:
         lines += ["", f"{p.kind} in `{p.split}:{p.key}`: {p.count} (examples {list(p.examples)})"]
     return "\n".join(lines)
+
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_MIN_COUNT": "DEFAULT_VOCAB_SHIFT_MIN_COUNT",
+        "DEFAULT_SHINGLE_SIZE": "DEFAULT_LEAKAGE_SHINGLE_SIZE",
+    },
+)

@@ -14,6 +14,7 @@ from pytorch_lightning.callbacks import BaseFinetuning
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import (
     act_grad_norm_tag,
     grad_blocks_tag,
@@ -27,13 +28,13 @@ from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.act_grads import ActivationGradients
 from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step, update_ratios
 from lightning_diag.rules.grad import (
-    DEFAULT_BASELINE_MEASUREMENTS,
-    DEFAULT_COLLAPSE_RATIO,
-    DEFAULT_CONVERGED_FRACTION,
+    DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS,
+    DEFAULT_COLLAPSE_CONVERGED_FRACTION,
+    DEFAULT_COLLAPSE_THRESHOLD,
     DEFAULT_EXPLODE_THRESHOLD,
     DEFAULT_GRAD_PATIENCE,
     DEFAULT_GRAD_WARMUP_STEPS,
-    DEFAULT_SPREAD_RATIO,
+    DEFAULT_LAYER_SPREAD_THRESHOLD,
     DEFAULT_VANISH_THRESHOLD,
     GRAD_EXPLODE,
     GRAD_VANISH,
@@ -48,6 +49,15 @@ from lightning_diag.stats.histogram import tensorboard_histogram
 __all__ = ["GradientFlowMonitor"]
 
 ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
+
+
+#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
+_RENAMED_ARGUMENTS = {
+    "spread_ratio": "layer_spread_threshold",
+    "collapse_ratio": "collapse_threshold",
+    "baseline_measurements": "collapse_baseline_measurements",
+    "converged_fraction": "collapse_converged_fraction",
+}
 
 
 class GradientFlowMonitor(DiagCallback):
@@ -88,8 +98,8 @@ class GradientFlowMonitor(DiagCallback):
     ``grad_explode`` (a layer's RMS gradient per element above ``explode_threshold``), ``grad_vanish`` (a weight
     matrix's ``||g||/||W||`` below ``vanish_threshold`` and 100x below the best-fed block matrix, after
     ``warmup_steps``), ``grad_layer_spread`` (largest / smallest ``||g||/||W||`` of one role across blocks above
-    ``spread_ratio``, after ``warmup_steps``), ``grad_collapse`` (the blocks' weight-matrix gradient norm below
-    ``collapse_ratio`` times its baseline; the message says converged (an ``info``), dead network or vanished,
+    ``layer_spread_threshold``, after ``warmup_steps``), ``grad_collapse`` (the blocks' weight-matrix gradient norm
+    below ``collapse_threshold`` times its baseline; the message says converged (an ``info``), dead network or vanished,
     from the training loss). Attention query/key projections (``logit_projections``) and embeddings are not
     compared. Layers that trip one rule at one measurement make one alert.
     ``grad_frozen``: a layer with parameters that cannot learn while the rest of the model does: trainable but
@@ -113,11 +123,11 @@ class GradientFlowMonitor(DiagCallback):
             steps).
         vanish_threshold: ``grad_vanish`` threshold on ``||g||/||W||`` (default 1e-3).
         explode_threshold: ``grad_explode`` threshold on the RMS gradient per element (default 1e1).
-        spread_ratio: ``grad_layer_spread`` threshold (default 100).
-        collapse_ratio: ``grad_collapse`` fraction of the baseline (default 0.01).
+        layer_spread_threshold: ``grad_layer_spread`` threshold (default 100).
+        collapse_threshold: ``grad_collapse`` fraction of the baseline (default 0.01).
         warmup_steps: ``grad_vanish`` and ``grad_layer_spread`` are not evaluated before this global step
             (initialisation transients; default 50).
-        converged_fraction: ``grad_collapse`` reads a collapse at a loss at most this fraction of the initial
+        collapse_converged_fraction: ``grad_collapse`` reads a collapse at a loss at most this fraction of the initial
             loss as convergence (an ``info``; default 0.1).
         logit_projections: Last name components of attention query/key projections, not compared by
             ``grad_vanish`` / ``grad_layer_spread`` (default: ``q``, ``k``, ``query``, ``key``, ``q_proj``,
@@ -125,7 +135,7 @@ class GradientFlowMonitor(DiagCallback):
         expect_frozen: Parameter-name ``fnmatch`` patterns of parameters frozen (or left out of the optimizer)
             on purpose: ``grad_frozen`` ignores them.
         patience: Consecutive measurements a condition must hold (default 3).
-        baseline_measurements: Measurements whose median is the ``grad_collapse`` baseline (default 5).
+        collapse_baseline_measurements: Measurements whose median is the ``grad_collapse`` baseline (default 5).
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
             rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
             that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
@@ -135,6 +145,7 @@ class GradientFlowMonitor(DiagCallback):
         ValueError: If an argument is out of range.
     """
 
+    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
@@ -146,13 +157,13 @@ class GradientFlowMonitor(DiagCallback):
         activation_grads: bool | Sequence[str] = False,
         vanish_threshold: float = DEFAULT_VANISH_THRESHOLD,
         explode_threshold: float = DEFAULT_EXPLODE_THRESHOLD,
-        spread_ratio: float = DEFAULT_SPREAD_RATIO,
-        collapse_ratio: float = DEFAULT_COLLAPSE_RATIO,
+        layer_spread_threshold: float = DEFAULT_LAYER_SPREAD_THRESHOLD,
+        collapse_threshold: float = DEFAULT_COLLAPSE_THRESHOLD,
         expect_frozen: Sequence[str] = (),
         patience: int = DEFAULT_GRAD_PATIENCE,
-        baseline_measurements: int = DEFAULT_BASELINE_MEASUREMENTS,
+        collapse_baseline_measurements: int = DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS,
         warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
-        converged_fraction: float = DEFAULT_CONVERGED_FRACTION,
+        collapse_converged_fraction: float = DEFAULT_COLLAPSE_CONVERGED_FRACTION,
         logit_projections: Sequence[str] = DEFAULT_LOGIT_PROJECTIONS,
         on_alert: AlertHandler | None = None,
     ) -> None:
@@ -195,13 +206,17 @@ class GradientFlowMonitor(DiagCallback):
         self.histogram_every_n_steps = histogram_every_n_steps
         self.vanish_threshold = check_number("vanish_threshold", vanish_threshold, low=0.0)
         self.explode_threshold = check_number("explode_threshold", explode_threshold, low=self.vanish_threshold)
-        self.spread_ratio = check_number("spread_ratio", spread_ratio, low=1.0)
-        self.collapse_ratio = check_number("collapse_ratio", collapse_ratio, low=0.0, high=1.0, high_inclusive=False)
+        self.layer_spread_threshold = check_number("layer_spread_threshold", layer_spread_threshold, low=1.0)
+        self.collapse_threshold = check_number(
+            "collapse_threshold", collapse_threshold, low=0.0, high=1.0, high_inclusive=False
+        )
         self.patience = check_int("patience", patience, low=1)
-        self.baseline_measurements = check_int("baseline_measurements", baseline_measurements, low=1)
+        self.collapse_baseline_measurements = check_int(
+            "collapse_baseline_measurements", collapse_baseline_measurements, low=1
+        )
         self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
-        self.converged_fraction = check_number(
-            "converged_fraction", converged_fraction, low=0.0, high=1.0, high_inclusive=False
+        self.collapse_converged_fraction = check_number(
+            "collapse_converged_fraction", collapse_converged_fraction, low=0.0, high=1.0, high_inclusive=False
         )
         if isinstance(logit_projections, str) or not all(isinstance(p, str) for p in logit_projections):
             raise TypeError(

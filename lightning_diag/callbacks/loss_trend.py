@@ -4,38 +4,56 @@
 the last validation, the initial batches) on the device as :class:`~lightning_diag.stats.loss_sums.LossSums`,
 takes their means over all ranks when a period closes (:func:`~lightning_diag.callbacks.reduction.reduce_state`)
 and feeds them, with the monitored validation value, to the trend rules of :mod:`lightning_diag.rules.anomaly`
-(``loss_swing``, ``loss_stagnant``, ``val_decline``, ``val_fluctuation``). The alarm owns one per fit and calls
-it from its hooks; the alerts and scalars go out through the alarm (``record``, ``writer``).
+(``loss_swing``, ``loss_stagnant``, ``val_decline``, ``val_fluctuation``). The alarm owns one per fit, built from
+its :class:`LossTrendSettings`, and calls it from its hooks; each call returns the alerts and scalars
+(:class:`TrendOutput`) for the alarm to send out, so nothing here reaches back into the alarm.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal, cast
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.reduction import reduce_state
-from lightning_diag.core.tags import LossSeries, loss_tag
+from lightning_diag.core.record import Alert
+from lightning_diag.core.tags import LossSeries, loss_tag, threshold_tag
+from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.rules.anomaly import (
+    DEFAULT_STAGNANT_BASELINE_STEPS,
+    DEFAULT_STAGNANT_PATIENCE,
+    DEFAULT_STAGNANT_THRESHOLD,
+    DEFAULT_SWING_MIN_DELTA,
+    DEFAULT_SWING_PATIENCE,
+    DEFAULT_SWING_THRESHOLD,
+    DEFAULT_VAL_DECLINE_MIN_DELTA,
+    DEFAULT_VAL_DECLINE_THRESHOLD,
+    DEFAULT_VAL_FLUCTUATION_MIN,
+    DEFAULT_VAL_FLUCTUATION_MIN_RANGE,
+    DEFAULT_VAL_FLUCTUATION_MIN_RISE,
+    DEFAULT_VAL_FLUCTUATION_THRESHOLD,
+    DEFAULT_VAL_FLUCTUATION_WINDOW,
     LOSS_STAGNANT_SPEC,
     LOSS_SWING,
+    LOSS_SWING_SPEC,
     VAL_DECLINE,
+    VAL_DECLINE_SPEC,
     VAL_FLUCTUATION,
+    VAL_FLUCTUATION_SPEC,
     LossStagnantRule,
     LossSwingRule,
     ValDeclineRule,
     ValFluctuationRule,
 )
+from lightning_diag.rules.base import StepContext
 from lightning_diag.stats.loss_sums import LossSums
 
-if TYPE_CHECKING:
-    from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm
-
-__all__ = ["TREND_STATE_KEYS", "LossTrend", "check_swing_window"]
+__all__ = ["TREND_STATE_KEYS", "LossTrend", "LossTrendSettings", "TrendOutput", "check_swing_window"]
 
 #: The keys :meth:`LossTrend.state_dict` returns (a part of the alarm's checkpoint state).
 TREND_STATE_KEYS = ("swing", "stagnant", VAL_DECLINE, VAL_FLUCTUATION, "accumulators", "window_start")
@@ -58,13 +76,151 @@ def check_swing_window(swing_window: object) -> Literal["epoch"] | int:
     return swing_window
 
 
+@dataclasses.dataclass(frozen=True)
+class LossTrendSettings:
+    """The loss-trend and validation settings of :class:`~lightning_diag.AnomalyAlarm` (``loss_trend=``).
+
+    Each rule's main threshold is ``<rule>_threshold`` and each of its settings ``<rule>_<setting>``, where
+    ``<rule>`` is the rule id less the ``loss_`` prefix (``swing``, ``stagnant``, ``val_decline``,
+    ``val_fluctuation``); the registry keys are ``<rule id>`` and ``<rule id>.<setting>``. The values are
+    checked at construction.
+
+    Attributes:
+        swing_threshold: ``loss_swing``: relative change of the loss that counts as a swing (0.10 = 10%).
+        swing_patience: ``loss_swing``: consecutive swinging epochs (windows) before it fires.
+        swing_min_delta: ``loss_swing``: absolute loss change below which nothing swings.
+        swing_window: ``"epoch"`` to compare epoch means, or a number of optimizer steps to compare means over
+            consecutive windows of that many steps (runs with one long epoch); also the period of
+            ``loss_stagnant``.
+        stagnant_threshold: ``loss_stagnant``: fraction of the initial loss the training loss must fall by.
+        stagnant_patience: ``loss_stagnant``: epochs (or windows) the loss has to fall by ``stagnant_threshold``.
+        stagnant_baseline_steps: ``loss_stagnant``: first training batches whose mean loss is the initial loss.
+        val_decline_threshold: ``val_decline``: consecutive worse validation runs before it fires.
+        val_decline_min_delta: ``val_decline``: change that counts as worse.
+        val_fluctuation_threshold: ``val_fluctuation``: multiple of the training fluctuation the validation
+            fluctuation must exceed.
+        val_fluctuation_window: ``val_fluctuation``: validation runs the fluctuations are measured over (>= 3).
+        val_fluctuation_min: ``val_fluctuation``: validation fluctuation below which it never fires.
+        val_fluctuation_min_range: ``val_fluctuation``: range (max - min, metric units) of the validation window
+            below which it never fires (keeps converged runs with near-zero losses quiet).
+        val_fluctuation_min_rise: ``val_fluctuation``: the validation window's rises (sum of its increases from
+            run to run), as a fraction of the first validation value, below which it never fires (a converged run
+            wandering near zero is not fluctuating).
+
+    Raises:
+        TypeError: If a value has the wrong type.
+        ValueError: If a value is out of range.
+
+    Example:
+        >>> LossTrendSettings(swing_threshold=0.2, swing_window=100).swing_window
+        100
+    """
+
+    swing_threshold: float = DEFAULT_SWING_THRESHOLD
+    swing_patience: int = DEFAULT_SWING_PATIENCE
+    swing_min_delta: float = DEFAULT_SWING_MIN_DELTA
+    swing_window: Literal["epoch"] | int = "epoch"
+    stagnant_threshold: float = DEFAULT_STAGNANT_THRESHOLD
+    stagnant_patience: int = DEFAULT_STAGNANT_PATIENCE
+    stagnant_baseline_steps: int = DEFAULT_STAGNANT_BASELINE_STEPS
+    val_decline_threshold: int = int(DEFAULT_VAL_DECLINE_THRESHOLD)
+    val_decline_min_delta: float = DEFAULT_VAL_DECLINE_MIN_DELTA
+    val_fluctuation_threshold: float = DEFAULT_VAL_FLUCTUATION_THRESHOLD
+    val_fluctuation_window: int = DEFAULT_VAL_FLUCTUATION_WINDOW
+    val_fluctuation_min: float = DEFAULT_VAL_FLUCTUATION_MIN
+    val_fluctuation_min_range: float = DEFAULT_VAL_FLUCTUATION_MIN_RANGE
+    val_fluctuation_min_rise: float = DEFAULT_VAL_FLUCTUATION_MIN_RISE
+
+    def __post_init__(self) -> None:
+        checked: dict[str, Any] = {
+            "swing_threshold": check_number("swing_threshold", self.swing_threshold, low=0.0),
+            "swing_patience": check_int("swing_patience", self.swing_patience, low=1),
+            "swing_min_delta": check_number("swing_min_delta", self.swing_min_delta, low=0.0, low_inclusive=True),
+            "swing_window": check_swing_window(self.swing_window),
+            "stagnant_threshold": check_number(
+                "stagnant_threshold",
+                self.stagnant_threshold,
+                low=0.0,
+                high=1.0,
+                low_inclusive=True,
+                high_inclusive=False,
+            ),
+            "stagnant_patience": check_int("stagnant_patience", self.stagnant_patience, low=1),
+            "stagnant_baseline_steps": check_int("stagnant_baseline_steps", self.stagnant_baseline_steps, low=1),
+            "val_decline_threshold": check_int("val_decline_threshold", self.val_decline_threshold, low=1),
+            "val_decline_min_delta": check_number(
+                "val_decline_min_delta", self.val_decline_min_delta, low=0.0, low_inclusive=True
+            ),
+            "val_fluctuation_threshold": check_number(
+                "val_fluctuation_threshold", self.val_fluctuation_threshold, low=0.0
+            ),
+            "val_fluctuation_window": check_int("val_fluctuation_window", self.val_fluctuation_window, low=3),
+            "val_fluctuation_min": check_number(
+                "val_fluctuation_min", self.val_fluctuation_min, low=0.0, low_inclusive=True
+            ),
+            "val_fluctuation_min_range": check_number(
+                "val_fluctuation_min_range", self.val_fluctuation_min_range, low=0.0, low_inclusive=True
+            ),
+            "val_fluctuation_min_rise": check_number(
+                "val_fluctuation_min_rise", self.val_fluctuation_min_rise, low=0.0, low_inclusive=True
+            ),
+        }
+        for name, value in checked.items():  # ints stay ints, numbers become floats
+            object.__setattr__(self, name, value)
+
+    def thresholds(self) -> dict[str, float]:
+        """The ``thresholds()`` entries these settings set: rule id or ``"<rule>.<setting>"`` -> value.
+
+        Read through the rules' declarations (their ``arguments`` name the ``loss_trend.<field>`` each value
+        comes from), so the rules' ``from_settings`` builds them from exactly these settings.
+
+        Example:
+            >>> LossTrendSettings(swing_threshold=0.2).thresholds()["loss_swing"]
+            0.2
+        """
+        values: dict[str, float] = {}
+        for spec in (LOSS_SWING_SPEC, LOSS_STAGNANT_SPEC, VAL_DECLINE_SPEC, VAL_FLUCTUATION_SPEC):
+            for name, argument in spec.arguments.items():
+                group, _, field = argument.partition(".")
+                if group == "loss_trend" and field:
+                    values[spec.key(name)] = float(getattr(self, field))
+        return values
+
+
+@dataclasses.dataclass
+class TrendOutput:
+    """What one :class:`LossTrend` call produced, for its owner to send out (alerts, scalars, notices).
+
+    Attributes:
+        alerts: New alerts, to record.
+        scalars: Tag -> value, to write at ``step``.
+        step: The global step of the scalars.
+        notices: ``(key, message)`` pairs to show once each (a missing ``monitor``).
+    """
+
+    alerts: list[Alert] = dataclasses.field(default_factory=list)
+    scalars: dict[str, float] = dataclasses.field(default_factory=dict)
+    step: int = 0
+    notices: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    def extend(self, other: TrendOutput) -> None:
+        """Add ``other``'s alerts, scalars and notices (scalars of one step only: ``other``'s step wins)."""
+        self.alerts += other.alerts
+        self.scalars.update(other.scalars)
+        self.notices += other.notices
+        self.step = other.step
+
+
 class LossTrend:
     """Training-loss periods and the four trend rules, for one fit of an :class:`~lightning_diag.AnomalyAlarm`.
 
+    Nothing here reads the alarm: the settings come in, and every call returns a :class:`TrendOutput` (alerts,
+    scalars, notices) that the caller sends out.
+
     Args:
-        owner: The alarm whose settings (``swing_*``, ``stagnant_*``, ``monitor``, ``mode``, ``val_*``: its
-            constructor arguments, already checked) configure the rules, and whose ``record``, ``writer``,
-            ``context``, ``notice`` and ``threshold_lines`` the alerts and scalars go out through.
+        settings: The rules' thresholds and settings (checked at their construction).
+        monitor: The validation metric read from ``trainer.callback_metrics``.
+        mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is.
 
     Attributes:
         swing_rule, stagnant_rule, val_decline_rule, val_fluctuation_rule: The rules (fresh ones per fit).
@@ -75,19 +231,17 @@ class LossTrend:
             this run's ranks at train start.
     """
 
-    def __init__(self, owner: AnomalyAlarm) -> None:
-        self.owner = owner
-        self.swing_window = owner.swing_window
-        self.monitor = owner.monitor
+    def __init__(self, settings: LossTrendSettings, *, monitor: str, mode: Literal["min", "max"]) -> None:
+        self.settings = settings
+        self.swing_window = settings.swing_window
+        self.monitor = monitor
         unit = "epoch" if self.swing_window == "epoch" else f"window of {self.swing_window} step"
-        settings = owner.thresholds()  # the rules' declarations name the owner's arguments
-        self.swing_rule = LossSwingRule.from_settings(settings, unit=unit)
-        self.stagnant_rule = LossStagnantRule.from_settings(settings, unit=unit)
-        self.val_decline_rule = ValDeclineRule.from_settings(
-            settings, monitor=owner.monitor, mode=owner.mode  # type: ignore[arg-type]
-        )
-        self.val_fluctuation_rule = ValFluctuationRule.from_settings(settings, monitor=owner.monitor)
-        self.loss_sums = LossSums(int(LOSS_STAGNANT_SPEC.value(settings, "baseline_steps")))
+        thresholds = settings.thresholds()  # the rules' declarations name the settings' fields
+        self.swing_rule = LossSwingRule.from_settings(thresholds, unit=unit)
+        self.stagnant_rule = LossStagnantRule.from_settings(thresholds, unit=unit)
+        self.val_decline_rule = ValDeclineRule.from_settings(thresholds, monitor=monitor, mode=mode)
+        self.val_fluctuation_rule = ValFluctuationRule.from_settings(thresholds, monitor=monitor)
+        self.loss_sums = LossSums(int(LOSS_STAGNANT_SPEC.value(thresholds, "baseline_steps")))
         self.window_start: int | None = None
         self.sums_restored = False
 
@@ -141,7 +295,9 @@ class LossTrend:
         self.sums_restored = False
 
     # -- training loss -----------------------------------------------------------------------------------
-    def on_train_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor | None) -> None:
+    def on_train_batch(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor | None
+    ) -> TrendOutput:
         """Add the batch's loss (on the device) and close the step window when it is full."""
         if loss is not None:
             self.loss_sums.add(loss)
@@ -151,7 +307,8 @@ class LossTrend:
                 self.window_start = trainer.global_step
             if trainer.global_step - self.window_start >= self.swing_window:
                 self.window_start = trainer.global_step
-                self.close_period(trainer, pl_module, "window")
+                return self.close_period(trainer, pl_module, "window")
+        return TrendOutput(step=trainer.global_step)
 
     def take_mean(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> float:
         """The mean loss of a period over all ranks; the period starts again."""
@@ -160,60 +317,60 @@ class LossTrend:
         self.loss_sums.reset(names)
         return LossSums.mean(totals, prefix)
 
-    def close_period(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
+    def close_period(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> TrendOutput:
         """Close the epoch (``prefix="epoch"``) or step window (``"window"``): log its mean over all ranks, and
         feed ``loss_swing`` and ``loss_stagnant`` when it is the period ``swing_window`` names.
 
         Logged tags: ``diag/loss/train_epoch`` or ``diag/loss/train_window``; ``diag/loss/swing`` and
         ``diag/threshold/loss_swing``.
         """
-        owner = self.owner
+        out = TrendOutput(step=trainer.global_step)
         mean = self.take_mean(trainer, pl_module, prefix)
         if not math.isfinite(mean):
-            return
-        step = trainer.global_step
-        owner.writer.scalar(loss_tag("train_epoch" if prefix == "epoch" else "train_window"), mean, step)
+            return out
+        out.scalars[loss_tag("train_epoch" if prefix == "epoch" else "train_window")] = mean
         if (prefix == "epoch") != (self.swing_window == "epoch"):
-            return
+            return out
         if self.stagnant_rule.baseline is None and self.loss_sums.initial_batches > 0:
             self.stagnant_rule.set_baseline(self.take_mean(trainer, pl_module, "initial"))
-        ctx = owner.context(trainer)
-        owner.record(self.swing_rule.update(mean, ctx) + self.stagnant_rule.update(mean, ctx))
+        ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
+        out.alerts += self.swing_rule.update(mean, ctx) + self.stagnant_rule.update(mean, ctx)
         if math.isfinite(self.swing_rule.last_change):
-            values = {loss_tag("swing"): self.swing_rule.last_change, **owner.threshold_lines(LOSS_SWING)}
-            owner.writer.scalars(values, step)
+            out.scalars[loss_tag("swing")] = self.swing_rule.last_change
+            out.scalars[threshold_tag(LOSS_SWING)] = self.settings.swing_threshold
+        return out
 
     # -- validation trend --------------------------------------------------------------------------------
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrendOutput:
         """Feed the monitored validation value to ``val_decline`` and ``val_fluctuation``.
 
         Logged tags: ``diag/loss/val``; ``diag/loss/train_fluctuation`` and ``diag/loss/val_fluctuation`` once
         the window is full.
         """
+        out = TrendOutput(step=trainer.global_step)
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
-            return
-        owner = self.owner
+            return out
         train_mean = self.take_mean(trainer, pl_module, "since_val")
         raw = trainer.callback_metrics.get(self.monitor)
         # Every rank must take part in the reduce below, so they first agree that the value exists everywhere.
         if not trainer.strategy.reduce_boolean_decision(raw is not None, all=True):
             available = sorted(k for k in trainer.callback_metrics if "val" in k) or sorted(trainer.callback_metrics)
-            owner.notice(
-                trainer,
-                "monitor-missing",
-                f"`{self.monitor}` was not logged during validation, so val_decline and val_fluctuation are off; "
-                f"log it with self.log({self.monitor!r}, ...) or pass monitor=... (logged: {available})",
+            out.notices.append(
+                (
+                    "monitor-missing",
+                    f"`{self.monitor}` was not logged during validation, so val_decline and val_fluctuation are off;"
+                    f" log it with self.log({self.monitor!r}, ...) or pass monitor=... (logged: {available})",
+                )
             )
-            return
+            return out
         value = torch.as_tensor(raw, dtype=torch.float32, device=pl_module.device).detach().mean()
         val = float(trainer.strategy.reduce(value, reduce_op="mean"))
-        ctx = owner.context(trainer)
-        alerts = self.val_decline_rule.update(val, ctx)
-        alerts += self.val_fluctuation_rule.update(train_mean, val, ctx)
-        owner.record(alerts)
-        values = {loss_tag("val"): val}
+        ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
+        out.alerts += self.val_decline_rule.update(val, ctx)
+        out.alerts += self.val_fluctuation_rule.update(train_mean, val, ctx)
+        out.scalars[loss_tag("val")] = val
         train_f, val_f = self.val_fluctuation_rule.measures()
         if math.isfinite(train_f) and math.isfinite(val_f):
-            values[loss_tag("train_fluctuation")] = train_f
-            values[loss_tag(cast(LossSeries, VAL_FLUCTUATION))] = val_f  # the series is named after its rule
-        owner.writer.scalars(values, ctx.global_step)
+            out.scalars[loss_tag("train_fluctuation")] = train_f
+            out.scalars[loss_tag(cast(LossSeries, VAL_FLUCTUATION))] = val_f  # the series is named after its rule
+        return out

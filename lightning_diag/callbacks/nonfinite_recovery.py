@@ -2,7 +2,7 @@
 
 :class:`NonFiniteRecovery` keeps, on healthy steps, only a reference to each micro-batch of the current optimizer
 step and a copy of the RNG state it started with (``locate_nonfinite``), and with ``on_nonfinite="rollback"`` a
-snapshot of the training state every ``rollback_every_n_steps`` optimizer steps. On a non-finite step the alarm
+snapshot of the training state every ``RollbackSettings.every_n_steps`` optimizer steps. On a non-finite step the alarm
 asks it to localise (:mod:`lightning_diag.instrument.nonfinite_locate`) and to roll back
 (:mod:`lightning_diag.instrument.snapshots`, :mod:`lightning_diag.rules.rollback`).
 
@@ -27,6 +27,7 @@ message.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -35,19 +36,28 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_diag.callbacks.base import extract_loss
+from lightning_diag.core.validation import check_choice, check_int, check_number
 from lightning_diag.instrument.nonfinite_locate import (
     NOT_FOUND,
     Localisation,
-    RngState,
     find_nonfinite_in_batch,
     locate,
 )
+from lightning_diag.instrument.rng import RngState
 from lightning_diag.instrument.snapshots import RollbackDevice, SnapshotStore
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.rollback import DEFAULT_SPIKE_FACTOR, RollbackChoice, RollbackRule
+from lightning_diag.rules.rollback import (
+    DEFAULT_MAX_ROLLBACKS,
+    DEFAULT_ROLLBACK_EVERY_N_STEPS,
+    DEFAULT_ROLLBACK_LR_FACTOR,
+    DEFAULT_ROLLBACK_SNAPSHOTS,
+    DEFAULT_SPIKE_FACTOR,
+    RollbackChoice,
+    RollbackRule,
+)
 from lightning_diag.stats.grad import is_sharded
 
-__all__ = ["NonFiniteRecovery"]
+__all__ = ["NonFiniteRecovery", "RollbackSettings"]
 
 _LOG_METHODS = ("log", "log_dict")
 
@@ -69,41 +79,74 @@ def _scaler(trainer: pl.Trainer) -> Any:
     return getattr(trainer.precision_plugin, "scaler", None)
 
 
+@dataclasses.dataclass(frozen=True)
+class RollbackSettings:
+    """The settings of :class:`~lightning_diag.AnomalyAlarm`'s ``on_nonfinite="rollback"`` (``rollback=``).
+
+    The fields are the settings of the ``nonfinite_rollback`` rule (registry keys
+    ``nonfinite_rollback.<field>``); they are checked at construction and in force only with that action.
+
+    Attributes:
+        every_n_steps: Optimizer steps between in-memory snapshots (and the window in which a second non-finite
+            step goes back further than the last rollback).
+        lr_factor: Every rollback multiplies the learning rates by this, in (0, 1), for the rest of the run, on
+            top of the schedulers.
+        max_rollbacks: Rollbacks allowed in one fit; the next non-finite step stops training.
+        device: ``"cpu"`` keeps snapshots in host memory (non-blocking copies), ``"device"`` on the training
+            device.
+        snapshots: Snapshots kept.
+
+    Raises:
+        TypeError: If a value has the wrong type.
+        ValueError: If a value is out of range or not one of its allowed values.
+
+    Example:
+        >>> RollbackSettings(every_n_steps=100).lr_factor
+        0.5
+    """
+
+    every_n_steps: int = DEFAULT_ROLLBACK_EVERY_N_STEPS
+    lr_factor: float = DEFAULT_ROLLBACK_LR_FACTOR
+    max_rollbacks: int = DEFAULT_MAX_ROLLBACKS
+    device: RollbackDevice = "cpu"
+    snapshots: int = DEFAULT_ROLLBACK_SNAPSHOTS
+
+    def __post_init__(self) -> None:
+        check_int("every_n_steps", self.every_n_steps, low=1)
+        lr_factor = check_number(
+            "lr_factor", self.lr_factor, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
+        )
+        object.__setattr__(self, "lr_factor", lr_factor)
+        check_int("max_rollbacks", self.max_rollbacks, low=0)
+        check_choice("device", self.device, ("cpu", "device"))
+        check_int("snapshots", self.snapshots, low=1)
+
+
 class NonFiniteRecovery:
     """Batch keeping, replay, snapshots and learning-rate scaling for one :class:`~lightning_diag.AnomalyAlarm`.
 
     Args:
         locate: Replay the failing step to localise the first non-finite value.
         rollback: Keep snapshots and roll back on a non-finite step.
-        every_n_steps: Optimizer steps between snapshots.
-        lr_factor: Learning-rate multiplier applied at each rollback.
-        max_rollbacks: Rollbacks allowed in one fit.
-        device: Where snapshots live: ``"cpu"`` or ``"device"``.
-        keep: Snapshots kept.
+        settings: Snapshot interval, learning-rate factor, rollback budget, snapshot device and count.
         spike_factor: Trust test of the snapshots (see :class:`~lightning_diag.instrument.snapshots.SnapshotStore`).
     """
 
     def __init__(
         self,
+        *,
         locate: bool,
         rollback: bool,
-        every_n_steps: int,
-        lr_factor: float,
-        max_rollbacks: int,
-        device: RollbackDevice,
-        keep: int,
+        settings: RollbackSettings,
         spike_factor: float = DEFAULT_SPIKE_FACTOR,
     ) -> None:
         self.locate_enabled = locate
         self.rollback_enabled = rollback
-        self.every_n_steps = every_n_steps
-        self.lr_factor = lr_factor
-        self.max_rollbacks = max_rollbacks
-        self.device: RollbackDevice = device
-        self.keep = keep
+        self.settings = settings
+        self.every_n_steps = settings.every_n_steps
         self.spike_factor = spike_factor
-        self.rule = RollbackRule(lr_factor, max_rollbacks, repeat_window=every_n_steps)
-        self.store = SnapshotStore(keep=keep, device=device, spike_factor=spike_factor)
+        self.rule = RollbackRule(settings.lr_factor, settings.max_rollbacks, repeat_window=settings.every_n_steps)
+        self.store = SnapshotStore(keep=settings.snapshots, device=settings.device, spike_factor=spike_factor)
         self._batches: collections.deque[tuple[Any, int, RngState]] = collections.deque(maxlen=1)
         self._hooks: list[Any] = []
         self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
@@ -117,8 +160,9 @@ class NonFiniteRecovery:
     # -- lifecycle ----------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Start a fit afresh (a resume then loads :meth:`state_dict`)."""
-        self.rule = RollbackRule(self.lr_factor, self.max_rollbacks, repeat_window=self.every_n_steps)
-        self.store = SnapshotStore(keep=self.keep, device=self.device, spike_factor=self.spike_factor)
+        settings = self.settings
+        self.rule = RollbackRule(settings.lr_factor, settings.max_rollbacks, repeat_window=settings.every_n_steps)
+        self.store = SnapshotStore(keep=settings.snapshots, device=settings.device, spike_factor=self.spike_factor)
         self._batches.clear()
         self._last_snapshot = None
 

@@ -28,9 +28,9 @@ from lightning_diag.instrument.sharded_quant import (
 )
 from lightning_diag.instrument.sharding import is_dtensor, reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.probes import (
-    DEFAULT_LAYER_RATIO,
-    DEFAULT_MIN_LAYER_ERROR,
-    DEFAULT_QUANT_ERROR,
+    DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO,
+    DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR,
+    DEFAULT_QUANTIZATION_ERROR_THRESHOLD,
     QUANTIZATION_ERROR,
     QuantizationErrorRule,
 )
@@ -209,9 +209,9 @@ class QuantizationProbe(ValidationProbe):
     def __init__(
         self,
         *,
-        threshold: float = DEFAULT_QUANT_ERROR,
-        layer_ratio: float = DEFAULT_LAYER_RATIO,
-        min_layer_error: float = DEFAULT_MIN_LAYER_ERROR,
+        threshold: float = DEFAULT_QUANTIZATION_ERROR_THRESHOLD,
+        layer_ratio: float = DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO,
+        min_layer_error: float = DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR,
         granularity: Granularity = "per_tensor",
         activations: bool = True,
         backend: Backend = "auto",

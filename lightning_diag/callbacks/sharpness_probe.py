@@ -14,9 +14,9 @@ from lightning_diag.core.tags import sharpness_layer_tag, sharpness_tag
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.probes import (
-    DEFAULT_RHO,
-    DEFAULT_SHARP_GAP,
-    DEFAULT_SHARP_PATIENCE,
+    DEFAULT_SHARP_MINIMUM_PATIENCE,
+    DEFAULT_SHARP_MINIMUM_RHO,
+    DEFAULT_SHARP_MINIMUM_THRESHOLD,
     SHARP_MINIMUM,
     SharpMinimumRule,
 )
@@ -86,9 +86,9 @@ class SharpnessProbe(ValidationProbe):
     def __init__(
         self,
         *,
-        threshold: float = DEFAULT_SHARP_GAP,
-        patience: int = DEFAULT_SHARP_PATIENCE,
-        rho: float = DEFAULT_RHO,
+        threshold: float = DEFAULT_SHARP_MINIMUM_THRESHOLD,
+        patience: int = DEFAULT_SHARP_MINIMUM_PATIENCE,
+        rho: float = DEFAULT_SHARP_MINIMUM_RHO,
         every_n_epochs: int = 1,
         num_batches: int = 2,
         loss_fn: LossFn | None = None,

@@ -21,6 +21,7 @@ from lightning_diag.callbacks._system_hooks import (
 )
 from lightning_diag.callbacks._system_interval import HEADER, Mark, gather_ranks, interval_values, resolve_steps
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import family_tag, overhead_tag
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.batches import batch_size_and_tokens
@@ -28,20 +29,20 @@ from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 from lightning_diag.rules.system import (
     DATALOADER_BOUND,
-    DEFAULT_BLOCK_STEPS,
-    DEFAULT_DATALOADER_MIN_WAIT_S,
-    DEFAULT_DATALOADER_PATIENCE,
-    DEFAULT_DATALOADER_SHARE,
-    DEFAULT_FLUCTUATION,
-    DEFAULT_FLUCTUATION_PATIENCE,
-    DEFAULT_MEMORY_GROWTH,
-    DEFAULT_MEMORY_RISING_FRACTION,
-    DEFAULT_MEMORY_WINDOW,
-    DEFAULT_PERIODIC_SHARE,
-    DEFAULT_SLOW_RATIO,
-    DEFAULT_STEP_WINDOW,
-    DEFAULT_WARMUP_STEPS,
-    MEMORY_GROWTH_SPEC,
+    DEFAULT_DATALOADER_BOUND_MIN_WAIT_S,
+    DEFAULT_DATALOADER_BOUND_PATIENCE,
+    DEFAULT_DATALOADER_BOUND_THRESHOLD,
+    DEFAULT_MEMORY_GROWTH_RISING_FRACTION,
+    DEFAULT_MEMORY_GROWTH_THRESHOLD,
+    DEFAULT_MEMORY_GROWTH_WINDOW,
+    DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS,
+    DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE,
+    DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD,
+    DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO,
+    DEFAULT_STEP_TIME_PERIODIC_THRESHOLD,
+    DEFAULT_STEP_TIME_WARMUP_STEPS,
+    DEFAULT_STEP_TIME_WINDOW,
+    MEMORY_GROWTH,
     STEP_TIME_FLUCTUATION,
     DataloaderBoundRule,
     MemoryGrowthRule,
@@ -51,6 +52,22 @@ from lightning_diag.rules.system import (
 
 __all__ = ["SystemMonitor"]
 
+
+
+#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
+_RENAMED_ARGUMENTS = {
+    "dataloader_share": "dataloader_bound_threshold",
+    "dataloader_patience": "dataloader_bound_patience",
+    "dataloader_min_wait_s": "dataloader_bound_min_wait_s",
+    "periodic_share": "step_time_periodic_threshold",
+    "slow_ratio": "step_time_periodic_slow_ratio",
+    "fluctuation_threshold": "step_time_fluctuation_threshold",
+    "fluctuation_patience": "step_time_fluctuation_patience",
+    "block_steps": "step_time_fluctuation_block_steps",
+    MEMORY_GROWTH: "memory_growth_threshold",  # the old argument was named after its rule
+    "memory_window": "memory_growth_window",
+    "memory_rising_fraction": "memory_growth_rising_fraction",
+}
 
 
 class SystemMonitor(DiagCallback):
@@ -93,20 +110,21 @@ class SystemMonitor(DiagCallback):
 
     Args:
         log_every_n_steps: Aggregate, log and judge every this many optimizer steps; defaults to the trainer's.
-        dataloader_share: ``dataloader_bound`` threshold: waiting / step time (default 0.25).
-        dataloader_patience: Consecutive intervals ``dataloader_bound`` must hold (default 3).
-        dataloader_min_wait_s: Waiting per step (seconds) below which ``dataloader_bound`` never fires
+        dataloader_bound_threshold: ``dataloader_bound`` threshold: waiting / step time (default 0.25).
+        dataloader_bound_patience: Consecutive intervals ``dataloader_bound`` must hold (default 3).
+        dataloader_bound_min_wait_s: Waiting per step (seconds) below which ``dataloader_bound`` never fires
             (default 0.005).
-        periodic_share: ``step_time_periodic`` threshold: the periodic slow steps' excess over the median as a
-            fraction of the window's time (default 0.05).
-        slow_ratio: A step is slow more than this fraction above the median (default 0.5).
+        step_time_periodic_threshold: ``step_time_periodic`` threshold: the periodic slow steps' excess over the
+            median as a fraction of the window's time (default 0.05).
+        step_time_periodic_slow_ratio: A step is slow more than this fraction above the median (default 0.5).
         window: Optimizer steps the periodic and fluctuation tests look at (default 200).
-        fluctuation_threshold: ``step_time_fluctuation`` threshold (default 0.15, seed 000 §7.1).
-        fluctuation_patience: Consecutive checks it must hold (default 3).
+        step_time_fluctuation_threshold: ``step_time_fluctuation`` threshold (default 0.15, seed 000 §7.1).
+        step_time_fluctuation_patience: Consecutive checks it must hold (default 3).
         warmup_steps: First optimizer steps of a fit left out of the step-time tests (default 20).
-        memory_growth: ``memory_growth`` threshold: relative growth over ``memory_window`` (default 0.1).
-        memory_window: Logging intervals the growth is measured over (default 8).
-        memory_rising_fraction: Fraction of those intervals that must rise (default 0.7).
+        memory_growth_threshold: ``memory_growth`` threshold: relative growth over ``memory_growth_window``
+            (default 0.1).
+        memory_growth_window: Logging intervals the growth is measured over (default 8).
+        memory_growth_rising_fraction: Fraction of those intervals that must rise (default 0.7).
         nvml: Read GPU metrics through NVML when ``nvidia-ml-py`` is installed and the run is on CUDA.
         time_callbacks: Time the other lightning_diag callbacks' hooks (``diag/overhead/...``).
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
@@ -120,44 +138,57 @@ class SystemMonitor(DiagCallback):
 
     extra_state_keys = ("window", "utilization", "steps_seen")
 
+    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
         log_every_n_steps: int | None = None,
-        dataloader_share: float = DEFAULT_DATALOADER_SHARE,
-        dataloader_patience: int = DEFAULT_DATALOADER_PATIENCE,
-        dataloader_min_wait_s: float = DEFAULT_DATALOADER_MIN_WAIT_S,
-        periodic_share: float = DEFAULT_PERIODIC_SHARE,
-        slow_ratio: float = DEFAULT_SLOW_RATIO,
-        window: int = DEFAULT_STEP_WINDOW,
-        fluctuation_threshold: float = DEFAULT_FLUCTUATION,
-        fluctuation_patience: int = DEFAULT_FLUCTUATION_PATIENCE,
-        warmup_steps: int = DEFAULT_WARMUP_STEPS,
-        block_steps: int = DEFAULT_BLOCK_STEPS,
-        memory_growth: float = DEFAULT_MEMORY_GROWTH,
-        memory_window: int = DEFAULT_MEMORY_WINDOW,
-        memory_rising_fraction: float = DEFAULT_MEMORY_RISING_FRACTION,
+        dataloader_bound_threshold: float = DEFAULT_DATALOADER_BOUND_THRESHOLD,
+        dataloader_bound_patience: int = DEFAULT_DATALOADER_BOUND_PATIENCE,
+        dataloader_bound_min_wait_s: float = DEFAULT_DATALOADER_BOUND_MIN_WAIT_S,
+        step_time_periodic_threshold: float = DEFAULT_STEP_TIME_PERIODIC_THRESHOLD,
+        step_time_periodic_slow_ratio: float = DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO,
+        window: int = DEFAULT_STEP_TIME_WINDOW,
+        step_time_fluctuation_threshold: float = DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD,
+        step_time_fluctuation_patience: int = DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE,
+        warmup_steps: int = DEFAULT_STEP_TIME_WARMUP_STEPS,
+        step_time_fluctuation_block_steps: int = DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS,
+        memory_growth_threshold: float = DEFAULT_MEMORY_GROWTH_THRESHOLD,
+        memory_growth_window: int = DEFAULT_MEMORY_GROWTH_WINDOW,
+        memory_growth_rising_fraction: float = DEFAULT_MEMORY_GROWTH_RISING_FRACTION,
         nvml: bool = True,
         time_callbacks: bool = True,
         on_alert: AlertHandler | None = None,
     ) -> None:
         super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
-        self.dataloader_share = check_number("dataloader_share", dataloader_share, low=0.0, high=1.0)
-        self.dataloader_patience = check_int("dataloader_patience", dataloader_patience, low=1)
-        self.dataloader_min_wait_s = check_number(
-            "dataloader_min_wait_s", dataloader_min_wait_s, low=0.0, low_inclusive=True
+        self.dataloader_bound_threshold = check_number(
+            "dataloader_bound_threshold", dataloader_bound_threshold, low=0.0, high=1.0
         )
-        self.periodic_share = check_number("periodic_share", periodic_share, low=0.0, high=1.0)
-        self.slow_ratio = check_number("slow_ratio", slow_ratio, low=0.0)
+        self.dataloader_bound_patience = check_int("dataloader_bound_patience", dataloader_bound_patience, low=1)
+        self.dataloader_bound_min_wait_s = check_number(
+            "dataloader_bound_min_wait_s", dataloader_bound_min_wait_s, low=0.0, low_inclusive=True
+        )
+        self.step_time_periodic_threshold = check_number(
+            "step_time_periodic_threshold", step_time_periodic_threshold, low=0.0, high=1.0
+        )
+        self.step_time_periodic_slow_ratio = check_number(
+            "step_time_periodic_slow_ratio", step_time_periodic_slow_ratio, low=0.0
+        )
         self.window = check_int("window", window, low=30)
-        self.fluctuation_threshold = check_number("fluctuation_threshold", fluctuation_threshold, low=0.0)
-        self.fluctuation_patience = check_int("fluctuation_patience", fluctuation_patience, low=1)
+        self.step_time_fluctuation_threshold = check_number(
+            "step_time_fluctuation_threshold", step_time_fluctuation_threshold, low=0.0
+        )
+        self.step_time_fluctuation_patience = check_int(
+            "step_time_fluctuation_patience", step_time_fluctuation_patience, low=1
+        )
         self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
-        self.block_steps = check_int("block_steps", block_steps, low=1)
-        self.memory_growth = check_number(MEMORY_GROWTH_SPEC.arguments["threshold"], memory_growth, low=0.0)
-        self.memory_window = check_int("memory_window", memory_window, low=3)
-        self.memory_rising_fraction = check_number(
-            "memory_rising_fraction", memory_rising_fraction, low=0.0, high=1.0
+        self.step_time_fluctuation_block_steps = check_int(
+            "step_time_fluctuation_block_steps", step_time_fluctuation_block_steps, low=1
+        )
+        self.memory_growth_threshold = check_number("memory_growth_threshold", memory_growth_threshold, low=0.0)
+        self.memory_growth_window = check_int("memory_growth_window", memory_growth_window, low=3)
+        self.memory_growth_rising_fraction = check_number(
+            "memory_growth_rising_fraction", memory_growth_rising_fraction, low=0.0, high=1.0
         )
         for name, flag in (("nvml", nvml), ("time_callbacks", time_callbacks)):
             if not isinstance(flag, bool):

@@ -14,11 +14,13 @@ Declaring a new rule (in the rules module that implements it)::
 
     LABEL_IMBALANCE_SPEC = register(RuleSpec("label_imbalance", "DataDiagnostics", "warning", 0.1,
                                              "standard deviation of the class proportions above {threshold:g}",
-                                             settings={"min_samples": 100}, arguments={"threshold": "label_std"},
+                                             settings={"min_samples": 100},
+                                             arguments={"threshold": "label_imbalance_threshold"},
                                              check="data_label_balance", source="seed 000 §7.1"))
     LABEL_IMBALANCE = LABEL_IMBALANCE_SPEC.rule_id
 
-``arguments`` names the callback attribute (= constructor argument) holding the value in effect, so
+``arguments`` names the callback attribute (= constructor argument) holding the value in effect, or
+``"<argument>.<field>"`` for a field of a settings object (``"rollback.every_n_steps"``), so
 :meth:`DiagCallback.thresholds` reports the instance's values with no code of its own, and the rule class's
 ``from_settings(thresholds)`` builds the rule from those values (the callbacks and the report's replay alike).
 ``check`` puts the rule in a checklist row (:data:`CHECKS`); a new row is declared with :func:`register_check`
@@ -95,7 +97,8 @@ class RuleSpec:
             ``None`` for a rule shown under "Other".
         source: Where the default comes from (``"seed 000 §3.1"``), or ``""`` for the project's own choice.
         arguments: ``"threshold"`` or a setting name -> the owner's constructor argument (and attribute) that
-            sets it. Entries without one always report the default.
+            sets it, or ``"<argument>.<field>"`` for a field of a settings-object argument. Entries without one
+            always report the default.
     """
 
     rule_id: str
@@ -380,8 +383,10 @@ def registry_thresholds(callback: object) -> dict[str, float]:
     values: dict[str, float] = {}
 
     def read(argument: str | None, fallback: float) -> float:
-        value = getattr(callback, argument, None) if argument else None
-        return float(fallback if value is None else value)
+        value: object = callback
+        for name in argument.split(".") if argument else [""]:  # "rollback.every_n_steps": a settings field
+            value = getattr(value, name, None) if name else None
+        return float(fallback if value is None else value)  # type: ignore[arg-type]
 
     for spec in rules_of(owner):
         if spec.threshold is not None:

@@ -16,9 +16,10 @@ The algorithm, in order (the first finding wins):
    (``source`` = its name, the message says "in backward"; ``"loss"`` when the gradient of the loss with respect
    to the model's output is already non-finite).
 
-The replay must not change training: the RNG state (torch CPU and CUDA, ``random``, numpy) is set to the state
-the original step started with (torch's generators, so dropout draws the same masks; ``random`` and numpy are
-not rewound, only kept unchanged) and put back afterwards; every buffer
+The replay must not change training: the RNG state (torch CPU and every device generator, ``random``, numpy;
+:mod:`lightning_diag.instrument.rng`) is set to the state the original step started with (torch's generators, so
+dropout draws the same masks; ``random`` and numpy are not rewound, only kept unchanged) and put back afterwards;
+every buffer
 (BatchNorm running statistics, ``num_batches_tracked``) is copied before and restored after; parameters,
 ``.grad`` and optimizer state are not touched.
 
@@ -32,12 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import random
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
 from torch import nn
+
+from lightning_diag.instrument.rng import RngState, preserved_rng
 
 __all__ = [
     "INPUT_SOURCE",
@@ -86,57 +88,6 @@ class Localisation:
 
 
 NOT_FOUND = Localisation("", "none", "the replay of the step did not reproduce the non-finite value")
-
-
-# -- RNG ------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class RngState:
-    """The random-number state of the process: torch CPU, torch CUDA (when initialised), ``random``, numpy.
-
-    Example:
-        >>> state = RngState.capture()
-        >>> a = torch.rand(2)
-        >>> state.restore()
-        >>> torch.equal(a, torch.rand(2))
-        True
-    """
-
-    cpu: torch.Tensor
-    cuda: list[torch.Tensor] | None
-    python: Any
-    numpy: Any
-
-    @classmethod
-    def capture(cls, python: bool = True) -> RngState:
-        """Copy the current state (a few kilobytes; no device synchronisation).
-
-        Args:
-            python: Also copy the ``random`` and numpy states. The per-step copy leaves them out (numpy's takes
-                ~0.2 ms, torch's ~1 us): dropout and torch's samplers draw from torch's generators.
-        """
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        py_state = np_state = None
-        if python:
-            py_state = random.getstate()
-            try:
-                import numpy as np
-
-                np_state = np.random.get_state()
-            except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
-                pass
-        return cls(torch.get_rng_state(), cuda, py_state, np_state)
-
-    def restore(self) -> None:
-        """Make this the current state (the parts that were captured)."""
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        if self.python is not None:
-            random.setstate(self.python)
-        if self.numpy is not None:
-            import numpy as np
-
-            np.random.set_state(self.numpy)
 
 
 # -- tensors in nested structures -----------------------------------------------------------------------------
@@ -366,9 +317,8 @@ def locate(
         A :class:`Localisation`; ``phase == "none"`` when nothing non-finite was reproduced.
     """
     recorder = _Recorder(module, root_name or type(module).__name__)
-    current_rng = RngState.capture()
     try:
-        with _preserved_buffers(module):
+        with preserved_rng(), _preserved_buffers(module):
             if rng_state is not None:
                 rng_state.restore()
             recorder.attach()
@@ -398,5 +348,4 @@ def locate(
                 return Localisation(LOSS_SOURCE, "backward", "in backward, outside every module boundary the hooks see")
             return NOT_FOUND
     finally:
-        current_rng.restore()
         recorder.keep.clear()

@@ -14,7 +14,7 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   residuals around a least-squares line or parabola fitted to its logarithm
   (:func:`~lightning_diag.stats.fluctuation`). Fires when the validation fluctuation exceeds ``ratio`` times
   the training-loss fluctuation over the same runs, is itself above ``min_fluctuation`` and the range of the
-  validation window (loss units) is above ``min_abs``, **and** the validation value's rises over the window (the
+  validation window (loss units) is above ``min_range``, **and** the validation value's rises over the window (the
   sum of its increases from one run to the next) are above ``min_rise`` of its *scale*, the first validation value
   of the fit (the loss at the start of training). Relative fluctuations blow up near zero: a converged fine-tune
   whose validation loss wanders 0.097 -> 0.167 -> 0.024 reads 50% in log units against 7% for its training loss,
@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Literal
 
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
@@ -42,17 +43,17 @@ from lightning_diag.stats.trend import fluctuation, relative_change
 
 __all__ = [
     "DEFAULT_STAGNANT_BASELINE_STEPS",
-    "DEFAULT_STAGNANT_MIN_DROP",
     "DEFAULT_STAGNANT_PATIENCE",
+    "DEFAULT_STAGNANT_THRESHOLD",
     "DEFAULT_SWING_MIN_DELTA",
     "DEFAULT_SWING_PATIENCE",
     "DEFAULT_SWING_THRESHOLD",
     "DEFAULT_VAL_DECLINE_MIN_DELTA",
-    "DEFAULT_VAL_DECLINE_PATIENCE",
+    "DEFAULT_VAL_DECLINE_THRESHOLD",
     "DEFAULT_VAL_FLUCTUATION_MIN",
-    "DEFAULT_VAL_FLUCTUATION_MIN_ABS",
+    "DEFAULT_VAL_FLUCTUATION_MIN_RANGE",
     "DEFAULT_VAL_FLUCTUATION_MIN_RISE",
-    "DEFAULT_VAL_FLUCTUATION_RATIO",
+    "DEFAULT_VAL_FLUCTUATION_THRESHOLD",
     "DEFAULT_VAL_FLUCTUATION_WINDOW",
     "LOSS_STAGNANT",
     "LOSS_STAGNANT_SPEC",
@@ -74,28 +75,29 @@ LOSS_SWING_SPEC = register(RuleSpec(
     "loss_swing", _ALARM, "warning", 0.10,
     "training loss swings by more than {threshold:.0%} on {patience:g} consecutive epochs",
     settings={"patience": 3, "min_delta": 1e-3}, check="loss_swing", source="seed 001 §1.2",
-    arguments={"threshold": "swing_threshold", "patience": "swing_patience", "min_delta": "swing_min_delta"},
+    arguments={"threshold": "loss_trend.swing_threshold", "patience": "loss_trend.swing_patience",
+               "min_delta": "loss_trend.swing_min_delta"},
 ))
 VAL_DECLINE_SPEC = register(RuleSpec(
     "val_decline", _ALARM, "warning", 5.0, "validation metric worsens on {threshold:g} consecutive validation runs",
     settings={"min_delta": 0.0}, check="val_decline", source="seed 001 §1.2",
-    arguments={"threshold": "val_decline_patience", "min_delta": "val_decline_min_delta"},
+    arguments={"threshold": "loss_trend.val_decline_threshold", "min_delta": "loss_trend.val_decline_min_delta"},
 ))
 VAL_FLUCTUATION_SPEC = register(RuleSpec(
     "val_fluctuation", _ALARM, "warning", 2.0,
     "validation-loss fluctuation above {threshold:g}x the training-loss fluctuation",
     settings={"window": 5, "min": 0.15, "min_range": 0.01, "min_rise": 0.15}, check="val_fluctuation",
     source="seed 000 §4.1",
-    arguments={"threshold": "val_fluctuation_ratio", "window": "val_fluctuation_window",
-               "min": "val_fluctuation_min", "min_range": "val_fluctuation_min_range",
-               "min_rise": "val_fluctuation_min_rise"},
+    arguments={"threshold": "loss_trend.val_fluctuation_threshold", "window": "loss_trend.val_fluctuation_window",
+               "min": "loss_trend.val_fluctuation_min", "min_range": "loss_trend.val_fluctuation_min_range",
+               "min_rise": "loss_trend.val_fluctuation_min_rise"},
 ))
 LOSS_STAGNANT_SPEC = register(RuleSpec(
     "loss_stagnant", _ALARM, "warning", 0.10,
     "training loss has not fallen {threshold:.0%} below its initial value after {patience:g} points",
     settings={"patience": 4, "baseline_steps": 5},
-    arguments={"threshold": "stagnant_min_drop", "patience": "stagnant_patience",
-               "baseline_steps": "stagnant_baseline_steps"},
+    arguments={"threshold": "loss_trend.stagnant_threshold", "patience": "loss_trend.stagnant_patience",
+               "baseline_steps": "loss_trend.stagnant_baseline_steps"},
 ))
 LOSS_SWING = LOSS_SWING_SPEC.rule_id
 VAL_DECLINE = VAL_DECLINE_SPEC.rule_id
@@ -109,22 +111,22 @@ DEFAULT_SWING_PATIENCE = int(default(LOSS_SWING_SPEC.key("patience")))
 #: ``loss_swing``: absolute change below which a point never swings (keeps near-zero losses quiet).
 DEFAULT_SWING_MIN_DELTA = default(LOSS_SWING_SPEC.key("min_delta"))
 #: ``val_decline``: consecutive worsening validation runs before the rule fires (seed 001 §1.2: 5).
-DEFAULT_VAL_DECLINE_PATIENCE = int(default(VAL_DECLINE))
+DEFAULT_VAL_DECLINE_THRESHOLD = int(default(VAL_DECLINE))
 #: ``val_decline``: change that counts as worse.
 DEFAULT_VAL_DECLINE_MIN_DELTA = default(VAL_DECLINE_SPEC.key("min_delta"))
 #: ``val_fluctuation``: validation fluctuation above this multiple of the training one (seed 000 §4.1: 2x).
-DEFAULT_VAL_FLUCTUATION_RATIO = default(VAL_FLUCTUATION)
+DEFAULT_VAL_FLUCTUATION_THRESHOLD = default(VAL_FLUCTUATION)
 #: ``val_fluctuation``: validation runs in the window.
 DEFAULT_VAL_FLUCTUATION_WINDOW = int(default(VAL_FLUCTUATION_SPEC.key("window")))
 #: ``val_fluctuation``: validation fluctuation (relative to its level) below which the rule never fires.
 DEFAULT_VAL_FLUCTUATION_MIN = default(VAL_FLUCTUATION_SPEC.key("min"))
 #: ``val_fluctuation``: range (max - min, loss units) of the validation window below which it never fires.
-DEFAULT_VAL_FLUCTUATION_MIN_ABS = default(VAL_FLUCTUATION_SPEC.key("min_range"))
+DEFAULT_VAL_FLUCTUATION_MIN_RANGE = default(VAL_FLUCTUATION_SPEC.key("min_range"))
 #: ``val_fluctuation``: the window's rises, as a fraction of the first validation value, below which it never fires.
 DEFAULT_VAL_FLUCTUATION_MIN_RISE = default(VAL_FLUCTUATION_SPEC.key("min_rise"))
 
 #: ``loss_stagnant``: fraction of the initial loss the training loss must have fallen by.
-DEFAULT_STAGNANT_MIN_DROP = default(LOSS_STAGNANT)
+DEFAULT_STAGNANT_THRESHOLD = default(LOSS_STAGNANT)
 #: ``loss_stagnant``: loss points (epochs or windows) the training loss has to get there.
 DEFAULT_STAGNANT_PATIENCE = int(default(LOSS_STAGNANT_SPEC.key("patience")))
 #: ``loss_stagnant``: first optimizer steps whose mean loss is the initial loss.
@@ -243,7 +245,7 @@ class ValDeclineRule(Rule):
         self,
         monitor: str = "val_loss",
         mode: Literal["min", "max"] = "min",
-        patience: int = DEFAULT_VAL_DECLINE_PATIENCE,
+        patience: int = DEFAULT_VAL_DECLINE_THRESHOLD,
         min_delta: float = DEFAULT_VAL_DECLINE_MIN_DELTA,
     ) -> None:
         super().__init__()
@@ -298,7 +300,7 @@ class ValFluctuationRule(Rule):
         ratio: Multiple of the training fluctuation the validation fluctuation must exceed.
         window: Validation runs in the window (at least 3).
         min_fluctuation: Validation fluctuation (relative to its level) below which the rule never fires.
-        min_abs: Range (max - min) of the validation window below which the rule never fires.
+        min_range: Range (max - min) of the validation window below which the rule never fires.
         monitor: Name of the validation metric, for messages and the alert's ``source``.
         min_rise: The window's rises (sum of increases between consecutive runs), as a fraction of the first
             validation value, below which the rule never fires.
@@ -318,16 +320,16 @@ class ValFluctuationRule(Rule):
 
     def __init__(
         self,
-        ratio: float = DEFAULT_VAL_FLUCTUATION_RATIO,
+        ratio: float = DEFAULT_VAL_FLUCTUATION_THRESHOLD,
         window: int = DEFAULT_VAL_FLUCTUATION_WINDOW,
         min_fluctuation: float = DEFAULT_VAL_FLUCTUATION_MIN,
         monitor: str = "val_loss",
-        min_abs: float = DEFAULT_VAL_FLUCTUATION_MIN_ABS,
+        min_range: float = DEFAULT_VAL_FLUCTUATION_MIN_RANGE,
         min_rise: float = DEFAULT_VAL_FLUCTUATION_MIN_RISE,
     ) -> None:
         super().__init__()
         self.latch = Latch(clear_after=2)  # one calm validation run between two fluctuating ones: one event
-        self.min_abs = min_abs
+        self.min_range = min_range
         self.min_rise = min_rise
         self.scale: float | None = None
         self.last_rise = math.nan
@@ -346,7 +348,7 @@ class ValFluctuationRule(Rule):
         spec = VAL_FLUCTUATION_SPEC
         return cls(
             spec.value(thresholds), int(spec.value(thresholds, "window")), spec.value(thresholds, "min"),
-            monitor=monitor, min_abs=spec.value(thresholds, "min_range"), min_rise=spec.value(thresholds, "min_rise"),
+            monitor=monitor, min_range=spec.value(thresholds, "min_range"), min_rise=spec.value(thresholds, "min_rise"),
         )
 
     def measures(self) -> tuple[float, float]:
@@ -372,7 +374,7 @@ class ValFluctuationRule(Rule):
         self.last_rise = rises / self.scale if self.scale > 0 else math.inf
         active = (
             val_f > self.min_fluctuation
-            and val_abs > self.min_abs
+            and val_abs > self.min_range
             and val_f > self.ratio * train_f
             and self.last_rise > self.min_rise
         )
@@ -413,7 +415,7 @@ class LossStagnantRule(Rule):
 
     def __init__(
         self,
-        min_drop: float = DEFAULT_STAGNANT_MIN_DROP,
+        min_drop: float = DEFAULT_STAGNANT_THRESHOLD,
         patience: int = DEFAULT_STAGNANT_PATIENCE,
         unit: str = "epoch",
         source: str = "train_loss",
@@ -466,3 +468,14 @@ class LossStagnantRule(Rule):
                 threshold=self.min_drop,
             )
         ]
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_VAL_DECLINE_PATIENCE": "DEFAULT_VAL_DECLINE_THRESHOLD",
+        "DEFAULT_VAL_FLUCTUATION_RATIO": "DEFAULT_VAL_FLUCTUATION_THRESHOLD",
+        "DEFAULT_VAL_FLUCTUATION_MIN_ABS": "DEFAULT_VAL_FLUCTUATION_MIN_RANGE",
+        "DEFAULT_STAGNANT_MIN_DROP": "DEFAULT_STAGNANT_THRESHOLD",
+    },
+)

@@ -61,6 +61,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
@@ -78,11 +79,11 @@ __all__ = [
     "ATTN_SINK",
     "ATTN_SINK_SPEC",
     "DEFAULT_ATTN_PATIENCE",
-    "DEFAULT_ATTN_WARMUP_STEPS",
-    "DEFAULT_ENTROPY_HIGH",
-    "DEFAULT_ENTROPY_LOW",
-    "DEFAULT_SINK_MASS",
-    "DEFAULT_UNIFORM_FRACTION",
+    "DEFAULT_ENTROPY_HIGH_THRESHOLD",
+    "DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION",
+    "DEFAULT_ENTROPY_HIGH_WARMUP_STEPS",
+    "DEFAULT_ENTROPY_LOW_THRESHOLD",
+    "DEFAULT_SINK_THRESHOLD",
     "LOSS_POINTS",
     "AttentionEntropyRule",
     "AttentionSinkRule",
@@ -93,18 +94,19 @@ __all__ = [
 _ATTN = "AttentionEntropyMonitor"
 ATTN_ENTROPY_LOW_SPEC = register(RuleSpec(
     "attn_entropy_low", _ATTN, "warning", 0.5, "a head's attention entropy below {threshold:g} nats",
-    check="attn_entropy_band", source="seed 000 §3.2", arguments={"threshold": "entropy_low"},
+    check="attn_entropy_band", source="seed 000 §3.2", arguments={"threshold": "entropy_low_threshold"},
 ))
 ATTN_ENTROPY_HIGH_SPEC = register(RuleSpec(
     "attn_entropy_high", _ATTN, "info", 2.5,
     "a head's attention entropy above {threshold:g} nats and {uniform_fraction:g} of uniform",
     settings={"uniform_fraction": 0.9, "warmup_steps": 200}, check="attn_entropy_band", source="seed 000 §3.2",
-    arguments={"threshold": "entropy_high", "uniform_fraction": "uniform_fraction", "warmup_steps": "warmup_steps"},
+    arguments={"threshold": "entropy_high_threshold", "uniform_fraction": "entropy_high_uniform_fraction",
+               "warmup_steps": "entropy_high_warmup_steps"},
 ))
 ATTN_SINK_SPEC = register(RuleSpec(
     "attn_sink", _ATTN, "warning", 0.5,
     "every head of a layer puts more than {threshold:g} of its mass on special tokens",
-    check="attn_sink", source="seed 000 §3.2", arguments={"threshold": "sink_mass"},
+    check="attn_sink", source="seed 000 §3.2", arguments={"threshold": "sink_threshold"},
 ))
 ATTN_ENTROPY_LOW = ATTN_ENTROPY_LOW_SPEC.rule_id
 ATTN_ENTROPY_HIGH = ATTN_ENTROPY_HIGH_SPEC.rule_id
@@ -119,15 +121,15 @@ ATTN_SAMPLE_SIZE_SETTING = register_setting(SettingSpec("attn.sample_size", _ATT
 ATTN_MAX_QUERIES_SETTING = register_setting(SettingSpec("attn.max_queries", _ATTN, 64, "max_queries"))
 
 #: ``attn_entropy_low``: a head's attention entropy below this many nats (seed 000 §3.2).
-DEFAULT_ENTROPY_LOW = default(ATTN_ENTROPY_LOW)
+DEFAULT_ENTROPY_LOW_THRESHOLD = default(ATTN_ENTROPY_LOW)
 #: ``attn_entropy_high``: a head's attention entropy above this many nats (seed 000 §3.2).
-DEFAULT_ENTROPY_HIGH = default(ATTN_ENTROPY_HIGH)
+DEFAULT_ENTROPY_HIGH_THRESHOLD = default(ATTN_ENTROPY_HIGH)
 #: ``attn_entropy_high``: ... and above this fraction of the entropy of uniform attention over its keys.
-DEFAULT_UNIFORM_FRACTION = default(ATTN_ENTROPY_HIGH_SPEC.key("uniform_fraction"))
+DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION = default(ATTN_ENTROPY_HIGH_SPEC.key("uniform_fraction"))
 #: ``attn_entropy_high``: optimizer steps before the rule judges (a fresh model attends uniformly).
-DEFAULT_ATTN_WARMUP_STEPS = int(default(ATTN_ENTROPY_HIGH_SPEC.key("warmup_steps")))
+DEFAULT_ENTROPY_HIGH_WARMUP_STEPS = int(default(ATTN_ENTROPY_HIGH_SPEC.key("warmup_steps")))
 #: ``attn_sink``: attention mass on special tokens that every head of a layer must exceed ("most of its mass").
-DEFAULT_SINK_MASS = default(ATTN_SINK)
+DEFAULT_SINK_THRESHOLD = default(ATTN_SINK)
 #: Consecutive measurements an attention condition must hold before it alerts.
 DEFAULT_ATTN_PATIENCE = int(ATTN_PATIENCE_SETTING.default)
 #: ``attn_entropy_low``: a low-entropy head whose queries' mean attention has at least this fraction of the
@@ -190,12 +192,12 @@ class AttentionEntropyRule(Rule):
 
     def __init__(
         self,
-        low: float = DEFAULT_ENTROPY_LOW,
-        high: float = DEFAULT_ENTROPY_HIGH,
-        uniform_fraction: float = DEFAULT_UNIFORM_FRACTION,
-        warmup_steps: int = DEFAULT_ATTN_WARMUP_STEPS,
+        low: float = DEFAULT_ENTROPY_LOW_THRESHOLD,
+        high: float = DEFAULT_ENTROPY_HIGH_THRESHOLD,
+        uniform_fraction: float = DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION,
+        warmup_steps: int = DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
         patience: int = DEFAULT_ATTN_PATIENCE,
-        sink_mass: float = DEFAULT_SINK_MASS,
+        sink_mass: float = DEFAULT_SINK_THRESHOLD,
     ) -> None:
         super().__init__()
         self.sink_mass = sink_mass
@@ -403,7 +405,7 @@ class AttentionSinkRule(Rule):
     specs = (ATTN_SINK_SPEC,)
     state_keys = ("streaks",)
 
-    def __init__(self, sink_mass: float = DEFAULT_SINK_MASS, patience: int = DEFAULT_ATTN_PATIENCE) -> None:
+    def __init__(self, sink_mass: float = DEFAULT_SINK_THRESHOLD, patience: int = DEFAULT_ATTN_PATIENCE) -> None:
         super().__init__()
         self.sink_mass = sink_mass
         self.patience = patience
@@ -486,3 +488,15 @@ class AttentionSinkRule(Rule):
             value=least[worst],
             threshold=self.sink_mass,
         )
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_ENTROPY_LOW": "DEFAULT_ENTROPY_LOW_THRESHOLD",
+        "DEFAULT_ENTROPY_HIGH": "DEFAULT_ENTROPY_HIGH_THRESHOLD",
+        "DEFAULT_UNIFORM_FRACTION": "DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION",
+        "DEFAULT_ATTN_WARMUP_STEPS": "DEFAULT_ENTROPY_HIGH_WARMUP_STEPS",
+        "DEFAULT_SINK_MASS": "DEFAULT_SINK_THRESHOLD",
+    },
+)

@@ -24,6 +24,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
 from lightning_diag.rules.base import Rule, StepContext
@@ -36,10 +37,10 @@ __all__ = [
     "DATA_NONFINITE_SPEC",
     "DATA_VOCAB_SHIFT",
     "DATA_VOCAB_SHIFT_SPEC",
-    "DEFAULT_LABEL_STD",
-    "DEFAULT_LEAKAGE_FRACTION",
-    "DEFAULT_NEAR_DUPLICATE",
-    "DEFAULT_VOCAB_KL",
+    "DEFAULT_LABEL_IMBALANCE_THRESHOLD",
+    "DEFAULT_LEAKAGE_NEAR_DUPLICATE",
+    "DEFAULT_LEAKAGE_THRESHOLD",
+    "DEFAULT_VOCAB_SHIFT_THRESHOLD",
     "LABEL_IMBALANCE",
     "LABEL_IMBALANCE_SPEC",
     "DataMeasurement",
@@ -52,7 +53,8 @@ _DATA = "DataDiagnostics"
 DATA_VOCAB_SHIFT_SPEC = register(RuleSpec(
     "data_vocab_shift", _DATA, "warning", 0.3,
     "KL divergence of validation vs training token frequencies above {threshold:g} nats",
-    settings={"min_count": 5}, source="seed 000 §2.1", arguments={"threshold": "vocab_kl", "min_count": "min_count"},
+    settings={"min_count": 5}, source="seed 000 §2.1", arguments={"threshold": "vocab_shift_threshold",
+               "min_count": "vocab_shift_min_count"},
 ))
 DATA_LEAKAGE_SPEC = register(RuleSpec(
     "data_leakage", _DATA, "warning", 0.15,
@@ -60,12 +62,13 @@ DATA_LEAKAGE_SPEC = register(RuleSpec(
     "{threshold:g}",
     settings={"near_duplicate": 0.5, "shingle_size": 3, "num_perm": 64, "min_leaks": 3},
     check="data_train_test_overlap", source="seed 000 §2.2, §7.1",
-    arguments={"threshold": "leakage", "near_duplicate": "near_duplicate", "shingle_size": "shingle_size",
+    arguments={"threshold": "leakage_threshold", "near_duplicate": "leakage_near_duplicate",
+               "shingle_size": "leakage_shingle_size",
                "num_perm": "num_perm", "min_leaks": "min_leaks"},
 ))
 LABEL_IMBALANCE_SPEC = register(RuleSpec(
     "label_imbalance", _DATA, "warning", 0.1, "standard deviation of the class proportions above {threshold:g}",
-    check="data_label_balance", source="seed 000 §7.1", arguments={"threshold": "label_std"},
+    check="data_label_balance", source="seed 000 §7.1", arguments={"threshold": "label_imbalance_threshold"},
 ))
 DATA_NONFINITE_SPEC = register(RuleSpec(
     "data_nonfinite", _DATA, "critical", None, "NaN/Inf in a floating tensor of a sampled batch",
@@ -79,13 +82,13 @@ DATA_NONFINITE = DATA_NONFINITE_SPEC.rule_id
 DATA_MAX_BATCHES_SETTING = register_setting(SettingSpec("data.max_batches", _DATA, 64, "max_batches"))
 
 #: ``data_vocab_shift``: KL divergence (nats) of validation vs training token frequencies above this.
-DEFAULT_VOCAB_KL = default(DATA_VOCAB_SHIFT)
+DEFAULT_VOCAB_SHIFT_THRESHOLD = default(DATA_VOCAB_SHIFT)
 #: ``data_leakage``: share of validation samples that (nearly) copy a training sample, at or above this.
-DEFAULT_LEAKAGE_FRACTION = default(DATA_LEAKAGE)
+DEFAULT_LEAKAGE_THRESHOLD = default(DATA_LEAKAGE)
 #: ``data_leakage``: shingle Jaccard similarity at or above which two samples count as the same sample.
-DEFAULT_NEAR_DUPLICATE = default(DATA_LEAKAGE_SPEC.key("near_duplicate"))
+DEFAULT_LEAKAGE_NEAR_DUPLICATE = default(DATA_LEAKAGE_SPEC.key("near_duplicate"))
 #: ``label_imbalance``: standard deviation of the class proportions above this.
-DEFAULT_LABEL_STD = default(LABEL_IMBALANCE)
+DEFAULT_LABEL_IMBALANCE_THRESHOLD = default(LABEL_IMBALANCE)
 
 _EXAMPLES = 5
 
@@ -153,9 +156,9 @@ class DataRules(Rule):
 
     def __init__(
         self,
-        vocab_kl: float = DEFAULT_VOCAB_KL,
-        leakage: float = DEFAULT_LEAKAGE_FRACTION,
-        label_std: float = DEFAULT_LABEL_STD,
+        vocab_kl: float = DEFAULT_VOCAB_SHIFT_THRESHOLD,
+        leakage: float = DEFAULT_LEAKAGE_THRESHOLD,
+        label_std: float = DEFAULT_LABEL_IMBALANCE_THRESHOLD,
     ) -> None:
         super().__init__()
         self.vocab_kl = vocab_kl
@@ -309,3 +312,14 @@ class DataRules(Rule):
             if key.startswith(f"{DATA_NONFINITE}:") and key not in seen:
                 self.latch.update(key, False)
         return out
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_VOCAB_KL": "DEFAULT_VOCAB_SHIFT_THRESHOLD",
+        "DEFAULT_LEAKAGE_FRACTION": "DEFAULT_LEAKAGE_THRESHOLD",
+        "DEFAULT_NEAR_DUPLICATE": "DEFAULT_LEAKAGE_NEAR_DUPLICATE",
+        "DEFAULT_LABEL_STD": "DEFAULT_LABEL_IMBALANCE_THRESHOLD",
+    },
+)

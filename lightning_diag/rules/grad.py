@@ -42,6 +42,7 @@ import math
 import statistics
 from collections.abc import Collection, Mapping
 
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
 from lightning_diag.rules.base import OVERWHELMING, Latch, Rule, StepContext, excess, name_layers
@@ -55,13 +56,13 @@ from lightning_diag.rules.grad_frozen import (
 )
 
 __all__ = [
-    "DEFAULT_BASELINE_MEASUREMENTS",
-    "DEFAULT_COLLAPSE_RATIO",
-    "DEFAULT_CONVERGED_FRACTION",
+    "DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS",
+    "DEFAULT_COLLAPSE_CONVERGED_FRACTION",
+    "DEFAULT_COLLAPSE_THRESHOLD",
     "DEFAULT_EXPLODE_THRESHOLD",
     "DEFAULT_GRAD_PATIENCE",
     "DEFAULT_GRAD_WARMUP_STEPS",
-    "DEFAULT_SPREAD_RATIO",
+    "DEFAULT_LAYER_SPREAD_THRESHOLD",
     "DEFAULT_VANISH_THRESHOLD",
     "FROZEN_REASONS",
     "GRAD_COLLAPSE",
@@ -99,15 +100,15 @@ GRAD_EXPLODE_SPEC = register(RuleSpec(
 GRAD_LAYER_SPREAD_SPEC = register(RuleSpec(
     "grad_layer_spread", GRADIENT_FLOW, "warning", 100.0,
     "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
-    check="grad_spread", source="seed 000 §3.1", arguments={"threshold": "spread_ratio"},
+    check="grad_spread", source="seed 000 §3.1", arguments={"threshold": "layer_spread_threshold"},
 ))
 GRAD_COLLAPSE_SPEC = register(RuleSpec(
     "grad_collapse", GRADIENT_FLOW, "warning", 0.01,
     "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or vanished: warning)",
     settings={"baseline_measurements": 5, "converged_fraction": 0.1}, check="grad_collapse",
     source="seed 001 §1.2",
-    arguments={"threshold": "collapse_ratio", "baseline_measurements": "baseline_measurements",
-               "converged_fraction": "converged_fraction"},
+    arguments={"threshold": "collapse_threshold", "baseline_measurements": "collapse_baseline_measurements",
+               "converged_fraction": "collapse_converged_fraction"},
 ))
 GRAD_VANISH = GRAD_VANISH_SPEC.rule_id
 GRAD_EXPLODE = GRAD_EXPLODE_SPEC.rule_id
@@ -126,17 +127,17 @@ _VANISH_RELATIVE = default(GRAD_VANISH_SPEC.key("relative"))
 #: ``grad_explode``: a layer's RMS gradient per element above this (seed 000 §3.1's 1e1).
 DEFAULT_EXPLODE_THRESHOLD = default(GRAD_EXPLODE)
 #: ``grad_layer_spread``: largest / smallest relative gradient of one role across blocks (seed 000 §3.1).
-DEFAULT_SPREAD_RATIO = default(GRAD_LAYER_SPREAD)
+DEFAULT_LAYER_SPREAD_THRESHOLD = default(GRAD_LAYER_SPREAD)
 #: ``grad_collapse``: blocks' gradient norm below this fraction of its baseline (seed 001 §1.2).
-DEFAULT_COLLAPSE_RATIO = default(GRAD_COLLAPSE)
+DEFAULT_COLLAPSE_THRESHOLD = default(GRAD_COLLAPSE)
 #: Consecutive measurements a gradient condition must hold before it alerts.
 DEFAULT_GRAD_PATIENCE = int(GRAD_PATIENCE_SETTING.default)
 #: ``grad_collapse``: measurements whose median is the baseline (and whose median loss is the initial loss).
-DEFAULT_BASELINE_MEASUREMENTS = int(default(GRAD_COLLAPSE_SPEC.key("baseline_measurements")))
+DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS = int(default(GRAD_COLLAPSE_SPEC.key("baseline_measurements")))
 #: ``grad_vanish`` / ``grad_layer_spread`` are not evaluated before this global step (initialisation transients).
 DEFAULT_GRAD_WARMUP_STEPS = int(GRAD_WARMUP_SETTING.default)
 #: ``grad_collapse``: a loss at most this fraction of its initial value is a converged model (``info``).
-DEFAULT_CONVERGED_FRACTION = default(GRAD_COLLAPSE_SPEC.key("converged_fraction"))
+DEFAULT_COLLAPSE_CONVERGED_FRACTION = default(GRAD_COLLAPSE_SPEC.key("converged_fraction"))
 #: ``grad_collapse``: a loss that has not fallen this fraction below its initial value is stuck (dead network).
 _STUCK_FALL = 0.1
 
@@ -308,7 +309,7 @@ class GradSpreadRule(Rule):
 
     def __init__(
         self,
-        spread_ratio: float = DEFAULT_SPREAD_RATIO,
+        spread_ratio: float = DEFAULT_LAYER_SPREAD_THRESHOLD,
         patience: int = DEFAULT_GRAD_PATIENCE,
         warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
     ) -> None:
@@ -389,10 +390,10 @@ class GradCollapseRule(Rule):
 
     def __init__(
         self,
-        collapse_ratio: float = DEFAULT_COLLAPSE_RATIO,
+        collapse_ratio: float = DEFAULT_COLLAPSE_THRESHOLD,
         patience: int = DEFAULT_GRAD_PATIENCE,
-        baseline_measurements: int = DEFAULT_BASELINE_MEASUREMENTS,
-        converged_fraction: float = DEFAULT_CONVERGED_FRACTION,
+        baseline_measurements: int = DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS,
+        converged_fraction: float = DEFAULT_COLLAPSE_CONVERGED_FRACTION,
     ) -> None:
         super().__init__()
         self.collapse_ratio = collapse_ratio
@@ -476,3 +477,14 @@ class GradCollapseRule(Rule):
                 severity=Severity.INFO if kind == "converged" else None,
             )
         ]
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_SPREAD_RATIO": "DEFAULT_LAYER_SPREAD_THRESHOLD",
+        "DEFAULT_COLLAPSE_RATIO": "DEFAULT_COLLAPSE_THRESHOLD",
+        "DEFAULT_BASELINE_MEASUREMENTS": "DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS",
+        "DEFAULT_CONVERGED_FRACTION": "DEFAULT_COLLAPSE_CONVERGED_FRACTION",
+    },
+)

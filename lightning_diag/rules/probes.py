@@ -7,17 +7,18 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 
 __all__ = [
-    "DEFAULT_LAYER_RATIO",
-    "DEFAULT_MIN_LAYER_ERROR",
-    "DEFAULT_QUANT_ERROR",
-    "DEFAULT_RHO",
-    "DEFAULT_SHARP_GAP",
-    "DEFAULT_SHARP_PATIENCE",
+    "DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO",
+    "DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR",
+    "DEFAULT_QUANTIZATION_ERROR_THRESHOLD",
+    "DEFAULT_SHARP_MINIMUM_PATIENCE",
+    "DEFAULT_SHARP_MINIMUM_RHO",
+    "DEFAULT_SHARP_MINIMUM_THRESHOLD",
     "MIN_LAYERS_FOR_MEDIAN",
     "QUANTIZATION_ERROR",
     "QUANTIZATION_ERROR_SPEC",
@@ -48,17 +49,17 @@ QUANTIZATION_ERROR = QUANTIZATION_ERROR_SPEC.rule_id
 _SHARP = SHARP_MINIMUM_SPEC
 _QUANT = QUANTIZATION_ERROR_SPEC
 #: SAM gap above which a probe counts as sharp (seed 000 §4.1).
-DEFAULT_SHARP_GAP: float = float(_SHARP.threshold or 0.3)
+DEFAULT_SHARP_MINIMUM_THRESHOLD: float = float(_SHARP.threshold or 0.3)
 #: SAM's perturbation radius (Foret et al. 2021).
-DEFAULT_RHO: float = float(_SHARP.settings["rho"])
+DEFAULT_SHARP_MINIMUM_RHO: float = float(_SHARP.settings["rho"])
 #: Consecutive sharp probes before ``sharp_minimum`` fires ("persistently").
-DEFAULT_SHARP_PATIENCE: int = int(_SHARP.settings["patience"])
+DEFAULT_SHARP_MINIMUM_PATIENCE: int = int(_SHARP.settings["patience"])
 #: End-to-end relative change of the loss above which INT8 is judged too lossy (seed 000 §7.1).
-DEFAULT_QUANT_ERROR: float = float(_QUANT.threshold or 0.05)
+DEFAULT_QUANTIZATION_ERROR_THRESHOLD: float = float(_QUANT.threshold or 0.05)
 #: A layer whose relative output MSE is above this many times the median layer's (seed 000 §5.1).
-DEFAULT_LAYER_RATIO: float = float(_QUANT.settings["layer_ratio"])
+DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO: float = float(_QUANT.settings["layer_ratio"])
 #: ... and above this absolute relative output MSE (noise power / signal power), so tiny errors never alert.
-DEFAULT_MIN_LAYER_ERROR: float = float(_QUANT.settings["min_layer_error"])
+DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR: float = float(_QUANT.settings["min_layer_error"])
 #: The median comparison needs at least this many quantized layers.
 MIN_LAYERS_FOR_MEDIAN = 3
 _WORST_NAMED = 3
@@ -78,7 +79,9 @@ class SharpMinimumRule(Rule):
     specs = (SHARP_MINIMUM_SPEC,)
     state_keys = ("streak",)
 
-    def __init__(self, threshold: float = DEFAULT_SHARP_GAP, patience: int = DEFAULT_SHARP_PATIENCE) -> None:
+    def __init__(
+        self, threshold: float = DEFAULT_SHARP_MINIMUM_THRESHOLD, patience: int = DEFAULT_SHARP_MINIMUM_PATIENCE
+    ) -> None:
         super().__init__()
         self.threshold = threshold
         self.patience = patience
@@ -91,7 +94,11 @@ class SharpMinimumRule(Rule):
         return cls(_SHARP.value(thresholds), int(_SHARP.value(thresholds, "patience")))
 
     def update(
-        self, gap: float, ctx: StepContext, relative_gap: float | None = None, rho: float | None = None,
+        self,
+        gap: float,
+        ctx: StepContext,
+        relative_gap: float | None = None,
+        rho: float | None = None,
         worst_layers: Sequence[tuple[str, float]] = (),
     ) -> list[Alert]:
         """Feed one probe's gap; return the alert when the streak reaches ``patience`` (latched)."""
@@ -135,9 +142,9 @@ class QuantizationErrorRule(Rule):
 
     def __init__(
         self,
-        threshold: float = DEFAULT_QUANT_ERROR,
-        layer_ratio: float = DEFAULT_LAYER_RATIO,
-        min_layer_error: float = DEFAULT_MIN_LAYER_ERROR,
+        threshold: float = DEFAULT_QUANTIZATION_ERROR_THRESHOLD,
+        layer_ratio: float = DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO,
+        min_layer_error: float = DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR,
     ) -> None:
         super().__init__()
         self.threshold = threshold
@@ -179,13 +186,17 @@ class QuantizationErrorRule(Rule):
         alerts: list[Alert] = []
         measured = end_to_end is not None and math.isfinite(end_to_end)
         if measured and self.latch.update("end_to_end", float(end_to_end or 0.0) > self.threshold):
-            alerts.append(self._alert(
-                ctx,
-                f"INT8 ({scheme}) changes the validation loss by {end_to_end:.1%}, above {self.threshold:.0%}: "
-                "quantize with per-channel scales, or keep the layers named by diag/quant/layer/* in higher "
-                "precision (mixed-precision quantization)",
-                "end_to_end", end_to_end, self.threshold,
-            ))
+            alerts.append(
+                self._alert(
+                    ctx,
+                    f"INT8 ({scheme}) changes the validation loss by {end_to_end:.1%}, above {self.threshold:.0%}: "
+                    "quantize with per-channel scales, or keep the layers named by diag/quant/layer/* in higher "
+                    "precision (mixed-precision quantization)",
+                    "end_to_end",
+                    end_to_end,
+                    self.threshold,
+                )
+            )
         outliers = self.outlier_layers(layer_errors)
         for name in layer_errors:
             if name not in outliers:
@@ -198,18 +209,37 @@ class QuantizationErrorRule(Rule):
             for name in newly[:_WORST_NAMED]:
                 fix = (
                     "use per-channel scales"
-                    if per_channel_errors.get(name, math.inf)
-                    <= max(self.layer_ratio * median, self.min_layer_error)
+                    if per_channel_errors.get(name, math.inf) <= max(self.layer_ratio * median, self.min_layer_error)
                     else "keep it in higher precision"
                 )
                 note = f"; {notes[name]}" if notes and name in notes else ""
                 named.append(f"{name} ({outliers[name]:.3g}x the median; {fix}{note})")
             more = f" and {len(newly) - _WORST_NAMED} more" if len(newly) > _WORST_NAMED else ""
-            alerts.append(self._alert(
-                ctx,
-                f"INT8 ({scheme}): {len(newly)} layer(s) with an output MSE above {self.layer_ratio:g}x the "
-                "median layer's (relative output MSE " + f"{layer_errors[newly[0]]:.3g} vs median {median:.3g}): "
-                + ", ".join(named) + more,
-                newly[0], layer_errors[newly[0]], self.layer_ratio,
-            ))
+            alerts.append(
+                self._alert(
+                    ctx,
+                    f"INT8 ({scheme}): {len(newly)} layer(s) with an output MSE above {self.layer_ratio:g}x the "
+                    "median layer's (relative output MSE "
+                    + f"{layer_errors[newly[0]]:.3g} vs median {median:.3g}): "
+                    + ", ".join(named)
+                    + more,
+                    newly[0],
+                    layer_errors[newly[0]],
+                    self.layer_ratio,
+                )
+            )
         return alerts
+
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_SHARP_GAP": "DEFAULT_SHARP_MINIMUM_THRESHOLD",
+        "DEFAULT_RHO": "DEFAULT_SHARP_MINIMUM_RHO",
+        "DEFAULT_SHARP_PATIENCE": "DEFAULT_SHARP_MINIMUM_PATIENCE",
+        "DEFAULT_QUANT_ERROR": "DEFAULT_QUANTIZATION_ERROR_THRESHOLD",
+        "DEFAULT_LAYER_RATIO": "DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO",
+        "DEFAULT_MIN_LAYER_ERROR": "DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR",
+    },
+)

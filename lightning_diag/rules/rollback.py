@@ -24,6 +24,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
@@ -31,8 +32,8 @@ from lightning_diag.rules.base import Rule, StepContext
 __all__ = [
     "DEFAULT_MAX_ROLLBACKS",
     "DEFAULT_ROLLBACK_EVERY_N_STEPS",
-    "DEFAULT_ROLLBACK_KEEP",
     "DEFAULT_ROLLBACK_LR_FACTOR",
+    "DEFAULT_ROLLBACK_SNAPSHOTS",
     "DEFAULT_SPIKE_FACTOR",
     "NONFINITE_ROLLBACK",
     "NONFINITE_ROLLBACK_SPEC",
@@ -45,8 +46,8 @@ NONFINITE_ROLLBACK_SPEC = register(RuleSpec(
     "nonfinite_rollback", "AnomalyAlarm", "warning", None,
     "a non-finite step rolled back to a snapshot, learning rates x{lr_factor:g} per rollback",
     settings={"every_n_steps": 50, "lr_factor": 0.5, "max_rollbacks": 3, "snapshots": 3}, check="nonfinite",
-    arguments={"every_n_steps": "rollback_every_n_steps", "lr_factor": "rollback_lr_factor",
-               "max_rollbacks": "max_rollbacks", "snapshots": "rollback_snapshots"},
+    arguments={"every_n_steps": "rollback.every_n_steps", "lr_factor": "rollback.lr_factor",
+               "max_rollbacks": "rollback.max_rollbacks", "snapshots": "rollback.snapshots"},
 ))
 NONFINITE_ROLLBACK = NONFINITE_ROLLBACK_SPEC.rule_id
 _SPEC = NONFINITE_ROLLBACK_SPEC
@@ -57,7 +58,7 @@ DEFAULT_ROLLBACK_LR_FACTOR = float(_SPEC.settings["lr_factor"])
 #: Rollbacks allowed in one fit before the alarm stops training.
 DEFAULT_MAX_ROLLBACKS = int(_SPEC.settings["max_rollbacks"])
 #: Snapshots kept.
-DEFAULT_ROLLBACK_KEEP = int(_SPEC.settings["snapshots"])
+DEFAULT_ROLLBACK_SNAPSHOTS = int(_SPEC.settings["snapshots"])
 #: A snapshot is not trusted when the loss before it was above this multiple of its running median.
 DEFAULT_SPIKE_FACTOR = 3.0
 
@@ -171,3 +172,11 @@ class RollbackRule(Rule):
         super().load_state_dict(state)
         self.rollbacks = int(self.rollbacks)
         self.lr_scale = float(self.lr_scale)
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_ROLLBACK_KEEP": "DEFAULT_ROLLBACK_SNAPSHOTS",
+    },
+)

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
@@ -36,19 +37,19 @@ from lightning_diag.stats.timing import Periodicity, Series, block_fluctuation, 
 __all__ = [
     "DATALOADER_BOUND",
     "DATALOADER_BOUND_SPEC",
-    "DEFAULT_BLOCK_STEPS",
-    "DEFAULT_DATALOADER_MIN_WAIT_S",
-    "DEFAULT_DATALOADER_PATIENCE",
-    "DEFAULT_DATALOADER_SHARE",
-    "DEFAULT_FLUCTUATION",
-    "DEFAULT_FLUCTUATION_PATIENCE",
-    "DEFAULT_MEMORY_GROWTH",
-    "DEFAULT_MEMORY_RISING_FRACTION",
-    "DEFAULT_MEMORY_WINDOW",
-    "DEFAULT_PERIODIC_SHARE",
-    "DEFAULT_SLOW_RATIO",
-    "DEFAULT_STEP_WINDOW",
-    "DEFAULT_WARMUP_STEPS",
+    "DEFAULT_DATALOADER_BOUND_MIN_WAIT_S",
+    "DEFAULT_DATALOADER_BOUND_PATIENCE",
+    "DEFAULT_DATALOADER_BOUND_THRESHOLD",
+    "DEFAULT_MEMORY_GROWTH_RISING_FRACTION",
+    "DEFAULT_MEMORY_GROWTH_THRESHOLD",
+    "DEFAULT_MEMORY_GROWTH_WINDOW",
+    "DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS",
+    "DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE",
+    "DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD",
+    "DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO",
+    "DEFAULT_STEP_TIME_PERIODIC_THRESHOLD",
+    "DEFAULT_STEP_TIME_WARMUP_STEPS",
+    "DEFAULT_STEP_TIME_WINDOW",
     "MEMORY_GROWTH",
     "MEMORY_GROWTH_SPEC",
     "STEP_TIME_FLUCTUATION",
@@ -68,15 +69,16 @@ DATALOADER_BOUND_SPEC = register(RuleSpec(
     "dataloader_bound", _SYSTEM, "warning", 0.25,
     "waiting for data above {threshold:.0%} of the step time on {patience:g} consecutive intervals",
     settings={"patience": 3, "min_wait_s": 0.005},
-    arguments={"threshold": "dataloader_share", "patience": "dataloader_patience",
-               "min_wait_s": "dataloader_min_wait_s"},
+    arguments={"threshold": "dataloader_bound_threshold", "patience": "dataloader_bound_patience",
+               "min_wait_s": "dataloader_bound_min_wait_s"},
 ))
 STEP_TIME_PERIODIC_SPEC = register(RuleSpec(
     "step_time_periodic", _SYSTEM, "warning", 0.05,
     "slow steps (more than {slow_ratio:.0%} above the median) recurring with a fixed period and costing above "
     "{threshold:.0%} of the time",
     settings={"slow_ratio": 0.5, "window": 200}, source="seed 001 §1.2",
-    arguments={"threshold": "periodic_share", "slow_ratio": "slow_ratio", "window": "window"},
+    arguments={"threshold": "step_time_periodic_threshold", "slow_ratio": "step_time_periodic_slow_ratio",
+               "window": "window"},
 ))
 STEP_TIME_FLUCTUATION_SPEC = register(RuleSpec(
     "step_time_fluctuation", _SYSTEM, "warning", 0.15,
@@ -84,14 +86,15 @@ STEP_TIME_FLUCTUATION_SPEC = register(RuleSpec(
     "{threshold:.0%}",
     settings={"patience": 3, "warmup_steps": 20, "block_steps": 10}, check="deploy_latency_fluctuation",
     source="seed 000 §7.1",
-    arguments={"threshold": "fluctuation_threshold", "patience": "fluctuation_patience",
-               "warmup_steps": "warmup_steps", "block_steps": "block_steps"},
+    arguments={"threshold": "step_time_fluctuation_threshold", "patience": "step_time_fluctuation_patience",
+               "warmup_steps": "warmup_steps", "block_steps": "step_time_fluctuation_block_steps"},
 ))
 MEMORY_GROWTH_SPEC = register(RuleSpec(
     "memory_growth", _SYSTEM, "warning", 0.1,
     "host or device memory growing by more than {threshold:.0%} over {window:g} intervals",
     settings={"window": 8, "rising_fraction": 0.7},
-    arguments={"threshold": "memory_growth", "window": "memory_window", "rising_fraction": "memory_rising_fraction"},
+    arguments={"threshold": "memory_growth_threshold", "window": "memory_growth_window",
+               "rising_fraction": "memory_growth_rising_fraction"},
 ))
 DATALOADER_BOUND = DATALOADER_BOUND_SPEC.rule_id
 STEP_TIME_PERIODIC = STEP_TIME_PERIODIC_SPEC.rule_id
@@ -104,31 +107,31 @@ def _default(rule: str, setting: str | None = None) -> float:
 
 
 #: ``dataloader_bound``: data waiting above this share of the step time.
-DEFAULT_DATALOADER_SHARE = _default(DATALOADER_BOUND)
+DEFAULT_DATALOADER_BOUND_THRESHOLD = _default(DATALOADER_BOUND)
 #: ``dataloader_bound``: consecutive logging intervals it must hold.
-DEFAULT_DATALOADER_PATIENCE = int(_default(DATALOADER_BOUND, "patience"))
+DEFAULT_DATALOADER_BOUND_PATIENCE = int(_default(DATALOADER_BOUND, "patience"))
 #: ``dataloader_bound``: seconds of waiting per step below which it never fires.
-DEFAULT_DATALOADER_MIN_WAIT_S = _default(DATALOADER_BOUND, "min_wait_s")
+DEFAULT_DATALOADER_BOUND_MIN_WAIT_S = _default(DATALOADER_BOUND, "min_wait_s")
 #: ``step_time_periodic``: the periodic slow steps' excess above this share of the time.
-DEFAULT_PERIODIC_SHARE = _default(STEP_TIME_PERIODIC)
+DEFAULT_STEP_TIME_PERIODIC_THRESHOLD = _default(STEP_TIME_PERIODIC)
 #: ``step_time_periodic``: a step is slow more than this fraction above the median.
-DEFAULT_SLOW_RATIO = _default(STEP_TIME_PERIODIC, "slow_ratio")
+DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO = _default(STEP_TIME_PERIODIC, "slow_ratio")
 #: Optimizer steps of step times the periodic and fluctuation tests look at.
-DEFAULT_STEP_WINDOW = int(_default(STEP_TIME_PERIODIC, "window"))
+DEFAULT_STEP_TIME_WINDOW = int(_default(STEP_TIME_PERIODIC, "window"))
 #: ``step_time_fluctuation``: relative median absolute deviation above this (seed 000 §7.1: 15%).
-DEFAULT_FLUCTUATION = _default(STEP_TIME_FLUCTUATION)
+DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD = _default(STEP_TIME_FLUCTUATION)
 #: ``step_time_fluctuation``: consecutive evaluations it must hold.
-DEFAULT_FLUCTUATION_PATIENCE = int(_default(STEP_TIME_FLUCTUATION, "patience"))
+DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE = int(_default(STEP_TIME_FLUCTUATION, "patience"))
 #: Optimizer steps at the start of a fit left out of the step-time tests.
-DEFAULT_WARMUP_STEPS = int(_default(STEP_TIME_FLUCTUATION, "warmup_steps"))
+DEFAULT_STEP_TIME_WARMUP_STEPS = int(_default(STEP_TIME_FLUCTUATION, "warmup_steps"))
 #: ``step_time_fluctuation``: optimizer steps per block whose median is one point of the fluctuation.
-DEFAULT_BLOCK_STEPS = int(_default(STEP_TIME_FLUCTUATION, "block_steps"))
+DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS = int(_default(STEP_TIME_FLUCTUATION, "block_steps"))
 #: ``memory_growth``: growth above this fraction of the window's first value.
-DEFAULT_MEMORY_GROWTH = _default(MEMORY_GROWTH)
+DEFAULT_MEMORY_GROWTH_THRESHOLD = _default(MEMORY_GROWTH)
 #: ``memory_growth``: logging intervals the growth is measured over.
-DEFAULT_MEMORY_WINDOW = int(_default(MEMORY_GROWTH, "window"))
+DEFAULT_MEMORY_GROWTH_WINDOW = int(_default(MEMORY_GROWTH, "window"))
 #: ``memory_growth``: fraction of the intervals that must rise.
-DEFAULT_MEMORY_RISING_FRACTION = _default(MEMORY_GROWTH, "rising_fraction")
+DEFAULT_MEMORY_GROWTH_RISING_FRACTION = _default(MEMORY_GROWTH, "rising_fraction")
 
 #: Fewest step times the periodic test judges.
 MIN_STEPS = 60
@@ -151,9 +154,9 @@ class DataloaderBoundRule(Rule):
 
     def __init__(
         self,
-        threshold: float = DEFAULT_DATALOADER_SHARE,
-        patience: int = DEFAULT_DATALOADER_PATIENCE,
-        min_wait_s: float = DEFAULT_DATALOADER_MIN_WAIT_S,
+        threshold: float = DEFAULT_DATALOADER_BOUND_THRESHOLD,
+        patience: int = DEFAULT_DATALOADER_BOUND_PATIENCE,
+        min_wait_s: float = DEFAULT_DATALOADER_BOUND_MIN_WAIT_S,
     ) -> None:
         super().__init__()
         self.threshold = threshold
@@ -201,7 +204,11 @@ class StepPeriodicRule(Rule):
     specs = (STEP_TIME_PERIODIC_SPEC,)
     state_keys = ()
 
-    def __init__(self, threshold: float = DEFAULT_PERIODIC_SHARE, slow_ratio: float = DEFAULT_SLOW_RATIO) -> None:
+    def __init__(
+        self,
+        threshold: float = DEFAULT_STEP_TIME_PERIODIC_THRESHOLD,
+        slow_ratio: float = DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO,
+    ) -> None:
         super().__init__()
         self.latch = Latch(clear_after=3)  # a pattern missed on one or two checks is the same event
         self.threshold = threshold
@@ -273,9 +280,9 @@ class StepFluctuationRule(Rule):
 
     def __init__(
         self,
-        threshold: float = DEFAULT_FLUCTUATION,
-        patience: int = DEFAULT_FLUCTUATION_PATIENCE,
-        block_steps: int = DEFAULT_BLOCK_STEPS,
+        threshold: float = DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD,
+        patience: int = DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE,
+        block_steps: int = DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS,
     ) -> None:
         super().__init__()
         self.threshold = threshold
@@ -324,9 +331,9 @@ class MemoryGrowthRule(Rule):
 
     def __init__(
         self,
-        threshold: float = DEFAULT_MEMORY_GROWTH,
-        window: int = DEFAULT_MEMORY_WINDOW,
-        rising_fraction: float = DEFAULT_MEMORY_RISING_FRACTION,
+        threshold: float = DEFAULT_MEMORY_GROWTH_THRESHOLD,
+        window: int = DEFAULT_MEMORY_GROWTH_WINDOW,
+        rising_fraction: float = DEFAULT_MEMORY_GROWTH_RISING_FRACTION,
     ) -> None:
         super().__init__()
         self.threshold = threshold
@@ -369,3 +376,24 @@ class MemoryGrowthRule(Rule):
                     )
                 )
         return alerts
+
+
+# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
+__getattr__ = renamed_constants(
+    __name__,
+    {
+        "DEFAULT_DATALOADER_SHARE": "DEFAULT_DATALOADER_BOUND_THRESHOLD",
+        "DEFAULT_DATALOADER_PATIENCE": "DEFAULT_DATALOADER_BOUND_PATIENCE",
+        "DEFAULT_DATALOADER_MIN_WAIT_S": "DEFAULT_DATALOADER_BOUND_MIN_WAIT_S",
+        "DEFAULT_PERIODIC_SHARE": "DEFAULT_STEP_TIME_PERIODIC_THRESHOLD",
+        "DEFAULT_SLOW_RATIO": "DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO",
+        "DEFAULT_STEP_WINDOW": "DEFAULT_STEP_TIME_WINDOW",
+        "DEFAULT_FLUCTUATION": "DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD",
+        "DEFAULT_FLUCTUATION_PATIENCE": "DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE",
+        "DEFAULT_WARMUP_STEPS": "DEFAULT_STEP_TIME_WARMUP_STEPS",
+        "DEFAULT_BLOCK_STEPS": "DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS",
+        "DEFAULT_MEMORY_GROWTH": "DEFAULT_MEMORY_GROWTH_THRESHOLD",
+        "DEFAULT_MEMORY_WINDOW": "DEFAULT_MEMORY_GROWTH_WINDOW",
+        "DEFAULT_MEMORY_RISING_FRACTION": "DEFAULT_MEMORY_GROWTH_RISING_FRACTION",
+    },
+)

@@ -81,7 +81,12 @@ if __name__ == "__main__":
     monitor = GradientFlowMonitor(log_every_n_steps=1, vanish_threshold=1e-9, explode_threshold=1e-2)
     # a ceiling far below uniform makes every head alert, so the ranks' attention decisions can be compared
     attention = AttentionEntropyMonitor(
-        log_every_n_steps=1, entropy_low=0.05, entropy_high=0.1, uniform_fraction=0.5, warmup_steps=0, patience=1
+        log_every_n_steps=1,
+        entropy_low_threshold=0.05,
+        entropy_high_threshold=0.1,
+        entropy_high_uniform_fraction=0.5,
+        entropy_high_warmup_steps=0,
+        patience=1,
     )
     model = Model()
     trainer = pl.Trainer(

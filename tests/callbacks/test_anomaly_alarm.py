@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import json
 import math
 
@@ -7,7 +8,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from lightning_diag import AnomalyAlarm, NonFiniteError, read_alerts
+from lightning_diag import AnomalyAlarm, LossTrendSettings, NonFiniteError, read_alerts
 from lightning_diag.demo import FAULTS, build_fault, run_demo
 
 FAST = dict(enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", log_every_n_steps=5)
@@ -33,23 +34,27 @@ def serious(alerts):
         ({"swing_window": 0}, ValueError, "swing_window"),
         ({"monitor": ""}, TypeError, "monitor"),
         ({"mode": "down"}, ValueError, "mode"),
-        ({"val_decline_patience": 0}, ValueError, "val_decline_patience"),
+        ({"val_decline_threshold": 0}, ValueError, "val_decline_threshold"),
         ({"val_decline_min_delta": math.nan}, ValueError, "val_decline_min_delta"),
-        ({"val_fluctuation_ratio": -2}, ValueError, "val_fluctuation_ratio"),
+        ({"val_fluctuation_threshold": -2}, ValueError, "val_fluctuation_threshold"),
         ({"val_fluctuation_window": 2}, ValueError, "val_fluctuation_window"),
         ({"val_fluctuation_min": -0.1}, ValueError, "val_fluctuation_min"),
         ({"val_fluctuation_min_range": -1}, ValueError, "val_fluctuation_min_range"),
         ({"val_fluctuation_min_rise": -1}, ValueError, "val_fluctuation_min_rise"),
         ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
-        ({"stagnant_min_drop": 1.0}, ValueError, "stagnant_min_drop"),
-        ({"stagnant_min_drop": "10%"}, TypeError, "stagnant_min_drop"),
+        ({"stagnant_threshold": 1.0}, ValueError, "stagnant_threshold"),
+        ({"stagnant_threshold": "10%"}, TypeError, "stagnant_threshold"),
         ({"stagnant_patience": 0}, ValueError, "stagnant_patience"),
         ({"stagnant_baseline_steps": 0}, ValueError, "stagnant_baseline_steps"),
     ],
 )
 def test_invalid_configuration(kwargs, error, names):
+    trend_fields = {f.name for f in dataclasses.fields(LossTrendSettings)}
     with pytest.raises(error, match=f"`{names}`"):
-        AnomalyAlarm(**kwargs)
+        if set(kwargs) <= trend_fields:  # the loss-trend values are LossTrendSettings fields, checked there
+            AnomalyAlarm(loss_trend=LossTrendSettings(**kwargs))
+        else:
+            AnomalyAlarm(**kwargs)
 
 
 def test_allowed_values_are_named():
@@ -272,13 +277,13 @@ def test_val_fluctuation(tmp_path, zigzag):
     if zigzag:
         assert "val_fluctuation" in rules
         first = next(a for a in alarm.alerts if a.rule == "val_fluctuation")
-        assert first.epoch == alarm.val_fluctuation_window - 1  # as soon as the window is full
+        assert first.epoch == alarm.loss_trend.val_fluctuation_window - 1  # as soon as the window is full
     else:
         assert rules == []
 
 
 def test_step_window_mode(tmp_path):
-    alarm = AnomalyAlarm(swing_window=8)
+    alarm = AnomalyAlarm(loss_trend=LossTrendSettings(swing_window=8))
     result = run_demo("swing", root=str(tmp_path), callbacks=[alarm])
     assert alarm.swing_rule.unit.startswith("window")
     assert len(alarm.swing_rule.history) > 0

@@ -1,14 +1,31 @@
-"""Invalid configuration, table-driven: every constructor argument of every callback (issue 7).
+"""Invalid configuration, table-driven: every constructor argument of every callback (issues 7, 20).
 
-Each error is raised at construction, names the argument and says what is allowed.
+Each error is raised at construction, names the argument and says what is allowed. Issue 20's renamed arguments
+(one naming scheme for thresholds: ``<rule>_threshold`` and ``<rule>_<setting>``) keep their old names for one
+release with a ``DeprecationWarning`` naming the new one; AnomalyAlarm's trend and rollback arguments moved into
+:class:`LossTrendSettings` and :class:`RollbackSettings`.
 """
 
+import dataclasses
 import inspect
 import math
+import warnings
 
 import pytest
 
-from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor
+import lightning_diag
+from lightning_diag import (
+    AnomalyAlarm,
+    AttentionEntropyMonitor,
+    DataDiagnostics,
+    GradientFlowMonitor,
+    LossTrendSettings,
+    RollbackSettings,
+    SystemMonitor,
+)
+from lightning_diag.callbacks import anomaly_alarm, attention_entropy, data_diagnostics, gradient_flow, system_monitor
+from lightning_diag.core.deprecation import renamed_arguments
+from lightning_diag.core.registry import default_thresholds
 
 # callback -> argument -> [(bad value, error, what the message must say is allowed)]
 INVALID = {
@@ -20,32 +37,11 @@ INVALID = {
         ],
         "max_skips": [(-1, ValueError, "an int >= 0"), (1.5, TypeError, "an int >= 0")],
         "max_scaler_overflows": [(0, ValueError, "an int >= 1"), ("5", TypeError, "an int >= 1")],
-        "swing_threshold": [(0, ValueError, "a number > 0"), ("10%", TypeError, "a number > 0")],
-        "swing_patience": [(0, ValueError, "an int >= 1")],
-        "swing_min_delta": [(-1.0, ValueError, "a number >= 0"), (math.inf, ValueError, ">= 0")],
-        "swing_window": [
-            ("step", ValueError, "'epoch' or an int >= 1"),
-            (0, ValueError, "'epoch' or an int >= 1"),
-            (True, TypeError, "'epoch' or an int >= 1"),
-            (2.5, TypeError, "'epoch' or an int >= 1"),
-        ],
         "monitor": [("", TypeError, "a non-empty metric name"), (3, TypeError, "a non-empty metric name")],
         "mode": [("down", ValueError, "'min', 'max'")],
-        "val_decline_patience": [(0, ValueError, "an int >= 1")],
-        "val_decline_min_delta": [(math.nan, ValueError, "a number >= 0")],
-        "val_fluctuation_ratio": [(-2, ValueError, "a number > 0")],
-        "val_fluctuation_window": [(2, ValueError, "an int >= 3")],
-        "val_fluctuation_min": [(-0.1, ValueError, "a number >= 0")],
-        "val_fluctuation_min_range": [(-1, ValueError, "a number >= 0")],
-        "stagnant_min_drop": [(1.0, ValueError, "a number >= 0 and < 1")],
-        "stagnant_patience": [(0, ValueError, "an int >= 1")],
         "locate_nonfinite": [("yes", TypeError, "a bool")],
-        "rollback_every_n_steps": [(0, ValueError, "an int >= 1")],
-        "rollback_lr_factor": [(0.0, ValueError, "a number > 0 and < 1"), (1.0, ValueError, "a number > 0 and < 1")],
-        "max_rollbacks": [(-1, ValueError, "an int >= 0")],
-        "rollback_device": [("gpu", ValueError, "'cpu', 'device'")],
-        "rollback_snapshots": [(0, ValueError, "an int >= 1")],
-        "stagnant_baseline_steps": [(0, ValueError, "an int >= 1")],
+        "loss_trend": [({"swing_threshold": 0.2}, TypeError, "a LossTrendSettings or None")],
+        "rollback": [(RollbackSettings, TypeError, "a RollbackSettings or None")],
         "log_every_n_steps": [(0, ValueError, "an int >= 1"), (1.0, TypeError, "an int >= 1")],
     },
     GradientFlowMonitor: {
@@ -58,13 +54,16 @@ INVALID = {
         "activation_grads": [("head.0", TypeError, "True, False or a list of module-name patterns")],
         "vanish_threshold": [(0, ValueError, "a number > 0")],
         "explode_threshold": [(1e-4, ValueError, "a number > 0.001")],
-        "spread_ratio": [(0.5, ValueError, "a number > 1")],
-        "collapse_ratio": [(1.5, ValueError, "a number > 0 and < 1"), (0, ValueError, "> 0 and < 1")],
+        "layer_spread_threshold": [(0.5, ValueError, "a number > 1")],
+        "collapse_threshold": [(1.5, ValueError, "a number > 0 and < 1"), (0, ValueError, "> 0 and < 1")],
         "patience": [(0, ValueError, "an int >= 1")],
-        "baseline_measurements": [(0, ValueError, "an int >= 1")],
+        "collapse_baseline_measurements": [(0, ValueError, "an int >= 1")],
         "expect_frozen": [("enc", TypeError, "a list of parameter-name patterns"), ([1], TypeError, "patterns")],
         "warmup_steps": [(-1, ValueError, "an int >= 0")],
-        "converged_fraction": [(1.0, ValueError, "a number > 0 and < 1"), (-0.1, ValueError, "> 0 and < 1")],
+        "collapse_converged_fraction": [
+            (1.0, ValueError, "a number > 0 and < 1"),
+            (-0.1, ValueError, "> 0 and < 1"),
+        ],
         "logit_projections": [("q_proj", TypeError, "a list of module names"), ([1], TypeError, "module names")],
     },
     AttentionEntropyMonitor: {
@@ -77,12 +76,68 @@ INVALID = {
         "special_token_ids": [([True], TypeError, "a sequence of ints")],
         "input_ids": [("input_ids", TypeError, "a callable batch -> tensor")],
         "image_every_n_steps": [(-1, ValueError, "an int >= 0")],
-        "entropy_low": [(0, ValueError, "a number > 0")],
-        "entropy_high": [(0.1, ValueError, "a number > 0.5")],
-        "uniform_fraction": [(2, ValueError, "a number > 0 and <= 1")],
-        "warmup_steps": [(-1, ValueError, "an int >= 0")],
-        "sink_mass": [(1.0, ValueError, "a number > 0 and < 1")],
+        "entropy_low_threshold": [(0, ValueError, "a number > 0")],
+        "entropy_high_threshold": [(0.1, ValueError, "a number > 0.5")],
+        "entropy_high_uniform_fraction": [(2, ValueError, "a number > 0 and <= 1")],
+        "entropy_high_warmup_steps": [(-1, ValueError, "an int >= 0")],
+        "sink_threshold": [(1.0, ValueError, "a number > 0 and < 1")],
         "patience": [(0, ValueError, "an int >= 1")],
+    },
+    # The renamed thresholds of the other two callbacks (their other arguments: their own test modules).
+    DataDiagnostics: {
+        "vocab_shift_threshold": [(-1, ValueError, "a number > 0")],
+        "vocab_shift_min_count": [(0, ValueError, "an int >= 1")],
+        "leakage_threshold": [(1.5, ValueError, "a number > 0 and <= 1")],
+        "leakage_near_duplicate": [("high", TypeError, "a number > 0 and <= 1")],
+        "leakage_shingle_size": [(0, ValueError, "an int >= 1 and <= 16")],
+        "label_imbalance_threshold": [(0.7, ValueError, "a number > 0 and <= 0.5")],
+    },
+    SystemMonitor: {
+        "dataloader_bound_threshold": [(1.5, ValueError, "a number > 0 and <= 1"), ("x", TypeError, "a number")],
+        "dataloader_bound_patience": [(0, ValueError, "an int >= 1")],
+        "dataloader_bound_min_wait_s": [(-1.0, ValueError, "a number >= 0")],
+        "step_time_periodic_threshold": [(0, ValueError, "a number > 0")],
+        "step_time_periodic_slow_ratio": [(0, ValueError, "a number > 0")],
+        "step_time_fluctuation_threshold": [(-0.1, ValueError, "a number > 0")],
+        "step_time_fluctuation_patience": [(0, ValueError, "an int >= 1")],
+        "step_time_fluctuation_block_steps": [(0, ValueError, "an int >= 1")],
+        "memory_growth_threshold": [(0, ValueError, "a number > 0")],
+        "memory_growth_window": [(2, ValueError, "an int >= 3")],
+        "memory_growth_rising_fraction": [(1.5, ValueError, "a number > 0 and <= 1")],
+    },
+}
+#: Callbacks whose table above lists every constructor argument.
+COMPLETE = (AnomalyAlarm, GradientFlowMonitor, AttentionEntropyMonitor)
+
+# settings class -> field -> [(bad value, error, what the message must say is allowed)]
+SETTINGS_INVALID = {
+    LossTrendSettings: {
+        "swing_threshold": [(0, ValueError, "a number > 0"), ("10%", TypeError, "a number > 0")],
+        "swing_patience": [(0, ValueError, "an int >= 1")],
+        "swing_min_delta": [(-1.0, ValueError, "a number >= 0"), (math.inf, ValueError, ">= 0")],
+        "swing_window": [
+            ("step", ValueError, "'epoch' or an int >= 1"),
+            (0, ValueError, "'epoch' or an int >= 1"),
+            (True, TypeError, "'epoch' or an int >= 1"),
+            (2.5, TypeError, "'epoch' or an int >= 1"),
+        ],
+        "stagnant_threshold": [(1.0, ValueError, "a number >= 0 and < 1"), ("10%", TypeError, ">= 0 and < 1")],
+        "stagnant_patience": [(0, ValueError, "an int >= 1")],
+        "stagnant_baseline_steps": [(0, ValueError, "an int >= 1")],
+        "val_decline_threshold": [(0, ValueError, "an int >= 1"), (5.0, TypeError, "an int >= 1")],
+        "val_decline_min_delta": [(math.nan, ValueError, "a number >= 0")],
+        "val_fluctuation_threshold": [(-2, ValueError, "a number > 0")],
+        "val_fluctuation_window": [(2, ValueError, "an int >= 3")],
+        "val_fluctuation_min": [(-0.1, ValueError, "a number >= 0")],
+        "val_fluctuation_min_range": [(-1, ValueError, "a number >= 0")],
+        "val_fluctuation_min_rise": [(-1, ValueError, "a number >= 0")],
+    },
+    RollbackSettings: {
+        "every_n_steps": [(0, ValueError, "an int >= 1")],
+        "lr_factor": [(0.0, ValueError, "a number > 0 and < 1"), (1.0, ValueError, "a number > 0 and < 1")],
+        "max_rollbacks": [(-1, ValueError, "an int >= 0")],
+        "device": [("gpu", ValueError, "'cpu', 'device'")],
+        "snapshots": [(0, ValueError, "an int >= 1")],
     },
 }
 CASES = [
@@ -93,7 +148,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("callback", list(INVALID), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("callback", COMPLETE, ids=lambda c: c.__name__)
 def test_every_constructor_argument_has_a_row(callback):
     assert set(INVALID[callback]) == set(inspect.signature(callback).parameters)
 
@@ -111,3 +166,216 @@ def test_invalid_argument_is_rejected_naming_it_and_the_allowed_values(callback,
 @pytest.mark.parametrize("callback", list(INVALID), ids=lambda c: c.__name__)
 def test_defaults_are_valid(callback):
     callback()
+
+
+@pytest.mark.parametrize("callback", list(INVALID), ids=lambda c: c.__name__)
+def test_constructors_are_keyword_only(callback):
+    kinds = {p.kind for p in inspect.signature(callback).parameters.values()}
+    assert kinds == {inspect.Parameter.KEYWORD_ONLY}
+    with pytest.raises(TypeError):
+        callback(1)
+
+
+# -- settings classes ------------------------------------------------------------------------------------------
+SETTINGS_CASES = [
+    pytest.param(kind, field, value, error, allowed, id=f"{kind.__name__}-{field}-{value!r}")
+    for kind, table in SETTINGS_INVALID.items()
+    for field, rows in table.items()
+    for value, error, allowed in rows
+]
+
+
+@pytest.mark.parametrize("kind", list(SETTINGS_INVALID), ids=lambda c: c.__name__)
+def test_every_settings_field_has_a_row(kind):
+    assert set(SETTINGS_INVALID[kind]) == {f.name for f in dataclasses.fields(kind)}
+
+
+@pytest.mark.parametrize(("kind", "field", "value", "error", "allowed"), SETTINGS_CASES)
+def test_invalid_setting_is_rejected_at_construction_naming_it(kind, field, value, error, allowed):
+    with pytest.raises(error) as info:
+        kind(**{field: value})
+    message = str(info.value)
+    assert f"Expected argument `{field}` to be " in message
+    assert allowed in message
+    assert f"but got {value!r}" in message
+
+
+@pytest.mark.parametrize("kind", list(SETTINGS_INVALID), ids=lambda c: c.__name__)
+def test_settings_are_frozen_keyword_values_with_the_registry_defaults(kind):
+    settings = kind()
+    name = next(iter(SETTINGS_INVALID[kind]))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(settings, name, 1)
+    assert kind() == settings and hash(kind()) == hash(settings)
+    alarm = AnomalyAlarm(on_nonfinite="rollback")
+    expected = default_thresholds("AnomalyAlarm")
+    expected.pop("nonfinite_loss.max_skips")  # in force only with on_nonfinite="skip", so left out here
+    assert {k: v for k, v in alarm.thresholds().items() if k in expected} == expected
+
+
+def test_settings_objects_are_passed_and_read_back():
+    alarm = AnomalyAlarm(
+        on_nonfinite="rollback",
+        loss_trend=LossTrendSettings(swing_threshold=0.2, swing_window=100, val_decline_threshold=2),
+        rollback=RollbackSettings(every_n_steps=100, lr_factor=0.25),
+    )
+    values = alarm.thresholds()
+    assert values["loss_swing"] == 0.2 and values["loss_swing.window_steps"] == 100.0
+    assert values["val_decline"] == 2.0
+    assert values["nonfinite_rollback.every_n_steps"] == 100.0 and values["nonfinite_rollback.lr_factor"] == 0.25
+    assert alarm.recovery.every_n_steps == 100 and alarm.recovery.rule.lr_factor == 0.25
+    assert alarm.trend.swing_rule.threshold == 0.2 and alarm.trend.val_decline_rule.patience == 2
+    assert alarm.state_key == "AnomalyAlarm{'monitor': 'val_loss', 'swing_window': 100}"
+
+
+def test_defaults_are_those_of_before_the_settings_classes():
+    alarm = AnomalyAlarm()
+    expected = {
+        k: v
+        for k, v in default_thresholds("AnomalyAlarm").items()
+        if not k.startswith("nonfinite_rollback.") and k != "nonfinite_loss.max_skips"  # action-dependent
+    }
+    assert alarm.thresholds() == {**expected, "val_decline.higher_is_better": 0.0}
+    assert alarm.state_key == "AnomalyAlarm{'monitor': 'val_loss', 'swing_window': 'epoch'}"
+    assert GradientFlowMonitor().thresholds() == {
+        **default_thresholds("GradientFlowMonitor"),
+        "grad_vanish.relative": 100.0,
+    }
+    for callback in (AttentionEntropyMonitor, DataDiagnostics, SystemMonitor):
+        assert callback().thresholds() == default_thresholds(callback.__name__)
+
+
+def test_loss_trend_does_not_read_its_owner():
+    from lightning_diag.callbacks.loss_trend import LossTrend
+
+    assert "owner" not in inspect.signature(LossTrend).parameters
+    trend = LossTrend(LossTrendSettings(val_fluctuation_min_range=0.5), monitor="val_acc", mode="max")
+    assert trend.val_fluctuation_rule.min_range == 0.5 and trend.val_decline_rule.monitor == "val_acc"
+    assert not hasattr(trend, "owner")
+
+
+# -- deprecated names ----------------------------------------------------------------------------------------
+RENAMED = {
+    AnomalyAlarm: anomaly_alarm._RENAMED_ARGUMENTS,
+    GradientFlowMonitor: gradient_flow._RENAMED_ARGUMENTS,
+    AttentionEntropyMonitor: attention_entropy._RENAMED_ARGUMENTS,
+    DataDiagnostics: data_diagnostics._RENAMED_ARGUMENTS,
+    SystemMonitor: system_monitor._RENAMED_ARGUMENTS,
+}
+_GROUPS = {"loss_trend": LossTrendSettings, "rollback": RollbackSettings}
+
+
+def _default_of(callback, new):
+    group, _, field = new.rpartition(".")
+    if group:
+        return {f.name: f.default for f in dataclasses.fields(_GROUPS[group])}[field]
+    return inspect.signature(callback).parameters[new].default
+
+
+def _changed(value):
+    """A valid value other than the default ``value``."""
+    if value == "epoch":
+        return 7
+    if value == "cpu":
+        return "device"
+    return value + 1 if isinstance(value, int) else value * 0.9
+
+
+def _read(callback, new):
+    group, _, field = new.rpartition(".")
+    return getattr(getattr(callback, group), field) if group else getattr(callback, new)
+
+
+DEPRECATED = [
+    pytest.param(callback, old, new, id=f"{callback.__name__}-{old}")
+    for callback, renames in RENAMED.items()
+    for old, new in renames.items()
+]
+
+
+@pytest.mark.parametrize(("callback", "old", "new"), DEPRECATED)
+def test_old_argument_name_still_works_and_warns_naming_the_new_one(callback, old, new):
+    value = _changed(_default_of(callback, new))
+    with pytest.warns(DeprecationWarning) as caught:
+        instance = callback(**{old: value})
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert f"`{callback.__name__}({old}=...)` is deprecated" in message
+    group, _, field = new.rpartition(".")
+    assert (f"{group}={_GROUPS[group].__name__}({field}=...)" if group else f"{new}=...") in message
+    assert caught[0].filename == __file__  # the warning points at the caller
+    assert _read(instance, new) == value
+    assert old not in inspect.signature(callback).parameters and new.split(".")[0] in inspect.signature(
+        callback
+    ).parameters
+
+
+def test_every_renamed_argument_is_in_the_docs_table():
+    from pathlib import Path
+
+    table = (Path(__file__).resolve().parents[2] / "docs" / "thresholds.md").read_text()
+    for callback, renames in RENAMED.items():
+        for old, new in renames.items():
+            assert f"| `{callback.__name__}` | `{old}` | `{new}` |" in table, (callback.__name__, old)
+
+
+def test_old_names_of_one_settings_group_are_merged_with_the_object_given():
+    with pytest.warns(DeprecationWarning):
+        alarm = AnomalyAlarm(
+            on_nonfinite="rollback",
+            rollback=RollbackSettings(every_n_steps=10),
+            rollback_lr_factor=0.25,
+            max_rollbacks=1,
+        )
+    assert alarm.rollback == RollbackSettings(every_n_steps=10, lr_factor=0.25, max_rollbacks=1)
+
+
+def test_old_flat_argument_is_validated_as_before():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(ValueError, match="`every_n_steps`"):
+            AnomalyAlarm(rollback_every_n_steps=0)
+        with pytest.raises(ValueError, match="`layer_spread_threshold`"):
+            GradientFlowMonitor(spread_ratio=0.5)
+
+
+def test_old_and_new_name_together_and_unknown_names_raise_type_error():
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="both `spread_ratio`"):
+        GradientFlowMonitor(spread_ratio=10.0, layer_spread_threshold=20.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'spread_ration'"):
+        GradientFlowMonitor(spread_ration=10.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'swing'"):
+        AnomalyAlarm(swing=0.1)
+
+
+def test_renamed_arguments_needs_a_class_for_each_group():
+    with pytest.raises(ValueError, match="without a class"):
+        renamed_arguments({"old": "group.field"})
+
+
+@pytest.mark.parametrize(
+    ("module", "old", "new"),
+    [
+        ("lightning_diag.rules.anomaly", "DEFAULT_VAL_FLUCTUATION_MIN_ABS", "DEFAULT_VAL_FLUCTUATION_MIN_RANGE"),
+        ("lightning_diag.rules.grad", "DEFAULT_SPREAD_RATIO", "DEFAULT_LAYER_SPREAD_THRESHOLD"),
+        ("lightning_diag.rules.attention", "DEFAULT_SINK_MASS", "DEFAULT_SINK_THRESHOLD"),
+        ("lightning_diag.rules.data", "DEFAULT_VOCAB_KL", "DEFAULT_VOCAB_SHIFT_THRESHOLD"),
+        ("lightning_diag.callbacks.data_diagnostics", "DEFAULT_MIN_COUNT", "DEFAULT_VOCAB_SHIFT_MIN_COUNT"),
+        ("lightning_diag.rules.system", "DEFAULT_DATALOADER_SHARE", "DEFAULT_DATALOADER_BOUND_THRESHOLD"),
+        ("lightning_diag.rules.probes", "DEFAULT_SHARP_GAP", "DEFAULT_SHARP_MINIMUM_THRESHOLD"),
+        ("lightning_diag.rules.rollback", "DEFAULT_ROLLBACK_KEEP", "DEFAULT_ROLLBACK_SNAPSHOTS"),
+    ],
+)
+def test_old_constant_names_still_import_with_a_warning(module, old, new):
+    import importlib
+
+    mod = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=new):
+        assert getattr(mod, old) == getattr(mod, new)
+    with pytest.raises(AttributeError):
+        mod.DEFAULT_NOT_A_CONSTANT  # noqa: B018
+
+
+def test_settings_classes_are_public():
+    assert {"LossTrendSettings", "RollbackSettings"} <= set(lightning_diag.__all__)
+    assert lightning_diag.RollbackSettings is RollbackSettings

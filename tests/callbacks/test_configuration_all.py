@@ -11,6 +11,7 @@ holds the hand-written table with the exact allowed-value messages.
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import inspect
 import math
 import types
@@ -63,6 +64,8 @@ def _bad_values(hint: Any) -> list[Any]:
         element = (typing.get_args(seq) or (str,))[0]
         bad.append(["x"] if element is int else [1.5])  # an element of the wrong type
     if any(typing.get_origin(o) is collections.abc.Callable for o in options):
+        bad.append(42)
+    if any(dataclasses.is_dataclass(o) for o in options):  # a settings object (LossTrendSettings, ...)
         bad.append(42)
     return bad
 

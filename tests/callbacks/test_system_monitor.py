@@ -136,7 +136,7 @@ def test_healthy_run_with_every_callback_is_quiet_and_its_overhead_is_accounted(
 
 
 def test_state_survives_a_resume(tmp_path):
-    monitor = SystemMonitor(log_every_n_steps=2, warmup_steps=0, memory_window=3)
+    monitor = SystemMonitor(log_every_n_steps=2, warmup_steps=0, memory_growth_window=3)
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
     kwargs = {**FAST, "enable_checkpointing": True, "default_root_dir": tmp_path}
     pl.Trainer(max_steps=10, callbacks=[monitor, ckpt], **kwargs).fit(MLP())
@@ -147,7 +147,7 @@ def test_state_survives_a_resume(tmp_path):
     # saved inside step 10, before its interval (steps 9-10) was reported
     assert state["steps_seen"] == 8 and len(state["window"]) == 8
     assert len(state["memory"]["history"]["host_rss"]) == 3
-    resumed = SystemMonitor(log_every_n_steps=2, warmup_steps=0, memory_window=3)
+    resumed = SystemMonitor(log_every_n_steps=2, warmup_steps=0, memory_growth_window=3)
     seen: dict[str, Any] = {}
 
     class Peek(pl.Callback):
@@ -165,12 +165,12 @@ def test_state_survives_a_resume(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "error", "needle"),
     [
-        ({"dataloader_share": 1.5}, ValueError, "dataloader_share"),
-        ({"dataloader_share": "x"}, TypeError, "dataloader_share"),
+        ({"dataloader_bound_threshold": 1.5}, ValueError, "dataloader_bound_threshold"),
+        ({"dataloader_bound_threshold": "x"}, TypeError, "dataloader_bound_threshold"),
         ({"window": 10}, ValueError, "window"),
-        ({"fluctuation_threshold": -0.1}, ValueError, "fluctuation_threshold"),
-        ({"memory_window": 2}, ValueError, "memory_window"),
-        ({"block_steps": 0}, ValueError, "block_steps"),
+        ({"step_time_fluctuation_threshold": -0.1}, ValueError, "step_time_fluctuation_threshold"),
+        ({"memory_growth_window": 2}, ValueError, "memory_growth_window"),
+        ({"step_time_fluctuation_block_steps": 0}, ValueError, "step_time_fluctuation_block_steps"),
         ({"nvml": "yes"}, TypeError, "nvml"),
         ({"time_callbacks": 1}, TypeError, "time_callbacks"),
         ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),

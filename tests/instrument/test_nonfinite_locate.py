@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_diag.instrument.nonfinite_locate import RngState, find_nonfinite_in_batch, locate
+from lightning_diag.instrument.nonfinite_locate import find_nonfinite_in_batch, locate
+from lightning_diag.instrument.rng import RngState
 
 
 class Log(nn.Module):

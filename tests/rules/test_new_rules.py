@@ -5,7 +5,7 @@ import math
 import pytest
 
 from lightning_diag.rules import LossStagnantRule, StepContext
-from lightning_diag.rules.anomaly import DEFAULT_STAGNANT_MIN_DROP, DEFAULT_STAGNANT_PATIENCE
+from lightning_diag.rules.anomaly import DEFAULT_STAGNANT_PATIENCE, DEFAULT_STAGNANT_THRESHOLD
 from lightning_diag.rules.grad import GradFrozenRule
 
 
@@ -34,7 +34,7 @@ def test_loss_stagnant_table(name, baseline, points, fires_at):
 
 
 def test_loss_stagnant_defaults_and_arguments():
-    assert (DEFAULT_STAGNANT_MIN_DROP, DEFAULT_STAGNANT_PATIENCE) == (0.10, 4)
+    assert (DEFAULT_STAGNANT_THRESHOLD, DEFAULT_STAGNANT_PATIENCE) == (0.10, 4)
     assert stagnant_fires(1.0, [0.97, 0.97], patience=2, min_drop=0.05) == [1]
     assert stagnant_fires(1.0, [0.94, 0.94], patience=2, min_drop=0.05) == []
 

@@ -6,10 +6,10 @@ import pytest
 
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.probes import (
-    DEFAULT_LAYER_RATIO,
-    DEFAULT_QUANT_ERROR,
-    DEFAULT_SHARP_GAP,
-    DEFAULT_SHARP_PATIENCE,
+    DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO,
+    DEFAULT_QUANTIZATION_ERROR_THRESHOLD,
+    DEFAULT_SHARP_MINIMUM_PATIENCE,
+    DEFAULT_SHARP_MINIMUM_THRESHOLD,
     QuantizationErrorRule,
     SharpMinimumRule,
 )
@@ -38,7 +38,7 @@ def test_sharp_minimum_table(name, gaps, fires_at):
 
 
 def test_sharp_defaults_patience_and_resume():
-    assert (DEFAULT_SHARP_GAP, DEFAULT_SHARP_PATIENCE) == (0.3, 3)
+    assert (DEFAULT_SHARP_MINIMUM_THRESHOLD, DEFAULT_SHARP_MINIMUM_PATIENCE) == (0.3, 3)
     assert sharp_fires([0.2, 0.2], threshold=0.1, patience=2) == [1]
     rule = SharpMinimumRule(patience=3)
     rule.update(0.5, StepContext(0, 0))
@@ -59,7 +59,7 @@ def test_quantization_notes_are_quoted_for_named_layers():
 
 
 def test_quantization_end_to_end_and_latch():
-    assert (DEFAULT_QUANT_ERROR, DEFAULT_LAYER_RATIO) == (0.05, 10.0)
+    assert (DEFAULT_QUANTIZATION_ERROR_THRESHOLD, DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO) == (0.05, 10.0)
     rule = QuantizationErrorRule()
     ok = {"a": 1e-4, "b": 1e-4, "c": 2e-4}
     fired = [bool(rule.update(e, ok, ok, StepContext(i, i))) for i, e in enumerate([0.01, 0.06, 0.07, 0.02, 0.1])]
