@@ -20,6 +20,7 @@ from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, che
 from lightning_diag.callbacks.lr_logging import lr_scalars
 from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
+from lightning_diag.callbacks.silent_checks import ReplicaCheck, TrainModeCheck
 from lightning_diag.core.alerts import (
     LOSS_SWING,
     NONFINITE_LOSS,
@@ -54,6 +55,7 @@ from lightning_diag.rules.nonfinite import (
     NONFINITE_ACTIONS,
     NonFinitePolicy,
 )
+from lightning_diag.rules.replicas import DEFAULT_DESYNC_EVERY_N_STEPS, DEFAULT_DESYNC_TOLERANCE
 from lightning_diag.rules.rollback import (
     DEFAULT_MAX_ROLLBACKS,
     DEFAULT_ROLLBACK_EVERY_N_STEPS,
@@ -88,6 +90,13 @@ class AnomalyAlarm(DiagCallback):
     * ``val_decline`` (warning): ``monitor`` worsens on ``val_decline_patience`` consecutive validation runs.
     * ``val_fluctuation`` (warning): the validation fluctuation exceeds ``val_fluctuation_ratio`` times the
       training-loss fluctuation over the last ``val_fluctuation_window`` validation runs.
+    * ``ddp_desync`` (critical): under DDP, a parameter's checksum (L2 norm and sum) differs across the ranks by
+      more than ``desync_tolerance`` (relative to rank 0), checked every ``desync_every_n_steps`` optimizer steps
+      with one ``all_gather`` of two numbers per parameter; names the first such parameter and the ranks. Not
+      checked under sharded strategies (shards are not replicas; said once).
+    * ``eval_mode_in_training`` (warning): on logging steps, a Dropout (``p > 0``, in a part of the model with
+      trainable parameters) or a BatchNorm whose parameters train is in eval mode during training (a host read of
+      the modules' flags). A BatchNorm with frozen parameters in eval mode is one ``info``.
 
     Logged metrics (TensorBoard, global rank zero):
 
@@ -98,6 +107,8 @@ class AnomalyAlarm(DiagCallback):
     * ``diag/loss/val``: the monitored validation value.
     * ``diag/loss/train_fluctuation``, ``diag/loss/val_fluctuation``: the two fluctuations once the window is full.
     * ``diag/threshold/loss_swing``: ``swing_threshold``, at the steps of ``diag/loss/swing`` (dashboard line).
+    * ``diag/replicas/max_rel_diff``, ``diag/replicas/agree``: the largest relative checksum difference across
+      ranks, and 1 when it is within ``desync_tolerance`` (DDP, at every check).
 
     Args:
         on_nonfinite: ``"stop"`` (default): the offending step changes no parameter and no optimizer state, a
@@ -138,6 +149,10 @@ class AnomalyAlarm(DiagCallback):
         rollback_device: ``"rollback"``: ``"cpu"`` keeps snapshots in host memory (non-blocking copies),
             ``"device"`` on the training device.
         rollback_snapshots: ``"rollback"``: snapshots kept.
+        desync_every_n_steps: ``ddp_desync``: optimizer steps between two comparisons of the replicas (default
+            100).
+        desync_tolerance: ``ddp_desync``: relative checksum difference across ranks above which replicas disagree
+            (default 1e-6).
 
     Attributes:
         policy: The non-finite policy (verdicts, skip and overflow counts, latch).
@@ -183,6 +198,8 @@ class AnomalyAlarm(DiagCallback):
         max_rollbacks: int = DEFAULT_MAX_ROLLBACKS,
         rollback_device: RollbackDevice = "cpu",
         rollback_snapshots: int = DEFAULT_ROLLBACK_KEEP,
+        desync_every_n_steps: int = DEFAULT_DESYNC_EVERY_N_STEPS,
+        desync_tolerance: float = DEFAULT_DESYNC_TOLERANCE,
         on_alert: AlertHandler | None = None,
     ) -> None:
         super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
@@ -226,6 +243,14 @@ class AnomalyAlarm(DiagCallback):
         self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, low=0)
         self.rollback_device = check_choice("rollback_device", rollback_device, ("cpu", "device"))
         self.rollback_snapshots = check_int("rollback_snapshots", rollback_snapshots, low=1)
+        self.desync_every_n_steps = check_int("desync_every_n_steps", desync_every_n_steps, low=1)
+        self.desync_tolerance = float(
+            check_number("desync_tolerance", desync_tolerance, low=0.0, low_inclusive=True)
+        )
+        #: ``ddp_desync``'s comparisons of the replicas.
+        self.replicas = ReplicaCheck(self, self.desync_every_n_steps, self.desync_tolerance)
+        #: ``eval_mode_in_training``'s look at the Dropout and BatchNorm modules.
+        self.train_mode = TrainModeCheck(self)
         #: Localisation of non-finite values and, with ``on_nonfinite="rollback"``, the snapshots.
         self.recovery = NonFiniteRecovery(
             locate=locate_nonfinite,
@@ -300,6 +325,8 @@ class AnomalyAlarm(DiagCallback):
         self.policy = NonFinitePolicy(self.on_nonfinite, self.max_skips, self.max_scaler_overflows)  # type: ignore[arg-type]
         self.guard = NonFiniteGuard(self, self.policy, self.recovery)
         self.recovery.reset()
+        self.replicas.reset()
+        self.train_mode.reset()
 
     @property
     def state_key(self) -> str:
@@ -320,6 +347,8 @@ class AnomalyAlarm(DiagCallback):
             "last_finite_loss": float(self.guard.last_finite_loss),
             "pending_nonfinite": self.guard.pending_state(),
             "rollback": self.recovery.state_dict(),
+            "replicas": self.replicas.state_dict(),
+            "train_mode": self.train_mode.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -341,6 +370,9 @@ class AnomalyAlarm(DiagCallback):
         self.guard.load_pending_state(state_dict["pending_nonfinite"])
         if "rollback" in state_dict:  # absent from checkpoints written before rollback existed
             self.recovery.load_state_dict(state_dict["rollback"])
+        if "replicas" in state_dict:  # absent from checkpoints written before the silent-error rules existed
+            self.replicas.load_state_dict(state_dict["replicas"])
+            self.train_mode.load_state_dict(state_dict["train_mode"])
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -394,9 +426,11 @@ class AnomalyAlarm(DiagCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Keep a reference to the batch (no copy) for the replay of a failing step."""
+        """Keep a reference to the batch (no copy) for the replay of a failing step; on logging steps look for
+        Dropout/BatchNorm modules left in eval mode."""
         if self.on_nonfinite != "warn":
             self.recovery.on_batch_start(batch, batch_idx)
+        self.train_mode.on_batch_start(trainer, pl_module)
 
     # -- non-finite guard --------------------------------------------------------------------------------
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -424,6 +458,7 @@ class AnomalyAlarm(DiagCallback):
             self.guard.note_training_loss(loss)
         self.trend.on_train_batch(trainer, pl_module, loss)
         self.recovery.on_batch_end(trainer, pl_module, loss)
+        self.replicas.on_batch_end(trainer, pl_module)
         if not self.is_logging_step(trainer):
             return
         scale = self.recovery.lr_scale  # the rate the optimizer uses: the scheduler's times the rollback factor

@@ -191,3 +191,57 @@ register(RuleSpec("memory_growth", _SYSTEM, "warning", 0.1,
                   settings={"window": 8, "rising_fraction": 0.7},
                   arguments={"threshold": "memory_growth", "window": "memory_window",
                              "rising_fraction": "memory_rising_fraction"}))
+
+# -- silent training errors (issue 22; DESIGN.md's issue 19) ---------------------------------------------------
+# The rule ids are spelled here once; rules/, callbacks/ and the fault library import these constants.
+UPDATE_NONE = "update_none"
+UPDATE_STALE = "update_stale"
+GRAD_NOT_ZEROED = "grad_not_zeroed"
+DDP_DESYNC = "ddp_desync"
+EVAL_MODE_IN_TRAINING = "eval_mode_in_training"
+LOSS_ON_PADDING = "loss_on_padding"
+POSITION_OVERFLOW = "position_overflow"
+
+register_check(CheckSpec("updates_applied", "Training",
+                         "Optimizer steps change every trained parameter (no sampled layer left unchanged; at most "
+                         "{update_stale:.0%} of a low-precision layer's sampled elements unchanged)"))
+register_check(CheckSpec("replicas_agree", "Training",
+                         "Data-parallel replicas hold the same parameters (checksum relative difference at most "
+                         "{ddp_desync:g}, every {ddp_desync__every_n_steps:g} steps)"))
+
+register(RuleSpec(UPDATE_NONE, _GRAD, "warning", None,
+                  "a parameter with non-zero gradients that {patience:g} consecutive measured optimizer steps leave "
+                  "unchanged (every one of its {sample_size:g} sampled elements)",
+                  settings={"patience": 3, "sample_size": 32}, check="updates_applied",
+                  arguments={"patience": "patience", "sample_size": "update_sample_size"}))
+
+register(RuleSpec(UPDATE_STALE, _GRAD, "warning", 0.5,
+                  "a bf16/fp16 parameter whose measured optimizer steps leave more than {threshold:.0%} of the "
+                  "sampled elements with a non-zero gradient unchanged (updates round to zero), on {patience:g} "
+                  "consecutive measurements",
+                  settings={"patience": 3}, check="updates_applied",
+                  arguments={"threshold": "stale_fraction", "patience": "patience"}))
+
+register(RuleSpec(GRAD_NOT_ZEROED, _GRAD, "warning", None,
+                  "the gradients an optimizer step applied are still in `.grad` at the next backward (no "
+                  "`zero_grad` between them)"))
+
+register(RuleSpec(DDP_DESYNC, _ALARM, "critical", 1e-6,
+                  "a parameter's checksum differs across data-parallel replicas by more than {threshold:g} "
+                  "(relative), checked every {every_n_steps:g} optimizer steps",
+                  settings={"every_n_steps": 100}, check="replicas_agree",
+                  arguments={"threshold": "desync_tolerance", "every_n_steps": "desync_every_n_steps"}))
+
+register(RuleSpec(EVAL_MODE_IN_TRAINING, _ALARM, "warning", None,
+                  "a Dropout or BatchNorm module of a trained part of the model in eval mode during training steps "
+                  "(a frozen BatchNorm: info)"))
+
+register(RuleSpec(LOSS_ON_PADDING, _DATA, "warning", 0.0,
+                  "share of the label positions of sampled training batches that are padding (attention mask 0) "
+                  "yet carry a label other than -100, above {threshold:g}",
+                  arguments={"threshold": "padding_labels"}))
+
+register(RuleSpec(POSITION_OVERFLOW, _DATA, "warning", 1.0,
+                  "sequences longer than {threshold:g}x the longest training sequence seen (validation, or a later "
+                  "training measurement), or longer than the model's position capacity",
+                  arguments={"threshold": "length_ratio"}))
