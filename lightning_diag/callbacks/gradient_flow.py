@@ -17,17 +17,18 @@ from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.core.alerts import GRAD_EXPLODE, GRAD_VANISH
 from lightning_diag.core.tags import (
     act_grad_norm_tag,
-    updates_unchanged_tag,
     grad_blocks_tag,
     grad_hist_tag,
     grad_norm_tag,
     grad_relative_tag,
     grad_rms_tag,
     grad_total_tag,
+    updates_unchanged_tag,
 )
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.act_grads import ActivationGradients
 from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step, update_ratios
+from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.grad import (
     DEFAULT_BASELINE_MEASUREMENTS,
     DEFAULT_COLLAPSE_RATIO,
@@ -42,7 +43,6 @@ from lightning_diag.rules.grad import (
     GradFrozenRule,
     GradSpreadRule,
 )
-from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.updates import (
     DEFAULT_STALE_FRACTION,
     DEFAULT_UPDATE_SAMPLE_SIZE,

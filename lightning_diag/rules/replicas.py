@@ -1,11 +1,11 @@
 """``ddp_desync`` (framework-free): parameters that differ across data-parallel replicas.
 
 Fed by :class:`~lightning_diag.AnomalyAlarm` every ``desync_every_n_steps`` optimizer steps with every rank's
-checksums (two numbers per parameter: its L2 norm and its sum, :func:`lightning_diag.stats.updates.parameter_checksums`),
-gathered in one collective. A parameter whose checksum on some rank differs from rank zero's by more than
-``tolerance`` (relative to rank zero's value) is out of sync: the alert (critical) names the first such parameter
-in the model's order and the ranks that differ. Latched: the run alerts once, and again only after a check found
-the replicas in agreement.
+checksums (two numbers per parameter: its L2 norm and its sum,
+:func:`lightning_diag.stats.updates.parameter_checksums`), gathered in one collective. A parameter whose
+checksum on some rank differs from rank zero's by more than ``tolerance`` (relative to rank zero's value) is
+out of sync: the alert (critical) names the first such parameter in the model's order and the ranks that
+differ. Latched: the run alerts once, and again only after a check found the replicas in agreement.
 """
 
 from __future__ import annotations

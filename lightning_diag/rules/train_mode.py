@@ -27,6 +27,7 @@ __all__ = ["EVAL_MODE_KINDS", "EvalModeRule"]
 #: The kinds of module :class:`EvalModeRule` is fed.
 EVAL_MODE_KINDS = ("dropout", "batchnorm", "batchnorm_frozen")
 _SHOWN = 4
+_KIND_NAMES = {"dropout": "Dropout", "batchnorm": "BatchNorm"}
 
 
 def _names(modules: list[str]) -> str:
@@ -59,13 +60,12 @@ class EvalModeRule(Rule):
         frozen = sorted(k for k, v in found.items() if v == "batchnorm_frozen")
         alerts = []
         if self.latch.update("trained", bool(trained)):
-            kinds = sorted({found[k] for k in trained})
+            kinds = " and ".join(_KIND_NAMES[k] for k in sorted({found[k] for k in trained}))
             alerts.append(
                 self._alert(
                     ctx,
-                    f"{len(trained)} {' and '.join(k.replace('batchnorm', 'BatchNorm').replace('dropout', 'Dropout') for k in kinds)} "
-                    f"module(s) of trained parts of the model are in eval mode during training steps: "
-                    f"{_names(trained)}; Dropout is off and BatchNorm uses frozen running statistics, so the model "
+                    f"{len(trained)} {kinds} module(s) of trained parts of the model are in eval mode during "
+                    f"training steps: {_names(trained)}; Dropout is off and BatchNorm uses frozen running statistics, so the model "
                     "trains differently from what the code says. Look for `model.eval()` (or `.train(False)`) in a "
                     "training hook such as `on_train_epoch_start`, or a submodule switched off; call "
                     "`self.train()` there instead",
@@ -80,8 +80,9 @@ class EvalModeRule(Rule):
             alerts.append(
                 self._alert(
                     ctx,
-                    f"{len(frozen)} BatchNorm module(s) with frozen parameters (`requires_grad=False`) are in eval mode "
-                    f"during training: {_names(frozen)}; a deliberately frozen BatchNorm, reported once as information",
+                    f"{len(frozen)} BatchNorm module(s) with frozen parameters (`requires_grad=False`) are in eval "
+                    f"mode during training: {_names(frozen)}; a deliberately frozen BatchNorm, reported once as "
+                    "information",
                     source=frozen[0] or "<root>",
                     value=float(len(frozen)),
                     threshold=None,
