@@ -65,8 +65,8 @@ class EvalModeRule(Rule):
                 self._alert(
                     ctx,
                     f"{len(trained)} {kinds} module(s) of trained parts of the model are in eval mode during "
-                    f"training steps: {_names(trained)}; Dropout is off and BatchNorm uses frozen running statistics, so the model "
-                    "trains differently from what the code says. Look for `model.eval()` (or `.train(False)`) in a "
+                    f"training steps: {_names(trained)}; Dropout is off and BatchNorm uses frozen running "
+                    "statistics, so the model trains differently from what the code says. Look for `model.eval()` (or `.train(False)`) in a "
                     "training hook such as `on_train_epoch_start`, or a submodule switched off; call "
                     "`self.train()` there instead",
                     source=trained[0] or "<root>",
