@@ -66,9 +66,9 @@ class EvalModeRule(Rule):
                     ctx,
                     f"{len(trained)} {kinds} module(s) of trained parts of the model are in eval mode during "
                     f"training steps: {_names(trained)}; Dropout is off and BatchNorm uses frozen running "
-                    "statistics, so the model trains differently from what the code says. Look for `model.eval()` (or `.train(False)`) in a "
-                    "training hook such as `on_train_epoch_start`, or a submodule switched off; call "
-                    "`self.train()` there instead",
+                    "statistics, so the model trains differently from what the code says. Look for "
+                    "`model.eval()` (or `.train(False)`) in a training hook such as `on_train_epoch_start`, or a "
+                    "submodule switched off; call `self.train()` there instead",
                     source=trained[0] or "<root>",
                     value=float(len(trained)),
                     threshold=None,
