@@ -7,14 +7,17 @@ import lightning_diag.callbacks.data_diagnostics as data_module
 import lightning_diag.rules.anomaly as anomaly_rules
 import lightning_diag.rules.attention as attention_rules
 import lightning_diag.rules.data as data_rules
+import lightning_diag.rules.data_sequences as sequence_rules
 import lightning_diag.rules.grad as grad_rules
 import lightning_diag.rules.probes as probe_rules
+import lightning_diag.rules.replicas as replica_rules
 import lightning_diag.rules.system as system_rules
+import lightning_diag.rules.updates as update_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODULES = (
     anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, probe_rules,
-    system_rules,
+    system_rules, update_rules, replica_rules, sequence_rules,
 )
 
 
@@ -78,6 +81,10 @@ def test_thresholds_arguments_are_real_constructor_arguments():
         callback = kinds.get(rule[:5], AnomalyAlarm)
         if owner_of(rule.strip("`")) == "SystemMonitor":
             callback = SystemMonitor
+        owners = {c.__name__: c for c in (GradientFlowMonitor, DataDiagnostics, AnomalyAlarm)}
+        if rule.strip("`") in ("update_none", "update_stale", "grad_not_zeroed", "ddp_desync", "loss_on_padding",
+                               "position_overflow"):
+            callback = owners[owner_of(rule.strip("`"))]
         params = inspect.signature(callback).parameters
         arg = argument.strip("`")
         assert arg in params, arg
