@@ -64,7 +64,7 @@ class ValidationProbe(DiagCallback):
         loss_fn: LossFn | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(on_alert=on_alert).__init__()
+        super().__init__(on_alert=on_alert)
         self.every_n_epochs = check_int("every_n_epochs", every_n_epochs, low=1)
         self.num_batches = check_int("num_batches", num_batches, low=1)
         if loss_fn is not None and not callable(loss_fn):

@@ -17,6 +17,7 @@ from lightning_diag.core.tags import attn_entropy_tag, attn_heads_tag, attn_map_
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.attention_capture import AttentionCapture, is_compiled
 from lightning_diag.instrument.attention_record import AttentionRecorder
+from lightning_diag.instrument.batches import token_ids as find_token_ids
 from lightning_diag.output.images import heatmap, scatter, tile
 from lightning_diag.rules.attention import (
     DEFAULT_ATTN_PATIENCE,
@@ -246,7 +247,7 @@ class AttentionEntropyMonitor(DiagCallback):
             self._mha = self._find_modules(pl_module)
         token_ids = None
         if self.special_token_ids:
-            token_ids = (self.input_ids or token_ids)(batch)
+            token_ids = (self.input_ids or find_token_ids)(batch)
             if token_ids is None:
                 self.notice(
                     trainer,

@@ -13,6 +13,7 @@ from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMo
 # callback -> argument -> [(bad value, error, what the message must say is allowed)]
 INVALID = {
     AnomalyAlarm: {
+        "on_alert": [(42, TypeError, "a callable")],
         "on_nonfinite": [
             ("explode", ValueError, "'stop', 'raise', 'skip', 'warn', 'rollback'"),
             (1, TypeError, "'stop'"),
@@ -48,6 +49,7 @@ INVALID = {
         "log_every_n_steps": [(0, ValueError, "an int >= 1"), (1.0, TypeError, "an int >= 1")],
     },
     GradientFlowMonitor: {
+        "on_alert": [(42, TypeError, "a callable")],
         "log_every_n_steps": [(0, ValueError, "an int >= 1")],
         "params": [("encoder.*", TypeError, "a list of name patterns or a predicate"), ([1], TypeError, "patterns")],
         "per_parameter": [("yes", TypeError, "True or False")],
@@ -66,6 +68,7 @@ INVALID = {
         "logit_projections": [("q_proj", TypeError, "a list of module names"), ([1], TypeError, "module names")],
     },
     AttentionEntropyMonitor: {
+        "on_alert": [(42, TypeError, "a callable")],
         "log_every_n_steps": [(0, ValueError, "an int >= 1")],
         "modules": [("attn", TypeError, "a list of module-name patterns")],
         "sample_size": [(0, ValueError, "an int >= 1")],
