@@ -29,6 +29,7 @@ from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.act_grads import ActivationGradients
 from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step, update_ratios
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.catalog import UPDATE_STALE
 from lightning_diag.rules.grad import (
     DEFAULT_BASELINE_MEASUREMENTS,
     DEFAULT_COLLAPSE_RATIO,
@@ -576,9 +577,8 @@ class GradientFlowMonitor(DiagCallback):
                 layer: LayerUpdate(c, s, low, next(iter(causes)) if len(causes) == 1 else None)
                 for layer, (c, s, low, causes) in layers.items()
             }
-            self.writer.scalars(
-                {updates_unchanged_tag(k): v.share for k, v in updates.items() if v.counted}, step
-            )
+            values = {updates_unchanged_tag(k): v.share for k, v in updates.items() if v.counted}
+            self.writer.scalars({**values, **self.threshold_lines(UPDATE_STALE)}, step)
             self.record(self.update_rule.update(updates, ctx))
         if check is not None:
             flags = host[offset:]

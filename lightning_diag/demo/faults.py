@@ -32,6 +32,8 @@ from lightning_diag.core.alerts import (
     NONFINITE_LOSS,
     VAL_DECLINE,
 )
+from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
+from lightning_diag.demo.synthetic import DATA_MODULES
 from lightning_diag.rules.catalog import (
     EVAL_MODE_IN_TRAINING,
     GRAD_NOT_ZEROED,
@@ -40,8 +42,6 @@ from lightning_diag.rules.catalog import (
     UPDATE_NONE,
     UPDATE_STALE,
 )
-from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
-from lightning_diag.demo.synthetic import DATA_MODULES
 
 __all__ = ["FAULTS", "Fault", "build_fault"]
 

@@ -181,7 +181,27 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
         }
     layout.update(_data_section(rules))
     layout.update(_probes_layout(rules))
+    layout.update(_silent_section(rules))
     return layout
+
+
+def _silent_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
+    """The ``Updates & replicas`` section (issue 22): shown when ``update_none`` / ``update_stale``
+    (GradientFlowMonitor) or ``ddp_desync`` (AnomalyAlarm) is in effect.
+
+    Example:
+        >>> sorted(_silent_section(["ddp_desync"])["Updates & replicas"])
+        ['replica agreement: largest relative checksum difference across ranks (line: ddp_desync)']
+    """
+    p = TAG_PREFIX
+    charts: dict[str, list[Any]] = {}
+    if any(r in rules for r in ("update_none", "update_stale")):
+        charts["share of sampled elements a step left unchanged, per layer (update_none; line: update_stale)"] = [
+            "Multiline", [f"{p}/updates/", f"{p}/threshold/update_stale$"]]
+    if "ddp_desync" in rules:
+        charts["replica agreement: largest relative checksum difference across ranks (line: ddp_desync)"] = [
+            "Multiline", [f"{p}/replicas/max_rel_diff$", f"{p}/threshold/ddp_desync$"]]
+    return {"Updates & replicas": charts} if charts else {}
 
 
 def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
@@ -230,6 +250,10 @@ def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
             ],
             "unseen and rare validation tokens": ["Multiline", [f"{p}/data/(oov_share|val_rare_share)$"]],
             "padding ratio per split": ["Multiline", [f"{p}/data/(train|val)/padding_ratio$"]],
+            "positions the longest sample uses, per split (position_overflow)": [
+                "Multiline", [f"{p}/data/(train|val)/max_positions$"]],
+            "share of label positions that are padding (loss_on_padding)": [
+                "Multiline", [f"{p}/data/train/padding_label_share$"]],
         }
     }
 

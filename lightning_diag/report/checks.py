@@ -275,3 +275,4 @@ def diagnose(run: RunData) -> RunReport:
 from lightning_diag.report import data_checks as _data_checks  # noqa: E402,F401  (registers the Data rows)
 from lightning_diag.report import measures as _measures  # noqa: E402,F401  (the Model, Training, Deployment rows)
 from lightning_diag.report import probe_checks as _probe_checks  # noqa: E402,F401  (registers the probes' rows)
+from lightning_diag.report import silent_checks as _silent_checks  # noqa: E402,F401  (the silent-error rows)
