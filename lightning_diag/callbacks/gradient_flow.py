@@ -526,7 +526,9 @@ class GradientFlowMonitor(DiagCallback):
         if not present:
             return
         now = per_tensor_norms([params[positions[k]].grad for k in present])  # type: ignore[misc]
-        then = prints[torch.tensor(present, device=prints.device)].to(now.device)
+        # usually every gradient is still (or again) there: no index tensor to build, no host-to-device copy
+        then = prints if len(present) == len(positions) else prints[torch.tensor(present, device=prints.device)]
+        then = then.to(now.device)
         self._zero_check = ([positions[k] for k in present], (now == then) & (then > 0))
 
     def _fingerprint_grads(self) -> None:
