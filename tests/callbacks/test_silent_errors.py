@@ -248,3 +248,35 @@ def test_thresholds_report_the_new_arguments():
     assert values["update_stale"] == 0.7 and values["update_none.sample_size"] == 8.0
     values = AnomalyAlarm(desync_every_n_steps=10, desync_tolerance=1e-4).thresholds()
     assert values["ddp_desync"] == 1e-4 and values["ddp_desync.every_n_steps"] == 10.0
+
+
+class _LoRA(pl.LightningModule):
+    """A frozen base (Linear, Dropout in train mode) with trainable low-rank adapters, B initialised to zero."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = nn.Linear(8, 8)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(2, 8) * 0.1)
+        self.lora_b = nn.Parameter(torch.zeros(8, 2))
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(8, 1)
+        self.head.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.base(x) + self.drop(x) @ self.lora_a.T @ self.lora_b.T
+        return self.head(torch.relu(h))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([self.lora_a, self.lora_b], lr=1e-2)
+
+
+def test_a_lora_style_frozen_base_is_healthy():
+    cbs = [GradientFlowMonitor(expect_frozen=["base.*", "head.*"]), AnomalyAlarm()]
+    _fit(_LoRA(), cbs, steps=10)
+    assert _new(cbs) == []
