@@ -98,8 +98,13 @@ def parameter_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """
     if not tensors:
         return torch.zeros(2, 0, dtype=torch.float64)
-    local = [local_tensor(t) for t in tensors]
+    local = []
+    for t in tensors:
+        x = local_tensor(t)
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        local.append(x if x.is_floating_point() else x.double())  # integer parameters (frozen counters)
     device = local[0].device
     norms = torch.stack([n.to(device=device, dtype=torch.float64) for n in torch._foreach_norm(local)])
-    sums = torch.stack([t.sum(dtype=torch.float64) if t.is_floating_point() else t.double().sum() for t in local])
-    return torch.stack([norms, sums.to(device)])
+    sums = torch.stack([t.sum(dtype=torch.float64).to(device) for t in local])
+    return torch.stack([norms, sums])
