@@ -281,3 +281,20 @@ def test_a_lora_style_frozen_base_is_healthy():
     cbs = [GradientFlowMonitor(expect_frozen=["base.*", "head.*"]), AnomalyAlarm()]
     _fit(_LoRA(), cbs, steps=10)
     assert _new(cbs) == []
+
+
+def test_latched_silent_alerts_are_not_repeated_after_a_resume(tmp_path):
+    class Both(_Net):
+        def on_train_epoch_start(self):
+            self.eval()
+
+    gfm, alarm = GradientFlowMonitor(), AnomalyAlarm()
+    trainer = pl.Trainer(max_steps=4, callbacks=[gfm, alarm], default_root_dir=tmp_path, **FAST)
+    trainer.fit(Both(bug="no_zero_grad"), _data())
+    assert {a.rule for a in gfm.alerts + alarm.alerts} >= {"grad_not_zeroed", "eval_mode_in_training"}
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    gfm2, alarm2 = GradientFlowMonitor(), AnomalyAlarm()
+    trainer = pl.Trainer(max_steps=8, callbacks=[gfm2, alarm2], default_root_dir=tmp_path, **FAST)
+    trainer.fit(Both(bug="no_zero_grad"), _data(), ckpt_path=tmp_path / "mid.ckpt")
+    assert [a.rule for a in gfm2.alerts + alarm2.alerts if a.rule in NEW_RULES] == []
+    assert alarm2.train_mode.rule.latch.active == {"trained"} and gfm2.not_zeroed_rule.latch.active
