@@ -497,7 +497,8 @@ class GradientFlowMonitor(DiagCallback):
         if not any(id(index.params[i]) in in_any for i in with_grad):
             if position != 0:
                 return  # the optimizers hold none of them: judged once per interval, with the first optimizer
-            positions, causes = with_grad, ["no_optimizer"] * len(with_grad)
+            positions = with_grad
+            causes: list[str | None] = ["no_optimizer"] * len(with_grad)
         else:
             positions = [i for i in with_grad if id(index.params[i]) in lr_of]
             causes = [
@@ -579,8 +580,8 @@ class GradientFlowMonitor(DiagCallback):
                 layer: LayerUpdate(c, s, low, next(iter(causes)) if len(causes) == 1 else None)
                 for layer, (c, s, low, causes) in layers.items()
             }
-            values = {updates_unchanged_tag(k): v.share for k, v in updates.items() if v.counted}
-            self.writer.scalars({**values, **self.threshold_lines(UPDATE_STALE)}, step)
+            shares = {updates_unchanged_tag(k): v.share for k, v in updates.items() if v.counted}
+            self.writer.scalars({**shares, **self.threshold_lines(UPDATE_STALE)}, step)
             self.record(self.update_rule.update(updates, ctx))
         if check is not None:
             flags = host[offset:]

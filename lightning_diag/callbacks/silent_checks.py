@@ -110,7 +110,7 @@ class TrainModeCheck:
 
     def _find(self, pl_module: pl.LightningModule) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
         modules = dict(pl_module.named_modules())
-        found = []
+        found: list[tuple[str, torch.nn.Module, torch.nn.Module]] = []
         for name, module in modules.items():
             if isinstance(module, (_DropoutNd, _BatchNorm)):
                 parent = modules.get(name.rsplit(".", 1)[0] if "." in name else "", pl_module)

@@ -157,7 +157,7 @@ class DemoModule(pl.LightningModule):
         ]
         if c.optimizer_over_copy:
             # the fault: the optimizer steps copies nobody uses (as when parameters are replaced after this call)
-            params = [p.detach().clone().requires_grad_(True) for p in params]
+            params = [nn.Parameter(p.detach().clone()) for p in params]
         opt: torch.optim.Optimizer
         if c.optimizer == "sgd":
             opt = torch.optim.SGD(params, lr=c.lr, weight_decay=c.weight_decay)
