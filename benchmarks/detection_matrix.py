@@ -518,6 +518,10 @@ Reproduce (about {max(1, round(seconds / 60))} minutes on a 2-core CPU, one thre
 Result: **{caught} of {n_faults} faults caught** by their expected rule within the documented window;
 **{alarms} warning/critical alerts on the {n_healthy} healthy architectures** (target: none).
 
+The silent-error rules (issue 22: `update_none`, `update_stale`, `grad_not_zeroed`, `eval_mode_in_training`) are
+part of the default callbacks, so they are on in every run here (GPT-2 and Llama train on `labels=input_ids`,
+the fine-tune has a frozen BERT base, the CNN BatchNorm); `ddp_desync` needs several processes.
+
 {render(rows)}
 Margins of the healthy runs: the extreme of each gradient quantity over the run (from step 50 for the
 warm-up-gated rules), beside the default threshold it must not cross (`docs/gradient_flow.md` explains the
