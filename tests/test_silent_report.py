@@ -37,6 +37,6 @@ def test_a_healthy_run_passes_updates_applied_and_leaves_replicas_not_measured(t
 
 
 def test_dashboard_charts_the_update_and_replica_series():
-    layout = dashboard_layout({"update_none", "ddp_desync"})
-    text = repr(layout)
-    assert "diag/updates/" in text and "diag/replicas/" in text
+    layout = dashboard_layout({"grad_explode", "update_none", "loss_swing", "ddp_desync"})
+    assert sorted(layout) == ["Gradients", "Loss & LR"]  # in the sections of their callbacks
+    assert "diag/updates/" in repr(layout["Gradients"]) and "diag/replicas/" in repr(layout["Loss & LR"])

@@ -181,27 +181,29 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
         }
     layout.update(_data_section(rules))
     layout.update(_probes_layout(rules))
-    layout.update(_silent_section(rules))
+    _add_silent_charts(layout, rules)
     return layout
 
 
-def _silent_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
-    """The ``Updates & replicas`` section (issue 22): shown when ``update_none`` / ``update_stale``
-    (GradientFlowMonitor) or ``ddp_desync`` (AnomalyAlarm) is in effect.
+def _add_silent_charts(layout: dict[str, dict[str, list[Any]]], rules: Collection[str]) -> None:
+    """The silent-error charts (issue 22), in the sections of their callbacks: the share of sampled elements a
+    step left unchanged in ``Gradients`` (``update_none`` / ``update_stale``), the replicas' checksum agreement in
+    ``Loss & LR`` (``ddp_desync``, AnomalyAlarm's).
 
     Example:
-        >>> sorted(_silent_section(["ddp_desync"])["Updates & replicas"])
+        >>> layout = dashboard_layout(["ddp_desync"])
+        >>> [k for k in layout["Loss & LR"] if "replica" in k]
         ['replica agreement: largest relative checksum difference across ranks (line: ddp_desync)']
     """
     p = TAG_PREFIX
-    charts: dict[str, list[Any]] = {}
     if any(r in rules for r in ("update_none", "update_stale")):
-        charts["share of sampled elements a step left unchanged, per layer (update_none; line: update_stale)"] = [
-            "Multiline", [f"{p}/updates/", f"{p}/threshold/update_stale$"]]
+        layout.setdefault("Gradients", {})[
+            "share of sampled elements a step left unchanged, per layer (update_none; line: update_stale)"
+        ] = ["Multiline", [f"{p}/updates/", f"{p}/threshold/update_stale$"]]
     if "ddp_desync" in rules:
-        charts["replica agreement: largest relative checksum difference across ranks (line: ddp_desync)"] = [
-            "Multiline", [f"{p}/replicas/max_rel_diff$", f"{p}/threshold/ddp_desync$"]]
-    return {"Updates & replicas": charts} if charts else {}
+        layout.setdefault("Loss & LR", {})[
+            "replica agreement: largest relative checksum difference across ranks (line: ddp_desync)"
+        ] = ["Multiline", [f"{p}/replicas/max_rel_diff$", f"{p}/threshold/ddp_desync$"]]
 
 
 def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
