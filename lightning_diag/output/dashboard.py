@@ -251,11 +251,10 @@ def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
                 [f"{p}/data/(leaked_fraction|exact_copies|near_copies)$", f"{p}/threshold/data_leakage$"],
             ],
             "unseen and rare validation tokens": ["Multiline", [f"{p}/data/(oov_share|val_rare_share)$"]],
-            "padding ratio per split": ["Multiline", [f"{p}/data/(train|val)/padding_ratio$"]],
+            "padding ratio per split, and share of label positions that are padding (loss_on_padding)": [
+                "Multiline", [f"{p}/data/(train|val)/padding_ratio$", f"{p}/data/train/padding_label_share$"]],
             "positions the longest sample uses, per split (position_overflow)": [
                 "Multiline", [f"{p}/data/(train|val)/max_positions$"]],
-            "share of label positions that are padding (loss_on_padding)": [
-                "Multiline", [f"{p}/data/train/padding_label_share$"]],
         }
     }
 
