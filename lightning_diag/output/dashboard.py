@@ -28,6 +28,7 @@ from lightning_diag.core.tags import (
     tag,
     threshold_tag,
 )
+from lightning_diag.rules.catalog import LOSS_ON_PADDING, POSITION_OVERFLOW
 
 if TYPE_CHECKING:
     from lightning_diag.output.writer import DiagWriter
@@ -149,7 +150,7 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
                 [f"{p}/attn_sink/", f"{p}/threshold/attn_sink$"],
             ],
         }
-    if any(r.startswith(("loss_", "val_", "nonfinite_")) for r in rules):
+    if any(r.startswith(("loss_", "val_", "nonfinite_")) and r != LOSS_ON_PADDING for r in rules):
         layout["Loss & LR"] = {
             "training and validation loss": ["Multiline", [f"{p}/loss/(train_step|train_epoch|train_window|val)$"]],
             "loss swing: relative change of the mean loss (line: loss_swing)": [
@@ -233,7 +234,7 @@ def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
         >>> sorted(_data_section(["label_imbalance"])["Data"])[0]
         'label balance: std of class proportions per split (line: label_imbalance)'
     """
-    if not any(r.startswith("data_") or r == "label_imbalance" for r in rules):
+    if not any(r.startswith("data_") or r in ("label_imbalance", LOSS_ON_PADDING, POSITION_OVERFLOW) for r in rules):
         return {}
     p = TAG_PREFIX
     return {
