@@ -30,8 +30,10 @@ _LAZY: dict[str, str] = {
     "NonFiniteError": "lightning_diag.callbacks.anomaly_alarm",
     "AttentionEntropyMonitor": "lightning_diag.callbacks.attention_entropy",
     "DataDiagnostics": "lightning_diag.callbacks.data_diagnostics",
+    "ErrorAnalysis": "lightning_diag.callbacks.error_analysis",
     "GradientFlowMonitor": "lightning_diag.callbacks.gradient_flow",
     "QuantizationProbe": "lightning_diag.callbacks.quantization_probe",
+    "RobustnessProbe": "lightning_diag.callbacks.robustness_probe",
     "SharpnessProbe": "lightning_diag.callbacks.sharpness_probe",
     "SystemMonitor": "lightning_diag.callbacks.system_monitor",
 }
@@ -42,9 +44,11 @@ __all__ = [
     "AnomalyAlarm",
     "AttentionEntropyMonitor",
     "DataDiagnostics",
+    "ErrorAnalysis",
     "GradientFlowMonitor",
     "NonFiniteError",
     "QuantizationProbe",
+    "RobustnessProbe",
     "Severity",
     "SharpnessProbe",
     "SystemMonitor",
@@ -59,8 +63,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
     from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
     from lightning_diag.callbacks.data_diagnostics import DataDiagnostics
+    from lightning_diag.callbacks.error_analysis import ErrorAnalysis
     from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
     from lightning_diag.callbacks.quantization_probe import QuantizationProbe
+    from lightning_diag.callbacks.robustness_probe import RobustnessProbe
     from lightning_diag.callbacks.sharpness_probe import SharpnessProbe
     from lightning_diag.callbacks.system_monitor import SystemMonitor
     from lightning_diag.core.alerts import Alert, AlertLog, Severity, read_alerts

@@ -1,6 +1,6 @@
-"""The ``lightning-diag`` command line: ``demo`` and ``report``.
+"""The ``lightning-diag`` command line: ``demo``, ``report``, ``compare`` and ``repro``.
 
-Exit codes: 0 done; 1 ``report`` found no diagnostics under the log directory; 2 bad command-line input.
+Exit codes: 0 done; 1 ``report`` or ``compare`` found no diagnostics; 2 bad command-line input.
 """
 
 from __future__ import annotations
@@ -44,7 +44,57 @@ def _parser(fault_names: Sequence[str] | None = None) -> argparse.ArgumentParser
     report.add_argument(
         "--out", default=None, metavar="DIR", help="write report.<format> and the plots into DIR instead of stdout"
     )
+    compare = sub.add_parser(
+        "compare",
+        help="what changed between runs: provenance, checklist, alerts, metrics, where the losses diverge",
+        description="Compare two or more runs (their log directories): provenance differences from diag/run.json "
+        "(hyperparameters first), the checklist side by side, alert counts per rule with the first alert of each, "
+        "final and best loss values, and the step where the training-loss curves first diverge beyond noise.",
+    )
+    compare.add_argument("runs", nargs="+", metavar="RUN", help="run log directories (at least two)")
+    compare.add_argument("--format", default="md", choices=["md", "json", "html"], help="output format (default: md)")
+    repro = sub.add_parser(
+        "repro",
+        help="re-run a LightningCLI config on a fraction of the data with every lightning_diag callback",
+        description="Fit a LightningCLI `fit` configuration (model and data given by class_path) on a fraction of "
+        "its train and validation batches with every lightning_diag callback attached, then print the report.",
+    )
+    repro.add_argument("--config", required=True, metavar="CONFIG", help="a LightningCLI YAML configuration")
+    repro.add_argument("--fraction", type=float, default=0.01, help="share of the batches (default: 0.01)")
     return parser
+
+
+def _compare(runs: Sequence[str], fmt: str) -> int:
+    from lightning_diag.report import NoDiagnosticsError
+    from lightning_diag.report.compare import compare_runs, render_comparison
+
+    if len(runs) < 2:
+        print("lightning-diag compare: give at least two RUN directories", file=sys.stderr)
+        return 2
+    missing = [r for r in runs if not os.path.isdir(r)]
+    if missing:
+        print(f"lightning-diag compare: not a directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        comparison = compare_runs(runs)
+    except NoDiagnosticsError as err:
+        print(f"lightning-diag compare: {err}", file=sys.stderr)
+        return 1
+    print(render_comparison(comparison, fmt))
+    return 0
+
+
+def _repro(config: str, fraction: float) -> int:
+    if not 0 < fraction <= 1:
+        print("lightning-diag repro: --fraction must be in (0, 1]", file=sys.stderr)
+        return 2
+    if not os.path.isfile(config):
+        print(f"lightning-diag repro: --config {config!r} is not a file", file=sys.stderr)
+        return 2
+    from lightning_diag.repro import run_repro
+
+    log_dir = run_repro(config, fraction)
+    return _report(log_dir, "md", None)
 
 
 def _report(logdir: str, fmt: str, out: str | None) -> int:
@@ -113,6 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "report":
         return _report(args.logdir, args.format, args.out)
+    if args.command == "compare":
+        return _compare(args.runs, args.format)
+    if args.command == "repro":
+        return _repro(args.config, args.fraction)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

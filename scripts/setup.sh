@@ -25,11 +25,11 @@ if ! cmp -s pyproject.toml "$stamp" || ! .venv/bin/python -c "import lightning_d
   PYTHONWARNINGS="ignore::UserWarning" pip_install --quiet -e ".[dev,plots]"
   cp pyproject.toml "$stamp"
 fi
-# CI only: Chromium for the dashboard's browser check (tests/test_browser_check.py). Best effort: without it
-# that test is skipped with the reason.
+# CI only: Chromium for the dashboard's browser check (tests/test_browser_check.py). With CI=true that test
+# fails when Chromium cannot be found, so a failed install here shows as a failing test, not a silent skip.
 if [ "${CI:-}" = "true" ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
   && [ "$(id -u)" = "0" ]; then
   timeout 300 sh -c "(apt-get update -qq || true) >/dev/null 2>&1; \
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1" \
-    || echo "setup: could not install chromium; the browser check will be skipped" >&2
+    || echo "setup: could not install chromium; tests/test_browser_check.py will fail" >&2
 fi

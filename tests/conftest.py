@@ -39,4 +39,8 @@ def nan_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("nan_demo")
     result = run_demo(fault="nan", root=str(root))
-    return result
+    before = sorted(str(p) for p in root.rglob("*"))
+    yield result
+    # read-only use: a test that needs to add to the run works on a copy (shutil.copytree into its tmp_path)
+    added = sorted(set(str(p) for p in root.rglob("*")) - set(before))
+    assert not added, f"a test wrote into the shared nan_run folder: {added[:5]}"

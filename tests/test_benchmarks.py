@@ -135,3 +135,19 @@ def test_rollback_overhead_quick_mode_reports_the_ratios(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| mlp |")]
     assert len(rows) == 3 and all(row.count("x |") >= 1 for row in rows)
     assert "rollback_every_n_steps=50" in out
+
+
+def test_cost_table_quick_mode_reports_every_callback_and_mode(capsys):
+    import torch
+
+    reads = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "cpu", "__bool__")}
+    bench = _load("cost_table")
+    assert bench.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| MLP 1e5 |")]
+    names = {row.split(" | ")[3] for row in rows}
+    assert {"GradientFlowMonitor", "AnomalyAlarm", "AttentionEntropyMonitor", "SystemMonitor"} <= names
+    modes = [line for line in out.splitlines() if line.startswith("| `") and "AnomalyAlarm" not in line]
+    assert [m.split("`")[1] for m in modes] == ["stop", "raise", "skip", "warn", "rollback"]
+    assert modes[3].startswith("| `warn` | 0 |")  # warn mode reads nothing on quiet steps
+    assert {name: getattr(torch.Tensor, name) for name in reads} == reads  # the read counters are removed

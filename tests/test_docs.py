@@ -8,16 +8,18 @@ import lightning_diag.rules.anomaly as anomaly_rules
 import lightning_diag.rules.attention as attention_rules
 import lightning_diag.rules.data as data_rules
 import lightning_diag.rules.data_sequences as sequence_rules
+import lightning_diag.rules.errors as error_rules
 import lightning_diag.rules.grad as grad_rules
 import lightning_diag.rules.probes as probe_rules
 import lightning_diag.rules.replicas as replica_rules
+import lightning_diag.rules.robustness as robustness_rules
 import lightning_diag.rules.system as system_rules
 import lightning_diag.rules.updates as update_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODULES = (
     anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, probe_rules,
-    system_rules, update_rules, replica_rules, sequence_rules,
+    system_rules, error_rules, robustness_rules, update_rules, replica_rules, sequence_rules,
 )
 
 
@@ -58,33 +60,13 @@ def test_every_registry_default_is_documented_with_its_argument():
 def test_thresholds_arguments_are_real_constructor_arguments():
     import inspect
 
-    from lightning_diag import (
-        AnomalyAlarm,
-        AttentionEntropyMonitor,
-        DataDiagnostics,
-        GradientFlowMonitor,
-        QuantizationProbe,
-        SharpnessProbe,
-        SystemMonitor,
-    )
-    from lightning_diag.core.registry import owner_of
+    import lightning_diag
+    from lightning_diag.core.registry import RULES, owner_of
 
     for rule, argument, _constant, default, _m, _s in _rows():
-        kinds = {
-            "`grad": GradientFlowMonitor,
-            "`attn": AttentionEntropyMonitor,
-            "`data": DataDiagnostics,
-            "`labe": DataDiagnostics,
-            "`shar": SharpnessProbe,
-            "`quan": QuantizationProbe,
-        }
-        callback = kinds.get(rule[:5], AnomalyAlarm)
-        if owner_of(rule.strip("`")) == "SystemMonitor":
-            callback = SystemMonitor
-        owners = {c.__name__: c for c in (GradientFlowMonitor, DataDiagnostics, AnomalyAlarm)}
-        if rule.strip("`") in ("update_none", "update_stale", "grad_not_zeroed", "ddp_desync", "loss_on_padding",
-                               "position_overflow"):
-            callback = owners[owner_of(rule.strip("`"))]
+        name = rule.strip("`")  # a rule id, or `grad_*` for a callback's shared setting
+        owner = owner_of(name) or next(s.owner for s in RULES.values() if s.rule_id.startswith(name.rstrip("*")))
+        callback = getattr(lightning_diag, owner)
         params = inspect.signature(callback).parameters
         arg = argument.strip("`")
         assert arg in params, arg

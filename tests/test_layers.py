@@ -33,3 +33,66 @@ def test_no_private_trainer_attributes():
 
 def test_py_typed_shipped():
     assert (PACKAGE / "py.typed").exists()
+
+
+# -- the package layout: each package imports only the packages below it -----------------------------------
+import ast  # noqa: E402
+
+#: Package -> the lightning_diag packages it may import (itself included). The order is the layering:
+#: core <- stats <- rules <- instrument <- output <- callbacks; report reads core and rules only.
+ALLOWED = {
+    "core": {"core"},
+    "stats": {"core", "stats"},
+    "rules": {"core", "stats", "rules"},
+    "instrument": {"core", "stats", "rules", "instrument"},
+    "output": {"core", "output"},
+    "callbacks": {"core", "stats", "rules", "instrument", "output", "callbacks"},
+    "report": {"core", "rules", "report"},
+}
+#: Third-party roots each package must not import (Lightning in the framework-free layers; torch in the core).
+FORBIDDEN = {
+    "core": {"torch", "numpy", "scipy", "pytorch_lightning", "lightning", "tensorboard"},
+    "stats": {"pytorch_lightning", "lightning"},
+    "rules": {"pytorch_lightning", "lightning", "torch"},
+    "instrument": {"pytorch_lightning", "lightning"},
+    "report": {"torch", "pytorch_lightning", "lightning"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+#: Modules that read rule ids from their declarations in rules/ (each id is written once, next to its rule):
+#: the tag vocabulary (the ``diag/attn_sink`` family is named after its rule), the alerts facade (``ALL_RULES`` and
+#: the public rule-id constants) and the dashboard layout. The module graph stays acyclic (test_architecture.py).
+READS_RULE_IDS = {"core/tags.py", "core/alerts.py", "output/dashboard.py"}
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    wrong = []
+    for package, allowed in ALLOWED.items():
+        for path in sorted((PACKAGE / package).rglob("*.py")):
+            permitted = allowed | ({"rules"} if str(path.relative_to(PACKAGE)) in READS_RULE_IDS else set())
+            for name in _imports(path):
+                parts = name.split(".")
+                if parts[0] == "lightning_diag" and len(parts) > 1 and parts[1] in ALLOWED:
+                    if parts[1] not in permitted:
+                        wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
+                elif parts[0] in FORBIDDEN.get(package, ()):
+                    wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert wrong == []
+
+
+def test_no_module_shadows_a_third_party_package():
+    # `lightning_diag.lightning` is the documented public path for the unified package and stays.
+    third_party = {"torch", "numpy", "scipy", "tensorboard", "pytorch_lightning", "torchmetrics", "matplotlib",
+                   "transformers", "wandb", "mlflow", "sklearn", "psutil", "logging", "json", "typing"}
+    clashes = [p for p in PACKAGE.rglob("*.py") if p.stem in third_party]
+    assert clashes == []

@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,9 @@ CHECK_IDS = [
     "grad_collapse",
     "attn_entropy_band",
     "attn_sink",
+    "attn_range",
+    "error_concentration",
+    "robustness",
     "nonfinite",
     "loss_swing",
     "val_decline",
@@ -134,7 +138,9 @@ def test_md_and_json_work_without_matplotlib(nan_run, tmp_path):
 
 
 def test_several_runs_are_reported_one_after_another(nan_run, tmp_path, capsys):
-    root = Path(nan_run.log_dir).parents[1]  # <root>/nan/version_0
+    # a copy of the shared run: the session fixture's folder is read by other tests and stays as the demo left it
+    root = tmp_path / "runs"
+    shutil.copytree(nan_run.log_dir, root / "nan" / "version_0")  # <root>/nan/version_0
     _write_run(root / "other" / "version_0", {"diag/grad_norm/total": [1.0, 0.5], "diag/grad_norm/fc": [1.0, 0.5]})
     assert main(["report", str(root)]) == 0
     out = capsys.readouterr().out

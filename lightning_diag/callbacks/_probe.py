@@ -1,5 +1,13 @@
 """What the validation-end probes share: capturing a few validation batches, a sandbox that leaves the training
-state exactly as it was, the module's loss on a batch, and rank-zero measurement with broadcast decisions."""
+state exactly as it was, the module's loss on a batch, and rank-zero measurement with broadcast decisions.
+
+A sharded model (FSDP2, tensor parallelism, FSDP1: :func:`~lightning_diag.instrument.sharding.is_sharded`; and any
+model under DeepSpeed, whose ZeRO-3 gathers the partitioned parameters in forward) cannot
+run a forward on rank zero alone (every forward is a collective: the other ranks would never join it, and rank
+zero would wait forever). There every rank keeps its own first ``num_batches`` validation batches and measures at
+once; the probe reduces its numbers over the ranks (:attr:`ValidationProbe.all_ranks`), global rank zero logs and
+judges, and the decisions are broadcast as under DDP.
+"""
 
 from __future__ import annotations
 
@@ -17,11 +25,17 @@ from pytorch_lightning.trainer.states import TrainerFn
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.validation import check_int
+from lightning_diag.instrument.sharding import is_sharded, reshard_fsdp
 
-__all__ = ["LossFn", "ProbeError", "ValidationProbe"]
+__all__ = ["LossFn", "ProbeError", "ValidationProbe", "uses_deepspeed"]
 
 #: ``loss_fn(pl_module, batch) -> loss``: a scalar tensor, or a dict with a ``"loss"`` tensor.
 LossFn = Callable[[pl.LightningModule, Any], Any]
+
+
+def uses_deepspeed(trainer: pl.Trainer) -> bool:
+    """DeepSpeed (ZeRO-3 partitions the parameters: a forward gathers them, a collective)."""
+    return type(trainer.strategy).__name__.startswith("DeepSpeed")
 
 
 class ProbeError(RuntimeError):
@@ -47,7 +61,8 @@ class ValidationProbe(DiagCallback):
     On probe epochs (every ``every_n_epochs`` epochs, first validation of the epoch, fitting only, never the
     sanity check) the first ``num_batches`` batches of the first validation dataloader are kept; at validation
     end global rank zero measures (:meth:`measure`) inside :meth:`sandbox` and every rank takes the alerts and
-    the rule state rank zero broadcasts.
+    the rule state rank zero broadcasts. A sharded model under several processes is measured by every rank at
+    once (:attr:`all_ranks`), each on its own batches, and the measure reduces its numbers over the ranks.
 
     Args:
         every_n_epochs: Probe every this many epochs.
@@ -55,6 +70,8 @@ class ValidationProbe(DiagCallback):
         loss_fn: ``loss_fn(pl_module, batch)`` returning the loss (a scalar tensor or a dict with ``"loss"``);
             by default ``pl_module.training_step(batch, batch_idx)``, with ``self.log`` silenced.
     """
+
+    extra_state_keys = ("last_probed_epoch",)
 
     def __init__(
         self,
@@ -73,6 +90,8 @@ class ValidationProbe(DiagCallback):
         self.loss_fn = loss_fn
         self._batches: list[tuple[int, Any]] = []
         self._last_probed_epoch = -1
+        #: Every rank measures (a sharded model under several processes); else global rank zero alone.
+        self.all_ranks = False
 
     # -- what subclasses implement ----------------------------------------------------------------------
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]) -> Any:
@@ -84,12 +103,12 @@ class ValidationProbe(DiagCallback):
         raise NotImplementedError
 
     def rule_state(self) -> dict[str, Any]:
-        """The rule state broadcast from rank zero after a probe (and checkpointed)."""
-        raise NotImplementedError
+        """The declared rules' state, broadcast from rank zero after a probe (and checkpointed)."""
+        return self.rules_state_dict()
 
     def load_rule_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`rule_state` output."""
-        raise NotImplementedError
+        self.load_rules_state_dict(state)
 
     # -- hooks --------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -108,8 +127,9 @@ class ValidationProbe(DiagCallback):
         )
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Forget the batches of the previous validation run."""
+        """Forget the batches of the previous validation run; see whether every rank must measure."""
         self._batches = []
+        self.all_ranks = trainer.world_size > 1 and (is_sharded(pl_module) or uses_deepspeed(trainer))
 
     def on_validation_batch_end(
         self,
@@ -124,7 +144,7 @@ class ValidationProbe(DiagCallback):
         if (
             dataloader_idx == 0
             and len(self._batches) < self.num_batches
-            and trainer.is_global_zero
+            and (trainer.is_global_zero or self.all_ranks)
             and self._probe_epoch(trainer)
         ):
             self._batches.append((batch_idx, batch))
@@ -135,7 +155,9 @@ class ValidationProbe(DiagCallback):
             return
         self._last_probed_epoch = trainer.current_epoch
         alerts: list[Alert] = []
-        if trainer.is_global_zero:
+        if self.all_ranks:
+            alerts = self._probe_all_ranks(trainer, pl_module)
+        elif trainer.is_global_zero:
             batches, self._batches = self._batches, []
             try:
                 if not batches:
@@ -157,6 +179,42 @@ class ValidationProbe(DiagCallback):
             self.load_rule_state(state)
         self.record(alerts)
         self.writer.flush()
+
+    def _probe_all_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Alert]:
+        """Sharded model: every rank measures on its own batches at once (the measure reduces over the ranks)."""
+        batches, self._batches = self._batches, []
+        problem = ""
+        if not batches:
+            problem = "no validation batch was seen (limit_val_batches=0?): nothing to probe"
+        elif self.loss_fn is None and not pl_module.automatic_optimization:
+            problem = ("`training_step` steps the optimizer itself under manual optimization: pass loss_fn=... so "
+                       "the probe can compute the loss without it")
+        # Every rank enters the sharded forward, or none does.
+        if not trainer.strategy.reduce_boolean_decision(not problem, all=True):
+            self.notice(trainer, "probe-skipped", f"probe skipped: {problem or 'a rank saw no validation batch'}")
+            return []
+        try:
+            with self.sandbox(trainer, pl_module):
+                try:
+                    result = self.measure(trainer, pl_module, batches)
+                finally:
+                    # FSDP2's root keeps the last forward's gathered weights (the SAM gap's were perturbed ones):
+                    # training's next forward must gather the restored shards afresh
+                    reshard_fsdp(pl_module)
+        except ProbeError as err:  # raised by the measure's own checks, the same on every rank
+            self.notice(trainer, "probe-skipped", f"probe skipped: {err}")
+            return []
+        except Exception as err:  # the same model and code on every rank: every rank gets here alike
+            self.notice(trainer, "probe-failed", f"probe skipped: computing the loss raised "
+                        f"{type(err).__name__}: {err} (pass loss_fn=... if training_step cannot run here)")
+            return []
+        return self.decide(trainer, result) if trainer.is_global_zero else []
+
+    def mean_over_ranks(self, trainer: pl.Trainer, value: torch.Tensor) -> float:
+        """``value`` averaged over the ranks when every rank measures (a host read), else as it is."""
+        if self.all_ranks:
+            value = trainer.strategy.reduce(value.detach().float().reshape(()).clone(), reduce_op="mean")
+        return float(value)
 
     # -- helpers --------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -207,8 +265,8 @@ class ValidationProbe(DiagCallback):
 
     # -- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The rule state and the last probed epoch."""
-        return {"rules": self.rule_state(), "last_probed_epoch": self._last_probed_epoch}
+        """The rule state (the base class: the probe's rule under ``"rules"``) and the last probed epoch."""
+        return {**super().state_dict(), "last_probed_epoch": self._last_probed_epoch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output.
@@ -216,6 +274,5 @@ class ValidationProbe(DiagCallback):
         Raises:
             KeyError: If a key is missing; the message names every missing key.
         """
-        self.check_state_keys(state_dict, ("rules", "last_probed_epoch"))
-        self.load_rule_state(state_dict["rules"])
+        super().load_state_dict(state_dict)
         self._last_probed_epoch = int(state_dict["last_probed_epoch"])

@@ -49,7 +49,8 @@ class HookTimer:
 
     RECORDER = "AttentionRecorder"
 
-    def __init__(self) -> None:
+    def __init__(self, wall: Callable[[], float] = time.perf_counter) -> None:
+        self.wall = wall
         self.seconds: dict[str, float] = {}
         self._wrapped: list[tuple[Any, str]] = []
         self._recorder_patch: dict[str, Any] = {}
@@ -59,16 +60,17 @@ class HookTimer:
         """``fn`` wrapped so that its wall time (less nested timed calls) is counted under ``name``."""
         seconds = self.seconds
         stack = self._stack
+        wall = self.wall
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             inner = [0.0]
             stack.append(inner)
-            start = time.perf_counter()
+            start = wall()
             try:
                 return fn(*args, **kwargs)
             finally:
-                elapsed = time.perf_counter() - start
+                elapsed = wall() - start
                 stack.pop()
                 seconds[name] = seconds.get(name, 0.0) + elapsed - inner[0]
                 if stack:
@@ -167,7 +169,9 @@ def unwrap_batch_end(boundary: tuple[Any, Any] | None) -> None:
             last.on_train_batch_end = previous
 
 
-def time_save_checkpoint(trainer: pl.Trainer, add: Callable[[float], None]) -> Callable[..., Any] | None:
+def time_save_checkpoint(
+    trainer: pl.Trainer, add: Callable[[float], None], wall: Callable[[], float] = time.perf_counter
+) -> Callable[..., Any] | None:
     """Pass the seconds of every ``trainer.save_checkpoint`` call to ``add``.
 
     The timer is an instance attribute of the trainer; it returns it (for :func:`untime_save_checkpoint`), or
@@ -179,11 +183,11 @@ def time_save_checkpoint(trainer: pl.Trainer, add: Callable[[float], None]) -> C
     original = trainer.save_checkpoint
 
     def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start = wall()
         try:
             return original(*args, **kwargs)
         finally:
-            add(time.perf_counter() - start)
+            add(wall() - start)
 
     trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
     return save_checkpoint

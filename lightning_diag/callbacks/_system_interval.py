@@ -15,6 +15,7 @@ import torch
 
 from lightning_diag.core.tags import family_tag
 from lightning_diag.instrument.clocks import CudaClock, HostClock
+from lightning_diag.rules.system import STEP_TIME_FLUCTUATION
 
 __all__ = ["HEADER", "Mark", "Step", "gather_ranks", "interval_values", "resolve_steps"]
 
@@ -119,7 +120,7 @@ def interval_values(
         if merged["tokens"] > 0:
             values[family_tag("system", "tokens_per_s")] = merged["tokens"] / step_total
     if math.isfinite(fluctuation):
-        values[family_tag("system", "step_time_fluctuation")] = fluctuation
+        values[family_tag("system", STEP_TIME_FLUCTUATION)] = fluctuation
     if per_rank is not None:
         rank_totals, rank_waits = per_rank
         # The gradient all-reduce makes every rank's step as long as the slowest one's, so the step times

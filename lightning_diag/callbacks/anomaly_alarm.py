@@ -21,13 +21,7 @@ from lightning_diag.callbacks.lr_logging import lr_scalars
 from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
 from lightning_diag.callbacks.silent_checks import ReplicaCheck, TrainModeCheck
-from lightning_diag.core.alerts import (
-    LOSS_SWING,
-    NONFINITE_LOSS,
-    NONFINITE_ROLLBACK,
-    VAL_DECLINE,
-    NonFiniteAction,
-)
+from lightning_diag.core.alerts import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE, NonFiniteAction
 from lightning_diag.core.tags import loss_tag
 from lightning_diag.core.validation import check_choice, check_int, check_number
 from lightning_diag.instrument.snapshots import RollbackDevice
@@ -53,6 +47,7 @@ from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
     DEFAULT_MAX_SKIPS,
     NONFINITE_ACTIONS,
+    NONFINITE_LOSS_SPEC,
     NonFinitePolicy,
 )
 from lightning_diag.rules.replicas import DEFAULT_DESYNC_EVERY_N_STEPS, DEFAULT_DESYNC_TOLERANCE
@@ -170,6 +165,9 @@ class AnomalyAlarm(DiagCallback):
         'skip'
     """
 
+    #: Alarms with another monitored metric or swing window are checkpointed apart.
+    state_key_arguments = ("monitor", "swing_window")
+
     def __init__(
         self,
         *,
@@ -274,8 +272,8 @@ class AnomalyAlarm(DiagCallback):
         values[f"{VAL_DECLINE}.higher_is_better"] = float(self.mode == "max")
         if isinstance(self.swing_window, int):
             values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
-        if self.on_nonfinite == "skip":
-            values[f"{NONFINITE_LOSS}.max_skips"] = float(self.max_skips)
+        if self.on_nonfinite != "skip":  # max_skips is in force only with that action
+            values.pop(NONFINITE_LOSS_SPEC.key("max_skips"), None)
         if self.on_nonfinite != "rollback":  # the rollback settings are in force only with that action
             for key in [k for k in values if k.startswith(f"{NONFINITE_ROLLBACK}.")]:
                 del values[key]
@@ -322,15 +320,11 @@ class AnomalyAlarm(DiagCallback):
         #: The training-loss periods and the loss and validation trend rules.
         self.trend = LossTrend(self)
         #: What a non-finite step leads to (a pure state machine); :attr:`guard` finds the steps and acts.
-        self.policy = NonFinitePolicy(self.on_nonfinite, self.max_skips, self.max_scaler_overflows)  # type: ignore[arg-type]
+        self.policy = NonFinitePolicy.from_settings(self.thresholds(), action=self.on_nonfinite)  # type: ignore[arg-type]
         self.guard = NonFiniteGuard(self, self.policy, self.recovery)
         self.recovery.reset()
         self.replicas.reset()
         self.train_mode.reset()
-
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(monitor=self.monitor, swing_window=self.swing_window)
 
     def state_dict(self) -> dict[str, Any]:
         """Rule histories, latches, the skip count, the partial loss sums and warn mode's pending findings.
@@ -390,8 +384,11 @@ class AnomalyAlarm(DiagCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the step window and share restored loss sums over the ranks; take the first snapshot."""
+        super().on_train_start(trainer, pl_module)
         self.trend.start(trainer)
-        self.recovery.start(trainer, pl_module, self._snapshot_state, self._restore_snapshot_state)
+        unsupported = self.recovery.start(trainer, pl_module, self._snapshot_state, self._restore_snapshot_state)
+        if unsupported:
+            self.notice(trainer, "rollback-unsupported", unsupported)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""

@@ -12,14 +12,26 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
-from lightning_diag.core.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
-from lightning_diag.core.tags import attn_entropy_tag, attn_heads_tag, attn_map_tag, attn_sink_tag, attn_uniform_tag
+from lightning_diag.core.tags import (
+    attn_distance_tag,
+    attn_entropy_tag,
+    attn_heads_tag,
+    attn_map_tag,
+    attn_sink_tag,
+    attn_uniform_tag,
+)
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.attention_capture import AttentionCapture, is_compiled
 from lightning_diag.instrument.attention_record import AttentionRecorder
 from lightning_diag.instrument.batches import token_ids as find_token_ids
+from lightning_diag.instrument.sharding import TP_DIM_NAME
 from lightning_diag.output.images import heatmap, scatter, tile
 from lightning_diag.rules.attention import (
+    ATTN_ENTROPY_HIGH,
+    ATTN_ENTROPY_LOW,
+    ATTN_MAX_QUERIES_SETTING,
+    ATTN_SAMPLE_SIZE_SETTING,
+    ATTN_SINK,
     DEFAULT_ATTN_PATIENCE,
     DEFAULT_ATTN_WARMUP_STEPS,
     DEFAULT_ENTROPY_HIGH,
@@ -34,11 +46,10 @@ from lightning_diag.stats.attention_probs import head_pca, head_similarity
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonitor"]
 
-#: Sequences of the batch measured on a sampled step.
-DEFAULT_SAMPLE_SIZE = 8
-#: Query positions per sequence measured on a sampled step (evenly spaced).
-DEFAULT_MAX_QUERIES = 64
-_STATE_KEYS = ("entropy", "sink")
+#: Sequences of the batch measured on a sampled step (``attn.sample_size``).
+DEFAULT_SAMPLE_SIZE = int(ATTN_SAMPLE_SIZE_SETTING.default)
+#: Query positions per sequence measured on a sampled step, evenly spaced (``attn.max_queries``).
+DEFAULT_MAX_QUERIES = int(ATTN_MAX_QUERIES_SETTING.default)
 _IMAGE_KEYS = 128  # keys shown at most per heatmap
 
 
@@ -61,6 +72,13 @@ class AttentionEntropyMonitor(DiagCallback):
     Entropy is in nats, per head, averaged over valid query rows only: padded keys carry no mass (the key padding
     mask and attention mask are honoured) and padded query rows are left out. Uniform attention over ``n`` keys
     has ``ln n`` nats (2.48 for 12 keys, 4.85 for 128); one-hot attention has 0.
+
+    Sharded models: under FSDP2 the capture is unchanged (the forward runs on the gathered weights). Under tensor
+    parallelism each rank computes only its share of the heads (``ColwiseParallel`` projections reshaped to local
+    heads, or a DTensor ``query`` sharded on its head dimension): the statistics are placed at each head's global
+    index (``tp_rank * H_local + h``) and summed over the ranks on the sampled step, so rank zero logs every head
+    once, exactly as a single process would; data-parallel groups are averaged as under DDP. The images are not
+    drawn under tensor parallelism (a one-time message says so).
 
     Logged metrics (global rank zero; ``<module>`` is the module's qualified name):
 
@@ -157,7 +175,8 @@ class AttentionEntropyMonitor(DiagCallback):
         self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
         self.sink_mass = check_number("sink_mass", sink_mass, low=0.0, high=1.0, high_inclusive=False)
         self.patience = check_int("patience", patience, low=1)
-        self._make_rules()
+        self.entropy_rule = self.add_rule("entropy_rule", AttentionEntropyRule.from_settings, state_key="entropy")
+        self.sink_rule = self.add_rule("sink_rule", AttentionSinkRule.from_settings, state_key="sink")
         self._recorder: AttentionRecorder | None = None
         self._handles: list[Any] = []
         self._mha: list[tuple[str, nn.Module]] | None = None
@@ -172,41 +191,10 @@ class AttentionEntropyMonitor(DiagCallback):
             raise TypeError(f"Expected argument `{name}` to be a sequence of ints, but got {values!r}")
         return tuple(values)
 
-    def thresholds(self) -> dict[str, float]:
-        """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
-
-        Example:
-            >>> AttentionEntropyMonitor().thresholds()["attn_entropy_low"]
-            0.5
-        """
-        return super().thresholds()
-
-    def _make_rules(self) -> None:
-        self.entropy_rule = AttentionEntropyRule(
-            self.entropy_low, self.entropy_high, self.uniform_fraction, self.warmup_steps, self.patience, self.sink_mass
-        )
-        self.sink_rule = AttentionSinkRule(self.sink_mass, self.patience)
-
-    # -- state ---------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The rules' streaks and latches."""
-        return {"entropy": self.entropy_rule.state_dict(), "sink": self.sink_rule.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output.
-
-        Raises:
-            KeyError: If a key is missing; the message names every missing key.
-        """
-        self.check_state_keys(state_dict, _STATE_KEYS)
-        self.entropy_rule.load_state_dict(state_dict["entropy"])
-        self.sink_rule.load_state_dict(state_dict["sink"])
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """A new fit starts with fresh rules (a resume then loads their state)."""
+        """A new fit starts with fresh rules (the base class; a resume then loads their state)."""
         super().setup(trainer, pl_module, stage)
         if stage == TrainerFn.FITTING:
-            self._make_rules()
             self._mha = None
             self._compiled = None
             self._sampled_step = -1
@@ -256,6 +244,11 @@ class AttentionEntropyMonitor(DiagCallback):
                     "(batch -> LongTensor[B, S]); only `special_positions` mark special tokens",
                 )
         interval = self.image_interval(trainer)
+        tp_mesh = self._tp_mesh(trainer)
+        if interval and tp_mesh is not None:
+            self.notice(trainer, "tp-images", "tensor parallelism: the attention maps and head-similarity images "
+                        "are not drawn (each rank holds only its own heads); the per-head scalars cover every head")
+            interval = 0
         recorder = AttentionRecorder(
             self.sample_size,
             self.max_queries,
@@ -283,8 +276,21 @@ class AttentionEntropyMonitor(DiagCallback):
             )
         else:
             include = self._wanted if self.modules is not None else None
-            self._capture = AttentionCapture(pl_module, recorder, include, self._names)
+            self._capture = AttentionCapture(pl_module, recorder, include, self._names, tp_mesh)
             self._capture.start()
+
+    def _tp_mesh(self, trainer: pl.Trainer) -> Any:
+        """The tensor-parallel mesh of ``ModelParallelStrategy`` when it has more than one rank, else ``None``."""
+        if trainer.world_size <= 1:
+            return None
+        try:
+            mesh = getattr(trainer.strategy, "device_mesh", None)
+        except Exception:  # a strategy whose mesh is not set up: no tensor parallelism to see
+            return None
+        if mesh is None or TP_DIM_NAME not in (getattr(mesh, "mesh_dim_names", None) or ()):
+            return None
+        tp = mesh[TP_DIM_NAME]
+        return tp if tp.size() > 1 else None
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """The sampled forward is over: leave the function mode before backward (and any recomputation) runs."""
@@ -327,6 +333,7 @@ class AttentionEntropyMonitor(DiagCallback):
             values[attn_entropy_tag(name, "mean")] = sum(stats.entropy) / len(stats.entropy)
             values[attn_uniform_tag(name)] = max(stats.uniform)
             values[attn_sink_tag(name)] = min(stats.special_mass)
+        values.update(self._distances(trainer, recorder, [n for n in layers if n in recorder.stats]))
         values.update(self.threshold_lines(ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
@@ -360,17 +367,32 @@ class AttentionEntropyMonitor(DiagCallback):
                 + " and nothing handed over through record_attention(): attention entropy is not measured",
             )
             return None
-        heads = [int(recorder.stats[n].entropy.numel()) for n in names]
+        # Tensor parallelism: a rank holds heads tp_rank * H_local ... of H_local * tp_size; each value goes to
+        # its global head's slot (zeros elsewhere) with a per-head row count, so the sum over ranks gives every
+        # head once per data-parallel group, averaged over those groups like DDP's ranks.
+        heads: list[int] = []
         parts = []
         for n in names:
             s = recorder.stats[n]
-            rows = s.rows.reshape(-1)[:1]
+            rows = s.rows.reshape(-1)[:1].float()
+            local = int(s.entropy.numel())
+            tp_rank, tp_size = recorder.head_shards.get(n, (0, 1)) if distributed else (0, 1)
+            heads.append(local * tp_size)
+
+            def place(v: torch.Tensor, local: int = local, tp_rank: int = tp_rank, tp_size: int = tp_size) -> Any:
+                if tp_size == 1:
+                    return v.reshape(-1).float()
+                out = torch.zeros(local * tp_size, dtype=torch.float32, device=v.device)
+                out[tp_rank * local : (tp_rank + 1) * local] = v.reshape(-1).float()
+                return out
+
             unknown = torch.full_like(s.entropy, float("nan"))
             first = s.first_mass if s.first_mass is not None else unknown
             coverage = s.coverage if s.coverage is not None else unknown
             causal = s.causal if s.causal is not None else torch.zeros((), device=rows.device)
-            parts += [s.entropy * rows, s.uniform * rows, s.special_mass * rows, s.special_share * rows]
-            parts += [first * rows, coverage * rows, causal.reshape(1) * rows, rows]
+            parts += [place(s.entropy * rows), place(s.uniform * rows), place(s.special_mass * rows)]
+            parts += [place(s.special_share * rows), place(first * rows), place(coverage * rows)]
+            parts += [causal.reshape(1) * rows, rows, place(rows.expand(local))]
         flat = torch.cat([p.reshape(-1).float() for p in parts])
         if distributed:
             flat = trainer.strategy.reduce(flat, reduce_op="sum")
@@ -378,17 +400,55 @@ class AttentionEntropyMonitor(DiagCallback):
         layers: dict[str, LayerStats] = {}
         i = 0
         for name, h in zip(names, heads, strict=True):
-            chunk = host[i : i + 6 * h + 2]
-            i += 6 * h + 2
-            rows = chunk[-1]
-            if rows <= 0:
+            chunk = host[i : i + 7 * h + 2]
+            i += 7 * h + 2
+            rows = chunk[6 * h + 1]
+            head_rows = chunk[6 * h + 2 :]
+            if rows <= 0 or min(head_rows) <= 0:
                 continue
-            cols = [[v / rows for v in chunk[j * h : (j + 1) * h]] for j in range(6)]
+            cols = [[v / r for v, r in zip(chunk[j * h : (j + 1) * h], head_rows, strict=True)] for j in range(6)]
             # causal only when every rank's rows are: the summed flag is the same number on every rank
-            is_causal = chunk[-2] / rows > 1 - 1e-6
+            is_causal = chunk[6 * h] / rows > 1 - 1e-6
             entropy, uniform, mass, share, first_mass, cover = cols
             layers[name] = LayerStats(entropy, uniform, mass, share, first_mass, is_causal, cover)
         return layers
+
+    def _distances(self, trainer: pl.Trainer, recorder: AttentionRecorder, names: list[str]) -> dict[str, float]:
+        """``diag/attn_distance[_relative]/<module>/head_<h>`` of the self-attention modules, averaged over ranks
+        weighted by valid rows (one host copy; every rank has the same modules here, as :meth:`_reduce` checked)."""
+        measured = [n for n in names if recorder.stats[n].distance is not None]
+        if not measured:
+            return {}
+        distributed = trainer.world_size > 1 and "ranks-differ" not in self._notices  # the same on every rank
+        # Tensor parallelism: each rank's heads go to their global slots with per-head rows, as in _reduce.
+        parts = []
+        heads: list[int] = []
+        for n in measured:
+            s = recorder.stats[n]
+            rows = s.rows.reshape(-1)[:1].float()
+            local = int(s.entropy.numel())
+            tp_rank, tp_size = recorder.head_shards.get(n, (0, 1)) if distributed else (0, 1)
+            heads.append(local * tp_size)
+            per_head = [s.distance * rows, s.distance_relative * rows, rows.expand(local)]  # type: ignore[operator]
+            for v in per_head:
+                out = torch.zeros(local * tp_size, dtype=torch.float32, device=rows.device)
+                out[tp_rank * local : (tp_rank + 1) * local] = v.reshape(-1).float()
+                parts.append(out)
+        flat = torch.cat(parts)
+        if distributed:
+            flat = trainer.strategy.reduce(flat, reduce_op="sum")
+        host = flat.tolist()
+        values: dict[str, float] = {}
+        i = 0
+        for n, h in zip(measured, heads, strict=True):
+            chunk, i = host[i : i + 3 * h], i + 3 * h
+            head_rows = chunk[2 * h :]
+            for head in range(h):
+                if head_rows[head] <= 0:
+                    continue
+                values[attn_distance_tag(n, head)] = chunk[head] / head_rows[head]
+                values[attn_distance_tag(n, head, relative=True)] = chunk[h + head] / head_rows[head]
+        return values
 
     # -- images --------------------------------------------------------------------------------------------
     def _draw(self, recorder: AttentionRecorder, step: int) -> None:

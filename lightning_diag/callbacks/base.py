@@ -6,13 +6,14 @@ import json
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
+from lightning_diag.callbacks.provenance import write_run_record
 from lightning_diag.core.alerts import Alert, AlertLog
 from lightning_diag.core.log_handler import ensure_handler
 from lightning_diag.core.registry import registry_thresholds
@@ -28,12 +29,24 @@ from lightning_diag.output.dashboard import (
 from lightning_diag.output.writer import DiagWriter
 from lightning_diag.rules.base import StepContext
 
-__all__ = ["AlertHandler", "DiagCallback", "DiagSession", "extract_loss"]
+__all__ = ["AlertHandler", "DiagCallback", "DiagSession", "StatefulRule", "extract_loss"]
 
 #: ``on_alert=``: called with each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global rank zero).
 AlertHandler = Callable[[Alert], object]
 
 log = logging.getLogger("lightning_diag")
+
+
+
+class StatefulRule(Protocol):
+    """What :meth:`DiagCallback.add_rule` declares: a rule (or policy) whose state survives a resume."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+RuleT = TypeVar("RuleT", bound=StatefulRule)
 
 ALERTS_FILE = "alerts.jsonl"
 THRESHOLDS_FILE = "thresholds.json"
@@ -57,6 +70,7 @@ class DiagSession:
         self._writer: DiagWriter | None = None
         self._alerts: list[Alert] = []
         self._fit_started = False
+        self._run_recorded = False
         self.users = 0
         self.alert_log = AlertLog(
             os.path.join(self.diag_dir, ALERTS_FILE) if is_global_zero else None,
@@ -102,6 +116,16 @@ class DiagSession:
         self.writer.text(THRESHOLDS_TAG, thresholds_markdown(by_callback), trainer.global_step)
         self.writer.custom_scalars(dashboard_layout([k for k in merged if "." not in k]))
         self.writer.flush()
+
+    def record_run(self, trainer: pl.Trainer) -> None:
+        """Once per fit, on rank zero, when training starts (the loaders are set up): ``<log_dir>/diag/run.json``,
+        the run's provenance (:mod:`lightning_diag.callbacks.provenance`)."""
+        if self._run_recorded or not self.is_global_zero:
+            return
+        self._run_recorded = True
+        problem = write_run_record(trainer, self.diag_dir)
+        if problem is not None:
+            log.warning("lightning_diag: %s", problem)
 
     def close(self) -> None:
         """Close the alert log and the writer (if the library opened it)."""
@@ -159,13 +183,28 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
 class DiagCallback(pl.Callback):
     """Base of the library's callbacks.
 
-    Subclasses override :meth:`thresholds` so the run records what it is judged against; one that overrides
-    ``on_fit_start`` calls ``super().on_fit_start(trainer, pl_module)``, which writes the thresholds and the
-    dashboard layout.
+    A subclass declares its rules once, in its constructor, after setting the attributes the rules' declarations
+    name (``RuleSpec.arguments``)::
+
+        self.band_rule = self.add_rule("band_rule", GradBandRule.from_settings, state_key="band")
+
+    (the torchmetrics ``add_state`` pattern, one level up). From that declaration the base class derives:
+    :meth:`state_dict` / :meth:`load_state_dict` (each rule's state under its ``state_key``, a missing key
+    named), the fresh rules of a new fit (rebuilt from :meth:`thresholds` in :meth:`setup`), and
+    :attr:`state_key` (from :attr:`state_key_arguments`). :meth:`thresholds` comes from the rule registry.
+    State beyond the rules is added by extending :meth:`state_dict` / :meth:`load_state_dict` and listing its
+    keys in :attr:`extra_state_keys`. One that overrides ``on_fit_start`` calls
+    ``super().on_fit_start(trainer, pl_module)``, which writes the thresholds and the dashboard layout.
 
     Attributes:
         alerts: The alerts this callback raised in the current fit, in order.
     """
+
+    #: Constructor arguments (attributes) that tell two instances' checkpoint state apart (``state_key``); empty:
+    #: the class name.
+    state_key_arguments: ClassVar[tuple[str, ...]] = ()
+    #: Checkpoint keys a subclass saves besides its declared rules (checked by :meth:`load_state_dict`).
+    extra_state_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, log_every_n_steps: int | None = None, on_alert: AlertHandler | None = None) -> None:
         super().__init__()
@@ -180,6 +219,65 @@ class DiagCallback(pl.Callback):
         self._session: DiagSession | None = None
         self._notices: set[str] = set()
         self._last_logged_step = -1
+        #: Declared rules: attribute name -> (builder from thresholds, checkpoint key).
+        self._rule_declarations: dict[str, tuple[Callable[[Mapping[str, float]], StatefulRule], str]] = {}
+
+    # -- declared rules ------------------------------------------------------------------------------------
+    def add_rule(
+        self, name: str, build: Callable[[Mapping[str, float]], RuleT], *, state_key: str | None = None
+    ) -> RuleT:
+        """Declare a rule: ``build(self.thresholds())`` now and at every new fit, kept as attribute ``name``,
+        its state saved under ``state_key`` (default ``name``). Returns the rule built.
+
+        ``build`` is the rule class's ``from_settings`` (or a ``functools.partial`` of it with the context a
+        rule needs besides its thresholds, such as the unit of its messages).
+        """
+        self._rule_declarations[name] = (build, state_key or name)
+        rule = build(self.thresholds())
+        setattr(self, name, rule)
+        return rule
+
+    def reset_rules(self) -> None:
+        """Build every declared rule afresh from :meth:`thresholds` (a new fit; a resume then loads their state)."""
+        values = self.thresholds()
+        for name, (build, _key) in self._rule_declarations.items():
+            setattr(self, name, build(values))
+
+    @property
+    def rule_state_keys(self) -> tuple[str, ...]:
+        """The checkpoint keys of the declared rules, in declaration order."""
+        return tuple(key for _build, key in self._rule_declarations.values())
+
+    @property
+    def state_key(self) -> str:
+        """The checkpoint key: the class name, with the :attr:`state_key_arguments` values when it declares some."""
+        if not self.state_key_arguments:
+            return super().state_key
+        return self._generate_state_key(**{name: getattr(self, name) for name in self.state_key_arguments})
+
+    def rules_state_dict(self) -> dict[str, Any]:
+        """Each declared rule's state under its ``state_key``."""
+        return {key: getattr(self, name).state_dict() for name, (_b, key) in self._rule_declarations.items()}
+
+    def load_rules_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`rules_state_dict` output (every declared key is expected)."""
+        self.check_state_keys(dict(state), self.rule_state_keys)
+        for name, (_build, key) in self._rule_declarations.items():
+            getattr(self, name).load_state_dict(state[key])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each declared rule's state under its ``state_key`` (a subclass adds its :attr:`extra_state_keys`)."""
+        return self.rules_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing key (rules' and
+                :attr:`extra_state_keys`).
+        """
+        self.check_state_keys(state_dict, (*self.rule_state_keys, *self.extra_state_keys))
+        self.load_rules_state_dict(state_dict)
 
     # -- session ---------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -191,6 +289,7 @@ class DiagCallback(pl.Callback):
             self._on_alert_failed = False
             self._notices = set()
             self._last_logged_step = -1
+            self.reset_rules()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Flush and release the session."""
@@ -207,6 +306,11 @@ class DiagCallback(pl.Callback):
         """Record the thresholds in effect and write the dashboard layout (once per fit, rank zero)."""
         if self._session is not None:
             self._session.start_fit(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the run's provenance, ``diag/run.json`` (once per fit, rank zero)."""
+        if self._session is not None:
+            self._session.record_run(trainer)
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds this callback judges by: rule id -> threshold, and ``"<rule>.<setting>"`` -> value.

@@ -22,7 +22,10 @@ from lightning_diag.instrument.positions import position_capacity
 from lightning_diag.output.images import heatmap
 from lightning_diag.rules.data import (
     DATA_LEAKAGE,
+    DATA_LEAKAGE_SPEC,
+    DATA_MAX_BATCHES_SETTING,
     DATA_VOCAB_SHIFT,
+    DATA_VOCAB_SHIFT_SPEC,
     DEFAULT_LABEL_STD,
     DEFAULT_LEAKAGE_FRACTION,
     DEFAULT_NEAR_DUPLICATE,
@@ -41,17 +44,16 @@ __all__ = [
     "DataDiagnostics",
 ]
 
-#: Batches read from each loader per measurement.
-DEFAULT_MAX_BATCHES = 64
+#: Batches read from each loader per measurement (``data.max_batches``).
+DEFAULT_MAX_BATCHES = int(DATA_MAX_BATCHES_SETTING.default)
 #: ``data_vocab_shift``: token types seen fewer times (both samples together) are pooled into one bin.
-DEFAULT_MIN_COUNT = int(default(f"{DATA_VOCAB_SHIFT}.min_count"))
+DEFAULT_MIN_COUNT = int(default(DATA_VOCAB_SHIFT_SPEC.key("min_count")))
 #: ``data_leakage``: token n-gram size of the shingles.
-DEFAULT_SHINGLE_SIZE = int(default(f"{DATA_LEAKAGE}.shingle_size"))
+DEFAULT_SHINGLE_SIZE = int(default(DATA_LEAKAGE_SPEC.key("shingle_size")))
 #: ``data_leakage``: MinHash signature length.
-DEFAULT_NUM_PERM = 64
+DEFAULT_NUM_PERM = int(default(DATA_LEAKAGE_SPEC.key("num_perm")))
 #: ``data_leakage``: leaked samples needed before the share found is extrapolated to the whole training set.
-DEFAULT_MIN_LEAKS = 3
-_STATE_KEYS = ("rules", "last_epoch", "last")
+DEFAULT_MIN_LEAKS = int(default(DATA_LEAKAGE_SPEC.key("min_leaks")))
 _MAX_HIST_VALUES = 1_000_000
 _MAX_IMAGE_CLASSES = 256
 _SPLITS = ("train", "val")
@@ -149,6 +151,8 @@ class DataDiagnostics(DiagCallback):
         0.1
     """
 
+    extra_state_keys = ("last_epoch", "last")
+
     def __init__(
         self,
         *,
@@ -191,24 +195,24 @@ class DataDiagnostics(DiagCallback):
             "padding_labels", padding_labels, low=0.0, high=1.0, low_inclusive=True, high_inclusive=False
         )
         self.length_ratio = check_number("length_ratio", length_ratio, low=1.0, low_inclusive=True)
-        self._make_rules()
+        self.rules = self.add_rule("rules", DataRules.from_settings)
+        self.sequence_rules = self.add_rule("sequence_rules", SequenceRules.from_settings, state_key="sequences")
         self.last_epoch = -1
         self.last: dict[str, float] = {}
 
-    def _make_rules(self) -> None:
-        self.rules = DataRules(self.vocab_kl, self.leakage, self.label_std)
-        self.sequence_rules = SequenceRules(self.padding_labels, self.length_ratio)
+    def thresholds(self) -> dict[str, float]:
+        """The thresholds in effect (see :meth:`DiagCallback.thresholds`); ``data.max_batches`` is left out when
+        ``max_batches=None`` (every batch of a map-style dataset)."""
+        values = super().thresholds()
+        if self.max_batches is None:
+            values.pop(DATA_MAX_BATCHES_SETTING.key, None)
+        return values
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The rules' latches (what was already reported), the longest training sequence seen, the epoch last
         measured and its values."""
-        return {
-            "rules": self.rules.state_dict(),
-            "sequences": self.sequence_rules.state_dict(),
-            "last_epoch": self.last_epoch,
-            "last": dict(self.last),
-        }
+        return {**super().state_dict(), "last_epoch": self.last_epoch, "last": dict(self.last)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output.
@@ -216,10 +220,7 @@ class DataDiagnostics(DiagCallback):
         Raises:
             KeyError: If a key is missing; the message names every missing key.
         """
-        self.check_state_keys(state_dict, _STATE_KEYS)
-        self.rules.load_state_dict(state_dict["rules"])
-        if "sequences" in state_dict:  # absent from checkpoints written before the sequence rules existed
-            self.sequence_rules.load_state_dict(state_dict["sequences"])
+        super().load_state_dict(state_dict)
         self.last_epoch = int(state_dict["last_epoch"])
         self.last = {str(k): float(v) for k, v in state_dict["last"].items()}
 
@@ -227,13 +228,13 @@ class DataDiagnostics(DiagCallback):
         """A new fit starts with fresh rules (a resume then loads their state)."""
         super().setup(trainer, pl_module, stage)
         if stage == TrainerFn.FITTING:
-            self._make_rules()
             self.last_epoch = -1
             self.last = {}
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Measure the data once the loaders exist, before the first step."""
+        super().on_train_start(trainer, pl_module)
         self._measure(trainer)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -14,7 +14,6 @@ from pytorch_lightning.callbacks import BaseFinetuning
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
-from lightning_diag.core.alerts import GRAD_EXPLODE, GRAD_VANISH
 from lightning_diag.core.tags import (
     act_grad_norm_tag,
     grad_blocks_tag,
@@ -29,7 +28,6 @@ from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.act_grads import ActivationGradients
 from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step, update_ratios
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.catalog import UPDATE_STALE
 from lightning_diag.rules.grad import (
     DEFAULT_BASELINE_MEASUREMENTS,
     DEFAULT_COLLAPSE_RATIO,
@@ -39,6 +37,8 @@ from lightning_diag.rules.grad import (
     DEFAULT_GRAD_WARMUP_STEPS,
     DEFAULT_SPREAD_RATIO,
     DEFAULT_VANISH_THRESHOLD,
+    GRAD_EXPLODE,
+    GRAD_VANISH,
     GradBandRule,
     GradCollapseRule,
     GradFrozenRule,
@@ -47,17 +47,18 @@ from lightning_diag.rules.grad import (
 from lightning_diag.rules.updates import (
     DEFAULT_STALE_FRACTION,
     DEFAULT_UPDATE_SAMPLE_SIZE,
+    UPDATE_STALE,
     GradNotZeroedRule,
     LayerUpdate,
     UpdateRule,
 )
-from lightning_diag.stats.grad import per_tensor_norms
+from lightning_diag.stats.grad import local_tensor, per_tensor_norms
+from lightning_diag.stats.histogram import tensorboard_histogram
 from lightning_diag.stats.updates import ElementSample, unchanged_counts
 
 __all__ = ["GradientFlowMonitor"]
 
 ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
-_STATE_KEYS = ("band", "spread", "collapse", "frozen")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -84,6 +85,11 @@ class GradientFlowMonitor(DiagCallback):
     ``log_every_n_steps`` optimizer steps); other steps cost one integer comparison. On a measured step the norms
     of every selected gradient take one multi-tensor kernel per device/dtype group, are summed per layer on the
     device and copied to the host once.
+
+    Under sharded training (``ModelParallelStrategy``: FSDP2, tensor parallelism, both, HSDP) every quantity is
+    that of the full, unsharded gradient, computed from the local shards: per-layer sums of squares on the device,
+    weighted so that replicated copies count once, and one all-reduce per measured step (see
+    :mod:`lightning_diag.instrument.grad_measure`); nothing is gathered. Histograms are not written then.
 
     A *layer* is the module that owns the parameters (``encoder.layers.0.linear1`` for its weight and bias), or
     each parameter with ``per_parameter=True``.
@@ -195,7 +201,11 @@ class GradientFlowMonitor(DiagCallback):
         if (
             params is not None
             and not callable(params)
-            and (isinstance(params, str) or not all(isinstance(p, str) for p in params))
+            and (
+                isinstance(params, str)
+                or not isinstance(params, Iterable)
+                or not all(isinstance(p, str) for p in params)
+            )
         ):
             raise TypeError(
                 "Expected argument `params` to be a list of name patterns or a predicate (name, param) -> bool,"
@@ -246,32 +256,16 @@ class GradientFlowMonitor(DiagCallback):
         self.update_sample_size = check_int("update_sample_size", update_sample_size, low=0)
         self._reset_update_state()
         self._loss: torch.Tensor | None = None
-        self._make_rules()
+        self.band_rule = self.add_rule("band_rule", GradBandRule.from_settings, state_key="band")
+        self.spread_rule = self.add_rule("spread_rule", GradSpreadRule.from_settings, state_key="spread")
+        self.collapse_rule = self.add_rule("collapse_rule", GradCollapseRule.from_settings, state_key="collapse")
+        self.frozen_rule = self.add_rule("frozen_rule", GradFrozenRule.from_settings, state_key="frozen")
+        self.update_rule = self.add_rule("update_rule", UpdateRule.from_settings, state_key="updates")
+        self.not_zeroed_rule = self.add_rule("not_zeroed_rule", GradNotZeroedRule.from_settings, state_key="not_zeroed")
         self._index: ParamIndex | None = None
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
         self._before: list[tuple[list[int], list[torch.Tensor]]] = []
         self._measured_interval: dict[int, int] = {}
-
-    def thresholds(self) -> dict[str, float]:
-        """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
-
-        Example:
-            >>> GradientFlowMonitor().thresholds()["grad_explode"]
-            10.0
-        """
-        return {**super().thresholds(), f"{GRAD_VANISH}.relative": self.band_rule.relative}
-
-    def _make_rules(self) -> None:
-        self.band_rule = GradBandRule(
-            self.vanish_threshold, self.explode_threshold, self.patience, warmup_steps=self.warmup_steps
-        )
-        self.spread_rule = GradSpreadRule(self.spread_ratio, self.patience, self.warmup_steps)
-        self.collapse_rule = GradCollapseRule(
-            self.collapse_ratio, self.patience, self.baseline_measurements, self.converged_fraction
-        )
-        self.frozen_rule = GradFrozenRule(self.patience)
-        self.update_rule = UpdateRule(self.stale_fraction, self.patience)
-        self.not_zeroed_rule = GradNotZeroedRule()
 
     def _reset_update_state(self) -> None:
         self._samples: dict[tuple[int, ...], ElementSample] = {}
@@ -283,37 +277,10 @@ class GradientFlowMonitor(DiagCallback):
         self._zero_check: tuple[list[int], torch.Tensor] | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
 
-    def state_dict(self) -> dict[str, Any]:
-        """The rules' streaks, latches and the collapse baseline."""
-        return {
-            "band": self.band_rule.state_dict(),
-            "spread": self.spread_rule.state_dict(),
-            "collapse": self.collapse_rule.state_dict(),
-            "frozen": self.frozen_rule.state_dict(),
-            "updates": self.update_rule.state_dict(),
-            "not_zeroed": self.not_zeroed_rule.state_dict(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output.
-
-        Raises:
-            KeyError: If a key is missing; the message names every missing key.
-        """
-        self.check_state_keys(state_dict, _STATE_KEYS)
-        self.band_rule.load_state_dict(state_dict["band"])
-        self.spread_rule.load_state_dict(state_dict["spread"])
-        self.collapse_rule.load_state_dict(state_dict["collapse"])
-        self.frozen_rule.load_state_dict(state_dict["frozen"])
-        if "updates" in state_dict:  # absent from checkpoints written before the update rules existed
-            self.update_rule.load_state_dict(state_dict["updates"])
-            self.not_zeroed_rule.load_state_dict(state_dict["not_zeroed"])
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """A new fit starts with fresh rules (a resume then loads their state)."""
+        """A new fit starts with fresh rules (the base class; a resume then loads their state) and no index."""
         super().setup(trainer, pl_module, stage)
         if stage == TrainerFn.FITTING:
-            self._make_rules()
             self._index = None
             self._before = []
             self._measured_interval = {}
@@ -348,6 +315,7 @@ class GradientFlowMonitor(DiagCallback):
             self.per_parameter,
             dict(pl_module.named_modules()),
             self.logit_projections,
+            world_size=trainer.world_size,
         )
 
     def _stuck_parameters(self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_opt: set[int]) -> dict[str, str]:
@@ -367,6 +335,13 @@ class GradientFlowMonitor(DiagCallback):
             elif id(p) in in_opt and p.grad is None:
                 stuck[name] = "no_grad"
         return stuck
+
+    @staticmethod
+    def _reduce(trainer: pl.Trainer) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A SUM over all ranks (``None`` in one process): every rank then takes the same decisions."""
+        if trainer.world_size <= 1:
+            return None
+        return functools.partial(trainer.strategy.reduce, reduce_op="sum")
 
     def _measuring(self, trainer: pl.Trainer) -> bool:
         return trainer.global_step % self.every_n_steps(trainer) == 0
@@ -427,10 +402,7 @@ class GradientFlowMonitor(DiagCallback):
         chosen = [i for i, p in enumerate(index.params) if p.grad is not None and id(p) in in_opt]
         if not chosen:
             return
-        reduce = None
-        if trainer.world_size > 1:  # every rank reads the same loss, so the collapse verdict is the same everywhere
-            reduce = functools.partial(trainer.strategy.reduce, reduce_op="mean")
-        m = measure_step(index, chosen, self._loss, reduce)
+        m = measure_step(index, chosen, self._loss, self._reduce(trainer))
         self._loss = None
         step = trainer.global_step
         # With several optimizers the global norm is the first optimizer's; the others' get their own tags.
@@ -456,13 +428,30 @@ class GradientFlowMonitor(DiagCallback):
         hist_every = self.histogram_every_n_steps
         if hist_every is None:
             hist_every = 10 * self.every_n_steps(trainer)
-        if hist_every and step % hist_every == 0 and self.writer.active:
+        if hist_every and step % hist_every == 0 and self.writer.active and index.sharded:
+            # A histogram of a local shard would misrepresent the gradient, and binning the full one needs a gather.
+            self.notice(
+                trainer,
+                "sharded-histograms",
+                "gradient histograms are not written under sharded training (DTensor parameters); norms are exact",
+            )
+        elif hist_every and step % hist_every == 0 and self.writer.active:
             for i in chosen:
                 if not math.isfinite(m.norms[index.layers[index.layer_of[i]]]):
                     continue  # TensorBoard cannot bin NaN/Inf (AnomalyAlarm's business)
-                self.writer.histogram(grad_hist_tag(index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
+                self._histogram(grad_hist_tag(index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
         if self.log_weight_norms:
-            self._before.append((chosen, [index.params[i].detach().clone() for i in chosen]))
+            self._before.append((chosen, [local_tensor(index.params[i]).detach().clone() for i in chosen]))
+
+    def _histogram(self, tag: str, grad: torch.Tensor, step: int) -> None:
+        # On an accelerator the buckets are counted on the device (no copy of the gradient to the host, no host
+        # sort); on the CPU NumPy's histogram is as fast, and add_histogram computes the same buckets.
+        if grad.device.type == "cpu":
+            self.writer.histogram(tag, grad, step)
+            return
+        data = tensorboard_histogram(grad)
+        if data is not None:
+            self.writer.histogram_raw(tag, data, step)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -480,7 +469,7 @@ class GradientFlowMonitor(DiagCallback):
         index = self._index
         values: dict[str, float] = {}
         for chosen, before in pending:
-            values.update(update_ratios(index, chosen, before))
+            values.update(update_ratios(index, chosen, before, self._reduce(trainer)))
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
 
 

@@ -12,16 +12,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.reduction import reduce_state
-from lightning_diag.core.alerts import LOSS_SWING
-from lightning_diag.core.tags import loss_tag
-from lightning_diag.rules.anomaly import LossStagnantRule, LossSwingRule, ValDeclineRule, ValFluctuationRule
+from lightning_diag.core.tags import LossSeries, loss_tag
+from lightning_diag.rules.anomaly import (
+    LOSS_STAGNANT_SPEC,
+    LOSS_SWING,
+    VAL_DECLINE,
+    VAL_FLUCTUATION,
+    LossStagnantRule,
+    LossSwingRule,
+    ValDeclineRule,
+    ValFluctuationRule,
+)
 from lightning_diag.stats.loss_sums import LossSums
 
 if TYPE_CHECKING:
@@ -30,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["TREND_STATE_KEYS", "LossTrend", "check_swing_window"]
 
 #: The keys :meth:`LossTrend.state_dict` returns (a part of the alarm's checkpoint state).
-TREND_STATE_KEYS = ("swing", "stagnant", "val_decline", "val_fluctuation", "accumulators", "window_start")
+TREND_STATE_KEYS = ("swing", "stagnant", VAL_DECLINE, VAL_FLUCTUATION, "accumulators", "window_start")
 
 
 def check_swing_window(swing_window: object) -> Literal["epoch"] | int:
@@ -72,26 +80,14 @@ class LossTrend:
         self.swing_window = owner.swing_window
         self.monitor = owner.monitor
         unit = "epoch" if self.swing_window == "epoch" else f"window of {self.swing_window} step"
-        self.swing_rule = LossSwingRule(
-            threshold=owner.swing_threshold, patience=owner.swing_patience, min_delta=owner.swing_min_delta, unit=unit
+        settings = owner.thresholds()  # the rules' declarations name the owner's arguments
+        self.swing_rule = LossSwingRule.from_settings(settings, unit=unit)
+        self.stagnant_rule = LossStagnantRule.from_settings(settings, unit=unit)
+        self.val_decline_rule = ValDeclineRule.from_settings(
+            settings, monitor=owner.monitor, mode=owner.mode  # type: ignore[arg-type]
         )
-        self.stagnant_rule = LossStagnantRule(
-            min_drop=owner.stagnant_min_drop, patience=owner.stagnant_patience, unit=unit
-        )
-        self.val_decline_rule = ValDeclineRule(
-            monitor=owner.monitor,
-            mode=owner.mode,  # type: ignore[arg-type]
-            patience=owner.val_decline_patience,
-            min_delta=owner.val_decline_min_delta,
-        )
-        self.val_fluctuation_rule = ValFluctuationRule(
-            ratio=owner.val_fluctuation_ratio,
-            window=owner.val_fluctuation_window,
-            min_fluctuation=owner.val_fluctuation_min,
-            monitor=owner.monitor,
-            min_abs=owner.val_fluctuation_min_range,
-        )
-        self.loss_sums = LossSums(owner.stagnant_baseline_steps)
+        self.val_fluctuation_rule = ValFluctuationRule.from_settings(settings, monitor=owner.monitor)
+        self.loss_sums = LossSums(int(LOSS_STAGNANT_SPEC.value(settings, "baseline_steps")))
         self.window_start: int | None = None
         self.sums_restored = False
 
@@ -108,8 +104,8 @@ class LossTrend:
         return {
             "swing": self.swing_rule.state_dict(),
             "stagnant": self.stagnant_rule.state_dict(),
-            "val_decline": self.val_decline_rule.state_dict(),
-            "val_fluctuation": self.val_fluctuation_rule.state_dict(),
+            VAL_DECLINE: self.val_decline_rule.state_dict(),
+            VAL_FLUCTUATION: self.val_fluctuation_rule.state_dict(),
             "accumulators": accumulators,
             "window_start": self.window_start,
         }
@@ -118,8 +114,8 @@ class LossTrend:
         """Restore the :data:`TREND_STATE_KEYS` of ``state_dict`` (other keys are ignored)."""
         self.swing_rule.load_state_dict(state_dict["swing"])
         self.stagnant_rule.load_state_dict(state_dict["stagnant"])
-        self.val_decline_rule.load_state_dict(state_dict["val_decline"])
-        self.val_fluctuation_rule.load_state_dict(state_dict["val_fluctuation"])
+        self.val_decline_rule.load_state_dict(state_dict[VAL_DECLINE])
+        self.val_fluctuation_rule.load_state_dict(state_dict[VAL_FLUCTUATION])
         accumulators = dict(state_dict["accumulators"])
         self.loss_sums.initial_batches = int(accumulators.pop("initial_batches", 0))
         self.loss_sums.load_state_dict(accumulators, strict=False)
@@ -219,5 +215,5 @@ class LossTrend:
         train_f, val_f = self.val_fluctuation_rule.measures()
         if math.isfinite(train_f) and math.isfinite(val_f):
             values[loss_tag("train_fluctuation")] = train_f
-            values[loss_tag("val_fluctuation")] = val_f
+            values[loss_tag(cast(LossSeries, VAL_FLUCTUATION))] = val_f  # the series is named after its rule
         owner.writer.scalars(values, ctx.global_step)

@@ -20,8 +20,16 @@ import torch
 from lightning_diag.callbacks.lr_logging import learning_rates
 from lightning_diag.callbacks.reduction import reduce_state
 from lightning_diag.core.alerts import Alert
-from lightning_diag.rules.nonfinite import Decision, NonFiniteDetails, NonFinitePolicy, StepFindings, Verdict
-from lightning_diag.stats.norms import all_finite
+from lightning_diag.rules.nonfinite import (
+    NONFINITE_LOSS,
+    Decision,
+    NonFiniteDetails,
+    NonFinitePolicy,
+    StepFindings,
+    Verdict,
+)
+from lightning_diag.stats.grad import local_tensor
+from lightning_diag.stats.norms import all_finite, fast_finite
 from lightning_diag.stats.reduced import ReducedState, Reduction
 
 if TYPE_CHECKING:
@@ -146,7 +154,7 @@ class NonFiniteGuard:
                 threshold=float(self.recovery.rule.max_rollbacks),
             )
             return Decision(Verdict.STOP, (limit,))
-        what = "NaN/Inf in the loss" if alert.rule == "nonfinite_loss" else "NaN/Inf in a gradient"
+        what = "NaN/Inf in the loss" if alert.rule == NONFINITE_LOSS else "NaN/Inf in a gradient"
         located = alert.message.split(" First non-finite value: ", 1)
         if len(located) == 2:
             what += "; " + located[1].rstrip(".")
@@ -190,7 +198,10 @@ class NonFiniteGuard:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads and loss_bad is None:
             return None
-        grad_bad = ~all_finite(grads).to(grads[0].device if grads else loss_bad.device)  # type: ignore[union-attr]
+        device = local_tensor(grads[0]).device if grads else loss_bad.device  # type: ignore[union-attr]
+        # warn mode reads nothing back per step, so its test must be exact on the device (max-abs); the other
+        # modes take the fast fused-L2 pass and confirm it by max-abs on the rare steps it fails
+        grad_bad = ~(all_finite(grads) if defer else fast_finite(grads)).to(device)
         if loss_bad is not None:
             loss_bad = loss_bad.to(grad_bad.device)
         if defer:
@@ -198,15 +209,13 @@ class NonFiniteGuard:
             return None
         # Deciding not to apply an update is a host decision: one 2-element read per optimizer step.
         flags = torch.stack([loss_bad if loss_bad is not None else torch.zeros_like(grad_bad), grad_bad])
-        if trainer.world_size > 1:
-            # Ranks with a bad loss, ranks with a bad gradient: one collective (a SUM every strategy supports) on
-            # the device, then this rank's flags and the agreed ones come back in the same read.
-            counts = flags.to(device=trainer.strategy.root_device, dtype=torch.float32)
-            agreed = trainer.strategy.reduce(counts, reduce_op="sum") > 0
-            both = torch.cat([flags.to(agreed.device), agreed]).tolist()
-            local, found = both[:2], both[2:]
-        else:
-            local = found = flags.tolist()
+        local, found = _agree(trainer, flags)
+        if found[1]:
+            # Some rank's fast pass failed: a NaN/Inf, or a finite gradient whose L2 overflowed. Every rank sees the
+            # same agreed flag and confirms with the exact max-abs pass (and, with several ranks, one collective).
+            exact = (~all_finite(grads)).to(device).reshape(1)
+            local_exact, found_exact = _agree(trainer, exact)
+            local, found = [local[0], local_exact[0]], [found[0], found_exact[0]]
         self.local_findings = (bool(local[0]), bool(local[1]))
         scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
         return StepFindings(loss_bad=bool(found[0]), grad_bad=bool(found[1]), scaler_active=scaler)
@@ -259,6 +268,18 @@ class NonFiniteGuard:
         self.deferred_steps = int(state["steps"])
 
 
+def _agree(trainer: pl.Trainer, flags: torch.Tensor) -> tuple[list[bool], list[bool]]:
+    """This rank's boolean ``flags`` and their OR over all ranks, in one host read (and one collective: a SUM every
+    strategy supports, on the device, when there are several ranks)."""
+    if trainer.world_size <= 1:
+        local = [bool(v) for v in flags.tolist()]
+        return local, local
+    counts = flags.to(device=trainer.strategy.root_device, dtype=torch.float32)
+    agreed = trainer.strategy.reduce(counts, reduce_op="sum") > 0
+    both = [bool(v) for v in torch.cat([flags.to(agreed.device), agreed]).tolist()]
+    return both[: len(flags)], both[len(flags) :]
+
+
 def _step_or_none(value: float) -> int | None:
     return None if value >= NO_STEP else int(value)
 
@@ -278,7 +299,8 @@ def nonfinite_details(trainer: pl.Trainer, pl_module: pl.LightningModule, last_f
     # Only on the failure path: a per-parameter loop here is fine.
     bad: list[str] = []
     for name, p in pl_module.named_parameters():
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+        # under sharded training: this rank's own shards
+        if p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all()):
             bad.append(name)
             if len(bad) >= _SHOWN_PARAMS:
                 bad.append("...")

@@ -12,6 +12,16 @@ triggered (gradients come from :func:`torch.autograd.grad`, which fires no DDP h
 ``training_step`` are silenced during the replay (a ``sync_dist`` there would wait for the other ranks). Its
 finding is broadcast to every rank. Models with ``SyncBatchNorm`` are not replayed (its forward is a
 collective). The rollback decision, the snapshot chosen and its trust are agreed over all ranks.
+
+Sharded training (FSDP2, tensor parallelism: ``DTensor`` parameters): the forward pass is itself a collective
+(parameters are all-gathered, TP outputs all-reduced), so every rank replays its own micro-batches together,
+forward only and without autograd, and the finding of the lowest rank whose loss was non-finite is broadcast. A
+non-finite value that first appears in backward is not localised there (the alert names the parameters).
+
+Rollback under sharding (FSDP2, tensor parallelism, FSDP1): snapshots hold each rank's own shards and are restored
+in place on every rank at the agreed step (:mod:`lightning_diag.instrument.snapshots`). DeepSpeed's engine owns
+the optimizer step and its partitioned state: ``"rollback"`` falls back to ``"stop"`` there, with a one-time
+message.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from lightning_diag.instrument.nonfinite_locate import (
 from lightning_diag.instrument.snapshots import RollbackDevice, SnapshotStore
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.rollback import DEFAULT_SPIKE_FACTOR, RollbackChoice, RollbackRule
+from lightning_diag.stats.grad import is_sharded
 
 __all__ = ["NonFiniteRecovery"]
 
@@ -47,6 +58,11 @@ def _ignore(state: dict[str, Any]) -> None:
 
 def _schedulers(trainer: pl.Trainer) -> list[Any]:
     return [config.scheduler for config in trainer.lr_scheduler_configs]
+
+
+def _engine_owns_step(trainer: pl.Trainer) -> bool:
+    """DeepSpeed: the engine steps its own (ZeRO-partitioned) optimizer; no in-memory snapshot can restore it."""
+    return type(trainer.strategy).__name__.startswith("DeepSpeed")
 
 
 def _scaler(trainer: pl.Trainer) -> Any:
@@ -93,6 +109,8 @@ class NonFiniteRecovery:
         self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
         self._last_snapshot: int | None = None
         self._can_replay = True
+        self._sharded = False
+        self._unsupported = False
         self._extra: Callable[[], dict[str, Any]] = dict
         self._load_extra: Callable[[dict[str, Any]], None] = _ignore
 
@@ -125,8 +143,8 @@ class NonFiniteRecovery:
         pl_module: pl.LightningModule,
         extra: Callable[[], dict[str, Any]] = dict,
         load_extra: Callable[[dict[str, Any]], None] = _ignore,
-    ) -> None:
-        """Install the learning-rate hooks and take the first snapshot.
+    ) -> str | None:
+        """Install the learning-rate hooks and take the first snapshot; return a message when rollback cannot run.
 
         Args:
             trainer: The trainer.
@@ -137,12 +155,20 @@ class NonFiniteRecovery:
         self.stop()
         self._extra, self._load_extra = extra, load_extra
         self._batches = collections.deque(maxlen=max(1, trainer.accumulate_grad_batches))
+        self._unsupported = False
+        # configure_model shards the model after the callbacks' setup (check_module): look again now.
+        self._sharded = any(is_sharded(p) for p in pl_module.parameters())
         if not self.rollback_enabled:
-            return
+            return None
+        if _engine_owns_step(trainer):
+            self._unsupported = True
+            return ("on_nonfinite='rollback' is not supported under DeepSpeed (its engine owns the optimizer step "
+                    "and the partitioned optimizer state): a non-finite step stops training instead")
         for opt in trainer.optimizers:
             self._hooks.append(opt.register_step_pre_hook(self._scale_lr))
             self._hooks.append(opt.register_step_post_hook(self._unscale_lr))
         self._snapshot(trainer, pl_module)
+        return None
 
     def stop(self) -> None:
         """Remove the hooks and forget the kept batches (snapshots are dropped with the next :meth:`reset`)."""
@@ -187,7 +213,7 @@ class NonFiniteRecovery:
 
     def on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor | None) -> None:
         """Feed the loss to the trust test; take a snapshot every ``every_n_steps`` optimizer steps."""
-        if not self.rollback_enabled:
+        if not self.rollback_enabled or self._unsupported:
             return
         if loss is not None:
             self.store.observe_loss(loss)
@@ -216,17 +242,27 @@ class NonFiniteRecovery:
         if key >= 2 * world:
             return NOT_FOUND
         source_rank = key % world
+        # Sharded parameters exist only after configure_model (after the callbacks' setup): looked at here, on the
+        # failure path. The replay is then a collective: every rank runs it.
+        if world > 1 and any(is_sharded(p) for p in pl_module.parameters()):
+            shared = trainer.strategy.broadcast(self._replay(trainer, pl_module, collective=True).as_dict(),
+                                                src=source_rank)
+            return Localisation.from_dict(shared) if shared else NOT_FOUND
         finding = self._replay(trainer, pl_module).as_dict() if source_rank == rank else None
         if world > 1:
             finding = trainer.strategy.broadcast(finding, src=source_rank)
         return Localisation.from_dict(finding) if finding else NOT_FOUND
 
-    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Localisation:
+    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, collective: bool = False) -> Localisation:
+        """Replay the kept micro-batches; ``collective``: every rank runs every forward (sharded training), so the
+        same collectives run everywhere whatever each rank finds."""
         batches = list(self._batches)
         for batch, _, _ in batches:
             found = find_nonfinite_in_batch(batch)
-            if found is not None:
+            if found is not None and not collective:
                 return found
+        if collective:
+            return self._replay_forward(trainer, pl_module, batches)
         scaler = _scaler(trainer)
         scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
         for batch, batch_idx, rng in batches:
@@ -241,6 +277,24 @@ class NonFiniteRecovery:
             if found.found:
                 return found
         return NOT_FOUND
+
+    def _replay_forward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any]) -> Localisation:
+        first: Localisation = NOT_FOUND
+        for batch, batch_idx, rng in batches:
+            found = find_nonfinite_in_batch(batch)
+            replayed = locate(
+                pl_module,
+                functools.partial(_training_step_loss, pl_module, batch, batch_idx),
+                rng_state=rng,
+                context=trainer.precision_plugin.train_step_context,
+                root_name=type(pl_module).__name__,
+                forward_only=True,
+            )
+            found = found if found is not None else replayed
+            if not first.found and found.found:
+                first = found
+        _reshard(pl_module)
+        return first
 
     def rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RollbackChoice:
         """Choose a snapshot over all ranks, restore it and count the rollback; ``step is None``: stop instead."""
@@ -273,6 +327,18 @@ class NonFiniteRecovery:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.rule.load_state_dict(state)
+
+
+def _reshard(pl_module: pl.LightningModule) -> None:
+    """Put FSDP2 modules back in their sharded state after a forward-only replay (no backward reshards the ones
+    that keep their parameters gathered after forward, such as the root)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    for module in pl_module.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _training_step_loss(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor | None:

@@ -15,11 +15,18 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
+from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
 from lightning_diag.callbacks.base import AlertHandler
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import quant_layer_tag, quant_tag
 from lightning_diag.core.validation import check_choice, check_number
+from lightning_diag.instrument.sharded_quant import (
+    global_batch_fake_quantize,
+    sharded_fake_quantize,
+    sharded_max_error_pct,
+    sharded_outlier_ratio,
+)
+from lightning_diag.instrument.sharding import is_dtensor, reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.probes import (
     DEFAULT_LAYER_RATIO,
     DEFAULT_MIN_LAYER_ERROR,
@@ -96,13 +103,29 @@ class QuantizationResult:
     backend: str
 
 
+def _quantized(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """INT8 round trip; a DTensor (a tensor-parallel weight or activation) with the full tensor's scale."""
+    return sharded_fake_quantize(x, granularity) if is_dtensor(x) else fake_quantize(x, granularity)
+
+
+def _full(t: Any) -> Any:
+    """A tensor-parallel layer's output (or input) as the full activation; any other value as it is."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
 def _fake_layer(
-    module: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d, granularity: Granularity, activations: bool
+    module: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d, granularity: Granularity, activations: bool,
+    all_ranks: bool = False,
 ) -> Callable[[torch.Tensor], Any]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         # Quantized at each call, never stored: at most one layer's quantized weight exists at a time.
-        weight = fake_quantize(module.weight, granularity)
-        xq = fake_quantize(x, "per_tensor") if activations else x
+        weight = _quantized(module.weight, granularity)
+        if not activations:
+            xq = x
+        elif all_ranks:  # the activation scale of the global batch, as one process would take it
+            xq = global_batch_fake_quantize(x)
+        else:
+            xq = _quantized(x, "per_tensor")
         if isinstance(module, nn.Linear):
             return nn.functional.linear(xq, weight, module.bias)
         return module._conv_forward(xq, weight, module.bias)
@@ -138,6 +161,12 @@ class QuantizationProbe(ValidationProbe):
     quantized per tensor with their own scale (dynamic). ``"auto"`` (default) uses torchao when it is installed
     (``pip install lightning-diag[quant]``), else the fake path; ``"fake"`` always the fake path.
 
+    Sharded models (FSDP2, tensor parallelism; every rank measures at once on its own batches): the error is
+    that of the full weight, measured from its shards without gathering it (see docs/quantization_probe.md): the
+    INT8 scale is the full weight's absolute maximum (each shard's, one all-reduce MAX over the mesh dimensions
+    that shard it), each rank quantizes its own shard, the layer's output error and signal sums are summed over
+    the ranks, the losses averaged. The fake path is used there (torchao's modules take no DTensor weight).
+
     Cost per probe: 2 forwards on ``num_batches`` batches plus one quantized matmul/conv per layer and pass
     (x2 for the per-channel comparison); the fake path quantizes each weight at each call (one layer's copy at a
     time), the torchao path holds INT8 copies of the Linear layers (two with the per-channel comparison) for the
@@ -171,6 +200,9 @@ class QuantizationProbe(ValidationProbe):
         0.05
     """
 
+    #: Unique per configuration, so several probes can sit on one trainer and be checkpointed.
+    state_key_arguments = ("granularity", "activations", "backend", "every_n_epochs")
+
     def __init__(
         self,
         *,
@@ -199,19 +231,17 @@ class QuantizationProbe(ValidationProbe):
         if backend == "torchao" and not torchao_available():
             raise ValueError("Expected argument `backend` to be 'auto' or 'fake' when torchao is not installed "
                              "(pip install 'lightning-diag[quant]'), but got 'torchao'")
-        self.rule = QuantizationErrorRule(self.threshold, self.layer_ratio, self.min_layer_error)
+        # the probe's one rule, checkpointed under "rules"
+        self.rule = self.add_rule("rule", QuantizationErrorRule.from_settings, state_key="rules")
         self.last_result: QuantizationResult | None = None
 
-    @property
-    def state_key(self) -> str:
-        """Unique per configuration, so several probes can sit on one trainer and be checkpointed."""
-        return self._generate_state_key(granularity=self.granularity, activations=self.activations,
-                                        backend=self.backend, every_n_epochs=self.every_n_epochs)
 
 
     @property
     def engine(self) -> str:
         """The engine of the Linear layers: ``"torchao"`` or ``"fake"``."""
+        if self.all_ranks:  # torchao's quantized modules do not take DTensor weights: the fake path, exact
+            return "fake"
         return "torchao" if self.backend != "fake" and torchao_available() else "fake"
 
     def _quantizer(
@@ -219,7 +249,7 @@ class QuantizationProbe(ValidationProbe):
     ) -> Callable[[torch.Tensor], Any]:
         if isinstance(module, nn.Linear) and self.engine == "torchao":
             return _torchao_layer(module, granularity, self.activations)
-        return _fake_layer(module, granularity, self.activations)
+        return _fake_layer(module, granularity, self.activations, self.all_ranks)
 
     def measure(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
@@ -242,14 +272,19 @@ class QuantizationProbe(ValidationProbe):
             acc = {n: LayerErrorAccumulator(-1 if isinstance(m, nn.Linear) else 1) for n, m in layers.items()}
             acc_channel = {n: LayerErrorAccumulator(-1 if isinstance(m, nn.Linear) else 1) for n, m in layers.items()}
 
+            reduce_max = (
+                (lambda t: trainer.strategy.reduce(t.contiguous(), reduce_op="max")) if self.all_ranks else None
+            )
+
             def compare(name: str) -> Callable[..., None]:
                 def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
                     if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
-                        acc[name].add(output, judged[name](args[0]))
-                        ratio = channel_outlier_ratio(args[0], acc[name].channel_dim)
+                        reference = _full(output)
+                        acc[name].add(reference, _full(judged[name](args[0])))
+                        ratio = channel_outlier_ratio(_full(args[0]), acc[name].channel_dim, reduce_max)
                         input_outliers[name] = max(input_outliers.get(name, 0.0), ratio)
                         if channel is not judged:
-                            acc_channel[name].add(output, channel[name](args[0]))
+                            acc_channel[name].add(reference, _full(channel[name](args[0])))
 
                 return hook
 
@@ -262,13 +297,28 @@ class QuantizationProbe(ValidationProbe):
                 return hook
 
             owned = [(i, self.own_batch(b)) for i, b in batches]
-            with _hooks(layers, compare):
-                loss = float(self.mean_loss(trainer, pl_module, owned))
-            with _hooks(layers, replace):
-                quantized_loss = float(self.mean_loss(trainer, pl_module, owned))
+            # Sharded: the hooks run first (prepend), while FSDP2 still holds the gathered weight and before
+            # tensor parallelism turns the output DTensor into a local tensor.
+            first = self.all_ranks
+            with _hooks(layers, compare, first):
+                loss = self.mean_over_ranks(trainer, self.mean_loss(trainer, pl_module, owned))
+            with _hooks(layers, replace, first):
+                quantized_loss = self.mean_over_ranks(trainer, self.mean_loss(trainer, pl_module, owned))
+            if self.all_ranks:
+                _sum_over_ranks(trainer, [*acc.values(), *([] if channel is judged else acc_channel.values())])
+                names = sorted(layers)
+                peaks = torch.tensor([input_outliers.get(n, 0.0) for n in names], dtype=torch.float64,
+                                     device=trainer.strategy.root_device)
+                peaks = trainer.strategy.reduce(peaks, reduce_op="max") if peaks.numel() else peaks
+                input_outliers = {n: v for n, v in zip(names, peaks.tolist(), strict=True) if n in input_outliers}
         if channel is judged:
             acc_channel = acc
         rel = {n: a.relative_mse for n, a in acc.items() if a.count}
+        if self.all_ranks:
+            reshard_fsdp(pl_module)  # weigh the shards, not the root's gathered copies of the last forward
+        with _full_weights(pl_module, uses_deepspeed(trainer)):
+            max_error = {n: _max_error_pct(layers[n].weight, self.granularity) for n in rel}
+            outliers = {n: _outlier_ratio(layers[n].weight) for n in rel}
         if not rel:
             raise ProbeError("no nn.Linear/nn.Conv layer ran on a tensor input during the loss computation")
         return QuantizationResult(
@@ -278,8 +328,8 @@ class QuantizationProbe(ValidationProbe):
             relative_mse=rel,
             relative_mse_per_channel={n: acc_channel[n].relative_mse for n in rel},
             output_mse={n: acc[n].mse for n in rel},
-            max_error_pct={n: max_error_pct_of_scale(layers[n].weight, self.granularity) for n in rel},
-            outliers={n: outlier_ratio(layers[n].weight) for n in rel},
+            max_error_pct=max_error,
+            outliers=outliers,
             input_outliers={n: input_outliers.get(n, 0.0) for n in rel},
             backend=self.engine,
         )
@@ -320,18 +370,53 @@ class QuantizationProbe(ValidationProbe):
             notes,
         )
 
-    def rule_state(self) -> dict[str, Any]:
-        """The ``quantization_error`` latches."""
-        return self.rule.state_dict()
 
-    def load_rule_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`rule_state` output."""
-        self.rule.load_state_dict(state)
+def _full_weights(module: nn.Module, deepspeed: bool = False) -> contextlib.AbstractContextManager[Any]:
+    """FSDP1 keeps flat local shards outside forward: its documented ``summon_full_params`` (read-only) gives the
+    weight-only measures the layers' real weights; DeepSpeed ZeRO-3 likewise with ``deepspeed.zero.
+    GatheredParameters`` (a no-op below stage 3). Neither is run here (both need CUDA in Lightning). FSDP2 and
+    tensor parallelism need nothing: their DTensor weights are measured from the shards."""
+    if deepspeed:
+        import deepspeed as ds
+
+        return ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+    if not uses_fsdp1(module):
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(module, writeback=False)
+
+
+def _max_error_pct(w: torch.Tensor, granularity: Granularity) -> float:
+    return sharded_max_error_pct(w, granularity) if is_dtensor(w) else max_error_pct_of_scale(w, granularity)
+
+
+def _outlier_ratio(w: torch.Tensor) -> float:
+    return sharded_outlier_ratio(w) if is_dtensor(w) else outlier_ratio(w)
+
+
+def _sum_over_ranks(trainer: pl.Trainer, accumulators: list[LayerErrorAccumulator]) -> None:
+    """Each layer's error and signal sums and counts summed over the ranks (one all-reduce)."""
+    live = [a for a in accumulators if a.squared_error is not None and a.signal is not None]
+    if not live:
+        return
+    device = live[0].squared_error.device  # type: ignore[union-attr]
+    counts = [torch.tensor([float(a.count)], dtype=torch.float64, device=device) for a in live]
+    packed = torch.cat([torch.cat([a.squared_error, a.signal, c]) for a, c in zip(live, counts, strict=True)])  # type: ignore[list-item]
+    packed = trainer.strategy.reduce(packed, reduce_op="sum")
+    i = 0
+    for a in live:
+        n = a.squared_error.numel()  # type: ignore[union-attr]
+        a.squared_error, a.signal = packed[i : i + n], packed[i + n : i + 2 * n]
+        a.count = round(float(packed[i + 2 * n]))
+        i += 2 * n + 1
 
 
 @contextlib.contextmanager
-def _hooks(layers: Mapping[str, nn.Module], make: Callable[[str], Callable[..., Any]]) -> Iterator[None]:
-    handles = [m.register_forward_hook(make(n)) for n, m in layers.items()]
+def _hooks(
+    layers: Mapping[str, nn.Module], make: Callable[[str], Callable[..., Any]], first: bool = False
+) -> Iterator[None]:
+    handles = [m.register_forward_hook(make(n), prepend=first) for n, m in layers.items()]
     try:
         yield
     finally:

@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 
-from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
+from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
 from lightning_diag.callbacks.base import AlertHandler
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import sharpness_layer_tag, sharpness_tag
 from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.probes import (
     DEFAULT_RHO,
     DEFAULT_SHARP_GAP,
@@ -23,16 +25,33 @@ from lightning_diag.stats.sharpness import SharpnessResult, sam_gap
 __all__ = ["SharpnessProbe"]
 
 
+def _backward_gradients(loss: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """A sharded model's gradients through its own backward (FSDP2 reduce-scatters them, averaged over the
+    data-parallel ranks); the parameters' ``.grad`` are put back as they were."""
+    saved = [p.grad for p in tensors]
+    for p in tensors:
+        p.grad = None
+    try:
+        loss.backward()
+        return [p.grad for p in tensors]
+    finally:
+        for p, g in zip(tensors, saved, strict=True):
+            p.grad = g
+
+
 class SharpnessProbe(ValidationProbe):
     """Measures how sharp the minimum is: the SAM gap L(w + ε) − L(w), ε = ρ·∇L/‖∇L‖ (Foret et al. 2021).
 
     At the end of validation, every ``every_n_epochs`` epochs, global rank zero takes the first ``num_batches``
     validation batches, computes the loss L(w) with the module's own loss (``training_step``, or ``loss_fn``) in
     eval mode, its gradient (with :func:`torch.autograd.grad`: ``.grad`` is untouched), then the loss with every
-    trainable parameter moved by ε, and puts the parameters back bit for bit. Parameters, gradients, optimizer
-    state, RNG states and BatchNorm statistics are exactly as before. Cost per probe: 1 forward + backward and
-    1 forward (plus 1 forward per layer with ``per_layer=True``) on ``num_batches`` batches, and one copy of the
-    trainable parameters.
+    trainable parameter moved by ε, and puts the parameters back bit for bit. A sharded model (FSDP2, tensor
+    parallelism) is measured by every rank at once on its own batches: the gradient comes from the model's own
+    backward (``.grad`` is saved and put back), ‖∇L‖ is the full gradient's (squared norms of the shards reduced
+    over the mesh), each rank moves its own shards by ε, and the losses are averaged over the ranks.
+    Parameters, gradients, optimizer state, RNG states and BatchNorm statistics are exactly as before. Cost per
+    probe: 1 forward + backward and 1 forward (plus 1 forward per layer with ``per_layer=True``) on
+    ``num_batches`` batches, and one copy of the trainable parameters.
 
     Args:
         threshold: ``sharp_minimum`` fires when the gap is above this (seed 000 §4.1: 0.3) ...
@@ -58,6 +77,9 @@ class SharpnessProbe(ValidationProbe):
         0.3
     """
 
+    #: Unique per configuration, so several probes can sit on one trainer and be checkpointed.
+    state_key_arguments = ("rho", "threshold", "patience", "every_n_epochs", "num_batches")
+
     def __init__(
         self,
         *,
@@ -79,20 +101,21 @@ class SharpnessProbe(ValidationProbe):
             raise TypeError(f"Expected argument `per_layer` to be True or False, but got {per_layer!r}")
         self.per_layer = per_layer
         self.max_layers = check_int("max_layers", max_layers, low=1)
-        self.rule = SharpMinimumRule(self.threshold, self.patience)
+        # the probe's one rule, checkpointed under "rules"
+        self.rule = self.add_rule("rule", SharpMinimumRule.from_settings, state_key="rules")
         self.last_result: SharpnessResult | None = None
 
-    @property
-    def state_key(self) -> str:
-        """Unique per configuration, so several probes can sit on one trainer and be checkpointed."""
-        return self._generate_state_key(rho=self.rho, threshold=self.threshold, patience=self.patience,
-                                        every_n_epochs=self.every_n_epochs, num_batches=self.num_batches)
 
 
     def measure(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
     ) -> SharpnessResult:
         """The SAM gap on the captured batches."""
+        if uses_deepspeed(trainer):
+            raise ProbeError("the SAM gap is not measured under DeepSpeed: its engine owns the backward and ZeRO "
+                             "partitions the parameters, so they cannot be moved by ε and put back here")
+        if self.all_ranks:
+            reshard_fsdp(pl_module)  # the sharded parameters, not the root's gathered copies of the last forward
         params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         if not params:
             raise ProbeError("the module has no trainable parameter")
@@ -106,9 +129,17 @@ class SharpnessProbe(ValidationProbe):
             if first[0]:  # the loss just computed, with its graph: one forward saved
                 first[0] = False
                 return loss
+            if self.all_ranks:  # the forward gathers the shards just moved by ε (or put back)
+                reshard_fsdp(pl_module)
             return self.mean_loss(trainer, pl_module, owned)
 
-        return sam_gap(params, closure, self.rho, per_layer=self.per_layer, max_layers=self.max_layers)
+        if not self.all_ranks:
+            return sam_gap(params, closure, self.rho, per_layer=self.per_layer, max_layers=self.max_layers)
+        # FSDP1's flat parameters are plain local shards, disjoint over the ranks: their squares are summed there.
+        reduce_squares = (lambda t: trainer.strategy.reduce(t, reduce_op="sum")) if uses_fsdp1(pl_module) else None
+        return sam_gap(params, closure, self.rho, per_layer=self.per_layer, max_layers=self.max_layers,
+                       gradients=_backward_gradients, to_float=lambda t: self.mean_over_ranks(trainer, t),
+                       reduce_squares=reduce_squares)
 
     def decide(self, trainer: pl.Trainer, result: SharpnessResult) -> list[Alert]:
         """Log the measurement and feed ``sharp_minimum``."""
@@ -127,10 +158,3 @@ class SharpnessProbe(ValidationProbe):
         worst = sorted(result.layers.items(), key=lambda kv: -kv[1])
         return self.rule.update(result.gap, self.context(trainer), result.relative_gap, self.rho, worst)
 
-    def rule_state(self) -> dict[str, Any]:
-        """The ``sharp_minimum`` streak and latch."""
-        return self.rule.state_dict()
-
-    def load_rule_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`rule_state` output."""
-        self.rule.load_state_dict(state)

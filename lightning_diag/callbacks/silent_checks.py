@@ -16,8 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from lightning_diag.core.tags import replicas_tag
-from lightning_diag.rules.catalog import DDP_DESYNC
-from lightning_diag.rules.replicas import DesyncRule
+from lightning_diag.rules.replicas import DDP_DESYNC, DesyncRule
 from lightning_diag.rules.train_mode import EvalModeRule
 from lightning_diag.stats.updates import parameter_checksums
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections import deque
 from typing import Any
 
@@ -25,9 +24,10 @@ from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.core.tags import family_tag, overhead_tag
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.batches import batch_size_and_tokens
-from lightning_diag.instrument.clocks import CudaClock, HostClock
+from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 from lightning_diag.rules.system import (
+    DATALOADER_BOUND,
     DEFAULT_BLOCK_STEPS,
     DEFAULT_DATALOADER_MIN_WAIT_S,
     DEFAULT_DATALOADER_PATIENCE,
@@ -41,6 +41,8 @@ from lightning_diag.rules.system import (
     DEFAULT_SLOW_RATIO,
     DEFAULT_STEP_WINDOW,
     DEFAULT_WARMUP_STEPS,
+    MEMORY_GROWTH_SPEC,
+    STEP_TIME_FLUCTUATION,
     DataloaderBoundRule,
     MemoryGrowthRule,
     StepFluctuationRule,
@@ -49,7 +51,6 @@ from lightning_diag.rules.system import (
 
 __all__ = ["SystemMonitor"]
 
-_STATE_KEYS = ("dataloader", "periodic", "fluctuation", "memory", "window", "utilization", "steps_seen")
 
 
 class SystemMonitor(DiagCallback):
@@ -114,6 +115,8 @@ class SystemMonitor(DiagCallback):
         ValueError: If an argument is out of range.
     """
 
+    extra_state_keys = ("window", "utilization", "steps_seen")
+
     def __init__(
         self,
         *,
@@ -148,7 +151,7 @@ class SystemMonitor(DiagCallback):
         self.fluctuation_patience = check_int("fluctuation_patience", fluctuation_patience, low=1)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
         self.block_steps = check_int("block_steps", block_steps, low=1)
-        self.memory_growth = check_number("memory_growth", memory_growth, low=0.0)
+        self.memory_growth = check_number(MEMORY_GROWTH_SPEC.arguments["threshold"], memory_growth, low=0.0)
         self.memory_window = check_int("memory_window", memory_window, low=3)
         self.memory_rising_fraction = check_number(
             "memory_rising_fraction", memory_rising_fraction, low=0.0, high=1.0
@@ -158,7 +161,17 @@ class SystemMonitor(DiagCallback):
                 raise TypeError(f"Expected argument `{name}` to be a bool, but got {flag!r}")
         self.nvml = nvml
         self.time_callbacks = time_callbacks
-        self._make_rules()
+        #: Where host time comes from (the injection point for tests: a fake with ``wall()`` and ``cpu()``).
+        self.time_source = TimeSource()
+        self.dataloader_rule = self.add_rule(
+            "dataloader_rule", DataloaderBoundRule.from_settings, state_key="dataloader"
+        )
+        self.periodic_rule = self.add_rule("periodic_rule", StepPeriodicRule.from_settings, state_key="periodic")
+        self.fluctuation_rule = self.add_rule(
+            "fluctuation_rule", StepFluctuationRule.from_settings, state_key="fluctuation"
+        )
+        self.memory_rule = self.add_rule("memory_rule", MemoryGrowthRule.from_settings, state_key="memory")
+        self._reset_windows()
         self._hooks = HookTimer()
         self._clock: HostClock | CudaClock = HostClock()
         self._nvml_probe: NvmlProbe | None = None
@@ -166,15 +179,7 @@ class SystemMonitor(DiagCallback):
         self._save_timer: Any = None
         self._reset_run()
 
-    def _make_rules(self) -> None:
-        self.dataloader_rule = DataloaderBoundRule(
-            self.dataloader_share, self.dataloader_patience, self.dataloader_min_wait_s
-        )
-        self.periodic_rule = StepPeriodicRule(self.periodic_share, self.slow_ratio)
-        self.fluctuation_rule = StepFluctuationRule(
-            self.fluctuation_threshold, self.fluctuation_patience, self.block_steps
-        )
-        self.memory_rule = MemoryGrowthRule(self.memory_growth, self.memory_window, self.memory_rising_fraction)
+    def _reset_windows(self) -> None:
         # (wall step time, compute time, excluded from the fluctuation test) per optimizer step after warm-up
         self.step_window: deque[tuple[float, float, bool]] = deque(maxlen=self.window)
         self.util_window: deque[float] = deque(maxlen=self.window)
@@ -200,16 +205,13 @@ class SystemMonitor(DiagCallback):
         self._step_extra: list[float] = []  # checkpoint seconds after each step
         self._acc = dict.fromkeys(HEADER, 0.0)
         self._tokens_dev: torch.Tensor | None = None
-        self._wall_start = time.perf_counter()
+        self._wall_start = self.time_source.wall()
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The rules' state, the step-time and utilisation windows and the steps seen."""
+        """The rules' state (the base class), the step-time and utilisation windows and the steps seen."""
         return {
-            "dataloader": self.dataloader_rule.state_dict(),
-            "periodic": self.periodic_rule.state_dict(),
-            "fluctuation": self.fluctuation_rule.state_dict(),
-            "memory": self.memory_rule.state_dict(),
+            **super().state_dict(),
             "window": [[t, c, bool(f)] for t, c, f in self.step_window],
             "utilization": list(self.util_window),
             "steps_seen": self.steps_seen,
@@ -221,11 +223,7 @@ class SystemMonitor(DiagCallback):
         Raises:
             KeyError: If a key is missing; the message names every missing key.
         """
-        self.check_state_keys(state_dict, _STATE_KEYS)
-        self.dataloader_rule.load_state_dict(state_dict["dataloader"])
-        self.periodic_rule.load_state_dict(state_dict["periodic"])
-        self.fluctuation_rule.load_state_dict(state_dict["fluctuation"])
-        self.memory_rule.load_state_dict(state_dict["memory"])
+        super().load_state_dict(state_dict)
         self.step_window = deque(
             ((float(t), float(c), bool(f)) for t, c, f in state_dict["window"]), maxlen=self.window
         )
@@ -238,16 +236,16 @@ class SystemMonitor(DiagCallback):
         super().setup(trainer, pl_module, stage)
         if stage != TrainerFn.FITTING:
             return
-        self._make_rules()
+        self._reset_windows()
         self._reset_run()
         unwrap_batch_end(self._boundary)
         self._boundary = None
         self._hooks.detach()
-        self._hooks = HookTimer()
+        self._hooks = HookTimer(self.time_source.wall)
         if self.time_callbacks:
             self._hooks.attach([cb for cb in trainer.callbacks if isinstance(cb, DiagCallback)])  # type: ignore[attr-defined]
         untime_save_checkpoint(trainer, self._save_timer)
-        self._save_timer = time_save_checkpoint(trainer, self._add_checkpoint_time)
+        self._save_timer = time_save_checkpoint(trainer, self._add_checkpoint_time, self.time_source.wall)
         # the step ends after the last callback's `on_train_batch_end`
         close = self._hooks.timed(type(self).__name__, self._close_batch) if self.time_callbacks else self._close_batch
         self._boundary = wrap_batch_end(trainer, close)
@@ -271,13 +269,15 @@ class SystemMonitor(DiagCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Pick the clock (CUDA events on a CUDA device) and open NVML."""
+        super().on_train_start(trainer, pl_module)
         device = pl_module.device
         self._device = device
-        self._clock = CudaClock() if device.type == "cuda" else HostClock()
+        self._clock = CudaClock() if device.type == "cuda" else HostClock(self.time_source)
         if self.nvml and device.type == "cuda" and self._nvml_probe is None:
             probe = NvmlProbe(device.index if device.index is not None else torch.cuda.current_device())
             self._nvml_probe = probe if probe.active else None
         self._reset_run()
+        host_rss_bytes()  # one-time set-up (importing psutil) here, not in the first logging step's timed hook
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -286,7 +286,7 @@ class SystemMonitor(DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Close the data wait; mark the start of the batch's compute."""
-        now = time.perf_counter()
+        now = self.time_source.wall()
         if self._prev_end is None:
             self._first_of_run = True  # no previous batch end: the wait is unknown, the step is left out
         else:
@@ -300,7 +300,7 @@ class SystemMonitor(DiagCallback):
             self._tokens_dev = tokens.float() if self._tokens_dev is None else self._tokens_dev + tokens
         elif tokens is not None:
             self._acc["tokens"] += tokens
-        self._cpu_start = time.process_time()
+        self._cpu_start = self.time_source.cpu()
         self._batch_start = self._clock.mark()
         self._before_opt = None
 
@@ -318,7 +318,7 @@ class SystemMonitor(DiagCallback):
             return
         end = self._clock.mark()
         in_batch, self._outside = self._outside, 0.0  # checkpoint saving inside the batch's hooks
-        self._cur_cpu += time.process_time() - self._cpu_start
+        self._cur_cpu += self.time_source.cpu() - self._cpu_start
         if self._before_opt is not None:
             self._pending.append((self._batch_start, self._before_opt, "fb"))
             self._pending.append((self._before_opt, end, "opt"))
@@ -336,18 +336,18 @@ class SystemMonitor(DiagCallback):
             self._cur_wait, self._after_validation, self._first_of_run = 0.0, False, False
             if self.is_logging_step(trainer):
                 self._report(trainer)
-        self._prev_end = time.perf_counter()
+        self._prev_end = self.time_source.wall()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start timing validation (its time is not data waiting)."""
-        self._val_start: float | None = time.perf_counter()
+        self._val_start: float | None = self.time_source.wall()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Stop timing validation; the next step is left out of the fluctuation test."""
         start: float | None = getattr(self, "_val_start", None)
         if start is None or trainer.sanity_checking:
             return
-        elapsed = time.perf_counter() - start
+        elapsed = self.time_source.wall() - start
         self._outside += elapsed
         self._acc["validation"] += elapsed
         self._after_validation = True
@@ -366,7 +366,7 @@ class SystemMonitor(DiagCallback):
         if self._tokens_dev is not None:
             acc["tokens"] += float(self._tokens_dev.item())
             self._tokens_dev = None
-        now = time.perf_counter()
+        now = self.time_source.wall()
         wall, self._wall_start = now - self._wall_start, now
         acc["rss"] = host_rss_bytes()
         device = getattr(self, "_device", None)
@@ -411,7 +411,7 @@ class SystemMonitor(DiagCallback):
             fluctuation,
             cuda,
             per_rank,
-            self.threshold_lines("dataloader_bound", "step_time_fluctuation"),
+            self.threshold_lines(DATALOADER_BOUND, STEP_TIME_FLUCTUATION),
             step_total,
         )
         if self._nvml_probe is not None:

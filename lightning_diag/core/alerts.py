@@ -1,8 +1,14 @@
-"""Alerts: the record every rule produces, the rule ids, and the alert log.
+"""Alerts: the alert log, the public rule ids, and (re-exported) the record every rule produces.
 
-An :class:`Alert` is a frozen record. The :class:`AlertLog` appends each alert as one JSON object per line to
-``<log_dir>/diag/alerts.jsonl`` (flushed at once, so a killed run leaves only whole lines), logs it through
-the ``lightning_diag`` logger and hands it to TensorBoard as text under ``diag/alerts``.
+An :class:`Alert` is a frozen record (defined in :mod:`lightning_diag.core.record`, the bottom of the package).
+The :class:`AlertLog` appends each alert as one JSON object per line to ``<log_dir>/diag/alerts.jsonl``
+(flushed at once, so a killed run leaves only whole lines), logs it through the ``lightning_diag`` logger and
+hands it to TensorBoard as text under ``diag/alerts``.
+
+The rule-id constants (``LOSS_SWING``, ``GRAD_VANISH``, ...) and :data:`ALL_RULES` are read from the rules'
+declarations (each rule's :class:`~lightning_diag.core.registry.RuleSpec`, next to its class in
+``lightning_diag.rules``) through :mod:`lightning_diag.rules.catalog`, which loads every declaring module: this
+module sits above ``rules/`` in the import graph, so importing it always gives the complete registry.
 
 Example:
     >>> a = Alert(rule=LOSS_SWING, severity=Severity.WARNING, message="loss swings", epoch=3,
@@ -15,16 +21,30 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
 
+from lightning_diag.core.record import Alert, NonFiniteAction, Severity
 from lightning_diag.core.registry import OWNERS
+from lightning_diag.rules.catalog import (
+    ATTN_ENTROPY_HIGH,
+    ATTN_ENTROPY_LOW,
+    ATTN_SINK,
+    GRAD_COLLAPSE,
+    GRAD_EXPLODE,
+    GRAD_FROZEN,
+    GRAD_LAYER_SPREAD,
+    GRAD_VANISH,
+    LOSS_STAGNANT,
+    LOSS_SWING,
+    NONFINITE_GRAD,
+    NONFINITE_LOSS,
+    NONFINITE_ROLLBACK,
+    VAL_DECLINE,
+    VAL_FLUCTUATION,
+)
 
 __all__ = [
     "ALERT_COLUMNS",
@@ -55,120 +75,9 @@ __all__ = [
 
 logger = logging.getLogger("lightning_diag")
 
-# Rule ids: part of the public contract (DESIGN.md). New rules get new ids.
-NONFINITE_LOSS = "nonfinite_loss"
-NONFINITE_GRAD = "nonfinite_grad"
-NONFINITE_ROLLBACK = "nonfinite_rollback"
-LOSS_SWING = "loss_swing"
-VAL_DECLINE = "val_decline"
-VAL_FLUCTUATION = "val_fluctuation"
-GRAD_VANISH = "grad_vanish"
-GRAD_EXPLODE = "grad_explode"
-GRAD_LAYER_SPREAD = "grad_layer_spread"
-GRAD_COLLAPSE = "grad_collapse"
-GRAD_FROZEN = "grad_frozen"
-LOSS_STAGNANT = "loss_stagnant"
-ATTN_ENTROPY_LOW = "attn_entropy_low"
-ATTN_ENTROPY_HIGH = "attn_entropy_high"
-ATTN_SINK = "attn_sink"
-
 #: Every rule id, mapped to the callback that raises it: a live view of the rule registry
-#: (:mod:`lightning_diag.core.registry`), so a rule declared there is here too.
+#: (:mod:`lightning_diag.core.registry`), complete since this module loads the catalogue.
 ALL_RULES: Mapping[str, str] = OWNERS
-
-#: What :class:`~lightning_diag.AnomalyAlarm` does when it finds a non-finite loss or gradient.
-NonFiniteAction = Literal["stop", "raise", "skip", "warn", "rollback"]
-
-
-class Severity(str, Enum):
-    """How serious an alert is. Compares equal to its string value (``Severity.WARNING == "warning"``)."""
-
-    INFO = "info"
-    WARNING = "warning"
-    CRITICAL = "critical"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def log_level(self) -> int:
-        """The :mod:`logging` level alerts of this severity are logged at."""
-        return {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL}[self.value]
-
-
-@dataclasses.dataclass(frozen=True)
-class Alert:
-    """One alert raised by a rule.
-
-    Attributes:
-        rule: The rule id, one of :data:`ALL_RULES`.
-        severity: ``"info"``, ``"warning"`` or ``"critical"``.
-        message: A sentence a person can act on.
-        epoch: ``trainer.current_epoch`` when the alert was raised.
-        global_step: ``trainer.global_step`` when the alert was raised.
-        value: The measured value that crossed the threshold, if there is one.
-        threshold: The threshold it was compared with, if there is one.
-        source: What the alert is about: a layer, head, metric or parameter name.
-    """
-
-    rule: str
-    severity: Severity
-    message: str
-    epoch: int
-    global_step: int
-    value: float | None
-    threshold: float | None
-    source: str
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "severity", Severity(self.severity))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The alert as a JSON-ready dict with exactly the contract's fields."""
-        d = dataclasses.asdict(self)
-        d["severity"] = self.severity.value
-        for key in ("value", "threshold"):
-            v = d[key]
-            if v is not None:
-                v = float(v)
-                # JSON has no NaN/Inf; keep the line parseable by any reader.
-                d[key] = v if v == v and abs(v) != float("inf") else str(v)
-        return d
-
-    def to_json(self) -> str:
-        """One JSON line (no trailing newline)."""
-        return json.dumps(self.to_dict(), sort_keys=False)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Alert:
-        """Inverse of :meth:`to_dict`."""
-        vals = {}
-        for key in ("value", "threshold"):
-            v = d.get(key)
-            vals[key] = float(v) if v is not None else None
-        return cls(
-            rule=str(d["rule"]),
-            severity=Severity(d["severity"]),
-            message=str(d["message"]),
-            epoch=int(d["epoch"]),
-            global_step=int(d["global_step"]),
-            value=vals["value"],
-            threshold=vals["threshold"],
-            source=str(d["source"]),
-        )
-
-    @classmethod
-    def from_json(cls, line: str) -> Alert:
-        """Inverse of :meth:`to_json`."""
-        return cls.from_dict(json.loads(line))
-
-    def format(self) -> str:
-        """A one-line human-readable form, as logged."""
-        return (
-            f"[{self.severity.value}] {self.rule} ({self.source}) at epoch {self.epoch}, "
-            f"step {self.global_step}: {self.message}"
-        )
-
 
 #: Columns of every alert table (the TensorBoard ``diag/alerts`` text and the report's timeline).
 ALERT_COLUMNS: tuple[str, ...] = ("step", "epoch", "severity", "rule", "source", "value", "threshold", "message")

@@ -1,27 +1,35 @@
 """The rule registry: one declaration per rule id, and the checklist rows of ``lightning-diag report``.
 
-Every rule the library can raise is declared exactly once (in :mod:`lightning_diag.rules.catalog`), with the
+Every rule the library can raise is declared exactly once, next to the class that implements it (a module-level
+``register(RuleSpec(...))`` in its ``lightning_diag.rules`` module, also set as the class's ``specs``), with the
 callback that owns it, its severity, its default threshold and settings, the constructor arguments that set them,
 a title with the threshold filled in, and the checklist row of ``lightning-diag report`` it belongs to.
-``ALL_RULES``, the ``DEFAULT_*`` constants of ``rules/``, the callbacks' ``thresholds()``, the report's defaults,
-titles and checklist, and the docs' thresholds table check all derive from these declarations.
+:mod:`lightning_diag.rules.catalog` imports every declaring module and declares the checklist rows, so importing
+it (``lightning_diag.core.alerts`` and the report do) gives the complete registry. ``ALL_RULES``, the rule-id
+constants, the ``DEFAULT_*`` constants of ``rules/``, the callbacks' ``thresholds()`` and rules
+(``Rule.from_settings``), the report's defaults, titles, replays and checklist, and the docs' thresholds table
+check all derive from these declarations.
 
-Declaring a new rule (a callback adding rules appends one block at the end of :mod:`~lightning_diag.rules.catalog`)::
+Declaring a new rule (in the rules module that implements it)::
 
-    register(RuleSpec("label_imbalance", "DataDiagnostics", "warning", 0.1,
-                      "standard deviation of the class proportions above {threshold:g}",
-                      settings={"min_samples": 100}, arguments={"threshold": "imbalance_std"},
-                      check="data_label_balance", source="seed 000 §7.1"))
+    LABEL_IMBALANCE_SPEC = register(RuleSpec("label_imbalance", "DataDiagnostics", "warning", 0.1,
+                                             "standard deviation of the class proportions above {threshold:g}",
+                                             settings={"min_samples": 100}, arguments={"threshold": "label_std"},
+                                             check="data_label_balance", source="seed 000 §7.1"))
+    LABEL_IMBALANCE = LABEL_IMBALANCE_SPEC.rule_id
 
 ``arguments`` names the callback attribute (= constructor argument) holding the value in effect, so
-:meth:`DiagCallback.thresholds` reports the instance's values with no code of its own. ``check`` puts the rule
-in a checklist row (:data:`CHECKS`); a new row is declared with :func:`register_check`, and where its status
-needs more than "did its rules raise a warning" it gets a measure function in
-:mod:`lightning_diag.report.checks`.
+:meth:`DiagCallback.thresholds` reports the instance's values with no code of its own, and the rule class's
+``from_settings(thresholds)`` builds the rule from those values (the callbacks and the report's replay alike).
+``check`` puts the rule in a checklist row (:data:`CHECKS`); a new row is declared with :func:`register_check`
+in :mod:`lightning_diag.rules.catalog`, and where its status needs more than "did its rules raise a warning" it
+gets a measure function in :mod:`lightning_diag.report`.
 
-This module imports nothing but the standard library, so the report can read it without torch or Lightning.
+This module imports nothing but the standard library and no declaring module (they import it), so the report
+can read it without torch or Lightning.
 
 Example:
+    >>> import lightning_diag.rules.catalog  # loads every declaration
     >>> spec = RULES["grad_explode"]
     >>> spec.owner, spec.severity, spec.threshold
     ('GradientFlowMonitor', 'warning', 10.0)
@@ -113,6 +121,20 @@ class RuleSpec:
         """The ``thresholds()`` key of ``"threshold"`` or a setting name."""
         return self.rule_id if name == "threshold" else f"{self.rule_id}.{name}"
 
+    def value(self, thresholds: Mapping[str, float | None], name: str = "threshold") -> float:
+        """The value in effect of ``"threshold"`` or a setting: ``thresholds[self.key(name)]``, else the default.
+
+        Raises:
+            KeyError: If ``name`` is neither ``"threshold"`` (of a rule with one) nor a declared setting.
+        """
+        given = thresholds.get(self.key(name))
+        if given is not None:
+            return float(given)
+        fallback = self.threshold if name == "threshold" else self.settings[name]
+        if fallback is None:
+            raise KeyError(f"rule {self.rule_id!r} has no threshold")
+        return float(fallback)
+
     def defaults(self) -> dict[str, float]:
         """``{rule_id: threshold, "rule_id.setting": value}``: the entries this rule adds to ``thresholds()``."""
         values: dict[str, float] = {}
@@ -143,6 +165,11 @@ class SettingSpec:
     default: float
     argument: str
     rules: tuple[str, ...] = ()
+
+    def value(self, thresholds: Mapping[str, float | None]) -> float:
+        """The value in effect: ``thresholds[self.key]``, else the default."""
+        given = thresholds.get(self.key)
+        return float(self.default if given is None else given)
 
     @property
     def name(self) -> str:
@@ -382,7 +409,3 @@ def default(key: str) -> float:
     if key not in values:
         raise KeyError(f"no rule or setting declares {key!r}")
     return values[key]
-
-
-# The declarations live in their own module; importing it here makes every import of the registry complete.
-from lightning_diag.rules import catalog as _catalog  # noqa: E402,F401

@@ -2,7 +2,8 @@
 
 The callbacks build their tags here, and the dashboard layout (:mod:`lightning_diag.output.dashboard`), the report
 and the plots read them back with the parsers and patterns here, so a tag family is defined once. This module
-imports only the standard library (the report reads runs without torch or Lightning).
+imports only the standard library and the declaration of ``attn_sink`` (whose series is named after the rule), so
+the report reads runs without torch or Lightning.
 
 Families (``<layer>`` is a parameter group's module name, ``<module>`` an attention module's qualified name):
 
@@ -35,6 +36,8 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+from lightning_diag.rules.attention import ATTN_SINK
+
 __all__ = [
     "ALERTS_TAG",
     "FAMILIES",
@@ -44,6 +47,7 @@ __all__ = [
     "THRESHOLDS_TAG",
     "LossSeries",
     "act_grad_norm_tag",
+    "attn_distance_tag",
     "attn_entropy_tag",
     "attn_head",
     "attn_heads_tag",
@@ -53,6 +57,7 @@ __all__ = [
     "attn_sink_tag",
     "attn_uniform_tag",
     "data_tag",
+    "errors_tag",
     "family_tag",
     "grad_blocks_tag",
     "grad_hist_tag",
@@ -66,6 +71,7 @@ __all__ = [
     "lr_tag",
     "overhead_tag",
     "prefix",
+    "robustness_tag",
     "sanitize_tag",
     "tag",
     "threshold_rule",
@@ -81,7 +87,7 @@ ALERTS_TAG = TAG_PREFIX + "/alerts"
 #: Text tag of the thresholds-in-effect table written at fit start.
 THRESHOLDS_TAG = TAG_PREFIX + "/thresholds"
 #: Tag families of the newer callbacks, for :func:`family_tag`.
-FAMILIES: tuple[str, ...] = ("data", "system", "overhead", "sharpness", "quant")
+FAMILIES: tuple[str, ...] = ("data", "system", "overhead", "sharpness", "quant", "errors", "robustness")
 
 #: The names of the ``diag/loss/<name>`` series.
 LossSeries = Literal[
@@ -167,6 +173,17 @@ def attn_entropy_tag(module: str, head: int | Literal["mean", "uniform"]) -> str
     return tag("attn_entropy", module, head if isinstance(head, str) else f"head_{head}")
 
 
+def attn_distance_tag(module: str, head: int, relative: bool = False) -> str:
+    """A head's mean attention distance |i − j| (``diag/attn_distance/...``), or the same over the sequence
+    length (``diag/attn_distance_relative/...``).
+
+    Example:
+        >>> attn_distance_tag("h.0.attn", 1), attn_distance_tag("h.0.attn", 1, relative=True)
+        ('diag/attn_distance/h.0.attn/head_1', 'diag/attn_distance_relative/h.0.attn/head_1')
+    """
+    return tag("attn_distance_relative" if relative else "attn_distance", module, f"head_{head}")
+
+
 def attn_uniform_tag(module: str) -> str:
     """The entropy of uniform attention over the module's keys (the largest possible)."""
     return attn_entropy_tag(module, "uniform")
@@ -174,7 +191,7 @@ def attn_uniform_tag(module: str) -> str:
 
 def attn_sink_tag(module: str) -> str:
     """The smallest head's attention mass on special tokens, per attention module."""
-    return tag("attn_sink", module)
+    return tag(ATTN_SINK, module)
 
 
 def attn_map_tag(module: str) -> str:
@@ -288,7 +305,7 @@ def attn_mean(name: str) -> str | None:
 
 def attn_sink_module(name: str) -> str | None:
     """The module of an ``attn_sink`` tag, else ``None``."""
-    p = prefix("attn_sink")
+    p = prefix(ATTN_SINK)
     return name[len(p) :] if name.startswith(p) else None
 
 
@@ -341,6 +358,16 @@ def quant_layer(name: str) -> tuple[str, str] | None:
     """``(layer, measure)`` of a ``diag/quant/layer/<layer>/<measure>`` tag, else ``None``."""
     match = _QUANT_LAYER.match(name)
     return (match["layer"], match["measure"]) if match else None
+
+
+def errors_tag(*parts: str) -> str:
+    """An ErrorAnalysis tag: ``errors_tag("rate")`` -> ``diag/errors/rate``."""
+    return family_tag("errors", *parts)
+
+
+def robustness_tag(*parts: str) -> str:
+    """A RobustnessProbe tag: ``robustness_tag("swap", "drop")`` -> ``diag/robustness/swap/drop``."""
+    return family_tag("robustness", *parts)
 
 
 # -- silent errors (issue 22): GradientFlowMonitor's update sample, AnomalyAlarm's replica checksums ---------

@@ -1,5 +1,12 @@
 """GradientFlowMonitor's opt-in activation-gradient norms: forward hooks, attached only for a measured step,
-that sum the squared gradient of each chosen module's output over the step's micro-batches on the device."""
+that sum the squared gradient of each chosen module's output over the step's micro-batches on the device.
+
+Tensor parallelism: a module with DTensor parameters gets its hook first (``prepend``), so it sees the output
+while it is still a DTensor (before ``ColwiseParallel`` turns it into this rank's slice of the channels); the
+gradient's local squares are summed, and :meth:`ActivationGradients.flush` all-reduces them over the mesh
+dimensions that shard the gradient (every rank flushes on the same step), so the norm is that of the full
+activation gradient, not of one rank's slice. Under FSDP2 (plain outputs) and DDP each rank measures its own
+batch's activations, as before."""
 
 from __future__ import annotations
 
@@ -8,6 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from lightning_diag.instrument.sharding import is_dtensor
 
 __all__ = ["ActivationGradients"]
 
@@ -27,6 +36,7 @@ class ActivationGradients:
     def __init__(self) -> None:
         self._handles: list[Any] = []
         self._sq: dict[str, torch.Tensor] = {}
+        self._sharded: dict[str, tuple[Any, tuple[int, ...]]] = {}  # name -> (mesh, dims sharding its gradient)
 
     @property
     def attached(self) -> bool:
@@ -52,7 +62,8 @@ class ActivationGradients:
         """Attach a forward hook to each measured submodule; ``notice(key, message)`` reports an output whose
         gradient cannot be hooked."""
         for name, sub in self.modules(module, which):
-            self._handles.append(sub.register_forward_hook(self._forward_hook(name, notice)))
+            first = any(is_dtensor(p) for p in sub.parameters(recurse=False))
+            self._handles.append(sub.register_forward_hook(self._forward_hook(name, notice), prepend=first))
 
     def _forward_hook(self, name: str, notice: Callable[[str, str], None]) -> Callable[..., None]:
         def forward_hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
@@ -67,6 +78,11 @@ class ActivationGradients:
         return forward_hook
 
     def _add(self, name: str, grad: torch.Tensor) -> None:
+        if is_dtensor(grad):
+            dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())  # type: ignore[attr-defined]
+            if dims:
+                self._sharded[name] = (grad.device_mesh, dims)  # type: ignore[attr-defined]
+            grad = grad.to_local()  # type: ignore[attr-defined]
         sq = grad.detach().float().pow(2).sum()
         self._sq[name] = self._sq[name] + sq if name in self._sq else sq
 
@@ -76,6 +92,7 @@ class ActivationGradients:
             handle.remove()
         self._handles = []
         self._sq = {}
+        self._sharded = {}
 
     def flush(self) -> dict[str, float]:
         """Remove the hooks; return ``{module: L2 norm of its output's gradient}`` (one host copy; empty when no
@@ -86,6 +103,22 @@ class ActivationGradients:
         if not self._sq:
             return {}
         names = list(self._sq)
-        values = torch.stack([self._sq[n] for n in names]).sqrt().tolist()
+        squares = torch.stack([self._sq[n] for n in names])
+        if self._sharded:
+            import torch.distributed as dist
+
+            groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+            for i, n in enumerate(names):
+                if n in self._sharded:
+                    mesh, dims = self._sharded[n]
+                    groups.setdefault((id(mesh), dims), []).append(i)
+            for (_, dims), idx in groups.items():
+                mesh = self._sharded[names[idx[0]]][0]
+                part = squares[idx].clone()
+                for d in dims:
+                    dist.all_reduce(part, group=mesh.get_group(d))
+                squares[idx] = part
+        values = squares.sqrt().tolist()
         self._sq = {}
+        self._sharded = {}
         return dict(zip(names, values, strict=True))

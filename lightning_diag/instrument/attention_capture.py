@@ -17,6 +17,12 @@ Each capture is named after the innermost module of the ``LightningModule`` that
 name, e.g. ``net.model.layers.0.self_attn``); a module's second and later calls in one step get ``.call_<i>``.
 Calls made by an ``nn.MultiheadAttention`` are left to the monitor's own hook (no double counting). Nothing is
 installed on other steps.
+
+Tensor parallelism (``tp_mesh``): a rank computes only its share of the heads. When the call's ``query`` is a
+DTensor sharded on the head dimension, or the calling module holds a parameter sharded over the tensor-parallel
+mesh dimension (:func:`~lightning_diag.instrument.sharding.head_shard`), the capture records ``(tp_rank, tp_size)``
+in ``recorder.head_shards[name]``: the local heads are global heads ``tp_rank * H_local ...``. DTensor arguments are
+measured on their local tensors.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_diag.instrument.attention_record import AttentionRecorder, _subsample_rows
+from lightning_diag.instrument.sharding import head_shard, is_dtensor, local_tensor
 
 __all__ = ["AttentionCapture", "is_compiled", "sdpa_probabilities", "softmax_probabilities"]
 
@@ -171,6 +178,15 @@ def is_compiled(module: nn.Module) -> bool:
     return False
 
 
+def _locals(obj: Any) -> Any:
+    """DTensor arguments as their local tensors (a tuple or a dict of arguments, or one value)."""
+    if isinstance(obj, tuple):
+        return tuple(_locals(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _locals(v) for k, v in obj.items()}
+    return local_tensor(obj) if is_dtensor(obj) else obj
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, capture: AttentionCapture) -> None:
         super().__init__()
@@ -193,11 +209,18 @@ class AttentionCapture:
         recorder: Receives the per-call probabilities.
         include: ``name -> bool``: whether a module's captures are kept (the monitor's ``modules`` patterns).
         names: ``id(module) -> qualified name`` of ``root``'s modules, if already known.
+        tp_mesh: The tensor-parallel ``DeviceMesh`` (1-D) when the model uses tensor parallelism, else ``None``.
     """
 
     def __init__(
-        self, root: nn.Module, recorder: AttentionRecorder, include: Any = None, names: dict[int, str] | None = None
+        self,
+        root: nn.Module,
+        recorder: AttentionRecorder,
+        include: Any = None,
+        names: dict[int, str] | None = None,
+        tp_mesh: Any = None,
     ) -> None:
+        self.tp_mesh = tp_mesh
         self.names = names if names is not None else {id(m): n for n, m in root.named_modules()}
         self.root_name = type(root).__name__
         self.recorder = recorder
@@ -262,10 +285,12 @@ class AttentionCapture:
         if self.include is not None and not self.include(base):
             return
         try:
+            first = args[0] if args else kwargs.get("query", kwargs.get("input"))
+            shard = head_shard(module, first, self.tp_mesh)
             if func == "softmax":
-                measured = self._softmax(args, kwargs, out)
+                measured = self._softmax(_locals(args), _locals(kwargs), local_tensor(out))
             else:
-                bound = dict(zip(_SDPA_ARGS, args, strict=False)) | kwargs
+                bound = dict(zip(_SDPA_ARGS, _locals(args), strict=False)) | _locals(kwargs)
                 measured = sdpa_probabilities(
                     bound["query"],
                     bound["key"],
@@ -284,6 +309,8 @@ class AttentionCapture:
         index = self.calls.get(base, 0)
         self.calls[base] = index + 1
         name = base if index == 0 else f"{base}.call_{index}"
+        if shard is not None:
+            self.recorder.head_shards[name] = shard
         self.recorder.captured.add(name)
         self.recorder.add(name, *measured)
 

@@ -264,6 +264,8 @@ class AttentionRecorder:
         self.problems: dict[str, str] = {}
         self.notes: dict[str, str] = {}
         self.captured: set[str] = set()  # names measured by the automatic capture this step
+        #: name -> (tp_rank, tp_size) for modules whose heads are split over tensor-parallel ranks.
+        self.head_shards: dict[str, tuple[int, int]] = {}
 
     def activate(self) -> None:
         """Make this the recorder :func:`record_attention` feeds."""
@@ -336,7 +338,11 @@ class AttentionRecorder:
             token_ids = None
         special = special_key_mask(key_valid, self.special_positions, token_ids, self.special_token_ids)
         special = F.pad(special, (0, probs.shape[-1] - source_len), value=False)
-        self.stats[name] = head_stats(probs, allowed, query_valid, special)
+        positions = None
+        if query_valid is not None:  # self-attention: query row i sits at key position rows[i]
+            rows = _subsample_rows(source_len, self.max_queries, probs.device)
+            positions = rows if rows.numel() == probs.shape[2] else None
+        self.stats[name] = head_stats(probs, allowed, query_valid, special, positions)
         if self.keep_maps:
             first = probs[0].float()
             if query_valid is not None:

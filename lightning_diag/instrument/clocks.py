@@ -9,15 +9,43 @@ from typing import Any
 
 import torch
 
-__all__ = ["CudaClock", "HostClock"]
+__all__ = ["CudaClock", "HostClock", "TimeSource"]
+
+
+class TimeSource:
+    """Where host time comes from: ``wall()`` (``time.perf_counter``) and ``cpu()`` (``time.process_time``).
+
+    The injection point of :class:`~lightning_diag.callbacks.system_monitor.SystemMonitor`'s clocks: tests set
+    ``monitor.time_source`` to a fake whose readings they advance themselves, so that what is timed is exact.
+
+    Example:
+        >>> source = TimeSource()
+        >>> source.wall() <= source.wall()
+        True
+    """
+
+    def wall(self) -> float:
+        """Seconds of a monotonic wall clock."""
+        return time.perf_counter()
+
+    def cpu(self) -> float:
+        """Seconds of CPU time of this process."""
+        return time.process_time()
 
 
 class HostClock:
-    """Marks are ``time.perf_counter()`` readings; durations are ready at once."""
+    """Marks are wall-clock readings (``time.perf_counter()``, or ``source.wall()``); durations are ready at once.
+
+    Args:
+        source: The time source (:class:`TimeSource` by default).
+    """
+
+    def __init__(self, source: TimeSource | None = None) -> None:
+        self.source = source or TimeSource()
 
     def mark(self) -> Any:
         """A point in time."""
-        return time.perf_counter()
+        return self.source.wall()
 
     def durations(self, pairs: list[tuple[Any, Any]]) -> list[float]:
         """Seconds between each ``(start, end)`` pair."""

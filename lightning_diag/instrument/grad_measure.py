@@ -1,7 +1,15 @@
 """What :class:`~lightning_diag.callbacks.gradient_flow.GradientFlowMonitor` measures and how: the parameter
 index (which parameters are measured, the layer each belongs to, which layers are comparable weight matrices,
 their blocks and roles), the device computation of a measured step that ends in its one host copy, and the
-update-to-weight ratios after the optimizer step."""
+update-to-weight ratios after the optimizer step.
+
+Sharded training (FSDP2, tensor parallelism, both, HSDP: parameters and gradients are ``DTensor`` objects): every
+quantity is that of the full, unsharded tensor, computed from the local shards. Each rank sums the squares of its
+own shards per layer on the device, weighted so that replicated copies count once
+(:func:`~lightning_diag.stats.grad.copy_weights`), and ONE all-reduce (a SUM over all ranks) per measured step
+gives the full sums of squares, the same on every rank; the loss rides in the same all-reduce. Element counts are
+the global ones. Nothing is gathered.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +22,13 @@ import torch
 
 from lightning_diag.core.tags import update_ratio_tag, weight_norm_tag
 from lightning_diag.rules.grad import role_of
-from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
+from lightning_diag.stats.grad import copy_weights, grouped_squares, is_sharded, local_tensor, per_tensor_norms
 
 __all__ = ["DEFAULT_LOGIT_PROJECTIONS", "ParamIndex", "StepMeasurement", "measure_step", "update_ratios"]
 
-_COMPILED_PREFIX = re.compile(r"(?:^|(?<=\.))_orig_mod\.")
+#: Wrapper components that torch.compile (``_orig_mod``), FSDP1 (``_fsdp_wrapped_module``) and activation
+#: checkpointing (``_checkpoint_wrapped_module``) add to parameter names: the model's own names are reported.
+_WRAPPER_PREFIX = re.compile(r"(?:^|(?<=\.))(?:_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
 
 #: Attention query/key projections (last name component): their gradient flows only through the softmax, so it
 #: is tiny whenever attention is near uniform (at initialisation, or for a head the task does not need).
@@ -48,18 +58,23 @@ class ParamIndex:
         per_parameter: bool,
         modules: dict[str, torch.nn.Module] | None = None,
         logit_projections: Sequence[str] = DEFAULT_LOGIT_PROJECTIONS,
+        world_size: int = 1,
     ) -> None:
         modules = modules or {}
         owners = [n.rsplit(".", 1)[0] if "." in n else "" for n in names]
-        # A torch.compile'd submodule adds `_orig_mod` to its parameters' names: report the model's own names.
-        names = [_COMPILED_PREFIX.sub("", n) for n in names]
+        names = [_WRAPPER_PREFIX.sub("", n) for n in names]
         layers = [n if per_parameter else (n.rsplit(".", 1)[0] if "." in n else n) for n in names]
         self.layers = list(dict.fromkeys(layers))
         position = {layer: i for i, layer in enumerate(self.layers)}
         self.names = names
         self.params = params
         self.layer_of = [position[layer] for layer in layers]
-        self.numel = [p.numel() for p in params]
+        self.numel = [p.numel() for p in params]  # a DTensor's numel is the global one
+        #: Whether any parameter is a DTensor (sharded training): measured from local shards, one all-reduce.
+        self.sharded = world_size > 1 and any(is_sharded(p) for p in params)
+        #: Each parameter's weight in the cross-rank SUM of squares (replicated copies count once).
+        self.weights = copy_weights(params, world_size) if self.sharded else [1.0] * len(params)
+        self.world_size = world_size
         # A comparable weight matrix: a >= 2-D parameter of a module that is neither an embedding (sparse rows)
         # nor an attention query/key projection.
         skip = set(logit_projections)
@@ -113,37 +128,50 @@ def measure_step(
         index: The parameter index.
         chosen: Positions of the parameters measured this step (each has a ``.grad``).
         loss: The step's loss (a device scalar), or ``None``.
-        reduce: Applied to the loss before the copy (the mean across ranks under DDP), or ``None``.
+        reduce: A SUM over all ranks (``None`` in a single process): the one collective of the step. Under DDP
+            it carries the loss alone (whose mean over the ranks makes the collapse verdict the same everywhere);
+            under sharded training the weighted per-layer sums of squares of the local shards too.
     """
     grads = [index.params[i].grad for i in chosen]
-    device = grads[0].device  # type: ignore[union-attr]
+    device = local_tensor(grads[0]).device  # type: ignore[arg-type]
     n_layers = len(index.layers)
     group_of = torch.tensor([index.layer_of[i] for i in chosen], device=device)
-    tensor_norms = per_tensor_norms(grads)  # type: ignore[arg-type]
-    layer_norms = grouped_norms(tensor_norms, group_of, n_layers)
-    total = layer_norms.pow(2).sum().sqrt()
+    squares = per_tensor_norms(grads).pow(2)  # type: ignore[arg-type]
+    if index.sharded:
+        squares = squares * torch.tensor([index.weights[i] for i in chosen], device=device)
+    parts = [grouped_squares(squares, group_of, n_layers)]
     numel = torch.zeros(n_layers, dtype=torch.float32, device=device)
     numel.index_add_(0, group_of, torch.tensor([float(index.numel[i]) for i in chosen], device=device))
-    rms = layer_norms / numel.clamp_min(1.0).sqrt()
     # comparable weight matrices: ||g_W|| / ||W|| per layer, and the blocks' gradient norm
     matrix = [k for k, i in enumerate(chosen) if index.is_matrix[i]]
     matrix_layers = sorted({index.layer_of[chosen[k]] for k in matrix})
-    extra: list[torch.Tensor] = []
     if matrix:
         m_groups = torch.tensor([index.layer_of[chosen[k]] for k in matrix], device=device)
-        m_grad = grouped_norms(tensor_norms[torch.tensor(matrix, device=device)], m_groups, n_layers)
-        m_weight = grouped_norms(
-            per_tensor_norms([index.params[chosen[k]].detach() for k in matrix]), m_groups, n_layers
-        )
-        relative = m_grad / m_weight.clamp_min(1e-12)
+        m_weight = per_tensor_norms([index.params[chosen[k]] for k in matrix]).pow(2)  # no autograd inside
+        if index.sharded:
+            m_weight = m_weight * torch.tensor([index.weights[chosen[k]] for k in matrix], device=device)
+        parts.append(grouped_squares(squares[torch.tensor(matrix, device=device)], m_groups, n_layers))
+        parts.append(grouped_squares(m_weight, m_groups, n_layers))
+    world = index.world_size if reduce is not None else 1
+    loss_t = loss.reshape(1).to(device).float() if loss is not None else torch.full((1,), math.nan, device=device)
+    if reduce is not None and index.sharded:
+        # the one all-reduce of the step: every layer's weighted sums of squares, and the loss
+        reduced = reduce(torch.cat([*parts, loss_t / world]))
+        parts = list(reduced[:-1].split(n_layers))
+        loss_t = reduced[-1:]
+    elif reduce is not None:
+        loss_t = reduce(loss_t) / world  # DDP: the gradients are already the full ones on every rank
+    layer_norms = parts[0].sqrt()
+    total = parts[0].sum().sqrt()
+    rms = layer_norms / numel.clamp_min(1.0).sqrt()
+    extra: list[torch.Tensor] = []
+    if matrix:
+        relative = parts[1].sqrt() / parts[2].sqrt().clamp_min(1e-12)
         in_block = torch.tensor(index.in_block, device=device, dtype=torch.bool)
         extra = [
             relative[torch.tensor(matrix_layers, device=device)],
-            m_grad[in_block].pow(2).sum().sqrt().reshape(1),
+            parts[1][in_block].sum().sqrt().reshape(1),
         ]
-    loss_t = loss.reshape(1).to(device) if loss is not None else torch.full((1,), math.nan, device=device)
-    if reduce is not None:
-        loss_t = reduce(loss_t)
     present = sorted(set(group_of.tolist()))
     host = torch.cat([total.reshape(1), layer_norms, rms, *extra, loss_t]).tolist()  # the one copy of this step
     return StepMeasurement(
@@ -157,16 +185,32 @@ def measure_step(
     )
 
 
-def update_ratios(index: ParamIndex, chosen: list[int], before: list[torch.Tensor]) -> dict[str, float]:
+def update_ratios(
+    index: ParamIndex,
+    chosen: list[int],
+    before: list[torch.Tensor],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, float]:
     """``diag/weight_norm/<layer>`` and ``diag/update_ratio/<layer>`` values: the layers' weight norms before the
-    optimizer step, and ``||W_after - W_before|| / ||W_before||``, from the ``before`` copies of ``chosen``."""
+    optimizer step, and ``||W_after - W_before|| / ||W_before||``, from the ``before`` copies of ``chosen``.
+
+    Under sharded training ``before`` holds local shards and ``reduce`` (a SUM over all ranks) makes the sums of
+    squares those of the full tensors, in one all-reduce; without sharding ``reduce`` is not used.
+    """
     device = before[0].device
     group_of = torch.tensor([index.layer_of[i] for i in chosen], device=device)
-    after = [index.params[i].detach() for i in chosen]
+    after = [local_tensor(index.params[i]).detach() for i in chosen]  # DTensor.detach() is slow: local first
     deltas = torch._foreach_sub(after, before)
     n = len(index.layers)
-    weight = grouped_norms(per_tensor_norms(before), group_of, n)
-    update = grouped_norms(per_tensor_norms(deltas), group_of, n)
+    weight_sq = per_tensor_norms(before).pow(2)
+    update_sq = per_tensor_norms(deltas).pow(2)
+    if index.sharded:
+        weights = torch.tensor([index.weights[i] for i in chosen], device=device)
+        weight_sq, update_sq = weight_sq * weights, update_sq * weights
+    both = torch.cat([grouped_squares(weight_sq, group_of, n), grouped_squares(update_sq, group_of, n)])
+    if index.sharded and reduce is not None:
+        both = reduce(both)
+    weight, update = both.sqrt().split(n)
     ratio = update / weight.clamp_min(1e-12)
     w_host, r_host = torch.stack([weight, ratio]).tolist()
     values = {}

@@ -344,6 +344,7 @@ def locate(
     context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     loss_scale: float = 1.0,
     root_name: str | None = None,
+    forward_only: bool = False,
 ) -> Localisation:
     """Replay one step (``run_step`` returns its loss) with hooks and find where the first NaN/Inf appeared.
 
@@ -357,6 +358,9 @@ def locate(
         context: Called to get the context the original step ran in (autocast of a mixed-precision plugin).
         loss_scale: Multiplies the loss before backward (a GradScaler's scale, so fp16 overflows reproduce).
         root_name: The name of ``module`` itself in messages (default: its class name).
+        forward_only: Replay the forward pass only, without autograd (sharded training, where every rank must
+            run the same collectives: a backward that some ranks skip would hang); a non-finite value that first
+            appears in backward is then not localised.
 
     Returns:
         A :class:`Localisation`; ``phase == "none"`` when nothing non-finite was reproduced.
@@ -369,7 +373,7 @@ def locate(
                 rng_state.restore()
             recorder.attach()
             try:
-                with torch.enable_grad(), context():
+                with (torch.no_grad() if forward_only else torch.enable_grad()), context():
                     loss = run_step()
             finally:
                 recorder.detach()
@@ -380,7 +384,7 @@ def locate(
             if not bool(torch.isfinite(loss.detach()).all()):
                 value = float(loss.detach().float().reshape(-1)[0])
                 return Localisation(LOSS_SOURCE, "loss", f"every module output is finite, the loss is not ({value})")
-            if not loss.requires_grad:
+            if forward_only or not loss.requires_grad:
                 return NOT_FOUND
             own = recorder.watch_parameters()
             loss_slot = recorder._slot(loss)

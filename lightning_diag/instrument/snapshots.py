@@ -12,6 +12,15 @@ mean since the previous snapshot, no host read) to mark each snapshot *spiking* 
 previous snapshot was above ``spike_factor`` times the running median: such snapshots are not trusted
 (:mod:`lightning_diag.rules.rollback`).
 
+Sharded models (FSDP2 ``fully_shard``, tensor parallelism, FSDP1; :func:`~lightning_diag.instrument.sharding.
+is_sharded`): each rank copies its own shards only, with no collective. The snapshot holds the local tensor of
+every parameter and buffer (``DTensor.to_local()``; FSDP1's flat parameters are local already) and of every
+optimizer state entry, plus each param group's hyperparameters; a restore copies them back **in place** into the
+same local tensors (``copy_``), so placements, FSDP's sharded storage and the optimizer's references are untouched,
+and the state is bitwise the snapshot's. ``module.state_dict()`` is not used there: under FSDP1 it all-gathers
+full tensors by default, and under every sharding a rank needs nothing but its own shards. Optimizer state that
+did not exist at the snapshot (taken before the first step) is removed on restore, as in a fresh optimizer.
+
 Nothing here imports Lightning; the callback hands in the objects.
 """
 
@@ -24,6 +33,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+
+from lightning_diag.instrument.sharding import is_dtensor, is_sharded, local_tensor, reshard_fsdp
 
 __all__ = ["DEFAULT_LOSS_WINDOW", "RollbackDevice", "Snapshot", "SnapshotStore"]
 
@@ -58,14 +69,83 @@ def _tree_bytes(obj: Any) -> int:
     return 0
 
 
+def _local_copy(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    return _copy_tree(local_tensor(t.detach()), device)
+
+
+def _sharded_model_state(module: nn.Module, device: torch.device | str | None) -> dict[str, torch.Tensor]:
+    """Each parameter's and buffer's local shard, copied (no collective)."""
+    reshard_fsdp(module)
+    state = {name: _local_copy(p, device) for name, p in module.named_parameters()}
+    state.update({name: _local_copy(b, device) for name, b in module.named_buffers()})
+    return state
+
+
+def _sharded_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str | None) -> dict[str, Any]:
+    """The local shard of every optimizer state tensor by (group, index in group), and the groups' settings."""
+    state: dict[tuple[int, int], dict[str, Any]] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            entry = optimizer.state.get(p)
+            if entry:
+                state[(g, i)] = {
+                    k: _local_copy(v, device) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                    for k, v in entry.items()
+                }
+    groups = [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return {"sharded": True, "state": state, "param_groups": groups}
+
+
+def _as_param_layout(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A saved local shard as a tensor laid out like ``param`` (a DTensor with its placements, if it is one)."""
+    if not is_dtensor(param) or local.dim() == 0 or local.shape != local_tensor(param).shape:
+        return local.to(local_tensor(param).device) if local.dim() else local
+    from torch.distributed.tensor import DTensor
+
+    dt: Any = param
+    return DTensor.from_local(local.to(local_tensor(param).device), dt.device_mesh, dt.placements,
+                              shape=param.shape, stride=param.stride())
+
+
+def _restore_sharded_model(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    reshard_fsdp(module)
+    with torch.no_grad():
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            local_tensor(t).copy_(state[name])
+
+
+def _restore_sharded_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    with torch.no_grad():
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                entry = saved["state"].get((g, i))
+                if entry is None:
+                    optimizer.state.pop(p, None)
+                    continue
+                current = optimizer.state.setdefault(p, {})
+                for k in list(current):
+                    if k not in entry:
+                        del current[k]
+                for k, v in entry.items():
+                    now = current.get(k)
+                    if isinstance(v, torch.Tensor) and isinstance(now, torch.Tensor):
+                        local_tensor(now).copy_(v)
+                    elif isinstance(v, torch.Tensor):  # an entry gone since: re-created from the saved shard
+                        current[k] = _as_param_layout(v.clone(), p)
+                    else:
+                        current[k] = copy.deepcopy(v)
+            for k, v in saved["param_groups"][g].items():
+                group[k] = copy.deepcopy(v)
+
+
 @dataclasses.dataclass
 class Snapshot:
     """One saved training state.
 
     Attributes:
         step: The global step (optimizer steps done) the state belongs to.
-        model: ``module.state_dict()``, copied.
-        optimizers: Each optimizer's ``state_dict()``, copied.
+        model: ``module.state_dict()``, copied (sharded models: each parameter's and buffer's local shard).
+        optimizers: Each optimizer's ``state_dict()``, copied (sharded models: the local shards of its state).
         schedulers: Each LR scheduler's ``state_dict()``, copied.
         scaler: The GradScaler's ``state_dict()``, or ``None``.
         extra: Whatever the caller added (the alarm's state).
@@ -81,6 +161,7 @@ class Snapshot:
     extra: dict[str, Any]
     spiking: torch.Tensor
     ready: Any = None
+    sharded: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -172,14 +253,22 @@ class SnapshotStore:
         # state (``get_scale()`` reads back under fp16 AMP) must not wait for the snapshot's own copies.
         spiking = self._spiking(source)
         scaler_state = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
+        sharded = is_sharded(module)
+        if sharded:
+            model = _sharded_model_state(module, target)
+            opt_states = [_sharded_optimizer_state(opt, target) for opt in optimizers]
+        else:
+            model = _copy_tree(module.state_dict(), target)
+            opt_states = [_copy_tree(opt.state_dict(), target) for opt in optimizers]
         snap = Snapshot(
             step=step,
-            model=_copy_tree(module.state_dict(), target),
-            optimizers=[_copy_tree(opt.state_dict(), target) for opt in optimizers],
+            model=model,
+            optimizers=opt_states,
             schedulers=[copy.deepcopy(s.state_dict()) for s in schedulers],
             scaler=scaler_state,
             extra=copy.deepcopy(dict(extra or {})),
             spiking=spiking,
+            sharded=sharded,
         )
         if source.type == "cuda" and target == "cpu":
             snap.ready = torch.cuda.Event()
@@ -232,9 +321,14 @@ class SnapshotStore:
         """
         snap = self.get(step)
         snap.wait()
-        module.load_state_dict(snap.model)
-        for opt, state in zip(optimizers, snap.optimizers, strict=True):
-            opt.load_state_dict(_copy_tree(state, None))
+        if snap.sharded:
+            _restore_sharded_model(module, snap.model)
+            for opt, state in zip(optimizers, snap.optimizers, strict=True):
+                _restore_sharded_optimizer(opt, state)
+        else:
+            module.load_state_dict(snap.model)
+            for opt, state in zip(optimizers, snap.optimizers, strict=True):
+                opt.load_state_dict(_copy_tree(state, None))
         for sched, state in zip(schedulers, snap.schedulers, strict=True):
             sched.load_state_dict(copy.deepcopy(state))
         if scaler is not None and snap.scaler is not None:

@@ -18,6 +18,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_diag.core.alerts import Alert, alert_table_markdown
+from lightning_diag.core.registry import owner_of
 from lightning_diag.core.tags import (
     ALERTS_TAG,
     GRAD_LAYER_PATTERN,
@@ -28,7 +29,14 @@ from lightning_diag.core.tags import (
     tag,
     threshold_tag,
 )
-from lightning_diag.rules.catalog import LOSS_ON_PADDING, POSITION_OVERFLOW
+from lightning_diag.rules.catalog import (
+    DDP_DESYNC,
+    LOSS_ON_PADDING,
+    QUANTIZATION_ERROR,
+    SHARP_MINIMUM,
+    UPDATE_NONE,
+    UPDATE_STALE,
+)
 
 if TYPE_CHECKING:
     from lightning_diag.output.writer import DiagWriter
@@ -160,7 +168,7 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
             "fluctuation: validation vs training": ["Multiline", [f"{p}/loss/(train|val)_fluctuation$"]],
             "learning rate per optimizer and group": ["Multiline", [f"{p}/lr/"]],
         }
-    if any(r in rules for r in ("dataloader_bound", "step_time_periodic", "step_time_fluctuation", "memory_growth")):
+    if any(owner_of(r) == "SystemMonitor" for r in rules):
         layout["System"] = {
             "step time and its parts, seconds per optimizer step": [
                 "Multiline",
@@ -197,14 +205,14 @@ def _add_silent_charts(layout: dict[str, dict[str, list[Any]]], rules: Collectio
         ['replica agreement: largest relative checksum difference across ranks (line: ddp_desync)']
     """
     p = TAG_PREFIX
-    if any(r in rules for r in ("update_none", "update_stale")):
+    if any(r in rules for r in (UPDATE_NONE, UPDATE_STALE)):
         layout.setdefault("Gradients", {})[
             "share of sampled elements a step left unchanged, per layer (update_none; line: update_stale)"
-        ] = ["Multiline", [f"{p}/updates/", f"{p}/threshold/update_stale$"]]
-    if "ddp_desync" in rules:
+        ] = ["Multiline", [f"{p}/updates/", f"{p}/threshold/{UPDATE_STALE}$"]]
+    if DDP_DESYNC in rules:
         layout.setdefault("Loss & LR", {})[
             "replica agreement: largest relative checksum difference across ranks (line: ddp_desync)"
-        ] = ["Multiline", [f"{p}/replicas/max_rel_diff$", f"{p}/threshold/ddp_desync$"]]
+        ] = ["Multiline", [f"{p}/replicas/max_rel_diff$", f"{p}/threshold/{DDP_DESYNC}$"]]
 
 
 def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
@@ -212,12 +220,12 @@ def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     ``quantization_error`` is in effect."""
     p = TAG_PREFIX
     charts: dict[str, list[Any]] = {}
-    if "sharp_minimum" in rules:
+    if SHARP_MINIMUM in rules:
         charts["SAM gap L(w+eps) - L(w) (line: sharp_minimum)"] = [
             "Multiline", [f"{p}/sharpness/gap$", f"{p}/threshold/sharp_minimum$"]]
         charts["SAM gap relative to the loss"] = ["Multiline", [f"{p}/sharpness/relative_gap$"]]
         charts["SAM gap per layer (that layer perturbed alone)"] = ["Multiline", [f"{p}/sharpness/layer/"]]
-    if "quantization_error" in rules:
+    if QUANTIZATION_ERROR in rules:
         charts["INT8: end-to-end relative loss change (line: quantization_error)"] = [
             "Multiline", [f"{p}/quant/end_to_end$", f"{p}/threshold/quantization_error$"]]
         charts["INT8: relative output MSE per layer"] = ["Multiline", [f"{p}/quant/layer/.*/relative_mse$"]]
@@ -228,13 +236,13 @@ def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
 
 
 def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
-    """The ``Data`` section (DataDiagnostics): shown when a ``data_*`` or ``label_imbalance`` rule is in effect.
+    """The ``Data`` section: shown when a rule of DataDiagnostics (``data_*``, ``label_imbalance``) is in effect.
 
     Example:
         >>> sorted(_data_section(["label_imbalance"])["Data"])[0]
         'label balance: std of class proportions per split (line: label_imbalance)'
     """
-    if not any(r.startswith("data_") or r in ("label_imbalance", LOSS_ON_PADDING, POSITION_OVERFLOW) for r in rules):
+    if not any(owner_of(r) == "DataDiagnostics" for r in rules):
         return {}
     p = TAG_PREFIX
     return {

@@ -127,6 +127,22 @@ class DiagWriter:
         if self.experiment is not None:
             self.experiment.add_histogram(name, values, global_step=step)
 
+    def histogram_raw(self, name: str, data: Any, step: int) -> None:
+        """Write a histogram computed elsewhere (TensorBoard only): ``data`` has the fields of
+        :class:`~lightning_diag.stats.histogram.HistogramData`."""
+        if self.experiment is not None:
+            self.experiment.add_histogram_raw(
+                name,
+                min=data.min,
+                max=data.max,
+                num=data.num,
+                sum=data.sum,
+                sum_squares=data.sum_squares,
+                bucket_limits=data.bucket_limits,
+                bucket_counts=data.bucket_counts,
+                global_step=step,
+            )
+
     def image(self, name: str, image: Any, step: int, dataformats: str = "HWC") -> None:
         """Write an image, uint8 or float array (TensorBoard only)."""
         if self.experiment is not None:

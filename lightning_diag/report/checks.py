@@ -11,15 +11,16 @@ critical alert, so the checklist cannot say PASS beside a measurement its own ru
 
 Adding a row (issues adding callbacks):
 
-1. declare it in :mod:`lightning_diag.core.registry` with ``register_check(CheckSpec(id, layer, title))``
+1. declare it in :mod:`lightning_diag.rules.catalog` with ``register_check(CheckSpec(id, layer, title))``
    (or reuse one of the seed's rows: ``data_label_balance``, ``data_train_test_overlap``,
    ``deploy_quantization_error``, ``deploy_latency_fluctuation``);
 2. join your rules to it with ``RuleSpec(..., check=id)``. That alone gives a working row: it fails on a
    warning/critical alert of its rules, passes when its callback logged thresholds and raised none, and shows
    each rule's described threshold and its last alert's value;
 3. where the row can show a measured value from the logged series, add one function decorated with
-   ``@measure(id)`` to a module of this package that this one imports at its end (``measures.py`` holds the
-   built-in Model, Training and Deployment rows, ``data_checks.py`` and ``probe_checks.py`` the others): it
+   ``@measure(id)`` (from :mod:`lightning_diag.report.rows`) to a row module of this package that this one
+   imports (``measures.py`` holds the built-in Model, Training and Deployment rows, ``data_checks.py`` and
+   ``probe_checks.py`` the others; they import the row machinery from ``rows.py``, never this module): it
    fills ``check.measured`` / ``measured_value`` (and ``threshold`` / ``threshold_value`` if the generic text is
    not enough) and returns whether the series was measured. A ``@replay(id)`` function in
    :mod:`lightning_diag.report.replay` may also re-run the row's pure rules.
@@ -33,62 +34,32 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from lightning_diag.core.alerts import ALL_RULES, Alert
 from lightning_diag.core.registry import CHECKS, RULES, CheckSpec
+from lightning_diag.report import attention_range as _attention_range  # noqa: F401  (the attention range row)
+from lightning_diag.report import data_checks as _data_checks  # noqa: F401  (registers the Data rows)
+from lightning_diag.report import measures as _measures  # noqa: F401  (the Model, Training, Deployment rows)
+from lightning_diag.report import probe_checks as _probe_checks  # noqa: F401  (registers the probes' rows)
+from lightning_diag.report import silent_checks as _silent_checks  # noqa: F401  (the silent-error rows)
 from lightning_diag.report.load import RunData
-from lightning_diag.report.replay import REPLAYS, _setting, replay  # noqa: F401  (_setting: for the row modules)
+from lightning_diag.report.replay import REPLAYS, replay
+from lightning_diag.report.rows import (
+    _LAYERS,
+    MEASURES,
+    Check,
+    Measure,
+    Status,
+    _attached,
+    _fmt,
+    _json_safe,
+    _serious,
+    _threshold,
+    measure,
+)
 
-__all__ = ["MEASURES", "REPLAYS", "Check", "RunReport", "Status", "diagnose", "measure", "replay"]
-
-Status = Literal["pass", "fail", "not measured"]
-_LAYERS = ("Data", "Model", "Training", "Deployment")
-
-
-@dataclasses.dataclass
-class Check:
-    """One line of the checklist.
-
-    Attributes:
-        id: Stable identifier (``grad_norm_band``, ``nonfinite``, ...; a rule id for rules without a check).
-        layer: ``Data``, ``Model``, ``Training``, ``Deployment`` or ``Other``.
-        title: What is checked, with the thresholds in effect (from the rule registry).
-        rules: The rule ids that decide it.
-        status: ``pass``, ``fail`` or ``not measured``.
-        measured: The measured value in words (``None`` when not measured).
-        measured_value: The same as numbers (``{"min": ..., "max": ...}`` or ``{"value": ...}``).
-        threshold: The threshold in words.
-        threshold_value: The same as numbers.
-        alerts: Warning and critical alerts of its rules in the run's alert log.
-        first_alert_step: Global step of the first of them (or of the first replayed one).
-        replayed: Warning and critical alerts its rules raise when replayed over the logged series.
-        note: Why it is not measured, or what else the reader should know.
-    """
-
-    id: str
-    layer: str
-    title: str
-    rules: tuple[str, ...]
-    status: Status = "not measured"
-    measured: str | None = None
-    measured_value: dict[str, float] = dataclasses.field(default_factory=dict)
-    threshold: str = ""
-    threshold_value: dict[str, float] = dataclasses.field(default_factory=dict)
-    alerts: int = 0
-    first_alert_step: int | None = None
-    replayed: int = 0
-    note: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (non-finite numbers as strings)."""
-        return _json_safe(dataclasses.asdict(self))
-
-    def add_note(self, text: str) -> None:
-        """Append a sentence to :attr:`note`."""
-        self.note = f"{self.note} {text}".strip() if self.note else text
+__all__ = ["MEASURES", "REPLAYS", "Check", "Measure", "RunReport", "Status", "diagnose", "measure", "replay"]
 
 
 @dataclasses.dataclass
@@ -127,58 +98,6 @@ class RunReport:
             "plots": [str(p) for p in self.plots],
             "problems": list(self.run.problems) + ([self.plot_note] if self.plot_note else []),
         }
-
-
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else str(obj)
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-# -- registries of measure and replay functions -----------------------------------------------------------
-
-#: Fills a check's measured value from the logged series; returns whether the series was measured.
-Measure = Callable[[RunData, Check], bool]
-#: Check id -> its measure function.
-MEASURES: dict[str, Measure] = {}
-
-
-def measure(check_id: str) -> Callable[[Measure], Measure]:
-    """Register the measure function of a checklist row."""
-
-    def decorate(fn: Measure) -> Measure:
-        MEASURES[check_id] = fn
-        return fn
-
-    return decorate
-
-
-# -- helpers ----------------------------------------------------------------------------------------------
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.3g}" if math.isfinite(x) else str(x)
-
-
-def _finite(points: Iterable[tuple[int, float]]) -> list[float]:
-    return [v for _, v in points if math.isfinite(v)]
-
-
-def _serious(alerts: Iterable[Alert], rules: Sequence[str]) -> list[Alert]:
-    return [a for a in alerts if a.rule in rules and a.severity != "info"]
-
-
-def _threshold(run: RunData, key: str) -> float | None:
-    value = run.thresholds.get(key)
-    return None if value is None else float(value)
-
-
-def _attached(run: RunData, rules: Sequence[str]) -> bool:
-    return any(ALL_RULES.get(r) in run.callbacks for r in rules)
 
 
 # -- the generic measure ------------------------------------------------------------------------------------------
@@ -269,10 +188,3 @@ def diagnose(run: RunData) -> RunReport:
             check.measured = f"{_fmt(last.value) if last.value is not None else '-'} at step {last.global_step}"
         checks.append(_finish(check, run, rule in run.thresholds, []))
     return RunReport(run, checks)
-
-
-# measure functions registered by their own modules (imported last: they use `measure` and `Check` from here)
-from lightning_diag.report import data_checks as _data_checks  # noqa: E402,F401  (registers the Data rows)
-from lightning_diag.report import measures as _measures  # noqa: E402,F401  (the Model, Training, Deployment rows)
-from lightning_diag.report import probe_checks as _probe_checks  # noqa: E402,F401  (registers the probes' rows)
-from lightning_diag.report import silent_checks as _silent_checks  # noqa: E402,F401  (the silent-error rows)

@@ -1,13 +1,13 @@
 """The checklist's two Data rows (seed 000 §7.1), measured and replayed from what DataDiagnostics logged.
 
-* ``data_label_balance`` ("label distribution standard deviation < 0.1"): the latest
-  ``diag/data/<split>/label_std`` of each split against ``label_imbalance``.
-* ``data_train_test_overlap`` ("train/test Jaccard similarity < 0.15"): the latest ``diag/data/leaked_fraction``
-  (the Jaccard containment of the validation set in the training set, docs/data_diagnostics.md) against
-  ``data_leakage``.
+* ``data_label_balance`` ("label distribution standard deviation < 0.1"): the latest ``diag/data/<split>/label_std``
+of each split against ``label_imbalance``. * ``data_train_test_overlap`` ("train/test Jaccard similarity < 0.15"):
+the latest ``diag/data/leaked_fraction`` (the Jaccard containment of the validation set in the training set,
+docs/data_diagnostics.md) against ``data_leakage``.
 
-Both rows are replayed with :class:`~lightning_diag.rules.data.DataRules`, the code the callback runs. Registered
-on import by :mod:`lightning_diag.report.checks`. Imports neither torch nor Lightning.
+Both rows are replayed with :class:`~lightning_diag.rules.data.DataRules`, the code the callback runs. Registered on
+import by :mod:`lightning_diag.report.checks` (the row machinery comes from :mod:`lightning_diag.report.rows`).
+Imports neither torch nor Lightning.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import math
 
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import family_tag
-from lightning_diag.report.checks import Check, measure
 from lightning_diag.report.load import RunData
 from lightning_diag.report.replay import _setting, replay
+from lightning_diag.report.rows import Check, measure
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.data import DATA_LEAKAGE, LABEL_IMBALANCE, DataMeasurement, DataRules
 
@@ -66,7 +66,7 @@ def _measure_overlap(run: RunData, check: Check) -> bool:
 
 
 def _rules(run: RunData) -> DataRules:
-    return DataRules(_setting(run, "data_vocab_shift"), _setting(run, DATA_LEAKAGE), _setting(run, LABEL_IMBALANCE))
+    return DataRules.from_settings(run.thresholds)
 
 
 @replay("data_label_balance")

@@ -1,11 +1,11 @@
 """Measured values of the checklist's built-in Model, Training and Deployment rows, from the logged series.
 
-Each function is registered with :func:`~lightning_diag.report.checks.measure` for one row of
+Each function is registered with :func:`~lightning_diag.report.rows.measure` for one row of
 :data:`~lightning_diag.core.registry.CHECKS`: gradient norms (``grad_norm_band``, ``grad_spread``,
 ``grad_collapse``), attention (``attn_entropy_band``, ``attn_sink``), the training process (``nonfinite``,
 ``loss_swing``, ``val_decline``, ``val_fluctuation``) and SystemMonitor's step-time fluctuation
-(``deploy_latency_fluctuation``). Registered on import by :mod:`lightning_diag.report.checks`. Imports neither
-torch nor Lightning.
+(``deploy_latency_fluctuation``). Registered on import by :mod:`lightning_diag.report.checks` (machinery:
+:mod:`~lightning_diag.report.rows`). Imports neither torch nor Lightning.
 """
 
 from __future__ import annotations
@@ -13,12 +13,36 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+from typing import cast
 
 from lightning_diag.core.registry import RULES
-from lightning_diag.core.tags import attn_head, attn_mean, family_tag, grad_blocks_tag, grad_total_tag, loss_tag, prefix
-from lightning_diag.report.checks import Check, _attached, _finite, _fmt, _serious, _threshold, measure
+from lightning_diag.core.tags import (
+    LossSeries,
+    attn_head,
+    attn_mean,
+    family_tag,
+    grad_blocks_tag,
+    grad_total_tag,
+    loss_tag,
+    prefix,
+)
 from lightning_diag.report.load import RunData
 from lightning_diag.report.replay import _by_step, _layer_series, _per_layer, _setting
+from lightning_diag.report.rows import Check, _attached, _finite, _fmt, _serious, _threshold, measure
+from lightning_diag.rules.catalog import (
+    ATTN_ENTROPY_HIGH,
+    ATTN_ENTROPY_LOW,
+    ATTN_SINK,
+    GRAD_COLLAPSE,
+    GRAD_EXPLODE,
+    GRAD_LAYER_SPREAD,
+    GRAD_VANISH,
+    LOSS_SWING,
+    NONFINITE_ROLLBACK,
+    STEP_TIME_FLUCTUATION,
+    VAL_DECLINE,
+    VAL_FLUCTUATION,
+)
 from lightning_diag.rules.grad import role_of
 
 __all__: list[str] = []
@@ -32,7 +56,7 @@ def _band_threshold(check: Check, run: RunData, low_rule: str, high_rule: str) -
 
 @measure("grad_norm_band")
 def _measure_grad_band(run: RunData, check: Check) -> bool:
-    _band_threshold(check, run, "grad_vanish", "grad_explode")
+    _band_threshold(check, run, GRAD_VANISH, GRAD_EXPLODE)
     check.threshold = "; ".join(RULES[r].describe(run.thresholds) for r in check.rules)
     rms = [v for series in _layer_series(run, "grad_rms").values() for v in _finite(series)]
     relative = [v for series in _layer_series(run, "grad_relative").values() for v in _finite(series)]
@@ -58,7 +82,7 @@ def _measure_grad_band(run: RunData, check: Check) -> bool:
 
 @measure("grad_spread")
 def _measure_grad_spread(run: RunData, check: Check) -> bool:
-    ratio = _threshold(run, "grad_layer_spread")
+    ratio = _threshold(run, GRAD_LAYER_SPREAD)
     check.threshold = f"largest / smallest <= {_fmt(ratio)}" if ratio is not None else "not logged"
     check.threshold_value = {"value": ratio} if ratio is not None else {}
     spreads = []
@@ -82,10 +106,10 @@ def _measure_grad_spread(run: RunData, check: Check) -> bool:
     return bool(spreads)
 
 
-@measure("grad_collapse")
+@measure(GRAD_COLLAPSE)
 def _measure_grad_collapse(run: RunData, check: Check) -> bool:
-    ratio = _threshold(run, "grad_collapse")
-    n = int(_setting(run, "grad_collapse.baseline_measurements"))
+    ratio = _threshold(run, GRAD_COLLAPSE)
+    n = int(_setting(run, f"{GRAD_COLLAPSE}.baseline_measurements"))
     check.threshold = f"norm / baseline >= {_fmt(ratio)}" if ratio is not None else "not logged"
     check.threshold_value = {"value": ratio} if ratio is not None else {}
     series = run.scalars.get(grad_blocks_tag()) or run.scalars.get(grad_total_tag(), [])
@@ -103,7 +127,7 @@ def _measure_grad_collapse(run: RunData, check: Check) -> bool:
 
 @measure("attn_entropy_band")
 def _measure_attn_band(run: RunData, check: Check) -> bool:
-    low, high = _band_threshold(check, run, "attn_entropy_low", "attn_entropy_high")
+    low, high = _band_threshold(check, run, ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH)
     check.threshold = "; ".join(RULES[r].describe(run.thresholds) for r in check.rules)
     heads = [t for t in run.scalars if attn_head(t)] or [t for t in run.scalars if attn_mean(t)]
     values = [v for t in heads for v in _finite(run.scalars[t])]
@@ -117,18 +141,18 @@ def _measure_attn_band(run: RunData, check: Check) -> bool:
                 f"{above} measurements above {_fmt(high)} nats (attn_entropy_high): an info hint at most, and only "
                 "when near uniform after warm-up, since diffuse attention can be a learned solution"
             )
-    missing = [rule for rule, v in (("attn_entropy_low", low), ("attn_entropy_high", high)) if v is None]
+    missing = [rule for rule, v in ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high)) if v is None]
     if values and missing:
         check.add_note(f"the run logged no {' or '.join(missing)} threshold")
     return bool(values)
 
 
-@measure("attn_sink")
+@measure(ATTN_SINK)
 def _measure_attn_sink(run: RunData, check: Check) -> bool:
-    mass = _threshold(run, "attn_sink")
+    mass = _threshold(run, ATTN_SINK)
     check.threshold = f"smallest head's special-token mass <= {_fmt(mass)}" if mass is not None else "not logged"
     check.threshold_value = {"value": mass} if mass is not None else {}
-    values = [v for t in run.tags(prefix("attn_sink")) for v in _finite(run.scalars[t])]
+    values = [v for t in run.tags(prefix(ATTN_SINK)) for v in _finite(run.scalars[t])]
     if values:
         check.measured = f"special-token mass up to {_fmt(max(values))}"
         check.measured_value = {"max": max(values)}
@@ -152,7 +176,7 @@ def _measure_nonfinite(run: RunData, check: Check) -> bool:
             f"{len(alerts)} non-finite alert(s); first: {first.rule} at step {first.global_step} ({first.source})"
         )
         check.measured_value = {"count": float(len(alerts)), "first_step": float(first.global_step)}
-        rolled = [f"step {a.global_step} ({a.source})" for a in alerts if a.rule == "nonfinite_rollback"]
+        rolled = [f"step {a.global_step} ({a.source})" for a in alerts if a.rule == NONFINITE_ROLLBACK]
         if rolled:
             end = "the rollback limit stopped training" if any(a.source == "rollback_limit" for a in alerts) else ""
             check.add_note(f"{len(rolled)} rollback(s) at {', '.join(rolled)}; {end or 'training went on'}")
@@ -168,10 +192,10 @@ def _measure_nonfinite(run: RunData, check: Check) -> bool:
     return _attached(run, check.rules) or bool(run.tags(prefix("loss"))) or bool(run.tags(prefix("grad_norm")))
 
 
-@measure("loss_swing")
+@measure(LOSS_SWING)
 def _measure_loss_swing(run: RunData, check: Check) -> bool:
-    threshold = _threshold(run, "loss_swing")
-    patience = _threshold(run, "loss_swing.patience")
+    threshold = _threshold(run, LOSS_SWING)
+    patience = _threshold(run, f"{LOSS_SWING}.patience")
     check.threshold = (
         f"rise > {_fmt(threshold * 100)}% on {int(patience) if patience else '?'} consecutive points"
         if threshold is not None
@@ -189,11 +213,11 @@ def _measure_loss_swing(run: RunData, check: Check) -> bool:
     return bool(swings)
 
 
-@measure("val_decline")
+@measure(VAL_DECLINE)
 def _measure_val_decline(run: RunData, check: Check) -> bool:
-    patience = _threshold(run, "val_decline")
-    min_delta = _threshold(run, "val_decline.min_delta") or 0.0
-    higher = bool(_threshold(run, "val_decline.higher_is_better"))
+    patience = _threshold(run, VAL_DECLINE)
+    min_delta = _threshold(run, f"{VAL_DECLINE}.min_delta") or 0.0
+    higher = bool(_threshold(run, f"{VAL_DECLINE}.higher_is_better"))
     check.threshold = f"fewer than {int(patience)} consecutive worse runs" if patience is not None else "not logged"
     check.threshold_value = {"value": patience} if patience is not None else {}
     values = _finite(run.scalars.get(loss_tag("val"), []))
@@ -208,22 +232,22 @@ def _measure_val_decline(run: RunData, check: Check) -> bool:
     return bool(values)
 
 
-@measure("val_fluctuation")
+@measure(VAL_FLUCTUATION)
 def _measure_val_fluctuation(run: RunData, check: Check) -> bool:
-    ratio = _threshold(run, "val_fluctuation")
+    ratio = _threshold(run, VAL_FLUCTUATION)
     check.threshold = f"val / train fluctuation <= {_fmt(ratio)}" if ratio is not None else "not logged"
     check.threshold_value = {"value": ratio} if ratio is not None else {}
     train = dict(run.scalars.get(loss_tag("train_fluctuation"), []))
     ratios = [
         v / train[s]
-        for s, v in run.scalars.get(loss_tag("val_fluctuation"), [])
+        for s, v in run.scalars.get(loss_tag(cast(LossSeries, VAL_FLUCTUATION)), [])
         if s in train and train[s] > 0 and math.isfinite(v / train[s])
     ]
     if ratios:
         check.measured = f"val / train fluctuation up to {_fmt(max(ratios))}"
         check.measured_value = {"max": max(ratios)}
     elif run.scalars.get(loss_tag("val")):
-        window = _threshold(run, "val_fluctuation.window")
+        window = _threshold(run, f"{VAL_FLUCTUATION}.window")
         check.add_note(f"needs {int(window) if window else 'more'} validation runs")
     return bool(ratios)
 
@@ -231,8 +255,8 @@ def _measure_val_fluctuation(run: RunData, check: Check) -> bool:
 @measure("deploy_latency_fluctuation")
 def _measure_latency(run: RunData, check: Check) -> bool:
     # SystemMonitor's step-time fluctuation (relative MAD of block medians), judged by its rule's patience
-    values = _finite(run.scalars.get(family_tag("system", "step_time_fluctuation"), []))
-    limit = _threshold(run, "step_time_fluctuation")
+    values = _finite(run.scalars.get(family_tag("system", STEP_TIME_FLUCTUATION), []))
+    limit = _threshold(run, STEP_TIME_FLUCTUATION)
     check.threshold = f"step-time fluctuation <= {_fmt(limit)}" if limit is not None else "not logged"
     check.threshold_value = {"value": limit} if limit is not None else {}
     if values:

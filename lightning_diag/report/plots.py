@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lightning_diag.core.tags import attn_head, grad_layer, grad_total_tag
+from lightning_diag.rules.catalog import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, GRAD_EXPLODE, GRAD_VANISH
 
 if TYPE_CHECKING:
     from lightning_diag.report.load import RunData
@@ -42,7 +43,7 @@ def _grad_norms(run: RunData, path: Path) -> bool:
         ax.plot(*_xy(series), linewidth=0.8, alpha=0.6, label=name)
     if total:
         ax.plot(*_xy(total), color="black", linewidth=2.0, label="total")
-    for key, color in (("grad_vanish", "tab:blue"), ("grad_explode", "tab:red")):
+    for key, color in ((GRAD_VANISH, "tab:blue"), (GRAD_EXPLODE, "tab:red")):
         if key in run.thresholds:
             ax.axhline(run.thresholds[key], color=color, linestyle="--", linewidth=1.2, label=f"{key} threshold")
     ax.set_yscale("log")
@@ -74,7 +75,7 @@ def _attn_heatmap(run: RunData, path: Path) -> bool:
     ticks = np.linspace(0, len(steps) - 1, min(len(steps), 10)).astype(int)
     ax.set_xticks(ticks, [str(steps[i]) for i in ticks])
     ax.set_xlabel("global step")
-    band = [run.thresholds.get(k) for k in ("attn_entropy_low", "attn_entropy_high")]
+    band = [run.thresholds.get(k) for k in (ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH)]
     suffix = f" (band {band[0]:g} .. {band[1]:g})" if None not in band else ""
     ax.set_title(f"Attention entropy per head, nats{suffix}")
     fig.colorbar(image, ax=ax, label="entropy (nats)")

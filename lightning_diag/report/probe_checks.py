@@ -1,6 +1,8 @@
 """Checklist rows of the probes: ``loss_surface`` (SharpnessProbe) and ``deploy_quantization_error``
-(QuantizationProbe): measured values from the logged ``diag/sharpness/...`` and ``diag/quant/...`` series, and
-the two rules replayed over them. Registered on import by :mod:`lightning_diag.report.checks`."""
+(QuantizationProbe): measured values from the logged ``diag/sharpness/...`` and ``diag/quant/...`` series, and the
+two rules replayed over them. Registered on import by :mod:`lightning_diag.report.checks` (machinery:
+:mod:`~lightning_diag.report.rows`).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import math
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.registry import RULES
 from lightning_diag.core.tags import quant_layer, quant_tag, sharpness_tag
-from lightning_diag.report.checks import Check, _finite, _fmt, _setting, measure, replay
 from lightning_diag.report.load import RunData
+from lightning_diag.report.replay import _setting, replay
+from lightning_diag.report.rows import Check, _finite, _fmt, measure
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.catalog import QUANTIZATION_ERROR, SHARP_MINIMUM
 from lightning_diag.rules.probes import QuantizationErrorRule, SharpMinimumRule
 
 __all__: list[str] = []
@@ -19,9 +23,9 @@ __all__: list[str] = []
 
 @measure("loss_surface")
 def _measure_loss_surface(run: RunData, check: Check) -> bool:
-    check.threshold = RULES["sharp_minimum"].describe(run.thresholds)
-    check.threshold_value = {"value": _setting(run, "sharp_minimum"),
-                             "patience": _setting(run, "sharp_minimum.patience")}
+    check.threshold = RULES[SHARP_MINIMUM].describe(run.thresholds)
+    check.threshold_value = {"value": _setting(run, SHARP_MINIMUM),
+                             "patience": _setting(run, f"{SHARP_MINIMUM}.patience")}
     gaps = _finite(run.scalars.get(sharpness_tag("gap"), []))
     if not gaps:
         return False
@@ -34,7 +38,7 @@ def _measure_loss_surface(run: RunData, check: Check) -> bool:
 
 @replay("loss_surface")
 def _replay_loss_surface(run: RunData) -> list[Alert]:
-    rule = SharpMinimumRule(_setting(run, "sharp_minimum"), int(_setting(run, "sharp_minimum.patience")))
+    rule = SharpMinimumRule.from_settings(run.thresholds)
     alerts: list[Alert] = []
     for step, gap in run.scalars.get(sharpness_tag("gap"), []):
         alerts += rule.update(gap, StepContext(0, step))
@@ -53,9 +57,9 @@ def _layer_series(run: RunData, measure_name: str) -> dict[int, dict[str, float]
 
 @measure("deploy_quantization_error")
 def _measure_quantization(run: RunData, check: Check) -> bool:
-    check.threshold = RULES["quantization_error"].describe(run.thresholds)
-    check.threshold_value = {"value": _setting(run, "quantization_error"),
-                             "layer_ratio": _setting(run, "quantization_error.layer_ratio")}
+    check.threshold = RULES[QUANTIZATION_ERROR].describe(run.thresholds)
+    check.threshold_value = {"value": _setting(run, QUANTIZATION_ERROR),
+                             "layer_ratio": _setting(run, f"{QUANTIZATION_ERROR}.layer_ratio")}
     errors = _finite(run.scalars.get(quant_tag("end_to_end"), []))
     if not errors:
         return False
@@ -70,11 +74,7 @@ def _measure_quantization(run: RunData, check: Check) -> bool:
 
 @replay("deploy_quantization_error")
 def _replay_quantization(run: RunData) -> list[Alert]:
-    rule = QuantizationErrorRule(
-        _setting(run, "quantization_error"),
-        _setting(run, "quantization_error.layer_ratio"),
-        _setting(run, "quantization_error.min_layer_error"),
-    )
+    rule = QuantizationErrorRule.from_settings(run.thresholds)
     layers = _layer_series(run, "relative_mse")
     per_channel = _layer_series(run, "relative_mse_per_channel")
     alerts: list[Alert] = []

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Literal
 
-from lightning_diag.core.alerts import ATTN_ENTROPY_LOW, Alert, Severity
+from lightning_diag.core.alerts import Alert, Severity
 from lightning_diag.core.registry import default
 from lightning_diag.core.tags import (
     attn_head,
@@ -26,6 +26,12 @@ from lightning_diag.report.load import RunData, Series
 from lightning_diag.rules.anomaly import LossSwingRule, ValDeclineRule
 from lightning_diag.rules.attention import AttentionEntropyRule, LayerStats
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.catalog import (
+    ATTN_ENTROPY_LOW,
+    GRAD_COLLAPSE,
+    LOSS_SWING,
+    VAL_DECLINE,
+)
 from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule, role_of
 
 __all__ = ["REPLAYS", "Replay", "replay"]
@@ -86,13 +92,7 @@ def _blocks(layers: Iterable[str]) -> set[str] | None:
 
 @replay("grad_norm_band")
 def _replay_grad_band(run: RunData) -> list[Alert]:
-    rule = GradBandRule(
-        _setting(run, "grad_vanish"),
-        _setting(run, "grad_explode"),
-        int(_setting(run, "grad.patience")),
-        _setting(run, "grad_vanish.relative"),
-        int(_setting(run, "grad_vanish.warmup_steps")),
-    )
+    rule = GradBandRule.from_settings(run.thresholds)
     rms = _by_step(_layer_series(run, "grad_rms").items())
     relative = _by_step(_layer_series(run, "grad_relative").items())
     blocks = _blocks(_layer_series(run, "grad_relative"))
@@ -104,25 +104,16 @@ def _replay_grad_band(run: RunData) -> list[Alert]:
 
 @replay("grad_spread")
 def _replay_grad_spread(run: RunData) -> list[Alert]:
-    rule = GradSpreadRule(
-        _setting(run, "grad_layer_spread"),
-        int(_setting(run, "grad.patience")),
-        int(_setting(run, "grad_layer_spread.warmup_steps")),
-    )
+    rule = GradSpreadRule.from_settings(run.thresholds)
     alerts: list[Alert] = []
     for step, values in _by_step(_layer_series(run, "grad_relative").items()).items():
         alerts += rule.update(values, StepContext(0, step), {layer: role_of(layer) for layer in values})
     return alerts
 
 
-@replay("grad_collapse")
+@replay(GRAD_COLLAPSE)
 def _replay_grad_collapse(run: RunData) -> list[Alert]:
-    rule = GradCollapseRule(
-        _setting(run, "grad_collapse"),
-        int(_setting(run, "grad.patience")),
-        int(_setting(run, "grad_collapse.baseline_measurements")),
-        _setting(run, "grad_collapse.converged_fraction"),
-    )
+    rule = GradCollapseRule.from_settings(run.thresholds)
     losses = dict(run.scalars.get(loss_tag("train_step"), []))
     alerts: list[Alert] = []
     for step, norm in run.scalars.get(grad_blocks_tag(), []):
@@ -132,13 +123,7 @@ def _replay_grad_collapse(run: RunData) -> list[Alert]:
 
 @replay("attn_entropy_band")
 def _replay_attn_band(run: RunData) -> list[Alert]:
-    rule = AttentionEntropyRule(
-        _setting(run, "attn_entropy_low"),
-        _setting(run, "attn_entropy_high"),
-        _setting(run, "attn_entropy_high.uniform_fraction"),
-        int(_setting(run, "attn_entropy_high.warmup_steps")),
-        int(_setting(run, "attn.patience")),
-    )
+    rule = AttentionEntropyRule.from_settings(run.thresholds)
     heads: dict[str, dict[int, Series]] = {}
     for name, points in run.scalars.items():
         parsed = attn_head(name)
@@ -170,23 +155,19 @@ def _loss_points(run: RunData) -> Series:
     return run.scalars.get(loss_tag("train_epoch")) or run.scalars.get(loss_tag("train_window")) or []
 
 
-@replay("loss_swing")
+@replay(LOSS_SWING)
 def _replay_loss_swing(run: RunData) -> list[Alert]:
-    rule = LossSwingRule(
-        _setting(run, "loss_swing"), int(_setting(run, "loss_swing.patience")), _setting(run, "loss_swing.min_delta")
-    )
+    rule = LossSwingRule.from_settings(run.thresholds)
     alerts: list[Alert] = []
     for step, v in _loss_points(run):
         alerts += rule.update(v, StepContext(0, step))
     return alerts
 
 
-@replay("val_decline")
+@replay(VAL_DECLINE)
 def _replay_val_decline(run: RunData) -> list[Alert]:
-    mode: Literal["min", "max"] = "max" if _threshold(run, "val_decline.higher_is_better") else "min"
-    rule = ValDeclineRule(
-        mode=mode, patience=int(_setting(run, "val_decline")), min_delta=_setting(run, "val_decline.min_delta")
-    )
+    mode: Literal["min", "max"] = "max" if _threshold(run, f"{VAL_DECLINE}.higher_is_better") else "min"
+    rule = ValDeclineRule.from_settings(run.thresholds, mode=mode)
     alerts: list[Alert] = []
     for step, v in run.scalars.get(loss_tag("val"), []):
         if math.isfinite(v):

@@ -2,14 +2,15 @@
 and ``replicas_agree`` (AnomalyAlarm's ``diag/replicas/...``): measured values from the logged series. The rows
 pass or fail on the rules' alerts (``update_none``, ``update_stale``; ``ddp_desync``), which need what the series
 do not hold (parameter dtypes, optimizer membership, every rank's checksums), so nothing is replayed. Registered on
-import by :mod:`lightning_diag.report.checks`."""
+import by :mod:`lightning_diag.report.checks` (machinery: :mod:`~lightning_diag.report.rows`)."""
 
 from __future__ import annotations
 
 from lightning_diag.core.registry import RULES
 from lightning_diag.core.tags import replicas_tag, updates_layer
-from lightning_diag.report.checks import Check, _finite, _fmt, _setting, measure
 from lightning_diag.report.load import RunData
+from lightning_diag.report.replay import _setting
+from lightning_diag.report.rows import Check, _finite, _fmt, measure
 from lightning_diag.rules.catalog import DDP_DESYNC, UPDATE_STALE
 
 __all__: list[str] = []

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from typing import Literal
 
-from lightning_diag.core.alerts import LOSS_STAGNANT, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION, Alert
-from lightning_diag.core.registry import default
+from lightning_diag.core.record import Alert
+from lightning_diag.core.registry import RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.stats.trend import fluctuation, relative_change
 
@@ -47,37 +48,77 @@ __all__ = [
     "DEFAULT_VAL_FLUCTUATION_MIN_ABS",
     "DEFAULT_VAL_FLUCTUATION_RATIO",
     "DEFAULT_VAL_FLUCTUATION_WINDOW",
+    "LOSS_STAGNANT",
+    "LOSS_STAGNANT_SPEC",
+    "LOSS_SWING",
+    "LOSS_SWING_SPEC",
+    "VAL_DECLINE",
+    "VAL_DECLINE_SPEC",
+    "VAL_FLUCTUATION",
+    "VAL_FLUCTUATION_SPEC",
     "LossStagnantRule",
     "LossSwingRule",
     "ValDeclineRule",
     "ValFluctuationRule",
 ]
 
+# -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
+_ALARM = "AnomalyAlarm"
+LOSS_SWING_SPEC = register(RuleSpec(
+    "loss_swing", _ALARM, "warning", 0.10,
+    "training loss swings by more than {threshold:.0%} on {patience:g} consecutive epochs",
+    settings={"patience": 3, "min_delta": 1e-3}, check="loss_swing", source="seed 001 §1.2",
+    arguments={"threshold": "swing_threshold", "patience": "swing_patience", "min_delta": "swing_min_delta"},
+))
+VAL_DECLINE_SPEC = register(RuleSpec(
+    "val_decline", _ALARM, "warning", 5.0, "validation metric worsens on {threshold:g} consecutive validation runs",
+    settings={"min_delta": 0.0}, check="val_decline", source="seed 001 §1.2",
+    arguments={"threshold": "val_decline_patience", "min_delta": "val_decline_min_delta"},
+))
+VAL_FLUCTUATION_SPEC = register(RuleSpec(
+    "val_fluctuation", _ALARM, "warning", 2.0,
+    "validation-loss fluctuation above {threshold:g}x the training-loss fluctuation",
+    settings={"window": 5, "min": 0.15, "min_range": 0.01}, check="val_fluctuation", source="seed 000 §4.1",
+    arguments={"threshold": "val_fluctuation_ratio", "window": "val_fluctuation_window",
+               "min": "val_fluctuation_min", "min_range": "val_fluctuation_min_range"},
+))
+LOSS_STAGNANT_SPEC = register(RuleSpec(
+    "loss_stagnant", _ALARM, "warning", 0.10,
+    "training loss has not fallen {threshold:.0%} below its initial value after {patience:g} points",
+    settings={"patience": 4, "baseline_steps": 5},
+    arguments={"threshold": "stagnant_min_drop", "patience": "stagnant_patience",
+               "baseline_steps": "stagnant_baseline_steps"},
+))
+LOSS_SWING = LOSS_SWING_SPEC.rule_id
+VAL_DECLINE = VAL_DECLINE_SPEC.rule_id
+VAL_FLUCTUATION = VAL_FLUCTUATION_SPEC.rule_id
+LOSS_STAGNANT = LOSS_STAGNANT_SPEC.rule_id
+
 #: ``loss_swing``: relative change that counts as a swing (seed 001 §1.2: 10%).
-DEFAULT_SWING_THRESHOLD = default("loss_swing")
+DEFAULT_SWING_THRESHOLD = default(LOSS_SWING)
 #: ``loss_swing``: consecutive swinging epochs (or windows) before the rule fires (seed 001 §1.2: 3).
-DEFAULT_SWING_PATIENCE = int(default("loss_swing.patience"))
+DEFAULT_SWING_PATIENCE = int(default(LOSS_SWING_SPEC.key("patience")))
 #: ``loss_swing``: absolute change below which a point never swings (keeps near-zero losses quiet).
-DEFAULT_SWING_MIN_DELTA = default("loss_swing.min_delta")
+DEFAULT_SWING_MIN_DELTA = default(LOSS_SWING_SPEC.key("min_delta"))
 #: ``val_decline``: consecutive worsening validation runs before the rule fires (seed 001 §1.2: 5).
-DEFAULT_VAL_DECLINE_PATIENCE = int(default("val_decline"))
+DEFAULT_VAL_DECLINE_PATIENCE = int(default(VAL_DECLINE))
 #: ``val_decline``: change that counts as worse.
-DEFAULT_VAL_DECLINE_MIN_DELTA = default("val_decline.min_delta")
+DEFAULT_VAL_DECLINE_MIN_DELTA = default(VAL_DECLINE_SPEC.key("min_delta"))
 #: ``val_fluctuation``: validation fluctuation above this multiple of the training one (seed 000 §4.1: 2x).
-DEFAULT_VAL_FLUCTUATION_RATIO = default("val_fluctuation")
+DEFAULT_VAL_FLUCTUATION_RATIO = default(VAL_FLUCTUATION)
 #: ``val_fluctuation``: validation runs in the window.
-DEFAULT_VAL_FLUCTUATION_WINDOW = int(default("val_fluctuation.window"))
+DEFAULT_VAL_FLUCTUATION_WINDOW = int(default(VAL_FLUCTUATION_SPEC.key("window")))
 #: ``val_fluctuation``: validation fluctuation (relative to its level) below which the rule never fires.
-DEFAULT_VAL_FLUCTUATION_MIN = default("val_fluctuation.min")
+DEFAULT_VAL_FLUCTUATION_MIN = default(VAL_FLUCTUATION_SPEC.key("min"))
 #: ``val_fluctuation``: range (max - min, loss units) of the validation window below which it never fires.
-DEFAULT_VAL_FLUCTUATION_MIN_ABS = default("val_fluctuation.min_range")
+DEFAULT_VAL_FLUCTUATION_MIN_ABS = default(VAL_FLUCTUATION_SPEC.key("min_range"))
 
 #: ``loss_stagnant``: fraction of the initial loss the training loss must have fallen by.
-DEFAULT_STAGNANT_MIN_DROP = default("loss_stagnant")
+DEFAULT_STAGNANT_MIN_DROP = default(LOSS_STAGNANT)
 #: ``loss_stagnant``: loss points (epochs or windows) the training loss has to get there.
-DEFAULT_STAGNANT_PATIENCE = int(default("loss_stagnant.patience"))
+DEFAULT_STAGNANT_PATIENCE = int(default(LOSS_STAGNANT_SPEC.key("patience")))
 #: ``loss_stagnant``: first optimizer steps whose mean loss is the initial loss.
-DEFAULT_STAGNANT_BASELINE_STEPS = int(default("loss_stagnant.baseline_steps"))
+DEFAULT_STAGNANT_BASELINE_STEPS = int(default(LOSS_STAGNANT_SPEC.key("baseline_steps")))
 
 
 def _pct(x: float) -> str:
@@ -100,7 +141,7 @@ class LossSwingRule(Rule):
         [0, 0, 0, 0, 1]
     """
 
-    rule_id = LOSS_SWING
+    specs = (LOSS_SWING_SPEC,)
     state_keys = ("previous", "previous_rise", "streak", "last_change", "history")
 
     def __init__(
@@ -122,6 +163,18 @@ class LossSwingRule(Rule):
         self.streak = 0
         self.last_change = math.nan
         self.history: list[float] = []
+
+    @classmethod
+    def from_settings(
+        cls, thresholds: Mapping[str, float | None], *, unit: str = "epoch", source: str = "train_loss"
+    ) -> LossSwingRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`); ``unit`` and ``source`` as
+        for the constructor."""
+        spec = LOSS_SWING_SPEC
+        return cls(
+            spec.value(thresholds), int(spec.value(thresholds, "patience")), spec.value(thresholds, "min_delta"),
+            unit=unit, source=source,
+        )
 
     def update(self, value: float, ctx: StepContext) -> list[Alert]:
         """Feed the next loss point; return the alerts it raises."""
@@ -172,7 +225,7 @@ class ValDeclineRule(Rule):
         [0, 0, 1, 0]
     """
 
-    rule_id = VAL_DECLINE
+    specs = (VAL_DECLINE_SPEC,)
     state_keys = ("previous", "streak", "history")
 
     def __init__(
@@ -190,6 +243,15 @@ class ValDeclineRule(Rule):
         self.previous: float | None = None
         self.streak = 0
         self.history: list[float] = []
+
+    @classmethod
+    def from_settings(
+        cls, thresholds: Mapping[str, float | None], *, monitor: str = "val_loss", mode: Literal["min", "max"] = "min"
+    ) -> ValDeclineRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`); ``monitor`` and ``mode`` as
+        for the constructor."""
+        spec = VAL_DECLINE_SPEC
+        return cls(monitor, mode, int(spec.value(thresholds)), spec.value(thresholds, "min_delta"))
 
     def update(self, value: float, ctx: StepContext) -> list[Alert]:
         """Feed the next validation value; return the alerts it raises."""
@@ -228,7 +290,7 @@ class ValFluctuationRule(Rule):
         monitor: Name of the validation metric, for messages and the alert's ``source``.
     """
 
-    rule_id = VAL_FLUCTUATION
+    specs = (VAL_FLUCTUATION_SPEC,)
     state_keys = ("train", "val", "last_ratio")
 
     def __init__(
@@ -248,6 +310,16 @@ class ValFluctuationRule(Rule):
         self.train: list[float] = []
         self.val: list[float] = []
         self.last_ratio = math.nan
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None], *, monitor: str = "val_loss") -> ValFluctuationRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`); ``monitor`` as for the
+        constructor."""
+        spec = VAL_FLUCTUATION_SPEC
+        return cls(
+            spec.value(thresholds), int(spec.value(thresholds, "window")), spec.value(thresholds, "min"),
+            monitor=monitor, min_abs=spec.value(thresholds, "min_range"),
+        )
 
     def measures(self) -> tuple[float, float]:
         """``(train_fluctuation, val_fluctuation)`` over the current window (``nan`` until it is full)."""
@@ -298,7 +370,7 @@ class LossStagnantRule(Rule):
         [0, 1, 0, 0]
     """
 
-    rule_id = LOSS_STAGNANT
+    specs = (LOSS_STAGNANT_SPEC,)
     state_keys = ("baseline", "points", "best")
 
     def __init__(
@@ -316,6 +388,15 @@ class LossStagnantRule(Rule):
         self.baseline: float | None = None
         self.points = 0
         self.best = math.inf
+
+    @classmethod
+    def from_settings(
+        cls, thresholds: Mapping[str, float | None], *, unit: str = "epoch", source: str = "train_loss"
+    ) -> LossStagnantRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`); ``unit`` and ``source`` as
+        for the constructor. ``loss_stagnant.baseline_steps`` is the owner's (it averages the first losses)."""
+        spec = LOSS_STAGNANT_SPEC
+        return cls(spec.value(thresholds), int(spec.value(thresholds, "patience")), unit=unit, source=source)
 
     def set_baseline(self, initial_loss: float) -> None:
         """Set the initial loss once (later calls, and non-finite values, are ignored)."""

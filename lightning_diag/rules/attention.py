@@ -35,12 +35,21 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from lightning_diag.core.alerts import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK, Alert, Severity
-from lightning_diag.core.registry import default
+from lightning_diag.core.record import Alert, Severity
+from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
 from lightning_diag.rules.base import Rule, StepContext, name_layers
 
 __all__ = [
     "ALIGNED_COVERAGE",
+    "ATTN_ENTROPY_HIGH",
+    "ATTN_ENTROPY_HIGH_SPEC",
+    "ATTN_ENTROPY_LOW",
+    "ATTN_ENTROPY_LOW_SPEC",
+    "ATTN_MAX_QUERIES_SETTING",
+    "ATTN_PATIENCE_SETTING",
+    "ATTN_SAMPLE_SIZE_SETTING",
+    "ATTN_SINK",
+    "ATTN_SINK_SPEC",
     "DEFAULT_ATTN_PATIENCE",
     "DEFAULT_ATTN_WARMUP_STEPS",
     "DEFAULT_ENTROPY_HIGH",
@@ -52,24 +61,53 @@ __all__ = [
     "LayerStats",
 ]
 
+# -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
+_ATTN = "AttentionEntropyMonitor"
+ATTN_ENTROPY_LOW_SPEC = register(RuleSpec(
+    "attn_entropy_low", _ATTN, "warning", 0.5, "a head's attention entropy below {threshold:g} nats",
+    check="attn_entropy_band", source="seed 000 §3.2", arguments={"threshold": "entropy_low"},
+))
+ATTN_ENTROPY_HIGH_SPEC = register(RuleSpec(
+    "attn_entropy_high", _ATTN, "info", 2.5,
+    "a head's attention entropy above {threshold:g} nats and {uniform_fraction:g} of uniform",
+    settings={"uniform_fraction": 0.9, "warmup_steps": 200}, check="attn_entropy_band", source="seed 000 §3.2",
+    arguments={"threshold": "entropy_high", "uniform_fraction": "uniform_fraction", "warmup_steps": "warmup_steps"},
+))
+ATTN_SINK_SPEC = register(RuleSpec(
+    "attn_sink", _ATTN, "warning", 0.5,
+    "every head of a layer puts more than {threshold:g} of its mass on special tokens",
+    check="attn_sink", source="seed 000 §3.2", arguments={"threshold": "sink_mass"},
+))
+ATTN_ENTROPY_LOW = ATTN_ENTROPY_LOW_SPEC.rule_id
+ATTN_ENTROPY_HIGH = ATTN_ENTROPY_HIGH_SPEC.rule_id
+ATTN_SINK = ATTN_SINK_SPEC.rule_id
+#: ``attn.patience``: consecutive measurements an attention condition must hold before it alerts.
+ATTN_PATIENCE_SETTING = register_setting(
+    SettingSpec("attn.patience", _ATTN, 2, "patience", (ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))
+)
+#: ``attn.sample_size``: sequences of the batch measured on a sampled step (the callback's sampling).
+ATTN_SAMPLE_SIZE_SETTING = register_setting(SettingSpec("attn.sample_size", _ATTN, 8, "sample_size"))
+#: ``attn.max_queries``: query positions per sequence measured on a sampled step (evenly spaced).
+ATTN_MAX_QUERIES_SETTING = register_setting(SettingSpec("attn.max_queries", _ATTN, 64, "max_queries"))
+
 #: ``attn_entropy_low``: a head's attention entropy below this many nats (seed 000 §3.2).
-DEFAULT_ENTROPY_LOW = default("attn_entropy_low")
+DEFAULT_ENTROPY_LOW = default(ATTN_ENTROPY_LOW)
 #: ``attn_entropy_high``: a head's attention entropy above this many nats (seed 000 §3.2).
-DEFAULT_ENTROPY_HIGH = default("attn_entropy_high")
+DEFAULT_ENTROPY_HIGH = default(ATTN_ENTROPY_HIGH)
 #: ``attn_entropy_high``: ... and above this fraction of the entropy of uniform attention over its keys.
-DEFAULT_UNIFORM_FRACTION = default("attn_entropy_high.uniform_fraction")
+DEFAULT_UNIFORM_FRACTION = default(ATTN_ENTROPY_HIGH_SPEC.key("uniform_fraction"))
 #: ``attn_entropy_high``: optimizer steps before the rule judges (a fresh model attends uniformly).
-DEFAULT_ATTN_WARMUP_STEPS = int(default("attn_entropy_high.warmup_steps"))
+DEFAULT_ATTN_WARMUP_STEPS = int(default(ATTN_ENTROPY_HIGH_SPEC.key("warmup_steps")))
 #: ``attn_sink``: attention mass on special tokens that every head of a layer must exceed ("most of its mass").
-DEFAULT_SINK_MASS = default("attn_sink")
+DEFAULT_SINK_MASS = default(ATTN_SINK)
 #: Consecutive measurements an attention condition must hold before it alerts.
-DEFAULT_ATTN_PATIENCE = int(default("attn.patience"))
+DEFAULT_ATTN_PATIENCE = int(ATTN_PATIENCE_SETTING.default)
 #: ``attn_entropy_low``: a low-entropy head whose queries' mean attention has at least this fraction of the
 #: entropy ``min(queries, keys)`` one-hot rows can reach is a one-to-one alignment, not a collapse (measured: the
 #: reversal alignment of the corpus's BART cross-attention 0.97..1.0, the collapsed heads of the Llama logit-growth
 #: fault 0.56..0.75, every query on [CLS] 0).
 ALIGNED_COVERAGE = 0.9
-_SINK, _ALIGNED = "attn_sink", "aligned"
+_SINK, _ALIGNED = ATTN_SINK, "aligned"
 
 
 class LayerStats(NamedTuple):
@@ -109,7 +147,7 @@ class AttentionEntropyRule(Rule):
         [[], ['attn/head_0'], []]
     """
 
-    rule_id = ATTN_ENTROPY_LOW
+    specs = (ATTN_ENTROPY_LOW_SPEC, ATTN_ENTROPY_HIGH_SPEC)
     state_keys = ("streaks",)
 
     def __init__(
@@ -129,6 +167,18 @@ class AttentionEntropyRule(Rule):
         self.warmup_steps = warmup_steps
         self.patience = patience
         self.streaks: dict[str, int] = {}
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> AttentionEntropyRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(
+            ATTN_ENTROPY_LOW_SPEC.value(thresholds),
+            ATTN_ENTROPY_HIGH_SPEC.value(thresholds),
+            ATTN_ENTROPY_HIGH_SPEC.value(thresholds, "uniform_fraction"),
+            int(ATTN_ENTROPY_HIGH_SPEC.value(thresholds, "warmup_steps")),
+            int(ATTN_PATIENCE_SETTING.value(thresholds)),
+            ATTN_SINK_SPEC.value(thresholds),
+        )
 
     def update(self, layers: Mapping[str, LayerStats], ctx: StepContext) -> list[Alert]:
         """Feed one measurement of every module's heads; return the alerts raised.
@@ -261,7 +311,7 @@ class AttentionSinkRule(Rule):
         ['attn_sink']
     """
 
-    rule_id = ATTN_SINK
+    specs = (ATTN_SINK_SPEC,)
     state_keys = ("streaks",)
 
     def __init__(self, sink_mass: float = DEFAULT_SINK_MASS, patience: int = DEFAULT_ATTN_PATIENCE) -> None:
@@ -269,6 +319,11 @@ class AttentionSinkRule(Rule):
         self.sink_mass = sink_mass
         self.patience = patience
         self.streaks: dict[str, int] = {}
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> AttentionSinkRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(ATTN_SINK_SPEC.value(thresholds), int(ATTN_PATIENCE_SETTING.value(thresholds)))
 
     def update(self, layers: Mapping[str, LayerStats], ctx: StepContext) -> list[Alert]:
         """Feed one measurement of every module's heads; return the alerts raised.

@@ -1,14 +1,19 @@
-"""Shared machinery for rules: latching, the step context and declared, checked state."""
+"""Shared machinery for rules: latching, the step context, declared and checked state, and the one constructor
+from settings (:meth:`Rule.from_settings`) that the callbacks and the report's replay both use."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
-from lightning_diag.core.alerts import Alert, Severity
+from lightning_diag.core.record import Alert, Severity
+from lightning_diag.core.registry import RuleSpec
 
 __all__ = ["Latch", "Rule", "StepContext", "list_names", "name_layers"]
+
+#: A rule class (the return type of :meth:`Rule.from_settings`).
+RuleT = TypeVar("RuleT", bound="Rule")
 
 #: Sources named in an alert that groups several.
 _SHOWN = 3
@@ -67,13 +72,29 @@ class Latch:
 class Rule:
     """Base class of the stateful detectors.
 
-    Subclasses set :attr:`rule_id`, :attr:`severity` and :attr:`state_keys`; their state is the attributes
-    named by ``state_keys`` plus the latch. :meth:`load_state_dict` names any key that is missing.
+    Subclasses set :attr:`specs` (the declarations of the rule ids they raise, the first being
+    :attr:`rule_id`), :attr:`severity` and :attr:`state_keys`, and implement :meth:`from_settings`; their state is
+    the attributes named by ``state_keys`` plus the latch. :meth:`load_state_dict` names any key that is missing.
     """
 
+    specs: ClassVar[tuple[RuleSpec, ...]] = ()
     rule_id: ClassVar[str]
     severity: ClassVar[Severity] = Severity.WARNING
     state_keys: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.specs and "rule_id" not in cls.__dict__:
+            cls.rule_id = cls.specs[0].rule_id
+
+    @classmethod
+    def from_settings(cls: type[RuleT], thresholds: Mapping[str, float | None]) -> RuleT:
+        """The rule with the thresholds and settings in effect: ``thresholds`` holds ``thresholds()`` keys
+        (``"grad_vanish"``, ``"grad_vanish.relative"``, ``"grad.patience"``); a key it lacks (or maps to
+        ``None``) takes its declared default. The callbacks build their rules with it from ``thresholds()``, the
+        report's replay from the run's ``thresholds.json``: this is the one mapping from keys to parameters.
+        """
+        raise NotImplementedError(f"{cls.__name__} declares no from_settings")
 
     def __init__(self) -> None:
         self.latch = Latch()

@@ -24,35 +24,66 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from lightning_diag.core.alerts import Alert, Severity
-from lightning_diag.core.registry import default
+from lightning_diag.core.record import Alert, Severity
+from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
     "DATA_LEAKAGE",
+    "DATA_LEAKAGE_SPEC",
+    "DATA_MAX_BATCHES_SETTING",
     "DATA_NONFINITE",
+    "DATA_NONFINITE_SPEC",
     "DATA_VOCAB_SHIFT",
+    "DATA_VOCAB_SHIFT_SPEC",
     "DEFAULT_LABEL_STD",
     "DEFAULT_LEAKAGE_FRACTION",
     "DEFAULT_NEAR_DUPLICATE",
     "DEFAULT_VOCAB_KL",
     "LABEL_IMBALANCE",
+    "LABEL_IMBALANCE_SPEC",
     "DataMeasurement",
     "DataRules",
     "InputProblem",
 ]
 
-DATA_VOCAB_SHIFT = "data_vocab_shift"
-DATA_LEAKAGE = "data_leakage"
-LABEL_IMBALANCE = "label_imbalance"
-DATA_NONFINITE = "data_nonfinite"
+# -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
+_DATA = "DataDiagnostics"
+DATA_VOCAB_SHIFT_SPEC = register(RuleSpec(
+    "data_vocab_shift", _DATA, "warning", 0.3,
+    "KL divergence of validation vs training token frequencies above {threshold:g} nats",
+    settings={"min_count": 5}, source="seed 000 §2.1", arguments={"threshold": "vocab_kl", "min_count": "min_count"},
+))
+DATA_LEAKAGE_SPEC = register(RuleSpec(
+    "data_leakage", _DATA, "warning", 0.15,
+    "share of validation samples copying a training sample (shingle Jaccard >= {near_duplicate:g}) at or above "
+    "{threshold:g}",
+    settings={"near_duplicate": 0.5, "shingle_size": 3, "num_perm": 64, "min_leaks": 3},
+    check="data_train_test_overlap", source="seed 000 §2.2, §7.1",
+    arguments={"threshold": "leakage", "near_duplicate": "near_duplicate", "shingle_size": "shingle_size",
+               "num_perm": "num_perm", "min_leaks": "min_leaks"},
+))
+LABEL_IMBALANCE_SPEC = register(RuleSpec(
+    "label_imbalance", _DATA, "warning", 0.1, "standard deviation of the class proportions above {threshold:g}",
+    check="data_label_balance", source="seed 000 §7.1", arguments={"threshold": "label_std"},
+))
+DATA_NONFINITE_SPEC = register(RuleSpec(
+    "data_nonfinite", _DATA, "critical", None, "NaN/Inf in a floating tensor of a sampled batch",
+    source="seed 000 §2.1",
+))
+DATA_VOCAB_SHIFT = DATA_VOCAB_SHIFT_SPEC.rule_id
+DATA_LEAKAGE = DATA_LEAKAGE_SPEC.rule_id
+LABEL_IMBALANCE = LABEL_IMBALANCE_SPEC.rule_id
+DATA_NONFINITE = DATA_NONFINITE_SPEC.rule_id
+#: ``data.max_batches``: batches read from each loader per measurement (every data rule).
+DATA_MAX_BATCHES_SETTING = register_setting(SettingSpec("data.max_batches", _DATA, 64, "max_batches"))
 
 #: ``data_vocab_shift``: KL divergence (nats) of validation vs training token frequencies above this.
 DEFAULT_VOCAB_KL = default(DATA_VOCAB_SHIFT)
 #: ``data_leakage``: share of validation samples that (nearly) copy a training sample, at or above this.
 DEFAULT_LEAKAGE_FRACTION = default(DATA_LEAKAGE)
 #: ``data_leakage``: shingle Jaccard similarity at or above which two samples count as the same sample.
-DEFAULT_NEAR_DUPLICATE = default(f"{DATA_LEAKAGE}.near_duplicate")
+DEFAULT_NEAR_DUPLICATE = default(DATA_LEAKAGE_SPEC.key("near_duplicate"))
 #: ``label_imbalance``: standard deviation of the class proportions above this.
 DEFAULT_LABEL_STD = default(LABEL_IMBALANCE)
 
@@ -117,7 +148,7 @@ class DataRules(Rule):
         []
     """
 
-    rule_id = DATA_VOCAB_SHIFT
+    specs = (DATA_VOCAB_SHIFT_SPEC, DATA_LEAKAGE_SPEC, LABEL_IMBALANCE_SPEC, DATA_NONFINITE_SPEC)
     state_keys = ("measurements",)
 
     def __init__(
@@ -131,6 +162,14 @@ class DataRules(Rule):
         self.leakage = leakage
         self.label_std = label_std
         self.measurements = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> DataRules:
+        """The rules with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(
+            DATA_VOCAB_SHIFT_SPEC.value(thresholds), DATA_LEAKAGE_SPEC.value(thresholds),
+            LABEL_IMBALANCE_SPEC.value(thresholds),
+        )
 
     def update(self, m: DataMeasurement, ctx: StepContext) -> list[Alert]:
         """Judge one measurement; return the alerts that just became active."""

@@ -24,12 +24,37 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from lightning_diag.core.alerts import Alert
-from lightning_diag.core.registry import default
+from lightning_diag.core.record import Alert
+from lightning_diag.core.registry import RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.catalog import LOSS_ON_PADDING, POSITION_OVERFLOW
 
-__all__ = ["DEFAULT_LENGTH_RATIO", "DEFAULT_PADDING_LABELS", "SequenceMeasurement", "SequenceRules"]
+__all__ = [
+    "DEFAULT_LENGTH_RATIO",
+    "DEFAULT_PADDING_LABELS",
+    "LOSS_ON_PADDING",
+    "LOSS_ON_PADDING_SPEC",
+    "POSITION_OVERFLOW",
+    "POSITION_OVERFLOW_SPEC",
+    "SequenceMeasurement",
+    "SequenceRules",
+]
+
+# -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
+_DATA = "DataDiagnostics"
+LOSS_ON_PADDING_SPEC = register(RuleSpec(
+    "loss_on_padding", _DATA, "warning", 0.0,
+    "share of the label positions of sampled training batches that are padding (attention mask 0) "
+    "yet carry a label other than -100, above {threshold:g}",
+    arguments={"threshold": "padding_labels"},
+))
+POSITION_OVERFLOW_SPEC = register(RuleSpec(
+    "position_overflow", _DATA, "warning", 1.0,
+    "sequences longer than {threshold:g}x the longest training sequence seen (validation, or a later "
+    "training measurement), or longer than the model's position capacity",
+    arguments={"threshold": "length_ratio"},
+))
+LOSS_ON_PADDING = LOSS_ON_PADDING_SPEC.rule_id
+POSITION_OVERFLOW = POSITION_OVERFLOW_SPEC.rule_id
 
 #: ``loss_on_padding``: share of the label positions that are padding, above this.
 DEFAULT_PADDING_LABELS = default(LOSS_ON_PADDING)
@@ -76,7 +101,7 @@ class SequenceRules(Rule):
         [('loss_on_padding', 'train'), ('position_overflow', 'val')]
     """
 
-    rule_id = LOSS_ON_PADDING
+    specs = (LOSS_ON_PADDING_SPEC, POSITION_OVERFLOW_SPEC)
     state_keys = ("train_extent",)
 
     def __init__(
@@ -86,6 +111,11 @@ class SequenceRules(Rule):
         self.padding_labels = padding_labels
         self.length_ratio = length_ratio
         self.train_extent = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> SequenceRules:
+        """The rules with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(LOSS_ON_PADDING_SPEC.value(thresholds), POSITION_OVERFLOW_SPEC.value(thresholds))
 
     def update(self, m: SequenceMeasurement, ctx: StepContext) -> list[Alert]:
         """Judge one measurement; return the alerts that just became active."""

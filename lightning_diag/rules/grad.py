@@ -36,10 +36,17 @@ import math
 import statistics
 from collections.abc import Collection, Mapping
 
-from lightning_diag.core.alerts import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH, Alert, Severity
-from lightning_diag.core.registry import default
+from lightning_diag.core.record import Alert, Severity
+from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
 from lightning_diag.rules.base import Rule, StepContext, name_layers
-from lightning_diag.rules.grad_frozen import FROZEN_REASONS, GradFrozenRule
+from lightning_diag.rules.grad_frozen import (
+    FROZEN_REASONS,
+    GRAD_FROZEN,
+    GRAD_FROZEN_SPEC,
+    GRAD_PATIENCE_SETTING,
+    GRADIENT_FLOW,
+    GradFrozenRule,
+)
 
 __all__ = [
     "DEFAULT_BASELINE_MEASUREMENTS",
@@ -51,6 +58,18 @@ __all__ = [
     "DEFAULT_SPREAD_RATIO",
     "DEFAULT_VANISH_THRESHOLD",
     "FROZEN_REASONS",
+    "GRAD_COLLAPSE",
+    "GRAD_COLLAPSE_SPEC",
+    "GRAD_EXPLODE",
+    "GRAD_EXPLODE_SPEC",
+    "GRAD_FROZEN",
+    "GRAD_FROZEN_SPEC",
+    "GRAD_LAYER_SPREAD",
+    "GRAD_LAYER_SPREAD_SPEC",
+    "GRAD_PATIENCE_SETTING",
+    "GRAD_VANISH",
+    "GRAD_VANISH_SPEC",
+    "GRAD_WARMUP_SETTING",
     "GradBandRule",
     "GradCollapseRule",
     "GradFrozenRule",
@@ -59,22 +78,59 @@ __all__ = [
     "role_of",
 ]
 
+# -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
+GRAD_VANISH_SPEC = register(RuleSpec(
+    "grad_vanish", GRADIENT_FLOW, "warning", 1e-3,
+    "a weight matrix's ||g||/||W|| below {threshold:g} and {relative:g}x below the best-fed block matrix, after "
+    "step {warmup_steps:g}",
+    settings={"relative": 100.0}, check="grad_norm_band", source="seed 000 §3.1",
+    arguments={"threshold": "vanish_threshold"},
+))
+GRAD_EXPLODE_SPEC = register(RuleSpec(
+    "grad_explode", GRADIENT_FLOW, "warning", 1e1, "a layer's RMS gradient per element above {threshold:g}",
+    check="grad_norm_band", source="seed 000 §3.1", arguments={"threshold": "explode_threshold"},
+))
+GRAD_LAYER_SPREAD_SPEC = register(RuleSpec(
+    "grad_layer_spread", GRADIENT_FLOW, "warning", 100.0,
+    "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
+    check="grad_spread", source="seed 000 §3.1", arguments={"threshold": "spread_ratio"},
+))
+GRAD_COLLAPSE_SPEC = register(RuleSpec(
+    "grad_collapse", GRADIENT_FLOW, "warning", 0.01,
+    "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or vanished: warning)",
+    settings={"baseline_measurements": 5, "converged_fraction": 0.1}, check="grad_collapse",
+    source="seed 001 §1.2",
+    arguments={"threshold": "collapse_ratio", "baseline_measurements": "baseline_measurements",
+               "converged_fraction": "converged_fraction"},
+))
+GRAD_VANISH = GRAD_VANISH_SPEC.rule_id
+GRAD_EXPLODE = GRAD_EXPLODE_SPEC.rule_id
+GRAD_LAYER_SPREAD = GRAD_LAYER_SPREAD_SPEC.rule_id
+GRAD_COLLAPSE = GRAD_COLLAPSE_SPEC.rule_id
+#: ``grad.warmup_steps``: ``grad_vanish`` / ``grad_layer_spread`` are not evaluated before this global step
+#: (initialisation transients); one setting for both rules.
+GRAD_WARMUP_SETTING = register_setting(
+    SettingSpec("grad.warmup_steps", GRADIENT_FLOW, 50, "warmup_steps", (GRAD_VANISH, GRAD_LAYER_SPREAD))
+)
+
 #: ``grad_vanish``: a weight matrix's ``||g|| / ||W||`` below this (seed 000 §3.1's 1e-3).
-DEFAULT_VANISH_THRESHOLD = default("grad_vanish")
+DEFAULT_VANISH_THRESHOLD = default(GRAD_VANISH)
+#: ``grad_vanish``: ... and this many times below the best-fed block matrix (``grad_vanish.relative``).
+_VANISH_RELATIVE = default(GRAD_VANISH_SPEC.key("relative"))
 #: ``grad_explode``: a layer's RMS gradient per element above this (seed 000 §3.1's 1e1).
-DEFAULT_EXPLODE_THRESHOLD = default("grad_explode")
+DEFAULT_EXPLODE_THRESHOLD = default(GRAD_EXPLODE)
 #: ``grad_layer_spread``: largest / smallest relative gradient of one role across blocks (seed 000 §3.1).
-DEFAULT_SPREAD_RATIO = default("grad_layer_spread")
+DEFAULT_SPREAD_RATIO = default(GRAD_LAYER_SPREAD)
 #: ``grad_collapse``: blocks' gradient norm below this fraction of its baseline (seed 001 §1.2).
-DEFAULT_COLLAPSE_RATIO = default("grad_collapse")
+DEFAULT_COLLAPSE_RATIO = default(GRAD_COLLAPSE)
 #: Consecutive measurements a gradient condition must hold before it alerts.
-DEFAULT_GRAD_PATIENCE = int(default("grad.patience"))
+DEFAULT_GRAD_PATIENCE = int(GRAD_PATIENCE_SETTING.default)
 #: ``grad_collapse``: measurements whose median is the baseline (and whose median loss is the initial loss).
-DEFAULT_BASELINE_MEASUREMENTS = int(default("grad_collapse.baseline_measurements"))
+DEFAULT_BASELINE_MEASUREMENTS = int(default(GRAD_COLLAPSE_SPEC.key("baseline_measurements")))
 #: ``grad_vanish`` / ``grad_layer_spread`` are not evaluated before this global step (initialisation transients).
-DEFAULT_GRAD_WARMUP_STEPS = int(default("grad_vanish.warmup_steps"))
+DEFAULT_GRAD_WARMUP_STEPS = int(GRAD_WARMUP_SETTING.default)
 #: ``grad_collapse``: a loss at most this fraction of its initial value is a converged model (``info``).
-DEFAULT_CONVERGED_FRACTION = default("grad_collapse.converged_fraction")
+DEFAULT_CONVERGED_FRACTION = default(GRAD_COLLAPSE_SPEC.key("converged_fraction"))
 #: ``grad_collapse``: a loss that has not fallen this fraction below its initial value is stuck (dead network).
 _STUCK_FALL = 0.1
 
@@ -100,7 +156,7 @@ class GradBandRule(Rule):
         [0, 1, 0, 0]
     """
 
-    rule_id = GRAD_VANISH
+    specs = (GRAD_VANISH_SPEC, GRAD_EXPLODE_SPEC)
     state_keys = ("streaks",)
 
     def __init__(
@@ -108,7 +164,7 @@ class GradBandRule(Rule):
         vanish_threshold: float = DEFAULT_VANISH_THRESHOLD,
         explode_threshold: float = DEFAULT_EXPLODE_THRESHOLD,
         patience: int = DEFAULT_GRAD_PATIENCE,
-        relative: float = DEFAULT_SPREAD_RATIO,
+        relative: float = _VANISH_RELATIVE,
         warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
     ) -> None:
         super().__init__()
@@ -118,6 +174,17 @@ class GradBandRule(Rule):
         self.patience = patience
         self.warmup_steps = warmup_steps
         self.streaks: dict[str, int] = {}
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradBandRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(
+            GRAD_VANISH_SPEC.value(thresholds),
+            GRAD_EXPLODE_SPEC.value(thresholds),
+            int(GRAD_PATIENCE_SETTING.value(thresholds)),
+            GRAD_VANISH_SPEC.value(thresholds, "relative"),
+            int(GRAD_WARMUP_SETTING.value(thresholds)),
+        )
 
     def update(
         self,
@@ -205,7 +272,7 @@ class GradSpreadRule(Rule):
         ['h.*.fc']
     """
 
-    rule_id = GRAD_LAYER_SPREAD
+    specs = (GRAD_LAYER_SPREAD_SPEC,)
     state_keys = ("streak",)
 
     def __init__(
@@ -219,6 +286,15 @@ class GradSpreadRule(Rule):
         self.patience = patience
         self.warmup_steps = warmup_steps
         self.streak = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradSpreadRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(
+            GRAD_LAYER_SPREAD_SPEC.value(thresholds),
+            int(GRAD_PATIENCE_SETTING.value(thresholds)),
+            int(GRAD_WARMUP_SETTING.value(thresholds)),
+        )
 
     def update(
         self, values: Mapping[str, float], ctx: StepContext, roles: Mapping[str, str] | None = None
@@ -276,7 +352,7 @@ class GradCollapseRule(Rule):
         ['info']
     """
 
-    rule_id = GRAD_COLLAPSE
+    specs = (GRAD_COLLAPSE_SPEC,)
     state_keys = ("early", "baseline", "streak", "early_losses", "initial_loss", "recent_losses")
 
     def __init__(
@@ -297,6 +373,16 @@ class GradCollapseRule(Rule):
         self.early_losses: list[float] = []
         self.initial_loss: float | None = None
         self.recent_losses: list[float] = []
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradCollapseRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(
+            GRAD_COLLAPSE_SPEC.value(thresholds),
+            int(GRAD_PATIENCE_SETTING.value(thresholds)),
+            int(GRAD_COLLAPSE_SPEC.value(thresholds, "baseline_measurements")),
+            GRAD_COLLAPSE_SPEC.value(thresholds, "converged_fraction"),
+        )
 
     def verdict(self, loss: float | None) -> str:
         """``"converged"``, ``"dead"`` or ``"vanished"`` for a collapse at this loss (``"vanished"`` without one)."""

@@ -7,15 +7,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from lightning_diag.core.alerts import GRAD_FROZEN, Alert, Severity
-from lightning_diag.core.registry import default
+from lightning_diag.core.record import Alert, Severity
+from lightning_diag.core.registry import RuleSpec, SettingSpec, register, register_setting
 from lightning_diag.rules.base import Rule, StepContext
 
-__all__ = ["FROZEN_REASONS", "GradFrozenRule"]
+__all__ = ["FROZEN_REASONS", "GRAD_FROZEN", "GRAD_FROZEN_SPEC", "GRAD_PATIENCE_SETTING", "GradFrozenRule"]
 
-#: Consecutive measurements a ``"no_grad"`` parameter must get no gradient (``grad.patience``, shared with the
-#: other gradient rules: :data:`lightning_diag.rules.grad.DEFAULT_GRAD_PATIENCE`).
-_PATIENCE = int(default("grad.patience"))
+#: The owner of every gradient-flow rule.
+GRADIENT_FLOW = "GradientFlowMonitor"
+
+# -- declarations -------------------------------------------------------------------------------------------
+GRAD_FROZEN_SPEC = register(RuleSpec(
+    "grad_frozen", GRADIENT_FLOW, "warning", None,
+    "a trainable parameter that cannot learn (in no optimizer, or never gets a gradient); requires_grad=False is "
+    "an info",
+))
+GRAD_FROZEN = GRAD_FROZEN_SPEC.rule_id
+#: ``grad.patience``: consecutive measurements a gradient condition must hold before it alerts, shared by every
+#: gradient-flow rule (declared here, the first gradient module to load; :mod:`lightning_diag.rules.grad`
+#: re-exports it as ``DEFAULT_GRAD_PATIENCE``).
+GRAD_PATIENCE_SETTING = register_setting(SettingSpec("grad.patience", GRADIENT_FLOW, 3, "patience"))
+_PATIENCE = int(GRAD_PATIENCE_SETTING.default)
 
 #: ``grad_frozen``: why a parameter cannot learn, and the advice for each.
 FROZEN_REASONS: dict[str, str] = {
@@ -47,13 +59,18 @@ class GradFrozenRule(Rule):
         []
     """
 
-    rule_id = GRAD_FROZEN
+    specs = (GRAD_FROZEN_SPEC,)
     state_keys = ("streaks",)
 
     def __init__(self, patience: int = _PATIENCE) -> None:
         super().__init__()
         self.patience = patience
         self.streaks: dict[str, int] = {}
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradFrozenRule:
+        """The rule with ``grad.patience`` in effect (see :meth:`Rule.from_settings`)."""
+        return cls(int(GRAD_PATIENCE_SETTING.value(thresholds)))
 
     @staticmethod
     def layer_of(name: str) -> str:

@@ -29,7 +29,8 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from lightning_diag.core.alerts import NONFINITE_GRAD, NONFINITE_LOSS, Alert, NonFiniteAction, Severity
+from lightning_diag.core.record import Alert, NonFiniteAction, Severity
+from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Latch, StepContext
 
 __all__ = [
@@ -37,6 +38,10 @@ __all__ = [
     "DEFAULT_MAX_SCALER_OVERFLOWS",
     "DEFAULT_MAX_SKIPS",
     "NONFINITE_ACTIONS",
+    "NONFINITE_GRAD",
+    "NONFINITE_GRAD_SPEC",
+    "NONFINITE_LOSS",
+    "NONFINITE_LOSS_SPEC",
     "Decision",
     "NonFiniteDetails",
     "NonFinitePolicy",
@@ -44,10 +49,24 @@ __all__ = [
     "Verdict",
 ]
 
-#: ``on_nonfinite="skip"``: skipped optimizer steps allowed in one fit before the alarm stops training.
-DEFAULT_MAX_SKIPS = 5
+# -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
+NONFINITE_LOSS_SPEC = register(RuleSpec(
+    "nonfinite_loss", "AnomalyAlarm", "critical", None, "NaN/Inf in the loss",
+    settings={"max_skips": 5}, check="nonfinite", source="seed 000 §4.2", arguments={"max_skips": "max_skips"},
+))
+NONFINITE_GRAD_SPEC = register(RuleSpec(
+    "nonfinite_grad", "AnomalyAlarm", "critical", None, "NaN/Inf in a gradient before the optimizer step",
+    settings={"max_scaler_overflows": 5}, check="nonfinite", source="seed 000 §4.2",
+    arguments={"max_scaler_overflows": "max_scaler_overflows"},
+))
+NONFINITE_LOSS = NONFINITE_LOSS_SPEC.rule_id
+NONFINITE_GRAD = NONFINITE_GRAD_SPEC.rule_id
+
+#: ``on_nonfinite="skip"``: skipped optimizer steps allowed in one fit before the alarm stops training (both
+#: non-finite rules; the setting ``nonfinite_loss.max_skips``).
+DEFAULT_MAX_SKIPS = int(NONFINITE_LOSS_SPEC.settings["max_skips"])
 #: With a GradScaler (``16-mixed``), consecutive overflow steps with a finite loss before ``nonfinite_grad``.
-DEFAULT_MAX_SCALER_OVERFLOWS = 5
+DEFAULT_MAX_SCALER_OVERFLOWS = int(NONFINITE_GRAD_SPEC.settings["max_scaler_overflows"])
 NONFINITE_ACTIONS: tuple[str, ...] = ("stop", "raise", "skip", "warn", "rollback")
 #: What happened to the update, per action, as the alert message says it.
 ACTION_TEXT: dict[str, str] = {
@@ -151,6 +170,8 @@ class NonFinitePolicy:
         'apply'
     """
 
+    #: The declarations of the rule ids it raises.
+    specs: ClassVar[tuple[RuleSpec, ...]] = (NONFINITE_LOSS_SPEC, NONFINITE_GRAD_SPEC)
     #: Counters saved by :meth:`state_dict` (besides the latch).
     state_keys: ClassVar[tuple[str, ...]] = ("skips", "scaler_overflows")
 
@@ -168,6 +189,18 @@ class NonFinitePolicy:
         self.latch = Latch()
         self.skips = 0
         self.scaler_overflows = 0
+
+    @classmethod
+    def from_settings(
+        cls, thresholds: Mapping[str, float | None], *, action: NonFiniteAction = "stop"
+    ) -> NonFinitePolicy:
+        """The policy with the settings in effect (as :meth:`Rule.from_settings`); ``action`` as for the
+        constructor."""
+        return cls(
+            action,
+            int(NONFINITE_LOSS_SPEC.value(thresholds, "max_skips")),
+            int(NONFINITE_GRAD_SPEC.value(thresholds, "max_scaler_overflows")),
+        )
 
     def decide(
         self,

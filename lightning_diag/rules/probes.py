@@ -7,8 +7,8 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-from lightning_diag.core.alerts import Alert
-from lightning_diag.core.registry import RULES
+from lightning_diag.core.record import Alert
+from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
@@ -19,15 +19,34 @@ __all__ = [
     "DEFAULT_SHARP_GAP",
     "DEFAULT_SHARP_PATIENCE",
     "MIN_LAYERS_FOR_MEDIAN",
+    "QUANTIZATION_ERROR",
+    "QUANTIZATION_ERROR_SPEC",
+    "SHARP_MINIMUM",
+    "SHARP_MINIMUM_SPEC",
     "QuantizationErrorRule",
     "SharpMinimumRule",
 ]
 
-SHARP_MINIMUM = "sharp_minimum"
-QUANTIZATION_ERROR = "quantization_error"
+# -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
+SHARP_MINIMUM_SPEC = register(RuleSpec(
+    "sharp_minimum", "SharpnessProbe", "warning", 0.3,
+    "SAM gap L(w+ε) − L(w) above {threshold:g} (rho {rho:g}) on {patience:g} consecutive probes",
+    settings={"rho": 0.05, "patience": 3}, check="loss_surface", source="seed 000 §4.1",
+    arguments={"threshold": "threshold", "rho": "rho", "patience": "patience"},
+))
+QUANTIZATION_ERROR_SPEC = register(RuleSpec(
+    "quantization_error", "QuantizationProbe", "warning", 0.05,
+    "INT8 end-to-end relative loss change above {threshold:.0%}, or a layer's output MSE above {layer_ratio:g}x "
+    "the median layer's",
+    settings={"layer_ratio": 10.0, "min_layer_error": 1e-3}, check="deploy_quantization_error",
+    source="seed 000 §5.1, §7.1",
+    arguments={"threshold": "threshold", "layer_ratio": "layer_ratio", "min_layer_error": "min_layer_error"},
+))
+SHARP_MINIMUM = SHARP_MINIMUM_SPEC.rule_id
+QUANTIZATION_ERROR = QUANTIZATION_ERROR_SPEC.rule_id
 
-_SHARP = RULES[SHARP_MINIMUM]
-_QUANT = RULES[QUANTIZATION_ERROR]
+_SHARP = SHARP_MINIMUM_SPEC
+_QUANT = QUANTIZATION_ERROR_SPEC
 #: SAM gap above which a probe counts as sharp (seed 000 §4.1).
 DEFAULT_SHARP_GAP: float = float(_SHARP.threshold or 0.3)
 #: SAM's perturbation radius (Foret et al. 2021).
@@ -56,7 +75,7 @@ class SharpMinimumRule(Rule):
         [False, False, False, True, False]
     """
 
-    rule_id = SHARP_MINIMUM
+    specs = (SHARP_MINIMUM_SPEC,)
     state_keys = ("streak",)
 
     def __init__(self, threshold: float = DEFAULT_SHARP_GAP, patience: int = DEFAULT_SHARP_PATIENCE) -> None:
@@ -64,6 +83,11 @@ class SharpMinimumRule(Rule):
         self.threshold = threshold
         self.patience = patience
         self.streak = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> SharpMinimumRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(_SHARP.value(thresholds), int(_SHARP.value(thresholds, "patience")))
 
     def update(
         self, gap: float, ctx: StepContext, relative_gap: float | None = None, rho: float | None = None,
@@ -105,7 +129,7 @@ class QuantizationErrorRule(Rule):
         ['c']
     """
 
-    rule_id = QUANTIZATION_ERROR
+    specs = (QUANTIZATION_ERROR_SPEC,)
     state_keys = ()
 
     def __init__(
@@ -118,6 +142,14 @@ class QuantizationErrorRule(Rule):
         self.threshold = threshold
         self.layer_ratio = layer_ratio
         self.min_layer_error = min_layer_error
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> QuantizationErrorRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(
+            _QUANT.value(thresholds), _QUANT.value(thresholds, "layer_ratio"),
+            _QUANT.value(thresholds, "min_layer_error"),
+        )
 
     def outlier_layers(self, layer_errors: Mapping[str, float]) -> dict[str, float]:
         """The layers out of line: name -> their error over the median layer's, worst first."""

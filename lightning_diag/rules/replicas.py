@@ -11,14 +11,31 @@ differ. Latched: the run alerts once, and again only after a check found the rep
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from lightning_diag.core.alerts import Alert, Severity
-from lightning_diag.core.registry import default
+from lightning_diag.core.record import Alert, Severity
+from lightning_diag.core.registry import RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.catalog import DDP_DESYNC
 
-__all__ = ["DEFAULT_DESYNC_EVERY_N_STEPS", "DEFAULT_DESYNC_TOLERANCE", "DesyncRule", "replica_differences"]
+__all__ = [
+    "DDP_DESYNC",
+    "DDP_DESYNC_SPEC",
+    "DEFAULT_DESYNC_EVERY_N_STEPS",
+    "DEFAULT_DESYNC_TOLERANCE",
+    "DesyncRule",
+    "replica_differences",
+]
+
+# -- declaration (the docs' thresholds table and the report read it) -------------------------------------------
+_ALARM = "AnomalyAlarm"
+DDP_DESYNC_SPEC = register(RuleSpec(
+    "ddp_desync", _ALARM, "critical", 1e-6,
+    "a parameter's checksum differs across data-parallel replicas by more than {threshold:g} "
+    "(relative), checked every {every_n_steps:g} optimizer steps",
+    settings={"every_n_steps": 100}, check="replicas_agree",
+    arguments={"threshold": "desync_tolerance", "every_n_steps": "desync_every_n_steps"},
+))
+DDP_DESYNC = DDP_DESYNC_SPEC.rule_id
 
 #: ``ddp_desync``: relative checksum difference across ranks above this.
 DEFAULT_DESYNC_TOLERANCE = default(DDP_DESYNC)
@@ -61,7 +78,7 @@ class DesyncRule(Rule):
         [('ddp_desync', 'b', <Severity.CRITICAL: 'critical'>)]
     """
 
-    rule_id = DDP_DESYNC
+    specs = (DDP_DESYNC_SPEC,)
     severity = Severity.CRITICAL
     state_keys = ("checks", "last_max_diff")
 
@@ -70,6 +87,11 @@ class DesyncRule(Rule):
         self.tolerance = tolerance
         self.checks = 0
         self.last_max_diff = 0.0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> DesyncRule:
+        """The rule with the threshold in effect (see :meth:`Rule.from_settings`)."""
+        return cls(DDP_DESYNC_SPEC.value(thresholds))
 
     def update(self, checksums: Sequence[Sequence[float]], names: Sequence[str], ctx: StepContext) -> list[Alert]:
         """Judge one comparison.

@@ -21,10 +21,11 @@ Policy:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from lightning_diag.core.alerts import NONFINITE_ROLLBACK, Alert, Severity
-from lightning_diag.core.registry import RULES
+from lightning_diag.core.record import Alert, Severity
+from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
@@ -34,11 +35,21 @@ __all__ = [
     "DEFAULT_ROLLBACK_LR_FACTOR",
     "DEFAULT_SPIKE_FACTOR",
     "NONFINITE_ROLLBACK",
+    "NONFINITE_ROLLBACK_SPEC",
     "RollbackChoice",
     "RollbackRule",
 ]
 
-_SPEC = RULES[NONFINITE_ROLLBACK]
+# -- declaration: AnomalyAlarm(on_nonfinite="rollback") (issue 12); its settings are the rollback arguments -----
+NONFINITE_ROLLBACK_SPEC = register(RuleSpec(
+    "nonfinite_rollback", "AnomalyAlarm", "warning", None,
+    "a non-finite step rolled back to a snapshot, learning rates x{lr_factor:g} per rollback",
+    settings={"every_n_steps": 50, "lr_factor": 0.5, "max_rollbacks": 3, "snapshots": 3}, check="nonfinite",
+    arguments={"every_n_steps": "rollback_every_n_steps", "lr_factor": "rollback_lr_factor",
+               "max_rollbacks": "max_rollbacks", "snapshots": "rollback_snapshots"},
+))
+NONFINITE_ROLLBACK = NONFINITE_ROLLBACK_SPEC.rule_id
+_SPEC = NONFINITE_ROLLBACK_SPEC
 #: Optimizer steps between two snapshots (see docs/anomaly_alarm.md for the cost).
 DEFAULT_ROLLBACK_EVERY_N_STEPS = int(_SPEC.settings["every_n_steps"])
 #: Every rollback multiplies the learning rates by this, for the rest of the run.
@@ -46,7 +57,7 @@ DEFAULT_ROLLBACK_LR_FACTOR = float(_SPEC.settings["lr_factor"])
 #: Rollbacks allowed in one fit before the alarm stops training.
 DEFAULT_MAX_ROLLBACKS = int(_SPEC.settings["max_rollbacks"])
 #: Snapshots kept.
-DEFAULT_ROLLBACK_KEEP = 3
+DEFAULT_ROLLBACK_KEEP = int(_SPEC.settings["snapshots"])
 #: A snapshot is not trusted when the loss before it was above this multiple of its running median.
 DEFAULT_SPIKE_FACTOR = 3.0
 
@@ -84,7 +95,7 @@ class RollbackRule(Rule):
         0
     """
 
-    rule_id: ClassVar[str] = NONFINITE_ROLLBACK
+    specs = (NONFINITE_ROLLBACK_SPEC,)
     severity: ClassVar[Severity] = Severity.WARNING
     state_keys: ClassVar[tuple[str, ...]] = ("rollbacks", "lr_scale", "last_rollback_step", "last_restored_step")
 
@@ -97,6 +108,15 @@ class RollbackRule(Rule):
         self.lr_scale = 1.0
         self.last_rollback_step: int | None = None
         self.last_restored_step: int | None = None
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> RollbackRule:
+        """The rule with the rollback settings in effect (see :meth:`Rule.from_settings`); a non-finite step within
+        ``every_n_steps`` of the last rollback goes further back."""
+        return cls(
+            _SPEC.value(thresholds, "lr_factor"), int(_SPEC.value(thresholds, "max_rollbacks")),
+            repeat_window=int(_SPEC.value(thresholds, "every_n_steps")),
+        )
 
     @property
     def exhausted(self) -> bool:

@@ -25,12 +25,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from lightning_diag.core.alerts import Alert
-from lightning_diag.core.registry import default
+from lightning_diag.core.record import Alert
+from lightning_diag.core.registry import RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.stats.timing import Periodicity, Series, block_fluctuation, detect_period, growth
 
 __all__ = [
+    "DATALOADER_BOUND",
+    "DATALOADER_BOUND_SPEC",
     "DEFAULT_BLOCK_STEPS",
     "DEFAULT_DATALOADER_MIN_WAIT_S",
     "DEFAULT_DATALOADER_PATIENCE",
@@ -44,6 +46,12 @@ __all__ = [
     "DEFAULT_SLOW_RATIO",
     "DEFAULT_STEP_WINDOW",
     "DEFAULT_WARMUP_STEPS",
+    "MEMORY_GROWTH",
+    "MEMORY_GROWTH_SPEC",
+    "STEP_TIME_FLUCTUATION",
+    "STEP_TIME_FLUCTUATION_SPEC",
+    "STEP_TIME_PERIODIC",
+    "STEP_TIME_PERIODIC_SPEC",
     "DataloaderBoundRule",
     "MemoryGrowthRule",
     "StepFluctuationRule",
@@ -51,36 +59,73 @@ __all__ = [
 ]
 
 
+# -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
+_SYSTEM = "SystemMonitor"
+DATALOADER_BOUND_SPEC = register(RuleSpec(
+    "dataloader_bound", _SYSTEM, "warning", 0.25,
+    "waiting for data above {threshold:.0%} of the step time on {patience:g} consecutive intervals",
+    settings={"patience": 3, "min_wait_s": 0.005},
+    arguments={"threshold": "dataloader_share", "patience": "dataloader_patience",
+               "min_wait_s": "dataloader_min_wait_s"},
+))
+STEP_TIME_PERIODIC_SPEC = register(RuleSpec(
+    "step_time_periodic", _SYSTEM, "warning", 0.05,
+    "slow steps (more than {slow_ratio:.0%} above the median) recurring with a fixed period and costing above "
+    "{threshold:.0%} of the time",
+    settings={"slow_ratio": 0.5, "window": 200}, source="seed 001 §1.2",
+    arguments={"threshold": "periodic_share", "slow_ratio": "slow_ratio", "window": "window"},
+))
+STEP_TIME_FLUCTUATION_SPEC = register(RuleSpec(
+    "step_time_fluctuation", _SYSTEM, "warning", 0.15,
+    "step-time fluctuation (median absolute deviation / median of {block_steps:g}-step block medians) above "
+    "{threshold:.0%}",
+    settings={"patience": 3, "warmup_steps": 20, "block_steps": 10}, check="deploy_latency_fluctuation",
+    source="seed 000 §7.1",
+    arguments={"threshold": "fluctuation_threshold", "patience": "fluctuation_patience",
+               "warmup_steps": "warmup_steps", "block_steps": "block_steps"},
+))
+MEMORY_GROWTH_SPEC = register(RuleSpec(
+    "memory_growth", _SYSTEM, "warning", 0.1,
+    "host or device memory growing by more than {threshold:.0%} over {window:g} intervals",
+    settings={"window": 8, "rising_fraction": 0.7},
+    arguments={"threshold": "memory_growth", "window": "memory_window", "rising_fraction": "memory_rising_fraction"},
+))
+DATALOADER_BOUND = DATALOADER_BOUND_SPEC.rule_id
+STEP_TIME_PERIODIC = STEP_TIME_PERIODIC_SPEC.rule_id
+STEP_TIME_FLUCTUATION = STEP_TIME_FLUCTUATION_SPEC.rule_id
+MEMORY_GROWTH = MEMORY_GROWTH_SPEC.rule_id
+
+
 def _default(rule: str, setting: str | None = None) -> float:
     return default(f"{rule}.{setting}" if setting else rule)
 
 
 #: ``dataloader_bound``: data waiting above this share of the step time.
-DEFAULT_DATALOADER_SHARE = _default("dataloader_bound")
+DEFAULT_DATALOADER_SHARE = _default(DATALOADER_BOUND)
 #: ``dataloader_bound``: consecutive logging intervals it must hold.
-DEFAULT_DATALOADER_PATIENCE = int(_default("dataloader_bound", "patience"))
+DEFAULT_DATALOADER_PATIENCE = int(_default(DATALOADER_BOUND, "patience"))
 #: ``dataloader_bound``: seconds of waiting per step below which it never fires.
-DEFAULT_DATALOADER_MIN_WAIT_S = _default("dataloader_bound", "min_wait_s")
+DEFAULT_DATALOADER_MIN_WAIT_S = _default(DATALOADER_BOUND, "min_wait_s")
 #: ``step_time_periodic``: the periodic slow steps' excess above this share of the time.
-DEFAULT_PERIODIC_SHARE = _default("step_time_periodic")
+DEFAULT_PERIODIC_SHARE = _default(STEP_TIME_PERIODIC)
 #: ``step_time_periodic``: a step is slow more than this fraction above the median.
-DEFAULT_SLOW_RATIO = _default("step_time_periodic", "slow_ratio")
+DEFAULT_SLOW_RATIO = _default(STEP_TIME_PERIODIC, "slow_ratio")
 #: Optimizer steps of step times the periodic and fluctuation tests look at.
-DEFAULT_STEP_WINDOW = int(_default("step_time_periodic", "window"))
+DEFAULT_STEP_WINDOW = int(_default(STEP_TIME_PERIODIC, "window"))
 #: ``step_time_fluctuation``: relative median absolute deviation above this (seed 000 §7.1: 15%).
-DEFAULT_FLUCTUATION = _default("step_time_fluctuation")
+DEFAULT_FLUCTUATION = _default(STEP_TIME_FLUCTUATION)
 #: ``step_time_fluctuation``: consecutive evaluations it must hold.
-DEFAULT_FLUCTUATION_PATIENCE = int(_default("step_time_fluctuation", "patience"))
+DEFAULT_FLUCTUATION_PATIENCE = int(_default(STEP_TIME_FLUCTUATION, "patience"))
 #: Optimizer steps at the start of a fit left out of the step-time tests.
-DEFAULT_WARMUP_STEPS = int(_default("step_time_fluctuation", "warmup_steps"))
+DEFAULT_WARMUP_STEPS = int(_default(STEP_TIME_FLUCTUATION, "warmup_steps"))
 #: ``step_time_fluctuation``: optimizer steps per block whose median is one point of the fluctuation.
-DEFAULT_BLOCK_STEPS = int(_default("step_time_fluctuation", "block_steps"))
+DEFAULT_BLOCK_STEPS = int(_default(STEP_TIME_FLUCTUATION, "block_steps"))
 #: ``memory_growth``: growth above this fraction of the window's first value.
-DEFAULT_MEMORY_GROWTH = _default("memory_growth")
+DEFAULT_MEMORY_GROWTH = _default(MEMORY_GROWTH)
 #: ``memory_growth``: logging intervals the growth is measured over.
-DEFAULT_MEMORY_WINDOW = int(_default("memory_growth", "window"))
+DEFAULT_MEMORY_WINDOW = int(_default(MEMORY_GROWTH, "window"))
 #: ``memory_growth``: fraction of the intervals that must rise.
-DEFAULT_MEMORY_RISING_FRACTION = _default("memory_growth", "rising_fraction")
+DEFAULT_MEMORY_RISING_FRACTION = _default(MEMORY_GROWTH, "rising_fraction")
 
 #: Fewest step times the periodic test judges.
 MIN_STEPS = 60
@@ -95,7 +140,7 @@ def _seconds(value: float) -> str:
 class DataloaderBoundRule(Rule):
     """``dataloader_bound``: fed once per logging interval with the summed waiting and step time."""
 
-    rule_id = "dataloader_bound"
+    specs = (DATALOADER_BOUND_SPEC,)
     state_keys = ("streak",)
 
     def __init__(
@@ -109,6 +154,14 @@ class DataloaderBoundRule(Rule):
         self.patience = patience
         self.min_wait_s = min_wait_s
         self.streak = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> DataloaderBoundRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        spec = DATALOADER_BOUND_SPEC
+        return cls(
+            spec.value(thresholds), int(spec.value(thresholds, "patience")), spec.value(thresholds, "min_wait_s")
+        )
 
     def update(
         self, ctx: StepContext, wait_s: float, step_s: float, steps: int, source: str = "dataloader"
@@ -138,7 +191,7 @@ class DataloaderBoundRule(Rule):
 class StepPeriodicRule(Rule):
     """``step_time_periodic``: slow steps that recur with a fixed period (or periodic hardware dips)."""
 
-    rule_id = "step_time_periodic"
+    specs = (STEP_TIME_PERIODIC_SPEC,)
     state_keys = ()
 
     def __init__(self, threshold: float = DEFAULT_PERIODIC_SHARE, slow_ratio: float = DEFAULT_SLOW_RATIO) -> None:
@@ -146,6 +199,12 @@ class StepPeriodicRule(Rule):
         self.threshold = threshold
         self.slow_ratio = slow_ratio
         self.last = Periodicity(0)
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> StepPeriodicRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        spec = STEP_TIME_PERIODIC_SPEC
+        return cls(spec.value(thresholds), spec.value(thresholds, "slow_ratio"))
 
     def update(self, ctx: StepContext, times: Series, source: str = "step_time") -> list[Alert]:
         """Judge the window of step times (seconds, oldest first)."""
@@ -195,7 +254,7 @@ class StepPeriodicRule(Rule):
 class StepFluctuationRule(Rule):
     """``step_time_fluctuation``: relative median absolute deviation of the step times above the threshold."""
 
-    rule_id = "step_time_fluctuation"
+    specs = (STEP_TIME_FLUCTUATION_SPEC,)
     state_keys = ("streak",)
 
     def __init__(
@@ -209,6 +268,14 @@ class StepFluctuationRule(Rule):
         self.patience = patience
         self.block_steps = block_steps
         self.streak = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> StepFluctuationRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        spec = STEP_TIME_FLUCTUATION_SPEC
+        return cls(
+            spec.value(thresholds), int(spec.value(thresholds, "patience")), int(spec.value(thresholds, "block_steps"))
+        )
 
     def update(self, ctx: StepContext, times: Series, source: str = "step_time") -> tuple[float, list[Alert]]:
         """Judge a window of step times already cleared of warm-up, validation and periodic steps."""
@@ -237,7 +304,7 @@ class StepFluctuationRule(Rule):
 class MemoryGrowthRule(Rule):
     """``memory_growth``: fed once per logging interval with each memory series' current value (bytes)."""
 
-    rule_id = "memory_growth"
+    specs = (MEMORY_GROWTH_SPEC,)
     state_keys = ("history",)
 
     def __init__(
@@ -251,6 +318,14 @@ class MemoryGrowthRule(Rule):
         self.window = window
         self.rising_fraction = rising_fraction
         self.history: dict[str, list[float]] = {}
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> MemoryGrowthRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        spec = MEMORY_GROWTH_SPEC
+        return cls(
+            spec.value(thresholds), int(spec.value(thresholds, "window")), spec.value(thresholds, "rising_fraction")
+        )
 
     def update(self, ctx: StepContext, values: Mapping[str, float]) -> list[Alert]:
         """Judge the latest value of each series (``{"host_rss": bytes, ...}``)."""

@@ -18,11 +18,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lightning_diag.core.alerts import Alert, Severity
+from lightning_diag.core.record import Alert, Severity
+from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.catalog import EVAL_MODE_IN_TRAINING
 
-__all__ = ["EVAL_MODE_KINDS", "EvalModeRule"]
+__all__ = ["EVAL_MODE_IN_TRAINING", "EVAL_MODE_IN_TRAINING_SPEC", "EVAL_MODE_KINDS", "EvalModeRule"]
+
+# -- declaration (the docs' thresholds table and the report read it) -------------------------------------------
+EVAL_MODE_IN_TRAINING_SPEC = register(RuleSpec(
+    "eval_mode_in_training", "AnomalyAlarm", "warning", None,
+    "a Dropout or BatchNorm module of a trained part of the model in eval mode during training steps "
+    "(a frozen BatchNorm: info)",
+))
+EVAL_MODE_IN_TRAINING = EVAL_MODE_IN_TRAINING_SPEC.rule_id
 
 #: The kinds of module :class:`EvalModeRule` is fed.
 EVAL_MODE_KINDS = ("dropout", "batchnorm", "batchnorm_frozen")
@@ -46,12 +54,18 @@ class EvalModeRule(Rule):
         []
     """
 
-    rule_id = EVAL_MODE_IN_TRAINING
+    specs = (EVAL_MODE_IN_TRAINING_SPEC,)
     state_keys = ("checks",)
 
     def __init__(self) -> None:
         super().__init__()
         self.checks = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> EvalModeRule:
+        """The rule (it has no thresholds; see :meth:`Rule.from_settings`)."""
+        del thresholds
+        return cls()
 
     def update(self, found: Mapping[str, str], ctx: StepContext) -> list[Alert]:
         """Feed one check (``{module name: kind}`` of the modules in eval mode); return the alerts raised."""

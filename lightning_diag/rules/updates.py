@@ -25,20 +25,51 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping
 
-from lightning_diag.core.alerts import Alert
-from lightning_diag.core.registry import default
+from lightning_diag.core.record import Alert
+from lightning_diag.core.registry import RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext, list_names, name_layers
-from lightning_diag.rules.catalog import GRAD_NOT_ZEROED, UPDATE_NONE, UPDATE_STALE
+from lightning_diag.rules.grad_frozen import GRADIENT_FLOW
 
 __all__ = [
     "DEFAULT_STALE_FRACTION",
     "DEFAULT_UPDATE_PATIENCE",
     "DEFAULT_UPDATE_SAMPLE_SIZE",
+    "GRAD_NOT_ZEROED",
+    "GRAD_NOT_ZEROED_SPEC",
     "UPDATE_CAUSES",
+    "UPDATE_NONE",
+    "UPDATE_NONE_SPEC",
+    "UPDATE_STALE",
+    "UPDATE_STALE_SPEC",
     "GradNotZeroedRule",
     "LayerUpdate",
     "UpdateRule",
 ]
+
+# -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
+UPDATE_NONE_SPEC = register(RuleSpec(
+    "update_none", GRADIENT_FLOW, "warning", None,
+    "a parameter with non-zero gradients that {patience:g} consecutive measured optimizer steps leave "
+    "unchanged (every one of its {sample_size:g} sampled elements)",
+    settings={"patience": 3, "sample_size": 32}, check="updates_applied",
+    arguments={"patience": "patience", "sample_size": "update_sample_size"},
+))
+UPDATE_STALE_SPEC = register(RuleSpec(
+    "update_stale", GRADIENT_FLOW, "warning", 0.5,
+    "a bf16/fp16 parameter whose measured optimizer steps leave more than {threshold:.0%} of the "
+    "sampled elements with a non-zero gradient unchanged (updates round to zero), on {patience:g} "
+    "consecutive measurements",
+    settings={"patience": 3}, check="updates_applied",
+    arguments={"threshold": "stale_fraction", "patience": "patience"},
+))
+GRAD_NOT_ZEROED_SPEC = register(RuleSpec(
+    "grad_not_zeroed", GRADIENT_FLOW, "warning", None,
+    "the gradients an optimizer step applied are still in `.grad` at the next backward (no "
+    "`zero_grad` between them)",
+))
+UPDATE_NONE = UPDATE_NONE_SPEC.rule_id
+UPDATE_STALE = UPDATE_STALE_SPEC.rule_id
+GRAD_NOT_ZEROED = GRAD_NOT_ZEROED_SPEC.rule_id
 
 #: ``update_stale``: share of sampled elements (with a non-zero gradient) left unchanged above this.
 DEFAULT_STALE_FRACTION = default(UPDATE_STALE)
@@ -99,7 +130,7 @@ class UpdateRule(Rule):
         ['update_stale']
     """
 
-    rule_id = UPDATE_NONE
+    specs = (UPDATE_NONE_SPEC, UPDATE_STALE_SPEC)
     state_keys = ("streaks",)
 
     def __init__(self, stale_fraction: float = DEFAULT_STALE_FRACTION, patience: int = DEFAULT_UPDATE_PATIENCE) -> None:
@@ -107,6 +138,11 @@ class UpdateRule(Rule):
         self.stale_fraction = stale_fraction
         self.patience = patience
         self.streaks: dict[str, int] = {}
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> UpdateRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(UPDATE_STALE_SPEC.value(thresholds), int(UPDATE_NONE_SPEC.value(thresholds, "patience")))
 
     def update(self, layers: Mapping[str, LayerUpdate], ctx: StepContext) -> list[Alert]:
         """Feed one measured step (``{layer: LayerUpdate}``); return the alerts raised."""
@@ -183,12 +219,18 @@ class GradNotZeroedRule(Rule):
         []
     """
 
-    rule_id = GRAD_NOT_ZEROED
+    specs = (GRAD_NOT_ZEROED_SPEC,)
     state_keys = ("checks",)
 
     def __init__(self) -> None:
         super().__init__()
         self.checks = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradNotZeroedRule:
+        """The rule (it has no thresholds; see :meth:`Rule.from_settings`)."""
+        del thresholds
+        return cls()
 
     def update(self, stale_layers: Collection[str], ctx: StepContext) -> list[Alert]:
         """Feed one check (the layers whose gradients were not zeroed; empty: all were); return the alerts."""

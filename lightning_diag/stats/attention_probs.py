@@ -39,6 +39,10 @@ class HeadStats(NamedTuple):
             valid rows (per sequence) over ``ln min(rows, keys)``, the most ``rows`` one-hot rows can reach. 1 for
             a one-to-one alignment (each query on its own key: copying, reversal, a previous-token head), near 0
             when every query piles onto the same key; ``None`` when not computed.
+        distance: Mean |i − j| under each query's attention (query position i, key position j), averaged over the
+            valid rows: how far back or ahead the head reads; ``None`` without query positions (cross-attention).
+        distance_relative: The same, each row's distance over its sequence's number of valid keys (uniform
+            attention over T keys gives (T² − 1)/(3T²), about 1/3); ``None`` with ``distance``.
     """
 
     entropy: torch.Tensor
@@ -49,6 +53,8 @@ class HeadStats(NamedTuple):
     first_mass: torch.Tensor | None = None
     causal: torch.Tensor | None = None
     coverage: torch.Tensor | None = None
+    distance: torch.Tensor | None = None
+    distance_relative: torch.Tensor | None = None
 
 
 def row_entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -68,6 +74,7 @@ def head_stats(
     allowed: torch.Tensor | None = None,
     query_valid: torch.Tensor | None = None,
     special: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
 ) -> HeadStats:
     """Per-head attention statistics over valid positions only.
 
@@ -81,6 +88,8 @@ def head_stats(
             not masked). Default: every key.
         query_valid: Boolean ``[B, L]``: ``False`` for padded query rows. Default: every row.
         special: Boolean ``[B, S]``: ``True`` at special keys ([CLS], [SEP], BOS). Default: none.
+        query_positions: ``[L]`` key-axis positions of the query rows (self-attention, where query ``i`` and key
+            ``i`` are the same token); gives :attr:`HeadStats.distance`. Default: not computed.
 
     Returns:
         :class:`HeadStats` with ``[H]`` tensors (zeros, and ``rows == 0``, when no row is valid). Query rows are
@@ -111,13 +120,21 @@ def head_stats(
     first_mass = mean(p.gather(-1, first).squeeze(-1))
     causal = _grows_along_queries(n_allowed, valid)
     coverage = _coverage(p, weight, allow.expand(b, h, length, s) & valid[..., None], rows)
+    distance = relative = None
+    if query_positions is not None:
+        gap = (query_positions.to(p.device).float()[:, None] - torch.arange(s, device=p.device).float()).abs()
+        per_row = (p * gap).sum(-1)  # [B, H, L]
+        keys = allow.expand(b, h, length, s).any(2).sum(-1).clamp_min(1).float()  # valid keys per sequence
+        distance, relative = mean(per_row), mean(per_row / keys[..., None])
     if special is None:
         zeros = torch.zeros(h, device=p.device)
-        return HeadStats(entropy, uniform, zeros, zeros.clone(), rows, first_mass, causal, coverage)
+        return HeadStats(entropy, uniform, zeros, zeros.clone(), rows, first_mass, causal, coverage, distance,
+                         relative)
     spec = special.bool()[:, None, None, :]
     special_mass = mean((p * spec).sum(-1))
     special_share = mean((allow & spec).sum(-1).float() / n_allowed.clamp_min(1).float())
-    return HeadStats(entropy, uniform, special_mass, special_share, rows, first_mass, causal, coverage)
+    return HeadStats(entropy, uniform, special_mass, special_share, rows, first_mass, causal, coverage, distance,
+                     relative)
 
 
 def _coverage(p: torch.Tensor, weight: torch.Tensor, seen: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

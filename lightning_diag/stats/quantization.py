@@ -18,6 +18,7 @@ that input (no clipping, no calibration).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -109,9 +110,14 @@ def outlier_ratio(w: torch.Tensor, quantile: float = OUTLIER_QUANTILE) -> float:
     return top / bulk
 
 
-def channel_outlier_ratio(x: torch.Tensor, channel_dim: int = -1) -> float:
+def channel_outlier_ratio(
+    x: torch.Tensor, channel_dim: int = -1, reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> float:
     """``max_c max|x_c| / median_c max|x_c|``: how far the loudest channel of an activation sits above a typical
     channel (what a per-tensor activation scale has to cover; SmoothQuant's outlier channels).
+
+    ``reduce_max`` takes the per-channel maxima to their elementwise maximum over the ranks (data parallelism: the
+    ratio of the global batch).
 
     Example:
         >>> x = torch.ones(4, 8); x[:, 2] = 50.0
@@ -122,6 +128,8 @@ def channel_outlier_ratio(x: torch.Tensor, channel_dim: int = -1) -> float:
     if a.dim() < 2 or a.numel() == 0:
         return 0.0
     amax = a.movedim(channel_dim, -1).reshape(-1, a.shape[channel_dim]).amax(dim=0)
+    if reduce_max is not None:
+        amax = reduce_max(amax)
     top, typical = float(amax.max()), float(amax.median())
     if typical <= 0:
         return 0.0 if top <= 0 else float("inf")

@@ -3,6 +3,11 @@
 Pure torch: the caller hands in the parameters and a closure computing the loss on fixed batches. The parameters
 are perturbed in place and restored bit for bit from saved copies (``finally``), and gradients are taken with
 :func:`torch.autograd.grad`, so ``.grad`` fields are never touched.
+
+Sharded parameters (DTensors: FSDP2, tensor parallelism) work as they are: the caller hands in ``gradients`` (a
+sharded model's gradients come from its own backward, which reduce-scatters them; ``autograd.grad`` with respect
+to FSDP2's sharded parameters finds them unused) and ``to_float`` (the loss averaged over the ranks); each
+squared norm is that of the full tensor (a DTensor reduction, then its value), so ε is the full gradient's.
 """
 
 from __future__ import annotations
@@ -41,7 +46,21 @@ class SharpnessResult:
     layers: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-def sam_epsilon(grads: Sequence[torch.Tensor], rho: float) -> tuple[list[torch.Tensor], float]:
+def _value(t: torch.Tensor) -> float:
+    """A 0-d tensor's value; a DTensor's is that of the full tensor (its pending reduction resolved)."""
+    full = getattr(t, "full_tensor", None)
+    return float(full() if full is not None else t)
+
+
+def _squared_norm(g: torch.Tensor) -> float:
+    return _value(torch.linalg.vector_norm(g.float())) ** 2
+
+
+def sam_epsilon(
+    grads: Sequence[torch.Tensor],
+    rho: float,
+    reduce_squares: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], float]:
     """SAM's ascent step ε = ρ·g/‖g‖ (global L2 norm over every tensor) and ‖g‖.
 
     A zero gradient gives ε = 0.
@@ -53,8 +72,13 @@ def sam_epsilon(grads: Sequence[torch.Tensor], rho: float) -> tuple[list[torch.T
     """
     if not grads:
         return [], 0.0
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-    norm_value = float(norm)
+    if reduce_squares is not None:  # plain local shards, disjoint over the ranks (FSDP1's flat parameters)
+        local = torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in grads]).sum()
+        norm_value = math.sqrt(float(reduce_squares(local)))
+    elif any(hasattr(g, "full_tensor") for g in grads):
+        norm_value = math.sqrt(sum(_squared_norm(g) for g in grads))
+    else:
+        norm_value = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
     scale = rho / norm_value if norm_value > 0 and math.isfinite(norm_value) else 0.0
     return [g * scale for g in grads], norm_value
 
@@ -85,6 +109,9 @@ def sam_gap(
     rho: float,
     per_layer: bool = False,
     max_layers: int = 32,
+    gradients: Callable[[torch.Tensor, list[torch.Tensor]], Sequence[torch.Tensor | None]] | None = None,
+    to_float: Callable[[torch.Tensor], float] = _value,
+    reduce_squares: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> SharpnessResult:
     """Measure the SAM gap of ``loss_closure`` at the current parameters.
 
@@ -94,17 +121,25 @@ def sam_gap(
         rho: The radius of the perturbation.
         per_layer: Also measure each layer's own contribution (one more loss evaluation per layer).
         max_layers: At most this many layers (the ones with the largest ‖ε‖) are measured per layer.
+        gradients: ``gradients(loss, tensors)``: the gradient of ``loss`` for each tensor (``None`` if unused);
+            default :func:`torch.autograd.grad`.
+        to_float: A loss tensor's value (e.g. averaged over the ranks); default ``float``.
+        reduce_squares: Sums this rank's squared gradient norm over the ranks, for plain tensors that are
+            disjoint local shards (FSDP1); ``None`` for whole tensors and DTensors.
 
     Returns:
         The measurement. The parameters hold exactly their old values afterwards, even when the closure raises.
     """
-    tensors = [p for _, p in params]
+    tensors: list[torch.Tensor] = [p for _, p in params]
     with torch.enable_grad():
         loss = loss_closure()
-        grads = torch.autograd.grad(loss, tensors, allow_unused=True)
-    loss_value = float(loss.detach())
+        if gradients is None:
+            grads: Sequence[torch.Tensor | None] = torch.autograd.grad(loss, tensors, allow_unused=True)
+        else:
+            grads = gradients(loss, tensors)
+    loss_value = to_float(loss.detach())
     present = [(n, p, g) for (n, p), g in zip(params, grads, strict=True) if g is not None]
-    eps, grad_norm = sam_epsilon([g for _, _, g in present], rho)
+    eps, grad_norm = sam_epsilon([g for _, _, g in present], rho, reduce_squares)
     saved = [p.detach().clone() for _, p, _ in present]
 
     def perturbed(selected: Sequence[int]) -> float:
@@ -112,7 +147,7 @@ def sam_gap(
             with torch.no_grad():
                 for i in selected:
                     present[i][1].add_(eps[i].to(present[i][1].dtype))
-                return float(loss_closure().detach())
+                return to_float(loss_closure().detach())
         finally:
             with torch.no_grad():
                 for i in selected:
@@ -124,7 +159,7 @@ def sam_gap(
         by_layer: dict[str, list[int]] = {}
         for i, (name, _, _) in enumerate(present):
             by_layer.setdefault(layer_of(name), []).append(i)
-        size = {k: sum(float(eps[i].float().pow(2).sum()) for i in idx) for k, idx in by_layer.items()}
+        size = {k: sum(_squared_norm(eps[i]) for i in idx) for k, idx in by_layer.items()}
         for name in sorted(by_layer, key=lambda k: -size[k])[:max_layers]:
             layers[name] = perturbed(by_layer[name]) - loss_value
     gap = perturbed_loss - loss_value

@@ -20,7 +20,6 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import signal
 
 #: A series of floats: a sequence or a 1-D array.
 Series = Sequence[float] | np.ndarray
@@ -143,6 +142,8 @@ def detect_period(
     if count < min_occurrences or count > n // 2:
         return _NONE
     ind = slow.astype(float) - slow.mean()
+    from scipy import signal  # here, not at import: the report loads this module's rules without scipy's cost
+
     acf = signal.correlate(ind, ind, mode="full", method="auto")[n - 1 :]
     overlap = np.arange(n, 0, -1, dtype=float)
     acf = acf / overlap

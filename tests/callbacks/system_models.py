@@ -19,10 +19,48 @@ FAST: dict[str, Any] = dict(
 )
 
 
-class SleepyData(torch.utils.data.Dataset):
-    """Random features; ``__getitem__`` sleeps ``sleep_s`` (a slow dataset, with ``num_workers=0``)."""
+class FakeTime:
+    """A ``TimeSource`` for ``SystemMonitor.time_source`` whose readings move only when a test says so: timings
+    become exact whatever the machine's load.
 
-    def __init__(self, n: int, features: int, sleep_s: float = 0.0, seq: int = 0, vocab: int = 32) -> None:
+    ``advance(seconds)`` moves the wall clock and the process CPU time together (work done by this process);
+    ``advance(seconds, cpu=False)`` moves the wall clock only (sleeping, waiting).
+    """
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.cpu_now = 10.0
+
+    def wall(self) -> float:
+        return self.now
+
+    def cpu(self) -> float:
+        return self.cpu_now
+
+    def advance(self, seconds: float, cpu: bool = True) -> None:
+        self.now += seconds
+        if cpu:
+            self.cpu_now += seconds
+
+
+class Tick(pl.Callback):
+    """Every training batch costs ``seconds`` of (fake) compute: the step's own time, outside the diagnostics."""
+
+    def __init__(self, clock: FakeTime, seconds: float) -> None:
+        self.clock = clock
+        self.seconds = seconds
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.clock.advance(self.seconds)
+
+
+class SleepyData(torch.utils.data.Dataset):
+    """Random features; ``__getitem__`` sleeps ``sleep_s`` (a slow dataset, with ``num_workers=0``), or moves
+    ``clock`` (a :class:`FakeTime`) on by as much."""
+
+    def __init__(
+        self, n: int, features: int, sleep_s: float = 0.0, seq: int = 0, vocab: int = 32, clock: FakeTime | None = None
+    ) -> None:
         g = torch.Generator().manual_seed(0)
         if seq:  # token ids; the target (their mean) is learnable, so a healthy run's loss falls
             self.x = torch.randint(0, vocab, (n, seq), generator=g)
@@ -31,12 +69,15 @@ class SleepyData(torch.utils.data.Dataset):
             self.x = torch.randn(n, features, generator=g)
             self.y = self.x[:, :1] * 0.5 + 0.1 * torch.randn(n, 1, generator=g)
         self.sleep_s = sleep_s
+        self.clock = clock
 
     def __len__(self) -> int:
         return len(self.y)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.sleep_s:
+        if self.sleep_s and self.clock is not None:
+            self.clock.advance(self.sleep_s, cpu=False)
+        elif self.sleep_s:
             time.sleep(self.sleep_s)
         return self.x[i], self.y[i]
 
@@ -46,13 +87,13 @@ class MLP(pl.LightningModule):
 
     def __init__(
         self, features: int = 64, hidden: int = 256, batch: int = 16, sleep_s: float = 0.0, leak: bool = False,
-        samples: int = 4096,
+        samples: int = 4096, clock: FakeTime | None = None,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                                  nn.Linear(hidden, 1))
-        self.data = SleepyData(samples, features, sleep_s)
+        self.data = SleepyData(samples, features, sleep_s, clock=clock)
         self.batch = batch
         self.leak = leak
         self.kept: list[torch.Tensor] = []
@@ -112,15 +153,20 @@ class Encoder(pl.LightningModule):
 
 
 class StallEvery(pl.Callback):
-    """Sleeps ``stall_s`` at the end of every ``period``-th training batch (a periodic stall)."""
+    """Sleeps ``stall_s`` (or moves ``clock`` on by as much) at the end of every ``period``-th training batch (a
+    periodic stall)."""
 
-    def __init__(self, period: int, stall_s: float) -> None:
+    def __init__(self, period: int, stall_s: float, clock: FakeTime | None = None) -> None:
         self.period = period
         self.stall_s = stall_s
+        self.clock = clock
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step % self.period == 0:
-            time.sleep(self.stall_s)
+            if self.clock is not None:
+                self.clock.advance(self.stall_s, cpu=False)
+            else:
+                time.sleep(self.stall_s)
 
 
 class Recorder:
@@ -136,14 +182,19 @@ class Recorder:
 
 class BusyBlocks(pl.Callback):
     """Burns a random amount of CPU time (0–40 ms, seeded) on every step of each block of ``block`` steps:
-    sustained changes of the step's compute, measured in CPU time whatever the machine's load."""
+    sustained changes of the step's compute, measured in CPU time whatever the machine's load (or moves
+    ``clock`` on by as much)."""
 
-    def __init__(self, block: int = 10, seed: int = 0) -> None:
+    def __init__(self, block: int = 10, seed: int = 0, clock: FakeTime | None = None) -> None:
         self.block = block
         choice = torch.randint(0, 5, (1000,), generator=torch.Generator().manual_seed(seed))
         self.levels = torch.tensor([0.0, 0.005, 0.01, 0.02, 0.04])[choice]
+        self.clock = clock
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.clock is not None:  # the same CPU time, on the fake clock: exact
+            self.clock.advance(float(self.levels[trainer.global_step // self.block]))
+            return
         target = time.process_time() + float(self.levels[trainer.global_step // self.block])
         while time.process_time() < target:
             pass

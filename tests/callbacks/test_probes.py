@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import random
 
 import numpy as np
@@ -21,6 +23,39 @@ def fit(model, tmp_path, callbacks, max_epochs=3, ckpt_path=None, **kwargs):
                          **{**FAST, **kwargs})
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer
+
+
+def require_torchao() -> None:
+    """Skip without torchao; when it is installed but does not import, fail under ``CI=true`` (CI must not
+    silently lose the torchao path to a broken install), skip with the error elsewhere."""
+    if torchao_available():
+        return
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao (the `quant` extra) is not installed")
+    try:
+        import torchao.quantization  # noqa: F401
+    except Exception as err:
+        reason = f"torchao is installed but does not import: {err!r}"
+    else:
+        reason = "torchao is installed but torchao_available() is False"
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def test_a_broken_torchao_fails_in_ci_and_skips_elsewhere(monkeypatch):
+    import lightning_diag.callbacks.quantization_probe as qp
+
+    monkeypatch.setattr(qp, "_TORCHAO", False)  # as after a failed import
+    monkeypatch.setattr("tests.callbacks.test_probes.torchao_available", qp.torchao_available)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # "installed"
+    monkeypatch.setitem(__import__("sys").modules, "torchao.quantization", None)  # its import raises
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="installed but does not import"):
+        require_torchao()
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="installed but does not import"):
+        require_torchao()
 
 
 def slow(model: ReluNet) -> ReluNet:
@@ -87,8 +122,8 @@ def test_quantization_names_the_layer_with_an_outlier_weight_and_a_trained_model
     assert checks(tmp_path / "a")["deploy_quantization_error"].status == "pass"
 
 
-@pytest.mark.skipif(not torchao_available(), reason="torchao (the `quant` extra) is not installed")
 def test_quantization_with_torchao_agrees_with_the_fake_path(tmp_path):
+    require_torchao()
     import torch._inductor.config as inductor
 
     before = {k: getattr(inductor, k) for k in ("coordinate_descent_tuning", "force_fuse_int_mm_with_mul")}

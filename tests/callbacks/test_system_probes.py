@@ -11,27 +11,41 @@ from lightning_diag.instrument.clocks import CudaClock
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 
 
+class FakeTimeline:
+    """The device of one test: its clock (ms) and how often the host waited for it."""
+
+    def __init__(self) -> None:
+        self.clock = 0.0
+        self.synced = 0
+
+    def event(self) -> "FakeEvent":
+        return FakeEvent(self)
+
+
 class FakeEvent:
-    clock = 0.0
-    synced = 0
+    """A ``torch.cuda.Event`` stand-in; its counts live on the test's own :class:`FakeTimeline`."""
+
+    def __init__(self, timeline: FakeTimeline) -> None:
+        self.timeline = timeline
 
     def record(self):
-        FakeEvent.clock += 5.0
-        self.t = FakeEvent.clock
+        self.timeline.clock += 5.0
+        self.t = self.timeline.clock
 
     def synchronize(self):
-        FakeEvent.synced += 1
+        self.timeline.synced += 1
 
     def elapsed_time(self, other):
         return other.t - self.t  # milliseconds, like torch.cuda.Event
 
 
 def test_cuda_clock_synchronises_once_when_read():
-    clock = CudaClock(FakeEvent)
+    timeline = FakeTimeline()
+    clock = CudaClock(timeline.event)
     marks = [clock.mark() for _ in range(4)]
-    assert FakeEvent.synced == 0  # recording never waits for the device
+    assert timeline.synced == 0  # recording never waits for the device
     assert clock.durations([(marks[0], marks[1]), (marks[1], marks[3])]) == [0.005, 0.010]
-    assert FakeEvent.synced == 1
+    assert timeline.synced == 1
 
 
 def test_cuda_memory_reads_and_resets_the_peak():

@@ -1,12 +1,13 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
 
 
+@settings(deadline=None)  # correctness, not timing: no 200 ms deadline on a shared machine
 @given(
     st.lists(
         st.tuples(st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=6), st.sampled_from(["f32", "f64"])),

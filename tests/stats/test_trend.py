@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_diag.stats import all_finite, fluctuation, max_abs, relative_change, total_norm
@@ -30,6 +30,7 @@ def _reference_fluctuation(y):
     return rms if np.all(y > 0) else rms / np.mean(np.abs(y))
 
 
+@settings(deadline=None)  # correctness, not timing: no 200 ms deadline on a shared machine
 @given(st.lists(st.floats(0.01, 100.0), min_size=3, max_size=12))
 def test_fluctuation_matches_reference(values):
     if all(v == values[0] for v in values):
@@ -46,6 +47,7 @@ def test_fluctuation_smooth_vs_zigzag():
     assert fluctuation([3.0, 3.0, 3.0]) == 0.0
 
 
+@settings(deadline=None)  # correctness, not timing: no 200 ms deadline on a shared machine
 @given(st.lists(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=5), min_size=1, max_size=4))
 def test_total_norm_matches_numpy(chunks):
     tensors = [torch.tensor(c, dtype=torch.float64) for c in chunks]
