@@ -33,7 +33,7 @@ import pytorch_lightning as pl
 from lightning_diag.core.alerts import ALL_RULES, Alert
 from lightning_diag.demo.corpus import CORPUS, CorpusEntry, run_corpus
 from lightning_diag.demo.faults import FAULTS, Fault, build_fault
-from lightning_diag.demo.run import default_callbacks, quiet, run_demo
+from lightning_diag.demo.run import default_callbacks, fault_callbacks, quiet, run_demo
 
 try:  # SpikeDetection is in pytorch_lightning >= 2.2 (experimental); older versions lack it
     from pytorch_lightning.callbacks import SpikeDetection
@@ -79,7 +79,7 @@ def _trainer(root: str, fault: Fault, max_epochs: int | None, **kwargs: Any) -> 
         log_every_n_steps=5,
         accelerator="cpu",
         deterministic=True,
-        **kwargs,
+        **{**fault.trainer, **kwargs},
     )
 
 
@@ -90,7 +90,7 @@ def _fit(
         return _fit_real(name[len(_REAL) :], root, callbacks, seed, **kwargs)
     model, data, fault = build_fault(name, seed=seed)
     pl.seed_everything(seed, verbose=False)
-    trainer = _trainer(root, fault, max_epochs, callbacks=callbacks, **kwargs)
+    trainer = _trainer(root, fault, max_epochs, callbacks=[*callbacks, *fault_callbacks(fault)], **kwargs)
     try:
         trainer.fit(model, datamodule=data)
     except Exception as err:  # the comparison tools stop a run by raising
@@ -258,8 +258,9 @@ COMPARISONS: dict[str, Callable[[str, str, int | None], Outcome]] = {
 
 
 def run_entry(name: str, root: str, max_epochs: int | None, comparisons: bool) -> Row:
-    """Run one fault (or baseline) with the default callbacks, then each comparison tool."""
-    callbacks = default_callbacks()
+    """Run one fault (or baseline) with the default callbacks (and those the entry needs), then each comparison
+    tool."""
+    callbacks = [*default_callbacks(), *fault_callbacks(FAULTS[name])]
     t0 = time.perf_counter()
     result = run_demo(name, max_epochs=max_epochs, root=os.path.join(root, "diag"), callbacks=callbacks)
     seconds = time.perf_counter() - t0
@@ -414,9 +415,45 @@ def render(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+#: The silent-error rows that need more than one process, written by hand from their tests, and the comparison with
+#: TrainCheck's published results (issue 22).
+SILENT = """### Silent training errors (issue 22)
+
+The rows `optimizer_copy` to `val_longer` above are the silent errors of the fault library: training goes on, the
+loss stays finite, and the model quietly comes out worse. Their steps are measured like every other row (the
+first alert of the rule, `log_every_n_steps=5`, so the gradient-flow measurements are at steps 0, 5, 10, ...).
+The data faults are found by `DataDiagnostics` before the first step (step 0). One more fault needs two
+processes and is not in the generated table; its row comes from `tests/callbacks/test_silent_ddp.py` (2 gloo
+ranks, `AnomalyAlarm(desync_every_n_steps=2)`, rank 1's `last.weight` nudged by 1e-3 outside the optimizer after
+step 3):
+
+| fault | model | onset | expected | lightning_diag | caught | EarlyStopping(check_finite=True) | SpikeDetection | detect_anomaly=True |
+|---|---|---|---|---|---|---|---|---|
+| one DDP rank's weights perturbed | 2-layer MLP, 2 ranks | step 3 | `ddp_desync` | **`ddp_desync`** step 4, +1 steps, on both ranks, naming `last.weight` and rank 1 | yes | no | no | no |
+| (healthy) the same run unperturbed | 2-layer MLP, 2 ranks | - | - | none (4 checks, largest difference 0) | - | no | no | no |
+
+TrainCheck (OSDI '25) infers invariants from reference runs and checks them through an instrumentation pass; its
+authors report that it caught 18 of 20 real silent errors (among them BLOOM-176B's weights diverging across
+GPUs, an optimizer wrapped wrongly for FSDP that changed nothing, and missing `zero_grad`) that loss and
+gradient-norm monitoring missed, within a few iterations. The rules here need no reference run and no
+instrumentation, catch the Lightning-reachable kinds of those errors from inside the callbacks within `patience`
+measurements (3 measured steps) for the update rules, one check interval for `ddp_desync`, one measurement
+interval for `grad_not_zeroed` and before the first step for the data rules; they do not learn invariants, so
+an error outside these seven rules (a wrong loss function, a data-order bug) stays TrainCheck's kind of finding.
+"""  # noqa: E501
+
+
 def page(rows: list[Row], seconds: float) -> str:
     """``docs/detection.md``."""
-    names = sorted({c for r in rows for c in r.callbacks})
+    defaults = {type(c).__name__ for c in default_callbacks()}
+    names = sorted(defaults)
+    extra = sorted({c for r in rows for c in r.callbacks} - defaults)
+    extra_text = (
+        f"; the entries that need more get it: {', '.join(f'`{n}`' for n in extra)} for the data faults and their "
+        "healthy counterpart"
+        if extra
+        else ""
+    )
     spike = (
         "`pytorch_lightning.callbacks.SpikeDetection` (experimental, in the installed version)"
         if SpikeDetection is not None
@@ -428,7 +465,7 @@ def page(rows: list[Row], seconds: float) -> str:
     return f"""# Detection matrix
 
 Every fault of the fault library (`lightning_diag/demo/faults.py`) and every healthy baseline, trained with
-`lightning_diag.demo.run.default_callbacks()` (here: {", ".join(f"`{n}`" for n in names)}), and, in separate
+`lightning_diag.demo.run.default_callbacks()` (here: {", ".join(f"`{n}`" for n in names)}{extra_text}), and, in separate
 real runs of the same model, data and seed, with what a Lightning user has today:
 
 * `EarlyStopping(monitor="val_loss", check_finite=True)` with its defaults (patience 3): stops when `val_loss`
@@ -453,6 +490,7 @@ alert" counts the steps from the fault's onset to its expected rule's first aler
 {PROMPT_MEASUREMENTS} (issue 23), and a rule whose definition needs more says why.
 
 {render(rows)}
+{SILENT}
 ## Reading the comparison columns
 
 * `EarlyStopping(check_finite=True)` sees a non-finite value only once it reaches `val_loss`, at the end of the
@@ -466,6 +504,9 @@ alert" counts the steps from the fault's onset to its expected rule's first aler
   (see `docs/performance.md`).
 * A fault whose expected rule belongs to a callback missing from `default_callbacks()` would read "no: ... is
   not in `default_callbacks()` yet".
+* The silent errors (`optimizer_copy`, `bf16_tiny_lr`, `no_zero_grad`, `eval_mode`, `padding_labels`,
+  `val_longer`, and one DDP rank's weights drifting) make no NaN and no spike: the three tools see them only
+  when the loss stops improving for long enough (EarlyStopping's patience), which says nothing of the cause.
 """
 
 
@@ -535,6 +576,10 @@ Reproduce (about {max(1, round(seconds / 60))} minutes on a 2-core CPU, one thre
 
 Result: **{caught} of {n_faults} faults caught** by their expected rule within the documented window;
 **{alarms} warning/critical alerts on the {n_healthy} healthy architectures** (target: none).
+
+The silent-error rules (issue 22: `update_none`, `update_stale`, `grad_not_zeroed`, `eval_mode_in_training`) are
+part of the default callbacks, so they are on in every run here (GPT-2 and Llama train on `labels=input_ids`,
+the fine-tune has a frozen BERT base, the CNN BatchNorm); `ddp_desync` needs several processes.
 
 {render(rows)}
 Margins of the healthy runs: the extreme of each gradient quantity over the run (from step 50 for the

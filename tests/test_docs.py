@@ -7,17 +7,20 @@ import lightning_diag.callbacks.data_diagnostics as data_module
 import lightning_diag.rules.anomaly as anomaly_rules
 import lightning_diag.rules.attention as attention_rules
 import lightning_diag.rules.data as data_rules
+import lightning_diag.rules.data_sequences as sequence_rules
 import lightning_diag.rules.errors as error_rules
 import lightning_diag.rules.grad as grad_rules
 import lightning_diag.rules.probes as probe_rules
+import lightning_diag.rules.replicas as replica_rules
 import lightning_diag.rules.robustness as robustness_rules
 import lightning_diag.rules.rollback as rollback_rules
 import lightning_diag.rules.system as system_rules
+import lightning_diag.rules.updates as update_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODULES = (
     anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, probe_rules,
-    system_rules, error_rules, robustness_rules,
+    system_rules, error_rules, robustness_rules, update_rules, replica_rules, sequence_rules,
 )
 
 

@@ -29,6 +29,8 @@ CHECK_IDS = [
     "val_decline",
     "val_fluctuation",
     "loss_surface",
+    "updates_applied",
+    "replicas_agree",
     "deploy_quantization_error",
     "deploy_latency_fluctuation",
     "loss_stagnant",  # no check of its own: listed from AnomalyAlarm.thresholds() under "Other"

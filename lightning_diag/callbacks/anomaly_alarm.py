@@ -20,10 +20,11 @@ from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, Los
 from lightning_diag.callbacks.lr_logging import lr_scalars
 from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
+from lightning_diag.callbacks.silent_checks import ReplicaCheck, TrainModeCheck
 from lightning_diag.core.alerts import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE, NonFiniteAction
 from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import loss_tag
-from lightning_diag.core.validation import check_choice, check_int
+from lightning_diag.core.validation import check_choice, check_int, check_number
 from lightning_diag.rules.anomaly import LossStagnantRule, LossSwingRule, ValDeclineRule, ValFluctuationRule
 from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
@@ -32,6 +33,7 @@ from lightning_diag.rules.nonfinite import (
     NONFINITE_LOSS_SPEC,
     NonFinitePolicy,
 )
+from lightning_diag.rules.replicas import DEFAULT_DESYNC_EVERY_N_STEPS, DEFAULT_DESYNC_TOLERANCE
 from lightning_diag.stats.loss_sums import LossSums
 from lightning_diag.stats.reduced import host_values
 
@@ -98,6 +100,13 @@ class AnomalyAlarm(DiagCallback):
     * ``val_fluctuation`` (warning): the validation fluctuation exceeds ``val_fluctuation_threshold`` times the
       training-loss fluctuation over the last ``val_fluctuation_window`` validation runs, and rises by more than
       ``val_fluctuation_min_rise`` of its initial value over them.
+    * ``ddp_desync`` (critical): under DDP, a parameter's checksum (L2 norm and sum) differs across the ranks by
+      more than ``desync_tolerance`` (relative to rank 0), checked every ``desync_every_n_steps`` optimizer steps
+      with one ``all_gather`` of two numbers per parameter; names the first such parameter and the ranks. Not
+      checked under sharded strategies (shards are not replicas; said once).
+    * ``eval_mode_in_training`` (warning): on logging steps, a Dropout (``p > 0``, in a part of the model with
+      trainable parameters) or a BatchNorm whose parameters train is in eval mode during training (a host read of
+      the modules' flags). A BatchNorm with frozen parameters in eval mode is one ``info``.
 
     Logged metrics (TensorBoard, global rank zero):
 
@@ -109,6 +118,8 @@ class AnomalyAlarm(DiagCallback):
     * ``diag/loss/train_fluctuation``, ``diag/loss/val_fluctuation``: the two fluctuations once the window is full.
     * ``diag/threshold/loss_swing``: ``loss_trend.swing_threshold``, at the steps of ``diag/loss/swing``
       (dashboard line).
+    * ``diag/replicas/max_rel_diff``, ``diag/replicas/agree``: the largest relative checksum difference across
+      ranks, and 1 when it is within ``desync_tolerance`` (DDP, at every check).
 
     Args:
         on_nonfinite: ``"stop"`` (default): the offending step changes no parameter and no optimizer state, a
@@ -130,6 +141,10 @@ class AnomalyAlarm(DiagCallback):
             ``val_fluctuation`` (:class:`LossTrendSettings`; default: its defaults).
         rollback: The settings of ``on_nonfinite="rollback"`` (:class:`RollbackSettings`: snapshot interval,
             learning-rate factor, rollback budget, snapshot device and count; default: its defaults).
+        desync_every_n_steps: ``ddp_desync``: optimizer steps between two comparisons of the replicas (default
+            100).
+        desync_tolerance: ``ddp_desync``: relative checksum difference across ranks above which replicas disagree
+            (default 1e-6).
         log_every_n_steps: Logging interval for step-level tags; defaults to the trainer's.
         on_alert: Called with every alert this callback raises.
 
@@ -171,6 +186,8 @@ class AnomalyAlarm(DiagCallback):
         loss_trend: LossTrendSettings | None = None,
         rollback: RollbackSettings | None = None,
         log_every_n_steps: int | None = None,
+        desync_every_n_steps: int = DEFAULT_DESYNC_EVERY_N_STEPS,
+        desync_tolerance: float = DEFAULT_DESYNC_TOLERANCE,
         on_alert: AlertHandler | None = None,
     ) -> None:
         super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
@@ -194,6 +211,14 @@ class AnomalyAlarm(DiagCallback):
         self.loss_trend = loss_trend if loss_trend is not None else LossTrendSettings()
         #: The settings of ``on_nonfinite="rollback"``.
         self.rollback = rollback if rollback is not None else RollbackSettings()
+        self.desync_every_n_steps = check_int("desync_every_n_steps", desync_every_n_steps, low=1)
+        self.desync_tolerance = float(
+            check_number("desync_tolerance", desync_tolerance, low=0.0, low_inclusive=True)
+        )
+        #: ``ddp_desync``'s comparisons of the replicas.
+        self.replicas = ReplicaCheck(self, self.desync_every_n_steps, self.desync_tolerance)
+        #: ``eval_mode_in_training``'s look at the Dropout and BatchNorm modules.
+        self.train_mode = TrainModeCheck(self)
         #: Localisation of non-finite values and, with ``on_nonfinite="rollback"``, the snapshots.
         self.recovery = NonFiniteRecovery(
             locate=locate_nonfinite, rollback=self.on_nonfinite == "rollback", settings=self.rollback
@@ -262,6 +287,8 @@ class AnomalyAlarm(DiagCallback):
         self.policy = NonFinitePolicy.from_settings(self.thresholds(), action=self.on_nonfinite)  # type: ignore[arg-type]
         self.guard = NonFiniteGuard(self, self.policy, self.recovery)
         self.recovery.reset()
+        self.replicas.reset()
+        self.train_mode.reset()
 
     def state_dict(self) -> dict[str, Any]:
         """Rule histories, latches, the skip count, the partial loss sums and warn mode's pending findings.
@@ -278,6 +305,8 @@ class AnomalyAlarm(DiagCallback):
             "last_finite_loss": float(self.guard.last_finite_loss),
             "pending_nonfinite": self.guard.pending_state(),
             "rollback": self.recovery.state_dict(),
+            "replicas": self.replicas.state_dict(),
+            "train_mode": self.train_mode.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -299,6 +328,9 @@ class AnomalyAlarm(DiagCallback):
         self.guard.load_pending_state(state_dict["pending_nonfinite"])
         if "rollback" in state_dict:  # absent from checkpoints written before rollback existed
             self.recovery.load_state_dict(state_dict["rollback"])
+        if "replicas" in state_dict:  # absent from checkpoints written before the silent-error rules existed
+            self.replicas.load_state_dict(state_dict["replicas"])
+            self.train_mode.load_state_dict(state_dict["train_mode"])
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -355,9 +387,11 @@ class AnomalyAlarm(DiagCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Keep a reference to the batch (no copy) for the replay of a failing step."""
+        """Keep a reference to the batch (no copy) for the replay of a failing step; on logging steps look for
+        Dropout/BatchNorm modules left in eval mode."""
         if self.on_nonfinite != "warn":
             self.recovery.on_batch_start(batch, batch_idx)
+        self.train_mode.on_batch_start(trainer, pl_module)
 
     # -- non-finite guard --------------------------------------------------------------------------------
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -385,6 +419,7 @@ class AnomalyAlarm(DiagCallback):
             self.guard.note_training_loss(loss)
         self._send(trainer, self.trend.on_train_batch(trainer, pl_module, loss))
         self.recovery.on_batch_end(trainer, pl_module, loss)
+        self.replicas.on_batch_end(trainer, pl_module)
         if not self.is_logging_step(trainer):
             return
         scale = self.recovery.lr_scale  # the rate the optimizer uses: the scheduler's times the rollback factor

@@ -42,6 +42,8 @@ class BatchView:
         labels: ``[B]`` integer class labels, or ``None`` (no labels, token-level labels, or regression targets).
         floats: Every floating tensor of the batch by its key (``"pixel_values"``, ``"[0]"``...).
         inputs: The key of the floating tensor that is the model's input (for exact-copy search without tokens).
+        token_labels: ``[B, L]`` integer token-level labels aligned with ``tokens`` (language modelling, token
+            classification; -100 is ignored), or ``None``.
     """
 
     size: int
@@ -50,6 +52,7 @@ class BatchView:
     labels: torch.Tensor | None = None
     floats: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     inputs: str | None = None
+    token_labels: torch.Tensor | None = None
 
 
 def describe(batch: Any, depth: int = 0) -> str:
@@ -94,7 +97,13 @@ def _from_mapping(batch: Mapping[str, Any], view: BatchView) -> None:
     for key in _LABEL_KEYS:
         if key in batch:
             _set_labels(batch[key], view)
+            _set_token_labels(batch[key], view)
             break
+
+
+def _set_token_labels(labels: Any, view: BatchView) -> None:
+    if is_int_tensor(labels) and view.tokens is not None and labels.shape == view.tokens.shape:
+        view.token_labels = labels
 
 
 def _set_labels(labels: Any, view: BatchView) -> None:
@@ -145,6 +154,7 @@ def interpret(
             if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
                 view.mask = mask.bool()
         _set_labels(got.get("labels"), view)
+        _set_token_labels(got.get("labels"), view)
     else:
         floats = {}
         _floats(batch, "", floats)
@@ -162,6 +172,8 @@ def interpret(
                 view.inputs = "[0]"
             if len(batch) > 1 and view.labels is None:
                 _set_labels(batch[1], view)
+            if len(batch) > 1 and view.token_labels is None:
+                _set_token_labels(batch[1], view)
         elif is_int_tensor(batch) and batch.dim() == 2:
             view.tokens = batch
         elif isinstance(batch, torch.Tensor) and batch.is_floating_point():

@@ -19,6 +19,7 @@ from lightning_diag.core.deprecation import renamed_arguments, renamed_constants
 from lightning_diag.core.registry import default
 from lightning_diag.core.tags import data_tag
 from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.instrument.positions import position_capacity
 from lightning_diag.output.images import heatmap
 from lightning_diag.rules.data import (
     DATA_LEAKAGE,
@@ -33,6 +34,7 @@ from lightning_diag.rules.data import (
     LABEL_IMBALANCE,
     DataRules,
 )
+from lightning_diag.rules.data_sequences import DEFAULT_LENGTH_RATIO, DEFAULT_PADDING_LABELS, SequenceRules
 
 __all__ = [
     "DEFAULT_LEAKAGE_SHINGLE_SIZE",
@@ -107,6 +109,9 @@ class DataDiagnostics(DiagCallback):
       (distinct token ids, fewest ids covering 90% of the tokens, share of ids seen once).
     * ``diag/data/<split>/padding_ratio``, ``.../mean_seq_len``, ``.../samples``, ``.../nonfinite_samples``;
       histograms ``diag/data/<split>/seq_len`` and ``diag/data/<split>/token_ids``.
+    * ``diag/data/<split>/max_positions``: positions the longest sampled sample uses (``position_overflow``);
+      ``diag/data/train/padding_label_share``: share of token-level label positions that are padding
+      (``loss_on_padding``).
     * ``diag/data/seconds``: what the measurement cost; ``diag/data/summary`` (text): class table, leak examples,
       broken inputs; ``diag/threshold/data_vocab_shift``, ``.../data_leakage``, ``.../label_imbalance``.
 
@@ -122,6 +127,14 @@ class DataDiagnostics(DiagCallback):
       ``label_imbalance_threshold``.
     * ``data_nonfinite`` (critical): NaN/Inf in a floating tensor of a sampled batch (key and dataset indices
       named); constant 2-D features and empty sequences are info alerts.
+    * ``loss_on_padding`` (warning): share of the token-level label positions (labels other than -100) of the
+      sampled training batches that are padding (``attention_mask == 0``, or ``pad_token_id``) above
+      ``padding_labels`` (default 0: any).
+    * ``position_overflow`` (warning): a validation sample using more than ``length_ratio`` times the positions
+      of the longest training sample seen (at this or an earlier measurement), a training sample at a later
+      measurement longer than every earlier one, or any sample longer than the model's position capacity
+      (``config.max_position_embeddings``, a learned position embedding, a rotary cache). Judged on the sample,
+      so nothing runs during training steps.
 
     Args:
         max_batches: Batches read from each loader per measurement (default 64); ``None`` reads a map-style
@@ -140,6 +153,8 @@ class DataDiagnostics(DiagCallback):
         min_leaks: ``data_leakage``: leaked samples needed before the share found in a partial training sample
             is extrapolated to the whole training set (default 3).
         seed: Seed of the private generator that draws the sample.
+        padding_labels: ``loss_on_padding`` threshold: share of label positions that are padding (default 0).
+        length_ratio: ``position_overflow`` threshold: sample length over the longest training length (default 1).
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
             rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
             that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
@@ -173,6 +188,8 @@ class DataDiagnostics(DiagCallback):
         vocab_shift_min_count: int = DEFAULT_VOCAB_SHIFT_MIN_COUNT,
         min_leaks: int = DEFAULT_MIN_LEAKS,
         seed: int = 0,
+        padding_labels: float = DEFAULT_PADDING_LABELS,
+        length_ratio: float = DEFAULT_LENGTH_RATIO,
         on_alert: AlertHandler | None = None,
     ) -> None:
         super().__init__(on_alert=on_alert)
@@ -194,7 +211,12 @@ class DataDiagnostics(DiagCallback):
         self.vocab_shift_min_count = check_int("vocab_shift_min_count", vocab_shift_min_count, low=1)
         self.min_leaks = check_int("min_leaks", min_leaks, low=1)
         self.seed = check_int("seed", seed, low=0)
+        self.padding_labels = check_number(
+            "padding_labels", padding_labels, low=0.0, high=1.0, low_inclusive=True, high_inclusive=False
+        )
+        self.length_ratio = check_number("length_ratio", length_ratio, low=1.0, low_inclusive=True)
         self.rules = self.add_rule("rules", DataRules.from_settings)
+        self.sequence_rules = self.add_rule("sequence_rules", SequenceRules.from_settings, state_key="sequences")
         self.last_epoch = -1
         self.last: dict[str, float] = {}
 
@@ -208,7 +230,8 @@ class DataDiagnostics(DiagCallback):
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The rules' latches (what was already reported), the epoch last measured and its values."""
+        """The rules' latches (what was already reported), the longest training sequence seen, the epoch last
+        measured and its values."""
         return {**super().state_dict(), "last_epoch": self.last_epoch, "last": dict(self.last)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -290,8 +313,11 @@ class DataDiagnostics(DiagCallback):
         self.last_epoch = trainer.current_epoch
         if train is None and val is None:
             return
+        module = trainer.lightning_module
+        capacity = position_capacity(module) if module is not None else None
         measured = measure(
-            train, val, self.num_classes, self.leakage_near_duplicate, self.vocab_shift_min_count, self.min_leaks
+            train, val, self.num_classes, self.leakage_near_duplicate, self.vocab_shift_min_count, self.min_leaks,
+            capacity
         )
         seconds = time.perf_counter() - start
         step = trainer.global_step
@@ -303,6 +329,7 @@ class DataDiagnostics(DiagCallback):
         if self.writer.active:
             self._draw(train, val, measured, step)
         self.record(self.rules.update(measured.measurement, self.context(trainer)))
+        self.record(self.sequence_rules.update(measured.sequences, self.context(trainer)))
 
     def _draw(self, train: SplitSample | None, val: SplitSample | None, measured: Measured, step: int) -> None:
         for s in (train, val):

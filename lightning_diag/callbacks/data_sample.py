@@ -17,6 +17,7 @@ import torch
 
 from lightning_diag.callbacks.data_batch import BatchView
 from lightning_diag.rules.data import DataMeasurement, InputProblem
+from lightning_diag.rules.data_sequences import SequenceMeasurement
 from lightning_diag.stats import token_stats as ds
 
 __all__ = ["Measured", "SplitSample", "measure"]
@@ -54,6 +55,9 @@ class SplitSample:
         indices: Dataset indices of those samples.
         nonfinite, empty: Broken inputs by key.
         constant_ref, constant_varies: For 2-D floating features: the first sample and which features vary.
+        extent: Positions the longest sample uses (its last non-padding token + 1).
+        label_positions, padded_labels, padded: Token-level label positions (not -100) of batches with a padding
+            mask, those that are padding, and the samples concerned (``loss_on_padding``).
     """
 
     split: str
@@ -73,6 +77,10 @@ class SplitSample:
     constant_ref: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     constant_varies: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     has_tokens: bool = False
+    extent: int = 0
+    label_positions: int = 0
+    padded_labels: int = 0
+    padded: _Problem = dataclasses.field(default_factory=_Problem)
 
     def add(
         self,
@@ -121,6 +129,18 @@ class SplitSample:
                 self.token_counts = np.pad(self.token_counts, (0, len(counts) - len(self.token_counts)))
             self.token_counts[: len(counts)] += counts
         lengths = mask.sum(axis=1)
+        if mask.shape[1]:
+            last = mask.shape[1] - np.argmax(mask[:, ::-1], axis=1)  # last real position + 1 per row
+            self.extent = max(self.extent, int(np.where(mask.any(axis=1), last, 0).max(initial=0)))
+        if view.token_labels is not None and (view.mask is not None or pad_token_id is not None):
+            labels = view.token_labels.detach().cpu().numpy()
+            labelled = labels != -100
+            on_pad = labelled & ~mask
+            self.label_positions += int(labelled.sum())
+            self.padded_labels += int(on_pad.sum())
+            rows = on_pad.any(axis=1)
+            if rows.any():
+                self.padded.add(idx[rows])
         self.seq_lens.append(lengths)
         if (lengths == 0).any():
             self.empty.setdefault("tokens", _Problem()).add(idx[lengths == 0])
@@ -178,6 +198,11 @@ class SplitSample:
             out.positions += p.positions
             out.pad += p.pad
             out.has_tokens |= p.has_tokens
+            out.extent = max(out.extent, p.extent)
+            out.label_positions += p.label_positions
+            out.padded_labels += p.padded_labels
+            out.padded.count += p.padded.count
+            out.padded.examples = (out.padded.examples + p.padded.examples)[:_EXAMPLES]
             a, b = ds.aligned(out.token_counts, p.token_counts)
             out.token_counts = (a + b).astype(np.int64)
             for name in ("seq_lens", "labels", "signatures", "hashes", "indices", "valid"):
@@ -226,6 +251,7 @@ class Measured:
     measurement: DataMeasurement
     scalars: dict[str, float]
     label_counts: dict[str, np.ndarray]
+    sequences: SequenceMeasurement = dataclasses.field(default_factory=SequenceMeasurement)
 
 
 def measure(
@@ -235,8 +261,10 @@ def measure(
     near_duplicate: float,
     min_count: int,
     min_leaks: int,
+    capacity: tuple[int, str] | None = None,
 ) -> Measured:
-    """The measurement of the sampled splits (either may be missing)."""
+    """The measurement of the sampled splits (either may be missing); ``capacity`` is the model's position
+    capacity and where it comes from (``position_overflow``)."""
     m = DataMeasurement()
     scalars: dict[str, float] = {}
     label_counts: dict[str, np.ndarray] = {}
@@ -270,7 +298,20 @@ def measure(
             scalars["oov_share"] = m.oov_share
             scalars["val_rare_share"] = ds.rare_share(val.token_counts, train.token_counts)
         _leakage(train, val, m, scalars, near_duplicate, min_leaks)
-    return Measured(m, scalars, label_counts)
+    extent = {s.split: s.extent for s in (train, val) if s is not None and s.has_tokens and s.extent}
+    for split, n in extent.items():
+        scalars[f"{split}/max_positions"] = float(n)
+    if train is not None and train.label_positions:
+        scalars["train/padding_label_share"] = train.padded_labels / train.label_positions
+    sequences = SequenceMeasurement(
+        label_positions=train.label_positions if train is not None else 0,
+        padded_labels=train.padded_labels if train is not None else 0,
+        padded_examples=tuple(train.padded.examples) if train is not None else (),
+        extent=extent,
+        capacity=capacity[0] if capacity else None,
+        capacity_source=capacity[1] if capacity else "",
+    )
+    return Measured(m, scalars, label_counts, sequences)
 
 
 def _leakage(

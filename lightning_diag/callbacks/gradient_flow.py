@@ -23,10 +23,12 @@ from lightning_diag.core.tags import (
     grad_relative_tag,
     grad_rms_tag,
     grad_total_tag,
+    updates_unchanged_tag,
 )
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.act_grads import ActivationGradients
 from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step, update_ratios
+from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.grad import (
     DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS,
     DEFAULT_COLLAPSE_CONVERGED_FRACTION,
@@ -43,12 +45,37 @@ from lightning_diag.rules.grad import (
     GradFrozenRule,
     GradSpreadRule,
 )
-from lightning_diag.stats.grad import local_tensor
+from lightning_diag.rules.updates import (
+    DEFAULT_STALE_FRACTION,
+    DEFAULT_UPDATE_SAMPLE_SIZE,
+    UPDATE_STALE,
+    GradNotZeroedRule,
+    LayerUpdate,
+    UpdateRule,
+)
+from lightning_diag.stats.grad import local_tensor, per_tensor_norms
 from lightning_diag.stats.histogram import tensorboard_histogram
+from lightning_diag.stats.updates import ElementSample, unchanged_counts
 
 __all__ = ["GradientFlowMonitor"]
 
 ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class _PendingUpdate:
+    """The sampled elements of one measured optimizer step, read before it (compared after it)."""
+
+    def __init__(
+        self, positions: list[int], sample: ElementSample, before: torch.Tensor, grads: torch.Tensor,
+        low_precision: list[bool], causes: list[str | None],
+    ) -> None:
+        self.positions = positions
+        self.sample = sample
+        self.before = before
+        self.grads = grads
+        self.low_precision = low_precision
+        self.causes = causes
 
 
 #: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
@@ -93,6 +120,8 @@ class GradientFlowMonitor(DiagCallback):
       summed over the micro-batches of the measured step.
     * ``diag/threshold/grad_vanish``, ``diag/threshold/grad_explode``: the two thresholds, at the steps of
       ``diag/grad_norm/total`` (the dashboard's reference lines beside ``grad_rms`` and ``grad_relative``).
+    * ``diag/updates/<layer>``: share of the layer's sampled elements with a non-zero gradient that the measured
+      optimizer step left unchanged (``update_none`` / ``update_stale``'s quantity; 0 in a healthy fp32 run).
 
     Rules (exact meaning in :mod:`lightning_diag.rules.grad` and ``docs/gradient_flow.md``):
     ``grad_explode`` (a layer's RMS gradient per element above ``explode_threshold``), ``grad_vanish`` (a weight
@@ -108,6 +137,15 @@ class GradientFlowMonitor(DiagCallback):
     matching ``expect_frozen`` are never reported; with a :class:`~pytorch_lightning.callbacks.BaseFinetuning`
     callback attached, frozen and excluded parameters are that callback's business and only ``no_grad`` is
     checked.
+    ``update_none``: a layer with non-zero gradients whose every sampled element the optimizer step leaves
+    unchanged on ``patience`` consecutive measurements (the message names the likely cause: no model parameter in
+    any optimizer, a learning rate of 0, an update dropped). ``update_stale``: in a bf16/fp16 layer, more than
+    ``stale_fraction`` of the sampled elements with a non-zero gradient unchanged (updates rounding to zero).
+    Measured on measured steps only: ``update_sample_size`` evenly spaced elements of every parameter are read on
+    the device before the step (``on_before_optimizer_step``) and compared after it (``on_train_batch_end``), one
+    host read. ``grad_not_zeroed``: after a measured step the gradients' norms are kept on the device; at the next
+    backward (the one step after each measured step) they are compared with ``.grad`` (one multi-tensor norm, no
+    host read; the verdict is read with the next measurement): the same non-zero norms mean nothing zeroed them.
 
     Args:
         log_every_n_steps: Measure every this many optimizer steps; defaults to the trainer's interval.
@@ -136,6 +174,10 @@ class GradientFlowMonitor(DiagCallback):
             on purpose: ``grad_frozen`` ignores them.
         patience: Consecutive measurements a condition must hold (default 3).
         collapse_baseline_measurements: Measurements whose median is the ``grad_collapse`` baseline (default 5).
+        stale_fraction: ``update_stale`` threshold: share of a bf16/fp16 layer's sampled elements (with a non-zero
+            gradient) left unchanged by the step (default 0.5).
+        update_sample_size: Elements sampled per parameter for ``update_none`` / ``update_stale`` (default 32);
+            0 turns both off.
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
             rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
             that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
@@ -165,6 +207,8 @@ class GradientFlowMonitor(DiagCallback):
         warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
         collapse_converged_fraction: float = DEFAULT_COLLAPSE_CONVERGED_FRACTION,
         logit_projections: Sequence[str] = DEFAULT_LOGIT_PROJECTIONS,
+        stale_fraction: float = DEFAULT_STALE_FRACTION,
+        update_sample_size: int = DEFAULT_UPDATE_SAMPLE_SIZE,
         on_alert: AlertHandler | None = None,
     ) -> None:
         super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
@@ -224,15 +268,32 @@ class GradientFlowMonitor(DiagCallback):
                 f" but got {logit_projections!r}"
             )
         self.logit_projections = tuple(logit_projections)
+        self.stale_fraction = check_number(
+            "stale_fraction", stale_fraction, low=0.0, high=1.0, low_inclusive=True, high_inclusive=False
+        )
+        self.update_sample_size = check_int("update_sample_size", update_sample_size, low=0)
+        self._reset_update_state()
         self._loss: torch.Tensor | None = None
         self.band_rule = self.add_rule("band_rule", GradBandRule.from_settings, state_key="band")
         self.spread_rule = self.add_rule("spread_rule", GradSpreadRule.from_settings, state_key="spread")
         self.collapse_rule = self.add_rule("collapse_rule", GradCollapseRule.from_settings, state_key="collapse")
         self.frozen_rule = self.add_rule("frozen_rule", GradFrozenRule.from_settings, state_key="frozen")
+        self.update_rule = self.add_rule("update_rule", UpdateRule.from_settings, state_key="updates")
+        self.not_zeroed_rule = self.add_rule("not_zeroed_rule", GradNotZeroedRule.from_settings, state_key="not_zeroed")
         self._index: ParamIndex | None = None
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
         self._before: list[tuple[list[int], list[torch.Tensor]]] = []
         self._measured_interval: dict[int, int] = {}
+
+    def _reset_update_state(self) -> None:
+        self._samples: dict[tuple[int, ...], ElementSample] = {}
+        self._pending_updates: list[_PendingUpdate] = []
+        self._stepped = False
+        # (index positions, their gradient norms right after a measured step): checked at the next backward
+        self._grad_print: tuple[list[int], torch.Tensor] | None = None
+        # (index positions, device flags "still the step's gradients"): read with the next measurement
+        self._zero_check: tuple[list[int], torch.Tensor] | None = None
+        self._optimizers: list[torch.optim.Optimizer] = []
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """A new fit starts with fresh rules (the base class; a resume then loads their state) and no index."""
@@ -242,6 +303,7 @@ class GradientFlowMonitor(DiagCallback):
             self._before = []
             self._measured_interval = {}
             self._loss = None
+            self._reset_update_state()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove activation-gradient hooks a fit that raised mid-step left on the model, then release the session."""
@@ -325,7 +387,13 @@ class GradientFlowMonitor(DiagCallback):
         self._act.attach(pl_module, self.activation_grads, lambda key, message: self.notice(trainer, key, message))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        """On measured steps: keep the loss (a device tensor, summed over micro-batches) for ``grad_collapse``."""
+        """On measured steps: keep the loss (a device tensor, summed over micro-batches) for ``grad_collapse``.
+
+        At the first backward after a measured step: compare ``.grad`` with what that step applied
+        (``grad_not_zeroed``; device only, read with the next measurement).
+        """
+        if self._grad_print is not None:
+            self._check_zeroed()
         if not self._measuring(trainer) or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
         value = loss.detach().float().reshape(())
@@ -345,6 +413,9 @@ class GradientFlowMonitor(DiagCallback):
         if self._index is None:
             self._index = self._build_index(trainer, pl_module)
         index = self._index
+        self._stepped = True
+        if self.update_sample_size:
+            self._sample_updates(trainer, optimizer, index, position)
         in_opt = {id(p) for group in optimizer.param_groups for p in group["params"]}
         chosen = [i for i, p in enumerate(index.params) if p.grad is not None and id(p) in in_opt]
         if not chosen:
@@ -403,7 +474,13 @@ class GradientFlowMonitor(DiagCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """After a measured step: weight norms and update-to-weight ratios per layer."""
+        """After a measured step: weight norms and update-to-weight ratios per layer, the update rules (one host
+        read), and the gradients' fingerprint for ``grad_not_zeroed``."""
+        if self._stepped and self._index is not None:
+            self._stepped = False
+            self._judge_updates(trainer)
+            self._optimizers = list(trainer.optimizers)
+            self._fingerprint_grads()
         if not self._before or self._index is None:
             return
         pending, self._before = self._before, []
@@ -412,6 +489,111 @@ class GradientFlowMonitor(DiagCallback):
         for chosen, before in pending:
             values.update(update_ratios(index, chosen, before, self._reduce(trainer)))
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
+
+
+    # -- update_none / update_stale / grad_not_zeroed --------------------------------------------------------
+    def _sample_updates(
+        self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, index: ParamIndex, position: int
+    ) -> None:
+        """Read the sampled elements and gradients of the parameters this step should change (device only)."""
+        with_grad = [i for i, p in enumerate(index.params) if p.grad is not None]
+        if not with_grad:
+            return
+        lr_of = {id(p): group.get("lr", None) for group in optimizer.param_groups for p in group["params"]}
+        in_any = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
+        if not any(id(index.params[i]) in in_any for i in with_grad):
+            if position != 0:
+                return  # the optimizers hold none of them: judged once per interval, with the first optimizer
+            positions = with_grad
+            causes: list[str | None] = ["no_optimizer"] * len(with_grad)
+        else:
+            positions = [i for i in with_grad if id(index.params[i]) in lr_of]
+            causes = [
+                "lr_zero" if isinstance(lr_of[id(index.params[i])], (int, float)) and lr_of[id(index.params[i])] == 0
+                else None
+                for i in positions
+            ]
+        if not positions:
+            return
+        key = tuple(positions)
+        sample = self._samples.get(key)
+        if sample is None:
+            sample = self._samples[key] = ElementSample([index.params[i] for i in positions], self.update_sample_size)
+        params = [index.params[i] for i in positions]
+        before = sample.gather(params)
+        grads = sample.gather([p.grad for p in params])
+        low = [p.dtype in _LOW_PRECISION for p in params]
+        self._pending_updates.append(_PendingUpdate(positions, sample, before, grads, low, causes))
+
+    def _check_zeroed(self) -> None:
+        assert self._index is not None and self._grad_print is not None
+        positions, prints = self._grad_print
+        self._grad_print = None
+        params = self._index.params
+        present = [k for k, i in enumerate(positions) if params[i].grad is not None]
+        if not present:
+            return
+        now = per_tensor_norms([params[positions[k]].grad for k in present])  # type: ignore[misc]
+        # usually every gradient is still (or again) there: no index tensor to build, no host-to-device copy
+        then = prints if len(present) == len(positions) else prints[torch.tensor(present, device=prints.device)]
+        then = then.to(now.device)
+        self._zero_check = ([positions[k] for k in present], (now == then) & (then > 0))
+
+    def _fingerprint_grads(self) -> None:
+        assert self._index is not None
+        params = self._index.params
+        # only parameters an optimizer holds: for the others nothing is meant to zero (or apply) the gradient
+        held = {id(p) for opt in self._optimizers for group in opt.param_groups for p in group["params"]}
+        positions = [i for i, p in enumerate(params) if p.grad is not None and id(p) in held]
+        self._grad_print = (positions, per_tensor_norms([params[i].grad for i in positions])) if positions else None  # type: ignore[misc]
+
+    def _judge_updates(self, trainer: pl.Trainer) -> None:
+        """Compare the sampled elements after the step, read the pending ``grad_not_zeroed`` flags, judge."""
+        assert self._index is not None
+        index = self._index
+        pending, self._pending_updates = self._pending_updates, []
+        check, self._zero_check = self._zero_check, None
+        parts = [
+            unchanged_counts(u.before, u.sample.gather([index.params[i] for i in u.positions]), u.grads,
+                             u.sample.segment, u.sample.count).reshape(-1)
+            for u in pending
+        ]
+        if check is not None:
+            parts.append(check[1].float().reshape(-1).to(parts[0].device if parts else check[1].device))
+        if not parts:
+            return
+        device = parts[0].device
+        values = torch.cat([p.to(device) for p in parts])
+        if trainer.world_size > 1:  # sharded parameters: every rank counts its own shard; all decide on the sum
+            values = trainer.strategy.reduce(values, reduce_op="sum")
+        host = values.tolist()  # the one host read of the update rules at this step
+        step = max(trainer.global_step - 1, 0)  # the step that was measured
+        ctx = StepContext(trainer.current_epoch, step)
+        offset = 0
+        layers: dict[str, list[Any]] = {}
+        for u in pending:
+            n = u.sample.count
+            counted, unchanged = host[offset : offset + n], host[offset + n : offset + 2 * n]
+            offset += 2 * n
+            for k, i in enumerate(u.positions):
+                layer = index.layers[index.layer_of[i]]
+                entry = layers.setdefault(layer, [0, 0, False, set()])
+                entry[0] += int(counted[k])
+                entry[1] += int(unchanged[k])
+                entry[2] = entry[2] or u.low_precision[k]
+                entry[3].add(u.causes[k])
+        if layers:
+            updates = {
+                layer: LayerUpdate(c, s, low, next(iter(causes)) if len(causes) == 1 else None)
+                for layer, (c, s, low, causes) in layers.items()
+            }
+            shares = {updates_unchanged_tag(k): v.share for k, v in updates.items() if v.counted}
+            self.writer.scalars({**shares, **self.threshold_lines(UPDATE_STALE)}, step)
+            self.record(self.update_rule.update(updates, ctx))
+        if check is not None:
+            flags = host[offset:]
+            stale = {index.layers[index.layer_of[i]] for i, f in zip(check[0], flags, strict=True) if f > 0}
+            self.record(self.not_zeroed_rule.update(stale, ctx))
 
 
 def _unwrap(optimizer: Any) -> Any:

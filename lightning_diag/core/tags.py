@@ -368,3 +368,37 @@ def errors_tag(*parts: str) -> str:
 def robustness_tag(*parts: str) -> str:
     """A RobustnessProbe tag: ``robustness_tag("swap", "drop")`` -> ``diag/robustness/swap/drop``."""
     return family_tag("robustness", *parts)
+
+
+# -- silent errors (issue 22): GradientFlowMonitor's update sample, AnomalyAlarm's replica checksums ---------
+# diag/updates/<layer> (share of sampled elements with a non-zero gradient the step left unchanged),
+# diag/replicas/max_rel_diff and diag/replicas/agree (1 when every replica holds the same parameters).
+
+__all__ += ["replicas_tag", "updates_layer", "updates_unchanged_tag"]
+
+_UPDATES = prefix("updates")
+
+
+def updates_unchanged_tag(layer: str) -> str:
+    """Share of a layer's sampled elements left unchanged by the measured step: ``diag/updates/<layer>``.
+
+    Example:
+        >>> updates_unchanged_tag("encoder.0")
+        'diag/updates/encoder.0'
+    """
+    return tag("updates", layer)
+
+
+def updates_layer(name: str) -> str | None:
+    """The layer of a ``diag/updates/<layer>`` tag, else ``None``."""
+    return name[len(_UPDATES) :] if name.startswith(_UPDATES) else None
+
+
+def replicas_tag(measure: Literal["max_rel_diff", "agree"]) -> str:
+    """A replica-agreement series of ``ddp_desync``: ``diag/replicas/max_rel_diff`` or ``diag/replicas/agree``.
+
+    Example:
+        >>> replicas_tag("agree")
+        'diag/replicas/agree'
+    """
+    return tag("replicas", measure)

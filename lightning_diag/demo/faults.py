@@ -34,6 +34,14 @@ from lightning_diag.core.alerts import (
 )
 from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
 from lightning_diag.demo.synthetic import DATA_MODULES
+from lightning_diag.rules.catalog import (
+    EVAL_MODE_IN_TRAINING,
+    GRAD_NOT_ZEROED,
+    LOSS_ON_PADDING,
+    POSITION_OVERFLOW,
+    UPDATE_NONE,
+    UPDATE_STALE,
+)
 
 __all__ = ["FAULTS", "Fault", "build_fault"]
 
@@ -53,6 +61,9 @@ class Fault:
         max_epochs: Epochs the demo trains for.
         config: Overrides of :class:`DemoConfig`.
         data: Overrides of :class:`SyntheticDataModule` arguments.
+        trainer: Overrides of :class:`pytorch_lightning.Trainer` arguments (``precision``).
+        callbacks: Callbacks the fault needs beyond :func:`~lightning_diag.demo.run.default_callbacks`, as
+            ``(class name, keyword arguments)`` pairs (``DataDiagnostics`` for the data faults).
     """
 
     name: str
@@ -64,6 +75,8 @@ class Fault:
     max_epochs: int = 6
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    trainer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    callbacks: tuple[tuple[str, dict[str, Any]], ...] = ()
 
     @property
     def healthy(self) -> bool:
@@ -75,6 +88,10 @@ class Fault:
         """The model's shape (a key of :data:`~lightning_diag.demo.models.MODELS`)."""
         return str(self.config.get("model", "transformer"))
 
+
+#: DataDiagnostics for the language-model entries. The demo LM task is a deterministic rule over 64 patterns, so
+#: its validation set repeats the training set by construction: leakage counts exact copies only, at 100%.
+_LM_DATA: dict[str, Any] = {"leakage": 1.0, "near_duplicate": 1.0}
 
 FAULTS: dict[str, Fault] = {
     f.name: f
@@ -213,6 +230,101 @@ FAULTS: dict[str, Fault] = {
             (),
             max_epochs=6,
             config={"model": "gru"},
+        ),
+        # -- silent errors (issue 22) ----------------------------------------------------------------------
+        Fault(
+            "optimizer_copy",
+            "the optimizer is built over copies of the parameters: it steps tensors nobody uses, the model never "
+            "changes",
+            (UPDATE_NONE,),
+            onset_step=0,
+            window=15,
+            max_epochs=1,
+            config={"optimizer_over_copy": True},
+        ),
+        Fault(
+            "bf16_tiny_lr",
+            "bf16 weights (precision='bf16-true') with a learning rate of 1e-6: the updates round to zero",
+            (UPDATE_STALE,),
+            onset_step=0,
+            window=15,
+            max_epochs=1,
+            config={"model": "mlp", "d_model": 64, "head_depth": 2, "lr": 1e-6},
+            trainer={"precision": "bf16-true"},
+        ),
+        Fault(
+            "healthy_bf16",
+            "healthy counterpart of `bf16_tiny_lr`: bf16 weights with a learning rate of 3e-3",
+            (),
+            max_epochs=2,
+            config={"model": "mlp", "d_model": 64, "head_depth": 2, "lr": 3e-3},
+            trainer={"precision": "bf16-true"},
+        ),
+        Fault(
+            "no_zero_grad",
+            "manual optimization that never calls zero_grad: every step applies the sum of all earlier gradients",
+            (GRAD_NOT_ZEROED,),
+            onset_step=0,
+            window=10,
+            max_epochs=1,
+            config={"manual": "no_zero_grad"},
+        ),
+        Fault(
+            "healthy_manual_accumulation",
+            "healthy counterpart of `no_zero_grad`: manual optimization, backward on every batch, step and "
+            "zero_grad every second batch",
+            (),
+            max_epochs=2,
+            config={"manual": "accumulate"},
+        ),
+        Fault(
+            "eval_mode",
+            "model.eval() in on_train_epoch_start: the transformer's Dropout (0.1) is off during training",
+            (EVAL_MODE_IN_TRAINING,),
+            onset_epoch=0,
+            window=0,
+            max_epochs=1,
+            config={"dropout": 0.1, "eval_at_epoch_start": True},
+        ),
+        Fault(
+            "healthy_dropout",
+            "healthy counterpart of `eval_mode`: the transformer with Dropout 0.1, in train mode",
+            (),
+            max_epochs=2,
+            config={"dropout": 0.1},
+        ),
+        Fault(
+            "padding_labels",
+            "a causal LM on right-padded batches whose padding keeps its labels (not -100): the loss trains the "
+            "padding token",
+            (LOSS_ON_PADDING,),
+            onset_step=0,
+            window=0,
+            max_epochs=1,
+            config={"model": "causal_lm"},
+            data={"padded": True, "mask_padding_labels": False},
+            callbacks=(("DataDiagnostics", _LM_DATA),),
+        ),
+        Fault(
+            "healthy_padded_lm",
+            "healthy counterpart of `padding_labels` and `val_longer`: right-padded batches, padding labels -100",
+            (),
+            max_epochs=2,
+            config={"model": "causal_lm"},
+            data={"padded": True},
+            callbacks=(("DataDiagnostics", _LM_DATA),),
+        ),
+        Fault(
+            "val_longer",
+            "a causal LM validated on sequences of 41 tokens after training on 25: positions 25-40 were never "
+            "trained",
+            (POSITION_OVERFLOW,),
+            onset_step=0,
+            window=0,
+            max_epochs=1,
+            config={"model": "causal_lm"},
+            data={"val_length": 40},
+            callbacks=(("DataDiagnostics", _LM_DATA),),
         ),
     )
 }

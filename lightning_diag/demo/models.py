@@ -63,6 +63,12 @@ class DemoConfig:
             ``"tanh"``); of the MLP's hidden layers for ``model="mlp"``.
         head_depth: Hidden layers in the classifier head (the MLP's hidden layers for ``model="mlp"``).
         attention_collapse_at_step: From this step on, every head puts all its attention on [CLS].
+        dropout: Dropout of the transformer layers (transformer classifier and causal LM).
+        optimizer_over_copy: Build the optimizer over copies of the parameters (the model never changes).
+        manual: ``""`` (automatic optimization), ``"no_zero_grad"`` (manual: backward and step, never
+            ``zero_grad``) or ``"accumulate"`` (manual: backward on every batch, step and ``zero_grad`` every
+            second batch, deliberate accumulation).
+        eval_at_epoch_start: Call ``self.eval()`` in ``on_train_epoch_start`` (Dropout off during training).
         seed: Seed of the model's initialisation.
     """
 
@@ -83,6 +89,10 @@ class DemoConfig:
     hidden_activation: str = "relu"
     head_depth: int = 1
     attention_collapse_at_step: int | None = None
+    dropout: float = 0.0
+    optimizer_over_copy: bool = False
+    manual: str = ""
+    eval_at_epoch_start: bool = False
     seed: int = 0
 
 
@@ -96,6 +106,15 @@ class DemoModule(pl.LightningModule):
     def __init__(self, config: DemoConfig | None = None) -> None:
         super().__init__()
         self.config = config or DemoConfig()
+        if self.config.manual not in ("", "no_zero_grad", "accumulate"):
+            raise ValueError(
+                f"Expected argument `manual` to be '', 'no_zero_grad' or 'accumulate', but got {self.config.manual!r}"
+            )
+        self.automatic_optimization = not self.config.manual
+
+    def on_train_epoch_start(self) -> None:
+        if self.config.eval_at_epoch_start:
+            self.eval()  # the fault: Dropout (and BatchNorm) switched off for the whole epoch
 
     def _apply_freeze(self) -> None:
         for prefix in self.config.freeze:
@@ -112,7 +131,20 @@ class DemoModule(pl.LightningModule):
         if self.config.nan_at_step is not None and self.global_step == self.config.nan_at_step:
             loss = loss * math.nan
         self.log("train_loss", loss, on_step=True, on_epoch=True)
+        if self.config.manual:
+            self._manual_step(loss, batch_idx)
         return loss
+
+    def _manual_step(self, loss: torch.Tensor, batch_idx: int) -> None:
+        opt: Any = self.optimizers()
+        if self.config.manual == "accumulate":
+            self.manual_backward(loss / 2)
+            if batch_idx % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+            return
+        self.manual_backward(loss)
+        opt.step()  # the fault: no opt.zero_grad(), the gradients of every step pile up
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val_loss", self.compute_loss(batch), prog_bar=True)
@@ -123,6 +155,9 @@ class DemoModule(pl.LightningModule):
         params = [
             p for n, p in self.named_parameters() if p.requires_grad and not (excluded and n.startswith(excluded))
         ]
+        if c.optimizer_over_copy:
+            # the fault: the optimizer steps copies nobody uses (as when parameters are replaced after this call)
+            params = [nn.Parameter(p.detach().clone()) for p in params]
         opt: torch.optim.Optimizer
         if c.optimizer == "sgd":
             opt = torch.optim.SGD(params, lr=c.lr, weight_decay=c.weight_decay)
@@ -148,7 +183,7 @@ class TinyTransformerClassifier(DemoModule):
         self.embed = nn.Embedding(VOCAB_SIZE, c.d_model)
         self.pos = nn.Parameter(torch.randn(1, 64, c.d_model) * 0.02)
         layer = nn.TransformerEncoderLayer(
-            c.d_model, c.nhead, dim_feedforward=2 * c.d_model, dropout=0.0, batch_first=True
+            c.d_model, c.nhead, dim_feedforward=2 * c.d_model, dropout=c.dropout, batch_first=True
         )
         self.encoder = nn.TransformerEncoder(layer, c.num_layers, enable_nested_tensor=False)
         act: type[nn.Module] = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh}[c.hidden_activation]
@@ -251,7 +286,7 @@ class TinyCausalLM(DemoModule):
         self.embed = nn.Embedding(LM_VOCAB_SIZE, c.d_model)
         self.pos = nn.Parameter(torch.randn(1, 64, c.d_model) * 0.02)
         layer = nn.TransformerEncoderLayer(
-            c.d_model, c.nhead, dim_feedforward=2 * c.d_model, dropout=0.0, batch_first=True
+            c.d_model, c.nhead, dim_feedforward=2 * c.d_model, dropout=c.dropout, batch_first=True
         )
         self.decoder = nn.TransformerEncoder(layer, c.num_layers, enable_nested_tensor=False)
         self.lm_head = nn.Linear(c.d_model, LM_VOCAB_SIZE)
@@ -264,6 +299,12 @@ class TinyCausalLM(DemoModule):
         return self.lm_head(self.decoder(x, mask=causal, is_causal=True))
 
     def compute_loss(self, batch: Any) -> torch.Tensor:
+        if isinstance(batch, dict):  # padded batches (Hugging Face style): labels shifted here, -100 ignored
+            logits = self(batch["input_ids"][:, :-1])
+            targets = batch["labels"][:, 1:]
+            return nn.functional.cross_entropy(
+                logits.reshape(-1, LM_VOCAB_SIZE), targets.reshape(-1), ignore_index=-100
+            )
         (sequence,) = batch
         logits = self(sequence[:, :-1])
         return nn.functional.cross_entropy(logits.reshape(-1, LM_VOCAB_SIZE), sequence[:, 1:].reshape(-1))

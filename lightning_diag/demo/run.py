@@ -16,9 +16,9 @@ from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.core.alerts import Alert
-from lightning_diag.demo.faults import build_fault
+from lightning_diag.demo.faults import Fault, build_fault
 
-__all__ = ["DemoResult", "default_callbacks", "quiet", "run_demo"]
+__all__ = ["DemoResult", "default_callbacks", "fault_callbacks", "quiet", "run_demo"]
 
 
 def default_callbacks() -> list[DiagCallback]:
@@ -28,6 +28,13 @@ def default_callbacks() -> list[DiagCallback]:
     from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
 
     return [GradientFlowMonitor(), AnomalyAlarm(), AttentionEntropyMonitor()]
+
+
+def fault_callbacks(entry: Fault) -> list[DiagCallback]:
+    """The callbacks a fault needs beyond :func:`default_callbacks` (its ``callbacks`` field), built."""
+    import lightning_diag
+
+    return [getattr(lightning_diag, name)(**kwargs) for name, kwargs in entry.callbacks]
 
 
 @dataclasses.dataclass
@@ -74,7 +81,7 @@ def run_demo(
     """
     model, data, entry = build_fault(fault, seed=seed)
     root = root or os.path.join(os.getcwd(), "diag_runs")
-    cbs = default_callbacks() if callbacks is None else callbacks
+    cbs = [*default_callbacks(), *fault_callbacks(entry)] if callbacks is None else callbacks
     pl.seed_everything(seed, verbose=False)
     kwargs: dict[str, Any] = {
         "max_epochs": max_epochs or entry.max_epochs,
@@ -87,6 +94,7 @@ def run_demo(
         "accelerator": "cpu",
         "deterministic": True,
     }
+    kwargs.update(entry.trainer)
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(**kwargs)
     with warnings.catch_warnings():

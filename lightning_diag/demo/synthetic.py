@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -215,6 +218,37 @@ def make_lm_dataset(n: int, seed: int, length: int = 24, noise: float = 0.1) -> 
     return TensorDataset(torch.cat([stride, body + _LM_STRIDES], dim=1))
 
 
+def _pad_lm_batch(items: list[torch.Tensor], mask_padding_labels: bool) -> dict[str, torch.Tensor]:
+    """Right-pad sequences of several lengths into a Hugging Face style batch; ``labels`` are the input ids
+    (the model shifts them), with the padding set to -100 when ``mask_padding_labels``."""
+    width = max(len(x) for x in items)
+    ids = torch.zeros(len(items), width, dtype=torch.long)
+    mask = torch.zeros(len(items), width, dtype=torch.long)
+    for i, x in enumerate(items):
+        ids[i, : len(x)] = x
+        mask[i, : len(x)] = 1
+    labels = ids.clone()
+    if mask_padding_labels:
+        labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class _VariableLengthLM(torch.utils.data.Dataset):
+    """The sequences of a :func:`make_lm_dataset` cut to random lengths (half to all of their tokens)."""
+
+    def __init__(self, data: TensorDataset, seed: int) -> None:
+        (self.seq,) = data.tensors
+        full = self.seq.shape[1]
+        g = torch.Generator().manual_seed(seed)
+        self.lengths = torch.randint(full // 2, full + 1, (len(self.seq),), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.seq[i, : int(self.lengths[i])]
+
+
 class CausalLMDataModule(_TensorDataModule):
     """Next-token prediction: :func:`make_lm_dataset`.
 
@@ -226,6 +260,12 @@ class CausalLMDataModule(_TensorDataModule):
         length: Tokens after the stride token.
         noise: Fraction of random tokens.
         shuffle: Shuffle the training loader.
+        padded: Sequences of random lengths, right-padded into Hugging Face style dict batches (``input_ids``,
+            ``attention_mask``, ``labels``).
+        mask_padding_labels: With ``padded``, set the labels of the padding to -100 (``False``: the fault
+            ``loss_on_padding`` finds).
+        val_length: Tokens after the stride token of the validation sequences (default: ``length``; longer: the
+            fault ``position_overflow`` finds).
     """
 
     def __init__(
@@ -237,12 +277,36 @@ class CausalLMDataModule(_TensorDataModule):
         length: int = 24,
         noise: float = 0.1,
         shuffle: bool = True,
+        padded: bool = False,
+        mask_padding_labels: bool = True,
+        val_length: int | None = None,
     ) -> None:
         super().__init__(n_train, n_val, batch_size, seed, shuffle)
         self.length, self.noise = length, noise
+        self.padded, self.mask_padding_labels, self.val_length = padded, mask_padding_labels, val_length
 
     def make(self, n: int, seed: int) -> TensorDataset:
         return make_lm_dataset(n, seed, self.length, self.noise)
+
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        if self.val_length is not None:
+            self.val_set = make_lm_dataset(self.n_val, self.seed + 1, self.val_length, self.noise)
+        if self.padded:
+            self.train_set = _VariableLengthLM(self.train_set, self.seed)  # type: ignore[assignment]
+            self.val_set = _VariableLengthLM(self.val_set, self.seed + 1)  # type: ignore[assignment]
+
+    def _collate(self) -> Any:
+        return functools.partial(_pad_lm_batch, mask_padding_labels=self.mask_padding_labels) if self.padded else None
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, generator=g, collate_fn=self._collate()
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, collate_fn=self._collate())
 
 
 #: Model shape name (:data:`~lightning_diag.demo.models.MODELS`) -> its data module.

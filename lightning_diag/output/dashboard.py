@@ -29,7 +29,14 @@ from lightning_diag.core.tags import (
     tag,
     threshold_tag,
 )
-from lightning_diag.rules.catalog import QUANTIZATION_ERROR, SHARP_MINIMUM
+from lightning_diag.rules.catalog import (
+    DDP_DESYNC,
+    LOSS_ON_PADDING,
+    QUANTIZATION_ERROR,
+    SHARP_MINIMUM,
+    UPDATE_NONE,
+    UPDATE_STALE,
+)
 
 if TYPE_CHECKING:
     from lightning_diag.output.writer import DiagWriter
@@ -151,7 +158,7 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
                 [f"{p}/attn_sink/", f"{p}/threshold/attn_sink$"],
             ],
         }
-    if any(r.startswith(("loss_", "val_", "nonfinite_")) for r in rules):
+    if any(r.startswith(("loss_", "val_", "nonfinite_")) and r != LOSS_ON_PADDING for r in rules):
         layout["Loss & LR"] = {
             "training and validation loss": ["Multiline", [f"{p}/loss/(train_step|train_epoch|train_window|val)$"]],
             "loss swing: relative change of the mean loss (line: loss_swing)": [
@@ -183,7 +190,29 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
         }
     layout.update(_data_section(rules))
     layout.update(_probes_layout(rules))
+    _add_silent_charts(layout, rules)
     return layout
+
+
+def _add_silent_charts(layout: dict[str, dict[str, list[Any]]], rules: Collection[str]) -> None:
+    """The silent-error charts (issue 22), in the sections of their callbacks: the share of sampled elements a
+    step left unchanged in ``Gradients`` (``update_none`` / ``update_stale``), the replicas' checksum agreement in
+    ``Loss & LR`` (``ddp_desync``, AnomalyAlarm's).
+
+    Example:
+        >>> layout = dashboard_layout(["ddp_desync"])
+        >>> [k for k in layout["Loss & LR"] if "replica" in k]
+        ['replica agreement: largest relative checksum difference across ranks (line: ddp_desync)']
+    """
+    p = TAG_PREFIX
+    if any(r in rules for r in (UPDATE_NONE, UPDATE_STALE)):
+        layout.setdefault("Gradients", {})[
+            "share of sampled elements a step left unchanged, per layer (update_none; line: update_stale)"
+        ] = ["Multiline", [f"{p}/updates/", f"{p}/threshold/{UPDATE_STALE}$"]]
+    if DDP_DESYNC in rules:
+        layout.setdefault("Loss & LR", {})[
+            "replica agreement: largest relative checksum difference across ranks (line: ddp_desync)"
+        ] = ["Multiline", [f"{p}/replicas/max_rel_diff$", f"{p}/threshold/{DDP_DESYNC}$"]]
 
 
 def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
@@ -231,7 +260,10 @@ def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
                 [f"{p}/data/(leaked_fraction|exact_copies|near_copies)$", f"{p}/threshold/data_leakage$"],
             ],
             "unseen and rare validation tokens": ["Multiline", [f"{p}/data/(oov_share|val_rare_share)$"]],
-            "padding ratio per split": ["Multiline", [f"{p}/data/(train|val)/padding_ratio$"]],
+            "padding ratio per split, and share of label positions that are padding (loss_on_padding)": [
+                "Multiline", [f"{p}/data/(train|val)/padding_ratio$", f"{p}/data/train/padding_label_share$"]],
+            "positions the longest sample uses, per split (position_overflow)": [
+                "Multiline", [f"{p}/data/(train|val)/max_positions$"]],
         }
     }
 

@@ -42,6 +42,7 @@ from lightning_diag.report import attention_range as _attention_range  # noqa: F
 from lightning_diag.report import data_checks as _data_checks  # noqa: F401  (registers the Data rows)
 from lightning_diag.report import measures as _measures  # noqa: F401  (the Model, Training, Deployment rows)
 from lightning_diag.report import probe_checks as _probe_checks  # noqa: F401  (registers the probes' rows)
+from lightning_diag.report import silent_checks as _silent_checks  # noqa: F401  (the silent-error rows)
 from lightning_diag.report.load import RunData
 from lightning_diag.report.replay import REPLAYS, replay
 from lightning_diag.report.rows import (

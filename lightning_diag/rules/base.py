@@ -11,7 +11,7 @@ from typing import Any, ClassVar, TypeVar
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec
 
-__all__ = ["OVERWHELMING", "WORSEN_FACTOR", "Latch", "Rule", "StepContext", "excess", "name_layers"]
+__all__ = ["OVERWHELMING", "WORSEN_FACTOR", "Latch", "Rule", "StepContext", "excess", "list_names", "name_layers"]
 
 #: A rule class (the return type of :meth:`Rule.from_settings`).
 RuleT = TypeVar("RuleT", bound="Rule")
@@ -240,6 +240,23 @@ def name_layers(
     """
     order = sorted(values, key=values.__getitem__, reverse=worst_first)
     parts = ", ".join(f"`{k}` {values[k]:.3g}" for k in order[:shown])
+    if len(order) == 1:
+        return parts
+    more = f" and {len(order) - shown} more" if len(order) > shown else ""
+    return f"{len(order)} {noun}: {parts}{more}"
+
+
+def list_names(names: Iterable[str], shown: int = _SHOWN, noun: str = "layers") -> str:
+    """``"3 layers: `a`, `b`, `c`"``: a count and the first few names (sorted), for alerts without a value per source.
+
+    Example:
+        >>> list_names(["b", "a", "c", "d"], shown=2)
+        '4 layers: `a`, `b` and 2 more'
+        >>> list_names(["a"])
+        '`a`'
+    """
+    order = sorted(names)
+    parts = ", ".join(f"`{k}`" for k in order[:shown])
     if len(order) == 1:
         return parts
     more = f" and {len(order) - shown} more" if len(order) > shown else ""

@@ -20,15 +20,19 @@ from lightning_diag.core.registry import CheckSpec, register_check
 from lightning_diag.rules.anomaly import LOSS_STAGNANT, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION
 from lightning_diag.rules.attention import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
 from lightning_diag.rules.data import DATA_LEAKAGE, DATA_NONFINITE, DATA_VOCAB_SHIFT, LABEL_IMBALANCE
+from lightning_diag.rules.data_sequences import LOSS_ON_PADDING, POSITION_OVERFLOW
 from lightning_diag.rules.errors import ERROR_CLUSTER
 from lightning_diag.rules.grad import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_FROZEN, GRAD_LAYER_SPREAD, GRAD_VANISH
 
 # isort: off  (the registry keeps declaration order: the order below is the order of ALL_RULES)
 from lightning_diag.rules.nonfinite import NONFINITE_GRAD, NONFINITE_LOSS
 from lightning_diag.rules.probes import QUANTIZATION_ERROR, SHARP_MINIMUM
+from lightning_diag.rules.replicas import DDP_DESYNC
 from lightning_diag.rules.robustness import ROBUSTNESS_DROP
 from lightning_diag.rules.rollback import NONFINITE_ROLLBACK
 from lightning_diag.rules.system import DATALOADER_BOUND, MEMORY_GROWTH, STEP_TIME_FLUCTUATION, STEP_TIME_PERIODIC
+from lightning_diag.rules.train_mode import EVAL_MODE_IN_TRAINING
+from lightning_diag.rules.updates import GRAD_NOT_ZEROED, UPDATE_NONE, UPDATE_STALE
 
 # isort: on
 
@@ -40,24 +44,31 @@ __all__ = [
     "DATA_LEAKAGE",
     "DATA_NONFINITE",
     "DATA_VOCAB_SHIFT",
+    "DDP_DESYNC",
     "ERROR_CLUSTER",
+    "EVAL_MODE_IN_TRAINING",
     "GRAD_COLLAPSE",
     "GRAD_EXPLODE",
     "GRAD_FROZEN",
     "GRAD_LAYER_SPREAD",
+    "GRAD_NOT_ZEROED",
     "GRAD_VANISH",
     "LABEL_IMBALANCE",
+    "LOSS_ON_PADDING",
     "LOSS_STAGNANT",
     "LOSS_SWING",
     "MEMORY_GROWTH",
     "NONFINITE_GRAD",
     "NONFINITE_LOSS",
     "NONFINITE_ROLLBACK",
+    "POSITION_OVERFLOW",
     "QUANTIZATION_ERROR",
     "ROBUSTNESS_DROP",
     "SHARP_MINIMUM",
     "STEP_TIME_FLUCTUATION",
     "STEP_TIME_PERIODIC",
+    "UPDATE_NONE",
+    "UPDATE_STALE",
     "VAL_DECLINE",
     "VAL_FLUCTUATION",
 ]
@@ -112,3 +123,9 @@ register_check(CheckSpec("error_concentration", "Model",
 register_check(CheckSpec("robustness", "Model",
                          "Robustness ({robustness_drop__rate:.0%} perturbation): the validation metric drops by at "
                          "most {robustness_drop:.0%}"))
+register_check(CheckSpec("updates_applied", "Training",
+                         "Optimizer steps change every trained parameter (no sampled layer left unchanged; at most "
+                         "{update_stale:.0%} of a low-precision layer's sampled elements unchanged)"))
+register_check(CheckSpec("replicas_agree", "Training",
+                         "Data-parallel replicas hold the same parameters (checksum relative difference at most "
+                         "{ddp_desync:g}, every {ddp_desync__every_n_steps:g} steps)"))

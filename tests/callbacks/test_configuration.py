@@ -30,6 +30,8 @@ from lightning_diag.core.registry import default_thresholds
 # callback -> argument -> [(bad value, error, what the message must say is allowed)]
 INVALID = {
     AnomalyAlarm: {
+        "desync_every_n_steps": [(0, ValueError, "an int >= 1")],
+        "desync_tolerance": [(-1.0, ValueError, "a number >= 0")],
         "on_alert": [(42, TypeError, "a callable")],
         "on_nonfinite": [
             ("explode", ValueError, "'stop', 'raise', 'skip', 'warn', 'rollback'"),
@@ -45,6 +47,8 @@ INVALID = {
         "log_every_n_steps": [(0, ValueError, "an int >= 1"), (1.0, TypeError, "an int >= 1")],
     },
     GradientFlowMonitor: {
+        "stale_fraction": [(1.5, ValueError, "a number >= 0 and < 1")],
+        "update_sample_size": [(-1, ValueError, "an int >= 0")],
         "on_alert": [(42, TypeError, "a callable")],
         "log_every_n_steps": [(0, ValueError, "an int >= 1")],
         "params": [("encoder.*", TypeError, "a list of name patterns or a predicate"), ([1], TypeError, "patterns")],
@@ -85,6 +89,8 @@ INVALID = {
     },
     # The renamed thresholds of the other two callbacks (their other arguments: their own test modules).
     DataDiagnostics: {
+        "padding_labels": [(-1.0, ValueError, "a number >= 0 and < 1")],
+        "length_ratio": [(0.0, ValueError, "a number >= 1")],
         "vocab_shift_threshold": [(-1, ValueError, "a number > 0")],
         "vocab_shift_min_count": [(0, ValueError, "an int >= 1")],
         "leakage_threshold": [(1.5, ValueError, "a number > 0 and <= 1")],

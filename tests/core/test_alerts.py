@@ -75,6 +75,13 @@ def test_rule_ids_are_the_contract():
         "memory_growth",
         "error_cluster",
         "robustness_drop",
+        "update_none",
+        "update_stale",
+        "grad_not_zeroed",
+        "ddp_desync",
+        "eval_mode_in_training",
+        "loss_on_padding",
+        "position_overflow",
     }
 
 

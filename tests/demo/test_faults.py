@@ -108,14 +108,15 @@ def test_causal_lm_does_not_see_the_future():
     assert not torch.allclose(a[:, 10:], b[:, 10:])
 
 
-def _callback_present(rule):
-    return ALL_RULES[rule] in {type(cb).__name__ for cb in default_callbacks()}
+def _callback_present(rule, fault=None):
+    extra = {name for name, _ in fault.callbacks} if fault is not None else set()
+    return ALL_RULES[rule] in {type(cb).__name__ for cb in default_callbacks()} | extra
 
 
 @pytest.mark.parametrize("name", ANOMALY_FAULTS)
 def test_every_fault_fires_its_expected_rules_within_its_window(tmp_path, name):
     fault = FAULTS[name]
-    missing = [r for r in fault.expected_rules if not _callback_present(r)]
+    missing = [r for r in fault.expected_rules if not _callback_present(r, fault)]
     if missing:
         pytest.skip(f"{[ALL_RULES[r] for r in missing]} not in default_callbacks() yet")
     result = run_demo(name, root=str(tmp_path))
@@ -156,3 +157,20 @@ def test_readme_lists_every_fault():
     line = next(x for x in readme.splitlines() if "--fault none|" in x)
     listed = line.split("--fault ", 1)[1].split("`", 1)[0].split("|")
     assert sorted(listed) == sorted(FAULTS)
+
+
+SILENT_HEALTHY = ["healthy_bf16", "healthy_manual_accumulation", "healthy_dropout", "healthy_padded_lm"]
+
+
+@pytest.mark.parametrize("name", SILENT_HEALTHY)
+def test_silent_error_healthy_counterparts_raise_no_warning(tmp_path, name):
+    result = run_demo(name, root=str(tmp_path))
+    assert [a.format() for a in result.alerts if a.severity != "info"] == []
+    assert result.epochs == FAULTS[name].max_epochs
+
+
+def test_silent_error_faults_name_their_cause(tmp_path):
+    result = run_demo("optimizer_copy", root=str(tmp_path))
+    (hit,) = [a for a in result.alerts if a.rule == "update_none"]
+    assert "copy of the model" in hit.message
+    assert not [a for a in result.alerts if a.rule in ("grad_frozen", "grad_not_zeroed")]

@@ -42,6 +42,8 @@ def test_layout_is_in_the_event_file_once(nan_run):
             for regex in chart.multiline.tag:
                 if "fluctuation" in regex:
                     continue  # needs 5 validation runs; the nan demo stops after 2
+                if "replicas" in regex or "ddp_desync" in regex:
+                    continue  # written under DDP only (tests/callbacks/test_silent_ddp.py)
                 assert any(re.match(regex, t) for t in scalars), (chart.title, regex)
 
 

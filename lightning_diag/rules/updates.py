@@ -1,0 +1,252 @@
+"""Update rules (framework-free): ``update_none``, ``update_stale``, ``grad_not_zeroed``.
+
+Fed by :class:`~lightning_diag.GradientFlowMonitor` on its measured steps with what a small fixed sample of each
+parameter's elements did across the optimizer step (:mod:`lightning_diag.stats.updates`). Exact meaning:
+
+* ``update_none`` (warning): every sampled element of a layer that has a finite, non-zero gradient is left
+  unchanged by the optimizer step, on ``patience`` consecutive measurements. The likely cause is named: no
+  trainable parameter of the model is in any optimizer (it was built over a copy, or the parameters were
+  replaced after ``configure_optimizers``), the parameter group's learning rate is 0, or the optimizer (a
+  wrapper around it) drops the update. A parameter frozen (``requires_grad=False``) or left out of the optimizer
+  while the rest trains is ``grad_frozen``'s business, not this rule's.
+* ``update_stale`` (warning): in a bf16/fp16 parameter, more than ``stale_fraction`` of the sampled elements with
+  a non-zero gradient are left unchanged (their updates round to zero in the low-precision weights), on
+  ``patience`` consecutive measurements.
+* ``grad_not_zeroed`` (warning): at the first backward after a measured optimizer step, some parameters'
+  ``.grad`` still holds exactly what that step applied (its L2 norm unchanged and non-zero): the gradients were not
+  zeroed between the step and the next backward, so every step applies the sum of all earlier gradients.
+  Deliberate accumulation (several backward passes, then the step, then ``zero_grad``) never trips it.
+
+Layers tripping one rule at one measurement make one alert naming them; each layer is latched until it clears.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
+
+from lightning_diag.core.record import Alert
+from lightning_diag.core.registry import RuleSpec, default, register
+from lightning_diag.rules.base import Rule, StepContext, list_names, name_layers
+from lightning_diag.rules.grad_frozen import GRADIENT_FLOW
+
+__all__ = [
+    "DEFAULT_STALE_FRACTION",
+    "DEFAULT_UPDATE_PATIENCE",
+    "DEFAULT_UPDATE_SAMPLE_SIZE",
+    "GRAD_NOT_ZEROED",
+    "GRAD_NOT_ZEROED_SPEC",
+    "UPDATE_CAUSES",
+    "UPDATE_NONE",
+    "UPDATE_NONE_SPEC",
+    "UPDATE_STALE",
+    "UPDATE_STALE_SPEC",
+    "GradNotZeroedRule",
+    "LayerUpdate",
+    "UpdateRule",
+]
+
+# -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
+UPDATE_NONE_SPEC = register(RuleSpec(
+    "update_none", GRADIENT_FLOW, "warning", None,
+    "a parameter with non-zero gradients that {patience:g} consecutive measured optimizer steps leave "
+    "unchanged (every one of its {sample_size:g} sampled elements)",
+    settings={"patience": 3, "sample_size": 32}, check="updates_applied",
+    arguments={"patience": "patience", "sample_size": "update_sample_size"},
+))
+UPDATE_STALE_SPEC = register(RuleSpec(
+    "update_stale", GRADIENT_FLOW, "warning", 0.5,
+    "a bf16/fp16 parameter whose measured optimizer steps leave more than {threshold:.0%} of the "
+    "sampled elements with a non-zero gradient unchanged (updates round to zero), on {patience:g} "
+    "consecutive measurements",
+    settings={"patience": 3}, check="updates_applied",
+    arguments={"threshold": "stale_fraction", "patience": "patience"},
+))
+GRAD_NOT_ZEROED_SPEC = register(RuleSpec(
+    "grad_not_zeroed", GRADIENT_FLOW, "warning", None,
+    "the gradients an optimizer step applied are still in `.grad` at the next backward (no "
+    "`zero_grad` between them)",
+))
+UPDATE_NONE = UPDATE_NONE_SPEC.rule_id
+UPDATE_STALE = UPDATE_STALE_SPEC.rule_id
+GRAD_NOT_ZEROED = GRAD_NOT_ZEROED_SPEC.rule_id
+
+#: ``update_stale``: share of sampled elements (with a non-zero gradient) left unchanged above this.
+DEFAULT_STALE_FRACTION = default(UPDATE_STALE)
+#: ``update_none`` / ``update_stale``: consecutive measurements (GradientFlowMonitor's ``patience``).
+DEFAULT_UPDATE_PATIENCE = int(default(f"{UPDATE_NONE}.patience"))
+#: Elements sampled per parameter (evenly spaced over the flattened tensor).
+DEFAULT_UPDATE_SAMPLE_SIZE = int(default(f"{UPDATE_NONE}.sample_size"))
+
+#: ``update_none``: why an update may be missing, and what to do about it.
+UPDATE_CAUSES: dict[str, str] = {
+    "no_optimizer": (
+        "none of the model's trainable parameters is in any optimizer: the optimizer was built over other tensors "
+        "(a copy of the model, or parameters replaced after `configure_optimizers`); build it over "
+        "`self.parameters()` of the module that trains"
+    ),
+    "lr_zero": "the learning rate of its parameter group is 0 (a schedule that ends at 0, or a warm-up that never "
+    "starts)",
+    "dropped": (
+        "the optimizer step leaves it unchanged: a wrapper that drops the update, a learning rate that rounds to "
+        "zero, or parameters the optimizer updates out of place"
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerUpdate:
+    """What one measured optimizer step did to a layer's sampled elements.
+
+    Attributes:
+        counted: Sampled elements with a finite, non-zero gradient.
+        unchanged: Of those, the elements the step left bit-for-bit unchanged.
+        low_precision: Whether the layer's parameters are bf16 or fp16.
+        cause: A key of :data:`UPDATE_CAUSES` known before looking (``"no_optimizer"``, ``"lr_zero"``), else
+            ``None``.
+    """
+
+    counted: int
+    unchanged: int
+    low_precision: bool = False
+    cause: str | None = None
+
+    @property
+    def share(self) -> float:
+        """Share of the counted elements left unchanged (0 when none was counted)."""
+        return self.unchanged / self.counted if self.counted else 0.0
+
+
+class UpdateRule(Rule):
+    """``update_none`` and ``update_stale`` over the layers of one measured step (streaks and latch per layer).
+
+    Example:
+        >>> rule = UpdateRule(patience=2)
+        >>> stuck = {"fc": LayerUpdate(32, 32)}
+        >>> [a.rule for i in range(3) for a in rule.update(stuck, StepContext(0, i))]
+        ['update_none']
+        >>> bf16 = {"fc": LayerUpdate(32, 30, low_precision=True)}
+        >>> [a.rule for i in range(2) for a in UpdateRule(patience=2).update(bf16, StepContext(0, i))]
+        ['update_stale']
+    """
+
+    specs = (UPDATE_NONE_SPEC, UPDATE_STALE_SPEC)
+    state_keys = ("streaks",)
+
+    def __init__(self, stale_fraction: float = DEFAULT_STALE_FRACTION, patience: int = DEFAULT_UPDATE_PATIENCE) -> None:
+        super().__init__()
+        self.stale_fraction = stale_fraction
+        self.patience = patience
+        self.streaks: dict[str, int] = {}
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> UpdateRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(UPDATE_STALE_SPEC.value(thresholds), int(UPDATE_NONE_SPEC.value(thresholds, "patience")))
+
+    def update(self, layers: Mapping[str, LayerUpdate], ctx: StepContext) -> list[Alert]:
+        """Feed one measured step (``{layer: LayerUpdate}``); return the alerts raised."""
+        measured = {k: v for k, v in layers.items() if v.counted > 0}
+        none = {
+            k: v for k, v in measured.items() if v.unchanged == v.counted and (not v.low_precision or v.cause)
+        }
+        stale = {
+            k: v
+            for k, v in measured.items()
+            if v.low_precision and not v.cause and k not in none and v.share > self.stale_fraction
+        }
+        alerts = []
+        new = self._trip(UPDATE_NONE, none, set(measured))
+        if new:
+            causes = [none[k].cause or "dropped" for k in new]
+            cause = max(set(causes), key=causes.count)
+            worst = sorted(new)[0]
+            alerts.append(
+                self._alert(
+                    ctx,
+                    f"optimizer steps leave {list_names(new)} unchanged although their gradients "
+                    f"are non-zero (every sampled element, on {self.patience} consecutive measured steps): "
+                    f"{UPDATE_CAUSES[cause]}",
+                    source=worst,
+                    value=1.0,
+                    threshold=None,
+                    rule=UPDATE_NONE,
+                )
+            )
+        new = self._trip(UPDATE_STALE, stale, set(measured))
+        if new:
+            shares = {k: stale[k].share for k in new}
+            worst = max(shares, key=shares.__getitem__)
+            alerts.append(
+                self._alert(
+                    ctx,
+                    f"in bf16/fp16 weights most updates round to zero: the optimizer step left this share of the "
+                    f"sampled elements with a non-zero gradient unchanged in {name_layers(shares)} (above "
+                    f"{self.stale_fraction:.0%}, on {self.patience} consecutive measured steps); keep fp32 master "
+                    "weights (`precision=\"bf16-mixed\"`), raise the learning rate, or use an optimizer with Kahan "
+                    "summation or stochastic rounding",
+                    source=worst,
+                    value=shares[worst],
+                    threshold=self.stale_fraction,
+                    rule=UPDATE_STALE,
+                )
+            )
+        return alerts
+
+    def _trip(self, rule: str, bad: Mapping[str, LayerUpdate], seen: Collection[str]) -> list[str]:
+        new = []
+        for layer in sorted(set(seen) | set(bad)):
+            key = f"{rule}:{layer}"
+            if layer in bad:
+                self.streaks[key] = self.streaks.get(key, 0) + 1
+            else:
+                self.streaks.pop(key, None)
+            if self.latch.update(key, self.streaks.get(key, 0) >= self.patience):
+                new.append(layer)
+        return new
+
+
+class GradNotZeroedRule(Rule):
+    """``grad_not_zeroed``: the layers whose ``.grad`` still held a step's gradients at the next backward.
+
+    Latched as one source (``optimizer``): it alerts once, and again only after a check found the gradients zeroed.
+
+    Example:
+        >>> rule = GradNotZeroedRule()
+        >>> [a.rule for a in rule.update(["fc"], StepContext(0, 6))]
+        ['grad_not_zeroed']
+        >>> rule.update(["fc"], StepContext(0, 11))
+        []
+    """
+
+    specs = (GRAD_NOT_ZEROED_SPEC,)
+    state_keys = ("checks",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradNotZeroedRule:
+        """The rule (it has no thresholds; see :meth:`Rule.from_settings`)."""
+        del thresholds
+        return cls()
+
+    def update(self, stale_layers: Collection[str], ctx: StepContext) -> list[Alert]:
+        """Feed one check (the layers whose gradients were not zeroed; empty: all were); return the alerts."""
+        self.checks += 1
+        layers = sorted(stale_layers)
+        if not self.latch.update("optimizer", bool(layers)):
+            return []
+        return [
+            self._alert(
+                ctx,
+                f"the gradients an optimizer step applied were still in `.grad` at the next backward in "
+                f"{list_names(layers)}: nothing zeroed them, so every step applies the sum of "
+                "all earlier gradients; call `optimizer.zero_grad()` after `optimizer.step()` (manual optimization), "
+                "or do not override `optimizer_zero_grad` with a no-op",
+                source=layers[0],
+                value=float(len(layers)),
+                threshold=None,
+            )
+        ]

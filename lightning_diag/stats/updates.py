@@ -1,0 +1,110 @@
+"""Sampled elements of parameters across an optimizer step, and parameter checksums (pure torch).
+
+The measures behind ``update_none`` / ``update_stale`` (a fixed, evenly spaced sample of each parameter's elements,
+read before and after the step) and ``ddp_desync`` (one checksum per parameter). Nothing here copies to the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["ElementSample", "local_tensor", "parameter_checksums", "sample_positions", "unchanged_counts"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local part of a tensor (a ``DTensor``'s shard, a plain tensor itself), detached."""
+    to_local = getattr(t, "to_local", None)
+    return (to_local() if callable(to_local) else t).detach()
+
+
+def sample_positions(numel: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``min(numel, size)`` evenly spaced positions in a flattened tensor of ``numel`` elements.
+
+    Example:
+        >>> sample_positions(10, 4).tolist()
+        [0, 3, 6, 9]
+        >>> sample_positions(2, 4).tolist()
+        [0, 1]
+    """
+    count = min(numel, size)
+    if count <= 0:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    return torch.linspace(0, numel - 1, count, device=device).round().long()
+
+
+class ElementSample:
+    """A fixed sample of elements of several tensors, gathered into one flat float32 vector.
+
+    Built once for a list of tensors (their shapes fix the positions); :meth:`gather` reads the sampled elements of
+    the same tensors (or of their gradients) at any time, on the device, one small kernel per tensor.
+
+    Example:
+        >>> a, b = torch.arange(10.0), torch.ones(3)
+        >>> sample = ElementSample([a, b], size=2)
+        >>> sample.gather([a, b]).tolist(), sample.segment.tolist()
+        ([0.0, 9.0, 1.0, 1.0], [0, 0, 1, 1])
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], size: int) -> None:
+        device = local_tensor(tensors[0]).device if tensors else torch.device("cpu")
+        self.positions = [sample_positions(local_tensor(t).numel(), size, local_tensor(t).device) for t in tensors]
+        counts = [len(p) for p in self.positions]
+        #: Which tensor each sampled element belongs to.
+        self.segment = torch.repeat_interleave(
+            torch.arange(len(counts), device=device), torch.tensor(counts, dtype=torch.long, device=device)
+        )
+        self.count = len(counts)
+
+    def gather(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """The sampled elements of ``tensors`` (``None`` reads as zeros), as one float32 vector."""
+        parts = []
+        for t, pos in zip(tensors, self.positions, strict=True):
+            if t is None:
+                parts.append(torch.zeros(len(pos), device=self.segment.device))
+            else:
+                parts.append(local_tensor(t).reshape(-1).index_select(0, pos).float().to(self.segment.device))
+        return torch.cat(parts) if parts else torch.zeros(0, device=self.segment.device)
+
+
+def unchanged_counts(
+    before: torch.Tensor, after: torch.Tensor, grads: torch.Tensor, segment: torch.Tensor, count: int
+) -> torch.Tensor:
+    """``[2, count]``: per tensor, the sampled elements with a finite non-zero gradient, and how many of those the
+    step left unchanged (``after == before`` bit for bit, as float32 views of the weights).
+
+    Example:
+        >>> before, after = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.5, 3.0])
+        >>> unchanged_counts(before, after, torch.tensor([0.1, 0.1, 0.0]), torch.tensor([0, 0, 1]), 2).tolist()
+        [[2.0, 0.0], [1.0, 0.0]]
+    """
+    live = torch.isfinite(grads) & (grads != 0)
+    same = live & (after == before)
+    out = torch.zeros(2, count, device=before.device)
+    out[0].index_add_(0, segment, live.float())
+    out[1].index_add_(0, segment, same.float())
+    return out
+
+
+def parameter_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One checksum per tensor: its L2 norm and its plain sum, as a float64 ``[2, n]`` on the first one's device.
+
+    Two numbers per parameter make a change that keeps one of them (a sign flip keeps the norm) still visible.
+
+    Example:
+        >>> parameter_checksums([torch.tensor([3.0, -4.0])]).tolist()
+        [[5.0], [-1.0]]
+    """
+    if not tensors:
+        return torch.zeros(2, 0, dtype=torch.float64)
+    local = []
+    for t in tensors:
+        x = local_tensor(t)
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        local.append(x if x.is_floating_point() else x.double())  # integer parameters (frozen counters)
+    device = local[0].device
+    norms = torch.stack([n.to(device=device, dtype=torch.float64) for n in torch._foreach_norm(local)])
+    sums = torch.stack([t.sum(dtype=torch.float64).to(device) for t in local])
+    return torch.stack([norms, sums])

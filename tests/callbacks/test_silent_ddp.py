@@ -1,0 +1,38 @@
+"""ddp_desync under DDP (2 gloo processes): one rank's perturbed weights are caught on every rank at the same
+step, naming the parameter and the rank; a healthy DDP run raises nothing."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("ddp_desync_script.py")
+
+
+def _run(tmp_path, mode):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), mode], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"{mode}{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_one_ranks_perturbed_weights_are_ddp_desync_on_every_rank(tmp_path):
+    ranks = _run(tmp_path, "perturb")
+    for rank in ranks:
+        hits = [a for a in rank["alerts"] if a["rule"] == "ddp_desync"]
+        assert [(a["severity"], a["global_step"], a["source"]) for a in hits] == [("critical", 4, "last.weight")]
+        assert "rank(s) 1" in hits[0]["message"]
+        assert rank["checks"] == 4  # steps 2, 4, 6, 8
+    records = [json.loads(x) for x in (tmp_path / "diag" / "alerts.jsonl").read_text().splitlines()]
+    assert [r["rule"] for r in records if r["rule"] == "ddp_desync"] == ["ddp_desync"]  # rank zero writes once
+
+
+@pytest.mark.slow
+def test_healthy_ddp_run_has_identical_replicas_and_no_new_alert(tmp_path):
+    ranks = _run(tmp_path, "healthy")
+    for rank in ranks:
+        assert rank["alerts"] == [] and rank["checks"] == 4 and rank["max_diff"] == 0.0

@@ -1,0 +1,300 @@
+"""Silent training errors through real Trainer.fit runs: update_none, update_stale, grad_not_zeroed
+(GradientFlowMonitor), eval_mode_in_training (AnomalyAlarm), their healthy counterparts, and resume."""
+
+import copy
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_diag import AnomalyAlarm, GradientFlowMonitor
+
+FAST = dict(
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    enable_checkpointing=False,
+    accelerator="cpu",
+    log_every_n_steps=2,
+    logger=False,
+    num_sanity_val_steps=0,
+    limit_val_batches=0,
+)
+NEW_RULES = {"update_none", "update_stale", "grad_not_zeroed", "eval_mode_in_training", "ddp_desync"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class _Net(pl.LightningModule):
+    """Linear -> [BatchNorm] -> ReLU -> Dropout -> Linear regression, with switches for the faults.
+
+    Args:
+        bug: ``"copy"`` (optimizer over a copy), ``"lr_zero"``, ``"no_zero_grad"`` (manual, no zero_grad),
+            ``"eval"`` (``self.eval()`` in ``on_train_epoch_start``), or ``None``.
+        manual: ``"plain"`` (backward, step, zero_grad) or ``"accumulate"`` (backward on every batch, step and
+            zero_grad every second batch), or ``None`` (automatic optimization).
+        lr: AdamW learning rate.
+        batchnorm: Add a BatchNorm1d; ``"frozen"`` freezes it (``requires_grad=False``, eval mode each epoch).
+    """
+
+    def __init__(self, bug=None, manual=None, lr=1e-2, batchnorm=None, dropout=0.1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.bug, self.lr, self.batchnorm = bug, lr, batchnorm
+        self.automatic_optimization = manual is None and bug != "no_zero_grad"
+        self.manual = manual or ("plain" if bug == "no_zero_grad" else None)
+        self.first = nn.Linear(8, 32)
+        self.norm = nn.BatchNorm1d(32) if batchnorm else nn.Identity()
+        self.drop = nn.Dropout(dropout)
+        self.last = nn.Linear(32, 1)
+        if batchnorm == "frozen":
+            self.norm.requires_grad_(False)
+
+    def forward(self, x):
+        return self.last(self.drop(torch.relu(self.norm(self.first(x)))))
+
+    def _loss(self, batch):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def on_train_epoch_start(self):
+        if self.bug == "eval":
+            self.eval()
+        if self.batchnorm == "frozen":
+            self.norm.eval()
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return self._loss(batch)
+        opt = self.optimizers()
+        loss = self._loss(batch)
+        if self.manual == "accumulate":
+            self.manual_backward(loss / 2)
+            if batch_idx % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+        else:
+            self.manual_backward(loss)
+            opt.step()
+            if self.bug != "no_zero_grad":
+                opt.zero_grad()
+        return loss
+
+    def configure_optimizers(self):
+        params = list(self.parameters())
+        if self.bug == "copy":
+            params = [copy.deepcopy(p) for p in params]
+        params = [p for p in params if p.requires_grad]
+        return torch.optim.AdamW(params, lr=0.0 if self.bug == "lr_zero" else self.lr)
+
+
+def _data(n=64, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    y = x[:, :1] * 0.5 + 0.1 * torch.randn(n, 1, generator=g)
+    return DataLoader(TensorDataset(x.to(dtype), y.to(dtype)), batch_size=8)
+
+
+@pytest.fixture(autouse=True)
+def _root(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+def _fit(model, callbacks, steps=12, data=None, **kwargs):
+    trainer = pl.Trainer(max_steps=steps, callbacks=callbacks, default_root_dir=".", **{**FAST, **kwargs})
+    trainer.fit(model, data if data is not None else _data())
+    return trainer
+
+
+def _new(callbacks):
+    return [(a.rule, a.severity, a.source) for cb in callbacks for a in cb.alerts if a.rule in NEW_RULES]
+
+
+def _serious(callbacks):
+    return [a.format() for cb in callbacks for a in cb.alerts if a.severity != "info"]
+
+
+def test_optimizer_over_a_copy_is_update_none_naming_the_cause():
+    cbs = [GradientFlowMonitor(), AnomalyAlarm()]
+    _fit(_Net(bug="copy"), cbs)
+    hits = [a for a in cbs[0].alerts if a.rule == "update_none"]
+    assert len(hits) == 1 and hits[0].severity == "warning", _serious(cbs)
+    assert hits[0].global_step == 4  # measured at steps 0, 2, 4: patience 3
+    assert "copy of the model" in hits[0].message and "2 layers" in hits[0].message
+    assert not [a for a in cbs[0].alerts if a.rule == "grad_frozen"]
+
+
+def test_a_learning_rate_of_zero_is_update_none():
+    cbs = [GradientFlowMonitor()]
+    _fit(_Net(bug="lr_zero"), cbs)
+    (hit,) = [a for a in cbs[0].alerts if a.rule == "update_none"]
+    assert "learning rate of its parameter group is 0" in hit.message
+
+
+def test_bf16_weights_with_a_tiny_learning_rate_are_update_stale():
+    cbs = [GradientFlowMonitor()]
+    _fit(_Net(lr=1e-6, dropout=0.0), cbs, precision="bf16-true")
+    hits = [a for a in cbs[0].alerts if a.rule in ("update_stale", "update_none")]
+    assert [a.rule for a in hits] == ["update_stale"], _serious(cbs)
+    assert hits[0].value > 0.5 and "fp32 master weights" in hits[0].message
+
+
+def test_bf16_weights_with_a_usual_learning_rate_are_healthy():
+    cbs = [GradientFlowMonitor(), AnomalyAlarm()]
+    _fit(_Net(lr=1e-2, dropout=0.0), cbs, precision="bf16-true")
+    assert _new(cbs) == []
+
+
+def test_manual_optimization_without_zero_grad_is_grad_not_zeroed():
+    cbs = [GradientFlowMonitor(), AnomalyAlarm()]
+    _fit(_Net(bug="no_zero_grad"), cbs)
+    hits = [a for a in cbs[0].alerts if a.rule == "grad_not_zeroed"]
+    assert len(hits) == 1 and hits[0].global_step == 2, _serious(cbs)  # fingerprint at step 0, read at step 2
+    assert "zero_grad" in hits[0].message
+
+
+@pytest.mark.parametrize(
+    "model, kwargs",
+    [
+        (lambda: _Net(), {}),
+        (lambda: _Net(manual="plain"), {}),
+        (lambda: _Net(manual="accumulate"), {}),
+        (lambda: _Net(), {"accumulate_grad_batches": 2}),
+        (lambda: _Net(), {"gradient_clip_val": 0.01}),
+        (lambda: _Net(batchnorm="trained"), {}),
+    ],
+    ids=["automatic", "manual", "manual_accumulation", "accumulate_grad_batches", "clipping", "batchnorm"],
+)
+def test_healthy_runs_raise_none_of_the_new_rules(model, kwargs):
+    cbs = [GradientFlowMonitor(), AnomalyAlarm()]
+    _fit(model(), cbs, steps=10, **kwargs)
+    assert _new(cbs) == []
+    assert cbs[0].update_rule.streaks == {} or all(v == 0 for v in cbs[0].update_rule.streaks.values())
+
+
+def test_model_eval_in_on_train_epoch_start_is_eval_mode_in_training():
+    cbs = [GradientFlowMonitor(), AnomalyAlarm()]
+    _fit(_Net(bug="eval", batchnorm="trained"), cbs)
+    hits = [a for a in cbs[1].alerts if a.rule == "eval_mode_in_training"]
+    assert [(a.severity, a.global_step) for a in hits] == [("warning", 0)], _serious(cbs)
+    assert "`drop`" in hits[0].message and "`norm`" in hits[0].message and "on_train_epoch_start" in hits[0].message
+
+
+def test_a_frozen_batchnorm_in_eval_mode_is_one_info():
+    cbs = [GradientFlowMonitor(expect_frozen=["norm.*"]), AnomalyAlarm()]
+    _fit(_Net(batchnorm="frozen"), cbs)
+    hits = [a for a in cbs[1].alerts if a.rule == "eval_mode_in_training"]
+    assert [(a.severity, a.source) for a in hits] == [("info", "norm")]
+    assert _serious(cbs) == []
+
+
+def test_a_frozen_backbone_in_eval_mode_is_healthy():
+    class Backbone(_Net):
+        def __init__(self):
+            super().__init__()
+            self.first.requires_grad_(False)
+            self.body = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2))
+            self.body.requires_grad_(False)
+
+        def forward(self, x):
+            return super().forward(self.body(x))
+
+        def on_train_epoch_start(self):
+            self.body.eval()
+
+    cbs = [GradientFlowMonitor(expect_frozen=["first.*", "body.*"]), AnomalyAlarm()]
+    _fit(Backbone(), cbs)
+    assert _new(cbs) == []
+
+
+def test_update_and_mode_state_survive_a_resume(tmp_path):
+    gfm, alarm = GradientFlowMonitor(), AnomalyAlarm()
+    trainer = pl.Trainer(max_steps=3, callbacks=[gfm, alarm], default_root_dir=tmp_path, **FAST)
+    trainer.fit(_Net(bug="copy"), _data())
+    assert gfm.update_rule.streaks  # 2 of 3 measurements (steps 0, 2): not yet alerted
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    saved = dict(gfm.update_rule.streaks)
+    gfm2, alarm2 = GradientFlowMonitor(), AnomalyAlarm()
+    trainer = pl.Trainer(max_steps=6, callbacks=[gfm2, alarm2], default_root_dir=tmp_path, **FAST)
+    trainer.fit(_Net(bug="copy"), _data(), ckpt_path=tmp_path / "mid.ckpt")
+    hits = [a for a in gfm2.alerts if a.rule == "update_none"]
+    # step 4 is the first measurement after the resume: it alerts only because the streak of 2 was restored
+    assert [a.global_step for a in hits] == [4]
+    assert set(saved) <= set(gfm2.update_rule.latch.active)
+    assert "replicas" in alarm2.state_dict() and "train_mode" in alarm2.state_dict()
+
+
+def test_bad_configuration_names_the_argument():
+    with pytest.raises(ValueError, match="stale_fraction"):
+        GradientFlowMonitor(stale_fraction=1.5)
+    with pytest.raises(ValueError, match="update_sample_size"):
+        GradientFlowMonitor(update_sample_size=-1)
+    with pytest.raises(ValueError, match="desync_every_n_steps"):
+        AnomalyAlarm(desync_every_n_steps=0)
+    with pytest.raises(ValueError, match="desync_tolerance"):
+        AnomalyAlarm(desync_tolerance=-1.0)
+    with pytest.raises(TypeError):
+        GradientFlowMonitor(0.5)  # keyword-only
+
+
+def test_thresholds_report_the_new_arguments():
+    values = GradientFlowMonitor(stale_fraction=0.7, update_sample_size=8).thresholds()
+    assert values["update_stale"] == 0.7 and values["update_none.sample_size"] == 8.0
+    values = AnomalyAlarm(desync_every_n_steps=10, desync_tolerance=1e-4).thresholds()
+    assert values["ddp_desync"] == 1e-4 and values["ddp_desync.every_n_steps"] == 10.0
+
+
+class _LoRA(pl.LightningModule):
+    """A frozen base (Linear, Dropout in train mode) with trainable low-rank adapters, B initialised to zero."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = nn.Linear(8, 8)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(2, 8) * 0.1)
+        self.lora_b = nn.Parameter(torch.zeros(8, 2))
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(8, 1)
+        self.head.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.base(x) + self.drop(x) @ self.lora_a.T @ self.lora_b.T
+        return self.head(torch.relu(h))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([self.lora_a, self.lora_b], lr=1e-2)
+
+
+def test_a_lora_style_frozen_base_is_healthy():
+    cbs = [GradientFlowMonitor(expect_frozen=["base.*", "head.*"]), AnomalyAlarm()]
+    _fit(_LoRA(), cbs, steps=10)
+    assert _new(cbs) == []
+
+
+def test_latched_silent_alerts_are_not_repeated_after_a_resume(tmp_path):
+    class Both(_Net):
+        def on_train_epoch_start(self):
+            self.eval()
+
+    gfm, alarm = GradientFlowMonitor(), AnomalyAlarm()
+    trainer = pl.Trainer(max_steps=4, callbacks=[gfm, alarm], default_root_dir=tmp_path, **FAST)
+    trainer.fit(Both(bug="no_zero_grad"), _data())
+    assert {a.rule for a in gfm.alerts + alarm.alerts} >= {"grad_not_zeroed", "eval_mode_in_training"}
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    gfm2, alarm2 = GradientFlowMonitor(), AnomalyAlarm()
+    trainer = pl.Trainer(max_steps=8, callbacks=[gfm2, alarm2], default_root_dir=tmp_path, **FAST)
+    trainer.fit(Both(bug="no_zero_grad"), _data(), ckpt_path=tmp_path / "mid.ckpt")
+    assert [a.rule for a in gfm2.alerts + alarm2.alerts if a.rule in NEW_RULES] == []
+    assert alarm2.train_mode.rule.latch.active == {"trained"} and gfm2.not_zeroed_rule.latch.active
