@@ -91,7 +91,7 @@ class Fault:
 
 #: DataDiagnostics for the language-model entries. The demo LM task is a deterministic rule over 64 patterns, so
 #: its validation set repeats the training set by construction: leakage counts exact copies only, at 100%.
-_LM_DATA: dict[str, Any] = {"leakage": 1.0, "near_duplicate": 1.0}
+_LM_DATA: dict[str, Any] = {"leakage_threshold": 1.0, "leakage_near_duplicate": 1.0}
 
 FAULTS: dict[str, Fault] = {
     f.name: f

@@ -294,7 +294,7 @@ def test_resume_does_not_repeat_what_was_reported(tmp_path):
     assert [a.rule for a in cb.alerts] == ["label_imbalance"]
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
     (state,) = [v for k, v in saved.items() if "DataDiagnostics" in k]
-    assert state["rules"]["latch"] == ["label_imbalance:train"] and state["last_epoch"] == 0
+    assert list(state["rules"]["latch"]) == ["label_imbalance:train"] and state["last_epoch"] == 0
     resumed = DataDiagnostics()
     trainer = pl.Trainer(
         default_root_dir=tmp_path, callbacks=[resumed], **{**FAST, "max_epochs": 2, "limit_val_batches": 1}
