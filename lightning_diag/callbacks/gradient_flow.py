@@ -293,6 +293,7 @@ class GradientFlowMonitor(DiagCallback):
         self._grad_print: tuple[list[int], torch.Tensor] | None = None
         # (index positions, device flags "still the step's gradients"): read with the next measurement
         self._zero_check: tuple[list[int], torch.Tensor] | None = None
+        self._zero_checked: list[int] = []
         self._optimizers: list[torch.optim.Optimizer] = []
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -531,6 +532,7 @@ class GradientFlowMonitor(DiagCallback):
         self._grad_print = None
         params = self._index.params
         present = [k for k, i in enumerate(positions) if params[i].grad is not None]
+        self._zero_checked = positions  # a gradient set to None since counts as zeroed
         if not present:
             return
         now = per_tensor_norms([params[positions[k]].grad for k in present])  # type: ignore[misc]
@@ -592,7 +594,15 @@ class GradientFlowMonitor(DiagCallback):
             self.record(self.update_rule.update(updates, ctx))
         if check is not None:
             flags = host[offset:]
-            stale = {index.layers[index.layer_of[i]] for i, f in zip(check[0], flags, strict=True) if f > 0}
+            stale_positions = [i for i, f in zip(check[0], flags, strict=True) if f > 0]
+            # Missing zero_grad shows on every optimizer. One optimizer's gradients still there while another's
+            # were zeroed is the per-optimizer pattern of GAN-style manual optimization (each optimizer zeroes its
+            # own parameters right before its own backward), not a bug: judged healthy.
+            owner = {id(p): k for k, opt in enumerate(self._optimizers) for g in opt.param_groups for p in g["params"]}
+            checked = {owner.get(id(index.params[i])) for i in self._zero_checked}
+            stale_owners = {owner.get(id(index.params[i])) for i in stale_positions}
+            everywhere = bool(stale_positions) and stale_owners == checked
+            stale = {index.layers[index.layer_of[i]] for i in stale_positions} if everywhere else set()
             self.record(self.not_zeroed_rule.update(stale, ctx))
 
 

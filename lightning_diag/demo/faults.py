@@ -7,7 +7,7 @@ shape: an MLP regressing noisy targets, a small causal language model, a GRU cla
 
 Example:
     >>> sorted(FAULTS)[:4]
-    ['attention', 'collapse', 'explode', 'frozen']
+    ['attention', 'bf16_tiny_lr', 'collapse', 'eval_mode']
     >>> FAULTS["nan"].expected_rules
     ('nonfinite_loss',)
     >>> [f.name for f in FAULTS.values() if f.healthy][:3]

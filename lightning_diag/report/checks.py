@@ -126,7 +126,9 @@ def _finish(check: Check, run: RunData, measured: bool, replayed: list[Alert]) -
     logged = _serious(run.alerts, check.rules)
     again = _serious(replayed, check.rules)
     check.alerts, check.replayed = len(logged), len(again)
-    first = min([*logged, *again], key=lambda a: a.global_step, default=None)
+    # The alert log's own alerts when there are some (their global step); the replay's only without them (its
+    # steps are those of the logged series, on the user's step axis).
+    first = min(logged or again, key=lambda a: a.global_step, default=None)
     if first is not None:
         check.status = "fail"
         check.severity = "critical" if any(a.severity == "critical" for a in [*logged, *again]) else "warning"

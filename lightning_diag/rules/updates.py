@@ -126,7 +126,8 @@ class UpdateRule(Rule):
         >>> [a.rule for i in range(3) for a in rule.update(stuck, StepContext(0, i))]
         ['update_none']
         >>> bf16 = {"fc": LayerUpdate(32, 30, low_precision=True)}
-        >>> [a.rule for i in range(2) for a in UpdateRule(patience=2).update(bf16, StepContext(0, i))]
+        >>> stale = UpdateRule(patience=2)
+        >>> [a.rule for i in range(2) for a in stale.update(bf16, StepContext(0, i))]
         ['update_stale']
     """
 
