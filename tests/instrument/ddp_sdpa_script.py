@@ -16,10 +16,11 @@ class Recording(AttentionEntropyMonitor):
         super().__init__(**kwargs)
         self.judged = []
 
-    def _reduce(self, trainer, recorder):
-        layers = super()._reduce(trainer, recorder)
-        self.judged.append({n: [round(x, 5) for x in s.entropy] for n, s in (layers or {}).items()})
-        return layers
+    def _reduce(self, trainer, recorder, loss=None):
+        reduced = super()._reduce(trainer, recorder, loss)
+        layers = reduced[0] if reduced is not None else {}
+        self.judged.append({n: [round(x, 5) for x in s.entropy] for n, s in layers.items()})
+        return reduced
 
 
 class Attention(torch.nn.Module):
