@@ -17,8 +17,10 @@ from lightning_diag import Alert
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = [f.name for f in dataclasses.fields(Alert)]
 
-# Every odd step the gradients are huge, every even step tiny: each of the 32 parameters alerts `grad_explode`
-# clears, and alerts again, so the run writes a batch of 32 alert lines every other step until it is killed.
+# Two writers share the run's alert log until the run is killed: GradientFlowMonitor on gradients that flap between
+# huge and tiny (its rules alert once per event: a few lines), and a callback that records a batch of 64 alerts with
+# distinct sources through the public `DiagCallback.record` path at every step (the dense stream a kill must cut
+# mid-way).
 SCRIPT = textwrap.dedent(
     """
     import sys
@@ -26,7 +28,18 @@ SCRIPT = textwrap.dedent(
     import pytorch_lightning as pl
     import torch
 
-    from lightning_diag import GradientFlowMonitor
+    from lightning_diag import Alert, GradientFlowMonitor
+    from lightning_diag.callbacks.base import DiagCallback
+    from lightning_diag.core.record import Severity
+
+    class Flood(DiagCallback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.record(
+                Alert(rule="flood", severity=Severity.INFO, message="a line of the dense stream " + "x" * 200,
+                      epoch=trainer.current_epoch, global_step=trainer.global_step, value=float(i), threshold=None,
+                      source=f"stream.{trainer.global_step}.{i}")
+                for i in range(64)
+            )
 
     class Flapping(pl.LightningModule):
         def __init__(self):
@@ -48,7 +61,7 @@ SCRIPT = textwrap.dedent(
                                   histogram_every_n_steps=0, explode_threshold=1.0)
     trainer = pl.Trainer(max_steps=10**9, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, accelerator="cpu", default_root_dir=sys.argv[1],
-                         callbacks=[monitor])
+                         callbacks=[monitor, Flood()])
     trainer.fit(Flapping())
     """
 )
@@ -81,10 +94,11 @@ def test_sigkill_leaves_only_whole_alert_lines(tmp_path):
     data = log.read_bytes()
     assert data.endswith(b"\n")  # no torn last line
     lines = data.decode("utf-8").splitlines()
-    # One alert per event (issue 23): the flapping layers now make a few alerts, not hundreds; every line written
-    # must still be whole. (A denser writer for this test is left to do: see the issue 23 note.)
-    assert len(lines) >= 1
+    assert len(lines) > 100  # killed mid-stream, well past the first batches
+    rules = set()
     for line in lines:
         record = json.loads(line)
         assert list(record) == FIELDS
-        assert Alert.from_dict(record).rule.startswith("grad_")
+        rules.add(Alert.from_dict(record).rule)
+    assert "flood" in rules
+    assert any(rule.startswith(("grad_", "update_")) for rule in rules)  # the library's own rules wrote there too
