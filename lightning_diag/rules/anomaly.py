@@ -16,10 +16,11 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   the training-loss fluctuation over the same runs, is itself above ``min_fluctuation`` and the range of the
   validation window (loss units) is above ``min_range``, **and** the validation value's rises over the window (the
   sum of its increases from one run to the next) are above ``min_rise`` of its *scale*, the first validation value
-  of the fit (the loss at the start of training). Relative fluctuations blow up near zero: a converged fine-tune
-  whose validation loss wanders 0.097 -> 0.167 -> 0.024 reads 50% in log units against 7% for its training loss,
-  yet it rises by 0.07, 7% of its initial 0.96; a validation loss that zig-zags by 40% of its level rises by 150%
-  of it.
+  of the fit (the loss at the start of training), **and** it rises at least twice (once for a window of 3): a rise
+  counts when it is at least a quarter of the window's largest rise. Relative fluctuations blow up near zero: a
+  converged fine-tune whose validation loss wanders 0.097 -> 0.167 -> 0.024 reads 50% in log units against 7% for
+  its training loss, yet it rises once, by 0.07, 7% of its initial 0.96 (a bump, not a fluctuation); a validation
+  loss that zig-zags by 40% of its level rises twice, by 150% of it.
 * ``loss_stagnant``: the *initial loss* is the mean training loss of the first ``baseline_steps`` optimizer steps,
   the loss of the untrained model: for a classifier this is the chance level (about ``ln C`` for ``C`` balanced
   classes). After ``patience`` loss points (epoch or window means, as for ``loss_swing``), the rule fires while
@@ -86,7 +87,7 @@ VAL_DECLINE_SPEC = register(RuleSpec(
 VAL_FLUCTUATION_SPEC = register(RuleSpec(
     "val_fluctuation", _ALARM, "warning", 2.0,
     "validation-loss fluctuation above {threshold:g}x the training-loss fluctuation",
-    settings={"window": 5, "min": 0.15, "min_range": 0.01, "min_rise": 0.15}, check="val_fluctuation",
+    settings={"window": 5, "min": 0.15, "min_range": 0.01, "min_rise": 0.1}, check="val_fluctuation",
     source="seed 000 §4.1",
     arguments={"threshold": "loss_trend.val_fluctuation_threshold", "window": "loss_trend.val_fluctuation_window",
                "min": "loss_trend.val_fluctuation_min", "min_range": "loss_trend.val_fluctuation_min_range",
@@ -293,6 +294,19 @@ class ValDeclineRule(Rule):
         ]
 
 
+def repeated_rises(steps_up: list[float]) -> int:
+    """How many of a window's rises count for ``val_fluctuation``: those at least a quarter of its largest rise.
+
+    Example:
+        >>> repeated_rises([0.5, 0.6]), repeated_rises([0.07]), repeated_rises([0.6, 0.01]), repeated_rises([])
+        (2, 1, 1, 0)
+    """
+    if not steps_up:
+        return 0
+    largest = max(steps_up)
+    return sum(1 for rise in steps_up if rise >= 0.25 * largest)
+
+
 class ValFluctuationRule(Rule):
     """``val_fluctuation``: validation-loss fluctuation above ``ratio`` times the training-loss fluctuation.
 
@@ -333,6 +347,7 @@ class ValFluctuationRule(Rule):
         self.min_rise = min_rise
         self.scale: float | None = None
         self.last_rise = math.nan
+        self.last_rises = 0
         self.ratio = ratio
         self.window = window
         self.min_fluctuation = min_fluctuation
@@ -370,13 +385,15 @@ class ValFluctuationRule(Rule):
             return []
         self.last_ratio = val_f / train_f if train_f > 0 else math.inf
         val_abs = max(self.val) - min(self.val)
-        rises = sum(max(0.0, b - a) for a, b in zip(self.val, self.val[1:], strict=False))
-        self.last_rise = rises / self.scale if self.scale > 0 else math.inf
+        steps_up = [b - a for a, b in zip(self.val, self.val[1:], strict=False) if b > a]
+        self.last_rise = sum(steps_up) / self.scale if self.scale > 0 else math.inf
+        self.last_rises = repeated_rises(steps_up)
         active = (
             val_f > self.min_fluctuation
             and val_abs > self.min_range
             and val_f > self.ratio * train_f
             and self.last_rise > self.min_rise
+            and self.last_rises >= min(2, self.window // 2)
         )
         if not self.latch.update(self.monitor, active, excess(self.last_ratio, self.ratio)):
             return []

@@ -86,8 +86,12 @@ def test_val_fluctuation():
         ([4.0 * 0.7**k for k in range(7)], [4.0, 1.4, 0.9, 1.5, 0.9, 1.4, 0.9], [5]),
         # converged near zero, wandering by 0.05 from a start at 2.3: quiet
         ([2.3 * 0.5**k for k in range(7)], [2.3, 0.4, 0.08, 0.03, 0.08, 0.03, 0.08], []),
+        # one large bump between falls (rises once, by 40% of the start): not a fluctuation
+        ([1.0 * 0.8**k for k in range(6)], [1.0, 0.5, 0.9, 0.4, 0.3, 0.25], []),
+        # the same window with a second rise of the same size: fluctuating
+        ([1.0 * 0.8**k for k in range(6)], [1.0, 0.5, 0.9, 0.4, 0.8, 0.3], [4]),
     ],
-    ids=["converged-finetune", "zigzag", "zigzag-after-a-fall", "converged-wander"],
+    ids=["converged-finetune", "zigzag", "zigzag-after-a-fall", "converged-wander", "one-bump", "two-bumps"],
 )
 def test_val_fluctuation_is_judged_against_the_initial_scale(train, val, fires_at):
     rule = ValFluctuationRule()
