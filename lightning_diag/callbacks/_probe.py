@@ -1,8 +1,8 @@
 """What the validation-end probes share: capturing a few validation batches, a sandbox that leaves the training
 state exactly as it was, the module's loss on a batch, and rank-zero measurement with broadcast decisions.
 
-A sharded model (FSDP2, tensor parallelism, FSDP1: :func:`~lightning_diag.instrument.sharding.is_sharded`; and any
-model under DeepSpeed, whose ZeRO-3 gathers the partitioned parameters in forward) cannot
+A sharded model (FSDP2, tensor parallelism, FSDP1: :func:`~lightning_diag.instrument.sharding.is_sharded_module`;
+and any model under DeepSpeed, whose ZeRO-3 gathers the partitioned parameters in forward) cannot
 run a forward on rank zero alone (every forward is a collective: the other ranks would never join it, and rank
 zero would wait forever). There every rank keeps its own first ``num_batches`` validation batches and measures at
 once; the probe reduces its numbers over the ranks (:attr:`ValidationProbe.all_ranks`), global rank zero logs and
@@ -24,7 +24,7 @@ from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.rng import preserved_rng
-from lightning_diag.instrument.sharding import is_sharded, reshard_fsdp
+from lightning_diag.instrument.sharding import is_sharded_module, reshard_fsdp
 
 __all__ = ["LossFn", "ProbeError", "ValidationProbe", "uses_deepspeed"]
 
@@ -131,7 +131,7 @@ class ValidationProbe(DiagCallback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Forget the batches of the previous validation run; see whether every rank must measure."""
         self._batches = []
-        self.all_ranks = trainer.world_size > 1 and (is_sharded(pl_module) or uses_deepspeed(trainer))
+        self.all_ranks = trainer.world_size > 1 and (is_sharded_module(pl_module) or uses_deepspeed(trainer))
 
     def on_validation_batch_end(
         self,

@@ -55,7 +55,7 @@ from lightning_diag.rules.rollback import (
     RollbackChoice,
     RollbackRule,
 )
-from lightning_diag.stats.grad import is_sharded
+from lightning_diag.stats.grad import is_dtensor
 
 __all__ = ["NonFiniteRecovery", "RollbackSettings"]
 
@@ -201,7 +201,7 @@ class NonFiniteRecovery:
         self._batches = collections.deque(maxlen=max(1, trainer.accumulate_grad_batches))
         self._unsupported = False
         # configure_model shards the model after the callbacks' setup (check_module): look again now.
-        self._sharded = any(is_sharded(p) for p in pl_module.parameters())
+        self._sharded = any(is_dtensor(p) for p in pl_module.parameters())
         if not self.rollback_enabled:
             return None
         if _engine_owns_step(trainer):
@@ -288,7 +288,7 @@ class NonFiniteRecovery:
         source_rank = key % world
         # Sharded parameters exist only after configure_model (after the callbacks' setup): looked at here, on the
         # failure path. The replay is then a collective: every rank runs it.
-        if world > 1 and any(is_sharded(p) for p in pl_module.parameters()):
+        if world > 1 and any(is_dtensor(p) for p in pl_module.parameters()):
             shared = trainer.strategy.broadcast(self._replay(trainer, pl_module, collective=True).as_dict(),
                                                 src=source_rank)
             return Localisation.from_dict(shared) if shared else NOT_FOUND

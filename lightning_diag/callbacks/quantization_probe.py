@@ -26,7 +26,7 @@ from lightning_diag.instrument.sharded_quant import (
     sharded_max_error_pct,
     sharded_outlier_ratio,
 )
-from lightning_diag.instrument.sharding import is_dtensor, reshard_fsdp, uses_fsdp1
+from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.probes import (
     DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO,
     DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR,
@@ -34,6 +34,7 @@ from lightning_diag.rules.probes import (
     QUANTIZATION_ERROR,
     QuantizationErrorRule,
 )
+from lightning_diag.stats.grad import is_dtensor
 from lightning_diag.stats.quantization import (
     Granularity,
     LayerErrorAccumulator,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lightning_diag.instrument.sharding import is_dtensor
+from lightning_diag.stats.grad import is_dtensor
 
 __all__ = ["ActivationGradients"]
 

@@ -36,7 +36,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_diag.instrument.attention_record import AttentionRecorder, _subsample_rows
-from lightning_diag.instrument.sharding import head_shard, is_dtensor, local_tensor
+from lightning_diag.instrument.sharding import head_shard
+from lightning_diag.stats.grad import is_dtensor, local_tensor
 
 __all__ = ["AttentionCapture", "is_compiled", "sdpa_probabilities", "softmax_probabilities"]
 

@@ -22,7 +22,7 @@ import torch
 
 from lightning_diag.core.tags import update_ratio_tag, weight_norm_tag
 from lightning_diag.rules.grad import role_of
-from lightning_diag.stats.grad import copy_weights, grouped_squares, is_sharded, local_tensor, per_tensor_norms
+from lightning_diag.stats.grad import copy_weights, grouped_squares, is_dtensor, local_tensor, per_tensor_norms
 
 __all__ = ["DEFAULT_LOGIT_PROJECTIONS", "ParamIndex", "StepMeasurement", "measure_step", "update_ratios"]
 
@@ -71,7 +71,7 @@ class ParamIndex:
         self.layer_of = [position[layer] for layer in layers]
         self.numel = [p.numel() for p in params]  # a DTensor's numel is the global one
         #: Whether any parameter is a DTensor (sharded training): measured from local shards, one all-reduce.
-        self.sharded = world_size > 1 and any(is_sharded(p) for p in params)
+        self.sharded = world_size > 1 and any(is_dtensor(p) for p in params)
         #: Each parameter's weight in the cross-rank SUM of squares (replicated copies count once).
         self.weights = copy_weights(params, world_size) if self.sharded else [1.0] * len(params)
         self.world_size = world_size

@@ -27,13 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_diag.instrument.sharding import (
-    all_reduce_over_shards,
-    is_dtensor,
-    is_replica,
-    local_offset,
-    local_tensor,
-)
+from lightning_diag.instrument.sharding import all_reduce_over_shards, is_replica, local_offset
+from lightning_diag.stats.grad import is_dtensor, local_tensor
 from lightning_diag.stats.quantization import _QUANTILE_SAMPLE, INT8_MAX, OUTLIER_QUANTILE, Granularity
 
 __all__ = [

@@ -1,12 +1,16 @@
 """What a callback needs to know about a sharded model (FSDP2, tensor parallelism, FSDP1), Lightning-free.
 
-* :func:`is_sharded`: whether a forward of the model is a collective (a DTensor parameter: FSDP2 ``fully_shard``
-  or ``parallelize_module``; or an FSDP1 ``FullyShardedDataParallel`` inside it). Such a model must run its
-  forward on every rank at once: a rank-zero-only forward waits forever for the others.
-* :func:`local_tensor`: a DTensor's local shard (any other tensor unchanged).
+* :func:`is_sharded_module`: whether a forward of the model is a collective (a DTensor parameter: FSDP2
+  ``fully_shard`` or ``parallelize_module``; or an FSDP1 ``FullyShardedDataParallel`` inside it). Such a model must
+  run its forward on every rank at once: a rank-zero-only forward waits forever for the others. (The tensor-level
+  test is :func:`lightning_diag.stats.grad.is_dtensor`, and a DTensor's local shard is
+  :func:`lightning_diag.stats.grad.local_tensor`: one home each, in ``stats``.)
 * :func:`head_shard`: how the attention heads a module computes are split over the tensor-parallel ranks.
 * :func:`all_reduce_over_shards`, :func:`local_offset`, :func:`is_replica`: reductions of a quantity computed on
   a DTensor's local shard over exactly the mesh dimensions that shard it (the quantization probe's scales).
+* :func:`replica_dims`, :func:`mesh_dim_ranks`: the mesh dimensions along which a DTensor's local tensors are
+  copies of each other (its ``Replicate`` placements), and the global ranks of such a replica group
+  (``ddp_desync``'s comparisons).
 """
 
 from __future__ import annotations
@@ -16,32 +20,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_diag.stats.grad import local_tensor as _local_tensor
+from lightning_diag.stats.grad import is_dtensor
 
 __all__ = [
     "TP_DIM_NAME",
     "all_reduce_over_shards",
     "head_shard",
-    "is_dtensor",
     "is_replica",
-    "is_sharded",
+    "is_sharded_module",
     "local_offset",
-    "local_tensor",
+    "mesh_dim_ranks",
+    "replica_dims",
     "reshard_fsdp",
     "uses_fsdp1",
 ]
 
 #: The mesh dimension name Lightning's ``ModelParallelStrategy`` gives the tensor-parallel ranks.
 TP_DIM_NAME = "tensor_parallel"
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it when distributed is off)."""
-    return hasattr(t, "to_local") and hasattr(t, "placements") and isinstance(t, torch.Tensor)
-
-
-# One definition of "this rank's part of a tensor", shared with the gradient measurement.
-local_tensor = _local_tensor
 
 
 def uses_fsdp1(module: nn.Module) -> bool:
@@ -53,11 +48,11 @@ def uses_fsdp1(module: nn.Module) -> bool:
     return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
 
 
-def is_sharded(module: nn.Module) -> bool:
+def is_sharded_module(module: nn.Module) -> bool:
     """Whether ``module``'s forward is a collective: a DTensor parameter (FSDP2, TP) or an FSDP1 wrapper.
 
     Example:
-        >>> is_sharded(nn.Linear(2, 2))
+        >>> is_sharded_module(nn.Linear(2, 2))
         False
     """
     return any(is_dtensor(p) for p in module.parameters()) or uses_fsdp1(module)
@@ -157,3 +152,32 @@ def is_replica(t: Any) -> bool:
         return False
     coordinate = t.device_mesh.get_coordinate() or []
     return any(not p.is_shard() and coordinate[i] != 0 for i, p in enumerate(t.placements))
+
+
+# -- replica groups of one DTensor (ddp_desync) -------------------------------------------------------------
+def replica_dims(t: Any) -> list[int]:
+    """The mesh dimensions along which ``t``'s local tensors are identical copies: its ``Replicate`` placements
+    (HSDP's replicate dimension, a ``RowwiseParallel`` bias or a ``SequenceParallel`` norm on the tensor-parallel
+    dimension). ``Shard`` (FSDP2's strided shards included) and ``Partial`` dimensions are not replicas. Empty for
+    a plain tensor.
+    """
+    if not is_dtensor(t):
+        return []
+    return [i for i, p in enumerate(t.placements) if p.is_replicate()]
+
+
+def mesh_dim_ranks(mesh: Any, dim: int) -> tuple[int, ...]:
+    """The global ranks of this rank's group along mesh dimension ``dim`` (the ranks with the same coordinates on
+    every other dimension), in the order of their coordinate on ``dim``. Read from the mesh, no collective.
+
+    Example:
+        >>> class Mesh:  # a 2 x 2 mesh seen from global rank 3 (coordinate (1, 1))
+        ...     mesh = torch.arange(4).reshape(2, 2)
+        ...     def get_coordinate(self): return [1, 1]
+        >>> mesh_dim_ranks(Mesh(), 0), mesh_dim_ranks(Mesh(), 1)
+        ((1, 3), (2, 3))
+    """
+    coordinate = list(mesh.get_coordinate() or [])
+    index: list[Any] = list(coordinate)
+    index[dim] = slice(None)
+    return tuple(int(r) for r in mesh.mesh[tuple(index)].reshape(-1).tolist())

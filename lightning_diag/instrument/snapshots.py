@@ -13,7 +13,7 @@ previous snapshot was above ``spike_factor`` times the running median: such snap
 (:mod:`lightning_diag.rules.rollback`).
 
 Sharded models (FSDP2 ``fully_shard``, tensor parallelism, FSDP1; :func:`~lightning_diag.instrument.sharding.
-is_sharded`): each rank copies its own shards only, with no collective. The snapshot holds the local tensor of
+is_sharded_module`): each rank copies its own shards only, with no collective. The snapshot holds the local tensor of
 every parameter and buffer (``DTensor.to_local()``; FSDP1's flat parameters are local already) and of every
 optimizer state entry, plus each param group's hyperparameters; a restore copies them back **in place** into the
 same local tensors (``copy_``), so placements, FSDP's sharded storage and the optimizer's references are untouched,
@@ -34,7 +34,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_diag.instrument.sharding import is_dtensor, is_sharded, local_tensor, reshard_fsdp
+from lightning_diag.instrument.sharding import is_sharded_module, reshard_fsdp
+from lightning_diag.stats.grad import is_dtensor, local_tensor
 
 __all__ = ["DEFAULT_LOSS_WINDOW", "RollbackDevice", "Snapshot", "SnapshotStore"]
 
@@ -253,7 +254,7 @@ class SnapshotStore:
         # state (``get_scale()`` reads back under fp16 AMP) must not wait for the snapshot's own copies.
         spiking = self._spiking(source)
         scaler_state = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
-        sharded = is_sharded(module)
+        sharded = is_sharded_module(module)
         if sharded:
             model = _sharded_model_state(module, target)
             opt_states = [_sharded_optimizer_state(opt, target) for opt in optimizers]

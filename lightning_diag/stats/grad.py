@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["copy_weights", "grouped_norms", "grouped_squares", "is_sharded", "local_tensor", "per_tensor_norms"]
+__all__ = ["copy_weights", "grouped_norms", "grouped_squares", "is_dtensor", "local_tensor", "per_tensor_norms"]
 
 _DTensor: Any
 try:  # torch >= 2.4 (public path since 2.5)
@@ -27,11 +27,15 @@ except ImportError:  # pragma: no cover - torch without distributed tensors
     _DTensor = None
 
 
-def is_sharded(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a distributed tensor (``DTensor``), whose ``.numel()`` and ``.shape`` are global.
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a distributed tensor (``DTensor``: FSDP2, tensor parallelism, HSDP), whose
+    ``.numel()`` and ``.shape`` are global and whose ``placements`` say how its local tensors relate.
+
+    The one tensor-level test; :func:`lightning_diag.instrument.sharding.is_sharded_module` is the module-level
+    one (a collective forward).
 
     Example:
-        >>> is_sharded(torch.ones(2))
+        >>> is_dtensor(torch.ones(2))
         False
     """
     return _DTensor is not None and isinstance(tensor, _DTensor)
@@ -46,7 +50,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         >>> local_tensor(torch.ones(2)).tolist()
         [1.0, 1.0]
     """
-    if not is_sharded(tensor):
+    if not is_dtensor(tensor):
         return tensor
     with torch.no_grad():
         return tensor.to_local()  # type: ignore[attr-defined]
@@ -70,7 +74,7 @@ def copy_weights(tensors: Sequence[torch.Tensor], world_size: int) -> list[float
     """
     weights = []
     for t in tensors:
-        if not is_sharded(t):
+        if not is_dtensor(t):
             weights.append(1.0 / world_size)
             continue
         shards = 1

@@ -21,7 +21,7 @@ pytest.importorskip("torch.distributed.tensor")
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from lightning_diag.stats.grad import copy_weights, is_sharded, local_tensor, per_tensor_norms
+from lightning_diag.stats.grad import copy_weights, is_dtensor, local_tensor, per_tensor_norms
 from lightning_diag.stats.norms import all_finite, fast_finite, max_abs, total_norm
 
 
@@ -40,7 +40,7 @@ def test_dtensor_norms_are_of_the_local_shard_and_counted_once(one_rank_mesh):
     full = torch.arange(12.0).reshape(3, 4)
     sharded = distribute_tensor(full, one_rank_mesh, [Shard(0)])
     replicated = distribute_tensor(full, one_rank_mesh, [Replicate()])
-    assert is_sharded(sharded) and not is_sharded(full)
+    assert is_dtensor(sharded) and not is_dtensor(full)
     assert local_tensor(sharded).shape == (3, 4)
     assert per_tensor_norms([sharded, replicated, full]).tolist() == pytest.approx([float(full.norm())] * 3)
     assert copy_weights([sharded, replicated, full], 1) == [1.0, 1.0, 1.0]
