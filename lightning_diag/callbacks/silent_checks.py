@@ -16,8 +16,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from lightning_diag.core.tags import replicas_tag
-from lightning_diag.rules.replicas import DDP_DESYNC, DesyncRule
+from lightning_diag.instrument.sharding import mesh_dim_ranks, replica_dims
+from lightning_diag.rules.replicas import DDP_DESYNC, DesyncRule, first_differences, member_differences
 from lightning_diag.rules.train_mode import EvalModeRule
+from lightning_diag.stats.grad import is_dtensor, local_tensor
 from lightning_diag.stats.updates import parameter_checksums
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -27,17 +29,38 @@ __all__ = ["ReplicaCheck", "TrainModeCheck"]
 
 
 def _replicated(trainer: pl.Trainer) -> bool:
-    """Whether the strategy keeps whole replicas of every parameter (DDP, DDP spawn), not shards."""
+    """Whether the strategy keeps whole replicas of its plain-tensor parameters on every rank (DDP, DDP spawn)."""
     strategy = trainer.strategy
     return isinstance(strategy, DDPStrategy) and "DeepSpeed" not in type(strategy).__name__
 
 
-class ReplicaCheck:
-    """``ddp_desync``: every ``every_n_steps`` optimizer steps, one checksum pair per parameter on each rank, one
-    ``all_gather`` of them and one host read; every rank judges the same gathered values.
+class _Group:
+    """One replica group this rank belongs to: its global ranks, its process group (``None``: the whole world)
+    and the model-order indices of the parameters it holds copies of."""
 
-    Under sharded strategies (FSDP, ``ModelParallelStrategy``, DeepSpeed) each rank holds shards, not replicas: the
-    check is skipped, said once in a notice.
+    def __init__(self, ranks: tuple[int, ...], group: Any) -> None:
+        self.ranks, self.group = ranks, group
+        self.params: list[int] = []
+
+
+class ReplicaCheck:
+    """``ddp_desync``: every ``every_n_steps`` optimizer steps, the parameters' checksums compared within each
+    replica group; nothing runs on other steps.
+
+    A replica group is a set of ranks that must hold identical copies of a parameter's local tensor:
+
+    * a plain-tensor parameter under DDP: every rank (the world);
+    * a DTensor parameter (FSDP2/HSDP ``fully_shard``, tensor parallelism, both), under any strategy: for each mesh
+      dimension whose placement is ``Replicate``, the ranks along that dimension with the same coordinates on the
+      other dimensions (``device_mesh.get_group(dim)``). ``Shard`` dimensions hold different data: not compared.
+    * a plain tensor under a sharded strategy (FSDP1's flat parameters, DeepSpeed's partitions): not compared, said
+      once per fit in a notice.
+
+    Cost on a check step: one checksum pair per parameter (a device kernel each), one ``all_gather`` per replica
+    group this rank belongs to, of every parameter the group shares batched into one float64 tensor
+    (``2 * k`` numbers per rank), and one host read each. When the groups do not span every rank (HSDP with
+    several shards, TP x DP), one more ``all_reduce`` of ``n + 2 * world`` numbers over all ranks makes every rank
+    take the same decision. Global rank zero writes.
     """
 
     def __init__(self, owner: DiagCallback, every_n_steps: int, tolerance: float) -> None:
@@ -45,11 +68,48 @@ class ReplicaCheck:
         self.every_n_steps = every_n_steps
         self.rule = DesyncRule(tolerance)
         self._last_step = -1
+        #: The replica groups this rank took part in at the last check (their global ranks), for tests and docs.
+        self.last_groups: list[tuple[int, ...]] = []
 
     def reset(self) -> None:
         """A fresh rule: the start of a fit."""
         self.rule = DesyncRule(self.rule.tolerance)
         self._last_step = -1
+        self.last_groups = []
+
+    def _groups(self, trainer: pl.Trainer, named: list[tuple[str, torch.Tensor]]) -> dict[tuple[int, ...], _Group]:
+        """This rank's replica groups, in an order every rank shares (that of the first parameter each holds)."""
+        world = trainer.world_size
+        replicated = _replicated(trainer)
+        groups: dict[tuple[int, ...], _Group] = {}
+        plain: list[str] = []
+        for index, (name, p) in enumerate(named):
+            if is_dtensor(p):
+                mesh = p.device_mesh  # type: ignore[attr-defined]
+                members = [(mesh_dim_ranks(mesh, dim), dim) for dim in replica_dims(p)]
+                for ranks, dim in members:
+                    if len(ranks) > 1:
+                        groups.setdefault(ranks, _Group(ranks, mesh.get_group(dim))).params.append(index)
+            elif replicated:
+                groups.setdefault(tuple(range(world)), _Group(tuple(range(world)), None)).params.append(index)
+            else:
+                plain.append(name)
+        if plain:
+            self.owner.notice(
+                trainer,
+                "desync-plain-sharded",
+                f"`ddp_desync` does not compare {len(plain)} parameter(s) under {type(trainer.strategy).__name__} "
+                f"(first: `{plain[0]}`): they are plain tensors, not DTensors, under a sharded strategy (FSDP1 flat "
+                "parameters, DeepSpeed partitions), so nothing says which ranks hold copies and which hold shards",
+            )
+        if not groups:
+            self.owner.notice(
+                trainer,
+                "desync-no-replicas",
+                f"`ddp_desync` has nothing to compare under {type(trainer.strategy).__name__}: no parameter has a "
+                "replica on another rank (every DTensor mesh dimension is a Shard; shards are not replicas)",
+            )
+        return groups
 
     def on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After an optimizer step that is a multiple of ``every_n_steps``: compare the replicas."""
@@ -57,22 +117,43 @@ class ReplicaCheck:
         if trainer.world_size <= 1 or step == 0 or step % self.every_n_steps or step == self._last_step:
             return
         self._last_step = step
-        if not _replicated(trainer):
-            self.owner.notice(
-                trainer,
-                "desync-sharded",
-                f"`ddp_desync` is not checked under {type(trainer.strategy).__name__}: its ranks hold parameter "
-                "shards, not replicas (HSDP replica groups are not compared)",
-            )
-            return
         named = list(pl_module.named_parameters())
         if not named:
             return
-        mine = parameter_checksums([p for _, p in named]).reshape(-1)
-        gathered = trainer.strategy.all_gather(mine)  # [world, 2 * n]: the one collective of the check
-        rows = gathered.reshape(trainer.world_size, -1).tolist()  # the one host read
+        groups = self._groups(trainer, named)
+        self.last_groups = list(groups)
+        if not groups:
+            return
+        import torch.distributed as dist
+
+        world, me, n, tol = trainer.world_size, trainer.global_rank, len(named), self.rule.tolerance
+        per_param = [0.0] * n
+        first: dict[int, tuple[int, int]] = {}
+        for g in groups.values():  # the same order on every member of a group: no crossed collectives
+            mine = parameter_checksums([local_tensor(named[i][1]) for i in g.params]).reshape(-1)
+            rows = [torch.empty_like(mine) for _ in g.ranks]
+            dist.all_gather(rows, mine, group=g.group)  # the group's one collective
+            diffs = member_differences(torch.stack(rows).tolist())  # its one host read
+            for k, index in enumerate(g.params):
+                per_param[index] = max(per_param[index], max(d[k] for d in diffs))
+            for rank, found in first_differences(diffs, g.ranks, g.params, tol).items():
+                if rank not in first or found[0] < first[rank][0]:
+                    first[rank] = found
+        compared = {i for g in groups.values() for i in g.params}  # the same on every rank (same placements)
+        if any(len(ranks) < world for ranks in groups):
+            # Other ranks compared other groups: one all_reduce (MAX) so that every rank judges the same numbers.
+            # [n per-parameter differences | per rank: n - first differing index (0: none) | its reference + 1]
+            packed = torch.zeros(n + 2 * world, dtype=torch.float64, device=local_tensor(named[0][1]).device)
+            packed[:n] = torch.tensor(per_param, dtype=torch.float64)
+            if me in first:
+                packed[n + me] = n - first[me][0]
+                packed[n + world + me] = first[me][1] + 1
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+            flat = packed.tolist()
+            per_param = flat[:n]
+            first = {r: (n - int(flat[n + r]), int(flat[n + world + r]) - 1) for r in range(world) if flat[n + r] > 0}
         ctx = self.owner.context(trainer)
-        self.owner.record(self.rule.update(rows, [n for n, _ in named], ctx))
+        self.owner.record(self.rule.judge(per_param, [name for name, _ in named], first, ctx, compared=len(compared)))
         self.owner.writer.scalars(
             {
                 replicas_tag("max_rel_diff"): self.rule.last_max_diff,

@@ -1,11 +1,15 @@
 """``ddp_desync`` (framework-free): parameters that differ across data-parallel replicas.
 
-Fed by :class:`~lightning_diag.AnomalyAlarm` every ``desync_every_n_steps`` optimizer steps with every rank's
-checksums (two numbers per parameter: its L2 norm and its sum,
-:func:`lightning_diag.stats.updates.parameter_checksums`), gathered in one collective. A parameter whose
-checksum on some rank differs from rank zero's by more than ``tolerance`` (relative to rank zero's value) is
-out of sync: the alert (critical) names the first such parameter in the model's order and the ranks that
-differ. Latched: the run alerts once, and again only after a check found the replicas in agreement.
+Fed by :class:`~lightning_diag.AnomalyAlarm` every ``desync_every_n_steps`` optimizer steps. A *replica group* is a
+set of ranks that must hold identical copies of a parameter's local tensor: every rank under DDP (plain tensors);
+for a DTensor, the ranks along one of its mesh dimensions with a ``Replicate`` placement (HSDP's replicate
+dimension, a ``RowwiseParallel`` bias or a norm on the tensor-parallel dimension). Shards are never compared. Each
+rank's checksums (two numbers per parameter: its L2 norm and its sum,
+:func:`lightning_diag.stats.updates.parameter_checksums`) are gathered within each group; a member whose checksum
+differs from the group's first member's by more than ``tolerance`` (relative) is out of sync
+(:func:`member_differences`, :func:`first_differences`). The alert (critical) names the first such parameter in
+the model's order, the global ranks that differ and the ranks they were compared with. Latched: the run alerts
+once, and again only after a check found the replicas in agreement.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ __all__ = [
     "DEFAULT_DESYNC_EVERY_N_STEPS",
     "DEFAULT_DESYNC_TOLERANCE",
     "DesyncRule",
+    "first_differences",
+    "member_differences",
     "replica_differences",
 ]
 
@@ -65,6 +71,44 @@ def replica_differences(checksums: Sequence[Sequence[float]]) -> list[list[float
     return out
 
 
+def member_differences(checksums: Sequence[Sequence[float]]) -> list[list[float]]:
+    """``[member][parameter]``: each group member's relative difference from the first member, per parameter
+    (the larger of its norm's and its sum's), from ``[member][2 * n]`` checksums (``n`` norms, then ``n`` sums).
+
+    Example:
+        >>> member_differences([[1.0, 2.0, 1.0, 2.0], [1.0, 2.0, 1.0, 3.0]])
+        [[0.0, 0.0], [0.0, 0.5]]
+    """
+    diffs = replica_differences(checksums)
+    n = len(checksums[0]) // 2 if checksums else 0
+    return [[max(d[i], d[n + i]) for i in range(n)] for d in diffs]
+
+
+def first_differences(
+    diffs: Sequence[Sequence[float]], ranks: Sequence[int], params: Sequence[int], tolerance: float
+) -> dict[int, tuple[int, int]]:
+    """``{global rank: (parameter index, reference rank)}``: for each member of one replica group that differs from
+    the group's first member by more than ``tolerance``, the first parameter on which it does.
+
+    Args:
+        diffs: ``[member][k]`` (:func:`member_differences`).
+        ranks: The members' global ranks (the first is the reference).
+        params: The model-order indices of the group's ``k`` parameters (ascending).
+        tolerance: Relative difference above which a member differs.
+
+    Example:
+        >>> first_differences([[0.0, 0.0], [0.0, 0.5]], [2, 6], [3, 7], 1e-6)
+        {6: (7, 2)}
+    """
+    out: dict[int, tuple[int, int]] = {}
+    for rank, row in zip(ranks, diffs, strict=True):
+        for index, value in zip(params, row, strict=True):
+            if value > tolerance:
+                out[rank] = (index, ranks[0])
+                break
+    return out
+
+
 class DesyncRule(Rule):
     """``ddp_desync``: one comparison of every rank's parameter checksums.
 
@@ -93,35 +137,66 @@ class DesyncRule(Rule):
         """The rule with the threshold in effect (see :meth:`Rule.from_settings`)."""
         return cls(DDP_DESYNC_SPEC.value(thresholds))
 
-    def update(self, checksums: Sequence[Sequence[float]], names: Sequence[str], ctx: StepContext) -> list[Alert]:
-        """Judge one comparison.
+    def update(
+        self,
+        checksums: Sequence[Sequence[float]],
+        names: Sequence[str],
+        ctx: StepContext,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Alert]:
+        """Judge one comparison within a single replica group (every rank under DDP).
 
         Args:
-            checksums: ``[rank][2 * n]``: each rank's norms of the ``n`` parameters, then their sums.
+            checksums: ``[member][2 * n]``: each member's norms of the ``n`` parameters, then their sums.
             names: The ``n`` parameter names, in the model's order.
             ctx: Where the comparison was made.
+            ranks: The members' global ranks (default ``0 .. len(checksums) - 1``).
+        """
+        ranks = list(range(len(checksums))) if ranks is None else list(ranks)
+        diffs = member_differences(checksums)
+        per_param = [max((d[i] for d in diffs), default=0.0) for i in range(len(names))]
+        return self.judge(per_param, names, first_differences(diffs, ranks, range(len(names)), self.tolerance), ctx)
+
+    def judge(
+        self,
+        per_param: Sequence[float],
+        names: Sequence[str],
+        first: Mapping[int, tuple[int, int]],
+        ctx: StepContext,
+        compared: int | None = None,
+    ) -> list[Alert]:
+        """Judge one comparison over every replica group (the same inputs on every rank: the same decision).
+
+        Args:
+            per_param: Per parameter (model order), the largest relative checksum difference among its replicas
+                (0 for a parameter with no replica).
+            names: The parameter names, in the model's order.
+            first: ``{global rank: (parameter index, reference rank)}``: every rank that differs from its group's
+                first member, with the first parameter on which it does (:func:`first_differences`).
+            ctx: Where the comparison was made.
+            compared: How many of the parameters have replicas (default: all).
         """
         self.checks += 1
-        n = len(names)
-        diffs = replica_differences(checksums)
-        per_param = [max(max(d[i], d[n + i]) for d in diffs) for i in range(n)]
+        n = len(names) if compared is None else compared
         self.last_max_diff = max(per_param, default=0.0)
         bad = [i for i, v in enumerate(per_param) if v > self.tolerance]
         if not self.latch.update("replicas", bool(bad)):
             return []
-        first = bad[0]
-        ranks = [r for r, d in enumerate(diffs) if max(d[first], d[n + first]) > self.tolerance]
+        j = bad[0]
+        ranks = sorted(r for r, (i, _) in first.items() if i == j)
+        refs = sorted({first[r][1] for r in ranks})
+        against = f" from its replica(s) on rank(s) {', '.join(map(str, refs))}" if refs else ""
         return [
             self._alert(
                 ctx,
-                f"data-parallel replicas disagree: `{names[first]}` on rank(s) {', '.join(map(str, ranks))} differs "
-                f"from rank 0 by {per_param[first]:.3g} (relative checksum difference, above {self.tolerance:g}); "
-                f"{len(bad)} of {n} parameters differ. Each rank now trains its own model: look for rank-dependent "
-                "code touching the weights (an update outside the optimizer, loading weights on one rank), "
-                "non-synchronised parameters (`find_unused_parameters`, parameters DDP does not see) or a hardware "
-                "fault; resume from a checkpoint saved before this step",
-                source=names[first],
-                value=per_param[first],
+                f"data-parallel replicas disagree: `{names[j]}` on rank(s) {', '.join(map(str, ranks))} differs"
+                f"{against} by {per_param[j]:.3g} (relative checksum difference, above {self.tolerance:g}); "
+                f"{len(bad)} of {n} replicated parameters differ. Each rank now trains its own model: look for "
+                "rank-dependent code touching the weights (an update outside the optimizer, loading weights on one "
+                "rank), non-synchronised parameters (`find_unused_parameters`, parameters DDP does not see) or a "
+                "hardware fault; resume from a checkpoint saved before this step",
+                source=names[j],
+                value=per_param[j],
                 threshold=self.tolerance,
             )
         ]

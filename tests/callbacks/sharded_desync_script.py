@@ -1,0 +1,95 @@
+"""Run by test_silent_sharded.py: 2 CPU processes (gloo) through ``ModelParallelStrategy``.
+
+``argv``: root, layout (``hsdp``: ``fully_shard`` on a (2, 1) mesh, replicate x shard; ``tp``: a (1, 2) mesh,
+``ColwiseParallel`` fc1 and ``RowwiseParallel`` fc2, whose bias is ``Replicate`` on the tensor-parallel ranks), mode
+(``perturb``: rank 1's local ``fc2.bias`` (tp) or ``fc2.weight`` (hsdp) is nudged after step 3; ``healthy``).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_diag import AnomalyAlarm  # noqa: E402
+
+
+class Net(pl.LightningModule):
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layout = layout
+        self.fc1, self.fc2 = nn.Linear(8, 64), nn.Linear(64, 8)
+
+    def configure_model(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if self.layout == "hsdp":
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+            for layer in (self.fc1, self.fc2, self):  # the layers are called directly, not through forward
+                fully_shard(layer, mesh=mesh)
+        else:
+            parallelize_module(self, self.device_mesh["tensor_parallel"],
+                               {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.fc2(torch.relu(self.fc1(x))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class Perturb(pl.Callback):
+    """Rank 1's copy changed outside the optimizer: a rank-dependent bug."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == 1 and trainer.global_step == 3:
+            with torch.no_grad():
+                p = dict(pl_module.named_parameters())[self.name]
+                p.to_local().add_(1e-3)
+
+
+if __name__ == "__main__":
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    torch.set_num_threads(1)
+    root, layout, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dp, tp = (2, 1) if layout == "hsdp" else (1, 2)
+    alarm = AnomalyAlarm(desync_every_n_steps=2)
+    target = "fc2.weight" if layout == "hsdp" else "fc2.bias"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, process_group_backend="gloo"),
+        max_steps=8,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        num_sanity_val_steps=0,
+        callbacks=[alarm, *([Perturb(target)] if mode == "perturb" else [])],
+    )
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(128, 8, generator=g)
+    model = Net(layout)
+    trainer.fit(model, DataLoader(TensorDataset(x, x * 0.5), batch_size=8))
+    out = {
+        "alerts": [a.to_dict() for a in alarm.alerts if a.severity != "info"],
+        "checks": alarm.replicas.rule.checks,
+        "max_diff": alarm.replicas.rule.last_max_diff,
+        "groups": [list(g) for g in alarm.replicas.last_groups],
+        "placements": {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters() if hasattr(p, "placements")},
+    }
+    (root / f"{layout}-{mode}{trainer.global_rank}.json").write_text(json.dumps(out))

@@ -1,0 +1,58 @@
+"""ddp_desync under ModelParallelStrategy (2 gloo processes on CPU): true replicas are compared, shards are not.
+
+HSDP (``fully_shard`` on a (2, 1) mesh: 2 replicas x 1 shard) compares every parameter across the replicate
+dimension; tensor parallelism (a (1, 2) mesh) compares only ``RowwiseParallel``'s ``Replicate`` bias across the
+tensor-parallel ranks (the sharded weights hold different data). One rank's perturbed copy is caught on every rank
+at the same step, naming the parameter and the global ranks; healthy runs raise nothing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("sharded_desync_script.py")
+
+pytestmark = pytest.mark.slow
+
+
+def _run(tmp_path: Path, layout: str, mode: str) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), layout, mode], capture_output=True, text=True, timeout=300,
+        env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"{layout}-{mode}{r}.json").read_text()) for r in (0, 1)]
+
+
+def _desync_records(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "diag" / "alerts.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for r in map(json.loads, lines) if r["rule"] == "ddp_desync"]
+
+
+@pytest.mark.parametrize(("layout", "param"), [("hsdp", "fc2.weight"), ("tp", "fc2.bias")])
+def test_one_ranks_perturbed_replica_is_ddp_desync_on_every_rank(tmp_path: Path, layout: str, param: str) -> None:
+    ranks = _run(tmp_path, layout, "perturb")
+    for rank in ranks:
+        hits = [a for a in rank["alerts"] if a["rule"] == "ddp_desync"]
+        assert [(a["severity"], a["global_step"], a["source"]) for a in hits] == [("critical", 4, param)]
+        assert "rank(s) 1 differs from its replica(s) on rank(s) 0" in hits[0]["message"]
+        assert rank["checks"] == 4 and rank["groups"] == [[0, 1]]  # steps 2, 4, 6, 8; one replica group
+    assert len(_desync_records(tmp_path)) == 1  # global rank zero writes, once
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "tp"])
+def test_healthy_sharded_run_has_identical_replicas_and_no_alert(tmp_path: Path, layout: str) -> None:
+    ranks = _run(tmp_path, layout, "healthy")
+    for rank in ranks:
+        assert rank["alerts"] == [] and rank["checks"] == 4 and rank["max_diff"] == 0.0
+    if layout == "tp":  # only the Replicate bias has replicas; the Shard(0)/Shard(1) weights are not compared
+        assert ranks[0]["placements"]["fc2.bias"] == ["R"] and ranks[0]["placements"]["fc2.weight"] == ["S(1)"]
+    else:
+        assert all(p == ["R", "S(0)"] for p in ranks[0]["placements"].values())
+    assert _desync_records(tmp_path) == []
