@@ -1,8 +1,9 @@
 """Run by test_silent_sharded.py: 2 CPU processes (gloo) through ``ModelParallelStrategy``.
 
-``argv``: root, layout (``hsdp``: ``fully_shard`` on a (2, 1) mesh, replicate x shard; ``tp``: a (1, 2) mesh,
-``ColwiseParallel`` fc1 and ``RowwiseParallel`` fc2, whose bias is ``Replicate`` on the tensor-parallel ranks), mode
-(``perturb``: rank 1's local ``fc2.bias`` (tp) or ``fc2.weight`` (hsdp) is nudged after step 3; ``healthy``).
+``argv``: root, layout (``hsdp``: ``fully_shard`` on a (2, 1) mesh, replicate x shard; ``hsdp4``: 4 processes, a
+(2, 2) mesh, so that each replica group is half the world; ``tp``: a (1, 2) mesh, ``ColwiseParallel`` fc1 and
+``RowwiseParallel`` fc2, whose bias is ``Replicate`` on the tensor-parallel ranks), mode (``perturb``: the last
+rank's local ``fc2.bias`` (tp) or ``fc2.weight`` shard (hsdp) is nudged after step 3; ``healthy``).
 """
 
 import json
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_diag import AnomalyAlarm  # noqa: E402
+from lightning_diag import AnomalyAlarm
 
 
 class Net(pl.LightningModule):
@@ -31,8 +32,9 @@ class Net(pl.LightningModule):
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        if self.layout == "hsdp":
-            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        if self.layout.startswith("hsdp"):
+            shape = (2, 1) if self.layout == "hsdp" else (2, 2)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
             for layer in (self.fc1, self.fc2, self):  # the layers are called directly, not through forward
                 fully_shard(layer, mesh=mesh)
         else:
@@ -48,13 +50,13 @@ class Net(pl.LightningModule):
 
 
 class Perturb(pl.Callback):
-    """Rank 1's copy changed outside the optimizer: a rank-dependent bug."""
+    """The last rank's copy changed outside the optimizer: a rank-dependent bug."""
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_rank == 1 and trainer.global_step == 3:
+        if trainer.global_rank == trainer.world_size - 1 and trainer.global_step == 3:
             with torch.no_grad():
                 p = dict(pl_module.named_parameters())[self.name]
                 p.to_local().add_(1e-3)
@@ -65,12 +67,12 @@ if __name__ == "__main__":
 
     torch.set_num_threads(1)
     root, layout, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    dp, tp = (2, 1) if layout == "hsdp" else (1, 2)
+    dp, tp = {"hsdp": (2, 1), "hsdp4": (4, 1), "tp": (1, 2)}[layout]
     alarm = AnomalyAlarm(desync_every_n_steps=2)
-    target = "fc2.weight" if layout == "hsdp" else "fc2.bias"
+    target = "fc2.bias" if layout == "tp" else "fc2.weight"
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=dp * tp,
         strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, process_group_backend="gloo"),
         max_steps=8,
         default_root_dir=str(root),
@@ -90,6 +92,6 @@ if __name__ == "__main__":
         "checks": alarm.replicas.rule.checks,
         "max_diff": alarm.replicas.rule.last_max_diff,
         "groups": [list(g) for g in alarm.replicas.last_groups],
-        "placements": {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters() if hasattr(p, "placements")},
+        "placements": {n: [str(q) for q in getattr(p, "placements", ())] for n, p in model.named_parameters()},
     }
     (root / f"{layout}-{mode}{trainer.global_rank}.json").write_text(json.dumps(out))

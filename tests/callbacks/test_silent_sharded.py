@@ -19,14 +19,14 @@ SCRIPT = Path(__file__).with_name("sharded_desync_script.py")
 pytestmark = pytest.mark.slow
 
 
-def _run(tmp_path: Path, layout: str, mode: str) -> list[dict]:
+def _run(tmp_path: Path, layout: str, mode: str, n: int = 2) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path), layout, mode], capture_output=True, text=True, timeout=300,
         env=env, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((tmp_path / f"{layout}-{mode}{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((tmp_path / f"{layout}-{mode}{r}.json").read_text()) for r in range(n)]
 
 
 def _desync_records(tmp_path: Path) -> list[dict]:
@@ -56,3 +56,17 @@ def test_healthy_sharded_run_has_identical_replicas_and_no_alert(tmp_path: Path,
     else:
         assert all(p == ["R", "S(0)"] for p in ranks[0]["placements"].values())
     assert _desync_records(tmp_path) == []
+
+
+def test_hsdp_replica_groups_smaller_than_the_world_agree_on_one_decision(tmp_path: Path) -> None:
+    """4 processes, a (2, 2) mesh: rank 3 is compared with rank 1 only (ranks 0 and 2 compare their own shards);
+    one all_reduce then gives every rank the same decision, naming global rank 3 and its replica, rank 1."""
+    ranks = _run(tmp_path, "hsdp4", "perturb", n=4)
+    assert [r["groups"] for r in ranks] == [[[0, 2]], [[1, 3]], [[0, 2]], [[1, 3]]]
+    for rank in ranks:
+        hits = [a for a in rank["alerts"] if a["rule"] == "ddp_desync"]
+        assert [(a["severity"], a["global_step"], a["source"]) for a in hits] == [("critical", 4, "fc2.weight")]
+        assert "rank(s) 3 differs from its replica(s) on rank(s) 1" in hits[0]["message"]
+        assert rank["checks"] == 4
+    assert len({r["max_diff"] for r in ranks}) == 1  # the same numbers judged on every rank
+    assert len(_desync_records(tmp_path)) == 1
