@@ -1,0 +1,54 @@
+"""ddp_desync's pure parts across several replica groups, and which parameters ReplicaCheck compares (no processes)."""
+
+from types import SimpleNamespace
+
+import pytest
+from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
+from torch import nn
+
+from lightning_diag.callbacks.silent_checks import ReplicaCheck
+from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.replicas import DesyncRule, first_differences, member_differences
+
+
+def test_two_groups_judged_together_name_the_first_parameter_and_only_its_ranks() -> None:
+    # HSDP 2 x 2: group (0, 2) holds shard 0, group (1, 3) shard 1; rank 3 differs on parameter 1, rank 2 on 4.
+    g02 = member_differences([[1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0, 2.0]])
+    g13 = member_differences([[1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.5, 1.0, 1.0, 1.0, 1.0]])
+    first = {**first_differences(g02, [0, 2], [0, 1, 4], 1e-6), **first_differences(g13, [1, 3], [0, 1, 4], 1e-6)}
+    assert first == {2: (4, 0), 3: (1, 1)}
+    per_param = [0.0, 0.5, 0.0, 0.0, 1.0]  # parameters 2 and 3 have no replica (pure shards)
+    rule = DesyncRule(1e-6)
+    names = [f"p{i}" for i in range(5)]
+    (alert,) = rule.judge(per_param, names, first, StepContext(0, 10), compared=3)
+    assert alert.source == "p1" and alert.value == 0.5
+    assert "rank(s) 3 differs from its replica(s) on rank(s) 1" in alert.message
+    assert "2 of 3 replicated" in alert.message
+    assert rule.judge(per_param, names, first, StepContext(0, 20)) == []  # latched
+    assert rule.judge([0.0] * 5, names, {}, StepContext(0, 30)) == []
+    assert rule.checks == 3 and rule.last_max_diff == 0.0
+
+
+class _Owner:
+    def __init__(self) -> None:
+        self.notices: dict[str, str] = {}
+
+    def notice(self, trainer: object, key: str, message: str) -> None:
+        self.notices.setdefault(key, message)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "compared", "notice"),
+    [(DDPStrategy(), [0, 1], None), (ModelParallelStrategy(), [], "desync-plain-sharded")],
+)
+def test_plain_tensors_are_replicas_under_ddp_only(strategy: object, compared: list[int], notice: str | None) -> None:
+    owner = _Owner()
+    check = ReplicaCheck(owner, 2, 1e-6)  # type: ignore[arg-type]
+    trainer = SimpleNamespace(world_size=2, strategy=strategy)
+    groups = check._groups(trainer, list(nn.Linear(2, 2).named_parameters()))  # type: ignore[arg-type]
+    assert [i for g in groups.values() for i in g.params] == compared
+    if notice is None:
+        assert list(groups) == [(0, 1)] and owner.notices == {}
+    else:
+        assert "plain tensors, not DTensors" in owner.notices[notice] and "`weight`" in owner.notices[notice]
+        assert "desync-no-replicas" in owner.notices
