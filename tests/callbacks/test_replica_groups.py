@@ -52,3 +52,24 @@ def test_plain_tensors_are_replicas_under_ddp_only(strategy: object, compared: l
     else:
         assert "plain tensors, not DTensors" in owner.notices[notice] and "`weight`" in owner.notices[notice]
         assert "desync-no-replicas" in owner.notices
+
+
+def test_replica_dims_are_the_replicate_placements_of_a_real_dtensor(tmp_path) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_diag.instrument.sharding import mesh_dim_ranks, replica_dims
+
+    if dist.is_initialized():  # pragma: no cover - never inside the test process
+        pytest.skip("a process group is already initialised")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        hsdp = distribute_tensor(torch.ones(4, 2), mesh, [Replicate(), Shard(0)])
+        assert replica_dims(hsdp) == [0] and replica_dims(torch.ones(2)) == []
+        assert replica_dims(distribute_tensor(torch.ones(4), mesh, [Shard(0), Shard(0)])) == []
+        assert mesh_dim_ranks(mesh, 0) == (0,) and mesh_dim_ranks(mesh, 1) == (0,)
+    finally:
+        dist.destroy_process_group()
