@@ -31,6 +31,8 @@ __all__ = ["ZEROED_SAMPLE_SIZE", "SilentUpdateChecks", "ZeroGradWatch"]
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: Elements per parameter read by ``grad_not_zeroed`` at each backward it watches.
 ZEROED_SAMPLE_SIZE = 8
+#: A watch whose optimizer has not stepped again within this many measuring intervals is dropped (not judged).
+ZEROED_WATCH_INTERVALS = 4
 #: Checkpoint key (inside GradientFlowMonitor's state) of the ``grad_not_zeroed`` watches and unread verdicts.
 ZEROED_STATE_KEY = "zeroed"
 
@@ -53,8 +55,11 @@ class _PendingUpdate:
 class _Watch:
     """One optimizer's parameters from its measured step to its next step (device flags, one per parameter)."""
 
-    def __init__(self, positions: list[int], sample: ElementSample, stale: torch.Tensor, added: torch.Tensor) -> None:
+    def __init__(
+        self, positions: list[int], sample: ElementSample, stale: torch.Tensor, added: torch.Tensor, armed_at: int
+    ) -> None:
         self.positions = positions
+        self.armed_at = armed_at
         self.sample = sample
         #: ``.grad`` still non-zero since the step (never found ``None``/zero at a backward since)
         self.stale = stale
@@ -101,26 +106,16 @@ class ZeroGradWatch:
             sample = self._samples[key] = ElementSample([params[i] for i in positions], self.size)
         return sample
 
-    def arm(self, optimizer: int, positions: list[int], params: Sequence[torch.Tensor]) -> None:
-        """At a measured step of ``optimizer``: watch ``positions`` (parameters it holds with a ``.grad``)."""
+    def arm(self, optimizer: int, positions: list[int], params: Sequence[torch.Tensor], step: int = 0) -> None:
+        """At a measured step of ``optimizer`` (global ``step``): watch ``positions`` (parameters it holds with a
+        ``.grad``)."""
         self.watches.pop(optimizer, None)
         if not positions:
             return
         sample = self._sample(positions, params)
         grads = sample.gather([params[i].grad for i in positions])
         stale = segment_any(grads != 0, sample.segment, sample.count)
-        self.watches[optimizer] = _Watch(positions, sample, stale, torch.zeros_like(stale))
-
-    def restore(
-        self, optimizer: int, positions: list[int], params: Sequence[torch.Tensor], stale: list[bool], added: list[bool]
-    ) -> None:
-        """Re-create a watch saved in a checkpoint (its flags as host lists)."""
-        sample = self._sample(positions, params)
-        device = sample.segment.device
-        self.watches[optimizer] = _Watch(
-            positions, sample, torch.tensor(stale, dtype=torch.bool, device=device),
-            torch.tensor(added, dtype=torch.bool, device=device),
-        )
+        self.watches[optimizer] = _Watch(positions, sample, stale, torch.zeros_like(stale), step)
 
     def before_backward(self, params: Sequence[torch.Tensor]) -> None:
         """A backward starts: a gradient set to ``None`` or zero since the step is no longer left over."""
@@ -144,6 +139,11 @@ class ZeroGradWatch:
         if w is not None:
             self.verdicts.append((optimizer, w.positions, w.added & w.stale))
 
+    def expire(self, before: int) -> None:
+        """Drop the watches armed before global step ``before`` (an optimizer that stopped stepping)."""
+        for k in [k for k, w in self.watches.items() if w.armed_at < before]:
+            del self.watches[k]
+
     def take_verdicts(self) -> list[tuple[int, list[int], torch.Tensor]]:
         """The verdicts not yet read (and forget them)."""
         verdicts, self.verdicts = self.verdicts, []
@@ -164,13 +164,14 @@ class SilentUpdateChecks:
     writer: Any
     record: Callable[..., Any]
     threshold_lines: Callable[..., dict[str, float]]
+    every_n_steps: Callable[[pl.Trainer], int]
 
     def _reset_update_state(self) -> None:
         self._samples: dict[tuple[int, ...], ElementSample] = {}
         self._pending_updates: list[_PendingUpdate] = []
         self._stepped = False
         self._zero = ZeroGradWatch()
-        # grad_not_zeroed state loaded from a checkpoint, by parameter name: re-created at the first backward
+        # grad_not_zeroed verdicts loaded from a checkpoint, by parameter name: re-created at the first backward
         self._zero_restored: dict[str, Any] | None = None
         self._zero_names: dict[int, str] = {}  # optimizer position -> name for messages
 
@@ -197,43 +198,37 @@ class SilentUpdateChecks:
         opt = trainer.optimizers[position] if position < len(trainer.optimizers) else None
         if opt is not None:
             self._zero_names[position] = f"optimizer {position} ({type(opt).__name__})"
-        self._zero.arm(position, chosen, self._index.params)
+        self._zero.arm(position, chosen, self._index.params, trainer.global_step)
 
     def _zeroed_state(self) -> dict[str, Any]:
-        """The watches and unread verdicts by parameter name (host lists: one small read at checkpoint time)."""
-        if self._zero_restored is not None:  # saved again before the restored state was used
+        """The verdicts not yet read, by parameter name (host lists: one small read at checkpoint time).
+
+        Open watches are not saved: gradients are not in a checkpoint, so a resumed run starts with every
+        ``.grad`` ``None`` and nothing left over to watch.
+        """
+        if self._zero_restored is not None:  # saved again before the restored verdicts were read
             return self._zero_restored
         names = self._index.names if self._index is not None else []
-        watches = [
-            {"optimizer": k, "params": [names[i] for i in w.positions], "stale": w.stale.tolist(),
-             "added": w.added.tolist()}
-            for k, w in self._zero.watches.items()
-        ]
         verdicts = [
             {"optimizer": k, "params": [names[i] for i, f in zip(positions, flags.tolist(), strict=True) if f]}
             for k, positions, flags in self._zero.verdicts
         ]
-        return {"watches": watches, "verdicts": verdicts}
+        return {"verdicts": verdicts}
 
     def _load_zeroed_state(self, state: dict[str, Any] | None) -> None:
-        """Keep a checkpoint's ``grad_not_zeroed`` state (absent in checkpoints older than it: nothing watched)."""
+        """Keep a checkpoint's unread ``grad_not_zeroed`` verdicts (absent in checkpoints older than them: none)."""
         self._zero.clear()
-        self._zero_restored = state if state and (state.get("watches") or state.get("verdicts")) else None
+        self._zero_restored = {"verdicts": list(state.get("verdicts", []))} if state else None
+        if self._zero_restored is not None and not self._zero_restored["verdicts"]:
+            self._zero_restored = None
 
     def _restore_zeroed(self, index: ParamIndex) -> None:
         state, self._zero_restored = self._zero_restored, None
         assert state is not None
         where = {n: i for i, n in enumerate(index.names)}
-        for w in state.get("watches", []):
-            kept = [k for k, n in enumerate(w["params"]) if n in where]
-            if kept:
-                self._zero.restore(
-                    int(w["optimizer"]), [where[w["params"][k]] for k in kept], index.params,
-                    [bool(w["stale"][k]) for k in kept], [bool(w["added"][k]) for k in kept],
-                )
-        for v in state.get("verdicts", []):
+        device = index.params[0].device if index.params else torch.device("cpu")
+        for v in state["verdicts"]:
             positions = [where[n] for n in v["params"] if n in where]
-            device = index.params[0].device if index.params else torch.device("cpu")
             # only the flagged parameters were saved: every flag set
             self._zero.verdicts.append(
                 (int(v["optimizer"]), positions, torch.ones(len(positions), dtype=torch.bool, device=device))
@@ -280,6 +275,7 @@ class SilentUpdateChecks:
         index = self._index
         pending, self._pending_updates = self._pending_updates, []
         verdicts = self._zero.take_verdicts()
+        self._zero.expire(trainer.global_step - ZEROED_WATCH_INTERVALS * self.every_n_steps(trainer))
         parts = [
             unchanged_counts(u.before, u.sample.gather([index.params[i] for i in u.positions]), u.grads,
                              u.sample.segment, u.sample.count).reshape(-1)
