@@ -1,7 +1,8 @@
 """Sampled elements of parameters across an optimizer step, and parameter checksums (pure torch).
 
 The measures behind ``update_none`` / ``update_stale`` (a fixed, evenly spaced sample of each parameter's elements,
-read before and after the step) and ``ddp_desync`` (one checksum per parameter). Nothing here copies to the host.
+read before and after the step), ``grad_not_zeroed`` (a few elements of ``.grad`` around each watched backward,
+:func:`segment_any`) and ``ddp_desync`` (one checksum per parameter). Nothing here copies to the host.
 """
 
 from __future__ import annotations
