@@ -128,13 +128,14 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     ``stale_fraction`` of the sampled elements with a non-zero gradient unchanged (updates rounding to zero).
     Measured on measured steps only: ``update_sample_size`` evenly spaced elements of every parameter are read on
     the device before the step (``on_before_optimizer_step``) and compared after it (``on_train_batch_end``), one
-    host read. ``grad_not_zeroed``: a backward added to gradients left in ``.grad`` from before their own optimizer's measured
-    step, and that optimizer's next step applied the sum (no ``zero_grad`` in between; GAN-style optimizers whose
-    parameters keep their gradients through the other's backward are healthy). Watched from each measured step of
-    an optimizer to its next step: 8 elements per parameter of ``.grad`` read on the device around every backward
-    (``on_before_backward`` / ``on_after_backward``), the verdict read with the next measurement (see
-    :mod:`lightning_diag.callbacks.silent_updates`). On a quiet step with no watch open the three hooks test an
-    empty dictionary and return.
+    host read.
+    ``grad_not_zeroed``: a backward added to gradients left in ``.grad`` from before their own optimizer's
+    measured step, and that optimizer's next step applied the sum (no ``zero_grad`` in between; GAN-style
+    optimizers whose parameters keep their gradients through the other's backward are healthy). Watched from
+    each measured step of an optimizer to its next step: 8 elements per parameter of ``.grad`` read on the device
+    around every backward (``on_before_backward`` / ``on_after_backward``), the verdict read with the next
+    measurement (see :mod:`lightning_diag.callbacks.silent_updates`). On a quiet step with no watch open the
+    three hooks test an empty dictionary and return.
 
     Args:
         log_every_n_steps: Measure every this many optimizer steps; defaults to the trainer's interval.
