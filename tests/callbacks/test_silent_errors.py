@@ -458,3 +458,24 @@ def test_zero_grad_watch_criterion_on_tensors():
     assert set(watch.watches) == {1}
     watch.expire(before=4)
     assert watch.watches == {} and watch.verdicts == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["no_zero_grad", "healthy"])
+def test_grad_not_zeroed_under_ddp_every_rank_decides_together(tmp_path, mode):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("ddp_zeroed_script.py")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"{mode}{r}.json").read_text()) for r in (0, 1)]
+    expected = [2] if mode == "no_zero_grad" else []
+    for rank in ranks:
+        assert [a["global_step"] for a in rank["alerts"]] == expected and rank["checks"] >= 2
+    records = [json.loads(x) for x in (tmp_path / "diag" / "alerts.jsonl").read_text().splitlines()] if (
+        tmp_path / "diag" / "alerts.jsonl").exists() else []
+    assert [r["global_step"] for r in records if r["rule"] == "grad_not_zeroed"] == expected  # rank zero, once
