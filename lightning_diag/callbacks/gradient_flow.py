@@ -14,6 +14,12 @@ from pytorch_lightning.callbacks import BaseFinetuning
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.callbacks.silent_updates import (
+    ZEROED_STATE_KEY,
+    SilentUpdateChecks,
+    _PendingUpdate,  # noqa: F401  (importable from here as before the split)
+    _position,
+)
 from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import (
     act_grad_norm_tag,
@@ -23,12 +29,10 @@ from lightning_diag.core.tags import (
     grad_relative_tag,
     grad_rms_tag,
     grad_total_tag,
-    updates_unchanged_tag,
 )
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.act_grads import ActivationGradients
 from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step, update_ratios
-from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.grad import (
     DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS,
     DEFAULT_COLLAPSE_CONVERGED_FRACTION,
@@ -48,34 +52,15 @@ from lightning_diag.rules.grad import (
 from lightning_diag.rules.updates import (
     DEFAULT_STALE_FRACTION,
     DEFAULT_UPDATE_SAMPLE_SIZE,
-    UPDATE_STALE,
     GradNotZeroedRule,
-    LayerUpdate,
     UpdateRule,
 )
-from lightning_diag.stats.grad import local_tensor, per_tensor_norms
+from lightning_diag.stats.grad import local_tensor
 from lightning_diag.stats.histogram import tensorboard_histogram
-from lightning_diag.stats.updates import ElementSample, unchanged_counts
 
 __all__ = ["GradientFlowMonitor"]
 
 ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-class _PendingUpdate:
-    """The sampled elements of one measured optimizer step, read before it (compared after it)."""
-
-    def __init__(
-        self, positions: list[int], sample: ElementSample, before: torch.Tensor, grads: torch.Tensor,
-        low_precision: list[bool], causes: list[str | None],
-    ) -> None:
-        self.positions = positions
-        self.sample = sample
-        self.before = before
-        self.grads = grads
-        self.low_precision = low_precision
-        self.causes = causes
 
 
 #: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
@@ -87,7 +72,7 @@ _RENAMED_ARGUMENTS = {
 }
 
 
-class GradientFlowMonitor(DiagCallback):
+class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     r"""Per-layer gradient flow in TensorBoard, with vanishing, exploding, spread and collapse alerts.
 
     Measured in ``on_before_optimizer_step``: the gradients the optimizer is about to apply, after gradient
@@ -143,9 +128,14 @@ class GradientFlowMonitor(DiagCallback):
     ``stale_fraction`` of the sampled elements with a non-zero gradient unchanged (updates rounding to zero).
     Measured on measured steps only: ``update_sample_size`` evenly spaced elements of every parameter are read on
     the device before the step (``on_before_optimizer_step``) and compared after it (``on_train_batch_end``), one
-    host read. ``grad_not_zeroed``: after a measured step the gradients' norms are kept on the device; at the next
-    backward (the one step after each measured step) they are compared with ``.grad`` (one multi-tensor norm, no
-    host read; the verdict is read with the next measurement): the same non-zero norms mean nothing zeroed them.
+    host read.
+    ``grad_not_zeroed``: a backward added to gradients left in ``.grad`` from before their own optimizer's
+    measured step, and that optimizer's next step applied the sum (no ``zero_grad`` in between; GAN-style
+    optimizers whose parameters keep their gradients through the other's backward are healthy). Watched from
+    each measured step of an optimizer to its next step: 8 elements per parameter of ``.grad`` read on the device
+    around every backward (``on_before_backward`` / ``on_after_backward``), the verdict read with the next
+    measurement (see :mod:`lightning_diag.callbacks.silent_updates`). On a quiet step with no watch open the
+    three hooks test an empty dictionary and return.
 
     Args:
         log_every_n_steps: Measure every this many optimizer steps; defaults to the trainer's interval.
@@ -285,17 +275,6 @@ class GradientFlowMonitor(DiagCallback):
         self._before: list[tuple[list[int], list[torch.Tensor]]] = []
         self._measured_interval: dict[int, int] = {}
 
-    def _reset_update_state(self) -> None:
-        self._samples: dict[tuple[int, ...], ElementSample] = {}
-        self._pending_updates: list[_PendingUpdate] = []
-        self._stepped = False
-        # (index positions, their gradient norms right after a measured step): checked at the next backward
-        self._grad_print: tuple[list[int], torch.Tensor] | None = None
-        # (index positions, device flags "still the step's gradients"): read with the next measurement
-        self._zero_check: tuple[list[int], torch.Tensor] | None = None
-        self._zero_checked: list[int] = []
-        self._optimizers: list[torch.optim.Optimizer] = []
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """A new fit starts with fresh rules (the base class; a resume then loads their state) and no index."""
         super().setup(trainer, pl_module, stage)
@@ -305,6 +284,18 @@ class GradientFlowMonitor(DiagCallback):
             self._measured_interval = {}
             self._loss = None
             self._reset_update_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rules' state, and ``grad_not_zeroed``'s watches and unread verdicts (by parameter name)."""
+        return {**super().state_dict(), ZEROED_STATE_KEY: self._zeroed_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before ``grad_not_zeroed``'s watch state loads
+        with nothing watched."""
+        state = dict(state_dict)
+        zeroed = state.pop(ZEROED_STATE_KEY, None)
+        super().load_state_dict(state)
+        self._load_zeroed_state(zeroed)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove activation-gradient hooks a fit that raised mid-step left on the model, then release the session."""
@@ -372,7 +363,7 @@ class GradientFlowMonitor(DiagCallback):
         optimizers = trainer.optimizers
         if len(optimizers) <= 1:
             return 0 if self._measuring(trainer) else None
-        position = next((i for i, opt in enumerate(optimizers) if _unwrap(opt) is _unwrap(optimizer)), 0)
+        position = _position(trainer, optimizer)
         interval = trainer.global_step // self.every_n_steps(trainer)
         if self._measured_interval.get(position) == interval:
             return None
@@ -390,15 +381,18 @@ class GradientFlowMonitor(DiagCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """On measured steps: keep the loss (a device tensor, summed over micro-batches) for ``grad_collapse``.
 
-        At the first backward after a measured step: compare ``.grad`` with what that step applied
-        (``grad_not_zeroed``; device only, read with the next measurement).
+        While an optimizer's measured step is watched (until that optimizer's next step): read a few elements of
+        its parameters' ``.grad`` (``grad_not_zeroed``; device only).
         """
-        if self._grad_print is not None:
-            self._check_zeroed()
+        self._zero_before_backward(lambda: self._build_index(trainer, pl_module))
         if not self._measuring(trainer) or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
         value = loss.detach().float().reshape(())
         self._loss = value if self._loss is None else self._loss + value
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """While a measured step is watched: did this backward add to gradients left from before that step?"""
+        self._zero_after_backward()
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -408,6 +402,7 @@ class GradientFlowMonitor(DiagCallback):
             act_norms = self._act.flush()
             if act_norms:
                 self.writer.scalars({act_grad_norm_tag(n): v for n, v in act_norms.items()}, trainer.global_step)
+        self._zero_before_step(trainer, optimizer)  # the verdict of this optimizer's watch, if it has one
         position = self._measured_position(trainer, optimizer)
         if position is None:
             return
@@ -419,6 +414,7 @@ class GradientFlowMonitor(DiagCallback):
             self._sample_updates(trainer, optimizer, index, position)
         in_opt = {id(p) for group in optimizer.param_groups for p in group["params"]}
         chosen = [i for i, p in enumerate(index.params) if p.grad is not None and id(p) in in_opt]
+        self._zero_arm(trainer, position, chosen)
         if not chosen:
             return
         m = measure_step(index, chosen, self._loss, self._reduce(trainer))
@@ -475,13 +471,11 @@ class GradientFlowMonitor(DiagCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """After a measured step: weight norms and update-to-weight ratios per layer, the update rules (one host
-        read), and the gradients' fingerprint for ``grad_not_zeroed``."""
+        """After a measured step: weight norms and update-to-weight ratios per layer, and the update rules with
+        the ``grad_not_zeroed`` verdicts (one host read)."""
         if self._stepped and self._index is not None:
             self._stepped = False
             self._judge_updates(trainer)
-            self._optimizers = list(trainer.optimizers)
-            self._fingerprint_grads()
         if not self._before or self._index is None:
             return
         pending, self._before = self._before, []
@@ -492,120 +486,3 @@ class GradientFlowMonitor(DiagCallback):
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
 
 
-    # -- update_none / update_stale / grad_not_zeroed --------------------------------------------------------
-    def _sample_updates(
-        self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, index: ParamIndex, position: int
-    ) -> None:
-        """Read the sampled elements and gradients of the parameters this step should change (device only)."""
-        with_grad = [i for i, p in enumerate(index.params) if p.grad is not None]
-        if not with_grad:
-            return
-        lr_of = {id(p): group.get("lr", None) for group in optimizer.param_groups for p in group["params"]}
-        in_any = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
-        if not any(id(index.params[i]) in in_any for i in with_grad):
-            if position != 0:
-                return  # the optimizers hold none of them: judged once per interval, with the first optimizer
-            positions = with_grad
-            causes: list[str | None] = ["no_optimizer"] * len(with_grad)
-        else:
-            positions = [i for i in with_grad if id(index.params[i]) in lr_of]
-            causes = [
-                "lr_zero" if isinstance(lr_of[id(index.params[i])], (int, float)) and lr_of[id(index.params[i])] == 0
-                else None
-                for i in positions
-            ]
-        if not positions:
-            return
-        key = tuple(positions)
-        sample = self._samples.get(key)
-        if sample is None:
-            sample = self._samples[key] = ElementSample([index.params[i] for i in positions], self.update_sample_size)
-        params = [index.params[i] for i in positions]
-        before = sample.gather(params)
-        grads = sample.gather([p.grad for p in params])
-        low = [p.dtype in _LOW_PRECISION for p in params]
-        self._pending_updates.append(_PendingUpdate(positions, sample, before, grads, low, causes))
-
-    def _check_zeroed(self) -> None:
-        assert self._index is not None and self._grad_print is not None
-        positions, prints = self._grad_print
-        self._grad_print = None
-        params = self._index.params
-        present = [k for k, i in enumerate(positions) if params[i].grad is not None]
-        self._zero_checked = positions  # a gradient set to None since counts as zeroed
-        if not present:
-            return
-        now = per_tensor_norms([params[positions[k]].grad for k in present])  # type: ignore[misc]
-        # usually every gradient is still (or again) there: no index tensor to build, no host-to-device copy
-        then = prints if len(present) == len(positions) else prints[torch.tensor(present, device=prints.device)]
-        then = then.to(now.device)
-        self._zero_check = ([positions[k] for k in present], (now == then) & (then > 0))
-
-    def _fingerprint_grads(self) -> None:
-        assert self._index is not None
-        params = self._index.params
-        # only parameters an optimizer holds: for the others nothing is meant to zero (or apply) the gradient
-        held = {id(p) for opt in self._optimizers for group in opt.param_groups for p in group["params"]}
-        positions = [i for i, p in enumerate(params) if p.grad is not None and id(p) in held]
-        self._grad_print = (positions, per_tensor_norms([params[i].grad for i in positions])) if positions else None  # type: ignore[misc]
-
-    def _judge_updates(self, trainer: pl.Trainer) -> None:
-        """Compare the sampled elements after the step, read the pending ``grad_not_zeroed`` flags, judge."""
-        assert self._index is not None
-        index = self._index
-        pending, self._pending_updates = self._pending_updates, []
-        check, self._zero_check = self._zero_check, None
-        parts = [
-            unchanged_counts(u.before, u.sample.gather([index.params[i] for i in u.positions]), u.grads,
-                             u.sample.segment, u.sample.count).reshape(-1)
-            for u in pending
-        ]
-        if check is not None:
-            parts.append(check[1].float().reshape(-1).to(parts[0].device if parts else check[1].device))
-        if not parts:
-            return
-        device = parts[0].device
-        values = torch.cat([p.to(device) for p in parts])
-        if trainer.world_size > 1:  # sharded parameters: every rank counts its own shard; all decide on the sum
-            values = trainer.strategy.reduce(values, reduce_op="sum")
-        host = values.tolist()  # the one host read of the update rules at this step
-        step = max(trainer.global_step - 1, 0)  # the step that was measured
-        ctx = StepContext(trainer.current_epoch, step)
-        offset = 0
-        layers: dict[str, list[Any]] = {}
-        for u in pending:
-            n = u.sample.count
-            counted, unchanged = host[offset : offset + n], host[offset + n : offset + 2 * n]
-            offset += 2 * n
-            for k, i in enumerate(u.positions):
-                layer = index.layers[index.layer_of[i]]
-                entry = layers.setdefault(layer, [0, 0, False, set()])
-                entry[0] += int(counted[k])
-                entry[1] += int(unchanged[k])
-                entry[2] = entry[2] or u.low_precision[k]
-                entry[3].add(u.causes[k])
-        if layers:
-            updates = {
-                layer: LayerUpdate(c, s, low, next(iter(causes)) if len(causes) == 1 else None)
-                for layer, (c, s, low, causes) in layers.items()
-            }
-            shares = {updates_unchanged_tag(k): v.share for k, v in updates.items() if v.counted}
-            self.writer.scalars({**shares, **self.threshold_lines(UPDATE_STALE)}, step)
-            self.record(self.update_rule.update(updates, ctx))
-        if check is not None:
-            flags = host[offset:]
-            stale_positions = [i for i, f in zip(check[0], flags, strict=True) if f > 0]
-            # Missing zero_grad shows on every optimizer. One optimizer's gradients still there while another's
-            # were zeroed is the per-optimizer pattern of GAN-style manual optimization (each optimizer zeroes its
-            # own parameters right before its own backward), not a bug: judged healthy.
-            owner = {id(p): k for k, opt in enumerate(self._optimizers) for g in opt.param_groups for p in g["params"]}
-            checked = {owner.get(id(index.params[i])) for i in self._zero_checked}
-            stale_owners = {owner.get(id(index.params[i])) for i in stale_positions}
-            everywhere = bool(stale_positions) and stale_owners == checked
-            stale = {index.layers[index.layer_of[i]] for i in stale_positions} if everywhere else set()
-            self.record(self.not_zeroed_rule.update(stale, ctx))
-
-
-def _unwrap(optimizer: Any) -> Any:
-    # trainer.optimizers holds the torch optimizers; a manual `opt.step()` may hand over a LightningOptimizer.
-    return getattr(optimizer, "optimizer", optimizer)

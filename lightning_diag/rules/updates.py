@@ -12,10 +12,14 @@ parameter's elements did across the optimizer step (:mod:`lightning_diag.stats.u
 * ``update_stale`` (warning): in a bf16/fp16 parameter, more than ``stale_fraction`` of the sampled elements with
   a non-zero gradient are left unchanged (their updates round to zero in the low-precision weights), on
   ``patience`` consecutive measurements.
-* ``grad_not_zeroed`` (warning): at the first backward after a measured optimizer step, some parameters'
-  ``.grad`` still holds exactly what that step applied (its L2 norm unchanged and non-zero): the gradients were not
-  zeroed between the step and the next backward, so every step applies the sum of all earlier gradients.
-  Deliberate accumulation (several backward passes, then the step, then ``zero_grad``) never trips it.
+* ``grad_not_zeroed`` (warning): a parameter's ``.grad`` still held a non-zero gradient left from before its own
+  optimizer's last ``step()`` at a backward, that backward added to it, and the optimizer's next ``step()``
+  applied the sum (nothing set it to ``None`` or zero in between): manual optimization without ``zero_grad``, or
+  an ``optimizer_zero_grad`` overridden with a no-op, so every step applies the sum of all earlier gradients.
+  Watched from each measured step of an optimizer to that optimizer's next step. Deliberate accumulation (several
+  backward passes, then the step, then ``zero_grad``), ``accumulate_grad_batches``, and GAN-style optimizers
+  whose parameters keep the last step's gradients during the other optimizer's backward (``toggle_optimizer``,
+  parameters outside its graph, or ``zero_grad`` right before each optimizer's own backward) never trip it.
 
 Layers tripping one rule at one measurement make one alert naming them; each layer is latched until it clears.
 """
@@ -23,7 +27,7 @@ Layers tripping one rule at one measurement make one alert naming them; each lay
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, default, register
@@ -64,8 +68,8 @@ UPDATE_STALE_SPEC = register(RuleSpec(
 ))
 GRAD_NOT_ZEROED_SPEC = register(RuleSpec(
     "grad_not_zeroed", GRADIENT_FLOW, "warning", None,
-    "the gradients an optimizer step applied are still in `.grad` at the next backward (no "
-    "`zero_grad` between them)",
+    "a backward adds to gradients left in `.grad` from before their optimizer's last step, and that "
+    "optimizer's next step applies the sum (no `zero_grad` between the steps)",
 ))
 UPDATE_NONE = UPDATE_NONE_SPEC.rule_id
 UPDATE_STALE = UPDATE_STALE_SPEC.rule_id
@@ -208,13 +212,13 @@ class UpdateRule(Rule):
 
 
 class GradNotZeroedRule(Rule):
-    """``grad_not_zeroed``: the layers whose ``.grad`` still held a step's gradients at the next backward.
+    """``grad_not_zeroed``: the layers whose left-over gradients a backward added to and the next step applied.
 
     Latched as one source (``optimizer``): it alerts once, and again only after a check found the gradients zeroed.
 
     Example:
         >>> rule = GradNotZeroedRule()
-        >>> [a.rule for a in rule.update(["fc"], StepContext(0, 6))]
+        >>> [a.rule for a in rule.update(["fc"], StepContext(0, 6), optimizers=["optimizer 0 (SGD)"])]
         ['grad_not_zeroed']
         >>> rule.update(["fc"], StepContext(0, 11))
         []
@@ -233,19 +237,23 @@ class GradNotZeroedRule(Rule):
         del thresholds
         return cls()
 
-    def update(self, stale_layers: Collection[str], ctx: StepContext) -> list[Alert]:
-        """Feed one check (the layers whose gradients were not zeroed; empty: all were); return the alerts."""
+    def update(
+        self, stale_layers: Collection[str], ctx: StepContext, optimizers: Sequence[str] = ()
+    ) -> list[Alert]:
+        """Feed one check (the layers whose gradients were not zeroed, empty: all were; ``optimizers``: the names
+        of the optimizers holding them); return the alerts."""
         self.checks += 1
         layers = sorted(stale_layers)
         if not self.latch.update("optimizer", bool(layers)):
             return []
+        owner = f" (parameters of {', '.join(optimizers)})" if optimizers else ""
         return [
             self._alert(
                 ctx,
-                f"the gradients an optimizer step applied were still in `.grad` at the next backward in "
-                f"{list_names(layers)}: nothing zeroed them, so every step applies the sum of "
-                "all earlier gradients; call `optimizer.zero_grad()` after `optimizer.step()` (manual optimization), "
-                "or do not override `optimizer_zero_grad` with a no-op",
+                f"a backward added to the gradients left in `.grad` from before the last optimizer step in "
+                f"{list_names(layers)}{owner}, and the next step applied the sum: nothing zeroed them, so every "
+                "step applies the sum of all earlier gradients; call `optimizer.zero_grad()` after "
+                "`optimizer.step()` (manual optimization), or do not override `optimizer_zero_grad` with a no-op",
                 source=layers[0],
                 value=float(len(layers)),
                 threshold=None,

@@ -1,7 +1,8 @@
 """Sampled elements of parameters across an optimizer step, and parameter checksums (pure torch).
 
 The measures behind ``update_none`` / ``update_stale`` (a fixed, evenly spaced sample of each parameter's elements,
-read before and after the step) and ``ddp_desync`` (one checksum per parameter). Nothing here copies to the host.
+read before and after the step), ``grad_not_zeroed`` (a few elements of ``.grad`` around each watched backward,
+:func:`segment_any`) and ``ddp_desync`` (one checksum per parameter). Nothing here copies to the host.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["ElementSample", "local_tensor", "parameter_checksums", "sample_positions", "unchanged_counts"]
+__all__ = [
+    "ElementSample", "local_tensor", "parameter_checksums", "sample_positions", "segment_any", "unchanged_counts",
+]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -108,3 +111,16 @@ def parameter_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     norms = torch.stack([n.to(device=device, dtype=torch.float64) for n in torch._foreach_norm(local)])
     sums = torch.stack([t.sum(dtype=torch.float64).to(device) for t in local])
     return torch.stack([norms, sums])
+
+
+def segment_any(mask: torch.Tensor, segment: torch.Tensor, count: int) -> torch.Tensor:
+    """Per tensor (``segment`` as in :class:`ElementSample`), whether any of its sampled elements is set in
+    ``mask``: a bool vector of ``count`` on the device.
+
+    Example:
+        >>> segment_any(torch.tensor([False, True, False]), torch.tensor([0, 0, 1]), 2).tolist()
+        [True, False]
+    """
+    out = torch.zeros(count, device=mask.device)
+    out.index_add_(0, segment.to(mask.device), mask.float())
+    return out > 0

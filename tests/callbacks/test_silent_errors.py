@@ -298,3 +298,184 @@ def test_latched_silent_alerts_are_not_repeated_after_a_resume(tmp_path):
     trainer.fit(Both(bug="no_zero_grad"), _data(), ckpt_path=tmp_path / "mid.ckpt")
     assert [a.rule for a in gfm2.alerts + alarm2.alerts if a.rule in NEW_RULES] == []
     assert alarm2.train_mode.rule.latch.active == {"trained"} and gfm2.not_zeroed_rule.latch.active
+
+
+class _GAN(pl.LightningModule):
+    """A tiny GAN (generator 4 -> 8, discriminator 8 -> 1), manual optimization with two optimizers.
+
+    Args:
+        style: ``"toggle"`` (Lightning's example: ``toggle_optimizer``, step, ``zero_grad`` after each step),
+            ``"zero_first"`` (no toggle: each optimizer's ``zero_grad`` right before its own backward, so the
+            discriminator's last gradients are still there, and added to, during the generator's backward), or
+            ``"no_zero_grad"`` (no toggle, no ``zero_grad`` at all: the fault).
+    """
+
+    def __init__(self, style):
+        super().__init__()
+        torch.manual_seed(0)
+        self.style = style
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.disc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        real, _ = batch
+        g_opt, d_opt = self.optimizers()
+        bce = nn.functional.binary_cross_entropy_with_logits
+        z = torch.randn(real.shape[0], 4)
+        for opt, part in ((g_opt, "gen"), (d_opt, "disc")):
+            if self.style == "toggle":
+                self.toggle_optimizer(opt)
+            if self.style == "zero_first":
+                opt.zero_grad()
+            fake = self.gen(z)
+            if part == "gen":
+                loss = bce(self.disc(fake), torch.ones(real.shape[0], 1))
+            else:
+                loss = bce(self.disc(real), torch.ones(real.shape[0], 1)) + bce(
+                    self.disc(fake.detach()), torch.zeros(real.shape[0], 1)
+                )
+            self.manual_backward(loss)
+            opt.step()
+            if self.style == "toggle":
+                opt.zero_grad()
+                self.untoggle_optimizer(opt)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.gen.parameters(), lr=1e-3), torch.optim.Adam(self.disc.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("style", ["toggle", "zero_first"])
+def test_gan_style_two_optimizers_are_healthy(style):
+    cbs = [GradientFlowMonitor(), AnomalyAlarm()]
+    trainer = _fit(_GAN(style), cbs, steps=16)
+    assert trainer.global_step == 16
+    assert [a for a in cbs[0].alerts if a.rule == "grad_not_zeroed"] == [], _serious(cbs)
+    assert cbs[0].not_zeroed_rule.checks >= 3  # verdicts were read, and were healthy
+
+
+def test_gan_style_without_zero_grad_is_grad_not_zeroed_naming_both_optimizers():
+    cbs = [GradientFlowMonitor()]
+    _fit(_GAN("no_zero_grad"), cbs, steps=16)
+    hits = [a for a in cbs[0].alerts if a.rule == "grad_not_zeroed"]
+    # each optimizer steps once per batch (global steps 2b, 2b+1), so both are measured in every batch: watched
+    # from batch 0's steps, caught at their steps in batch 1, read after batch 1's measured steps (step 3)
+    assert [(a.global_step, a.severity) for a in hits] == [(3, "warning")], _serious(cbs)
+    assert "optimizer 0 (Adam)" in hits[0].message and "optimizer 1 (Adam)" in hits[0].message
+    assert "`disc.0`" in hits[0].message and "`gen.0`" in hits[0].message
+
+
+def test_manual_accumulation_over_four_backwards_is_healthy():
+    class Accumulate(_Net):
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = self._loss(batch)
+            self.manual_backward(loss / 4)
+            if batch_idx % 4 == 3:
+                opt.step()
+                opt.zero_grad(set_to_none=False)  # zeros, not None: also zeroed
+            return loss
+
+    cbs = [GradientFlowMonitor(log_every_n_steps=1), AnomalyAlarm()]
+    trainer = _fit(Accumulate(manual="plain"), cbs, steps=4, data=_data(n=160))
+    assert trainer.global_step == 4
+    assert _new(cbs) == [] and cbs[0].not_zeroed_rule.checks >= 2
+
+
+def test_no_zero_grad_from_a_later_step_on_is_caught_within_a_measuring_interval():
+    class Onset(_Net):
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = self._loss(batch)
+            self.manual_backward(loss)
+            opt.step()
+            if self.global_step <= 4:  # zero_grad stops after the step that made global step 4
+                opt.zero_grad()
+            return loss
+
+    cbs = [GradientFlowMonitor(log_every_n_steps=2)]
+    _fit(Onset(manual="plain"), cbs, steps=14)
+    hits = [a for a in cbs[0].alerts if a.rule == "grad_not_zeroed"]
+    # the gradients of measured step 4 are the first left in `.grad`; step 5 applies them again (the onset),
+    # its verdict is read with the next measurement, at step 6
+    assert [a.global_step for a in hits] == [6], _serious(cbs)
+    assert "optimizer 0 (AdamW)" in hits[0].message and "`first`, `last`" in hits[0].message
+
+
+def test_grad_not_zeroed_verdict_survives_a_resume_and_old_checkpoints_load(tmp_path):
+    gfm = GradientFlowMonitor()
+    trainer = pl.Trainer(max_steps=2, callbacks=[gfm], default_root_dir=tmp_path, **FAST)
+    trainer.fit(_Net(bug="no_zero_grad"), _data())
+    # step 0 was measured and watched; step 1 applied its gradients again: a verdict not read before step 2
+    assert gfm.state_dict()["zeroed"] == {
+        "verdicts": [{"optimizer": 0, "params": ["first.weight", "first.bias", "last.weight", "last.bias"]}]
+    }
+    assert [a for a in gfm.alerts if a.rule == "grad_not_zeroed"] == []
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    gfm2 = GradientFlowMonitor()
+    trainer = pl.Trainer(max_steps=4, callbacks=[gfm2], default_root_dir=tmp_path, **FAST)
+    trainer.fit(_Net(bug="no_zero_grad"), _data(), ckpt_path=tmp_path / "mid.ckpt")
+    # read at step 2 as without the resume (without the saved verdict: step 2 watched, alert at step 4)
+    (hit,) = [a for a in gfm2.alerts if a.rule == "grad_not_zeroed"]
+    assert hit.global_step == 2 and "`first`, `last`" in hit.message
+    old = {k: v for k, v in gfm.state_dict().items() if k != "zeroed"}  # a checkpoint from before this state
+    gfm3 = GradientFlowMonitor()
+    gfm3.load_state_dict(old)
+    assert gfm3.state_dict()["zeroed"] == {"verdicts": []}
+
+
+def test_zero_grad_watch_criterion_on_tensors():
+    from lightning_diag.callbacks.silent_updates import ZeroGradWatch
+
+    def run(steps):
+        w = nn.Parameter(torch.ones(16))
+        w.grad = torch.ones(16)
+        watch = ZeroGradWatch()
+        watch.arm(0, [0], [w])
+        for action in steps:
+            if action == "backward":
+                watch.before_backward([w])
+                w.grad = w.grad + 1 if w.grad is not None else torch.ones(16)
+                watch.after_backward([w])
+            elif action == "untouched":  # a backward that does not reach w (toggle_optimizer, outside the graph)
+                watch.before_backward([w])
+                watch.after_backward([w])
+            elif action == "zero":
+                w.grad = None
+            elif action == "zeros":
+                w.grad = torch.zeros(16)
+        watch.before_step(0)
+        return [flags.tolist() for _, _, flags in watch.verdicts]
+
+    assert run(["backward"]) == [[True]]  # no zero_grad
+    assert run(["untouched", "zero", "backward"]) == [[False]]  # GAN with toggle_optimizer
+    assert run(["backward", "zero", "backward"]) == [[False]]  # GAN, zero_grad right before its own backward
+    assert run(["zeros", "backward", "backward"]) == [[False]]  # accumulation after zero_grad(set_to_none=False)
+    assert run(["untouched"]) == [[False]]  # left over but never added to: not applied twice
+    watch = ZeroGradWatch()
+    watch.arm(1, [0], [nn.Parameter(torch.ones(2))], step=3)
+    watch.expire(before=3)
+    assert set(watch.watches) == {1}
+    watch.expire(before=4)
+    assert watch.watches == {} and watch.verdicts == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["no_zero_grad", "healthy"])
+def test_grad_not_zeroed_under_ddp_every_rank_decides_together(tmp_path, mode):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("ddp_zeroed_script.py")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"{mode}{r}.json").read_text()) for r in (0, 1)]
+    expected = [2] if mode == "no_zero_grad" else []
+    for rank in ranks:
+        assert [a["global_step"] for a in rank["alerts"]] == expected and rank["checks"] >= 2
+    records = [json.loads(x) for x in (tmp_path / "diag" / "alerts.jsonl").read_text().splitlines()] if (
+        tmp_path / "diag" / "alerts.jsonl").exists() else []
+    assert [r["global_step"] for r in records if r["rule"] == "grad_not_zeroed"] == expected  # rank zero, once

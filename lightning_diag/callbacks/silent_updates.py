@@ -1,0 +1,336 @@
+"""GradientFlowMonitor's silent-error sampling: ``update_none`` / ``update_stale`` and ``grad_not_zeroed``.
+
+Split out of :mod:`lightning_diag.callbacks.gradient_flow` (which mixes :class:`SilentUpdateChecks` into
+:class:`~lightning_diag.GradientFlowMonitor`). Everything here runs on measured steps, or, for
+``grad_not_zeroed``, between a measured optimizer step and the same optimizer's next step; on any other step each
+hook is one empty-container test.
+
+``grad_not_zeroed``'s exact criterion, per parameter an optimizer holds: at a backward its ``.grad`` still holds a
+non-zero gradient left from before its own optimizer's last ``step()`` (not set to ``None`` or zero at any backward
+since), that backward adds to it, and the optimizer's next ``step()`` applies it (the parameter was not zeroed
+before that step's backward either). Measured on :data:`ZEROED_SAMPLE_SIZE` evenly spaced elements per parameter,
+on the device: a parameter whose sampled elements all have a zero gradient is not judged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_diag.core.tags import updates_unchanged_tag
+from lightning_diag.instrument.grad_measure import ParamIndex
+from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.updates import UPDATE_STALE, GradNotZeroedRule, LayerUpdate, UpdateRule
+from lightning_diag.stats.updates import ElementSample, segment_any, unchanged_counts
+
+__all__ = ["ZEROED_SAMPLE_SIZE", "SilentUpdateChecks", "ZeroGradWatch"]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+#: Elements per parameter read by ``grad_not_zeroed`` at each backward it watches.
+ZEROED_SAMPLE_SIZE = 8
+#: A watch whose optimizer has not stepped again within this many measuring intervals is dropped (not judged).
+ZEROED_WATCH_INTERVALS = 4
+#: Checkpoint key (inside GradientFlowMonitor's state) of the ``grad_not_zeroed`` watches and unread verdicts.
+ZEROED_STATE_KEY = "zeroed"
+
+
+class _PendingUpdate:
+    """The sampled elements of one measured optimizer step, read before it (compared after it)."""
+
+    def __init__(
+        self, positions: list[int], sample: ElementSample, before: torch.Tensor, grads: torch.Tensor,
+        low_precision: list[bool], causes: list[str | None],
+    ) -> None:
+        self.positions = positions
+        self.sample = sample
+        self.before = before
+        self.grads = grads
+        self.low_precision = low_precision
+        self.causes = causes
+
+
+class _Watch:
+    """One optimizer's parameters from its measured step to its next step (device flags, one per parameter)."""
+
+    def __init__(
+        self, positions: list[int], sample: ElementSample, stale: torch.Tensor, added: torch.Tensor, armed_at: int
+    ) -> None:
+        self.positions = positions
+        self.armed_at = armed_at
+        self.sample = sample
+        #: ``.grad`` still non-zero since the step (never found ``None``/zero at a backward since)
+        self.stale = stale
+        #: a backward added to the left-over gradient
+        self.added = added
+        self.before: torch.Tensor | None = None
+
+
+class ZeroGradWatch:
+    """``grad_not_zeroed``'s device-side bookkeeping over a list of parameters (no Lightning, no host read).
+
+    :meth:`arm` at an optimizer's measured step, :meth:`before_backward` / :meth:`after_backward` around every
+    backward, :meth:`before_step` at every step of an optimizer with a watch: its verdict (one bool per parameter:
+    not zeroed) joins :attr:`verdicts`, read by the caller with its next host read.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(4))
+        >>> w.grad = torch.ones(4)
+        >>> watch = ZeroGradWatch()
+        >>> watch.arm(0, [0], [w])
+        >>> watch.before_backward([w]); w.grad += 1; watch.after_backward([w])  # no zero_grad: added to
+        >>> watch.before_step(0)
+        >>> [flags.tolist() for _, _, flags in watch.verdicts]
+        [[True]]
+    """
+
+    def __init__(self, size: int = ZEROED_SAMPLE_SIZE) -> None:
+        self.size = size
+        self.watches: dict[int, _Watch] = {}
+        #: (optimizer position, parameter positions, device bool flags "not zeroed") not yet read
+        self.verdicts: list[tuple[int, list[int], torch.Tensor]] = []
+        self._samples: dict[tuple[int, ...], ElementSample] = {}
+
+    def clear(self) -> None:
+        """Forget every watch and verdict (a new fit)."""
+        self.watches.clear()
+        self.verdicts.clear()
+        self._samples.clear()
+
+    def _sample(self, positions: list[int], params: Sequence[torch.Tensor]) -> ElementSample:
+        key = tuple(positions)
+        sample = self._samples.get(key)
+        if sample is None:
+            sample = self._samples[key] = ElementSample([params[i] for i in positions], self.size)
+        return sample
+
+    def arm(self, optimizer: int, positions: list[int], params: Sequence[torch.Tensor], step: int = 0) -> None:
+        """At a measured step of ``optimizer`` (global ``step``): watch ``positions`` (parameters it holds with a
+        ``.grad``)."""
+        self.watches.pop(optimizer, None)
+        if not positions:
+            return
+        sample = self._sample(positions, params)
+        grads = sample.gather([params[i].grad for i in positions])
+        stale = segment_any(grads != 0, sample.segment, sample.count)
+        self.watches[optimizer] = _Watch(positions, sample, stale, torch.zeros_like(stale), step)
+
+    def before_backward(self, params: Sequence[torch.Tensor]) -> None:
+        """A backward starts: a gradient set to ``None`` or zero since the step is no longer left over."""
+        for w in self.watches.values():
+            grads = w.sample.gather([params[i].grad for i in w.positions])
+            w.stale &= segment_any(grads != 0, w.sample.segment, w.sample.count)
+            w.before = grads
+
+    def after_backward(self, params: Sequence[torch.Tensor]) -> None:
+        """A backward ended: the left-over gradients it changed were added to."""
+        for w in self.watches.values():
+            if w.before is None:  # a backward whose start was not seen (armed in between)
+                continue
+            grads = w.sample.gather([params[i].grad for i in w.positions])
+            w.added |= w.stale & segment_any(grads != w.before, w.sample.segment, w.sample.count)
+            w.before = None
+
+    def before_step(self, optimizer: int) -> None:
+        """``optimizer`` is about to step: the verdict of its watch, if any (added to and never zeroed)."""
+        w = self.watches.pop(optimizer, None)
+        if w is not None:
+            self.verdicts.append((optimizer, w.positions, w.added & w.stale))
+
+    def expire(self, before: int) -> None:
+        """Drop the watches armed before global step ``before`` (an optimizer that stopped stepping)."""
+        for k in [k for k, w in self.watches.items() if w.armed_at < before]:
+            del self.watches[k]
+
+    def take_verdicts(self) -> list[tuple[int, list[int], torch.Tensor]]:
+        """The verdicts not yet read (and forget them)."""
+        verdicts, self.verdicts = self.verdicts, []
+        return verdicts
+
+
+class SilentUpdateChecks:
+    """The update sampling and ``grad_not_zeroed`` watch of :class:`~lightning_diag.GradientFlowMonitor`.
+
+    A mixin: the host class provides ``_index``, ``update_sample_size``, ``writer``, ``record``,
+    ``threshold_lines``, ``update_rule`` and ``not_zeroed_rule``.
+    """
+
+    _index: ParamIndex | None
+    update_sample_size: int
+    update_rule: UpdateRule
+    not_zeroed_rule: GradNotZeroedRule
+    writer: Any
+    record: Callable[..., Any]
+    threshold_lines: Callable[..., dict[str, float]]
+    every_n_steps: Callable[[pl.Trainer], int]
+
+    def _reset_update_state(self) -> None:
+        self._samples: dict[tuple[int, ...], ElementSample] = {}
+        self._pending_updates: list[_PendingUpdate] = []
+        self._stepped = False
+        self._zero = ZeroGradWatch()
+        # grad_not_zeroed verdicts loaded from a checkpoint, by parameter name: re-created at the first backward
+        self._zero_restored: dict[str, Any] | None = None
+        self._zero_names: dict[int, str] = {}  # optimizer position -> name for messages
+
+    # -- grad_not_zeroed ---------------------------------------------------------------------------------------
+    def _zero_before_backward(self, build_index: Callable[[], ParamIndex]) -> None:
+        if self._zero_restored is not None:
+            if self._index is None:
+                self._index = build_index()
+            self._restore_zeroed(self._index)
+        if self._zero.watches:
+            assert self._index is not None
+            self._zero.before_backward(self._index.params)
+
+    def _zero_after_backward(self) -> None:
+        if self._zero.watches and self._index is not None:
+            self._zero.after_backward(self._index.params)
+
+    def _zero_before_step(self, trainer: pl.Trainer, optimizer: Any) -> None:
+        if self._zero.watches:
+            self._zero.before_step(_position(trainer, optimizer))
+
+    def _zero_arm(self, trainer: pl.Trainer, position: int, chosen: list[int]) -> None:
+        assert self._index is not None
+        opt = trainer.optimizers[position] if position < len(trainer.optimizers) else None
+        if opt is not None:
+            self._zero_names[position] = f"optimizer {position} ({type(opt).__name__})"
+        self._zero.arm(position, chosen, self._index.params, trainer.global_step)
+
+    def _zeroed_state(self) -> dict[str, Any]:
+        """The verdicts not yet read, by parameter name (host lists: one small read at checkpoint time).
+
+        Open watches are not saved: gradients are not in a checkpoint, so a resumed run starts with every
+        ``.grad`` ``None`` and nothing left over to watch.
+        """
+        if self._zero_restored is not None:  # saved again before the restored verdicts were read
+            return self._zero_restored
+        names = self._index.names if self._index is not None else []
+        verdicts = [
+            {"optimizer": k, "params": [names[i] for i, f in zip(positions, flags.tolist(), strict=True) if f]}
+            for k, positions, flags in self._zero.verdicts
+        ]
+        return {"verdicts": verdicts}
+
+    def _load_zeroed_state(self, state: dict[str, Any] | None) -> None:
+        """Keep a checkpoint's unread ``grad_not_zeroed`` verdicts (absent in checkpoints older than them: none)."""
+        self._zero.clear()
+        self._zero_restored = {"verdicts": list(state.get("verdicts", []))} if state else None
+        if self._zero_restored is not None and not self._zero_restored["verdicts"]:
+            self._zero_restored = None
+
+    def _restore_zeroed(self, index: ParamIndex) -> None:
+        state, self._zero_restored = self._zero_restored, None
+        assert state is not None
+        where = {n: i for i, n in enumerate(index.names)}
+        device = index.params[0].device if index.params else torch.device("cpu")
+        for v in state["verdicts"]:
+            positions = [where[n] for n in v["params"] if n in where]
+            # only the flagged parameters were saved: every flag set
+            self._zero.verdicts.append(
+                (int(v["optimizer"]), positions, torch.ones(len(positions), dtype=torch.bool, device=device))
+            )
+
+    # -- update_none / update_stale ----------------------------------------------------------------------------
+    def _sample_updates(
+        self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, index: ParamIndex, position: int
+    ) -> None:
+        """Read the sampled elements and gradients of the parameters this step should change (device only)."""
+        with_grad = [i for i, p in enumerate(index.params) if p.grad is not None]
+        if not with_grad:
+            return
+        lr_of = {id(p): group.get("lr", None) for group in optimizer.param_groups for p in group["params"]}
+        in_any = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
+        if not any(id(index.params[i]) in in_any for i in with_grad):
+            if position != 0:
+                return  # the optimizers hold none of them: judged once per interval, with the first optimizer
+            positions = with_grad
+            causes: list[str | None] = ["no_optimizer"] * len(with_grad)
+        else:
+            positions = [i for i in with_grad if id(index.params[i]) in lr_of]
+            causes = [
+                "lr_zero" if isinstance(lr_of[id(index.params[i])], (int, float)) and lr_of[id(index.params[i])] == 0
+                else None
+                for i in positions
+            ]
+        if not positions:
+            return
+        key = tuple(positions)
+        sample = self._samples.get(key)
+        if sample is None:
+            sample = self._samples[key] = ElementSample([index.params[i] for i in positions], self.update_sample_size)
+        params = [index.params[i] for i in positions]
+        before = sample.gather(params)
+        grads = sample.gather([p.grad for p in params])
+        low = [p.dtype in _LOW_PRECISION for p in params]
+        self._pending_updates.append(_PendingUpdate(positions, sample, before, grads, low, causes))
+
+    def _judge_updates(self, trainer: pl.Trainer) -> None:
+        """Compare the sampled elements after the step, read the ``grad_not_zeroed`` verdicts, judge (one host
+        read for both)."""
+        assert self._index is not None
+        index = self._index
+        pending, self._pending_updates = self._pending_updates, []
+        verdicts = self._zero.take_verdicts()
+        self._zero.expire(trainer.global_step - ZEROED_WATCH_INTERVALS * self.every_n_steps(trainer))
+        parts = [
+            unchanged_counts(u.before, u.sample.gather([index.params[i] for i in u.positions]), u.grads,
+                             u.sample.segment, u.sample.count).reshape(-1)
+            for u in pending
+        ]
+        parts += [flags.float() for _, _, flags in verdicts]
+        if not parts:
+            return
+        device = parts[0].device
+        values = torch.cat([p.to(device) for p in parts])
+        if trainer.world_size > 1:  # sharded parameters: every rank counts its own shard; all decide on the sum
+            values = trainer.strategy.reduce(values, reduce_op="sum")
+        host = values.tolist()  # the one host read of the update rules at this step
+        step = max(trainer.global_step - 1, 0)  # the step that was measured
+        ctx = StepContext(trainer.current_epoch, step)
+        offset = 0
+        layers: dict[str, list[Any]] = {}
+        for u in pending:
+            n = u.sample.count
+            counted, unchanged = host[offset : offset + n], host[offset + n : offset + 2 * n]
+            offset += 2 * n
+            for k, i in enumerate(u.positions):
+                layer = index.layers[index.layer_of[i]]
+                entry = layers.setdefault(layer, [0, 0, False, set()])
+                entry[0] += int(counted[k])
+                entry[1] += int(unchanged[k])
+                entry[2] = entry[2] or u.low_precision[k]
+                entry[3].add(u.causes[k])
+        if layers:
+            updates = {
+                layer: LayerUpdate(c, s, low, next(iter(causes)) if len(causes) == 1 else None)
+                for layer, (c, s, low, causes) in layers.items()
+            }
+            shares = {updates_unchanged_tag(k): v.share for k, v in updates.items() if v.counted}
+            self.writer.scalars({**shares, **self.threshold_lines(UPDATE_STALE)}, step)
+            self.record(self.update_rule.update(updates, ctx))
+        if verdicts:
+            stale: set[str] = set()
+            optimizers: set[str] = set()
+            for k, positions, _ in verdicts:
+                flags = host[offset : offset + len(positions)]
+                offset += len(positions)
+                hit = [i for i, f in zip(positions, flags, strict=True) if f > 0]
+                if hit:
+                    stale.update(index.layers[index.layer_of[i]] for i in hit)
+                    optimizers.add(self._zero_names.get(k, f"optimizer {k}"))
+            self.record(self.not_zeroed_rule.update(stale, ctx, optimizers=sorted(optimizers)))
+
+
+def _unwrap(optimizer: Any) -> Any:
+    # trainer.optimizers holds the torch optimizers; a manual `opt.step()` may hand over a LightningOptimizer.
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _position(trainer: pl.Trainer, optimizer: Any) -> int:
+    """The optimizer's position in ``trainer.optimizers`` (0 when it is not there)."""
+    target = _unwrap(optimizer)
+    return next((i for i, opt in enumerate(trainer.optimizers) if _unwrap(opt) is target), 0)
