@@ -11,15 +11,17 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_diag.stats.grad import local_tensor as grad_local_tensor
+
 __all__ = [
-    "ElementSample", "local_tensor", "parameter_checksums", "sample_positions", "segment_any", "unchanged_counts",
+    "ElementSample", "detached_local", "parameter_checksums", "sample_positions", "segment_any", "unchanged_counts",
 ]
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The local part of a tensor (a ``DTensor``'s shard, a plain tensor itself), detached."""
-    to_local = getattr(t, "to_local", None)
-    return (to_local() if callable(to_local) else t).detach()
+def detached_local(t: torch.Tensor) -> torch.Tensor:
+    """The local part of a tensor (:func:`lightning_diag.stats.grad.local_tensor`), detached: the samples here
+    read weights and gradients, never a graph."""
+    return grad_local_tensor(t).detach()
 
 
 def sample_positions(numel: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -51,8 +53,8 @@ class ElementSample:
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], size: int) -> None:
-        device = local_tensor(tensors[0]).device if tensors else torch.device("cpu")
-        self.positions = [sample_positions(local_tensor(t).numel(), size, local_tensor(t).device) for t in tensors]
+        device = detached_local(tensors[0]).device if tensors else torch.device("cpu")
+        self.positions = [sample_positions(detached_local(t).numel(), size, detached_local(t).device) for t in tensors]
         counts = [len(p) for p in self.positions]
         #: Which tensor each sampled element belongs to.
         self.segment = torch.repeat_interleave(
@@ -67,7 +69,7 @@ class ElementSample:
             if t is None:
                 parts.append(torch.zeros(len(pos), device=self.segment.device))
             else:
-                parts.append(local_tensor(t).reshape(-1).index_select(0, pos).float().to(self.segment.device))
+                parts.append(detached_local(t).reshape(-1).index_select(0, pos).float().to(self.segment.device))
         return torch.cat(parts) if parts else torch.zeros(0, device=self.segment.device)
 
 
@@ -103,7 +105,7 @@ def parameter_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(2, 0, dtype=torch.float64)
     local = []
     for t in tensors:
-        x = local_tensor(t)
+        x = detached_local(t)
         if x.is_complex():
             x = torch.view_as_real(x)
         local.append(x if x.is_floating_point() else x.double())  # integer parameters (frozen counters)
