@@ -84,7 +84,10 @@ __all__ = [
     "DEFAULT_ENTROPY_HIGH_WARMUP_STEPS",
     "DEFAULT_ENTROPY_LOW_THRESHOLD",
     "DEFAULT_SINK_THRESHOLD",
+    "HIGH_HOLD_MARGIN",
     "LOSS_POINTS",
+    "LOW_HOLD_FACTOR",
+    "SINK_HOLD_MARGIN",
     "AttentionEntropyRule",
     "AttentionSinkRule",
     "LayerStats",
@@ -143,6 +146,18 @@ ALIGNED_COVERAGE = 0.9
 ABRUPT_FALL = 2.0
 #: ``attn_entropy_low``: sampled training losses averaged to tell whether the loss improved (one batch is noisy).
 LOSS_POINTS = 3
+#: ``attn_entropy_low`` hysteresis: a head in alarm stays in its event while its entropy is below this factor of
+#: ``low`` (0.625 nats for 0.5): a head hovering around the threshold is one event, not one per crossing.
+LOW_HOLD_FACTOR = 1.25
+#: ``attn_entropy_high`` hysteresis: a head in alarm stays in its event while its entropy is above
+#: ``uniform_fraction - HIGH_HOLD_MARGIN`` of uniform (0.85 for 0.9), whatever the absolute ``high``: the absolute
+#: bound says whether a batch's sequences have room for diffuse attention, and the room changes from batch to batch
+#: (measured: the fine-tune corpus's uniform entropy 2.45 .. 2.69 nats, 11.6 .. 14.7 keys, around the 2.5 bound),
+#: the head's diffuseness does not (its frozen layer at 1.00 of uniform, the trained one at 0.97 .. 0.99).
+HIGH_HOLD_MARGIN = 0.05
+#: ``attn_sink`` hysteresis: a layer in alarm stays in its event while every head keeps more than ``sink_mass -
+#: SINK_HOLD_MARGIN`` (0.4 for 0.5) on the special tokens (and twice its uniform share).
+SINK_HOLD_MARGIN = 0.1
 _SINK, _ALIGNED = ATTN_SINK, "aligned"
 _COLLAPSE, _LEARNED = "collapse", "learned"
 
@@ -275,6 +290,11 @@ class AttentionEntropyRule(Rule):
                         if streak >= self.patience:
                             explained[rule].append((h, ent, first if rule == _SINK else cover))
                         continue
+                    if self.latch.is_active(key):  # hysteresis: an event in alarm holds on a looser bound
+                        if rule == ATTN_ENTROPY_LOW:
+                            bad = bad or (room and not (sink or aligned) and ent < LOW_HOLD_FACTOR * self.low)
+                        else:
+                            bad = bad or (judge_high and ent > (self.uniform_fraction - HIGH_HOLD_MARGIN) * uni)
                     self.streaks[key] = self.streaks.get(key, 0) + 1 if bad else 0
                     over = excess(ent, self.low, above=False) if rule == ATTN_ENTROPY_LOW else None
                     if self.latch.update(key, self.streaks[key] >= self.patience, excess=over):
@@ -436,6 +456,8 @@ class AttentionSinkRule(Rule):
             if not pairs:
                 continue
             sunk = all(m > self.sink_mass and m > 2 * s for m, s in pairs)
+            if self.latch.is_active(module):  # hysteresis: a sinking layer stays in its event on a looser bound
+                sunk = sunk or all(m > self.sink_mass - SINK_HOLD_MARGIN and m > 2 * s for m, s in pairs)
             least = min(m for m, _ in pairs)
             self.streaks[module] = self.streaks.get(module, 0) + 1 if sunk else 0
             if self.latch.update(module, self.streaks[module] >= self.patience):
