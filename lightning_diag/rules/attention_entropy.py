@@ -1,0 +1,283 @@
+"""``attn_entropy_low`` and ``attn_entropy_high``: per-head entropy collapse, learned sharpness and diffusion
+(framework-free; the exact meaning is in :mod:`lightning_diag.rules.attention`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from lightning_diag.core.record import Alert, Severity
+from lightning_diag.rules.attention_specs import (
+    ATTN_ENTROPY_HIGH,
+    ATTN_ENTROPY_HIGH_SPEC,
+    ATTN_ENTROPY_LOW,
+    ATTN_ENTROPY_LOW_SPEC,
+    ATTN_PATIENCE_SETTING,
+    ATTN_SINK,
+    ATTN_SINK_SPEC,
+    DEFAULT_ATTN_PATIENCE,
+    DEFAULT_ENTROPY_HIGH_THRESHOLD,
+    DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION,
+    DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
+    DEFAULT_ENTROPY_LOW_THRESHOLD,
+    DEFAULT_SINK_THRESHOLD,
+    LayerStats,
+    first_mass,
+    per_head,
+)
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
+
+__all__ = [
+    "ABRUPT_FALL",
+    "ALIGNED_COVERAGE",
+    "HIGH_HOLD_MARGIN",
+    "LOSS_POINTS",
+    "LOW_HOLD_FACTOR",
+    "AttentionEntropyRule",
+]
+
+#: ``attn_entropy_low``: a low-entropy head whose queries' mean attention has at least this fraction of the
+#: entropy ``min(queries, keys)`` one-hot rows can reach is a one-to-one alignment, not a collapse (measured: the
+#: reversal alignment of the corpus's BART cross-attention 0.97..1.0, the collapsed heads of the Llama logit-growth
+#: fault 0.56..0.75, every query on [CLS] 0).
+ALIGNED_COVERAGE = 0.9
+#: ``attn_entropy_low``: a head whose entropy fell by at least this factor from its last measurement above the band
+#: to its first one in it fell abruptly (measured: the healthy nanoGPT copy heads at most 1.2x per measurement;
+#: the demo attention fault 100x and more, the Llama logit-growth fault 5x and more).
+ABRUPT_FALL = 2.0
+#: ``attn_entropy_low``: sampled training losses averaged to tell whether the loss improved (one batch is noisy).
+LOSS_POINTS = 3
+#: ``attn_entropy_low`` hysteresis: a head in alarm stays in its event while its entropy is below this factor of
+#: ``low`` (0.625 nats for 0.5): a head hovering around the threshold is one event, not one per crossing.
+LOW_HOLD_FACTOR = 1.25
+#: ``attn_entropy_high`` hysteresis: a head in alarm stays in its event while its entropy is above
+#: ``uniform_fraction - HIGH_HOLD_MARGIN`` of uniform (0.85 for 0.9), whatever the absolute ``high``: the absolute
+#: bound says whether a batch's sequences have room for diffuse attention, and the room changes from batch to batch
+#: (measured: the fine-tune corpus's uniform entropy 2.45 .. 2.69 nats, 11.6 .. 14.7 keys, around the 2.5 bound),
+#: the head's diffuseness does not (its frozen layer at 1.00 of uniform, the trained one at 0.97 .. 0.99).
+HIGH_HOLD_MARGIN = 0.05
+_SINK, _ALIGNED = ATTN_SINK, "aligned"
+_COLLAPSE, _LEARNED = "collapse", "learned"
+
+
+class AttentionEntropyRule(Rule):
+    """``attn_entropy_low`` and ``attn_entropy_high``, per head.
+
+    Example:
+        >>> rule = AttentionEntropyRule(patience=2, warmup_steps=0)
+        >>> spread = {"attn": LayerStats([1.8, 1.5], [2.7, 2.7], [0.0, 0.0], [0.1, 0.1])}
+        >>> collapsed = {"attn": LayerStats([0.1, 1.5], [2.7, 2.7], [0.0, 0.0], [0.1, 0.1])}
+        >>> feed = [(spread, 2.0), (collapsed, 2.5), (collapsed, 2.6), (collapsed, 2.6)]
+        >>> [[(a.source, a.severity.value) for a in rule.update(x, StepContext(0, s), loss=loss)]
+        ...  for s, (x, loss) in enumerate(feed)]
+        [[], [], [('attn/head_0', 'warning')], []]
+    """
+
+    specs = (ATTN_ENTROPY_LOW_SPEC, ATTN_ENTROPY_HIGH_SPEC)
+    state_keys = ("streaks", "heads", "losses")
+
+    def __init__(
+        self,
+        low: float = DEFAULT_ENTROPY_LOW_THRESHOLD,
+        high: float = DEFAULT_ENTROPY_HIGH_THRESHOLD,
+        uniform_fraction: float = DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION,
+        warmup_steps: int = DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
+        patience: int = DEFAULT_ATTN_PATIENCE,
+        sink_mass: float = DEFAULT_SINK_THRESHOLD,
+    ) -> None:
+        super().__init__()
+        self.sink_mass = sink_mass
+        self.low = low
+        self.high = high
+        self.uniform_fraction = uniform_fraction
+        self.warmup_steps = warmup_steps
+        self.patience = patience
+        self.latch = Latch.for_patience(patience)
+        self.streaks: dict[str, int] = {}
+        # module/head_h -> [entropy and mean loss at its last measurement above the band, fall into the band]
+        self.heads: dict[str, list[float]] = {}
+        self.losses: list[float] = []
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> AttentionEntropyRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
+        return cls(
+            ATTN_ENTROPY_LOW_SPEC.value(thresholds),
+            ATTN_ENTROPY_HIGH_SPEC.value(thresholds),
+            ATTN_ENTROPY_HIGH_SPEC.value(thresholds, "uniform_fraction"),
+            int(ATTN_ENTROPY_HIGH_SPEC.value(thresholds, "warmup_steps")),
+            int(ATTN_PATIENCE_SETTING.value(thresholds)),
+            ATTN_SINK_SPEC.value(thresholds),
+        )
+
+    def update(self, layers: Mapping[str, LayerStats], ctx: StepContext, loss: float | None = None) -> list[Alert]:
+        """Feed one measurement of every module's heads (and the training loss of the measured batch, when
+        known); return the alerts raised.
+
+        Latching and streaks are per (rule, module, head); the heads newly tripping one rule at this measurement
+        make one alert naming them (count and the worst few), whose ``source`` is the worst head. Low heads are
+        split into collapses (warnings) and learned sharp heads (``info``), see the module's docstring.
+        """
+        known = loss is not None and math.isfinite(loss)
+        if known:
+            self.losses = [*self.losses, float(loss)][-LOSS_POINTS:]  # type: ignore[arg-type]
+        mean_loss = sum(self.losses) / len(self.losses) if known else math.nan
+        notes = []
+        tripped: dict[str, dict[str, tuple[float, float]]] = {
+            _COLLAPSE: {}, _LEARNED: {}, ATTN_ENTROPY_HIGH: {}
+        }  # fmt: skip
+        judge_high = ctx.global_step >= self.warmup_steps
+        for module, stats in layers.items():
+            explained: dict[str, list[tuple[int, float, float]]] = {_SINK: [], _ALIGNED: []}
+            heads = list(
+                zip(stats.entropy, stats.uniform, first_mass(stats), per_head(stats, stats.coverage), strict=True)
+            )
+            judged = [h for h in heads if math.isfinite(h[0]) and math.isfinite(h[1]) and h[1] >= 2 * self.low]
+            # every judged head of the layer on about one key, none of them explained: the layer collapsed
+            whole_layer = len(judged) >= 2 and all(
+                ent < self.low and not (stats.causal and first > self.sink_mass) and not cover >= ALIGNED_COVERAGE
+                for ent, _, first, cover in judged
+            )
+            for h, (ent, uni, first, cover) in enumerate(heads):
+                if not (math.isfinite(ent) and math.isfinite(uni)):
+                    continue
+                source = f"{module}/head_{h}"
+                room = uni >= 2 * self.low
+                low = room and ent < self.low
+                # causal attention parked on the first visible key: an attention sink, not a collapse
+                sink = low and stats.causal and first > self.sink_mass
+                # each query on its own key (the queries together cover the keys): an alignment, not a collapse
+                aligned = low and not sink and cover >= ALIGNED_COVERAGE
+                low = low and not (sink or aligned)
+                high = judge_high and ent > self.high and ent > self.uniform_fraction * uni
+                kind = self._track(source, ent, mean_loss, room, low, whole_layer)
+                checks = ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high), (_SINK, sink), (_ALIGNED, aligned))
+                for rule, bad in checks:
+                    key = f"{rule}:{source}"
+                    if rule in explained:  # streaks kept only while running: the state stays small
+                        streak = self.streaks.pop(key, 0) + 1 if bad else 0
+                        if streak:
+                            self.streaks[key] = streak
+                        if streak >= self.patience:
+                            explained[rule].append((h, ent, first if rule == _SINK else cover))
+                        continue
+                    if self.latch.is_active(key):  # hysteresis: an event in alarm holds on a looser bound
+                        if rule == ATTN_ENTROPY_LOW:
+                            bad = bad or (room and not (sink or aligned) and ent < LOW_HOLD_FACTOR * self.low)
+                        else:
+                            bad = bad or (judge_high and ent > (self.uniform_fraction - HIGH_HOLD_MARGIN) * uni)
+                    self.streaks[key] = self.streaks.get(key, 0) + 1 if bad else 0
+                    over = excess(ent, self.low, above=False) if rule == ATTN_ENTROPY_LOW else None
+                    if self.latch.update(key, self.streaks[key] >= self.patience, excess=over):
+                        tripped[kind if rule == ATTN_ENTROPY_LOW else rule][source] = (ent, uni)
+            for kind, held in explained.items():
+                # one note per module and kind, ever: the latch key is never cleared
+                if held and self.latch.update(f"{kind}:{module}", True):
+                    notes.append(self._note(kind, module, held, len(stats.entropy), ctx))
+        alerts = [self._entropy_alert(kind, heads, ctx) for kind, heads in tripped.items() if heads]
+        return alerts + notes
+
+    def _track(self, source: str, ent: float, mean_loss: float, room: bool, low: bool, whole_layer: bool) -> str:
+        """Keep the head's history; ``"collapse"`` or ``"learned"``: what a low-entropy alarm beginning now is."""
+        if not low:
+            if room and ent >= self.low:  # above the band: the reference an entry into it is compared with
+                self.heads[source] = [ent, mean_loss, math.nan]
+            return _LEARNED
+        entry = self.heads.get(source)
+        if entry is None:  # low from its first measurement: the fall was not seen, the loss is compared from here
+            self.heads[source] = entry = [math.nan, mean_loss, math.inf]
+        before, before_loss, fall = entry
+        if math.isnan(fall):  # the first measurement in the band
+            entry[2] = fall = before / ent if ent > 0 else math.inf
+        if whole_layer:
+            return _COLLAPSE
+        improved = math.isfinite(mean_loss) and math.isfinite(before_loss) and mean_loss < before_loss
+        return _COLLAPSE if fall >= ABRUPT_FALL and not improved else _LEARNED
+
+    def _note(
+        self, kind: str, module: str, heads: list[tuple[int, float, float]], total: int, ctx: StepContext
+    ) -> Alert:
+        """The ``info`` note on heads whose low entropy is explained (an attention sink or an alignment)."""
+        named = ", ".join(f"head_{h} ({ent:.2g} nats, {v:.0%})" for h, ent, v in heads[:4])
+        named += f" and {len(heads) - 4} more" if len(heads) > 4 else ""
+        if kind == _SINK:
+            what = (
+                f"(causal attention) put more than {self.sink_mass:.0%} of their attention on the first key each "
+                f"query may see: {named}. Their entropy is below {self.low:g} nats, but this is an attention sink, "
+                "the usual resting place of a causal head with nothing to add (Xiao et al. 2023), not a collapse"
+            )
+            threshold = self.sink_mass
+        else:
+            what = (
+                f"look at one key per query, a different key for each query (their queries together cover "
+                f"{ALIGNED_COVERAGE:.0%} or more of the keys evenly): {named}. Their entropy is below {self.low:g} "
+                "nats, but this is a one-to-one alignment (copying, reordering, a previous-token head), not a "
+                "collapse onto a dominating position"
+            )
+            threshold = ALIGNED_COVERAGE
+        return self._alert(
+            ctx,
+            f"{len(heads)} of {total} heads of `{module}` {what}",
+            source=module,
+            value=min(v for _, _, v in heads),
+            threshold=threshold,
+            rule=ATTN_ENTROPY_LOW,
+            severity=Severity.INFO,
+        )
+
+    def _entropy_alert(self, kind: str, heads: Mapping[str, tuple[float, float]], ctx: StepContext) -> Alert:
+        """One alert for the heads newly tripping ``kind`` (``"collapse"``, ``"learned"`` or
+        ``attn_entropy_high``; ``{module/head_h: (entropy, uniform)}``)."""
+        low = kind != ATTN_ENTROPY_HIGH
+        rule = ATTN_ENTROPY_LOW if low else ATTN_ENTROPY_HIGH
+        entropy = {source: ent for source, (ent, _) in heads.items()}
+        worst = (min if low else max)(entropy, key=entropy.__getitem__)
+        ent, uni = heads[worst]
+        if len(heads) == 1:
+            where = f"of `{worst}` is {ent:.3g} nats"
+            uniform = f"uniform over its keys: {uni:.3g}"
+            head = "the head"
+        else:
+            head = "each head"
+            where = f"of {_name_heads(entropy, worst_first=not low)}"
+            uniform = f"uniform over the keys of `{worst}`: {uni:.3g}"
+        if kind == _COLLAPSE:
+            message = (
+                f"attention entropy {where}, below {self.low:g} ({uniform}) on {self.patience} consecutive "
+                f"measurements, reached by an abrupt fall (more than {ABRUPT_FALL:g}x in one measurement) while the "
+                f"loss did not improve, or by every head of the layer: {head} collapsed onto about one token; check "
+                "for attention collapse (masks, a dominating position, growing attention logits, too high a "
+                "learning rate)"
+            )
+            threshold = self.low
+        elif kind == _LEARNED:
+            message = (
+                f"attention entropy {where}, below {self.low:g} ({uniform}) on {self.patience} consecutive "
+                f"measurements: {head} sharpened onto about one token gradually, or while the loss improved (a "
+                "previous-token, induction or copy head); information, not a collapse"
+            )
+            threshold = self.low
+        else:
+            message = (
+                f"attention entropy {where}, above {self.high:g} and {ent / uni:.0%} of uniform ({uniform}) on "
+                f"{self.patience} consecutive measurements after {self.warmup_steps} steps: {head} still attends "
+                "evenly to everything; check its learning rate, whether its parameters are trained, and the "
+                "positional information"
+            )
+            threshold = self.high
+        # Diffuse attention is an info alert: averaging over every token is a legitimate learned solution (the
+        # shipped demo task is solved that way), so it must never count as a warning on a healthy run; so is a
+        # head that sharpened by learning.
+        severity = Severity.WARNING if kind == _COLLAPSE else Severity.INFO
+        return self._alert(ctx, message, source=worst, value=ent, threshold=threshold, rule=rule, severity=severity)
+
+
+def _modules(sources: Mapping[str, object]) -> int:
+    """How many modules the ``module/head_h`` sources belong to."""
+    return len({source.rpartition("/head_")[0] for source in sources})
+
+
+def _name_heads(values: Mapping[str, float], worst_first: bool) -> str:
+    """``"8 heads in 1 module: `m/head_3` 0.01, ... and 5 more"`` (:func:`~lightning_diag.rules.base.name_layers`)."""
+    n = _modules(values)
+    return name_layers(values, worst_first=worst_first, noun=f"heads in {n} module{'s' if n > 1 else ''}")
