@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,13 +11,11 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
+from lightning_diag.callbacks._attention_measure import draw_images, reduce_distances, reduce_stats
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, extract_loss
 from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import (
-    attn_distance_tag,
     attn_entropy_tag,
-    attn_heads_tag,
-    attn_map_tag,
     attn_sink_tag,
     attn_uniform_tag,
 )
@@ -27,7 +24,6 @@ from lightning_diag.instrument.attention_capture import AttentionCapture, is_com
 from lightning_diag.instrument.attention_record import AttentionRecorder
 from lightning_diag.instrument.batches import token_ids as find_token_ids
 from lightning_diag.instrument.sharding import TP_DIM_NAME
-from lightning_diag.output.images import heatmap, scatter, tile
 from lightning_diag.rules.attention import (
     ATTN_ENTROPY_HIGH,
     ATTN_ENTROPY_LOW,
@@ -44,7 +40,6 @@ from lightning_diag.rules.attention import (
     AttentionSinkRule,
     LayerStats,
 )
-from lightning_diag.stats.attention_probs import head_pca, head_similarity
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonitor"]
 
@@ -52,7 +47,6 @@ __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonito
 DEFAULT_SAMPLE_SIZE = int(ATTN_SAMPLE_SIZE_SETTING.default)
 #: Query positions per sequence measured on a sampled step, evenly spaced (``attn.max_queries``).
 DEFAULT_MAX_QUERIES = int(ATTN_MAX_QUERIES_SETTING.default)
-_IMAGE_KEYS = 128  # keys shown at most per heatmap
 
 
 #: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
@@ -359,157 +353,20 @@ class AttentionEntropyMonitor(DiagCallback):
             values[attn_entropy_tag(name, "mean")] = sum(stats.entropy) / len(stats.entropy)
             values[attn_uniform_tag(name)] = max(stats.uniform)
             values[attn_sink_tag(name)] = min(stats.special_mass)
-        values.update(self._distances(trainer, recorder, [n for n in layers if n in recorder.stats]))
+        distributed = trainer.world_size > 1 and "ranks-differ" not in self._notices  # the same on every rank
+        values.update(reduce_distances(trainer, recorder, [n for n in layers if n in recorder.stats], distributed))
         values.update(self.threshold_lines(ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
         ctx = type(ctx)(epoch=ctx.epoch, global_step=step)
         self.record(self.entropy_rule.update(layers, ctx, loss=batch_loss) + self.sink_rule.update(layers, ctx))
         if recorder.keep_maps:
-            self._draw(recorder, step)
+            draw_images(self.writer, recorder, step)
 
     def _reduce(
         self, trainer: pl.Trainer, recorder: AttentionRecorder, loss: torch.Tensor | None = None
     ) -> tuple[dict[str, LayerStats], float] | None:
-        """One host copy of every module's statistics, averaged over ranks (weighted by valid rows), and of the
-        sampled batch's training loss (averaged over the ranks that have one; ``nan`` when none has)."""
-        names = list(recorder.stats)
-        distributed = trainer.world_size > 1
-        if distributed:
-            # Every rank reaches this point on the same step; agree on the module count before reducing.
-            count = torch.tensor([len(names), -len(names)], dtype=torch.float32, device=trainer.strategy.root_device)
-            count = trainer.strategy.reduce(count, reduce_op="max")
-            if int(count[0]) != -int(count[1]):
-                self.notice(
-                    trainer,
-                    "ranks-differ",
-                    "ranks recorded different attention modules on one step; each rank's statistics are its own",
-                )
-                distributed = False
-        if not names:
-            self.notice(
-                trainer,
-                "no-attention",
-                "no nn.MultiheadAttention found"
-                + (" matching `modules`" if self.modules is not None else "")
-                + ", no scaled_dot_product_attention or attention softmax call seen"
-                + " and nothing handed over through record_attention(): attention entropy is not measured",
-            )
-            return None
-        # Tensor parallelism: a rank holds heads tp_rank * H_local ... of H_local * tp_size; each value goes to
-        # its global head's slot (zeros elsewhere) with a per-head row count, so the sum over ranks gives every
-        # head once per data-parallel group, averaged over those groups like DDP's ranks.
-        heads: list[int] = []
-        parts = []
-        for n in names:
-            s = recorder.stats[n]
-            rows = s.rows.reshape(-1)[:1].float()
-            local = int(s.entropy.numel())
-            tp_rank, tp_size = recorder.head_shards.get(n, (0, 1)) if distributed else (0, 1)
-            heads.append(local * tp_size)
-
-            def place(v: torch.Tensor, local: int = local, tp_rank: int = tp_rank, tp_size: int = tp_size) -> Any:
-                if tp_size == 1:
-                    return v.reshape(-1).float()
-                out = torch.zeros(local * tp_size, dtype=torch.float32, device=v.device)
-                out[tp_rank * local : (tp_rank + 1) * local] = v.reshape(-1).float()
-                return out
-
-            unknown = torch.full_like(s.entropy, float("nan"))
-            first = s.first_mass if s.first_mass is not None else unknown
-            coverage = s.coverage if s.coverage is not None else unknown
-            causal = s.causal if s.causal is not None else torch.zeros((), device=rows.device)
-            parts += [place(s.entropy * rows), place(s.uniform * rows), place(s.special_mass * rows)]
-            parts += [place(s.special_share * rows), place(first * rows), place(coverage * rows)]
-            parts += [causal.reshape(1) * rows, rows, place(rows.expand(local))]
-        # the loss rides along in the same copy: [loss, 1] where it is known, [0, 0] where not
-        device = parts[0].device if parts else trainer.strategy.root_device
-        if loss is not None:
-            parts.append(torch.stack([loss.detach().float().reshape(()).to(device), torch.ones((), device=device)]))
-        else:
-            parts.append(torch.zeros(2, device=device))
-        flat = torch.cat([p.reshape(-1).float() for p in parts])
-        if distributed:
-            flat = trainer.strategy.reduce(flat, reduce_op="sum")
-        host = flat.tolist()  # the one copy of this sampled step
-        loss_sum, loss_ranks = host[-2:]
-        batch_loss = loss_sum / loss_ranks if loss_ranks > 0 else math.nan
-        layers: dict[str, LayerStats] = {}
-        i = 0
-        for name, h in zip(names, heads, strict=True):
-            chunk = host[i : i + 7 * h + 2]
-            i += 7 * h + 2
-            rows = chunk[6 * h + 1]
-            head_rows = chunk[6 * h + 2 :]
-            if rows <= 0 or min(head_rows) <= 0:
-                continue
-            cols = [[v / r for v, r in zip(chunk[j * h : (j + 1) * h], head_rows, strict=True)] for j in range(6)]
-            # causal only when every rank's rows are: the summed flag is the same number on every rank
-            is_causal = chunk[6 * h] / rows > 1 - 1e-6
-            entropy, uniform, mass, share, first_mass, cover = cols
-            layers[name] = LayerStats(entropy, uniform, mass, share, first_mass, is_causal, cover)
-        return layers, batch_loss
-
-    def _distances(self, trainer: pl.Trainer, recorder: AttentionRecorder, names: list[str]) -> dict[str, float]:
-        """``diag/attn_distance[_relative]/<module>/head_<h>`` of the self-attention modules, averaged over ranks
-        weighted by valid rows (one host copy; every rank has the same modules here, as :meth:`_reduce` checked)."""
-        measured = [n for n in names if recorder.stats[n].distance is not None]
-        if not measured:
-            return {}
-        distributed = trainer.world_size > 1 and "ranks-differ" not in self._notices  # the same on every rank
-        # Tensor parallelism: each rank's heads go to their global slots with per-head rows, as in _reduce.
-        parts = []
-        heads: list[int] = []
-        for n in measured:
-            s = recorder.stats[n]
-            rows = s.rows.reshape(-1)[:1].float()
-            local = int(s.entropy.numel())
-            tp_rank, tp_size = recorder.head_shards.get(n, (0, 1)) if distributed else (0, 1)
-            heads.append(local * tp_size)
-            per_head = [s.distance * rows, s.distance_relative * rows, rows.expand(local)]  # type: ignore[operator]
-            for v in per_head:
-                out = torch.zeros(local * tp_size, dtype=torch.float32, device=rows.device)
-                out[tp_rank * local : (tp_rank + 1) * local] = v.reshape(-1).float()
-                parts.append(out)
-        flat = torch.cat(parts)
-        if distributed:
-            flat = trainer.strategy.reduce(flat, reduce_op="sum")
-        host = flat.tolist()
-        values: dict[str, float] = {}
-        i = 0
-        for n, h in zip(measured, heads, strict=True):
-            chunk, i = host[i : i + 3 * h], i + 3 * h
-            head_rows = chunk[2 * h :]
-            for head in range(h):
-                if head_rows[head] <= 0:
-                    continue
-                values[attn_distance_tag(n, head)] = chunk[head] / head_rows[head]
-                values[attn_distance_tag(n, head, relative=True)] = chunk[h + head] / head_rows[head]
-        return values
-
-    # -- images --------------------------------------------------------------------------------------------
-    def _draw(self, recorder: AttentionRecorder, step: int) -> None:
-        for name, probs in recorder.maps.items():
-            maps = probs[..., :_IMAGE_KEYS].cpu().numpy()
-            if maps.size == 0:
-                continue
-            cell = max(1, min(8, 128 // max(maps.shape[1], maps.shape[2], 1)))
-            # one colour scale per image, 0 to its largest weight: near-uniform maps still show their structure
-            top = max(float(maps.max()), 1e-6)
-            self.writer.image(attn_map_tag(name), tile([heatmap(m, cell, 0.0, top) for m in maps], gap=cell), step)
-        # Heads are compared within the largest set of modules whose maps have the same shape.
-        by_shape: dict[tuple[int, ...], list[str]] = {}
-        for name, flat in recorder.flat.items():
-            by_shape.setdefault(tuple(flat.shape[1:]), []).append(name)
-        if not by_shape:
-            return
-        names = max(by_shape.values(), key=len)
-        stacked = torch.cat([recorder.flat[n] for n in names])
-        if stacked.shape[0] < 2:
-            return
-        groups = [g for g, n in enumerate(names) for _ in range(recorder.flat[n].shape[0])]
-        corr = head_similarity(stacked).cpu().numpy()
-        cell = max(2, min(16, 256 // corr.shape[0]))
-        self.writer.image(attn_heads_tag("similarity"), heatmap(corr, cell, -1.0, 1.0, diverging=True), step)
-        coords = head_pca(stacked).cpu().numpy()
-        self.writer.image(attn_heads_tag("pca"), scatter(coords, groups), step)
+        """The sampled step's statistics and loss in one host copy (:func:`._attention_measure.reduce_stats`)."""
+        return reduce_stats(
+            trainer, recorder, loss, lambda key, message: self.notice(trainer, key, message), self.modules is not None
+        )

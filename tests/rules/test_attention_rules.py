@@ -310,3 +310,41 @@ def test_history_and_losses_survive_a_round_trip():
     second.load_state_dict(first.state_dict())
     (alert,) = second.update(two_heads(0.05), StepContext(0, 2), loss=2.7)
     assert alert.severity == "warning"  # the abrupt fall and the rising loss were remembered
+
+
+def test_entropy_high_holds_its_event_while_the_batch_room_moves_around_the_bound():
+    # a uniform head whose batches' sequences hold 11.6 .. 14.7 keys (the finetune corpus): 2.45 .. 2.69 nats
+    rule = AttentionEntropyRule(patience=2, warmup_steps=0)
+    uniforms = [2.58, 2.56, 2.59, 2.50, 2.49, 2.53, 2.55, 2.59, 2.69, 2.45, 2.53, 2.45, 2.58, 2.57]
+    fired = []
+    for step, u in enumerate(uniforms):
+        stats = {"attn": LayerStats([u], [u], [0.0], [0.1])}
+        fired += [a.rule for a in rule.update(stats, StepContext(0, step))]
+    assert fired == ["attn_entropy_high"]
+
+
+def test_entropy_high_clears_when_the_head_focuses_and_alerts_the_next_event():
+    rule = AttentionEntropyRule(patience=2, warmup_steps=0)
+    ents = [2.6, 2.6, 2.6, 1.5, 1.5, 1.5, 2.6, 2.6]  # diffuse, focused for 3 measurements, diffuse again
+    fired = [
+        [a.rule for a in rule.update({"attn": LayerStats([e], [2.6], [0.0], [0.1])}, StepContext(0, s))]
+        for s, e in enumerate(ents)
+    ]
+    assert [s for s, f in enumerate(fired) if f] == [1, 7]
+
+
+def test_entropy_low_hovering_around_the_bound_is_one_event():
+    rule = AttentionEntropyRule(patience=2, warmup_steps=0)
+    ents = [1.5, 0.45, 0.48, 0.55, 0.52, 0.58, 0.47, 0.53, 0.56, 0.49, 0.46]
+    alerts = []
+    for step, e in enumerate(ents):
+        alerts += rule.update({"attn": LayerStats([e, 1.5], [2.7, 2.7], [0.0, 0.0], [0.1, 0.1])}, StepContext(0, step))
+    assert [a.rule for a in alerts] == ["attn_entropy_low"]
+
+
+def test_sink_hovering_around_its_mass_is_one_event():
+    rule = AttentionSinkRule(patience=2)
+    masses = [0.6, 0.6, 0.48, 0.47, 0.55, 0.45, 0.46, 0.6]
+    fired = [len(rule.update({"attn": LayerStats([0.3], [2.7], [m], [0.13])}, StepContext(0, s))) for s, m in
+             enumerate(masses)]
+    assert sum(fired) == 1
