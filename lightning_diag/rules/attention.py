@@ -51,7 +51,13 @@ same measurement make one alert naming them (count and the worst few); its ``sou
 (``module/head_h``) or module and its ``value`` the worst value. Latching stays per head (per module for
 ``attn_sink``; :meth:`~lightning_diag.rules.base.Latch.for_patience`): an event alerts once; a head alerts again
 after it has been out of the band on ``patience`` measurements, or when its entropy has fallen another 10x
-(:data:`~lightning_diag.rules.base.WORSEN_FACTOR`) past ``low`` since its last alert. The ``info`` notes on
+(:data:`~lightning_diag.rules.base.WORSEN_FACTOR`) past ``low`` since its last alert. A head (module) in alarm
+holds its event on a looser bound (hysteresis), so a measurement moving around the threshold from batch to batch is
+one event:
+``attn_entropy_low`` while below :data:`LOW_HOLD_FACTOR` x ``low`` (0.625 nats), ``attn_entropy_high`` while above
+``uniform_fraction -`` :data:`HIGH_HOLD_MARGIN` of uniform (0.85) whatever ``high`` (the batch's room for 2.5 nats
+changes, the head's diffuseness does not: the fine-tune corpus alerted 5 times for 2 events without it),
+``attn_sink`` while every head keeps more than ``sink_mass -`` :data:`SINK_HOLD_MARGIN` (0.4). The ``info`` notes on
 explained low entropy (causal attention sinks, one-to-one alignments) come once per module.
 """
 
