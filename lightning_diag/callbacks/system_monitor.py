@@ -43,6 +43,7 @@ from lightning_diag.rules.system import (
     DEFAULT_STEP_TIME_WARMUP_STEPS,
     DEFAULT_STEP_TIME_WINDOW,
     MEMORY_GROWTH,
+    MIN_STEPS,
     STEP_TIME_FLUCTUATION,
     DataloaderBoundRule,
     MemoryGrowthRule,
@@ -217,6 +218,9 @@ class SystemMonitor(DiagCallback):
         # (wall step time, compute time, excluded from the fluctuation test) per optimizer step after warm-up
         self.step_window: deque[tuple[float, float, bool]] = deque(maxlen=self.window)
         self.util_window: deque[float] = deque(maxlen=self.window)
+        # (wall step time, known one-time cause) of every step since the fit's start, warm-up included, until the
+        # window after the warm-up is long enough for the ordinary periodic test
+        self.run_window: list[tuple[float, bool]] = []
         self.steps_seen = 0
 
     def _reset_run(self) -> None:
@@ -235,6 +239,7 @@ class SystemMonitor(DiagCallback):
         self._cpu_start = 0.0
         self._cur_wait = 0.0
         self._first_of_run = False
+        self._epoch_start = False
         self._step_flags: list[bool] = []
         self._step_extra: list[float] = []  # checkpoint seconds after each step
         self._acc = dict.fromkeys(HEADER, 0.0)
@@ -249,6 +254,7 @@ class SystemMonitor(DiagCallback):
             "window": [[t, c, bool(f)] for t, c, f in self.step_window],
             "utilization": list(self.util_window),
             "steps_seen": self.steps_seen,
+            "run_window": [[t, bool(f)] for t, f in self.run_window],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -263,6 +269,8 @@ class SystemMonitor(DiagCallback):
         )
         self.util_window = deque((float(u) for u in state_dict["utilization"]), maxlen=self.window)
         self.steps_seen = int(state_dict["steps_seen"])
+        # absent from checkpoints written before the warm-up gave way (then judged from the resume on)
+        self.run_window = [(float(t), bool(f)) for t, f in state_dict.get("run_window", [])]
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -366,11 +374,15 @@ class SystemMonitor(DiagCallback):
             self._step_cpu.append(self._cur_cpu)
             self._step_ckpt.append(in_batch)
             self._cur_cpu = 0.0
-            self._step_flags.append(self._after_validation or self._first_of_run or in_batch > 0)
-            self._cur_wait, self._after_validation, self._first_of_run = 0.0, False, False
+            self._step_flags.append(self._after_validation or self._first_of_run or self._epoch_start or in_batch > 0)
+            self._cur_wait, self._after_validation, self._first_of_run, self._epoch_start = 0.0, False, False, False
             if self.is_logging_step(trainer):
                 self._report(trainer)
         self._prev_end = self.time_source.wall()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The epoch's first step waits for a fresh dataloader iterator (worker start-up): a known cause."""
+        self._epoch_start = True
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start timing validation (its time is not data waiting)."""
@@ -422,11 +434,20 @@ class SystemMonitor(DiagCallback):
             self.steps_seen += 1
             if self.steps_seen > self.warmup_steps:
                 self.step_window.append((float(t), float(c), bool(flag)))
+            if len(self.step_window) < MIN_STEPS:
+                self.run_window.append((float(t), bool(flag)))
+        if len(self.step_window) >= MIN_STEPS:
+            self.run_window = []
         alerts = []
         step_total = float(totals.sum())
         alerts += self.dataloader_rule.update(ctx, merged["wait"], step_total, n)
         times = [t for t, _, _ in self.step_window]
-        alerts += self.periodic_rule.update(ctx, times)
+        alerts += self.periodic_rule.update(
+            ctx,
+            times,
+            run_times=[t for t, _ in self.run_window],
+            explained=[f for _, f in self.run_window],
+        )
         pattern = self.periodic_rule.last
         keep = [
             c
