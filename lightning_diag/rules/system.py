@@ -12,7 +12,7 @@ Exact meaning:
   position of the pattern slow and no slow step off it (a stall every 10 steps is named after its third
   occurrence past the warm-up, at step 50, instead of at step 80). The warm-up gives way to a pattern in every
   step since the fit's start (:func:`pattern_from_start`, steps with a known one-time cause left neutral): three
-  stalls in step with the run's start, or two, each at least :data:`OVERWHELMING_FACTOR` times the median step
+  stalls in step with the run's start, or two, half a period or more after it, each at least :data:`OVERWHELMING_FACTOR` times the median step
   and together costing above :data:`OVERWHELMING_SHARE_FACTOR` times the threshold (a 70% stall every 10 steps
   is named at step 20 with the 20-step warm-up). ``value`` is the period in steps. The same test runs on dips of
   GPU utilisation when NVML is present (source ``gpu_utilization``).
@@ -173,13 +173,14 @@ def pattern_from_start(
     Steps with a known one-time cause (``explained``: the run's first step, the first step of an epoch, the step
     after a validation run, a step that saved a checkpoint) are neutral: they take the median of the others, so
     compilation, worker start-up, autotuning, validation and checkpoint saving are never evidence. The slow
-    steps (:func:`~lightning_diag.stats.timing.slow_mask`) must then be exactly one period apart, with the first
-    within one period of the start and the last within one period of the end (every position of the pattern
-    slow, none off it), and either
+    steps (:func:`~lightning_diag.stats.timing.slow_mask`) must then be exactly one period apart, and every
+    position of the pattern before the first and after the last must be neutral (every position slow, none off
+    it), and either
 
     * at least :data:`CERTAIN_OCCURRENCES` of them costing above ``threshold``, or
-    * two, ``period >= MIN_OVERWHELMING_PERIOD``, each at least :data:`OVERWHELMING_FACTOR` times the median
-      and costing above :data:`OVERWHELMING_SHARE_FACTOR` times ``threshold``.
+    * two, ``period >= MIN_OVERWHELMING_PERIOD``, at least half a period of steps before the first (not a
+      start-up effect), each at least :data:`OVERWHELMING_FACTOR` times the median and together costing above
+      :data:`OVERWHELMING_SHARE_FACTOR` times ``threshold``.
 
     Returns:
         The pattern (``share`` as in :func:`~lightning_diag.stats.timing.detect_period`); ``period == 0`` when
@@ -198,7 +199,11 @@ def pattern_from_start(
         return Periodicity(0)
     gaps = np.diff(slow)
     period = int(gaps[0])
-    if np.any(gaps != period) or period < 2 or slow[0] >= period or slow[-1] + period < x.size:
+    if np.any(gaps != period) or period < 2:
+        return Periodicity(0)
+    # every position of the pattern before the first and after the last slow step has a known cause (or none is left)
+    missed = [*range(int(slow[0]) - period, -1, -period), *range(int(slow[-1]) + period, x.size, period)]
+    if not all(flags[i] for i in missed):
         return Periodicity(0)
     med = float(np.median(x))
     share = float(np.clip(x[slow] - med, 0.0, None).sum() / x.sum()) if x.sum() > 0 else 0.0
@@ -207,6 +212,7 @@ def pattern_from_start(
     else:
         certain = (
             period >= MIN_OVERWHELMING_PERIOD
+            and slow[0] >= period // 2  # half a period of ordinary steps first: not a start-up effect
             and bool(np.all(x[slow] >= OVERWHELMING_FACTOR * med))
             and share > OVERWHELMING_SHARE_FACTOR * threshold
         )
