@@ -11,15 +11,16 @@ Exact meaning:
   except for a pattern seen enough times to be certain: at least :data:`CERTAIN_OCCURRENCES` slow steps, every
   position of the pattern slow and no slow step off it (a stall every 10 steps is named after its third
   occurrence past the warm-up, at step 50, instead of at step 80). The warm-up gives way to a pattern in every
-  step since the fit's start (:func:`pattern_from_start`, steps with a known one-time cause left neutral): three
-  stalls in step with the run's start, or two, half a period or more after it, each at least :data:`OVERWHELMING_FACTOR` times the median step
-  and together costing above :data:`OVERWHELMING_SHARE_FACTOR` times the threshold (a 70% stall every 10 steps
-  is named at step 20 with the 20-step warm-up). ``value`` is the period in steps. The same test runs on dips of
-  GPU utilisation when NVML is present (source ``gpu_utilization``).
+  step since the fit's start (:func:`pattern_from_start`, steps with a known one-time cause left neutral):
+  three stalls in step with the run's start, or two, half a period or more after it, each at least
+  :data:`OVERWHELMING_FACTOR` times the median step and together costing above
+  :data:`OVERWHELMING_SHARE_FACTOR` times the threshold (a 70% stall every 10 steps is named at step 20 with the
+  20-step warm-up). ``value`` is the period in steps. The same test runs on dips of GPU utilisation when NVML
+  is present (source ``gpu_utilization``).
 * ``step_time_fluctuation``: the step times of the window (after ``warmup_steps``, without the step after a
-  validation run and without the steps of a periodic pattern) are cut into blocks of ``block_steps``; the
-  relative median absolute deviation of the block medians is above ``threshold`` on ``patience`` consecutive
-  evaluations (at least :data:`MIN_BLOCKS` blocks).
+  validation run, an epoch's first step, a step that saved a checkpoint and without the steps of a periodic
+  pattern) are cut into blocks of ``block_steps``; the relative median absolute deviation of the block medians
+  is above ``threshold`` on ``patience`` consecutive evaluations (at least :data:`MIN_BLOCKS` blocks).
 * ``memory_growth``: a memory series (host RSS, CUDA allocated) that grew by more than ``threshold`` of its
   first value over the last ``window`` intervals (Theil–Sen slope), rising on at least ``rising_fraction`` of
   them.

@@ -146,7 +146,8 @@ def test_a_healthy_30_step_run_with_validation_and_checkpoints_is_quiet(monkeypa
         default_root_dir=tmp_path,
     )
     assert [a.format() for a in monitor.alerts if a.severity != "info"] == []
-    assert sum(v for _, v in rec.values["diag/system/validation_s"]) == pytest.approx(0.3 * 2 * 2)  # validation at steps 10 and 20
+    # validation at steps 10 and 20
+    assert sum(v for _, v in rec.values["diag/system/validation_s"]) == pytest.approx(0.3 * 2 * 2)
     assert sum(v for _, v in rec.values["diag/system/checkpoint_s"]) >= 0.5 * 2
     assert all(v == 0.0 for _, v in rec.values["diag/system/step_time_period"])
 
