@@ -31,12 +31,15 @@ class Interval:
         sums: The interval's :data:`~lightning_diag.callbacks._system_interval.HEADER` numbers so far
             (validation, checkpoint, samples, tokens; the caller adds the rest).
         wall: Wall seconds since the previous interval.
+        diagnostics: Per step, the seconds spent in the lightning_diag callbacks' step hooks (their cost, not
+            the training's: left out of the step times the periodic test judges).
     """
 
     steps: list[Step]
     explained: list[bool]
     sums: dict[str, float]
     wall: float
+    diagnostics: list[float]
 
 
 class StepRecorder:
@@ -69,6 +72,8 @@ class StepRecorder:
         self._step_cpu: list[float] = []
         self._step_ckpt: list[float] = []  # checkpoint seconds inside each step's batch
         self._step_flags: list[bool] = []
+        self._step_diag: list[float] = []
+        self._cur_diag = 0.0
         self._cur_cpu = 0.0
         self._cpu_start = 0.0
         self._cur_wait = 0.0
@@ -107,14 +112,16 @@ class StepRecorder:
         if self._batch_start is not None:
             self._before_opt = self.clock.mark()
 
-    def batch_end(self, global_step: int) -> bool:
-        """Mark the end of the batch; whether it closed an optimizer step (then call :meth:`resume` after
-        reporting, so the reporting is not the next step's data waiting)."""
+    def batch_end(self, global_step: int, diagnostics_s: float = 0.0) -> bool:
+        """Mark the end of the batch (``diagnostics_s``: seconds the diagnostics' hooks took since the last
+        :meth:`resume`); whether it closed an optimizer step (then call :meth:`resume` after reporting, so the
+        reporting is not the next step's data waiting)."""
         if self._batch_start is None:
             return False
         end = self.clock.mark()
         in_batch, self._outside = self._outside, 0.0  # checkpoint saving inside the batch's hooks
         self._cur_cpu += self.time_source.cpu() - self._cpu_start
+        self._cur_diag += max(0.0, diagnostics_s)
         if self._before_opt is not None:
             self._pending.append((self._batch_start, self._before_opt, "fb"))
             self._pending.append((self._before_opt, end, "opt"))
@@ -129,7 +136,8 @@ class StepRecorder:
         self._step_cpu.append(self._cur_cpu)
         self._step_ckpt.append(in_batch)
         self._step_flags.append(self._after_validation or self._first_of_run or self._epoch_start or in_batch > 0)
-        self._cur_cpu = self._cur_wait = 0.0
+        self._step_diag.append(self._cur_diag)
+        self._cur_cpu = self._cur_wait = self._cur_diag = 0.0
         self._after_validation = self._first_of_run = self._epoch_start = False
         return True
 
@@ -168,6 +176,7 @@ class StepRecorder:
         )
         self._step_waits, self._step_pending, self._step_cpu, self._step_ckpt = [], [], [], []
         flags, self._step_flags = self._step_flags, []
+        diag, self._step_diag = self._step_diag, []
         if not steps:
             return None
         sums, self._sums = self._sums, dict.fromkeys(HEADER, 0.0)
@@ -176,4 +185,4 @@ class StepRecorder:
             self._tokens_dev = None
         now = self.time_source.wall()
         wall, self._wall_start = now - self._wall_start, now
-        return Interval(steps, flags, sums, wall)
+        return Interval(steps, flags, sums, wall, diag)

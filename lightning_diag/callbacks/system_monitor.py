@@ -224,6 +224,7 @@ class SystemMonitor(DiagCallback):
 
     def _reset_run(self, clock: HostClock | CudaClock | None = None) -> None:
         self._steps = StepRecorder(self.time_source, clock)
+        self._diag_mark = self._hooks.step_seconds if hasattr(self, "_hooks") else 0.0
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -319,9 +320,11 @@ class SystemMonitor(DiagCallback):
         boundary close the step, on a logging step report."""
         if not self._steps.in_batch:
             return
-        if self._steps.batch_end(trainer.global_step) and self.is_logging_step(trainer):
+        spent = self._hooks.step_seconds
+        if self._steps.batch_end(trainer.global_step, spent - self._diag_mark) and self.is_logging_step(trainer):
             self._report(trainer)
         self._steps.resume()
+        self._diag_mark = self._hooks.step_seconds
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The epoch's first step waits for a fresh dataloader iterator: a known cause."""
@@ -351,20 +354,22 @@ class SystemMonitor(DiagCallback):
         totals = waits + np.array([s[1] + s[2] + s[4] for s in steps])
         compute = np.array([s[3] for s in steps], dtype=float)
         header = np.array([acc[k] for k in HEADER], dtype=float)
-        header, totals, compute, per_rank = gather_ranks(trainer, device, header, totals, compute)
+        # the diagnostics' own hooks are their cost (diag/overhead/...), not a stall of the training
+        judged = np.clip(totals - np.array(interval.diagnostics, dtype=float), 0.0, None)
+        header, totals, compute, per_rank, judged = gather_ranks(trainer, device, header, totals, compute, judged)
         merged = dict(zip(HEADER, header.tolist(), strict=True))
         n = len(steps)
         ctx = self.context(trainer)
         step = trainer.global_step
 
-        for t, c, flag in zip(totals.tolist(), compute.tolist(), flags, strict=True):
+        for t, c, flag in zip(judged.tolist(), compute.tolist(), flags, strict=True):
             self.steps_seen += 1
             if self.steps_seen > self.warmup_steps:
                 self.step_window.append((float(t), float(c), bool(flag)))
-            if len(self.step_window) < MIN_STEPS:
+            if self.steps_seen < self.warmup_steps + MIN_STEPS:
                 self.run_window.append((float(t), bool(flag)))
-        if len(self.step_window) >= MIN_STEPS:
-            self.run_window = []
+        if self.steps_seen >= self.warmup_steps + MIN_STEPS:
+            self.run_window = []  # the window after the warm-up is long enough for the ordinary test
         alerts = []
         step_total = float(totals.sum())
         alerts += self.dataloader_rule.update(ctx, merged["wait"], step_total, n)
