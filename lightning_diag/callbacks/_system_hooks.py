@@ -56,8 +56,9 @@ class HookTimer:
     def __init__(self, wall: Callable[[], float] = time.perf_counter) -> None:
         self.wall = wall
         self.seconds: dict[str, float] = {}
-        #: Seconds spent in the :data:`STEP_HOOKS` of the timed callbacks since the start (never reset): the time
-        #: the diagnostics add to the training steps.
+        #: Seconds spent in the :data:`STEP_HOOKS` of the timed callbacks and in the attention recorder since the
+        #: start (never reset): the time the diagnostics add to the training steps (the recorder's calls in a
+        #: validation forward land on the step after validation, which has a known cause anyway).
         self.step_seconds = 0.0
         self._wrapped: list[tuple[Any, str]] = []
         self._recorder_patch: dict[str, Any] = {}
@@ -120,11 +121,11 @@ class HookTimer:
             self._recorder_patch[method] = original
             if method == "mha_pre_hook":
                 def make_hook(rec: Any, name: str, _orig: Any = original, _timed: Any = self.timed) -> Any:
-                    return _timed(HookTimer.RECORDER, _orig(rec, name))
+                    return _timed(HookTimer.RECORDER, _orig(rec, name), step=True)
 
                 patched: Any = make_hook
             else:
-                patched = self.timed(self.RECORDER, original)
+                patched = self.timed(self.RECORDER, original, step=True)
             patched._diag_timed = True
             setattr(AttentionRecorder, method, patched)
 

@@ -205,6 +205,30 @@ def test_healthy_run_with_every_callback_is_quiet_and_its_overhead_is_accounted(
     assert not getattr(AttentionRecorder.add, "_diag_timed", False)
 
 
+class CostlyLogging(DiagCallback):
+    """A diagnostics callback whose logging steps (every 10th) cost 470 ms of (fake) time: as slow as the stall."""
+
+    def __init__(self, clock: FakeTime) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step % 10 == 0:
+            self.clock.advance(0.47)
+
+
+def test_the_diagnostics_own_logging_steps_are_their_overhead_not_a_stall(monkeypatch, tmp_path):
+    # the time inside lightning_diag callbacks' step hooks is diag/overhead/..., left out of the periodic test
+    rec = spy(monkeypatch)
+    monitor = SystemMonitor()
+    clock = on_fake_time(monitor)
+    fit(Encoder(), [CostlyLogging(clock), monitor, Tick(clock, 0.02)], 30, log_every_n_steps=5,
+        default_root_dir=tmp_path)
+    assert rules(monitor) == []
+    assert max(v for _, v in rec.values["diag/overhead/CostlyLogging"]) > 0.7
+    assert dict(rec.values["diag/system/step_time_s"])[10] == pytest.approx((4 * 0.02 + 0.49) / 5)
+
+
 def test_state_survives_a_resume(tmp_path):
     monitor = SystemMonitor(log_every_n_steps=2, warmup_steps=0, memory_growth_window=3)
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
