@@ -252,6 +252,7 @@ def test_state_survives_a_resume(tmp_path):
     trainer.fit(MLP(), ckpt_path=tmp_path / "epoch=0-step=10.ckpt")
     assert seen["steps_seen"] == 8 and seen["window"] == state["window"]
     assert seen["memory"] == state["memory"] and seen["dataloader"] == state["dataloader"]
+    assert seen["run_window"] == state["run_window"] and len(state["run_window"]) == 8  # the warm-up bypass's steps
     assert resumed.steps_seen == 12  # steps 11-14 were added to the restored window
     assert [round(t, 9) for t, _, _ in list(resumed.step_window)[:8]] == [round(w[0], 9) for w in state["window"]]
 
