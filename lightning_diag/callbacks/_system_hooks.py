@@ -33,6 +33,10 @@ TIMED_HOOKS = (
     "on_save_checkpoint",
 )
 
+#: The hooks inside the training steps (not validation, not checkpoint saving): their time is the diagnostics'
+#: share of a step's time (:attr:`HookTimer.step_seconds`).
+STEP_HOOKS = frozenset(TIMED_HOOKS[:8])
+
 _RECORDER_METHODS = ("add", "add_probabilities", "mha_pre_hook")
 
 
@@ -52,15 +56,21 @@ class HookTimer:
     def __init__(self, wall: Callable[[], float] = time.perf_counter) -> None:
         self.wall = wall
         self.seconds: dict[str, float] = {}
+        #: Seconds spent in the :data:`STEP_HOOKS` of the timed callbacks and in the attention recorder since the
+        #: start (never reset): the time the diagnostics add to the training steps (the recorder's calls in a
+        #: validation forward land on the step after validation, which has a known cause anyway).
+        self.step_seconds = 0.0
         self._wrapped: list[tuple[Any, str]] = []
         self._recorder_patch: dict[str, Any] = {}
         self._stack: list[list[float]] = []
 
-    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` wrapped so that its wall time (less nested timed calls) is counted under ``name``."""
+    def timed(self, name: str, fn: Callable[..., Any], step: bool = False) -> Callable[..., Any]:
+        """``fn`` wrapped so that its wall time (less nested timed calls) is counted under ``name`` (and, with
+        ``step`` and outside any other timed call, in :attr:`step_seconds`)."""
         seconds = self.seconds
         stack = self._stack
         wall = self.wall
+        timer = self
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -75,6 +85,8 @@ class HookTimer:
                 seconds[name] = seconds.get(name, 0.0) + elapsed - inner[0]
                 if stack:
                     stack[-1][0] += elapsed
+                elif step:
+                    timer.step_seconds += elapsed
 
         return wrapper
 
@@ -92,7 +104,7 @@ class HookTimer:
                 impl = getattr(type(cb), hook, None)
                 if impl is None or impl is getattr(pl.Callback, hook) or hook in vars(cb):
                     continue
-                setattr(cb, hook, self.timed(name, getattr(cb, hook)))
+                setattr(cb, hook, self.timed(name, getattr(cb, hook), step=hook in STEP_HOOKS))
                 self._wrapped.append((cb, hook))
         if recorder:
             self._patch_recorder()
@@ -109,11 +121,11 @@ class HookTimer:
             self._recorder_patch[method] = original
             if method == "mha_pre_hook":
                 def make_hook(rec: Any, name: str, _orig: Any = original, _timed: Any = self.timed) -> Any:
-                    return _timed(HookTimer.RECORDER, _orig(rec, name))
+                    return _timed(HookTimer.RECORDER, _orig(rec, name), step=True)
 
                 patched: Any = make_hook
             else:
-                patched = self.timed(self.RECORDER, original)
+                patched = self.timed(self.RECORDER, original, step=True)
             patched._diag_timed = True
             setattr(AttentionRecorder, method, patched)
 

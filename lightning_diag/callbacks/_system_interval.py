@@ -62,22 +62,32 @@ def resolve_steps(
 
 
 def gather_ranks(
-    trainer: pl.Trainer, device: Any, header: np.ndarray, totals: np.ndarray, compute: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    trainer: pl.Trainer, device: Any, header: np.ndarray, totals: np.ndarray, compute: np.ndarray,
+    judged: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None, np.ndarray]:
     """Under DDP: the elementwise maximum over ranks (one collective; samples and tokens summed), and each
-    rank's summed step time and data waiting. On one process the inputs unchanged and ``None``."""
+    rank's summed step time and data waiting. On one process the inputs unchanged and ``None``.
+
+    ``judged`` (default ``totals``): the step times the periodic test judges (without the diagnostics' own
+    time), merged like ``totals`` and returned last.
+    """
+    judged = totals if judged is None else judged
     if trainer.world_size <= 1:
-        return header, totals, compute, None
+        return header, totals, compute, None, judged
     n = len(totals)
-    local = torch.tensor(np.concatenate([header, totals, compute]), dtype=torch.float64, device=device)
+    local = torch.tensor(np.concatenate([header, totals, compute, judged]), dtype=torch.float64, device=device)
     gathered = trainer.strategy.all_gather(local)
     rows = gathered.reshape(trainer.world_size, -1).cpu().numpy()
     merged_header = rows[:, : len(header)].max(axis=0)
     merged_header[HEADER.index("samples")] = rows[:, HEADER.index("samples")].sum()
     merged_header[HEADER.index("tokens")] = rows[:, HEADER.index("tokens")].sum()
-    step_times = rows[:, len(header) : len(header) + n]
+    h = len(header)
+    step_times = rows[:, h : h + n]
     per_rank = (step_times.sum(axis=1), rows[:, HEADER.index("wait")])
-    return merged_header, step_times.max(axis=0), rows[:, len(header) + n :].max(axis=0), per_rank
+    return (
+        merged_header, step_times.max(axis=0), rows[:, h + n : h + 2 * n].max(axis=0), per_rank,
+        rows[:, h + 2 * n :].max(axis=0),
+    )
 
 
 def interval_values(

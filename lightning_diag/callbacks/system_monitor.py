@@ -19,12 +19,12 @@ from lightning_diag.callbacks._system_hooks import (
     unwrap_batch_end,
     wrap_batch_end,
 )
-from lightning_diag.callbacks._system_interval import HEADER, Mark, gather_ranks, interval_values, resolve_steps
+from lightning_diag.callbacks._system_interval import HEADER, gather_ranks, interval_values
+from lightning_diag.callbacks._system_steps import StepRecorder
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import family_tag, overhead_tag
 from lightning_diag.core.validation import check_int, check_number
-from lightning_diag.instrument.batches import batch_size_and_tokens
 from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 from lightning_diag.rules.system import (
@@ -43,6 +43,7 @@ from lightning_diag.rules.system import (
     DEFAULT_STEP_TIME_WARMUP_STEPS,
     DEFAULT_STEP_TIME_WINDOW,
     MEMORY_GROWTH,
+    MIN_STEPS,
     STEP_TIME_FLUCTUATION,
     DataloaderBoundRule,
     MemoryGrowthRule,
@@ -207,7 +208,6 @@ class SystemMonitor(DiagCallback):
         self.memory_rule = self.add_rule("memory_rule", MemoryGrowthRule.from_settings, state_key="memory")
         self._reset_windows()
         self._hooks = HookTimer()
-        self._clock: HostClock | CudaClock = HostClock()
         self._nvml_probe: NvmlProbe | None = None
         self._boundary: tuple[Any, Any] | None = None
         self._save_timer: Any = None
@@ -217,29 +217,14 @@ class SystemMonitor(DiagCallback):
         # (wall step time, compute time, excluded from the fluctuation test) per optimizer step after warm-up
         self.step_window: deque[tuple[float, float, bool]] = deque(maxlen=self.window)
         self.util_window: deque[float] = deque(maxlen=self.window)
+        # (wall step time, known one-time cause) of every step since the fit's start, warm-up included, until the
+        # window after the warm-up is long enough for the ordinary periodic test
+        self.run_window: list[tuple[float, bool]] = []
         self.steps_seen = 0
 
-    def _reset_run(self) -> None:
-        self._prev_end: float | None = None
-        self._outside = 0.0  # validation + checkpoint seconds since the last batch end
-        self._after_validation = False
-        self._step_at_start = -1
-        self._batch_start: Any = None
-        self._before_opt: Any = None
-        self._pending: list[Mark] = []  # (start, end, "fb" | "opt") marks of the interval
-        self._step_pending: list[int] = []  # index into _pending where each step of the interval ends
-        self._step_waits: list[float] = []
-        self._step_cpu: list[float] = []
-        self._step_ckpt: list[float] = []
-        self._cur_cpu = 0.0
-        self._cpu_start = 0.0
-        self._cur_wait = 0.0
-        self._first_of_run = False
-        self._step_flags: list[bool] = []
-        self._step_extra: list[float] = []  # checkpoint seconds after each step
-        self._acc = dict.fromkeys(HEADER, 0.0)
-        self._tokens_dev: torch.Tensor | None = None
-        self._wall_start = self.time_source.wall()
+    def _reset_run(self, clock: HostClock | CudaClock | None = None) -> None:
+        self._steps = StepRecorder(self.time_source, clock)
+        self._diag_mark = self._hooks.step_seconds if hasattr(self, "_hooks") else 0.0
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -249,6 +234,7 @@ class SystemMonitor(DiagCallback):
             "window": [[t, c, bool(f)] for t, c, f in self.step_window],
             "utilization": list(self.util_window),
             "steps_seen": self.steps_seen,
+            "run_window": [[t, bool(f)] for t, f in self.run_window],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -263,6 +249,8 @@ class SystemMonitor(DiagCallback):
         )
         self.util_window = deque((float(u) for u in state_dict["utilization"]), maxlen=self.window)
         self.steps_seen = int(state_dict["steps_seen"])
+        # absent from checkpoints written before the warm-up gave way (then judged from the resume on)
+        self.run_window = [(float(t), bool(f)) for t, f in state_dict.get("run_window", [])]
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -285,8 +273,7 @@ class SystemMonitor(DiagCallback):
         self._boundary = wrap_batch_end(trainer, close)
 
     def _add_checkpoint_time(self, elapsed: float) -> None:
-        self._outside += elapsed
-        self._acc["checkpoint"] += elapsed
+        self._steps.add_checkpoint(elapsed)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove the timers, then release the session."""
@@ -306,102 +293,57 @@ class SystemMonitor(DiagCallback):
         super().on_train_start(trainer, pl_module)
         device = pl_module.device
         self._device = device
-        self._clock = CudaClock() if device.type == "cuda" else HostClock(self.time_source)
+        clock = CudaClock() if device.type == "cuda" else HostClock(self.time_source)
         if self.nvml and device.type == "cuda" and self._nvml_probe is None:
             probe = NvmlProbe(device.index if device.index is not None else torch.cuda.current_device())
             self._nvml_probe = probe if probe.active else None
-        self._reset_run()
+        self._reset_run(clock)
         host_rss_bytes()  # one-time set-up (importing psutil) here, not in the first logging step's timed hook
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-    # -- the step --------------------------------------------------------------------------------------------
+    # -- the step (recorded by StepRecorder) -----------------------------------------------------------------
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Close the data wait; mark the start of the batch's compute."""
-        now = self.time_source.wall()
-        if self._prev_end is None:
-            self._first_of_run = True  # no previous batch end: the wait is unknown, the step is left out
-        else:
-            self._cur_wait += max(0.0, now - self._prev_end - self._outside)
-        self._outside = 0.0
-        if self._step_at_start < 0:
-            self._step_at_start = trainer.global_step
-        size, tokens = batch_size_and_tokens(batch)
-        self._acc["samples"] += size
-        if isinstance(tokens, torch.Tensor):
-            self._tokens_dev = tokens.float() if self._tokens_dev is None else self._tokens_dev + tokens
-        elif tokens is not None:
-            self._acc["tokens"] += tokens
-        self._cpu_start = self.time_source.cpu()
-        self._batch_start = self._clock.mark()
-        self._before_opt = None
+        self._steps.batch_start(trainer.global_step, batch)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """Mark the end of forward + backward."""
-        if self._batch_start is not None:
-            self._before_opt = self._clock.mark()
+        self._steps.before_optimizer_step()
 
     def _close_batch(self, trainer: pl.Trainer) -> None:
         """After the last callback's ``on_train_batch_end``: mark the end of the batch; on an optimizer-step
         boundary close the step, on a logging step report."""
-        if self._batch_start is None:
+        if not self._steps.in_batch:
             return
-        end = self._clock.mark()
-        in_batch, self._outside = self._outside, 0.0  # checkpoint saving inside the batch's hooks
-        self._cur_cpu += self.time_source.cpu() - self._cpu_start
-        if self._before_opt is not None:
-            self._pending.append((self._batch_start, self._before_opt, "fb"))
-            self._pending.append((self._before_opt, end, "opt"))
-        else:
-            self._pending.append((self._batch_start, end, "fb"))
-        self._batch_start = None
-        if trainer.global_step != self._step_at_start:
-            self._step_at_start = trainer.global_step
-            self._step_pending.append(len(self._pending))
-            self._step_waits.append(self._cur_wait)
-            self._step_cpu.append(self._cur_cpu)
-            self._step_ckpt.append(in_batch)
-            self._cur_cpu = 0.0
-            self._step_flags.append(self._after_validation or self._first_of_run or in_batch > 0)
-            self._cur_wait, self._after_validation, self._first_of_run = 0.0, False, False
-            if self.is_logging_step(trainer):
-                self._report(trainer)
-        self._prev_end = self.time_source.wall()
+        spent = self._hooks.step_seconds
+        if self._steps.batch_end(trainer.global_step, spent - self._diag_mark) and self.is_logging_step(trainer):
+            self._report(trainer)
+        self._steps.resume()
+        self._diag_mark = self._hooks.step_seconds
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The epoch's first step waits for a fresh dataloader iterator: a known cause."""
+        self._steps.epoch_start()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start timing validation (its time is not data waiting)."""
-        self._val_start: float | None = self.time_source.wall()
+        self._steps.validation_start()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Stop timing validation; the next step is left out of the fluctuation test."""
-        start: float | None = getattr(self, "_val_start", None)
-        if start is None or trainer.sanity_checking:
-            return
-        elapsed = self.time_source.wall() - start
-        self._outside += elapsed
-        self._acc["validation"] += elapsed
-        self._after_validation = True
-        self._val_start = None
+        """Stop timing validation; the next step has a known cause (left out of the step-time tests' evidence)."""
+        self._steps.validation_end(trainer.sanity_checking)
 
     # -- reporting -------------------------------------------------------------------------------------------
     def _report(self, trainer: pl.Trainer) -> None:
-        steps, self._pending = resolve_steps(
-            self._clock, self._pending, self._step_pending, self._step_waits, self._step_cpu, self._step_ckpt
-        )
-        self._step_waits, self._step_pending, self._step_cpu, self._step_ckpt = [], [], [], []
-        flags, self._step_flags = self._step_flags, []
-        if not steps:
+        interval = self._steps.take()
+        if interval is None:
             return
-        acc, self._acc = self._acc, dict.fromkeys(HEADER, 0.0)
-        if self._tokens_dev is not None:
-            acc["tokens"] += float(self._tokens_dev.item())
-            self._tokens_dev = None
-        now = self.time_source.wall()
-        wall, self._wall_start = now - self._wall_start, now
+        steps, flags, acc, wall = interval.steps, interval.explained, interval.sums, interval.wall
         acc["rss"] = host_rss_bytes()
         device = getattr(self, "_device", None)
         cuda = cuda_memory(device) if device is not None else {}
@@ -412,21 +354,32 @@ class SystemMonitor(DiagCallback):
         totals = waits + np.array([s[1] + s[2] + s[4] for s in steps])
         compute = np.array([s[3] for s in steps], dtype=float)
         header = np.array([acc[k] for k in HEADER], dtype=float)
-        header, totals, compute, per_rank = gather_ranks(trainer, device, header, totals, compute)
+        # the diagnostics' own hooks are their cost (diag/overhead/...), not a stall of the training
+        judged = np.clip(totals - np.array(interval.diagnostics, dtype=float), 0.0, None)
+        header, totals, compute, per_rank, judged = gather_ranks(trainer, device, header, totals, compute, judged)
         merged = dict(zip(HEADER, header.tolist(), strict=True))
         n = len(steps)
         ctx = self.context(trainer)
         step = trainer.global_step
 
-        for t, c, flag in zip(totals.tolist(), compute.tolist(), flags, strict=True):
+        for t, c, flag in zip(judged.tolist(), compute.tolist(), flags, strict=True):
             self.steps_seen += 1
             if self.steps_seen > self.warmup_steps:
                 self.step_window.append((float(t), float(c), bool(flag)))
+            if self.steps_seen < self.warmup_steps + MIN_STEPS:
+                self.run_window.append((float(t), bool(flag)))
+        if self.steps_seen >= self.warmup_steps + MIN_STEPS:
+            self.run_window = []  # the window after the warm-up is long enough for the ordinary test
         alerts = []
         step_total = float(totals.sum())
         alerts += self.dataloader_rule.update(ctx, merged["wait"], step_total, n)
         times = [t for t, _, _ in self.step_window]
-        alerts += self.periodic_rule.update(ctx, times)
+        alerts += self.periodic_rule.update(
+            ctx,
+            times,
+            run_times=[t for t, _ in self.run_window],
+            explained=[f for _, f in self.run_window],
+        )
         pattern = self.periodic_rule.last
         keep = [
             c

@@ -10,12 +10,17 @@ Exact meaning:
   the median costs more than ``threshold`` of the window's time. The test needs :data:`MIN_STEPS` step times,
   except for a pattern seen enough times to be certain: at least :data:`CERTAIN_OCCURRENCES` slow steps, every
   position of the pattern slow and no slow step off it (a stall every 10 steps is named after its third
-  occurrence past the warm-up, at step 50, instead of at step 80). ``value`` is the period in steps. The same
-  test runs on dips of GPU utilisation when NVML is present (source ``gpu_utilization``).
+  occurrence past the warm-up, at step 50, instead of at step 80). The warm-up gives way to a pattern in every
+  step since the fit's start (:func:`pattern_from_start`, steps with a known one-time cause left neutral):
+  three stalls in step with the run's start, or two, half a period or more after it, each at least
+  :data:`OVERWHELMING_FACTOR` times the median step and together costing above
+  :data:`OVERWHELMING_SHARE_FACTOR` times the threshold (a 70% stall every 10 steps is named at step 20 with the
+  20-step warm-up). ``value`` is the period in steps. The same test runs on dips of GPU utilisation when NVML
+  is present (source ``gpu_utilization``).
 * ``step_time_fluctuation``: the step times of the window (after ``warmup_steps``, without the step after a
-  validation run and without the steps of a periodic pattern) are cut into blocks of ``block_steps``; the
-  relative median absolute deviation of the block medians is above ``threshold`` on ``patience`` consecutive
-  evaluations (at least :data:`MIN_BLOCKS` blocks).
+  validation run, an epoch's first step, a step that saved a checkpoint and without the steps of a periodic
+  pattern) are cut into blocks of ``block_steps``; the relative median absolute deviation of the block medians
+  is above ``threshold`` on ``patience`` consecutive evaluations (at least :data:`MIN_BLOCKS` blocks).
 * ``memory_growth``: a memory series (host RSS, CUDA allocated) that grew by more than ``threshold`` of its
   first value over the last ``window`` intervals (Theil–Sen slope), rising on at least ``rising_fraction`` of
   them.
@@ -23,8 +28,9 @@ Exact meaning:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -32,7 +38,14 @@ from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
-from lightning_diag.stats.timing import Periodicity, Series, block_fluctuation, detect_period, growth
+from lightning_diag.stats.timing import (
+    Periodicity,
+    Series,
+    block_fluctuation,
+    detect_period,
+    growth,
+    slow_mask,
+)
 
 __all__ = [
     "DATALOADER_BOUND",
@@ -60,6 +73,7 @@ __all__ = [
     "MemoryGrowthRule",
     "StepFluctuationRule",
     "StepPeriodicRule",
+    "pattern_from_start",
 ]
 
 
@@ -138,8 +152,76 @@ MIN_STEPS = 60
 #: Slow steps that make a pattern certain before :data:`MIN_STEPS` (every position of the pattern slow, no slow step
 #: off it): three stalls exactly one period apart in a quiet window.
 CERTAIN_OCCURRENCES = 3
+#: ``step_time_periodic`` during the warm-up: a pattern seen only twice counts when each of its stalls is at least
+#: this many times the median step (an order of magnitude past the 1.5x "slow" line)...
+OVERWHELMING_FACTOR = 10.0
+#: ... and the two stalls' excess over the median costs above this many times the threshold (10 x 5% = 50%).
+OVERWHELMING_SHARE_FACTOR = 10.0
+#: Fewest steps between two stalls of a pattern seen twice (two slow steps 2 or 3 apart are no pattern).
+MIN_OVERWHELMING_PERIOD = 4
 #: Fewest blocks the fluctuation test judges.
 MIN_BLOCKS = 5
+
+
+def pattern_from_start(
+    times: Series,
+    explained: Sequence[bool],
+    slow_ratio: float = DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO,
+    threshold: float = DEFAULT_STEP_TIME_PERIODIC_THRESHOLD,
+) -> Periodicity:
+    """A stall pattern certain enough to name during the warm-up, in every step time since the fit's start.
+
+    Steps with a known one-time cause (``explained``: the run's first step, the first step of an epoch, the step
+    after a validation run, a step that saved a checkpoint) are neutral: they take the median of the others, so
+    compilation, worker start-up, autotuning, validation and checkpoint saving are never evidence. The slow
+    steps (:func:`~lightning_diag.stats.timing.slow_mask`) must then be exactly one period apart, and every
+    position of the pattern before the first and after the last must be neutral (every position slow, none off
+    it), and either
+
+    * at least :data:`CERTAIN_OCCURRENCES` of them costing above ``threshold``, or
+    * two, ``period >= MIN_OVERWHELMING_PERIOD``, at least half a period of steps before the first (not a
+      start-up effect), each at least :data:`OVERWHELMING_FACTOR` times the median and together costing above
+      :data:`OVERWHELMING_SHARE_FACTOR` times ``threshold``.
+
+    Returns:
+        The pattern (``share`` as in :func:`~lightning_diag.stats.timing.detect_period`); ``period == 0`` when
+        there is none.
+    """
+    x = np.asarray(times, dtype=float)
+    flags = np.asarray(explained, dtype=bool)
+    if x.size != flags.size or x.size < 2 * MIN_OVERWHELMING_PERIOD or not np.all(np.isfinite(x)):
+        return Periodicity(0)
+    known = x[~flags]
+    if known.size < x.size // 2:
+        return Periodicity(0)
+    x = np.where(flags, float(np.median(known)), x)
+    slow = np.flatnonzero(slow_mask(x, slow_ratio))
+    if slow.size < 2:
+        return Periodicity(0)
+    gaps = np.diff(slow)
+    period = int(gaps[0])
+    if np.any(gaps != period) or period < 2:
+        return Periodicity(0)
+    # every position of the pattern before the first and after the last slow step has a known cause (or none is left)
+    missed = [*range(int(slow[0]) - period, -1, -period), *range(int(slow[-1]) + period, x.size, period)]
+    if not all(flags[i] for i in missed):
+        return Periodicity(0)
+    med = float(np.median(x))
+    share = float(np.clip(x[slow] - med, 0.0, None).sum() / x.sum()) if x.sum() > 0 else 0.0
+    if slow.size >= CERTAIN_OCCURRENCES:
+        certain = share > threshold
+    else:
+        certain = (
+            period >= MIN_OVERWHELMING_PERIOD
+            and slow[0] >= period // 2  # half a period of ordinary steps first: not a start-up effect
+            and bool(np.all(x[slow] >= OVERWHELMING_FACTOR * med))
+            and share > OVERWHELMING_SHARE_FACTOR * threshold
+        )
+    if not certain:
+        return Periodicity(0)
+    return Periodicity(
+        period=period, phase=int(slow[0]), occurrences=int(slow.size), coverage=1.0, precision=1.0, share=share
+    )
 
 
 def _seconds(value: float) -> str:
@@ -221,18 +303,48 @@ class StepPeriodicRule(Rule):
         spec = STEP_TIME_PERIODIC_SPEC
         return cls(spec.value(thresholds), spec.value(thresholds, "slow_ratio"))
 
-    def update(self, ctx: StepContext, times: Series, source: str = "step_time") -> list[Alert]:
-        """Judge the window of step times (seconds, oldest first)."""
-        if len(times) < 2 * CERTAIN_OCCURRENCES:
-            return []
-        if len(times) < MIN_STEPS:
-            # a short window: only a certain pattern counts (see the module's docstring)
-            found = detect_period(times, self.slow_ratio, min_occurrences=CERTAIN_OCCURRENCES)
-            if not (found.found and found.coverage >= 1.0 and found.precision >= 1.0):
-                found = Periodicity(0)
-        else:
+    def update(
+        self,
+        ctx: StepContext,
+        times: Series,
+        source: str = "step_time",
+        *,
+        run_times: Series | None = None,
+        explained: Sequence[bool] | None = None,
+    ) -> list[Alert]:
+        """Judge the window of step times (seconds, oldest first, after the warm-up).
+
+        Args:
+            ctx: The step.
+            times: The window of step times after the warm-up.
+            source: The alert's source.
+            run_times: Every step time since the fit's start, warm-up included, while the window is shorter than
+                :data:`MIN_STEPS` (judged by :func:`pattern_from_start`).
+            explained: Which of ``run_times`` have a known one-time cause.
+        """
+        found = Periodicity(0)
+        if len(times) >= MIN_STEPS:
             found = detect_period(times, self.slow_ratio)
+        else:
+            if len(times) >= 2 * CERTAIN_OCCURRENCES:
+                # a short window: only a certain pattern counts (see the module's docstring)
+                found = detect_period(times, self.slow_ratio, min_occurrences=CERTAIN_OCCURRENCES)
+                if not (found.found and found.coverage >= 1.0 and found.precision >= 1.0):
+                    found = Periodicity(0)
+            if not found.found and run_times is not None and explained is not None:
+                early = pattern_from_start(run_times, explained, self.slow_ratio, self.threshold)
+                if early.found:
+                    # ``last`` indexes ``times`` (the caller leaves the pattern's steps out of other tests)
+                    offset = len(run_times) - len(times)
+                    found = dataclasses.replace(early, phase=(early.phase - offset) % early.period)
+                    self.last = found
+                    found, times = early, run_times
+                    return self._judge(ctx, found, times, source)
         self.last = found
+        return self._judge(ctx, found, times, source)
+
+    def _judge(self, ctx: StepContext, found: Periodicity, times: Series, source: str) -> list[Alert]:
+        """Latch and word the alert for ``found``, a pattern in ``times``."""
         active = found.found and found.share > self.threshold
         if not self.latch.update(source, active, excess(found.share, self.threshold)):
             return []

@@ -7,6 +7,7 @@ from lightning_diag.rules.system import (
     MemoryGrowthRule,
     StepFluctuationRule,
     StepPeriodicRule,
+    pattern_from_start,
 )
 
 CTX = StepContext(epoch=0, global_step=100)
@@ -62,6 +63,45 @@ def test_periodic_rule_names_a_certain_pattern_in_a_short_window():
     (alert,) = StepPeriodicRule().update(CTX, t)
     assert alert.value == 10.0 and "3 times in the last 30 steps" in alert.message
     assert StepPeriodicRule().update(CTX, t[:20]) == []  # twice is not certain
+
+
+def test_the_warm_up_gives_way_to_an_overwhelming_stall_pattern():
+    # issue 23: a stall costing 70% of the time every 10 steps, twice in the first 20 steps of the fit (nothing
+    # after the 20-step warm-up yet): each stall is 24x the median step, together 70% of the time
+    run = np.full(20, 0.02)
+    run[9::10] = 0.49
+    explained = [i == 0 for i in range(20)]
+    (alert,) = StepPeriodicRule().update(CTX, [], run_times=run, explained=explained)
+    assert alert.value == 10.0 and "2 times in the last 20 steps" in alert.message and "70%" in alert.message
+    rule = StepPeriodicRule()
+    rule.update(CTX, run[:0], run_times=run, explained=explained)
+    assert rule.last.period == 10
+    assert StepPeriodicRule().update(CTX, []) == []  # without the run's steps: nothing to judge
+
+
+@pytest.mark.parametrize(
+    ("slow", "value", "explain", "found"),
+    [
+        ((9, 19), 0.49, (), 10),  # twice, 24x the median, 70% of the time
+        ((9, 19), 0.15, (), 0),  # twice at 7.5x: not overwhelming
+        ((4, 9, 14, 19), 0.05, (), 5),  # four times at 2.5x in step with the start, 18%: certain
+        ((4, 9, 14), 0.05, (), 0),  # the position at 19 not slow
+        ((9, 19), 0.49, (3,), 10),  # a slow step with a known cause (say after validation) is neutral
+        ((9, 19, 3), 0.49, (), 0),  # an unexplained slow step off the pattern
+        ((12,), 0.49, (), 0),  # once is no pattern
+        ((14, 19), 0.49, (), 0),  # the first stall more than one period after the start
+        ((0, 9, 19), 2.0, (0,), 10),  # the run's first step (compilation) is neutral
+        ((10, 15), 0.49, (10, 15), 0),  # both slow steps explained (validation, epoch start): nothing
+        ((1, 10), 0.49, (), 0),  # the first right after the start (autotuning): a start-up effect, not a pattern
+        ((0, 7, 14), 0.49, (0,), 7),  # the first position is the run's (neutral) first step: the rest is certain
+        ((7, 14), 0.49, (0,), 7),  # twice, the first step neutral: overwhelming
+    ],
+)
+def test_pattern_from_start(slow, value, explain, found):
+    run = np.full(20, 0.02)
+    run[list(slow)] = value
+    explained = [i in explain for i in range(20)]
+    assert pattern_from_start(run, explained).period == found
 
 
 def test_utilization_dips():

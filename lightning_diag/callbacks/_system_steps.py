@@ -1,0 +1,188 @@
+"""What SystemMonitor records during the steps: the clock marks of each optimizer step, its data waiting, CPU
+time and checkpoint saving, whether it has a known one-time cause, and the interval's sums.
+
+:class:`~lightning_diag.callbacks.system_monitor.SystemMonitor` calls these from its hooks; at a logging step
+:meth:`StepRecorder.take` hands over the interval (resolved by
+:func:`~lightning_diag.callbacks._system_interval.resolve_steps`), which the callback judges and logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from lightning_diag.callbacks._system_interval import HEADER, Mark, Step, resolve_steps
+from lightning_diag.instrument.batches import batch_size_and_tokens
+from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
+
+__all__ = ["Interval", "StepRecorder"]
+
+
+@dataclasses.dataclass
+class Interval:
+    """The optimizer steps closed since the last logging step.
+
+    Attributes:
+        steps: The seconds of each step (:data:`~lightning_diag.callbacks._system_interval.Step`).
+        explained: Per step, whether it has a known one-time cause (the run's first step, an epoch's first step,
+            the step after a validation run, a step that saved a checkpoint).
+        sums: The interval's :data:`~lightning_diag.callbacks._system_interval.HEADER` numbers so far
+            (validation, checkpoint, samples, tokens; the caller adds the rest).
+        wall: Wall seconds since the previous interval.
+        diagnostics: Per step, the seconds spent in the lightning_diag callbacks' step hooks (their cost, not
+            the training's: left out of the step times the periodic test judges).
+    """
+
+    steps: list[Step]
+    explained: list[bool]
+    sums: dict[str, float]
+    wall: float
+    diagnostics: list[float]
+
+
+class StepRecorder:
+    """The per-step marks of one fit: fed by the callback's hooks, emptied by :meth:`take` at each logging step.
+
+    Data waiting runs from the end of one training batch to the start of the next, without the validation and
+    checkpoint seconds in between; the compute marks come from ``clock`` (host readings, or CUDA events read only
+    in :meth:`take`).
+    """
+
+    def __init__(self, time_source: TimeSource, clock: HostClock | CudaClock | None = None) -> None:
+        self.time_source = time_source
+        self.reset(clock if clock is not None else HostClock(time_source))
+
+    def reset(self, clock: HostClock | CudaClock) -> None:
+        """Forget everything of the current run; use ``clock`` for the compute marks."""
+        self.clock = clock
+        self._prev_end: float | None = None
+        self._outside = 0.0  # validation + checkpoint seconds since the last batch end
+        self._after_validation = False
+        self._first_of_run = False
+        self._epoch_start = False
+        self._step_at_start = -1
+        self._batch_start: Any = None
+        self._before_opt: Any = None
+        self._val_start: float | None = None
+        self._pending: list[Mark] = []  # (start, end, "fb" | "opt") marks of the interval
+        self._step_pending: list[int] = []  # index into _pending where each step of the interval ends
+        self._step_waits: list[float] = []
+        self._step_cpu: list[float] = []
+        self._step_ckpt: list[float] = []  # checkpoint seconds inside each step's batch
+        self._step_flags: list[bool] = []
+        self._step_diag: list[float] = []
+        self._cur_diag = 0.0
+        self._cur_cpu = 0.0
+        self._cpu_start = 0.0
+        self._cur_wait = 0.0
+        self._sums = dict.fromkeys(HEADER, 0.0)
+        self._tokens_dev: torch.Tensor | None = None
+        self._wall_start = self.time_source.wall()
+
+    @property
+    def in_batch(self) -> bool:
+        """Whether a training batch has started and not ended."""
+        return self._batch_start is not None
+
+    # -- the hooks -------------------------------------------------------------------------------------------
+    def batch_start(self, global_step: int, batch: Any) -> None:
+        """Close the data wait; mark the start of the batch's compute; count its samples and tokens."""
+        now = self.time_source.wall()
+        if self._prev_end is None:
+            self._first_of_run = True  # no previous batch end: the wait is unknown, the step is left out
+        else:
+            self._cur_wait += max(0.0, now - self._prev_end - self._outside)
+        self._outside = 0.0
+        if self._step_at_start < 0:
+            self._step_at_start = global_step
+        size, tokens = batch_size_and_tokens(batch)
+        self._sums["samples"] += size
+        if isinstance(tokens, torch.Tensor):
+            self._tokens_dev = tokens.float() if self._tokens_dev is None else self._tokens_dev + tokens
+        elif tokens is not None:
+            self._sums["tokens"] += tokens
+        self._cpu_start = self.time_source.cpu()
+        self._batch_start = self.clock.mark()
+        self._before_opt = None
+
+    def before_optimizer_step(self) -> None:
+        """Mark the end of forward + backward."""
+        if self._batch_start is not None:
+            self._before_opt = self.clock.mark()
+
+    def batch_end(self, global_step: int, diagnostics_s: float = 0.0) -> bool:
+        """Mark the end of the batch (``diagnostics_s``: seconds the diagnostics' hooks took since the last
+        :meth:`resume`); whether it closed an optimizer step (then call :meth:`resume` after reporting, so the
+        reporting is not the next step's data waiting)."""
+        if self._batch_start is None:
+            return False
+        end = self.clock.mark()
+        in_batch, self._outside = self._outside, 0.0  # checkpoint saving inside the batch's hooks
+        self._cur_cpu += self.time_source.cpu() - self._cpu_start
+        self._cur_diag += max(0.0, diagnostics_s)
+        if self._before_opt is not None:
+            self._pending.append((self._batch_start, self._before_opt, "fb"))
+            self._pending.append((self._before_opt, end, "opt"))
+        else:
+            self._pending.append((self._batch_start, end, "fb"))
+        self._batch_start = None
+        if global_step == self._step_at_start:
+            return False
+        self._step_at_start = global_step
+        self._step_pending.append(len(self._pending))
+        self._step_waits.append(self._cur_wait)
+        self._step_cpu.append(self._cur_cpu)
+        self._step_ckpt.append(in_batch)
+        self._step_flags.append(self._after_validation or self._first_of_run or self._epoch_start or in_batch > 0)
+        self._step_diag.append(self._cur_diag)
+        self._cur_cpu = self._cur_wait = self._cur_diag = 0.0
+        self._after_validation = self._first_of_run = self._epoch_start = False
+        return True
+
+    def resume(self) -> None:
+        """The data wait of the next batch starts now."""
+        self._prev_end = self.time_source.wall()
+
+    def epoch_start(self) -> None:
+        """The epoch's first step waits for a fresh dataloader iterator (worker start-up): a known cause."""
+        self._epoch_start = True
+
+    def validation_start(self) -> None:
+        """Start timing validation (its time is not data waiting)."""
+        self._val_start = self.time_source.wall()
+
+    def validation_end(self, sanity_checking: bool) -> None:
+        """Stop timing validation; the next step has a known cause."""
+        start, self._val_start = self._val_start, None
+        if start is None or sanity_checking:
+            return
+        elapsed = self.time_source.wall() - start
+        self._outside += elapsed
+        self._sums["validation"] += elapsed
+        self._after_validation = True
+
+    def add_checkpoint(self, elapsed: float) -> None:
+        """``trainer.save_checkpoint`` took ``elapsed`` seconds (not data waiting)."""
+        self._outside += elapsed
+        self._sums["checkpoint"] += elapsed
+
+    # -- the interval ----------------------------------------------------------------------------------------
+    def take(self) -> Interval | None:
+        """The steps closed since the last call (reads the CUDA events: one synchronisation), or ``None``."""
+        steps, self._pending = resolve_steps(
+            self.clock, self._pending, self._step_pending, self._step_waits, self._step_cpu, self._step_ckpt
+        )
+        self._step_waits, self._step_pending, self._step_cpu, self._step_ckpt = [], [], [], []
+        flags, self._step_flags = self._step_flags, []
+        diag, self._step_diag = self._step_diag, []
+        if not steps:
+            return None
+        sums, self._sums = self._sums, dict.fromkeys(HEADER, 0.0)
+        if self._tokens_dev is not None:
+            sums["tokens"] += float(self._tokens_dev.item())
+            self._tokens_dev = None
+        now = self.time_source.wall()
+        wall, self._wall_start = now - self._wall_start, now
+        return Interval(steps, flags, sums, wall, diag)
