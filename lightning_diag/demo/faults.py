@@ -39,6 +39,7 @@ from lightning_diag.rules.catalog import (
     GRAD_NOT_ZEROED,
     LOSS_ON_PADDING,
     POSITION_OVERFLOW,
+    STEP_TIME_PERIODIC,
     UPDATE_NONE,
     UPDATE_STALE,
 )
@@ -292,6 +293,17 @@ FAULTS: dict[str, Fault] = {
             (),
             max_epochs=2,
             config={"dropout": 0.1},
+        ),
+        Fault(
+            "stall",
+            "every 10th step also sleeps 0.5 s (about 70% of the time or more): a periodic I/O or synchronisation "
+            "stall, watched by SystemMonitor",
+            (STEP_TIME_PERIODIC,),
+            onset_step=10,
+            window=15,  # a pattern needs its second stall (step 20); SystemMonitor judges every 5 steps: step 25
+            max_epochs=2,
+            config={"stall_every": 10, "stall_seconds": 0.5},
+            callbacks=(("SystemMonitor", {}),),
         ),
         Fault(
             "padding_labels",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 import pytorch_lightning as pl
@@ -69,6 +70,9 @@ class DemoConfig:
             ``zero_grad``) or ``"accumulate"`` (manual: backward on every batch, step and ``zero_grad`` every
             second batch, deliberate accumulation).
         eval_at_epoch_start: Call ``self.eval()`` in ``on_train_epoch_start`` (Dropout off during training).
+        stall_every: From this global step on, every ``stall_every``-th training step also sleeps
+            ``stall_seconds`` (a periodic I/O or synchronisation stall); 0: never.
+        stall_seconds: How long each stall sleeps.
         seed: Seed of the model's initialisation.
     """
 
@@ -93,6 +97,8 @@ class DemoConfig:
     optimizer_over_copy: bool = False
     manual: str = ""
     eval_at_epoch_start: bool = False
+    stall_every: int = 0
+    stall_seconds: float = 0.0
     seed: int = 0
 
 
@@ -128,6 +134,9 @@ class DemoModule(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.compute_loss(batch)
+        every = self.config.stall_every
+        if every and self.global_step >= every and self.global_step % every == 0:
+            time.sleep(self.config.stall_seconds)
         if self.config.nan_at_step is not None and self.global_step == self.config.nan_at_step:
             loss = loss * math.nan
         self.log("train_loss", loss, on_step=True, on_epoch=True)
