@@ -351,6 +351,8 @@ SLOWER_BY_DEFINITION = {
     "val_decline": "the seed's definition: 5 consecutive worsening validation runs (6 runs at the earliest)",
     "loss_stagnant": "the loss gets 4 points (epochs or windows) to fall 10% below its initial value",
     "grad_collapse": "the baseline is the median of the first 5 measurements, then 3 consecutive collapsed ones",
+    "step_time_periodic": "a period is seen at its second occurrence, one period (10 steps) after the onset, and "
+    "judged at the end of SystemMonitor's 5-step interval that holds it",
 }
 
 
