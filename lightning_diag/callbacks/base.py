@@ -314,7 +314,8 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
         return loss.detach().float().mean(), (
             f"`training_step` returned a loss of shape {tuple(loss.shape)}: its mean is used for the loss trend"
         )
-    return loss.detach().float().reshape(()), None
+    loss = loss.detach().float()
+    return (loss if loss.dim() == 0 else loss.reshape(())), None
 
 
 def _with_base(hook: Callable[..., Any], base: Callable[..., Any]) -> Callable[..., Any]:
