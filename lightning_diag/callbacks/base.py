@@ -265,7 +265,8 @@ class DiagCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Record the thresholds in effect and write the dashboard layout (once per fit, rank zero)."""
         if self._session is not None:
-            self._session.start_fit(trainer)
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]
+            self._session.start_fit(trainer, [cb for cb in callbacks if isinstance(cb, DiagCallback)])
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the run's provenance, ``diag/run.json`` (once per fit, rank zero)."""

@@ -11,7 +11,8 @@ import json
 import logging
 import os
 import weakref
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import pytorch_lightning as pl
 
@@ -32,6 +33,12 @@ from lightning_diag.output.writer import DiagWriter, per_version_logger_types
 __all__ = ["DiagSession", "acquire_session", "release_session", "run_log_dir"]
 
 log = logging.getLogger("lightning_diag")
+
+
+class ThresholdSource(Protocol):
+    """What :meth:`DiagSession.start_fit` reads of a callback: the thresholds it judges by."""
+
+    def thresholds(self) -> dict[str, float]: ...
 
 
 def run_log_dir(trainer: pl.Trainer) -> str:
@@ -112,11 +119,12 @@ class DiagSession:
 
             call_sinks(self._sinks, "alert", alert, list(self._alerts))
 
-    def start_fit(self, trainer: pl.Trainer) -> None:
+    def start_fit(self, trainer: pl.Trainer, callbacks: Iterable[ThresholdSource]) -> None:
         """Once per fit, on rank zero: record the thresholds in effect and write the dashboard layout.
 
-        The thresholds of every :class:`DiagCallback` on the trainer go to ``<log_dir>/diag/thresholds.json``
-        and to TensorBoard text under ``diag/thresholds``; the custom-scalars layout covers their rules.
+        The thresholds of ``callbacks`` (every :class:`~lightning_diag.callbacks.base.DiagCallback` on the
+        trainer) go to ``<log_dir>/diag/thresholds.json`` and to TensorBoard text under ``diag/thresholds``; the
+        custom-scalars layout covers their rules.
         """
         if self._fit_started:
             return
@@ -125,11 +133,8 @@ class DiagSession:
             return
         log.info("diagnostics of this run: %s", self.diag_dir)
         by_callback: dict[str, dict[str, float]] = {}
-        from lightning_diag.callbacks.base import DiagCallback  # the callbacks' module imports this one
-
-        for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(cb, DiagCallback):
-                by_callback.setdefault(type(cb).__name__, {}).update(cb.thresholds())
+        for cb in callbacks:
+            by_callback.setdefault(type(cb).__name__, {}).update(cb.thresholds())
         merged = {k: v for values in by_callback.values() for k, v in values.items()}
         os.makedirs(self.diag_dir, exist_ok=True)
         with open(os.path.join(self.diag_dir, THRESHOLDS_FILE), "w", encoding="utf-8") as fh:

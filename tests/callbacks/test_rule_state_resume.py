@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-import pytorch_lightning as pl
 import pytest
+import pytorch_lightning as pl
 import torch
 
 from lightning_diag import DataDiagnostics, GradientFlowMonitor
