@@ -128,6 +128,8 @@ def inside(name: str, width: int, steps: int, root: str, count_ops: bool) -> tup
                 if mode is not None:
                     ops[0] += mode.count
 
+        setattr(cb, hook, timed)
+
     for hook in HOOKS:
         if getattr(type(cb), hook) is not getattr(pl.Callback, hook):  # a hook the callback implements
             wrap(hook)
