@@ -18,7 +18,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, extract_loss
 from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, LossTrendSettings, TrendOutput
 from lightning_diag.callbacks.lr_logging import lr_scalars
-from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
+from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard, is_finite
 from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
 from lightning_diag.callbacks.silent_checks import ReplicaCheck, TrainModeCheck
 from lightning_diag.core.alerts import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE, NonFiniteAction
@@ -415,9 +415,13 @@ class AnomalyAlarm(DiagCallback):
             self.notice(trainer, "loss:" + problem.split(":")[0], problem)
         if loss is not None and pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
             loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
+        finite = None
         if loss is not None:
-            self.guard.note_training_loss(loss)
-        self._send(trainer, self.trend.on_train_batch(trainer, pl_module, loss))
+            finite = is_finite(loss)  # once, for the last finite loss and the loss sums
+            self.guard.note_training_loss(loss, finite)
+        out = self.trend.on_train_batch(trainer, pl_module, loss, finite)
+        if out is not None:
+            self._send(trainer, out)
         self.recovery.on_batch_end(trainer, pl_module, loss)
         self.replicas.on_batch_end(trainer, pl_module)
         if not self.is_logging_step(trainer):

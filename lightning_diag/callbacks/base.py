@@ -1,13 +1,13 @@
-"""What every lightning_diag callback shares: the per-trainer session (writer + alert log), alerts, notices."""
+"""DiagCallback, the base of every lightning_diag callback: declared rules, their checkpoint state, alerts, notices.
+
+The per-trainer session (writer, alert log, run folder) is :mod:`lightning_diag.callbacks.session`, the user's
+step axis :mod:`lightning_diag.callbacks.step_axis`; their names are importable from here as well.
+"""
 
 from __future__ import annotations
 
-import collections
 import functools
-import json
 import logging
-import os
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -15,30 +15,36 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.provenance import write_run_record
-from lightning_diag.core.alerts import Alert, AlertLog
+from lightning_diag.callbacks.session import DiagSession, run_log_dir
+from lightning_diag.callbacks.session import acquire_session as _acquire_session
+from lightning_diag.callbacks.session import release_session as _release_session
+from lightning_diag.callbacks.step_axis import STEP_AXIS_KEY, StepAxis
+from lightning_diag.core.alerts import Alert
+from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE
 from lightning_diag.core.log_handler import ensure_handler
 from lightning_diag.core.registry import registry_thresholds
-from lightning_diag.core.tags import sanitize_tag
 from lightning_diag.core.validation import check_int
-from lightning_diag.output.dashboard import (
-    ALERTS_TAG,
-    THRESHOLDS_TAG,
-    alerts_markdown,
-    dashboard_layout,
-    threshold_tag,
-    thresholds_markdown,
-)
-from lightning_diag.output.writer import DiagWriter, per_version_logger_types
+from lightning_diag.output.dashboard import threshold_tag
+from lightning_diag.output.writer import DiagWriter
 from lightning_diag.rules.base import StepContext
 
-__all__ = ["AlertHandler", "DiagCallback", "DiagSession", "StatefulRule", "StepAxis", "extract_loss", "run_log_dir"]
+__all__ = [
+    "ALERTS_FILE",
+    "STEP_AXIS_KEY",
+    "THRESHOLDS_FILE",
+    "AlertHandler",
+    "DiagCallback",
+    "DiagSession",
+    "StatefulRule",
+    "StepAxis",
+    "extract_loss",
+    "run_log_dir",
+]
 
 #: ``on_alert=``: called with each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global rank zero).
 AlertHandler = Callable[[Alert], object]
 
 log = logging.getLogger("lightning_diag")
-
 
 
 class StatefulRule(Protocol):
@@ -51,247 +57,8 @@ class StatefulRule(Protocol):
 
 RuleT = TypeVar("RuleT", bound=StatefulRule)
 
-ALERTS_FILE = "alerts.jsonl"
-THRESHOLDS_FILE = "thresholds.json"
-#: Top-level checkpoint key of the step axis (:class:`StepAxis`), shared by every lightning_diag callback.
-STEP_AXIS_KEY = "lightning_diag_step_axis"
 # Hooks whose base behaviour runs even when a subclass overrides them without calling super().
 _BASE_HOOKS = ("on_train_epoch_start", "on_train_batch_start", "on_save_checkpoint", "on_load_checkpoint")
-
-
-class StepAxis:
-    """The user's step axis: the number of training batches that stepped, as Lightning's ``self.log`` counts them.
-
-    Lightning logs ``self.log`` values, ``LearningRateMonitor`` and ``DeviceStatsMonitor`` at the number of
-    batches whose optimizer stepped (one per batch under manual optimization, whatever the number of optimizers;
-    one per ``accumulate_grad_batches`` batches, and the last of an epoch, under automatic optimization), not at
-    ``trainer.global_step``, which counts ``optimizer.step()`` calls (two per batch in a two-optimizer GAN). This
-    counts those batches from public hooks and attributes only: :meth:`batch_started` is called at every
-    ``on_train_batch_start`` of a lightning_diag callback (once per batch, whatever the number of callbacks).
-
-    :attr:`step` is what a series written now is logged at: during a batch, the number of stepping batches
-    before it (the step Lightning logs that batch's ``self.log`` values at); between batches (validation, epoch
-    end), that of the last batch; from an epoch's start (:meth:`epoch_started`), the count including the last
-    batch, as Lightning's. Its state travels in the checkpoint (:data:`STEP_AXIS_KEY`).
-    """
-
-    _HISTORY = 256
-
-    def __init__(self) -> None:
-        self.stepped = 0  # stepping batches before the current one
-        self.pending = False  # whether the current batch steps (counted when the next one starts)
-        self._batch: tuple[int, int, int] | None = None
-        self._global_steps: collections.deque[tuple[int, int]] = collections.deque(maxlen=self._HISTORY)
-
-    @property
-    def step(self) -> int:
-        """The step on the user's axis of what is written now."""
-        return self.stepped
-
-    def batch_started(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        """A training batch starts (idempotent within one batch)."""
-        key = (trainer.current_epoch, batch_idx, trainer.global_step)
-        if key == self._batch:
-            return
-        self._batch = key
-        if self.pending:
-            self.stepped += 1
-        self.pending = self._steps(trainer, pl_module, batch_idx)
-        self._global_steps.append((trainer.global_step, self.stepped))
-
-    def epoch_started(self, trainer: pl.Trainer) -> None:
-        """A training epoch starts: the last batch of the previous one is counted now (Lightning's count has
-        moved past it)."""
-        if self.pending:
-            self.stepped += 1
-            self.pending = False
-        self._global_steps.append((trainer.global_step, self.stepped))
-
-    @staticmethod
-    def _steps(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> bool:
-        # Lightning's rule for counting a batch as stepped, from public attributes.
-        if not pl_module.automatic_optimization:
-            return True
-        ready = batch_idx + 1
-        accumulation_done = ready % max(int(trainer.accumulate_grad_batches), 1) == 0
-        total = trainer.num_training_batches
-        is_final = isinstance(total, int) and ready == total
-        return accumulation_done or (is_final and not trainer.strategy.handles_gradient_accumulation)
-
-    def user_step(self, global_step: int) -> int:
-        """The user-axis step of a series a callback writes at ``global_step`` (``trainer.global_step`` or the
-        step just measured): the current step, or that of the recent batch during which ``global_step`` was
-        current."""
-        for started_at, step in reversed(self._global_steps):
-            if started_at <= global_step:
-                return step
-        return self.stepped
-
-    def state_dict(self) -> dict[str, int]:
-        """``{"stepped": n}``: the stepping batches so far, the current one included."""
-        return {"stepped": self.stepped + int(self.pending)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the count."""
-        self.stepped = int(state["stepped"])
-        self.pending = False
-        self._batch = None
-        self._global_steps.clear()
-
-
-def run_log_dir(trainer: pl.Trainer) -> str:
-    """The folder of this run's diagnostics, ``<it>/diag``: one per run, whatever the loggers.
-
-    ``trainer.log_dir`` when the first logger's folder is per run (TensorBoard's and CSV's ``version_N``) or
-    there is no logger (``default_root_dir``). Otherwise (W&B, MLflow, a custom logger, whose ``trainer.log_dir``
-    is their shared save directory) ``<save_dir or default_root_dir>/<name>/<version>``, the folder Lightning's
-    ``ModelCheckpoint`` uses for the run's checkpoints: W&B's project and run id, MLflow's experiment id and run
-    id. Decided on global rank zero and broadcast: call it on every rank.
-    """
-    base = trainer.log_dir or trainer.default_root_dir
-    loggers = trainer.loggers
-    if not loggers or isinstance(loggers[0], per_version_logger_types()):
-        return base
-    parts: list[str] | None = None
-    if trainer.is_global_zero:
-        name, version = loggers[0].name, loggers[0].version
-        if version is not None and not isinstance(version, str):
-            version = f"version_{version}"
-        parts = [sanitize_tag(str(p)) for p in (name, version) if p not in (None, "")]
-    parts = trainer.strategy.broadcast(parts)
-    return os.path.join(base, *parts) if parts else base
-
-
-class DiagSession:
-    """The writer, alert log and step axis shared by every lightning_diag callback attached to one trainer.
-
-    Args:
-        log_dir: The run's folder (:func:`run_log_dir`); files go to ``<log_dir>/diag``.
-        trainer: The trainer; used lazily to find its loggers and TensorBoard writer.
-        is_global_zero: Only global rank zero writes anything.
-    """
-
-    def __init__(self, log_dir: str, trainer: pl.Trainer, is_global_zero: bool) -> None:
-        self.log_dir = log_dir
-        self.diag_dir = os.path.join(log_dir, "diag")
-        self.is_global_zero = is_global_zero
-        self._trainer_ref = weakref.ref(trainer)
-        self._writer: DiagWriter | None = None
-        self._alerts: list[Alert] = []
-        self._fit_started = False
-        self._sinks: list[Any] = []
-        # Per trainer, not per session: a second `trainer.fit` on the same trainer continues Lightning's count.
-        self.step_axis = _STEP_AXES.setdefault(trainer, StepAxis())
-        self._run_recorded = False
-        self.users = 0
-        self.alert_log = AlertLog(
-            os.path.join(self.diag_dir, ALERTS_FILE) if is_global_zero else None,
-            text_sink=self._alert_text,
-            enabled=is_global_zero,
-        )
-
-    @property
-    def writer(self) -> DiagWriter:
-        """The writer (every logger for scalars, TensorBoard for the rest), created on first use; a no-op off rank
-        zero."""
-        if self._writer is None:
-            trainer = self._trainer_ref()
-            if trainer is None or not self.is_global_zero:
-                self._writer = DiagWriter(None)
-            else:
-                self._writer = DiagWriter.for_trainer(trainer, self.log_dir)
-                self._writer.step_axis = self._user_step
-        return self._writer
-
-    def _user_step(self, global_step: int) -> int:
-        # During a fit, everything goes on the user's axis (StepAxis); outside one (validate) as given.
-        return self.step_axis.user_step(global_step) if self._fit_started else global_step
-
-    def _alert_text(self, alert: Alert) -> None:
-        # The whole table, newest first, at every alert: the latest text entry always holds every alert.
-        self._alerts.append(alert)
-        self.writer.text(ALERTS_TAG, alerts_markdown(self._alerts), alert.global_step)
-        self.writer.flush()
-        if self._sinks:
-            from lightning_diag.output.logger_sinks import call_sinks
-
-            call_sinks(self._sinks, "alert", alert, list(self._alerts))
-
-    def start_fit(self, trainer: pl.Trainer) -> None:
-        """Once per fit, on rank zero: record the thresholds in effect and write the dashboard layout.
-
-        The thresholds of every :class:`DiagCallback` on the trainer go to ``<log_dir>/diag/thresholds.json``
-        and to TensorBoard text under ``diag/thresholds``; the custom-scalars layout covers their rules.
-        """
-        if self._fit_started:
-            return
-        self._fit_started = True
-        if not self.is_global_zero:
-            return
-        log.info("diagnostics of this run: %s", self.diag_dir)
-        by_callback: dict[str, dict[str, float]] = {}
-        for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(cb, DiagCallback):
-                by_callback.setdefault(type(cb).__name__, {}).update(cb.thresholds())
-        merged = {k: v for values in by_callback.values() for k, v in values.items()}
-        os.makedirs(self.diag_dir, exist_ok=True)
-        with open(os.path.join(self.diag_dir, THRESHOLDS_FILE), "w", encoding="utf-8") as fh:
-            json.dump({"callbacks": by_callback, "thresholds": merged}, fh, indent=2, sort_keys=True)
-        self.writer.text(THRESHOLDS_TAG, thresholds_markdown(by_callback), trainer.global_step)
-        self.writer.custom_scalars(dashboard_layout([k for k in merged if "." not in k]))
-        self.writer.flush()
-        from lightning_diag.output.logger_sinks import call_sinks, sinks_for
-
-        self._sinks = sinks_for(trainer.loggers, self.diag_dir, lambda: self.step_axis.step)
-        call_sinks(self._sinks, "start")
-
-    def record_run(self, trainer: pl.Trainer) -> None:
-        """Once per fit, on rank zero, when training starts (the loaders are set up): ``<log_dir>/diag/run.json``,
-        the run's provenance (:mod:`lightning_diag.callbacks.provenance`)."""
-        if self._run_recorded or not self.is_global_zero:
-            return
-        self._run_recorded = True
-        problem = write_run_record(trainer, self.diag_dir)
-        if problem is not None:
-            log.warning("lightning_diag: %s", problem)
-
-    def close(self) -> None:
-        """Hand the fit's alerts to the loggers' sinks (W&B, MLflow), close the alert log and the writer (if the
-        library opened it)."""
-        self.alert_log.close()
-        if self._sinks:
-            from lightning_diag.output.logger_sinks import call_sinks
-
-            if self._writer is not None:
-                self._writer.flush()  # the report the sinks upload reads the event files
-            call_sinks(self._sinks, "finish", list(self._alerts))
-            self._sinks = []
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-
-_SESSIONS: weakref.WeakKeyDictionary[pl.Trainer, DiagSession] = weakref.WeakKeyDictionary()
-_STEP_AXES: weakref.WeakKeyDictionary[pl.Trainer, StepAxis] = weakref.WeakKeyDictionary()
-
-
-def _acquire_session(trainer: pl.Trainer) -> DiagSession:
-    # run_log_dir broadcasts from rank zero: every rank calls this from `setup`.
-    log_dir = run_log_dir(trainer)
-    session = _SESSIONS.get(trainer)
-    if session is None or session.log_dir != log_dir:
-        session = DiagSession(log_dir, trainer, trainer.is_global_zero)
-        _SESSIONS[trainer] = session
-    session.users += 1
-    return session
-
-
-def _release_session(trainer: pl.Trainer, session: DiagSession) -> None:
-    session.users -= 1
-    if session.users <= 0:
-        session.close()
-        if _SESSIONS.get(trainer) is session:
-            del _SESSIONS[trainer]
 
 
 def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
@@ -314,7 +81,8 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
         return loss.detach().float().mean(), (
             f"`training_step` returned a loss of shape {tuple(loss.shape)}: its mean is used for the loss trend"
         )
-    return loss.detach().float().reshape(()), None
+    loss = loss.detach().float()
+    return (loss if loss.dim() == 0 else loss.reshape(())), None
 
 
 def _with_base(hook: Callable[..., Any], base: Callable[..., Any]) -> Callable[..., Any]:
@@ -434,23 +202,39 @@ class DiagCallback(pl.Callback):
         return {key: getattr(self, name).state_dict() for name, (_b, key) in self._rule_declarations.items()}
 
     def load_rules_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`rules_state_dict` output (every declared key is expected)."""
-        self.check_state_keys(dict(state), self.rule_state_keys)
-        for name, (_build, key) in self._rule_declarations.items():
-            getattr(self, name).load_state_dict(state[key])
+        """Restore :meth:`rules_state_dict` output.
+
+        A declared rule whose key is missing (a checkpoint of a release before that rule existed) starts freshly
+        built from :meth:`thresholds`; the missing keys are logged once, at info level.
+        """
+        missing: list[str] = []
+        values: dict[str, float] | None = None
+        for name, (build, key) in self._rule_declarations.items():
+            if key in state:
+                getattr(self, name).load_state_dict(state[key])
+                continue
+            missing.append(key)
+            values = self.thresholds() if values is None else values
+            setattr(self, name, build(values))
+        if missing:
+            log.info(
+                "%s: the checkpoint has no state for the rules %s (saved before they existed); they start afresh",
+                type(self).__name__,
+                missing,
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Each declared rule's state under its ``state_key`` (a subclass adds its :attr:`extra_state_keys`)."""
         return self.rules_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output.
+        """Restore :meth:`state_dict` output; a declared rule missing from it starts afresh
+        (:meth:`load_rules_state_dict`).
 
         Raises:
-            KeyError: If a key is missing; the message names every missing key (rules' and
-                :attr:`extra_state_keys`).
+            KeyError: If a key of :attr:`extra_state_keys` is missing; the message names every missing one.
         """
-        self.check_state_keys(state_dict, (*self.rule_state_keys, *self.extra_state_keys))
+        self.check_state_keys(state_dict, self.extra_state_keys)
         self.load_rules_state_dict(state_dict)
 
     # -- session ---------------------------------------------------------------------------------------
@@ -481,7 +265,8 @@ class DiagCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Record the thresholds in effect and write the dashboard layout (once per fit, rank zero)."""
         if self._session is not None:
-            self._session.start_fit(trainer)
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]
+            self._session.start_fit(trainer, [cb for cb in callbacks if isinstance(cb, DiagCallback)])
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the run's provenance, ``diag/run.json`` (once per fit, rank zero)."""

@@ -296,11 +296,16 @@ class LossTrend:
 
     # -- training loss -----------------------------------------------------------------------------------
     def on_train_batch(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor | None
-    ) -> TrendOutput:
-        """Add the batch's loss (on the device) and close the step window when it is full."""
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        loss: torch.Tensor | None,
+        finite: torch.Tensor | None = None,
+    ) -> TrendOutput | None:
+        """Add the batch's loss (on the device; ``finite``: its ``torch.isfinite`` if the caller has it) and close
+        the step window when it is full: what that produced, or ``None`` when the step only added its loss."""
         if loss is not None:
-            self.loss_sums.add(loss)
+            self.loss_sums.add(loss, finite)
         # Optimizer steps, not batches: accumulation micro-batches (global_step unchanged) do not count.
         if isinstance(self.swing_window, int):
             if self.window_start is None:
@@ -308,7 +313,7 @@ class LossTrend:
             if trainer.global_step - self.window_start >= self.swing_window:
                 self.window_start = trainer.global_step
                 return self.close_period(trainer, pl_module, "window")
-        return TrendOutput(step=trainer.global_step)
+        return None
 
     def take_mean(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> float:
         """The mean loss of a period over all ranks; the period starts again."""

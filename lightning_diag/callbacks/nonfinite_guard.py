@@ -29,18 +29,20 @@ from lightning_diag.rules.nonfinite import (
     Verdict,
 )
 from lightning_diag.stats.grad import local_tensor
-from lightning_diag.stats.norms import all_finite, fast_finite
+from lightning_diag.stats.norms import all_finite, norm_sum
 from lightning_diag.stats.reduced import ReducedState, Reduction
 
 if TYPE_CHECKING:
     from lightning_diag.callbacks.base import DiagCallback
     from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
 
-__all__ = ["NO_STEP", "NonFiniteError", "NonFiniteGuard", "drop_gradients", "nonfinite_details"]
+__all__ = ["NO_STEP", "NonFiniteError", "NonFiniteGuard", "drop_gradients", "is_finite", "nonfinite_details"]
 
 #: "No bad step seen": the identity of the MIN over ranks of warn mode's first bad steps.
 NO_STEP = 2**62
 _SHOWN_PARAMS = 5
+#: Micro-batch losses held between two optimizer steps before they are folded into one flag value.
+_MAX_HELD_LOSSES = 64
 
 
 class NonFiniteError(RuntimeError):
@@ -80,22 +82,34 @@ class NonFiniteGuard:
         self.local_findings = (False, False)
         self.halted = False
         self.last_finite_loss: torch.Tensor | float = math.nan
-        self._loss_bad: torch.Tensor | None = None  # NaN/Inf in a micro-batch loss since the last step
+        # The micro-batch losses since the last step, detached (0-d; a larger loss as 0 or NaN): their finiteness
+        # is tested with the gradients' in one pass at the optimizer step.
+        self._losses: list[torch.Tensor] = []
         self.pending = ReducedState()
         self.pending.add_state("loss_step", NO_STEP, Reduction.MIN)
         self.pending.add_state("grad_step", NO_STEP, Reduction.MIN)
         self.deferred_steps = 0
 
     def note_loss(self, loss: torch.Tensor) -> None:
-        """Remember, on the device, whether a micro-batch loss is finite."""
-        bad = ~torch.isfinite(loss.detach()).all()
-        self._loss_bad = bad if self._loss_bad is None else (self._loss_bad | bad)
+        """Remember a micro-batch loss (a reference, no device work for a scalar one): it is tested for NaN/Inf
+        with the gradients at the optimizer step."""
+        loss = loss.detach()
+        if loss.dim() != 0:  # finite exactly when every element is
+            loss = torch.where(torch.isfinite(loss).all(), 0.0, math.nan)
+        self._losses.append(loss)
+        if len(self._losses) > _MAX_HELD_LOSSES:  # many backward passes without a step (manual optimization)
+            self._losses = [torch.where(_any_nonfinite(self._losses), math.nan, 0.0)]
 
-    def note_training_loss(self, loss: torch.Tensor) -> None:
-        """Keep the loss as :attr:`last_finite_loss` if it is finite (on the device: no read-back)."""
+    def note_training_loss(self, loss: torch.Tensor, finite: torch.Tensor | None = None) -> None:
+        """Keep the loss as :attr:`last_finite_loss` if it is finite (on the device: no read-back).
+
+        Args:
+            loss: The batch's 0-d loss.
+            finite: ``torch.isfinite(loss)`` when the caller has it already.
+        """
         last = self.last_finite_loss
         last_tensor = last if isinstance(last, torch.Tensor) else torch.full_like(loss, last)
-        self.last_finite_loss = torch.where(torch.isfinite(loss), loss, last_tensor)
+        self.last_finite_loss = torch.where(torch.isfinite(loss) if finite is None else finite, loss, last_tensor)
 
     def details(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> NonFiniteDetails:
         """What an alert about the current step tells (read only on the failure path).
@@ -120,7 +134,7 @@ class NonFiniteGuard:
             NonFiniteError: If the verdict is ``RAISE``.
         """
         if self.halted:
-            self._loss_bad = None
+            self._losses = []
             drop_gradients(optimizer)
             return
         try:
@@ -193,23 +207,28 @@ class NonFiniteGuard:
         With ``defer`` (``"warn"`` mode) nothing is read back: the first bad steps stay on the device in
         :attr:`pending` and this returns ``None``. It also returns ``None`` when there is nothing to check.
         """
-        loss_bad = self._loss_bad
-        self._loss_bad = None
+        losses, self._losses = self._losses, []
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads and loss_bad is None:
+        if not grads and not losses:
             return None
-        device = local_tensor(grads[0]).device if grads else loss_bad.device  # type: ignore[union-attr]
-        # warn mode reads nothing back per step, so its test must be exact on the device (max-abs); the other
-        # modes take the fast fused-L2 pass and confirm it by max-abs on the rare steps it fails
-        grad_bad = ~(all_finite(grads) if defer else fast_finite(grads)).to(device)
-        if loss_bad is not None:
-            loss_bad = loss_bad.to(grad_bad.device)
+        device = local_tensor(grads[0]).device if grads else losses[0].device
         if defer:
+            # warn mode reads nothing back per step, so its test must be exact on the device (max-abs)
+            grad_bad = ~all_finite(grads).to(device)
+            loss_bad = _any_nonfinite([loss.to(device) for loss in losses]) if losses else None
             self._defer(trainer.global_step, loss_bad, grad_bad)
             return None
-        # Deciding not to apply an update is a host decision: one 2-element read per optimizer step.
-        flags = torch.stack([loss_bad if loss_bad is not None else torch.zeros_like(grad_bad), grad_bad])
-        local, found = _agree(trainer, flags)
+        # The other modes take the fast pass: one sum of the gradients' fused L2 norms, tested together with the
+        # losses (finite exactly when all are); max-abs confirms a gradient on the rare steps it fails.
+        values = torch.stack([*(loss.to(device) for loss in losses), norm_sum(grads).to(device)])
+        bad = _nonfinite(values)
+        # Deciding not to apply an update is a host decision: one read per optimizer step.
+        if trainer.world_size <= 1:
+            flags = bad.tolist()
+            local = found = [any(flags[:-1]), flags[-1]]
+        else:
+            loss_bad = bad[:-1].any() if losses else torch.zeros_like(bad[-1])
+            local, found = _agree(trainer, torch.stack([loss_bad, bad[-1]]))
         if found[1]:
             # Some rank's fast pass failed: a NaN/Inf, or a finite gradient whose L2 overflowed. Every rank sees the
             # same agreed flag and confirms with the exact max-abs pass (and, with several ranks, one collective).
@@ -278,6 +297,27 @@ def _agree(trainer: pl.Trainer, flags: torch.Tensor) -> tuple[list[bool], list[b
     agreed = trainer.strategy.reduce(counts, reduce_op="sum") > 0
     both = [bool(v) for v in torch.cat([flags.to(agreed.device), agreed]).tolist()]
     return both[: len(flags)], both[len(flags) :]
+
+
+def is_finite(values: torch.Tensor) -> torch.Tensor:
+    """``torch.isfinite(values)`` for a floating tensor in two kernels (``torch.isfinite`` runs four): ``x * 0`` is
+    0 for every finite ``x`` and NaN for NaN and +-Inf.
+
+    Example:
+        >>> is_finite(torch.tensor([1.0, float("nan"), float("-inf"), 3e38])).tolist()
+        [True, False, False, True]
+    """
+    return (values * 0) == 0
+
+
+def _nonfinite(values: torch.Tensor) -> torch.Tensor:
+    """``~torch.isfinite(values)`` in two kernels (see :func:`is_finite`)."""
+    return (values * 0) != 0
+
+
+def _any_nonfinite(losses: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-d boolean tensor: whether any of the 0-d ``losses`` is NaN/Inf."""
+    return _nonfinite(torch.stack(losses)).any()
 
 
 def _step_or_none(value: float) -> int | None:

@@ -16,13 +16,12 @@ import os
 from pathlib import Path
 
 from lightning_diag.core.alerts import ALL_RULES, Alert, read_alerts
+from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE
 from lightning_diag.core.registry import default_thresholds
 from lightning_diag.core.tags import prefix
 
 __all__ = ["ALERTS_FILE", "THRESHOLDS_FILE", "NoDiagnosticsError", "RunData", "Series", "find_runs", "load_run"]
 
-ALERTS_FILE = "alerts.jsonl"
-THRESHOLDS_FILE = "thresholds.json"
 _EVENT_PREFIX = "events.out.tfevents"
 _LAYOUT_TAG = "custom_scalars__config__"
 # Which callback measures which tags, for runs that logged no thresholds.json.

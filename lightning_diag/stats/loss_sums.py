@@ -54,10 +54,14 @@ class LossSums(ReducedState):
         """``(sum, count)`` state names of a period."""
         return prefix + "_sum", prefix + "_count"
 
-    def add(self, loss: torch.Tensor) -> None:
-        """Add a 0-d loss to every open period (and to the baseline while it is filling)."""
-        finite = torch.isfinite(loss)
-        clean = torch.where(finite, loss, torch.zeros_like(loss))
+    def add(self, loss: torch.Tensor, finite: torch.Tensor | None = None) -> None:
+        """Add a 0-d loss to every open period (and to the baseline while it is filling).
+
+        ``finite`` is ``torch.isfinite(loss)`` when the caller has it already (it is computed otherwise).
+        """
+        if finite is None:
+            finite = torch.isfinite(loss)
+        clean = torch.where(finite, loss, 0.0)
         weight = finite.to(loss.dtype)
         prefixes = list(LOSS_PERIODS)
         if self.initial_batches < self.baseline_steps:

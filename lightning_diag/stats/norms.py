@@ -14,7 +14,7 @@ import torch
 
 from lightning_diag.stats.grad import local_tensor, per_tensor_norms
 
-__all__ = ["all_finite", "fast_finite", "max_abs", "total_norm"]
+__all__ = ["all_finite", "fast_finite", "max_abs", "norm_sum", "total_norm"]
 
 
 def _local_nonempty(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -79,7 +79,28 @@ def fast_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         >>> bool(fast_finite([torch.full((4,), 1e30)])), bool(all_finite([torch.full((4,), 1e30)]))
         (False, True)
     """
+    return torch.isfinite(norm_sum(tensors))
+
+
+@torch.no_grad()
+def norm_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of the L2 norms of ``tensors`` (their local shards), a 0-d float32 tensor on the first one's device
+    (0 for none): finite exactly when :func:`fast_finite` is ``True``.
+
+    One multi-tensor norm kernel per device/dtype group and one sum, without placing each norm at its index (what
+    :func:`~lightning_diag.stats.grad.per_tensor_norms` does for callers that need them apart).
+
+    Example:
+        >>> float(norm_sum([torch.tensor([3.0, 4.0]), torch.tensor([1.0])]))
+        6.0
+    """
     nonempty = _local_nonempty(tensors)
     if len(nonempty) == 0:
-        return torch.ones((), dtype=torch.bool, device=_device(tensors))
-    return torch.isfinite(per_tensor_norms(nonempty).sum())
+        return torch.zeros((), device=_device(tensors))
+    device, dtype = nonempty[0].device, nonempty[0].dtype
+    if all(t.device == device and t.dtype == dtype for t in nonempty):
+        # 16-bit tensors accumulate in float32: a float16 norm overflows past 65504.
+        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+        total = torch.stack(torch._foreach_norm(nonempty, 2, dtype=wide)).sum()
+        return total if total.dtype == torch.float32 else total.to(torch.float32)
+    return per_tensor_norms(nonempty).sum()

@@ -1,0 +1,201 @@
+"""A callback's cost on the steps that log nothing, hook by hook, on the 1.1M-parameter MLP of issue 23.
+
+For each callback (default: ``AnomalyAlarm`` and ``GradientFlowMonitor`` with their defaults) one fit of the
+``cost_table.py`` MLP (64 inputs, 4 hidden layers of 600, 1,121,401 parameters, AdamW, batch 64, one torch thread)
+is run several times, and on its *quiet* steps (neither they nor their neighbours log: ``step % 50`` not in
+{49, 0, 1}) it reports:
+
+* the CPU time of the training thread (``time.thread_time``, so that other jobs on a shared machine do not
+  inflate it) inside each hook of the callback, the median over the quiet steps, then the median over the
+  repetitions;
+* the **aten operators** the callback's hooks dispatch per quiet step (counted with a ``TorchDispatchMode``): a
+  count that does not depend on the machine's load, each operator being a few microseconds of dispatch on the CPU
+  and one kernel launch on a GPU;
+* end to end, interleaved fits: the median step of the callback alone, and of ``default_callbacks()``, over the
+  median step of a bare fit in the same repetition (wall time), the median over repetitions and its range.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/quiet_step.py                # about 3 minutes on a 2-core CPU
+    PYTHONPATH=. .venv/bin/python benchmarks/quiet_step.py --reps 5 --steps 300
+    PYTHONPATH=. .venv/bin/python benchmarks/quiet_step.py --quick        # smoke test (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cost_table import MLP, mlp_data
+
+from lightning_diag import AnomalyAlarm, GradientFlowMonitor
+from lightning_diag.demo.run import default_callbacks, quiet
+
+COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/quiet_step.py"
+INTERVAL = 50
+HOOKS = (
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+)
+CALLBACKS: dict[str, Callable[[], pl.Callback]] = {
+    "AnomalyAlarm": AnomalyAlarm,
+    "GradientFlowMonitor": GradientFlowMonitor,
+}
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten operators dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _is_quiet(step: int) -> bool:
+    return step > 5 and step % INTERVAL not in (INTERVAL - 1, 0, 1)
+
+
+class _Marks(pl.Callback):
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.marks.append(time.perf_counter())
+
+    def median_step(self, skip: int) -> float:
+        return statistics.median(b - a for a, b in zip(self.marks[skip:], self.marks[skip + 1 :], strict=False))
+
+
+def _trainer(root: str, callbacks: list[pl.Callback], steps: int) -> pl.Trainer:
+    return pl.Trainer(
+        default_root_dir=root,
+        max_steps=steps,
+        accelerator="cpu",
+        logger=pl.loggers.TensorBoardLogger(root, name="run"),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        log_every_n_steps=INTERVAL,
+    )
+
+
+def inside(name: str, width: int, steps: int, root: str, count_ops: bool) -> tuple[dict[str, float], float]:
+    """One fit: by hook, the median CPU seconds over the quiet steps; and the aten operators per quiet step."""
+    cb = CALLBACKS[name]()
+    seconds: dict[str, list[float]] = collections.defaultdict(list)
+    ops = [0]
+    quiet_steps = set()
+
+    def wrap(hook: str) -> None:
+        original = getattr(cb, hook)
+
+        def timed(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> Any:
+            step = trainer.global_step
+            if not _is_quiet(step):
+                return original(trainer, *args, **kwargs)
+            quiet_steps.add(step)
+            mode = _Ops() if count_ops else None
+            start = time.thread_time()
+            try:
+                if mode is None:
+                    return original(trainer, *args, **kwargs)
+                with mode:
+                    return original(trainer, *args, **kwargs)
+            finally:
+                seconds[hook].append(time.thread_time() - start)
+                if mode is not None:
+                    ops[0] += mode.count
+
+        setattr(cb, hook, timed)
+
+    for hook in HOOKS:
+        if getattr(type(cb), hook) is not getattr(pl.Callback, hook):  # a hook the callback implements
+            wrap(hook)
+    _trainer(root, [cb], steps).fit(MLP(width), mlp_data(steps))
+    medians = {hook: statistics.median(v) for hook, v in seconds.items() if v}
+    return medians, ops[0] / max(len(quiet_steps), 1)
+
+
+def end_to_end(width: int, steps: int, reps: int, root: str, names: list[str]) -> dict[str, list[float]]:
+    """Per repetition, each variant's median step over the bare fit's (interleaved; the order flips each time)."""
+    variants: dict[str, Callable[[], list[pl.Callback]]] = {"bare": list}
+    variants.update({f"{n} alone": (lambda n=n: [CALLBACKS[n]()]) for n in names})
+    variants["all defaults"] = lambda: list(default_callbacks())
+    ratios: dict[str, list[float]] = collections.defaultdict(list)
+    for rep in range(reps):
+        order = list(variants) if rep % 2 == 0 else list(reversed(variants))
+        medians = {}
+        for variant in order:
+            marks = _Marks()
+            _trainer(os.path.join(root, f"{variant}{rep}"), [marks, *variants[variant]()], steps).fit(
+                MLP(width), mlp_data(steps)
+            )
+            medians[variant] = marks.median_step(skip=10)
+        for variant, median in medians.items():
+            ratios[variant].append(median / medians["bare"])
+        ratios["bare ms"].append(medians["bare"] * 1e3)
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--callbacks", nargs="+", choices=list(CALLBACKS), default=list(CALLBACKS))
+    parser.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
+    parser.add_argument("--steps", type=int, default=200, help="steps per fit (default 200)")
+    parser.add_argument("--quick", action="store_true", help="a small MLP, few steps: a smoke test")
+    args = parser.parse_args(argv)
+    width, steps, reps = (64, 60, 1) if args.quick else (600, args.steps, args.reps)
+    t0 = time.perf_counter()
+    lines = []
+    with quiet(1), tempfile.TemporaryDirectory(prefix="quiet_") as root:
+        for name in args.callbacks:
+            runs = [inside(name, width, steps, os.path.join(root, f"{name}{i}"), i == 0) for i in range(reps)]
+            ops = runs[0][1]
+            hooks = sorted({h for medians, _ in runs for h in medians}, key=HOOKS.index)
+            per_hook = {h: statistics.median(m.get(h, 0.0) for m, _ in runs) for h in hooks}
+            total = sum(per_hook.values())
+            detail = ", ".join(f"{h} {s * 1e6:.0f}" for h, s in per_hook.items())
+            lines.append(f"| {name} | {total * 1e6:.0f} | {ops:.0f} | {detail} |")
+        ratios = end_to_end(width, steps, reps, os.path.join(root, "e2e"), args.callbacks)
+    bare_ms = statistics.median(ratios.pop("bare ms"))
+    print(
+        f"cpu, 1 thread; torch {torch.__version__}, pytorch_lightning {pl.__version__}; {steps} steps per fit, "
+        f"{reps} reps; load average {os.getloadavg()[0]:.1f}; {time.perf_counter() - t0:.0f} s"
+    )
+    print()
+    print("| callback | quiet step CPU µs (sum of hook medians) | aten ops per quiet step | by hook (µs) |")
+    print("|---|---|---|---|")
+    print("\n".join(lines))
+    print()
+    print(f"| variant | median step / bare (median over reps) | range | bare median step {bare_ms:.2f} ms |")
+    print("|---|---|---|---|")
+    for variant, values in ratios.items():
+        if variant != "bare":
+            print(f"| {variant} | {statistics.median(values):.3f}x | {min(values):.3f}-{max(values):.3f}x | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

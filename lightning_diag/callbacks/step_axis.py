@@ -1,0 +1,93 @@
+"""The user's step axis (:class:`StepAxis`): one per trainer, shared by every lightning_diag callback on it."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytorch_lightning as pl
+
+__all__ = ["STEP_AXIS_KEY", "StepAxis"]
+
+#: Top-level checkpoint key of the step axis (:class:`StepAxis`), shared by every lightning_diag callback.
+STEP_AXIS_KEY = "lightning_diag_step_axis"
+
+
+class StepAxis:
+    """The user's step axis: the number of training batches that stepped, as Lightning's ``self.log`` counts them.
+
+    Lightning logs ``self.log`` values, ``LearningRateMonitor`` and ``DeviceStatsMonitor`` at the number of
+    batches whose optimizer stepped (one per batch under manual optimization, whatever the number of optimizers;
+    one per ``accumulate_grad_batches`` batches, and the last of an epoch, under automatic optimization), not at
+    ``trainer.global_step``, which counts ``optimizer.step()`` calls (two per batch in a two-optimizer GAN). This
+    counts those batches from public hooks and attributes only: :meth:`batch_started` is called at every
+    ``on_train_batch_start`` of a lightning_diag callback (once per batch, whatever the number of callbacks).
+
+    :attr:`step` is what a series written now is logged at: during a batch, the number of stepping batches
+    before it (the step Lightning logs that batch's ``self.log`` values at); between batches (validation, epoch
+    end), that of the last batch; from an epoch's start (:meth:`epoch_started`), the count including the last
+    batch, as Lightning's. Its state travels in the checkpoint (:data:`STEP_AXIS_KEY`).
+    """
+
+    _HISTORY = 256
+
+    def __init__(self) -> None:
+        self.stepped = 0  # stepping batches before the current one
+        self.pending = False  # whether the current batch steps (counted when the next one starts)
+        self._batch: tuple[int, int, int] | None = None
+        self._global_steps: collections.deque[tuple[int, int]] = collections.deque(maxlen=self._HISTORY)
+
+    @property
+    def step(self) -> int:
+        """The step on the user's axis of what is written now."""
+        return self.stepped
+
+    def batch_started(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+        """A training batch starts (idempotent within one batch)."""
+        key = (trainer.current_epoch, batch_idx, trainer.global_step)
+        if key == self._batch:
+            return
+        self._batch = key
+        if self.pending:
+            self.stepped += 1
+        self.pending = self._steps(trainer, pl_module, batch_idx)
+        self._global_steps.append((trainer.global_step, self.stepped))
+
+    def epoch_started(self, trainer: pl.Trainer) -> None:
+        """A training epoch starts: the last batch of the previous one is counted now (Lightning's count has
+        moved past it)."""
+        if self.pending:
+            self.stepped += 1
+            self.pending = False
+        self._global_steps.append((trainer.global_step, self.stepped))
+
+    @staticmethod
+    def _steps(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> bool:
+        # Lightning's rule for counting a batch as stepped, from public attributes.
+        if not pl_module.automatic_optimization:
+            return True
+        ready = batch_idx + 1
+        accumulation_done = ready % max(int(trainer.accumulate_grad_batches), 1) == 0
+        total = trainer.num_training_batches
+        is_final = isinstance(total, int) and ready == total
+        return accumulation_done or (is_final and not trainer.strategy.handles_gradient_accumulation)
+
+    def user_step(self, global_step: int) -> int:
+        """The user-axis step of a series a callback writes at ``global_step`` (``trainer.global_step`` or the
+        step just measured): the current step, or that of the recent batch during which ``global_step`` was
+        current."""
+        for started_at, step in reversed(self._global_steps):
+            if started_at <= global_step:
+                return step
+        return self.stepped
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"stepped": n}``: the stepping batches so far, the current one included."""
+        return {"stepped": self.stepped + int(self.pending)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the count."""
+        self.stepped = int(state["stepped"])
+        self.pending = False
+        self._batch = None
+        self._global_steps.clear()
