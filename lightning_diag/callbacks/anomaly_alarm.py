@@ -98,12 +98,13 @@ class AnomalyAlarm(DiagCallback):
       the untrained model's loss: chance level for a classifier).
     * ``val_decline`` (warning): ``monitor`` worsens on ``val_decline_threshold`` consecutive validation runs.
     * ``val_fluctuation`` (warning): the validation fluctuation exceeds ``val_fluctuation_threshold`` times the
-      training-loss fluctuation over the last ``val_fluctuation_window`` validation runs, and rises by more than
-      ``val_fluctuation_min_rise`` of its initial value over them.
-    * ``ddp_desync`` (critical): under DDP, a parameter's checksum (L2 norm and sum) differs across the ranks by
-      more than ``desync_tolerance`` (relative to rank 0), checked every ``desync_every_n_steps`` optimizer steps
-      with one ``all_gather`` of two numbers per parameter; names the first such parameter and the ranks. Not
-      checked under sharded strategies (shards are not replicas; said once).
+      training-loss fluctuation over the last ``val_fluctuation_window`` validation runs, and rises at least twice,
+      by more than ``val_fluctuation_min_rise`` of its initial value in all, over them.
+    * ``ddp_desync`` (critical): a parameter's checksum (L2 norm and sum) differs across its replicas by more than
+      ``desync_tolerance`` (every rank under DDP; for a ``DTensor``, the ranks along each ``Replicate`` mesh
+      dimension: HSDP's replicate dimension, tensor-parallel biases and norms), checked every
+      ``desync_every_n_steps`` optimizer steps with one ``all_gather`` per replica group; shards are never
+      compared; names the first such parameter and the ranks.
     * ``eval_mode_in_training`` (warning): on logging steps, a Dropout (``p > 0``, in a part of the model with
       trainable parameters) or a BatchNorm whose parameters train is in eval mode during training (a host read of
       the modules' flags). A BatchNorm with frozen parameters in eval mode is one ``info``.
