@@ -7,6 +7,7 @@ and :mod:`lightning_diag.rules.train_mode`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
@@ -77,7 +78,7 @@ class ReplicaCheck:
         self._last_step = -1
         self.last_groups = []
 
-    def _groups(self, trainer: pl.Trainer, named: list[tuple[str, torch.Tensor]]) -> dict[tuple[int, ...], _Group]:
+    def _groups(self, trainer: pl.Trainer, named: Sequence[tuple[str, torch.Tensor]]) -> dict[tuple[int, ...], _Group]:
         """This rank's replica groups, in an order every rank shares (that of the first parameter each holds)."""
         world = trainer.world_size
         replicated = _replicated(trainer)
