@@ -450,11 +450,9 @@ def page(rows: list[Row], seconds: float) -> str:
     defaults = {type(c).__name__ for c in default_callbacks()}
     names = sorted(defaults)
     extra = sorted({c for r in rows for c in r.callbacks} - defaults)
+    users = {n: ", ".join(f"`{r.fault.name}`" for r in rows if n in r.callbacks) for n in extra}
     extra_text = (
-        f"; the entries that need more get it: {', '.join(f'`{n}`' for n in extra)} for the data faults and their "
-        "healthy counterpart"
-        if extra
-        else ""
+        "; the entries that need more get it: " + "; ".join(f"`{n}` for {users[n]}" for n in extra) if extra else ""
     )
     spike = (
         "`pytorch_lightning.callbacks.SpikeDetection` (experimental, in the installed version)"
