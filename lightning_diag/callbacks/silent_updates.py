@@ -201,26 +201,36 @@ class SilentUpdateChecks:
         self._zero.arm(position, chosen, self._index.params, trainer.global_step)
 
     def _zeroed_state(self) -> dict[str, Any]:
-        """The verdicts not yet read, by parameter name (host lists: one small read at checkpoint time).
+        """The open watches and the verdicts not yet read, by parameter name (host lists: one small read at
+        checkpoint time).
 
-        Open watches are not saved: gradients are not in a checkpoint, so a resumed run starts with every
-        ``.grad`` ``None`` and nothing left over to watch.
+        Gradients are not in a checkpoint: a resumed run starts with every ``.grad`` ``None``, so a restored watch
+        finds nothing left over at its first backward and gives the verdict of a zeroed optimizer, as the
+        uninterrupted run does on a healthy step.
         """
-        if self._zero_restored is not None:  # saved again before the restored verdicts were read
+        if self._zero_restored is not None:  # saved again before the restored state was used
             return self._zero_restored
         names = self._index.names if self._index is not None else []
         verdicts = [
             {"optimizer": k, "params": [names[i] for i, f in zip(positions, flags.tolist(), strict=True) if f]}
             for k, positions, flags in self._zero.verdicts
         ]
-        return {"verdicts": verdicts}
+        watches = [
+            {
+                "optimizer": k, "params": [names[i] for i in w.positions], "stale": w.stale.tolist(),
+                "added": w.added.tolist(), "armed_at": w.armed_at,
+            }
+            for k, w in self._zero.watches.items()
+        ]  # fmt: skip
+        return {"verdicts": verdicts, "watches": watches}
 
     def _load_zeroed_state(self, state: dict[str, Any] | None) -> None:
-        """Keep a checkpoint's unread ``grad_not_zeroed`` verdicts (absent in checkpoints older than them: none)."""
+        """Keep a checkpoint's open watches and unread ``grad_not_zeroed`` verdicts (absent in checkpoints older
+        than them: none)."""
         self._zero.clear()
-        self._zero_restored = {"verdicts": list(state.get("verdicts", []))} if state else None
-        if self._zero_restored is not None and not self._zero_restored["verdicts"]:
-            self._zero_restored = None
+        state = state or {}
+        restored = {"verdicts": list(state.get("verdicts", [])), "watches": list(state.get("watches", []))}
+        self._zero_restored = restored if restored["verdicts"] or restored["watches"] else None
 
     def _restore_zeroed(self, index: ParamIndex) -> None:
         state, self._zero_restored = self._zero_restored, None
@@ -233,6 +243,15 @@ class SilentUpdateChecks:
             self._zero.verdicts.append(
                 (int(v["optimizer"]), positions, torch.ones(len(positions), dtype=torch.bool, device=device))
             )
+        for w in state.get("watches", []):
+            kept = [(where[n], st, ad) for n, st, ad in zip(w["params"], w["stale"], w["added"], strict=True)
+                    if n in where]  # fmt: skip
+            if not kept:
+                continue
+            positions = [i for i, _, _ in kept]
+            sample = self._zero._sample(positions, index.params)
+            flags = [torch.tensor([x[j] for x in kept], dtype=torch.bool, device=device) for j in (1, 2)]
+            self._zero.watches[int(w["optimizer"])] = _Watch(positions, sample, flags[0], flags[1], int(w["armed_at"]))
 
     # -- update_none / update_stale ----------------------------------------------------------------------------
     def _sample_updates(

@@ -203,6 +203,9 @@ def test_every_callbacks_state_survives_a_mid_epoch_resume(tmp_path):
             # run never counts those two steps (tests/callbacks/test_system_monitor.py); the RSS history is the
             # process's. The rules' latches are compared.
             assert saved.pop("steps_seen") in (12, 10)
+            # the steps judged from the fit's start (the warm-up bypass) miss the same two steps; the resumed
+            # fit's first step is a known one-time cause (no previous batch end to time its data wait from)
+            assert len(saved.pop("run_window")) in (12, 10)
             saved["memory"] = saved["memory"]["latch"]
         return json.dumps(saved, sort_keys=True)
 

@@ -408,7 +408,8 @@ def test_grad_not_zeroed_verdict_survives_a_resume_and_old_checkpoints_load(tmp_
     trainer.fit(_Net(bug="no_zero_grad"), _data())
     # step 0 was measured and watched; step 1 applied its gradients again: a verdict not read before step 2
     assert gfm.state_dict()["zeroed"] == {
-        "verdicts": [{"optimizer": 0, "params": ["first.weight", "first.bias", "last.weight", "last.bias"]}]
+        "verdicts": [{"optimizer": 0, "params": ["first.weight", "first.bias", "last.weight", "last.bias"]}],
+        "watches": [],  # step 1's verdict closed step 0's watch; the next one opens at step 2
     }
     assert [a for a in gfm.alerts if a.rule == "grad_not_zeroed"] == []
     trainer.save_checkpoint(tmp_path / "mid.ckpt")
@@ -421,7 +422,25 @@ def test_grad_not_zeroed_verdict_survives_a_resume_and_old_checkpoints_load(tmp_
     old = {k: v for k, v in gfm.state_dict().items() if k != "zeroed"}  # a checkpoint from before this state
     gfm3 = GradientFlowMonitor()
     gfm3.load_state_dict(old)
-    assert gfm3.state_dict()["zeroed"] == {"verdicts": []}
+    assert gfm3.state_dict()["zeroed"] == {"verdicts": [], "watches": []}
+
+
+def test_an_open_grad_not_zeroed_watch_survives_a_resume(tmp_path):
+    # a checkpoint at step 1 falls between step 0's measured step (the watch opens) and step 1's step (its verdict)
+    gfm = GradientFlowMonitor()
+    trainer = pl.Trainer(max_steps=1, callbacks=[gfm], default_root_dir=tmp_path, **FAST)
+    trainer.fit(_Net(bug="no_zero_grad"), _data())
+    (watch,) = gfm.state_dict()["zeroed"]["watches"]
+    assert watch["optimizer"] == 0 and watch["armed_at"] == 0 and watch["params"][0] == "first.weight"
+    assert all(watch["stale"]) and not any(watch["added"])  # step 0's gradients are left over, nothing added yet
+    trainer.save_checkpoint(tmp_path / "open.ckpt")
+    gfm2 = GradientFlowMonitor()
+    trainer = pl.Trainer(max_steps=3, callbacks=[gfm2], default_root_dir=tmp_path, **FAST)
+    trainer.fit(_Net(bug="no_zero_grad"), _data(), ckpt_path=tmp_path / "open.ckpt")
+    # a resumed run starts with every .grad None: the restored watch finds nothing left over and closes healthy
+    # (no alert from it), and the rule counts that check as the uninterrupted run does
+    assert gfm2.not_zeroed_rule.checks >= 1
+    assert [a.global_step for a in gfm2.alerts if a.rule == "grad_not_zeroed"] == []
 
 
 def test_zero_grad_watch_criterion_on_tensors():
