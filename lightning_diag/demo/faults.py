@@ -296,13 +296,13 @@ FAULTS: dict[str, Fault] = {
         ),
         Fault(
             "stall",
-            "every 10th step also sleeps 0.5 s (about 70% of the time or more): a periodic I/O or synchronisation "
+            "every 10th step also sleeps 1 s (about 80% of the time or more): a periodic I/O or synchronisation "
             "stall, watched by SystemMonitor",
             (STEP_TIME_PERIODIC,),
             onset_step=10,
             window=15,  # a pattern needs its second stall (step 20); SystemMonitor judges every 5 steps: step 25
             max_epochs=2,
-            config={"stall_every": 10, "stall_seconds": 0.5},
+            config={"stall_every": 10, "stall_seconds": 1.0},
             callbacks=(("SystemMonitor", {}),),
         ),
         Fault(

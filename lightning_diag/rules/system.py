@@ -179,9 +179,10 @@ def pattern_from_start(
     it), and either
 
     * at least :data:`CERTAIN_OCCURRENCES` of them costing above ``threshold``, or
-    * two, ``period >= MIN_OVERWHELMING_PERIOD``, at least half a period of steps before the first (not a
-      start-up effect), each at least :data:`OVERWHELMING_FACTOR` times the median and together costing above
-      :data:`OVERWHELMING_SHARE_FACTOR` times ``threshold``.
+    * exactly two steps at least :data:`OVERWHELMING_FACTOR` times the median (the pattern is judged among those
+      steps only, so a noisy machine's 1.5-10x jitter elsewhere neither makes nor breaks it),
+      ``period >= MIN_OVERWHELMING_PERIOD``, at least half a period of steps before the first (not a start-up
+      effect), together costing above :data:`OVERWHELMING_SHARE_FACTOR` times ``threshold``.
 
     Returns:
         The pattern (``share`` as in :func:`~lightning_diag.stats.timing.detect_period`); ``period == 0`` when
@@ -195,33 +196,47 @@ def pattern_from_start(
     if known.size < x.size // 2:
         return Periodicity(0)
     x = np.where(flags, float(np.median(known)), x)
+    med = float(np.median(x))
+    total = float(x.sum())
+
+    def share(steps: np.ndarray) -> float:
+        return float(np.clip(x[steps] - med, 0.0, None).sum() / total) if total > 0 else 0.0
+
+    def found(steps: np.ndarray, period: int) -> Periodicity:
+        return Periodicity(
+            period=period, phase=int(steps[0]), occurrences=int(steps.size), coverage=1.0, precision=1.0,
+            share=share(steps),
+        )
+
+    # Three or more slow steps on one period, costing above the threshold.
     slow = np.flatnonzero(slow_mask(x, slow_ratio))
-    if slow.size < 2:
-        return Periodicity(0)
+    if slow.size >= CERTAIN_OCCURRENCES:
+        period = _one_period(slow, flags)
+        if period and share(slow) > threshold:
+            return found(slow, period)
+    # Or exactly two overwhelming ones, judged among the overwhelming steps only: a noisy machine's 1.5-10x jitter
+    # elsewhere neither makes nor breaks a pattern of 10x stalls.
+    big = np.flatnonzero(x >= OVERWHELMING_FACTOR * med) if med > 0 else np.zeros(0, dtype=int)
+    if big.size == 2:
+        period = _one_period(big, flags)
+        if (
+            period >= MIN_OVERWHELMING_PERIOD
+            and big[0] >= period // 2  # half a period of ordinary steps first: not a start-up effect
+            and share(big) > OVERWHELMING_SHARE_FACTOR * threshold
+        ):
+            return found(big, period)
+    return Periodicity(0)
+
+
+def _one_period(slow: np.ndarray, explained: np.ndarray) -> int:
+    """The period of ``slow`` (step indices) when they are exactly one period apart and every position of the
+    pattern before the first and after the last has a known cause; else 0."""
     gaps = np.diff(slow)
     period = int(gaps[0])
     if np.any(gaps != period) or period < 2:
-        return Periodicity(0)
-    # every position of the pattern before the first and after the last slow step has a known cause (or none is left)
-    missed = [*range(int(slow[0]) - period, -1, -period), *range(int(slow[-1]) + period, x.size, period)]
-    if not all(flags[i] for i in missed):
-        return Periodicity(0)
-    med = float(np.median(x))
-    share = float(np.clip(x[slow] - med, 0.0, None).sum() / x.sum()) if x.sum() > 0 else 0.0
-    if slow.size >= CERTAIN_OCCURRENCES:
-        certain = share > threshold
-    else:
-        certain = (
-            period >= MIN_OVERWHELMING_PERIOD
-            and slow[0] >= period // 2  # half a period of ordinary steps first: not a start-up effect
-            and bool(np.all(x[slow] >= OVERWHELMING_FACTOR * med))
-            and share > OVERWHELMING_SHARE_FACTOR * threshold
-        )
-    if not certain:
-        return Periodicity(0)
-    return Periodicity(
-        period=period, phase=int(slow[0]), occurrences=int(slow.size), coverage=1.0, precision=1.0, share=share
-    )
+        return 0
+    missed = [*range(int(slow[0]) - period, -1, -period), *range(int(slow[-1]) + period, explained.size, period)]
+    return period if all(explained[i] for i in missed) else 0
 
 
 def _seconds(value: float) -> str:

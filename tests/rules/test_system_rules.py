@@ -104,6 +104,15 @@ def test_pattern_from_start(slow, value, explain, found):
     assert pattern_from_start(run, explained).period == found
 
 
+def test_pattern_from_start_overwhelming_stalls_stand_out_of_a_noisy_machines_jitter():
+    run = np.full(20, 0.02)
+    run[[9, 19]] = 0.49  # two stalls, 24x the median, 69% of the time
+    run[3] = 0.05  # one step 2.5x slow off the pattern (a busy machine)
+    assert pattern_from_start(run, [False] * 20).period == 10
+    run[3] = 0.3  # an unexplained 15x step off the pattern: no certain pattern
+    assert pattern_from_start(run, [False] * 20).period == 0
+
+
 def test_utilization_dips():
     rule = StepPeriodicRule()
     u = np.full(120, 95.0)
