@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
+import torch
 
 from lightning_diag import AttentionEntropyMonitor
 from lightning_diag.demo import build_fault
@@ -35,3 +36,5 @@ if __name__ == "__main__":
         "log_dir": trainer.log_dir,
     }
     (root / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+    if torch.distributed.is_initialized():  # end gloo's threads before the interpreter exits
+        torch.distributed.destroy_process_group()

@@ -52,3 +52,5 @@ if __name__ == "__main__":
     trainer.fit(Model(), train, val)
     out = {"alerts": [a.to_dict() for a in cb.alerts], "last": cb.last, "latch": sorted(cb.rules.latch.active)}
     (root / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+    if torch.distributed.is_initialized():  # end gloo's threads before the interpreter exits
+        torch.distributed.destroy_process_group()

@@ -63,3 +63,5 @@ if __name__ == "__main__":
         "max_diff": alarm.replicas.rule.last_max_diff,
     }
     (root / f"{mode}{trainer.global_rank}.json").write_text(json.dumps(out))
+    if torch.distributed.is_initialized():  # end gloo's threads before the interpreter exits
+        torch.distributed.destroy_process_group()

@@ -116,3 +116,5 @@ if __name__ == "__main__":
         }
         with open(os.path.join(root, f"rank{trainer.global_rank}.json"), "w") as fh:
             json.dump(out, fh)
+    if torch.distributed.is_initialized():  # end gloo's threads before the interpreter exits
+        torch.distributed.destroy_process_group()

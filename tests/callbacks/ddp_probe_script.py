@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -31,3 +32,5 @@ if __name__ == "__main__":
         "measured": sharp.last_result is not None,
     }
     (root / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+    if torch.distributed.is_initialized():  # end gloo's threads before the interpreter exits
+        torch.distributed.destroy_process_group()

@@ -64,3 +64,5 @@ if __name__ == "__main__":
     out = {"alerts": [a.to_dict() for a in monitor.alerts], "state": monitor.state_dict()}
     with open(os.path.join(root, f"sys{trainer.global_rank}.json"), "w") as fh:
         json.dump(out, fh)
+    if torch.distributed.is_initialized():  # end gloo's threads before the interpreter exits
+        torch.distributed.destroy_process_group()

@@ -50,3 +50,5 @@ if __name__ == "__main__":
     out = {"alerts": [a.to_dict() for a in gfm.alerts if a.rule == "grad_not_zeroed"],
            "checks": gfm.not_zeroed_rule.checks}
     (root / f"{mode}{trainer.global_rank}.json").write_text(json.dumps(out))
+    if torch.distributed.is_initialized():  # end gloo's threads before the interpreter exits
+        torch.distributed.destroy_process_group()

@@ -95,3 +95,5 @@ if __name__ == "__main__":
         "placements": {n: [str(q) for q in getattr(p, "placements", ())] for n, p in model.named_parameters()},
     }
     (root / f"{layout}-{mode}{trainer.global_rank}.json").write_text(json.dumps(out))
+    if torch.distributed.is_initialized():  # end gloo's threads before the interpreter exits
+        torch.distributed.destroy_process_group()

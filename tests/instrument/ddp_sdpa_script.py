@@ -72,3 +72,5 @@ if __name__ == "__main__":
     trainer.fit(TinyGPT(), torch.utils.data.DataLoader(data, batch_size=4))
     out = {"judged": monitor.judged, "log_dir": trainer.log_dir}
     (root / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+    if torch.distributed.is_initialized():  # end gloo's threads before the interpreter exits
+        torch.distributed.destroy_process_group()

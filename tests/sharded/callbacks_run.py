@@ -285,3 +285,5 @@ def run(root: Path, mode: str, timeout: float = 300, **config: Any) -> dict[str,
 
 if __name__ == "__main__":
     fit(json.loads(Path(sys.argv[1]).read_text()))
+    if torch.distributed.is_initialized():  # end gloo's threads before the interpreter exits
+        torch.distributed.destroy_process_group()
