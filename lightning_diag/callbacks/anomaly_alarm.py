@@ -18,7 +18,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, extract_loss
 from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, LossTrendSettings, TrendOutput
 from lightning_diag.callbacks.lr_logging import lr_scalars
-from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard, is_finite
+from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
 from lightning_diag.callbacks.silent_checks import ReplicaCheck, TrainModeCheck
 from lightning_diag.core.alerts import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE, NonFiniteAction
@@ -286,7 +286,7 @@ class AnomalyAlarm(DiagCallback):
         self.trend = LossTrend(self.loss_trend, monitor=self.monitor, mode=self.mode)
         #: What a non-finite step leads to (a pure state machine); :attr:`guard` finds the steps and acts.
         self.policy = NonFinitePolicy.from_settings(self.thresholds(), action=self.on_nonfinite)  # type: ignore[arg-type]
-        self.guard = NonFiniteGuard(self, self.policy, self.recovery)
+        self.guard = NonFiniteGuard(self, self.policy, self.recovery, losses=self.trend.loss_sums)
         self.recovery.reset()
         self.replicas.reset()
         self.train_mode.reset()
@@ -416,11 +416,8 @@ class AnomalyAlarm(DiagCallback):
             self.notice(trainer, "loss:" + problem.split(":")[0], problem)
         if loss is not None and pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
             loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
-        finite = None
-        if loss is not None:
-            finite = is_finite(loss)  # once, for the last finite loss and the loss sums
-            self.guard.note_training_loss(loss, finite)
-        out = self.trend.on_train_batch(trainer, pl_module, loss, finite)
+        # The loss sums hold a reference (the last finite loss is theirs too): device work every 64 batches.
+        out = self.trend.on_train_batch(trainer, pl_module, loss)
         if out is not None:
             self._send(trainer, out)
         self.recovery.on_batch_end(trainer, pl_module, loss)

@@ -300,12 +300,11 @@ class LossTrend:
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
         loss: torch.Tensor | None,
-        finite: torch.Tensor | None = None,
     ) -> TrendOutput | None:
-        """Add the batch's loss (on the device; ``finite``: its ``torch.isfinite`` if the caller has it) and close
-        the step window when it is full: what that produced, or ``None`` when the step only added its loss."""
+        """Add the batch's 0-d loss (a reference: the sums fold it in later, on the device) and close the step
+        window when it is full: what that produced, or ``None`` when the step only added its loss."""
         if loss is not None:
-            self.loss_sums.add(loss, finite)
+            self.loss_sums.add(loss)
         # Optimizer steps, not batches: accumulation micro-batches (global_step unchanged) do not count.
         if isinstance(self.swing_window, int):
             if self.window_start is None:

@@ -1,9 +1,10 @@
 """The Lightning side of the non-finite policy: find what an optimizer step looks like, carry out the verdict.
 
 :class:`NonFiniteGuard` turns the micro-batch losses and the gradients about to be applied into
-:class:`~lightning_diag.rules.nonfinite.StepFindings` agreed over all ranks (one 2-element read and one
-collective per optimizer step), asks the policy (:mod:`lightning_diag.rules.nonfinite`) and performs its
-:class:`~lightning_diag.rules.nonfinite.Decision` (:meth:`NonFiniteGuard.perform`). In ``"warn"`` mode it keeps
+:class:`~lightning_diag.rules.nonfinite.StepFindings` agreed over all ranks (one exact fused pass, one
+1-element read and, with several ranks, one collective per optimizer step), asks the policy
+(:mod:`lightning_diag.rules.nonfinite`) and performs its :class:`~lightning_diag.rules.nonfinite.Decision`
+(:meth:`NonFiniteGuard.perform`). In ``"warn"`` mode it keeps
 the first bad steps on the device until a logging step reads them back (:meth:`NonFiniteGuard.read_back`).
 :class:`~lightning_diag.AnomalyAlarm` owns one and calls it from its hooks.
 """
@@ -28,8 +29,9 @@ from lightning_diag.rules.nonfinite import (
     StepFindings,
     Verdict,
 )
-from lightning_diag.stats.grad import local_tensor
-from lightning_diag.stats.norms import all_finite, norm_sum
+from lightning_diag.stats.grad import is_dtensor, local_tensor
+from lightning_diag.stats.loss_sums import LossSums
+from lightning_diag.stats.norms import finite_probe, nonfinite_flag
 from lightning_diag.stats.reduced import ReducedState, Reduction
 
 if TYPE_CHECKING:
@@ -67,21 +69,29 @@ class NonFiniteGuard:
 
     Attributes:
         halted: Set by a ``STOP`` verdict: every later step of the fit is dropped.
-        last_finite_loss: The last finite training loss (a 0-d device tensor once a loss was seen).
         pending: ``"warn"`` mode's first bad ``loss_step`` and ``grad_step`` since the last read-back, declared
             with ``MIN`` (:data:`NO_STEP` when none), device tensors between read-backs.
         deferred_steps: Steps checked since the last read-back (the same count on every rank).
     """
 
-    def __init__(self, owner: DiagCallback, policy: NonFinitePolicy, recovery: NonFiniteRecovery | None = None) -> None:
+    def __init__(
+        self,
+        owner: DiagCallback,
+        policy: NonFinitePolicy,
+        recovery: NonFiniteRecovery | None = None,
+        losses: LossSums | None = None,
+    ) -> None:
         self.owner = owner
         self.policy = policy
         #: Localisation (replay) and rollback, when the callback has them.
         self.recovery = recovery
+        #: The training losses, whose last finite one the alerts tell (their own record when none is given).
+        self.losses = losses if losses is not None else LossSums(baseline_steps=0)
         #: This rank's own (loss_bad, grad_bad) of the step being checked, before the agreement over ranks.
         self.local_findings = (False, False)
         self.halted = False
-        self.last_finite_loss: torch.Tensor | float = math.nan
+        # Per optimizer (by id): whether its gradients are DTensors, and for how many gradients that was decided.
+        self._sharded: dict[int, tuple[int, bool]] = {}
         # The micro-batch losses since the last step, detached (0-d; a larger loss as 0 or NaN): their finiteness
         # is tested with the gradients' in one pass at the optimizer step.
         self._losses: list[torch.Tensor] = []
@@ -93,23 +103,23 @@ class NonFiniteGuard:
     def note_loss(self, loss: torch.Tensor) -> None:
         """Remember a micro-batch loss (a reference, no device work for a scalar one): it is tested for NaN/Inf
         with the gradients at the optimizer step."""
-        loss = loss.detach()
+        loss = local_tensor(loss.detach())
         if loss.dim() != 0:  # finite exactly when every element is
             loss = torch.where(torch.isfinite(loss).all(), 0.0, math.nan)
+        elif not loss.is_floating_point():  # an integer is finite; the fused check reads floating dtypes
+            loss = loss.float()
         self._losses.append(loss)
         if len(self._losses) > _MAX_HELD_LOSSES:  # many backward passes without a step (manual optimization)
             self._losses = [torch.where(_any_nonfinite(self._losses), math.nan, 0.0)]
 
-    def note_training_loss(self, loss: torch.Tensor, finite: torch.Tensor | None = None) -> None:
-        """Keep the loss as :attr:`last_finite_loss` if it is finite (on the device: no read-back).
+    @property
+    def last_finite_loss(self) -> torch.Tensor | float:
+        """The last finite training loss (of :attr:`losses`: a 0-d device tensor once one was seen, else nan)."""
+        return self.losses.last_finite
 
-        Args:
-            loss: The batch's 0-d loss.
-            finite: ``torch.isfinite(loss)`` when the caller has it already.
-        """
-        last = self.last_finite_loss
-        last_tensor = last if isinstance(last, torch.Tensor) else torch.full_like(loss, last)
-        self.last_finite_loss = torch.where(torch.isfinite(loss) if finite is None else finite, loss, last_tensor)
+    @last_finite_loss.setter
+    def last_finite_loss(self, value: torch.Tensor | float) -> None:
+        self.losses.last_finite = value
 
     def details(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> NonFiniteDetails:
         """What an alert about the current step tells (read only on the failure path).
@@ -139,7 +149,9 @@ class NonFiniteGuard:
             return
         try:
             findings = self.check_step(trainer, optimizer, defer=self.policy.action == "warn")
-            if findings is not None:
+            if findings is not None and not findings.bad:
+                self.policy.clear()  # what `decide` does for a clean step, without building its context
+            elif findings is not None:
                 decision = self.policy.decide(
                     findings, self.owner.context(trainer), lambda: self.details(trainer, pl_module)
                 )
@@ -211,33 +223,39 @@ class NonFiniteGuard:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads and not losses:
             return None
-        device = local_tensor(grads[0]).device if grads else losses[0].device
+        if self._is_sharded(optimizer, grads):
+            grads = [local_tensor(g) for g in grads]  # under sharded training: this rank's own shards
+        device = grads[0].device if grads else losses[0].device
         if defer:
-            # warn mode reads nothing back per step, so its test must be exact on the device (max-abs)
-            grad_bad = ~all_finite(grads).to(device)
+            # warn mode reads nothing back per step: the exact flags stay on the device
+            grad_bad = nonfinite_flag(grads, torch.zeros(1, device=device)).reshape(()) > 0
             loss_bad = _any_nonfinite([loss.to(device) for loss in losses]) if losses else None
             self._defer(trainer.global_step, loss_bad, grad_bad)
             return None
-        # The other modes take the fast pass: one sum of the gradients' fused L2 norms, tested together with the
-        # losses (finite exactly when all are); max-abs confirms a gradient on the rare steps it fails.
-        values = torch.stack([*(loss.to(device) for loss in losses), norm_sum(grads).to(device)])
-        bad = _nonfinite(values)
-        # Deciding not to apply an update is a host decision: one read per optimizer step.
-        if trainer.world_size <= 1:
-            flags = bad.tolist()
-            local = found = [any(flags[:-1]), flags[-1]]
-        else:
-            loss_bad = bad[:-1].any() if losses else torch.zeros_like(bad[-1])
-            local, found = _agree(trainer, torch.stack([loss_bad, bad[-1]]))
-        if found[1]:
-            # Some rank's fast pass failed: a NaN/Inf, or a finite gradient whose L2 overflowed. Every rank sees the
-            # same agreed flag and confirms with the exact max-abs pass (and, with several ranks, one collective).
-            exact = (~all_finite(grads)).to(device).reshape(1)
-            local_exact, found_exact = _agree(trainer, exact)
-            local, found = [local[0], local_exact[0]], [found[0], found_exact[0]]
-        self.local_findings = (bool(local[0]), bool(local[1]))
+        # One fast pass over the gradients and the losses together, 0 only if all are finite, and, to decide on
+        # the host whether to apply the update, one read of one number per optimizer step.
+        probe = finite_probe([*grads, *losses])
+        bad = probe.item() != 0 if trainer.world_size <= 1 else _agree(trainer, probe != 0)[1][0]
         scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
-        return StepFindings(loss_bad=bool(found[0]), grad_bad=bool(found[1]), scaler_active=scaler)
+        if not bad:
+            self.local_findings = (False, False)
+            return StepFindings(loss_bad=False, grad_bad=False, scaler_active=scaler)
+        # Some rank's pass failed (every rank sees the same agreed flag and takes this path): a NaN/Inf, or an L2
+        # norm that overflowed. Which part, exactly (the losses' own test, the exact check of the gradients), with
+        # one more collective.
+        loss_bad = _any_nonfinite([loss.to(device) for loss in losses]) if losses else torch.zeros((), dtype=torch.bool)
+        grad_bad = nonfinite_flag(grads, torch.zeros(1, device=device)).reshape(()) > 0
+        local, agreed = _agree(trainer, torch.stack([loss_bad.to(device), grad_bad]))
+        self.local_findings = (local[0], local[1])
+        return StepFindings(loss_bad=agreed[0], grad_bad=agreed[1], scaler_active=scaler)
+
+    def _is_sharded(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> bool:
+        """Whether any of ``optimizer``'s gradients is a DTensor (decided once per optimizer and gradient count:
+        a parameter does not change kind during a fit)."""
+        known = self._sharded.get(id(optimizer))
+        if known is None or known[0] != len(grads):
+            known = self._sharded[id(optimizer)] = (len(grads), any(is_dtensor(g) for g in grads))
+        return known[1]
 
     def _defer(self, step: int, loss_bad: torch.Tensor | None, grad_bad: torch.Tensor) -> None:
         self.deferred_steps += 1

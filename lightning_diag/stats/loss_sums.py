@@ -4,28 +4,38 @@
 (epoch mean, window mean, the mean since the last validation run, the initial-loss baseline) is the sum over
 all ranks divided by the count over all ranks. Both are ``SUM``-declared, so the DDP merge, the checkpoint
 (the sums of every rank) and the resume (each rank takes an equal share) all follow from the declaration.
-Never imports Lightning; nothing here reads a value back to the host.
+A batch's loss is only held until the next fold (every :data:`FOLD_EVERY` batches, or when a value is read):
+the per-batch cost is a list append. Never imports Lightning; nothing here reads a value back to the host.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
 from lightning_diag.stats.reduced import ReducedState, Reduction
 
-__all__ = ["LOSS_PERIODS", "LossSums"]
+__all__ = ["FOLD_EVERY", "LOSS_PERIODS", "LossSums"]
 
 #: The periods whose loss sums run side by side: the epoch, since the last validation run, the step window.
 LOSS_PERIODS: tuple[str, ...] = ("epoch", "since_val", "window")
+#: Losses held (as references) before they are folded into the sums in one stacked pass.
+FOLD_EVERY = 64
 
 
 class LossSums(ReducedState):
-    """``<period>_sum`` and ``<period>_count`` for each of :data:`LOSS_PERIODS` and ``initial``.
+    """``<period>_sum`` and ``<period>_count`` for each of :data:`LOSS_PERIODS` and ``initial``, and the last
+    finite loss.
 
     Non-finite losses add nothing to the sums or the counts (they are the non-finite guard's business).
+
+    :meth:`add` only keeps a reference to the 0-d loss: no device work per batch. The held losses are folded into
+    the sums in one stacked pass (about 20 small operations) every :data:`FOLD_EVERY` batches, and whenever a
+    value is read (``state[name]``, :meth:`state_dict`, :meth:`merge`, :meth:`share`, :meth:`reset`,
+    :attr:`last_finite`), so a reader always sees every loss added so far. The sums are float64 (float32 on MPS).
 
     Args:
         baseline_steps: Batches whose losses make the ``initial`` sums (the untrained model's loss).
@@ -36,8 +46,8 @@ class LossSums(ReducedState):
         ...     sums.add(torch.tensor(v))
         >>> LossSums.mean({k: float(v) for k, v in sums.state_dict().items()}, "epoch")
         3.0
-        >>> sums.state_dict()["initial_sum"]
-        2.0
+        >>> sums.state_dict()["initial_sum"], float(sums.last_finite)
+        (2.0, 4.0)
     """
 
     def __init__(self, baseline_steps: int) -> None:
@@ -48,29 +58,99 @@ class LossSums(ReducedState):
         self.baseline_steps = baseline_steps
         #: Batches counted into the ``initial`` sums so far (the same on every rank: not reduced).
         self.initial_batches = 0
+        self._held: list[torch.Tensor] = []
+        # How many of the held losses (a prefix: the baseline is the first batches) belong to ``initial``.
+        self._held_initial = 0
+        self._last_finite: torch.Tensor | float = math.nan
 
     @staticmethod
     def names(prefix: str) -> tuple[str, str]:
         """``(sum, count)`` state names of a period."""
         return prefix + "_sum", prefix + "_count"
 
-    def add(self, loss: torch.Tensor, finite: torch.Tensor | None = None) -> None:
-        """Add a 0-d loss to every open period (and to the baseline while it is filling).
-
-        ``finite`` is ``torch.isfinite(loss)`` when the caller has it already (it is computed otherwise).
-        """
-        if finite is None:
-            finite = torch.isfinite(loss)
-        clean = torch.where(finite, loss, 0.0)
-        weight = finite.to(loss.dtype)
-        prefixes = list(LOSS_PERIODS)
+    def add(self, loss: torch.Tensor) -> None:
+        """Add a 0-d loss to every open period (and to the baseline while it is filling): a reference is kept,
+        the sums take it at the next fold."""
+        self._held.append(loss)
         if self.initial_batches < self.baseline_steps:
             self.initial_batches += 1
-            prefixes.append("initial")
-        for prefix in prefixes:
+            self._held_initial += 1
+        if len(self._held) >= FOLD_EVERY:
+            self._fold()
+
+    @property
+    def last_finite(self) -> torch.Tensor | float:
+        """The last finite loss added (a 0-d tensor on the losses' device; ``nan`` before any), or the value
+        assigned (a restore)."""
+        self._fold()
+        return self._last_finite
+
+    @last_finite.setter
+    def last_finite(self, value: torch.Tensor | float) -> None:
+        self._fold()
+        self._last_finite = value
+
+    def _fold(self) -> None:
+        """Add the held losses to the sums and update the last finite loss (no host read)."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        initial, self._held_initial = self._held_initial, 0
+        values = torch.stack([v.reshape(()) for v in held]) if len(held) > 1 else held[0].reshape(1)
+        # float64 (MPS has none): the sums of float32 losses are then exact whatever the grouping of the folds
+        # (a checkpoint's read folds early), and a long epoch's sum does not drift.
+        values = values.to(torch.float32 if values.device.type == "mps" else torch.float64)
+        finite = (values * 0) == 0  # torch.isfinite in two kernels
+        clean = torch.where(finite, values, 0.0)
+        weight = finite.to(values.dtype)
+        parts = {prefix: (clean, weight) for prefix in LOSS_PERIODS}
+        if initial:
+            parts["initial"] = (clean[:initial], weight[:initial])
+        totals: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        whole = (clean.sum(), weight.sum())
+        for prefix, (c, w) in parts.items():
+            totals[prefix] = whole if c is clean else (c.sum(), w.sum())
             total, count = self.names(prefix)
-            self[total] = self[total] + clean
-            self[count] = self[count] + weight
+            self._values[total] = self._values[total] + totals[prefix][0]
+            self._values[count] = self._values[count] + totals[prefix][1]
+        # The last finite value: the largest 1-based position of a finite one (0: none of them is finite).
+        position = (weight * torch.arange(1, len(held) + 1, device=values.device, dtype=values.dtype)).max()
+        latest = values.gather(0, (position.long() - 1).clamp(min=0).reshape(1)).reshape(())
+        last = self._last_finite
+        last = last.to(latest) if isinstance(last, torch.Tensor) else torch.full_like(latest, last)
+        self._last_finite = torch.where(position > 0, latest, last)
+
+    def __getitem__(self, name: str) -> Any:
+        self._fold()
+        return super().__getitem__(name)
+
+    def reset(self, names: Iterable[str] | None = None) -> None:
+        """Put the named values (all by default) back to their defaults, after folding the held losses in."""
+        self._fold()
+        super().reset(names)
+
+    def merge(self, other: ReducedState) -> ReducedState:
+        """As :meth:`ReducedState.merge`, with the held losses of both folded in first."""
+        self._fold()
+        if isinstance(other, LossSums):
+            other._fold()
+        return super().merge(other)
+
+    def share(self, world_size: int, rank: int) -> ReducedState:
+        """As :meth:`ReducedState.share`, with the held losses folded in first."""
+        self._fold()
+        return super().share(world_size, rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        """As :meth:`ReducedState.state_dict`, with the held losses folded in first."""
+        self._fold()
+        return super().state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """As :meth:`ReducedState.load_state_dict`; the held losses are dropped (the restored sums replace
+        them: a resume, or a rollback that undoes their steps)."""
+        self._held, self._held_initial = [], 0
+        super().load_state_dict(state, strict)
 
     @staticmethod
     def mean(totals: Mapping[str, float], prefix: str) -> float:

@@ -9,12 +9,18 @@ results (the non-finite guard's one collective does).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
 from lightning_diag.stats.grad import local_tensor, per_tensor_norms
 
-__all__ = ["all_finite", "fast_finite", "max_abs", "norm_sum", "total_norm"]
+__all__ = ["all_finite", "fast_finite", "finite_probe", "max_abs", "nonfinite_flag", "norm_sum", "total_norm"]
+
+#: The dtypes torch's CPU GradScaler check reads (:func:`nonfinite_flag`); others take the max-abs pass.
+_CHECKED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: A 1.0 "inverse scale" for that check (it multiplies by it: 1.0 leaves every value as it is).
+_ONE = torch.ones(1, dtype=torch.float32)
 
 
 def _local_nonempty(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -104,3 +110,65 @@ def norm_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         total = torch.stack(torch._foreach_norm(nonempty, 2, dtype=wide)).sum()
         return total if total.dtype == torch.float32 else total.to(torch.float32)
     return per_tensor_norms(nonempty).sum()
+
+
+@torch.no_grad()
+def nonfinite_flag(tensors: Sequence[torch.Tensor], found: torch.Tensor | None = None) -> torch.Tensor:
+    """A 1-element float32 tensor that is 1.0 when any element of ``tensors`` is NaN or +-Inf and 0.0 otherwise:
+    exact (huge finite values are finite), no host read.
+
+    * CPU tensors: torch's own GradScaler check (``torch._amp_foreach_non_finite_check_and_unscale_`` with an
+      inverse scale of 1.0: every value is written back unchanged, as ``GradScaler.unscale_`` does to the
+      gradients), one pass that on one thread costs what the L2 norm does and 10-20x less than the max-abs one.
+    * other devices, and dtypes that check does not read: the fused max-abs pass (:func:`all_finite`).
+
+    Tensors are grouped by device and dtype in C++ (no per-tensor Python).
+
+    Args:
+        tensors: The tensors (this rank's local shards: pass ``local_tensor`` of a ``DTensor``): gradients or
+            detached values, as the CPU check writes them back.
+        found: A 1-element float32 tensor to OR the result into, on the first tensor's device.
+
+    Example:
+        >>> nonfinite_flag([torch.ones(3), torch.full((2,), 3e38)]).tolist()
+        [0.0]
+        >>> nonfinite_flag([torch.ones(3), torch.tensor([1.0, float("-inf")], dtype=torch.bfloat16)]).tolist()
+        [1.0]
+    """
+    if found is None:
+        device = local_tensor(tensors[0]).device if len(tensors) else torch.device("cpu")
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+    if not len(tensors):
+        return found
+    groups = torch._C._group_tensors_by_device_and_dtype([list(tensors)], False)
+    for (device, dtype), (lists, _) in groups.items():
+        group = cast("list[torch.Tensor]", lists[0])  # no None: none was passed in
+        if device.type == "cpu" and found.device.type == "cpu" and dtype in _CHECKED_DTYPES:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, _ONE)
+        else:
+            found.logical_or_((~all_finite(group)).to(found.device))
+    return found
+
+
+@torch.no_grad()
+def finite_probe(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One fast pass: a 1-element float32 tensor that is 0.0 only if every element of ``tensors`` is finite
+    (no host read).
+
+    0.0 proves every element finite. Anything else (1.0, NaN) means a NaN or Inf, **or**, off the CPU, L2 norms
+    that overflowed from finite values (above about 1.8e19): confirm it with the exact :func:`nonfinite_flag`
+    before calling anything non-finite. The confirmation runs only on the rare steps that fail this pass.
+
+    * CPU: :func:`nonfinite_flag` itself (exact): the cheapest full read there.
+    * other devices: the sum of the fused multi-tensor L2 norms (:func:`norm_sum`, one launch per dtype, read
+      only) times 0: 0 when finite, NaN when not.
+
+    Example:
+        >>> finite_probe([torch.ones(3), torch.tensor(2.0, dtype=torch.float16)]).tolist()
+        [0.0]
+        >>> finite_probe([torch.ones(3), torch.tensor([1.0, float("nan")])]).tolist()
+        [1.0]
+    """
+    if len(tensors) and local_tensor(tensors[0]).device.type == "cpu":
+        return nonfinite_flag(tensors)
+    return (norm_sum(tensors) * 0).reshape(1)

@@ -13,6 +13,7 @@ from hypothesis.extra.numpy import arrays
 from lightning_diag.stats import all_finite, fluctuation, max_abs, relative_change, total_norm
 from lightning_diag.stats.attention_probs import row_entropy
 from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
+from lightning_diag.stats.norms import finite_probe, nonfinite_flag
 
 FAST = settings(max_examples=60, deadline=None)
 ANY_FLOAT = st.floats(allow_nan=True, allow_infinity=True, width=64)
@@ -40,6 +41,33 @@ def test_all_finite_matches_numpy_including_huge_values(parts):
     tensors = [torch.tensor(p, dtype=torch.float64) for p in parts]
     flat = np.array([v for p in parts for v in p], dtype=np.float64)
     assert bool(all_finite(tensors)) == bool(np.all(np.isfinite(flat)))  # empty: True, huge but finite: True
+
+
+_DTYPES = st.sampled_from([torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64])
+
+
+@FAST
+@given(st.lists(st.tuples(st.lists(VALUES, max_size=5), _DTYPES), max_size=5))
+def test_nonfinite_flag_and_probe_match_numpy_and_leave_the_values_unchanged(parts):
+    tensors = [torch.tensor(values, dtype=torch.float64).to(dtype) for values, dtype in parts]
+    # what is in the tensors after the cast (1e300 is Inf in float32; float16 overflows past 65504)
+    flat = np.concatenate([t.to(torch.complex128).numpy().ravel() for t in tensors] + [np.zeros(0)])
+    before = [t.clone() for t in tensors]
+    want = 0.0 if np.all(np.isfinite(flat)) else 1.0
+    assert nonfinite_flag(tensors).tolist() == [want]
+    assert finite_probe(tensors).tolist() == [want]  # on CPU the probe is the exact check
+    for t, b in zip(tensors, before, strict=True):  # the CPU check writes every value back as it was
+        assert t.dtype == b.dtype and bool(((t == b) | (torch.isnan(t) & torch.isnan(b))).all())
+
+
+def test_nonfinite_flag_ors_into_a_given_flag():
+    found = torch.zeros(1)
+    nonfinite_flag([torch.ones(2)], found)
+    assert found.tolist() == [0.0]
+    nonfinite_flag([torch.tensor([math.nan])], found)
+    nonfinite_flag([torch.ones(2)], found)  # a clean call does not clear what an earlier one found
+    assert found.tolist() == [1.0]
+    assert nonfinite_flag([]).tolist() == [0.0]
 
 
 @FAST

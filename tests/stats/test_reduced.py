@@ -123,3 +123,46 @@ def test_declaration_errors_name_the_state():
         state.load_state_dict({"total": 1.0})
     state.load_state_dict({"total": 2.0}, strict=False)
     assert state.state_dict()["total"] == 2.0 and state.state_dict()["low"] == math.inf
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_loss_sums_held_and_folded_equal_the_plain_sums_at_every_read(seed):
+    """The sums hold losses as references and fold them every FOLD_EVERY batches: any read, at any point
+    (before, at and past a fold boundary), sees every loss added so far, the baseline and the last finite one."""
+    from lightning_diag.stats.loss_sums import FOLD_EVERY
+
+    rng = random.Random(seed)
+    n = FOLD_EVERY * 2 + rng.randint(1, FOLD_EVERY)
+    losses = [rng.choice([math.nan, -math.inf, rng.uniform(0.1, 5.0), rng.uniform(0.1, 5.0)]) for _ in range(n)]
+    baseline = rng.randint(1, FOLD_EVERY + 10)
+    sums = LossSums(baseline_steps=baseline)
+    reads = sorted(rng.sample(range(1, n + 1), 5) + [FOLD_EVERY, FOLD_EVERY + 1])
+    for i, loss in enumerate(losses, start=1):
+        sums.add(torch.tensor(loss))
+        if i not in reads:
+            continue
+        seen = [v for v in losses[:i] if math.isfinite(v)]
+        first = [v for v in losses[: min(i, baseline)] if math.isfinite(v)]
+        state = sums.state_dict()
+        assert state["epoch_count"] == len(seen) and state["window_count"] == len(seen)
+        assert state["epoch_sum"] == pytest.approx(sum(seen), rel=1e-5)
+        assert state["initial_count"] == len(first)
+        assert state["initial_sum"] == pytest.approx(sum(first), rel=1e-5)
+        assert float(sums.last_finite) == pytest.approx(seen[-1] if seen else math.nan, nan_ok=True)
+
+
+def test_loss_sums_reset_folds_first_and_load_drops_what_is_held():
+    sums = LossSums(baseline_steps=0)
+    for v in (1.0, 2.0):
+        sums.add(torch.tensor(v))
+    sums.reset(LossSums.names("window"))  # the held losses belonged to the window that closes
+    sums.add(torch.tensor(4.0))
+    state = sums.state_dict()
+    assert (state["window_sum"], state["window_count"]) == (4.0, 1.0)
+    assert (state["epoch_sum"], state["epoch_count"]) == (7.0, 3.0)
+    restored = dict(state)
+    sums.add(torch.tensor(100.0))  # a step a rollback undoes: restoring the earlier sums forgets it
+    sums.load_state_dict(restored)
+    assert sums.state_dict()["epoch_sum"] == 7.0
+    sums.last_finite = 3.5
+    assert sums.last_finite == 3.5
