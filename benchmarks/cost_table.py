@@ -7,12 +7,12 @@ Durations are CPU time of the training thread (``time.thread_time``; torch runs 
 on a shared machine do not inflate them.
 
 * **per-callback cost** from the inside: every hook of every lightning_diag callback is timed per step (the
-  ``diag/overhead/*`` accounting of ``SystemMonitor``, split by step). Steps are told apart as SystemMonitor's
-  sync check does: *quiet* steps (neither they nor the next step log or measure) and *measuring* steps (the
-  step that measures and the one before it, which logs). The callbacks run with ``log_every_n_steps=K`` so a
-  short fit holds several of each; the share at the defaults is then amortised over the default interval of
-  50 steps: ``(measuring pair + 48 quiet steps) / 50`` over the bare step time. The gradient histograms
-  (every 500 steps by default) are timed apart and amortised over 500 steps.
+  ``diag/overhead/*`` accounting of ``SystemMonitor``, split by step). A *measuring group* is three steps: the
+  one whose batch end logs, the one that measures, and the one after it (whose backward checks that the measured
+  gradients were zeroed: ``grad_not_zeroed``); every other step is *quiet*. The callbacks run with
+  ``log_every_n_steps=K`` so a short fit holds several of each; the share at the defaults is then amortised over
+  the default interval of 50 steps: ``(measuring group + 47 quiet steps) / 50`` over the bare step time. The
+  gradient histograms (every 500 steps by default) are timed apart and amortised over 500 steps.
 * **host reads per step**: while a callback's hook runs, ``torch.Tensor.item``, ``tolist``, ``cpu``, ``numpy``,
   ``__bool__``, ``__float__`` and ``__int__`` are counted (a host read of a device value: a synchronisation on
   CUDA). Counted for every ``AnomalyAlarm(on_nonfinite=...)`` mode on the smallest MLP.
@@ -70,7 +70,7 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
     "1e5": (176, 5, 31, 200),
     "1e6": (600, 5, 31, 150),
     "1e7": (1815, 5, 16, 0),
-    "1e8": (5760, 3, 7, 0),
+    "1e8": (5760, 4, 9, 0),
 }
 
 
@@ -256,11 +256,14 @@ def per_callback(
         trainer.fit(model(), data)
     timer.detach()
     names = [type(cb).__name__ for cb in callbacks]
-    quiet_steps = [(s, sec, rd) for s, sec, rd in per_step.steps if s > 0 and s % k not in (0, k - 1)]
-    pairs = [
-        (per_step.steps[i], per_step.steps[i + 1])
-        for i in range(1, len(per_step.steps) - 1)
-        if per_step.steps[i][0] % k == k - 1 and per_step.steps[i + 1][0] % k == 0
+    # The measuring group: the step whose batch end logs (k - 1), the step that measures (0) and the one after it,
+    # whose backward checks the measured step's gradients were zeroed (1). Every other step is quiet.
+    group = [k - 1, 0, 1]
+    quiet_steps = [(s, sec, rd) for s, sec, rd in per_step.steps if s > 0 and s % k not in group]
+    groups = [
+        per_step.steps[i : i + 3]
+        for i in range(1, len(per_step.steps) - 2)
+        if [entry[0] % k for entry in per_step.steps[i : i + 3]] == group
     ]
     seconds: dict[str, dict[str, float]] = {}
     host: dict[str, dict[str, float]] = {}
@@ -272,12 +275,12 @@ def per_callback(
 
         seconds[name] = {
             "quiet": statistics.fmean(cost(sec) for _, sec, _ in quiet_steps) if quiet_steps else float("nan"),
-            "pair": statistics.fmean(cost(a[1]) + cost(b[1]) for a, b in pairs) if pairs else float("nan"),
+            "pair": statistics.fmean(sum(cost(e[1]) for e in g) for g in groups) if groups else float("nan"),
             "first": cost(per_step.steps[0][1]),
         }
         host[name] = {
             "quiet": statistics.fmean(rd.get(name, 0) for _, _, rd in quiet_steps) if quiet_steps else float("nan"),
-            "pair": statistics.fmean(a[2].get(name, 0) + b[2].get(name, 0) for a, b in pairs) if pairs else 0.0,
+            "pair": statistics.fmean(sum(e[2].get(name, 0) for e in g) for g in groups) if groups else 0.0,
         }
     return seconds, host, statistics.median(_step_times(per_step.marks))
 
@@ -322,11 +325,11 @@ def end_to_end(
 
 # -- the table -------------------------------------------------------------------------------------------------
 def amortised(sec: dict[str, float]) -> float:
-    """Seconds per step at the default interval: one measuring pair and 48 quiet steps per 50."""
-    quiet_s, pair = sec["quiet"], sec["pair"]
+    """Seconds per step at the default interval: one measuring group (3 steps) and 47 quiet steps per 50."""
+    quiet_s, measuring = sec["quiet"], sec["pair"]
     if quiet_s != quiet_s:  # nan: no quiet step seen
-        return pair / 2
-    return (pair + (DEFAULT_INTERVAL - 2) * quiet_s) / DEFAULT_INTERVAL
+        return measuring / 3
+    return (measuring + (DEFAULT_INTERVAL - 3) * quiet_s) / DEFAULT_INTERVAL
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,8 +392,8 @@ def _main(args: argparse.Namespace, root: str) -> int:
     )
     print()
     print(
-        "| model | parameters | bare step ms | callback | quiet step µs | measuring pair ms | first step ms "
-        "| share at defaults | host reads quiet / pair |"
+        "| model | parameters | bare step ms | callback | quiet step µs | measuring steps ms | first step ms "
+        "| share at defaults | host reads quiet / measuring |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
@@ -399,7 +402,7 @@ def _main(args: argparse.Namespace, root: str) -> int:
     print("|---|---|---|---|---|")
     print("\n".join(e2e_rows))
     print()
-    print("| `AnomalyAlarm(on_nonfinite=...)` | host reads per quiet step | host reads per measuring pair |")
+    print("| `AnomalyAlarm(on_nonfinite=...)` | host reads per quiet step | host reads per measuring group |")
     print("|---|---|---|")
     print("\n".join(mode_rows))
     return 0

@@ -92,6 +92,8 @@ class NonFiniteGuard:
         self.halted = False
         # Per optimizer (by id): whether its gradients are DTensors, and for how many gradients that was decided.
         self._sharded: dict[int, tuple[int, bool]] = {}
+        # The fast pass's flag on CPU, per device: reused while it stays 0, zeroed after a step that set it.
+        self._found: dict[torch.device, torch.Tensor] = {}
         # The micro-batch losses since the last step, detached (0-d; a larger loss as 0 or NaN): their finiteness
         # is tested with the gradients' in one pass at the optimizer step.
         self._losses: list[torch.Tensor] = []
@@ -234,7 +236,10 @@ class NonFiniteGuard:
             return None
         # One fast pass over the gradients and the losses together, 0 only if all are finite, and, to decide on
         # the host whether to apply the update, one read of one number per optimizer step.
-        probe = finite_probe([*grads, *losses])
+        found = self._found.get(device)
+        if found is None:
+            found = self._found[device] = torch.zeros(1, device=device)
+        probe = finite_probe([*grads, *losses], found)
         bad = probe.item() != 0 if trainer.world_size <= 1 else _agree(trainer, probe != 0)[1][0]
         scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
         if not bad:
@@ -242,7 +247,8 @@ class NonFiniteGuard:
             return StepFindings(loss_bad=False, grad_bad=False, scaler_active=scaler)
         # Some rank's pass failed (every rank sees the same agreed flag and takes this path): a NaN/Inf, or an L2
         # norm that overflowed. Which part, exactly (the losses' own test, the exact check of the gradients), with
-        # one more collective.
+        # one more collective. The reused flag is zeroed here only: a clean step leaves it at 0.
+        found.zero_()
         loss_bad = _any_nonfinite([loss.to(device) for loss in losses]) if losses else torch.zeros((), dtype=torch.bool)
         grad_bad = nonfinite_flag(grads, torch.zeros(1, device=device)).reshape(()) > 0
         local, agreed = _agree(trainer, torch.stack([loss_bad.to(device), grad_bad]))

@@ -151,7 +151,7 @@ def nonfinite_flag(tensors: Sequence[torch.Tensor], found: torch.Tensor | None =
 
 
 @torch.no_grad()
-def finite_probe(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def finite_probe(tensors: Sequence[torch.Tensor], found: torch.Tensor | None = None) -> torch.Tensor:
     """One fast pass: a 1-element float32 tensor that is 0.0 only if every element of ``tensors`` is finite
     (no host read).
 
@@ -163,6 +163,11 @@ def finite_probe(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     * other devices: the sum of the fused multi-tensor L2 norms (:func:`norm_sum`, one launch per dtype, read
       only) times 0: 0 when finite, NaN when not.
 
+    Args:
+        tensors: The tensors (this rank's local shards).
+        found: On CPU, the zeroed 1-element float32 flag to OR into and return (a caller's, reused: a clean step
+            then allocates nothing); ignored elsewhere.
+
     Example:
         >>> finite_probe([torch.ones(3), torch.tensor(2.0, dtype=torch.float16)]).tolist()
         [0.0]
@@ -170,5 +175,5 @@ def finite_probe(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         [1.0]
     """
     if len(tensors) and local_tensor(tensors[0]).device.type == "cpu":
-        return nonfinite_flag(tensors)
+        return nonfinite_flag(tensors, found if found is not None and found.device.type == "cpu" else None)
     return (norm_sum(tensors) * 0).reshape(1)
