@@ -192,18 +192,21 @@ def update_ratios(
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """``diag/weight_norm/<layer>`` and ``diag/update_ratio/<layer>`` values: the layers' weight norms before the
-    optimizer step, and ``||W_after - W_before|| / ||W_before||``, from the ``before`` copies of ``chosen``.
+    optimizer step, and ``||W_after - W_before|| / ||W_before||``, from the ``before`` copies of ``chosen`` (which
+    it overwrites: they are the caller's throw-away copies).
 
     Under sharded training ``before`` holds local shards and ``reduce`` (a SUM over all ranks) makes the sums of
     squares those of the full tensors, in one all-reduce; without sharding ``reduce`` is not used.
     """
     device = before[0].device
-    group_of = torch.tensor([index.layer_of[i] for i in chosen], device=device)
+    layer_of = [index.layer_of[i] for i in chosen]
+    group_of = torch.tensor(layer_of, device=device)
     after = [local_tensor(index.params[i]).detach() for i in chosen]  # DTensor.detach() is slow: local first
-    deltas = torch._foreach_sub(after, before)
     n = len(index.layers)
     weight_sq = per_tensor_norms(before).pow(2)
-    update_sq = per_tensor_norms(deltas).pow(2)
+    # The copies are this function's to consume: W_before - W_after in place (the norm of -dW), no second copy.
+    torch._foreach_sub_(before, after)
+    update_sq = per_tensor_norms(before).pow(2)
     if index.sharded:
         weights = torch.tensor([index.weights[i] for i in chosen], device=device)
         weight_sq, update_sq = weight_sq * weights, update_sq * weights
@@ -214,7 +217,7 @@ def update_ratios(
     ratio = update / weight.clamp_min(1e-12)
     w_host, r_host = torch.stack([weight, ratio]).tolist()
     values = {}
-    for g in sorted(set(group_of.tolist())):
+    for g in sorted(set(layer_of)):
         values[weight_norm_tag(index.layers[g])] = w_host[g]
         values[update_ratio_tag(index.layers[g])] = r_host[g]
     return values

@@ -3,6 +3,7 @@
 import csv
 import logging
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import MagicMock
 
@@ -10,6 +11,7 @@ import pytest
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
 from lightning_diag.output.dashboard import DiagWriter as ReExported
@@ -113,11 +115,16 @@ def test_for_trainer_routes_scalars_and_extras(tmp_path):
     tb, other = TensorBoardLogger(tmp_path), MagicMock()
     writer = DiagWriter.for_trainer(SimpleNamespace(is_global_zero=True, loggers=[other, tb]), str(tmp_path))
     assert writer.experiment is tb.experiment and writer.loggers == [other] and not writer.owned
-    tb.experiment.add_scalar = MagicMock()
     writer.scalars({"diag/a": 1.0, "diag/b": 2.0}, step=3)
     writer.text("diag/alerts", "x", 3)
     other.log_metrics.assert_called_once_with({"diag/a": 1.0, "diag/b": 2.0}, step=3)
-    assert tb.experiment.add_scalar.call_count == 2  # direct, with the exact tags (no logger prefix)
+    tb.experiment.flush()
+    paths = sorted(Path(tb.log_dir).glob("events.out.tfevents.*"))
+    events = [e for path in paths for e in LegacyEventFileLoader(str(path)).Load()]
+    written = [(v.tag, v.simple_value, e.step) for e in events for v in e.summary.value if v.HasField("simple_value")]
+    # direct, with the exact tags (no logger prefix), in one event
+    assert written == [("diag/a", 1.0, 3), ("diag/b", 2.0, 3)]
+    assert len([e for e in events if e.summary.value and e.summary.value[0].tag == "diag/a"]) == 1
     assert not other.add_text.called and not other.log_text.called
     writer.flush()
     other.save.assert_called_once_with()

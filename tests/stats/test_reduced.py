@@ -136,7 +136,7 @@ def test_loss_sums_held_and_folded_equal_the_plain_sums_at_every_read(seed):
     losses = [rng.choice([math.nan, -math.inf, rng.uniform(0.1, 5.0), rng.uniform(0.1, 5.0)]) for _ in range(n)]
     baseline = rng.randint(1, FOLD_EVERY + 10)
     sums = LossSums(baseline_steps=baseline)
-    reads = sorted(rng.sample(range(1, n + 1), 5) + [FOLD_EVERY, FOLD_EVERY + 1])
+    reads = sorted([*rng.sample(range(1, n + 1), 5), FOLD_EVERY, FOLD_EVERY + 1])
     for i, loss in enumerate(losses, start=1):
         sums.add(torch.tensor(loss))
         if i not in reads:
