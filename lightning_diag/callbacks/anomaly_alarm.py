@@ -416,7 +416,7 @@ class AnomalyAlarm(DiagCallback):
             self.notice(trainer, "loss:" + problem.split(":")[0], problem)
         if loss is not None and pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
             loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
-        # The loss sums hold a reference (the last finite loss is theirs too): device work every 64 batches.
+        # The loss sums keep a 0-d copy (the last finite loss is theirs too); the rest is done every 64 batches.
         out = self.trend.on_train_batch(trainer, pl_module, loss)
         if out is not None:
             self._send(trainer, out)

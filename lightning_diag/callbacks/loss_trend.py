@@ -301,7 +301,7 @@ class LossTrend:
         pl_module: pl.LightningModule,
         loss: torch.Tensor | None,
     ) -> TrendOutput | None:
-        """Add the batch's 0-d loss (a reference: the sums fold it in later, on the device) and close the step
+        """Add the batch's 0-d loss (a 0-d copy: the sums fold it in later, on the device) and close the step
         window when it is full: what that produced, or ``None`` when the step only added its loss."""
         if loss is not None:
             self.loss_sums.add(loss)

@@ -103,13 +103,17 @@ class NonFiniteGuard:
         self.deferred_steps = 0
 
     def note_loss(self, loss: torch.Tensor) -> None:
-        """Remember a micro-batch loss (a reference, no device work for a scalar one): it is tested for NaN/Inf
-        with the gradients at the optimizer step."""
+        """Remember a micro-batch loss (a 0-d copy): it is tested for NaN/Inf with the gradients at the optimizer
+        step."""
         loss = local_tensor(loss.detach())
         if loss.dim() != 0:  # finite exactly when every element is
             loss = torch.where(torch.isfinite(loss).all(), 0.0, math.nan)
         elif not loss.is_floating_point():  # an integer is finite; the fused check reads floating dtypes
             loss = loss.float()
+        else:
+            # A copy (one small kernel): with accumulation a compiled model's next forward can overwrite its
+            # output memory before the step (CUDA graphs), and the CPU check writes what it reads.
+            loss = loss.clone()
         self._losses.append(loss)
         if len(self._losses) > _MAX_HELD_LOSSES:  # many backward passes without a step (manual optimization)
             self._losses = [torch.where(_any_nonfinite(self._losses), math.nan, 0.0)]

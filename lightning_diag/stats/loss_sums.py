@@ -5,7 +5,7 @@
 all ranks divided by the count over all ranks. Both are ``SUM``-declared, so the DDP merge, the checkpoint
 (the sums of every rank) and the resume (each rank takes an equal share) all follow from the declaration.
 A batch's loss is only held until the next fold (every :data:`FOLD_EVERY` batches, or when a value is read):
-the per-batch cost is a list append. Never imports Lightning; nothing here reads a value back to the host.
+the per-batch cost is one copy of a 0-d tensor. Never imports Lightning; nothing here reads a value back to the host.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ __all__ = ["FOLD_EVERY", "LOSS_PERIODS", "LossSums"]
 
 #: The periods whose loss sums run side by side: the epoch, since the last validation run, the step window.
 LOSS_PERIODS: tuple[str, ...] = ("epoch", "since_val", "window")
-#: Losses held (as references) before they are folded into the sums in one stacked pass.
+#: Losses held (as 0-d copies) before they are folded into the sums in one stacked pass.
 FOLD_EVERY = 64
 
 
@@ -32,7 +32,7 @@ class LossSums(ReducedState):
 
     Non-finite losses add nothing to the sums or the counts (they are the non-finite guard's business).
 
-    :meth:`add` only keeps a reference to the 0-d loss: no device work per batch. The held losses are folded into
+    :meth:`add` keeps a copy of the 0-d loss (one small kernel per batch). The held losses are folded into
     the sums in one stacked pass (about 20 small operations) every :data:`FOLD_EVERY` batches, and whenever a
     value is read (``state[name]``, :meth:`state_dict`, :meth:`merge`, :meth:`share`, :meth:`reset`,
     :attr:`last_finite`), so a reader always sees every loss added so far. The sums are float64 (float32 on MPS).
@@ -69,9 +69,11 @@ class LossSums(ReducedState):
         return prefix + "_sum", prefix + "_count"
 
     def add(self, loss: torch.Tensor) -> None:
-        """Add a 0-d loss to every open period (and to the baseline while it is filling): a reference is kept,
+        """Add a 0-d loss to every open period (and to the baseline while it is filling): a copy is kept,
         the sums take it at the next fold."""
-        self._held.append(loss)
+        # A copy (one small kernel): a compiled model's outputs can live in memory its next call overwrites
+        # (``torch.compile(mode="reduce-overhead")`` replays CUDA graphs into a static pool).
+        self._held.append(loss.detach().clone())
         if self.initial_batches < self.baseline_steps:
             self.initial_batches += 1
             self._held_initial += 1

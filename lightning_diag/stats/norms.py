@@ -140,14 +140,24 @@ def nonfinite_flag(tensors: Sequence[torch.Tensor], found: torch.Tensor | None =
         found = torch.zeros(1, dtype=torch.float32, device=device)
     if not len(tensors):
         return found
-    groups = torch._C._group_tensors_by_device_and_dtype([list(tensors)], False)
-    for (device, dtype), (lists, _) in groups.items():
-        group = cast("list[torch.Tensor]", lists[0])  # no None: none was passed in
-        if device.type == "cpu" and found.device.type == "cpu" and dtype in _CHECKED_DTYPES:
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, _ONE)
-        else:
-            found.logical_or_((~all_finite(group)).to(found.device))
+    try:
+        groups = torch._C._group_tensors_by_device_and_dtype([list(tensors)], False)
+        for (device, dtype), (lists, _) in groups.items():
+            group = cast("list[torch.Tensor]", lists[0])  # no None: none was passed in
+            if device.type == "cpu" and found.device.type == "cpu" and dtype in _CHECKED_DTYPES:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, _ONE)
+            else:
+                found.logical_or_((~all_finite(group)).to(found.device))
+    except RuntimeError:
+        # Tensors the fused kernels refuse (sparse gradients, a `.grad` set by hand to an expanded tensor, whose
+        # elements share memory): one exact test per tensor, on this rare path only.
+        found.logical_or_(torch.stack([_nonfinite_any(t).to(found.device) for t in tensors]).any())
     return found
+
+
+def _nonfinite_any(tensor: torch.Tensor) -> torch.Tensor:
+    values = tensor.coalesce().values() if tensor.is_sparse else tensor
+    return ~torch.isfinite(values).all()
 
 
 @torch.no_grad()

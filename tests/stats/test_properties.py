@@ -70,6 +70,15 @@ def test_nonfinite_flag_ors_into_a_given_flag():
     assert nonfinite_flag([]).tolist() == [0.0]
 
 
+def test_nonfinite_flag_takes_tensors_the_fused_kernel_refuses():
+    """A sparse gradient and one that shares memory between elements (an expanded tensor) are tested one by one."""
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, math.inf], (4,), check_invariants=True)
+    expanded = torch.tensor([2.0]).expand(3)
+    assert nonfinite_flag([torch.ones(2), sparse]).tolist() == [1.0]
+    assert nonfinite_flag([torch.ones(2), expanded]).tolist() == [0.0]
+    assert nonfinite_flag([torch.tensor([math.nan]).expand(2), torch.ones(1)]).tolist() == [1.0]
+
+
 @FAST
 @given(chunks())
 def test_max_abs_matches_numpy(parts):

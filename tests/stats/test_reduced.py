@@ -166,3 +166,12 @@ def test_loss_sums_reset_folds_first_and_load_drops_what_is_held():
     assert sums.state_dict()["epoch_sum"] == 7.0
     sums.last_finite = 3.5
     assert sums.last_finite == 3.5
+
+
+def test_loss_sums_keep_a_copy_not_the_callers_tensor():
+    """A compiled model's output memory can be overwritten by its next call (CUDA graphs): what was added stays."""
+    sums = LossSums(baseline_steps=1)
+    loss = torch.tensor(2.0)
+    sums.add(loss)
+    loss.fill_(99.0)  # the memory is reused
+    assert sums.state_dict()["epoch_sum"] == 2.0 and float(sums.last_finite) == 2.0
