@@ -43,7 +43,7 @@ from lightning_diag.instrument.nonfinite_locate import (
     find_nonfinite_in_batch,
     locate,
 )
-from lightning_diag.instrument.rng import RngState
+from lightning_diag.instrument.rng import RngState, device_generators
 from lightning_diag.instrument.snapshots import RollbackDevice, SnapshotStore
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.rollback import (
@@ -152,6 +152,7 @@ class NonFiniteRecovery:
         self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
         self._last_snapshot: int | None = None
         self._can_replay = True
+        self._generators: tuple[str, list[int]] | None = None  # device_generators() at the fit's start
         self._sharded = False
         self._unsupported = False
         self._extra: Callable[[], dict[str, Any]] = dict
@@ -199,6 +200,8 @@ class NonFiniteRecovery:
         self.stop()
         self._extra, self._load_extra = extra, load_extra
         self._batches = collections.deque(maxlen=max(1, trainer.accumulate_grad_batches))
+        # Which device generators each batch's RNG copy holds, looked up once: the model is on its device now.
+        self._generators = device_generators()
         self._unsupported = False
         # configure_model shards the model after the callbacks' setup (check_module): look again now.
         self._sharded = any(is_dtensor(p) for p in pl_module.parameters())
@@ -249,7 +252,7 @@ class NonFiniteRecovery:
     def on_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Keep a reference to the micro-batch and the RNG state it starts with (no copy of the batch)."""
         if self.locate_enabled and self._can_replay:
-            self._batches.append((batch, batch_idx, RngState.capture(python=False)))
+            self._batches.append((batch, batch_idx, RngState.capture(python=False, generators=self._generators)))
 
     def on_step_checked(self) -> None:
         """The optimizer step's micro-batches are no longer needed."""

@@ -94,14 +94,16 @@ class RngState:
     numpy: Any = None
 
     @classmethod
-    def capture(cls, python: bool = True) -> RngState:
+    def capture(cls, python: bool = True, generators: tuple[str, list[int]] | None = None) -> RngState:
         """Copy the current state (a few kilobytes; no device synchronisation).
 
         Args:
             python: Also copy the ``random`` and numpy states. The per-step copy leaves them out (numpy's takes
                 ~0.2 ms, torch's ~1 us): dropout and torch's samplers draw from torch's generators.
+            generators: :func:`device_generators`' answer when the caller already has it (a per-step caller looks
+                once per fit: the model is on its device by then); looked up now when ``None``.
         """
-        device_type, indices = device_generators()
+        device_type, indices = generators if generators is not None else device_generators()
         module = torch.get_device_module(device_type)
         devices = {i: module.get_rng_state(i) for i in indices}
         py_state = random.getstate() if python else None

@@ -115,3 +115,13 @@ def test_the_three_former_copies_use_the_helper():
         assert "preserved_rng" in source, module.__name__
         assert "get_rng_state" not in source and "random.getstate" not in source, module.__name__
     assert nonfinite_locate.RngState is rng_module.RngState
+
+
+def test_capture_uses_the_generators_it_is_given(fake_accelerator):
+    # A per-step caller passes what device_generators() said at the fit's start: only those are copied.
+    state = RngState.capture(python=False, generators=("cuda", [1]))
+    assert list(state.devices) == [1]
+    fake_accelerator.states[0] = torch.tensor([9, 9], dtype=torch.uint8)
+    fake_accelerator.states[1] = torch.tensor([8, 8], dtype=torch.uint8)
+    state.restore()
+    assert fake_accelerator.states[0].tolist() == [9, 9] and fake_accelerator.states[1].tolist() == [3, 4]
