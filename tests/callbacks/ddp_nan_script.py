@@ -3,6 +3,7 @@
 Usage: ``ddp_nan_script.py ROOT [ddp|ddp_spawn|warn]``.
 """
 
+import atexit
 import json
 import math
 import os
@@ -46,6 +47,20 @@ class RecordAccumulators(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.at_step:
             self.local = self.alarm.state_dict()["accumulators"]
+
+
+def _destroy_process_group():
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+class DestroyProcessGroupAtExit(pl.Callback):
+    """Spawned workers end through the interpreter's teardown, where gloo's threads can abort a process whose fit
+    passed ("terminate called without an active exception", seen in CI under ``ddp_spawn``): each worker destroys
+    its process group at exit, while the interpreter is whole (Lightning does the same for NCCL only)."""
+
+    def setup(self, trainer, pl_module, stage):
+        atexit.register(_destroy_process_group)
 
 
 def run_warn(root):
@@ -99,7 +114,7 @@ if __name__ == "__main__":
         enable_model_summary=False,
         enable_checkpointing=False,
         logger=False,
-        callbacks=[alarm, monitor, attention],
+        callbacks=[alarm, monitor, attention, DestroyProcessGroupAtExit()],
     )
     trainer.fit(model)
     if strategy == "ddp":
