@@ -151,3 +151,53 @@ def test_cost_table_quick_mode_reports_every_callback_and_mode(capsys):
     assert [m.split("`")[1] for m in modes] == ["stop", "raise", "skip", "warn", "rollback"]
     assert modes[3].startswith("| `warn` | 0 |")  # warn mode reads nothing on quiet steps
     assert {name: getattr(torch.Tensor, name) for name in reads} == reads  # the read counters are removed
+
+
+def test_paired_share_switches_whole_steps_and_measures_the_difference(tmp_path):
+    bench = _load("paired_share")
+    # The pattern on, off, off, on: equal counts, and a linear drift adds the same to both sets.
+    pattern = [bench.is_on(s) for s in range(8)]
+    assert pattern == [True, False, False, True, True, False, False, True]
+    steps = [(s, 0.0011 + s * 1e-7 if bench.is_on(s) else 0.0010 + s * 1e-7) for s in range(2 * bench.BLOCK)]
+    got = bench.share(steps)
+    assert abs(got["median"] - 0.10) < 0.01 and abs(got["mean"] - 0.10) < 0.01
+    assert got["low"] <= got["median"] + 0.005 and got["high"] >= got["median"] - 0.005
+
+    class Counting(bench.pl.Callback):
+        def __init__(self):
+            self.calls = {}
+
+        def _count(self, hook, trainer):
+            self.calls.setdefault(hook, []).append(trainer.global_step)
+
+        def on_train_start(self, trainer, pl_module):
+            self._count("on_train_start", trainer)
+
+        def on_train_batch_start(self, trainer, *args):
+            self._count("on_train_batch_start", trainer)
+
+        def on_before_optimizer_step(self, trainer, *args):
+            self._count("on_before_optimizer_step", trainer)
+
+        def on_train_batch_end(self, trainer, *args):
+            self._count("on_train_batch_end", trainer)
+
+    inner = Counting()
+    bench.VARIANTS["counting"] = lambda: [inner]
+    try:
+        timed = bench.fit("mlp1e5", "counting", 8, str(tmp_path))
+    finally:
+        del bench.VARIANTS["counting"]
+    assert inner.calls["on_train_start"] == [0]  # every hook outside the batch runs
+    on = [s for s in range(8) if bench.is_on(s)]
+    assert inner.calls["on_train_batch_start"] == on and inner.calls["on_before_optimizer_step"] == on
+    assert inner.calls["on_train_batch_end"] == [s + 1 for s in on]  # after the step counter moved
+    assert [step for step, _ in timed] == list(range(7)) and all(seconds > 0 for _, seconds in timed)
+
+
+def test_paired_share_quick_mode_reports_every_variant(capsys):
+    bench = _load("paired_share")
+    assert bench.main(["--quick"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| mlp1e5 |")]
+    assert [row.split(" | ")[1] for row in rows] == list(bench.VARIANTS)
+    assert all(row.count("%") == 4 for row in rows)

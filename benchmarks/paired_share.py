@@ -1,0 +1,192 @@
+"""A callback's marginal cost per step, measured in one fit by switching it on and off step by step.
+
+The other benchmarks time a callback's hooks (``cost_table.py``, ``quiet_step.py``, ``SystemMonitor``'s
+``diag/overhead/*``) or compare separate fits (their end-to-end ratios). Hook time over-counts what a callback
+adds when it moves work rather than creating it (the first operator after the backward pass pays for cold
+caches wherever it runs, and a pass over the gradients warms them for the optimizer that reads them next), and
+separate fits on a shared machine differ by 5-20% from one repetition to the next, far more than the 2% to be
+resolved. Here one fit runs the callbacks on some steps and skips all of their per-batch hooks on the others
+(whole steps, so their state stays consistent), in the pattern on, off, off, on, ... (``step % 4`` in {0, 3}:
+slow drifts of the machine cancel), and compares the per-step CPU time of the training thread
+(``time.thread_time`` from one ``on_train_batch_start`` to the next) of the two sets of steps:
+
+* **median share**: median of the "on" steps over the median of the "off" steps, minus one (what a quiet step
+  costs: the medians ignore the few logging and measuring steps);
+* **mean share**: the same with 5%-trimmed means (the logging and measuring steps included, as at the defaults);
+* the spread: the median share of each block of 200 steps, its minimum and maximum.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/paired_share.py               # about 4 minutes on a 2-core CPU
+    PYTHONPATH=. .venv/bin/python benchmarks/paired_share.py --steps 3000 --models mlp1e6
+    PYTHONPATH=. .venv/bin/python benchmarks/paired_share.py --quick       # smoke test (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cost_table import MLP, demo_data, demo_transformer, mlp_data
+from quiet_step import HOOKS
+
+from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
+from lightning_diag.demo.run import default_callbacks, quiet
+
+#: The hooks Lightning calls once per batch (those ``quiet_step.py`` times, less the epoch's): skipped together on
+#: the "off" steps.
+PER_BATCH = tuple(hook for hook in HOOKS if hook != "on_train_epoch_start")
+BLOCK = 200
+#: Steps left out at the start (allocations, first-step set-up).
+SKIP = 20
+VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
+    "AnomalyAlarm": lambda: [AnomalyAlarm()],
+    "GradientFlowMonitor": lambda: [GradientFlowMonitor()],
+    "AttentionEntropyMonitor": lambda: [AttentionEntropyMonitor()],
+    "SystemMonitor": lambda: [SystemMonitor()],
+    "all defaults": lambda: list(default_callbacks()),
+}
+MODELS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[int], DataLoader]]] = {
+    "mlp1e5": (lambda: MLP(176), mlp_data),
+    "mlp1e6": (lambda: MLP(600), mlp_data),
+    "demo_transformer": (demo_transformer, demo_data),
+}
+
+
+def is_on(step: int) -> bool:
+    """The pattern on, off, off, on: a linear drift of the step time adds the same to both sets."""
+    return step % 4 in (0, 3)
+
+
+class Switched(pl.Callback):
+    """Runs ``inner``'s per-batch hooks on the steps :func:`is_on` picks and skips them on the others; every
+    other hook (set-up, epochs, validation, checkpoints, teardown) always runs."""
+
+    def __init__(self, inner: list[pl.Callback]) -> None:
+        self.inner = inner
+        self.on = True
+
+    @property
+    def state_key(self) -> str:
+        return "Switched[" + ",".join(cb.state_key for cb in self.inner) + "]"
+
+
+def _forward(hook: str, per_batch: bool) -> Callable[..., None]:
+    def forward(self: Switched, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        if hook == "on_train_batch_start":
+            self.on = is_on(trainer.global_step)
+        if per_batch and not self.on:
+            return
+        for cb in self.inner:
+            getattr(cb, hook)(trainer, *args, **kwargs)
+
+    forward.__name__ = hook
+    return forward
+
+
+for _hook in dir(pl.Callback):
+    if _hook.startswith("on_") or _hook in ("setup", "teardown"):
+        setattr(Switched, _hook, _forward(_hook, _hook in PER_BATCH))
+
+
+class StepClock(pl.Callback):
+    """CPU time of the training thread at each batch start (the first callback: it sees the whole step)."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[int, float]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.marks.append((trainer.global_step, time.thread_time()))
+
+    def steps(self, skip: int) -> list[tuple[int, float]]:
+        """(step, seconds) for each step after the first ``skip``."""
+        return [(s, b - a) for (s, a), (_, b) in zip(self.marks, self.marks[1:], strict=False) if s >= skip]
+
+
+def _trimmed_mean(values: list[float], cut: float = 0.05) -> float:
+    values = sorted(values)
+    k = int(len(values) * cut)
+    return statistics.fmean(values[k : len(values) - k] if len(values) > 2 * k else values)
+
+
+def share(steps: list[tuple[int, float]]) -> dict[str, float]:
+    """The median and trimmed-mean shares of the "on" steps over the "off" ones, and the block medians' range."""
+    on = [t for s, t in steps if is_on(s)]
+    off = [t for s, t in steps if not is_on(s)]
+    blocks = []
+    for start in range(0, len(steps) - BLOCK + 1, BLOCK):
+        part = steps[start : start + BLOCK]
+        blocks.append(
+            statistics.median(t for s, t in part if is_on(s)) / statistics.median(t for s, t in part if not is_on(s))
+            - 1
+        )
+    return {
+        "off ms": statistics.median(off) * 1e3,
+        "median": statistics.median(on) / statistics.median(off) - 1,
+        "mean": _trimmed_mean(on) / _trimmed_mean(off) - 1,
+        "low": min(blocks, default=float("nan")),
+        "high": max(blocks, default=float("nan")),
+    }
+
+
+def fit(model: str, variant: str, steps: int, root: str) -> list[tuple[int, float]]:
+    """One fit of ``model`` with ``variant`` switched on and off: (step, CPU seconds) of each step."""
+    build, data = MODELS[model]
+    clock = StepClock()
+    trainer = pl.Trainer(
+        default_root_dir=root,
+        max_steps=steps,
+        accelerator="cpu",
+        logger=pl.loggers.TensorBoardLogger(root, name="run"),
+        callbacks=[clock, Switched(VARIANTS[variant]())],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(build(), data(steps))
+    return clock.steps(skip=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=1200, help="steps per fit (default 1200)")
+    parser.add_argument("--quick", action="store_true", help="few steps of the small MLP: a smoke test")
+    args = parser.parse_args(argv)
+    models, steps = (["mlp1e5"], 2 * BLOCK + 40) if args.quick else (args.models, args.steps)
+    t0 = time.perf_counter()
+    rows = []
+    with quiet(1), tempfile.TemporaryDirectory(prefix="paired_") as root:
+        for model in models:
+            for variant in args.variants:
+                timed = fit(model, variant, steps, os.path.join(root, f"{model}-{variant}"))
+                r = share([(step, seconds) for step, seconds in timed if step >= SKIP])
+                rows.append(
+                    f"| {model} | {variant} | {r['off ms']:.2f} | {r['median']:+.2%} | {r['mean']:+.2%} | "
+                    f"{r['low']:+.2%} to {r['high']:+.2%} |"
+                )
+    print(
+        f"cpu, 1 thread; torch {torch.__version__}, pytorch_lightning {pl.__version__}; {steps} steps per fit; "
+        f"load average {os.getloadavg()[0]:.1f}; {time.perf_counter() - t0:.0f} s"
+    )
+    print()
+    print("| model | switched | off step ms (median) | median share | mean share | block medians |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
