@@ -108,9 +108,9 @@ class StepClock(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.marks.append((trainer.global_step, time.thread_time()))
 
-    def steps(self, skip: int) -> list[tuple[int, float]]:
-        """(step, seconds) for each step after the first ``skip``."""
-        return [(s, b - a) for (s, a), (_, b) in zip(self.marks, self.marks[1:], strict=False) if s >= skip]
+    def steps(self) -> list[tuple[int, float]]:
+        """(step, seconds) for each step followed by another."""
+        return [(s, b - a) for (s, a), (_, b) in zip(self.marks, self.marks[1:], strict=False)]
 
 
 def _trimmed_mean(values: list[float], cut: float = 0.05) -> float:
@@ -155,7 +155,7 @@ def fit(model: str, variant: str, steps: int, root: str) -> list[tuple[int, floa
         limit_val_batches=0,
     )
     trainer.fit(build(), data(steps))
-    return clock.steps(skip=0)
+    return clock.steps()
 
 
 def main(argv: list[str] | None = None) -> int:
