@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from lightning_diag.core.tags import replicas_tag
 from lightning_diag.instrument.sharding import mesh_dim_ranks, replica_dims
-from lightning_diag.rules.replicas import DDP_DESYNC, DesyncRule, first_differences, member_differences
+from lightning_diag.rules.replicas import DDP_DESYNC, DesyncRule, check_due, first_differences, member_differences
 from lightning_diag.rules.train_mode import EvalModeRule
 from lightning_diag.stats.grad import is_dtensor, local_tensor
 from lightning_diag.stats.updates import parameter_checksums
@@ -30,8 +30,13 @@ __all__ = ["ReplicaCheck", "TrainModeCheck"]
 
 
 def _replicated(trainer: pl.Trainer) -> bool:
-    """Whether the strategy keeps whole replicas of its plain-tensor parameters on every rank (DDP, DDP spawn)."""
+    """Whether every rank must hold the same copy of a plain-tensor (not DTensor) parameter: under DDP (its
+    replicas) and under ``ModelParallelStrategy``, which shards only what ``fully_shard`` or ``parallelize_module``
+    turned into DTensors, so a plain parameter (a LayerNorm weight or bias left out of the tensor-parallel plan) is
+    a copy that nothing keeps in sync across ranks: BLOOM-176B's 15-day bug was such a copy drifting apart."""
     strategy = trainer.strategy
+    if isinstance(strategy, ModelParallelStrategy):
+        return True
     return isinstance(strategy, DDPStrategy) and "DeepSpeed" not in type(strategy).__name__
 
 
@@ -45,17 +50,20 @@ class _Group:
 
 
 class ReplicaCheck:
-    """``ddp_desync``: every ``every_n_steps`` optimizer steps, the parameters' checksums compared within each
-    replica group; nothing runs on other steps.
+    """``ddp_desync``: after optimizer steps 1, 2, 4, ... below ``every_n_steps`` and then every ``every_n_steps``
+    (:func:`~lightning_diag.rules.replicas.check_due`), the parameters' checksums compared within each replica
+    group; nothing runs on other steps.
 
     A replica group is a set of ranks that must hold identical copies of a parameter's local tensor:
 
-    * a plain-tensor parameter under DDP: every rank (the world);
+    * a plain-tensor parameter under DDP or ``ModelParallelStrategy`` (FSDP2 and tensor parallelism shard only
+      DTensors; a plain parameter there, such as a LayerNorm left out of the tensor-parallel plan, is a copy on
+      every rank that nothing synchronises): every rank (the world);
     * a DTensor parameter (FSDP2/HSDP ``fully_shard``, tensor parallelism, both), under any strategy: for each mesh
       dimension whose placement is ``Replicate``, the ranks along that dimension with the same coordinates on the
       other dimensions (``device_mesh.get_group(dim)``). ``Shard`` dimensions hold different data: not compared.
-    * a plain tensor under a sharded strategy (FSDP1's flat parameters, DeepSpeed's partitions): not compared, said
-      once per fit in a notice.
+    * a plain tensor under a strategy that shards plain tensors itself (FSDP1's flat parameters, DeepSpeed's
+      partitions): not compared, said once per fit in a notice.
 
     Cost on a check step: one checksum pair per parameter (a device kernel each), one ``all_gather`` per replica
     group this rank belongs to, of every parameter the group shares batched into one float64 tensor
@@ -113,9 +121,10 @@ class ReplicaCheck:
         return groups
 
     def on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After an optimizer step that is a multiple of ``every_n_steps``: compare the replicas."""
+        """After an optimizer step that :func:`~lightning_diag.rules.replicas.check_due` names: compare the
+        replicas."""
         step = trainer.global_step
-        if trainer.world_size <= 1 or step == 0 or step % self.every_n_steps or step == self._last_step:
+        if trainer.world_size <= 1 or not check_due(step, self.every_n_steps) or step == self._last_step:
             return
         self._last_step = step
         named = list(pl_module.named_parameters())

@@ -1,6 +1,8 @@
 """``ddp_desync`` (framework-free): parameters that differ across data-parallel replicas.
 
-Fed by :class:`~lightning_diag.AnomalyAlarm` every ``desync_every_n_steps`` optimizer steps. A *replica group* is a
+Fed by :class:`~lightning_diag.AnomalyAlarm` early (after optimizer steps 1, 2, 4, 8, ... below the interval: a
+run is compared within its first steps, whatever its length) and then every ``desync_every_n_steps`` optimizer steps
+(:func:`check_due`). A *replica group* is a
 set of ranks that must hold identical copies of a parameter's local tensor: every rank under DDP (plain tensors);
 for a DTensor, the ranks along one of its mesh dimensions with a ``Replicate`` placement (HSDP's replicate
 dimension, a ``RowwiseParallel`` bias or a norm on the tensor-parallel dimension). Shards are never compared. Each
@@ -27,6 +29,7 @@ __all__ = [
     "DEFAULT_DESYNC_EVERY_N_STEPS",
     "DEFAULT_DESYNC_TOLERANCE",
     "DesyncRule",
+    "check_due",
     "first_differences",
     "member_differences",
     "replica_differences",
@@ -37,7 +40,7 @@ _ALARM = "AnomalyAlarm"
 DDP_DESYNC_SPEC = register(RuleSpec(
     "ddp_desync", _ALARM, "critical", 1e-6,
     "a parameter's checksum differs across data-parallel replicas by more than {threshold:g} "
-    "(relative), checked every {every_n_steps:g} optimizer steps",
+    "(relative), checked after steps 1, 2, 4, ... and then every {every_n_steps:g} optimizer steps",
     settings={"every_n_steps": 100}, check="replicas_agree",
     arguments={"threshold": "desync_tolerance", "every_n_steps": "desync_every_n_steps"},
 ))
@@ -47,6 +50,24 @@ DDP_DESYNC = DDP_DESYNC_SPEC.rule_id
 DEFAULT_DESYNC_TOLERANCE = default(DDP_DESYNC)
 #: ``ddp_desync``: optimizer steps between two comparisons.
 DEFAULT_DESYNC_EVERY_N_STEPS = int(default(f"{DDP_DESYNC}.every_n_steps"))
+
+
+def check_due(step: int, every_n_steps: int) -> bool:
+    """Whether the replicas are compared after optimizer step ``step``: at the powers of two below
+    ``every_n_steps`` (1, 2, 4, 8, ...: a fault present from the start, a model never wrapped or a lossy
+    all-reduce, shows within the first steps of even a short run), then at every multiple of ``every_n_steps``.
+
+    Example:
+        >>> [s for s in range(1, 301) if check_due(s, 100)]
+        [1, 2, 4, 8, 16, 32, 64, 100, 200, 300]
+        >>> [s for s in range(0, 9) if check_due(s, 2)]
+        [1, 2, 4, 6, 8]
+    """
+    if step <= 0:
+        return False
+    if step % every_n_steps == 0:
+        return True
+    return step < every_n_steps and step & (step - 1) == 0
 
 
 def replica_differences(checksums: Sequence[Sequence[float]]) -> list[list[float]]:

@@ -1,4 +1,7 @@
-"""Run by test_silent_ddp.py: 2 CPU processes (gloo); with ``perturb``, rank 1's weights are nudged after step 3."""
+"""Run by test_silent_ddp.py: 2 CPU processes (gloo); with ``perturb``, rank 1's weights are nudged after step 3;
+with ``nosync``, a DDP communication hook returns each rank's own gradient without the all-reduce (what a model
+never wrapped in DDP, or whose gradient hooks were lost by a conversion after wrapping, does): every rank trains its
+own model from the first step."""
 
 import json
 import os
@@ -38,6 +41,19 @@ class Perturb(pl.Callback):
                 pl_module.last.weight.add_(1e-3)
 
 
+def _no_allreduce(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+class NoAllReduce(pl.Callback):
+    """Registers the hook on the DDP wrapper (Lightning's own ``ddp_comm_hook`` argument applies on CUDA only)."""
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.strategy.model.register_comm_hook(None, _no_allreduce)
+
+
 if __name__ == "__main__":
     root, mode = Path(sys.argv[1]), sys.argv[2]
     pl.seed_everything(0)
@@ -53,7 +69,12 @@ if __name__ == "__main__":
         enable_model_summary=False,
         enable_checkpointing=False,
         logger=False,
-        callbacks=[alarm, gfm, *([Perturb()] if mode == "perturb" else [])],
+        callbacks=[
+            alarm,
+            gfm,
+            *([Perturb()] if mode == "perturb" else []),
+            *([NoAllReduce()] if mode == "nosync" else []),
+        ],
     )
     g = torch.Generator().manual_seed(1)
     x = torch.randn(128, 4, generator=g)

@@ -2,8 +2,11 @@
 
 ``argv``: root, layout (``hsdp``: ``fully_shard`` on a (2, 1) mesh, replicate x shard; ``hsdp4``: 4 processes, a
 (2, 2) mesh, so that each replica group is half the world; ``tp``: a (1, 2) mesh, ``ColwiseParallel`` fc1 and
-``RowwiseParallel`` fc2, whose bias is ``Replicate`` on the tensor-parallel ranks), mode (``perturb``: the last
-rank's local ``fc2.bias`` (tp) or ``fc2.weight`` shard (hsdp) is nudged after step 3; ``healthy``).
+``RowwiseParallel`` fc2, whose bias is ``Replicate`` on the tensor-parallel ranks; ``tpln``: the same with a plain
+``LayerNorm`` on the input, left out of the tensor-parallel plan, and SGD), mode (``perturb``: the last rank's local
+``fc2.bias`` (tp), ``fc2.weight`` shard (hsdp) or plain ``ln.weight`` (tpln) is nudged after step 3; ``clip``
+(tpln): gradients clipped by each rank's norm of its own shards, the published Megatron/BLOOM-style bug that makes
+the plain copies drift from the first step; ``healthy``).
 """
 
 import json
@@ -26,7 +29,9 @@ class Net(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.layout = layout
+        self.ln = nn.LayerNorm(8) if layout == "tpln" else nn.Identity()
         self.fc1, self.fc2 = nn.Linear(8, 64), nn.Linear(64, 8)
+        self.clip_local = False
 
     def configure_model(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -44,10 +49,22 @@ class Net(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self.fc2(torch.relu(self.fc1(x))), y)
+        return nn.functional.mse_loss(self.fc2(torch.relu(self.fc1(self.ln(x)))), y)
 
     def configure_optimizers(self):
+        if self.layout == "tpln":
+            return torch.optim.SGD(self.parameters(), lr=0.1)
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if not self.clip_local:
+            return
+        # The bug: the norm of this rank's own shards, not of the full gradient, so each rank scales differently.
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in self.parameters()]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        coef = min(1.0, 0.05 / (float(norm) + 1e-6))
+        for p in self.parameters():
+            p.grad.mul_(coef)
 
 
 class Perturb(pl.Callback):
@@ -60,7 +77,7 @@ class Perturb(pl.Callback):
         if trainer.global_rank == trainer.world_size - 1 and trainer.global_step == 3:
             with torch.no_grad():
                 p = dict(pl_module.named_parameters())[self.name]
-                p.to_local().add_(1e-3)
+                (p.to_local() if hasattr(p, "to_local") else p).add_(1e-3)
 
 
 if __name__ == "__main__":
@@ -68,9 +85,9 @@ if __name__ == "__main__":
 
     torch.set_num_threads(1)
     root, layout, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    dp, tp = {"hsdp": (2, 1), "hsdp4": (4, 1), "tp": (1, 2)}[layout]
+    dp, tp = {"hsdp": (2, 1), "hsdp4": (4, 1), "tp": (1, 2), "tpln": (1, 2)}[layout]
     alarm = AnomalyAlarm(desync_every_n_steps=2)
-    target = "fc2.bias" if layout == "tp" else "fc2.weight"
+    target = {"tp": "fc2.bias", "tpln": "ln.weight"}.get(layout, "fc2.weight")
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=dp * tp,
@@ -87,6 +104,7 @@ if __name__ == "__main__":
     g = torch.Generator().manual_seed(1)
     x = torch.randn(128, 8, generator=g)
     model = Net(layout)
+    model.clip_local = mode == "clip"
     trainer.fit(model, DataLoader(TensorDataset(x, x * 0.5), batch_size=8))
     out = {
         "alerts": [a.to_dict() for a in alarm.alerts if a.severity != "info"],

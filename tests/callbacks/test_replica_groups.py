@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 import pytest
-from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
+from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 
 from lightning_diag.callbacks.silent_checks import ReplicaCheck
@@ -39,9 +39,15 @@ class _Owner:
 
 @pytest.mark.parametrize(
     ("strategy", "compared", "notice"),
-    [(DDPStrategy(), [0, 1], None), (ModelParallelStrategy(), [], "desync-plain-sharded")],
+    [
+        (DDPStrategy(), [0, 1], None),
+        (ModelParallelStrategy(), [0, 1], None),
+        (FSDPStrategy(), [], "desync-plain-sharded"),
+    ],
 )
-def test_plain_tensors_are_replicas_under_ddp_only(strategy: object, compared: list[int], notice: str | None) -> None:
+def test_plain_tensors_are_replicas_under_ddp_and_model_parallel_not_fsdp1(
+    strategy: object, compared: list[int], notice: str | None
+) -> None:
     owner = _Owner()
     check = ReplicaCheck(owner, 2, 1e-6)  # type: ignore[arg-type]
     trainer = SimpleNamespace(world_size=2, strategy=strategy)

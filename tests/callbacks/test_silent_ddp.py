@@ -26,7 +26,7 @@ def test_one_ranks_perturbed_weights_are_ddp_desync_on_every_rank(tmp_path):
         hits = [a for a in rank["alerts"] if a["rule"] == "ddp_desync"]
         assert [(a["severity"], a["global_step"], a["source"]) for a in hits] == [("critical", 4, "last.weight")]
         assert "rank(s) 1" in hits[0]["message"]
-        assert rank["checks"] == 4  # steps 2, 4, 6, 8
+        assert rank["checks"] == 5  # steps 1, 2, 4, 6, 8
     records = [json.loads(x) for x in (tmp_path / "diag" / "alerts.jsonl").read_text().splitlines()]
     assert [r["rule"] for r in records if r["rule"] == "ddp_desync"] == ["ddp_desync"]  # rank zero writes once
 
@@ -35,4 +35,16 @@ def test_one_ranks_perturbed_weights_are_ddp_desync_on_every_rank(tmp_path):
 def test_healthy_ddp_run_has_identical_replicas_and_no_new_alert(tmp_path):
     ranks = _run(tmp_path, "healthy")
     for rank in ranks:
-        assert rank["alerts"] == [] and rank["checks"] == 4 and rank["max_diff"] == 0.0
+        assert rank["alerts"] == [] and rank["checks"] == 5 and rank["max_diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_gradients_never_all_reduced_are_caught_at_the_first_step(tmp_path):
+    """Each rank keeps its own gradient (no all-reduce): the replicas drift from step 1 and the first comparison,
+    after step 1, catches it on every rank; rank zero writes one alert."""
+    ranks = _run(tmp_path, "nosync")
+    for rank in ranks:
+        hits = [a for a in rank["alerts"] if a["rule"] == "ddp_desync"]
+        assert [(a["severity"], a["global_step"]) for a in hits] == [("critical", 1)]
+    records = [json.loads(x) for x in (tmp_path / "diag" / "alerts.jsonl").read_text().splitlines()]
+    assert [r["global_step"] for r in records if r["rule"] == "ddp_desync"] == [1]

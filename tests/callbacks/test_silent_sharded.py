@@ -35,14 +35,14 @@ def _desync_records(tmp_path: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["rule"] == "ddp_desync"]
 
 
-@pytest.mark.parametrize(("layout", "param"), [("hsdp", "fc2.weight"), ("tp", "fc2.bias")])
+@pytest.mark.parametrize(("layout", "param"), [("hsdp", "fc2.weight"), ("tp", "fc2.bias"), ("tpln", "ln.weight")])
 def test_one_ranks_perturbed_replica_is_ddp_desync_on_every_rank(tmp_path: Path, layout: str, param: str) -> None:
     ranks = _run(tmp_path, layout, "perturb")
     for rank in ranks:
         hits = [a for a in rank["alerts"] if a["rule"] == "ddp_desync"]
         assert [(a["severity"], a["global_step"], a["source"]) for a in hits] == [("critical", 4, param)]
         assert "rank(s) 1 differs from its replica(s) on rank(s) 0" in hits[0]["message"]
-        assert rank["checks"] == 4 and rank["groups"] == [[0, 1]]  # steps 2, 4, 6, 8; one replica group
+        assert rank["checks"] == 5 and rank["groups"] == [[0, 1]]  # steps 1, 2, 4, 6, 8; one replica group
     assert len(_desync_records(tmp_path)) == 1  # global rank zero writes, once
 
 
@@ -50,12 +50,33 @@ def test_one_ranks_perturbed_replica_is_ddp_desync_on_every_rank(tmp_path: Path,
 def test_healthy_sharded_run_has_identical_replicas_and_no_alert(tmp_path: Path, layout: str) -> None:
     ranks = _run(tmp_path, layout, "healthy")
     for rank in ranks:
-        assert rank["alerts"] == [] and rank["checks"] == 4 and rank["max_diff"] == 0.0
+        assert rank["alerts"] == [] and rank["checks"] == 5 and rank["max_diff"] == 0.0
     if layout == "tp":  # only the Replicate bias has replicas; the Shard(0)/Shard(1) weights are not compared
         assert ranks[0]["placements"]["fc2.bias"] == ["R"] and ranks[0]["placements"]["fc2.weight"] == ["S(1)"]
     else:
         assert all(p == ["R", "S(0)"] for p in ranks[0]["placements"].values())
     assert _desync_records(tmp_path) == []
+
+
+def test_plain_layernorm_under_tensor_parallelism_is_compared_and_healthy_copies_agree(tmp_path: Path) -> None:
+    """A LayerNorm left out of the tensor-parallel plan stays a plain tensor on every rank: ModelParallelStrategy
+    does not keep it in sync, so ddp_desync compares it across the world (BLOOM-176B's drifting LayerNorms)."""
+    ranks = _run(tmp_path, "tpln", "healthy")
+    for rank in ranks:
+        assert rank["placements"]["ln.weight"] == [] and rank["placements"]["fc2.bias"] == ["R"]
+        assert rank["alerts"] == [] and rank["checks"] == 5 and rank["max_diff"] <= 1e-6
+        assert rank["groups"] == [[0, 1]]
+    assert _desync_records(tmp_path) == []
+
+
+def test_clipping_by_each_ranks_own_shards_is_caught_at_the_first_step(tmp_path: Path) -> None:
+    """The published bug: gradient clipping computed from each tensor-parallel rank's own shards scales the plain
+    LayerNorm's gradient differently on each rank, so its copies drift from the first update: caught at step 1."""
+    ranks = _run(tmp_path, "tpln", "clip")
+    for rank in ranks:
+        hits = [a for a in rank["alerts"] if a["rule"] == "ddp_desync"]
+        assert [(a["global_step"], a["source"]) for a in hits] == [(1, "ln.weight")]
+    assert len(_desync_records(tmp_path)) == 1
 
 
 def test_hsdp_replica_groups_smaller_than_the_world_agree_on_one_decision(tmp_path: Path) -> None:
@@ -67,6 +88,6 @@ def test_hsdp_replica_groups_smaller_than_the_world_agree_on_one_decision(tmp_pa
         hits = [a for a in rank["alerts"] if a["rule"] == "ddp_desync"]
         assert [(a["severity"], a["global_step"], a["source"]) for a in hits] == [("critical", 4, "fc2.weight")]
         assert "rank(s) 3 differs from its replica(s) on rank(s) 1" in hits[0]["message"]
-        assert rank["checks"] == 4
+        assert rank["checks"] == 5
     assert len({r["max_diff"] for r in ranks}) == 1  # the same numbers judged on every rank
     assert len(_desync_records(tmp_path)) == 1
