@@ -153,6 +153,8 @@ def _write_report(diag_dir: str) -> str | None:
     when it could not be written (reported once by :func:`~lightning_diag.core.files.write_text`)."""
     from lightning_diag.report import NoDiagnosticsError, build_report, render
 
+    if not os.path.isdir(diag_dir):  # nothing was written (a read-only run folder): nothing to report
+        return None
     run_dir = os.path.dirname(os.path.abspath(diag_dir))
     try:
         reports = build_report(run_dir)

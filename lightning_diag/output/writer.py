@@ -326,7 +326,8 @@ def _guard_event_file(experiment: Any) -> _GuardedEventFile | None:
     event_writer = getattr(getattr(experiment, "file_writer", None), "event_writer", None)
     record_writer = getattr(getattr(event_writer, "_async_writer", None), "_writer", None)
     inner = getattr(record_writer, "_writer", None)
-    if record_writer is None or inner is None or not all(callable(getattr(inner, m, None)) for m in ("write", "flush", "close")):
+    methods = ("write", "flush", "close")
+    if record_writer is None or inner is None or not all(callable(getattr(inner, m, None)) for m in methods):
         return None
     guarded = _GuardedEventFile(inner, _event_path(experiment))
     record_writer._writer = guarded
