@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -14,6 +13,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.core.files import write_json
 from lightning_diag.core.tags import errors_tag
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.batches import is_int_tensor, token_ids
@@ -355,9 +355,7 @@ class ErrorAnalysis(DiagCallback):
         session = self._session
         if session is None or not session.is_global_zero:
             return
-        os.makedirs(session.diag_dir, exist_ok=True)
-        with open(os.path.join(session.diag_dir, ERRORS_FILE), "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=2)
+        write_json(os.path.join(session.diag_dir, ERRORS_FILE), report)
 
 
 def _table(clusters: Sequence[Any], overall: float, decode: Callable[[str], str] | None) -> str:

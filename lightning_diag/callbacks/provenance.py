@@ -11,7 +11,7 @@ import random
 import re
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -19,20 +19,87 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-__all__ = ["RUN_FILE", "is_secret_key", "run_record", "scrub", "write_run_record"]
+from lightning_diag.core.files import write_text
+
+__all__ = ["REDACTED", "RUN_FILE", "is_secret_key", "redact_command", "run_record", "scrub", "write_run_record"]
 
 RUN_FILE = "run.json"
-#: Keys dropped wherever they occur: they may hold credentials.
+#: What replaces a secret-looking value on the recorded command line.
+REDACTED = "<redacted>"
+#: Names (keys, options, environment variables) that may hold credentials: these substrings anywhere...
 _SECRET_KEY = re.compile(r"(token|secret|passw|pwd|api[_-]?key|apikey|auth|credential|private[_-]?key)", re.I)
+#: ...or the word ``key``/``keys`` (``--key``, ``--ssh-key``, ``AWS_SECRET_ACCESS_KEY``, ``accessKey``).
+_KEY_WORDS = frozenset({"key", "keys"})
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+_WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+")
 #: Values dropped whatever their key: strings shaped like well-known access tokens.
 _SECRET_VALUE = re.compile(r"^(hf_|sk-|ghp_|gho_|github_pat_|xox[abpr]-|AKIA)[A-Za-z0-9_\-]{8,}")
+#: The password of a URL's user info (``https://user:PASSWORD@host``).
+_URL_PASSWORD = re.compile(r"(://[^/@\s:]*:)[^/@\s]+@")
+#: A number, which may follow an option as its value even though it starts with ``-``.
+_NUMBER = re.compile(r"^-\d")
 _VERSIONS = ("torch", "pytorch-lightning", "lightning", "lightning-diag", "transformers", "numpy")
 _FINGERPRINT_ITEMS = 8
 
 
 def is_secret_key(key: str) -> bool:
-    """Whether a key looks like it holds a credential (``hf_token``, ``wandb_api_key``, ``password``)."""
-    return bool(_SECRET_KEY.search(key))
+    """Whether a name looks like it holds a credential: it contains ``token``, ``secret``, ``passw``, ``pwd``,
+    ``api_key``/``apikey``, ``auth``, ``credential`` or ``private_key`` (any case), or has the word ``key`` or
+    ``keys`` (words split at non-alphanumerics and camelCase).
+
+    Example:
+        >>> [is_secret_key(k) for k in ("hf_token", "--db-password", "--key", "AWS_SECRET_ACCESS_KEY", "sshKey")]
+        [True, True, True, True, True]
+        >>> [is_secret_key(k) for k in ("lr", "--keyframes", "monkey", "--max-steps")]
+        [False, False, False, False]
+    """
+    if _SECRET_KEY.search(key):
+        return True
+    return any(word.lower() in _KEY_WORDS for word in _WORD_SPLIT.split(_CAMEL.sub("_", key)))
+
+
+def _is_option(arg: str) -> bool:
+    return len(arg) > 1 and arg.startswith("-") and not _NUMBER.match(arg)
+
+
+def _redact_value(value: str) -> str:
+    if _SECRET_VALUE.match(value):
+        return REDACTED
+    return _URL_PASSWORD.sub(rf"\g<1>{REDACTED}@", value)
+
+
+def redact_command(argv: Sequence[str]) -> list[str]:
+    """The command line with the values of secret-looking arguments replaced by :data:`REDACTED`.
+
+    A value is redacted when its name looks secret (:func:`is_secret_key`) in either form, ``--name=value`` (also
+    ``name=value`` overrides, as Hydra and LightningCLI take them) or ``--name value`` / ``-name value`` (the
+    argument after the option, unless it is itself an option); and, whatever its name, when it is shaped like a
+    well-known access token (``hf_...``, ``sk-...``, ``ghp_...``, ``xox?-...``, ``AKIA...``). The password of a URL
+    (``https://user:PASSWORD@host``) is redacted everywhere. Names are kept, so a reader sees what was given.
+
+    Example:
+        >>> redact_command(["train.py", "--api-key", "S3CRET", "--db-password=hunter3", "--lr", "0.1"])
+        ['train.py', '--api-key', '<redacted>', '--db-password=<redacted>', '--lr', '0.1']
+        >>> redact_command(["fit", "model.token=abc", "--uri", "https://me:pw@host/x"])
+        ['fit', 'model.token=<redacted>', '--uri', 'https://me:<redacted>@host/x']
+    """
+    out = list(argv[:1])
+    secret_option = False
+    for arg in argv[1:]:
+        if secret_option and not _is_option(arg):
+            out.append(REDACTED)
+            secret_option = False
+            continue
+        secret_option = False
+        name, eq, value = arg.partition("=")
+        if eq and name:
+            out.append(f"{name}={REDACTED}" if is_secret_key(name) else f"{name}={_redact_value(value)}")
+        elif _is_option(arg) and is_secret_key(arg):
+            out.append(arg)
+            secret_option = True
+        else:
+            out.append(_redact_value(arg))
+    return out
 
 
 def scrub(value: Any, depth: int = 0) -> Any:
@@ -155,7 +222,8 @@ def _first_loader(loaders: Any) -> Any:
 
 
 def run_record(trainer: pl.Trainer) -> dict[str, Any]:
-    """Everything ``diag/run.json`` holds for this trainer (no environment variable, no secret-looking key)."""
+    """Everything ``diag/run.json`` holds for this trainer: no environment variable but ``PL_GLOBAL_SEED``, no
+    secret-looking key of the hyperparameters (:func:`scrub`), the command line redacted (:func:`redact_command`)."""
     module = trainer.lightning_module
     datamodule = getattr(trainer, "datamodule", None)
     data: dict[str, Any] = {}
@@ -171,7 +239,7 @@ def run_record(trainer: pl.Trainer) -> dict[str, Any]:
     return {
         "git": _git(os.getcwd()),
         "versions": _versions(),
-        "command": scrub(sys.argv[:1] + [a for a in sys.argv[1:] if "=" not in a or not is_secret_key(a)]),
+        "command": redact_command(sys.argv),
         "hyperparameters": _hparams(module),
         "datamodule_hyperparameters": _hparams(datamodule) if datamodule is not None else {},
         "module": type(module).__name__,
@@ -184,12 +252,15 @@ def run_record(trainer: pl.Trainer) -> dict[str, Any]:
 
 
 def write_run_record(trainer: pl.Trainer, diag_dir: str) -> str | None:
-    """Write ``<diag_dir>/run.json`` (rank zero calls this); a failure is returned as a message, never raised."""
+    """Write ``<diag_dir>/run.json`` (rank zero calls this); never raises.
+
+    Returns:
+        A message when the record could not be built; a failure to write the file is reported by
+        :func:`~lightning_diag.core.files.write_text` (once per path) and returns ``None``.
+    """
     try:
-        record = run_record(trainer)
-        os.makedirs(diag_dir, exist_ok=True)
-        with open(os.path.join(diag_dir, RUN_FILE), "w", encoding="utf-8") as fh:
-            json.dump(record, fh, indent=2, sort_keys=True, default=repr)
+        text = json.dumps(run_record(trainer), indent=2, sort_keys=True, default=repr)
     except Exception as err:  # provenance must never stop a run
         return f"diag/{RUN_FILE} not written: {type(err).__name__}: {err}"
+    write_text(os.path.join(diag_dir, RUN_FILE), text)
     return None

@@ -7,7 +7,6 @@ released in ``teardown``): rank zero writes ``<run_log_dir>/diag`` (``alerts.jso
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import weakref
@@ -19,7 +18,7 @@ import pytorch_lightning as pl
 from lightning_diag.callbacks.provenance import write_run_record
 from lightning_diag.callbacks.step_axis import StepAxis
 from lightning_diag.core.alerts import Alert, AlertLog
-from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE
+from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE, write_json
 from lightning_diag.core.tags import sanitize_tag
 from lightning_diag.output.dashboard import (
     ALERTS_TAG,
@@ -136,9 +135,11 @@ class DiagSession:
         for cb in callbacks:
             by_callback.setdefault(type(cb).__name__, {}).update(cb.thresholds())
         merged = {k: v for values in by_callback.values() for k, v in values.items()}
-        os.makedirs(self.diag_dir, exist_ok=True)
-        with open(os.path.join(self.diag_dir, THRESHOLDS_FILE), "w", encoding="utf-8") as fh:
-            json.dump({"callbacks": by_callback, "thresholds": merged}, fh, indent=2, sort_keys=True)
+        write_json(
+            os.path.join(self.diag_dir, THRESHOLDS_FILE),
+            {"callbacks": by_callback, "thresholds": merged},
+            sort_keys=True,
+        )
         self.writer.text(THRESHOLDS_TAG, thresholds_markdown(by_callback), trainer.global_step)
         self.writer.custom_scalars(dashboard_layout([k for k in merged if "." not in k]))
         self.writer.flush()

@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from lightning_diag.core.files import report_write_failure
 from lightning_diag.core.record import Alert, NonFiniteAction, Severity
 from lightning_diag.core.registry import OWNERS
 from lightning_diag.rules.catalog import (
@@ -142,6 +143,7 @@ class AlertLog:
         self.enabled = enabled
         self._text_sink = text_sink
         self._fd: int | None = None
+        self._failed = False  # the file could not be written: alerts still go to the logger and the sink
         self.written: list[Alert] = []
 
     def write(self, alerts: Alert | Iterable[Alert]) -> None:
@@ -149,24 +151,38 @@ class AlertLog:
         batch = [alerts] if isinstance(alerts, Alert) else list(alerts)
         if not self.enabled or not batch:
             return
-        if self.path is not None:
-            if self._fd is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            # Unbuffered, one write(2) per batch of whole lines: a process killed at any moment (SIGKILL) leaves
-            # only complete lines behind, and nothing waits in a Python buffer.
-            _write_all(self._fd, "".join(a.to_json() + "\n" for a in batch).encode("utf-8"))
+        if self.path is not None and not self._failed:
+            self._append(self.path, "".join(a.to_json() + "\n" for a in batch).encode("utf-8"))
         for a in batch:
             logger.log(a.severity.log_level, a.format())
             self.written.append(a)
             if self._text_sink is not None:
                 self._text_sink(a)
 
+    def _append(self, path: Path, data: bytes) -> None:
+        """Append whole lines to the file; a failure is reported once (the alerts still reach the logger and the
+        text sink) and the file is not written again by this log, so a torn line is only ever the last one."""
+        try:
+            if self._fd is None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # Unbuffered, one write(2) per batch of whole lines: a process killed at any moment (SIGKILL) leaves
+            # only complete lines behind, and nothing waits in a Python buffer.
+            _write_all(self._fd, data)
+        except OSError as err:
+            self._failed = True
+            self.close()
+            report_write_failure(path, err)
+
     def close(self) -> None:
         """Close the file (it is reopened in append mode if more alerts come)."""
         if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)
+            except OSError as err:  # a network file system reports a failed write at close
+                if self.path is not None:
+                    report_write_failure(self.path, err)
 
 
 def _write_all(fd: int, data: bytes) -> None:

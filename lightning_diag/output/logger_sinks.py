@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from lightning_diag.core.alerts import Alert, Severity
+from lightning_diag.core.files import write_text
 
 __all__ = [
     "ALERTS_TABLE_KEY",
@@ -148,19 +149,19 @@ class MLflowSink(LoggerSink):
 
 
 def _write_report(diag_dir: str) -> str | None:
-    """Write the run's markdown report to ``<diag_dir>/report.md``; its path, or ``None`` without diagnostics."""
+    """Write the run's markdown report to ``<diag_dir>/report.md``; its path, or ``None`` without diagnostics or
+    when it could not be written (reported once by :func:`~lightning_diag.core.files.write_text`)."""
     from lightning_diag.report import NoDiagnosticsError, build_report, render
 
+    if not os.path.isdir(diag_dir):  # nothing was written (a read-only run folder): nothing to report
+        return None
     run_dir = os.path.dirname(os.path.abspath(diag_dir))
     try:
         reports = build_report(run_dir)
     except NoDiagnosticsError:
         return None
     path = os.path.join(diag_dir, REPORT_FILE)
-    os.makedirs(diag_dir, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(render(reports, "md") + "\n")
-    return path
+    return path if write_text(path, render(reports, "md") + "\n") else None
 
 
 _SINKS: tuple[tuple[str, type[LoggerSink]], ...] = (("WandbLogger", WandbSink), ("MLFlowLogger", MLflowSink))

@@ -20,10 +20,18 @@
   the end of the fit; what they buffered for the user is written with it.
 
 Only global rank zero writes; elsewhere :meth:`DiagWriter.for_trainer` returns a writer that writes nothing.
+
+**A failure never ends the fit** (:mod:`lightning_diag.core.files`): a TensorBoard writer that cannot be opened
+(a read-only or full folder) or that fails later is reported once, naming its folder or event file and the
+error, and the writer goes on without it (the other loggers keep getting the scalars); a logger whose
+``log_metrics`` or ``save`` raises is reported once and dropped. The event file of the library's own writer is
+guarded inside TensorBoard's writer thread too, so a full disk ends that file with one warning, not with a
+thread traceback and an ``OSError`` at the next write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -32,6 +40,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+
+from lightning_diag.core.files import report_write_failure
 
 __all__ = ["DiagWriter", "per_version_logger_types", "tensorboard_logger_types"]
 
@@ -89,6 +99,8 @@ class DiagWriter:
         self.owned = owned
         self.loggers = list(loggers)
         self.step_axis = step_axis
+        # The library's own event file, guarded inside TensorBoard's writer thread (None: not ours, or not found).
+        self._event_file = _guard_event_file(experiment) if owned else None
 
     @classmethod
     def for_trainer(
@@ -113,8 +125,13 @@ class DiagWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         path = os.path.join(log_dir, "diag")
-        os.makedirs(path, exist_ok=True)
-        return cls(SummaryWriter(log_dir=path), owned=True, loggers=loggers, step_axis=step_axis)
+        try:
+            os.makedirs(path, exist_ok=True)
+            experiment = SummaryWriter(log_dir=path)
+        except Exception as err:  # a read-only or full folder (OSError), or a remote file system's own error
+            report_write_failure(path, err)
+            return cls(None, loggers=loggers, step_axis=step_axis)
+        return cls(experiment, owned=True, loggers=loggers, step_axis=step_axis)
 
     def _step(self, step: int) -> int:
         return self.step_axis(step) if self.step_axis is not None else step
@@ -135,7 +152,10 @@ class DiagWriter:
             return
         step = self._step(step)
         if self.experiment is not None:
-            _tensorboard_scalars(self.experiment, values, step)
+            try:
+                _tensorboard_scalars(self.experiment, values, step)
+            except Exception as err:
+                self._drop_experiment(err)
         for lg in list(self.loggers):  # a failing one is dropped mid-loop
             try:
                 lg.log_metrics(dict(values), step=step)
@@ -145,44 +165,64 @@ class DiagWriter:
     def text(self, name: str, text: str, step: int) -> None:
         """Write markdown text (TensorBoard only)."""
         if self.experiment is not None:
-            self.experiment.add_text(name, text, global_step=self._step(step))
+            try:
+                self.experiment.add_text(name, text, global_step=self._step(step))
+            except Exception as err:
+                self._drop_experiment(err)
 
     def custom_scalars(self, layout: dict[str, dict[str, list[Any]]]) -> None:
         """Write a custom-scalars layout (TensorBoard only; see
         :func:`lightning_diag.output.dashboard.dashboard_layout`)."""
         if self.experiment is not None and layout:
-            self.experiment.add_custom_scalars(layout)
+            try:
+                self.experiment.add_custom_scalars(layout)
+            except Exception as err:
+                self._drop_experiment(err)
 
     def histogram(self, name: str, values: Any, step: int) -> None:
         """Write a histogram of a tensor or array (TensorBoard only)."""
         if self.experiment is not None:
-            self.experiment.add_histogram(name, values, global_step=self._step(step))
+            try:
+                self.experiment.add_histogram(name, values, global_step=self._step(step))
+            except Exception as err:
+                self._drop_experiment(err)
 
     def histogram_raw(self, name: str, data: Any, step: int) -> None:
         """Write a histogram computed elsewhere (TensorBoard only): ``data`` has the fields of
         :class:`~lightning_diag.stats.histogram.HistogramData`."""
         if self.experiment is not None:
-            self.experiment.add_histogram_raw(
-                name,
-                min=data.min,
-                max=data.max,
-                num=data.num,
-                sum=data.sum,
-                sum_squares=data.sum_squares,
-                bucket_limits=data.bucket_limits,
-                bucket_counts=data.bucket_counts,
-                global_step=step,
-            )
+            try:
+                self.experiment.add_histogram_raw(
+                    name,
+                    min=data.min,
+                    max=data.max,
+                    num=data.num,
+                    sum=data.sum,
+                    sum_squares=data.sum_squares,
+                    bucket_limits=data.bucket_limits,
+                    bucket_counts=data.bucket_counts,
+                    global_step=self._step(step),
+                )
+            except Exception as err:
+                self._drop_experiment(err)
 
     def image(self, name: str, image: Any, step: int, dataformats: str = "HWC") -> None:
         """Write an image, uint8 or float array (TensorBoard only)."""
         if self.experiment is not None:
-            self.experiment.add_image(name, image, global_step=self._step(step), dataformats=dataformats)
+            try:
+                self.experiment.add_image(name, image, global_step=self._step(step), dataformats=dataformats)
+            except Exception as err:
+                self._drop_experiment(err)
 
     def flush(self) -> None:
         """Flush the TensorBoard writer and ``save()`` the other loggers (``CSVLogger`` writes its file)."""
+        if self._event_file is not None and self._event_file.error is not None:
+            self._drop_experiment(self._event_file.error)  # reported by the writer thread; stop feeding it
         if self.experiment is not None and hasattr(self.experiment, "flush"):
-            self.experiment.flush()
+            try:
+                self.experiment.flush()
+            except Exception as err:
+                self._drop_experiment(err)
         for lg in list(self.loggers):  # a failing one is dropped mid-loop
             save = getattr(lg, "save", None)
             if callable(save):
@@ -197,9 +237,23 @@ class DiagWriter:
         self.loggers = []
         if self.experiment is None:
             return
+        experiment, self.experiment = self.experiment, None
         if self.owned:
-            self.experiment.close()
-        self.experiment = None
+            try:
+                experiment.close()
+            except Exception as err:  # the last buffered events could not be written
+                report_write_failure(_event_path(experiment), err)
+
+    def _drop_experiment(self, err: BaseException) -> None:
+        """Stop writing to the TensorBoard writer after a failure: reported once (naming its event file or folder),
+        closed if the library opened it, never raised."""
+        experiment, self.experiment = self.experiment, None
+        if experiment is None:
+            return
+        report_write_failure(_event_path(experiment), err)
+        if self.owned:
+            with contextlib.suppress(Exception):  # the failure was reported; what the writer held is lost with it
+                experiment.close()
 
     def _drop(self, logger: Any, err: Exception) -> None:
         if logger in self.loggers:
@@ -210,6 +264,74 @@ class DiagWriter:
             type(err).__name__,
             err,
         )
+
+
+def _event_path(experiment: Any) -> str:
+    """The event file a ``SummaryWriter`` writes (its folder, or the object, when that is not known)."""
+    event_writer = getattr(getattr(experiment, "file_writer", None), "event_writer", None)
+    name = getattr(event_writer, "_file_name", None)
+    if isinstance(name, str):
+        return name
+    get_logdir = getattr(experiment, "get_logdir", None)
+    return str(get_logdir()) if callable(get_logdir) else repr(experiment)
+
+
+class _GuardedEventFile:
+    """The file object under a ``SummaryWriter``'s record writer, whose writes TensorBoard's writer thread makes.
+
+    TensorBoard's thread dies on the first failed write (printing a traceback) and every later call of the writer
+    raises that error. Guarded, the first failure is reported once (:func:`report_write_failure`, from the thread),
+    kept in :attr:`error`, and later writes are dropped: the file ends there, the thread lives, nothing raises.
+    """
+
+    def __init__(self, inner: Any, path: str) -> None:
+        self._inner = inner
+        self.path = path
+        self.error: BaseException | None = None
+
+    def _call(self, method: str, *args: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            getattr(self._inner, method)(*args)
+        except Exception as err:
+            self.error = err
+            report_write_failure(self.path, err)
+
+    def write(self, data: bytes) -> None:
+        """Write through unless a write failed before."""
+        self._call("write", data)
+
+    def flush(self) -> None:
+        """Flush through unless a write failed before."""
+        self._call("flush")
+
+    def close(self) -> None:
+        """Close the file (a failure to write what it still buffered is reported, not raised)."""
+        if self.error is None:
+            self._call("close")
+        else:
+            with contextlib.suppress(Exception):  # the failure was reported; the buffered events are lost with it
+                self._inner.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the file is closed."""
+        return bool(getattr(self._inner, "closed", False))
+
+
+def _guard_event_file(experiment: Any) -> _GuardedEventFile | None:
+    """Guard the event file of a ``SummaryWriter`` the library opened (see :class:`_GuardedEventFile`); ``None``
+    when the writer is not laid out as ``torch.utils.tensorboard`` lays it out (its calls are still guarded)."""
+    event_writer = getattr(getattr(experiment, "file_writer", None), "event_writer", None)
+    record_writer = getattr(getattr(event_writer, "_async_writer", None), "_writer", None)
+    inner = getattr(record_writer, "_writer", None)
+    methods = ("write", "flush", "close")
+    if record_writer is None or inner is None or not all(callable(getattr(inner, m, None)) for m in methods):
+        return None
+    guarded = _GuardedEventFile(inner, _event_path(experiment))
+    record_writer._writer = guarded
+    return guarded
 
 
 def _tensorboard_scalars(experiment: Any, values: Mapping[str, float], step: int) -> None:
