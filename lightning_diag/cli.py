@@ -182,8 +182,6 @@ def _report(logdir: str, fmt: str, out: str | None, fail_on: str = "never") -> i
     plot_dir = out_dir / PLOTS_DIR if out_dir is not None else None
     tmp = None
     if plot_dir is None and fmt == "html":
-        import tempfile
-
         tmp = tempfile.TemporaryDirectory(prefix="lightning-diag-plots-")
         plot_dir = Path(tmp.name)
     failures: list[str] = []

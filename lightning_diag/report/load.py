@@ -324,11 +324,11 @@ def load_run(path: str | os.PathLike[str]) -> RunData:
     diag = run.path / "diag"
     texts: list[tuple[str, str]] = []
     for directory in (run.path, diag):
-        if directory.is_dir() and any(f.name.startswith(_EVENT_PREFIX) for f in directory.iterdir()):
-            try:
+        try:
+            if directory.is_dir() and any(f.name.startswith(_EVENT_PREFIX) for f in directory.iterdir()):
                 texts += _read_events(directory, run)
-            except Exception as err:  # a damaged file is reported, never a traceback
-                run.problems.append(f"{display(directory)}: could not read the event files: {clean(err)}")
+        except Exception as err:  # an unreadable folder or a damaged file is reported, never a traceback
+            run.problems.append(f"{display(directory)}: could not read the event files: {clean(err)}")
     if os.path.lexists(diag / ALERTS_FILE):
         run.alerts = _read_alerts(diag / ALERTS_FILE, run.problems)
     if os.path.lexists(diag / THRESHOLDS_FILE):
