@@ -1,19 +1,46 @@
 """The ``lightning-diag`` command line: ``demo``, ``report``, ``compare`` and ``repro``; ``--version``.
 
 Exit codes: 0 done; 1 ``report`` or ``compare`` found no diagnostics, or (``report --fail-on warning|critical``)
-a run has an alert or a FAIL row at that level; 2 bad command-line input.
+a run has an alert or a FAIL row at that level; 2 bad input (arguments, a configuration that cannot be read)
+or an output that cannot be written. Every message is one line on stderr naming the file and the problem, with
+control characters removed; on a stream whose encoding cannot show a character (cp1252 and ``ε``) the
+character is replaced, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+from lightning_diag.report.text import clean, display
+
 __all__ = ["main"]
+
+#: The folder under ``--out`` that holds the plots: the report writes only its own names into ``--out``.
+PLOTS_DIR = "lightning-diag-plots"
+# How each format's report file starts: an existing file is replaced only when it is one of ours.
+_OURS = {"md": b"# lightning-diag report", "json": b'{\n  "runs": [', "html": b"<!doctype html><html><head>"}
+
+
+def _say(command: str, message: str) -> None:
+    """One line on stderr: ``lightning-diag <command>: <message>``, control characters removed."""
+    print(f"lightning-diag {command}: {clean(message)}", file=sys.stderr)
+
+
+def _tolerant_streams() -> None:
+    """Replace, instead of failing on, characters stdout and stderr cannot encode (``ε`` on cp1252)."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        reconfigure = getattr(stream, "reconfigure", None)
+        if encoding != "utf8" and reconfigure is not None:
+            with contextlib.suppress(ValueError, OSError):
+                reconfigure(errors="replace")
 
 
 def _parser(fault_names: Sequence[str] | None = None) -> argparse.ArgumentParser:
@@ -80,31 +107,39 @@ def _compare(runs: Sequence[str], fmt: str) -> int:
     from lightning_diag.report.compare import compare_runs, render_comparison
 
     if len(runs) < 2:
-        print("lightning-diag compare: give at least two RUN directories", file=sys.stderr)
+        _say("compare", "give at least two RUN directories")
         return 2
     missing = [r for r in runs if not os.path.isdir(r)]
     if missing:
-        print(f"lightning-diag compare: not a directory: {', '.join(missing)}", file=sys.stderr)
+        _say("compare", f"not a directory: {', '.join(display(r) for r in missing)}")
         return 2
     try:
         comparison = compare_runs(runs)
     except NoDiagnosticsError as err:
-        print(f"lightning-diag compare: {err}", file=sys.stderr)
+        _say("compare", str(err))
         return 1
-    print(render_comparison(comparison, fmt))
+    _print_chunks([render_comparison(comparison, fmt)])
+    for rep in comparison.reports:
+        for problem in rep.run.problems:
+            _say("compare", problem)
     return 0
 
 
 def _repro(config: str, fraction: float) -> int:
     if not 0 < fraction <= 1:
-        print("lightning-diag repro: --fraction must be in (0, 1]", file=sys.stderr)
+        _say("repro", "--fraction must be in (0, 1]")
         return 2
     if not os.path.isfile(config):
-        print(f"lightning-diag repro: --config {config!r} is not a file", file=sys.stderr)
+        _say("repro", f"--config {display(config)}: not a file")
         return 2
-    from lightning_diag.repro import run_repro
+    from lightning_diag.repro import ConfigError, check_config, run_repro
 
-    log_dir = run_repro(config, fraction)
+    try:
+        check_config(config)
+        log_dir = run_repro(config, fraction)
+    except ConfigError as err:
+        _say("repro", str(err))
+        return 2
     return _report(log_dir, "md", None)
 
 
@@ -120,7 +155,7 @@ class _Progress:
         width = 24
         filled = width * index // total
         bar = "#" * filled + "." * (width - filled)
-        sys.stderr.write(f"\rlightning-diag report [{bar}] {index + 1}/{total} {str(path)[-40:]}\x1b[K")
+        sys.stderr.write(f"\rlightning-diag report [{bar}] {index + 1}/{total} {display(path)[-40:]}\x1b[K")
         sys.stderr.flush()
         self.shown = True
 
@@ -135,21 +170,22 @@ def _report(logdir: str, fmt: str, out: str | None, fail_on: str = "never") -> i
     from lightning_diag.report import NoDiagnosticsError, RunReport, gate, iter_reports, render_stream
 
     if not os.path.isdir(logdir):
-        what = "is not a directory" if os.path.exists(logdir) else "does not exist"
-        print(f"lightning-diag report: LOGDIR {logdir!r} {what}", file=sys.stderr)
-        return 2
-    if out is not None and os.path.exists(out) and not os.path.isdir(out):
-        print(f"lightning-diag report: --out {out!r} exists and is not a directory", file=sys.stderr)
+        what = "not a directory" if os.path.exists(logdir) else "does not exist"
+        _say("report", f"LOGDIR {display(logdir)}: {what}")
         return 2
     out_dir = Path(out) if out is not None else None
-    plot_dir = out_dir if out_dir is not None else None
+    if out_dir is not None:
+        refused = _refuse_out(out_dir, fmt)
+        if refused:
+            _say("report", refused)
+            return 2
+    plot_dir = out_dir / PLOTS_DIR if out_dir is not None else None
     tmp = None
     if plot_dir is None and fmt == "html":
-        import tempfile
-
         tmp = tempfile.TemporaryDirectory(prefix="lightning-diag-plots-")
         plot_dir = Path(tmp.name)
     failures: list[str] = []
+    problems: list[str] = []
     plots = 0
     noted = False
     progress = _Progress()
@@ -160,9 +196,10 @@ def _report(logdir: str, fmt: str, out: str | None, fail_on: str = "never") -> i
         for rep in iter_reports(logdir, plot_dir=plot_dir, progress=progress):
             if rep.plot_note and not noted:
                 progress.done()
-                print(f"lightning-diag report: {rep.plot_note}", file=sys.stderr)
+                _say("report", rep.plot_note)
                 noted = True
-            failures.extend(f"{rep.run.path}: {why}" for why in gate(rep, fail_on))  # type: ignore[arg-type]
+            failures.extend(f"{display(rep.run.path)}: {why}" for why in gate(rep, fail_on))  # type: ignore[arg-type]
+            problems.extend(rep.run.problems)
             plots += len(rep.plots)
             yield rep
 
@@ -174,31 +211,82 @@ def _report(logdir: str, fmt: str, out: str | None, fail_on: str = "never") -> i
             if out_dir is None:
                 _print_chunks(chunks)
             else:
-                out_dir.mkdir(parents=True, exist_ok=True)
-                path = out_dir / f"report.{fmt}"
-                with open(path, "w", encoding="utf-8") as fh:
-                    for chunk in chunks:
-                        fh.write(chunk)
-                    fh.write("\n")
+                try:
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                except OSError as err:
+                    _say("report", f"--out {display(out_dir)}: cannot be created ({err.strerror or err})")
+                    return 2
+                _write_report(out_dir / f"report.{fmt}", chunks)
         except NoDiagnosticsError as err:
             progress.done()
-            print(f"lightning-diag report: {err}", file=sys.stderr)
+            _say("report", str(err))
             return 1
+        except OSError as err:
+            progress.done()
+            _say("report", f"--out {display(out_dir or '')}: the report could not be written ({err})")
+            return 2
         finally:
             progress.done()
     finally:
         if tmp is not None:
             tmp.cleanup()
+    for problem in problems[:20]:
+        _say("report", problem)
+    if len(problems) > 20:
+        _say("report", f"... and {len(problems) - 20} more problems (listed in the report)")
     if out_dir is not None:
-        print(f"lightning-diag report: wrote {out_dir / f'report.{fmt}'} ({plots} plots)")
+        print(f"lightning-diag report: wrote {display(out_dir / f'report.{fmt}')} ({plots} plots)")
     if failures:
-        print(f"lightning-diag report: --fail-on {fail_on}: {len(failures)} finding(s) at that level", file=sys.stderr)
+        _say("report", f"--fail-on {fail_on}: {len(failures)} finding(s) at that level")
         for why in failures[:20]:
-            print(f"  {why}", file=sys.stderr)
+            print(f"  {clean(why)}", file=sys.stderr)
         if len(failures) > 20:
             print(f"  ... and {len(failures) - 20} more", file=sys.stderr)
         return 1
     return 0
+
+
+def _refuse_out(out_dir: Path, fmt: str) -> str:
+    """Why ``report --out out_dir`` must not write there (``""``: it may).
+
+    The report writes ``report.<fmt>`` and the :data:`PLOTS_DIR` folder, nothing else: an existing
+    ``report.<fmt>`` is replaced only when it is a regular file holding a lightning-diag report of that format,
+    so a user's own file or folder of that name (a run folder named ``report.md``) is never overwritten.
+    """
+    if os.path.lexists(out_dir) and not out_dir.is_dir():
+        return f"--out {display(out_dir)}: exists and is not a directory"
+    target = out_dir / f"report.{fmt}"
+    if os.path.lexists(target):
+        if target.is_symlink() or not target.is_file():
+            return f"--out {display(out_dir)}: {target.name} exists and is not a regular file; not overwritten"
+        try:
+            with open(target, "rb") as fh:
+                head = fh.read(len(_OURS[fmt]))
+        except OSError as err:
+            return f"--out {display(out_dir)}: {target.name} cannot be read ({err}); not overwritten"
+        if head != _OURS[fmt]:
+            return f"--out {display(out_dir)}: {target.name} exists and is not a lightning-diag report; not overwritten"
+    plots = out_dir / PLOTS_DIR
+    if os.path.lexists(plots) and (plots.is_symlink() or not plots.is_dir()):
+        return f"--out {display(out_dir)}: {PLOTS_DIR} exists and is not a directory; not overwritten"
+    return ""
+
+
+def _write_report(path: Path, chunks: Iterable[str]) -> None:
+    """Write the report to a temporary file beside ``path``, then rename it: a failure (a full disk) leaves
+    the earlier file, or none, never an empty or partial one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with open(fd, "w", encoding="utf-8") as fh:
+            for chunk in chunks:
+                fh.write(chunk)
+            fh.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _print_chunks(chunks: Iterable[str]) -> None:
@@ -216,6 +304,7 @@ def _print_chunks(chunks: Iterable[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lightning-diag`` and ``python -m lightning_diag``; returns the exit code."""
+    _tolerant_streams()
     words = list(sys.argv[1:] if argv is None else argv)
     fault_names = None
     if words[:1] == ["demo"]:
@@ -225,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser(fault_names).parse_args(words)
     if args.command == "demo":
         if args.max_epochs is not None and args.max_epochs < 1:
-            print("lightning-diag demo: --max-epochs must be >= 1", file=sys.stderr)
+            _say("demo", "--max-epochs must be >= 1")
             return 2
         from lightning_diag.demo.run import run_demo
 

@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,7 +54,7 @@ def run_check(logdir: Path, out: Path, chromium: str, size: str = "1400,4000") -
     if not sources:
         raise RuntimeError(f"{page} shows no plots")
     for src in sources:
-        png = (out / src).resolve()
+        png = (out / urllib.parse.unquote(src)).resolve()  # links are URL-encoded
         if not png.is_file() or png.read_bytes()[:8] != _PNG:
             raise RuntimeError(f"{page} links {src}, which is not a PNG file")
     url = page.resolve().as_uri()

@@ -153,8 +153,14 @@ def gate(report: RunReport, fail_on: FailOn) -> list[str]:
     if fail_on == "never":
         return []
     levels = ("warning", "critical") if fail_on == "warning" else ("critical",)
-    reasons = [f"{a.severity.value} alert {a.rule} at step {a.global_step} ({a.source})"
-               for a in report.timeline if a.severity.value in levels]
-    reasons += [f"FAIL row {c.id} ({c.severity or 'warning'})" for c in report.checks
-                if c.status == "fail" and (c.severity or "warning") in levels]
+    reasons = [
+        f"{a.severity.value} alert {a.rule} at step {a.global_step} ({a.source})"
+        for a in report.timeline
+        if a.severity.value in levels
+    ]
+    reasons += [
+        f"FAIL row {c.id} ({c.severity or 'warning'})"
+        for c in report.checks
+        if c.status == "fail" and (c.severity or "warning") in levels
+    ]
     return reasons

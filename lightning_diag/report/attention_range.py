@@ -22,7 +22,7 @@ def _last(run: RunData, family: str) -> dict[str, float]:
     for tag in run.tags(prefix(family)):
         points = run.scalars[tag]
         if points:
-            out[tag[len(prefix(family)):]] = points[-1][1]
+            out[tag[len(prefix(family)) :]] = points[-1][1]
     return out
 
 
@@ -49,9 +49,11 @@ def _measure_attention_range(run: RunData, check: Check) -> bool:
         return False
     long_range, local = head_ranges(run)
     total = len(run.tags(prefix("attn_distance")))
-    check.threshold = (f"long-range: mean distance >= {LONG_RANGE_SHARE:.0%} of the sequence; "
-                       f"local: < {LOCAL_TOKENS:g} tokens")
-    check.measured = (f"{total} heads; long-range {_names(long_range, 'of the sequence')}; "
-                      f"local {_names(local, 'tokens')}")
+    check.threshold = (
+        f"long-range: mean distance >= {LONG_RANGE_SHARE:.0%} of the sequence; local: < {LOCAL_TOKENS:g} tokens"
+    )
+    check.measured = (
+        f"{total} heads; long-range {_names(long_range, 'of the sequence')}; local {_names(local, 'tokens')}"
+    )
     check.measured_value = {"heads": total, "long_range": len(long_range), "local": len(local)}
     return True

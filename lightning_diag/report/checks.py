@@ -58,6 +58,7 @@ from lightning_diag.report.rows import (
     _threshold,
     measure,
 )
+from lightning_diag.report.text import clean, display
 
 __all__ = ["MEASURES", "REPLAYS", "Check", "Measure", "RunReport", "Status", "diagnose", "measure", "replay"]
 
@@ -87,7 +88,7 @@ class RunReport:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return {
-            "run": str(self.run.path),
+            "run": display(self.run.path),
             "summary": self.counts,
             "threshold_source": self.run.threshold_source,
             "callbacks": sorted(self.run.callbacks),
@@ -95,7 +96,7 @@ class RunReport:
             "dashboard_layout": self.run.has_layout,
             "checks": [c.to_dict() for c in self.checks],
             "alerts": [a.to_dict() for a in self.timeline],
-            "plots": [str(p) for p in self.plots],
+            "plots": [display(p) for p in self.plots],
             "problems": list(self.run.problems) + ([self.plot_note] if self.plot_note else []),
         }
 
@@ -169,6 +170,19 @@ def _evaluate(spec: CheckSpec, run: RunData) -> Check:
     return _finish(check, run, measured, replayed)
 
 
+def _guarded(spec: CheckSpec, run: RunData) -> Check:
+    """:func:`_evaluate`, or a ``not measured`` row saying why when the logged values break it (one row, never
+    the whole report), with a line in the run's problems."""
+    try:
+        return _evaluate(spec, run)
+    except Exception as err:  # hostile or damaged logged values: one row is lost, never the report
+        why = clean(f"{type(err).__name__}: {err}")
+        run.problems.append(f"{display(run.path)}: check {spec.check_id} could not be judged ({why})")
+        check = Check(spec.check_id, spec.layer, spec.title, spec.rules)
+        check.note = f"could not be judged from the logged values ({why})"
+        return check
+
+
 def diagnose(run: RunData) -> RunReport:
     """The checklist of one run (seed 000 §7.1, layer by layer, plus the training-process checks).
 
@@ -176,7 +190,7 @@ def diagnose(run: RunData) -> RunReport:
     declaration order); rules without a row are listed under "Other", judged by their alerts and threshold.
     """
     specs = sorted(CHECKS.values(), key=lambda s: _LAYERS.index(s.layer))
-    checks = [_evaluate(spec, run) for spec in specs]
+    checks = [_guarded(spec, run) for spec in specs]
     covered = {r for c in checks for r in c.rules}
     logged_rules = {k for k in run.thresholds if "." not in k and k in ALL_RULES}
     for rule in sorted(({a.rule for a in run.alerts} | logged_rules) - covered):

@@ -12,6 +12,7 @@ import dataclasses
 import html
 import json
 import math
+import os
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,7 +20,9 @@ from typing import Any
 
 from lightning_diag.core.tags import LossSeries, loss_tag, prefix
 from lightning_diag.report.checks import RunReport, diagnose
-from lightning_diag.report.load import RunData, Series, load_run
+from lightning_diag.report.load import RunData, Series, load_run, read_json
+from lightning_diag.report.rows import _json_safe
+from lightning_diag.report.text import clean, display, md
 
 __all__ = ["RUN_FILE", "Comparison", "compare_runs", "divergence_step", "flatten", "render_comparison"]
 
@@ -107,41 +110,58 @@ class Comparison:
 
     @property
     def names(self) -> list[str]:
-        """The runs' paths."""
-        return [str(r.run.path) for r in self.reports]
+        """The runs' paths (bytes of a folder name that are not UTF-8 as U+FFFD)."""
+        return [display(r.run.path) for r in self.reports]
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {
-            "runs": self.names,
-            "differences": self.differences,
-            "checklist": {
-                ch.id: [next((c.status for c in r.checks if c.id == ch.id), None)
-                              for r in self.reports]
-                for ch in self.reports[0].checks
-            },
-            "alert_counts": self.alert_counts,
-            "first_alerts": self.first_alerts,
-            "metrics": {k: [list(v) if v else None for v in vs] for k, vs in self.metrics.items()},
-            "divergence": self.divergence,
-        }
+        """A JSON-ready dict: non-finite numbers as strings (``"nan"``, ``"inf"``), as in the report's JSON."""
+        return _json_safe(
+            {
+                "runs": self.names,
+                "differences": self.differences,
+                "checklist": {
+                    ch.id: [next((c.status for c in r.checks if c.id == ch.id), None) for r in self.reports]
+                    for ch in self.reports[0].checks
+                },
+                "alert_counts": self.alert_counts,
+                "first_alerts": self.first_alerts,
+                "metrics": {k: [list(v) if v else None for v in vs] for k, vs in self.metrics.items()},
+                "divergence": self.divergence,
+                "problems": [p for r in self.reports for p in r.run.problems],
+            }
+        )
 
 
 def _provenance(run: RunData) -> dict[str, Any]:
+    """The run's ``diag/run.json`` (``{}`` when it has none); one that cannot be read is a line in its problems."""
     path = run.path / "diag" / RUN_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    if not os.path.lexists(path):
         return {}
-    return data if isinstance(data, dict) else {}
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as err:
+        run.problems.append(f"{display(path)}: could not be read ({clean(err)}); no provenance")
+        return {}
+    if not isinstance(data, dict):
+        run.problems.append(f"{display(path)}: not a JSON object; no provenance")
+        return {}
+    return data
 
 
 def _differences(provenance: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
     flat = [flatten(p) for p in provenance]
-    keys = sorted({k for f in flat for k in f}, key=lambda k: (
-        next((i for i, section in enumerate(_ORDER) if k == section or k.startswith(section + ".")), len(_ORDER)), k))
-    return {k: [f.get(k) for f in flat] for k in keys if len({json.dumps(f.get(k), sort_keys=True, default=str)
-                                                             for f in flat}) > 1}
+    keys = sorted(
+        {k for f in flat for k in f},
+        key=lambda k: (
+            next((i for i, section in enumerate(_ORDER) if k == section or k.startswith(section + ".")), len(_ORDER)),
+            k,
+        ),
+    )
+    return {
+        k: [f.get(k) for f in flat]
+        for k in keys
+        if len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flat}) > 1
+    }
 
 
 def _metrics(runs: Sequence[RunData]) -> dict[str, list[tuple[float, float] | None]]:
@@ -206,22 +226,55 @@ def _rows(c: Comparison) -> list[tuple[str, list[list[str]], list[str]]]:
     runs = [f"run {i + 1}" for i in range(len(c.reports))]
     sections: list[tuple[str, list[list[str]], list[str]]] = [
         ("Runs", [[f"run {i + 1}", n] for i, n in enumerate(c.names)], ["run", "path"]),
-        ("Provenance differences (hyperparameters first)",
-         [[k, *(_fmt(v) for v in vs)] for k, vs in c.differences.items()], ["key", *runs]),
-        ("Checklist", [[ch.title, *(next((_status(x) for x in r.checks if x.id == ch.id), "-")
-                                    for r in c.reports)] for ch in c.reports[0].checks], ["check", *runs]),
-        ("Alerts per rule (first alert)",
-         [[rule, *(f"{n} ({f})" if n else "0" for n, f in zip(c.alert_counts[rule], c.first_alerts[rule],
-                                                              strict=True))]
-          for rule in c.alert_counts], ["rule", *runs]),
-        ("Final / best of each loss series",
-         [[tag, *(f"{_fmt(v[0])} / {_fmt(v[1])}" if v else "-" for v in vs)] for tag, vs in c.metrics.items()],
-         ["series", *runs]),
-        ("Training-loss divergence from run 1",
-         [[tag, *("-" if i == 0 else ("never" if s is None else f"step {s}") for i, s in enumerate(steps))]
-          for tag, steps in c.divergence.items()], ["series", *runs]),
+        (
+            "Provenance differences (hyperparameters first)",
+            [[k, *(_fmt(v) for v in vs)] for k, vs in c.differences.items()],
+            ["key", *runs],
+        ),
+        (
+            "Checklist",
+            [
+                [ch.title, *(next((_status(x) for x in r.checks if x.id == ch.id), "-") for r in c.reports)]
+                for ch in c.reports[0].checks
+            ],
+            ["check", *runs],
+        ),
+        (
+            "Alerts per rule (first alert)",
+            [
+                [
+                    rule,
+                    *(
+                        f"{n} ({f})" if n else "0"
+                        for n, f in zip(c.alert_counts[rule], c.first_alerts[rule], strict=True)
+                    ),
+                ]
+                for rule in c.alert_counts
+            ],
+            ["rule", *runs],
+        ),
+        (
+            "Final / best of each loss series",
+            [[tag, *(f"{_fmt(v[0])} / {_fmt(v[1])}" if v else "-" for v in vs)] for tag, vs in c.metrics.items()],
+            ["series", *runs],
+        ),
+        (
+            "Training-loss divergence from run 1",
+            [
+                [tag, *("-" if i == 0 else ("never" if s is None else f"step {s}") for i, s in enumerate(steps))]
+                for tag, steps in c.divergence.items()
+            ],
+            ["series", *runs],
+        ),
     ]
+    problems = [p for r in c.reports for p in r.run.problems]
+    if problems:
+        sections.append(("Problems", [[p] for p in problems], ["problem"]))
     return sections
+
+
+def _h(text: object) -> str:
+    return html.escape(clean(text))
 
 
 def _status(check: Any) -> str:
@@ -231,20 +284,22 @@ def _status(check: Any) -> str:
 def render_comparison(c: Comparison, fmt: str = "md") -> str:
     """The comparison as markdown, JSON or a standalone HTML page."""
     if fmt == "json":
-        return json.dumps(c.to_dict(), indent=2, default=str)
+        return json.dumps(c.to_dict(), indent=2, default=lambda v: clean(v), allow_nan=False)
     sections = _rows(c)
     if fmt == "html":
-        parts = ["<!doctype html><html><head><meta charset='utf-8'><title>lightning-diag compare</title>",
-                 "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:1.5em}"
-                 "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}th{background:#f3f3f3}</style>",
-                 "</head><body><h1>lightning-diag compare</h1>"]
+        parts = [
+            "<!doctype html><html><head><meta charset='utf-8'><title>lightning-diag compare</title>",
+            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:1.5em}"
+            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}th{background:#f3f3f3}</style>",
+            "</head><body><h1>lightning-diag compare</h1>",
+        ]
         for title, rows, header in sections:
-            parts.append(f"<h2>{html.escape(title)}</h2>")
+            parts.append(f"<h2>{_h(title)}</h2>")
             if not rows:
                 parts.append("<p>None.</p>")
                 continue
-            parts.append("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
-            parts += ["<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in rows]
+            parts.append("<table><tr>" + "".join(f"<th>{_h(h)}</th>" for h in header) + "</tr>")
+            parts += ["<tr>" + "".join(f"<td>{_h(cell)}</td>" for cell in row) + "</tr>" for row in rows]
             parts.append("</table>")
         return "\n".join([*parts, "</body></html>"])
     out = ["# lightning-diag compare", ""]
@@ -253,8 +308,8 @@ def render_comparison(c: Comparison, fmt: str = "md") -> str:
         if not rows:
             out += ["None.", ""]
             continue
-        out.append("| " + " | ".join(header) + " |")
+        out.append("| " + " | ".join(md(h) for h in header) + " |")
         out.append("|" + "---|" * len(header))
-        out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+        out += ["| " + " | ".join(md(cell) for cell in row) + " |" for row in rows]
         out.append("")
     return "\n".join(out).rstrip() + "\n"

@@ -10,17 +10,36 @@ run's alerts, else the library's defaults from the rule registry (marked as such
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
+import re
+import stat
+import struct
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from lightning_diag.core.alerts import ALL_RULES, Alert, read_alerts
+from lightning_diag.core.alerts import ALL_RULES, Alert
 from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE
 from lightning_diag.core.registry import default_thresholds
 from lightning_diag.core.tags import prefix
+from lightning_diag.report.text import clean, display, no_surrogates
 
-__all__ = ["ALERTS_FILE", "THRESHOLDS_FILE", "NoDiagnosticsError", "RunData", "Series", "find_runs", "load_run"]
+__all__ = [
+    "ALERTS_FILE",
+    "THRESHOLDS_FILE",
+    "NoDiagnosticsError",
+    "NotRegularFileError",
+    "RunData",
+    "Series",
+    "find_runs",
+    "load_run",
+    "read_json",
+    "read_regular",
+]
 
 _EVENT_PREFIX = "events.out.tfevents"
 _LAYOUT_TAG = "custom_scalars__config__"
@@ -35,6 +54,77 @@ _TAG_OWNERS = {
 
 class NoDiagnosticsError(ValueError):
     """Raised when a log directory holds no lightning_diag diagnostics."""
+
+
+class NotRegularFileError(OSError):
+    """Raised by :func:`read_regular` for a FIFO, socket, device or directory in place of a file."""
+
+
+def read_regular(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of ``path``, read only when it is a regular file (a symbolic link to one is followed).
+
+    Opened without blocking, so a FIFO in place of a file is refused at once instead of waiting for a writer.
+
+    Raises:
+        NotRegularFileError: If ``path`` is not a regular file.
+        OSError: If it cannot be opened or read.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(f"not a regular file ({_kind(mode)}): {display(path)}")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read()
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def _parse_int(text: str) -> int | float:
+    # A number too long for an int (Python caps int() at 4300 digits) or for a float reads as a float (inf).
+    return int(text) if len(text) < 300 else float(text)
+
+
+def _no_surrogates(obj: Any) -> Any:
+    """``obj`` with lone surrogates (valid JSON ``"\\ud800"``, not encodable as UTF-8) replaced by U+FFFD."""
+    if isinstance(obj, str):
+        return no_surrogates(obj)
+    if isinstance(obj, dict):
+        return {_no_surrogates(k): _no_surrogates(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_no_surrogates(v) for v in obj]
+    return obj
+
+
+def _loads(text: str) -> Any:
+    """``json.loads`` that raises only ``ValueError``: for numbers out of range and nesting too deep too."""
+    try:
+        return _no_surrogates(json.loads(text, parse_int=_parse_int))
+    except RecursionError as err:
+        raise ValueError("nested too deeply") from err
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """A JSON file read with :func:`read_regular` (UTF-8, lone surrogates replaced by U+FFFD).
+
+    Raises:
+        OSError: If it is not a regular file or cannot be read.
+        ValueError: If it is not valid UTF-8 or JSON (nesting too deep included).
+    """
+    return _loads(read_regular(path).decode("utf-8"))
 
 
 Series = list[tuple[int, float]]
@@ -52,7 +142,7 @@ class RunData:
         callbacks: The lightning_diag callbacks the run had, with their thresholds (empty if unknown).
         threshold_source: Where :attr:`thresholds` came from.
         has_layout: Whether the event files hold a custom-scalars dashboard layout.
-        problems: Files that could not be read, with the reason.
+        problems: What could not be read or was left out, one line each naming the file and the reason.
     """
 
     path: Path
@@ -74,7 +164,6 @@ class RunData:
         return sorted(t for t in self.scalars if t.startswith(prefix))
 
 
-
 # -- finding and loading runs ---------------------------------------------------------------------------
 
 
@@ -83,19 +172,29 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
 
     A directory is a run when it holds event files, or a ``diag/`` folder with ``alerts.jsonl`` or
     ``thresholds.json``. Event files inside a ``diag/`` folder (the library's own writer, used when the trainer
-    has no TensorBoard logger) belong to the folder's parent.
+    has no TensorBoard logger) belong to the folder's parent. Symbolic links to folders are followed
+    (``logs/latest -> version_3``), each folder is visited once, and a run reached both directly and through a
+    link is listed once, under its own path.
     """
     root = Path(logdir)
-    runs: set[Path] = set()
-    for dirpath, _dirnames, filenames in os.walk(root):
+    runs: dict[str, Path] = {}  # real path -> the path it is listed under
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:  # a link cycle, or a folder reached a second time
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        # real folders before links, so a run reached both ways is listed under its own path
+        dirnames.sort(key=lambda d: (os.path.islink(os.path.join(dirpath, d)), d))
         here = Path(dirpath)
         has_events = any(f.startswith(_EVENT_PREFIX) for f in filenames)
         has_diag_files = here.name == "diag" and (ALERTS_FILE in filenames or THRESHOLDS_FILE in filenames)
         if has_diag_files or (has_events and here.name == "diag" and here != root):
-            runs.add(here.parent)
+            runs.setdefault(os.path.realpath(here.parent), here.parent)
         elif has_events:
-            runs.add(here)
-    return sorted(runs)
+            runs.setdefault(real, here)
+    return sorted(set(runs.values()))
 
 
 def _read_events(directory: Path, run: RunData) -> list[tuple[str, str]]:
@@ -105,13 +204,24 @@ def _read_events(directory: Path, run: RunData) -> list[tuple[str, str]]:
     a run's memory is that of its diagnostics, whatever else (the user's metrics, images, histograms) its event
     files hold.
     """
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.util import tensor_util
 
-    points: dict[str, Series] = {}
+    held: dict[str, Series] = {}
     texts: list[tuple[str, str]] = []
-    for path in sorted(p for p in directory.iterdir() if p.name.startswith(_EVENT_PREFIX) and p.is_file()):
-        for event in EventFileLoader(str(path)).Load():
+    for path in sorted(p for p in directory.iterdir() if p.name.startswith(_EVENT_PREFIX)):
+        points: dict[str, Series] = {}
+        try:
+            data = read_regular(path)
+        except OSError as err:
+            run.problems.append(f"{display(path)}: skipped: {clean(err)}")
+            continue
+        for record in _records(data, path, run.problems):
+            try:
+                event = Event.FromString(record)
+            except Exception as err:  # a record whose checksum matched but that is no event
+                run.problems.append(f"{display(path)}: a record that is not an event was skipped ({clean(err)})")
+                continue
             if not event.HasField("summary"):
                 continue
             step = int(event.step)
@@ -133,9 +243,65 @@ def _read_events(directory: Path, run: RunData) -> list[tuple[str, str]]:
                     array = tensor_util.make_ndarray(value.tensor)
                     if array.size == 1:
                         points.setdefault(name, []).append((step, float(array.reshape(-1)[0])))
-    for name, series in points.items():
+        _append_file(held, points, path, run.problems)
+    for name, series in held.items():
         run.scalars[name] = sorted(run.scalars.get(name, []) + series, key=lambda p: p[0])
     return texts
+
+
+def _append_file(held: dict[str, Series], points: dict[str, Series], path: Path, problems: list[str]) -> None:
+    """Add one event file's points to those of the earlier files of its folder.
+
+    A file whose series start at or before a step the earlier files already hold is a new fit (two fits logged
+    into one ``diag/`` folder, or a resume from an earlier checkpoint): as TensorBoard does, the earlier
+    points from that step on are dropped, so no point is counted twice. Said once per file in ``problems``.
+    """
+    restart: int | None = None
+    for name, series in points.items():
+        series.sort(key=lambda p: p[0])
+        before = held.get(name, [])
+        if before and series and series[0][0] <= before[-1][0]:
+            first = series[0][0]
+            restart = first if restart is None else min(restart, first)
+            before = [p for p in before if p[0] < first]
+        held[name] = before + series
+    if restart is not None:
+        problems.append(
+            f"{display(path)}: a second fit (or a resume) logged into the same folder, restarting at step "
+            f"{restart}: the earlier files' points from that step on are left out, as TensorBoard does"
+        )
+
+
+def _records(data: bytes, path: Path, problems: list[str]) -> Iterator[bytes]:
+    """The records of a TFRecord event file, each checked against its CRC-32C.
+
+    A record whose data fails its checksum (a flipped byte) is skipped and the reading goes on; a damaged
+    length ends the file; each is said in ``problems``. A torn last record (a run killed mid-write, or still
+    writing) ends the file silently, as in TensorBoard.
+    """
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    pos, size, damaged = 0, len(data), 0
+    while pos + 12 <= size:
+        header = data[pos : pos + 8]
+        (length,) = struct.unpack("<Q", header)
+        if struct.unpack("<I", data[pos + 8 : pos + 12])[0] != masked_crc32c(header):
+            problems.append(
+                f"{display(path)}: damaged at byte {pos} (a record length fails its checksum): the "
+                f"{size - pos} bytes from there on are left out"
+            )
+            break
+        end = pos + 12 + length
+        if end + 4 > size:
+            break  # torn last record
+        record = data[pos + 12 : end]
+        pos = end + 4
+        if struct.unpack("<I", data[end:pos])[0] != masked_crc32c(record):
+            damaged += 1
+            continue
+        yield record
+    if damaged:
+        problems.append(f"{display(path)}: {damaged} damaged record(s) (checksum mismatch) left out")
 
 
 def _thresholds_from_text(text: str) -> dict[str, dict[str, float]]:
@@ -158,35 +324,127 @@ def load_run(path: str | os.PathLike[str]) -> RunData:
     diag = run.path / "diag"
     texts: list[tuple[str, str]] = []
     for directory in (run.path, diag):
-        if directory.is_dir() and any(f.name.startswith(_EVENT_PREFIX) for f in directory.iterdir()):
-            try:
-                texts += _read_events(directory, run)
-            except Exception as err:  # a damaged file is reported, never a traceback
-                run.problems.append(f"could not read the event files in {directory}: {err}")
-    if (diag / ALERTS_FILE).is_file():
-        run.alerts = read_alerts(diag / ALERTS_FILE)
-    if (diag / THRESHOLDS_FILE).is_file():
         try:
-            logged = json.loads((diag / THRESHOLDS_FILE).read_text(encoding="utf-8"))
-            run.callbacks = {str(k): {str(r): float(v) for r, v in d.items()} for k, d in logged["callbacks"].items()}
+            if directory.is_dir() and any(f.name.startswith(_EVENT_PREFIX) for f in directory.iterdir()):
+                texts += _read_events(directory, run)
+        except Exception as err:  # an unreadable folder or a damaged file is reported, never a traceback
+            run.problems.append(f"{display(directory)}: could not read the event files: {clean(err)}")
+    if os.path.lexists(diag / ALERTS_FILE):
+        run.alerts = _read_alerts(diag / ALERTS_FILE, run.problems)
+    if os.path.lexists(diag / THRESHOLDS_FILE):
+        path = diag / THRESHOLDS_FILE
+        try:
+            logged = read_json(path)
+            run.callbacks = {str(k): _checked(str(k), d, path, run.problems) for k, d in logged["callbacks"].items()}
             run.threshold_source = f"diag/{THRESHOLDS_FILE}"
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            run.problems.append(f"could not read diag/{THRESHOLDS_FILE}: {err}")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            run.callbacks = {}
+            reason = f"no key {err}" if isinstance(err, KeyError) else clean(err)
+            run.problems.append(f"{display(path)}: could not be read ({reason}); the defaults are used")
     if not run.callbacks and texts:
-        for _name, text in texts:
-            run.callbacks.update(_thresholds_from_text(text))
+        for name, text in texts:
+            for owner, values in _thresholds_from_text(text).items():
+                run.callbacks[owner] = _checked(owner, values, run.path / name, run.problems)
         if run.callbacks:
             run.threshold_source = "diag/thresholds text in the event file"
     for values in run.callbacks.values():
         run.thresholds.update(values)
-    for alert in run.alerts:  # a callback that logged no thresholds still put them in its alerts
-        if alert.threshold is not None and run.callbacks and alert.rule not in run.thresholds:
-            run.thresholds[alert.rule] = alert.threshold
+    # finite thresholds only: an alert line may carry "nan" or 1e400
+    usable = {a.rule: a.threshold for a in run.alerts if a.threshold is not None and math.isfinite(a.threshold)}
+    for rule, threshold in usable.items():  # a callback that logged no thresholds still put them in its alerts
+        if run.callbacks and rule not in run.thresholds:
+            run.thresholds[rule] = threshold
     if not run.callbacks:
         owners = {owner for prefix, owner in _TAG_OWNERS.items() if run.tags(prefix)}
         owners |= {ALL_RULES[a.rule] for a in run.alerts if a.rule in ALL_RULES}
         run.callbacks = {owner: {} for owner in sorted(owners)}
-        from_alerts = {a.rule: a.threshold for a in run.alerts if a.threshold is not None}
-        run.thresholds = {**default_thresholds(), **from_alerts}
+        run.thresholds = {**default_thresholds(), **usable}
         run.threshold_source = "not logged: alert thresholds and the library's current defaults"
     return run
+
+
+def _read_alerts(path: Path, problems: list[str]) -> list[Alert]:
+    """The alerts of an ``alerts.jsonl``; what cannot be read is skipped and said once in ``problems``.
+
+    Bytes that are not UTF-8 are replaced (U+FFFD) and the line is read; a line that is not an alert (bad
+    JSON, nesting too deep, a missing field, a number out of range) is skipped and counted. A torn last line
+    (a run killed mid-write, or still writing) is skipped silently.
+    """
+    try:
+        data = read_regular(path)
+    except OSError as err:
+        problems.append(f"{display(path)}: skipped: {clean(err)}")
+        return []
+    lines = data.split(b"\n")
+    torn = lines.pop() if lines else b""  # after the last newline: empty, or a torn line
+    alerts: list[Alert] = []
+    undecodable, skipped, first = 0, 0, ""
+    for number, raw in enumerate(lines, 1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            undecodable += 1
+            text = raw.decode("utf-8", "replace")
+        if not text.strip():
+            continue
+        try:
+            alerts.append(Alert.from_dict(_loads(text)))
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as err:
+            skipped += 1
+            if not first:
+                reason = f"no field {err}" if isinstance(err, KeyError) else clean(err)
+                first = f"line {number}: {reason}"
+    if torn.strip():
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError, OverflowError):
+            alerts.append(Alert.from_dict(_loads(torn.decode("utf-8", "replace"))))
+    if undecodable:
+        problems.append(f"{display(path)}: {undecodable} line(s) with bytes that are not UTF-8, read with U+FFFD")
+    if skipped:
+        problems.append(f"{display(path)}: {skipped} line(s) that are not alerts were skipped (first at {first})")
+    return alerts
+
+
+# Settings that count something (measurements, steps, samples): a whole number of at least 1 (0 allowed for
+# warm-ups and maxima), at most _MAX_COUNT.
+_COUNT = re.compile(
+    r"(patience|window|steps|measurements|size|count|snapshots|num_perm|queries|batches|leaks|"
+    r"rollbacks|skips|overflows|every_n)"
+)
+_MAX_COUNT = 1_000_000
+
+
+def _checked(owner: str, values: Any, path: Path, problems: list[str]) -> dict[str, float]:
+    """One callback's logged thresholds, each a finite number (counts whole and in range); an entry that is
+    not is replaced by the library's declared default, with a line in ``problems``."""
+    defaults = default_thresholds()
+    out: dict[str, float] = {}
+    for key, raw in values.items():
+        key = str(key)
+        why = _invalid(key, raw, defaults.get(key))
+        if why is None:
+            out[key] = float(raw)
+            continue
+        fallback = defaults.get(key)
+        used = f"the default {fallback:g} is used" if fallback is not None else "left out (no declared default)"
+        problems.append(f"{display(path)}: {clean(owner)} {clean(key)} = {clean(repr(raw))[:40]} {why}; {used}")
+        if fallback is not None:
+            out[key] = fallback
+    return out
+
+
+def _invalid(key: str, raw: Any, fallback: float | None) -> str | None:
+    """Why a logged threshold cannot be used, or ``None``."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        return "is not a number"
+    try:
+        value = float(raw)
+    except OverflowError:
+        return "is too large"
+    if not math.isfinite(value):
+        return "is not finite"
+    name = key.rsplit(".", 1)[-1]
+    if "." in key and fallback is not None and fallback == int(fallback) and _COUNT.search(name):
+        low = 0 if ("warmup" in name or name.startswith("max_")) else 1
+        if value != int(value) or not low <= value <= _MAX_COUNT:
+            return f"is not a whole number in {low} .. {_MAX_COUNT}"
+    return None

@@ -18,6 +18,7 @@ draws are defined once, there and in :mod:`lightning_diag.core.tags`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from pathlib import Path
@@ -32,6 +33,7 @@ import numpy as np
 from lightning_diag.core.alerts import ALL_RULES
 from lightning_diag.core.tags import attn_head, grad_layer, grad_total_tag, threshold_rule, threshold_tag
 from lightning_diag.output.dashboard import dashboard_layout
+from lightning_diag.report.text import clean, display
 from lightning_diag.rules.catalog import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW
 
 if TYPE_CHECKING:
@@ -89,8 +91,7 @@ def _charts(run: RunData, section: str) -> list[_Chart]:
     for title, (_kind, patterns) in dashboard_layout(known).get(section, {}).items():
         compiled = [re.compile(p) for p in patterns]
         series = {
-            t: s for t, s in run.scalars.items()
-            if threshold_rule(t) is None and any(c.match(t) for c in compiled)
+            t: s for t, s in run.scalars.items() if threshold_rule(t) is None and any(c.match(t) for c in compiled)
         }
         if not series:
             continue
@@ -117,8 +118,13 @@ def _draw_chart(ax: Any, run: RunData, chart: _Chart) -> None:
     else:
         few = max(len(s) for s in chart.series.values()) <= 3
         for tag in names:
-            ax.plot(*_xy(chart.series[tag]), marker="o" if few else None, markersize=4, linewidth=1.0,
-                    label=tag.split("/", 2)[-1])
+            ax.plot(
+                *_xy(chart.series[tag]),
+                marker="o" if few else None,
+                markersize=4,
+                linewidth=1.0,
+                label=tag.split("/", 2)[-1],
+            )
         ax.set_xlabel("step")
     for rule, color in zip(chart.rules, _THRESHOLD_COLORS, strict=False):
         ax.axhline(run.thresholds[rule], color=color, linestyle="--", linewidth=1.2, label=f"{rule} threshold")
@@ -214,8 +220,17 @@ def _loss(run: RunData, path: Path) -> bool:
 
 
 def draw_run(run: RunData, out_dir: Path) -> list[Path]:
-    """Draw every plot the run has data for into ``out_dir``; return the files written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Draw every plot the run has data for into ``out_dir``; return the files written.
+
+    A plot that fails (a series tag holding matplotlib mathtext such as ``$\\foo$``, a full disk) is skipped
+    with a line in ``run.problems``; the others are drawn. A folder that cannot be created skips them all,
+    said the same way.
+    """
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        run.problems.append(f"{display(out_dir)}: plots skipped, the folder cannot be created ({clean(err)})")
+        return []
     written = []
     drawings = (
         ("grad_norms", _grad_norms),
@@ -227,6 +242,15 @@ def draw_run(run: RunData, out_dir: Path) -> list[Path]:
     )
     for name, draw in drawings:
         path = out_dir / f"{name}.png"
-        if draw(run, path):
-            written.append(path)
+        open_before = set(plt.get_fignums())
+        try:
+            if draw(run, path):
+                written.append(path)
+        except Exception as err:  # one bad plot is skipped, never the report
+            for number in set(plt.get_fignums()) - open_before:
+                plt.close(number)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+            why = clean(f"{type(err).__name__}: {err}")[:300]
+            run.problems.append(f"{display(path)}: plot skipped ({why})")
     return written

@@ -24,8 +24,10 @@ __all__: list[str] = []
 @measure("loss_surface")
 def _measure_loss_surface(run: RunData, check: Check) -> bool:
     check.threshold = RULES[SHARP_MINIMUM].describe(run.thresholds)
-    check.threshold_value = {"value": _setting(run, SHARP_MINIMUM),
-                             "patience": _setting(run, f"{SHARP_MINIMUM}.patience")}
+    check.threshold_value = {
+        "value": _setting(run, SHARP_MINIMUM),
+        "patience": _setting(run, f"{SHARP_MINIMUM}.patience"),
+    }
     gaps = _finite(run.scalars.get(sharpness_tag("gap"), []))
     if not gaps:
         return False
@@ -58,8 +60,10 @@ def _layer_series(run: RunData, measure_name: str) -> dict[int, dict[str, float]
 @measure("deploy_quantization_error")
 def _measure_quantization(run: RunData, check: Check) -> bool:
     check.threshold = RULES[QUANTIZATION_ERROR].describe(run.thresholds)
-    check.threshold_value = {"value": _setting(run, QUANTIZATION_ERROR),
-                             "layer_ratio": _setting(run, f"{QUANTIZATION_ERROR}.layer_ratio")}
+    check.threshold_value = {
+        "value": _setting(run, QUANTIZATION_ERROR),
+        "layer_ratio": _setting(run, f"{QUANTIZATION_ERROR}.layer_ratio"),
+    }
     errors = _finite(run.scalars.get(quant_tag("end_to_end"), []))
     if not errors:
         return False

@@ -10,8 +10,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
-from lightning_diag.core.alerts import ALERT_COLUMNS, alert_cells, alert_table_markdown
+from lightning_diag.core.alerts import ALERT_COLUMNS, alert_cells
 from lightning_diag.report.checks import RunReport
+from lightning_diag.report.text import clean, display, md, url
 
 __all__ = ["FORMATS", "Format", "render", "render_stream"]
 
@@ -22,7 +23,17 @@ _MARK = {"pass": "PASS", "fail": "FAIL", "not measured": "not measured"}
 
 
 def _md_cell(text: object) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    return md(text)
+
+
+def _e(text: object) -> str:
+    """HTML-escaped, control characters removed."""
+    return html.escape(clean(text))
+
+
+def _link(path: Path, base: Path | None) -> str:
+    """A plot's link: relative to the report's folder and URL-encoded, or its absolute path."""
+    return url(os.path.relpath(path, base)) if base is not None else url(path)
 
 
 def _render_md(reports: Sequence[RunReport], plot_base: Path | None) -> str:
@@ -34,10 +45,10 @@ def _md_run(rep: RunReport, plot_base: Path | None) -> list[str]:
     run = rep.run
     c = rep.counts
     out += [
-        f"## Run `{run.path}`",
+        f"## Run {md(display(run.path))}",
         "",
         f"{c['fail']} fail, {c['pass']} pass, {c['not measured']} not measured. "
-        f"Callbacks: {', '.join(sorted(run.callbacks)) or 'unknown'}. Thresholds: {run.threshold_source}. "
+        f"Callbacks: {md(', '.join(sorted(run.callbacks))) or 'unknown'}. Thresholds: {md(run.threshold_source)}. "
         f"Dashboard layout: {'yes' if run.has_layout else 'no'}.",
         "",
         "### Checklist",
@@ -48,7 +59,7 @@ def _md_run(rep: RunReport, plot_base: Path | None) -> list[str]:
     for ch in rep.checks:
         alerts = f"{ch.alerts} (first at step {ch.first_alert_step})" if ch.alerts else "0"
         out.append(
-            f"| {ch.layer} | {_md_cell(ch.title)} | **{_MARK[ch.status]}** | {_md_cell(ch.measured or '-')} "
+            f"| {_md_cell(ch.layer)} | {_md_cell(ch.title)} | **{_MARK[ch.status]}** | {_md_cell(ch.measured or '-')} "
             f"| {_md_cell(ch.threshold)} | {alerts} | {_md_cell(ch.note)} |"
         )
     out += ["", "### Alert timeline", ""]
@@ -56,14 +67,15 @@ def _md_run(rep: RunReport, plot_base: Path | None) -> list[str]:
     if not timeline:
         out.append("No alerts.")
     else:
-        out += alert_table_markdown(timeline)
+        out += ["| " + " | ".join(ALERT_COLUMNS) + " |", "|" + "---|" * len(ALERT_COLUMNS)]
+        out += ["| " + " | ".join(_md_cell(c) for c in alert_cells(a)) + " |" for a in timeline]
     if rep.plots:
         out += ["", "### Plots", ""]
-        for p in rep.plots:
-            target = os.path.relpath(p, plot_base) if plot_base is not None else str(p)
-            out.append(f"![{p.stem}]({target})")
-    for problem in [*run.problems, *([rep.plot_note] if rep.plot_note else [])]:
-        out += ["", f"> {problem}"]
+        out += [f"![{md(p.stem)}]({_link(p, plot_base)})" for p in rep.plots]
+    problems = [*run.problems, *([rep.plot_note] if rep.plot_note else [])]
+    if problems:
+        out += ["", "### Problems", ""]
+        out += [f"- {md(problem)}" for problem in problems]
     out.append("")
     return out
 
@@ -76,7 +88,7 @@ img{max-width:100%;border:1px solid #ddd;margin:0.5em 0}"""
 
 def _img_src(path: Path, base: Path | None) -> str:
     if base is not None:
-        return html.escape(os.path.relpath(path, base))
+        return html.escape(_link(path, base))
     data = base64.b64encode(path.read_bytes()).decode("ascii")
     return f"data:image/png;base64,{data}"
 
@@ -93,10 +105,10 @@ def _render_html(reports: Sequence[RunReport], plot_base: Path | None) -> str:
 
 
 def _html_run(rep: RunReport, plot_base: Path | None) -> list[str]:
-    e = html.escape
+    e = _e
     out: list[str] = []
     run, c = rep.run, rep.counts
-    out.append(f"<h2>Run <code>{e(str(run.path))}</code></h2>")
+    out.append(f"<h2>Run <code>{e(display(run.path))}</code></h2>")
     out.append(
         f"<p>{c['fail']} fail, {c['pass']} pass, {c['not measured']} not measured. Callbacks: "
         f"{e(', '.join(sorted(run.callbacks)) or 'unknown')}. Thresholds: {e(run.threshold_source)}.</p>"
@@ -121,8 +133,9 @@ def _html_run(rep: RunReport, plot_base: Path | None) -> list[str]:
     if rep.plots:
         out.append("<h3>Plots</h3>")
         out += [f"<img alt='{e(p.stem)}' src='{_img_src(p, plot_base)}'>" for p in rep.plots]
-    for problem in [*run.problems, *([rep.plot_note] if rep.plot_note else [])]:
-        out.append(f"<p><em>{e(problem)}</em></p>")
+    problems = [*run.problems, *([rep.plot_note] if rep.plot_note else [])]
+    if problems:
+        out.append("<h3>Problems</h3><ul>" + "".join(f"<li>{e(p)}</li>" for p in problems) + "</ul>")
     return out
 
 
