@@ -156,6 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, f in enumerate(last.get("findings", [])):
         print(f"| {i} | {f['size']} | {f['share']:.1%} | {f['error_rate']:.3f} | {f['rest_error_rate']:.3f} | "
               f"{f['lift']:.2f}x | {f['p_adjusted']:.1e} | {', '.join(f['features'])} |")
+    if last.get("slices"):
+        top = last["slices"][0]
+        print(f"most significant slice: {', '.join(top['features'])}: {top['share']:.1%} of the samples, error rate "
+              f"{top['error_rate']:.3f}, lift {top['lift']:.2f}x, p {top['p_value']:.1e} ({top['p_adjusted']:.1e} "
+              "corrected)")
     alerts = [a for a in callback.alerts if a.rule == "error_cluster"]
     print(f"error_cluster alerts: {len(alerts)}")
     for a in alerts:

@@ -269,6 +269,65 @@ def test_inputs_without_tokens_or_embed_are_sliced_by_label_only_and_told_so(tmp
     assert caplog.text.count("the batch has no token ids") == 1
 
 
+class TinyLM(pl.LightningModule):
+    """A bigram language model; batches of dicts whose ``labels`` are the ``input_ids`` (shifted by the callback)."""
+
+    def __init__(self, train, val):
+        super().__init__()
+        self.train_set, self.val_set = train, val
+        self.emb, self.out = nn.Embedding(LM_VOCAB, 32), nn.Linear(32, LM_VOCAB)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["input_ids"])[:, :-1]
+        return nn.functional.cross_entropy(logits.reshape(-1, LM_VOCAB), batch["labels"][:, 1:].reshape(-1))
+
+    def validation_step(self, batch, batch_idx):
+        return {"logits": self(batch["input_ids"])}
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=50, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=100)
+
+
+LM_VOCAB, LM_MARKER = 50, 3
+
+
+def counting_task(n, seed):
+    """Sequences that count up from a random start (learnable), except 12% that open with token 3 and go on at
+    random; the last 3 positions are padding (attention mask 0)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = (torch.randint(5, LM_VOCAB, (n, 1), generator=g) + torch.arange(16)) % (LM_VOCAB - 5) + 5
+    hard = torch.rand(n, generator=g) < 0.12
+    ids[hard] = torch.randint(5, LM_VOCAB, (int(hard.sum()), 16), generator=g)
+    ids[hard, 0] = LM_MARKER
+    mask = torch.ones_like(ids)
+    mask[:, -3:] = 0
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": ids[i]} for i in range(n)]
+
+
+def test_a_token_task_is_searched_on_each_sequences_token_error_rate(tmp_path):
+    torch.manual_seed(0)
+    callback = ErrorAnalysis()
+    trainer = pl.Trainer(max_epochs=2, callbacks=[callback], default_root_dir=tmp_path, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                         logger=False)
+    trainer.fit(TinyLM(counting_task(1000, 1), counting_task(500, 2)))
+    assert callback.last["task"] == "tokens" and "confusion_matrix" not in callback.last
+    found = callback.last["findings"]
+    assert found and found[0]["features"][0] == str(LM_MARKER), found
+    assert 0.08 <= found[0]["share"] <= 0.16 and found[0]["lift"] >= 3
+    assert not any(f.startswith("label=") for s in callback.last["slices"] for f in s["features"])
+    assert [a.rule for a in callback.alerts] == ["error_cluster"]
+
+
 def test_alpha_is_a_checked_field_that_the_rule_keeps_across_fits():
     callback = ErrorAnalysis()
     assert callback.alpha == callback.rule.alpha == 0.01
