@@ -1,10 +1,11 @@
-"""ErrorAnalysis: which validation inputs the model gets wrong, clustered, with the group that fails most named."""
+"""ErrorAnalysis: the groups of validation inputs (slices sharing a feature) the model gets wrong far more often."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,14 +18,26 @@ from lightning_diag.core.files import write_json
 from lightning_diag.core.tags import errors_tag
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.batches import is_int_tensor, token_ids
-from lightning_diag.rules.errors import DEFAULT_ERROR_RATIO, DEFAULT_MIN_SHARE, ErrorClusterRule
+from lightning_diag.rules.errors import (
+    ALPHA,
+    DEFAULT_ERROR_RATIO,
+    DEFAULT_MIN_SHARE,
+    ErrorClusterRule,
+    describe_feature,
+)
 
 __all__ = ["DEFAULT_MAX_SAMPLES", "ERRORS_FILE", "ErrorAnalysis", "Predictions"]
 
-#: Validation samples kept per analysed validation, at most (bounds memory and the clustering's time).
+#: Validation samples kept per analysed validation, at most (bounds memory and the search's time).
 DEFAULT_MAX_SAMPLES = 4096
-#: Fewest wrong samples worth clustering.
+#: Fewest wrong samples worth searching.
 DEFAULT_MIN_ERRORS = 10
+#: The smallest slice tested, in samples, whatever ``min_share`` gives.
+MIN_SLICE_SAMPLES = 5
+#: Slices listed in ``errors.json`` (the most significant), besides the findings.
+_LISTED_SLICES = 20
+#: Slices shown in the TensorBoard table below the findings.
+_TABLE_SLICES = 5
 #: Per-class precision and recall are logged for at most this many classes.
 _MAX_CLASS_SCALARS = 32
 ERRORS_FILE = "errors.json"
@@ -51,9 +64,10 @@ def default_predictions(pl_module: pl.LightningModule, batch: Any, outputs: Any)
     """What ``validation_step`` returned, read as predictions, and the labels.
 
     ``outputs`` is a logits tensor, or a dict with ``"logits"`` or ``"preds"`` (and optionally ``"labels"`` /
-    ``"target"``); the labels default to the batch's (``batch["labels"]`` and the other usual keys, or the last
-    element of a tuple batch). Logits ``[B, T, V]`` against labels that are the batch's own ``input_ids`` (a
-    causal LM, which Hugging Face shifts itself) are compared one position ahead.
+    ``"target"``, and ``"metadata"``, read by :class:`ErrorAnalysis` itself); the labels default to the batch's
+    (``batch["labels"]`` and the other usual keys, or the last element of a tuple batch). Logits ``[B, T, V]``
+    against labels that are the batch's own ``input_ids`` (a causal LM, which Hugging Face shifts itself) are
+    compared one position ahead.
     """
     preds: Any
     labels: Any
@@ -77,40 +91,53 @@ def default_predictions(pl_module: pl.LightningModule, batch: Any, outputs: Any)
 
 
 class ErrorAnalysis(DiagCallback):
-    """Clusters the validation samples the model gets wrong and names the group that fails most (seed 001 §2.2).
+    """Finds the groups of validation samples the model gets wrong far more often than the rest (seed 001 §2.2).
 
     At validation end (every ``every_n_validations`` validations of a fit, never the sanity check), the
     samples seen by ``validation_step`` (up to ``max_samples``) are scored: classification samples are wrong
     when the argmax differs from the label; token tasks score each sequence by its token error rate (labels
-    ``-100`` ignored) and count it wrong when that rate is above the validation set's mean. Each sample's
-    features are TF-IDF over its token ids (unigrams and bigrams; padding excluded by the attention mask), or
-    ``embed(pl_module, batch)``'s rows. K-Means, with k chosen by silhouette within ``k_range``, is fitted on
-    the wrong samples; every sample is then assigned to a cluster and each cluster's error rate is measured on
-    all of its samples (:mod:`lightning_diag.stats.error_clusters`). Nothing runs on training steps.
+    ``-100`` ignored) and count it wrong when that rate is above the validation set's mean. Then a **slice
+    search** (:mod:`lightning_diag.stats.error_slices`, as SliceFinder and SliceLine do): a slice is the samples
+    sharing a feature, namely a token-id unigram or bigram present (padding excluded by the attention mask), the
+    true label (classification), a metadata value (a ``"metadata"`` dict of per-sample values returned by
+    ``validation_step``: ``{"logits": ..., "metadata": {"source": [...]}}``), or, with ``embed=``, a cluster of
+    the embeddings (K-Means for every k in ``k_range``, :mod:`lightning_diag.stats.error_clusters`). Every slice
+    holding at least ``min_share`` of the samples is judged on its error rate against the rest: lift (its rate
+    over the overall rate) and a one-sided Fisher exact p-value, Bonferroni-corrected for the slices tested.
+    Slices that qualify and hold nearly the same samples (Jaccard >= 0.5) are merged into one finding that lists
+    their features. Nothing runs on training steps.
 
-    Rule ``error_cluster`` (warning): a cluster whose error rate is at least ``ratio`` times the overall rate
-    and which holds at least ``min_share`` of the validation samples; the message names its top tokens (decoded
-    with ``tokenizer.decode`` when given), its majority true and predicted labels, size and error rate.
+    Rule ``error_cluster`` (warning): a finding whose lift is at least ``ratio``, which holds at least
+    ``min_share`` of the samples, and whose corrected p-value is at most :attr:`alpha`; the message names its
+    defining features (tokens decoded with ``tokenizer.decode`` when given), size, error rate against the
+    rest's, lift, p-value and majority true and predicted labels.
 
-    Logged (global rank zero): ``diag/errors/rate`` (overall), ``diag/errors/worst_cluster_rate``,
-    ``diag/errors/worst_cluster_share``, ``diag/errors/clusters`` (k), per class ``diag/errors/precision/
-    class_<c>`` and ``diag/errors/recall/class_<c>`` (classification, first 32 classes), a markdown table as
-    TensorBoard text ``diag/errors/clusters``, and ``<log_dir>/diag/errors.json`` (clusters, confusion matrix).
+    Logged (global rank zero): ``diag/errors/rate`` (overall), ``diag/errors/worst_cluster_rate`` and
+    ``diag/errors/worst_cluster_share`` (the first finding's, else the most significant slice's),
+    ``diag/errors/clusters`` (the number of findings), per class ``diag/errors/precision/class_<c>`` and
+    ``diag/errors/recall/class_<c>`` (classification, first 32 classes), a markdown table as TensorBoard text
+    ``diag/errors/clusters``, and ``<log_dir>/diag/errors.json`` (findings, most significant slices, confusion
+    matrix).
+
+    Attributes:
+        alpha: The significance level of ``error_cluster`` (Bonferroni-corrected p-value at most this;
+            :data:`~lightning_diag.rules.errors.ALPHA`, 0.01). Set it on the instance before the fit.
 
     Args:
         every_n_validations: Analyse every this many validations.
         max_samples: Validation samples kept per analysis (memory and time budget; later batches are skipped).
-        ratio: ``error_cluster``'s ratio of a cluster's error rate to the overall rate.
-        min_share: ``error_cluster``'s smallest cluster, as a share of the validation samples.
-        min_errors: Fewest wrong samples to cluster.
-        k_range: ``(low, high)`` numbers of clusters tried.
-        embed: ``embed(pl_module, batch) -> Tensor[B, D]`` features instead of TF-IDF (needed for inputs
-            without token ids).
+        ratio: ``error_cluster``'s lift: a group's error rate over the overall rate.
+        min_share: ``error_cluster``'s smallest group, as a share of the validation samples (also the smallest
+            slice tested).
+        min_errors: Fewest wrong samples to search.
+        k_range: ``(low, high)``: with ``embed=``, K-Means is fitted for every k in this range.
+        embed: ``embed(pl_module, batch) -> Tensor[B, D]``: embedding clusters as slices too (the only
+            features besides labels and metadata for inputs without token ids).
         predict: ``predict(pl_module, batch, outputs) -> (predictions, labels)`` instead of reading what
             ``validation_step`` returned (:func:`default_predictions`).
-        tokenizer: Anything with ``decode(list[int]) -> str``, to print the top tokens as text.
-        top_tokens: Distinguishing tokens named per cluster.
-        seed: Seed of the clustering.
+        tokenizer: Anything with ``decode(list[int]) -> str``, to print the token features as text.
+        top_tokens: Defining features listed per finding in the TensorBoard table.
+        seed: Seed of the embedding clusters.
         on_alert: Called with each alert as it is recorded (global rank zero).
 
     Raises:
@@ -119,6 +146,7 @@ class ErrorAnalysis(DiagCallback):
     """
 
     extra_state_keys = ("validations",)
+    _alpha: float = ALPHA
 
     def __init__(
         self,
@@ -157,17 +185,32 @@ class ErrorAnalysis(DiagCallback):
         self.embed, self.predict, self.tokenizer = embed, predict, tokenizer
         self.top_tokens = check_int("top_tokens", top_tokens, low=1)
         self.seed = check_int("seed", seed, low=0)
-        self.rule = self.add_rule("rule", ErrorClusterRule.from_settings)
+        self.rule = self.add_rule("rule", self._build_rule)
         self.validations = 0
         self.last: dict[str, Any] | None = None
         self._reset_buffers()
         self._active = False
 
+    @property
+    def alpha(self) -> float:
+        """``error_cluster``'s significance level (see the class's Attributes)."""
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        self._alpha = check_number("alpha", value, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+        self.rule.alpha = self._alpha
+
+    def _build_rule(self, thresholds: Mapping[str, float | None]) -> ErrorClusterRule:
+        return ErrorClusterRule.from_settings(thresholds, alpha=self._alpha)
+
     def _reset_buffers(self) -> None:
         self._errors: list[float] = []
         self._labels: list[int] = []
         self._preds: list[int] = []
-        self._features: list[Any] = []
+        self._tokens: list[np.ndarray | None] = []
+        self._embeddings: list[np.ndarray] = []
+        self._metadata: list[dict[str, str]] = []
         self._classification = True
 
     # -- state ----------------------------------------------------------------------------------------------
@@ -214,15 +257,23 @@ class ErrorAnalysis(DiagCallback):
                               "([B] or [B, C], [B]) or ([B, T] or [B, T, V], [B, T])")
                 return
             errors, labels, preds = scored
-            features = self._batch_features(pl_module, batch, len(errors))
-            if features is None:
-                self._give_up(trainer, "the batch has no token ids: pass embed=(pl_module, batch) -> Tensor[B, D]")
+            size = len(errors)
+            tokens = self._batch_tokens(batch, size)
+            embeddings = self._batch_embeddings(trainer, pl_module, batch, size) if self.embed is not None else None
+            if self.embed is not None and embeddings is None:
                 return
+            metadata = self._batch_metadata(trainer, outputs, size)
+        if tokens is None and self.embed is None:
+            self.notice(trainer, "no-tokens", "the batch has no token ids: only label and metadata slices are "
+                        "searched; pass embed=(pl_module, batch) -> Tensor[B, D] for clusters of the inputs")
         room = self.max_samples - len(self._errors)
         self._errors.extend(errors[:room])
         self._labels.extend(labels[:room])
         self._preds.extend(preds[:room])
-        self._features.extend(features[:room])
+        self._tokens.extend((tokens or [None] * size)[:room])
+        if embeddings is not None:
+            self._embeddings.extend(embeddings[:room])
+        self._metadata.extend(metadata[:room])
 
     def _give_up(self, trainer: pl.Trainer, why: str) -> None:
         self._active = False
@@ -244,25 +295,59 @@ class ErrorAnalysis(DiagCallback):
         rates = torch.where(counts > 0, wrong / counts.clamp(min=1), torch.full_like(wrong, math.nan))
         return rates.tolist(), [-1] * len(rates), [-1] * len(rates)
 
-    def _batch_features(self, pl_module: pl.LightningModule, batch: Any, size: int) -> list[Any] | None:
-        if self.embed is not None:
-            rows = self.embed(pl_module, batch)
-            return list(rows.detach().float().cpu().reshape(size, -1).numpy())
+    def _batch_embeddings(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, size: int
+    ) -> list[np.ndarray] | None:
+        assert self.embed is not None
+        rows = self.embed(pl_module, batch)
+        if not isinstance(rows, torch.Tensor) or rows.numel() == 0 or rows.shape[0] != size:
+            self._give_up(trainer, f"embed= returned {type(rows).__name__} "
+                          f"{tuple(rows.shape) if isinstance(rows, torch.Tensor) else ''}: expected a Tensor[B, D] "
+                          f"with B = {size}, the batch's samples")
+            return None
+        return list(rows.detach().float().cpu().reshape(size, -1).numpy())
+
+    @staticmethod
+    def _batch_tokens(batch: Any, size: int) -> list[np.ndarray | None] | None:
         ids = token_ids(batch)
-        if ids is None or ids.shape[0] != size:
+        if ids is None or ids.dim() != 2 or ids.shape[0] != size:
             return None
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         ids = ids.detach().cpu()
         keep = mask.detach().cpu().bool() if isinstance(mask, torch.Tensor) and mask.shape == ids.shape else None
         return [row[keep[i]].numpy() if keep is not None else row.numpy() for i, row in enumerate(ids)]
 
+    def _batch_metadata(self, trainer: pl.Trainer, outputs: Any, size: int) -> list[dict[str, str]]:
+        fields = outputs.get("metadata") if isinstance(outputs, dict) else None
+        rows: list[dict[str, str]] = [{} for _ in range(size)]
+        if fields is None:
+            return rows
+        if not isinstance(fields, Mapping):
+            self.notice(trainer, "metadata-type", f"`validation_step`'s 'metadata' is a {type(fields).__name__}, "
+                        "not a dict of field -> per-sample values: it is ignored")
+            return rows
+        for name, values in fields.items():
+            if isinstance(values, torch.Tensor):
+                values = values.detach().cpu().reshape(-1).tolist() if values.numel() == size else None
+            elif isinstance(values, (list, tuple, np.ndarray)) and len(values) != size:
+                values = None
+            if values is None or not isinstance(values, (list, tuple, np.ndarray)) or "=" in str(name):
+                self.notice(trainer, f"metadata-{name}", f"metadata field {name!r} is not one value per sample "
+                            f"({size}) under a name without '=': it is ignored")
+                continue
+            for row, value in zip(rows, values, strict=True):
+                if value is not None:
+                    row[str(name)] = str(value)
+        return rows
+
     # -- analysis ---------------------------------------------------------------------------------------------
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Gather the samples from every rank, cluster, log and judge (every rank decides the same)."""
+        """Gather the samples from every rank, search the slices, log and judge (every rank decides the same)."""
         if not self._active:
             return
         self._active = False
-        mine = (self._errors, self._labels, self._preds, self._features, self._classification)
+        mine = (self._errors, self._labels, self._preds, self._tokens, self._embeddings, self._metadata,
+                self._classification)
         parts = [mine]
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             parts = [None] * torch.distributed.get_world_size()  # type: ignore[list-item]
@@ -270,63 +355,78 @@ class ErrorAnalysis(DiagCallback):
         errors = np.array([e for p in parts for e in p[0]], dtype=float)
         labels = np.array([v for p in parts for v in p[1]])
         preds = np.array([v for p in parts for v in p[2]])
-        features = [f for p in parts for f in p[3]]
-        classification = all(p[4] for p in parts)
+        tokens = [t for p in parts for t in p[3]]
+        embeddings = [e for p in parts for e in p[4]]
+        metadata = [m for p in parts for m in p[5]]
+        classification = all(p[6] for p in parts)
         self._reset_buffers()
         keep = np.isfinite(errors)
         if keep.sum() < self.min_errors:
             return
         errors, labels, preds = errors[keep], labels[keep], preds[keep]
-        features = [f for f, k in zip(features, keep, strict=True) if k]
-        self._analyse(trainer, errors, labels, preds, features, classification)
+        tokens = [t for t, k in zip(tokens, keep, strict=True) if k]
+        metadata = [m for m, k in zip(metadata, keep, strict=True) if k]
+        matrix = np.stack(embeddings)[keep] if len(embeddings) == len(keep) and embeddings else None
+        self._analyse(trainer, _Samples(errors, labels, preds, tokens, matrix, metadata, classification))
 
-    def _analyse(
-        self,
-        trainer: pl.Trainer,
-        errors: np.ndarray,
-        labels: np.ndarray,
-        preds: np.ndarray,
-        features: list[Any],
-        classification: bool,
-    ) -> None:
-        from lightning_diag.stats.error_clusters import cluster_stats, fit_error_clusters, tfidf_features
+    def _slice_features(self, samples: _Samples, wrong: np.ndarray, min_count: int) -> Any:
+        from lightning_diag.stats.error_clusters import embedding_clusters
+        from lightning_diag.stats.error_slices import stack_features, token_features, value_features
 
+        parts = []
+        if all(t is not None for t in samples.tokens):
+            parts.append(token_features([t for t in samples.tokens if t is not None], min_count))
+        if samples.classification:
+            parts.append(value_features(samples.labels.tolist(), "label", min_count))
+        for field in sorted({name for row in samples.metadata for name in row}):
+            parts.append(value_features([row.get(field) for row in samples.metadata], field, min_count))
+        if samples.embeddings is not None:
+            clusters = embedding_clusters(samples.embeddings, wrong, self.k_range, self.seed)
+            if clusters is not None:
+                parts.append(clusters)
+        parts = [p for p in parts if p.members.shape[1] > 0]
+        return stack_features(parts) if parts else None
+
+    def _analyse(self, trainer: pl.Trainer, samples: _Samples) -> None:
+        from lightning_diag.stats.error_slices import find_slices, merge_slices
+
+        errors, labels, preds, classification = samples.errors, samples.labels, samples.preds, samples.classification
         overall = float(errors.mean())
         wrong = errors > 0.5 if classification else errors > overall
         step = trainer.global_step
+        min_count = max(MIN_SLICE_SAMPLES, math.ceil(self.rule.min_share * len(errors)))
         values: dict[str, float] = {errors_tag("rate"): overall}
         report: dict[str, Any] = {"step": step, "epoch": trainer.current_epoch, "samples": len(errors),
                                   "error_rate": overall, "task": "classification" if classification else "tokens",
-                                  "clusters": []}
+                                  "min_slice_samples": min_count, "alpha": self.rule.alpha, "slices_tested": 0,
+                                  "findings": [], "slices": []}
         if classification:
             report.update(self._per_class(labels, preds, values))
-        clusters: list[Any] = []
-        if int(wrong.sum()) >= self.min_errors:
-            if self.embed is not None:
-                matrix: Any = np.stack(features)
-                matrix = (matrix - matrix.mean(0)) / (matrix.std(0) + 1e-8)
-                names = None
-            else:
-                matrix, names = tfidf_features(features)
-            fitted = fit_error_clusters(matrix, wrong, self.k_range, self.seed)
-            if fitted is not None:
-                clusters = cluster_stats(fitted, matrix, errors, wrong, names,
-                                         labels if classification else None, preds if classification else None,
-                                         self.top_tokens)
-                report["k"], report["silhouette"] = fitted.k, fitted.silhouette
-                report["clusters"] = [c.to_dict() for c in clusters]
-                values[errors_tag("clusters")] = float(fitted.k)
-        if clusters:
-            values[errors_tag("worst_cluster_rate")] = clusters[0].error_rate
-            values[errors_tag("worst_cluster_share")] = clusters[0].share
+        findings: list[Any] = []
+        slices: list[Any] = []
+        if int(wrong.sum()) >= self.min_errors and overall > 0:
+            features = self._slice_features(samples, wrong, min_count)
+            if features is not None:
+                slices, tested = find_slices(features, errors, wrong, min_count)
+                findings = merge_slices(slices, features, wrong, labels if classification else None,
+                                        preds if classification else None, keep=self.rule.qualifies)
+                findings = self.rule.qualifying(findings)
+                report["slices_tested"] = tested
+                report["findings"] = [f.to_dict() for f in findings]
+                report["slices"] = [s.to_dict() for s in slices[:_LISTED_SLICES]]
+        values[errors_tag("clusters")] = float(len(findings))
+        worst = findings[0] if findings else slices[0] if slices else None
+        if worst is not None:
+            values[errors_tag("worst_cluster_rate")] = worst.error_rate
+            values[errors_tag("worst_cluster_share")] = worst.share
         self.last = report
+        decode = self._decode if self.tokenizer is not None else None
         self.writer.scalars(values, step)
-        if clusters:
-            self.writer.text(errors_tag("clusters"), _table(clusters, overall, self._decode if self.tokenizer
-                                                            is not None else None), step)
+        if findings or slices:
+            self.writer.text(errors_tag("clusters"), _table(findings, slices[:_TABLE_SLICES], self.top_tokens,
+                                                            decode), step)
         self._write_json(report)
-        self.record(self.rule.update(clusters, overall, self.context(trainer), self._decode if self.tokenizer
-                                     is not None else None))
+        self.record(self.rule.update(findings, overall, self.context(trainer), decode))
 
     def _per_class(self, labels: np.ndarray, preds: np.ndarray, values: dict[str, float]) -> dict[str, Any]:
         from torchmetrics.functional.classification import (
@@ -358,13 +458,29 @@ class ErrorAnalysis(DiagCallback):
         write_json(os.path.join(session.diag_dir, ERRORS_FILE), report)
 
 
-def _table(clusters: Sequence[Any], overall: float, decode: Callable[[str], str] | None) -> str:
-    rows = ["| cluster | samples | share | error rate | x overall | top tokens | label -> predicted |",
-            "|---|---|---|---|---|---|---|"]
-    for c in clusters:
-        tokens = ", ".join(f"`{name}`" + (f" ({decode(name)!r})" if decode else "") for name, _ in c.top_features)
-        labels = "" if c.majority_label is None else f"{c.majority_label} -> {c.majority_prediction}"
-        ratio = c.error_rate / overall if overall > 0 else math.nan
-        rows.append(f"| {c.cluster} | {c.size} | {c.share:.0%} | {c.error_rate:.1%} | {ratio:.1f} | {tokens} | "
-                    f"{labels} |")
+@dataclasses.dataclass(frozen=True)
+class _Samples:
+    """One validation's samples, gathered from every rank."""
+
+    errors: np.ndarray
+    labels: np.ndarray
+    preds: np.ndarray
+    tokens: list[np.ndarray | None]
+    embeddings: np.ndarray | None
+    metadata: list[dict[str, str]]
+    classification: bool
+
+
+def _table(findings: Sequence[Any], slices: Sequence[Any], top: int, decode: Callable[[str], str] | None) -> str:
+    rows = ["| group | samples | share | error rate | rest | lift | p (corrected) | defining features | "
+            "label -> predicted |", "|---|---|---|---|---|---|---|---|---|"]
+    for kind, groups in (("finding", findings), ("slice", slices)):
+        for i, g in enumerate(groups):
+            shown = ", ".join(f"`{describe_feature(f, decode)}`" for f in g.features[:top])
+            if len(g.features) > top:
+                shown += f" and {len(g.features) - top} more"
+            label = getattr(g, "majority_label", None)
+            labels = "" if label is None else f"{label} -> {g.majority_prediction}"
+            rows.append(f"| {kind} {i} | {g.size} | {g.share:.0%} | {g.error_rate:.1%} | {g.rest_error_rate:.1%} | "
+                        f"{g.lift:.1f}x | {g.p_adjusted:.1g} | {shown} | {labels} |")
     return "\n".join(rows)

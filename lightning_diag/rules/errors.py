@@ -1,16 +1,25 @@
-"""``error_cluster`` (ErrorAnalysis): a group of validation samples the model gets wrong far more often than the
-rest (seed 001 §2.2). Plain Python; the rule's declaration (its ``RuleSpec``) is here."""
+"""``error_cluster`` (ErrorAnalysis): a group of validation samples sharing a feature that the model gets wrong far
+more often than the rest (seed 001 §2.2; slices as in SliceFinder). Plain Python; the rule's declaration (its
+``RuleSpec``) is here."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
-__all__ = ["DEFAULT_ERROR_RATIO", "DEFAULT_MIN_SHARE", "ERROR_CLUSTER", "ERROR_CLUSTER_SPEC", "ErrorClusterRule"]
+__all__ = [
+    "ALPHA",
+    "DEFAULT_ERROR_RATIO",
+    "DEFAULT_MIN_SHARE",
+    "ERROR_CLUSTER",
+    "ERROR_CLUSTER_SPEC",
+    "ErrorClusterRule",
+    "describe_group",
+]
 
 # -- declaration (the docs' thresholds table and the report read it) -------------------------------------------
 ERROR_CLUSTER_SPEC = register(RuleSpec(
@@ -22,18 +31,22 @@ ERROR_CLUSTER_SPEC = register(RuleSpec(
 ))
 ERROR_CLUSTER = ERROR_CLUSTER_SPEC.rule_id
 _SPEC = ERROR_CLUSTER_SPEC
-#: A cluster's error rate must be at least this many times the overall rate.
+#: A group's error rate must be at least this many times the overall rate (its lift).
 DEFAULT_ERROR_RATIO: float = float(_SPEC.threshold or 3.0)
-#: ... and the cluster must hold at least this share of the validation samples.
+#: ... the group must hold at least this share of the validation samples (the support of the slice search).
 DEFAULT_MIN_SHARE: float = float(_SPEC.settings["min_share"])
+#: ... and its one-sided Fisher exact p-value, corrected for the slices tested (Bonferroni), at most this: the
+#: significance level (``ErrorAnalysis.alpha``, a field rather than a constructor argument).
+ALPHA: float = 0.01
 _SHOWN = 3
 
 
-class Cluster(Protocol):
-    """What the rule reads of a cluster (:class:`lightning_diag.stats.error_clusters.ClusterStat`)."""
+class Group(Protocol):
+    """What the rule reads of a slice or a finding (:class:`lightning_diag.stats.error_slices.SliceStat`,
+    :class:`~lightning_diag.stats.error_slices.Finding`)."""
 
     @property
-    def cluster(self) -> int: ...
+    def features(self) -> tuple[str, ...]: ...
     @property
     def size(self) -> int: ...
     @property
@@ -41,85 +54,107 @@ class Cluster(Protocol):
     @property
     def error_rate(self) -> float: ...
     @property
-    def top_features(self) -> tuple[tuple[str, float], ...]: ...
+    def rest_error_rate(self) -> float: ...
     @property
-    def majority_label(self) -> int | None: ...
+    def lift(self) -> float: ...
     @property
-    def majority_prediction(self) -> int | None: ...
+    def p_adjusted(self) -> float: ...
+
+
+GroupT = TypeVar("GroupT", bound=Group)
 
 
 class ErrorClusterRule(Rule):
-    """``error_cluster``: a cluster whose error rate is at least ``ratio`` times the overall rate and which holds
-    at least ``min_share`` of the validation samples.
+    """``error_cluster``: a group of validation samples that share a feature (a slice, or slices of nearly the
+    same samples merged) whose error rate is at least ``ratio`` times the overall rate (its lift), which holds at
+    least ``min_share`` of the samples, and whose corrected p-value is at most ``alpha``.
 
-    One condition for the run (source ``"validation"``): it alerts once when some cluster qualifies, naming the
-    worst few, and again only after a validation where none did. Uniform label noise spreads the errors evenly,
-    so every cluster's rate stays near the overall rate and nothing fires.
+    One condition for the run (source ``"validation"``): it alerts once when some group qualifies, naming the
+    worst few, and again only after a validation where none did. Uniform label noise spreads the errors evenly:
+    no slice's rate is several times the overall rate with a p-value that survives the correction, and nothing
+    fires.
 
     Example:
-        >>> from types import SimpleNamespace as C
-        >>> hard = C(cluster=0, size=100, share=0.1, error_rate=0.8, top_features=(("7", 0.4),),
-        ...          majority_label=1, majority_prediction=0)
+        >>> from types import SimpleNamespace as G
+        >>> hard = G(features=("7", "7 9"), size=140, share=0.14, error_rate=0.51, rest_error_rate=0.04,
+        ...          lift=4.9, p_adjusted=1e-30, majority_label=1, majority_prediction=0, slices=2)
         >>> rule = ErrorClusterRule()
-        >>> [a.rule for a in rule.update([hard], overall_rate=0.15, ctx=StepContext(0, 10))]
+        >>> [a.rule for a in rule.update([hard], overall_rate=0.105, ctx=StepContext(0, 10))]
         ['error_cluster']
-        >>> rule.update([hard], overall_rate=0.15, ctx=StepContext(1, 20))  # the same condition: latched
+        >>> rule.update([hard], overall_rate=0.105, ctx=StepContext(1, 20))  # the same condition: latched
         []
     """
 
     specs = (ERROR_CLUSTER_SPEC,)
     state_keys = ()
 
-    def __init__(self, ratio: float = DEFAULT_ERROR_RATIO, min_share: float = DEFAULT_MIN_SHARE) -> None:
+    def __init__(
+        self, ratio: float = DEFAULT_ERROR_RATIO, min_share: float = DEFAULT_MIN_SHARE, alpha: float = ALPHA
+    ) -> None:
         super().__init__()
         self.ratio = ratio
         self.min_share = min_share
+        self.alpha = alpha
 
     @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> ErrorClusterRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(_SPEC.value(thresholds), _SPEC.value(thresholds, "min_share"))
+    def from_settings(cls, thresholds: Mapping[str, float | None], alpha: float = ALPHA) -> ErrorClusterRule:
+        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`) and significance level
+        ``alpha``."""
+        return cls(_SPEC.value(thresholds), _SPEC.value(thresholds, "min_share"), alpha)
 
-    def qualifying(self, clusters: Sequence[Cluster], overall_rate: float) -> list[Cluster]:
-        """The clusters that trip the rule, worst first."""
-        if not overall_rate > 0:
-            return []
-        return sorted(
-            (c for c in clusters if c.share >= self.min_share and c.error_rate >= self.ratio * overall_rate),
-            key=lambda c: -c.error_rate,
-        )
+    def qualifies(self, group: Group) -> bool:
+        """Whether ``group`` is large, far worse than the overall rate, and significant after the correction."""
+        return group.share >= self.min_share and group.lift >= self.ratio and group.p_adjusted <= self.alpha
+
+    def qualifying(self, groups: Sequence[GroupT]) -> list[GroupT]:
+        """The groups that trip the rule, most significant first (then highest lift)."""
+        return sorted((g for g in groups if self.qualifies(g)), key=lambda g: (g.p_adjusted, -g.lift))
 
     def update(
         self,
-        clusters: Sequence[Cluster],
+        groups: Sequence[Group],
         overall_rate: float,
         ctx: StepContext,
         decode: Callable[[str], str] | None = None,
     ) -> list[Alert]:
-        """Judge one validation's clusters; ``decode`` turns a feature name (``"12 57"``) into text."""
-        hits = self.qualifying(clusters, overall_rate)
+        """Judge one validation's findings; ``decode`` turns a token feature (``"12 57"``) into text."""
+        hits = self.qualifying(groups)
         if not self.latch.update("validation", bool(hits)):
             return []
-        parts = [self._describe(c, overall_rate, decode) for c in hits[:_SHOWN]]
-        more = f" and {len(hits) - _SHOWN} more" if len(hits) > _SHOWN else ""
-        worst = hits[0]
+        parts = [describe_group(g, decode) for g in hits[:_SHOWN]]
+        more = f"; and {len(hits) - _SHOWN} more" if len(hits) > _SHOWN else ""
         message = (
-            f"{len(hits)} cluster(s) of validation samples fail far more often than the rest "
-            f"(overall error rate {overall_rate:.1%}): " + "; ".join(parts) + more
+            f"{len(hits)} group(s) of validation samples fail far more often than the rest (overall error rate "
+            f"{overall_rate:.1%}): " + "; ".join(parts) + more
             + ". Inspect these inputs (diag/errors.json): more or better training data of that kind, or a fix "
             "to its labels or preprocessing, is where the next gain is"
         )
-        return [self._alert(ctx, message, "validation", worst.error_rate / overall_rate, self.ratio)]
+        return [self._alert(ctx, message, "validation", hits[0].lift, self.ratio)]
 
-    @staticmethod
-    def _describe(c: Cluster, overall: float, decode: Callable[[str], str] | None) -> str:
-        tokens = ", ".join(
-            f"{name} ({decode(name)!r})" if decode is not None else name for name, _ in c.top_features
-        )
-        text = (
-            f"cluster {c.cluster}: {c.size} samples ({c.share:.0%}), error rate {c.error_rate:.1%} "
-            f"({c.error_rate / overall:.1f}x), top tokens [{tokens}]"
-        )
-        if c.majority_label is not None:
-            text += f", mostly label {c.majority_label} predicted as {c.majority_prediction}"
-        return text
+
+def is_token_feature(name: str) -> bool:
+    """Whether a feature name is a token-id n-gram (``"12 57"``) rather than a ``field=value`` feature."""
+    return "=" not in name
+
+
+def describe_feature(name: str, decode: Callable[[str], str] | None = None) -> str:
+    """``token 12 ('dose')``, ``tokens '12 57' ('dose of')``, or the ``field=value`` feature as it is."""
+    if not is_token_feature(name):
+        return name
+    text = f" ({decode(name)!r})" if decode is not None else ""
+    return f"token {name}{text}" if " " not in name else f"tokens '{name}'{text}"
+
+
+def describe_group(g: Group, decode: Callable[[str], str] | None = None) -> str:
+    """One group in words: its defining features, size, error rate against the rest, lift and p-value."""
+    shown = ", ".join(describe_feature(f, decode) for f in g.features[:_SHOWN * 2])
+    if len(g.features) > _SHOWN * 2:
+        shown += f" and {len(g.features) - _SHOWN * 2} more"
+    text = (
+        f"samples with {shown}: {g.size} samples ({g.share:.0%}), error rate {g.error_rate:.1%} against "
+        f"{g.rest_error_rate:.1%} for the rest ({g.lift:.1f}x overall), p = {g.p_adjusted:.1g} corrected"
+    )
+    label, pred = getattr(g, "majority_label", None), getattr(g, "majority_prediction", None)
+    if label is not None:
+        text += f", mostly label {label} predicted as {pred}"
+    return text
