@@ -287,8 +287,9 @@ class AttentionCapture:
                 ended = [entry[1] for entry in reversed(self.stack[i:])]
                 del self.stack[i:]
                 try:
-                    for invocation in ended:
-                        self.softmaxes.end(invocation)
+                    with torch._C.DisableTorchFunction():  # the measurement itself is not the model's
+                        for invocation in ended:
+                            self.softmaxes.end(invocation)
                 except Exception as err:  # never break training
                     self.recorder.problems.setdefault("softmax attention", f"{type(err).__name__}: {err}")
                 return
@@ -302,8 +303,6 @@ class AttentionCapture:
 
     def follow(self, func: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """A product, element-wise or shape operation of the forward (never raises)."""
-        if torch.compiler.is_compiling():
-            return
         try:
             self.softmaxes.follow(func, args, kwargs, out)
         except Exception as err:  # a call we do not understand must never break training
