@@ -18,10 +18,38 @@ from lightning_diag.output.writer import DiagWriter
 from lightning_diag.rules.attention import LayerStats
 from lightning_diag.stats.attention_probs import head_pca, head_similarity
 
-__all__ = ["IMAGE_KEYS", "draw_images", "reduce_distances", "reduce_stats"]
+__all__ = ["IMAGE_KEYS", "draw_images", "no_attention_message", "reduce_distances", "reduce_stats"]
 
 #: Keys shown at most per heatmap.
 IMAGE_KEYS = 128
+
+
+def no_attention_message(recorder: AttentionRecorder, filtered: bool = False) -> str:
+    """What was looked for on a step where no attention was recognised, and which softmaxes were not taken.
+
+    Example:
+        >>> recorder = AttentionRecorder(8, 64, ())
+        >>> recorder.unrecognised["head"] = "a softmax over dim -1 of a 2-D tensor"
+        >>> print(no_attention_message(recorder))  # doctest: +NORMALIZE_WHITESPACE
+        no attention recognised: looked for nn.MultiheadAttention modules, scaled_dot_product_attention calls,
+        softmax in modules named ...Attention (Hugging Face eager) and softmax-weighted matmuls (a softmax over
+        the last dim of query-key scores whose output weights values through matmul / bmm / einsum / @); not
+        recognised as attention: `head` (a softmax over dim -1 of a 2-D tensor); nothing was handed over through
+        record_attention(): attention entropy is not measured
+    """
+    looked = (
+        "no attention recognised"
+        + (" in the modules matching `modules`" if filtered else "")
+        + ": looked for nn.MultiheadAttention modules, scaled_dot_product_attention calls, softmax in modules"
+        " named ...Attention (Hugging Face eager) and softmax-weighted matmuls (a softmax over the last dim of"
+        " query-key scores whose output weights values through matmul / bmm / einsum / @)"
+    )
+    items = list(recorder.unrecognised.items())
+    if items:
+        shown = "; ".join(f"`{name}` ({reason})" for name, reason in items[:4])
+        more = f"; and {len(items) - 4} more" if len(items) > 4 else ""
+        looked += f"; not recognised as attention: {shown}{more}"
+    return looked + "; nothing was handed over through record_attention(): attention entropy is not measured"
 
 
 def reduce_stats(
@@ -49,13 +77,7 @@ def reduce_stats(
             )
             distributed = False
     if not names:
-        notice(
-            "no-attention",
-            "no nn.MultiheadAttention found"
-            + (" matching `modules`" if filtered else "")
-            + ", no scaled_dot_product_attention or attention softmax call seen"
-            + " and nothing handed over through record_attention(): attention entropy is not measured",
-        )
+        notice("no-attention", no_attention_message(recorder, filtered))
         return None
     # Tensor parallelism: a rank holds heads tp_rank * H_local ... of H_local * tp_size; each value goes to
     # its global head's slot (zeros elsewhere) with a per-head row count, so the sum over ranks gives every

@@ -36,6 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_diag.instrument.attention_record import AttentionRecorder, _subsample_rows
+from lightning_diag.instrument.attention_softmax import FOLLOWED, MASKED_SCORE, SoftmaxAttention
 from lightning_diag.instrument.sharding import head_shard
 from lightning_diag.stats.grad import is_dtensor, local_tensor
 
@@ -150,15 +151,17 @@ def softmax_probabilities(
 ) -> Probabilities:
     """Subsample an attention softmax ``probs = softmax(scores, -1)`` (both ``[B, H, L, S]``); masks from scores.
 
-    A key is masked for a query where its score is ``-inf``, NaN or at most half of ``finfo(dtype).min`` (the
-    additive masks of Hugging Face models). Returns the same tuple as :func:`sdpa_probabilities`.
+    A key is masked for a query where its score is ``-inf``, NaN or at most ``-1e4``
+    (:data:`~lightning_diag.instrument.attention_softmax.MASKED_SCORE`: the ``-1e4``, ``-1e9`` and
+    ``finfo(dtype).min`` additive masks of common code and Hugging Face models). Returns the same tuple as
+    :func:`sdpa_probabilities`.
     """
     with torch.no_grad():
         b = min(sample_size, scores.shape[0])
         length, source_len = scores.shape[-2], scores.shape[-1]
         rows = _subsample_rows(length, max_queries, scores.device)
         s = scores.detach()[:b]
-        allowed_full = s > _masked_threshold(s.dtype)
+        allowed_full = s > MASKED_SCORE
         allowed = allowed_full[:, :, rows]
         p = probs.detach()[:b, :, rows].float()
         key_valid, query_valid = _valid_positions(allowed_full, length, source_len, rows)
@@ -199,6 +202,8 @@ class _Mode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name == "scaled_dot_product_attention" or name == "softmax":
             self.capture.seen(name, args, kwargs, out)
+        elif name in FOLLOWED:
+            self.capture.follow(name, args, kwargs, out)
         return out
 
 
@@ -226,8 +231,11 @@ class AttentionCapture:
         self.root_name = type(root).__name__
         self.recorder = recorder
         self.include = include
-        self.stack: list[nn.Module] = []
+        #: the modules whose forward is running: (module, forward call number, leading dims of its first input)
+        self.stack: list[tuple[nn.Module, int, tuple[int, ...]]] = []
         self.calls: dict[str, int] = {}
+        self.softmaxes = SoftmaxAttention(self._record, recorder.sample_size, recorder.max_queries)
+        self._invocations = 0
         self._mode: _Mode | None = None
         self._handles: list[Any] = []
 
@@ -248,7 +256,7 @@ class AttentionCapture:
         self._mode.__enter__()
 
     def stop(self) -> None:
-        """Leave the function mode and remove the hooks (idempotent)."""
+        """Leave the function mode and remove the hooks (idempotent); record the hand-written attention seen."""
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(None, None, None)
@@ -256,40 +264,72 @@ class AttentionCapture:
             handle.remove()
         self._handles = []
         self.stack = []
+        try:
+            self.softmaxes.finish()
+        except Exception as err:  # never break training
+            self.recorder.problems.setdefault("softmax attention", f"{type(err).__name__}: {err}")
+        for name, reason in self.softmaxes.unrecognised.items():
+            self.recorder.unrecognised.setdefault(name, reason)
 
     def _push(self, module: nn.Module, args: Any) -> None:
-        self.stack.append(module)
+        self._invocations += 1
+        lead: tuple[int, ...] = ()
+        for arg in args if isinstance(args, tuple) else ():
+            if isinstance(arg, torch.Tensor):
+                lead = tuple(arg.shape[:2])
+                break
+        self.stack.append((module, self._invocations, lead))
+        self.softmaxes.begin(self._invocations)
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
         for i in range(len(self.stack) - 1, -1, -1):
-            if self.stack[i] is module:
+            if self.stack[i][0] is module:
+                ended = [entry[1] for entry in reversed(self.stack[i:])]
                 del self.stack[i:]
+                try:
+                    with torch._C.DisableTorchFunction():  # the measurement itself is not the model's
+                        for invocation in ended:
+                            self.softmaxes.end(invocation)
+                except Exception as err:  # never break training
+                    self.recorder.problems.setdefault("softmax attention", f"{type(err).__name__}: {err}")
                 return
 
-    def _caller(self) -> nn.Module | None:
-        for module in reversed(self.stack):
-            if id(module) in self.names:
-                return module
-        return None
+    def _caller(self) -> tuple[nn.Module | None, int, tuple[int, ...]]:
+        """The innermost running module of ``root`` (an ``nn.Softmax`` counts as its caller), its call, its lead."""
+        for module, invocation, lead in reversed(self.stack):
+            if id(module) in self.names and not isinstance(module, nn.Softmax):
+                return module, invocation, lead
+        return None, 0, ()
+
+    def follow(self, func: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """A product, element-wise or shape operation of the forward (never raises)."""
+        try:
+            self.softmaxes.follow(func, args, kwargs, out)
+        except Exception as err:  # a call we do not understand must never break training
+            self.recorder.problems.setdefault("softmax attention", f"{func}: {type(err).__name__}: {err}")
 
     def seen(self, func: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """One intercepted call (never raises: a failure is reported once through the recorder's problems)."""
         if torch.compiler.is_compiling() or not torch.is_tensor(out):
             return
-        module = self._caller()
+        module, invocation, lead = self._caller()
         if isinstance(module, nn.MultiheadAttention):
             return  # measured by the monitor's own pre-hook
-        if func == "softmax" and (module is None or "attention" not in type(module).__name__.lower()):
-            return
         base = self.names.get(id(module), "") if module is not None else ""
         base = base or self.root_name
         if self.include is not None and not self.include(base):
             return
+        by_name = module is not None and "attention" in type(module).__name__.lower()
         try:
             first = args[0] if args else kwargs.get("query", kwargs.get("input"))
             shard = head_shard(module, first, self.tp_mesh)
             if func == "softmax":
-                measured = self._softmax(_locals(args), _locals(kwargs), local_tensor(out))
+                measured = self._softmax(_locals(args), _locals(kwargs), local_tensor(out)) if by_name else None
+                if measured is None:  # not Hugging Face eager: attention only if its output weights values
+                    self.softmaxes.softmax(
+                        base, module, invocation, lead, args, kwargs, out, shard, self._measure_softmax
+                    )
+                    return
             else:
                 bound = dict(zip(_SDPA_ARGS, _locals(args), strict=False)) | _locals(kwargs)
                 measured = sdpa_probabilities(
@@ -305,8 +345,14 @@ class AttentionCapture:
         except Exception as err:  # a call we do not understand must never break training
             self.recorder.problems[base] = f"{func}: {type(err).__name__}: {err}"
             return
-        if measured is None:
-            return
+        if measured is not None:
+            self._record(base, measured, shard)
+
+    def _measure_softmax(self, scores: torch.Tensor, probs: torch.Tensor) -> Probabilities:
+        return softmax_probabilities(scores, probs, self.recorder.sample_size, self.recorder.max_queries)
+
+    def _record(self, base: str, measured: Probabilities, shard: tuple[int, int] | None) -> None:
+        """Record one attention call of the module named ``base`` (``.call_<i>`` from its second call on)."""
         index = self.calls.get(base, 0)
         self.calls[base] = index + 1
         name = base if index == 0 else f"{base}.call_{index}"
@@ -316,6 +362,7 @@ class AttentionCapture:
         self.recorder.add(name, *measured)
 
     def _softmax(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Probabilities | None:
+        """Hugging Face eager attention: a 4-D last-dim softmax called by a module named ``...Attention``."""
         scores = args[0] if args else kwargs.get("input")
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if not isinstance(scores, torch.Tensor) or scores.dim() != 4 or dim not in (-1, 3):

@@ -264,6 +264,8 @@ class AttentionRecorder:
         self.problems: dict[str, str] = {}
         self.notes: dict[str, str] = {}
         self.captured: set[str] = set()  # names measured by the automatic capture this step
+        #: module name -> why a softmax it ran was not taken for attention (for the "no attention" message)
+        self.unrecognised: dict[str, str] = {}
         #: name -> (tp_rank, tp_size) for modules whose heads are split over tensor-parallel ranks.
         self.head_shards: dict[str, tuple[int, int]] = {}
 

@@ -197,7 +197,8 @@ def test_model_without_attention_gets_one_info_message(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="lightning_diag"):
         pl.Trainer(max_steps=6, default_root_dir=tmp_path, callbacks=[monitor], **FAST).fit(NoAttention())
     messages = [r.getMessage() for r in caplog.records if "attention entropy is not measured" in r.getMessage()]
-    assert len(messages) == 1 and "no nn.MultiheadAttention found" in messages[0]
+    assert len(messages) == 1 and "no attention recognised: looked for nn.MultiheadAttention" in messages[0]
+    assert "softmax-weighted matmuls" in messages[0]
     assert monitor.alerts == []
 
 
