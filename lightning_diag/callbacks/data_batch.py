@@ -3,15 +3,16 @@
 Two jobs: find token ids, padding mask, labels and floating tensors in a batch of any usual shape
 (:func:`interpret`), and draw a bounded sample of a loader's dataset (:func:`read_sample`) through the loader's own
 ``collate_fn`` with a private random generator: the training iterator, the sampler and its generator, worker
-processes and the global random number generators (torch's CPU and device generators, numpy, ``random``:
-:func:`~lightning_diag.instrument.rng.preserved_rng`) are left exactly as they were.
+processes, the global random number generators (torch's CPU and device generators, numpy, ``random``:
+:func:`~lightning_diag.instrument.rng.preserved_rng`) and the generators the dataset holds itself are left exactly
+as they were.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_diag.instrument.batches import is_int_tensor
-from lightning_diag.instrument.rng import preserved_rng
+from lightning_diag.instrument.rng import HeldGenerators, preserved_rng
 
 __all__ = ["BatchView", "UninterpretableBatch", "describe", "interpret", "read_sample", "sample_indices"]
 
@@ -218,21 +219,36 @@ def read_sample(
     rank: int,
     world: int,
     seed: int,
-) -> Iterator[tuple[Any, np.ndarray]]:
+    advanced: list[str] | None = None,
+) -> Generator[tuple[Any, np.ndarray], None, None]:
     """``(batch, dataset indices)`` of a bounded sample of ``loader``, leaving the training run untouched.
 
     A map-style dataset is indexed directly: ``max_batches * batch_size`` indices drawn from this rank's shard,
     fetched in the main process and collated with ``loader.collate_fn`` (no worker is started, the sampler is not
     iterated). An ``IterableDataset`` is read from a fresh ``iter(dataset)`` for its first ``max_batches *
     world`` batches (rank ``r`` keeps every ``world``-th one), never exhausted. The global random states are
-    restored afterwards, so a ``__getitem__`` with random augmentation leaves no trace either.
+    restored afterwards, and so are the generators the dataset and the ``collate_fn`` hold themselves (a numpy
+    ``Generator`` or ``RandomState``, a ``random.Random``, a ``torch.Generator``, found by walking their
+    attributes: :class:`~lightning_diag.instrument.rng.HeldGenerators`) and the attributes reading bound anew,
+    so a ``__getitem__`` with random augmentation leaves no trace either.
+
+    Args:
+        advanced: When given, receives the paths (``dataset.rng``...) of the held generators that reading drew
+            from, before they are put back (``worker_rng_shared``).
 
     Raises:
         TypeError: If ``loader`` is neither a ``DataLoader`` nor a list or tuple of batches (reading any other
             iterable could consume it).
     """
+    roots = [("dataset", getattr(loader, "dataset", None)), ("collate_fn", getattr(loader, "collate_fn", None))]
+    held = HeldGenerators.capture(*[(name, obj) for name, obj in roots if obj is not None])
     with preserved_rng():
-        yield from _read(loader, max_batches, rank, world, seed)
+        try:
+            yield from _read(loader, max_batches, rank, world, seed)
+        finally:
+            if advanced is not None:
+                advanced.extend(held.advanced())
+            held.restore()
 
 
 def _read(loader: Any, max_batches: int | None, rank: int, world: int, seed: int) -> Iterator[tuple[Any, np.ndarray]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -279,11 +280,15 @@ class DataDiagnostics(DiagCallback):
         except TypeError:
             size = None
         sample = SplitSample(split, dataset_size=size)
+        reading = read_sample(
+            loader, self.max_batches, trainer.global_rank, trainer.world_size, self.seed, sample.advanced
+        )
         try:
-            for batch, idx in read_sample(loader, self.max_batches, trainer.global_rank, trainer.world_size, self.seed):
-                view = interpret(batch, self.extract)
-                if view is not None:
-                    sample.add(view, idx, self.pad_token_id, self.leakage_shingle_size, self.num_perm, self.seed)
+            with contextlib.closing(reading):  # the dataset's generators are put back even when a batch fails
+                for batch, idx in reading:
+                    view = interpret(batch, self.extract)
+                    if view is not None:
+                        sample.add(view, idx, self.pad_token_id, self.leakage_shingle_size, self.num_perm, self.seed)
         except UninterpretableBatch as err:
             self.notice(trainer, f"batch-{split}", f"the {split} data is not examined: {err}")
             return None

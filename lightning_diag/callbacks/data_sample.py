@@ -58,6 +58,8 @@ class SplitSample:
         extent: Positions the longest sample uses (its last non-padding token + 1).
         label_positions, padded_labels, padded: Token-level label positions (not -100) of batches with a padding
             mask, those that are padding, and the samples concerned (``loss_on_padding``).
+        advanced: Paths of the generators the dataset or its ``collate_fn`` hold that reading the sample drew
+            from (put back since; ``worker_rng_shared``).
     """
 
     split: str
@@ -81,6 +83,7 @@ class SplitSample:
     label_positions: int = 0
     padded_labels: int = 0
     padded: _Problem = dataclasses.field(default_factory=_Problem)
+    advanced: list[str] = dataclasses.field(default_factory=list)
 
     def add(
         self,
