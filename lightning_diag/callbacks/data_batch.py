@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_diag.instrument.batches import is_int_tensor
+from lightning_diag.instrument.batches import is_int_tensor, tensor_leaves
 from lightning_diag.instrument.rng import HeldGenerators, preserved_rng
 
 __all__ = ["BatchView", "UninterpretableBatch", "describe", "interpret", "read_sample", "sample_indices"]
@@ -45,6 +45,10 @@ class BatchView:
         inputs: The key of the floating tensor that is the model's input (for exact-copy search without tokens).
         token_labels: ``[B, L]`` integer token-level labels aligned with ``tokens`` (language modelling, token
             classification; -100 is ignored), or ``None``.
+        context: With ``tokens``: the sample's other per-sample inputs (images, audio features: every tensor with
+            ``size`` rows that is not the token ids, a mask, a label, or an integer tensor of the token ids'
+            shape such as ``token_type_ids``), by key. ``data_leakage`` judges the sample as a whole: two samples
+            are the same only when these are equal too.
     """
 
     size: int
@@ -54,6 +58,7 @@ class BatchView:
     floats: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     inputs: str | None = None
     token_labels: torch.Tensor | None = None
+    context: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def describe(batch: Any, depth: int = 0) -> str:
@@ -146,7 +151,8 @@ def interpret(
                 "'mask', 'labels', 'features' (or None to skip the batch)"
             )
         floats: dict[str, torch.Tensor] = {}
-        _floats(got.get("features"), "features", floats)
+        context_root = got.get("features")
+        _floats(context_root, "features", floats)
         view = BatchView(size=0, floats=floats, inputs=next(iter(floats), None))
         ids = got.get("token_ids")
         if is_int_tensor(ids) and ids.dim() == 2:
@@ -157,6 +163,7 @@ def interpret(
         _set_labels(got.get("labels"), view)
         _set_token_labels(got.get("labels"), view)
     else:
+        context_root = batch
         floats = {}
         _floats(batch, "", floats)
         view = BatchView(size=0, floats=floats)
@@ -192,7 +199,29 @@ def interpret(
     else:
         first = next((t for t in view.floats.values() if t.dim() > 0), None)
         view.size = int(first.shape[0]) if first is not None else 1
+    if view.tokens is not None:
+        leaves = tensor_leaves(context_root, "features") if extract is not None else tensor_leaves(batch)
+        view.context = _context(leaves, view, positional_targets=extract is None and isinstance(batch, (tuple, list)))
     return view
+
+
+def _context(
+    leaves: list[tuple[str, torch.Tensor]], view: BatchView, positional_targets: bool
+) -> dict[str, torch.Tensor]:
+    """The per-sample inputs of a token batch besides its text (:attr:`BatchView.context`)."""
+    assert view.tokens is not None
+    text = {id(t) for t in (view.tokens, view.mask, view.labels, view.token_labels) if t is not None}
+    out = {}
+    for key, t in leaves:
+        name = key.rsplit(".", 1)[-1].lower()
+        if id(t) in text or t.dim() == 0 or t.shape[0] != view.size or "mask" in name or name in _LABEL_KEYS:
+            continue
+        if positional_targets and key == "[1]":  # (inputs, targets): the targets are no input
+            continue
+        if is_int_tensor(t) and t.shape == view.tokens.shape:  # token_type_ids, position_ids: the text again
+            continue
+        out[key] = t
+    return out
 
 
 def sample_indices(length: int, count: int | None, rank: int, world: int, seed: int) -> np.ndarray:

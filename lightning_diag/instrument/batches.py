@@ -6,11 +6,16 @@ Nothing here synchronises with the device: sizes are read from shapes, token cou
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any, TypeGuard
 
 import torch
 
-__all__ = ["INT_DTYPES", "batch_size_and_tokens", "first_tensor", "is_int_tensor", "token_ids"]
+__all__ = ["INT_DTYPES", "batch_size_and_tokens", "first_tensor", "is_int_tensor", "tensor_leaves", "token_ids"]
+
+#: Containers nested deeper than this are not entered by :func:`tensor_leaves`.
+_MAX_DEPTH = 6
 
 #: Integer dtypes token ids and class labels come in.
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -76,3 +81,30 @@ def first_tensor(batch: Any) -> torch.Tensor | None:
             if found is not None:
                 return found
     return None
+
+
+def tensor_leaves(batch: Any, key: str = "", depth: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a batch with its key, depth first: mappings (``dict``, Hugging Face ``BatchEncoding``)
+    by key (``"input_ids"``, ``"inputs.pixel_values"``), tuples and lists by position (``"[0]"``), dataclass
+    instances by field; a plain tensor batch is ``"batch"``. Other objects are not entered.
+
+    Example:
+        >>> [k for k, _ in tensor_leaves({"x": torch.zeros(2), "pair": (torch.ones(2), 3)})]
+        ['x', 'pair[0]']
+    """
+    if isinstance(batch, torch.Tensor):
+        return [(key or "batch", batch)]
+    if depth > _MAX_DEPTH:
+        return []
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(batch, Mapping):
+        for k, v in batch.items():
+            out += tensor_leaves(v, f"{key}.{k}" if key else str(k), depth + 1)
+    elif isinstance(batch, (tuple, list)):
+        for i, v in enumerate(batch):
+            out += tensor_leaves(v, f"{key}[{i}]", depth + 1)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for field in dataclasses.fields(batch):
+            value = getattr(batch, field.name, None)
+            out += tensor_leaves(value, f"{key}.{field.name}" if key else field.name, depth + 1)
+    return out

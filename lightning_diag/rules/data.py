@@ -123,6 +123,8 @@ class DataMeasurement:
         leaked: Validation samples found leaked in the sample.
         val_samples: Validation samples compared.
         leak_examples: ``(val index, train index, similarity)`` of a few leaked samples.
+        leak_parts: What the leakage search compared: ``("token ids",)``, ``("token ids", "pixel_values")`` (a
+            multimodal sample matches only when its other parts are equal too), ``("[0]",)`` (float inputs).
         label_std: Standard deviation of the class proportions, per split.
         label_counts: Samples per class, per split.
         problems: Broken inputs found.
@@ -134,6 +136,7 @@ class DataMeasurement:
     leaked: int = 0
     val_samples: int = 0
     leak_examples: Sequence[tuple[int, int, float]] = ()
+    leak_parts: Sequence[str] = ()
     label_std: Mapping[str, float] = dataclasses.field(default_factory=dict)
     label_counts: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
     problems: Sequence[InputProblem] = ()
@@ -236,9 +239,11 @@ class DataRules(Rule):
         hint = m.leaked > 0 and not warn
         out = []
         examples = ", ".join(f"val {v} ~ train {t} ({s:.2f})" for v, t, s in list(m.leak_examples)[:_EXAMPLES])
+        parts = " and ".join(f"`{p}`" if p != "token ids" else p for p in m.leak_parts)
+        compared = f" (compared: {parts})" if parts else ""
         what = (
-            f"{m.leaked} of {m.val_samples} sampled validation samples copy or nearly copy a training sample "
-            f"(estimated share of the validation set: {m.leaked_fraction:.1%}); examples: {examples}"
+            f"{m.leaked} of {m.val_samples} sampled validation samples copy or nearly copy a training sample"
+            f"{compared} (estimated share of the validation set: {m.leaked_fraction:.1%}); examples: {examples}"
         )
         if self.latch.update(f"{DATA_LEAKAGE}:val", warn):
             out.append(
