@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_diag.instrument.batches import is_int_tensor, tensor_leaves
-from lightning_diag.instrument.rng import HeldGenerators, preserved_rng
+from lightning_diag.instrument.rng import HeldGenerators, is_global_generator, preserved_rng
 
 __all__ = ["BatchView", "UninterpretableBatch", "describe", "interpret", "read_sample", "sample_indices"]
 
@@ -263,7 +263,7 @@ def read_sample(
 
     Args:
         advanced: When given, receives the paths (``dataset.rng``...) of the held generators that reading drew
-            from, before they are put back (``worker_rng_shared``).
+            from, before they are put back, the process-wide ones left out (``worker_rng_shared``).
 
     Raises:
         TypeError: If ``loader`` is neither a ``DataLoader`` nor a list or tuple of batches (reading any other
@@ -275,8 +275,8 @@ def read_sample(
         try:
             yield from _read(loader, max_batches, rank, world, seed)
         finally:
-            if advanced is not None:
-                advanced.extend(held.advanced())
+            if advanced is not None:  # the process-wide generators are reseeded in each worker: not listed
+                advanced.extend(p for p in held.advanced() if not is_global_generator(held.generators[p]))
             held.restore()
 
 

@@ -70,6 +70,8 @@ class SplitSample:
             mask, those that are padding, and the samples concerned (``loss_on_padding``).
         context_keys: Keys of the non-text inputs (images...) folded into the token samples' identity
             (``data_leakage`` compares whole samples).
+        mismatch, mismatch_indices: The first sampled batch whose tensors disagree on the batch dimension
+            (``{key: rows}``, ``batch_size_mismatch``) and a few of its dataset indices.
         advanced: Paths of the generators the dataset or its ``collate_fn`` hold that reading the sample drew
             from (put back since; ``worker_rng_shared``).
     """
@@ -97,6 +99,8 @@ class SplitSample:
     padded: _Problem = dataclasses.field(default_factory=_Problem)
     advanced: list[str] = dataclasses.field(default_factory=list)
     context_keys: set[str] = dataclasses.field(default_factory=set)
+    mismatch: dict[str, int] | None = None
+    mismatch_indices: list[int] = dataclasses.field(default_factory=list)
 
     def add(
         self,
