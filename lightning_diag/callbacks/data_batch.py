@@ -3,23 +3,24 @@
 Two jobs: find token ids, padding mask, labels and floating tensors in a batch of any usual shape
 (:func:`interpret`), and draw a bounded sample of a loader's dataset (:func:`read_sample`) through the loader's own
 ``collate_fn`` with a private random generator: the training iterator, the sampler and its generator, worker
-processes and the global random number generators (torch's CPU and device generators, numpy, ``random``:
-:func:`~lightning_diag.instrument.rng.preserved_rng`) are left exactly as they were.
+processes, the global random number generators (torch's CPU and device generators, numpy, ``random``:
+:func:`~lightning_diag.instrument.rng.preserved_rng`) and the generators the dataset holds itself are left exactly
+as they were.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_diag.instrument.batches import is_int_tensor
-from lightning_diag.instrument.rng import preserved_rng
+from lightning_diag.instrument.batches import is_int_tensor, tensor_leaves
+from lightning_diag.instrument.rng import HeldGenerators, is_global_generator, preserved_rng
 
 __all__ = ["BatchView", "UninterpretableBatch", "describe", "interpret", "read_sample", "sample_indices"]
 
@@ -44,6 +45,10 @@ class BatchView:
         inputs: The key of the floating tensor that is the model's input (for exact-copy search without tokens).
         token_labels: ``[B, L]`` integer token-level labels aligned with ``tokens`` (language modelling, token
             classification; -100 is ignored), or ``None``.
+        context: With ``tokens``: the sample's other per-sample inputs (images, audio features: every tensor with
+            ``size`` rows that is not the token ids, a mask, a label, or an integer tensor of the token ids'
+            shape such as ``token_type_ids``), by key. ``data_leakage`` judges the sample as a whole: two samples
+            are the same only when these are equal too.
     """
 
     size: int
@@ -53,6 +58,7 @@ class BatchView:
     floats: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     inputs: str | None = None
     token_labels: torch.Tensor | None = None
+    context: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def describe(batch: Any, depth: int = 0) -> str:
@@ -145,7 +151,8 @@ def interpret(
                 "'mask', 'labels', 'features' (or None to skip the batch)"
             )
         floats: dict[str, torch.Tensor] = {}
-        _floats(got.get("features"), "features", floats)
+        context_root = got.get("features")
+        _floats(context_root, "features", floats)
         view = BatchView(size=0, floats=floats, inputs=next(iter(floats), None))
         ids = got.get("token_ids")
         if is_int_tensor(ids) and ids.dim() == 2:
@@ -156,6 +163,7 @@ def interpret(
         _set_labels(got.get("labels"), view)
         _set_token_labels(got.get("labels"), view)
     else:
+        context_root = batch
         floats = {}
         _floats(batch, "", floats)
         view = BatchView(size=0, floats=floats)
@@ -191,7 +199,29 @@ def interpret(
     else:
         first = next((t for t in view.floats.values() if t.dim() > 0), None)
         view.size = int(first.shape[0]) if first is not None else 1
+    if view.tokens is not None:
+        leaves = tensor_leaves(context_root, "features") if extract is not None else tensor_leaves(batch)
+        view.context = _context(leaves, view, positional_targets=extract is None and isinstance(batch, (tuple, list)))
     return view
+
+
+def _context(
+    leaves: list[tuple[str, torch.Tensor]], view: BatchView, positional_targets: bool
+) -> dict[str, torch.Tensor]:
+    """The per-sample inputs of a token batch besides its text (:attr:`BatchView.context`)."""
+    assert view.tokens is not None
+    text = {id(t) for t in (view.tokens, view.mask, view.labels, view.token_labels) if t is not None}
+    out = {}
+    for key, t in leaves:
+        name = key.rsplit(".", 1)[-1].lower()
+        if id(t) in text or t.dim() == 0 or t.shape[0] != view.size or "mask" in name or name in _LABEL_KEYS:
+            continue
+        if positional_targets and key == "[1]":  # (inputs, targets): the targets are no input
+            continue
+        if is_int_tensor(t) and t.shape == view.tokens.shape:  # token_type_ids, position_ids: the text again
+            continue
+        out[key] = t
+    return out
 
 
 def sample_indices(length: int, count: int | None, rank: int, world: int, seed: int) -> np.ndarray:
@@ -218,21 +248,36 @@ def read_sample(
     rank: int,
     world: int,
     seed: int,
-) -> Iterator[tuple[Any, np.ndarray]]:
+    advanced: list[str] | None = None,
+) -> Generator[tuple[Any, np.ndarray], None, None]:
     """``(batch, dataset indices)`` of a bounded sample of ``loader``, leaving the training run untouched.
 
     A map-style dataset is indexed directly: ``max_batches * batch_size`` indices drawn from this rank's shard,
     fetched in the main process and collated with ``loader.collate_fn`` (no worker is started, the sampler is not
     iterated). An ``IterableDataset`` is read from a fresh ``iter(dataset)`` for its first ``max_batches *
     world`` batches (rank ``r`` keeps every ``world``-th one), never exhausted. The global random states are
-    restored afterwards, so a ``__getitem__`` with random augmentation leaves no trace either.
+    restored afterwards, and so are the generators the dataset and the ``collate_fn`` hold themselves (a numpy
+    ``Generator`` or ``RandomState``, a ``random.Random``, a ``torch.Generator``, found by walking their
+    attributes: :class:`~lightning_diag.instrument.rng.HeldGenerators`) and the attributes reading bound anew,
+    so a ``__getitem__`` with random augmentation leaves no trace either.
+
+    Args:
+        advanced: When given, receives the paths (``dataset.rng``...) of the held generators that reading drew
+            from, before they are put back, the process-wide ones left out (``worker_rng_shared``).
 
     Raises:
         TypeError: If ``loader`` is neither a ``DataLoader`` nor a list or tuple of batches (reading any other
             iterable could consume it).
     """
+    roots = [("dataset", getattr(loader, "dataset", None)), ("collate_fn", getattr(loader, "collate_fn", None))]
+    held = HeldGenerators.capture(*[(name, obj) for name, obj in roots if obj is not None])
     with preserved_rng():
-        yield from _read(loader, max_batches, rank, world, seed)
+        try:
+            yield from _read(loader, max_batches, rank, world, seed)
+        finally:
+            if advanced is not None:  # the process-wide generators are reseeded in each worker: not listed
+                advanced.extend(p for p in held.advanced() if not is_global_generator(held.generators[p]))
+            held.restore()
 
 
 def _read(loader: Any, max_batches: int | None, rank: int, world: int, seed: int) -> Iterator[tuple[Any, np.ndarray]]:

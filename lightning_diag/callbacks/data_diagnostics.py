@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -19,9 +21,11 @@ from lightning_diag.core.deprecation import renamed_arguments, renamed_constants
 from lightning_diag.core.registry import default
 from lightning_diag.core.tags import data_tag
 from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.instrument.batches import size_mismatch
 from lightning_diag.instrument.positions import position_capacity
 from lightning_diag.output.images import heatmap
 from lightning_diag.rules.data import (
+    BATCH_SIZE_MISMATCH,
     DATA_LEAKAGE,
     DATA_LEAKAGE_SPEC,
     DATA_MAX_BATCHES_SETTING,
@@ -33,6 +37,7 @@ from lightning_diag.rules.data import (
     DEFAULT_VOCAB_SHIFT_THRESHOLD,
     LABEL_IMBALANCE,
     DataRules,
+    LoaderRules,
 )
 from lightning_diag.rules.data_sequences import DEFAULT_LENGTH_RATIO, DEFAULT_PADDING_LABELS, SequenceRules
 
@@ -217,6 +222,7 @@ class DataDiagnostics(DiagCallback):
         self.length_ratio = check_number("length_ratio", length_ratio, low=1.0, low_inclusive=True)
         self.rules = self.add_rule("rules", DataRules.from_settings)
         self.sequence_rules = self.add_rule("sequence_rules", SequenceRules.from_settings, state_key="sequences")
+        self.loader_rules = self.add_rule("loader_rules", LoaderRules.from_settings, state_key="loaders")
         self.last_epoch = -1
         self.last: dict[str, float] = {}
 
@@ -257,6 +263,19 @@ class DataDiagnostics(DiagCallback):
         super().on_train_start(trainer, pl_module)
         self._measure(trainer)
 
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """``batch_size_mismatch`` on the batch the trainer produced (shapes only: no host synchronisation),
+        until a mismatch is reported."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self.loader_rules.latch.is_active(f"{BATCH_SIZE_MISMATCH}:train"):  # reported already: once per fit
+            return
+        sizes = size_mismatch(batch)
+        if sizes is not None:
+            where = f" (training step {trainer.global_step})"
+            self.record(self.loader_rules.batch_sizes(sizes, "train", self.context(trainer), where))
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """With ``every_n_epochs``: measure again at the start of every n-th epoch."""
         epoch = trainer.current_epoch
@@ -279,11 +298,18 @@ class DataDiagnostics(DiagCallback):
         except TypeError:
             size = None
         sample = SplitSample(split, dataset_size=size)
+        reading = read_sample(
+            loader, self.max_batches, trainer.global_rank, trainer.world_size, self.seed, sample.advanced
+        )
         try:
-            for batch, idx in read_sample(loader, self.max_batches, trainer.global_rank, trainer.world_size, self.seed):
-                view = interpret(batch, self.extract)
-                if view is not None:
-                    sample.add(view, idx, self.pad_token_id, self.leakage_shingle_size, self.num_perm, self.seed)
+            with contextlib.closing(reading):  # the dataset's generators are put back even when a batch fails
+                for batch, idx in reading:
+                    if sample.mismatch is None:
+                        sample.mismatch = size_mismatch(batch)
+                        sample.mismatch_indices = [int(i) for i in idx[:5]]
+                    view = interpret(batch, self.extract)
+                    if view is not None:
+                        sample.add(view, idx, self.pad_token_id, self.leakage_shingle_size, self.num_perm, self.seed)
         except UninterpretableBatch as err:
             self.notice(trainer, f"batch-{split}", f"the {split} data is not examined: {err}")
             return None
@@ -309,6 +335,7 @@ class DataDiagnostics(DiagCallback):
             self._read(trainer, "train", trainer.train_dataloader),
             self._read(trainer, "val", trainer.val_dataloaders),
         ]
+        self._judge_loaders(trainer, mine)
         train, val = self._gather(trainer, mine)
         self.last_epoch = trainer.current_epoch
         if train is None and val is None:
@@ -330,6 +357,23 @@ class DataDiagnostics(DiagCallback):
             self._draw(train, val, measured, step)
         self.record(self.rules.update(measured.measurement, self.context(trainer)))
         self.record(self.sequence_rules.update(measured.sequences, self.context(trainer)))
+
+    def _judge_loaders(self, trainer: pl.Trainer, mine: list[SplitSample | None]) -> None:
+        """``batch_size_mismatch`` on the sampled batches, ``worker_rng_shared`` on the training loader."""
+        ctx = self.context(trainer)
+        for sample in mine:
+            if sample is not None and sample.mismatch is not None:
+                shown = ", ".join(str(i) for i in sample.mismatch_indices)
+                where = f" (dataset indices {shown})" if shown else ""
+                self.record(self.loader_rules.batch_sizes(sample.mismatch, sample.split, ctx, where))
+        train = mine[0]
+        loader, _ = _first_loader(trainer.train_dataloader)
+        workers = int(getattr(loader, "num_workers", 0) or 0)
+        if train is None or not train.advanced or workers <= 0:
+            return
+        init = _lightning_worker_init(getattr(loader, "worker_init_fn", None))
+        if init is not None:
+            self.record(self.loader_rules.shared_stream(train.advanced, workers, init, ctx))
 
     def _draw(self, train: SplitSample | None, val: SplitSample | None, measured: Measured, step: int) -> None:
         for s in (train, val):
@@ -355,6 +399,17 @@ class DataDiagnostics(DiagCallback):
             cell = max(2, min(24, 512 // width))
             self.writer.image(data_tag("label_distribution"), heatmap(rows, cell, 0.0), step)
         self.writer.text(data_tag("summary"), _summary(measured), step)
+
+
+def _lightning_worker_init(fn: Any) -> str | None:
+    """``""`` for no ``worker_init_fn``, a name for Lightning's (it reseeds the global generators only), ``None``
+    for the user's own (trusted to reseed what the dataset holds)."""
+    if fn is None:
+        return ""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = getattr(fn, "__name__", "")
+    return name if name == "pl_worker_init_function" else None
 
 
 def _summary(measured: Measured) -> str:

@@ -38,6 +38,16 @@ class _Problem:
             self.examples.extend(int(i) for i in indices[:room])
 
 
+def _row_hashes(tensor: torch.Tensor) -> np.ndarray:
+    """``[B]`` hash of each row's bytes (exact equality), whatever the dtype (bfloat16 is widened exactly)."""
+    t = tensor.detach().cpu().contiguous()
+    try:
+        rows = t.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16, float8): float32 holds it exactly
+        rows = t.float().numpy()
+    return ds.bytes_hashes(rows)
+
+
 @dataclasses.dataclass
 class SplitSample:
     """The summary of one split's sample.
@@ -58,6 +68,12 @@ class SplitSample:
         extent: Positions the longest sample uses (its last non-padding token + 1).
         label_positions, padded_labels, padded: Token-level label positions (not -100) of batches with a padding
             mask, those that are padding, and the samples concerned (``loss_on_padding``).
+        context_keys: Keys of the non-text inputs (images...) folded into the token samples' identity
+            (``data_leakage`` compares whole samples).
+        mismatch, mismatch_indices: The first sampled batch whose tensors disagree on the batch dimension
+            (``{key: rows}``, ``batch_size_mismatch``) and a few of its dataset indices.
+        advanced: Paths of the generators the dataset or its ``collate_fn`` hold that reading the sample drew
+            from (put back since; ``worker_rng_shared``).
     """
 
     split: str
@@ -81,6 +97,10 @@ class SplitSample:
     label_positions: int = 0
     padded_labels: int = 0
     padded: _Problem = dataclasses.field(default_factory=_Problem)
+    advanced: list[str] = dataclasses.field(default_factory=list)
+    context_keys: set[str] = dataclasses.field(default_factory=set)
+    mismatch: dict[str, int] | None = None
+    mismatch_indices: list[int] = dataclasses.field(default_factory=list)
 
     def add(
         self,
@@ -148,8 +168,14 @@ class SplitSample:
         order = np.argsort(~mask, axis=1, kind="stable")
         packed = np.take_along_axis(tokens, order, axis=1)[:, :_MAX_TOKENS_PER_SAMPLE]
         lens = np.minimum(lengths, _MAX_TOKENS_PER_SAMPLE)
-        self.signatures.append(ds.minhash(packed, lens, shingle_size, num_perm, seed))
-        self.hashes.append(ds.sequence_hashes(packed, lens))
+        signatures = ds.minhash(packed, lens, shingle_size, num_perm, seed)
+        hashes = ds.sequence_hashes(packed, lens)
+        if view.context:  # a multimodal sample is the same sample only when its image (...) is the same too
+            salt = ds.combined_hashes([_row_hashes(t) for t in view.context.values()])
+            signatures, hashes = ds.salted(signatures, salt), ds.salted(hashes, salt)
+            self.context_keys.update(view.context)
+        self.signatures.append(signatures)
+        self.hashes.append(hashes)
         self.indices.append(idx)
         self.valid.append(lens > 0)
 
@@ -198,6 +224,7 @@ class SplitSample:
             out.positions += p.positions
             out.pad += p.pad
             out.has_tokens |= p.has_tokens
+            out.context_keys |= p.context_keys
             out.extent = max(out.extent, p.extent)
             out.label_positions += p.label_positions
             out.padded_labels += p.padded_labels
@@ -338,6 +365,10 @@ def _leakage(
     if hits < min_leaks and coverage < 1.0:
         share = min(share, hits / n_val) if n_val else share  # too few hits to extrapolate from
     m.leaked_fraction = min(share, 1.0) if math.isfinite(share) else share
+    if tokens:
+        m.leak_parts = ("token ids", *sorted(train.context_keys | val.context_keys))
+    else:
+        m.leak_parts = ("input features",)
     m.leaked = hits
     m.val_samples = n_val
     v_idx, t_idx = val.array("indices"), train.array("indices")

@@ -20,6 +20,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_diag.core.files import write_text
+from lightning_diag.instrument.rng import HeldGenerators
 
 __all__ = ["REDACTED", "RUN_FILE", "is_secret_key", "redact_command", "run_record", "scrub", "write_run_record"]
 
@@ -199,6 +200,7 @@ def _dataset_fingerprint(loader: Any) -> dict[str, Any] | None:
         return out  # an iterable dataset: reading it would consume it
     h = hashlib.sha256()
     py_state, np_state = random.getstate(), np.random.get_state()
+    held = HeldGenerators.capture(("dataset", dataset))  # the dataset's own generators are put back too
     try:
         with torch.random.fork_rng(devices=[]):
             for i in range(min(_FINGERPRINT_ITEMS, out["length"])):
@@ -210,6 +212,7 @@ def _dataset_fingerprint(loader: Any) -> dict[str, Any] | None:
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
+        held.restore()
     return out
 
 

@@ -35,6 +35,7 @@ from lightning_diag.core.alerts import (
 from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
 from lightning_diag.demo.synthetic import DATA_MODULES
 from lightning_diag.rules.catalog import (
+    BATCH_SIZE_MISMATCH,
     EVAL_MODE_IN_TRAINING,
     GRAD_NOT_ZEROED,
     LOSS_ON_PADDING,
@@ -42,6 +43,7 @@ from lightning_diag.rules.catalog import (
     STEP_TIME_PERIODIC,
     UPDATE_NONE,
     UPDATE_STALE,
+    WORKER_RNG_SHARED,
 )
 
 __all__ = ["FAULTS", "Fault", "build_fault"]
@@ -337,6 +339,41 @@ FAULTS: dict[str, Fault] = {
             config={"model": "causal_lm"},
             data={"val_length": 40},
             callbacks=(("DataDiagnostics", _LM_DATA),),
+        ),
+        # -- loader faults (issue 35) ----------------------------------------------------------------------
+        Fault(
+            "batch_rows",
+            "the collate_fn keeps the first row of the inputs and all 32 targets: one prediction is broadcast "
+            "against every target, the MLP learns their mean",
+            (BATCH_SIZE_MISMATCH,),
+            onset_step=0,
+            window=0,
+            max_epochs=1,
+            config={"model": "mlp", "d_model": 64, "head_depth": 2},
+            data={"one_row_inputs": True},
+            callbacks=(("DataDiagnostics", {}),),
+        ),
+        Fault(
+            "worker_rng",
+            "the dataset jitters its inputs with a numpy generator it holds, read by 2 workers without a "
+            "worker_init_fn: both workers draw the same jitter",
+            (WORKER_RNG_SHARED,),
+            onset_step=0,
+            window=0,
+            max_epochs=1,
+            config={"model": "mlp", "d_model": 64, "head_depth": 2},
+            data={"jitter": 0.1, "num_workers": 2},
+            callbacks=(("DataDiagnostics", {}),),
+        ),
+        Fault(
+            "healthy_loader",
+            "healthy counterpart of `batch_rows` and `worker_rng`: the jittering dataset read by 2 workers whose "
+            "worker_init_fn reseeds its generator, collated whole",
+            (),
+            max_epochs=1,
+            config={"model": "mlp", "d_model": 64, "head_depth": 2},
+            data={"jitter": 0.1, "num_workers": 2, "reseed_workers": True},
+            callbacks=(("DataDiagnostics", {}),),
         ),
     )
 }

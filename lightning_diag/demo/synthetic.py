@@ -18,7 +18,9 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_diag.demo import loader_faults
 
 __all__ = [
     "CLS",
@@ -184,6 +186,11 @@ class RegressionDataModule(_TensorDataModule):
         seed: Seed of the generator (validation uses ``seed + 1``).
         noise: Standard deviation of the target noise.
         shuffle: Shuffle the training loader.
+        jitter: Standard deviation of a random augmentation of the training inputs drawn from a numpy generator
+            the dataset holds (0: none; :mod:`lightning_diag.demo.loader_faults`).
+        num_workers: Worker processes of the training loader.
+        reseed_workers: A ``worker_init_fn`` reseeds the dataset's generator in each worker.
+        one_row_inputs: A broken ``collate_fn`` keeps one row of the inputs and every target.
     """
 
     def __init__(
@@ -194,12 +201,27 @@ class RegressionDataModule(_TensorDataModule):
         seed: int = 0,
         noise: float = 0.3,
         shuffle: bool = True,
+        jitter: float = 0.0,
+        num_workers: int = 0,
+        reseed_workers: bool = False,
+        one_row_inputs: bool = False,
     ) -> None:
         super().__init__(n_train, n_val, batch_size, seed, shuffle)
         self.noise = noise
+        self.jitter, self.num_workers, self.reseed_workers = jitter, num_workers, reseed_workers
+        self.one_row_inputs = one_row_inputs
 
     def make(self, n: int, seed: int) -> TensorDataset:
         return make_regression_dataset(n, seed, self.noise)
+
+    def train_dataloader(self) -> DataLoader:
+        data: Dataset = self.train_set
+        if self.jitter:
+            data = loader_faults.JitteredInputs(self.train_set, self.jitter, self.seed)
+        return loader_faults.loader(
+            data, self.batch_size, self.shuffle, self.seed, self.num_workers, self.reseed_workers,
+            self.one_row_inputs,
+        )
 
 
 def make_lm_dataset(n: int, seed: int, length: int = 24, noise: float = 0.1) -> TensorDataset:

@@ -19,7 +19,14 @@ from __future__ import annotations
 from lightning_diag.core.registry import CheckSpec, register_check
 from lightning_diag.rules.anomaly import LOSS_STAGNANT, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION
 from lightning_diag.rules.attention import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
-from lightning_diag.rules.data import DATA_LEAKAGE, DATA_NONFINITE, DATA_VOCAB_SHIFT, LABEL_IMBALANCE
+from lightning_diag.rules.data import (
+    BATCH_SIZE_MISMATCH,
+    DATA_LEAKAGE,
+    DATA_NONFINITE,
+    DATA_VOCAB_SHIFT,
+    LABEL_IMBALANCE,
+    WORKER_RNG_SHARED,
+)
 from lightning_diag.rules.data_sequences import LOSS_ON_PADDING, POSITION_OVERFLOW
 from lightning_diag.rules.errors import ERROR_CLUSTER
 from lightning_diag.rules.grad import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_FROZEN, GRAD_LAYER_SPREAD, GRAD_VANISH
@@ -40,6 +47,7 @@ __all__ = [
     "ATTN_ENTROPY_HIGH",
     "ATTN_ENTROPY_LOW",
     "ATTN_SINK",
+    "BATCH_SIZE_MISMATCH",
     "DATALOADER_BOUND",
     "DATA_LEAKAGE",
     "DATA_NONFINITE",
@@ -71,6 +79,7 @@ __all__ = [
     "UPDATE_STALE",
     "VAL_DECLINE",
     "VAL_FLUCTUATION",
+    "WORKER_RNG_SHARED",
 ]
 
 # -- checklist rows -------------------------------------------------------------------------------------

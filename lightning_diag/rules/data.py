@@ -1,4 +1,5 @@
-"""Data rules (framework-free): ``data_vocab_shift``, ``data_leakage``, ``label_imbalance``, ``data_nonfinite``.
+"""Data rules (framework-free): ``data_vocab_shift``, ``data_leakage``, ``label_imbalance``, ``data_nonfinite``,
+``batch_size_mismatch``, ``worker_rng_shared``.
 
 Fed with one measurement of the sampled training and validation data (:class:`DataMeasurement`, computed by
 :class:`~lightning_diag.DataDiagnostics` through :mod:`lightning_diag.stats.token_stats`). Exact meaning:
@@ -13,6 +14,13 @@ Fed with one measurement of the sampled training and validation data (:class:`Da
   (seed 000 §7.1: 0.1), per split (source ``train`` / ``val``).
 * ``data_nonfinite`` (critical): a floating tensor of a sampled batch holds NaN or Inf (source
   ``<split>:<key>``). Constant features and empty sequences are ``info`` alerts under the same id.
+* ``batch_size_mismatch`` (warning, :class:`LoaderRules`): the tensors of one batch (a sampled one, or one the
+  trainer produced) disagree on their leading dimension, scalars and documented non-batch keys left out
+  (:data:`~lightning_diag.instrument.batches.NON_BATCH_KEYS`); source ``train`` / ``val``.
+* ``worker_rng_shared`` (warning, :class:`LoaderRules`): the training loader starts ``num_workers > 0`` workers,
+  the dataset (or its ``collate_fn``) holds a generator of its own that reading a sample drew from, and no
+  ``worker_init_fn`` reseeds it (none, or Lightning's, which reseeds only the global generators): every worker
+  starts from a copy of the same state and the "random" augmentations repeat across workers; source ``train``.
 
 Each (rule, source) pair is latched: it alerts once, and again only after a later measurement has cleared it, so
 a resumed run (which measures again) does not repeat what it already reported.
@@ -30,6 +38,8 @@ from lightning_diag.core.registry import RuleSpec, SettingSpec, default, registe
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
+    "BATCH_SIZE_MISMATCH",
+    "BATCH_SIZE_MISMATCH_SPEC",
     "DATA_LEAKAGE",
     "DATA_LEAKAGE_SPEC",
     "DATA_MAX_BATCHES_SETTING",
@@ -43,9 +53,12 @@ __all__ = [
     "DEFAULT_VOCAB_SHIFT_THRESHOLD",
     "LABEL_IMBALANCE",
     "LABEL_IMBALANCE_SPEC",
+    "WORKER_RNG_SHARED",
+    "WORKER_RNG_SHARED_SPEC",
     "DataMeasurement",
     "DataRules",
     "InputProblem",
+    "LoaderRules",
 ]
 
 # -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
@@ -74,10 +87,22 @@ DATA_NONFINITE_SPEC = register(RuleSpec(
     "data_nonfinite", _DATA, "critical", None, "NaN/Inf in a floating tensor of a sampled batch",
     source="seed 000 §2.1",
 ))
+BATCH_SIZE_MISMATCH_SPEC = register(RuleSpec(
+    "batch_size_mismatch", _DATA, "warning", None,
+    "the tensors of one batch disagree on the leading (batch) dimension",
+    source="issue 35 (TrainCheck's published silent errors)",
+))
+WORKER_RNG_SHARED_SPEC = register(RuleSpec(
+    "worker_rng_shared", _DATA, "warning", None,
+    "data loader workers draw from copies of one generator the dataset holds (no worker_init_fn reseeds it)",
+    source="issue 35 (TrainCheck's published silent errors)",
+))
 DATA_VOCAB_SHIFT = DATA_VOCAB_SHIFT_SPEC.rule_id
 DATA_LEAKAGE = DATA_LEAKAGE_SPEC.rule_id
 LABEL_IMBALANCE = LABEL_IMBALANCE_SPEC.rule_id
 DATA_NONFINITE = DATA_NONFINITE_SPEC.rule_id
+BATCH_SIZE_MISMATCH = BATCH_SIZE_MISMATCH_SPEC.rule_id
+WORKER_RNG_SHARED = WORKER_RNG_SHARED_SPEC.rule_id
 #: ``data.max_batches``: batches read from each loader per measurement (every data rule).
 DATA_MAX_BATCHES_SETTING = register_setting(SettingSpec("data.max_batches", _DATA, 64, "max_batches"))
 
@@ -123,6 +148,8 @@ class DataMeasurement:
         leaked: Validation samples found leaked in the sample.
         val_samples: Validation samples compared.
         leak_examples: ``(val index, train index, similarity)`` of a few leaked samples.
+        leak_parts: What the leakage search compared: ``("token ids",)``, ``("token ids", "pixel_values")`` (a
+            multimodal sample matches only when its other parts are equal too), ``("[0]",)`` (float inputs).
         label_std: Standard deviation of the class proportions, per split.
         label_counts: Samples per class, per split.
         problems: Broken inputs found.
@@ -134,9 +161,87 @@ class DataMeasurement:
     leaked: int = 0
     val_samples: int = 0
     leak_examples: Sequence[tuple[int, int, float]] = ()
+    leak_parts: Sequence[str] = ()
     label_std: Mapping[str, float] = dataclasses.field(default_factory=dict)
     label_counts: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
     problems: Sequence[InputProblem] = ()
+
+
+class LoaderRules(Rule):
+    """``batch_size_mismatch`` and ``worker_rng_shared``: how the loaders build batches. One latch (keys
+    ``rule:source``); each alerts once per fit and source.
+
+    Example:
+        >>> rules = LoaderRules()
+        >>> alerts = rules.batch_sizes({"input_ids": 1, "pixel_values": 16, "labels": 16}, "train", StepContext(0, 0))
+        >>> [(a.rule, a.source) for a in alerts]
+        [('batch_size_mismatch', 'train')]
+        >>> rules.batch_sizes({"input_ids": 1, "labels": 16}, "train", StepContext(0, 1))  # latched
+        []
+    """
+
+    specs = (BATCH_SIZE_MISMATCH_SPEC, WORKER_RNG_SHARED_SPEC)
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> LoaderRules:
+        """The rules (they have no threshold; see :meth:`Rule.from_settings`)."""
+        return cls()
+
+    def batch_sizes(self, sizes: Mapping[str, int], split: str, ctx: StepContext, where: str = "") -> list[Alert]:
+        """Judge one batch's leading dimensions (``{key: rows}`` of its tensors); ``where`` says which batch."""
+        counts: dict[int, list[str]] = {}
+        for key, rows in sizes.items():
+            counts.setdefault(int(rows), []).append(key)
+        if len(counts) < 2 or not self.latch.update(f"{BATCH_SIZE_MISMATCH}:{split}", True):
+            return []
+        ranked = sorted(counts.items(), key=lambda kv: (-len(kv[1]), -kv[0]))
+        parts = "; ".join(
+            f"{_keys(keys)} {'has' if len(keys) == 1 else 'have'} {rows} row{'s' if rows != 1 else ''}"
+            for rows, keys in ranked
+        )
+        expected = ranked[0][0]
+        return [
+            self._alert(
+                ctx,
+                f"the tensors of a {split} batch{where} disagree on the batch (first) dimension: {parts}. "
+                "Broadcasting can hide it (a loss over a 1-row input repeated against every label, inputs paired "
+                "with the wrong samples); check the collate_fn and the dataset's __getitem__",
+                source=split,
+                value=float(min(counts)),
+                threshold=float(expected),
+                rule=BATCH_SIZE_MISMATCH,
+            )
+        ]
+
+    def shared_stream(
+        self, paths: Sequence[str], num_workers: int, worker_init: str, ctx: StepContext
+    ) -> list[Alert]:
+        """Judge the training loader: ``paths`` of the dataset's own generators that reading a sample drew from,
+        its ``num_workers``, and its ``worker_init_fn`` (``""``: none; else a description)."""
+        if not paths or num_workers <= 0 or not self.latch.update(f"{WORKER_RNG_SHARED}:train", True):
+            return []
+        init = f"its worker_init_fn ({worker_init}) reseeds only the global generators" if worker_init else (
+            "no worker_init_fn reseeds it"
+        )
+        return [
+            self._alert(
+                ctx,
+                f"the training loader's {num_workers} workers draw from copies of one random stream: "
+                f"{_keys(list(paths))} is a generator the dataset holds itself, each worker gets a copy of it in "
+                f"the same state, and {init}. The workers' random augmentations repeat each other; reseed it per "
+                "worker in a worker_init_fn (from torch.utils.data.get_worker_info().seed, which differs per "
+                "worker and epoch), or draw from torch's global generator in __getitem__ (reseeded per worker)",
+                source="train",
+                value=float(num_workers),
+                threshold=None,
+                rule=WORKER_RNG_SHARED,
+            )
+        ]
+
+
+def _keys(keys: list[str]) -> str:
+    shown = ", ".join(f"`{k}`" for k in keys[:_EXAMPLES])
+    return shown + (f" and {len(keys) - _EXAMPLES} more" if len(keys) > _EXAMPLES else "")
 
 
 class DataRules(Rule):
@@ -236,9 +341,11 @@ class DataRules(Rule):
         hint = m.leaked > 0 and not warn
         out = []
         examples = ", ".join(f"val {v} ~ train {t} ({s:.2f})" for v, t, s in list(m.leak_examples)[:_EXAMPLES])
+        parts = " and ".join(f"`{p}`" if p != "token ids" else p for p in m.leak_parts)
+        compared = f" (compared: {parts})" if parts else ""
         what = (
-            f"{m.leaked} of {m.val_samples} sampled validation samples copy or nearly copy a training sample "
-            f"(estimated share of the validation set: {m.leaked_fraction:.1%}); examples: {examples}"
+            f"{m.leaked} of {m.val_samples} sampled validation samples copy or nearly copy a training sample"
+            f"{compared} (estimated share of the validation set: {m.leaked_fraction:.1%}); examples: {examples}"
         )
         if self.latch.update(f"{DATA_LEAKAGE}:val", warn):
             out.append(

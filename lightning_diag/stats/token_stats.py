@@ -33,12 +33,15 @@ import numpy as np
 __all__ = [
     "LeakMatches",
     "aligned",
+    "bytes_hashes",
+    "combined_hashes",
     "find_near_duplicates",
     "jaccard",
     "minhash",
     "oov_share",
     "proportion_std",
     "rare_share",
+    "salted",
     "sequence_hashes",
     "shingle_hashes",
     "tail_summary",
@@ -59,6 +62,23 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = x ^ (x >> np.uint64(27))
     x = x * _M2
     return x ^ (x >> np.uint64(31))
+
+
+def salted(values: np.ndarray, salt: np.ndarray) -> np.ndarray:
+    """``values`` (``[N]`` or ``[N, K]`` uint64) remapped per row by a bijection chosen by the row's ``salt``
+    (``[N]`` uint64): two rows with the same salt keep every equality between their entries, two rows with
+    different salts (almost surely) share none. Folds a sample's other parts (its image) into its text hash and
+    MinHash signature, so that two samples match only when those parts are equal.
+
+    Example:
+        >>> a = np.array([[5, 6], [5, 6], [5, 6]], np.uint64)
+        >>> out = salted(a, np.array([1, 1, 2], np.uint64))
+        >>> bool((out[0] == out[1]).all()), bool((out[0] == out[2]).any())
+        (True, False)
+    """
+    salt = _mix(np.asarray(salt, np.uint64) + _GOLDEN)
+    values = np.asarray(values, np.uint64)
+    return _mix(values ^ (salt[:, None] if values.ndim == 2 else salt))
 
 
 def aligned(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -203,6 +223,14 @@ def sequence_hashes(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     mixed = _mix(tokens.astype(np.uint64) ^ _mix(pos + _GOLDEN))
     mixed[np.arange(tokens.shape[1])[None, :] >= lengths[:, None]] = 0
     return _mix(mixed.sum(axis=1, dtype=np.uint64) + lengths.astype(np.uint64))
+
+
+def combined_hashes(parts: list[np.ndarray]) -> np.ndarray:
+    """``[N]`` 64-bit hash of several ``[N]`` per-row hashes taken together (order-sensitive)."""
+    out = np.zeros(len(parts[0]), np.uint64)
+    for i, part in enumerate(parts):
+        out = _mix(out ^ salted(np.asarray(part, np.uint64), np.full(len(part), i, np.uint64)))
+    return out
 
 
 def bytes_hashes(rows: np.ndarray) -> np.ndarray:
