@@ -35,11 +35,15 @@ from lightning_diag.core.alerts import (
 from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
 from lightning_diag.demo.synthetic import DATA_MODULES
 from lightning_diag.rules.catalog import (
+    AMP_NOT_APPLIED,
     EVAL_MODE_IN_TRAINING,
+    EVAL_RANDOMNESS,
     GRAD_NOT_ZEROED,
     LOSS_ON_PADDING,
+    LOSS_OUTLIER,
     POSITION_OVERFLOW,
     STEP_TIME_PERIODIC,
+    TRAIN_OVERRIDE_BYPASSED,
     UPDATE_NONE,
     UPDATE_STALE,
 )
@@ -293,6 +297,59 @@ FAULTS: dict[str, Fault] = {
             (),
             max_epochs=2,
             config={"dropout": 0.1},
+        ),
+        Fault(
+            "train_override",
+            "the model overrides train() to freeze its embeddings (plain-PyTorch code that calls model.train() every "
+            "epoch); Lightning never calls train(), so the embeddings keep training",
+            (TRAIN_OVERRIDE_BYPASSED,),
+            onset_step=0,
+            window=0,
+            max_epochs=1,
+            config={"freeze_in_train": ("embed",)},
+        ),
+        Fault(
+            "healthy_train_override",
+            "healthy counterpart of `train_override`: the same override, run by self.train() in on_train_epoch_start",
+            (),
+            max_epochs=1,
+            config={"freeze_in_train": ("embed",), "train_at_epoch_start": True},
+        ),
+        Fault(
+            "eval_dropout",
+            "F.dropout(x, 0.1) in the forward with its default training=True: dropout stays on in validation",
+            (EVAL_RANDOMNESS,),
+            onset_step=0,
+            window=0,
+            max_epochs=1,
+            config={"eval_dropout": 0.1},
+        ),
+        Fault(
+            "autocast_off",
+            "precision='bf16-mixed', but the forward runs in autocast(enabled=False): every matmul stays float32",
+            (AMP_NOT_APPLIED,),
+            onset_step=0,
+            window=1,
+            max_epochs=1,
+            config={"autocast_off": True},
+            trainer={"precision": "bf16-mixed"},
+        ),
+        Fault(
+            "healthy_bf16_mixed",
+            "healthy counterpart of `autocast_off`: the transformer under precision='bf16-mixed'",
+            (),
+            max_epochs=2,
+            trainer={"precision": "bf16-mixed"},
+        ),
+        Fault(
+            "zero_input",
+            "from step 60, every 20th step's tokens arrive as zeros (a transient corruption of a copy): single "
+            "steps whose loss jumps back to the untrained level, which epoch means average away",
+            (LOSS_OUTLIER,),
+            onset_step=60,
+            window=5,
+            max_epochs=6,
+            config={"zero_input_every": 20, "zero_input_from": 60},
         ),
         Fault(
             "stall",
