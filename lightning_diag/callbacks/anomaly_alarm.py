@@ -20,6 +20,7 @@ from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, Los
 from lightning_diag.callbacks.lr_logging import lr_scalars
 from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
+from lightning_diag.callbacks.runtime_checks import RuntimeChecks
 from lightning_diag.callbacks.silent_checks import ReplicaCheck, TrainModeCheck
 from lightning_diag.core.alerts import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE, NonFiniteAction
 from lightning_diag.core.deprecation import renamed_arguments
@@ -220,6 +221,9 @@ class AnomalyAlarm(DiagCallback):
         self.replicas = ReplicaCheck(self, self.desync_every_n_steps, self.desync_tolerance)
         #: ``eval_mode_in_training``'s look at the Dropout and BatchNorm modules.
         self.train_mode = TrainModeCheck(self)
+        #: The run-time checks (``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``,
+        #: ``loss_outlier``, ``eval_before_training``); their rules are declared on this callback.
+        self.runtime = RuntimeChecks(self)
         #: Localisation of non-finite values and, with ``on_nonfinite="rollback"``, the snapshots.
         self.recovery = NonFiniteRecovery(
             locate=locate_nonfinite, rollback=self.on_nonfinite == "rollback", settings=self.rollback
@@ -290,6 +294,7 @@ class AnomalyAlarm(DiagCallback):
         self.recovery.reset()
         self.replicas.reset()
         self.train_mode.reset()
+        self.runtime.reset()
 
     def state_dict(self) -> dict[str, Any]:
         """Rule histories, latches, the skip count, the partial loss sums and warn mode's pending findings.
@@ -308,6 +313,7 @@ class AnomalyAlarm(DiagCallback):
             "rollback": self.recovery.state_dict(),
             "replicas": self.replicas.state_dict(),
             "train_mode": self.train_mode.state_dict(),
+            **self.rules_state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -332,6 +338,7 @@ class AnomalyAlarm(DiagCallback):
         if "replicas" in state_dict:  # absent from checkpoints written before the silent-error rules existed
             self.replicas.load_state_dict(state_dict["replicas"])
             self.train_mode.load_state_dict(state_dict["train_mode"])
+        self.load_rules_state_dict(state_dict)
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -358,10 +365,13 @@ class AnomalyAlarm(DiagCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""
         self.recovery.stop()
+        self.runtime.stop()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Remove the learning-rate hooks (also when ``fit`` raises: ``on_exception`` calls this), then flush."""
+        """Remove the learning-rate hooks and the run-time probes (also when ``fit`` raises: ``on_exception``
+        calls this), then flush."""
         self.recovery.stop()
+        self.runtime.stop()
         super().teardown(trainer, pl_module, stage)
 
     def _snapshot_state(self) -> dict[str, Any]:
@@ -393,6 +403,7 @@ class AnomalyAlarm(DiagCallback):
         if self.on_nonfinite != "warn":
             self.recovery.on_batch_start(batch, batch_idx)
         self.train_mode.on_batch_start(trainer, pl_module)
+        self.runtime.on_train_batch_start(trainer, pl_module)
 
     # -- non-finite guard --------------------------------------------------------------------------------
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -422,7 +433,9 @@ class AnomalyAlarm(DiagCallback):
             self._send(trainer, out)
         self.recovery.on_batch_end(trainer, pl_module, loss)
         self.replicas.on_batch_end(trainer, pl_module)
-        if not self.is_logging_step(trainer):
+        logging = self.is_logging_step(trainer)
+        self.runtime.on_train_batch_end(trainer, pl_module, loss, logging)
+        if not logging:
             return
         scale = self.recovery.lr_scale  # the rate the optimizer uses: the scheduler's times the rollback factor
         values = {name: lr * scale for name, lr in lr_scalars(trainer).items()}
@@ -437,6 +450,28 @@ class AnomalyAlarm(DiagCallback):
         if self.on_nonfinite == "warn":
             self.guard.read_back(trainer, pl_module)
         self._send(trainer, self.trend.close_period(trainer, pl_module, "epoch"))
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Before the first training forward: look for components whose state only training updates."""
+        self.runtime.on_validation_start(trainer, pl_module)
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        """On the first batch of a validation run: watch for dropout applied in training mode."""
+        self.runtime.on_validation_batch_start(pl_module, batch_idx, dataloader_idx)
+
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """Judge the dropout watch of the first batch."""
+        self.runtime.on_validation_batch_end(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Feed the monitored validation value to ``val_decline`` and ``val_fluctuation``."""

@@ -73,6 +73,17 @@ class DemoConfig:
         stall_every: From this global step on, every ``stall_every``-th training step also sleeps
             ``stall_seconds`` (a periodic I/O or synchronisation stall); 0: never.
         stall_seconds: How long each stall sleeps.
+        freeze_in_train: Module-name prefixes that the model's ``train()`` override freezes
+            (``requires_grad=False``), as plain-PyTorch code written for ``model.train()`` at each epoch does;
+            Lightning never calls ``train()`` during fit.
+        train_at_epoch_start: Call ``self.train()`` in ``on_train_epoch_start`` (what makes such an override run).
+        eval_dropout: The transformer classifier applies ``F.dropout(x, eval_dropout)`` to its embeddings when in
+            eval mode, with the function's default ``training=True``: validation is random.
+        autocast_off: The transformer classifier's forward runs in ``torch.autocast(..., enabled=False)``: under
+            ``precision="bf16-mixed"`` its matmuls stay float32.
+        zero_input_every: From ``zero_input_from`` on, every ``zero_input_every``-th training step's tokens arrive
+            as zeros (a transient corruption of a copy); 0: never.
+        zero_input_from: The first global step ``zero_input_every`` may hit.
         seed: Seed of the model's initialisation.
     """
 
@@ -99,6 +110,12 @@ class DemoConfig:
     eval_at_epoch_start: bool = False
     stall_every: int = 0
     stall_seconds: float = 0.0
+    freeze_in_train: tuple[str, ...] = ()
+    train_at_epoch_start: bool = False
+    eval_dropout: float = 0.0
+    autocast_off: bool = False
+    zero_input_every: int = 0
+    zero_input_from: int = 0
     seed: int = 0
 
 
@@ -121,6 +138,18 @@ class DemoModule(pl.LightningModule):
     def on_train_epoch_start(self) -> None:
         if self.config.eval_at_epoch_start:
             self.eval()  # the fault: Dropout (and BatchNorm) switched off for the whole epoch
+        if self.config.train_at_epoch_start:
+            self.train()
+
+    def train(self, mode: bool = True) -> DemoModule:
+        """``nn.Module.train``; with ``freeze_in_train`` it also freezes those parameters when training starts."""
+        super().train(mode)
+        if mode:
+            for prefix in self.config.freeze_in_train:
+                for name, p in self.named_parameters():
+                    if name.startswith(prefix):
+                        p.requires_grad_(False)
+        return self
 
     def _apply_freeze(self) -> None:
         for prefix in self.config.freeze:
@@ -204,8 +233,16 @@ class TinyTransformerClassifier(DemoModule):
         self._kill_handles: list[Any] = []
 
     def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.config.autocast_off:
+            with torch.autocast(device_type=tokens.device.type, enabled=False):  # the fault: no mixed precision
+                return self._forward(tokens, padding_mask)
+        return self._forward(tokens, padding_mask)
+
+    def _forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
+        if c.eval_dropout and not self.training:
+            x = nn.functional.dropout(x, c.eval_dropout)  # the fault: `training` defaults to True
         if self.training and c.inf_input_at_step is not None and self.global_step == c.inf_input_at_step:
             x = x.clone()
             x[0, 1, 0] = math.inf
@@ -238,6 +275,10 @@ class TinyTransformerClassifier(DemoModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self._maybe_kill_hidden()
+        c, step = self.config, self.global_step
+        if c.zero_input_every and step >= c.zero_input_from and step % c.zero_input_every == 0:
+            tokens, mask, labels = batch
+            batch = (torch.zeros_like(tokens), mask, labels)  # the fault: this step's copy arrived as zeros
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

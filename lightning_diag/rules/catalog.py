@@ -37,6 +37,13 @@ from lightning_diag.rules.probes import QUANTIZATION_ERROR, SHARP_MINIMUM
 from lightning_diag.rules.replicas import DDP_DESYNC
 from lightning_diag.rules.robustness import ROBUSTNESS_DROP
 from lightning_diag.rules.rollback import NONFINITE_ROLLBACK
+from lightning_diag.rules.runtime import (
+    AMP_NOT_APPLIED,
+    EVAL_BEFORE_TRAINING,
+    EVAL_RANDOMNESS,
+    LOSS_OUTLIER,
+    TRAIN_OVERRIDE_BYPASSED,
+)
 from lightning_diag.rules.system import DATALOADER_BOUND, MEMORY_GROWTH, STEP_TIME_FLUCTUATION, STEP_TIME_PERIODIC
 from lightning_diag.rules.train_mode import EVAL_MODE_IN_TRAINING
 from lightning_diag.rules.updates import GRAD_NOT_ZEROED, UPDATE_NONE, UPDATE_STALE
@@ -44,6 +51,7 @@ from lightning_diag.rules.updates import GRAD_NOT_ZEROED, UPDATE_NONE, UPDATE_ST
 # isort: on
 
 __all__ = [
+    "AMP_NOT_APPLIED",
     "ATTN_ENTROPY_HIGH",
     "ATTN_ENTROPY_LOW",
     "ATTN_SINK",
@@ -54,7 +62,9 @@ __all__ = [
     "DATA_VOCAB_SHIFT",
     "DDP_DESYNC",
     "ERROR_CLUSTER",
+    "EVAL_BEFORE_TRAINING",
     "EVAL_MODE_IN_TRAINING",
+    "EVAL_RANDOMNESS",
     "GRAD_COLLAPSE",
     "GRAD_EXPLODE",
     "GRAD_FROZEN",
@@ -63,6 +73,7 @@ __all__ = [
     "GRAD_VANISH",
     "LABEL_IMBALANCE",
     "LOSS_ON_PADDING",
+    "LOSS_OUTLIER",
     "LOSS_STAGNANT",
     "LOSS_SWING",
     "MEMORY_GROWTH",
@@ -75,6 +86,7 @@ __all__ = [
     "SHARP_MINIMUM",
     "STEP_TIME_FLUCTUATION",
     "STEP_TIME_PERIODIC",
+    "TRAIN_OVERRIDE_BYPASSED",
     "UPDATE_NONE",
     "UPDATE_STALE",
     "VAL_DECLINE",

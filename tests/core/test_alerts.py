@@ -82,6 +82,13 @@ def test_rule_ids_are_the_contract():
         "eval_mode_in_training",
         "loss_on_padding",
         "position_overflow",
+        "train_override_bypassed",
+        "eval_randomness",
+        "amp_not_applied",
+        "loss_outlier",
+        "eval_before_training",
+        "batch_size_mismatch",
+        "worker_rng_shared",
     }
 
 

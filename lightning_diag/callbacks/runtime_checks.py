@@ -1,0 +1,145 @@
+"""AnomalyAlarm's checks of what the model does at run time: ``train()`` overrides Lightning bypasses, dropout in
+evaluation, mixed precision not applied, per-step loss outliers, and components evaluated before training.
+
+A thin adapter over :mod:`lightning_diag.rules.runtime` (the rules) and
+:mod:`lightning_diag.instrument.runtime_probes` (the probes); the rules are declared on the owning callback
+(:meth:`~lightning_diag.callbacks.base.DiagCallback.add_rule`), so their state follows the declared path.
+
+Cost: the probes run on one training batch per fit (the first) and on the first batch of each validation run; per
+training step one 0-d copy of the loss is kept (no host read), and the losses since the last logging step are read
+in one transfer on logging steps.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_diag.instrument.runtime_probes import (
+    DropoutWatch,
+    MatmulDtypeProbe,
+    train_override_effects,
+    train_overriders,
+    unconverged_spectral_norms,
+)
+from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.runtime import (
+    AmpRule,
+    EvalBeforeTrainingRule,
+    EvalRandomnessRule,
+    LossOutlierRule,
+    TrainOverrideRule,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_diag.callbacks.base import DiagCallback
+
+__all__ = ["MIXED_PRECISIONS", "RuntimeChecks"]
+
+#: The ``Trainer(precision=...)`` values under which the matmul layers should compute in half precision.
+MIXED_PRECISIONS = ("16-mixed", "bf16-mixed")
+
+
+class RuntimeChecks:
+    """The run-time checks an :class:`~lightning_diag.AnomalyAlarm` owns; it calls the hooks below."""
+
+    def __init__(self, owner: DiagCallback) -> None:
+        self.owner = owner
+        # Declared on the owner: rebuilt at each fit, saved and restored with its checkpoint state.
+        owner.add_rule("override_rule", TrainOverrideRule.from_settings)
+        owner.add_rule("eval_random_rule", EvalRandomnessRule.from_settings)
+        owner.add_rule("amp_rule", AmpRule.from_settings)
+        owner.add_rule("outlier_rule", LossOutlierRule.from_settings)
+        owner.add_rule("eval_before_rule", EvalBeforeTrainingRule.from_settings)
+        self.reset()
+
+    def reset(self) -> None:
+        """The start of a fit (the rules are rebuilt by the owner)."""
+        self._first_batch_done = False
+        self._trained_forward = False
+        self._amp: MatmulDtypeProbe | None = None
+        self._dropout: DropoutWatch | None = None
+        self._losses: list[torch.Tensor] = []
+        self._steps: list[int] = []
+
+    def _rule(self, name: str) -> Any:
+        """One of the owner's rules, as rebuilt at each fit."""
+        return getattr(self.owner, name)
+
+    # -- training ------------------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """On the fit's first training batch: compare ``train()`` overrides with what is in effect, and watch the
+        matmul layers' dtypes under mixed precision."""
+        if self._first_batch_done:
+            return
+        self._first_batch_done = True
+        ctx = self.owner.context(trainer)
+        overriders = train_overriders(pl_module)
+        if overriders:
+            to_eval, frozen = train_override_effects(pl_module)
+            self.owner.record(self._rule("override_rule").update(overriders, to_eval, frozen, ctx))
+        if str(trainer.precision) in MIXED_PRECISIONS:
+            self._amp = MatmulDtypeProbe(pl_module)
+            self._amp.start()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor | None, logging: bool
+    ) -> None:
+        """Keep a 0-d copy of the loss; judge the mixed-precision probe; on logging steps judge the losses."""
+        self._trained_forward = True
+        if self._amp is not None:
+            probe, self._amp = self._amp, None
+            probe.stop()
+            self.owner.record(
+                self._rule("amp_rule").update(
+                    probe.layers, probe.float32, str(trainer.precision), self.owner.context(trainer)
+                )
+            )
+        if loss is not None and loss.numel() == 1:
+            self._losses.append(loss.detach().reshape(()).clone())
+            self._steps.append(trainer.global_step)
+        if logging and self._losses:
+            self._judge_losses(trainer)
+
+    def _judge_losses(self, trainer: pl.Trainer) -> None:
+        stacked = torch.stack(self._losses).float()
+        steps, self._losses, self._steps = self._steps, [], []
+        if trainer.world_size > 1:  # every rank judges the mean over ranks: the same decision everywhere
+            stacked = trainer.strategy.reduce(stacked, reduce_op="mean")
+        values = stacked.tolist()  # the one host read, on a logging step
+        ctx = StepContext(trainer.current_epoch, trainer.global_step)
+        self.owner.record(self._rule("outlier_rule").update(values, steps, ctx))
+
+    # -- validation ----------------------------------------------------------------------------------------
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Before any training forward: components whose state only training updates (spectral norm)."""
+        if self._trained_forward or trainer.global_step > 0:
+            return
+        modules = unconverged_spectral_norms(pl_module)
+        if modules:
+            self.owner.record(
+                self._rule("eval_before_rule").update(modules, trainer.sanity_checking, self.owner.context(trainer))
+            )
+
+    def on_validation_batch_start(self, pl_module: pl.LightningModule, batch_idx: int, dataloader_idx: int) -> None:
+        """On the first batch of a validation run: watch for dropouts applied in training mode."""
+        if batch_idx == 0 and dataloader_idx == 0 and self._dropout is None:
+            self._dropout = DropoutWatch(pl_module)
+            self._dropout.start()
+
+    def on_validation_batch_end(self, trainer: pl.Trainer) -> None:
+        """Judge what the dropout watch saw."""
+        if self._dropout is None:
+            return
+        watch, self._dropout = self._dropout, None
+        watch.stop()
+        self.owner.record(self._rule("eval_random_rule").update(watch.found, self.owner.context(trainer)))
+
+    def stop(self) -> None:
+        """Remove whatever is installed (the end of a fit, or an exception in the middle of a batch)."""
+        for probe in (self._amp, self._dropout):
+            if probe is not None:
+                probe.stop()
+        self._amp = self._dropout = None

@@ -1,0 +1,448 @@
+"""Silent errors of the run's set-up, judged on what the model did (framework-free).
+
+Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.runtime_checks` measures):
+
+* ``train_override_bypassed`` (warning): a module overrides ``train()`` and what the override does (modules it puts
+  in eval mode, parameters it freezes) is not in effect during training: Lightning never calls ``train()``
+  during ``fit`` (it sets the ``training`` flags directly when validation ends), so the override's effect never
+  happens. Judged once, at the first training batch of a fit.
+* ``eval_randomness`` (warning): a dropout was applied with ``training=True`` (``F.dropout(x, training=True)``, a
+  Dropout module left in training mode) during validation: evaluation is random and the validation metric noisy.
+  Judged on the first batch of every validation run.
+* ``amp_not_applied`` (warning): ``precision="16-mixed"`` or ``"bf16-mixed"`` is configured, but more than
+  ``share`` of the matmul layers' parameters (``nn.Linear``, ``nn.Conv*``) computed in float32 on a sampled
+  training step: the forward escapes autocast (an ``autocast(enabled=False)`` block, inputs cast after it), so
+  the run pays for float32. Judged once per fit, on its first training batch.
+* ``loss_outlier`` (warning): a training step's loss jumps back to the level of the untrained model: more than
+  ``threshold`` robust standard deviations (1.4826 x the median absolute deviation) and more than ``ratio`` times
+  above the median of the (up to) ``window`` steps before it, and at least half the median loss of the fit's first
+  ``window / 2`` steps. A transient corruption (a batch copied as zeros, a bad shard) looks so; a healthy run's
+  hard batch near convergence rises far less. Needs ``window / 2`` steps of history; judged on logging steps over
+  the steps since the last one.
+* ``eval_before_training`` (warning; ``info`` in the sanity check): a validation runs before the first training
+  forward of a component whose state only training updates (an ``nn.utils.spectral_norm`` whose power iteration
+  never ran: its weight is divided by a norm estimated from random vectors), so the validation computes nonsense.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from lightning_diag.core.record import Alert, Severity
+from lightning_diag.core.registry import RuleSpec, register
+from lightning_diag.rules.base import Latch, Rule, StepContext, list_names
+
+__all__ = [
+    "AMP_NOT_APPLIED",
+    "AMP_NOT_APPLIED_SPEC",
+    "EVAL_BEFORE_TRAINING",
+    "EVAL_BEFORE_TRAINING_SPEC",
+    "EVAL_RANDOMNESS",
+    "EVAL_RANDOMNESS_SPEC",
+    "LOSS_OUTLIER",
+    "LOSS_OUTLIER_SPEC",
+    "TRAIN_OVERRIDE_BYPASSED",
+    "TRAIN_OVERRIDE_BYPASSED_SPEC",
+    "AmpRule",
+    "EvalBeforeTrainingRule",
+    "EvalRandomnessRule",
+    "LossOutlierRule",
+    "TrainOverrideRule",
+    "loss_outliers",
+]
+
+_ALARM = "AnomalyAlarm"
+
+# -- declarations (the docs' thresholds table and the report read them) ----------------------------------------
+TRAIN_OVERRIDE_BYPASSED_SPEC = register(
+    RuleSpec(
+        "train_override_bypassed",
+        _ALARM,
+        "warning",
+        None,
+        "a module's train() override would freeze parameters or switch modules to eval mode, but Lightning never "
+        "calls train() during fit, so they keep training",
+    )
+)
+TRAIN_OVERRIDE_BYPASSED = TRAIN_OVERRIDE_BYPASSED_SPEC.rule_id
+
+EVAL_RANDOMNESS_SPEC = register(
+    RuleSpec(
+        "eval_randomness",
+        _ALARM,
+        "warning",
+        None,
+        "a dropout applied with training=True during validation (evaluation is random)",
+    )
+)
+EVAL_RANDOMNESS = EVAL_RANDOMNESS_SPEC.rule_id
+
+AMP_NOT_APPLIED_SPEC = register(
+    RuleSpec(
+        "amp_not_applied",
+        _ALARM,
+        "warning",
+        0.5,
+        "mixed precision configured, but more than {threshold:g} of the matmul layers' parameters compute in "
+        "float32 on a sampled training step",
+    )
+)
+AMP_NOT_APPLIED = AMP_NOT_APPLIED_SPEC.rule_id
+
+LOSS_OUTLIER_SPEC = register(
+    RuleSpec(
+        "loss_outlier",
+        _ALARM,
+        "warning",
+        10.0,
+        "a training step's loss more than {threshold:g} robust standard deviations and {ratio:g}x above the median "
+        "of the {window:g} steps before it, back at the untrained model's level",
+        settings={"ratio": 2.0, "window": 32},
+    )
+)
+LOSS_OUTLIER = LOSS_OUTLIER_SPEC.rule_id
+
+EVAL_BEFORE_TRAINING_SPEC = register(
+    RuleSpec(
+        "eval_before_training",
+        _ALARM,
+        "warning",
+        None,
+        "a validation runs before the first training forward of a component whose state only training updates "
+        "(spectral norm's power iteration)",
+    )
+)
+EVAL_BEFORE_TRAINING = EVAL_BEFORE_TRAINING_SPEC.rule_id
+
+_SHOWN = 4
+#: ``loss_outlier``: judgments without an outlier after which a new outlier is a new event.
+_OUTLIER_CLEAR_AFTER = 10
+
+
+class TrainOverrideRule(Rule):
+    """``train_override_bypassed``: one comparison of what ``train()`` overrides would do with what is in effect.
+
+    Example:
+        >>> rule = TrainOverrideRule()
+        >>> alerts = rule.update(["Net"], ["backbone.bn"], ["backbone.conv.weight"], StepContext(0, 0))
+        >>> [(a.rule, a.source) for a in alerts]
+        [('train_override_bypassed', 'Net')]
+        >>> rule.update(["Net"], [], [], StepContext(0, 0))
+        []
+    """
+
+    specs = (TRAIN_OVERRIDE_BYPASSED_SPEC,)
+    state_keys = ("checks",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> TrainOverrideRule:
+        """The rule (it has no thresholds; see :meth:`Rule.from_settings`)."""
+        del thresholds
+        return cls()
+
+    def update(
+        self, overriders: Sequence[str], to_eval: Sequence[str], to_freeze: Sequence[str], ctx: StepContext
+    ) -> list[Alert]:
+        """Feed one comparison.
+
+        Args:
+            overriders: The classes whose ``train()`` override was tried.
+            to_eval: Modules the overrides would put in eval mode that are in training mode.
+            to_freeze: Parameters the overrides would freeze (``requires_grad=False``) that train.
+            ctx: Where it was judged.
+        """
+        self.checks += 1
+        bypassed = bool(to_eval or to_freeze)
+        if not self.latch.update("override", bypassed) or not overriders:
+            return []
+        parts = []
+        if to_freeze:
+            parts.append(f"freeze {list_names(to_freeze, _SHOWN, 'parameters')}")
+        if to_eval:
+            parts.append(f"put {list_names(to_eval, _SHOWN, 'modules')} in eval mode")
+        who = ", ".join(f"`{c}`" for c in overriders[:_SHOWN])
+        return [
+            self._alert(
+                ctx,
+                f"{who} override(s) `train()`, which would {' and '.join(parts)}; Lightning never calls `train()` "
+                "during fit (it sets the modules' `training` flags directly), so none of this is in effect and "
+                f"{len(to_freeze)} parameter(s) meant to be frozen keep training. Apply it where Lightning runs "
+                "it: freeze in `__init__`/`configure_model`/`on_fit_start`, switch modules in `on_train_epoch_start` "
+                "(and `on_validation_model_train`)",
+                source=overriders[0],
+                value=float(len(to_freeze) + len(to_eval)),
+                threshold=None,
+            )
+        ]
+
+
+class EvalRandomnessRule(Rule):
+    """``eval_randomness``: the dropouts applied in training mode during one validation batch.
+
+    Example:
+        >>> rule = EvalRandomnessRule()
+        >>> [(a.rule, a.source) for a in rule.update({"encoder": 0.1}, StepContext(0, 10))]
+        [('eval_randomness', 'encoder')]
+        >>> rule.update({"encoder": 0.1}, StepContext(1, 20))  # the same condition: latched
+        []
+    """
+
+    specs = (EVAL_RANDOMNESS_SPEC,)
+    state_keys = ("checks",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> EvalRandomnessRule:
+        """The rule (it has no thresholds; see :meth:`Rule.from_settings`)."""
+        del thresholds
+        return cls()
+
+    def update(self, found: Mapping[str, float], ctx: StepContext) -> list[Alert]:
+        """Feed one validation batch's findings: ``{module name: dropout probability}``."""
+        self.checks += 1
+        if not self.latch.update("eval", bool(found)):
+            return []
+        names = sorted(found)
+        shown = ", ".join(f"`{n or '<root>'}` (p={found[n]:g})" for n in names[:_SHOWN])
+        more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+        return [
+            self._alert(
+                ctx,
+                f"dropout applied in training mode during validation in {len(names)} module(s): {shown}{more}; "
+                "each evaluation of the same batch gives another result and the validation metric is noisy and "
+                "biased. Look for `F.dropout(x, p, training=True)` (pass `training=self.training`) or a Dropout "
+                "switched back to training mode in a validation hook",
+                source=names[0] or "<root>",
+                value=max(found.values()),
+                threshold=None,
+            )
+        ]
+
+
+class AmpRule(Rule):
+    """``amp_not_applied``: one sampled step's matmul layers and the dtype they computed in.
+
+    Example:
+        >>> rule = AmpRule(0.5)
+        >>> alerts = rule.update({"fc1": 100, "fc2": 100}, {"fc1": 100, "fc2": 100}, "bf16-mixed", StepContext(0, 1))
+        >>> [(a.rule, a.value) for a in alerts]
+        [('amp_not_applied', 1.0)]
+        >>> AmpRule(0.5).update({"fc1": 100, "fc2": 100}, {"fc2": 10}, "bf16-mixed", StepContext(0, 1))
+        []
+    """
+
+    specs = (AMP_NOT_APPLIED_SPEC,)
+    state_keys = ("checks", "last_share")
+
+    def __init__(self, share: float = 0.5) -> None:
+        super().__init__()
+        self.share = share
+        self.checks = 0
+        self.last_share = 0.0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> AmpRule:
+        """The rule with the threshold in effect (see :meth:`Rule.from_settings`)."""
+        return cls(AMP_NOT_APPLIED_SPEC.value(thresholds))
+
+    def update(
+        self, layers: Mapping[str, int], float32: Mapping[str, int], precision: str, ctx: StepContext
+    ) -> list[Alert]:
+        """Feed one sampled step.
+
+        Args:
+            layers: ``{layer: parameter count}`` of every matmul layer that ran.
+            float32: The same for those whose output was float32.
+            precision: The trainer's precision setting.
+            ctx: Where it was measured.
+        """
+        total = sum(layers.values())
+        if not total:
+            return []
+        self.checks += 1
+        self.last_share = sum(float32.values()) / total
+        if not self.latch.update("amp", self.last_share > self.share):
+            return []
+        names = sorted(float32, key=lambda n: -float32[n])
+        return [
+            self._alert(
+                ctx,
+                f"`precision={precision!r}` is set, but {self.last_share:.0%} of the matmul layers' parameters "
+                f"computed in float32 on this step ({list_names(names, _SHOWN)}); the forward escapes autocast (an "
+                "`autocast(enabled=False)` block, a forward run outside `training_step`, inputs cast to float32 "
+                "inside it), so the run pays float32's time and memory for mixed precision it does not get",
+                source=names[0],
+                value=self.last_share,
+                threshold=self.share,
+            )
+        ]
+
+
+def loss_outliers(
+    history: Sequence[float],
+    new: Sequence[float],
+    threshold: float,
+    ratio: float,
+    window: int,
+    floor: float | None = None,
+) -> list[tuple[int, float, float]]:
+    """The steps of ``new`` whose loss is an upward outlier against the (up to) ``window`` losses before it.
+
+    A loss ``x`` is an outlier when ``x - m > threshold * 1.4826 * MAD``, ``x > ratio * m`` and ``x >= floor``
+    (``m``, ``MAD``: median and median absolute deviation of the finite losses before it, at least ``window // 2``
+    of them; ``floor``: half the untrained model's loss, ``None`` for no floor). Outliers do not enter the
+    reference; non-finite losses (the non-finite rules' concern) are not judged.
+
+    Returns:
+        ``(index into new, loss, median)`` of each outlier.
+
+    Example:
+        >>> hist = [0.25 + 0.125 * (i % 5) for i in range(32)]
+        >>> loss_outliers(hist, [0.25, 4.0, 0.5], 10.0, 2.0, 32, floor=0.7)
+        [(1, 4.0, 0.5)]
+        >>> loss_outliers(hist, [0.25, 0.6, 0.5], 10.0, 2.0, 32, floor=0.7)  # a hard batch, not the untrained level
+        []
+        >>> loss_outliers(hist[:10], [2.0], 10.0, 2.0, 32)  # not enough history
+        []
+    """
+    past = [v for v in history if math.isfinite(v)][-window:]
+    out = []
+    for i, x in enumerate(new):
+        if not math.isfinite(x):
+            continue
+        if len(past) >= max(window // 2, 1):
+            ordered = sorted(past)
+            med = _median(ordered)
+            sigma = 1.4826 * _median(sorted(abs(v - med) for v in ordered))
+            if x - med > threshold * sigma and x > ratio * med and (floor is None or x >= floor):
+                out.append((i, float(x), float(med)))
+                continue  # an outlier does not enter the reference
+        past.append(float(x))
+        if len(past) > window:
+            past.pop(0)
+    return out
+
+
+def _median(ordered: Sequence[float]) -> float:
+    n = len(ordered)
+    mid = n // 2
+    return float(ordered[mid]) if n % 2 else 0.5 * (float(ordered[mid - 1]) + float(ordered[mid]))
+
+
+class LossOutlierRule(Rule):
+    """``loss_outlier``: per-step training losses judged against their own recent median and spread.
+
+    Example:
+        >>> rule = LossOutlierRule(window=8)
+        >>> rule.update([2.0, 1.5, 1.0, 0.6, 0.3, 0.2, 0.21, 0.19], list(range(1, 9)), StepContext(0, 8))
+        []
+        >>> [(a.rule, a.global_step) for a in rule.update([0.2, 2.1, 0.2], [9, 10, 11], StepContext(0, 11))]
+        [('loss_outlier', 10)]
+    """
+
+    specs = (LOSS_OUTLIER_SPEC,)
+    state_keys = ("history", "initial", "outliers")
+
+    def __init__(self, threshold: float = 10.0, ratio: float = 2.0, window: int = 32) -> None:
+        super().__init__()
+        self.threshold, self.ratio, self.window = threshold, ratio, max(int(window), 2)
+        # Repeated corruptions are one event: it ends after 10 judgments (logging steps) without an outlier.
+        self.latch = Latch(clear_after=_OUTLIER_CLEAR_AFTER)
+        #: The last ``window`` finite losses judged normal.
+        self.history: list[float] = []
+        #: The median loss of the fit's first ``window // 2`` finite steps (the untrained model's level).
+        self.initial: float | None = None
+        self._first: list[float] = []
+        #: Outliers found so far in this fit.
+        self.outliers = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> LossOutlierRule:
+        """The rule with the threshold and settings in effect (see :meth:`Rule.from_settings`)."""
+        spec = LOSS_OUTLIER_SPEC
+        return cls(spec.value(thresholds), spec.value(thresholds, "ratio"), int(spec.value(thresholds, "window")))
+
+    def update(self, losses: Sequence[float], steps: Sequence[int], ctx: StepContext) -> list[Alert]:
+        """Feed the per-step losses since the last call (``steps``: their global steps); return the alerts."""
+        if self.initial is None:
+            self._first += [float(v) for v in losses if math.isfinite(v)]
+            if len(self._first) >= self.window // 2:
+                self.initial = _median(sorted(self._first[: self.window // 2]))
+                self._first = []
+        floor = None if self.initial is None else 0.5 * self.initial
+        found = loss_outliers(self.history, losses, self.threshold, self.ratio, self.window, floor)
+        bad = {i for i, _, _ in found}
+        self.history = (self.history + [float(v) for i, v in enumerate(losses) if i not in bad and math.isfinite(v)])[
+            -self.window :
+        ]
+        self.outliers += len(found)
+        if not self.latch.update("loss", bool(found)) or not found:
+            return []
+        i, x, med = found[0]
+        at = [int(steps[j]) for j, _, _ in found]
+        where = ", ".join(map(str, at[:_SHOWN])) + (f" and {len(at) - _SHOWN} more" if len(at) > _SHOWN else "")
+        alert = self._alert(
+            StepContext(ctx.epoch, int(steps[i])),
+            f"the training loss of step(s) {where} jumps back to the untrained model's level: {x:.4g} against a "
+            f"median of {med:.4g} over the steps before (more than {self.threshold:g} robust standard deviations "
+            f"and {self.ratio:g}x above). Single steps like this point to a corrupted batch or transfer (inputs "
+            "copied as zeros, a broken shard or record) rather than to optimisation: check the data of that step",
+            source="loss",
+            value=x,
+            threshold=self.threshold,
+        )
+        return [alert]
+
+
+class EvalBeforeTrainingRule(Rule):
+    """``eval_before_training``: components evaluated before any training forward updated their state.
+
+    Example:
+        >>> rule = EvalBeforeTrainingRule()
+        >>> [(a.rule, a.severity.value) for a in rule.update(["disc.conv"], False, StepContext(0, 0))]
+        [('eval_before_training', 'warning')]
+        >>> rule.update(["disc.conv"], False, StepContext(0, 0))
+        []
+    """
+
+    specs = (EVAL_BEFORE_TRAINING_SPEC,)
+    state_keys = ("checks",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> EvalBeforeTrainingRule:
+        """The rule (it has no thresholds; see :meth:`Rule.from_settings`)."""
+        del thresholds
+        return cls()
+
+    def update(self, modules: Sequence[str], sanity: bool, ctx: StepContext) -> list[Alert]:
+        """Feed one validation run's untrained components (``sanity``: it is Lightning's sanity check)."""
+        self.checks += 1
+        key = "sanity" if sanity else "eval"
+        if not modules or not self.latch.update(key, True):
+            return []
+        what = "the sanity check" if sanity else "a validation whose metrics are logged"
+        return [
+            self._alert(
+                ctx,
+                f"{what} runs before the first training forward of {list_names(modules, _SHOWN, 'modules')} with "
+                "`spectral_norm`: its power iteration has not run, so the weight is divided by a norm estimated from "
+                "random vectors and the outputs are meaningless. Run a training forward first, or use "
+                "`torch.nn.utils.parametrizations.spectral_norm`, which iterates at construction",
+                source=modules[0],
+                value=float(len(modules)),
+                threshold=None,
+                severity=Severity.INFO if sanity else None,
+            )
+        ]
