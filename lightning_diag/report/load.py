@@ -20,7 +20,7 @@ import stat
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from lightning_diag.core.alerts import ALL_RULES, Alert
 from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE
@@ -69,15 +69,26 @@ def read_regular(path: str | os.PathLike[str]) -> bytes:
         NotRegularFileError: If ``path`` is not a regular file.
         OSError: If it cannot be opened or read.
     """
+    with open_regular(path) as fh:
+        return fh.read()
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """``path`` opened for binary reading when it is a regular file, as :func:`read_regular` checks it.
+
+    Raises:
+        NotRegularFileError: If ``path`` is not a regular file.
+        OSError: If it cannot be opened.
+    """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise NotRegularFileError(f"not a regular file ({_kind(mode)}): {display(path)}")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            return fh.read()
-    finally:
+        return os.fdopen(fd, "rb")
+    except BaseException:
         os.close(fd)
+        raise
 
 
 def _kind(mode: int) -> str:
@@ -204,48 +215,59 @@ def _read_events(directory: Path, run: RunData) -> list[tuple[str, str]]:
     a run's memory is that of its diagnostics, whatever else (the user's metrics, images, histograms) its event
     files hold.
     """
-    from tensorboard.compat.proto.event_pb2 import Event
-    from tensorboard.util import tensor_util
-
     held: dict[str, Series] = {}
     texts: list[tuple[str, str]] = []
     for path in sorted(p for p in directory.iterdir() if p.name.startswith(_EVENT_PREFIX)):
         points: dict[str, Series] = {}
         try:
-            data = read_regular(path)
+            fh = open_regular(path)
         except OSError as err:
             run.problems.append(f"{display(path)}: skipped: {clean(err)}")
             continue
-        for record in _records(data, path, run.problems):
-            try:
-                event = Event.FromString(record)
-            except Exception as err:  # a record whose checksum matched but that is no event
-                run.problems.append(f"{display(path)}: a record that is not an event was skipped ({clean(err)})")
-                continue
-            if not event.HasField("summary"):
-                continue
-            step = int(event.step)
-            for value in event.summary.value:
-                name = value.tag
-                if name == _LAYOUT_TAG:
-                    run.has_layout = True
-                    continue
-                if not name.startswith("diag/"):
-                    continue
-                kind = value.WhichOneof("value")
-                if kind == "simple_value":
-                    points.setdefault(name, []).append((step, float(value.simple_value)))
-                elif kind == "tensor":
-                    if value.tensor.string_val:
-                        if name.startswith("diag/thresholds"):
-                            texts += [(name, raw.decode("utf-8", "replace")) for raw in value.tensor.string_val]
-                        continue
-                    array = tensor_util.make_ndarray(value.tensor)
-                    if array.size == 1:
-                        points.setdefault(name, []).append((step, float(array.reshape(-1)[0])))
+        with fh:
+            texts += _read_event_file(fh, path, run, points)
         _append_file(held, points, path, run.problems)
     for name, series in held.items():
         run.scalars[name] = sorted(run.scalars.get(name, []) + series, key=lambda p: p[0])
+    return texts
+
+
+def _read_event_file(fh: BinaryIO, path: Path, run: RunData, points: dict[str, Series]) -> list[tuple[str, str]]:
+    """Add the ``diag/`` points of one open event file to ``points``; return its ``diag/thresholds`` texts."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.util import tensor_util
+
+    texts: list[tuple[str, str]] = []
+    not_events = 0
+    for record in _records(fh, path, run.problems):
+        try:
+            event = Event.FromString(record)
+        except Exception:  # a record whose checksum matched but that is no event
+            not_events += 1
+            continue
+        if not event.HasField("summary"):
+            continue
+        step = int(event.step)
+        for value in event.summary.value:
+            name = value.tag
+            if name == _LAYOUT_TAG:
+                run.has_layout = True
+                continue
+            if not name.startswith("diag/"):
+                continue
+            kind = value.WhichOneof("value")
+            if kind == "simple_value":
+                points.setdefault(name, []).append((step, float(value.simple_value)))
+            elif kind == "tensor":
+                if value.tensor.string_val:
+                    if name.startswith("diag/thresholds"):
+                        texts += [(name, raw.decode("utf-8", "replace")) for raw in value.tensor.string_val]
+                    continue
+                array = tensor_util.make_ndarray(value.tensor)
+                if array.size == 1:
+                    points.setdefault(name, []).append((step, float(array.reshape(-1)[0])))
+    if not_events:
+        run.problems.append(f"{display(path)}: {not_events} record(s) that are not events were skipped")
     return texts
 
 
@@ -272,7 +294,7 @@ def _append_file(held: dict[str, Series], points: dict[str, Series], path: Path,
         )
 
 
-def _records(data: bytes, path: Path, problems: list[str]) -> Iterator[bytes]:
+def _records(fh: BinaryIO, path: Path, problems: list[str]) -> Iterator[bytes]:
     """The records of a TFRecord event file, each checked against its CRC-32C.
 
     A record whose data fails its checksum (a flipped byte) is skipped and the reading goes on; a damaged
@@ -281,22 +303,28 @@ def _records(data: bytes, path: Path, problems: list[str]) -> Iterator[bytes]:
     """
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-    pos, size, damaged = 0, len(data), 0
-    while pos + 12 <= size:
-        header = data[pos : pos + 8]
+    size = os.fstat(fh.fileno()).st_size
+    pos, damaged = 0, 0
+    while True:
+        head = fh.read(12)
+        if len(head) < 12:
+            break  # the end, or a torn last record
+        header = head[:8]
         (length,) = struct.unpack("<Q", header)
-        if struct.unpack("<I", data[pos + 8 : pos + 12])[0] != masked_crc32c(header):
+        if struct.unpack("<I", head[8:])[0] != masked_crc32c(header):
             problems.append(
                 f"{display(path)}: damaged at byte {pos} (a record length fails its checksum): the "
                 f"{size - pos} bytes from there on are left out"
             )
             break
-        end = pos + 12 + length
-        if end + 4 > size:
+        if pos + 12 + length + 4 > size:
             break  # torn last record
-        record = data[pos + 12 : end]
-        pos = end + 4
-        if struct.unpack("<I", data[end:pos])[0] != masked_crc32c(record):
+        record = fh.read(length)
+        crc = fh.read(4)
+        pos += 12 + length + 4
+        if len(record) < length or len(crc) < 4:
+            break
+        if struct.unpack("<I", crc)[0] != masked_crc32c(record):
             damaged += 1
             continue
         yield record

@@ -6,16 +6,17 @@ names, hyperparameters, folder names. Before it is shown it is made
 * printable: control characters (ESC, BEL, CR, LF, ...) are removed or, for line breaks and tabs, turned into
   a space, so nothing reaches a terminal as an escape sequence and a value never starts a new markdown line;
   lone surrogates and bytes that are not UTF-8 (a folder name, a damaged file) become ``U+FFFD``;
-* escaped for its format: :func:`md` for markdown (HTML's ``& < >``, and ``\\ ` [ ] |``, so no raw HTML,
-  link or code span can be injected), :func:`html.escape` for HTML (the renderers' own), :func:`url` for a link.
+* escaped for its format: :func:`md` for markdown (the ``<`` and ``&`` that open raw HTML or an entity, and
+  ``\\ ` [ ] |``, so no raw HTML, link or code span can be injected), :func:`html.escape` for HTML (the
+  renderers' own), :func:`url` for a link.
 
 Imports neither torch nor Lightning.
 
 Example:
     >>> clean("ok\\x1b[31m red\\x07\\r\\nnext")
     'ok[31m red  next'
-    >>> md("<script>alert(1)</script> | [x](javascript:y)")
-    '&lt;script&gt;alert(1)&lt;/script&gt; \\\\| \\\\[x\\\\](javascript:y)'
+    >>> md("<script>alert(1)</script> | [x](javascript:y) <= 5 &amp;")
+    '&lt;script>alert(1)&lt;/script> \\\\| \\\\[x\\\\](javascript:y) <= 5 &amp;amp;'
     >>> url("my run #2/loss.png")
     'my%20run%20%232/loss.png'
 """
@@ -34,6 +35,10 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _BREAKS = re.compile("[\r\n\t\v\f\x85\u2028\u2029]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _MD_SPECIAL = re.compile(r"([\\`\[\]|])")
+# What opens raw HTML, a comment or an autolink (`<` before a letter, `/`, `!` or `?`) and an entity (`&name;`,
+# `&#..`): `< 0.1` and `<= 100` stay as they are.
+_MD_TAG = re.compile(r"<(?=[A-Za-z/!?])")
+_MD_AMP = re.compile(r"&(?=[A-Za-z#])")
 
 
 def clean(text: object) -> str:
@@ -57,9 +62,11 @@ def display(path: str | os.PathLike[str]) -> str:
 
 
 def md(text: object) -> str:
-    """``text`` for a markdown table cell or line: :func:`clean`, then HTML's ``& < >`` as entities and the
-    characters that open code spans, links or table cells (``\\ ` [ ] |``) backslash-escaped."""
-    s = clean(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    """``text`` for a markdown table cell or line: :func:`clean`, then the ``<`` that would open raw HTML or an
+    autolink as ``&lt;``, the ``&`` that would open an entity as ``&amp;``, and the characters that open code
+    spans, links or table cells (``\\ ` [ ] |``) backslash-escaped. ``< 0.1`` and ``<= 100`` stay readable."""
+    s = _MD_AMP.sub("&amp;", clean(text))
+    s = _MD_TAG.sub("&lt;", s)
     return _MD_SPECIAL.sub(r"\\\1", s)
 
 

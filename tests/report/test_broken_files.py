@@ -213,3 +213,27 @@ def test_compare_json_is_valid_json_without_nan(tmp_path, capsys):
     data = json.loads(out, parse_constant=refuse)
     assert data["differences"]["hyperparameters.lr"] == [0.1, "nan"]
     assert not math.isnan(data["differences"]["hyperparameters.lr"][0])
+
+
+def test_a_check_the_logged_values_break_is_one_row_not_the_report(tmp_path, capsys, monkeypatch):
+    from lightning_diag.report.rows import MEASURES
+
+    def broken(run, check):
+        raise ZeroDivisionError("hostile values")
+
+    monkeypatch.setitem(MEASURES, "loss_swing", broken)
+    rep = _json_report(make_run(tmp_path / "run", alerts=[alert()]), capsys)
+    row = next(c for c in rep["checks"] if c["id"] == "loss_swing")
+    assert row["status"] == "not measured" and "ZeroDivisionError: hostile values" in row["note"]
+    assert any("check loss_swing could not be judged" in p for p in rep["problems"])
+    assert sum(c["status"] != "not measured" for c in rep["checks"]) > 0  # the other rows are judged
+
+
+def test_special_and_deeply_nested_files_in_the_diag_folder(tmp_path, capsys):
+    run = make_run(tmp_path / "run", alerts=[alert()])
+    (run / "diag" / "thresholds.json").write_text("[" * 100_000 + "]" * 100_000)
+    os.mkfifo(run / "events.out.tfevents.0.fifo")
+    rep = _json_report(run, capsys)
+    assert any("thresholds.json: could not be read (nested too deeply)" in p for p in rep["problems"])
+    assert any("events.out.tfevents.0.fifo: skipped: not a regular file (a FIFO)" in p for p in rep["problems"])
+    assert rep["alerts"] and rep["threshold_source"].startswith("not logged")
