@@ -434,7 +434,8 @@ class AnomalyAlarm(DiagCallback):
         self.recovery.on_batch_end(trainer, pl_module, loss)
         self.replicas.on_batch_end(trainer, pl_module)
         logging = self.is_logging_step(trainer)
-        self.runtime.on_train_batch_end(trainer, pl_module, loss, logging)
+        copy = None if loss is None else self.trend.loss_sums.latest
+        self.runtime.on_train_batch_end(trainer, pl_module, copy, logging)
         if not logging:
             return
         scale = self.recovery.lr_scale  # the rate the optimizer uses: the scheduler's times the rollback factor

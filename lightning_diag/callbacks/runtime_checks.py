@@ -6,8 +6,8 @@ A thin adapter over :mod:`lightning_diag.rules.runtime` (the rules) and
 (:meth:`~lightning_diag.callbacks.base.DiagCallback.add_rule`), so their state follows the declared path.
 
 Cost: the probes run on one training batch per fit (the first) and on the first batch of each validation run; per
-training step one 0-d copy of the loss is kept (no host read), and the losses since the last logging step are read
-in one transfer on logging steps.
+training step a reference to the 0-d loss copy the loss sums already keep is appended to a list (no kernel, no host
+read), and the losses since the last logging step are read in one transfer on logging steps.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ class RuntimeChecks:
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor | None, logging: bool
     ) -> None:
-        """Keep a 0-d copy of the loss; judge the mixed-precision probe; on logging steps judge the losses."""
+        """Keep the 0-d copy of the loss (``loss``: the copy the loss sums already made, no new kernel); judge the
+        mixed-precision probe; on logging steps judge the losses."""
         self._trained_forward = True
         if self._amp is not None:
             probe, self._amp = self._amp, None
@@ -98,7 +99,7 @@ class RuntimeChecks:
                 )
             )
         if loss is not None and loss.numel() == 1:
-            self._losses.append(loss.detach().reshape(()).clone())
+            self._losses.append(loss)
             self._steps.append(trainer.global_step)
         if logging and self._losses:
             self._judge_losses(trainer)

@@ -62,6 +62,8 @@ class LossSums(ReducedState):
         # How many of the held losses (a prefix: the baseline is the first batches) belong to ``initial``.
         self._held_initial = 0
         self._last_finite: torch.Tensor | float = math.nan
+        #: The copy of the last loss added (other per-step checks share it instead of copying again).
+        self.latest: torch.Tensor | None = None
 
     @staticmethod
     def names(prefix: str) -> tuple[str, str]:
@@ -73,7 +75,8 @@ class LossSums(ReducedState):
         the sums take it at the next fold."""
         # A copy (one small kernel): a compiled model's outputs can live in memory its next call overwrites
         # (``torch.compile(mode="reduce-overhead")`` replays CUDA graphs into a static pool).
-        self._held.append(loss.detach().clone())
+        self.latest = loss.detach().clone()
+        self._held.append(self.latest)
         if self.initial_batches < self.baseline_steps:
             self.initial_batches += 1
             self._held_initial += 1
