@@ -17,6 +17,7 @@ Example:
     True
     >>> open(os.path.join(folder, "diag", "x.json"), encoding="utf-8").read()
     '{\\n  "a": 1\\n}'
+    >>> import shutil; shutil.rmtree(folder)
 """
 
 from __future__ import annotations

@@ -119,7 +119,11 @@ class DiagWriter:
         tensorboard_loggers = tensorboard_logger_types()
         for i, lg in enumerate(loggers):
             if isinstance(lg, tensorboard_loggers):
-                experiment = getattr(lg, "experiment", None)
+                try:
+                    experiment = getattr(lg, "experiment", None)  # opens the logger's writer (its folder, its file)
+                except Exception as err:  # the user's logger reports this too; our series go to our own writer
+                    report_write_failure(getattr(lg, "log_dir", None) or repr(lg), err)
+                    experiment = None
                 if experiment is not None:
                     return cls(experiment, loggers=loggers[:i] + loggers[i + 1 :], step_axis=step_axis)
         from torch.utils.tensorboard import SummaryWriter
@@ -289,30 +293,33 @@ class _GuardedEventFile:
         self.path = path
         self.error: BaseException | None = None
 
-    def _call(self, method: str, *args: Any) -> None:
-        if self.error is not None:
-            return
-        try:
-            getattr(self._inner, method)(*args)
-        except Exception as err:
-            self.error = err
-            report_write_failure(self.path, err)
+    def _fail(self, err: BaseException) -> None:
+        self.error = err
+        report_write_failure(self.path, err)
 
     def write(self, data: bytes) -> None:
         """Write through unless a write failed before."""
-        self._call("write", data)
+        if self.error is None:
+            try:
+                self._inner.write(data)
+            except Exception as err:
+                self._fail(err)
 
     def flush(self) -> None:
         """Flush through unless a write failed before."""
-        self._call("flush")
+        if self.error is None:
+            try:
+                self._inner.flush()
+            except Exception as err:
+                self._fail(err)
 
     def close(self) -> None:
         """Close the file (a failure to write what it still buffered is reported, not raised)."""
-        if self.error is None:
-            self._call("close")
-        else:
-            with contextlib.suppress(Exception):  # the failure was reported; the buffered events are lost with it
-                self._inner.close()
+        try:
+            self._inner.close()
+        except Exception as err:
+            if self.error is None:
+                self._fail(err)
 
     @property
     def closed(self) -> bool:

@@ -70,9 +70,10 @@ class MemoryLogger(Logger):
         return out
 
 
-def _fit(root: Path, logger: Any) -> tuple[pl.Trainer, AnomalyAlarm, dict[str, torch.Tensor]]:
-    """A NaN loss at step NAN_AT under the default ``on_nonfinite="stop"``, with two callbacks writing every step."""
-    alarm = AnomalyAlarm(log_every_n_steps=1)
+def _fit(root: Path, logger: Any, **alarm_kwargs: Any) -> tuple[pl.Trainer, AnomalyAlarm, dict[str, torch.Tensor]]:
+    """A NaN loss at step NAN_AT (by default under ``on_nonfinite="stop"``), with two callbacks writing every
+    step."""
+    alarm = AnomalyAlarm(log_every_n_steps=1, **alarm_kwargs)
     callbacks = [alarm, GradientFlowMonitor(log_every_n_steps=1)]
     trainer = pl.Trainer(
         max_steps=14, default_root_dir=root, logger=logger, callbacks=callbacks, log_every_n_steps=1, **FAST
@@ -195,11 +196,9 @@ def _enospc(*args: Any, **kwargs: Any) -> Any:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def test_a_full_disk_without_a_logger_warns_once_per_file_and_the_guard_still_stops(
-    tmp_path, monkeypatch, caplog, capfd, reference
-):
-    """``logger=False``: the event file is the library's own; every writer raises ENOSPC once the event file
-    started (TensorBoard's writer thread included): no traceback, one warning per file, the same fit."""
+def _fill_the_disk(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Every writer of the diagnostics raises ENOSPC (the event file after its first events); returns the count of
+    the event file's appends."""
     from tensorboard.compat.tensorflow_stub.io import gfile
 
     real_append = gfile.LocalFileSystem.append
@@ -207,13 +206,22 @@ def test_a_full_disk_without_a_logger_warns_once_per_file_and_the_guard_still_st
 
     def append_until_full(self: Any, *args: Any, **kwargs: Any) -> Any:
         appended["n"] += 1
-        if appended["n"] > 2:  # the first events fit, then the disk is full
+        if appended["n"] > 2:
             _enospc()
         return real_append(self, *args, **kwargs)
 
     monkeypatch.setattr(gfile.LocalFileSystem, "append", append_until_full)
     monkeypatch.setattr(files, "open", _enospc, raising=False)
     monkeypatch.setattr(alerts_module, "_write_all", _enospc)
+    return appended
+
+
+def test_a_full_disk_without_a_logger_warns_once_per_file_and_the_guard_still_stops(
+    tmp_path, monkeypatch, caplog, capfd, reference
+):
+    """``logger=False``: the event file is the library's own; every writer raises ENOSPC once the event file
+    started (TensorBoard's writer thread included): no traceback, one warning per file, the same fit."""
+    appended = _fill_the_disk(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="lightning_diag"):
         trainer, alarm, weights = _fit(tmp_path, False)
     _assert_like_the_good_disk(trainer, alarm, weights, reference)
@@ -229,6 +237,27 @@ def test_a_full_disk_without_a_logger_warns_once_per_file_and_the_guard_still_st
     assert all("No space left on device" in m for m in messages)
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Exception in thread" not in err
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip", "rollback"])
+def test_skip_and_rollback_on_a_full_disk_train_as_on_a_good_disk(tmp_path, monkeypatch, caplog, on_nonfinite):
+    """The guard's other actions go on as on a good disk: the same alerts at the same steps, the same weights."""
+    kwargs: dict[str, Any] = {"on_nonfinite": on_nonfinite}
+    if on_nonfinite == "rollback":
+        from lightning_diag import RollbackSettings
+
+        kwargs["rollback"] = RollbackSettings(every_n_steps=4)
+    good, good_alarm, good_weights = _fit(tmp_path / "good", False, **kwargs)
+    _fill_the_disk(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="lightning_diag"):
+        full, full_alarm, full_weights = _fit(tmp_path / "full", False, **kwargs)
+    assert full.global_step == good.global_step == 14 and not full.should_stop
+    expected = "nonfinite_loss" if on_nonfinite == "skip" else "nonfinite_rollback"
+    assert expected in {a.rule for a in good_alarm.alerts}
+    assert [(a.rule, a.global_step) for a in full_alarm.alerts] == [(a.rule, a.global_step) for a in good_alarm.alerts]
+    assert all(torch.equal(full_weights[k], good_weights[k]) for k in good_weights)
+    paths = _warned_paths(_write_warnings(caplog))
+    assert len(paths) == len(set(paths)) == 4 and all(str(tmp_path / "full") in p for p in paths)
 
 
 def test_a_tensorboard_writer_that_raises_is_dropped_once_and_the_users_scalars_go_on(tmp_path, caplog):
