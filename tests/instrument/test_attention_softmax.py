@@ -370,3 +370,37 @@ def test_a_router_next_to_hand_written_attention_is_left_out():
     recorder, _ = _capture(net, torch.randn(B, T, D))
     assert sorted(recorder.stats) == ["block"]
     assert "after" in recorder.unrecognised and "query-key product" in recorder.unrecognised["after"]
+
+
+def test_a_head_loop_whose_batch_divides_by_the_head_count_is_not_split_again():
+    """HeadLoop has ``n_head`` and [8, T, S] scores per head: 8 rows are 8 sequences (its input has 8 rows)."""
+    torch.manual_seed(0)
+    net = Net(HeadLoop())
+    recorder, _ = _capture(net, torch.randn(8, T, D) * 3, sample_size=8)
+    stats = recorder.stats["block"]
+    assert stats.entropy.shape == (H,)
+    assert torch.allclose(stats.entropy.double(), _brute_force_entropy(net.block.used), atol=1e-5)
+
+
+class Grouped(nn.Module):
+    """Scores with two head-like dims, [B, G, H, T, S], through einsum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.used: torch.Tensor | None = None
+
+    def forward(self, x):
+        q, k, v = (z.view(B, T, 2, 2, HD).permute(0, 2, 3, 1, 4) for z in self.qkv(x).split(D, -1))
+        probs = torch.einsum("bghid,bghjd->bghij", q, k).div(math.sqrt(HD)).softmax(-1)
+        self.used = probs.detach().reshape(B, 4, T, T).clone()
+        return torch.einsum("bghij,bghjd->bghid", probs, v)
+
+
+def test_extra_head_dimensions_are_heads():
+    torch.manual_seed(0)
+    net = Net(Grouped())
+    recorder, _ = _capture(net, torch.randn(B, T, D) * 3)
+    stats = recorder.stats["block"]
+    assert stats.entropy.shape == (4,)
+    assert torch.allclose(stats.entropy.double(), _brute_force_entropy(net.block.used), atol=1e-5)
