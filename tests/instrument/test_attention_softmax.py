@@ -404,3 +404,51 @@ def test_extra_head_dimensions_are_heads():
     stats = recorder.stats["block"]
     assert stats.entropy.shape == (4,)
     assert torch.allclose(stats.entropy.double(), _brute_force_entropy(net.block.used), atol=1e-5)
+
+
+class ScaledDotProductAttention(nn.Module):
+    """pytorch-forecasting's TFT attention: [B, T, S] bmm, scaled, masked_fill(-1e9), nn.Softmax(dim=2), dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.softmax = nn.Softmax(dim=2)
+        self.dropout = nn.Dropout(0.1)
+        self.used: list[torch.Tensor] = []
+
+    def forward(self, q, k, v, mask):
+        attn = torch.bmm(q, k.permute(0, 2, 1))
+        attn = attn / torch.as_tensor(k.size(-1), dtype=attn.dtype).sqrt()
+        attn = self.softmax(attn.masked_fill(mask, -1e9))
+        self.used.append(attn.detach()[:, None])
+        return torch.bmm(self.dropout(attn), v), attn
+
+
+class InterpretableMultiHeadAttention(nn.Module):
+    """One call of the shared attention submodule per head, a value projection shared by the heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_head = H
+        self.q_layers = nn.ModuleList(nn.Linear(D, HD) for _ in range(H))
+        self.k_layers = nn.ModuleList(nn.Linear(D, HD) for _ in range(H))
+        self.v_layer = nn.Linear(D, HD)
+        self.attention = ScaledDotProductAttention()
+
+    def forward(self, x):
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1).expand(x.shape[0], T, T)
+        vs = self.v_layer(x)
+        heads = [self.attention(self.q_layers[i](x), self.k_layers[i](x), vs, mask)[0] for i in range(H)]
+        return torch.stack(heads, dim=2).mean(dim=2)
+
+
+def test_tft_style_attention_is_seen_per_call_of_its_submodule():
+    torch.manual_seed(0)
+    net = Net(InterpretableMultiHeadAttention()).train()
+    recorder, _ = _capture(net, torch.randn(B, T, D) * 3)
+    names = ["block.attention", *(f"block.attention.call_{i}" for i in range(1, H))]
+    assert sorted(recorder.stats) == names
+    for name, used in zip(names, net.block.attention.used, strict=True):
+        stats = recorder.stats[name]
+        assert stats.entropy.shape == (1,)
+        assert torch.allclose(stats.entropy.double(), _brute_force_entropy(used), atol=1e-5)
+        assert torch.allclose(stats.uniform.double(), torch.arange(1, T + 1).double().log().mean(), atol=1e-6)
