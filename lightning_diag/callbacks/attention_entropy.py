@@ -65,9 +65,11 @@ class AttentionEntropyMonitor(DiagCallback):
     Attention is found automatically: every ``torch.nn.MultiheadAttention`` (also inside
     ``nn.TransformerEncoderLayer`` / ``DecoderLayer``), every call of
     ``torch.nn.functional.scaled_dot_product_attention`` made inside the ``LightningModule`` (Hugging Face
-    ``attn_implementation="sdpa"``, litgpt, nanoGPT, timm), and eager attention that computes its own softmax
-    inside a module whose class name contains ``Attention`` (Hugging Face ``"eager"``); see
-    :mod:`lightning_diag.instrument.attention_capture`. Other attention modules report through
+    ``attn_implementation="sdpa"``, litgpt, nanoGPT, timm), eager attention that computes its own softmax
+    inside a module whose class name contains ``Attention`` (Hugging Face ``"eager"``), and hand-written attention
+    in any module: a softmax over the last dimension of query-key scores whose output weights values through
+    ``matmul`` / ``bmm`` / ``einsum`` / ``@`` (``[B, H, T, S]``, ``[B*H, T, S]``, one head at a time; see
+    :mod:`lightning_diag.instrument.attention_softmax`). Other attention modules report through
     :func:`~lightning_diag.record_attention`. On a sampled step (every ``log_every_n_steps`` optimizer steps, the
     first micro-batch of the step) the probabilities are recomputed from each call's inputs without gradient,
     before dropout, for the first ``sample_size`` sequences and at most ``max_queries`` query positions of each:

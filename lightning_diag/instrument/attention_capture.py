@@ -10,8 +10,12 @@ probabilities the call implies are recomputed from its ``query``, ``key``, ``att
 ``scale`` and ``enable_gqa`` under ``no_grad``, for a subsample, without random numbers. Attention written out by
 hand (Hugging Face ``attn_implementation="eager"``, nanoGPT's non-flash path) is seen at its softmax: a
 ``softmax`` over the last dimension of a 4-D tensor called directly by a module whose class name contains
-``Attention``; the probabilities are the softmax's own output, before dropout, and the keys it masked (``-inf``
-or ``finfo.min`` scores) are read off its input.
+``Attention``; the probabilities are the softmax's own output, before dropout, and the keys it masked (``-inf``,
+``-1e9`` or ``finfo.min`` scores) are read off its input. Any other softmax is handed to
+:class:`~lightning_diag.instrument.attention_softmax.SoftmaxAttention`, which follows the forward's products,
+element-wise and shape operations and takes a softmax for attention when its input is query-key scores and its
+output weights values (a ``matmul`` / ``bmm`` / ``einsum`` / ``@`` contracting its last dimension): hand-written
+attention in any module, never a router's, a classifier's or a loss's softmax.
 
 Each capture is named after the innermost module of the ``LightningModule`` that made the call (its qualified
 name, e.g. ``net.model.layers.0.self_attn``); a module's second and later calls in one step get ``.call_<i>``.

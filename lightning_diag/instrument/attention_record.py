@@ -1,8 +1,8 @@
 """Getting attention probabilities out of a model, only on the steps a monitor samples.
 
 Four ways in, all no-ops unless an :class:`~lightning_diag.AttentionEntropyMonitor` is sampling the current step
-(the fourth, ``torch.nn.functional.scaled_dot_product_attention`` calls and eager attention softmax, is seen
-automatically by :mod:`lightning_diag.instrument.attention_capture`):
+(the fourth, ``torch.nn.functional.scaled_dot_product_attention`` calls, eager and hand-written attention
+softmax, is seen automatically by :mod:`lightning_diag.instrument.attention_capture`):
 
 * ``torch.nn.MultiheadAttention`` (also inside ``nn.TransformerEncoderLayer`` / ``DecoderLayer``) is found
   automatically. The monitor does **not** change the module's call (``need_weights`` stays as the model set it):

@@ -370,3 +370,85 @@ def test_a_router_next_to_hand_written_attention_is_left_out():
     recorder, _ = _capture(net, torch.randn(B, T, D))
     assert sorted(recorder.stats) == ["block"]
     assert "after" in recorder.unrecognised and "query-key product" in recorder.unrecognised["after"]
+
+
+def test_a_head_loop_whose_batch_divides_by_the_head_count_is_not_split_again():
+    """HeadLoop has ``n_head`` and [8, T, S] scores per head: 8 rows are 8 sequences (its input has 8 rows)."""
+    torch.manual_seed(0)
+    net = Net(HeadLoop())
+    recorder, _ = _capture(net, torch.randn(8, T, D) * 3, sample_size=8)
+    stats = recorder.stats["block"]
+    assert stats.entropy.shape == (H,)
+    assert torch.allclose(stats.entropy.double(), _brute_force_entropy(net.block.used), atol=1e-5)
+
+
+class Grouped(nn.Module):
+    """Scores with two head-like dims, [B, G, H, T, S], through einsum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.used: torch.Tensor | None = None
+
+    def forward(self, x):
+        q, k, v = (z.view(B, T, 2, 2, HD).permute(0, 2, 3, 1, 4) for z in self.qkv(x).split(D, -1))
+        probs = torch.einsum("bghid,bghjd->bghij", q, k).div(math.sqrt(HD)).softmax(-1)
+        self.used = probs.detach().reshape(B, 4, T, T).clone()
+        return torch.einsum("bghij,bghjd->bghid", probs, v)
+
+
+def test_extra_head_dimensions_are_heads():
+    torch.manual_seed(0)
+    net = Net(Grouped())
+    recorder, _ = _capture(net, torch.randn(B, T, D) * 3)
+    stats = recorder.stats["block"]
+    assert stats.entropy.shape == (4,)
+    assert torch.allclose(stats.entropy.double(), _brute_force_entropy(net.block.used), atol=1e-5)
+
+
+class ScaledDotProductAttention(nn.Module):
+    """pytorch-forecasting's TFT attention: [B, T, S] bmm, scaled, masked_fill(-1e9), nn.Softmax(dim=2), dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.softmax = nn.Softmax(dim=2)
+        self.dropout = nn.Dropout(0.1)
+        self.used: list[torch.Tensor] = []
+
+    def forward(self, q, k, v, mask):
+        attn = torch.bmm(q, k.permute(0, 2, 1))
+        attn = attn / torch.as_tensor(k.size(-1), dtype=attn.dtype).sqrt()
+        attn = self.softmax(attn.masked_fill(mask, -1e9))
+        self.used.append(attn.detach()[:, None])
+        return torch.bmm(self.dropout(attn), v), attn
+
+
+class InterpretableMultiHeadAttention(nn.Module):
+    """One call of the shared attention submodule per head, a value projection shared by the heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_head = H
+        self.q_layers = nn.ModuleList(nn.Linear(D, HD) for _ in range(H))
+        self.k_layers = nn.ModuleList(nn.Linear(D, HD) for _ in range(H))
+        self.v_layer = nn.Linear(D, HD)
+        self.attention = ScaledDotProductAttention()
+
+    def forward(self, x):
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1).expand(x.shape[0], T, T)
+        vs = self.v_layer(x)
+        heads = [self.attention(self.q_layers[i](x), self.k_layers[i](x), vs, mask)[0] for i in range(H)]
+        return torch.stack(heads, dim=2).mean(dim=2)
+
+
+def test_tft_style_attention_is_seen_per_call_of_its_submodule():
+    torch.manual_seed(0)
+    net = Net(InterpretableMultiHeadAttention()).train()
+    recorder, _ = _capture(net, torch.randn(B, T, D) * 3)
+    names = ["block.attention", *(f"block.attention.call_{i}" for i in range(1, H))]
+    assert sorted(recorder.stats) == names
+    for name, used in zip(names, net.block.attention.used, strict=True):
+        stats = recorder.stats[name]
+        assert stats.entropy.shape == (1,)
+        assert torch.allclose(stats.entropy.double(), _brute_force_entropy(used), atol=1e-5)
+        assert torch.allclose(stats.uniform.double(), torch.arange(1, T + 1).double().log().mean(), atol=1e-6)
