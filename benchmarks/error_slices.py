@@ -99,6 +99,18 @@ class TextClassifier(pl.LightningModule):
         return DataLoader(self.val_set, batch_size=250)
 
 
+class History(pl.Callback):
+    """Keeps a copy of ``ErrorAnalysis.last`` after every validation (listed after it, so it runs after it)."""
+
+    def __init__(self, analysis: ErrorAnalysis, reports: list[dict[str, Any]]) -> None:
+        self.analysis, self.reports = analysis, reports
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        last = self.analysis.last
+        if last is not None and not any(r is last for r in self.reports):
+            self.reports.append(last)
+
+
 def run(
     root: str,
     hard_share: float = 0.14,
@@ -107,15 +119,19 @@ def run(
     train_size: int = 4000,
     val_size: int = 1000,
     seed: int = 0,
+    reports: list[dict[str, Any]] | None = None,
     **kwargs: Any,
 ) -> tuple[ErrorAnalysis, pl.Trainer, TextClassifier, torch.Tensor]:
-    """One fit with ``ErrorAnalysis(**kwargs)``; returns the callback, the trainer, the model and the hard mask."""
+    """One fit with ``ErrorAnalysis(**kwargs)``; returns the callback, the trainer, the model and the hard mask.
+    ``reports``, when given, receives each validation's report (``ErrorAnalysis.last``)."""
     torch.manual_seed(seed)
     train, _ = planted_task(train_size, seed + 1, hard_share, noise=noise)
     val, hard = planted_task(val_size, seed + 2, hard_share, noise=noise)
     model = TextClassifier(train, val)
     callback = ErrorAnalysis(**kwargs)
-    trainer = pl.Trainer(max_epochs=epochs, callbacks=[callback], default_root_dir=root, logger=False,
+    extra = [History(callback, reports)] if reports is not None else []
+    trainer = pl.Trainer(max_epochs=epochs, callbacks=[callback, *extra], default_root_dir=root,
+                         logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          num_sanity_val_steps=0)
     trainer.fit(model)
@@ -144,10 +160,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--epochs must be >= 1")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as root:
-        callback, _, model, hard = run(root, args.hard_share, args.noise, args.epochs, seed=args.seed)
+        reports: list[dict[str, Any]] = []
+        callback, _, model, hard = run(root, args.hard_share, args.noise, args.epochs, seed=args.seed,
+                                       reports=reports)
     t = truth(model, hard)
     print(f"planted group: {t['share']:.1%} of {len(hard)} validation samples, tokens {list(PLANTED)}; final error "
           f"{t['inside']:.3f} inside, {t['outside']:.3f} outside, {t['overall']:.3f} overall")
+    for report in reports:
+        top = report["findings"][0] if report["findings"] else report["slices"][0] if report["slices"] else None
+        what = "finding" if report["findings"] else "most significant slice"
+        line = f"validation at step {report['step']}: error rate {report['error_rate']:.3f}"
+        if top is not None:
+            line += (f"; {what}: {top['share']:.1%} of the samples, error rate {top['error_rate']:.3f}, lift "
+                     f"{top['lift']:.2f}x, corrected p {top['p_adjusted']:.1e}, features {', '.join(top['features'])}")
+        print(line)
     last = callback.last or {}
     print(f"ErrorAnalysis at step {last.get('step')}: error rate {last.get('error_rate', float('nan')):.3f}, "
           f"{last.get('slices_tested', 0)} slices tested")

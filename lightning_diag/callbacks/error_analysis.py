@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -108,9 +109,10 @@ class ErrorAnalysis(DiagCallback):
     their features. Nothing runs on training steps.
 
     Rule ``error_cluster`` (warning): a finding whose lift is at least ``ratio``, which holds at least
-    ``min_share`` of the samples, and whose corrected p-value is at most :attr:`alpha`; the message names its
-    defining features (tokens decoded with ``tokenizer.decode`` when given), size, error rate against the
-    rest's, lift, p-value and majority true and predicted labels.
+    ``min_share`` of the samples, and whose corrected p-value is within the fit's significance level :attr:`alpha`
+    (at the v-th analysed validation, at most ``alpha / (v (v + 1))``: shares that sum to ``alpha`` over the whole
+    fit); the message names its defining features (tokens decoded with ``tokenizer.decode`` when given), size,
+    error rate against the rest's, lift, p-value and majority true and predicted labels.
 
     Logged (global rank zero): ``diag/errors/rate`` (overall), ``diag/errors/worst_cluster_rate`` and
     ``diag/errors/worst_cluster_share`` (the first finding's, else the most significant slice's),
@@ -120,8 +122,9 @@ class ErrorAnalysis(DiagCallback):
     matrix).
 
     Attributes:
-        alpha: The significance level of ``error_cluster`` (Bonferroni-corrected p-value at most this;
-            :data:`~lightning_diag.rules.errors.ALPHA`, 0.01). Set it on the instance before the fit.
+        alpha: ``error_cluster``'s significance level over a whole fit (``ALPHA`` of
+            :mod:`lightning_diag.rules.errors`, 0.01): the chance that a run whose errors share no cause alerts.
+            Set it on the instance before the fit.
 
     Args:
         every_n_validations: Analyse every this many validations.
@@ -395,10 +398,12 @@ class ErrorAnalysis(DiagCallback):
         wrong = errors > 0.5 if classification else errors > overall
         step = trainer.global_step
         min_count = max(MIN_SLICE_SAMPLES, math.ceil(self.rule.min_share * len(errors)))
+        analysis = (self.validations - 1) // self.every_n_validations + 1  # resumed with `validations`
         values: dict[str, float] = {errors_tag("rate"): overall}
         report: dict[str, Any] = {"step": step, "epoch": trainer.current_epoch, "samples": len(errors),
                                   "error_rate": overall, "task": "classification" if classification else "tokens",
-                                  "min_slice_samples": min_count, "alpha": self.rule.alpha, "slices_tested": 0,
+                                  "min_slice_samples": min_count, "alpha": self.rule.alpha, "analysis": analysis,
+                                  "level": self.rule.level(analysis), "slices_tested": 0,
                                   "findings": [], "slices": []}
         if classification:
             report.update(self._per_class(labels, preds, values))
@@ -409,8 +414,9 @@ class ErrorAnalysis(DiagCallback):
             if features is not None:
                 slices, tested = find_slices(features, errors, wrong, min_count)
                 findings = merge_slices(slices, features, wrong, labels if classification else None,
-                                        preds if classification else None, keep=self.rule.qualifies)
-                findings = self.rule.qualifying(findings)
+                                        preds if classification else None,
+                                        keep=functools.partial(self.rule.qualifies, analysis=analysis))
+                findings = self.rule.qualifying(findings, analysis)
                 report["slices_tested"] = tested
                 report["findings"] = [f.to_dict() for f in findings]
                 report["slices"] = [s.to_dict() for s in slices[:_LISTED_SLICES]]
@@ -426,7 +432,7 @@ class ErrorAnalysis(DiagCallback):
             self.writer.text(errors_tag("clusters"), _table(findings, slices[:_TABLE_SLICES], self.top_tokens,
                                                             decode), step)
         self._write_json(report)
-        self.record(self.rule.update(findings, overall, self.context(trainer), decode))
+        self.record(self.rule.update(findings, overall, self.context(trainer), decode, analysis))
 
     def _per_class(self, labels: np.ndarray, preds: np.ndarray, values: dict[str, float]) -> dict[str, Any]:
         from torchmetrics.functional.classification import (

@@ -35,8 +35,11 @@ _SPEC = ERROR_CLUSTER_SPEC
 DEFAULT_ERROR_RATIO: float = float(_SPEC.threshold or 3.0)
 #: ... the group must hold at least this share of the validation samples (the support of the slice search).
 DEFAULT_MIN_SHARE: float = float(_SPEC.settings["min_share"])
-#: ... and its one-sided Fisher exact p-value, corrected for the slices tested (Bonferroni), at most this: the
-#: significance level (``ErrorAnalysis.alpha``, a field rather than a constructor argument).
+#: ... and its one-sided Fisher exact p-value, corrected for the slices tested (Bonferroni), within the
+#: significance level of the whole fit: at the v-th analysed validation the corrected p-value must be at most
+#: ``ALPHA / (v (v + 1))``, a share of the level that sums to ``ALPHA`` over any number of validations, so that a
+#: run whose errors share no cause alerts with a chance of at most 1% however long it trains
+#: (``ErrorAnalysis.alpha``, a field rather than a constructor argument).
 ALPHA: float = 0.01
 _SHOWN = 3
 
@@ -68,6 +71,12 @@ class ErrorClusterRule(Rule):
     """``error_cluster``: a group of validation samples that share a feature (a slice, or slices of nearly the
     same samples merged) whose error rate is at least ``ratio`` times the overall rate (its lift), which holds at
     least ``min_share`` of the samples, and whose corrected p-value is at most ``alpha``.
+
+    The level is spent over the fit's validations: at the ``analysis``-th analysed validation the corrected
+    p-value must be at most ``alpha / (analysis * (analysis + 1))`` (:meth:`level`), shares that sum to ``alpha``,
+    so that chance alone (errors that share no cause) alerts in at most ``alpha`` of the runs however many
+    validations they analyse, while a real hard group, whose p-value is orders of magnitude smaller, is found at
+    the first.
 
     One condition for the run (source ``"validation"``): it alerts once when some group qualifies, naming the
     worst few, and again only after a validation where none did. Uniform label noise spreads the errors evenly:
@@ -102,13 +111,26 @@ class ErrorClusterRule(Rule):
         ``alpha``."""
         return cls(_SPEC.value(thresholds), _SPEC.value(thresholds, "min_share"), alpha)
 
-    def qualifies(self, group: Group) -> bool:
-        """Whether ``group`` is large, far worse than the overall rate, and significant after the correction."""
-        return group.share >= self.min_share and group.lift >= self.ratio and group.p_adjusted <= self.alpha
+    def level(self, analysis: int = 1) -> float:
+        """The significance level at the ``analysis``-th analysed validation of a fit (1-based).
 
-    def qualifying(self, groups: Sequence[GroupT]) -> list[GroupT]:
+        Example:
+            >>> [ErrorClusterRule(alpha=0.01).level(v) for v in (1, 2, 3)]
+            [0.005, 0.0016666666666666668, 0.0008333333333333334]
+        """
+        v = max(1, int(analysis))
+        return self.alpha / (v * (v + 1))
+
+    def qualifies(self, group: Group, analysis: int = 1) -> bool:
+        """Whether ``group`` is large, far worse than the overall rate, and significant after the correction at
+        the ``analysis``-th analysed validation."""
+        return (
+            group.share >= self.min_share and group.lift >= self.ratio and group.p_adjusted <= self.level(analysis)
+        )
+
+    def qualifying(self, groups: Sequence[GroupT], analysis: int = 1) -> list[GroupT]:
         """The groups that trip the rule, most significant first (then highest lift)."""
-        return sorted((g for g in groups if self.qualifies(g)), key=lambda g: (g.p_adjusted, -g.lift))
+        return sorted((g for g in groups if self.qualifies(g, analysis)), key=lambda g: (g.p_adjusted, -g.lift))
 
     def update(
         self,
@@ -116,9 +138,11 @@ class ErrorClusterRule(Rule):
         overall_rate: float,
         ctx: StepContext,
         decode: Callable[[str], str] | None = None,
+        analysis: int = 1,
     ) -> list[Alert]:
-        """Judge one validation's findings; ``decode`` turns a token feature (``"12 57"``) into text."""
-        hits = self.qualifying(groups)
+        """Judge the findings of the ``analysis``-th analysed validation; ``decode`` turns a token feature
+        (``"12 57"``) into text."""
+        hits = self.qualifying(groups, analysis)
         if not self.latch.update("validation", bool(hits)):
             return []
         parts = [describe_group(g, decode) for g in hits[:_SHOWN]]

@@ -125,7 +125,8 @@ def test_the_latch_survives_a_resume(tmp_path):
     resumed = pl.Trainer(max_epochs=4, callbacks=[again], default_root_dir=tmp_path, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)
     resumed.fit(model, ckpt_path=ckpt)
-    assert again.validations == 4
+    assert again.validations == 4 and again.last["analysis"] == 4  # the level spent goes on from the checkpoint
+    assert again.last["level"] == pytest.approx(0.01 / 20) and again.last["findings"]
     assert again.alerts == []  # the hard subgroup is still there: the same event, not a new alert
 
 

@@ -1,0 +1,51 @@
+"""error_cluster (rules.errors): which groups qualify, the level spent over validations, the message."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.errors import ErrorClusterRule
+
+
+def group(**changes):
+    values = dict(features=("7", "7 9", "label=1"), size=140, share=0.14, error_rate=0.51, rest_error_rate=0.04,
+                  lift=4.9, p_adjusted=1e-30, majority_label=1, majority_prediction=0)
+    return SimpleNamespace(**{**values, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "qualifies"),
+    [
+        ({}, True),
+        ({"share": 0.049}, False),  # below min_share
+        ({"lift": 2.99}, False),  # below ratio
+        ({"p_adjusted": 0.006}, False),  # above the first validation's level, 0.01 / 2
+        ({"p_adjusted": 0.005}, True),
+    ],
+)
+def test_a_group_qualifies_on_share_lift_and_corrected_p(changes, qualifies):
+    assert ErrorClusterRule().qualifies(group(**changes)) is qualifies
+
+
+def test_the_level_is_spent_over_the_validations_of_a_fit():
+    rule = ErrorClusterRule(alpha=0.01)
+    assert sum(rule.level(v) for v in range(1, 10_000)) == pytest.approx(0.01, rel=1e-3)
+    borderline = group(p_adjusted=0.003)
+    assert rule.qualifies(borderline, analysis=1) and not rule.qualifies(borderline, analysis=2)
+    assert rule.qualifies(group(), analysis=1000)  # a real group's p-value is far below any of them
+
+
+def test_the_message_names_features_size_rates_lift_and_p_worst_first():
+    rule = ErrorClusterRule()
+    weaker = group(features=("source=forum",), share=0.06, size=60, lift=3.5, p_adjusted=1e-5)
+    [alert] = rule.update([weaker, group()], 0.105, StepContext(0, 10), decode=lambda f: f"<{f}>")
+    message = alert.message
+    assert message.startswith("2 group(s) of validation samples fail far more often than the rest (overall error "
+                              "rate 10.5%): samples with token 7 ('<7>'), tokens '7 9' ('<7 9>'), label=1: 140 "
+                              "samples (14%), error rate 51.0% against 4.0% for the rest (4.9x overall), p = 1e-30 "
+                              "corrected, mostly label 1 predicted as 0; samples with source=forum")
+    assert alert.value == pytest.approx(4.9) and alert.threshold == 3.0
+    assert rule.update([group()], 0.105, StepContext(0, 20)) == []  # latched
+    assert rule.update([group(lift=1.0)], 0.105, StepContext(0, 30)) == []  # cleared
+    assert len(rule.update([group()], 0.105, StepContext(0, 40))) == 1  # a new event
