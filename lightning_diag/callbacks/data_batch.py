@@ -46,9 +46,9 @@ class BatchView:
         token_labels: ``[B, L]`` integer token-level labels aligned with ``tokens`` (language modelling, token
             classification; -100 is ignored), or ``None``.
         context: With ``tokens``: the sample's other per-sample inputs (images, audio features: every tensor with
-            ``size`` rows that is not the token ids, a mask, a label, or an integer tensor of the token ids'
-            shape such as ``token_type_ids``), by key. ``data_leakage`` judges the sample as a whole: two samples
-            are the same only when these are equal too.
+            ``size`` rows and at least two dimensions that is not the token ids, a mask, a label, or an integer
+            tensor of the token ids' shape such as ``token_type_ids``), by key. ``data_leakage`` judges the
+            sample as a whole: two samples are the same only when these are equal too.
     """
 
     size: int
@@ -214,7 +214,9 @@ def _context(
     out = {}
     for key, t in leaves:
         name = key.rsplit(".", 1)[-1].lower()
-        if id(t) in text or t.dim() == 0 or t.shape[0] != view.size or "mask" in name or name in _LABEL_KEYS:
+        # 1-D per-sample values (an index, a length, a weight) are no content: a dataset index would make every
+        # sample unique
+        if id(t) in text or t.dim() < 2 or t.shape[0] != view.size or "mask" in name or name in _LABEL_KEYS:
             continue
         if positional_targets and key == "[1]":  # (inputs, targets): the targets are no input
             continue
