@@ -229,10 +229,10 @@ def _walk(roots: tuple[tuple[str, Any], ...]) -> tuple[dict[str, Any], list[Any]
             continue
         try:
             queue.extend(_children(obj, path))
+            if isinstance(getattr(obj, "__dict__", None), dict):
+                holders.append(obj)
         except Exception:  # an exotic object whose attributes cannot be read is left out
             continue
-        if isinstance(getattr(obj, "__dict__", None), dict):
-            holders.append(obj)
     return found, holders
 
 

@@ -204,3 +204,20 @@ def test_restore_drops_a_generator_created_while_reading():
     data[0]
     held.restore()
     assert data.rng is None  # a worker forked later creates its own, as without the read
+
+
+def test_objects_that_refuse_to_be_read_are_left_out():
+    class Hostile:
+        def __getattribute__(self, name):
+            if name == "__dict__":
+                raise RuntimeError("no")
+            return object.__getattribute__(self, name)
+
+    class Data:
+        def __init__(self) -> None:
+            self.bad = Hostile()
+            self.rng = random.Random(0)
+
+    held = HeldGenerators.capture(("dataset", Data()))
+    assert list(held.generators) == ["dataset.rng"]
+    held.restore()
