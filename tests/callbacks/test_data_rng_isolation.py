@@ -140,6 +140,8 @@ def _jitter_features(batch, kind, rate, generator):
 def _callbacks() -> dict[str, object]:
     return {
         "SystemMonitor": lambda: lightning_diag.SystemMonitor(),
+        "AnomalyAlarm": lambda: lightning_diag.AnomalyAlarm(),
+        "GradientFlowMonitor": lambda: lightning_diag.GradientFlowMonitor(),
         "ErrorAnalysis": lambda: lightning_diag.ErrorAnalysis(embed=lambda module, batch: batch[0]),
         "RobustnessProbe": lambda: lightning_diag.RobustnessProbe(perturb=_jitter_features),
         "SharpnessProbe": lambda: lightning_diag.SharpnessProbe(),
