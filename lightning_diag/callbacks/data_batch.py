@@ -278,8 +278,37 @@ def read_sample(
             yield from _read(loader, max_batches, rank, world, seed)
         finally:
             if advanced is not None:  # the process-wide generators are reseeded in each worker: not listed
-                advanced.extend(p for p in held.advanced() if not is_global_generator(held.generators[p]))
+                drew = [p for p in held.advanced() if not is_global_generator(held.generators[p])]
+                advanced.extend(_carried(loader, held, drew))
             held.restore()
+
+
+def _carried(loader: Any, held: HeldGenerators, drew: list[str]) -> list[str]:
+    """Of the generators that reading drew from, those whose state carries over from one item to the next.
+
+    A ``__getitem__`` that reseeds its generator from the index (``self.g.manual_seed(seed + i)``) leaves a state
+    that depends on the item only: its workers do not share a stream. The first item is read twice, once from
+    the captured states and once after one draw from each generator; a generator whose state after the read is
+    the same both times is reseeded per item. Not probed (all kept): an ``IterableDataset``, an empty one, or a
+    read that fails.
+    """
+    dataset = getattr(loader, "dataset", None)
+    if not drew or dataset is None or isinstance(dataset, IterableDataset):
+        return drew
+    try:
+        if len(dataset) == 0:
+            return drew
+        held.restore()
+        dataset[0]
+        plain = held.current(drew)
+        held.restore()
+        held.nudge(drew)
+        dataset[0]
+        nudged = held.current(drew)
+    except Exception:  # the probe must never fail the measurement
+        return drew
+    reseeded = set(HeldGenerators.same(plain, nudged))
+    return [p for p in drew if p not in reseeded]
 
 
 def _read(loader: Any, max_batches: int | None, rank: int, world: int, seed: int) -> Iterator[tuple[Any, np.ndarray]]:

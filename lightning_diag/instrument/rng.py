@@ -326,6 +326,28 @@ class HeldGenerators:
         """Paths of the generators that drew since the capture."""
         return [path for path, g in self.generators.items() if not _same(_get_state(g), self.states[path])]
 
+    def current(self, paths: list[str]) -> dict[str, Any]:
+        """The present states of the generators at ``paths``."""
+        return {path: _get_state(self.generators[path]) for path in paths}
+
+    def nudge(self, paths: list[str]) -> None:
+        """Draw one number from each generator at ``paths`` (a state other than the captured one)."""
+        for path in paths:
+            g = self.generators[path]
+            if isinstance(g, (random.Random, np.random.Generator)):
+                g.random()
+            elif isinstance(g, np.random.RandomState):
+                g.random_sample()
+            elif isinstance(g, np.random.BitGenerator):
+                g.random_raw()
+            else:
+                torch.rand((), generator=g, device=g.device)
+
+    @staticmethod
+    def same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+        """The paths whose states are equal in ``a`` and ``b``."""
+        return [path for path in a if path in b and _same(a[path], b[path])]
+
     def restore(self) -> None:
         """Put every captured generator back to its captured state, and every attribute rebound or added since
         the capture back to what it was (the objects the attributes held are not deep-restored)."""
