@@ -82,8 +82,6 @@ def test_rule_ids_are_the_contract():
         "eval_mode_in_training",
         "loss_on_padding",
         "position_overflow",
-        "batch_size_mismatch",
-        "worker_rng_shared",
     }
 
 
