@@ -274,8 +274,7 @@ class DataDiagnostics(DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """``batch_size_mismatch`` on the batch the trainer produced (shapes only: no host synchronisation),
-        until a mismatch is reported."""
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        until a mismatch is reported (the base class counts the step itself: no `super()` call)."""
         if self.loader_rules.latch.is_active(f"{BATCH_SIZE_MISMATCH}:train"):  # reported already: once per fit
             return
         sizes = size_mismatch(batch)
