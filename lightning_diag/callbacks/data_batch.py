@@ -46,9 +46,9 @@ class BatchView:
         token_labels: ``[B, L]`` integer token-level labels aligned with ``tokens`` (language modelling, token
             classification; -100 is ignored), or ``None``.
         context: With ``tokens``: the sample's other per-sample inputs (images, audio features: every tensor with
-            ``size`` rows that is not the token ids, a mask, a label, or an integer tensor of the token ids'
-            shape such as ``token_type_ids``), by key. ``data_leakage`` judges the sample as a whole: two samples
-            are the same only when these are equal too.
+            ``size`` rows and at least two dimensions that is not the token ids, a mask, a label, or an integer
+            tensor of the token ids' shape such as ``token_type_ids``), by key. ``data_leakage`` judges the
+            sample as a whole: two samples are the same only when these are equal too.
     """
 
     size: int
@@ -214,7 +214,9 @@ def _context(
     out = {}
     for key, t in leaves:
         name = key.rsplit(".", 1)[-1].lower()
-        if id(t) in text or t.dim() == 0 or t.shape[0] != view.size or "mask" in name or name in _LABEL_KEYS:
+        # 1-D per-sample values (an index, a length, a weight) are no content: a dataset index would make every
+        # sample unique
+        if id(t) in text or t.dim() < 2 or t.shape[0] != view.size or "mask" in name or name in _LABEL_KEYS:
             continue
         if positional_targets and key == "[1]":  # (inputs, targets): the targets are no input
             continue
@@ -276,8 +278,37 @@ def read_sample(
             yield from _read(loader, max_batches, rank, world, seed)
         finally:
             if advanced is not None:  # the process-wide generators are reseeded in each worker: not listed
-                advanced.extend(p for p in held.advanced() if not is_global_generator(held.generators[p]))
+                drew = [p for p in held.advanced() if not is_global_generator(held.generators[p])]
+                advanced.extend(_carried(loader, held, drew))
             held.restore()
+
+
+def _carried(loader: Any, held: HeldGenerators, drew: list[str]) -> list[str]:
+    """Of the generators that reading drew from, those whose state carries over from one item to the next.
+
+    A ``__getitem__`` that reseeds its generator from the index (``self.g.manual_seed(seed + i)``) leaves a state
+    that depends on the item only: its workers do not share a stream. The first item is read twice, once from
+    the captured states and once after one draw from each generator; a generator whose state after the read is
+    the same both times is reseeded per item. Not probed (all kept): an ``IterableDataset``, an empty one, or a
+    read that fails.
+    """
+    dataset = getattr(loader, "dataset", None)
+    if not drew or dataset is None or isinstance(dataset, IterableDataset):
+        return drew
+    try:
+        if len(dataset) == 0:
+            return drew
+        held.restore()
+        dataset[0]
+        plain = held.current(drew)
+        held.restore()
+        held.nudge(drew)
+        dataset[0]
+        nudged = held.current(drew)
+    except Exception:  # the probe must never fail the measurement
+        return drew
+    reseeded = set(HeldGenerators.same(plain, nudged))
+    return [p for p in drew if p not in reseeded]
 
 
 def _read(loader: Any, max_batches: int | None, rank: int, world: int, seed: int) -> Iterator[tuple[Any, np.ndarray]]:

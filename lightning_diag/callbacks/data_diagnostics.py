@@ -92,7 +92,8 @@ class DataDiagnostics(DiagCallback):
     At ``on_train_start`` (and, with ``every_n_epochs``, at the start of every n-th epoch) it reads a bounded
     sample of each loader, ``max_batches`` batches, straight from the loader's dataset with its ``collate_fn``
     and a private random generator, in the main process: the training iterator, the sampler (and its generator),
-    the workers and the global random states are untouched, so the run is bit-for-bit the run without it. An
+    the workers, the global random states and the generators the dataset holds itself (their states are copied
+    and put back) are untouched, so the run is bit-for-bit the run without it. An
     ``IterableDataset`` is read from a fresh ``iter(dataset)``, its first ``max_batches`` batches, never exhausted.
     Under DDP each rank reads its own shard (indices ``rank, rank + world, ...``); the ranks' summaries are
     gathered, so every rank measures the union and decides the same; only global rank zero writes.
@@ -140,6 +141,12 @@ class DataDiagnostics(DiagCallback):
       measurement longer than every earlier one, or any sample longer than the model's position capacity
       (``config.max_position_embeddings``, a learned position embedding, a rotary cache). Judged on the sample,
       so nothing runs during training steps.
+    * ``batch_size_mismatch`` (warning): the tensors of a sampled batch, or of a batch the trainer produced (checked
+      from ``on_train_batch_start`` until one is reported; shapes only), disagree on the batch dimension
+      (:func:`~lightning_diag.instrument.batches.size_mismatch`).
+    * ``worker_rng_shared`` (warning): the training loader has ``num_workers > 0``, a generator the dataset or its
+      ``collate_fn`` holds drew while the sample was read, and no ``worker_init_fn`` (or only Lightning's)
+      reseeds it: the workers' random augmentations repeat each other.
 
     Args:
         max_batches: Batches read from each loader per measurement (default 64); ``None`` reads a map-style
@@ -267,8 +274,7 @@ class DataDiagnostics(DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """``batch_size_mismatch`` on the batch the trainer produced (shapes only: no host synchronisation),
-        until a mismatch is reported."""
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        until a mismatch is reported (the base class counts the step itself: no `super()` call)."""
         if self.loader_rules.latch.is_active(f"{BATCH_SIZE_MISMATCH}:train"):  # reported already: once per fit
             return
         sizes = size_mismatch(batch)

@@ -68,8 +68,9 @@ class SplitSample:
         extent: Positions the longest sample uses (its last non-padding token + 1).
         label_positions, padded_labels, padded: Token-level label positions (not -100) of batches with a padding
             mask, those that are padding, and the samples concerned (``loss_on_padding``).
-        context_keys: Keys of the non-text inputs (images...) folded into the token samples' identity
-            (``data_leakage`` compares whole samples).
+        salts: Per sample with a hash: the hash of its non-text inputs (images...; 0 without), folded into its
+            text hash and signature when whole samples are compared (``data_leakage``).
+        context_keys: Keys of those non-text inputs.
         mismatch, mismatch_indices: The first sampled batch whose tensors disagree on the batch dimension
             (``{key: rows}``, ``batch_size_mismatch``) and a few of its dataset indices.
         advanced: Paths of the generators the dataset or its ``collate_fn`` hold that reading the sample drew
@@ -86,6 +87,7 @@ class SplitSample:
     labels: list[np.ndarray] = dataclasses.field(default_factory=list)
     signatures: list[np.ndarray] = dataclasses.field(default_factory=list)
     hashes: list[np.ndarray] = dataclasses.field(default_factory=list)
+    salts: list[np.ndarray] = dataclasses.field(default_factory=list)
     indices: list[np.ndarray] = dataclasses.field(default_factory=list)
     valid: list[np.ndarray] = dataclasses.field(default_factory=list)
     nonfinite: dict[str, _Problem] = dataclasses.field(default_factory=dict)
@@ -127,6 +129,7 @@ class SplitSample:
             rows = view.floats[view.inputs].detach().cpu()
             if rows.dim() > 0 and rows.shape[0] == size:
                 self.hashes.append(ds.bytes_hashes(rows.numpy()))
+                self.salts.append(np.zeros(size, np.uint64))
                 self.indices.append(idx)
                 self.valid.append(np.ones(size, bool))
 
@@ -168,14 +171,13 @@ class SplitSample:
         order = np.argsort(~mask, axis=1, kind="stable")
         packed = np.take_along_axis(tokens, order, axis=1)[:, :_MAX_TOKENS_PER_SAMPLE]
         lens = np.minimum(lengths, _MAX_TOKENS_PER_SAMPLE)
-        signatures = ds.minhash(packed, lens, shingle_size, num_perm, seed)
-        hashes = ds.sequence_hashes(packed, lens)
+        self.signatures.append(ds.minhash(packed, lens, shingle_size, num_perm, seed))
+        self.hashes.append(ds.sequence_hashes(packed, lens))
         if view.context:  # a multimodal sample is the same sample only when its image (...) is the same too
-            salt = ds.combined_hashes([_row_hashes(t) for t in view.context.values()])
-            signatures, hashes = ds.salted(signatures, salt), ds.salted(hashes, salt)
+            self.salts.append(ds.combined_hashes([_row_hashes(t) for t in view.context.values()]))
             self.context_keys.update(view.context)
-        self.signatures.append(signatures)
-        self.hashes.append(hashes)
+        else:
+            self.salts.append(np.zeros(len(lens), np.uint64))
         self.indices.append(idx)
         self.valid.append(lens > 0)
 
@@ -202,7 +204,7 @@ class SplitSample:
     # -- summary -----------------------------------------------------------------------------------------
     def seal(self) -> SplitSample:
         """Concatenate the per-batch arrays (once, after the last batch)."""
-        for name in ("seq_lens", "labels", "hashes", "indices", "valid"):
+        for name in ("seq_lens", "labels", "hashes", "salts", "indices", "valid"):
             parts = getattr(self, name)
             if len(parts) > 1:
                 setattr(self, name, [np.concatenate(parts)])
@@ -232,7 +234,7 @@ class SplitSample:
             out.padded.examples = (out.padded.examples + p.padded.examples)[:_EXAMPLES]
             a, b = ds.aligned(out.token_counts, p.token_counts)
             out.token_counts = (a + b).astype(np.int64)
-            for name in ("seq_lens", "labels", "signatures", "hashes", "indices", "valid"):
+            for name in ("seq_lens", "labels", "signatures", "hashes", "salts", "indices", "valid"):
                 getattr(out, name).extend(getattr(p, name))
             for mine, theirs in ((out.nonfinite, p.nonfinite), (out.empty, p.empty)):
                 for key, prob in theirs.items():
@@ -350,10 +352,24 @@ def _leakage(
     tokens = train.has_tokens and val.has_tokens
     t_sig = train.signatures[0] if tokens and train.signatures else np.zeros((0, 0), np.uint64)
     v_sig = val.signatures[0] if tokens and val.signatures else None
-    found = ds.find_near_duplicates(
-        t_sig, t_hash, v_sig, v_hash, ref_valid=train.array("valid", bool), query_valid=val.array("valid", bool)
-    )
+    whole = tokens and bool(train.context_keys | val.context_keys)
+    t_salt, v_salt = train.array("salts", np.uint64), val.array("salts", np.uint64)
+
+    def search(salted: bool) -> ds.LeakMatches:
+        ts, vs, th, vh = t_sig, v_sig, t_hash, v_hash
+        if salted:  # the whole sample: text and images together
+            ts = ds.salted(ts, t_salt) if ts.size else ts
+            vs = ds.salted(vs, v_salt) if vs is not None else None
+            th, vh = ds.salted(th, t_salt), ds.salted(vh, v_salt)
+        return ds.find_near_duplicates(
+            ts, th, vs, vh, ref_valid=train.array("valid", bool), query_valid=val.array("valid", bool)
+        )
+
+    found = search(whole)
     leaked = found.exact | (found.similarity >= near)
+    if whole:  # templated prompts over other images: the text alone repeats, the sample does not
+        text = search(False)
+        m.text_only_leaks = int(((text.exact | (text.similarity >= near)) & ~leaked).sum())
     n_val = int(val.array("valid", bool).sum())
     hits = int(leaked.sum())
     # A sampled training set holds a leaked sample's twin with probability (samples read / dataset size): the

@@ -229,10 +229,10 @@ def _walk(roots: tuple[tuple[str, Any], ...]) -> tuple[dict[str, Any], list[Any]
             continue
         try:
             queue.extend(_children(obj, path))
+            if isinstance(getattr(obj, "__dict__", None), dict):
+                holders.append(obj)
         except Exception:  # an exotic object whose attributes cannot be read is left out
             continue
-        if isinstance(getattr(obj, "__dict__", None), dict):
-            holders.append(obj)
     return found, holders
 
 
@@ -325,6 +325,28 @@ class HeldGenerators:
     def advanced(self) -> list[str]:
         """Paths of the generators that drew since the capture."""
         return [path for path, g in self.generators.items() if not _same(_get_state(g), self.states[path])]
+
+    def current(self, paths: list[str]) -> dict[str, Any]:
+        """The present states of the generators at ``paths``."""
+        return {path: _get_state(self.generators[path]) for path in paths}
+
+    def nudge(self, paths: list[str]) -> None:
+        """Draw one number from each generator at ``paths`` (a state other than the captured one)."""
+        for path in paths:
+            g = self.generators[path]
+            if isinstance(g, (random.Random, np.random.Generator)):
+                g.random()
+            elif isinstance(g, np.random.RandomState):
+                g.random_sample()
+            elif isinstance(g, np.random.BitGenerator):
+                g.random_raw()
+            else:
+                torch.rand((), generator=g, device=g.device)
+
+    @staticmethod
+    def same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+        """The paths whose states are equal in ``a`` and ``b``."""
+        return [path for path in a if path in b and _same(a[path], b[path])]
 
     def restore(self) -> None:
         """Put every captured generator back to its captured state, and every attribute rebound or added since

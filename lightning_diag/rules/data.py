@@ -149,7 +149,9 @@ class DataMeasurement:
         val_samples: Validation samples compared.
         leak_examples: ``(val index, train index, similarity)`` of a few leaked samples.
         leak_parts: What the leakage search compared: ``("token ids",)``, ``("token ids", "pixel_values")`` (a
-            multimodal sample matches only when its other parts are equal too), ``("[0]",)`` (float inputs).
+            multimodal sample matches only when its other parts are equal too), ``("input features",)``.
+        text_only_leaks: Multimodal samples: validation samples whose text copies a training sample's while their
+            other parts differ (not leaks; an ``info`` alert).
         label_std: Standard deviation of the class proportions, per split.
         label_counts: Samples per class, per split.
         problems: Broken inputs found.
@@ -162,6 +164,7 @@ class DataMeasurement:
     val_samples: int = 0
     leak_examples: Sequence[tuple[int, int, float]] = ()
     leak_parts: Sequence[str] = ()
+    text_only_leaks: int = 0
     label_std: Mapping[str, float] = dataclasses.field(default_factory=dict)
     label_counts: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
     problems: Sequence[InputProblem] = ()
@@ -357,6 +360,22 @@ class DataRules(Rule):
                     value=m.leaked_fraction,
                     threshold=self.leakage,
                     rule=DATA_LEAKAGE,
+                )
+            )
+        if self.latch.update(f"{DATA_LEAKAGE}:val/text", m.text_only_leaks > 0):
+            others = ", ".join(f"`{p}`" for p in m.leak_parts if p != "token ids")
+            out.append(
+                self._alert(
+                    ctx,
+                    f"{m.text_only_leaks} of {m.val_samples} sampled validation samples repeat a training sample's "
+                    f"token ids with other {others}: not counted as leaks (templated prompts over other images); a "
+                    "training image copied into validation after a random augmentation or a re-encoding is not "
+                    "recognised (images are compared byte for byte)",
+                    source="val",
+                    value=float(m.text_only_leaks),
+                    threshold=None,
+                    rule=DATA_LEAKAGE,
+                    severity=Severity.INFO,
                 )
             )
         if self.latch.update(f"{DATA_LEAKAGE}:val/few", hint):

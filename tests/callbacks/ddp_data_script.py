@@ -21,8 +21,9 @@ if __name__ == "__main__":
     xv, yv = tokens(100, 2), labels(100, 2)
     # validation sample i (read by rank i % 2) copies training sample i + 1 (read by the other rank)
     xv[:40] = xt[1:41]
-    features = torch.randn(400, 3)
+    features, val_features = torch.randn(400, 3), torch.randn(100, 3)
     features[7, 0] = float("nan")  # only rank 1 reads index 7
+    val_features[:40] = features[1:41]  # whole samples are copied (the leakage search compares them whole)
     cb = DataDiagnostics(max_batches=None)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -40,16 +41,20 @@ if __name__ == "__main__":
     )
 
     class WithFeatures(TensorDataset):
+        def __init__(self, x, y, extra):
+            super().__init__(x, y)
+            self.extra = extra
+
         def __getitem__(self, i):
             x, y = super().__getitem__(i)
-            return {"input_ids": x, "labels": y, "extra": features[i]}
+            return {"input_ids": x, "labels": y, "extra": self.extra[i]}
 
     class Model(TokenModel):
         def _loss(self, batch):
             return super()._loss({"input_ids": batch["input_ids"], "labels": batch["labels"]})
 
-    train = DataLoader(WithFeatures(xt, yt), batch_size=16, shuffle=True)
-    val = DataLoader(WithFeatures(xv, yv), batch_size=16)
+    train = DataLoader(WithFeatures(xt, yt, features), batch_size=16, shuffle=True)
+    val = DataLoader(WithFeatures(xv, yv, val_features), batch_size=16)
     trainer.fit(Model(), train, val)
     out = {"alerts": [a.to_dict() for a in cb.alerts], "last": cb.last, "latch": sorted(cb.rules.latch.active)}
     (root / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))

@@ -187,6 +187,22 @@ class Jittered(Dataset):
         return self.x[i] + self._noise(), self.y[i]
 
 
+class ReseededPerItem(Dataset):
+    """Deterministic augmentation: the generator is reseeded from the index before each draw (no shared stream)."""
+
+    def __init__(self) -> None:
+        self.x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+        self.y = torch.randint(0, 2, (64,), generator=torch.Generator().manual_seed(1))
+        self.g = torch.Generator()
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        self.g.manual_seed(1000 + i)
+        return self.x[i] + torch.rand((), generator=self.g), self.y[i]
+
+
 def reseed(worker_id: int) -> None:
     info = get_worker_info()
     info.dataset.rng = np.random.default_rng(info.seed)
@@ -234,10 +250,12 @@ def test_lightning_worker_init_does_not_reseed_what_the_dataset_holds(tmp_path):
 
 @pytest.mark.parametrize(
     "case",
-    ["reseeded", "in_process", "unused_generator", "global_generator"],
+    ["reseeded", "in_process", "unused_generator", "global_generator", "reseeded_per_item"],
 )
 def test_shared_stream_healthy_twins_stay_quiet(tmp_path, case):
     dataset = Jittered("global" if case == "global_generator" else "numpy", used=case != "unused_generator")
+    if case == "reseeded_per_item":
+        dataset = ReseededPerItem()
     cb = fit_workers(
         tmp_path, dataset, workers=0 if case == "in_process" else 2, init=reseed if case == "reseeded" else None
     )

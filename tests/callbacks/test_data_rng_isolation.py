@@ -4,6 +4,7 @@ when the dataset draws its augmentation from a generator it holds itself (issue 
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 import lightning_diag
 from lightning_diag import DataDiagnostics
 from lightning_diag.instrument.rng import HeldGenerators, held_generators
+from lightning_diag.output.writer import DiagWriter
 
 FAST = dict(
     accelerator="cpu",
@@ -23,7 +25,7 @@ FAST = dict(
     enable_checkpointing=False,
     logger=False,
 )
-N, FEATURES = 48, 6
+N, FEATURES = 64, 6
 
 
 class Noisy(Dataset):
@@ -81,7 +83,9 @@ class Classifier(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+        logits = self.net(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y))
+        return logits  # ErrorAnalysis and RobustnessProbe read the predictions
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -100,7 +104,8 @@ def train(tmp_path, kind: str, callbacks: list, workers: int = 0) -> list[torch.
         default_root_dir=tmp_path,
         callbacks=callbacks,
         max_steps=8,
-        limit_val_batches=2,
+        limit_val_batches=4,
+        log_every_n_steps=2,
         val_check_interval=4,
         num_sanity_val_steps=1,
         **FAST,
@@ -121,17 +126,24 @@ def test_data_diagnostics_leaves_dataset_generators_untouched(tmp_path, kind):
     assert cb.last["train/samples"] == 24  # it did read the dataset
 
 
-@pytest.mark.parametrize("kind", ["numpy", "random"])
+@pytest.mark.parametrize("kind", ["numpy", "legacy", "torch", "random"])
 def test_data_diagnostics_leaves_dataset_generators_untouched_with_workers(tmp_path, kind):
     reference = train(tmp_path, kind, [], workers=2)
     assert _same(reference, train(tmp_path, kind, [DataDiagnostics(max_batches=3)], workers=2)), kind
 
 
+def _jitter_features(batch, kind, rate, generator):
+    x, y = batch
+    return x + rate * torch.randn(x.shape, generator=generator), y
+
+
 def _callbacks() -> dict[str, object]:
     return {
         "SystemMonitor": lambda: lightning_diag.SystemMonitor(),
-        "ErrorAnalysis": lambda: lightning_diag.ErrorAnalysis(),
-        "RobustnessProbe": lambda: lightning_diag.RobustnessProbe(),
+        "AnomalyAlarm": lambda: lightning_diag.AnomalyAlarm(),
+        "GradientFlowMonitor": lambda: lightning_diag.GradientFlowMonitor(),
+        "ErrorAnalysis": lambda: lightning_diag.ErrorAnalysis(embed=lambda module, batch: batch[0]),
+        "RobustnessProbe": lambda: lightning_diag.RobustnessProbe(perturb=_jitter_features),
         "SharpnessProbe": lambda: lightning_diag.SharpnessProbe(),
         "QuantizationProbe": lambda: lightning_diag.QuantizationProbe(),
     }
@@ -141,7 +153,17 @@ def _callbacks() -> dict[str, object]:
 @pytest.mark.parametrize("kind", ["numpy", "global"])
 def test_every_other_callback_leaves_the_run_bitwise_identical(tmp_path, name, kind):
     reference = train(tmp_path, kind, [])
-    assert _same(reference, train(tmp_path, kind, [_callbacks()[name]()])), (name, kind)
+    logged: list[str] = []
+    original = DiagWriter.scalars
+
+    def spy(self, values, step):
+        logged.extend(values)
+        return original(self, values, step)
+
+    with mock.patch.object(DiagWriter, "scalars", spy):
+        weights = train(tmp_path, kind, [_callbacks()[name]()])
+    assert _same(reference, weights), (name, kind)
+    assert logged, f"{name} measured nothing: the comparison would prove nothing"
 
 
 def test_held_generators_are_found_through_attributes_closures_and_containers():
@@ -184,3 +206,20 @@ def test_restore_drops_a_generator_created_while_reading():
     data[0]
     held.restore()
     assert data.rng is None  # a worker forked later creates its own, as without the read
+
+
+def test_objects_that_refuse_to_be_read_are_left_out():
+    class Hostile:
+        def __getattribute__(self, name):
+            if name == "__dict__":
+                raise RuntimeError("no")
+            return object.__getattribute__(self, name)
+
+    class Data:
+        def __init__(self) -> None:
+            self.bad = Hostile()
+            self.rng = random.Random(0)
+
+    held = HeldGenerators.capture(("dataset", Data()))
+    assert list(held.generators) == ["dataset.rng"]
+    held.restore()
