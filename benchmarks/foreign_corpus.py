@@ -1,6 +1,6 @@
 """The foreign-code corpus's table: other projects' LightningModules (pytorch-forecasting, pytorch-tabular,
-neuralforecast, darts, Lightning's demo transformer) trained as their docs do with the callbacks attached, one
-healthy run and one NaN run each (:mod:`tests.foreign.corpus`).
+neuralforecast, darts, scvi-tools, Lightning's demo transformer) trained as their docs do with the callbacks
+attached, one healthy run and one NaN run each (:mod:`tests.foreign.corpus`).
 
     python benchmarks/foreign_corpus.py                          # print the markdown table
     python benchmarks/foreign_corpus.py --write docs/detection.md   # and replace the page's section
@@ -92,7 +92,8 @@ def section(names: list[str]) -> str:
         "stopped*: the default callbacks, a NaN injected at one step into the output of the first `nn.Linear` that",
         "runs (`forward`) or into its gradient only (`grad`: pytorch-forecasting replaces a non-finite loss by a",
         "constant 1e9 without a graph, and then its own backward raises, with or without any callback;",
-        "neuralforecast's `training_step` raises on a NaN loss itself); *yes* when",
+        "neuralforecast's `training_step` raises on a NaN loss itself; scvi-tools' distributions reject NaN",
+        "parameters); *yes* when",
         "a critical alert came at that step, `fit` returned, and the parameters are bitwise those before the step.",
         "",
         "| library | version | model | steps | loss start → end | alerts (healthy run) | attention seen "

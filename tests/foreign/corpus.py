@@ -94,8 +94,8 @@ class Entry:
     nan_step: int = 6
     #: "forward": the NaN is in a module's output, so in the loss; "grad": in the gradient of a module's output
     #: only (pytorch-forecasting replaces a non-finite loss by a constant 1e9 without a graph, and then its own
-    #: backward raises, with or without any callback; neuralforecast's training_step raises on a NaN loss itself:
-    #: their NaN can only reach an update through the gradients).
+    #: backward raises, with or without any callback; neuralforecast's training_step raises on a NaN loss itself;
+    #: scvi-tools' distributions reject NaN parameters: their NaN can only reach an update through the gradients).
     nan_mode: str = "forward"
 
 
@@ -346,6 +346,22 @@ def _darts_fit(kind: str) -> Callable[..., Any]:
     return train
 
 
+def _scvi_fit(callbacks: list[Any], logger: Any, max_steps: int) -> None:
+    """scvi-tools' SCVI (a variational autoencoder of single-cell counts, its KL term warmed up over epochs)
+    fitted as its tutorials do: ``SCVI.setup_anndata``, ``SCVI(adata)``, ``model.train(...)``, on the library's
+    own synthetic counts (``scvi.data.synthetic_iid``: 400 cells, 100 genes, two batches)."""
+    import scvi
+
+    scvi.settings.seed = 0
+    adata = scvi.data.synthetic_iid()
+    scvi.model.SCVI.setup_anndata(adata, batch_key="batch")
+    model = scvi.model.SCVI(adata, n_latent=10)
+    model.train(
+        max_epochs=1000, max_steps=max_steps, batch_size=128, accelerator="cpu", callbacks=callbacks, logger=logger,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=5, check_val_every_n_epoch=10,
+    )  # fmt: skip
+
+
 def _lightning_demo_fit(callbacks: list[Any], logger: Any, max_steps: int) -> None:
     """Lightning's demo ``LightningTransformer`` (``nn.Transformer``, SGD at 0.1) trained as its docs do, on
     synthetic tokens instead of WikiText-2: each sequence counts up from a random start by a random stride, so
@@ -392,6 +408,7 @@ ENTRIES: dict[str, Entry] = {
     "nf_tft": Entry(*_NFL, "TFT", "pl", 100, True, _HAND, _nf_fit("tft"), nan_mode="grad"),
     "darts_transformer": Entry(*_DAL, "TransformerModel", "pl", 150, True, _MHA, _darts_fit("transformer")),
     "darts_nbeats": Entry(*_DAL, "NBEATSModel", "pl", 150, False, "", _darts_fit("nbeats")),
+    "scvi": Entry("scvi-tools", "scvi", "SCVI", "lightning", 150, False, "", _scvi_fit, nan_mode="grad"),
     "lightning_transformer": Entry(
         "lightning", "lightning", "demos.LightningTransformer", "lightning", 150, True, _MHA, _lightning_demo_fit
     ),
