@@ -85,16 +85,18 @@ def section(names: list[str]) -> str:
         "would (`lightning_diag.lightning` for libraries on the unified `lightning` package). Regenerate with",
         "`python benchmarks/foreign_corpus.py --write docs/detection.md`; `tests/foreign/` asserts it (marked `slow`).",
         "",
-        "*Loss*: the mean training loss of the first and the last 5 steps. *Alerts*: the warning and critical alerts",
-        "of the healthy run, by rule (the wall-clock rules of `SystemMonitor`, "
+        "*Loss*: the mean training loss of the first and the last 5 steps. *Alerts*: the warning and critical",
+        "alerts of the healthy run, by rule (the wall-clock rules of `SystemMonitor`, "
         + ", ".join(f"`{r}`" for r in TIMING_RULES)
-        + ", follow the machine's load, not the model: listed here, not asserted by the tests). *NaN",
-        "stopped*: the default callbacks, a NaN injected at one step into the output of the first `nn.Linear` that",
-        "runs (`forward`) or into its gradient only (`grad`: pytorch-forecasting replaces a non-finite loss by a",
-        "constant 1e9 without a graph, and then its own backward raises, with or without any callback;",
-        "neuralforecast's `training_step` raises on a NaN loss itself; scvi-tools' distributions reject NaN",
-        "parameters); *yes* when",
-        "a critical alert came at that step, `fit` returned, and the parameters are bitwise those before the step.",
+        + ",",
+        "follow the machine's load, not the model: listed here, not asserted by the tests). *NaN stopped*: the",
+        "default callbacks, a NaN injected at one step into the output of the first `nn.Linear` that runs",
+        "(`forward`) or into its gradient only (`grad`: pytorch-forecasting replaces a non-finite loss by a constant",
+        "1e9 without a graph, and then its own backward raises, with or without any callback; neuralforecast's",
+        "`training_step` raises on a NaN loss itself; scvi-tools' distributions reject NaN parameters); *yes* when a",
+        "critical alert came at that step, `fit` returned, and the parameters are bitwise those before the step",
+        "(the fit ends one step later, or, with pytorch-tabular's `min_epochs=1`, at the end of the epoch, every",
+        "update dropped until then).",
         "",
         "| library | version | model | steps | loss start → end | alerts (healthy run) | attention seen "
         "| NaN stopped |",

@@ -534,6 +534,7 @@ def run_entry(
     import time
 
     entry = ENTRIES[name]
+    os.makedirs(root, exist_ok=True)
     base, loggers = _base(entry.flavour)
     if callbacks is None:
         callbacks = HEALTHY_CALLBACKS if nan_step is None else NAN_CALLBACKS
