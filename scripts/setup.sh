@@ -22,7 +22,11 @@ fi
 stamp=.venv/.lightning-diag-pyproject
 if ! cmp -s pyproject.toml "$stamp" || ! .venv/bin/python -c "import lightning_diag" >/dev/null 2>&1; then
   # setuptools' notice that an editable install is one (a boxed multi-line UserWarning) is not for the user.
-  PYTHONWARNINGS="ignore::UserWarning" pip_install --quiet -e ".[dev,plots]"
+  # The `foreign` extra (tests/foreign: forecasting, tabular and time-series libraries built on Lightning) is
+  # installed under a constraint holding torch at the build installed above: nothing may swap it for a CUDA one.
+  .venv/bin/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
+    > .venv/.torch-constraint
+  PYTHONWARNINGS="ignore::UserWarning" pip_install --quiet -c .venv/.torch-constraint -e ".[dev,plots,foreign]"
   cp pyproject.toml "$stamp"
 fi
 # CI only: Chromium for the dashboard's browser check (tests/test_browser_check.py). With CI=true that test
