@@ -189,9 +189,12 @@ class AttentionEntropyRule(Rule):
         before, before_loss, fall = entry
         if math.isnan(fall):  # the first measurement in the band
             entry[2] = fall = before / ent if ent > 0 else math.inf
-        if whole_layer:
-            return _COLLAPSE
         improved = math.isfinite(mean_loss) and math.isfinite(before_loss) and mean_loss < before_loss
+        # A whole layer on about one key is a collapse, unless it has been so since its first measurement while the
+        # loss improves: attention peaked by construction (inputs scaled up, as Lightning's demo transformer does),
+        # which the model learns with, not a fall the run went through.
+        if whole_layer and not (math.isnan(before) and improved):
+            return _COLLAPSE
         return _COLLAPSE if fall >= ABRUPT_FALL and not improved else _LEARNED
 
     def _note(

@@ -286,6 +286,17 @@ def test_every_head_of_a_layer_low_is_a_collapse_even_gradually():
     assert "2 heads in 1 module" in alerts[0][1].message and "every head of the layer" in alerts[0][1].message
 
 
+@pytest.mark.parametrize(("losses", "severity"), [([4.3, 4.1, 3.9, 3.8], "info"), ([4.0] * 4, "warning")])
+def test_a_whole_layer_peaked_from_its_first_measurement_is_a_collapse_only_while_the_loss_does_not_improve(
+    losses, severity
+):
+    # Lightning's demo transformer scales its embeddings by sqrt(200): every head near one-hot from step 0 while
+    # the model learns (info); the same picture with a flat loss stays a warning
+    rule = AttentionEntropyRule(warmup_steps=0)
+    got = [rule.update(modules(a=[0.05, 0.08]), StepContext(0, 5 * i), loss=loss) for i, loss in enumerate(losses)]
+    assert [(i, a.severity.value) for i, step in enumerate(got) for a in step] == [(1, severity)]
+
+
 def test_a_head_hovering_at_the_threshold_alerts_once():
     # the nanoGPT pattern: 0.44 .. 0.54 for a long time, crossing the threshold back and forth
     hover = [0.9, 0.7, 0.55, 0.47, 0.54, 0.51, 0.44, 0.46, 0.46, 0.35, 0.45, 0.49, 0.52, 0.47, 0.48]
