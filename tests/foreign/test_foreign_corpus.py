@@ -37,14 +37,10 @@ QUIET_XFAIL: dict[str, str] = {
     "future_vsn, which this configuration never feeds)",
     "scvi": "rule fires: grad_frozen (built, never called with this configuration: module.decoder.px_r_decoder, "
     "module.l_encoder), loss_stagnant (step 12: an ELBO with a large floor, 3-batch epochs)",
-    "lightning_transformer": "rule fires: attn_entropy_low (step 5: the demo scales embeddings by sqrt(200), so "
-    "its attention is near one-hot from the first steps)",
 }
 #: Models whose attention is computed by hand (issue 34, class 5): not seen until hand-written attention is
 #: recognised.
-ATTENTION_XFAIL: dict[str, str] = {
-    "pf_tft": "hand-written attention not seen: InterpretableMultiHeadAttention (torch.bmm, softmax)",
-}
+ATTENTION_XFAIL: dict[str, str] = {}
 
 
 def _cases(xfails: dict[str, str], only: list[str] | None = None) -> list[object]:
