@@ -30,10 +30,11 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_diag.core.alerts import ALL_RULES, Alert
+from lightning_diag.core.alerts import Alert
 from lightning_diag.demo.corpus import CORPUS, CorpusEntry, run_corpus
 from lightning_diag.demo.faults import FAULTS, Fault, build_fault
 from lightning_diag.demo.run import default_callbacks, fault_callbacks, quiet, run_demo
+from lightning_diag.rules.catalog import ALL_RULES
 
 try:  # SpikeDetection is in pytorch_lightning >= 2.2 (experimental); older versions lack it
     from pytorch_lightning.callbacks import SpikeDetection

@@ -5,7 +5,7 @@ import lightning_diag.callbacks.anomaly_alarm as alarm_module
 import lightning_diag.callbacks.attention_entropy as attention_module
 import lightning_diag.callbacks.data_diagnostics as data_module
 import lightning_diag.rules.anomaly as anomaly_rules
-import lightning_diag.rules.attention as attention_rules
+import lightning_diag.rules.attention_specs as attention_rules
 import lightning_diag.rules.data as data_rules
 import lightning_diag.rules.data_sequences as sequence_rules
 import lightning_diag.rules.errors as error_rules

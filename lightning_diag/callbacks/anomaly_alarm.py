@@ -21,11 +21,11 @@ from lightning_diag.callbacks.lr_logging import lr_scalars
 from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
 from lightning_diag.callbacks.silent_checks import ReplicaCheck, TrainModeCheck
-from lightning_diag.core.alerts import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE, NonFiniteAction
-from lightning_diag.core.deprecation import renamed_arguments
+from lightning_diag.core.alerts import NonFiniteAction
 from lightning_diag.core.tags import loss_tag
 from lightning_diag.core.validation import check_choice, check_int, check_number
 from lightning_diag.rules.anomaly import LossStagnantRule, LossSwingRule, ValDeclineRule, ValFluctuationRule
+from lightning_diag.rules.catalog import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE
 from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
     DEFAULT_MAX_SKIPS,
@@ -47,36 +47,17 @@ __all__ = [
     "RollbackSettings",
 ]
 
-_STATE_KEYS = (*TREND_STATE_KEYS, "nonfinite_latch", "skips", "last_finite_loss", "pending_nonfinite")
-
-_TREND = {  # the flat arguments before issue 20 -> their LossTrendSettings field
-    "swing_threshold": "swing_threshold",
-    "swing_patience": "swing_patience",
-    "swing_min_delta": "swing_min_delta",
-    "swing_window": "swing_window",
-    "stagnant_min_drop": "stagnant_threshold",
-    "stagnant_patience": "stagnant_patience",
-    "stagnant_baseline_steps": "stagnant_baseline_steps",
-    "val_decline_patience": "val_decline_threshold",
-    "val_decline_min_delta": "val_decline_min_delta",
-    "val_fluctuation_ratio": "val_fluctuation_threshold",
-    "val_fluctuation_window": "val_fluctuation_window",
-    "val_fluctuation_min": "val_fluctuation_min",
-    "val_fluctuation_min_range": "val_fluctuation_min_range",
-}
-_ROLLBACK = {  # ... and their RollbackSettings field
-    "rollback_every_n_steps": "every_n_steps",
-    "rollback_lr_factor": "lr_factor",
-    "max_rollbacks": "max_rollbacks",
-    "rollback_device": "device",
-    "rollback_snapshots": "snapshots",
-}
-#: Arguments moved into the settings objects by issue 20: old name -> ``<argument>.<field>`` (warn for a release).
-_RENAMED_ARGUMENTS = {
-    **{old: f"loss_trend.{new}" for old, new in _TREND.items()},
-    **{old: f"rollback.{new}" for old, new in _ROLLBACK.items()},
-}
-
+_STATE_KEYS = (
+    *TREND_STATE_KEYS,
+    "nonfinite_latch",
+    "skips",
+    "nonfinite_counts",
+    "last_finite_loss",
+    "pending_nonfinite",
+    "rollback",
+    "replicas",
+    "train_mode",
+)
 
 class AnomalyAlarm(DiagCallback):
     r"""Stops training before a non-finite update, and alerts on loss swings and validation trends.
@@ -149,10 +130,6 @@ class AnomalyAlarm(DiagCallback):
         log_every_n_steps: Logging interval for step-level tags; defaults to the trainer's.
         on_alert: Called with every alert this callback raises.
 
-    The flat arguments of earlier releases (``swing_threshold=``, ``val_decline_patience=``,
-    ``rollback_every_n_steps=``, ...) still work for one release, each with a ``DeprecationWarning`` naming its
-    field (docs/thresholds.md lists them all).
-
     Attributes:
         policy: The non-finite policy (verdicts, skip and overflow counts, latch).
         guard: Finds non-finite steps on the device and carries out the policy's verdicts.
@@ -174,7 +151,6 @@ class AnomalyAlarm(DiagCallback):
     #: Alarms with another monitored metric or swing window are checkpointed apart.
     state_key_arguments = ("monitor", "loss_trend.swing_window")
 
-    @renamed_arguments(_RENAMED_ARGUMENTS, groups={"loss_trend": LossTrendSettings, "rollback": RollbackSettings})
     def __init__(
         self,
         *,
@@ -311,7 +287,7 @@ class AnomalyAlarm(DiagCallback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (also that of versions without ``nonfinite_counts``).
+        """Restore :meth:`state_dict` output.
 
         Raises:
             KeyError: If a key is missing; the message names every missing key.
@@ -320,18 +296,16 @@ class AnomalyAlarm(DiagCallback):
         self.trend.load_state_dict(state_dict)
         self.policy.load_state_dict(
             {
-                **state_dict.get("nonfinite_counts", {}),
+                **state_dict["nonfinite_counts"],
                 "latch": state_dict["nonfinite_latch"],
                 "skips": state_dict["skips"],
             }
         )
         self.guard.last_finite_loss = float(state_dict["last_finite_loss"])
         self.guard.load_pending_state(state_dict["pending_nonfinite"])
-        if "rollback" in state_dict:  # absent from checkpoints written before rollback existed
-            self.recovery.load_state_dict(state_dict["rollback"])
-        if "replicas" in state_dict:  # absent from checkpoints written before the silent-error rules existed
-            self.replicas.load_state_dict(state_dict["replicas"])
-            self.train_mode.load_state_dict(state_dict["train_mode"])
+        self.recovery.load_state_dict(state_dict["rollback"])
+        self.replicas.load_state_dict(state_dict["replicas"])
+        self.train_mode.load_state_dict(state_dict["train_mode"])
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

@@ -13,18 +13,19 @@ from torch import nn
 
 from lightning_diag.callbacks._attention_measure import draw_images, reduce_distances, reduce_stats
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, extract_loss
-from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import (
     attn_entropy_tag,
-    attn_sink_tag,
     attn_uniform_tag,
+    tag,
 )
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.attention_capture import AttentionCapture, is_compiled
 from lightning_diag.instrument.attention_record import AttentionRecorder
 from lightning_diag.instrument.batches import token_ids as find_token_ids
 from lightning_diag.instrument.sharding import TP_DIM_NAME
-from lightning_diag.rules.attention import (
+from lightning_diag.rules.attention_entropy import AttentionEntropyRule
+from lightning_diag.rules.attention_sink import AttentionSinkRule
+from lightning_diag.rules.attention_specs import (
     ATTN_ENTROPY_HIGH,
     ATTN_ENTROPY_LOW,
     ATTN_MAX_QUERIES_SETTING,
@@ -36,8 +37,6 @@ from lightning_diag.rules.attention import (
     DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
     DEFAULT_ENTROPY_LOW_THRESHOLD,
     DEFAULT_SINK_THRESHOLD,
-    AttentionEntropyRule,
-    AttentionSinkRule,
     LayerStats,
 )
 
@@ -47,16 +46,6 @@ __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonito
 DEFAULT_SAMPLE_SIZE = int(ATTN_SAMPLE_SIZE_SETTING.default)
 #: Query positions per sequence measured on a sampled step, evenly spaced (``attn.max_queries``).
 DEFAULT_MAX_QUERIES = int(ATTN_MAX_QUERIES_SETTING.default)
-
-
-#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
-_RENAMED_ARGUMENTS = {
-    "entropy_low": "entropy_low_threshold",
-    "entropy_high": "entropy_high_threshold",
-    "uniform_fraction": "entropy_high_uniform_fraction",
-    "warmup_steps": "entropy_high_warmup_steps",
-    "sink_mass": "sink_threshold",
-}
 
 
 class AttentionEntropyMonitor(DiagCallback):
@@ -103,7 +92,7 @@ class AttentionEntropyMonitor(DiagCallback):
     * ``diag/attn_heads/pca`` (image): every head projected onto the first two principal components of the heads'
       maps, one colour per module: heads that do the same job sit together.
 
-    Rules (definitions in :mod:`lightning_diag.rules.attention`), each on ``patience`` consecutive measurements:
+    Rules (definitions in :mod:`lightning_diag.rules.attention_specs`), each on ``patience`` consecutive measurements:
 
     * ``attn_entropy_low``: a head below ``entropy_low_threshold`` nats (where uniform attention would exceed twice
       that): a warning when it is a collapse (every head of the layer at once, or an abrupt fall while the training
@@ -149,7 +138,6 @@ class AttentionEntropyMonitor(DiagCallback):
         (0.5, 2.5)
     """
 
-    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
@@ -352,7 +340,7 @@ class AttentionEntropyMonitor(DiagCallback):
                 values[attn_entropy_tag(name, h)] = ent
             values[attn_entropy_tag(name, "mean")] = sum(stats.entropy) / len(stats.entropy)
             values[attn_uniform_tag(name)] = max(stats.uniform)
-            values[attn_sink_tag(name)] = min(stats.special_mass)
+            values[tag(ATTN_SINK, name)] = min(stats.special_mass)
         distributed = trainer.world_size > 1 and "ranks-differ" not in self._notices  # the same on every rank
         values.update(reduce_distances(trainer, recorder, [n for n in layers if n in recorder.stats], distributed))
         values.update(self.threshold_lines(ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))

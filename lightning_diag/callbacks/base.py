@@ -1,7 +1,7 @@
 """DiagCallback, the base of every lightning_diag callback: declared rules, their checkpoint state, alerts, notices.
 
 The per-trainer session (writer, alert log, run folder) is :mod:`lightning_diag.callbacks.session`, the user's
-step axis :mod:`lightning_diag.callbacks.step_axis`; their names are importable from here as well.
+step axis :mod:`lightning_diag.callbacks.step_axis`.
 """
 
 from __future__ import annotations
@@ -15,31 +15,19 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.session import DiagSession, run_log_dir
+from lightning_diag.callbacks.session import DiagSession
 from lightning_diag.callbacks.session import acquire_session as _acquire_session
 from lightning_diag.callbacks.session import release_session as _release_session
 from lightning_diag.callbacks.step_axis import STEP_AXIS_KEY, StepAxis
 from lightning_diag.core.alerts import Alert
-from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE
 from lightning_diag.core.log_handler import ensure_handler
 from lightning_diag.core.registry import registry_thresholds
+from lightning_diag.core.tags import threshold_tag
 from lightning_diag.core.validation import check_int
-from lightning_diag.output.dashboard import threshold_tag
 from lightning_diag.output.writer import DiagWriter
 from lightning_diag.rules.base import StepContext
 
-__all__ = [
-    "ALERTS_FILE",
-    "STEP_AXIS_KEY",
-    "THRESHOLDS_FILE",
-    "AlertHandler",
-    "DiagCallback",
-    "DiagSession",
-    "StatefulRule",
-    "StepAxis",
-    "extract_loss",
-    "run_log_dir",
-]
+__all__ = ["AlertHandler", "DiagCallback", "StatefulRule", "extract_loss"]
 
 #: ``on_alert=``: called with each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global rank zero).
 AlertHandler = Callable[[Alert], object]
@@ -204,37 +192,24 @@ class DiagCallback(pl.Callback):
     def load_rules_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`rules_state_dict` output.
 
-        A declared rule whose key is missing (a checkpoint of a release before that rule existed) starts freshly
-        built from :meth:`thresholds`; the missing keys are logged once, at info level.
+        Raises:
+            KeyError: If a declared rule's key is missing; the message names every missing key.
         """
-        missing: list[str] = []
-        values: dict[str, float] | None = None
-        for name, (build, key) in self._rule_declarations.items():
-            if key in state:
-                getattr(self, name).load_state_dict(state[key])
-                continue
-            missing.append(key)
-            values = self.thresholds() if values is None else values
-            setattr(self, name, build(values))
-        if missing:
-            log.info(
-                "%s: the checkpoint has no state for the rules %s (saved before they existed); they start afresh",
-                type(self).__name__,
-                missing,
-            )
+        self.check_state_keys(dict(state), self.rule_state_keys)
+        for name, (_build, key) in self._rule_declarations.items():
+            getattr(self, name).load_state_dict(state[key])
 
     def state_dict(self) -> dict[str, Any]:
         """Each declared rule's state under its ``state_key`` (a subclass adds its :attr:`extra_state_keys`)."""
         return self.rules_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a declared rule missing from it starts afresh
-        (:meth:`load_rules_state_dict`).
+        """Restore :meth:`state_dict` output.
 
         Raises:
-            KeyError: If a key of :attr:`extra_state_keys` is missing; the message names every missing one.
+            KeyError: If a key is missing; the message names every missing one.
         """
-        self.check_state_keys(state_dict, self.extra_state_keys)
+        self.check_state_keys(state_dict, (*self.rule_state_keys, *self.extra_state_keys))
         self.load_rules_state_dict(state_dict)
 
     # -- session ---------------------------------------------------------------------------------------

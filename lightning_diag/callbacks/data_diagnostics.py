@@ -15,7 +15,6 @@ from pytorch_lightning.trainer.states import TrainerFn
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.callbacks.data_batch import UninterpretableBatch, interpret, read_sample
 from lightning_diag.callbacks.data_sample import Measured, SplitSample, measure
-from lightning_diag.core.deprecation import renamed_arguments, renamed_constants
 from lightning_diag.core.registry import default
 from lightning_diag.core.tags import data_tag
 from lightning_diag.core.validation import check_int, check_number
@@ -68,17 +67,6 @@ def _first_loader(loaders: Any) -> tuple[Any, int]:
     if isinstance(loaders, (list, tuple)) and any(isinstance(x, torch.utils.data.DataLoader) for x in loaders):
         return loaders[0], len(loaders)
     return loaders, 1
-
-
-#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
-_RENAMED_ARGUMENTS = {
-    "vocab_kl": "vocab_shift_threshold",
-    "leakage": "leakage_threshold",
-    "near_duplicate": "leakage_near_duplicate",
-    "label_std": "label_imbalance_threshold",
-    "shingle_size": "leakage_shingle_size",
-    "min_count": "vocab_shift_min_count",
-}
 
 
 class DataDiagnostics(DiagCallback):
@@ -170,7 +158,6 @@ class DataDiagnostics(DiagCallback):
 
     extra_state_keys = ("last_epoch", "last")
 
-    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
@@ -387,13 +374,3 @@ def _summary(measured: Measured) -> str:
     for p in m.problems:
         lines += ["", f"{p.kind} in `{p.split}:{p.key}`: {p.count} (examples {list(p.examples)})"]
     return "\n".join(lines)
-
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_MIN_COUNT": "DEFAULT_VOCAB_SHIFT_MIN_COUNT",
-        "DEFAULT_SHINGLE_SIZE": "DEFAULT_LEAKAGE_SHINGLE_SIZE",
-    },
-)

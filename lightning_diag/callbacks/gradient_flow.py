@@ -16,11 +16,10 @@ from pytorch_lightning.trainer.states import TrainerFn
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
 from lightning_diag.callbacks.silent_updates import (
     ZEROED_STATE_KEY,
+    PendingUpdate,  # noqa: F401  (importable from here as before the split)
     SilentUpdateChecks,
-    _PendingUpdate,  # noqa: F401  (importable from here as before the split)
-    _position,
+    optimizer_position,
 )
-from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import (
     act_grad_norm_tag,
     grad_blocks_tag,
@@ -46,9 +45,9 @@ from lightning_diag.rules.grad import (
     GRAD_VANISH,
     GradBandRule,
     GradCollapseRule,
-    GradFrozenRule,
     GradSpreadRule,
 )
+from lightning_diag.rules.grad_frozen import GradFrozenRule
 from lightning_diag.rules.updates import (
     DEFAULT_STALE_FRACTION,
     DEFAULT_UPDATE_SAMPLE_SIZE,
@@ -61,15 +60,6 @@ from lightning_diag.stats.histogram import tensorboard_histogram
 __all__ = ["GradientFlowMonitor"]
 
 ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
-
-
-#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
-_RENAMED_ARGUMENTS = {
-    "spread_ratio": "layer_spread_threshold",
-    "collapse_ratio": "collapse_threshold",
-    "baseline_measurements": "collapse_baseline_measurements",
-    "converged_fraction": "collapse_converged_fraction",
-}
 
 
 class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
@@ -177,7 +167,6 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         ValueError: If an argument is out of range.
     """
 
-    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
@@ -290,10 +279,14 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         return {**super().state_dict(), ZEROED_STATE_KEY: self._zeroed_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before ``grad_not_zeroed``'s watch state loads
-        with nothing watched."""
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing key.
+        """
+        self.check_state_keys(state_dict, (ZEROED_STATE_KEY,))
         state = dict(state_dict)
-        zeroed = state.pop(ZEROED_STATE_KEY, None)
+        zeroed = state.pop(ZEROED_STATE_KEY)
         super().load_state_dict(state)
         self._load_zeroed_state(zeroed)
 
@@ -363,7 +356,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         optimizers = trainer.optimizers
         if len(optimizers) <= 1:
             return 0 if self._measuring(trainer) else None
-        position = _position(trainer, optimizer)
+        position = optimizer_position(trainer, optimizer)
         interval = trainer.global_step // self.every_n_steps(trainer)
         if self._measured_interval.get(position) == interval:
             return None

@@ -22,7 +22,6 @@ from lightning_diag.callbacks._system_hooks import (
 from lightning_diag.callbacks._system_interval import HEADER, gather_ranks, interval_values
 from lightning_diag.callbacks._system_steps import StepRecorder
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback
-from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import family_tag, overhead_tag
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
@@ -42,7 +41,6 @@ from lightning_diag.rules.system import (
     DEFAULT_STEP_TIME_PERIODIC_THRESHOLD,
     DEFAULT_STEP_TIME_WARMUP_STEPS,
     DEFAULT_STEP_TIME_WINDOW,
-    MEMORY_GROWTH,
     MIN_STEPS,
     STEP_TIME_FLUCTUATION,
     DataloaderBoundRule,
@@ -53,22 +51,6 @@ from lightning_diag.rules.system import (
 
 __all__ = ["SystemMonitor"]
 
-
-
-#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
-_RENAMED_ARGUMENTS = {
-    "dataloader_share": "dataloader_bound_threshold",
-    "dataloader_patience": "dataloader_bound_patience",
-    "dataloader_min_wait_s": "dataloader_bound_min_wait_s",
-    "periodic_share": "step_time_periodic_threshold",
-    "slow_ratio": "step_time_periodic_slow_ratio",
-    "fluctuation_threshold": "step_time_fluctuation_threshold",
-    "fluctuation_patience": "step_time_fluctuation_patience",
-    "block_steps": "step_time_fluctuation_block_steps",
-    MEMORY_GROWTH: "memory_growth_threshold",  # the old argument was named after its rule
-    "memory_window": "memory_growth_window",
-    "memory_rising_fraction": "memory_growth_rising_fraction",
-}
 
 
 class SystemMonitor(DiagCallback):
@@ -137,9 +119,8 @@ class SystemMonitor(DiagCallback):
         ValueError: If an argument is out of range.
     """
 
-    extra_state_keys = ("window", "utilization", "steps_seen")
+    extra_state_keys = ("window", "utilization", "steps_seen", "run_window")
 
-    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
@@ -249,8 +230,7 @@ class SystemMonitor(DiagCallback):
         )
         self.util_window = deque((float(u) for u in state_dict["utilization"]), maxlen=self.window)
         self.steps_seen = int(state_dict["steps_seen"])
-        # absent from checkpoints written before the warm-up gave way (then judged from the resume on)
-        self.run_window = [(float(t), bool(f)) for t, f in state_dict.get("run_window", [])]
+        self.run_window = [(float(t), bool(f)) for t, f in state_dict["run_window"]]
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

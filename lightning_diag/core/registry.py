@@ -5,7 +5,7 @@ Every rule the library can raise is declared exactly once, next to the class tha
 callback that owns it, its severity, its default threshold and settings, the constructor arguments that set them,
 a title with the threshold filled in, and the checklist row of ``lightning-diag report`` it belongs to.
 :mod:`lightning_diag.rules.catalog` imports every declaring module and declares the checklist rows, so importing
-it (``lightning_diag.core.alerts`` and the report do) gives the complete registry. ``ALL_RULES``, the rule-id
+it (the report does) gives the complete registry. ``ALL_RULES``, the rule-id
 constants, the ``DEFAULT_*`` constants of ``rules/``, the callbacks' ``thresholds()`` and rules
 (``Rule.from_settings``), the report's defaults, titles, replays and checklist, and the docs' thresholds table
 check all derive from these declarations.
@@ -265,7 +265,7 @@ CHECKS: Mapping[str, CheckSpec] = MappingProxyType(_CHECKS)
 
 
 class _Owners(Mapping[str, str]):
-    """Rule id -> owner callback, a live view of the registry (``alerts.ALL_RULES``)."""
+    """Rule id -> owner callback, a live view of the registry (``rules.catalog.ALL_RULES``)."""
 
     def __getitem__(self, rule_id: str) -> str:
         return _RULES[rule_id].owner

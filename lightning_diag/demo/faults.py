@@ -21,27 +21,25 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_diag.core.alerts import (
-    ATTN_ENTROPY_LOW,
-    GRAD_COLLAPSE,
-    GRAD_EXPLODE,
-    GRAD_FROZEN,
-    GRAD_VANISH,
-    LOSS_STAGNANT,
-    LOSS_SWING,
-    NONFINITE_LOSS,
-    VAL_DECLINE,
-)
 from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
 from lightning_diag.demo.synthetic import DATA_MODULES
 from lightning_diag.rules.catalog import (
+    ATTN_ENTROPY_LOW,
     EVAL_MODE_IN_TRAINING,
+    GRAD_COLLAPSE,
+    GRAD_EXPLODE,
+    GRAD_FROZEN,
     GRAD_NOT_ZEROED,
+    GRAD_VANISH,
     LOSS_ON_PADDING,
+    LOSS_STAGNANT,
+    LOSS_SWING,
+    NONFINITE_LOSS,
     POSITION_OVERFLOW,
     STEP_TIME_PERIODIC,
     UPDATE_NONE,
     UPDATE_STALE,
+    VAL_DECLINE,
 )
 
 __all__ = ["FAULTS", "Fault", "build_fault"]

@@ -15,10 +15,11 @@ import json
 import os
 from pathlib import Path
 
-from lightning_diag.core.alerts import ALL_RULES, Alert, read_alerts
+from lightning_diag.core.alerts import Alert, read_alerts
 from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE
 from lightning_diag.core.registry import default_thresholds
 from lightning_diag.core.tags import prefix
+from lightning_diag.rules.catalog import ALL_RULES
 
 __all__ = ["ALERTS_FILE", "THRESHOLDS_FILE", "NoDiagnosticsError", "RunData", "Series", "find_runs", "load_run"]
 

@@ -36,7 +36,6 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Literal
 
-from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
@@ -485,14 +484,3 @@ class LossStagnantRule(Rule):
                 threshold=self.min_drop,
             )
         ]
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_VAL_DECLINE_PATIENCE": "DEFAULT_VAL_DECLINE_THRESHOLD",
-        "DEFAULT_VAL_FLUCTUATION_RATIO": "DEFAULT_VAL_FLUCTUATION_THRESHOLD",
-        "DEFAULT_VAL_FLUCTUATION_MIN_ABS": "DEFAULT_VAL_FLUCTUATION_MIN_RANGE",
-        "DEFAULT_STAGNANT_MIN_DROP": "DEFAULT_STAGNANT_THRESHOLD",
-    },
-)

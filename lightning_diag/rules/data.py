@@ -24,7 +24,6 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
 from lightning_diag.rules.base import Rule, StepContext
@@ -312,14 +311,3 @@ class DataRules(Rule):
             if key.startswith(f"{DATA_NONFINITE}:") and key not in seen:
                 self.latch.update(key, False)
         return out
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_VOCAB_KL": "DEFAULT_VOCAB_SHIFT_THRESHOLD",
-        "DEFAULT_LEAKAGE_FRACTION": "DEFAULT_LEAKAGE_THRESHOLD",
-        "DEFAULT_NEAR_DUPLICATE": "DEFAULT_LEAKAGE_NEAR_DUPLICATE",
-        "DEFAULT_LABEL_STD": "DEFAULT_LABEL_IMBALANCE_THRESHOLD",
-    },
-)

@@ -29,7 +29,7 @@ faults rather than architecture (the measurements behind each choice are in ``do
   **converged** (an ``info``); loss not 10% below its initial value: a **dead network** (a warning: typically a
   learning rate far too high or dead ReLUs); otherwise the gradients **vanished** while the loss is far from its
   floor (a warning).
-* ``grad_frozen``: see :class:`~lightning_diag.rules.grad_frozen.GradFrozenRule` (re-exported here).
+* ``grad_frozen``: see :class:`~lightning_diag.rules.grad_frozen.GradFrozenRule` (in ``rules/grad_frozen.py``).
 
 When several layers cross one threshold at the same measurement they make one alert naming them (count and the
 worst few); a layer crossing it later, while others are still in alarm, joins that event silently. Non-finite
@@ -42,18 +42,10 @@ import math
 import statistics
 from collections.abc import Collection, Mapping
 
-from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
 from lightning_diag.rules.base import OVERWHELMING, Latch, Rule, StepContext, excess, name_layers
-from lightning_diag.rules.grad_frozen import (
-    FROZEN_REASONS,
-    GRAD_FROZEN,
-    GRAD_FROZEN_SPEC,
-    GRAD_PATIENCE_SETTING,
-    GRADIENT_FLOW,
-    GradFrozenRule,
-)
+from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 
 __all__ = [
     "DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS",
@@ -64,13 +56,10 @@ __all__ = [
     "DEFAULT_GRAD_WARMUP_STEPS",
     "DEFAULT_LAYER_SPREAD_THRESHOLD",
     "DEFAULT_VANISH_THRESHOLD",
-    "FROZEN_REASONS",
     "GRAD_COLLAPSE",
     "GRAD_COLLAPSE_SPEC",
     "GRAD_EXPLODE",
     "GRAD_EXPLODE_SPEC",
-    "GRAD_FROZEN",
-    "GRAD_FROZEN_SPEC",
     "GRAD_LAYER_SPREAD",
     "GRAD_LAYER_SPREAD_SPEC",
     "GRAD_PATIENCE_SETTING",
@@ -79,9 +68,7 @@ __all__ = [
     "GRAD_WARMUP_SETTING",
     "GradBandRule",
     "GradCollapseRule",
-    "GradFrozenRule",
     "GradSpreadRule",
-    "name_layers",
     "role_of",
 ]
 
@@ -477,14 +464,3 @@ class GradCollapseRule(Rule):
                 severity=Severity.INFO if kind == "converged" else None,
             )
         ]
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_SPREAD_RATIO": "DEFAULT_LAYER_SPREAD_THRESHOLD",
-        "DEFAULT_COLLAPSE_RATIO": "DEFAULT_COLLAPSE_THRESHOLD",
-        "DEFAULT_BASELINE_MEASUREMENTS": "DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS",
-        "DEFAULT_CONVERGED_FRACTION": "DEFAULT_COLLAPSE_CONVERGED_FRACTION",
-    },
-)

@@ -303,15 +303,16 @@ class NonFinitePolicy:
         return {**{k: getattr(self, k) for k in self.state_keys}, "latch": self.latch.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a counter missing from an older checkpoint starts at 0.
+        """Restore :meth:`state_dict` output.
 
         Raises:
-            KeyError: If ``latch`` is missing.
+            KeyError: If a key is missing; the message names every missing key.
         """
-        if "latch" not in state:
-            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys ['latch']")
+        missing = [k for k in (*self.state_keys, "latch") if k not in state]
+        if missing:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys {missing}")
         for key in self.state_keys:
-            setattr(self, key, int(state.get(key, 0)))
+            setattr(self, key, int(state[key]))
         self.latch.load_state_dict(state["latch"])
 
 

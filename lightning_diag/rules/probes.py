@@ -7,7 +7,6 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
@@ -229,17 +228,3 @@ class QuantizationErrorRule(Rule):
                 )
             )
         return alerts
-
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_SHARP_GAP": "DEFAULT_SHARP_MINIMUM_THRESHOLD",
-        "DEFAULT_RHO": "DEFAULT_SHARP_MINIMUM_RHO",
-        "DEFAULT_SHARP_PATIENCE": "DEFAULT_SHARP_MINIMUM_PATIENCE",
-        "DEFAULT_QUANT_ERROR": "DEFAULT_QUANTIZATION_ERROR_THRESHOLD",
-        "DEFAULT_LAYER_RATIO": "DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO",
-        "DEFAULT_MIN_LAYER_ERROR": "DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR",
-    },
-)

@@ -24,7 +24,6 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
@@ -172,11 +171,3 @@ class RollbackRule(Rule):
         super().load_state_dict(state)
         self.rollbacks = int(self.rollbacks)
         self.lr_scale = float(self.lr_scale)
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_ROLLBACK_KEEP": "DEFAULT_ROLLBACK_SNAPSHOTS",
-    },
-)

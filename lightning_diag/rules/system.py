@@ -34,7 +34,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
@@ -503,24 +502,3 @@ class MemoryGrowthRule(Rule):
                     )
                 )
         return alerts
-
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_DATALOADER_SHARE": "DEFAULT_DATALOADER_BOUND_THRESHOLD",
-        "DEFAULT_DATALOADER_PATIENCE": "DEFAULT_DATALOADER_BOUND_PATIENCE",
-        "DEFAULT_DATALOADER_MIN_WAIT_S": "DEFAULT_DATALOADER_BOUND_MIN_WAIT_S",
-        "DEFAULT_PERIODIC_SHARE": "DEFAULT_STEP_TIME_PERIODIC_THRESHOLD",
-        "DEFAULT_SLOW_RATIO": "DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO",
-        "DEFAULT_STEP_WINDOW": "DEFAULT_STEP_TIME_WINDOW",
-        "DEFAULT_FLUCTUATION": "DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD",
-        "DEFAULT_FLUCTUATION_PATIENCE": "DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE",
-        "DEFAULT_WARMUP_STEPS": "DEFAULT_STEP_TIME_WARMUP_STEPS",
-        "DEFAULT_BLOCK_STEPS": "DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS",
-        "DEFAULT_MEMORY_GROWTH": "DEFAULT_MEMORY_GROWTH_THRESHOLD",
-        "DEFAULT_MEMORY_WINDOW": "DEFAULT_MEMORY_GROWTH_WINDOW",
-        "DEFAULT_MEMORY_RISING_FRACTION": "DEFAULT_MEMORY_GROWTH_RISING_FRACTION",
-    },
-)

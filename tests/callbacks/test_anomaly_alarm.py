@@ -488,22 +488,3 @@ def test_accumulated_loss_is_on_the_same_scale(tmp_path):
         trainer.fit(_Returns("tensor"))
         means[accumulate] = alarm.swing_rule.previous
     assert means[4] == pytest.approx(means[1], rel=0.3)  # not divided by 4
-
-
-def test_state_of_the_layout_before_the_split_loads():
-    """Checkpoints written before the policy kept its scaler-overflow count (no `nonfinite_counts`) resume."""
-    alarm = AnomalyAlarm(on_nonfinite="skip")
-    alarm.policy.skips, alarm.policy.scaler_overflows = 2, 3
-    alarm.policy.latch.update("loss", True)
-    state = alarm.state_dict()
-    assert state["skips"] == 2 and state["nonfinite_latch"] == {"loss": [None, 0.0]}
-    assert state["nonfinite_counts"] == {"scaler_overflows": 3}
-    del state["nonfinite_counts"]
-    restored = AnomalyAlarm(on_nonfinite="skip")
-    restored.load_state_dict(state)
-    assert (restored.policy.skips, restored.policy.scaler_overflows) == (2, 0)
-    assert restored.policy.latch.active == {"loss"}
-    state["nonfinite_latch"] = ["loss"]  # the latch as a list of sources (before issue 23)
-    older = AnomalyAlarm(on_nonfinite="skip")
-    older.load_state_dict(state)
-    assert older.policy.latch.active == {"loss"}

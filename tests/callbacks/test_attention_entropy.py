@@ -265,12 +265,12 @@ def test_resume_keeps_streaks_and_latches(tmp_path):
     assert {a.global_step for a in resumed.alerts} == {35}
 
 
-def test_load_state_dict_missing_rule_key_starts_that_rule_afresh():
+def test_load_state_dict_names_a_missing_rule_key():
     state = AttentionEntropyMonitor().state_dict()
+    assert set(state) == {"entropy", "sink"}
     del state["sink"]
-    resumed = AttentionEntropyMonitor()
-    resumed.load_state_dict(state)  # a checkpoint from before the rule: no KeyError
-    assert set(resumed.state_dict()) == {"entropy", "sink"}
+    with pytest.raises(KeyError, match="sink"):
+        AttentionEntropyMonitor().load_state_dict(state)
 
 
 def test_accumulation_samples_one_micro_batch_per_step(tmp_path):

@@ -1,15 +1,11 @@
 """Invalid configuration, table-driven: every constructor argument of every callback (issues 7, 20).
 
-Each error is raised at construction, names the argument and says what is allowed. Issue 20's renamed arguments
-(one naming scheme for thresholds: ``<rule>_threshold`` and ``<rule>_<setting>``) keep their old names for one
-release with a ``DeprecationWarning`` naming the new one; AnomalyAlarm's trend and rollback arguments moved into
-:class:`LossTrendSettings` and :class:`RollbackSettings`.
+Each error is raised at construction, names the argument and says what is allowed.
 """
 
 import dataclasses
 import inspect
 import math
-import warnings
 
 import pytest
 
@@ -23,8 +19,6 @@ from lightning_diag import (
     RollbackSettings,
     SystemMonitor,
 )
-from lightning_diag.callbacks import anomaly_alarm, attention_entropy, data_diagnostics, gradient_flow, system_monitor
-from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.registry import default_thresholds
 
 # callback -> argument -> [(bad value, error, what the message must say is allowed)]
@@ -258,128 +252,6 @@ def test_loss_trend_does_not_read_its_owner():
     trend = LossTrend(LossTrendSettings(val_fluctuation_min_range=0.5), monitor="val_acc", mode="max")
     assert trend.val_fluctuation_rule.min_range == 0.5 and trend.val_decline_rule.monitor == "val_acc"
     assert not hasattr(trend, "owner")
-
-
-# -- deprecated names ----------------------------------------------------------------------------------------
-RENAMED = {
-    AnomalyAlarm: anomaly_alarm._RENAMED_ARGUMENTS,
-    GradientFlowMonitor: gradient_flow._RENAMED_ARGUMENTS,
-    AttentionEntropyMonitor: attention_entropy._RENAMED_ARGUMENTS,
-    DataDiagnostics: data_diagnostics._RENAMED_ARGUMENTS,
-    SystemMonitor: system_monitor._RENAMED_ARGUMENTS,
-}
-_GROUPS = {"loss_trend": LossTrendSettings, "rollback": RollbackSettings}
-
-
-def _default_of(callback, new):
-    group, _, field = new.rpartition(".")
-    if group:
-        return {f.name: f.default for f in dataclasses.fields(_GROUPS[group])}[field]
-    return inspect.signature(callback).parameters[new].default
-
-
-def _changed(value):
-    """A valid value other than the default ``value``."""
-    if value == "epoch":
-        return 7
-    if value == "cpu":
-        return "device"
-    return value + 1 if isinstance(value, int) else value * 0.9
-
-
-def _read(callback, new):
-    group, _, field = new.rpartition(".")
-    return getattr(getattr(callback, group), field) if group else getattr(callback, new)
-
-
-DEPRECATED = [
-    pytest.param(callback, old, new, id=f"{callback.__name__}-{old}")
-    for callback, renames in RENAMED.items()
-    for old, new in renames.items()
-]
-
-
-@pytest.mark.parametrize(("callback", "old", "new"), DEPRECATED)
-def test_old_argument_name_still_works_and_warns_naming_the_new_one(callback, old, new):
-    value = _changed(_default_of(callback, new))
-    with pytest.warns(DeprecationWarning) as caught:
-        instance = callback(**{old: value})
-    assert len(caught) == 1
-    message = str(caught[0].message)
-    assert f"`{callback.__name__}({old}=...)` is deprecated" in message
-    group, _, field = new.rpartition(".")
-    assert (f"{group}={_GROUPS[group].__name__}({field}=...)" if group else f"{new}=...") in message
-    assert caught[0].filename == __file__  # the warning points at the caller
-    assert _read(instance, new) == value
-    assert old not in inspect.signature(callback).parameters and new.split(".")[0] in inspect.signature(
-        callback
-    ).parameters
-
-
-def test_every_renamed_argument_is_in_the_docs_table():
-    from pathlib import Path
-
-    table = (Path(__file__).resolve().parents[2] / "docs" / "thresholds.md").read_text()
-    for callback, renames in RENAMED.items():
-        for old, new in renames.items():
-            assert f"| `{callback.__name__}` | `{old}` | `{new}` |" in table, (callback.__name__, old)
-
-
-def test_old_names_of_one_settings_group_are_merged_with_the_object_given():
-    with pytest.warns(DeprecationWarning):
-        alarm = AnomalyAlarm(
-            on_nonfinite="rollback",
-            rollback=RollbackSettings(every_n_steps=10),
-            rollback_lr_factor=0.25,
-            max_rollbacks=1,
-        )
-    assert alarm.rollback == RollbackSettings(every_n_steps=10, lr_factor=0.25, max_rollbacks=1)
-
-
-def test_old_flat_argument_is_validated_as_before():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        with pytest.raises(ValueError, match="`every_n_steps`"):
-            AnomalyAlarm(rollback_every_n_steps=0)
-        with pytest.raises(ValueError, match="`layer_spread_threshold`"):
-            GradientFlowMonitor(spread_ratio=0.5)
-
-
-def test_old_and_new_name_together_and_unknown_names_raise_type_error():
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="both `spread_ratio`"):
-        GradientFlowMonitor(spread_ratio=10.0, layer_spread_threshold=20.0)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'spread_ration'"):
-        GradientFlowMonitor(spread_ration=10.0)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'swing'"):
-        AnomalyAlarm(swing=0.1)
-
-
-def test_renamed_arguments_needs_a_class_for_each_group():
-    with pytest.raises(ValueError, match="without a class"):
-        renamed_arguments({"old": "group.field"})
-
-
-@pytest.mark.parametrize(
-    ("module", "old", "new"),
-    [
-        ("lightning_diag.rules.anomaly", "DEFAULT_VAL_FLUCTUATION_MIN_ABS", "DEFAULT_VAL_FLUCTUATION_MIN_RANGE"),
-        ("lightning_diag.rules.grad", "DEFAULT_SPREAD_RATIO", "DEFAULT_LAYER_SPREAD_THRESHOLD"),
-        ("lightning_diag.rules.attention", "DEFAULT_SINK_MASS", "DEFAULT_SINK_THRESHOLD"),
-        ("lightning_diag.rules.data", "DEFAULT_VOCAB_KL", "DEFAULT_VOCAB_SHIFT_THRESHOLD"),
-        ("lightning_diag.callbacks.data_diagnostics", "DEFAULT_MIN_COUNT", "DEFAULT_VOCAB_SHIFT_MIN_COUNT"),
-        ("lightning_diag.rules.system", "DEFAULT_DATALOADER_SHARE", "DEFAULT_DATALOADER_BOUND_THRESHOLD"),
-        ("lightning_diag.rules.probes", "DEFAULT_SHARP_GAP", "DEFAULT_SHARP_MINIMUM_THRESHOLD"),
-        ("lightning_diag.rules.rollback", "DEFAULT_ROLLBACK_KEEP", "DEFAULT_ROLLBACK_SNAPSHOTS"),
-    ],
-)
-def test_old_constant_names_still_import_with_a_warning(module, old, new):
-    import importlib
-
-    mod = importlib.import_module(module)
-    with pytest.warns(DeprecationWarning, match=new):
-        assert getattr(mod, old) == getattr(mod, new)
-    with pytest.raises(AttributeError):
-        mod.DEFAULT_NOT_A_CONSTANT  # noqa: B018
 
 
 def test_settings_classes_are_public():

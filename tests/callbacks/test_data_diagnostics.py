@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from lightning_diag import DataDiagnostics
-from lightning_diag.output.dashboard import DiagWriter, dashboard_layout
+from lightning_diag.output.dashboard import dashboard_layout
+from lightning_diag.output.writer import DiagWriter
 
 FAST = dict(
     accelerator="cpu",

@@ -187,17 +187,6 @@ def test_invalid_rollback_configuration(kwargs, error, name):
         AnomalyAlarm(on_nonfinite="rollback", locate_nonfinite="yes")
 
 
-def test_flat_rollback_arguments_of_the_last_release_still_work_with_a_warning():
-    with pytest.warns(DeprecationWarning) as caught:
-        alarm = AnomalyAlarm(on_nonfinite="rollback", rollback_every_n_steps=2, rollback_snapshots=4)
-    messages = sorted(str(w.message) for w in caught)
-    assert len(messages) == 2  # one per flat argument, each naming its replacement
-    assert "rollback=RollbackSettings(every_n_steps=...)" in messages[0]
-    assert "rollback=RollbackSettings(snapshots=...)" in messages[1]
-    assert alarm.rollback == RollbackSettings(every_n_steps=2, snapshots=4)
-    assert alarm.recovery.every_n_steps == 2 and alarm.recovery.store.keep == 4
-
-
 def test_rollback_needs_automatic_optimization(tmp_path):
     with pytest.raises(ValueError, match="on_nonfinite"):
         _fit(TinyAttention(returns="vector"), AnomalyAlarm(on_nonfinite="rollback"), tmp_path, max_steps=2)
