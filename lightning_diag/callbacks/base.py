@@ -21,13 +21,13 @@ from lightning_diag.callbacks.session import release_session as _release_session
 from lightning_diag.callbacks.step_axis import STEP_AXIS_KEY, StepAxis
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.log_handler import ensure_handler
-from lightning_diag.core.registry import registry_thresholds
+from lightning_diag.core.registry import ParsedRules, RuleChoices, default, owner_name, parse_rules, registry_thresholds
 from lightning_diag.core.tags import threshold_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.output.writer import DiagWriter
 from lightning_diag.rules.base import StepContext
 
-__all__ = ["AlertHandler", "DiagCallback", "StatefulRule", "extract_loss"]
+__all__ = ["AlertHandler", "DiagCallback", "RuleChoices", "StatefulRule", "extract_loss"]
 
 #: ``on_alert=``: called with each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global rank zero).
 AlertHandler = Callable[[Alert], object]
@@ -86,8 +86,7 @@ def _with_base(hook: Callable[..., Any], base: Callable[..., Any]) -> Callable[.
 class DiagCallback(pl.Callback):
     """Base of the library's callbacks.
 
-    A subclass declares its rules once, in its constructor, after setting the attributes the rules' declarations
-    name (``RuleSpec.arguments``)::
+    A subclass declares its rules once, in its constructor::
 
         self.band_rule = self.add_rule("band_rule", GradBandRule.from_settings, state_key="band")
 
@@ -104,6 +103,11 @@ class DiagCallback(pl.Callback):
     that overrides those hooks needs no ``super()`` call for it (:meth:`__init_subclass__` keeps the base part).
 
     Args:
+        rules: The thresholds and settings of this callback's rules, by rule id, and switches: ``{"grad_vanish":
+            {"threshold": 1e-4}, "grad_explode": False}``; a family of shared settings by its name
+            (``{"grad": {"patience": 5}}``). ``False`` or ``None`` switches a rule off (its alerts are not raised);
+            a field not given keeps its default. The nested form of the ``thresholds.json`` keys
+            (docs/thresholds.md lists every rule's fields, defaults and allowed values).
         log_every_n_steps: The logging interval (default: the trainer's ``log_every_n_steps``).
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded, on
             global rank zero, after it is written to ``alerts.jsonl`` (Slack, e-mail, a pager). A handler that
@@ -111,6 +115,10 @@ class DiagCallback(pl.Callback):
 
     Attributes:
         alerts: The alerts this callback raised in the current fit, in order.
+
+    Raises:
+        TypeError: If ``rules`` or one of its values has the wrong type, or ``on_alert`` is not callable.
+        ValueError: If ``rules`` names a rule or field this callback does not have, or a value out of its range.
     """
 
     #: Constructor arguments (attributes, or ``"<argument>.<field>"`` of a settings object) that tell two
@@ -129,8 +137,16 @@ class DiagCallback(pl.Callback):
                 continue
             setattr(cls, name, _with_base(hook, getattr(DiagCallback, "_base_" + name)))
 
-    def __init__(self, *, log_every_n_steps: int | None = None, on_alert: AlertHandler | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        rules: RuleChoices | None = None,
+        log_every_n_steps: int | None = None,
+        on_alert: AlertHandler | None = None,
+    ) -> None:
         super().__init__()
+        #: ``rules=``, checked against the declarations: the values set and the rules switched off.
+        self.rule_choices: ParsedRules = parse_rules(owner_name(type(self)), rules)
         if log_every_n_steps is not None:
             check_int("log_every_n_steps", log_every_n_steps, low=1)
         if on_alert is not None and not callable(on_alert):
@@ -303,11 +319,17 @@ class DiagCallback(pl.Callback):
         ``diag/thresholds`` text; ``lightning-diag report`` judges the run against them.
 
         Built from the rule registry (:mod:`lightning_diag.core.registry`): every rule and shared setting the
-        registry declares for this class (by class name, then its bases'), with the instance's value read from
-        the attribute the declaration names in ``arguments`` (the default where it names none). A subclass adds
-        entries the registry cannot know (conditional ones) by extending ``super().thresholds()``.
+        registry declares for this class (by class name, then its bases'), with the values ``rules=`` set (the
+        defaults elsewhere); a rule switched off has no entry. A subclass adds entries the registry cannot know
+        (conditional ones) by extending ``super().thresholds()``.
         """
-        return registry_thresholds(self)
+        return registry_thresholds(self, self.rule_choices)
+
+    def setting(self, key: str) -> float:
+        """The value in effect of one ``thresholds()`` key (``"grad.warmup_steps"``), set or default, whether or
+        not its rule is switched off: for the callback's own measuring."""
+        given = self.rule_choices.values.get(key)
+        return default(key) if given is None else given
 
     def threshold_lines(self, *rules: str) -> dict[str, float]:
         """``diag/threshold/<rule>`` reference values to write beside a series, for the dashboard's charts."""
@@ -328,8 +350,8 @@ class DiagCallback(pl.Callback):
 
     def record(self, alerts: Iterable[Alert]) -> list[Alert]:
         """Keep alerts in :attr:`alerts`, write them to the alert log and hand each to ``on_alert`` (rank zero
-        only)."""
-        batch = list(alerts)
+        only). Alerts of rules switched off by ``rules=`` are dropped."""
+        batch = [a for a in alerts if a.rule not in self.rule_choices.off]
         if batch:
             self.alerts.extend(batch)
             if self._session is not None:

@@ -13,18 +13,16 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.core.tags import errors_tag
-from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.batches import is_int_tensor, token_ids
-from lightning_diag.rules.errors import DEFAULT_ERROR_RATIO, DEFAULT_MIN_SHARE, ErrorClusterRule
+from lightning_diag.rules.errors import ERROR_CLUSTER_SPEC, ErrorClusterRule
 
 __all__ = ["DEFAULT_MAX_SAMPLES", "ERRORS_FILE", "ErrorAnalysis", "Predictions"]
 
 #: Validation samples kept per analysed validation, at most (bounds memory and the clustering's time).
 DEFAULT_MAX_SAMPLES = 4096
-#: Fewest wrong samples worth clustering.
-DEFAULT_MIN_ERRORS = 10
 #: Per-class precision and recall are logged for at most this many classes.
 _MAX_CLASS_SCALARS = 32
 ERRORS_FILE = "errors.json"
@@ -100,9 +98,6 @@ class ErrorAnalysis(DiagCallback):
     Args:
         every_n_validations: Analyse every this many validations.
         max_samples: Validation samples kept per analysis (memory and time budget; later batches are skipped).
-        ratio: ``error_cluster``'s ratio of a cluster's error rate to the overall rate.
-        min_share: ``error_cluster``'s smallest cluster, as a share of the validation samples.
-        min_errors: Fewest wrong samples to cluster.
         k_range: ``(low, high)`` numbers of clusters tried.
         embed: ``embed(pl_module, batch) -> Tensor[B, D]`` features instead of TF-IDF (needed for inputs
             without token ids).
@@ -111,6 +106,9 @@ class ErrorAnalysis(DiagCallback):
         tokenizer: Anything with ``decode(list[int]) -> str``, to print the top tokens as text.
         top_tokens: Distinguishing tokens named per cluster.
         seed: Seed of the clustering.
+        rules: ``{"error_cluster": {"threshold": 4.0, "min_share": 0.1, "min_errors": 20}}``: the ratio of a
+            cluster's error rate to the overall rate, its smallest share of the validation samples and the fewest
+            wrong samples to cluster (docs/thresholds.md), or ``False`` to switch the rule off.
         on_alert: Called with each alert as it is recorded (global rank zero).
 
     Raises:
@@ -125,23 +123,20 @@ class ErrorAnalysis(DiagCallback):
         *,
         every_n_validations: int = 1,
         max_samples: int = DEFAULT_MAX_SAMPLES,
-        ratio: float = DEFAULT_ERROR_RATIO,
-        min_share: float = DEFAULT_MIN_SHARE,
-        min_errors: int = DEFAULT_MIN_ERRORS,
         k_range: tuple[int, int] = (2, 8),
         embed: Callable[[pl.LightningModule, Any], torch.Tensor] | None = None,
         predict: Predictions | None = None,
         tokenizer: Any = None,
         top_tokens: int = 5,
         seed: int = 0,
+        rules: RuleChoices | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(on_alert=on_alert)
+        super().__init__(rules=rules, on_alert=on_alert)
         self.every_n_validations = check_int("every_n_validations", every_n_validations, low=1)
         self.max_samples = check_int("max_samples", max_samples, low=10)
-        self.ratio = check_number("ratio", ratio, low=1.0, low_inclusive=False)
-        self.min_share = check_number("min_share", min_share, low=0.0, high=1.0, low_inclusive=False)
-        self.min_errors = check_int("min_errors", min_errors, low=2)
+        #: Fewest wrong samples to cluster (``error_cluster.min_errors``).
+        self.min_errors = int(self.setting(ERROR_CLUSTER_SPEC.key("min_errors")))
         if (
             not isinstance(k_range, (tuple, list)) or len(k_range) != 2
             or not all(isinstance(k, int) and not isinstance(k, bool) for k in k_range)

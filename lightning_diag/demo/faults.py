@@ -25,6 +25,7 @@ from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
 from lightning_diag.demo.synthetic import DATA_MODULES
 from lightning_diag.rules.catalog import (
     ATTN_ENTROPY_LOW,
+    DATA_LEAKAGE,
     EVAL_MODE_IN_TRAINING,
     GRAD_COLLAPSE,
     GRAD_EXPLODE,
@@ -90,7 +91,7 @@ class Fault:
 
 #: DataDiagnostics for the language-model entries. The demo LM task is a deterministic rule over 64 patterns, so
 #: its validation set repeats the training set by construction: leakage counts exact copies only, at 100%.
-_LM_DATA: dict[str, Any] = {"leakage_threshold": 1.0, "leakage_near_duplicate": 1.0}
+_LM_DATA: dict[str, Any] = {"rules": {DATA_LEAKAGE: {"threshold": 1.0, "near_duplicate": 1.0}}}
 
 FAULTS: dict[str, Fault] = {
     f.name: f

@@ -69,7 +69,18 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
+from lightning_diag.core.registry import (
+    COUNT,
+    FRACTION,
+    POSITIVE,
+    STEPS,
+    Limit,
+    RuleSpec,
+    SettingSpec,
+    default,
+    register,
+    register_setting,
+)
 
 __all__ = [
     "ATTN_ENTROPY_HIGH",
@@ -96,26 +107,25 @@ __all__ = [
 _ATTN = "AttentionEntropyMonitor"
 ATTN_ENTROPY_LOW_SPEC = register(RuleSpec(
     "attn_entropy_low", _ATTN, "warning", 0.5, "a head's attention entropy below {threshold:g} nats",
-    check="attn_entropy_band", source="seed 000 §3.2", arguments={"threshold": "entropy_low_threshold"},
+    check="attn_entropy_band", source="seed 000 §3.2", limits={"threshold": POSITIVE},
 ))
 ATTN_ENTROPY_HIGH_SPEC = register(RuleSpec(
     "attn_entropy_high", _ATTN, "info", 2.5,
     "a head's attention entropy above {threshold:g} nats and {uniform_fraction:g} of uniform",
     settings={"uniform_fraction": 0.9, "warmup_steps": 200}, check="attn_entropy_band", source="seed 000 §3.2",
-    arguments={"threshold": "entropy_high_threshold", "uniform_fraction": "entropy_high_uniform_fraction",
-               "warmup_steps": "entropy_high_warmup_steps"},
+    limits={"threshold": POSITIVE, "uniform_fraction": Limit(low=0.0, high=1.0), "warmup_steps": STEPS},
 ))
 ATTN_SINK_SPEC = register(RuleSpec(
     "attn_sink", _ATTN, "warning", 0.5,
     "every head of a layer puts more than {threshold:g} of its mass on special tokens",
-    check="attn_sink", source="seed 000 §3.2", arguments={"threshold": "sink_threshold"},
+    check="attn_sink", source="seed 000 §3.2", limits={"threshold": FRACTION},
 ))
 ATTN_ENTROPY_LOW = ATTN_ENTROPY_LOW_SPEC.rule_id
 ATTN_ENTROPY_HIGH = ATTN_ENTROPY_HIGH_SPEC.rule_id
 ATTN_SINK = ATTN_SINK_SPEC.rule_id
 #: ``attn.patience``: consecutive measurements an attention condition must hold before it alerts.
 ATTN_PATIENCE_SETTING = register_setting(
-    SettingSpec("attn.patience", _ATTN, 2, "patience", (ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))
+    SettingSpec("attn.patience", _ATTN, 2, None, (ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK), COUNT)
 )
 #: ``attn.sample_size``: sequences of the batch measured on a sampled step (the callback's sampling).
 ATTN_SAMPLE_SIZE_SETTING = register_setting(SettingSpec("attn.sample_size", _ATTN, 8, "sample_size"))

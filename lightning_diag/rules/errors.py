@@ -7,18 +7,26 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import RuleSpec, register
+from lightning_diag.core.registry import Limit, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
-__all__ = ["DEFAULT_ERROR_RATIO", "DEFAULT_MIN_SHARE", "ERROR_CLUSTER", "ERROR_CLUSTER_SPEC", "ErrorClusterRule"]
+__all__ = [
+    "DEFAULT_ERROR_RATIO",
+    "DEFAULT_MIN_ERRORS",
+    "DEFAULT_MIN_SHARE",
+    "ERROR_CLUSTER",
+    "ERROR_CLUSTER_SPEC",
+    "ErrorClusterRule",
+]
 
 # -- declaration (the docs' thresholds table and the report read it) -------------------------------------------
 ERROR_CLUSTER_SPEC = register(RuleSpec(
     "error_cluster", "ErrorAnalysis", "warning", 3.0,
     "a cluster of validation samples whose error rate is at least {threshold:g}x the overall rate and which holds "
     "at least {min_share:.0%} of the samples",
-    settings={"min_share": 0.05}, check="error_concentration", source="seed 001 §2.2",
-    arguments={"threshold": "ratio", "min_share": "min_share"},
+    settings={"min_share": 0.05, "min_errors": 10}, check="error_concentration", source="seed 001 §2.2",
+    limits={"threshold": Limit(low=1.0), "min_share": Limit(low=0.0, high=1.0),
+            "min_errors": Limit(low=2, integer=True)},
 ))
 ERROR_CLUSTER = ERROR_CLUSTER_SPEC.rule_id
 _SPEC = ERROR_CLUSTER_SPEC
@@ -26,6 +34,8 @@ _SPEC = ERROR_CLUSTER_SPEC
 DEFAULT_ERROR_RATIO: float = float(_SPEC.threshold or 3.0)
 #: ... and the cluster must hold at least this share of the validation samples.
 DEFAULT_MIN_SHARE: float = float(_SPEC.settings["min_share"])
+#: Fewest wrong validation samples worth clustering.
+DEFAULT_MIN_ERRORS: int = int(_SPEC.settings["min_errors"])
 _SHOWN = 3
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert, NonFiniteAction, Severity
-from lightning_diag.core.registry import RuleSpec, register
+from lightning_diag.core.registry import COUNT, STEPS, RuleSpec, register
 from lightning_diag.rules.base import Latch, StepContext
 
 __all__ = [
@@ -52,12 +52,12 @@ __all__ = [
 # -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
 NONFINITE_LOSS_SPEC = register(RuleSpec(
     "nonfinite_loss", "AnomalyAlarm", "critical", None, "NaN/Inf in the loss",
-    settings={"max_skips": 5}, check="nonfinite", source="seed 000 §4.2", arguments={"max_skips": "max_skips"},
+    settings={"max_skips": 5}, check="nonfinite", source="seed 000 §4.2", limits={"max_skips": STEPS},
 ))
 NONFINITE_GRAD_SPEC = register(RuleSpec(
     "nonfinite_grad", "AnomalyAlarm", "critical", None, "NaN/Inf in a gradient before the optimizer step",
     settings={"max_scaler_overflows": 5}, check="nonfinite", source="seed 000 §4.2",
-    arguments={"max_scaler_overflows": "max_scaler_overflows"},
+    limits={"max_scaler_overflows": COUNT},
 ))
 NONFINITE_LOSS = NONFINITE_LOSS_SPEC.rule_id
 NONFINITE_GRAD = NONFINITE_GRAD_SPEC.rule_id

@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
@@ -39,7 +39,7 @@ DDP_DESYNC_SPEC = register(RuleSpec(
     "a parameter's checksum differs across data-parallel replicas by more than {threshold:g} "
     "(relative), checked every {every_n_steps:g} optimizer steps",
     settings={"every_n_steps": 100}, check="replicas_agree",
-    arguments={"threshold": "desync_tolerance", "every_n_steps": "desync_every_n_steps"},
+    limits={"every_n_steps": COUNT},
 ))
 DDP_DESYNC = DDP_DESYNC_SPEC.rule_id
 

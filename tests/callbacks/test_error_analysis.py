@@ -127,8 +127,9 @@ def test_inputs_without_tokens_need_embed(tmp_path, caplog):
 @pytest.mark.parametrize(
     ("kwargs", "error", "needle"),
     [
-        ({"ratio": 1.0}, ValueError, "`ratio`"),
-        ({"min_share": 0.0}, ValueError, "`min_share`"),
+        ({"rules": {"error_cluster": {"threshold": 1.0}}}, ValueError, r"`rules\['error_cluster'\]\['threshold'\]`"),
+        ({"rules": {"error_cluster": {"min_share": 0.0}}}, ValueError, r"`rules\['error_cluster'\]\['min_share'\]`"),
+        ({"rules": {"error_cluster": {"min_errors": 1}}}, ValueError, r"`rules\['error_cluster'\]\['min_errors'\]`"),
         ({"k_range": (1, 4)}, ValueError, "`k_range`"),
         ({"embed": 3}, TypeError, "`embed`"),
         ({"tokenizer": object()}, TypeError, "`tokenizer`"),

@@ -232,22 +232,24 @@ def test_update_and_mode_state_survive_a_resume(tmp_path):
 
 
 def test_bad_configuration_names_the_argument():
-    with pytest.raises(ValueError, match="stale_fraction"):
-        GradientFlowMonitor(stale_fraction=1.5)
-    with pytest.raises(ValueError, match="update_sample_size"):
-        GradientFlowMonitor(update_sample_size=-1)
-    with pytest.raises(ValueError, match="desync_every_n_steps"):
-        AnomalyAlarm(desync_every_n_steps=0)
-    with pytest.raises(ValueError, match="desync_tolerance"):
-        AnomalyAlarm(desync_tolerance=-1.0)
+    with pytest.raises(ValueError, match=r"rules\['update_stale'\]\['threshold'\]"):
+        GradientFlowMonitor(rules={"update_stale": {"threshold": 1.5}})
+    with pytest.raises(ValueError, match=r"rules\['update_none'\]\['sample_size'\]"):
+        GradientFlowMonitor(rules={"update_none": {"sample_size": -1}})
+    with pytest.raises(ValueError, match=r"rules\['ddp_desync'\]\['every_n_steps'\]"):
+        AnomalyAlarm(rules={"ddp_desync": {"every_n_steps": 0}})
+    with pytest.raises(ValueError, match=r"rules\['ddp_desync'\]\['threshold'\]"):
+        AnomalyAlarm(rules={"ddp_desync": {"threshold": -1.0}})
     with pytest.raises(TypeError):
         GradientFlowMonitor(0.5)  # keyword-only
 
 
 def test_thresholds_report_the_new_arguments():
-    values = GradientFlowMonitor(stale_fraction=0.7, update_sample_size=8).thresholds()
+    values = GradientFlowMonitor(
+        rules={"update_stale": {"threshold": 0.7}, "update_none": {"sample_size": 8}}
+    ).thresholds()
     assert values["update_stale"] == 0.7 and values["update_none.sample_size"] == 8.0
-    values = AnomalyAlarm(desync_every_n_steps=10, desync_tolerance=1e-4).thresholds()
+    values = AnomalyAlarm(rules={"ddp_desync": {"every_n_steps": 10, "threshold": 1e-4}}).thresholds()
     assert values["ddp_desync"] == 1e-4 and values["ddp_desync.every_n_steps"] == 10.0
 
 
