@@ -308,6 +308,7 @@ class AnomalyAlarm(DiagCallback):
 
         Lightning builds the checkpoint on every rank (only rank zero writes it), so the reductions run on all.
         """
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is None or trainer.world_size <= 1:
             return
@@ -357,6 +358,7 @@ class AnomalyAlarm(DiagCallback):
     ) -> None:
         """Keep a reference to the batch (no copy) for the replay of a failing step; on logging steps look for
         Dropout/BatchNorm modules left in eval mode."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self.on_nonfinite != "warn":
             self.recovery.on_batch_start(batch, batch_idx)
         self.train_mode.on_batch_start(trainer, pl_module)

@@ -207,6 +207,7 @@ class AttentionEntropyMonitor(DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """On the first micro-batch of a sampled step: attach the measuring hooks and open the recorder."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         step = trainer.global_step
         if step % self.every_n_steps(trainer) != 0 or step == self._sampled_step:
             return

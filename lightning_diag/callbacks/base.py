@@ -6,7 +6,6 @@ step axis :mod:`lightning_diag.callbacks.step_axis`.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -45,9 +44,6 @@ class StatefulRule(Protocol):
 
 RuleT = TypeVar("RuleT", bound=StatefulRule)
 
-# Hooks whose base behaviour runs even when a subclass overrides them without calling super().
-_BASE_HOOKS = ("on_train_epoch_start", "on_train_batch_start", "on_save_checkpoint", "on_load_checkpoint")
-
 
 def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
     """The loss tensor in what ``training_step`` returned, or ``(None, reason)``.
@@ -73,16 +69,6 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
     return (loss if loss.dim() == 0 else loss.reshape(())), None
 
 
-def _with_base(hook: Callable[..., Any], base: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(hook)
-    def wrapped(self: DiagCallback, *args: Any, **kwargs: Any) -> Any:
-        base(self, *args, **kwargs)
-        return hook(self, *args, **kwargs)
-
-    wrapped._diag_base_wrapped = True  # type: ignore[attr-defined]
-    return wrapped
-
-
 class DiagCallback(pl.Callback):
     """Base of the library's callbacks.
 
@@ -99,8 +85,9 @@ class DiagCallback(pl.Callback):
     ``super().on_fit_start(trainer, pl_module)``, which writes the thresholds and the dashboard layout.
 
     Series are written on the user's step axis (:class:`StepAxis`: the step Lightning logs ``self.log`` values
-    at), which this base class counts in ``on_train_batch_start`` and saves in ``on_save_checkpoint``; a subclass
-    that overrides those hooks needs no ``super()`` call for it (:meth:`__init_subclass__` keeps the base part).
+    at), which this base class counts in ``on_train_epoch_start`` / ``on_train_batch_start`` and saves in
+    ``on_save_checkpoint`` / ``on_load_checkpoint``: a subclass that overrides one of these hooks calls ``super()``
+    first, as with every hook of this class.
 
     Args:
         rules: The thresholds and settings of this callback's rules, by rule id, and switches: ``{"grad_vanish":
@@ -127,15 +114,6 @@ class DiagCallback(pl.Callback):
     state_key_arguments: ClassVar[tuple[str, ...]] = ()
     #: Checkpoint keys a subclass saves besides its declared rules (checked by :meth:`load_state_dict`).
     extra_state_keys: ClassVar[tuple[str, ...]] = ()
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Keep the base part of :data:`_BASE_HOOKS` in a subclass that overrides them without ``super()``."""
-        super().__init_subclass__(**kwargs)
-        for name in _BASE_HOOKS:
-            hook = cls.__dict__.get(name)
-            if hook is None or getattr(hook, "_diag_base_wrapped", False):
-                continue
-            setattr(cls, name, _with_base(hook, getattr(DiagCallback, "_base_" + name)))
 
     def __init__(
         self,
@@ -264,52 +242,34 @@ class DiagCallback(pl.Callback):
         if self._session is not None:
             self._session.record_run(trainer)
 
-    # -- the step axis (kept in subclasses that override these hooks, see __init_subclass__) --------------------
-    def _base_on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._session is not None:
-            self._session.step_axis.epoch_started(trainer)
-
-    def _base_on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, *args: Any
-    ) -> None:
-        if self._session is not None:
-            self._session.step_axis.batch_started(trainer, pl_module, batch_idx)
-
-    def _base_on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        # The session's, or the last fit's after teardown (`trainer.save_checkpoint` after `fit`).
-        axis = self._session.step_axis if self._session is not None else self._step_axis
-        if axis is not None:
-            checkpoint[STEP_AXIS_KEY] = axis.state_dict()
-
-    def _base_on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        if self._session is not None and STEP_AXIS_KEY in checkpoint:
-            self._session.step_axis.load_state_dict(checkpoint[STEP_AXIS_KEY])
-
+    # -- the step axis ---------------------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Move the user's step axis past the previous epoch's last batch."""
-        self._base_on_train_epoch_start(trainer, pl_module)
+        if self._session is not None:
+            self._session.step_axis.epoch_started(trainer)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Count the batch on the user's step axis."""
-        self._base_on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._session is not None:
+            self._session.step_axis.batch_started(trainer, pl_module, batch_idx)
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Save the step axis (checkpoint key :data:`STEP_AXIS_KEY`)."""
-        self._base_on_save_checkpoint(trainer, pl_module, checkpoint)
+        # The session's, or the last fit's after teardown (`trainer.save_checkpoint` after `fit`).
+        axis = self._session.step_axis if self._session is not None else self._step_axis
+        if axis is not None:
+            checkpoint[STEP_AXIS_KEY] = axis.state_dict()
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Resume the step axis."""
-        self._base_on_load_checkpoint(trainer, pl_module, checkpoint)
+        if self._session is not None and STEP_AXIS_KEY in checkpoint:
+            self._session.step_axis.load_state_dict(checkpoint[STEP_AXIS_KEY])
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds this callback judges by: rule id -> threshold, and ``"<rule>.<setting>"`` -> value.

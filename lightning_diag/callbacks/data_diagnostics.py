@@ -216,6 +216,7 @@ class DataDiagnostics(DiagCallback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """With ``every_n_epochs``: measure again at the start of every n-th epoch."""
+        super().on_train_epoch_start(trainer, pl_module)
         epoch = trainer.current_epoch
         if self.every_n_epochs and epoch % self.every_n_epochs == 0 and epoch != self.last_epoch:
             self._measure(trainer)

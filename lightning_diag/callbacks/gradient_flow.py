@@ -320,6 +320,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Attach the activation-gradient hooks when the coming optimizer step is a measured one."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if not self.activation_grads or self._act.attached or not self._measuring(trainer):
             return
         self._act.attach(pl_module, self.activation_grads, lambda key, message: self.notice(trainer, key, message))

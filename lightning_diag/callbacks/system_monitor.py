@@ -227,6 +227,7 @@ class SystemMonitor(DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Close the data wait; mark the start of the batch's compute."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self._steps.batch_start(trainer.global_step, batch)
 
     def on_before_optimizer_step(
@@ -248,6 +249,7 @@ class SystemMonitor(DiagCallback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The epoch's first step waits for a fresh dataloader iterator: a known cause."""
+        super().on_train_epoch_start(trainer, pl_module)
         self._steps.epoch_start()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
