@@ -30,10 +30,11 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_diag.core.alerts import ALL_RULES, Alert
+from lightning_diag.core.alerts import Alert
 from lightning_diag.demo.corpus import CORPUS, CorpusEntry, run_corpus
 from lightning_diag.demo.faults import FAULTS, Fault, build_fault
 from lightning_diag.demo.run import default_callbacks, fault_callbacks, quiet, run_demo
+from lightning_diag.rules.catalog import ALL_RULES
 
 try:  # SpikeDetection is in pytorch_lightning >= 2.2 (experimental); older versions lack it
     from pytorch_lightning.callbacks import SpikeDetection
@@ -426,7 +427,7 @@ loss stays finite, and the model quietly comes out worse. Their steps are measur
 first alert of the rule, `log_every_n_steps=5`, so the gradient-flow measurements are at steps 0, 5, 10, ...).
 The data faults are found by `DataDiagnostics` before the first step (step 0). One more fault needs two
 processes and is not in the generated table; its row comes from `tests/callbacks/test_silent_ddp.py` (2 gloo
-ranks, `AnomalyAlarm(desync_every_n_steps=2)`, rank 1's `last.weight` nudged by 1e-3 outside the optimizer after
+ranks, `AnomalyAlarm(rules={"ddp_desync": {"every_n_steps": 2}})`, rank 1's `last.weight` nudged by 1e-3 outside the optimizer after
 step 3):
 
 | fault | model | onset | expected | lightning_diag | caught | EarlyStopping(check_finite=True) | SpikeDetection | detect_anomaly=True |

@@ -28,8 +28,6 @@ _LAZY: dict[str, str] = {
     "record_hf_attentions": "lightning_diag.instrument.attention_record",
     "AnomalyAlarm": "lightning_diag.callbacks.anomaly_alarm",
     "NonFiniteError": "lightning_diag.callbacks.anomaly_alarm",
-    "LossTrendSettings": "lightning_diag.callbacks.loss_trend",
-    "RollbackSettings": "lightning_diag.callbacks.nonfinite_recovery",
     "AttentionEntropyMonitor": "lightning_diag.callbacks.attention_entropy",
     "DataDiagnostics": "lightning_diag.callbacks.data_diagnostics",
     "ErrorAnalysis": "lightning_diag.callbacks.error_analysis",
@@ -48,11 +46,9 @@ __all__ = [
     "DataDiagnostics",
     "ErrorAnalysis",
     "GradientFlowMonitor",
-    "LossTrendSettings",
     "NonFiniteError",
     "QuantizationProbe",
     "RobustnessProbe",
-    "RollbackSettings",
     "Severity",
     "SharpnessProbe",
     "SystemMonitor",
@@ -69,8 +65,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_diag.callbacks.data_diagnostics import DataDiagnostics
     from lightning_diag.callbacks.error_analysis import ErrorAnalysis
     from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
-    from lightning_diag.callbacks.loss_trend import LossTrendSettings
-    from lightning_diag.callbacks.nonfinite_recovery import RollbackSettings
     from lightning_diag.callbacks.quantization_probe import QuantizationProbe
     from lightning_diag.callbacks.robustness_probe import RobustnessProbe
     from lightning_diag.callbacks.sharpness_probe import SharpnessProbe

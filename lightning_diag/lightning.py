@@ -15,8 +15,7 @@ Example:
     >>> AnomalyAlarm().state_key == __import__("lightning_diag").AnomalyAlarm().state_key
     True
 
-The settings classes the callbacks take (``LossTrendSettings``, ``RollbackSettings``) are plain dataclasses,
-re-exported here unchanged, so one import line serves both.
+Thresholds are plain mappings (``rules={"loss_swing": {"threshold": 0.2}}``), the same for both packages.
 
 Your own subclass of a library callback: ``for_lightning(MyMonitor)``, or list ``lightning.pytorch.Callback``
 as a second base yourself (``class MyMonitor(GradientFlowMonitor, L.Callback)``), which is all this does.
@@ -79,13 +78,7 @@ def _library_class(name: str) -> type[DiagCallback] | None:
     return value if isinstance(value, type) and issubclass(value, DiagCallback) else None
 
 
-#: Plain (Lightning-free) classes the callbacks take as arguments, re-exported unchanged.
-_SETTINGS = ("LossTrendSettings", "RollbackSettings")
-
-
 def __getattr__(name: str) -> Any:
-    if name in _SETTINGS:
-        return getattr(lightning_diag, name)
     callback_class = _library_class(name)
     if callback_class is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -93,4 +86,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*__all__, *_SETTINGS, *(n for n in lightning_diag.__all__ if _library_class(n) is not None)])
+    return sorted([*__all__, *(n for n in lightning_diag.__all__ if _library_class(n) is not None)])

@@ -141,7 +141,7 @@ def test_every_rule_id_is_spelled_in_exactly_one_module():
 def test_every_rule_class_is_built_from_its_settings():
     """Each rule class declares its rule ids (`specs`) and builds from the thresholds in effect with the
     defaults where a key is missing, as the callbacks and the report's replay do."""
-    import importlib
+    import importlib.util
     import inspect
 
     from lightning_diag.core.registry import RULES
@@ -161,3 +161,39 @@ def test_every_rule_class_is_built_from_its_settings():
             if issubclass(cls, Rule):
                 assert cls.rule_id == specs[0].rule_id
     assert declared == set(RULES)
+
+
+def _public_callbacks() -> list[type]:
+    import pytorch_lightning as pl
+
+    import lightning_diag
+
+    found = [getattr(lightning_diag, n) for n in lightning_diag.__all__]
+    return [c for c in found if isinstance(c, type) and issubclass(c, pl.Callback)]
+
+
+def test_nothing_in_the_package_raises_a_deprecation_warning():
+    """No compatibility layer (0.1.0 was never released): importing every module and building every public
+    callback with its defaults warns about nothing, deprecation least of all."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    modules = sorted(_modules())
+    code = (
+        "import importlib, warnings\n"
+        "warnings.simplefilter('error')\n"
+        f"for name in {modules!r}:\n"
+        "    if name.endswith('__main__'):\n"
+        "        continue\n"
+        "    importlib.import_module(name)\n"
+        "import lightning_diag, pytorch_lightning as pl\n"
+        "for name in lightning_diag.__all__:\n"
+        "    value = getattr(lightning_diag, name)\n"
+        "    if isinstance(value, type) and issubclass(value, pl.Callback):\n"
+        "        value()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(_public_callbacks()) >= 9
+    assert importlib.util.find_spec("lightning_diag.core.deprecation") is None

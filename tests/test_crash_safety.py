@@ -58,7 +58,7 @@ SCRIPT = textwrap.dedent(
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
     monitor = GradientFlowMonitor(log_every_n_steps=1, per_parameter=True, log_weight_norms=False,
-                                  histogram_every_n_steps=0, explode_threshold=1.0)
+                                  histogram_every_n_steps=0, rules={"grad_explode": {"threshold": 1.0}})
     trainer = pl.Trainer(max_steps=10**9, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, accelerator="cpu", default_root_dir=sys.argv[1],
                          callbacks=[monitor, Flood()])

@@ -5,7 +5,7 @@ import lightning_diag.callbacks.anomaly_alarm as alarm_module
 import lightning_diag.callbacks.attention_entropy as attention_module
 import lightning_diag.callbacks.data_diagnostics as data_module
 import lightning_diag.rules.anomaly as anomaly_rules
-import lightning_diag.rules.attention as attention_rules
+import lightning_diag.rules.attention_specs as attention_rules
 import lightning_diag.rules.data as data_rules
 import lightning_diag.rules.data_sequences as sequence_rules
 import lightning_diag.rules.errors as error_rules
@@ -14,13 +14,14 @@ import lightning_diag.rules.probes as probe_rules
 import lightning_diag.rules.replicas as replica_rules
 import lightning_diag.rules.robustness as robustness_rules
 import lightning_diag.rules.rollback as rollback_rules
+import lightning_diag.rules.runtime as runtime_rules
 import lightning_diag.rules.system as system_rules
 import lightning_diag.rules.updates as update_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODULES = (
     anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, probe_rules,
-    system_rules, error_rules, robustness_rules, update_rules, replica_rules, sequence_rules,
+    system_rules, error_rules, robustness_rules, update_rules, replica_rules, sequence_rules, runtime_rules,
 )
 
 
@@ -43,45 +44,48 @@ def test_thresholds_table_matches_the_constants():
     assert in_code <= set(documented), f"undocumented constants: {in_code - set(documented)}"
 
 
-def test_every_registry_default_is_documented_with_its_argument():
-    """Each rule threshold and setting the registry declares has a row naming its argument and default."""
+def test_every_registry_default_is_documented_with_its_field():
+    """Each rule threshold and setting the registry declares has a row naming its ``rules=`` field (or, for a
+    shared setting of what a callback measures, its constructor argument) and its default."""
     from lightning_diag.core.registry import RULES, SETTINGS
 
-    rows = {(rule.strip("`"), argument.strip("`")): float(default) for rule, argument, _c, default, _m, _s in _rows()}
+    rows = {(rule.strip("`"), field.strip("`")): float(default) for rule, field, _c, default, _m, _s in _rows()}
     declared = {}
     for spec in RULES.values():
-        for name, argument in spec.arguments.items():
+        for name in spec.fields:
             value = spec.threshold if name == "threshold" else spec.settings[name]
-            declared[(spec.rule_id, argument)] = float(value)  # type: ignore[arg-type]
+            declared[(spec.rule_id, name)] = float(value)  # type: ignore[arg-type]
     for setting in SETTINGS.values():
-        declared[(setting.key.split(".")[0] + "_*", setting.argument)] = float(setting.default)
+        family, _, name = setting.key.rpartition(".")
+        where = (family, name) if setting.argument is None else (f"{family}_*", f"{setting.argument}=` (argument)")
+        declared[where] = float(setting.default)
     assert declared and declared.items() <= rows.items(), sorted(set(declared.items()) - set(rows.items()))
 
 
-def test_thresholds_arguments_are_real_constructor_arguments():
-    import dataclasses
+def test_every_documented_field_is_accepted_by_its_callback():
+    """A row's field set through ``rules=`` builds the callback and reaches ``thresholds()``; an argument row names
+    a real constructor argument with that default."""
     import inspect
 
     import lightning_diag
-    from lightning_diag import LossTrendSettings, RollbackSettings
-    from lightning_diag.core.registry import RULES, owner_of
+    from lightning_diag.core.registry import RULES, SETTINGS, owner_of
 
-    for rule, argument, _constant, default, _m, _s in _rows():
-        name = rule.strip("`")  # a rule id, or `grad_*` for a callback's shared setting
-        owner = owner_of(name) or next(s.owner for s in RULES.values() if s.rule_id.startswith(name.rstrip("*")))
-        callback = getattr(lightning_diag, owner)
-        params = inspect.signature(callback).parameters
-        arg = argument.strip("`")
-        group, _, field = arg.rpartition(".")
-        if group:  # a field of a settings object (AnomalyAlarm's loss_trend= / rollback=)
-            assert group in params, arg
-            settings_class = {"loss_trend": LossTrendSettings, "rollback": RollbackSettings}[group]
-            fields = {f.name: f.default for f in dataclasses.fields(settings_class)}
-            assert field in fields, arg
-            assert float(fields[field]) == float(default), arg
+    for rule, field, _constant, default, _m, _s in _rows():
+        name, field = rule.strip("`"), field.strip("`")
+        if field.endswith("=` (argument)") or field.endswith("="):
+            argument = field.split("=")[0]
+            owner = next(s.owner for s in RULES.values() if s.rule_id.startswith(name.rstrip("*")))
+            parameters = inspect.signature(getattr(lightning_diag, owner)).parameters
+            assert argument in parameters, (rule, argument)
+            if default != "`()`":
+                assert float(parameters[argument].default) == float(default), (rule, argument)
             continue
-        assert arg in params, arg
-        assert float(params[arg].default) == float(default), arg
+        family = next((s for s in SETTINGS.values() if s.key == f"{name}.{field}"), None)
+        owner = owner_of(name) or (family.owner if family is not None else None)
+        assert owner is not None, rule
+        callback = getattr(lightning_diag, owner)(rules={name: {field: float(default)}})
+        key = name if field == "threshold" else f"{name}.{field}"
+        assert callback.setting(key) == float(default), (rule, field)
 
 
 def test_anomaly_alarm_page_lists_every_tag_and_rule():
@@ -102,20 +106,17 @@ def test_anomaly_alarm_page_lists_every_tag_and_rule():
         "val_fluctuation",
     ):
         assert needle in page, needle
-    import dataclasses
     import inspect
 
-    from lightning_diag import AnomalyAlarm, LossTrendSettings, RollbackSettings
+    from lightning_diag import AnomalyAlarm
+    from lightning_diag.core.registry import RULES
 
-    known = {
-        *inspect.signature(AnomalyAlarm).parameters,
-        *(f.name for kind in (LossTrendSettings, RollbackSettings) for f in dataclasses.fields(kind)),
-    }
+    known = {*inspect.signature(AnomalyAlarm).parameters}
     for match in re.findall(r"`(\w+)=", page):
         assert match in known, match
-    for group, kind in (("loss_trend", LossTrendSettings), ("rollback", RollbackSettings)):
-        for field in re.findall(rf"`{group}\.(\w+)", page):
-            assert field in {f.name for f in dataclasses.fields(kind)}, (group, field)
+    for rule, field in re.findall(r"`(\w+)\.(\w+)`", page):  # a rule field written `<rule>.<field>`
+        if rule in RULES and RULES[rule].owner == "AnomalyAlarm":
+            assert field in RULES[rule].fields, (rule, field)
 
 
 def test_gradient_flow_page_lists_every_tag_and_rule():

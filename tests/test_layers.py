@@ -69,10 +69,9 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-#: Modules that read rule ids from their declarations in rules/ (each id is written once, next to its rule):
-#: the tag vocabulary (the ``diag/attn_sink`` family is named after its rule), the alerts facade (``ALL_RULES`` and
-#: the public rule-id constants) and the dashboard layout. The module graph stays acyclic (test_architecture.py).
-READS_RULE_IDS = {"core/tags.py", "core/alerts.py", "output/dashboard.py"}
+#: Modules outside the layers above rules/ that read rule ids from their declarations (each id is written once,
+#: next to its rule): the dashboard layout. core/ is not among them: it imports nothing of the package above it.
+READS_RULE_IDS = {"output/dashboard.py"}
 
 
 #: Function-level imports that reach up a layer, each with its reason.
@@ -104,3 +103,37 @@ def test_no_module_shadows_a_third_party_package():
                    "transformers", "wandb", "mlflow", "sklearn", "psutil", "logging", "json", "typing"}
     clashes = [p for p in PACKAGE.rglob("*.py") if p.stem in third_party]
     assert clashes == []
+
+
+def test_core_imports_no_other_package_of_lightning_diag():
+    """core/ is the bottom layer: the rule ids and ``ALL_RULES`` live with the declarations (rules/), not here."""
+    wrong = [
+        f"{path.relative_to(PACKAGE)} imports {name}"
+        for path in sorted((PACKAGE / "core").rglob("*.py"))
+        for name in _imports(path)
+        if name.startswith("lightning_diag.") and name.split(".")[1] != "core"
+    ]
+    assert wrong == []
+
+
+def _private_imports() -> list[str]:
+    """``from lightning_diag.x import _name``: a private name of one module imported by another."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("lightning_diag")):
+                found += [
+                    f"{path.relative_to(PACKAGE)}: {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                ]
+    return found
+
+
+#: The private names still imported across modules (at most 5), each shared by a module and its helper.
+PRIVATE_IMPORTS_ALLOWED = 5
+
+
+def test_private_names_are_not_imported_across_modules():
+    found = _private_imports()
+    assert len(found) <= PRIVATE_IMPORTS_ALLOWED, found

@@ -16,7 +16,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import lightning_diag
 import lightning_diag.lightning as unified
-from lightning_diag import RollbackSettings
 from lightning_diag.callbacks.base import DiagCallback
 
 LIBRARY_CALLBACKS = [
@@ -76,7 +75,7 @@ def test_for_lightning_takes_any_diag_callback_subclass():
 
 def test_unified_trainer_runs_the_callbacks_and_resumes(tmp_path):
     alarm = unified.AnomalyAlarm()
-    monitor = unified.GradientFlowMonitor(log_every_n_steps=1, collapse_baseline_measurements=2)
+    monitor = unified.GradientFlowMonitor(log_every_n_steps=1, rules={"grad_collapse": {"baseline_measurements": 2}})
     logger = TensorBoardLogger(tmp_path, name="run")
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     trainer = L.Trainer(max_steps=20, logger=logger, callbacks=[alarm, monitor, checkpoint], **FAST)
@@ -92,7 +91,7 @@ def test_unified_trainer_runs_the_callbacks_and_resumes(tmp_path):
     acc.Reload()
     assert "diag/grad_norm/total" in acc.Tags()["scalars"]
     (ckpt,) = (tmp_path / "ckpt").glob("*step=4*.ckpt")
-    resumed = unified.GradientFlowMonitor(log_every_n_steps=1, collapse_baseline_measurements=2)
+    resumed = unified.GradientFlowMonitor(log_every_n_steps=1, rules={"grad_collapse": {"baseline_measurements": 2}})
     L.Trainer(max_steps=5, default_root_dir=tmp_path / "b", logger=False, callbacks=[resumed], **FAST).fit(
         UnifiedModel(), ckpt_path=ckpt
     )
@@ -121,15 +120,26 @@ trainer:
     - class_path: {package}.AnomalyAlarm
       init_args:
         on_nonfinite: skip
-        max_skips: 2
-        loss_trend:
-          swing_window: 10
-        rollback:
-          every_n_steps: 7
+        swing_window: 10
+        rules:
+          nonfinite_loss:
+            max_skips: 2
+          nonfinite_rollback:
+            every_n_steps: 7
+          loss_swing:
+            threshold: 0.25
+            patience: 4
+          val_fluctuation: false
     - class_path: {package}.GradientFlowMonitor
       init_args:
         log_every_n_steps: 1
         params: ["layer.*"]
+        rules:
+          grad_vanish:
+            threshold: 1.0e-4
+          grad:
+            patience: 5
+          grad_explode: null
     - class_path: {package}.AttentionEntropyMonitor
       init_args:
         special_positions: [0]
@@ -156,9 +166,14 @@ def test_lightning_cli_configures_the_callbacks_from_yaml(tmp_path, flavour):
     config.write_text(text if flavour == "lightning" else text.replace("  lr: 0.1", "  samples: 16"))
     cli = LightningCLI(model_class, run=False, args=["--config", str(config)], save_config_callback=None)
     alarm, monitor, attention = (c for c in cli.trainer.callbacks if isinstance(c, DiagCallback))
-    assert (alarm.on_nonfinite, alarm.max_skips, alarm.loss_trend.swing_window) == ("skip", 2, 10)
-    assert alarm.rollback == RollbackSettings(every_n_steps=7)  # settings objects from nested dicts
+    assert (alarm.on_nonfinite, alarm.policy.max_skips, alarm.swing_window) == ("skip", 2, 10)
+    assert alarm.rollback.every_n_steps == 7
+    # the running rules got the YAML's thresholds; the rules switched off report nothing and raise nothing
+    assert (alarm.swing_rule.threshold, alarm.swing_rule.patience) == (0.25, 4)
+    assert "val_fluctuation" not in alarm.thresholds() and "val_fluctuation" in alarm.rule_choices.off
     assert (monitor.log_every_n_steps, monitor.params) == (1, ["layer.*"])
+    assert monitor.band_rule.vanish_threshold == 1e-4 and monitor.thresholds()["grad.patience"] == 5.0
+    assert "grad_explode" not in monitor.thresholds() and "grad_explode" in monitor.rule_choices.off
     assert attention.special_positions == (0,)
     cli.trainer.fit(cli.model)
     assert cli.trainer.global_step == 3

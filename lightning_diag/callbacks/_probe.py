@@ -20,7 +20,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.rng import preserved_rng
@@ -68,6 +68,7 @@ class ValidationProbe(DiagCallback):
         num_batches: Validation batches per probe.
         loss_fn: ``loss_fn(pl_module, batch)`` returning the loss (a scalar tensor or a dict with ``"loss"``);
             by default ``pl_module.training_step(batch, batch_idx)``, with ``self.log`` silenced.
+        rules: The probe's rule's threshold and settings, or ``False`` to switch it off (docs/thresholds.md).
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
             rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
             that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
@@ -81,9 +82,10 @@ class ValidationProbe(DiagCallback):
         every_n_epochs: int = 1,
         num_batches: int = 2,
         loss_fn: LossFn | None = None,
+        rules: RuleChoices | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(on_alert=on_alert)
+        super().__init__(rules=rules, on_alert=on_alert)
         self.every_n_epochs = check_int("every_n_epochs", every_n_epochs, low=1)
         self.num_batches = check_int("num_batches", num_batches, low=1)
         if loss_fn is not None and not callable(loss_fn):

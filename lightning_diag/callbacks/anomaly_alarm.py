@@ -15,18 +15,19 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback, extract_loss
-from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, LossTrendSettings, TrendOutput
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices, extract_loss
+from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, TrendOutput, check_swing_window
 from lightning_diag.callbacks.lr_logging import lr_scalars
 from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
 from lightning_diag.callbacks.runtime_checks import RuntimeChecks
 from lightning_diag.callbacks.silent_checks import ReplicaCheck, TrainModeCheck
-from lightning_diag.core.alerts import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE, NonFiniteAction
-from lightning_diag.core.deprecation import renamed_arguments
+from lightning_diag.core.alerts import NonFiniteAction
+from lightning_diag.core.registry import RuleSpec
 from lightning_diag.core.tags import loss_tag
-from lightning_diag.core.validation import check_choice, check_int, check_number
+from lightning_diag.core.validation import check_choice
 from lightning_diag.rules.anomaly import LossStagnantRule, LossSwingRule, ValDeclineRule, ValFluctuationRule
+from lightning_diag.rules.catalog import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE
 from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
     DEFAULT_MAX_SKIPS,
@@ -34,7 +35,8 @@ from lightning_diag.rules.nonfinite import (
     NONFINITE_LOSS_SPEC,
     NonFinitePolicy,
 )
-from lightning_diag.rules.replicas import DEFAULT_DESYNC_EVERY_N_STEPS, DEFAULT_DESYNC_TOLERANCE
+from lightning_diag.rules.replicas import DDP_DESYNC_SPEC
+from lightning_diag.rules.rollback import NONFINITE_ROLLBACK_SPEC
 from lightning_diag.stats.loss_sums import LossSums
 from lightning_diag.stats.reduced import host_values
 
@@ -43,40 +45,20 @@ __all__ = [
     "DEFAULT_MAX_SKIPS",
     "NONFINITE_ACTIONS",
     "AnomalyAlarm",
-    "LossTrendSettings",
     "NonFiniteError",
-    "RollbackSettings",
 ]
 
-_STATE_KEYS = (*TREND_STATE_KEYS, "nonfinite_latch", "skips", "last_finite_loss", "pending_nonfinite")
-
-_TREND = {  # the flat arguments before issue 20 -> their LossTrendSettings field
-    "swing_threshold": "swing_threshold",
-    "swing_patience": "swing_patience",
-    "swing_min_delta": "swing_min_delta",
-    "swing_window": "swing_window",
-    "stagnant_min_drop": "stagnant_threshold",
-    "stagnant_patience": "stagnant_patience",
-    "stagnant_baseline_steps": "stagnant_baseline_steps",
-    "val_decline_patience": "val_decline_threshold",
-    "val_decline_min_delta": "val_decline_min_delta",
-    "val_fluctuation_ratio": "val_fluctuation_threshold",
-    "val_fluctuation_window": "val_fluctuation_window",
-    "val_fluctuation_min": "val_fluctuation_min",
-    "val_fluctuation_min_range": "val_fluctuation_min_range",
-}
-_ROLLBACK = {  # ... and their RollbackSettings field
-    "rollback_every_n_steps": "every_n_steps",
-    "rollback_lr_factor": "lr_factor",
-    "max_rollbacks": "max_rollbacks",
-    "rollback_device": "device",
-    "rollback_snapshots": "snapshots",
-}
-#: Arguments moved into the settings objects by issue 20: old name -> ``<argument>.<field>`` (warn for a release).
-_RENAMED_ARGUMENTS = {
-    **{old: f"loss_trend.{new}" for old, new in _TREND.items()},
-    **{old: f"rollback.{new}" for old, new in _ROLLBACK.items()},
-}
+_STATE_KEYS = (
+    *TREND_STATE_KEYS,
+    "nonfinite_latch",
+    "skips",
+    "nonfinite_counts",
+    "last_finite_loss",
+    "pending_nonfinite",
+    "rollback",
+    "replicas",
+    "train_mode",
+)
 
 
 class AnomalyAlarm(DiagCallback):
@@ -91,24 +73,28 @@ class AnomalyAlarm(DiagCallback):
       gradient, "in backward") turned non-finite, or ``loss``.
     * ``nonfinite_rollback`` (warning, ``on_nonfinite="rollback"``): a non-finite step restored an in-memory
       snapshot and lowered the learning rates; names the step restored, the factor in force and the source.
-    * ``loss_swing`` (warning): the training loss swings by more than ``swing_threshold`` on ``swing_patience``
-      consecutive epochs (or windows of ``swing_window`` steps); these and the next are
-      :class:`LossTrendSettings` fields (``loss_trend=``).
-    * ``loss_stagnant`` (warning): after ``stagnant_patience`` epochs (or windows) the training loss is not
-      ``stagnant_threshold`` below its initial level (the mean of the first ``stagnant_baseline_steps`` steps,
-      the untrained model's loss: chance level for a classifier).
-    * ``val_decline`` (warning): ``monitor`` worsens on ``val_decline_threshold`` consecutive validation runs.
-    * ``val_fluctuation`` (warning): the validation fluctuation exceeds ``val_fluctuation_threshold`` times the
-      training-loss fluctuation over the last ``val_fluctuation_window`` validation runs, and rises at least twice,
-      by more than ``val_fluctuation_min_rise`` of its initial value in all, over them.
+    * ``loss_swing`` (warning): the training loss swings by more than ``loss_swing.threshold`` on
+      ``loss_swing.patience`` consecutive epochs (or windows of ``swing_window`` steps); the fields named here are
+      set with ``rules=`` (docs/thresholds.md).
+    * ``loss_stagnant`` (warning): after ``loss_stagnant.patience`` epochs (or windows) the training loss is not
+      ``loss_stagnant.threshold`` below its initial level (the mean of the first ``loss_stagnant.baseline_steps``
+      steps, the untrained model's loss: chance level for a classifier).
+    * ``val_decline`` (warning): ``monitor`` worsens on ``val_decline.threshold`` consecutive validation runs.
+    * ``val_fluctuation`` (warning): the validation fluctuation exceeds ``val_fluctuation.threshold`` times the
+      training-loss fluctuation over the last ``val_fluctuation.window`` validation runs, and rises at least twice,
+      by more than ``val_fluctuation.min_rise`` of its initial value in all, over them.
     * ``ddp_desync`` (critical): a parameter's checksum (L2 norm and sum) differs across its replicas by more than
-      ``desync_tolerance`` (every rank under DDP; for a ``DTensor``, the ranks along each ``Replicate`` mesh
+      ``ddp_desync.threshold`` (every rank under DDP; for a ``DTensor``, the ranks along each ``Replicate`` mesh
       dimension: HSDP's replicate dimension, tensor-parallel biases and norms), checked every
-      ``desync_every_n_steps`` optimizer steps with one ``all_gather`` per replica group; shards are never
+      ``ddp_desync.every_n_steps`` optimizer steps with one ``all_gather`` per replica group; shards are never
       compared; names the first such parameter and the ranks.
     * ``eval_mode_in_training`` (warning): on logging steps, a Dropout (``p > 0``, in a part of the model with
       trainable parameters) or a BatchNorm whose parameters train is in eval mode during training (a host read of
       the modules' flags). A BatchNorm with frozen parameters in eval mode is one ``info``.
+    * ``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``, ``loss_outlier``,
+      ``eval_before_training`` (warning): the run-time checks of the set-up (:mod:`lightning_diag.rules.runtime`,
+      measured by :class:`~lightning_diag.callbacks.runtime_checks.RuntimeChecks`); ``amp_not_applied.threshold``,
+      ``loss_outlier.threshold``, ``loss_outlier.ratio`` and ``loss_outlier.window`` are set with ``rules=``.
 
     Logged metrics (TensorBoard, global rank zero):
 
@@ -118,41 +104,35 @@ class AnomalyAlarm(DiagCallback):
     * ``diag/loss/swing``: relative change of that mean from the previous epoch (or window).
     * ``diag/loss/val``: the monitored validation value.
     * ``diag/loss/train_fluctuation``, ``diag/loss/val_fluctuation``: the two fluctuations once the window is full.
-    * ``diag/threshold/loss_swing``: ``loss_trend.swing_threshold``, at the steps of ``diag/loss/swing``
+    * ``diag/threshold/loss_swing``: ``loss_swing.threshold``, at the steps of ``diag/loss/swing``
       (dashboard line).
     * ``diag/replicas/max_rel_diff``, ``diag/replicas/agree``: the largest relative checksum difference across
-      ranks, and 1 when it is within ``desync_tolerance`` (DDP, at every check).
+      ranks, and 1 when it is within ``ddp_desync.threshold`` (DDP, at every check).
 
     Args:
         on_nonfinite: ``"stop"`` (default): the offending step changes no parameter and no optimizer state, a
             critical alert is written and ``trainer.fit`` returns; ``"raise"``: the same, then
-            :class:`NonFiniteError`; ``"skip"``: the step is skipped and training goes on, until ``max_skips``
-            steps were skipped, then as ``"stop"``; ``"warn"``: alert only, the update is applied;
-            ``"rollback"``: the newest trustworthy snapshot is restored, the learning rates are multiplied by
-            ``rollback.lr_factor`` and training goes on, up to ``rollback.max_rollbacks`` times, then as
-            ``"stop"``.
-        max_skips: With ``on_nonfinite="skip"``, skipped steps allowed in one fit.
-        max_scaler_overflows: With a GradScaler (``16-mixed``), consecutive overflow steps with a finite loss
-            (which the scaler skips by design) before ``nonfinite_grad`` fires.
+            :class:`NonFiniteError`; ``"skip"``: the step is skipped and training goes on, until
+            ``nonfinite_loss.max_skips`` steps were skipped, then as ``"stop"``; ``"warn"``: alert only, the update
+            is applied; ``"rollback"``: the newest trustworthy snapshot is restored, the learning rates are
+            multiplied by ``nonfinite_rollback.lr_factor`` and training goes on, up to
+            ``nonfinite_rollback.max_rollbacks`` times, then as ``"stop"``.
         locate_nonfinite: Replay the first non-finite step of an episode once to name its source (the alert's
             ``source``); costs one extra forward and backward at failure, nothing on healthy steps but a
             reference to the batch and a copy of the RNG state.
         monitor: Validation metric read from ``trainer.callback_metrics``.
         mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is.
-        loss_trend: The thresholds and settings of ``loss_swing``, ``loss_stagnant``, ``val_decline`` and
-            ``val_fluctuation`` (:class:`LossTrendSettings`; default: its defaults).
-        rollback: The settings of ``on_nonfinite="rollback"`` (:class:`RollbackSettings`: snapshot interval,
-            learning-rate factor, rollback budget, snapshot device and count; default: its defaults).
-        desync_every_n_steps: ``ddp_desync``: optimizer steps between two comparisons of the replicas (default
-            100).
-        desync_tolerance: ``ddp_desync``: relative checksum difference across ranks above which replicas disagree
-            (default 1e-6).
+        swing_window: ``"epoch"`` (default) to compare epoch means of the training loss, or a number of optimizer
+            steps to compare means over consecutive windows of that many steps (runs with one long epoch); the
+            period of ``loss_swing`` and ``loss_stagnant``.
+        rollback_device: Where ``on_nonfinite="rollback"`` keeps its snapshots: ``"cpu"`` (default) or
+            ``"device"`` (the parameters' device: faster, costs device memory).
         log_every_n_steps: Logging interval for step-level tags; defaults to the trainer's.
+        rules: Thresholds and settings by rule id, ``False`` to switch a rule off (docs/thresholds.md):
+            ``{"loss_swing": {"threshold": 0.2}, "nonfinite_loss": {"max_skips": 3}, "nonfinite_rollback":
+            {"every_n_steps": 100}, "ddp_desync": {"every_n_steps": 50}, "loss_outlier": {"threshold": 8},
+            "val_fluctuation": False}``.
         on_alert: Called with every alert this callback raises.
-
-    The flat arguments of earlier releases (``swing_threshold=``, ``val_decline_patience=``,
-    ``rollback_every_n_steps=``, ...) still work for one release, each with a ``DeprecationWarning`` naming its
-    field (docs/thresholds.md lists them all).
 
     Attributes:
         policy: The non-finite policy (verdicts, skip and overflow counts, latch).
@@ -165,37 +145,33 @@ class AnomalyAlarm(DiagCallback):
         NonFiniteError: During ``fit``, with ``on_nonfinite="raise"``, at the first non-finite step.
 
     Example:
-        >>> alarm = AnomalyAlarm(on_nonfinite="skip", max_skips=3)
-        >>> alarm.on_nonfinite
-        'skip'
-        >>> AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=100)).rollback.every_n_steps
+        >>> alarm = AnomalyAlarm(on_nonfinite="skip", rules={"nonfinite_loss": {"max_skips": 3}})
+        >>> alarm.on_nonfinite, alarm.thresholds()["nonfinite_loss.max_skips"]
+        ('skip', 3.0)
+        >>> rollback = AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": 100}})
+        >>> rollback.rollback.every_n_steps
         100
     """
 
     #: Alarms with another monitored metric or swing window are checkpointed apart.
-    state_key_arguments = ("monitor", "loss_trend.swing_window")
+    state_key_arguments = ("monitor", "swing_window")
 
-    @renamed_arguments(_RENAMED_ARGUMENTS, groups={"loss_trend": LossTrendSettings, "rollback": RollbackSettings})
     def __init__(
         self,
         *,
         on_nonfinite: NonFiniteAction = "stop",
-        max_skips: int = DEFAULT_MAX_SKIPS,
-        max_scaler_overflows: int = DEFAULT_MAX_SCALER_OVERFLOWS,
         locate_nonfinite: bool = True,
         monitor: str = "val_loss",
         mode: Literal["min", "max"] = "min",
-        loss_trend: LossTrendSettings | None = None,
-        rollback: RollbackSettings | None = None,
+        swing_window: Literal["epoch"] | int = "epoch",
+        rollback_device: Literal["cpu", "device"] = "cpu",
         log_every_n_steps: int | None = None,
-        desync_every_n_steps: int = DEFAULT_DESYNC_EVERY_N_STEPS,
-        desync_tolerance: float = DEFAULT_DESYNC_TOLERANCE,
+        rules: RuleChoices | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
+        super().__init__(rules=rules, log_every_n_steps=log_every_n_steps, on_alert=on_alert)
         self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, NONFINITE_ACTIONS)
-        self.max_skips = check_int("max_skips", max_skips, low=0)
-        self.max_scaler_overflows = check_int("max_scaler_overflows", max_scaler_overflows, low=1)
+        self.swing_window = check_swing_window(swing_window)
         if not isinstance(locate_nonfinite, bool):
             raise TypeError(f"Expected argument `locate_nonfinite` to be a bool, but got {locate_nonfinite!r}")
         self.locate_nonfinite = locate_nonfinite
@@ -203,22 +179,12 @@ class AnomalyAlarm(DiagCallback):
             raise TypeError(f"Expected argument `monitor` to be a non-empty metric name, but got {monitor!r}")
         self.monitor = monitor
         self.mode: Literal["min", "max"] = check_choice("mode", mode, ("min", "max"))  # type: ignore[assignment]
-        for name, value, kind in (
-            ("loss_trend", loss_trend, LossTrendSettings),
-            ("rollback", rollback, RollbackSettings),
-        ):
-            if value is not None and not isinstance(value, kind):
-                raise TypeError(f"Expected argument `{name}` to be a {kind.__name__} or None, but got {value!r}")
-        #: The loss-trend and validation thresholds and settings.
-        self.loss_trend = loss_trend if loss_trend is not None else LossTrendSettings()
-        #: The settings of ``on_nonfinite="rollback"``.
-        self.rollback = rollback if rollback is not None else RollbackSettings()
-        self.desync_every_n_steps = check_int("desync_every_n_steps", desync_every_n_steps, low=1)
-        self.desync_tolerance = float(
-            check_number("desync_tolerance", desync_tolerance, low=0.0, low_inclusive=True)
-        )
+        check_choice("rollback_device", rollback_device, ("cpu", "device"))
+        #: The settings of ``on_nonfinite="rollback"``: ``nonfinite_rollback``'s fields and the snapshot device.
+        self.rollback = RollbackSettings(**self._rule_fields(NONFINITE_ROLLBACK_SPEC), device=rollback_device)
         #: ``ddp_desync``'s comparisons of the replicas.
-        self.replicas = ReplicaCheck(self, self.desync_every_n_steps, self.desync_tolerance)
+        desync = self._rule_fields(DDP_DESYNC_SPEC)
+        self.replicas = ReplicaCheck(self, int(desync["every_n_steps"]), float(desync["threshold"]))
         #: ``eval_mode_in_training``'s look at the Dropout and BatchNorm modules.
         self.train_mode = TrainModeCheck(self)
         #: The run-time checks (``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``,
@@ -230,17 +196,25 @@ class AnomalyAlarm(DiagCallback):
         )
         self._reset()
 
+    def _rule_fields(self, spec: RuleSpec) -> dict[str, Any]:
+        """A rule's fields in effect by name (``threshold`` and its settings; ints where the field is one)."""
+        return {
+            name: int(value) if spec.limit(name).integer else value
+            for name in spec.fields
+            for value in [self.setting(spec.key(name))]
+        }
+
     def thresholds(self) -> dict[str, float]:
         """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
 
         Example:
-            >>> AnomalyAlarm(loss_trend=LossTrendSettings(swing_threshold=0.2)).thresholds()["loss_swing"]
+            >>> AnomalyAlarm(rules={"loss_swing": {"threshold": 0.2}}).thresholds()["loss_swing"]
             0.2
         """
         values = super().thresholds()
         values[f"{VAL_DECLINE}.higher_is_better"] = float(self.mode == "max")
-        if isinstance(self.loss_trend.swing_window, int):
-            values[f"{LOSS_SWING}.window_steps"] = float(self.loss_trend.swing_window)
+        if isinstance(self.swing_window, int):
+            values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
         if self.on_nonfinite != "skip":  # max_skips is in force only with that action
             values.pop(NONFINITE_LOSS_SPEC.key("max_skips"), None)
         if self.on_nonfinite != "rollback":  # the rollback settings are in force only with that action
@@ -255,7 +229,7 @@ class AnomalyAlarm(DiagCallback):
 
     @property
     def lr_scale(self) -> float:
-        """The factor on every learning rate now in force: ``rollback.lr_factor ** rollbacks``."""
+        """The factor on every learning rate now in force: ``nonfinite_rollback.lr_factor ** rollbacks``."""
         return self.recovery.lr_scale
 
     @property
@@ -287,7 +261,7 @@ class AnomalyAlarm(DiagCallback):
     def _reset(self) -> None:
         """Fresh rules, policy and sums: the start of a fit (a resume then loads their state)."""
         #: The training-loss periods and the loss and validation trend rules.
-        self.trend = LossTrend(self.loss_trend, monitor=self.monitor, mode=self.mode)
+        self.trend = LossTrend(self.thresholds(), swing_window=self.swing_window, monitor=self.monitor, mode=self.mode)
         #: What a non-finite step leads to (a pure state machine); :attr:`guard` finds the steps and acts.
         self.policy = NonFinitePolicy.from_settings(self.thresholds(), action=self.on_nonfinite)  # type: ignore[arg-type]
         self.guard = NonFiniteGuard(self, self.policy, self.recovery, losses=self.trend.loss_sums)
@@ -317,7 +291,7 @@ class AnomalyAlarm(DiagCallback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (also that of versions without ``nonfinite_counts``).
+        """Restore :meth:`state_dict` output.
 
         Raises:
             KeyError: If a key is missing; the message names every missing key.
@@ -326,18 +300,16 @@ class AnomalyAlarm(DiagCallback):
         self.trend.load_state_dict(state_dict)
         self.policy.load_state_dict(
             {
-                **state_dict.get("nonfinite_counts", {}),
+                **state_dict["nonfinite_counts"],
                 "latch": state_dict["nonfinite_latch"],
                 "skips": state_dict["skips"],
             }
         )
         self.guard.last_finite_loss = float(state_dict["last_finite_loss"])
         self.guard.load_pending_state(state_dict["pending_nonfinite"])
-        if "rollback" in state_dict:  # absent from checkpoints written before rollback existed
-            self.recovery.load_state_dict(state_dict["rollback"])
-        if "replicas" in state_dict:  # absent from checkpoints written before the silent-error rules existed
-            self.replicas.load_state_dict(state_dict["replicas"])
-            self.train_mode.load_state_dict(state_dict["train_mode"])
+        self.recovery.load_state_dict(state_dict["rollback"])
+        self.replicas.load_state_dict(state_dict["replicas"])
+        self.train_mode.load_state_dict(state_dict["train_mode"])
         self.load_rules_state_dict(state_dict)
 
     def on_save_checkpoint(
@@ -348,6 +320,7 @@ class AnomalyAlarm(DiagCallback):
 
         Lightning builds the checkpoint on every rank (only rank zero writes it), so the reductions run on all.
         """
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is None or trainer.world_size <= 1:
             return
@@ -400,6 +373,7 @@ class AnomalyAlarm(DiagCallback):
     ) -> None:
         """Keep a reference to the batch (no copy) for the replay of a failing step; on logging steps look for
         Dropout/BatchNorm modules left in eval mode."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self.on_nonfinite != "warn":
             self.recovery.on_batch_start(batch, batch_idx)
         self.train_mode.on_batch_start(trainer, pl_module)

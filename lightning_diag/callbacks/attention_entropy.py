@@ -12,32 +12,25 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_diag.callbacks._attention_measure import draw_images, reduce_distances, reduce_stats
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback, extract_loss
-from lightning_diag.core.deprecation import renamed_arguments
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices, extract_loss
 from lightning_diag.core.tags import (
     attn_entropy_tag,
-    attn_sink_tag,
     attn_uniform_tag,
+    tag,
 )
-from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.attention_capture import AttentionCapture, is_compiled
 from lightning_diag.instrument.attention_record import AttentionRecorder
 from lightning_diag.instrument.batches import token_ids as find_token_ids
 from lightning_diag.instrument.sharding import TP_DIM_NAME
-from lightning_diag.rules.attention import (
+from lightning_diag.rules.attention_entropy import AttentionEntropyRule
+from lightning_diag.rules.attention_sink import AttentionSinkRule
+from lightning_diag.rules.attention_specs import (
     ATTN_ENTROPY_HIGH,
     ATTN_ENTROPY_LOW,
     ATTN_MAX_QUERIES_SETTING,
     ATTN_SAMPLE_SIZE_SETTING,
     ATTN_SINK,
-    DEFAULT_ATTN_PATIENCE,
-    DEFAULT_ENTROPY_HIGH_THRESHOLD,
-    DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION,
-    DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
-    DEFAULT_ENTROPY_LOW_THRESHOLD,
-    DEFAULT_SINK_THRESHOLD,
-    AttentionEntropyRule,
-    AttentionSinkRule,
     LayerStats,
 )
 
@@ -47,16 +40,6 @@ __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonito
 DEFAULT_SAMPLE_SIZE = int(ATTN_SAMPLE_SIZE_SETTING.default)
 #: Query positions per sequence measured on a sampled step, evenly spaced (``attn.max_queries``).
 DEFAULT_MAX_QUERIES = int(ATTN_MAX_QUERIES_SETTING.default)
-
-
-#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
-_RENAMED_ARGUMENTS = {
-    "entropy_low": "entropy_low_threshold",
-    "entropy_high": "entropy_high_threshold",
-    "uniform_fraction": "entropy_high_uniform_fraction",
-    "warmup_steps": "entropy_high_warmup_steps",
-    "sink_mass": "sink_threshold",
-}
 
 
 class AttentionEntropyMonitor(DiagCallback):
@@ -105,16 +88,16 @@ class AttentionEntropyMonitor(DiagCallback):
     * ``diag/attn_heads/pca`` (image): every head projected onto the first two principal components of the heads'
       maps, one colour per module: heads that do the same job sit together.
 
-    Rules (definitions in :mod:`lightning_diag.rules.attention`), each on ``patience`` consecutive measurements:
+    Rules (definitions in :mod:`lightning_diag.rules.attention_specs`), each on ``patience`` consecutive measurements:
 
-    * ``attn_entropy_low``: a head below ``entropy_low_threshold`` nats (where uniform attention would exceed twice
+    * ``attn_entropy_low``: a head below ``attn_entropy_low.threshold`` nats (where uniform attention would exceed twice
       that): a warning when it is a collapse (every head of the layer at once, or an abrupt fall while the training
       loss did not improve), ``info`` when the head sharpened by learning. The loss is that of the sampled batch
       (``training_step``'s output), read in the step's one host copy.
-    * ``attn_entropy_high``: after ``entropy_high_warmup_steps``, a head above ``entropy_high_threshold`` nats and above
-      ``entropy_high_uniform_fraction`` of uniform.
-    * ``attn_sink``: every head of a module puts more than ``sink_threshold`` of its attention (and twice its uniform
-      share) on special tokens.
+    * ``attn_entropy_high``: after ``attn_entropy_high.warmup_steps``, a head above ``attn_entropy_high.threshold``
+      nats and above ``attn_entropy_high.uniform_fraction`` of uniform.
+    * ``attn_sink``: every head of a module puts more than ``attn_sink.threshold`` of its attention (and twice its
+      uniform share) on special tokens.
 
     Args:
         log_every_n_steps: Sample every this many optimizer steps; defaults to the trainer's interval.
@@ -130,13 +113,8 @@ class AttentionEntropyMonitor(DiagCallback):
             first 2-D integer tensor of a tuple batch.
         image_every_n_steps: Interval of the images; ``None`` (default) is 10 times the sampling interval, ``0``
             turns them off.
-        entropy_low_threshold: ``attn_entropy_low`` threshold in nats (default 0.5).
-        entropy_high_threshold: ``attn_entropy_high`` threshold in nats (default 2.5).
-        entropy_high_uniform_fraction: ``attn_entropy_high`` also needs the entropy above this fraction of uniform
-            (default 0.9).
-        entropy_high_warmup_steps: Optimizer steps before ``attn_entropy_high`` judges (default 200).
-        sink_threshold: ``attn_sink`` threshold: mass on special tokens (default 0.5).
-        patience: Consecutive measurements a condition must hold (default 2).
+        rules: Thresholds and settings by rule id, ``False`` to switch a rule off (docs/thresholds.md):
+            ``{"attn_entropy_low": {"threshold": 0.3}, "attn_sink": False, "attn": {"patience": 3}}``.
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
             rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
             that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
@@ -146,12 +124,11 @@ class AttentionEntropyMonitor(DiagCallback):
         ValueError: If an argument is out of range.
 
     Example:
-        >>> monitor = AttentionEntropyMonitor(log_every_n_steps=10, special_positions=(0,))
-        >>> monitor.entropy_low_threshold, monitor.entropy_high_threshold
-        (0.5, 2.5)
+        >>> monitor = AttentionEntropyMonitor(log_every_n_steps=10, rules={"attn_entropy_low": {"threshold": 0.3}})
+        >>> monitor.thresholds()["attn_entropy_low"], monitor.thresholds()["attn_entropy_high"]
+        (0.3, 2.5)
     """
 
-    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
@@ -163,15 +140,10 @@ class AttentionEntropyMonitor(DiagCallback):
         special_token_ids: Sequence[int] | None = None,
         input_ids: Callable[[Any], torch.Tensor | None] | None = None,
         image_every_n_steps: int | None = None,
-        entropy_low_threshold: float = DEFAULT_ENTROPY_LOW_THRESHOLD,
-        entropy_high_threshold: float = DEFAULT_ENTROPY_HIGH_THRESHOLD,
-        entropy_high_uniform_fraction: float = DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION,
-        entropy_high_warmup_steps: int = DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
-        sink_threshold: float = DEFAULT_SINK_THRESHOLD,
-        patience: int = DEFAULT_ATTN_PATIENCE,
+        rules: RuleChoices | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
+        super().__init__(rules=rules, log_every_n_steps=log_every_n_steps, on_alert=on_alert)
         if modules is not None and (isinstance(modules, str) or not all(isinstance(m, str) for m in modules)):
             raise TypeError(f"Expected argument `modules` to be a list of module-name patterns, but got {modules!r}")
         self.modules = None if modules is None else tuple(modules)
@@ -185,16 +157,6 @@ class AttentionEntropyMonitor(DiagCallback):
         if image_every_n_steps is not None:
             check_int("image_every_n_steps", image_every_n_steps, low=0)
         self.image_every_n_steps = image_every_n_steps
-        self.entropy_low_threshold = check_number("entropy_low_threshold", entropy_low_threshold, low=0.0)
-        self.entropy_high_threshold = check_number(
-            "entropy_high_threshold", entropy_high_threshold, low=self.entropy_low_threshold
-        )
-        self.entropy_high_uniform_fraction = check_number(
-            "entropy_high_uniform_fraction", entropy_high_uniform_fraction, low=0.0, high=1.0
-        )
-        self.entropy_high_warmup_steps = check_int("entropy_high_warmup_steps", entropy_high_warmup_steps, low=0)
-        self.sink_threshold = check_number("sink_threshold", sink_threshold, low=0.0, high=1.0, high_inclusive=False)
-        self.patience = check_int("patience", patience, low=1)
         self.entropy_rule = self.add_rule("entropy_rule", AttentionEntropyRule.from_settings, state_key="entropy")
         self.sink_rule = self.add_rule("sink_rule", AttentionSinkRule.from_settings, state_key="sink")
         self._recorder: AttentionRecorder | None = None
@@ -247,6 +209,7 @@ class AttentionEntropyMonitor(DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """On the first micro-batch of a sampled step: attach the measuring hooks and open the recorder."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         step = trainer.global_step
         if step % self.every_n_steps(trainer) != 0 or step == self._sampled_step:
             return
@@ -354,7 +317,7 @@ class AttentionEntropyMonitor(DiagCallback):
                 values[attn_entropy_tag(name, h)] = ent
             values[attn_entropy_tag(name, "mean")] = sum(stats.entropy) / len(stats.entropy)
             values[attn_uniform_tag(name)] = max(stats.uniform)
-            values[attn_sink_tag(name)] = min(stats.special_mass)
+            values[tag(ATTN_SINK, name)] = min(stats.special_mass)
         distributed = trainer.world_size > 1 and "ranks-differ" not in self._notices  # the same on every rank
         values.update(reduce_distances(trainer, recorder, [n for n in layers if n in recorder.stats], distributed))
         values.update(self.threshold_lines(ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))

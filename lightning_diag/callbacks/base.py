@@ -1,12 +1,11 @@
 """DiagCallback, the base of every lightning_diag callback: declared rules, their checkpoint state, alerts, notices.
 
 The per-trainer session (writer, alert log, run folder) is :mod:`lightning_diag.callbacks.session`, the user's
-step axis :mod:`lightning_diag.callbacks.step_axis`; their names are importable from here as well.
+step axis :mod:`lightning_diag.callbacks.step_axis`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -15,31 +14,19 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.session import DiagSession, run_log_dir
+from lightning_diag.callbacks.session import DiagSession
 from lightning_diag.callbacks.session import acquire_session as _acquire_session
 from lightning_diag.callbacks.session import release_session as _release_session
 from lightning_diag.callbacks.step_axis import STEP_AXIS_KEY, StepAxis
 from lightning_diag.core.alerts import Alert
-from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE
 from lightning_diag.core.log_handler import ensure_handler
-from lightning_diag.core.registry import registry_thresholds
+from lightning_diag.core.registry import ParsedRules, RuleChoices, default, owner_name, parse_rules, registry_thresholds
+from lightning_diag.core.tags import threshold_tag
 from lightning_diag.core.validation import check_int
-from lightning_diag.output.dashboard import threshold_tag
 from lightning_diag.output.writer import DiagWriter
 from lightning_diag.rules.base import StepContext
 
-__all__ = [
-    "ALERTS_FILE",
-    "STEP_AXIS_KEY",
-    "THRESHOLDS_FILE",
-    "AlertHandler",
-    "DiagCallback",
-    "DiagSession",
-    "StatefulRule",
-    "StepAxis",
-    "extract_loss",
-    "run_log_dir",
-]
+__all__ = ["AlertHandler", "DiagCallback", "RuleChoices", "StatefulRule", "extract_loss"]
 
 #: ``on_alert=``: called with each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global rank zero).
 AlertHandler = Callable[[Alert], object]
@@ -56,9 +43,6 @@ class StatefulRule(Protocol):
 
 
 RuleT = TypeVar("RuleT", bound=StatefulRule)
-
-# Hooks whose base behaviour runs even when a subclass overrides them without calling super().
-_BASE_HOOKS = ("on_train_epoch_start", "on_train_batch_start", "on_save_checkpoint", "on_load_checkpoint")
 
 
 def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
@@ -85,21 +69,10 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
     return (loss if loss.dim() == 0 else loss.reshape(())), None
 
 
-def _with_base(hook: Callable[..., Any], base: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(hook)
-    def wrapped(self: DiagCallback, *args: Any, **kwargs: Any) -> Any:
-        base(self, *args, **kwargs)
-        return hook(self, *args, **kwargs)
-
-    wrapped._diag_base_wrapped = True  # type: ignore[attr-defined]
-    return wrapped
-
-
 class DiagCallback(pl.Callback):
     """Base of the library's callbacks.
 
-    A subclass declares its rules once, in its constructor, after setting the attributes the rules' declarations
-    name (``RuleSpec.arguments``)::
+    A subclass declares its rules once, in its constructor::
 
         self.band_rule = self.add_rule("band_rule", GradBandRule.from_settings, state_key="band")
 
@@ -112,10 +85,16 @@ class DiagCallback(pl.Callback):
     ``super().on_fit_start(trainer, pl_module)``, which writes the thresholds and the dashboard layout.
 
     Series are written on the user's step axis (:class:`StepAxis`: the step Lightning logs ``self.log`` values
-    at), which this base class counts in ``on_train_batch_start`` and saves in ``on_save_checkpoint``; a subclass
-    that overrides those hooks needs no ``super()`` call for it (:meth:`__init_subclass__` keeps the base part).
+    at), which this base class counts in ``on_train_epoch_start`` / ``on_train_batch_start`` and saves in
+    ``on_save_checkpoint`` / ``on_load_checkpoint``: a subclass that overrides one of these hooks calls ``super()``
+    first, as with every hook of this class.
 
     Args:
+        rules: The thresholds and settings of this callback's rules, by rule id, and switches: ``{"grad_vanish":
+            {"threshold": 1e-4}, "grad_explode": False}``; a family of shared settings by its name
+            (``{"grad": {"patience": 5}}``). ``False`` or ``None`` switches a rule off (its alerts are not raised);
+            a field not given keeps its default. The nested form of the ``thresholds.json`` keys
+            (docs/thresholds.md lists every rule's fields, defaults and allowed values).
         log_every_n_steps: The logging interval (default: the trainer's ``log_every_n_steps``).
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded, on
             global rank zero, after it is written to ``alerts.jsonl`` (Slack, e-mail, a pager). A handler that
@@ -123,6 +102,10 @@ class DiagCallback(pl.Callback):
 
     Attributes:
         alerts: The alerts this callback raised in the current fit, in order.
+
+    Raises:
+        TypeError: If ``rules`` or one of its values has the wrong type, or ``on_alert`` is not callable.
+        ValueError: If ``rules`` names a rule or field this callback does not have, or a value out of its range.
     """
 
     #: Constructor arguments (attributes, or ``"<argument>.<field>"`` of a settings object) that tell two
@@ -132,17 +115,16 @@ class DiagCallback(pl.Callback):
     #: Checkpoint keys a subclass saves besides its declared rules (checked by :meth:`load_state_dict`).
     extra_state_keys: ClassVar[tuple[str, ...]] = ()
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Keep the base part of :data:`_BASE_HOOKS` in a subclass that overrides them without ``super()``."""
-        super().__init_subclass__(**kwargs)
-        for name in _BASE_HOOKS:
-            hook = cls.__dict__.get(name)
-            if hook is None or getattr(hook, "_diag_base_wrapped", False):
-                continue
-            setattr(cls, name, _with_base(hook, getattr(DiagCallback, "_base_" + name)))
-
-    def __init__(self, *, log_every_n_steps: int | None = None, on_alert: AlertHandler | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        rules: RuleChoices | None = None,
+        log_every_n_steps: int | None = None,
+        on_alert: AlertHandler | None = None,
+    ) -> None:
         super().__init__()
+        #: ``rules=``, checked against the declarations: the values set and the rules switched off.
+        self.rule_choices: ParsedRules = parse_rules(owner_name(type(self)), rules)
         if log_every_n_steps is not None:
             check_int("log_every_n_steps", log_every_n_steps, low=1)
         if on_alert is not None and not callable(on_alert):
@@ -204,37 +186,24 @@ class DiagCallback(pl.Callback):
     def load_rules_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`rules_state_dict` output.
 
-        A declared rule whose key is missing (a checkpoint of a release before that rule existed) starts freshly
-        built from :meth:`thresholds`; the missing keys are logged once, at info level.
+        Raises:
+            KeyError: If a declared rule's key is missing; the message names every missing key.
         """
-        missing: list[str] = []
-        values: dict[str, float] | None = None
-        for name, (build, key) in self._rule_declarations.items():
-            if key in state:
-                getattr(self, name).load_state_dict(state[key])
-                continue
-            missing.append(key)
-            values = self.thresholds() if values is None else values
-            setattr(self, name, build(values))
-        if missing:
-            log.info(
-                "%s: the checkpoint has no state for the rules %s (saved before they existed); they start afresh",
-                type(self).__name__,
-                missing,
-            )
+        self.check_state_keys(dict(state), self.rule_state_keys)
+        for name, (_build, key) in self._rule_declarations.items():
+            getattr(self, name).load_state_dict(state[key])
 
     def state_dict(self) -> dict[str, Any]:
         """Each declared rule's state under its ``state_key`` (a subclass adds its :attr:`extra_state_keys`)."""
         return self.rules_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a declared rule missing from it starts afresh
-        (:meth:`load_rules_state_dict`).
+        """Restore :meth:`state_dict` output.
 
         Raises:
-            KeyError: If a key of :attr:`extra_state_keys` is missing; the message names every missing one.
+            KeyError: If a key is missing; the message names every missing one.
         """
-        self.check_state_keys(state_dict, self.extra_state_keys)
+        self.check_state_keys(state_dict, (*self.rule_state_keys, *self.extra_state_keys))
         self.load_rules_state_dict(state_dict)
 
     # -- session ---------------------------------------------------------------------------------------
@@ -273,52 +242,34 @@ class DiagCallback(pl.Callback):
         if self._session is not None:
             self._session.record_run(trainer)
 
-    # -- the step axis (kept in subclasses that override these hooks, see __init_subclass__) --------------------
-    def _base_on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._session is not None:
-            self._session.step_axis.epoch_started(trainer)
-
-    def _base_on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, *args: Any
-    ) -> None:
-        if self._session is not None:
-            self._session.step_axis.batch_started(trainer, pl_module, batch_idx)
-
-    def _base_on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        # The session's, or the last fit's after teardown (`trainer.save_checkpoint` after `fit`).
-        axis = self._session.step_axis if self._session is not None else self._step_axis
-        if axis is not None:
-            checkpoint[STEP_AXIS_KEY] = axis.state_dict()
-
-    def _base_on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        if self._session is not None and STEP_AXIS_KEY in checkpoint:
-            self._session.step_axis.load_state_dict(checkpoint[STEP_AXIS_KEY])
-
+    # -- the step axis ---------------------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Move the user's step axis past the previous epoch's last batch."""
-        self._base_on_train_epoch_start(trainer, pl_module)
+        if self._session is not None:
+            self._session.step_axis.epoch_started(trainer)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Count the batch on the user's step axis."""
-        self._base_on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._session is not None:
+            self._session.step_axis.batch_started(trainer, pl_module, batch_idx)
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Save the step axis (checkpoint key :data:`STEP_AXIS_KEY`)."""
-        self._base_on_save_checkpoint(trainer, pl_module, checkpoint)
+        # The session's, or the last fit's after teardown (`trainer.save_checkpoint` after `fit`).
+        axis = self._session.step_axis if self._session is not None else self._step_axis
+        if axis is not None:
+            checkpoint[STEP_AXIS_KEY] = axis.state_dict()
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Resume the step axis."""
-        self._base_on_load_checkpoint(trainer, pl_module, checkpoint)
+        if self._session is not None and STEP_AXIS_KEY in checkpoint:
+            self._session.step_axis.load_state_dict(checkpoint[STEP_AXIS_KEY])
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds this callback judges by: rule id -> threshold, and ``"<rule>.<setting>"`` -> value.
@@ -328,11 +279,17 @@ class DiagCallback(pl.Callback):
         ``diag/thresholds`` text; ``lightning-diag report`` judges the run against them.
 
         Built from the rule registry (:mod:`lightning_diag.core.registry`): every rule and shared setting the
-        registry declares for this class (by class name, then its bases'), with the instance's value read from
-        the attribute the declaration names in ``arguments`` (the default where it names none). A subclass adds
-        entries the registry cannot know (conditional ones) by extending ``super().thresholds()``.
+        registry declares for this class (by class name, then its bases'), with the values ``rules=`` set (the
+        defaults elsewhere); a rule switched off has no entry. A subclass adds entries the registry cannot know
+        (conditional ones) by extending ``super().thresholds()``.
         """
-        return registry_thresholds(self)
+        return registry_thresholds(self, self.rule_choices)
+
+    def setting(self, key: str) -> float:
+        """The value in effect of one ``thresholds()`` key (``"grad.warmup_steps"``), set or default, whether or
+        not its rule is switched off: for the callback's own measuring."""
+        given = self.rule_choices.values.get(key)
+        return default(key) if given is None else given
 
     def threshold_lines(self, *rules: str) -> dict[str, float]:
         """``diag/threshold/<rule>`` reference values to write beside a series, for the dashboard's charts."""
@@ -353,8 +310,8 @@ class DiagCallback(pl.Callback):
 
     def record(self, alerts: Iterable[Alert]) -> list[Alert]:
         """Keep alerts in :attr:`alerts`, write them to the alert log and hand each to ``on_alert`` (rank zero
-        only)."""
-        batch = list(alerts)
+        only). Alerts of rules switched off by ``rules=`` are dropped."""
+        batch = [a for a in alerts if a.rule not in self.rule_choices.off]
         if batch:
             self.alerts.extend(batch)
             if self._session is not None:

@@ -14,13 +14,12 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.callbacks.data_batch import UninterpretableBatch, interpret, read_sample
 from lightning_diag.callbacks.data_sample import Measured, SplitSample, measure
-from lightning_diag.core.deprecation import renamed_arguments, renamed_constants
 from lightning_diag.core.registry import default
 from lightning_diag.core.tags import data_tag
-from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.batches import size_mismatch
 from lightning_diag.instrument.positions import position_capacity
 from lightning_diag.output.images import heatmap
@@ -31,15 +30,11 @@ from lightning_diag.rules.data import (
     DATA_MAX_BATCHES_SETTING,
     DATA_VOCAB_SHIFT,
     DATA_VOCAB_SHIFT_SPEC,
-    DEFAULT_LABEL_IMBALANCE_THRESHOLD,
-    DEFAULT_LEAKAGE_NEAR_DUPLICATE,
-    DEFAULT_LEAKAGE_THRESHOLD,
-    DEFAULT_VOCAB_SHIFT_THRESHOLD,
     LABEL_IMBALANCE,
     DataRules,
     LoaderRules,
 )
-from lightning_diag.rules.data_sequences import DEFAULT_LENGTH_RATIO, DEFAULT_PADDING_LABELS, SequenceRules
+from lightning_diag.rules.data_sequences import SequenceRules
 
 __all__ = [
     "DEFAULT_LEAKAGE_SHINGLE_SIZE",
@@ -73,17 +68,6 @@ def _first_loader(loaders: Any) -> tuple[Any, int]:
     if isinstance(loaders, (list, tuple)) and any(isinstance(x, torch.utils.data.DataLoader) for x in loaders):
         return loaders[0], len(loaders)
     return loaders, 1
-
-
-#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
-_RENAMED_ARGUMENTS = {
-    "vocab_kl": "vocab_shift_threshold",
-    "leakage": "leakage_threshold",
-    "near_duplicate": "leakage_near_duplicate",
-    "label_std": "label_imbalance_threshold",
-    "shingle_size": "leakage_shingle_size",
-    "min_count": "vocab_shift_min_count",
-}
 
 
 class DataDiagnostics(DiagCallback):
@@ -124,21 +108,21 @@ class DataDiagnostics(DiagCallback):
     Rules (exact meaning in :mod:`lightning_diag.rules.data` and docs/data_diagnostics.md):
 
     * ``data_vocab_shift`` (warning): smoothed ``KL(P_val || P_train)`` of the token frequencies above
-      ``vocab_shift_threshold`` nats.
+      ``data_vocab_shift.threshold`` nats.
     * ``data_leakage`` (warning): share of validation samples whose token-trigram shingle set has Jaccard
-      similarity ``>= leakage_near_duplicate`` with a training sample (exact copies included) at or above
-      ``leakage_threshold``;
+      similarity ``>= data_leakage.near_duplicate`` with a training sample (exact copies included) at or above
+      ``data_leakage.threshold``;
       a smaller non-zero share is an info alert.
     * ``label_imbalance`` (warning): standard deviation of a split's class proportions above
-      ``label_imbalance_threshold``.
+      ``label_imbalance.threshold``.
     * ``data_nonfinite`` (critical): NaN/Inf in a floating tensor of a sampled batch (key and dataset indices
       named); constant 2-D features and empty sequences are info alerts.
     * ``loss_on_padding`` (warning): share of the token-level label positions (labels other than -100) of the
       sampled training batches that are padding (``attention_mask == 0``, or ``pad_token_id``) above
-      ``padding_labels`` (default 0: any).
-    * ``position_overflow`` (warning): a validation sample using more than ``length_ratio`` times the positions
-      of the longest training sample seen (at this or an earlier measurement), a training sample at a later
-      measurement longer than every earlier one, or any sample longer than the model's position capacity
+      ``loss_on_padding.threshold`` (default 0: any).
+    * ``position_overflow`` (warning): a validation sample using more than ``position_overflow.threshold`` times
+      the positions of the longest training sample seen (at this or an earlier measurement), a training sample at
+      a later measurement longer than every earlier one, or any sample longer than the model's position capacity
       (``config.max_position_embeddings``, a learned position embedding, a rotary cache). Judged on the sample,
       so nothing runs during training steps.
     * ``batch_size_mismatch`` (warning): the tensors of a sampled batch, or of a batch the trainer produced (checked
@@ -152,21 +136,12 @@ class DataDiagnostics(DiagCallback):
         max_batches: Batches read from each loader per measurement (default 64); ``None`` reads a map-style
             dataset whole (an ``IterableDataset`` is then read to its end: only for finite ones).
         every_n_epochs: Also measure at the start of every n-th epoch; ``None`` (default): once per fit.
-        vocab_shift_threshold: ``data_vocab_shift`` threshold in nats (default 0.3, seed 000 §2.1).
-        leakage_threshold: ``data_leakage`` threshold: share of validation samples leaked (default 0.15, seed 000 §7.1).
-        leakage_near_duplicate: Shingle Jaccard similarity from which two samples are the same sample (default 0.5).
-        label_imbalance_threshold: ``label_imbalance`` threshold (default 0.1, seed 000 §7.1).
         num_classes: Number of classes (default: the largest label seen + 1).
         pad_token_id: Token id that is padding, for batches without an attention mask.
         extract: ``batch -> {"token_ids", "mask", "labels", "features"}`` (any subset) for batches of another shape.
-        leakage_shingle_size: Token n-gram size of the leakage shingles (default 3).
-        num_perm: MinHash signature length (default 64).
-        vocab_shift_min_count: ``data_vocab_shift``: token types rarer than this are pooled (default 5).
-        min_leaks: ``data_leakage``: leaked samples needed before the share found in a partial training sample
-            is extrapolated to the whole training set (default 3).
         seed: Seed of the private generator that draws the sample.
-        padding_labels: ``loss_on_padding`` threshold: share of label positions that are padding (default 0).
-        length_ratio: ``position_overflow`` threshold: sample length over the longest training length (default 1).
+        rules: Thresholds and settings by rule id, ``False`` to switch a rule off (docs/thresholds.md):
+            ``{"data_leakage": {"threshold": 0.2, "shingle_size": 4}, "label_imbalance": False}``.
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
             rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
             that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
@@ -182,52 +157,34 @@ class DataDiagnostics(DiagCallback):
 
     extra_state_keys = ("last_epoch", "last")
 
-    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
         max_batches: int | None = DEFAULT_MAX_BATCHES,
         every_n_epochs: int | None = None,
-        vocab_shift_threshold: float = DEFAULT_VOCAB_SHIFT_THRESHOLD,
-        leakage_threshold: float = DEFAULT_LEAKAGE_THRESHOLD,
-        leakage_near_duplicate: float = DEFAULT_LEAKAGE_NEAR_DUPLICATE,
-        label_imbalance_threshold: float = DEFAULT_LABEL_IMBALANCE_THRESHOLD,
         num_classes: int | None = None,
         pad_token_id: int | None = None,
         extract: Callable[[Any], Mapping[str, Any] | None] | None = None,
-        leakage_shingle_size: int = DEFAULT_LEAKAGE_SHINGLE_SIZE,
-        num_perm: int = DEFAULT_NUM_PERM,
-        vocab_shift_min_count: int = DEFAULT_VOCAB_SHIFT_MIN_COUNT,
-        min_leaks: int = DEFAULT_MIN_LEAKS,
         seed: int = 0,
-        padding_labels: float = DEFAULT_PADDING_LABELS,
-        length_ratio: float = DEFAULT_LENGTH_RATIO,
+        rules: RuleChoices | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(on_alert=on_alert)
+        super().__init__(rules=rules, on_alert=on_alert)
         self.max_batches = None if max_batches is None else check_int("max_batches", max_batches, low=1)
         self.every_n_epochs = None if every_n_epochs is None else check_int("every_n_epochs", every_n_epochs, low=1)
-        self.vocab_shift_threshold = check_number("vocab_shift_threshold", vocab_shift_threshold, low=0.0)
-        self.leakage_threshold = check_number("leakage_threshold", leakage_threshold, low=0.0, high=1.0)
-        self.leakage_near_duplicate = check_number("leakage_near_duplicate", leakage_near_duplicate, low=0.0, high=1.0)
-        self.label_imbalance_threshold = check_number(
-            "label_imbalance_threshold", label_imbalance_threshold, low=0.0, high=0.5
-        )
         self.num_classes = None if num_classes is None else check_int("num_classes", num_classes, low=2)
         self.pad_token_id = None if pad_token_id is None else check_int("pad_token_id", pad_token_id, low=0)
         if extract is not None and not callable(extract):
             raise TypeError(f"Expected argument `extract` to be a callable batch -> mapping, but got {extract!r}")
         self.extract = extract
-        self.leakage_shingle_size = check_int("leakage_shingle_size", leakage_shingle_size, low=1, high=16)
-        self.num_perm = check_int("num_perm", num_perm, low=4, high=1024)
-        self.vocab_shift_min_count = check_int("vocab_shift_min_count", vocab_shift_min_count, low=1)
-        self.min_leaks = check_int("min_leaks", min_leaks, low=1)
         self.seed = check_int("seed", seed, low=0)
-        self.padding_labels = check_number(
-            "padding_labels", padding_labels, low=0.0, high=1.0, low_inclusive=True, high_inclusive=False
-        )
-        self.length_ratio = check_number("length_ratio", length_ratio, low=1.0, low_inclusive=True)
-        self.rules = self.add_rule("rules", DataRules.from_settings)
+        # what the measurement needs of the rules' settings (``rules=``)
+        self.leakage_shingle_size = int(self.setting(DATA_LEAKAGE_SPEC.key("shingle_size")))
+        self.num_perm = int(self.setting(DATA_LEAKAGE_SPEC.key("num_perm")))
+        self.leakage_near_duplicate = self.setting(DATA_LEAKAGE_SPEC.key("near_duplicate"))
+        self.min_leaks = int(self.setting(DATA_LEAKAGE_SPEC.key("min_leaks")))
+        self.vocab_shift_min_count = int(self.setting(DATA_VOCAB_SHIFT_SPEC.key("min_count")))
+        self.data_rules = self.add_rule("data_rules", DataRules.from_settings, state_key="rules")
         self.sequence_rules = self.add_rule("sequence_rules", SequenceRules.from_settings, state_key="sequences")
         self.loader_rules = self.add_rule("loader_rules", LoaderRules.from_settings, state_key="loaders")
         self.last_epoch = -1
@@ -273,8 +230,9 @@ class DataDiagnostics(DiagCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """``batch_size_mismatch`` on the batch the trainer produced (shapes only: no host synchronisation),
-        until a mismatch is reported (the base class counts the step itself: no `super()` call)."""
+        """Count the step (the base class), then ``batch_size_mismatch`` on the batch the trainer produced (shapes
+        only: no host synchronisation), until a mismatch is reported."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self.loader_rules.latch.is_active(f"{BATCH_SIZE_MISMATCH}:train"):  # reported already: once per fit
             return
         sizes = size_mismatch(batch)
@@ -284,6 +242,7 @@ class DataDiagnostics(DiagCallback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """With ``every_n_epochs``: measure again at the start of every n-th epoch."""
+        super().on_train_epoch_start(trainer, pl_module)
         epoch = trainer.current_epoch
         if self.every_n_epochs and epoch % self.every_n_epochs == 0 and epoch != self.last_epoch:
             self._measure(trainer)
@@ -361,7 +320,7 @@ class DataDiagnostics(DiagCallback):
         self.last = {k: float(v) for k, v in measured.scalars.items()}
         if self.writer.active:
             self._draw(train, val, measured, step)
-        self.record(self.rules.update(measured.measurement, self.context(trainer)))
+        self.record(self.data_rules.update(measured.measurement, self.context(trainer)))
         self.record(self.sequence_rules.update(measured.sequences, self.context(trainer)))
 
     def _judge_loaders(self, trainer: pl.Trainer, mine: list[SplitSample | None]) -> None:
@@ -448,13 +407,3 @@ def _summary(measured: Measured) -> str:
     for p in m.problems:
         lines += ["", f"{p.kind} in `{p.split}:{p.key}`: {p.count} (examples {list(p.examples)})"]
     return "\n".join(lines)
-
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_MIN_COUNT": "DEFAULT_VOCAB_SHIFT_MIN_COUNT",
-        "DEFAULT_SHINGLE_SIZE": "DEFAULT_LEAKAGE_SHINGLE_SIZE",
-    },
-)

@@ -14,25 +14,17 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.core.files import write_json
 from lightning_diag.core.tags import errors_tag
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.batches import is_int_tensor, token_ids
-from lightning_diag.rules.errors import (
-    ALPHA,
-    DEFAULT_ERROR_RATIO,
-    DEFAULT_MIN_SHARE,
-    ErrorClusterRule,
-    describe_feature,
-)
+from lightning_diag.rules.errors import ALPHA, ERROR_CLUSTER_SPEC, ErrorClusterRule, describe_feature
 
 __all__ = ["DEFAULT_MAX_SAMPLES", "ERRORS_FILE", "ErrorAnalysis", "Predictions"]
 
 #: Validation samples kept per analysed validation, at most (bounds memory and the search's time).
 DEFAULT_MAX_SAMPLES = 4096
-#: Fewest wrong samples worth searching.
-DEFAULT_MIN_ERRORS = 10
 #: The smallest slice tested, in samples, whatever ``min_share`` gives.
 MIN_SLICE_SAMPLES = 5
 #: Slices listed in ``errors.json`` (the most significant), besides the findings.
@@ -108,7 +100,7 @@ class ErrorAnalysis(DiagCallback):
     Slices that qualify and hold nearly the same samples (Jaccard >= 0.5) are merged into one finding that lists
     their features. Nothing runs on training steps.
 
-    Rule ``error_cluster`` (warning): a finding whose lift is at least ``ratio``, which holds at least
+    Rule ``error_cluster`` (warning): a finding whose lift is at least its threshold, which holds at least
     ``min_share`` of the samples, and whose corrected p-value is within the fit's significance level :attr:`alpha`
     (at the v-th analysed validation, at most ``alpha / (v (v + 1))``: shares that sum to ``alpha`` over the whole
     fit); the message names its defining features (tokens decoded with ``tokenizer.decode`` when given), size,
@@ -129,10 +121,6 @@ class ErrorAnalysis(DiagCallback):
     Args:
         every_n_validations: Analyse every this many validations.
         max_samples: Validation samples kept per analysis (memory and time budget; later batches are skipped).
-        ratio: ``error_cluster``'s lift: a group's error rate over the overall rate.
-        min_share: ``error_cluster``'s smallest group, as a share of the validation samples (also the smallest
-            slice tested).
-        min_errors: Fewest wrong samples to search.
         k_range: ``(low, high)``: with ``embed=``, K-Means is fitted for every k in this range.
         embed: ``embed(pl_module, batch) -> Tensor[B, D]``: embedding clusters as slices too (the only
             features besides labels and metadata for inputs without token ids).
@@ -141,6 +129,10 @@ class ErrorAnalysis(DiagCallback):
         tokenizer: Anything with ``decode(list[int]) -> str``, to print the token features as text.
         top_tokens: Defining features listed per finding in the TensorBoard table.
         seed: Seed of the embedding clusters.
+        rules: ``{"error_cluster": {"threshold": 4.0, "min_share": 0.1, "min_errors": 20}}``: a group's lift (its
+            error rate over the overall rate), its smallest share of the validation samples (also the smallest
+            slice tested) and the fewest wrong samples to search (docs/thresholds.md), or ``False`` to switch the
+            rule off.
         on_alert: Called with each alert as it is recorded (global rank zero).
 
     Raises:
@@ -156,23 +148,20 @@ class ErrorAnalysis(DiagCallback):
         *,
         every_n_validations: int = 1,
         max_samples: int = DEFAULT_MAX_SAMPLES,
-        ratio: float = DEFAULT_ERROR_RATIO,
-        min_share: float = DEFAULT_MIN_SHARE,
-        min_errors: int = DEFAULT_MIN_ERRORS,
         k_range: tuple[int, int] = (2, 8),
         embed: Callable[[pl.LightningModule, Any], torch.Tensor] | None = None,
         predict: Predictions | None = None,
         tokenizer: Any = None,
         top_tokens: int = 5,
         seed: int = 0,
+        rules: RuleChoices | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(on_alert=on_alert)
+        super().__init__(rules=rules, on_alert=on_alert)
         self.every_n_validations = check_int("every_n_validations", every_n_validations, low=1)
         self.max_samples = check_int("max_samples", max_samples, low=10)
-        self.ratio = check_number("ratio", ratio, low=1.0, low_inclusive=False)
-        self.min_share = check_number("min_share", min_share, low=0.0, high=1.0, low_inclusive=False)
-        self.min_errors = check_int("min_errors", min_errors, low=2)
+        #: Fewest wrong samples to cluster (``error_cluster.min_errors``).
+        self.min_errors = int(self.setting(ERROR_CLUSTER_SPEC.key("min_errors")))
         if (
             not isinstance(k_range, (tuple, list)) or len(k_range) != 2
             or not all(isinstance(k, int) and not isinstance(k, bool) for k in k_range)

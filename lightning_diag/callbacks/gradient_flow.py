@@ -13,14 +13,12 @@ import torch
 from pytorch_lightning.callbacks import BaseFinetuning
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.callbacks.silent_updates import (
     ZEROED_STATE_KEY,
     SilentUpdateChecks,
-    _PendingUpdate,  # noqa: F401  (importable from here as before the split)
-    _position,
+    optimizer_position,
 )
-from lightning_diag.core.deprecation import renamed_arguments
 from lightning_diag.core.tags import (
     act_grad_norm_tag,
     grad_blocks_tag,
@@ -30,46 +28,24 @@ from lightning_diag.core.tags import (
     grad_rms_tag,
     grad_total_tag,
 )
-from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.act_grads import ActivationGradients
 from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step, update_ratios
 from lightning_diag.rules.grad import (
-    DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS,
-    DEFAULT_COLLAPSE_CONVERGED_FRACTION,
-    DEFAULT_COLLAPSE_THRESHOLD,
-    DEFAULT_EXPLODE_THRESHOLD,
-    DEFAULT_GRAD_PATIENCE,
-    DEFAULT_GRAD_WARMUP_STEPS,
-    DEFAULT_LAYER_SPREAD_THRESHOLD,
-    DEFAULT_VANISH_THRESHOLD,
     GRAD_EXPLODE,
     GRAD_VANISH,
     GradBandRule,
     GradCollapseRule,
-    GradFrozenRule,
     GradSpreadRule,
 )
-from lightning_diag.rules.updates import (
-    DEFAULT_STALE_FRACTION,
-    DEFAULT_UPDATE_SAMPLE_SIZE,
-    GradNotZeroedRule,
-    UpdateRule,
-)
+from lightning_diag.rules.grad_frozen import GradFrozenRule
+from lightning_diag.rules.updates import UPDATE_NONE_SPEC, GradNotZeroedRule, UpdateRule
 from lightning_diag.stats.grad import local_tensor
 from lightning_diag.stats.histogram import tensorboard_histogram
 
 __all__ = ["GradientFlowMonitor"]
 
 ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
-
-
-#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
-_RENAMED_ARGUMENTS = {
-    "spread_ratio": "layer_spread_threshold",
-    "collapse_ratio": "collapse_threshold",
-    "baseline_measurements": "collapse_baseline_measurements",
-    "converged_fraction": "collapse_converged_fraction",
-}
 
 
 class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
@@ -109,13 +85,14 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
       optimizer step left unchanged (``update_none`` / ``update_stale``'s quantity; 0 in a healthy fp32 run).
 
     Rules (exact meaning in :mod:`lightning_diag.rules.grad` and ``docs/gradient_flow.md``):
-    ``grad_explode`` (a layer's RMS gradient per element above ``explode_threshold``), ``grad_vanish`` (a weight
-    matrix's ``||g||/||W||`` below ``vanish_threshold`` and 100x below the best-fed block matrix, after
-    ``warmup_steps``), ``grad_layer_spread`` (largest / smallest ``||g||/||W||`` of one role across blocks above
-    ``layer_spread_threshold``, after ``warmup_steps``), ``grad_collapse`` (the blocks' weight-matrix gradient norm
-    below ``collapse_threshold`` times its baseline; the message says converged (an ``info``), dead network or vanished,
-    from the training loss). Attention query/key projections (``logit_projections``) and embeddings are not
-    compared. Layers that trip one rule at one measurement make one alert.
+    ``grad_explode`` (a layer's RMS gradient per element above ``grad_explode.threshold``), ``grad_vanish`` (a weight
+    matrix's ``||g||/||W||`` below ``grad_vanish.threshold`` and 100x below the best-fed block matrix, after
+    ``grad.warmup_steps``), ``grad_layer_spread`` (largest / smallest ``||g||/||W||`` of one role across blocks
+    above ``grad_layer_spread.threshold``, after ``grad.warmup_steps``), ``grad_collapse`` (the blocks'
+    weight-matrix gradient norm below ``grad_collapse.threshold`` times its baseline; the message says converged (an
+    ``info``), dead network or vanished, from the training loss). Attention query/key projections
+    (``logit_projections``) and embeddings are not compared. Layers that trip one rule at one measurement make one
+    alert.
     ``grad_frozen``: a layer with parameters that cannot learn while the rest of the model does: trainable but
     in no optimizer (a warning, at the first measurement), no gradient at all (a warning, on ``patience``
     consecutive measurements), or ``requires_grad=False`` (deliberate freezing: one ``info``). Parameters
@@ -125,8 +102,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     ``update_none``: a layer with non-zero gradients whose every sampled element the optimizer step leaves
     unchanged on ``patience`` consecutive measurements (the message names the likely cause: no model parameter in
     any optimizer, a learning rate of 0, an update dropped). ``update_stale``: in a bf16/fp16 layer, more than
-    ``stale_fraction`` of the sampled elements with a non-zero gradient unchanged (updates rounding to zero).
-    Measured on measured steps only: ``update_sample_size`` evenly spaced elements of every parameter are read on
+    ``update_stale.threshold`` of the sampled elements with a non-zero gradient unchanged (updates rounding to zero).
+    Measured on measured steps only: ``update_none.sample_size`` evenly spaced elements of every parameter are read on
     the device before the step (``on_before_optimizer_step``) and compared after it (``on_train_batch_end``), one
     host read.
     ``grad_not_zeroed``: a backward added to gradients left in ``.grad`` from before their own optimizer's
@@ -149,25 +126,16 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             removed before the optimizer step.
         log_weight_norms: Also log weight norms and update-to-weight ratios (one parameter copy on measured
             steps).
-        vanish_threshold: ``grad_vanish`` threshold on ``||g||/||W||`` (default 1e-3).
-        explode_threshold: ``grad_explode`` threshold on the RMS gradient per element (default 1e1).
-        layer_spread_threshold: ``grad_layer_spread`` threshold (default 100).
-        collapse_threshold: ``grad_collapse`` fraction of the baseline (default 0.01).
-        warmup_steps: ``grad_vanish`` and ``grad_layer_spread`` are not evaluated before this global step
-            (initialisation transients; default 50).
-        collapse_converged_fraction: ``grad_collapse`` reads a collapse at a loss at most this fraction of the initial
-            loss as convergence (an ``info``; default 0.1).
         logit_projections: Last name components of attention query/key projections, not compared by
             ``grad_vanish`` / ``grad_layer_spread`` (default: ``q``, ``k``, ``query``, ``key``, ``q_proj``,
             ``k_proj``, ``q_lin``, ``k_lin``, ``wq``, ``wk``, ``to_q``, ``to_k``).
         expect_frozen: Parameter-name ``fnmatch`` patterns of parameters frozen (or left out of the optimizer)
             on purpose: ``grad_frozen`` ignores them.
-        patience: Consecutive measurements a condition must hold (default 3).
-        collapse_baseline_measurements: Measurements whose median is the ``grad_collapse`` baseline (default 5).
-        stale_fraction: ``update_stale`` threshold: share of a bf16/fp16 layer's sampled elements (with a non-zero
-            gradient) left unchanged by the step (default 0.5).
-        update_sample_size: Elements sampled per parameter for ``update_none`` / ``update_stale`` (default 32);
-            0 turns both off.
+        rules: Thresholds and settings by rule id, ``False`` to switch a rule off (docs/thresholds.md):
+            ``{"grad_vanish": {"threshold": 1e-4}, "grad": {"patience": 5, "warmup_steps": 100}}``. Among them
+            ``grad.warmup_steps`` (no ``grad_vanish`` / ``grad_layer_spread`` before this step, default 50),
+            ``grad.patience`` (default 3) and ``update_none.sample_size`` (elements sampled per parameter for
+            ``update_none`` / ``update_stale``, default 32; 0 turns both off).
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
             rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
             that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
@@ -177,7 +145,6 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         ValueError: If an argument is out of range.
     """
 
-    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
@@ -187,21 +154,12 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         histogram_every_n_steps: int | None = None,
         log_weight_norms: bool = True,
         activation_grads: bool | Sequence[str] = False,
-        vanish_threshold: float = DEFAULT_VANISH_THRESHOLD,
-        explode_threshold: float = DEFAULT_EXPLODE_THRESHOLD,
-        layer_spread_threshold: float = DEFAULT_LAYER_SPREAD_THRESHOLD,
-        collapse_threshold: float = DEFAULT_COLLAPSE_THRESHOLD,
         expect_frozen: Sequence[str] = (),
-        patience: int = DEFAULT_GRAD_PATIENCE,
-        collapse_baseline_measurements: int = DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS,
-        warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
-        collapse_converged_fraction: float = DEFAULT_COLLAPSE_CONVERGED_FRACTION,
         logit_projections: Sequence[str] = DEFAULT_LOGIT_PROJECTIONS,
-        stale_fraction: float = DEFAULT_STALE_FRACTION,
-        update_sample_size: int = DEFAULT_UPDATE_SAMPLE_SIZE,
+        rules: RuleChoices | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
+        super().__init__(rules=rules, log_every_n_steps=log_every_n_steps, on_alert=on_alert)
         if (
             params is not None
             and not callable(params)
@@ -238,30 +196,14 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         if histogram_every_n_steps is not None:
             check_int("histogram_every_n_steps", histogram_every_n_steps, low=0)
         self.histogram_every_n_steps = histogram_every_n_steps
-        self.vanish_threshold = check_number("vanish_threshold", vanish_threshold, low=0.0)
-        self.explode_threshold = check_number("explode_threshold", explode_threshold, low=self.vanish_threshold)
-        self.layer_spread_threshold = check_number("layer_spread_threshold", layer_spread_threshold, low=1.0)
-        self.collapse_threshold = check_number(
-            "collapse_threshold", collapse_threshold, low=0.0, high=1.0, high_inclusive=False
-        )
-        self.patience = check_int("patience", patience, low=1)
-        self.collapse_baseline_measurements = check_int(
-            "collapse_baseline_measurements", collapse_baseline_measurements, low=1
-        )
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
-        self.collapse_converged_fraction = check_number(
-            "collapse_converged_fraction", collapse_converged_fraction, low=0.0, high=1.0, high_inclusive=False
-        )
         if isinstance(logit_projections, str) or not all(isinstance(p, str) for p in logit_projections):
             raise TypeError(
                 "Expected argument `logit_projections` to be a list of module names (last name component),"
                 f" but got {logit_projections!r}"
             )
         self.logit_projections = tuple(logit_projections)
-        self.stale_fraction = check_number(
-            "stale_fraction", stale_fraction, low=0.0, high=1.0, low_inclusive=True, high_inclusive=False
-        )
-        self.update_sample_size = check_int("update_sample_size", update_sample_size, low=0)
+        #: Elements sampled per parameter for ``update_none`` / ``update_stale`` (``update_none.sample_size``).
+        self.update_sample_size = int(self.setting(UPDATE_NONE_SPEC.key("sample_size")))
         self._reset_update_state()
         self._loss: torch.Tensor | None = None
         self.band_rule = self.add_rule("band_rule", GradBandRule.from_settings, state_key="band")
@@ -290,10 +232,14 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         return {**super().state_dict(), ZEROED_STATE_KEY: self._zeroed_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before ``grad_not_zeroed``'s watch state loads
-        with nothing watched."""
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing key.
+        """
+        self.check_state_keys(state_dict, (ZEROED_STATE_KEY,))
         state = dict(state_dict)
-        zeroed = state.pop(ZEROED_STATE_KEY, None)
+        zeroed = state.pop(ZEROED_STATE_KEY)
         super().load_state_dict(state)
         self._load_zeroed_state(zeroed)
 
@@ -363,7 +309,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         optimizers = trainer.optimizers
         if len(optimizers) <= 1:
             return 0 if self._measuring(trainer) else None
-        position = _position(trainer, optimizer)
+        position = optimizer_position(trainer, optimizer)
         interval = trainer.global_step // self.every_n_steps(trainer)
         if self._measured_interval.get(position) == interval:
             return None
@@ -374,6 +320,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Attach the activation-gradient hooks when the coming optimizer step is a measured one."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if not self.activation_grads or self._act.attached or not self._measuring(trainer):
             return
         self._act.attach(pl_module, self.activation_grads, lambda key, message: self.notice(trainer, key, message))

@@ -5,7 +5,7 @@ the last validation, the initial batches) on the device as :class:`~lightning_di
 takes their means over all ranks when a period closes (:func:`~lightning_diag.callbacks.reduction.reduce_state`)
 and feeds them, with the monitored validation value, to the trend rules of :mod:`lightning_diag.rules.anomaly`
 (``loss_swing``, ``loss_stagnant``, ``val_decline``, ``val_fluctuation``). The alarm owns one per fit, built from
-its :class:`LossTrendSettings`, and calls it from its hooks; each call returns the alerts and scalars
+its thresholds (``thresholds()``), and calls it from its hooks; each call returns the alerts and scalars
 (:class:`TrendOutput`) for the alarm to send out, so nothing here reaches back into the alarm.
 """
 
@@ -23,28 +23,12 @@ from pytorch_lightning.trainer.states import TrainerFn
 from lightning_diag.callbacks.reduction import reduce_state
 from lightning_diag.core.record import Alert
 from lightning_diag.core.tags import LossSeries, loss_tag, threshold_tag
-from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.rules.anomaly import (
-    DEFAULT_STAGNANT_BASELINE_STEPS,
-    DEFAULT_STAGNANT_PATIENCE,
-    DEFAULT_STAGNANT_THRESHOLD,
-    DEFAULT_SWING_MIN_DELTA,
-    DEFAULT_SWING_PATIENCE,
-    DEFAULT_SWING_THRESHOLD,
-    DEFAULT_VAL_DECLINE_MIN_DELTA,
-    DEFAULT_VAL_DECLINE_THRESHOLD,
-    DEFAULT_VAL_FLUCTUATION_MIN,
-    DEFAULT_VAL_FLUCTUATION_MIN_RANGE,
-    DEFAULT_VAL_FLUCTUATION_MIN_RISE,
-    DEFAULT_VAL_FLUCTUATION_THRESHOLD,
-    DEFAULT_VAL_FLUCTUATION_WINDOW,
     LOSS_STAGNANT_SPEC,
     LOSS_SWING,
     LOSS_SWING_SPEC,
     VAL_DECLINE,
-    VAL_DECLINE_SPEC,
     VAL_FLUCTUATION,
-    VAL_FLUCTUATION_SPEC,
     LossStagnantRule,
     LossSwingRule,
     ValDeclineRule,
@@ -53,7 +37,7 @@ from lightning_diag.rules.anomaly import (
 from lightning_diag.rules.base import StepContext
 from lightning_diag.stats.loss_sums import LossSums
 
-__all__ = ["TREND_STATE_KEYS", "LossTrend", "LossTrendSettings", "TrendOutput", "check_swing_window"]
+__all__ = ["TREND_STATE_KEYS", "LossTrend", "TrendOutput", "check_swing_window"]
 
 #: The keys :meth:`LossTrend.state_dict` returns (a part of the alarm's checkpoint state).
 TREND_STATE_KEYS = ("swing", "stagnant", VAL_DECLINE, VAL_FLUCTUATION, "accumulators", "window_start")
@@ -74,117 +58,6 @@ def check_swing_window(swing_window: object) -> Literal["epoch"] | int:
     if isinstance(swing_window, str) or swing_window < 1:
         raise ValueError(bad_window)
     return swing_window
-
-
-@dataclasses.dataclass(frozen=True)
-class LossTrendSettings:
-    """The loss-trend and validation settings of :class:`~lightning_diag.AnomalyAlarm` (``loss_trend=``).
-
-    Each rule's main threshold is ``<rule>_threshold`` and each of its settings ``<rule>_<setting>``, where
-    ``<rule>`` is the rule id less the ``loss_`` prefix (``swing``, ``stagnant``, ``val_decline``,
-    ``val_fluctuation``); the registry keys are ``<rule id>`` and ``<rule id>.<setting>``. The values are
-    checked at construction.
-
-    Attributes:
-        swing_threshold: ``loss_swing``: relative change of the loss that counts as a swing (0.10 = 10%).
-        swing_patience: ``loss_swing``: consecutive swinging epochs (windows) before it fires.
-        swing_min_delta: ``loss_swing``: absolute loss change below which nothing swings.
-        swing_window: ``"epoch"`` to compare epoch means, or a number of optimizer steps to compare means over
-            consecutive windows of that many steps (runs with one long epoch); also the period of
-            ``loss_stagnant``.
-        stagnant_threshold: ``loss_stagnant``: fraction of the initial loss the training loss must fall by.
-        stagnant_patience: ``loss_stagnant``: epochs (or windows) the loss has to fall by ``stagnant_threshold``.
-        stagnant_baseline_steps: ``loss_stagnant``: first training batches whose mean loss is the initial loss.
-        val_decline_threshold: ``val_decline``: consecutive worse validation runs before it fires.
-        val_decline_min_delta: ``val_decline``: change that counts as worse.
-        val_fluctuation_threshold: ``val_fluctuation``: multiple of the training fluctuation the validation
-            fluctuation must exceed.
-        val_fluctuation_window: ``val_fluctuation``: validation runs the fluctuations are measured over (>= 3).
-        val_fluctuation_min: ``val_fluctuation``: validation fluctuation below which it never fires.
-        val_fluctuation_min_range: ``val_fluctuation``: range (max - min, metric units) of the validation window
-            below which it never fires (keeps converged runs with near-zero losses quiet).
-        val_fluctuation_min_rise: ``val_fluctuation``: the validation window's rises (sum of its increases from
-            run to run), as a fraction of the first validation value, below which it never fires (a converged run
-            wandering near zero is not fluctuating).
-
-    Raises:
-        TypeError: If a value has the wrong type.
-        ValueError: If a value is out of range.
-
-    Example:
-        >>> LossTrendSettings(swing_threshold=0.2, swing_window=100).swing_window
-        100
-    """
-
-    swing_threshold: float = DEFAULT_SWING_THRESHOLD
-    swing_patience: int = DEFAULT_SWING_PATIENCE
-    swing_min_delta: float = DEFAULT_SWING_MIN_DELTA
-    swing_window: Literal["epoch"] | int = "epoch"
-    stagnant_threshold: float = DEFAULT_STAGNANT_THRESHOLD
-    stagnant_patience: int = DEFAULT_STAGNANT_PATIENCE
-    stagnant_baseline_steps: int = DEFAULT_STAGNANT_BASELINE_STEPS
-    val_decline_threshold: int = int(DEFAULT_VAL_DECLINE_THRESHOLD)
-    val_decline_min_delta: float = DEFAULT_VAL_DECLINE_MIN_DELTA
-    val_fluctuation_threshold: float = DEFAULT_VAL_FLUCTUATION_THRESHOLD
-    val_fluctuation_window: int = DEFAULT_VAL_FLUCTUATION_WINDOW
-    val_fluctuation_min: float = DEFAULT_VAL_FLUCTUATION_MIN
-    val_fluctuation_min_range: float = DEFAULT_VAL_FLUCTUATION_MIN_RANGE
-    val_fluctuation_min_rise: float = DEFAULT_VAL_FLUCTUATION_MIN_RISE
-
-    def __post_init__(self) -> None:
-        checked: dict[str, Any] = {
-            "swing_threshold": check_number("swing_threshold", self.swing_threshold, low=0.0),
-            "swing_patience": check_int("swing_patience", self.swing_patience, low=1),
-            "swing_min_delta": check_number("swing_min_delta", self.swing_min_delta, low=0.0, low_inclusive=True),
-            "swing_window": check_swing_window(self.swing_window),
-            "stagnant_threshold": check_number(
-                "stagnant_threshold",
-                self.stagnant_threshold,
-                low=0.0,
-                high=1.0,
-                low_inclusive=True,
-                high_inclusive=False,
-            ),
-            "stagnant_patience": check_int("stagnant_patience", self.stagnant_patience, low=1),
-            "stagnant_baseline_steps": check_int("stagnant_baseline_steps", self.stagnant_baseline_steps, low=1),
-            "val_decline_threshold": check_int("val_decline_threshold", self.val_decline_threshold, low=1),
-            "val_decline_min_delta": check_number(
-                "val_decline_min_delta", self.val_decline_min_delta, low=0.0, low_inclusive=True
-            ),
-            "val_fluctuation_threshold": check_number(
-                "val_fluctuation_threshold", self.val_fluctuation_threshold, low=0.0
-            ),
-            "val_fluctuation_window": check_int("val_fluctuation_window", self.val_fluctuation_window, low=3),
-            "val_fluctuation_min": check_number(
-                "val_fluctuation_min", self.val_fluctuation_min, low=0.0, low_inclusive=True
-            ),
-            "val_fluctuation_min_range": check_number(
-                "val_fluctuation_min_range", self.val_fluctuation_min_range, low=0.0, low_inclusive=True
-            ),
-            "val_fluctuation_min_rise": check_number(
-                "val_fluctuation_min_rise", self.val_fluctuation_min_rise, low=0.0, low_inclusive=True
-            ),
-        }
-        for name, value in checked.items():  # ints stay ints, numbers become floats
-            object.__setattr__(self, name, value)
-
-    def thresholds(self) -> dict[str, float]:
-        """The ``thresholds()`` entries these settings set: rule id or ``"<rule>.<setting>"`` -> value.
-
-        Read through the rules' declarations (their ``arguments`` name the ``loss_trend.<field>`` each value
-        comes from), so the rules' ``from_settings`` builds them from exactly these settings.
-
-        Example:
-            >>> LossTrendSettings(swing_threshold=0.2).thresholds()["loss_swing"]
-            0.2
-        """
-        values: dict[str, float] = {}
-        for spec in (LOSS_SWING_SPEC, LOSS_STAGNANT_SPEC, VAL_DECLINE_SPEC, VAL_FLUCTUATION_SPEC):
-            for name, argument in spec.arguments.items():
-                group, _, field = argument.partition(".")
-                if group == "loss_trend" and field:
-                    values[spec.key(name)] = float(getattr(self, field))
-        return values
 
 
 @dataclasses.dataclass
@@ -218,7 +91,8 @@ class LossTrend:
     scalars, notices) that the caller sends out.
 
     Args:
-        settings: The rules' thresholds and settings (checked at their construction).
+        thresholds: The alarm's ``thresholds()``: the rules' thresholds and settings in effect.
+        swing_window: ``"epoch"``, or the optimizer steps of one loss window (checked by the alarm).
         monitor: The validation metric read from ``trainer.callback_metrics``.
         mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is.
 
@@ -231,12 +105,19 @@ class LossTrend:
             this run's ranks at train start.
     """
 
-    def __init__(self, settings: LossTrendSettings, *, monitor: str, mode: Literal["min", "max"]) -> None:
-        self.settings = settings
-        self.swing_window = settings.swing_window
+    def __init__(
+        self,
+        thresholds: Mapping[str, float],
+        *,
+        swing_window: Literal["epoch"] | int,
+        monitor: str,
+        mode: Literal["min", "max"],
+    ) -> None:
+        self.swing_window = swing_window
+        #: ``loss_swing``'s threshold, drawn beside the swing series.
+        self.swing_threshold = LOSS_SWING_SPEC.value(thresholds)
         self.monitor = monitor
         unit = "epoch" if self.swing_window == "epoch" else f"window of {self.swing_window} step"
-        thresholds = settings.thresholds()  # the rules' declarations name the settings' fields
         self.swing_rule = LossSwingRule.from_settings(thresholds, unit=unit)
         self.stagnant_rule = LossStagnantRule.from_settings(thresholds, unit=unit)
         self.val_decline_rule = ValDeclineRule.from_settings(thresholds, monitor=monitor, mode=mode)
@@ -341,7 +222,7 @@ class LossTrend:
         out.alerts += self.swing_rule.update(mean, ctx) + self.stagnant_rule.update(mean, ctx)
         if math.isfinite(self.swing_rule.last_change):
             out.scalars[loss_tag("swing")] = self.swing_rule.last_change
-            out.scalars[threshold_tag(LOSS_SWING)] = self.settings.swing_threshold
+            out.scalars[threshold_tag(LOSS_SWING)] = self.swing_threshold
         return out
 
     # -- validation trend --------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ def _scaler(trainer: pl.Trainer) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class RollbackSettings:
-    """The settings of :class:`~lightning_diag.AnomalyAlarm`'s ``on_nonfinite="rollback"`` (``rollback=``).
+    """The settings of :class:`~lightning_diag.AnomalyAlarm`'s ``on_nonfinite="rollback"`` (built by the alarm from
+    ``nonfinite_rollback``'s fields of ``rules=`` and ``rollback_device``).
 
     The fields are the settings of the ``nonfinite_rollback`` rule (registry keys
     ``nonfinite_rollback.<field>``); they are checked at construction and in force only with that action.

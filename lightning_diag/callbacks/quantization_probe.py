@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
-from lightning_diag.callbacks.base import AlertHandler
+from lightning_diag.callbacks.base import AlertHandler, RuleChoices
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import quant_layer_tag, quant_tag
-from lightning_diag.core.validation import check_choice, check_number
+from lightning_diag.core.validation import check_choice
 from lightning_diag.instrument.sharded_quant import (
     global_batch_fake_quantize,
     sharded_fake_quantize,
@@ -28,9 +28,6 @@ from lightning_diag.instrument.sharded_quant import (
 )
 from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.probes import (
-    DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO,
-    DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR,
-    DEFAULT_QUANTIZATION_ERROR_THRESHOLD,
     QUANTIZATION_ERROR,
     QuantizationErrorRule,
 )
@@ -174,10 +171,6 @@ class QuantizationProbe(ValidationProbe):
     probe's duration.
 
     Args:
-        threshold: ``quantization_error`` fires when the loss changes by more than this fraction (seed 000 §7.1:
-            5%) ...
-        layer_ratio: ... or a layer's relative output MSE is above this many times the median layer's (§5.1) ...
-        min_layer_error: ... and above this absolute relative output MSE (noise power / signal power).
         granularity: The judged weight scheme, ``"per_tensor"`` or ``"per_channel"``.
         activations: Also quantize each layer's input (dynamic, per tensor) - W8A8; else weight-only (W8A16).
         backend: ``"auto"``, ``"fake"`` or ``"torchao"`` (raises at construction when torchao is missing).
@@ -185,6 +178,8 @@ class QuantizationProbe(ValidationProbe):
         num_batches: Validation batches per probe.
         loss_fn: ``loss_fn(pl_module, batch)`` returning the loss; default ``training_step(batch, batch_idx)``
             with ``self.log`` silenced.
+        rules: ``{"quantization_error": {"threshold": ...}}``: the rule's threshold and settings
+            (docs/thresholds.md), or ``False`` to switch it off.
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
             rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
             that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
@@ -210,21 +205,18 @@ class QuantizationProbe(ValidationProbe):
     def __init__(
         self,
         *,
-        threshold: float = DEFAULT_QUANTIZATION_ERROR_THRESHOLD,
-        layer_ratio: float = DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO,
-        min_layer_error: float = DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR,
         granularity: Granularity = "per_tensor",
         activations: bool = True,
         backend: Backend = "auto",
         every_n_epochs: int = 1,
         num_batches: int = 2,
         loss_fn: LossFn | None = None,
+        rules: RuleChoices | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn, on_alert=on_alert)
-        self.threshold = check_number("threshold", threshold, low=0.0)
-        self.layer_ratio = check_number("layer_ratio", layer_ratio, low=1.0, low_inclusive=True)
-        self.min_layer_error = check_number("min_layer_error", min_layer_error, low=0.0, low_inclusive=True)
+        super().__init__(
+            every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn, rules=rules, on_alert=on_alert
+        )
         self.granularity: Granularity = check_choice(  # type: ignore[assignment]
             "granularity", granularity, ("per_tensor", "per_channel")
         )

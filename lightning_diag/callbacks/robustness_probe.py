@@ -12,16 +12,15 @@ import torch
 from torch import nn
 
 from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
-from lightning_diag.callbacks.base import AlertHandler
+from lightning_diag.callbacks.base import AlertHandler, RuleChoices
 from lightning_diag.callbacks.error_analysis import default_predictions
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import robustness_tag
-from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.batches import token_ids
 from lightning_diag.rules.robustness import (
-    DEFAULT_PERTURB_RATE,
-    DEFAULT_ROBUSTNESS_DROP,
     ROBUSTNESS_DROP,
+    ROBUSTNESS_DROP_SPEC,
     RobustnessDropRule,
 )
 from lightning_diag.stats.perturb import adjacent_swaps, random_replacements
@@ -78,8 +77,6 @@ class RobustnessProbe(ValidationProbe):
     ``diag/robustness/<kind>/drop``, ``diag/threshold/robustness_drop``.
 
     Args:
-        threshold: ``robustness_drop``'s relative drop.
-        rate: Share of the real tokens each perturbation changes.
         perturbations: The kinds measured (``"replace"``, ``"swap"``).
         vocab_size: Ids drawn for replacements are in ``[0, vocab_size)``; default: the model's largest
             ``nn.Embedding`` that covers the batch's ids, else the batch's largest id + 1.
@@ -88,6 +85,8 @@ class RobustnessProbe(ValidationProbe):
         num_batches: Validation batches per probe.
         loss_fn: ``loss_fn(pl_module, batch) -> loss`` for the likelihood metric; default ``training_step``.
         seed: Seed of the perturbations (the same tokens are perturbed at every probe).
+        rules: ``{"robustness_drop": {"threshold": ...}}``: the rule's threshold and settings
+            (docs/thresholds.md), or ``False`` to switch it off.
         on_alert: Called with each alert as it is recorded (global rank zero).
 
     Raises:
@@ -98,8 +97,6 @@ class RobustnessProbe(ValidationProbe):
     def __init__(
         self,
         *,
-        threshold: float = DEFAULT_ROBUSTNESS_DROP,
-        rate: float = DEFAULT_PERTURB_RATE,
         perturbations: Sequence[Perturbation] = ("replace", "swap"),
         vocab_size: int | None = None,
         perturb: PerturbFn | None = None,
@@ -107,11 +104,14 @@ class RobustnessProbe(ValidationProbe):
         num_batches: int = 2,
         loss_fn: LossFn | None = None,
         seed: int = 0,
+        rules: RuleChoices | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn, on_alert=on_alert)
-        self.threshold = check_number("threshold", threshold, low=0.0, high=1.0)
-        self.rate = check_number("rate", rate, low=0.0, high=1.0)
+        super().__init__(
+            every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn, rules=rules, on_alert=on_alert
+        )
+        #: Share of the tokens perturbed (``robustness_drop.rate``).
+        self.rate = self.setting(ROBUSTNESS_DROP_SPEC.key("rate"))
         kinds = tuple(perturbations) if isinstance(perturbations, (list, tuple)) else ()
         if not kinds or any(k not in ("replace", "swap") for k in kinds):
             raise ValueError(f"Expected argument `perturbations` to be a non-empty sequence of 'replace' and 'swap', "

@@ -19,14 +19,8 @@ from lightning_diag.callbacks.provenance import write_run_record
 from lightning_diag.callbacks.step_axis import StepAxis
 from lightning_diag.core.alerts import Alert, AlertLog
 from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE, write_json
-from lightning_diag.core.tags import sanitize_tag
-from lightning_diag.output.dashboard import (
-    ALERTS_TAG,
-    THRESHOLDS_TAG,
-    alerts_markdown,
-    dashboard_layout,
-    thresholds_markdown,
-)
+from lightning_diag.core.tags import ALERTS_TAG, THRESHOLDS_TAG, sanitize_tag
+from lightning_diag.output.dashboard import alerts_markdown, dashboard_layout, thresholds_markdown
 from lightning_diag.output.writer import DiagWriter, per_version_logger_types
 
 __all__ = ["DiagSession", "acquire_session", "release_session", "run_log_dir"]

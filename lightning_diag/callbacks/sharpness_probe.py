@@ -8,16 +8,14 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
-from lightning_diag.callbacks.base import AlertHandler
+from lightning_diag.callbacks.base import AlertHandler, RuleChoices
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import sharpness_layer_tag, sharpness_tag
-from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.probes import (
-    DEFAULT_SHARP_MINIMUM_PATIENCE,
-    DEFAULT_SHARP_MINIMUM_RHO,
-    DEFAULT_SHARP_MINIMUM_THRESHOLD,
     SHARP_MINIMUM,
+    SHARP_MINIMUM_SPEC,
     SharpMinimumRule,
 )
 from lightning_diag.stats.sharpness import SharpnessResult, sam_gap
@@ -54,15 +52,14 @@ class SharpnessProbe(ValidationProbe):
     ``num_batches`` batches, and one copy of the trainable parameters.
 
     Args:
-        threshold: ``sharp_minimum`` fires when the gap is above this (seed 000 §4.1: 0.3) ...
-        patience: ... on this many consecutive probes.
-        rho: The perturbation radius ρ (SAM's default 0.05).
         every_n_epochs: Probe every this many epochs.
         num_batches: Validation batches per probe.
         loss_fn: ``loss_fn(pl_module, batch)`` returning the loss; default ``training_step(batch, batch_idx)``
             with ``self.log`` silenced (required under manual optimization).
         per_layer: Also measure each layer's contribution (the gap with only that layer perturbed).
         max_layers: With ``per_layer``, at most this many layers (those with the largest share of ε).
+        rules: ``{"sharp_minimum": {"threshold": ...}}``: the rule's threshold and settings
+            (docs/thresholds.md), or ``False`` to switch it off.
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
             rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
             that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
@@ -86,20 +83,21 @@ class SharpnessProbe(ValidationProbe):
     def __init__(
         self,
         *,
-        threshold: float = DEFAULT_SHARP_MINIMUM_THRESHOLD,
-        patience: int = DEFAULT_SHARP_MINIMUM_PATIENCE,
-        rho: float = DEFAULT_SHARP_MINIMUM_RHO,
         every_n_epochs: int = 1,
         num_batches: int = 2,
         loss_fn: LossFn | None = None,
         per_layer: bool = False,
         max_layers: int = 16,
+        rules: RuleChoices | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn, on_alert=on_alert)
-        self.threshold = check_number("threshold", threshold, low=0.0)
-        self.patience = check_int("patience", patience, low=1)
-        self.rho = check_number("rho", rho, low=0.0)
+        super().__init__(
+            every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn, rules=rules, on_alert=on_alert
+        )
+        # the rule's values in effect (``rules=``); ``rho`` is also the radius the probe measures with
+        self.threshold = self.setting(SHARP_MINIMUM_SPEC.key("threshold"))
+        self.patience = int(self.setting(SHARP_MINIMUM_SPEC.key("patience")))
+        self.rho = self.setting(SHARP_MINIMUM_SPEC.key("rho"))
         if not isinstance(per_layer, bool):
             raise TypeError(f"Expected argument `per_layer` to be True or False, but got {per_layer!r}")
         self.per_layer = per_layer

@@ -26,7 +26,7 @@ from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.updates import UPDATE_STALE, GradNotZeroedRule, LayerUpdate, UpdateRule
 from lightning_diag.stats.updates import ElementSample, segment_any, unchanged_counts
 
-__all__ = ["ZEROED_SAMPLE_SIZE", "SilentUpdateChecks", "ZeroGradWatch"]
+__all__ = ["ZEROED_SAMPLE_SIZE", "PendingUpdate", "SilentUpdateChecks", "ZeroGradWatch", "optimizer_position"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: Elements per parameter read by ``grad_not_zeroed`` at each backward it watches.
@@ -37,7 +37,7 @@ ZEROED_WATCH_INTERVALS = 4
 ZEROED_STATE_KEY = "zeroed"
 
 
-class _PendingUpdate:
+class PendingUpdate:
     """The sampled elements of one measured optimizer step, read before it (compared after it)."""
 
     def __init__(
@@ -168,7 +168,7 @@ class SilentUpdateChecks:
 
     def _reset_update_state(self) -> None:
         self._samples: dict[tuple[int, ...], ElementSample] = {}
-        self._pending_updates: list[_PendingUpdate] = []
+        self._pending_updates: list[PendingUpdate] = []
         self._stepped = False
         self._zero = ZeroGradWatch()
         # grad_not_zeroed verdicts loaded from a checkpoint, by parameter name: re-created at the first backward
@@ -191,7 +191,7 @@ class SilentUpdateChecks:
 
     def _zero_before_step(self, trainer: pl.Trainer, optimizer: Any) -> None:
         if self._zero.watches:
-            self._zero.before_step(_position(trainer, optimizer))
+            self._zero.before_step(optimizer_position(trainer, optimizer))
 
     def _zero_arm(self, trainer: pl.Trainer, position: int, chosen: list[int]) -> None:
         assert self._index is not None
@@ -224,12 +224,10 @@ class SilentUpdateChecks:
         ]  # fmt: skip
         return {"verdicts": verdicts, "watches": watches}
 
-    def _load_zeroed_state(self, state: dict[str, Any] | None) -> None:
-        """Keep a checkpoint's open watches and unread ``grad_not_zeroed`` verdicts (absent in checkpoints older
-        than them: none)."""
+    def _load_zeroed_state(self, state: dict[str, Any]) -> None:
+        """Keep a checkpoint's open watches and unread ``grad_not_zeroed`` verdicts."""
         self._zero.clear()
-        state = state or {}
-        restored = {"verdicts": list(state.get("verdicts", [])), "watches": list(state.get("watches", []))}
+        restored = {"verdicts": list(state["verdicts"]), "watches": list(state["watches"])}
         self._zero_restored = restored if restored["verdicts"] or restored["watches"] else None
 
     def _restore_zeroed(self, index: ParamIndex) -> None:
@@ -285,7 +283,7 @@ class SilentUpdateChecks:
         before = sample.gather(params)
         grads = sample.gather([p.grad for p in params])
         low = [p.dtype in _LOW_PRECISION for p in params]
-        self._pending_updates.append(_PendingUpdate(positions, sample, before, grads, low, causes))
+        self._pending_updates.append(PendingUpdate(positions, sample, before, grads, low, causes))
 
     def _judge_updates(self, trainer: pl.Trainer) -> None:
         """Compare the sampled elements after the step, read the ``grad_not_zeroed`` verdicts, judge (one host
@@ -349,7 +347,7 @@ def _unwrap(optimizer: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def _position(trainer: pl.Trainer, optimizer: Any) -> int:
+def optimizer_position(trainer: pl.Trainer, optimizer: Any) -> int:
     """The optimizer's position in ``trainer.optimizers`` (0 when it is not there)."""
     target = _unwrap(optimizer)
     return next((i for i, opt in enumerate(trainer.optimizers) if _unwrap(opt) is target), 0)

@@ -21,30 +21,16 @@ from lightning_diag.callbacks._system_hooks import (
 )
 from lightning_diag.callbacks._system_interval import HEADER, gather_ranks, interval_values
 from lightning_diag.callbacks._system_steps import StepRecorder
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback
-from lightning_diag.core.deprecation import renamed_arguments
+from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.core.tags import family_tag, overhead_tag
-from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 from lightning_diag.rules.system import (
     DATALOADER_BOUND,
-    DEFAULT_DATALOADER_BOUND_MIN_WAIT_S,
-    DEFAULT_DATALOADER_BOUND_PATIENCE,
-    DEFAULT_DATALOADER_BOUND_THRESHOLD,
-    DEFAULT_MEMORY_GROWTH_RISING_FRACTION,
-    DEFAULT_MEMORY_GROWTH_THRESHOLD,
-    DEFAULT_MEMORY_GROWTH_WINDOW,
-    DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS,
-    DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE,
-    DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD,
-    DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO,
-    DEFAULT_STEP_TIME_PERIODIC_THRESHOLD,
-    DEFAULT_STEP_TIME_WARMUP_STEPS,
-    DEFAULT_STEP_TIME_WINDOW,
-    MEMORY_GROWTH,
     MIN_STEPS,
     STEP_TIME_FLUCTUATION,
+    STEP_TIME_FLUCTUATION_SPEC,
+    STEP_TIME_PERIODIC_SPEC,
     DataloaderBoundRule,
     MemoryGrowthRule,
     StepFluctuationRule,
@@ -53,22 +39,6 @@ from lightning_diag.rules.system import (
 
 __all__ = ["SystemMonitor"]
 
-
-
-#: Arguments renamed by issue 20's naming scheme: old name -> new name (old names warn for one release).
-_RENAMED_ARGUMENTS = {
-    "dataloader_share": "dataloader_bound_threshold",
-    "dataloader_patience": "dataloader_bound_patience",
-    "dataloader_min_wait_s": "dataloader_bound_min_wait_s",
-    "periodic_share": "step_time_periodic_threshold",
-    "slow_ratio": "step_time_periodic_slow_ratio",
-    "fluctuation_threshold": "step_time_fluctuation_threshold",
-    "fluctuation_patience": "step_time_fluctuation_patience",
-    "block_steps": "step_time_fluctuation_block_steps",
-    MEMORY_GROWTH: "memory_growth_threshold",  # the old argument was named after its rule
-    "memory_window": "memory_growth_window",
-    "memory_rising_fraction": "memory_growth_rising_fraction",
-}
 
 
 class SystemMonitor(DiagCallback):
@@ -111,23 +81,12 @@ class SystemMonitor(DiagCallback):
 
     Args:
         log_every_n_steps: Aggregate, log and judge every this many optimizer steps; defaults to the trainer's.
-        dataloader_bound_threshold: ``dataloader_bound`` threshold: waiting / step time (default 0.25).
-        dataloader_bound_patience: Consecutive intervals ``dataloader_bound`` must hold (default 3).
-        dataloader_bound_min_wait_s: Waiting per step (seconds) below which ``dataloader_bound`` never fires
-            (default 0.005).
-        step_time_periodic_threshold: ``step_time_periodic`` threshold: the periodic slow steps' excess over the
-            median as a fraction of the window's time (default 0.05).
-        step_time_periodic_slow_ratio: A step is slow more than this fraction above the median (default 0.5).
-        window: Optimizer steps the periodic and fluctuation tests look at (default 200).
-        step_time_fluctuation_threshold: ``step_time_fluctuation`` threshold (default 0.15, seed 000 §7.1).
-        step_time_fluctuation_patience: Consecutive checks it must hold (default 3).
-        warmup_steps: First optimizer steps of a fit left out of the step-time tests (default 20).
-        memory_growth_threshold: ``memory_growth`` threshold: relative growth over ``memory_growth_window``
-            (default 0.1).
-        memory_growth_window: Logging intervals the growth is measured over (default 8).
-        memory_growth_rising_fraction: Fraction of those intervals that must rise (default 0.7).
         nvml: Read GPU metrics through NVML when ``nvidia-ml-py`` is installed and the run is on CUDA.
         time_callbacks: Time the other lightning_diag callbacks' hooks (``diag/overhead/...``).
+        rules: Thresholds and settings by rule id, ``False`` to switch a rule off (docs/thresholds.md):
+            ``{"dataloader_bound": {"threshold": 0.4}, "step_time_periodic": {"window": 100}}``. The step-time
+            tests look at ``step_time_periodic.window`` optimizer steps (default 200) and leave out the first
+            ``step_time_fluctuation.warmup_steps`` (default 20).
         on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global
             rank zero, after it is written to ``alerts.jsonl``): send it to Slack, e-mail or a pager. A handler
             that raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
@@ -137,60 +96,22 @@ class SystemMonitor(DiagCallback):
         ValueError: If an argument is out of range.
     """
 
-    extra_state_keys = ("window", "utilization", "steps_seen")
+    extra_state_keys = ("window", "utilization", "steps_seen", "run_window")
 
-    @renamed_arguments(_RENAMED_ARGUMENTS)
     def __init__(
         self,
         *,
         log_every_n_steps: int | None = None,
-        dataloader_bound_threshold: float = DEFAULT_DATALOADER_BOUND_THRESHOLD,
-        dataloader_bound_patience: int = DEFAULT_DATALOADER_BOUND_PATIENCE,
-        dataloader_bound_min_wait_s: float = DEFAULT_DATALOADER_BOUND_MIN_WAIT_S,
-        step_time_periodic_threshold: float = DEFAULT_STEP_TIME_PERIODIC_THRESHOLD,
-        step_time_periodic_slow_ratio: float = DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO,
-        window: int = DEFAULT_STEP_TIME_WINDOW,
-        step_time_fluctuation_threshold: float = DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD,
-        step_time_fluctuation_patience: int = DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE,
-        warmup_steps: int = DEFAULT_STEP_TIME_WARMUP_STEPS,
-        step_time_fluctuation_block_steps: int = DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS,
-        memory_growth_threshold: float = DEFAULT_MEMORY_GROWTH_THRESHOLD,
-        memory_growth_window: int = DEFAULT_MEMORY_GROWTH_WINDOW,
-        memory_growth_rising_fraction: float = DEFAULT_MEMORY_GROWTH_RISING_FRACTION,
         nvml: bool = True,
         time_callbacks: bool = True,
+        rules: RuleChoices | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
-        super().__init__(log_every_n_steps=log_every_n_steps, on_alert=on_alert)
-        self.dataloader_bound_threshold = check_number(
-            "dataloader_bound_threshold", dataloader_bound_threshold, low=0.0, high=1.0
-        )
-        self.dataloader_bound_patience = check_int("dataloader_bound_patience", dataloader_bound_patience, low=1)
-        self.dataloader_bound_min_wait_s = check_number(
-            "dataloader_bound_min_wait_s", dataloader_bound_min_wait_s, low=0.0, low_inclusive=True
-        )
-        self.step_time_periodic_threshold = check_number(
-            "step_time_periodic_threshold", step_time_periodic_threshold, low=0.0, high=1.0
-        )
-        self.step_time_periodic_slow_ratio = check_number(
-            "step_time_periodic_slow_ratio", step_time_periodic_slow_ratio, low=0.0
-        )
-        self.window = check_int("window", window, low=30)
-        self.step_time_fluctuation_threshold = check_number(
-            "step_time_fluctuation_threshold", step_time_fluctuation_threshold, low=0.0
-        )
-        self.step_time_fluctuation_patience = check_int(
-            "step_time_fluctuation_patience", step_time_fluctuation_patience, low=1
-        )
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
-        self.step_time_fluctuation_block_steps = check_int(
-            "step_time_fluctuation_block_steps", step_time_fluctuation_block_steps, low=1
-        )
-        self.memory_growth_threshold = check_number("memory_growth_threshold", memory_growth_threshold, low=0.0)
-        self.memory_growth_window = check_int("memory_growth_window", memory_growth_window, low=3)
-        self.memory_growth_rising_fraction = check_number(
-            "memory_growth_rising_fraction", memory_growth_rising_fraction, low=0.0, high=1.0
-        )
+        super().__init__(rules=rules, log_every_n_steps=log_every_n_steps, on_alert=on_alert)
+        #: Optimizer steps the periodic and fluctuation tests look at (``step_time_periodic.window``).
+        self.window = int(self.setting(STEP_TIME_PERIODIC_SPEC.key("window")))
+        #: First optimizer steps of a fit left out of the step-time tests (``step_time_fluctuation.warmup_steps``).
+        self.warmup_steps = int(self.setting(STEP_TIME_FLUCTUATION_SPEC.key("warmup_steps")))
         for name, flag in (("nvml", nvml), ("time_callbacks", time_callbacks)):
             if not isinstance(flag, bool):
                 raise TypeError(f"Expected argument `{name}` to be a bool, but got {flag!r}")
@@ -249,8 +170,7 @@ class SystemMonitor(DiagCallback):
         )
         self.util_window = deque((float(u) for u in state_dict["utilization"]), maxlen=self.window)
         self.steps_seen = int(state_dict["steps_seen"])
-        # absent from checkpoints written before the warm-up gave way (then judged from the resume on)
-        self.run_window = [(float(t), bool(f)) for t, f in state_dict.get("run_window", [])]
+        self.run_window = [(float(t), bool(f)) for t, f in state_dict["run_window"]]
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -307,6 +227,7 @@ class SystemMonitor(DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Close the data wait; mark the start of the batch's compute."""
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self._steps.batch_start(trainer.global_step, batch)
 
     def on_before_optimizer_step(
@@ -328,6 +249,7 @@ class SystemMonitor(DiagCallback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The epoch's first step waits for a fresh dataloader iterator: a known cause."""
+        super().on_train_epoch_start(trainer, pl_module)
         self._steps.epoch_start()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

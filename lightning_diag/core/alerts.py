@@ -1,17 +1,15 @@
-"""Alerts: the alert log, the public rule ids, and (re-exported) the record every rule produces.
+"""Alerts: the alert log and (re-exported) the record every rule produces. Standard library only.
 
 An :class:`Alert` is a frozen record (defined in :mod:`lightning_diag.core.record`, the bottom of the package).
 The :class:`AlertLog` appends each alert as one JSON object per line to ``<log_dir>/diag/alerts.jsonl``
 (flushed at once, so a killed run leaves only whole lines), logs it through the ``lightning_diag`` logger and
 hands it to TensorBoard as text under ``diag/alerts``.
 
-The rule-id constants (``LOSS_SWING``, ``GRAD_VANISH``, ...) and :data:`ALL_RULES` are read from the rules'
-declarations (each rule's :class:`~lightning_diag.core.registry.RuleSpec`, next to its class in
-``lightning_diag.rules``) through :mod:`lightning_diag.rules.catalog`, which loads every declaring module: this
-module sits above ``rules/`` in the import graph, so importing it always gives the complete registry.
+The rule ids live with their declarations in ``lightning_diag.rules`` (``LOSS_SWING`` in ``rules/anomaly.py``);
+:data:`lightning_diag.rules.catalog.ALL_RULES` lists them all.
 
 Example:
-    >>> a = Alert(rule=LOSS_SWING, severity=Severity.WARNING, message="loss swings", epoch=3,
+    >>> a = Alert(rule="loss_swing", severity=Severity.WARNING, message="loss swings", epoch=3,
     ...           global_step=120, value=0.14, threshold=0.1, source="train_loss")
     >>> a.severity == "warning"
     True
@@ -23,48 +21,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from lightning_diag.core.files import report_write_failure
 from lightning_diag.core.record import Alert, NonFiniteAction, Severity
-from lightning_diag.core.registry import OWNERS
-from lightning_diag.rules.catalog import (
-    ATTN_ENTROPY_HIGH,
-    ATTN_ENTROPY_LOW,
-    ATTN_SINK,
-    GRAD_COLLAPSE,
-    GRAD_EXPLODE,
-    GRAD_FROZEN,
-    GRAD_LAYER_SPREAD,
-    GRAD_VANISH,
-    LOSS_STAGNANT,
-    LOSS_SWING,
-    NONFINITE_GRAD,
-    NONFINITE_LOSS,
-    NONFINITE_ROLLBACK,
-    VAL_DECLINE,
-    VAL_FLUCTUATION,
-)
 
 __all__ = [
     "ALERT_COLUMNS",
-    "ALL_RULES",
-    "ATTN_ENTROPY_HIGH",
-    "ATTN_ENTROPY_LOW",
-    "ATTN_SINK",
-    "GRAD_COLLAPSE",
-    "GRAD_EXPLODE",
-    "GRAD_FROZEN",
-    "GRAD_LAYER_SPREAD",
-    "GRAD_VANISH",
-    "LOSS_STAGNANT",
-    "LOSS_SWING",
-    "NONFINITE_GRAD",
-    "NONFINITE_LOSS",
-    "NONFINITE_ROLLBACK",
-    "VAL_DECLINE",
-    "VAL_FLUCTUATION",
     "Alert",
     "AlertLog",
     "NonFiniteAction",
@@ -75,10 +39,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("lightning_diag")
-
-#: Every rule id, mapped to the callback that raises it: a live view of the rule registry
-#: (:mod:`lightning_diag.core.registry`), complete since this module loads the catalogue.
-ALL_RULES: Mapping[str, str] = OWNERS
 
 #: Columns of every alert table (the TensorBoard ``diag/alerts`` text and the report's timeline).
 ALERT_COLUMNS: tuple[str, ...] = ("step", "epoch", "severity", "rule", "source", "value", "threshold", "message")

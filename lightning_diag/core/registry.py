@@ -2,10 +2,10 @@
 
 Every rule the library can raise is declared exactly once, next to the class that implements it (a module-level
 ``register(RuleSpec(...))`` in its ``lightning_diag.rules`` module, also set as the class's ``specs``), with the
-callback that owns it, its severity, its default threshold and settings, the constructor arguments that set them,
+callback that owns it, its severity, its default threshold and settings with their allowed values (:class:`Limit`),
 a title with the threshold filled in, and the checklist row of ``lightning-diag report`` it belongs to.
 :mod:`lightning_diag.rules.catalog` imports every declaring module and declares the checklist rows, so importing
-it (``lightning_diag.core.alerts`` and the report do) gives the complete registry. ``ALL_RULES``, the rule-id
+it (the report does) gives the complete registry. ``ALL_RULES``, the rule-id
 constants, the ``DEFAULT_*`` constants of ``rules/``, the callbacks' ``thresholds()`` and rules
 (``Rule.from_settings``), the report's defaults, titles, replays and checklist, and the docs' thresholds table
 check all derive from these declarations.
@@ -15,14 +15,14 @@ Declaring a new rule (in the rules module that implements it)::
     LABEL_IMBALANCE_SPEC = register(RuleSpec("label_imbalance", "DataDiagnostics", "warning", 0.1,
                                              "standard deviation of the class proportions above {threshold:g}",
                                              settings={"min_samples": 100},
-                                             arguments={"threshold": "label_imbalance_threshold"},
+                                             limits={"threshold": FRACTION, "min_samples": COUNT},
                                              check="data_label_balance", source="seed 000 §7.1"))
     LABEL_IMBALANCE = LABEL_IMBALANCE_SPEC.rule_id
 
-``arguments`` names the callback attribute (= constructor argument) holding the value in effect, or
-``"<argument>.<field>"`` for a field of a settings object (``"rollback.every_n_steps"``), so
-:meth:`DiagCallback.thresholds` reports the instance's values with no code of its own, and the rule class's
-``from_settings(thresholds)`` builds the rule from those values (the callbacks and the report's replay alike).
+The user sets a field with the owner's ``rules={"label_imbalance": {"threshold": 0.2}}`` (:func:`parse_rules`
+checks it against the declaration), :meth:`DiagCallback.thresholds` reports the values in effect with no code of
+its own (:func:`registry_thresholds`), and the rule class's ``from_settings(thresholds)`` builds the rule from
+those values (the callbacks and the report's replay alike).
 ``check`` puts the rule in a checklist row (:data:`CHECKS`); a new row is declared with :func:`register_check`
 in :mod:`lightning_diag.rules.catalog`, and where its status needs more than "did its rules raise a warning" it
 gets a measure function in :mod:`lightning_diag.report`.
@@ -46,25 +46,36 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import string
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Literal
 
 __all__ = [
+    "ANY_NON_NEGATIVE",
     "CHECKS",
+    "COUNT",
+    "FRACTION",
     "OWNERS",
+    "POSITIVE",
     "RULES",
     "SETTINGS",
+    "STEPS",
     "CheckSpec",
     "ChecklistLayer",
+    "Limit",
+    "ParsedRules",
+    "RuleChoices",
     "RuleSpec",
     "SettingSpec",
     "SeverityName",
     "default",
     "default_thresholds",
     "describe",
+    "owner_name",
     "owner_of",
+    "parse_rules",
     "register",
     "register_check",
     "register_setting",
@@ -75,6 +86,65 @@ __all__ = [
 
 SeverityName = Literal["info", "warning", "critical"]
 ChecklistLayer = Literal["Data", "Model", "Training", "Deployment"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """The allowed values of a threshold or setting: a finite number in a range, or an int.
+
+    Example:
+        >>> Limit(low=0.0, high=1.0, high_inclusive=False).check("threshold", 0.5)
+        0.5
+        >>> Limit(low=1, integer=True).text()
+        'an int >= 1'
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_inclusive: bool = False
+    high_inclusive: bool = True
+    integer: bool = False
+
+    def text(self) -> str:
+        """The allowed values in words (``"a number > 0 and <= 1"``)."""
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>=' if self.low_inclusive or self.integer else '>'} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"{'<=' if self.high_inclusive or self.integer else '<'} {self.high:g}")
+        return f"{'an int' if self.integer else 'a number'} {' and '.join(parts) if parts else '(finite)'}"
+
+    def check(self, name: str, value: object) -> float:
+        """``value`` as a float (an int for an integer field, an integral float accepted: YAML and jsonargparse
+        may hand either).
+
+        Raises:
+            TypeError: If ``value`` is not a real number (bools are rejected), or not integral for an int field.
+            ValueError: If it is non-finite or out of range.
+        """
+        message = f"Expected `{name}` to be {self.text()}, but got {value!r}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(message)
+        v = float(value)
+        if self.integer and not (math.isfinite(v) and v.is_integer()):
+            raise TypeError(message)
+        ok = math.isfinite(v)
+        if ok and self.low is not None:
+            ok = v >= self.low if self.low_inclusive or self.integer else v > self.low
+        if ok and self.high is not None:
+            ok = v <= self.high if self.high_inclusive or self.integer else v < self.high
+        if not ok:
+            raise ValueError(message)
+        return float(int(v)) if self.integer else v
+
+
+#: The limit of a field that declares none: any finite number ``>= 0``.
+ANY_NON_NEGATIVE = Limit(low=0.0, low_inclusive=True)
+#: A fraction in ``(0, 1)``, an int ``>= 1``, an int ``>= 0``, a number ``> 0``: the common limits.
+FRACTION = Limit(low=0.0, high=1.0, high_inclusive=False)
+COUNT = Limit(low=1, integer=True)
+STEPS = Limit(low=0, integer=True)
+POSITIVE = Limit(low=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +166,9 @@ class RuleSpec:
         check: The id of the ``lightning-diag report`` checklist row the rule belongs to (:data:`CHECKS`), or
             ``None`` for a rule shown under "Other".
         source: Where the default comes from (``"seed 000 §3.1"``), or ``""`` for the project's own choice.
-        arguments: ``"threshold"`` or a setting name -> the owner's constructor argument (and attribute) that
-            sets it, or ``"<argument>.<field>"`` for a field of a settings-object argument. Entries without one
-            always report the default.
+        limits: ``"threshold"`` or a setting name -> its allowed values (:class:`Limit`); a field without one
+            takes any finite number ``>= 0``. The user sets the fields through the owner's ``rules=``
+            (:func:`parse_rules`).
     """
 
     rule_id: str
@@ -109,16 +179,26 @@ class RuleSpec:
     settings: Mapping[str, float] = dataclasses.field(default_factory=dict)
     check: str | None = None
     source: str = ""
-    arguments: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    limits: Mapping[str, Limit] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.severity not in ("info", "warning", "critical"):
             raise ValueError(f"`severity` can be info, warning or critical, got {self.severity!r}")
-        unknown = set(self.arguments) - {"threshold", *self.settings}
+        unknown = set(self.limits) - set(self.fields)
         if unknown:
-            raise ValueError(f"`arguments` of {self.rule_id!r} name no threshold or setting: {sorted(unknown)}")
+            raise ValueError(f"`limits` of {self.rule_id!r} name no threshold or setting: {sorted(unknown)}")
         object.__setattr__(self, "settings", MappingProxyType(dict(self.settings)))
-        object.__setattr__(self, "arguments", MappingProxyType(dict(self.arguments)))
+        object.__setattr__(self, "limits", MappingProxyType(dict(self.limits)))
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The names a user sets in ``rules={rule_id: {...}}``: ``"threshold"`` (for a rule with one) and the
+        settings."""
+        return (*(("threshold",) if self.threshold is not None else ()), *self.settings)
+
+    def limit(self, name: str) -> Limit:
+        """The allowed values of ``"threshold"`` or a setting."""
+        return self.limits.get(name, ANY_NON_NEGATIVE)
 
     def key(self, name: str) -> str:
         """The ``thresholds()`` key of ``"threshold"`` or a setting name."""
@@ -159,15 +239,18 @@ class SettingSpec:
         key: The ``thresholds()`` key (``"<family>.<name>"``).
         owner: The callback it belongs to.
         default: Its default value.
-        argument: The owner's constructor argument (and attribute) that sets it.
+        argument: The owner's constructor argument (and attribute) that sets it, for a setting of what the
+            callback measures (``sample_size``); ``None`` for one set through ``rules={"<family>": {...}}``.
         rules: The rule ids it qualifies.
+        limit: Its allowed values.
     """
 
     key: str
     owner: str
     default: float
-    argument: str
+    argument: str | None = None
     rules: tuple[str, ...] = ()
+    limit: Limit = ANY_NON_NEGATIVE
 
     def value(self, thresholds: Mapping[str, float | None]) -> float:
         """The value in effect: ``thresholds[self.key]``, else the default."""
@@ -265,7 +348,7 @@ CHECKS: Mapping[str, CheckSpec] = MappingProxyType(_CHECKS)
 
 
 class _Owners(Mapping[str, str]):
-    """Rule id -> owner callback, a live view of the registry (``alerts.ALL_RULES``)."""
+    """Rule id -> owner callback, a live view of the registry (``rules.catalog.ALL_RULES``)."""
 
     def __getitem__(self, rule_id: str) -> str:
         return _RULES[rule_id].owner
@@ -365,36 +448,105 @@ def default_thresholds(owner: str | None = None) -> dict[str, float]:
     return values
 
 
-def registry_thresholds(callback: object) -> dict[str, float]:
-    """The ``thresholds()`` of a callback instance: its class's declared rules and shared settings, with the
-    values of the attributes their ``arguments`` name (the defaults where none is named or set).
+#: ``rules=`` of every callback: rule id -> ``{field: value}`` (``"threshold"`` or a setting name), ``False`` or
+#: ``None`` to switch the rule off, ``True`` for its defaults; a family of shared settings (``"grad"``) ->
+#: ``{setting: value}``. The nested form of the ``thresholds.json`` keys.
+RuleChoices = Mapping[str, Mapping[str, float] | bool | None]
 
-    The owner is the first class in the instance's method resolution order that owns a rule, so a subclass of
-    a library callback reports its base's rules.
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRules:
+    """Validated ``rules=``: the values set (``thresholds()`` keys) and the rule ids switched off."""
+
+    values: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    off: frozenset[str] = frozenset()
+
+
+def owner_name(cls: type) -> str:
+    """The class in ``cls``'s method resolution order that owns rules or shared settings (a subclass of a library
+    callback owns its base's rules), or ``""``."""
+    return next((k.__name__ for k in cls.__mro__ if rules_of(k.__name__) or settings_of(k.__name__)), "")
+
+
+def parse_rules(owner: str, rules: object) -> ParsedRules:
+    """Check a callback's ``rules=`` against the declarations of its rules and shared settings.
+
+    Raises:
+        TypeError: If ``rules`` is not a mapping, an entry not a mapping, bool or None, or a value not a number.
+        ValueError: If it names a rule the owner does not raise, a field the rule does not declare, or a value
+            out of its declared range; the message names the allowed ones.
 
     Example:
-        >>> class GradientFlowMonitor:
-        ...     vanish_threshold, patience = 1e-4, 5
-        >>> values = registry_thresholds(GradientFlowMonitor())
+        >>> import lightning_diag.rules.catalog
+        >>> parsed = parse_rules("GradientFlowMonitor", {"grad_vanish": {"threshold": 1e-4}, "grad_explode": False})
+        >>> dict(parsed.values), sorted(parsed.off)
+        ({'grad_vanish': 0.0001}, ['grad_explode'])
+        >>> parse_rules("GradientFlowMonitor", {"grad": {"patience": 5}}).values["grad.patience"]
+        5.0
+    """
+    if rules is None:
+        return ParsedRules()
+    specs = {s.rule_id: s for s in rules_of(owner)}
+    families: dict[str, dict[str, SettingSpec]] = {}
+    for setting in settings_of(owner):
+        if setting.argument is None:
+            family, _, name = setting.key.rpartition(".")
+            families.setdefault(family, {})[name] = setting
+    allowed = ", ".join([*specs, *families])
+    shape = "a mapping of rule id to {field: value}, or to False to switch the rule off"
+    if not isinstance(rules, Mapping):
+        raise TypeError(f"Expected argument `rules` to be {shape} ({allowed}), but got {rules!r}")
+    values: dict[str, float] = {}
+    off: set[str] = set()
+    for key, choice in rules.items():
+        spec = specs.get(key)
+        if spec is None and key not in families:
+            raise ValueError(f"`rules` of {owner} can name {allowed}; got {key!r}")
+        if choice is None or choice is False:
+            if spec is None:
+                raise ValueError(f"`rules[{key!r}]` is a family of settings, not a rule: it cannot be switched off")
+            off.add(key)
+            continue
+        if choice is True:
+            continue
+        if not isinstance(choice, Mapping):
+            raise TypeError(f"Expected `rules[{key!r}]` to be a mapping of field to value, True, False or None, "
+                            f"but got {choice!r}")
+        fields = spec.fields if spec is not None else tuple(families[key])
+        for name, value in choice.items():
+            if name not in fields:
+                raise ValueError(f"`rules[{key!r}]` can set {', '.join(fields) or 'nothing'}; got {name!r}")
+            limit = spec.limit(name) if spec is not None else families[key][name].limit
+            full = spec.key(name) if spec is not None else f"{key}.{name}"
+            values[full] = limit.check(f"rules[{key!r}][{name!r}]", value)
+    return ParsedRules(values, frozenset(off))
+
+
+def registry_thresholds(callback: object, parsed: ParsedRules | None = None) -> dict[str, float]:
+    """The ``thresholds()`` of a callback instance: the defaults of its class's declared rules and shared
+    settings, the values its ``rules=`` set (``parsed``), and the shared settings read from the constructor
+    arguments their declarations name. A rule switched off has no entry.
+
+    Example:
+        >>> import lightning_diag.rules.catalog
+        >>> class GradientFlowMonitor: ...
+        >>> values = registry_thresholds(GradientFlowMonitor(), parse_rules("GradientFlowMonitor",
+        ...                              {"grad_vanish": {"threshold": 1e-4}, "grad": {"patience": 5}}))
         >>> values["grad_vanish"], values["grad_explode"], values["grad.patience"]
         (0.0001, 10.0, 5.0)
     """
-    owner = next((k.__name__ for k in type(callback).__mro__ if rules_of(k.__name__) or settings_of(k.__name__)), "")
-    values: dict[str, float] = {}
-
-    def read(argument: str | None, fallback: float) -> float:
-        value: object = callback
-        for name in argument.split(".") if argument else [""]:  # "rollback.every_n_steps": a settings field
-            value = getattr(value, name, None) if name else None
-        return float(fallback if value is None else value)  # type: ignore[arg-type]
-
-    for spec in rules_of(owner):
-        if spec.threshold is not None:
-            values[spec.rule_id] = read(spec.arguments.get("threshold"), spec.threshold)
-        for name, fallback in spec.settings.items():
-            values[spec.key(name)] = read(spec.arguments.get(name), fallback)
+    owner = owner_name(type(callback))
+    parsed = parsed or ParsedRules()
+    values = default_thresholds(owner)
     for setting in settings_of(owner):
-        values[setting.key] = read(setting.argument, setting.default)
+        if setting.argument is not None:
+            given = getattr(callback, setting.argument, None)
+            values[setting.key] = float(setting.default if given is None else given)
+    values.update(parsed.values)
+    for rule_id in parsed.off:
+        spec = _RULES[rule_id]
+        for key in [spec.rule_id, *(spec.key(name) for name in spec.settings)]:
+            values.pop(key, None)
     return values
 
 

@@ -2,8 +2,7 @@
 
 The callbacks build their tags here, and the dashboard layout (:mod:`lightning_diag.output.dashboard`), the report
 and the plots read them back with the parsers and patterns here, so a tag family is defined once. This module
-imports only the standard library and the declaration of ``attn_sink`` (whose series is named after the rule), so
-the report reads runs without torch or Lightning.
+imports only the standard library, so the report reads runs without torch or Lightning.
 
 Families (``<layer>`` is a parameter group's module name, ``<module>`` an attention module's qualified name):
 
@@ -12,7 +11,8 @@ Families (``<layer>`` is a parameter group's module name, ``<module>`` an attent
   never layers (:func:`grad_layer` returns ``None`` for them).
 * ``diag/update_ratio/<layer>``, ``diag/weight_norm/<layer>``, ``diag/grad_hist/<param>``,
   ``diag/act_grad_norm/<module>``.
-* ``diag/attn_entropy/<module>/mean``, ``.../head_<h>``, ``.../uniform``; ``diag/attn_sink/<module>``;
+* ``diag/attn_entropy/<module>/mean``, ``.../head_<h>``, ``.../uniform``; ``diag/attn_sink/<module>`` (named after its
+  rule: ``tag(ATTN_SINK, module)``);
   images ``diag/attn_map/<module>``, ``diag/attn_heads/similarity|pca``.
 * ``diag/loss/<name>`` (``train_step``, ``train_epoch``, ``train_window``, ``swing``, ``val``,
   ``train_fluctuation``, ``val_fluctuation``), ``diag/lr/<optimizer>/<group>``.
@@ -36,8 +36,6 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from lightning_diag.rules.attention import ATTN_SINK
-
 __all__ = [
     "ALERTS_TAG",
     "FAMILIES",
@@ -53,8 +51,6 @@ __all__ = [
     "attn_heads_tag",
     "attn_map_tag",
     "attn_mean",
-    "attn_sink_module",
-    "attn_sink_tag",
     "attn_uniform_tag",
     "data_tag",
     "errors_tag",
@@ -189,11 +185,6 @@ def attn_uniform_tag(module: str) -> str:
     return attn_entropy_tag(module, "uniform")
 
 
-def attn_sink_tag(module: str) -> str:
-    """The smallest head's attention mass on special tokens, per attention module."""
-    return tag(ATTN_SINK, module)
-
-
 def attn_map_tag(module: str) -> str:
     """The image of a module's attention maps."""
     return tag("attn_map", module)
@@ -301,12 +292,6 @@ def attn_mean(name: str) -> str | None:
     """The module of a mean-entropy tag, else ``None``."""
     match = _MEAN.match(name)
     return match["module"] if match else None
-
-
-def attn_sink_module(name: str) -> str | None:
-    """The module of an ``attn_sink`` tag, else ``None``."""
-    p = prefix(ATTN_SINK)
-    return name[len(p) :] if name.startswith(p) else None
 
 
 def threshold_rule(name: str) -> str | None:

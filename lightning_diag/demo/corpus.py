@@ -40,16 +40,10 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lightning_diag.core.alerts import (
-    ATTN_ENTROPY_LOW,
-    GRAD_COLLAPSE,
-    GRAD_FROZEN,
-    LOSS_STAGNANT,
-    NONFINITE_LOSS,
-    Alert,
-)
+from lightning_diag.core.alerts import Alert
 from lightning_diag.demo.corpus_data import CorpusDataModule
 from lightning_diag.demo.corpus_models import ARCHITECTURES, build_net, hf_quiet
+from lightning_diag.rules.catalog import ATTN_ENTROPY_LOW, GRAD_COLLAPSE, GRAD_FROZEN, LOSS_STAGNANT, NONFINITE_LOSS
 
 __all__ = ["ARCHITECTURES", "CORPUS", "CorpusEntry", "CorpusModule", "CorpusResult", "build_corpus", "run_corpus"]
 

@@ -21,32 +21,31 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_diag.core.alerts import (
-    ATTN_ENTROPY_LOW,
-    GRAD_COLLAPSE,
-    GRAD_EXPLODE,
-    GRAD_FROZEN,
-    GRAD_VANISH,
-    LOSS_STAGNANT,
-    LOSS_SWING,
-    NONFINITE_LOSS,
-    VAL_DECLINE,
-)
 from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
 from lightning_diag.demo.synthetic import DATA_MODULES
 from lightning_diag.rules.catalog import (
     AMP_NOT_APPLIED,
+    ATTN_ENTROPY_LOW,
     BATCH_SIZE_MISMATCH,
+    DATA_LEAKAGE,
     EVAL_MODE_IN_TRAINING,
     EVAL_RANDOMNESS,
+    GRAD_COLLAPSE,
+    GRAD_EXPLODE,
+    GRAD_FROZEN,
     GRAD_NOT_ZEROED,
+    GRAD_VANISH,
     LOSS_ON_PADDING,
     LOSS_OUTLIER,
+    LOSS_STAGNANT,
+    LOSS_SWING,
+    NONFINITE_LOSS,
     POSITION_OVERFLOW,
     STEP_TIME_PERIODIC,
     TRAIN_OVERRIDE_BYPASSED,
     UPDATE_NONE,
     UPDATE_STALE,
+    VAL_DECLINE,
     WORKER_RNG_SHARED,
 )
 
@@ -98,7 +97,7 @@ class Fault:
 
 #: DataDiagnostics for the language-model entries. The demo LM task is a deterministic rule over 64 patterns, so
 #: its validation set repeats the training set by construction: leakage counts exact copies only, at 100%.
-_LM_DATA: dict[str, Any] = {"leakage_threshold": 1.0, "leakage_near_duplicate": 1.0}
+_LM_DATA: dict[str, Any] = {"rules": {DATA_LEAKAGE: {"threshold": 1.0, "near_duplicate": 1.0}}}
 
 FAULTS: dict[str, Fault] = {
     f.name: f

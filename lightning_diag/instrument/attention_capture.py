@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_diag.instrument.attention_record import AttentionRecorder, _subsample_rows
+from lightning_diag.instrument.attention_record import AttentionRecorder, subsample_rows
 from lightning_diag.instrument.attention_softmax import FOLLOWED, MASKED_SCORE, SoftmaxAttention
 from lightning_diag.instrument.sharding import head_shard
 from lightning_diag.stats.grad import is_dtensor, local_tensor
@@ -118,7 +118,7 @@ def sdpa_probabilities(
     batch = max(q.shape[0], k.shape[0])
     b = min(sample_size, batch)
     length, source_len = q.shape[-2], k.shape[-2]
-    rows = _subsample_rows(length, max_queries, q.device)
+    rows = subsample_rows(length, max_queries, q.device)
     with torch.no_grad():
         qs = q[:b, :, rows].float()
         ks = k[:b].float()
@@ -163,7 +163,7 @@ def softmax_probabilities(
     with torch.no_grad():
         b = min(sample_size, scores.shape[0])
         length, source_len = scores.shape[-2], scores.shape[-1]
-        rows = _subsample_rows(length, max_queries, scores.device)
+        rows = subsample_rows(length, max_queries, scores.device)
         s = scores.detach()[:b]
         allowed_full = s > MASKED_SCORE
         allowed = allowed_full[:, :, rows]

@@ -38,7 +38,14 @@ from torch.nn import functional as F
 
 from lightning_diag.stats.attention_probs import HeadStats, head_stats, special_key_mask
 
-__all__ = ["AttentionRecorder", "attention_requested", "mha_probabilities", "record_attention", "record_hf_attentions"]
+__all__ = [
+    "AttentionRecorder",
+    "attention_requested",
+    "mha_probabilities",
+    "record_attention",
+    "record_hf_attentions",
+    "subsample_rows",
+]
 
 _ACTIVE: AttentionRecorder | None = None
 _MHA_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
@@ -129,7 +136,7 @@ def record_hf_attentions(
             record_attention(probs, f"{prefix}.layer_{i}", attention_mask=attention_mask, causal=causal)
 
 
-def _subsample_rows(length: int, max_queries: int, device: torch.device) -> torch.Tensor:
+def subsample_rows(length: int, max_queries: int, device: torch.device) -> torch.Tensor:
     if length <= max_queries:
         return torch.arange(length, device=device)
     return torch.linspace(0, length - 1, max_queries, device=device).round().long().unique()
@@ -178,7 +185,7 @@ def mha_probabilities(
     heads = module.num_heads
     head_dim = embed // heads
     b = min(sample_size, batch)
-    rows = _subsample_rows(length, max_queries, query.device)
+    rows = subsample_rows(length, max_queries, query.device)
     with torch.no_grad():
         if module.in_proj_weight is not None:
             w_q, w_k = module.in_proj_weight[:embed], module.in_proj_weight[embed : 2 * embed]
@@ -306,7 +313,7 @@ class AttentionRecorder:
             p = p.unsqueeze(0)
         b = min(self.sample_size, p.shape[0])
         length, source_len = p.shape[2], p.shape[3]
-        rows = _subsample_rows(length, self.max_queries, p.device)
+        rows = subsample_rows(length, self.max_queries, p.device)
         p = p[:b, :, rows]
         key_valid = torch.ones(b, source_len, dtype=torch.bool, device=p.device)
         if key_padding_mask is not None:
@@ -342,7 +349,7 @@ class AttentionRecorder:
         special = F.pad(special, (0, probs.shape[-1] - source_len), value=False)
         positions = None
         if query_valid is not None:  # self-attention: query row i sits at key position rows[i]
-            rows = _subsample_rows(source_len, self.max_queries, probs.device)
+            rows = subsample_rows(source_len, self.max_queries, probs.device)
             positions = rows if rows.numel() == probs.shape[2] else None
         self.stats[name] = head_stats(probs, allowed, query_valid, special, positions)
         if self.keep_maps:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from lightning_diag.instrument.sharding import all_reduce_over_shards, is_replica, local_offset
 from lightning_diag.stats.grad import is_dtensor, local_tensor
-from lightning_diag.stats.quantization import _QUANTILE_SAMPLE, INT8_MAX, OUTLIER_QUANTILE, Granularity
+from lightning_diag.stats.quantization import INT8_MAX, OUTLIER_QUANTILE, QUANTILE_SAMPLE, Granularity
 
 __all__ = [
     "global_batch_fake_quantize",
@@ -105,7 +105,7 @@ def sharded_outlier_ratio(w: Any, quantile: float = OUTLIER_QUANTILE) -> float:
     local = local_tensor(w).detach().float().abs().flatten()
     top = local.max() if local.numel() else torch.zeros((), device=local.device)
     top_value = float(all_reduce_over_shards(top.reshape(()).clone(), w, "max"))
-    share = max(1, int(_QUANTILE_SAMPLE * local.numel() / max(w.numel(), 1)))
+    share = max(1, int(QUANTILE_SAMPLE * local.numel() / max(w.numel(), 1)))
     if is_replica(w) or local.numel() == 0:
         sample = local[:0]
     elif local.numel() > share:

@@ -1,6 +1,6 @@
 """The custom-scalars dashboard layout and the TensorBoard text tables (tags are in :mod:`lightning_diag.core.tags`).
 
-Where things are written is :class:`lightning_diag.output.writer.DiagWriter` (still importable from here): scalars to
+Where things are written is :class:`lightning_diag.output.writer.DiagWriter`: scalars to
 every logger of the trainer, the rest to the trainer's TensorBoard writer when there is one, otherwise to a
 :class:`~torch.utils.tensorboard.SummaryWriter` the library opens at ``<trainer.log_dir>/diag``. Only global
 rank zero writes.
@@ -15,19 +15,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_diag.core.alerts import Alert, alert_table_markdown
 from lightning_diag.core.registry import owner_of
 from lightning_diag.core.tags import (
-    ALERTS_TAG,
     GRAD_LAYER_PATTERN,
     GRAD_TOTAL_PATTERN,
     TAG_PREFIX,
-    THRESHOLDS_TAG,
-    sanitize_tag,
-    tag,
-    threshold_tag,
 )
 from lightning_diag.rules.catalog import (
     DDP_DESYNC,
@@ -38,23 +33,7 @@ from lightning_diag.rules.catalog import (
     UPDATE_STALE,
 )
 
-if TYPE_CHECKING:
-    from lightning_diag.output.writer import DiagWriter
-
-__all__ = [
-    "ALERTS_TAG",
-    "MAX_ALERT_ROWS",
-    "TAG_PREFIX",
-    "THRESHOLDS_TAG",
-    "DiagWriter",
-    "alert_markdown",
-    "alerts_markdown",
-    "dashboard_layout",
-    "sanitize_tag",
-    "tag",
-    "threshold_tag",
-    "thresholds_markdown",
-]
+__all__ = ["MAX_ALERT_ROWS", "alert_markdown", "alerts_markdown", "dashboard_layout", "thresholds_markdown"]
 
 log = logging.getLogger("lightning_diag")
 
@@ -267,12 +246,3 @@ def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
         }
     }
 
-
-def __getattr__(name: str) -> Any:
-    # DiagWriter lives in lightning_diag.output.writer; importing it from here keeps working without making this
-    # module (layout, tables) import Lightning.
-    if name == "DiagWriter":
-        from lightning_diag.output.writer import DiagWriter
-
-        return DiagWriter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,7 @@
   first ``TensorBoardLogger`` (of ``pytorch_lightning``, or of ``lightning`` once it is imported), or else one
   the library opens at ``<log_dir>/diag`` (which also gets the scalars: the report reads it).
 * **Steps** are on the user's axis: a trainer's writer maps the ``trainer.global_step`` a callback writes at to
-  the number of batches that stepped (:class:`~lightning_diag.callbacks.base.StepAxis`), the step Lightning logs
+  the number of batches that stepped (:class:`~lightning_diag.callbacks.step_axis.StepAxis`), the step Lightning logs
   ``self.log`` values at, so diag series and the user's metrics share one x-axis in every logger, also under
   manual optimization with several optimizers (where ``global_step`` counts every ``optimizer.step()``).
 * :meth:`DiagWriter.flush` flushes the TensorBoard writer and calls every other logger's ``save()``, so

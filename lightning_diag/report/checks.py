@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lightning_diag.core.alerts import ALL_RULES, Alert
+from lightning_diag.core.alerts import Alert
 from lightning_diag.core.registry import CHECKS, RULES, CheckSpec
 from lightning_diag.report import attention_range as _attention_range  # noqa: F401  (the attention range row)
 from lightning_diag.report import data_checks as _data_checks  # noqa: F401  (registers the Data rows)
@@ -46,19 +46,20 @@ from lightning_diag.report import silent_checks as _silent_checks  # noqa: F401 
 from lightning_diag.report.load import RunData
 from lightning_diag.report.replay import REPLAYS, replay
 from lightning_diag.report.rows import (
-    _LAYERS,
+    CHECKLIST_LAYERS,
     MEASURES,
     Check,
     Measure,
     Status,
-    _attached,
-    _fmt,
-    _json_safe,
-    _serious,
-    _threshold,
+    fmt,
+    is_attached,
+    json_safe,
     measure,
+    run_threshold,
+    serious_alerts,
 )
 from lightning_diag.report.text import clean, display
+from lightning_diag.rules.catalog import ALL_RULES
 
 __all__ = ["MEASURES", "REPLAYS", "Check", "Measure", "RunReport", "Status", "diagnose", "measure", "replay"]
 
@@ -92,7 +93,7 @@ class RunReport:
             "summary": self.counts,
             "threshold_source": self.run.threshold_source,
             "callbacks": sorted(self.run.callbacks),
-            "thresholds": _json_safe(self.run.thresholds),
+            "thresholds": json_safe(self.run.thresholds),
             "dashboard_layout": self.run.has_layout,
             "checks": [c.to_dict() for c in self.checks],
             "alerts": [a.to_dict() for a in self.timeline],
@@ -112,11 +113,11 @@ def _measure_generic(run: RunData, check: Check) -> bool:
         check.threshold_value = {"value": next(iter(numbers.values()))}
     elif numbers:
         check.threshold_value = dict(numbers)
-    alerts = _serious(run.alerts, check.rules)
+    alerts = serious_alerts(run.alerts, check.rules)
     if alerts:
         last = alerts[-1]
-        check.measured = f"{_fmt(last.value) if last.value is not None else '-'} at step {last.global_step}"
-    return any(r in run.thresholds for r in check.rules) or _attached(run, check.rules)
+        check.measured = f"{fmt(last.value) if last.value is not None else '-'} at step {last.global_step}"
+    return any(r in run.thresholds for r in check.rules) or is_attached(run, check.rules)
 
 
 # -- judging ----------------------------------------------------------------------------------------------
@@ -124,8 +125,8 @@ def _measure_generic(run: RunData, check: Check) -> bool:
 
 def _finish(check: Check, run: RunData, measured: bool, replayed: list[Alert]) -> Check:
     """The status from the run's alerts, the replayed rules' alerts and whether the series was measured."""
-    logged = _serious(run.alerts, check.rules)
-    again = _serious(replayed, check.rules)
+    logged = serious_alerts(run.alerts, check.rules)
+    again = serious_alerts(replayed, check.rules)
     check.alerts, check.replayed = len(logged), len(again)
     # The alert log's own alerts when there are some (their global step); the replay's only without them (its
     # steps are those of the logged series, on the user's step axis).
@@ -189,19 +190,19 @@ def diagnose(run: RunData) -> RunReport:
     Rows come from the registry's :data:`~lightning_diag.core.registry.CHECKS` (grouped by layer, in
     declaration order); rules without a row are listed under "Other", judged by their alerts and threshold.
     """
-    specs = sorted(CHECKS.values(), key=lambda s: _LAYERS.index(s.layer))
+    specs = sorted(CHECKS.values(), key=lambda s: CHECKLIST_LAYERS.index(s.layer))
     checks = [_guarded(spec, run) for spec in specs]
     covered = {r for c in checks for r in c.rules}
     logged_rules = {k for k in run.thresholds if "." not in k and k in ALL_RULES}
     for rule in sorted(({a.rule for a in run.alerts} | logged_rules) - covered):
         title = RULES[rule].describe(run.thresholds) if rule in RULES else f"Rule {rule}"
         check = Check(rule, "Other", title[:1].upper() + title[1:], (rule,))
-        threshold = _threshold(run, rule)
-        check.threshold = _fmt(threshold) if threshold is not None else "not logged"
+        threshold = run_threshold(run, rule)
+        check.threshold = fmt(threshold) if threshold is not None else "not logged"
         check.threshold_value = {"value": threshold} if threshold is not None else {}
-        alerts = _serious(run.alerts, (rule,))
+        alerts = serious_alerts(run.alerts, (rule,))
         if alerts:
             last = alerts[-1]
-            check.measured = f"{_fmt(last.value) if last.value is not None else '-'} at step {last.global_step}"
+            check.measured = f"{fmt(last.value) if last.value is not None else '-'} at step {last.global_step}"
         checks.append(_finish(check, run, rule in run.thresholds, []))
     return RunReport(run, checks)

@@ -21,7 +21,7 @@ from typing import Any
 from lightning_diag.core.tags import LossSeries, loss_tag, prefix
 from lightning_diag.report.checks import RunReport, diagnose
 from lightning_diag.report.load import RunData, Series, load_run, read_json
-from lightning_diag.report.rows import _json_safe
+from lightning_diag.report.rows import json_safe
 from lightning_diag.report.text import clean, display, md
 
 __all__ = ["RUN_FILE", "Comparison", "compare_runs", "divergence_step", "flatten", "render_comparison"]
@@ -115,7 +115,7 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: non-finite numbers as strings (``"nan"``, ``"inf"``), as in the report's JSON."""
-        return _json_safe(
+        return json_safe(
             {
                 "runs": self.names,
                 "differences": self.differences,

@@ -17,7 +17,7 @@ import math
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import family_tag
 from lightning_diag.report.load import RunData
-from lightning_diag.report.replay import _setting, replay
+from lightning_diag.report.replay import replay, run_setting
 from lightning_diag.report.rows import Check, measure
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.data import DATA_LEAKAGE, LABEL_IMBALANCE, DataMeasurement, DataRules
@@ -38,7 +38,7 @@ def _label_std(run: RunData) -> dict[str, tuple[int, float]]:
 
 @measure("data_label_balance")
 def _measure_label_balance(run: RunData, check: Check) -> bool:
-    limit = _setting(run, LABEL_IMBALANCE)
+    limit = run_setting(run, LABEL_IMBALANCE)
     check.threshold = f"std of class proportions <= {limit:.3g}"
     check.threshold_value = {"value": limit}
     stds = _label_std(run)
@@ -50,7 +50,7 @@ def _measure_label_balance(run: RunData, check: Check) -> bool:
 
 @measure("data_train_test_overlap")
 def _measure_overlap(run: RunData, check: Check) -> bool:
-    limit = _setting(run, DATA_LEAKAGE)
+    limit = run_setting(run, DATA_LEAKAGE)
     check.threshold = f"share of validation samples copying a training sample < {limit:.3g}"
     check.threshold_value = {"value": limit}
     leaked = _latest(run, "leaked_fraction")

@@ -22,11 +22,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from lightning_diag.core.alerts import ALL_RULES, Alert
+from lightning_diag.core.alerts import Alert
 from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE
 from lightning_diag.core.registry import default_thresholds
 from lightning_diag.core.tags import prefix
 from lightning_diag.report.text import clean, display, no_surrogates
+from lightning_diag.rules.catalog import ALL_RULES
 
 __all__ = [
     "ALERTS_FILE",

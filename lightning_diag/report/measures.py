@@ -27,8 +27,16 @@ from lightning_diag.core.tags import (
     prefix,
 )
 from lightning_diag.report.load import RunData
-from lightning_diag.report.replay import _by_step, _layer_series, _per_layer, _setting
-from lightning_diag.report.rows import Check, _attached, _finite, _fmt, _serious, _threshold, measure
+from lightning_diag.report.replay import layer_series, per_layer_series, run_setting, values_by_step
+from lightning_diag.report.rows import (
+    Check,
+    finite_values,
+    fmt,
+    is_attached,
+    measure,
+    run_threshold,
+    serious_alerts,
+)
 from lightning_diag.rules.catalog import (
     ATTN_ENTROPY_HIGH,
     ATTN_ENTROPY_LOW,
@@ -49,7 +57,7 @@ __all__: list[str] = []
 
 
 def _band_threshold(check: Check, run: RunData, low_rule: str, high_rule: str) -> tuple[float | None, float | None]:
-    low, high = _threshold(run, low_rule), _threshold(run, high_rule)
+    low, high = run_threshold(run, low_rule), run_threshold(run, high_rule)
     check.threshold_value = {k: v for k, v in (("low", low), ("high", high)) if v is not None}
     return low, high
 
@@ -58,35 +66,35 @@ def _band_threshold(check: Check, run: RunData, low_rule: str, high_rule: str) -
 def _measure_grad_band(run: RunData, check: Check) -> bool:
     _band_threshold(check, run, GRAD_VANISH, GRAD_EXPLODE)
     check.threshold = "; ".join(RULES[r].describe(run.thresholds) for r in check.rules)
-    rms = [v for series in _layer_series(run, "grad_rms").values() for v in _finite(series)]
-    relative = [v for series in _layer_series(run, "grad_relative").values() for v in _finite(series)]
+    rms = [v for series in layer_series(run, "grad_rms").values() for v in finite_values(series)]
+    relative = [v for series in layer_series(run, "grad_relative").values() for v in finite_values(series)]
     if rms or relative:  # the scale-free quantities the rules judge (issue 11)
         parts = []
         if rms:
-            parts.append(f"RMS gradient per element up to {_fmt(max(rms))}")
+            parts.append(f"RMS gradient per element up to {fmt(max(rms))}")
         if relative:
-            parts.append(f"||g||/||W|| of the matrices down to {_fmt(min(relative))}")
+            parts.append(f"||g||/||W|| of the matrices down to {fmt(min(relative))}")
         check.measured = "; ".join(parts)
         check.measured_value = {
             k: v for k, v in (("max", max(rms, default=None)), ("min", min(relative, default=None))) if v is not None
         }
         return True
-    layers = _per_layer(run)  # a run logged before the scale-free tags: raw L2 norms, for information
-    values = [v for series in layers.values() for v in _finite(series)]
+    layers = per_layer_series(run)  # a run logged before the scale-free tags: raw L2 norms, for information
+    values = [v for series in layers.values() for v in finite_values(series)]
     if values:
         lo, hi = min(values), max(values)
-        check.measured = f"layer L2 norms {_fmt(lo)} .. {_fmt(hi)} over {len(layers)} layers (not what the rules judge)"
+        check.measured = f"layer L2 norms {fmt(lo)} .. {fmt(hi)} over {len(layers)} layers (not what the rules judge)"
         check.measured_value = {"min": lo, "max": hi}
     return bool(values)
 
 
 @measure("grad_spread")
 def _measure_grad_spread(run: RunData, check: Check) -> bool:
-    ratio = _threshold(run, GRAD_LAYER_SPREAD)
-    check.threshold = f"largest / smallest <= {_fmt(ratio)}" if ratio is not None else "not logged"
+    ratio = run_threshold(run, GRAD_LAYER_SPREAD)
+    check.threshold = f"largest / smallest <= {fmt(ratio)}" if ratio is not None else "not logged"
     check.threshold_value = {"value": ratio} if ratio is not None else {}
     spreads = []
-    for values in _by_step(_layer_series(run, "grad_relative").items()).values():
+    for values in values_by_step(layer_series(run, "grad_relative").items()).values():
         roles: dict[str, list[float]] = {}
         for layer, v in values.items():
             if math.isfinite(v) and v > 0:
@@ -97,27 +105,27 @@ def _measure_grad_spread(run: RunData, check: Check) -> bool:
         what = "layer L2 norm"
         spreads = [
             max(vs) / min(vs)
-            for norms in _by_step(_per_layer(run).items()).values()
+            for norms in values_by_step(per_layer_series(run).items()).values()
             if len(vs := [v for v in norms.values() if math.isfinite(v) and v > 0]) > 1
         ]
     if spreads:
-        check.measured = f"largest / smallest {what} up to {_fmt(max(spreads))}"
+        check.measured = f"largest / smallest {what} up to {fmt(max(spreads))}"
         check.measured_value = {"max": max(spreads)}
     return bool(spreads)
 
 
 @measure(GRAD_COLLAPSE)
 def _measure_grad_collapse(run: RunData, check: Check) -> bool:
-    ratio = _threshold(run, GRAD_COLLAPSE)
-    n = int(_setting(run, f"{GRAD_COLLAPSE}.baseline_measurements"))
-    check.threshold = f"norm / baseline >= {_fmt(ratio)}" if ratio is not None else "not logged"
+    ratio = run_threshold(run, GRAD_COLLAPSE)
+    n = int(run_setting(run, f"{GRAD_COLLAPSE}.baseline_measurements"))
+    check.threshold = f"norm / baseline >= {fmt(ratio)}" if ratio is not None else "not logged"
     check.threshold_value = {"value": ratio} if ratio is not None else {}
     series = run.scalars.get(grad_blocks_tag()) or run.scalars.get(grad_total_tag(), [])
-    totals = [v for v in _finite(series) if v >= 0]
+    totals = [v for v in finite_values(series) if v >= 0]
     if len(totals) > n:
         baseline = statistics.median(totals[:n])
         lowest = min(totals[n:]) / baseline if baseline > 0 else math.nan
-        check.measured = f"lowest norm / baseline {_fmt(lowest)} (baseline {_fmt(baseline)})"
+        check.measured = f"lowest norm / baseline {fmt(lowest)} (baseline {fmt(baseline)})"
         check.measured_value = {"min": lowest, "baseline": baseline}
         return True
     if totals:
@@ -130,15 +138,15 @@ def _measure_attn_band(run: RunData, check: Check) -> bool:
     low, high = _band_threshold(check, run, ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH)
     check.threshold = "; ".join(RULES[r].describe(run.thresholds) for r in check.rules)
     heads = [t for t in run.scalars if attn_head(t)] or [t for t in run.scalars if attn_mean(t)]
-    values = [v for t in heads for v in _finite(run.scalars[t])]
+    values = [v for t in heads for v in finite_values(run.scalars[t])]
     if values:
         what = "heads" if attn_head(heads[0]) else "layer means"
-        check.measured = f"entropy {_fmt(min(values))} .. {_fmt(max(values))} nats over {len(heads)} {what}"
+        check.measured = f"entropy {fmt(min(values))} .. {fmt(max(values))} nats over {len(heads)} {what}"
         check.measured_value = {"min": min(values), "max": max(values)}
         above = sum(1 for v in values if high is not None and v > high)
         if above and high is not None:
             check.add_note(
-                f"{above} measurements above {_fmt(high)} nats (attn_entropy_high): an info hint at most, and only "
+                f"{above} measurements above {fmt(high)} nats (attn_entropy_high): an info hint at most, and only "
                 "when near uniform after warm-up, since diffuse attention can be a learned solution"
             )
     missing = [rule for rule, v in ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high)) if v is None]
@@ -149,12 +157,12 @@ def _measure_attn_band(run: RunData, check: Check) -> bool:
 
 @measure(ATTN_SINK)
 def _measure_attn_sink(run: RunData, check: Check) -> bool:
-    mass = _threshold(run, ATTN_SINK)
-    check.threshold = f"smallest head's special-token mass <= {_fmt(mass)}" if mass is not None else "not logged"
+    mass = run_threshold(run, ATTN_SINK)
+    check.threshold = f"smallest head's special-token mass <= {fmt(mass)}" if mass is not None else "not logged"
     check.threshold_value = {"value": mass} if mass is not None else {}
-    values = [v for t in run.tags(prefix(ATTN_SINK)) for v in _finite(run.scalars[t])]
+    values = [v for t in run.tags(prefix(ATTN_SINK)) for v in finite_values(run.scalars[t])]
     if values:
-        check.measured = f"special-token mass up to {_fmt(max(values))}"
+        check.measured = f"special-token mass up to {fmt(max(values))}"
         check.measured_value = {"max": max(values)}
     return bool(values)
 
@@ -163,7 +171,7 @@ def _measure_attn_sink(run: RunData, check: Check) -> bool:
 def _measure_nonfinite(run: RunData, check: Check) -> bool:
     check.threshold = "no non-finite value"
     check.threshold_value = {"value": 0.0}
-    alerts = _serious(run.alerts, check.rules)
+    alerts = serious_alerts(run.alerts, check.rules)
     bad_points = [
         (t, step)
         for t in (*run.tags(prefix("loss")), *run.tags(prefix("grad_norm")))
@@ -189,22 +197,22 @@ def _measure_nonfinite(run: RunData, check: Check) -> bool:
     else:
         check.measured = "none"
         check.measured_value = {"count": 0.0}
-    return _attached(run, check.rules) or bool(run.tags(prefix("loss"))) or bool(run.tags(prefix("grad_norm")))
+    return is_attached(run, check.rules) or bool(run.tags(prefix("loss"))) or bool(run.tags(prefix("grad_norm")))
 
 
 @measure(LOSS_SWING)
 def _measure_loss_swing(run: RunData, check: Check) -> bool:
-    threshold = _threshold(run, LOSS_SWING)
-    patience = _threshold(run, f"{LOSS_SWING}.patience")
+    threshold = run_threshold(run, LOSS_SWING)
+    patience = run_threshold(run, f"{LOSS_SWING}.patience")
     check.threshold = (
-        f"rise > {_fmt(threshold * 100)}% on {int(patience) if patience else '?'} consecutive points"
+        f"rise > {fmt(threshold * 100)}% on {int(patience) if patience else '?'} consecutive points"
         if threshold is not None
         else "not logged"
     )
     check.threshold_value = {"value": threshold} if threshold is not None else {}
     if patience:
         check.threshold_value["patience"] = patience
-    swings = _finite(run.scalars.get(loss_tag("swing"), []))
+    swings = finite_values(run.scalars.get(loss_tag("swing"), []))
     if swings:
         check.measured = f"relative change of the mean loss {min(swings):+.1%} .. {max(swings):+.1%}"
         check.measured_value = {"max": max(swings), "min": min(swings)}
@@ -215,12 +223,12 @@ def _measure_loss_swing(run: RunData, check: Check) -> bool:
 
 @measure(VAL_DECLINE)
 def _measure_val_decline(run: RunData, check: Check) -> bool:
-    patience = _threshold(run, VAL_DECLINE)
-    min_delta = _threshold(run, f"{VAL_DECLINE}.min_delta") or 0.0
-    higher = bool(_threshold(run, f"{VAL_DECLINE}.higher_is_better"))
+    patience = run_threshold(run, VAL_DECLINE)
+    min_delta = run_threshold(run, f"{VAL_DECLINE}.min_delta") or 0.0
+    higher = bool(run_threshold(run, f"{VAL_DECLINE}.higher_is_better"))
     check.threshold = f"fewer than {int(patience)} consecutive worse runs" if patience is not None else "not logged"
     check.threshold_value = {"value": patience} if patience is not None else {}
-    values = _finite(run.scalars.get(loss_tag("val"), []))
+    values = finite_values(run.scalars.get(loss_tag("val"), []))
     longest = streak = 0
     for prev, cur in itertools.pairwise(values):
         worse = (cur < prev - min_delta) if higher else (cur > prev + min_delta)
@@ -234,8 +242,8 @@ def _measure_val_decline(run: RunData, check: Check) -> bool:
 
 @measure(VAL_FLUCTUATION)
 def _measure_val_fluctuation(run: RunData, check: Check) -> bool:
-    ratio = _threshold(run, VAL_FLUCTUATION)
-    check.threshold = f"val / train fluctuation <= {_fmt(ratio)}" if ratio is not None else "not logged"
+    ratio = run_threshold(run, VAL_FLUCTUATION)
+    check.threshold = f"val / train fluctuation <= {fmt(ratio)}" if ratio is not None else "not logged"
     check.threshold_value = {"value": ratio} if ratio is not None else {}
     train = dict(run.scalars.get(loss_tag("train_fluctuation"), []))
     ratios = [
@@ -244,10 +252,10 @@ def _measure_val_fluctuation(run: RunData, check: Check) -> bool:
         if s in train and train[s] > 0 and math.isfinite(v / train[s])
     ]
     if ratios:
-        check.measured = f"val / train fluctuation up to {_fmt(max(ratios))}"
+        check.measured = f"val / train fluctuation up to {fmt(max(ratios))}"
         check.measured_value = {"max": max(ratios)}
     elif run.scalars.get(loss_tag("val")):
-        window = _threshold(run, f"{VAL_FLUCTUATION}.window")
+        window = run_threshold(run, f"{VAL_FLUCTUATION}.window")
         check.add_note(f"needs {int(window) if window else 'more'} validation runs")
     return bool(ratios)
 
@@ -255,12 +263,12 @@ def _measure_val_fluctuation(run: RunData, check: Check) -> bool:
 @measure("deploy_latency_fluctuation")
 def _measure_latency(run: RunData, check: Check) -> bool:
     # SystemMonitor's step-time fluctuation (relative MAD of block medians), judged by its rule's patience
-    values = _finite(run.scalars.get(family_tag("system", STEP_TIME_FLUCTUATION), []))
-    limit = _threshold(run, STEP_TIME_FLUCTUATION)
-    check.threshold = f"step-time fluctuation <= {_fmt(limit)}" if limit is not None else "not logged"
+    values = finite_values(run.scalars.get(family_tag("system", STEP_TIME_FLUCTUATION), []))
+    limit = run_threshold(run, STEP_TIME_FLUCTUATION)
+    check.threshold = f"step-time fluctuation <= {fmt(limit)}" if limit is not None else "not logged"
     check.threshold_value = {"value": limit} if limit is not None else {}
     if values:
-        check.measured = f"step-time fluctuation up to {_fmt(max(values))} (last {_fmt(values[-1])})"
+        check.measured = f"step-time fluctuation up to {fmt(max(values))} (last {fmt(values[-1])})"
         check.measured_value = {"max": max(values), "last": values[-1]}
         if limit is not None and max(values) > limit:
             check.add_note("above the threshold on fewer consecutive checks than step_time_fluctuation's patience")

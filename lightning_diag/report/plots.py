@@ -30,11 +30,10 @@ matplotlib.use("Agg")  # files only; must come before pyplot
 import matplotlib.pyplot as plt
 import numpy as np
 
-from lightning_diag.core.alerts import ALL_RULES
 from lightning_diag.core.tags import attn_head, grad_layer, grad_total_tag, threshold_rule, threshold_tag
 from lightning_diag.output.dashboard import dashboard_layout
 from lightning_diag.report.text import clean, display
-from lightning_diag.rules.catalog import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW
+from lightning_diag.rules.catalog import ALL_RULES, ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW
 
 if TYPE_CHECKING:
     from lightning_diag.report.load import RunData

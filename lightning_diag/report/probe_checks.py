@@ -12,8 +12,8 @@ from lightning_diag.core.alerts import Alert
 from lightning_diag.core.registry import RULES
 from lightning_diag.core.tags import quant_layer, quant_tag, sharpness_tag
 from lightning_diag.report.load import RunData
-from lightning_diag.report.replay import _setting, replay
-from lightning_diag.report.rows import Check, _finite, _fmt, measure
+from lightning_diag.report.replay import replay, run_setting
+from lightning_diag.report.rows import Check, finite_values, fmt, measure
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.catalog import QUANTIZATION_ERROR, SHARP_MINIMUM
 from lightning_diag.rules.probes import QuantizationErrorRule, SharpMinimumRule
@@ -25,14 +25,14 @@ __all__: list[str] = []
 def _measure_loss_surface(run: RunData, check: Check) -> bool:
     check.threshold = RULES[SHARP_MINIMUM].describe(run.thresholds)
     check.threshold_value = {
-        "value": _setting(run, SHARP_MINIMUM),
-        "patience": _setting(run, f"{SHARP_MINIMUM}.patience"),
+        "value": run_setting(run, SHARP_MINIMUM),
+        "patience": run_setting(run, f"{SHARP_MINIMUM}.patience"),
     }
-    gaps = _finite(run.scalars.get(sharpness_tag("gap"), []))
+    gaps = finite_values(run.scalars.get(sharpness_tag("gap"), []))
     if not gaps:
         return False
-    relative = _finite(run.scalars.get(sharpness_tag("relative_gap"), []))
-    check.measured = f"SAM gap {_fmt(min(gaps))} .. {_fmt(max(gaps))} over {len(gaps)} probes (last {_fmt(gaps[-1])}"
+    relative = finite_values(run.scalars.get(sharpness_tag("relative_gap"), []))
+    check.measured = f"SAM gap {fmt(min(gaps))} .. {fmt(max(gaps))} over {len(gaps)} probes (last {fmt(gaps[-1])}"
     check.measured += f", {relative[-1]:.0%} of the loss)" if relative else ")"
     check.measured_value = {"min": min(gaps), "max": max(gaps), "last": gaps[-1]}
     return True
@@ -47,7 +47,7 @@ def _replay_loss_surface(run: RunData) -> list[Alert]:
     return alerts
 
 
-def _layer_series(run: RunData, measure_name: str) -> dict[int, dict[str, float]]:
+def layer_series(run: RunData, measure_name: str) -> dict[int, dict[str, float]]:
     by_step: dict[int, dict[str, float]] = {}
     for name, points in run.scalars.items():
         parsed = quant_layer(name)
@@ -61,17 +61,17 @@ def _layer_series(run: RunData, measure_name: str) -> dict[int, dict[str, float]
 def _measure_quantization(run: RunData, check: Check) -> bool:
     check.threshold = RULES[QUANTIZATION_ERROR].describe(run.thresholds)
     check.threshold_value = {
-        "value": _setting(run, QUANTIZATION_ERROR),
-        "layer_ratio": _setting(run, f"{QUANTIZATION_ERROR}.layer_ratio"),
+        "value": run_setting(run, QUANTIZATION_ERROR),
+        "layer_ratio": run_setting(run, f"{QUANTIZATION_ERROR}.layer_ratio"),
     }
-    errors = _finite(run.scalars.get(quant_tag("end_to_end"), []))
+    errors = finite_values(run.scalars.get(quant_tag("end_to_end"), []))
     if not errors:
         return False
-    ratios = _finite(run.scalars.get(quant_tag("worst_layer_ratio"), []))
+    ratios = finite_values(run.scalars.get(quant_tag("worst_layer_ratio"), []))
     check.measured = f"INT8 end-to-end loss change up to {max(errors):.2%} (last {errors[-1]:.2%})"
     check.measured_value = {"max": max(errors), "last": errors[-1]}
     if ratios:
-        check.measured += f"; worst layer up to {_fmt(max(ratios))}x the median layer's output MSE"
+        check.measured += f"; worst layer up to {fmt(max(ratios))}x the median layer's output MSE"
         check.measured_value["worst_layer_ratio"] = max(ratios)
     return True
 
@@ -79,8 +79,8 @@ def _measure_quantization(run: RunData, check: Check) -> bool:
 @replay("deploy_quantization_error")
 def _replay_quantization(run: RunData) -> list[Alert]:
     rule = QuantizationErrorRule.from_settings(run.thresholds)
-    layers = _layer_series(run, "relative_mse")
-    per_channel = _layer_series(run, "relative_mse_per_channel")
+    layers = layer_series(run, "relative_mse")
+    per_channel = layer_series(run, "relative_mse_per_channel")
     alerts: list[Alert] = []
     for step, value in run.scalars.get(quant_tag("end_to_end"), []):
         end_to_end = value if math.isfinite(value) else None

@@ -24,7 +24,8 @@ from lightning_diag.core.tags import (
 )
 from lightning_diag.report.load import RunData, Series
 from lightning_diag.rules.anomaly import LossSwingRule, ValDeclineRule
-from lightning_diag.rules.attention import AttentionEntropyRule, LayerStats
+from lightning_diag.rules.attention_entropy import AttentionEntropyRule
+from lightning_diag.rules.attention_specs import LayerStats
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.catalog import (
     ATTN_ENTROPY_LOW,
@@ -34,7 +35,7 @@ from lightning_diag.rules.catalog import (
 )
 from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule, role_of
 
-__all__ = ["REPLAYS", "Replay", "replay"]
+__all__ = ["REPLAYS", "Replay", "layer_series", "per_layer_series", "replay", "run_setting", "values_by_step"]
 
 #: Re-runs a check's pure rules over the logged series; returns the alerts they raise.
 Replay = Callable[[RunData], list[Alert]]
@@ -57,11 +58,11 @@ def _threshold(run: RunData, key: str) -> float | None:
     return None if value is None else float(value)
 
 
-def _per_layer(run: RunData) -> dict[str, Series]:
+def per_layer_series(run: RunData) -> dict[str, Series]:
     return {layer: run.scalars[t] for t in run.tags(prefix("grad_norm")) if (layer := grad_layer(t)) is not None}
 
 
-def _by_step(series: Iterable[tuple[str, Series]]) -> dict[int, dict[str, float]]:
+def values_by_step(series: Iterable[tuple[str, Series]]) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
     for name, points in series:
         for step, v in points:
@@ -69,7 +70,7 @@ def _by_step(series: Iterable[tuple[str, Series]]) -> dict[int, dict[str, float]
     return dict(sorted(out.items()))
 
 
-def _setting(run: RunData, key: str) -> float:
+def run_setting(run: RunData, key: str) -> float:
     """A threshold or setting in effect for replaying: the run's, else the registry's default."""
     value = run.thresholds.get(key)
     return float(value) if value is not None else default(key)
@@ -78,7 +79,7 @@ def _setting(run: RunData, key: str) -> float:
 # -- replays ----------------------------------------------------------------------------------------------
 
 
-def _layer_series(run: RunData, family: str) -> dict[str, Series]:
+def layer_series(run: RunData, family: str) -> dict[str, Series]:
     """``diag/<family>/<layer>`` series by layer (``grad_rms``, ``grad_relative``)."""
     head = prefix(family)
     return {t[len(head) :]: run.scalars[t] for t in run.tags(head)}
@@ -93,9 +94,9 @@ def _blocks(layers: Iterable[str]) -> set[str] | None:
 @replay("grad_norm_band")
 def _replay_grad_band(run: RunData) -> list[Alert]:
     rule = GradBandRule.from_settings(run.thresholds)
-    rms = _by_step(_layer_series(run, "grad_rms").items())
-    relative = _by_step(_layer_series(run, "grad_relative").items())
-    blocks = _blocks(_layer_series(run, "grad_relative"))
+    rms = values_by_step(layer_series(run, "grad_rms").items())
+    relative = values_by_step(layer_series(run, "grad_relative").items())
+    blocks = _blocks(layer_series(run, "grad_relative"))
     alerts: list[Alert] = []
     for step in sorted(set(rms) | set(relative)):
         alerts += rule.update(rms.get(step, {}), StepContext(0, step), relative.get(step), blocks)
@@ -106,7 +107,7 @@ def _replay_grad_band(run: RunData) -> list[Alert]:
 def _replay_grad_spread(run: RunData) -> list[Alert]:
     rule = GradSpreadRule.from_settings(run.thresholds)
     alerts: list[Alert] = []
-    for step, values in _by_step(_layer_series(run, "grad_relative").items()).items():
+    for step, values in values_by_step(layer_series(run, "grad_relative").items()).items():
         alerts += rule.update(values, StepContext(0, step), {layer: role_of(layer) for layer in values})
     return alerts
 
@@ -138,7 +139,7 @@ def _replay_attn_band(run: RunData) -> list[Alert]:
     for module, per_head in heads.items():
         uniform = dict(run.scalars.get(attn_uniform_tag(module), []))
         n = max(per_head) + 1
-        for step, values in _by_step((str(h), s) for h, s in per_head.items()).items():
+        for step, values in values_by_step((str(h), s) for h, s in per_head.items()).items():
             entropy = [values.get(str(h), math.nan) for h in range(n)]
             uni = uniform.get(step, math.inf)  # not logged: the low rule judges alone
             cover = [1.0] * n if module in explained else ()

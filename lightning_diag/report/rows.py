@@ -12,13 +12,27 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
-from lightning_diag.core.alerts import ALL_RULES, Alert
+from lightning_diag.core.alerts import Alert
 from lightning_diag.report.load import RunData
+from lightning_diag.rules.catalog import ALL_RULES
 
-__all__ = ["MEASURES", "Check", "Measure", "Status", "measure"]
+__all__ = [
+    "CHECKLIST_LAYERS",
+    "MEASURES",
+    "Check",
+    "Measure",
+    "Status",
+    "finite_values",
+    "fmt",
+    "is_attached",
+    "json_safe",
+    "measure",
+    "run_threshold",
+    "serious_alerts",
+]
 
 Status = Literal["pass", "fail", "not measured"]
-_LAYERS = ("Data", "Model", "Training", "Deployment")
+CHECKLIST_LAYERS = ("Data", "Model", "Training", "Deployment")
 
 
 @dataclasses.dataclass
@@ -60,20 +74,20 @@ class Check:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (non-finite numbers as strings)."""
-        return _json_safe(dataclasses.asdict(self))
+        return json_safe(dataclasses.asdict(self))
 
     def add_note(self, text: str) -> None:
         """Append a sentence to :attr:`note`."""
         self.note = f"{self.note} {text}".strip() if self.note else text
 
 
-def _json_safe(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else str(obj)
     if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
+        return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
@@ -98,22 +112,22 @@ def measure(check_id: str) -> Callable[[Measure], Measure]:
 # -- helpers ----------------------------------------------------------------------------------------------
 
 
-def _fmt(x: float) -> str:
+def fmt(x: float) -> str:
     return f"{x:.3g}" if math.isfinite(x) else str(x)
 
 
-def _finite(points: Iterable[tuple[int, float]]) -> list[float]:
+def finite_values(points: Iterable[tuple[int, float]]) -> list[float]:
     return [v for _, v in points if math.isfinite(v)]
 
 
-def _serious(alerts: Iterable[Alert], rules: Sequence[str]) -> list[Alert]:
+def serious_alerts(alerts: Iterable[Alert], rules: Sequence[str]) -> list[Alert]:
     return [a for a in alerts if a.rule in rules and a.severity != "info"]
 
 
-def _threshold(run: RunData, key: str) -> float | None:
+def run_threshold(run: RunData, key: str) -> float | None:
     value = run.thresholds.get(key)
     return None if value is None else float(value)
 
 
-def _attached(run: RunData, rules: Sequence[str]) -> bool:
+def is_attached(run: RunData, rules: Sequence[str]) -> bool:
     return any(ALL_RULES.get(r) in run.callbacks for r in rules)

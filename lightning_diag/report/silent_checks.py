@@ -9,8 +9,8 @@ from __future__ import annotations
 from lightning_diag.core.registry import RULES
 from lightning_diag.core.tags import replicas_tag, updates_layer
 from lightning_diag.report.load import RunData
-from lightning_diag.report.replay import _setting
-from lightning_diag.report.rows import Check, _finite, _fmt, measure
+from lightning_diag.report.replay import run_setting
+from lightning_diag.report.rows import Check, finite_values, fmt, measure
 from lightning_diag.rules.catalog import DDP_DESYNC, UPDATE_STALE
 
 __all__: list[str] = []
@@ -19,12 +19,12 @@ __all__: list[str] = []
 @measure("updates_applied")
 def _measure_updates(run: RunData, check: Check) -> bool:
     check.threshold = RULES[UPDATE_STALE].describe(run.thresholds)
-    check.threshold_value = {"stale_fraction": _setting(run, UPDATE_STALE)}
+    check.threshold_value = {"stale_fraction": run_setting(run, UPDATE_STALE)}
     worst: dict[str, float] = {}
     measurements = 0
     for name, points in run.scalars.items():
         layer = updates_layer(name)
-        values = _finite(points) if layer is not None else []
+        values = finite_values(points) if layer is not None else []
         if values:
             worst[layer] = max(values)  # type: ignore[index]
             measurements = max(measurements, len(values))
@@ -42,10 +42,10 @@ def _measure_updates(run: RunData, check: Check) -> bool:
 @measure("replicas_agree")
 def _measure_replicas(run: RunData, check: Check) -> bool:
     check.threshold = RULES[DDP_DESYNC].describe(run.thresholds)
-    check.threshold_value = {"value": _setting(run, DDP_DESYNC)}
-    diffs = _finite(run.scalars.get(replicas_tag("max_rel_diff"), []))
+    check.threshold_value = {"value": run_setting(run, DDP_DESYNC)}
+    diffs = finite_values(run.scalars.get(replicas_tag("max_rel_diff"), []))
     if not diffs:
         return False
-    check.measured = f"largest relative checksum difference across ranks {_fmt(max(diffs))} over {len(diffs)} checks"
+    check.measured = f"largest relative checksum difference across ranks {fmt(max(diffs))} over {len(diffs)} checks"
     check.measured_value = {"max": max(diffs), "checks": float(len(diffs))}
     return True

@@ -36,9 +36,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Literal
 
-from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, POSITIVE, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.stats.trend import fluctuation, relative_change
 
@@ -76,29 +75,26 @@ LOSS_SWING_SPEC = register(RuleSpec(
     "loss_swing", _ALARM, "warning", 0.10,
     "training loss swings by more than {threshold:.0%} on {patience:g} consecutive epochs",
     settings={"patience": 3, "min_delta": 1e-3}, check="loss_swing", source="seed 001 §1.2",
-    arguments={"threshold": "loss_trend.swing_threshold", "patience": "loss_trend.swing_patience",
-               "min_delta": "loss_trend.swing_min_delta"},
+    limits={"threshold": POSITIVE, "patience": COUNT},
 ))
 VAL_DECLINE_SPEC = register(RuleSpec(
     "val_decline", _ALARM, "warning", 5.0, "validation metric worsens on {threshold:g} consecutive validation runs",
     settings={"min_delta": 0.0}, check="val_decline", source="seed 001 §1.2",
-    arguments={"threshold": "loss_trend.val_decline_threshold", "min_delta": "loss_trend.val_decline_min_delta"},
+    limits={"threshold": COUNT},
 ))
 VAL_FLUCTUATION_SPEC = register(RuleSpec(
     "val_fluctuation", _ALARM, "warning", 2.0,
     "validation-loss fluctuation above {threshold:g}x the training-loss fluctuation",
     settings={"window": 5, "min": 0.15, "min_range": 0.01, "min_rise": 0.1}, check="val_fluctuation",
     source="seed 000 §4.1",
-    arguments={"threshold": "loss_trend.val_fluctuation_threshold", "window": "loss_trend.val_fluctuation_window",
-               "min": "loss_trend.val_fluctuation_min", "min_range": "loss_trend.val_fluctuation_min_range",
-               "min_rise": "loss_trend.val_fluctuation_min_rise"},
+    limits={"threshold": POSITIVE, "window": Limit(low=3, integer=True)},
 ))
 LOSS_STAGNANT_SPEC = register(RuleSpec(
     "loss_stagnant", _ALARM, "warning", 0.10,
     "training loss has not fallen {threshold:.0%} below its initial value after {patience:g} points",
     settings={"patience": 4, "baseline_steps": 5},
-    arguments={"threshold": "loss_trend.stagnant_threshold", "patience": "loss_trend.stagnant_patience",
-               "baseline_steps": "loss_trend.stagnant_baseline_steps"},
+    limits={"threshold": Limit(low=0.0, high=1.0, low_inclusive=True, high_inclusive=False), "patience": COUNT,
+            "baseline_steps": COUNT},
 ))
 LOSS_SWING = LOSS_SWING_SPEC.rule_id
 VAL_DECLINE = VAL_DECLINE_SPEC.rule_id
@@ -485,14 +481,3 @@ class LossStagnantRule(Rule):
                 threshold=self.min_drop,
             )
         ]
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_VAL_DECLINE_PATIENCE": "DEFAULT_VAL_DECLINE_THRESHOLD",
-        "DEFAULT_VAL_FLUCTUATION_RATIO": "DEFAULT_VAL_FLUCTUATION_THRESHOLD",
-        "DEFAULT_VAL_FLUCTUATION_MIN_ABS": "DEFAULT_VAL_FLUCTUATION_MIN_RANGE",
-        "DEFAULT_STAGNANT_MIN_DROP": "DEFAULT_STAGNANT_THRESHOLD",
-    },
-)

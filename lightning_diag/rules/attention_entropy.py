@@ -1,5 +1,5 @@
 """``attn_entropy_low`` and ``attn_entropy_high``: per-head entropy collapse, learned sharpness and diffusion
-(framework-free; the exact meaning is in :mod:`lightning_diag.rules.attention`)."""
+(framework-free; the exact meaning is in :mod:`lightning_diag.rules.attention_specs`)."""
 
 from __future__ import annotations
 

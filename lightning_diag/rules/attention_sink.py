@@ -1,5 +1,5 @@
 """``attn_sink``: every head of a layer puts most of its attention on the special tokens (framework-free; the exact
-meaning is in :mod:`lightning_diag.rules.attention`)."""
+meaning is in :mod:`lightning_diag.rules.attention_specs`)."""
 
 from __future__ import annotations
 

@@ -133,14 +133,9 @@ class Latch:
         updates it has been without its condition."""
         return {k: [v[0] if math.isfinite(v[0]) else None, v[1]] for k, v in sorted(self._active.items())}
 
-    def load_state_dict(self, state: Mapping[str, Any] | Iterable[str]) -> None:
-        """Restore :meth:`state_dict` output (also the list of sources older versions saved)."""
-        if isinstance(state, Mapping):
-            self._active = {
-                str(k): [math.nan if v[0] is None else float(v[0]), float(v[1])] for k, v in state.items()
-            }
-        else:
-            self._active = {str(k): [math.nan, 0.0] for k in state}
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self._active = {str(k): [math.nan if v[0] is None else float(v[0]), float(v[1])] for k, v in state.items()}
 
 
 class Rule:

@@ -3,9 +3,9 @@
 Each rule is declared once, next to the class that implements it (``register(RuleSpec(...))`` at the top of its
 ``lightning_diag.rules`` module, set as the class's ``specs``); the machinery is in
 :mod:`lightning_diag.core.registry`. Importing this module loads every declaring module, so the registry is
-complete: :mod:`lightning_diag.core.alerts` (``ALL_RULES`` and the public rule-id constants, re-exported from
-here) and the report import it. It then declares the checklist rows of ``lightning-diag report``, in report
-order; a row that is named after the rule deciding it takes that rule's id from its declaration.
+complete: :data:`ALL_RULES` is read here, and the report imports it. It then declares the checklist rows of
+``lightning-diag report``, in report order; a row that is named after the rule deciding it takes that rule's id
+from its declaration.
 
 No module below it imports it (the registry does not): the import graph has no cycle. Neither torch nor Lightning
 is imported (the rules modules import the standard library, numpy and scipy only).
@@ -16,9 +16,11 @@ A callback that adds rules declares them in its rules module and adds that modul
 
 from __future__ import annotations
 
-from lightning_diag.core.registry import CheckSpec, register_check
+from collections.abc import Mapping
+
+from lightning_diag.core.registry import OWNERS, CheckSpec, register_check
 from lightning_diag.rules.anomaly import LOSS_STAGNANT, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION
-from lightning_diag.rules.attention import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
+from lightning_diag.rules.attention_specs import ATTN_ENTROPY_HIGH, ATTN_ENTROPY_LOW, ATTN_SINK
 from lightning_diag.rules.data import (
     BATCH_SIZE_MISMATCH,
     DATA_LEAKAGE,
@@ -29,7 +31,8 @@ from lightning_diag.rules.data import (
 )
 from lightning_diag.rules.data_sequences import LOSS_ON_PADDING, POSITION_OVERFLOW
 from lightning_diag.rules.errors import ERROR_CLUSTER
-from lightning_diag.rules.grad import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_FROZEN, GRAD_LAYER_SPREAD, GRAD_VANISH
+from lightning_diag.rules.grad import GRAD_COLLAPSE, GRAD_EXPLODE, GRAD_LAYER_SPREAD, GRAD_VANISH
+from lightning_diag.rules.grad_frozen import GRAD_FROZEN
 
 # isort: off  (the registry keeps declaration order: the order below is the order of ALL_RULES)
 from lightning_diag.rules.nonfinite import NONFINITE_GRAD, NONFINITE_LOSS
@@ -51,6 +54,7 @@ from lightning_diag.rules.updates import GRAD_NOT_ZEROED, UPDATE_NONE, UPDATE_ST
 # isort: on
 
 __all__ = [
+    "ALL_RULES",
     "AMP_NOT_APPLIED",
     "ATTN_ENTROPY_HIGH",
     "ATTN_ENTROPY_LOW",
@@ -93,6 +97,10 @@ __all__ = [
     "VAL_FLUCTUATION",
     "WORKER_RNG_SHARED",
 ]
+
+#: Every rule id, mapped to the callback that raises it: a live view of the rule registry
+#: (:mod:`lightning_diag.core.registry`), complete since this module loads every declaring module.
+ALL_RULES: Mapping[str, str] = OWNERS
 
 # -- checklist rows -------------------------------------------------------------------------------------
 # Seed 000 §7.1's layered checklist plus the training-process checks, in report order. A rule joins a row with

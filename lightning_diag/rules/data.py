@@ -32,9 +32,17 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
+from lightning_diag.core.registry import (
+    COUNT,
+    POSITIVE,
+    Limit,
+    RuleSpec,
+    SettingSpec,
+    default,
+    register,
+    register_setting,
+)
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
@@ -66,8 +74,7 @@ _DATA = "DataDiagnostics"
 DATA_VOCAB_SHIFT_SPEC = register(RuleSpec(
     "data_vocab_shift", _DATA, "warning", 0.3,
     "KL divergence of validation vs training token frequencies above {threshold:g} nats",
-    settings={"min_count": 5}, source="seed 000 §2.1", arguments={"threshold": "vocab_shift_threshold",
-               "min_count": "vocab_shift_min_count"},
+    settings={"min_count": 5}, source="seed 000 §2.1", limits={"threshold": POSITIVE, "min_count": COUNT},
 ))
 DATA_LEAKAGE_SPEC = register(RuleSpec(
     "data_leakage", _DATA, "warning", 0.15,
@@ -75,13 +82,13 @@ DATA_LEAKAGE_SPEC = register(RuleSpec(
     "{threshold:g}",
     settings={"near_duplicate": 0.5, "shingle_size": 3, "num_perm": 64, "min_leaks": 3},
     check="data_train_test_overlap", source="seed 000 §2.2, §7.1",
-    arguments={"threshold": "leakage_threshold", "near_duplicate": "leakage_near_duplicate",
-               "shingle_size": "leakage_shingle_size",
-               "num_perm": "num_perm", "min_leaks": "min_leaks"},
+    limits={"threshold": Limit(low=0.0, high=1.0), "near_duplicate": Limit(low=0.0, high=1.0),
+            "shingle_size": Limit(low=1, high=16, integer=True), "num_perm": Limit(low=4, high=1024, integer=True),
+            "min_leaks": COUNT},
 ))
 LABEL_IMBALANCE_SPEC = register(RuleSpec(
     "label_imbalance", _DATA, "warning", 0.1, "standard deviation of the class proportions above {threshold:g}",
-    check="data_label_balance", source="seed 000 §7.1", arguments={"threshold": "label_imbalance_threshold"},
+    check="data_label_balance", source="seed 000 §7.1", limits={"threshold": Limit(low=0.0, high=0.5)},
 ))
 DATA_NONFINITE_SPEC = register(RuleSpec(
     "data_nonfinite", _DATA, "critical", None, "NaN/Inf in a floating tensor of a sampled batch",
@@ -438,14 +445,3 @@ class DataRules(Rule):
             if key.startswith(f"{DATA_NONFINITE}:") and key not in seen:
                 self.latch.update(key, False)
         return out
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_VOCAB_KL": "DEFAULT_VOCAB_SHIFT_THRESHOLD",
-        "DEFAULT_LEAKAGE_FRACTION": "DEFAULT_LEAKAGE_THRESHOLD",
-        "DEFAULT_NEAR_DUPLICATE": "DEFAULT_LEAKAGE_NEAR_DUPLICATE",
-        "DEFAULT_LABEL_STD": "DEFAULT_LABEL_IMBALANCE_THRESHOLD",
-    },
-)

@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import RuleSpec, default, register
+from lightning_diag.core.registry import Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
@@ -45,13 +45,13 @@ LOSS_ON_PADDING_SPEC = register(RuleSpec(
     "loss_on_padding", _DATA, "warning", 0.0,
     "share of the label positions of sampled training batches that are padding (attention mask 0) "
     "yet carry a label other than -100, above {threshold:g}",
-    arguments={"threshold": "padding_labels"},
+    limits={"threshold": Limit(low=0.0, high=1.0, low_inclusive=True, high_inclusive=False)},
 ))
 POSITION_OVERFLOW_SPEC = register(RuleSpec(
     "position_overflow", _DATA, "warning", 1.0,
     "sequences longer than {threshold:g}x the longest training sequence seen (validation, or a later "
     "training measurement), or longer than the model's position capacity",
-    arguments={"threshold": "length_ratio"},
+    limits={"threshold": Limit(low=1.0, low_inclusive=True)},
 ))
 LOSS_ON_PADDING = LOSS_ON_PADDING_SPEC.rule_id
 POSITION_OVERFLOW = POSITION_OVERFLOW_SPEC.rule_id

@@ -8,12 +8,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import RuleSpec, register
+from lightning_diag.core.registry import Limit, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
     "ALPHA",
     "DEFAULT_ERROR_RATIO",
+    "DEFAULT_MIN_ERRORS",
     "DEFAULT_MIN_SHARE",
     "ERROR_CLUSTER",
     "ERROR_CLUSTER_SPEC",
@@ -26,8 +27,9 @@ ERROR_CLUSTER_SPEC = register(RuleSpec(
     "error_cluster", "ErrorAnalysis", "warning", 3.0,
     "a cluster of validation samples whose error rate is at least {threshold:g}x the overall rate and which holds "
     "at least {min_share:.0%} of the samples",
-    settings={"min_share": 0.05}, check="error_concentration", source="seed 001 §2.2",
-    arguments={"threshold": "ratio", "min_share": "min_share"},
+    settings={"min_share": 0.05, "min_errors": 10}, check="error_concentration", source="seed 001 §2.2",
+    limits={"threshold": Limit(low=1.0), "min_share": Limit(low=0.0, high=1.0),
+            "min_errors": Limit(low=2, integer=True)},
 ))
 ERROR_CLUSTER = ERROR_CLUSTER_SPEC.rule_id
 _SPEC = ERROR_CLUSTER_SPEC
@@ -41,6 +43,8 @@ DEFAULT_MIN_SHARE: float = float(_SPEC.settings["min_share"])
 #: run whose errors share no cause alerts with a chance of at most 1% however long it trains
 #: (``ErrorAnalysis.alpha``, a field rather than a constructor argument).
 ALPHA: float = 0.01
+#: Fewest wrong validation samples worth searching.
+DEFAULT_MIN_ERRORS: int = int(_SPEC.settings["min_errors"])
 _SHOWN = 3
 
 

@@ -29,7 +29,7 @@ faults rather than architecture (the measurements behind each choice are in ``do
   **converged** (an ``info``); loss not 10% below its initial value: a **dead network** (a warning: typically a
   learning rate far too high or dead ReLUs); otherwise the gradients **vanished** while the loss is far from its
   floor (a warning).
-* ``grad_frozen``: see :class:`~lightning_diag.rules.grad_frozen.GradFrozenRule` (re-exported here).
+* ``grad_frozen``: see :class:`~lightning_diag.rules.grad_frozen.GradFrozenRule` (in ``rules/grad_frozen.py``).
 
 When several layers cross one threshold at the same measurement they make one alert naming them (count and the
 worst few); a layer crossing it later, while others are still in alarm, joins that event silently. Non-finite
@@ -42,18 +42,21 @@ import math
 import statistics
 from collections.abc import Collection, Mapping
 
-from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import RuleSpec, SettingSpec, default, register, register_setting
-from lightning_diag.rules.base import OVERWHELMING, Latch, Rule, StepContext, excess, name_layers
-from lightning_diag.rules.grad_frozen import (
-    FROZEN_REASONS,
-    GRAD_FROZEN,
-    GRAD_FROZEN_SPEC,
-    GRAD_PATIENCE_SETTING,
-    GRADIENT_FLOW,
-    GradFrozenRule,
+from lightning_diag.core.registry import (
+    COUNT,
+    FRACTION,
+    POSITIVE,
+    STEPS,
+    Limit,
+    RuleSpec,
+    SettingSpec,
+    default,
+    register,
+    register_setting,
 )
+from lightning_diag.rules.base import OVERWHELMING, Latch, Rule, StepContext, excess, name_layers
+from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 
 __all__ = [
     "DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS",
@@ -63,14 +66,12 @@ __all__ = [
     "DEFAULT_GRAD_PATIENCE",
     "DEFAULT_GRAD_WARMUP_STEPS",
     "DEFAULT_LAYER_SPREAD_THRESHOLD",
+    "DEFAULT_VANISH_RELATIVE",
     "DEFAULT_VANISH_THRESHOLD",
-    "FROZEN_REASONS",
     "GRAD_COLLAPSE",
     "GRAD_COLLAPSE_SPEC",
     "GRAD_EXPLODE",
     "GRAD_EXPLODE_SPEC",
-    "GRAD_FROZEN",
-    "GRAD_FROZEN_SPEC",
     "GRAD_LAYER_SPREAD",
     "GRAD_LAYER_SPREAD_SPEC",
     "GRAD_PATIENCE_SETTING",
@@ -79,9 +80,7 @@ __all__ = [
     "GRAD_WARMUP_SETTING",
     "GradBandRule",
     "GradCollapseRule",
-    "GradFrozenRule",
     "GradSpreadRule",
-    "name_layers",
     "role_of",
 ]
 
@@ -91,24 +90,23 @@ GRAD_VANISH_SPEC = register(RuleSpec(
     "a weight matrix's ||g||/||W|| below {threshold:g} and {relative:g}x below the best-fed block matrix, after "
     "step {warmup_steps:g}",
     settings={"relative": 100.0}, check="grad_norm_band", source="seed 000 §3.1",
-    arguments={"threshold": "vanish_threshold"},
+    limits={"threshold": POSITIVE, "relative": Limit(low=1.0, low_inclusive=True)},
 ))
 GRAD_EXPLODE_SPEC = register(RuleSpec(
     "grad_explode", GRADIENT_FLOW, "warning", 1e1, "a layer's RMS gradient per element above {threshold:g}",
-    check="grad_norm_band", source="seed 000 §3.1", arguments={"threshold": "explode_threshold"},
+    check="grad_norm_band", source="seed 000 §3.1", limits={"threshold": POSITIVE},
 ))
 GRAD_LAYER_SPREAD_SPEC = register(RuleSpec(
     "grad_layer_spread", GRADIENT_FLOW, "warning", 100.0,
     "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
-    check="grad_spread", source="seed 000 §3.1", arguments={"threshold": "layer_spread_threshold"},
+    check="grad_spread", source="seed 000 §3.1", limits={"threshold": Limit(low=1.0)},
 ))
 GRAD_COLLAPSE_SPEC = register(RuleSpec(
     "grad_collapse", GRADIENT_FLOW, "warning", 0.01,
     "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or vanished: warning)",
     settings={"baseline_measurements": 5, "converged_fraction": 0.1}, check="grad_collapse",
     source="seed 001 §1.2",
-    arguments={"threshold": "collapse_threshold", "baseline_measurements": "collapse_baseline_measurements",
-               "converged_fraction": "collapse_converged_fraction"},
+    limits={"threshold": FRACTION, "baseline_measurements": COUNT, "converged_fraction": FRACTION},
 ))
 GRAD_VANISH = GRAD_VANISH_SPEC.rule_id
 GRAD_EXPLODE = GRAD_EXPLODE_SPEC.rule_id
@@ -117,13 +115,13 @@ GRAD_COLLAPSE = GRAD_COLLAPSE_SPEC.rule_id
 #: ``grad.warmup_steps``: ``grad_vanish`` / ``grad_layer_spread`` are not evaluated before this global step
 #: (initialisation transients); one setting for both rules.
 GRAD_WARMUP_SETTING = register_setting(
-    SettingSpec("grad.warmup_steps", GRADIENT_FLOW, 50, "warmup_steps", (GRAD_VANISH, GRAD_LAYER_SPREAD))
+    SettingSpec("grad.warmup_steps", GRADIENT_FLOW, 50, None, (GRAD_VANISH, GRAD_LAYER_SPREAD), STEPS)
 )
 
 #: ``grad_vanish``: a weight matrix's ``||g|| / ||W||`` below this (seed 000 §3.1's 1e-3).
 DEFAULT_VANISH_THRESHOLD = default(GRAD_VANISH)
 #: ``grad_vanish``: ... and this many times below the best-fed block matrix (``grad_vanish.relative``).
-_VANISH_RELATIVE = default(GRAD_VANISH_SPEC.key("relative"))
+DEFAULT_VANISH_RELATIVE = default(GRAD_VANISH_SPEC.key("relative"))
 #: ``grad_explode``: a layer's RMS gradient per element above this (seed 000 §3.1's 1e1).
 DEFAULT_EXPLODE_THRESHOLD = default(GRAD_EXPLODE)
 #: ``grad_layer_spread``: largest / smallest relative gradient of one role across blocks (seed 000 §3.1).
@@ -171,7 +169,7 @@ class GradBandRule(Rule):
         vanish_threshold: float = DEFAULT_VANISH_THRESHOLD,
         explode_threshold: float = DEFAULT_EXPLODE_THRESHOLD,
         patience: int = DEFAULT_GRAD_PATIENCE,
-        relative: float = _VANISH_RELATIVE,
+        relative: float = DEFAULT_VANISH_RELATIVE,
         warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
     ) -> None:
         super().__init__()
@@ -477,14 +475,3 @@ class GradCollapseRule(Rule):
                 severity=Severity.INFO if kind == "converged" else None,
             )
         ]
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_SPREAD_RATIO": "DEFAULT_LAYER_SPREAD_THRESHOLD",
-        "DEFAULT_COLLAPSE_RATIO": "DEFAULT_COLLAPSE_THRESHOLD",
-        "DEFAULT_BASELINE_MEASUREMENTS": "DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS",
-        "DEFAULT_CONVERGED_FRACTION": "DEFAULT_COLLAPSE_CONVERGED_FRACTION",
-    },
-)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import RuleSpec, SettingSpec, register, register_setting
+from lightning_diag.core.registry import COUNT, RuleSpec, SettingSpec, register, register_setting
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = ["FROZEN_REASONS", "GRAD_FROZEN", "GRAD_FROZEN_SPEC", "GRAD_PATIENCE_SETTING", "GradFrozenRule"]
@@ -26,7 +26,7 @@ GRAD_FROZEN = GRAD_FROZEN_SPEC.rule_id
 #: ``grad.patience``: consecutive measurements a gradient condition must hold before it alerts, shared by every
 #: gradient-flow rule (declared here, the first gradient module to load; :mod:`lightning_diag.rules.grad`
 #: re-exports it as ``DEFAULT_GRAD_PATIENCE``).
-GRAD_PATIENCE_SETTING = register_setting(SettingSpec("grad.patience", GRADIENT_FLOW, 3, "patience"))
+GRAD_PATIENCE_SETTING = register_setting(SettingSpec("grad.patience", GRADIENT_FLOW, 3, limit=COUNT))
 _PATIENCE = int(GRAD_PATIENCE_SETTING.default)
 
 #: ``grad_frozen``: why a parameter cannot learn, and the advice for each.

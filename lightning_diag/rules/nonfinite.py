@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert, NonFiniteAction, Severity
-from lightning_diag.core.registry import RuleSpec, register
+from lightning_diag.core.registry import COUNT, STEPS, RuleSpec, register
 from lightning_diag.rules.base import Latch, StepContext
 
 __all__ = [
@@ -52,12 +52,12 @@ __all__ = [
 # -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
 NONFINITE_LOSS_SPEC = register(RuleSpec(
     "nonfinite_loss", "AnomalyAlarm", "critical", None, "NaN/Inf in the loss",
-    settings={"max_skips": 5}, check="nonfinite", source="seed 000 §4.2", arguments={"max_skips": "max_skips"},
+    settings={"max_skips": 5}, check="nonfinite", source="seed 000 §4.2", limits={"max_skips": STEPS},
 ))
 NONFINITE_GRAD_SPEC = register(RuleSpec(
     "nonfinite_grad", "AnomalyAlarm", "critical", None, "NaN/Inf in a gradient before the optimizer step",
     settings={"max_scaler_overflows": 5}, check="nonfinite", source="seed 000 §4.2",
-    arguments={"max_scaler_overflows": "max_scaler_overflows"},
+    limits={"max_scaler_overflows": COUNT},
 ))
 NONFINITE_LOSS = NONFINITE_LOSS_SPEC.rule_id
 NONFINITE_GRAD = NONFINITE_GRAD_SPEC.rule_id
@@ -303,15 +303,16 @@ class NonFinitePolicy:
         return {**{k: getattr(self, k) for k in self.state_keys}, "latch": self.latch.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a counter missing from an older checkpoint starts at 0.
+        """Restore :meth:`state_dict` output.
 
         Raises:
-            KeyError: If ``latch`` is missing.
+            KeyError: If a key is missing; the message names every missing key.
         """
-        if "latch" not in state:
-            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys ['latch']")
+        missing = [k for k in (*self.state_keys, "latch") if k not in state]
+        if missing:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys {missing}")
         for key in self.state_keys:
-            setattr(self, key, int(state.get(key, 0)))
+            setattr(self, key, int(state[key]))
         self.latch.load_state_dict(state["latch"])
 
 

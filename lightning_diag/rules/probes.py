@@ -7,9 +7,8 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import RuleSpec, register
+from lightning_diag.core.registry import COUNT, POSITIVE, Limit, RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 
 __all__ = [
@@ -33,7 +32,7 @@ SHARP_MINIMUM_SPEC = register(RuleSpec(
     "sharp_minimum", "SharpnessProbe", "warning", 0.3,
     "SAM gap L(w+ε) − L(w) above {threshold:g} (rho {rho:g}) on {patience:g} consecutive probes",
     settings={"rho": 0.05, "patience": 3}, check="loss_surface", source="seed 000 §4.1",
-    arguments={"threshold": "threshold", "rho": "rho", "patience": "patience"},
+    limits={"threshold": POSITIVE, "rho": POSITIVE, "patience": COUNT},
 ))
 QUANTIZATION_ERROR_SPEC = register(RuleSpec(
     "quantization_error", "QuantizationProbe", "warning", 0.05,
@@ -41,7 +40,7 @@ QUANTIZATION_ERROR_SPEC = register(RuleSpec(
     "the median layer's",
     settings={"layer_ratio": 10.0, "min_layer_error": 1e-3}, check="deploy_quantization_error",
     source="seed 000 §5.1, §7.1",
-    arguments={"threshold": "threshold", "layer_ratio": "layer_ratio", "min_layer_error": "min_layer_error"},
+    limits={"threshold": POSITIVE, "layer_ratio": Limit(low=1.0, low_inclusive=True)},
 ))
 SHARP_MINIMUM = SHARP_MINIMUM_SPEC.rule_id
 QUANTIZATION_ERROR = QUANTIZATION_ERROR_SPEC.rule_id
@@ -229,17 +228,3 @@ class QuantizationErrorRule(Rule):
                 )
             )
         return alerts
-
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_SHARP_GAP": "DEFAULT_SHARP_MINIMUM_THRESHOLD",
-        "DEFAULT_RHO": "DEFAULT_SHARP_MINIMUM_RHO",
-        "DEFAULT_SHARP_PATIENCE": "DEFAULT_SHARP_MINIMUM_PATIENCE",
-        "DEFAULT_QUANT_ERROR": "DEFAULT_QUANTIZATION_ERROR_THRESHOLD",
-        "DEFAULT_LAYER_RATIO": "DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO",
-        "DEFAULT_MIN_LAYER_ERROR": "DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR",
-    },
-)

@@ -1,18 +1,16 @@
 """``ddp_desync`` (framework-free): parameters that differ across data-parallel replicas.
 
-Fed by :class:`~lightning_diag.AnomalyAlarm` early (after optimizer steps 1, 2, 4, 8, ... below the interval: a
-run is compared within its first steps, whatever its length) and then every ``desync_every_n_steps`` optimizer steps
-(:func:`check_due`). A *replica group* is a
-set of ranks that must hold identical copies of a parameter's local tensor: every rank under DDP (plain tensors);
-for a DTensor, the ranks along one of its mesh dimensions with a ``Replicate`` placement (HSDP's replicate
-dimension, a ``RowwiseParallel`` bias or a norm on the tensor-parallel dimension). Shards are never compared. Each
-rank's checksums (two numbers per parameter: its L2 norm and its sum,
+Fed by :class:`~lightning_diag.AnomalyAlarm` early (after optimizer steps 1, 2, 4, 8, ... below the interval: a run
+is compared within its first steps, whatever its length) and then every ``ddp_desync.every_n_steps`` optimizer steps
+(:func:`check_due`). A *replica group* is a set of ranks that must hold identical copies of a parameter's local
+tensor: every rank under DDP (plain tensors); for a DTensor, the ranks along one of its mesh dimensions with a
+``Replicate`` placement (HSDP's replicate dimension, a ``RowwiseParallel`` bias or a norm on the tensor-parallel
+dimension). Shards are never compared. Each rank's checksums (two numbers per parameter: its L2 norm and its sum,
 :func:`lightning_diag.stats.updates.parameter_checksums`) are gathered within each group; a member whose checksum
 differs from the group's first member's by more than ``tolerance`` (relative) is out of sync
-(:func:`member_differences`, :func:`first_differences`). The alert (critical) names the first such parameter in
-the model's order, the global ranks that differ and the ranks they were compared with. Latched: the run alerts
-once, and again only after a check found the replicas in agreement.
-"""
+(:func:`member_differences`, :func:`first_differences`). The alert (critical) names the first such parameter in the
+model's order, the global ranks that differ and the ranks they were compared with. Latched: the run alerts once, and
+again only after a check found the replicas in agreement."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
@@ -42,7 +40,7 @@ DDP_DESYNC_SPEC = register(RuleSpec(
     "a parameter's checksum differs across data-parallel replicas by more than {threshold:g} "
     "(relative), checked after steps 1, 2, 4, ... and then every {every_n_steps:g} optimizer steps",
     settings={"every_n_steps": 100}, check="replicas_agree",
-    arguments={"threshold": "desync_tolerance", "every_n_steps": "desync_every_n_steps"},
+    limits={"every_n_steps": COUNT},
 ))
 DDP_DESYNC = DDP_DESYNC_SPEC.rule_id
 

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import RuleSpec, register
+from lightning_diag.core.registry import Limit, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
@@ -20,7 +20,7 @@ ROBUSTNESS_DROP_SPEC = register(RuleSpec(
     "perturbing {rate:.0%} of the tokens (typos or swapped neighbours) drops the validation metric by more than "
     "{threshold:.0%} (relative)",
     settings={"rate": 0.05}, check="robustness", source="seed 000 §2.1",
-    arguments={"threshold": "threshold", "rate": "rate"},
+    limits={"threshold": Limit(low=0.0, high=1.0), "rate": Limit(low=0.0, high=1.0)},
 ))
 ROBUSTNESS_DROP = ROBUSTNESS_DROP_SPEC.rule_id
 _SPEC = ROBUSTNESS_DROP_SPEC

@@ -24,9 +24,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import RuleSpec, register
+from lightning_diag.core.registry import COUNT, FRACTION, STEPS, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
@@ -46,8 +45,7 @@ NONFINITE_ROLLBACK_SPEC = register(RuleSpec(
     "nonfinite_rollback", "AnomalyAlarm", "warning", None,
     "a non-finite step rolled back to a snapshot, learning rates x{lr_factor:g} per rollback",
     settings={"every_n_steps": 50, "lr_factor": 0.5, "max_rollbacks": 3, "snapshots": 3}, check="nonfinite",
-    arguments={"every_n_steps": "rollback.every_n_steps", "lr_factor": "rollback.lr_factor",
-               "max_rollbacks": "rollback.max_rollbacks", "snapshots": "rollback.snapshots"},
+    limits={"every_n_steps": COUNT, "lr_factor": FRACTION, "max_rollbacks": STEPS, "snapshots": COUNT},
 ))
 NONFINITE_ROLLBACK = NONFINITE_ROLLBACK_SPEC.rule_id
 _SPEC = NONFINITE_ROLLBACK_SPEC
@@ -172,11 +170,3 @@ class RollbackRule(Rule):
         super().load_state_dict(state)
         self.rollbacks = int(self.rollbacks)
         self.lr_scale = float(self.lr_scale)
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_ROLLBACK_KEEP": "DEFAULT_ROLLBACK_SNAPSHOTS",
-    },
-)

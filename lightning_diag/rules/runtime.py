@@ -30,12 +30,16 @@ import math
 from collections.abc import Mapping, Sequence
 
 from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import RuleSpec, register
+from lightning_diag.core.registry import FRACTION, POSITIVE, Limit, RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, list_names
 
 __all__ = [
     "AMP_NOT_APPLIED",
     "AMP_NOT_APPLIED_SPEC",
+    "DEFAULT_AMP_SHARE",
+    "DEFAULT_LOSS_OUTLIER_RATIO",
+    "DEFAULT_LOSS_OUTLIER_THRESHOLD",
+    "DEFAULT_LOSS_OUTLIER_WINDOW",
     "EVAL_BEFORE_TRAINING",
     "EVAL_BEFORE_TRAINING_SPEC",
     "EVAL_RANDOMNESS",
@@ -86,6 +90,7 @@ AMP_NOT_APPLIED_SPEC = register(
         0.5,
         "mixed precision configured, but more than {threshold:g} of the matmul layers' parameters compute in "
         "float32 on a sampled training step",
+        limits={"threshold": FRACTION},
     )
 )
 AMP_NOT_APPLIED = AMP_NOT_APPLIED_SPEC.rule_id
@@ -99,6 +104,7 @@ LOSS_OUTLIER_SPEC = register(
         "a training step's loss more than {threshold:g} robust standard deviations and {ratio:g}x above the median "
         "of the {window:g} steps before it, back at the untrained model's level",
         settings={"ratio": 2.0, "window": 32},
+        limits={"threshold": POSITIVE, "ratio": Limit(low=1.0), "window": Limit(low=4, integer=True)},
     )
 )
 LOSS_OUTLIER = LOSS_OUTLIER_SPEC.rule_id
@@ -114,6 +120,15 @@ EVAL_BEFORE_TRAINING_SPEC = register(
     )
 )
 EVAL_BEFORE_TRAINING = EVAL_BEFORE_TRAINING_SPEC.rule_id
+
+#: ``amp_not_applied``: share of the matmul layers' parameters computing in float32 above which it fires.
+DEFAULT_AMP_SHARE: float = float(AMP_NOT_APPLIED_SPEC.threshold or 0.5)
+#: ``loss_outlier``: robust standard deviations above the median of the window.
+DEFAULT_LOSS_OUTLIER_THRESHOLD: float = float(LOSS_OUTLIER_SPEC.threshold or 10.0)
+#: ``loss_outlier``: ... and this factor above that median.
+DEFAULT_LOSS_OUTLIER_RATIO: float = float(LOSS_OUTLIER_SPEC.settings["ratio"])
+#: ``loss_outlier``: the steps the median and MAD are taken over.
+DEFAULT_LOSS_OUTLIER_WINDOW: int = int(LOSS_OUTLIER_SPEC.settings["window"])
 
 _SHOWN = 4
 #: ``loss_outlier``: judgments without an outlier after which a new outlier is a new event.
@@ -242,7 +257,7 @@ class AmpRule(Rule):
     specs = (AMP_NOT_APPLIED_SPEC,)
     state_keys = ("checks", "last_share")
 
-    def __init__(self, share: float = 0.5) -> None:
+    def __init__(self, share: float = DEFAULT_AMP_SHARE) -> None:
         super().__init__()
         self.share = share
         self.checks = 0
@@ -351,7 +366,12 @@ class LossOutlierRule(Rule):
     specs = (LOSS_OUTLIER_SPEC,)
     state_keys = ("history", "initial", "outliers")
 
-    def __init__(self, threshold: float = 10.0, ratio: float = 2.0, window: int = 32) -> None:
+    def __init__(
+        self,
+        threshold: float = DEFAULT_LOSS_OUTLIER_THRESHOLD,
+        ratio: float = DEFAULT_LOSS_OUTLIER_RATIO,
+        window: int = DEFAULT_LOSS_OUTLIER_WINDOW,
+    ) -> None:
         super().__init__()
         self.threshold, self.ratio, self.window = threshold, ratio, max(int(window), 2)
         # Repeated corruptions are one event: it ends after 10 judgments (logging steps) without an outlier.

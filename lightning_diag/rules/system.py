@@ -34,9 +34,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from lightning_diag.core.deprecation import renamed_constants
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, POSITIVE, STEPS, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.stats.timing import (
     Periodicity,
@@ -83,16 +82,14 @@ DATALOADER_BOUND_SPEC = register(RuleSpec(
     "dataloader_bound", _SYSTEM, "warning", 0.25,
     "waiting for data above {threshold:.0%} of the step time on {patience:g} consecutive intervals",
     settings={"patience": 3, "min_wait_s": 0.005},
-    arguments={"threshold": "dataloader_bound_threshold", "patience": "dataloader_bound_patience",
-               "min_wait_s": "dataloader_bound_min_wait_s"},
+    limits={"threshold": Limit(low=0.0, high=1.0), "patience": COUNT},
 ))
 STEP_TIME_PERIODIC_SPEC = register(RuleSpec(
     "step_time_periodic", _SYSTEM, "warning", 0.05,
     "slow steps (more than {slow_ratio:.0%} above the median) recurring with a fixed period and costing above "
     "{threshold:.0%} of the time",
     settings={"slow_ratio": 0.5, "window": 200}, source="seed 001 §1.2",
-    arguments={"threshold": "step_time_periodic_threshold", "slow_ratio": "step_time_periodic_slow_ratio",
-               "window": "window"},
+    limits={"threshold": Limit(low=0.0, high=1.0), "slow_ratio": POSITIVE, "window": Limit(low=30, integer=True)},
 ))
 STEP_TIME_FLUCTUATION_SPEC = register(RuleSpec(
     "step_time_fluctuation", _SYSTEM, "warning", 0.15,
@@ -100,15 +97,14 @@ STEP_TIME_FLUCTUATION_SPEC = register(RuleSpec(
     "{threshold:.0%}",
     settings={"patience": 3, "warmup_steps": 20, "block_steps": 10}, check="deploy_latency_fluctuation",
     source="seed 000 §7.1",
-    arguments={"threshold": "step_time_fluctuation_threshold", "patience": "step_time_fluctuation_patience",
-               "warmup_steps": "warmup_steps", "block_steps": "step_time_fluctuation_block_steps"},
+    limits={"threshold": POSITIVE, "patience": COUNT, "warmup_steps": STEPS, "block_steps": COUNT},
 ))
 MEMORY_GROWTH_SPEC = register(RuleSpec(
     "memory_growth", _SYSTEM, "warning", 0.1,
     "host or device memory growing by more than {threshold:.0%} over {window:g} intervals",
     settings={"window": 8, "rising_fraction": 0.7},
-    arguments={"threshold": "memory_growth_threshold", "window": "memory_growth_window",
-               "rising_fraction": "memory_growth_rising_fraction"},
+    limits={"threshold": POSITIVE, "window": Limit(low=3, integer=True),
+            "rising_fraction": Limit(low=0.0, high=1.0)},
 ))
 DATALOADER_BOUND = DATALOADER_BOUND_SPEC.rule_id
 STEP_TIME_PERIODIC = STEP_TIME_PERIODIC_SPEC.rule_id
@@ -503,24 +499,3 @@ class MemoryGrowthRule(Rule):
                     )
                 )
         return alerts
-
-
-# Names before issue 20's naming scheme, served with a DeprecationWarning for one release.
-__getattr__ = renamed_constants(
-    __name__,
-    {
-        "DEFAULT_DATALOADER_SHARE": "DEFAULT_DATALOADER_BOUND_THRESHOLD",
-        "DEFAULT_DATALOADER_PATIENCE": "DEFAULT_DATALOADER_BOUND_PATIENCE",
-        "DEFAULT_DATALOADER_MIN_WAIT_S": "DEFAULT_DATALOADER_BOUND_MIN_WAIT_S",
-        "DEFAULT_PERIODIC_SHARE": "DEFAULT_STEP_TIME_PERIODIC_THRESHOLD",
-        "DEFAULT_SLOW_RATIO": "DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO",
-        "DEFAULT_STEP_WINDOW": "DEFAULT_STEP_TIME_WINDOW",
-        "DEFAULT_FLUCTUATION": "DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD",
-        "DEFAULT_FLUCTUATION_PATIENCE": "DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE",
-        "DEFAULT_WARMUP_STEPS": "DEFAULT_STEP_TIME_WARMUP_STEPS",
-        "DEFAULT_BLOCK_STEPS": "DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS",
-        "DEFAULT_MEMORY_GROWTH": "DEFAULT_MEMORY_GROWTH_THRESHOLD",
-        "DEFAULT_MEMORY_WINDOW": "DEFAULT_MEMORY_GROWTH_WINDOW",
-        "DEFAULT_MEMORY_RISING_FRACTION": "DEFAULT_MEMORY_GROWTH_RISING_FRACTION",
-    },
-)

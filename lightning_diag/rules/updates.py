@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, STEPS, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext, list_names, name_layers
 from lightning_diag.rules.grad_frozen import GRADIENT_FLOW
 
@@ -56,7 +56,7 @@ UPDATE_NONE_SPEC = register(RuleSpec(
     "a parameter with non-zero gradients that {patience:g} consecutive measured optimizer steps leave "
     "unchanged (every one of its {sample_size:g} sampled elements)",
     settings={"patience": 3, "sample_size": 32}, check="updates_applied",
-    arguments={"patience": "patience", "sample_size": "update_sample_size"},
+    limits={"patience": COUNT, "sample_size": STEPS},
 ))
 UPDATE_STALE_SPEC = register(RuleSpec(
     "update_stale", GRADIENT_FLOW, "warning", 0.5,
@@ -64,7 +64,7 @@ UPDATE_STALE_SPEC = register(RuleSpec(
     "sampled elements with a non-zero gradient unchanged (updates round to zero), on {patience:g} "
     "consecutive measurements",
     settings={"patience": 3}, check="updates_applied",
-    arguments={"threshold": "stale_fraction", "patience": "patience"},
+    limits={"threshold": Limit(low=0.0, high=1.0, low_inclusive=True, high_inclusive=False), "patience": COUNT},
 ))
 GRAD_NOT_ZEROED_SPEC = register(RuleSpec(
     "grad_not_zeroed", GRADIENT_FLOW, "warning", None,

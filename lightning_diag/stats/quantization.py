@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "INT8_MAX",
+    "QUANTILE_SAMPLE",
     "Granularity",
     "LayerErrorAccumulator",
     "channel_outlier_ratio",
@@ -40,7 +41,7 @@ INT8_MAX = 127
 #: The percentile of |w| an outlier is compared with.
 OUTLIER_QUANTILE = 0.99
 #: At most this many weights are sampled for the percentile (``torch.quantile``'s input limit is 2^24).
-_QUANTILE_SAMPLE = 1 << 20
+QUANTILE_SAMPLE = 1 << 20
 
 
 def _scale(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
@@ -99,8 +100,8 @@ def outlier_ratio(w: torch.Tensor, quantile: float = OUTLIER_QUANTILE) -> float:
     a = w.detach().float().abs().flatten()
     if a.numel() == 0:
         return 0.0
-    if a.numel() > _QUANTILE_SAMPLE:
-        a_sample = a[torch.linspace(0, a.numel() - 1, _QUANTILE_SAMPLE, device=a.device).long()]
+    if a.numel() > QUANTILE_SAMPLE:
+        a_sample = a[torch.linspace(0, a.numel() - 1, QUANTILE_SAMPLE, device=a.device).long()]
     else:
         a_sample = a
     bulk = float(torch.quantile(a_sample, quantile))

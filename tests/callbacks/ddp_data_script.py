@@ -56,7 +56,7 @@ if __name__ == "__main__":
     train = DataLoader(WithFeatures(xt, yt, features), batch_size=16, shuffle=True)
     val = DataLoader(WithFeatures(xv, yv, val_features), batch_size=16)
     trainer.fit(Model(), train, val)
-    out = {"alerts": [a.to_dict() for a in cb.alerts], "last": cb.last, "latch": sorted(cb.rules.latch.active)}
+    out = {"alerts": [a.to_dict() for a in cb.alerts], "last": cb.last, "latch": sorted(cb.data_rules.latch.active)}
     (root / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank has written its results

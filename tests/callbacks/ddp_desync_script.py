@@ -57,7 +57,7 @@ class NoAllReduce(pl.Callback):
 if __name__ == "__main__":
     root, mode = Path(sys.argv[1]), sys.argv[2]
     pl.seed_everything(0)
-    alarm = AnomalyAlarm(desync_every_n_steps=2)
+    alarm = AnomalyAlarm(rules={"ddp_desync": {"every_n_steps": 2}})
     gfm = GradientFlowMonitor(log_every_n_steps=2)
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -93,15 +93,17 @@ if __name__ == "__main__":
         sys.exit(0)
     alarm = AnomalyAlarm()
     # a tiny explode threshold makes every layer alert, so the ranks' gradient decisions can be compared
-    monitor = GradientFlowMonitor(log_every_n_steps=1, vanish_threshold=1e-9, explode_threshold=1e-2)
+    monitor = GradientFlowMonitor(
+        log_every_n_steps=1, rules={"grad_vanish": {"threshold": 1e-9}, "grad_explode": {"threshold": 1e-2}}
+    )
     # a ceiling far below uniform makes every head alert, so the ranks' attention decisions can be compared
     attention = AttentionEntropyMonitor(
         log_every_n_steps=1,
-        entropy_low_threshold=0.05,
-        entropy_high_threshold=0.1,
-        entropy_high_uniform_fraction=0.5,
-        entropy_high_warmup_steps=0,
-        patience=1,
+        rules={
+            "attn_entropy_low": {"threshold": 0.05},
+            "attn_entropy_high": {"threshold": 0.1, "uniform_fraction": 0.5, "warmup_steps": 0},
+            "attn": {"patience": 1},
+        },
     )
     model = Model()
     trainer = pl.Trainer(

@@ -17,7 +17,7 @@ if __name__ == "__main__":
     root = Path(sys.argv[1])
     model = reparametrise(with_outlier(pretrained()))
     model.lr = 1e-6
-    sharp, quant = SharpnessProbe(patience=2), QuantizationProbe(backend="fake")
+    sharp, quant = SharpnessProbe(rules={"sharp_minimum": {"patience": 2}}), QuantizationProbe(backend="fake")
     trainer = pl.Trainer(
         **{**FAST, "accelerator": "cpu", "devices": 2, "strategy": "ddp"},
         max_epochs=2,

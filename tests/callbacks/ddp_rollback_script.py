@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from lightning_diag import AnomalyAlarm, RollbackSettings
+from lightning_diag import AnomalyAlarm
 from tests.callbacks.nonfinite_models import Regression
 
 
@@ -26,7 +26,7 @@ class RankFault(Regression):
 
 if __name__ == "__main__":
     root = sys.argv[1]
-    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=3))
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": 3}})
     model = RankFault(fault="forward")
     trainer = pl.Trainer(
         accelerator="cpu",

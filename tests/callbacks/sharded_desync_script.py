@@ -86,7 +86,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     root, layout, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     dp, tp = {"hsdp": (2, 1), "hsdp4": (4, 1), "tp": (1, 2), "tpln": (1, 2)}[layout]
-    alarm = AnomalyAlarm(desync_every_n_steps=2)
+    alarm = AnomalyAlarm(rules={"ddp_desync": {"every_n_steps": 2}})
     target = {"tp": "fc2.bias", "tpln": "ln.weight"}.get(layout, "fc2.weight")
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -8,7 +8,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from lightning_diag import AnomalyAlarm, LossTrendSettings, NonFiniteError, read_alerts
+from lightning_diag import AnomalyAlarm, NonFiniteError, read_alerts
 from lightning_diag.demo import FAULTS, build_fault, run_demo
 
 FAST = dict(enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", log_every_n_steps=5)
@@ -24,37 +24,43 @@ def serious(alerts):
     [
         ({"on_nonfinite": "explode"}, ValueError, "on_nonfinite"),
         ({"on_nonfinite": 1}, TypeError, "on_nonfinite"),
-        ({"max_skips": -1}, ValueError, "max_skips"),
-        ({"max_skips": 1.5}, TypeError, "max_skips"),
-        ({"swing_threshold": 0}, ValueError, "swing_threshold"),
-        ({"swing_threshold": "10%"}, TypeError, "swing_threshold"),
-        ({"swing_patience": 0}, ValueError, "swing_patience"),
-        ({"swing_min_delta": -1.0}, ValueError, "swing_min_delta"),
         ({"swing_window": "step"}, ValueError, "swing_window"),
         ({"swing_window": 0}, ValueError, "swing_window"),
         ({"monitor": ""}, TypeError, "monitor"),
         ({"mode": "down"}, ValueError, "mode"),
-        ({"val_decline_threshold": 0}, ValueError, "val_decline_threshold"),
-        ({"val_decline_min_delta": math.nan}, ValueError, "val_decline_min_delta"),
-        ({"val_fluctuation_threshold": -2}, ValueError, "val_fluctuation_threshold"),
-        ({"val_fluctuation_window": 2}, ValueError, "val_fluctuation_window"),
-        ({"val_fluctuation_min": -0.1}, ValueError, "val_fluctuation_min"),
-        ({"val_fluctuation_min_range": -1}, ValueError, "val_fluctuation_min_range"),
-        ({"val_fluctuation_min_rise": -1}, ValueError, "val_fluctuation_min_rise"),
         ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
-        ({"stagnant_threshold": 1.0}, ValueError, "stagnant_threshold"),
-        ({"stagnant_threshold": "10%"}, TypeError, "stagnant_threshold"),
-        ({"stagnant_patience": 0}, ValueError, "stagnant_patience"),
-        ({"stagnant_baseline_steps": 0}, ValueError, "stagnant_baseline_steps"),
     ],
 )
 def test_invalid_configuration(kwargs, error, names):
-    trend_fields = {f.name for f in dataclasses.fields(LossTrendSettings)}
     with pytest.raises(error, match=f"`{names}`"):
-        if set(kwargs) <= trend_fields:  # the loss-trend values are LossTrendSettings fields, checked there
-            AnomalyAlarm(loss_trend=LossTrendSettings(**kwargs))
-        else:
-            AnomalyAlarm(**kwargs)
+        AnomalyAlarm(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("rule", "field", "value", "error"),
+    [
+        ("nonfinite_loss", "max_skips", -1, ValueError),
+        ("nonfinite_loss", "max_skips", 1.5, TypeError),
+        ("loss_swing", "threshold", 0, ValueError),
+        ("loss_swing", "threshold", "10%", TypeError),
+        ("loss_swing", "patience", 0, ValueError),
+        ("loss_swing", "min_delta", -1.0, ValueError),
+        ("val_decline", "threshold", 0, ValueError),
+        ("val_decline", "min_delta", math.nan, ValueError),
+        ("val_fluctuation", "threshold", -2, ValueError),
+        ("val_fluctuation", "window", 2, ValueError),
+        ("val_fluctuation", "min", -0.1, ValueError),
+        ("val_fluctuation", "min_range", -1, ValueError),
+        ("val_fluctuation", "min_rise", -1, ValueError),
+        ("loss_stagnant", "threshold", 1.0, ValueError),
+        ("loss_stagnant", "threshold", "10%", TypeError),
+        ("loss_stagnant", "patience", 0, ValueError),
+        ("loss_stagnant", "baseline_steps", 0, ValueError),
+    ],
+)
+def test_invalid_rule_values_name_the_field_and_what_is_allowed(rule, field, value, error):
+    with pytest.raises(error, match=rf"`rules\['{rule}'\]\['{field}'\]` to be (a number|an int)"):
+        AnomalyAlarm(rules={rule: {field: value}})
 
 
 def test_allowed_values_are_named():
@@ -170,7 +176,7 @@ class _NanEveryOther(pl.LightningModule):
 
 def test_skip_goes_on_then_stops_at_the_limit(tmp_path):
     model = _NanEveryOther()
-    alarm = AnomalyAlarm(on_nonfinite="skip", max_skips=3)
+    alarm = AnomalyAlarm(on_nonfinite="skip", rules={"nonfinite_loss": {"max_skips": 3}})
     trainer = pl.Trainer(max_epochs=1, default_root_dir=tmp_path, callbacks=[alarm], **FAST)
     trainer.fit(model)
     # bad steps 5, 7, 9 are skipped (each its own episode: a good step clears the latch); the 4th (11)
@@ -277,13 +283,13 @@ def test_val_fluctuation(tmp_path, zigzag):
     if zigzag:
         assert "val_fluctuation" in rules
         first = next(a for a in alarm.alerts if a.rule == "val_fluctuation")
-        assert first.epoch == alarm.loss_trend.val_fluctuation_window - 1  # as soon as the window is full
+        assert first.epoch == alarm.val_fluctuation_rule.window - 1  # as soon as the window is full
     else:
         assert rules == []
 
 
 def test_step_window_mode(tmp_path):
-    alarm = AnomalyAlarm(loss_trend=LossTrendSettings(swing_window=8))
+    alarm = AnomalyAlarm(swing_window=8)
     result = run_demo("swing", root=str(tmp_path), callbacks=[alarm])
     assert alarm.swing_rule.unit.startswith("window")
     assert len(alarm.swing_rule.history) > 0
@@ -335,7 +341,6 @@ def _overfit_trainer(tmp_path, max_epochs, alarm, ckpt_every=None):
 
 
 def _overfit_parts():
-    import dataclasses
 
     from lightning_diag.demo import DemoConfig, SyntheticDataModule, TinyTransformerClassifier
 
@@ -466,7 +471,7 @@ def test_gradscaler_overflows_are_the_scalers_business(tmp_path):
 
 
 def test_gradscaler_persistent_overflow_alerts(tmp_path):
-    alarm = AnomalyAlarm(max_scaler_overflows=3)
+    alarm = AnomalyAlarm(rules={"nonfinite_grad": {"max_scaler_overflows": 3}})
     trainer = _scaler_trainer(tmp_path, alarm, 2.0**127)  # overflows far longer than 3 steps
     trainer.fit(_Returns("tensor"))
     assert [a.rule for a in alarm.alerts] == ["nonfinite_grad"]
@@ -488,22 +493,3 @@ def test_accumulated_loss_is_on_the_same_scale(tmp_path):
         trainer.fit(_Returns("tensor"))
         means[accumulate] = alarm.swing_rule.previous
     assert means[4] == pytest.approx(means[1], rel=0.3)  # not divided by 4
-
-
-def test_state_of_the_layout_before_the_split_loads():
-    """Checkpoints written before the policy kept its scaler-overflow count (no `nonfinite_counts`) resume."""
-    alarm = AnomalyAlarm(on_nonfinite="skip")
-    alarm.policy.skips, alarm.policy.scaler_overflows = 2, 3
-    alarm.policy.latch.update("loss", True)
-    state = alarm.state_dict()
-    assert state["skips"] == 2 and state["nonfinite_latch"] == {"loss": [None, 0.0]}
-    assert state["nonfinite_counts"] == {"scaler_overflows": 3}
-    del state["nonfinite_counts"]
-    restored = AnomalyAlarm(on_nonfinite="skip")
-    restored.load_state_dict(state)
-    assert (restored.policy.skips, restored.policy.scaler_overflows) == (2, 0)
-    assert restored.policy.latch.active == {"loss"}
-    state["nonfinite_latch"] = ["loss"]  # the latch as a list of sources (before issue 23)
-    older = AnomalyAlarm(on_nonfinite="skip")
-    older.load_state_dict(state)
-    assert older.policy.latch.active == {"loss"}

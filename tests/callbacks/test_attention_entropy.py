@@ -30,17 +30,17 @@ HEADS = [f"encoder.layers.{i}.self_attn/head_{h}" for i in range(2) for h in ran
         ({"special_token_ids": [True]}, TypeError, "special_token_ids"),
         ({"input_ids": "input_ids"}, TypeError, "input_ids"),
         ({"image_every_n_steps": -1}, ValueError, "image_every_n_steps"),
-        ({"entropy_low_threshold": -0.1}, ValueError, "entropy_low_threshold"),
-        ({"entropy_high_threshold": 0.1}, ValueError, "entropy_high_threshold"),
-        ({"entropy_high_uniform_fraction": 1.5}, ValueError, "entropy_high_uniform_fraction"),
-        ({"entropy_high_warmup_steps": -1}, ValueError, "entropy_high_warmup_steps"),
-        ({"sink_threshold": 1.0}, ValueError, "sink_threshold"),
-        ({"patience": 0}, ValueError, "patience"),
+        ({"rules": {"attn_entropy_low": {"threshold": -0.1}}}, ValueError, "threshold"),
+        ({"rules": {"attn_entropy_high": {"threshold": 0}}}, ValueError, "threshold"),
+        ({"rules": {"attn_entropy_high": {"uniform_fraction": 1.5}}}, ValueError, "uniform_fraction"),
+        ({"rules": {"attn_entropy_high": {"warmup_steps": -1}}}, ValueError, "warmup_steps"),
+        ({"rules": {"attn_sink": {"threshold": 1.0}}}, ValueError, "threshold"),
+        ({"rules": {"attn": {"patience": 0}}}, ValueError, "patience"),
         ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
     ],
 )
 def test_invalid_configuration(kwargs, error, name):
-    with pytest.raises(error, match=f"`{name}`"):
+    with pytest.raises(error, match=rf"`{name}`|\['{name}'\]`"):
         AttentionEntropyMonitor(**kwargs)
 
 
@@ -63,7 +63,7 @@ def test_attention_fault_fires_low_entropy_and_sink_within_window(tmp_path):
 
 def test_fresh_and_healthy_model_raises_no_warning(tmp_path):
     # warm-up off: the diffuse heads of the healthy demo (the task is solved by averaging) may only be `info`
-    monitor = AttentionEntropyMonitor(entropy_high_warmup_steps=0)
+    monitor = AttentionEntropyMonitor(rules={"attn_entropy_high": {"warmup_steps": 0}})
     run_demo("none", max_epochs=1, root=str(tmp_path), callbacks=[monitor], **NO_VAL)
     assert [a for a in monitor.alerts if a.severity != "info"] == []
     assert all(a.rule == "attn_entropy_high" for a in monitor.alerts)
@@ -266,12 +266,12 @@ def test_resume_keeps_streaks_and_latches(tmp_path):
     assert {a.global_step for a in resumed.alerts} == {35}
 
 
-def test_load_state_dict_missing_rule_key_starts_that_rule_afresh():
+def test_load_state_dict_names_a_missing_rule_key():
     state = AttentionEntropyMonitor().state_dict()
+    assert set(state) == {"entropy", "sink"}
     del state["sink"]
-    resumed = AttentionEntropyMonitor()
-    resumed.load_state_dict(state)  # a checkpoint from before the rule: no KeyError
-    assert set(resumed.state_dict()) == {"entropy", "sink"}
+    with pytest.raises(KeyError, match="sink"):
+        AttentionEntropyMonitor().load_state_dict(state)
 
 
 def test_accumulation_samples_one_micro_batch_per_step(tmp_path):

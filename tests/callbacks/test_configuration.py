@@ -1,17 +1,14 @@
-"""Invalid configuration, table-driven: every constructor argument of every callback (issues 7, 20).
+"""Invalid configuration, table-driven: every constructor argument of every callback, and every rule field set
+through ``rules=`` (issues 7, 20, 33).
 
-Each error is raised at construction, names the argument and says what is allowed. Issue 20's renamed arguments
-(one naming scheme for thresholds: ``<rule>_threshold`` and ``<rule>_<setting>``) keep their old names for one
-release with a ``DeprecationWarning`` naming the new one; AnomalyAlarm's trend and rollback arguments moved into
-:class:`LossTrendSettings` and :class:`RollbackSettings`.
+Each error is raised at construction, names the argument (or the ``rules[...]`` field) and says what is allowed.
 """
 
-import dataclasses
 import inspect
 import math
-import warnings
 
 import pytest
+import pytorch_lightning as pl
 
 import lightning_diag
 from lightning_diag import (
@@ -19,36 +16,32 @@ from lightning_diag import (
     AttentionEntropyMonitor,
     DataDiagnostics,
     GradientFlowMonitor,
-    LossTrendSettings,
-    RollbackSettings,
     SystemMonitor,
 )
-from lightning_diag.callbacks import anomaly_alarm, attention_entropy, data_diagnostics, gradient_flow, system_monitor
-from lightning_diag.core.deprecation import renamed_arguments
-from lightning_diag.core.registry import default_thresholds
+from lightning_diag.core.registry import RULES, default_thresholds, rules_of
 
 # callback -> argument -> [(bad value, error, what the message must say is allowed)]
 INVALID = {
     AnomalyAlarm: {
-        "desync_every_n_steps": [(0, ValueError, "an int >= 1")],
-        "desync_tolerance": [(-1.0, ValueError, "a number >= 0")],
         "on_alert": [(42, TypeError, "a callable")],
         "on_nonfinite": [
             ("explode", ValueError, "'stop', 'raise', 'skip', 'warn', 'rollback'"),
             (1, TypeError, "'stop'"),
         ],
-        "max_skips": [(-1, ValueError, "an int >= 0"), (1.5, TypeError, "an int >= 0")],
-        "max_scaler_overflows": [(0, ValueError, "an int >= 1"), ("5", TypeError, "an int >= 1")],
         "monitor": [("", TypeError, "a non-empty metric name"), (3, TypeError, "a non-empty metric name")],
         "mode": [("down", ValueError, "'min', 'max'")],
         "locate_nonfinite": [("yes", TypeError, "a bool")],
-        "loss_trend": [({"swing_threshold": 0.2}, TypeError, "a LossTrendSettings or None")],
-        "rollback": [(RollbackSettings, TypeError, "a RollbackSettings or None")],
+        "swing_window": [
+            ("step", ValueError, "'epoch' or an int >= 1"),
+            (0, ValueError, "'epoch' or an int >= 1"),
+            (True, TypeError, "'epoch' or an int >= 1"),
+            (2.5, TypeError, "'epoch' or an int >= 1"),
+        ],
+        "rollback_device": [("gpu", ValueError, "'cpu', 'device'")],
         "log_every_n_steps": [(0, ValueError, "an int >= 1"), (1.0, TypeError, "an int >= 1")],
+        "rules": [(3, TypeError, "a mapping of rule id to {field: value}")],
     },
     GradientFlowMonitor: {
-        "stale_fraction": [(1.5, ValueError, "a number >= 0 and < 1")],
-        "update_sample_size": [(-1, ValueError, "an int >= 0")],
         "on_alert": [(42, TypeError, "a callable")],
         "log_every_n_steps": [(0, ValueError, "an int >= 1")],
         "params": [("encoder.*", TypeError, "a list of name patterns or a predicate"), ([1], TypeError, "patterns")],
@@ -56,19 +49,9 @@ INVALID = {
         "histogram_every_n_steps": [(-1, ValueError, "an int >= 0")],
         "log_weight_norms": [(1, TypeError, "True or False")],
         "activation_grads": [("head.0", TypeError, "True, False or a list of module-name patterns")],
-        "vanish_threshold": [(0, ValueError, "a number > 0")],
-        "explode_threshold": [(1e-4, ValueError, "a number > 0.001")],
-        "layer_spread_threshold": [(0.5, ValueError, "a number > 1")],
-        "collapse_threshold": [(1.5, ValueError, "a number > 0 and < 1"), (0, ValueError, "> 0 and < 1")],
-        "patience": [(0, ValueError, "an int >= 1")],
-        "collapse_baseline_measurements": [(0, ValueError, "an int >= 1")],
         "expect_frozen": [("enc", TypeError, "a list of parameter-name patterns"), ([1], TypeError, "patterns")],
-        "warmup_steps": [(-1, ValueError, "an int >= 0")],
-        "collapse_converged_fraction": [
-            (1.0, ValueError, "a number > 0 and < 1"),
-            (-0.1, ValueError, "> 0 and < 1"),
-        ],
         "logit_projections": [("q_proj", TypeError, "a list of module names"), ([1], TypeError, "module names")],
+        "rules": [(["grad_vanish"], TypeError, "a mapping of rule id to {field: value}")],
     },
     AttentionEntropyMonitor: {
         "on_alert": [(42, TypeError, "a callable")],
@@ -80,72 +63,84 @@ INVALID = {
         "special_token_ids": [([True], TypeError, "a sequence of ints")],
         "input_ids": [("input_ids", TypeError, "a callable batch -> tensor")],
         "image_every_n_steps": [(-1, ValueError, "an int >= 0")],
-        "entropy_low_threshold": [(0, ValueError, "a number > 0")],
-        "entropy_high_threshold": [(0.1, ValueError, "a number > 0.5")],
-        "entropy_high_uniform_fraction": [(2, ValueError, "a number > 0 and <= 1")],
-        "entropy_high_warmup_steps": [(-1, ValueError, "an int >= 0")],
-        "sink_threshold": [(1.0, ValueError, "a number > 0 and < 1")],
-        "patience": [(0, ValueError, "an int >= 1")],
-    },
-    # The renamed thresholds of the other two callbacks (their other arguments: their own test modules).
-    DataDiagnostics: {
-        "padding_labels": [(-1.0, ValueError, "a number >= 0 and < 1")],
-        "length_ratio": [(0.0, ValueError, "a number >= 1")],
-        "vocab_shift_threshold": [(-1, ValueError, "a number > 0")],
-        "vocab_shift_min_count": [(0, ValueError, "an int >= 1")],
-        "leakage_threshold": [(1.5, ValueError, "a number > 0 and <= 1")],
-        "leakage_near_duplicate": [("high", TypeError, "a number > 0 and <= 1")],
-        "leakage_shingle_size": [(0, ValueError, "an int >= 1 and <= 16")],
-        "label_imbalance_threshold": [(0.7, ValueError, "a number > 0 and <= 0.5")],
+        "rules": [("attn_sink", TypeError, "a mapping of rule id to {field: value}")],
     },
     SystemMonitor: {
-        "dataloader_bound_threshold": [(1.5, ValueError, "a number > 0 and <= 1"), ("x", TypeError, "a number")],
-        "dataloader_bound_patience": [(0, ValueError, "an int >= 1")],
-        "dataloader_bound_min_wait_s": [(-1.0, ValueError, "a number >= 0")],
-        "step_time_periodic_threshold": [(0, ValueError, "a number > 0")],
-        "step_time_periodic_slow_ratio": [(0, ValueError, "a number > 0")],
-        "step_time_fluctuation_threshold": [(-0.1, ValueError, "a number > 0")],
-        "step_time_fluctuation_patience": [(0, ValueError, "an int >= 1")],
-        "step_time_fluctuation_block_steps": [(0, ValueError, "an int >= 1")],
-        "memory_growth_threshold": [(0, ValueError, "a number > 0")],
-        "memory_growth_window": [(2, ValueError, "an int >= 3")],
-        "memory_growth_rising_fraction": [(1.5, ValueError, "a number > 0 and <= 1")],
+        "on_alert": [(42, TypeError, "a callable")],
+        "log_every_n_steps": [(0, ValueError, "an int >= 1")],
+        "nvml": [(1, TypeError, "a bool")],
+        "time_callbacks": [("yes", TypeError, "a bool")],
+        "rules": [(3, TypeError, "a mapping of rule id to {field: value}")],
     },
 }
 #: Callbacks whose table above lists every constructor argument.
-COMPLETE = (AnomalyAlarm, GradientFlowMonitor, AttentionEntropyMonitor)
+COMPLETE = (AnomalyAlarm, GradientFlowMonitor, AttentionEntropyMonitor, SystemMonitor)
 
-# settings class -> field -> [(bad value, error, what the message must say is allowed)]
-SETTINGS_INVALID = {
-    LossTrendSettings: {
-        "swing_threshold": [(0, ValueError, "a number > 0"), ("10%", TypeError, "a number > 0")],
-        "swing_patience": [(0, ValueError, "an int >= 1")],
-        "swing_min_delta": [(-1.0, ValueError, "a number >= 0"), (math.inf, ValueError, ">= 0")],
-        "swing_window": [
-            ("step", ValueError, "'epoch' or an int >= 1"),
-            (0, ValueError, "'epoch' or an int >= 1"),
-            (True, TypeError, "'epoch' or an int >= 1"),
-            (2.5, TypeError, "'epoch' or an int >= 1"),
-        ],
-        "stagnant_threshold": [(1.0, ValueError, "a number >= 0 and < 1"), ("10%", TypeError, ">= 0 and < 1")],
-        "stagnant_patience": [(0, ValueError, "an int >= 1")],
-        "stagnant_baseline_steps": [(0, ValueError, "an int >= 1")],
-        "val_decline_threshold": [(0, ValueError, "an int >= 1"), (5.0, TypeError, "an int >= 1")],
-        "val_decline_min_delta": [(math.nan, ValueError, "a number >= 0")],
-        "val_fluctuation_threshold": [(-2, ValueError, "a number > 0")],
-        "val_fluctuation_window": [(2, ValueError, "an int >= 3")],
-        "val_fluctuation_min": [(-0.1, ValueError, "a number >= 0")],
-        "val_fluctuation_min_range": [(-1, ValueError, "a number >= 0")],
-        "val_fluctuation_min_rise": [(-1, ValueError, "a number >= 0")],
-    },
-    RollbackSettings: {
-        "every_n_steps": [(0, ValueError, "an int >= 1")],
-        "lr_factor": [(0.0, ValueError, "a number > 0 and < 1"), (1.0, ValueError, "a number > 0 and < 1")],
-        "max_rollbacks": [(-1, ValueError, "an int >= 0")],
-        "device": [("gpu", ValueError, "'cpu', 'device'")],
-        "snapshots": [(0, ValueError, "an int >= 1")],
-    },
-}
+# (callback, rule id or family, field, bad value, error, what the message must say is allowed)
+RULE_INVALID = [
+    (AnomalyAlarm, "ddp_desync", "every_n_steps", 0, ValueError, "an int >= 1"),
+    (AnomalyAlarm, "ddp_desync", "threshold", -1.0, ValueError, "a number >= 0"),
+    (AnomalyAlarm, "nonfinite_loss", "max_skips", -1, ValueError, "an int >= 0"),
+    (AnomalyAlarm, "nonfinite_loss", "max_skips", 1.5, TypeError, "an int >= 0"),
+    (AnomalyAlarm, "nonfinite_grad", "max_scaler_overflows", 0, ValueError, "an int >= 1"),
+    (AnomalyAlarm, "nonfinite_grad", "max_scaler_overflows", "5", TypeError, "an int >= 1"),
+    (AnomalyAlarm, "loss_swing", "threshold", 0, ValueError, "a number > 0"),
+    (AnomalyAlarm, "loss_swing", "threshold", "10%", TypeError, "a number > 0"),
+    (AnomalyAlarm, "loss_swing", "patience", 0, ValueError, "an int >= 1"),
+    (AnomalyAlarm, "loss_swing", "min_delta", -1.0, ValueError, "a number >= 0"),
+    (AnomalyAlarm, "loss_swing", "min_delta", math.inf, ValueError, ">= 0"),
+    (AnomalyAlarm, "loss_stagnant", "threshold", 1.0, ValueError, "a number >= 0 and < 1"),
+    (AnomalyAlarm, "loss_stagnant", "patience", 0, ValueError, "an int >= 1"),
+    (AnomalyAlarm, "loss_stagnant", "baseline_steps", 0, ValueError, "an int >= 1"),
+    (AnomalyAlarm, "val_decline", "threshold", 0, ValueError, "an int >= 1"),
+    (AnomalyAlarm, "val_decline", "threshold", 5.5, TypeError, "an int >= 1"),
+    (AnomalyAlarm, "val_decline", "min_delta", math.nan, ValueError, "a number >= 0"),
+    (AnomalyAlarm, "val_fluctuation", "threshold", -2, ValueError, "a number > 0"),
+    (AnomalyAlarm, "val_fluctuation", "window", 2, ValueError, "an int >= 3"),
+    (AnomalyAlarm, "val_fluctuation", "min", -0.1, ValueError, "a number >= 0"),
+    (AnomalyAlarm, "val_fluctuation", "min_range", -1, ValueError, "a number >= 0"),
+    (AnomalyAlarm, "val_fluctuation", "min_rise", -1, ValueError, "a number >= 0"),
+    (AnomalyAlarm, "nonfinite_rollback", "every_n_steps", 0, ValueError, "an int >= 1"),
+    (AnomalyAlarm, "nonfinite_rollback", "lr_factor", 1.0, ValueError, "a number > 0 and < 1"),
+    (AnomalyAlarm, "nonfinite_rollback", "max_rollbacks", -1, ValueError, "an int >= 0"),
+    (AnomalyAlarm, "nonfinite_rollback", "snapshots", 0, ValueError, "an int >= 1"),
+    (GradientFlowMonitor, "update_stale", "threshold", 1.5, ValueError, "a number >= 0 and < 1"),
+    (GradientFlowMonitor, "update_none", "sample_size", -1, ValueError, "an int >= 0"),
+    (GradientFlowMonitor, "grad_vanish", "threshold", 0, ValueError, "a number > 0"),
+    (GradientFlowMonitor, "grad_explode", "threshold", -1e-4, ValueError, "a number > 0"),
+    (GradientFlowMonitor, "grad_layer_spread", "threshold", 0.5, ValueError, "a number > 1"),
+    (GradientFlowMonitor, "grad_collapse", "threshold", 1.5, ValueError, "a number > 0 and < 1"),
+    (GradientFlowMonitor, "grad_collapse", "baseline_measurements", 0, ValueError, "an int >= 1"),
+    (GradientFlowMonitor, "grad_collapse", "converged_fraction", 1.0, ValueError, "a number > 0 and < 1"),
+    (GradientFlowMonitor, "grad", "patience", 0, ValueError, "an int >= 1"),
+    (GradientFlowMonitor, "grad", "warmup_steps", -1, ValueError, "an int >= 0"),
+    (AttentionEntropyMonitor, "attn_entropy_low", "threshold", 0, ValueError, "a number > 0"),
+    (AttentionEntropyMonitor, "attn_entropy_high", "uniform_fraction", 2, ValueError, "a number > 0 and <= 1"),
+    (AttentionEntropyMonitor, "attn_entropy_high", "warmup_steps", -1, ValueError, "an int >= 0"),
+    (AttentionEntropyMonitor, "attn_sink", "threshold", 1.0, ValueError, "a number > 0 and < 1"),
+    (AttentionEntropyMonitor, "attn", "patience", 0, ValueError, "an int >= 1"),
+    (DataDiagnostics, "loss_on_padding", "threshold", -1.0, ValueError, "a number >= 0 and < 1"),
+    (DataDiagnostics, "position_overflow", "threshold", 0.0, ValueError, "a number >= 1"),
+    (DataDiagnostics, "data_vocab_shift", "threshold", -1, ValueError, "a number > 0"),
+    (DataDiagnostics, "data_vocab_shift", "min_count", 0, ValueError, "an int >= 1"),
+    (DataDiagnostics, "data_leakage", "threshold", 1.5, ValueError, "a number > 0 and <= 1"),
+    (DataDiagnostics, "data_leakage", "near_duplicate", "high", TypeError, "a number > 0 and <= 1"),
+    (DataDiagnostics, "data_leakage", "shingle_size", 0, ValueError, "an int >= 1 and <= 16"),
+    (DataDiagnostics, "label_imbalance", "threshold", 0.7, ValueError, "a number > 0 and <= 0.5"),
+    (SystemMonitor, "dataloader_bound", "threshold", 1.5, ValueError, "a number > 0 and <= 1"),
+    (SystemMonitor, "dataloader_bound", "threshold", "x", TypeError, "a number"),
+    (SystemMonitor, "dataloader_bound", "patience", 0, ValueError, "an int >= 1"),
+    (SystemMonitor, "dataloader_bound", "min_wait_s", -1.0, ValueError, "a number >= 0"),
+    (SystemMonitor, "step_time_periodic", "threshold", 0, ValueError, "a number > 0"),
+    (SystemMonitor, "step_time_periodic", "slow_ratio", 0, ValueError, "a number > 0"),
+    (SystemMonitor, "step_time_periodic", "window", 29, ValueError, "an int >= 30"),
+    (SystemMonitor, "step_time_fluctuation", "threshold", -0.1, ValueError, "a number > 0"),
+    (SystemMonitor, "step_time_fluctuation", "patience", 0, ValueError, "an int >= 1"),
+    (SystemMonitor, "step_time_fluctuation", "block_steps", 0, ValueError, "an int >= 1"),
+    (SystemMonitor, "memory_growth", "threshold", 0, ValueError, "a number > 0"),
+    (SystemMonitor, "memory_growth", "window", 2, ValueError, "an int >= 3"),
+    (SystemMonitor, "memory_growth", "rising_fraction", 1.5, ValueError, "a number > 0 and <= 1"),
+]
 CASES = [
     pytest.param(callback, argument, value, error, allowed, id=f"{callback.__name__}-{argument}-{value!r}")
     for callback, table in INVALID.items()
@@ -154,9 +149,22 @@ CASES = [
 ]
 
 
+def _public_callbacks() -> list[type]:
+    found = [getattr(lightning_diag, name) for name in lightning_diag.__all__]
+    return [c for c in found if isinstance(c, type) and issubclass(c, pl.Callback)]
+
+
 @pytest.mark.parametrize("callback", COMPLETE, ids=lambda c: c.__name__)
 def test_every_constructor_argument_has_a_row(callback):
     assert set(INVALID[callback]) == set(inspect.signature(callback).parameters)
+
+
+@pytest.mark.parametrize("callback", _public_callbacks(), ids=lambda c: c.__name__)
+def test_constructors_take_at_most_ten_arguments_one_of_them_rules(callback):
+    """What a callback measures, how often and what it does on an alert; thresholds go through ``rules=``."""
+    parameters = inspect.signature(callback).parameters
+    assert len(parameters) <= 10, list(parameters)
+    assert "rules" in parameters and parameters["rules"].default is None
 
 
 @pytest.mark.parametrize(("callback", "argument", "value", "error", "allowed"), CASES)
@@ -167,6 +175,62 @@ def test_invalid_argument_is_rejected_naming_it_and_the_allowed_values(callback,
     assert f"Expected argument `{argument}` to be " in message
     assert allowed in message
     assert f"but got {value!r}" in message
+
+
+@pytest.mark.parametrize(
+    ("callback", "rule", "field", "value", "error", "allowed"),
+    [pytest.param(*row, id=f"{row[0].__name__}-{row[1]}.{row[2]}-{row[3]!r}") for row in RULE_INVALID],
+)
+def test_invalid_rule_field_is_rejected_naming_it_and_the_allowed_values(callback, rule, field, value, error, allowed):
+    with pytest.raises(error) as info:
+        callback(rules={rule: {field: value}})
+    message = str(info.value)
+    assert f"Expected `rules[{rule!r}][{field!r}]` to be " in message
+    assert allowed in message
+    assert f"but got {value!r}" in message
+
+
+@pytest.mark.parametrize("callback", _public_callbacks(), ids=lambda c: c.__name__)
+def test_unknown_rule_or_field_names_the_allowed_ones(callback):
+    owned = [s.rule_id for s in rules_of(callback.__name__)]
+    with pytest.raises(ValueError, match=rf"`rules` of {callback.__name__} can name {owned[0]}.*; got 'no_such_rule'"):
+        callback(rules={"no_such_rule": {"threshold": 1.0}})
+    spec = RULES[owned[0]]
+    with pytest.raises(ValueError, match=rf"`rules\['{owned[0]}'\]` can set .*; got 'no_such_field'"):
+        callback(rules={owned[0]: {"no_such_field": 1.0}})
+    with pytest.raises(TypeError, match=rf"`rules\['{owned[0]}'\]` to be a mapping of field to value"):
+        callback(rules={owned[0]: 0.5})
+    assert set(spec.fields) <= {"threshold", *spec.settings}
+
+
+@pytest.mark.parametrize("callback", _public_callbacks(), ids=lambda c: c.__name__)
+def test_a_rule_switched_off_raises_nothing_and_reports_no_threshold(callback):
+    spec = rules_of(callback.__name__)[0]
+    for off in (False, None):
+        instance = callback(rules={spec.rule_id: off})
+        assert spec.rule_id in instance.rule_choices.off
+        assert not any(k == spec.rule_id or k.startswith(f"{spec.rule_id}.") for k in instance.thresholds())
+        alert = lightning_diag.Alert(spec.rule_id, spec.severity, "x", 0, 0, None, None, "src")
+        assert instance.record([alert]) == [] and instance.alerts == []
+    assert callback(rules={spec.rule_id: True}).thresholds() == callback().thresholds()
+
+
+def test_a_value_set_reaches_the_rule_and_the_thresholds():
+    monitor = GradientFlowMonitor(rules={"grad_vanish": {"threshold": 1e-4}, "grad": {"patience": 5}})
+    assert monitor.band_rule.vanish_threshold == 1e-4 and monitor.thresholds()["grad.patience"] == 5.0
+    alarm = AnomalyAlarm(
+        on_nonfinite="rollback",
+        swing_window=100,
+        rules={"loss_swing": {"threshold": 0.2}, "val_decline": {"threshold": 2},
+               "nonfinite_rollback": {"every_n_steps": 100, "lr_factor": 0.25}},
+    )
+    values = alarm.thresholds()
+    assert values["loss_swing"] == 0.2 and values["loss_swing.window_steps"] == 100.0
+    assert values["val_decline"] == 2.0
+    assert values["nonfinite_rollback.every_n_steps"] == 100.0 and values["nonfinite_rollback.lr_factor"] == 0.25
+    assert alarm.recovery.every_n_steps == 100 and alarm.recovery.rule.lr_factor == 0.25
+    assert alarm.trend.swing_rule.threshold == 0.2 and alarm.trend.val_decline_rule.patience == 2
+    assert alarm.state_key == "AnomalyAlarm{'monitor': 'val_loss', 'swing_window': 100}"
 
 
 @pytest.mark.parametrize("callback", list(INVALID), ids=lambda c: c.__name__)
@@ -182,59 +246,7 @@ def test_constructors_are_keyword_only(callback):
         callback(1)
 
 
-# -- settings classes ------------------------------------------------------------------------------------------
-SETTINGS_CASES = [
-    pytest.param(kind, field, value, error, allowed, id=f"{kind.__name__}-{field}-{value!r}")
-    for kind, table in SETTINGS_INVALID.items()
-    for field, rows in table.items()
-    for value, error, allowed in rows
-]
-
-
-@pytest.mark.parametrize("kind", list(SETTINGS_INVALID), ids=lambda c: c.__name__)
-def test_every_settings_field_has_a_row(kind):
-    assert set(SETTINGS_INVALID[kind]) == {f.name for f in dataclasses.fields(kind)}
-
-
-@pytest.mark.parametrize(("kind", "field", "value", "error", "allowed"), SETTINGS_CASES)
-def test_invalid_setting_is_rejected_at_construction_naming_it(kind, field, value, error, allowed):
-    with pytest.raises(error) as info:
-        kind(**{field: value})
-    message = str(info.value)
-    assert f"Expected argument `{field}` to be " in message
-    assert allowed in message
-    assert f"but got {value!r}" in message
-
-
-@pytest.mark.parametrize("kind", list(SETTINGS_INVALID), ids=lambda c: c.__name__)
-def test_settings_are_frozen_keyword_values_with_the_registry_defaults(kind):
-    settings = kind()
-    name = next(iter(SETTINGS_INVALID[kind]))
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        setattr(settings, name, 1)
-    assert kind() == settings and hash(kind()) == hash(settings)
-    alarm = AnomalyAlarm(on_nonfinite="rollback")
-    expected = default_thresholds("AnomalyAlarm")
-    expected.pop("nonfinite_loss.max_skips")  # in force only with on_nonfinite="skip", so left out here
-    assert {k: v for k, v in alarm.thresholds().items() if k in expected} == expected
-
-
-def test_settings_objects_are_passed_and_read_back():
-    alarm = AnomalyAlarm(
-        on_nonfinite="rollback",
-        loss_trend=LossTrendSettings(swing_threshold=0.2, swing_window=100, val_decline_threshold=2),
-        rollback=RollbackSettings(every_n_steps=100, lr_factor=0.25),
-    )
-    values = alarm.thresholds()
-    assert values["loss_swing"] == 0.2 and values["loss_swing.window_steps"] == 100.0
-    assert values["val_decline"] == 2.0
-    assert values["nonfinite_rollback.every_n_steps"] == 100.0 and values["nonfinite_rollback.lr_factor"] == 0.25
-    assert alarm.recovery.every_n_steps == 100 and alarm.recovery.rule.lr_factor == 0.25
-    assert alarm.trend.swing_rule.threshold == 0.2 and alarm.trend.val_decline_rule.patience == 2
-    assert alarm.state_key == "AnomalyAlarm{'monitor': 'val_loss', 'swing_window': 100}"
-
-
-def test_defaults_are_those_of_before_the_settings_classes():
+def test_defaults_are_the_registry_defaults():
     alarm = AnomalyAlarm()
     expected = {
         k: v
@@ -243,11 +255,7 @@ def test_defaults_are_those_of_before_the_settings_classes():
     }
     assert alarm.thresholds() == {**expected, "val_decline.higher_is_better": 0.0}
     assert alarm.state_key == "AnomalyAlarm{'monitor': 'val_loss', 'swing_window': 'epoch'}"
-    assert GradientFlowMonitor().thresholds() == {
-        **default_thresholds("GradientFlowMonitor"),
-        "grad_vanish.relative": 100.0,
-    }
-    for callback in (AttentionEntropyMonitor, DataDiagnostics, SystemMonitor):
+    for callback in (GradientFlowMonitor, AttentionEntropyMonitor, DataDiagnostics, SystemMonitor):
         assert callback().thresholds() == default_thresholds(callback.__name__)
 
 
@@ -255,133 +263,7 @@ def test_loss_trend_does_not_read_its_owner():
     from lightning_diag.callbacks.loss_trend import LossTrend
 
     assert "owner" not in inspect.signature(LossTrend).parameters
-    trend = LossTrend(LossTrendSettings(val_fluctuation_min_range=0.5), monitor="val_acc", mode="max")
+    values = {**default_thresholds("AnomalyAlarm"), "val_fluctuation.min_range": 0.5}
+    trend = LossTrend(values, swing_window="epoch", monitor="val_acc", mode="max")
     assert trend.val_fluctuation_rule.min_range == 0.5 and trend.val_decline_rule.monitor == "val_acc"
     assert not hasattr(trend, "owner")
-
-
-# -- deprecated names ----------------------------------------------------------------------------------------
-RENAMED = {
-    AnomalyAlarm: anomaly_alarm._RENAMED_ARGUMENTS,
-    GradientFlowMonitor: gradient_flow._RENAMED_ARGUMENTS,
-    AttentionEntropyMonitor: attention_entropy._RENAMED_ARGUMENTS,
-    DataDiagnostics: data_diagnostics._RENAMED_ARGUMENTS,
-    SystemMonitor: system_monitor._RENAMED_ARGUMENTS,
-}
-_GROUPS = {"loss_trend": LossTrendSettings, "rollback": RollbackSettings}
-
-
-def _default_of(callback, new):
-    group, _, field = new.rpartition(".")
-    if group:
-        return {f.name: f.default for f in dataclasses.fields(_GROUPS[group])}[field]
-    return inspect.signature(callback).parameters[new].default
-
-
-def _changed(value):
-    """A valid value other than the default ``value``."""
-    if value == "epoch":
-        return 7
-    if value == "cpu":
-        return "device"
-    return value + 1 if isinstance(value, int) else value * 0.9
-
-
-def _read(callback, new):
-    group, _, field = new.rpartition(".")
-    return getattr(getattr(callback, group), field) if group else getattr(callback, new)
-
-
-DEPRECATED = [
-    pytest.param(callback, old, new, id=f"{callback.__name__}-{old}")
-    for callback, renames in RENAMED.items()
-    for old, new in renames.items()
-]
-
-
-@pytest.mark.parametrize(("callback", "old", "new"), DEPRECATED)
-def test_old_argument_name_still_works_and_warns_naming_the_new_one(callback, old, new):
-    value = _changed(_default_of(callback, new))
-    with pytest.warns(DeprecationWarning) as caught:
-        instance = callback(**{old: value})
-    assert len(caught) == 1
-    message = str(caught[0].message)
-    assert f"`{callback.__name__}({old}=...)` is deprecated" in message
-    group, _, field = new.rpartition(".")
-    assert (f"{group}={_GROUPS[group].__name__}({field}=...)" if group else f"{new}=...") in message
-    assert caught[0].filename == __file__  # the warning points at the caller
-    assert _read(instance, new) == value
-    assert old not in inspect.signature(callback).parameters and new.split(".")[0] in inspect.signature(
-        callback
-    ).parameters
-
-
-def test_every_renamed_argument_is_in_the_docs_table():
-    from pathlib import Path
-
-    table = (Path(__file__).resolve().parents[2] / "docs" / "thresholds.md").read_text()
-    for callback, renames in RENAMED.items():
-        for old, new in renames.items():
-            assert f"| `{callback.__name__}` | `{old}` | `{new}` |" in table, (callback.__name__, old)
-
-
-def test_old_names_of_one_settings_group_are_merged_with_the_object_given():
-    with pytest.warns(DeprecationWarning):
-        alarm = AnomalyAlarm(
-            on_nonfinite="rollback",
-            rollback=RollbackSettings(every_n_steps=10),
-            rollback_lr_factor=0.25,
-            max_rollbacks=1,
-        )
-    assert alarm.rollback == RollbackSettings(every_n_steps=10, lr_factor=0.25, max_rollbacks=1)
-
-
-def test_old_flat_argument_is_validated_as_before():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        with pytest.raises(ValueError, match="`every_n_steps`"):
-            AnomalyAlarm(rollback_every_n_steps=0)
-        with pytest.raises(ValueError, match="`layer_spread_threshold`"):
-            GradientFlowMonitor(spread_ratio=0.5)
-
-
-def test_old_and_new_name_together_and_unknown_names_raise_type_error():
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="both `spread_ratio`"):
-        GradientFlowMonitor(spread_ratio=10.0, layer_spread_threshold=20.0)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'spread_ration'"):
-        GradientFlowMonitor(spread_ration=10.0)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'swing'"):
-        AnomalyAlarm(swing=0.1)
-
-
-def test_renamed_arguments_needs_a_class_for_each_group():
-    with pytest.raises(ValueError, match="without a class"):
-        renamed_arguments({"old": "group.field"})
-
-
-@pytest.mark.parametrize(
-    ("module", "old", "new"),
-    [
-        ("lightning_diag.rules.anomaly", "DEFAULT_VAL_FLUCTUATION_MIN_ABS", "DEFAULT_VAL_FLUCTUATION_MIN_RANGE"),
-        ("lightning_diag.rules.grad", "DEFAULT_SPREAD_RATIO", "DEFAULT_LAYER_SPREAD_THRESHOLD"),
-        ("lightning_diag.rules.attention", "DEFAULT_SINK_MASS", "DEFAULT_SINK_THRESHOLD"),
-        ("lightning_diag.rules.data", "DEFAULT_VOCAB_KL", "DEFAULT_VOCAB_SHIFT_THRESHOLD"),
-        ("lightning_diag.callbacks.data_diagnostics", "DEFAULT_MIN_COUNT", "DEFAULT_VOCAB_SHIFT_MIN_COUNT"),
-        ("lightning_diag.rules.system", "DEFAULT_DATALOADER_SHARE", "DEFAULT_DATALOADER_BOUND_THRESHOLD"),
-        ("lightning_diag.rules.probes", "DEFAULT_SHARP_GAP", "DEFAULT_SHARP_MINIMUM_THRESHOLD"),
-        ("lightning_diag.rules.rollback", "DEFAULT_ROLLBACK_KEEP", "DEFAULT_ROLLBACK_SNAPSHOTS"),
-    ],
-)
-def test_old_constant_names_still_import_with_a_warning(module, old, new):
-    import importlib
-
-    mod = importlib.import_module(module)
-    with pytest.warns(DeprecationWarning, match=new):
-        assert getattr(mod, old) == getattr(mod, new)
-    with pytest.raises(AttributeError):
-        mod.DEFAULT_NOT_A_CONSTANT  # noqa: B018
-
-
-def test_settings_classes_are_public():
-    assert {"LossTrendSettings", "RollbackSettings"} <= set(lightning_diag.__all__)
-    assert lightning_diag.RollbackSettings is RollbackSettings

@@ -65,8 +65,10 @@ def _bad_values(hint: Any) -> list[Any]:
         bad.append(["x"] if element is int else [1.5])  # an element of the wrong type
     if any(typing.get_origin(o) is collections.abc.Callable for o in options):
         bad.append(42)
-    if any(dataclasses.is_dataclass(o) for o in options):  # a settings object (LossTrendSettings, ...)
+    if any(dataclasses.is_dataclass(o) for o in options):  # a settings object
         bad.append(42)
+    if any(typing.get_origin(o) is collections.abc.Mapping for o in options):  # `rules=`: not a mapping
+        bad.append(3)
     return bad
 
 

@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from lightning_diag import DataDiagnostics
-from lightning_diag.output.dashboard import DiagWriter, dashboard_layout
+from lightning_diag.output.dashboard import dashboard_layout
+from lightning_diag.output.writer import DiagWriter
 
 FAST = dict(
     accelerator="cpu",
@@ -301,7 +302,7 @@ def test_resume_does_not_repeat_what_was_reported(tmp_path):
     )
     trainer.fit(TokenModel(), *data, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     assert resumed.alerts == []  # measured again, still imbalanced, already reported
-    assert resumed.rules.latch.active == {"label_imbalance:train"}
+    assert resumed.data_rules.latch.active == {"label_imbalance:train"}
     with pytest.raises(KeyError, match="last_epoch"):
         resumed.load_state_dict({"rules": {}, "last": {}})
 
@@ -311,13 +312,13 @@ def test_resume_does_not_repeat_what_was_reported(tmp_path):
     [
         ({"max_batches": 0}, ValueError, "max_batches"),
         ({"max_batches": 2.5}, TypeError, "max_batches"),
-        ({"vocab_shift_threshold": -1}, ValueError, "vocab_shift_threshold"),
-        ({"leakage_threshold": 1.5}, ValueError, "leakage_threshold"),
-        ({"leakage_near_duplicate": "high"}, TypeError, "leakage_near_duplicate"),
-        ({"label_imbalance_threshold": 0.7}, ValueError, "label_imbalance_threshold"),
+        ({"rules": {"data_vocab_shift": {"threshold": -1}}}, ValueError, "threshold"),
+        ({"rules": {"data_leakage": {"threshold": 1.5}}}, ValueError, "threshold"),
+        ({"rules": {"data_leakage": {"near_duplicate": "high"}}}, TypeError, "near_duplicate"),
+        ({"rules": {"label_imbalance": {"threshold": 0.7}}}, ValueError, "threshold"),
         ({"num_classes": 1}, ValueError, "num_classes"),
         ({"extract": 3}, TypeError, "extract"),
-        ({"leakage_shingle_size": 0}, ValueError, "leakage_shingle_size"),
+        ({"rules": {"data_leakage": {"shingle_size": 0}}}, ValueError, "shingle_size"),
         ({"every_n_epochs": 0}, ValueError, "every_n_epochs"),
         ({"pad_token_id": -1}, ValueError, "pad_token_id"),
     ],

@@ -157,8 +157,8 @@ def test_longest_training_length_survives_a_resume_and_a_longer_curriculum_alert
 
 
 def test_bad_configuration_names_the_argument():
-    with pytest.raises(ValueError, match="padding_labels"):
-        DataDiagnostics(padding_labels=1.0)
-    with pytest.raises(ValueError, match="length_ratio"):
-        DataDiagnostics(length_ratio=0.5)
-    assert DataDiagnostics(length_ratio=1.5).thresholds()["position_overflow"] == 1.5
+    with pytest.raises(ValueError, match=r"rules\['loss_on_padding'\]\['threshold'\]"):
+        DataDiagnostics(rules={"loss_on_padding": {"threshold": 1.0}})
+    with pytest.raises(ValueError, match=r"rules\['position_overflow'\]\['threshold'\]"):
+        DataDiagnostics(rules={"position_overflow": {"threshold": 0.5}})
+    assert DataDiagnostics(rules={"position_overflow": {"threshold": 1.5}}).thresholds()["position_overflow"] == 1.5

@@ -343,8 +343,9 @@ def test_alpha_is_a_checked_field_that_the_rule_keeps_across_fits():
 @pytest.mark.parametrize(
     ("kwargs", "error", "needle"),
     [
-        ({"ratio": 1.0}, ValueError, "`ratio`"),
-        ({"min_share": 0.0}, ValueError, "`min_share`"),
+        ({"rules": {"error_cluster": {"threshold": 1.0}}}, ValueError, r"`rules\['error_cluster'\]\['threshold'\]`"),
+        ({"rules": {"error_cluster": {"min_share": 0.0}}}, ValueError, r"`rules\['error_cluster'\]\['min_share'\]`"),
+        ({"rules": {"error_cluster": {"min_errors": 1}}}, ValueError, r"`rules\['error_cluster'\]\['min_errors'\]`"),
         ({"k_range": (1, 4)}, ValueError, "`k_range`"),
         ({"embed": 3}, TypeError, "`embed`"),
         ({"tokenizer": object()}, TypeError, "`tokenizer`"),

@@ -7,7 +7,7 @@ from pytorch_lightning.callbacks import BaseFinetuning
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_diag import AnomalyAlarm, GradientFlowMonitor, LossTrendSettings
+from lightning_diag import AnomalyAlarm, GradientFlowMonitor
 from lightning_diag.demo import run_demo
 
 FAST = dict(
@@ -76,7 +76,7 @@ def test_layer_left_out_of_the_optimizer_is_reported_at_the_first_measurement(tm
 
 
 def test_layer_cut_from_the_graph_is_reported_after_patience(tmp_path):
-    monitor = GradientFlowMonitor(patience=2)
+    monitor = GradientFlowMonitor(rules={"grad": {"patience": 2}})
     _fit(_Net("detach"), [monitor], tmp_path)
     frozen = [a for a in monitor.alerts if a.rule == "grad_frozen"]
     assert [a.source for a in frozen] == ["first"]
@@ -113,7 +113,7 @@ def test_frozen_state_survives_a_checkpoint_roundtrip(tmp_path):
 
 
 def test_loss_stagnant_uses_the_first_steps_as_the_initial_loss(tmp_path):
-    alarm = AnomalyAlarm(loss_trend=LossTrendSettings(stagnant_patience=2, stagnant_baseline_steps=3))
+    alarm = AnomalyAlarm(rules={"loss_stagnant": {"patience": 2, "baseline_steps": 3}})
     result = run_demo("shuffled_labels", max_epochs=2, root=str(tmp_path), callbacks=[alarm])
     (alert,) = [a for a in alarm.alerts if a.rule == "loss_stagnant"]
     assert alert.epoch == 1 and alert.global_step == result.global_step

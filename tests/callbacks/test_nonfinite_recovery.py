@@ -10,7 +10,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from lightning_diag import AnomalyAlarm, RollbackSettings
+from lightning_diag import AnomalyAlarm
 from tests.callbacks.nonfinite_models import Regression
 from tests.callbacks.tiny import FAST, TinyAttention
 
@@ -112,7 +112,7 @@ def test_burst_of_huge_batches_skip_cannot_recover_rollback_does(tmp_path):
     assert any(a.source == "skip_limit" for a in skip_alarm.alerts)
 
     model = Regression(burst=burst)
-    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=1, snapshots=4))
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": 1, "snapshots": 4}})
     record = RecordRestore(alarm)
     trainer = _fit(model, alarm, tmp_path / "rollback", max_epochs=3, callbacks=[record])
     assert trainer.current_epoch == 3 and trainer.global_step == 3 * 32  # every epoch finished
@@ -130,7 +130,7 @@ def test_burst_of_huge_batches_skip_cannot_recover_rollback_does(tmp_path):
 
 def test_lr_spike_recovers_with_the_lowered_learning_rate(tmp_path):
     model = Regression(spike=(20, 12.0))
-    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=5))
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": 5}})
     seen_lr: list[float] = []
 
     class LearningRates(pl.Callback):
@@ -148,7 +148,9 @@ def test_lr_spike_recovers_with_the_lowered_learning_rate(tmp_path):
 
 def test_rollback_limit_stops_with_a_critical_alert(tmp_path):
     model = Regression(fault="loss", fault_steps=tuple(range(6, 40)))
-    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=2, max_rollbacks=2))
+    alarm = AnomalyAlarm(
+        on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": 2, "max_rollbacks": 2}}
+    )
     trainer = _fit(model, alarm, tmp_path, max_steps=40)
     assert [a.rule for a in alarm.alerts] == ["nonfinite_rollback", "nonfinite_rollback", "nonfinite_loss"]
     assert alarm.alerts[-1].severity == "critical" and alarm.alerts[-1].source == "rollback_limit"
@@ -158,11 +160,11 @@ def test_rollback_limit_stops_with_a_critical_alert(tmp_path):
 def test_resume_keeps_the_rollback_count_and_factor(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=50, save_top_k=-1)
     model = Regression(burst=(20, 21))
-    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=1))
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": 1}})
     _fit(model, alarm, tmp_path, max_steps=50, callbacks=[ckpt], enable_checkpointing=True)
     assert alarm.rollbacks >= 1
     count, scale = alarm.rollbacks, alarm.lr_scale
-    resumed = AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=1))
+    resumed = AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": 1}})
     (path,) = (tmp_path / "ckpt").glob("*step=50.ckpt")
     _fit(Regression(), resumed, tmp_path, max_steps=60, ckpt_path=str(path))
     assert (resumed.rollbacks, resumed.lr_scale) == (count, scale)
@@ -177,25 +179,15 @@ def test_resume_keeps_the_rollback_count_and_factor(tmp_path):
         ({"every_n_steps": 0}, ValueError, "every_n_steps"),
         ({"max_rollbacks": -1}, ValueError, "max_rollbacks"),
         ({"snapshots": 0}, ValueError, "snapshots"),
-        ({"device": "gpu"}, ValueError, "device"),
     ],
 )
 def test_invalid_rollback_configuration(kwargs, error, name):
-    with pytest.raises(error, match=f"`{name}`"):
-        AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(**kwargs))
+    with pytest.raises(error, match=f"'nonfinite_rollback'\\]\\['{name}'\\]"):
+        AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": kwargs})
+    with pytest.raises(ValueError, match=r"`rollback_device`.*'cpu', 'device'"):
+        AnomalyAlarm(on_nonfinite="rollback", rollback_device="gpu")
     with pytest.raises(TypeError, match="`locate_nonfinite`"):
         AnomalyAlarm(on_nonfinite="rollback", locate_nonfinite="yes")
-
-
-def test_flat_rollback_arguments_of_the_last_release_still_work_with_a_warning():
-    with pytest.warns(DeprecationWarning) as caught:
-        alarm = AnomalyAlarm(on_nonfinite="rollback", rollback_every_n_steps=2, rollback_snapshots=4)
-    messages = sorted(str(w.message) for w in caught)
-    assert len(messages) == 2  # one per flat argument, each naming its replacement
-    assert "rollback=RollbackSettings(every_n_steps=...)" in messages[0]
-    assert "rollback=RollbackSettings(snapshots=...)" in messages[1]
-    assert alarm.rollback == RollbackSettings(every_n_steps=2, snapshots=4)
-    assert alarm.recovery.every_n_steps == 2 and alarm.recovery.store.keep == 4
 
 
 def test_rollback_needs_automatic_optimization(tmp_path):
@@ -206,7 +198,7 @@ def test_rollback_needs_automatic_optimization(tmp_path):
 def test_healthy_run_with_rollback_armed_is_quiet_and_unchanged(tmp_path):
     plain, armed = Regression(), Regression()
     _fit(plain, AnomalyAlarm(), tmp_path / "a", max_steps=30)
-    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=5))
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": 5}})
     _fit(armed, alarm, tmp_path / "b", max_steps=30)
     assert not alarm.alerts and alarm.rollbacks == 0
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), armed.parameters(), strict=True))
@@ -240,7 +232,7 @@ def test_ddp_ranks_localise_and_roll_back_together(tmp_path):
 def test_report_shows_the_localisation_and_the_rollbacks(tmp_path, capsys):
     from lightning_diag.cli import main
 
-    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=2))
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": 2}})
     _fit(Regression(fault="forward", fault_steps=(5,)), alarm, tmp_path, max_steps=12)
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -252,7 +244,7 @@ def test_report_shows_the_localisation_and_the_rollbacks(tmp_path, capsys):
 def test_the_alarm_pickles_for_ddp_spawn(tmp_path):
     import pickle
 
-    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=2))
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": 2}})
     _fit(Regression(), alarm, tmp_path, max_steps=4)  # after a fit too (snapshots, hooks removed)
     for candidate in (AnomalyAlarm(on_nonfinite="rollback"), alarm):
         assert pickle.loads(pickle.dumps(candidate)).on_nonfinite == "rollback"
@@ -267,7 +259,7 @@ def test_a_fit_that_raises_leaves_no_hooks_on_the_optimizer(tmp_path):
                 optimizers.extend(trainer.optimizers)
                 raise RuntimeError("boom")
 
-    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=2))
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": 2}})
     with pytest.raises(RuntimeError, match="boom"):
         _fit(Regression(), alarm, tmp_path, max_steps=10, callbacks=[Crash()])
     assert len(optimizers) == 1

@@ -208,15 +208,15 @@ def test_manual_optimization_needs_loss_fn_and_every_n_epochs(tmp_path, caplog):
 @pytest.mark.parametrize(
     ("kind", "kwargs", "error", "match"),
     [
-        (SharpnessProbe, {"rho": 0.0}, ValueError, "rho"),
-        (SharpnessProbe, {"patience": 0}, ValueError, "patience"),
+        (SharpnessProbe, {"rules": {"sharp_minimum": {"rho": 0.0}}}, ValueError, "rho"),
+        (SharpnessProbe, {"rules": {"sharp_minimum": {"patience": 0}}}, ValueError, "patience"),
         (SharpnessProbe, {"every_n_epochs": 1.5}, TypeError, "every_n_epochs"),
         (SharpnessProbe, {"per_layer": "yes"}, TypeError, "per_layer"),
         (SharpnessProbe, {"loss_fn": 3}, TypeError, "loss_fn"),
         (QuantizationProbe, {"granularity": "per_group"}, ValueError, "per_tensor"),
         (QuantizationProbe, {"backend": "onnx"}, ValueError, "backend"),
-        (QuantizationProbe, {"layer_ratio": 0.5}, ValueError, "layer_ratio"),
-        (QuantizationProbe, {"threshold": -1}, ValueError, "threshold"),
+        (QuantizationProbe, {"rules": {"quantization_error": {"layer_ratio": 0.5}}}, ValueError, "layer_ratio"),
+        (QuantizationProbe, {"rules": {"quantization_error": {"threshold": -1}}}, ValueError, "threshold"),
         (QuantizationProbe, {"num_batches": 0}, ValueError, "num_batches"),
         (QuantizationProbe, {"activations": 1}, TypeError, "activations"),
     ],
@@ -231,9 +231,10 @@ def test_thresholds_come_from_the_registry():
 
     assert SharpnessProbe().thresholds() == default_thresholds("SharpnessProbe")
     assert QuantizationProbe(backend="fake").thresholds() == default_thresholds("QuantizationProbe")
-    custom = SharpnessProbe(threshold=0.5, patience=2, rho=0.1).thresholds()
+    custom = SharpnessProbe(rules={"sharp_minimum": {"threshold": 0.5, "patience": 2, "rho": 0.1}}).thresholds()
     assert custom == {"sharp_minimum": 0.5, "sharp_minimum.patience": 2.0, "sharp_minimum.rho": 0.1}
-    assert QuantizationProbe(backend="fake", layer_ratio=20).thresholds()["quantization_error.layer_ratio"] == 20.0
+    quant = QuantizationProbe(backend="fake", rules={"quantization_error": {"layer_ratio": 20}})
+    assert quant.thresholds()["quantization_error.layer_ratio"] == 20.0
 
 
 def test_dashboard_probes_section_follows_the_rules_in_effect():

@@ -116,8 +116,8 @@ def test_perturbations_respect_padding():
 @pytest.mark.parametrize(
     ("kwargs", "error", "needle"),
     [
-        ({"threshold": 1.5}, ValueError, "`threshold`"),
-        ({"rate": -0.1}, ValueError, "`rate`"),
+        ({"rules": {"robustness_drop": {"threshold": 1.5}}}, ValueError, "threshold"),
+        ({"rules": {"robustness_drop": {"rate": -0.1}}}, ValueError, "rate"),
         ({"perturbations": ("typo",)}, ValueError, "`perturbations`"),
         ({"perturbations": ()}, ValueError, "`perturbations`"),
         ({"vocab_size": 1}, ValueError, "`vocab_size`"),

@@ -14,11 +14,11 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_diag import AnomalyAlarm, GradientFlowMonitor, LossTrendSettings, read_alerts
+from lightning_diag import AnomalyAlarm, GradientFlowMonitor, read_alerts
 from tests.callbacks.tiny import FAST, TinyAttention, by_type, every_callback, serious
 
 # a baseline that never completes keeps every measured blocks' norm in `collapse_rule.early`
-RECORD_NORMS = {"GradientFlowMonitor": {"collapse_baseline_measurements": 10_000}}
+RECORD_NORMS = {"GradientFlowMonitor": {"rules": {"grad_collapse": {"baseline_measurements": 10_000}}}}
 
 
 def scalar_tags(log_dir):
@@ -56,7 +56,7 @@ def test_bf16_mixed_measures_and_stops_before_a_nan_update(tmp_path):
 # -- gradient accumulation and clipping -------------------------------------------------------------------------
 def test_accumulation_measures_the_accumulated_gradient_once_per_optimizer_step(tmp_path):
     brute = GradNorms()
-    callbacks = every_callback(**RECORD_NORMS, AnomalyAlarm={"loss_trend": LossTrendSettings(swing_window=2)})
+    callbacks = every_callback(**RECORD_NORMS, AnomalyAlarm={"swing_window": 2})
     trainer = pl.Trainer(
         max_steps=6,
         accumulate_grad_batches=4,
@@ -194,7 +194,7 @@ def _run(root, callbacks, max_steps, ckpt_every=None, ckpt_path=None, nan_at_ste
     ("overrides", "nan_at_step"),
     [
         # a step window open at the checkpoint (windows of 4 close at 4 and 8), partial epoch sums
-        ({"AnomalyAlarm": {"loss_trend": LossTrendSettings(swing_window=4)}}, None),
+        ({"AnomalyAlarm": {"swing_window": 4}}, None),
         # warn mode: the first bad step (5) is pending, read back only at the logging step 8
         ({"AnomalyAlarm": {"on_nonfinite": "warn", "log_every_n_steps": 4}}, 5),
     ],

@@ -69,7 +69,7 @@ def test_dataloader_bound_fires_on_a_sleepy_dataset(monkeypatch, tmp_path):
 
 def test_periodic_stall_every_10th_step_is_named(monkeypatch, tmp_path):
     rec = spy(monkeypatch)
-    monitor = SystemMonitor(log_every_n_steps=10, warmup_steps=5)
+    monitor = SystemMonitor(log_every_n_steps=10, rules={"step_time_fluctuation": {"warmup_steps": 5}})
     clock = on_fake_time(monitor)
     fit(Encoder(), [monitor, Tick(clock, 0.02), StallEvery(10, 0.25, clock)], 85, default_root_dir=tmp_path)
     periodic = [a for a in monitor.alerts if a.rule == "step_time_periodic"]
@@ -230,7 +230,9 @@ def test_the_diagnostics_own_logging_steps_are_their_overhead_not_a_stall(monkey
 
 
 def test_state_survives_a_resume(tmp_path):
-    monitor = SystemMonitor(log_every_n_steps=2, warmup_steps=0, memory_growth_window=3)
+    monitor = SystemMonitor(
+        log_every_n_steps=2, rules={"step_time_fluctuation": {"warmup_steps": 0}, "memory_growth": {"window": 3}}
+    )
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
     kwargs = {**FAST, "enable_checkpointing": True, "default_root_dir": tmp_path}
     pl.Trainer(max_steps=10, callbacks=[monitor, ckpt], **kwargs).fit(MLP())
@@ -241,7 +243,9 @@ def test_state_survives_a_resume(tmp_path):
     # saved inside step 10, before its interval (steps 9-10) was reported
     assert state["steps_seen"] == 8 and len(state["window"]) == 8
     assert len(state["memory"]["history"]["host_rss"]) == 3
-    resumed = SystemMonitor(log_every_n_steps=2, warmup_steps=0, memory_growth_window=3)
+    resumed = SystemMonitor(
+        log_every_n_steps=2, rules={"step_time_fluctuation": {"warmup_steps": 0}, "memory_growth": {"window": 3}}
+    )
     seen: dict[str, Any] = {}
 
     class Peek(pl.Callback):
@@ -260,12 +264,12 @@ def test_state_survives_a_resume(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "error", "needle"),
     [
-        ({"dataloader_bound_threshold": 1.5}, ValueError, "dataloader_bound_threshold"),
-        ({"dataloader_bound_threshold": "x"}, TypeError, "dataloader_bound_threshold"),
-        ({"window": 10}, ValueError, "window"),
-        ({"step_time_fluctuation_threshold": -0.1}, ValueError, "step_time_fluctuation_threshold"),
-        ({"memory_growth_window": 2}, ValueError, "memory_growth_window"),
-        ({"step_time_fluctuation_block_steps": 0}, ValueError, "step_time_fluctuation_block_steps"),
+        ({"rules": {"dataloader_bound": {"threshold": 1.5}}}, ValueError, "threshold"),
+        ({"rules": {"dataloader_bound": {"threshold": "x"}}}, TypeError, "threshold"),
+        ({"rules": {"step_time_periodic": {"window": 10}}}, ValueError, "window"),
+        ({"rules": {"step_time_fluctuation": {"threshold": -0.1}}}, ValueError, "threshold"),
+        ({"rules": {"memory_growth": {"window": 2}}}, ValueError, "window"),
+        ({"rules": {"step_time_fluctuation": {"block_steps": 0}}}, ValueError, "block_steps"),
         ({"nvml": "yes"}, TypeError, "nvml"),
         ({"time_callbacks": 1}, TypeError, "time_callbacks"),
         ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
@@ -303,7 +307,7 @@ def test_sustained_step_time_changes_are_a_fluctuation(monkeypatch, tmp_path):
     from tests.callbacks.system_models import BusyBlocks
 
     rec = spy(monkeypatch)
-    monitor = SystemMonitor(log_every_n_steps=10, warmup_steps=0)
+    monitor = SystemMonitor(log_every_n_steps=10, rules={"step_time_fluctuation": {"warmup_steps": 0}})
     clock = on_fake_time(monitor)
     fit(MLP(), [monitor, Tick(clock, 0.001), BusyBlocks(clock=clock)], 80, default_root_dir=tmp_path)
     (alert,) = [a for a in monitor.alerts if a.rule == "step_time_fluctuation"]

@@ -3,7 +3,8 @@ import logging
 
 import pytest
 
-from lightning_diag.core.alerts import ALL_RULES, LOSS_SWING, Alert, AlertLog, Severity, read_alerts
+from lightning_diag.core.alerts import Alert, AlertLog, Severity, read_alerts
+from lightning_diag.rules.catalog import ALL_RULES, LOSS_SWING
 
 FIELDS = {"rule", "severity", "message", "epoch", "global_step", "value", "threshold", "source"}
 

@@ -20,19 +20,13 @@ def test_builders_and_parsers_round_trip():
     assert tags.attn_head(tags.attn_entropy_tag("m.attn", 11)) == ("m.attn", 11)
     assert tags.attn_mean(tags.attn_entropy_tag("m.attn", "mean")) == "m.attn"
     assert tags.attn_head(tags.attn_uniform_tag("m.attn")) is None
-    assert tags.attn_sink_module(tags.attn_sink_tag("m.attn")) == "m.attn"
     assert tags.threshold_rule(tags.threshold_tag("grad_vanish")) == "grad_vanish"
+    assert tags.tag("attn_sink", "m.attn") == "diag/attn_sink/m.attn"
     assert tags.loss_tag("val") == "diag/loss/val" and tags.lr_tag("opt_0", "group_1") == "diag/lr/opt_0/group_1"
     assert tags.overhead_tag("GradientFlowMonitor") == "diag/overhead/GradientFlowMonitor"
     assert tags.family_tag("quant", "int8", "error") == "diag/quant/int8/error"
     with pytest.raises(ValueError, match="`family` can be"):
         tags.family_tag("weights", "x")
-
-
-def test_tensorboard_names_stay_importable():
-    from lightning_diag.output.dashboard import sanitize_tag, tag, threshold_tag
-
-    assert (tag, threshold_tag, sanitize_tag) == (tags.tag, tags.threshold_tag, tags.sanitize_tag)
 
 
 def test_tags_module_imports_neither_torch_nor_lightning():

@@ -8,9 +8,9 @@ the corpus's 180 s share of the suite, so they are not marked ``slow``.
 import pytest
 import torch
 
-from lightning_diag.core.alerts import ALL_RULES
 from lightning_diag.demo.corpus import ARCHITECTURES, CORPUS, build_corpus, run_corpus
 from lightning_diag.demo.corpus_data import CorpusDataModule, make_image_dataset, make_seq2seq_dataset
+from lightning_diag.rules.catalog import ALL_RULES
 
 pytest.importorskip("transformers")
 

@@ -5,7 +5,6 @@ import dataclasses
 import pytest
 import torch
 
-from lightning_diag.core.alerts import ALL_RULES
 from lightning_diag.demo import FAULTS, DemoConfig, build_fault, default_callbacks, run_demo
 from lightning_diag.demo.models import MODELS, TinyCausalLM, build_model
 from lightning_diag.demo.synthetic import (
@@ -16,6 +15,7 @@ from lightning_diag.demo.synthetic import (
     make_lm_dataset,
     make_regression_dataset,
 )
+from lightning_diag.rules.catalog import ALL_RULES
 
 ANOMALY_FAULTS = [f.name for f in FAULTS.values() if not f.healthy]
 HEALTHY = [f.name for f in FAULTS.values() if f.healthy]

@@ -14,7 +14,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
-from lightning_diag.output.dashboard import DiagWriter as ReExported
 from lightning_diag.output.writer import DiagWriter
 from tests.callbacks.tiny import FAST, TinyAttention
 
@@ -130,7 +129,6 @@ def test_for_trainer_routes_scalars_and_extras(tmp_path):
     other.save.assert_called_once_with()
     off_rank = DiagWriter.for_trainer(SimpleNamespace(is_global_zero=False, loggers=[other]), str(tmp_path))
     assert not off_rank.active
-    assert ReExported is DiagWriter
 
 
 def test_a_failing_logger_is_reported_once_and_dropped(caplog):

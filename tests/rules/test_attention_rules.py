@@ -1,6 +1,8 @@
 import pytest
 
-from lightning_diag.rules.attention import AttentionEntropyRule, AttentionSinkRule, LayerStats
+from lightning_diag.rules.attention_entropy import AttentionEntropyRule
+from lightning_diag.rules.attention_sink import AttentionSinkRule
+from lightning_diag.rules.attention_specs import LayerStats
 from lightning_diag.rules.base import StepContext
 
 

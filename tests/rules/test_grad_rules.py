@@ -1,13 +1,8 @@
 import pytest
 
-from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.grad import (
-    GradBandRule,
-    GradCollapseRule,
-    GradFrozenRule,
-    GradSpreadRule,
-    name_layers,
-)
+from lightning_diag.rules.base import StepContext, name_layers
+from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule
+from lightning_diag.rules.grad_frozen import GradFrozenRule
 
 
 def run(rule, series, step0=0, **kw):

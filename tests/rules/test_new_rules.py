@@ -6,7 +6,7 @@ import pytest
 
 from lightning_diag.rules import LossStagnantRule, StepContext
 from lightning_diag.rules.anomaly import DEFAULT_STAGNANT_PATIENCE, DEFAULT_STAGNANT_THRESHOLD
-from lightning_diag.rules.grad import GradFrozenRule
+from lightning_diag.rules.grad_frozen import GradFrozenRule
 
 
 def stagnant_fires(baseline, points, **kwargs):

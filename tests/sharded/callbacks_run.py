@@ -39,7 +39,6 @@ from lightning_diag import (  # noqa: E402
     DataDiagnostics,
     GradientFlowMonitor,
     QuantizationProbe,
-    RollbackSettings,
     SharpnessProbe,
     SystemMonitor,
 )
@@ -192,7 +191,7 @@ class Recorder(pl.Callback):
 
 
 def make_callbacks(config: dict[str, Any]) -> list[pl.Callback]:
-    alarm = AnomalyAlarm(on_nonfinite="rollback", rollback=RollbackSettings(every_n_steps=SNAPSHOT_EVERY))
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": SNAPSHOT_EVERY}})
     callbacks: list[pl.Callback] = [
         # first: its on_train_start sees the states as the checkpoint restored them, before any callback's own
         # train-start work (DataDiagnostics measures there; AnomalyAlarm shares the loss sums over the ranks)
