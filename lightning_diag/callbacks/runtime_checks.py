@@ -6,8 +6,8 @@ A thin adapter over :mod:`lightning_diag.rules.runtime` (the rules) and
 (:meth:`~lightning_diag.callbacks.base.DiagCallback.add_rule`), so their state follows the declared path.
 
 Cost: the probes run on one training batch per fit (the first) and on the first batch of each validation run; per
-training step one 0-d copy of the loss is kept (no host read), and the losses since the last logging step are read
-in one transfer on logging steps.
+training step a reference to the 0-d copy of the loss the owner's loss sums keep is held (no copy, no host
+read), and the losses since the last logging step are read in one transfer on logging steps.
 """
 
 from __future__ import annotations
@@ -98,7 +98,14 @@ class RuntimeChecks:
                 )
             )
         if loss is not None and loss.numel() == 1:
-            self._losses.append(loss.detach().reshape(()).clone())
+            # the owner's loss sums already keep a 0-d copy of this loss (never written): a reference to it
+            sums: Any = getattr(getattr(self.owner, "trend", None), "loss_sums", None)
+            copy = getattr(sums, "last_added", None)
+            if copy is None or copy.dim() != 0:
+                copy = loss.detach().reshape(()).clone()
+            else:
+                sums.last_added = None  # taken: never reused for a later step
+            self._losses.append(copy)
             self._steps.append(trainer.global_step)
         if logging and self._losses:
             self._judge_losses(trainer)

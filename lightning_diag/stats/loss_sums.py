@@ -62,6 +62,9 @@ class LossSums(ReducedState):
         # How many of the held losses (a prefix: the baseline is the first batches) belong to ``initial``.
         self._held_initial = 0
         self._last_finite: torch.Tensor | float = math.nan
+        #: The copy of the loss :meth:`add` kept last, never written: another reader of the same loss may keep a
+        #: reference to it instead of a copy of its own (and set this to ``None`` once taken).
+        self.last_added: torch.Tensor | None = None
 
     @staticmethod
     def names(prefix: str) -> tuple[str, str]:
@@ -73,7 +76,9 @@ class LossSums(ReducedState):
         the sums take it at the next fold."""
         # A copy (one small kernel): a compiled model's outputs can live in memory its next call overwrites
         # (``torch.compile(mode="reduce-overhead")`` replays CUDA graphs into a static pool).
-        self._held.append(loss.detach().clone())
+        copy = loss.detach().clone()
+        self._held.append(copy)
+        self.last_added = copy
         if self.initial_batches < self.baseline_steps:
             self.initial_batches += 1
             self._held_initial += 1
