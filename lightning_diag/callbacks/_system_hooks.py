@@ -67,6 +67,8 @@ class HookTimer:
         self._wrapped: list[tuple[Any, str]] = []
         self._recorder_patch: dict[str, Any] = {}
         self._stack: list[list[float]] = []
+        #: Timed calls since the last :meth:`take` (their clock reads are a cost no window holds whole).
+        self.calls = 0
 
     def timed(self, name: str, fn: Callable[..., Any], step: bool = False) -> Callable[..., Any]:
         """``fn`` wrapped so that its time on :attr:`clock` (less nested timed calls) is counted under ``name``
@@ -78,6 +80,7 @@ class HookTimer:
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            timer.calls += 1
             inner = [0.0]
             stack.append(inner)
             start = wall()
@@ -146,11 +149,27 @@ class HookTimer:
             self._recorder_patch = {}
 
     def take(self) -> dict[str, float]:
-        """The seconds counted since the last call, by name (then reset to zero)."""
+        """The seconds counted since the last call, by name (then reset to zero, with :attr:`calls`)."""
         taken = dict(self.seconds)
         for key in self.seconds:
             self.seconds[key] = 0.0
+        self.calls = 0
         return taken
+
+    def per_call_cost(self, repeats: int = 200) -> float:
+        """Seconds one timed call costs beyond what its window counts (the wrapper and the clock reads outside
+        it), measured on a wrapped no-op: the median of a few batches of ``repeats`` calls, 0 when the clock does
+        not move (a test's fake clock)."""
+        probe = HookTimer(self.clock)
+        noop = probe.timed("probe", lambda: None)
+        costs = []
+        for _ in range(5):
+            start = self.clock()
+            for _ in range(repeats):
+                noop()
+            costs.append((self.clock() - start - probe.take()["probe"]) / repeats)
+        costs.sort()
+        return max(0.0, costs[len(costs) // 2])
 
 
 # -- the trainer's step boundary and checkpoint saving --------------------------------------------------------

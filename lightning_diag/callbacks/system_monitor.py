@@ -214,6 +214,7 @@ class SystemMonitor(DiagCallback):
         self._reset_windows()
         self._overhead_clock = self.time_source.cpu
         self._hooks = HookTimer(self._overhead_clock)
+        self._per_call = 0.0
         self._nvml_probe: NvmlProbe | None = None
         self._boundary: tuple[Any, Any] | None = None
         self._save_timer: Any = None
@@ -276,8 +277,11 @@ class SystemMonitor(DiagCallback):
         # what the hooks cost is counted in CPU time on CPU (as benchmarks/paired_share.py measures it), in host
         # wall time on CUDA (the step's time is the events'; the hooks' kernels run asynchronously)
         on_cuda = trainer.strategy.root_device.type == "cuda"
-        self._overhead_clock = self.time_source.wall if on_cuda else self.time_source.cpu
+        cpu_clock = getattr(self.time_source, "thread", self.time_source.cpu)
+        self._overhead_clock = self.time_source.wall if on_cuda else cpu_clock
         self._hooks = HookTimer(self._overhead_clock)
+        # the timing's own cost per timed call, outside the windows it measures: SystemMonitor's, added to its share
+        self._per_call = self._hooks.per_call_cost() if self.time_callbacks else 0.0
         if self.time_callbacks:
             self._hooks.attach([cb for cb in trainer.callbacks if isinstance(cb, DiagCallback)])  # type: ignore[attr-defined]
         untime_save_checkpoint(trainer, self._save_timer)
@@ -425,8 +429,10 @@ class SystemMonitor(DiagCallback):
         # the hooks' seconds over the same clock's seconds since the last report: the share of the interval
         now = self._overhead_clock()
         span, self._overhead_mark = now - self._overhead_mark, now
+        calls = self._hooks.calls
         taken = self._hooks.take()
-        if span > 0:
+        if span > 0 and self.time_callbacks:
+            taken[type(self).__name__] = taken.get(type(self).__name__, 0.0) + calls * self._per_call
             for name, seconds in taken.items():
                 values[overhead_tag(name)] = seconds / span
         self.writer.scalars(values, step)
