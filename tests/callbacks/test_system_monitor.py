@@ -315,7 +315,7 @@ def test_sustained_step_time_changes_are_a_fluctuation(monkeypatch, tmp_path):
 
 
 class Burn(DiagCallback):
-    """A diagnostics callback whose every training batch end burns ``seconds`` of this process's CPU time."""
+    """A diagnostics callback whose every training batch end burns ``seconds`` of the training thread's CPU time."""
 
     def __init__(self, seconds: float) -> None:
         super().__init__()
@@ -326,19 +326,19 @@ class Burn(DiagCallback):
         return f"Burn[{self.seconds}]"
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        end = time.process_time() + self.seconds
-        while time.process_time() < end:
+        end = time.thread_time() + self.seconds
+        while time.thread_time() < end:
             pass
 
 
 class CpuSteps(pl.Callback):
-    """The process CPU time at each batch start: the real step times, the diagnostics included."""
+    """The training thread's CPU time at each batch start: the real step times, the diagnostics included."""
 
     def __init__(self) -> None:
         self.marks: dict[int, float] = {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.marks[trainer.global_step] = time.process_time()
+        self.marks[trainer.global_step] = time.thread_time()
 
 
 def test_the_reported_overhead_is_the_share_of_the_step_a_callback_really_takes(monkeypatch, tmp_path):
