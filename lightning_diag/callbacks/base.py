@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -189,13 +190,16 @@ class DiagCallback(pl.Callback):
         """The checkpoint key: the class name, with the :attr:`state_key_arguments` values when it declares some."""
         if not self.state_key_arguments:
             return super().state_key
-        values: dict[str, Any] = {}
-        for path in self.state_key_arguments:  # "loss_trend.swing_window": a settings field, keyed by its name
-            value: Any = self
-            for name in path.split("."):
-                value = getattr(value, name)
-            values[path.rsplit(".", 1)[-1]] = value
-        return self._generate_state_key(**values)
+        # "loss_trend.swing_window": a settings field, keyed by its name
+        current = tuple(operator.attrgetter(path)(self) for path in self.state_key_arguments)
+        # Lightning reads the key at every hook call (its profiler's label): build the string once per set of values
+        cached = self.__dict__.get("_state_key_cache")
+        if cached is not None and cached[0] == current:
+            return cached[1]
+        names = [path.rsplit(".", 1)[-1] for path in self.state_key_arguments]
+        key = self._generate_state_key(**dict(zip(names, current, strict=True)))
+        self.__dict__["_state_key_cache"] = (current, key)
+        return key
 
     def rules_state_dict(self) -> dict[str, Any]:
         """Each declared rule's state under its ``state_key``."""
