@@ -17,11 +17,11 @@ def test_the_state_key_is_built_once_and_follows_its_arguments():
     assert alarm.state_key != first and "other_metric" in alarm.state_key
 
 
-def test_the_loss_sums_copy_is_offered_once_and_never_written():
+def test_the_loss_sums_copy_is_shared_and_never_written():
     sums = LossSums(baseline_steps=2)
     loss = torch.tensor(1.5)
     sums.add(loss)
-    copy = sums.last_added
+    copy = sums.latest
     assert copy is not None and copy is not loss and float(copy) == 1.5
     loss.add_(1.0)  # the caller's tensor changes; the copy does not
     for value in range(70):  # past a fold: the held copies are stacked, not written
