@@ -398,10 +398,24 @@ class DiagCallback(pl.Callback):
         # Lightning sets `log_every_n_steps` on the trainer at init (0 with barebones=True).
         return self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 0) or 50)
 
+    def cadence_step(self, trainer: pl.Trainer) -> int:
+        """The count the logging interval divides on the user's cadence
+        (:attr:`StepAxis.cadence_step <lightning_diag.callbacks.step_axis.StepAxis.cadence_step>`): measuring
+        when ``cadence_step(trainer) % every_n_steps(trainer) == 0`` writes on the steps of the user's
+        ``self.log`` values, whatever the optimizers or accumulation. ``trainer.global_step`` outside a session."""
+        return self._session.step_axis.cadence_step if self._session is not None else trainer.global_step
+
     def is_logging_step(self, trainer: pl.Trainer) -> bool:
-        """Whether the optimizer step just taken is one to log, once per global step."""
-        step = trainer.global_step
-        if step == self._last_logged_step or step % self.every_n_steps(trainer) != 0:
+        """Whether the current batch (at its end) is one to log, once per batch: one Lightning writes the user's
+        step metrics at (:meth:`StepAxis.logs <lightning_diag.callbacks.step_axis.StepAxis.logs>`)."""
+        if self._session is None:
+            step = trainer.global_step
+            if step == self._last_logged_step or step % self.every_n_steps(trainer) != 0:
+                return False
+            self._last_logged_step = step
+            return True
+        axis = self._session.step_axis
+        if axis.step == self._last_logged_step or not axis.logs(self.every_n_steps(trainer)):
             return False
-        self._last_logged_step = step
+        self._last_logged_step = axis.step
         return True
