@@ -29,6 +29,7 @@ from lightning_diag.core.tags import (
     grad_relative_tag,
     grad_rms_tag,
     grad_total_tag,
+    update_ratio_tag,
 )
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.act_grads import ActivationGradients
@@ -494,5 +495,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         for chosen, before in pending:
             values.update(update_ratios(index, chosen, before, self._reduce(trainer)))
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
+        # grad_vanish also asks whether the layer's update is starved (an adaptive optimizer rescales gradients)
+        tags = {update_ratio_tag(layer): layer for layer in index.layers}
+        self.band_rule.observe_updates({tags[k]: v for k, v in values.items() if k in tags})
 
 
