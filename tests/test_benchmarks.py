@@ -201,3 +201,14 @@ def test_paired_share_quick_mode_reports_every_variant(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| mlp1e5 |")]
     assert [row.split(" | ")[1] for row in rows] == list(bench.VARIANTS)
     assert all(row.count("%") == 4 for row in rows)
+
+
+def test_overhead_agreement_quick_mode_compares_both_measures(capsys):
+    bench = _load("overhead_agreement")
+    assert bench.main(["--quick"]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| mlp_small |")]
+    cells = row.split(" | ")
+    paired, reported = (float(cells[i].split("%")[0]) for i in (1, 2))
+    # both are shares of a step with the callbacks, which cost something on a 64-wide MLP
+    assert 0 < paired < 100 and 0 < reported < 100
+    assert "SystemMonitor" in cells[4] and "AnomalyAlarm" in cells[4]

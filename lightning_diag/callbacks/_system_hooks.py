@@ -41,20 +41,24 @@ _RECORDER_METHODS = ("add", "add_probabilities", "mha_pre_hook")
 
 
 class HookTimer:
-    """Wall time spent inside the hooks of given callbacks, and in the attention recorder, by name.
+    """Time spent inside the hooks of given callbacks, and in the attention recorder, by name.
 
     :meth:`attach` puts a timing wrapper on each instance (an instance attribute shadowing the class's hook, so
     Lightning's ``getattr(callback, hook)`` finds it) and on the methods of
     :class:`~lightning_diag.instrument.attention_record.AttentionRecorder`; :meth:`detach` removes them all.
     Nested calls (a recorder call inside a callback's hook) count once, for the innermost owner only.
 
-    Wall time on the host: with CUDA, kernels the hooks launch run asynchronously and are not counted.
+    ``clock`` is the process's CPU time on CPU (:class:`SystemMonitor` passes ``TimeSource.cpu``): what a hook
+    adds to the run there, unaffected by other processes taking the CPU away in the middle of a hook (wall time
+    charges that preemption to whichever hook it lands in, and a hook that writes a file or reads ``/proc`` is
+    rescheduled behind the other processes). It is the host wall time on CUDA, where kernels the hooks launch run
+    asynchronously and are not counted.
     """
 
     RECORDER = "AttentionRecorder"
 
-    def __init__(self, wall: Callable[[], float] = time.perf_counter) -> None:
-        self.wall = wall
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.seconds: dict[str, float] = {}
         #: Seconds spent in the :data:`STEP_HOOKS` of the timed callbacks and in the attention recorder since the
         #: start (never reset): the time the diagnostics add to the training steps (the recorder's calls in a
@@ -63,17 +67,20 @@ class HookTimer:
         self._wrapped: list[tuple[Any, str]] = []
         self._recorder_patch: dict[str, Any] = {}
         self._stack: list[list[float]] = []
+        #: Timed calls since the last :meth:`take` (their clock reads are a cost no window holds whole).
+        self.calls = 0
 
     def timed(self, name: str, fn: Callable[..., Any], step: bool = False) -> Callable[..., Any]:
-        """``fn`` wrapped so that its wall time (less nested timed calls) is counted under ``name`` (and, with
-        ``step`` and outside any other timed call, in :attr:`step_seconds`)."""
+        """``fn`` wrapped so that its time on :attr:`clock` (less nested timed calls) is counted under ``name``
+        (and, with ``step`` and outside any other timed call, in :attr:`step_seconds`)."""
         seconds = self.seconds
         stack = self._stack
-        wall = self.wall
+        wall = self.clock
         timer = self
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            timer.calls += 1
             inner = [0.0]
             stack.append(inner)
             start = wall()
@@ -142,11 +149,27 @@ class HookTimer:
             self._recorder_patch = {}
 
     def take(self) -> dict[str, float]:
-        """The seconds counted since the last call, by name (then reset to zero)."""
+        """The seconds counted since the last call, by name (then reset to zero, with :attr:`calls`)."""
         taken = dict(self.seconds)
         for key in self.seconds:
             self.seconds[key] = 0.0
+        self.calls = 0
         return taken
+
+    def per_call_cost(self, repeats: int = 200) -> float:
+        """Seconds one timed call costs beyond what its window counts (the wrapper and the clock reads outside
+        it), measured on a wrapped no-op: the median of a few batches of ``repeats`` calls, 0 when the clock does
+        not move (a test's fake clock)."""
+        probe = HookTimer(self.clock)
+        noop = probe.timed("probe", lambda: None)
+        costs = []
+        for _ in range(5):
+            start = self.clock()
+            for _ in range(repeats):
+                noop()
+            costs.append((self.clock() - start - probe.take()["probe"]) / repeats)
+        costs.sort()
+        return max(0.0, costs[len(costs) // 2])
 
 
 # -- the trainer's step boundary and checkpoint saving --------------------------------------------------------

@@ -287,6 +287,7 @@ class AnomalyAlarm(DiagCallback):
             "rollback": self.recovery.state_dict(),
             "replicas": self.replicas.state_dict(),
             "train_mode": self.train_mode.state_dict(),
+            "runtime_pending": self.runtime.pending_state(),
             **self.rules_state_dict(),
         }
 
@@ -311,6 +312,7 @@ class AnomalyAlarm(DiagCallback):
         self.replicas.load_state_dict(state_dict["replicas"])
         self.train_mode.load_state_dict(state_dict["train_mode"])
         self.load_rules_state_dict(state_dict)
+        self.runtime.load_pending_state(state_dict["runtime_pending"])
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -326,6 +328,7 @@ class AnomalyAlarm(DiagCallback):
             return
         state["accumulators"].update(self.trend.all_rank_sums(trainer, pl_module.device))
         state["pending_nonfinite"] = self.guard.pending_state(trainer, device=pl_module.device)
+        state["runtime_pending"] = self.runtime.pending_state(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the step window and share restored loss sums over the ranks; take the first snapshot."""

@@ -7,6 +7,7 @@ step axis :mod:`lightning_diag.callbacks.step_axis`.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -171,13 +172,16 @@ class DiagCallback(pl.Callback):
         """The checkpoint key: the class name, with the :attr:`state_key_arguments` values when it declares some."""
         if not self.state_key_arguments:
             return super().state_key
-        values: dict[str, Any] = {}
-        for path in self.state_key_arguments:  # "loss_trend.swing_window": a settings field, keyed by its name
-            value: Any = self
-            for name in path.split("."):
-                value = getattr(value, name)
-            values[path.rsplit(".", 1)[-1]] = value
-        return self._generate_state_key(**values)
+        # "loss_trend.swing_window": a settings field, keyed by its name
+        current = tuple(operator.attrgetter(path)(self) for path in self.state_key_arguments)
+        # Lightning reads the key at every hook call (its profiler's label): build the string once per set of values
+        cached = self.__dict__.get("_state_key_cache")
+        if cached is not None and cached[0] == current:
+            return cached[1]
+        names = [path.rsplit(".", 1)[-1] for path in self.state_key_arguments]
+        key = self._generate_state_key(**dict(zip(names, current, strict=True)))
+        self.__dict__["_state_key_cache"] = (current, key)
+        return key
 
     def rules_state_dict(self) -> dict[str, Any]:
         """Each declared rule's state under its ``state_key``."""
@@ -351,10 +355,24 @@ class DiagCallback(pl.Callback):
         # Lightning sets `log_every_n_steps` on the trainer at init (0 with barebones=True).
         return self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 0) or 50)
 
+    def cadence_step(self, trainer: pl.Trainer) -> int:
+        """The count the logging interval divides on the user's cadence
+        (:attr:`StepAxis.cadence_step <lightning_diag.callbacks.step_axis.StepAxis.cadence_step>`): measuring
+        when ``cadence_step(trainer) % every_n_steps(trainer) == 0`` writes on the steps of the user's
+        ``self.log`` values, whatever the optimizers or accumulation. ``trainer.global_step`` outside a session."""
+        return self._session.step_axis.cadence_step if self._session is not None else trainer.global_step
+
     def is_logging_step(self, trainer: pl.Trainer) -> bool:
-        """Whether the optimizer step just taken is one to log, once per global step."""
-        step = trainer.global_step
-        if step == self._last_logged_step or step % self.every_n_steps(trainer) != 0:
+        """Whether the current batch (at its end) is one to log, once per batch: one Lightning writes the user's
+        step metrics at (:meth:`StepAxis.logs <lightning_diag.callbacks.step_axis.StepAxis.logs>`)."""
+        if self._session is None:
+            step = trainer.global_step
+            if step == self._last_logged_step or step % self.every_n_steps(trainer) != 0:
+                return False
+            self._last_logged_step = step
+            return True
+        axis = self._session.step_axis
+        if axis.step == self._last_logged_step or not axis.logs(self.every_n_steps(trainer)):
             return False
-        self._last_logged_step = step
+        self._last_logged_step = axis.step
         return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -27,6 +27,7 @@ from lightning_diag.core.tags import (
     grad_relative_tag,
     grad_rms_tag,
     grad_total_tag,
+    update_ratio_tag,
 )
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.act_grads import ActivationGradients
@@ -274,8 +275,12 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             world_size=trainer.world_size,
         )
 
-    def _stuck_parameters(self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_opt: set[int]) -> dict[str, str]:
-        """``{name: reason}`` for the selected parameters that cannot learn (see ``GradFrozenRule``)."""
+    def _stuck_parameters(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_opt: set[int], zero: Collection[int] = ()
+    ) -> dict[str, str]:
+        """``{name: reason}`` for the selected parameters that cannot learn (see ``GradFrozenRule``); ``zero``
+        holds the ``id`` of the parameters whose layer's measured gradient is exactly zero (in the graph, nothing
+        reaches them)."""
         finetuning = any(isinstance(cb, BaseFinetuning) for cb in trainer.callbacks)  # type: ignore[attr-defined]
         in_any = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
         stuck: dict[str, str] = {}
@@ -290,6 +295,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
                     stuck[name] = "excluded"
             elif id(p) in in_opt and p.grad is None:
                 stuck[name] = "no_grad"
+            elif id(p) in zero:
+                stuck[name] = "zero_grad"
         return stuck
 
     @staticmethod
@@ -384,7 +391,11 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         )
         if position == 0:  # one baseline of one quantity: the first optimizer's
             self.record(self.collapse_rule.update(m.blocks, ctx, m.loss))
-        stuck = self._stuck_parameters(trainer, pl_module, in_opt)
+        zero_layers = {layer for layer, v in m.norms.items() if v == 0.0}
+        if 2 * len(zero_layers) >= len(m.norms):
+            zero_layers = set()  # most of the model without a gradient is a collapse (grad_collapse), not a few stuck
+        zero = {id(index.params[i]) for i in chosen if index.layers[index.layer_of[i]] in zero_layers}
+        stuck = self._stuck_parameters(trainer, pl_module, in_opt, zero)
         names = [n for n, _ in pl_module.named_parameters()]
         self.record(self.frozen_rule.update(stuck, ctx, names))
         hist_every = self.histogram_every_n_steps
@@ -431,5 +442,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         for chosen, before in pending:
             values.update(update_ratios(index, chosen, before, self._reduce(trainer)))
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
+        # grad_vanish also asks whether the layer's update is starved (an adaptive optimizer rescales gradients)
+        tags = {update_ratio_tag(layer): layer for layer in index.layers}
+        self.band_rule.observe_updates({tags[k]: v for k, v in values.items() if k in tags})
 
 

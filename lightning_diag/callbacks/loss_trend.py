@@ -251,7 +251,8 @@ class LossTrend:
         value = torch.as_tensor(raw, dtype=torch.float32, device=pl_module.device).detach().mean()
         val = float(trainer.strategy.reduce(value, reduce_op="mean"))
         ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
-        out.alerts += self.val_decline_rule.update(val, ctx)
+        self.stagnant_rule.observe_validation(val, self.val_decline_rule.mode)
+        out.alerts += self.val_decline_rule.update(val, ctx, train_mean)
         out.alerts += self.val_fluctuation_rule.update(train_mean, val, ctx)
         out.scalars[loss_tag("val")] = val
         train_f, val_f = self.val_fluctuation_rule.measures()

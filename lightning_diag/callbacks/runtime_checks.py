@@ -63,6 +63,8 @@ class RuntimeChecks:
         self._dropout: DropoutWatch | None = None
         self._losses: list[torch.Tensor] = []
         self._steps: list[int] = []
+        # Losses of steps not judged yet that a checkpoint brought back (host floats, before ``_losses``).
+        self._restored: list[float] = []
 
     def _rule(self, name: str) -> Any:
         """One of the owner's rules, as rebuilt at each fit."""
@@ -101,17 +103,37 @@ class RuntimeChecks:
         if loss is not None and loss.numel() == 1:
             self._losses.append(loss)
             self._steps.append(trainer.global_step)
-        if logging and self._losses:
+        if logging and (self._losses or self._restored):
             self._judge_losses(trainer)
 
-    def _judge_losses(self, trainer: pl.Trainer) -> None:
-        stacked = torch.stack(self._losses).float()
-        steps, self._losses, self._steps = self._steps, [], []
-        if trainer.world_size > 1:  # every rank judges the mean over ranks: the same decision everywhere
+    def _pending(self, trainer: pl.Trainer | None) -> torch.Tensor:
+        """The losses not judged yet, restored ones first, as one float tensor (the mean over ranks under DDP)."""
+        device = self._losses[0].device if self._losses else torch.device("cpu")
+        parts = [torch.tensor(self._restored, dtype=torch.float32, device=device)] if self._restored else []
+        if self._losses:
+            parts.append(torch.stack(self._losses).float())
+        stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if trainer is not None and trainer.world_size > 1:  # every rank judges the same numbers
             stacked = trainer.strategy.reduce(stacked, reduce_op="mean")
-        values = stacked.tolist()  # the one host read, on a logging step
+        return stacked
+
+    def _judge_losses(self, trainer: pl.Trainer) -> None:
+        values = self._pending(trainer).tolist()  # the one host read, on a logging step
+        steps, self._losses, self._steps, self._restored = self._steps, [], [], []
         ctx = StepContext(trainer.current_epoch, trainer.global_step)
         self.owner.record(self._rule("outlier_rule").update(values, steps, ctx))
+
+    def pending_state(self, trainer: pl.Trainer | None = None) -> dict[str, list[float] | list[int]]:
+        """The losses of the steps since the last logging step and their steps, for a checkpoint (one host read;
+        with ``trainer`` under DDP, the mean over ranks: every rank must call it)."""
+        losses = self._pending(trainer).tolist() if (self._losses or self._restored) else []
+        return {"losses": losses, "steps": list(self._steps)}
+
+    def load_pending_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`pending_state` output: those steps are judged at the next logging step."""
+        self._restored = [float(v) for v in state.get("losses", [])]
+        self._steps = [int(v) for v in state.get("steps", [])]
+        self._losses = []
 
     # -- validation ----------------------------------------------------------------------------------------
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -96,6 +96,7 @@ class DiagSession:
             else:
                 self._writer = DiagWriter.for_trainer(trainer, self.log_dir)
                 self._writer.step_axis = self._user_step
+                self._writer.alert_count = lambda: len(self._alerts)
         return self._writer
 
     def _user_step(self, global_step: int) -> int:

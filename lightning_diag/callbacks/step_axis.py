@@ -42,6 +42,22 @@ class StepAxis:
         """The step on the user's axis of what is written now."""
         return self.stepped
 
+    @property
+    def cadence_step(self) -> int:
+        """The count Lightning's logging interval divides: ``step + 1``.
+
+        Lightning writes a batch's ``self.log`` values when ``(stepped + 1) % log_every_n_steps == 0`` (its
+        ``should_update_logs``, checked before the count moves past the batch) on a batch whose optimizer steps,
+        at :attr:`step`. A measurement taken while ``cadence_step % every == 0`` is written on a step the user's
+        metrics use: every micro-batch of such an optimizer step has it (a gradient is measured on the last).
+        """
+        return self.stepped + 1
+
+    def logs(self, every: int) -> bool:
+        """Whether the current batch is one Lightning writes the user's step metrics at, for the interval
+        ``every``: it steps (:attr:`pending`) and :attr:`cadence_step` is a multiple of ``every``."""
+        return self.pending and self.cadence_step % every == 0
+
     def batch_started(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         """A training batch starts (idempotent within one batch)."""
         key = (trainer.current_epoch, batch_idx, trainer.global_step)

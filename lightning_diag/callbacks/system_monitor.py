@@ -53,8 +53,12 @@ class SystemMonitor(DiagCallback):
     optimizer steps.
 
     It also times the hooks of every other lightning_diag callback on the trainer (and its own, and the
-    attention recorder's): wall time inside them over the interval's wall time is
-    ``diag/overhead/<CallbackName>``.
+    attention recorder's): the time inside them over the interval's time is ``diag/overhead/<CallbackName>``,
+    the share of the interval's time the callback's hooks took, logging steps included. On CPU both are the
+    process's CPU time, the quantity ``benchmarks/paired_share.py`` measures a callback's marginal cost in, so
+    other processes on the machine do not inflate it; a hook blocked without using the CPU (sleeping, waiting on
+    a file) is not counted there. On CUDA both are host wall times (kernels the hooks launch run asynchronously
+    and are not counted). See ``docs/performance.md`` for how it compares with the measured marginal cost.
 
     Logged metrics (global rank zero; ``_s`` values are means per optimizer step over the interval):
 
@@ -71,7 +75,8 @@ class SystemMonitor(DiagCallback):
     * Under DDP: ``diag/system/rank_<r>/step_time_s``, ``diag/system/rank_<r>/data_wait_s``,
       ``diag/system/slowest_rank`` (the rank with the most data waiting when that is above 10% of the step,
       else the longest step), ``diag/system/straggler_ratio`` (longest / shortest rank step time).
-    * ``diag/overhead/<CallbackName>``: fraction of the interval's wall time spent in that callback's hooks.
+    * ``diag/overhead/<CallbackName>``: fraction of the interval's time spent in that callback's hooks (CPU time
+      on CPU, host wall time on CUDA).
     * ``diag/threshold/dataloader_bound``, ``diag/threshold/step_time_fluctuation``: reference lines.
 
     Rules (see :mod:`lightning_diag.rules.system` for the exact meaning): ``dataloader_bound``,
@@ -128,7 +133,9 @@ class SystemMonitor(DiagCallback):
         )
         self.memory_rule = self.add_rule("memory_rule", MemoryGrowthRule.from_settings, state_key="memory")
         self._reset_windows()
-        self._hooks = HookTimer()
+        self._overhead_clock = self.time_source.cpu
+        self._hooks = HookTimer(self._overhead_clock)
+        self._per_call = 0.0
         self._nvml_probe: NvmlProbe | None = None
         self._boundary: tuple[Any, Any] | None = None
         self._save_timer: Any = None
@@ -146,6 +153,10 @@ class SystemMonitor(DiagCallback):
     def _reset_run(self, clock: HostClock | CudaClock | None = None) -> None:
         self._steps = StepRecorder(self.time_source, clock)
         self._diag_mark = self._hooks.step_seconds if hasattr(self, "_hooks") else 0.0
+        clock = getattr(self, "_overhead_clock", None)
+        self._overhead_mark = clock() if clock is not None else 0.0
+        if hasattr(self, "_hooks"):
+            self._hooks.take()  # hooks of the sanity check before the fit's first step are not the steps' cost
 
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -183,7 +194,14 @@ class SystemMonitor(DiagCallback):
         unwrap_batch_end(self._boundary)
         self._boundary = None
         self._hooks.detach()
-        self._hooks = HookTimer(self.time_source.wall)
+        # what the hooks cost is counted in CPU time on CPU (as benchmarks/paired_share.py measures it), in host
+        # wall time on CUDA (the step's time is the events'; the hooks' kernels run asynchronously)
+        on_cuda = trainer.strategy.root_device.type == "cuda"
+        cpu_clock = getattr(self.time_source, "thread", self.time_source.cpu)
+        self._overhead_clock = self.time_source.wall if on_cuda else cpu_clock
+        self._hooks = HookTimer(self._overhead_clock)
+        # the timing's own cost per timed call, outside the windows it measures: SystemMonitor's, added to its share
+        self._per_call = self._hooks.per_call_cost() if self.time_callbacks else 0.0
         if self.time_callbacks:
             self._hooks.attach([cb for cb in trainer.callbacks if isinstance(cb, DiagCallback)])  # type: ignore[attr-defined]
         untime_save_checkpoint(trainer, self._save_timer)
@@ -265,7 +283,7 @@ class SystemMonitor(DiagCallback):
         interval = self._steps.take()
         if interval is None:
             return
-        steps, flags, acc, wall = interval.steps, interval.explained, interval.sums, interval.wall
+        steps, flags, acc = interval.steps, interval.explained, interval.sums
         acc["rss"] = host_rss_bytes()
         device = getattr(self, "_device", None)
         cuda = cuda_memory(device) if device is not None else {}
@@ -330,8 +348,14 @@ class SystemMonitor(DiagCallback):
                 self.util_window.append(util)
                 values[family_tag("system", "gpu_utilization")] = util
                 alerts += self.periodic_rule.update_utilization(ctx, list(self.util_window))
-        if wall > 0:
-            for name, seconds in self._hooks.take().items():
-                values[overhead_tag(name)] = seconds / wall
+        # the hooks' seconds over the same clock's seconds since the last report: the share of the interval
+        now = self._overhead_clock()
+        span, self._overhead_mark = now - self._overhead_mark, now
+        calls = self._hooks.calls
+        taken = self._hooks.take()
+        if span > 0 and self.time_callbacks:
+            taken[type(self).__name__] = taken.get(type(self).__name__, 0.0) + calls * self._per_call
+            for name, seconds in taken.items():
+                values[overhead_tag(name)] = seconds / span
         self.writer.scalars(values, step)
         self.record(alerts)

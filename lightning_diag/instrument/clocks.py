@@ -32,6 +32,10 @@ class TimeSource:
         """Seconds of CPU time of this process."""
         return time.process_time()
 
+    def thread(self) -> float:
+        """Seconds of CPU time of the calling thread (the training loop's, when it calls)."""
+        return time.thread_time()
+
 
 class HostClock:
     """Marks are wall-clock readings (``time.perf_counter()``, or ``source.wall()``); durations are ready at once.

@@ -7,7 +7,12 @@
   under their exact ``diag/...`` tags (the dashboard layout and ``lightning-diag report`` select by them);
   every other logger (``CSVLogger``, ``WandbLogger``, ``MLFlowLogger``, a second ``TensorBoardLogger``, a
   custom one) through ``logger.log_metrics(metrics, step)``, as Lightning's ``LearningRateMonitor`` does, with
-  the optimizer step as ``step``. Each point is written once per logger.
+  the user's step as ``step``. Each point is written once per logger.
+* **Which series**: the TensorBoard writer (and any ``TensorBoardLogger``) gets every series; every other logger
+  keeps the user's own history, so by default it gets the summary (:data:`SUMMARY_SERIES`: the global gradient
+  norm per optimizer, the loss series, the learning rates, the mean attention entropy over modules, the step
+  time, the alert count), not the per-layer and per-head detail. :func:`set_logger_series` chooses otherwise,
+  per logger or for all (``"all"``, ``"none"``, glob patterns).
 * **Text, images, histograms and the custom-scalars layout** go to the TensorBoard writer only: that of the
   first ``TensorBoardLogger`` (of ``pytorch_lightning``, or of ``lightning`` once it is imported), or else one
   the library opens at ``<log_dir>/diag`` (which also gets the scalars: the report reads it).
@@ -32,9 +37,13 @@ thread traceback and an ``OSError`` at the next write.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import functools
 import logging
 import os
+import re
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,9 +52,97 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_diag.core.files import report_write_failure
 
-__all__ = ["DiagWriter", "per_version_logger_types", "tensorboard_logger_types"]
+__all__ = [
+    "ALERT_COUNT_TAG",
+    "ATTN_ENTROPY_MEAN_TAG",
+    "SUMMARY_SERIES",
+    "DiagWriter",
+    "logger_series",
+    "per_version_logger_types",
+    "set_logger_series",
+    "tensorboard_logger_types",
+]
 
 log = logging.getLogger("lightning_diag")
+
+#: The mean over attention modules of their mean entropy over heads (the summary's one attention series).
+ATTN_ENTROPY_MEAN_TAG = "diag/attn_entropy/mean"
+#: The number of alerts recorded so far in the fit (every severity), beside each summary row.
+ALERT_COUNT_TAG = "diag/alerts/count"
+#: What a logger that keeps its own metric history (CSV, W&B, MLflow, ...) gets by default ("summary"): a few
+#: series per run, whatever the model's size, as glob patterns (:func:`fnmatch.fnmatchcase`).
+SUMMARY_SERIES: tuple[str, ...] = (
+    "diag/grad_norm/total",  # the global gradient norm (the first optimizer's)
+    "diag/grad_norm/total/optimizer_*",  # the other optimizers'
+    "diag/loss/*",  # train_step, train_epoch, train_window, swing, val, train_fluctuation, val_fluctuation
+    "diag/lr/*",  # one per optimizer and parameter group
+    ATTN_ENTROPY_MEAN_TAG,
+    "diag/system/step_time_s",
+    "diag/system/data_wait_s",
+    ALERT_COUNT_TAG,
+)
+_SERIES_WORDS = ("summary", "all", "none")
+_ATTN_MODULE_MEAN = re.compile(r"diag/attn_entropy/.+/mean$")
+
+_default_series: str | tuple[str, ...] = "summary"
+_logger_series: weakref.WeakKeyDictionary[Any, str | tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def _check_series(series: str | Sequence[str]) -> str | tuple[str, ...]:
+    if isinstance(series, str):
+        if series not in _SERIES_WORDS:
+            raise ValueError(
+                f"Expected argument `series` to be one of {list(_SERIES_WORDS)} or a list of glob patterns of "
+                f"`diag/` tags, but got {series!r}"
+            )
+        return series
+    patterns = tuple(series)
+    if not all(isinstance(p, str) and p for p in patterns):
+        raise TypeError(f"Expected argument `series` to hold non-empty strings (glob patterns), but got {series!r}")
+    return patterns
+
+
+def set_logger_series(series: str | Sequence[str], logger: Any | None = None) -> None:
+    """Choose which ``diag/`` series a logger that is not the TensorBoard writer gets.
+
+    Args:
+        series: ``"summary"`` (the default: :data:`SUMMARY_SERIES`, a handful of series whatever the model's
+            size), ``"all"`` (every series, per layer and per head too), ``"none"``, or glob patterns of tags
+            (``["diag/grad_norm/*", "diag/loss/*"]``: the summary is not added to them).
+        logger: One logger of the trainer (the setting follows that object); ``None``: the default of every
+            logger that has no setting of its own, except a ``TensorBoardLogger``, which gets every series
+            unless set one by one.
+
+    Raises:
+        ValueError: ``series`` is a word other than those three.
+        TypeError: ``series`` holds something other than non-empty strings, or ``logger`` cannot be keyed
+            (unhashable).
+
+    Example:
+        >>> from unittest.mock import MagicMock
+        >>> csv = MagicMock()
+        >>> set_logger_series("all", csv)
+        >>> logger_series(csv)
+        'all'
+    """
+    global _default_series
+    checked = _check_series(series)
+    if logger is None:
+        _default_series = checked
+    else:
+        _logger_series[logger] = checked
+
+
+def logger_series(logger: Any) -> str | tuple[str, ...]:
+    """The series ``logger`` gets (:func:`set_logger_series`): its own setting, else ``"all"`` for a
+    ``TensorBoardLogger``, else the default (``"summary"``)."""
+    try:
+        own = _logger_series.get(logger)
+    except TypeError:  # an unhashable logger has no setting of its own
+        own = None
+    if own is not None:
+        return own
+    return "all" if isinstance(logger, tensorboard_logger_types()) else _default_series
 
 
 def tensorboard_logger_types() -> tuple[type, ...]:
@@ -99,6 +196,10 @@ class DiagWriter:
         self.owned = owned
         self.loggers = list(loggers)
         self.step_axis = step_axis
+        #: Returns the number of alerts recorded so far (the session's), written beside each summary row.
+        self.alert_count: Callable[[], int] | None = None
+        # (id(logger), its patterns) -> tag -> whether that logger gets it
+        self._selected: dict[tuple[int, tuple[str, ...]], dict[str, bool]] = {}
         # The library's own event file, guarded inside TensorBoard's writer thread (None: not ours, or not found).
         self._event_file = _guard_event_file(experiment) if owned else None
 
@@ -160,11 +261,46 @@ class DiagWriter:
                 _tensorboard_scalars(self.experiment, values, step)
             except Exception as err:
                 self._drop_experiment(err)
+        if not self.loggers:
+            return
+        extended = self._with_summary(values)
         for lg in list(self.loggers):  # a failing one is dropped mid-loop
+            chosen = self._select(lg, extended)
+            if not chosen:
+                continue
             try:
-                lg.log_metrics(dict(values), step=step)
+                lg.log_metrics(chosen, step=step)
             except Exception as err:  # a broken third-party logger must not end the user's run
                 self._drop(lg, err)
+
+    def _with_summary(self, values: Mapping[str, float]) -> dict[str, float]:
+        """``values`` with the derived summary series: the mean attention entropy over modules and the alert
+        count (the latter beside rows that hold a summary series)."""
+        out = dict(values)
+        means = [float(v) for k, v in values.items() if _ATTN_MODULE_MEAN.match(k)]
+        if means:
+            out[ATTN_ENTROPY_MEAN_TAG] = sum(means) / len(means)
+        if self.alert_count is not None and any(_in_summary(k) for k in out):
+            out[ALERT_COUNT_TAG] = float(self.alert_count())
+        return out
+
+    def _select(self, logger: Any, values: dict[str, float]) -> dict[str, float]:
+        """The part of ``values`` that ``logger`` gets (:func:`logger_series`); decisions are kept per tag."""
+        series = logger_series(logger)
+        if series == "all":
+            return {k: v for k, v in values.items() if k not in (ATTN_ENTROPY_MEAN_TAG, ALERT_COUNT_TAG)}
+        if series == "none":
+            return {}
+        patterns: tuple[str, ...] = SUMMARY_SERIES if isinstance(series, str) else series
+        cache = self._selected.setdefault((id(logger), patterns), {})
+        out = {}
+        for k, v in values.items():
+            keep = cache.get(k)
+            if keep is None:
+                keep = cache[k] = any(fnmatch.fnmatchcase(k, p) for p in patterns)
+            if keep:
+                out[k] = v
+        return out
 
     def text(self, name: str, text: str, step: int) -> None:
         """Write markdown text (TensorBoard only)."""
@@ -268,6 +404,11 @@ class DiagWriter:
             type(err).__name__,
             err,
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_summary(tag: str) -> bool:
+    return tag != ALERT_COUNT_TAG and any(fnmatch.fnmatchcase(tag, p) for p in SUMMARY_SERIES)
 
 
 def _event_path(experiment: Any) -> str:

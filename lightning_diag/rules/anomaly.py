@@ -31,28 +31,42 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
 from collections import deque
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, POSITIVE, Limit, RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, FRACTION, POSITIVE, STEPS, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
-from lightning_diag.stats.trend import fluctuation, relative_change
+from lightning_diag.stats.trend import (
+    fluctuation,
+    mann_kendall,
+    mann_kendall_min_points,
+    relative_change,
+    theil_sen_slope,
+)
 
 __all__ = [
+    "DEFAULT_STAGNANT_ALPHA",
     "DEFAULT_STAGNANT_BASELINE_STEPS",
+    "DEFAULT_STAGNANT_MIN_STEPS",
+    "DEFAULT_STAGNANT_MIN_TREND",
     "DEFAULT_STAGNANT_PATIENCE",
     "DEFAULT_STAGNANT_THRESHOLD",
     "DEFAULT_SWING_MIN_DELTA",
+    "DEFAULT_SWING_MIN_STEPS",
     "DEFAULT_SWING_PATIENCE",
     "DEFAULT_SWING_THRESHOLD",
     "DEFAULT_VAL_DECLINE_MIN_DELTA",
+    "DEFAULT_VAL_DECLINE_MIN_STEPS",
     "DEFAULT_VAL_DECLINE_THRESHOLD",
     "DEFAULT_VAL_FLUCTUATION_MIN",
     "DEFAULT_VAL_FLUCTUATION_MIN_RANGE",
     "DEFAULT_VAL_FLUCTUATION_MIN_RISE",
+    "DEFAULT_VAL_FLUCTUATION_MIN_STEPS",
     "DEFAULT_VAL_FLUCTUATION_THRESHOLD",
     "DEFAULT_VAL_FLUCTUATION_WINDOW",
     "LOSS_STAGNANT",
@@ -74,27 +88,28 @@ _ALARM = "AnomalyAlarm"
 LOSS_SWING_SPEC = register(RuleSpec(
     "loss_swing", _ALARM, "warning", 0.10,
     "training loss swings by more than {threshold:.0%} on {patience:g} consecutive epochs",
-    settings={"patience": 3, "min_delta": 1e-3}, check="loss_swing", source="seed 001 §1.2",
-    limits={"threshold": POSITIVE, "patience": COUNT},
+    settings={"patience": 3, "min_delta": 1e-3, "min_steps": 20}, check="loss_swing", source="seed 001 §1.2",
+    limits={"threshold": POSITIVE, "patience": COUNT, "min_steps": STEPS},
 ))
 VAL_DECLINE_SPEC = register(RuleSpec(
     "val_decline", _ALARM, "warning", 5.0, "validation metric worsens on {threshold:g} consecutive validation runs",
-    settings={"min_delta": 0.0}, check="val_decline", source="seed 001 §1.2",
-    limits={"threshold": COUNT},
+    settings={"min_delta": 0.0, "min_steps": 20}, check="val_decline", source="seed 001 §1.2",
+    limits={"threshold": COUNT, "min_steps": STEPS},
 ))
 VAL_FLUCTUATION_SPEC = register(RuleSpec(
     "val_fluctuation", _ALARM, "warning", 2.0,
     "validation-loss fluctuation above {threshold:g}x the training-loss fluctuation",
-    settings={"window": 5, "min": 0.15, "min_range": 0.01, "min_rise": 0.1}, check="val_fluctuation",
+    settings={"window": 5, "min": 0.15, "min_range": 0.01, "min_rise": 0.1, "min_steps": 20}, check="val_fluctuation",
     source="seed 000 §4.1",
-    limits={"threshold": POSITIVE, "window": Limit(low=3, integer=True)},
+    limits={"threshold": POSITIVE, "window": Limit(low=3, integer=True), "min_steps": STEPS},
 ))
 LOSS_STAGNANT_SPEC = register(RuleSpec(
     "loss_stagnant", _ALARM, "warning", 0.10,
     "training loss has not fallen {threshold:.0%} below its initial value after {patience:g} points",
-    settings={"patience": 4, "baseline_steps": 5},
+    settings={"patience": 4, "baseline_steps": 5, "min_steps": 50, "alpha": 0.05, "min_trend": 0.02},
     limits={"threshold": Limit(low=0.0, high=1.0, low_inclusive=True, high_inclusive=False), "patience": COUNT,
-            "baseline_steps": COUNT},
+            "baseline_steps": COUNT, "min_steps": STEPS, "alpha": FRACTION,
+            "min_trend": Limit(low=0.0, low_inclusive=True)},
 ))
 LOSS_SWING = LOSS_SWING_SPEC.rule_id
 VAL_DECLINE = VAL_DECLINE_SPEC.rule_id
@@ -126,8 +141,24 @@ DEFAULT_VAL_FLUCTUATION_MIN_RISE = default(VAL_FLUCTUATION_SPEC.key("min_rise"))
 DEFAULT_STAGNANT_THRESHOLD = default(LOSS_STAGNANT)
 #: ``loss_stagnant``: loss points (epochs or windows) the training loss has to get there.
 DEFAULT_STAGNANT_PATIENCE = int(default(LOSS_STAGNANT_SPEC.key("patience")))
+#: ``val_fluctuation``: validation runs kept, at most (the window, and earlier runs its ``min_steps`` needs).
+_VAL_RUNS_KEPT = 64
+#: ``loss_stagnant``: the points its trend test reads, at most (beyond, pairs are averaged: the whole run stays).
+_TREND_POINTS = 256
 #: ``loss_stagnant``: first optimizer steps whose mean loss is the initial loss.
 DEFAULT_STAGNANT_BASELINE_STEPS = int(default(LOSS_STAGNANT_SPEC.key("baseline_steps")))
+#: ``loss_stagnant``: optimizer steps before a verdict (with at least the trend test's fewest points).
+DEFAULT_STAGNANT_MIN_STEPS = int(default(LOSS_STAGNANT_SPEC.key("min_steps")))
+#: ``loss_stagnant``: significance level of the Mann-Kendall test that the loss falls.
+DEFAULT_STAGNANT_ALPHA = default(LOSS_STAGNANT_SPEC.key("alpha"))
+#: ``loss_stagnant``: the Theil-Sen fall over the points, as a fraction of the loss's level, that is progress.
+DEFAULT_STAGNANT_MIN_TREND = default(LOSS_STAGNANT_SPEC.key("min_trend"))
+#: ``loss_swing``: optimizer steps a loss point must span (shorter epochs are merged).
+DEFAULT_SWING_MIN_STEPS = int(default(LOSS_SWING_SPEC.key("min_steps")))
+#: ``val_decline``: optimizer steps the worsening streak must span.
+DEFAULT_VAL_DECLINE_MIN_STEPS = int(default(VAL_DECLINE_SPEC.key("min_steps")))
+#: ``val_fluctuation``: optimizer steps the window must span.
+DEFAULT_VAL_FLUCTUATION_MIN_STEPS = int(default(VAL_FLUCTUATION_SPEC.key("min_steps")))
 
 
 def _pct(x: float) -> str:
@@ -145,13 +176,13 @@ class LossSwingRule(Rule):
 
     Example:
         >>> rule = LossSwingRule()
-        >>> fired = [rule.update(v, StepContext(e, e * 10)) for e, v in enumerate([1.0, 0.8, 1.0, 0.8, 1.0])]
+        >>> fired = [rule.update(v, StepContext(e, 20 * e + 20)) for e, v in enumerate([1.0, 0.8, 1.0, 0.8, 1.0])]
         >>> [len(a) for a in fired]
         [0, 0, 0, 0, 1]
     """
 
     specs = (LOSS_SWING_SPEC,)
-    state_keys = ("previous", "previous_rise", "streak", "last_change", "history")
+    state_keys = ("previous", "previous_rise", "streak", "last_change", "history", "pending")
 
     def __init__(
         self,
@@ -173,6 +204,25 @@ class LossSwingRule(Rule):
         self.streak = 0
         self.last_change = math.nan
         self.history: list[float] = []
+        #: Optimizer steps a point must span (``loss_swing.min_steps``): shorter points (one-batch epochs) are
+        #: merged, step-weighted, with the next ones until they do.
+        self.min_steps = DEFAULT_SWING_MIN_STEPS
+        #: ``[step-weighted sum, steps, global step of the last point fed]`` of the points being merged.
+        self.pending: list[float] = [0.0, 0.0, 0.0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before point merging loads with nothing pending."""
+        super().load_state_dict({"pending": [0.0, 0.0, 0.0], **state})
+
+    def merge(self, value: float, ctx: StepContext) -> float | None:
+        """Add a point to the merge; the step-weighted mean once it spans ``min_steps`` steps, else ``None``."""
+        steps = max(float(ctx.global_step) - self.pending[2], 1.0)
+        self.pending = [self.pending[0] + value * steps, self.pending[1] + steps, float(ctx.global_step)]
+        if self.pending[1] < self.min_steps:
+            return None
+        merged = self.pending[0] / self.pending[1]
+        self.pending = [0.0, 0.0, float(ctx.global_step)]
+        return merged
 
     @classmethod
     def from_settings(
@@ -181,15 +231,25 @@ class LossSwingRule(Rule):
         """The rule with the thresholds in effect (see :meth:`Rule.from_settings`); ``unit`` and ``source`` as
         for the constructor."""
         spec = LOSS_SWING_SPEC
-        return cls(
+        rule = cls(
             spec.value(thresholds), int(spec.value(thresholds, "patience")), spec.value(thresholds, "min_delta"),
             unit=unit, source=source,
         )
+        rule.min_steps = int(spec.value(thresholds, "min_steps"))
+        return rule
 
     def update(self, value: float, ctx: StepContext) -> list[Alert]:
-        """Feed the next loss point; return the alerts it raises."""
+        """Feed the next loss point; return the alerts it raises.
+
+        A point spanning fewer than ``min_steps`` optimizer steps since the last one (``ctx.global_step``) is
+        merged with the next ones: the rule judges step windows of at least that length when epochs are short.
+        """
         if not math.isfinite(value):
             return []  # non-finite losses are AnomalyAlarm's nonfinite_loss, not a trend
+        merged = self.merge(value, ctx)
+        if merged is None:
+            return []
+        value = merged
         self.history = [*self.history[-(self.patience) :], value]
         if self.previous is None:
             self.previous = value
@@ -231,12 +291,12 @@ class ValDeclineRule(Rule):
 
     Example:
         >>> rule = ValDeclineRule(patience=2)
-        >>> [len(rule.update(v, StepContext(i, i))) for i, v in enumerate([1.0, 1.1, 1.2, 1.3])]
+        >>> [len(rule.update(v, StepContext(i, 10 * i))) for i, v in enumerate([1.0, 1.1, 1.2, 1.3])]
         [0, 0, 1, 0]
     """
 
     specs = (VAL_DECLINE_SPEC,)
-    state_keys = ("previous", "streak", "history")
+    state_keys = ("previous", "streak", "history", "streak_start", "train_start")
 
     def __init__(
         self,
@@ -254,6 +314,18 @@ class ValDeclineRule(Rule):
         self.previous: float | None = None
         self.streak = 0
         self.history: list[float] = []
+        #: Optimizer steps the worsening streak must span (``val_decline.min_steps``): with one-batch epochs,
+        #: ``patience`` validation runs are a handful of steps.
+        self.min_steps = DEFAULT_VAL_DECLINE_MIN_STEPS
+        #: The global step of the run the current streak worsens from.
+        self.streak_start = 0
+        #: The mean training loss before that run (``None``: not known).
+        self.train_start: float | None = None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before ``min_steps`` loads with the streak
+        starting at step 0."""
+        super().load_state_dict({"streak_start": 0, "train_start": None, **state})
 
     @classmethod
     def from_settings(
@@ -262,10 +334,18 @@ class ValDeclineRule(Rule):
         """The rule with the thresholds in effect (see :meth:`Rule.from_settings`); ``monitor`` and ``mode`` as
         for the constructor."""
         spec = VAL_DECLINE_SPEC
-        return cls(monitor, mode, int(spec.value(thresholds)), spec.value(thresholds, "min_delta"))
+        rule = cls(monitor, mode, int(spec.value(thresholds)), spec.value(thresholds, "min_delta"))
+        rule.min_steps = int(spec.value(thresholds, "min_steps"))
+        return rule
 
-    def update(self, value: float, ctx: StepContext) -> list[Alert]:
-        """Feed the next validation value; return the alerts it raises."""
+    def update(self, value: float, ctx: StepContext, train: float | None = None) -> list[Alert]:
+        """Feed the next validation value (and the mean training loss since the previous run, when known);
+        return the alerts it raises.
+
+        With ``train`` given, a streak over which the training loss rose too is a schedule (a KL weight warming
+        up raises both), not overfitting: the rule stays quiet while the training loss is above its value at the
+        run the streak worsens from.
+        """
         if not math.isfinite(value):
             return []
         self.history = [*self.history[-self.patience :], value]
@@ -274,14 +354,22 @@ class ValDeclineRule(Rule):
                 value > self.previous + self.min_delta if self.mode == "min" else value < self.previous - self.min_delta
             )
             self.streak = self.streak + 1 if worse else 0
+        train = train if train is not None and math.isfinite(train) else None
+        if self.streak == 0:
+            self.streak_start = ctx.global_step
+            self.train_start = train
         self.previous = value
-        if not self.latch.update(self.monitor, self.streak >= self.patience):
+        spanned = ctx.global_step - self.streak_start
+        scheduled = train is not None and self.train_start is not None and train > self.train_start
+        active = self.streak >= self.patience and spanned >= self.min_steps and not scheduled
+        if not self.latch.update(self.monitor, active):
             return []
         points = ", ".join(f"{v:.4g}" for v in self.history)
         return [
             self._alert(
                 ctx,
-                f"`{self.monitor}` got worse on {self.streak} consecutive validation runs ({points}): "
+                f"`{self.monitor}` got worse on {self.streak} consecutive validation runs over {spanned} steps "
+                f"({points}): "
                 "the model is likely overfitting; consider early stopping, more data or regularisation",
                 source=self.monitor,
                 value=float(self.streak),
@@ -319,14 +407,14 @@ class ValFluctuationRule(Rule):
         >>> rule = ValFluctuationRule()
         >>> train = [1.29, 0.52, 0.19, 0.10, 0.079, 0.041]  # a converged fine-tune (corpus BERT at lr 2e-3)
         >>> val = [0.964, 0.237, 0.097, 0.167, 0.024, 0.025]
-        >>> [len(rule.update(t, v, StepContext(i, i))) for i, (t, v) in enumerate(zip(train, val))]
+        >>> [len(rule.update(t, v, StepContext(i, 10 * i))) for i, (t, v) in enumerate(zip(train, val))]
         [0, 0, 0, 0, 0, 0]
         >>> round(rule.last_rise, 3)
         0.074
     """
 
     specs = (VAL_FLUCTUATION_SPEC,)
-    state_keys = ("train", "val", "last_ratio", "scale")
+    state_keys = ("train", "val", "last_ratio", "scale", "steps")
 
     def __init__(
         self,
@@ -350,23 +438,46 @@ class ValFluctuationRule(Rule):
         self.monitor = monitor
         self.train: list[float] = []
         self.val: list[float] = []
+        #: The global step of each run of ``train`` / ``val`` (the runs kept: the window and those before it that
+        #: ``min_steps`` needs).
+        self.steps: list[int] = []
+        #: Optimizer steps the window must span (``val_fluctuation.min_steps``): with short epochs the window
+        #: takes in earlier runs until it does.
+        self.min_steps = DEFAULT_VAL_FLUCTUATION_MIN_STEPS
         self.last_ratio = math.nan
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before ``min_steps`` loads with its runs' steps
+        unknown (read as far apart)."""
+        runs = len(state.get("val", []))
+        super().load_state_dict({"steps": [-self.min_steps * (runs - i) for i in range(runs)], **state})
+
+    def window_runs(self) -> int:
+        """Runs in the judged window: the last ``window``, and earlier ones until it spans ``min_steps`` steps."""
+        count = min(self.window, len(self.val))
+        while count < len(self.val) and self.steps[-1] - self.steps[-count] < self.min_steps:
+            count += 1
+        return count
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None], *, monitor: str = "val_loss") -> ValFluctuationRule:
         """The rule with the thresholds in effect (see :meth:`Rule.from_settings`); ``monitor`` as for the
         constructor."""
         spec = VAL_FLUCTUATION_SPEC
-        return cls(
+        rule = cls(
             spec.value(thresholds), int(spec.value(thresholds, "window")), spec.value(thresholds, "min"),
             monitor=monitor, min_range=spec.value(thresholds, "min_range"), min_rise=spec.value(thresholds, "min_rise"),
         )
+        rule.min_steps = int(spec.value(thresholds, "min_steps"))
+        return rule
 
     def measures(self) -> tuple[float, float]:
-        """``(train_fluctuation, val_fluctuation)`` over the current window (``nan`` until it is full)."""
-        if len(self.val) < self.window:
+        """``(train_fluctuation, val_fluctuation)`` over the current window (``nan`` until it is full: ``window``
+        runs spanning ``min_steps`` steps)."""
+        count = self.window_runs()
+        if count < self.window or self.steps[-1] - self.steps[-count] < self.min_steps:
             return math.nan, math.nan
-        return fluctuation(self.train), fluctuation(self.val)
+        return fluctuation(self.train[-count:]), fluctuation(self.val[-count:])
 
     def update(self, train_loss: float, val_loss: float, ctx: StepContext) -> list[Alert]:
         """Feed the mean training loss since the last validation run and the validation value."""
@@ -374,14 +485,17 @@ class ValFluctuationRule(Rule):
             return []
         if self.scale is None:
             self.scale = abs(float(val_loss))  # the validation loss at the start of training
-        self.train = list(deque([*self.train, train_loss], maxlen=self.window))
-        self.val = list(deque([*self.val, val_loss], maxlen=self.window))
+        keep = max(self.window, _VAL_RUNS_KEPT)
+        self.train = list(deque([*self.train, train_loss], maxlen=keep))
+        self.val = list(deque([*self.val, val_loss], maxlen=keep))
+        self.steps = list(deque([*self.steps, ctx.global_step], maxlen=keep))
         train_f, val_f = self.measures()
         if not (math.isfinite(train_f) and math.isfinite(val_f)):
             return []
         self.last_ratio = val_f / train_f if train_f > 0 else math.inf
-        val_abs = max(self.val) - min(self.val)
-        steps_up = [b - a for a, b in zip(self.val, self.val[1:], strict=False) if b > a]
+        window = self.val[-self.window_runs() :]
+        val_abs = max(window) - min(window)
+        steps_up = [b - a for a, b in itertools.pairwise(window) if b > a]
         self.last_rise = sum(steps_up) / self.scale if self.scale > 0 else math.inf
         self.last_rises = repeated_rises(steps_up)
         active = (
@@ -389,14 +503,14 @@ class ValFluctuationRule(Rule):
             and val_abs > self.min_range
             and val_f > self.ratio * train_f
             and self.last_rise > self.min_rise
-            and self.last_rises >= min(2, self.window // 2)
+            and self.last_rises >= min(2, len(window) // 2)
         )
         if not self.latch.update(self.monitor, active, excess(self.last_ratio, self.ratio)):
             return []
         return [
             self._alert(
                 ctx,
-                f"`{self.monitor}` fluctuates {val_f:.1%} around its trend over the last {self.window} "
+                f"`{self.monitor}` fluctuates {val_f:.1%} around its trend over the last {len(window)} "
                 f"validation runs, more than {self.ratio:g}x the training loss ({train_f:.1%}), rising by "
                 f"{self.last_rise:.0%} of its initial {self.scale:.4g} over the window: the validation set may be "
                 "too small or unrepresentative, or the model unstable",
@@ -408,23 +522,51 @@ class ValFluctuationRule(Rule):
 
 
 class LossStagnantRule(Rule):
-    """``loss_stagnant``: after ``patience`` loss points the training loss has not fallen below its initial level.
+    """``loss_stagnant``: the training loss does not move against its own noise and is not below its initial level.
+
+    **Evidence.** The rule may fire once it has ``patience`` points (epoch or window means), at least as many as
+    the trend test needs to be able to find a trend at all (5 at ``alpha`` 0.05,
+    :func:`~lightning_diag.stats.trend.mann_kendall_min_points`), **and** the run has had ``min_steps``
+    optimizer steps (read from the ``StepContext``): one-batch epochs give points quickly, not evidence.
+
+    **Verdict.** The Mann-Kendall test of the points so far (:func:`~lightning_diag.stats.trend.mann_kendall`)
+    says whether the loss moves against its own noise; the move counts when it is significant at ``alpha`` and
+    its Theil-Sen size over the points is at least ``min_trend`` of their level. Then:
+
+    * a loss that **rises** moves by a schedule (a KL weight warming up): not stagnant, the rule is settled;
+    * a loss that **falls** is learning, whatever its floor (a VAE's ELBO falling 8% in 300 steps): settled, unless
+      it is still above ``(1 - min_drop)`` times the initial loss *and* the validation value
+      (:meth:`observe_validation`) has not improved by ``min_trend`` on its first run: a training loss that
+      creeps down while validation does not is memorising, not learning (shuffled labels);
+    * a loss that does **not move** and is not ``min_drop`` below its initial value is stagnant.
+
+    No verdict (settled or stagnant) is taken before the evidence is there: a chance "trend" among a few noisy
+    points settles nothing. A positive initial loss is needed; with zero or negative losses the rule stays quiet.
+    It clears when the loss moves or falls below the level. The points cover the whole run: beyond 256, pairs are
+    averaged.
 
     Args:
-        min_drop: Fraction of the initial loss the best point must be below it by (0.1: 10% below).
+        min_drop: Fraction of the initial loss below which the loss is never stagnant (0.1: 10% below).
         patience: Loss points (epochs or windows) before the rule can fire.
         unit: What one point is, for messages.
         source: The alert's ``source``.
 
+    Attributes:
+        min_steps: Optimizer steps before the rule can fire (``loss_stagnant.min_steps``).
+        alpha: Significance level of the trend test (``loss_stagnant.alpha``).
+        min_trend: The least movement that counts, relative to the level (``loss_stagnant.min_trend``, 2%): for
+            the training trend (Theil-Sen size over the points) and the validation improvement alike.
+
     Example:
         >>> rule = LossStagnantRule(patience=2)
         >>> rule.set_baseline(1.39)
-        >>> [len(rule.update(v, StepContext(e, e))) for e, v in enumerate([1.38, 1.37, 1.36, 0.9])]
-        [0, 1, 0, 0]
+        >>> losses = [1.38, 1.39, 1.37, 1.38, 1.37, 0.9]
+        >>> [len(rule.update(v, StepContext(e, 20 * e))) for e, v in enumerate(losses)]
+        [0, 0, 0, 0, 1, 0]
     """
 
     specs = (LOSS_STAGNANT_SPEC,)
-    state_keys = ("baseline", "points", "best")
+    state_keys = ("baseline", "points", "best", "history", "settled", "validation")
 
     def __init__(
         self,
@@ -438,9 +580,19 @@ class LossStagnantRule(Rule):
         self.patience = patience
         self.unit = unit
         self.source = source
+        self.min_steps = DEFAULT_STAGNANT_MIN_STEPS
+        self.alpha = DEFAULT_STAGNANT_ALPHA
+        self.min_trend = DEFAULT_STAGNANT_MIN_TREND
         self.baseline: float | None = None
         self.points = 0
         self.best = math.inf
+        self.history: list[float] = []
+        self.settled = False
+        #: ``[first, best]`` validation values, oriented so that lower is better (empty before the first run).
+        self.validation: list[float] = []
+        self.last_p = math.nan
+        self.last_trend = math.nan
+        self.level = math.nan
 
     @classmethod
     def from_settings(
@@ -449,12 +601,36 @@ class LossStagnantRule(Rule):
         """The rule with the thresholds in effect (see :meth:`Rule.from_settings`); ``unit`` and ``source`` as
         for the constructor. ``loss_stagnant.baseline_steps`` is the owner's (it averages the first losses)."""
         spec = LOSS_STAGNANT_SPEC
-        return cls(spec.value(thresholds), int(spec.value(thresholds, "patience")), unit=unit, source=source)
+        rule = cls(spec.value(thresholds), int(spec.value(thresholds, "patience")), unit=unit, source=source)
+        rule.min_steps = int(spec.value(thresholds, "min_steps"))
+        rule.alpha = spec.value(thresholds, "alpha")
+        rule.min_trend = spec.value(thresholds, "min_trend")
+        return rule
 
     def set_baseline(self, initial_loss: float) -> None:
         """Set the initial loss once (later calls, and non-finite values, are ignored)."""
         if self.baseline is None and math.isfinite(initial_loss):
             self.baseline = float(initial_loss)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before the trend test loads with no history."""
+        super().load_state_dict({"history": [], "settled": False, "validation": [], **state})
+
+    def observe_validation(self, value: float, mode: Literal["min", "max"] = "min") -> None:
+        """Note a validation value (``mode="max"``: higher is better), for telling learning from memorising."""
+        if not math.isfinite(value):
+            return
+        oriented = value if mode == "min" else -value
+        first, best = self.validation or (oriented, oriented)
+        self.validation = [first, min(best, oriented)]
+
+    def validation_improved(self) -> bool | None:
+        """Whether the best validation value is ``min_trend`` (of its first value) better than the first;
+        ``None`` before two runs."""
+        if len(self.validation) < 2:
+            return None
+        first, best = self.validation
+        return first - best > self.min_trend * abs(first)
 
     def update(self, value: float, ctx: StepContext) -> list[Alert]:
         """Feed the next loss point; return the alerts it raises."""
@@ -462,20 +638,52 @@ class LossStagnantRule(Rule):
             return []
         self.points += 1
         self.best = min(self.best, value)
+        self.history = [*self.history, value]
+        if len(self.history) > _TREND_POINTS:  # halve the resolution, keep the whole run (its start matters)
+            pairs = self.history[: len(self.history) // 2 * 2]
+            self.history = [(a + b) / 2 for a, b in zip(pairs[::2], pairs[1::2], strict=True)] + self.history[
+                len(pairs) :
+            ]
         if self.baseline is None or self.baseline <= 0:
             return []
+        needed = max(self.patience, mann_kendall_min_points(self.alpha))  # "no trend" only where one could show
+        if len(self.history) < needed or ctx.global_step < self.min_steps:
+            return []  # no verdict either way without the evidence (a chance "trend" in 5 noisy points settles nothing)
+        _, self.last_p = mann_kendall(self.history)
+        slope = theil_sen_slope(self.history)
+        mean = sum(abs(v) for v in self.history) / len(self.history)
+        self.last_trend = slope * (len(self.history) - 1) / mean if mean > 0 else 0.0
+        # where the loss is now: the Theil-Sen line at the last point (the best point of one-batch epochs is one
+        # lucky batch, not a level)
+        self.level = statistics.median(v - slope * i for i, v in enumerate(self.history)) + slope * (
+            len(self.history) - 1
+        )
         limit = (1.0 - self.min_drop) * self.baseline
-        active = self.points >= self.patience and self.best > limit
+        above = self.level > limit
+        moves = self.last_p < self.alpha and abs(self.last_trend) >= self.min_trend
+        memorising = moves and self.last_trend < 0 and above and self.validation_improved() is False
+        if moves and not memorising:
+            self.settled = True  # the loss moves with the parameters: learning, or a schedule; not stagnation
+        if not above:
+            self.settled = True  # the level is well below the initial loss: it learned
+        active = not self.settled and above
         if not self.latch.update(self.source, active):
             return []
-        drop = 1.0 - self.best / self.baseline
+        drop = 1.0 - self.level / self.baseline
+        if memorising:
+            verdict = (
+                f"falls only {-self.last_trend:.1%} over them while the validation value has not improved on its "
+                "first run: the model memorises the training set without learning"
+            )
+        else:
+            verdict = f"is flat (no trend against its noise: Mann-Kendall p={self.last_p:.2f})"
         return [
             self._alert(
                 ctx,
-                f"after {self.points} {self.unit}s the training loss is no lower than {self.best:.4g}, only "
-                f"{drop:.1%} below its initial {self.baseline:.4g} (needed: {self.min_drop:.0%}): the model is "
-                "not learning; check that targets match their inputs (shuffling, label mapping), the loss, "
-                "and that the optimizer updates the parameters",
+                f"after {self.points} {self.unit}s ({ctx.global_step} steps) the training loss {verdict}, and is "
+                f"at {self.level:.4g}, only {drop:.1%} below its initial {self.baseline:.4g}: the model "
+                "is not learning; check that targets match their inputs (shuffling, label mapping), the loss, and "
+                "that the optimizer updates the parameters",
                 source=self.source,
                 value=drop,
                 threshold=self.min_drop,

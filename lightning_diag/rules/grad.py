@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Collection, Mapping
+from typing import Any
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import (
@@ -162,7 +163,7 @@ class GradBandRule(Rule):
     """
 
     specs = (GRAD_VANISH_SPEC, GRAD_EXPLODE_SPEC)
-    state_keys = ("streaks",)
+    state_keys = ("streaks", "updates")
 
     def __init__(
         self,
@@ -180,6 +181,38 @@ class GradBandRule(Rule):
         self.latch = Latch.for_patience(patience)
         self.warmup_steps = warmup_steps
         self.streaks: dict[str, int] = {}
+        #: ``{layer: ||ΔW|| / ||W||}``: the relative update the optimizer applied at the last measured step
+        #: (:meth:`observe_updates`); empty when the owner does not measure updates.
+        self.updates: dict[str, float] = {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known."""
+        super().load_state_dict({"updates": {}, **state})
+
+    def observe_updates(self, ratios: Mapping[str, float]) -> None:
+        """Note the relative update ``||W_after - W_before|| / ||W_before||`` each layer got at the last measured
+        optimizer step; ``grad_vanish`` then also needs the layer's *update* to be starved."""
+        self.updates = {k: float(v) for k, v in ratios.items() if math.isfinite(v)}
+
+    def update_starved(self, starved: Mapping[str, float], blocks: Collection[str] | None) -> dict[str, float]:
+        """The gradient-starved layers whose last update is starved too (more than ``relative`` times below the
+        largest relative update of the blocks' matrices); a layer whose update is not known keeps its verdict.
+
+        With an adaptive optimizer (Adam, AdamW, RMSprop, Adagrad) the update is the gradient divided by its own
+        running scale: a matrix whose gradient is small by its architecture (a feature tokenizer with a large
+        initialisation, a layer fed small inputs) moves as fast as any other, and is not vanishing. With SGD the
+        update is the learning rate times the gradient, so both tests agree.
+        """
+        if not starved or not self.updates:
+            return dict(starved)
+        reference = max(
+            (v for k, v in self.updates.items() if blocks is None or k in blocks), default=0.0
+        )
+        return {
+            k: v
+            for k, v in starved.items()
+            if k not in self.updates or self.updates[k] * self.relative < reference
+        }
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradBandRule:
@@ -225,6 +258,7 @@ class GradBandRule(Rule):
                 and v * self.relative * factor < reference
                 and (v > 0 or not early)
             }
+            starved = self.update_starved(starved, blocks)
         alerts = []
         explode_new = self._trip(GRAD_EXPLODE, exploding, set(rms), needed=1)
         if explode_new:
@@ -251,8 +285,14 @@ class GradBandRule(Rule):
                     ctx,
                     f"relative gradient ||g||/||W|| below {self.vanish_threshold:g} and over "
                     f"{self.relative:g}x below the best-fed block matrix ({reference:.3g}){during} on "
-                    f"{self.patience} consecutive measurements in {name_layers(vanish_new, worst_first=False)}: "
-                    "gradients vanish "
+                    f"{self.patience} consecutive measurements in {name_layers(vanish_new, worst_first=False)}"
+                    + (
+                        f", and their last update ||ΔW||/||W|| ({self.updates[worst]:.3g}) over {self.relative:g}x "
+                        "below the blocks' largest too"
+                        if worst in self.updates
+                        else ""
+                    )
+                    + ": gradients vanish "
                     "before they reach these layers; check saturating activations, depth without residuals or "
                     "normalisation, a too-small init",
                     source=worst,

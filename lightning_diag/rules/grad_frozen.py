@@ -6,12 +6,15 @@ Re-exported by :mod:`lightning_diag.rules.grad` with the other gradient-flow rul
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, RuleSpec, SettingSpec, register, register_setting
 from lightning_diag.rules.base import Rule, StepContext
 
-__all__ = ["FROZEN_REASONS", "GRAD_FROZEN", "GRAD_FROZEN_SPEC", "GRAD_PATIENCE_SETTING", "GradFrozenRule"]
+__all__ = [
+    "FROZEN_REASONS", "GRAD_FROZEN", "GRAD_FROZEN_SPEC", "GRAD_PATIENCE_SETTING", "INFO_REASONS", "GradFrozenRule",
+]
 
 #: The owner of every gradient-flow rule.
 GRADIENT_FLOW = "GradientFlowMonitor"
@@ -19,8 +22,8 @@ GRADIENT_FLOW = "GradientFlowMonitor"
 # -- declarations -------------------------------------------------------------------------------------------
 GRAD_FROZEN_SPEC = register(RuleSpec(
     "grad_frozen", GRADIENT_FLOW, "warning", None,
-    "a trainable parameter that cannot learn (in no optimizer, or never gets a gradient); requires_grad=False is "
-    "an info",
+    "a trainable parameter that cannot learn (in no optimizer, or a zero gradient); requires_grad=False and "
+    "modules never called are an info",
 ))
 GRAD_FROZEN = GRAD_FROZEN_SPEC.rule_id
 #: ``grad.patience``: consecutive measurements a gradient condition must hold before it alerts, shared by every
@@ -33,21 +36,30 @@ _PATIENCE = int(GRAD_PATIENCE_SETTING.default)
 FROZEN_REASONS: dict[str, str] = {
     "frozen": "`requires_grad` is False (frozen on purpose?)",
     "excluded": "it is trainable but in no optimizer's parameter groups",
-    "no_grad": "it gets no gradient (a `detach`, `torch.no_grad` or an unused branch cuts it from the loss)",
+    "no_grad": "not in the graph: it gets no gradient (its module's forward never ran, or a `detach` or "
+    "`torch.no_grad` cuts it from the loss)",
+    "zero_grad": "its gradient is exactly zero at every measurement (it is in the graph, but nothing reaches it)",
 }
+#: Reasons that are information, not warnings: deliberate freezing, and parameters outside the graph (optional
+#: heads or encoders a configuration never calls: nothing the user needs to fix).
+INFO_REASONS = frozenset({"frozen", "no_grad"})
 
 
 class GradFrozenRule(Rule):
     """``grad_frozen``: layers whose parameters cannot learn while the rest of the model trains.
 
     ``requires_grad=False`` is how everyone freezes on purpose: a group whose only reason is ``"frozen"`` is an
-    ``info``, never a warning. ``"excluded"`` and ``"no_grad"`` are warnings.
+    ``info``, never a warning. A parameter outside the graph (``"no_grad"``: its ``.grad`` is ``None`` after
+    backward, typically an optional head or encoder the configuration never calls) is information too: after
+    ``patience`` consecutive measurements, **one** ``info`` alert lists every such group (source ``"unused"``),
+    and it is not repeated for them. ``"excluded"`` (trainable, in no optimizer) and ``"zero_grad"`` (in the graph,
+    gradient exactly zero) are warnings.
 
     Fed, at each measurement, ``{parameter name: reason}`` for every parameter that cannot learn (reasons are
     the keys of :data:`FROZEN_REASONS`) and the names of all parameters. Stuck parameters are grouped under the
     outermost module all of whose parameters are stuck (a whole frozen block is one alert), else under the
-    module that owns them. ``"frozen"`` and ``"excluded"`` alert at once; ``"no_grad"`` after ``patience``
-    consecutive measurements. One alert per group, latched until it learns again.
+    module that owns them. ``"frozen"`` and ``"excluded"`` alert at once; ``"no_grad"`` and ``"zero_grad"`` after
+    ``patience`` consecutive measurements. One alert per group, latched until it learns again.
 
     Example:
         >>> rule = GradFrozenRule(patience=2)
@@ -60,12 +72,19 @@ class GradFrozenRule(Rule):
     """
 
     specs = (GRAD_FROZEN_SPEC,)
-    state_keys = ("streaks",)
+    state_keys = ("streaks", "unused")
 
     def __init__(self, patience: int = _PATIENCE) -> None:
         super().__init__()
         self.patience = patience
         self.streaks: dict[str, int] = {}
+        #: Groups outside the graph already listed in the ``info`` (each is listed once per fit).
+        self.unused: list[str] = []
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before the unused-module info loads with none
+        listed."""
+        super().load_state_dict({"unused": [], **state})
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradFrozenRule:
@@ -107,8 +126,19 @@ class GradFrozenRule(Rule):
         streaks = {layer: self.streaks.get(layer, 0) + 1 for layer in layers}
         self.streaks = streaks
         alerts = []
+        # Outside the graph only (every stuck parameter of the group lacks a .grad): listed once, as information.
+        unused = sorted(
+            layer
+            for layer, reasons in layers.items()
+            if set(reasons) == {"no_grad"} and streaks[layer] >= self.patience and layer not in self.unused
+        )
+        if unused:
+            self.unused = sorted({*self.unused, *unused})
+            alerts.append(self._unused_alert(ctx, {layer: layers[layer]["no_grad"] for layer in unused}))
         for layer in sorted(set(layers) | set(self.latch.active)):
             reasons = layers.get(layer, {})
+            if layer in self.unused and set(reasons) <= {"no_grad"}:
+                continue  # listed in the info (its latch is not used)
             needed = 1 if ("frozen" in reasons or "excluded" in reasons) else self.patience
             if not self.latch.update(layer, bool(reasons) and streaks.get(layer, 0) >= needed):
                 continue
@@ -118,7 +148,7 @@ class GradFrozenRule(Rule):
                     f" and {len(names) - 4} more" if len(names) > 4 else ""
                 )
                 parts.append(f"{shown}: {FROZEN_REASONS.get(reason, reason)}")
-            deliberate = set(reasons) == {"frozen"}
+            deliberate = set(reasons) == {"frozen"}  # (no_grad alone is the unused-module info above)
             alerts.append(
                 self._alert(
                     ctx,
@@ -140,3 +170,21 @@ class GradFrozenRule(Rule):
                 )
             )
         return alerts
+
+    def _unused_alert(self, ctx: StepContext, groups: Mapping[str, list[str]]) -> Alert:
+        """The one ``info`` listing the groups outside the graph."""
+        shown = ", ".join(f"`{g}`" for g in list(groups)[:8]) + (
+            f" and {len(groups) - 8} more" if len(groups) > 8 else ""
+        )
+        count = sum(len(n) for n in groups.values())
+        return self._alert(
+            ctx,
+            f"{count} trainable parameter(s) in {len(groups)} module(s) are not in the graph (no gradient at "
+            f"{self.patience} consecutive measurements): {shown}. Their module's forward never ran (an optional "
+            "head or encoder this configuration does not use), or a `detach`/`torch.no_grad` cuts them from the "
+            "loss. Reported once as information; name them in `expect_frozen` to silence it",
+            source="unused",
+            value=float(count),
+            threshold=None,
+            severity=Severity.INFO,
+        )

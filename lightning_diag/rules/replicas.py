@@ -71,16 +71,21 @@ def check_due(step: int, every_n_steps: int) -> bool:
 def replica_differences(checksums: Sequence[Sequence[float]]) -> list[list[float]]:
     """``[rank][value]``: each rank's relative difference from rank zero, value by value.
 
+    A value that is NaN on both ranks is no difference (every replica holds the same non-finite weights: the
+    non-finite rules' finding, not a desync); NaN on one of them is an infinite one.
+
     Example:
         >>> replica_differences([[2.0, 1.0], [2.0, 1.5]])
         [[0.0, 0.0], [0.0, 0.5]]
+        >>> replica_differences([[float("nan"), 1.0], [float("nan"), 1.0], [1.0, 1.0]])
+        [[0.0, 0.0], [0.0, 0.0], [inf, 0.0]]
     """
     ref = checksums[0]
     out = []
     for row in checksums:
         diffs = []
         for a, b in zip(row, ref, strict=True):
-            if a == b:
+            if a == b or (math.isnan(a) and math.isnan(b)):
                 diffs.append(0.0)
             elif not (math.isfinite(a) and math.isfinite(b)):
                 diffs.append(math.inf)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["fluctuation", "relative_change"]
+__all__ = ["fluctuation", "mann_kendall", "mann_kendall_min_points", "relative_change", "theil_sen_slope"]
 
 
 def relative_change(previous: float, current: float) -> float:
@@ -61,3 +61,63 @@ def fluctuation(series: Sequence[float]) -> float:
     coefficients = np.polyfit(x, target, 1 if y.size < 5 else 2)
     rms = float(np.sqrt(np.mean((target - np.polyval(coefficients, x)) ** 2)))
     return rms if positive else rms / level
+
+
+def mann_kendall(series: Sequence[float]) -> tuple[float, float]:
+    """Mann-Kendall trend test of a series against its order: ``(z, p)``.
+
+    ``S`` is the sum of ``sign(y[j] - y[i])`` over all pairs ``i < j``; under "no trend" (independent values
+    from one distribution) its variance is ``n(n-1)(2n+5)/18`` less the ties' share. ``z`` is ``S`` with a
+    continuity correction over its standard deviation (negative for a falling series) and ``p`` the two-sided
+    normal p-value. A trend test on ranks: it asks whether the series moves one way against its own noise,
+    whatever its scale or floor. Non-finite values are dropped; fewer than 3 values give ``(0.0, 1.0)``.
+
+    Example:
+        >>> z, p = mann_kendall([5.0, 4.0, 3.0, 2.0, 1.0, 0.5])
+        >>> round(z, 2), p < 0.05
+        (-2.63, True)
+        >>> mann_kendall([1.0, 1.0, 1.0])
+        (0.0, 1.0)
+    """
+    y = np.asarray([v for v in series if math.isfinite(v)], dtype=np.float64)
+    n = y.size
+    if n < 3:
+        return 0.0, 1.0
+    s = float(np.sign(y[None, :] - y[:, None])[np.triu_indices(n, 1)].sum())
+    _, counts = np.unique(y, return_counts=True)
+    var = (n * (n - 1) * (2 * n + 5) - float(np.sum(counts * (counts - 1) * (2 * counts + 5)))) / 18.0
+    if var <= 0.0 or s == 0.0:
+        return 0.0, 1.0
+    z = (s - math.copysign(1.0, s)) / math.sqrt(var)
+    return z, math.erfc(abs(z) / math.sqrt(2.0))
+
+
+def theil_sen_slope(series: Sequence[float]) -> float:
+    """Median of the pairwise slopes ``(y[j] - y[i]) / (j - i)``: the series' trend per point, robust to outliers.
+
+    ``nan`` for fewer than 2 finite values (non-finite values are dropped, the others keep their positions).
+
+    Example:
+        >>> theil_sen_slope([3.0, 2.0, 1.0, 100.0, -1.0])
+        -1.0
+    """
+    x = np.asarray([i for i, v in enumerate(series) if math.isfinite(v)], dtype=np.float64)
+    y = np.asarray([v for v in series if math.isfinite(v)], dtype=np.float64)
+    if y.size < 2:
+        return math.nan
+    i, j = np.triu_indices(y.size, 1)
+    return float(np.median((y[j] - y[i]) / (x[j] - x[i])))
+
+
+def mann_kendall_min_points(alpha: float) -> int:
+    """The fewest points with which :func:`mann_kendall` can find a trend at significance ``alpha`` (a strictly
+    monotone series): with fewer, "no trend found" is no evidence of a flat series.
+
+    Example:
+        >>> mann_kendall_min_points(0.05), mann_kendall_min_points(0.01)
+        (5, 6)
+    """
+    n = 3
+    while n < 64 and mann_kendall([float(i) for i in range(n)])[1] >= alpha:
+        n += 1
+    return n

@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_diag import AttentionEntropyMonitor
+from lightning_diag.output.writer import set_logger_series
 from lightning_diag.stats.attention_probs import head_stats
 from tests.callbacks.tiny import FAST
 
@@ -44,6 +45,7 @@ class UniformAttention(pl.LightningModule):
 def test_uniform_attention_over_t_keys_has_distance_t2_minus_1_over_3t(tmp_path):
     monitor = AttentionEntropyMonitor(log_every_n_steps=1)
     logger = pl.loggers.CSVLogger(tmp_path)
+    set_logger_series("all", logger)  # the per-head series too, not only the summary
     pl.Trainer(max_steps=2, callbacks=[monitor], logger=logger, log_every_n_steps=1, **FAST).fit(UniformAttention())
     lines = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
     columns = lines[0].split(",")

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_diag import ErrorAnalysis  # scikit-learn is in the dev extra: a missing one fails here
+from lightning_diag.output.writer import set_logger_series
 
 VOCAB, LENGTH, HARD_TOKEN = 40, 12, 35
 
@@ -73,6 +74,8 @@ def fit(tmp_path, hard_share=0.0, noise=0.0, logger=False, **kwargs):
     model = BagClassifier(topic_task(1200, 1, hard_share, noise), topic_task(600, 2, hard_share, noise))
     callback = ErrorAnalysis(**kwargs)
     logger = pl.loggers.CSVLogger(tmp_path) if logger else None
+    if logger is not None:
+        set_logger_series("all", logger)  # the diag/errors series, not only the summary
     trainer = pl.Trainer(max_epochs=3, callbacks=[callback], default_root_dir=tmp_path, enable_progress_bar=False,
                          logger=logger, log_every_n_steps=1,
                          enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)

@@ -27,6 +27,7 @@ from lightning_diag import (
     SharpnessProbe,
     SystemMonitor,
 )
+from lightning_diag.output.writer import set_logger_series
 from tests.callbacks.system_models import FakeTime
 from tests.callbacks.tiny import FAST, SEQ, VOCAB, TinyAttention
 
@@ -148,9 +149,9 @@ def test_every_callback_with_fast_dev_run(tmp_path):
 
 def test_every_callback_with_a_csv_logger_only(tmp_path):
     callbacks = all_seven()
-    trainer = pl.Trainer(
-        max_steps=8, logger=CSVLogger(tmp_path, name="csv"), default_root_dir=tmp_path, callbacks=callbacks, **FAST
-    )
+    logger = CSVLogger(tmp_path, name="csv")
+    set_logger_series("all", logger)  # every series, not only the summary
+    trainer = pl.Trainer(max_steps=8, logger=logger, default_root_dir=tmp_path, callbacks=callbacks, **FAST)
     trainer.fit(Split())
     check_all_ran(callbacks, tmp_path / "csv" / "version_0" / "diag")  # the library's own writer beside the CSV
     header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]

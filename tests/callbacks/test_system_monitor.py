@@ -5,6 +5,7 @@ the test moves, so what they assert is exact; the callbacks' real cost is measur
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -315,3 +316,47 @@ def test_sustained_step_time_changes_are_a_fluctuation(monkeypatch, tmp_path):
     assert alert.global_step == 80 and alert.value > alert.threshold == 0.15
     assert len(rec.values["diag/system/step_time_fluctuation"]) == 3
     assert "step_time_periodic" not in rules(monitor)
+
+
+class Burn(DiagCallback):
+    """A diagnostics callback whose every training batch end burns ``seconds`` of the training thread's CPU time."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    @property
+    def state_key(self) -> str:
+        return f"Burn[{self.seconds}]"
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        end = time.thread_time() + self.seconds
+        while time.thread_time() < end:
+            pass
+
+
+class CpuSteps(pl.Callback):
+    """The training thread's CPU time at each batch start: the real step times, the diagnostics included."""
+
+    def __init__(self) -> None:
+        self.marks: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.marks[trainer.global_step] = time.thread_time()
+
+
+def test_the_reported_overhead_is_the_share_of_the_step_a_callback_really_takes(monkeypatch, tmp_path):
+    # real clocks on a real fit: two callbacks burning 1 ms and 3 ms of CPU per step are reported at the share of
+    # the step time they take (measured in the same run), whatever else runs on the machine (CPU time, not wall)
+    rec = spy(monkeypatch)
+    steps = CpuSteps()
+    burns = [Burn(0.001), Burn(0.003)]
+    fit(MLP(), [steps, *burns, SystemMonitor()], 41, log_every_n_steps=20, default_root_dir=tmp_path)
+    (_, small), (s2, _) = rec.values["diag/overhead/Burn"][:2]
+    large = dict(rec.values["diag/overhead/Burn_2"])[s2]
+    # the second interval (steps 20-39: no set-up), against the CPU time of its steps measured from outside
+    step_cpu = (steps.marks[40] - steps.marks[20]) / 20
+    assert large == pytest.approx(0.003 / step_cpu, rel=0.25)
+    assert dict(rec.values["diag/overhead/Burn"])[s2] == pytest.approx(0.001 / step_cpu, rel=0.35)
+    assert large / dict(rec.values["diag/overhead/Burn"])[s2] == pytest.approx(3.0, rel=0.25)
+    assert 0 < small < 1

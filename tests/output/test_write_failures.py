@@ -284,10 +284,10 @@ def test_a_tensorboard_writer_that_raises_is_dropped_once_and_the_users_scalars_
     writer = DiagWriter(Broken(), loggers=[memory])
     with caplog.at_level(logging.WARNING, logger="lightning_diag"):
         for step in range(3):
-            writer.scalars({"diag/x": float(step)}, step)
+            writer.scalars({"diag/loss/train_step": float(step)}, step)  # a summary series
             writer.text("diag/t", "text", step)
         writer.close()
-    assert Broken.calls == 1 and memory.calls == [(s, {"diag/x": float(s)}) for s in range(3)]
+    assert Broken.calls == 1 and memory.calls == [(s, {"diag/loss/train_step": float(s)}) for s in range(3)]
     assert _warned_paths(_write_warnings(caplog)) == [str(tmp_path / "tb")]
 
 

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
-from lightning_diag.output.writer import DiagWriter
+from lightning_diag.output.writer import SUMMARY_SERIES, DiagWriter, logger_series, set_logger_series
 from tests.callbacks.tiny import FAST, TinyAttention
 
 DIAG_COLUMNS = {"diag/grad_norm/total", "diag/lr/SGD/group_0", "diag/loss/train_step", "diag/loss/val"}
@@ -114,6 +114,7 @@ def test_for_trainer_routes_scalars_and_extras(tmp_path):
     tb, other = TensorBoardLogger(tmp_path), MagicMock()
     writer = DiagWriter.for_trainer(SimpleNamespace(is_global_zero=True, loggers=[other, tb]), str(tmp_path))
     assert writer.experiment is tb.experiment and writer.loggers == [other] and not writer.owned
+    set_logger_series("all", other)
     writer.scalars({"diag/a": 1.0, "diag/b": 2.0}, step=3)
     writer.text("diag/alerts", "x", 3)
     other.log_metrics.assert_called_once_with({"diag/a": 1.0, "diag/b": 2.0}, step=3)
@@ -137,7 +138,52 @@ def test_a_failing_logger_is_reported_once_and_dropped(caplog):
     writer = DiagWriter(None, loggers=[broken, good])
     with caplog.at_level(logging.WARNING, logger="lightning_diag"):
         for step in range(3):
-            writer.scalar("diag/x", 1.0, step)
+            writer.scalar("diag/grad_norm/total", 1.0, step)  # a summary series
     assert [r.getMessage() for r in caplog.records if "tracking server down" in r.getMessage()]
     assert len(caplog.records) == 1 and broken.log_metrics.call_count == 1
     assert good.log_metrics.call_count == 3
+
+
+# -- which logger gets what (issue 34 item 6) ------------------------------------------------------------------------
+
+
+def test_summary_for_loggers_that_keep_history_every_series_for_tensorboard(tmp_path):
+    csv_logger, tb = CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")
+    chosen, everything = MagicMock(), MagicMock()
+    set_logger_series(["diag/grad_norm/*"], chosen)
+    set_logger_series("all", everything)
+    writer = DiagWriter(None, loggers=[csv_logger, tb, chosen, everything])
+    writer.alert_count = lambda: 2
+    detail = {f"diag/grad_norm/layer{i}": 1.0 for i in range(40)}
+    heads = {f"diag/attn_entropy/blk{i}.attn/head_{h}": 0.5 for i in range(4) for h in range(8)}
+    means = {f"diag/attn_entropy/blk{i}.attn/mean": float(i) for i in range(4)}
+    row = {"diag/grad_norm/total": 3.0, "diag/lr/AdamW/group_0": 1e-3, **detail, **heads, **means}
+    writer.scalars(row, step=4)
+    writer.flush()
+    header = Path(csv_logger.log_dir, "metrics.csv").read_text().splitlines()[0].split(",")
+    diag = {c for c in header if c.startswith("diag/")}
+    # the summary: the global norm, the rate, the mean entropy over modules, the alert count; no detail
+    assert diag == {"diag/grad_norm/total", "diag/lr/AdamW/group_0", "diag/attn_entropy/mean", "diag/alerts/count"}
+    values = csv_rows(csv_logger)[0]
+    assert float(values["diag/attn_entropy/mean"]) == pytest.approx(1.5)
+    assert float(values["diag/alerts/count"]) == 2
+    assert logger_series(tb) == "all" and logger_series(csv_logger) == "summary"
+    tb.experiment.flush()
+    assert set(tensorboard_points(tb.log_dir)) == set(row)  # TensorBoard: every series, nothing derived
+    (chosen_row,), _ = chosen.log_metrics.call_args
+    assert set(chosen_row) == {"diag/grad_norm/total", *detail}  # the user's patterns, nothing else
+    (every_row,), _ = everything.log_metrics.call_args
+    assert set(every_row) == set(row)
+
+
+def test_summary_is_bounded_and_documented():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "dashboard.md").read_text()
+    for pattern in SUMMARY_SERIES:
+        assert f"`{pattern}`" in doc, pattern
+    assert len(SUMMARY_SERIES) <= 8
+
+
+@pytest.mark.parametrize(("series", "error"), [("most", ValueError), ([""], TypeError), ([3], TypeError)])
+def test_logger_series_rejects_bad_values(series, error):
+    with pytest.raises(error, match="series"):
+        set_logger_series(series, MagicMock())

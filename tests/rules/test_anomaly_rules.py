@@ -4,7 +4,7 @@ from lightning_diag.rules import Latch, LossSwingRule, StepContext, ValDeclineRu
 
 
 def feed(rule, values):
-    return [len(rule.update(v, StepContext(i, i * 10))) for i, v in enumerate(values)]
+    return [len(rule.update(v, StepContext(i, 20 * (i + 1)))) for i, v in enumerate(values)]
 
 
 @pytest.mark.parametrize(
@@ -35,13 +35,13 @@ def test_loss_swing_latches_and_rearms():
 
 def test_loss_swing_alert_content():
     rule = LossSwingRule()
-    alerts = [a for i, v in enumerate([1.0, 1.2, 1.44, 1.8]) for a in rule.update(v, StepContext(i, 5 * i))]
+    alerts = [a for i, v in enumerate([1.0, 1.2, 1.44, 1.8]) for a in rule.update(v, StepContext(i, 20 * (i + 1)))]
     (a,) = alerts
     assert (a.rule, a.severity, a.epoch, a.global_step, a.source) == (
         "loss_swing",
         "warning",
         3,
-        15,
+        80,
         "train_loss",
     )
     assert a.threshold == 0.1 and a.value == pytest.approx(0.25)
@@ -66,12 +66,14 @@ def test_val_fluctuation():
     rule = ValFluctuationRule()
     train = [1.0 * 0.8**k for k in range(6)]
     val = [1.0, 1.4, 0.9, 1.5, 0.9, 1.4]
-    fired = [len(rule.update(t, v, StepContext(i, i))) for i, (t, v) in enumerate(zip(train, val, strict=False))]
+    fired = [
+        len(rule.update(t, v, StepContext(i, 20 * (i + 1)))) for i, (t, v) in enumerate(zip(train, val, strict=False))
+    ]
     assert fired == [0, 0, 0, 0, 1, 0]
     quiet = ValFluctuationRule()
     smooth_val = [1.2 * 0.85**k for k in range(6)]
     pairs = enumerate(zip(train, smooth_val, strict=True))
-    assert all(not quiet.update(t, v, StepContext(i, i)) for i, (t, v) in pairs)
+    assert all(not quiet.update(t, v, StepContext(i, 20 * (i + 1))) for i, (t, v) in pairs)
 
 
 @pytest.mark.parametrize(
@@ -95,7 +97,9 @@ def test_val_fluctuation():
 )
 def test_val_fluctuation_is_judged_against_the_initial_scale(train, val, fires_at):
     rule = ValFluctuationRule()
-    fired = [len(rule.update(t, v, StepContext(i, i))) for i, (t, v) in enumerate(zip(train, val, strict=True))]
+    fired = [
+        len(rule.update(t, v, StepContext(i, 20 * (i + 1)))) for i, (t, v) in enumerate(zip(train, val, strict=True))
+    ]
     assert [i for i, n in enumerate(fired) if n] == fires_at
 
 
@@ -103,7 +107,9 @@ def test_val_fluctuation_quiet_near_zero():
     rule = ValFluctuationRule()
     train = [0.001] * 6
     val = [0.002, 0.004, 0.002, 0.004, 0.002, 0.004]
-    assert all(not rule.update(t, v, StepContext(i, i)) for i, (t, v) in enumerate(zip(train, val, strict=False)))
+    assert all(
+        not rule.update(t, v, StepContext(i, 20 * (i + 1))) for i, (t, v) in enumerate(zip(train, val, strict=False))
+    )
 
 
 @pytest.mark.parametrize("factory", [LossSwingRule, ValDeclineRule, ValFluctuationRule])
@@ -111,9 +117,9 @@ def test_state_roundtrip_and_missing_keys(factory):
     rule = factory()
     for i, v in enumerate([1.0, 1.3, 1.0, 1.3]):
         if isinstance(rule, ValFluctuationRule):
-            rule.update(v, v, StepContext(i, i))
+            rule.update(v, v, StepContext(i, 20 * (i + 1)))
         else:
-            rule.update(v, StepContext(i, i))
+            rule.update(v, StepContext(i, 20 * (i + 1)))
     clone = factory()
     clone.load_state_dict(rule.state_dict())
     assert clone.state_dict() == rule.state_dict()

@@ -148,11 +148,12 @@ def test_frozen_on_purpose_is_info_and_excluded_is_a_warning(reason, severity):
     assert [(a.source, a.severity.value) for a in alerts] == [("emb", severity)]
 
 
-def test_no_grad_is_a_warning_after_patience():
-    rule = GradFrozenRule(patience=2)
+def test_no_grad_is_an_info_and_zero_grad_a_warning_after_patience():
     names = ["a.w", "b.w"]
-    out = [rule.update({"a.w": "no_grad"}, StepContext(0, i), names) for i in range(3)]
-    assert [len(x) for x in out] == [0, 1, 0] and out[1][0].severity == "warning"
+    for reason, severity, source in (("no_grad", "info", "unused"), ("zero_grad", "warning", "a")):
+        rule = GradFrozenRule(patience=2)
+        out = [rule.update({"a.w": reason}, StepContext(0, i), names) for i in range(3)]
+        assert [len(x) for x in out] == [0, 1, 0] and (out[1][0].severity, out[1][0].source) == (severity, source)
 
 
 def test_name_layers():

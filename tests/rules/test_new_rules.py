@@ -13,20 +13,22 @@ def stagnant_fires(baseline, points, **kwargs):
     rule = LossStagnantRule(**kwargs)
     if baseline is not None:
         rule.set_baseline(baseline)
-    return [i for i, v in enumerate(points) if rule.update(v, StepContext(i, i * 10))]
+    return [i for i, v in enumerate(points) if rule.update(v, StepContext(i, 20 * (i + 1)))]
 
 
 @pytest.mark.parametrize(
     ("name", "baseline", "points", "fires_at"),
     [
-        ("chance level throughout", 1.386, [1.385, 1.384, 1.383, 1.382, 1.381], [3]),
+        ("chance level throughout", 1.386, [1.385, 1.384, 1.383, 1.382, 1.381], [4]),
+        ("chance level, noisy", 1.386, [1.39, 1.37, 1.40, 1.38, 1.39, 1.37, 1.38], [4]),
         ("learns in the first epoch", 1.386, [0.9, 0.5, 0.3, 0.2, 0.1], []),
         ("slow but real learning", 1.40, [1.38, 1.35, 1.30, 1.17, 0.9], []),
-        ("learns just too late", 1.40, [1.39, 1.38, 1.37, 1.36, 1.0], [3]),
-        ("loss rises", 1.0, [1.1, 1.2, 1.3, 1.4], [3]),
+        ("learns just too late", 1.40, [1.39, 1.38, 1.39, 1.37, 1.38, 1.0], [4]),
+        ("rises by a schedule (KL warm-up)", 1.0, [1.1, 1.2, 1.3, 1.4, 1.5, 1.6], []),
+        ("falls 8% over a large floor", 100.0, [99.0, 98.0, 97.2, 96.0, 95.1, 94.0, 93.1, 92.0], []),
         ("no baseline (no step was seen)", None, [1.0, 1.0, 1.0, 1.0, 1.0], []),
         ("negative losses: rule is off", -2.0, [-2.0, -2.0, -2.0, -2.0], []),
-        ("non-finite points are skipped", 1.0, [math.nan, 1.0, math.inf, 1.0, 1.0, 1.0], [5]),
+        ("non-finite points are skipped", 1.0, [math.nan, 1.0, math.inf, 1.0, 1.0, 1.0, 1.0, 1.0], [6]),
     ],
 )
 def test_loss_stagnant_table(name, baseline, points, fires_at):
@@ -35,20 +37,31 @@ def test_loss_stagnant_table(name, baseline, points, fires_at):
 
 def test_loss_stagnant_defaults_and_arguments():
     assert (DEFAULT_STAGNANT_THRESHOLD, DEFAULT_STAGNANT_PATIENCE) == (0.10, 4)
-    assert stagnant_fires(1.0, [0.97, 0.97], patience=2, min_drop=0.05) == [1]
-    assert stagnant_fires(1.0, [0.94, 0.94], patience=2, min_drop=0.05) == []
+    # patience 2, but the trend test needs 5 points to be able to see a trend at alpha 0.05
+    assert stagnant_fires(1.0, [0.97] * 6, patience=2, min_drop=0.05) == [4]
+    assert stagnant_fires(1.0, [0.94] * 6, patience=2, min_drop=0.05) == []
+    rule = LossStagnantRule()
+    assert (rule.min_steps, rule.alpha, rule.min_trend) == (50, 0.05, 0.02)
+
+
+def test_loss_stagnant_needs_steps_of_evidence_not_only_points():
+    # one-batch epochs: 30 flat points are 30 steps, not enough; the rule waits for 50 optimizer steps
+    rule = LossStagnantRule()
+    rule.set_baseline(1.0)
+    fired = [i for i in range(60) if rule.update(1.0 + 0.01 * (-1) ** i, StepContext(i, i + 1))]
+    assert fired == [49]
 
 
 def test_loss_stagnant_fires_once_then_clears_when_learning_starts():
     rule = LossStagnantRule(patience=2)
     rule.set_baseline(1.0)
-    out = [rule.update(v, StepContext(i, i)) for i, v in enumerate([1.0, 1.0, 1.0, 1.0, 0.5, 0.5])]
-    assert [len(a) for a in out] == [0, 1, 0, 0, 0, 0]
-    alert = out[1][0]
+    out = [rule.update(v, StepContext(i, 30 * (i + 1))) for i, v in enumerate([1.0] * 5 + [0.5] * 3)]
+    assert [len(a) for a in out] == [0, 0, 0, 0, 1, 0, 0, 0]
+    alert = out[4][0]
     assert alert.rule == "loss_stagnant" and alert.severity == "warning" and alert.source == "train_loss"
     assert alert.value == pytest.approx(0.0) and alert.threshold == pytest.approx(0.1)
-    assert "initial 1" in alert.message and "targets" in alert.message
-    assert not rule.latch.active  # cleared by the fall
+    assert "initial 1" in alert.message and "targets" in alert.message and "Mann-Kendall" in alert.message
+    assert not rule.latch.active and rule.settled  # cleared by the fall (its level: the robust line's end)
 
 
 def test_loss_stagnant_baseline_is_set_once():
@@ -63,8 +76,8 @@ def test_loss_stagnant_baseline_is_set_once():
 def test_loss_stagnant_state_roundtrip_and_missing_keys():
     rule = LossStagnantRule()
     rule.set_baseline(1.4)
-    for i, v in enumerate([1.39, 1.38, 1.37, 1.36]):
-        rule.update(v, StepContext(i, i))
+    for i, v in enumerate([1.39, 1.38, 1.39, 1.37, 1.38]):
+        rule.update(v, StepContext(i, 20 * (i + 1)))
     clone = LossStagnantRule()
     clone.load_state_dict(rule.state_dict())
     assert clone.state_dict() == rule.state_dict() and clone.latch.active == {"train_loss"}
@@ -106,13 +119,34 @@ def test_grad_frozen_groups_by_outermost_fully_stuck_module(stuck, sources):
         assert a.rule == "grad_frozen" and a.severity == expected, (a.source, a.severity)
 
 
-def test_grad_frozen_no_grad_needs_patience_and_latches():
+def test_grad_frozen_zero_grad_in_the_graph_needs_patience_and_latches():
     rule = GradFrozenRule(patience=3)
-    stuck = {"enc.0.lin.weight": "no_grad", "enc.0.lin.bias": "no_grad"}
-    out = [len(rule.update(stuck, StepContext(0, i), NAMES)) for i in range(5)]
-    assert out == [0, 0, 1, 0, 0]
+    stuck = {"enc.0.lin.weight": "zero_grad", "enc.0.lin.bias": "zero_grad"}
+    out = [rule.update(stuck, StepContext(0, i), NAMES) for i in range(5)]
+    assert [len(a) for a in out] == [0, 0, 1, 0, 0]
+    assert out[2][0].severity == "warning" and "exactly zero" in out[2][0].message
     assert rule.update({}, StepContext(0, 5), NAMES) == [] and not rule.latch.active  # it learns again: cleared
     assert [len(rule.update(stuck, StepContext(0, 6 + i), NAMES)) for i in range(3)] == [0, 0, 1]
+
+
+def test_grad_frozen_parameters_outside_the_graph_are_one_info_listing_them():
+    # modules built but never called (an optional head, an encoder this configuration skips): nothing to fix
+    rule = GradFrozenRule(patience=3)
+    stuck = {"enc.0.lin.weight": "no_grad", "enc.0.lin.bias": "no_grad", "head.weight": "no_grad"}
+    out = [rule.update(stuck, StepContext(0, i), NAMES) for i in range(6)]
+    assert [len(a) for a in out] == [0, 0, 1, 0, 0, 0]
+    (alert,) = out[2]
+    assert (alert.rule, alert.severity, alert.source) == ("grad_frozen", "info", "unused")
+    assert "`enc.0`" in alert.message and "`head`" in alert.message and "never ran" in alert.message
+    assert alert.value == 3.0
+    # once: gone and back, it is not repeated; a state round trip keeps that
+    rule.update({}, StepContext(0, 6), NAMES)
+    clone = GradFrozenRule(patience=3)
+    clone.load_state_dict(rule.state_dict())
+    assert [len(clone.update(stuck, StepContext(0, 7 + i), NAMES)) for i in range(4)] == [0, 0, 0, 0]
+    old = rule.state_dict()
+    del old["unused"]  # a checkpoint from before the info: loads with nothing listed
+    GradFrozenRule().load_state_dict(old)
 
 
 def test_grad_frozen_message_names_parameters_and_reason():
