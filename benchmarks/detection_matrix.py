@@ -44,6 +44,8 @@ except ImportError:  # pragma: no cover - depends on the installed Lightning
 COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/detection_matrix.py --write docs/detection.md"
 REAL_COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/detection_matrix.py --corpus real --write docs/detection.md"
 REAL_START, REAL_END = "<!-- real-corpus:start -->", "<!-- real-corpus:end -->"
+#: The foreign-code corpus's section (benchmarks/foreign_corpus.py writes it): kept as it is by --write.
+FOREIGN_START, FOREIGN_END = "<!-- foreign-corpus:start -->", "<!-- foreign-corpus:end -->"
 
 
 @dataclasses.dataclass
@@ -426,14 +428,17 @@ The rows `optimizer_copy` to `val_longer` above are the silent errors of the fau
 loss stays finite, and the model quietly comes out worse. Their steps are measured like every other row (the
 first alert of the rule, `log_every_n_steps=5`, so the gradient-flow measurements are at steps 0, 5, 10, ...).
 The data faults are found by `DataDiagnostics` before the first step (step 0). One more fault needs two
-processes and is not in the generated table; its row comes from `tests/callbacks/test_silent_ddp.py` (2 gloo
-ranks, `AnomalyAlarm(rules={"ddp_desync": {"every_n_steps": 2}})`, rank 1's `last.weight` nudged by 1e-3 outside the optimizer after
-step 3):
+processes and is not in the generated table; its rows come from `tests/callbacks/test_silent_ddp.py` and
+`tests/callbacks/test_silent_sharded.py` (2 gloo ranks, `AnomalyAlarm(rules={"ddp_desync": {"every_n_steps": 2}})`;
+in the first, rank 1's `last.weight` nudged by 1e-3 outside the optimizer after step 3):
 
 | fault | model | onset | expected | lightning_diag | caught | EarlyStopping(check_finite=True) | SpikeDetection | detect_anomaly=True |
 |---|---|---|---|---|---|---|---|---|
 | one DDP rank's weights perturbed | 2-layer MLP, 2 ranks | step 3 | `ddp_desync` | **`ddp_desync`** step 4, +1 steps, on both ranks, naming `last.weight` and rank 1 | yes | no | no | no |
-| (healthy) the same run unperturbed | 2-layer MLP, 2 ranks | - | - | none (4 checks, largest difference 0) | - | no | no | no |
+| (healthy) the same run unperturbed | 2-layer MLP, 2 ranks | - | - | none (5 checks: steps 1, 2, 4, 6, 8; largest difference 0) | - | no | no | no |
+| gradients never all-reduced (a DDP communication hook that returns each rank's own gradient: a model never wrapped, or DDP's hooks lost by a conversion after wrapping) | 2-layer MLP, 2 ranks | step 1 | `ddp_desync` | **`ddp_desync`** step 1, +0 steps, on both ranks | yes | no | no | no |
+| gradient clipping by each tensor-parallel rank's own shards (BLOOM-176B / DeepSpeed PR 1801): the plain LayerNorm's copies drift | TP MLP with a plain LayerNorm, `ModelParallelStrategy` (1 x 2), SGD | step 1 | `ddp_desync` | **`ddp_desync`** step 1, +0 steps, naming `ln.weight` | yes | no | no | no |
+| (healthy) the same TP model without the bug | TP MLP with a plain LayerNorm | - | - | none (5 checks, the LayerNorm's copies identical) | - | no | no | no |
 
 TrainCheck (OSDI '25) infers invariants from reference runs and checks them through an instrumentation pass; its
 authors report that it caught 18 of 20 real silent errors (among them BLOOM-176B's weights diverging across
@@ -443,6 +448,39 @@ instrumentation, catch the Lightning-reachable kinds of those errors from inside
 measurements (3 measured steps) for the update rules, one check interval for `ddp_desync`, one measurement
 interval for `grad_not_zeroed` and before the first step for the data rules; they do not learn invariants, so
 an error outside these seven rules (a wrong loss function, a data-order bug) stays TrainCheck's kind of finding.
+
+### The published silent errors (issue 35)
+
+TrainCheck's evaluation (OSDI '25, "Training with Confidence") names 18 real silent training errors from the
+PyTorch, Hugging Face, DeepSpeed, Megatron and Lightning trackers; its authors report catching them by checking
+invariants learned from reference runs. Here each is mapped to the fault that reproduces its root cause as a
+Lightning fit on CPU, with the library's defaults and no reference run. 15 of the 18 can be written so; all 15 are
+caught, each within one measurement of its onset (steps from the rows above and from the tests named).
+
+| case | root cause | reproduced here as | rule | onset to alert |
+|---|---|---|---|---|
+| pytorch #51800 | a model with `nn.utils.spectral_norm` evaluated before its first training forward: the power iteration never ran | `_Critic` in `tests/callbacks/test_runtime_checks.py`, `trainer.validate()` before `fit` | `eval_before_training` | at that validation (info in a fit's sanity check) |
+| pytorch #84803, #96600, Baichuan2 #86 | a faulty GPU link zeroes tensors in transit (1% of copies) | `zero_input`: single steps' batches arrive as zeros | `loss_outlier` | +1 step (first logging step) |
+| pytorch #104336 | DDP's gradient hooks lost when the wrapped model is moved between devices: gradients never synchronised | `nosync` in `tests/callbacks/test_silent_ddp.py` (a communication hook that skips the all-reduce) | `ddp_desync` | step 1, +0 |
+| jxmnop (X/Twitter, HF Trainer) | the model sometimes not wrapped in DDP: each rank trains alone | the same `nosync` run | `ddp_desync` | step 1, +0 |
+| DeepSpeed PR 1801 (BLOOM-176B) | gradient clipping computed from each tensor-parallel rank's own shards: the replicated LayerNorms drift | `tpln`/`clip` in `tests/callbacks/test_silent_sharded.py` (`ModelParallelStrategy`, 1 x 2) | `ddp_desync` | step 1, +0 |
+| pytorch #115607 | a compiled optimizer step that stops updating the parameters | `optimizer_copy` (every step changes nothing) | `update_none` | +10 steps (3 measurements) |
+| PyTorch forum 84911 | the layers that should learn frozen by mistake: the model does not learn | `frozen`, `shuffled_labels` | `grad_frozen`, `loss_stagnant` | +0 steps; +3 epochs |
+| Stack Overflow 60335387 | `optimizer.zero_grad()` missing | `no_zero_grad` | `grad_not_zeroed` | see its row above |
+| Lightning Thunder #725 | autocast no longer applied to the linear layers: mixed precision silently off | `autocast_off` (`precision="bf16-mixed"`, forward in `autocast(enabled=False)`) | `amp_not_applied` | step 1, +1 |
+| mmpretrain #702 | `frozen_stages` applied in a `train()` override that the training loop never calls | `train_override` | `train_override_bypassed` | step 0, +0 |
+| transformers PR 33844 | FlashAttention-2 path keeps attention dropout on in `eval()` | `eval_dropout` (`F.dropout` with its default `training=True`) | `eval_randomness` | the first validation batch (sanity check), step 0 |
+| transformers #34204 | a processor returns `input_ids` of 1 row for a batch of 50 images | `batch_rows` | `batch_size_mismatch` | step 0, +0 |
+| Stack Overflow 67180955 | data-loader workers draw the same augmentation from a generator the dataset holds | `worker_rng` | `worker_rng_shared` | step 0, +0 |
+| transformers PR 17877 | weight initialisation run repeatedly at model construction (slow start) | not expressible: it happens before `fit` and changes no training quantity | - | - |
+| transformers #23723 | `max_new_tokens` not honoured with long prompts | not expressible: generation-only code, no training step | - | - |
+| DeepSpeed #5794 | MoE `all_to_all` called with inconsistent arguments across workers: training hangs | not expressible here: a hang of a CUDA/NCCL collective (a callback never runs again); Lightning's process-group timeout is the guard | - | - |
+
+The healthy twins (`healthy_train_override`, `healthy_bf16_mixed`, `healthy_dropout`, `healthy_loader`, and the
+unperturbed DDP and tensor-parallel runs) raise no warning. What is not caught: a gradient all-reduce zeroed
+identically on every rank (the replicas stay equal and the loss barely moves), which only a per-step gradient-norm
+check on the host would see.
+
 """  # noqa: E501
 
 
@@ -653,6 +691,11 @@ def _main(args: argparse.Namespace) -> int:
             f.write(page(rows, time.perf_counter() - t0))
         if REAL_START in existing and REAL_END in existing:  # keep the real-architecture matrix
             _splice(args.write, REAL_START + existing.split(REAL_START, 1)[1].split(REAL_END, 1)[0] + REAL_END + "\n")
+        if FOREIGN_START in existing and FOREIGN_END in existing:  # and the foreign-code corpus, at the end
+            foreign = FOREIGN_START + existing.split(FOREIGN_START, 1)[1].split(FOREIGN_END, 1)[0] + FOREIGN_END
+            text = _read(args.write)
+            with open(args.write, "w") as f:
+                f.write(text.rstrip("\n") + "\n\n" + foreign + "\n")
     return 0
 
 

@@ -33,7 +33,10 @@ CHECK_IDS = [
     "replicas_agree",
     "deploy_quantization_error",
     "deploy_latency_fluctuation",
-    "loss_stagnant",  # no check of its own: listed from AnomalyAlarm.thresholds() under "Other"
+    # no check row of their own: listed from AnomalyAlarm.thresholds() under "Other"
+    "amp_not_applied",
+    "loss_outlier",
+    "loss_stagnant",
 ]
 
 

@@ -27,16 +27,9 @@ IN_CI = os.environ.get("CI") == "true"
 #: warning rules that fire, for the rule owners' fixes (issue 34, classes 1-4) to clear.
 QUIET_XFAIL: dict[str, str] = {
     "pf_tft": "rule fires: grad_collapse (step 100, gradient norm 1e-3 x its baseline while the loss still falls)",
-    "pf_nbeats": "rule fires: grad_vanish, grad_layer_spread (steps 60-115, blocks the backcast does not feed)",
-    "pt_ft_transformer": "rule fires: grad_frozen (built, never called: _backbone.normalizing_batch_norm), "
-    "grad_vanish (step 60)",
-    "pt_tab_transformer": "rule fires: grad_frozen (built, never called: _embedding_layer.cont_embedding_layer), "
-    "grad_vanish (step 60)",
-    "nf_nhits": "rule fires: loss_stagnant (step 4), loss_swing (steps 15, 32): one-batch epochs",
-    "nf_tft": "rule fires: loss_stagnant (step 4): one-batch epochs; grad_vanish (step 60, gradient exactly 0 in "
-    "future_vsn, which this configuration never feeds)",
-    "scvi": "rule fires: grad_frozen (built, never called with this configuration: module.decoder.px_r_decoder, "
-    "module.l_encoder), loss_stagnant (step 12: an ELBO with a large floor, 3-batch epochs)",
+    "pf_nbeats": "rule fires: grad_layer_spread (blocks the backcast does not feed)",
+    "nf_tft": "rule fires: grad_frozen and grad_vanish (gradient exactly 0 in future_vsn, which this configuration "
+    "calls but never feeds)",
 }
 #: Models whose attention is computed by hand (issue 34, class 5): not seen until hand-written attention is
 #: recognised.
