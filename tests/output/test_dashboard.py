@@ -44,6 +44,8 @@ def test_layout_is_in_the_event_file_once(nan_run):
             for regex in chart.multiline.tag:
                 if "fluctuation" in regex:
                     continue  # needs 5 validation runs; the nan demo stops after 2
+                if "swing" in regex:
+                    continue  # needs two loss points of loss_swing.min_steps (20) steps; the nan demo stops at 30
                 if "replicas" in regex or "ddp_desync" in regex:
                     continue  # written under DDP only (tests/callbacks/test_silent_ddp.py)
                 assert any(re.match(regex, t) for t in scalars), (chart.title, regex)
@@ -55,7 +57,21 @@ def test_margin_band_has_the_steps_of_the_global_norm(nan_run):
     steps = [e.step for e in acc.Scalars("diag/grad_norm/total")]
     assert steps and [e.step for e in acc.Scalars("diag/threshold/grad_vanish")] == steps
     assert [e.value for e in acc.Scalars("diag/threshold/grad_explode")] == [10.0] * len(steps)
+
+
+def test_swing_threshold_line_has_the_steps_of_the_swing(tmp_path):
+    # the nan demo stops before two loss points of loss_swing.min_steps (20) steps: a run of 8-step epochs whose
+    # every epoch is a point (min_steps set through rules=)
+    import pytorch_lightning as pl
+
+    from tests.callbacks.tiny import FAST, TinyAttention
+
+    alarm = AnomalyAlarm(rules={"loss_swing": {"min_steps": 1}})
+    trainer = pl.Trainer(max_epochs=3, default_root_dir=tmp_path, callbacks=[alarm], **FAST)
+    trainer.fit(TinyAttention())
+    acc = _accumulator(trainer.log_dir)
     swing_steps = [e.step for e in acc.Scalars("diag/loss/swing")]
+    assert len(swing_steps) == 2  # epochs 2 and 3 against the one before
     assert [e.step for e in acc.Scalars("diag/threshold/loss_swing")] == swing_steps
 
 

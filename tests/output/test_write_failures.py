@@ -244,9 +244,7 @@ def test_skip_and_rollback_on_a_full_disk_train_as_on_a_good_disk(tmp_path, monk
     """The guard's other actions go on as on a good disk: the same alerts at the same steps, the same weights."""
     kwargs: dict[str, Any] = {"on_nonfinite": on_nonfinite}
     if on_nonfinite == "rollback":
-        from lightning_diag import RollbackSettings
-
-        kwargs["rollback"] = RollbackSettings(every_n_steps=4)
+        kwargs["rules"] = {"nonfinite_rollback": {"every_n_steps": 4}}
     good, good_alarm, good_weights = _fit(tmp_path / "good", False, **kwargs)
     _fill_the_disk(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="lightning_diag"):
