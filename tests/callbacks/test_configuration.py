@@ -104,6 +104,14 @@ RULE_INVALID = [
     (AnomalyAlarm, "nonfinite_rollback", "lr_factor", 1.0, ValueError, "a number > 0 and < 1"),
     (AnomalyAlarm, "nonfinite_rollback", "max_rollbacks", -1, ValueError, "an int >= 0"),
     (AnomalyAlarm, "nonfinite_rollback", "snapshots", 0, ValueError, "an int >= 1"),
+    (AnomalyAlarm, "loss_outlier", "threshold", 0, ValueError, "a number > 0"),
+    (AnomalyAlarm, "loss_outlier", "ratio", 1.0, ValueError, "a number > 1"),
+    (AnomalyAlarm, "loss_outlier", "window", 3, ValueError, "an int >= 4"),
+    (AnomalyAlarm, "amp_not_applied", "threshold", 1.0, ValueError, "a number > 0 and < 1"),
+    (AnomalyAlarm, "loss_stagnant", "alpha", 0.0, ValueError, "a number > 0 and < 1"),
+    (AnomalyAlarm, "loss_stagnant", "min_steps", -1, ValueError, "an int >= 0"),
+    (AnomalyAlarm, "loss_stagnant", "min_trend", -0.1, ValueError, "a number >= 0"),
+    (AnomalyAlarm, "loss_swing", "min_steps", 2.5, TypeError, "an int >= 0"),
     (GradientFlowMonitor, "update_stale", "threshold", 1.5, ValueError, "a number >= 0 and < 1"),
     (GradientFlowMonitor, "update_none", "sample_size", -1, ValueError, "an int >= 0"),
     (GradientFlowMonitor, "grad_vanish", "threshold", 0, ValueError, "a number > 0"),
@@ -231,6 +239,41 @@ def test_a_value_set_reaches_the_rule_and_the_thresholds():
     assert alarm.recovery.every_n_steps == 100 and alarm.recovery.rule.lr_factor == 0.25
     assert alarm.trend.swing_rule.threshold == 0.2 and alarm.trend.val_decline_rule.patience == 2
     assert alarm.state_key == "AnomalyAlarm{'monitor': 'val_loss', 'swing_window': 100}"
+
+
+def test_run_time_checks_and_trend_evidence_are_set_like_every_rule():
+    """AnomalyAlarm's run-time rules (rules/runtime.py) and the trend rules' evidence settings reach their rules."""
+    alarm = AnomalyAlarm(
+        rules={"loss_outlier": {"threshold": 8, "ratio": 3.0, "window": 16}, "amp_not_applied": {"threshold": 0.25},
+               "loss_stagnant": {"min_steps": 200, "alpha": 0.01, "min_trend": 0.05},
+               "loss_swing": {"min_steps": 40}, "val_decline": {"min_steps": 30}, "val_fluctuation": {"min_steps": 0},
+               "eval_randomness": False}
+    )
+    assert (alarm.outlier_rule.threshold, alarm.outlier_rule.ratio, alarm.outlier_rule.window) == (8.0, 3.0, 16)
+    assert alarm.amp_rule.share == 0.25
+    stagnant = alarm.trend.stagnant_rule
+    assert (stagnant.min_steps, stagnant.alpha, stagnant.min_trend) == (200, 0.01, 0.05)
+    assert alarm.trend.swing_rule.min_steps == 40 and alarm.trend.val_decline_rule.min_steps == 30
+    assert alarm.trend.val_fluctuation_rule.min_steps == 0
+    values = alarm.thresholds()
+    assert values["loss_outlier"] == 8.0 and values["loss_outlier.window"] == 16.0
+    assert values["loss_stagnant.alpha"] == 0.01 and alarm.rule_choices.off == {"eval_randomness"}
+    # a fresh fit rebuilds the declared rules from the same values
+    alarm.reset_rules()
+    assert alarm.outlier_rule.threshold == 8.0
+
+
+def test_error_cluster_fields_and_the_significance_level():
+    from lightning_diag import ErrorAnalysis
+
+    analysis = ErrorAnalysis(rules={"error_cluster": {"threshold": 4.0, "min_share": 0.1, "min_errors": 20}})
+    assert (analysis.rule.ratio, analysis.rule.min_share, analysis.min_errors) == (4.0, 0.1, 20)
+    analysis.alpha = 0.001
+    assert analysis.rule.alpha == 0.001
+    with pytest.raises(ValueError, match="alpha"):
+        analysis.alpha = 1.0
+    with pytest.raises(ValueError, match=r"rules\['error_cluster'\]\['min_errors'\]"):
+        ErrorAnalysis(rules={"error_cluster": {"min_errors": 1}})
 
 
 @pytest.mark.parametrize("callback", list(INVALID), ids=lambda c: c.__name__)
