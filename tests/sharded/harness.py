@@ -38,6 +38,7 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor  # noqa: E402
+from lightning_diag.output.writer import set_logger_series  # noqa: E402
 
 #: Width, blocks, batch per data-parallel rank, batches in the data set (at that batch size).
 D, BLOCKS, BATCH, BATCHES = 64, 2, 8, 16
@@ -168,6 +169,7 @@ class _Logger(pl.loggers.Logger):
     def __init__(self) -> None:
         super().__init__()
         self.scalars: dict[str, dict[int, float]] = {}
+        set_logger_series("all", self)  # every per-layer series, not the bounded summary other loggers get
 
     @property
     def name(self) -> str:
