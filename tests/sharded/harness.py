@@ -38,6 +38,7 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor  # noqa: E402
+from lightning_diag.output.writer import set_logger_series  # noqa: E402
 
 #: Width, blocks, batch per data-parallel rank, batches in the data set (at that batch size).
 D, BLOCKS, BATCH, BATCHES = 64, 2, 8, 16
@@ -204,6 +205,7 @@ def fit(config: dict[str, Any]) -> dict[str, Any]:
     root = config["root"]
     callbacks = make_callbacks(config)
     logger = _Logger()
+    set_logger_series("all", logger)  # every series, per layer and per head: the comparison needs them
     common: dict[str, Any] = dict(
         max_steps=config.get("max_steps", 6),
         default_root_dir=root,
