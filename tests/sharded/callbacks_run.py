@@ -43,6 +43,7 @@ from lightning_diag import (  # noqa: E402
     SystemMonitor,
 )
 from lightning_diag.callbacks.base import DiagCallback  # noqa: E402
+from lightning_diag.output.writer import set_logger_series  # noqa: E402
 from tests.sharded.harness import MODES, Block, _Logger  # noqa: E402
 
 D, HEADS, LENGTH, FEATURES = 64, 4, 8, 8
@@ -222,6 +223,7 @@ def fit(config: dict[str, Any]) -> dict[str, Any]:
     mode, root = config.get("mode", "single"), config["root"]
     callbacks = make_callbacks(config)
     logger = _Logger()
+    set_logger_series("all", logger)  # every series, per layer and per head: the comparison needs them
     common: dict[str, Any] = dict(
         max_steps=config.get("max_steps", 8), default_root_dir=root, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=bool(config.get("ckpt_every")), logger=logger,

@@ -206,6 +206,7 @@ def fit(config: dict[str, Any]) -> dict[str, Any]:
     root = config["root"]
     callbacks = make_callbacks(config)
     logger = _Logger()
+    set_logger_series("all", logger)  # every series, per layer and per head: the comparison needs them
     common: dict[str, Any] = dict(
         max_steps=config.get("max_steps", 6),
         default_root_dir=root,
