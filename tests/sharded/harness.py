@@ -169,7 +169,6 @@ class _Logger(pl.loggers.Logger):
     def __init__(self) -> None:
         super().__init__()
         self.scalars: dict[str, dict[int, float]] = {}
-        set_logger_series("all", self)  # every per-layer series, not the bounded summary other loggers get
 
     @property
     def name(self) -> str:
