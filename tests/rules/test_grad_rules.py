@@ -23,7 +23,10 @@ def fired(out):
         ([{"a": float("nan")}] * 4, []),  # non-finite: AnomalyAlarm's business
         ([{"a": 20.0}, {"a": 1.0}, {"a": 20.0}], [(0, [("grad_explode", "a")])]),  # a flicker: one event
         # clear on 2 x patience - 1 measurements: a new event
-        ([{"a": 20.0}] + [{"a": 1.0}] * 5 + [{"a": 20.0}], [(0, [("grad_explode", "a")]), (6, [("grad_explode", "a")])]),  # noqa: E501
+        (
+            [{"a": 20.0}] + [{"a": 1.0}] * 5 + [{"a": 20.0}],
+            [(0, [("grad_explode", "a")]), (6, [("grad_explode", "a")])],
+        ),  # noqa: E501
         # 10x further past the threshold while it persists: alerts again, once
         (
             [{"a": 20.0}, {"a": 150.0}, {"a": 200.0}, {"a": 300.0}],
@@ -148,12 +151,30 @@ def test_frozen_on_purpose_is_info_and_excluded_is_a_warning(reason, severity):
     assert [(a.source, a.severity.value) for a in alerts] == [("emb", severity)]
 
 
-def test_no_grad_is_an_info_and_zero_grad_a_warning_after_patience():
+@pytest.mark.parametrize(
+    ("reason", "reached_first", "severity", "source"),
+    [
+        ("no_grad", False, "info", "unused"),  # not in the graph
+        ("zero_grad", False, "info", "unused"),  # in the graph, exactly zero since the first measurement: unreached
+        ("zero_grad", True, "warning", "a"),  # had a gradient, then exactly zero: something cut it
+    ],
+)
+def test_never_reached_is_an_info_and_a_gradient_that_became_zero_a_warning(reason, reached_first, severity, source):
     names = ["a.w", "b.w"]
-    for reason, severity, source in (("no_grad", "info", "unused"), ("zero_grad", "warning", "a")):
-        rule = GradFrozenRule(patience=2)
-        out = [rule.update({"a.w": reason}, StepContext(0, i), names) for i in range(3)]
-        assert [len(x) for x in out] == [0, 1, 0] and (out[1][0].severity, out[1][0].source) == (severity, source)
+    rule = GradFrozenRule(patience=2)
+    if reached_first:
+        assert rule.update({}, StepContext(0, 0), names) == []  # a.w had a gradient at the first measurement
+    out = [rule.update({"a.w": reason}, StepContext(0, i), names) for i in range(1, 4)]
+    assert [len(x) for x in out] == [0, 1, 0] and (out[1][0].severity, out[1][0].source) == (severity, source)
+
+
+def test_a_never_reached_parameter_that_gets_a_gradient_is_judged_again():
+    names = ["a.w", "b.w"]
+    rule = GradFrozenRule(patience=2)
+    rule.update({"a.w": "zero_grad"}, StepContext(0, 0), names)
+    rule.update({}, StepContext(0, 1), names)  # reached once: never "unreached" again
+    out = [rule.update({"a.w": "zero_grad"}, StepContext(0, i), names) for i in range(2, 4)]
+    assert [(a.severity, a.source) for x in out for a in x] == [("warning", "a")]
 
 
 def test_name_layers():
