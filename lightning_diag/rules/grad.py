@@ -586,9 +586,11 @@ class GradCollapseRule(Rule):
         kind = self.verdict(recent)
         # The loss has fallen and the model's parameters still move at a rate comparable with its early one: the
         # blocks' gradient shrank (a gated branch, attention that settled), the model did not stop learning.
-        # Waits (the streak goes on) until the updates collapse too or the loss says otherwise.
+        # Waits (the streak goes on) until the updates collapse too or the loss says otherwise. A collapse already
+        # reported stays one (a dead network's loss may dip below 90% of its initial value while the optimizer's
+        # weight decay keeps the weights moving).
         learning = kind == "vanished" and recent is not None and self.still_learning()
-        collapsed = self.streak >= self.patience and not learning
+        collapsed = self.streak >= self.patience and (not learning or "global" in self.latch.active)
         if not self.latch.update("global", collapsed, excess(norm, limit, above=False)):
             return []
         initial = self.initial_loss
@@ -604,8 +606,14 @@ class GradCollapseRule(Rule):
             )
         else:
             where = f" ({recent:.3g}, initial {initial:.3g})" if recent is not None and initial is not None else ""
+            moved = ""
+            if self.update_level is not None and self.update_baseline:
+                moved = (
+                    f", and the model's updates ||ΔW||/||W|| (median over its layers) are at "
+                    f"{self.update_level / self.update_baseline:.3g} of their early level"
+                )
             cause = (
-                f"the gradients vanished while the loss is still far from its floor{where}: saturated "
+                f"the gradients vanished while the loss is still far from its floor{where}{moved}: saturated "
                 "activations, dead units or a cut graph"
             )
         return [
