@@ -444,6 +444,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
         # grad_vanish also asks whether the layer's update is starved (an adaptive optimizer rescales gradients)
         tags = {update_ratio_tag(layer): layer for layer in index.layers}
-        self.band_rule.observe_updates({tags[k]: v for k, v in values.items() if k in tags})
-
-
+        ratios = {tags[k]: v for k, v in values.items() if k in tags}
+        self.band_rule.observe_updates(ratios)
+        self.spread_rule.observe_updates(ratios)  # grad_layer_spread: the slow side's update must be starved too
+        self.collapse_rule.observe_updates(ratios)  # grad_collapse: "vanished" needs the updates to stop too

@@ -86,29 +86,57 @@ __all__ = [
 ]
 
 # -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
-GRAD_VANISH_SPEC = register(RuleSpec(
-    "grad_vanish", GRADIENT_FLOW, "warning", 1e-3,
-    "a weight matrix's ||g||/||W|| below {threshold:g} and {relative:g}x below the best-fed block matrix, after "
-    "step {warmup_steps:g}",
-    settings={"relative": 100.0}, check="grad_norm_band", source="seed 000 §3.1",
-    limits={"threshold": POSITIVE, "relative": Limit(low=1.0, low_inclusive=True)},
-))
-GRAD_EXPLODE_SPEC = register(RuleSpec(
-    "grad_explode", GRADIENT_FLOW, "warning", 1e1, "a layer's RMS gradient per element above {threshold:g}",
-    check="grad_norm_band", source="seed 000 §3.1", limits={"threshold": POSITIVE},
-))
-GRAD_LAYER_SPREAD_SPEC = register(RuleSpec(
-    "grad_layer_spread", GRADIENT_FLOW, "warning", 100.0,
-    "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
-    check="grad_spread", source="seed 000 §3.1", limits={"threshold": Limit(low=1.0)},
-))
-GRAD_COLLAPSE_SPEC = register(RuleSpec(
-    "grad_collapse", GRADIENT_FLOW, "warning", 0.01,
-    "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or vanished: warning)",
-    settings={"baseline_measurements": 5, "converged_fraction": 0.1}, check="grad_collapse",
-    source="seed 001 §1.2",
-    limits={"threshold": FRACTION, "baseline_measurements": COUNT, "converged_fraction": FRACTION},
-))
+GRAD_VANISH_SPEC = register(
+    RuleSpec(
+        "grad_vanish",
+        GRADIENT_FLOW,
+        "warning",
+        1e-3,
+        "a weight matrix's ||g||/||W|| below {threshold:g} and {relative:g}x below the best-fed block matrix, after "
+        "step {warmup_steps:g}",
+        settings={"relative": 100.0},
+        check="grad_norm_band",
+        source="seed 000 §3.1",
+        limits={"threshold": POSITIVE, "relative": Limit(low=1.0, low_inclusive=True)},
+    )
+)
+GRAD_EXPLODE_SPEC = register(
+    RuleSpec(
+        "grad_explode",
+        GRADIENT_FLOW,
+        "warning",
+        1e1,
+        "a layer's RMS gradient per element above {threshold:g}",
+        check="grad_norm_band",
+        source="seed 000 §3.1",
+        limits={"threshold": POSITIVE},
+    )
+)
+GRAD_LAYER_SPREAD_SPEC = register(
+    RuleSpec(
+        "grad_layer_spread",
+        GRADIENT_FLOW,
+        "warning",
+        100.0,
+        "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
+        check="grad_spread",
+        source="seed 000 §3.1",
+        limits={"threshold": Limit(low=1.0)},
+    )
+)
+GRAD_COLLAPSE_SPEC = register(
+    RuleSpec(
+        "grad_collapse",
+        GRADIENT_FLOW,
+        "warning",
+        0.01,
+        "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or vanished: warning)",
+        settings={"baseline_measurements": 5, "converged_fraction": 0.1},
+        check="grad_collapse",
+        source="seed 001 §1.2",
+        limits={"threshold": FRACTION, "baseline_measurements": COUNT, "converged_fraction": FRACTION},
+    )
+)
 GRAD_VANISH = GRAD_VANISH_SPEC.rule_id
 GRAD_EXPLODE = GRAD_EXPLODE_SPEC.rule_id
 GRAD_LAYER_SPREAD = GRAD_LAYER_SPREAD_SPEC.rule_id
@@ -163,7 +191,7 @@ class GradBandRule(Rule):
     """
 
     specs = (GRAD_VANISH_SPEC, GRAD_EXPLODE_SPEC)
-    state_keys = ("streaks", "updates")
+    state_keys = ("streaks", "updates", "unreached")
 
     def __init__(
         self,
@@ -184,10 +212,28 @@ class GradBandRule(Rule):
         #: ``{layer: ||ΔW|| / ||W||}``: the relative update the optimizer applied at the last measured step
         #: (:meth:`observe_updates`); empty when the owner does not measure updates.
         self.updates: dict[str, float] = {}
+        #: Matrices whose relative gradient has been exactly 0 at every measurement since the first one (``None``
+        #: before it): the loss never reached them (``grad_frozen``'s information), so they are not vanishing.
+        self.unreached: list[str] | None = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known."""
-        super().load_state_dict({"updates": {}, **state})
+        """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known,
+        one from before the unreached-layer check starts it at the next measurement."""
+        super().load_state_dict({"updates": {}, "unreached": None, **state})
+
+    def observe_reached(self, relative: Mapping[str, float]) -> set[str]:
+        """Advance the never-reached bookkeeping with one measurement; return the layers never reached so far.
+
+        A layer is never reached when its relative gradient was exactly 0 at every measurement of it since the
+        first measurement of the fit (an input that is always zero or empty, an output that nothing downstream
+        depends on, such as a softmax over one element). A layer that had a gradient once is never again.
+        """
+        zeros = {k for k, v in relative.items() if v == 0.0}
+        if self.unreached is None:
+            self.unreached = sorted(zeros)
+        else:
+            self.unreached = [k for k in self.unreached if k in zeros or k not in relative]
+        return set(self.unreached)
 
     def observe_updates(self, ratios: Mapping[str, float]) -> None:
         """Note the relative update ``||W_after - W_before|| / ||W_before||`` each layer got at the last measured
@@ -205,13 +251,9 @@ class GradBandRule(Rule):
         """
         if not starved or not self.updates:
             return dict(starved)
-        reference = max(
-            (v for k, v in self.updates.items() if blocks is None or k in blocks), default=0.0
-        )
+        reference = max((v for k, v in self.updates.items() if blocks is None or k in blocks), default=0.0)
         return {
-            k: v
-            for k, v in starved.items()
-            if k not in self.updates or self.updates[k] * self.relative < reference
+            k: v for k, v in starved.items() if k not in self.updates or self.updates[k] * self.relative < reference
         }
 
     @classmethod
@@ -245,6 +287,9 @@ class GradBandRule(Rule):
         exploding = {k: v for k, v in rms.items() if math.isfinite(v) and v > self.explode_threshold}
         starved: dict[str, float] = {}
         rel = {k: v for k, v in (relative or {}).items() if math.isfinite(v)}
+        if rel:
+            unreached = self.observe_reached(rel)  # never reached by the loss: grad_frozen's information
+            rel = {k: v for k, v in rel.items() if k not in unreached}
         reference = max((v for k, v in rel.items() if blocks is None or k in blocks), default=0.0)
         early = ctx.global_step < self.warmup_steps
         # a reference that is itself below the threshold is a converged or dead model: grad_collapse's question
@@ -277,9 +322,7 @@ class GradBandRule(Rule):
         vanish_new = self._trip(GRAD_VANISH, starved, set(rel), self.patience)
         if vanish_new:
             worst = min(vanish_new, key=vanish_new.__getitem__)
-            during = (
-                f" (during the {self.warmup_steps}-step warm-up: {OVERWHELMING:g}x past both)" if early else ""
-            )
+            during = f" (during the {self.warmup_steps}-step warm-up: {OVERWHELMING:g}x past both)" if early else ""
             alerts.append(
                 self._alert(
                     ctx,
@@ -343,7 +386,7 @@ class GradSpreadRule(Rule):
     """
 
     specs = (GRAD_LAYER_SPREAD_SPEC,)
-    state_keys = ("streak",)
+    state_keys = ("streak", "updates")
 
     def __init__(
         self,
@@ -357,6 +400,26 @@ class GradSpreadRule(Rule):
         self.latch = Latch.for_patience(patience)
         self.warmup_steps = warmup_steps
         self.streak = 0
+        #: ``{layer: ||ΔW|| / ||W||}`` at the last measured step (:meth:`observe_updates`); empty when unknown.
+        self.updates: dict[str, float] = {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known."""
+        super().load_state_dict({"updates": {}, **state})
+
+    def observe_updates(self, ratios: Mapping[str, float]) -> None:
+        """Note the relative update ``||ΔW|| / ||W||`` each layer got at the last measured optimizer step: a
+        matrix whose gradient is far below its peers' but whose update is not is not a slow learner."""
+        self.updates = {k: float(v) for k, v in ratios.items() if math.isfinite(v)}
+
+    def starved(self, members: Mapping[str, float]) -> dict[str, float]:
+        """The members of one role whose last update is more than ``spread_ratio`` times below the role's largest
+        (all of them when the updates are not known; a member whose update is not known counts as starved)."""
+        known = [self.updates[k] for k in members if k in self.updates]
+        if not known:
+            return dict(members)
+        top = max(known)
+        return {k: v for k, v in members.items() if k not in self.updates or self.updates[k] * self.spread_ratio < top}
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradSpreadRule:
@@ -383,7 +446,12 @@ class GradSpreadRule(Rule):
             if len(members) < 2:
                 continue
             high = max(members, key=members.__getitem__)
-            low = min(members, key=members.__getitem__)
+            # the slow side: a matrix whose update is not starved moves as fast as its peers (Adam rescales a
+            # small gradient; L2 weight decay keeps shrinking a block the loss no longer needs)
+            slow = self.starved(members)
+            if not slow:
+                continue
+            low = min(slow, key=slow.__getitem__)
             ratio = members[high] / members[low]
             if worst is None or ratio > worst[0]:
                 worst = (ratio, role, high, low)
@@ -424,7 +492,10 @@ class GradCollapseRule(Rule):
     """
 
     specs = (GRAD_COLLAPSE_SPEC,)
-    state_keys = ("early", "baseline", "streak", "early_losses", "initial_loss", "recent_losses")
+    state_keys = (
+        "early", "baseline", "streak", "early_losses", "initial_loss", "recent_losses", "early_updates",
+        "update_baseline", "update_level",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -445,6 +516,34 @@ class GradCollapseRule(Rule):
         self.early_losses: list[float] = []
         self.initial_loss: float | None = None
         self.recent_losses: list[float] = []
+        #: The model's update level (median over its layers of ``||ΔW|| / ||W||``) at the first measured steps,
+        #: their median (the update baseline), and the level at the last measured step (``None``: unknown).
+        self.early_updates: list[float] = []
+        self.update_baseline: float | None = None
+        self.update_level: float | None = None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known."""
+        super().load_state_dict({"early_updates": [], "update_baseline": None, "update_level": None, **state})
+
+    def observe_updates(self, ratios: Mapping[str, float]) -> None:
+        """Note the relative update ``||ΔW|| / ||W||`` of each layer at the last measured optimizer step; their
+        median is the model's update level, whose baseline is the median of the first ``baseline_measurements``."""
+        values = [float(v) for v in ratios.values() if math.isfinite(v)]
+        if not values:
+            return
+        self.update_level = statistics.median(values)
+        if self.update_baseline is None:
+            self.early_updates.append(self.update_level)
+            if len(self.early_updates) >= self.baseline_measurements:
+                self.update_baseline = statistics.median(self.early_updates)
+
+    def still_learning(self) -> bool:
+        """Whether the model's parameters still move: its update level is at least ``collapse_ratio`` times its
+        baseline (``False`` when either is not known)."""
+        if self.update_level is None or self.update_baseline is None or self.update_baseline <= 0:
+            return False
+        return self.update_level >= self.collapse_ratio * self.update_baseline
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradCollapseRule:
@@ -483,10 +582,17 @@ class GradCollapseRule(Rule):
             return []
         limit = self.collapse_ratio * self.baseline
         self.streak = self.streak + 1 if norm < limit else 0
-        if not self.latch.update("global", self.streak >= self.patience, excess(norm, limit, above=False)):
-            return []
         recent = statistics.mean(self.recent_losses) if self.recent_losses and loss is not None else None
         kind = self.verdict(recent)
+        # The loss has fallen and the model's parameters still move at a rate comparable with its early one: the
+        # blocks' gradient shrank (a gated branch, attention that settled), the model did not stop learning.
+        # Waits (the streak goes on) until the updates collapse too or the loss says otherwise. A collapse already
+        # reported stays one (a dead network's loss may dip below 90% of its initial value while the optimizer's
+        # weight decay keeps the weights moving).
+        learning = kind == "vanished" and recent is not None and self.still_learning()
+        collapsed = self.streak >= self.patience and (not learning or "global" in self.latch.active)
+        if not self.latch.update("global", collapsed, excess(norm, limit, above=False)):
+            return []
         initial = self.initial_loss
         if kind == "converged":
             cause = (
@@ -500,8 +606,14 @@ class GradCollapseRule(Rule):
             )
         else:
             where = f" ({recent:.3g}, initial {initial:.3g})" if recent is not None and initial is not None else ""
+            moved = ""
+            if self.update_level is not None and self.update_baseline:
+                moved = (
+                    f", and the model's updates ||ΔW||/||W|| (median over its layers) are at "
+                    f"{self.update_level / self.update_baseline:.3g} of their early level"
+                )
             cause = (
-                f"the gradients vanished while the loss is still far from its floor{where}: saturated "
+                f"the gradients vanished while the loss is still far from its floor{where}{moved}: saturated "
                 "activations, dead units or a cut graph"
             )
         return [

@@ -13,18 +13,28 @@ from lightning_diag.core.registry import COUNT, RuleSpec, SettingSpec, register,
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
-    "FROZEN_REASONS", "GRAD_FROZEN", "GRAD_FROZEN_SPEC", "GRAD_PATIENCE_SETTING", "INFO_REASONS", "GradFrozenRule",
+    "FROZEN_REASONS",
+    "GRAD_FROZEN",
+    "GRAD_FROZEN_SPEC",
+    "GRAD_PATIENCE_SETTING",
+    "INFO_REASONS",
+    "GradFrozenRule",
 ]
 
 #: The owner of every gradient-flow rule.
 GRADIENT_FLOW = "GradientFlowMonitor"
 
 # -- declarations -------------------------------------------------------------------------------------------
-GRAD_FROZEN_SPEC = register(RuleSpec(
-    "grad_frozen", GRADIENT_FLOW, "warning", None,
-    "a trainable parameter that cannot learn (in no optimizer, or a zero gradient); requires_grad=False and "
-    "modules never called are an info",
-))
+GRAD_FROZEN_SPEC = register(
+    RuleSpec(
+        "grad_frozen",
+        GRADIENT_FLOW,
+        "warning",
+        None,
+        "a trainable parameter that cannot learn (in no optimizer, or a zero gradient); requires_grad=False and "
+        "modules never called are an info",
+    )
+)
 GRAD_FROZEN = GRAD_FROZEN_SPEC.rule_id
 #: ``grad.patience``: consecutive measurements a gradient condition must hold before it alerts, shared by every
 #: gradient-flow rule (declared here, the first gradient module to load; :mod:`lightning_diag.rules.grad`
@@ -38,22 +48,31 @@ FROZEN_REASONS: dict[str, str] = {
     "excluded": "it is trainable but in no optimizer's parameter groups",
     "no_grad": "not in the graph: it gets no gradient (its module's forward never ran, or a `detach` or "
     "`torch.no_grad` cuts it from the loss)",
-    "zero_grad": "its gradient is exactly zero at every measurement (it is in the graph, but nothing reaches it)",
+    "zero_grad": "its gradient became exactly zero and stayed so (it is in the graph, but nothing reaches it any more)",
+    "unreached": "in the graph, but its gradient has been exactly zero at every measurement since the fit began: "
+    "the loss does not depend on it in this configuration (an input that is always zero or empty, an output "
+    "nothing downstream uses, such as a softmax over one element)",
 }
-#: Reasons that are information, not warnings: deliberate freezing, and parameters outside the graph (optional
-#: heads or encoders a configuration never calls: nothing the user needs to fix).
-INFO_REASONS = frozenset({"frozen", "no_grad"})
+#: Reasons that are information, not warnings: deliberate freezing, and parameters the loss never reached
+#: (outside the graph, or in it with a gradient of exactly zero since the first measurement: optional heads,
+#: encoders or inputs a configuration never uses; nothing the user needs to fix).
+INFO_REASONS = frozenset({"frozen", "no_grad", "unreached"})
+#: The reasons listed together in the one ``unused`` information.
+_UNUSED = frozenset({"no_grad", "unreached"})
 
 
 class GradFrozenRule(Rule):
     """``grad_frozen``: layers whose parameters cannot learn while the rest of the model trains.
 
     ``requires_grad=False`` is how everyone freezes on purpose: a group whose only reason is ``"frozen"`` is an
-    ``info``, never a warning. A parameter outside the graph (``"no_grad"``: its ``.grad`` is ``None`` after
-    backward, typically an optional head or encoder the configuration never calls) is information too: after
-    ``patience`` consecutive measurements, **one** ``info`` alert lists every such group (source ``"unused"``),
-    and it is not repeated for them. ``"excluded"`` (trainable, in no optimizer) and ``"zero_grad"`` (in the graph,
-    gradient exactly zero) are warnings.
+    ``info``, never a warning. A parameter the loss never reached is information too: outside the graph
+    (``"no_grad"``: its ``.grad`` is ``None`` after backward, typically an optional head or encoder the
+    configuration never calls), or in it with a gradient of exactly zero at every measurement since the first
+    (``"unreached"``: an input that is always zero or empty, an output nothing downstream uses; at initialisation
+    only the structure of the computation, never saturation, makes a gradient exactly zero). After ``patience``
+    consecutive measurements, **one** ``info`` alert lists every such group (source ``"unused"``), and it is not
+    repeated for them. ``"excluded"`` (trainable, in no optimizer) and ``"zero_grad"`` (in the graph, a gradient
+    that was non-zero and became exactly zero) are warnings.
 
     Fed, at each measurement, ``{parameter name: reason}`` for every parameter that cannot learn (reasons are
     the keys of :data:`FROZEN_REASONS`) and the names of all parameters. Stuck parameters are grouped under the
@@ -72,19 +91,33 @@ class GradFrozenRule(Rule):
     """
 
     specs = (GRAD_FROZEN_SPEC,)
-    state_keys = ("streaks", "unused")
+    state_keys = ("streaks", "unused", "unreached")
 
     def __init__(self, patience: int = _PATIENCE) -> None:
         super().__init__()
         self.patience = patience
         self.streaks: dict[str, int] = {}
-        #: Groups outside the graph already listed in the ``info`` (each is listed once per fit).
+        #: Groups the loss never reached, already listed in the ``info`` (each is listed once per fit).
         self.unused: list[str] = []
+        #: Parameters whose gradient has been exactly zero at every measurement since the first (``None`` before
+        #: it): reason ``"unreached"`` instead of ``"zero_grad"``.
+        self.unreached: list[str] | None = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before the unused-module info loads with none
-        listed."""
-        super().load_state_dict({"unused": [], **state})
+        listed, one from before the never-reached check starts it at the next measurement."""
+        super().load_state_dict({"unused": [], "unreached": None, **state})
+
+    def observe_reached(self, stuck: Mapping[str, str]) -> dict[str, str]:
+        """``stuck`` with ``"zero_grad"`` replaced by ``"unreached"`` for the parameters whose gradient has been
+        exactly zero at every measurement since the first one (a parameter that had a gradient once never is)."""
+        zeros = {name for name, reason in stuck.items() if reason == "zero_grad"}
+        if self.unreached is None:
+            self.unreached = sorted(zeros)
+        else:
+            self.unreached = [name for name in self.unreached if name in zeros]
+        unreached = set(self.unreached)
+        return {name: "unreached" if name in unreached else reason for name, reason in stuck.items()}
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradFrozenRule:
@@ -119,6 +152,7 @@ class GradFrozenRule(Rule):
 
     def update(self, stuck: Mapping[str, str], ctx: StepContext, names: Sequence[str] = ()) -> list[Alert]:
         """Feed the parameters that cannot learn at this measurement and all parameter names; return the alerts."""
+        stuck = self.observe_reached(stuck)
         group = self.group_of(stuck, list(names) or list(stuck))
         layers: dict[str, dict[str, list[str]]] = {}
         for name, reason in stuck.items():
@@ -126,18 +160,19 @@ class GradFrozenRule(Rule):
         streaks = {layer: self.streaks.get(layer, 0) + 1 for layer in layers}
         self.streaks = streaks
         alerts = []
-        # Outside the graph only (every stuck parameter of the group lacks a .grad): listed once, as information.
+        # Never reached by the loss (every stuck parameter of the group lacks a .grad, or has had a gradient of
+        # exactly zero since the first measurement): listed once, as information.
         unused = sorted(
             layer
             for layer, reasons in layers.items()
-            if set(reasons) == {"no_grad"} and streaks[layer] >= self.patience and layer not in self.unused
+            if set(reasons) <= _UNUSED and streaks[layer] >= self.patience and layer not in self.unused
         )
         if unused:
             self.unused = sorted({*self.unused, *unused})
-            alerts.append(self._unused_alert(ctx, {layer: layers[layer]["no_grad"] for layer in unused}))
+            alerts.append(self._unused_alert(ctx, {layer: layers[layer] for layer in unused}))
         for layer in sorted(set(layers) | set(self.latch.active)):
             reasons = layers.get(layer, {})
-            if layer in self.unused and set(reasons) <= {"no_grad"}:
+            if layer in self.unused and set(reasons) <= _UNUSED:
                 continue  # listed in the info (its latch is not used)
             needed = 1 if ("frozen" in reasons or "excluded" in reasons) else self.patience
             if not self.latch.update(layer, bool(reasons) and streaks.get(layer, 0) >= needed):
@@ -171,18 +206,27 @@ class GradFrozenRule(Rule):
             )
         return alerts
 
-    def _unused_alert(self, ctx: StepContext, groups: Mapping[str, list[str]]) -> Alert:
-        """The one ``info`` listing the groups outside the graph."""
-        shown = ", ".join(f"`{g}`" for g in list(groups)[:8]) + (
-            f" and {len(groups) - 8} more" if len(groups) > 8 else ""
-        )
-        count = sum(len(n) for n in groups.values())
+    def _unused_alert(self, ctx: StepContext, groups: Mapping[str, Mapping[str, list[str]]]) -> Alert:
+        """The one ``info`` listing the groups the loss never reached, by reason."""
+        parts = []
+        for reason, what in (
+            ("no_grad", "not in the graph (no gradient: their module's forward never ran, an optional head or "
+             "encoder this configuration does not use, or a `detach`/`torch.no_grad` cuts them from the loss)"),
+            ("unreached", "in the graph with a gradient of exactly zero since the fit began (the loss does not "
+             "depend on them in this configuration: an input that is always zero or empty, or an output nothing "
+             "downstream uses, such as a softmax over one element)"),
+        ):  # fmt: skip
+            names = [g for g, reasons in groups.items() if reason in reasons]
+            if names:
+                more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+                shown = ", ".join(f"`{g}`" for g in names[:8]) + more
+                parts.append(f"{what}: {shown}")
+        count = sum(len(n) for reasons in groups.values() for n in reasons.values())
         return self._alert(
             ctx,
-            f"{count} trainable parameter(s) in {len(groups)} module(s) are not in the graph (no gradient at "
-            f"{self.patience} consecutive measurements): {shown}. Their module's forward never ran (an optional "
-            "head or encoder this configuration does not use), or a `detach`/`torch.no_grad` cuts them from the "
-            "loss. Reported once as information; name them in `expect_frozen` to silence it",
+            f"{count} trainable parameter(s) in {len(groups)} module(s) get nothing from the loss at "
+            f"{self.patience} consecutive measurements; " + "; ".join(parts) + ". Reported once as information; "
+            "name them in `expect_frozen` to silence it",
             source="unused",
             value=float(count),
             threshold=None,

@@ -44,8 +44,8 @@ class _Net(pl.LightningModule):
         h = torch.relu(self.first(x))
         if self.bug == "detach":  # the classic slip: `first` is cut from the loss and never gets a gradient
             h = h.detach()
-        if self.bug == "zero":  # in the graph, but multiplied by zero: `first` gets a gradient of exactly 0
-            h = h * 0.0 + 1.0
+        if self.bug == "zero" or (self.bug == "zero_later" and self.global_step >= 3):
+            h = h * 0.0 + 1.0  # in the graph, but multiplied by zero: `first` gets a gradient of exactly 0
         return self.last(torch.relu(self.middle(h))).squeeze(-1)
 
     def training_step(self, batch, batch_idx):
@@ -98,12 +98,21 @@ def test_module_built_but_never_called_is_information_not_a_warning(tmp_path):
     assert [a.format() for a in monitor.alerts if a.severity != "info"] == []
 
 
-def test_layer_in_the_graph_with_an_exactly_zero_gradient_is_a_warning(tmp_path):
+def test_layer_whose_gradient_becomes_exactly_zero_is_a_warning(tmp_path):
+    monitor = GradientFlowMonitor(rules={"grad": {"patience": 2}})
+    _fit(_Net("zero_later"), [monitor], tmp_path)  # measured at steps 0, 2 (a gradient), 4, 6 (exactly 0)
+    frozen = [a for a in monitor.alerts if a.rule == "grad_frozen"]
+    assert [(a.source, a.severity) for a in frozen] == [("first", "warning")]
+    assert frozen[0].global_step == 6 and "exactly zero" in frozen[0].message
+
+
+def test_layer_in_the_graph_never_reached_by_the_loss_is_information(tmp_path):
+    # exactly zero from the first measurement on: the loss does not depend on `first` (as with a detach)
     monitor = GradientFlowMonitor(rules={"grad": {"patience": 2}})
     _fit(_Net("zero"), [monitor], tmp_path)
     frozen = [a for a in monitor.alerts if a.rule == "grad_frozen"]
-    assert [(a.source, a.severity) for a in frozen] == [("first", "warning")]
-    assert frozen[0].global_step == 2 and "exactly zero" in frozen[0].message
+    assert [(a.source, a.severity, a.global_step) for a in frozen] == [("unused", "info", 2)]
+    assert "`first`" in frozen[0].message and "exactly zero since the fit began" in frozen[0].message
 
 
 def test_expect_frozen_silences_a_layer_frozen_on_purpose(tmp_path):

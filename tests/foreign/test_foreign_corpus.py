@@ -24,13 +24,8 @@ pytestmark = pytest.mark.slow
 IN_CI = os.environ.get("CI") == "true"
 
 #: Measured on the healthy runs (benchmarks/foreign_corpus.py, docs/detection.md "Foreign-code corpus"): the
-#: warning rules that fire, for the rule owners' fixes (issue 34, classes 1-4) to clear.
-QUIET_XFAIL: dict[str, str] = {
-    "pf_tft": "rule fires: grad_collapse (step 100, gradient norm 1e-3 x its baseline while the loss still falls)",
-    "pf_nbeats": "rule fires: grad_layer_spread (blocks the backcast does not feed)",
-    "nf_tft": "rule fires: grad_frozen and grad_vanish (gradient exactly 0 in future_vsn, which this configuration "
-    "calls but never feeds)",
-}
+#: warning rules that fire, for the rule owners' fixes to clear (none left: every healthy run is quiet).
+QUIET_XFAIL: dict[str, str] = {}
 #: Models whose attention is computed by hand (issue 34, class 5): not seen until hand-written attention is
 #: recognised.
 ATTENTION_XFAIL: dict[str, str] = {}

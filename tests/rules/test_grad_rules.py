@@ -23,7 +23,10 @@ def fired(out):
         ([{"a": float("nan")}] * 4, []),  # non-finite: AnomalyAlarm's business
         ([{"a": 20.0}, {"a": 1.0}, {"a": 20.0}], [(0, [("grad_explode", "a")])]),  # a flicker: one event
         # clear on 2 x patience - 1 measurements: a new event
-        ([{"a": 20.0}] + [{"a": 1.0}] * 5 + [{"a": 20.0}], [(0, [("grad_explode", "a")]), (6, [("grad_explode", "a")])]),  # noqa: E501
+        (
+            [{"a": 20.0}] + [{"a": 1.0}] * 5 + [{"a": 20.0}],
+            [(0, [("grad_explode", "a")]), (6, [("grad_explode", "a")])],
+        ),
         # 10x further past the threshold while it persists: alerts again, once
         (
             [{"a": 20.0}, {"a": 150.0}, {"a": 200.0}, {"a": 300.0}],
@@ -69,6 +72,21 @@ def test_vanish_table(relative, step0, expected_at):
     assert fired(out) == expected
 
 
+def vanish_series(series):
+    rule = GradBandRule(warmup_steps=0)
+    return fired(
+        [[(a.rule, a.source) for a in rule.update({}, StepContext(0, i), rel)] for i, rel in enumerate(series)]
+    )
+
+
+def test_matrix_never_reached_is_not_vanishing_but_one_that_lost_its_gradient_is():
+    # exactly 0 at every measurement since the first: the loss does not depend on it (grad_frozen's information)
+    assert vanish_series([{"blk.0.fc": 0.05, "blk.1.fc": 0.04, "unused.fc": 0.0}] * 6) == []
+    first = {"blk.0.fc": 0.05, "blk.1.fc": 0.04, "cut.fc": 0.02}
+    lost = [first] + [{**first, "cut.fc": 0.0}] * 5  # a gradient at the first measurement, then exactly 0
+    assert vanish_series(lost) == [(3, [("grad_vanish", "cut.fc")])]
+
+
 def test_vanishing_layers_at_one_step_make_one_alert():
     # a deep stack where most matrices starve: the reference is the best-fed block, not the (vanished) median
     relative = {f"enc.{i}.fc": 1e-6 * (i + 1) for i in range(8)} | {f"head.{i}": 0.05 for i in range(3)}
@@ -98,6 +116,18 @@ ROLES = {"h.0.fc": "h.*.fc", "h.1.fc": "h.*.fc", "norm": "norm", "head": "head"}
 )
 def test_spread_table(values, expected):
     assert fired(run(GradSpreadRule(), [values] * 5, step0=100, roles=ROLES)) == expected
+
+
+def test_spread_needs_the_slow_side_update_to_be_starved_too():
+    # N-BEATS under Adam with L2 weight decay: blocks the loss no longer needs get 1e-6 of their peers' gradient,
+    # and move faster than them (the decay shrinks them): not a difference in learning speed
+    values = {"h.0.fc": 1e-6, "h.1.fc": 0.5}
+    rule = GradSpreadRule()
+    rule.observe_updates({"h.0.fc": 0.37, "h.1.fc": 0.12})
+    assert fired(run(rule, [values] * 5, step0=100, roles=ROLES)) == []
+    rule = GradSpreadRule()
+    rule.observe_updates({"h.0.fc": 1e-5, "h.1.fc": 0.12})  # starved update: the slow block does not learn
+    assert fired(run(rule, [values] * 5, step0=100, roles=ROLES)) == [(2, [("grad_layer_spread", "h.*.fc")])]
 
 
 def test_spread_waits_for_the_warm_up():
@@ -132,6 +162,41 @@ def test_collapse_verdict_table(late_loss, severity, word):
     assert word in out[0][2]
 
 
+def collapse_with_updates(updates, late_loss, norms=None):
+    """The blocks' gradient falls 1e4x at measurement 8 while the loss falls to ``late_loss``; ``updates[i]`` is the
+    model's relative update observed after measurement ``i`` (every layer alike)."""
+    rule = GradCollapseRule()
+    norms = norms or [1.0] * 8 + [1e-4] * 8
+    out = []
+    for i, n in enumerate(norms):
+        loss = 1.4 if i < 8 else late_loss
+        out += [(i, a.severity.value, a.message) for a in rule.update(n, StepContext(0, i), loss)]
+        rule.observe_updates({"a": updates[i], "b": updates[i], "c": float("nan")})
+    return out
+
+
+@pytest.mark.parametrize(
+    ("late_update", "late_loss", "expected"),
+    [
+        (0.02, 0.6, []),  # the loss fell, the parameters still move at 20% of their early rate: not a collapse
+        (1e-4, 0.6, [(10, "warning")]),  # the loss fell, but the updates stopped too: vanished
+        (0.02, 1.5, [(10, "warning")]),  # the loss is stuck: dead, whatever the updates
+        (0.02, 0.01, [(10, "info")]),  # converged
+    ],
+)
+def test_collapse_vanished_needs_the_updates_to_stop_too(late_update, late_loss, expected):
+    updates = [0.1] * 8 + [late_update] * 8
+    out = collapse_with_updates(updates, late_loss)
+    assert [(i, s) for i, s, _ in out] == expected
+    if expected == [(10, "warning")] and late_loss == 0.6:
+        assert "0.001 of their early level" in out[0][2]
+
+
+def test_collapse_waits_while_the_model_learns_then_fires_when_its_updates_stop():
+    updates = [0.1] * 8 + [0.02] * 4 + [1e-4] * 4  # the updates stop at measurement 12
+    assert [(i, s) for i, s, _ in collapse_with_updates(updates, 0.6)] == [(13, "warning")]
+
+
 def test_collapse_slow_convergence_is_quiet():
     slow = [1.0 * 0.97**k for k in range(120)]  # falls 38x over a long run: not a collapse
     assert collapse(slow, [1.0] * 120) == []
@@ -148,12 +213,30 @@ def test_frozen_on_purpose_is_info_and_excluded_is_a_warning(reason, severity):
     assert [(a.source, a.severity.value) for a in alerts] == [("emb", severity)]
 
 
-def test_no_grad_is_an_info_and_zero_grad_a_warning_after_patience():
+@pytest.mark.parametrize(
+    ("reason", "reached_first", "severity", "source"),
+    [
+        ("no_grad", False, "info", "unused"),  # not in the graph
+        ("zero_grad", False, "info", "unused"),  # in the graph, exactly zero since the first measurement: unreached
+        ("zero_grad", True, "warning", "a"),  # had a gradient, then exactly zero: something cut it
+    ],
+)
+def test_never_reached_is_an_info_and_a_gradient_that_became_zero_a_warning(reason, reached_first, severity, source):
     names = ["a.w", "b.w"]
-    for reason, severity, source in (("no_grad", "info", "unused"), ("zero_grad", "warning", "a")):
-        rule = GradFrozenRule(patience=2)
-        out = [rule.update({"a.w": reason}, StepContext(0, i), names) for i in range(3)]
-        assert [len(x) for x in out] == [0, 1, 0] and (out[1][0].severity, out[1][0].source) == (severity, source)
+    rule = GradFrozenRule(patience=2)
+    if reached_first:
+        assert rule.update({}, StepContext(0, 0), names) == []  # a.w had a gradient at the first measurement
+    out = [rule.update({"a.w": reason}, StepContext(0, i), names) for i in range(1, 4)]
+    assert [len(x) for x in out] == [0, 1, 0] and (out[1][0].severity, out[1][0].source) == (severity, source)
+
+
+def test_a_never_reached_parameter_that_gets_a_gradient_is_judged_again():
+    names = ["a.w", "b.w"]
+    rule = GradFrozenRule(patience=2)
+    rule.update({"a.w": "zero_grad"}, StepContext(0, 0), names)
+    rule.update({}, StepContext(0, 1), names)  # reached once: never "unreached" again
+    out = [rule.update({"a.w": "zero_grad"}, StepContext(0, i), names) for i in range(2, 4)]
+    assert [(a.severity, a.source) for x in out for a in x] == [("warning", "a")]
 
 
 def test_name_layers():

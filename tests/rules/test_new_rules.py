@@ -122,6 +122,7 @@ def test_grad_frozen_groups_by_outermost_fully_stuck_module(stuck, sources):
 def test_grad_frozen_zero_grad_in_the_graph_needs_patience_and_latches():
     rule = GradFrozenRule(patience=3)
     stuck = {"enc.0.lin.weight": "zero_grad", "enc.0.lin.bias": "zero_grad"}
+    rule.update({}, StepContext(0, -1), NAMES)  # it had a gradient at the first measurement, then lost it
     out = [rule.update(stuck, StepContext(0, i), NAMES) for i in range(5)]
     assert [len(a) for a in out] == [0, 0, 1, 0, 0]
     assert out[2][0].severity == "warning" and "exactly zero" in out[2][0].message
