@@ -32,7 +32,7 @@ from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
     DEFAULT_MAX_SKIPS,
     NONFINITE_ACTIONS,
-    NONFINITE_LOSS_SPEC,
+    NONFINITE_LOSS_MAX_SKIPS_KEY,
     NonFinitePolicy,
 )
 from lightning_diag.rules.replicas import DDP_DESYNC_SPEC
@@ -216,7 +216,7 @@ class AnomalyAlarm(DiagCallback):
         if isinstance(self.swing_window, int):
             values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
         if self.on_nonfinite != "skip":  # max_skips is in force only with that action
-            values.pop(NONFINITE_LOSS_SPEC.key("max_skips"), None)
+            values.pop(NONFINITE_LOSS_MAX_SKIPS_KEY, None)
         if self.on_nonfinite != "rollback":  # the rollback settings are in force only with that action
             for key in [k for k in values if k.startswith(f"{NONFINITE_ROLLBACK}.")]:
                 del values[key]

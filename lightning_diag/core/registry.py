@@ -82,6 +82,7 @@ __all__ = [
     "registry_thresholds",
     "rules_of",
     "settings_of",
+    "value_of",
 ]
 
 SeverityName = Literal["info", "warning", "critical"]
@@ -566,3 +567,18 @@ def default(key: str) -> float:
     if key not in values:
         raise KeyError(f"no rule or setting declares {key!r}")
     return values[key]
+
+
+def value_of(thresholds: Mapping[str, float | None], key: str) -> float:
+    """The value in effect of one ``thresholds()`` key: ``thresholds[key]``, else its declared default (a module
+    that reads another's setting takes the key from the declaring module's ``*_KEY`` constant).
+
+    Raises:
+        KeyError: If ``thresholds`` lacks ``key`` and no rule or shared setting declares it.
+
+    Example:
+        >>> value_of({"loss_swing.patience": 5.0}, "loss_swing.patience"), value_of({}, "loss_swing.patience")
+        (5.0, 3.0)
+    """
+    given = thresholds.get(key)
+    return default(key) if given is None else float(given)

@@ -25,10 +25,23 @@ from lightning_diag.core.tags import (
     TAG_PREFIX,
 )
 from lightning_diag.rules.catalog import (
+    ATTN_ENTROPY_HIGH,
+    ATTN_ENTROPY_LOW,
+    ATTN_SINK,
+    DATA_LEAKAGE,
+    DATA_VOCAB_SHIFT,
+    DATALOADER_BOUND,
     DDP_DESYNC,
+    GRAD_COLLAPSE,
+    GRAD_EXPLODE,
+    GRAD_VANISH,
+    LABEL_IMBALANCE,
     LOSS_ON_PADDING,
+    LOSS_SWING,
+    POSITION_OVERFLOW,
     QUANTIZATION_ERROR,
     SHARP_MINIMUM,
+    STEP_TIME_FLUCTUATION,
     UPDATE_NONE,
     UPDATE_STALE,
 )
@@ -108,15 +121,15 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     layout: dict[str, dict[str, list[Any]]] = {}
     if any(r.startswith("grad_") for r in rules):
         layout["Gradients"] = {
-            "RMS gradient per element, per layer (line: grad_explode)": [
+            f"RMS gradient per element, per layer (line: {GRAD_EXPLODE})": [
                 "Multiline",
-                [f"{p}/grad_rms/", f"{p}/threshold/grad_explode$"],
+                [f"{p}/grad_rms/", f"{p}/threshold/{GRAD_EXPLODE}$"],
             ],
-            "relative gradient ||g|| / ||W|| per weight matrix (line: grad_vanish)": [
+            f"relative gradient ||g|| / ||W|| per weight matrix (line: {GRAD_VANISH})": [
                 "Multiline",
-                [f"{p}/grad_relative/", f"{p}/threshold/grad_vanish$"],
+                [f"{p}/grad_relative/", f"{p}/threshold/{GRAD_VANISH}$"],
             ],
-            "gradient norm of the blocks' weight matrices (grad_collapse baseline)": [
+            f"gradient norm of the blocks' weight matrices ({GRAD_COLLAPSE} baseline)": [
                 "Multiline",
                 [f"{p}/grad_blocks/norm$"],
             ],
@@ -127,22 +140,22 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
         }
     if any(r.startswith("attn_") for r in rules):
         layout["Attention"] = {
-            "attention entropy per layer, mean over heads, nats (lines: attn_entropy_low, attn_entropy_high)": [
+            f"attention entropy per layer, mean over heads, nats (lines: {ATTN_ENTROPY_LOW}, {ATTN_ENTROPY_HIGH})": [
                 "Multiline",
-                [f"{p}/attn_entropy/.*/mean$", f"{p}/threshold/attn_entropy_(low|high)$"],
+                [f"{p}/attn_entropy/.*/mean$", f"{p}/threshold/({ATTN_ENTROPY_LOW}|{ATTN_ENTROPY_HIGH})$"],
             ],
             "attention entropy per head, nats": ["Multiline", [f"{p}/attn_entropy/.*/head_[0-9]+$"]],
-            "attention mass on special tokens, smallest head (line: attn_sink)": [
+            f"attention mass on special tokens, smallest head (line: {ATTN_SINK})": [
                 "Multiline",
-                [f"{p}/attn_sink/", f"{p}/threshold/attn_sink$"],
+                [f"{p}/{ATTN_SINK}/", f"{p}/threshold/{ATTN_SINK}$"],
             ],
         }
     if any(r.startswith(("loss_", "val_", "nonfinite_")) and r != LOSS_ON_PADDING for r in rules):
         layout["Loss & LR"] = {
             "training and validation loss": ["Multiline", [f"{p}/loss/(train_step|train_epoch|train_window|val)$"]],
-            "loss swing: relative change of the mean loss (line: loss_swing)": [
+            f"loss swing: relative change of the mean loss (line: {LOSS_SWING})": [
                 "Multiline",
-                [f"{p}/loss/swing$", f"{p}/threshold/loss_swing$"],
+                [f"{p}/loss/swing$", f"{p}/threshold/{LOSS_SWING}$"],
             ],
             "fluctuation: validation vs training": ["Multiline", [f"{p}/loss/(train|val)_fluctuation$"]],
             "learning rate per optimizer and group": ["Multiline", [f"{p}/lr/"]],
@@ -153,13 +166,13 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
                 "Multiline",
                 [f"{p}/system/(step_time|data_wait|forward_backward|optimizer)_s$"],
             ],
-            "data waiting / step time (line: dataloader_bound)": [
+            f"data waiting / step time (line: {DATALOADER_BOUND})": [
                 "Multiline",
-                [f"{p}/system/data_wait_share$", f"{p}/threshold/dataloader_bound$"],
+                [f"{p}/system/data_wait_share$", f"{p}/threshold/{DATALOADER_BOUND}$"],
             ],
-            "step-time fluctuation (line: step_time_fluctuation)": [
+            f"step-time fluctuation (line: {STEP_TIME_FLUCTUATION})": [
                 "Multiline",
-                [f"{p}/system/step_time_fluctuation$", f"{p}/threshold/step_time_fluctuation$"],
+                [f"{p}/system/{STEP_TIME_FLUCTUATION}$", f"{p}/threshold/{STEP_TIME_FLUCTUATION}$"],
             ],
             "throughput": ["Multiline", [f"{p}/system/(samples|tokens)_per_s$"]],
             "memory, MiB": ["Multiline", [f"{p}/system/.*_mib$"]],
@@ -186,11 +199,11 @@ def _add_silent_charts(layout: dict[str, dict[str, list[Any]]], rules: Collectio
     p = TAG_PREFIX
     if any(r in rules for r in (UPDATE_NONE, UPDATE_STALE)):
         layout.setdefault("Gradients", {})[
-            "share of sampled elements a step left unchanged, per layer (update_none; line: update_stale)"
+            f"share of sampled elements a step left unchanged, per layer ({UPDATE_NONE}; line: {UPDATE_STALE})"
         ] = ["Multiline", [f"{p}/updates/", f"{p}/threshold/{UPDATE_STALE}$"]]
     if DDP_DESYNC in rules:
         layout.setdefault("Loss & LR", {})[
-            "replica agreement: largest relative checksum difference across ranks (line: ddp_desync)"
+            f"replica agreement: largest relative checksum difference across ranks (line: {DDP_DESYNC})"
         ] = ["Multiline", [f"{p}/replicas/max_rel_diff$", f"{p}/threshold/{DDP_DESYNC}$"]]
 
 
@@ -200,13 +213,13 @@ def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     p = TAG_PREFIX
     charts: dict[str, list[Any]] = {}
     if SHARP_MINIMUM in rules:
-        charts["SAM gap L(w+eps) - L(w) (line: sharp_minimum)"] = [
-            "Multiline", [f"{p}/sharpness/gap$", f"{p}/threshold/sharp_minimum$"]]
+        charts[f"SAM gap L(w+eps) - L(w) (line: {SHARP_MINIMUM})"] = [
+            "Multiline", [f"{p}/sharpness/gap$", f"{p}/threshold/{SHARP_MINIMUM}$"]]
         charts["SAM gap relative to the loss"] = ["Multiline", [f"{p}/sharpness/relative_gap$"]]
         charts["SAM gap per layer (that layer perturbed alone)"] = ["Multiline", [f"{p}/sharpness/layer/"]]
     if QUANTIZATION_ERROR in rules:
-        charts["INT8: end-to-end relative loss change (line: quantization_error)"] = [
-            "Multiline", [f"{p}/quant/end_to_end$", f"{p}/threshold/quantization_error$"]]
+        charts[f"INT8: end-to-end relative loss change (line: {QUANTIZATION_ERROR})"] = [
+            "Multiline", [f"{p}/quant/end_to_end$", f"{p}/threshold/{QUANTIZATION_ERROR}$"]]
         charts["INT8: relative output MSE per layer"] = ["Multiline", [f"{p}/quant/layer/.*/relative_mse$"]]
         charts["INT8: worst layer / median layer"] = ["Multiline", [f"{p}/quant/worst_layer_ratio$"]]
         charts["INT8: weight outliers (max / 99th percentile) per layer"] = [
@@ -226,22 +239,22 @@ def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     p = TAG_PREFIX
     return {
         "Data": {
-            "label balance: std of class proportions per split (line: label_imbalance)": [
+            f"label balance: std of class proportions per split (line: {LABEL_IMBALANCE})": [
                 "Multiline",
-                [f"{p}/data/(train|val)/label_std$", f"{p}/threshold/label_imbalance$"],
+                [f"{p}/data/(train|val)/label_std$", f"{p}/threshold/{LABEL_IMBALANCE}$"],
             ],
-            "vocabulary shift: KL(val || train), nats (line: data_vocab_shift)": [
+            f"vocabulary shift: KL(val || train), nats (line: {DATA_VOCAB_SHIFT})": [
                 "Multiline",
-                [f"{p}/data/vocab_kl$", f"{p}/threshold/data_vocab_shift$"],
+                [f"{p}/data/vocab_kl$", f"{p}/threshold/{DATA_VOCAB_SHIFT}$"],
             ],
-            "leakage: share of validation samples copying training ones (line: data_leakage)": [
+            f"leakage: share of validation samples copying training ones (line: {DATA_LEAKAGE})": [
                 "Multiline",
-                [f"{p}/data/(leaked_fraction|exact_copies|near_copies)$", f"{p}/threshold/data_leakage$"],
+                [f"{p}/data/(leaked_fraction|exact_copies|near_copies)$", f"{p}/threshold/{DATA_LEAKAGE}$"],
             ],
             "unseen and rare validation tokens": ["Multiline", [f"{p}/data/(oov_share|val_rare_share)$"]],
-            "padding ratio per split, and share of label positions that are padding (loss_on_padding)": [
+            f"padding ratio per split, and share of label positions that are padding ({LOSS_ON_PADDING})": [
                 "Multiline", [f"{p}/data/(train|val)/padding_ratio$", f"{p}/data/train/padding_label_share$"]],
-            "positions the longest sample uses, per split (position_overflow)": [
+            f"positions the longest sample uses, per split ({POSITION_OVERFLOW})": [
                 "Multiline", [f"{p}/data/(train|val)/max_positions$"]],
         }
     }

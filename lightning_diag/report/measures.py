@@ -146,7 +146,7 @@ def _measure_attn_band(run: RunData, check: Check) -> bool:
         above = sum(1 for v in values if high is not None and v > high)
         if above and high is not None:
             check.add_note(
-                f"{above} measurements above {fmt(high)} nats (attn_entropy_high): an info hint at most, and only "
+                f"{above} measurements above {fmt(high)} nats ({ATTN_ENTROPY_HIGH}): an info hint at most, and only "
                 "when near uniform after warm-up, since diffuse attention can be a learned solution"
             )
     missing = [rule for rule, v in ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high)) if v is None]
@@ -271,5 +271,5 @@ def _measure_latency(run: RunData, check: Check) -> bool:
         check.measured = f"step-time fluctuation up to {fmt(max(values))} (last {fmt(values[-1])})"
         check.measured_value = {"max": max(values), "last": values[-1]}
         if limit is not None and max(values) > limit:
-            check.add_note("above the threshold on fewer consecutive checks than step_time_fluctuation's patience")
+            check.add_note(f"above the threshold on fewer consecutive checks than {STEP_TIME_FLUCTUATION}'s patience")
     return bool(values)

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, FRACTION, POSITIVE, STEPS, Limit, RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, FRACTION, POSITIVE, STEPS, CheckSpec, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.stats.trend import (
     fluctuation,
@@ -72,10 +72,14 @@ __all__ = [
     "LOSS_STAGNANT",
     "LOSS_STAGNANT_SPEC",
     "LOSS_SWING",
+    "LOSS_SWING_CHECK",
     "LOSS_SWING_SPEC",
+    "STAGNANT_BASELINE_STEPS_KEY",
     "VAL_DECLINE",
+    "VAL_DECLINE_CHECK",
     "VAL_DECLINE_SPEC",
     "VAL_FLUCTUATION",
+    "VAL_FLUCTUATION_CHECK",
     "VAL_FLUCTUATION_SPEC",
     "LossStagnantRule",
     "LossSwingRule",
@@ -115,6 +119,19 @@ LOSS_SWING = LOSS_SWING_SPEC.rule_id
 VAL_DECLINE = VAL_DECLINE_SPEC.rule_id
 VAL_FLUCTUATION = VAL_FLUCTUATION_SPEC.rule_id
 LOSS_STAGNANT = LOSS_STAGNANT_SPEC.rule_id
+#: Their rows of the ``lightning-diag report`` checklist (registered in report order by
+#: :mod:`lightning_diag.rules.catalog`).
+LOSS_SWING_CHECK = CheckSpec(
+    LOSS_SWING, "Training",
+    "Training loss does not swing by more than {loss_swing:.0%} on {loss_swing__patience:g} consecutive points",
+)
+VAL_DECLINE_CHECK = CheckSpec(VAL_DECLINE, "Training",
+                              "Validation metric does not worsen on {val_decline:g} consecutive runs")
+VAL_FLUCTUATION_CHECK = CheckSpec(
+    VAL_FLUCTUATION, "Training", "Validation fluctuation at most {val_fluctuation:g}x the training fluctuation"
+)
+#: ``thresholds()`` key of ``loss_stagnant``'s baseline (read by the loss trend's sums).
+STAGNANT_BASELINE_STEPS_KEY = LOSS_STAGNANT_SPEC.key("baseline_steps")
 
 #: ``loss_swing``: relative change that counts as a swing (seed 001 §1.2: 10%).
 DEFAULT_SWING_THRESHOLD = default(LOSS_SWING)
@@ -146,7 +163,7 @@ _VAL_RUNS_KEPT = 64
 #: ``loss_stagnant``: the points its trend test reads, at most (beyond, pairs are averaged: the whole run stays).
 _TREND_POINTS = 256
 #: ``loss_stagnant``: first optimizer steps whose mean loss is the initial loss.
-DEFAULT_STAGNANT_BASELINE_STEPS = int(default(LOSS_STAGNANT_SPEC.key("baseline_steps")))
+DEFAULT_STAGNANT_BASELINE_STEPS = int(default(STAGNANT_BASELINE_STEPS_KEY))
 #: ``loss_stagnant``: optimizer steps before a verdict (with at least the trend test's fewest points).
 DEFAULT_STAGNANT_MIN_STEPS = int(default(LOSS_STAGNANT_SPEC.key("min_steps")))
 #: ``loss_stagnant``: significance level of the Mann-Kendall test that the loss falls.
