@@ -161,7 +161,8 @@ def _misspellings() -> list[str]:
       ``{loss_swing:g}``), with a setting after it (``"loss_swing.patience"``, ``{loss_swing__patience}``);
     * a shared setting's key (``"grad.patience"``);
     * a setting name handed to a declaration's ``key`` / ``value`` / ``limit`` (``SPEC.key("sample_size")``);
-    * a setting name as the key of the mapping given to a rule id (``{LOSS_SWING: {"patience": 3}}``).
+    * a setting name as the key of the mapping given to a rule id (``{LOSS_SWING: {"patience": 3}}``) or to a
+      family of shared settings (``{"grad": {"patience": 5}}``).
     """
     import re
 
@@ -209,13 +210,18 @@ def _misspellings() -> list[str]:
                         found.append(f"{name}:{node.lineno}: ?.{arg.value}")
             elif isinstance(node, ast.Dict):
                 for key, value in zip(node.keys, node.values, strict=True):
-                    rule = _rule_named(key, imported, RULES)
-                    if rule is None or not isinstance(value, ast.Dict) or home[rule] == name:
+                    if not isinstance(value, ast.Dict):
                         continue
-                    found += [
-                        f"{name}:{node.lineno}: {rule}.{k.value}" for k in value.keys
-                        if isinstance(k, ast.Constant) and k.value in {"threshold", *settings[rule]}
-                    ]
+                    rule = _rule_named(key, imported, RULES)
+                    inner = [k.value for k in value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+                    if rule is not None and home[rule] != name:
+                        fields = {"threshold", *settings[rule]}
+                        found += [f"{name}:{node.lineno}: {rule}.{k}" for k in inner if k in fields]
+                    elif isinstance(key, ast.Constant) and isinstance(key.value, str):  # a family: {"grad": {...}}
+                        found += [
+                            f"{name}:{node.lineno}: {key.value}.{k}" for k in inner
+                            if home.get(f"{key.value}.{k}", name) != name
+                        ]
     return sorted(set(found))
 
 
@@ -230,13 +236,14 @@ def test_the_spelling_check_finds_a_misspelling(tmp_path, monkeypatch):
     source = (
         "from lightning_diag.rules.anomaly import LOSS_SWING, LOSS_SWING_SPEC\n"
         "A = 'loss_swing'\nB = f'{p}/threshold/loss_swing$'\nC = 'grad.patience'\n"
-        "D = LOSS_SWING_SPEC.key('patience')\nE = {LOSS_SWING: {'patience': 3}}\n"
+        "D = LOSS_SWING_SPEC.key('patience')\nE = {LOSS_SWING: {'patience': 3}}\nF = {'grad': {'patience': 5}}\n"
     )
     tree = ast.parse(source)
     real = _modules
     monkeypatch.setitem(globals(), "_modules", lambda: {**real(), "lightning_diag.probe": (tmp_path, tree)})
     assert [f.split(": ", 1)[1] for f in _misspellings() if f.startswith("lightning_diag.probe:")] == [
         "'loss_swing'", "'loss_swing'", "'grad.patience'", "loss_swing.patience", "loss_swing.patience",
+        "grad.patience",
     ]
 
 
