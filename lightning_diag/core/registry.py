@@ -23,9 +23,10 @@ The user sets a field with the owner's ``rules={"label_imbalance": {"threshold":
 checks it against the declaration), :meth:`DiagCallback.thresholds` reports the values in effect with no code of
 its own (:func:`registry_thresholds`), and the rule class's ``from_settings(thresholds)`` builds the rule from
 those values (the callbacks and the report's replay alike).
-``check`` puts the rule in a checklist row (:data:`CHECKS`); a new row is declared with :func:`register_check`
-in :mod:`lightning_diag.rules.catalog`, and where its status needs more than "did its rules raise a warning" it
-gets a measure function in :mod:`lightning_diag.report`.
+``check`` puts the rule in a checklist row (:data:`CHECKS`); a new row is a :class:`CheckSpec` declared beside its
+rules and registered (:func:`register_check`) in report order by :mod:`lightning_diag.rules.catalog`, and where
+its status needs more than "did its rules raise a warning" it gets a measure function in
+:mod:`lightning_diag.report`.
 
 This module imports nothing but the standard library and no declaring module (they import it), so the report
 can read it without torch or Lightning.

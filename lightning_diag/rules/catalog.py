@@ -3,15 +3,15 @@
 Each rule is declared once, next to the class that implements it (``register(RuleSpec(...))`` at the top of its
 ``lightning_diag.rules`` module, set as the class's ``specs``); the machinery is in
 :mod:`lightning_diag.core.registry`. Importing this module loads every declaring module, so the registry is
-complete: :data:`ALL_RULES` is read here, and the report imports it. It then declares the checklist rows of
-``lightning-diag report``, in report order; a row that is named after the rule deciding it takes that rule's id
-from its declaration.
+complete: :data:`ALL_RULES` is read here, and the report imports it. It then registers the checklist rows of
+``lightning-diag report`` in report order: a row that rules decide is declared beside them (``*_CHECK`` in their
+module, its title a template over their thresholds), the rows no rule decides here.
 
 No module below it imports it (the registry does not): the import graph has no cycle. Neither torch nor Lightning
 is imported (the rules modules import the standard library, numpy and scipy only).
 
 A callback that adds rules declares them in its rules module and adds that module to the imports below (and a
-``register_check(CheckSpec(...))`` here for a checklist row of its own).
+its ``*_CHECK`` to the rows registered below for a checklist row of its own).
 """
 
 from __future__ import annotations
