@@ -160,6 +160,7 @@ def _misspellings() -> list[str]:
     * a rule id as a word of a string literal (``"loss_swing"``, ``f"{p}/threshold/loss_swing$"``, a title's
       ``{loss_swing:g}``), with a setting after it (``"loss_swing.patience"``, ``{loss_swing__patience}``);
     * a shared setting's key (``"grad.patience"``);
+    * a ``thresholds()`` key built from a rule id in an f-string (``f"{LOSS_SWING}.patience"``);
     * a setting name handed to a declaration's ``key`` / ``value`` / ``limit`` (``SPEC.key("sample_size")``);
     * a setting name as the key of the mapping given to a rule id (``{LOSS_SWING: {"patience": 3}}``) or to a
       family of shared settings (``{"grad": {"patience": 5}}``).
@@ -208,6 +209,14 @@ def _misspellings() -> list[str]:
                             found.append(f"{name}:{node.lineno}: {receiver.rule_id}.{arg.value}")
                     elif arg.value not in declares[name]:
                         found.append(f"{name}:{node.lineno}: ?.{arg.value}")
+            elif isinstance(node, ast.JoinedStr):  # f"{LOSS_SWING}.patience"
+                for part, after in zip(node.values, node.values[1:], strict=False):
+                    rule = _rule_named(part.value, imported, RULES) if isinstance(part, ast.FormattedValue) else None
+                    if rule is None or home[rule] == name or not isinstance(after, ast.Constant):
+                        continue
+                    setting = re.match(r"(?:\.|__)(\w+)", str(after.value))
+                    if setting:  # a declared setting, or a key written beside them (``higher_is_better``)
+                        found.append(f"{name}:{node.lineno}: {rule}.{setting[1]}")
             elif isinstance(node, ast.Dict):
                 for key, value in zip(node.keys, node.values, strict=True):
                     if not isinstance(value, ast.Dict):
@@ -237,13 +246,14 @@ def test_the_spelling_check_finds_a_misspelling(tmp_path, monkeypatch):
         "from lightning_diag.rules.anomaly import LOSS_SWING, LOSS_SWING_SPEC\n"
         "A = 'loss_swing'\nB = f'{p}/threshold/loss_swing$'\nC = 'grad.patience'\n"
         "D = LOSS_SWING_SPEC.key('patience')\nE = {LOSS_SWING: {'patience': 3}}\nF = {'grad': {'patience': 5}}\n"
+        "G = f'{LOSS_SWING}.patience'\n"
     )
     tree = ast.parse(source)
     real = _modules
     monkeypatch.setitem(globals(), "_modules", lambda: {**real(), "lightning_diag.probe": (tmp_path, tree)})
     assert [f.split(": ", 1)[1] for f in _misspellings() if f.startswith("lightning_diag.probe:")] == [
         "'loss_swing'", "'loss_swing'", "'grad.patience'", "loss_swing.patience", "loss_swing.patience",
-        "grad.patience",
+        "grad.patience", "loss_swing.patience",
     ]
 
 

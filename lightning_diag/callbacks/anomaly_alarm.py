@@ -26,8 +26,15 @@ from lightning_diag.core.alerts import NonFiniteAction
 from lightning_diag.core.registry import RuleSpec
 from lightning_diag.core.tags import loss_tag
 from lightning_diag.core.validation import check_choice
-from lightning_diag.rules.anomaly import LossStagnantRule, LossSwingRule, ValDeclineRule, ValFluctuationRule
-from lightning_diag.rules.catalog import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE
+from lightning_diag.rules.anomaly import (
+    LOSS_SWING_WINDOW_STEPS_KEY,
+    VAL_DECLINE_HIGHER_IS_BETTER_KEY,
+    LossStagnantRule,
+    LossSwingRule,
+    ValDeclineRule,
+    ValFluctuationRule,
+)
+from lightning_diag.rules.catalog import NONFINITE_ROLLBACK
 from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
     DEFAULT_MAX_SKIPS,
@@ -212,9 +219,9 @@ class AnomalyAlarm(DiagCallback):
             0.2
         """
         values = super().thresholds()
-        values[f"{VAL_DECLINE}.higher_is_better"] = float(self.mode == "max")
+        values[VAL_DECLINE_HIGHER_IS_BETTER_KEY] = float(self.mode == "max")
         if isinstance(self.swing_window, int):
-            values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
+            values[LOSS_SWING_WINDOW_STEPS_KEY] = float(self.swing_window)
         if self.on_nonfinite != "skip":  # max_skips is in force only with that action
             values.pop(NONFINITE_LOSS_MAX_SKIPS_KEY, None)
         if self.on_nonfinite != "rollback":  # the rollback settings are in force only with that action

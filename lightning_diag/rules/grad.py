@@ -71,6 +71,7 @@ __all__ = [
     "DEFAULT_VANISH_RELATIVE",
     "DEFAULT_VANISH_THRESHOLD",
     "GRAD_COLLAPSE",
+    "GRAD_COLLAPSE_BASELINE_KEY",
     "GRAD_COLLAPSE_CHECK",
     "GRAD_COLLAPSE_SPEC",
     "GRAD_EXPLODE",
@@ -128,6 +129,8 @@ GRAD_SPREAD_CHECK = CheckSpec(
 )
 GRAD_COLLAPSE_CHECK = CheckSpec(GRAD_COLLAPSE, "Model",
                                 "Blocks' gradient norm above {grad_collapse:g} of its early baseline")
+#: ``thresholds()`` key of ``grad_collapse``'s baseline length (read back by the report).
+GRAD_COLLAPSE_BASELINE_KEY = GRAD_COLLAPSE_SPEC.key("baseline_measurements")
 #: ``grad.warmup_steps``: ``grad_vanish`` / ``grad_layer_spread`` are not evaluated before this global step
 #: (initialisation transients); one setting for both rules.
 GRAD_WARMUP_SETTING = register_setting(

@@ -23,6 +23,7 @@ __all__ = [
     "QUANTIZATION_CHECK",
     "QUANTIZATION_ERROR",
     "QUANTIZATION_ERROR_SPEC",
+    "QUANTIZATION_LAYER_RATIO_KEY",
     "SHARP_MINIMUM",
     "SHARP_MINIMUM_PATIENCE_KEY",
     "SHARP_MINIMUM_RHO_KEY",
@@ -59,6 +60,8 @@ LOSS_SURFACE_CHECK = CheckSpec("loss_surface", "Training",
 #: ``thresholds()`` keys of the settings SharpnessProbe reads for its own measuring.
 SHARP_MINIMUM_PATIENCE_KEY = SHARP_MINIMUM_SPEC.key("patience")
 SHARP_MINIMUM_RHO_KEY = SHARP_MINIMUM_SPEC.key("rho")
+#: ``thresholds()`` key of ``quantization_error``'s per-layer ratio (read back by the report).
+QUANTIZATION_LAYER_RATIO_KEY = QUANTIZATION_ERROR_SPEC.key("layer_ratio")
 
 _SHARP = SHARP_MINIMUM_SPEC
 _QUANT = QUANTIZATION_ERROR_SPEC
