@@ -161,6 +161,7 @@ def _misspellings() -> list[str]:
       ``{loss_swing:g}``), with a setting after it (``"loss_swing.patience"``, ``{loss_swing__patience}``);
     * a shared setting's key (``"grad.patience"``);
     * a ``thresholds()`` key built from a rule id in an f-string (``f"{LOSS_SWING}.patience"``);
+    * a field read by name from what a declaration built (``fields = f(DDP_DESYNC_SPEC); fields["threshold"]``);
     * a setting name handed to a declaration's ``key`` / ``value`` / ``limit`` (``SPEC.key("sample_size")``);
     * a setting name as the key of the mapping given to a rule id (``{LOSS_SWING: {"patience": 3}}``) or to a
       family of shared settings (``{"grad": {"patience": 5}}``).
@@ -194,7 +195,23 @@ def _misspellings() -> list[str]:
                 if home[match[1]] != name:
                     found.append(f"{name}:{node.lineno}: {match[0]!r}")
         imported = _imported(name, tree)
+        # names bound to something built from an imported declaration (``fields = self._fields(SPEC)``)
+        built = {
+            target.id: arg
+            for node in ast.walk(tree) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+            for target in node.targets if isinstance(target, ast.Name)
+            for arg in [imported.get(a.id) for a in node.value.args if isinstance(a, ast.Name)]
+            if isinstance(arg, RuleSpec)
+        }
         for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Name)
+                and isinstance(node.slice, ast.Constant)
+                and node.value.id in built
+                and node.slice.value in built[node.value.id].fields
+            ):
+                found.append(f"{name}:{node.lineno}: {built[node.value.id].rule_id}.{node.slice.value}")
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
@@ -246,14 +263,15 @@ def test_the_spelling_check_finds_a_misspelling(tmp_path, monkeypatch):
         "from lightning_diag.rules.anomaly import LOSS_SWING, LOSS_SWING_SPEC\n"
         "A = 'loss_swing'\nB = f'{p}/threshold/loss_swing$'\nC = 'grad.patience'\n"
         "D = LOSS_SWING_SPEC.key('patience')\nE = {LOSS_SWING: {'patience': 3}}\nF = {'grad': {'patience': 5}}\n"
-        "G = f'{LOSS_SWING}.patience'\n"
+        "G = f'{LOSS_SWING}.patience'\nH = fields(LOSS_SWING_SPEC)\nI = H['patience']\n"
     )
     tree = ast.parse(source)
     real = _modules
     monkeypatch.setitem(globals(), "_modules", lambda: {**real(), "lightning_diag.probe": (tmp_path, tree)})
-    assert [f.split(": ", 1)[1] for f in _misspellings() if f.startswith("lightning_diag.probe:")] == [
-        "'loss_swing'", "'loss_swing'", "'grad.patience'", "loss_swing.patience", "loss_swing.patience",
-        "grad.patience", "loss_swing.patience",
+    found = [f.split(":", 1)[1] for f in _misspellings() if f.startswith("lightning_diag.probe:")]
+    assert sorted(found, key=lambda f: int(f.split(":")[0])) == [
+        "2: 'loss_swing'", "3: 'loss_swing'", "4: 'grad.patience'", "5: loss_swing.patience",
+        "6: loss_swing.patience", "7: grad.patience", "8: loss_swing.patience", "10: loss_swing.patience",
     ]
 
 

@@ -42,7 +42,7 @@ from lightning_diag.rules.nonfinite import (
     NONFINITE_LOSS_MAX_SKIPS_KEY,
     NonFinitePolicy,
 )
-from lightning_diag.rules.replicas import DDP_DESYNC_SPEC
+from lightning_diag.rules.replicas import DDP_DESYNC, DESYNC_EVERY_N_STEPS_KEY
 from lightning_diag.rules.rollback import NONFINITE_ROLLBACK_SPEC
 from lightning_diag.stats.loss_sums import LossSums
 from lightning_diag.stats.reduced import host_values
@@ -190,8 +190,7 @@ class AnomalyAlarm(DiagCallback):
         #: The settings of ``on_nonfinite="rollback"``: ``nonfinite_rollback``'s fields and the snapshot device.
         self.rollback = RollbackSettings(**self._rule_fields(NONFINITE_ROLLBACK_SPEC), device=rollback_device)
         #: ``ddp_desync``'s comparisons of the replicas.
-        desync = self._rule_fields(DDP_DESYNC_SPEC)
-        self.replicas = ReplicaCheck(self, int(desync["every_n_steps"]), float(desync["threshold"]))
+        self.replicas = ReplicaCheck(self, int(self.setting(DESYNC_EVERY_N_STEPS_KEY)), self.setting(DDP_DESYNC))
         #: ``eval_mode_in_training``'s look at the Dropout and BatchNorm modules.
         self.train_mode = TrainModeCheck(self)
         #: The run-time checks (``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``,

@@ -26,6 +26,7 @@ __all__ = [
     "DDP_DESYNC_SPEC",
     "DEFAULT_DESYNC_EVERY_N_STEPS",
     "DEFAULT_DESYNC_TOLERANCE",
+    "DESYNC_EVERY_N_STEPS_KEY",
     "REPLICAS_AGREE_CHECK",
     "DesyncRule",
     "check_due",
@@ -52,8 +53,10 @@ REPLICAS_AGREE_CHECK = CheckSpec("replicas_agree", "Training",
 
 #: ``ddp_desync``: relative checksum difference across ranks above this.
 DEFAULT_DESYNC_TOLERANCE = default(DDP_DESYNC)
+#: ``thresholds()`` key of ``ddp_desync``'s optimizer steps between two comparisons (read by AnomalyAlarm).
+DESYNC_EVERY_N_STEPS_KEY = DDP_DESYNC_SPEC.key("every_n_steps")
 #: ``ddp_desync``: optimizer steps between two comparisons.
-DEFAULT_DESYNC_EVERY_N_STEPS = int(default(f"{DDP_DESYNC}.every_n_steps"))
+DEFAULT_DESYNC_EVERY_N_STEPS = int(default(DESYNC_EVERY_N_STEPS_KEY))
 
 
 def check_due(step: int, every_n_steps: int) -> bool:
