@@ -101,6 +101,11 @@ def thresholds_markdown(by_callback: Mapping[str, Mapping[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def _judged(title: str, series: str, rule: str) -> dict[str, list[Any]]:
+    """A chart of ``series`` with ``rule``'s threshold drawn as a line: ``{"<title> (line: <rule>)": [...]}``."""
+    return {f"{title} (line: {rule})": ["Multiline", [series, f"{TAG_PREFIX}/threshold/{rule}$"]]}
+
+
 def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout for the rules in effect, in the form ``SummaryWriter.add_custom_scalars`` takes.
 
@@ -121,14 +126,8 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     layout: dict[str, dict[str, list[Any]]] = {}
     if any(r.startswith("grad_") for r in rules):
         layout["Gradients"] = {
-            f"RMS gradient per element, per layer (line: {GRAD_EXPLODE})": [
-                "Multiline",
-                [f"{p}/grad_rms/", f"{p}/threshold/{GRAD_EXPLODE}$"],
-            ],
-            f"relative gradient ||g|| / ||W|| per weight matrix (line: {GRAD_VANISH})": [
-                "Multiline",
-                [f"{p}/grad_relative/", f"{p}/threshold/{GRAD_VANISH}$"],
-            ],
+            **_judged("RMS gradient per element, per layer", f"{p}/grad_rms/", GRAD_EXPLODE),
+            **_judged("relative gradient ||g|| / ||W|| per weight matrix", f"{p}/grad_relative/", GRAD_VANISH),
             f"gradient norm of the blocks' weight matrices ({GRAD_COLLAPSE} baseline)": [
                 "Multiline",
                 [f"{p}/grad_blocks/norm$"],
@@ -145,18 +144,12 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
                 [f"{p}/attn_entropy/.*/mean$", f"{p}/threshold/({ATTN_ENTROPY_LOW}|{ATTN_ENTROPY_HIGH})$"],
             ],
             "attention entropy per head, nats": ["Multiline", [f"{p}/attn_entropy/.*/head_[0-9]+$"]],
-            f"attention mass on special tokens, smallest head (line: {ATTN_SINK})": [
-                "Multiline",
-                [f"{p}/{ATTN_SINK}/", f"{p}/threshold/{ATTN_SINK}$"],
-            ],
+            **_judged("attention mass on special tokens, smallest head", f"{p}/{ATTN_SINK}/", ATTN_SINK),
         }
     if any(r.startswith(("loss_", "val_", "nonfinite_")) and r != LOSS_ON_PADDING for r in rules):
         layout["Loss & LR"] = {
             "training and validation loss": ["Multiline", [f"{p}/loss/(train_step|train_epoch|train_window|val)$"]],
-            f"loss swing: relative change of the mean loss (line: {LOSS_SWING})": [
-                "Multiline",
-                [f"{p}/loss/swing$", f"{p}/threshold/{LOSS_SWING}$"],
-            ],
+            **_judged("loss swing: relative change of the mean loss", f"{p}/loss/swing$", LOSS_SWING),
             "fluctuation: validation vs training": ["Multiline", [f"{p}/loss/(train|val)_fluctuation$"]],
             "learning rate per optimizer and group": ["Multiline", [f"{p}/lr/"]],
         }
@@ -166,14 +159,8 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
                 "Multiline",
                 [f"{p}/system/(step_time|data_wait|forward_backward|optimizer)_s$"],
             ],
-            f"data waiting / step time (line: {DATALOADER_BOUND})": [
-                "Multiline",
-                [f"{p}/system/data_wait_share$", f"{p}/threshold/{DATALOADER_BOUND}$"],
-            ],
-            f"step-time fluctuation (line: {STEP_TIME_FLUCTUATION})": [
-                "Multiline",
-                [f"{p}/system/{STEP_TIME_FLUCTUATION}$", f"{p}/threshold/{STEP_TIME_FLUCTUATION}$"],
-            ],
+            **_judged("data waiting / step time", f"{p}/system/data_wait_share$", DATALOADER_BOUND),
+            **_judged("step-time fluctuation", f"{p}/system/{STEP_TIME_FLUCTUATION}$", STEP_TIME_FLUCTUATION),
             "throughput": ["Multiline", [f"{p}/system/(samples|tokens)_per_s$"]],
             "memory, MiB": ["Multiline", [f"{p}/system/.*_mib$"]],
             "GPU (NVML)": ["Multiline", [f"{p}/system/gpu_"]],
@@ -202,9 +189,8 @@ def _add_silent_charts(layout: dict[str, dict[str, list[Any]]], rules: Collectio
             f"share of sampled elements a step left unchanged, per layer ({UPDATE_NONE}; line: {UPDATE_STALE})"
         ] = ["Multiline", [f"{p}/updates/", f"{p}/threshold/{UPDATE_STALE}$"]]
     if DDP_DESYNC in rules:
-        layout.setdefault("Loss & LR", {})[
-            f"replica agreement: largest relative checksum difference across ranks (line: {DDP_DESYNC})"
-        ] = ["Multiline", [f"{p}/replicas/max_rel_diff$", f"{p}/threshold/{DDP_DESYNC}$"]]
+        chart = "replica agreement: largest relative checksum difference across ranks"
+        layout.setdefault("Loss & LR", {}).update(_judged(chart, f"{p}/replicas/max_rel_diff$", DDP_DESYNC))
 
 
 def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
@@ -213,13 +199,11 @@ def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     p = TAG_PREFIX
     charts: dict[str, list[Any]] = {}
     if SHARP_MINIMUM in rules:
-        charts[f"SAM gap L(w+eps) - L(w) (line: {SHARP_MINIMUM})"] = [
-            "Multiline", [f"{p}/sharpness/gap$", f"{p}/threshold/{SHARP_MINIMUM}$"]]
+        charts.update(_judged("SAM gap L(w+eps) - L(w)", f"{p}/sharpness/gap$", SHARP_MINIMUM))
         charts["SAM gap relative to the loss"] = ["Multiline", [f"{p}/sharpness/relative_gap$"]]
         charts["SAM gap per layer (that layer perturbed alone)"] = ["Multiline", [f"{p}/sharpness/layer/"]]
     if QUANTIZATION_ERROR in rules:
-        charts[f"INT8: end-to-end relative loss change (line: {QUANTIZATION_ERROR})"] = [
-            "Multiline", [f"{p}/quant/end_to_end$", f"{p}/threshold/{QUANTIZATION_ERROR}$"]]
+        charts.update(_judged("INT8: end-to-end relative loss change", f"{p}/quant/end_to_end$", QUANTIZATION_ERROR))
         charts["INT8: relative output MSE per layer"] = ["Multiline", [f"{p}/quant/layer/.*/relative_mse$"]]
         charts["INT8: worst layer / median layer"] = ["Multiline", [f"{p}/quant/worst_layer_ratio$"]]
         charts["INT8: weight outliers (max / 99th percentile) per layer"] = [
@@ -239,18 +223,15 @@ def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     p = TAG_PREFIX
     return {
         "Data": {
-            f"label balance: std of class proportions per split (line: {LABEL_IMBALANCE})": [
-                "Multiline",
-                [f"{p}/data/(train|val)/label_std$", f"{p}/threshold/{LABEL_IMBALANCE}$"],
-            ],
-            f"vocabulary shift: KL(val || train), nats (line: {DATA_VOCAB_SHIFT})": [
-                "Multiline",
-                [f"{p}/data/vocab_kl$", f"{p}/threshold/{DATA_VOCAB_SHIFT}$"],
-            ],
-            f"leakage: share of validation samples copying training ones (line: {DATA_LEAKAGE})": [
-                "Multiline",
-                [f"{p}/data/(leaked_fraction|exact_copies|near_copies)$", f"{p}/threshold/{DATA_LEAKAGE}$"],
-            ],
+            **_judged(
+                "label balance: std of class proportions per split", f"{p}/data/(train|val)/label_std$", LABEL_IMBALANCE
+            ),
+            **_judged("vocabulary shift: KL(val || train), nats", f"{p}/data/vocab_kl$", DATA_VOCAB_SHIFT),
+            **_judged(
+                "leakage: share of validation samples copying training ones",
+                f"{p}/data/(leaked_fraction|exact_copies|near_copies)$",
+                DATA_LEAKAGE,
+            ),
             "unseen and rare validation tokens": ["Multiline", [f"{p}/data/(oov_share|val_rare_share)$"]],
             f"padding ratio per split, and share of label positions that are padding ({LOSS_ON_PADDING})": [
                 "Multiline", [f"{p}/data/(train|val)/padding_ratio$", f"{p}/data/train/padding_label_share$"]],
