@@ -10,8 +10,8 @@ module, its title a template over their thresholds), the rows no rule decides he
 No module below it imports it (the registry does not): the import graph has no cycle. Neither torch nor Lightning
 is imported (the rules modules import the standard library, numpy and scipy only).
 
-A callback that adds rules declares them in its rules module and adds that module to the imports below (and a
-its ``*_CHECK`` to the rows registered below for a checklist row of its own).
+A callback that adds rules declares them in its rules module and adds that module to the imports below (and its
+``*_CHECK`` to the rows registered below, for a checklist row of its own).
 """
 
 from __future__ import annotations

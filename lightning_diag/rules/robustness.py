@@ -11,13 +11,8 @@ from lightning_diag.core.registry import CheckSpec, Limit, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
-    "DEFAULT_PERTURB_RATE",
-    "DEFAULT_ROBUSTNESS_DROP",
-    "ROBUSTNESS_CHECK",
-    "ROBUSTNESS_DROP",
-    "ROBUSTNESS_DROP_SPEC",
-    "ROBUSTNESS_RATE_KEY",
-    "RobustnessDropRule",
+    "DEFAULT_PERTURB_RATE", "DEFAULT_ROBUSTNESS_DROP", "ROBUSTNESS_CHECK", "ROBUSTNESS_DROP",
+    "ROBUSTNESS_DROP_SPEC", "ROBUSTNESS_RATE_KEY", "RobustnessDropRule",
 ]
 
 # -- declaration (the docs' thresholds table and the report read it) -------------------------------------------
