@@ -1,6 +1,7 @@
 """The package's import graph and its rule ids, read from the source with `ast` (nothing is imported)."""
 
 import ast
+from collections.abc import Collection
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_diag"
@@ -110,8 +111,9 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def _string_constants(tree: ast.Module) -> list[str]:
-    """String literals, without docstrings and without the values of ``Literal[...]`` types."""
+def _string_nodes(tree: ast.Module) -> list[ast.Constant]:
+    """String literals (f-string parts included), without docstrings and without the values of ``Literal[...]``
+    types."""
     skip: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
@@ -121,21 +123,156 @@ def _string_constants(tree: ast.Module) -> list[str]:
         if isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("Literal"):
             skip.update(id(n) for n in ast.walk(node.slice))
     return [
-        n.value for n in ast.walk(tree)
-        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip
+        n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip
     ]
 
 
-def test_every_rule_id_is_spelled_in_exactly_one_module():
-    """A rule id is written once, in its `RuleSpec`; every other module reads it from the declaration."""
-    from lightning_diag.core.registry import RULES
+def _imported(name: str, tree: ast.Module) -> dict[str, object]:
+    """Name bound by a ``from lightning_diag... import`` in ``tree`` -> the object it names."""
+    import importlib
+
+    found: dict[str, object] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _resolve(name, False, node)
+            if not source.startswith("lightning_diag"):
+                continue
+            module = importlib.import_module(source)
+            for alias in node.names:
+                if hasattr(module, alias.name):
+                    found[alias.asname or alias.name] = getattr(module, alias.name)
+    return found
+
+
+def _rule_named(node: ast.expr | None, imported: dict[str, object], rules: Collection[str]) -> str | None:
+    """The rule id ``node`` spells (``"loss_swing"``) or names (``LOSS_SWING``, imported), else ``None``."""
+    value = imported.get(node.id) if isinstance(node, ast.Name) else None
+    if isinstance(node, ast.Constant):
+        value = node.value
+    return value if isinstance(value, str) and value in rules else None
+
+
+def _misspellings() -> list[str]:
+    """Every place outside its declaring module (the module whose ``RuleSpec(...)`` / ``SettingSpec(...)`` holds
+    it) where a library module spells a rule id or one of a rule's setting names (the fault library in ``demo/``
+    excepted, docstrings being prose):
+
+    * a rule id as a word of a string literal (``"loss_swing"``, ``f"{p}/threshold/loss_swing$"``, a title's
+      ``{loss_swing:g}``), with a setting after it (``"loss_swing.patience"``, ``{loss_swing__patience}``);
+    * a shared setting's key (``"grad.patience"``);
+    * a ``thresholds()`` key built from a rule id in an f-string (``f"{LOSS_SWING}.patience"``);
+    * a field read by name from what a declaration built (``fields = f(DDP_DESYNC_SPEC); fields["threshold"]``);
+    * a setting name handed to a declaration's ``key`` / ``value`` / ``limit`` (``SPEC.key("sample_size")``);
+    * a setting name as the key of the mapping given to a rule id (``{LOSS_SWING: {"patience": 3}}``) or to a
+      family of shared settings (``{"grad": {"patience": 5}}``).
+    """
+    import re
+
+    from lightning_diag.core.registry import RULES, SETTINGS, RuleSpec
     from lightning_diag.rules import catalog  # noqa: F401  (every declaration)
 
-    spelled: dict[str, list[str]] = {rule: [] for rule in RULES}
-    for name, (_path, tree) in _modules().items():
-        for rule in set(_string_constants(tree)) & set(spelled):
-            spelled[rule].append(name)
-    assert {rule: modules for rule, modules in spelled.items() if len(modules) != 1} == {}
+    modules = {n: t for n, (_p, t) in _modules().items() if not n.startswith("lightning_diag.demo")}
+    home: dict[str, str] = {}
+    for name, tree in modules.items():
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and ast.unparse(node.func) in ("RuleSpec", "SettingSpec")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                home[node.args[0].value] = name
+    assert set(RULES) | set(SETTINGS) <= set(home), "a declaration was not found by the checker"
+    settings = {rule: set(spec.settings) for rule, spec in RULES.items()}
+    all_settings = set().union(*settings.values())
+    declares = {m: set().union(*(settings[r] for r, h in home.items() if h == m and r in RULES)) for m in modules}
+    words = "|".join(sorted(map(re.escape, [*RULES, *SETTINGS]), key=len, reverse=True))
+    spelled = re.compile(rf"(?<![\w.])({words})(?:(?:\.|__)(\w+))?(?!\w)")
+    found: list[str] = []
+    for name, tree in modules.items():
+        for node in _string_nodes(tree):
+            for match in spelled.finditer(node.value):
+                if home[match[1]] != name:
+                    found.append(f"{name}:{node.lineno}: {match[0]!r}")
+        imported = _imported(name, tree)
+        # names bound to something built from an imported declaration (``fields = self._fields(SPEC)``)
+        built = {
+            target.id: arg
+            for node in ast.walk(tree) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+            for target in node.targets if isinstance(target, ast.Name)
+            for arg in [imported.get(a.id) for a in node.value.args if isinstance(a, ast.Name)]
+            if isinstance(arg, RuleSpec)
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Name)
+                and isinstance(node.slice, ast.Constant)
+                and node.value.id in built
+                and node.slice.value in built[node.value.id].fields
+            ):
+                found.append(f"{name}:{node.lineno}: {built[node.value.id].rule_id}.{node.slice.value}")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("key", "value", "limit")
+            ):
+                receiver = imported.get(node.func.value.id) if isinstance(node.func.value, ast.Name) else None
+                for arg in node.args:
+                    if not (isinstance(arg, ast.Constant) and arg.value in all_settings):
+                        continue
+                    if isinstance(receiver, RuleSpec):
+                        if arg.value in receiver.settings and home[receiver.rule_id] != name:
+                            found.append(f"{name}:{node.lineno}: {receiver.rule_id}.{arg.value}")
+                    elif arg.value not in declares[name]:
+                        found.append(f"{name}:{node.lineno}: ?.{arg.value}")
+            elif isinstance(node, ast.JoinedStr):  # f"{LOSS_SWING}.patience"
+                for part, after in zip(node.values, node.values[1:], strict=False):
+                    rule = _rule_named(part.value, imported, RULES) if isinstance(part, ast.FormattedValue) else None
+                    if rule is None or home[rule] == name or not isinstance(after, ast.Constant):
+                        continue
+                    setting = re.match(r"(?:\.|__)(\w+)", str(after.value))
+                    if setting:  # a declared setting, or a key written beside them (``higher_is_better``)
+                        found.append(f"{name}:{node.lineno}: {rule}.{setting[1]}")
+            elif isinstance(node, ast.Dict):
+                for key, value in zip(node.keys, node.values, strict=True):
+                    if not isinstance(value, ast.Dict):
+                        continue
+                    rule = _rule_named(key, imported, RULES)
+                    inner = [k.value for k in value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+                    if rule is not None and home[rule] != name:
+                        fields = {"threshold", *settings[rule]}
+                        found += [f"{name}:{node.lineno}: {rule}.{k}" for k in inner if k in fields]
+                    elif isinstance(key, ast.Constant) and isinstance(key.value, str):  # a family: {"grad": {...}}
+                        found += [
+                            f"{name}:{node.lineno}: {key.value}.{k}" for k in inner
+                            if home.get(f"{key.value}.{k}", name) != name
+                        ]
+    return sorted(set(found))
+
+
+def test_every_rule_id_and_setting_name_is_spelled_in_its_declaring_module_only():
+    """A rule id and its settings' names are written once, in the rule's declaration; every other module reads
+    them from it (the fault library may name the rule it expects)."""
+    assert _misspellings() == []
+
+
+def test_the_spelling_check_finds_a_misspelling(tmp_path, monkeypatch):
+    """The checker sees each form it looks for (a literal id, a key, a declaration's key, a nested mapping)."""
+    source = (
+        "from lightning_diag.rules.anomaly import LOSS_SWING, LOSS_SWING_SPEC\n"
+        "A = 'loss_swing'\nB = f'{p}/threshold/loss_swing$'\nC = 'grad.patience'\n"
+        "D = LOSS_SWING_SPEC.key('patience')\nE = {LOSS_SWING: {'patience': 3}}\nF = {'grad': {'patience': 5}}\n"
+        "G = f'{LOSS_SWING}.patience'\nH = fields(LOSS_SWING_SPEC)\nI = H['patience']\n"
+    )
+    tree = ast.parse(source)
+    real = _modules
+    monkeypatch.setitem(globals(), "_modules", lambda: {**real(), "lightning_diag.probe": (tmp_path, tree)})
+    found = [f.split(":", 1)[1] for f in _misspellings() if f.startswith("lightning_diag.probe:")]
+    assert sorted(found, key=lambda f: int(f.split(":")[0])) == [
+        "2: 'loss_swing'", "3: 'loss_swing'", "4: 'grad.patience'", "5: loss_swing.patience",
+        "6: loss_swing.patience", "7: grad.patience", "8: loss_swing.patience", "10: loss_swing.patience",
+    ]
 
 
 def test_every_rule_class_is_built_from_its_settings():

@@ -26,16 +26,23 @@ from lightning_diag.core.alerts import NonFiniteAction
 from lightning_diag.core.registry import RuleSpec
 from lightning_diag.core.tags import loss_tag
 from lightning_diag.core.validation import check_choice
-from lightning_diag.rules.anomaly import LossStagnantRule, LossSwingRule, ValDeclineRule, ValFluctuationRule
-from lightning_diag.rules.catalog import LOSS_SWING, NONFINITE_ROLLBACK, VAL_DECLINE
+from lightning_diag.rules.anomaly import (
+    LOSS_SWING_WINDOW_STEPS_KEY,
+    VAL_DECLINE_HIGHER_IS_BETTER_KEY,
+    LossStagnantRule,
+    LossSwingRule,
+    ValDeclineRule,
+    ValFluctuationRule,
+)
+from lightning_diag.rules.catalog import NONFINITE_ROLLBACK
 from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
     DEFAULT_MAX_SKIPS,
     NONFINITE_ACTIONS,
-    NONFINITE_LOSS_SPEC,
+    NONFINITE_LOSS_MAX_SKIPS_KEY,
     NonFinitePolicy,
 )
-from lightning_diag.rules.replicas import DDP_DESYNC_SPEC
+from lightning_diag.rules.replicas import DDP_DESYNC, DESYNC_EVERY_N_STEPS_KEY
 from lightning_diag.rules.rollback import NONFINITE_ROLLBACK_SPEC
 from lightning_diag.stats.loss_sums import LossSums
 from lightning_diag.stats.reduced import host_values
@@ -183,8 +190,7 @@ class AnomalyAlarm(DiagCallback):
         #: The settings of ``on_nonfinite="rollback"``: ``nonfinite_rollback``'s fields and the snapshot device.
         self.rollback = RollbackSettings(**self._rule_fields(NONFINITE_ROLLBACK_SPEC), device=rollback_device)
         #: ``ddp_desync``'s comparisons of the replicas.
-        desync = self._rule_fields(DDP_DESYNC_SPEC)
-        self.replicas = ReplicaCheck(self, int(desync["every_n_steps"]), float(desync["threshold"]))
+        self.replicas = ReplicaCheck(self, int(self.setting(DESYNC_EVERY_N_STEPS_KEY)), self.setting(DDP_DESYNC))
         #: ``eval_mode_in_training``'s look at the Dropout and BatchNorm modules.
         self.train_mode = TrainModeCheck(self)
         #: The run-time checks (``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``,
@@ -212,11 +218,11 @@ class AnomalyAlarm(DiagCallback):
             0.2
         """
         values = super().thresholds()
-        values[f"{VAL_DECLINE}.higher_is_better"] = float(self.mode == "max")
+        values[VAL_DECLINE_HIGHER_IS_BETTER_KEY] = float(self.mode == "max")
         if isinstance(self.swing_window, int):
-            values[f"{LOSS_SWING}.window_steps"] = float(self.swing_window)
+            values[LOSS_SWING_WINDOW_STEPS_KEY] = float(self.swing_window)
         if self.on_nonfinite != "skip":  # max_skips is in force only with that action
-            values.pop(NONFINITE_LOSS_SPEC.key("max_skips"), None)
+            values.pop(NONFINITE_LOSS_MAX_SKIPS_KEY, None)
         if self.on_nonfinite != "rollback":  # the rollback settings are in force only with that action
             for key in [k for k in values if k.startswith(f"{NONFINITE_ROLLBACK}.")]:
                 del values[key]

@@ -26,11 +26,14 @@ from lightning_diag.output.images import heatmap
 from lightning_diag.rules.data import (
     BATCH_SIZE_MISMATCH,
     DATA_LEAKAGE,
-    DATA_LEAKAGE_SPEC,
     DATA_MAX_BATCHES_SETTING,
     DATA_VOCAB_SHIFT,
-    DATA_VOCAB_SHIFT_SPEC,
     LABEL_IMBALANCE,
+    LEAKAGE_MIN_LEAKS_KEY,
+    LEAKAGE_NEAR_DUPLICATE_KEY,
+    LEAKAGE_NUM_PERM_KEY,
+    LEAKAGE_SHINGLE_SIZE_KEY,
+    VOCAB_SHIFT_MIN_COUNT_KEY,
     DataRules,
     LoaderRules,
 )
@@ -48,13 +51,13 @@ __all__ = [
 #: Batches read from each loader per measurement (``data.max_batches``).
 DEFAULT_MAX_BATCHES = int(DATA_MAX_BATCHES_SETTING.default)
 #: ``data_vocab_shift``: token types seen fewer times (both samples together) are pooled into one bin.
-DEFAULT_VOCAB_SHIFT_MIN_COUNT = int(default(DATA_VOCAB_SHIFT_SPEC.key("min_count")))
+DEFAULT_VOCAB_SHIFT_MIN_COUNT = int(default(VOCAB_SHIFT_MIN_COUNT_KEY))
 #: ``data_leakage``: token n-gram size of the shingles.
-DEFAULT_LEAKAGE_SHINGLE_SIZE = int(default(DATA_LEAKAGE_SPEC.key("shingle_size")))
+DEFAULT_LEAKAGE_SHINGLE_SIZE = int(default(LEAKAGE_SHINGLE_SIZE_KEY))
 #: ``data_leakage``: MinHash signature length.
-DEFAULT_NUM_PERM = int(default(DATA_LEAKAGE_SPEC.key("num_perm")))
+DEFAULT_NUM_PERM = int(default(LEAKAGE_NUM_PERM_KEY))
 #: ``data_leakage``: leaked samples needed before the share found is extrapolated to the whole training set.
-DEFAULT_MIN_LEAKS = int(default(DATA_LEAKAGE_SPEC.key("min_leaks")))
+DEFAULT_MIN_LEAKS = int(default(LEAKAGE_MIN_LEAKS_KEY))
 _MAX_HIST_VALUES = 1_000_000
 _MAX_IMAGE_CLASSES = 256
 _SPLITS = ("train", "val")
@@ -179,11 +182,11 @@ class DataDiagnostics(DiagCallback):
         self.extract = extract
         self.seed = check_int("seed", seed, low=0)
         # what the measurement needs of the rules' settings (``rules=``)
-        self.leakage_shingle_size = int(self.setting(DATA_LEAKAGE_SPEC.key("shingle_size")))
-        self.num_perm = int(self.setting(DATA_LEAKAGE_SPEC.key("num_perm")))
-        self.leakage_near_duplicate = self.setting(DATA_LEAKAGE_SPEC.key("near_duplicate"))
-        self.min_leaks = int(self.setting(DATA_LEAKAGE_SPEC.key("min_leaks")))
-        self.vocab_shift_min_count = int(self.setting(DATA_VOCAB_SHIFT_SPEC.key("min_count")))
+        self.leakage_shingle_size = int(self.setting(LEAKAGE_SHINGLE_SIZE_KEY))
+        self.num_perm = int(self.setting(LEAKAGE_NUM_PERM_KEY))
+        self.leakage_near_duplicate = self.setting(LEAKAGE_NEAR_DUPLICATE_KEY)
+        self.min_leaks = int(self.setting(LEAKAGE_MIN_LEAKS_KEY))
+        self.vocab_shift_min_count = int(self.setting(VOCAB_SHIFT_MIN_COUNT_KEY))
         self.data_rules = self.add_rule("data_rules", DataRules.from_settings, state_key="rules")
         self.sequence_rules = self.add_rule("sequence_rules", SequenceRules.from_settings, state_key="sequences")
         self.loader_rules = self.add_rule("loader_rules", LoaderRules.from_settings, state_key="loaders")

@@ -19,7 +19,7 @@ from lightning_diag.core.files import write_json
 from lightning_diag.core.tags import errors_tag
 from lightning_diag.core.validation import check_int, check_number
 from lightning_diag.instrument.batches import is_int_tensor, token_ids
-from lightning_diag.rules.errors import ALPHA, ERROR_CLUSTER_SPEC, ErrorClusterRule, describe_feature
+from lightning_diag.rules.errors import ALPHA, ERROR_CLUSTER_MIN_ERRORS_KEY, ErrorClusterRule, describe_feature
 
 __all__ = ["DEFAULT_MAX_SAMPLES", "ERRORS_FILE", "ErrorAnalysis", "Predictions"]
 
@@ -161,7 +161,7 @@ class ErrorAnalysis(DiagCallback):
         self.every_n_validations = check_int("every_n_validations", every_n_validations, low=1)
         self.max_samples = check_int("max_samples", max_samples, low=10)
         #: Fewest wrong samples to cluster (``error_cluster.min_errors``).
-        self.min_errors = int(self.setting(ERROR_CLUSTER_SPEC.key("min_errors")))
+        self.min_errors = int(self.setting(ERROR_CLUSTER_MIN_ERRORS_KEY))
         if (
             not isinstance(k_range, (tuple, list)) or len(k_range) != 2
             or not all(isinstance(k, int) and not isinstance(k, bool) for k in k_range)

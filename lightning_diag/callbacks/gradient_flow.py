@@ -40,7 +40,7 @@ from lightning_diag.rules.grad import (
     GradSpreadRule,
 )
 from lightning_diag.rules.grad_frozen import GradFrozenRule
-from lightning_diag.rules.updates import UPDATE_NONE_SPEC, GradNotZeroedRule, UpdateRule
+from lightning_diag.rules.updates import UPDATE_SAMPLE_SIZE_KEY, GradNotZeroedRule, UpdateRule
 from lightning_diag.stats.grad import local_tensor
 from lightning_diag.stats.histogram import tensorboard_histogram
 
@@ -204,7 +204,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             )
         self.logit_projections = tuple(logit_projections)
         #: Elements sampled per parameter for ``update_none`` / ``update_stale`` (``update_none.sample_size``).
-        self.update_sample_size = int(self.setting(UPDATE_NONE_SPEC.key("sample_size")))
+        self.update_sample_size = int(self.setting(UPDATE_SAMPLE_SIZE_KEY))
         self._reset_update_state()
         self._loss: torch.Tensor | None = None
         self.band_rule = self.add_rule("band_rule", GradBandRule.from_settings, state_key="band")

@@ -22,11 +22,12 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.reduction import reduce_state
 from lightning_diag.core.record import Alert
+from lightning_diag.core.registry import value_of
 from lightning_diag.core.tags import LossSeries, loss_tag, threshold_tag
 from lightning_diag.rules.anomaly import (
-    LOSS_STAGNANT_SPEC,
     LOSS_SWING,
     LOSS_SWING_SPEC,
+    STAGNANT_BASELINE_STEPS_KEY,
     VAL_DECLINE,
     VAL_FLUCTUATION,
     LossStagnantRule,
@@ -122,7 +123,7 @@ class LossTrend:
         self.stagnant_rule = LossStagnantRule.from_settings(thresholds, unit=unit)
         self.val_decline_rule = ValDeclineRule.from_settings(thresholds, monitor=monitor, mode=mode)
         self.val_fluctuation_rule = ValFluctuationRule.from_settings(thresholds, monitor=monitor)
-        self.loss_sums = LossSums(int(LOSS_STAGNANT_SPEC.value(thresholds, "baseline_steps")))
+        self.loss_sums = LossSums(int(value_of(thresholds, STAGNANT_BASELINE_STEPS_KEY)))
         self.window_start: int | None = None
         self.sums_restored = False
 
@@ -243,8 +244,8 @@ class LossTrend:
             out.notices.append(
                 (
                     "monitor-missing",
-                    f"`{self.monitor}` was not logged during validation, so val_decline and val_fluctuation are off;"
-                    f" log it with self.log({self.monitor!r}, ...) or pass monitor=... (logged: {available})",
+                    f"`{self.monitor}` was not logged during validation, so {VAL_DECLINE} and {VAL_FLUCTUATION} are"
+                    f" off; log it with self.log({self.monitor!r}, ...) or pass monitor=... (logged: {available})",
                 )
             )
             return out

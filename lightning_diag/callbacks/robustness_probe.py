@@ -20,7 +20,7 @@ from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.batches import token_ids
 from lightning_diag.rules.robustness import (
     ROBUSTNESS_DROP,
-    ROBUSTNESS_DROP_SPEC,
+    ROBUSTNESS_RATE_KEY,
     RobustnessDropRule,
 )
 from lightning_diag.stats.perturb import adjacent_swaps, random_replacements
@@ -111,7 +111,7 @@ class RobustnessProbe(ValidationProbe):
             every_n_epochs=every_n_epochs, num_batches=num_batches, loss_fn=loss_fn, rules=rules, on_alert=on_alert
         )
         #: Share of the tokens perturbed (``robustness_drop.rate``).
-        self.rate = self.setting(ROBUSTNESS_DROP_SPEC.key("rate"))
+        self.rate = self.setting(ROBUSTNESS_RATE_KEY)
         kinds = tuple(perturbations) if isinstance(perturbations, (list, tuple)) else ()
         if not kinds or any(k not in ("replace", "swap") for k in kinds):
             raise ValueError(f"Expected argument `perturbations` to be a non-empty sequence of 'replace' and 'swap', "

@@ -15,6 +15,8 @@ from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.probes import (
     SHARP_MINIMUM,
+    SHARP_MINIMUM_PATIENCE_KEY,
+    SHARP_MINIMUM_RHO_KEY,
     SHARP_MINIMUM_SPEC,
     SharpMinimumRule,
 )
@@ -96,8 +98,8 @@ class SharpnessProbe(ValidationProbe):
         )
         # the rule's values in effect (``rules=``); ``rho`` is also the radius the probe measures with
         self.threshold = self.setting(SHARP_MINIMUM_SPEC.key("threshold"))
-        self.patience = int(self.setting(SHARP_MINIMUM_SPEC.key("patience")))
-        self.rho = self.setting(SHARP_MINIMUM_SPEC.key("rho"))
+        self.patience = int(self.setting(SHARP_MINIMUM_PATIENCE_KEY))
+        self.rho = self.setting(SHARP_MINIMUM_RHO_KEY)
         if not isinstance(per_layer, bool):
             raise TypeError(f"Expected argument `per_layer` to be True or False, but got {per_layer!r}")
         self.per_layer = per_layer

@@ -107,7 +107,7 @@ class ReplicaCheck:
             self.owner.notice(
                 trainer,
                 "desync-plain-sharded",
-                f"`ddp_desync` does not compare {len(plain)} parameter(s) under {type(trainer.strategy).__name__} "
+                f"`{DDP_DESYNC}` does not compare {len(plain)} parameter(s) under {type(trainer.strategy).__name__} "
                 f"(first: `{plain[0]}`): they are plain tensors, not DTensors, under a sharded strategy (FSDP1 flat "
                 "parameters, DeepSpeed partitions), so nothing says which ranks hold copies and which hold shards",
             )
@@ -115,7 +115,7 @@ class ReplicaCheck:
             self.owner.notice(
                 trainer,
                 "desync-no-replicas",
-                f"`ddp_desync` has nothing to compare under {type(trainer.strategy).__name__}: no parameter has a "
+                f"`{DDP_DESYNC}` has nothing to compare under {type(trainer.strategy).__name__}: no parameter has a "
                 "replica on another rank (every DTensor mesh dimension is a Shard; shards are not replicas)",
             )
         return groups

@@ -29,8 +29,8 @@ from lightning_diag.rules.system import (
     DATALOADER_BOUND,
     MIN_STEPS,
     STEP_TIME_FLUCTUATION,
-    STEP_TIME_FLUCTUATION_SPEC,
-    STEP_TIME_PERIODIC_SPEC,
+    STEP_TIME_WARMUP_STEPS_KEY,
+    STEP_TIME_WINDOW_KEY,
     DataloaderBoundRule,
     MemoryGrowthRule,
     StepFluctuationRule,
@@ -114,9 +114,9 @@ class SystemMonitor(DiagCallback):
     ) -> None:
         super().__init__(rules=rules, log_every_n_steps=log_every_n_steps, on_alert=on_alert)
         #: Optimizer steps the periodic and fluctuation tests look at (``step_time_periodic.window``).
-        self.window = int(self.setting(STEP_TIME_PERIODIC_SPEC.key("window")))
+        self.window = int(self.setting(STEP_TIME_WINDOW_KEY))
         #: First optimizer steps of a fit left out of the step-time tests (``step_time_fluctuation.warmup_steps``).
-        self.warmup_steps = int(self.setting(STEP_TIME_FLUCTUATION_SPEC.key("warmup_steps")))
+        self.warmup_steps = int(self.setting(STEP_TIME_WARMUP_STEPS_KEY))
         for name, flag in (("nvml", nvml), ("time_callbacks", time_callbacks)):
             if not isinstance(flag, bool):
                 raise TypeError(f"Expected argument `{name}` to be a bool, but got {flag!r}")

@@ -23,9 +23,10 @@ The user sets a field with the owner's ``rules={"label_imbalance": {"threshold":
 checks it against the declaration), :meth:`DiagCallback.thresholds` reports the values in effect with no code of
 its own (:func:`registry_thresholds`), and the rule class's ``from_settings(thresholds)`` builds the rule from
 those values (the callbacks and the report's replay alike).
-``check`` puts the rule in a checklist row (:data:`CHECKS`); a new row is declared with :func:`register_check`
-in :mod:`lightning_diag.rules.catalog`, and where its status needs more than "did its rules raise a warning" it
-gets a measure function in :mod:`lightning_diag.report`.
+``check`` puts the rule in a checklist row (:data:`CHECKS`); a new row is a :class:`CheckSpec` declared beside its
+rules and registered (:func:`register_check`) in report order by :mod:`lightning_diag.rules.catalog`, and where
+its status needs more than "did its rules raise a warning" it gets a measure function in
+:mod:`lightning_diag.report`.
 
 This module imports nothing but the standard library and no declaring module (they import it), so the report
 can read it without torch or Lightning.
@@ -82,6 +83,7 @@ __all__ = [
     "registry_thresholds",
     "rules_of",
     "settings_of",
+    "value_of",
 ]
 
 SeverityName = Literal["info", "warning", "critical"]
@@ -566,3 +568,18 @@ def default(key: str) -> float:
     if key not in values:
         raise KeyError(f"no rule or setting declares {key!r}")
     return values[key]
+
+
+def value_of(thresholds: Mapping[str, float | None], key: str) -> float:
+    """The value in effect of one ``thresholds()`` key: ``thresholds[key]``, else its declared default (a module
+    that reads another's setting takes the key from the declaring module's ``*_KEY`` constant).
+
+    Raises:
+        KeyError: If ``thresholds`` lacks ``key`` and no rule or shared setting declares it.
+
+    Example:
+        >>> value_of({"loss_swing.patience": 5.0}, "loss_swing.patience"), value_of({}, "loss_swing.patience")
+        (5.0, 3.0)
+    """
+    given = thresholds.get(key)
+    return default(key) if given is None else float(given)

@@ -25,10 +25,23 @@ from lightning_diag.core.tags import (
     TAG_PREFIX,
 )
 from lightning_diag.rules.catalog import (
+    ATTN_ENTROPY_HIGH,
+    ATTN_ENTROPY_LOW,
+    ATTN_SINK,
+    DATA_LEAKAGE,
+    DATA_VOCAB_SHIFT,
+    DATALOADER_BOUND,
     DDP_DESYNC,
+    GRAD_COLLAPSE,
+    GRAD_EXPLODE,
+    GRAD_VANISH,
+    LABEL_IMBALANCE,
     LOSS_ON_PADDING,
+    LOSS_SWING,
+    POSITION_OVERFLOW,
     QUANTIZATION_ERROR,
     SHARP_MINIMUM,
+    STEP_TIME_FLUCTUATION,
     UPDATE_NONE,
     UPDATE_STALE,
 )
@@ -88,6 +101,11 @@ def thresholds_markdown(by_callback: Mapping[str, Mapping[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def _judged(title: str, series: str, rule: str) -> dict[str, list[Any]]:
+    """A chart of ``series`` with ``rule``'s threshold drawn as a line: ``{"<title> (line: <rule>)": [...]}``."""
+    return {f"{title} (line: {rule})": ["Multiline", [series, f"{TAG_PREFIX}/threshold/{rule}$"]]}
+
+
 def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout for the rules in effect, in the form ``SummaryWriter.add_custom_scalars`` takes.
 
@@ -108,15 +126,9 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     layout: dict[str, dict[str, list[Any]]] = {}
     if any(r.startswith("grad_") for r in rules):
         layout["Gradients"] = {
-            "RMS gradient per element, per layer (line: grad_explode)": [
-                "Multiline",
-                [f"{p}/grad_rms/", f"{p}/threshold/grad_explode$"],
-            ],
-            "relative gradient ||g|| / ||W|| per weight matrix (line: grad_vanish)": [
-                "Multiline",
-                [f"{p}/grad_relative/", f"{p}/threshold/grad_vanish$"],
-            ],
-            "gradient norm of the blocks' weight matrices (grad_collapse baseline)": [
+            **_judged("RMS gradient per element, per layer", f"{p}/grad_rms/", GRAD_EXPLODE),
+            **_judged("relative gradient ||g|| / ||W|| per weight matrix", f"{p}/grad_relative/", GRAD_VANISH),
+            f"gradient norm of the blocks' weight matrices ({GRAD_COLLAPSE} baseline)": [
                 "Multiline",
                 [f"{p}/grad_blocks/norm$"],
             ],
@@ -127,23 +139,17 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
         }
     if any(r.startswith("attn_") for r in rules):
         layout["Attention"] = {
-            "attention entropy per layer, mean over heads, nats (lines: attn_entropy_low, attn_entropy_high)": [
+            f"attention entropy per layer, mean over heads, nats (lines: {ATTN_ENTROPY_LOW}, {ATTN_ENTROPY_HIGH})": [
                 "Multiline",
-                [f"{p}/attn_entropy/.*/mean$", f"{p}/threshold/attn_entropy_(low|high)$"],
+                [f"{p}/attn_entropy/.*/mean$", f"{p}/threshold/({ATTN_ENTROPY_LOW}|{ATTN_ENTROPY_HIGH})$"],
             ],
             "attention entropy per head, nats": ["Multiline", [f"{p}/attn_entropy/.*/head_[0-9]+$"]],
-            "attention mass on special tokens, smallest head (line: attn_sink)": [
-                "Multiline",
-                [f"{p}/attn_sink/", f"{p}/threshold/attn_sink$"],
-            ],
+            **_judged("attention mass on special tokens, smallest head", f"{p}/{ATTN_SINK}/", ATTN_SINK),
         }
     if any(r.startswith(("loss_", "val_", "nonfinite_")) and r != LOSS_ON_PADDING for r in rules):
         layout["Loss & LR"] = {
             "training and validation loss": ["Multiline", [f"{p}/loss/(train_step|train_epoch|train_window|val)$"]],
-            "loss swing: relative change of the mean loss (line: loss_swing)": [
-                "Multiline",
-                [f"{p}/loss/swing$", f"{p}/threshold/loss_swing$"],
-            ],
+            **_judged("loss swing: relative change of the mean loss", f"{p}/loss/swing$", LOSS_SWING),
             "fluctuation: validation vs training": ["Multiline", [f"{p}/loss/(train|val)_fluctuation$"]],
             "learning rate per optimizer and group": ["Multiline", [f"{p}/lr/"]],
         }
@@ -153,14 +159,8 @@ def dashboard_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
                 "Multiline",
                 [f"{p}/system/(step_time|data_wait|forward_backward|optimizer)_s$"],
             ],
-            "data waiting / step time (line: dataloader_bound)": [
-                "Multiline",
-                [f"{p}/system/data_wait_share$", f"{p}/threshold/dataloader_bound$"],
-            ],
-            "step-time fluctuation (line: step_time_fluctuation)": [
-                "Multiline",
-                [f"{p}/system/step_time_fluctuation$", f"{p}/threshold/step_time_fluctuation$"],
-            ],
+            **_judged("data waiting / step time", f"{p}/system/data_wait_share$", DATALOADER_BOUND),
+            **_judged("step-time fluctuation", f"{p}/system/{STEP_TIME_FLUCTUATION}$", STEP_TIME_FLUCTUATION),
             "throughput": ["Multiline", [f"{p}/system/(samples|tokens)_per_s$"]],
             "memory, MiB": ["Multiline", [f"{p}/system/.*_mib$"]],
             "GPU (NVML)": ["Multiline", [f"{p}/system/gpu_"]],
@@ -186,12 +186,11 @@ def _add_silent_charts(layout: dict[str, dict[str, list[Any]]], rules: Collectio
     p = TAG_PREFIX
     if any(r in rules for r in (UPDATE_NONE, UPDATE_STALE)):
         layout.setdefault("Gradients", {})[
-            "share of sampled elements a step left unchanged, per layer (update_none; line: update_stale)"
+            f"share of sampled elements a step left unchanged, per layer ({UPDATE_NONE}; line: {UPDATE_STALE})"
         ] = ["Multiline", [f"{p}/updates/", f"{p}/threshold/{UPDATE_STALE}$"]]
     if DDP_DESYNC in rules:
-        layout.setdefault("Loss & LR", {})[
-            "replica agreement: largest relative checksum difference across ranks (line: ddp_desync)"
-        ] = ["Multiline", [f"{p}/replicas/max_rel_diff$", f"{p}/threshold/{DDP_DESYNC}$"]]
+        chart = "replica agreement: largest relative checksum difference across ranks"
+        layout.setdefault("Loss & LR", {}).update(_judged(chart, f"{p}/replicas/max_rel_diff$", DDP_DESYNC))
 
 
 def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
@@ -200,13 +199,11 @@ def _probes_layout(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     p = TAG_PREFIX
     charts: dict[str, list[Any]] = {}
     if SHARP_MINIMUM in rules:
-        charts["SAM gap L(w+eps) - L(w) (line: sharp_minimum)"] = [
-            "Multiline", [f"{p}/sharpness/gap$", f"{p}/threshold/sharp_minimum$"]]
+        charts.update(_judged("SAM gap L(w+eps) - L(w)", f"{p}/sharpness/gap$", SHARP_MINIMUM))
         charts["SAM gap relative to the loss"] = ["Multiline", [f"{p}/sharpness/relative_gap$"]]
         charts["SAM gap per layer (that layer perturbed alone)"] = ["Multiline", [f"{p}/sharpness/layer/"]]
     if QUANTIZATION_ERROR in rules:
-        charts["INT8: end-to-end relative loss change (line: quantization_error)"] = [
-            "Multiline", [f"{p}/quant/end_to_end$", f"{p}/threshold/quantization_error$"]]
+        charts.update(_judged("INT8: end-to-end relative loss change", f"{p}/quant/end_to_end$", QUANTIZATION_ERROR))
         charts["INT8: relative output MSE per layer"] = ["Multiline", [f"{p}/quant/layer/.*/relative_mse$"]]
         charts["INT8: worst layer / median layer"] = ["Multiline", [f"{p}/quant/worst_layer_ratio$"]]
         charts["INT8: weight outliers (max / 99th percentile) per layer"] = [
@@ -226,22 +223,19 @@ def _data_section(rules: Collection[str]) -> dict[str, dict[str, list[Any]]]:
     p = TAG_PREFIX
     return {
         "Data": {
-            "label balance: std of class proportions per split (line: label_imbalance)": [
-                "Multiline",
-                [f"{p}/data/(train|val)/label_std$", f"{p}/threshold/label_imbalance$"],
-            ],
-            "vocabulary shift: KL(val || train), nats (line: data_vocab_shift)": [
-                "Multiline",
-                [f"{p}/data/vocab_kl$", f"{p}/threshold/data_vocab_shift$"],
-            ],
-            "leakage: share of validation samples copying training ones (line: data_leakage)": [
-                "Multiline",
-                [f"{p}/data/(leaked_fraction|exact_copies|near_copies)$", f"{p}/threshold/data_leakage$"],
-            ],
+            **_judged(
+                "label balance: std of class proportions per split", f"{p}/data/(train|val)/label_std$", LABEL_IMBALANCE
+            ),
+            **_judged("vocabulary shift: KL(val || train), nats", f"{p}/data/vocab_kl$", DATA_VOCAB_SHIFT),
+            **_judged(
+                "leakage: share of validation samples copying training ones",
+                f"{p}/data/(leaked_fraction|exact_copies|near_copies)$",
+                DATA_LEAKAGE,
+            ),
             "unseen and rare validation tokens": ["Multiline", [f"{p}/data/(oov_share|val_rare_share)$"]],
-            "padding ratio per split, and share of label positions that are padding (loss_on_padding)": [
+            f"padding ratio per split, and share of label positions that are padding ({LOSS_ON_PADDING})": [
                 "Multiline", [f"{p}/data/(train|val)/padding_ratio$", f"{p}/data/train/padding_label_share$"]],
-            "positions the longest sample uses, per split (position_overflow)": [
+            f"positions the longest sample uses, per split ({POSITION_OVERFLOW})": [
                 "Multiline", [f"{p}/data/(train|val)/max_positions$"]],
         }
     }

@@ -11,9 +11,10 @@ critical alert, so the checklist cannot say PASS beside a measurement its own ru
 
 Adding a row (issues adding callbacks):
 
-1. declare it in :mod:`lightning_diag.rules.catalog` with ``register_check(CheckSpec(id, layer, title))``
-   (or reuse one of the seed's rows: ``data_label_balance``, ``data_train_test_overlap``,
-   ``deploy_quantization_error``, ``deploy_latency_fluctuation``);
+1. declare it beside its rules as ``<ROW>_CHECK = CheckSpec(id, layer, title)`` (the title a template over their
+   thresholds) and add it to the rows :mod:`lightning_diag.rules.catalog` registers, in report order (or reuse
+   one of the seed's rows: ``data_label_balance``, ``data_train_test_overlap``, ``deploy_quantization_error``,
+   ``deploy_latency_fluctuation``);
 2. join your rules to it with ``RuleSpec(..., check=id)``. That alone gives a working row: it fails on a
    warning/critical alert of its rules, passes when its callback logged thresholds and raised none, and shows
    each rule's described threshold and its last alert's value;

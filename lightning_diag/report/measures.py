@@ -37,6 +37,12 @@ from lightning_diag.report.rows import (
     run_threshold,
     serious_alerts,
 )
+from lightning_diag.rules.anomaly import (
+    LOSS_SWING_PATIENCE_KEY,
+    VAL_DECLINE_HIGHER_IS_BETTER_KEY,
+    VAL_DECLINE_MIN_DELTA_KEY,
+    VAL_FLUCTUATION_WINDOW_KEY,
+)
 from lightning_diag.rules.catalog import (
     ATTN_ENTROPY_HIGH,
     ATTN_ENTROPY_LOW,
@@ -51,7 +57,7 @@ from lightning_diag.rules.catalog import (
     VAL_DECLINE,
     VAL_FLUCTUATION,
 )
-from lightning_diag.rules.grad import role_of
+from lightning_diag.rules.grad import GRAD_COLLAPSE_BASELINE_KEY, role_of
 
 __all__: list[str] = []
 
@@ -117,7 +123,7 @@ def _measure_grad_spread(run: RunData, check: Check) -> bool:
 @measure(GRAD_COLLAPSE)
 def _measure_grad_collapse(run: RunData, check: Check) -> bool:
     ratio = run_threshold(run, GRAD_COLLAPSE)
-    n = int(run_setting(run, f"{GRAD_COLLAPSE}.baseline_measurements"))
+    n = int(run_setting(run, GRAD_COLLAPSE_BASELINE_KEY))
     check.threshold = f"norm / baseline >= {fmt(ratio)}" if ratio is not None else "not logged"
     check.threshold_value = {"value": ratio} if ratio is not None else {}
     series = run.scalars.get(grad_blocks_tag()) or run.scalars.get(grad_total_tag(), [])
@@ -146,7 +152,7 @@ def _measure_attn_band(run: RunData, check: Check) -> bool:
         above = sum(1 for v in values if high is not None and v > high)
         if above and high is not None:
             check.add_note(
-                f"{above} measurements above {fmt(high)} nats (attn_entropy_high): an info hint at most, and only "
+                f"{above} measurements above {fmt(high)} nats ({ATTN_ENTROPY_HIGH}): an info hint at most, and only "
                 "when near uniform after warm-up, since diffuse attention can be a learned solution"
             )
     missing = [rule for rule, v in ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high)) if v is None]
@@ -203,7 +209,7 @@ def _measure_nonfinite(run: RunData, check: Check) -> bool:
 @measure(LOSS_SWING)
 def _measure_loss_swing(run: RunData, check: Check) -> bool:
     threshold = run_threshold(run, LOSS_SWING)
-    patience = run_threshold(run, f"{LOSS_SWING}.patience")
+    patience = run_threshold(run, LOSS_SWING_PATIENCE_KEY)
     check.threshold = (
         f"rise > {fmt(threshold * 100)}% on {int(patience) if patience else '?'} consecutive points"
         if threshold is not None
@@ -224,8 +230,8 @@ def _measure_loss_swing(run: RunData, check: Check) -> bool:
 @measure(VAL_DECLINE)
 def _measure_val_decline(run: RunData, check: Check) -> bool:
     patience = run_threshold(run, VAL_DECLINE)
-    min_delta = run_threshold(run, f"{VAL_DECLINE}.min_delta") or 0.0
-    higher = bool(run_threshold(run, f"{VAL_DECLINE}.higher_is_better"))
+    min_delta = run_threshold(run, VAL_DECLINE_MIN_DELTA_KEY) or 0.0
+    higher = bool(run_threshold(run, VAL_DECLINE_HIGHER_IS_BETTER_KEY))
     check.threshold = f"fewer than {int(patience)} consecutive worse runs" if patience is not None else "not logged"
     check.threshold_value = {"value": patience} if patience is not None else {}
     values = finite_values(run.scalars.get(loss_tag("val"), []))
@@ -255,7 +261,7 @@ def _measure_val_fluctuation(run: RunData, check: Check) -> bool:
         check.measured = f"val / train fluctuation up to {fmt(max(ratios))}"
         check.measured_value = {"max": max(ratios)}
     elif run.scalars.get(loss_tag("val")):
-        window = run_threshold(run, f"{VAL_FLUCTUATION}.window")
+        window = run_threshold(run, VAL_FLUCTUATION_WINDOW_KEY)
         check.add_note(f"needs {int(window) if window else 'more'} validation runs")
     return bool(ratios)
 
@@ -271,5 +277,5 @@ def _measure_latency(run: RunData, check: Check) -> bool:
         check.measured = f"step-time fluctuation up to {fmt(max(values))} (last {fmt(values[-1])})"
         check.measured_value = {"max": max(values), "last": values[-1]}
         if limit is not None and max(values) > limit:
-            check.add_note("above the threshold on fewer consecutive checks than step_time_fluctuation's patience")
+            check.add_note(f"above the threshold on fewer consecutive checks than {STEP_TIME_FLUCTUATION}'s patience")
     return bool(values)

@@ -16,7 +16,12 @@ from lightning_diag.report.replay import replay, run_setting
 from lightning_diag.report.rows import Check, finite_values, fmt, measure
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.catalog import QUANTIZATION_ERROR, SHARP_MINIMUM
-from lightning_diag.rules.probes import QuantizationErrorRule, SharpMinimumRule
+from lightning_diag.rules.probes import (
+    QUANTIZATION_LAYER_RATIO_KEY,
+    SHARP_MINIMUM_PATIENCE_KEY,
+    QuantizationErrorRule,
+    SharpMinimumRule,
+)
 
 __all__: list[str] = []
 
@@ -26,7 +31,7 @@ def _measure_loss_surface(run: RunData, check: Check) -> bool:
     check.threshold = RULES[SHARP_MINIMUM].describe(run.thresholds)
     check.threshold_value = {
         "value": run_setting(run, SHARP_MINIMUM),
-        "patience": run_setting(run, f"{SHARP_MINIMUM}.patience"),
+        "patience": run_setting(run, SHARP_MINIMUM_PATIENCE_KEY),
     }
     gaps = finite_values(run.scalars.get(sharpness_tag("gap"), []))
     if not gaps:
@@ -62,7 +67,7 @@ def _measure_quantization(run: RunData, check: Check) -> bool:
     check.threshold = RULES[QUANTIZATION_ERROR].describe(run.thresholds)
     check.threshold_value = {
         "value": run_setting(run, QUANTIZATION_ERROR),
-        "layer_ratio": run_setting(run, f"{QUANTIZATION_ERROR}.layer_ratio"),
+        "layer_ratio": run_setting(run, QUANTIZATION_LAYER_RATIO_KEY),
     }
     errors = finite_values(run.scalars.get(quant_tag("end_to_end"), []))
     if not errors:

@@ -23,7 +23,7 @@ from lightning_diag.core.tags import (
     prefix,
 )
 from lightning_diag.report.load import RunData, Series
-from lightning_diag.rules.anomaly import LossSwingRule, ValDeclineRule
+from lightning_diag.rules.anomaly import VAL_DECLINE_HIGHER_IS_BETTER_KEY, LossSwingRule, ValDeclineRule
 from lightning_diag.rules.attention_entropy import AttentionEntropyRule
 from lightning_diag.rules.attention_specs import LayerStats
 from lightning_diag.rules.base import StepContext
@@ -169,7 +169,7 @@ def _replay_loss_swing(run: RunData) -> list[Alert]:
 
 @replay(VAL_DECLINE)
 def _replay_val_decline(run: RunData) -> list[Alert]:
-    mode: Literal["min", "max"] = "max" if _threshold(run, f"{VAL_DECLINE}.higher_is_better") else "min"
+    mode: Literal["min", "max"] = "max" if _threshold(run, VAL_DECLINE_HIGHER_IS_BETTER_KEY) else "min"
     rule = ValDeclineRule.from_settings(run.thresholds, mode=mode)
     alerts: list[Alert] = []
     for step, v in run.scalars.get(loss_tag("val"), []):

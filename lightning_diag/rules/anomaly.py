@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, FRACTION, POSITIVE, STEPS, Limit, RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, FRACTION, POSITIVE, STEPS, CheckSpec, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.stats.trend import (
     fluctuation,
@@ -72,11 +72,20 @@ __all__ = [
     "LOSS_STAGNANT",
     "LOSS_STAGNANT_SPEC",
     "LOSS_SWING",
+    "LOSS_SWING_CHECK",
+    "LOSS_SWING_PATIENCE_KEY",
     "LOSS_SWING_SPEC",
+    "LOSS_SWING_WINDOW_STEPS_KEY",
+    "STAGNANT_BASELINE_STEPS_KEY",
     "VAL_DECLINE",
+    "VAL_DECLINE_CHECK",
+    "VAL_DECLINE_HIGHER_IS_BETTER_KEY",
+    "VAL_DECLINE_MIN_DELTA_KEY",
     "VAL_DECLINE_SPEC",
     "VAL_FLUCTUATION",
+    "VAL_FLUCTUATION_CHECK",
     "VAL_FLUCTUATION_SPEC",
+    "VAL_FLUCTUATION_WINDOW_KEY",
     "LossStagnantRule",
     "LossSwingRule",
     "ValDeclineRule",
@@ -115,21 +124,42 @@ LOSS_SWING = LOSS_SWING_SPEC.rule_id
 VAL_DECLINE = VAL_DECLINE_SPEC.rule_id
 VAL_FLUCTUATION = VAL_FLUCTUATION_SPEC.rule_id
 LOSS_STAGNANT = LOSS_STAGNANT_SPEC.rule_id
+#: Their rows of the ``lightning-diag report`` checklist (registered in report order by
+#: :mod:`lightning_diag.rules.catalog`).
+LOSS_SWING_CHECK = CheckSpec(
+    LOSS_SWING, "Training",
+    "Training loss does not swing by more than {loss_swing:.0%} on {loss_swing__patience:g} consecutive points",
+)
+VAL_DECLINE_CHECK = CheckSpec(VAL_DECLINE, "Training",
+                              "Validation metric does not worsen on {val_decline:g} consecutive runs")
+VAL_FLUCTUATION_CHECK = CheckSpec(
+    VAL_FLUCTUATION, "Training", "Validation fluctuation at most {val_fluctuation:g}x the training fluctuation"
+)
+#: ``thresholds()`` key of ``loss_stagnant``'s baseline (read by the loss trend's sums).
+STAGNANT_BASELINE_STEPS_KEY = LOSS_STAGNANT_SPEC.key("baseline_steps")
+#: ``thresholds()`` keys the report reads back from a run.
+LOSS_SWING_PATIENCE_KEY = LOSS_SWING_SPEC.key("patience")
+VAL_DECLINE_MIN_DELTA_KEY = VAL_DECLINE_SPEC.key("min_delta")
+VAL_FLUCTUATION_WINDOW_KEY = VAL_FLUCTUATION_SPEC.key("window")
+#: Keys AnomalyAlarm writes beside the settings (not settings: how it was configured): the validation metric's
+#: direction (1 when higher is better), and the swing window in steps when ``swing_window`` is an int.
+VAL_DECLINE_HIGHER_IS_BETTER_KEY = f"{VAL_DECLINE}.higher_is_better"
+LOSS_SWING_WINDOW_STEPS_KEY = f"{LOSS_SWING}.window_steps"
 
 #: ``loss_swing``: relative change that counts as a swing (seed 001 §1.2: 10%).
 DEFAULT_SWING_THRESHOLD = default(LOSS_SWING)
 #: ``loss_swing``: consecutive swinging epochs (or windows) before the rule fires (seed 001 §1.2: 3).
-DEFAULT_SWING_PATIENCE = int(default(LOSS_SWING_SPEC.key("patience")))
+DEFAULT_SWING_PATIENCE = int(default(LOSS_SWING_PATIENCE_KEY))
 #: ``loss_swing``: absolute change below which a point never swings (keeps near-zero losses quiet).
 DEFAULT_SWING_MIN_DELTA = default(LOSS_SWING_SPEC.key("min_delta"))
 #: ``val_decline``: consecutive worsening validation runs before the rule fires (seed 001 §1.2: 5).
 DEFAULT_VAL_DECLINE_THRESHOLD = int(default(VAL_DECLINE))
 #: ``val_decline``: change that counts as worse.
-DEFAULT_VAL_DECLINE_MIN_DELTA = default(VAL_DECLINE_SPEC.key("min_delta"))
+DEFAULT_VAL_DECLINE_MIN_DELTA = default(VAL_DECLINE_MIN_DELTA_KEY)
 #: ``val_fluctuation``: validation fluctuation above this multiple of the training one (seed 000 §4.1: 2x).
 DEFAULT_VAL_FLUCTUATION_THRESHOLD = default(VAL_FLUCTUATION)
 #: ``val_fluctuation``: validation runs in the window.
-DEFAULT_VAL_FLUCTUATION_WINDOW = int(default(VAL_FLUCTUATION_SPEC.key("window")))
+DEFAULT_VAL_FLUCTUATION_WINDOW = int(default(VAL_FLUCTUATION_WINDOW_KEY))
 #: ``val_fluctuation``: validation fluctuation (relative to its level) below which the rule never fires.
 DEFAULT_VAL_FLUCTUATION_MIN = default(VAL_FLUCTUATION_SPEC.key("min"))
 #: ``val_fluctuation``: range (max - min, loss units) of the validation window below which it never fires.
@@ -146,7 +176,7 @@ _VAL_RUNS_KEPT = 64
 #: ``loss_stagnant``: the points its trend test reads, at most (beyond, pairs are averaged: the whole run stays).
 _TREND_POINTS = 256
 #: ``loss_stagnant``: first optimizer steps whose mean loss is the initial loss.
-DEFAULT_STAGNANT_BASELINE_STEPS = int(default(LOSS_STAGNANT_SPEC.key("baseline_steps")))
+DEFAULT_STAGNANT_BASELINE_STEPS = int(default(STAGNANT_BASELINE_STEPS_KEY))
 #: ``loss_stagnant``: optimizer steps before a verdict (with at least the trend test's fewest points).
 DEFAULT_STAGNANT_MIN_STEPS = int(default(LOSS_STAGNANT_SPEC.key("min_steps")))
 #: ``loss_stagnant``: significance level of the Mann-Kendall test that the loss falls.

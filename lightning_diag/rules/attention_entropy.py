@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping
 
 from lightning_diag.core.record import Alert, Severity
+from lightning_diag.core.registry import value_of
 from lightning_diag.rules.attention_specs import (
     ATTN_ENTROPY_HIGH,
     ATTN_ENTROPY_HIGH_SPEC,
@@ -21,6 +22,8 @@ from lightning_diag.rules.attention_specs import (
     DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
     DEFAULT_ENTROPY_LOW_THRESHOLD,
     DEFAULT_SINK_THRESHOLD,
+    ENTROPY_HIGH_UNIFORM_FRACTION_KEY,
+    ENTROPY_HIGH_WARMUP_STEPS_KEY,
     LayerStats,
     first_mass,
     per_head,
@@ -104,8 +107,8 @@ class AttentionEntropyRule(Rule):
         return cls(
             ATTN_ENTROPY_LOW_SPEC.value(thresholds),
             ATTN_ENTROPY_HIGH_SPEC.value(thresholds),
-            ATTN_ENTROPY_HIGH_SPEC.value(thresholds, "uniform_fraction"),
-            int(ATTN_ENTROPY_HIGH_SPEC.value(thresholds, "warmup_steps")),
+            value_of(thresholds, ENTROPY_HIGH_UNIFORM_FRACTION_KEY),
+            int(value_of(thresholds, ENTROPY_HIGH_WARMUP_STEPS_KEY)),
             int(ATTN_PATIENCE_SETTING.value(thresholds)),
             ATTN_SINK_SPEC.value(thresholds),
         )

@@ -74,6 +74,7 @@ from lightning_diag.core.registry import (
     FRACTION,
     POSITIVE,
     STEPS,
+    CheckSpec,
     Limit,
     RuleSpec,
     SettingSpec,
@@ -83,6 +84,7 @@ from lightning_diag.core.registry import (
 )
 
 __all__ = [
+    "ATTN_ENTROPY_BAND_CHECK",
     "ATTN_ENTROPY_HIGH",
     "ATTN_ENTROPY_HIGH_SPEC",
     "ATTN_ENTROPY_LOW",
@@ -91,6 +93,7 @@ __all__ = [
     "ATTN_PATIENCE_SETTING",
     "ATTN_SAMPLE_SIZE_SETTING",
     "ATTN_SINK",
+    "ATTN_SINK_CHECK",
     "ATTN_SINK_SPEC",
     "DEFAULT_ATTN_PATIENCE",
     "DEFAULT_ENTROPY_HIGH_THRESHOLD",
@@ -98,6 +101,8 @@ __all__ = [
     "DEFAULT_ENTROPY_HIGH_WARMUP_STEPS",
     "DEFAULT_ENTROPY_LOW_THRESHOLD",
     "DEFAULT_SINK_THRESHOLD",
+    "ENTROPY_HIGH_UNIFORM_FRACTION_KEY",
+    "ENTROPY_HIGH_WARMUP_STEPS_KEY",
     "LayerStats",
     "first_mass",
     "per_head",
@@ -123,6 +128,19 @@ ATTN_SINK_SPEC = register(RuleSpec(
 ATTN_ENTROPY_LOW = ATTN_ENTROPY_LOW_SPEC.rule_id
 ATTN_ENTROPY_HIGH = ATTN_ENTROPY_HIGH_SPEC.rule_id
 ATTN_SINK = ATTN_SINK_SPEC.rule_id
+#: Their rows of the ``lightning-diag report`` checklist (registered in report order by
+#: :mod:`lightning_diag.rules.catalog`).
+ATTN_ENTROPY_BAND_CHECK = CheckSpec(
+    "attn_entropy_band", "Model",
+    "Attention entropy of every head above {attn_entropy_low:g} nats, and not above {attn_entropy_high:g} nats "
+    "while near uniform ({attn_entropy_high__uniform_fraction:g} of it) "
+    "after step {attn_entropy_high__warmup_steps:g}",
+)
+ATTN_SINK_CHECK = CheckSpec(ATTN_SINK, "Model",
+                            "No layer whose every head puts more than {attn_sink:g} of its mass on [CLS]/[SEP]")
+#: ``thresholds()`` keys of ``attn_entropy_high``'s settings (read by its rule).
+ENTROPY_HIGH_UNIFORM_FRACTION_KEY = ATTN_ENTROPY_HIGH_SPEC.key("uniform_fraction")
+ENTROPY_HIGH_WARMUP_STEPS_KEY = ATTN_ENTROPY_HIGH_SPEC.key("warmup_steps")
 #: ``attn.patience``: consecutive measurements an attention condition must hold before it alerts.
 ATTN_PATIENCE_SETTING = register_setting(
     SettingSpec("attn.patience", _ATTN, 2, None, (ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK), COUNT)
@@ -137,9 +155,9 @@ DEFAULT_ENTROPY_LOW_THRESHOLD = default(ATTN_ENTROPY_LOW)
 #: ``attn_entropy_high``: a head's attention entropy above this many nats (seed 000 §3.2).
 DEFAULT_ENTROPY_HIGH_THRESHOLD = default(ATTN_ENTROPY_HIGH)
 #: ``attn_entropy_high``: ... and above this fraction of the entropy of uniform attention over its keys.
-DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION = default(ATTN_ENTROPY_HIGH_SPEC.key("uniform_fraction"))
+DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION = default(ENTROPY_HIGH_UNIFORM_FRACTION_KEY)
 #: ``attn_entropy_high``: optimizer steps before the rule judges (a fresh model attends uniformly).
-DEFAULT_ENTROPY_HIGH_WARMUP_STEPS = int(default(ATTN_ENTROPY_HIGH_SPEC.key("warmup_steps")))
+DEFAULT_ENTROPY_HIGH_WARMUP_STEPS = int(default(ENTROPY_HIGH_WARMUP_STEPS_KEY))
 #: ``attn_sink``: attention mass on special tokens that every head of a layer must exceed ("most of its mass").
 DEFAULT_SINK_THRESHOLD = default(ATTN_SINK)
 #: Consecutive measurements an attention condition must hold before it alerts.

@@ -36,6 +36,7 @@ from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import (
     COUNT,
     POSITIVE,
+    CheckSpec,
     Limit,
     RuleSpec,
     SettingSpec,
@@ -59,8 +60,15 @@ __all__ = [
     "DEFAULT_LEAKAGE_NEAR_DUPLICATE",
     "DEFAULT_LEAKAGE_THRESHOLD",
     "DEFAULT_VOCAB_SHIFT_THRESHOLD",
+    "LABEL_BALANCE_CHECK",
     "LABEL_IMBALANCE",
     "LABEL_IMBALANCE_SPEC",
+    "LEAKAGE_MIN_LEAKS_KEY",
+    "LEAKAGE_NEAR_DUPLICATE_KEY",
+    "LEAKAGE_NUM_PERM_KEY",
+    "LEAKAGE_SHINGLE_SIZE_KEY",
+    "TRAIN_TEST_OVERLAP_CHECK",
+    "VOCAB_SHIFT_MIN_COUNT_KEY",
     "WORKER_RNG_SHARED",
     "WORKER_RNG_SHARED_SPEC",
     "DataMeasurement",
@@ -110,6 +118,18 @@ LABEL_IMBALANCE = LABEL_IMBALANCE_SPEC.rule_id
 DATA_NONFINITE = DATA_NONFINITE_SPEC.rule_id
 BATCH_SIZE_MISMATCH = BATCH_SIZE_MISMATCH_SPEC.rule_id
 WORKER_RNG_SHARED = WORKER_RNG_SHARED_SPEC.rule_id
+#: Their rows of the ``lightning-diag report`` checklist (registered in report order by
+#: :mod:`lightning_diag.rules.catalog`).
+LABEL_BALANCE_CHECK = CheckSpec("data_label_balance", "Data",
+                                "Label distribution standard deviation < {label_imbalance:g}")
+TRAIN_TEST_OVERLAP_CHECK = CheckSpec("data_train_test_overlap", "Data",
+                                     "Train/test Jaccard similarity < {data_leakage:g}")
+#: ``thresholds()`` keys of the settings DataDiagnostics reads for its own measuring.
+VOCAB_SHIFT_MIN_COUNT_KEY = DATA_VOCAB_SHIFT_SPEC.key("min_count")
+LEAKAGE_SHINGLE_SIZE_KEY = DATA_LEAKAGE_SPEC.key("shingle_size")
+LEAKAGE_NUM_PERM_KEY = DATA_LEAKAGE_SPEC.key("num_perm")
+LEAKAGE_NEAR_DUPLICATE_KEY = DATA_LEAKAGE_SPEC.key("near_duplicate")
+LEAKAGE_MIN_LEAKS_KEY = DATA_LEAKAGE_SPEC.key("min_leaks")
 #: ``data.max_batches``: batches read from each loader per measurement (every data rule).
 DATA_MAX_BATCHES_SETTING = register_setting(SettingSpec("data.max_batches", _DATA, 64, "max_batches"))
 
@@ -118,7 +138,7 @@ DEFAULT_VOCAB_SHIFT_THRESHOLD = default(DATA_VOCAB_SHIFT)
 #: ``data_leakage``: share of validation samples that (nearly) copy a training sample, at or above this.
 DEFAULT_LEAKAGE_THRESHOLD = default(DATA_LEAKAGE)
 #: ``data_leakage``: shingle Jaccard similarity at or above which two samples count as the same sample.
-DEFAULT_LEAKAGE_NEAR_DUPLICATE = default(DATA_LEAKAGE_SPEC.key("near_duplicate"))
+DEFAULT_LEAKAGE_NEAR_DUPLICATE = default(LEAKAGE_NEAR_DUPLICATE_KEY)
 #: ``label_imbalance``: standard deviation of the class proportions above this.
 DEFAULT_LABEL_IMBALANCE_THRESHOLD = default(LABEL_IMBALANCE)
 

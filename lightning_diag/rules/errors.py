@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import Limit, RuleSpec, register
+from lightning_diag.core.registry import CheckSpec, Limit, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
@@ -17,7 +17,9 @@ __all__ = [
     "DEFAULT_MIN_ERRORS",
     "DEFAULT_MIN_SHARE",
     "ERROR_CLUSTER",
+    "ERROR_CLUSTER_MIN_ERRORS_KEY",
     "ERROR_CLUSTER_SPEC",
+    "ERROR_CONCENTRATION_CHECK",
     "ErrorClusterRule",
     "describe_group",
 ]
@@ -32,6 +34,15 @@ ERROR_CLUSTER_SPEC = register(RuleSpec(
             "min_errors": Limit(low=2, integer=True)},
 ))
 ERROR_CLUSTER = ERROR_CLUSTER_SPEC.rule_id
+#: Its row of the ``lightning-diag report`` checklist (registered in report order
+#: by :mod:`lightning_diag.rules.catalog`).
+ERROR_CONCENTRATION_CHECK = CheckSpec(
+    "error_concentration", "Model",
+    "Error concentration: no cluster of validation samples with an error rate at least {error_cluster:g}x the "
+    "overall rate holding {error_cluster__min_share:.0%} of them",
+)
+#: ``thresholds()`` key of the fewest wrong samples ErrorAnalysis clusters.
+ERROR_CLUSTER_MIN_ERRORS_KEY = ERROR_CLUSTER_SPEC.key("min_errors")
 _SPEC = ERROR_CLUSTER_SPEC
 #: A group's error rate must be at least this many times the overall rate (its lift).
 DEFAULT_ERROR_RATIO: float = float(_SPEC.threshold or 3.0)

@@ -49,6 +49,7 @@ from lightning_diag.core.registry import (
     FRACTION,
     POSITIVE,
     STEPS,
+    CheckSpec,
     Limit,
     RuleSpec,
     SettingSpec,
@@ -70,12 +71,16 @@ __all__ = [
     "DEFAULT_VANISH_RELATIVE",
     "DEFAULT_VANISH_THRESHOLD",
     "GRAD_COLLAPSE",
+    "GRAD_COLLAPSE_BASELINE_KEY",
+    "GRAD_COLLAPSE_CHECK",
     "GRAD_COLLAPSE_SPEC",
     "GRAD_EXPLODE",
     "GRAD_EXPLODE_SPEC",
     "GRAD_LAYER_SPREAD",
     "GRAD_LAYER_SPREAD_SPEC",
+    "GRAD_NORM_BAND_CHECK",
     "GRAD_PATIENCE_SETTING",
+    "GRAD_SPREAD_CHECK",
     "GRAD_VANISH",
     "GRAD_VANISH_SPEC",
     "GRAD_WARMUP_SETTING",
@@ -141,6 +146,19 @@ GRAD_VANISH = GRAD_VANISH_SPEC.rule_id
 GRAD_EXPLODE = GRAD_EXPLODE_SPEC.rule_id
 GRAD_LAYER_SPREAD = GRAD_LAYER_SPREAD_SPEC.rule_id
 GRAD_COLLAPSE = GRAD_COLLAPSE_SPEC.rule_id
+#: Their rows of the ``lightning-diag report`` checklist (registered in report order by
+#: :mod:`lightning_diag.rules.catalog`).
+GRAD_NORM_BAND_CHECK = CheckSpec("grad_norm_band", "Model",
+                                 "Gradient of every layer within {grad_vanish:g} (||g||/||W||) .. {grad_explode:g} "
+                                 "(RMS per element)")
+GRAD_SPREAD_CHECK = CheckSpec(
+    "grad_spread", "Model",
+    "Relative gradients of one role across blocks within a ratio of {grad_layer_spread:g}",
+)
+GRAD_COLLAPSE_CHECK = CheckSpec(GRAD_COLLAPSE, "Model",
+                                "Blocks' gradient norm above {grad_collapse:g} of its early baseline")
+#: ``thresholds()`` key of ``grad_collapse``'s baseline length (read back by the report).
+GRAD_COLLAPSE_BASELINE_KEY = GRAD_COLLAPSE_SPEC.key("baseline_measurements")
 #: ``grad.warmup_steps``: ``grad_vanish`` / ``grad_layer_spread`` are not evaluated before this global step
 #: (initialisation transients); one setting for both rules.
 GRAD_WARMUP_SETTING = register_setting(

@@ -41,6 +41,7 @@ __all__ = [
     "NONFINITE_GRAD",
     "NONFINITE_GRAD_SPEC",
     "NONFINITE_LOSS",
+    "NONFINITE_LOSS_MAX_SKIPS_KEY",
     "NONFINITE_LOSS_SPEC",
     "Decision",
     "NonFiniteDetails",
@@ -61,6 +62,8 @@ NONFINITE_GRAD_SPEC = register(RuleSpec(
 ))
 NONFINITE_LOSS = NONFINITE_LOSS_SPEC.rule_id
 NONFINITE_GRAD = NONFINITE_GRAD_SPEC.rule_id
+#: ``thresholds()`` key of ``nonfinite_loss``'s skip budget (read by AnomalyAlarm).
+NONFINITE_LOSS_MAX_SKIPS_KEY = NONFINITE_LOSS_SPEC.key("max_skips")
 
 #: ``on_nonfinite="skip"``: skipped optimizer steps allowed in one fit before the alarm stops training (both
 #: non-finite rules; the setting ``nonfinite_loss.max_skips``).

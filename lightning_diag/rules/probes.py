@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, POSITIVE, Limit, RuleSpec, register
+from lightning_diag.core.registry import COUNT, POSITIVE, CheckSpec, Limit, RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 
 __all__ = [
@@ -18,10 +18,15 @@ __all__ = [
     "DEFAULT_SHARP_MINIMUM_PATIENCE",
     "DEFAULT_SHARP_MINIMUM_RHO",
     "DEFAULT_SHARP_MINIMUM_THRESHOLD",
+    "LOSS_SURFACE_CHECK",
     "MIN_LAYERS_FOR_MEDIAN",
+    "QUANTIZATION_CHECK",
     "QUANTIZATION_ERROR",
     "QUANTIZATION_ERROR_SPEC",
+    "QUANTIZATION_LAYER_RATIO_KEY",
     "SHARP_MINIMUM",
+    "SHARP_MINIMUM_PATIENCE_KEY",
+    "SHARP_MINIMUM_RHO_KEY",
     "SHARP_MINIMUM_SPEC",
     "QuantizationErrorRule",
     "SharpMinimumRule",
@@ -44,6 +49,19 @@ QUANTIZATION_ERROR_SPEC = register(RuleSpec(
 ))
 SHARP_MINIMUM = SHARP_MINIMUM_SPEC.rule_id
 QUANTIZATION_ERROR = QUANTIZATION_ERROR_SPEC.rule_id
+#: Their rows of the ``lightning-diag report`` checklist (registered in report order by
+#: :mod:`lightning_diag.rules.catalog`).
+QUANTIZATION_CHECK = CheckSpec("deploy_quantization_error", "Deployment",
+                               "Quantization error < {quantization_error:.0%} (INT8 end-to-end loss change; no "
+                               "layer's output MSE above {quantization_error__layer_ratio:g}x the median layer's)")
+LOSS_SURFACE_CHECK = CheckSpec("loss_surface", "Training",
+                               "Loss surface: SAM gap L(w+ε) − L(w) not above {sharp_minimum:g} on "
+                               "{sharp_minimum__patience:g} consecutive probes (rho {sharp_minimum__rho:g})")
+#: ``thresholds()`` keys of the settings SharpnessProbe reads for its own measuring.
+SHARP_MINIMUM_PATIENCE_KEY = SHARP_MINIMUM_SPEC.key("patience")
+SHARP_MINIMUM_RHO_KEY = SHARP_MINIMUM_SPEC.key("rho")
+#: ``thresholds()`` key of ``quantization_error``'s per-layer ratio (read back by the report).
+QUANTIZATION_LAYER_RATIO_KEY = QUANTIZATION_ERROR_SPEC.key("layer_ratio")
 
 _SHARP = SHARP_MINIMUM_SPEC
 _QUANT = QUANTIZATION_ERROR_SPEC

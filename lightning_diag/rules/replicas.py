@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import COUNT, RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, CheckSpec, RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
@@ -26,6 +26,8 @@ __all__ = [
     "DDP_DESYNC_SPEC",
     "DEFAULT_DESYNC_EVERY_N_STEPS",
     "DEFAULT_DESYNC_TOLERANCE",
+    "DESYNC_EVERY_N_STEPS_KEY",
+    "REPLICAS_AGREE_CHECK",
     "DesyncRule",
     "check_due",
     "first_differences",
@@ -43,11 +45,18 @@ DDP_DESYNC_SPEC = register(RuleSpec(
     limits={"every_n_steps": COUNT},
 ))
 DDP_DESYNC = DDP_DESYNC_SPEC.rule_id
+#: Its row of the ``lightning-diag report`` checklist (registered in report order
+#: by :mod:`lightning_diag.rules.catalog`).
+REPLICAS_AGREE_CHECK = CheckSpec("replicas_agree", "Training",
+                                 "Data-parallel replicas hold the same parameters (checksum relative difference at "
+                                 "most {ddp_desync:g}, every {ddp_desync__every_n_steps:g} steps)")
 
 #: ``ddp_desync``: relative checksum difference across ranks above this.
 DEFAULT_DESYNC_TOLERANCE = default(DDP_DESYNC)
+#: ``thresholds()`` key of ``ddp_desync``'s optimizer steps between two comparisons (read by AnomalyAlarm).
+DESYNC_EVERY_N_STEPS_KEY = DDP_DESYNC_SPEC.key("every_n_steps")
 #: ``ddp_desync``: optimizer steps between two comparisons.
-DEFAULT_DESYNC_EVERY_N_STEPS = int(default(f"{DDP_DESYNC}.every_n_steps"))
+DEFAULT_DESYNC_EVERY_N_STEPS = int(default(DESYNC_EVERY_N_STEPS_KEY))
 
 
 def check_due(step: int, every_n_steps: int) -> bool:

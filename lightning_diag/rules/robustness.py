@@ -7,11 +7,12 @@ import math
 from collections.abc import Mapping
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import Limit, RuleSpec, register
+from lightning_diag.core.registry import CheckSpec, Limit, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
-    "DEFAULT_PERTURB_RATE", "DEFAULT_ROBUSTNESS_DROP", "ROBUSTNESS_DROP", "ROBUSTNESS_DROP_SPEC", "RobustnessDropRule",
+    "DEFAULT_PERTURB_RATE", "DEFAULT_ROBUSTNESS_DROP", "ROBUSTNESS_CHECK", "ROBUSTNESS_DROP",
+    "ROBUSTNESS_DROP_SPEC", "ROBUSTNESS_RATE_KEY", "RobustnessDropRule",
 ]
 
 # -- declaration (the docs' thresholds table and the report read it) -------------------------------------------
@@ -23,6 +24,13 @@ ROBUSTNESS_DROP_SPEC = register(RuleSpec(
     limits={"threshold": Limit(low=0.0, high=1.0), "rate": Limit(low=0.0, high=1.0)},
 ))
 ROBUSTNESS_DROP = ROBUSTNESS_DROP_SPEC.rule_id
+#: Its row of the ``lightning-diag report`` checklist (registered in report order
+#: by :mod:`lightning_diag.rules.catalog`).
+ROBUSTNESS_CHECK = CheckSpec("robustness", "Model",
+                             "Robustness ({robustness_drop__rate:.0%} perturbation): the validation metric drops by "
+                             "at most {robustness_drop:.0%}")
+#: ``thresholds()`` key of the perturbation rate RobustnessProbe applies.
+ROBUSTNESS_RATE_KEY = ROBUSTNESS_DROP_SPEC.key("rate")
 _SPEC = ROBUSTNESS_DROP_SPEC
 #: Relative drop of the metric above which the model is judged brittle: three times the perturbed share.
 DEFAULT_ROBUSTNESS_DROP: float = float(_SPEC.threshold or 0.15)

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, POSITIVE, STEPS, Limit, RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, POSITIVE, STEPS, CheckSpec, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.stats.timing import (
     Periodicity,
@@ -62,12 +62,15 @@ __all__ = [
     "DEFAULT_STEP_TIME_PERIODIC_THRESHOLD",
     "DEFAULT_STEP_TIME_WARMUP_STEPS",
     "DEFAULT_STEP_TIME_WINDOW",
+    "LATENCY_FLUCTUATION_CHECK",
     "MEMORY_GROWTH",
     "MEMORY_GROWTH_SPEC",
     "STEP_TIME_FLUCTUATION",
     "STEP_TIME_FLUCTUATION_SPEC",
     "STEP_TIME_PERIODIC",
     "STEP_TIME_PERIODIC_SPEC",
+    "STEP_TIME_WARMUP_STEPS_KEY",
+    "STEP_TIME_WINDOW_KEY",
     "DataloaderBoundRule",
     "MemoryGrowthRule",
     "StepFluctuationRule",
@@ -110,6 +113,13 @@ DATALOADER_BOUND = DATALOADER_BOUND_SPEC.rule_id
 STEP_TIME_PERIODIC = STEP_TIME_PERIODIC_SPEC.rule_id
 STEP_TIME_FLUCTUATION = STEP_TIME_FLUCTUATION_SPEC.rule_id
 MEMORY_GROWTH = MEMORY_GROWTH_SPEC.rule_id
+#: ``step_time_fluctuation``'s row of the ``lightning-diag report`` checklist (registered in report order by
+#: :mod:`lightning_diag.rules.catalog`).
+LATENCY_FLUCTUATION_CHECK = CheckSpec("deploy_latency_fluctuation", "Deployment",
+                                      "Latency fluctuation < {step_time_fluctuation:.0%}")
+#: ``thresholds()`` keys of the settings SystemMonitor reads for its own measuring.
+STEP_TIME_WINDOW_KEY = STEP_TIME_PERIODIC_SPEC.key("window")
+STEP_TIME_WARMUP_STEPS_KEY = STEP_TIME_FLUCTUATION_SPEC.key("warmup_steps")
 
 
 def _default(rule: str, setting: str | None = None) -> float:

@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, STEPS, Limit, RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, STEPS, CheckSpec, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext, list_names, name_layers
 from lightning_diag.rules.grad_frozen import GRADIENT_FLOW
 
@@ -40,9 +40,11 @@ __all__ = [
     "DEFAULT_UPDATE_SAMPLE_SIZE",
     "GRAD_NOT_ZEROED",
     "GRAD_NOT_ZEROED_SPEC",
+    "UPDATES_APPLIED_CHECK",
     "UPDATE_CAUSES",
     "UPDATE_NONE",
     "UPDATE_NONE_SPEC",
+    "UPDATE_SAMPLE_SIZE_KEY",
     "UPDATE_STALE",
     "UPDATE_STALE_SPEC",
     "GradNotZeroedRule",
@@ -74,13 +76,20 @@ GRAD_NOT_ZEROED_SPEC = register(RuleSpec(
 UPDATE_NONE = UPDATE_NONE_SPEC.rule_id
 UPDATE_STALE = UPDATE_STALE_SPEC.rule_id
 GRAD_NOT_ZEROED = GRAD_NOT_ZEROED_SPEC.rule_id
+#: The ``lightning-diag report`` checklist row of both rules (registered in report order by
+#: :mod:`lightning_diag.rules.catalog`).
+UPDATES_APPLIED_CHECK = CheckSpec("updates_applied", "Training",
+                                  "Optimizer steps change every trained parameter (no sampled layer left unchanged; "
+                                  "at most {update_stale:.0%} of a low-precision layer's sampled elements unchanged)")
+#: ``thresholds()`` key of the elements sampled per layer (read by GradientFlowMonitor).
+UPDATE_SAMPLE_SIZE_KEY = UPDATE_NONE_SPEC.key("sample_size")
 
 #: ``update_stale``: share of sampled elements (with a non-zero gradient) left unchanged above this.
 DEFAULT_STALE_FRACTION = default(UPDATE_STALE)
 #: ``update_none`` / ``update_stale``: consecutive measurements (GradientFlowMonitor's ``patience``).
-DEFAULT_UPDATE_PATIENCE = int(default(f"{UPDATE_NONE}.patience"))
+DEFAULT_UPDATE_PATIENCE = int(default(UPDATE_NONE_SPEC.key("patience")))
 #: Elements sampled per parameter (evenly spaced over the flattened tensor).
-DEFAULT_UPDATE_SAMPLE_SIZE = int(default(f"{UPDATE_NONE}.sample_size"))
+DEFAULT_UPDATE_SAMPLE_SIZE = int(default(UPDATE_SAMPLE_SIZE_KEY))
 
 #: ``update_none``: why an update may be missing, and what to do about it.
 UPDATE_CAUSES: dict[str, str] = {

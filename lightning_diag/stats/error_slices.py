@@ -134,12 +134,11 @@ def stack_features(parts: Sequence[SliceFeatures]) -> SliceFeatures:
 
 
 @dataclasses.dataclass(frozen=True)
-class SliceStat:
-    """One slice: the samples that share a feature, measured against the rest.
+class _SliceNumbers:
+    """What a slice (or a merged finding) is measured by.
 
     Attributes:
-        column: Its column in the feature matrix (the first of identical columns).
-        features: The features that define it (several when they hold exactly the same samples).
+        features: The features that define it (several when they hold exactly the same samples, or were merged).
         size: Its samples.
         share: ``size`` over all samples.
         error_rate: The mean error of its samples (the fraction wrong; for token tasks the mean token error rate).
@@ -151,7 +150,6 @@ class SliceStat:
         p_adjusted: ``p_value`` times the number of slices tested (Bonferroni), at most 1.
     """
 
-    column: int
     features: tuple[str, ...]
     size: int
     share: float
@@ -163,12 +161,28 @@ class SliceStat:
     p_adjusted: float
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (without the column)."""
+        """A JSON-ready dict."""
         out = dataclasses.asdict(self)
-        del out["column"]
         out["features"] = list(self.features)
         return out
 
+
+@dataclasses.dataclass(frozen=True)
+class SliceStat(_SliceNumbers):
+    """One slice: the samples that share a feature, measured against the rest (the fields of
+    :class:`_SliceNumbers`).
+
+    Attributes:
+        column: Its column in the feature matrix (the first of identical columns).
+    """
+
+    column: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (without the column)."""
+        out = super().to_dict()
+        del out["column"]
+        return out
 
 def find_slices(
     features: SliceFeatures, errors: np.ndarray, wrong: np.ndarray, min_count: int
@@ -230,43 +244,19 @@ def find_slices(
 
 
 @dataclasses.dataclass(frozen=True)
-class Finding:
-    """Slices of nearly the same samples, merged: the numbers of the most significant one, every one's features.
+class Finding(_SliceNumbers):
+    """Slices of nearly the same samples, merged: the numbers of the most significant one (the fields of
+    :class:`_SliceNumbers`), every one's features (the most significant slice's first).
 
     Attributes:
-        features: The defining features, the most significant slice's first.
-        size: Samples of the most significant slice.
-        share: ``size`` over all samples.
-        error_rate: Their mean error.
-        rest_error_rate: The mean error of the other samples.
-        lift: ``error_rate`` over the overall error rate.
-        wrong: Its samples counted wrong.
-        p_value: The most significant slice's one-sided Fisher exact p-value.
-        p_adjusted: ... corrected for the slices tested (Bonferroni).
         slices: The number of slices merged.
         majority_label: The most common true label of its wrong samples (classification), else ``None``.
         majority_prediction: The most common prediction of its wrong samples (classification), else ``None``.
     """
 
-    features: tuple[str, ...]
-    size: int
-    share: float
-    error_rate: float
-    rest_error_rate: float
-    lift: float
-    wrong: int
-    p_value: float
-    p_adjusted: float
     slices: int = 1
     majority_label: int | None = None
     majority_prediction: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        out = dataclasses.asdict(self)
-        out["features"] = list(self.features)
-        return out
-
 
 def merge_slices(
     slices: Sequence[SliceStat],
