@@ -152,9 +152,13 @@ def _rule_named(node: ast.expr | None, imported: dict[str, object], rules: Colle
     return value if isinstance(value, str) and value in rules else None
 
 
+#: The fault library: each fault names the rule it expects to fire.
+FAULT_LIBRARY = {"lightning_diag.demo.faults", "lightning_diag.demo.loader_faults"}
+
+
 def _misspellings() -> list[str]:
     """Every place outside its declaring module (the module whose ``RuleSpec(...)`` / ``SettingSpec(...)`` holds
-    it) where a library module spells a rule id or one of a rule's setting names (the fault library in ``demo/``
+    it) where a library module spells a rule id or one of a rule's setting names (the fault library
     excepted, docstrings being prose):
 
     * a rule id as a word of a string literal (``"loss_swing"``, ``f"{p}/threshold/loss_swing$"``, a title's
@@ -171,7 +175,7 @@ def _misspellings() -> list[str]:
     from lightning_diag.core.registry import RULES, SETTINGS, RuleSpec
     from lightning_diag.rules import catalog  # noqa: F401  (every declaration)
 
-    modules = {n: t for n, (_p, t) in _modules().items() if not n.startswith("lightning_diag.demo")}
+    modules = {n: t for n, (_p, t) in _modules().items() if n not in FAULT_LIBRARY}
     home: dict[str, str] = {}
     for name, tree in modules.items():
         for node in ast.walk(tree):
