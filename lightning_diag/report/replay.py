@@ -8,6 +8,7 @@ on them as on the run's own alerts. Imports neither torch nor Lightning.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Iterable
 from typing import Literal
@@ -91,34 +92,52 @@ def _blocks(layers: Iterable[str]) -> set[str] | None:
     return inside or None
 
 
+def _updates(run: RunData) -> dict[int, dict[str, float]]:
+    """``diag/update_ratio/<layer>`` by measured step: the rules read the update of a measured step at the next
+    measurement, as in the run (:meth:`GradBandRule.observe_updates` and its peers)."""
+    return values_by_step(layer_series(run, "update_ratio").items())
+
+
 @replay("grad_norm_band")
 def _replay_grad_band(run: RunData) -> list[Alert]:
     rule = GradBandRule.from_settings(run.thresholds)
     rms = values_by_step(layer_series(run, "grad_rms").items())
     relative = values_by_step(layer_series(run, "grad_relative").items())
     blocks = _blocks(layer_series(run, "grad_relative"))
+    updates = _updates(run)
     alerts: list[Alert] = []
     for step in sorted(set(rms) | set(relative)):
         alerts += rule.update(rms.get(step, {}), StepContext(0, step), relative.get(step), blocks)
+        if step in updates:
+            rule.observe_updates(updates[step])
     return alerts
 
 
 @replay("grad_spread")
 def _replay_grad_spread(run: RunData) -> list[Alert]:
     rule = GradSpreadRule.from_settings(run.thresholds)
+    updates = _updates(run)
     alerts: list[Alert] = []
     for step, values in values_by_step(layer_series(run, "grad_relative").items()).items():
         alerts += rule.update(values, StepContext(0, step), {layer: role_of(layer) for layer in values})
+        if step in updates:
+            rule.observe_updates(updates[step])
     return alerts
 
 
 @replay(GRAD_COLLAPSE)
 def _replay_grad_collapse(run: RunData) -> list[Alert]:
     rule = GradCollapseRule.from_settings(run.thresholds)
-    losses = dict(run.scalars.get(loss_tag("train_step"), []))
+    losses = sorted(run.scalars.get(loss_tag("train_step"), []))
+    steps = [step for step, _ in losses]
+    updates = _updates(run)
     alerts: list[Alert] = []
     for step, norm in run.scalars.get(grad_blocks_tag(), []):
-        alerts += rule.update(norm, StepContext(0, step), losses.get(step))
+        # the training loss of the measured step, or the last one logged before it (a logger's own cadence)
+        at = bisect.bisect_right(steps, step) - 1
+        alerts += rule.update(norm, StepContext(0, step), losses[at][1] if at >= 0 else None)
+        if step in updates:
+            rule.observe_updates(updates[step])
     return alerts
 
 
