@@ -35,6 +35,7 @@ from cost_table import MLP, demo_data, demo_transformer, mlp_data
 from paired_share import SKIP, StepClock, Switched, is_on
 
 from lightning_diag import SystemMonitor
+from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.demo.run import default_callbacks, quiet
 
 MODELS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[int], DataLoader]]] = {
@@ -96,6 +97,7 @@ def paired(model: str, steps: int, root: str) -> float:
         # normal run, so that the timing's own cost is part of the marginal cost measured
         original(trainer, pl_module, stage)
         monitor._hooks.attach(cbs)
+        monitor._intervals = {cb.every_n_steps(trainer) for cb in cbs if isinstance(cb, DiagCallback)}
 
     monitor.setup = setup  # type: ignore[method-assign]
     trainer = _trainer(root, steps, [clock, Switched(cbs)])
