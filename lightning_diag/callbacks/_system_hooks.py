@@ -60,6 +60,9 @@ _RECORDER_METHODS = ("add", "add_probabilities", "mha_pre_hook")
 TOTAL = "total"
 #: Sampled batches kept across intervals, for an interval with fewer than two samples of its own.
 RECENT = 32
+#: A quiet batch whose hooks took more than this many seconds beyond 4x the usual is *heavy* (scheduled work, a
+#: garbage collection): counted on its own, never extrapolated from, nor left to the sample to find.
+HEAVY_S = 200e-6
 
 
 @dataclasses.dataclass
@@ -132,8 +135,15 @@ class HookTimer:
 
     RECORDER = "AttentionRecorder"
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, sample_every: int = 1, seed: int = 0) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        sample_every: int = 1,
+        seed: int = 0,
+        wall: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.clock = clock
+        self.wall = wall
         self.sample_every = max(1, int(sample_every))
         self._rng = random.Random(seed)
         #: Seconds by name of the exact batches' hooks and of the hooks always timed, since the last :meth:`take`.
@@ -168,6 +178,13 @@ class HookTimer:
         self._block_pos = 0
         self._pick = 0
         self._batch_mark = 0.0
+        # untimed batches: the hooks' wall seconds by name (cheap clock), and the batch's CPU and wall marks
+        self._walls: dict[str, float] = {}
+        self._in_skip = False
+        self._light = 0.0  # the usual hooks' seconds of a sampled quiet batch (moving mean)
+        self._cpu_mark: float | None = None
+        self._training: deque[float] = deque(maxlen=RECENT)  # CPU seconds of light batches outside the hooks
+        self._batch_reads = 0
 
     def timed(self, name: str, fn: Callable[..., Any], step: bool = False, batch: bool = False) -> Callable[..., Any]:
         """``fn`` wrapped so that its time on :attr:`clock` (less nested timed calls) is counted under ``name``
@@ -176,13 +193,24 @@ class HookTimer:
         seconds = self.seconds
         stack = self._stack
         wall = self.clock
+        cheap = self.wall
         timer = self
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if batch and not timer.active:
+                # untimed: only the cheap wall clock, so that a heavy batch is still seen
                 timer.skipped += 1
-                return fn(*args, **kwargs)
+                if timer._in_skip:
+                    return fn(*args, **kwargs)
+                timer._in_skip = True
+                begin = cheap()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    timer._in_skip = False
+                    walls = timer._walls
+                    walls[name] = walls.get(name, 0.0) + cheap() - begin
             timer.calls += 1
             inner = [0.0]
             stack.append(inner)
@@ -208,14 +236,8 @@ class HookTimer:
         self._batches += 1
         if self.active:
             self._timed_batches += 1
-        if self.sampled:
-            sample, self._current = self._current, {}
-            self._samples.append(sample)
-            self._recent.append(sample)
-            spent = self.step_seconds - self._batch_mark
-            self.quiet_step_seconds = spent if len(self._recent) == 1 else 0.9 * self.quiet_step_seconds + 0.1 * spent
-        if self.sampled or not self.active:
-            self._quiet += 1
+        if self.sample_every > 1:
+            self._close_quiet()
         self._batch_mark = self.step_seconds
         if exact or self.sample_every == 1:
             self.active, self.sampled = True, False
@@ -224,6 +246,42 @@ class HookTimer:
             self._pick = self._rng.randrange(self.sample_every)
         self.active = self.sampled = self._block_pos == self._pick
         self._block_pos = (self._block_pos + 1) % self.sample_every
+
+    def _close_quiet(self) -> None:
+        """Count a quiet batch: light ones into the sample (sampled) or the extrapolated number (untimed); heavy
+        ones on their own. An untimed heavy batch (its hooks' wall time above the limit) is counted by its CPU time
+        less the training's usual CPU time per batch (the median of the last light batches'), at most its hooks'
+        wall time: time another process took inside a hook is not CPU time of this thread, so not counted."""
+        cpu = self.clock()
+        self._batch_reads += 1
+        batch_cpu = 0.0 if self._cpu_mark is None else cpu - self._cpu_mark
+        self._cpu_mark = cpu
+        limit = 4 * self._light + HEAVY_S
+        if self.sampled:
+            sample, self._current = self._current, {}
+            total = math.fsum(sample.values())
+            if total > limit and self._recent:  # heavy (the first sample sets what is usual)
+                for name, value in sample.items():
+                    self.seconds[name] = self.seconds.get(name, 0.0) + value
+                return
+            self._samples.append(sample)
+            self._recent.append(sample)
+            self._training.append(batch_cpu - total)
+            self._light = total if len(self._recent) == 1 else 0.9 * self._light + 0.1 * total
+            spent = self.step_seconds - self._batch_mark
+            self.quiet_step_seconds = spent if len(self._recent) == 1 else 0.9 * self.quiet_step_seconds + 0.1 * spent
+            self._quiet += 1
+        elif not self.active:
+            walls, self._walls = self._walls, {}
+            total = math.fsum(walls.values())
+            if total <= limit or not self._training:
+                self._quiet += 1
+                if self._recent:
+                    self._training.append(batch_cpu - self._light)
+                return
+            hooks = min(total, max(0.0, batch_cpu - statistics.median(self._training)))
+            for name, value in walls.items():
+                self.seconds[name] = self.seconds.get(name, 0.0) + value * hooks / total
 
     def attach(self, callbacks: Iterable[pl.Callback], recorder: bool = True) -> list[str]:
         """Wrap the overridden hooks of ``callbacks``; returns the names they are counted under."""
@@ -293,20 +351,21 @@ class HookTimer:
         taken = Taken(
             estimates,
             stderr,
-            self.calls * (self.in_window + self.per_call) + self.skipped * self.per_skip,
+            # a timed call reads the clock twice, a batch's close once
+            (self.calls + self._batch_reads / 2) * (self.in_window + self.per_call) + self.skipped * self.per_skip,
             self._batches,
             self._timed_batches,
         )
         for key in self.seconds:
             self.seconds[key] = 0.0
-        self.calls = self.skipped = self._quiet = self._batches = self._timed_batches = 0
+        self.calls = self.skipped = self._quiet = self._batches = self._timed_batches = self._batch_reads = 0
         self._samples = []
         return taken
 
     def calibrate(self, repeats: int = 200) -> None:
         """Measure :attr:`in_window`, :attr:`per_call` and :attr:`per_skip` on wrapped no-ops: the median of a
         few batches of ``repeats`` calls each; 0 when the clock does not move (a test's fake clock)."""
-        probe = HookTimer(self.clock, sample_every=2)
+        probe = HookTimer(self.clock, sample_every=2, wall=self.wall)
         clock = self.clock
 
         def noop() -> None:

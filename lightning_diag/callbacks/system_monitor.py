@@ -216,7 +216,7 @@ class SystemMonitor(DiagCallback):
         on_cuda = trainer.strategy.root_device.type == "cuda"
         cpu_clock = getattr(self.time_source, "thread", self.time_source.cpu)
         self._overhead_clock = self.time_source.wall if on_cuda else cpu_clock
-        self._hooks = HookTimer(self._overhead_clock, sample_every=self.overhead_sample_every)
+        self._hooks = HookTimer(self._overhead_clock, self.overhead_sample_every, wall=self.time_source.wall)
         diagnostics = [cb for cb in trainer.callbacks if isinstance(cb, DiagCallback)]  # type: ignore[attr-defined]
         # the batches around every timed callback's logging steps are timed whole (their measuring and writing)
         self._intervals = {cb.every_n_steps(trainer) for cb in diagnostics}

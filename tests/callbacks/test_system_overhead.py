@@ -109,10 +109,10 @@ def test_a_constant_cost_is_reported_exactly_with_most_batches_untimed(monkeypat
 
 
 def test_an_irregular_cost_is_estimated_within_its_stated_error(monkeypatch, tmp_path):
-    # 2 ms on every 7th step (off the logging schedule), nothing elsewhere: the sampled estimate of each
+    # 0.1 ms on every 7th step (off the logging schedule), nothing elsewhere: the sampled estimate of each
     # interval stands within three standard errors of the truth, and is exact with every batch timed
     def cost(step: int) -> float:
-        return 0.002 if step % 7 == 3 else 0.0
+        return 0.0001 if step % 7 == 3 else 0.0
 
     sampled, costs, _ = run(monkeypatch, tmp_path / "sampled", cost, 400)
     exact, _, _ = run(monkeypatch, tmp_path / "exact", cost, 400, overhead_sample_every=1)
@@ -144,6 +144,41 @@ def test_the_timing_s_own_cost_is_in_the_report(monkeypatch, tmp_path):
     every, _, _ = run(monkeypatch, tmp_path / "every", lambda step: 0.0, 250, overhead_sample_every=1)
     sampled_reads = writer.marks[250][0] - writer.marks[100][0]
     assert sampled_reads < 0.4 * (every.marks[250][0] - every.marks[100][0])
+
+
+def test_heavy_batches_are_counted_even_when_untimed_and_preemption_is_not(monkeypatch, tmp_path):
+    # 3 ms of work every 32nd step (a periodic flush off the logging schedule: 7 in 8 of them fall on untimed
+    # batches) is counted in full; 5 ms that another process takes inside a hook on every 20th step (wall time
+    # only) is not counted at all
+    def cost(step: int) -> float:
+        return 0.003 if step % 32 == 5 else 0.0
+
+    preempted = []
+
+    def steal(step: int) -> None:
+        if step % 20 == 13:
+            preempted.append(step)
+            clock.advance(0.005, cpu=False)
+
+    clock = CountingTime()
+    writer = Writer(clock)
+    monkeypatch.setattr(SystemMonitor, "writer", property(lambda self: writer))
+    monitor = SystemMonitor()
+    monitor.time_source = clock
+    costs = Costs(clock, lambda step: (steal(step), cost(step))[1])
+    trainer = pl.Trainer(
+        max_steps=400,
+        callbacks=[costs, monitor, Tick(clock, STEP_S)],
+        log_every_n_steps=50,
+        default_root_dir=tmp_path,
+        **FAST,
+    )
+    trainer.fit(MLP(samples=16 * 400))
+    assert preempted
+    for end in range(100, 401, 50):
+        spent = sum(costs.spent.get(s, 0.0) for s in range(end - 50, end))
+        truth = spent / (50 * STEP_S + spent)
+        assert writer.values["diag/overhead/Costs"][end] == pytest.approx(truth, abs=1e-9), end
 
 
 @pytest.mark.parametrize(("value", "error"), [(0, ValueError), (2.5, TypeError), (True, TypeError)])
