@@ -40,6 +40,7 @@ from lightning_diag.demo.run import default_callbacks, quiet
 
 MODELS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[int], DataLoader]]] = {
     "mlp_small": (lambda: MLP(64), mlp_data),
+    "mlp1e5": (lambda: MLP(176), mlp_data),
     "mlp1e6": (lambda: MLP(600), mlp_data),
     "demo_transformer": (demo_transformer, demo_data),
 }

@@ -249,9 +249,10 @@ class HookTimer:
 
     def _close_quiet(self) -> None:
         """Count a quiet batch: light ones into the sample (sampled) or the extrapolated number (untimed); heavy
-        ones on their own. An untimed heavy batch (its hooks' wall time above the limit) is counted by its CPU time
-        less the training's usual CPU time per batch (the median of the last light batches'), at most its hooks'
-        wall time: time another process took inside a hook is not CPU time of this thread, so not counted."""
+        ones on their own. An untimed batch is heavy when its hooks' wall time and its CPU time beyond the
+        training's usual CPU time per batch (the median of the last light batches', plus three times their median
+        deviation) are both above the limit; it is counted by that excess CPU time, at most its hooks' wall time:
+        time another process took inside a hook is not CPU time of this thread, so not counted."""
         cpu = self.clock()
         self._batch_reads += 1
         batch_cpu = 0.0 if self._cpu_mark is None else cpu - self._cpu_mark
@@ -279,7 +280,16 @@ class HookTimer:
                 if self._recent:
                     self._training.append(batch_cpu - self._light)
                 return
-            hooks = min(total, max(0.0, batch_cpu - statistics.median(self._training)))
+            # heavy by the wall clock: by the CPU clock too? (a light batch that another process interrupted is
+            # not; the training's own spread from batch to batch is not the hooks')
+            usual = statistics.median(self._training)
+            spread = statistics.median(abs(t - usual) for t in self._training)
+            excess = batch_cpu - usual
+            if excess <= limit + 3 * spread:
+                self._quiet += 1
+                self._training.append(batch_cpu - self._light)
+                return
+            hooks = min(total, excess)
             for name, value in walls.items():
                 self.seconds[name] = self.seconds.get(name, 0.0) + value * hooks / total
 
