@@ -244,7 +244,8 @@ class SystemMonitor(DiagCallback):
         # whole when one of them, or the one before, is a logging step of a timed callback
         step = self.cadence_step(trainer)
         delta, self._last_cadence = max(1, step - self._last_cadence), step
-        exact = any((step + d) % every == 0 for every in self._intervals for d in range(-1, delta + 1))
+        # steps step-1 .. step+delta hold a multiple of `every` when (step+delta) % every <= delta+1
+        exact = any((step + delta) % every <= delta + 1 for every in self._intervals)
         self._hooks.next_batch(exact)
 
     def _add_checkpoint_time(self, elapsed: float) -> None:
