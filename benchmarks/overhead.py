@@ -98,7 +98,23 @@ class BenchMLP(BenchTransformer):
         return loss
 
 
+#: Models of ``cost_table.py`` (issue 37 §4): the 1.1M-parameter MLP (4 hidden layers of 600, fast steps) and
+#: the demo transformer (``TinyTransformerClassifier``), by name.
+COST_TABLE_MODELS = ("mlp1e6", "demo_transformer")
+
+
+def _cost_table() -> Any:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import cost_table
+
+    return cost_table
+
+
 def _data(model: str, steps: int, quick: bool) -> DataLoader:
+    if model == "mlp1e6":
+        return _cost_table().mlp_data(steps)
+    if model == "demo_transformer":
+        return _cost_table().demo_data(steps)
     g = torch.Generator().manual_seed(0)
     if model == "transformer":
         batch, seq = (4, 16) if quick else (16, 128)
@@ -111,6 +127,10 @@ def _data(model: str, steps: int, quick: bool) -> DataLoader:
 
 
 def _model(model: str, quick: bool, log_grad_norm: bool) -> pl.LightningModule:
+    if model == "mlp1e6":
+        return _cost_table().MLP(64 if quick else 600)
+    if model == "demo_transformer":
+        return _cost_table().demo_transformer()
     if model == "transformer":
         return BenchTransformer(log_grad_norm, d_model=32 if quick else 256, layers=2 if quick else 4)
     return BenchMLP(log_grad_norm)
@@ -167,8 +187,9 @@ def _rss_bytes() -> int:
 class StepTimer(pl.Callback):
     """Marks the start of every training batch (perf_counter, or a CUDA event) and samples memory."""
 
-    def __init__(self, device: str, sample_memory_at: tuple[int, ...] = ()) -> None:
+    def __init__(self, device: str, sample_memory_at: tuple[int, ...] = (), clock: str = "wall") -> None:
         self.device = device
+        self.clock = time.thread_time if clock == "thread" else time.perf_counter
         self.marks: list[Any] = []
         self.sample_memory_at = sample_memory_at
         self.memory: dict[int, int] = {}
@@ -181,7 +202,7 @@ class StepTimer(pl.Callback):
             event.record()
             self.marks.append(event)
         else:
-            self.marks.append(time.perf_counter())
+            self.marks.append(self.clock())
             self.peak_rss = max(self.peak_rss, _rss_bytes())
         step = trainer.global_step
         if step in self.sample_memory_at and step not in self.memory:
@@ -256,7 +277,7 @@ def fit(
     callbacks = list(variant.callbacks())
     if probe is not None:
         probe.wrap(callbacks)
-    timer = StepTimer(args.device, sample_memory_at)
+    timer = StepTimer(args.device, sample_memory_at, getattr(args, "clock", "wall"))
     trainer = pl.Trainer(
         default_root_dir=root,
         max_steps=steps,
@@ -300,7 +321,7 @@ def _fmt_bytes(n: float) -> str:
 
 def benchmark(model: str, args: argparse.Namespace, root: str) -> list[str]:
     """Interleaved repetitions of every variant on one model; the markdown table rows."""
-    vs = variants()
+    vs = [v for v in variants() if args.variants is None or v.name in args.variants or v.name == "bare"]
     steps = args.steps if model == "transformer" else args.mlp_steps
     reps = args.reps
     runs: dict[str, list[Run]] = {v.name: [] for v in vs}
@@ -389,13 +410,39 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-transformer-log-every", type=int, default=5, help="log_every_n_steps of CPU transformer fits"
     )
     parser.add_argument("--memory-steps", type=int, default=None, help="steps of the memory run (default 1000)")
-    parser.add_argument("--models", nargs="+", choices=["transformer", "mlp"], default=["transformer", "mlp"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=["transformer", "mlp", *COST_TABLE_MODELS],
+        default=["transformer", "mlp"],
+        help="mlp1e6 and demo_transformer: cost_table.py's 1.1M-parameter MLP and the demo transformer "
+        "(--mlp-steps, --mlp-warmup apply to them)",
+    )
+    parser.add_argument(
+        "--variants", nargs="+", default=None, help="only these variants (by name, e.g. 'all defaults'; bare always)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="CPU step time: wall (perf_counter) or the training thread's CPU time (steadier on a shared machine)",
+    )
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory-growth run")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default 1: steadier on a shared CPU)"
     )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a CUDA GPU, but torch.cuda.is_available() is False on this machine")
+        parser.error(
+            "--device cuda needs a CUDA GPU, but torch.cuda.is_available() is False on this machine: nothing was "
+            "measured (run it where a GPU is visible; docs/performance.md describes what it measures)"
+        )
+    if args.device == "cuda" and args.clock == "thread":
+        parser.error("--clock thread is for CPU runs; CUDA steps are timed with CUDA events")
+    known = {v.name for v in variants()}
+    unknown = sorted(set(args.variants or ()) - known)
+    if unknown:
+        parser.error(f"unknown --variants {unknown}; choose from {sorted(known)}")
     quick = args.quick
     gpu = args.device == "cuda"
     args.reps = args.reps or (1 if quick else 3)
@@ -431,7 +478,7 @@ def _main(args: argparse.Namespace) -> int:
         rows = []
         for model in args.models:
             rows += benchmark(model, args, root)
-        memory = memory_growth(args, root)
+        memory = "| (skipped: --no-memory) | | | | | |" if args.no_memory else memory_growth(args, root)
         syncs = sync_check(args, os.path.join(root, "sync")) if gpu else []
     device = torch.cuda.get_device_name() if gpu else f"cpu, {torch.get_num_threads()} threads"
     print(
@@ -439,6 +486,7 @@ def _main(args: argparse.Namespace) -> int:
         f"transformer {args.steps} steps (first {args.warmup} untimed), mlp {args.mlp_steps} steps (first "
         f"{args.mlp_warmup} untimed) per fit; log_every_n_steps {args.log_every}"
         + (f" ({args.cpu_transformer_log_every} for the CPU transformer)" if not gpu else "")
+        + f"; step clock {args.clock}; load average {os.getloadavg()[0]:.1f}"
         + f"; {time.perf_counter() - t0:.0f} s"
     )
     print()

@@ -35,10 +35,12 @@ from cost_table import MLP, demo_data, demo_transformer, mlp_data
 from paired_share import SKIP, StepClock, Switched, is_on
 
 from lightning_diag import SystemMonitor
+from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.demo.run import default_callbacks, quiet
 
 MODELS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[int], DataLoader]]] = {
     "mlp_small": (lambda: MLP(64), mlp_data),
+    "mlp1e5": (lambda: MLP(176), mlp_data),
     "mlp1e6": (lambda: MLP(600), mlp_data),
     "demo_transformer": (demo_transformer, demo_data),
 }
@@ -96,6 +98,7 @@ def paired(model: str, steps: int, root: str) -> float:
         # normal run, so that the timing's own cost is part of the marginal cost measured
         original(trainer, pl_module, stage)
         monitor._hooks.attach(cbs)
+        monitor._intervals = {cb.every_n_steps(trainer) for cb in cbs if isinstance(cb, DiagCallback)}
 
     monitor.setup = setup  # type: ignore[method-assign]
     trainer = _trainer(root, steps, [clock, Switched(cbs)])

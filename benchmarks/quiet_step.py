@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cost_table import MLP, mlp_data
 
-from lightning_diag import AnomalyAlarm, GradientFlowMonitor
+from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, DataDiagnostics, GradientFlowMonitor, SystemMonitor
 from lightning_diag.demo.run import default_callbacks, quiet
 
 COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/quiet_step.py"
@@ -56,7 +56,13 @@ HOOKS = (
 CALLBACKS: dict[str, Callable[[], pl.Callback]] = {
     "AnomalyAlarm": AnomalyAlarm,
     "GradientFlowMonitor": GradientFlowMonitor,
+    "AttentionEntropyMonitor": AttentionEntropyMonitor,
+    "DataDiagnostics": DataDiagnostics,
+    "SystemMonitor": SystemMonitor,
 }
+#: Per-batch work a callback does outside its hooks, timed like them: SystemMonitor closes each batch after the
+#: last callback's ``on_train_batch_end`` (and picks the next batch to time).
+EXTRA: dict[str, tuple[str, ...]] = {"SystemMonitor": ("_close_batch", "_next_batch")}
 
 
 class _Ops(TorchDispatchMode):
@@ -133,6 +139,8 @@ def inside(name: str, width: int, steps: int, root: str, count_ops: bool) -> tup
     for hook in HOOKS:
         if getattr(type(cb), hook) is not getattr(pl.Callback, hook):  # a hook the callback implements
             wrap(hook)
+    for method in EXTRA.get(name, ()):
+        wrap(method)
     _trainer(root, [cb], steps).fit(MLP(width), mlp_data(steps))
     medians = {hook: statistics.median(v) for hook, v in seconds.items() if v}
     return medians, ops[0] / max(len(quiet_steps), 1)
@@ -161,7 +169,9 @@ def end_to_end(width: int, steps: int, reps: int, root: str, names: list[str]) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--callbacks", nargs="+", choices=list(CALLBACKS), default=list(CALLBACKS))
+    parser.add_argument(
+        "--callbacks", nargs="+", choices=list(CALLBACKS), default=["AnomalyAlarm", "GradientFlowMonitor"]
+    )
     parser.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
     parser.add_argument("--steps", type=int, default=200, help="steps per fit (default 200)")
     parser.add_argument("--quick", action="store_true", help="a small MLP, few steps: a smoke test")
@@ -174,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             # The operator count runs in a fit of its own: the dispatch mode would inflate the timed hooks.
             ops = inside(name, width, min(steps, 60), os.path.join(root, f"{name}-ops"), True)[1]
             runs = [inside(name, width, steps, os.path.join(root, f"{name}{i}"), False) for i in range(reps)]
-            hooks = sorted({h for medians, _ in runs for h in medians}, key=HOOKS.index)
+            order = [*HOOKS, *EXTRA.get(name, ())]
+            hooks = sorted({h for medians, _ in runs for h in medians}, key=order.index)
             per_hook = {h: statistics.median(m.get(h, 0.0) for m, _ in runs) for h in hooks}
             total = sum(per_hook.values())
             detail = ", ".join(f"{h} {s * 1e6:.0f}" for h, s in per_hook.items())

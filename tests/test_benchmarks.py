@@ -116,6 +116,18 @@ def test_overhead_rejects_bad_arguments(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_overhead_runs_the_cost_table_models_in_one_run_on_the_thread_clock(capsys):
+    main = _load("overhead").main
+    argv = ["--quick", "--models", "mlp1e6", "demo_transformer", "--variants", "all defaults", "--no-memory"]
+    assert main([*argv, "--clock", "thread"]) == 0
+    out = capsys.readouterr().out
+    assert "step clock thread" in out
+    rows = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith("| mlp1e6") or "demo_trans" in line]
+    assert rows == [[f"| {m}", v] for m in ("mlp1e6", "demo_transformer") for v in ("bare", "all defaults")]
+    assert _exit_code(main, ["--variants", "no such variant"]) == 2
+    assert "unknown --variants" in capsys.readouterr().err
+
+
 def test_overhead_sync_probe_wraps_only_the_hooks_a_callback_overrides():
     overhead = _load("overhead")
     probe = overhead.SyncProbe(every=10)

@@ -3,14 +3,28 @@ a wrapper that closes each step at its ``on_train_batch_end`` boundary, and a ti
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+import random
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytorch_lightning as pl
 
-__all__ = ["HookTimer", "time_save_checkpoint", "untime_save_checkpoint", "unwrap_batch_end", "wrap_batch_end"]
+__all__ = [
+    "BATCH_HOOKS",
+    "TOTAL",
+    "HookTimer",
+    "Taken",
+    "time_save_checkpoint",
+    "untime_save_checkpoint",
+    "unwrap_batch_end",
+    "wrap_batch_end",
+]
 
 
 # -- the diagnostics' own cost ------------------------------------------------------------------------------
@@ -36,8 +50,60 @@ TIMED_HOOKS = (
 #: The hooks inside the training steps (not validation, not checkpoint saving): their time is the diagnostics'
 #: share of a step's time (:attr:`HookTimer.step_seconds`).
 STEP_HOOKS = frozenset(TIMED_HOOKS[:8])
+#: The hooks Lightning calls once per training batch: timed on sampled batches only (:class:`HookTimer`).
+BATCH_HOOKS = frozenset(TIMED_HOOKS[:6])
 
 _RECORDER_METHODS = ("add", "add_probabilities", "mha_pre_hook")
+
+
+#: The key of the summed standard error in :attr:`Taken.stderr`.
+TOTAL = "total"
+#: Sampled batches kept across intervals, for an interval with fewer than two samples of its own.
+RECENT = 32
+#: A quiet batch whose hooks took more than this many seconds beyond 4x the usual is *heavy* (scheduled work, a
+#: garbage collection): counted on its own, never extrapolated from, nor left to the sample to find.
+HEAVY_S = 200e-6
+
+
+@dataclasses.dataclass
+class Taken:
+    """What the timed hooks took since the previous :meth:`HookTimer.take`.
+
+    Attributes:
+        seconds: Seconds by name: measured on the timed batches, plus the untimed quiet batches' extrapolated from
+            the sampled ones (their mean times their number).
+        stderr: The sampling standard error of each estimate by name, and of their sum under :data:`TOTAL`: 0 when
+            every batch was timed, NaN when fewer than two batches were sampled.
+        timer_seconds: What the timing itself cost: the timed calls times the measured per-call cost, plus the
+            untimed calls times the wrapper's cost.
+        batches: Training batches closed in the interval.
+        timed: How many of them had their per-batch hooks timed.
+    """
+
+    seconds: dict[str, float]
+    stderr: dict[str, float]
+    timer_seconds: float
+    batches: int
+    timed: int
+
+
+def _estimate(own: list[float], pool: list[float], quiet: int) -> tuple[float, float]:
+    """The total over ``quiet`` batches and its standard error, from the per-batch values of the batches sampled
+    among them (``own``) and of the last sampled batches (``pool``, ``own`` included).
+
+    The mean is the interval's own sample's (the pool's when it has none); the spread is the pool's, steadier
+    than a few batches' (a cost on one batch in seven is missed by six samples four times in ten, whose own
+    spread would then say zero). The finite-population correction applies to an interval's own sample."""
+    if quiet == 0:
+        return 0.0, 0.0
+    sample = own or pool
+    if not sample:
+        return 0.0, math.nan
+    total = quiet * math.fsum(sample) / len(sample)
+    if len(pool) < 2:
+        return total, math.nan
+    correction = max(0.0, 1.0 - len(own) / quiet) if own else 1.0
+    return total, quiet * statistics.stdev(pool) / math.sqrt(len(sample)) * math.sqrt(correction)
 
 
 class HookTimer:
@@ -48,38 +114,103 @@ class HookTimer:
     :class:`~lightning_diag.instrument.attention_record.AttentionRecorder`; :meth:`detach` removes them all.
     Nested calls (a recorder call inside a callback's hook) count once, for the innermost owner only.
 
-    ``clock`` is the process's CPU time on CPU (:class:`SystemMonitor` passes ``TimeSource.cpu``): what a hook
-    adds to the run there, unaffected by other processes taking the CPU away in the middle of a hook (wall time
-    charges that preemption to whichever hook it lands in, and a hook that writes a file or reads ``/proc`` is
-    rescheduled behind the other processes). It is the host wall time on CUDA, where kernels the hooks launch run
-    asynchronously and are not counted.
+    Reading ``clock`` is what timing costs, so the per-batch hooks (:data:`BATCH_HOOKS` and the recorder) are
+    timed on a sample of the batches only: every batch :meth:`next_batch` is told is *exact* (the batches around a
+    logging step, where the callbacks do their measuring and writing), and one *quiet* batch in each block of
+    ``sample_every``, at a random position (a private generator: the run's random state is not touched), so
+    that work on any schedule is sampled without bias. :meth:`take` extrapolates the quiet batches from the
+    sampled ones and states the standard error. Epoch, validation and checkpoint hooks are always timed.
+
+    ``clock`` is the training thread's CPU time on CPU (:class:`SystemMonitor` passes ``TimeSource.thread``):
+    what a hook adds to the run there, unaffected by other processes taking the CPU away in the middle of a hook
+    (wall time charges that preemption to whichever hook it lands in, and a hook that writes a file or reads
+    ``/proc`` is rescheduled behind the other processes). It is the host wall time on CUDA, where kernels the
+    hooks launch run asynchronously and are not counted.
+
+    Args:
+        clock: Seconds of the clock the hooks are timed with.
+        sample_every: Time one quiet batch in each block of this many (1: every batch).
+        seed: Seed of the sampling generator.
     """
 
     RECORDER = "AttentionRecorder"
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        sample_every: int = 1,
+        seed: int = 0,
+        wall: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.clock = clock
+        self.wall = wall
+        self.sample_every = max(1, int(sample_every))
+        self._rng = random.Random(seed)
+        #: Seconds by name of the exact batches' hooks and of the hooks always timed, since the last :meth:`take`.
         self.seconds: dict[str, float] = {}
         #: Seconds spent in the :data:`STEP_HOOKS` of the timed callbacks and in the attention recorder since the
-        #: start (never reset): the time the diagnostics add to the training steps (the recorder's calls in a
-        #: validation forward land on the step after validation, which has a known cause anyway).
+        #: start (never reset; timed batches only): the time the diagnostics add to the training steps (the
+        #: recorder's calls in a validation forward land on the step after validation, which has a known cause).
         self.step_seconds = 0.0
+        #: Mean seconds of those hooks on a sampled quiet batch: the estimate for an untimed one.
+        self.quiet_step_seconds = 0.0
+        #: Whether the current batch's per-batch hooks are timed.
+        self.active = True
+        #: Whether the current batch is a sampled quiet batch (its seconds are a sample, not a measured total).
+        self.sampled = False
+        #: Timed and untimed wrapper calls since the last :meth:`take` (what the timing itself costs).
+        self.calls = 0
+        self.skipped = 0
+        #: What the timing costs (:meth:`calibrate`; 0 until then): seconds of the clock's reads inside a timed
+        #: call's window, outside it, and of an untimed call's wrapper.
+        self.in_window = 0.0
+        self.per_call = 0.0
+        self.per_skip = 0.0
         self._wrapped: list[tuple[Any, str]] = []
         self._recorder_patch: dict[str, Any] = {}
         self._stack: list[list[float]] = []
-        #: Timed calls since the last :meth:`take` (their clock reads are a cost no window holds whole).
-        self.calls = 0
+        self._current: dict[str, float] = {}
+        self._samples: list[dict[str, float]] = []
+        self._recent: deque[dict[str, float]] = deque(maxlen=RECENT)
+        self._quiet = 0
+        self._batches = 0
+        self._timed_batches = 0
+        self._block_pos = 0
+        self._pick = 0
+        self._batch_mark = 0.0
+        # untimed batches: the hooks' wall seconds by name (cheap clock), and the batch's CPU and wall marks
+        self._walls: dict[str, float] = {}
+        self._in_skip = False
+        self._light = 0.0  # the usual hooks' seconds of a sampled quiet batch (moving mean)
+        self._cpu_mark: float | None = None
+        self._training: deque[float] = deque(maxlen=RECENT)  # CPU seconds of light batches outside the hooks
+        self._batch_reads = 0
 
-    def timed(self, name: str, fn: Callable[..., Any], step: bool = False) -> Callable[..., Any]:
+    def timed(self, name: str, fn: Callable[..., Any], step: bool = False, batch: bool = False) -> Callable[..., Any]:
         """``fn`` wrapped so that its time on :attr:`clock` (less nested timed calls) is counted under ``name``
-        (and, with ``step`` and outside any other timed call, in :attr:`step_seconds`)."""
+        (and, with ``step`` and outside any other timed call, in :attr:`step_seconds`); with ``batch`` only on the
+        batches :meth:`next_batch` picks."""
         seconds = self.seconds
         stack = self._stack
         wall = self.clock
+        cheap = self.wall
         timer = self
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if batch and not timer.active:
+                # untimed: only the cheap wall clock, so that a heavy batch is still seen
+                timer.skipped += 1
+                if timer._in_skip:
+                    return fn(*args, **kwargs)
+                timer._in_skip = True
+                begin = cheap()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    timer._in_skip = False
+                    walls = timer._walls
+                    walls[name] = walls.get(name, 0.0) + cheap() - begin
             timer.calls += 1
             inner = [0.0]
             stack.append(inner)
@@ -89,13 +220,78 @@ class HookTimer:
             finally:
                 elapsed = wall() - start
                 stack.pop()
-                seconds[name] = seconds.get(name, 0.0) + elapsed - inner[0]
+                # the clock's own cost inside the window is the timing's (SystemMonitor's), not the hook's
+                into = timer._current if batch and timer.sampled else seconds
+                into[name] = into.get(name, 0.0) + elapsed - inner[0] - timer.in_window
                 if stack:
-                    stack[-1][0] += elapsed
+                    stack[-1][0] += elapsed + timer.per_call
                 elif step:
                     timer.step_seconds += elapsed
 
         return wrapper
+
+    def next_batch(self, exact: bool) -> None:
+        """Close the current training batch; time the next one's per-batch hooks if ``exact``, else if it is the
+        quiet batch its block of :attr:`sample_every` picked."""
+        self._batches += 1
+        if self.active:
+            self._timed_batches += 1
+        if self.sample_every > 1:
+            self._close_quiet()
+        self._batch_mark = self.step_seconds
+        if exact or self.sample_every == 1:
+            self.active, self.sampled = True, False
+            return
+        if self._block_pos == 0:
+            self._pick = self._rng.randrange(self.sample_every)
+        self.active = self.sampled = self._block_pos == self._pick
+        self._block_pos = (self._block_pos + 1) % self.sample_every
+
+    def _close_quiet(self) -> None:
+        """Count a quiet batch: light ones into the sample (sampled) or the extrapolated number (untimed); heavy
+        ones on their own. An untimed batch is heavy when its hooks' wall time and its CPU time beyond the
+        training's usual CPU time per batch (the median of the last light batches', plus three times their median
+        deviation) are both above the limit; it is counted by that excess CPU time, at most its hooks' wall time:
+        time another process took inside a hook is not CPU time of this thread, so not counted."""
+        cpu = self.clock()
+        self._batch_reads += 1
+        batch_cpu = 0.0 if self._cpu_mark is None else cpu - self._cpu_mark
+        self._cpu_mark = cpu
+        limit = 4 * self._light + HEAVY_S
+        if self.sampled:
+            sample, self._current = self._current, {}
+            total = math.fsum(sample.values())
+            if total > limit and self._recent:  # heavy (the first sample sets what is usual)
+                for name, value in sample.items():
+                    self.seconds[name] = self.seconds.get(name, 0.0) + value
+                return
+            self._samples.append(sample)
+            self._recent.append(sample)
+            self._training.append(batch_cpu - total)
+            self._light = total if len(self._recent) == 1 else 0.9 * self._light + 0.1 * total
+            spent = self.step_seconds - self._batch_mark
+            self.quiet_step_seconds = spent if len(self._recent) == 1 else 0.9 * self.quiet_step_seconds + 0.1 * spent
+            self._quiet += 1
+        elif not self.active:
+            walls, self._walls = self._walls, {}
+            total = math.fsum(walls.values())
+            if total <= limit or not self._training:
+                self._quiet += 1
+                if self._recent:
+                    self._training.append(batch_cpu - self._light)
+                return
+            # heavy by the wall clock: by the CPU clock too? (a light batch that another process interrupted is
+            # not; the training's own spread from batch to batch is not the hooks')
+            usual = statistics.median(self._training)
+            spread = statistics.median(abs(t - usual) for t in self._training)
+            excess = batch_cpu - usual
+            if excess <= limit + 3 * spread:
+                self._quiet += 1
+                self._training.append(batch_cpu - self._light)
+                return
+            hooks = min(total, excess)
+            for name, value in walls.items():
+                self.seconds[name] = self.seconds.get(name, 0.0) + value * hooks / total
 
     def attach(self, callbacks: Iterable[pl.Callback], recorder: bool = True) -> list[str]:
         """Wrap the overridden hooks of ``callbacks``; returns the names they are counted under."""
@@ -111,7 +307,8 @@ class HookTimer:
                 impl = getattr(type(cb), hook, None)
                 if impl is None or impl is getattr(pl.Callback, hook) or hook in vars(cb):
                     continue
-                setattr(cb, hook, self.timed(name, getattr(cb, hook), step=hook in STEP_HOOKS))
+                wrapped = self.timed(name, getattr(cb, hook), step=hook in STEP_HOOKS, batch=hook in BATCH_HOOKS)
+                setattr(cb, hook, wrapped)
                 self._wrapped.append((cb, hook))
         if recorder:
             self._patch_recorder()
@@ -127,12 +324,13 @@ class HookTimer:
                 continue
             self._recorder_patch[method] = original
             if method == "mha_pre_hook":
+
                 def make_hook(rec: Any, name: str, _orig: Any = original, _timed: Any = self.timed) -> Any:
-                    return _timed(HookTimer.RECORDER, _orig(rec, name), step=True)
+                    return _timed(HookTimer.RECORDER, _orig(rec, name), step=True, batch=True)
 
                 patched: Any = make_hook
             else:
-                patched = self.timed(self.RECORDER, original, step=True)
+                patched = self.timed(self.RECORDER, original, step=True, batch=True)
             patched._diag_timed = True
             setattr(AttentionRecorder, method, patched)
 
@@ -148,28 +346,62 @@ class HookTimer:
                 setattr(AttentionRecorder, method, original)
             self._recorder_patch = {}
 
-    def take(self) -> dict[str, float]:
-        """The seconds counted since the last call, by name (then reset to zero, with :attr:`calls`)."""
-        taken = dict(self.seconds)
+    def take(self) -> Taken:
+        """The seconds since the last call by name, the quiet batches extrapolated (:class:`Taken`); then start
+        counting afresh."""
+        own, pool, quiet = self._samples, list(self._recent), self._quiet
+        names = list(self.seconds) + sorted({n for s in pool for n in s} - set(self.seconds))
+        estimates: dict[str, float] = {}
+        stderr: dict[str, float] = {}
+        for name in names:
+            extra, err = _estimate([s.get(name, 0.0) for s in own], [s.get(name, 0.0) for s in pool], quiet)
+            estimates[name] = self.seconds.get(name, 0.0) + extra
+            stderr[name] = err
+        stderr[TOTAL] = _estimate([math.fsum(s.values()) for s in own], [math.fsum(s.values()) for s in pool], quiet)[1]
+        taken = Taken(
+            estimates,
+            stderr,
+            # a timed call reads the clock twice, a batch's close once
+            (self.calls + self._batch_reads / 2) * (self.in_window + self.per_call) + self.skipped * self.per_skip,
+            self._batches,
+            self._timed_batches,
+        )
         for key in self.seconds:
             self.seconds[key] = 0.0
-        self.calls = 0
+        self.calls = self.skipped = self._quiet = self._batches = self._timed_batches = self._batch_reads = 0
+        self._samples = []
         return taken
 
-    def per_call_cost(self, repeats: int = 200) -> float:
-        """Seconds one timed call costs beyond what its window counts (the wrapper and the clock reads outside
-        it), measured on a wrapped no-op: the median of a few batches of ``repeats`` calls, 0 when the clock does
-        not move (a test's fake clock)."""
-        probe = HookTimer(self.clock)
-        noop = probe.timed("probe", lambda: None)
-        costs = []
+    def calibrate(self, repeats: int = 200) -> None:
+        """Measure :attr:`in_window`, :attr:`per_call` and :attr:`per_skip` on wrapped no-ops: the median of a
+        few batches of ``repeats`` calls each; 0 when the clock does not move (a test's fake clock)."""
+        probe = HookTimer(self.clock, sample_every=2, wall=self.wall)
+        clock = self.clock
+
+        def noop() -> None:
+            return None
+
+        timed = probe.timed("probe", noop, batch=True)
+        in_window, per_call, per_skip = [], [], []
         for _ in range(5):
-            start = self.clock()
+            probe.active = True
+            start = clock()
+            for _ in range(repeats):
+                timed()
+            elapsed, windows = clock() - start, probe.take().seconds["probe"]
+            in_window.append(windows / repeats)
+            per_call.append((elapsed - windows) / repeats)
+            probe.active = False
+            start = clock()
+            for _ in range(repeats):
+                timed()
+            middle = clock()
             for _ in range(repeats):
                 noop()
-            costs.append((self.clock() - start - probe.take()["probe"]) / repeats)
-        costs.sort()
-        return max(0.0, costs[len(costs) // 2])
+            per_skip.append(((middle - start) - (clock() - middle)) / repeats)
+        self.in_window = max(0.0, statistics.median(in_window))
+        self.per_call = max(0.0, statistics.median(per_call))
+        self.per_skip = max(0.0, statistics.median(per_skip))
 
 
 # -- the trainer's step boundary and checkpoint saving --------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
-from lightning_diag.callbacks.data_batch import UninterpretableBatch, interpret, read_sample
+from lightning_diag.callbacks.data_batch import UninterpretableBatch, interpret, read_sample, shape_signature
 from lightning_diag.callbacks.data_sample import Measured, SplitSample, measure
 from lightning_diag.core.registry import default
 from lightning_diag.core.tags import data_tag
@@ -129,8 +129,9 @@ class DataDiagnostics(DiagCallback):
       (``config.max_position_embeddings``, a learned position embedding, a rotary cache). Judged on the sample,
       so nothing runs during training steps.
     * ``batch_size_mismatch`` (warning): the tensors of a sampled batch, or of a batch the trainer produced (checked
-      from ``on_train_batch_start`` until one is reported; shapes only), disagree on the batch dimension
-      (:func:`~lightning_diag.instrument.batches.size_mismatch`).
+      from ``on_train_batch_start`` until one is reported; shapes only: a batch whose structure and shapes equal
+      the last one checked, :func:`~lightning_diag.callbacks.data_batch.shape_signature`, is not checked again),
+      disagree on the batch dimension (:func:`~lightning_diag.instrument.batches.size_mismatch`).
     * ``worker_rng_shared`` (warning): the training loader has ``num_workers > 0``, a generator the dataset or its
       ``collate_fn`` holds drew while the sample was read, and no ``worker_init_fn`` (or only Lightning's)
       reseeds it: the workers' random augmentations repeat each other.
@@ -192,6 +193,8 @@ class DataDiagnostics(DiagCallback):
         self.loader_rules = self.add_rule("loader_rules", LoaderRules.from_settings, state_key="loaders")
         self.last_epoch = -1
         self.last: dict[str, float] = {}
+        # the shape signature of the last training batch found consistent (``batch_size_mismatch``)
+        self._checked_signature: Any = None
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds in effect (see :meth:`DiagCallback.thresholds`); ``data.max_batches`` is left out when
@@ -223,6 +226,7 @@ class DataDiagnostics(DiagCallback):
         if stage == TrainerFn.FITTING:
             self.last_epoch = -1
             self.last = {}
+            self._checked_signature = None
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -236,12 +240,18 @@ class DataDiagnostics(DiagCallback):
         """Count the step (the base class), then ``batch_size_mismatch`` on the batch the trainer produced (shapes
         only: no host synchronisation), until a mismatch is reported."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        # a batch shaped like the last one checked needs no new check: comparing the signatures is the quiet step
+        signature = shape_signature(batch)
+        if signature is not None and signature == self._checked_signature:
+            return
         if self.loader_rules.latch.is_active(f"{BATCH_SIZE_MISMATCH}:train"):  # reported already: once per fit
             return
         sizes = size_mismatch(batch)
-        if sizes is not None:
-            where = f" (training step {trainer.global_step})"
-            self.record(self.loader_rules.batch_sizes(sizes, "train", self.context(trainer), where))
+        if sizes is None:
+            self._checked_signature = signature
+            return
+        where = f" (training step {trainer.global_step})"
+        self.record(self.loader_rules.batch_sizes(sizes, "train", self.context(trainer), where))
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """With ``every_n_epochs``: measure again at the start of every n-th epoch."""

@@ -40,7 +40,6 @@ from lightning_diag.rules.system import (
 __all__ = ["SystemMonitor"]
 
 
-
 class SystemMonitor(DiagCallback):
     r"""Where each optimizer step's time goes, periodic stalls, memory growth, and what the diagnostics cost.
 
@@ -55,10 +54,15 @@ class SystemMonitor(DiagCallback):
     It also times the hooks of every other lightning_diag callback on the trainer (and its own, and the
     attention recorder's): the time inside them over the interval's time is ``diag/overhead/<CallbackName>``,
     the share of the interval's time the callback's hooks took, logging steps included. On CPU both are the
-    process's CPU time, the quantity ``benchmarks/paired_share.py`` measures a callback's marginal cost in, so
-    other processes on the machine do not inflate it; a hook blocked without using the CPU (sleeping, waiting on
-    a file) is not counted there. On CUDA both are host wall times (kernels the hooks launch run asynchronously
-    and are not counted). See ``docs/performance.md`` for how it compares with the measured marginal cost.
+    training thread's CPU time, the quantity ``benchmarks/paired_share.py`` measures a callback's marginal cost
+    in, so other processes on the machine do not inflate it; a hook blocked without using the CPU (sleeping,
+    waiting on a file) is not counted there. On CUDA both are host wall times (kernels the hooks launch run
+    asynchronously and are not counted). Reading the clock costs, so the per-batch hooks are timed on the batches
+    around logging steps and on one quiet batch in each ``overhead_sample_every`` (at a random position); the
+    other quiet batches are extrapolated from the sampled ones, with the sampling's standard error logged beside
+    (``diag/system/overhead_stderr/<CallbackName>``), and the timing's own cost is added to ``SystemMonitor``'s
+    share. See ``docs/system_monitor.md`` and ``docs/performance.md`` for how it compares with the measured
+    marginal cost.
 
     Logged metrics (global rank zero; ``_s`` values are means per optimizer step over the interval):
 
@@ -76,7 +80,9 @@ class SystemMonitor(DiagCallback):
       ``diag/system/slowest_rank`` (the rank with the most data waiting when that is above 10% of the step,
       else the longest step), ``diag/system/straggler_ratio`` (longest / shortest rank step time).
     * ``diag/overhead/<CallbackName>``: fraction of the interval's time spent in that callback's hooks (CPU time
-      on CPU, host wall time on CUDA).
+      on CPU, host wall time on CUDA); ``diag/system/overhead_stderr/<CallbackName>`` (and ``.../total``, of their
+      sum): its sampling standard error, as a fraction of the interval's time;
+      ``diag/system/overhead_timed_batches``: the share of the interval's batches whose hooks were timed.
     * ``diag/threshold/dataloader_bound``, ``diag/threshold/step_time_fluctuation``: reference lines.
 
     Rules (see :mod:`lightning_diag.rules.system` for the exact meaning): ``dataloader_bound``,
@@ -88,6 +94,8 @@ class SystemMonitor(DiagCallback):
         log_every_n_steps: Aggregate, log and judge every this many optimizer steps; defaults to the trainer's.
         nvml: Read GPU metrics through NVML when ``nvidia-ml-py`` is installed and the run is on CUDA.
         time_callbacks: Time the other lightning_diag callbacks' hooks (``diag/overhead/...``).
+        overhead_sample_every: Time the per-batch hooks of one quiet batch in each block of this many (and every
+            batch around a logging step); 1 times every batch, at the clock's cost on every hook call.
         rules: Thresholds and settings by rule id, ``False`` to switch a rule off (docs/thresholds.md):
             ``{"dataloader_bound": {"threshold": 0.4}, "step_time_periodic": {"window": 100}}``. The step-time
             tests look at ``step_time_periodic.window`` optimizer steps (default 200) and leave out the first
@@ -109,6 +117,7 @@ class SystemMonitor(DiagCallback):
         log_every_n_steps: int | None = None,
         nvml: bool = True,
         time_callbacks: bool = True,
+        overhead_sample_every: int = 8,
         rules: RuleChoices | None = None,
         on_alert: AlertHandler | None = None,
     ) -> None:
@@ -120,8 +129,15 @@ class SystemMonitor(DiagCallback):
         for name, flag in (("nvml", nvml), ("time_callbacks", time_callbacks)):
             if not isinstance(flag, bool):
                 raise TypeError(f"Expected argument `{name}` to be a bool, but got {flag!r}")
+        if isinstance(overhead_sample_every, bool) or not isinstance(overhead_sample_every, int):
+            raise TypeError(
+                f"Expected argument `overhead_sample_every` to be an int, but got {overhead_sample_every!r}"
+            )
+        if overhead_sample_every < 1:
+            raise ValueError(f"Expected argument `overhead_sample_every` to be >= 1, but got {overhead_sample_every}")
         self.nvml = nvml
         self.time_callbacks = time_callbacks
+        self.overhead_sample_every = overhead_sample_every
         #: Where host time comes from (the injection point for tests: a fake with ``wall()`` and ``cpu()``).
         self.time_source = TimeSource()
         self.dataloader_rule = self.add_rule(
@@ -135,7 +151,8 @@ class SystemMonitor(DiagCallback):
         self._reset_windows()
         self._overhead_clock = self.time_source.cpu
         self._hooks = HookTimer(self._overhead_clock)
-        self._per_call = 0.0
+        self._intervals: set[int] = set()
+        self._last_cadence = 0
         self._nvml_probe: NvmlProbe | None = None
         self._boundary: tuple[Any, Any] | None = None
         self._save_timer: Any = None
@@ -199,16 +216,37 @@ class SystemMonitor(DiagCallback):
         on_cuda = trainer.strategy.root_device.type == "cuda"
         cpu_clock = getattr(self.time_source, "thread", self.time_source.cpu)
         self._overhead_clock = self.time_source.wall if on_cuda else cpu_clock
-        self._hooks = HookTimer(self._overhead_clock)
-        # the timing's own cost per timed call, outside the windows it measures: SystemMonitor's, added to its share
-        self._per_call = self._hooks.per_call_cost() if self.time_callbacks else 0.0
+        self._hooks = HookTimer(self._overhead_clock, self.overhead_sample_every, wall=self.time_source.wall)
+        diagnostics = [cb for cb in trainer.callbacks if isinstance(cb, DiagCallback)]  # type: ignore[attr-defined]
+        # the batches around every timed callback's logging steps are timed whole (their measuring and writing)
+        self._intervals = {cb.every_n_steps(trainer) for cb in diagnostics}
+        self._last_cadence = self.cadence_step(trainer)
         if self.time_callbacks:
-            self._hooks.attach([cb for cb in trainer.callbacks if isinstance(cb, DiagCallback)])  # type: ignore[attr-defined]
+            # the timing's own cost per call, outside the windows it measures: SystemMonitor's, added to its share
+            self._hooks.calibrate()
+            self._hooks.attach(diagnostics)
         untime_save_checkpoint(trainer, self._save_timer)
         self._save_timer = time_save_checkpoint(trainer, self._add_checkpoint_time, self.time_source.wall)
         # the step ends after the last callback's `on_train_batch_end`
-        close = self._hooks.timed(type(self).__name__, self._close_batch) if self.time_callbacks else self._close_batch
-        self._boundary = wrap_batch_end(trainer, close)
+        if self.time_callbacks:
+            timed_close = self._hooks.timed(type(self).__name__, self._close_batch, step=True, batch=True)
+
+            def close(trainer: pl.Trainer) -> None:
+                timed_close(trainer)
+                self._next_batch(trainer)
+
+            self._boundary = wrap_batch_end(trainer, close)
+        else:
+            self._boundary = wrap_batch_end(trainer, self._close_batch)
+
+    def _next_batch(self, trainer: pl.Trainer) -> None:
+        # the next batch touches the cadence steps from `step` (its forward) to `step + delta` (its end): timed
+        # whole when one of them, or the one before, is a logging step of a timed callback
+        step = self.cadence_step(trainer)
+        delta, self._last_cadence = max(1, step - self._last_cadence), step
+        # steps step-1 .. step+delta hold a multiple of `every` when (step+delta) % every <= delta+1
+        exact = any((step + delta) % every <= delta + 1 for every in self._intervals)
+        self._hooks.next_batch(exact)
 
     def _add_checkpoint_time(self, elapsed: float) -> None:
         self._steps.add_checkpoint(elapsed)
@@ -260,7 +298,9 @@ class SystemMonitor(DiagCallback):
         if not self._steps.in_batch:
             return
         spent = self._hooks.step_seconds
-        if self._steps.batch_end(trainer.global_step, spent - self._diag_mark) and self.is_logging_step(trainer):
+        # an untimed batch's diagnostics: the sampled batches' mean
+        diagnostics = spent - self._diag_mark if self._hooks.active else self._hooks.quiet_step_seconds
+        if self._steps.batch_end(trainer.global_step, diagnostics) and self.is_logging_step(trainer):
             self._report(trainer)
         self._steps.resume()
         self._diag_mark = self._hooks.step_seconds
@@ -351,11 +391,17 @@ class SystemMonitor(DiagCallback):
         # the hooks' seconds over the same clock's seconds since the last report: the share of the interval
         now = self._overhead_clock()
         span, self._overhead_mark = now - self._overhead_mark, now
-        calls = self._hooks.calls
         taken = self._hooks.take()
         if span > 0 and self.time_callbacks:
-            taken[type(self).__name__] = taken.get(type(self).__name__, 0.0) + calls * self._per_call
-            for name, seconds in taken.items():
-                values[overhead_tag(name)] = seconds / span
+            own = type(self).__name__
+            # what the timing costs (clock reads, wrappers) is SystemMonitor's
+            taken.seconds[own] = taken.seconds.get(own, 0.0) + taken.timer_seconds
+            for name, seconds in taken.seconds.items():
+                # an extrapolated near-zero cost can come out a hair below zero
+                values[overhead_tag(name)] = max(0.0, seconds) / span
+            for name, err in taken.stderr.items():
+                if not math.isnan(err):
+                    values[family_tag("system", "overhead_stderr", name)] = err / span
+            values[family_tag("system", "overhead_timed_batches")] = taken.timed / max(taken.batches, 1)
         self.writer.scalars(values, step)
         self.record(alerts)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
 from lightning_diag import DataDiagnostics
+from lightning_diag.callbacks.data_batch import shape_signature
 from lightning_diag.demo import FAULTS, build_fault, run_demo
 from lightning_diag.instrument.batches import size_mismatch
 
@@ -138,6 +139,37 @@ def test_a_batch_broken_after_the_loader_is_caught_on_the_trainer_batch(tmp_path
     hits = [a for a in cb.alerts if a.rule == "batch_size_mismatch"]
     assert [(a.source, a.global_step) for a in hits] == [("train", 2)]
     assert "(training step 2)" in hits[0].message
+
+
+def test_batches_shaped_like_the_last_checked_one_are_not_checked_again(tmp_path, monkeypatch):
+    # the quiet step compares a shape signature; the full check runs on the first batch and on a batch whose
+    # structure or shapes changed (the break at step 4 is still caught at step 4)
+    import lightning_diag.callbacks.data_diagnostics as module
+
+    checked = []
+
+    def counting(batch):
+        checked.append(batch)
+        return size_mismatch(batch)
+
+    monkeypatch.setattr(module, "size_mismatch", counting)
+    cb = fit_captions(tmp_path, model=VisionLanguage(break_at_step=4), max_steps=6)
+    sampled = 4  # the sample's batches (max_batches=2, two splits) are checked at the start, always
+    assert len(checked) - sampled == 2, len(checked)  # step 0 (first) and step 4 (changed); steps 1-3 skipped
+    assert [(a.source, a.global_step) for a in cb.alerts if a.rule == "batch_size_mismatch"] == [("train", 4)]
+
+
+def test_the_shape_signature_tells_structures_and_shapes_apart():
+    ids, labels = torch.zeros(16, 8, dtype=torch.long), torch.zeros(16)
+    same = shape_signature({"input_ids": ids, "labels": labels})
+    assert same == shape_signature({"input_ids": ids.clone(), "labels": labels.clone()})
+    assert same != shape_signature({"input_ids": ids[:1], "labels": labels})  # a shape changed
+    assert same != shape_signature({"labels": labels, "input_ids": ids})  # keys reordered: check again
+    assert same != shape_signature({"input_ids": ids, "labels": labels, "extra": ids})  # a tensor added
+    assert shape_signature(((ids, ids), labels)) == ((ids.shape, ids.shape), labels.shape)
+    assert shape_signature([ids, "caption", None]) == (ids.shape, str, type(None))
+    assert shape_signature(Batch(ids, labels)) is None  # a dataclass: not compared, checked every time
+    assert shape_signature({"a": {"b": {"c": {"d": {"e": {"f": ids}}}}}}) is None  # deeper than 4
 
 
 def test_the_per_step_check_costs_microseconds():

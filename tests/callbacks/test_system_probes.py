@@ -107,7 +107,7 @@ def test_hook_timer_wraps_and_unwraps_instances_only():
     assert "on_train_batch_start" in vars(cb) and "on_train_batch_end" not in vars(cb)
     assert cb.on_train_batch_start(None, None, None, 0) == "done"
     assert other.on_train_batch_start(None, None, None, 0) == "done" and "on_train_batch_start" not in vars(other)
-    assert timer.take()["Slow"] > 0 and timer.take()["Slow"] == 0.0
+    assert timer.take().seconds["Slow"] > 0 and timer.take().seconds["Slow"] == 0.0
     timer.detach()
     assert "on_train_batch_start" not in vars(cb)
 
