@@ -46,6 +46,7 @@ from lightning_diag.rules.runtime import (
     EVAL_RANDOMNESS,
     LOSS_OUTLIER,
     TRAIN_OVERRIDE_BYPASSED,
+    ZERO_OUTPUT,
 )
 from lightning_diag.rules.system import DATALOADER_BOUND, MEMORY_GROWTH, STEP_TIME_FLUCTUATION, STEP_TIME_PERIODIC
 from lightning_diag.rules.train_mode import EVAL_MODE_IN_TRAINING
@@ -96,6 +97,7 @@ __all__ = [
     "VAL_DECLINE",
     "VAL_FLUCTUATION",
     "WORKER_RNG_SHARED",
+    "ZERO_OUTPUT",
 ]
 
 #: Every rule id, mapped to the callback that raises it: a live view of the rule registry
