@@ -31,7 +31,7 @@ from typing import Any
 import pytorch_lightning as pl
 
 from lightning_diag.core.alerts import Alert
-from lightning_diag.demo.corpus import CORPUS, CorpusEntry, run_corpus
+from lightning_diag.demo.corpus import CORPUS, CorpusEntry, entry_callbacks, run_corpus
 from lightning_diag.demo.faults import FAULTS, Fault, build_fault
 from lightning_diag.demo.run import default_callbacks, fault_callbacks, quiet, run_demo
 from lightning_diag.rules.catalog import ALL_RULES
@@ -111,23 +111,23 @@ def _fit_real(
 
     model, data, entry = build_corpus(name, seed=seed)
     pl.seed_everything(seed, verbose=False)
-    trainer = pl.Trainer(
-        default_root_dir=root,
-        max_steps=entry.max_steps,
-        max_epochs=-1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        log_every_n_steps=5,
-        val_check_interval=50,
-        check_val_every_n_epoch=None,
-        limit_val_batches=8,
-        num_sanity_val_steps=0,
-        accelerator="cpu",
-        callbacks=callbacks,
-        **kwargs,
-    )
+    settings: dict[str, Any] = {
+        "default_root_dir": root,
+        "max_steps": entry.max_steps,
+        "max_epochs": -1,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "log_every_n_steps": 5,
+        "val_check_interval": 50,
+        "check_val_every_n_epoch": None,
+        "limit_val_batches": 8,
+        "num_sanity_val_steps": 0,
+        "accelerator": "cpu",
+        "callbacks": callbacks,
+    }
+    trainer = pl.Trainer(**{**settings, **entry.trainer, **kwargs})
     try:
         trainer.fit(model, datamodule=data)
     except Exception as err:  # the comparison tools stop a run by raising
@@ -278,8 +278,8 @@ def run_entry(name: str, root: str, max_epochs: int | None, comparisons: bool) -
 
 
 def run_real_entry(name: str, root: str, comparisons: bool) -> Row:
-    """Run one corpus entry with the default callbacks, then each comparison tool."""
-    callbacks = default_callbacks()
+    """Run one corpus entry with the default callbacks (and those the entry needs), then each comparison tool."""
+    callbacks = [*default_callbacks(), *entry_callbacks(CORPUS[name])]
     result = run_corpus(name, root=os.path.join(root, "diag"), callbacks=callbacks)
     outcomes = {}
     if comparisons:
