@@ -37,6 +37,7 @@ CHECK_IDS = [
     "amp_not_applied",
     "loss_outlier",
     "loss_stagnant",
+    "zero_output",
 ]
 
 

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import pytorch_lightning as pl
 import torch
 
+from lightning_diag.callbacks.zero_output_check import RULE_ATTRIBUTE as ZERO_RULE_ATTRIBUTE
+from lightning_diag.callbacks.zero_output_check import ZeroOutputCheck
 from lightning_diag.instrument.runtime_probes import (
     DropoutWatch,
     MatmulDtypeProbe,
@@ -31,6 +33,7 @@ from lightning_diag.rules.runtime import (
     EvalRandomnessRule,
     LossOutlierRule,
     TrainOverrideRule,
+    ZeroOutputRule,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,6 +56,9 @@ class RuntimeChecks:
         owner.add_rule("amp_rule", AmpRule.from_settings)
         owner.add_rule("outlier_rule", LossOutlierRule.from_settings)
         owner.add_rule("eval_before_rule", EvalBeforeTrainingRule.from_settings)
+        owner.add_rule(ZERO_RULE_ATTRIBUTE, ZeroOutputRule.from_settings)
+        #: ``zero_output``'s watch of the modules' outputs on sampled steps.
+        self.zero_outputs = ZeroOutputCheck(owner)
         self.reset()
 
     def reset(self) -> None:
@@ -65,6 +71,7 @@ class RuntimeChecks:
         self._steps: list[int] = []
         # Losses of steps not judged yet that a checkpoint brought back (host floats, before ``_losses``).
         self._restored: list[float] = []
+        self.zero_outputs.reset()
 
     def _rule(self, name: str) -> Any:
         """One of the owner's rules, as rebuilt at each fit."""
@@ -74,6 +81,7 @@ class RuntimeChecks:
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """On the fit's first training batch: compare ``train()`` overrides with what is in effect, and watch the
         matmul layers' dtypes under mixed precision."""
+        self.zero_outputs.on_batch_start(trainer, pl_module)
         if self._first_batch_done:
             return
         self._first_batch_done = True
@@ -92,6 +100,7 @@ class RuntimeChecks:
         """Keep the 0-d copy of the loss (``loss``: the copy the loss sums already made, no new kernel); judge the
         mixed-precision probe; on logging steps judge the losses."""
         self._trained_forward = True
+        self.zero_outputs.on_batch_end(trainer, pl_module)
         if self._amp is not None:
             probe, self._amp = self._amp, None
             probe.stop()
@@ -166,3 +175,4 @@ class RuntimeChecks:
             if probe is not None:
                 probe.stop()
         self._amp = self._dropout = None
+        self.zero_outputs.stop()

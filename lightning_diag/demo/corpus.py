@@ -43,9 +43,31 @@ from torch import nn
 from lightning_diag.core.alerts import Alert
 from lightning_diag.demo.corpus_data import CorpusDataModule
 from lightning_diag.demo.corpus_models import ARCHITECTURES, build_net, hf_quiet
-from lightning_diag.rules.catalog import ATTN_ENTROPY_LOW, GRAD_COLLAPSE, GRAD_FROZEN, LOSS_STAGNANT, NONFINITE_LOSS
+from lightning_diag.rules.catalog import (
+    AMP_NOT_APPLIED,
+    ATTN_ENTROPY_LOW,
+    BATCH_SIZE_MISMATCH,
+    EVAL_RANDOMNESS,
+    GRAD_COLLAPSE,
+    GRAD_FROZEN,
+    LOSS_OUTLIER,
+    LOSS_STAGNANT,
+    NONFINITE_LOSS,
+    TRAIN_OVERRIDE_BYPASSED,
+    WORKER_RNG_SHARED,
+    ZERO_OUTPUT,
+)
 
-__all__ = ["ARCHITECTURES", "CORPUS", "CorpusEntry", "CorpusModule", "CorpusResult", "build_corpus", "run_corpus"]
+__all__ = [
+    "ARCHITECTURES",
+    "CORPUS",
+    "CorpusEntry",
+    "CorpusModule",
+    "CorpusResult",
+    "build_corpus",
+    "entry_callbacks",
+    "run_corpus",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +85,14 @@ class CorpusEntry:
         lr: Peak learning rate (AdamW; linear warm-up over ``warmup_steps``, then cosine decay to 10%).
         warmup_steps: Learning-rate warm-up steps.
         fault: Switches of :class:`CorpusModule` (``nan_at_step``, ``qk_scale_at_step``, ``exclude``,
-            ``dead_relu_at_step``); ``shuffle_targets`` goes to the data module.
+            ``dead_relu_at_step``, ``freeze_in_train``, ``train_at_epoch_start``, ``eval_attention_dropout``,
+            ``autocast_off``, ``zero_input_every``/``zero_input_from``, ``zero_transfer_every``/
+            ``zero_transfer_from``); ``shuffle_targets`` goes to the data module.
+        data: Loader switches of :class:`~lightning_diag.demo.corpus_data.CorpusDataModule` (``jitter``,
+            ``num_workers``, ``reseed_workers``, ``one_row_inputs``).
+        trainer: Overrides of :class:`pytorch_lightning.Trainer` arguments (``precision``,
+            ``num_sanity_val_steps``).
+        callbacks: Callbacks the entry needs beyond the defaults, as ``(class name, keyword arguments)`` pairs.
     """
 
     name: str
@@ -76,6 +105,9 @@ class CorpusEntry:
     lr: float = 3e-3
     warmup_steps: int = 30
     fault: dict[str, Any] = dataclasses.field(default_factory=dict)
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    trainer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    callbacks: tuple[tuple[str, dict[str, Any]], ...] = ()
 
     @property
     def healthy(self) -> bool:
@@ -91,6 +123,23 @@ class CorpusEntry:
     def onset_epoch(self) -> int | None:
         """Corpus faults begin at a step, never at an epoch."""
         return None
+
+
+def _leaky_attention() -> str:
+    """Register (once) and name an attention function that applies ``config.attn_pdrop`` whatever the module's
+    mode, as the FlashAttention-2 path of several Hugging Face models did (transformers PR 33844)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    name = "lightning_diag_leaky_sdpa"
+
+    def leaky(module: nn.Module, query: Any, key: Any, value: Any, mask: Any, **kwargs: Any) -> Any:
+        config: Any = module.config
+        kwargs["dropout"] = float(config.attn_pdrop)  # the bug: `dropout if self.training else 0.0` was lost
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
+    AttentionInterface.register(name, leaky)
+    return name
 
 
 class CorpusModule(pl.LightningModule):
@@ -112,6 +161,37 @@ class CorpusModule(pl.LightningModule):
             # frozen on purpose, the way everyone freezes: requires_grad_(False) on the pretrained part
             net.bert.embeddings.requires_grad_(False)
             net.bert.encoder.layer[0].requires_grad_(False)
+        f = entry.fault
+        if f.get("eval_attention_dropout"):
+            # FlashAttention-2's bug (transformers PR 33844): the attention dropout passed whatever the mode
+            net.config.attn_pdrop = float(f["eval_attention_dropout"])
+            net.config._attn_implementation = _leaky_attention()
+        if f.get("zero_transfer_every"):
+            net.transformer.h[0].register_forward_hook(self._zero_transfer)
+
+    def _zero_transfer(self, module: nn.Module, args: Any, output: Any) -> Any:
+        f, step = self.entry.fault, self.global_step
+        if not (self.training and step >= f["zero_transfer_from"] and step % f["zero_transfer_every"] == 0):
+            return output
+        # the fault: block 0's hidden states reach block 1 as zeros (a hand-off between devices)
+        if isinstance(output, tuple):
+            return (torch.zeros_like(output[0]), *output[1:])
+        return torch.zeros_like(output)
+
+    def train(self, mode: bool = True) -> CorpusModule:
+        """``nn.Module.train``; with ``freeze_in_train`` it also freezes those parameters (mmpretrain's
+        ``frozen_stages``, applied where plain-PyTorch code calls ``model.train()`` every epoch)."""
+        super().train(mode)
+        prefixes = tuple(self.entry.fault.get("freeze_in_train", ())) if hasattr(self, "entry") else ()
+        if mode and prefixes:
+            for name, p in self.named_parameters():
+                if name.startswith(prefixes):
+                    p.requires_grad_(False)
+        return self
+
+    def on_train_epoch_start(self) -> None:
+        if self.entry.fault.get("train_at_epoch_start"):
+            self.train()
 
     # -- faults -------------------------------------------------------------------------------------------
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -138,7 +218,13 @@ class CorpusModule(pl.LightningModule):
 
     # -- loss -------------------------------------------------------------------------------------------------
     def compute_loss(self, batch: Any) -> torch.Tensor:
-        """The loss of a batch."""
+        """The loss of a batch (with ``autocast_off``, a training forward that escapes autocast)."""
+        if self.training and self.entry.fault.get("autocast_off"):
+            with torch.autocast(device_type=self.device.type, enabled=False):  # the fault: no mixed precision
+                return self._loss(batch)
+        return self._loss(batch)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
         arch = self.entry.arch
         if self.task == "classify":
             tokens, mask, labels = batch
@@ -157,6 +243,9 @@ class CorpusModule(pl.LightningModule):
         return nn.functional.cross_entropy(self.net(pixels), labels)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        f, step = self.entry.fault, self.global_step
+        if f.get("zero_input_every") and step >= f["zero_input_from"] and step % f["zero_input_every"] == 0:
+            batch = (torch.zeros_like(batch[0]), *batch[1:])  # the fault: this step's tokens arrived as zeros
         loss = self.compute_loss(batch)
         self.log("train_loss", loss, on_step=True, on_epoch=False)
         return loss
@@ -265,11 +354,118 @@ def _entries() -> list[CorpusEntry]:
             max_steps=260,
             fault={"shuffle_targets": True},
         ),
+        # -- the silent errors of issue 35 on real architectures ------------------------------------------------
+        CorpusEntry(
+            "cnn_train_override",
+            "cnn",
+            "the CNN overrides train() to freeze its stem (mmpretrain's frozen_stages); Lightning never calls "
+            "train(), so the stem keeps training",
+            (TRAIN_OVERRIDE_BYPASSED,),
+            onset_step=0,
+            window=0,
+            max_steps=20,
+            fault={"freeze_in_train": ("net.0.0.", "net.0.1.")},
+        ),
+        CorpusEntry(
+            "gpt2_eval_dropout",
+            "gpt2",
+            "GPT-2's attention applies its dropout (0.1) in eval mode too (the FlashAttention-2 path of transformers "
+            "PR 33844): validation is random",
+            (EVAL_RANDOMNESS,),
+            onset_step=0,
+            window=0,
+            max_steps=20,
+            fault={"eval_attention_dropout": 0.1},
+            trainer={"num_sanity_val_steps": 2},
+        ),
+        CorpusEntry(
+            "llama_autocast_off",
+            "llama",
+            "precision='bf16-mixed', but Llama's training forward runs in autocast(enabled=False): every matmul "
+            "stays float32",
+            (AMP_NOT_APPLIED,),
+            onset_step=0,
+            window=1,
+            max_steps=10,
+            fault={"autocast_off": True},
+            trainer={"precision": "bf16-mixed"},
+        ),
+        CorpusEntry(
+            "bert_zero_input",
+            "bert",
+            "from step 100, every 20th step's tokens arrive as zeros (a transient corruption of a copy)",
+            (LOSS_OUTLIER,),
+            onset_step=100,
+            window=5,
+            max_steps=150,
+            lr=2e-3,
+            fault={"zero_input_every": 20, "zero_input_from": 100},
+        ),
+        CorpusEntry(
+            "gpt2_zero_transfer",
+            "gpt2",
+            "from step 102, every 3rd step GPT-2's block 0 hands its hidden states to block 1 as zeros (a copy "
+            "between devices)",
+            (ZERO_OUTPUT,),
+            onset_step=102,
+            window=15,  # sampled every 5 steps: the corrupted steps 102, 105 (sampled)
+            max_steps=130,
+            fault={"zero_transfer_every": 3, "zero_transfer_from": 102},
+        ),
+        CorpusEntry(
+            "bart_batch_rows",
+            "bart",
+            "the collate_fn keeps the first source sequence and all 16 targets: BART's decoder broadcasts one "
+            "encoder output against every target (transformers #34204's shape)",
+            (BATCH_SIZE_MISMATCH,),
+            onset_step=0,
+            window=0,
+            max_steps=20,
+            data={"one_row_inputs": True},
+            callbacks=(("DataDiagnostics", {}),),
+        ),
+        CorpusEntry(
+            "cnn_worker_rng",
+            "cnn",
+            "the image dataset jitters its pixels with a numpy generator it holds, read by 2 workers without a "
+            "worker_init_fn: both workers draw the same noise",
+            (WORKER_RNG_SHARED,),
+            onset_step=0,
+            window=0,
+            max_steps=20,
+            data={"jitter": 0.1, "num_workers": 2},
+            callbacks=(("DataDiagnostics", {}),),
+        ),
     ]
-    return healthy + faults
+    twins = [
+        CorpusEntry(
+            "cnn_train_override_applied",
+            "cnn",
+            "healthy twin of cnn_train_override: the same override, run by self.train() in on_train_epoch_start",
+            max_steps=60,
+            fault={"freeze_in_train": ("net.0.0.", "net.0.1."), "train_at_epoch_start": True},
+        ),
+        CorpusEntry(
+            "llama_bf16_mixed",
+            "llama",
+            "healthy twin of llama_autocast_off: Llama under precision='bf16-mixed'",
+            max_steps=60,
+            trainer={"precision": "bf16-mixed"},
+        ),
+        CorpusEntry(
+            "cnn_loader",
+            "cnn",
+            "healthy twin of cnn_worker_rng and bart_batch_rows: the jittering image dataset read by 2 workers whose "
+            "worker_init_fn reseeds its generator, collated whole",
+            max_steps=60,
+            data={"jitter": 0.1, "num_workers": 2, "reseed_workers": True},
+            callbacks=(("DataDiagnostics", {}),),
+        ),
+    ]
+    return healthy + faults + twins
 
 
-#: Every corpus entry by name: the eight healthy architectures, then the faults.
+#: Every corpus entry by name: the eight healthy architectures, the faults, then the healthy twins of issue 35's.
 CORPUS: dict[str, CorpusEntry] = {e.name: e for e in _entries()}
 
 
@@ -283,9 +479,19 @@ def build_corpus(name: str, seed: int = 0) -> tuple[CorpusModule, CorpusDataModu
         raise ValueError(f"Expected argument `name` to be one of {sorted(CORPUS)}, but got {name!r}")
     entry = CORPUS[name]
     data = CorpusDataModule(
-        ARCHITECTURES[entry.arch], seed=seed, shuffle_targets=bool(entry.fault.get("shuffle_targets", False))
+        ARCHITECTURES[entry.arch],
+        seed=seed,
+        shuffle_targets=bool(entry.fault.get("shuffle_targets", False)),
+        **entry.data,
     )
     return CorpusModule(entry, seed=seed), data, entry
+
+
+def entry_callbacks(entry: CorpusEntry) -> list[Any]:
+    """The callbacks an entry needs beyond the defaults (its ``callbacks`` field), built."""
+    import lightning_diag
+
+    return [getattr(lightning_diag, name)(**kwargs) for name, kwargs in entry.callbacks]
 
 
 @dataclasses.dataclass
@@ -320,7 +526,7 @@ def run_corpus(
 
     model, data, entry = build_corpus(name, seed=seed)
     root = root or os.path.join(os.getcwd(), "diag_runs")
-    cbs = default_callbacks() if callbacks is None else callbacks
+    cbs = [*default_callbacks(), *entry_callbacks(entry)] if callbacks is None else callbacks
     losses: list[float] = []
 
     class _Losses(pl.Callback):
@@ -343,6 +549,7 @@ def run_corpus(
         "limit_val_batches": 8,
         "num_sanity_val_steps": 0,
         "accelerator": "cpu",
+        **entry.trainer,
     }
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(**kwargs)

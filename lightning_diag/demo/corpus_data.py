@@ -18,10 +18,13 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_diag.demo.loader_faults import JitteredInputs, loader
 from lightning_diag.demo.synthetic import make_dataset, make_lm_dataset
 
 __all__ = [
@@ -89,6 +92,11 @@ class CorpusDataModule(pl.LightningDataModule):
         seed: Seed of the generator (validation uses ``seed + 1``).
         shuffle_targets: Permute the training targets against their inputs (labels, target sequences; the
             ``"lm"`` task has no separate targets and ignores it).
+        jitter: Add Gaussian noise of this scale to the training inputs, drawn from a numpy generator the dataset
+            holds (:class:`~lightning_diag.demo.loader_faults.JitteredInputs`; image task); 0: none.
+        num_workers: Training-loader worker processes.
+        reseed_workers: Give each worker's copy of that generator its own stream (a ``worker_init_fn``).
+        one_row_inputs: A broken ``collate_fn`` keeps the first row of the inputs and every target.
 
     Raises:
         ValueError: If ``task`` is unknown.
@@ -102,12 +110,18 @@ class CorpusDataModule(pl.LightningDataModule):
         batch_size: int = 16,
         seed: int = 0,
         shuffle_targets: bool = False,
+        jitter: float = 0.0,
+        num_workers: int = 0,
+        reseed_workers: bool = False,
+        one_row_inputs: bool = False,
     ) -> None:
         super().__init__()
         if task not in ("classify", "lm", "seq2seq", "image"):
             raise ValueError(f"Expected argument `task` to be one of classify, lm, seq2seq, image, but got {task!r}")
         self.task, self.n_train, self.n_val, self.batch_size = task, n_train, n_val, batch_size
         self.seed, self.shuffle_targets = seed, shuffle_targets
+        self.jitter, self.num_workers, self.reseed_workers = jitter, num_workers, reseed_workers
+        self.one_row_inputs = one_row_inputs
 
     def setup(self, stage: str | None = None) -> None:
         self.train_set = _make(self.task, self.n_train, self.seed)
@@ -119,8 +133,19 @@ class CorpusDataModule(pl.LightningDataModule):
             self.train_set = TensorDataset(*tensors)
 
     def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=g, drop_last=True)
+        dataset: Any = self.train_set
+        if self.jitter:
+            dataset = JitteredInputs(self.train_set, self.jitter, self.seed + 11)
+        return loader(
+            dataset,
+            self.batch_size,
+            shuffle=True,
+            seed=self.seed,
+            num_workers=self.num_workers,
+            reseed_workers=self.reseed_workers,
+            one_row_inputs=self.one_row_inputs,
+            drop_last=True,
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size)

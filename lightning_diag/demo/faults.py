@@ -47,6 +47,7 @@ from lightning_diag.rules.catalog import (
     UPDATE_STALE,
     VAL_DECLINE,
     WORKER_RNG_SHARED,
+    ZERO_OUTPUT,
 )
 
 __all__ = ["FAULTS", "Fault", "build_fault"]
@@ -353,6 +354,24 @@ FAULTS: dict[str, Fault] = {
             config={"zero_input_every": 20, "zero_input_from": 60},
         ),
         Fault(
+            "zero_transfer",
+            "from step 63, every 3rd step the output of the first encoder layer (the hand-off to the second, as "
+            "between two devices) arrives as zeros: the module's output is all zeros on those steps only",
+            (ZERO_OUTPUT,),
+            onset_step=63,
+            window=15,  # measured every 5 steps: the corrupted steps 63, 66, 69, 72 are not sampled, 75 is
+            max_epochs=5,
+            config={"zero_transfer_every": 3, "zero_transfer_from": 63},
+        ),
+        Fault(
+            "healthy_zero_init",
+            "healthy counterpart of `zero_transfer`: a bottleneck adapter whose up-projection starts at zero "
+            "(all-zero output until the first update, then trained away from zero)",
+            (),
+            max_epochs=3,
+            config={"zero_init_adapter": True},
+        ),
+        Fault(
             "stall",
             "every 10th step also sleeps 1 s (about 80% of the time or more): a periodic I/O or synchronisation "
             "stall, watched by SystemMonitor",
@@ -386,8 +405,7 @@ FAULTS: dict[str, Fault] = {
         ),
         Fault(
             "val_longer",
-            "a causal LM validated on sequences of 41 tokens after training on 25: positions 25-40 were never "
-            "trained",
+            "a causal LM validated on sequences of 41 tokens after training on 25: positions 25-40 were never trained",
             (POSITION_OVERFLOW,),
             onset_step=0,
             window=0,

@@ -1,7 +1,8 @@
 """Loader faults of the fault library (issue 35): a collate_fn that drops input rows, workers sharing one stream.
 
 Used by :class:`~lightning_diag.demo.synthetic.RegressionDataModule` (``one_row_inputs``, ``jitter``,
-``num_workers``, ``reseed_workers``) for the ``batch_rows`` and ``worker_rng`` faults and their healthy twins.
+``num_workers``, ``reseed_workers``) for the ``batch_rows`` and ``worker_rng`` faults and their healthy twins, and by
+:class:`~lightning_diag.demo.corpus_data.CorpusDataModule` for the same faults on real architectures.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ def loader(
     num_workers: int = 0,
     reseed_workers: bool = False,
     one_row_inputs: bool = False,
+    drop_last: bool = False,
 ) -> DataLoader:
-    """The training loader of the regression task with the loader switches of the fault library."""
+    """The training loader of the regression task (and of the real-architecture corpus) with the loader switches
+    of the fault library."""
     extra: dict[str, Any] = {}
     if num_workers:
         methods = multiprocessing.get_all_start_methods()
@@ -74,4 +77,4 @@ def loader(
     if one_row_inputs:
         extra["collate_fn"] = first_row_inputs
     g = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=g, **extra)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=g, drop_last=drop_last, **extra)

@@ -84,6 +84,12 @@ class DemoConfig:
         zero_input_every: From ``zero_input_from`` on, every ``zero_input_every``-th training step's tokens arrive
             as zeros (a transient corruption of a copy); 0: never.
         zero_input_from: The first global step ``zero_input_every`` may hit.
+        zero_transfer_every: From ``zero_transfer_from`` on, every ``zero_transfer_every``-th training step the
+            output of the transformer's first encoder layer (the hand-off to the second, as between two devices of
+            a pipeline) arrives as zeros; 0: never.
+        zero_transfer_from: The first global step ``zero_transfer_every`` may hit.
+        zero_init_adapter: The transformer classifier adds a bottleneck adapter after its encoder whose
+            up-projection starts at zero (LoRA-style): its output is all zeros until the first update.
         seed: Seed of the model's initialisation.
     """
 
@@ -116,6 +122,9 @@ class DemoConfig:
     autocast_off: bool = False
     zero_input_every: int = 0
     zero_input_from: int = 0
+    zero_transfer_every: int = 0
+    zero_transfer_from: int = 0
+    zero_init_adapter: bool = False
     seed: int = 0
 
 
@@ -229,8 +238,22 @@ class TinyTransformerClassifier(DemoModule):
         for _ in range(c.head_depth):
             head += [nn.Linear(c.d_model, c.d_model), act()]
         self.head = nn.Sequential(*head, nn.Linear(c.d_model, NUM_CLASSES))
+        self.adapter: nn.Sequential | None = None
+        if c.zero_init_adapter:
+            up = nn.Linear(8, c.d_model)
+            nn.init.zeros_(up.weight)
+            nn.init.zeros_(up.bias)
+            self.adapter = nn.Sequential(nn.Linear(c.d_model, 8), nn.ReLU(), up)
+        if c.zero_transfer_every:
+            self.encoder.layers[0].register_forward_hook(self._zero_transfer)
         self._apply_freeze()
         self._kill_handles: list[Any] = []
+
+    def _zero_transfer(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        c, step = self.config, self.global_step
+        if self.training and step >= c.zero_transfer_from and step % c.zero_transfer_every == 0:
+            return torch.zeros_like(output)  # the fault: this step's hand-off arrived as zeros
+        return output
 
     def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.autocast_off:
@@ -256,6 +279,8 @@ class TinyTransformerClassifier(DemoModule):
                 bias = bias.masked_fill(padding_mask, -math.inf)
             mask = bias
         x = self.encoder(x, src_key_padding_mask=mask)
+        if self.adapter is not None:
+            x = x + self.adapter(x)
         return self.head(x[:, 0])
 
     def _maybe_kill_hidden(self) -> None:

@@ -70,6 +70,7 @@ from lightning_diag.rules.runtime import (
     EVAL_RANDOMNESS,
     LOSS_OUTLIER,
     TRAIN_OVERRIDE_BYPASSED,
+    ZERO_OUTPUT,
 )
 from lightning_diag.rules.system import (
     DATALOADER_BOUND,
@@ -126,6 +127,7 @@ __all__ = [
     "VAL_DECLINE",
     "VAL_FLUCTUATION",
     "WORKER_RNG_SHARED",
+    "ZERO_OUTPUT",
 ]
 
 #: Every rule id, mapped to the callback that raises it: a live view of the rule registry

@@ -19,6 +19,11 @@ Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.run
   ``window / 2`` steps. A transient corruption (a batch copied as zeros, a bad shard) looks so; a healthy run's
   hard batch near convergence rises far less. Needs ``window / 2`` steps of history; judged on logging steps over
   the steps since the last one.
+* ``zero_output`` (warning): a module's output is all zeros on a sampled training step while it was non-zero on
+  each of its (at least ``threshold``) measurements before and never zero: a copy between devices or ranks that
+  arrived as zeros (a faulty link, a failed transfer), or a layer whose every unit just died. Transitions are
+  judged, not the state: a module whose output was ever zero before (a ReLU dead from the start, a zero-initialised
+  adapter) never fires, and each module fires once per fit.
 * ``eval_before_training`` (warning; ``info`` in the sanity check): a validation runs before the first training
   forward of a component whose state only training updates (an ``nn.utils.spectral_norm`` whose power iteration
   never ran: its weight is divided by a norm estimated from random vectors), so the validation computes nonsense.
@@ -40,6 +45,7 @@ __all__ = [
     "DEFAULT_LOSS_OUTLIER_RATIO",
     "DEFAULT_LOSS_OUTLIER_THRESHOLD",
     "DEFAULT_LOSS_OUTLIER_WINDOW",
+    "DEFAULT_ZERO_OUTPUT_HISTORY",
     "EVAL_BEFORE_TRAINING",
     "EVAL_BEFORE_TRAINING_SPEC",
     "EVAL_RANDOMNESS",
@@ -48,11 +54,14 @@ __all__ = [
     "LOSS_OUTLIER_SPEC",
     "TRAIN_OVERRIDE_BYPASSED",
     "TRAIN_OVERRIDE_BYPASSED_SPEC",
+    "ZERO_OUTPUT",
+    "ZERO_OUTPUT_SPEC",
     "AmpRule",
     "EvalBeforeTrainingRule",
     "EvalRandomnessRule",
     "LossOutlierRule",
     "TrainOverrideRule",
+    "ZeroOutputRule",
     "loss_outliers",
 ]
 
@@ -121,6 +130,19 @@ EVAL_BEFORE_TRAINING_SPEC = register(
 )
 EVAL_BEFORE_TRAINING = EVAL_BEFORE_TRAINING_SPEC.rule_id
 
+ZERO_OUTPUT_SPEC = register(
+    RuleSpec(
+        "zero_output",
+        _ALARM,
+        "warning",
+        3,
+        "a module's output all zeros on a sampled training step after non-zero outputs on each of its "
+        "{threshold:g} or more measurements before (a copy arriving as zeros)",
+        limits={"threshold": Limit(low=1, integer=True)},
+    )
+)
+ZERO_OUTPUT = ZERO_OUTPUT_SPEC.rule_id
+
 #: ``amp_not_applied``: share of the matmul layers' parameters computing in float32 above which it fires.
 DEFAULT_AMP_SHARE: float = float(AMP_NOT_APPLIED_SPEC.threshold or 0.5)
 #: ``loss_outlier``: robust standard deviations above the median of the window.
@@ -129,6 +151,9 @@ DEFAULT_LOSS_OUTLIER_THRESHOLD: float = float(LOSS_OUTLIER_SPEC.threshold or 10.
 DEFAULT_LOSS_OUTLIER_RATIO: float = float(LOSS_OUTLIER_SPEC.settings["ratio"])
 #: ``loss_outlier``: the steps the median and MAD are taken over.
 DEFAULT_LOSS_OUTLIER_WINDOW: int = int(LOSS_OUTLIER_SPEC.settings["window"])
+
+#: ``zero_output``: non-zero measurements a module needs before an all-zero output is judged a transition.
+DEFAULT_ZERO_OUTPUT_HISTORY: int = int(ZERO_OUTPUT_SPEC.threshold or 3)
 
 _SHOWN = 4
 #: ``loss_outlier``: judgments without an outlier after which a new outlier is a new event.
@@ -464,5 +489,71 @@ class EvalBeforeTrainingRule(Rule):
                 value=float(len(modules)),
                 threshold=None,
                 severity=Severity.INFO if sanity else None,
+            )
+        ]
+
+
+class ZeroOutputRule(Rule):
+    """``zero_output``: modules whose output turned all-zero on a sampled step after non-zero measurements.
+
+    Example:
+        >>> rule = ZeroOutputRule(history=2)
+        >>> [rule.update(["enc", "enc.act"], ["enc.act"], StepContext(0, s)) for s in (0, 5)]  # dead from the start
+        [[], []]
+        >>> rule.update(["enc", "enc.act"], [], StepContext(0, 10))
+        []
+        >>> [(a.rule, a.source) for a in rule.update(["enc", "enc.act"], ["enc"], StepContext(0, 15))]
+        [('zero_output', 'enc')]
+        >>> rule.update(["enc", "enc.act"], ["enc"], StepContext(0, 20))  # once per module and fit
+        []
+    """
+
+    specs = (ZERO_OUTPUT_SPEC,)
+    state_keys = ("nonzero", "zeroed", "checks")
+
+    def __init__(self, history: int = DEFAULT_ZERO_OUTPUT_HISTORY) -> None:
+        super().__init__()
+        self.history = max(int(history), 1)
+        #: Per module, its measurements with a non-zero output (while never zero).
+        self.nonzero: dict[str, int] = {}
+        #: The modules seen returning zeros (never judged again in this fit).
+        self.zeroed: list[str] = []
+        #: Sampled steps judged.
+        self.checks = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> ZeroOutputRule:
+        """The rule with the threshold in effect (see :meth:`Rule.from_settings`)."""
+        return cls(int(ZERO_OUTPUT_SPEC.value(thresholds)))
+
+    def update(self, ran: Sequence[str], zeros: Sequence[str], ctx: StepContext) -> list[Alert]:
+        """Feed one sampled step: the modules that ran and those among them whose every output was all zeros."""
+        self.checks += 1
+        zero_set = set(zeros)
+        known = set(self.zeroed)
+        found = [n for n in zeros if n not in known and self.nonzero.get(n, 0) >= self.history]
+        for name in ran:
+            if name in zero_set:
+                if name not in known:
+                    self.zeroed.append(name)
+                    known.add(name)
+                self.nonzero.pop(name, None)
+            elif name not in known:
+                self.nonzero[name] = self.nonzero.get(name, 0) + 1
+        if not found:
+            return []
+        found.sort(key=lambda n: -n.count(".") if n else 1)  # the innermost first
+        shown = list_names([n or "<root>" for n in found], _SHOWN, "modules")
+        return [
+            self._alert(
+                ctx,
+                f"the output of {shown} is all zeros on this step, after non-zero outputs on each of its "
+                f"{self.history} or more earlier measurements: a copy between devices or ranks that arrived as zeros "
+                "(a faulty link or transfer: pytorch #84803, #96600), or a layer whose every unit just died. A "
+                "transient corruption comes and goes (look for `loss_outlier` at other steps); a dead layer stays "
+                "zero and `grad_collapse` follows",
+                source=found[0] or "<root>",
+                value=float(len(found)),
+                threshold=float(self.history),
             )
         ]

@@ -1,0 +1,80 @@
+"""AnomalyAlarm's ``zero_output`` check: modules whose output turned all-zero on a sampled training step.
+
+A thin adapter over :class:`~lightning_diag.instrument.output_watch.ZeroOutputWatch` (the measurement) and
+:class:`~lightning_diag.rules.runtime.ZeroOutputRule` (the judgment, declared on the owner by
+:class:`~lightning_diag.callbacks.runtime_checks.RuntimeChecks`).
+
+Cost: on a sampled step (the owner's logging interval, the first micro-batch of the optimizer step) a forward hook on
+every module (installed for that batch) computes ``output.any()`` per call on the device, and the flags are read in one
+transfer at the batch's end (after one all-reduce of ``2 x modules`` numbers under data parallelism). Other steps: one
+integer comparison.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_diag.instrument.output_watch import ZeroOutputWatch
+from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.runtime import ZERO_OUTPUT, ZeroOutputRule
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_diag.callbacks.base import DiagCallback
+
+__all__ = ["RULE_ATTRIBUTE", "ZeroOutputCheck"]
+
+#: The owner's attribute holding ``zero_output``'s rule (declared with ``add_rule`` by ``RuntimeChecks``).
+RULE_ATTRIBUTE = "zero_rule"
+
+
+class ZeroOutputCheck:
+    """Installs the watch on sampled steps and feeds the owner's ``zero_rule``."""
+
+    def __init__(self, owner: DiagCallback) -> None:
+        self.owner = owner
+        self.reset()
+
+    def reset(self) -> None:
+        """The start of a fit: nothing watched yet."""
+        self.stop()
+        self._watch: ZeroOutputWatch | None = None
+        self._step = -1
+
+    def on_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """On the first batch of a sampled optimizer step: install the watch."""
+        step = trainer.global_step
+        if step == self._step or step % self.owner.every_n_steps(trainer) or ZERO_OUTPUT in self.owner.rule_choices.off:
+            return
+        self._step = step
+        if self._watch is None:
+            self._watch = ZeroOutputWatch(pl_module)
+        self._watch.start()
+
+    def on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Remove the watch and judge what it saw (one host read)."""
+        watch = self._watch
+        if watch is None or not watch.active:
+            return
+        watch.stop()
+        counts = watch.counts()
+        if trainer.world_size > 1:  # every rank judges the same numbers: on how many ranks each module was zero
+            if counts is None:
+                counts = torch.zeros(2, len(watch.order), device=pl_module.device)
+            counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        if counts is None:
+            return
+        ran_n, zero_n = counts.tolist()
+        ran = [name for name, r in zip(watch.order, ran_n, strict=True) if r > 0]
+        zeros = [name for name, z in zip(watch.order, zero_n, strict=True) if z > 0]
+        ctx = StepContext(trainer.current_epoch, self._step)  # the measured step (global_step has moved on)
+        rule: ZeroOutputRule = getattr(self.owner, RULE_ATTRIBUTE)  # rebuilt by the owner at each fit
+        self.owner.record(rule.update(ran, zeros, ctx))
+
+    def stop(self) -> None:
+        """Remove the hook if installed (the end of a fit, or an exception in the middle of a batch)."""
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.stop()
