@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_diag.core.alerts import Alert
-from lightning_diag.core.registry import CHECKS, RULES, CheckSpec
+from lightning_diag.core.registry import CHECKS, RULES, CheckSpec, value_of
 from lightning_diag.core.tags import loss_tag
 from lightning_diag.report import attention_range as _attention_range  # noqa: F401  (the attention range row)
 from lightning_diag.report import data_checks as _data_checks  # noqa: F401  (registers the Data rows)
@@ -63,6 +63,7 @@ from lightning_diag.report.rows import (
 )
 from lightning_diag.report.text import clean, display
 from lightning_diag.rules.catalog import ALL_RULES, AMP_NOT_APPLIED, LOSS_OUTLIER
+from lightning_diag.rules.runtime import LOSS_OUTLIER_WINDOW_KEY
 
 __all__ = ["MEASURES", "REPLAYS", "Check", "Measure", "RunReport", "Status", "diagnose", "measure", "replay"]
 
@@ -158,8 +159,7 @@ def _loss_outlier_measured(run: RunData, check: Check) -> bool:
     """``loss_outlier`` judges a step only after ``window / 2`` steps of history."""
     if LOSS_OUTLIER not in run.thresholds:
         return False
-    window = run.thresholds.get(f"{LOSS_OUTLIER}.window") or RULES[LOSS_OUTLIER].settings["window"]
-    need = int(window) // 2
+    need = int(value_of(run.thresholds, LOSS_OUTLIER_WINDOW_KEY)) // 2
     steps = [step for step, _ in run.scalars.get(loss_tag("train_step"), [])]
     if steps and max(steps) >= need:
         return True

@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import FRACTION, POSITIVE, Limit, RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, list_names
+from lightning_diag.rules.grad import GRAD_COLLAPSE
 
 __all__ = [
     "AMP_NOT_APPLIED",
@@ -117,6 +118,8 @@ LOSS_OUTLIER_SPEC = register(
     )
 )
 LOSS_OUTLIER = LOSS_OUTLIER_SPEC.rule_id
+#: ``thresholds()`` key of the history ``loss_outlier`` judges against (read by the report).
+LOSS_OUTLIER_WINDOW_KEY = LOSS_OUTLIER_SPEC.key("window")
 
 EVAL_BEFORE_TRAINING_SPEC = register(
     RuleSpec(
@@ -550,8 +553,8 @@ class ZeroOutputRule(Rule):
                 f"the output of {shown} is all zeros on this step, after non-zero outputs on each of its "
                 f"{self.history} or more earlier measurements: a copy between devices or ranks that arrived as zeros "
                 "(a faulty link or transfer: pytorch #84803, #96600), or a layer whose every unit just died. A "
-                "transient corruption comes and goes (look for `loss_outlier` at other steps); a dead layer stays "
-                "zero and `grad_collapse` follows",
+                f"transient corruption comes and goes (look for `{LOSS_OUTLIER}` at other steps); a dead layer stays "
+                f"zero and `{GRAD_COLLAPSE}` follows",
                 source=found[0] or "<root>",
                 value=float(len(found)),
                 threshold=float(self.history),
