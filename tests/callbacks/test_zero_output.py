@@ -214,3 +214,26 @@ def test_rule_judges_transitions_and_round_trips_its_state():
     copy = ZeroOutputRule(history=2)
     copy.load_state_dict(rule.state_dict())
     assert copy.zeroed == ["b", "a"] and copy.update(["a"], ["a"], ctx) == []
+
+
+# -- under DDP: a zero on one rank is judged on every rank ----------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["zero", "healthy"])
+def test_a_zero_output_on_one_ddp_rank_is_one_alert_on_every_rank(tmp_path, mode):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("ddp_zero_output_script.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"zero-{mode}{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        hits = [(a["rule"], a["global_step"], a["source"]) for a in rank["alerts"] if a["rule"] == "zero_output"]
+        assert hits == ([("zero_output", 20, "first")] if mode == "zero" else [])
+        assert rank["checks"] == 6  # steps 0, 5, ..., 25
