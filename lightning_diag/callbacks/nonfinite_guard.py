@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
@@ -38,7 +39,15 @@ if TYPE_CHECKING:
     from lightning_diag.callbacks.base import DiagCallback
     from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
 
-__all__ = ["NO_STEP", "NonFiniteError", "NonFiniteGuard", "drop_gradients", "is_finite", "nonfinite_details"]
+__all__ = [
+    "NO_STEP",
+    "DeferredFindings",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "drop_gradients",
+    "is_finite",
+    "nonfinite_details",
+]
 
 #: "No bad step seen": the identity of the MIN over ranks of warn mode's first bad steps.
 NO_STEP = 2**62
@@ -60,6 +69,71 @@ class NonFiniteError(RuntimeError):
         self.alert = alert
 
 
+class DeferredFindings(ReducedState):
+    """``"warn"`` mode's findings, kept on the device between read-backs: the first bad ``loss_step`` and
+    ``grad_step`` since the last read-back, declared with ``MIN`` (:data:`NO_STEP`: none; device tensors between
+    read-backs), and :attr:`steps`, the steps checked since then (the same count on every rank).
+
+    Declared on the alarm (``add_state``): saved merged over every rank, restored at a resume.
+
+    Example:
+        >>> found = DeferredFindings()
+        >>> found.defer(6, torch.tensor(True), torch.tensor(False))
+        >>> found.defer(7, None, torch.tensor(True))
+        >>> found.state_dict()
+        {'loss_step': 6.0, 'grad_step': 7.0, 'steps': 2}
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("loss_step", NO_STEP, Reduction.MIN)
+        self.add_state("grad_step", NO_STEP, Reduction.MIN)
+        self.steps = 0
+
+    def defer(self, step: int, loss_bad: torch.Tensor | None, grad_bad: torch.Tensor) -> None:
+        """Fold one checked step's flags in (``None``: no loss to test), on the device."""
+        self.steps += 1
+        for name, bad in (("loss_step", loss_bad), ("grad_step", grad_bad)):
+            if bad is None:
+                continue
+            current = self[name]
+            if isinstance(current, torch.Tensor):
+                current = current.to(bad.device)
+            else:  # a number before the first step or after a restore: a fill on the device, no host copy
+                current = torch.full((), int(current), dtype=torch.long, device=bad.device)
+            self[name] = torch.where(bad, current.clamp(max=step), current)
+
+    def read(self, trainer: pl.Trainer, device: torch.device) -> tuple[int | None, int | None] | None:
+        """The first bad loss and gradient steps over all ranks since the last read-back.
+
+        ``None`` when no step was checked since then (no news); otherwise ``(loss_step, grad_step)``, each
+        ``None`` if there was none. Every rank calls this at the same steps (it is a collective).
+        """
+        if not self.steps:
+            return None
+        self.steps = 0
+        first = reduce_state(trainer, self, device=device)
+        # Back to "none" as device tensors: the next steps update them without a copy from the host.
+        for name in ("loss_step", "grad_step"):
+            self[name] = torch.full((), NO_STEP, dtype=torch.long, device=device)
+        return _step_or_none(first["loss_step"]), _step_or_none(first["grad_step"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The first bad steps (floats; :data:`NO_STEP`: none) and ``steps``."""
+        return {**super().state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing one.
+        """
+        if "steps" not in state:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys ['steps']")
+        super().load_state_dict(state, strict)
+        self.steps = int(state["steps"])
+
+
 class NonFiniteGuard:
     """Finds the non-finite steps, asks the policy and carries out its decisions for a callback.
 
@@ -69,9 +143,7 @@ class NonFiniteGuard:
 
     Attributes:
         halted: Set by a ``STOP`` verdict: every later step of the fit is dropped.
-        pending: ``"warn"`` mode's first bad ``loss_step`` and ``grad_step`` since the last read-back, declared
-            with ``MIN`` (:data:`NO_STEP` when none), device tensors between read-backs.
-        deferred_steps: Steps checked since the last read-back (the same count on every rank).
+        deferred: ``"warn"`` mode's findings not read back yet.
     """
 
     def __init__(
@@ -80,6 +152,7 @@ class NonFiniteGuard:
         policy: NonFinitePolicy,
         recovery: NonFiniteRecovery | None = None,
         losses: LossSums | None = None,
+        deferred: DeferredFindings | None = None,
     ) -> None:
         self.owner = owner
         self.policy = policy
@@ -97,10 +170,7 @@ class NonFiniteGuard:
         # The micro-batch losses since the last step, detached (0-d; a larger loss as 0 or NaN): their finiteness
         # is tested with the gradients' in one pass at the optimizer step.
         self._losses: list[torch.Tensor] = []
-        self.pending = ReducedState()
-        self.pending.add_state("loss_step", NO_STEP, Reduction.MIN)
-        self.pending.add_state("grad_step", NO_STEP, Reduction.MIN)
-        self.deferred_steps = 0
+        self.deferred = deferred if deferred is not None else DeferredFindings()
 
     def note_loss(self, loss: torch.Tensor) -> None:
         """Remember a micro-batch loss (a 0-d copy): it is tested for NaN/Inf with the gradients at the optimizer
@@ -214,7 +284,7 @@ class NonFiniteGuard:
 
     def read_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``"warn"`` mode: read the deferred findings back and record what the policy makes of them."""
-        found = self.read_deferred(trainer, pl_module.device)
+        found = self.deferred.read(trainer, pl_module.device)
         if found is not None:
             details = lambda: self.details(trainer, pl_module)  # noqa: E731
             self.owner.record(self.policy.decide_deferred(*found, self.owner.context(trainer), details))
@@ -236,7 +306,7 @@ class NonFiniteGuard:
             # warn mode reads nothing back per step: the exact flags stay on the device
             grad_bad = nonfinite_flag(grads, torch.zeros(1, device=device)).reshape(()) > 0
             loss_bad = _any_nonfinite([loss.to(device) for loss in losses]) if losses else None
-            self._defer(trainer.global_step, loss_bad, grad_bad)
+            self.deferred.defer(trainer.global_step, loss_bad, grad_bad)
             return None
         # One fast pass over the gradients and the losses together, 0 only if all are finite, and, to decide on
         # the host whether to apply the update, one read of one number per optimizer step.
@@ -266,53 +336,6 @@ class NonFiniteGuard:
         if known is None or known[0] != len(grads):
             known = self._sharded[id(optimizer)] = (len(grads), any(is_dtensor(g) for g in grads))
         return known[1]
-
-    def _defer(self, step: int, loss_bad: torch.Tensor | None, grad_bad: torch.Tensor) -> None:
-        self.deferred_steps += 1
-        for name, bad in (("loss_step", loss_bad), ("grad_step", grad_bad)):
-            if bad is None:
-                continue
-            current = self.pending[name]
-            if isinstance(current, torch.Tensor):
-                current = current.to(bad.device)
-            else:  # a number before the first step or after a restore: a fill on the device, no host copy
-                current = torch.full((), int(current), dtype=torch.long, device=bad.device)
-            self.pending[name] = torch.where(bad, current.clamp(max=step), current)
-
-    def read_deferred(self, trainer: pl.Trainer, device: torch.device) -> tuple[int | None, int | None] | None:
-        """``"warn"`` mode: the first bad loss and gradient steps over all ranks since the last read-back.
-
-        ``None`` when no step was checked since then (no news); otherwise ``(loss_step, grad_step)``, each
-        ``None`` if there was none. Every rank calls this at the same steps (it is a collective).
-        """
-        if not self.deferred_steps:
-            return None
-        self.deferred_steps = 0
-        first = reduce_state(trainer, self.pending, device=device)
-        # Back to "none" as device tensors: the next steps update them without a copy from the host.
-        for name in ("loss_step", "grad_step"):
-            self.pending[name] = torch.full((), NO_STEP, dtype=torch.long, device=device)
-        return _step_or_none(first["loss_step"]), _step_or_none(first["grad_step"])
-
-    def pending_state(self, trainer: pl.Trainer | None = None, device: torch.device | None = None) -> dict[str, int]:
-        """The checkpoint form of :attr:`pending`: ``loss_step``, ``grad_step`` (``-1``: none) and ``steps``.
-
-        With a ``trainer``, the first bad steps over all ranks (a collective: every rank calls it).
-        """
-        first = reduce_state(trainer, self.pending, device=device) if trainer is not None else self.pending.state_dict()
-        loss_step, grad_step = (_step_or_none(first[k]) for k in ("loss_step", "grad_step"))
-        return {
-            "loss_step": -1 if loss_step is None else loss_step,
-            "grad_step": -1 if grad_step is None else grad_step,
-            "steps": self.deferred_steps,
-        }
-
-    def load_pending_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`pending_state` output."""
-        self.pending.load_state_dict(
-            {k: NO_STEP if int(state[k]) < 0 else int(state[k]) for k in ("loss_step", "grad_step")}
-        )
-        self.deferred_steps = int(state["steps"])
 
 
 def _agree(trainer: pl.Trainer, flags: torch.Tensor) -> tuple[list[bool], list[bool]]:

@@ -146,7 +146,7 @@ class NonFiniteRecovery:
         self.settings = settings
         self.every_n_steps = settings.every_n_steps
         self.spike_factor = spike_factor
-        self.rule = RollbackRule(settings.lr_factor, settings.max_rollbacks, repeat_window=settings.every_n_steps)
+        self.rule = self.new_rule()
         self.store = SnapshotStore(keep=settings.snapshots, device=settings.device, spike_factor=spike_factor)
         self._batches: collections.deque[tuple[Any, int, RngState]] = collections.deque(maxlen=1)
         self._hooks: list[Any] = []
@@ -160,11 +160,17 @@ class NonFiniteRecovery:
         self._load_extra: Callable[[dict[str, Any]], None] = _ignore
 
     # -- lifecycle ----------------------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Start a fit afresh (a resume then loads :meth:`state_dict`)."""
+    def new_rule(self) -> RollbackRule:
+        """A fresh rollback rule with these settings (the alarm declares it, so its state follows the checkpoint)."""
         settings = self.settings
-        self.rule = RollbackRule(settings.lr_factor, settings.max_rollbacks, repeat_window=settings.every_n_steps)
-        self.store = SnapshotStore(keep=settings.snapshots, device=settings.device, spike_factor=self.spike_factor)
+        return RollbackRule(settings.lr_factor, settings.max_rollbacks, repeat_window=settings.every_n_steps)
+
+    def reset(self, rule: RollbackRule | None = None) -> None:
+        """Start a fit afresh with ``rule`` (the owner's declared one, restored at a resume; default: a new one)."""
+        self.rule = rule if rule is not None else self.new_rule()
+        self.store = SnapshotStore(
+            keep=self.settings.snapshots, device=self.settings.device, spike_factor=self.spike_factor
+        )
         self._batches.clear()
         self._last_snapshot = None
 
@@ -210,8 +216,10 @@ class NonFiniteRecovery:
             return None
         if _engine_owns_step(trainer):
             self._unsupported = True
-            return ("on_nonfinite='rollback' is not supported under DeepSpeed (its engine owns the optimizer step "
-                    "and the partitioned optimizer state): a non-finite step stops training instead")
+            return (
+                "on_nonfinite='rollback' is not supported under DeepSpeed (its engine owns the optimizer step "
+                "and the partitioned optimizer state): a non-finite step stops training instead"
+            )
         for opt in trainer.optimizers:
             self._hooks.append(opt.register_step_pre_hook(self._scale_lr))
             self._hooks.append(opt.register_step_post_hook(self._unscale_lr))
@@ -293,8 +301,9 @@ class NonFiniteRecovery:
         # Sharded parameters exist only after configure_model (after the callbacks' setup): looked at here, on the
         # failure path. The replay is then a collective: every rank runs it.
         if world > 1 and any(is_dtensor(p) for p in pl_module.parameters()):
-            shared = trainer.strategy.broadcast(self._replay(trainer, pl_module, collective=True).as_dict(),
-                                                src=source_rank)
+            shared = trainer.strategy.broadcast(
+                self._replay(trainer, pl_module, collective=True).as_dict(), src=source_rank
+            )
             return Localisation.from_dict(shared) if shared else NOT_FOUND
         finding = self._replay(trainer, pl_module).as_dict() if source_rank == rank else None
         if world > 1:
@@ -366,15 +375,6 @@ class NonFiniteRecovery:
     def rollback_alert(self, ctx: StepContext, choice: RollbackChoice, found: str, source: str) -> Any:
         """The ``nonfinite_rollback`` warning of the rollback just made."""
         return self.rule.alert(ctx, choice.step if choice.step is not None else -1, found, source, choice.reason)
-
-    # -- checkpoint ---------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The rollback count and learning-rate factor (snapshots are not saved)."""
-        return self.rule.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self.rule.load_state_dict(state)
 
 
 def _reshard(pl_module: pl.LightningModule) -> None:

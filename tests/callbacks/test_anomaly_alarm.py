@@ -212,7 +212,7 @@ def test_warn_keeps_the_pending_steps_on_the_device_between_read_backs(tmp_path)
     class Inspect(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step > 0:  # after the first step (a fresh fit starts from numbers)
-                pending = alarm.guard.pending
+                pending = alarm.guard.deferred
                 held = all(isinstance(pending[k], torch.Tensor) for k in ("loss_step", "grad_step"))
                 kinds.append((trainer.global_step, held))
 
