@@ -194,8 +194,11 @@ class AnomalyAlarm(DiagCallback):
         #: The settings of ``on_nonfinite="rollback"``: ``nonfinite_rollback``'s fields and the snapshot device.
         self.rollback = RollbackSettings(**self._rule_fields(NONFINITE_ROLLBACK_SPEC), device=rollback_device)
         #: Localisation of non-finite values and, with ``on_nonfinite="rollback"``, the snapshots.
+        # (warn mode decides at a later logging step: no step is replayed, no batch kept)
         self.recovery = NonFiniteRecovery(
-            locate=locate_nonfinite, rollback=self.on_nonfinite == "rollback", settings=self.rollback
+            locate=locate_nonfinite and self.on_nonfinite != "warn",
+            rollback=self.on_nonfinite == "rollback",
+            settings=self.rollback,
         )
         # The declared state: built now and afresh at every fit, saved and restored by the base class.
         unit = trend_unit(self.swing_window)
@@ -231,6 +234,12 @@ class AnomalyAlarm(DiagCallback):
         #: The run-time checks (``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``,
         #: ``loss_outlier``, ``eval_before_training``); their rules and pending losses are declared on this callback.
         self.runtime = RuntimeChecks(self)
+        # What the quiet path reads instead of asking the trainer at every batch (set again at every fit's setup):
+        # the logging interval, whether Lightning hands on_train_batch_end its own detached clone of the loss
+        # (automatic optimization), and whether several ranks train.
+        self._every = 1
+        self._private_losses = False
+        self._several_ranks = False
         self._wire()
 
     def _rule_fields(self, spec: RuleSpec) -> dict[str, Any]:
@@ -287,6 +296,16 @@ class AnomalyAlarm(DiagCallback):
         #: Finds the non-finite steps and carries out :attr:`policy`'s verdicts.
         self.guard = NonFiniteGuard(self, self.policy, self.recovery, losses=self.loss_sums, deferred=self.deferred)
         self.runtime.reset()
+        # The global step from which a batch end has more to do than keep its loss (see `_next_due`).
+        self._due: float = 0
+
+    def _next_due(self) -> float:
+        """The global step from which a batch end must look at the step window, the snapshots or the replicas:
+        every batch with rollback (the snapshots' trust test reads every loss) or several ranks (``ddp_desync``
+        decides its own steps), else the end of the step window (``inf`` in epoch mode)."""
+        if self.recovery.rollback_enabled or self._several_ranks:
+            return 0
+        return self.trend.window_end
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the step window and share restored loss sums over the ranks; take the first snapshot."""
@@ -295,6 +314,10 @@ class AnomalyAlarm(DiagCallback):
         unsupported = self.recovery.start(trainer, pl_module, self._snapshot_state, self._restore_snapshot_state)
         if unsupported:
             self.notice(trainer, "rollback-unsupported", unsupported)
+        self._every = self.every_n_steps(trainer)
+        self._private_losses = pl_module.automatic_optimization
+        self._several_ranks = trainer.world_size > 1
+        self._due = self._next_due()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""
@@ -327,12 +350,14 @@ class AnomalyAlarm(DiagCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Keep a reference to the batch (no copy) for the replay of a failing step; on logging steps look for
-        Dropout/BatchNorm modules left in eval mode."""
+        """Keep a reference to the batch (no copy) for the replay of a failing step, with a copy of the RNG state
+        when the model's steps draw random numbers; on logging steps look for Dropout/BatchNorm modules left in eval
+        mode."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self.on_nonfinite != "warn":
-            self.recovery.on_batch_start(batch, batch_idx)
-        self.train_mode.on_batch_start(trainer, pl_module)
+        logging_step = trainer.global_step % self._every == 0
+        self.recovery.on_batch_start(batch, batch_idx, watch=logging_step)
+        if logging_step:  # the train-mode check's steps (it tests the same)
+            self.train_mode.on_batch_start(trainer, pl_module)
         self.runtime.on_train_batch_start(trainer, pl_module)
 
     # -- non-finite guard --------------------------------------------------------------------------------
@@ -351,21 +376,37 @@ class AnomalyAlarm(DiagCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Accumulate the loss on the device; on logging steps write the loss and learning rates."""
-        loss, problem = extract_loss(outputs)
-        if problem is not None:
-            self.notice(trainer, "loss:" + problem.split(":")[0], problem)
-        if loss is not None and pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
-            loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
-        # The loss sums keep a 0-d copy (the last finite loss is theirs too); the rest is done every 64 batches.
-        out = self.trend.on_train_batch(trainer, pl_module, loss)
-        if out is not None:
-            self._send(trainer, out)
-        self.recovery.on_batch_end(trainer, pl_module, loss)
-        self.replicas.on_batch_end(trainer, pl_module)
+        """Keep the loss for the loss sums and ``loss_outlier`` (a reference: no kernel, no host read); close the
+        step window when it is due; on logging steps write the loss and learning rates."""
+        loss = outputs.get("loss") if type(outputs) is dict else outputs
+        # Lightning's own detached clone under automatic optimization: kept by reference. Any other form is
+        # reduced, converted and copied (and told once when it is not a 0-d tensor).
+        private = self._private_losses
+        if type(loss) is not torch.Tensor or loss.dim() or loss.dtype is not torch.float32 or loss.requires_grad:
+            loss, problem = extract_loss(outputs)
+            if problem is not None:
+                self.notice(trainer, "loss:" + problem.split(":")[0], problem)
+            private = False
+        if loss is not None:
+            if self._private_losses and trainer.accumulate_grad_batches > 1:
+                loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
+                private = True
+            self.loss_sums.add(loss, copy=not private)
+            loss = self.loss_sums.latest
+        step = trainer.global_step
+        if step >= self._due:
+            out = self.trend.close_window(trainer, pl_module, step)
+            if out is not None:
+                self._send(trainer, out)
+            if self.recovery.rollback_enabled:
+                self.recovery.on_batch_end(trainer, pl_module, loss)
+            if self._several_ranks:
+                self.replicas.on_batch_end(trainer, pl_module)
+            self._due = self._next_due()
+        if self.recovery.watching is not None:
+            self.recovery.end_watch()
         logging = self.is_logging_step(trainer)
-        copy = None if loss is None else self.loss_sums.latest
-        self.runtime.on_train_batch_end(trainer, pl_module, copy, logging)
+        self.runtime.on_train_batch_end(trainer, pl_module, loss, step, logging)
         if not logging:
             return
         scale = self.recovery.lr_scale  # the rate the optimizer uses: the scheduler's times the rollback factor

@@ -139,24 +139,27 @@ class LossTrend:
         sums.all_ranks = False
 
     # -- training loss -----------------------------------------------------------------------------------
-    def on_train_batch(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        loss: torch.Tensor | None,
-    ) -> TrendOutput | None:
-        """Add the batch's 0-d loss (a 0-d copy: the sums fold it in later, on the device) and close the step
-        window when it is full: what that produced, or ``None`` when the step only added its loss."""
-        sums = self.loss_sums
-        if loss is not None:
-            sums.add(loss)
+    @property
+    def window_end(self) -> float:
+        """The global step at which the step window closes (``inf`` in epoch mode, 0 before it started): until
+        then a batch needs nothing of :meth:`close_window`."""
+        if not isinstance(self.swing_window, int):
+            return math.inf
+        start = self.loss_sums.window_start
+        return 0 if start is None else start + self.swing_window
+
+    def close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> TrendOutput | None:
+        """Close the step window when global step ``step`` is :attr:`window_end` or past it: what that produced,
+        or ``None``."""
         # Optimizer steps, not batches: accumulation micro-batches (global_step unchanged) do not count.
-        if isinstance(self.swing_window, int):
-            if sums.window_start is None:
-                sums.window_start = trainer.global_step
-            if trainer.global_step - sums.window_start >= self.swing_window:
-                sums.window_start = trainer.global_step
-                return self.close_period(trainer, pl_module, "window")
+        sums = self.loss_sums
+        if not isinstance(self.swing_window, int):
+            return None
+        if sums.window_start is None:
+            sums.window_start = step
+        if step - sums.window_start >= self.swing_window:
+            sums.window_start = step
+            return self.close_period(trainer, pl_module, "window")
         return None
 
     def take_mean(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> float:

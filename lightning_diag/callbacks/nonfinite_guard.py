@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,9 @@ NO_STEP = 2**62
 _SHOWN_PARAMS = 5
 #: Micro-batch losses held between two optimizer steps before they are folded into one flag value.
 _MAX_HELD_LOSSES = 64
+#: What :meth:`NonFiniteGuard.check_step` returns for a step found clean (the quiet path builds nothing).
+_CLEAN = StepFindings(loss_bad=False, grad_bad=False)
+_GRAD = operator.attrgetter("grad")
 
 
 class NonFiniteError(RuntimeError):
@@ -163,28 +167,35 @@ class NonFiniteGuard:
         #: This rank's own (loss_bad, grad_bad) of the step being checked, before the agreement over ranks.
         self.local_findings = (False, False)
         self.halted = False
-        # Per optimizer (by id): whether its gradients are DTensors, and for how many gradients that was decided.
-        self._sharded: dict[int, tuple[int, bool]] = {}
         # The fast pass's flag on CPU, per device: reused while it stays 0, zeroed after a step that set it.
         self._found: dict[torch.device, torch.Tensor] = {}
         # The micro-batch losses since the last step, detached (0-d; a larger loss as 0 or NaN): their finiteness
         # is tested with the gradients' in one pass at the optimizer step.
         self._losses: list[torch.Tensor] = []
         self.deferred = deferred if deferred is not None else DeferredFindings()
+        # Whether the policy may hold a latch or an overflow run that a clean step clears (a bad step was decided,
+        # or a checkpoint restored them): a clean step otherwise leaves it alone.
+        self._policy_dirty = True
+        # Per optimizer (by id): its parameters, gathered from its groups while their lists stay the same.
+        self._params: dict[int, tuple[list[tuple[list[Any], int]], list[torch.nn.Parameter], bool]] = {}
+        self._world_size: int | None = None
 
     def note_loss(self, loss: torch.Tensor) -> None:
         """Remember a micro-batch loss (a 0-d copy): it is tested for NaN/Inf with the gradients at the optimizer
         step."""
-        loss = local_tensor(loss.detach())
-        if loss.dim() != 0:  # finite exactly when every element is
-            loss = torch.where(torch.isfinite(loss).all(), 0.0, math.nan)
-        elif not loss.is_floating_point():  # an integer is finite; the fused check reads floating dtypes
-            loss = loss.float()
+        if type(loss) is torch.Tensor and loss.dim() == 0 and loss.is_floating_point():  # the usual loss: 2 kernels
+            # A copy: with accumulation a compiled model's next forward can overwrite its output memory before the
+            # step (CUDA graphs), and the CPU check writes what it reads.
+            self._losses.append(loss.detach().clone())
         else:
-            # A copy (one small kernel): with accumulation a compiled model's next forward can overwrite its
-            # output memory before the step (CUDA graphs), and the CPU check writes what it reads.
-            loss = loss.clone()
-        self._losses.append(loss)
+            loss = local_tensor(loss.detach())
+            if loss.dim() != 0:  # finite exactly when every element is
+                loss = torch.where(torch.isfinite(loss).all(), 0.0, math.nan)
+            elif not loss.is_floating_point():  # an integer is finite; the fused check reads floating dtypes
+                loss = loss.float()
+            else:
+                loss = loss.clone()
+            self._losses.append(loss)
         if len(self._losses) > _MAX_HELD_LOSSES:  # many backward passes without a step (manual optimization)
             self._losses = [torch.where(_any_nonfinite(self._losses), math.nan, 0.0)]
 
@@ -225,9 +236,12 @@ class NonFiniteGuard:
             return
         try:
             findings = self.check_step(trainer, optimizer, defer=self.policy.action == "warn")
-            if findings is not None and not findings.bad:
-                self.policy.clear()  # what `decide` does for a clean step, without building its context
+            if findings is _CLEAN:
+                if self._policy_dirty:  # what `decide` does for a clean step, without building its context
+                    self.policy.clear()
+                    self._policy_dirty = False
             elif findings is not None:
+                self._policy_dirty = True
                 decision = self.policy.decide(
                     findings, self.owner.context(trainer), lambda: self.details(trainer, pl_module)
                 )
@@ -286,6 +300,7 @@ class NonFiniteGuard:
         """``"warn"`` mode: read the deferred findings back and record what the policy makes of them."""
         found = self.deferred.read(trainer, pl_module.device)
         if found is not None:
+            self._policy_dirty = True
             details = lambda: self.details(trainer, pl_module)  # noqa: E731
             self.owner.record(self.policy.decide_deferred(*found, self.owner.context(trainer), details))
 
@@ -296,10 +311,11 @@ class NonFiniteGuard:
         :attr:`pending` and this returns ``None``. It also returns ``None`` when there is nothing to check.
         """
         losses, self._losses = self._losses, []
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params, sharded = self._parameters(optimizer)
+        grads = [g for g in map(_GRAD, params) if g is not None]
         if not grads and not losses:
             return None
-        if self._is_sharded(optimizer, grads):
+        if sharded:
             grads = [local_tensor(g) for g in grads]  # under sharded training: this rank's own shards
         device = grads[0].device if grads else losses[0].device
         if defer:
@@ -313,12 +329,14 @@ class NonFiniteGuard:
         found = self._found.get(device)
         if found is None:
             found = self._found[device] = torch.zeros(1, device=device)
-        probe = finite_probe([*grads, *losses], found)
-        bad = probe.item() != 0 if trainer.world_size <= 1 else _agree(trainer, probe != 0)[1][0]
-        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        probe = finite_probe(grads + losses, found)
+        if self._world_size is None:
+            self._world_size = trainer.world_size  # the same for the whole fit (this guard's life)
+        bad = probe.item() != 0 if self._world_size <= 1 else _agree(trainer, probe != 0)[1][0]
         if not bad:
             self.local_findings = (False, False)
-            return StepFindings(loss_bad=False, grad_bad=False, scaler_active=scaler)
+            return _CLEAN
+        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
         # Some rank's pass failed (every rank sees the same agreed flag and takes this path): a NaN/Inf, or an L2
         # norm that overflowed. Which part, exactly (the losses' own test, the exact check of the gradients), with
         # one more collective. The reused flag is zeroed here only: a clean step leaves it at 0.
@@ -329,13 +347,20 @@ class NonFiniteGuard:
         self.local_findings = (local[0], local[1])
         return StepFindings(loss_bad=agreed[0], grad_bad=agreed[1], scaler_active=scaler)
 
-    def _is_sharded(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> bool:
-        """Whether any of ``optimizer``'s gradients is a DTensor (decided once per optimizer and gradient count:
-        a parameter does not change kind during a fit)."""
-        known = self._sharded.get(id(optimizer))
-        if known is None or known[0] != len(grads):
-            known = self._sharded[id(optimizer)] = (len(grads), any(is_dtensor(g) for g in grads))
-        return known[1]
+    def _parameters(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.nn.Parameter], bool]:
+        """``optimizer``'s parameters and whether any is a DTensor (sharded training), found again only when its
+        groups' parameter lists change (a parameter does not change kind during a fit)."""
+        lists = [group["params"] for group in optimizer.param_groups]
+        known = self._params.get(id(optimizer))
+        if (
+            known is None
+            or len(known[0]) != len(lists)
+            or any(a is not b or len(b) != n for a, (b, n) in zip(lists, known[0], strict=True))
+        ):
+            flat = [p for params in lists for p in params]
+            known = ([(params, len(params)) for params in lists], flat, any(is_dtensor(p) for p in flat))
+            self._params[id(optimizer)] = known
+        return known[1], known[2]
 
 
 def _agree(trainer: pl.Trainer, flags: torch.Tensor) -> tuple[list[bool], list[bool]]:

@@ -6,7 +6,7 @@ A thin adapter over :mod:`lightning_diag.rules.runtime` (the rules) and
 (:meth:`~lightning_diag.callbacks.base.DiagCallback.add_rule`), so their state follows the declared path.
 
 Cost: the probes run on one training batch per fit (the first) and on the first batch of each validation run; per
-training step a reference to the 0-d loss copy the loss sums already keep is appended to a list (no kernel, no host
+training step a reference to the 0-d loss the loss sums already keep is appended to a list (no kernel, no host
 read), and the losses since the last logging step are read in one transfer on logging steps.
 """
 
@@ -115,6 +115,8 @@ class RuntimeChecks:
         self._trained_forward = False
         self._amp: MatmulDtypeProbe | None = None
         self._dropout: DropoutWatch | None = None
+        # The owner's declared pending losses of this fit (restored in place at a resume).
+        self._pending: PendingLosses = self._rule("pending_losses")
 
     def _rule(self, name: str) -> Any:
         """One of the owner's rules, as rebuilt at each fit."""
@@ -137,10 +139,15 @@ class RuntimeChecks:
             self._amp.start()
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor | None, logging: bool
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        loss: torch.Tensor | None,
+        step: int,
+        logging: bool,
     ) -> None:
-        """Keep the 0-d copy of the loss (``loss``: the copy the loss sums already made, no new kernel); judge the
-        mixed-precision probe; on logging steps judge the losses."""
+        """Keep a reference to the batch's 0-d loss of global step ``step`` (the loss sums' own: no new kernel);
+        judge the mixed-precision probe; on logging steps judge the losses."""
         self._trained_forward = True
         if self._amp is not None:
             probe, self._amp = self._amp, None
@@ -150,9 +157,9 @@ class RuntimeChecks:
                     probe.layers, probe.float32, str(trainer.precision), self.owner.context(trainer)
                 )
             )
-        pending: PendingLosses = self._rule("pending_losses")
-        if loss is not None and loss.numel() == 1:
-            pending.add(loss, trainer.global_step)
+        pending = self._pending
+        if loss is not None:
+            pending.add(loss, step)
         if logging and pending:
             values, steps = pending.take(trainer)  # the one host read, on a logging step
             ctx = StepContext(trainer.current_epoch, trainer.global_step)

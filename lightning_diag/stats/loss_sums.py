@@ -75,13 +75,19 @@ class LossSums(ReducedState):
         """``(sum, count)`` state names of a period."""
         return prefix + "_sum", prefix + "_count"
 
-    def add(self, loss: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, copy: bool = True) -> None:
         """Add a 0-d loss to every open period (and to the baseline while it is filling): a copy is kept,
-        the sums take it at the next fold."""
+        the sums take it at the next fold.
+
+        Args:
+            loss: The batch's 0-d loss.
+            copy: ``False`` when nothing writes ``loss`` again (a detached clone of the caller's own, such as the
+                one Lightning hands ``on_train_batch_end`` under automatic optimization): kept as it is, no kernel.
+        """
         # A copy (one small kernel): a compiled model's outputs can live in memory its next call overwrites
         # (``torch.compile(mode="reduce-overhead")`` replays CUDA graphs into a static pool).
-        self.latest = loss.detach().clone()
-        self._held.append(self.latest)
+        latest = self.latest = loss.detach().clone() if copy else loss
+        self._held.append(latest)
         if self.initial_batches < self.baseline_steps:
             self.initial_batches += 1
             self._held_initial += 1
