@@ -167,8 +167,6 @@ class NonFiniteGuard:
         #: This rank's own (loss_bad, grad_bad) of the step being checked, before the agreement over ranks.
         self.local_findings = (False, False)
         self.halted = False
-        # The fast pass's flag on CPU, per device: reused while it stays 0, zeroed after a step that set it.
-        self._found: dict[torch.device, torch.Tensor] = {}
         # The micro-batch losses since the last step, detached (0-d; a larger loss as 0 or NaN): their finiteness
         # is tested with the gradients' in one pass at the optimizer step.
         self._losses: list[torch.Tensor] = []
@@ -177,7 +175,9 @@ class NonFiniteGuard:
         # or a checkpoint restored them): a clean step otherwise leaves it alone.
         self._policy_dirty = True
         # Per optimizer (by id): its parameters, gathered from its groups while their lists stay the same.
-        self._params: dict[int, tuple[list[tuple[list[Any], int]], list[torch.nn.Parameter], bool]] = {}
+        # Per optimizer (by id): its parameters and the pass's flag (reused while it stays 0, zeroed after a step
+        # that set it).
+        self._params: dict[int, _Parameters] = {}
         self._world_size: int | None = None
 
     def note_loss(self, loss: torch.Tensor) -> None:
@@ -311,13 +311,13 @@ class NonFiniteGuard:
         :attr:`pending` and this returns ``None``. It also returns ``None`` when there is nothing to check.
         """
         losses, self._losses = self._losses, []
-        params, sharded = self._parameters(optimizer)
-        grads = [g for g in map(_GRAD, params) if g is not None]
+        params = self._parameters(optimizer)
+        grads = [g for g in map(_GRAD, params.flat) if g is not None]
         if not grads and not losses:
             return None
-        if sharded:
+        if params.sharded:
             grads = [local_tensor(g) for g in grads]  # under sharded training: this rank's own shards
-        device = grads[0].device if grads else losses[0].device
+        device = params.found.device if grads else losses[0].device
         if defer:
             # warn mode reads nothing back per step: the exact flags stay on the device
             grad_bad = nonfinite_flag(grads, torch.zeros(1, device=device)).reshape(()) > 0
@@ -326,9 +326,7 @@ class NonFiniteGuard:
             return None
         # One fast pass over the gradients and the losses together, 0 only if all are finite, and, to decide on
         # the host whether to apply the update, one read of one number per optimizer step.
-        found = self._found.get(device)
-        if found is None:
-            found = self._found[device] = torch.zeros(1, device=device)
+        found = params.found if grads else torch.zeros(1, device=device)
         probe = finite_probe(grads + losses, found)
         if self._world_size is None:
             self._world_size = trainer.world_size  # the same for the whole fit (this guard's life)
@@ -347,20 +345,33 @@ class NonFiniteGuard:
         self.local_findings = (local[0], local[1])
         return StepFindings(loss_bad=agreed[0], grad_bad=agreed[1], scaler_active=scaler)
 
-    def _parameters(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.nn.Parameter], bool]:
-        """``optimizer``'s parameters and whether any is a DTensor (sharded training), found again only when its
-        groups' parameter lists change (a parameter does not change kind during a fit)."""
-        lists = [group["params"] for group in optimizer.param_groups]
+    def _parameters(self, optimizer: torch.optim.Optimizer) -> _Parameters:
+        """``optimizer``'s parameters, found again only when its groups' parameter lists change."""
+        lists = optimizer.param_groups
         known = self._params.get(id(optimizer))
-        if (
-            known is None
-            or len(known[0]) != len(lists)
-            or any(a is not b or len(b) != n for a, (b, n) in zip(lists, known[0], strict=True))
-        ):
-            flat = [p for params in lists for p in params]
-            known = ([(params, len(params)) for params in lists], flat, any(is_dtensor(p) for p in flat))
-            self._params[id(optimizer)] = known
-        return known[1], known[2]
+        if known is None or not known.matches(lists):
+            known = self._params[id(optimizer)] = _Parameters(lists)
+        return known
+
+
+class _Parameters:
+    """An optimizer's parameters as the guard reads them each step: the flat list, whether any is a DTensor
+    (sharded training: a parameter does not change kind during a fit), and the reused 1-element flag of the pass
+    on their device."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self.lists = [(group["params"], len(group["params"])) for group in groups]
+        self.flat: list[torch.nn.Parameter] = [p for group in groups for p in group["params"]]
+        self.sharded = any(is_dtensor(p) for p in self.flat)
+        device = local_tensor(self.flat[0]).device if self.flat else torch.device("cpu")
+        self.found = torch.zeros(1, device=device)
+
+    def matches(self, groups: list[dict[str, Any]]) -> bool:
+        """Whether ``groups`` still hold the same parameter lists, of the same lengths."""
+        return len(groups) == len(self.lists) and all(
+            group["params"] is params and len(params) == n
+            for group, (params, n) in zip(groups, self.lists, strict=True)
+        )
 
 
 def _agree(trainer: pl.Trainer, flags: torch.Tensor) -> tuple[list[bool], list[bool]]:
