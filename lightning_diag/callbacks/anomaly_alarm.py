@@ -123,7 +123,8 @@ class AnomalyAlarm(DiagCallback):
             ``nonfinite_rollback.max_rollbacks`` times, then as ``"stop"``.
         locate_nonfinite: Replay the first non-finite step of an episode once to name its source (the alert's
             ``source``); costs one extra forward and backward at failure, nothing on healthy steps but a
-            reference to the batch and a copy of the RNG state.
+            reference to the batch and, for a model whose steps draw random numbers (dropout), a copy of the RNG
+            state.
         monitor: Validation metric read from ``trainer.callback_metrics``.
         mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is.
         swing_window: ``"epoch"`` (default) to compare epoch means of the training loss, or a number of optimizer
