@@ -8,6 +8,10 @@ is run several times, and on its *quiet* steps (neither they nor their neighbour
 * the CPU time of the training thread (``time.thread_time``, so that other jobs on a shared machine do not
   inflate it) inside each hook of the callback, the median over the quiet steps, then the median over the
   repetitions;
+* **beyond the pass**: per quiet step, the CPU time of all its hooks minus that of the non-finite guard's one fused
+  pass over the gradients (``finite_probe``, timed the same way), the median over the quiet steps, then over the
+  repetitions: the Python and the small operators a quiet step adds to the floor of an exact check (issue 37 §4:
+  at most 30 µs);
 * the **aten operators** the callback's hooks dispatch per quiet step (counted with a ``TorchDispatchMode``): a
   count that does not depend on the machine's load, each operator being a few microseconds of dispatch on the CPU
   and one kernel launch on a GPU;
@@ -40,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cost_table import MLP, mlp_data
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, DataDiagnostics, GradientFlowMonitor, SystemMonitor
+from lightning_diag.callbacks import nonfinite_guard
 from lightning_diag.demo.run import default_callbacks, quiet
 
 COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/quiet_step.py"
@@ -107,12 +112,15 @@ def _trainer(root: str, callbacks: list[pl.Callback], steps: int) -> pl.Trainer:
     )
 
 
-def inside(name: str, width: int, steps: int, root: str, count_ops: bool) -> tuple[dict[str, float], float]:
-    """One fit: by hook, the median CPU seconds over the quiet steps; and the aten operators per quiet step."""
+def inside(name: str, width: int, steps: int, root: str, count_ops: bool) -> tuple[dict[str, float], float, float]:
+    """One fit: by hook, the median CPU seconds over the quiet steps; the median over the quiet steps of their
+    hooks' CPU seconds beyond the fused pass; and the aten operators per quiet step."""
     cb = CALLBACKS[name]()
     seconds: dict[str, list[float]] = collections.defaultdict(list)
+    per_step: dict[int, float] = collections.defaultdict(float)
+    passes: dict[int, float] = collections.defaultdict(float)
     ops = [0]
-    quiet_steps = set()
+    current = [-1]  # the quiet step whose hook is running, else -1
 
     def wrap(hook: str) -> None:
         original = getattr(cb, hook)
@@ -121,8 +129,8 @@ def inside(name: str, width: int, steps: int, root: str, count_ops: bool) -> tup
             step = trainer.global_step
             if not _is_quiet(step):
                 return original(trainer, *args, **kwargs)
-            quiet_steps.add(step)
             mode = _Ops() if count_ops else None
+            current[0] = step
             start = time.thread_time()
             try:
                 if mode is None:
@@ -130,20 +138,38 @@ def inside(name: str, width: int, steps: int, root: str, count_ops: bool) -> tup
                 with mode:
                     return original(trainer, *args, **kwargs)
             finally:
-                seconds[hook].append(time.thread_time() - start)
+                spent = time.thread_time() - start
+                current[0] = -1
+                seconds[hook].append(spent)
+                per_step[step] += spent
                 if mode is not None:
                     ops[0] += mode.count
 
         setattr(cb, hook, timed)
+
+    probe = nonfinite_guard.finite_probe
+
+    def timed_probe(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return probe(*args, **kwargs)
+        finally:
+            if current[0] >= 0:
+                passes[current[0]] += time.thread_time() - start
 
     for hook in HOOKS:
         if getattr(type(cb), hook) is not getattr(pl.Callback, hook):  # a hook the callback implements
             wrap(hook)
     for method in EXTRA.get(name, ()):
         wrap(method)
-    _trainer(root, [cb], steps).fit(MLP(width), mlp_data(steps))
+    nonfinite_guard.finite_probe = timed_probe  # type: ignore[assignment]
+    try:
+        _trainer(root, [cb], steps).fit(MLP(width), mlp_data(steps))
+    finally:
+        nonfinite_guard.finite_probe = probe  # type: ignore[assignment]
     medians = {hook: statistics.median(v) for hook, v in seconds.items() if v}
-    return medians, ops[0] / max(len(quiet_steps), 1)
+    beyond = statistics.median(t - passes[s] for s, t in per_step.items()) if per_step else 0.0
+    return medians, beyond, ops[0] / max(len(per_step), 1)
 
 
 def end_to_end(width: int, steps: int, reps: int, root: str, names: list[str]) -> dict[str, list[float]]:
@@ -182,14 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     with quiet(1), tempfile.TemporaryDirectory(prefix="quiet_") as root:
         for name in args.callbacks:
             # The operator count runs in a fit of its own: the dispatch mode would inflate the timed hooks.
-            ops = inside(name, width, min(steps, 60), os.path.join(root, f"{name}-ops"), True)[1]
+            ops = inside(name, width, min(steps, 60), os.path.join(root, f"{name}-ops"), True)[2]
             runs = [inside(name, width, steps, os.path.join(root, f"{name}{i}"), False) for i in range(reps)]
             order = [*HOOKS, *EXTRA.get(name, ())]
-            hooks = sorted({h for medians, _ in runs for h in medians}, key=order.index)
-            per_hook = {h: statistics.median(m.get(h, 0.0) for m, _ in runs) for h in hooks}
+            hooks = sorted({h for medians, _, _ in runs for h in medians}, key=order.index)
+            per_hook = {h: statistics.median(m.get(h, 0.0) for m, _, _ in runs) for h in hooks}
             total = sum(per_hook.values())
+            beyond = statistics.median(b for _, b, _ in runs)
             detail = ", ".join(f"{h} {s * 1e6:.0f}" for h, s in per_hook.items())
-            lines.append(f"| {name} | {total * 1e6:.0f} | {ops:.0f} | {detail} |")
+            lines.append(f"| {name} | {total * 1e6:.0f} | {beyond * 1e6:.0f} | {ops:.0f} | {detail} |")
         ratios = end_to_end(width, steps, reps, os.path.join(root, "e2e"), args.callbacks)
     bare_ms = statistics.median(ratios.pop("bare ms"))
     print(
@@ -197,8 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{reps} reps; load average {os.getloadavg()[0]:.1f}; {time.perf_counter() - t0:.0f} s"
     )
     print()
-    print("| callback | quiet step CPU µs (sum of hook medians) | aten ops per quiet step | by hook (µs) |")
-    print("|---|---|---|---|")
+    print(
+        "| callback | quiet step CPU µs (sum of hook medians) | beyond the fused pass µs (median step) "
+        "| aten ops per quiet step | by hook (µs) |"
+    )
+    print("|---|---|---|---|---|")
     print("\n".join(lines))
     print()
     print(f"| variant | median step / bare (median over reps) | range | bare median step {bare_ms:.2f} ms |")

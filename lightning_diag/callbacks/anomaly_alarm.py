@@ -9,6 +9,7 @@ rules of :mod:`lightning_diag.rules.anomaly` are :class:`~lightning_diag.callbac
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -16,9 +17,15 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices, extract_loss
-from lightning_diag.callbacks.loss_trend import TREND_STATE_KEYS, LossTrend, TrendOutput, check_swing_window
+from lightning_diag.callbacks.loss_trend import (
+    LossTrend,
+    TrendOutput,
+    build_loss_sums,
+    check_swing_window,
+    trend_unit,
+)
 from lightning_diag.callbacks.lr_logging import lr_scalars
-from lightning_diag.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
+from lightning_diag.callbacks.nonfinite_guard import DeferredFindings, NonFiniteError, NonFiniteGuard
 from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
 from lightning_diag.callbacks.runtime_checks import RuntimeChecks
 from lightning_diag.callbacks.silent_checks import ReplicaCheck, TrainModeCheck
@@ -29,12 +36,13 @@ from lightning_diag.core.validation import check_choice
 from lightning_diag.rules.anomaly import (
     LOSS_SWING_WINDOW_STEPS_KEY,
     VAL_DECLINE_HIGHER_IS_BETTER_KEY,
+    VAL_FLUCTUATION,
     LossStagnantRule,
     LossSwingRule,
     ValDeclineRule,
     ValFluctuationRule,
 )
-from lightning_diag.rules.catalog import NONFINITE_ROLLBACK
+from lightning_diag.rules.catalog import NONFINITE_ROLLBACK, VAL_DECLINE
 from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
     DEFAULT_MAX_SKIPS,
@@ -43,9 +51,8 @@ from lightning_diag.rules.nonfinite import (
     NonFinitePolicy,
 )
 from lightning_diag.rules.replicas import DDP_DESYNC, DESYNC_EVERY_N_STEPS_KEY
-from lightning_diag.rules.rollback import NONFINITE_ROLLBACK_SPEC
+from lightning_diag.rules.rollback import NONFINITE_ROLLBACK_SPEC, RollbackRule
 from lightning_diag.stats.loss_sums import LossSums
-from lightning_diag.stats.reduced import host_values
 
 __all__ = [
     "DEFAULT_MAX_SCALER_OVERFLOWS",
@@ -55,17 +62,9 @@ __all__ = [
     "NonFiniteError",
 ]
 
-_STATE_KEYS = (
-    *TREND_STATE_KEYS,
-    "nonfinite_latch",
-    "skips",
-    "nonfinite_counts",
-    "last_finite_loss",
-    "pending_nonfinite",
-    "rollback",
-    "replicas",
-    "train_mode",
-)
+#: The declared state a rollback snapshot keeps (the loss trend's: a rollback forgets the losses of the steps it
+#: undoes), not the non-finite bookkeeping (counts, latch, rollbacks).
+_SNAPSHOT_STATE = ("swing_rule", "stagnant_rule", "val_decline_rule", "val_fluctuation_rule", "loss_sums")
 
 
 class AnomalyAlarm(DiagCallback):
@@ -126,7 +125,8 @@ class AnomalyAlarm(DiagCallback):
             ``nonfinite_rollback.max_rollbacks`` times, then as ``"stop"``.
         locate_nonfinite: Replay the first non-finite step of an episode once to name its source (the alert's
             ``source``); costs one extra forward and backward at failure, nothing on healthy steps but a
-            reference to the batch and a copy of the RNG state.
+            reference to the batch and, for a model whose steps draw random numbers (dropout), a copy of the RNG
+            state.
         monitor: Validation metric read from ``trainer.callback_metrics``.
         mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is.
         swing_window: ``"epoch"`` (default) to compare epoch means of the training loss, or a number of optimizer
@@ -145,6 +145,13 @@ class AnomalyAlarm(DiagCallback):
         policy: The non-finite policy (verdicts, skip and overflow counts, latch).
         guard: Finds non-finite steps on the device and carries out the policy's verdicts.
         loss_sums: The training-loss sums of the open periods, with declared (SUM) reductions.
+        swing_rule, stagnant_rule, val_decline_rule, val_fluctuation_rule: The loss and validation trend rules.
+
+    Its checkpoint state is what it declares (``add_rule``/``add_state``, saved by
+    :meth:`DiagCallback.state_dict`): the rules above and the run-time checks' rules, the loss sums
+    (``accumulators``), the policy (``nonfinite``), warn mode's pending findings (``pending_nonfinite``), the
+    rollback count (``rollback``), the replica and train-mode checks, and the losses ``loss_outlier`` has not
+    judged yet (``runtime_pending``); the sums and pending findings are saved merged over every rank.
 
     Raises:
         TypeError: If an argument has the wrong type.
@@ -177,7 +184,7 @@ class AnomalyAlarm(DiagCallback):
         on_alert: AlertHandler | None = None,
     ) -> None:
         super().__init__(rules=rules, log_every_n_steps=log_every_n_steps, on_alert=on_alert)
-        self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, NONFINITE_ACTIONS)
+        self.on_nonfinite: NonFiniteAction = check_choice("on_nonfinite", on_nonfinite, NONFINITE_ACTIONS)  # type: ignore[assignment]
         self.swing_window = check_swing_window(swing_window)
         if not isinstance(locate_nonfinite, bool):
             raise TypeError(f"Expected argument `locate_nonfinite` to be a bool, but got {locate_nonfinite!r}")
@@ -189,18 +196,56 @@ class AnomalyAlarm(DiagCallback):
         check_choice("rollback_device", rollback_device, ("cpu", "device"))
         #: The settings of ``on_nonfinite="rollback"``: ``nonfinite_rollback``'s fields and the snapshot device.
         self.rollback = RollbackSettings(**self._rule_fields(NONFINITE_ROLLBACK_SPEC), device=rollback_device)
-        #: ``ddp_desync``'s comparisons of the replicas.
-        self.replicas = ReplicaCheck(self, int(self.setting(DESYNC_EVERY_N_STEPS_KEY)), self.setting(DDP_DESYNC))
-        #: ``eval_mode_in_training``'s look at the Dropout and BatchNorm modules.
-        self.train_mode = TrainModeCheck(self)
-        #: The run-time checks (``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``,
-        #: ``loss_outlier``, ``eval_before_training``); their rules are declared on this callback.
-        self.runtime = RuntimeChecks(self)
         #: Localisation of non-finite values and, with ``on_nonfinite="rollback"``, the snapshots.
+        # (warn mode decides at a later logging step: no step is replayed, no batch kept)
         self.recovery = NonFiniteRecovery(
-            locate=locate_nonfinite, rollback=self.on_nonfinite == "rollback", settings=self.rollback
+            locate=locate_nonfinite and self.on_nonfinite != "warn",
+            rollback=self.on_nonfinite == "rollback",
+            settings=self.rollback,
         )
-        self._reset()
+        # The declared state: built now and afresh at every fit, saved and restored by the base class.
+        unit = trend_unit(self.swing_window)
+        self.swing_rule: LossSwingRule = self.add_rule(
+            "swing_rule", functools.partial(LossSwingRule.from_settings, unit=unit), state_key="swing"
+        )
+        self.stagnant_rule: LossStagnantRule = self.add_rule(
+            "stagnant_rule", functools.partial(LossStagnantRule.from_settings, unit=unit), state_key="stagnant"
+        )
+        self.val_decline_rule: ValDeclineRule = self.add_rule(
+            "val_decline_rule",
+            functools.partial(ValDeclineRule.from_settings, monitor=monitor, mode=self.mode),
+            state_key=VAL_DECLINE,
+        )
+        self.val_fluctuation_rule: ValFluctuationRule = self.add_rule(
+            "val_fluctuation_rule",
+            functools.partial(ValFluctuationRule.from_settings, monitor=monitor),
+            state_key=VAL_FLUCTUATION,
+        )
+        self.loss_sums: LossSums = self.add_rule("loss_sums", build_loss_sums, state_key="accumulators")
+        self.policy: NonFinitePolicy = self.add_rule(
+            "policy", functools.partial(NonFinitePolicy.from_settings, action=self.on_nonfinite), state_key="nonfinite"
+        )
+        self.deferred: DeferredFindings = self.add_state("deferred", DeferredFindings, state_key="pending_nonfinite")
+        self.rollback_rule: RollbackRule = self.add_state("rollback_rule", self.recovery.new_rule, state_key="rollback")
+        #: ``ddp_desync``'s comparisons of the replicas.
+        self.replicas: ReplicaCheck = self.add_state(
+            "replicas",
+            functools.partial(
+                ReplicaCheck, self, int(self.setting(DESYNC_EVERY_N_STEPS_KEY)), self.setting(DDP_DESYNC)
+            ),
+        )
+        #: ``eval_mode_in_training``'s look at the Dropout and BatchNorm modules.
+        self.train_mode: TrainModeCheck = self.add_state("train_mode", functools.partial(TrainModeCheck, self))
+        #: The run-time checks (``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``,
+        #: ``loss_outlier``, ``eval_before_training``); their rules and pending losses are declared on this callback.
+        self.runtime = RuntimeChecks(self)
+        # What the quiet path reads instead of asking the trainer at every batch (set again at every fit's setup):
+        # the logging interval, whether Lightning hands on_train_batch_end its own detached clone of the loss
+        # (automatic optimization), and whether several ranks train.
+        self._every = 1
+        self._private_losses = False
+        self._several_ranks = False
+        self._wire()
 
     def _rule_fields(self, spec: RuleSpec) -> dict[str, Any]:
         """A rule's fields in effect by name (``threshold`` and its settings; ints where the field is one)."""
@@ -238,103 +283,34 @@ class AnomalyAlarm(DiagCallback):
         """The factor on every learning rate now in force: ``nonfinite_rollback.lr_factor ** rollbacks``."""
         return self.recovery.lr_scale
 
-    @property
-    def swing_rule(self) -> LossSwingRule:
-        """``loss_swing``'s rule (of :attr:`trend`)."""
-        return self.trend.swing_rule
-
-    @property
-    def stagnant_rule(self) -> LossStagnantRule:
-        """``loss_stagnant``'s rule (of :attr:`trend`)."""
-        return self.trend.stagnant_rule
-
-    @property
-    def val_decline_rule(self) -> ValDeclineRule:
-        """``val_decline``'s rule (of :attr:`trend`)."""
-        return self.trend.val_decline_rule
-
-    @property
-    def val_fluctuation_rule(self) -> ValFluctuationRule:
-        """``val_fluctuation``'s rule (of :attr:`trend`)."""
-        return self.trend.val_fluctuation_rule
-
-    @property
-    def loss_sums(self) -> LossSums:
-        """The training-loss sums of the open periods (of :attr:`trend`)."""
-        return self.trend.loss_sums
-
-    # -- state -------------------------------------------------------------------------------------------
-    def _reset(self) -> None:
-        """Fresh rules, policy and sums: the start of a fit (a resume then loads their state)."""
+    # -- the helpers of one fit ---------------------------------------------------------------------------
+    def _wire(self) -> None:
+        """Connect the helpers to this fit's declared state (rebuilt by the base class at every fit; a resume then
+        loads it in place)."""
         #: The training-loss periods and the loss and validation trend rules.
-        self.trend = LossTrend(self.thresholds(), swing_window=self.swing_window, monitor=self.monitor, mode=self.mode)
-        #: What a non-finite step leads to (a pure state machine); :attr:`guard` finds the steps and acts.
-        self.policy = NonFinitePolicy.from_settings(self.thresholds(), action=self.on_nonfinite)  # type: ignore[arg-type]
-        self.guard = NonFiniteGuard(self, self.policy, self.recovery, losses=self.trend.loss_sums)
-        self.recovery.reset()
-        self.replicas.reset()
-        self.train_mode.reset()
-        self.runtime.reset()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Rule histories, latches, the skip count, the partial loss sums and warn mode's pending findings.
-
-        The loss sums and pending steps here are this process's; a checkpoint saved by the trainer holds those of
-        every rank, merged by their declared reductions (see :meth:`on_save_checkpoint`).
-        """
-        policy = self.policy.state_dict()
-        return {
-            **self.trend.state_dict(),
-            "nonfinite_latch": policy.pop("latch"),
-            "skips": policy.pop("skips"),
-            "nonfinite_counts": policy,
-            "last_finite_loss": float(self.guard.last_finite_loss),
-            "pending_nonfinite": self.guard.pending_state(),
-            "rollback": self.recovery.state_dict(),
-            "replicas": self.replicas.state_dict(),
-            "train_mode": self.train_mode.state_dict(),
-            "runtime_pending": self.runtime.pending_state(),
-            **self.rules_state_dict(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output.
-
-        Raises:
-            KeyError: If a key is missing; the message names every missing key.
-        """
-        self.check_state_keys(state_dict, _STATE_KEYS)
-        self.trend.load_state_dict(state_dict)
-        self.policy.load_state_dict(
-            {
-                **state_dict["nonfinite_counts"],
-                "latch": state_dict["nonfinite_latch"],
-                "skips": state_dict["skips"],
-            }
+        self.trend = LossTrend(
+            self.swing_rule,
+            self.stagnant_rule,
+            self.val_decline_rule,
+            self.val_fluctuation_rule,
+            self.loss_sums,
+            swing_window=self.swing_window,
+            monitor=self.monitor,
         )
-        self.guard.last_finite_loss = float(state_dict["last_finite_loss"])
-        self.guard.load_pending_state(state_dict["pending_nonfinite"])
-        self.recovery.load_state_dict(state_dict["rollback"])
-        self.replicas.load_state_dict(state_dict["replicas"])
-        self.train_mode.load_state_dict(state_dict["train_mode"])
-        self.load_rules_state_dict(state_dict)
-        self.runtime.load_pending_state(state_dict["runtime_pending"])
+        self.recovery.reset(self.rollback_rule)
+        #: Finds the non-finite steps and carries out :attr:`policy`'s verdicts.
+        self.guard = NonFiniteGuard(self, self.policy, self.recovery, losses=self.loss_sums, deferred=self.deferred)
+        self.runtime.reset()
+        # The global step from which a batch end has more to do than keep its loss (see `_next_due`).
+        self._due: float = 0
 
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        """Save what all ranks know, not rank zero's part: the loss sums and warn mode's first pending non-finite
-        steps merged over all ranks by their declared reductions (SUM, MIN).
-
-        Lightning builds the checkpoint on every rank (only rank zero writes it), so the reductions run on all.
-        """
-        super().on_save_checkpoint(trainer, pl_module, checkpoint)
-        state = checkpoint.get("callbacks", {}).get(self.state_key)
-        if state is None or trainer.world_size <= 1:
-            return
-        state["accumulators"].update(self.trend.all_rank_sums(trainer, pl_module.device))
-        state["pending_nonfinite"] = self.guard.pending_state(trainer, device=pl_module.device)
-        state["runtime_pending"] = self.runtime.pending_state(trainer)
+    def _next_due(self) -> float:
+        """The global step from which a batch end must look at the step window, the snapshots or the replicas:
+        every batch with rollback (the snapshots' trust test reads every loss) or several ranks (``ddp_desync``
+        decides its own steps), else the end of the step window (``inf`` in epoch mode)."""
+        if self.recovery.rollback_enabled or self._several_ranks:
+            return 0
+        return self.trend.window_end
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the step window and share restored loss sums over the ranks; take the first snapshot."""
@@ -343,6 +319,10 @@ class AnomalyAlarm(DiagCallback):
         unsupported = self.recovery.start(trainer, pl_module, self._snapshot_state, self._restore_snapshot_state)
         if unsupported:
             self.notice(trainer, "rollback-unsupported", unsupported)
+        self._every = self.every_n_steps(trainer)
+        self._private_losses = pl_module.automatic_optimization
+        self._several_ranks = trainer.world_size > 1
+        self._due = self._next_due()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""
@@ -357,35 +337,32 @@ class AnomalyAlarm(DiagCallback):
         super().teardown(trainer, pl_module, stage)
 
     def _snapshot_state(self) -> dict[str, Any]:
-        # A snapshot keeps the loss-trend state (so a rollback forgets the losses of the steps it undoes), not
-        # the non-finite bookkeeping (counts, latch, rollbacks). One host read (the loss sums and the last finite
-        # loss stacked together) per snapshot.
-        sums = self.trend.loss_sums
-        values = host_values({**{name: sums[name] for name in sums}, "last_finite_loss": self.guard.last_finite_loss})
-        last_finite_loss = values.pop("last_finite_loss")
-        return {**self.trend.state_dict(sums=values), "last_finite_loss": last_finite_loss}
+        # One host read per snapshot (the loss sums' state reads the sums and the last finite loss together).
+        return {name: getattr(self, name).state_dict() for name in _SNAPSHOT_STATE}
 
     def _restore_snapshot_state(self, state: dict[str, Any]) -> None:
-        self.trend.load_state_dict(state)
-        self.trend.sums_restored = False  # this rank's own sums, not a checkpoint's all-rank ones
-        self.guard.last_finite_loss = float(state["last_finite_loss"])
+        for name, value in state.items():
+            getattr(self, name).load_state_dict(value)
+        self.loss_sums.all_ranks = False  # this rank's own sums, not a checkpoint's all-rank ones
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Start a fit with fresh rules (a resume then loads their state)."""
         super().setup(trainer, pl_module, stage)
         if stage == TrainerFn.FITTING:
-            self._reset()
+            self._wire()
             self.recovery.check_module(pl_module)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Keep a reference to the batch (no copy) for the replay of a failing step; on logging steps look for
-        Dropout/BatchNorm modules left in eval mode."""
+        """Keep a reference to the batch (no copy) for the replay of a failing step, with a copy of the RNG state
+        when the model's steps draw random numbers; on logging steps look for Dropout/BatchNorm modules left in eval
+        mode."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self.on_nonfinite != "warn":
-            self.recovery.on_batch_start(batch, batch_idx)
-        self.train_mode.on_batch_start(trainer, pl_module)
+        logging_step = trainer.global_step % self._every == 0
+        self.recovery.on_batch_start(batch, batch_idx, watch=logging_step)
+        if logging_step:  # the train-mode check's steps (it tests the same)
+            self.train_mode.on_batch_start(trainer, pl_module)
         self.runtime.on_train_batch_start(trainer, pl_module)
 
     # -- non-finite guard --------------------------------------------------------------------------------
@@ -404,21 +381,37 @@ class AnomalyAlarm(DiagCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Accumulate the loss on the device; on logging steps write the loss and learning rates."""
-        loss, problem = extract_loss(outputs)
-        if problem is not None:
-            self.notice(trainer, "loss:" + problem.split(":")[0], problem)
-        if loss is not None and pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
-            loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
-        # The loss sums keep a 0-d copy (the last finite loss is theirs too); the rest is done every 64 batches.
-        out = self.trend.on_train_batch(trainer, pl_module, loss)
-        if out is not None:
-            self._send(trainer, out)
-        self.recovery.on_batch_end(trainer, pl_module, loss)
-        self.replicas.on_batch_end(trainer, pl_module)
+        """Keep the loss for the loss sums and ``loss_outlier`` (a reference: no kernel, no host read); close the
+        step window when it is due; on logging steps write the loss and learning rates."""
+        loss = outputs.get("loss") if type(outputs) is dict else outputs
+        # Lightning's own detached clone under automatic optimization: kept by reference. Any other form is
+        # reduced, converted and copied (and told once when it is not a 0-d tensor).
+        private = self._private_losses
+        if type(loss) is not torch.Tensor or loss.dim() or loss.dtype is not torch.float32 or loss.requires_grad:
+            loss, problem = extract_loss(outputs)
+            if problem is not None:
+                self.notice(trainer, "loss:" + problem.split(":")[0], problem)
+            private = False
+        if loss is not None:
+            if self._private_losses and trainer.accumulate_grad_batches > 1:
+                loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
+                private = True
+            self.loss_sums.add(loss, copy=not private)
+            loss = self.loss_sums.latest
+        step = trainer.global_step
+        if step >= self._due:
+            out = self.trend.close_window(trainer, pl_module, step)
+            if out is not None:
+                self._send(trainer, out)
+            if self.recovery.rollback_enabled:
+                self.recovery.on_batch_end(trainer, pl_module, loss)
+            if self._several_ranks:
+                self.replicas.on_batch_end(trainer, pl_module)
+            self._due = self._next_due()
+        if self.recovery.watching is not None:
+            self.recovery.end_watch()
         logging = self.is_logging_step(trainer)
-        copy = None if loss is None else self.trend.loss_sums.latest
-        self.runtime.on_train_batch_end(trainer, pl_module, copy, logging)
+        self.runtime.on_train_batch_end(trainer, pl_module, loss, step, logging)
         if not logging:
             return
         scale = self.recovery.lr_scale  # the rate the optimizer uses: the scheduler's times the rollback factor

@@ -6,6 +6,7 @@ step axis :mod:`lightning_diag.callbacks.step_axis`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from collections.abc import Callable, Iterable, Mapping
@@ -15,6 +16,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
+from lightning_diag.callbacks.reduction import reduce_state
 from lightning_diag.callbacks.session import DiagSession
 from lightning_diag.callbacks.session import acquire_session as _acquire_session
 from lightning_diag.callbacks.session import release_session as _release_session
@@ -26,6 +28,7 @@ from lightning_diag.core.tags import threshold_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.output.writer import DiagWriter
 from lightning_diag.rules.base import StepContext
+from lightning_diag.stats.reduced import ReducedState
 
 __all__ = ["AlertHandler", "DiagCallback", "RuleChoices", "StatefulRule", "extract_loss"]
 
@@ -68,6 +71,11 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
         )
     loss = loss.detach().float()
     return (loss if loss.dim() == 0 else loss.reshape(())), None
+
+
+def _build_without_thresholds(factory: Callable[[], RuleT], thresholds: Mapping[str, float]) -> RuleT:
+    """The builder :meth:`DiagCallback.add_state` declares: ``factory()`` (module level: the callback pickles)."""
+    return factory()
 
 
 class DiagCallback(pl.Callback):
@@ -155,6 +163,16 @@ class DiagCallback(pl.Callback):
         rule = build(self.thresholds())
         setattr(self, name, rule)
         return rule
+
+    def add_state(self, name: str, factory: Callable[[], RuleT], *, state_key: str | None = None) -> RuleT:
+        """Declare state that no threshold builds (counters, pending findings): as :meth:`add_rule`, with
+        ``factory()`` now and at every new fit, its state saved under ``state_key`` (default ``name``).
+
+        What is declared here or with :meth:`add_rule` and is a
+        :class:`~lightning_diag.stats.reduced.ReducedState`, or has an ``all_ranks_state_dict(trainer, device)``
+        method, is saved merged over every rank (see :meth:`on_save_checkpoint`).
+        """
+        return self.add_rule(name, functools.partial(_build_without_thresholds, factory), state_key=state_key)
 
     def reset_rules(self) -> None:
         """Build every declared rule afresh from :meth:`thresholds` (a new fit; a resume then loads their state)."""
@@ -262,11 +280,25 @@ class DiagCallback(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Save the step axis (checkpoint key :data:`STEP_AXIS_KEY`)."""
+        """Save the step axis (checkpoint key :data:`STEP_AXIS_KEY`); with several ranks, save what all ranks know
+        of the declared state, not rank zero's part: a :class:`~lightning_diag.stats.reduced.ReducedState`'s values
+        merged by their declared reductions, and the ``all_ranks_state_dict(trainer, device)`` of one that has it.
+
+        Lightning builds the checkpoint on every rank (only rank zero writes it), so the reductions run on all.
+        """
         # The session's, or the last fit's after teardown (`trainer.save_checkpoint` after `fit`).
         axis = self._session.step_axis if self._session is not None else self._step_axis
         if axis is not None:
             checkpoint[STEP_AXIS_KEY] = axis.state_dict()
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if state is None or trainer.world_size <= 1:
+            return
+        for name, (_build, key) in self._rule_declarations.items():
+            declared = getattr(self, name)
+            if isinstance(declared, ReducedState):
+                state[key] = {**state[key], **reduce_state(trainer, declared, device=pl_module.device)}
+            elif hasattr(declared, "all_ranks_state_dict"):
+                state[key] = declared.all_ranks_state_dict(trainer, pl_module.device)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

@@ -4,9 +4,10 @@
 the last validation, the initial batches) on the device as :class:`~lightning_diag.stats.loss_sums.LossSums`,
 takes their means over all ranks when a period closes (:func:`~lightning_diag.callbacks.reduction.reduce_state`)
 and feeds them, with the monitored validation value, to the trend rules of :mod:`lightning_diag.rules.anomaly`
-(``loss_swing``, ``loss_stagnant``, ``val_decline``, ``val_fluctuation``). The alarm owns one per fit, built from
-its thresholds (``thresholds()``), and calls it from its hooks; each call returns the alerts and scalars
-(:class:`TrendOutput`) for the alarm to send out, so nothing here reaches back into the alarm.
+(``loss_swing``, ``loss_stagnant``, ``val_decline``, ``val_fluctuation``). The alarm declares the rules and the
+sums (so their state follows its checkpoint), hands them to one :class:`LossTrend` per fit and calls it from its
+hooks; each call returns the alerts and scalars (:class:`TrendOutput`) for the alarm to send out, so nothing here
+reaches back into the alarm.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Literal, cast
+from typing import Literal, cast
 
 import pytorch_lightning as pl
 import torch
@@ -26,7 +27,6 @@ from lightning_diag.core.registry import value_of
 from lightning_diag.core.tags import LossSeries, loss_tag, threshold_tag
 from lightning_diag.rules.anomaly import (
     LOSS_SWING,
-    LOSS_SWING_SPEC,
     STAGNANT_BASELINE_STEPS_KEY,
     VAL_DECLINE,
     VAL_FLUCTUATION,
@@ -38,10 +38,18 @@ from lightning_diag.rules.anomaly import (
 from lightning_diag.rules.base import StepContext
 from lightning_diag.stats.loss_sums import LossSums
 
-__all__ = ["TREND_STATE_KEYS", "LossTrend", "TrendOutput", "check_swing_window"]
+__all__ = ["LossTrend", "TrendOutput", "build_loss_sums", "check_swing_window", "trend_unit"]
 
-#: The keys :meth:`LossTrend.state_dict` returns (a part of the alarm's checkpoint state).
-TREND_STATE_KEYS = ("swing", "stagnant", VAL_DECLINE, VAL_FLUCTUATION, "accumulators", "window_start")
+
+def build_loss_sums(thresholds: Mapping[str, float]) -> LossSums:
+    """The loss sums of a fit, their ``initial`` period ``loss_stagnant.baseline_steps`` batches long (the builder
+    the alarm declares)."""
+    return LossSums(int(value_of(thresholds, STAGNANT_BASELINE_STEPS_KEY)))
+
+
+def trend_unit(swing_window: Literal["epoch"] | int) -> str:
+    """The period ``loss_swing`` and ``loss_stagnant`` name in their messages."""
+    return "epoch" if swing_window == "epoch" else f"window of {swing_window} step"
 
 
 def check_swing_window(swing_window: object) -> Literal["epoch"] | int:
@@ -88,112 +96,72 @@ class TrendOutput:
 class LossTrend:
     """Training-loss periods and the four trend rules, for one fit of an :class:`~lightning_diag.AnomalyAlarm`.
 
-    Nothing here reads the alarm: the settings come in, and every call returns a :class:`TrendOutput` (alerts,
-    scalars, notices) that the caller sends out.
+    Nothing here reads the alarm: the rules and the loss sums come in (declared on the alarm, which saves and
+    restores their state), and every call returns a :class:`TrendOutput` (alerts, scalars, notices) that the
+    caller sends out.
 
     Args:
-        thresholds: The alarm's ``thresholds()``: the rules' thresholds and settings in effect.
+        swing_rule, stagnant_rule, val_decline_rule, val_fluctuation_rule: The rules (fresh ones per fit).
+        loss_sums: The training-loss sums of the open periods, on the device, SUM-declared (merged over ranks),
+            with the first step of the step window.
         swing_window: ``"epoch"``, or the optimizer steps of one loss window (checked by the alarm).
         monitor: The validation metric read from ``trainer.callback_metrics``.
-        mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is.
-
-    Attributes:
-        swing_rule, stagnant_rule, val_decline_rule, val_fluctuation_rule: The rules (fresh ones per fit).
-        loss_sums: The training-loss sums of the open periods, on the device, SUM-declared (merged over ranks).
-        window_start: The global step the current step window started at; set at train start unless a checkpoint
-            did.
-        sums_restored: Set by :meth:`load_state_dict`: the sums are those of every rank, to be shared out over
-            this run's ranks at train start.
     """
 
     def __init__(
         self,
-        thresholds: Mapping[str, float],
+        swing_rule: LossSwingRule,
+        stagnant_rule: LossStagnantRule,
+        val_decline_rule: ValDeclineRule,
+        val_fluctuation_rule: ValFluctuationRule,
+        loss_sums: LossSums,
         *,
         swing_window: Literal["epoch"] | int,
         monitor: str,
-        mode: Literal["min", "max"],
     ) -> None:
+        self.swing_rule = swing_rule
+        self.stagnant_rule = stagnant_rule
+        self.val_decline_rule = val_decline_rule
+        self.val_fluctuation_rule = val_fluctuation_rule
+        self.loss_sums = loss_sums
         self.swing_window = swing_window
-        #: ``loss_swing``'s threshold, drawn beside the swing series.
-        self.swing_threshold = LOSS_SWING_SPEC.value(thresholds)
         self.monitor = monitor
-        unit = "epoch" if self.swing_window == "epoch" else f"window of {self.swing_window} step"
-        self.swing_rule = LossSwingRule.from_settings(thresholds, unit=unit)
-        self.stagnant_rule = LossStagnantRule.from_settings(thresholds, unit=unit)
-        self.val_decline_rule = ValDeclineRule.from_settings(thresholds, monitor=monitor, mode=mode)
-        self.val_fluctuation_rule = ValFluctuationRule.from_settings(thresholds, monitor=monitor)
-        self.loss_sums = LossSums(int(value_of(thresholds, STAGNANT_BASELINE_STEPS_KEY)))
-        self.window_start: int | None = None
-        self.sums_restored = False
-
-    # -- state -------------------------------------------------------------------------------------------
-    def state_dict(self, sums: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The rule histories and latches, this process's partial loss sums and the window start.
-
-        Args:
-            sums: The loss sums already read back (:func:`~lightning_diag.stats.reduced.host_values`), so a
-                caller can read them together with its own values; by default they are read here.
-        """
-        accumulators = dict(sums) if sums is not None else self.loss_sums.state_dict()
-        accumulators["initial_batches"] = float(self.loss_sums.initial_batches)
-        return {
-            "swing": self.swing_rule.state_dict(),
-            "stagnant": self.stagnant_rule.state_dict(),
-            VAL_DECLINE: self.val_decline_rule.state_dict(),
-            VAL_FLUCTUATION: self.val_fluctuation_rule.state_dict(),
-            "accumulators": accumulators,
-            "window_start": self.window_start,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the :data:`TREND_STATE_KEYS` of ``state_dict`` (other keys are ignored)."""
-        self.swing_rule.load_state_dict(state_dict["swing"])
-        self.stagnant_rule.load_state_dict(state_dict["stagnant"])
-        self.val_decline_rule.load_state_dict(state_dict[VAL_DECLINE])
-        self.val_fluctuation_rule.load_state_dict(state_dict[VAL_FLUCTUATION])
-        accumulators = dict(state_dict["accumulators"])
-        self.loss_sums.initial_batches = int(accumulators.pop("initial_batches", 0))
-        self.loss_sums.load_state_dict(accumulators, strict=False)
-        self.sums_restored = True
-        start = state_dict["window_start"]
-        self.window_start = None if start is None else int(start)
-
-    def all_rank_sums(self, trainer: pl.Trainer, device: torch.device) -> dict[str, Any]:
-        """The loss sums of every rank, merged by their declared reductions (a collective: call on all ranks)."""
-        return reduce_state(trainer, self.loss_sums, device=device)
 
     def start(self, trainer: pl.Trainer) -> None:
         """Start the step window, and share restored all-rank loss sums out over this run's ranks."""
-        if self.window_start is None:
-            self.window_start = trainer.global_step
-        if self.sums_restored and trainer.world_size > 1:
+        sums = self.loss_sums
+        if sums.window_start is None:
+            sums.window_start = trainer.global_step
+        if sums.all_ranks and trainer.world_size > 1:
             # Each rank takes its share, so the next all-reduce adds up to the saved sums again (whatever the
             # world size of the run that saved them).
-            initial_batches = self.loss_sums.initial_batches
-            shared = self.loss_sums.share(trainer.world_size, trainer.global_rank)
-            self.loss_sums.load_state_dict(shared.state_dict())
-            self.loss_sums.initial_batches = initial_batches
-        self.sums_restored = False
+            shared = sums.share(trainer.world_size, trainer.global_rank)
+            for name in shared:
+                sums[name] = shared[name]
+        sums.all_ranks = False
 
     # -- training loss -----------------------------------------------------------------------------------
-    def on_train_batch(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        loss: torch.Tensor | None,
-    ) -> TrendOutput | None:
-        """Add the batch's 0-d loss (a 0-d copy: the sums fold it in later, on the device) and close the step
-        window when it is full: what that produced, or ``None`` when the step only added its loss."""
-        if loss is not None:
-            self.loss_sums.add(loss)
+    @property
+    def window_end(self) -> float:
+        """The global step at which the step window closes (``inf`` in epoch mode, 0 before it started): until
+        then a batch needs nothing of :meth:`close_window`."""
+        if not isinstance(self.swing_window, int):
+            return math.inf
+        start = self.loss_sums.window_start
+        return 0 if start is None else start + self.swing_window
+
+    def close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> TrendOutput | None:
+        """Close the step window when global step ``step`` is :attr:`window_end` or past it: what that produced,
+        or ``None``."""
         # Optimizer steps, not batches: accumulation micro-batches (global_step unchanged) do not count.
-        if isinstance(self.swing_window, int):
-            if self.window_start is None:
-                self.window_start = trainer.global_step
-            if trainer.global_step - self.window_start >= self.swing_window:
-                self.window_start = trainer.global_step
-                return self.close_period(trainer, pl_module, "window")
+        sums = self.loss_sums
+        if not isinstance(self.swing_window, int):
+            return None
+        if sums.window_start is None:
+            sums.window_start = step
+        if step - sums.window_start >= self.swing_window:
+            sums.window_start = step
+            return self.close_period(trainer, pl_module, "window")
         return None
 
     def take_mean(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> float:
@@ -223,7 +191,7 @@ class LossTrend:
         out.alerts += self.swing_rule.update(mean, ctx) + self.stagnant_rule.update(mean, ctx)
         if math.isfinite(self.swing_rule.last_change):
             out.scalars[loss_tag("swing")] = self.swing_rule.last_change
-            out.scalars[threshold_tag(LOSS_SWING)] = self.swing_threshold
+            out.scalars[threshold_tag(LOSS_SWING)] = self.swing_rule.threshold
         return out
 
     # -- validation trend --------------------------------------------------------------------------------

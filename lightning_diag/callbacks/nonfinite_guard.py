@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
@@ -38,13 +40,24 @@ if TYPE_CHECKING:
     from lightning_diag.callbacks.base import DiagCallback
     from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
 
-__all__ = ["NO_STEP", "NonFiniteError", "NonFiniteGuard", "drop_gradients", "is_finite", "nonfinite_details"]
+__all__ = [
+    "NO_STEP",
+    "DeferredFindings",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "drop_gradients",
+    "is_finite",
+    "nonfinite_details",
+]
 
 #: "No bad step seen": the identity of the MIN over ranks of warn mode's first bad steps.
 NO_STEP = 2**62
 _SHOWN_PARAMS = 5
 #: Micro-batch losses held between two optimizer steps before they are folded into one flag value.
 _MAX_HELD_LOSSES = 64
+#: What :meth:`NonFiniteGuard.check_step` returns for a step found clean (the quiet path builds nothing).
+_CLEAN = StepFindings(loss_bad=False, grad_bad=False)
+_GRAD = operator.attrgetter("grad")
 
 
 class NonFiniteError(RuntimeError):
@@ -60,6 +73,71 @@ class NonFiniteError(RuntimeError):
         self.alert = alert
 
 
+class DeferredFindings(ReducedState):
+    """``"warn"`` mode's findings, kept on the device between read-backs: the first bad ``loss_step`` and
+    ``grad_step`` since the last read-back, declared with ``MIN`` (:data:`NO_STEP`: none; device tensors between
+    read-backs), and :attr:`steps`, the steps checked since then (the same count on every rank).
+
+    Declared on the alarm (``add_state``): saved merged over every rank, restored at a resume.
+
+    Example:
+        >>> found = DeferredFindings()
+        >>> found.defer(6, torch.tensor(True), torch.tensor(False))
+        >>> found.defer(7, None, torch.tensor(True))
+        >>> found.state_dict()
+        {'loss_step': 6.0, 'grad_step': 7.0, 'steps': 2}
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("loss_step", NO_STEP, Reduction.MIN)
+        self.add_state("grad_step", NO_STEP, Reduction.MIN)
+        self.steps = 0
+
+    def defer(self, step: int, loss_bad: torch.Tensor | None, grad_bad: torch.Tensor) -> None:
+        """Fold one checked step's flags in (``None``: no loss to test), on the device."""
+        self.steps += 1
+        for name, bad in (("loss_step", loss_bad), ("grad_step", grad_bad)):
+            if bad is None:
+                continue
+            current = self[name]
+            if isinstance(current, torch.Tensor):
+                current = current.to(bad.device)
+            else:  # a number before the first step or after a restore: a fill on the device, no host copy
+                current = torch.full((), int(current), dtype=torch.long, device=bad.device)
+            self[name] = torch.where(bad, current.clamp(max=step), current)
+
+    def read(self, trainer: pl.Trainer, device: torch.device) -> tuple[int | None, int | None] | None:
+        """The first bad loss and gradient steps over all ranks since the last read-back.
+
+        ``None`` when no step was checked since then (no news); otherwise ``(loss_step, grad_step)``, each
+        ``None`` if there was none. Every rank calls this at the same steps (it is a collective).
+        """
+        if not self.steps:
+            return None
+        self.steps = 0
+        first = reduce_state(trainer, self, device=device)
+        # Back to "none" as device tensors: the next steps update them without a copy from the host.
+        for name in ("loss_step", "grad_step"):
+            self[name] = torch.full((), NO_STEP, dtype=torch.long, device=device)
+        return _step_or_none(first["loss_step"]), _step_or_none(first["grad_step"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The first bad steps (floats; :data:`NO_STEP`: none) and ``steps``."""
+        return {**super().state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing one.
+        """
+        if "steps" not in state:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys ['steps']")
+        super().load_state_dict(state, strict)
+        self.steps = int(state["steps"])
+
+
 class NonFiniteGuard:
     """Finds the non-finite steps, asks the policy and carries out its decisions for a callback.
 
@@ -69,9 +147,7 @@ class NonFiniteGuard:
 
     Attributes:
         halted: Set by a ``STOP`` verdict: every later step of the fit is dropped.
-        pending: ``"warn"`` mode's first bad ``loss_step`` and ``grad_step`` since the last read-back, declared
-            with ``MIN`` (:data:`NO_STEP` when none), device tensors between read-backs.
-        deferred_steps: Steps checked since the last read-back (the same count on every rank).
+        deferred: ``"warn"`` mode's findings not read back yet.
     """
 
     def __init__(
@@ -80,6 +156,7 @@ class NonFiniteGuard:
         policy: NonFinitePolicy,
         recovery: NonFiniteRecovery | None = None,
         losses: LossSums | None = None,
+        deferred: DeferredFindings | None = None,
     ) -> None:
         self.owner = owner
         self.policy = policy
@@ -90,31 +167,35 @@ class NonFiniteGuard:
         #: This rank's own (loss_bad, grad_bad) of the step being checked, before the agreement over ranks.
         self.local_findings = (False, False)
         self.halted = False
-        # Per optimizer (by id): whether its gradients are DTensors, and for how many gradients that was decided.
-        self._sharded: dict[int, tuple[int, bool]] = {}
-        # The fast pass's flag on CPU, per device: reused while it stays 0, zeroed after a step that set it.
-        self._found: dict[torch.device, torch.Tensor] = {}
         # The micro-batch losses since the last step, detached (0-d; a larger loss as 0 or NaN): their finiteness
         # is tested with the gradients' in one pass at the optimizer step.
         self._losses: list[torch.Tensor] = []
-        self.pending = ReducedState()
-        self.pending.add_state("loss_step", NO_STEP, Reduction.MIN)
-        self.pending.add_state("grad_step", NO_STEP, Reduction.MIN)
-        self.deferred_steps = 0
+        self.deferred = deferred if deferred is not None else DeferredFindings()
+        # Whether the policy may hold a latch or an overflow run that a clean step clears (a bad step was decided,
+        # or a checkpoint restored them): a clean step otherwise leaves it alone.
+        self._policy_dirty = True
+        # Per optimizer (by id): its parameters, gathered from its groups while their lists stay the same.
+        # Per optimizer (by id): its parameters and the pass's flag (reused while it stays 0, zeroed after a step
+        # that set it).
+        self._params: dict[int, _Parameters] = {}
+        self._world_size: int | None = None
 
     def note_loss(self, loss: torch.Tensor) -> None:
         """Remember a micro-batch loss (a 0-d copy): it is tested for NaN/Inf with the gradients at the optimizer
         step."""
-        loss = local_tensor(loss.detach())
-        if loss.dim() != 0:  # finite exactly when every element is
-            loss = torch.where(torch.isfinite(loss).all(), 0.0, math.nan)
-        elif not loss.is_floating_point():  # an integer is finite; the fused check reads floating dtypes
-            loss = loss.float()
+        if type(loss) is torch.Tensor and loss.dim() == 0 and loss.is_floating_point():  # the usual loss: 2 kernels
+            # A copy: with accumulation a compiled model's next forward can overwrite its output memory before the
+            # step (CUDA graphs), and the CPU check writes what it reads.
+            self._losses.append(loss.detach().clone())
         else:
-            # A copy (one small kernel): with accumulation a compiled model's next forward can overwrite its
-            # output memory before the step (CUDA graphs), and the CPU check writes what it reads.
-            loss = loss.clone()
-        self._losses.append(loss)
+            loss = local_tensor(loss.detach())
+            if loss.dim() != 0:  # finite exactly when every element is
+                loss = torch.where(torch.isfinite(loss).all(), 0.0, math.nan)
+            elif not loss.is_floating_point():  # an integer is finite; the fused check reads floating dtypes
+                loss = loss.float()
+            else:
+                loss = loss.clone()
+            self._losses.append(loss)
         if len(self._losses) > _MAX_HELD_LOSSES:  # many backward passes without a step (manual optimization)
             self._losses = [torch.where(_any_nonfinite(self._losses), math.nan, 0.0)]
 
@@ -155,9 +236,12 @@ class NonFiniteGuard:
             return
         try:
             findings = self.check_step(trainer, optimizer, defer=self.policy.action == "warn")
-            if findings is not None and not findings.bad:
-                self.policy.clear()  # what `decide` does for a clean step, without building its context
+            if findings is _CLEAN:
+                if self._policy_dirty:  # what `decide` does for a clean step, without building its context
+                    self.policy.clear()
+                    self._policy_dirty = False
             elif findings is not None:
+                self._policy_dirty = True
                 decision = self.policy.decide(
                     findings, self.owner.context(trainer), lambda: self.details(trainer, pl_module)
                 )
@@ -214,8 +298,9 @@ class NonFiniteGuard:
 
     def read_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``"warn"`` mode: read the deferred findings back and record what the policy makes of them."""
-        found = self.read_deferred(trainer, pl_module.device)
+        found = self.deferred.read(trainer, pl_module.device)
         if found is not None:
+            self._policy_dirty = True
             details = lambda: self.details(trainer, pl_module)  # noqa: E731
             self.owner.record(self.policy.decide_deferred(*found, self.owner.context(trainer), details))
 
@@ -226,29 +311,30 @@ class NonFiniteGuard:
         :attr:`pending` and this returns ``None``. It also returns ``None`` when there is nothing to check.
         """
         losses, self._losses = self._losses, []
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = self._parameters(optimizer)
+        grads = [g for g in map(_GRAD, params.flat) if g is not None]
         if not grads and not losses:
             return None
-        if self._is_sharded(optimizer, grads):
+        if params.sharded:
             grads = [local_tensor(g) for g in grads]  # under sharded training: this rank's own shards
-        device = grads[0].device if grads else losses[0].device
+        device = params.found.device if grads else losses[0].device
         if defer:
             # warn mode reads nothing back per step: the exact flags stay on the device
             grad_bad = nonfinite_flag(grads, torch.zeros(1, device=device)).reshape(()) > 0
             loss_bad = _any_nonfinite([loss.to(device) for loss in losses]) if losses else None
-            self._defer(trainer.global_step, loss_bad, grad_bad)
+            self.deferred.defer(trainer.global_step, loss_bad, grad_bad)
             return None
         # One fast pass over the gradients and the losses together, 0 only if all are finite, and, to decide on
         # the host whether to apply the update, one read of one number per optimizer step.
-        found = self._found.get(device)
-        if found is None:
-            found = self._found[device] = torch.zeros(1, device=device)
-        probe = finite_probe([*grads, *losses], found)
-        bad = probe.item() != 0 if trainer.world_size <= 1 else _agree(trainer, probe != 0)[1][0]
-        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
+        found = params.found if grads else torch.zeros(1, device=device)
+        probe = finite_probe(grads + losses, found)
+        if self._world_size is None:
+            self._world_size = trainer.world_size  # the same for the whole fit (this guard's life)
+        bad = probe.item() != 0 if self._world_size <= 1 else _agree(trainer, probe != 0)[1][0]
         if not bad:
             self.local_findings = (False, False)
-            return StepFindings(loss_bad=False, grad_bad=False, scaler_active=scaler)
+            return _CLEAN
+        scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
         # Some rank's pass failed (every rank sees the same agreed flag and takes this path): a NaN/Inf, or an L2
         # norm that overflowed. Which part, exactly (the losses' own test, the exact check of the gradients), with
         # one more collective. The reused flag is zeroed here only: a clean step leaves it at 0.
@@ -259,60 +345,33 @@ class NonFiniteGuard:
         self.local_findings = (local[0], local[1])
         return StepFindings(loss_bad=agreed[0], grad_bad=agreed[1], scaler_active=scaler)
 
-    def _is_sharded(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> bool:
-        """Whether any of ``optimizer``'s gradients is a DTensor (decided once per optimizer and gradient count:
-        a parameter does not change kind during a fit)."""
-        known = self._sharded.get(id(optimizer))
-        if known is None or known[0] != len(grads):
-            known = self._sharded[id(optimizer)] = (len(grads), any(is_dtensor(g) for g in grads))
-        return known[1]
+    def _parameters(self, optimizer: torch.optim.Optimizer) -> _Parameters:
+        """``optimizer``'s parameters, found again only when its groups' parameter lists change."""
+        lists = optimizer.param_groups
+        known = self._params.get(id(optimizer))
+        if known is None or not known.matches(lists):
+            known = self._params[id(optimizer)] = _Parameters(lists)
+        return known
 
-    def _defer(self, step: int, loss_bad: torch.Tensor | None, grad_bad: torch.Tensor) -> None:
-        self.deferred_steps += 1
-        for name, bad in (("loss_step", loss_bad), ("grad_step", grad_bad)):
-            if bad is None:
-                continue
-            current = self.pending[name]
-            if isinstance(current, torch.Tensor):
-                current = current.to(bad.device)
-            else:  # a number before the first step or after a restore: a fill on the device, no host copy
-                current = torch.full((), int(current), dtype=torch.long, device=bad.device)
-            self.pending[name] = torch.where(bad, current.clamp(max=step), current)
 
-    def read_deferred(self, trainer: pl.Trainer, device: torch.device) -> tuple[int | None, int | None] | None:
-        """``"warn"`` mode: the first bad loss and gradient steps over all ranks since the last read-back.
+class _Parameters:
+    """An optimizer's parameters as the guard reads them each step: the flat list, whether any is a DTensor
+    (sharded training: a parameter does not change kind during a fit), and the reused 1-element flag of the pass
+    on their device."""
 
-        ``None`` when no step was checked since then (no news); otherwise ``(loss_step, grad_step)``, each
-        ``None`` if there was none. Every rank calls this at the same steps (it is a collective).
-        """
-        if not self.deferred_steps:
-            return None
-        self.deferred_steps = 0
-        first = reduce_state(trainer, self.pending, device=device)
-        # Back to "none" as device tensors: the next steps update them without a copy from the host.
-        for name in ("loss_step", "grad_step"):
-            self.pending[name] = torch.full((), NO_STEP, dtype=torch.long, device=device)
-        return _step_or_none(first["loss_step"]), _step_or_none(first["grad_step"])
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self.lists = [(group["params"], len(group["params"])) for group in groups]
+        self.flat: list[torch.nn.Parameter] = [p for group in groups for p in group["params"]]
+        self.sharded = any(is_dtensor(p) for p in self.flat)
+        device = local_tensor(self.flat[0]).device if self.flat else torch.device("cpu")
+        self.found = torch.zeros(1, device=device)
 
-    def pending_state(self, trainer: pl.Trainer | None = None, device: torch.device | None = None) -> dict[str, int]:
-        """The checkpoint form of :attr:`pending`: ``loss_step``, ``grad_step`` (``-1``: none) and ``steps``.
-
-        With a ``trainer``, the first bad steps over all ranks (a collective: every rank calls it).
-        """
-        first = reduce_state(trainer, self.pending, device=device) if trainer is not None else self.pending.state_dict()
-        loss_step, grad_step = (_step_or_none(first[k]) for k in ("loss_step", "grad_step"))
-        return {
-            "loss_step": -1 if loss_step is None else loss_step,
-            "grad_step": -1 if grad_step is None else grad_step,
-            "steps": self.deferred_steps,
-        }
-
-    def load_pending_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`pending_state` output."""
-        self.pending.load_state_dict(
-            {k: NO_STEP if int(state[k]) < 0 else int(state[k]) for k in ("loss_step", "grad_step")}
+    def matches(self, groups: list[dict[str, Any]]) -> bool:
+        """Whether ``groups`` still hold the same parameter lists, of the same lengths."""
+        return len(groups) == len(self.lists) and all(
+            group["params"] is params and len(params) == n
+            for group, (params, n) in zip(groups, self.lists, strict=True)
         )
-        self.deferred_steps = int(state["steps"])
 
 
 def _agree(trainer: pl.Trainer, flags: torch.Tensor) -> tuple[list[bool], list[bool]]:

@@ -146,27 +146,44 @@ class NonFiniteRecovery:
         self.settings = settings
         self.every_n_steps = settings.every_n_steps
         self.spike_factor = spike_factor
-        self.rule = RollbackRule(settings.lr_factor, settings.max_rollbacks, repeat_window=settings.every_n_steps)
+        self.rule = self.new_rule()
         self.store = SnapshotStore(keep=settings.snapshots, device=settings.device, spike_factor=spike_factor)
-        self._batches: collections.deque[tuple[Any, int, RngState]] = collections.deque(maxlen=1)
+        self._batches: collections.deque[tuple[Any, int, RngState | None]] = collections.deque(maxlen=1)
         self._hooks: list[Any] = []
         self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
         self._last_snapshot: int | None = None
         self._can_replay = True
-        self._generators: tuple[str, list[int]] | None = None  # device_generators() at the fit's start
+        # Whether each micro-batch is kept for a replay (``locate`` and a model that can be replayed).
+        self._keeps = locate
+        #: Whether a training step of this fit was seen drawing from torch's generators (see :meth:`on_batch_start`).
+        self.draws = False
+        #: The RNG copy of a watched batch until its end (:meth:`end_watch`), else ``None``.
+        self.watching: RngState | None = None
+        self._first = True
+        self._generators: tuple[str, list[int]] = ("cpu", [])  # device_generators() at the fit's start
+        self._device_module: Any = None
         self._sharded = False
         self._unsupported = False
         self._extra: Callable[[], dict[str, Any]] = dict
         self._load_extra: Callable[[dict[str, Any]], None] = _ignore
 
     # -- lifecycle ----------------------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Start a fit afresh (a resume then loads :meth:`state_dict`)."""
+    def new_rule(self) -> RollbackRule:
+        """A fresh rollback rule with these settings (the alarm declares it, so its state follows the checkpoint)."""
         settings = self.settings
-        self.rule = RollbackRule(settings.lr_factor, settings.max_rollbacks, repeat_window=settings.every_n_steps)
-        self.store = SnapshotStore(keep=settings.snapshots, device=settings.device, spike_factor=self.spike_factor)
+        return RollbackRule(settings.lr_factor, settings.max_rollbacks, repeat_window=settings.every_n_steps)
+
+    def reset(self, rule: RollbackRule | None = None) -> None:
+        """Start a fit afresh with ``rule`` (the owner's declared one, restored at a resume; default: a new one)."""
+        self.rule = rule if rule is not None else self.new_rule()
+        self.store = SnapshotStore(
+            keep=self.settings.snapshots, device=self.settings.device, spike_factor=self.spike_factor
+        )
         self._batches.clear()
         self._last_snapshot = None
+        self.draws = False
+        self.watching = None
+        self._first = True
 
     def check_module(self, pl_module: pl.LightningModule) -> None:
         """Refuse what rollback cannot do.
@@ -182,6 +199,7 @@ class NonFiniteRecovery:
         self._can_replay = pl_module.automatic_optimization and not any(
             isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()
         )
+        self._keeps = self.locate_enabled and self._can_replay
 
     def start(
         self,
@@ -203,6 +221,7 @@ class NonFiniteRecovery:
         self._batches = collections.deque(maxlen=max(1, trainer.accumulate_grad_batches))
         # Which device generators each batch's RNG copy holds, looked up once: the model is on its device now.
         self._generators = device_generators()
+        self._device_module = torch.get_device_module(self._generators[0]) if self._generators[1] else None
         self._unsupported = False
         # configure_model shards the model after the callbacks' setup (check_module): look again now.
         self._sharded = any(is_dtensor(p) for p in pl_module.parameters())
@@ -210,8 +229,10 @@ class NonFiniteRecovery:
             return None
         if _engine_owns_step(trainer):
             self._unsupported = True
-            return ("on_nonfinite='rollback' is not supported under DeepSpeed (its engine owns the optimizer step "
-                    "and the partitioned optimizer state): a non-finite step stops training instead")
+            return (
+                "on_nonfinite='rollback' is not supported under DeepSpeed (its engine owns the optimizer step "
+                "and the partitioned optimizer state): a non-finite step stops training instead"
+            )
         for opt in trainer.optimizers:
             self._hooks.append(opt.register_step_pre_hook(self._scale_lr))
             self._hooks.append(opt.register_step_post_hook(self._unscale_lr))
@@ -250,10 +271,45 @@ class NonFiniteRecovery:
         return self.rule.lr_scale
 
     # -- healthy steps ------------------------------------------------------------------------------------
-    def on_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Keep a reference to the micro-batch and the RNG state it starts with (no copy of the batch)."""
-        if self.locate_enabled and self._can_replay:
-            self._batches.append((batch, batch_idx, RngState.capture(python=False, generators=self._generators)))
+    def on_batch_start(self, batch: Any, batch_idx: int, watch: bool = True) -> None:
+        """Keep a reference to the micro-batch (no copy) and, when the step needs it, a copy of the RNG state it
+        starts with.
+
+        A step needs the copy when it draws random numbers (dropout, a sampler in ``training_step``): a replay
+        then draws the same. Whether the model's steps draw is watched on the fit's first batch and on the batches
+        the caller marks with ``watch`` (its logging steps): the state at the batch's start against the state at
+        its end (:meth:`end_watch`). Once a step was seen drawing, every micro-batch keeps its copy for the rest
+        of the fit; until then the quiet steps keep none (a step that draws nothing replays the same from any
+        state). A model that starts drawing later is seen at the next watched batch: a failing step before that
+        is replayed with the generators' current state (the replay never changes the run's generators)."""
+        if not self._keeps:
+            return
+        rng = None
+        if self.draws or watch or self._first:
+            rng = self._rng_state()
+            if not self.draws:
+                self.watching = rng
+        self._first = False
+        self._batches.append((batch, batch_idx, rng))
+
+    def end_watch(self) -> None:
+        """The end of a watched batch: whether its training step drew from torch's generators (then from now on
+        every micro-batch keeps its copy)."""
+        watched, self.watching = self.watching, None
+        if watched is not None and not self.draws:
+            now = self._rng_state()
+            self.draws = not torch.equal(now.cpu, watched.cpu) or any(
+                not torch.equal(now.devices[i], state) for i, state in watched.devices.items()
+            )
+
+    def _rng_state(self) -> RngState:
+        """A copy of torch's generators (CPU, and the accelerator's initialised devices found at the fit's start):
+        what :meth:`RngState.capture <lightning_diag.instrument.rng.RngState.capture>` takes without ``python``,
+        looked up once per fit. Dropout and torch's samplers draw from these."""
+        device_type, indices = self._generators
+        module = self._device_module
+        devices = {i: module.get_rng_state(i) for i in indices} if module is not None else {}
+        return RngState(torch.default_generator.get_state(), device_type, devices)
 
     def on_step_checked(self) -> None:
         """The optimizer step's micro-batches are no longer needed."""
@@ -293,8 +349,9 @@ class NonFiniteRecovery:
         # Sharded parameters exist only after configure_model (after the callbacks' setup): looked at here, on the
         # failure path. The replay is then a collective: every rank runs it.
         if world > 1 and any(is_dtensor(p) for p in pl_module.parameters()):
-            shared = trainer.strategy.broadcast(self._replay(trainer, pl_module, collective=True).as_dict(),
-                                                src=source_rank)
+            shared = trainer.strategy.broadcast(
+                self._replay(trainer, pl_module, collective=True).as_dict(), src=source_rank
+            )
             return Localisation.from_dict(shared) if shared else NOT_FOUND
         finding = self._replay(trainer, pl_module).as_dict() if source_rank == rank else None
         if world > 1:
@@ -366,15 +423,6 @@ class NonFiniteRecovery:
     def rollback_alert(self, ctx: StepContext, choice: RollbackChoice, found: str, source: str) -> Any:
         """The ``nonfinite_rollback`` warning of the rollback just made."""
         return self.rule.alert(ctx, choice.step if choice.step is not None else -1, found, source, choice.reason)
-
-    # -- checkpoint ---------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The rollback count and learning-rate factor (snapshots are not saved)."""
-        return self.rule.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self.rule.load_state_dict(state)
 
 
 def _reshard(pl_module: pl.LightningModule) -> None:

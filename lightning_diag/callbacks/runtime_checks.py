@@ -6,7 +6,7 @@ A thin adapter over :mod:`lightning_diag.rules.runtime` (the rules) and
 (:meth:`~lightning_diag.callbacks.base.DiagCallback.add_rule`), so their state follows the declared path.
 
 Cost: the probes run on one training batch per fit (the first) and on the first batch of each validation run; per
-training step a reference to the 0-d loss copy the loss sums already keep is appended to a list (no kernel, no host
+training step a reference to the 0-d loss the loss sums already keep is appended to a list (no kernel, no host
 read), and the losses since the last logging step are read in one transfer on logging steps.
 """
 
@@ -39,10 +39,63 @@ from lightning_diag.rules.runtime import (
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.callbacks.base import DiagCallback
 
-__all__ = ["MIXED_PRECISIONS", "RuntimeChecks"]
+__all__ = ["MIXED_PRECISIONS", "PendingLosses", "RuntimeChecks"]
 
 #: The ``Trainer(precision=...)`` values under which the matmul layers should compute in half precision.
 MIXED_PRECISIONS = ("16-mixed", "bf16-mixed")
+
+
+class PendingLosses:
+    """The per-step training losses ``loss_outlier`` has not judged yet, with their global steps: references to
+    0-d device copies (no kernel, no host read), after the host floats a checkpoint brought back.
+
+    Declared on the alarm (``add_state``): a checkpoint saves them as host floats, the mean over ranks under DDP.
+    """
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.steps: list[int] = []
+        self.restored: list[float] = []
+
+    def add(self, loss: torch.Tensor, step: int) -> None:
+        """Keep a reference to a 0-d loss of ``step``."""
+        self.losses.append(loss)
+        self.steps.append(step)
+
+    def __bool__(self) -> bool:
+        return bool(self.losses or self.restored)
+
+    def values(self, trainer: pl.Trainer | None = None) -> torch.Tensor:
+        """The losses, restored ones first, as one float tensor (with ``trainer`` under DDP, the mean over ranks:
+        every rank must call it)."""
+        device = self.losses[0].device if self.losses else torch.device("cpu")
+        parts = [torch.tensor(self.restored, dtype=torch.float32, device=device)] if self.restored else []
+        if self.losses:
+            parts.append(torch.stack(self.losses).float())
+        stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if trainer is not None and trainer.world_size > 1:  # every rank judges the same numbers
+            stacked = trainer.strategy.reduce(stacked, reduce_op="mean")
+        return stacked
+
+    def take(self, trainer: pl.Trainer) -> tuple[list[float], list[int]]:
+        """The losses (one host read, the mean over ranks) and their steps; none are pending after."""
+        values = self.values(trainer).tolist()
+        steps, self.losses, self.steps, self.restored = self.steps, [], [], []
+        return values, steps
+
+    def state_dict(self) -> dict[str, list[float] | list[int]]:
+        """``losses`` (host floats, one read) and ``steps``."""
+        return {"losses": self.values().tolist() if self else [], "steps": list(self.steps)}
+
+    def all_ranks_state_dict(self, trainer: pl.Trainer, device: torch.device) -> dict[str, list[float] | list[int]]:
+        """:meth:`state_dict` with the mean of the losses over ranks (a collective: every rank calls it)."""
+        return {"losses": self.values(trainer).tolist() if self else [], "steps": list(self.steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output: those steps are judged at the next logging step."""
+        self.restored = [float(v) for v in state["losses"]]
+        self.steps = [int(v) for v in state["steps"]]
+        self.losses = []
 
 
 class RuntimeChecks:
@@ -59,6 +112,7 @@ class RuntimeChecks:
         owner.add_rule(ZERO_RULE_ATTRIBUTE, ZeroOutputRule.from_settings)
         #: ``zero_output``'s watch of the modules' outputs on sampled steps.
         self.zero_outputs = ZeroOutputCheck(owner)
+        owner.add_state("pending_losses", PendingLosses, state_key="runtime_pending")
         self.reset()
 
     def reset(self) -> None:
@@ -67,10 +121,8 @@ class RuntimeChecks:
         self._trained_forward = False
         self._amp: MatmulDtypeProbe | None = None
         self._dropout: DropoutWatch | None = None
-        self._losses: list[torch.Tensor] = []
-        self._steps: list[int] = []
-        # Losses of steps not judged yet that a checkpoint brought back (host floats, before ``_losses``).
-        self._restored: list[float] = []
+        # The owner's declared pending losses of this fit (restored in place at a resume).
+        self._pending: PendingLosses = self._rule("pending_losses")
         self.zero_outputs.reset()
 
     def _rule(self, name: str) -> Any:
@@ -95,10 +147,15 @@ class RuntimeChecks:
             self._amp.start()
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor | None, logging: bool
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        loss: torch.Tensor | None,
+        step: int,
+        logging: bool,
     ) -> None:
-        """Keep the 0-d copy of the loss (``loss``: the copy the loss sums already made, no new kernel); judge the
-        mixed-precision probe; on logging steps judge the losses."""
+        """Keep a reference to the batch's 0-d loss of global step ``step`` (the loss sums' own: no new kernel);
+        judge the mixed-precision probe; on logging steps judge the losses."""
         self._trained_forward = True
         self.zero_outputs.on_batch_end(trainer, pl_module)
         if self._amp is not None:
@@ -109,40 +166,13 @@ class RuntimeChecks:
                     probe.layers, probe.float32, str(trainer.precision), self.owner.context(trainer)
                 )
             )
-        if loss is not None and loss.numel() == 1:
-            self._losses.append(loss)
-            self._steps.append(trainer.global_step)
-        if logging and (self._losses or self._restored):
-            self._judge_losses(trainer)
-
-    def _pending(self, trainer: pl.Trainer | None) -> torch.Tensor:
-        """The losses not judged yet, restored ones first, as one float tensor (the mean over ranks under DDP)."""
-        device = self._losses[0].device if self._losses else torch.device("cpu")
-        parts = [torch.tensor(self._restored, dtype=torch.float32, device=device)] if self._restored else []
-        if self._losses:
-            parts.append(torch.stack(self._losses).float())
-        stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if trainer is not None and trainer.world_size > 1:  # every rank judges the same numbers
-            stacked = trainer.strategy.reduce(stacked, reduce_op="mean")
-        return stacked
-
-    def _judge_losses(self, trainer: pl.Trainer) -> None:
-        values = self._pending(trainer).tolist()  # the one host read, on a logging step
-        steps, self._losses, self._steps, self._restored = self._steps, [], [], []
-        ctx = StepContext(trainer.current_epoch, trainer.global_step)
-        self.owner.record(self._rule("outlier_rule").update(values, steps, ctx))
-
-    def pending_state(self, trainer: pl.Trainer | None = None) -> dict[str, list[float] | list[int]]:
-        """The losses of the steps since the last logging step and their steps, for a checkpoint (one host read;
-        with ``trainer`` under DDP, the mean over ranks: every rank must call it)."""
-        losses = self._pending(trainer).tolist() if (self._losses or self._restored) else []
-        return {"losses": losses, "steps": list(self._steps)}
-
-    def load_pending_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`pending_state` output: those steps are judged at the next logging step."""
-        self._restored = [float(v) for v in state.get("losses", [])]
-        self._steps = [int(v) for v in state.get("steps", [])]
-        self._losses = []
+        pending = self._pending
+        if loss is not None:
+            pending.add(loss, step)
+        if logging and pending:
+            values, steps = pending.take(trainer)  # the one host read, on a logging step
+            ctx = StepContext(trainer.current_epoch, trainer.global_step)
+            self.owner.record(self._rule("outlier_rule").update(values, steps, ctx))
 
     # -- validation ----------------------------------------------------------------------------------------
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -67,7 +67,7 @@ class StepAxis:
         if self.pending:
             self.stepped += 1
         self.pending = self._steps(trainer, pl_module, batch_idx)
-        self._global_steps.append((trainer.global_step, self.stepped))
+        self._global_steps.append((key[2], self.stepped))  # the global step read above (a chain of properties)
 
     def epoch_started(self, trainer: pl.Trainer) -> None:
         """A training epoch starts: the last batch of the previous one is counted now (Lightning's count has

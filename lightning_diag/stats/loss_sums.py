@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lightning_diag.stats.reduced import ReducedState, Reduction
+from lightning_diag.stats.reduced import ReducedState, Reduction, host_values
 
 __all__ = ["FOLD_EVERY", "LOSS_PERIODS", "LossSums"]
 
@@ -27,8 +27,8 @@ FOLD_EVERY = 64
 
 
 class LossSums(ReducedState):
-    """``<period>_sum`` and ``<period>_count`` for each of :data:`LOSS_PERIODS` and ``initial``, and the last
-    finite loss.
+    """``<period>_sum`` and ``<period>_count`` for each of :data:`LOSS_PERIODS` and ``initial``, the last
+    finite loss, and where the periods stand (the batches of ``initial``, the first step of the step window).
 
     Non-finite losses add nothing to the sums or the counts (they are the non-finite guard's business).
 
@@ -44,7 +44,7 @@ class LossSums(ReducedState):
         >>> sums = LossSums(baseline_steps=1)
         >>> for v in (2.0, float("nan"), 4.0):
         ...     sums.add(torch.tensor(v))
-        >>> LossSums.mean({k: float(v) for k, v in sums.state_dict().items()}, "epoch")
+        >>> LossSums.mean(sums.state_dict(), "epoch")
         3.0
         >>> sums.state_dict()["initial_sum"], float(sums.last_finite)
         (2.0, 4.0)
@@ -64,19 +64,30 @@ class LossSums(ReducedState):
         self._last_finite: torch.Tensor | float = math.nan
         #: The copy of the last loss added (other per-step checks share it instead of copying again).
         self.latest: torch.Tensor | None = None
+        #: The global step the current step window started at (``None``: not started; set by the caller).
+        self.window_start: int | None = None
+        #: Set by :meth:`load_state_dict`: the sums are those of every rank (a checkpoint), for the caller to share
+        #: out over its ranks before the next merge.
+        self.all_ranks = False
 
     @staticmethod
     def names(prefix: str) -> tuple[str, str]:
         """``(sum, count)`` state names of a period."""
         return prefix + "_sum", prefix + "_count"
 
-    def add(self, loss: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, copy: bool = True) -> None:
         """Add a 0-d loss to every open period (and to the baseline while it is filling): a copy is kept,
-        the sums take it at the next fold."""
+        the sums take it at the next fold.
+
+        Args:
+            loss: The batch's 0-d loss.
+            copy: ``False`` when nothing writes ``loss`` again (a detached clone of the caller's own, such as the
+                one Lightning hands ``on_train_batch_end`` under automatic optimization): kept as it is, no kernel.
+        """
         # A copy (one small kernel): a compiled model's outputs can live in memory its next call overwrites
         # (``torch.compile(mode="reduce-overhead")`` replays CUDA graphs into a static pool).
-        self.latest = loss.detach().clone()
-        self._held.append(self.latest)
+        latest = self.latest = loss.detach().clone() if copy else loss
+        self._held.append(latest)
         if self.initial_batches < self.baseline_steps:
             self.initial_batches += 1
             self._held_initial += 1
@@ -147,15 +158,25 @@ class LossSums(ReducedState):
         return super().share(world_size, rank)
 
     def state_dict(self) -> dict[str, Any]:
-        """As :meth:`ReducedState.state_dict`, with the held losses folded in first."""
+        """The sums (as :meth:`ReducedState.state_dict`, the held losses folded in first), ``last_finite``,
+        ``initial_batches`` and ``window_start``: one host read for all."""
         self._fold()
-        return super().state_dict()
+        state = host_values({**{name: self._values[name] for name in self.specs}, "last_finite": self._last_finite})
+        state["initial_batches"] = float(self.initial_batches)
+        state["window_start"] = self.window_start
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
-        """As :meth:`ReducedState.load_state_dict`; the held losses are dropped (the restored sums replace
-        them: a resume, or a rollback that undoes their steps)."""
+        """Restore :meth:`state_dict` output (as :meth:`ReducedState.load_state_dict` for the sums; a missing
+        ``last_finite``, ``initial_batches`` or ``window_start`` is nan, 0 and ``None``); the held losses are dropped
+        (the restored sums replace them: a resume, or a rollback that undoes their steps). Sets :attr:`all_ranks`."""
         self._held, self._held_initial = [], 0
         super().load_state_dict(state, strict)
+        self._last_finite = float(state.get("last_finite", math.nan))
+        self.initial_batches = int(state.get("initial_batches", 0))
+        start = state.get("window_start")
+        self.window_start = None if start is None else int(start)
+        self.all_ranks = True
 
     @staticmethod
     def mean(totals: Mapping[str, float], prefix: str) -> float:

@@ -212,7 +212,7 @@ def test_warn_keeps_the_pending_steps_on_the_device_between_read_backs(tmp_path)
     class Inspect(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step > 0:  # after the first step (a fresh fit starts from numbers)
-                pending = alarm.guard.pending
+                pending = alarm.guard.deferred
                 held = all(isinstance(pending[k], torch.Tensor) for k in ("loss_step", "grad_step"))
                 kinds.append((trainer.global_step, held))
 
@@ -494,3 +494,24 @@ def test_accumulated_loss_is_on_the_same_scale(tmp_path):
         rule = alarm.swing_rule  # one short epoch: its mean is still waiting to be merged (loss_swing.min_steps)
         means[accumulate] = rule.previous if rule.previous is not None else rule.pending[0] / rule.pending[1]
     assert means[4] == pytest.approx(means[1], rel=0.3)  # not divided by 4
+
+
+def test_the_alarm_keeps_all_its_state_through_the_declared_path():
+    """Issue 33: no hand-written checkpoint code; every key is a declaration's, and a round trip restores it."""
+    for hook in ("state_dict", "load_state_dict", "on_save_checkpoint", "on_load_checkpoint"):
+        assert hook not in vars(AnomalyAlarm), hook
+    alarm = AnomalyAlarm(on_nonfinite="warn")
+    state = alarm.state_dict()
+    assert list(state) == list(alarm.rule_state_keys)
+    assert {"accumulators", "nonfinite", "pending_nonfinite", "rollback", "replicas", "runtime_pending"} <= set(state)
+    alarm.loss_sums.add(torch.tensor(2.5))
+    alarm.loss_sums.window_start = 7
+    alarm.deferred.defer(4, torch.tensor(True), torch.tensor(False))
+    alarm.pending_losses.add(torch.tensor(1.5), 3)
+    alarm.policy.skips = 2
+    restored = AnomalyAlarm(on_nonfinite="warn")
+    restored.load_state_dict(alarm.state_dict())
+    assert restored.state_dict() == alarm.state_dict()
+    assert restored.loss_sums.window_start == 7 and float(restored.loss_sums.last_finite) == 2.5
+    assert restored.deferred.steps == 1 and restored.policy.skips == 2
+    assert restored.pending_losses.steps == [3]

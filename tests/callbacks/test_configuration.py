@@ -306,7 +306,8 @@ def test_loss_trend_does_not_read_its_owner():
     from lightning_diag.callbacks.loss_trend import LossTrend
 
     assert "owner" not in inspect.signature(LossTrend).parameters
-    values = {**default_thresholds("AnomalyAlarm"), "val_fluctuation.min_range": 0.5}
-    trend = LossTrend(values, swing_window="epoch", monitor="val_acc", mode="max")
+    alarm = AnomalyAlarm(monitor="val_acc", mode="max", rules={"val_fluctuation": {"min_range": 0.5}})
+    trend = alarm.trend  # handed the alarm's declared rules and sums, whose state the alarm saves
+    assert trend.val_fluctuation_rule is alarm.val_fluctuation_rule and trend.loss_sums is alarm.loss_sums
     assert trend.val_fluctuation_rule.min_range == 0.5 and trend.val_decline_rule.monitor == "val_acc"
     assert not hasattr(trend, "owner")

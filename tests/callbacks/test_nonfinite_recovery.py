@@ -278,3 +278,53 @@ def test_the_hooks_are_on_the_optimizer_while_the_fit_runs(tmp_path):
     trainer = _fit(Regression(), AnomalyAlarm(on_nonfinite="rollback"), tmp_path, max_steps=3, callbacks=[Count()])
     assert seen == [2, 2, 2]  # so the test above checks hooks that were there
     assert not trainer.optimizers[0]._optimizer_step_pre_hooks
+
+
+# -- the RNG copy for the replay: only for steps that draw random numbers -------------------------------------
+class _KeptCopies(pl.Callback):
+    """Before each backward: the global step, and whether each kept micro-batch holds an RNG copy."""
+
+    def __init__(self, alarm: AnomalyAlarm) -> None:
+        self.alarm, self.seen = alarm, []
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.seen.append((trainer.global_step, [rng is not None for *_, rng in self.alarm.recovery._batches]))
+
+
+class _DropoutFrom(pl.Callback):
+    """Switches the model's dropout on (p 0 -> 0.5) from global step ``step``: a model that starts drawing."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        for module in pl_module.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0 if trainer.global_step < self.step else 0.5
+
+
+def test_the_rng_is_copied_only_on_watched_steps_while_the_model_draws_nothing(tmp_path):
+    alarm = AnomalyAlarm(log_every_n_steps=5)
+    kept = _KeptCopies(alarm)
+    _fit(Regression(), alarm, tmp_path, max_steps=12, callbacks=[kept])
+    assert not alarm.recovery.draws
+    # the fit's first batch and the logging steps are watched (a copy to compare with at the batch end); none else
+    assert [step for step, copies in kept.seen if any(copies)] == [0, 5, 10]
+    assert all(len(copies) == 1 for _, copies in kept.seen)  # the batch itself is always kept for a replay
+
+
+def test_a_model_that_draws_keeps_a_copy_every_step_from_the_watched_step_that_saw_it(tmp_path):
+    alarm = AnomalyAlarm(log_every_n_steps=5)
+    kept = _KeptCopies(alarm)
+    _fit(Regression(noisy=True), alarm, tmp_path, max_steps=12, callbacks=[_DropoutFrom(7), kept])
+    assert alarm.recovery.draws
+    # p = 0 draws nothing until step 7; the draws are seen at the next watched step (10), copies from step 11 on
+    assert [step for step, copies in kept.seen if any(copies)] == [0, 5, 10, 11]
+
+
+def test_a_replay_of_a_drawing_model_starts_from_the_steps_rng(tmp_path):
+    alarm = AnomalyAlarm(log_every_n_steps=50)
+    kept = _KeptCopies(alarm)
+    _fit(Regression(noisy=True), alarm, tmp_path, max_steps=6, callbacks=[kept])
+    assert alarm.recovery.draws  # seen on the fit's first batch
+    assert [step for step, copies in kept.seen if all(copies)] == list(range(6))
