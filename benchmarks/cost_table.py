@@ -176,7 +176,7 @@ class PerStep(pl.Callback):
         self._close()
 
     def _close(self) -> None:
-        seconds, reads = self.timer.take(), self.reads.take()
+        seconds, reads = self.timer.take().seconds, self.reads.take()
         if self._step is not None:
             self.steps.append((self._step, seconds, reads))
         self._step = None

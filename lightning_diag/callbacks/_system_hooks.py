@@ -183,6 +183,7 @@ class HookTimer:
         self._in_skip = False
         self._light = 0.0  # the usual hooks' seconds of a sampled quiet batch (moving mean)
         self._cpu_mark: float | None = None
+        self._wall_mark = 0.0
         self._training: deque[float] = deque(maxlen=RECENT)  # CPU seconds of light batches outside the hooks
         self._batch_reads = 0
 
@@ -249,14 +250,16 @@ class HookTimer:
 
     def _close_quiet(self) -> None:
         """Count a quiet batch: light ones into the sample (sampled) or the extrapolated number (untimed); heavy
-        ones on their own. An untimed batch is heavy when its hooks' wall time and its CPU time beyond the
-        training's usual CPU time per batch (the median of the last light batches', plus three times their median
-        deviation) are both above the limit; it is counted by that excess CPU time, at most its hooks' wall time:
-        time another process took inside a hook is not CPU time of this thread, so not counted."""
-        cpu = self.clock()
+        ones on their own. An untimed batch is heavy when its hooks' wall time is above the limit and either
+        that wall time less all of the batch's time off the CPU (a lower bound of the hooks' CPU time) or the
+        batch's CPU time beyond the training's usual (the median of the last light batches', plus three median
+        deviations) is above it too; it is counted by the larger of the two, at most its hooks' wall time: time
+        another process took inside a hook is not CPU time of this thread, so not counted."""
+        cpu, wall = self.clock(), self.wall()
         self._batch_reads += 1
         batch_cpu = 0.0 if self._cpu_mark is None else cpu - self._cpu_mark
-        self._cpu_mark = cpu
+        off_cpu = 0.0 if self._cpu_mark is None else max(0.0, wall - self._wall_mark - batch_cpu)
+        self._cpu_mark, self._wall_mark = cpu, wall
         limit = 4 * self._light + HEAVY_S
         if self.sampled:
             sample, self._current = self._current, {}
@@ -285,11 +288,12 @@ class HookTimer:
             usual = statistics.median(self._training)
             spread = statistics.median(abs(t - usual) for t in self._training)
             excess = batch_cpu - usual
-            if excess <= limit + 3 * spread:
+            at_least = total - off_cpu
+            if excess <= limit + 3 * spread and at_least <= limit:
                 self._quiet += 1
                 self._training.append(batch_cpu - self._light)
                 return
-            hooks = min(total, excess)
+            hooks = min(total, max(at_least, excess))
             for name, value in walls.items():
                 self.seconds[name] = self.seconds.get(name, 0.0) + value * hooks / total
 
