@@ -307,17 +307,19 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         return functools.partial(trainer.strategy.reduce, reduce_op="sum")
 
     def _measuring(self, trainer: pl.Trainer) -> bool:
-        return trainer.global_step % self.every_n_steps(trainer) == 0
+        return self.cadence_step(trainer) % self.every_n_steps(trainer) == 0  # the user's logging cadence
 
     def _measured_position(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> int | None:
         """The optimizer's position in ``trainer.optimizers`` if this step is measured, else ``None``."""
-        # One optimizer: the steps that are multiples of the interval. Several (manual optimization, which steps
-        # them in turn): each optimizer's first step in every interval, so none is starved by the step parity.
+        # One optimizer: the steps of the batches on the user's logging cadence. Several (manual optimization,
+        # which steps them in turn): each optimizer's first step in such a batch, so all are measured there.
         optimizers = trainer.optimizers
         if len(optimizers) <= 1:
             return 0 if self._measuring(trainer) else None
+        if not self._measuring(trainer):
+            return None
         position = optimizer_position(trainer, optimizer)
-        interval = trainer.global_step // self.every_n_steps(trainer)
+        interval = self.cadence_step(trainer)
         if self._measured_interval.get(position) == interval:
             return None
         self._measured_interval[position] = interval
@@ -401,14 +403,15 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         hist_every = self.histogram_every_n_steps
         if hist_every is None:
             hist_every = 10 * self.every_n_steps(trainer)
-        if hist_every and step % hist_every == 0 and self.writer.active and index.sharded:
+        on_hist = bool(hist_every) and self.cadence_step(trainer) % hist_every == 0
+        if on_hist and self.writer.active and index.sharded:
             # A histogram of a local shard would misrepresent the gradient, and binning the full one needs a gather.
             self.notice(
                 trainer,
                 "sharded-histograms",
                 "gradient histograms are not written under sharded training (DTensor parameters); norms are exact",
             )
-        elif hist_every and step % hist_every == 0 and self.writer.active:
+        elif on_hist and self.writer.active:
             for i in chosen:
                 if not math.isfinite(m.norms[index.layers[index.layer_of[i]]]):
                     continue  # TensorBoard cannot bin NaN/Inf (AnomalyAlarm's business)

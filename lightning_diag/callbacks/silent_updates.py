@@ -204,9 +204,10 @@ class SilentUpdateChecks:
         """The open watches and the verdicts not yet read, by parameter name (host lists: one small read at
         checkpoint time).
 
-        Gradients are not in a checkpoint: a resumed run starts with every ``.grad`` ``None``, so a restored watch
-        finds nothing left over at its first backward and gives the verdict of a zeroed optimizer, as the
-        uninterrupted run does on a healthy step.
+        Gradients are not in a checkpoint: a resumed run starts with every ``.grad`` ``None``, which the reload
+        made, not the user's code. A restored watch judges only the parameters still holding a ``.grad`` at its
+        first backward (a resume in the same process, on the same model); the others are not judged, and a watch
+        left with none gives no verdict (:meth:`_restore_zeroed`).
         """
         if self._zero_restored is not None:  # saved again before the restored state was used
             return self._zero_restored
@@ -231,6 +232,13 @@ class SilentUpdateChecks:
         self._zero_restored = restored if restored["verdicts"] or restored["watches"] else None
 
     def _restore_zeroed(self, index: ParamIndex) -> None:
+        """Re-create the checkpoint's verdicts and open watches, at the first backward after the load.
+
+        A watched parameter whose ``.grad`` is ``None`` here lost its left-over gradient in the reload: whether
+        the user's code would have zeroed it cannot be told, so it is not judged. Judging it would close the
+        watch healthy, and that healthy check would release a latched ``grad_not_zeroed`` alert, which alerts
+        again at the next check of a run that still never zeroes.
+        """
         state, self._zero_restored = self._zero_restored, None
         assert state is not None
         where = {n: i for i, n in enumerate(index.names)}
@@ -243,7 +251,7 @@ class SilentUpdateChecks:
             )
         for w in state.get("watches", []):
             kept = [(where[n], st, ad) for n, st, ad in zip(w["params"], w["stale"], w["added"], strict=True)
-                    if n in where]  # fmt: skip
+                    if n in where and index.params[where[n]].grad is not None]  # fmt: skip
             if not kept:
                 continue
             positions = [i for i, _, _ in kept]
