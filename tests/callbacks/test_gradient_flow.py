@@ -97,6 +97,30 @@ def test_layer_norms_match_brute_force(tmp_path):
     assert acc.Scalars("diag/grad_norm/total")[0].value == pytest.approx(seen["total"], rel=1e-5)
 
 
+def test_the_first_step_joins_the_collapse_baseline_and_writes_nothing(tmp_path):
+    # measured on the user's cadence (steps 4 and 9 of 10); step 0, the untrained model, is measured too, for
+    # grad_collapse's baseline only: no row off the user's axis
+    model, data, _ = build_fault("none")
+    losses = {}
+
+    class Losses(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses[trainer.global_step - 1] = float(outputs["loss"])
+
+    monitor = GradientFlowMonitor()
+    trainer = pl.Trainer(max_steps=10, default_root_dir=tmp_path, callbacks=[monitor, Losses()], **FAST)
+    trainer.fit(model, datamodule=data)
+    acc = EventAccumulator(trainer.log_dir)
+    acc.Reload()
+    logged = acc.Scalars("diag/grad_blocks/norm")
+    assert [e.step for e in logged] == [4, 9]
+    assert [e.step for e in acc.Scalars("diag/grad_norm/total")] == [4, 9]
+    early = monitor.collapse_rule.early
+    assert len(early) == 3 and early[0] > 0
+    assert early[1:] == pytest.approx([e.value for e in logged], rel=1e-6)
+    assert monitor.collapse_rule.early_losses == pytest.approx([losses[0], losses[4], losses[9]], rel=1e-6)
+
+
 def test_parameter_selection_and_per_parameter(tmp_path):
     monitor = GradientFlowMonitor(params=["head.*"], per_parameter=True, log_weight_norms=False)
     result = run_demo("none", max_epochs=1, root=str(tmp_path), callbacks=[monitor])
