@@ -426,7 +426,8 @@ SILENT = """### Silent training errors (issue 22)
 
 The rows `optimizer_copy` to `val_longer` above are the silent errors of the fault library: training goes on, the
 loss stays finite, and the model quietly comes out worse. Their steps are measured like every other row (the
-first alert of the rule, `log_every_n_steps=5`, so the gradient-flow measurements are at steps 0, 5, 10, ...).
+first alert of the rule, `log_every_n_steps=5`, so the gradient-flow measurements are at steps 4, 9, 14, ..., the
+user's logging steps).
 The data faults are found by `DataDiagnostics` before the first step (step 0). One more fault needs two
 processes and is not in the generated table; its rows come from `tests/callbacks/test_silent_ddp.py` and
 `tests/callbacks/test_silent_sharded.py` (2 gloo ranks, `AnomalyAlarm(rules={"ddp_desync": {"every_n_steps": 2}})`;
