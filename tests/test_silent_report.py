@@ -23,7 +23,8 @@ def _row(log_dir, check_id):
 
 
 def test_optimizer_over_a_copy_fails_the_updates_applied_row(tmp_path):
-    result = run_demo("optimizer_copy", root=str(tmp_path), max_epochs=1, limit_train_batches=12)
+    # 15 steps: measured at 4, 9, 14 (the user's cadence, 5), the 3 measurements update_none's patience needs
+    result = run_demo("optimizer_copy", root=str(tmp_path), max_epochs=1, limit_train_batches=15)
     row = _row(result.log_dir, "updates_applied")
     assert row.status == "fail" and row.layer == "Training"
     assert row.measured_value["max"] == 1.0 and "100.0%" in row.measured

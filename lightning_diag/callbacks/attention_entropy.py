@@ -211,7 +211,7 @@ class AttentionEntropyMonitor(DiagCallback):
         """On the first micro-batch of a sampled step: attach the measuring hooks and open the recorder."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         step = trainer.global_step
-        if step % self.every_n_steps(trainer) != 0 or step == self._sampled_step:
+        if self.cadence_step(trainer) % self.every_n_steps(trainer) != 0 or step == self._sampled_step:
             return
         self._sampled_step = step
         if self._mha is None:
@@ -238,7 +238,7 @@ class AttentionEntropyMonitor(DiagCallback):
             self.special_positions,
             self.special_token_ids,
             token_ids,
-            keep_maps=bool(interval) and step % interval == 0 and self.writer.active,
+            keep_maps=bool(interval) and self.cadence_step(trainer) % interval == 0 and self.writer.active,
             module_names=self._names,
         )
         self._handles = [

@@ -307,17 +307,24 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         return functools.partial(trainer.strategy.reduce, reduce_op="sum")
 
     def _measuring(self, trainer: pl.Trainer) -> bool:
-        return trainer.global_step % self.every_n_steps(trainer) == 0
+        return self.cadence_step(trainer) % self.every_n_steps(trainer) == 0  # the user's logging cadence
+
+    def _initial(self, trainer: pl.Trainer) -> bool:
+        """The first optimizer step of a fresh fit, off the user's cadence: measured for ``grad_collapse``'s
+        baseline only (the untrained model's gradient and loss), nothing written (no row off the user's axis)."""
+        return trainer.global_step == 0 and not self._measuring(trainer) and self.collapse_rule.baseline is None
 
     def _measured_position(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> int | None:
         """The optimizer's position in ``trainer.optimizers`` if this step is measured, else ``None``."""
-        # One optimizer: the steps that are multiples of the interval. Several (manual optimization, which steps
-        # them in turn): each optimizer's first step in every interval, so none is starved by the step parity.
+        # One optimizer: the steps of the batches on the user's logging cadence. Several (manual optimization,
+        # which steps them in turn): each optimizer's first step in such a batch, so all are measured there.
         optimizers = trainer.optimizers
         if len(optimizers) <= 1:
             return 0 if self._measuring(trainer) else None
+        if not self._measuring(trainer):
+            return None
         position = optimizer_position(trainer, optimizer)
-        interval = trainer.global_step // self.every_n_steps(trainer)
+        interval = self.cadence_step(trainer)
         if self._measured_interval.get(position) == interval:
             return None
         self._measured_interval[position] = interval
@@ -339,7 +346,9 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         its parameters' ``.grad`` (``grad_not_zeroed``; device only).
         """
         self._zero_before_backward(lambda: self._build_index(trainer, pl_module))
-        if not self._measuring(trainer) or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        if not (self._measuring(trainer) or self._initial(trainer)):
+            return
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
         value = loss.detach().float().reshape(())
         self._loss = value if self._loss is None else self._loss + value
@@ -359,6 +368,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self._zero_before_step(trainer, optimizer)  # the verdict of this optimizer's watch, if it has one
         position = self._measured_position(trainer, optimizer)
         if position is None:
+            if self._initial(trainer) and optimizer_position(trainer, optimizer) == 0:
+                self._measure_initial(trainer, pl_module, optimizer)
             return
         if self._index is None:
             self._index = self._build_index(trainer, pl_module)
@@ -401,20 +412,39 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         hist_every = self.histogram_every_n_steps
         if hist_every is None:
             hist_every = 10 * self.every_n_steps(trainer)
-        if hist_every and step % hist_every == 0 and self.writer.active and index.sharded:
+        on_hist = bool(hist_every) and self.cadence_step(trainer) % hist_every == 0
+        if on_hist and self.writer.active and index.sharded:
             # A histogram of a local shard would misrepresent the gradient, and binning the full one needs a gather.
             self.notice(
                 trainer,
                 "sharded-histograms",
                 "gradient histograms are not written under sharded training (DTensor parameters); norms are exact",
             )
-        elif hist_every and step % hist_every == 0 and self.writer.active:
+        elif on_hist and self.writer.active:
             for i in chosen:
                 if not math.isfinite(m.norms[index.layers[index.layer_of[i]]]):
                     continue  # TensorBoard cannot bin NaN/Inf (AnomalyAlarm's business)
                 self._histogram(grad_hist_tag(index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
         if self.log_weight_norms:
             self._before.append((chosen, [local_tensor(index.params[i]).detach().clone() for i in chosen]))
+
+    def _measure_initial(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Step 0 of a fresh fit when the user's first logging step comes later: the blocks' gradient norm and the
+        loss join ``grad_collapse``'s baseline (a fault from the first step on, such as a learning rate that kills
+        the network within a few steps, leaves only this measurement of the healthy model). Nothing is written:
+        the user's metrics are not logged at this step."""
+        if self._index is None:
+            self._index = self._build_index(trainer, pl_module)
+        index = self._index
+        in_opt = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        chosen = [i for i, p in enumerate(index.params) if p.grad is not None and id(p) in in_opt]
+        loss, self._loss = self._loss, None
+        if not chosen:
+            return
+        m = measure_step(index, chosen, loss, self._reduce(trainer))
+        self.record(self.collapse_rule.update(m.blocks, self.context(trainer), m.loss))
 
     def _histogram(self, tag: str, grad: torch.Tensor, step: int) -> None:
         # On an accelerator the buckets are counted on the device (no copy of the gradient to the host, no host

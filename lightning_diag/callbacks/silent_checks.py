@@ -224,7 +224,7 @@ class TrainModeCheck:
     def on_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """On logging steps: find the Dropout/BatchNorm modules in eval mode and judge them."""
         step = trainer.global_step
-        if step == self._last_step or step % self.owner.every_n_steps(trainer):
+        if step == self._last_step or self.owner.cadence_step(trainer) % self.owner.every_n_steps(trainer):
             return
         self._last_step = step
         if self._modules is None:

@@ -174,6 +174,10 @@ class SilentUpdateChecks:
         # grad_not_zeroed verdicts loaded from a checkpoint, by parameter name: re-created at the first backward
         self._zero_restored: dict[str, Any] | None = None
         self._zero_names: dict[int, str] = {}  # optimizer position -> name for messages
+        # restored watches the reload left nothing to judge in (optimizer positions), and those closed since the
+        # last read: each is a check without a verdict (:meth:`_restore_zeroed`)
+        self._zero_undecided: set[int] = set()
+        self._zero_undecided_closed = 0
 
     # -- grad_not_zeroed ---------------------------------------------------------------------------------------
     def _zero_before_backward(self, build_index: Callable[[], ParamIndex]) -> None:
@@ -192,6 +196,11 @@ class SilentUpdateChecks:
     def _zero_before_step(self, trainer: pl.Trainer, optimizer: Any) -> None:
         if self._zero.watches:
             self._zero.before_step(optimizer_position(trainer, optimizer))
+        if self._zero_undecided:
+            position = optimizer_position(trainer, optimizer)
+            if position in self._zero_undecided:
+                self._zero_undecided.discard(position)
+                self._zero_undecided_closed += 1
 
     def _zero_arm(self, trainer: pl.Trainer, position: int, chosen: list[int]) -> None:
         assert self._index is not None
@@ -204,9 +213,10 @@ class SilentUpdateChecks:
         """The open watches and the verdicts not yet read, by parameter name (host lists: one small read at
         checkpoint time).
 
-        Gradients are not in a checkpoint: a resumed run starts with every ``.grad`` ``None``, so a restored watch
-        finds nothing left over at its first backward and gives the verdict of a zeroed optimizer, as the
-        uninterrupted run does on a healthy step.
+        Gradients are not in a checkpoint: a resumed run starts with every ``.grad`` ``None``, which the reload
+        made, not the user's code. A restored watch judges only the parameters still holding a ``.grad`` at its
+        first backward (a resume in the same process, on the same model); the others are not judged, and a watch
+        left with none closes without a verdict (:meth:`_restore_zeroed`).
         """
         if self._zero_restored is not None:  # saved again before the restored state was used
             return self._zero_restored
@@ -231,6 +241,15 @@ class SilentUpdateChecks:
         self._zero_restored = restored if restored["verdicts"] or restored["watches"] else None
 
     def _restore_zeroed(self, index: ParamIndex) -> None:
+        """Re-create the checkpoint's verdicts and open watches, at the first backward after the load.
+
+        A watched parameter whose ``.grad`` is ``None`` here lost its left-over gradient in the reload: whether
+        the user's code would have zeroed it cannot be told, so it is not judged. Judging it would close the
+        watch healthy, and that healthy check would release a latched ``grad_not_zeroed`` alert, which alerts
+        again at the next check of a run that still never zeroes. A watch left with no parameter to judge still
+        closes at its optimizer's next step: it counts as a check, as in the uninterrupted run, without a verdict
+        (the latch is left as it is).
+        """
         state, self._zero_restored = self._zero_restored, None
         assert state is not None
         where = {n: i for i, n in enumerate(index.names)}
@@ -243,8 +262,9 @@ class SilentUpdateChecks:
             )
         for w in state.get("watches", []):
             kept = [(where[n], st, ad) for n, st, ad in zip(w["params"], w["stale"], w["added"], strict=True)
-                    if n in where]  # fmt: skip
+                    if n in where and index.params[where[n]].grad is not None]  # fmt: skip
             if not kept:
+                self._zero_undecided.add(int(w["optimizer"]))
                 continue
             positions = [i for i, _, _ in kept]
             sample = self._zero._sample(positions, index.params)
@@ -292,6 +312,9 @@ class SilentUpdateChecks:
         index = self._index
         pending, self._pending_updates = self._pending_updates, []
         verdicts = self._zero.take_verdicts()
+        undecided, self._zero_undecided_closed = self._zero_undecided_closed, 0
+        if undecided and not verdicts:  # one check per read, as with verdicts (the rule counts its updates)
+            self.not_zeroed_rule.checks += 1  # closed without a verdict: the latch is left as it is
         self._zero.expire(trainer.global_step - ZEROED_WATCH_INTERVALS * self.every_n_steps(trainer))
         parts = [
             unchanged_counts(u.before, u.sample.gather([index.params[i] for i in u.positions]), u.grads,

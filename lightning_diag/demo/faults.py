@@ -204,7 +204,7 @@ FAULTS: dict[str, Fault] = {
             "the second encoder layer is trainable but left out of the optimizer: it never trains",
             (GRAD_FROZEN,),
             onset_step=0,
-            window=0,
+            window=4,  # the first measurement: step 4, the user's first logging step (log_every_n_steps=5)
             max_epochs=2,
             config={"exclude_from_optimizer": ("encoder.layers.1.",)},
         ),

@@ -337,7 +337,10 @@ class GradBandRule(Rule):
                     rule=GRAD_EXPLODE,
                 )
             )
-        vanish_new = self._trip(GRAD_VANISH, starved, set(rel), self.patience)
+        # A starved layer has worsened when its gap to the best-fed block has grown, not when a batch with small
+        # gradients everywhere lowers every relative gradient at once (grad_collapse's business).
+        gaps = {k: excess(v * self.relative, reference, above=False) for k, v in starved.items()}
+        vanish_new = self._trip(GRAD_VANISH, starved, set(rel), self.patience, gaps)
         if vanish_new:
             worst = min(vanish_new, key=vanish_new.__getitem__)
             during = f" (during the {self.warmup_steps}-step warm-up: {OVERWHELMING:g}x past both)" if early else ""
@@ -364,12 +367,20 @@ class GradBandRule(Rule):
             )
         return alerts
 
-    def _trip(self, rule: str, bad: Mapping[str, float], seen: set[str], needed: int) -> dict[str, float]:
+    def _trip(
+        self,
+        rule: str,
+        bad: Mapping[str, float],
+        seen: set[str],
+        needed: int,
+        gaps: Mapping[str, float] | None = None,
+    ) -> dict[str, float]:
         """Advance the streaks of ``rule``; return the layers whose alarm has just begun, with their values.
 
         While some layers of ``rule`` are in alarm, a layer whose alarm begins joins that event without a new alert
         (vanishing gradients spread down a stack over a few measurements); a layer already in alarm that has
-        clearly worsened alerts again.
+        clearly worsened alerts again: its ``gaps`` value (default: how far its value is past the threshold) grew
+        by the latch's worsening factor.
         """
         ongoing = {k for k in self.latch.active if k.startswith(f"{rule}:")}
         new = {}
@@ -382,7 +393,9 @@ class GradBandRule(Rule):
             if layer not in seen and layer not in bad:
                 continue  # not measured this time: keep the latch as it is
             over = None
-            if layer in bad:
+            if gaps is not None:
+                over = gaps.get(layer)
+            elif layer in bad:
                 explode = rule == GRAD_EXPLODE
                 threshold = self.explode_threshold if explode else self.vanish_threshold
                 over = excess(bad[layer], threshold, above=explode)

@@ -15,11 +15,14 @@ from lightning_diag import AttentionEntropyMonitor
 from tests.callbacks.nanogpt import HEADS, LAYERS, WIDTH, CausalSelfAttention, NanoGPT
 
 FAST = dict(enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", enable_checkpointing=False)
+#: The first step measured with ``log_every_n_steps=5``: the user's first logging step.
+KEPT_STEP = 4
 
 
 class Mixer(CausalSelfAttention):
     """The same projections as nanoGPT's attention, written out: heads folded into the batch, torch.bmm,
-    a -inf causal mask, F.softmax, dropout, torch.bmm. ``first`` keeps the probabilities of the first forward."""
+    a -inf causal mask, F.softmax, dropout, torch.bmm. ``first`` keeps the probabilities of the training forward at
+    step ``KEPT_STEP`` (one forward per step), the first the monitor measures."""
 
     n_head = HEADS
 
@@ -32,8 +35,10 @@ class Mixer(CausalSelfAttention):
         att = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(d)
         att = att.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=x.device).tril(), float("-inf"))
         att = F.softmax(att, dim=-1)
-        if getattr(self, "first", None) is None:
-            self.first = att.detach().view(b, HEADS, t, t).clone()
+        if self.training:
+            self.forwards = getattr(self, "forwards", 0) + 1
+            if self.forwards == KEPT_STEP + 1:
+                self.first = att.detach().view(b, HEADS, t, t).clone()
         y = torch.bmm(self.drop(att), v)
         return self.c_proj(y.view(b, HEADS, t, d).transpose(1, 2).reshape(b, t, c))
 
@@ -83,8 +88,8 @@ def test_hand_written_gpt_is_seen_exact_quiet_and_leaves_the_run_unchanged(tmp_p
         name = f"h.{layer}.attn"
         expected = {f"diag/attn_entropy/{name}/{h}" for h in ["mean", *(f"head_{i}" for i in range(HEADS))]}
         assert expected <= tags, sorted(t for t in tags if t.startswith("diag/attn_entropy"))
-        assert [e.step for e in acc.Scalars(f"diag/attn_entropy/{name}/mean")][:3] == [0, 5, 10]
-        # step 0: the logged heads are the entropies of the probabilities the model used (first 8 sequences)
+        assert [e.step for e in acc.Scalars(f"diag/attn_entropy/{name}/mean")][:3] == [KEPT_STEP, 9, 14]
+        # step 4: the logged heads are the entropies of the probabilities the model used (first 8 sequences)
         want = _entropy(model.h[layer].attn.first[: monitor.sample_size])
         got = [acc.Scalars(f"diag/attn_entropy/{name}/head_{i}")[0].value for i in range(HEADS)]
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5, (got, want)

@@ -76,7 +76,7 @@ def test_layer_left_out_of_the_optimizer_is_reported_at_the_first_measurement(tm
     monitor = GradientFlowMonitor()
     _fit(_Net("excluded"), [monitor], tmp_path)
     frozen = [a for a in monitor.alerts if a.rule == "grad_frozen"]
-    assert [(a.source, a.global_step) for a in frozen] == [("middle", 0)]
+    assert [(a.source, a.global_step) for a in frozen] == [("middle", 1)]  # measured at 1, 3, ... (the user's cadence)
     assert "in no optimizer" in frozen[0].message
 
 
@@ -85,7 +85,7 @@ def test_layer_outside_the_graph_is_one_info_after_patience(tmp_path):
     _fit(_Net("detach"), [monitor], tmp_path)
     frozen = [a for a in monitor.alerts if a.rule == "grad_frozen"]
     assert [(a.source, a.severity) for a in frozen] == [("unused", "info")]
-    assert frozen[0].global_step == 2  # second measurement (log every 2 steps)
+    assert frozen[0].global_step == 3  # second measurement (log every 2 steps, on the user's cadence: 1, 3)
     assert "`first`" in frozen[0].message and "not in the graph" in frozen[0].message
 
 
@@ -100,10 +100,10 @@ def test_module_built_but_never_called_is_information_not_a_warning(tmp_path):
 
 def test_layer_whose_gradient_becomes_exactly_zero_is_a_warning(tmp_path):
     monitor = GradientFlowMonitor(rules={"grad": {"patience": 2}})
-    _fit(_Net("zero_later"), [monitor], tmp_path)  # measured at steps 0, 2 (a gradient), 4, 6 (exactly 0)
+    _fit(_Net("zero_later"), [monitor], tmp_path)  # measured at steps 1 (a gradient), 3, 5 (exactly 0)
     frozen = [a for a in monitor.alerts if a.rule == "grad_frozen"]
     assert [(a.source, a.severity) for a in frozen] == [("first", "warning")]
-    assert frozen[0].global_step == 6 and "exactly zero" in frozen[0].message
+    assert frozen[0].global_step == 5 and "exactly zero" in frozen[0].message
 
 
 def test_layer_in_the_graph_never_reached_by_the_loss_is_information(tmp_path):
@@ -111,7 +111,7 @@ def test_layer_in_the_graph_never_reached_by_the_loss_is_information(tmp_path):
     monitor = GradientFlowMonitor(rules={"grad": {"patience": 2}})
     _fit(_Net("zero"), [monitor], tmp_path)
     frozen = [a for a in monitor.alerts if a.rule == "grad_frozen"]
-    assert [(a.source, a.severity, a.global_step) for a in frozen] == [("unused", "info", 2)]
+    assert [(a.source, a.severity, a.global_step) for a in frozen] == [("unused", "info", 3)]  # measured at 1, 3
     assert "`first`" in frozen[0].message and "exactly zero since the fit began" in frozen[0].message
 
 

@@ -68,12 +68,13 @@ def test_tags_steps_and_values(tmp_path):
         "diag/update_ratio/encoder.layers.0.linear1",
     ):
         assert t in scalars, t
-    assert [e.step for e in acc.Scalars("diag/grad_norm/total")] == list(range(0, result.global_step, 5))
+    # On the user's logging cadence: the batches whose `self.log` values Lightning writes, (step + 1) % 5 == 0.
+    assert [e.step for e in acc.Scalars("diag/grad_norm/total")] == list(range(4, result.global_step, 5))
     ratios = [e.value for e in acc.Scalars("diag/update_ratio/head.0")]
     assert all(0 < r < 1 for r in ratios)  # AdamW at lr 3e-3 moves weights by well under their norm
     hist = set(acc.Tags()["histograms"])
     assert "diag/grad_hist/encoder.layers.0.linear1.weight" in hist
-    assert [e.step for e in acc.Histograms("diag/grad_hist/head.0.weight")] == [0, 10]
+    assert [e.step for e in acc.Histograms("diag/grad_hist/head.0.weight")] == list(range(9, result.global_step, 10))
 
 
 def test_layer_norms_match_brute_force(tmp_path):
@@ -82,18 +83,42 @@ def test_layer_norms_match_brute_force(tmp_path):
 
     class Check(pl.Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if trainer.global_step == 0:
+            if trainer.global_step == 4:  # the first batch on the logging cadence (5)
                 layer = pl_module.encoder.layers[0].linear1
                 seen["want"] = torch.cat([layer.weight.grad.flatten(), layer.bias.grad.flatten()]).norm().item()
                 seen["total"] = torch.cat([p.grad.flatten() for p in pl_module.parameters()]).norm().item()
 
     monitor = GradientFlowMonitor()
-    trainer = pl.Trainer(max_steps=1, default_root_dir=tmp_path, callbacks=[Check(), monitor], **FAST)
+    trainer = pl.Trainer(max_steps=5, default_root_dir=tmp_path, callbacks=[Check(), monitor], **FAST)
     trainer.fit(model, datamodule=data)
     acc = EventAccumulator(trainer.log_dir)
     acc.Reload()
     assert acc.Scalars("diag/grad_norm/encoder.layers.0.linear1")[0].value == pytest.approx(seen["want"], rel=1e-5)
     assert acc.Scalars("diag/grad_norm/total")[0].value == pytest.approx(seen["total"], rel=1e-5)
+
+
+def test_the_first_step_joins_the_collapse_baseline_and_writes_nothing(tmp_path):
+    # measured on the user's cadence (steps 4 and 9 of 10); step 0, the untrained model, is measured too, for
+    # grad_collapse's baseline only: no row off the user's axis
+    model, data, _ = build_fault("none")
+    losses = {}
+
+    class Losses(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses[trainer.global_step - 1] = float(outputs["loss"])
+
+    monitor = GradientFlowMonitor()
+    trainer = pl.Trainer(max_steps=10, default_root_dir=tmp_path, callbacks=[monitor, Losses()], **FAST)
+    trainer.fit(model, datamodule=data)
+    acc = EventAccumulator(trainer.log_dir)
+    acc.Reload()
+    logged = acc.Scalars("diag/grad_blocks/norm")
+    assert [e.step for e in logged] == [4, 9]
+    assert [e.step for e in acc.Scalars("diag/grad_norm/total")] == [4, 9]
+    early = monitor.collapse_rule.early
+    assert len(early) == 3 and early[0] > 0
+    assert early[1:] == pytest.approx([e.value for e in logged], rel=1e-6)
+    assert monitor.collapse_rule.early_losses == pytest.approx([losses[0], losses[4], losses[9]], rel=1e-6)
 
 
 def test_parameter_selection_and_per_parameter(tmp_path):
@@ -165,7 +190,7 @@ def test_activation_gradients_opt_in_and_removed(tmp_path):
         "diag/act_grad_norm/encoder.layers.1.linear2",
         "diag/act_grad_norm/head.0",
     }
-    assert [e.step for e in acc.Scalars("diag/act_grad_norm/head.0")] == [0, 5, 10]
+    assert [e.step for e in acc.Scalars("diag/act_grad_norm/head.0")] == [4, 9]  # the user's logging cadence
     assert all(e.value > 0 for e in acc.Scalars("diag/act_grad_norm/head.0"))
 
 
@@ -227,14 +252,14 @@ class _SigmoidMLP(pl.LightningModule):
 
 def test_overwhelming_vanishing_is_named_on_a_30_step_run(tmp_path):
     """Issue 23: the 50-step warm-up gives way to a gradient 1000x past both thresholds, so a 30-step
-    reproduction shows it within 3 measurements (patience 3, every 5 steps: step 10)."""
+    reproduction shows it within 3 measurements (patience 3, every 5 steps on the user's cadence: step 14)."""
     monitor = GradientFlowMonitor()
     trainer = pl.Trainer(max_steps=30, default_root_dir=tmp_path, logger=False, callbacks=[monitor], **FAST)
     trainer.fit(_SigmoidMLP())
     first = {}
     for a in monitor.alerts:
         first.setdefault(a.rule, a)
-    assert first["grad_vanish"].global_step == 10 and first["grad_vanish"].value < 1e-6
+    assert first["grad_vanish"].global_step == 14 and first["grad_vanish"].value < 1e-6
     assert "warm-up" in first["grad_vanish"].message and first["grad_vanish"].source == "net.0"
-    assert first["grad_layer_spread"].global_step == 10
+    assert first["grad_layer_spread"].global_step == 14
     assert len([a for a in monitor.alerts if a.rule == "grad_vanish"]) == 1  # one event, one alert

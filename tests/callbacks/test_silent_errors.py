@@ -126,7 +126,7 @@ def test_optimizer_over_a_copy_is_update_none_naming_the_cause():
     _fit(_Net(bug="copy"), cbs)
     hits = [a for a in cbs[0].alerts if a.rule == "update_none"]
     assert len(hits) == 1 and hits[0].severity == "warning", _serious(cbs)
-    assert hits[0].global_step == 4  # measured at steps 0, 2, 4: patience 3
+    assert hits[0].global_step == 5  # measured at steps 1, 3, 5 (the user's cadence, 2): patience 3
     assert "copy of the model" in hits[0].message and "2 layers" in hits[0].message
     assert not [a for a in cbs[0].alerts if a.rule == "grad_frozen"]
 
@@ -156,7 +156,7 @@ def test_manual_optimization_without_zero_grad_is_grad_not_zeroed():
     cbs = [GradientFlowMonitor(), AnomalyAlarm()]
     _fit(_Net(bug="no_zero_grad"), cbs)
     hits = [a for a in cbs[0].alerts if a.rule == "grad_not_zeroed"]
-    assert len(hits) == 1 and hits[0].global_step == 2, _serious(cbs)  # fingerprint at step 0, read at step 2
+    assert len(hits) == 1 and hits[0].global_step == 3, _serious(cbs)  # fingerprint at step 1, read at step 3
     assert "zero_grad" in hits[0].message
 
 
@@ -183,7 +183,7 @@ def test_model_eval_in_on_train_epoch_start_is_eval_mode_in_training():
     cbs = [GradientFlowMonitor(), AnomalyAlarm()]
     _fit(_Net(bug="eval", batchnorm="trained"), cbs)
     hits = [a for a in cbs[1].alerts if a.rule == "eval_mode_in_training"]
-    assert [(a.severity, a.global_step) for a in hits] == [("warning", 0)], _serious(cbs)
+    assert [(a.severity, a.global_step) for a in hits] == [("warning", 1)], _serious(cbs)  # first measured: 1
     assert "`drop`" in hits[0].message and "`norm`" in hits[0].message and "on_train_epoch_start" in hits[0].message
 
 
@@ -216,17 +216,17 @@ def test_a_frozen_backbone_in_eval_mode_is_healthy():
 
 def test_update_and_mode_state_survive_a_resume(tmp_path):
     gfm, alarm = GradientFlowMonitor(), AnomalyAlarm()
-    trainer = pl.Trainer(max_steps=3, callbacks=[gfm, alarm], default_root_dir=tmp_path, **FAST)
+    trainer = pl.Trainer(max_steps=4, callbacks=[gfm, alarm], default_root_dir=tmp_path, **FAST)
     trainer.fit(_Net(bug="copy"), _data())
-    assert gfm.update_rule.streaks  # 2 of 3 measurements (steps 0, 2): not yet alerted
+    assert gfm.update_rule.streaks  # 2 of 3 measurements (steps 1, 3): not yet alerted
     trainer.save_checkpoint(tmp_path / "mid.ckpt")
     saved = dict(gfm.update_rule.streaks)
     gfm2, alarm2 = GradientFlowMonitor(), AnomalyAlarm()
     trainer = pl.Trainer(max_steps=6, callbacks=[gfm2, alarm2], default_root_dir=tmp_path, **FAST)
     trainer.fit(_Net(bug="copy"), _data(), ckpt_path=tmp_path / "mid.ckpt")
     hits = [a for a in gfm2.alerts if a.rule == "update_none"]
-    # step 4 is the first measurement after the resume: it alerts only because the streak of 2 was restored
-    assert [a.global_step for a in hits] == [4]
+    # step 5 is the first measurement after the resume: it alerts only because the streak of 2 was restored
+    assert [a.global_step for a in hits] == [5]
     assert set(saved) <= set(gfm2.update_rule.latch.active)
     assert "replicas" in alarm2.state_dict() and "train_mode" in alarm2.state_dict()
 
@@ -291,7 +291,7 @@ def test_latched_silent_alerts_are_not_repeated_after_a_resume(tmp_path):
             self.eval()
 
     gfm, alarm = GradientFlowMonitor(), AnomalyAlarm()
-    trainer = pl.Trainer(max_steps=4, callbacks=[gfm, alarm], default_root_dir=tmp_path, **FAST)
+    trainer = pl.Trainer(max_steps=5, callbacks=[gfm, alarm], default_root_dir=tmp_path, **FAST)
     trainer.fit(Both(bug="no_zero_grad"), _data())
     assert {a.rule for a in gfm.alerts + alarm.alerts} >= {"grad_not_zeroed", "eval_mode_in_training"}
     trainer.save_checkpoint(tmp_path / "mid.ckpt")
@@ -360,9 +360,10 @@ def test_gan_style_without_zero_grad_is_grad_not_zeroed_naming_both_optimizers()
     cbs = [GradientFlowMonitor()]
     _fit(_GAN("no_zero_grad"), cbs, steps=16)
     hits = [a for a in cbs[0].alerts if a.rule == "grad_not_zeroed"]
-    # each optimizer steps once per batch (global steps 2b, 2b+1), so both are measured in every batch: watched
-    # from batch 0's steps, caught at their steps in batch 1, read after batch 1's measured steps (step 3)
-    assert [(a.global_step, a.severity) for a in hits] == [(3, "warning")], _serious(cbs)
+    # each optimizer steps once per batch (global steps 2b, 2b+1), both are measured in the batches the user's
+    # metrics are logged at (1, 3, ...): watched from batch 1's steps, caught at their steps in batch 2, read
+    # after batch 3's measured steps (step 7)
+    assert [(a.global_step, a.severity) for a in hits] == [(7, "warning")], _serious(cbs)
     assert "optimizer 0 (Adam)" in hits[0].message and "optimizer 1 (Adam)" in hits[0].message
     assert "`disc.0`" in hits[0].message and "`gen.0`" in hits[0].message
 
@@ -398,50 +399,72 @@ def test_no_zero_grad_from_a_later_step_on_is_caught_within_a_measuring_interval
     cbs = [GradientFlowMonitor(log_every_n_steps=2)]
     _fit(Onset(manual="plain"), cbs, steps=14)
     hits = [a for a in cbs[0].alerts if a.rule == "grad_not_zeroed"]
-    # the gradients of measured step 4 are the first left in `.grad`; step 5 applies them again (the onset),
-    # its verdict is read with the next measurement, at step 6
-    assert [a.global_step for a in hits] == [6], _serious(cbs)
+    # the gradients of measured step 5 (the user's cadence: 1, 3, 5, ...) are the first left in `.grad`; step 6
+    # applies them again (the onset), its verdict is read with the next measurement, at step 7
+    assert [a.global_step for a in hits] == [7], _serious(cbs)
     assert "optimizer 0 (AdamW)" in hits[0].message and "`first`, `last`" in hits[0].message
 
 
 def test_grad_not_zeroed_verdict_survives_a_resume(tmp_path):
     gfm = GradientFlowMonitor()
-    trainer = pl.Trainer(max_steps=2, callbacks=[gfm], default_root_dir=tmp_path, **FAST)
+    trainer = pl.Trainer(max_steps=3, callbacks=[gfm], default_root_dir=tmp_path, **FAST)
     trainer.fit(_Net(bug="no_zero_grad"), _data())
-    # step 0 was measured and watched; step 1 applied its gradients again: a verdict not read before step 2
+    # step 1 was measured and watched; step 2 applied its gradients again: a verdict not read before step 3
     assert gfm.state_dict()["zeroed"] == {
         "verdicts": [{"optimizer": 0, "params": ["first.weight", "first.bias", "last.weight", "last.bias"]}],
-        "watches": [],  # step 1's verdict closed step 0's watch; the next one opens at step 2
+        "watches": [],  # step 2's verdict closed step 1's watch; the next one opens at step 3
     }
     assert [a for a in gfm.alerts if a.rule == "grad_not_zeroed"] == []
     trainer.save_checkpoint(tmp_path / "mid.ckpt")
     gfm2 = GradientFlowMonitor()
     trainer = pl.Trainer(max_steps=4, callbacks=[gfm2], default_root_dir=tmp_path, **FAST)
     trainer.fit(_Net(bug="no_zero_grad"), _data(), ckpt_path=tmp_path / "mid.ckpt")
-    # read at step 2 as without the resume (without the saved verdict: step 2 watched, alert at step 4)
+    # read at step 3 as without the resume (without the saved verdict: step 3 watched, alert at step 5)
     (hit,) = [a for a in gfm2.alerts if a.rule == "grad_not_zeroed"]
-    assert hit.global_step == 2 and "`first`, `last`" in hit.message
+    assert hit.global_step == 3 and "`first`, `last`" in hit.message
     partial = {k: v for k, v in gfm.state_dict().items() if k != "zeroed"}
     with pytest.raises(KeyError, match="zeroed"):
         GradientFlowMonitor().load_state_dict(partial)
 
 
 def test_an_open_grad_not_zeroed_watch_survives_a_resume(tmp_path):
-    # a checkpoint at step 1 falls between step 0's measured step (the watch opens) and step 1's step (its verdict)
+    # a checkpoint at step 2 falls between step 1's measured step (the watch opens) and step 2's step (its verdict)
+    model = _Net(bug="no_zero_grad")
     gfm = GradientFlowMonitor()
-    trainer = pl.Trainer(max_steps=1, callbacks=[gfm], default_root_dir=tmp_path, **FAST)
-    trainer.fit(_Net(bug="no_zero_grad"), _data())
+    trainer = pl.Trainer(max_steps=2, callbacks=[gfm], default_root_dir=tmp_path, **FAST)
+    trainer.fit(model, _data())
     (watch,) = gfm.state_dict()["zeroed"]["watches"]
-    assert watch["optimizer"] == 0 and watch["armed_at"] == 0 and watch["params"][0] == "first.weight"
-    assert all(watch["stale"]) and not any(watch["added"])  # step 0's gradients are left over, nothing added yet
+    assert watch["optimizer"] == 0 and watch["armed_at"] == 1 and watch["params"][0] == "first.weight"
+    assert all(watch["stale"]) and not any(watch["added"])  # step 1's gradients are left over, nothing added yet
     trainer.save_checkpoint(tmp_path / "open.ckpt")
+    # the resumed run starts with every `.grad` None (Lightning's fit, even on the same model object): what was
+    # left over is lost in the reload, so the restored watch closes at step 2 without a verdict (a healthy one
+    # would release a latched alert), read at step 3 as one check; the watch opened at step 3 closes at step 4,
+    # after this fit's last step
+    gfm3 = GradientFlowMonitor()
+    trainer = pl.Trainer(max_steps=4, callbacks=[gfm3], default_root_dir=tmp_path, **FAST)
+    trainer.fit(model, _data(), ckpt_path=tmp_path / "open.ckpt")
+    assert gfm3.not_zeroed_rule.checks == 1 and gfm3.alerts == [] and not gfm3.not_zeroed_rule.latch.active
+
+
+def test_a_latched_grad_not_zeroed_is_not_released_by_the_reload(tmp_path):
+    # measured at steps 1, 3, 5, 7 (every 2); the run never zeroes: alerted once, at step 3
+    straight = GradientFlowMonitor()
+    _fit(_Net(bug="no_zero_grad"), [straight], steps=8)
+    assert [a.global_step for a in straight.alerts if a.rule == "grad_not_zeroed"] == [3]
+    # a checkpoint at step 4: latched, with step 3's watch open; the resumed run starts with every `.grad` None
+    gfm = GradientFlowMonitor()
+    trainer = pl.Trainer(max_steps=4, callbacks=[gfm], default_root_dir=tmp_path, **FAST)
+    trainer.fit(_Net(bug="no_zero_grad"), _data())
+    assert gfm.state_dict()["zeroed"]["watches"] and gfm.not_zeroed_rule.latch.active
+    trainer.save_checkpoint(tmp_path / "latched.ckpt")
     gfm2 = GradientFlowMonitor()
-    trainer = pl.Trainer(max_steps=3, callbacks=[gfm2], default_root_dir=tmp_path, **FAST)
-    trainer.fit(_Net(bug="no_zero_grad"), _data(), ckpt_path=tmp_path / "open.ckpt")
-    # a resumed run starts with every .grad None: the restored watch finds nothing left over and closes healthy
-    # (no alert from it), and the rule counts that check as the uninterrupted run does
-    assert gfm2.not_zeroed_rule.checks >= 1
+    trainer = pl.Trainer(max_steps=8, callbacks=[gfm2], default_root_dir=tmp_path, **FAST)
+    trainer.fit(_Net(bug="no_zero_grad"), _data(), ckpt_path=tmp_path / "latched.ckpt")
+    # step 3's watch closes at step 4 without a verdict (read at 5); the watch opened at step 5 finds the
+    # gradients not zeroed (read at 7): the same event, still latched, and as many checks as the straight run
     assert [a.global_step for a in gfm2.alerts if a.rule == "grad_not_zeroed"] == []
+    assert gfm2.not_zeroed_rule.latch.active and gfm2.not_zeroed_rule.checks == straight.not_zeroed_rule.checks
 
 
 def test_zero_grad_watch_criterion_on_tensors():
@@ -493,7 +516,8 @@ def test_grad_not_zeroed_under_ddp_every_rank_decides_together(tmp_path, mode):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"{mode}{r}.json").read_text()) for r in (0, 1)]
-    expected = [2] if mode == "no_zero_grad" else []
+    # measured on the user's cadence (every 2: steps 1, 3, 5): watched at step 1, read at step 3 as on one process
+    expected = [3] if mode == "no_zero_grad" else []
     for rank in ranks:
         assert [a["global_step"] for a in rank["alerts"]] == expected and rank["checks"] >= 2
     records = [json.loads(x) for x in (tmp_path / "diag" / "alerts.jsonl").read_text().splitlines()] if (

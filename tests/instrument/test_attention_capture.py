@@ -260,7 +260,7 @@ def test_nothing_is_installed_on_steps_that_are_not_sampled(tmp_path):
     trainer.fit(model, data)
     forward = [(step, modes, hooks) for step, modes, hooks in model.seen if hooks >= 0]
     assert [(step, modes > 0, hooks > 0) for step, modes, hooks in forward] == [
-        (s, s % 3 == 0, s % 3 == 0) for s in range(7)
+        (s, (s + 1) % 3 == 0, (s + 1) % 3 == 0) for s in range(7)  # sampled on the user's cadence: steps 2, 5
     ]
     assert all(modes == 0 for _, modes, hooks in model.seen if hooks < 0)  # off again before backward
     assert torch._C._len_torch_function_stack() == 0

@@ -95,6 +95,19 @@ def test_vanishing_layers_at_one_step_make_one_alert():
     assert len(alerts) == 1 and alerts[0].source == "enc.0.fc" and "8 layers" in alerts[0].message
 
 
+def test_a_starved_layer_realerts_only_when_its_gap_to_the_best_fed_block_grows():
+    # a batch with small gradients everywhere (all 16x lower) is the same event; the layer falling 20x further
+    # behind the best-fed block has clearly worsened
+    rule = GradBandRule(patience=1, warmup_steps=0)
+    base = {**HEALTHY_REL, "h.0.fc": 1e-6}
+    assert [a.source for a in rule.update({}, StepContext(0, 0), relative=base)] == ["h.0.fc"]
+    quiet = {k: v / 16 for k, v in base.items()}
+    assert rule.update({}, StepContext(0, 1), relative=quiet) == []
+    assert rule.update({}, StepContext(0, 2), relative=base) == []
+    worse = {**HEALTHY_REL, "h.0.fc": 5e-8}
+    assert [a.source for a in rule.update({}, StepContext(0, 3), relative=worse)] == ["h.0.fc"]
+
+
 def test_dead_blocks_are_not_vanishing_against_a_head_outside_the_blocks():
     # BERT at a 100x learning rate: every block matrix ~0, only the classifier (no block) learns: grad_collapse's
     relative = {"enc.0.fc": 0.0, "enc.1.fc": 1e-12, "classifier": 0.5}
