@@ -27,4 +27,4 @@ def test_hugging_face_example_logs_attention_entropy(tmp_path, monkeypatch, caps
     tags = set(acc.Tags()["scalars"])
     layers = [f"bert.encoder.layer.{i}.attention.self" for i in range(2)]  # seen without any call in the model
     assert {f"diag/attn_entropy/{n}/head_{h}" for n in layers for h in range(4)} <= tags
-    assert len(acc.Scalars(f"diag/attn_entropy/{layers[0]}/mean")) == 4  # steps 0, 5, 10, 15 of 16
+    assert len(acc.Scalars(f"diag/attn_entropy/{layers[0]}/mean")) == 3  # steps 4, 9, 14 of 16 (logging steps)

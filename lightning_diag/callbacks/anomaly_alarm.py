@@ -359,7 +359,7 @@ class AnomalyAlarm(DiagCallback):
         when the model's steps draw random numbers; on logging steps look for Dropout/BatchNorm modules left in eval
         mode."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        logging_step = trainer.global_step % self._every == 0
+        logging_step = self.cadence_step(trainer) % self._every == 0  # the user's logging batches
         self.recovery.on_batch_start(batch, batch_idx, watch=logging_step)
         if logging_step:  # the train-mode check's steps (it tests the same)
             self.train_mode.on_batch_start(trainer, pl_module)

@@ -23,6 +23,7 @@ from lightning_diag.callbacks._system_interval import HEADER, gather_ranks, inte
 from lightning_diag.callbacks._system_steps import StepRecorder
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.core.tags import family_tag, overhead_tag
+from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 from lightning_diag.rules.system import (
@@ -129,12 +130,7 @@ class SystemMonitor(DiagCallback):
         for name, flag in (("nvml", nvml), ("time_callbacks", time_callbacks)):
             if not isinstance(flag, bool):
                 raise TypeError(f"Expected argument `{name}` to be a bool, but got {flag!r}")
-        if isinstance(overhead_sample_every, bool) or not isinstance(overhead_sample_every, int):
-            raise TypeError(
-                f"Expected argument `overhead_sample_every` to be an int, but got {overhead_sample_every!r}"
-            )
-        if overhead_sample_every < 1:
-            raise ValueError(f"Expected argument `overhead_sample_every` to be >= 1, but got {overhead_sample_every}")
+        check_int("overhead_sample_every", overhead_sample_every)
         self.nvml = nvml
         self.time_callbacks = time_callbacks
         self.overhead_sample_every = overhead_sample_every

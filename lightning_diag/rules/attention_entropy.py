@@ -50,6 +50,10 @@ ALIGNED_COVERAGE = 0.9
 ABRUPT_FALL = 2.0
 #: ``attn_entropy_low``: sampled training losses averaged to tell whether the loss improved (one batch is noisy).
 LOSS_POINTS = 3
+#: ``attn_entropy_low``: extra measurements a whole layer peaked since its first measurement waits for the sampled
+#: loss to fall below its level at that first measurement before it is called a collapse (a run whose loss stays
+#: flat for its first tens of steps, as Lightning's demo transformer's does for 30, learns with such a layer).
+START_HOLD = 8
 #: ``attn_entropy_low`` hysteresis: a head in alarm stays in its event while its entropy is below this factor of
 #: ``low`` (0.625 nats for 0.5): a head hovering around the threshold is one event, not one per crossing.
 LOW_HOLD_FACTOR = 1.25
@@ -170,8 +174,11 @@ class AttentionEntropyRule(Rule):
                         else:
                             bad = bad or (judge_high and ent > (self.uniform_fraction - HIGH_HOLD_MARGIN) * uni)
                     self.streaks[key] = self.streaks.get(key, 0) + 1 if bad else 0
+                    need = self.patience
+                    if rule == ATTN_ENTROPY_LOW and kind == _COLLAPSE and self._from_start(source):
+                        need += START_HOLD  # peaked from the start: give the loss time to show it learns
                     over = excess(ent, self.low, above=False) if rule == ATTN_ENTROPY_LOW else None
-                    if self.latch.update(key, self.streaks[key] >= self.patience, excess=over):
+                    if self.latch.update(key, self.streaks[key] >= need, excess=over):
                         tripped[kind if rule == ATTN_ENTROPY_LOW else rule][source] = (ent, uni)
             for kind, held in explained.items():
                 # one note per module and kind, ever: the latch key is never cleared
@@ -179,6 +186,12 @@ class AttentionEntropyRule(Rule):
                     notes.append(self._note(kind, module, held, len(stats.entropy), ctx))
         alerts = [self._entropy_alert(kind, heads, ctx) for kind, heads in tripped.items() if heads]
         return alerts + notes
+
+    def _from_start(self, source: str) -> bool:
+        """Whether the head has been below the band since its first measurement (no fall was seen), in a run whose
+        sampled loss is known."""
+        entry = self.heads.get(source)
+        return entry is not None and math.isnan(entry[0]) and math.isfinite(entry[1])  # with a loss to follow
 
     def _track(self, source: str, ent: float, mean_loss: float, room: bool, low: bool, whole_layer: bool) -> str:
         """Keep the head's history; ``"collapse"`` or ``"learned"``: what a low-entropy alarm beginning now is."""

@@ -234,12 +234,13 @@ class CustomModel(NoAttention):
 
 def test_custom_module_reports_through_the_explicit_api(tmp_path):
     monitor = AttentionEntropyMonitor(log_every_n_steps=1, special_positions=())
-    trainer = pl.Trainer(max_steps=4, default_root_dir=tmp_path, callbacks=[monitor], **FAST)
+    # one-hot from the first measurement: judged once the loss had START_HOLD more measurements to show learning
+    trainer = pl.Trainer(max_steps=12, default_root_dir=tmp_path, callbacks=[monitor], **FAST)
     trainer.fit(CustomModel())
-    assert [(a.rule, a.source, a.global_step) for a in monitor.alerts] == [("attn_entropy_low", "attn/head_0", 1)]
+    assert [(a.rule, a.source) for a in monitor.alerts] == [("attn_entropy_low", "attn/head_0")]
     acc = EventAccumulator(trainer.log_dir)
     acc.Reload()
-    assert len(acc.Scalars("diag/attn_entropy/attn/head_0")) == 4
+    assert len(acc.Scalars("diag/attn_entropy/attn/head_0")) == 12
 
 
 def test_resume_keeps_streaks_and_latches(tmp_path):

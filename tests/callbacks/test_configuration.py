@@ -70,6 +70,7 @@ INVALID = {
         "log_every_n_steps": [(0, ValueError, "an int >= 1")],
         "nvml": [(1, TypeError, "a bool")],
         "time_callbacks": [("yes", TypeError, "a bool")],
+        "overhead_sample_every": [(0, ValueError, "an int >= 1"), (2.0, TypeError, "an int >= 1")],
         "rules": [(3, TypeError, "a mapping of rule id to {field: value}")],
     },
 }

@@ -90,6 +90,7 @@ def test_rule_ids_are_the_contract():
         "eval_before_training",
         "batch_size_mismatch",
         "worker_rng_shared",
+        "zero_output",
     }
 
 
