@@ -308,8 +308,9 @@ def test_the_rng_is_copied_only_on_watched_steps_while_the_model_draws_nothing(t
     kept = _KeptCopies(alarm)
     _fit(Regression(), alarm, tmp_path, max_steps=12, callbacks=[kept])
     assert not alarm.recovery.draws
-    # the fit's first batch and the logging steps are watched (a copy to compare with at the batch end); none else
-    assert [step for step, copies in kept.seen if any(copies)] == [0, 5, 10]
+    # the fit's first batch and the user's logging steps are watched (a copy to compare with at the batch end); none
+    # else
+    assert [step for step, copies in kept.seen if any(copies)] == [0, 4, 9]
     assert all(len(copies) == 1 for _, copies in kept.seen)  # the batch itself is always kept for a replay
 
 
@@ -318,8 +319,8 @@ def test_a_model_that_draws_keeps_a_copy_every_step_from_the_watched_step_that_s
     kept = _KeptCopies(alarm)
     _fit(Regression(noisy=True), alarm, tmp_path, max_steps=12, callbacks=[_DropoutFrom(7), kept])
     assert alarm.recovery.draws
-    # p = 0 draws nothing until step 7; the draws are seen at the next watched step (10), copies from step 11 on
-    assert [step for step, copies in kept.seen if any(copies)] == [0, 5, 10, 11]
+    # p = 0 draws nothing until step 7; the draws are seen at the next watched step (9), copies from step 10 on
+    assert [step for step, copies in kept.seen if any(copies)] == [0, 4, 9, 10, 11]
 
 
 def test_a_replay_of_a_drawing_model_starts_from_the_steps_rng(tmp_path):

@@ -131,11 +131,14 @@ def test_cost_is_linear_in_the_number_of_samples():
     for n in (2000, 8000):
         tokens = rng.integers(0, 30_000, (n, 32))
         lengths = np.full(n, 32)
-        start = time.process_time()
-        sig, h = ds.minhash(tokens, lengths), ds.sequence_hashes(tokens, lengths)
-        ds.find_near_duplicates(sig, h, sig[: n // 4], h[: n // 4])
-        timings.append(time.process_time() - start)
-    assert timings[1] < 12 * timings[0]  # quadratic would be 16x; generous for a loaded machine
+        best = float("inf")
+        for _ in range(5):  # the best of 5: a load spike on a shared machine lengthens one run, not all of them
+            start = time.process_time()
+            sig, h = ds.minhash(tokens, lengths), ds.sequence_hashes(tokens, lengths)
+            ds.find_near_duplicates(sig, h, sig[: n // 4], h[: n // 4])
+            best = min(best, time.process_time() - start)
+        timings.append(best)
+    assert timings[1] < 10 * timings[0]  # linear is about 4x (measured 3.7-4.0x), quadratic would be 16x
 
 
 def test_bytes_hashes_find_exact_feature_copies():
