@@ -31,7 +31,7 @@ from typing import Any
 import pytorch_lightning as pl
 
 from lightning_diag.core.alerts import Alert
-from lightning_diag.demo.corpus import CORPUS, CorpusEntry, entry_callbacks, run_corpus
+from lightning_diag.demo.corpus import CORPUS, TRAINER_SETTINGS, CorpusEntry, entry_callbacks, run_corpus
 from lightning_diag.demo.faults import FAULTS, Fault, build_fault
 from lightning_diag.demo.run import default_callbacks, fault_callbacks, quiet, run_demo
 from lightning_diag.rules.catalog import ALL_RULES
@@ -118,15 +118,7 @@ def _fit_real(
         "max_steps": entry.max_steps,
         "max_epochs": -1,
         "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "log_every_n_steps": 5,
-        "val_check_interval": 50,
-        "check_val_every_n_epoch": None,
-        "limit_val_batches": 8,
-        "num_sanity_val_steps": 0,
-        "accelerator": "cpu",
+        **TRAINER_SETTINGS,
         "callbacks": callbacks,
     }
     trainer = pl.Trainer(**{**settings, **entry.trainer, **kwargs})

@@ -61,6 +61,7 @@ from lightning_diag.rules.catalog import (
 __all__ = [
     "ARCHITECTURES",
     "CORPUS",
+    "TRAINER_SETTINGS",
     "CorpusEntry",
     "CorpusModule",
     "CorpusResult",
@@ -506,6 +507,21 @@ class CorpusResult:
     losses: list[float]
 
 
+#: The Trainer settings every corpus run shares (an entry's ``trainer`` mapping overrides them); the detection
+#: matrix's runs use them too.
+TRAINER_SETTINGS: dict[str, Any] = {
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+    "log_every_n_steps": 5,
+    "val_check_interval": 50,
+    "check_val_every_n_epoch": None,
+    "limit_val_batches": 8,
+    "num_sanity_val_steps": 0,
+    "accelerator": "cpu",
+}
+
+
 def run_corpus(
     name: str, root: str | None = None, seed: int = 0, callbacks: list[Any] | None = None, **trainer_kwargs: Any
 ) -> CorpusResult:
@@ -540,15 +556,7 @@ def run_corpus(
         "max_epochs": -1,
         "logger": TensorBoardLogger(root, name=f"corpus_{name}"),
         "callbacks": [*cbs, _Losses()],
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "log_every_n_steps": 5,
-        "val_check_interval": 50,
-        "check_val_every_n_epoch": None,
-        "limit_val_batches": 8,
-        "num_sanity_val_steps": 0,
-        "accelerator": "cpu",
+        **TRAINER_SETTINGS,
         **entry.trainer,
     }
     kwargs.update(trainer_kwargs)
