@@ -7,11 +7,13 @@ is run several times, and on its *quiet* steps (neither they nor their neighbour
 
 * the CPU time of the training thread (``time.thread_time``, so that other jobs on a shared machine do not
   inflate it) inside each hook of the callback, the median over the quiet steps, then the median over the
-  repetitions;
+  repetitions, **net of the timing**: the same median for a callback whose hooks do nothing (:class:`NoOp`, timed
+  the same way in fits of its own) is taken off each hook (on this 2-core VM a window of two clock reads around an
+  empty hook reads 2-5 µs, more than some hooks' own work);
 * **beyond the pass**: per quiet step, the CPU time of all its hooks minus that of the non-finite guard's one fused
-  pass over the gradients (``finite_probe``, timed the same way), the median over the quiet steps, then over the
-  repetitions: the Python and the small operators a quiet step adds to the floor of an exact check (issue 37 §4:
-  at most 30 µs);
+  pass over the gradients (``finite_probe``, timed the same way) and minus the empty hooks' timing floor, the
+  median over the quiet steps, then over the repetitions: the Python and the small operators a quiet step adds to
+  the floor of an exact check (issue 37 §4: at most 30 µs);
 * the **aten operators** the callback's hooks dispatch per quiet step (counted with a ``TorchDispatchMode``): a
   count that does not depend on the machine's load, each operator being a few microseconds of dispatch on the CPU
   and one kernel launch on a GPU;
@@ -58,12 +60,40 @@ HOOKS = (
     "on_before_zero_grad",
     "on_train_batch_end",
 )
+
+
+class NoOp(pl.Callback):
+    """Implements every hook of :data:`HOOKS` and does nothing: the timing's own floor, hook by hook."""
+
+    def on_train_epoch_start(self, *args: Any) -> None:
+        pass
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        pass
+
+    def on_before_backward(self, *args: Any) -> None:
+        pass
+
+    def on_after_backward(self, *args: Any) -> None:
+        pass
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        pass
+
+    def on_before_zero_grad(self, *args: Any) -> None:
+        pass
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        pass
+
+
 CALLBACKS: dict[str, Callable[[], pl.Callback]] = {
     "AnomalyAlarm": AnomalyAlarm,
     "GradientFlowMonitor": GradientFlowMonitor,
     "AttentionEntropyMonitor": AttentionEntropyMonitor,
     "DataDiagnostics": DataDiagnostics,
     "SystemMonitor": SystemMonitor,
+    "NoOp": NoOp,
 }
 #: Per-batch work a callback does outside its hooks, timed like them: SystemMonitor closes each batch after the
 #: last callback's ``on_train_batch_end`` (and picks the next batch to time).
@@ -112,12 +142,16 @@ def _trainer(root: str, callbacks: list[pl.Callback], steps: int) -> pl.Trainer:
     )
 
 
-def inside(name: str, width: int, steps: int, root: str, count_ops: bool) -> tuple[dict[str, float], float, float]:
+def inside(
+    name: str, width: int, steps: int, root: str, count_ops: bool, floor: dict[str, float] | None = None
+) -> tuple[dict[str, float], float, float]:
     """One fit: by hook, the median CPU seconds over the quiet steps; the median over the quiet steps of their
-    hooks' CPU seconds beyond the fused pass; and the aten operators per quiet step."""
+    hooks' CPU seconds beyond the fused pass, less ``floor`` (the empty hooks' median, by hook) for each hook
+    timed in that step; and the aten operators per quiet step."""
     cb = CALLBACKS[name]()
     seconds: dict[str, list[float]] = collections.defaultdict(list)
     per_step: dict[int, float] = collections.defaultdict(float)
+    timed_floor: dict[int, float] = collections.defaultdict(float)  # the timing's own floor in each step
     passes: dict[int, float] = collections.defaultdict(float)
     ops = [0]
     current = [-1]  # the quiet step whose hook is running, else -1
@@ -142,6 +176,7 @@ def inside(name: str, width: int, steps: int, root: str, count_ops: bool) -> tup
                 current[0] = -1
                 seconds[hook].append(spent)
                 per_step[step] += spent
+                timed_floor[step] += (floor or {}).get(hook, 0.0)
                 if mode is not None:
                     ops[0] += mode.count
 
@@ -168,7 +203,7 @@ def inside(name: str, width: int, steps: int, root: str, count_ops: bool) -> tup
     finally:
         nonfinite_guard.finite_probe = probe  # type: ignore[assignment]
     medians = {hook: statistics.median(v) for hook, v in seconds.items() if v}
-    beyond = statistics.median(t - passes[s] for s, t in per_step.items()) if per_step else 0.0
+    beyond = statistics.median(t - passes[s] - timed_floor[s] for s, t in per_step.items()) if per_step else 0.0
     return medians, beyond, ops[0] / max(len(per_step), 1)
 
 
@@ -206,13 +241,20 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     lines = []
     with quiet(1), tempfile.TemporaryDirectory(prefix="quiet_") as root:
+        # The timing's floor: the same windows around hooks that do nothing, hook by hook (median over reps).
+        empty = [inside("NoOp", width, steps, os.path.join(root, f"noop{i}"), False)[0] for i in range(reps)]
+        floor = {h: statistics.median(m[h] for m in empty) for h in HOOKS if all(h in m for m in empty)}
+        floor_line = ", ".join(f"{h} {s * 1e6:.1f}" for h, s in floor.items())
         for name in args.callbacks:
             # The operator count runs in a fit of its own: the dispatch mode would inflate the timed hooks.
             ops = inside(name, width, min(steps, 60), os.path.join(root, f"{name}-ops"), True)[2]
-            runs = [inside(name, width, steps, os.path.join(root, f"{name}{i}"), False) for i in range(reps)]
+            runs = [inside(name, width, steps, os.path.join(root, f"{name}{i}"), False, floor) for i in range(reps)]
             order = [*HOOKS, *EXTRA.get(name, ())]
             hooks = sorted({h for medians, _, _ in runs for h in medians}, key=order.index)
-            per_hook = {h: statistics.median(m.get(h, 0.0) for m, _, _ in runs) for h in hooks}
+            # net of the timing: the empty hook's median taken off (not below zero)
+            per_hook = {
+                h: max(statistics.median(m.get(h, 0.0) for m, _, _ in runs) - floor.get(h, 0.0), 0.0) for h in hooks
+            }
             total = sum(per_hook.values())
             beyond = statistics.median(b for _, b, _ in runs)
             detail = ", ".join(f"{h} {s * 1e6:.0f}" for h, s in per_hook.items())
@@ -223,9 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         f"cpu, 1 thread; torch {torch.__version__}, pytorch_lightning {pl.__version__}; {steps} steps per fit, "
         f"{reps} reps; load average {os.getloadavg()[0]:.1f}; {time.perf_counter() - t0:.0f} s"
     )
+    print(f"timing floor (an empty hook, µs, taken off below): {floor_line}")
     print()
     print(
-        "| callback | quiet step CPU µs (sum of hook medians) | beyond the fused pass µs (median step) "
+        "| callback | quiet step CPU µs (sum of hook medians, net of the timing) "
+        "| beyond the fused pass µs (median step, net of the timing) "
         "| aten ops per quiet step | by hook (µs) |"
     )
     print("|---|---|---|---|---|")
