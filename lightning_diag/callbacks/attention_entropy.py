@@ -129,6 +129,9 @@ class AttentionEntropyMonitor(DiagCallback):
         (0.3, 2.5)
     """
 
+    #: Switched off on quiet batches (:meth:`quiet_batch`): Lightning then skips them.
+    batch_hooks = ("on_before_backward", "on_train_batch_end")
+
     def __init__(
         self,
         *,
@@ -210,8 +213,10 @@ class AttentionEntropyMonitor(DiagCallback):
     ) -> None:
         """On the first micro-batch of a sampled step: attach the measuring hooks and open the recorder."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if not self.on_cadence:
+            return
         step = trainer.global_step
-        if self.cadence_step(trainer) % self.every_n_steps(trainer) != 0 or step == self._sampled_step:
+        if step == self._sampled_step:
             return
         self._sampled_step = step
         if self._mha is None:
@@ -275,6 +280,10 @@ class AttentionEntropyMonitor(DiagCallback):
         tp = mesh[TP_DIM_NAME]
         return tp if tp.size() > 1 else None
 
+    def quiet_batch(self, trainer: pl.Trainer) -> bool:
+        """Off the sampling cadence, with nothing attached: the batch's backward and end have nothing to do."""
+        return not self.on_cadence and self._recorder is None and self._capture is None and not self._handles
+
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """The sampled forward is over: leave the function mode before backward (and any recomputation) runs."""
         self._stop_capture()
@@ -298,6 +307,8 @@ class AttentionEntropyMonitor(DiagCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """After a sampled micro-batch: remove the hooks, log the statistics, run the rules, draw images."""
+        if self._recorder is None and self._capture is None and not self._handles:
+            return  # a quiet step
         recorder = self._detach()
         if recorder is None:
             return

@@ -123,6 +123,9 @@ class DiagCallback(pl.Callback):
     state_key_arguments: ClassVar[tuple[str, ...]] = ()
     #: Checkpoint keys a subclass saves besides its declared rules (checked by :meth:`load_state_dict`).
     extra_state_keys: ClassVar[tuple[str, ...]] = ()
+    #: Per-batch hooks this callback needs only on the batches it works in: on a batch :meth:`quiet_batch` calls
+    #: quiet they are switched off until the next batch's start (see :meth:`on_train_batch_start`).
+    batch_hooks: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -146,6 +149,13 @@ class DiagCallback(pl.Callback):
         self._step_axis: StepAxis | None = None
         self._notices: set[str] = set()
         self._last_logged_step = -1
+        #: Whether the current training batch is on this callback's logging cadence (``cadence_step(trainer) %
+        #: every_n_steps(trainer) == 0``), decided once per batch in ``on_train_batch_start``: the one test a
+        #: quiet step's later hooks make.
+        self.on_cadence = False
+        self._cadence_every: int | None = None  # every_n_steps(trainer), read once per fit
+        self._hooks_off = False  # whether the batch hooks are switched off (a quiet batch)
+        self._hooks_saved: dict[str, Any] = {}  # what the instance held for them (another's wrappers)
         #: Declared rules: attribute name -> (builder from thresholds, checkpoint key).
         self._rule_declarations: dict[str, tuple[Callable[[Mapping[str, float]], StatefulRule], str]] = {}
 
@@ -187,7 +197,11 @@ class DiagCallback(pl.Callback):
 
     @property
     def state_key(self) -> str:
-        """The checkpoint key: the class name, with the :attr:`state_key_arguments` values when it declares some."""
+        """The checkpoint key: the class name, with the :attr:`state_key_arguments` values when it declares some
+        (fixed from a fit's ``setup`` to its ``teardown``)."""
+        fixed = self.__dict__.get("_fit_state_key")
+        if fixed is not None:
+            return fixed
         if not self.state_key_arguments:
             return super().state_key
         # "loss_trend.swing_window": a settings field, keyed by its name
@@ -236,14 +250,22 @@ class DiagCallback(pl.Callback):
         if self._session is not None:
             self._step_axis = self._session.step_axis
         if stage == TrainerFn.FITTING:
+            self.switch_batch_hooks(off=False)
             self.alerts = []
             self._on_alert_failed = False
             self._notices = set()
             self._last_logged_step = -1
+            self.on_cadence = False
+            self._cadence_every = None
             self.reset_rules()
+            # Lightning reads `state_key` at every hook call of every callback: fixed for the fit from here
+            self.__dict__.pop("_fit_state_key", None)
+            self.__dict__["_fit_state_key"] = self.state_key
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Flush and release the session."""
+        self.__dict__.pop("_fit_state_key", None)
+        self.switch_batch_hooks(off=False)
         if self._session is not None:
             self._session.writer.flush()
             _release_session(trainer, self._session)
@@ -273,9 +295,53 @@ class DiagCallback(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Count the batch on the user's step axis."""
+        """Count the batch on the user's step axis, decide once for the batch whether it is on this callback's
+        logging cadence (:attr:`on_cadence`), and switch :attr:`batch_hooks` off for a quiet batch.
+
+        Lightning calls a callback's hook only when the attribute is callable (``_call_callback_hooks``): on a batch
+        :meth:`quiet_batch` calls quiet, each of :attr:`batch_hooks` is set to ``None`` on the instance, so neither
+        the hook nor Lightning's dispatch of it (its profiler label and context) runs; the next batch that needs
+        them puts back what the instance held (the class's method, or another callback's wrapper of it, such as
+        ``SystemMonitor``'s timers). Only the first and last batch of a quiet run switch; ``teardown`` switches
+        them back on.
+        """
+        every = self._cadence_every
+        if every is None:
+            every = self._cadence_every = self.every_n_steps(trainer)
         if self._session is not None:
-            self._session.step_axis.batch_started(trainer, pl_module, batch_idx)
+            axis = self._session.step_axis
+            axis.batch_started(trainer, pl_module, batch_idx)
+            self.on_cadence = (axis.stepped + 1) % every == 0  # `axis.cadence_step`, without the property
+        else:
+            self.on_cadence = trainer.global_step % every == 0
+        if self.batch_hooks:
+            off = self.quiet_batch(trainer)
+            if off is not self._hooks_off:
+                self.switch_batch_hooks(off=off)
+
+    def quiet_batch(self, trainer: pl.Trainer) -> bool:
+        """Whether the current batch needs none of :attr:`batch_hooks` (asked at its start, after the step axis
+        moved). Default: it is off this callback's logging cadence."""
+        return not self.on_cadence
+
+    def switch_batch_hooks(self, *, off: bool) -> None:
+        """Switch :attr:`batch_hooks` off (``None`` on the instance, which Lightning skips) or back on."""
+        if off == self._hooks_off:
+            return
+        state = self.__dict__
+        if off:
+            self._hooks_saved = {hook: state[hook] for hook in self.batch_hooks if hook in state}
+            for hook in self.batch_hooks:
+                state[hook] = None
+        else:
+            for hook in self.batch_hooks:
+                if hook in state and state[hook] is None:  # still switched off by this class (not removed since)
+                    if hook in self._hooks_saved:
+                        state[hook] = self._hooks_saved[hook]
+                    else:
+                        del state[hook]
+            self._hooks_saved = {}
+        self._hooks_off = off
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -365,8 +431,12 @@ class DiagCallback(pl.Callback):
         except Exception as err:  # any error of user code
             if not self._on_alert_failed:
                 self._on_alert_failed = True
-                log.warning("%s: the on_alert handler raised %r on %s; training goes on (reported once per fit)",
-                            type(self).__name__, err, alert.rule)
+                log.warning(
+                    "%s: the on_alert handler raised %r on %s; training goes on (reported once per fit)",
+                    type(self).__name__,
+                    err,
+                    alert.rule,
+                )
 
     def check_state_keys(self, state_dict: dict[str, Any], keys: Iterable[str]) -> None:
         """Raise ``KeyError`` naming every key of ``keys`` missing from a checkpointed ``state_dict``."""

@@ -146,6 +146,9 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         ValueError: If an argument is out of range.
     """
 
+    #: Switched off on quiet batches (:meth:`quiet_batch`): Lightning then skips them.
+    batch_hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_train_batch_end")
+
     def __init__(
         self,
         *,
@@ -217,6 +220,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
         self._before: list[tuple[list[int], list[torch.Tensor]]] = []
         self._measured_interval: dict[int, int] = {}
+        self._past_initial = False  # past the first optimizer step of the fit (or its baseline is known)
+        self._idle = False  # whether the next batch off the cadence has nothing to do (see `quiet_batch`)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """A new fit starts with fresh rules (the base class; a resume then loads their state) and no index."""
@@ -226,6 +231,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             self._before = []
             self._measured_interval = {}
             self._loss = None
+            self._past_initial = False
+            self._idle = False
             self._reset_update_state()
 
     def state_dict(self) -> dict[str, Any]:
@@ -243,6 +250,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         zeroed = state.pop(ZEROED_STATE_KEY)
         super().load_state_dict(state)
         self._load_zeroed_state(zeroed)
+        self._idle = False  # the restored watches decide at the next batch's end
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove activation-gradient hooks a fit that raised mid-step left on the model, then release the session."""
@@ -306,13 +314,36 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             return None
         return functools.partial(trainer.strategy.reduce, reduce_op="sum")
 
+    def quiet_batch(self, trainer: pl.Trainer) -> bool:
+        """Nothing to do in this batch's backward, optimizer step and end: off the cadence, and idle since the
+        last batch whose hooks ran (:meth:`_still_busy`; nothing changes while they are off)."""
+        return self._idle and not self.on_cadence
+
+    def _still_busy(self) -> bool:
+        """Whether the next batch has work even off the cadence: the fit's first optimizer step not yet passed, a
+        ``grad_not_zeroed`` watch open, undecided or restored, activation hooks attached, or an update pending."""
+        return bool(
+            not self._past_initial
+            or self._zero.watches
+            or self._zero_undecided
+            or self._zero_restored is not None
+            or self._act.attached
+            or self._stepped
+            or self._before
+        )
+
     def _measuring(self, trainer: pl.Trainer) -> bool:
-        return self.cadence_step(trainer) % self.every_n_steps(trainer) == 0  # the user's logging cadence
+        return self.on_cadence  # the user's logging cadence, decided at the batch's start
 
     def _initial(self, trainer: pl.Trainer) -> bool:
         """The first optimizer step of a fresh fit, off the user's cadence: measured for ``grad_collapse``'s
         baseline only (the untrained model's gradient and loss), nothing written (no row off the user's axis)."""
-        return trainer.global_step == 0 and not self._measuring(trainer) and self.collapse_rule.baseline is None
+        if self._past_initial:
+            return False
+        if self.collapse_rule.baseline is not None or trainer.global_step > 0:
+            self._past_initial = True  # from here on: one attribute test per call
+            return False
+        return not self.on_cadence
 
     def _measured_position(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> int | None:
         """The optimizer's position in ``trainer.optimizers`` if this step is measured, else ``None``."""
@@ -345,8 +376,9 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         While an optimizer's measured step is watched (until that optimizer's next step): read a few elements of
         its parameters' ``.grad`` (``grad_not_zeroed``; device only).
         """
-        self._zero_before_backward(lambda: self._build_index(trainer, pl_module))
-        if not (self._measuring(trainer) or self._initial(trainer)):
+        if self._zero_restored is not None or self._zero.watches:
+            self._zero_before_backward(lambda: self._build_index(trainer, pl_module))
+        if not (self.on_cadence or self._initial(trainer)):
             return
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
@@ -365,7 +397,10 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             act_norms = self._act.flush()
             if act_norms:
                 self.writer.scalars({act_grad_norm_tag(n): v for n, v in act_norms.items()}, trainer.global_step)
-        self._zero_before_step(trainer, optimizer)  # the verdict of this optimizer's watch, if it has one
+        if self._zero.watches or self._zero_undecided:
+            self._zero_before_step(trainer, optimizer)  # the verdict of this optimizer's watch, if it has one
+        if not self.on_cadence and self._past_initial:  # a quiet step: nothing to measure
+            return
         position = self._measured_position(trainer, optimizer)
         if position is None:
             if self._initial(trainer) and optimizer_position(trainer, optimizer) == 0:
@@ -461,6 +496,11 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     ) -> None:
         """After a measured step: weight norms and update-to-weight ratios per layer, and the update rules with
         the ``grad_not_zeroed`` verdicts (one host read)."""
+        self._end_batch(trainer)
+        self._idle = not self._still_busy()
+
+    def _end_batch(self, trainer: pl.Trainer) -> None:
+        """The work of :meth:`on_train_batch_end`."""
         if self._stepped and self._index is not None:
             self._stepped = False
             self._judge_updates(trainer)

@@ -34,7 +34,8 @@ class StepAxis:
     def __init__(self) -> None:
         self.stepped = 0  # stepping batches before the current one
         self.pending = False  # whether the current batch steps (counted when the next one starts)
-        self._batch: tuple[int, int, int] | None = None
+        self._batch: int | tuple[int, int, int] | None = None
+        self._rule: _EpochRule | None = None
         self._global_steps: collections.deque[tuple[int, int]] = collections.deque(maxlen=self._HISTORY)
 
     @property
@@ -59,15 +60,31 @@ class StepAxis:
         return self.pending and self.cadence_step % every == 0
 
     def batch_started(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        """A training batch starts (idempotent within one batch)."""
-        key = (trainer.current_epoch, batch_idx, trainer.global_step)
+        """A training batch starts (idempotent within one batch: the first callback's call counts it, the others'
+        cost one comparison).
+
+        Runs on every batch, after the optimizer step has pushed the callbacks' code and data out of the caches,
+        where each Lightning property in a chain costs about a microsecond: what does not change within an epoch
+        (:class:`_EpochRule`) is read at its first batch, and the rest from plain attributes.
+        """
+        try:  # the fit loop's count of batches made ready: moved just before `on_train_batch_start`
+            key: int | tuple[int, int, int] = trainer.fit_loop.epoch_loop.batch_progress.total.ready
+        except AttributeError:
+            key = (trainer.current_epoch, batch_idx, trainer.global_step)
         if key == self._batch:
             return
         self._batch = key
         if self.pending:
             self.stepped += 1
-        self.pending = self._steps(trainer, pl_module, batch_idx)
-        self._global_steps.append((key[2], self.stepped))  # the global step read above (a chain of properties)
+        rule = self._rule
+        if rule is None:
+            rule = self._rule = _EpochRule(trainer, pl_module)
+        # Lightning's rule for counting a batch as stepped
+        ready = batch_idx + 1
+        self.pending = not rule.automatic or ready % rule.accumulate == 0 or (rule.final_steps and ready == rule.total)
+        counter = rule.step_counter
+        global_step = counter.completed if counter is not None else trainer.global_step
+        self._global_steps.append((global_step, self.stepped))
 
     def epoch_started(self, trainer: pl.Trainer) -> None:
         """A training epoch starts: the last batch of the previous one is counted now (Lightning's count has
@@ -75,18 +92,8 @@ class StepAxis:
         if self.pending:
             self.stepped += 1
             self.pending = False
+        self._rule = None  # read again at the epoch's first batch (a scheduler may change the accumulation)
         self._global_steps.append((trainer.global_step, self.stepped))
-
-    @staticmethod
-    def _steps(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> bool:
-        # Lightning's rule for counting a batch as stepped, from public attributes.
-        if not pl_module.automatic_optimization:
-            return True
-        ready = batch_idx + 1
-        accumulation_done = ready % max(int(trainer.accumulate_grad_batches), 1) == 0
-        total = trainer.num_training_batches
-        is_final = isinstance(total, int) and ready == total
-        return accumulation_done or (is_final and not trainer.strategy.handles_gradient_accumulation)
 
     def user_step(self, global_step: int) -> int:
         """The user-axis step of a series a callback writes at ``global_step`` (``trainer.global_step`` or the
@@ -106,4 +113,36 @@ class StepAxis:
         self.stepped = int(state["stepped"])
         self.pending = False
         self._batch = None
+        self._rule = None
         self._global_steps.clear()
+
+
+class _EpochRule:
+    """What decides, within one epoch, whether a batch steps and what the global step is: read at the epoch's first
+    batch (after every ``on_train_epoch_start``, where a ``GradientAccumulationScheduler`` sets the accumulation).
+
+    ``step_counter`` is the loop's own count of optimizer steps (the object ``trainer.global_step`` reads through
+    four properties), used only when it reads the same as ``trainer.global_step`` now; else ``None`` (read the
+    property).
+    """
+
+    __slots__ = ("accumulate", "automatic", "final_steps", "step_counter", "total")
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.automatic = bool(pl_module.automatic_optimization)
+        self.accumulate = max(int(trainer.accumulate_grad_batches), 1)
+        total = trainer.num_training_batches
+        self.total = total if isinstance(total, int) else -1
+        self.final_steps = not trainer.strategy.handles_gradient_accumulation
+        self.step_counter: Any = None
+        try:
+            loop = trainer.fit_loop.epoch_loop
+            counter = (
+                loop.automatic_optimization.optim_progress.optimizer.step.total
+                if self.automatic
+                else loop.manual_optimization.optim_step_progress.total
+            )
+            if isinstance(counter.completed, int) and counter.completed == trainer.global_step:
+                self.step_counter = counter
+        except AttributeError:
+            pass
