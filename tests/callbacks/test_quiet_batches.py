@@ -1,0 +1,162 @@
+"""Quiet batches switch a callback's batch hooks off (issue 37 §4): Lightning skips a hook that is not callable.
+
+``GradientFlowMonitor`` and ``AttentionEntropyMonitor`` declare ``batch_hooks``: on a batch with nothing to measure
+they are ``None`` on the instance until the next batch that needs them. Real fits check that the hooks really are
+skipped, that what is written and alerted is exactly what the same callbacks write with the hooks always on, that
+``SystemMonitor``'s timers around those hooks survive the switching, and that nothing is left on the instance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import Logger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_diag import AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
+from tests.callbacks.test_step_axis import Attention
+from tests.output.logger_models import FAST, TwoOptimizers
+
+BATCHES = 40
+EVERY = 5
+
+
+class Memory(Logger):
+    """Keeps every ``log_metrics`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((int(step or 0), dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _counting(base: type) -> type:
+    """``base`` with its batch hooks counting the batches they ran in (by the trainer's batch count)."""
+
+    class Counting(base):  # type: ignore[valid-type, misc]
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.ran: dict[str, set[int]] = {hook: set() for hook in base.batch_hooks}
+
+        def _count(self, hook: str, trainer: pl.Trainer) -> None:
+            self.ran[hook].add(trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1)
+
+    for hook in base.batch_hooks:
+
+        def counted(self: Any, trainer: pl.Trainer, *args: Any, _hook: str = hook, **kwargs: Any) -> Any:
+            self._count(_hook, trainer)
+            return getattr(base, _hook)(self, trainer, *args, **kwargs)
+
+        setattr(Counting, hook, counted)
+    Counting.__name__ = Counting.__qualname__ = base.__name__  # its own checkpoint key
+    return Counting
+
+
+def _fit(tmp_path: Path, model: pl.LightningModule, callbacks: list[pl.Callback], *loggers: Logger) -> Memory:
+    torch.manual_seed(0)
+    memory = Memory()
+    pl.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=BATCHES * (2 if not model.automatic_optimization else 1),
+        limit_train_batches=BATCHES,
+        log_every_n_steps=EVERY,
+        logger=[memory, *loggers],
+        callbacks=callbacks,
+        **FAST,
+    ).fit(model)
+    return memory
+
+
+def _diag(memory: Memory) -> list[tuple[int, dict[str, float]]]:
+    return [(step, {k: v for k, v in row.items() if k.startswith("diag/")}) for step, row in memory.rows]
+
+
+def _fits(tmp_path: Path, model_type: type) -> tuple[Any, Any, Memory, Memory]:
+    switched = [_counting(GradientFlowMonitor)(), _counting(AttentionEntropyMonitor)()]
+    always = [_counting(GradientFlowMonitor)(), _counting(AttentionEntropyMonitor)()]
+    for cb in always:
+        cb.batch_hooks = ()  # the same callback, its hooks called on every batch
+    on = _fit(tmp_path / "switched", model_type(), switched)
+    off = _fit(tmp_path / "always", model_type(), always)
+    return switched, always, on, off
+
+
+def test_quiet_batches_skip_the_batch_hooks_and_measure_the_same(tmp_path: Path) -> None:
+    (gfm, attn), (gfm_always, attn_always), switched, always = _fits(tmp_path, Attention)
+    assert all(ran == set(range(BATCHES)) for ran in gfm_always.ran.values()), gfm_always.ran
+    assert all(ran == set(range(BATCHES)) for ran in attn_always.ran.values())
+    cadence = {b for b in range(BATCHES) if (b + 1) % EVERY == 0}  # batches 4, 9, ..., 39
+    for ran in gfm.ran.values():
+        # every measured batch, the fit's first steps and the batch after each measurement (grad_not_zeroed's
+        # watch): far fewer than all
+        assert cadence <= ran
+        assert len(ran) <= 2 * len(cadence) + 2, sorted(ran)
+    assert attn.ran["on_before_backward"] == attn.ran["on_train_batch_end"] == cadence
+    # what is written and alerted does not depend on the switching
+    assert _diag(switched) == _diag(always)
+    assert any("diag/grad" in k for _, row in _diag(switched) for k in row)
+    assert any("diag/attn" in k for _, row in _diag(switched) for k in row)
+    assert [a.rule for a in gfm.alerts] == [a.rule for a in gfm_always.alerts]
+    # nothing left on the instances
+    for cb in (gfm, attn):
+        assert not set(vars(cb)) & set(type(cb).batch_hooks)
+
+
+def test_several_optimizers_measure_the_same_with_the_hooks_switched(tmp_path: Path) -> None:
+    (gfm, _), (gfm_always, _), switched, always = _fits(tmp_path, _Gan)
+    assert len(gfm.ran["on_before_optimizer_step"]) < BATCHES
+    assert _diag(switched) == _diag(always)
+    assert [a.rule for a in gfm.alerts] == [a.rule for a in gfm_always.alerts]
+    assert any("diag/grad" in k for _, row in _diag(switched) for k in row)
+
+
+class _Gan(TwoOptimizers):
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4 * BATCHES, 8, generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+class _Spy(pl.Callback):
+    """Sees, at each batch's start (after the callbacks before it), whether the monitor's hook is switched off."""
+
+    def __init__(self, monitor: GradientFlowMonitor) -> None:
+        self.monitor = monitor
+        self.off: dict[int, bool] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.off[batch_idx] = vars(self.monitor).get("on_before_optimizer_step", "absent") is None
+
+
+def test_system_monitor_times_the_hooks_through_the_switching_and_both_leave_nothing(tmp_path: Path) -> None:
+    gfm = GradientFlowMonitor()
+    spy = _Spy(gfm)
+    monitor = SystemMonitor(overhead_sample_every=1)
+    _fit(tmp_path, Attention(), [gfm, spy, monitor], TensorBoardLogger(tmp_path, name="tb"))
+    assert sum(spy.off.values()) >= BATCHES // 2  # most batches ran without the hook
+    assert not all(spy.off.values())
+    runs = [p.parent for p in tmp_path.rglob("events.out.tfevents.*")]
+    shares = []
+    for run in runs:
+        acc = EventAccumulator(str(run))
+        acc.Reload()
+        if "diag/overhead/GradientFlowMonitor" in acc.Tags()["scalars"]:
+            shares += [e.value for e in acc.Scalars("diag/overhead/GradientFlowMonitor")]
+    assert shares and max(shares) > 0  # the timers still wrap the hooks that run
+    assert not set(vars(gfm)) & set(GradientFlowMonitor.batch_hooks)  # neither None nor a timer left behind
