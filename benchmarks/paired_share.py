@@ -88,7 +88,9 @@ def _forward(hook: str, per_batch: bool) -> Callable[..., None]:
         if per_batch and not self.on:
             return
         for cb in self.inner:
-            getattr(cb, hook)(trainer, *args, **kwargs)
+            fn = getattr(cb, hook)
+            if callable(fn):  # as Lightning: a callback switches a hook off on its quiet batches by setting it to None
+                fn(trainer, *args, **kwargs)
 
     forward.__name__ = hook
     return forward

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from lightning_diag.callbacks.base import EVERY_BATCH
+
 __all__ = [
     "BATCH_HOOKS",
     "TOTAL",
@@ -426,6 +428,8 @@ def wrap_batch_end(trainer: pl.Trainer, close: Callable[[pl.Trainer], None]) -> 
         finally:
             close(trainer)
 
+    # it must run on every batch, also when the last callback switches its batch hooks off on quiet batches
+    setattr(on_train_batch_end, EVERY_BATCH, True)
     last.on_train_batch_end = on_train_batch_end
     return last, previous
 

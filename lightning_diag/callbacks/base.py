@@ -30,7 +30,11 @@ from lightning_diag.output.writer import DiagWriter
 from lightning_diag.rules.base import StepContext
 from lightning_diag.stats.reduced import ReducedState
 
-__all__ = ["AlertHandler", "DiagCallback", "RuleChoices", "StatefulRule", "extract_loss"]
+__all__ = ["EVERY_BATCH", "AlertHandler", "DiagCallback", "RuleChoices", "StatefulRule", "extract_loss"]
+
+#: Set to ``True`` on a wrapper another piece puts on a callback's hook that must run on every batch (such as
+#: ``SystemMonitor``'s end of the batch): :meth:`DiagCallback.switch_batch_hooks` leaves that hook on.
+EVERY_BATCH = "lightning_diag_every_batch"
 
 #: ``on_alert=``: called with each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global rank zero).
 AlertHandler = Callable[[Alert], object]
@@ -330,8 +334,10 @@ class DiagCallback(pl.Callback):
             return
         state = self.__dict__
         if off:
-            self._hooks_saved = {hook: state[hook] for hook in self.batch_hooks if hook in state}
-            for hook in self.batch_hooks:
+            # a wrapper that must see every batch stays (e.g. SystemMonitor's batch end on the last callback)
+            hooks = [h for h in self.batch_hooks if not getattr(state.get(h), EVERY_BATCH, False)]
+            self._hooks_saved = {hook: state[hook] for hook in hooks if hook in state}
+            for hook in hooks:
                 state[hook] = None
         else:
             for hook in self.batch_hooks:

@@ -160,3 +160,16 @@ def test_system_monitor_times_the_hooks_through_the_switching_and_both_leave_not
             shares += [e.value for e in acc.Scalars("diag/overhead/GradientFlowMonitor")]
     assert shares and max(shares) > 0  # the timers still wrap the hooks that run
     assert not set(vars(gfm)) & set(GradientFlowMonitor.batch_hooks)  # neither None nor a timer left behind
+
+
+def test_system_monitor_closes_every_batch_when_a_switching_callback_is_last(tmp_path: Path) -> None:
+    # SystemMonitor closes each batch after the last callback's `on_train_batch_end`, by wrapping that hook: the
+    # wrapper must run on quiet batches too, when the last callback switches its hooks off
+    seen = {}
+    for order in ("first", "last"):
+        gfm, monitor = GradientFlowMonitor(), SystemMonitor()
+        callbacks: list[pl.Callback] = [gfm, monitor] if order == "first" else [monitor, gfm]
+        _fit(tmp_path / order, Attention(), callbacks)
+        seen[order] = monitor.steps_seen
+        assert not set(vars(gfm)) & set(GradientFlowMonitor.batch_hooks)
+    assert seen["last"] == seen["first"] >= BATCHES - EVERY
