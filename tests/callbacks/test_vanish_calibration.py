@@ -68,7 +68,7 @@ class FTTransformer(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.cross_entropy(self.head(self.encoder(self.tokenizer(x))[:, 0]), y)
-        self.losses.append(float(loss))
+        self.losses.append(float(loss.detach()))
         return loss
 
     def configure_optimizers(self):
