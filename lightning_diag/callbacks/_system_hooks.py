@@ -15,7 +15,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_diag.callbacks.base import EVERY_BATCH
+from lightning_diag.callbacks.batch_hooks import EVERY_BATCH
 
 __all__ = [
     "BATCH_HOOKS",

@@ -16,6 +16,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
+from lightning_diag.callbacks.batch_hooks import switch_off, switch_on
 from lightning_diag.callbacks.reduction import reduce_state
 from lightning_diag.callbacks.session import DiagSession
 from lightning_diag.callbacks.session import acquire_session as _acquire_session
@@ -30,11 +31,7 @@ from lightning_diag.output.writer import DiagWriter
 from lightning_diag.rules.base import StepContext
 from lightning_diag.stats.reduced import ReducedState
 
-__all__ = ["EVERY_BATCH", "AlertHandler", "DiagCallback", "RuleChoices", "StatefulRule", "extract_loss"]
-
-#: Set to ``True`` on a wrapper another piece puts on a callback's hook that must run on every batch (such as
-#: ``SystemMonitor``'s end of the batch): :meth:`DiagCallback.switch_batch_hooks` leaves that hook on.
-EVERY_BATCH = "lightning_diag_every_batch"
+__all__ = ["AlertHandler", "DiagCallback", "RuleChoices", "StatefulRule", "extract_loss"]
 
 #: ``on_alert=``: called with each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global rank zero).
 AlertHandler = Callable[[Alert], object]
@@ -302,12 +299,10 @@ class DiagCallback(pl.Callback):
         """Count the batch on the user's step axis, decide once for the batch whether it is on this callback's
         logging cadence (:attr:`on_cadence`), and switch :attr:`batch_hooks` off for a quiet batch.
 
-        Lightning calls a callback's hook only when the attribute is callable (``_call_callback_hooks``): on a batch
-        :meth:`quiet_batch` calls quiet, each of :attr:`batch_hooks` is set to ``None`` on the instance, so neither
-        the hook nor Lightning's dispatch of it (its profiler label and context) runs; the next batch that needs
-        them puts back what the instance held (the class's method, or another callback's wrapper of it, such as
-        ``SystemMonitor``'s timers). Only the first and last batch of a quiet run switch; ``teardown`` switches
-        them back on.
+        On a batch :meth:`quiet_batch` calls quiet, each of :attr:`batch_hooks` is ``None`` on the instance, so
+        Lightning runs neither the hook nor its dispatch of it (:mod:`lightning_diag.callbacks.batch_hooks`); the
+        next batch that needs them gets them back. Only the first and last batch of a quiet run switch;
+        ``teardown`` switches them back on.
         """
         every = self._cadence_every
         if every is None:
@@ -329,23 +324,14 @@ class DiagCallback(pl.Callback):
         return not self.on_cadence
 
     def switch_batch_hooks(self, *, off: bool) -> None:
-        """Switch :attr:`batch_hooks` off (``None`` on the instance, which Lightning skips) or back on."""
+        """Switch :attr:`batch_hooks` off (``None`` on the instance, which Lightning skips) or back on
+        (:mod:`lightning_diag.callbacks.batch_hooks`)."""
         if off == self._hooks_off:
             return
-        state = self.__dict__
         if off:
-            # a wrapper that must see every batch stays (e.g. SystemMonitor's batch end on the last callback)
-            hooks = [h for h in self.batch_hooks if not getattr(state.get(h), EVERY_BATCH, False)]
-            self._hooks_saved = {hook: state[hook] for hook in hooks if hook in state}
-            for hook in hooks:
-                state[hook] = None
+            self._hooks_saved = switch_off(self, self.batch_hooks)
         else:
-            for hook in self.batch_hooks:
-                if hook in state and state[hook] is None:  # still switched off by this class (not removed since)
-                    if hook in self._hooks_saved:
-                        state[hook] = self._hooks_saved[hook]
-                    else:
-                        del state[hook]
+            switch_on(self, self.batch_hooks, self._hooks_saved)
             self._hooks_saved = {}
         self._hooks_off = off
 
