@@ -159,3 +159,30 @@ def test_step_axis_cadence_counts_batches_that_step():
     assert axis.cadence_step == 5 and axis.logs(5) and not axis.logs(3)
     axis.pending = False  # an accumulating micro-batch: Lightning writes nothing there
     assert not axis.logs(5)
+
+
+def test_the_axis_follows_an_accumulation_schedule_across_epochs(tmp_path):
+    # The step axis reads what decides a stepping batch once per epoch (after every epoch start, where the
+    # scheduler sets the accumulation): epoch 0 steps every batch, epoch 1 every third and its short last one.
+    from pytorch_lightning.callbacks import GradientAccumulationScheduler
+
+    tb = TensorBoardLogger(tmp_path / "tb")
+    trainer = pl.Trainer(
+        max_epochs=2,
+        limit_train_batches=10,
+        logger=tb,
+        log_every_n_steps=2,
+        callbacks=[GradientFlowMonitor(), AnomalyAlarm(), GradientAccumulationScheduler({0: 1, 1: 3})],
+        default_root_dir=tmp_path,
+        **FAST,
+    )
+    trainer.fit(Attention())
+    assert trainer.global_step == 10 + 4  # 10 steps, then batches 2, 5, 8 and the last one, 9
+    acc = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = {tag: {e.step for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    want = {s for s in range(14) if (s + 1) % 2 == 0}
+    assert steps["user_loss"] == want
+    assert steps["diag/grad_norm/total"] == want
+    off = {tag: sorted(s - want) for tag, s in steps.items() if tag.startswith("diag/") and s - want}
+    assert not off, off
