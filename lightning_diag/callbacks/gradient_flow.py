@@ -1,37 +1,44 @@
-"""GradientFlowMonitor: per-layer gradient norms, weight norms and update ratios; vanishing/exploding alerts."""
+"""GradientFlowMonitor: per-layer gradient norms, weight norms and update ratios; vanishing/exploding alerts.
+
+The callback's settings, declared rules, cadence and hooks. Which parameters it measures (and which cannot learn) is
+:mod:`~lightning_diag.callbacks.grad_params`, what it writes from a measurement
+:mod:`~lightning_diag.callbacks.grad_logging`, its silent-update checks :mod:`~lightning_diag.callbacks.silent_updates`.
+"""
 
 from __future__ import annotations
 
-import fnmatch
 import functools
-import math
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import BaseFinetuning
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.grad_logging import (
+    histogram_due,
+    layer_update_ratios,
+    step_scalars,
+    update_values,
+    write_histograms,
+)
+from lightning_diag.callbacks.grad_params import (
+    ParamSelector,
+    build_param_index,
+    check_param_selector,
+    stuck_parameters,
+    zero_gradient_ids,
+)
 from lightning_diag.callbacks.silent_updates import (
     ZEROED_STATE_KEY,
     SilentUpdateChecks,
     optimizer_position,
 )
-from lightning_diag.core.tags import (
-    act_grad_norm_tag,
-    grad_blocks_tag,
-    grad_hist_tag,
-    grad_norm_tag,
-    grad_relative_tag,
-    grad_rms_tag,
-    grad_total_tag,
-    update_ratio_tag,
-)
+from lightning_diag.core.tags import act_grad_norm_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.act_grads import ActivationGradients
-from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step, update_ratios
+from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step
 from lightning_diag.rules.grad import (
     GRAD_EXPLODE,
     GRAD_VANISH,
@@ -42,11 +49,8 @@ from lightning_diag.rules.grad import (
 from lightning_diag.rules.grad_frozen import GradFrozenRule
 from lightning_diag.rules.updates import UPDATE_SAMPLE_SIZE_KEY, GradNotZeroedRule, UpdateRule
 from lightning_diag.stats.grad import local_tensor
-from lightning_diag.stats.histogram import tensorboard_histogram
 
 __all__ = ["GradientFlowMonitor"]
-
-ParamSelector = Sequence[str] | Callable[[str, torch.nn.Parameter], bool]
 
 
 class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
@@ -164,19 +168,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         on_alert: AlertHandler | None = None,
     ) -> None:
         super().__init__(rules=rules, log_every_n_steps=log_every_n_steps, on_alert=on_alert)
-        if (
-            params is not None
-            and not callable(params)
-            and (
-                isinstance(params, str)
-                or not isinstance(params, Iterable)
-                or not all(isinstance(p, str) for p in params)
-            )
-        ):
-            raise TypeError(
-                "Expected argument `params` to be a list of name patterns or a predicate (name, param) -> bool,"
-                f" but got {params!r}"
-            )
+        check_param_selector(params)
         self.params = params
         for name, flag in (("per_parameter", per_parameter), ("log_weight_norms", log_weight_norms)):
             if not isinstance(flag, bool):
@@ -257,16 +249,12 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self._act.detach()
         super().teardown(trainer, pl_module, stage)
 
-    def _selected(self, name: str, param: torch.nn.Parameter) -> bool:
-        if self.params is None:
-            return True
-        if callable(self.params):
-            return bool(self.params(name, param))
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.params)
-
     def _build_index(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ParamIndex:
-        named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad and self._selected(n, p)]
-        if not named:
+        """The index of the selected trainable parameters (``params``), with a notice when there is none."""
+        index = build_param_index(
+            pl_module, self.params, self.per_parameter, self.logit_projections, trainer.world_size
+        )
+        if not index.params:
             self.notice(
                 trainer,
                 "no-params",
@@ -274,38 +262,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
                 if self.params is not None
                 else "the model has no trainable parameters; gradient flow is not measured",
             )
-        return ParamIndex(
-            [n for n, _ in named],
-            [p for _, p in named],
-            self.per_parameter,
-            dict(pl_module.named_modules()),
-            self.logit_projections,
-            world_size=trainer.world_size,
-        )
-
-    def _stuck_parameters(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, in_opt: set[int], zero: Collection[int] = ()
-    ) -> dict[str, str]:
-        """``{name: reason}`` for the selected parameters that cannot learn (see ``GradFrozenRule``); ``zero``
-        holds the ``id`` of the parameters whose layer's measured gradient is exactly zero (in the graph, nothing
-        reaches them)."""
-        finetuning = any(isinstance(cb, BaseFinetuning) for cb in trainer.callbacks)  # type: ignore[attr-defined]
-        in_any = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
-        stuck: dict[str, str] = {}
-        for name, p in pl_module.named_parameters():
-            if any(fnmatch.fnmatchcase(name, pat) for pat in self.expect_frozen) or not self._selected(name, p):
-                continue
-            if not p.requires_grad:
-                if not finetuning:
-                    stuck[name] = "frozen"
-            elif id(p) not in in_any:
-                if not finetuning:
-                    stuck[name] = "excluded"
-            elif id(p) in in_opt and p.grad is None:
-                stuck[name] = "no_grad"
-            elif id(p) in zero:
-                stuck[name] = "zero_grad"
-        return stuck
+        return index
 
     @staticmethod
     def _reduce(trainer: pl.Trainer) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -420,14 +377,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         m = measure_step(index, chosen, self._loss, self._reduce(trainer))
         self._loss = None
         step = trainer.global_step
-        # With several optimizers the global norm is the first optimizer's; the others' get their own tags.
-        total_tag = grad_total_tag(position)
-        values = {total_tag: m.total}
-        values.update({grad_norm_tag(layer): v for layer, v in m.norms.items()})
-        values.update({grad_rms_tag(layer): v for layer, v in m.rms.items()})
-        values.update({grad_relative_tag(layer): v for layer, v in m.relative.items()})
-        if position == 0 and m.has_matrices:
-            values[grad_blocks_tag()] = m.blocks
+        values = step_scalars(m, position)
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
@@ -437,17 +387,11 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         )
         if position == 0:  # one baseline of one quantity: the first optimizer's
             self.record(self.collapse_rule.update(m.blocks, ctx, m.loss))
-        zero_layers = {layer for layer, v in m.norms.items() if v == 0.0}
-        if 2 * len(zero_layers) >= len(m.norms):
-            zero_layers = set()  # most of the model without a gradient is a collapse (grad_collapse), not a few stuck
-        zero = {id(index.params[i]) for i in chosen if index.layers[index.layer_of[i]] in zero_layers}
-        stuck = self._stuck_parameters(trainer, pl_module, in_opt, zero)
+        zero = zero_gradient_ids(index, chosen, m.norms)
+        stuck = stuck_parameters(trainer, pl_module, self.params, self.expect_frozen, in_opt, zero)
         names = [n for n, _ in pl_module.named_parameters()]
         self.record(self.frozen_rule.update(stuck, ctx, names))
-        hist_every = self.histogram_every_n_steps
-        if hist_every is None:
-            hist_every = 10 * self.every_n_steps(trainer)
-        on_hist = bool(hist_every) and self.cadence_step(trainer) % hist_every == 0
+        on_hist = histogram_due(self.histogram_every_n_steps, self.every_n_steps(trainer), self.cadence_step(trainer))
         if on_hist and self.writer.active and index.sharded:
             # A histogram of a local shard would misrepresent the gradient, and binning the full one needs a gather.
             self.notice(
@@ -456,10 +400,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
                 "gradient histograms are not written under sharded training (DTensor parameters); norms are exact",
             )
         elif on_hist and self.writer.active:
-            for i in chosen:
-                if not math.isfinite(m.norms[index.layers[index.layer_of[i]]]):
-                    continue  # TensorBoard cannot bin NaN/Inf (AnomalyAlarm's business)
-                self._histogram(grad_hist_tag(index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
+            write_histograms(self.writer, index, chosen, m.norms, step)
         if self.log_weight_norms:
             self._before.append((chosen, [local_tensor(index.params[i]).detach().clone() for i in chosen]))
 
@@ -481,16 +422,6 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         m = measure_step(index, chosen, loss, self._reduce(trainer))
         self.record(self.collapse_rule.update(m.blocks, self.context(trainer), m.loss))
 
-    def _histogram(self, tag: str, grad: torch.Tensor, step: int) -> None:
-        # On an accelerator the buckets are counted on the device (no copy of the gradient to the host, no host
-        # sort); on the CPU NumPy's histogram is as fast, and add_histogram computes the same buckets.
-        if grad.device.type == "cpu":
-            self.writer.histogram(tag, grad, step)
-            return
-        data = tensorboard_histogram(grad)
-        if data is not None:
-            self.writer.histogram_raw(tag, data, step)
-
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -507,14 +438,10 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         if not self._before or self._index is None:
             return
         pending, self._before = self._before, []
-        index = self._index
-        values: dict[str, float] = {}
-        for chosen, before in pending:
-            values.update(update_ratios(index, chosen, before, self._reduce(trainer)))
+        values = update_values(self._index, pending, self._reduce(trainer))
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
         # grad_vanish also asks whether the layer's update is starved (an adaptive optimizer rescales gradients)
-        tags = {update_ratio_tag(layer): layer for layer in index.layers}
-        ratios = {tags[k]: v for k, v in values.items() if k in tags}
+        ratios = layer_update_ratios(self._index, values)
         self.band_rule.observe_updates(ratios)
         self.spread_rule.observe_updates(ratios)  # grad_layer_spread: the slow side's update must be starved too
         self.collapse_rule.observe_updates(ratios)  # grad_collapse: "vanished" needs the updates to stop too
