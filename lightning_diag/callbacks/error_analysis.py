@@ -1,8 +1,11 @@
-"""ErrorAnalysis: the groups of validation inputs (slices sharing a feature) the model gets wrong far more often."""
+"""ErrorAnalysis: the groups of validation inputs (slices sharing a feature) the model gets wrong far more often.
+
+The samples are read from the validation batches and kept by :mod:`lightning_diag.callbacks.error_samples`; this
+module searches their slices, logs, writes ``errors.json`` and judges the rule.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -15,10 +18,20 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.error_samples import (
+    Predictions,
+    SampleBuffer,
+    Samples,
+    batch_metadata,
+    batch_tokens,
+    default_predictions,
+    embedding_rows,
+    gather_samples,
+    score,
+)
 from lightning_diag.core.files import write_json
 from lightning_diag.core.tags import errors_tag
 from lightning_diag.core.validation import check_int, check_number
-from lightning_diag.instrument.batches import is_int_tensor, token_ids
 from lightning_diag.rules.errors import ALPHA, ERROR_CLUSTER_MIN_ERRORS_KEY, ErrorClusterRule, describe_feature
 
 __all__ = ["DEFAULT_MAX_SAMPLES", "ERRORS_FILE", "ErrorAnalysis", "Predictions"]
@@ -34,53 +47,6 @@ _TABLE_SLICES = 5
 #: Per-class precision and recall are logged for at most this many classes.
 _MAX_CLASS_SCALARS = 32
 ERRORS_FILE = "errors.json"
-_LABEL_KEYS = ("labels", "label", "targets", "target", "y")
-_IGNORE_INDEX = -100
-
-#: ``predict(pl_module, batch, outputs) -> (predictions, labels)``: class ids ``[B]`` (or logits ``[B, C]``) and
-#: labels ``[B]``; or token predictions ``[B, T]`` (or logits ``[B, T, V]``) and labels ``[B, T]`` (-100 ignored).
-Predictions = Callable[[pl.LightningModule, Any, Any], "tuple[torch.Tensor, torch.Tensor] | None"]
-
-
-def _labels_of(batch: Any) -> torch.Tensor | None:
-    if isinstance(batch, dict):
-        for key in _LABEL_KEYS:
-            if is_int_tensor(batch.get(key)):
-                return batch[key]
-        return None
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and is_int_tensor(batch[-1]):
-        return batch[-1]
-    return None
-
-
-def default_predictions(pl_module: pl.LightningModule, batch: Any, outputs: Any) -> tuple[Any, Any] | None:
-    """What ``validation_step`` returned, read as predictions, and the labels.
-
-    ``outputs`` is a logits tensor, or a dict with ``"logits"`` or ``"preds"`` (and optionally ``"labels"`` /
-    ``"target"``, and ``"metadata"``, read by :class:`ErrorAnalysis` itself); the labels default to the batch's
-    (``batch["labels"]`` and the other usual keys, or the last element of a tuple batch). Logits ``[B, T, V]``
-    against labels that are the batch's own ``input_ids`` (a causal LM, which Hugging Face shifts itself) are
-    compared one position ahead.
-    """
-    preds: Any
-    labels: Any
-    if isinstance(outputs, torch.Tensor):
-        preds, labels = outputs, None
-    elif isinstance(outputs, dict):
-        preds = outputs.get("logits", outputs.get("preds"))
-        labels = outputs.get("labels", outputs.get("target"))
-    else:
-        return None
-    if not isinstance(preds, torch.Tensor):
-        return None
-    labels = labels if isinstance(labels, torch.Tensor) else _labels_of(batch)
-    if labels is None:
-        return None
-    if preds.is_floating_point() and preds.dim() == 3 and labels.dim() == 2:
-        ids = token_ids(batch)
-        if ids is not None and ids.shape == labels.shape and torch.equal(ids, labels):
-            return preds[:, :-1], labels[:, 1:]
-    return preds, labels
 
 
 class ErrorAnalysis(DiagCallback):
@@ -163,7 +129,8 @@ class ErrorAnalysis(DiagCallback):
         #: Fewest wrong samples to cluster (``error_cluster.min_errors``).
         self.min_errors = int(self.setting(ERROR_CLUSTER_MIN_ERRORS_KEY))
         if (
-            not isinstance(k_range, (tuple, list)) or len(k_range) != 2
+            not isinstance(k_range, (tuple, list))
+            or len(k_range) != 2
             or not all(isinstance(k, int) and not isinstance(k, bool) for k in k_range)
             or not 2 <= k_range[0] <= k_range[1]
         ):
@@ -180,7 +147,7 @@ class ErrorAnalysis(DiagCallback):
         self.rule = self.add_rule("rule", self._build_rule)
         self.validations = 0
         self.last: dict[str, Any] | None = None
-        self._reset_buffers()
+        self._samples = SampleBuffer()
         self._active = False
 
     @property
@@ -196,15 +163,6 @@ class ErrorAnalysis(DiagCallback):
     def _build_rule(self, thresholds: Mapping[str, float | None]) -> ErrorClusterRule:
         return ErrorClusterRule.from_settings(thresholds, alpha=self._alpha)
 
-    def _reset_buffers(self) -> None:
-        self._errors: list[float] = []
-        self._labels: list[int] = []
-        self._preds: list[int] = []
-        self._tokens: list[np.ndarray | None] = []
-        self._embeddings: list[np.ndarray] = []
-        self._metadata: list[dict[str, str]] = []
-        self._classification = True
-
     # -- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The validations counted and the rule's latch (the base class)."""
@@ -218,7 +176,7 @@ class ErrorAnalysis(DiagCallback):
     # -- collection -----------------------------------------------------------------------------------------
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Decide whether this validation is analysed, and start empty."""
-        self._reset_buffers()
+        self._samples.clear()
         self._active = False
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
@@ -235,102 +193,49 @@ class ErrorAnalysis(DiagCallback):
         dataloader_idx: int = 0,
     ) -> None:
         """Score the batch's samples and keep their features (within the sample budget)."""
-        if not self._active or dataloader_idx != 0 or len(self._errors) >= self.max_samples:
+        if not self._active or dataloader_idx != 0 or len(self._samples) >= self.max_samples:
             return
         with torch.no_grad():
             found = (self.predict or default_predictions)(pl_module, batch, outputs)
             if found is None:
-                self._give_up(trainer, "no predictions: return logits (or a dict with 'logits'/'preds') from "
-                              "`validation_step`, with labels in the batch, or pass predict=")
+                self._give_up(
+                    trainer,
+                    "no predictions: return logits (or a dict with 'logits'/'preds') from "
+                    "`validation_step`, with labels in the batch, or pass predict=",
+                )
                 return
-            scored = self._score(*found)
-            if scored is None:
-                self._give_up(trainer, "predictions and labels of unexpected shapes: pass predict= returning "
-                              "([B] or [B, C], [B]) or ([B, T] or [B, T, V], [B, T])")
+            scores = score(*found)
+            if scores is None:
+                self._give_up(
+                    trainer,
+                    "predictions and labels of unexpected shapes: pass predict= returning "
+                    "([B] or [B, C], [B]) or ([B, T] or [B, T, V], [B, T])",
+                )
                 return
-            errors, labels, preds = scored
-            size = len(errors)
-            tokens = self._batch_tokens(batch, size)
-            embeddings = self._batch_embeddings(trainer, pl_module, batch, size) if self.embed is not None else None
-            if self.embed is not None and embeddings is None:
-                return
-            metadata = self._batch_metadata(trainer, outputs, size)
+            size = len(scores.errors)
+            tokens = batch_tokens(batch, size)
+            embeddings = None
+            if self.embed is not None:
+                embeddings, why = embedding_rows(self.embed(pl_module, batch), size)
+                if embeddings is None:
+                    self._give_up(trainer, why)
+                    return
+            metadata, notices = batch_metadata(outputs, size)
+        for key, message in notices:
+            self.notice(trainer, key, message)
         if tokens is None and self.embed is None:
-            self.notice(trainer, "no-tokens", "the batch has no token ids: only label and metadata slices are "
-                        "searched; pass embed=(pl_module, batch) -> Tensor[B, D] for clusters of the inputs")
-        room = self.max_samples - len(self._errors)
-        self._errors.extend(errors[:room])
-        self._labels.extend(labels[:room])
-        self._preds.extend(preds[:room])
-        self._tokens.extend((tokens or [None] * size)[:room])
-        if embeddings is not None:
-            self._embeddings.extend(embeddings[:room])
-        self._metadata.extend(metadata[:room])
+            self.notice(
+                trainer,
+                "no-tokens",
+                "the batch has no token ids: only label and metadata slices are "
+                "searched; pass embed=(pl_module, batch) -> Tensor[B, D] for clusters of the inputs",
+            )
+        self._samples.add(scores, tokens, embeddings, metadata, self.max_samples)
 
     def _give_up(self, trainer: pl.Trainer, why: str) -> None:
         self._active = False
-        self._reset_buffers()
+        self._samples.clear()
         self.notice(trainer, f"nothing-{why[:20]}", f"nothing is analysed: {why}")
-
-    def _score(self, preds: torch.Tensor, labels: torch.Tensor) -> tuple[list[float], list[int], list[int]] | None:
-        if preds.is_floating_point():
-            preds = preds.argmax(-1)
-        if preds.shape != labels.shape or preds.dim() not in (1, 2):
-            return None
-        preds, labels = preds.detach().cpu(), labels.detach().cpu()
-        if preds.dim() == 1:
-            return (preds != labels).float().tolist(), labels.tolist(), preds.tolist()
-        self._classification = False
-        valid = labels != _IGNORE_INDEX
-        counts = valid.sum(-1)
-        wrong = ((preds != labels) & valid).sum(-1).float()
-        rates = torch.where(counts > 0, wrong / counts.clamp(min=1), torch.full_like(wrong, math.nan))
-        return rates.tolist(), [-1] * len(rates), [-1] * len(rates)
-
-    def _batch_embeddings(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, size: int
-    ) -> list[np.ndarray] | None:
-        assert self.embed is not None
-        rows = self.embed(pl_module, batch)
-        if not isinstance(rows, torch.Tensor) or rows.numel() == 0 or rows.shape[0] != size:
-            self._give_up(trainer, f"embed= returned {type(rows).__name__} "
-                          f"{tuple(rows.shape) if isinstance(rows, torch.Tensor) else ''}: expected a Tensor[B, D] "
-                          f"with B = {size}, the batch's samples")
-            return None
-        return list(rows.detach().float().cpu().reshape(size, -1).numpy())
-
-    @staticmethod
-    def _batch_tokens(batch: Any, size: int) -> list[np.ndarray | None] | None:
-        ids = token_ids(batch)
-        if ids is None or ids.dim() != 2 or ids.shape[0] != size:
-            return None
-        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-        ids = ids.detach().cpu()
-        keep = mask.detach().cpu().bool() if isinstance(mask, torch.Tensor) and mask.shape == ids.shape else None
-        return [row[keep[i]].numpy() if keep is not None else row.numpy() for i, row in enumerate(ids)]
-
-    def _batch_metadata(self, trainer: pl.Trainer, outputs: Any, size: int) -> list[dict[str, str]]:
-        fields = outputs.get("metadata") if isinstance(outputs, dict) else None
-        rows: list[dict[str, str]] = [{} for _ in range(size)]
-        if fields is None:
-            return rows
-        if not isinstance(fields, Mapping):
-            self.notice(trainer, "metadata-type", f"`validation_step`'s 'metadata' is a {type(fields).__name__}, "
-                        "not a dict of field -> per-sample values: it is ignored")
-            return rows
-        for name, values in fields.items():
-            if isinstance(values, torch.Tensor):
-                values = values.detach().cpu().reshape(-1).tolist() if values.numel() == size else None
-            elif isinstance(values, (list, tuple, np.ndarray)) and len(values) != size:
-                values = None
-            if values is None or not isinstance(values, (list, tuple, np.ndarray)) or "=" in str(name):
-                self.notice(trainer, f"metadata-{name}", f"metadata field {name!r} is not one value per sample "
-                            f"({size}) under a name without '=': it is ignored")
-                continue
-            for row, value in zip(rows, values, strict=True):
-                if value is not None:
-                    row[str(name)] = str(value)
-        return rows
 
     # -- analysis ---------------------------------------------------------------------------------------------
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -338,30 +243,17 @@ class ErrorAnalysis(DiagCallback):
         if not self._active:
             return
         self._active = False
-        mine = (self._errors, self._labels, self._preds, self._tokens, self._embeddings, self._metadata,
-                self._classification)
+        mine = self._samples.parts()
         parts = [mine]
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             parts = [None] * torch.distributed.get_world_size()  # type: ignore[list-item]
             torch.distributed.all_gather_object(parts, mine)
-        errors = np.array([e for p in parts for e in p[0]], dtype=float)
-        labels = np.array([v for p in parts for v in p[1]])
-        preds = np.array([v for p in parts for v in p[2]])
-        tokens = [t for p in parts for t in p[3]]
-        embeddings = [e for p in parts for e in p[4]]
-        metadata = [m for p in parts for m in p[5]]
-        classification = all(p[6] for p in parts)
-        self._reset_buffers()
-        keep = np.isfinite(errors)
-        if keep.sum() < self.min_errors:
-            return
-        errors, labels, preds = errors[keep], labels[keep], preds[keep]
-        tokens = [t for t, k in zip(tokens, keep, strict=True) if k]
-        metadata = [m for m, k in zip(metadata, keep, strict=True) if k]
-        matrix = np.stack(embeddings)[keep] if len(embeddings) == len(keep) and embeddings else None
-        self._analyse(trainer, _Samples(errors, labels, preds, tokens, matrix, metadata, classification))
+        self._samples.clear()
+        samples = gather_samples(parts, self.min_errors)
+        if samples is not None:
+            self._analyse(trainer, samples)
 
-    def _slice_features(self, samples: _Samples, wrong: np.ndarray, min_count: int) -> Any:
+    def _slice_features(self, samples: Samples, wrong: np.ndarray, min_count: int) -> Any:
         from lightning_diag.stats.error_clusters import embedding_clusters
         from lightning_diag.stats.error_slices import stack_features, token_features, value_features
 
@@ -379,7 +271,7 @@ class ErrorAnalysis(DiagCallback):
         parts = [p for p in parts if p.members.shape[1] > 0]
         return stack_features(parts) if parts else None
 
-    def _analyse(self, trainer: pl.Trainer, samples: _Samples) -> None:
+    def _analyse(self, trainer: pl.Trainer, samples: Samples) -> None:
         from lightning_diag.stats.error_slices import find_slices, merge_slices
 
         errors, labels, preds, classification = samples.errors, samples.labels, samples.preds, samples.classification
@@ -389,11 +281,20 @@ class ErrorAnalysis(DiagCallback):
         min_count = max(MIN_SLICE_SAMPLES, math.ceil(self.rule.min_share * len(errors)))
         analysis = (self.validations - 1) // self.every_n_validations + 1  # resumed with `validations`
         values: dict[str, float] = {errors_tag("rate"): overall}
-        report: dict[str, Any] = {"step": step, "epoch": trainer.current_epoch, "samples": len(errors),
-                                  "error_rate": overall, "task": "classification" if classification else "tokens",
-                                  "min_slice_samples": min_count, "alpha": self.rule.alpha, "analysis": analysis,
-                                  "level": self.rule.level(analysis), "slices_tested": 0,
-                                  "findings": [], "slices": []}
+        report: dict[str, Any] = {
+            "step": step,
+            "epoch": trainer.current_epoch,
+            "samples": len(errors),
+            "error_rate": overall,
+            "task": "classification" if classification else "tokens",
+            "min_slice_samples": min_count,
+            "alpha": self.rule.alpha,
+            "analysis": analysis,
+            "level": self.rule.level(analysis),
+            "slices_tested": 0,
+            "findings": [],
+            "slices": [],
+        }
         if classification:
             report.update(self._per_class(labels, preds, values))
         findings: list[Any] = []
@@ -402,9 +303,14 @@ class ErrorAnalysis(DiagCallback):
             features = self._slice_features(samples, wrong, min_count)
             if features is not None:
                 slices, tested = find_slices(features, errors, wrong, min_count)
-                findings = merge_slices(slices, features, wrong, labels if classification else None,
-                                        preds if classification else None,
-                                        keep=functools.partial(self.rule.qualifies, analysis=analysis))
+                findings = merge_slices(
+                    slices,
+                    features,
+                    wrong,
+                    labels if classification else None,
+                    preds if classification else None,
+                    keep=functools.partial(self.rule.qualifies, analysis=analysis),
+                )
                 findings = self.rule.qualifying(findings, analysis)
                 report["slices_tested"] = tested
                 report["findings"] = [f.to_dict() for f in findings]
@@ -418,8 +324,9 @@ class ErrorAnalysis(DiagCallback):
         decode = self._decode if self.tokenizer is not None else None
         self.writer.scalars(values, step)
         if findings or slices:
-            self.writer.text(errors_tag("clusters"), _table(findings, slices[:_TABLE_SLICES], self.top_tokens,
-                                                            decode), step)
+            self.writer.text(
+                errors_tag("clusters"), _table(findings, slices[:_TABLE_SLICES], self.top_tokens, decode), step
+            )
         self._write_json(report)
         self.record(self.rule.update(findings, overall, self.context(trainer), decode, analysis))
 
@@ -453,22 +360,12 @@ class ErrorAnalysis(DiagCallback):
         write_json(os.path.join(session.diag_dir, ERRORS_FILE), report)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Samples:
-    """One validation's samples, gathered from every rank."""
-
-    errors: np.ndarray
-    labels: np.ndarray
-    preds: np.ndarray
-    tokens: list[np.ndarray | None]
-    embeddings: np.ndarray | None
-    metadata: list[dict[str, str]]
-    classification: bool
-
-
 def _table(findings: Sequence[Any], slices: Sequence[Any], top: int, decode: Callable[[str], str] | None) -> str:
-    rows = ["| group | samples | share | error rate | rest | lift | p (corrected) | defining features | "
-            "label -> predicted |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| group | samples | share | error rate | rest | lift | p (corrected) | defining features | "
+        "label -> predicted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for kind, groups in (("finding", findings), ("slice", slices)):
         for i, g in enumerate(groups):
             shown = ", ".join(f"`{describe_feature(f, decode)}`" for f in g.features[:top])
@@ -476,6 +373,8 @@ def _table(findings: Sequence[Any], slices: Sequence[Any], top: int, decode: Cal
                 shown += f" and {len(g.features) - top} more"
             label = getattr(g, "majority_label", None)
             labels = "" if label is None else f"{label} -> {g.majority_prediction}"
-            rows.append(f"| {kind} {i} | {g.size} | {g.share:.0%} | {g.error_rate:.1%} | {g.rest_error_rate:.1%} | "
-                        f"{g.lift:.1f}x | {g.p_adjusted:.1g} | {shown} | {labels} |")
+            rows.append(
+                f"| {kind} {i} | {g.size} | {g.share:.0%} | {g.error_rate:.1%} | {g.rest_error_rate:.1%} | "
+                f"{g.lift:.1f}x | {g.p_adjusted:.1g} | {shown} | {labels} |"
+            )
     return "\n".join(rows)

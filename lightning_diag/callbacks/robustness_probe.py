@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
 from lightning_diag.callbacks.base import AlertHandler, RuleChoices
-from lightning_diag.callbacks.error_analysis import default_predictions
+from lightning_diag.callbacks.error_samples import default_predictions
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import robustness_tag
 from lightning_diag.core.validation import check_int

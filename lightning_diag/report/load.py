@@ -1,32 +1,31 @@
 """Loading a run for ``lightning-diag report``: its ``diag/`` scalars, alert log and thresholds.
 
-A *run* is a directory holding ``diag/`` tags in event files (streamed with TensorBoard's own
-:class:`~tensorboard.backend.event_processing.event_file_loader.EventFileLoader`, keeping only ``diag/`` tags), a
-``diag/alerts.jsonl`` or a ``diag/thresholds.json``; one run per diag folder, so the per-run folders of W&B and
-MLflow runs (``<save_dir>/<name>/<version>/diag``) are separate runs. Thresholds come from what the run logged:
-``diag/thresholds.json``, else the ``diag/thresholds`` text in the event file, else the ``threshold`` of the
-run's alerts, else the library's defaults from the rule registry (marked as such). Imports neither torch nor Lightning.
+A *run* is a directory holding ``diag/`` tags in event files (streamed record by record, keeping only ``diag/``
+tags: :mod:`lightning_diag.report.event_files`), a ``diag/alerts.jsonl`` or a ``diag/thresholds.json``; one run
+per diag folder, so the per-run folders of W&B and MLflow runs (``<save_dir>/<name>/<version>/diag``) are
+separate runs. Thresholds come from what the run logged: ``diag/thresholds.json``, else the ``diag/thresholds``
+text in the event file, else the ``threshold`` of the run's alerts, else the library's defaults from the rule
+registry (marked as such). Every file is read through :mod:`lightning_diag.report.safe_read` (whose
+``read_json`` and ``read_regular`` are importable from here too). Imports neither torch nor Lightning.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import re
-import stat
-import struct
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE
 from lightning_diag.core.registry import default_thresholds
 from lightning_diag.core.tags import prefix
-from lightning_diag.report.text import clean, display, no_surrogates
+from lightning_diag.report.event_files import EventData, Series, is_event_file, read_events
+from lightning_diag.report.safe_read import NotRegularFileError, loads, read_json, read_regular
+from lightning_diag.report.text import clean, display
 from lightning_diag.rules.catalog import ALL_RULES
 
 __all__ = [
@@ -42,8 +41,6 @@ __all__ = [
     "read_regular",
 ]
 
-_EVENT_PREFIX = "events.out.tfevents"
-_LAYOUT_TAG = "custom_scalars__config__"
 # Which callback measures which tags, for runs that logged no thresholds.json.
 _TAG_OWNERS = {
     prefix("grad_norm"): "GradientFlowMonitor",
@@ -55,91 +52,6 @@ _TAG_OWNERS = {
 
 class NoDiagnosticsError(ValueError):
     """Raised when a log directory holds no lightning_diag diagnostics."""
-
-
-class NotRegularFileError(OSError):
-    """Raised by :func:`read_regular` for a FIFO, socket, device or directory in place of a file."""
-
-
-def read_regular(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of ``path``, read only when it is a regular file (a symbolic link to one is followed).
-
-    Opened without blocking, so a FIFO in place of a file is refused at once instead of waiting for a writer.
-
-    Raises:
-        NotRegularFileError: If ``path`` is not a regular file.
-        OSError: If it cannot be opened or read.
-    """
-    with open_regular(path) as fh:
-        return fh.read()
-
-
-def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
-    """``path`` opened for binary reading when it is a regular file, as :func:`read_regular` checks it.
-
-    Raises:
-        NotRegularFileError: If ``path`` is not a regular file.
-        OSError: If it cannot be opened.
-    """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFileError(f"not a regular file ({_kind(mode)}): {display(path)}")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a file"
-
-
-def _parse_int(text: str) -> int | float:
-    # A number too long for an int (Python caps int() at 4300 digits) or for a float reads as a float (inf).
-    return int(text) if len(text) < 300 else float(text)
-
-
-def _no_surrogates(obj: Any) -> Any:
-    """``obj`` with lone surrogates (valid JSON ``"\\ud800"``, not encodable as UTF-8) replaced by U+FFFD."""
-    if isinstance(obj, str):
-        return no_surrogates(obj)
-    if isinstance(obj, dict):
-        return {_no_surrogates(k): _no_surrogates(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_no_surrogates(v) for v in obj]
-    return obj
-
-
-def _loads(text: str) -> Any:
-    """``json.loads`` that raises only ``ValueError``: for numbers out of range and nesting too deep too."""
-    try:
-        return _no_surrogates(json.loads(text, parse_int=_parse_int))
-    except RecursionError as err:
-        raise ValueError("nested too deeply") from err
-
-
-def read_json(path: str | os.PathLike[str]) -> Any:
-    """A JSON file read with :func:`read_regular` (UTF-8, lone surrogates replaced by U+FFFD).
-
-    Raises:
-        OSError: If it is not a regular file or cannot be read.
-        ValueError: If it is not valid UTF-8 or JSON (nesting too deep included).
-    """
-    return _loads(read_regular(path).decode("utf-8"))
-
-
-Series = list[tuple[int, float]]
 
 
 @dataclasses.dataclass
@@ -200,137 +112,13 @@ def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
         # real folders before links, so a run reached both ways is listed under its own path
         dirnames.sort(key=lambda d: (os.path.islink(os.path.join(dirpath, d)), d))
         here = Path(dirpath)
-        has_events = any(f.startswith(_EVENT_PREFIX) for f in filenames)
+        has_events = any(is_event_file(f) for f in filenames)
         has_diag_files = here.name == "diag" and (ALERTS_FILE in filenames or THRESHOLDS_FILE in filenames)
         if has_diag_files or (has_events and here.name == "diag" and here != root):
             runs.setdefault(os.path.realpath(here.parent), here.parent)
         elif has_events:
             runs.setdefault(real, here)
     return sorted(set(runs.values()))
-
-
-def _read_events(directory: Path, run: RunData) -> list[tuple[str, str]]:
-    """Add the ``diag/`` scalars of the event files in ``directory`` to ``run``; return its text entries.
-
-    Reads each file as a stream of events and keeps only ``diag/`` tags (and the dashboard layout's marker), so
-    a run's memory is that of its diagnostics, whatever else (the user's metrics, images, histograms) its event
-    files hold.
-    """
-    held: dict[str, Series] = {}
-    texts: list[tuple[str, str]] = []
-    for path in sorted(p for p in directory.iterdir() if p.name.startswith(_EVENT_PREFIX)):
-        points: dict[str, Series] = {}
-        try:
-            fh = open_regular(path)
-        except OSError as err:
-            run.problems.append(f"{display(path)}: skipped: {clean(err)}")
-            continue
-        with fh:
-            texts += _read_event_file(fh, path, run, points)
-        _append_file(held, points, path, run.problems)
-    for name, series in held.items():
-        run.scalars[name] = sorted(run.scalars.get(name, []) + series, key=lambda p: p[0])
-    return texts
-
-
-def _read_event_file(fh: BinaryIO, path: Path, run: RunData, points: dict[str, Series]) -> list[tuple[str, str]]:
-    """Add the ``diag/`` points of one open event file to ``points``; return its ``diag/thresholds`` texts."""
-    from tensorboard.compat.proto.event_pb2 import Event
-    from tensorboard.util import tensor_util
-
-    texts: list[tuple[str, str]] = []
-    not_events = 0
-    for record in _records(fh, path, run.problems):
-        try:
-            event = Event.FromString(record)
-        except Exception:  # a record whose checksum matched but that is no event
-            not_events += 1
-            continue
-        if not event.HasField("summary"):
-            continue
-        step = int(event.step)
-        for value in event.summary.value:
-            name = value.tag
-            if name == _LAYOUT_TAG:
-                run.has_layout = True
-                continue
-            if not name.startswith("diag/"):
-                continue
-            kind = value.WhichOneof("value")
-            if kind == "simple_value":
-                points.setdefault(name, []).append((step, float(value.simple_value)))
-            elif kind == "tensor":
-                if value.tensor.string_val:
-                    if name.startswith("diag/thresholds"):
-                        texts += [(name, raw.decode("utf-8", "replace")) for raw in value.tensor.string_val]
-                    continue
-                array = tensor_util.make_ndarray(value.tensor)
-                if array.size == 1:
-                    points.setdefault(name, []).append((step, float(array.reshape(-1)[0])))
-    if not_events:
-        run.problems.append(f"{display(path)}: {not_events} record(s) that are not events were skipped")
-    return texts
-
-
-def _append_file(held: dict[str, Series], points: dict[str, Series], path: Path, problems: list[str]) -> None:
-    """Add one event file's points to those of the earlier files of its folder.
-
-    A file whose series start at or before a step the earlier files already hold is a new fit (two fits logged
-    into one ``diag/`` folder, or a resume from an earlier checkpoint): as TensorBoard does, the earlier
-    points from that step on are dropped, so no point is counted twice. Said once per file in ``problems``.
-    """
-    restart: int | None = None
-    for name, series in points.items():
-        series.sort(key=lambda p: p[0])
-        before = held.get(name, [])
-        if before and series and series[0][0] <= before[-1][0]:
-            first = series[0][0]
-            restart = first if restart is None else min(restart, first)
-            before = [p for p in before if p[0] < first]
-        held[name] = before + series
-    if restart is not None:
-        problems.append(
-            f"{display(path)}: a second fit (or a resume) logged into the same folder, restarting at step "
-            f"{restart}: the earlier files' points from that step on are left out, as TensorBoard does"
-        )
-
-
-def _records(fh: BinaryIO, path: Path, problems: list[str]) -> Iterator[bytes]:
-    """The records of a TFRecord event file, each checked against its CRC-32C.
-
-    A record whose data fails its checksum (a flipped byte) is skipped and the reading goes on; a damaged
-    length ends the file; each is said in ``problems``. A torn last record (a run killed mid-write, or still
-    writing) ends the file silently, as in TensorBoard.
-    """
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-
-    size = os.fstat(fh.fileno()).st_size
-    pos, damaged = 0, 0
-    while True:
-        head = fh.read(12)
-        if len(head) < 12:
-            break  # the end, or a torn last record
-        header = head[:8]
-        (length,) = struct.unpack("<Q", header)
-        if struct.unpack("<I", head[8:])[0] != masked_crc32c(header):
-            problems.append(
-                f"{display(path)}: damaged at byte {pos} (a record length fails its checksum): the "
-                f"{size - pos} bytes from there on are left out"
-            )
-            break
-        if pos + 12 + length + 4 > size:
-            break  # torn last record
-        record = fh.read(length)
-        crc = fh.read(4)
-        pos += 12 + length + 4
-        if len(record) < length or len(crc) < 4:
-            break
-        if struct.unpack("<I", crc)[0] != masked_crc32c(record):
-            damaged += 1
-            continue
-        yield record
-    if damaged:
-        problems.append(f"{display(path)}: {damaged} damaged record(s) (checksum mismatch) left out")
 
 
 def _thresholds_from_text(text: str) -> dict[str, dict[str, float]]:
@@ -351,13 +139,14 @@ def load_run(path: str | os.PathLike[str]) -> RunData:
     """Read one run: the event files in ``path`` and ``path/diag``, the alert log and the thresholds."""
     run = RunData(Path(path))
     diag = run.path / "diag"
-    texts: list[tuple[str, str]] = []
+    events = EventData(run.scalars)
     for directory in (run.path, diag):
         try:
-            if directory.is_dir() and any(f.name.startswith(_EVENT_PREFIX) for f in directory.iterdir()):
-                texts += _read_events(directory, run)
+            if directory.is_dir() and any(is_event_file(f.name) for f in directory.iterdir()):
+                read_events(directory, events, run.problems)
         except Exception as err:  # an unreadable folder or a damaged file is reported, never a traceback
             run.problems.append(f"{display(directory)}: could not read the event files: {clean(err)}")
+    run.has_layout, texts = events.has_layout, events.texts
     if os.path.lexists(diag / ALERTS_FILE):
         run.alerts = _read_alerts(diag / ALERTS_FILE, run.problems)
     if os.path.lexists(diag / THRESHOLDS_FILE):
@@ -417,7 +206,7 @@ def _read_alerts(path: Path, problems: list[str]) -> list[Alert]:
         if not text.strip():
             continue
         try:
-            alerts.append(Alert.from_dict(_loads(text)))
+            alerts.append(Alert.from_dict(loads(text)))
         except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as err:
             skipped += 1
             if not first:
@@ -425,7 +214,7 @@ def _read_alerts(path: Path, problems: list[str]) -> list[Alert]:
                 first = f"line {number}: {reason}"
     if torn.strip():
         with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError, OverflowError):
-            alerts.append(Alert.from_dict(_loads(torn.decode("utf-8", "replace"))))
+            alerts.append(Alert.from_dict(loads(torn.decode("utf-8", "replace"))))
     if undecodable:
         problems.append(f"{display(path)}: {undecodable} line(s) with bytes that are not UTF-8, read with U+FFFD")
     if skipped:
