@@ -13,7 +13,7 @@ from hypothesis.extra.numpy import arrays
 from lightning_diag.stats import all_finite, fluctuation, max_abs, relative_change, total_norm
 from lightning_diag.stats.attention_probs import row_entropy
 from lightning_diag.stats.grad import grouped_norms, per_tensor_norms
-from lightning_diag.stats.norms import finite_probe, nonfinite_flag
+from lightning_diag.stats.norms import SUM_MIN_ELEMENTS, finite_probe, nonfinite_flag
 
 FAST = settings(max_examples=60, deadline=None)
 ANY_FLOAT = st.floats(allow_nan=True, allow_infinity=True, width=64)
@@ -204,3 +204,25 @@ def test_fluctuation_of_any_sign_and_its_scale_invariance(values, scale):
 def test_fluctuation_edge_cases(series, expected):
     got = fluctuation(series)
     assert (math.isnan(got) and math.isnan(expected)) or got == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, None])
+def test_finite_probe_on_large_cpu_tensors_never_misses_a_nonfinite_value(dtype, bad):
+    """Tensors of SUM_MIN_ELEMENTS elements or more on average are probed by their sums: a NaN or Inf anywhere is
+    found; finite values whose sum overflows read as a possible one (a false alarm the exact check clears), never
+    the other way round."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(SUM_MIN_ELEMENTS + 5, generator=g).to(dtype) for _ in range(3)]
+    if bad is not None:
+        tensors[1][12345] = bad
+    probe = finite_probe(tensors).item()
+    assert (probe != 0) == (bad is not None)
+    assert (probe != 0) == bool(nonfinite_flag(tensors).item())
+    huge = [torch.full((SUM_MIN_ELEMENTS,), torch.finfo(dtype).max, dtype=dtype) for _ in range(2)]
+    overflows = dtype != torch.float16  # half values summed in float32 stay finite
+    assert (finite_probe(huge).item() != 0) == overflows  # a possible one ...
+    assert nonfinite_flag(huge).item() == 0  # ... that the exact check clears
+    before = [t.clone() for t in tensors]
+    finite_probe(tensors)  # read only
+    assert all(bool(((t == b) | (torch.isnan(t) & torch.isnan(b))).all()) for t, b in zip(tensors, before, strict=True))
