@@ -79,6 +79,14 @@ def _build_without_thresholds(factory: Callable[[], RuleT], thresholds: Mapping[
     return factory()
 
 
+class _StateKey:
+    """:attr:`DiagCallback.state_key`: :meth:`DiagCallback.checkpoint_key`, unless the instance holds the key (a
+    non-data descriptor: an instance attribute of the same name wins, with no call)."""
+
+    def __get__(self, obj: DiagCallback | None, objtype: type | None = None) -> Any:
+        return self if obj is None else obj.checkpoint_key()
+
+
 class DiagCallback(pl.Callback):
     """Base of the library's callbacks.
 
@@ -196,25 +204,20 @@ class DiagCallback(pl.Callback):
         """The checkpoint keys of the declared rules, in declaration order."""
         return tuple(key for _build, key in self._rule_declarations.values())
 
-    @property
-    def state_key(self) -> str:
-        """The checkpoint key: the class name, with the :attr:`state_key_arguments` values when it declares some
-        (fixed from a fit's ``setup`` to its ``teardown``)."""
-        fixed = self.__dict__.get("_fit_state_key")
-        if fixed is not None:
-            return fixed
+    def checkpoint_key(self) -> str:
+        """The checkpoint key (:attr:`state_key`): the class name, with the :attr:`state_key_arguments` values
+        when it declares some."""
         if not self.state_key_arguments:
-            return super().state_key
+            return pl.Callback.state_key.fget(self)  # type: ignore[attr-defined]
         # "loss_trend.swing_window": a settings field, keyed by its name
         current = tuple(operator.attrgetter(path)(self) for path in self.state_key_arguments)
-        # Lightning reads the key at every hook call (its profiler's label): build the string once per set of values
-        cached = self.__dict__.get("_state_key_cache")
-        if cached is not None and cached[0] == current:
-            return cached[1]
         names = [path.rsplit(".", 1)[-1] for path in self.state_key_arguments]
-        key = self._generate_state_key(**dict(zip(names, current, strict=True)))
-        self.__dict__["_state_key_cache"] = (current, key)
-        return key
+        return self._generate_state_key(**dict(zip(names, current, strict=True)))
+
+    #: The checkpoint key, :meth:`checkpoint_key`. Lightning reads it at every hook call of every callback (its
+    #: profiler's label), about twenty times a step: from a fit's ``setup`` to its ``teardown`` it is a plain
+    #: instance attribute (this class attribute is a non-data descriptor, which an instance attribute shadows).
+    state_key = _StateKey()
 
     def rules_state_dict(self) -> dict[str, Any]:
         """Each declared rule's state under its ``state_key``."""
@@ -260,12 +263,11 @@ class DiagCallback(pl.Callback):
             self._cadence_every = None
             self.reset_rules()
             # Lightning reads `state_key` at every hook call of every callback: fixed for the fit from here
-            self.__dict__.pop("_fit_state_key", None)
-            self.__dict__["_fit_state_key"] = self.state_key
+            self.__dict__["state_key"] = self.checkpoint_key()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Flush and release the session."""
-        self.__dict__.pop("_fit_state_key", None)
+        self.__dict__.pop("state_key", None)
         self.switch_batch_hooks(off=False)
         if self._session is not None:
             self._session.writer.flush()
