@@ -18,32 +18,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_diag import AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
 from tests.callbacks.test_step_axis import Attention
-from tests.output.logger_models import FAST, TwoOptimizers
+from tests.output.logger_models import FAST, MemoryLogger, TwoOptimizers
 
 BATCHES = 40
 EVERY = 5
-
-
-class Memory(Logger):
-    """Keeps every ``log_metrics`` call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append((int(step or 0), dict(metrics)))
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
 
 
 def _counting(base: type) -> type:
@@ -68,9 +46,9 @@ def _counting(base: type) -> type:
     return Counting
 
 
-def _fit(tmp_path: Path, model: pl.LightningModule, callbacks: list[pl.Callback], *loggers: Logger) -> Memory:
+def _fit(tmp_path: Path, model: pl.LightningModule, callbacks: list[pl.Callback], *loggers: Logger) -> MemoryLogger:
     torch.manual_seed(0)
-    memory = Memory()
+    memory = MemoryLogger()
     pl.Trainer(
         default_root_dir=tmp_path,
         max_steps=BATCHES * (2 if not model.automatic_optimization else 1),
@@ -83,11 +61,11 @@ def _fit(tmp_path: Path, model: pl.LightningModule, callbacks: list[pl.Callback]
     return memory
 
 
-def _diag(memory: Memory) -> list[tuple[int, dict[str, float]]]:
-    return [(step, {k: v for k, v in row.items() if k.startswith("diag/")}) for step, row in memory.rows]
+def _diag(memory: MemoryLogger) -> list[tuple[int, dict[str, float]]]:
+    return [(int(step or 0), {k: v for k, v in row.items() if k.startswith("diag/")}) for step, row in memory.calls]
 
 
-def _fits(tmp_path: Path, model_type: type) -> tuple[Any, Any, Memory, Memory]:
+def _fits(tmp_path: Path, model_type: type) -> tuple[Any, Any, MemoryLogger, MemoryLogger]:
     switched = [_counting(GradientFlowMonitor)(), _counting(AttentionEntropyMonitor)()]
     always = [_counting(GradientFlowMonitor)(), _counting(AttentionEntropyMonitor)()]
     for cb in always:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.loggers import Logger
 from torch import nn
 
 FAST: dict[str, Any] = dict(
@@ -106,3 +107,35 @@ def fit(kind: str, root: str, nan_at: int | None = None, **callback_kwargs: Any)
 if __name__ == "__main__":
     torch.set_num_threads(1)
     fit(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
+
+
+class MemoryLogger(Logger):
+    """The user's own logger: keeps every ``log_metrics`` call in memory (its ``save_dir`` is ``None``, so the run's
+    diagnostics go under ``default_root_dir``, as with a remote MLflow or W&B server)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.calls.append((step, dict(metrics)))
+
+    def user_metrics(self) -> list[tuple[int | None, dict[str, float]]]:
+        """What the user logged (``self.log``), without the diagnostics' ``diag/`` series."""
+        out = []
+        for step, metrics in self.calls:
+            mine = {k: v for k, v in metrics.items() if not k.startswith("diag/")}
+            if mine:
+                out.append((step, mine))
+        return out

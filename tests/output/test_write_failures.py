@@ -26,48 +26,15 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.loggers import Logger
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
 from lightning_diag.core import alerts as alerts_module
 from lightning_diag.core import files
 from lightning_diag.core.alerts import Alert, AlertLog, Severity
 from lightning_diag.core.files import report_write_failure, write_json, write_text
-from tests.output.logger_models import FAST, Regression
+from tests.output.logger_models import FAST, MemoryLogger, Regression
 
 NAN_AT = 10
-
-
-class MemoryLogger(Logger):
-    """The user's own logger: keeps every ``log_metrics`` call in memory (its ``save_dir`` is ``None``, so the run's
-    diagnostics go under ``default_root_dir``, as with a remote MLflow or W&B server)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.calls.append((step, dict(metrics)))
-
-    def user_metrics(self) -> list[tuple[int | None, dict[str, float]]]:
-        """What the user logged (``self.log``), without the diagnostics' ``diag/`` series."""
-        out = []
-        for step, metrics in self.calls:
-            mine = {k: v for k, v in metrics.items() if not k.startswith("diag/")}
-            if mine:
-                out.append((step, mine))
-        return out
 
 
 def _fit(root: Path, logger: Any, **alarm_kwargs: Any) -> tuple[pl.Trainer, AnomalyAlarm, dict[str, torch.Tensor]]:
