@@ -10,6 +10,7 @@ rules of :mod:`lightning_diag.rules.anomaly` are :class:`~lightning_diag.callbac
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -245,6 +246,11 @@ class AnomalyAlarm(DiagCallback):
         self._every = 1
         self._private_losses = False
         self._several_ranks = False
+        # Whether the current batch is one of the user's logging batches (found at its start, on the cadence axis).
+        self._log_batch = True
+        # The global step the next batch starts at, as the last batch end read it (``inf``: not known, at a fit's
+        # start): the batch start calls the run-time checks only from their due step on, without reading the trainer.
+        self._start_step: float = math.inf
         self._wire()
 
     def _rule_fields(self, spec: RuleSpec) -> dict[str, Any]:
@@ -323,6 +329,8 @@ class AnomalyAlarm(DiagCallback):
         self._private_losses = pl_module.automatic_optimization
         self._several_ranks = trainer.world_size > 1
         self._due = self._next_due()
+        self._log_batch = True
+        self._start_step = math.inf
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""
@@ -359,11 +367,13 @@ class AnomalyAlarm(DiagCallback):
         when the model's steps draw random numbers; on logging steps look for Dropout/BatchNorm modules left in eval
         mode."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        logging_step = self.cadence_step(trainer) % self._every == 0  # the user's logging batches
+        logging_step = self._log_batch = self.cadence_step(trainer) % self._every == 0  # the user's logging batches
         self.recovery.on_batch_start(batch, batch_idx, watch=logging_step)
         if logging_step:  # the train-mode check's steps (it tests the same)
             self.train_mode.on_batch_start(trainer, pl_module)
-        self.runtime.on_train_batch_start(trainer, pl_module)
+        runtime = self.runtime
+        if self._start_step >= runtime.start_due:  # the first batch, zero_output's sampled steps
+            runtime.on_train_batch_start(trainer, pl_module)
 
     # -- non-finite guard --------------------------------------------------------------------------------
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -398,7 +408,7 @@ class AnomalyAlarm(DiagCallback):
                 private = True
             self.loss_sums.add(loss, copy=not private)
             loss = self.loss_sums.latest
-        step = trainer.global_step
+        step = self._start_step = trainer.global_step
         if step >= self._due:
             out = self.trend.close_window(trainer, pl_module, step)
             if out is not None:
@@ -410,8 +420,13 @@ class AnomalyAlarm(DiagCallback):
             self._due = self._next_due()
         if self.recovery.watching is not None:
             self.recovery.end_watch()
-        logging = self.is_logging_step(trainer)
-        self.runtime.on_train_batch_end(trainer, pl_module, loss, step, logging)
+        # Only a batch found on the cadence at its start can be a logging one (outside a session: any batch).
+        logging = self.is_logging_step(trainer) if self._log_batch or self._session is None else False
+        runtime = self.runtime
+        if logging or runtime.end_due:
+            runtime.on_train_batch_end(trainer, pl_module, loss, step, logging)
+        elif loss is not None:
+            runtime.keep_loss(loss, step)
         if not logging:
             return
         scale = self.recovery.lr_scale  # the rate the optimizer uses: the scheduler's times the rollback factor

@@ -124,6 +124,12 @@ class RuntimeChecks:
         # The owner's declared pending losses of this fit (restored in place at a resume).
         self._pending: PendingLosses = self._rule("pending_losses")
         self.zero_outputs.reset()
+        #: The global step from which :meth:`on_train_batch_start` has something to do (the fit's first batch, then
+        #: ``zero_output``'s next sampled step): the owner does not call it before.
+        self.start_due: float = 0
+        #: Whether :meth:`on_train_batch_end` has more to do than keep the loss (a probe or watch to judge): when
+        #: not, the owner only adds the loss to :attr:`pending` (:meth:`keep_loss`).
+        self.end_due = True
 
     def _rule(self, name: str) -> Any:
         """One of the owner's rules, as rebuilt at each fit."""
@@ -133,7 +139,9 @@ class RuntimeChecks:
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """On the fit's first training batch: compare ``train()`` overrides with what is in effect, and watch the
         matmul layers' dtypes under mixed precision."""
+        self.end_due = True
         self.zero_outputs.on_batch_start(trainer, pl_module)
+        self.start_due = self.zero_outputs.next_step
         if self._first_batch_done:
             return
         self._first_batch_done = True
@@ -166,6 +174,7 @@ class RuntimeChecks:
                     probe.layers, probe.float32, str(trainer.precision), self.owner.context(trainer)
                 )
             )
+        self.end_due = False
         pending = self._pending
         if loss is not None:
             pending.add(loss, step)
@@ -173,6 +182,11 @@ class RuntimeChecks:
             values, steps = pending.take(trainer)  # the one host read, on a logging step
             ctx = StepContext(trainer.current_epoch, trainer.global_step)
             self.owner.record(self._rule("outlier_rule").update(values, steps, ctx))
+
+    def keep_loss(self, loss: torch.Tensor, step: int) -> None:
+        """What :meth:`on_train_batch_end` does when :attr:`end_due` is not set and the step logs nothing: keep a
+        reference to the batch's 0-d loss of global step ``step`` for ``loss_outlier``."""
+        self._pending.add(loss, step)
 
     # -- validation ----------------------------------------------------------------------------------------
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
