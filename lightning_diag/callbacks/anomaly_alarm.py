@@ -306,6 +306,7 @@ class AnomalyAlarm(DiagCallback):
         self.recovery.reset(self.rollback_rule)
         #: Finds the non-finite steps and carries out :attr:`policy`'s verdicts.
         self.guard = NonFiniteGuard(self, self.policy, self.recovery, losses=self.loss_sums, deferred=self.deferred)
+        self._note_loss = self.guard.note_loss
         self.runtime.reset()
         # The global step from which a batch end has more to do than keep its loss (see `_next_due`).
         self._due: float = 0
@@ -327,6 +328,7 @@ class AnomalyAlarm(DiagCallback):
             self.notice(trainer, "rollback-unsupported", unsupported)
         self._every = self.every_n_steps(trainer)
         self._private_losses = pl_module.automatic_optimization
+        self.guard.keep_references = self._private_losses  # on_before_backward gets Lightning's own loss then
         self._several_ranks = trainer.world_size > 1
         self._due = self._next_due()
         self._log_batch = True
@@ -377,9 +379,9 @@ class AnomalyAlarm(DiagCallback):
 
     # -- non-finite guard --------------------------------------------------------------------------------
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        """Remember, on the device, whether this micro-batch's loss is finite."""
-        if isinstance(loss, torch.Tensor):
-            self.guard.note_loss(loss)
+        """Remember this micro-batch's loss for the check at the optimizer step (a reference, or a copy of the
+        user's own loss under manual optimization)."""
+        self._note_loss(loss)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

@@ -172,6 +172,11 @@ class NonFiniteGuard:
         # The micro-batch losses since the last step, detached (0-d; a larger loss as 0 or NaN): their finiteness
         # is tested with the gradients' in one pass at the optimizer step.
         self._losses: list[torch.Tensor] = []
+        #: Keep the loss handed to :meth:`note_loss` by reference instead of copying it: set by the owner under
+        #: Lightning's automatic optimization, where that loss is Lightning's own ``training_step`` output divided by
+        #: the accumulation (computed eagerly, so never in a compiled model's CUDA-graph memory, and read by nothing
+        #: after its backward). The user's own loss (manual optimization) is copied.
+        self.keep_references = False
         self.deferred = deferred if deferred is not None else DeferredFindings()
         # Whether the policy may hold a latch or an overflow run that a clean step clears (a bad step was decided,
         # or a checkpoint restored them): a clean step otherwise leaves it alone.
@@ -185,13 +190,17 @@ class NonFiniteGuard:
         # "warn" mode: the findings stay on the device (the policy's action is fixed for the guard's life).
         self._defer = policy.action == "warn"
 
-    def note_loss(self, loss: torch.Tensor) -> None:
-        """Remember a micro-batch loss (a 0-d copy): it is tested for NaN/Inf with the gradients at the optimizer
-        step."""
-        if type(loss) is torch.Tensor and loss.dim() == 0 and loss.is_floating_point():  # the usual loss: 2 kernels
-            # A copy: with accumulation a compiled model's next forward can overwrite its output memory before the
-            # step (CUDA graphs), and the CPU check writes what it reads.
-            self._losses.append(loss.detach().clone())
+    def note_loss(self, loss: Any) -> None:
+        """Remember a micro-batch loss (a reference under :attr:`keep_references`, else a 0-d copy): it is tested
+        for NaN/Inf with the gradients at the optimizer step. Anything but a tensor is ignored."""
+        if type(loss) is torch.Tensor and loss.dim() == 0 and loss.is_floating_point():  # the usual loss
+            # `.data`: the same memory without autograd and with a version counter of its own: the CPU check, which
+            # writes every value back unchanged (x 1.0), can neither bump the loss's version nor record a graph.
+            # Otherwise a copy: the user's tensor is not written, and with accumulation a compiled model's next
+            # forward can overwrite its output memory before the step (CUDA graphs).
+            self._losses.append(loss.data if self.keep_references else loss.detach().clone())
+        elif not isinstance(loss, torch.Tensor):
+            return
         else:
             loss = local_tensor(loss.detach())
             if loss.dim() != 0:  # finite exactly when every element is
@@ -240,7 +249,7 @@ class NonFiniteGuard:
             drop_gradients(optimizer)
             return
         try:
-            findings = self.check_step(trainer, optimizer, defer=self._defer)
+            findings = self.check_step(trainer, optimizer, self._defer)
             if findings is _CLEAN:
                 if self._policy_dirty:  # what `decide` does for a clean step, without building its context
                     self.policy.clear()

@@ -128,8 +128,12 @@ class RuntimeChecks:
         #: ``zero_output``'s next sampled step): the owner does not call it before.
         self.start_due: float = 0
         #: Whether :meth:`on_train_batch_end` has more to do than keep the loss (a probe or watch to judge): when
-        #: not, the owner only adds the loss to :attr:`pending` (:meth:`keep_loss`).
+        #: not, the owner only calls :attr:`keep_loss`.
         self.end_due = True
+        #: What :meth:`on_train_batch_end` does when :attr:`end_due` is not set and the step logs nothing:
+        #: ``keep_loss(loss, step)`` keeps a reference to the batch's 0-d loss of global step ``step`` for
+        #: ``loss_outlier`` (the pending losses' own ``add``, called directly).
+        self.keep_loss = self._pending.add
 
     def _rule(self, name: str) -> Any:
         """One of the owner's rules, as rebuilt at each fit."""
@@ -182,11 +186,6 @@ class RuntimeChecks:
             values, steps = pending.take(trainer)  # the one host read, on a logging step
             ctx = StepContext(trainer.current_epoch, trainer.global_step)
             self.owner.record(self._rule("outlier_rule").update(values, steps, ctx))
-
-    def keep_loss(self, loss: torch.Tensor, step: int) -> None:
-        """What :meth:`on_train_batch_end` does when :attr:`end_due` is not set and the step logs nothing: keep a
-        reference to the batch's 0-d loss of global step ``step`` for ``loss_outlier``."""
-        self._pending.add(loss, step)
 
     # -- validation ----------------------------------------------------------------------------------------
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
