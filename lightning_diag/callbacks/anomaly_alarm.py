@@ -248,6 +248,12 @@ class AnomalyAlarm(DiagCallback):
         self._several_ranks = False
         # Whether the current batch is one of the user's logging batches (found at its start, on the cadence axis).
         self._log_batch = True
+        # Whether the recovery watches the current batch (its end then compares the RNG state), and whether the
+        # run-time checks' batch start ran (their batch end is then due): both found at the batch's start.
+        self._watched = False
+        self._runtime_end = True
+        # Whether the fit runs without a diagnostics session (then any batch end may log: see `is_logging_step`).
+        self._no_session = False
         # The global step the next batch starts at, as the last batch end read it (``inf``: not known, at a fit's
         # start): the batch start calls the run-time checks only from their due step on, without reading the trainer.
         self._start_step: float = math.inf
@@ -308,6 +314,7 @@ class AnomalyAlarm(DiagCallback):
         self.guard = NonFiniteGuard(self, self.policy, self.recovery, losses=self.loss_sums, deferred=self.deferred)
         self._note_loss = self.guard.note_loss
         self.runtime.reset()
+        self._keep_loss = self.runtime.keep_loss
         # The global step from which a batch end has more to do than keep its loss (see `_next_due`).
         self._due: float = 0
 
@@ -332,6 +339,7 @@ class AnomalyAlarm(DiagCallback):
         self._several_ranks = trainer.world_size > 1
         self._due = self._next_due()
         self._log_batch = True
+        self._no_session = self._session is None
         self._start_step = math.inf
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -369,12 +377,15 @@ class AnomalyAlarm(DiagCallback):
         when the model's steps draw random numbers; on logging steps look for Dropout/BatchNorm modules left in eval
         mode."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        logging_step = self._log_batch = self.cadence_step(trainer) % self._every == 0  # the user's logging batches
-        self.recovery.on_batch_start(batch, batch_idx, watch=logging_step)
+        logging_step = self.cadence_step(trainer) % self._every == 0  # the user's logging batches
+        self._log_batch = logging_step or self._no_session
+        self._watched = self.recovery.on_batch_start(batch, batch_idx, logging_step)
         if logging_step:  # the train-mode check's steps (it tests the same)
             self.train_mode.on_batch_start(trainer, pl_module)
         runtime = self.runtime
-        if self._start_step >= runtime.start_due:  # the first batch, zero_output's sampled steps
+        # the first batch, zero_output's sampled steps (their batch end is due then)
+        self._runtime_end = self._start_step >= runtime.start_due
+        if self._runtime_end:
             runtime.on_train_batch_start(trainer, pl_module)
 
     # -- non-finite guard --------------------------------------------------------------------------------
@@ -408,8 +419,7 @@ class AnomalyAlarm(DiagCallback):
             if self._private_losses and trainer.accumulate_grad_batches > 1:
                 loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
                 private = True
-            self.loss_sums.add(loss, copy=not private)
-            loss = self.loss_sums.latest
+            loss = self.loss_sums.add(loss, not private)
         step = self._start_step = trainer.global_step
         if step >= self._due:
             out = self.trend.close_window(trainer, pl_module, step)
@@ -420,15 +430,14 @@ class AnomalyAlarm(DiagCallback):
             if self._several_ranks:
                 self.replicas.on_batch_end(trainer, pl_module)
             self._due = self._next_due()
-        if self.recovery.watching is not None:
+        if self._watched:
             self.recovery.end_watch()
         # Only a batch found on the cadence at its start can be a logging one (outside a session: any batch).
-        logging = self.is_logging_step(trainer) if self._log_batch or self._session is None else False
-        runtime = self.runtime
-        if logging or runtime.end_due:
-            runtime.on_train_batch_end(trainer, pl_module, loss, step, logging)
+        logging = self.is_logging_step(trainer) if self._log_batch else False
+        if logging or self._runtime_end:
+            self.runtime.on_train_batch_end(trainer, pl_module, loss, step, logging)
         elif loss is not None:
-            runtime.keep_loss(loss, step)
+            self._keep_loss(loss, step)
         if not logging:
             return
         scale = self.recovery.lr_scale  # the rate the optimizer uses: the scheduler's times the rollback factor

@@ -189,6 +189,9 @@ class NonFiniteGuard:
         self._single: bool | None = None
         # "warn" mode: the findings stay on the device (the policy's action is fixed for the guard's life).
         self._defer = policy.action == "warn"
+        # The optimizers (by id) whose steps take the quiet path of `before_optimizer_step`: one process, a guarding
+        # mode, parameters that are not sharded (entered by `check_step`).
+        self._quick: dict[int, _Parameters] = {}
 
     def note_loss(self, loss: Any) -> None:
         """Remember a micro-batch loss (a reference under :attr:`keep_references`, else a 0-d copy): it is tested
@@ -249,6 +252,21 @@ class NonFiniteGuard:
             drop_gradients(optimizer)
             return
         try:
+            # The quiet path: the pass over the gradients and the losses, its one read, nothing else. Anything else
+            # (no gradient, a changed parameter list, a failing pass) takes `check_step`, which finds out what it is
+            # (a failing pass is then run again: the reused flag, still set, makes it fail again).
+            params = self._quick.get(id(optimizer))
+            if params is not None and params.matches(optimizer.param_groups):
+                grads = [g for g in map(_GRAD, params.flat) if g is not None]
+                losses = self._losses
+                if grads and finite_probe(grads + losses if losses else grads, params.found).item() == 0:
+                    if losses:
+                        self._losses = []
+                    self.local_findings = _NOTHING_LOCAL
+                    if self._policy_dirty:
+                        self.policy.clear()
+                        self._policy_dirty = False
+                    return
             findings = self.check_step(trainer, optimizer, self._defer)
             if findings is _CLEAN:
                 if self._policy_dirty:  # what `decide` does for a clean step, without building its context
@@ -352,6 +370,8 @@ class NonFiniteGuard:
         single = self._single
         if single is None:
             single = self._single = trainer.world_size <= 1
+        if single and not params.sharded:
+            self._quick[id(optimizer)] = params
         if not (probe.item() != 0 if single else _agree(trainer, probe != 0)[1][0]):
             self.local_findings = _NOTHING_LOCAL
             return _CLEAN

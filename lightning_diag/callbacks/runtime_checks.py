@@ -127,12 +127,9 @@ class RuntimeChecks:
         #: The global step from which :meth:`on_train_batch_start` has something to do (the fit's first batch, then
         #: ``zero_output``'s next sampled step): the owner does not call it before.
         self.start_due: float = 0
-        #: Whether :meth:`on_train_batch_end` has more to do than keep the loss (a probe or watch to judge): when
-        #: not, the owner only calls :attr:`keep_loss`.
-        self.end_due = True
-        #: What :meth:`on_train_batch_end` does when :attr:`end_due` is not set and the step logs nothing:
-        #: ``keep_loss(loss, step)`` keeps a reference to the batch's 0-d loss of global step ``step`` for
-        #: ``loss_outlier`` (the pending losses' own ``add``, called directly).
+        #: What :meth:`on_train_batch_end` does on a batch whose start did not call :meth:`on_train_batch_start` and
+        #: that logs nothing (the owner calls this instead then): ``keep_loss(loss, step)`` keeps a reference to the
+        #: batch's 0-d loss of global step ``step`` for ``loss_outlier`` (the pending losses' own ``add``).
         self.keep_loss = self._pending.add
 
     def _rule(self, name: str) -> Any:
@@ -143,7 +140,6 @@ class RuntimeChecks:
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """On the fit's first training batch: compare ``train()`` overrides with what is in effect, and watch the
         matmul layers' dtypes under mixed precision."""
-        self.end_due = True
         self.zero_outputs.on_batch_start(trainer, pl_module)
         self.start_due = self.zero_outputs.next_step
         if self._first_batch_done:
@@ -178,7 +174,6 @@ class RuntimeChecks:
                     probe.layers, probe.float32, str(trainer.precision), self.owner.context(trainer)
                 )
             )
-        self.end_due = False
         pending = self._pending
         if loss is not None:
             pending.add(loss, step)
