@@ -173,3 +173,17 @@ def test_manual_optimization_copies_the_users_loss(tmp_path):
     assert len(losses.seen) == 6
     assert not alarm.guard.keep_references
     assert all(float(loss.detach()) == value and loss._version == version for loss, value, version in losses.seen)
+
+
+def test_the_replay_keeps_exactly_the_micro_batches_of_the_step_being_checked(tmp_path):
+    """The quiet check does not clear the replay's micro-batches: the recovery lets them go at the next batch start,
+    seeing the global step moved. At every optimizer step (first group included) the kept ones are that step's."""
+    alarm = AnomalyAlarm()
+    kept: list[list[int]] = []
+
+    class Inspect(pl.Callback):  # placed before the alarm: what a failing step would replay
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            kept.append([idx for _, idx, _ in alarm.recovery._batches])
+
+    _fit_weights(tmp_path, [Inspect(), alarm], max_steps=7, accumulate_grad_batches=3)
+    assert kept == [[3 * k, 3 * k + 1, 3 * k + 2] for k in range(7)]
