@@ -254,9 +254,8 @@ class AnomalyAlarm(DiagCallback):
         self._runtime_end = True
         # Whether the fit runs without a diagnostics session (then any batch end may log: see `is_logging_step`).
         self._no_session = False
-        # The global step the current (or next) batch starts at, as the last batch end read it (``inf`` at a fit's
-        # start: then read from the trainer): the batch start calls the run-time checks only from their due step on,
-        # and the recovery lets the last step's micro-batches go when it moved, without reading the trainer.
+        # The global step the next batch starts at, as the last batch end read it (``inf``: not known, at a fit's
+        # start): the batch start calls the run-time checks only from their due step on, without reading the trainer.
         self._start_step: float = math.inf
         self._wire()
 
@@ -378,11 +377,9 @@ class AnomalyAlarm(DiagCallback):
         when the model's steps draw random numbers; on logging steps look for Dropout/BatchNorm modules left in eval
         mode."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._start_step == math.inf:  # the fit's first batch: read it
-            self._start_step = trainer.global_step
         logging_step = self.cadence_step(trainer) % self._every == 0  # the user's logging batches
         self._log_batch = logging_step or self._no_session
-        self._watched = self.recovery.on_batch_start(batch, batch_idx, logging_step, self._start_step)
+        self._watched = self.recovery.on_batch_start(batch, batch_idx, logging_step)
         if logging_step:  # the train-mode check's steps (it tests the same)
             self.train_mode.on_batch_start(trainer, pl_module)
         runtime = self.runtime

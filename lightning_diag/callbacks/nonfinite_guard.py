@@ -251,23 +251,22 @@ class NonFiniteGuard:
             self._losses = []
             drop_gradients(optimizer)
             return
-        # The quiet path: the pass over the gradients and the losses, its one read, nothing else (the micro-batches
-        # kept for a replay are let go by the recovery at the next batch start, which sees the global step moved).
-        # Anything else (no gradient, a changed parameter list, a failing pass) takes `check_step`, which finds out
-        # what it is (a failing pass is then run again: the reused flag, still set, makes it fail again).
-        params = self._quick.get(id(optimizer))
-        if params is not None and params.matches(optimizer.param_groups):
-            grads = [g for g in map(_GRAD, params.flat) if g is not None]
-            losses = self._losses
-            if grads and finite_probe(grads + losses if losses else grads, params.found).item() == 0:
-                if losses:
-                    self._losses = []
-                self.local_findings = _NOTHING_LOCAL
-                if self._policy_dirty:
-                    self.policy.clear()
-                    self._policy_dirty = False
-                return
         try:
+            # The quiet path: the pass over the gradients and the losses, its one read, nothing else. Anything else
+            # (no gradient, a changed parameter list, a failing pass) takes `check_step`, which finds out what it is
+            # (a failing pass is then run again: the reused flag, still set, makes it fail again).
+            params = self._quick.get(id(optimizer))
+            if params is not None and params.matches(optimizer.param_groups):
+                grads = [g for g in map(_GRAD, params.flat) if g is not None]
+                losses = self._losses
+                if grads and finite_probe(grads + losses if losses else grads, params.found).item() == 0:
+                    if losses:
+                        self._losses = []
+                    self.local_findings = _NOTHING_LOCAL
+                    if self._policy_dirty:
+                        self.policy.clear()
+                        self._policy_dirty = False
+                    return
             findings = self.check_step(trainer, optimizer, self._defer)
             if findings is _CLEAN:
                 if self._policy_dirty:  # what `decide` does for a clean step, without building its context

@@ -149,8 +149,6 @@ class NonFiniteRecovery:
         self.rule = self.new_rule()
         self.store = SnapshotStore(keep=settings.snapshots, device=settings.device, spike_factor=spike_factor)
         self._batches: collections.deque[tuple[Any, int, RngState | None]] = collections.deque(maxlen=1)
-        # The global step at the start of the last batch kept (see `on_batch_start`).
-        self._batch_step: float | None = None
         self._hooks: list[Any] = []
         self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
         self._last_snapshot: int | None = None
@@ -273,7 +271,7 @@ class NonFiniteRecovery:
         return self.rule.lr_scale
 
     # -- healthy steps ------------------------------------------------------------------------------------
-    def on_batch_start(self, batch: Any, batch_idx: int, watch: bool = True, step: float | None = None) -> bool:
+    def on_batch_start(self, batch: Any, batch_idx: int, watch: bool = True) -> bool:
         """Keep a reference to the micro-batch (no copy) and, when the step needs it, a copy of the RNG state it
         starts with.
 
@@ -285,22 +283,11 @@ class NonFiniteRecovery:
         state). A model that starts drawing later is seen at the next watched batch: a failing step before that
         is replayed with the generators' current state (the replay never changes the run's generators).
 
-        Args:
-            batch: The micro-batch.
-            batch_idx: Its index in the epoch.
-            watch: Whether to watch this batch for random draws (the caller's logging steps).
-            step: The global step at the batch's start: when it differs from the last batch's, an optimizer step
-                was taken since, and the micro-batches kept for it are let go here (a quiet step's check then need
-                not call :meth:`on_step_checked`). ``None``: only :meth:`on_step_checked` lets them go.
-
         Returns:
             Whether this batch is watched: then :meth:`end_watch` is due at its end (else it has nothing to do).
         """
         if not self._keeps:
             return False
-        if step != self._batch_step:
-            self._batch_step = step
-            self._batches.clear()
         rng = None
         if self.draws or watch or self._first:
             rng = self._rng_state()

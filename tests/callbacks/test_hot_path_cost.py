@@ -178,8 +178,8 @@ def test_manual_optimization_copies_the_users_loss(tmp_path):
 
 
 def test_the_replay_keeps_exactly_the_micro_batches_of_the_step_being_checked(tmp_path):
-    """The quiet check does not clear the replay's micro-batches: the recovery lets them go at the next batch start,
-    seeing the global step moved. At every optimizer step (first group included) the kept ones are that step's."""
+    """With accumulation, at every optimizer step (the first group included) the micro-batches a replay would use
+    are exactly that step's: the quiet path lets them go after its check as the full one does."""
     alarm = AnomalyAlarm()
     kept: list[list[int]] = []
 
