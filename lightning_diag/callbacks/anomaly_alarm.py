@@ -10,6 +10,7 @@ rules of :mod:`lightning_diag.rules.anomaly` are :class:`~lightning_diag.callbac
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -245,6 +246,17 @@ class AnomalyAlarm(DiagCallback):
         self._every = 1
         self._private_losses = False
         self._several_ranks = False
+        # Whether the current batch is one of the user's logging batches (found at its start, on the cadence axis).
+        self._log_batch = True
+        # Whether the recovery watches the current batch (its end then compares the RNG state), and whether the
+        # run-time checks' batch start ran (their batch end is then due): both found at the batch's start.
+        self._watched = False
+        self._runtime_end = True
+        # Whether the fit runs without a diagnostics session (then any batch end may log: see `is_logging_step`).
+        self._no_session = False
+        # The global step the next batch starts at, as the last batch end read it (``inf``: not known, at a fit's
+        # start): the batch start calls the run-time checks only from their due step on, without reading the trainer.
+        self._start_step: float = math.inf
         self._wire()
 
     def _rule_fields(self, spec: RuleSpec) -> dict[str, Any]:
@@ -300,7 +312,9 @@ class AnomalyAlarm(DiagCallback):
         self.recovery.reset(self.rollback_rule)
         #: Finds the non-finite steps and carries out :attr:`policy`'s verdicts.
         self.guard = NonFiniteGuard(self, self.policy, self.recovery, losses=self.loss_sums, deferred=self.deferred)
+        self._note_loss = self.guard.note_loss
         self.runtime.reset()
+        self._keep_loss = self.runtime.keep_loss
         # The global step from which a batch end has more to do than keep its loss (see `_next_due`).
         self._due: float = 0
 
@@ -321,8 +335,12 @@ class AnomalyAlarm(DiagCallback):
             self.notice(trainer, "rollback-unsupported", unsupported)
         self._every = self.every_n_steps(trainer)
         self._private_losses = pl_module.automatic_optimization
+        self.guard.keep_references = self._private_losses  # on_before_backward gets Lightning's own loss then
         self._several_ranks = trainer.world_size > 1
         self._due = self._next_due()
+        self._log_batch = True
+        self._no_session = self._session is None
+        self._start_step = math.inf
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""
@@ -360,16 +378,21 @@ class AnomalyAlarm(DiagCallback):
         mode."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         logging_step = self.cadence_step(trainer) % self._every == 0  # the user's logging batches
-        self.recovery.on_batch_start(batch, batch_idx, watch=logging_step)
+        self._log_batch = logging_step or self._no_session
+        self._watched = self.recovery.on_batch_start(batch, batch_idx, logging_step)
         if logging_step:  # the train-mode check's steps (it tests the same)
             self.train_mode.on_batch_start(trainer, pl_module)
-        self.runtime.on_train_batch_start(trainer, pl_module)
+        runtime = self.runtime
+        # the first batch, zero_output's sampled steps (their batch end is due then)
+        self._runtime_end = self._start_step >= runtime.start_due
+        if self._runtime_end:
+            runtime.on_train_batch_start(trainer, pl_module)
 
     # -- non-finite guard --------------------------------------------------------------------------------
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        """Remember, on the device, whether this micro-batch's loss is finite."""
-        if isinstance(loss, torch.Tensor):
-            self.guard.note_loss(loss)
+        """Remember this micro-batch's loss for the check at the optimizer step (a reference, or a copy of the
+        user's own loss under manual optimization)."""
+        self._note_loss(loss)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -396,9 +419,8 @@ class AnomalyAlarm(DiagCallback):
             if self._private_losses and trainer.accumulate_grad_batches > 1:
                 loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
                 private = True
-            self.loss_sums.add(loss, copy=not private)
-            loss = self.loss_sums.latest
-        step = trainer.global_step
+            loss = self.loss_sums.add(loss, not private)
+        step = self._start_step = trainer.global_step
         if step >= self._due:
             out = self.trend.close_window(trainer, pl_module, step)
             if out is not None:
@@ -408,10 +430,14 @@ class AnomalyAlarm(DiagCallback):
             if self._several_ranks:
                 self.replicas.on_batch_end(trainer, pl_module)
             self._due = self._next_due()
-        if self.recovery.watching is not None:
+        if self._watched:
             self.recovery.end_watch()
-        logging = self.is_logging_step(trainer)
-        self.runtime.on_train_batch_end(trainer, pl_module, loss, step, logging)
+        # Only a batch found on the cadence at its start can be a logging one (outside a session: any batch).
+        logging = self.is_logging_step(trainer) if self._log_batch else False
+        if logging or self._runtime_end:
+            self.runtime.on_train_batch_end(trainer, pl_module, loss, step, logging)
+        elif loss is not None:
+            self._keep_loss(loss, step)
         if not logging:
             return
         scale = self.recovery.lr_scale  # the rate the optimizer uses: the scheduler's times the rollback factor

@@ -58,6 +58,8 @@ _MAX_HELD_LOSSES = 64
 #: What :meth:`NonFiniteGuard.check_step` returns for a step found clean (the quiet path builds nothing).
 _CLEAN = StepFindings(loss_bad=False, grad_bad=False)
 _GRAD = operator.attrgetter("grad")
+#: This rank's findings of a clean step.
+_NOTHING_LOCAL = (False, False)
 
 
 class NonFiniteError(RuntimeError):
@@ -170,6 +172,11 @@ class NonFiniteGuard:
         # The micro-batch losses since the last step, detached (0-d; a larger loss as 0 or NaN): their finiteness
         # is tested with the gradients' in one pass at the optimizer step.
         self._losses: list[torch.Tensor] = []
+        #: Keep the loss handed to :meth:`note_loss` by reference instead of copying it: set by the owner under
+        #: Lightning's automatic optimization, where that loss is Lightning's own ``training_step`` output divided by
+        #: the accumulation (computed eagerly, so never in a compiled model's CUDA-graph memory, and read by nothing
+        #: after its backward). The user's own loss (manual optimization) is copied.
+        self.keep_references = False
         self.deferred = deferred if deferred is not None else DeferredFindings()
         # Whether the policy may hold a latch or an overflow run that a clean step clears (a bad step was decided,
         # or a checkpoint restored them): a clean step otherwise leaves it alone.
@@ -178,15 +185,25 @@ class NonFiniteGuard:
         # Per optimizer (by id): its parameters and the pass's flag (reused while it stays 0, zeroed after a step
         # that set it).
         self._params: dict[int, _Parameters] = {}
-        self._world_size: int | None = None
+        # Whether one process trains (found at the first check: the same for the whole fit, this guard's life).
+        self._single: bool | None = None
+        # "warn" mode: the findings stay on the device (the policy's action is fixed for the guard's life).
+        self._defer = policy.action == "warn"
+        # The optimizers (by id) whose steps take the quiet path of `before_optimizer_step`: one process, a guarding
+        # mode, parameters that are not sharded (entered by `check_step`).
+        self._quick: dict[int, _Parameters] = {}
 
-    def note_loss(self, loss: torch.Tensor) -> None:
-        """Remember a micro-batch loss (a 0-d copy): it is tested for NaN/Inf with the gradients at the optimizer
-        step."""
-        if type(loss) is torch.Tensor and loss.dim() == 0 and loss.is_floating_point():  # the usual loss: 2 kernels
-            # A copy: with accumulation a compiled model's next forward can overwrite its output memory before the
-            # step (CUDA graphs), and the CPU check writes what it reads.
-            self._losses.append(loss.detach().clone())
+    def note_loss(self, loss: Any) -> None:
+        """Remember a micro-batch loss (a reference under :attr:`keep_references`, else a 0-d copy): it is tested
+        for NaN/Inf with the gradients at the optimizer step. Anything but a tensor is ignored."""
+        if type(loss) is torch.Tensor and loss.dim() == 0 and loss.is_floating_point():  # the usual loss
+            # `.data`: the same memory without autograd and with a version counter of its own: the CPU check, which
+            # writes every value back unchanged (x 1.0), can neither bump the loss's version nor record a graph.
+            # Otherwise a copy: the user's tensor is not written, and with accumulation a compiled model's next
+            # forward can overwrite its output memory before the step (CUDA graphs).
+            self._losses.append(loss.data if self.keep_references else loss.detach().clone())
+        elif not isinstance(loss, torch.Tensor):
+            return
         else:
             loss = local_tensor(loss.detach())
             if loss.dim() != 0:  # finite exactly when every element is
@@ -235,7 +252,22 @@ class NonFiniteGuard:
             drop_gradients(optimizer)
             return
         try:
-            findings = self.check_step(trainer, optimizer, defer=self.policy.action == "warn")
+            # The quiet path: the pass over the gradients and the losses, its one read, nothing else. Anything else
+            # (no gradient, a changed parameter list, a failing pass) takes `check_step`, which finds out what it is
+            # (a failing pass is then run again: the reused flag, still set, makes it fail again).
+            params = self._quick.get(id(optimizer))
+            if params is not None and params.matches(optimizer.param_groups):
+                grads = [g for g in map(_GRAD, params.flat) if g is not None]
+                losses = self._losses
+                if grads and finite_probe(grads + losses if losses else grads, params.found).item() == 0:
+                    if losses:
+                        self._losses = []
+                    self.local_findings = _NOTHING_LOCAL
+                    if self._policy_dirty:
+                        self.policy.clear()
+                        self._policy_dirty = False
+                    return
+            findings = self.check_step(trainer, optimizer, self._defer)
             if findings is _CLEAN:
                 if self._policy_dirty:  # what `decide` does for a clean step, without building its context
                     self.policy.clear()
@@ -310,35 +342,45 @@ class NonFiniteGuard:
         With ``defer`` (``"warn"`` mode) nothing is read back: the first bad steps stay on the device in
         :attr:`pending` and this returns ``None``. It also returns ``None`` when there is nothing to check.
         """
-        losses, self._losses = self._losses, []
-        params = self._parameters(optimizer)
+        losses = self._losses
+        if losses:
+            self._losses = []
+        params = self._params.get(id(optimizer))
+        if params is None or not params.matches(optimizer.param_groups):
+            params = self._parameters(optimizer)
         grads = [g for g in map(_GRAD, params.flat) if g is not None]
-        if not grads and not losses:
-            return None
         if params.sharded:
             grads = [local_tensor(g) for g in grads]  # under sharded training: this rank's own shards
-        device = params.found.device if grads else losses[0].device
+        if not grads:
+            if not losses:
+                return None
+            found = torch.zeros(1, device=losses[0].device)
+        else:
+            found = params.found
         if defer:
             # warn mode reads nothing back per step: the exact flags stay on the device
+            device = found.device
             grad_bad = nonfinite_flag(grads, torch.zeros(1, device=device)).reshape(()) > 0
             loss_bad = _any_nonfinite([loss.to(device) for loss in losses]) if losses else None
             self.deferred.defer(trainer.global_step, loss_bad, grad_bad)
             return None
         # One fast pass over the gradients and the losses together, 0 only if all are finite, and, to decide on
         # the host whether to apply the update, one read of one number per optimizer step.
-        found = params.found if grads else torch.zeros(1, device=device)
-        probe = finite_probe(grads + losses, found)
-        if self._world_size is None:
-            self._world_size = trainer.world_size  # the same for the whole fit (this guard's life)
-        bad = probe.item() != 0 if self._world_size <= 1 else _agree(trainer, probe != 0)[1][0]
-        if not bad:
-            self.local_findings = (False, False)
+        probe = finite_probe(grads + losses if losses else grads, found)
+        single = self._single
+        if single is None:
+            single = self._single = trainer.world_size <= 1
+        if single and not params.sharded:
+            self._quick[id(optimizer)] = params
+        if not (probe.item() != 0 if single else _agree(trainer, probe != 0)[1][0]):
+            self.local_findings = _NOTHING_LOCAL
             return _CLEAN
         scaler = getattr(trainer.precision_plugin, "scaler", None) is not None
         # Some rank's pass failed (every rank sees the same agreed flag and takes this path): a NaN/Inf, or an L2
         # norm that overflowed. Which part, exactly (the losses' own test, the exact check of the gradients), with
         # one more collective. The reused flag is zeroed here only: a clean step leaves it at 0.
         found.zero_()
+        device = found.device
         loss_bad = _any_nonfinite([loss.to(device) for loss in losses]) if losses else torch.zeros((), dtype=torch.bool)
         grad_bad = nonfinite_flag(grads, torch.zeros(1, device=device)).reshape(()) > 0
         local, agreed = _agree(trainer, torch.stack([loss_bad.to(device), grad_bad]))
@@ -361,6 +403,8 @@ class _Parameters:
 
     def __init__(self, groups: list[dict[str, Any]]) -> None:
         self.lists = [(group["params"], len(group["params"])) for group in groups]
+        # The usual single group: its parameter list and length, compared without a loop.
+        self.single = self.lists[0] if len(groups) == 1 else None
         self.flat: list[torch.nn.Parameter] = [p for group in groups for p in group["params"]]
         self.sharded = any(is_dtensor(p) for p in self.flat)
         device = local_tensor(self.flat[0]).device if self.flat else torch.device("cpu")
@@ -368,6 +412,12 @@ class _Parameters:
 
     def matches(self, groups: list[dict[str, Any]]) -> bool:
         """Whether ``groups`` still hold the same parameter lists, of the same lengths."""
+        single = self.single
+        if single is not None:
+            if len(groups) != 1:
+                return False
+            params = groups[0]["params"]
+            return params is single[0] and len(params) == single[1]
         return len(groups) == len(self.lists) and all(
             group["params"] is params and len(params) == n
             for group, (params, n) in zip(groups, self.lists, strict=True)

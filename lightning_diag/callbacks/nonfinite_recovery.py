@@ -271,7 +271,7 @@ class NonFiniteRecovery:
         return self.rule.lr_scale
 
     # -- healthy steps ------------------------------------------------------------------------------------
-    def on_batch_start(self, batch: Any, batch_idx: int, watch: bool = True) -> None:
+    def on_batch_start(self, batch: Any, batch_idx: int, watch: bool = True) -> bool:
         """Keep a reference to the micro-batch (no copy) and, when the step needs it, a copy of the RNG state it
         starts with.
 
@@ -281,9 +281,13 @@ class NonFiniteRecovery:
         its end (:meth:`end_watch`). Once a step was seen drawing, every micro-batch keeps its copy for the rest
         of the fit; until then the quiet steps keep none (a step that draws nothing replays the same from any
         state). A model that starts drawing later is seen at the next watched batch: a failing step before that
-        is replayed with the generators' current state (the replay never changes the run's generators)."""
+        is replayed with the generators' current state (the replay never changes the run's generators).
+
+        Returns:
+            Whether this batch is watched: then :meth:`end_watch` is due at its end (else it has nothing to do).
+        """
         if not self._keeps:
-            return
+            return False
         rng = None
         if self.draws or watch or self._first:
             rng = self._rng_state()
@@ -291,6 +295,7 @@ class NonFiniteRecovery:
                 self.watching = rng
         self._first = False
         self._batches.append((batch, batch_idx, rng))
+        return self.watching is not None
 
     def end_watch(self) -> None:
         """The end of a watched batch: whether its training step drew from torch's generators (then from now on

@@ -124,6 +124,13 @@ class RuntimeChecks:
         # The owner's declared pending losses of this fit (restored in place at a resume).
         self._pending: PendingLosses = self._rule("pending_losses")
         self.zero_outputs.reset()
+        #: The global step from which :meth:`on_train_batch_start` has something to do (the fit's first batch, then
+        #: ``zero_output``'s next sampled step): the owner does not call it before.
+        self.start_due: float = 0
+        #: What :meth:`on_train_batch_end` does on a batch whose start did not call :meth:`on_train_batch_start` and
+        #: that logs nothing (the owner calls this instead then): ``keep_loss(loss, step)`` keeps a reference to the
+        #: batch's 0-d loss of global step ``step`` for ``loss_outlier`` (the pending losses' own ``add``).
+        self.keep_loss = self._pending.add
 
     def _rule(self, name: str) -> Any:
         """One of the owner's rules, as rebuilt at each fit."""
@@ -134,6 +141,7 @@ class RuntimeChecks:
         """On the fit's first training batch: compare ``train()`` overrides with what is in effect, and watch the
         matmul layers' dtypes under mixed precision."""
         self.zero_outputs.on_batch_start(trainer, pl_module)
+        self.start_due = self.zero_outputs.next_step
         if self._first_batch_done:
             return
         self._first_batch_done = True

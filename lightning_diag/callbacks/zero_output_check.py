@@ -6,12 +6,13 @@ A thin adapter over :class:`~lightning_diag.instrument.output_watch.ZeroOutputWa
 
 Cost: on a sampled step (the owner's logging interval, the first micro-batch of the optimizer step) a forward hook on
 every module (installed for that batch) computes ``output.any()`` per call on the device, and the flags are read in one
-transfer at the batch's end (after one all-reduce of ``2 x modules`` numbers under data parallelism). Other steps: one
-integer comparison.
+transfer at the batch's end (after one all-reduce of ``2 x modules`` numbers under data parallelism). Other steps:
+nothing (the owner calls :meth:`ZeroOutputCheck.on_batch_start` from :attr:`ZeroOutputCheck.next_step` on).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import pytorch_lightning as pl
@@ -42,13 +43,23 @@ class ZeroOutputCheck:
         self.stop()
         self._watch: ZeroOutputWatch | None = None
         self._step = -1
+        #: The global step from which :meth:`on_batch_start` may have something to do (the next sampled one).
+        self.next_step: float = 0
 
     def on_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """On the first batch of a sampled optimizer step: install the watch."""
         step = trainer.global_step
-        if step == self._step or step % self.owner.every_n_steps(trainer) or ZERO_OUTPUT in self.owner.rule_choices.off:
+        if step < self.next_step:
+            return
+        every = self.owner.every_n_steps(trainer)
+        if ZERO_OUTPUT in self.owner.rule_choices.off:
+            self.next_step = math.inf
+            return
+        if step == self._step or step % every:
+            self.next_step = step - step % every + every
             return
         self._step = step
+        self.next_step = step + every
         if self._watch is None:
             self._watch = ZeroOutputWatch(pl_module)
         self._watch.start()

@@ -43,7 +43,7 @@ class LossSums(ReducedState):
     Example:
         >>> sums = LossSums(baseline_steps=1)
         >>> for v in (2.0, float("nan"), 4.0):
-        ...     sums.add(torch.tensor(v))
+        ...     _ = sums.add(torch.tensor(v))
         >>> LossSums.mean(sums.state_dict(), "epoch")
         3.0
         >>> sums.state_dict()["initial_sum"], float(sums.last_finite)
@@ -75,7 +75,7 @@ class LossSums(ReducedState):
         """``(sum, count)`` state names of a period."""
         return prefix + "_sum", prefix + "_count"
 
-    def add(self, loss: torch.Tensor, copy: bool = True) -> None:
+    def add(self, loss: torch.Tensor, copy: bool = True) -> torch.Tensor:
         """Add a 0-d loss to every open period (and to the baseline while it is filling): a copy is kept,
         the sums take it at the next fold.
 
@@ -83,6 +83,9 @@ class LossSums(ReducedState):
             loss: The batch's 0-d loss.
             copy: ``False`` when nothing writes ``loss`` again (a detached clone of the caller's own, such as the
                 one Lightning hands ``on_train_batch_end`` under automatic optimization): kept as it is, no kernel.
+
+        Returns:
+            The tensor kept (:attr:`latest`: the copy, or ``loss`` itself).
         """
         # A copy (one small kernel): a compiled model's outputs can live in memory its next call overwrites
         # (``torch.compile(mode="reduce-overhead")`` replays CUDA graphs into a static pool).
@@ -93,6 +96,7 @@ class LossSums(ReducedState):
             self._held_initial += 1
         if len(self._held) >= FOLD_EVERY:
             self._fold()
+        return latest
 
     @property
     def last_finite(self) -> torch.Tensor | float:
