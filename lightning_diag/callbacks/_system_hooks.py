@@ -56,6 +56,9 @@ STEP_HOOKS = frozenset(TIMED_HOOKS[:8])
 BATCH_HOOKS = frozenset(TIMED_HOOKS[:6])
 
 _RECORDER_METHODS = ("add", "add_probabilities", "mha_pre_hook")
+#: The most one wrapper call's own time outside its window counts (a call the scheduler interrupted is not the
+#: timing's cost).
+OUTSIDE_CAP_S = 50e-6
 
 
 #: The key of the summed standard error in :attr:`Taken.stderr`.
@@ -168,6 +171,9 @@ class HookTimer:
         self.in_window = 0.0
         self.per_call = 0.0
         self.per_skip = 0.0
+        #: Wall seconds the wrappers spent outside their windows since the last :meth:`take`, measured in the fit
+        #: (where a first touch after the step's compute costs several times the calibration's warm loop).
+        self.outside = 0.0
         self._wrapped: list[tuple[Any, str]] = []
         self._recorder_patch: dict[str, Any] = {}
         self._stack: list[list[float]] = []
@@ -201,6 +207,7 @@ class HookTimer:
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            entered = cheap()  # the wrapper's own time outside the window: measured in the fit (cold caches)
             if batch and not timer.active:
                 # untimed: only the cheap wall clock, so that a heavy batch is still seen
                 timer.skipped += 1
@@ -212,8 +219,10 @@ class HookTimer:
                     return fn(*args, **kwargs)
                 finally:
                     timer._in_skip = False
+                    done = cheap()
                     walls = timer._walls
-                    walls[name] = walls.get(name, 0.0) + cheap() - begin
+                    walls[name] = walls.get(name, 0.0) + done - begin
+                    timer.outside += min(cheap() - entered - (done - begin), OUTSIDE_CAP_S)
             timer.calls += 1
             inner = [0.0]
             stack.append(inner)
@@ -230,6 +239,7 @@ class HookTimer:
                     stack[-1][0] += elapsed + timer.per_call
                 elif step:
                     timer.step_seconds += elapsed
+                timer.outside += min(max(cheap() - entered - elapsed, 0.0), OUTSIDE_CAP_S)
 
         return wrapper
 
@@ -367,14 +377,18 @@ class HookTimer:
         taken = Taken(
             estimates,
             stderr,
-            # a timed call reads the clock twice, a batch's close once
-            (self.calls + self._batch_reads / 2) * (self.in_window + self.per_call) + self.skipped * self.per_skip,
+            # the wrappers' time outside their windows, measured; the clock's cost inside a timed window (a timed
+            # call reads the clock twice, a batch's close once), calibrated
+            self.outside
+            + (self.calls + self._batch_reads / 2) * self.in_window
+            + self._batch_reads / 2 * self.per_call,
             self._batches,
             self._timed_batches,
         )
         for key in self.seconds:
             self.seconds[key] = 0.0
         self.calls = self.skipped = self._quiet = self._batches = self._timed_batches = self._batch_reads = 0
+        self.outside = 0.0
         self._samples = []
         return taken
 
