@@ -167,9 +167,12 @@ def test_cost_table_quick_mode_reports_every_callback_and_mode(capsys):
 
 def test_paired_share_switches_whole_steps_and_measures_the_difference(tmp_path):
     bench = _load("paired_share")
-    # The pattern on, off, off, on: equal counts, and a linear drift adds the same to both sets.
-    pattern = [bench.is_on(s) for s in range(8)]
-    assert pattern == [True, False, False, True, True, False, False, True]
+    # Two "on" steps in each block of four (a linear drift adds the same to both sets), which two varying from block
+    # to block (work recurring every few steps lands on both sets alike): every step position is "on" about as often.
+    pattern = [bench.is_on(s) for s in range(4000)]
+    assert all(sum(pattern[b : b + 4]) == 2 for b in range(0, 4000, 4))
+    assert len({tuple(pattern[b : b + 4]) for b in range(0, 4000, 4)}) == 6
+    assert all(450 <= sum(pattern[k::4]) <= 550 for k in range(4))
     steps = [(s, 0.0011 + s * 1e-7 if bench.is_on(s) else 0.0010 + s * 1e-7) for s in range(2 * bench.BLOCK)]
     got = bench.share(steps)
     assert abs(got["median"] - 0.10) < 0.01 and abs(got["mean"] - 0.10) < 0.01
@@ -224,3 +227,12 @@ def test_overhead_agreement_quick_mode_compares_both_measures(capsys):
     # both are shares of a step with the callbacks, which cost something on a 64-wide MLP
     assert 0 < paired < 100 and 0 < reported < 100
     assert "SystemMonitor" in cells[4] and "AnomalyAlarm" in cells[4]
+
+
+def test_hook_aftereffect_quick_mode_reports_each_hook(capsys):
+    bench = _load("hook_aftereffect")
+    assert bench.main(["--quick", "--hooks", "none", "store"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| mlp_small |")]
+    assert [row.split(" | ")[1] for row in rows] == ["none", "store"]
+    assert rows[0].split(" | ")[2] == "0.0"  # no hook: nothing of its own
+    assert all("±" in row for row in rows)
