@@ -193,17 +193,23 @@ class NonFiniteGuard:
         # mode, parameters that are not sharded (entered by `check_step`).
         self._quick: dict[int, _Parameters] = {}
 
-    def note_loss(self, loss: Any) -> None:
+    def note_loss(self, loss: Any) -> torch.Tensor | None:
         """Remember a micro-batch loss (a reference under :attr:`keep_references`, else a 0-d copy): it is tested
-        for NaN/Inf with the gradients at the optimizer step. Anything but a tensor is ignored."""
+        for NaN/Inf with the gradients at the optimizer step. Anything but a tensor is ignored.
+
+        Returns:
+            The tensor kept for a 0-d floating loss (its ``.data`` or the copy), else ``None``.
+        """
+        kept: torch.Tensor | None = None
         if type(loss) is torch.Tensor and loss.dim() == 0 and loss.is_floating_point():  # the usual loss
             # `.data`: the same memory without autograd and with a version counter of its own: the CPU check, which
             # writes every value back unchanged (x 1.0), can neither bump the loss's version nor record a graph.
             # Otherwise a copy: the user's tensor is not written, and with accumulation a compiled model's next
             # forward can overwrite its output memory before the step (CUDA graphs).
-            self._losses.append(loss.data if self.keep_references else loss.detach().clone())
+            kept = loss.data if self.keep_references else loss.detach().clone()
+            self._losses.append(kept)
         elif not isinstance(loss, torch.Tensor):
-            return
+            return None
         else:
             loss = local_tensor(loss.detach())
             if loss.dim() != 0:  # finite exactly when every element is
@@ -215,6 +221,7 @@ class NonFiniteGuard:
             self._losses.append(loss)
         if len(self._losses) > _MAX_HELD_LOSSES:  # many backward passes without a step (manual optimization)
             self._losses = [torch.where(_any_nonfinite(self._losses), math.nan, 0.0)]
+        return kept
 
     @property
     def last_finite_loss(self) -> torch.Tensor | float:

@@ -8,9 +8,11 @@ skipped, that what is written and alerted is exactly what the same callbacks wri
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import Logger, TensorBoardLogger
@@ -151,3 +153,80 @@ def test_system_monitor_closes_every_batch_when_a_switching_callback_is_last(tmp
         seen[order] = monitor.steps_seen
         assert not set(vars(gfm)) & set(GradientFlowMonitor.batch_hooks)
     assert seen["last"] == seen["first"] >= BATCHES - EVERY
+
+
+# -- AnomalyAlarm: its batch end off on the batches where it would only keep the loss --------------------------
+class _Trending(pl.LightningModule):
+    """A regression whose loss level doubles every other window of 8 optimizer steps (``loss_swing``), with one
+    spike (``loss_outlier``) and a learning rate of zero (``loss_stagnant``); ``kind="double"`` returns it in float64
+    (the batch end's own path), ``kind="none"`` returns None on two quiet batches of each epoch."""
+
+    def __init__(self, kind: str = "plain") -> None:
+        super().__init__()
+        self.kind = kind
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(4 * 60, 8, generator=g)
+        self.y = self.x.sum(1, keepdim=True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = (self.net(x) - y).pow(2).mean() * (2.0 if (self.global_step // 8) % 2 else 1.0)
+        loss = loss * 100.0 if self.global_step == 37 else loss
+        if self.kind == "none" and batch_idx in (12, 33):
+            return None
+        return loss.double() if self.kind == "double" else loss
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=4)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _alarm_fit(tmp_path: Path, alarm: Any, accumulate: int, kind: str) -> MemoryLogger:
+    torch.manual_seed(0)
+    memory = MemoryLogger()
+    pl.Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=2 * accumulate,  # 120 optimizer steps
+        accumulate_grad_batches=accumulate,
+        log_every_n_steps=EVERY,
+        logger=memory,
+        callbacks=[alarm],
+        **FAST,
+    ).fit(_Trending(kind))
+    return memory
+
+
+@pytest.mark.parametrize(("accumulate", "kind"), [(1, "plain"), (2, "plain"), (1, "double"), (1, "none")])
+def test_anomaly_alarm_keeps_the_loss_at_backward_on_quiet_batches_and_alerts_the_same(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, accumulate: int, kind: str
+) -> None:
+    from lightning_diag import AnomalyAlarm
+
+    switched, always = _counting(AnomalyAlarm)(swing_window=8), _counting(AnomalyAlarm)(swing_window=8)
+    always.batch_hooks = ()
+    with caplog.at_level(logging.INFO, logger="lightning_diag"):
+        on = _alarm_fit(tmp_path / "switched", switched, accumulate, kind)
+        off = _alarm_fit(tmp_path / "always", always, accumulate, kind)
+    batches = 2 * accumulate * 60
+    assert always.ran["on_train_batch_end"] == set(range(batches))
+    if kind == "double":  # a loss the batch end must convert: it stays on from the first such batch
+        assert len(switched.ran["on_train_batch_end"]) == batches
+    else:
+        assert len(switched.ran["on_train_batch_end"]) < batches // 2, sorted(switched.ran["on_train_batch_end"])
+    # a quiet batch that returned None is told once per fit, as its batch end tells it
+    skipped = [r for r in caplog.records if "returned None" in r.getMessage()]
+    assert len(skipped) == (2 if kind == "none" else 0)
+    # what is written, alerted and kept does not depend on the switching
+    assert _diag(on) == _diag(off)
+    assert any("diag/loss/train_step" in row for _, row in _diag(on))
+    assert any("diag/loss/train_window" in row for _, row in _diag(on))
+    described = [(a.rule, a.global_step, a.epoch, a.value, a.message) for a in switched.alerts]
+    assert described == [(a.rule, a.global_step, a.epoch, a.value, a.message) for a in always.alerts]
+    rules = {a.rule for a in switched.alerts}
+    assert {"loss_swing", "loss_outlier", "loss_stagnant"} <= rules, rules
+    assert switched.state_dict() == always.state_dict()
+    assert not set(vars(switched)) & set(AnomalyAlarm.batch_hooks)
