@@ -33,7 +33,7 @@ from lightning_diag.rules.nonfinite import (
 )
 from lightning_diag.stats.grad import is_dtensor, local_tensor
 from lightning_diag.stats.loss_sums import LossSums
-from lightning_diag.stats.norms import finite_probe, nonfinite_flag
+from lightning_diag.stats.norms import finite_probe, nonfinite_flag, sums_pay
 from lightning_diag.stats.reduced import ReducedState, Reduction
 
 if TYPE_CHECKING:
@@ -266,7 +266,7 @@ class NonFiniteGuard:
             if params is not None and params.matches(optimizer.param_groups):
                 grads = [g for g in map(_GRAD, params.flat) if g is not None]
                 losses = self._losses
-                if grads and finite_probe(grads + losses if losses else grads, params.found).item() == 0:
+                if grads and finite_probe(grads + losses if losses else grads, params.found, params.sums).item() == 0:
                     if losses:
                         self._losses = []
                     self.local_findings = _NOTHING_LOCAL
@@ -373,7 +373,7 @@ class NonFiniteGuard:
             return None
         # One fast pass over the gradients and the losses together, 0 only if all are finite, and, to decide on
         # the host whether to apply the update, one read of one number per optimizer step.
-        probe = finite_probe(grads + losses if losses else grads, found)
+        probe = finite_probe(grads + losses if losses else grads, found, params.sums if grads else None)
         single = self._single
         if single is None:
             single = self._single = trainer.world_size <= 1
@@ -414,6 +414,8 @@ class _Parameters:
         self.single = self.lists[0] if len(groups) == 1 else None
         self.flat: list[torch.nn.Parameter] = [p for group in groups for p in group["params"]]
         self.sharded = any(is_dtensor(p) for p in self.flat)
+        # which CPU pass pays (the step's loss counted): decided once for the list, not counted at every step
+        self.sums = sums_pay([local_tensor(p) for p in self.flat], extra=1)
         device = local_tensor(self.flat[0]).device if self.flat else torch.device("cpu")
         self.found = torch.zeros(1, device=device)
 

@@ -23,6 +23,7 @@ __all__ = [
     "max_abs",
     "nonfinite_flag",
     "norm_sum",
+    "sums_pay",
     "total_norm",
 ]
 
@@ -173,8 +174,16 @@ def _nonfinite_any(tensor: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(values).all()
 
 
+def sums_pay(tensors: Sequence[torch.Tensor], extra: int = 0) -> bool:
+    """Whether :func:`finite_probe` sums each of ``tensors`` on the CPU (plus ``extra`` 0-d tensors, such as the
+    step's losses): they average :data:`SUM_MIN_ELEMENTS` elements or more."""
+    return sum(t.numel() for t in tensors) >= SUM_MIN_ELEMENTS * (len(tensors) + extra)
+
+
 @torch.no_grad()
-def finite_probe(tensors: Sequence[torch.Tensor], found: torch.Tensor | None = None) -> torch.Tensor:
+def finite_probe(
+    tensors: Sequence[torch.Tensor], found: torch.Tensor | None = None, sums: bool | None = None
+) -> torch.Tensor:
     """One fast pass: a 1-element float32 tensor that is 0.0 only if every element of ``tensors`` is finite
     (no host read).
 
@@ -194,6 +203,8 @@ def finite_probe(tensors: Sequence[torch.Tensor], found: torch.Tensor | None = N
         tensors: The tensors (this rank's local shards).
         found: On CPU, for the fused check, the zeroed 1-element float32 flag to OR into and return (a caller's,
             reused: a clean step then allocates nothing); ignored otherwise (left at 0).
+        sums: On CPU, whether to sum each tensor, when the caller knows (:func:`sums_pay`, once per list of
+            parameters): the per-call count of elements is then skipped. ``None``: counted here.
 
     Example:
         >>> finite_probe([torch.ones(3), torch.tensor(2.0, dtype=torch.float16)]).tolist()
@@ -205,10 +216,10 @@ def finite_probe(tensors: Sequence[torch.Tensor], found: torch.Tensor | None = N
         ([0.0], tensor([nan]))
     """
     if len(tensors) and local_tensor(tensors[0]).device.type == "cpu":
-        if sum(t.numel() for t in tensors) >= SUM_MIN_ELEMENTS * len(tensors):
+        if sums if sums is not None else sums_pay(tensors):
             try:
-                sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
-                return (sums.sum() * 0).reshape(1)
+                each = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
+                return (each.sum() * 0).reshape(1)
             except RuntimeError:  # tensors a sum refuses, or on several devices: the fused check decides
                 pass
         return nonfinite_flag(tensors, found if found is not None and found.device.type == "cpu" else None)
