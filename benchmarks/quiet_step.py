@@ -10,10 +10,13 @@ is run several times, and on its *quiet* steps (neither they nor their neighbour
   repetitions, **net of the timing**: the same median for a callback whose hooks do nothing (:class:`NoOp`, timed
   the same way in fits of its own) is taken off each hook (on this 2-core VM a window of two clock reads around an
   empty hook reads 2-5 µs, more than some hooks' own work);
-* **beyond the pass**: per quiet step, the CPU time of all its hooks minus that of the non-finite guard's one fused
-  pass over the gradients (``finite_probe``, timed the same way) and minus the empty hooks' timing floor, the
-  median over the quiet steps, then over the repetitions: the Python and the small operators a quiet step adds to
-  the floor of an exact check (issue 37 §4: at most 30 µs);
+* **beyond the pass**, two ways: per quiet step, the CPU time of all its hooks minus that of the non-finite guard's
+  pass (timed the same way, in fits of their own) and minus the empty hooks' timing floor, the median over the
+  quiet steps, then over the repetitions. The pass is either the **fused kernels** alone (``finite_probe``), or
+  the **pass as ``GradScaler`` makes its own** before every update (``_Parameters.clean``: the gradients listed
+  from the parameters, the fused kernels, one read of the flag on the host). The second is the floor of an exact
+  check before every update (issue 37 §4: a quiet step at most 30 µs beyond it); the first also counts the
+  listing and the read as beyond;
 * the **aten operators** the callback's hooks dispatch per quiet step (counted with a ``TorchDispatchMode``): a
   count that does not depend on the machine's load, each operator being a few microseconds of dispatch on the CPU
   and one kernel launch on a GPU;
@@ -143,11 +146,18 @@ def _trainer(root: str, callbacks: list[pl.Callback], steps: int) -> pl.Trainer:
 
 
 def inside(
-    name: str, width: int, steps: int, root: str, count_ops: bool, floor: dict[str, float] | None = None
+    name: str,
+    width: int,
+    steps: int,
+    root: str,
+    count_ops: bool,
+    floor: dict[str, float] | None = None,
+    pass_of: str = "kernels",
 ) -> tuple[dict[str, float], float, float]:
     """One fit: by hook, the median CPU seconds over the quiet steps; the median over the quiet steps of their
-    hooks' CPU seconds beyond the fused pass, less ``floor`` (the empty hooks' median, by hook) for each hook
-    timed in that step; and the aten operators per quiet step."""
+    hooks' CPU seconds beyond the pass (``pass_of``: ``"kernels"``, the fused kernels alone, or ``"pass"``, the
+    gradients listed, the kernels and the flag read), less ``floor`` (the empty hooks' median, by hook) for each
+    hook timed in that step; and the aten operators per quiet step."""
     cb = CALLBACKS[name]()
     seconds: dict[str, list[float]] = collections.defaultdict(list)
     per_step: dict[int, float] = collections.defaultdict(float)
@@ -182,7 +192,10 @@ def inside(
 
         setattr(cb, hook, timed)
 
-    probe = nonfinite_guard.finite_probe
+    # What is timed as the pass: the fused kernels alone (`finite_probe`), or the pass as GradScaler makes its own
+    # (`_Parameters.clean`: list the gradients, the kernels, one read of the flag).
+    owner, attr = (nonfinite_guard, "finite_probe") if pass_of == "kernels" else (nonfinite_guard._Parameters, "clean")
+    probe = getattr(owner, attr)
 
     def timed_probe(*args: Any, **kwargs: Any) -> Any:
         start = time.thread_time()
@@ -197,11 +210,11 @@ def inside(
             wrap(hook)
     for method in EXTRA.get(name, ()):
         wrap(method)
-    nonfinite_guard.finite_probe = timed_probe  # type: ignore[assignment]
+    setattr(owner, attr, timed_probe)
     try:
         _trainer(root, [cb], steps).fit(MLP(width), mlp_data(steps))
     finally:
-        nonfinite_guard.finite_probe = probe  # type: ignore[assignment]
+        setattr(owner, attr, probe)
     medians = {hook: statistics.median(v) for hook, v in seconds.items() if v}
     beyond = statistics.median(t - passes[s] - timed_floor[s] for s, t in per_step.items()) if per_step else 0.0
     return medians, beyond, ops[0] / max(len(per_step), 1)
@@ -249,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
             # The operator count runs in a fit of its own: the dispatch mode would inflate the timed hooks.
             ops = inside(name, width, min(steps, 60), os.path.join(root, f"{name}-ops"), True)[2]
             runs = [inside(name, width, steps, os.path.join(root, f"{name}{i}"), False, floor) for i in range(reps)]
+            whole = [
+                inside(name, width, steps, os.path.join(root, f"{name}p{i}"), False, floor, "pass")[1]
+                for i in range(reps)
+            ]
             order = [*HOOKS, *EXTRA.get(name, ())]
             hooks = sorted({h for medians, _, _ in runs for h in medians}, key=order.index)
             # net of the timing: the empty hook's median taken off (not below zero)
@@ -257,8 +274,11 @@ def main(argv: list[str] | None = None) -> int:
             }
             total = sum(per_hook.values())
             beyond = statistics.median(b for _, b, _ in runs)
+            past = statistics.median(whole)
             detail = ", ".join(f"{h} {s * 1e6:.0f}" for h, s in per_hook.items())
-            lines.append(f"| {name} | {total * 1e6:.0f} | {beyond * 1e6:.0f} | {ops:.0f} | {detail} |")
+            lines.append(
+                f"| {name} | {total * 1e6:.0f} | {beyond * 1e6:.0f} | {past * 1e6:.0f} | {ops:.0f} | {detail} |"
+            )
         ratios = end_to_end(width, steps, reps, os.path.join(root, "e2e"), args.callbacks)
     bare_ms = statistics.median(ratios.pop("bare ms"))
     print(
@@ -269,10 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         "| callback | quiet step CPU µs (sum of hook medians, net of the timing) "
-        "| beyond the fused pass µs (median step, net of the timing) "
+        "| beyond the fused kernels µs (median step, net of the timing) "
+        "| beyond the pass µs (gradients listed, kernels, flag read) "
         "| aten ops per quiet step | by hook (µs) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     print("\n".join(lines))
     print()
     print(f"| variant | median step / bare (median over reps) | range | bare median step {bare_ms:.2f} ms |")

@@ -17,7 +17,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices, extract_loss
+from lightning_diag.callbacks.alarm_quiet import QuietLossKeeping
+from lightning_diag.callbacks.base import AlertHandler, RuleChoices, extract_loss
 from lightning_diag.callbacks.loss_trend import (
     LossTrend,
     TrendOutput,
@@ -68,7 +69,7 @@ __all__ = [
 _SNAPSHOT_STATE = ("swing_rule", "stagnant_rule", "val_decline_rule", "val_fluctuation_rule", "loss_sums")
 
 
-class AnomalyAlarm(DiagCallback):
+class AnomalyAlarm(QuietLossKeeping):
     r"""Stops training before a non-finite update, and alerts on loss swings and validation trends.
 
     Rules (exact definitions in ``docs/anomaly_alarm.md``):
@@ -170,9 +171,6 @@ class AnomalyAlarm(DiagCallback):
 
     #: Alarms with another monitored metric or swing window are checkpointed apart.
     state_key_arguments = ("monitor", "swing_window")
-    #: Off on the batches where the batch end would only keep the loss (:meth:`quiet_batch`): the loss is kept at
-    #: ``on_before_backward`` then.
-    batch_hooks = ("on_train_batch_end",)
 
     def __init__(
         self,
@@ -260,13 +258,7 @@ class AnomalyAlarm(DiagCallback):
         # The global step the current batch started at (``inf`` before a fit's first batch, whose start calls the
         # run-time checks): the batch start calls them only from their due step on.
         self._start_step: float = math.inf
-        # Whether a quiet batch may keep its loss at `on_before_backward` (found at every fit's start, see
-        # `_keeps_at_backward`), whether the current batch's state is known (the base asks `quiet_batch` before the
-        # batch start has found it), whether a quiet batch's loss was kept, and the global step it is kept at.
-        self._loss_at_backward = False
-        self._batch_known = False
-        self._kept = True
-        self._kept_step = 0
+        self._init_quiet()
         self._wire()
 
     def _rule_fields(self, spec: RuleSpec) -> dict[str, Any]:
@@ -350,26 +342,7 @@ class AnomalyAlarm(DiagCallback):
         self._due = self._next_due()
         self._log_batch = True
         self._no_session = self._session is None
-        self._start_step = math.inf
-        self._loss_at_backward = self._keeps_at_backward(trainer)
-        self._kept = True
-
-    def _keeps_at_backward(self, trainer: pl.Trainer) -> bool:
-        """Whether a quiet batch's loss can be kept at ``on_before_backward``, the same value and step as its batch
-        end would keep: automatic optimization (Lightning's ``closure_loss``, the loss divided by the accumulation,
-        is what it hands the batch end as ``outputs["loss"]``), no gradient scaler (the hook would get the scaled
-        loss), an optimizer that runs its closure once per step (not L-BFGS), one rank without rollback, a session
-        (its step axis tells whether the batch steps) and a known number of batches the fit loop steps by."""
-        return (
-            self._private_losses
-            and not self._several_ranks
-            and not self.recovery.rollback_enabled
-            and not self._no_session
-            and getattr(trainer.precision_plugin, "scaler", None) is None
-            and not any(isinstance(o, torch.optim.LBFGS) for o in trainer.optimizers)
-            and not trainer.strategy.handles_gradient_accumulation
-            and isinstance(trainer.num_training_batches, int)
-        )
+        self._start_quiet(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""
@@ -405,6 +378,8 @@ class AnomalyAlarm(DiagCallback):
         """Keep a reference to the batch (no copy) for the replay of a failing step, with a copy of the RNG state
         when the model's steps draw random numbers; on logging steps look for Dropout/BatchNorm modules left in eval
         mode."""
+        if self._hooks_off and self._kept and self._quiet_run_goes_on(trainer, pl_module, batch, batch_idx):
+            return
         if not self._kept:  # the last batch was quiet and had no backward
             self._missed_loss(trainer)
         self._batch_known = False
@@ -426,61 +401,9 @@ class AnomalyAlarm(DiagCallback):
         self._runtime_end = first or start >= runtime.start_due
         if self._runtime_end:
             runtime.on_train_batch_start(trainer, pl_module)
-        if self.batch_hooks:
-            self._batch_known = True
-            off = self.quiet_batch(trainer)
-            if off is not self._hooks_off:
-                self.switch_batch_hooks(off=off)
-            self._kept = not off
-
-    def quiet_batch(self, trainer: pl.Trainer) -> bool:
-        """Whether the batch end has nothing to do but keep the loss (kept at ``on_before_backward`` instead): the
-        loss can be kept there (:meth:`_keeps_at_backward`), the batch logs nothing, the step window is not due at
-        its end, the recovery does not watch it, and the run-time checks' batch end is not due. Decided at the end
-        of :meth:`on_train_batch_start` (the base's earlier question leaves the hooks as they are)."""
-        if not self._batch_known:
-            return self._hooks_off
-        return (
-            self._loss_at_backward
-            and not self._log_batch
-            and not self._watched
-            and not self._runtime_end
-            and self._start_step + 1 < self._due
-        )
-
-    def _missed_loss(self, trainer: pl.Trainer) -> None:
-        """A quiet batch ran no backward (``training_step`` returned None): tell it as its batch end would have."""
-        self._kept = True
-        _, problem = extract_loss({})
-        if problem is not None:
-            self.notice(trainer, "loss:" + problem.split(":")[0], problem)
+        self._decide_quiet(trainer)
 
     # -- non-finite guard --------------------------------------------------------------------------------
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        """Remember this micro-batch's loss for the check at the optimizer step (a reference, or a copy of the
-        user's own loss under manual optimization); on a quiet batch also keep it for the loss sums and
-        ``loss_outlier``, as its batch end would have."""
-        kept = self._note_loss(loss)
-        if self._hooks_off:
-            self._keep_backward_loss(trainer, kept)
-
-    def _keep_backward_loss(self, trainer: pl.Trainer, loss: torch.Tensor | None) -> None:
-        """Keep a quiet batch's loss: the guard's reference to Lightning's ``closure_loss`` (its ``.data``: no copy,
-        nothing writes it again) times the accumulation, at the global step of the batch's end. Any other form, or a
-        second backward in the batch, switches the batch end back on (for the rest of the fit: it handles those)."""
-        if self._kept or loss is None or loss.dtype is not torch.float32:
-            self._loss_at_backward = False
-            if not self._kept:  # this batch's end keeps it
-                self.switch_batch_hooks(off=False)
-                self._kept = True
-            return
-        self._kept = True
-        value = loss
-        accumulate = trainer.accumulate_grad_batches
-        if accumulate > 1:
-            value = value * accumulate  # the batch end's scale
-        self._keep_loss(self.loss_sums.add(value, False), self._kept_step)
-
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:

@@ -223,6 +223,15 @@ class NonFiniteGuard:
             self._losses = [torch.where(_any_nonfinite(self._losses), math.nan, 0.0)]
         return kept
 
+    def hold(self, loss: torch.Tensor) -> torch.Tensor:
+        """Keep a 0-d floating loss by reference for the check at the optimizer step, as :meth:`note_loss` keeps
+        Lightning's own loss under :attr:`keep_references` (the caller passes its ``.data``). Returns ``loss``."""
+        losses = self._losses
+        losses.append(loss)
+        if len(losses) > _MAX_HELD_LOSSES:
+            self._losses = [torch.where(_any_nonfinite(losses), math.nan, 0.0)]
+        return loss
+
     @property
     def last_finite_loss(self) -> torch.Tensor | float:
         """The last finite training loss (of :attr:`losses`: a 0-d device tensor once one was seen, else nan)."""
@@ -254,26 +263,27 @@ class NonFiniteGuard:
         Raises:
             NonFiniteError: If the verdict is ``RAISE``.
         """
+        # The quiet path: the pass over the gradients and the losses, its one read, nothing else. Anything else (no
+        # gradient, a changed parameter list, a failing pass, a halted fit) takes the path below, which finds out
+        # what it is (a failing pass is then run again: the reused flag, still set, makes it fail again).
+        params = self._quick.get(id(optimizer))
+        if params is not None and params.matches(optimizer.param_groups):
+            losses = self._losses
+            if params.clean(losses):
+                if losses:
+                    self._losses = []
+                if self._policy_dirty:
+                    self.local_findings = _NOTHING_LOCAL
+                    self.policy.clear()
+                    self._policy_dirty = False
+                if self.recovery is not None:
+                    self.recovery.on_step_checked()
+                return
         if self.halted:
             self._losses = []
             drop_gradients(optimizer)
             return
         try:
-            # The quiet path: the pass over the gradients and the losses, its one read, nothing else. Anything else
-            # (no gradient, a changed parameter list, a failing pass) takes `check_step`, which finds out what it is
-            # (a failing pass is then run again: the reused flag, still set, makes it fail again).
-            params = self._quick.get(id(optimizer))
-            if params is not None and params.matches(optimizer.param_groups):
-                grads = [g for g in map(_GRAD, params.flat) if g is not None]
-                losses = self._losses
-                if grads and finite_probe(grads + losses if losses else grads, params.found, params.sums).item() == 0:
-                    if losses:
-                        self._losses = []
-                    self.local_findings = _NOTHING_LOCAL
-                    if self._policy_dirty:
-                        self.policy.clear()
-                        self._policy_dirty = False
-                    return
             findings = self.check_step(trainer, optimizer, self._defer)
             if findings is _CLEAN:
                 if self._policy_dirty:  # what `decide` does for a clean step, without building its context
@@ -330,6 +340,7 @@ class NonFiniteGuard:
             drop_gradients(optimizer)
         if decision.verdict is Verdict.STOP:
             self.halted = True
+            self._quick.clear()  # every later step takes the halted path
             trainer.should_stop = True
             for opt in trainer.optimizers:
                 drop_gradients(opt)
@@ -418,6 +429,28 @@ class _Parameters:
         self.sums = sums_pay([local_tensor(p) for p in self.flat], extra=1)
         device = local_tensor(self.flat[0]).device if self.flat else torch.device("cpu")
         self.found = torch.zeros(1, device=device)
+        # On the CPU, the flag's memory as a Python buffer: one float read without a dispatched `.item()`
+        self._view = _view(self.found)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (``ddp_spawn`` sends the callbacks to its processes): the buffer is made again from the flag."""
+        return {**self.__dict__, "_view": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._view = _view(self.found)
+
+    def clean(self, losses: list[torch.Tensor]) -> bool:
+        """The pass of a quiet step, as ``GradScaler`` makes its own (list the gradients, one fused check, one read
+        of its flag), for parameters that are not sharded: whether every gradient and each of ``losses`` is finite.
+        ``False`` also when no parameter has a gradient or the pass failed (its flag is then left set): the full
+        check finds out which."""
+        grads = [g for g in map(_GRAD, self.flat) if g is not None]
+        if not grads:
+            return False
+        flag = finite_probe(grads + losses if losses else grads, self.found, self.sums)
+        view = self._view
+        return bool(view[0] == 0) if view is not None and flag is self.found else flag.item() == 0
 
     def matches(self, groups: list[dict[str, Any]]) -> bool:
         """Whether ``groups`` still hold the same parameter lists, of the same lengths."""
@@ -431,6 +464,11 @@ class _Parameters:
             group["params"] is params and len(params) == n
             for group, (params, n) in zip(groups, self.lists, strict=True)
         )
+
+
+def _view(flag: torch.Tensor) -> memoryview | None:
+    """A CPU flag's memory as a Python buffer (reads its value without a dispatched operator); ``None`` elsewhere."""
+    return flag.numpy().data if flag.device.type == "cpu" else None
 
 
 def _agree(trainer: pl.Trainer, flags: torch.Tensor) -> tuple[list[bool], list[bool]]:

@@ -37,12 +37,8 @@ class StepAxis:
         self._batch: int | tuple[int, int, int] | None = None
         self._rule: _EpochRule | None = None
         self._global_steps: collections.deque[tuple[int, int]] = collections.deque(maxlen=self._HISTORY)
-        self._started_at = 0
-
-    @property
-    def started_at(self) -> int:
-        """The global step the current (or last) training batch started at, as :meth:`batch_started` read it."""
-        return self._started_at
+        #: The global step the current (or last) training batch started at, as :meth:`batch_started` read it.
+        self.started_at = 0
 
     @property
     def step(self) -> int:
@@ -89,7 +85,7 @@ class StepAxis:
         ready = batch_idx + 1
         self.pending = not rule.automatic or ready % rule.accumulate == 0 or (rule.final_steps and ready == rule.total)
         counter = rule.step_counter
-        global_step = self._started_at = counter.completed if counter is not None else trainer.global_step
+        global_step = self.started_at = counter.completed if counter is not None else trainer.global_step
         self._global_steps.append((global_step, self.stepped))
 
     def epoch_started(self, trainer: pl.Trainer) -> None:

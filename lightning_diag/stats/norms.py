@@ -201,8 +201,9 @@ def finite_probe(
 
     Args:
         tensors: The tensors (this rank's local shards).
-        found: On CPU, for the fused check, the zeroed 1-element float32 flag to OR into and return (a caller's,
-            reused: a clean step then allocates nothing); ignored otherwise (left at 0).
+        found: On CPU, the 1-element float32 flag to write the result into and return (a caller's, reused: a clean
+            step then allocates nothing; zeroed for the fused check, which ORs into it); ignored otherwise (left
+            as it is).
         sums: On CPU, whether to sum each tensor, when the caller knows (:func:`sums_pay`, once per list of
             parameters): the per-call count of elements is then skipped. ``None``: counted here.
 
@@ -219,6 +220,8 @@ def finite_probe(
         if sums if sums is not None else sums_pay(tensors):
             try:
                 each = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
+                if found is not None and found.device.type == "cpu":
+                    return torch.sum(each, 0, True, out=found).mul_(0)
                 return (each.sum() * 0).reshape(1)
             except RuntimeError:  # tensors a sum refuses, or on several devices: the fused check decides
                 pass

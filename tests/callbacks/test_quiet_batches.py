@@ -208,6 +208,14 @@ def test_anomaly_alarm_keeps_the_loss_at_backward_on_quiet_batches_and_alerts_th
 
     switched, always = _counting(AnomalyAlarm)(swing_window=8), _counting(AnomalyAlarm)(swing_window=8)
     always.batch_hooks = ()
+    short: list[bool] = []  # each start of a batch after a quiet one: whether it took the short path
+    goes_on = switched._quiet_run_goes_on
+
+    def counted(*args: Any) -> bool:
+        short.append(goes_on(*args))
+        return short[-1]
+
+    switched._quiet_run_goes_on = counted  # type: ignore[method-assign]
     with caplog.at_level(logging.INFO, logger="lightning_diag"):
         on = _alarm_fit(tmp_path / "switched", switched, accumulate, kind)
         off = _alarm_fit(tmp_path / "always", always, accumulate, kind)
@@ -215,8 +223,13 @@ def test_anomaly_alarm_keeps_the_loss_at_backward_on_quiet_batches_and_alerts_th
     assert always.ran["on_train_batch_end"] == set(range(batches))
     if kind == "double":  # a loss the batch end must convert: it stays on from the first such batch
         assert len(switched.ran["on_train_batch_end"]) == batches
+        assert not short
     else:
         assert len(switched.ran["on_train_batch_end"]) < batches // 2, sorted(switched.ran["on_train_batch_end"])
+        # a quiet batch that follows a quiet one starts on the short path (here runs of 2-7: at least half of
+        # them); one that falls due (the cadence, the step window) starts in full
+        quiet = batches - len(switched.ran["on_train_batch_end"])
+        assert quiet // 2 <= sum(short) < quiet and not all(short), (sum(short), len(short), quiet)
     # a quiet batch that returned None is told once per fit, as its batch end tells it
     skipped = [r for r in caplog.records if "returned None" in r.getMessage()]
     assert len(skipped) == (2 if kind == "none" else 0)
