@@ -157,6 +157,9 @@ class HookTimer:
         #: start (never reset; timed batches only): the time the diagnostics add to the training steps (the
         #: recorder's calls in a validation forward land on the step after validation, which has a known cause).
         self.step_seconds = 0.0
+        #: The same hooks' wall seconds since the start (:attr:`wall` clock; every batch, the untimed ones read with
+        #: the cheap clock): what the diagnostics add to a step's wall time, which the step-time rules leave out.
+        self.step_wall_seconds = 0.0
         #: Mean seconds of those hooks on a sampled quiet batch: the estimate for an untimed one.
         self.quiet_step_seconds = 0.0
         #: Whether the current batch's per-batch hooks are timed.
@@ -222,6 +225,8 @@ class HookTimer:
                     done = cheap()
                     walls = timer._walls
                     walls[name] = walls.get(name, 0.0) + done - begin
+                    if step and not stack:
+                        timer.step_wall_seconds += done - begin
                     timer.outside += min(cheap() - entered - (done - begin), OUTSIDE_CAP_S)
             timer.calls += 1
             inner = [0.0]
@@ -235,13 +240,20 @@ class HookTimer:
                 # the clock's own cost inside the window is the timing's (SystemMonitor's), not the hook's
                 into = timer._current if batch and timer.sampled else seconds
                 into[name] = into.get(name, 0.0) + elapsed - inner[0] - timer.in_window
+                left = cheap()
                 if stack:
                     stack[-1][0] += elapsed + timer.per_call
                 elif step:
                     timer.step_seconds += elapsed
-                timer.outside += min(max(cheap() - entered - elapsed, 0.0), OUTSIDE_CAP_S)
+                    timer.step_wall_seconds += left - entered
+                timer.outside += min(max(left - entered - elapsed, 0.0), OUTSIDE_CAP_S)
 
         return wrapper
+
+    @property
+    def busy(self) -> bool:
+        """Whether a timed hook is running (a logger written to from inside it is the diagnostics' work)."""
+        return bool(self._stack) or self._in_skip
 
     def next_batch(self, exact: bool) -> None:
         """Close the current training batch; time the next one's per-batch hooks if ``exact``, else if it is the
