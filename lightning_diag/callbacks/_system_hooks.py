@@ -50,7 +50,7 @@ TIMED_HOOKS = (
 )
 
 #: The hooks inside the training steps (not validation, not checkpoint saving): their time is the diagnostics'
-#: share of a step's time (:attr:`HookTimer.step_seconds`).
+#: share of a step's time (:attr:`HookTimer.step_wall_seconds`).
 STEP_HOOKS = frozenset(TIMED_HOOKS[:8])
 #: The hooks Lightning calls once per training batch: timed on sampled batches only (:class:`HookTimer`).
 BATCH_HOOKS = frozenset(TIMED_HOOKS[:6])
@@ -153,12 +153,12 @@ class HookTimer:
         self._rng = random.Random(seed)
         #: Seconds by name of the exact batches' hooks and of the hooks always timed, since the last :meth:`take`.
         self.seconds: dict[str, float] = {}
-        #: Seconds spent in the :data:`STEP_HOOKS` of the timed callbacks and in the attention recorder since the
-        #: start (never reset; timed batches only): the time the diagnostics add to the training steps (the
-        #: recorder's calls in a validation forward land on the step after validation, which has a known cause).
-        self.step_seconds = 0.0
-        #: Mean seconds of those hooks on a sampled quiet batch: the estimate for an untimed one.
-        self.quiet_step_seconds = 0.0
+        #: Wall seconds (:attr:`wall` clock) spent in the :data:`STEP_HOOKS` of the timed callbacks and in the
+        #: attention recorder since the start (never reset; every batch, the untimed ones read with the cheap clock):
+        #: the time the diagnostics add to the training steps, which the step-time rules leave out (the recorder's
+        #: calls in a validation forward land on the step after validation, which has a known cause). Wall time, as
+        #: the step is measured: their writing, blocked on a file or a writer thread, costs the step all the same.
+        self.step_wall_seconds = 0.0
         #: Whether the current batch's per-batch hooks are timed.
         self.active = True
         #: Whether the current batch is a sampled quiet batch (its seconds are a sample, not a measured total).
@@ -185,7 +185,6 @@ class HookTimer:
         self._timed_batches = 0
         self._block_pos = 0
         self._pick = 0
-        self._batch_mark = 0.0
         # untimed batches: the hooks' wall seconds by name (cheap clock), and the batch's CPU and wall marks
         self._walls: dict[str, float] = {}
         self._in_skip = False
@@ -197,8 +196,8 @@ class HookTimer:
 
     def timed(self, name: str, fn: Callable[..., Any], step: bool = False, batch: bool = False) -> Callable[..., Any]:
         """``fn`` wrapped so that its time on :attr:`clock` (less nested timed calls) is counted under ``name``
-        (and, with ``step`` and outside any other timed call, in :attr:`step_seconds`); with ``batch`` only on the
-        batches :meth:`next_batch` picks."""
+        (and, with ``step`` and outside any other timed call, its wall time in :attr:`step_wall_seconds`); with
+        ``batch`` only on the batches :meth:`next_batch` picks."""
         seconds = self.seconds
         stack = self._stack
         wall = self.clock
@@ -222,6 +221,8 @@ class HookTimer:
                     done = cheap()
                     walls = timer._walls
                     walls[name] = walls.get(name, 0.0) + done - begin
+                    if step and not stack:
+                        timer.step_wall_seconds += done - begin
                     timer.outside += min(cheap() - entered - (done - begin), OUTSIDE_CAP_S)
             timer.calls += 1
             inner = [0.0]
@@ -235,13 +236,19 @@ class HookTimer:
                 # the clock's own cost inside the window is the timing's (SystemMonitor's), not the hook's
                 into = timer._current if batch and timer.sampled else seconds
                 into[name] = into.get(name, 0.0) + elapsed - inner[0] - timer.in_window
+                left = cheap()
                 if stack:
                     stack[-1][0] += elapsed + timer.per_call
                 elif step:
-                    timer.step_seconds += elapsed
-                timer.outside += min(max(cheap() - entered - elapsed, 0.0), OUTSIDE_CAP_S)
+                    timer.step_wall_seconds += left - entered
+                timer.outside += min(max(left - entered - elapsed, 0.0), OUTSIDE_CAP_S)
 
         return wrapper
+
+    @property
+    def busy(self) -> bool:
+        """Whether a timed hook is running (a logger written to from inside it is the diagnostics' work)."""
+        return bool(self._stack) or self._in_skip
 
     def next_batch(self, exact: bool) -> None:
         """Close the current training batch; time the next one's per-batch hooks if ``exact``, else if it is the
@@ -251,7 +258,6 @@ class HookTimer:
             self._timed_batches += 1
         if self.sample_every > 1:
             self._close_quiet()
-        self._batch_mark = self.step_seconds
         if exact or self.sample_every == 1:
             self.active, self.sampled = True, False
             return
@@ -284,8 +290,6 @@ class HookTimer:
             self._recent.append(sample)
             self._training.append(batch_cpu - total)
             self._light = total if len(self._recent) == 1 else 0.9 * self._light + 0.1 * total
-            spent = self.step_seconds - self._batch_mark
-            self.quiet_step_seconds = spent if len(self._recent) == 1 else 0.9 * self.quiet_step_seconds + 0.1 * spent
             self._quiet += 1
         elif not self.active:
             walls, self._walls = self._walls, {}

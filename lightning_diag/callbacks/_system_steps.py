@@ -31,8 +31,11 @@ class Interval:
         sums: The interval's :data:`~lightning_diag.callbacks._system_interval.HEADER` numbers so far
             (validation, checkpoint, samples, tokens; the caller adds the rest).
         wall: Wall seconds since the previous interval.
-        diagnostics: Per step, the seconds spent in the lightning_diag callbacks' step hooks (their cost, not
-            the training's: left out of the step times the periodic test judges).
+        diagnostics: Per step, the wall seconds spent in the lightning_diag callbacks' step hooks (their cost,
+            not the training's: left out of the step times the step-time rules judge).
+        logging: Per step, the wall seconds the trainer's loggers spent writing outside the diagnostics' hooks
+            before its batch (Lightning's own logging, left out of the step's data waiting) or inside it (a
+            callback's hook writing to a logger, left in the step).
     """
 
     steps: list[Step]
@@ -40,6 +43,7 @@ class Interval:
     sums: dict[str, float]
     wall: float
     diagnostics: list[float]
+    logging: list[float] = dataclasses.field(default_factory=list)
 
 
 class StepRecorder:
@@ -59,6 +63,7 @@ class StepRecorder:
         self.clock = clock
         self._prev_end: float | None = None
         self._outside = 0.0  # validation + checkpoint seconds since the last batch end
+        self._logging = 0.0  # the loggers' writing since the last batch end (or inside the batch)
         self._after_validation = False
         self._first_of_run = False
         self._epoch_start = False
@@ -73,6 +78,8 @@ class StepRecorder:
         self._step_ckpt: list[float] = []  # checkpoint seconds inside each step's batch
         self._step_flags: list[bool] = []
         self._step_diag: list[float] = []
+        self._step_logging: list[float] = []
+        self._cur_logging = 0.0
         self._cur_diag = 0.0
         self._cur_cpu = 0.0
         self._cpu_start = 0.0
@@ -93,8 +100,9 @@ class StepRecorder:
         if self._prev_end is None:
             self._first_of_run = True  # no previous batch end: the wait is unknown, the step is left out
         else:
-            self._cur_wait += max(0.0, now - self._prev_end - self._outside)
-        self._outside = 0.0
+            self._cur_wait += max(0.0, now - self._prev_end - self._outside - self._logging)
+            self._cur_logging += self._logging
+        self._outside = self._logging = 0.0
         if self._step_at_start < 0:
             self._step_at_start = global_step
         size, tokens = batch_size_and_tokens(batch)
@@ -122,6 +130,8 @@ class StepRecorder:
         in_batch, self._outside = self._outside, 0.0  # checkpoint saving inside the batch's hooks
         self._cur_cpu += self.time_source.cpu() - self._cpu_start
         self._cur_diag += max(0.0, diagnostics_s)
+        self._cur_logging += self._logging
+        self._logging = 0.0
         if self._before_opt is not None:
             self._pending.append((self._batch_start, self._before_opt, "fb"))
             self._pending.append((self._before_opt, end, "opt"))
@@ -137,7 +147,8 @@ class StepRecorder:
         self._step_ckpt.append(in_batch)
         self._step_flags.append(self._after_validation or self._first_of_run or self._epoch_start or in_batch > 0)
         self._step_diag.append(self._cur_diag)
-        self._cur_cpu = self._cur_wait = self._cur_diag = 0.0
+        self._step_logging.append(self._cur_logging)
+        self._cur_cpu = self._cur_wait = self._cur_diag = self._cur_logging = 0.0
         self._after_validation = self._first_of_run = self._epoch_start = False
         return True
 
@@ -163,6 +174,12 @@ class StepRecorder:
         self._sums["validation"] += elapsed
         self._after_validation = True
 
+    def add_logging(self, elapsed: float) -> None:
+        """The trainer's loggers wrote for ``elapsed`` seconds (outside the diagnostics' hooks): scheduled work of
+        the trainer, not data waiting (between batches), and the step's known work (:attr:`Interval.logging`)."""
+        if self._val_start is None:  # a validation run's writing is in its own time already
+            self._logging += max(0.0, elapsed)
+
     def add_checkpoint(self, elapsed: float) -> None:
         """``trainer.save_checkpoint`` took ``elapsed`` seconds (not data waiting)."""
         self._outside += elapsed
@@ -177,6 +194,7 @@ class StepRecorder:
         self._step_waits, self._step_pending, self._step_cpu, self._step_ckpt = [], [], [], []
         flags, self._step_flags = self._step_flags, []
         diag, self._step_diag = self._step_diag, []
+        logging, self._step_logging = self._step_logging, []
         if not steps:
             return None
         sums, self._sums = self._sums, dict.fromkeys(HEADER, 0.0)
@@ -185,4 +203,4 @@ class StepRecorder:
             self._tokens_dev = None
         now = self.time_source.wall()
         wall, self._wall_start = now - self._wall_start, now
-        return Interval(steps, flags, sums, wall, diag)
+        return Interval(steps, flags, sums, wall, diag, logging)

@@ -20,6 +20,7 @@ from lightning_diag.callbacks._system_hooks import (
     wrap_batch_end,
 )
 from lightning_diag.callbacks._system_interval import HEADER, gather_ranks, interval_values
+from lightning_diag.callbacks._system_loggers import Timers, time_loggers, untime_loggers
 from lightning_diag.callbacks._system_steps import StepRecorder
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.core.tags import family_tag, overhead_tag
@@ -152,20 +153,22 @@ class SystemMonitor(DiagCallback):
         self._nvml_probe: NvmlProbe | None = None
         self._boundary: tuple[Any, Any] | None = None
         self._save_timer: Any = None
+        self._logger_timers: Timers = []
         self._reset_run()
 
     def _reset_windows(self) -> None:
-        # (wall step time, compute time, excluded from the fluctuation test) per optimizer step after warm-up
-        self.step_window: deque[tuple[float, float, bool]] = deque(maxlen=self.window)
+        # (wall step time, compute time, excluded from the fluctuation test, scheduled work left out of the step
+        # time) per optimizer step after warm-up
+        self.step_window: deque[tuple[float, float, bool, float]] = deque(maxlen=self.window)
         self.util_window: deque[float] = deque(maxlen=self.window)
-        # (wall step time, known one-time cause) of every step since the fit's start, warm-up included, until the
-        # window after the warm-up is long enough for the ordinary periodic test
-        self.run_window: list[tuple[float, bool]] = []
+        # (wall step time, known one-time cause, scheduled work) of every step since the fit's start, warm-up
+        # included, until the window after the warm-up is long enough for the ordinary periodic test
+        self.run_window: list[tuple[float, bool, float]] = []
         self.steps_seen = 0
 
     def _reset_run(self, clock: HostClock | CudaClock | None = None) -> None:
         self._steps = StepRecorder(self.time_source, clock)
-        self._diag_mark = self._hooks.step_seconds if hasattr(self, "_hooks") else 0.0
+        self._diag_mark = self._hooks.step_wall_seconds if hasattr(self, "_hooks") else 0.0
         clock = getattr(self, "_overhead_clock", None)
         self._overhead_mark = clock() if clock is not None else 0.0
         if hasattr(self, "_hooks"):
@@ -176,10 +179,10 @@ class SystemMonitor(DiagCallback):
         """The rules' state (the base class), the step-time and utilisation windows and the steps seen."""
         return {
             **super().state_dict(),
-            "window": [[t, c, bool(f)] for t, c, f in self.step_window],
+            "window": [[t, c, bool(f), w] for t, c, f, w in self.step_window],
             "utilization": list(self.util_window),
             "steps_seen": self.steps_seen,
-            "run_window": [[t, bool(f)] for t, f in self.run_window],
+            "run_window": [[t, bool(f), w] for t, f, w in self.run_window],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -189,12 +192,14 @@ class SystemMonitor(DiagCallback):
             KeyError: If a key is missing; the message names every missing key.
         """
         super().load_state_dict(state_dict)
+        # a checkpoint of an earlier version has no scheduled work per step: none known
         self.step_window = deque(
-            ((float(t), float(c), bool(f)) for t, c, f in state_dict["window"]), maxlen=self.window
+            ((float(t), float(c), bool(f), float(w[0]) if w else 0.0) for t, c, f, *w in state_dict["window"]),
+            maxlen=self.window,
         )
         self.util_window = deque((float(u) for u in state_dict["utilization"]), maxlen=self.window)
         self.steps_seen = int(state_dict["steps_seen"])
-        self.run_window = [(float(t), bool(f)) for t, f in state_dict["run_window"]]
+        self.run_window = [(float(t), bool(f), float(w[0]) if w else 0.0) for t, f, *w in state_dict["run_window"]]
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -223,6 +228,9 @@ class SystemMonitor(DiagCallback):
             self._hooks.attach(diagnostics)
         untime_save_checkpoint(trainer, self._save_timer)
         self._save_timer = time_save_checkpoint(trainer, self._add_checkpoint_time, self.time_source.wall)
+        # the trainer's own logging (every `log_every_n_steps`) is scheduled work, not data waiting
+        untime_loggers(self._logger_timers)
+        self._logger_timers = time_loggers(trainer, self._add_logging_time, self.time_source.wall, self._in_hooks)
         # the step ends after the last callback's `on_train_batch_end`
         if self.time_callbacks:
             timed_close = self._hooks.timed(type(self).__name__, self._close_batch, step=True, batch=True)
@@ -247,6 +255,12 @@ class SystemMonitor(DiagCallback):
     def _add_checkpoint_time(self, elapsed: float) -> None:
         self._steps.add_checkpoint(elapsed)
 
+    def _add_logging_time(self, elapsed: float) -> None:
+        self._steps.add_logging(elapsed)
+
+    def _in_hooks(self) -> bool:
+        return self._hooks.busy
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove the timers, then release the session."""
         unwrap_batch_end(self._boundary)
@@ -254,6 +268,8 @@ class SystemMonitor(DiagCallback):
         self._hooks.detach()
         untime_save_checkpoint(trainer, self._save_timer)
         self._save_timer = None
+        untime_loggers(self._logger_timers)
+        self._logger_timers = []
         if self._nvml_probe is not None and self._nvml_probe.nvml is not None:
             with contextlib.suppress(Exception):
                 self._nvml_probe.nvml.nvmlShutdown()
@@ -293,13 +309,12 @@ class SystemMonitor(DiagCallback):
         boundary close the step, on a logging step report."""
         if not self._steps.in_batch:
             return
-        spent = self._hooks.step_seconds
-        # an untimed batch's diagnostics: the sampled batches' mean
-        diagnostics = spent - self._diag_mark if self._hooks.active else self._hooks.quiet_step_seconds
-        if self._steps.batch_end(trainer.global_step, diagnostics) and self.is_logging_step(trainer):
+        # the diagnostics' hooks in wall time, as the step is measured (their CPU time leaves out their writing)
+        spent = self._hooks.step_wall_seconds
+        if self._steps.batch_end(trainer.global_step, spent - self._diag_mark) and self.is_logging_step(trainer):
             self._report(trainer)
         self._steps.resume()
-        self._diag_mark = self._hooks.step_seconds
+        self._diag_mark = self._hooks.step_wall_seconds
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The epoch's first step waits for a fresh dataloader iterator: a known cause."""
@@ -330,36 +345,44 @@ class SystemMonitor(DiagCallback):
         totals = waits + np.array([s[1] + s[2] + s[4] for s in steps])
         compute = np.array([s[3] for s in steps], dtype=float)
         header = np.array([acc[k] for k in HEADER], dtype=float)
-        # the diagnostics' own hooks are their cost (diag/overhead/...), not a stall of the training
-        judged = np.clip(totals - np.array(interval.diagnostics, dtype=float), 0.0, None)
-        header, totals, compute, per_rank, judged = gather_ranks(trainer, device, header, totals, compute, judged)
+        # the diagnostics' own hooks are their cost (diag/overhead/...), not a stall of the training; they and
+        # the loggers' writes are the scheduled work whose after-effects are no stall either
+        diagnostics = np.array(interval.diagnostics, dtype=float)
+        judged = np.clip(totals - diagnostics, 0.0, None)
+        work = diagnostics + np.array(interval.logging or [0.0] * len(steps), dtype=float)
+        header, totals, compute, per_rank, both = gather_ranks(
+            trainer, device, header, totals, compute, np.concatenate([judged, work])
+        )
+        judged, work = both[: len(steps)], both[len(steps) :]
         merged = dict(zip(HEADER, header.tolist(), strict=True))
         n = len(steps)
         ctx = self.context(trainer)
         step = trainer.global_step
 
-        for t, c, flag in zip(judged.tolist(), compute.tolist(), flags, strict=True):
+        for t, c, flag, w in zip(judged.tolist(), compute.tolist(), flags, work.tolist(), strict=True):
             self.steps_seen += 1
             if self.steps_seen > self.warmup_steps:
-                self.step_window.append((float(t), float(c), bool(flag)))
+                self.step_window.append((float(t), float(c), bool(flag), float(w)))
             if self.steps_seen < self.warmup_steps + MIN_STEPS:
-                self.run_window.append((float(t), bool(flag)))
+                self.run_window.append((float(t), bool(flag), float(w)))
         if self.steps_seen >= self.warmup_steps + MIN_STEPS:
             self.run_window = []  # the window after the warm-up is long enough for the ordinary test
         alerts = []
         step_total = float(totals.sum())
-        alerts += self.dataloader_rule.update(ctx, merged["wait"], step_total, n)
-        times = [t for t, _, _ in self.step_window]
+        # the share of the training's time: the diagnostics' own (a heavy logging step) would dilute it
+        alerts += self.dataloader_rule.update(ctx, merged["wait"], float(judged.sum()), n)
         alerts += self.periodic_rule.update(
             ctx,
-            times,
-            run_times=[t for t, _ in self.run_window],
-            explained=[f for _, f in self.run_window],
+            [t for t, _, _, _ in self.step_window],
+            run_times=[t for t, _, _ in self.run_window],
+            explained=[f for _, f, _ in self.run_window],
+            work=[w for _, _, _, w in self.step_window],
+            run_work=[w for _, _, w in self.run_window],
         )
         pattern = self.periodic_rule.last
         keep = [
             c
-            for i, (_, c, flag) in enumerate(self.step_window)
+            for i, (_, c, flag, _) in enumerate(self.step_window)
             if not flag and not (pattern.found and i >= pattern.phase and (i - pattern.phase) % pattern.period == 0)
         ]
         fluctuation, found = self.fluctuation_rule.update(ctx, keep)

@@ -4,7 +4,10 @@
 Exact meaning:
 
 * ``dataloader_bound``: over one logging interval, the time spent waiting for the next batch is above
-  ``threshold`` of the step time **and** above ``min_wait_s`` per step, on ``patience`` consecutive intervals.
+  ``threshold`` of the step time (without the lightning_diag callbacks' own hooks, whose cost is not the
+  training's) **and** above ``min_wait_s`` per step, on ``patience`` consecutive intervals. Alerts once per fit:
+  a loader too slow for the model is a property of its settings, and a share that hovers around the threshold
+  is the same condition, not a new one each time it comes back.
 * ``step_time_periodic``: in the last ``window`` optimizer steps, steps more than ``slow_ratio`` above the
   median recur with a fixed period (:func:`~lightning_diag.stats.timing.detect_period`) and their excess over
   the median costs more than ``threshold`` of the window's time. The test needs :data:`MIN_STEPS` step times,
@@ -15,8 +18,12 @@ Exact meaning:
   three stalls in step with the run's start, or two, half a period or more after it, each at least
   :data:`OVERWHELMING_FACTOR` times the median step and together costing above
   :data:`OVERWHELMING_SHARE_FACTOR` times the threshold (a 70% stall every 10 steps is named at step 20 with the
-  20-step warm-up). ``value`` is the period in steps. The same test runs on dips of GPU utilisation when NVML
-  is present (source ``gpu_utilization``).
+  20-step warm-up). Work the trainer does on schedule is never evidence: the step times are judged without the
+  lightning_diag callbacks' hooks (wall time) and the loggers' writes, and a step above the median by no more
+  than :data:`WORK_FACTOR` times that work measured on it (its after-effects: caches, a writer thread) is
+  neutral (:func:`explained_by_work`), so a logging cadence is no period while a stall far larger than the
+  logging work on the same steps still is. ``value`` is the period in steps. The same test runs on dips of GPU
+  utilisation when NVML is present (source ``gpu_utilization``).
 * ``step_time_fluctuation``: the step times of the window (after ``warmup_steps``, without the step after a
   validation run, an epoch's first step, a step that saved a checkpoint and without the steps of a periodic
   pattern) are cut into blocks of ``block_steps``; the relative median absolute deviation of the block medians
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -75,6 +83,7 @@ __all__ = [
     "MemoryGrowthRule",
     "StepFluctuationRule",
     "StepPeriodicRule",
+    "explained_by_work",
     "pattern_from_start",
 ]
 
@@ -167,6 +176,30 @@ OVERWHELMING_SHARE_FACTOR = 10.0
 MIN_OVERWHELMING_PERIOD = 4
 #: Fewest blocks the fluctuation test judges.
 MIN_BLOCKS = 5
+#: ``step_time_periodic``: a step above the median by at most this many times the scheduled work measured on it
+#: (the diagnostics' hooks and the loggers' writes, already taken out of its time) is that work's after-effect.
+WORK_FACTOR = 1.0
+
+
+def explained_by_work(times: Series, work: Series, factor: float = WORK_FACTOR) -> np.ndarray:
+    """Which steps are slow only by the after-effects of the trainer's scheduled work measured on them.
+
+    ``work`` holds, per step, the seconds of work the trainer did on schedule (the lightning_diag callbacks'
+    hooks on their logging steps, the loggers' writes every ``log_every_n_steps``), already left out of
+    ``times``. What such work leaves behind (evicted caches, a logger's writer thread taking the interpreter)
+    makes the step slower still, by about as much as the work itself at most: a step above the median by no
+    more than ``factor`` times its work is explained by it. A stall far larger than the work on the same steps
+    is not.
+
+    Returns:
+        A boolean mask over ``times`` (all ``False`` when the lengths differ or a value is not finite).
+    """
+    x = np.asarray(times, dtype=float)
+    w = np.asarray(work, dtype=float)
+    if x.size == 0 or x.shape != w.shape or not (np.all(np.isfinite(x)) and np.all(np.isfinite(w))):
+        return np.zeros(x.shape, dtype=bool)
+    med = float(np.median(x))
+    return (x > med) & (x - med <= factor * np.clip(w, 0.0, None))
 
 
 def pattern_from_start(
@@ -264,7 +297,7 @@ class DataloaderBoundRule(Rule):
         super().__init__()
         self.threshold = threshold
         self.patience = patience
-        self.latch = Latch.for_patience(patience)
+        self.latch = Latch(clear_after=sys.maxsize)  # once per fit: a new fit builds new rules
         self.min_wait_s = min_wait_s
         self.streak = 0
 
@@ -279,7 +312,8 @@ class DataloaderBoundRule(Rule):
     def update(
         self, ctx: StepContext, wait_s: float, step_s: float, steps: int, source: str = "dataloader"
     ) -> list[Alert]:
-        """Judge one interval: ``wait_s`` and ``step_s`` summed over its ``steps`` optimizer steps."""
+        """Judge one interval: ``wait_s`` and ``step_s`` (without the diagnostics' own time) summed over its
+        ``steps`` optimizer steps."""
         if steps <= 0 or not (step_s > 0) or not math.isfinite(wait_s):
             return []
         share = wait_s / step_s
@@ -332,6 +366,8 @@ class StepPeriodicRule(Rule):
         *,
         run_times: Series | None = None,
         explained: Sequence[bool] | None = None,
+        work: Series | None = None,
+        run_work: Series | None = None,
     ) -> list[Alert]:
         """Judge the window of step times (seconds, oldest first, after the warm-up).
 
@@ -342,7 +378,16 @@ class StepPeriodicRule(Rule):
             run_times: Every step time since the fit's start, warm-up included, while the window is shorter than
                 :data:`MIN_STEPS` (judged by :func:`pattern_from_start`).
             explained: Which of ``run_times`` have a known one-time cause.
+            work: The trainer's scheduled work measured on each step of ``times`` (seconds, already left out of
+                them): a step explained by it (:func:`explained_by_work`) takes the median.
+            run_work: The same for ``run_times``: a step explained by it is neutral.
         """
+        if work is not None:
+            by_work = explained_by_work(times, work)
+            if by_work.any():
+                times = np.where(by_work, float(np.median(np.asarray(times, dtype=float))), times).tolist()
+        if run_times is not None and explained is not None and run_work is not None:
+            explained = (np.asarray(explained, dtype=bool) | explained_by_work(run_times, run_work)).tolist()
         found = Periodicity(0)
         if len(times) >= MIN_STEPS:
             found = detect_period(times, self.slow_ratio)

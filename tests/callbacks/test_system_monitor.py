@@ -259,7 +259,12 @@ def test_state_survives_a_resume(tmp_path):
     assert seen["memory"] == state["memory"] and seen["dataloader"] == state["dataloader"]
     assert seen["run_window"] == state["run_window"] and len(state["run_window"]) == 8  # the warm-up bypass's steps
     assert resumed.steps_seen == 12  # steps 11-14 were added to the restored window
-    assert [round(t, 9) for t, _, _ in list(resumed.step_window)[:8]] == [round(w[0], 9) for w in state["window"]]
+    assert [round(t, 9) for t, *_ in list(resumed.step_window)[:8]] == [round(w[0], 9) for w in state["window"]]
+    # the scheduled work of each step is kept, and a checkpoint written before it was saved loads with none
+    assert [len(w) for w in state["window"]] == [4] * 8 and [len(w) for w in state["run_window"]] == [3] * 8
+    older = {**state, "window": [w[:3] for w in state["window"]], "run_window": [w[:2] for w in state["run_window"]]}
+    resumed.load_state_dict(older)
+    assert [w for *_, w in resumed.step_window] == [0.0] * 8 and [w for *_, w in resumed.run_window] == [0.0] * 8
 
 
 @pytest.mark.parametrize(
@@ -360,3 +365,96 @@ def test_the_reported_overhead_is_the_share_of_the_step_a_callback_really_takes(
     assert dict(rec.values["diag/overhead/Burn"])[s2] == pytest.approx(0.001 / step_cpu, rel=0.35)
     assert large / dict(rec.values["diag/overhead/Burn"])[s2] == pytest.approx(3.0, rel=0.25)
     assert 0 < small < 1
+
+
+class SlowLogger(pl.loggers.Logger):
+    """A logger whose every ``log_metrics`` blocks for ``seconds`` of (fake) wall time, as a synchronous HTTP
+    client or a flushed file does: the work Lightning does every ``log_every_n_steps``."""
+
+    def __init__(self, clock: FakeTime, seconds: float) -> None:
+        super().__init__()
+        self.clock = clock
+        self.seconds = seconds
+        self.steps: list[int | None] = []
+
+    @property
+    def name(self) -> str:
+        return "slow"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.steps.append(step)
+        self.clock.advance(self.seconds, cpu=False)
+
+
+class BlockingWrites(DiagCallback):
+    """A diagnostics callback whose logging steps block ``seconds`` off the CPU (writing an event file): the wall
+    time its hooks take, not their CPU time, is what the step loses."""
+
+    def __init__(self, clock: FakeTime, seconds: float) -> None:
+        super().__init__()
+        self.clock = clock
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.is_logging_step(trainer):
+            self.clock.advance(self.seconds, cpu=False)
+
+
+class LoggingEncoder(Encoder):
+    """The encoder, with its loss logged through ``self.log`` (what makes Lightning write every interval)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize(
+    ("logger_s", "diagnostics_s", "stall"),
+    [(0.005, 0.0, 0.0), (0.0, 0.005, 0.0), (0.005, 0.005, 0.1)],
+    ids=["slow-logger", "diagnostics-writing-off-cpu", "a-larger-stall-on-the-same-steps"],
+)
+def test_the_trainers_logging_cadence_is_no_stall_a_larger_stall_on_it_is(
+    monkeypatch, tmp_path, logger_s, diagnostics_s, stall
+):
+    # darts' NBEATS in the foreign corpus: 4 ms steps, Lightning and the diagnostics writing every 5 steps
+    # (log_every_n_steps=5) made 9 ms steps that were taken for a periodic stall. Here a logger blocks 5 ms on
+    # every write (Lightning's write of the user's loss), or a diagnostics callback blocks 5 ms off the CPU
+    # writing its own: each alone a 2.25x slow step every 5 steps before the fix (named at step 15 or 20). A 100 ms
+    # stall on the same steps is a stall.
+    rec = spy(monkeypatch)
+    monitor = SystemMonitor()
+    clock = on_fake_time(monitor)
+    logger = SlowLogger(clock, logger_s)
+    callbacks = [BlockingWrites(clock, diagnostics_s), monitor, Tick(clock, 0.004)]
+    callbacks += [StallEvery(5, stall, clock)] if stall else []
+    fit(LoggingEncoder(width=32, seq=16), callbacks, 60, log_every_n_steps=5, logger=logger,
+        default_root_dir=tmp_path)
+    assert logger.steps == list(range(4, 60, 5))  # Lightning wrote the loss 12 times (its step count)
+    found = [(a.rule, a.value) for a in monitor.alerts if a.severity != "info"]
+    assert found == ([("step_time_periodic", 5.0)] if stall else []), [a.format() for a in monitor.alerts]
+    # the loggers' writing between steps is not data waiting
+    assert all(v == pytest.approx(0.0, abs=1e-12) for _, v in rec.values["diag/system/data_wait_s"][1:])
+
+
+def test_a_loader_that_is_slow_in_two_phases_of_a_fit_is_one_alert(monkeypatch, tmp_path):
+    # pf_tft in the foreign corpus: a loader slow enough to bound the run, with the share below the threshold
+    # for 5+ intervals in between (a heavy diagnostics step, a busy machine): alerted once per fit
+    spy(monkeypatch)
+    monitor = SystemMonitor(log_every_n_steps=4)
+    clock = on_fake_time(monitor)
+
+    class SlowPhases(pl.Callback):  # listed before the monitor: its time is data waiting
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step < 16 or trainer.global_step >= 40:
+                clock.advance(0.04, cpu=False)
+
+    fit(MLP(batch=4), [SlowPhases(), monitor, Tick(clock, 0.01)], 60, default_root_dir=tmp_path)
+    assert [(a.rule, a.global_step) for a in monitor.alerts] == [("dataloader_bound", 12)]

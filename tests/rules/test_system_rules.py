@@ -7,6 +7,7 @@ from lightning_diag.rules.system import (
     MemoryGrowthRule,
     StepFluctuationRule,
     StepPeriodicRule,
+    explained_by_work,
     pattern_from_start,
 )
 
@@ -147,3 +148,34 @@ def test_rule_state_round_trips():
     assert other.history == {"host_rss": [1e9]}
     with pytest.raises(KeyError, match="history"):
         other.load_state_dict({"latch": []})
+
+
+def test_dataloader_bound_alerts_once_per_fit_when_the_share_hovers_around_the_threshold():
+    # pf_tft in the foreign corpus: ~15 ms of waiting in 55 ms steps (27%), dipping below 25% now and then (a heavy
+    # step, a busy machine): one condition, one alert, however long the dips between
+    rule = DataloaderBoundRule()
+    shares = [0.27] * 4 + [0.2] * 6 + [0.28] * 4 + [0.1] * 10 + [0.3] * 4
+    fired = [i for i, s in enumerate(shares) if rule.update(CTX, s * 0.05 * 5, 0.05 * 5, 5)]
+    assert fired == [2]
+
+
+def test_a_step_slow_by_its_scheduled_work_is_explained_a_larger_stall_is_not():
+    times = np.full(10, 0.004)
+    work = np.full(10, 0.0002)
+    times[[3, 6]] = [0.009, 0.109]  # 5 ms and 105 ms above the median
+    work[[3, 6]] = 0.006  # both carried 6 ms of the diagnostics' and the loggers' work
+    assert explained_by_work(times, work).tolist() == [i == 3 for i in range(10)]
+    assert not explained_by_work(times, work[:5]).any()  # lengths differ: nothing is explained
+
+
+@pytest.mark.parametrize(("stall", "fires"), [(0.0, False), (0.1, True)])
+def test_the_logging_cadence_is_no_period_unless_a_stall_outgrows_the_work(stall, fires):
+    # darts' NBEATS: every 5th step 2-5 ms slower than 4 ms steps, on steps that carried 4-6 ms of the
+    # diagnostics' logging work: quiet; 100 ms more on the same steps is a stall
+    times = np.full(100, 0.004)
+    times[4::5] += 0.005 + stall
+    work = np.full(100, 0.0002)
+    work[4::5] = 0.006
+    alerts = StepPeriodicRule().update(CTX, times, work=work)
+    assert [a.value for a in alerts] == ([5.0] if fires else [])
+    assert StepPeriodicRule().update(CTX, times), "without the work measured, the cadence is a period"
