@@ -3,7 +3,7 @@
 On such a batch the alarm's ``on_train_batch_end`` is switched off (Lightning then skips it) and the loss is kept
 at ``on_before_backward`` instead, the same value at the same global step; while such batches follow one another,
 their start takes a short path. :class:`QuietLossKeeping` is that part of the alarm: the decision, the short
-paths, and the fall-back to the batch end for anything they do not handle.
+paths of the backward, and the fall-back to the batch end for anything they do not handle.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ class QuietLossKeeping(DiagCallback):
     ``on_before_backward``: the loss sums and ``loss_outlier`` get what the batch end would have given them.
 
     The subclass sets what is declared below (its helpers, and the batch's state its ``on_train_batch_start``
-    finds), calls :meth:`_quiet_run_goes_on` first in its ``on_train_batch_start`` and :meth:`_decide_quiet` last.
+    finds) and calls :meth:`_decide_quiet` at the end of its full batch start; its short start of a batch that
+    follows a quiet one (written there: it runs on most batches, one call fewer) sets ``_start_step``,
+    ``_kept_step`` and ``_kept = False`` as :meth:`_decide_quiet` would.
     """
 
     #: Off on quiet batches (:meth:`quiet_batch`): the loss is kept at ``on_before_backward`` then.
@@ -84,29 +86,6 @@ class QuietLossKeeping(DiagCallback):
             and not trainer.strategy.handles_gradient_accumulation
             and isinstance(trainer.num_training_batches, int)
         )
-
-    def _quiet_run_goes_on(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> bool:
-        """The short start of a batch that follows a quiet one: when it is quiet too (off the logging cadence, the
-        step window and the run-time checks not due), count it on the step axis, keep the batch for the replay and
-        return ``True``; else ``False`` (the full start then decides; counting again is a no-op).
-
-        A quiet batch after the fit's first is never watched by the recovery (the watched batches are the first
-        and the logging ones), and nothing between two batches changes what makes one quiet but the step axis.
-        """
-        axis, every = self._step_axis, self._cadence_every
-        if axis is None or every is None:
-            return False
-        axis.batch_started(trainer, pl_module, batch_idx)
-        start = axis.started_at
-        if (axis.stepped + 1) % every and start + 1 < self._due and start < self.runtime.start_due:
-            self._start_step = start
-            self._kept_step = start + 1 if axis.pending else start
-            self._kept = False
-            self.recovery.on_batch_start(batch, batch_idx, False)
-            return True
-        return False
 
     def _decide_quiet(self, trainer: pl.Trainer) -> None:
         """The end of the full batch start: switch the batch end off for a quiet batch, back on for the others

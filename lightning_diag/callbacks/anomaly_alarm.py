@@ -377,9 +377,24 @@ class AnomalyAlarm(QuietLossKeeping):
     ) -> None:
         """Keep a reference to the batch (no copy) for the replay of a failing step, with a copy of the RNG state
         when the model's steps draw random numbers; on logging steps look for Dropout/BatchNorm modules left in eval
-        mode."""
-        if self._hooks_off and self._kept and self._quiet_run_goes_on(trainer, pl_module, batch, batch_idx):
-            return
+        mode.
+
+        A batch that follows a quiet one takes a short start when it is quiet too (off the logging cadence, the step
+        window and the run-time checks not due): the step axis counts it and the batch is kept for the replay. A
+        quiet batch after the fit's first is never watched by the recovery (the watched batches are the first and
+        the logging ones), and nothing between two batches changes what makes one quiet but the step axis. Any
+        other batch takes the full start, which decides (:meth:`quiet_batch`); counting it again is a no-op."""
+        if self._hooks_off and self._kept:  # the batch follows a quiet one: the short start when it is quiet too
+            axis, every = self._step_axis, self._cadence_every
+            if axis is not None and every is not None:
+                axis.batch_started(trainer, pl_module, batch_idx)
+                start = axis.started_at
+                if (axis.stepped + 1) % every and start + 1 < self._due and start < self.runtime.start_due:
+                    self._start_step = start
+                    self._kept_step = start + 1 if axis.pending else start
+                    self._kept = False  # kept at its backward
+                    self.recovery.on_batch_start(batch, batch_idx, False)  # never watched (see `quiet_batch`)
+                    return
         if not self._kept:  # the last batch was quiet and had no backward
             self._missed_loss(trainer)
         self._batch_known = False

@@ -271,7 +271,7 @@ class NonFiniteGuard:
             losses = self._losses
             if params.clean(losses):
                 if losses:
-                    self._losses = []
+                    losses.clear()
                 if self._policy_dirty:
                     self.local_findings = _NOTHING_LOCAL
                     self.policy.clear()
@@ -450,7 +450,7 @@ class _Parameters:
             return False
         flag = finite_probe(grads + losses if losses else grads, self.found, self.sums)
         view = self._view
-        return bool(view[0] == 0) if view is not None and flag is self.found else flag.item() == 0
+        return view[0] == 0 if view is not None and flag is self.found else flag.item() == 0
 
     def matches(self, groups: list[dict[str, Any]]) -> bool:
         """Whether ``groups`` still hold the same parameter lists, of the same lengths."""
