@@ -63,6 +63,26 @@ class QuietLossKeeping(DiagCallback):
         self._batch_known = False
         self._kept = True
         self._kept_step = 0
+        # The quiet batches' losses (times the accumulation) and the global steps they are kept at, handed on to
+        # the loss sums and `loss_outlier` at the next full batch start or before anything reads them (`_hand_on`)
+        self._deferred: list[tuple[torch.Tensor, int]] = []
+
+    def _hand_on(self) -> None:
+        """Hand the quiet batches' losses kept since the last full batch start to the loss sums and
+        ``loss_outlier``'s pending losses, in their order: what their batch ends would have done. Called at every
+        full batch start and before anything reads those (an epoch's or a validation's end, a failing step's
+        decision, the checkpoint's state, the fit's end)."""
+        deferred = self._deferred
+        if deferred:
+            add, keep = self.loss_sums.add, self._keep_loss
+            for loss, step in deferred:
+                keep(add(loss, False), step)
+            deferred.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The declared state, with the quiet batches' losses handed on first."""
+        self._hand_on()
+        return super().state_dict()
 
     def _start_quiet(self, trainer: pl.Trainer) -> None:
         """A fit's training starts (after the subclass set its fit settings)."""
@@ -125,11 +145,13 @@ class QuietLossKeeping(DiagCallback):
         user's own loss under manual optimization); on a quiet batch also keep it for the loss sums and
         ``loss_outlier``, as its batch end would have."""
         if not self._kept and type(loss) is torch.Tensor and loss.dtype is torch.float32 and not loss.dim():
-            # a quiet batch's first backward: Lightning's own `closure_loss` (see `_keeps_at_backward`)
+            # a quiet batch's first backward: Lightning's own `closure_loss` (see `_keeps_at_backward`), kept by
+            # reference for the guard (its `.data`) and, for the trends, handed on later (`_hand_on`)
             self._kept = True
-            held = self.guard.hold(loss.data)
+            held = loss.data
+            self.guard.held.append(held)
             accumulate = trainer.accumulate_grad_batches
-            self._keep_loss(self.loss_sums.add(held * accumulate if accumulate > 1 else held, False), self._kept_step)
+            self._deferred.append((held * accumulate if accumulate > 1 else held, self._kept_step))
             return
         kept = self._note_loss(loss)
         if self._hooks_off:
@@ -151,4 +173,4 @@ class QuietLossKeeping(DiagCallback):
         accumulate = trainer.accumulate_grad_batches
         if accumulate > 1:
             value = value * accumulate  # the batch end's scale
-        self._keep_loss(self.loss_sums.add(value, False), self._kept_step)
+        self._deferred.append((value, self._kept_step))

@@ -315,6 +315,7 @@ class AnomalyAlarm(QuietLossKeeping):
         #: Finds the non-finite steps and carries out :attr:`policy`'s verdicts.
         self.guard = NonFiniteGuard(self, self.policy, self.recovery, losses=self.loss_sums, deferred=self.deferred)
         self._note_loss = self.guard.note_loss
+        self.guard.before_decide = self._hand_on  # a failing step's alert tells the last finite loss
         self.runtime.reset()
         self._keep_loss = self.runtime.keep_loss
         # The global step from which a batch end has more to do than keep its loss (see `_next_due`).
@@ -345,18 +346,21 @@ class AnomalyAlarm(QuietLossKeeping):
         self._start_quiet(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Remove the learning-rate hooks of ``on_nonfinite="rollback"``."""
+        """Remove the learning-rate hooks of ``on_nonfinite="rollback"``; hand on the last quiet batches' losses."""
+        self._hand_on()
         self.recovery.stop()
         self.runtime.stop()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove the learning-rate hooks and the run-time probes (also when ``fit`` raises: ``on_exception``
         calls this), then flush."""
+        self._hand_on()
         self.recovery.stop()
         self.runtime.stop()
         super().teardown(trainer, pl_module, stage)
 
     def _snapshot_state(self) -> dict[str, Any]:
+        self._hand_on()
         # One host read per snapshot (the loss sums' state reads the sums and the last finite loss together).
         return {name: getattr(self, name).state_dict() for name in _SNAPSHOT_STATE}
 
@@ -395,6 +399,7 @@ class AnomalyAlarm(QuietLossKeeping):
                     self._kept = False  # kept at its backward
                     self.recovery.on_batch_start(batch, batch_idx, False)  # never watched (see `quiet_batch`)
                     return
+        self._hand_on()
         if not self._kept:  # the last batch was quiet and had no backward
             self._missed_loss(trainer)
         self._batch_known = False
@@ -431,6 +436,7 @@ class AnomalyAlarm(QuietLossKeeping):
     ) -> None:
         """Keep the loss for the loss sums and ``loss_outlier`` (a reference: no kernel, no host read); close the
         step window when it is due; on logging steps write the loss and learning rates."""
+        self._hand_on()  # the quiet batches' losses first, in their order
         loss = outputs.get("loss") if type(outputs) is dict else outputs
         # Lightning's own detached clone under automatic optimization: kept by reference. Any other form is
         # reduced, converted and copied (and told once when it is not a 0-d tensor).
@@ -475,6 +481,7 @@ class AnomalyAlarm(QuietLossKeeping):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Close the epoch: its mean loss over all ranks feeds ``loss_swing`` in epoch mode."""
+        self._hand_on()
         if not self._kept:
             self._missed_loss(trainer)
         if self.on_nonfinite == "warn":
@@ -505,6 +512,7 @@ class AnomalyAlarm(QuietLossKeeping):
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Feed the monitored validation value to ``val_decline`` and ``val_fluctuation``."""
+        self._hand_on()
         self._send(trainer, self.trend.on_validation_end(trainer, pl_module))
 
     def _send(self, trainer: pl.Trainer, out: TrendOutput) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
@@ -169,9 +169,13 @@ class NonFiniteGuard:
         #: This rank's own (loss_bad, grad_bad) of the step being checked, before the agreement over ranks.
         self.local_findings = (False, False)
         self.halted = False
-        # The micro-batch losses since the last step, detached (0-d; a larger loss as 0 or NaN): their finiteness
-        # is tested with the gradients' in one pass at the optimizer step.
-        self._losses: list[torch.Tensor] = []
+        #: The micro-batch losses since the last step, detached (0-d; a larger loss as 0 or NaN): their finiteness
+        #: is tested with the gradients' in one pass at the optimizer step. The same list for the guard's life
+        #: (emptied in place): an owner may append a 0-d floating loss it keeps by reference (:meth:`hold`).
+        self.held: list[torch.Tensor] = []
+        self._losses = self.held
+        #: Called before a step that fails the quiet path is decided (the owner hands on what it deferred).
+        self.before_decide: Callable[[], None] = _nothing
         #: Keep the loss handed to :meth:`note_loss` by reference instead of copying it: set by the owner under
         #: Lightning's automatic optimization, where that loss is Lightning's own ``training_step`` output divided by
         #: the accumulation (computed eagerly, so never in a compiled model's CUDA-graph memory, and read by nothing
@@ -220,17 +224,8 @@ class NonFiniteGuard:
                 loss = loss.clone()
             self._losses.append(loss)
         if len(self._losses) > _MAX_HELD_LOSSES:  # many backward passes without a step (manual optimization)
-            self._losses = [torch.where(_any_nonfinite(self._losses), math.nan, 0.0)]
+            self._losses[:] = [torch.where(_any_nonfinite(self._losses), math.nan, 0.0)]
         return kept
-
-    def hold(self, loss: torch.Tensor) -> torch.Tensor:
-        """Keep a 0-d floating loss by reference for the check at the optimizer step, as :meth:`note_loss` keeps
-        Lightning's own loss under :attr:`keep_references` (the caller passes its ``.data``). Returns ``loss``."""
-        losses = self._losses
-        losses.append(loss)
-        if len(losses) > _MAX_HELD_LOSSES:
-            self._losses = [torch.where(_any_nonfinite(losses), math.nan, 0.0)]
-        return loss
 
     @property
     def last_finite_loss(self) -> torch.Tensor | float:
@@ -280,9 +275,10 @@ class NonFiniteGuard:
                     self.recovery.on_step_checked()
                 return
         if self.halted:
-            self._losses = []
+            self._losses.clear()
             drop_gradients(optimizer)
             return
+        self.before_decide()
         try:
             findings = self.check_step(trainer, optimizer, self._defer)
             if findings is _CLEAN:
@@ -360,9 +356,8 @@ class NonFiniteGuard:
         With ``defer`` (``"warn"`` mode) nothing is read back: the first bad steps stay on the device in
         :attr:`pending` and this returns ``None``. It also returns ``None`` when there is nothing to check.
         """
-        losses = self._losses
-        if losses:
-            self._losses = []
+        losses = list(self._losses)
+        self._losses.clear()
         params = self._params.get(id(optimizer))
         if params is None or not params.matches(optimizer.param_groups):
             params = self._parameters(optimizer)
@@ -464,6 +459,10 @@ class _Parameters:
             group["params"] is params and len(params) == n
             for group, (params, n) in zip(groups, self.lists, strict=True)
         )
+
+
+def _nothing() -> None:
+    pass
 
 
 def _view(flag: torch.Tensor) -> memoryview | None:

@@ -9,6 +9,7 @@ skipped, that what is written and alerted is exactly what the same callbacks wri
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,7 @@ class _Trending(pl.LightningModule):
         x, y = batch
         loss = (self.net(x) - y).pow(2).mean() * (2.0 if (self.global_step // 8) % 2 else 1.0)
         loss = loss * 100.0 if self.global_step == 37 else loss
+        loss = loss * math.nan if self.kind == "nan" and self.global_step == 43 else loss
         if self.kind == "none" and batch_idx in (12, 33):
             return None
         return loss.double() if self.kind == "double" else loss
@@ -244,3 +246,44 @@ def test_anomaly_alarm_keeps_the_loss_at_backward_on_quiet_batches_and_alerts_th
     assert {"loss_swing", "loss_outlier", "loss_stagnant"} <= rules, rules
     assert switched.state_dict() == always.state_dict()
     assert not set(vars(switched)) & set(AnomalyAlarm.batch_hooks)
+
+
+class _States(pl.Callback):
+    """Placed after the alarm: the alarm's checkpoint state at every batch start (quiet ones included)."""
+
+    def __init__(self, alarm: Any) -> None:
+        self.alarm, self.states = alarm, []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.states.append(self.alarm.state_dict())
+
+
+def test_anomaly_alarm_quiet_losses_are_handed_on_before_anything_reads_them(tmp_path: Path) -> None:
+    """The quiet batches' losses are kept at their backward and handed on to the loss sums and ``loss_outlier``
+    later: the checkpoint state at every batch start, the alerts of a NaN on a quiet step (their last finite loss)
+    and the state at the end are those of a run whose batch end keeps every loss."""
+    from lightning_diag import AnomalyAlarm
+
+    runs = {}
+    for name, hooks in (("switched", AnomalyAlarm.batch_hooks), ("always", ())):
+        alarm = _counting(AnomalyAlarm)(swing_window=8)
+        alarm.batch_hooks = hooks
+        states = _States(alarm)
+        torch.manual_seed(0)
+        pl.Trainer(
+            default_root_dir=tmp_path / name,
+            max_epochs=1,
+            log_every_n_steps=EVERY,
+            logger=False,
+            callbacks=[alarm, states],
+            **FAST,
+        ).fit(_Trending("nan"))
+        runs[name] = (alarm, states.states)
+    (switched, on), (always, off) = runs["switched"], runs["always"]
+    # the fit stops after the NaN of step 43; the switched alarm's batch end ran on fewer than half the batches
+    assert len(on) == len(off) == 44 and len(switched.ran["on_train_batch_end"]) < 22
+    assert on == off
+    described = [(a.rule, a.global_step, a.message) for a in switched.alerts]
+    assert any(rule == "nonfinite_loss" and step == 43 for rule, step, _ in described), described
+    assert described == [(a.rule, a.global_step, a.message) for a in always.alerts]
+    assert repr(switched.state_dict()) == repr(always.state_dict())  # (the NaN loss is in both: nan != nan)
