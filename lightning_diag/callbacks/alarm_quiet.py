@@ -21,7 +21,10 @@ from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
 from lightning_diag.callbacks.runtime_checks import RuntimeChecks
 from lightning_diag.stats.loss_sums import LossSums
 
-__all__ = ["QuietLossKeeping"]
+__all__ = ["HAND_ON_EVERY", "QuietLossKeeping"]
+
+#: The most quiet batches' losses held before they are handed on (whatever the logging interval).
+HAND_ON_EVERY = 64
 
 
 class QuietLossKeeping(DiagCallback):
@@ -151,7 +154,10 @@ class QuietLossKeeping(DiagCallback):
             held = loss.data
             self.guard.held.append(held)
             accumulate = trainer.accumulate_grad_batches
-            self._deferred.append((held * accumulate if accumulate > 1 else held, self._kept_step))
+            deferred = self._deferred
+            deferred.append((held * accumulate if accumulate > 1 else held, self._kept_step))
+            if len(deferred) >= HAND_ON_EVERY:  # a long quiet run (a large logging interval) holds few at a time
+                self._hand_on()
             return
         kept = self._note_loss(loss)
         if self._hooks_off:
@@ -174,3 +180,5 @@ class QuietLossKeeping(DiagCallback):
         if accumulate > 1:
             value = value * accumulate  # the batch end's scale
         self._deferred.append((value, self._kept_step))
+        if len(self._deferred) >= HAND_ON_EVERY:
+            self._hand_on()

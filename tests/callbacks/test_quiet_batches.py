@@ -287,3 +287,43 @@ def test_anomaly_alarm_quiet_losses_are_handed_on_before_anything_reads_them(tmp
     assert any(rule == "nonfinite_loss" and step == 43 for rule, step, _ in described), described
     assert described == [(a.rule, a.global_step, a.message) for a in always.alerts]
     assert repr(switched.state_dict()) == repr(always.state_dict())  # (the NaN loss is in both: nan != nan)
+
+
+def test_anomaly_alarm_hands_on_quiet_losses_in_bounded_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A logging interval longer than the fit: the quiet losses held between two hand-ons stay under
+    ``HAND_ON_EVERY`` (16 here, for a 60-batch epoch), and every loss reaches the loss sums (the epoch's mean is
+    that of the always-on alarm)."""
+    from lightning_diag import AnomalyAlarm
+    from lightning_diag.callbacks import alarm_quiet
+
+    monkeypatch.setattr(alarm_quiet, "HAND_ON_EVERY", 16)
+
+    held: list[int] = []
+
+    class Held(pl.Callback):
+        """Placed after the alarm: how many quiet losses it holds at each batch start."""
+
+        def __init__(self, alarm: Any) -> None:
+            self.alarm = alarm
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            held.append(len(self.alarm._deferred))
+
+    means = {}
+    for name, hooks in (("switched", AnomalyAlarm.batch_hooks), ("always", ())):
+        alarm = AnomalyAlarm(log_every_n_steps=1000)
+        alarm.batch_hooks = hooks
+        memory = MemoryLogger()
+        pl.Trainer(
+            default_root_dir=tmp_path / name,
+            max_epochs=1,
+            logger=memory,
+            log_every_n_steps=1000,
+            callbacks=[alarm, Held(alarm)] if name == "switched" else [alarm],
+            **FAST,
+        ).fit(_Trending())
+        means[name] = [row["diag/loss/train_epoch"] for _, row in memory.calls if "diag/loss/train_epoch" in row]
+    assert max(held) == 15 and len(held) == 60
+    assert means["switched"] == means["always"] and len(means["switched"]) == 1
