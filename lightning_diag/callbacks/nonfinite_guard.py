@@ -171,9 +171,9 @@ class NonFiniteGuard:
         self.halted = False
         #: The micro-batch losses since the last step, detached (0-d; a larger loss as 0 or NaN): their finiteness
         #: is tested with the gradients' in one pass at the optimizer step. The same list for the guard's life
-        #: (emptied in place): an owner may append a 0-d floating loss it keeps by reference (:meth:`hold`).
+        #: (emptied in place): an owner may append a 0-d floating loss it keeps by reference, as :meth:`note_loss`
+        #: does under :attr:`keep_references`.
         self.held: list[torch.Tensor] = []
-        self._losses = self.held
         #: Called before a step that fails the quiet path is decided (the owner hands on what it deferred).
         self.before_decide: Callable[[], None] = _nothing
         #: Keep the loss handed to :meth:`note_loss` by reference instead of copying it: set by the owner under
@@ -211,7 +211,7 @@ class NonFiniteGuard:
             # Otherwise a copy: the user's tensor is not written, and with accumulation a compiled model's next
             # forward can overwrite its output memory before the step (CUDA graphs).
             kept = loss.data if self.keep_references else loss.detach().clone()
-            self._losses.append(kept)
+            self.held.append(kept)
         elif not isinstance(loss, torch.Tensor):
             return None
         else:
@@ -222,9 +222,9 @@ class NonFiniteGuard:
                 loss = loss.float()
             else:
                 loss = loss.clone()
-            self._losses.append(loss)
-        if len(self._losses) > _MAX_HELD_LOSSES:  # many backward passes without a step (manual optimization)
-            self._losses[:] = [torch.where(_any_nonfinite(self._losses), math.nan, 0.0)]
+            self.held.append(loss)
+        if len(self.held) > _MAX_HELD_LOSSES:  # many backward passes without a step (manual optimization)
+            self.held[:] = [torch.where(_any_nonfinite(self.held), math.nan, 0.0)]
         return kept
 
     @property
@@ -263,7 +263,7 @@ class NonFiniteGuard:
         # what it is (a failing pass is then run again: the reused flag, still set, makes it fail again).
         params = self._quick.get(id(optimizer))
         if params is not None and params.matches(optimizer.param_groups):
-            losses = self._losses
+            losses = self.held
             if params.clean(losses):
                 if losses:
                     losses.clear()
@@ -275,7 +275,7 @@ class NonFiniteGuard:
                     self.recovery.on_step_checked()
                 return
         if self.halted:
-            self._losses.clear()
+            self.held.clear()
             drop_gradients(optimizer)
             return
         self.before_decide()
@@ -356,8 +356,8 @@ class NonFiniteGuard:
         With ``defer`` (``"warn"`` mode) nothing is read back: the first bad steps stay on the device in
         :attr:`pending` and this returns ``None``. It also returns ``None`` when there is nothing to check.
         """
-        losses = list(self._losses)
-        self._losses.clear()
+        losses = list(self.held)
+        self.held.clear()
         params = self._params.get(id(optimizer))
         if params is None or not params.matches(optimizer.param_groups):
             params = self._parameters(optimizer)
