@@ -13,7 +13,7 @@ is run several times, and on its *quiet* steps (neither they nor their neighbour
 * **beyond the pass**, two ways: per quiet step, the CPU time of all its hooks minus that of the non-finite guard's
   pass (timed the same way, in fits of their own) and minus the empty hooks' timing floor, the median over the
   quiet steps, then over the repetitions. The pass is either the **fused kernels** alone (``finite_probe``), or
-  the **pass as ``GradScaler`` makes its own** before every update (``_Parameters.clean``: the gradients listed
+  the **pass as ``GradScaler`` makes its own** before every update (``OptimizerPass.clean``: the gradients listed
   from the parameters, the fused kernels, one read of the flag on the host). The second is the floor of an exact
   check before every update (issue 37 §4: a quiet step at most 30 µs beyond it); the first also counts the
   listing and the read as beyond. Both are also net of the nested window's own cost (its two clock reads, about
@@ -213,14 +213,16 @@ def inside(
 
         setattr(cb, hook, timed)
 
-    # What is timed as the pass: the fused kernels alone (`finite_probe`), or the pass as GradScaler makes its own
-    # (`_Parameters.clean`: list the gradients, the kernels, one read of the flag).
-    owner, attr = {
-        "kernels": (nonfinite_guard, "finite_probe"),
-        "pass": (nonfinite_guard._Parameters, "clean"),
-        "empty": (EmptyPass, "run"),
+    # What is timed as the pass: the fused kernels alone (`finite_probe`, where the guard and its pass call it), or
+    # the pass as GradScaler makes its own (`OptimizerPass.clean`: list the gradients, the kernels, one read of the
+    # flag).
+    kernels_in = [m for m in (nonfinite_guard, sys.modules.get("lightning_diag.callbacks.guard_pass")) if m is not None]
+    targets: list[tuple[Any, str]] = {
+        "kernels": [(m, "finite_probe") for m in kernels_in],
+        "pass": [(getattr(nonfinite_guard, "OptimizerPass", None), "clean")],
+        "empty": [(EmptyPass, "run")],
     }[pass_of]
-    probe = getattr(owner, attr)
+    probe = getattr(*targets[0])
 
     def timed_probe(*args: Any, **kwargs: Any) -> Any:
         start = time.thread_time()
@@ -235,11 +237,13 @@ def inside(
             wrap(hook)
     for method in EXTRA.get(name, ()):
         wrap(method)
-    setattr(owner, attr, timed_probe)
+    for owner, attr in targets:
+        setattr(owner, attr, timed_probe)
     try:
         _trainer(root, [cb], steps).fit(MLP(width), mlp_data(steps))
     finally:
-        setattr(owner, attr, probe)
+        for owner, attr in targets:
+            setattr(owner, attr, probe)
     medians = {hook: statistics.median(v) for hook, v in seconds.items() if v}
     left = [t - passes[s] - timed_floor[s] - (nested if s in passes else 0.0) for s, t in per_step.items()]
     beyond = statistics.median(left) if left else 0.0
@@ -297,10 +301,10 @@ def main(argv: list[str] | None = None) -> int:
                 inside(name, width, steps, os.path.join(root, f"{name}{i}"), False, floor, "kernels", nested)
                 for i in range(reps)
             ]
-            # (a tree older than the guard's one-call pass has no `_Parameters.clean`: that column is then n/a)
+            # (a tree older than the guard's one-call pass has no `OptimizerPass`: that column is then n/a)
             whole = [
                 inside(name, width, steps, os.path.join(root, f"{name}p{i}"), False, floor, "pass", nested)[1]
-                for i in range(reps if hasattr(nonfinite_guard._Parameters, "clean") else 0)
+                for i in range(reps if hasattr(nonfinite_guard, "OptimizerPass") else 0)
             ]
             order = [*HOOKS, *EXTRA.get(name, ())]
             hooks = sorted({h for medians, _, _ in runs for h in medians}, key=order.index)

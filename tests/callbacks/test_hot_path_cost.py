@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_diag import AnomalyAlarm, NonFiniteError
-from lightning_diag.callbacks import nonfinite_guard
+from lightning_diag.callbacks import guard_pass
 from lightning_diag.stats.loss_sums import LossSums
 from tests.callbacks.nonfinite_models import Regression
 from tests.callbacks.tiny import FAST
@@ -85,13 +85,13 @@ def test_a_quiet_step_runs_the_check_and_reads_one_number_back(tmp_path, monkeyp
     buffer over it), not by a dispatched ``item()``: each quiet step reads it once, and a flag set there stops the
     update (the NaN tests)."""
     reads = []
-    original = nonfinite_guard._Parameters.clean
+    original = guard_pass.OptimizerPass.clean
 
     def counted(self, losses):
         reads.append(self._view is not None)
         return original(self, losses)
 
-    monkeypatch.setattr(nonfinite_guard._Parameters, "clean", counted)
+    monkeypatch.setattr(guard_pass.OptimizerPass, "clean", counted)
     names, steps = _quiet_ops(AnomalyAlarm(log_every_n_steps=10), tmp_path)
     assert steps > 20
     assert names == {"detach.default": steps, "_amp_foreach_non_finite_check_and_unscale_.default": steps}

@@ -1,0 +1,73 @@
+"""The non-finite guard's pass over one optimizer's parameters (:class:`OptimizerPass`): their gradients listed,
+one fused check of them and the step's losses, one read of its flag, as ``GradScaler`` checks before an update."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from lightning_diag.stats.grad import is_dtensor, local_tensor
+from lightning_diag.stats.norms import finite_probe, sums_pay
+
+__all__ = ["OptimizerPass"]
+
+_GRAD = operator.attrgetter("grad")
+
+
+class OptimizerPass:
+    """An optimizer's parameters as the guard reads them each step: the flat list, whether any is a DTensor
+    (sharded training: a parameter does not change kind during a fit), and the reused 1-element flag of the pass
+    on their device."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self.lists = [(group["params"], len(group["params"])) for group in groups]
+        # The usual single group: its parameter list and length, compared without a loop.
+        self.single = self.lists[0] if len(groups) == 1 else None
+        self.flat: list[torch.nn.Parameter] = [p for group in groups for p in group["params"]]
+        self.sharded = any(is_dtensor(p) for p in self.flat)
+        # which CPU pass pays (the step's loss counted): decided once for the list, not counted at every step
+        self.sums = sums_pay([local_tensor(p) for p in self.flat], extra=1)
+        device = local_tensor(self.flat[0]).device if self.flat else torch.device("cpu")
+        self.found = torch.zeros(1, device=device)
+        # On the CPU, the flag's memory as a Python buffer: one float read without a dispatched `.item()`
+        self._view = _view(self.found)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (``ddp_spawn`` sends the callbacks to its processes): the buffer is made again from the flag."""
+        return {**self.__dict__, "_view": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._view = _view(self.found)
+
+    def clean(self, losses: list[torch.Tensor]) -> bool:
+        """The pass of a quiet step, as ``GradScaler`` makes its own (list the gradients, one fused check, one read
+        of its flag), for parameters that are not sharded: whether every gradient and each of ``losses`` is finite.
+        ``False`` also when no parameter has a gradient or the pass failed (its flag is then left set): the full
+        check finds out which."""
+        grads = [g for g in map(_GRAD, self.flat) if g is not None]
+        if not grads:
+            return False
+        flag = finite_probe(grads + losses if losses else grads, self.found, self.sums)
+        view = self._view
+        return view[0] == 0 if view is not None and flag is self.found else flag.item() == 0
+
+    def matches(self, groups: list[dict[str, Any]]) -> bool:
+        """Whether ``groups`` still hold the same parameter lists, of the same lengths."""
+        single = self.single
+        if single is not None:
+            if len(groups) != 1:
+                return False
+            params = groups[0]["params"]
+            return params is single[0] and len(params) == single[1]
+        return len(groups) == len(self.lists) and all(
+            group["params"] is params and len(params) == n
+            for group, (params, n) in zip(groups, self.lists, strict=True)
+        )
+
+
+def _view(flag: torch.Tensor) -> memoryview | None:
+    """A CPU flag's memory as a Python buffer (reads its value without a dispatched operator); ``None`` elsewhere."""
+    return flag.numpy().data if flag.device.type == "cpu" else None
