@@ -1,9 +1,10 @@
 """AnomalyAlarm's quiet batches: the batches whose end has nothing to do but keep the loss.
 
 On such a batch the alarm's ``on_train_batch_end`` is switched off (Lightning then skips it) and the loss is kept
-at ``on_before_backward`` instead, the same value at the same global step; while such batches follow one another,
-their start takes a short path. :class:`QuietLossKeeping` is that part of the alarm: the decision, the short
-paths of the backward, and the fall-back to the batch end for anything they do not handle.
+at ``on_before_backward`` instead, by reference, and handed on to the trends later, the same value at the same
+global step; while such batches follow one another, their start takes a short path. :class:`QuietLossKeeping` is
+that part of the alarm: the decision, the backward's short path, the hand-on, and the fall-back to the batch end
+for anything they do not handle.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ HAND_ON_EVERY = 64
 
 class QuietLossKeeping(DiagCallback):
     """A :class:`~lightning_diag.callbacks.base.DiagCallback` (the alarm) whose quiet batches keep their loss at
-    ``on_before_backward``: the loss sums and ``loss_outlier`` get what the batch end would have given them.
+    ``on_before_backward``: the loss sums and ``loss_outlier`` get what the batch end would have given them, in
+    the same order, by :meth:`_hand_on`.
 
     The subclass sets what is declared below (its helpers, and the batch's state its ``on_train_batch_start``
     finds) and calls :meth:`_decide_quiet` at the end of its full batch start; its short start of a batch that
