@@ -241,10 +241,9 @@ class AnomalyAlarm(QuietLossKeeping):
         #: The run-time checks (``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``,
         #: ``loss_outlier``, ``eval_before_training``); their rules and pending losses are declared on this callback.
         self.runtime = RuntimeChecks(self)
-        # What the quiet path reads instead of asking the trainer at every batch (set again at every fit's setup):
-        # the logging interval, whether Lightning hands on_train_batch_end its own detached clone of the loss
-        # (automatic optimization), and whether several ranks train.
-        self._every = 1
+        # What the quiet path reads instead of asking the trainer at every batch (set again at every fit's start):
+        # whether Lightning hands on_train_batch_end its own detached clone of the loss (automatic optimization),
+        # and whether several ranks train.
         self._private_losses = False
         self._several_ranks = False
         # Whether the current batch is one of the user's logging batches (found at its start, on the cadence axis).
@@ -336,7 +335,6 @@ class AnomalyAlarm(QuietLossKeeping):
         unsupported = self.recovery.start(trainer, pl_module, self._snapshot_state, self._restore_snapshot_state)
         if unsupported:
             self.notice(trainer, "rollback-unsupported", unsupported)
-        self._every = self.every_n_steps(trainer)
         self._private_losses = pl_module.automatic_optimization
         self.guard.keep_references = self._private_losses  # on_before_backward gets Lightning's own loss then
         self._several_ranks = trainer.world_size > 1

@@ -42,12 +42,16 @@ class OptimizerPass:
         self.__dict__.update(state)
         self._view = _view(self.found)
 
+    def gradients(self) -> list[torch.Tensor]:
+        """The parameters' gradients, those that have one, in order."""
+        return [g for g in map(_GRAD, self.flat) if g is not None]
+
     def clean(self, losses: list[torch.Tensor]) -> bool:
         """The pass of a quiet step, as ``GradScaler`` makes its own (list the gradients, one fused check, one read
         of its flag), for parameters that are not sharded: whether every gradient and each of ``losses`` is finite.
         ``False`` also when no parameter has a gradient or the pass failed (its flag is then left set): the full
         check finds out which."""
-        grads = [g for g in map(_GRAD, self.flat) if g is not None]
+        grads = self.gradients()
         if not grads:
             return False
         flag = finite_probe(grads + losses if losses else grads, self.found, self.sums)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +57,6 @@ _SHOWN_PARAMS = 5
 _MAX_HELD_LOSSES = 64
 #: What :meth:`NonFiniteGuard.check_step` returns for a step found clean (the quiet path builds nothing).
 _CLEAN = StepFindings(loss_bad=False, grad_bad=False)
-_GRAD = operator.attrgetter("grad")
 #: This rank's findings of a clean step.
 _NOTHING_LOCAL = (False, False)
 
@@ -362,7 +360,7 @@ class NonFiniteGuard:
         params = self._params.get(id(optimizer))
         if params is None or not params.matches(optimizer.param_groups):
             params = self._parameters(optimizer)
-        grads = [g for g in map(_GRAD, params.flat) if g is not None]
+        grads = params.gradients()
         if params.sharded:
             grads = [local_tensor(g) for g in grads]  # under sharded training: this rank's own shards
         if not grads:

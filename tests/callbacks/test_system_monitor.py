@@ -16,6 +16,7 @@ from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMo
 from lightning_diag.callbacks.base import DiagCallback
 from lightning_diag.instrument.attention_record import AttentionRecorder
 from tests.callbacks.system_models import FAST, MLP, Encoder, FakeTime, Recorder, StallEvery, Tick
+from tests.output.logger_models import MemoryLogger
 
 
 @pytest.fixture(autouse=True)
@@ -367,7 +368,7 @@ def test_the_reported_overhead_is_the_share_of_the_step_a_callback_really_takes(
     assert 0 < small < 1
 
 
-class SlowLogger(pl.loggers.Logger):
+class SlowLogger(MemoryLogger):
     """A logger whose every ``log_metrics`` blocks for ``seconds`` of (fake) wall time, as a synchronous HTTP
     client or a flushed file does: the work Lightning does every ``log_every_n_steps``."""
 
@@ -375,21 +376,14 @@ class SlowLogger(pl.loggers.Logger):
         super().__init__()
         self.clock = clock
         self.seconds = seconds
-        self.steps: list[int | None] = []
 
     @property
-    def name(self) -> str:
-        return "slow"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
+    def steps(self) -> list[int | None]:
+        """The steps of the writes, in order."""
+        return [step for step, _ in self.calls]
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.steps.append(step)
+        super().log_metrics(metrics, step)
         self.clock.advance(self.seconds, cpu=False)
 
 
