@@ -233,6 +233,16 @@ class DiagCallback(pl.Callback):
         for name, (_build, key) in self._rule_declarations.items():
             getattr(self, name).load_state_dict(state[key])
 
+    def rule_peaks(self) -> dict[str, float]:
+        """The largest excess each rule id's statistic reached in this fit, over the declared rules
+        (:attr:`Rule.peaks <lightning_diag.rules.base.Rule.peaks>`: 1.0 is the threshold): the calibration
+        harness's margin. Rules that note no statistic are absent."""
+        peaks: dict[str, float] = {}
+        for name in self._rule_declarations:
+            for rule_id, value in getattr(getattr(self, name), "peaks", {}).items():
+                peaks[rule_id] = max(value, peaks.get(rule_id, value))
+        return peaks
+
     def state_dict(self) -> dict[str, Any]:
         """Each declared rule's state under its ``state_key`` (a subclass adds its :attr:`extra_state_keys`)."""
         return self.rules_state_dict()

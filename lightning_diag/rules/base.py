@@ -167,6 +167,30 @@ class Rule:
 
     def __init__(self) -> None:
         self.latch = Latch()
+        #: The largest :func:`excess` each rule id's statistic reached in this fit (``1.0``: at its threshold;
+        #: below 1: that fraction of the way). A reading for the calibration harness (its *margin*), filled by
+        #: :meth:`observe`; not checkpoint state and never part of a decision.
+        self.peaks: dict[str, float] = {}
+
+    def observe(self, value: float, threshold: float, *, above: bool = True, rule: str | None = None) -> None:
+        """Note how close the statistic ``value`` came to ``threshold`` (a bound from above or below), for
+        :attr:`peaks`. Call it on every measurement a rule judges, whether it alerts or not; a value that cannot
+        be compared (:func:`excess` is ``nan``) is ignored.
+
+        Example:
+            >>> class _R(Rule):
+            ...     rule_id = "demo"
+            >>> r = _R()
+            >>> r.observe(4.0, 10.0); r.observe(0.5, 0.25, above=False); r.observe(float("nan"), 1.0)
+            >>> r.peaks
+            {'demo': 0.5}
+        """
+        x = excess(value, threshold, above)
+        if math.isnan(x):
+            return
+        key = rule or self.rule_id
+        if not x <= self.peaks.get(key, -math.inf):
+            self.peaks[key] = x
 
     def _alert(
         self,
