@@ -318,8 +318,8 @@ class ErrorAnalysis(DiagCallback):
             if features is not None:
                 slices, tested = find_slices(features, errors, wrong, min_count)
                 groups = find_groups(
-                    features, errors, wrong, min_count, self.rule.ratio, member_min,
-                    labels if classification else None, preds if classification else None,
+                    features, errors, wrong, min_count, self.rule.ratio, member_min=member_min,
+                    labels=labels if classification else None, predictions=preds if classification else None,
                 )
                 findings = self.rule.qualifying(groups.findings, analysis)
                 report.update(

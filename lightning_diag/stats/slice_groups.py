@@ -6,27 +6,32 @@ by a part of the group, or two features that fail only together. Judged one at a
 :func:`lightning_diag.stats.error_slices.find_slices` does), the group is split into slices that each hold a
 part of it, and the most significant part names the whole. :func:`find_groups` builds the group instead:
 
-1. **Candidates.** Every feature held by at least ``member_min`` samples (features of exactly the same samples
-   are one candidate), and every **conjunction** of two features each held by at least ``min_count`` samples
+1. **Candidates.** Every feature held by at least ``min_count`` samples, every feature other than a token bigram
+   held by at least ``member_min`` (bigrams are many, and each candidate raises every group's correction; a rare
+   bigram is described by its tokens), features of exactly the same samples being one candidate; and every **conjunction** of two features each held by at least ``min_count`` samples
    whose intersection holds at least ``min_count`` samples, differs from both, and leaves ``min_count`` outside
    (SliceLine's pairs, Sagadeeva and Boehm 2021). A conjunction becomes a candidate only when neither of its
    features reaches the lift ``ratio`` on its own ("fails only together"), but every eligible pair counts as a
    hypothesis. ``P`` = candidate features + eligible pairs.
-2. **Pool.** The candidates whose error rate is at least ``ratio`` times the overall rate, with at least 2 wrong
-   samples and a one-sided Fisher p-value of at most ``screen``; the ``max_pool`` most significant.
+2. **Pool.** The candidates whose error rate is at least ``member_lift`` times the overall rate (by default half
+   the lift ``ratio`` a finding needs, at least 1: a member need not qualify on its own, the group must), with at
+   least 2 wrong samples and a one-sided Fisher p-value of at most ``screen``; the ``max_pool`` most
+   significant.
 3. **Greedy union.** The most significant unused pool slice seeds a group (union ``U``, ``m = 1`` member). A
    further unused pool slice ``c`` may join when (a) it fails with the group: at least half of its wrong samples
    are already in ``U`` (its errors are mostly covered), or it is a sibling of the seed (a value of the same
    field: a token with tokens, ``source=...`` with ``source=...``; conjunctions have no siblings); (b) the samples
-   it adds fail at least ``ratio`` times the overall rate; (c) the union leaves ``min_count`` samples outside;
-   and (d) it makes the group's *corrected* p-value smaller. The slice that makes it smallest joins; the union
+   it adds fail at least ``member_lift`` times the overall rate; (c) the union leaves ``min_count`` samples outside;
+   (d) it makes the group's *corrected* p-value smaller; and (e) its own p-value times the price of one more
+   member (the factor by which the correction grows, below) is at most 1: a slice of a few samples that happen to
+   fail does not ride on the group's far tail. The slice that makes it smallest joins; the union
    grows while one does (at most ``max_members`` members). Then every unused pool slice whose samples overlap
    ``U`` with a Jaccard index of at least ``jaccard`` is listed as an alternative description of the group (an
    *alternate*), and the next unused slice seeds the next group.
 4. **Correction.** A group of ``m`` members is one of the ``C(P, m)`` unions of ``m`` candidates; its union's
-   one-sided Fisher p-value is multiplied by ``C(P, m) * 2**m`` (a weighted Bonferroni correction: the weights
-   ``2**-m / C(P, m)`` sum to at most 1 over every union of every size, so the family-wise error stays within
-   the level whatever the greedy search picks). Each member must pay for itself: a member that adds samples
+   one-sided Fisher p-value is multiplied by ``C(P, m) * m * (m + 1)`` (a weighted Bonferroni correction: the
+   weights ``1 / (m (m + 1) C(P, m))`` sum to at most 1 over every union of every size, so the family-wise error
+   stays within the level whatever the greedy search picks; a single slice pays ``2 P``). Each member must pay for itself: a member that adds samples
    which fail only by chance does not lower the corrected p-value, and does not join.
 
 The finding's numbers (size, share, error rate, lift, p-values) are the union's. Its *kind* is ``"slice"`` (one
@@ -75,7 +80,7 @@ class Groups:
 
     Attributes:
         findings: One per group, most significant first.
-        candidates: Candidate features (distinct sample sets held by at least ``member_min`` samples).
+        candidates: Candidate features (distinct sample sets; see the module docstring).
         conjunctions: Eligible pairs of features (each a hypothesis).
     """
 
@@ -128,6 +133,7 @@ def find_groups(
     min_count: int,
     ratio: float,
     member_min: int | None = None,
+    member_lift: float | None = None,
     labels: np.ndarray | None = None,
     predictions: np.ndarray | None = None,
     screen: float = SCREEN_P,
@@ -138,12 +144,15 @@ def find_groups(
     """The groups of slices that fail together (see the module docstring), most significant first.
 
     Args:
-        features: The sample x feature matrix (columns held by fewer than ``member_min`` samples are ignored).
+        features: The sample x feature matrix (columns held by fewer than ``member_min`` samples, and bigrams held
+            by fewer than ``min_count``, are ignored).
         errors: Each sample's error (0/1, or a token error rate).
         wrong: Each sample counted wrong (the test counts these).
         min_count: The smallest conjunction, and the fewest samples a group leaves outside.
-        ratio: A pool slice's (and the samples a member adds) error rate over the overall rate, at least.
+        ratio: The lift a finding needs (it sets the conjunctions' condition and the default ``member_lift``).
         member_min: The smallest member slice (default ``min_count``).
+        member_lift: A pool slice's (and the samples a member adds) error rate over the overall rate, at least
+            (default ``max(1, ratio / 2)``).
         labels: True labels (classification), for the majority label of a group's wrong samples.
         predictions: Predictions (classification), likewise.
         screen: A pool slice's largest uncorrected p-value.
@@ -166,6 +175,7 @@ def find_groups(
     members = features.members.tocsc()
     n = features.samples
     member_min = min_count if member_min is None else member_min
+    member_lift = max(1.0, ratio / 2) if member_lift is None else member_lift
     errors = np.asarray(errors, dtype=np.float64)
     wrong = np.asarray(wrong, dtype=bool)
     total_err, total_bad = float(errors.sum()), int(wrong.sum())
@@ -173,7 +183,10 @@ def find_groups(
         return Groups([], 0, 0)
     overall = total_err / n
     sizes = np.asarray(members.sum(axis=0)).ravel().astype(np.int64)
-    singles = _distinct_columns(members, (sizes >= member_min) & (n - sizes >= min_count))
+    small = np.array([feature_field(name) != "bigram" for name in features.names], dtype=bool)
+    singles = _distinct_columns(
+        members, ((sizes >= min_count) | (small & (sizes >= member_min))) & (n - sizes >= min_count)
+    )
     if not singles:
         return Groups([], 0, 0)
     firsts = np.array([cols[0] for cols in singles], dtype=np.int64)
@@ -216,7 +229,7 @@ def find_groups(
     rate = all_err / all_size
     rest = (total_err - all_err) / (n - all_size)
     log_p = _log_sf(all_bad, n, total_bad, all_size)
-    ok = (rate >= ratio * overall) & (rate > rest) & (all_bad >= 2) & (log_p <= math.log(screen))
+    ok = (rate >= member_lift * overall) & (rate > rest) & (all_bad >= 2) & (log_p <= math.log(screen))
     order = [int(i) for i in np.argsort(log_p, kind="stable") if ok[i]][:max_pool]
     if not order:
         return Groups([], len(singles), conjunctions)
@@ -239,7 +252,7 @@ def find_groups(
     hypotheses = len(singles) + conjunctions
 
     def correction(m: int) -> float:
-        return math.lgamma(hypotheses + 1) - math.lgamma(m + 1) - math.lgamma(hypotheses - m + 1) + m * math.log(2)
+        return math.lgamma(hypotheses + 1) - math.lgamma(m + 1) - math.lgamma(hypotheses - m + 1) + math.log(m * (m + 1))
 
     used = np.zeros(len(order), dtype=bool)
     found: list[tuple[float, Finding]] = []
@@ -262,8 +275,12 @@ def find_groups(
             with np.errstate(divide="ignore", invalid="ignore"):
                 joins = (
                     ~used & (added > 0) & ((inside_bad >= COVERED * q_bad) | sibling)
-                    & (added_err / np.maximum(added, 1) >= ratio * overall) & (n - new_size >= min_count)
+                    & (added_err / np.maximum(added, 1) >= member_lift * overall) & (n - new_size >= min_count)
                 )
+            if not joins.any():
+                break
+            price = correction(len(chosen) + 1) - correction(len(chosen))
+            joins &= log_p[order] + price <= 0.0
             if not joins.any():
                 break
             cand = np.flatnonzero(joins)
