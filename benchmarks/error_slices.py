@@ -205,7 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if top is not None:
             line += (f"; {what}: {top['share']:.1%} of the samples, error rate {top['error_rate']:.3f}, lift "
                      f"{top['lift']:.2f}x, corrected p {top['p_adjusted']:.1e}, "
-                     + (f"{top['kind']}: {top['description']}" if "kind" in top else f"features {', '.join(top['features'])}"))
+                     + (f"{top['kind']}: {top['description']}" if "kind" in top
+                        else f"features {', '.join(top['features'])}"))
         print(line)
     last = callback.last or {}
     print(f"ErrorAnalysis at step {last.get('step')}: error rate {last.get('error_rate', float('nan')):.3f}, "

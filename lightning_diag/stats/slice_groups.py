@@ -8,9 +8,10 @@ part of it, and the most significant part names the whole. :func:`find_groups` b
 
 1. **Candidates.** Every feature held by at least ``min_count`` samples, every feature other than a token bigram
    held by at least ``member_min`` (bigrams are many, and each candidate raises every group's correction; a rare
-   bigram is described by its tokens), features of exactly the same samples being one candidate; and every **conjunction** of two features each held by at least ``min_count`` samples
-   whose intersection holds at least ``min_count`` samples, differs from both, and leaves ``min_count`` outside
-   (SliceLine's pairs, Sagadeeva and Boehm 2021). A conjunction becomes a candidate only when neither of its
+   bigram is described by its tokens), features of exactly the same samples being one candidate; and every
+   **conjunction** of two features each held by at least ``min_count`` samples whose intersection holds at least
+   ``min_count`` samples, differs from both, and leaves ``min_count`` outside (SliceLine's pairs, Sagadeeva and
+   Boehm 2021). A conjunction becomes a candidate only when neither of its
    features reaches the lift ``ratio`` on its own ("fails only together"), but every eligible pair counts as a
    hypothesis. ``P`` = candidate features + eligible pairs.
 2. **Pool.** The candidates whose error rate is at least ``member_lift`` times the overall rate (by default half
@@ -31,8 +32,9 @@ part of it, and the most significant part names the whole. :func:`find_groups` b
 4. **Correction.** A group of ``m`` members is one of the ``C(P, m)`` unions of ``m`` candidates; its union's
    one-sided Fisher p-value is multiplied by ``C(P, m) * m * (m + 1)`` (a weighted Bonferroni correction: the
    weights ``1 / (m (m + 1) C(P, m))`` sum to at most 1 over every union of every size, so the family-wise error
-   stays within the level whatever the greedy search picks; a single slice pays ``2 P``). Each member must pay for itself: a member that adds samples
-   which fail only by chance does not lower the corrected p-value, and does not join.
+   stays within the level whatever the greedy search picks; a single slice pays ``2 P``). Each member must pay
+   for itself: a member that adds samples which fail only by chance does not lower the corrected p-value, and
+   does not join.
 
 The finding's numbers (size, share, error rate, lift, p-values) are the union's. Its *kind* is ``"slice"`` (one
 feature, with its alternates), ``"conjunction"`` (one conjunction) or ``"disjunction"`` (several members).
@@ -252,7 +254,8 @@ def find_groups(
     hypotheses = len(singles) + conjunctions
 
     def correction(m: int) -> float:
-        return math.lgamma(hypotheses + 1) - math.lgamma(m + 1) - math.lgamma(hypotheses - m + 1) + math.log(m * (m + 1))
+        log_comb = math.lgamma(hypotheses + 1) - math.lgamma(m + 1) - math.lgamma(hypotheses - m + 1)
+        return log_comb + math.log(m * (m + 1))
 
     used = np.zeros(len(order), dtype=bool)
     found: list[tuple[float, Finding]] = []
@@ -330,10 +333,8 @@ def _finding(
                float(all_err[i] / all_size[i] / overall), int(all_bad[i]), float(np.exp(log_p[i])))
         for i in chosen
     )
-    if len(chosen) > 1:
-        kind = "disjunction"
-    else:
-        kind = "conjunction" if CONJUNCTION in name(chosen[0])[0] else "slice"
+    single = "conjunction" if CONJUNCTION in name(chosen[0])[0] else "slice"
+    kind = "disjunction" if len(chosen) > 1 else single
     label = pred = None
     bad_rows = np.flatnonzero(in_u & wrong)
     if labels is not None and predictions is not None and len(bad_rows):

@@ -62,8 +62,7 @@ def test_token_ranges_are_compact():
 
 
 def test_a_disjunction_is_described_by_token_ranges_and_other_members_with_the_union_numbers():
-    members = tuple(member(str(t)) for t in (181, 180, 182, 183, 184, 185, 186, 187, 188, 189)) + (
-        member("source=forum"),)
+    members = (*(member(str(t)) for t in (181, 180, 182, 183, 184, 185, 186, 187, 188, 189)), member("source=forum"))
     g = group(features=tuple(m.features[0] for m in members), kind="disjunction", members=members, size=150,
               share=0.15, error_rate=0.45, alternates=("180 181",))
     assert describe_members(g) == "holding any of tokens 180–189, source=forum (also tokens '180 181')"

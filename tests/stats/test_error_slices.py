@@ -135,7 +135,8 @@ def test_disjoint_markers_too_small_to_be_slices_are_one_disjunction_with_the_un
     assert not any(s.features[0].startswith("tag=") for s in singles)  # each marker (10 samples) is below support
     groups = find_groups(f, wrong.astype(float), wrong, min_count=30, ratio=3.0, member_min=5)
     [group] = [g for g in groups.findings if ErrorClusterRule().qualifies(g)]
-    assert group.kind == "disjunction" and sorted(m.features[0] for m in group.members) == [f"tag=m{i}" for i in range(8)]
+    assert group.kind == "disjunction"
+    assert sorted(m.features[0] for m in group.members) == [f"tag=m{i}" for i in range(8)]
     assert group.size == 80 == hard.sum() and group.share == group.union_share == pytest.approx(80 / 600)
     assert group.error_rate == group.union_error_rate == pytest.approx(wrong[hard].mean())
     assert group.rest_error_rate == pytest.approx(wrong[~hard].mean())
@@ -154,7 +155,7 @@ def rng_words(n, seed=5):
 
 
 def test_an_unrelated_failing_field_value_stays_a_separate_finding():
-    tag, hard, wrong = _markers()
+    tag, _, wrong = _markers()
     n = len(tag)
     source = np.where(np.arange(n) >= n - 60, "forum", "news")
     wrong = wrong | ((np.arange(n) >= n - 60) & (np.random.default_rng(3).random(n) < 0.6))
