@@ -70,14 +70,18 @@ class ErrorAnalysis(DiagCallback):
     the embeddings (K-Means for every k in ``k_range``, :mod:`lightning_diag.stats.error_clusters`). Every slice
     holding at least ``min_share`` of the samples is judged on its error rate against the rest: lift (its rate
     over the overall rate) and a one-sided Fisher exact p-value, Bonferroni-corrected for the slices tested.
-    Slices that qualify and hold nearly the same samples (Jaccard >= 0.5) are merged into one finding that lists
-    their features. Nothing runs on training steps.
+    Slices that fail together are one finding (:mod:`lightning_diag.stats.slice_groups`): a greedy union of member
+    slices (down to a tenth of ``min_share``, and conjunctions of two features that fail only together), each
+    joining while it lowers the union's p-value corrected over every union of that many candidates; a finding is
+    judged and reported on its union and described as a slice, a conjunction ("token 5 and source=web") or a
+    disjunction ("holding any of tokens 180–189"). Nothing runs on training steps.
 
     Rule ``error_cluster`` (warning): a finding whose lift is at least its threshold, which holds at least
     ``min_share`` of the samples, and whose corrected p-value is within the fit's significance level :attr:`alpha`
     (at the v-th analysed validation, at most ``alpha / (v (v + 1))``: shares that sum to ``alpha`` over the whole
-    fit); the message names its defining features (tokens decoded with ``tokenizer.decode`` when given), size,
-    error rate against the rest's, lift, p-value and majority true and predicted labels.
+    fit); the message names what its samples share (tokens decoded with ``tokenizer.decode`` when given), the
+    size and share of the union, its error rate against the rest's, lift, p-value and majority true and predicted
+    labels.
 
     Logged (global rank zero): ``diag/errors/rate`` (overall), ``diag/errors/worst_cluster_rate`` and
     ``diag/errors/worst_cluster_share`` (the first finding's, else the most significant slice's),
