@@ -14,14 +14,14 @@ comes from ``source=forum`` (returned as metadata by ``validation_step``; ``sour
 coin-flip label, and no telling token.
 
 One fit of an EmbeddingBag classifier (d 64, a hidden layer of 64, AdamW; 4,000 training and 1,000 validation
-samples, 4 epochs, one torch thread) with ``ErrorAnalysis()`` at its defaults, then it prints the group's truth
+samples (``--val-size``), 4 epochs, one torch thread) with ``ErrorAnalysis()`` at its defaults, then it prints the group's truth
 (size, error inside and outside), each finding ErrorAnalysis reported (size, error rate, lift, p-value, defining
 features) and the alerts.
 
     PYTHONPATH=. .venv/bin/python benchmarks/error_slices.py                 # the planted group (about 30 s)
     PYTHONPATH=. .venv/bin/python benchmarks/error_slices.py --hard-share 0 --noise 0.25   # uniform noise
     PYTHONPATH=. .venv/bin/python benchmarks/error_slices.py --hard-share 0  # a healthy run
-    PYTHONPATH=. .venv/bin/python benchmarks/error_slices.py --markers 10 --unrelated 0.08  # ten markers, a forum
+    PYTHONPATH=. .venv/bin/python benchmarks/error_slices.py --markers 10 --unrelated 0.08 --val-size 2000
 """
 
 from __future__ import annotations
@@ -179,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hard-share", type=float, default=0.14, help="share of the planted hard group (0: none)")
     parser.add_argument("--noise", type=float, default=0.0, help="uniform label noise on every sample instead")
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--val-size", type=int, default=1000, help="validation samples")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markers", type=int, default=0, help="mark the group by one of N marker tokens (0: 901-903)")
     parser.add_argument("--unrelated", type=float, default=0.0, help="share of an unrelated hard source=forum group")
@@ -187,22 +188,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--hard-share, --noise and --unrelated must be in [0, 1) (and --unrelated below 1 - --hard-share)")
     if not 0 <= args.markers <= len(MARKERS):
         parser.error(f"--markers must be in [0, {len(MARKERS)}]")
-    if args.epochs < 1:
-        parser.error("--epochs must be >= 1")
+    if args.epochs < 1 or args.val_size < 100:
+        parser.error("--epochs must be >= 1 and --val-size >= 100")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as root:
         reports: list[dict[str, Any]] = []
         callback, _, model, hard = run(root, args.hard_share, args.noise, args.epochs, seed=args.seed,
-                                       reports=reports, markers=args.markers, unrelated=args.unrelated)
+                                       reports=reports, markers=args.markers, unrelated=args.unrelated,
+                                       val_size=args.val_size)
     t = truth(model, hard)
     tokens = list(MARKERS[:args.markers]) if args.markers else list(PLANTED)
     print(f"planted group: {t['share']:.1%} of {len(hard)} validation samples, tokens {tokens}; final error "
           f"{t['inside']:.3f} inside, {t['outside']:.3f} outside, {t['overall']:.3f} overall")
     for report in reports:
-        top = report["findings"][0] if report["findings"] else report["slices"][0] if report["slices"] else None
-        what = "finding" if report["findings"] else "most significant slice"
         line = f"validation at step {report['step']}: error rate {report['error_rate']:.3f}"
-        if top is not None:
+        found = report["findings"] or report["slices"][:1]
+        what = "finding" if report["findings"] else "most significant slice"
+        for top in found:
             line += (f"; {what}: {top['share']:.1%} of the samples, error rate {top['error_rate']:.3f}, lift "
                      f"{top['lift']:.2f}x, corrected p {top['p_adjusted']:.1e}, "
                      + (f"{top['kind']}: {top['description']}" if "kind" in top
