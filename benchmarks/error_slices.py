@@ -14,9 +14,9 @@ comes from ``source=forum`` (returned as metadata by ``validation_step``; ``sour
 coin-flip label, and no telling token.
 
 One fit of an EmbeddingBag classifier (d 64, a hidden layer of 64, AdamW; 4,000 training and 1,000 validation
-samples (``--val-size``), 4 epochs, one torch thread) with ``ErrorAnalysis()`` at its defaults, then it prints the group's truth
-(size, error inside and outside), each finding ErrorAnalysis reported (size, error rate, lift, p-value, defining
-features) and the alerts.
+samples (``--val-size``), 4 epochs, one torch thread) with ``ErrorAnalysis()`` at its defaults, then it prints
+the group's truth (size, error inside and outside), each finding ErrorAnalysis reported (size, error rate, lift,
+p-value, kind and description, or defining features) and the alerts.
 
     PYTHONPATH=. .venv/bin/python benchmarks/error_slices.py                 # the planted group (about 30 s)
     PYTHONPATH=. .venv/bin/python benchmarks/error_slices.py --hard-share 0 --noise 0.25   # uniform noise
