@@ -88,8 +88,9 @@ GroupT = TypeVar("GroupT", bound=Group)
 
 class ErrorClusterRule(Rule):
     """``error_cluster``: a group of validation samples that share a feature (a slice, a conjunction of two, or the
-    union of slices that fail together, :mod:`lightning_diag.stats.slice_groups`) whose error rate is at least ``ratio`` times the overall rate (its lift), which holds at
-    least ``min_share`` of the samples, and whose corrected p-value is at most ``alpha``.
+    union of slices that fail together, :mod:`lightning_diag.stats.slice_groups`) whose error rate is at least
+    ``ratio`` times the overall rate (its lift), which holds at least ``min_share`` of the samples, and whose
+    corrected p-value is at most ``alpha``.
 
     The level is spent over the fit's validations: at the ``analysis``-th analysed validation the corrected
     p-value must be at most ``alpha / (analysis * (analysis + 1))`` (:meth:`level`), shares that sum to ``alpha``,

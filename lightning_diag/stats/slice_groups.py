@@ -11,9 +11,10 @@ part of it, and the most significant part names the whole. :func:`find_groups` b
    bigram is described by its tokens), features of exactly the same samples being one candidate; and every
    **conjunction** of two features each held by at least ``min_count`` samples whose intersection holds at least
    ``min_count`` samples, differs from both, and leaves ``min_count`` outside (SliceLine's pairs, Sagadeeva and
-   Boehm 2021). A conjunction becomes a candidate only when neither of its
-   features reaches the lift ``ratio`` on its own ("fails only together"), but every eligible pair counts as a
-   hypothesis. ``P`` = candidate features + eligible pairs.
+   Boehm 2021). A conjunction becomes a candidate only when neither of its features reaches the lift ``ratio`` on
+   its own ("fails only together"), and only pairs of the ``max_parents`` most significant such features are
+   evaluated (the cost), but every eligible pair counts as a hypothesis. ``P`` = candidate features + eligible
+   pairs.
 2. **Pool.** The candidates whose error rate is at least ``member_lift`` times the overall rate (by default half
    the lift ``ratio`` a finding needs, at least 1: a member need not qualify on its own, the group must), with at
    least 2 wrong samples and a one-sided Fisher p-value of at most ``screen``; the ``max_pool`` most
@@ -57,6 +58,7 @@ __all__ = [
     "CONJUNCTION",
     "COVERED",
     "MAX_MEMBERS",
+    "MAX_PARENTS",
     "MAX_POOL",
     "SCREEN_P",
     "Groups",
@@ -74,6 +76,8 @@ SCREEN_P = 0.05
 MAX_POOL = 200
 #: Most members of one group.
 MAX_MEMBERS = 24
+#: Conjunctions are evaluated among this many features at most (the most significant).
+MAX_PARENTS = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +125,17 @@ def _distinct_columns(members: Any, keep: np.ndarray) -> list[list[int]]:
 
 
 def _log_sf(bad: np.ndarray, n: int, total_bad: int, size: np.ndarray) -> np.ndarray:
-    """log of the one-sided Fisher exact p-value of ``bad`` wrong samples in sets of ``size``."""
+    """log of the one-sided Fisher exact p-value of ``bad`` wrong samples in sets of ``size`` (``hypergeom.sf``,
+    fast; its slow ``logsf`` only where the p-value underflows)."""
     from scipy.stats import hypergeom
 
+    bad, size = np.broadcast_arrays(np.asarray(bad, dtype=np.int64), np.asarray(size, dtype=np.int64))
     with np.errstate(divide="ignore"):
-        return np.asarray(hypergeom.logsf(np.asarray(bad) - 1, n, total_bad, np.asarray(size)), dtype=np.float64)
+        out = np.log(np.asarray(hypergeom.sf(bad - 1, n, total_bad, size), dtype=np.float64))
+        tiny = ~(out > -700.0)
+        if tiny.any():
+            out[tiny] = hypergeom.logsf(bad[tiny] - 1, n, total_bad, size[tiny])
+    return out
 
 
 def find_groups(
@@ -141,6 +151,7 @@ def find_groups(
     screen: float = SCREEN_P,
     max_pool: int = MAX_POOL,
     max_members: int = MAX_MEMBERS,
+    max_parents: int = MAX_PARENTS,
     jaccard: float = MERGE_JACCARD,
 ) -> Groups:
     """The groups of slices that fail together (see the module docstring), most significant first.
@@ -160,6 +171,8 @@ def find_groups(
         screen: A pool slice's largest uncorrected p-value.
         max_pool: Most pool slices.
         max_members: Most members of a group.
+        max_parents: Conjunctions are evaluated among this many features (the most significant that do not reach
+            the lift alone); every eligible pair is counted in ``P`` all the same.
         jaccard: Unused pool slices overlapping a group's union this much are its alternates.
 
     Example:
@@ -215,15 +228,21 @@ def find_groups(
             & (inter < psize[:, None]) & (inter < psize[None, :])
         )
         conjunctions = int(eligible.sum())
-        both_plain = ~lifted[parents][:, None] & ~lifted[parents][None, :]
-        ii, jj = np.nonzero(eligible & both_plain)
+        # evaluated: pairs of the max_parents most significant parents that do not reach the lift alone (every
+        # eligible pair is counted above, so evaluating fewer keeps the correction valid)
+        plain = np.flatnonzero(~lifted[parents])
+        plain = plain[np.argsort(_log_sf(bad[parents[plain]], n, total_bad, size[parents[plain]]), kind="stable")]
+        plain = np.sort(plain[:max_parents])
+        ii, jj = np.nonzero(eligible[np.ix_(plain, plain)])
         if len(ii):
-            inter_err = (psub.T @ psub.multiply(errors[:, None]).tocsc()).toarray()
-            inter_bad = (psub.T @ psub.multiply(wrong[:, None].astype(np.float64)).tocsc()).toarray()
-            conj_size = inter[ii, jj]
+            qsub = psub[:, plain]
+            inter_err = (qsub.T @ qsub.multiply(errors[:, None]).tocsc()).toarray()
+            inter_bad = (qsub.T @ qsub.multiply(wrong[:, None].astype(np.float64)).tocsc()).toarray()
+            conj_size = inter[plain[ii], plain[jj]]
             conj_err = inter_err[ii, jj]
             conj_bad = inter_bad[ii, jj].round().astype(np.int64)
-            pairs = [(int(parents[i]), int(parents[j])) for i, j in zip(ii.tolist(), jj.tolist(), strict=True)]
+            pairs = [(int(parents[plain[i]]), int(parents[plain[j]])) for i, j in zip(ii.tolist(), jj.tolist(),
+                                                                                      strict=True)]
 
     all_size = np.concatenate([size, np.asarray(conj_size, dtype=np.int64)])
     all_err = np.concatenate([err, np.asarray(conj_err, dtype=np.float64)])
