@@ -238,6 +238,24 @@ def _append(held: dict[str, Series], points: dict[str, Series]) -> int | None:
     return restart
 
 
+def _masked_crc32c() -> Callable[[bytes], int]:
+    """TensorBoard's masked CRC-32C: computed in C by ``google_crc32c`` where it is installed (a run's worth of
+    records in microseconds), else TensorBoard's own pure-Python one (the same numbers, about 50x slower)."""
+    try:
+        import google_crc32c  # optional: the report does not need it
+    except ImportError:
+        from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+        return masked_crc32c  # type: ignore[no-any-return]
+    value = google_crc32c.value
+
+    def masked(data: bytes) -> int:
+        crc = value(data)
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    return masked
+
+
 def _records(fh: BinaryIO, path: Path, problems: list[str]) -> Iterator[bytes]:
     """The records of a TFRecord event file, each checked against its CRC-32C.
 
@@ -245,8 +263,7 @@ def _records(fh: BinaryIO, path: Path, problems: list[str]) -> Iterator[bytes]:
     length ends the file; each is said in ``problems``. A torn last record (a run killed mid-write, or still
     writing) ends the file silently, as in TensorBoard.
     """
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-
+    masked_crc32c = _masked_crc32c()
     size = os.fstat(fh.fileno()).st_size
     pos, damaged = 0, 0
     while True:

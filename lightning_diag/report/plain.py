@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import statistics
 from collections.abc import Mapping
@@ -164,8 +165,8 @@ def _nonfinite(run: RunData, s: _Series, found: _Found) -> None:
                 dataclasses.replace(
                     a,
                     source=tag,
-                    message=f"the logged {role.replace('_', ' ')} `{tag}` is {v} at step {step} (epoch "
-                    f"{a.epoch}); last finite value {last:.6g}"
+                    message=f"the logged loss `{tag}` ({role}) is {v} at step {step} (epoch {a.epoch}); last "
+                    f"finite value {last:.6g}"
                     + (f"; learning rate {lr:.3g}" if lr is not None else "")
                     + ". Attach AnomalyAlarm to stop (or skip) such a step and to find the first non-finite "
                     "value",
@@ -257,9 +258,13 @@ def _outliers(run: RunData, s: _Series, found: _Found) -> None:
     if len(s.train) < rule.window // 2 + 1:
         found.notes[LOSS_OUTLIER] = f"needs more than {rule.window // 2} logged training losses, the run has {len(s.train)}"
         return
-    last = s.train[-1][0]
-    found.add(LOSS_OUTLIER, rule.update([v for _, v in s.train], [step for step, _ in s.train],
-                                        StepContext(s.epoch_at(last), last)))
+    chunk: Series = []
+    for i, (step, v) in enumerate(s.train):  # an epoch's logged steps at a time, as the alarm feeds its pending losses
+        chunk.append((step, v))
+        if i + 1 == len(s.train) or s.epoch_at(s.train[i + 1][0]) != s.epoch_at(step):
+            ctx = StepContext(s.epoch_at(step), step)
+            found.add(LOSS_OUTLIER, rule.update([x for _, x in chunk], [t for t, _ in chunk], ctx))
+            chunk = []
     found.measured[LOSS_OUTLIER] = f"{len(found.alerts.get(LOSS_OUTLIER, []))} outlier alert(s) over {len(s.train)} logged training losses"
 
 
@@ -270,6 +275,28 @@ def _not_measured(check: Check) -> Check:
     else:
         check.add_note("outside what a training callback sees; no lightning_diag callback measures it")
     return check
+
+
+@functools.lru_cache(maxsize=1)
+def _checklist() -> tuple[Check, ...]:
+    """The rows of every plain run, before judging: titles and thresholds from the registry's defaults (the same
+    for every plain run, so described once), the rows a plain run cannot measure already marked."""
+    thresholds = default_thresholds()
+    specs = sorted(CHECKS.values(), key=lambda spec: CHECKLIST_LAYERS.index(spec.layer))
+    checks = [Check(spec.check_id, spec.layer, spec.describe(thresholds), spec.rules) for spec in specs]
+    checks += [
+        Check(rule, "Other", (t := RULES[rule].describe(thresholds))[:1].upper() + t[1:], (rule,))
+        for rule in _OTHER_RULES
+    ]
+    for check in checks:
+        if check.id not in _MEASURED_ROWS and check.id not in _OTHER_RULES:
+            _not_measured(check)
+            continue
+        check.threshold = "; ".join(RULES[r].describe(thresholds) for r in check.rules if r in RULES)
+        if check.id == _NONFINITE:
+            check.threshold = "no non-finite value"
+            check.rules = (NONFINITE_LOSS,)
+    return tuple(checks)
 
 
 def diagnose_plain(run: RunData) -> RunReport:
@@ -283,22 +310,13 @@ def diagnose_plain(run: RunData) -> RunReport:
     _trend(run, s, found)
     _outliers(run, s, found)
     run.alerts = sorted((a for alerts in found.alerts.values() for a in alerts), key=lambda a: a.global_step)
-    specs = sorted(CHECKS.values(), key=lambda spec: CHECKLIST_LAYERS.index(spec.layer))
-    checks = [Check(spec.check_id, spec.layer, spec.describe(run.thresholds), spec.rules) for spec in specs]
-    checks += [
-        Check(rule, "Other", (t := RULES[rule].describe(run.thresholds))[:1].upper() + t[1:], (rule,))
-        for rule in _OTHER_RULES
-    ]
     out: list[Check] = []
-    for check in checks:
+    for template in _checklist():
+        check = dataclasses.replace(template)
         row = check.id
         if row not in _MEASURED_ROWS and row not in _OTHER_RULES:
-            out.append(_not_measured(check))
+            out.append(check)
             continue
-        check.threshold = "; ".join(RULES[r].describe(run.thresholds) for r in check.rules if r in RULES)
-        if row == _NONFINITE:
-            check.threshold = "no non-finite value"
-            check.rules = (NONFINITE_LOSS,)
         check.measured = found.measured.get(row)
         if row in found.notes:
             check.add_note(found.notes[row])

@@ -214,11 +214,12 @@ def render_stream(
     held: str | None = None  # without details: the first run's section, shown only if it stays the only run
     for rep in reports:
         lines.append(summarize(rep))
-        section = "".join("\n" + line for line in _md_run(rep, plot_base))
         if details:
-            yield section
+            yield "".join("\n" + line for line in _md_run(rep, plot_base))
+        elif len(lines) == 1:
+            held = "".join("\n" + line for line in _md_run(rep, plot_base))
         else:
-            held = section if len(lines) == 1 else None
+            held = None
     if held is not None:
         yield held
     if len(lines) > 1:
