@@ -225,7 +225,7 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
         )
     else:
         found.notes[LOSS_SWING] = f"needs at least two points ({unit}s spanning {swing.min_steps} steps); " + (
-            f"the run has {len(points)}" if points else "no training loss was logged"
+            f"the run has {len(points)}" if points else f"the run logged {len(s.train)} training losses"
         )
     if s.val:
         found.measured[VAL_DECLINE] = f"longest run of worse validations: {longest} (of {len(s.val)} validations)"

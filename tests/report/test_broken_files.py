@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from lightning_diag.cli import main
-from lightning_diag.report import load_run
+from lightning_diag.report import load_fits, load_run
 from tests.report.runs import LOSS, alert, cli, make_run, write_events
 
 
@@ -162,17 +162,23 @@ def test_a_flipped_byte_in_an_event_file_loses_one_point_and_says_so(tmp_path, c
     assert "1 damaged record(s) (checksum mismatch) left out" in _md_report(run, capsys)
 
 
-def test_two_fits_in_one_diag_folder_are_not_merged(tmp_path, capsys):
+def test_two_fits_in_one_diag_folder_are_two_runs(tmp_path, capsys):
     run = tmp_path / "run"
     diag = run / "diag"
     write_events(diag, {LOSS: [1.0, 0.9, 0.8, 0.7]}, suffix=".1")
     write_events(diag, {LOSS: [2.0, 1.9, 1.8]}, suffix=".2")  # the second fit, from step 0 again
-    loaded = load_run(run)
-    assert loaded.scalars[LOSS] == [(0, 2.0), (10, pytest.approx(1.9)), (20, pytest.approx(1.8))]
-    (problem,) = loaded.problems
-    assert "a second fit (or a resume)" in problem and "restarting at step 0" in problem
-    rep = _json_report(run, capsys)
-    assert rep["problems"] == [problem]
+    first, second = load_fits(run)
+    assert [s for s, _ in first.scalars[LOSS]] == [0, 10, 20, 30] and first.scalars[LOSS][0] == (0, 1.0)
+    assert second.scalars[LOSS] == [(0, 2.0), (10, pytest.approx(1.9)), (20, pytest.approx(1.8))]
+    assert (first.fit, second.fit) == ("fit 1 of 2", "fit 2 of 2")
+    (problem,) = second.problems
+    assert "2 fits were logged into this folder" in problem and "this is fit 2 of 2" in problem
+    assert load_run(run).scalars == second.scalars  # load_run: the last fit, and it says so
+    assert any("only the last of 2 fits" in p for p in load_run(run).problems)
+    assert main(["report", str(run), "--format", "json"]) == 0
+    reports = json.loads(capsys.readouterr().out)["runs"]
+    assert [r["fit"] for r in reports] == ["fit 1 of 2", "fit 2 of 2"]
+    assert reports[1]["problems"] == [problem]
 
 
 def test_a_resume_keeps_the_points_before_its_first_step(tmp_path):
