@@ -48,8 +48,7 @@ def series(index: int, steps: int) -> dict[str, list[tuple[int, float]]]:
             block = []
             worse = 0.15 * epoch if fault == "overfit" else 0.0
             val.append((step, 2.0 * math.exp(-step / 30) + 0.15 + worse))
-    return {"train_loss_step": train, "train_loss_epoch": epoch_means, "val_loss": val, "lr-Adam": lr,
-            "epoch": epochs}
+    return {"train_loss_step": train, "train_loss_epoch": epoch_means, "val_loss": val, "lr-Adam": lr, "epoch": epochs}
 
 
 def write_tensorboard(folder: Path, logged: dict[str, list[tuple[int, float]]]) -> None:
@@ -121,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [line for line in out.splitlines() if line.startswith("| FAIL") or line.startswith("| ok")]
     print("| runs | steps each | generate (s) | report (s) | per run (ms) | summary lines |")
     print("|---|---|---|---|---|---|")
-    print(f"| {args.runs} | {args.steps} | {made:.1f} | {seconds:.1f} | {1000 * seconds / args.runs:.1f} | {len(lines)} |")
+    print(
+        f"| {args.runs} | {args.steps} | {made:.1f} | {seconds:.1f} | {1000 * seconds / args.runs:.1f} | {len(lines)} |"
+    )
     return 0 if code == 0 else 1
 
 

@@ -237,7 +237,10 @@ def _report(
             runs = reports()
             first = next(runs)  # nothing is written before a run with diagnostics is found
             chunks = render_stream(
-                itertools.chain([first], runs), fmt, plot_base=out_dir, details=details  # type: ignore[arg-type]
+                itertools.chain([first], runs),
+                fmt,  # type: ignore[arg-type]
+                plot_base=out_dir,
+                details=details,
             )
             if out_dir is None:
                 _print_chunks(chunks)

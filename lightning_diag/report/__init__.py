@@ -38,8 +38,8 @@ from lightning_diag.report.load import (
     load_run,
 )
 from lightning_diag.report.plain import diagnose_plain, map_plain_run
-from lightning_diag.report.tag_map import is_candidate
 from lightning_diag.report.render import FORMATS, Format, render, render_stream
+from lightning_diag.report.tag_map import is_candidate
 
 __all__ = [
     "ALERTS_FILE",

@@ -193,9 +193,7 @@ _OTHER_MEASURED: dict[str, Callable[[RunData, Check], bool]] = {
 # -- judging ----------------------------------------------------------------------------------------------
 
 
-def finish_check(
-    check: Check, run: RunData, measured: bool, replayed: list[Alert], name_owners: bool = True
-) -> Check:
+def finish_check(check: Check, run: RunData, measured: bool, replayed: list[Alert], name_owners: bool = True) -> Check:
     """The status from the run's alerts, the replayed rules' alerts and whether the series was measured.
 
     A row left ``not measured`` names the callbacks of its rules that the run did not attach (unless

@@ -246,7 +246,7 @@ def _masked_crc32c() -> Callable[[bytes], int]:
     except ImportError:
         from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-        return masked_crc32c  # type: ignore[no-any-return]
+        return masked_crc32c
     value = google_crc32c.value
 
     def masked(data: bytes) -> int:

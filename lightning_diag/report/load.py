@@ -120,11 +120,11 @@ class RunData:
 def find_runs(logdir: str | os.PathLike[str]) -> list[Path]:
     """Run directories under ``logdir`` (itself included), sorted by path.
 
-    A directory is a run when it holds event files or a ``CSVLogger``'s ``metrics.csv``, or a ``diag/`` folder with
-    ``alerts.jsonl`` or ``thresholds.json``. Event files inside a ``diag/`` folder (the library's own writer, used when the trainer
-    has no TensorBoard logger) belong to the folder's parent. Symbolic links to folders are followed
-    (``logs/latest -> version_3``), each folder is visited once, and a run reached both directly and through a
-    link is listed once, under its own path.
+    A directory is a run when it holds event files or a ``CSVLogger``'s ``metrics.csv``, or a ``diag/`` folder
+    with ``alerts.jsonl`` or ``thresholds.json``. Event files inside a ``diag/`` folder (the library's own writer,
+    used when the trainer has no TensorBoard logger) belong to the folder's parent. Symbolic links to folders are
+    followed (``logs/latest -> version_3``), each folder is visited once, and a run reached both directly and
+    through a link is listed once, under its own path.
     """
     root = Path(logdir)
     runs: dict[str, Path] = {}  # real path -> the path it is listed under
@@ -204,7 +204,9 @@ def load_fits(path: str | os.PathLike[str], keep: TagFilter = is_candidate) -> l
     if os.path.lexists(root / METRICS_CSV):
         csv_series = read_metrics_csv(root / METRICS_CSV, keep, problems)
     alerts = _read_alerts(diag / ALERTS_FILE, problems) if os.path.lexists(diag / ALERTS_FILE) else []
-    logged = _read_thresholds_json(diag / THRESHOLDS_FILE, problems) if os.path.lexists(diag / THRESHOLDS_FILE) else None
+    logged = None
+    if os.path.lexists(diag / THRESHOLDS_FILE):
+        logged = _read_thresholds_json(diag / THRESHOLDS_FILE, problems)
     merged = [merge_files(group, problems) for group in groups]
     shares = _share_alerts(alerts, [m.alert_count for m in merged], root, problems)
     runs: list[RunData] = []

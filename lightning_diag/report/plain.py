@@ -161,18 +161,21 @@ def _nonfinite(run: RunData, s: _Series, found: _Found) -> None:
             bad.append(f"{tag} at step {step}")
             decision = policy.decide(StepFindings(True, False), StepContext(s.epoch_at(step), step))
             lr = s.lr_at(step)
-            found.add(_NONFINITE, [
-                dataclasses.replace(
-                    a,
-                    source=tag,
-                    message=f"the logged loss `{tag}` ({role}) is {v} at step {step} (epoch {a.epoch}); last "
-                    f"finite value {last:.6g}"
-                    + (f"; learning rate {lr:.3g}" if lr is not None else "")
-                    + ". Attach AnomalyAlarm to stop (or skip) such a step and to find the first non-finite "
-                    "value",
-                )
-                for a in decision.alerts
-            ])
+            found.add(
+                _NONFINITE,
+                [
+                    dataclasses.replace(
+                        a,
+                        source=tag,
+                        message=f"the logged loss `{tag}` ({role}) is {v} at step {step} (epoch {a.epoch}); last "
+                        f"finite value {last:.6g}"
+                        + (f"; learning rate {lr:.3g}" if lr is not None else "")
+                        + ". Attach AnomalyAlarm to stop (or skip) such a step and to find the first non-finite "
+                        "value",
+                    )
+                    for a in decision.alerts
+                ],
+            )
     first = f"; first: {bad[0]}" if bad else ""
     found.measured[_NONFINITE] = f"{len(bad)} non-finite logged loss value(s){first}"
     found.notes[_NONFINITE] = f"gradients are not logged: {ALL_RULES[NONFINITE_GRAD]} checks them at every step"
@@ -181,8 +184,11 @@ def _nonfinite(run: RunData, s: _Series, found: _Found) -> None:
 def _trend(run: RunData, s: _Series, found: _Found) -> None:
     """``loss_swing``, ``loss_stagnant``, ``val_decline`` and ``val_fluctuation`` in step order."""
     points, unit = _loss_points(s)
-    swing = LossSwingRule.from_settings(run.thresholds, unit=unit, source=run.mapping.get("train_loss_epoch")
-                                        or run.mapping.get("train_loss", "train_loss"))
+    swing = LossSwingRule.from_settings(
+        run.thresholds,
+        unit=unit,
+        source=run.mapping.get("train_loss_epoch") or run.mapping.get("train_loss", "train_loss"),
+    )
     stagnant = LossStagnantRule.from_settings(run.thresholds, unit=unit, source=swing.source)
     baseline_steps = int(run.thresholds[STAGNANT_BASELINE_STEPS_KEY])
     early = [v for step, v in s.train if step < baseline_steps and math.isfinite(v)]
@@ -256,7 +262,9 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
 def _outliers(run: RunData, s: _Series, found: _Found) -> None:
     rule = LossOutlierRule.from_settings(run.thresholds)
     if len(s.train) < rule.window // 2 + 1:
-        found.notes[LOSS_OUTLIER] = f"needs more than {rule.window // 2} logged training losses, the run has {len(s.train)}"
+        found.notes[LOSS_OUTLIER] = (
+            f"needs more than {rule.window // 2} logged training losses, the run has {len(s.train)}"
+        )
         return
     chunk: Series = []
     for i, (step, v) in enumerate(s.train):  # an epoch's logged steps at a time, as the alarm feeds its pending losses
@@ -265,7 +273,9 @@ def _outliers(run: RunData, s: _Series, found: _Found) -> None:
             ctx = StepContext(s.epoch_at(step), step)
             found.add(LOSS_OUTLIER, rule.update([x for _, x in chunk], [t for t, _ in chunk], ctx))
             chunk = []
-    found.measured[LOSS_OUTLIER] = f"{len(found.alerts.get(LOSS_OUTLIER, []))} outlier alert(s) over {len(s.train)} logged training losses"
+    found.measured[LOSS_OUTLIER] = (
+        f"{len(found.alerts.get(LOSS_OUTLIER, []))} outlier alert(s) over {len(s.train)} logged training losses"
+    )
 
 
 def _not_measured(check: Check) -> Check:

@@ -19,7 +19,7 @@ from lightning_diag.core.alerts import ALERT_COLUMNS, alert_cells
 from lightning_diag.report.checks import RunReport
 from lightning_diag.report.plain import PLAIN_SOURCE
 from lightning_diag.report.summary import SummaryLine, summarize
-from lightning_diag.report.text import clean, display, md, url
+from lightning_diag.report.text import clean, md, url
 
 __all__ = ["FORMATS", "Format", "render", "render_stream"]
 
@@ -63,8 +63,16 @@ _SUMMARY_COLUMNS = ("verdict", "run", "judged on", "fail", "pass", "not measured
 
 def _summary_cells(line: SummaryLine) -> list[str]:
     judged = "its own losses (plain run)" if line.kind == "plain" else "lightning_diag diagnostics"
-    return [line.verdict, line.run, judged, str(line.fail), str(line.passed), str(line.not_measured),
-            str(line.alerts), line.finding]
+    return [
+        line.verdict,
+        line.run,
+        judged,
+        str(line.fail),
+        str(line.passed),
+        str(line.not_measured),
+        str(line.alerts),
+        line.finding,
+    ]
 
 
 def _md_summary(lines: Sequence[SummaryLine]) -> str:
@@ -198,7 +206,7 @@ def render_stream(
             body = json.dumps(rep.to_dict(), indent=2, allow_nan=False)
             yield ("," if i else "") + "\n" + "\n".join("    " + line for line in body.splitlines())
         summary = json.dumps([line.to_dict() for line in sorted(lines, key=SummaryLine.key)], indent=2)
-        yield "\n  ],\n  \"summary\": " + "\n".join(("  " if i else "") + x for i, x in enumerate(summary.splitlines()))
+        yield '\n  ],\n  "summary": ' + "\n".join(("  " if i else "") + x for i, x in enumerate(summary.splitlines()))
         yield "\n}"
         return
     if fmt == "html":

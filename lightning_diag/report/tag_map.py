@@ -7,8 +7,9 @@ picks one tag per :data:`ROLES` entry from the logged names; ``lightning-diag re
 it (:func:`parse_overrides` checks the option). Imports neither torch nor Lightning.
 
 Example:
-    >>> auto_map(["epoch", "train_loss_step", "train_loss_epoch", "val/loss", "lr-AdamW/pg1", "hp_metric"])
-    {'train_loss': 'train_loss_step', 'train_loss_epoch': 'train_loss_epoch', 'val_loss': 'val/loss', 'lr': 'lr-AdamW/pg1', 'epoch': 'epoch'}
+    >>> found = auto_map(["epoch", "train_loss_step", "train_loss_epoch", "val/loss", "lr-AdamW/pg1", "hp_metric"])
+    >>> found["train_loss"], found["train_loss_epoch"], found["val_loss"], found["lr"], found["epoch"]
+    ('train_loss_step', 'train_loss_epoch', 'val/loss', 'lr-AdamW/pg1', 'epoch')
     >>> parse_overrides(["val_loss=valid/nll"])
     {'val_loss': 'valid/nll'}
 """
@@ -31,11 +32,30 @@ ROLES: dict[str, str] = {
 _WORDS = re.compile(r"[/_\-.\s]+")
 _EVAL_WORDS = {"val", "valid", "validation", "test", "eval", "dev", "predict"}
 #: Preferred exact names, best first.
-_TRAIN = ("train_loss_step", "train/loss_step", "train_loss", "train/loss", "loss_step", "loss", "training_loss",
-          "training/loss", "train/loss/step")
+_TRAIN = (
+    "train_loss_step",
+    "train/loss_step",
+    "train_loss",
+    "train/loss",
+    "loss_step",
+    "loss",
+    "training_loss",
+    "training/loss",
+    "train/loss/step",
+)
 _TRAIN_EPOCH = ("train_loss_epoch", "train/loss_epoch", "loss_epoch", "training_loss_epoch", "train/loss/epoch")
-_VAL = ("val_loss", "val/loss", "valid_loss", "valid/loss", "validation_loss", "validation/loss", "val_loss_epoch",
-        "val/loss_epoch", "loss/val", "val_loss/epoch")
+_VAL = (
+    "val_loss",
+    "val/loss",
+    "valid_loss",
+    "valid/loss",
+    "validation_loss",
+    "validation/loss",
+    "val_loss_epoch",
+    "val/loss_epoch",
+    "loss/val",
+    "val_loss/epoch",
+)
 
 
 def _words(name: str) -> list[str]:

@@ -99,8 +99,11 @@ def test_a_healthy_plain_run_has_no_failing_row(plain_runs, capsys, logger):
     (run,) = _runs(plain_runs / "none" / logger, capsys)
     assert run["kind"] == "plain"
     assert run["mapping"] == {
-        "train_loss": "train_loss_step", "train_loss_epoch": "train_loss_epoch", "val_loss": "val_loss",
-        "lr": "lr-Adam", "epoch": "epoch",
+        "train_loss": "train_loss_step",
+        "train_loss_epoch": "train_loss_epoch",
+        "val_loss": "val_loss",
+        "lr": "lr-Adam",
+        "epoch": "epoch",
     }
     status = _statuses(run)
     assert {row: status[row] for row in JUDGED} == dict.fromkeys(JUDGED, "pass")
@@ -127,8 +130,11 @@ def test_a_planted_fault_fails_its_row(plain_runs, capsys, logger, fault, failin
     status = _statuses(run)
     assert failing <= {row for row in JUDGED if status[row] == "fail"}
     assert rule in {a["rule"] for a in run["alerts"]}
-    quiet = {"nan": ("loss_swing", "val_decline"), "swing": ("nonfinite", "val_decline"),
-             "overfit": ("nonfinite", "loss_swing", "loss_outlier")}[fault]
+    quiet = {
+        "nan": ("loss_swing", "val_decline"),
+        "swing": ("nonfinite", "val_decline"),
+        "overfit": ("nonfinite", "loss_swing", "loss_outlier"),
+    }[fault]
     assert {row: status[row] for row in quiet} != {} and all(status[row] != "fail" for row in quiet)
 
 
@@ -191,10 +197,14 @@ def test_a_role_mapped_twice_is_refused():
         (["train_loss", "val_loss", "epoch"], {"train_loss": "train_loss", "val_loss": "val_loss", "epoch": "epoch"}),
         (["loss", "val/loss"], {"train_loss": "loss", "val_loss": "val/loss"}),
         (["train/loss", "valid/loss", "test/loss"], {"train_loss": "train/loss", "val_loss": "valid/loss"}),
-        (["my_loss_step", "my_loss_epoch", "val_my_loss"],
-         {"train_loss": "my_loss_step", "train_loss_epoch": "my_loss_epoch", "val_loss": "val_my_loss"}),
-        (["lr-AdamW/pg1", "lr-AdamW/pg2", "lr-SGD-momentum", "train_loss"],
-         {"train_loss": "train_loss", "lr": "lr-AdamW/pg1"}),
+        (
+            ["my_loss_step", "my_loss_epoch", "val_my_loss"],
+            {"train_loss": "my_loss_step", "train_loss_epoch": "my_loss_epoch", "val_loss": "val_my_loss"},
+        ),
+        (
+            ["lr-AdamW/pg1", "lr-AdamW/pg2", "lr-SGD-momentum", "train_loss"],
+            {"train_loss": "train_loss", "lr": "lr-AdamW/pg1"},
+        ),
         (["accuracy", "val_acc"], {}),
     ],
 )
@@ -231,8 +241,13 @@ def test_two_fits_logged_into_one_folder_are_two_runs(tmp_path, capsys):
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
     for nan_at in (None, 30):
         trainer = pl.Trainer(
-            default_root_dir=tmp_path, logger=False, max_steps=48, log_every_n_steps=4,
-            callbacks=[AnomalyAlarm(on_nonfinite="warn")], enable_checkpointing=False, enable_progress_bar=False,
+            default_root_dir=tmp_path,
+            logger=False,
+            max_steps=48,
+            log_every_n_steps=4,
+            callbacks=[AnomalyAlarm(on_nonfinite="warn")],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
             enable_model_summary=False,
         )
         trainer.fit(Net(nan_at), data)
