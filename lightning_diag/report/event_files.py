@@ -32,12 +32,14 @@ __all__ = [
     "read_event_files",
     "read_events",
     "split_fits",
+    "written_order",
 ]
 
 #: How the name of every TensorBoard event file starts.
 EVENT_PREFIX = "events.out.tfevents"
 _LAYOUT_TAG = "custom_scalars__config__"
 #: The head of the alert table the library writes under ``diag/alerts`` at each alert (the fit's count so far).
+_NUMBERS = re.compile(r"(\d+)")
 _ALERT_COUNT = re.compile(r"^\*\*(\d+) alerts?, newest first\*\*")
 
 Series = list[tuple[int, float]]
@@ -75,13 +77,15 @@ class EventFile:
     Attributes:
         path: The file.
         data: Its ``diag/`` scalars, texts, layout marker, kept user scalars and alert count.
-        order: The file's creation time from its name (``events.out.tfevents.<time>.<host>...``), for ordering
-            the files of two folders.
     """
 
     path: Path
     data: EventData
-    order: float = 0.0
+
+    @property
+    def order(self) -> tuple[tuple[int, str], ...]:
+        """Sort key: the order the files were written in (:func:`written_order`), across folders too."""
+        return written_order(self.path.name)
 
 
 def is_event_file(name: str) -> bool:
@@ -89,16 +93,20 @@ def is_event_file(name: str) -> bool:
     return name.startswith(EVENT_PREFIX)
 
 
-def _created(name: str) -> float:
-    parts = name[len(EVENT_PREFIX) :].split(".")
-    try:
-        return float(parts[1])
-    except (IndexError, ValueError):
-        return 0.0
+def written_order(name: str) -> tuple[tuple[int, str], ...]:
+    """Sort key of event-file names in the order they were created: ``events.out.tfevents.<time>.<host>.<pid>.
+    <counter><suffix>`` with its numbers compared as numbers (counter 10 after 9, which name order puts first).
+
+    Example:
+        >>> names = ["events.out.tfevents.1700000000.h.7.10", "events.out.tfevents.1700000000.h.7.9"]
+        >>> [n.rsplit(".", 1)[-1] for n in sorted(names, key=written_order)]
+        ['9', '10']
+    """
+    return tuple((int(part), "") if part.isdigit() else (-1, part) for part in _NUMBERS.split(name))
 
 
 def read_event_files(directory: Path, problems: list[str], keep: TagFilter = _diag_only) -> list[EventFile]:
-    """Every event file of ``directory``, read in name order; one that cannot be opened is skipped and said.
+    """Every event file of ``directory``, in the order written; one that cannot be opened is skipped and said.
 
     Args:
         directory: The folder.
@@ -106,7 +114,7 @@ def read_event_files(directory: Path, problems: list[str], keep: TagFilter = _di
         keep: Which tags outside ``diag/`` to keep (the user's scalars a plain run is judged on).
     """
     files: list[EventFile] = []
-    for path in sorted(p for p in directory.iterdir() if is_event_file(p.name)):
+    for path in sorted((p for p in directory.iterdir() if is_event_file(p.name)), key=lambda p: written_order(p.name)):
         try:
             fh = open_regular(path)
         except OSError as err:
@@ -117,32 +125,35 @@ def read_event_files(directory: Path, problems: list[str], keep: TagFilter = _di
             _read_event_file(fh, path, data, problems, keep)
         for series in (*data.scalars.values(), *data.user.values()):
             series.sort(key=lambda p: p[0])
-        files.append(EventFile(path, data, _created(path.name)))
+        files.append(EventFile(path, data))
     return files
 
 
 def split_fits(files: list[EventFile]) -> list[list[EventFile]]:
     """Group event files (in the order written) into fits.
 
-    A file starts a new fit when one of its series starts at or before the step the same series started at in
-    the current fit: the steps went back to the beginning (two fits logged into one folder, one after the other
-    or side by side). A file that starts later than that, even inside the steps already held, continues the fit
-    (a resume from a checkpoint, or a second ``trainer.fit`` that continues the step axis); :func:`merge_files`
-    then applies TensorBoard's rule to it.
+    A file starts a new fit when it shares a series with the current fit and its earliest step is at or before
+    the current fit's earliest step: the steps went back to the beginning (two fits logged into one folder, one
+    after the other or side by side). A file that starts later, even inside the steps already held, continues the
+    fit (a resume from a checkpoint, or a second ``trainer.fit`` that continues the step axis);
+    :func:`merge_files` then applies TensorBoard's rule to it.
     """
     fits: list[list[EventFile]] = []
-    first: dict[str, int] = {}
+    names: set[str] = set()
+    start = 0
     for f in files:
-        starts = {name: s[0][0] for name, s in (*f.data.scalars.items(), *f.data.user.items()) if s}
-        if fits and any(name in first and step <= first[name] for name, step in starts.items()):
+        series = {name: s for name, s in (*f.data.scalars.items(), *f.data.user.items()) if s}
+        first = min((s[0][0] for s in series.values()), default=None)
+        if fits and first is not None and names & set(series) and first <= start:
             fits.append([f])
-            first = dict(starts)
+            names, start = set(series), first
             continue
         if not fits:
             fits.append([])
+        if first is not None:
+            start = first if not names else min(start, first)
         fits[-1].append(f)
-        for name, step in starts.items():
-            first.setdefault(name, step)
+        names |= set(series)
     return fits or [[]]
 
 

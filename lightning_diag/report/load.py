@@ -198,7 +198,7 @@ def load_fits(path: str | os.PathLike[str], keep: TagFilter = is_candidate) -> l
                 files += read_event_files(directory, problems, keep)
         except Exception as err:  # an unreadable folder or a damaged file is reported, never a traceback
             problems.append(f"{display(directory)}: could not read the event files: {clean(err)}")
-    files.sort(key=lambda f: f.order)  # stable: name order within a folder
+    files.sort(key=lambda f: f.order)  # the order written, across the two folders
     groups = split_fits(files)
     csv_series: dict[str, Series] = {}
     if os.path.lexists(root / METRICS_CSV):

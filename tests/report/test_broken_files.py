@@ -243,3 +243,43 @@ def test_special_and_deeply_nested_files_in_the_diag_folder(tmp_path, capsys):
     assert any("thresholds.json: could not be read (nested too deeply)" in p for p in rep["problems"])
     assert any("events.out.tfevents.0.fifo: skipped: not a regular file (a FIFO)" in p for p in rep["problems"])
     assert rep["alerts"] and rep["threshold_source"].startswith("not logged")
+
+
+def test_a_resume_whose_late_series_start_again_is_one_fit(tmp_path):
+    diag = tmp_path / "run" / "diag"
+    write_events(diag, {LOSS: [1.0] * 8, "diag/probe": [0.0] * 5 + [0.5, 0.4, 0.3]}, suffix=".1")
+    # resumed from step 20: the probe, first measured at step 50, is measured at step 50 again
+    write_events(diag, {LOSS: [0.5] * 6, "diag/probe": [0.0] * 3 + [0.2, 0.1]}, suffix=".2", start=20)
+    (fit,) = load_fits(tmp_path / "run")
+    assert fit.fit == "" and [s for s, _ in fit.scalars[LOSS]] == [0, 10, 20, 30, 40, 50, 60, 70]
+
+
+def _alert_table(directory, count: int, suffix: str) -> None:
+    """An event file holding the alert table the library writes at each alert (its head counts the fit's alerts)."""
+    from tensorboard.compat.proto import types_pb2
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    writer = EventFileWriter(str(directory), filename_suffix=suffix)
+    text = TensorProto(dtype=types_pb2.DT_STRING, string_val=[f"**{count} alerts, newest first**\n\n|...|".encode()])
+    writer.add_event(Event(step=30, summary=Summary(value=[Summary.Value(tag="diag/alerts/text_summary", tensor=text)])))
+    writer.close()
+
+
+@pytest.mark.parametrize(("tables", "shares"), [((1, 2), [1, 2]), ((1, 1), [0, 3])])
+def test_the_alert_log_is_shared_out_by_each_fits_alert_table(tmp_path, tables, shares):
+    run = tmp_path / "run"
+    diag = run / "diag"
+    write_events(diag, {LOSS: [1.0, 0.9, 0.8, 0.7]}, suffix=".1")
+    _alert_table(diag, tables[0], ".1b")
+    write_events(diag, {LOSS: [2.0, 1.9, 1.8]}, suffix=".2")
+    _alert_table(diag, tables[1], ".2b")
+    make_run(run, alerts=[alert(step=10), alert(step=5), alert(step=20)], points=0)
+    first, second = load_fits(run)
+    assert [len(first.alerts), len(second.alerts)] == shares
+    if shares == [1, 2]:
+        assert [a.global_step for a in second.alerts] == [5, 20]
+    else:  # the tables count 2 of the 3 alerts: they cannot be told apart, and that is said
+        assert any("cannot be told apart" in p for p in second.problems)
