@@ -8,8 +8,10 @@ epoch. :func:`map_plain_run` finds them (:func:`~lightning_diag.report.tag_map.a
 
 * ``nonfinite`` (``nonfinite_loss``): a NaN/Inf logged training or validation loss (the non-finite policy's latch:
   one alert per episode);
-* ``loss_swing`` and ``loss_stagnant``: over the training loss's epoch means when logged (``train_loss_epoch``),
-  else over means of windows of :data:`WINDOW_POINTS` logged steps (a single batch's loss is too noisy a point);
+* ``loss_swing`` and ``loss_stagnant``: over the training loss's epoch means when logged (``train_loss_epoch``,
+  what AnomalyAlarm feeds them), else over means of windows of logged steps: for ``loss_swing`` windows long
+  enough that one logged step's noise (a single batch's loss) cannot make a swing (:func:`step_noise`), for
+  ``loss_stagnant`` (whose trend test weighs the noise itself) of :data:`WINDOW_POINTS` steps;
   ``loss_stagnant``'s initial loss is the mean of the losses logged in the first ``loss_stagnant.baseline_steps``
   steps (not measured when none were);
 * ``val_decline`` and ``val_fluctuation``: over the validation loss, with the mean logged training loss since the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import itertools
 import math
 import statistics
 from collections.abc import Mapping
@@ -57,7 +60,7 @@ from lightning_diag.rules.catalog import (
 from lightning_diag.rules.nonfinite import NonFinitePolicy, StepFindings
 from lightning_diag.rules.runtime import LossOutlierRule
 
-__all__ = ["PLAIN_SOURCE", "WINDOW_POINTS", "diagnose_plain", "map_plain_run"]
+__all__ = ["PLAIN_SOURCE", "WINDOW_POINTS", "diagnose_plain", "map_plain_run", "step_noise"]
 
 #: Logged training-loss steps averaged into one point of ``loss_swing`` / ``loss_stagnant`` when the run logged
 #: no epoch mean.
@@ -125,13 +128,58 @@ class _Series:
         return self.lr[at][1] if at >= 0 else None
 
 
+def _windows(finite: Series, size: int) -> Series:
+    """Means of consecutive windows of ``size`` points, each at its last step (a shorter rest is left out)."""
+    chunks = [finite[i : i + size] for i in range(0, len(finite) - size + 1, size)]
+    return [(w[-1][0], statistics.fmean(v for _, v in w)) for w in chunks]
+
+
+def step_noise(values: list[float]) -> float:
+    """The relative noise of one logged loss: a robust standard deviation (1.4826 MAD) of the relative changes
+    between consecutive values, over sqrt(2) (a change holds the noise of two values); ``nan`` for fewer than 3.
+
+    Example:
+        >>> round(step_noise([1.0, 1.1, 0.9, 1.05, 0.95, 1.2, 0.85, 1.0]), 2)
+        0.17
+    """
+    changes = [(b - a) / abs(a) for a, b in itertools.pairwise(values) if a != 0]
+    if len(changes) < 2:
+        return math.nan
+    mid = statistics.median(changes)
+    return 1.4826 * statistics.median(abs(c - mid) for c in changes) / math.sqrt(2)
+
+
 def _loss_points(s: _Series) -> tuple[Series, str]:
-    """The points ``loss_swing`` and ``loss_stagnant`` judge, and what one point is."""
+    """The points ``loss_stagnant`` judges (its trend test weighs their noise), and what one point is."""
     if s.train_epoch:
         return [p for p in s.train_epoch if math.isfinite(p[1])], "epoch"
     finite = [p for p in s.train if math.isfinite(p[1])]
-    windows = [finite[i : i + WINDOW_POINTS] for i in range(0, len(finite) - WINDOW_POINTS + 1, WINDOW_POINTS)]
-    return [(w[-1][0], statistics.fmean(v for _, v in w)) for w in windows], f"window of {WINDOW_POINTS} logged step"
+    return _windows(finite, WINDOW_POINTS), f"window of {WINDOW_POINTS} logged step"
+
+
+def _swing_points(s: _Series, threshold: float) -> tuple[Series, str, str]:
+    """The points ``loss_swing`` judges, what one point is, and a note on how they were chosen.
+
+    Epoch means when the run logged them (what AnomalyAlarm feeds the rule). Else means of windows of logged
+    steps, long enough that the noise of one logged step (a single batch's loss, :func:`step_noise`) cannot make a
+    swing: the change between two window means has a standard deviation of ``sqrt(2) * noise / sqrt(n)``, which
+    must stay below a third of the threshold (``n >= 18 * (noise / threshold) ** 2``, at least
+    :data:`WINDOW_POINTS`).
+    """
+    if s.train_epoch:
+        return [p for p in s.train_epoch if math.isfinite(p[1])], "epoch", ""
+    finite = [p for p in s.train if math.isfinite(p[1])]
+    noise = step_noise([v for _, v in finite])
+    size = WINDOW_POINTS
+    if math.isfinite(noise) and threshold > 0:
+        size = max(size, math.ceil(18 * (noise / threshold) ** 2))
+    note = (
+        f"no epoch mean was logged: judged on means of {size} logged steps (one logged loss varies by "
+        f"{noise:.0%} from step to step); log the loss with on_epoch=True for epoch means"
+        if math.isfinite(noise)
+        else ""
+    )
+    return _windows(finite, size), f"window of {size} logged step", note
 
 
 @dataclasses.dataclass
@@ -183,13 +231,11 @@ def _nonfinite(run: RunData, s: _Series, found: _Found) -> None:
 
 def _trend(run: RunData, s: _Series, found: _Found) -> None:
     """``loss_swing``, ``loss_stagnant``, ``val_decline`` and ``val_fluctuation`` in step order."""
+    source = run.mapping.get("train_loss_epoch") or run.mapping.get("train_loss", "train_loss")
+    swing = LossSwingRule.from_settings(run.thresholds, source=source)
+    swing_points, swing.unit, swing_note = _swing_points(s, swing.threshold)
     points, unit = _loss_points(s)
-    swing = LossSwingRule.from_settings(
-        run.thresholds,
-        unit=unit,
-        source=run.mapping.get("train_loss_epoch") or run.mapping.get("train_loss", "train_loss"),
-    )
-    stagnant = LossStagnantRule.from_settings(run.thresholds, unit=unit, source=swing.source)
+    stagnant = LossStagnantRule.from_settings(run.thresholds, unit=unit, source=source)
     baseline_steps = int(run.thresholds[STAGNANT_BASELINE_STEPS_KEY])
     early = [v for step, v in s.train if step < baseline_steps and math.isfinite(v)]
     if early:
@@ -203,7 +249,11 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
     ratios: list[float] = []
     previous_val = -1
     # validation after the loss point of the same step: the point closes the period the validation follows
-    events = sorted([(step, 0, v) for step, v in points] + [(step, 1, v) for step, v in s.val if math.isfinite(v)])
+    events = sorted(
+        [(step, 0, v) for step, v in swing_points]
+        + [(step, 1, v) for step, v in points]
+        + [(step, 2, v) for step, v in s.val if math.isfinite(v)]
+    )
     for step, kind, v in events:
         ctx = StepContext(s.epoch_at(step), step)
         if kind == 0:
@@ -211,6 +261,8 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
             change = getattr(swing, "last_change", math.nan)
             if math.isfinite(change) and (not changes or changes[-1] != change):
                 changes.append(change)
+            continue
+        if kind == 1:
             found.add(LOSS_STAGNANT, stagnant.update(v, ctx))
             continue
         lo, hi = bisect.bisect_right(train_steps, previous_val), bisect.bisect_right(train_steps, step)
@@ -227,12 +279,15 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
                 ratios.append(ratio)
     if changes:
         found.measured[LOSS_SWING] = (
-            f"relative change between {unit}s {min(changes):+.1%} .. {max(changes):+.1%} over {len(points)} points"
+            f"relative change between {swing.unit}s {min(changes):+.1%} .. {max(changes):+.1%} over "
+            f"{len(swing_points)} points"
         )
     else:
-        found.notes[LOSS_SWING] = f"needs at least two points ({unit}s spanning {swing.min_steps} steps); " + (
-            f"the run has {len(points)}" if points else f"the run logged {len(s.train)} training losses"
+        found.notes[LOSS_SWING] = f"needs at least two points ({swing.unit}s spanning {swing.min_steps} steps); " + (
+            f"the run has {len(swing_points)}" if swing_points else f"the run logged {len(s.train)} training losses"
         )
+    if swing_note:
+        found.notes[LOSS_SWING] = f"{found.notes.get(LOSS_SWING, '')} {swing_note}".strip()
     if s.val:
         found.measured[VAL_DECLINE] = f"longest run of worse validations: {longest} (of {len(s.val)} validations)"
     else:
