@@ -264,7 +264,8 @@ def _alert_table(directory, count: int, suffix: str) -> None:
 
     writer = EventFileWriter(str(directory), filename_suffix=suffix)
     text = TensorProto(dtype=types_pb2.DT_STRING, string_val=[f"**{count} alerts, newest first**\n\n|...|".encode()])
-    writer.add_event(Event(step=30, summary=Summary(value=[Summary.Value(tag="diag/alerts/text_summary", tensor=text)])))
+    value = Summary.Value(tag="diag/alerts/text_summary", tensor=text)
+    writer.add_event(Event(step=30, summary=Summary(value=[value])))
     writer.close()
 
 
