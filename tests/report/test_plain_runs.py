@@ -167,10 +167,19 @@ def test_the_mapping_can_be_overridden(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 1  # neither name says loss: nothing to judge, said in one line
     err = capsys.readouterr().err
     assert "no logged loss" in err and "--map train_loss=TAG" in err and len(err.strip().splitlines()) == 1
-    runs = _runs(tmp_path / "tb", capsys, "--map", "train_loss=objective_step", "--map", "val_loss=valid/nll")
-    (run,) = runs
-    assert run["mapping"]["train_loss"] == "objective_step" and run["mapping"]["val_loss"] == "valid/nll"
+    maps = ["--map", "train_loss=objective_step", "--map", "val_loss=valid/nll"]
+    (run,) = _runs(tmp_path / "tb", capsys, *maps, "--map", "train_loss_epoch=objective_epoch")
+    assert run["mapping"] == {
+        "train_loss": "objective_step",
+        "train_loss_epoch": "objective_epoch",
+        "val_loss": "valid/nll",
+        "lr": "lr-Adam",
+        "epoch": "epoch",
+    }
     assert _statuses(run)["val_decline"] == "fail" and _statuses(run)["loss_swing"] == "pass"
+    assert _statuses(run)["nonfinite"] == "pass"
+    (csv,) = _runs(tmp_path / "csv", capsys, *maps)  # the same override on the CSVLogger run
+    assert csv["mapping"]["val_loss"] == "valid/nll" and _statuses(csv)["val_decline"] == "fail"
     # a tag the run did not log: said once, the automatic mapping is kept
     runs = _runs(tmp_path / "tb", capsys, "--map", "val_loss=valid/nll", "--map", "train_loss=nope")
     assert any("--map train_loss=nope: no such scalar" in p for p in runs[0]["problems"])
