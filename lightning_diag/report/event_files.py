@@ -1,10 +1,13 @@
-"""Reading the ``diag/`` scalars of TensorBoard event files for ``lightning-diag report``.
+"""Reading the ``diag/`` scalars (and a few of the user's) of TensorBoard event files for ``lightning-diag report``.
 
 Each file is streamed record by record (TFRecord framing, each record checked against its CRC-32C, parsed with
-TensorBoard's own ``Event`` protobuf), keeping only ``diag/`` tags, the ``diag/thresholds`` texts and the marker of
-a custom-scalars dashboard layout, so a run's memory is that of its diagnostics, whatever else (the user's metrics,
-images, histograms) its event files hold. What cannot be read is said in the caller's ``problems``, never raised
-for a damaged record. Imports neither torch nor Lightning.
+TensorBoard's own ``Event`` protobuf), keeping only ``diag/`` tags, the ``diag/thresholds`` texts, the count of the
+``diag/alerts`` table, the marker of a custom-scalars dashboard layout, and the user's scalars the caller asks for
+(the losses, learning rates and epoch a plain run is judged on), so a run's memory is that of its diagnostics and
+losses, whatever else (the user's other metrics, images, histograms) its event files hold. Each file is read on its
+own (:func:`read_event_files`); :func:`split_fits` groups the files of a folder into fits and :func:`merge_files`
+joins a fit's files. What cannot be read is said in the caller's ``problems``, never raised for a damaged record.
+Imports neither torch nor Lightning.
 """
 
 from __future__ import annotations
