@@ -377,7 +377,7 @@ def diagnose_plain(run: RunData) -> RunReport:
     run.alerts = sorted((a for alerts in found.alerts.values() for a in alerts), key=lambda a: a.global_step)
     out: list[Check] = []
     for template in _checklist():
-        check = dataclasses.replace(template)
+        check = dataclasses.replace(template, measured_value={}, threshold_value=dict(template.threshold_value))
         row = check.id
         if row not in _MEASURED_ROWS and row not in _OTHER_RULES:
             out.append(check)
