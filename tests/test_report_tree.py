@@ -2,23 +2,16 @@
 here): the generated TensorBoard and CSV runs are all reported, one summary line each, the worst first."""
 
 import contextlib
-import importlib.util
 import io
 import json
-import sys
 from pathlib import Path
 
 from lightning_diag.cli import main
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_benchmarks import _load
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_report_tree", ROOT / "benchmarks" / "report_tree.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return _load("report_tree")
 
 
 def test_a_small_tree_is_summarised_worst_first(tmp_path):
