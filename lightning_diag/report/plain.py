@@ -34,6 +34,7 @@ from collections.abc import Mapping
 
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.registry import CHECKS, RULES, default_thresholds
+from lightning_diag.core.tags import loss_tag
 from lightning_diag.report.checks import Check, RunReport, finish_check
 from lightning_diag.report.load import RunData, Series
 from lightning_diag.report.rows import CHECKLIST_LAYERS, fmt
@@ -367,7 +368,8 @@ def _checklist() -> tuple[Check, ...]:
 def diagnose_plain(run: RunData) -> RunReport:
     """The checklist of a plain run (:func:`map_plain_run` first): the loss rows replayed, the rest not measured.
 
-    The replayed rules' warning and critical alerts become the run's alerts (its timeline and ``--fail-on``).
+    The replayed rules' warning and critical alerts become the run's alerts (its timeline and ``--fail-on``), and
+    the mapped losses its ``diag/loss/*`` series (the report's loss plot).
     """
     s = _Series.of(run)
     found = _Found()
@@ -375,6 +377,14 @@ def diagnose_plain(run: RunData) -> RunReport:
     _trend(run, s, found)
     _outliers(run, s, found)
     run.alerts = sorted((a for alerts in found.alerts.values() for a in alerts), key=lambda a: a.global_step)
+    # the judged series under the tags the report's loss plot draws (a plain run has no diag/ series of its own)
+    for tag, points in (
+        (loss_tag("train_step"), s.train),
+        (loss_tag("train_epoch"), s.train_epoch),
+        (loss_tag("val"), s.val),
+    ):
+        if points:
+            run.scalars[tag] = points
     out: list[Check] = []
     for template in _checklist():
         check = dataclasses.replace(template, measured_value={}, threshold_value=dict(template.threshold_value))

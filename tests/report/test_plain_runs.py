@@ -271,3 +271,11 @@ def test_two_fits_logged_into_one_folder_are_two_runs(tmp_path, capsys):
     assert [(r["fit"], _statuses(r)["nonfinite"]) for r in runs] == [("fit 1 of 2", "pass"), ("fit 2 of 2", "fail")]
     assert all(any("2 fits were logged into this folder" in p for p in r["problems"]) for r in runs)
     assert [r.run.fit for r in iter_reports(tmp_path)] == ["fit 1 of 2", "fit 2 of 2"]
+
+
+def test_a_plain_run_gets_its_loss_plot_with_the_findings(plain_runs, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    assert main(["report", str(plain_runs / "nan" / "tb"), "--format", "html", "--out", str(out)]) == 0
+    assert [p.name for p in (out / "lightning-diag-plots").rglob("*.png")] == ["loss.png"]
+    assert "A plain Lightning run" in (out / "report.html").read_text()
