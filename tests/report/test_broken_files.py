@@ -284,3 +284,37 @@ def test_the_alert_log_is_shared_out_by_each_fits_alert_table(tmp_path, tables, 
         assert [a.global_step for a in second.alerts] == [5, 20]
     else:  # the tables count 2 of the 3 alerts: they cannot be told apart, and that is said
         assert any("cannot be told apart" in p for p in second.problems)
+
+
+def test_a_damaged_metrics_csv_is_read_as_far_as_it_goes(tmp_path, capsys):
+    run = tmp_path / "csv" / "version_0"
+    run.mkdir(parents=True)
+    rows = ["epoch,step,train_loss,val_loss"] + [f"0,{s},{1.0 / (s + 1)}," for s in range(30)]
+    rows += [
+        "0,thirty,0.5,",
+        "0,31,not-a-number,",
+        "0,32,1e400,",
+        "0,33,nan,",
+        '0,34,"0.2',
+        "0,35",
+    ]  # a torn quote eats the rest
+    (run / "metrics.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    rep = _json_report(tmp_path, capsys)
+    assert rep["kind"] == "plain" and rep["mapping"]["train_loss"] == "train_loss"
+    assert any("metrics.csv: 3 cell(s) or row(s) that are not numbers were skipped" in p for p in rep["problems"])
+    nonfinite = next(c for c in rep["checks"] if c["id"] == "nonfinite")
+    assert nonfinite["status"] == "fail" and "train_loss at step 32" in nonfinite["measured"]  # 1e400 is inf
+
+
+def test_a_metrics_csv_without_a_step_column_is_not_a_run(tmp_path, capsys):
+    (tmp_path / "metrics.csv").write_text("epoch,loss\n0,1.0\n", encoding="utf-8")
+    assert main(["report", str(tmp_path)]) == 1
+    assert "no logged loss" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_fifo_in_place_of_metrics_csv_is_refused_at_once(tmp_path):
+    os.mkfifo(tmp_path / "metrics.csv")
+    write_events(tmp_path, {"train_loss": [1.0, 0.9, 0.8]})
+    done = cli("report", str(tmp_path), "--format", "json", timeout=60)
+    assert done.returncode == 0 and b"FIFO" in done.stderr
