@@ -146,7 +146,7 @@ def iter_reports(
         if progress is not None:
             progress(i, len(paths), path)
         fits = load_fits(path, keep)
-        for run in fits:
+        for number, run in enumerate(fits, 1):
             if run.has_diagnostics:
                 rep = diagnose(run)
             elif map_plain_run(run, overrides):
@@ -156,7 +156,7 @@ def iter_reports(
             found += 1
             rep.plot_note = plot_note
             if plots is not None and plot_dir is not None:
-                slug = _slug(rep.run.path, root) + (f"__fit{fits.index(run) + 1}" if run.fit else "")
+                slug = _slug(rep.run.path, root) + (f"__fit{number}" if run.fit else "")
                 rep.plots = plots.draw_run(rep.run, Path(plot_dir) / slug)
             if not keep_series:
                 rep.run.scalars, rep.run.user = {}, {}
