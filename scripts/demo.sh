@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh demo
-exec .venv/bin/lightning-diag demo "$@"
+# The first run writes the byte code of what the demo imports into .venv (setup.sh installs with pip --no-compile),
+# even where PYTHONDONTWRITEBYTECODE is set, so that the next run starts training in seconds.
+exec env -u PYTHONDONTWRITEBYTECODE .venv/bin/lightning-diag demo "$@"
