@@ -51,6 +51,11 @@ if [ ! -s .venv/.torch-constraint ] || ! .venv/bin/python -c "import torch" >/de
   .venv/bin/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
     > .venv/.torch-constraint
 fi
+if [ "$use" = test ]; then
+  # The extras make a resolution of some 200 packages: a current pip's resolver, not the venv's bundled one. The
+  # demo's few packages install as well with the bundled pip, and skipping the upgrade saves it seconds.
+  pip_install --upgrade pip
+fi
 step "installing lightning-diag${target#.} (editable)"
 # setuptools' notice that an editable install is one (a boxed multi-line UserWarning) is not for the user.
 PYTHONWARNINGS="ignore::UserWarning" pip_install -c .venv/.torch-constraint -e "$target"

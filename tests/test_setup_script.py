@@ -67,7 +67,9 @@ def test_the_tests_add_the_extras_held_at_the_installed_torch(repo):
     _setup(repo, "demo")
     done, calls = _setup(repo, "test")
     assert done.returncode == 0, done.stderr
-    assert _installs(calls) == ["--quiet --no-compile -c .venv/.torch-constraint -e .[dev,plots,foreign]"]
+    assert _installs(calls) == [
+        "--quiet --no-compile --upgrade pip", "--quiet --no-compile -c .venv/.torch-constraint -e .[dev,plots,foreign]"
+    ]
     assert _setup(repo)[1] == []  # no argument is "test", installed already
     assert _setup(repo, "demo")[1] == []  # the full install covers the demo
 
