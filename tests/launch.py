@@ -72,7 +72,14 @@ def _stat(pid: int | str) -> tuple[str, int, str] | None:
 
 
 def members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group ``pgid``."""
+    """The live (not zombie) processes of process group ``pgid`` (without ``/proc``: ``[pgid]`` while the group has
+    any process, zombies included)."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
