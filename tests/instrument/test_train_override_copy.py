@@ -138,7 +138,9 @@ def test_in_a_fit_the_check_fires_and_the_model_trains_as_without_it(tmp_path, c
     with caplog.at_level(logging.WARNING, logger="lightning_diag"):
         watched, (alarm,) = fit([AnomalyAlarm()])
     assert watched.net.calls == bare.net.calls == 0 and watched.net.history == []
-    assert all(torch.equal(a, b) for a, b in zip(bare.state_dict().values(), watched.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(bare.state_dict().values(), watched.state_dict().values(), strict=True)
+    )
     fired = [a for a in alarm.alerts if a.rule == "train_override_bypassed"]
     assert len(fired) == 1 and "net.stem.weight" in fired[0].message
     assert "not checked" not in caplog.text
