@@ -29,6 +29,7 @@ from lightning_diag.instrument.runtime_probes import (
 )
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.runtime import (
+    TRAIN_OVERRIDE_BYPASSED,
     AmpRule,
     EvalBeforeTrainingRule,
     EvalRandomnessRule,
@@ -153,7 +154,7 @@ class RuntimeChecks:
             to_eval, frozen = train_override_effects(pl_module, notes)
             for note in notes:  # once per fit: the check runs on the first batch only
                 logging.getLogger("lightning_diag").warning(
-                    "train_override_bypassed not checked for %s: %s", ", ".join(overriders), note
+                    "%s not checked for %s: %s", TRAIN_OVERRIDE_BYPASSED, ", ".join(overriders), note
                 )
             self.owner.record(self._rule("override_rule").update(overriders, to_eval, frozen, ctx))
         if str(trainer.precision) in MIXED_PRECISIONS:
