@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from pytorch_lightning.profilers import Profiler
 
@@ -64,9 +64,10 @@ class SystemProfiler(Profiler):
     """
 
     def __init__(self, inner: Profiler | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__()
+        self.inner = None
         if inner is not None and not isinstance(inner, Profiler):
             raise TypeError(f"Expected argument `inner` to be a pytorch_lightning Profiler or None, but got {inner!r}")
-        super().__init__()
         self.inner = inner
         self.clock = clock
         self._listener: ProfilerListener | None = None
@@ -116,6 +117,5 @@ class SystemProfiler(Profiler):
     def teardown(self, stage: str | None) -> None:
         """Lightning's tear-down, forwarded to the inner profiler."""
         super().teardown(stage)
-        inner: Any = getattr(self, "inner", None)  # `Profiler.__del__` may run on a half-built instance
-        if inner is not None:
-            inner.teardown(stage)
+        if self.inner is not None:
+            self.inner.teardown(stage)

@@ -138,7 +138,8 @@ class StepRecorder:
         if self._batch_start is None:
             return False
         end = self.clock.mark()
-        self._settle_checkpoint(self.time_source.wall())
+        if self._ckpt_mark is not None:
+            self._settle_checkpoint(self.time_source.wall())
         in_batch, self._outside = self._outside, 0.0  # checkpoint saving inside the batch's hooks
         self._cur_cpu += self.time_source.cpu() - self._cpu_start
         self._cur_diag += max(0.0, diagnostics_s)
@@ -190,8 +191,8 @@ class StepRecorder:
     def add_work(self, elapsed: float) -> None:
         """``elapsed`` wall seconds of scheduled work since the last batch end (the diagnostics' hooks): not data
         waiting, and the next step's known work (:attr:`Interval.logging`)."""
-        if self._val_start is None:  # a validation run's is in its own time already
-            self._logging += max(0.0, elapsed)
+        if elapsed > 0.0 and self._val_start is None:  # a validation run's is in its own time already
+            self._logging += elapsed
 
     def add_fetch(self, elapsed: float) -> None:
         """Lightning fetched the next training batch for ``elapsed`` seconds (its profiler's

@@ -306,8 +306,9 @@ class SystemMonitor(DiagCallback):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         # the diagnostics' hooks since the last batch's end are scheduled work, not data waiting
         spent = self._hooks.step_wall_seconds
-        self._steps.add_work(spent - self._diag_mark)
-        self._diag_mark = spent
+        if spent != self._diag_mark:
+            self._steps.add_work(spent - self._diag_mark)
+            self._diag_mark = spent
         self._steps.batch_start(trainer.global_step, batch)
 
     def on_before_optimizer_step(
