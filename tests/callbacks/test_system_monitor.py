@@ -459,3 +459,21 @@ def test_a_loader_that_is_slow_in_two_phases_of_a_fit_is_one_alert(monkeypatch, 
 
     fit(MLP(batch=4), [SlowPhases(), monitor, Tick(clock, 0.01)], 60, default_root_dir=tmp_path)
     assert [(a.rule, a.global_step) for a in monitor.alerts] == [("dataloader_bound", 12)]
+
+
+@pytest.mark.parametrize("profiled", [False, True], ids=["plain", "profiler"])
+def test_a_later_callbacks_batch_end_is_data_waiting_unless_the_profiler_ends_the_batch(
+    monkeypatch, tmp_path, profiled
+):
+    # docs/system_monitor.md "With and without SystemProfiler": nothing of another callback is wrapped, so without
+    # the profiler the batch ends at the monitor's own on_train_batch_end, and a callback listed after it is waiting
+    rec = spy(monkeypatch)
+    monitor = SystemMonitor(log_every_n_steps=10)
+    clock = on_fake_time(monitor)
+    extra = {"profiler": SystemProfiler()} if profiled else {}
+    fit(Encoder(), [monitor, Tick(clock, 0.02), StallEvery(10, 0.25, clock)], 31, default_root_dir=tmp_path, **extra)
+    waits = dict(rec.values["diag/system/data_wait_s"])
+    steps = dict(rec.values["diag/system/step_time_s"])
+    # the interval of steps 11-20 holds one stall (at the end of step 10's batch, before step 11's)
+    assert waits[20] == pytest.approx(0.0 if profiled else 0.025)
+    assert steps[20] == pytest.approx(0.02 + 0.025)
