@@ -228,3 +228,13 @@ def test_state_survives_a_resume(tmp_path):
     trainer2 = pl.Trainer(max_steps=20, default_root_dir=tmp_path, callbacks=[resumed], **FAST)
     trainer2.fit(_Head(constant=True), _loader(), ckpt_path=str(ckpt))
     assert [a.global_step for a in _warnings(resumed.alerts, "output_collapse")] == [15]
+
+
+@pytest.mark.slow
+def test_batch_size_one_twins_the_oscillation_is_swing_and_no_batch_rule_misreads_one_sample(tmp_path):
+    fault = run_demo("oscillation_bs1", root=str(tmp_path / "fault"))
+    assert [a.rule for a in _warnings(fault.alerts, "loss_swing")][:1] == ["loss_swing"]
+    assert _warnings(fault.alerts, "zero_output") == _warnings(fault.alerts, "output_collapse") == []
+    healthy = run_demo("healthy_bs1", root=str(tmp_path / "healthy"))
+    # loss_outlier's reading of a single sample's loss is reworked separately (issue 45, class 6)
+    assert [a.format() for a in _warnings(healthy.alerts) if a.rule != "loss_outlier"] == []
