@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_diag.stats.grad import local_tensor
 
 __all__ = [
+    "MAX_SPREAD_ELEMENTS",
     "OutputSpreadWatch",
     "ZeroOutputWatch",
     "first_tensor",
@@ -34,6 +35,8 @@ __all__ = [
     "prediction_tensor",
 ]
 
+#: Elements of one sample's output read by :func:`output_spread` at most (an evenly strided subset beyond).
+MAX_SPREAD_ELEMENTS = 65536
 #: Keys of a mapping output that hold the predictions, in the order they are looked for.
 _PREDICTION_KEYS = ("logits", "preds", "predictions")
 
@@ -156,17 +159,22 @@ def prediction_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
-def output_spread(output: torch.Tensor) -> torch.Tensor:
+def output_spread(output: torch.Tensor, max_elements: int = MAX_SPREAD_ELEMENTS) -> torch.Tensor:
     """``[spread, level, batch]`` of one output ``[B, ...]`` on its device (no host read): ``spread`` is the
     standard deviation across the batch of each output element, averaged over the elements, ``level`` the mean
-    absolute value across the batch of each element, averaged likewise; ``batch`` is ``B``.
+    absolute value across the batch of each element, averaged likewise; ``batch`` is ``B``. Of a sample with more
+    than ``max_elements`` elements (a language model's logits) an evenly strided subset of about that many is read,
+    so the float32 copy stays small.
 
     Example:
         >>> output_spread(torch.tensor([[1.0, 2.0], [3.0, 2.0]])).tolist()
         [0.5, 2.0, 2.0]
     """
     with torch.no_grad():
-        flat = local_tensor(output).detach().float().reshape(output.shape[0], -1)
+        flat = local_tensor(output).detach().reshape(output.shape[0], -1)
+        if flat.shape[1] > max_elements:
+            flat = flat[:, :: -(-flat.shape[1] // max_elements)]
+        flat = flat.float()
         spread = flat.std(0, unbiased=False).mean() if flat.shape[0] > 1 else flat.new_zeros(())
         level = flat.mean(0).abs().mean()
         return torch.stack([spread, level, flat.new_tensor(float(flat.shape[0]))])
@@ -214,13 +222,13 @@ class OutputSpreadWatch:
     def _seen_root(self, module: nn.Module, args: Any, output: Any) -> None:
         out = prediction_tensor(output)
         if out is not None:
-            self._root_output = out
+            self._root_output = out.detach()  # a view: no kernel, and the graph is not held
 
     def _child_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             out = prediction_tensor(output)
             if out is not None:
-                self._child_output = (name, out)
+                self._child_output = (name, out.detach())
 
         return hook
 

@@ -238,3 +238,12 @@ def test_batch_size_one_twins_the_oscillation_is_swing_and_no_batch_rule_misread
     healthy = run_demo("healthy_bs1", root=str(tmp_path / "healthy"))
     # loss_outlier's reading of a single sample's loss is reworked separately (issue 45, class 6)
     assert [a.format() for a in _warnings(healthy.alerts) if a.rule != "loss_outlier"] == []
+
+
+def test_spread_of_a_large_output_reads_a_strided_subset():
+    big = torch.randn(4, 3, 50_000)
+    big[:, :, ::3] = 1.0  # every third element equal across the batch
+    full, sampled = output_spread(big, max_elements=10**9), output_spread(big, max_elements=1000)
+    assert sampled[2].item() == full[2].item() == 4.0
+    assert sampled[0].item() == pytest.approx(full[0].item(), rel=0.2)  # the same statistic, from 1/150 of it
+    assert output_spread(big[:, :, ::3].contiguous(), max_elements=1000)[0].item() == 0.0
