@@ -20,6 +20,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.trainer.states import TrainerFn
 
+from lightning_diag.callbacks._unlogged import unlogged_copy
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.validation import check_int
@@ -39,10 +40,6 @@ def uses_deepspeed(trainer: pl.Trainer) -> bool:
 
 class ProbeError(RuntimeError):
     """The probe cannot measure this model (the message says why and what to do)."""
-
-
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def _as_loss(out: Any, where: str) -> torch.Tensor:
@@ -99,7 +96,8 @@ class ValidationProbe(DiagCallback):
 
     # -- what subclasses implement ----------------------------------------------------------------------
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]) -> Any:
-        """Measure on rank zero inside the sandbox; the result goes to :meth:`decide`. Raise ProbeError to skip."""
+        """Measure on rank zero inside the sandbox (``pl_module``: its unlogged copy of the module); the result goes
+        to :meth:`decide`. Raise ProbeError to skip."""
         raise NotImplementedError
 
     def decide(self, trainer: pl.Trainer, result: Any) -> list[Alert]:
@@ -169,8 +167,8 @@ class ValidationProbe(DiagCallback):
                 if self.loss_fn is None and not pl_module.automatic_optimization:
                     raise ProbeError("`training_step` steps the optimizer itself under manual optimization: "
                                      "pass loss_fn=... so the probe can compute the loss without it")
-                with self.sandbox(trainer, pl_module):
-                    result = self.measure(trainer, pl_module, batches)
+                with self.sandbox(trainer, pl_module) as quiet:
+                    result = self.measure(trainer, quiet, batches)
                 alerts = self.decide(trainer, result)
             except ProbeError as err:
                 self.notice(trainer, "probe-skipped", f"probe skipped: {err}")
@@ -198,9 +196,9 @@ class ValidationProbe(DiagCallback):
             self.notice(trainer, "probe-skipped", f"probe skipped: {problem or 'a rank saw no validation batch'}")
             return []
         try:
-            with self.sandbox(trainer, pl_module):
+            with self.sandbox(trainer, pl_module) as quiet:
                 try:
-                    result = self.measure(trainer, pl_module, batches)
+                    result = self.measure(trainer, quiet, batches)
                 finally:
                     # FSDP2's root keeps the last forward's gathered weights (the SAM gap's were perturbed ones):
                     # training's next forward must gather the restored shards afresh
@@ -222,20 +220,15 @@ class ValidationProbe(DiagCallback):
 
     # -- helpers --------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def sandbox(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
-        """Eval mode, ``self.log`` silenced, autograd enabled; training flags and every RNG restored after."""
+    def sandbox(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[pl.LightningModule]:
+        """Eval mode, autograd enabled; training flags and every RNG restored after. Yields the module to measure:
+        an :func:`unlogged_copy` of ``pl_module`` (its parameters and submodules, its ``self.log`` silenced)."""
         modes = [(m, m.training) for m in pl_module.modules()]
-        had_log = {name: name in pl_module.__dict__ for name in ("log", "log_dict")}
         pl_module.eval()
-        pl_module.__dict__["log"] = _no_log
-        pl_module.__dict__["log_dict"] = _no_log
         try:
             with preserved_rng(), torch.inference_mode(False), torch.enable_grad():
-                yield
+                yield unlogged_copy(pl_module)
         finally:
-            for name, had in had_log.items():
-                if not had:
-                    pl_module.__dict__.pop(name, None)
             for module, training in modes:
                 module.training = training
 
@@ -245,7 +238,8 @@ class ValidationProbe(DiagCallback):
         return apply_to_collection(batch, torch.Tensor, lambda t: t.clone())
 
     def loss_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor:
-        """The module's loss on one batch (``loss_fn`` or ``training_step``), under the trainer's precision."""
+        """The module's loss on one batch (``loss_fn`` or ``training_step``), under the trainer's precision
+        (``pl_module``: the :meth:`sandbox`'s unlogged copy, whose ``self.log`` reaches no logged value)."""
         with trainer.precision_plugin.forward_context():
             if self.loss_fn is not None:
                 return _as_loss(self.loss_fn(pl_module, batch), "`loss_fn`")
