@@ -96,8 +96,8 @@ class ValidationProbe(DiagCallback):
 
     # -- what subclasses implement ----------------------------------------------------------------------
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]) -> Any:
-        """Measure on rank zero inside the sandbox (``pl_module``: its unlogged copy of the module); the result goes
-        to :meth:`decide`. Raise ProbeError to skip."""
+        """Measure on rank zero inside the sandbox; the result goes to :meth:`decide`. Raise ProbeError to skip.
+        A user step runs on an :func:`unlogged_copy` of ``pl_module`` (as :meth:`loss_on` does), never on it."""
         raise NotImplementedError
 
     def decide(self, trainer: pl.Trainer, result: Any) -> list[Alert]:
@@ -167,8 +167,8 @@ class ValidationProbe(DiagCallback):
                 if self.loss_fn is None and not pl_module.automatic_optimization:
                     raise ProbeError("`training_step` steps the optimizer itself under manual optimization: "
                                      "pass loss_fn=... so the probe can compute the loss without it")
-                with self.sandbox(trainer, pl_module) as quiet:
-                    result = self.measure(trainer, quiet, batches)
+                with self.sandbox(trainer, pl_module):
+                    result = self.measure(trainer, pl_module, batches)
                 alerts = self.decide(trainer, result)
             except ProbeError as err:
                 self.notice(trainer, "probe-skipped", f"probe skipped: {err}")
@@ -196,9 +196,9 @@ class ValidationProbe(DiagCallback):
             self.notice(trainer, "probe-skipped", f"probe skipped: {problem or 'a rank saw no validation batch'}")
             return []
         try:
-            with self.sandbox(trainer, pl_module) as quiet:
+            with self.sandbox(trainer, pl_module):
                 try:
-                    result = self.measure(trainer, quiet, batches)
+                    result = self.measure(trainer, pl_module, batches)
                 finally:
                     # FSDP2's root keeps the last forward's gathered weights (the SAM gap's were perturbed ones):
                     # training's next forward must gather the restored shards afresh
@@ -220,14 +220,14 @@ class ValidationProbe(DiagCallback):
 
     # -- helpers --------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def sandbox(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[pl.LightningModule]:
-        """Eval mode, autograd enabled; training flags and every RNG restored after. Yields the module to measure:
-        an :func:`unlogged_copy` of ``pl_module`` (its parameters and submodules, its ``self.log`` silenced)."""
+    def sandbox(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
+        """Eval mode, autograd enabled; training flags and every RNG restored after (the user's steps run on an
+        :func:`unlogged_copy`, see :meth:`loss_on`)."""
         modes = [(m, m.training) for m in pl_module.modules()]
         pl_module.eval()
         try:
             with preserved_rng(), torch.inference_mode(False), torch.enable_grad():
-                yield unlogged_copy(pl_module)
+                yield
         finally:
             for module, training in modes:
                 module.training = training
@@ -238,12 +238,15 @@ class ValidationProbe(DiagCallback):
         return apply_to_collection(batch, torch.Tensor, lambda t: t.clone())
 
     def loss_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor:
-        """The module's loss on one batch (``loss_fn`` or ``training_step``), under the trainer's precision
-        (``pl_module``: the :meth:`sandbox`'s unlogged copy, whose ``self.log`` reaches no logged value)."""
+        """The module's loss on one batch (``loss_fn`` or ``training_step``), under the trainer's precision; both
+        run on an :func:`unlogged_copy` of the module, so its ``self.log`` calls reach no logged value (the copy
+        is made here, not in :meth:`sandbox`: FSDP2 and the like know the live module only, and :meth:`measure`
+        reshards or gathers through it)."""
+        quiet = unlogged_copy(pl_module)
         with trainer.precision_plugin.forward_context():
             if self.loss_fn is not None:
-                return _as_loss(self.loss_fn(pl_module, batch), "`loss_fn`")
-            return _as_loss(pl_module.training_step(batch, batch_idx), "`training_step`")
+                return _as_loss(self.loss_fn(quiet, batch), "`loss_fn`")
+            return _as_loss(quiet.training_step(batch, batch_idx), "`training_step`")
 
     def mean_loss(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]

@@ -7,7 +7,9 @@ assigning anything on the user's module, the step runs on :func:`unlogged_copy`:
 creates and owns. It shares every parameter, buffer, submodule and hook of the live module (the same
 ``_parameters``, ``_modules`` and hook dictionaries), so its forward is the live module's forward, and only the
 copy's own ``log`` and ``log_dict`` are silenced. Attributes the step assigns on ``self`` land on the copy and are
-dropped with it.
+dropped with it. Only the step runs on the copy: registries keyed by the module object (FSDP2's state of a
+``fully_shard``-ed root, reached by ``reshard()``/``unshard()``) know the live module alone, so everything else a
+caller does (resharding, gathering full weights, restoring modes) goes through the live module.
 """
 
 from __future__ import annotations
