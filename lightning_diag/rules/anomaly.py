@@ -57,9 +57,10 @@ __all__ = [
     "DEFAULT_STAGNANT_PATIENCE",
     "DEFAULT_STAGNANT_THRESHOLD",
     "DEFAULT_SWING_MIN_DELTA",
-    "DEFAULT_SWING_MIN_STEPS",
+    "DEFAULT_SWING_LR_RATIO",
     "DEFAULT_SWING_PATIENCE",
     "DEFAULT_SWING_THRESHOLD",
+    "DEFAULT_SWING_Z",
     "DEFAULT_VAL_DECLINE_MIN_DELTA",
     "DEFAULT_VAL_DECLINE_MIN_STEPS",
     "DEFAULT_VAL_DECLINE_THRESHOLD",
@@ -97,8 +98,9 @@ _ALARM = "AnomalyAlarm"
 LOSS_SWING_SPEC = register(RuleSpec(
     "loss_swing", _ALARM, "warning", 0.10,
     "training loss swings by more than {threshold:.0%} on {patience:g} consecutive epochs",
-    settings={"patience": 3, "min_delta": 1e-3, "min_steps": 20}, check="loss_swing", source="seed 001 §1.2",
-    limits={"threshold": POSITIVE, "patience": COUNT, "min_steps": STEPS},
+    settings={"patience": 3, "min_delta": 1e-3, "z": 2.0, "lr_ratio": 10.0}, check="loss_swing",
+    source="seed 001 §1.2",
+    limits={"threshold": POSITIVE, "patience": COUNT, "z": POSITIVE, "lr_ratio": Limit(low=1.0, low_inclusive=True)},
 ))
 VAL_DECLINE_SPEC = register(RuleSpec(
     "val_decline", _ALARM, "warning", 5.0, "validation metric worsens on {threshold:g} consecutive validation runs",
@@ -183,8 +185,16 @@ DEFAULT_STAGNANT_MIN_STEPS = int(default(LOSS_STAGNANT_SPEC.key("min_steps")))
 DEFAULT_STAGNANT_ALPHA = default(LOSS_STAGNANT_SPEC.key("alpha"))
 #: ``loss_stagnant``: the Theil-Sen fall over the points, as a fraction of the loss's level, that is progress.
 DEFAULT_STAGNANT_MIN_TREND = default(LOSS_STAGNANT_SPEC.key("min_trend"))
-#: ``loss_swing``: optimizer steps a loss point must span (shorter epochs are merged).
-DEFAULT_SWING_MIN_STEPS = int(default(LOSS_SWING_SPEC.key("min_steps")))
+#: ``loss_swing``: standard errors of the step losses' noise a change must exceed to swing.
+DEFAULT_SWING_Z = default(LOSS_SWING_SPEC.key("z"))
+#: ``loss_swing``: the largest learning-rate factor between two points that is the user's schedule.
+DEFAULT_SWING_LR_RATIO = default(LOSS_SWING_SPEC.key("lr_ratio"))
+#: ``loss_swing``: the recent points whose step-to-step differences pool the noise of one-step points.
+_POOL_POINTS = 16
+#: ``loss_swing``: the fewest successive differences the pooled noise is taken from.
+_POOL_MIN_PAIRS = 4
+#: ``loss_swing``: a learning rate that changes by less than this fraction did not move.
+_LR_MOVES = 0.01
 #: ``val_decline``: optimizer steps the worsening streak must span.
 DEFAULT_VAL_DECLINE_MIN_STEPS = int(default(VAL_DECLINE_SPEC.key("min_steps")))
 #: ``val_fluctuation``: optimizer steps the window must span.
@@ -198,21 +208,43 @@ def _pct(x: float) -> str:
 class LossSwingRule(Rule):
     """``loss_swing``: the training loss swings by more than ``threshold`` on ``patience`` consecutive points.
 
+    A point is the mean step loss of an epoch (or window). Its change from the point before swings when it is
+    above ``threshold`` (relative) and ``min_delta`` (absolute) **and** significant against the noise of the two
+    points: ``|L[k] - L[k-1]| > z * sqrt(s[k-1]^2 / n[k-1] + s[k]^2 / n[k])`` (Welch's statistic; ``s^2``: the
+    sample variance of a point's ``n`` step losses, passed as ``variance`` and ``steps``). A point of one step (one-batch epochs)
+    has no spread of its own: its step variance is pooled, from the recent multi-step points' variances or, when
+    there are none, from the step-to-step differences of the last :data:`_POOL_POINTS` points (the mean squared
+    successive difference, which a smooth trend barely moves); with fewer than 4 such differences no change is
+    significant.
+
+    A change in the direction the learning rate moved between the two points (``lr``: the period's mean rate) is
+    the user's schedule, not a swing, when the rate changed by a factor of at most ``lr_ratio`` (cyclic rates,
+    one-cycle, warm restarts: the loss rises with the rate); a larger factor between two consecutive points is
+    no schedule people train with (an oscillating or mis-set rate) and is judged as any change.
+
     Args:
         threshold: Relative change that counts as a swing.
         patience: Consecutive swinging points before the rule fires.
         min_delta: Absolute change below which a point never swings.
         unit: What one point is, for messages (``"epoch"`` or ``"window of N steps"``).
 
+    Attributes:
+        z: Standard errors of the change a swing must exceed (``loss_swing.z``).
+        lr_ratio: Largest learning-rate factor between two points that is a schedule (``loss_swing.lr_ratio``).
+
     Example:
         >>> rule = LossSwingRule()
-        >>> fired = [rule.update(v, StepContext(e, 20 * e + 20)) for e, v in enumerate([1.0, 0.8, 1.0, 0.8, 1.0])]
-        >>> [len(a) for a in fired]
+        >>> points = [1.0, 0.8, 1.0, 0.8, 1.0]  # epochs of 16 steps whose losses spread by 0.05
+        >>> [len(rule.update(v, StepContext(e, 16 * e), steps=16, variance=0.05**2)) for e, v in enumerate(points)]
         [0, 0, 0, 0, 1]
+        >>> rule = LossSwingRule()  # the same means, but the step losses spread by 0.5: noise
+        >>> [len(rule.update(v, StepContext(e, 16 * e), steps=16, variance=0.5**2)) for e, v in enumerate(points)]
+        [0, 0, 0, 0, 0]
     """
 
     specs = (LOSS_SWING_SPEC,)
-    state_keys = ("previous", "previous_rise", "streak", "last_change", "history", "pending")
+    state_keys = ("previous", "previous_rise", "streak", "last_change", "history", "previous_noise", "previous_lr",
+                  "recent", "excesses")
 
     def __init__(
         self,
@@ -229,30 +261,30 @@ class LossSwingRule(Rule):
         self.min_delta = min_delta
         self.unit = unit
         self.source = source
+        self.z = DEFAULT_SWING_Z
+        self.lr_ratio = DEFAULT_SWING_LR_RATIO
         self.previous: float | None = None
         self.previous_rise = False
         self.streak = 0
         self.last_change = math.nan
+        #: The last change over its standard error (``nan`` before two points).
+        self.last_t = math.nan
         self.history: list[float] = []
-        #: Optimizer steps a point must span (``loss_swing.min_steps``): shorter points (one-batch epochs) are
-        #: merged, step-weighted, with the next ones until they do.
-        self.min_steps = DEFAULT_SWING_MIN_STEPS
-        #: ``[step-weighted sum, steps, global step of the last point fed]`` of the points being merged.
-        self.pending: list[float] = [0.0, 0.0, 0.0]
+        #: The variance of the previous point's mean (``None``: unknown).
+        self.previous_noise: float | None = None
+        #: The previous point's learning rate (``None``: unknown).
+        self.previous_lr: float | None = None
+        #: ``[value, steps, step variance or None]`` of the last points, for the pooled noise of one-step points.
+        self.recent: list[list[float | None]] = []
+        #: How close each of the last ``patience`` points came to swinging (``min(|r| / threshold, t / z)``, 0 for
+        #: one that cannot), for :meth:`Rule.observe`.
+        self.excesses: list[float] = []
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before point merging loads with nothing pending."""
-        super().load_state_dict({"pending": [0.0, 0.0, 0.0], **state})
-
-    def merge(self, value: float, ctx: StepContext) -> float | None:
-        """Add a point to the merge; the step-weighted mean once it spans ``min_steps`` steps, else ``None``."""
-        steps = max(float(ctx.global_step) - self.pending[2], 1.0)
-        self.pending = [self.pending[0] + value * steps, self.pending[1] + steps, float(ctx.global_step)]
-        if self.pending[1] < self.min_steps:
-            return None
-        merged = self.pending[0] / self.pending[1]
-        self.pending = [0.0, 0.0, float(ctx.global_step)]
-        return merged
+        """Restore :meth:`state_dict` output; a checkpoint from before the noise test loads with the previous
+        point's noise and rate unknown."""
+        defaults = {"previous_noise": None, "previous_lr": None, "recent": [], "excesses": []}
+        super().load_state_dict({**defaults, **state})
 
     @classmethod
     def from_settings(
@@ -265,33 +297,78 @@ class LossSwingRule(Rule):
             spec.value(thresholds), int(spec.value(thresholds, "patience")), spec.value(thresholds, "min_delta"),
             unit=unit, source=source,
         )
-        rule.min_steps = int(spec.value(thresholds, "min_steps"))
+        rule.z = spec.value(thresholds, "z")
+        rule.lr_ratio = spec.value(thresholds, "lr_ratio")
         return rule
 
-    def update(self, value: float, ctx: StepContext) -> list[Alert]:
+    def pooled_step_variance(self) -> float:
+        """The step variance of a point without its own spread: the median of the recent points' own step
+        variances, else the mean squared successive difference of the recent points (scaled by their steps);
+        ``inf`` (no change significant) with neither."""
+        own = [float(v) for _, _, v in self.recent if v is not None]
+        if own:
+            return statistics.median(own)
+        pairs = [
+            (float(b[0]) - float(a[0])) ** 2 / (1.0 / max(float(a[1]), 1.0) + 1.0 / max(float(b[1]), 1.0))  # type: ignore[arg-type]
+            for a, b in itertools.pairwise(self.recent)
+        ]
+        return sum(pairs) / (2.0 * len(pairs)) if len(pairs) >= _POOL_MIN_PAIRS else math.inf
+
+    def scheduled(self, change: float, lr: float | None) -> bool:
+        """Whether a change moves with the learning rate by a factor of at most ``lr_ratio`` (the schedule)."""
+        if lr is None or self.previous_lr is None or not (lr > 0 and self.previous_lr > 0):
+            return False
+        factor = lr / self.previous_lr
+        if max(factor, 1.0 / factor) < 1.0 + _LR_MOVES:
+            return False  # the rate did not move
+        return (factor > 1.0) == (change > 0) and max(factor, 1.0 / factor) <= self.lr_ratio
+
+    def update(
+        self,
+        value: float,
+        ctx: StepContext,
+        *,
+        steps: float = 1.0,
+        variance: float | None = None,
+        lr: float | None = None,
+    ) -> list[Alert]:
         """Feed the next loss point; return the alerts it raises.
 
-        A point spanning fewer than ``min_steps`` optimizer steps since the last one (``ctx.global_step``) is
-        merged with the next ones: the rule judges step windows of at least that length when epochs are short.
+        Args:
+            value: The point (mean step loss of the epoch or window).
+            ctx: Where it closed.
+            steps: The step losses it is the mean of.
+            variance: Their sample variance (``None`` or ``nan``: unknown, or one step: pooled).
+            lr: The point's learning rate (``None`` or ``nan``: unknown, no change is a schedule).
         """
         if not math.isfinite(value):
             return []  # non-finite losses are AnomalyAlarm's nonfinite_loss, not a trend
-        merged = self.merge(value, ctx)
-        if merged is None:
-            return []
-        value = merged
+        count = max(float(steps), 1.0) if math.isfinite(steps) else 1.0
+        own = float(variance) if variance is not None and count >= 2 and math.isfinite(variance) else None
+        self.recent = [*self.recent[-(_POOL_POINTS - 1) :], [float(value), count, own]]
+        noise = (own if own is not None else self.pooled_step_variance()) / count
+        lr = float(lr) if lr is not None and math.isfinite(lr) else None
         self.history = [*self.history[-(self.patience) :], value]
         if self.previous is None:
-            self.previous = value
+            self.previous, self.previous_noise, self.previous_lr = value, noise, lr
             return []
         change = relative_change(self.previous, value)
         delta = abs(value - self.previous)
-        significant = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
-        rise = significant and change > 0
-        reversal = significant and change < 0 and self.previous_rise
+        se = math.sqrt(self.previous_noise + noise) if self.previous_noise is not None else math.nan
+        self.last_t = delta / se if se > 0 else (math.inf if delta > 0 and se == 0 else math.nan)
+        large = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
+        significant = large and self.last_t > self.z
+        swing = significant and not self.scheduled(change, lr)
+        rise = swing and change > 0
+        reversal = swing and change < 0 and self.previous_rise
+        counts = math.isfinite(change) and (change > 0 or self.previous_rise) and not self.scheduled(change, lr)
+        near = min(abs(change) / self.threshold, self.last_t / self.z) if counts and math.isfinite(self.last_t) else 0.0
+        self.excesses = [*self.excesses[-(self.patience - 1) :], near]
+        if len(self.excesses) >= self.patience:
+            self.observe(min(self.excesses), 1.0)
         self.streak = self.streak + 1 if (rise or reversal) else 0
         self.previous_rise = rise
-        self.previous = value
+        self.previous, self.previous_noise, self.previous_lr = value, noise, lr
         self.last_change = change
         active = self.streak >= self.patience
         if not self.latch.update(self.source, active):
@@ -301,8 +378,8 @@ class LossSwingRule(Rule):
             self._alert(
                 ctx,
                 f"training loss swung by more than {self.threshold:.0%} on {self.streak} consecutive "
-                f"{self.unit}s (last change {_pct(change)}; recent values {points}): the learning rate may be "
-                "too high or the data order unstable",
+                f"{self.unit}s (last change {_pct(change)}, {self.last_t:.1f} standard errors of the step losses' "
+                f"noise; recent values {points}): the learning rate may be too high or the data order unstable",
                 source=self.source,
                 value=change,
                 threshold=self.threshold,

@@ -27,7 +27,8 @@ FOLD_EVERY = 64
 
 
 class LossSums(ReducedState):
-    """``<period>_sum`` and ``<period>_count`` for each of :data:`LOSS_PERIODS` and ``initial``, the last
+    """``<period>_sum`` and ``<period>_count`` for each of :data:`LOSS_PERIODS` and ``initial``, ``<period>_sq``
+    (the sum of squares: the spread of the step losses within the period) for each of :data:`LOSS_PERIODS`, the last
     finite loss, and where the periods stand (the batches of ``initial``, the first step of the step window).
 
     Non-finite losses add nothing to the sums or the counts (they are the non-finite guard's business).
@@ -55,6 +56,8 @@ class LossSums(ReducedState):
         for prefix in (*LOSS_PERIODS, "initial"):
             self.add_state(prefix + "_sum", 0.0, Reduction.SUM)
             self.add_state(prefix + "_count", 0.0, Reduction.SUM)
+        for prefix in LOSS_PERIODS:  # the spread of the step losses within a period (the loss rules' noise)
+            self.add_state(prefix + "_sq", 0.0, Reduction.SUM)
         self.baseline_steps = baseline_steps
         #: Batches counted into the ``initial`` sums so far (the same on every rank: not reduced).
         self.initial_batches = 0
@@ -74,6 +77,11 @@ class LossSums(ReducedState):
     def names(prefix: str) -> tuple[str, str]:
         """``(sum, count)`` state names of a period."""
         return prefix + "_sum", prefix + "_count"
+
+    @staticmethod
+    def spread_names(prefix: str) -> tuple[str, str, str]:
+        """``(sum, count, sum of squares)`` state names of one of :data:`LOSS_PERIODS`."""
+        return prefix + "_sum", prefix + "_count", prefix + "_sq"
 
     def add(self, loss: torch.Tensor, copy: bool = True) -> torch.Tensor:
         """Add a 0-d loss to every open period (and to the baseline while it is filling): a copy is kept,
@@ -128,11 +136,14 @@ class LossSums(ReducedState):
             parts["initial"] = (clean[:initial], weight[:initial])
         totals: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         whole = (clean.sum(), weight.sum())
+        squares = (clean * clean).sum()
         for prefix, (c, w) in parts.items():
             totals[prefix] = whole if c is clean else (c.sum(), w.sum())
             total, count = self.names(prefix)
             self._values[total] = self._values[total] + totals[prefix][0]
             self._values[count] = self._values[count] + totals[prefix][1]
+            if prefix in LOSS_PERIODS:
+                self._values[prefix + "_sq"] = self._values[prefix + "_sq"] + squares
         # The last finite value: the largest 1-based position of a finite one (0: none of them is finite).
         position = (weight * torch.arange(1, len(held) + 1, device=values.device, dtype=values.dtype)).max()
         latest = values.gather(0, (position.long() - 1).clamp(min=0).reshape(1)).reshape(())
@@ -175,7 +186,8 @@ class LossSums(ReducedState):
         ``last_finite``, ``initial_batches`` or ``window_start`` is nan, 0 and ``None``); the held losses are dropped
         (the restored sums replace them: a resume, or a rollback that undoes their steps). Sets :attr:`all_ranks`."""
         self._held, self._held_initial = [], 0
-        super().load_state_dict(state, strict)
+        # a checkpoint from before the sums of squares: their spread is unknown (nan) until the periods restart
+        super().load_state_dict({**{p + "_sq": math.nan for p in LOSS_PERIODS}, **state}, strict)
         self._last_finite = float(state.get("last_finite", math.nan))
         self.initial_batches = int(state.get("initial_batches", 0))
         start = state.get("window_start")
@@ -187,3 +199,17 @@ class LossSums(ReducedState):
         """The mean loss of a period from (reduced) sums; ``nan`` if it counted nothing."""
         total, count = LossSums.names(prefix)
         return totals[total] / totals[count] if totals[count] > 0 else math.nan
+
+    @staticmethod
+    def variance(totals: Mapping[str, float], prefix: str) -> float:
+        """The sample variance (``n - 1``) of a period's step losses from (reduced) sums; ``nan`` below 2 losses.
+
+        Example:
+            >>> LossSums.variance({"epoch_sum": 6.0, "epoch_count": 3.0, "epoch_sq": 14.0}, "epoch")
+            1.0
+        """
+        total, count, squares = LossSums.spread_names(prefix)
+        n = totals[count]
+        if n < 2:
+            return math.nan
+        return max(totals[squares] - totals[total] * totals[total] / n, 0.0) / (n - 1)
