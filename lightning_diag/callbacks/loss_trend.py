@@ -136,6 +136,9 @@ class LossTrend:
         #: The mean learning rate in effect at the current period's first step (read when the last one closed, or
         #: at the start of training; ``nan``: none).
         self.lr_start = math.nan
+        #: The monitored metric's running ``(sum, count)`` after each batch of the current validation run
+        #: (references to Lightning's own accumulators: no copy, no host read until the run ends).
+        self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def start(self, trainer: pl.Trainer) -> None:
         """Start the step window, and share restored all-rank loss sums out over this run's ranks."""
@@ -233,8 +236,46 @@ class LossTrend:
         return start
 
     # -- validation trend --------------------------------------------------------------------------------
+    def on_validation_batch_end(self, trainer: pl.Trainer) -> None:
+        """Keep the monitored metric's running sum and count after this batch, when it is logged in
+        ``validation_step`` with a mean over the epoch (Lightning's accumulators, held by reference), for the
+        standard error of the validation value (:meth:`validation_se`)."""
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        results = getattr(trainer, "_results", None)
+        metric = results.get(f"validation_step.{self.monitor}") if isinstance(results, dict) else None
+        if metric is None or not getattr(metric.meta, "is_mean_reduction", False) or not metric.meta.on_epoch:
+            return
+        total, count = metric.value, metric.cumulated_batch_size
+        if isinstance(total, torch.Tensor) and isinstance(count, torch.Tensor) and total.dim() == 0:
+            self.val_batches.append((total, count))
+
+    def validation_se(self) -> float:
+        """The standard error of this validation run's value from its batches' values (``nan`` below 2 batches
+        or when the metric's batches were not seen); the kept batches are dropped.
+
+        With ``m_i`` the mean of batch ``i`` over ``b_i`` samples and ``m`` the run's mean, the variance of ``m``
+        is ``n / (n - 1) * sum(b_i^2 (m_i - m)^2) / (sum b_i)^2`` over its ``n`` batches (the batches as the
+        samples of the run: it holds whatever the spread within a batch).
+        """
+        kept, self.val_batches = self.val_batches, []
+        if len(kept) < 2:
+            return math.nan
+        totals = torch.stack([t.detach().double() for t, _ in kept]).cpu().tolist()
+        counts = torch.stack([c.detach().double() for _, c in kept]).cpu().tolist()
+        sums = [b - a for a, b in zip([0.0, *totals[:-1]], totals, strict=True)]
+        sizes = [b - a for a, b in zip([0.0, *counts[:-1]], counts, strict=True)]
+        batches = [(s_i / b_i, b_i) for s_i, b_i in zip(sums, sizes, strict=True) if b_i > 0]
+        n, whole = len(batches), sum(b for _, b in batches)
+        if n < 2 or whole <= 0:
+            return math.nan
+        mean = sum(m * b for m, b in batches) / whole
+        variance = n / (n - 1) * sum((b * (m - mean)) ** 2 for m, b in batches) / (whole * whole)
+        return math.sqrt(variance)
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrendOutput:
-        """Feed the monitored validation value to ``val_decline`` and ``val_fluctuation``.
+        """Feed the monitored validation value (with its standard error, :meth:`validation_se`) to ``val_decline``,
+        and to ``val_fluctuation``.
 
         Logged tags: ``diag/loss/val``; ``diag/loss/train_fluctuation`` and ``diag/loss/val_fluctuation`` once
         the window is full.
@@ -257,9 +298,12 @@ class LossTrend:
             return out
         value = torch.as_tensor(raw, dtype=torch.float32, device=pl_module.device).detach().mean()
         val = float(trainer.strategy.reduce(value, reduce_op="mean"))
+        # the value's standard error over all ranks (each rank's own batches; nan where one is unknown)
+        se_local = torch.tensor(self.validation_se() ** 2, dtype=torch.float64, device=pl_module.device)
+        se = math.sqrt(float(trainer.strategy.reduce(se_local, reduce_op="mean")) / max(trainer.world_size, 1))
         ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
         self.stagnant_rule.observe_validation(val, self.val_decline_rule.mode)
-        out.alerts += self.val_decline_rule.update(val, ctx, train_mean)
+        out.alerts += self.val_decline_rule.update(val, ctx, train_mean, se=se)
         out.alerts += self.val_fluctuation_rule.update(train_mean, val, ctx)
         out.scalars[loss_tag("val")] = val
         train_f, val_f = self.val_fluctuation_rule.measures()

@@ -64,6 +64,7 @@ __all__ = [
     "DEFAULT_VAL_DECLINE_MIN_DELTA",
     "DEFAULT_VAL_DECLINE_MIN_STEPS",
     "DEFAULT_VAL_DECLINE_THRESHOLD",
+    "DEFAULT_VAL_DECLINE_Z",
     "DEFAULT_VAL_FLUCTUATION_MIN",
     "DEFAULT_VAL_FLUCTUATION_MIN_RANGE",
     "DEFAULT_VAL_FLUCTUATION_MIN_RISE",
@@ -91,6 +92,7 @@ __all__ = [
     "LossSwingRule",
     "ValDeclineRule",
     "ValFluctuationRule",
+    "welch_z",
 ]
 
 # -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
@@ -104,8 +106,8 @@ LOSS_SWING_SPEC = register(RuleSpec(
 ))
 VAL_DECLINE_SPEC = register(RuleSpec(
     "val_decline", _ALARM, "warning", 5.0, "validation metric worsens on {threshold:g} consecutive validation runs",
-    settings={"min_delta": 0.0, "min_steps": 20}, check="val_decline", source="seed 001 §1.2",
-    limits={"threshold": COUNT, "min_steps": STEPS},
+    settings={"min_delta": 0.0, "min_steps": 20, "z": 2.0}, check="val_decline", source="seed 001 §1.2",
+    limits={"threshold": COUNT, "min_steps": STEPS, "z": POSITIVE},
 ))
 VAL_FLUCTUATION_SPEC = register(RuleSpec(
     "val_fluctuation", _ALARM, "warning", 2.0,
@@ -195,6 +197,8 @@ _POOL_POINTS = 16
 _POOL_MIN_PAIRS = 4
 #: ``loss_swing``: a learning rate that changes by less than this fraction did not move.
 _LR_MOVES = 0.01
+#: ``val_decline``: standard errors of the validation means the streak's whole worsening must exceed.
+DEFAULT_VAL_DECLINE_Z = default(VAL_DECLINE_SPEC.key("z"))
 #: ``val_decline``: optimizer steps the worsening streak must span.
 DEFAULT_VAL_DECLINE_MIN_STEPS = int(default(VAL_DECLINE_SPEC.key("min_steps")))
 #: ``val_fluctuation``: optimizer steps the window must span.
@@ -203,6 +207,34 @@ DEFAULT_VAL_FLUCTUATION_MIN_STEPS = int(default(VAL_FLUCTUATION_SPEC.key("min_st
 
 def _pct(x: float) -> str:
     return f"{x * 100:+.1f}%"
+
+
+def welch_z(delta: float, first: list[float] | None, second: list[float] | None) -> float:
+    """A difference of two means over its standard error (Welch's ``t``), as a standard normal deviate.
+
+    ``first`` and ``second`` are ``[variance of the mean, degrees of freedom]``; the degrees of freedom of the
+    difference are Welch-Satterthwaite's, and ``t`` becomes the normal deviate of the same tail probability by
+    ``z = t (1 - 1 / (4 df)) / sqrt(1 + t^2 / (2 df))`` (so a bound on ``z`` means the same significance for
+    epochs of 4 steps or of 4000). ``nan`` when a noise is unknown; ``inf`` for a change against no noise at all.
+
+    Example:
+        >>> round(welch_z(1.0, [0.1, 1000.0], [0.1, 1000.0]), 2), round(welch_z(1.0, [0.1, 3.0], [0.1, 3.0]), 2)
+        (2.23, 1.8)
+    """
+    if first is None or second is None:
+        return math.nan
+    (v1, df1), (v2, df2) = first, second
+    variance = v1 + v2
+    if not math.isfinite(variance):
+        return 0.0 if math.isinf(variance) else math.nan
+    if variance <= 0:
+        return math.inf if delta > 0 else math.nan
+    t = delta / math.sqrt(variance)
+    denominator = (v1 * v1 / max(df1, 1.0) if v1 > 0 else 0.0) + (v2 * v2 / max(df2, 1.0) if v2 > 0 else 0.0)
+    df = variance * variance / denominator if denominator > 0 else math.inf
+    if math.isinf(df):
+        return t
+    return t * (1.0 - 1.0 / (4.0 * df)) / math.sqrt(1.0 + t * t / (2.0 * df))
 
 
 class LossSwingRule(Rule):
@@ -220,7 +252,8 @@ class LossSwingRule(Rule):
     A change in the direction the learning rate moved between the two points (``lr``: the period's mean rate) is
     the user's schedule, not a swing, when the rate changed by a factor of at most ``lr_ratio`` (cyclic rates,
     one-cycle, warm restarts: the loss rises with the rate); a larger factor between two consecutive points is
-    no schedule people train with (an oscillating or mis-set rate) and is judged as any change.
+    no schedule people train with (an oscillating or mis-set rate): a change that comes with it is the rate's
+    doing rather than chance, and is significant from ``z / 2`` standard errors on.
 
     Args:
         threshold: Relative change that counts as a swing.
@@ -270,8 +303,8 @@ class LossSwingRule(Rule):
         #: The last change over its standard error (``nan`` before two points).
         self.last_t = math.nan
         self.history: list[float] = []
-        #: The variance of the previous point's mean (``None``: unknown).
-        self.previous_noise: float | None = None
+        #: ``[variance of the previous point's mean, its degrees of freedom]`` (``None``: unknown).
+        self.previous_noise: list[float] | None = None
         #: The previous point's learning rate (``None``: unknown).
         self.previous_lr: float | None = None
         #: ``[value, steps, step variance or None]`` of the last points, for the pooled noise of one-step points.
@@ -301,18 +334,21 @@ class LossSwingRule(Rule):
         rule.lr_ratio = spec.value(thresholds, "lr_ratio")
         return rule
 
-    def pooled_step_variance(self) -> float:
-        """The step variance of a point without its own spread: the median of the recent points' own step
-        variances, else the mean squared successive difference of the recent points (scaled by their steps);
-        ``inf`` (no change significant) with neither."""
-        own = [float(v) for _, _, v in self.recent if v is not None]
+    def pooled_step_variance(self) -> tuple[float, float]:
+        """The step variance of a point without its own spread, with its degrees of freedom: the median of the
+        recent points' own step variances (the fewest steps among them, less one), else half the mean squared
+        successive difference of the recent points scaled by their steps (one per difference); ``inf`` (no change
+        significant) with neither."""
+        own = [(float(v), float(n or 1.0)) for _, n, v in self.recent if v is not None]
         if own:
-            return statistics.median(own)
+            return statistics.median(v for v, _ in own), min(n for _, n in own) - 1.0
         pairs = [
-            (float(b[0]) - float(a[0])) ** 2 / (1.0 / max(float(a[1]), 1.0) + 1.0 / max(float(b[1]), 1.0))  # type: ignore[arg-type]
+            (float(b[0] or 0.0) - float(a[0] or 0.0)) ** 2 / (1.0 / float(a[1] or 1.0) + 1.0 / float(b[1] or 1.0))
             for a, b in itertools.pairwise(self.recent)
         ]
-        return sum(pairs) / (2.0 * len(pairs)) if len(pairs) >= _POOL_MIN_PAIRS else math.inf
+        if len(pairs) < _POOL_MIN_PAIRS:
+            return math.inf, 1.0
+        return sum(pairs) / (2.0 * len(pairs)), float(len(pairs))
 
     def scheduled(self, change: float, lr: float | None) -> bool:
         """Whether a change moves with the learning rate by a factor of at most ``lr_ratio`` (the schedule)."""
@@ -322,6 +358,13 @@ class LossSwingRule(Rule):
         if max(factor, 1.0 / factor) < 1.0 + _LR_MOVES:
             return False  # the rate did not move
         return (factor > 1.0) == (change > 0) and max(factor, 1.0 / factor) <= self.lr_ratio
+
+    def lr_jump(self, lr: float | None) -> bool:
+        """Whether the learning rate changed by more than ``lr_ratio`` since the previous point: no schedule's
+        step, so a change of the loss with it is the rate's doing, not chance (judged against half of ``z``)."""
+        if lr is None or self.previous_lr is None or not (lr > 0 and self.previous_lr > 0):
+            return False
+        return max(lr / self.previous_lr, self.previous_lr / lr) > self.lr_ratio
 
     def update(
         self,
@@ -346,7 +389,8 @@ class LossSwingRule(Rule):
         count = max(float(steps), 1.0) if math.isfinite(steps) else 1.0
         own = float(variance) if variance is not None and count >= 2 and math.isfinite(variance) else None
         self.recent = [*self.recent[-(_POOL_POINTS - 1) :], [float(value), count, own]]
-        noise = (own if own is not None else self.pooled_step_variance()) / count
+        step_variance, df = (own, count - 1.0) if own is not None else self.pooled_step_variance()
+        noise = [step_variance / count, df]
         lr = float(lr) if lr is not None and math.isfinite(lr) else None
         self.history = [*self.history[-(self.patience) :], value]
         if self.previous is None:
@@ -354,15 +398,15 @@ class LossSwingRule(Rule):
             return []
         change = relative_change(self.previous, value)
         delta = abs(value - self.previous)
-        se = math.sqrt(self.previous_noise + noise) if self.previous_noise is not None else math.nan
-        self.last_t = delta / se if se > 0 else (math.inf if delta > 0 and se == 0 else math.nan)
+        self.last_t = welch_z(delta, self.previous_noise, noise)
         large = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
-        significant = large and self.last_t > self.z
+        bound = self.z / 2.0 if self.lr_jump(lr) else self.z
+        significant = large and self.last_t > bound
         swing = significant and not self.scheduled(change, lr)
         rise = swing and change > 0
         reversal = swing and change < 0 and self.previous_rise
         counts = math.isfinite(change) and (change > 0 or self.previous_rise) and not self.scheduled(change, lr)
-        near = min(abs(change) / self.threshold, self.last_t / self.z) if counts and math.isfinite(self.last_t) else 0.0
+        near = min(abs(change) / self.threshold, self.last_t / bound) if counts and math.isfinite(self.last_t) else 0.0
         self.excesses = [*self.excesses[-(self.patience - 1) :], near]
         if len(self.excesses) >= self.patience:
             self.observe(min(self.excesses), 1.0)
@@ -390,6 +434,13 @@ class LossSwingRule(Rule):
 class ValDeclineRule(Rule):
     """``val_decline``: the monitored validation value worsens on ``patience`` consecutive runs.
 
+    When the standard error of each validation value is known (``se``: the spread of its batches' values, see
+    :meth:`~lightning_diag.callbacks.loss_trend.LossTrend.on_validation_batch_end`), the streak's whole worsening,
+    from the run it worsens from to the last, must also exceed ``z`` standard errors of that difference
+    (``sqrt(se_start^2 + se^2)``): a validation loss worse by 0.15% over five runs on thousands of samples is the
+    validation set's noise, not a decline. Without it (a metric logged only at the epoch's end), any worsening
+    counts, as before.
+
     Args:
         monitor: Name of the metric, for messages and the alert's ``source``.
         mode: ``"min"`` if lower is better, ``"max"`` if higher is better.
@@ -403,7 +454,7 @@ class ValDeclineRule(Rule):
     """
 
     specs = (VAL_DECLINE_SPEC,)
-    state_keys = ("previous", "streak", "history", "streak_start", "train_start")
+    state_keys = ("previous", "streak", "history", "streak_start", "train_start", "start", "previous_se")
 
     def __init__(
         self,
@@ -428,11 +479,19 @@ class ValDeclineRule(Rule):
         self.streak_start = 0
         #: The mean training loss before that run (``None``: not known).
         self.train_start: float | None = None
+        #: ``[value, standard error or None]`` of the run the current streak worsens from.
+        self.start: list[float | None] = []
+        #: The standard error of the previous value (``None``: unknown).
+        self.previous_se: float | None = None
+        #: Standard errors the streak's worsening must exceed (``val_decline.z``).
+        self.z = DEFAULT_VAL_DECLINE_Z
+        #: The last streak's worsening over its standard error (``nan``: unknown).
+        self.last_z = math.nan
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before ``min_steps`` loads with the streak
         starting at step 0."""
-        super().load_state_dict({"streak_start": 0, "train_start": None, **state})
+        super().load_state_dict({"streak_start": 0, "train_start": None, "start": [], "previous_se": None, **state})
 
     @classmethod
     def from_settings(
@@ -443,18 +502,32 @@ class ValDeclineRule(Rule):
         spec = VAL_DECLINE_SPEC
         rule = cls(monitor, mode, int(spec.value(thresholds)), spec.value(thresholds, "min_delta"))
         rule.min_steps = int(spec.value(thresholds, "min_steps"))
+        rule.z = spec.value(thresholds, "z")
         return rule
 
-    def update(self, value: float, ctx: StepContext, train: float | None = None) -> list[Alert]:
+    def significance(self, value: float, se: float | None) -> float:
+        """The worsening from the streak's start to ``value`` over its standard error (``inf`` when either
+        standard error is unknown: the test is not made)."""
+        if len(self.start) < 2 or self.start[1] is None or se is None:
+            return math.inf
+        first = float(self.start[0] or 0.0)
+        worse = value - first if self.mode == "min" else first - value
+        noise = math.sqrt(float(self.start[1]) ** 2 + se * se)
+        return worse / noise if noise > 0 else (math.inf if worse > 0 else 0.0)
+
+    def update(
+        self, value: float, ctx: StepContext, train: float | None = None, se: float | None = None
+    ) -> list[Alert]:
         """Feed the next validation value (and the mean training loss since the previous run, when known);
         return the alerts it raises.
 
         With ``train`` given, a streak over which the training loss rose too is a schedule (a KL weight warming
         up raises both), not overfitting: the rule stays quiet while the training loss is above its value at the
-        run the streak worsens from.
+        run the streak worsens from. ``se`` is the value's standard error (``None``: unknown).
         """
         if not math.isfinite(value):
             return []
+        se = float(se) if se is not None and math.isfinite(se) and se >= 0 else None
         self.history = [*self.history[-self.patience :], value]
         if self.previous is not None:
             worse = (
@@ -465,10 +538,16 @@ class ValDeclineRule(Rule):
         if self.streak == 0:
             self.streak_start = ctx.global_step
             self.train_start = train
-        self.previous = value
+            self.start = [value, se]
+        self.previous, self.previous_se = value, se
         spanned = ctx.global_step - self.streak_start
         scheduled = train is not None and self.train_start is not None and train > self.train_start
-        active = self.streak >= self.patience and spanned >= self.min_steps and not scheduled
+        self.last_z = self.significance(value, se) if self.streak else math.nan
+        significant = not self.last_z <= self.z  # nan (no streak) is judged by the streak
+        if not scheduled and spanned >= self.min_steps:
+            streak_part = self.streak / self.patience
+            self.observe(min(streak_part, self.last_z / self.z) if self.streak else 0.0, 1.0)
+        active = self.streak >= self.patience and spanned >= self.min_steps and not scheduled and significant
         if not self.latch.update(self.monitor, active):
             return []
         points = ", ".join(f"{v:.4g}" for v in self.history)

@@ -27,8 +27,9 @@ FOLD_EVERY = 64
 
 
 class LossSums(ReducedState):
-    """``<period>_sum`` and ``<period>_count`` for each of :data:`LOSS_PERIODS` and ``initial``, ``<period>_sq``
-    (the sum of squares: the spread of the step losses within the period) for each of :data:`LOSS_PERIODS`, the last
+    """``<period>_sum`` and ``<period>_count`` for each of :data:`LOSS_PERIODS` and ``initial``; ``<period>_dsq`` and
+    ``<period>_dn`` (the sum and count of the squared differences between successive step losses: their step-to-step
+    noise, which a trend within the period barely moves) for each of :data:`LOSS_PERIODS`; the last
     finite loss, and where the periods stand (the batches of ``initial``, the first step of the step window).
 
     Non-finite losses add nothing to the sums or the counts (they are the non-finite guard's business).
@@ -56,8 +57,13 @@ class LossSums(ReducedState):
         for prefix in (*LOSS_PERIODS, "initial"):
             self.add_state(prefix + "_sum", 0.0, Reduction.SUM)
             self.add_state(prefix + "_count", 0.0, Reduction.SUM)
-        for prefix in LOSS_PERIODS:  # the spread of the step losses within a period (the loss rules' noise)
-            self.add_state(prefix + "_sq", 0.0, Reduction.SUM)
+        for prefix in LOSS_PERIODS:  # the step-to-step noise of the losses within a period (the loss rules')
+            self.add_state(prefix + "_dsq", 0.0, Reduction.SUM)
+            self.add_state(prefix + "_dn", 0.0, Reduction.SUM)
+        # The last loss folded in (the predecessor of the next fold's first), and the periods it belongs to (a period
+        # just reset has none: its first difference is with its own first loss).
+        self._previous: torch.Tensor | None = None
+        self._continues: set[str] = set()
         self.baseline_steps = baseline_steps
         #: Batches counted into the ``initial`` sums so far (the same on every rank: not reduced).
         self.initial_batches = 0
@@ -79,9 +85,9 @@ class LossSums(ReducedState):
         return prefix + "_sum", prefix + "_count"
 
     @staticmethod
-    def spread_names(prefix: str) -> tuple[str, str, str]:
-        """``(sum, count, sum of squares)`` state names of one of :data:`LOSS_PERIODS`."""
-        return prefix + "_sum", prefix + "_count", prefix + "_sq"
+    def spread_names(prefix: str) -> tuple[str, str, str, str]:
+        """``(sum, count, squared differences, their count)`` state names of one of :data:`LOSS_PERIODS`."""
+        return prefix + "_sum", prefix + "_count", prefix + "_dsq", prefix + "_dn"
 
     def add(self, loss: torch.Tensor, copy: bool = True) -> torch.Tensor:
         """Add a 0-d loss to every open period (and to the baseline while it is filling): a copy is kept,
@@ -136,20 +142,39 @@ class LossSums(ReducedState):
             parts["initial"] = (clean[:initial], weight[:initial])
         totals: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         whole = (clean.sum(), weight.sum())
-        squares = (clean * clean).sum()
         for prefix, (c, w) in parts.items():
             totals[prefix] = whole if c is clean else (c.sum(), w.sum())
             total, count = self.names(prefix)
             self._values[total] = self._values[total] + totals[prefix][0]
             self._values[count] = self._values[count] + totals[prefix][1]
-            if prefix in LOSS_PERIODS:
-                self._values[prefix + "_sq"] = self._values[prefix + "_sq"] + squares
+        self._fold_differences(values, finite)
         # The last finite value: the largest 1-based position of a finite one (0: none of them is finite).
         position = (weight * torch.arange(1, len(held) + 1, device=values.device, dtype=values.dtype)).max()
         latest = values.gather(0, (position.long() - 1).clamp(min=0).reshape(1)).reshape(())
         last = self._last_finite
         last = last.to(latest) if isinstance(last, torch.Tensor) else torch.full_like(latest, last)
         self._last_finite = torch.where(position > 0, latest, last)
+
+    def _fold_differences(self, values: torch.Tensor, finite: torch.Tensor) -> None:
+        """Add the squared differences between successive finite losses (with the last loss of the fold before for
+        the periods it belongs to) to each period's ``_dsq`` and ``_dn`` (no host read)."""
+        inner = (values[1:] - values[:-1]) ** 2
+        inner_ok = finite[1:] & finite[:-1]
+        inner_sum = torch.where(inner_ok, inner, 0.0).sum()
+        inner_n = inner_ok.to(values.dtype).sum()
+        edge_sum = edge_n = None
+        if self._previous is not None:
+            previous = self._previous.to(values)
+            edge_ok = finite[0] & ((previous * 0) == 0)
+            edge_sum = torch.where(edge_ok, (values[0] - previous) ** 2, 0.0)
+            edge_n = edge_ok.to(values.dtype)
+        for prefix in LOSS_PERIODS:
+            dsq, dn = prefix + "_dsq", prefix + "_dn"
+            with_edge = edge_sum is not None and edge_n is not None and prefix in self._continues
+            self._values[dsq] = self._values[dsq] + (inner_sum + edge_sum if with_edge else inner_sum)
+            self._values[dn] = self._values[dn] + (inner_n + edge_n if with_edge else inner_n)
+        self._previous = values[-1]
+        self._continues = set(LOSS_PERIODS)
 
     def __getitem__(self, name: str) -> Any:
         self._fold()
@@ -159,6 +184,8 @@ class LossSums(ReducedState):
         """Put the named values (all by default) back to their defaults, after folding the held losses in."""
         self._fold()
         super().reset(names)
+        restarted = {p for p in LOSS_PERIODS if names is None or p + "_sum" in set(names)}
+        self._continues -= restarted  # a period's first difference is within it
 
     def merge(self, other: ReducedState) -> ReducedState:
         """As :meth:`ReducedState.merge`, with the held losses of both folded in first."""
@@ -186,8 +213,10 @@ class LossSums(ReducedState):
         ``last_finite``, ``initial_batches`` or ``window_start`` is nan, 0 and ``None``); the held losses are dropped
         (the restored sums replace them: a resume, or a rollback that undoes their steps). Sets :attr:`all_ranks`."""
         self._held, self._held_initial = [], 0
-        # a checkpoint from before the sums of squares: their spread is unknown (nan) until the periods restart
-        super().load_state_dict({**{p + "_sq": math.nan for p in LOSS_PERIODS}, **state}, strict)
+        self._previous, self._continues = None, set()
+        # a checkpoint from before the step-to-step noise: unknown (nan) until the periods restart
+        legacy = {name: math.nan if name.endswith("_dsq") else 0.0 for p in LOSS_PERIODS for name in (p + "_dsq", p + "_dn")}
+        super().load_state_dict({**legacy, **state}, strict)
         self._last_finite = float(state.get("last_finite", math.nan))
         self.initial_batches = int(state.get("initial_batches", 0))
         start = state.get("window_start")
@@ -202,14 +231,14 @@ class LossSums(ReducedState):
 
     @staticmethod
     def variance(totals: Mapping[str, float], prefix: str) -> float:
-        """The sample variance (``n - 1``) of a period's step losses from (reduced) sums; ``nan`` below 2 losses.
+        """The step losses' noise variance of a period from (reduced) sums: half the mean squared difference between
+        successive losses (von Neumann's estimator: a smooth trend within the period barely adds to it); ``nan``
+        without a difference.
 
         Example:
-            >>> LossSums.variance({"epoch_sum": 6.0, "epoch_count": 3.0, "epoch_sq": 14.0}, "epoch")
-            1.0
+            >>> LossSums.variance({"epoch_dsq": 8.0, "epoch_dn": 2.0}, "epoch")
+            2.0
         """
-        total, count, squares = LossSums.spread_names(prefix)
+        _, _, squares, count = LossSums.spread_names(prefix)
         n = totals[count]
-        if n < 2:
-            return math.nan
-        return max(totals[squares] - totals[total] * totals[total] / n, 0.0) / (n - 1)
+        return totals[squares] / (2.0 * n) if n >= 1 else math.nan

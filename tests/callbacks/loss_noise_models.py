@@ -33,7 +33,6 @@ class ClusterMLP(pl.LightningModule):
         factor: The alternating or cyclic factor.
         cycle_steps: Steps of the cyclic half-cycle or of a restart period.
         total_steps: One-cycle's length.
-        zero_steps: Global steps whose inputs arrive as zeros (a corrupted transfer).
         optimizer: ``"adam"`` or ``"sgd"``.
     """
 
@@ -44,20 +43,17 @@ class ClusterMLP(pl.LightningModule):
         factor: float = 40.0,
         cycle_steps: int = 16,
         total_steps: int = 100,
-        zero_steps: tuple[int, ...] = (),
         optimizer: str = "adam",
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
         self.lr, self.schedule, self.factor = lr, schedule, factor
-        self.cycle_steps, self.total_steps, self.zero_steps = cycle_steps, total_steps, set(zero_steps)
+        self.cycle_steps, self.total_steps = cycle_steps, total_steps
         self.optimizer = optimizer
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        if self.global_step in self.zero_steps:
-            x = torch.zeros_like(x)
         return nn.functional.cross_entropy(self.net(x), y)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

@@ -4,8 +4,10 @@ from lightning_diag.rules import Latch, LossSwingRule, StepContext, ValDeclineRu
 
 
 def feed(rule, values, spread=(0.01**2, 20)):
-    """Feed epoch means of 20 steps whose step losses spread by 0.01 (far below the changes judged)."""
-    return [len(rule.update(v, StepContext(i, 20 * (i + 1)), steps=spread[1], variance=spread[0])) for i, v in enumerate(values)]
+    """Feed the values; to ``loss_swing``, as epoch means of 20 steps whose step losses spread by 0.01 (far below
+    the changes judged)."""
+    noise = {"steps": spread[1], "variance": spread[0]} if isinstance(rule, LossSwingRule) else {}
+    return [len(rule.update(v, StepContext(i, 20 * (i + 1)), **noise)) for i, v in enumerate(values)]
 
 
 @pytest.mark.parametrize(
