@@ -3,13 +3,16 @@
 Exact definitions (also in ``docs/anomaly_alarm.md``):
 
 * ``loss_swing``: for consecutive loss points ``L[k-1], L[k]`` (epoch means, or means over windows of steps),
-  the relative change is ``r = (L[k] - L[k-1]) / |L[k-1]|``. A point *swings* when ``|r| > threshold`` and
-  ``|L[k] - L[k-1]| > min_delta``, and it is either a rise (``r > 0``) or a fall that reverses a swinging
+  the relative change is ``r = (L[k] - L[k-1]) / |L[k-1]|``. A point *swings* when ``|r| > threshold``,
+  ``|L[k] - L[k-1]| > min_delta``, the change is more than ``z`` standard errors of the two points' step-loss noise
+  (Welch; one-step points pool the run's recent noise) and it is not a move with the learning rate by a factor of
+  at most ``lr_ratio`` (the user's schedule), and it is either a rise (``r > 0``) or a fall that reverses a swinging
   rise just before it. Falls that follow falls never swing, so a loss that drops steadily, however fast,
   is healthy. The rule fires when ``patience`` consecutive points swing.
 * ``val_decline``: a validation value is *worse* than the one before it when it is larger by more than
   ``min_delta`` (mode ``"min"``) or smaller by more than ``min_delta`` (mode ``"max"``). Fires when
-  ``patience`` consecutive validation runs are worse.
+  ``patience`` consecutive validation runs are worse and, where the values' standard errors are known, the whole
+  worsening of the streak is more than ``z`` standard errors of that difference.
 * ``val_fluctuation``: over the last ``window`` validation runs, the fluctuation of a series is the RMS of its
   residuals around a least-squares line or parabola fitted to its logarithm
   (:func:`~lightning_diag.stats.fluctuation`). Fires when the validation fluctuation exceeds ``ratio`` times
@@ -56,8 +59,8 @@ __all__ = [
     "DEFAULT_STAGNANT_MIN_TREND",
     "DEFAULT_STAGNANT_PATIENCE",
     "DEFAULT_STAGNANT_THRESHOLD",
-    "DEFAULT_SWING_MIN_DELTA",
     "DEFAULT_SWING_LR_RATIO",
+    "DEFAULT_SWING_MIN_DELTA",
     "DEFAULT_SWING_PATIENCE",
     "DEFAULT_SWING_THRESHOLD",
     "DEFAULT_SWING_Z",
@@ -242,10 +245,11 @@ class LossSwingRule(Rule):
 
     A point is the mean step loss of an epoch (or window). Its change from the point before swings when it is
     above ``threshold`` (relative) and ``min_delta`` (absolute) **and** significant against the noise of the two
-    points: ``|L[k] - L[k-1]| > z * sqrt(s[k-1]^2 / n[k-1] + s[k]^2 / n[k])`` (Welch's statistic; ``s^2``: the
-    sample variance of a point's ``n`` step losses, passed as ``variance`` and ``steps``). A point of one step (one-batch epochs)
-    has no spread of its own: its step variance is pooled, from the recent multi-step points' variances or, when
-    there are none, from the step-to-step differences of the last :data:`_POOL_POINTS` points (the mean squared
+    points: ``|L[k] - L[k-1]|`` over ``sqrt(s[k-1]^2 / n[k-1] + s[k]^2 / n[k])`` above ``z`` (Welch's statistic as a
+    normal deviate, :func:`welch_z`; ``s^2``: the noise variance of a point's ``n`` step losses, passed as
+    ``variance`` and ``steps``). A point of one step (one-batch epochs) has no spread of its own: its step
+    variance is pooled, from the recent multi-step points' variances or, when there are none, from the step-to-step
+    differences of the last :data:`_POOL_POINTS` points (the mean squared
     successive difference, which a smooth trend barely moves); with fewer than 4 such differences no change is
     significant.
 
@@ -316,7 +320,7 @@ class LossSwingRule(Rule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before the noise test loads with the previous
         point's noise and rate unknown."""
-        defaults = {"previous_noise": None, "previous_lr": None, "recent": [], "excesses": []}
+        defaults: dict[str, Any] = {"previous_noise": None, "previous_lr": None, "recent": [], "excesses": []}
         super().load_state_dict({**defaults, **state})
 
     @classmethod

@@ -359,7 +359,8 @@ def loss_outliers(
         >>> loss_outliers(hist[:7], [4.0], 10.0, 2.0, 32)  # not enough history (8 steps)
         []
     """
-    return [(i, x, med) for i, x, excess, med in judge_losses(history, new, threshold, ratio, window, floor) if excess > 1]
+    judged = judge_losses(history, new, threshold, ratio, window, floor)
+    return [(i, x, med) for i, x, excess, med in judged if excess > 1.0]
 
 
 def judge_losses(

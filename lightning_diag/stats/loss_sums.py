@@ -162,17 +162,17 @@ class LossSums(ReducedState):
         inner_ok = finite[1:] & finite[:-1]
         inner_sum = torch.where(inner_ok, inner, 0.0).sum()
         inner_n = inner_ok.to(values.dtype).sum()
-        edge_sum = edge_n = None
+        with_edge = (inner_sum, inner_n)
         if self._previous is not None:
             previous = self._previous.to(values)
             edge_ok = finite[0] & ((previous * 0) == 0)
-            edge_sum = torch.where(edge_ok, (values[0] - previous) ** 2, 0.0)
-            edge_n = edge_ok.to(values.dtype)
+            edge = torch.where(edge_ok, (values[0] - previous) ** 2, 0.0)
+            with_edge = (inner_sum + edge, inner_n + edge_ok.to(values.dtype))
         for prefix in LOSS_PERIODS:
             dsq, dn = prefix + "_dsq", prefix + "_dn"
-            with_edge = edge_sum is not None and edge_n is not None and prefix in self._continues
-            self._values[dsq] = self._values[dsq] + (inner_sum + edge_sum if with_edge else inner_sum)
-            self._values[dn] = self._values[dn] + (inner_n + edge_n if with_edge else inner_n)
+            squares, count = with_edge if prefix in self._continues else (inner_sum, inner_n)
+            self._values[dsq] = self._values[dsq] + squares
+            self._values[dn] = self._values[dn] + count
         self._previous = values[-1]
         self._continues = set(LOSS_PERIODS)
 
@@ -215,7 +215,7 @@ class LossSums(ReducedState):
         self._held, self._held_initial = [], 0
         self._previous, self._continues = None, set()
         # a checkpoint from before the step-to-step noise: unknown (nan) until the periods restart
-        legacy = {name: math.nan if name.endswith("_dsq") else 0.0 for p in LOSS_PERIODS for name in (p + "_dsq", p + "_dn")}
+        legacy = {p + "_dsq": math.nan for p in LOSS_PERIODS} | {p + "_dn": 0.0 for p in LOSS_PERIODS}
         super().load_state_dict({**legacy, **state}, strict)
         self._last_finite = float(state.get("last_finite", math.nan))
         self.initial_batches = int(state.get("initial_batches", 0))

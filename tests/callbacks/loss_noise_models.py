@@ -13,13 +13,16 @@ from torch.utils.data import DataLoader, TensorDataset
 __all__ = ["ClusterMLP", "cluster_loader"]
 
 
-def cluster_loader(samples: int, batch_size: int = 32, seed: int = 0, classes: int = 4, spread: float = 1.5) -> DataLoader:
+def cluster_loader(
+    samples: int, batch_size: int = 32, seed: int = 0, classes: int = 4, spread: float = 1.5
+) -> DataLoader:
     """Samples of ``classes`` Gaussian clusters in 16 dimensions (overlapping: the loss never reaches 0)."""
     g = torch.Generator().manual_seed(seed)
     centres = torch.randn(classes, 16, generator=g)
     y = torch.randint(0, classes, (samples,), generator=g)
     x = centres[y] + spread * torch.randn(samples, 16, generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    order = torch.Generator().manual_seed(seed)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, generator=order)
 
 
 class ClusterMLP(pl.LightningModule):

@@ -248,7 +248,8 @@ def test_run_time_checks_and_trend_evidence_are_set_like_every_rule():
     alarm = AnomalyAlarm(
         rules={"loss_outlier": {"threshold": 8, "ratio": 3.0, "window": 16}, "amp_not_applied": {"threshold": 0.25},
                "loss_stagnant": {"min_steps": 200, "alpha": 0.01, "min_trend": 0.05},
-               "loss_swing": {"z": 3.0, "lr_ratio": 4.0}, "val_decline": {"min_steps": 30}, "val_fluctuation": {"min_steps": 0},
+               "loss_swing": {"z": 3.0, "lr_ratio": 4.0}, "val_decline": {"min_steps": 30},
+               "val_fluctuation": {"min_steps": 0},
                "eval_randomness": False}
     )
     assert (alarm.outlier_rule.threshold, alarm.outlier_rule.ratio, alarm.outlier_rule.window) == (8.0, 3.0, 16)

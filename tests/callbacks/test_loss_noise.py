@@ -100,7 +100,8 @@ def test_a_rise_with_the_rate_within_lr_ratio_is_the_schedule():
 
     def run(factor: float) -> list[int]:
         rule, fired = LossSwingRule(), []
-        for e, (v, lr) in enumerate(zip([1.0, 1.3, 1.0, 1.3, 1.0, 1.3], [1.0, factor, 1.0, factor, 1.0, factor])):
+        points = [1.0, 1.3, 1.0, 1.3, 1.0, 1.3]
+        for e, (v, lr) in enumerate(zip(points, [1.0, factor] * 3, strict=True)):
             if rule.update(v, StepContext(e, 16 * e), steps=16, variance=0.01, lr=lr):
                 fired.append(e)
         return fired
