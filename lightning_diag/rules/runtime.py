@@ -115,7 +115,7 @@ LOSS_OUTLIER_SPEC = register(
         "loss_outlier",
         _ALARM,
         "warning",
-        10.0,
+        8.0,
         "a training step's loss more than {threshold:g} robust standard deviations and {ratio:g}x above the median "
         "of the {window:g} steps before it, back at the untrained model's level",
         settings={"ratio": 2.0, "window": 32},
@@ -154,7 +154,7 @@ ZERO_OUTPUT = ZERO_OUTPUT_SPEC.rule_id
 #: ``amp_not_applied``: share of the matmul layers' parameters computing in float32 above which it fires.
 DEFAULT_AMP_SHARE: float = float(AMP_NOT_APPLIED_SPEC.threshold or 0.5)
 #: ``loss_outlier``: robust standard deviations above the median of the window.
-DEFAULT_LOSS_OUTLIER_THRESHOLD: float = float(LOSS_OUTLIER_SPEC.threshold or 10.0)
+DEFAULT_LOSS_OUTLIER_THRESHOLD: float = float(LOSS_OUTLIER_SPEC.threshold or 8.0)
 #: ``loss_outlier``: ... and this factor above that median.
 DEFAULT_LOSS_OUTLIER_RATIO: float = float(LOSS_OUTLIER_SPEC.settings["ratio"])
 #: ``loss_outlier``: the steps the median and MAD are taken over.
