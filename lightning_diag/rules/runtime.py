@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import FRACTION, POSITIVE, Limit, RuleSpec, register
@@ -67,6 +68,7 @@ __all__ = [
     "TrainOverrideRule",
     "ZeroOutputRule",
     "judge_losses",
+    "loss_outlier_min_history",
     "loss_outliers",
     "outlier_excess",
 ]
@@ -388,6 +390,16 @@ def judge_losses(
     return out
 
 
+def loss_outlier_min_history(window: int) -> int:
+    """The steps of history ``loss_outlier`` needs before it judges a step: ``window // 4`` (at least 2).
+
+    Example:
+        >>> loss_outlier_min_history(32)
+        8
+    """
+    return max(int(window) // 4, 2)
+
+
 def outlier_excess(
     past: Sequence[float], x: float, threshold: float, ratio: float, window: int, floor: float | None = None
 ) -> tuple[float, float]:
@@ -408,7 +420,7 @@ def outlier_excess(
         [(0.33, 0.1), (1.12, 0.1)]
     """
     n = len(past)
-    if n < max(window // 4, 2):
+    if n < loss_outlier_min_history(window):
         return math.nan, math.nan
     ordered = sorted(past)
     med = _median(ordered)
@@ -445,7 +457,7 @@ class LossOutlierRule(Rule):
     """
 
     specs = (LOSS_OUTLIER_SPEC,)
-    state_keys = ("history", "initial", "outliers")
+    state_keys = ("history", "initial", "outliers", "first")
 
     def __init__(
         self,
@@ -461,9 +473,14 @@ class LossOutlierRule(Rule):
         self.history: list[float] = []
         #: The median loss of the fit's first ``window // 4`` finite steps (the untrained model's level).
         self.initial: float | None = None
-        self._first: list[float] = []
+        #: The fit's first finite losses, until ``initial`` is taken from them.
+        self.first: list[float] = []
         #: Outliers found so far in this fit.
         self.outliers = 0
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before ``first`` was saved loads with none."""
+        super().load_state_dict({"first": [], **state})
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> LossOutlierRule:
@@ -474,10 +491,11 @@ class LossOutlierRule(Rule):
     def update(self, losses: Sequence[float], steps: Sequence[int], ctx: StepContext) -> list[Alert]:
         """Feed the per-step losses since the last call (``steps``: their global steps); return the alerts."""
         if self.initial is None:
-            self._first += [float(v) for v in losses if math.isfinite(v)]
-            if len(self._first) >= self.window // 4:
-                self.initial = _median(sorted(self._first[: self.window // 4]))
-                self._first = []
+            self.first = self.first + [float(v) for v in losses if math.isfinite(v)]
+            need = loss_outlier_min_history(self.window)
+            if len(self.first) >= need:
+                self.initial = _median(sorted(self.first[:need]))
+                self.first = []
         floor = None if self.initial is None else 0.5 * self.initial
         judged = judge_losses(self.history, losses, self.threshold, self.ratio, self.window, floor)
         for _, _, excess, _ in judged:

@@ -201,19 +201,28 @@ class LossSums(ReducedState):
 
     def state_dict(self) -> dict[str, Any]:
         """The sums (as :meth:`ReducedState.state_dict`, the held losses folded in first), ``last_finite``,
-        ``initial_batches`` and ``window_start``: one host read for all."""
+        ``initial_batches``, ``window_start``, and the last loss folded in with the periods it continues
+        (``previous_loss``, ``continues``: the next step-to-step difference): one host read for all."""
         self._fold()
-        state = host_values({**{name: self._values[name] for name in self.specs}, "last_finite": self._last_finite})
+        previous = math.nan if self._previous is None else self._previous
+        state = host_values(
+            {**{name: self._values[name] for name in self.specs}, "last_finite": self._last_finite,
+             "previous_loss": previous}
+        )
         state["initial_batches"] = float(self.initial_batches)
         state["window_start"] = self.window_start
+        state["continues"] = sorted(self._continues) if self._previous is not None else []
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Restore :meth:`state_dict` output (as :meth:`ReducedState.load_state_dict` for the sums; a missing
-        ``last_finite``, ``initial_batches`` or ``window_start`` is nan, 0 and ``None``); the held losses are dropped
+        ``last_finite``, ``initial_batches`` or ``window_start`` is nan, 0 and ``None``, a missing ``previous_loss``
+        starts the step-to-step differences afresh); the held losses are dropped
         (the restored sums replace them: a resume, or a rollback that undoes their steps). Sets :attr:`all_ranks`."""
         self._held, self._held_initial = [], 0
-        self._previous, self._continues = None, set()
+        previous = float(state.get("previous_loss", math.nan))
+        self._previous = torch.tensor(previous, dtype=torch.float64) if math.isfinite(previous) else None
+        self._continues = set(state.get("continues", [])) & set(LOSS_PERIODS) if self._previous is not None else set()
         # a checkpoint from before the step-to-step noise: unknown (nan) until the periods restart
         legacy = {p + "_dsq": math.nan for p in LOSS_PERIODS} | {p + "_dn": 0.0 for p in LOSS_PERIODS}
         super().load_state_dict({**legacy, **state}, strict)
