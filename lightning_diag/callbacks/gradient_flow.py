@@ -35,10 +35,12 @@ from lightning_diag.callbacks.silent_updates import (
     SilentUpdateChecks,
     optimizer_position,
 )
-from lightning_diag.core.tags import act_grad_norm_tag
+from lightning_diag.core.tags import act_grad_norm_tag, dead_units_tag, saturation_tag, zero_grad_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.act_grads import ActivationGradients
+from lightning_diag.instrument.activation_watch import MIN_ROWS, ActivationWatch
 from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step
+from lightning_diag.rules.activations import ACTIVATION_SATURATION, DEAD_UNITS, ActivationRule
 from lightning_diag.rules.grad import (
     GRAD_EXPLODE,
     GRAD_VANISH,
@@ -47,6 +49,7 @@ from lightning_diag.rules.grad import (
     GradSpreadRule,
 )
 from lightning_diag.rules.grad_frozen import GradFrozenRule
+from lightning_diag.rules.update_size import UpdateSizeRule
 from lightning_diag.rules.updates import UPDATE_SAMPLE_SIZE_KEY, GradNotZeroedRule, UpdateRule
 from lightning_diag.stats.grad import local_tensor
 
@@ -208,6 +211,10 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self.frozen_rule = self.add_rule("frozen_rule", GradFrozenRule.from_settings, state_key="frozen")
         self.update_rule = self.add_rule("update_rule", UpdateRule.from_settings, state_key="updates")
         self.not_zeroed_rule = self.add_rule("not_zeroed_rule", GradNotZeroedRule.from_settings, state_key="not_zeroed")
+        self.activation_rule = self.add_rule("activation_rule", ActivationRule.from_settings, state_key="activations")
+        self.update_size_rule = self.add_rule("update_size_rule", UpdateSizeRule.from_settings, state_key="update_size")
+        self._watch = ActivationWatch()
+        self._measured_loss: float | None = None  # the training loss of the step whose update is pending
         self._index: ParamIndex | None = None
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
         self._before: list[tuple[list[int], list[torch.Tensor]]] = []
@@ -223,6 +230,9 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             self._before = []
             self._measured_interval = {}
             self._loss = None
+            self._measured_loss = None
+            self._watch.detach()
+            self._watch.readings({})  # drop what an earlier fit left
             self._past_initial = False
             self._idle = False
             self._reset_update_state()
@@ -247,6 +257,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove activation-gradient hooks a fit that raised mid-step left on the model, then release the session."""
         self._act.detach()
+        self._watch.detach()
         super().teardown(trainer, pl_module, stage)
 
     def _build_index(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ParamIndex:
@@ -285,6 +296,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             or self._zero_undecided
             or self._zero_restored is not None
             or self._act.attached
+            or self._watch.attached
+            or self._watch.pending
             or self._stepped
             or self._before
         )
@@ -321,18 +334,30 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Attach the activation-gradient hooks when the coming optimizer step is a measured one."""
+        """Attach the activation-gradient hooks and the activation watch (``dead_units``,
+        ``activation_saturation``) when the coming optimizer step is a measured one."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if not self.activation_grads or self._act.attached or not self._measuring(trainer):
+        if not self._measuring(trainer):
+            return
+        if self._watching():
+            self._watch.attach(pl_module)
+        if not self.activation_grads or self._act.attached:
             return
         self._act.attach(pl_module, self.activation_grads, lambda key, message: self.notice(trainer, key, message))
+
+    def _watching(self) -> bool:
+        """Whether the activation watch runs: ``dead_units`` or ``activation_saturation`` is on."""
+        return not {DEAD_UNITS, ACTIVATION_SATURATION} <= set(self.rule_choices.off)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """On measured steps: keep the loss (a device tensor, summed over micro-batches) for ``grad_collapse``.
 
         While an optimizer's measured step is watched (until that optimizer's next step): read a few elements of
-        its parameters' ``.grad`` (``grad_not_zeroed``; device only).
+        its parameters' ``.grad`` (``grad_not_zeroed``; device only). The activation watch's hooks come off here:
+        its forward is over.
         """
+        if self._watch.attached:
+            self._watch.detach()
         if self._zero_restored is not None or self._zero.watches:
             self._zero_before_backward(lambda: self._build_index(trainer, pl_module))
         if not (self.on_cadence or self._initial(trainer)):
@@ -381,12 +406,15 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
+        if self._watch.pending:
+            self._judge_activations(trainer, pl_module, ctx)
         self.record(
-            self.band_rule.update(m.rms, ctx, m.relative, index.block_layers)
+            self.band_rule.update(m.rms, ctx, m.relative, index.block_layers, index.roles)
             + self.spread_rule.update(m.relative, ctx, index.roles)
         )
         if position == 0:  # one baseline of one quantity: the first optimizer's
             self.record(self.collapse_rule.update(m.blocks, ctx, m.loss))
+            self._measured_loss = m.loss
         zero = zero_gradient_ids(index, chosen, m.norms)
         stuck = stuck_parameters(trainer, pl_module, self.params, self.expect_frozen, in_opt, zero)
         names = [n for n, _ in pl_module.named_parameters()]
@@ -403,6 +431,33 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             write_histograms(self.writer, index, chosen, m.norms, step)
         if self.log_weight_norms:
             self._before.append((chosen, [local_tensor(index.params[i]).detach().clone() for i in chosen]))
+
+    def _judge_activations(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: Any) -> None:
+        """The activation watch's readings of the measured forward (one host read), written and judged; the
+        layers whose units are dead now make ``grad_vanish`` defer."""
+        readings, input_rms = self._watch.readings(dict(pl_module.named_modules()))
+        if self._watch.too_few_rows:
+            self.notice(
+                trainer,
+                "dead-units-rows",
+                f"dead units are not counted on batches with fewer than {MIN_ROWS} rows per unit (batch size 1): a "
+                "unit inactive for one sample is not dead",
+            )
+        values = {}
+        for r in readings:
+            if r.dead is not None:
+                values[dead_units_tag(r.layer)] = r.dead
+            if r.zero_grad is not None:
+                values[zero_grad_tag(r.layer)] = r.zero_grad
+            if r.saturated is not None:
+                values[saturation_tag(r.layer)] = r.saturated
+        if values:
+            self.writer.scalars(values, trainer.global_step)
+        self.record(self.activation_rule.update(readings, ctx, input_rms))
+        if DEAD_UNITS not in self.rule_choices.off:
+            threshold = self.activation_rule.dead_threshold
+            now = {r.layer for r in readings if r.dead is not None and r.dead > threshold}
+            self.band_rule.observe_dead(now | self.activation_rule.dead_layers())
 
     def _measure_initial(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -445,3 +500,5 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self.band_rule.observe_updates(ratios)
         self.spread_rule.observe_updates(ratios)  # grad_layer_spread: the slow side's update must be starved too
         self.collapse_rule.observe_updates(ratios)  # grad_collapse: "vanished" needs the updates to stop too
+        loss, self._measured_loss = self._measured_loss, None
+        self.record(self.update_size_rule.update(ratios, self.context(trainer), loss))

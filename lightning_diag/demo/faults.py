@@ -21,6 +21,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from lightning_diag.demo import problem_models  # noqa: F401  (registers the shapes of the published problems)
 from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
 from lightning_diag.demo.synthetic import DATA_MODULES
 from lightning_diag.rules.catalog import (
