@@ -406,7 +406,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
-        if self._watch.pending:
+        if self._watch.pending or self._watch.too_few_rows:
             self._judge_activations(trainer, pl_module, ctx)
         self.record(
             self.band_rule.update(m.rms, ctx, m.relative, index.block_layers, index.roles)
@@ -437,6 +437,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         layers whose units are dead now make ``grad_vanish`` defer."""
         readings, input_rms = self._watch.readings(dict(pl_module.named_modules()))
         if self._watch.too_few_rows:
+            self._watch.too_few_rows = False
             self.notice(
                 trainer,
                 "dead-units-rows",

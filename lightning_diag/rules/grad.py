@@ -203,20 +203,32 @@ def block_position(layer: str) -> tuple[int, ...]:
 
 
 def rank_correlation(values: list[float]) -> float:
-    """Spearman's rank correlation between position (0, 1, ...) and ``values`` (1: strictly increasing).
+    """Spearman's rank correlation between position (0, 1, ...) and ``values`` (1: strictly increasing); tied
+    values share their average rank, so a flat run of equal values is no trend.
 
     Example:
         >>> rank_correlation([1e-7, 1e-5, 1e-3, 1e-1]), rank_correlation([4.0, 3.0, 2.0, 1.0])
         (1.0, -1.0)
+        >>> round(rank_correlation([1e-7, 0.1, 0.1, 0.1, 0.1, 0.1]), 2)
+        0.65
     """
     n = len(values)
     if n < 2:
         return 0.0
     order = sorted(range(n), key=values.__getitem__)
-    rank = [0] * n
-    for r, i in enumerate(order):
-        rank[i] = r
-    return 1.0 - 6.0 * sum((r - i) ** 2 for i, r in enumerate(rank)) / (n * (n * n - 1))
+    rank = [0.0] * n
+    start = 0
+    while start < n:
+        end = start
+        while end + 1 < n and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for j in range(start, end + 1):
+            rank[order[j]] = (start + end) / 2
+        start = end + 1
+    mean = (n - 1) / 2
+    cov = sum((r - mean) * (i - mean) for i, r in enumerate(rank))
+    spread = sum((r - mean) ** 2 for r in rank) * sum((i - mean) ** 2 for i in range(n))
+    return cov / spread**0.5 if spread > 0 else 0.0
 
 
 def role_of(layer: str) -> str:

@@ -16,7 +16,8 @@ out: a learning rate of 0 or a part kept still on purpose, ``update_none`` / ``g
   learning-rate warm-up from 0 grows it step by step);
 * the run's own loss agrees that the model is not learning: the median loss of the last ``grad.patience``
   measurements has fallen less than ``loss_fall`` below the median of the first ``grad.patience`` (the initial
-  loss). Without a loss (none reached the monitor) nothing is judged.
+  loss); judged from the ``2 x grad.patience``-th measurement with a loss on (the two windows apart). Without a
+  loss (none reached the monitor) nothing is judged.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class UpdateSizeRule(Rule):
     Example:
         >>> rule = UpdateSizeRule(patience=2)
         >>> tiny = {"fc1": 1e-7, "fc2": 2e-7}
-        >>> [a.rule for i in range(4) for a in rule.update(tiny, StepContext(0, i), loss=0.69)]
+        >>> [a.rule for i in range(5) for a in rule.update(tiny, StepContext(0, i), loss=0.69)]
         ['update_too_small']
         >>> healthy = UpdateSizeRule(patience=2)
         >>> [a for r in (1e-3, 1e-7, 1e-7, 1e-7) for a in healthy.update({"fc": r}, StepContext(0, 0), loss=0.69)]
@@ -71,7 +72,7 @@ class UpdateSizeRule(Rule):
     """
 
     specs = (UPDATE_TOO_SMALL_SPEC,)
-    state_keys = ("streak", "moved", "early_losses", "recent_losses", "streak_start")
+    state_keys = ("streak", "moved", "early_losses", "recent_losses", "losses_seen", "streak_start")
 
     def __init__(
         self,
@@ -89,6 +90,7 @@ class UpdateSizeRule(Rule):
         self.moved = False
         self.early_losses: list[float] = []
         self.recent_losses: list[float] = []
+        self.losses_seen = 0
         #: The median ratio at the first measurement of the current streak.
         self.streak_start: float | None = None
 
@@ -103,8 +105,8 @@ class UpdateSizeRule(Rule):
 
     def not_learning(self) -> bool:
         """Whether the loss says the model is not learning: its recent median has fallen less than ``loss_fall``
-        below its initial median (``False`` until both are known)."""
-        if len(self.early_losses) < self.patience or len(self.recent_losses) < self.patience:
+        below its initial median (``False`` until both are known from disjoint measurements)."""
+        if self.losses_seen < 2 * self.patience:
             return False
         initial = statistics.median(self.early_losses)
         recent = statistics.median(self.recent_losses)
@@ -117,6 +119,7 @@ class UpdateSizeRule(Rule):
             if len(self.early_losses) < self.patience:
                 self.early_losses.append(float(loss))
             self.recent_losses = [*self.recent_losses, float(loss)][-self.patience :]
+            self.losses_seen += 1
         moving = {k: float(v) for k, v in ratios.items() if math.isfinite(v) and v > 0}
         if not moving:
             return []
