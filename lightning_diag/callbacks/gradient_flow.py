@@ -39,6 +39,7 @@ from lightning_diag.core.tags import act_grad_norm_tag, dead_units_tag, saturati
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.act_grads import ActivationGradients
 from lightning_diag.instrument.activation_watch import MIN_ROWS, ActivationWatch
+from lightning_diag.instrument.attention_capture import is_compiled
 from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step
 from lightning_diag.rules.activations import ACTIVATION_SATURATION, DEAD_UNITS, ActivationRule
 from lightning_diag.rules.grad import (
@@ -214,6 +215,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self.activation_rule = self.add_rule("activation_rule", ActivationRule.from_settings, state_key="activations")
         self.update_size_rule = self.add_rule("update_size_rule", UpdateSizeRule.from_settings, state_key="update_size")
         self._watch = ActivationWatch()
+        self._compiled: bool | None = None  # whether the model runs through torch.compile (known at its first batch)
         self._measured_loss: float | None = None  # the training loss of the step whose update is pending
         self._index: ParamIndex | None = None
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
@@ -231,6 +233,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             self._measured_interval = {}
             self._loss = None
             self._measured_loss = None
+            self._compiled = None
             self._watch.detach()
             self._watch.readings({})  # drop what an earlier fit left
             self._past_initial = False
@@ -339,15 +342,27 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if not self._measuring(trainer):
             return
-        if self._watching():
+        if self._watching(trainer, pl_module):
             self._watch.attach(pl_module)
         if not self.activation_grads or self._act.attached:
             return
         self._act.attach(pl_module, self.activation_grads, lambda key, message: self.notice(trainer, key, message))
 
-    def _watching(self) -> bool:
-        """Whether the activation watch runs: ``dead_units`` or ``activation_saturation`` is on."""
-        return not {DEAD_UNITS, ACTIVATION_SATURATION} <= set(self.rule_choices.off)
+    def _watching(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Whether the activation watch runs: ``dead_units`` or ``activation_saturation`` is on, and the model does
+        not run through ``torch.compile`` (hooks attached and removed every measured step would recompile it)."""
+        if {DEAD_UNITS, ACTIVATION_SATURATION} <= set(self.rule_choices.off):
+            return False
+        if self._compiled is None:
+            self._compiled = is_compiled(pl_module)
+            if self._compiled:
+                self.notice(
+                    trainer,
+                    "compiled-activations",
+                    "the model runs through torch.compile: its activations are not watched (dead_units and "
+                    "activation_saturation are not measured)",
+                )
+        return not self._compiled
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """On measured steps: keep the loss (a device tensor, summed over micro-batches) for ``grad_collapse``.

@@ -22,7 +22,8 @@ Exact quantities:
   confident, which is not a fault.
 
 Activations after a frozen layer (no parameter requiring a gradient), with no layer before them, or on distributed
-tensors (``DTensor``) are not measured.
+tensors (``DTensor``) are not measured; nor is a model that runs through ``torch.compile`` (the callback does not
+attach the watch: hooks added and removed every measured step would recompile it).
 """
 
 from __future__ import annotations
@@ -121,8 +122,9 @@ class ActivationWatch:
             if params:
                 trainable = any(p.requires_grad for p in params)
                 self._handles.append(sub.register_forward_pre_hook(self._layer_hook(name, trainable)))
+        convs = frozenset(name for name, sub in module.named_modules() if isinstance(sub, _CONV))
         for name, sub in watched:
-            self._handles.append(sub.register_forward_pre_hook(self._activation_hook(name, module)))
+            self._handles.append(sub.register_forward_pre_hook(self._activation_hook(name, convs)))
 
     def detach(self) -> None:
         """Remove the hooks (the statistics stay until :meth:`readings`)."""
@@ -140,7 +142,7 @@ class ActivationWatch:
 
         return pre_hook
 
-    def _activation_hook(self, name: str, root: nn.Module) -> Callable[..., None]:
+    def _activation_hook(self, name: str, convs: frozenset[str]) -> Callable[..., None]:
         def pre_hook(module: nn.Module, inputs: Any) -> None:
             x = inputs[0] if isinstance(inputs, tuple) and inputs else None
             if not self._layers or not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -152,8 +154,7 @@ class ActivationWatch:
             x = x.detach()
             bounds = _bounds(module)
             if bounds is None:
-                conv = isinstance(root.get_submodule(layer), _CONV) if layer else False
-                dim = 1 if conv and x.ndim >= 3 else x.ndim - 1
+                dim = 1 if layer in convs and x.ndim >= 3 else x.ndim - 1
                 units = x.shape[dim]
                 if x.numel() // units < MIN_ROWS:
                     self.too_few_rows = True
