@@ -92,6 +92,11 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
       ``diag/grad_norm/total`` (the dashboard's reference lines beside ``grad_rms`` and ``grad_relative``).
     * ``diag/updates/<layer>``: share of the layer's sampled elements with a non-zero gradient that the measured
       optimizer step left unchanged (``update_none`` / ``update_stale``'s quantity; 0 in a healthy fp32 run).
+    * ``diag/act_dead/<layer>``: share of the layer's units inactive for every sample of the measured batch, for a
+      layer followed by a ReLU-family activation (``dead_units``' quantity); ``diag/grad_zero/<layer>``: share of
+      exactly-zero entries of its weight gradient.
+    * ``diag/act_saturated/<layer>``: share of the inputs of the bounded activation after the layer beyond its
+      linear range (``activation_saturation``'s quantity).
 
     Rules (exact meaning in :mod:`lightning_diag.rules.grad` and ``docs/gradient_flow.md``):
     ``grad_explode`` (a layer's RMS gradient per element above ``grad_explode.threshold``), ``grad_vanish`` (a weight
@@ -122,6 +127,16 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     around every backward (``on_before_backward`` / ``on_after_backward``), the verdict read with the next
     measurement (see :mod:`lightning_diag.callbacks.silent_updates`). On a quiet step with no watch open the
     three hooks test an empty dictionary and return.
+
+    The published training problems (issue 45; exact meaning in :mod:`lightning_diag.rules.activations`,
+    :mod:`lightning_diag.rules.update_size` and ``docs/gradient_flow.md``): ``dead_units`` (more than
+    ``dead_units.threshold`` of a layer's units inactive for every sample of the measured batch; ``grad_vanish``
+    defers to it), ``activation_saturation`` (more than ``activation_saturation.threshold`` of a bounded
+    activation's inputs beyond its linear range; the likely cause named), both read by forward pre-hooks attached
+    for measured forwards only (:mod:`lightning_diag.instrument.activation_watch`; not on a compiled model), and
+    ``update_too_small`` (the median ``||ΔW||/||W||`` below ``update_too_small.threshold`` at every measurement
+    since the fit began while the loss does not fall). ``grad_vanish`` also catches a plain deep stack whose
+    relative gradient decays with depth whatever an adaptive optimizer's update.
 
     Args:
         log_every_n_steps: Measure every this many optimizer steps; defaults to the trainer's interval.

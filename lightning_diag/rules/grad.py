@@ -19,6 +19,11 @@ faults rather than architecture (the measurements behind each choice are in ``do
   partner of a LoRA pair) wait for the warm-up.
   Attention query/key projections are not compared (their gradient flows only through the softmax and is 1e-5
   at initialisation, attention being uniform), nor are embeddings (sparse rows).
+  A matrix whose update the optimizer keeps normal-sized (Adam rescales a small gradient) is cleared, except in a
+  plain deep stack whose relative gradient decays with depth (:meth:`GradBandRule.depth_decay`: a role in at least
+  :data:`DEPTH_CHAIN` blocks spanning ``relative`` x 1000 and falling towards the input). While some layer's units
+  are dead (``dead_units``' condition, :meth:`GradBandRule.observe_dead`) nothing is raised: the gradient stops at
+  dead units, a different repair.
 * ``grad_layer_spread``: between comparable matrices **of the same role in different blocks** (``layers.*.fc1``
   against ``layers.*.fc1``), largest / smallest relative gradient above ``spread_ratio`` on ``patience``
   consecutive measurements after ``warmup_steps`` (during the warm-up: above ``spread_ratio`` x 1000). A LayerNorm
@@ -70,6 +75,8 @@ __all__ = [
     "DEFAULT_LAYER_SPREAD_THRESHOLD",
     "DEFAULT_VANISH_RELATIVE",
     "DEFAULT_VANISH_THRESHOLD",
+    "DEPTH_CHAIN",
+    "DEPTH_CORRELATION",
     "GRAD_COLLAPSE",
     "GRAD_COLLAPSE_BASELINE_KEY",
     "GRAD_COLLAPSE_CHECK",
@@ -87,6 +94,8 @@ __all__ = [
     "GradBandRule",
     "GradCollapseRule",
     "GradSpreadRule",
+    "block_position",
+    "rank_correlation",
     "role_of",
 ]
 
