@@ -11,8 +11,9 @@ have no hook attached and cost nothing.
 Exact quantities:
 
 * ReLU family (``nn.ReLU``, ``nn.ReLU6``): the share of *units* whose input is ``<= 0`` (output exactly 0) for
-  every row of the batch. A unit is an output feature (the last dimension), or a channel (dimension 1) when the
-  layer before is a convolution; the rows are all other positions of all samples. With fewer than
+  every row of the batch. A unit is a channel (dimension 1) of a 4-D or 5-D input, and of a 3-D one after a
+  convolution or a norm over channels (``BatchNorm``, ``GroupNorm``, ``InstanceNorm``); otherwise an output
+  feature (the last dimension). The rows are all other positions of all samples. With fewer than
   :data:`MIN_ROWS` rows (batch size 1 on a plain MLP) the share is not measured: a unit inactive for one sample is
   not dead.
 * Bounded activations: the share of input elements beyond the linear range of :data:`LINEAR_RANGES` (``nn.Tanh``
@@ -47,7 +48,11 @@ LINEAR_RANGES: dict[type[nn.Module], float] = {nn.Tanh: 5.0, nn.Sigmoid: 10.0, n
 #: Rows (samples times positions) per unit below which dead units are not counted.
 MIN_ROWS = 16
 
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: Layers whose outputs hold channels in dimension 1 (a 3-D output after them is ``(N, C, L)``, not ``(N, L, C)``).
+_CHANNELS_FIRST = (
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -122,7 +127,7 @@ class ActivationWatch:
             if params:
                 trainable = any(p.requires_grad for p in params)
                 self._handles.append(sub.register_forward_pre_hook(self._layer_hook(name, trainable)))
-        convs = frozenset(name for name, sub in module.named_modules() if isinstance(sub, _CONV))
+        convs = frozenset(name for name, sub in module.named_modules() if isinstance(sub, _CHANNELS_FIRST))
         for name, sub in watched:
             self._handles.append(sub.register_forward_pre_hook(self._activation_hook(name, convs)))
 
@@ -154,7 +159,9 @@ class ActivationWatch:
             x = x.detach()
             bounds = _bounds(module)
             if bounds is None:
-                dim = 1 if layer in convs and x.ndim >= 3 else x.ndim - 1
+                # images and volumes (N, C, H, W...) hold channels in dimension 1; a 3-D tensor does after a
+                # convolution or a norm over channels, else it is (N, L, C) (a sequence through a linear layer)
+                dim = 1 if x.ndim >= 4 or (x.ndim == 3 and layer in convs) else x.ndim - 1
                 units = x.shape[dim]
                 if x.numel() // units < MIN_ROWS:
                     self.too_few_rows = True

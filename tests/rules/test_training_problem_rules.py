@@ -239,3 +239,11 @@ def test_a_reused_activation_module_is_read_after_each_layer():
 
     readings, _ = _forward(Net(), torch.randn(32, 4), ActivationWatch())
     assert [r.layer for r in readings] == ["fc1", "fc2"]
+
+
+def test_watch_counts_channels_after_a_norm_over_channels():
+    net = nn.Sequential(nn.Conv1d(2, 4, 3), nn.BatchNorm1d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6, 1))
+    with torch.no_grad():
+        net[1].bias[:3] = -100.0  # 3 of 4 channels dead after the norm
+    readings, _ = _forward(net, torch.randn(8, 2, 8), ActivationWatch())
+    assert [(r.layer, r.dead) for r in readings] == [("1", pytest.approx(3 / 4))]
