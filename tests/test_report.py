@@ -33,10 +33,13 @@ CHECK_IDS = [
     "replicas_agree",
     "deploy_quantization_error",
     "deploy_latency_fluctuation",
-    # no check row of their own: listed from AnomalyAlarm.thresholds() under "Other"
+    # no check row of their own: listed from the callbacks' thresholds() under "Other"
+    "activation_saturation",
     "amp_not_applied",
+    "dead_units",
     "loss_outlier",
     "loss_stagnant",
+    "update_too_small",
     "zero_output",
 ]
 

@@ -374,8 +374,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
                 self.notice(
                     trainer,
                     "compiled-activations",
-                    "the model runs through torch.compile: its activations are not watched (dead_units and "
-                    "activation_saturation are not measured)",
+                    f"the model runs through torch.compile: its activations are not watched ({DEAD_UNITS} and "
+                    f"{ACTIVATION_SATURATION} are not measured)",
                 )
         return not self._compiled
 
