@@ -518,6 +518,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
 
     def _end_batch(self, trainer: pl.Trainer) -> None:
         """The work of :meth:`on_train_batch_end`."""
+        if self._watch.attached:  # a batch without a backward (training_step returned None): no hook past it
+            self._watch.detach()
         if self._stepped and self._index is not None:
             self._stepped = False
             self._judge_updates(trainer)

@@ -211,3 +211,32 @@ def test_a_resumed_fit_alerts_at_the_same_step_as_an_uninterrupted_one(tmp_path,
     second = GradientFlowMonitor()
     fit(40, second, ckpt=tmp_path / "mid.ckpt")
     assert [a.global_step for a in second.alerts if a.rule == rule] == expected
+
+
+class _Skips(_HookSpy):
+    """Skips the backward of its first measured batch, the last of the epoch (``training_step`` returns None);
+    validation follows."""
+
+    skipped = 0
+    val_hooked = None
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.hooked[self.global_step] and not self.skipped:
+            self.skipped += 1
+            return None
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.val_hooked = bool(self.val_hooked) or any(m._forward_pre_hooks for m in self.modules())
+        return super().validation_step(batch, batch_idx)
+
+
+def test_a_measured_batch_without_a_backward_leaves_no_hook_behind(tmp_path):
+    model = _Skips()
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, max_epochs=1, limit_train_batches=5, callbacks=[GradientFlowMonitor()], **FAST
+    )
+    trainer.fit(model, datamodule=BinaryDataModule())
+    assert model.skipped == 1 and model.val_hooked is False
+    assert not any(m._forward_pre_hooks for m in model.modules())
