@@ -437,7 +437,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
         if self._watch.pending or self._watch.too_few_rows:
-            self._judge_activations(trainer, pl_module, ctx)
+            self._judge_activations(trainer, pl_module, ctx, m.loss if position == 0 else None)
         self.record(
             self.band_rule.update(m.rms, ctx, m.relative, index.block_layers, index.roles)
             + self.spread_rule.update(m.relative, ctx, index.roles)
@@ -462,9 +462,11 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         if self.log_weight_norms:
             self._before.append((chosen, [local_tensor(index.params[i]).detach().clone() for i in chosen]))
 
-    def _judge_activations(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: Any) -> None:
-        """The activation watch's readings of the measured forward (one host read), written and judged; the
-        layers whose units are dead now make ``grad_vanish`` defer."""
+    def _judge_activations(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: Any, loss: float | None
+    ) -> None:
+        """The activation watch's readings of the measured forward (one host read), written and judged with the
+        step's training loss; the layers whose units are dead now make ``grad_vanish`` defer."""
         readings, input_rms = self._watch.readings(dict(pl_module.named_modules()))
         if self._watch.too_few_rows:
             self._watch.too_few_rows = False
@@ -484,10 +486,10 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
                 values[saturation_tag(r.layer)] = r.saturated
         if values:
             self.writer.scalars(values, trainer.global_step)
-        self.record(self.activation_rule.update(readings, ctx, input_rms))
+        self.record(self.activation_rule.update(readings, ctx, input_rms, loss))
         if DEAD_UNITS not in self.rule_choices.off:
-            threshold = self.activation_rule.dead_threshold
-            now = {r.layer for r in readings if r.dead is not None and r.dead > threshold}
+            certain = self.activation_rule.certain
+            now = {r.layer for r in readings if r.dead is not None and r.dead > certain}
             self.band_rule.observe_dead(now | self.activation_rule.dead_layers())
 
     def _measure_initial(

@@ -9,7 +9,11 @@ own rule id and ``grad_vanish`` defers to ``dead_units``. Exact meaning:
 * ``dead_units`` (warning): in a layer followed by a ReLU-family activation (``nn.ReLU``, ``nn.ReLU6``), more
   than ``threshold`` of the units (output features; channels after a convolution) are inactive (activation input
   ``<= 0``, output exactly 0) for **every** sample of the measured batch, on ``grad.patience`` consecutive
-  measurements. One alert names every layer tripping at once (count and the worst few), how the worst layer's
+  measurements, while the training loss does not fall (its median over the latest ``grad.patience`` measurements
+  less than ``loss_fall`` below that of the first ``grad.patience``; judged from the ``2 x grad.patience``-th
+  measurement), or, whatever the loss, with more than ``certain`` of the units dead. A healthy net's batch of
+  correlated rows (windows of one series) can leave 75% of a layer's units idle while it learns. One alert
+  names every layer tripping at once (count and the worst few), how the worst layer's
   share moved since its first measurement, and the share of exactly-zero gradient entries of those layers'
   weights. A batch with fewer than
   :data:`~lightning_diag.instrument.activation_watch.MIN_ROWS` rows per unit (batch size 1) is not judged: a unit
@@ -30,18 +34,22 @@ trip while others of the same rule are in alarm join that event without a new al
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import FRACTION, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
+from lightning_diag.rules.loss_windows import LossWindows
 
 __all__ = [
     "ACTIVATION_SATURATION",
     "ACTIVATION_SATURATION_SPEC",
     "DEAD_UNITS",
     "DEAD_UNITS_SPEC",
+    "DEFAULT_DEAD_UNITS_CERTAIN",
+    "DEFAULT_DEAD_UNITS_LOSS_FALL",
     "DEFAULT_DEAD_UNITS_THRESHOLD",
     "DEFAULT_SATURATION_THRESHOLD",
     "UNSCALED_INPUT_RMS",
@@ -51,10 +59,12 @@ __all__ = [
 
 # -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
 DEAD_UNITS_SPEC = register(RuleSpec(
-    "dead_units", GRADIENT_FLOW, "warning", 0.7,
+    "dead_units", GRADIENT_FLOW, "warning", 0.5,
     "a layer followed by a ReLU-family activation with more than {threshold:.0%} of its units inactive for every "
-    "sample of the measured batch, on {patience:g} consecutive measurements",
-    source="AUTOTRAINER (ICSE'21), DeepDiagnosis", limits={"threshold": FRACTION},
+    "sample of the measured batch on {patience:g} consecutive measurements, while the loss has fallen less than "
+    "{loss_fall:.0%} below its initial value (more than {certain:.0%}: whatever the loss)",
+    settings={"certain": 0.95, "loss_fall": 0.1}, source="AUTOTRAINER (ICSE'21), DeepDiagnosis",
+    limits={"threshold": FRACTION, "certain": FRACTION, "loss_fall": FRACTION},
 ))
 ACTIVATION_SATURATION_SPEC = register(RuleSpec(
     "activation_saturation", GRADIENT_FLOW, "warning", 0.5,
@@ -67,6 +77,10 @@ ACTIVATION_SATURATION = ACTIVATION_SATURATION_SPEC.rule_id
 
 #: ``dead_units``: share of a layer's units inactive for every sample above this ("most units").
 DEFAULT_DEAD_UNITS_THRESHOLD = default(DEAD_UNITS)
+#: ``dead_units``: a share above this is dead whatever the loss does ("nearly all units").
+DEFAULT_DEAD_UNITS_CERTAIN = default(DEAD_UNITS_SPEC.key("certain"))
+#: ``dead_units``: below ``certain``, the loss must have fallen less than this fraction below its initial value.
+DEFAULT_DEAD_UNITS_LOSS_FALL = default(DEAD_UNITS_SPEC.key("loss_fall"))
 #: ``activation_saturation``: share of a bounded activation's inputs beyond its linear range above this.
 DEFAULT_SATURATION_THRESHOLD = default(ACTIVATION_SATURATION)
 #: ``activation_saturation``'s cause: an RMS of the model's inputs at least this is "unscaled inputs" (standardized
@@ -107,7 +121,7 @@ class ActivationRule(Rule):
 
     Example:
         >>> rule = ActivationRule(patience=2)
-        >>> dead = [ActivationReading("net.0", "ReLU", dead=0.9, zero_grad=0.9)]
+        >>> dead = [ActivationReading("net.0", "ReLU", dead=1.0, zero_grad=1.0)]
         >>> [a.rule for i in range(3) for a in rule.update(dead, StepContext(0, i))]
         ['dead_units']
         >>> hot = [ActivationReading("net.0", "Tanh", saturated=0.91, limit=5.0, first=True)]
@@ -124,11 +138,17 @@ class ActivationRule(Rule):
         dead_threshold: float = DEFAULT_DEAD_UNITS_THRESHOLD,
         saturation_threshold: float = DEFAULT_SATURATION_THRESHOLD,
         patience: int = _PATIENCE,
+        certain: float = DEFAULT_DEAD_UNITS_CERTAIN,
+        loss_fall: float = DEFAULT_DEAD_UNITS_LOSS_FALL,
     ) -> None:
         super().__init__()
         self.dead_threshold = dead_threshold
         self.saturation_threshold = saturation_threshold
         self.patience = patience
+        self.certain = certain
+        self.loss_fall = loss_fall
+        #: The first and latest ``patience`` training losses (``dead_units`` below ``certain`` needs them flat).
+        self.losses = LossWindows(patience)
         self.latch = Latch.for_patience(patience)
         self.streaks: dict[str, int] = {}
         #: ``{"<rule>:<layer>": [share, step]}``: each layer's share at its first measurement (the message says
@@ -142,7 +162,25 @@ class ActivationRule(Rule):
             DEAD_UNITS_SPEC.value(thresholds),
             ACTIVATION_SATURATION_SPEC.value(thresholds),
             int(GRAD_PATIENCE_SETTING.value(thresholds)),
+            DEAD_UNITS_SPEC.value(thresholds, "certain"),
+            DEAD_UNITS_SPEC.value(thresholds, "loss_fall"),
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The declared state, the latch and the loss windows."""
+        return {**super().state_dict(), "losses": self.losses.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing key.
+        """
+        missing = [k for k in (*self.state_keys, "latch", "losses") if k not in state]
+        if missing:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys {missing}")
+        super().load_state_dict(state)
+        self.losses.load_state_dict(state["losses"])
 
     def dead_layers(self) -> set[str]:
         """The layers ``dead_units`` holds in alarm (``grad_vanish`` defers to it while any is)."""
@@ -150,14 +188,22 @@ class ActivationRule(Rule):
         return {k[len(prefix) :] for k in self.latch.active if k.startswith(prefix)}
 
     def update(
-        self, readings: Sequence[ActivationReading], ctx: StepContext, input_rms: float | None = None
+        self,
+        readings: Sequence[ActivationReading],
+        ctx: StepContext,
+        input_rms: float | None = None,
+        loss: float | None = None,
     ) -> list[Alert]:
         """Feed the readings of one measured forward (``input_rms``: RMS of the model's inputs, as the first
-        trainable layer saw them); return the alerts raised."""
+        trainable layer saw them; ``loss``: the step's training loss); return the alerts raised."""
+        self.losses.add(loss)
         dead = self._shares(readings, "dead", DEAD_UNITS, self.dead_threshold, ctx)
         saturated = self._shares(readings, "saturated", ACTIVATION_SATURATION, self.saturation_threshold, ctx)
         alerts = []
-        new = self._trip(DEAD_UNITS, dead)
+        # below `certain`, most units inactive for a batch matter only while the loss does not fall (a healthy
+        # net's batch of correlated rows, windows of one series, leaves many units idle while it learns)
+        stuck = self.losses.not_learning(self.loss_fall)
+        new = self._trip(DEAD_UNITS, dead, lambda share: stuck or share > self.certain)
         if new:
             alerts.append(self._dead_alert(ctx, new, readings))
         new = self._trip(ACTIVATION_SATURATION, saturated)
@@ -180,9 +226,15 @@ class ActivationRule(Rule):
             self.first_seen.setdefault(f"{rule}:{layer}", [share, float(ctx.global_step)])
         return {k: (v, v > threshold) for k, v in shares.items()}
 
-    def _trip(self, rule: str, shares: Mapping[str, tuple[float, bool]]) -> dict[str, float]:
+    def _trip(
+        self,
+        rule: str,
+        shares: Mapping[str, tuple[float, bool]],
+        confirmed: Callable[[float], bool] = lambda share: True,
+    ) -> dict[str, float]:
         """Advance the streaks of ``rule``; return the layers whose alarm has just begun (a layer tripping while
-        others are in alarm joins their event), with their shares."""
+        others are in alarm joins their event), with their shares. A layer over its threshold on ``patience``
+        consecutive measurements alerts when ``confirmed(share)``."""
         ongoing = {k for k in self.latch.active if k.startswith(f"{rule}:")}
         new = {}
         for layer, (share, bad) in sorted(shares.items()):
@@ -191,7 +243,8 @@ class ActivationRule(Rule):
                 self.streaks[key] = self.streaks.get(key, 0) + 1
             else:
                 self.streaks.pop(key, None)
-            if self.latch.update(key, self.streaks.get(key, 0) >= self.patience) and not ongoing:
+            held = self.streaks.get(key, 0) >= self.patience and (self.latch.is_active(key) or confirmed(share))
+            if self.latch.update(key, held) and not ongoing:
                 new[layer] = share
         return new
 
@@ -211,6 +264,9 @@ class ActivationRule(Rule):
         grads = (
             f"; {sum(zero) / len(zero):.0%} of their weights' gradient entries are exactly zero" if zero else ""
         )
+        initial, latest = self.losses.initial, self.losses.latest
+        if initial is not None and latest is not None and self.losses.not_learning(self.loss_fall):
+            grads += f"; the loss is not falling ({latest:.4g}, initial {initial:.4g})"
         return self._alert(
             ctx,
             f"dead units: more than {self.dead_threshold:.0%} of the units are inactive for every sample of the "

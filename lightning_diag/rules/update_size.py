@@ -25,11 +25,13 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
+from typing import Any
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import FRACTION, POSITIVE, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
+from lightning_diag.rules.loss_windows import LossWindows
 
 __all__ = [
     "DEFAULT_UPDATE_LOSS_FALL",
@@ -72,7 +74,7 @@ class UpdateSizeRule(Rule):
     """
 
     specs = (UPDATE_TOO_SMALL_SPEC,)
-    state_keys = ("streak", "moved", "early_losses", "recent_losses", "losses_seen", "streak_start")
+    state_keys = ("streak", "moved", "streak_start")
 
     def __init__(
         self,
@@ -88,9 +90,8 @@ class UpdateSizeRule(Rule):
         self.streak = 0
         #: Whether the median ratio has been at or above ``threshold`` at some measurement of this fit.
         self.moved = False
-        self.early_losses: list[float] = []
-        self.recent_losses: list[float] = []
-        self.losses_seen = 0
+        #: The first and latest ``patience`` training losses (the loss's own verdict).
+        self.losses = LossWindows(patience)
         #: The median ratio at the first measurement of the current streak.
         self.streak_start: float | None = None
 
@@ -103,23 +104,25 @@ class UpdateSizeRule(Rule):
             int(GRAD_PATIENCE_SETTING.value(thresholds)),
         )
 
-    def not_learning(self) -> bool:
-        """Whether the loss says the model is not learning: its recent median has fallen less than ``loss_fall``
-        below its initial median (``False`` until both are known from disjoint measurements)."""
-        if self.losses_seen < 2 * self.patience:
-            return False
-        initial = statistics.median(self.early_losses)
-        recent = statistics.median(self.recent_losses)
-        return initial > 0 and recent >= (1.0 - self.loss_fall) * initial
+    def state_dict(self) -> dict[str, Any]:
+        """The declared state, the latch and the loss windows."""
+        return {**super().state_dict(), "losses": self.losses.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing key.
+        """
+        if "losses" not in state:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys ['losses']")
+        super().load_state_dict(state)
+        self.losses.load_state_dict(state["losses"])
 
     def update(self, ratios: Mapping[str, float], ctx: StepContext, loss: float | None = None) -> list[Alert]:
         """Feed the update ratios ``{layer: ||ΔW||/||W||}`` of one measured step and its training loss; return the
         alerts raised."""
-        if loss is not None and math.isfinite(loss):
-            if len(self.early_losses) < self.patience:
-                self.early_losses.append(float(loss))
-            self.recent_losses = [*self.recent_losses, float(loss)][-self.patience :]
-            self.losses_seen += 1
+        self.losses.add(loss)
         moving = {k: float(v) for k, v in ratios.items() if math.isfinite(v) and v > 0}
         if not moving:
             return []
@@ -136,11 +139,13 @@ class UpdateSizeRule(Rule):
             self.streak, self.streak_start = 0, None
         start = self.streak_start or median
         growing = median > GROWTH * start
-        tripped = small and self.streak >= self.patience and not self.moved and not growing and self.not_learning()
+        tripped = (
+            small and self.streak >= self.patience and not self.moved and not growing
+            and self.losses.not_learning(self.loss_fall)
+        )  # fmt: skip
         if not self.latch.update("model", tripped):
             return []
-        initial = statistics.median(self.early_losses)
-        recent = statistics.median(self.recent_losses)
+        initial, recent = self.losses.initial, self.losses.latest
         return [
             self._alert(
                 ctx,

@@ -20,31 +20,46 @@ def _ctx(step):
 def test_dead_units_is_one_alert_naming_every_dead_layer_and_how_the_share_moved():
     rule = ActivationRule(patience=2)
     alerts = []
-    for step, share in ((5, 0.12), (10, 0.75), (15, 0.81)):
+    for step, share in ((5, 0.12), (10, 0.75), (15, 0.81), (20, 0.81)):
         readings = [ActivationReading(f"net.{2 * i}", "ReLU", dead=share, zero_grad=share) for i in range(5)]
         readings.append(ActivationReading("net.10", "ReLU", dead=0.3, zero_grad=0.3))
-        alerts += rule.update(readings, _ctx(step))
-    assert [a.rule for a in alerts] == ["dead_units"]
+        alerts += rule.update(readings, _ctx(step), loss=0.693)
+    # most units dead from step 10, the loss flat: judged once two windows of 2 losses are known (step 20)
+    assert [(a.rule, a.global_step) for a in alerts] == [("dead_units", 20)]
     message = alerts[0].message
     assert "5 layers" in message and "net.10" not in message
-    assert "from 12% at step 5 to 81% at step 15" in message
+    assert "from 12% at step 5 to 81% at step 20" in message
     assert "81% of their weights' gradient entries are exactly zero" in message
-    assert "not a vanishing gradient" in message
+    assert "not a vanishing gradient" in message and "the loss is not falling" in message
     assert rule.dead_layers() == {f"net.{2 * i}" for i in range(5)}
     # latched: the same event does not alert again
-    assert rule.update([ActivationReading("net.0", "ReLU", dead=0.9)], _ctx(20)) == []
+    assert rule.update([ActivationReading("net.0", "ReLU", dead=0.9)], _ctx(25), loss=0.693) == []
+
+
+def test_most_units_idle_while_the_loss_falls_is_not_dead_units():
+    # a healthy net fed correlated rows (windows of one series) leaves 60-75% of a layer's units idle for a batch
+    rule = ActivationRule(patience=2)
+    losses = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
+    assert [a for i, loss in enumerate(losses) for a in rule.update(
+        [ActivationReading("fc", "ReLU", dead=0.75)], _ctx(i), loss=loss)] == []
+
+
+def test_nearly_every_unit_dead_needs_no_loss():
+    rule = ActivationRule(patience=2)
+    alerts = [a for i in range(2) for a in rule.update([ActivationReading("fc", "ReLU", dead=1.0)], _ctx(i))]
+    assert [(a.rule, a.global_step) for a in alerts] == [("dead_units", 1)]
 
 
 def test_a_sparse_healthy_relu_layer_is_quiet_and_its_margin_is_noted():
     rule = ActivationRule(patience=1)
     for step in range(10):
-        assert rule.update([ActivationReading("fc", "ReLU", dead=0.35)], _ctx(step)) == []
-    assert rule.peaks["dead_units"] == pytest.approx(0.35 / 0.7)
+        assert rule.update([ActivationReading("fc", "ReLU", dead=0.35)], _ctx(step), loss=0.69) == []
+    assert rule.peaks["dead_units"] == pytest.approx(0.35 / 0.5)
 
 
 def test_a_layer_that_recovers_is_not_dead():
     rule = ActivationRule(patience=3)
-    shares = (0.9, 0.9, 0.2, 0.9, 0.9, 0.2)
+    shares = (1.0, 1.0, 0.2, 1.0, 1.0, 0.2)
     readings = [[ActivationReading("fc", "ReLU", dead=s)] for s in shares]
     assert [a for i, r in enumerate(readings) for a in rule.update(r, _ctx(i))] == []
 
@@ -73,10 +88,10 @@ def test_half_saturated_is_below_the_threshold():
 
 def test_activation_rule_state_round_trips():
     rule = ActivationRule(patience=2)
-    rule.update([ActivationReading("fc", "ReLU", dead=0.9)], _ctx(5))
+    rule.update([ActivationReading("fc", "ReLU", dead=1.0)], _ctx(5))
     restored = ActivationRule(patience=2)
     restored.load_state_dict(rule.state_dict())
-    assert [a.rule for a in restored.update([ActivationReading("fc", "ReLU", dead=0.9)], _ctx(10))] == ["dead_units"]
+    assert [a.rule for a in restored.update([ActivationReading("fc", "ReLU", dead=1.0)], _ctx(10))] == ["dead_units"]
     with pytest.raises(KeyError, match="first_seen"):
         ActivationRule().load_state_dict({"streaks": {}, "latch": {}})
 
