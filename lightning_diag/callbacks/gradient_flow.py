@@ -42,6 +42,7 @@ from lightning_diag.instrument.activation_watch import MIN_ROWS, ActivationWatch
 from lightning_diag.instrument.attention_capture import is_compiled
 from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step
 from lightning_diag.rules.activations import ACTIVATION_SATURATION, DEAD_UNITS, ActivationRule
+from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.grad import (
     GRAD_EXPLODE,
     GRAD_VANISH,
@@ -463,7 +464,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             self._before.append((chosen, [local_tensor(index.params[i]).detach().clone() for i in chosen]))
 
     def _judge_activations(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: Any, loss: float | None
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext, loss: float | None
     ) -> None:
         """The activation watch's readings of the measured forward (one host read), written and judged with the
         step's training loss; the layers whose units are dead now make ``grad_vanish`` defer."""
