@@ -537,4 +537,5 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self.spread_rule.observe_updates(ratios)  # grad_layer_spread: the slow side's update must be starved too
         self.collapse_rule.observe_updates(ratios)  # grad_collapse: "vanished" needs the updates to stop too
         loss, self._measured_loss = self._measured_loss, None
-        self.record(self.update_size_rule.update(ratios, self.context(trainer), loss))
+        measured = StepContext(trainer.current_epoch, max(trainer.global_step - 1, 0))  # the step of the ratios
+        self.record(self.update_size_rule.update(ratios, measured, loss))
