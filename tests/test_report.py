@@ -36,9 +36,11 @@ CHECK_IDS = [
     # no check row of their own: listed from the callbacks' thresholds() under "Other"
     "activation_saturation",
     "amp_not_applied",
+    "attn_logit_growth",
     "dead_units",
     "loss_outlier",
     "loss_stagnant",
+    "output_collapse",
     "update_too_small",
     "zero_output",
 ]
