@@ -135,6 +135,23 @@ def _windows(finite: Series, size: int) -> Series:
     return [(w[-1][0], statistics.fmean(v for _, v in w)) for w in chunks]
 
 
+def _spreads(points: Series, losses: Series) -> list[tuple[int, float | None]]:
+    """For each point, the logged step losses of its span (after the previous point, up to its step): their count
+    and their noise variance (``None`` below 2): half the mean squared difference of successive losses, which a
+    loss still falling within the span barely raises, as AnomalyAlarm's loss sums measure it from every step (the
+    noise ``loss_swing`` judges a change against)."""
+    out: list[tuple[int, float | None]] = []
+    steps = [step for step, _ in losses]
+    previous = -1
+    for step, _ in points:
+        lo, hi = bisect.bisect_right(steps, previous), bisect.bisect_right(steps, step)
+        span = [v for _, v in losses[lo:hi]]
+        diffs = [(b - a) ** 2 for a, b in itertools.pairwise(span)]
+        out.append((len(span), 0.5 * statistics.fmean(diffs) if diffs else None))
+        previous = step
+    return out
+
+
 def step_noise(values: list[float]) -> float:
     """The relative noise of one logged loss: a robust standard deviation (1.4826 MAD) of the relative changes
     between consecutive values, over sqrt(2) (a change holds the noise of two values); ``nan`` for fewer than 3.
@@ -245,6 +262,7 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
     decline = ValDeclineRule.from_settings(run.thresholds, monitor=monitor)
     fluctuation = ValFluctuationRule.from_settings(run.thresholds, monitor=monitor)
     train_steps = [step for step, _ in s.train]
+    finite_train = [p for p in s.train if math.isfinite(p[1])]
     changes: list[float] = []
     longest = 0
     ratios: list[float] = []
@@ -255,10 +273,12 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
         + [(step, 1, v) for step, v in points]
         + [(step, 2, v) for step, v in s.val if math.isfinite(v)]
     )
+    spread = dict(zip((step for step, _ in swing_points), _spreads(swing_points, finite_train), strict=True))
     for step, kind, v in events:
         ctx = StepContext(s.epoch_at(step), step)
         if kind == 0:
-            found.add(LOSS_SWING, swing.update(v, ctx))
+            count, variance = spread[step]
+            found.add(LOSS_SWING, swing.update(v, ctx, steps=max(count, 1), variance=variance))
             change = getattr(swing, "last_change", math.nan)
             if math.isfinite(change) and (not changes or changes[-1] != change):
                 changes.append(change)

@@ -23,8 +23,8 @@ JUDGED = ("nonfinite", "loss_swing", "val_decline", "val_fluctuation", "loss_sta
 def _fit(root: Path, fault: str, *, names: tuple[str, str] = ("train_loss", "val_loss"), epochs: int = 8) -> None:
     """A plain fit (2 layers, d 64, 20 steps an epoch, every step logged) into ``root/tb`` and ``root/csv``.
 
-    Faults: ``nan`` (the loss is NaN from step 40 on), ``swing`` (the targets are tripled every other epoch: the
-    training loss rises and falls epoch after epoch), ``overfit`` (the validation targets drift away: the
+    Faults: ``nan`` (the loss is NaN from step 40 on), ``swing`` (the loss is tripled every other epoch: the
+    training loss rises and falls epoch after epoch, far beyond its step-to-step noise), ``overfit`` (the validation targets drift away: the
     validation loss worsens every epoch).
     """
     import pytorch_lightning as pl
@@ -42,9 +42,9 @@ def _fit(root: Path, fault: str, *, names: tuple[str, str] = ("train_loss", "val
 
         def training_step(self, batch, _):
             x, y = batch
-            if fault == "swing" and self.current_epoch % 2 == 1:
-                y = 3 * y
             loss = torch.nn.functional.mse_loss(self.net(x), y)
+            if fault == "swing" and self.current_epoch % 2 == 1:
+                loss = 3 * loss
             if fault == "nan" and self.global_step >= 40:
                 loss = loss * float("nan")
             self.log(train_name, loss, on_step=True, on_epoch=True)
