@@ -24,8 +24,8 @@ def _fit(root: Path, fault: str, *, names: tuple[str, str] = ("train_loss", "val
     """A plain fit (2 layers, d 64, 20 steps an epoch, every step logged) into ``root/tb`` and ``root/csv``.
 
     Faults: ``nan`` (the loss is NaN from step 40 on), ``swing`` (the loss is tripled every other epoch: the
-    training loss rises and falls epoch after epoch, far beyond its step-to-step noise), ``overfit`` (the validation targets drift away: the
-    validation loss worsens every epoch).
+    training loss rises and falls epoch after epoch, far beyond its step-to-step noise), ``overfit`` (the
+    validation targets drift away: the validation loss worsens every epoch).
     """
     import pytorch_lightning as pl
     import torch
