@@ -21,13 +21,18 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from lightning_diag.demo import problem_models  # noqa: F401  (registers the shapes of the published problems)
 from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
+from lightning_diag.demo.output_models import OUTPUT_SHAPES
 from lightning_diag.demo.synthetic import DATA_MODULES
 from lightning_diag.rules.catalog import (
+    ACTIVATION_SATURATION,
     AMP_NOT_APPLIED,
     ATTN_ENTROPY_LOW,
+    ATTN_LOGIT_GROWTH,
     BATCH_SIZE_MISMATCH,
     DATA_LEAKAGE,
+    DEAD_UNITS,
     EVAL_MODE_IN_TRAINING,
     EVAL_RANDOMNESS,
     GRAD_COLLAPSE,
@@ -40,11 +45,13 @@ from lightning_diag.rules.catalog import (
     LOSS_STAGNANT,
     LOSS_SWING,
     NONFINITE_LOSS,
+    OUTPUT_COLLAPSE,
     POSITION_OVERFLOW,
     STEP_TIME_PERIODIC,
     TRAIN_OVERRIDE_BYPASSED,
     UPDATE_NONE,
     UPDATE_STALE,
+    UPDATE_TOO_SMALL,
     VAL_DECLINE,
     WORKER_RNG_SHARED,
     ZERO_OUTPUT,
@@ -449,6 +456,183 @@ FAULTS: dict[str, Fault] = {
             data={"jitter": 0.1, "num_workers": 2, "reseed_workers": True},
             callbacks=(("DataDiagnostics", {}),),
         ),
+        # -- training problems of the published detectors (issue 45, items 1-4) -----------------------------
+        Fault(
+            "vanish_plain",
+            "a plain stack of 8 narrow sigmoid layers (width 16) on a binary task, AdamW at 1e-3: the first layer's "
+            "relative gradient is 1e-7 of the last's, accuracy stays at the majority class",
+            (GRAD_VANISH,),
+            onset_step=0,
+            window=20,
+            max_epochs=2,
+            config={"model": "plain_mlp", "head_depth": 8, "d_model": 16, "hidden_activation": "sigmoid", "lr": 1e-3},
+        ),
+        Fault(
+            "healthy_plain_deep",
+            "healthy counterpart of `vanish_plain`: the same 8 narrow layers with tanh",
+            (),
+            max_epochs=3,
+            config={"model": "plain_mlp", "head_depth": 8, "d_model": 16, "hidden_activation": "tanh", "lr": 1e-3},
+        ),
+        Fault(
+            "dead_relu",
+            "a 34-layer ReLU MLP whose hidden biases start at -1: most units are inactive for every input and the "
+            "gradient of most weights is exactly zero; accuracy stays at the majority class",
+            (DEAD_UNITS,),
+            onset_step=0,
+            window=20,
+            max_epochs=2,
+            config={"model": "dead_relu_mlp", "head_depth": 34, "d_model": 32, "hidden_activation": "relu"},
+        ),
+        Fault(
+            "healthy_deep_relu",
+            "healthy counterpart of `dead_relu`: 34 residual ReLU blocks of the same width",
+            (),
+            max_epochs=2,
+            config={"model": "residual_mlp", "head_depth": 34, "d_model": 32, "hidden_activation": "relu"},
+        ),
+        Fault(
+            "healthy_sparse_relu",
+            "healthy counterpart of `dead_relu`: a 4-layer ReLU MLP (width 64) whose activations are 30-50% zero",
+            (),
+            max_epochs=3,
+            config={"model": "plain_mlp", "head_depth": 4, "d_model": 64, "hidden_activation": "relu"},
+        ),
+        Fault(
+            "saturated_tanh",
+            "a 3-layer tanh MLP fed inputs on a scale of 100 (not standardized): over 90% of the first tanh's inputs "
+            "are beyond ±5",
+            (ACTIVATION_SATURATION,),
+            onset_step=0,
+            window=20,
+            max_epochs=2,
+            config={"model": "plain_mlp", "head_depth": 3, "d_model": 32, "hidden_activation": "tanh"},
+            data={"scale": 100.0},
+        ),
+        Fault(
+            "healthy_tanh",
+            "healthy counterpart of `saturated_tanh`: the same tanh MLP on standardized inputs",
+            (),
+            max_epochs=3,
+            config={"model": "plain_mlp", "head_depth": 3, "d_model": 32, "hidden_activation": "tanh"},
+        ),
+        Fault(
+            "tiny_lr",
+            "a 2-layer ReLU MLP trained by AdamW at a learning rate of 1e-7 where it learns at 1e-3: each step moves "
+            "the weights by 1e-7 of their norm, the loss does not fall",
+            (UPDATE_TOO_SMALL,),
+            onset_step=0,
+            window=30,
+            max_epochs=2,
+            config={"model": "plain_mlp", "head_depth": 2, "d_model": 32, "hidden_activation": "relu", "lr": 1e-7},
+        ),
+        Fault(
+            "healthy_lr",
+            "healthy counterpart of `tiny_lr`: the same MLP at a learning rate of 1e-3",
+            (),
+            max_epochs=3,
+            config={"model": "plain_mlp", "head_depth": 2, "d_model": 32, "hidden_activation": "relu", "lr": 1e-3},
+        ),
+        # -- the published problem classes of the outputs (issue 45) ---------------------------------------
+        Fault(
+            "label_scale",
+            "a softmax classifier trained under an MSE against the class ids divided by 255: its units die and it "
+            "predicts the same near-uniform output for every input, accuracy at chance",
+            (OUTPUT_COLLAPSE,),
+            onset_step=40,
+            window=15,  # measured every 5 steps: constant from step 45, 3 measurements in a row by step 55
+            max_epochs=4,
+            config={"model": "blobs_label_scale", "d_model": 64, "head_depth": 2, "lr": 3e-2},
+        ),
+        Fault(
+            "healthy_onehot_mse",
+            "healthy counterpart of `label_scale`: the same softmax classifier under an MSE against one-hot labels",
+            (),
+            max_epochs=4,
+            config={"model": "blobs_onehot_mse", "d_model": 64, "head_depth": 2, "lr": 3e-3},
+        ),
+        Fault(
+            "single_softmax",
+            "a binary classifier whose one output unit goes through a softmax: every prediction is exactly 1",
+            (OUTPUT_COLLAPSE,),
+            onset_step=0,
+            window=10,  # measured at steps 0, 5, 10
+            max_epochs=2,
+            config={"model": "blobs_single_softmax", "d_model": 64, "head_depth": 2},
+        ),
+        Fault(
+            "healthy_sigmoid",
+            "healthy counterpart of `single_softmax`: the one output unit goes through a sigmoid",
+            (),
+            max_epochs=4,
+            config={"model": "blobs_sigmoid", "d_model": 64, "head_depth": 2},
+        ),
+        Fault(
+            "healthy_confident",
+            "healthy baseline: an MLP classifier trained to confidence near convergence (10 epochs)",
+            (),
+            max_epochs=10,
+            config={"model": "blobs", "d_model": 64, "head_depth": 2},
+        ),
+        Fault(
+            "healthy_denoiser",
+            "healthy baseline: a generative model whose outputs vary little across a batch (a denoiser of a narrow "
+            "cloud around a large offset)",
+            (),
+            max_epochs=4,
+            config={"model": "blobs_denoiser", "d_model": 64, "head_depth": 2},
+        ),
+        Fault(
+            "oscillation_bs1",
+            "batch size 1, SGD with momentum 0.9 at a learning rate far too high (0.1) on a tanh MLP classifier: the "
+            "loss and the accuracy swing from epoch to epoch",
+            (LOSS_SWING,),
+            onset_epoch=0,
+            window=5,  # loss_swing needs 3 swinging epoch means in a row: 4 epochs at the earliest
+            max_epochs=6,
+            config={
+                "model": "blobs",
+                "d_model": 64,
+                "head_depth": 2,
+                "hidden_activation": "tanh",
+                "optimizer": "sgd_momentum",
+                "lr": 0.1,
+            },
+            data={"n_train": 64, "batch_size": 1},
+        ),
+        Fault(
+            "healthy_bs1",
+            "healthy counterpart of `oscillation_bs1`: batch size 1, SGD with momentum 0.9 at a learning rate of "
+            "1e-3",
+            (),
+            max_epochs=6,
+            config={
+                "model": "blobs",
+                "d_model": 64,
+                "head_depth": 2,
+                "hidden_activation": "tanh",
+                "optimizer": "sgd_momentum",
+                "lr": 1e-3,
+            },
+            data={"n_train": 64, "batch_size": 1},
+        ),
+        Fault(
+            "attn_logit_growth",
+            "a causal transformer LM without qk-layernorm at a learning rate of 0.1: the attention logits grow "
+            "into the hundreds and the attention turns one-hot",
+            (ATTN_LOGIT_GROWTH,),
+            onset_step=0,
+            window=15,
+            max_epochs=2,
+            config={"model": "lm_no_qk_norm", "lr": 0.1},
+        ),
+        Fault(
+            "healthy_qk_norm",
+            "healthy counterpart of `attn_logit_growth`: the same LM and learning rate with qk-layernorm",
+            (),
+            max_epochs=2,
+            config={"model": "lm_qk_norm", "lr": 0.1},
+        ),
     )
 }
 
@@ -463,4 +647,7 @@ def build_fault(name: str, seed: int = 0) -> tuple[DemoModule, pl.LightningDataM
         raise ValueError(f"Expected argument `fault` to be one of {sorted(FAULTS)}, but got {name!r}")
     fault = FAULTS[name]
     config = dataclasses.replace(DemoConfig(seed=seed), **fault.config)
+    if config.model in OUTPUT_SHAPES:  # the shapes of demo/output_models.py
+        model_class, data_class = OUTPUT_SHAPES[config.model]
+        return model_class(config), data_class(seed=seed, **fault.data), fault
     return build_model(config), DATA_MODULES[config.model](seed=seed, **fault.data), fault

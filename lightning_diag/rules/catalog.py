@@ -3,9 +3,12 @@
 Each rule is declared once, next to the class that implements it (``register(RuleSpec(...))`` at the top of its
 ``lightning_diag.rules`` module, set as the class's ``specs``); the machinery is in
 :mod:`lightning_diag.core.registry`. Importing this module loads every declaring module, so the registry is
-complete: :data:`ALL_RULES` is read here, and the report imports it. It then registers the checklist rows of
-``lightning-diag report`` in report order: a row that rules decide is declared beside them (``*_CHECK`` in their
-module, its title a template over their thresholds), the rows no rule decides here.
+complete: :data:`ALL_RULES` is read here, and the report imports it. Its order (and every registry view's) is the
+declaring modules' names, then the declaration order inside each module (:mod:`lightning_diag.core.registry`): it
+does not depend on which module the process imported first (``tests/test_registry_order.py``). It then
+registers the checklist rows of ``lightning-diag report`` in report order: a row that rules decide is declared
+beside them (``*_CHECK`` in their module, its title a template over their thresholds), the rows no rule decides
+here.
 
 No module below it imports it (the registry does not): the import graph has no cycle. Neither torch nor Lightning
 is imported (the rules modules import the standard library, numpy and scipy only).
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lightning_diag.core.registry import OWNERS, CheckSpec, register_check
+from lightning_diag.rules.activations import ACTIVATION_SATURATION, DEAD_UNITS
 from lightning_diag.rules.anomaly import (
     LOSS_STAGNANT,
     LOSS_SWING,
@@ -28,6 +32,7 @@ from lightning_diag.rules.anomaly import (
     VAL_FLUCTUATION,
     VAL_FLUCTUATION_CHECK,
 )
+from lightning_diag.rules.attention_logits import ATTN_LOGIT_GROWTH
 from lightning_diag.rules.attention_specs import (
     ATTN_ENTROPY_BAND_CHECK,
     ATTN_ENTROPY_HIGH,
@@ -57,9 +62,8 @@ from lightning_diag.rules.grad import (
     GRAD_VANISH,
 )
 from lightning_diag.rules.grad_frozen import GRAD_FROZEN
-
-# isort: off  (the registry keeps declaration order: the order below is the order of ALL_RULES)
 from lightning_diag.rules.nonfinite import NONFINITE_GRAD, NONFINITE_LOSS
+from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE
 from lightning_diag.rules.probes import LOSS_SURFACE_CHECK, QUANTIZATION_CHECK, QUANTIZATION_ERROR, SHARP_MINIMUM
 from lightning_diag.rules.replicas import DDP_DESYNC, REPLICAS_AGREE_CHECK
 from lightning_diag.rules.robustness import ROBUSTNESS_CHECK, ROBUSTNESS_DROP
@@ -80,15 +84,16 @@ from lightning_diag.rules.system import (
     STEP_TIME_PERIODIC,
 )
 from lightning_diag.rules.train_mode import EVAL_MODE_IN_TRAINING
+from lightning_diag.rules.update_size import UPDATE_TOO_SMALL
 from lightning_diag.rules.updates import GRAD_NOT_ZEROED, UPDATE_NONE, UPDATE_STALE, UPDATES_APPLIED_CHECK
 
-# isort: on
-
 __all__ = [
+    "ACTIVATION_SATURATION",
     "ALL_RULES",
     "AMP_NOT_APPLIED",
     "ATTN_ENTROPY_HIGH",
     "ATTN_ENTROPY_LOW",
+    "ATTN_LOGIT_GROWTH",
     "ATTN_SINK",
     "BATCH_SIZE_MISMATCH",
     "DATALOADER_BOUND",
@@ -96,6 +101,7 @@ __all__ = [
     "DATA_NONFINITE",
     "DATA_VOCAB_SHIFT",
     "DDP_DESYNC",
+    "DEAD_UNITS",
     "ERROR_CLUSTER",
     "EVAL_BEFORE_TRAINING",
     "EVAL_MODE_IN_TRAINING",
@@ -115,6 +121,7 @@ __all__ = [
     "NONFINITE_GRAD",
     "NONFINITE_LOSS",
     "NONFINITE_ROLLBACK",
+    "OUTPUT_COLLAPSE",
     "POSITION_OVERFLOW",
     "QUANTIZATION_ERROR",
     "ROBUSTNESS_DROP",
@@ -124,6 +131,7 @@ __all__ = [
     "TRAIN_OVERRIDE_BYPASSED",
     "UPDATE_NONE",
     "UPDATE_STALE",
+    "UPDATE_TOO_SMALL",
     "VAL_DECLINE",
     "VAL_FLUCTUATION",
     "WORKER_RNG_SHARED",
