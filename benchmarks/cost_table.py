@@ -96,9 +96,10 @@ class MLP(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-def mlp_data(steps: int) -> DataLoader:
+def mlp_data(steps: int, batches: int = 32) -> DataLoader:
+    """Random regression data for :class:`MLP`: ``min(steps, batches)`` batches of 64 (one epoch)."""
     g = torch.Generator().manual_seed(0)
-    n = 64 * min(steps, 32)
+    n = 64 * min(steps, batches)
     return DataLoader(TensorDataset(torch.randn(n, 64, generator=g), torch.randn(n, generator=g)), batch_size=64)
 
 

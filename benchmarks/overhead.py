@@ -110,9 +110,9 @@ def _cost_table() -> Any:
     return cost_table
 
 
-def _data(model: str, steps: int, quick: bool) -> DataLoader:
+def _data(model: str, steps: int, quick: bool, epoch_steps: int | None = None) -> DataLoader:
     if model == "mlp1e6":
-        return _cost_table().mlp_data(steps)
+        return _cost_table().mlp_data(steps, epoch_steps or 32)
     if model == "demo_transformer":
         return _cost_table().demo_data(steps)
     g = torch.Generator().manual_seed(0)
@@ -294,7 +294,7 @@ def fit(
         **variant.trainer,
     )
     net = _model(model, args.quick, variant.log_grad_norm)
-    data = _data(model, steps, args.quick)
+    data = _data(model, steps, args.quick, getattr(args, "epoch_steps", None))
     gc.collect()
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -427,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="CPU step time: wall (perf_counter) or the training thread's CPU time (steadier on a shared machine)",
     )
+    parser.add_argument(
+        "--epoch-steps", type=int, default=None, help="batches per epoch of the mlp1e6 fits (default 32)"
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory-growth run")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default 1: steadier on a shared CPU)"
@@ -460,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--log-every", args.log_every),
         ("--cpu-transformer-log-every", args.cpu_transformer_log_every),
         ("--threads", args.threads),
+        ("--epoch-steps", args.epoch_steps or 1),
     ):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")

@@ -25,7 +25,7 @@ from lightning_diag.core.tags import (
 )
 from lightning_diag.instrument.grad_measure import ParamIndex, StepMeasurement, update_ratios
 from lightning_diag.output.writer import DiagWriter
-from lightning_diag.stats.histogram import tensorboard_histogram
+from lightning_diag.stats.histogram import cpu_histogram, tensorboard_histogram
 
 __all__ = [
     "histogram_due",
@@ -80,25 +80,30 @@ def write_histograms(
 def write_histogram(writer: DiagWriter, tag: str, grad: torch.Tensor, step: int) -> None:
     """One gradient histogram, as ``SummaryWriter.add_histogram`` writes it."""
     # On an accelerator the buckets are counted on the device (no copy of the gradient to the host, no host
-    # sort); on the CPU NumPy's histogram is as fast, and add_histogram computes the same buckets.
+    # sort); on the CPU a float32 gradient's buckets come from a table of its bits (no sort, the same fields as
+    # add_histogram's), any other add_histogram itself.
     if grad.device.type == "cpu":
-        writer.histogram(tag, grad, step)
-        return
-    data = tensorboard_histogram(grad)
+        data = cpu_histogram(grad)
+        if data is None:
+            writer.histogram(tag, grad, step)
+            return
+    else:
+        data = tensorboard_histogram(grad)
     if data is not None:
         writer.histogram_raw(tag, data, step)
 
 
 def update_values(
     index: ParamIndex,
-    pending: list[tuple[list[int], list[torch.Tensor]]],
+    pending: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]],
     reduce: Callable[[torch.Tensor], torch.Tensor] | None,
 ) -> dict[str, float]:
     """``diag/weight_norm/<layer>`` and ``diag/update_ratio/<layer>`` of the steps measured in a batch, from
-    their (chosen positions, values before the step) copies, which it consumes."""
+    their (chosen positions, values before the step, their squared norms when measured) copies, which it
+    consumes."""
     values: dict[str, float] = {}
-    for chosen, before in pending:
-        values.update(update_ratios(index, chosen, before, reduce))
+    for chosen, before, weight_squares in pending:
+        values.update(update_ratios(index, chosen, before, reduce, weight_squares))
     return values
 
 

@@ -30,6 +30,7 @@ from lightning_diag.callbacks.grad_params import (
     stuck_parameters,
     zero_gradient_ids,
 )
+from lightning_diag.callbacks.session import gradient_squares_key, step_cache
 from lightning_diag.callbacks.silent_updates import (
     ZEROED_STATE_KEY,
     SilentUpdateChecks,
@@ -235,7 +236,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self._measured_loss: float | None = None  # the training loss of the step whose update is pending
         self._index: ParamIndex | None = None
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
-        self._before: list[tuple[list[int], list[torch.Tensor]]] = []
+        self._before: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]] = []
         self._measured_interval: dict[int, int] = {}
         self._past_initial = False  # past the first optimizer step of the fit (or its baseline is known)
         self._idle = False  # whether the next batch off the cadence has nothing to do (see `quiet_batch`)
@@ -432,6 +433,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             return
         m = measure_step(index, chosen, self._loss, self._reduce(trainer))
         self._loss = None
+        if m.gradients is not None:  # the guard's pass at this step reads these instead of the gradients
+            step_cache(trainer).put(trainer.global_step, gradient_squares_key(optimizer), m.gradients)
         step = trainer.global_step
         values = step_scalars(m, position)
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))
@@ -461,7 +464,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         elif on_hist and self.writer.active:
             write_histograms(self.writer, index, chosen, m.norms, step)
         if self.log_weight_norms:
-            self._before.append((chosen, [local_tensor(index.params[i]).detach().clone() for i in chosen]))
+            copies = [local_tensor(index.params[i]).detach().clone() for i in chosen]
+            self._before.append((chosen, copies, m.weight_squares))  # the weights' norms: measured already
 
     def _judge_activations(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext, loss: float | None

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from lightning_diag.instrument.grad_measure import GradientSquares
 from lightning_diag.stats.grad import is_dtensor, local_tensor
 from lightning_diag.stats.norms import finite_probe, sums_pay
 
@@ -54,7 +55,24 @@ class OptimizerPass:
         grads = self.gradients()
         if not grads:
             return False
-        flag = finite_probe(grads + losses if losses else grads, self.found, self.sums)
+        return self._read(finite_probe(grads + losses if losses else grads, self.found, self.sums))
+
+    def clean_measured(self, losses: list[torch.Tensor], known: GradientSquares) -> bool | None:
+        """:meth:`clean` on a step whose gradients' squared norms were measured already (a measuring step of
+        ``GradientFlowMonitor``): when ``known`` covers exactly these gradients, unchanged, on the flag's device,
+        their sum stands for the pass over the gradients (0 times it is 0 only when every gradient is finite; an
+        overflow fails it, and the full check decides) and only ``losses`` are read. ``None`` when ``known`` does
+        not cover them: :meth:`clean` then makes its own pass."""
+        grads = self.gradients()
+        if not grads or known.squares.device != self.found.device or not known.covers(grads):
+            return None
+        flag = torch.sum(known.squares, 0, True, out=self.found).mul_(0)
+        if losses:
+            flag.add_(finite_probe(losses).to(flag.device))
+        return self._read(flag)
+
+    def _read(self, flag: torch.Tensor) -> bool:
+        """Whether the pass's ``flag`` says clean: read from the CPU flag's memory when it is the reused flag."""
         view = self._view
         return view[0] == 0 if view is not None and flag is self.found else flag.item() == 0
 

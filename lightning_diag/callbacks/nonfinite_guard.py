@@ -22,6 +22,7 @@ import torch
 from lightning_diag.callbacks.guard_pass import OptimizerPass
 from lightning_diag.callbacks.lr_logging import learning_rates
 from lightning_diag.callbacks.reduction import reduce_state
+from lightning_diag.callbacks.session import gradient_squares_key, step_cache
 from lightning_diag.core.alerts import Alert
 from lightning_diag.rules.nonfinite import (
     NONFINITE_LOSS,
@@ -263,7 +264,10 @@ class NonFiniteGuard:
         params = self._quick.get(id(optimizer))
         if params is not None and params.matches(optimizer.param_groups):
             losses = self.held
-            if params.clean(losses):
+            # on a measuring step the gradients' squared norms are measured already (one read of them per step)
+            known = step_cache(trainer).get(trainer.global_step, gradient_squares_key(optimizer))
+            clean = params.clean_measured(losses, known) if known is not None else None
+            if clean if clean is not None else params.clean(losses):
                 if losses:
                     losses.clear()
                 if self._policy_dirty:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import Any, Protocol
 
 import pytorch_lightning as pl
@@ -23,7 +23,15 @@ from lightning_diag.core.tags import ALERTS_TAG, THRESHOLDS_TAG, sanitize_tag
 from lightning_diag.output.dashboard import alerts_markdown, dashboard_layout, thresholds_markdown
 from lightning_diag.output.writer import DiagWriter, per_version_logger_types
 
-__all__ = ["DiagSession", "acquire_session", "release_session", "run_log_dir"]
+__all__ = [
+    "DiagSession",
+    "StepCache",
+    "acquire_session",
+    "gradient_squares_key",
+    "release_session",
+    "run_log_dir",
+    "step_cache",
+]
 
 log = logging.getLogger("lightning_diag")
 
@@ -55,6 +63,55 @@ def run_log_dir(trainer: pl.Trainer) -> str:
         parts = [sanitize_tag(str(p)) for p in (name, version) if p not in (None, "")]
     parts = trainer.strategy.broadcast(parts)
     return os.path.join(base, *parts) if parts else base
+
+
+class StepCache:
+    """What one optimizer step measured, computed once by the first callback that needs it and read by the others
+    (issue 43: one read of the gradients per measuring step, however many callbacks use it).
+
+    Entries live for one step: an entry put at another ``global_step`` is gone. A reader checks that an entry
+    describes what it would have measured itself (the same tensors, unchanged) before using it.
+
+    Example:
+        >>> cache = StepCache()
+        >>> cache.put(10, "grad_squares", 1.0)
+        >>> cache.get(10, "grad_squares"), cache.get(11, "grad_squares")
+        (1.0, None)
+    """
+
+    def __init__(self) -> None:
+        self._step: int | None = None
+        self._values: dict[Hashable, Any] = {}
+
+    def put(self, step: int, name: Hashable, value: Any) -> None:
+        """Keep ``value`` under ``name`` for ``step`` (the entries of an earlier step are dropped)."""
+        if step != self._step:
+            self._step = step
+            self._values = {}
+        self._values[name] = value
+
+    def get(self, step: int, name: Hashable) -> Any | None:
+        """The value put under ``name`` at ``step``, else ``None``."""
+        return self._values.get(name) if step == self._step else None
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        self._step = None
+        self._values = {}
+
+
+def gradient_squares_key(optimizer: Any) -> tuple[str, int]:
+    """The :class:`StepCache` entry of the squared gradient norms measured at an ``optimizer``'s step (a
+    :class:`~lightning_diag.instrument.grad_measure.GradientSquares`)."""
+    return ("grad_squares", id(optimizer))
+
+
+def step_cache(trainer: pl.Trainer) -> StepCache:
+    """The trainer's :class:`StepCache` (one per trainer, shared by every lightning_diag callback on it)."""
+    cache = _STEP_CACHES.get(trainer)
+    if cache is None:
+        cache = _STEP_CACHES[trainer] = StepCache()
+    return cache
 
 
 class DiagSession:
@@ -171,6 +228,7 @@ class DiagSession:
 
 _SESSIONS: weakref.WeakKeyDictionary[pl.Trainer, DiagSession] = weakref.WeakKeyDictionary()
 _STEP_AXES: weakref.WeakKeyDictionary[pl.Trainer, StepAxis] = weakref.WeakKeyDictionary()
+_STEP_CACHES: weakref.WeakKeyDictionary[pl.Trainer, StepCache] = weakref.WeakKeyDictionary()
 
 
 def acquire_session(trainer: pl.Trainer) -> DiagSession:

@@ -24,7 +24,14 @@ from lightning_diag.core.tags import update_ratio_tag, weight_norm_tag
 from lightning_diag.rules.grad import role_of
 from lightning_diag.stats.grad import copy_weights, grouped_squares, is_dtensor, local_tensor, per_tensor_norms
 
-__all__ = ["DEFAULT_LOGIT_PROJECTIONS", "ParamIndex", "StepMeasurement", "measure_step", "update_ratios"]
+__all__ = [
+    "DEFAULT_LOGIT_PROJECTIONS",
+    "GradientSquares",
+    "ParamIndex",
+    "StepMeasurement",
+    "measure_step",
+    "update_ratios",
+]
 
 #: Wrapper components that torch.compile (``_orig_mod``), FSDP1 (``_fsdp_wrapped_module``) and activation
 #: checkpointing (``_checkpoint_wrapped_module``) add to parameter names: the model's own names are reported.
@@ -92,6 +99,39 @@ class ParamIndex:
         self.in_block = [layer in self.block_layers for layer in self.layers]
 
 
+@dataclasses.dataclass(frozen=True)
+class GradientSquares:
+    """The squared L2 norm of each gradient a measured step read, kept on the device for the step's other readers
+    (the non-finite guard's pass: 0 times their sum is 0 only when every gradient is finite).
+
+    Attributes:
+        versions: ``{id(gradient): its version counter when measured}``.
+        squares: The squared norms, float32, on the gradients' device (an overflow reads as a non-finite value).
+
+    Example:
+        >>> g = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])]
+        >>> shared = GradientSquares.of(g, torch.tensor([25.0, 1.0]))
+        >>> shared.covers(g[::-1]), shared.covers(g[:1])
+        (True, False)
+        >>> _ = g[0].mul_(2)  # changed since it was measured
+        >>> shared.covers(g)
+        False
+    """
+
+    versions: dict[int, int]
+    squares: torch.Tensor
+
+    @classmethod
+    def of(cls, grads: Sequence[torch.Tensor], squares: torch.Tensor) -> GradientSquares:
+        """The squares ``squares`` of ``grads``, with the gradients' identities and versions now."""
+        return cls({id(g): g._version for g in grads}, squares)
+
+    def covers(self, grads: Sequence[torch.Tensor]) -> bool:
+        """Whether these are the squares of exactly ``grads`` (the same tensors, in any order, unchanged since)."""
+        versions = self.versions
+        return len(grads) == len(versions) and all(versions.get(id(g)) == g._version for g in grads)
+
+
 @dataclasses.dataclass
 class StepMeasurement:
     """The host values of one measured step.
@@ -104,6 +144,10 @@ class StepMeasurement:
         blocks: L2 norm of the blocks' weight-matrix gradients (``total`` when there is no matrix).
         has_matrices: Whether any comparable weight matrix has a gradient.
         loss: The step's training loss, ``None`` when unknown or not finite.
+        gradients: The squared norms of the measured gradients, on the device (``None`` under sharded training,
+            where they are weighted shares of the full tensors).
+        weight_squares: The squared norms of the measured parameters before the optimizer step, on the device, in
+            the order of ``chosen`` (``None`` under sharded training): :func:`update_ratios` reuses them.
     """
 
     total: float
@@ -113,6 +157,8 @@ class StepMeasurement:
     blocks: float
     has_matrices: bool
     loss: float | None
+    gradients: GradientSquares | None = None
+    weight_squares: torch.Tensor | None = None
 
 
 def measure_step(
@@ -137,6 +183,7 @@ def measure_step(
     n_layers = len(index.layers)
     group_of = torch.tensor([index.layer_of[i] for i in chosen], device=device)
     squares = per_tensor_norms(grads).pow(2)  # type: ignore[arg-type]
+    shared = None if index.sharded else GradientSquares.of(grads, squares)  # type: ignore[arg-type]
     if index.sharded:
         squares = squares * torch.tensor([index.weights[i] for i in chosen], device=device)
     parts = [grouped_squares(squares, group_of, n_layers)]
@@ -145,9 +192,15 @@ def measure_step(
     # comparable weight matrices: ||g_W|| / ||W|| per layer, and the blocks' gradient norm
     matrix = [k for k, i in enumerate(chosen) if index.is_matrix[i]]
     matrix_layers = sorted({index.layer_of[chosen[k]] for k in matrix})
+    # Every measured parameter's weight norm in one pass (the update ratios reuse them after the step); under
+    # sharded training the matrices' only, as before.
+    weight_squares = None if index.sharded else per_tensor_norms([index.params[i] for i in chosen]).pow(2)
     if matrix:
         m_groups = torch.tensor([index.layer_of[chosen[k]] for k in matrix], device=device)
-        m_weight = per_tensor_norms([index.params[chosen[k]] for k in matrix]).pow(2)  # no autograd inside
+        if weight_squares is not None:
+            m_weight = weight_squares[torch.tensor(matrix, device=device)]
+        else:
+            m_weight = per_tensor_norms([index.params[chosen[k]] for k in matrix]).pow(2)  # no autograd inside
         if index.sharded:
             m_weight = m_weight * torch.tensor([index.weights[chosen[k]] for k in matrix], device=device)
         parts.append(grouped_squares(squares[torch.tensor(matrix, device=device)], m_groups, n_layers))
@@ -182,6 +235,8 @@ def measure_step(
         blocks=host[1 + 2 * n_layers + len(matrix_layers)] if matrix else host[0],
         has_matrices=bool(matrix),
         loss=host[-1] if math.isfinite(host[-1]) else None,
+        gradients=shared,
+        weight_squares=weight_squares,
     )
 
 
@@ -190,6 +245,7 @@ def update_ratios(
     chosen: list[int],
     before: list[torch.Tensor],
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    weight_squares: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """``diag/weight_norm/<layer>`` and ``diag/update_ratio/<layer>`` values: the layers' weight norms before the
     optimizer step, and ``||W_after - W_before|| / ||W_before||``, from the ``before`` copies of ``chosen`` (which
@@ -203,7 +259,7 @@ def update_ratios(
     group_of = torch.tensor(layer_of, device=device)
     after = [local_tensor(index.params[i]).detach() for i in chosen]  # DTensor.detach() is slow: local first
     n = len(index.layers)
-    weight_sq = per_tensor_norms(before).pow(2)
+    weight_sq = weight_squares if weight_squares is not None else per_tensor_norms(before).pow(2)
     # The copies are this function's to consume: W_before - W_after in place (the norm of -dW), no second copy.
     torch._foreach_sub_(before, after)
     update_sq = per_tensor_norms(before).pow(2)

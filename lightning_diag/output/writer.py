@@ -8,6 +8,9 @@
   every other logger (``CSVLogger``, ``WandbLogger``, ``MLFlowLogger``, a second ``TensorBoardLogger``, a
   custom one) through ``logger.log_metrics(metrics, step)``, as Lightning's ``LearningRateMonitor`` does, with
   the user's step as ``step``. Each point is written once per logger.
+  A ``SummaryWriter`` gets all the scalars written at one step as one event, sent when another step is written,
+  anything else is written (text, histograms), or on :meth:`DiagWriter.flush` (an alert, the end of the fit):
+  every callback's series of a measuring step cost one hand-over to TensorBoard's writer thread.
 * **Which series**: the TensorBoard writer (and any ``TensorBoardLogger``) gets every series; every other logger
   keeps the user's own history, so by default it gets the summary (:data:`SUMMARY_SERIES`: the global gradient
   norm per optimizer, the loss series, the learning rates, the mean attention entropy over modules, the step
@@ -202,6 +205,10 @@ class DiagWriter:
         self._selected: dict[tuple[int, tuple[str, ...]], dict[str, bool]] = {}
         # The library's own event file, guarded inside TensorBoard's writer thread (None: not ours, or not found).
         self._event_file = _guard_event_file(experiment) if owned else None
+        # A SummaryWriter's scalars of the step being written, held until another step or any other write: one
+        # event per step for every callback's scalars (each event is a hand-over to TensorBoard's writer thread).
+        self._pending: list[Any] = []
+        self._pending_step = 0
 
     @classmethod
     def for_trainer(
@@ -258,7 +265,7 @@ class DiagWriter:
         step = self._step(step)
         if self.experiment is not None:
             try:
-                _tensorboard_scalars(self.experiment, values, step)
+                self._tensorboard(values, step)
             except Exception as err:
                 self._drop_experiment(err)
         if not self.loggers:
@@ -272,6 +279,33 @@ class DiagWriter:
                 lg.log_metrics(chosen, step=step)
             except Exception as err:  # a broken third-party logger must not end the user's run
                 self._drop(lg, err)
+
+    def _tensorboard(self, values: Mapping[str, float], step: int) -> None:
+        """Scalars to the TensorBoard writer: a ``SummaryWriter``'s join the step's pending event (sent when
+        another step is written, anything else is, or on :meth:`flush`); any other writer's are written now."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        if not isinstance(self.experiment, SummaryWriter):
+            _tensorboard_scalars(self.experiment, values, step)
+            return
+        if self._pending and step != self._pending_step:
+            self._send_pending()
+        self._pending_step = step
+        self._pending += _summary_values(values)
+
+    def _send_pending(self) -> None:
+        """Write the pending scalars as one event (what ``add_scalar`` writes, one summary value per tag)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        if self.experiment is None:
+            return
+        try:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            self.experiment._get_file_writer().add_summary(Summary(value=pending), self._pending_step)
+        except Exception as err:
+            self._drop_experiment(err)
 
     def _with_summary(self, values: Mapping[str, float]) -> dict[str, float]:
         """``values`` with the derived summary series: the mean attention entropy over modules and the alert
@@ -304,6 +338,7 @@ class DiagWriter:
 
     def text(self, name: str, text: str, step: int) -> None:
         """Write markdown text (TensorBoard only)."""
+        self._send_pending()
         if self.experiment is not None:
             try:
                 self.experiment.add_text(name, text, global_step=self._step(step))
@@ -313,6 +348,7 @@ class DiagWriter:
     def custom_scalars(self, layout: dict[str, dict[str, list[Any]]]) -> None:
         """Write a custom-scalars layout (TensorBoard only; see
         :func:`lightning_diag.output.dashboard.dashboard_layout`)."""
+        self._send_pending()
         if self.experiment is not None and layout:
             try:
                 self.experiment.add_custom_scalars(layout)
@@ -321,6 +357,7 @@ class DiagWriter:
 
     def histogram(self, name: str, values: Any, step: int) -> None:
         """Write a histogram of a tensor or array (TensorBoard only)."""
+        self._send_pending()
         if self.experiment is not None:
             try:
                 self.experiment.add_histogram(name, values, global_step=self._step(step))
@@ -330,6 +367,7 @@ class DiagWriter:
     def histogram_raw(self, name: str, data: Any, step: int) -> None:
         """Write a histogram computed elsewhere (TensorBoard only): ``data`` has the fields of
         :class:`~lightning_diag.stats.histogram.HistogramData`."""
+        self._send_pending()
         if self.experiment is not None:
             try:
                 self.experiment.add_histogram_raw(
@@ -348,6 +386,7 @@ class DiagWriter:
 
     def image(self, name: str, image: Any, step: int, dataformats: str = "HWC") -> None:
         """Write an image, uint8 or float array (TensorBoard only)."""
+        self._send_pending()
         if self.experiment is not None:
             try:
                 self.experiment.add_image(name, image, global_step=self._step(step), dataformats=dataformats)
@@ -356,6 +395,7 @@ class DiagWriter:
 
     def flush(self) -> None:
         """Flush the TensorBoard writer and ``save()`` the other loggers (``CSVLogger`` writes its file)."""
+        self._send_pending()
         if self._event_file is not None and self._event_file.error is not None:
             self._drop_experiment(self._event_file.error)  # reported by the writer thread; stop feeding it
         if self.experiment is not None and hasattr(self.experiment, "flush"):
@@ -387,6 +427,7 @@ class DiagWriter:
     def _drop_experiment(self, err: BaseException) -> None:
         """Stop writing to the TensorBoard writer after a failure: reported once (naming its event file or folder),
         closed if the library opened it, never raised."""
+        self._pending = []
         experiment, self.experiment = self.experiment, None
         if experiment is None:
             return
@@ -494,5 +535,11 @@ def _tensorboard_scalars(experiment: Any, values: Mapping[str, float], step: int
         return
     from tensorboard.compat.proto.summary_pb2 import Summary
 
-    summary = Summary(value=[Summary.Value(tag=name, simple_value=float(v)) for name, v in values.items()])
-    experiment._get_file_writer().add_summary(summary, step)
+    experiment._get_file_writer().add_summary(Summary(value=_summary_values(values)), step)
+
+
+def _summary_values(values: Mapping[str, float]) -> list[Any]:
+    """One TensorBoard summary value per tag, as ``add_scalar`` writes it."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    return [Summary.Value(tag=name, simple_value=float(v)) for name, v in values.items()]

@@ -1,11 +1,13 @@
 """The device-side TensorBoard histogram against torch.utils.tensorboard's own (NumPy) computation."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
-from torch.utils.tensorboard.summary import make_histogram
+from torch.utils.tensorboard.summary import histogram, histogram_raw, make_histogram
 
-from lightning_diag.stats.histogram import default_edges, tensorboard_histogram
+from lightning_diag.stats.histogram import cpu_histogram, default_edges, tensorboard_histogram
 
 EDGES = np.array(default_edges(), dtype=float)
 
@@ -58,3 +60,39 @@ def test_chunks_add_up(monkeypatch):
 @pytest.mark.parametrize("bad", [torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")]), torch.zeros(0)])
 def test_nonfinite_or_empty_is_none(bad):
     assert tensorboard_histogram(bad) is None
+
+
+_F32 = torch.tensor(EDGES, dtype=torch.float64).float()
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        torch.randn(600, 600, generator=torch.Generator().manual_seed(3)) * 1e-3,  # a layer's gradient
+        torch.randn(5_000, generator=torch.Generator().manual_seed(4)) * 1e15,
+        torch.randn(1_000, generator=torch.Generator().manual_seed(5)) * 1e-13,  # inside the bucket around 0
+        _F32,  # float32 roundings of every edge, and the floats on either side of them: the straddling prefixes
+        torch.nextafter(_F32, torch.full_like(_F32, math.inf)),
+        torch.nextafter(_F32, torch.full_like(_F32, -math.inf)),
+        torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-12, -1e-12, 1e20, -1e20, 3e20, -3e20]),  # denormals, out of range
+        torch.tensor([1.0, math.nan, -math.inf, 2.0]),  # NumPy leaves NaN and infinities out of every bucket
+        torch.zeros(10),
+        torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(6)).transpose(0, 2),  # not contiguous
+    ],
+)
+def test_cpu_histogram_writes_what_add_histogram_writes(values):
+    """Byte for byte: the summary ``add_histogram`` builds against the one ``add_histogram_raw`` builds from
+    :func:`cpu_histogram`."""
+    ref = histogram("t", values, EDGES).SerializeToString()
+    got = cpu_histogram(values)
+    assert got is not None
+    raw = histogram_raw("t", got.min, got.max, got.num, got.sum, got.sum_squares, got.bucket_limits, got.bucket_counts)
+    assert raw.SerializeToString() == ref
+
+
+@pytest.mark.parametrize(
+    "values",
+    [torch.zeros(0), torch.ones(3).double(), torch.ones(3).half(), torch.tensor([math.nan, math.inf, 1e30])],
+)
+def test_cpu_histogram_leaves_other_tensors_to_add_histogram(values):
+    assert cpu_histogram(values) is None
