@@ -303,6 +303,7 @@ class GradBandRule(Rule):
                 starved matrix is compared with (``None``: every matrix of ``relative``).
         """
         exploding = {k: v for k, v in rms.items() if math.isfinite(v) and v > self.explode_threshold}
+        self.observe(max(rms.values(), default=math.nan), self.explode_threshold, rule=GRAD_EXPLODE)
         starved: dict[str, float] = {}
         rel = {k: v for k, v in (relative or {}).items() if math.isfinite(v)}
         if rel:
@@ -314,6 +315,10 @@ class GradBandRule(Rule):
         if rel and reference >= self.vanish_threshold:
             # during the warm-up only overwhelming evidence counts (OVERWHELMING past both thresholds)
             factor = OVERWHELMING if early else 1.0
+            self.observe(  # both bounds at once: the smaller excess decides
+                max((min(excess(v * factor, self.vanish_threshold, False), excess(v * self.relative * factor, reference, False)) for v in rel.values() if v > 0), default=math.nan),  # noqa: E501
+                1.0, rule=GRAD_VANISH,
+            )  # fmt: skip
             starved = {
                 k: v
                 for k, v in rel.items()
@@ -490,6 +495,7 @@ class GradSpreadRule(Rule):
             return []
         ratio, role, high, low = worst
         # during the warm-up only overwhelming evidence counts
+        self.observe(ratio, self.spread_ratio * (OVERWHELMING if early else 1.0))
         self.streak = self.streak + 1 if ratio > self.spread_ratio * (OVERWHELMING if early else 1.0) else 0
         if not self.latch.update("model", self.streak >= self.patience, excess(ratio, self.spread_ratio)):
             return []
@@ -612,6 +618,7 @@ class GradCollapseRule(Rule):
                 self.baseline = statistics.median(self.early)
             return []
         limit = self.collapse_ratio * self.baseline
+        self.observe(norm, limit, above=False)
         self.streak = self.streak + 1 if norm < limit else 0
         recent = statistics.mean(self.recent_losses) if self.recent_losses and loss is not None else None
         kind = self.verdict(recent)
