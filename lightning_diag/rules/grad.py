@@ -274,6 +274,23 @@ class GradBandRule(Rule):
             k: v for k, v in starved.items() if k not in self.updates or self.updates[k] * self.relative < reference
         }
 
+    def vanish_excess(
+        self, rel: Mapping[str, float], reference: float, factor: float, blocks: Collection[str] | None
+    ) -> float:
+        """How far the most starved matrix is past all of ``grad_vanish``'s bounds at once (the smallest of its
+        excesses past the absolute threshold, the gap to ``reference`` and, when known, the gap of its update to
+        the blocks' largest): above 1 on a measurement that counts toward the alarm; ``nan`` when none is known."""
+        top = max((v for k, v in self.updates.items() if blocks is None or k in blocks), default=0.0)
+        worst = math.nan
+        for k, v in rel.items():
+            x = excess(v * factor, self.vanish_threshold, False)
+            x = min(x, excess(v * self.relative * factor, reference, False))
+            if k in self.updates and top > 0:
+                x = min(x, excess(self.updates[k] * self.relative, top, False))
+            if x > worst or math.isnan(worst):
+                worst = x
+        return worst
+
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradBandRule:
         """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
@@ -315,10 +332,7 @@ class GradBandRule(Rule):
         if rel and reference >= self.vanish_threshold:
             # during the warm-up only overwhelming evidence counts (OVERWHELMING past both thresholds)
             factor = OVERWHELMING if early else 1.0
-            self.observe(  # both bounds at once: the smaller excess decides
-                max((min(excess(v * factor, self.vanish_threshold, False), excess(v * self.relative * factor, reference, False)) for v in rel.values() if v > 0), default=math.nan),  # noqa: E501
-                1.0, rule=GRAD_VANISH,
-            )  # fmt: skip
+            self.observe(self.vanish_excess(rel, reference, factor, blocks), 1.0, rule=GRAD_VANISH)
             starved = {
                 k: v
                 for k, v in rel.items()
