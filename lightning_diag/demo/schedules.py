@@ -125,53 +125,98 @@ SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
         Scenario(
-            "warm_restarts", "AdamW, CosineAnnealingWarmRestarts (T_0 2 epochs, T_mult 2)", "transformer", 14,
+            "warm_restarts",
+            "AdamW, CosineAnnealingWarmRestarts (T_0 2 epochs, T_mult 2)",
+            "transformer",
+            14,
             schedule="warm_restarts",
         ),
-        Scenario("one_cycle", "OneCycleLR over the whole run (peak 5e-3)", "transformer", 8, schedule="one_cycle",
-                 lr=5e-3),
         Scenario(
-            "step_decay", "SGD with momentum 0.9 at 0.05, x0.3 every 3 epochs (StepLR)", "gru", 10,
-            schedule="step_decay", optimizer="sgd", lr=0.05,
+            "one_cycle", "OneCycleLR over the whole run (peak 5e-3)", "transformer", 8, schedule="one_cycle", lr=5e-3
         ),
         Scenario(
-            "cyclic_lr", "CyclicLR, triangular between 1e-4 and 4e-3, a cycle every 4 epochs", "mlp", 12,
-            schedule="cyclic", lr=4e-3,
-        ),
-        Scenario("warmup_cosine", "30 warm-up steps then a cosine decay to 10% (the causal LM)", "causal_lm", 8,
-                 schedule="warmup_cosine"),
-        Scenario(
-            "curriculum", "from epoch 4 the training set adds as many sequences again, twice as long", "transformer",
-            10, curriculum_epoch=4,
-        ),
-        Scenario(
-            "unfreezing", "the head alone, then the encoder's last layer (epoch 2), then everything (epoch 4)",
-            "transformer", 8, unfreeze=((2, ("encoder.layers.1.",)), (4, ("embed", "pos", "encoder.layers.0."))),
+            "step_decay",
+            "SGD with momentum 0.9 at 0.05, x0.3 every 3 epochs (StepLR)",
+            "gru",
+            10,
+            schedule="step_decay",
+            optimizer="sgd",
+            lr=0.05,
         ),
         Scenario(
-            "batch_ramp", "the batch size doubles every epoch from 8 to 256 (1024 examples)", "mlp", 8, n_train=1024,
+            "cyclic_lr",
+            "CyclicLR, triangular between 1e-4 and 4e-3, a cycle every 4 epochs",
+            "mlp",
+            12,
+            schedule="cyclic",
+            lr=4e-3,
+        ),
+        Scenario(
+            "warmup_cosine",
+            "30 warm-up steps then a cosine decay to 10% (the causal LM)",
+            "causal_lm",
+            8,
+            schedule="warmup_cosine",
+        ),
+        Scenario(
+            "curriculum",
+            "from epoch 4 the training set adds as many sequences again, twice as long",
+            "transformer",
+            10,
+            curriculum_epoch=4,
+        ),
+        Scenario(
+            "unfreezing",
+            "the head alone, then the encoder's last layer (epoch 2), then everything (epoch 4)",
+            "transformer",
+            8,
+            unfreeze=((2, ("encoder.layers.1.",)), (4, ("embed", "pos", "encoder.layers.0."))),
+        ),
+        Scenario(
+            "batch_ramp",
+            "the batch size doubles every epoch from 8 to 256 (1024 examples)",
+            "mlp",
+            8,
+            n_train=1024,
             batch_sizes=(8, 16, 32, 64, 128, 256),
         ),
         Scenario("label_smoothing", "cross-entropy with label_smoothing=0.1", "transformer", 6, loss="label_smoothing"),
         Scenario(
-            "contrastive", "InfoNCE (temperature 0.2) between two noisy views of each input, batch 64", "mlp", 8,
-            batch_sizes=(64,), n_train=1024, loss="contrastive",
+            "contrastive",
+            "InfoNCE (temperature 0.2) between two noisy views of each input, batch 64",
+            "mlp",
+            8,
+            batch_sizes=(64,),
+            n_train=1024,
+            loss="contrastive",
         ),
         Scenario(
-            "distillation", "a GRU student: half cross-entropy, half KL to a rule-based teacher at temperature 2",
-            "gru", 6, loss="distillation",
+            "distillation",
+            "a GRU student: half cross-entropy, half KL to a rule-based teacher at temperature 2",
+            "gru",
+            6,
+            loss="distillation",
         ),
         Scenario(
-            "heavy_tailed", "MSE regression, target noise Student-t with 3 degrees of freedom (scale 0.3)", "mlp", 8,
-            n_train=1024, noise="student_t",
+            "heavy_tailed",
+            "MSE regression, target noise Student-t with 3 degrees of freedom (scale 0.3)",
+            "mlp",
+            8,
+            n_train=1024,
+            noise="student_t",
         ),
         Scenario(
-            "one_batch_epochs", "300 epochs of one batch of 32 each, drawn from 4096 examples (validated every 10)",
-            "mlp", 300, n_train=4096, limit_batches=1, val_every=10,
+            "one_batch_epochs",
+            "300 epochs of one batch of 32 each, drawn from 4096 examples (validated every 10)",
+            "mlp",
+            300,
+            n_train=4096,
+            limit_batches=1,
+            val_every=10,
         ),
         Scenario("swa", "StochasticWeightAveraging from 60% of the epochs at lr 3e-4", "transformer", 8, swa=True),
     )
-}  # fmt: skip
+}
 
 
 # ------------------------------------------------------------------------------------------------------- data
@@ -292,8 +337,9 @@ class ScenarioModule(pl.LightningModule):
                 return nn.functional.cross_entropy(logits, labels, label_smoothing=0.1)
             t = 2.0
             soft = nn.functional.log_softmax(_teacher_logits(tokens) / t, dim=1)
-            kl = nn.functional.kl_div(nn.functional.log_softmax(logits / t, dim=1), soft, log_target=True,
-                                      reduction="batchmean")  # fmt: skip
+            kl = nn.functional.kl_div(
+                nn.functional.log_softmax(logits / t, dim=1), soft, log_target=True, reduction="batchmean"
+            )
             return 0.5 * nn.functional.cross_entropy(logits, labels) + 0.5 * t * t * kl
         return self.net.compute_loss(batch)
 
@@ -338,8 +384,10 @@ class ScenarioModule(pl.LightningModule):
 
             sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         else:
-            raise ValueError(f"Expected `schedule` to be one of constant, warm_restarts, one_cycle, step_decay, "
-                             f"cyclic, warmup_cosine, but got {s.schedule!r}")  # fmt: skip
+            raise ValueError(
+                f"Expected `schedule` to be one of constant, warm_restarts, one_cycle, step_decay, "
+                f"cyclic, warmup_cosine, but got {s.schedule!r}"
+            )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
