@@ -43,11 +43,12 @@ _SECOND_SEED = (
     "healthy_gru",
     "healthy_dropout",
 )
-#: Opt-in callbacks attached to the healthy runs of the demo models (DataDiagnostics and SystemMonitor go on
-#: every healthy run; the probes on the seed-0 runs, where they cost a few validation passes each).
-PROBES = ("SharpnessProbe", "QuantizationProbe")
-#: RobustnessProbe perturbs token ids: only the models that read tokens get it.
-TOKEN_MODELS = ("transformer", "gru", "causal_lm")
+#: Opt-in probes attached to the healthy runs of the demo models at 16 steps an epoch and to the first seed of
+#: each schedule (DataDiagnostics and SystemMonitor go on every healthy run). RobustnessProbe is left out: every
+#: token task here is decided by exact tokens (the most frequent marker, the next number of a sequence), so a 5%
+#: typo changing the answer is the task, not a fragile model; ErrorAnalysis needs ``validation_step`` to return
+#: predictions, which no model here does.
+PROBES = ["SharpnessProbe", "QuantizationProbe"]
 #: The healthy families, in the order the docs describe them.
 FAMILIES = {
     "baselines": "the fault library's healthy baselines over epoch lengths, seeds and batch sizes",
@@ -137,9 +138,9 @@ def _length_settings(fault: Any, length: int, batch_size: int | None = None) -> 
 
 
 def _healthy_epochs(length: int) -> tuple[int, int]:
-    """``(max_epochs, val_every)`` of a healthy baseline at ``length`` steps an epoch: at least ~120 steps, at
-    most ~15 validations."""
-    epochs = {1: 120, 4: 30, 16: 8, 64: 3, 256: 2}.get(length, max(2, math.ceil(128 / length)))
+    """``(max_epochs, val_every)`` of a healthy baseline at ``length`` steps an epoch: at least 60 steps and 2
+    epochs, at most ~15 validations."""
+    epochs = {1: 60, 4: 20, 16: 8, 64: 3, 256: 2}.get(length, max(2, math.ceil(128 / length)))
     return epochs, max(1, epochs // 15)
 
 
@@ -182,8 +183,8 @@ def _healthy_baselines(subset: str) -> list[RunSpec]:
                     continue
                 epochs, val_every = _healthy_epochs(length)
                 optin = ["DataDiagnostics", "SystemMonitor"]
-                if seed == 0 and subset != "ci":
-                    optin += [*PROBES, *(["RobustnessProbe"] if fault.model in TOKEN_MODELS else [])]
+                if seed == 0 and subset != "ci" and length == 16:
+                    optin += PROBES
                 optin = [c for c in optin if c not in {n for n, _ in fault.callbacks}]
                 specs.append(
                     RunSpec(
@@ -301,7 +302,7 @@ def _corpus_runs(subset: str) -> list[RunSpec]:
             continue
         if subset == "ci":
             continue
-        for seed in (0, 1):
+        for seed in (0,):
             specs.append(
                 RunSpec(
                     f"corpus:{entry.name}:s{seed}",
@@ -350,7 +351,7 @@ def _schedule_runs(subset: str) -> list[RunSpec]:
         for seed in (0,) if subset == "ci" else (0, 1, 2, 3):
             optin = ["DataDiagnostics", "SystemMonitor"]
             if seed == 0 and subset != "ci":
-                optin += [*PROBES, *(["RobustnessProbe"] if scenario.model in TOKEN_MODELS else [])]
+                optin += PROBES
             specs.append(
                 RunSpec(
                     f"schedule:{scenario.name}:s{seed}",
