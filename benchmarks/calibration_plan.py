@@ -124,13 +124,13 @@ def _length_settings(fault: Any, length: int, batch_size: int | None = None) -> 
     cannot have them).
 
     A fault whose training set is small by design (its ``data`` sets ``n_train``: memorisation, the swing's 512
-    samples) keeps it and divides it into ``length`` batches. The others keep their batch size and draw
+    samples) keeps it and divides it into ``length`` batches (of at least 2 samples). The others keep their batch size and draw
     ``length`` batches an epoch (``limit_train_batches``) from a set of at least ``length`` batches.
     """
     n_default, bs_default = _data_defaults(fault.model)
     if "n_train" in fault.data:
         n = int(fault.data["n_train"])
-        if n % length or n // length < 1:
+        if n % length or n // length < 2:  # batches of one sample: another fault
             return None
         return {"n_train": n, "batch_size": n // length, "limit_batches": None}
     bs = batch_size or int(fault.data.get("batch_size", bs_default))
