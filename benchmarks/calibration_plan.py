@@ -124,8 +124,9 @@ def _length_settings(fault: Any, length: int, batch_size: int | None = None) -> 
     cannot have them).
 
     A fault whose training set is small by design (its ``data`` sets ``n_train``: memorisation, the swing's 512
-    samples) keeps it and divides it into ``length`` batches (of at least 2 samples). The others keep their batch size and draw
-    ``length`` batches an epoch (``limit_train_batches``) from a set of at least ``length`` batches.
+    samples) keeps it and divides it into ``length`` batches (of at least 2 samples). The others keep their
+    batch size and draw ``length`` batches an epoch (``limit_train_batches``) from a set of at least ``length``
+    batches.
     """
     n_default, bs_default = _data_defaults(fault.model)
     if "n_train" in fault.data:
