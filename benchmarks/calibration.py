@@ -377,6 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--write", default=None, help="markdown page to write the section into")
     parser.add_argument("--json", default=None, help="file to write the JSON summary to")
     parser.add_argument("--only", default=None, help="comma-separated texts: run only the runs whose key has one")
+    parser.add_argument("--first", type=int, default=None, help="run only the first N runs (priority order)")
     parser.add_argument(
         "--render-only", action="store_true", help="tabulate the cached records without running the missing runs"
     )
@@ -388,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.only:
         parts = [p for p in args.only.split(",") if p]
         specs = [s for s in specs if any(p in s.key for p in parts)]
+    if args.first is not None:
+        specs = specs[: args.first]
     cache = args.cache or os.path.join("diag_runs", "calibration", f"{args.subset}.jsonl")
     if args.render_only:
         cached = load_cache(cache)
