@@ -405,16 +405,24 @@ def plan(subset: str = "full") -> list[RunSpec]:
 # --------------------------------------------------------------------------------------------- execution
 
 
-def _callbacks(names: list[str]) -> list[Any]:
-    """The named callbacks, built with their defaults, without duplicate classes."""
+def _callbacks(names: list[str], model: str) -> list[Any]:
+    """The named callbacks, without duplicate classes, built with their defaults, except where the fault library
+    declares settings for ``model``'s data (its language-model task repeats its training sequences in validation
+    by construction: ``data_leakage`` counts exact copies only there)."""
     import lightning_diag
+    from lightning_diag.demo.faults import FAULTS
 
+    declared: dict[str, dict[str, Any]] = {}
+    for fault in FAULTS.values():
+        if fault.model == model:
+            for name, kwargs in fault.callbacks:
+                declared.setdefault(name, kwargs)
     seen: set[str] = set()
     out = []
     for name in names:
         if name not in seen:
             seen.add(name)
-            out.append(getattr(lightning_diag, name)())
+            out.append(getattr(lightning_diag, name)(**declared.get(name, {})))
     return out
 
 
@@ -455,7 +463,7 @@ def _run_fault(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
         data_kwargs["n_train"] = spec.n_train
     data = DATA_MODULES[config.model](seed=spec.seed, **data_kwargs)
     model = build_model(config)
-    cbs = [*default_callbacks(), *_entry_callbacks(fault.callbacks), *_callbacks(list(spec.optin))]
+    cbs = [*default_callbacks(), *_entry_callbacks(fault.callbacks), *_callbacks(list(spec.optin), fault.model)]
     kwargs = {
         **_trainer_base(root),
         "deterministic": True,
@@ -499,7 +507,8 @@ def _run_corpus(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
         **data_kwargs,
     )
     model = CorpusModule(entry, seed=spec.seed)
-    cbs = [*default_callbacks(), *_entry_callbacks(entry.callbacks), *_callbacks(list(spec.optin))]
+    model_shape = {"lm": "causal_lm", "classify": "transformer"}.get(ARCHITECTURES[entry.arch], entry.arch)
+    cbs = [*default_callbacks(), *_entry_callbacks(entry.callbacks), *_callbacks(list(spec.optin), model_shape)]
     pl.seed_everything(spec.seed, verbose=False)
     kwargs = {
         **_trainer_base(root),
@@ -515,9 +524,9 @@ def _run_corpus(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
 
 def _run_schedule(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
     from lightning_diag.demo.run import default_callbacks
-    from lightning_diag.demo.schedules import run_scenario
+    from lightning_diag.demo.schedules import SCENARIOS, run_scenario
 
-    cbs = [*default_callbacks(), *_callbacks(list(spec.optin))]
+    cbs = [*default_callbacks(), *_callbacks(list(spec.optin), SCENARIOS[spec.name].model)]
     result = run_scenario(spec.name, cbs, root=root, seed=spec.seed)
     return result.callbacks, result
 
