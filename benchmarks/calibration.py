@@ -347,12 +347,47 @@ def section(
         owners.setdefault(ALL_RULES[row["rule"]], []).append(row)
     for owner, owned in owners.items():
         lines += [f"### {owner}", "", render(owned, thresholds), ""]
+    lines += findings(records, rules, thresholds)
     if info["crashed"]:
         lines += ["Runs that raised (left out of the tables):", ""]
         lines += [f"- `{k}`: {v}" for k, v in info["crashed"].items()]
         lines.append("")
     lines.append(END)
     return "\n".join(lines)
+
+
+def findings(
+    records: Sequence[Mapping[str, Any]], rules: Sequence[str], thresholds: Mapping[str, float | None]
+) -> list[str]:
+    """The false alarms (each: the run, the step, the alert's value against the threshold, the rule's peak on the
+    run) and the faults missed, one line each, for the page."""
+    lines: list[str] = []
+    wanted = set(rules)
+    for r in records:
+        if "error" in r or r["spec"]["expected"]:
+            continue
+        for a in serious(r):
+            if a["rule"] not in wanted:
+                continue
+            value = "" if a.get("value") is None else f", value {a['value']:.4g}"
+            thr = thresholds.get(a["rule"])
+            peak = r.get("peaks", {}).get(a["rule"])
+            lines.append(
+                f"- false alarm: `{a['rule']}` on `{r['spec']['key']}` at step {a['step']} (epoch {a['epoch']})"
+                + value
+                + ("" if thr is None else f" against {thr:g}")
+                + ("" if peak is None else f"; peak excess on the run {peak:.3g}")
+            )
+    for r in records:
+        if "error" in r:
+            continue
+        for rule in r["spec"]["expected"]:
+            if rule in wanted and first_alert(r, rule) is None:
+                fired = sorted({a["rule"] for a in serious(r)})
+                lines.append(
+                    f"- missed: `{rule}` on `{r['spec']['key']}` (fired instead: {', '.join(fired) or 'nothing'})"
+                )
+    return ["Every false alarm and every missed fault:", "", *lines, ""] if lines else []
 
 
 def write_page(path: str, text: str) -> None:
