@@ -159,6 +159,13 @@ def twin_of(name: str) -> str:
     return min(same, key=lambda f: len(f.config) + len(f.data) + len(f.trainer) + len(f.callbacks)).name
 
 
+def _has_threshold(rules: tuple[str, ...]) -> bool:
+    """Whether any of ``rules`` has a documented threshold (the registry's default is a number)."""
+    from lightning_diag.core.registry import RULES
+
+    return any(RULES[r].threshold is not None for r in rules)
+
+
 def _onset_keys(switches: dict[str, Any], onset: int | None) -> list[str]:
     """The fault switches that set the onset step (``*_at_step`` / ``*_from`` equal to the onset)."""
     if onset is None:
@@ -245,6 +252,8 @@ def _fault_runs(subset: str) -> list[RunSpec]:
                 )
             )
         for length in (16,) if subset == "ci" else EPOCH_LENGTHS:
+            if not _has_threshold(fault.expected_rules):
+                continue  # an event judged where it happens (a NaN, a frozen layer): no threshold to hold
             if fault.onset_epoch is not None and length == 1:
                 continue  # an epoch fault over one-step epochs: the healthy one-batch epochs are the check there
             settings = _length_settings(fault, length)
