@@ -378,10 +378,11 @@ def _schedule_runs(subset: str) -> list[RunSpec]:
 def priority(spec: RunSpec) -> int:
     """The order runs start in, so that a set cut short still has each fault and each healthy family: the faults
     at their own settings (0), the healthy runs at 16 steps an epoch or at their own settings (1), the
-    per-epoch-length runs (2), the foreign corpus (3), the other seeds and onsets (4)."""
-    if spec.seed > 0 or "onset" in spec.key:
+    per-epoch-length runs (2), the foreign corpus and the healthy runs' other seeds (3), the faults' other seeds
+    and onsets (4)."""
+    if spec.expected and (spec.seed > 0 or "onset" in spec.key):
         return 4
-    if spec.kind == "foreign":
+    if spec.kind == "foreign" or spec.seed > 0:
         return 3
     if spec.expected and spec.epoch_len is None:
         return 0
