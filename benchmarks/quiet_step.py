@@ -117,9 +117,9 @@ CALLBACKS: dict[str, Callable[[], pl.Callback]] = {
     "NoOp": NoOp,
     "NoOpPass": NoOpPass,
 }
-#: Per-batch work a callback does outside its hooks, timed like them: SystemMonitor closes each batch after the
-#: last callback's ``on_train_batch_end`` (and picks the next batch to time).
-EXTRA: dict[str, tuple[str, ...]] = {"SystemMonitor": ("_close_batch", "_next_batch")}
+#: Per-batch work a callback does outside its hooks, timed like them (none since issue 43: SystemMonitor closes each
+#: batch, and picks the next batch to time, inside its own ``on_train_batch_end``, which is timed as a hook).
+EXTRA: dict[str, tuple[str, ...]] = {}
 
 
 class _Ops(TorchDispatchMode):

@@ -36,6 +36,7 @@ _LAZY: dict[str, str] = {
     "RobustnessProbe": "lightning_diag.callbacks.robustness_probe",
     "SharpnessProbe": "lightning_diag.callbacks.sharpness_probe",
     "SystemMonitor": "lightning_diag.callbacks.system_monitor",
+    "SystemProfiler": "lightning_diag.callbacks.system_monitor",
 }
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "Severity",
     "SharpnessProbe",
     "SystemMonitor",
+    "SystemProfiler",
     "__version__",
     "attention_requested",
     "read_alerts",
@@ -68,7 +70,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from lightning_diag.callbacks.quantization_probe import QuantizationProbe
     from lightning_diag.callbacks.robustness_probe import RobustnessProbe
     from lightning_diag.callbacks.sharpness_probe import SharpnessProbe
-    from lightning_diag.callbacks.system_monitor import SystemMonitor
+    from lightning_diag.callbacks.system_monitor import SystemMonitor, SystemProfiler
     from lightning_diag.core.alerts import Alert, AlertLog, Severity, read_alerts
     from lightning_diag.instrument.attention_record import attention_requested, record_attention, record_hf_attentions
 

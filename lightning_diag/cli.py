@@ -67,9 +67,11 @@ def _parser(fault_names: Sequence[str] | None = None) -> argparse.ArgumentParser
     report = sub.add_parser(
         "report",
         help="the diagnosis checklist and alert timeline of every run under a log directory",
-        description="Read the TensorBoard event files and diag/alerts.jsonl of every run under LOGDIR and print "
-        "the layered diagnosis checklist (pass / fail / not measured, measured value beside threshold) and the "
-        "alert timeline. html, and any format with --out, also draws PNG plots (needs matplotlib).",
+        description="Read the TensorBoard event files, CSVLogger metrics.csv and diag/alerts.jsonl of every run "
+        "under LOGDIR and print the layered diagnosis checklist (pass / fail / not measured, measured value beside "
+        "threshold) and the alert timeline; several runs also get one summary line each, the worst first (in md "
+        "the summary alone unless --details). A run trained without lightning_diag callbacks is judged on its own "
+        "logged losses. html, and any format with --out, also draws PNG plots (needs matplotlib).",
     )
     report.add_argument("logdir", metavar="LOGDIR", help="a run's log directory, or a directory of runs")
     report.add_argument("--format", default="md", choices=["md", "json", "html"], help="output format (default: md)")
@@ -81,6 +83,20 @@ def _parser(fault_names: Sequence[str] | None = None) -> argparse.ArgumentParser
         default="never",
         choices=["never", "warning", "critical"],
         help="exit 1 when a run has an alert or a FAIL row at this level or above, for CI (default: never)",
+    )
+    report.add_argument(
+        "--map",
+        action="append",
+        default=[],
+        metavar="ROLE=TAG",
+        help="for runs without lightning_diag callbacks: the logged tag that is ROLE, overriding the automatic "
+        "choice; ROLE is train_loss, train_loss_epoch, val_loss, lr or epoch (repeat for several), e.g. "
+        "--map val_loss=valid/nll",
+    )
+    report.add_argument(
+        "--details",
+        action="store_true",
+        help="with several runs in md, print every run's checklist before the summary (default: the summary only)",
     )
     compare = sub.add_parser(
         "compare",
@@ -140,7 +156,7 @@ def _repro(config: str, fraction: float) -> int:
     except ConfigError as err:
         _say("repro", str(err))
         return 2
-    return _report(log_dir, "md", None)
+    return _report(log_dir, "md", None, details=True)
 
 
 class _Progress:
@@ -166,9 +182,22 @@ class _Progress:
             self.shown = False
 
 
-def _report(logdir: str, fmt: str, out: str | None, fail_on: str = "never") -> int:
+def _report(
+    logdir: str,
+    fmt: str,
+    out: str | None,
+    fail_on: str = "never",
+    maps: Sequence[str] = (),
+    details: bool = False,
+) -> int:
     from lightning_diag.report import NoDiagnosticsError, RunReport, gate, iter_reports, render_stream
+    from lightning_diag.report.tag_map import parse_overrides
 
+    try:
+        mapping = parse_overrides(maps)
+    except ValueError as err:
+        _say("report", str(err))
+        return 2
     if not os.path.isdir(logdir):
         what = "not a directory" if os.path.exists(logdir) else "does not exist"
         _say("report", f"LOGDIR {display(logdir)}: {what}")
@@ -193,12 +222,12 @@ def _report(logdir: str, fmt: str, out: str | None, fail_on: str = "never") -> i
     def reports() -> Iterator[RunReport]:
         # One run at a time: gated, its plot note printed once, then rendered and dropped.
         nonlocal plots, noted
-        for rep in iter_reports(logdir, plot_dir=plot_dir, progress=progress):
+        for rep in iter_reports(logdir, plot_dir=plot_dir, progress=progress, mapping=mapping):
             if rep.plot_note and not noted:
                 progress.done()
                 _say("report", rep.plot_note)
                 noted = True
-            failures.extend(f"{display(rep.run.path)}: {why}" for why in gate(rep, fail_on))  # type: ignore[arg-type]
+            failures.extend(f"{rep.run.name}: {why}" for why in gate(rep, fail_on))  # type: ignore[arg-type]
             problems.extend(rep.run.problems)
             plots += len(rep.plots)
             yield rep
@@ -207,7 +236,12 @@ def _report(logdir: str, fmt: str, out: str | None, fail_on: str = "never") -> i
         try:
             runs = reports()
             first = next(runs)  # nothing is written before a run with diagnostics is found
-            chunks = render_stream(itertools.chain([first], runs), fmt, plot_base=out_dir)  # type: ignore[arg-type]
+            chunks = render_stream(
+                itertools.chain([first], runs),
+                fmt,  # type: ignore[arg-type]
+                plot_base=out_dir,
+                details=details,
+            )
             if out_dir is None:
                 _print_chunks(chunks)
             else:
@@ -322,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(result.summary())
         return 0
     if args.command == "report":
-        return _report(args.logdir, args.format, args.out, args.fail_on)
+        return _report(args.logdir, args.format, args.out, args.fail_on, args.map, args.details)
     if args.command == "compare":
         return _compare(args.runs, args.format)
     if args.command == "repro":

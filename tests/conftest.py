@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 # Where a run without `default_root_dir` (or with `logger=False` and no root) would write: never from a test.
 STRAY_DIRS = ("diag", "diag_runs", "lightning_logs")
@@ -12,6 +14,15 @@ STRAY_DIRS = ("diag", "diag_runs", "lightning_logs")
 def _stray_files():
     bases = {ROOT, Path.cwd()}
     return {str(p) for base in bases for name in STRAY_DIRS if (base / name).is_dir() for p in (base / name).rglob("*")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_left():
+    """At the end of the session, fail if a process the suite launched (tests/launch.py) is still alive; kill it."""
+    yield
+    left = launch.leftovers()
+    launch.kill_all()
+    assert not left, f"processes launched by the suite still alive at its end ({{group: pids}}): {left}"
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "browser_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -19,7 +21,8 @@ IN_CI = os.environ.get("CI") == "true"
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=500)
+    # Chromium starts a tree of processes: launch.run kills the whole group if the check times out or fails
+    return launch.run([sys.executable, str(SCRIPT), *args], env=env, timeout=500)
 
 
 def test_dashboard_renders_in_chromium(nan_run, tmp_path):

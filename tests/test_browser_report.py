@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "browser_check_report.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -18,7 +20,8 @@ CHROMIUM = find_chromium()
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=500)
+    # Chromium starts a tree of processes: launch.run kills the whole group if the check times out or fails
+    return launch.run([sys.executable, str(SCRIPT), *args], env=env, timeout=500)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium, or set $CHROMIUM)")

@@ -37,3 +37,19 @@ def test_bad_max_epochs(capsys):
 def test_python_dash_m_help():
     out = subprocess.run([sys.executable, "-m", "lightning_diag", "demo", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--fault" in out.stdout
+
+
+def test_report_help_names_the_mapping_roles_and_details(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["report", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert done.value.code == 0
+    assert "--map ROLE=TAG" in out and "train_loss, train_loss_epoch, val_loss, lr or epoch" in out
+    assert "--details" in out and "without lightning_diag callbacks" in out
+
+
+def test_report_map_is_checked_before_the_folder_is_read(tmp_path, capsys):
+    # a bad --map is bad input (exit 2, one line) even where the folder holds nothing to report
+    assert main(["report", str(tmp_path), "--map", "nll"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["lightning-diag report: --map 'nll': expected ROLE=TAG, for example --map val_loss=valid/nll"]

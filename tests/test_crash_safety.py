@@ -4,7 +4,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_diag import Alert
+from tests import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = [f.name for f in dataclasses.fields(Alert)]
@@ -73,10 +73,7 @@ def test_sigkill_leaves_only_whole_alert_lines(tmp_path):
     script.write_text(SCRIPT)
     log = tmp_path / "diag" / "alerts.jsonl"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
+    with launch.started([sys.executable, str(script), str(tmp_path)], env=env, capture=False) as proc:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
             if log.exists() and log.stat().st_size > 64_000:  # well past the first batches, mid-stream
@@ -86,10 +83,6 @@ def test_sigkill_leaves_only_whole_alert_lines(tmp_path):
         assert log.exists(), "no alert was written within the time limit"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == -signal.SIGKILL
     data = log.read_bytes()
     assert data.endswith(b"\n")  # no torn last line

@@ -146,19 +146,24 @@ def test_several_runs_are_reported_one_after_another(nan_run, tmp_path, capsys):
     root = tmp_path / "runs"
     shutil.copytree(nan_run.log_dir, root / "nan" / "version_0")  # <root>/nan/version_0
     _write_run(root / "other" / "version_0", {"diag/grad_norm/total": [1.0, 0.5], "diag/grad_norm/fc": [1.0, 0.5]})
-    assert main(["report", str(root)]) == 0
+    assert main(["report", str(root), "--details"]) == 0
     out = capsys.readouterr().out
     sections = [line for line in out.splitlines() if line.startswith("## Run")]
     assert len(sections) == 2 and "nan/version_0" in sections[0] and "other/version_0" in sections[1]
+    assert main(["report", str(root)]) == 0  # without --details: one summary line per run, the worst first
+    out = capsys.readouterr().out
+    assert "## Run" not in out
+    rows = [line for line in out.splitlines() if line.startswith(("| FAIL", "| ok"))]
+    assert len(rows) == 2 and rows[0].startswith("| FAIL (critical) |") and "nan/version_0" in rows[0]
 
 
 def test_no_diagnostics_is_a_clear_error(tmp_path, capsys):
     writer = SummaryWriter(str(tmp_path / "plain"))
-    writer.add_scalar("train_loss", 1.0, 0)
+    writer.add_scalar("accuracy", 1.0, 0)  # no diag/ tag and no loss (a logged loss is a plain run, judged)
     writer.close()
     assert main(["report", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "no lightning_diag diagnostics" in err and "Traceback" not in err
+    assert "no lightning_diag diagnostics and no logged loss" in err and "Traceback" not in err
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

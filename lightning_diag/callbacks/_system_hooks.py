@@ -1,5 +1,7 @@
-"""How SystemMonitor times the trainer without private attributes: hook timers around every callback's hooks,
-a wrapper that closes each step at its ``on_train_batch_end`` boundary, and a timer around checkpoint saving."""
+"""How SystemMonitor times the diagnostics' own hooks: timers on the lightning_diag callbacks' instances (their
+hooks, and the attention recorders they create). Nothing else is wrapped: no Lightning object, no user callback,
+no class (the trainer's checkpointing and logging are timed through Lightning's profiler interface,
+:mod:`lightning_diag.callbacks._system_profiler`)."""
 
 from __future__ import annotations
 
@@ -15,17 +17,12 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from lightning_diag.callbacks.batch_hooks import EVERY_BATCH
-
 __all__ = [
     "BATCH_HOOKS",
+    "RECORDER_TIMING",
     "TOTAL",
     "HookTimer",
     "Taken",
-    "time_save_checkpoint",
-    "untime_save_checkpoint",
-    "unwrap_batch_end",
-    "wrap_batch_end",
 ]
 
 
@@ -55,7 +52,9 @@ STEP_HOOKS = frozenset(TIMED_HOOKS[:8])
 #: The hooks Lightning calls once per training batch: timed on sampled batches only (:class:`HookTimer`).
 BATCH_HOOKS = frozenset(TIMED_HOOKS[:6])
 
-_RECORDER_METHODS = ("add", "add_probabilities", "mha_pre_hook")
+#: The attribute of a callback that creates attention recorders: a function that wraps a recorder's method in a
+#: timer (:meth:`HookTimer.attach` sets it on the instance, :meth:`HookTimer.detach` removes it).
+RECORDER_TIMING = "recorder_timing"
 #: The most one wrapper call's own time outside its window counts (a call the scheduler interrupted is not the
 #: timing's cost).
 OUTSIDE_CAP_S = 50e-6
@@ -114,9 +113,12 @@ def _estimate(own: list[float], pool: list[float], quiet: int) -> tuple[float, f
 class HookTimer:
     """Time spent inside the hooks of given callbacks, and in the attention recorder, by name.
 
-    :meth:`attach` puts a timing wrapper on each instance (an instance attribute shadowing the class's hook, so
-    Lightning's ``getattr(callback, hook)`` finds it) and on the methods of
-    :class:`~lightning_diag.instrument.attention_record.AttentionRecorder`; :meth:`detach` removes them all.
+    :meth:`attach` puts a timing wrapper on each lightning_diag callback instance (an instance attribute shadowing
+    the class's hook, so Lightning's ``getattr(callback, hook)`` finds it; only on
+    :class:`~lightning_diag.callbacks.base.DiagCallback` instances, whose hook attributes their base class manages)
+    and hands the callbacks that create attention recorders a wrapper for the recorders' methods (on each recorder
+    instance, :class:`~lightning_diag.instrument.attention_record.AttentionRecorder`'s ``timed``); :meth:`detach`
+    removes them all. No class is changed: two trainers in one process have timers of their own.
     Nested calls (a recorder call inside a callback's hook) count once, for the innermost owner only.
 
     Reading ``clock`` is what timing costs, so the per-batch hooks (:data:`BATCH_HOOKS` and the recorder) are
@@ -175,7 +177,6 @@ class HookTimer:
         #: (where a first touch after the step's compute costs several times the calibration's warm loop).
         self.outside = 0.0
         self._wrapped: list[tuple[Any, str]] = []
-        self._recorder_patch: dict[str, Any] = {}
         self._stack: list[list[float]] = []
         self._current: dict[str, float] = {}
         self._samples: list[dict[str, float]] = []
@@ -313,9 +314,14 @@ class HookTimer:
             for name, value in walls.items():
                 self.seconds[name] = self.seconds.get(name, 0.0) + value * hooks / total
 
-    def attach(self, callbacks: Iterable[pl.Callback], recorder: bool = True) -> list[str]:
-        """Wrap the overridden hooks of ``callbacks``; returns the names they are counted under."""
+    def attach(
+        self, callbacks: Iterable[pl.Callback], recorder: bool = True, skip: Iterable[tuple[Any, str]] = ()
+    ) -> list[str]:
+        """Wrap the overridden hooks of ``callbacks`` (but the ``(callback, hook)`` pairs in ``skip``), and hand
+        the callbacks that create attention recorders (an attribute :data:`RECORDER_TIMING`) the recorders' timer;
+        returns the names they are counted under."""
         names: list[str] = []
+        skipped = {(id(cb), hook) for cb, hook in skip}
         for cb in callbacks:
             base = type(cb).__name__
             name, n = base, 2
@@ -325,46 +331,26 @@ class HookTimer:
             self.seconds.setdefault(name, 0.0)
             for hook in TIMED_HOOKS:
                 impl = getattr(type(cb), hook, None)
-                if impl is None or impl is getattr(pl.Callback, hook) or hook in vars(cb):
+                if impl is None or impl is getattr(pl.Callback, hook) or hook in vars(cb) or (id(cb), hook) in skipped:
                     continue
                 wrapped = self.timed(name, getattr(cb, hook), step=hook in STEP_HOOKS, batch=hook in BATCH_HOOKS)
                 setattr(cb, hook, wrapped)
                 self._wrapped.append((cb, hook))
-        if recorder:
-            self._patch_recorder()
+            if recorder and hasattr(cb, RECORDER_TIMING):
+                self.seconds.setdefault(self.RECORDER, 0.0)
+                setattr(cb, RECORDER_TIMING, self.recorder_timed)
+                self._wrapped.append((cb, RECORDER_TIMING))
         return names
 
-    def _patch_recorder(self) -> None:
-        from lightning_diag.instrument.attention_record import AttentionRecorder
-
-        self.seconds.setdefault(self.RECORDER, 0.0)
-        for method in _RECORDER_METHODS:
-            original = vars(AttentionRecorder).get(method)
-            if original is None or getattr(original, "_diag_timed", False):
-                continue
-            self._recorder_patch[method] = original
-            if method == "mha_pre_hook":
-
-                def make_hook(rec: Any, name: str, _orig: Any = original, _timed: Any = self.timed) -> Any:
-                    return _timed(HookTimer.RECORDER, _orig(rec, name), step=True, batch=True)
-
-                patched: Any = make_hook
-            else:
-                patched = self.timed(self.RECORDER, original, step=True, batch=True)
-            patched._diag_timed = True
-            setattr(AttentionRecorder, method, patched)
+    def recorder_timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (an attention recorder's method) timed under :attr:`RECORDER`, as a per-batch step hook."""
+        return self.timed(self.RECORDER, fn, step=True, batch=True)
 
     def detach(self) -> None:
         """Remove every wrapper."""
-        for cb, hook in self._wrapped:
-            vars(cb).pop(hook, None)
+        for cb, attr in self._wrapped:
+            vars(cb).pop(attr, None)
         self._wrapped = []
-        if self._recorder_patch:
-            from lightning_diag.instrument.attention_record import AttentionRecorder
-
-            for method, original in self._recorder_patch.items():
-                setattr(AttentionRecorder, method, original)
-            self._recorder_patch = {}
 
     def take(self) -> Taken:
         """The seconds since the last call by name, the quiet batches extrapolated (:class:`Taken`); then start
@@ -426,67 +412,3 @@ class HookTimer:
         self.in_window = max(0.0, statistics.median(in_window))
         self.per_call = max(0.0, statistics.median(per_call))
         self.per_skip = max(0.0, statistics.median(per_skip))
-
-
-# -- the trainer's step boundary and checkpoint saving --------------------------------------------------------
-def wrap_batch_end(trainer: pl.Trainer, close: Callable[[pl.Trainer], None]) -> tuple[Any, Any]:
-    """Call ``close(trainer)`` after the last callback's ``on_train_batch_end``; returns the handle for
-    :func:`unwrap_batch_end`.
-
-    Lightning runs the callbacks' hooks in list order, so the time other callbacks spend there is the step's,
-    not data waiting.
-    """
-    last = trainer.callbacks[-1]  # type: ignore[attr-defined]
-    previous = vars(last).get("on_train_batch_end")
-    inner = last.on_train_batch_end
-
-    def on_train_batch_end(trainer: pl.Trainer, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return inner(trainer, *args, **kwargs)
-        finally:
-            close(trainer)
-
-    # it must run on every batch, also when the last callback switches its batch hooks off on quiet batches
-    setattr(on_train_batch_end, EVERY_BATCH, True)
-    last.on_train_batch_end = on_train_batch_end
-    return last, previous
-
-
-def unwrap_batch_end(boundary: tuple[Any, Any] | None) -> None:
-    """Undo :func:`wrap_batch_end` (``None``: nothing to undo)."""
-    if boundary is not None:
-        last, previous = boundary
-        if previous is None:
-            vars(last).pop("on_train_batch_end", None)
-        else:
-            last.on_train_batch_end = previous
-
-
-def time_save_checkpoint(
-    trainer: pl.Trainer, add: Callable[[float], None], wall: Callable[[], float] = time.perf_counter
-) -> Callable[..., Any] | None:
-    """Pass the seconds of every ``trainer.save_checkpoint`` call to ``add``.
-
-    The timer is an instance attribute of the trainer; it returns it (for :func:`untime_save_checkpoint`), or
-    ``None`` when the trainer's ``save_checkpoint`` is already replaced on the instance by someone else, which is
-    then left as it is.
-    """
-    if "save_checkpoint" in vars(trainer):
-        return None
-    original = trainer.save_checkpoint
-
-    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        start = wall()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            add(wall() - start)
-
-    trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
-    return save_checkpoint
-
-
-def untime_save_checkpoint(trainer: pl.Trainer, timer: Callable[..., Any] | None) -> None:
-    """Remove the timer :func:`time_save_checkpoint` installed, and nothing else."""
-    if timer is not None and vars(trainer).get("save_checkpoint") is timer:
-        del vars(trainer)["save_checkpoint"]

@@ -33,9 +33,11 @@ class Interval:
         wall: Wall seconds since the previous interval.
         diagnostics: Per step, the wall seconds spent in the lightning_diag callbacks' step hooks (their cost,
             not the training's: left out of the step times the step-time rules judge).
-        logging: Per step, the wall seconds the trainer's loggers spent writing outside the diagnostics' hooks
-            before its batch (Lightning's own logging, left out of the step's data waiting) or inside it (a
-            callback's hook writing to a logger, left in the step).
+        logging: Per step, the wall seconds of scheduled work between its batch and the previous one, left out of
+            the step's data waiting: the lightning_diag callbacks' hooks that ran there (after ``SystemMonitor``'s
+            end of the batch, or before its start), and with
+            :class:`~lightning_diag.callbacks._system_profiler.SystemProfiler` everything Lightning did there
+            but fetch the batch (its loggers' writes, the other callbacks' hooks).
     """
 
     steps: list[Step]
@@ -63,7 +65,9 @@ class StepRecorder:
         self.clock = clock
         self._prev_end: float | None = None
         self._outside = 0.0  # validation + checkpoint seconds since the last batch end
-        self._logging = 0.0  # the loggers' writing since the last batch end (or inside the batch)
+        self._logging = 0.0  # scheduled work since the last batch end (the diagnostics' hooks)
+        self._fetched: float | None = None  # the profiler's batch fetching since the last batch end (None: unknown)
+        self._ckpt_mark: float | None = None  # SystemMonitor's on_save_checkpoint, without the profiler
         self._after_validation = False
         self._first_of_run = False
         self._epoch_start = False
@@ -97,12 +101,19 @@ class StepRecorder:
     def batch_start(self, global_step: int, batch: Any) -> None:
         """Close the data wait; mark the start of the batch's compute; count its samples and tokens."""
         now = self.time_source.wall()
+        self._settle_checkpoint(now)
         if self._prev_end is None:
             self._first_of_run = True  # no previous batch end: the wait is unknown, the step is left out
         else:
-            self._cur_wait += max(0.0, now - self._prev_end - self._outside - self._logging)
+            rest = max(0.0, now - self._prev_end - self._outside - self._logging)
+            if self._fetched is not None:  # the profiler said how long the fetch took: the rest is scheduled work
+                wait = min(rest, self._fetched)
+                self._logging += rest - wait
+                rest = wait
+            self._cur_wait += rest
             self._cur_logging += self._logging
         self._outside = self._logging = 0.0
+        self._fetched = None
         if self._step_at_start < 0:
             self._step_at_start = global_step
         size, tokens = batch_size_and_tokens(batch)
@@ -127,6 +138,8 @@ class StepRecorder:
         if self._batch_start is None:
             return False
         end = self.clock.mark()
+        if self._ckpt_mark is not None:
+            self._settle_checkpoint(self.time_source.wall())
         in_batch, self._outside = self._outside, 0.0  # checkpoint saving inside the batch's hooks
         self._cur_cpu += self.time_source.cpu() - self._cpu_start
         self._cur_diag += max(0.0, diagnostics_s)
@@ -163,6 +176,7 @@ class StepRecorder:
     def validation_start(self) -> None:
         """Start timing validation (its time is not data waiting)."""
         self._val_start = self.time_source.wall()
+        self._settle_checkpoint(self._val_start)
 
     def validation_end(self, sanity_checking: bool) -> None:
         """Stop timing validation; the next step has a known cause."""
@@ -174,16 +188,34 @@ class StepRecorder:
         self._sums["validation"] += elapsed
         self._after_validation = True
 
-    def add_logging(self, elapsed: float) -> None:
-        """The trainer's loggers wrote for ``elapsed`` seconds (outside the diagnostics' hooks): scheduled work of
-        the trainer, not data waiting (between batches), and the step's known work (:attr:`Interval.logging`)."""
-        if self._val_start is None:  # a validation run's writing is in its own time already
-            self._logging += max(0.0, elapsed)
+    def add_work(self, elapsed: float) -> None:
+        """``elapsed`` wall seconds of scheduled work since the last batch end (the diagnostics' hooks): not data
+        waiting, and the next step's known work (:attr:`Interval.logging`)."""
+        if elapsed > 0.0 and self._val_start is None:  # a validation run's is in its own time already
+            self._logging += elapsed
+
+    def add_fetch(self, elapsed: float) -> None:
+        """Lightning fetched the next training batch for ``elapsed`` seconds (its profiler's
+        ``train_dataloader_next``): with it, that is the data waiting, and the rest of the gap scheduled work."""
+        self._fetched = (self._fetched or 0.0) + max(0.0, elapsed)
 
     def add_checkpoint(self, elapsed: float) -> None:
         """``trainer.save_checkpoint`` took ``elapsed`` seconds (not data waiting)."""
         self._outside += elapsed
         self._sums["checkpoint"] += elapsed
+
+    def checkpoint_mark(self) -> None:
+        """A checkpoint is being saved (``SystemMonitor``'s ``on_save_checkpoint``, without the profiler): the time
+        from now to the next of the recorder's marks (a batch's start or end, a validation run's start) is
+        checkpoint saving: the writing of the file, which Lightning does after the callbacks' hooks, and what
+        follows it until then."""
+        if self._ckpt_mark is None:
+            self._ckpt_mark = self.time_source.wall()
+
+    def _settle_checkpoint(self, now: float) -> None:
+        if self._ckpt_mark is not None:
+            mark, self._ckpt_mark = self._ckpt_mark, None
+            self.add_checkpoint(max(0.0, now - mark))
 
     # -- the interval ----------------------------------------------------------------------------------------
     def take(self) -> Interval | None:

@@ -131,6 +131,9 @@ class AttentionEntropyMonitor(DiagCallback):
 
     #: Switched off on quiet batches (:meth:`quiet_batch`): Lightning then skips them.
     batch_hooks = ("on_before_backward", "on_train_batch_end")
+    #: Wraps the attention recorders' methods in ``SystemMonitor``'s timer of this trainer (set on the instance
+    #: while one times it), else ``None``.
+    recorder_timing: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
 
     def __init__(
         self,
@@ -245,6 +248,7 @@ class AttentionEntropyMonitor(DiagCallback):
             token_ids,
             keep_maps=bool(interval) and self.cadence_step(trainer) % interval == 0 and self.writer.active,
             module_names=self._names,
+            timed=self.recorder_timing,
         )
         self._handles = [
             module.register_forward_pre_hook(recorder.mha_pre_hook(name), with_kwargs=True)

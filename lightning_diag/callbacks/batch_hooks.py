@@ -4,12 +4,11 @@ Lightning calls a callback's hook only when ``getattr(callback, hook)`` is calla
 a hook set to ``None`` on the instance is skipped, and so is Lightning's dispatch of it (the profiler label and
 context it opens around every call). :class:`~lightning_diag.callbacks.base.DiagCallback` uses this for the hooks a
 subclass declares in ``batch_hooks``: on a quiet batch they are ``None`` from its ``on_train_batch_start`` until the
-next batch that needs them, which gets back what the instance held (the class's method, or another piece's wrapper
-of it, such as ``SystemMonitor``'s timers).
+next batch that needs them, which gets back what the instance held (the class's method, or ``SystemMonitor``'s
+timing wrapper of it).
 
-A wrapper that must run on every batch (``SystemMonitor``'s end of the batch, put on the last callback's
-``on_train_batch_end``) carries :data:`EVERY_BATCH` and is left on. Code that forwards hooks to these callbacks
-itself must skip a hook that is ``None``, as Lightning does.
+Only lightning_diag's own callback instances are switched (their hooks are theirs); nothing of another callback's
+is touched. Code that forwards hooks to these callbacks itself must skip a hook that is ``None``, as Lightning does.
 """
 
 from __future__ import annotations
@@ -17,21 +16,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["EVERY_BATCH", "switch_off", "switch_on"]
-
-#: Set to ``True`` on a wrapper put on a callback's hook that must run on every batch: :func:`switch_off` leaves
-#: that hook on.
-EVERY_BATCH = "lightning_diag_every_batch"
+__all__ = ["switch_off", "switch_on"]
 
 
 def switch_off(callback: object, hooks: Iterable[str]) -> dict[str, Any]:
-    """Set each of ``hooks`` to ``None`` on ``callback`` (but one whose wrapper carries :data:`EVERY_BATCH`).
+    """Set each of ``hooks`` to ``None`` on ``callback``.
 
     Returns:
         What the instance held for the hooks switched off (wrappers), for :func:`switch_on`.
     """
     state = vars(callback)
-    switched = [hook for hook in hooks if not getattr(state.get(hook), EVERY_BATCH, False)]
+    switched = list(hooks)
     held = {hook: state[hook] for hook in switched if hook in state}
     for hook in switched:
         state[hook] = None

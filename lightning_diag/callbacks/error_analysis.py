@@ -6,7 +6,6 @@ module searches their slices, logs, writes ``errors.json`` and judges the rule.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -32,7 +31,13 @@ from lightning_diag.callbacks.error_samples import (
 from lightning_diag.core.files import write_json
 from lightning_diag.core.tags import errors_tag
 from lightning_diag.core.validation import check_int, check_number
-from lightning_diag.rules.errors import ALPHA, ERROR_CLUSTER_MIN_ERRORS_KEY, ErrorClusterRule, describe_feature
+from lightning_diag.rules.errors import (
+    ALPHA,
+    ERROR_CLUSTER_MIN_ERRORS_KEY,
+    ErrorClusterRule,
+    describe_feature,
+    describe_members,
+)
 
 __all__ = ["DEFAULT_MAX_SAMPLES", "ERRORS_FILE", "ErrorAnalysis", "Predictions"]
 
@@ -40,6 +45,8 @@ __all__ = ["DEFAULT_MAX_SAMPLES", "ERRORS_FILE", "ErrorAnalysis", "Predictions"]
 DEFAULT_MAX_SAMPLES = 4096
 #: The smallest slice tested, in samples, whatever ``min_share`` gives.
 MIN_SLICE_SAMPLES = 5
+#: A member of a group (a slice of a disjunction) holds at least this share of the smallest slice tested alone.
+MEMBER_SHARE = 0.1
 #: Slices listed in ``errors.json`` (the most significant), besides the findings.
 _LISTED_SLICES = 20
 #: Slices shown in the TensorBoard table below the findings.
@@ -63,14 +70,18 @@ class ErrorAnalysis(DiagCallback):
     the embeddings (K-Means for every k in ``k_range``, :mod:`lightning_diag.stats.error_clusters`). Every slice
     holding at least ``min_share`` of the samples is judged on its error rate against the rest: lift (its rate
     over the overall rate) and a one-sided Fisher exact p-value, Bonferroni-corrected for the slices tested.
-    Slices that qualify and hold nearly the same samples (Jaccard >= 0.5) are merged into one finding that lists
-    their features. Nothing runs on training steps.
+    Slices that fail together are one finding (:mod:`lightning_diag.stats.slice_groups`): a greedy union of member
+    slices (down to a tenth of ``min_share``, and conjunctions of two features that fail only together), each
+    joining while it lowers the union's p-value corrected over every union of that many candidates; a finding is
+    judged and reported on its union and described as a slice, a conjunction ("token 5 and source=web") or a
+    disjunction ("holding any of tokens 180–189"). Nothing runs on training steps.
 
     Rule ``error_cluster`` (warning): a finding whose lift is at least its threshold, which holds at least
     ``min_share`` of the samples, and whose corrected p-value is within the fit's significance level :attr:`alpha`
     (at the v-th analysed validation, at most ``alpha / (v (v + 1))``: shares that sum to ``alpha`` over the whole
-    fit); the message names its defining features (tokens decoded with ``tokenizer.decode`` when given), size,
-    error rate against the rest's, lift, p-value and majority true and predicted labels.
+    fit); the message names what its samples share (tokens decoded with ``tokenizer.decode`` when given), the
+    size and share of the union, its error rate against the rest's, lift, p-value and majority true and predicted
+    labels.
 
     Logged (global rank zero): ``diag/errors/rate`` (overall), ``diag/errors/worst_cluster_rate`` and
     ``diag/errors/worst_cluster_share`` (the first finding's, else the most significant slice's),
@@ -272,7 +283,8 @@ class ErrorAnalysis(DiagCallback):
         return stack_features(parts) if parts else None
 
     def _analyse(self, trainer: pl.Trainer, samples: Samples) -> None:
-        from lightning_diag.stats.error_slices import find_slices, merge_slices
+        from lightning_diag.stats.error_slices import find_slices
+        from lightning_diag.stats.slice_groups import find_groups
 
         errors, labels, preds, classification = samples.errors, samples.labels, samples.preds, samples.classification
         overall = float(errors.mean())
@@ -292,6 +304,10 @@ class ErrorAnalysis(DiagCallback):
             "analysis": analysis,
             "level": self.rule.level(analysis),
             "slices_tested": 0,
+            "member_min": 0,
+            "member_candidates": 0,
+            "conjunctions_tested": 0,
+            "hypotheses": 0,
             "findings": [],
             "slices": [],
         }
@@ -299,29 +315,29 @@ class ErrorAnalysis(DiagCallback):
             report.update(self._per_class(labels, preds, values))
         findings: list[Any] = []
         slices: list[Any] = []
+        decode = self._decode if self.tokenizer is not None else None
         if int(wrong.sum()) >= self.min_errors and overall > 0:
-            features = self._slice_features(samples, wrong, min_count)
+            member_min = max(MIN_SLICE_SAMPLES, math.ceil(min_count * MEMBER_SHARE))
+            features = self._slice_features(samples, wrong, member_min)
             if features is not None:
                 slices, tested = find_slices(features, errors, wrong, min_count)
-                findings = merge_slices(
-                    slices,
-                    features,
-                    wrong,
-                    labels if classification else None,
-                    preds if classification else None,
-                    keep=functools.partial(self.rule.qualifies, analysis=analysis),
+                groups = find_groups(
+                    features, errors, wrong, min_count, self.rule.ratio, member_min=member_min,
+                    labels=labels if classification else None, predictions=preds if classification else None,
                 )
-                findings = self.rule.qualifying(findings, analysis)
-                report["slices_tested"] = tested
-                report["findings"] = [f.to_dict() for f in findings]
-                report["slices"] = [s.to_dict() for s in slices[:_LISTED_SLICES]]
+                findings = self.rule.qualifying(groups.findings, analysis)
+                report.update(
+                    slices_tested=tested, member_min=member_min, member_candidates=groups.candidates,
+                    conjunctions_tested=groups.conjunctions, hypotheses=groups.hypotheses,
+                    findings=[{**f.to_dict(), "description": describe_members(f, decode)} for f in findings],
+                    slices=[s.to_dict() for s in slices[:_LISTED_SLICES]],
+                )
         values[errors_tag("clusters")] = float(len(findings))
         worst = findings[0] if findings else slices[0] if slices else None
         if worst is not None:
             values[errors_tag("worst_cluster_rate")] = worst.error_rate
             values[errors_tag("worst_cluster_share")] = worst.share
         self.last = report
-        decode = self._decode if self.tokenizer is not None else None
         self.writer.scalars(values, step)
         if findings or slices:
             self.writer.text(
@@ -368,9 +384,12 @@ def _table(findings: Sequence[Any], slices: Sequence[Any], top: int, decode: Cal
     ]
     for kind, groups in (("finding", findings), ("slice", slices)):
         for i, g in enumerate(groups):
-            shown = ", ".join(f"`{describe_feature(f, decode)}`" for f in g.features[:top])
-            if len(g.features) > top:
-                shown += f" and {len(g.features) - top} more"
+            if getattr(g, "kind", "slice") == "slice":
+                shown = ", ".join(f"`{describe_feature(f, decode)}`" for f in g.features[:top])
+                if len(g.features) > top:
+                    shown += f" and {len(g.features) - top} more"
+            else:
+                shown = describe_members(g, decode)
             label = getattr(g, "majority_label", None)
             labels = "" if label is None else f"{label} -> {g.majority_prediction}"
             rows.append(

@@ -12,6 +12,7 @@ read), and the losses since the last logging step are read in one transfer on lo
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
@@ -28,6 +29,7 @@ from lightning_diag.instrument.runtime_probes import (
 )
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.runtime import (
+    TRAIN_OVERRIDE_BYPASSED,
     AmpRule,
     EvalBeforeTrainingRule,
     EvalRandomnessRule,
@@ -148,7 +150,12 @@ class RuntimeChecks:
         ctx = self.owner.context(trainer)
         overriders = train_overriders(pl_module)
         if overriders:
-            to_eval, frozen = train_override_effects(pl_module)
+            notes: list[str] = []
+            to_eval, frozen = train_override_effects(pl_module, notes)
+            for note in notes:  # once per fit: the check runs on the first batch only
+                logging.getLogger("lightning_diag").warning(
+                    "%s not checked for %s: %s", TRAIN_OVERRIDE_BYPASSED, ", ".join(overriders), note
+                )
             self.owner.record(self._rule("override_rule").update(overriders, to_eval, frozen, ctx))
         if str(trainer.precision) in MIXED_PRECISIONS:
             self._amp = MatmulDtypeProbe(pl_module)

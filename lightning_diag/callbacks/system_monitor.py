@@ -12,15 +12,9 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks._system_hooks import (
-    HookTimer,
-    time_save_checkpoint,
-    untime_save_checkpoint,
-    unwrap_batch_end,
-    wrap_batch_end,
-)
+from lightning_diag.callbacks._system_hooks import HookTimer
 from lightning_diag.callbacks._system_interval import HEADER, gather_ranks, interval_values
-from lightning_diag.callbacks._system_loggers import Timers, time_loggers, untime_loggers
+from lightning_diag.callbacks._system_profiler import SystemProfiler
 from lightning_diag.callbacks._system_steps import StepRecorder
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.core.tags import family_tag, overhead_tag
@@ -39,7 +33,24 @@ from lightning_diag.rules.system import (
     StepPeriodicRule,
 )
 
-__all__ = ["SystemMonitor"]
+__all__ = ["SystemMonitor", "SystemProfiler"]
+
+
+class _ProfilerEvents:
+    """What the trainer's :class:`SystemProfiler` tells its monitor, for the current fit."""
+
+    def __init__(self, monitor: SystemMonitor, trainer: pl.Trainer) -> None:
+        self.monitor = monitor
+        self.trainer = trainer
+
+    def batch_hooks_done(self) -> None:
+        self.monitor.end_batch(self.trainer)
+
+    def fetched(self, seconds: float) -> None:
+        self.monitor.steps.add_fetch(seconds)
+
+    def checkpoint_saved(self, seconds: float) -> None:
+        self.monitor.steps.add_checkpoint(seconds)
 
 
 class SystemMonitor(DiagCallback):
@@ -151,9 +162,8 @@ class SystemMonitor(DiagCallback):
         self._intervals: set[int] = set()
         self._last_cadence = 0
         self._nvml_probe: NvmlProbe | None = None
-        self._boundary: tuple[Any, Any] | None = None
-        self._save_timer: Any = None
-        self._logger_timers: Timers = []
+        self._profiler: SystemProfiler | None = None
+        self._timed_close: Any = None
         self._reset_run()
 
     def _reset_windows(self) -> None:
@@ -165,6 +175,11 @@ class SystemMonitor(DiagCallback):
         # included, until the window after the warm-up is long enough for the ordinary periodic test
         self.run_window: list[tuple[float, bool, float]] = []
         self.steps_seen = 0
+
+    @property
+    def steps(self) -> StepRecorder:
+        """The current fit's step recorder."""
+        return self._steps
 
     def _reset_run(self, clock: HostClock | CudaClock | None = None) -> None:
         self._steps = StepRecorder(self.time_source, clock)
@@ -203,14 +218,13 @@ class SystemMonitor(DiagCallback):
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Fresh rules for a new fit; start timing the diagnostics' hooks and checkpoint saving."""
+        """Fresh rules for a new fit; start timing the diagnostics' hooks; listen to the trainer's
+        :class:`SystemProfiler` when it has one."""
         super().setup(trainer, pl_module, stage)
         if stage != TrainerFn.FITTING:
             return
         self._reset_windows()
         self._reset_run()
-        unwrap_batch_end(self._boundary)
-        self._boundary = None
         self._hooks.detach()
         # what the hooks cost is counted in CPU time on CPU (as benchmarks/paired_share.py measures it), in host
         # wall time on CUDA (the step's time is the events'; the hooks' kernels run asynchronously)
@@ -222,26 +236,33 @@ class SystemMonitor(DiagCallback):
         # the batches around every timed callback's logging steps are timed whole (their measuring and writing)
         self._intervals = {cb.every_n_steps(trainer) for cb in diagnostics}
         self._last_cadence = self.cadence_step(trainer)
+        self._timed_close = None
         if self.time_callbacks:
             # the timing's own cost per call, outside the windows it measures: SystemMonitor's, added to its share
             self._hooks.calibrate()
-            self._hooks.attach(diagnostics)
-        untime_save_checkpoint(trainer, self._save_timer)
-        self._save_timer = time_save_checkpoint(trainer, self._add_checkpoint_time, self.time_source.wall)
-        # the trainer's own logging (every `log_every_n_steps`) is scheduled work, not data waiting
-        untime_loggers(self._logger_timers)
-        self._logger_timers = time_loggers(trainer, self._add_logging_time, self.time_source.wall, self._in_hooks)
-        # the step ends after the last callback's `on_train_batch_end`
-        if self.time_callbacks:
-            timed_close = self._hooks.timed(type(self).__name__, self._close_batch, step=True, batch=True)
+            # the batch's end is timed here, apart: it picks which batch is timed next (`_next_batch`)
+            self._hooks.attach(diagnostics, skip=[(self, "on_train_batch_end")])
+            self._timed_close = self._hooks.timed(type(self).__name__, self._close_batch, step=True, batch=True)
+        # the trainer's own work (checkpoint saving, the batch fetch, the end of the callbacks' hooks) through its
+        # profiler, when it is ours; else the batch ends at this callback's `on_train_batch_end`
+        self._listen(None)
+        profiler = getattr(trainer, "profiler", None)
+        if isinstance(profiler, SystemProfiler):
+            self._profiler = profiler
+            profiler.listen(_ProfilerEvents(self, trainer), self.time_source.wall)
 
-            def close(trainer: pl.Trainer) -> None:
-                timed_close(trainer)
-                self._next_batch(trainer)
+    def _listen(self, profiler: SystemProfiler | None) -> None:
+        if self._profiler is not None:
+            self._profiler.listen(None)
+        self._profiler = profiler
 
-            self._boundary = wrap_batch_end(trainer, close)
-        else:
-            self._boundary = wrap_batch_end(trainer, self._close_batch)
+    def end_batch(self, trainer: pl.Trainer) -> None:
+        """The end of a training batch: close it, and pick whether the next one's hooks are timed."""
+        if self._timed_close is None:
+            self._close_batch(trainer)
+            return
+        self._timed_close(trainer)
+        self._next_batch(trainer)
 
     def _next_batch(self, trainer: pl.Trainer) -> None:
         # the next batch touches the cadence steps from `step` (its forward) to `step + delta` (its end): timed
@@ -252,24 +273,11 @@ class SystemMonitor(DiagCallback):
         exact = any((step + delta) % every <= delta + 1 for every in self._intervals)
         self._hooks.next_batch(exact)
 
-    def _add_checkpoint_time(self, elapsed: float) -> None:
-        self._steps.add_checkpoint(elapsed)
-
-    def _add_logging_time(self, elapsed: float) -> None:
-        self._steps.add_logging(elapsed)
-
-    def _in_hooks(self) -> bool:
-        return self._hooks.busy
-
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Remove the timers, then release the session."""
-        unwrap_batch_end(self._boundary)
-        self._boundary = None
+        """Remove the timers and stop listening to the profiler, then release the session."""
         self._hooks.detach()
-        untime_save_checkpoint(trainer, self._save_timer)
-        self._save_timer = None
-        untime_loggers(self._logger_timers)
-        self._logger_timers = []
+        self._timed_close = None
+        self._listen(None)
         if self._nvml_probe is not None and self._nvml_probe.nvml is not None:
             with contextlib.suppress(Exception):
                 self._nvml_probe.nvml.nvmlShutdown()
@@ -296,6 +304,11 @@ class SystemMonitor(DiagCallback):
     ) -> None:
         """Close the data wait; mark the start of the batch's compute."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        # the diagnostics' hooks since the last batch's end are scheduled work, not data waiting
+        spent = self._hooks.step_wall_seconds
+        if spent != self._diag_mark:
+            self._steps.add_work(spent - self._diag_mark)
+            self._diag_mark = spent
         self._steps.batch_start(trainer.global_step, batch)
 
     def on_before_optimizer_step(
@@ -304,9 +317,22 @@ class SystemMonitor(DiagCallback):
         """Mark the end of forward + backward."""
         self._steps.before_optimizer_step()
 
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """The end of the batch (without a :class:`SystemProfiler`; with one, after every callback's hook)."""
+        if self._profiler is None:
+            self.end_batch(trainer)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Without a :class:`SystemProfiler`: a checkpoint is being saved (its file is written after the hooks)."""
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if self._profiler is None and trainer.state.fn == TrainerFn.FITTING:
+            self._steps.checkpoint_mark()
+
     def _close_batch(self, trainer: pl.Trainer) -> None:
-        """After the last callback's ``on_train_batch_end``: mark the end of the batch; on an optimizer-step
-        boundary close the step, on a logging step report."""
+        """At the end of the batch: mark it; on an optimizer-step boundary close the step, on a logging step
+        report."""
         if not self._steps.in_batch:
             return
         # the diagnostics' hooks in wall time, as the step is measured (their CPU time leaves out their writing)

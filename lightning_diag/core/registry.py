@@ -47,11 +47,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import string
+import sys
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, TypeVar
 
 __all__ = [
     "ANY_NON_NEGATIVE",
@@ -87,6 +89,7 @@ __all__ = [
 ]
 
 SeverityName = Literal["info", "warning", "critical"]
+_Spec = TypeVar("_Spec")
 ChecklistLayer = Literal["Data", "Model", "Training", "Deployment"]
 
 
@@ -341,9 +344,15 @@ def describe(template: str, thresholds: Mapping[str, float] | None = None, spec:
 _RULES: dict[str, RuleSpec] = {}
 _SETTINGS: dict[str, SettingSpec] = {}
 _CHECKS: dict[str, CheckSpec] = {}
-#: Every declared rule, by id (read-only view).
+#: Where each entry was declared: (declaring module, running number), by table and key. The tables are kept sorted
+#: by it, so their order is the modules' names, then the declaration order inside each module: the same whatever
+#: order the declaring modules were imported in.
+_ORIGINS: dict[str, tuple[str, int]] = {}
+_SEQUENCE = itertools.count()
+#: Every declared rule, by id, in declaration order by declaring module name (read-only view; the order does not
+#: depend on the order the modules were imported in).
 RULES: Mapping[str, RuleSpec] = MappingProxyType(_RULES)
-#: Every shared setting, by key (read-only view).
+#: Every shared setting, by key, ordered as :data:`RULES` (read-only view).
 SETTINGS: Mapping[str, SettingSpec] = MappingProxyType(_SETTINGS)
 #: Every checklist row, by id, in checklist order (read-only view).
 CHECKS: Mapping[str, CheckSpec] = MappingProxyType(_CHECKS)
@@ -369,6 +378,23 @@ class _Owners(Mapping[str, str]):
 OWNERS: Mapping[str, str] = _Owners()
 
 
+def _declare(table: dict[str, _Spec], kind: str, key: str, spec: _Spec, module: str) -> None:
+    """Put ``spec`` in ``table`` under ``key`` and keep the table in declaration order by module name (a repeated
+    identical declaration keeps its first place)."""
+    origin = f"{kind}:{key}"
+    if origin not in _ORIGINS:
+        _ORIGINS[origin] = (module, next(_SEQUENCE))
+    table[key] = spec
+    ordered = sorted(table.items(), key=lambda item: _ORIGINS[f"{kind}:{item[0]}"])
+    table.clear()
+    table.update(ordered)
+
+
+def _caller() -> str:
+    """The name of the module that called the ``register*`` function calling this."""
+    return str(sys._getframe(2).f_globals.get("__name__", ""))
+
+
 def register(spec: RuleSpec) -> RuleSpec:
     """Declare a rule. Declaring the same id twice with a different declaration is an error.
 
@@ -378,7 +404,7 @@ def register(spec: RuleSpec) -> RuleSpec:
     existing = _RULES.get(spec.rule_id)
     if existing is not None and existing != spec:
         raise ValueError(f"rule id {spec.rule_id!r} is already declared by {existing.owner}")
-    _RULES[spec.rule_id] = spec
+    _declare(_RULES, "rule", spec.rule_id, spec, _caller())
     return spec
 
 
@@ -391,7 +417,7 @@ def register_setting(spec: SettingSpec) -> SettingSpec:
     existing = _SETTINGS.get(spec.key)
     if existing is not None and existing != spec:
         raise ValueError(f"setting {spec.key!r} is already declared by {existing.owner}")
-    _SETTINGS[spec.key] = spec
+    _declare(_SETTINGS, "setting", spec.key, spec, _caller())
     return spec
 
 
@@ -406,12 +432,12 @@ def register_check(spec: CheckSpec) -> CheckSpec:
     existing = _CHECKS.get(spec.check_id)
     if existing is not None and existing != spec:
         raise ValueError(f"check {spec.check_id!r} is already declared")
-    _CHECKS[spec.check_id] = spec
+    _declare(_CHECKS, "check", spec.check_id, spec, _caller())
     return spec
 
 
 def rules_of(owner: str) -> tuple[RuleSpec, ...]:
-    """The rules a callback owns, in declaration order.
+    """The rules a callback owns, in declaration order (by declaring module name, then within each module).
 
     Example:
         >>> [s.rule_id for s in rules_of("AttentionEntropyMonitor")]

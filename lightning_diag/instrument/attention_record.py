@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -246,6 +246,9 @@ class AttentionRecorder:
         token_ids: ``[B, S]`` token ids of the batch, or ``None``.
         keep_maps: Also keep the first sequence's maps and flattened per-head maps (for images).
         module_names: Qualified names of modules, by ``id``, for :func:`record_attention` with a module.
+        timed: Wraps a method in a timer (``SystemMonitor``'s, for this recorder's trainer), or ``None``: the
+            recorder's ``add``, ``add_probabilities`` and the hooks ``mha_pre_hook`` makes are then this instance's
+            timed wrappers (the class is never changed).
     """
 
     def __init__(
@@ -257,7 +260,13 @@ class AttentionRecorder:
         token_ids: torch.Tensor | None = None,
         keep_maps: bool = False,
         module_names: dict[int, str] | None = None,
+        timed: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
     ) -> None:
+        if timed is not None:
+            self.add = timed(self.add)  # type: ignore[method-assign]
+            self.add_probabilities = timed(self.add_probabilities)  # type: ignore[method-assign]
+            make_hook = self.mha_pre_hook
+            self.mha_pre_hook = lambda name: timed(make_hook(name))  # type: ignore[method-assign]
         self.sample_size = sample_size
         self.max_queries = max_queries
         self.special_positions = special_positions

@@ -1,11 +1,13 @@
 """Looks at what a model does on a sampled step, without changing it: dropouts run in training mode, the dtype
-matmul layers compute in, what ``train()`` overrides would do, spectral norms whose power iteration never ran.
+matmul layers compute in, what ``train()`` overrides would do (on a copy of the model on the ``meta`` device),
+spectral norms whose power iteration never ran.
 
 Everything here is installed for one batch and removed after it; nothing runs on other steps.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 __all__ = [
     "DropoutWatch",
     "MatmulDtypeProbe",
+    "meta_copy",
     "train_override_effects",
     "train_overriders",
     "unconverged_spectral_norms",
@@ -214,13 +217,45 @@ def train_overriders(root: nn.Module) -> list[str]:
     return out
 
 
-def train_override_effects(root: nn.Module) -> tuple[list[str], list[str]]:
+def meta_copy(root: nn.Module) -> nn.Module:
+    """A copy of ``root``'s module tree whose parameters and buffers live on the ``meta`` device (shapes, dtypes
+    and ``requires_grad`` kept, no storage), for running user code without touching the live model.
+
+    ``copy.deepcopy`` with its memo filled beforehand: every parameter, buffer and tensor attribute of the tree's
+    modules maps to an empty ``meta`` tensor, and every hook dictionary to an empty one (the forward hooks are not
+    copied, nor the objects their bound methods hold); everything else the modules hold (counters, flags, lists,
+    configuration objects) is copied. A ``LightningModule`` leaves its trainer out of its copy (its own
+    ``__getstate__``).
+
+    Raises:
+        Exception: Whatever copying raised (a parameter subclass ``meta`` cannot hold, an attribute that cannot be
+            copied: a lock, an open file, a generator).
+    """
+    memo: dict[int, Any] = {}
+    for module in root.modules():
+        state = vars(module)
+        for param in module._parameters.values():
+            if param is not None and id(param) not in memo:
+                meta = torch.empty_like(param, device="meta")
+                memo[id(param)] = nn.Parameter(meta, requires_grad=param.requires_grad)
+        for value in [*module._buffers.values(), *state.values()]:
+            if isinstance(value, torch.Tensor) and id(value) not in memo:
+                memo[id(value)] = torch.empty_like(value, device="meta")
+        for name, value in state.items():
+            if name.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called")) and isinstance(value, dict):
+                memo[id(value)] = type(value)()
+    return copy.deepcopy(root, memo)
+
+
+def train_override_effects(root: nn.Module, notes: list[str] | None = None) -> tuple[list[str], list[str]]:
     """What ``root.train(True)`` (so every ``train()`` override below it) would change that is not in effect now:
     the modules it would put in eval mode that are in training mode, and the trainable parameters it would freeze.
 
-    The call is made on the model itself, under ``no_grad``, and everything it can change is put back at once:
-    every module's ``training`` flag and every parameter's ``requires_grad``. An override that raises is treated
-    as having no effect.
+    The call is made on a :func:`meta_copy` of the model, under ``no_grad``: the live model is never passed to the
+    user's code, so whatever else the override does (a counter, a re-initialised weight) happens to the copy only.
+    What the override does outside the module tree (a global, a file, a print) still happens. An override that
+    raises on the copy (one that reads a tensor's values, which a ``meta`` tensor has not), or a tree that cannot
+    be copied, is treated as having no effect, and the reason is appended to ``notes``.
 
     Example:
         >>> class Net(nn.Module):
@@ -234,7 +269,7 @@ def train_override_effects(root: nn.Module) -> tuple[list[str], list[str]]:
         >>> net = Net()
         >>> train_override_effects(net)
         ([], ['stem.bias', 'stem.weight'])
-        >>> net.stem.weight.requires_grad  # put back
+        >>> net.stem.weight.requires_grad  # never touched
         True
     """
     modules = list(root.named_modules())
@@ -242,17 +277,26 @@ def train_override_effects(root: nn.Module) -> tuple[list[str], list[str]]:
     flags = [m.training for _, m in modules]
     grads = [p.requires_grad for _, p in params]
     try:
+        twin = meta_copy(root)
+    except Exception as err:  # the model is the user's: a tree that cannot be copied is not a reason to stop
+        if notes is not None:
+            notes.append(f"the module tree could not be copied ({type(err).__name__}: {err})")
+        return [], []
+    twin_modules = [m for _, m in twin.named_modules()]
+    twin_params = [p for _, p in twin.named_parameters()]
+    if len(twin_modules) != len(modules) or len(twin_params) != len(params):
+        if notes is not None:
+            notes.append("the copy of the module tree does not have the model's modules and parameters")
+        return [], []
+    try:
         with torch.no_grad():
-            root.train(True)
-        after_flags = [m.training for _, m in modules]
-        after_grads = [p.requires_grad for _, p in params]
-    except Exception:  # a broken override is the user's to find, not a reason to stop training
-        after_flags, after_grads = flags, grads
-    finally:
-        for (_, m), flag in zip(modules, flags, strict=True):
-            m.training = flag
-        for (_, p), grad in zip(params, grads, strict=True):
-            p.requires_grad_(grad)
+            twin.train(True)
+    except Exception as err:  # a broken override is the user's to find, not a reason to stop training
+        if notes is not None:
+            notes.append(f"the override raised on the copy ({type(err).__name__}: {err})")
+        return [], []
+    after_flags = [m.training for m in twin_modules]
+    after_grads = [p.requires_grad for p in twin_params]
     to_eval = sorted(
         n or "<root>" for (n, _), now, then in zip(modules, flags, after_flags, strict=True) if now and not then
     )

@@ -23,13 +23,23 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from lightning_diag.report.checks import Check, RunReport, Status, diagnose
-from lightning_diag.report.load import ALERTS_FILE, THRESHOLDS_FILE, NoDiagnosticsError, RunData, find_runs, load_run
+from lightning_diag.report.load import (
+    ALERTS_FILE,
+    THRESHOLDS_FILE,
+    NoDiagnosticsError,
+    RunData,
+    find_runs,
+    load_fits,
+    load_run,
+)
+from lightning_diag.report.plain import diagnose_plain, map_plain_run
 from lightning_diag.report.render import FORMATS, Format, render, render_stream
+from lightning_diag.report.tag_map import is_candidate
 
 __all__ = [
     "ALERTS_FILE",
@@ -48,6 +58,7 @@ __all__ = [
     "find_runs",
     "gate",
     "iter_reports",
+    "load_fits",
     "load_run",
     "render",
     "render_stream",
@@ -66,16 +77,21 @@ def _slug(run: Path, root: Path) -> str:
     return "__".join(rel.parts) or "run"
 
 
-def build_report(logdir: str | os.PathLike[str], plot_dir: str | os.PathLike[str] | None = None) -> list[RunReport]:
+def build_report(
+    logdir: str | os.PathLike[str],
+    plot_dir: str | os.PathLike[str] | None = None,
+    mapping: Mapping[str, str] | None = None,
+) -> list[RunReport]:
     """Load and diagnose every run under ``logdir``; with ``plot_dir``, draw each run's PNG plots there.
 
-    Every run's series stay in memory; :func:`iter_reports` reports one run at a time instead.
+    Every run's series stay in memory; :func:`iter_reports` reports one run at a time instead. ``mapping``
+    overrides the tags of plain runs (as :func:`iter_reports`).
 
     Raises:
         FileNotFoundError: If ``logdir`` is not a directory.
         NoDiagnosticsError: If no run under it holds lightning_diag diagnostics.
     """
-    return list(iter_reports(logdir, plot_dir=plot_dir, keep_series=True))
+    return list(iter_reports(logdir, plot_dir=plot_dir, keep_series=True, mapping=mapping))
 
 
 def iter_reports(
@@ -83,8 +99,13 @@ def iter_reports(
     plot_dir: str | os.PathLike[str] | None = None,
     keep_series: bool = False,
     progress: Callable[[int, int, Path], None] | None = None,
+    mapping: Mapping[str, str] | None = None,
 ) -> Iterator[RunReport]:
     """Load, diagnose (and plot) the runs under ``logdir`` one at a time, in path order.
+
+    A folder into which several fits were logged gives one report per fit. A run without lightning_diag
+    diagnostics whose own logged losses are found (TensorBoard or ``CSVLogger``) is a *plain* run, judged on them
+    (:mod:`lightning_diag.report.plain`); one with neither is left out.
 
     Memory is bounded by the largest run: a run is read only when the previous one has been handed on, and
     unless ``keep_series`` its scalar series are dropped from the report once it is diagnosed and plotted (the
@@ -95,11 +116,13 @@ def iter_reports(
         plot_dir: Draw each run's PNG plots into ``plot_dir/<run path relative to logdir>``.
         keep_series: Keep :attr:`RunData.scalars` in the reports.
         progress: Called with ``(index, total, run path)`` before each run is read (``index`` from 0).
+        mapping: ``{role: tag}`` overriding the automatic choice of a plain run's loss tags (roles:
+            :data:`lightning_diag.report.tag_map.ROLES`; ``lightning-diag report --map ROLE=TAG``).
 
     Raises:
         FileNotFoundError: If ``logdir`` is not a directory.
-        NoDiagnosticsError: If no run under it holds lightning_diag diagnostics (raised when the last run has
-            been read without any).
+        NoDiagnosticsError: If no run under it holds lightning_diag diagnostics or a logged loss (raised when
+            the last run has been read without any).
     """
     root = Path(logdir)
     if not root.is_dir():
@@ -112,26 +135,37 @@ def iter_reports(
             plots = importlib.import_module("lightning_diag.report.plots")  # reads report.load only: no cycle
         except ImportError:  # pragma: no cover - depends on the environment
             plot_note = "plots skipped: matplotlib is not installed (pip install 'lightning-diag[plots]')"
+    overrides = dict(mapping or {})
+    wanted = set(overrides.values())
+
+    def keep(name: str) -> bool:
+        return is_candidate(name) or name in wanted
+
     found = 0
     for i, path in enumerate(paths):
         if progress is not None:
             progress(i, len(paths), path)
-        run = load_run(path)
-        if not run.has_diagnostics:
-            continue
-        found += 1
-        rep = diagnose(run)
-        rep.plot_note = plot_note
-        if plots is not None and plot_dir is not None:
-            rep.plots = plots.draw_run(rep.run, Path(plot_dir) / _slug(rep.run.path, root))
-        if not keep_series:
-            rep.run.scalars = {}
-        yield rep
+        fits = load_fits(path, keep)
+        for number, run in enumerate(fits, 1):
+            if run.has_diagnostics:
+                rep = diagnose(run)
+            elif map_plain_run(run, overrides):
+                rep = diagnose_plain(run)
+            else:
+                continue
+            found += 1
+            rep.plot_note = plot_note
+            if plots is not None and plot_dir is not None:
+                slug = _slug(rep.run.path, root) + (f"__fit{number}" if run.fit else "")
+                rep.plots = plots.draw_run(rep.run, Path(plot_dir) / slug)
+            if not keep_series:
+                rep.run.scalars, rep.run.user = {}, {}
+            yield rep
     if not found:
         raise NoDiagnosticsError(
-            f"no lightning_diag diagnostics under {logdir}: no diag/ tags in event files and no "
-            "diag/alerts.jsonl or diag/thresholds.json. Attach GradientFlowMonitor or AnomalyAlarm to the Trainer "
-            "and point the report at its log directory."
+            f"no lightning_diag diagnostics and no logged loss under {logdir}: no diag/ tags or loss scalars in "
+            "event files or metrics.csv, no diag/alerts.jsonl or diag/thresholds.json. Log a loss with "
+            "self.log('train_loss', ...) (or name yours with --map train_loss=TAG), or attach AnomalyAlarm."
         )
 
 

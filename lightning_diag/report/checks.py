@@ -65,7 +65,18 @@ from lightning_diag.report.text import clean, display
 from lightning_diag.rules.catalog import ALL_RULES, AMP_NOT_APPLIED, LOSS_OUTLIER
 from lightning_diag.rules.runtime import LOSS_OUTLIER_WINDOW_KEY
 
-__all__ = ["MEASURES", "REPLAYS", "Check", "Measure", "RunReport", "Status", "diagnose", "measure", "replay"]
+__all__ = [
+    "MEASURES",
+    "REPLAYS",
+    "Check",
+    "Measure",
+    "RunReport",
+    "Status",
+    "diagnose",
+    "finish_check",
+    "measure",
+    "replay",
+]
 
 
 @dataclasses.dataclass
@@ -94,6 +105,9 @@ class RunReport:
         """A JSON-ready dict."""
         return {
             "run": display(self.run.path),
+            "fit": self.run.fit,
+            "kind": self.run.kind,
+            "mapping": dict(self.run.mapping),
             "summary": self.counts,
             "threshold_source": self.run.threshold_source,
             "callbacks": sorted(self.run.callbacks),
@@ -179,8 +193,12 @@ _OTHER_MEASURED: dict[str, Callable[[RunData, Check], bool]] = {
 # -- judging ----------------------------------------------------------------------------------------------
 
 
-def _finish(check: Check, run: RunData, measured: bool, replayed: list[Alert]) -> Check:
-    """The status from the run's alerts, the replayed rules' alerts and whether the series was measured."""
+def finish_check(check: Check, run: RunData, measured: bool, replayed: list[Alert], name_owners: bool = True) -> Check:
+    """The status from the run's alerts, the replayed rules' alerts and whether the series was measured.
+
+    A row left ``not measured`` names the callbacks of its rules that the run did not attach (unless
+    ``name_owners`` is false: the caller said why).
+    """
     logged = serious_alerts(run.alerts, check.rules)
     again = serious_alerts(replayed, check.rules)
     check.alerts, check.replayed = len(logged), len(again)
@@ -208,7 +226,7 @@ def _finish(check: Check, run: RunData, measured: bool, replayed: list[Alert]) -
         check.measured = None
         owners = {ALL_RULES[r] for r in check.rules if r in ALL_RULES}
         missing = sorted(owners - set(run.callbacks))
-        if missing and len(missing) == len(owners):
+        if missing and len(missing) == len(owners) and name_owners:
             check.add_note(f"{', '.join(missing)} was not attached to the run")
     return check
 
@@ -224,7 +242,7 @@ def _evaluate(spec: CheckSpec, run: RunData) -> Check:
     measured = (fn or _measure_generic)(run, check)
     replay_fn = REPLAYS.get(spec.check_id)
     replayed = replay_fn(run) if replay_fn is not None and measured else []
-    return _finish(check, run, measured, replayed)
+    return finish_check(check, run, measured, replayed)
 
 
 def _guarded(spec: CheckSpec, run: RunData) -> Check:
@@ -262,5 +280,5 @@ def diagnose(run: RunData) -> RunReport:
             check.measured = f"{fmt(last.value) if last.value is not None else '-'} at step {last.global_step}"
         measured_fn = _OTHER_MEASURED.get(rule)
         measured = measured_fn(run, check) if measured_fn is not None else rule in run.thresholds
-        checks.append(_finish(check, run, measured, []))
+        checks.append(finish_check(check, run, measured, []))
     return RunReport(run, checks)

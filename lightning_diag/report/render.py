@@ -1,4 +1,9 @@
-"""Rendering ``lightning-diag report``: markdown, JSON and HTML. Imports neither torch nor Lightning."""
+"""Rendering ``lightning-diag report``: markdown, JSON and HTML. Imports neither torch nor Lightning.
+
+Each run gets its section (checklist, alert timeline, plots, problems). Several runs also get the summary of
+:mod:`lightning_diag.report.summary`, one line per run, the worst first: after the sections, or in markdown without
+``details`` instead of them. JSON always holds every run and the summary.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ from typing import Literal
 
 from lightning_diag.core.alerts import ALERT_COLUMNS, alert_cells
 from lightning_diag.report.checks import RunReport
-from lightning_diag.report.text import clean, display, md, url
+from lightning_diag.report.plain import PLAIN_SOURCE
+from lightning_diag.report.summary import SummaryLine, summarize
+from lightning_diag.report.text import clean, md, url
 
 __all__ = ["FORMATS", "Format", "render", "render_stream"]
 
@@ -36,8 +43,59 @@ def _link(path: Path, base: Path | None) -> str:
     return url(os.path.relpath(path, base)) if base is not None else url(path)
 
 
-def _render_md(reports: Sequence[RunReport], plot_base: Path | None) -> str:
-    return "\n".join(["# lightning-diag report", "", *(line for rep in reports for line in _md_run(rep, plot_base))])
+def _about(rep: RunReport) -> str:
+    """The sentence after a run's counts: its callbacks and thresholds, or a plain run's mapped tags."""
+    run = rep.run
+    if run.kind == "plain":
+        tags = ", ".join(f"{role} = {tag}" for role, tag in run.mapping.items())
+        return (
+            f"A plain Lightning run (no lightning_diag callbacks), judged on its own logged series: {tags} "
+            f"(change with --map ROLE=TAG). Thresholds: {PLAIN_SOURCE}."
+        )
+    return (
+        f"Callbacks: {', '.join(sorted(run.callbacks)) or 'unknown'}. Thresholds: {run.threshold_source}. "
+        f"Dashboard layout: {'yes' if run.has_layout else 'no'}."
+    )
+
+
+_SUMMARY_COLUMNS = ("verdict", "run", "judged on", "fail", "pass", "not measured", "alerts", "first finding")
+
+
+def _summary_cells(line: SummaryLine) -> list[str]:
+    judged = "its own losses (plain run)" if line.kind == "plain" else "lightning_diag diagnostics"
+    return [
+        line.verdict,
+        line.run,
+        judged,
+        str(line.fail),
+        str(line.passed),
+        str(line.not_measured),
+        str(line.alerts),
+        line.finding,
+    ]
+
+
+def _md_summary(lines: Sequence[SummaryLine]) -> str:
+    rows = [
+        f"## Summary: {len(lines)} runs, the worst first",
+        "",
+        "| " + " | ".join(_SUMMARY_COLUMNS) + " |",
+        "|" + "---|" * len(_SUMMARY_COLUMNS),
+        *("| " + " | ".join(md(c) for c in _summary_cells(line)) + " |" for line in sorted(lines, key=SummaryLine.key)),
+        "",
+    ]
+    return "".join("\n" + row for row in rows)
+
+
+def _html_summary(lines: Sequence[SummaryLine]) -> str:
+    rows = [f"<h2>Summary: {len(lines)} runs, the worst first</h2><table><tr>"]
+    rows[0] += "".join(f"<th>{c}</th>" for c in _SUMMARY_COLUMNS) + "</tr>"
+    rows += [
+        "<tr>" + "".join(f"<td>{_e(c)}</td>" for c in _summary_cells(line)) + "</tr>"
+        for line in sorted(lines, key=SummaryLine.key)
+    ]
+    rows.append("</table>")
+    return "".join("\n" + row for row in rows)
 
 
 def _md_run(rep: RunReport, plot_base: Path | None) -> list[str]:
@@ -45,11 +103,9 @@ def _md_run(rep: RunReport, plot_base: Path | None) -> list[str]:
     run = rep.run
     c = rep.counts
     out += [
-        f"## Run {md(display(run.path))}",
+        f"## Run {md(run.name)}",
         "",
-        f"{c['fail']} fail, {c['pass']} pass, {c['not measured']} not measured. "
-        f"Callbacks: {md(', '.join(sorted(run.callbacks))) or 'unknown'}. Thresholds: {md(run.threshold_source)}. "
-        f"Dashboard layout: {'yes' if run.has_layout else 'no'}.",
+        f"{c['fail']} fail, {c['pass']} pass, {c['not measured']} not measured. {md(_about(rep))}",
         "",
         "### Checklist",
         "",
@@ -100,19 +156,12 @@ _HTML_HEAD = [
 _HTML_TAIL = "</body></html>"
 
 
-def _render_html(reports: Sequence[RunReport], plot_base: Path | None) -> str:
-    return "\n".join([*_HTML_HEAD, *(line for rep in reports for line in _html_run(rep, plot_base)), _HTML_TAIL])
-
-
 def _html_run(rep: RunReport, plot_base: Path | None) -> list[str]:
     e = _e
     out: list[str] = []
     run, c = rep.run, rep.counts
-    out.append(f"<h2>Run <code>{e(display(run.path))}</code></h2>")
-    out.append(
-        f"<p>{c['fail']} fail, {c['pass']} pass, {c['not measured']} not measured. Callbacks: "
-        f"{e(', '.join(sorted(run.callbacks)) or 'unknown')}. Thresholds: {e(run.threshold_source)}.</p>"
-    )
+    out.append(f"<h2>Run <code>{e(run.name)}</code></h2>")
+    out.append(f"<p>{c['fail']} fail, {c['pass']} pass, {c['not measured']} not measured. {e(_about(rep))}</p>")
     out.append("<h3>Checklist</h3><table><tr><th>layer</th><th>check</th><th>status</th><th>measured</th>")
     out.append("<th>threshold</th><th>alerts</th><th>note</th></tr>")
     for ch in rep.checks:
@@ -139,35 +188,55 @@ def _html_run(rep: RunReport, plot_base: Path | None) -> list[str]:
     return out
 
 
-def _json_ready(reports: Sequence[RunReport]) -> str:
-    return json.dumps({"runs": [r.to_dict() for r in reports]}, indent=2, allow_nan=False)
-
-
-def render_stream(reports: Iterable[RunReport], fmt: Format, plot_base: Path | None = None) -> Iterator[str]:
+def render_stream(
+    reports: Iterable[RunReport], fmt: Format, plot_base: Path | None = None, details: bool = True
+) -> Iterator[str]:
     """The document of :func:`render`, in pieces: a header, one piece per run as the run comes, a footer.
 
     Joined (``"".join``), the pieces are :func:`render`'s text; each run is rendered as soon as ``reports``
-    yields it, so a generator of reports (:func:`~lightning_diag.report.iter_reports`) keeps one run in memory.
+    yields it, so a generator of reports (:func:`~lightning_diag.report.iter_reports`) keeps one run in memory
+    (and a summary line per run). Several runs end with the summary, one line per run, the worst first; in
+    markdown without ``details`` it replaces the runs' sections (a single run keeps its section).
     """
+    lines: list[SummaryLine] = []
     if fmt == "json":
         yield '{\n  "runs": ['
         for i, rep in enumerate(reports):
+            lines.append(summarize(rep))
             body = json.dumps(rep.to_dict(), indent=2, allow_nan=False)
             yield ("," if i else "") + "\n" + "\n".join("    " + line for line in body.splitlines())
-        yield "\n  ]\n}"
+        summary = json.dumps([line.to_dict() for line in sorted(lines, key=SummaryLine.key)], indent=2)
+        yield '\n  ],\n  "summary": ' + "\n".join(("  " if i else "") + x for i, x in enumerate(summary.splitlines()))
+        yield "\n}"
         return
     if fmt == "html":
         yield "\n".join(_HTML_HEAD)
         for rep in reports:
+            lines.append(summarize(rep))
             yield "".join("\n" + line for line in _html_run(rep, plot_base))
+        if len(lines) > 1:
+            yield _html_summary(lines)
         yield "\n" + _HTML_TAIL
         return
     yield "# lightning-diag report\n"
+    held: str | None = None  # without details: the first run's section, shown only if it stays the only run
     for rep in reports:
-        yield "".join("\n" + line for line in _md_run(rep, plot_base))
+        lines.append(summarize(rep))
+        if details:
+            yield "".join("\n" + line for line in _md_run(rep, plot_base))
+        elif len(lines) == 1:
+            held = "".join("\n" + line for line in _md_run(rep, plot_base))
+        else:
+            held = None
+    if held is not None:
+        yield held
+    if len(lines) > 1:
+        yield _md_summary(lines)
+        if not details:
+            yield "\nEach run's checklist: `lightning-diag report RUN`, or add `--details`.\n"
 
 
-def render(reports: Sequence[RunReport], fmt: Format, plot_base: Path | None = None) -> str:
+def render(reports: Sequence[RunReport], fmt: Format, plot_base: Path | None = None, details: bool = True) -> str:
     """The reports as markdown, JSON or HTML.
 
     Args:
@@ -175,9 +244,6 @@ def render(reports: Sequence[RunReport], fmt: Format, plot_base: Path | None = N
         fmt: ``"md"``, ``"json"`` or ``"html"``.
         plot_base: Directory the report file is written to; plot links are made relative to it. ``None``
             embeds the plots in HTML (data URIs) and links them by absolute path in markdown.
+        details: With several runs in markdown, each run's section before the summary (else the summary alone).
     """
-    if fmt == "json":
-        return _json_ready(reports)
-    if fmt == "html":
-        return _render_html(reports, plot_base)
-    return _render_md(reports, plot_base)
+    return "".join(render_stream(reports, fmt, plot_base, details))

@@ -3,9 +3,12 @@
 Each rule is declared once, next to the class that implements it (``register(RuleSpec(...))`` at the top of its
 ``lightning_diag.rules`` module, set as the class's ``specs``); the machinery is in
 :mod:`lightning_diag.core.registry`. Importing this module loads every declaring module, so the registry is
-complete: :data:`ALL_RULES` is read here, and the report imports it. It then registers the checklist rows of
-``lightning-diag report`` in report order: a row that rules decide is declared beside them (``*_CHECK`` in their
-module, its title a template over their thresholds), the rows no rule decides here.
+complete: :data:`ALL_RULES` is read here, and the report imports it. Its order (and every registry view's) is the
+declaring modules' names, then the declaration order inside each module (:mod:`lightning_diag.core.registry`): it
+does not depend on which module the process imported first (``tests/test_registry_order.py``). It then
+registers the checklist rows of ``lightning-diag report`` in report order: a row that rules decide is declared
+beside them (``*_CHECK`` in their module, its title a template over their thresholds), the rows no rule decides
+here.
 
 No module below it imports it (the registry does not): the import graph has no cycle. Neither torch nor Lightning
 is imported (the rules modules import the standard library, numpy and scipy only).
@@ -57,8 +60,6 @@ from lightning_diag.rules.grad import (
     GRAD_VANISH,
 )
 from lightning_diag.rules.grad_frozen import GRAD_FROZEN
-
-# isort: off  (the registry keeps declaration order: the order below is the order of ALL_RULES)
 from lightning_diag.rules.nonfinite import NONFINITE_GRAD, NONFINITE_LOSS
 from lightning_diag.rules.probes import LOSS_SURFACE_CHECK, QUANTIZATION_CHECK, QUANTIZATION_ERROR, SHARP_MINIMUM
 from lightning_diag.rules.replicas import DDP_DESYNC, REPLICAS_AGREE_CHECK
@@ -81,8 +82,6 @@ from lightning_diag.rules.system import (
 )
 from lightning_diag.rules.train_mode import EVAL_MODE_IN_TRAINING
 from lightning_diag.rules.updates import GRAD_NOT_ZEROED, UPDATE_NONE, UPDATE_STALE, UPDATES_APPLIED_CHECK
-
-# isort: on
 
 __all__ = [
     "ALL_RULES",

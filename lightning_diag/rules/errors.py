@@ -10,6 +10,7 @@ from typing import Protocol, TypeVar
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import CheckSpec, Limit, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.stats.slice_groups import CONJUNCTION as _CONJUNCTION
 
 __all__ = [
     "ALPHA",
@@ -21,7 +22,10 @@ __all__ = [
     "ERROR_CLUSTER_SPEC",
     "ERROR_CONCENTRATION_CHECK",
     "ErrorClusterRule",
+    "describe_conjunction",
     "describe_group",
+    "describe_members",
+    "token_ranges",
 ]
 
 # -- declaration (the docs' thresholds table and the report read it) -------------------------------------------
@@ -83,9 +87,10 @@ GroupT = TypeVar("GroupT", bound=Group)
 
 
 class ErrorClusterRule(Rule):
-    """``error_cluster``: a group of validation samples that share a feature (a slice, or slices of nearly the
-    same samples merged) whose error rate is at least ``ratio`` times the overall rate (its lift), which holds at
-    least ``min_share`` of the samples, and whose corrected p-value is at most ``alpha``.
+    """``error_cluster``: a group of validation samples that share a feature (a slice, a conjunction of two, or the
+    union of slices that fail together, :mod:`lightning_diag.stats.slice_groups`) whose error rate is at least
+    ``ratio`` times the overall rate (its lift), which holds at least ``min_share`` of the samples, and whose
+    corrected p-value is at most ``alpha``.
 
     The level is spent over the fit's validations: at the ``analysis``-th analysed validation the corrected
     p-value must be at most ``alpha / (analysis * (analysis + 1))`` (:meth:`level`), shares that sum to ``alpha``,
@@ -185,15 +190,63 @@ def describe_feature(name: str, decode: Callable[[str], str] | None = None) -> s
     return f"token {name}{text}" if " " not in name else f"tokens '{name}'{text}"
 
 
-def describe_group(g: Group, decode: Callable[[str], str] | None = None) -> str:
-    """One group in words: its defining features, size, error rate against the rest, lift and p-value."""
-    shown = ", ".join(describe_feature(f, decode) for f in g.features[:_SHOWN * 2])
+def token_ranges(ids: Sequence[int]) -> str:
+    """Token ids as compact ranges of consecutive ids.
+
+    Example:
+        >>> token_ranges([189, 180, 181, 182, 7, 183, 184, 185, 186, 187, 188, 9])
+        '7, 9, 180–189'
+    """
+    runs: list[list[int]] = []
+    for i in sorted(set(ids)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}–{b}" if b > a + 1 else f"{a}, {b}" for a, b in runs)
+
+
+def describe_conjunction(name: str, decode: Callable[[str], str] | None = None) -> str:
+    """``token 5 and source=web`` for the conjunction ``"5 & source=web"``; any other feature as
+    :func:`describe_feature`."""
+    return " and ".join(describe_feature(part, decode) for part in name.split(_CONJUNCTION))
+
+
+def describe_members(g: Group, decode: Callable[[str], str] | None = None) -> str:
+    """What the samples of a group share, by its kind: ``"holding any of tokens 180–189, source=forum"``
+    (a disjunction: unigram members as compact ranges, then the other members), ``"with token 5 and
+    source=web"`` (a conjunction), or ``"with token 12, token 13"`` (a slice and the features of largely the same
+    samples)."""
+    kind = getattr(g, "kind", "slice")
+    members = getattr(g, "members", ())
+    if kind == "disjunction" and members:
+        firsts = [m.features[0] for m in members]
+        tokens = [int(f) for f in firsts if f.isdigit()]
+        others = [describe_conjunction(f, decode) for f in firsts if not f.isdigit()]
+        parts = ([f"token{'s' if len(tokens) > 1 else ''} {token_ranges(tokens)}"] if tokens else []) + others
+        text = "holding any of " + ", ".join(parts)
+        alternates = getattr(g, "alternates", ())
+        if alternates:
+            text += " (also " + ", ".join(describe_conjunction(f, decode) for f in alternates[:_SHOWN]) + ")"
+        return text
+    if kind == "conjunction":
+        return "with " + describe_conjunction(g.features[0], decode)
+    shown = ", ".join(describe_conjunction(f, decode) for f in g.features[:_SHOWN * 2])
     if len(g.features) > _SHOWN * 2:
         shown += f" and {len(g.features) - _SHOWN * 2} more"
+    return "with " + shown
+
+
+def describe_group(g: Group, decode: Callable[[str], str] | None = None) -> str:
+    """One group in words: what its samples share (:func:`describe_members`), the size and share of their union,
+    its error rate against the rest, lift and corrected p-value."""
     text = (
-        f"samples with {shown}: {g.size} samples ({g.share:.0%}), error rate {g.error_rate:.1%} against "
-        f"{g.rest_error_rate:.1%} for the rest ({g.lift:.1f}x overall), p = {g.p_adjusted:.1g} corrected"
+        f"samples {describe_members(g, decode)}: {g.size} samples ({g.share:.0%}), error rate {g.error_rate:.1%} "
+        f"against {g.rest_error_rate:.1%} for the rest ({g.lift:.1f}x overall), p = {g.p_adjusted:.1g} corrected"
     )
+    members = getattr(g, "members", ())
+    if getattr(g, "kind", "slice") == "disjunction":
+        text += f", {len(members)} slices that fail together"
     label, pred = getattr(g, "majority_label", None), getattr(g, "majority_prediction", None)
     if label is not None:
         text += f", mostly label {label} predicted as {pred}"

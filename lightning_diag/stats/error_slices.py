@@ -36,6 +36,7 @@ import numpy as np
 __all__ = [
     "MERGE_JACCARD",
     "Finding",
+    "Member",
     "SliceFeatures",
     "SliceStat",
     "find_slices",
@@ -244,19 +245,58 @@ def find_slices(
 
 
 @dataclasses.dataclass(frozen=True)
-class Finding(_SliceNumbers):
-    """Slices of nearly the same samples, merged: the numbers of the most significant one (the fields of
-    :class:`_SliceNumbers`), every one's features (the most significant slice's first).
+class Member:
+    """One member slice of a group (:mod:`lightning_diag.stats.slice_groups`), measured on its own samples.
 
     Attributes:
-        slices: The number of slices merged.
+        features: Its features (several when they hold exactly the same samples; ``"a & b"`` for a conjunction).
+        size: Its samples.
+        share: ``size`` over all samples.
+        error_rate: The mean error of its samples.
+        lift: ``error_rate`` over the overall error rate.
+        wrong: Its samples counted wrong.
+        p_value: Its one-sided Fisher exact p-value (uncorrected).
+    """
+
+    features: tuple[str, ...]
+    size: int
+    share: float
+    error_rate: float
+    lift: float
+    wrong: int
+    p_value: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding(_SliceNumbers):
+    """Slices that fail together, as one finding (the fields of :class:`_SliceNumbers`; every slice's features,
+    the most significant first).
+
+    From :func:`merge_slices`, the numbers are those of its most significant slice; from
+    :func:`lightning_diag.stats.slice_groups.find_groups`, those of the union of its members (then ``share`` and
+    ``error_rate`` equal ``union_share`` and ``union_error_rate``).
+
+    Attributes:
+        slices: The number of slices merged (members and alternates).
         majority_label: The most common true label of its wrong samples (classification), else ``None``.
         majority_prediction: The most common prediction of its wrong samples (classification), else ``None``.
+        kind: How its members describe it: ``"slice"`` (one feature, and the features of the same samples),
+            ``"conjunction"`` (two features that fail together: ``"a & b"``), ``"disjunction"`` (samples holding
+            any of several members).
+        members: The member slices whose union it is (empty from :func:`merge_slices`).
+        union_share: The share of the samples in the union of its members.
+        union_error_rate: The mean error of that union.
+        alternates: Features of other slices of largely the same samples (listed in ``features`` too).
     """
 
     slices: int = 1
     majority_label: int | None = None
     majority_prediction: int | None = None
+    kind: str = "slice"
+    members: tuple[Member, ...] = ()
+    union_share: float | None = None
+    union_error_rate: float | None = None
+    alternates: tuple[str, ...] = ()
 
 def merge_slices(
     slices: Sequence[SliceStat],

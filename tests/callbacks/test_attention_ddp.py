@@ -1,16 +1,17 @@
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import launch
 
 SCRIPT = Path(__file__).with_name("ddp_attention_script.py")
 
 
 @pytest.mark.slow
 def test_ranks_take_identical_attention_decisions_and_only_rank_zero_writes(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    proc = launch.run([sys.executable, str(SCRIPT), str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     # statistics are averaged over the ranks before the rules run: the same streaks and alerts everywhere

@@ -1,16 +1,17 @@
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import launch
 
 SCRIPT = Path(__file__).with_name("ddp_data_script.py")
 
 
 @pytest.mark.slow
 def test_each_rank_reads_its_shard_the_ranks_decide_together_and_rank_zero_writes(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    proc = launch.run([sys.executable, str(SCRIPT), str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["alerts"] == ranks[1]["alerts"] and ranks[0]["latch"] == ranks[1]["latch"]

@@ -1,17 +1,18 @@
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import launch
+
 SCRIPT = Path(__file__).with_name("ddp_nan_script.py")
 
 
 @pytest.mark.slow
 def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    proc = launch.run([sys.executable, str(SCRIPT), str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["step"] == ranks[1]["step"] == 7  # the blocked step 6 was the last one
@@ -33,8 +34,8 @@ def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 
 @pytest.mark.slow
 def test_ddp_spawn_runs_with_the_alarm(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), "ddp_spawn"], capture_output=True, text=True, timeout=300
+    proc = launch.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), "ddp_spawn"], timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (tmp_path / "diag" / "alerts.jsonl").read_text().splitlines()
@@ -43,8 +44,8 @@ def test_ddp_spawn_runs_with_the_alarm(tmp_path):
 
 @pytest.mark.slow
 def test_warn_mode_under_ddp_agrees_on_the_first_bad_step_and_checkpoints_all_ranks_sums(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), "warn"], capture_output=True, text=True, timeout=300
+    proc = launch.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), "warn"], timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"warn{r}.json").read_text()) for r in (0, 1)]

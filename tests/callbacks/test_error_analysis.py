@@ -4,6 +4,7 @@ its embedding region; uniform label noise and a healthy run are quiet."""
 import importlib.util
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -359,3 +360,80 @@ def test_alpha_is_a_checked_field_that_the_rule_keeps_across_fits():
 def test_bad_configuration_is_refused(kwargs, error, needle):
     with pytest.raises(error, match=needle):
         ErrorAnalysis(**kwargs)
+
+
+MARKERS = [str(t) for t in range(970, 980)]
+
+
+def test_ten_marker_tokens_are_one_finding_named_by_their_range_and_an_unrelated_group_stays_apart(tmp_path):
+    """Issue 46 §3: 14% of the samples carry one of ten marker tokens (each on ~1.4%, below the support) and fail;
+    another 8% come from source=forum and fail for another reason. Two findings: the markers' union, described as
+    a range, and source=forum."""
+    bench = _benchmark()
+    callback, *_ = bench.run(str(tmp_path), markers=10, unrelated=0.08, epochs=1, val_size=2000)
+    [alert] = [a for a in callback.alerts if a.rule == "error_cluster"]
+    report = json.loads(next(tmp_path.rglob("errors.json")).read_text())
+    found = report["findings"]
+    assert len(found) == 2, found
+    group = next(f for f in found if f["kind"] == "disjunction")
+    forum = next(f for f in found if f is not group)
+    members = [m["features"][0] for m in group["members"]]
+    assert set(members) <= set(MARKERS) and len(members) >= 8  # markers only, nearly every one
+    assert re.fullmatch(r"holding any of tokens [0-9, ]*97\d–97\d[0-9, ]*", group["description"]), group
+    assert forum["kind"] == "slice" and forum["features"] == ["source=forum"] and len(forum["members"]) == 1
+    # the union's numbers, not its most significant member's
+    assert group["union_share"] == group["share"] and group["union_error_rate"] == group["error_rate"]
+    assert 0.11 <= group["share"] <= 0.17 and group["share"] > 3 * max(m["share"] for m in group["members"])
+    assert group["size"] >= sum(m["size"] for m in group["members"]) * 0.9  # disjoint members
+    assert group["lift"] >= 3 and group["p_adjusted"] <= report["level"]
+    # the correction counts every union of m of the P candidates (conjunctions included): above p * P
+    assert report["hypotheses"] == report["member_candidates"] + report["conjunctions_tested"] > 100
+    assert group["p_adjusted"] >= group["p_value"] * report["hypotheses"]
+    assert f"samples {group['description']}: {group['size']} samples ({group['share']:.0%}), error rate " \
+           f"{group['error_rate']:.1%}" in alert.message
+    assert "samples with source=forum:" in alert.message
+
+
+class Conjoined(Sourced):
+    """Sourced batches, the source named ``web`` or ``news``."""
+
+    def validation_step(self, batch, batch_idx):
+        ids, source, _labels = batch
+        return {"logits": self(ids), "metadata": {"source": ["web" if s else "news" for s in source.tolist()]}}
+
+
+def conjoined_task(n, seed, planted):
+    """The topic task where half the samples hold token 36 and half come from the web; with ``planted``, those
+    with both (a quarter) get random labels: token 36 and source=web fail only together; without, 10% of all the
+    labels are random (errors to search, spread evenly)."""
+    ids, labels = topic_task(n, seed, noise=0.0 if planted else 0.1).tensors
+    g = torch.Generator().manual_seed(seed + 200)
+    web, marked = torch.rand(n, generator=g) < 0.5, torch.rand(n, generator=g) < 0.5
+    ids[marked, 4] = 36
+    if planted:
+        labels = torch.where(web & marked, torch.randint(0, 3, (n,), generator=g), labels)
+    return TensorDataset(ids, web.long(), labels)
+
+
+@pytest.mark.parametrize("planted", [True, False], ids=["conjunction", "healthy"])
+def test_two_features_that_fail_only_together_are_found_as_a_conjunction(tmp_path, planted):
+    torch.manual_seed(0)
+    model = Conjoined(conjoined_task(1200, 1, planted), conjoined_task(600, 2, planted))
+    callback = ErrorAnalysis()
+    trainer = pl.Trainer(max_epochs=2, callbacks=[callback], default_root_dir=tmp_path, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                         logger=False)
+    trainer.fit(model)
+    report = callback.last
+    if not planted:
+        assert report["error_rate"] > 0.03 and report["conjunctions_tested"] > 0 and report["findings"] == []
+        assert [a for a in callback.alerts if a.severity in ("warning", "critical")] == []
+        return
+    [found] = report["findings"]
+    assert found["kind"] == "conjunction" and found["features"][0] == "36 & source=web", found
+    assert found["description"] == "with token 36 and source=web"
+    assert 0.2 <= found["share"] <= 0.3 and found["lift"] >= 3
+    alone = {s["features"][0]: s["lift"] for s in report["slices"]}
+    assert alone["36"] < 3 and alone["source=web"] < 3  # neither fails enough on its own
+    [alert] = callback.alerts
+    assert "samples with token 36 and source=web:" in alert.message

@@ -11,6 +11,7 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lightning_diag import AnomalyAlarm
+from tests import launch
 from tests.callbacks.nonfinite_models import Regression
 from tests.callbacks.tiny import FAST, TinyAttention
 
@@ -209,12 +210,11 @@ def test_healthy_run_with_rollback_armed_is_quiet_and_unchanged(tmp_path):
 @pytest.mark.slow
 def test_ddp_ranks_localise_and_roll_back_together(tmp_path):
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).with_name("ddp_rollback_script.py")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    proc = launch.run([sys.executable, str(script), str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank in ranks:

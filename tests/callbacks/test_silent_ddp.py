@@ -2,18 +2,19 @@
 step, naming the parameter and the rank; a healthy DDP run raises nothing."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import launch
+
 SCRIPT = Path(__file__).with_name("ddp_desync_script.py")
 
 
 def _run(tmp_path, mode):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), mode], capture_output=True, text=True, timeout=300
+    proc = launch.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), mode], timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"{mode}{r}.json").read_text()) for r in (0, 1)]

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
+from tests import launch
 
 FAST = dict(
     enable_progress_bar=False,
@@ -507,13 +508,11 @@ def test_zero_grad_watch_criterion_on_tensors():
 @pytest.mark.parametrize("mode", ["no_zero_grad", "healthy"])
 def test_grad_not_zeroed_under_ddp_every_rank_decides_together(tmp_path, mode):
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).with_name("ddp_zeroed_script.py")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True,
-                          timeout=300)
+    proc = launch.run([sys.executable, str(script), str(tmp_path), mode], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"{mode}{r}.json").read_text()) for r in (0, 1)]
     # measured on the user's cadence (every 2: steps 1, 3, 5): watched at step 1, read at step 3 as on one process

@@ -8,11 +8,12 @@ at the same step, naming the parameter and the global ranks; healthy runs raise 
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import launch
 
 SCRIPT = Path(__file__).with_name("sharded_desync_script.py")
 
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.slow
 
 def _run(tmp_path: Path, layout: str, mode: str, n: int = 2) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), layout, mode], capture_output=True, text=True, timeout=300,
+    proc = launch.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), layout, mode], timeout=300,
         env=env, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,9 +12,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
+from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor, SystemProfiler
 from lightning_diag.callbacks.base import DiagCallback
-from lightning_diag.instrument.attention_record import AttentionRecorder
 from tests.callbacks.system_models import FAST, MLP, Encoder, FakeTime, Recorder, StallEvery, Tick
 from tests.output.logger_models import MemoryLogger
 
@@ -69,11 +68,17 @@ def test_dataloader_bound_fires_on_a_sleepy_dataset(monkeypatch, tmp_path):
     assert rec.values["diag/system/samples_per_s"][-1][1] > 0
 
 
-def test_periodic_stall_every_10th_step_is_named(monkeypatch, tmp_path):
+@pytest.mark.parametrize("profiled", [True, False], ids=["profiler", "stall-before-the-monitor"])
+def test_periodic_stall_every_10th_step_is_named(monkeypatch, tmp_path, profiled):
+    # with SystemProfiler the step ends after every callback's on_train_batch_end, wherever the monitor is listed;
+    # without it, at the monitor's own: a callback listed before it is the step's
     rec = spy(monkeypatch)
     monitor = SystemMonitor(log_every_n_steps=10, rules={"step_time_fluctuation": {"warmup_steps": 5}})
     clock = on_fake_time(monitor)
-    fit(Encoder(), [monitor, Tick(clock, 0.02), StallEvery(10, 0.25, clock)], 85, default_root_dir=tmp_path)
+    stall = StallEvery(10, 0.25, clock)
+    callbacks = [monitor, Tick(clock, 0.02), stall] if profiled else [stall, monitor, Tick(clock, 0.02)]
+    extra = {"profiler": SystemProfiler()} if profiled else {}
+    fit(Encoder(), callbacks, 85, default_root_dir=tmp_path, **extra)
     periodic = [a for a in monitor.alerts if a.rule == "step_time_periodic"]
     assert len(periodic) == 1, [a.format() for a in monitor.alerts]
     assert periodic[0].value == 10.0 and "every 10 steps" in periodic[0].message
@@ -92,7 +97,7 @@ def test_a_70_percent_stall_is_named_within_a_30_step_run_with_the_default_warm_
     monitor = SystemMonitor()
     clock = on_fake_time(monitor)
     fit(Encoder(), [monitor, Tick(clock, 0.02), StallEvery(10, 0.47, clock)], 30, log_every_n_steps=5,
-        default_root_dir=tmp_path)
+        default_root_dir=tmp_path, profiler=SystemProfiler())
     assert [(a.rule, a.global_step, a.value) for a in monitor.alerts] == [("step_time_periodic", 20, 10.0)]
     assert "2 times in the last 20 steps" in monitor.alerts[0].message
     assert "70% of the time" in monitor.alerts[0].message
@@ -204,7 +209,7 @@ def test_healthy_run_with_every_callback_is_quiet_and_its_overhead_is_accounted(
     assert rec.values["diag/system/tokens_per_s"][-1][1] > rec.values["diag/system/samples_per_s"][-1][1]
     # every wrapper is gone after the fit
     assert all("on_train_batch_end" not in vars(cb) for cb in callbacks)
-    assert not getattr(AttentionRecorder.add, "_diag_timed", False)
+    assert all("recorder_timing" not in vars(cb) for cb in callbacks)
 
 
 class CostlyLogging(DiagCallback):
@@ -237,7 +242,8 @@ def test_state_survives_a_resume(tmp_path):
     )
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1)
     kwargs = {**FAST, "enable_checkpointing": True, "default_root_dir": tmp_path}
-    pl.Trainer(max_steps=10, callbacks=[monitor, ckpt], **kwargs).fit(MLP())
+    # the profiler ends the step after the checkpoint callback's hook, which saved inside it
+    pl.Trainer(max_steps=10, callbacks=[monitor, ckpt], profiler=SystemProfiler(), **kwargs).fit(MLP())
     assert monitor.steps_seen == 10
     assert monitor.step_window[-1][2] is True  # the step that saved is left out of the fluctuation test
     saved = torch.load(tmp_path / "epoch=0-step=10.ckpt", weights_only=False)["callbacks"]
@@ -429,8 +435,9 @@ def test_the_trainers_logging_cadence_is_no_stall_a_larger_stall_on_it_is(
     logger = SlowLogger(clock, logger_s)
     callbacks = [BlockingWrites(clock, diagnostics_s), monitor, Tick(clock, 0.004)]
     callbacks += [StallEvery(5, stall, clock)] if stall else []
+    # Lightning's write is told apart from data waiting through the trainer's SystemProfiler (no logger is wrapped)
     fit(LoggingEncoder(width=32, seq=16), callbacks, 60, log_every_n_steps=5, logger=logger,
-        default_root_dir=tmp_path)
+        default_root_dir=tmp_path, profiler=SystemProfiler())
     assert logger.steps == list(range(4, 60, 5))  # Lightning wrote the loss 12 times (its step count)
     found = [(a.rule, a.value) for a in monitor.alerts if a.severity != "info"]
     assert found == ([("step_time_periodic", 5.0)] if stall else []), [a.format() for a in monitor.alerts]
@@ -452,3 +459,21 @@ def test_a_loader_that_is_slow_in_two_phases_of_a_fit_is_one_alert(monkeypatch, 
 
     fit(MLP(batch=4), [SlowPhases(), monitor, Tick(clock, 0.01)], 60, default_root_dir=tmp_path)
     assert [(a.rule, a.global_step) for a in monitor.alerts] == [("dataloader_bound", 12)]
+
+
+@pytest.mark.parametrize("profiled", [False, True], ids=["plain", "profiler"])
+def test_a_later_callbacks_batch_end_is_data_waiting_unless_the_profiler_ends_the_batch(
+    monkeypatch, tmp_path, profiled
+):
+    # docs/system_monitor.md "With and without SystemProfiler": nothing of another callback is wrapped, so without
+    # the profiler the batch ends at the monitor's own on_train_batch_end, and a callback listed after it is waiting
+    rec = spy(monkeypatch)
+    monitor = SystemMonitor(log_every_n_steps=10)
+    clock = on_fake_time(monitor)
+    extra = {"profiler": SystemProfiler()} if profiled else {}
+    fit(Encoder(), [monitor, Tick(clock, 0.02), StallEvery(10, 0.25, clock)], 31, default_root_dir=tmp_path, **extra)
+    waits = dict(rec.values["diag/system/data_wait_s"])
+    steps = dict(rec.values["diag/system/step_time_s"])
+    # the interval of steps 11-20 holds one stall (at the end of step 10's batch, before step 11's)
+    assert waits[20] == pytest.approx(0.0 if profiled else 0.025)
+    assert steps[20] == pytest.approx(0.02 + 0.025)

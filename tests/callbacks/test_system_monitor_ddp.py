@@ -1,10 +1,11 @@
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import launch
 
 SCRIPT = Path(__file__).with_name("ddp_system_script.py")
 
@@ -13,8 +14,8 @@ SCRIPT = Path(__file__).with_name("ddp_system_script.py")
 def test_straggler_is_named_and_every_rank_decides_the_same(tmp_path):
     # this checkout's lightning_diag, in the launcher and in the processes Lightning starts
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
+    proc = launch.run(
+        [sys.executable, str(SCRIPT), str(tmp_path)], timeout=300, env=env
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"sys{r}.json").read_text()) for r in (0, 1)]

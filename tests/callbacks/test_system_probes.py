@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import pytest
 import pytorch_lightning as pl
 import torch
 
@@ -112,23 +113,46 @@ def test_hook_timer_wraps_and_unwraps_instances_only():
     assert "on_train_batch_start" not in vars(cb)
 
 
-class _Trainer:
-    def save_checkpoint(self, path: str) -> str:
-        return path
+class _Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, float]] = []
+
+    def batch_hooks_done(self) -> None:
+        self.seen.append(("end", 0.0))
+
+    def fetched(self, seconds: float) -> None:
+        self.seen.append(("fetch", seconds))
+
+    def checkpoint_saved(self, seconds: float) -> None:
+        self.seen.append(("checkpoint", seconds))
 
 
-def test_checkpoint_timer_is_removed_and_never_removes_someone_elses():
-    from lightning_diag.callbacks._system_hooks import time_save_checkpoint, untime_save_checkpoint
+def test_system_profiler_tells_its_listener_and_forwards_to_the_inner_profiler():
+    from pytorch_lightning.profilers import SimpleProfiler
 
-    trainer, seconds = _Trainer(), []
-    timer = time_save_checkpoint(trainer, seconds.append)  # type: ignore[arg-type]
-    assert trainer.save_checkpoint("a.ckpt") == "a.ckpt" and len(seconds) == 1
-    untime_save_checkpoint(trainer, timer)  # type: ignore[arg-type]
-    assert "save_checkpoint" not in vars(trainer)
+    from lightning_diag import SystemProfiler
 
-    theirs = lambda path: "theirs"  # noqa: E731  (another tool's instance-level wrapper)
-    trainer.save_checkpoint = theirs  # type: ignore[method-assign]
-    assert time_save_checkpoint(trainer, seconds.append) is None  # type: ignore[arg-type]
-    untime_save_checkpoint(trainer, None)  # type: ignore[arg-type]
-    untime_save_checkpoint(trainer, timer)  # type: ignore[arg-type]
-    assert vars(trainer)["save_checkpoint"] is theirs
+    now = [0.0]
+    inner = SimpleProfiler()
+    profiler, events = SystemProfiler(inner, clock=lambda: now[0]), _Events()
+    profiler.start("save_checkpoint")  # nobody listens yet: nothing told
+    profiler.stop("save_checkpoint")
+    profiler.listen(events)
+    for action, seconds in [
+        ("[_TrainingEpochLoop].train_dataloader_next", 0.25),
+        ("save_checkpoint", 1.5),
+        ("[Callback]Other.on_train_batch_end", 9.0),  # another callback's hook: not the trainer's own work
+    ]:
+        profiler.start(action)
+        now[0] += seconds
+        profiler.stop(action)
+    profiler.start("[LightningModule]Net.on_train_batch_end")
+    profiler.stop("[LightningModule]Net.on_train_batch_end")
+    assert events.seen == [("fetch", 0.25), ("checkpoint", 1.5), ("end", 0.0)]
+    assert "save_checkpoint" in inner.recorded_durations and "save_checkpoint" in profiler.summary()
+    profiler.listen(None)
+    profiler.start("save_checkpoint")
+    profiler.stop("save_checkpoint")
+    assert len(events.seen) == 3
+    with pytest.raises(TypeError, match="inner"):
+        SystemProfiler(inner="simple")  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from lightning_diag.demo import build_fault, run_demo
 from lightning_diag.instrument.output_watch import ZeroOutputWatch
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.runtime import ZeroOutputRule
+from tests import launch
 
 FAST = {
     "accelerator": "cpu",
@@ -222,14 +223,13 @@ def test_rule_judges_transitions_and_round_trips_its_state():
 def test_a_zero_output_on_one_ddp_rank_is_one_alert_on_every_rank(tmp_path, mode):
     import json
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).with_name("ddp_zero_output_script.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True, timeout=300, env=env
+    proc = launch.run(
+        [sys.executable, str(script), str(tmp_path), mode], timeout=300, env=env
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"zero-{mode}{r}.json").read_text()) for r in (0, 1)]

@@ -12,6 +12,7 @@ from lightning_diag import AttentionEntropyMonitor
 from lightning_diag.instrument.attention_capture import AttentionCapture, sdpa_probabilities
 from lightning_diag.instrument.attention_record import AttentionRecorder
 from lightning_diag.stats.attention_probs import head_stats
+from tests import launch
 
 B, HQ, HK, L, S, E = 3, 4, 2, 6, 6, 8
 LENGTHS = [6, 4, 2]  # real keys per batch row; the rest is padding
@@ -325,12 +326,11 @@ def test_extra_head_dimensions_broadcast_like_the_call():
 @pytest.mark.slow
 def test_ddp_ranks_judge_the_same_averaged_sdpa_statistics(tmp_path):
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).with_name("ddp_sdpa_script.py")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    proc = launch.run([sys.executable, str(script), str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert len(ranks[0]["judged"]) == 2  # steps 0 and 2

@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from lightning_diag.cli import main
-from lightning_diag.report import load_run
+from lightning_diag.report import load_fits, load_run
 from tests.report.runs import LOSS, alert, cli, make_run, write_events
 
 
@@ -162,17 +162,23 @@ def test_a_flipped_byte_in_an_event_file_loses_one_point_and_says_so(tmp_path, c
     assert "1 damaged record(s) (checksum mismatch) left out" in _md_report(run, capsys)
 
 
-def test_two_fits_in_one_diag_folder_are_not_merged(tmp_path, capsys):
+def test_two_fits_in_one_diag_folder_are_two_runs(tmp_path, capsys):
     run = tmp_path / "run"
     diag = run / "diag"
     write_events(diag, {LOSS: [1.0, 0.9, 0.8, 0.7]}, suffix=".1")
     write_events(diag, {LOSS: [2.0, 1.9, 1.8]}, suffix=".2")  # the second fit, from step 0 again
-    loaded = load_run(run)
-    assert loaded.scalars[LOSS] == [(0, 2.0), (10, pytest.approx(1.9)), (20, pytest.approx(1.8))]
-    (problem,) = loaded.problems
-    assert "a second fit (or a resume)" in problem and "restarting at step 0" in problem
-    rep = _json_report(run, capsys)
-    assert rep["problems"] == [problem]
+    first, second = load_fits(run)
+    assert [s for s, _ in first.scalars[LOSS]] == [0, 10, 20, 30] and first.scalars[LOSS][0] == (0, 1.0)
+    assert second.scalars[LOSS] == [(0, 2.0), (10, pytest.approx(1.9)), (20, pytest.approx(1.8))]
+    assert (first.fit, second.fit) == ("fit 1 of 2", "fit 2 of 2")
+    (problem,) = second.problems
+    assert "2 fits were logged into this folder" in problem and "this is fit 2 of 2" in problem
+    assert load_run(run).scalars == second.scalars  # load_run: the last fit, and it says so
+    assert any("only the last of 2 fits" in p for p in load_run(run).problems)
+    assert main(["report", str(run), "--format", "json"]) == 0
+    reports = json.loads(capsys.readouterr().out)["runs"]
+    assert [r["fit"] for r in reports] == ["fit 1 of 2", "fit 2 of 2"]
+    assert reports[1]["problems"] == [problem]
 
 
 def test_a_resume_keeps_the_points_before_its_first_step(tmp_path):
@@ -237,3 +243,78 @@ def test_special_and_deeply_nested_files_in_the_diag_folder(tmp_path, capsys):
     assert any("thresholds.json: could not be read (nested too deeply)" in p for p in rep["problems"])
     assert any("events.out.tfevents.0.fifo: skipped: not a regular file (a FIFO)" in p for p in rep["problems"])
     assert rep["alerts"] and rep["threshold_source"].startswith("not logged")
+
+
+def test_a_resume_whose_late_series_start_again_is_one_fit(tmp_path):
+    diag = tmp_path / "run" / "diag"
+    write_events(diag, {LOSS: [1.0] * 8, "diag/probe": [0.0] * 5 + [0.5, 0.4, 0.3]}, suffix=".1")
+    # resumed from step 20: the probe, first measured at step 50, is measured at step 50 again
+    write_events(diag, {LOSS: [0.5] * 6, "diag/probe": [0.0] * 3 + [0.2, 0.1]}, suffix=".2", start=20)
+    (fit,) = load_fits(tmp_path / "run")
+    assert fit.fit == "" and [s for s, _ in fit.scalars[LOSS]] == [0, 10, 20, 30, 40, 50, 60, 70]
+
+
+def _alert_table(directory, count: int, suffix: str) -> None:
+    """An event file holding the alert table the library writes at each alert (its head counts the fit's alerts)."""
+    from tensorboard.compat.proto import types_pb2
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    writer = EventFileWriter(str(directory), filename_suffix=suffix)
+    text = TensorProto(dtype=types_pb2.DT_STRING, string_val=[f"**{count} alerts, newest first**\n\n|...|".encode()])
+    value = Summary.Value(tag="diag/alerts/text_summary", tensor=text)
+    writer.add_event(Event(step=30, summary=Summary(value=[value])))
+    writer.close()
+
+
+@pytest.mark.parametrize(("tables", "shares"), [((1, 2), [1, 2]), ((1, 1), [0, 3])])
+def test_the_alert_log_is_shared_out_by_each_fits_alert_table(tmp_path, tables, shares):
+    run = tmp_path / "run"
+    diag = run / "diag"
+    write_events(diag, {LOSS: [1.0, 0.9, 0.8, 0.7]}, suffix=".1")
+    _alert_table(diag, tables[0], ".1b")
+    write_events(diag, {LOSS: [2.0, 1.9, 1.8]}, suffix=".2")
+    _alert_table(diag, tables[1], ".2b")
+    make_run(run, alerts=[alert(step=10), alert(step=5), alert(step=20)], points=0)
+    first, second = load_fits(run)
+    assert [len(first.alerts), len(second.alerts)] == shares
+    if shares == [1, 2]:
+        assert [a.global_step for a in second.alerts] == [5, 20]
+    else:  # the tables count 2 of the 3 alerts: they cannot be told apart, and that is said
+        assert any("cannot be told apart" in p for p in second.problems)
+
+
+def test_a_damaged_metrics_csv_is_read_as_far_as_it_goes(tmp_path, capsys):
+    run = tmp_path / "csv" / "version_0"
+    run.mkdir(parents=True)
+    rows = ["epoch,step,train_loss,val_loss"] + [f"0,{s},{1.0 / (s + 1)}," for s in range(30)]
+    rows += [
+        "0,thirty,0.5,",
+        "0,31,not-a-number,",
+        "0,32,1e400,",
+        "0,33,nan,",
+        '0,34,"0.2',
+        "0,35",
+    ]  # a torn quote eats the rest
+    (run / "metrics.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    rep = _json_report(tmp_path, capsys)
+    assert rep["kind"] == "plain" and rep["mapping"]["train_loss"] == "train_loss"
+    assert any("metrics.csv: 3 cell(s) or row(s) that are not numbers were skipped" in p for p in rep["problems"])
+    nonfinite = next(c for c in rep["checks"] if c["id"] == "nonfinite")
+    assert nonfinite["status"] == "fail" and "train_loss at step 32" in nonfinite["measured"]  # 1e400 is inf
+
+
+def test_a_metrics_csv_without_a_step_column_is_not_a_run(tmp_path, capsys):
+    (tmp_path / "metrics.csv").write_text("epoch,loss\n0,1.0\n", encoding="utf-8")
+    assert main(["report", str(tmp_path)]) == 1
+    assert "no logged loss" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_fifo_in_place_of_metrics_csv_is_refused_at_once(tmp_path):
+    os.mkfifo(tmp_path / "metrics.csv")
+    write_events(tmp_path, {"train_loss": [1.0, 0.9, 0.8]})
+    done = cli("report", str(tmp_path), "--format", "json", timeout=60)
+    assert done.returncode == 0 and b"FIFO" in done.stderr

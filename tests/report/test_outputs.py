@@ -40,7 +40,7 @@ def test_a_full_disk_leaves_no_empty_report_and_keeps_the_earlier_one(tmp_path, 
     assert main(["report", str(run), "--out", str(out)]) == 0
     earlier = (out / "report.md").read_text()
 
-    def full(reports, fmt, plot_base=None):
+    def full(reports, fmt, plot_base=None, details=True):
         list(reports)
         yield "# lightning-diag report\n"
         raise OSError(errno.ENOSPC, "No space left on device")

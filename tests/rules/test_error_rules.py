@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.errors import ErrorClusterRule
+from lightning_diag.rules.errors import ErrorClusterRule, describe_members, token_ranges
 
 
 def group(**changes):
@@ -49,3 +49,30 @@ def test_the_message_names_features_size_rates_lift_and_p_worst_first():
     assert rule.update([group()], 0.105, StepContext(0, 20)) == []  # latched
     assert rule.update([group(lift=1.0)], 0.105, StepContext(0, 30)) == []  # cleared
     assert len(rule.update([group()], 0.105, StepContext(0, 40))) == 1  # a new event
+
+
+def member(name, size=14):
+    return SimpleNamespace(features=(name,), size=size, share=size / 1000, error_rate=0.5, lift=4.0, wrong=7,
+                           p_value=1e-4)
+
+
+def test_token_ranges_are_compact():
+    assert token_ranges([189, 180, 181, 182, 183, 184, 185, 186, 187, 188]) == "180–189"
+    assert token_ranges([7, 9, 10, 12, 13, 14, 3]) == "3, 7, 9, 10, 12–14"
+
+
+def test_a_disjunction_is_described_by_token_ranges_and_other_members_with_the_union_numbers():
+    members = (*(member(str(t)) for t in (181, 180, 182, 183, 184, 185, 186, 187, 188, 189)), member("source=forum"))
+    g = group(features=tuple(m.features[0] for m in members), kind="disjunction", members=members, size=150,
+              share=0.15, error_rate=0.45, alternates=("180 181",))
+    assert describe_members(g) == "holding any of tokens 180–189, source=forum (also tokens '180 181')"
+    [alert] = ErrorClusterRule().update([g], 0.1, StepContext(0, 10))
+    assert ("samples holding any of tokens 180–189, source=forum (also tokens '180 181'): 150 samples (15%), error "
+            "rate 45.0% against 4.0% for the rest (4.9x overall), p = 1e-30 corrected, 11 slices that fail "
+            "together") in alert.message
+
+
+def test_a_conjunction_and_a_single_slice_are_described_by_their_features():
+    conj = group(features=("5 & source=web",), kind="conjunction", members=(member("5 & source=web"),))
+    assert describe_members(conj, decode=lambda f: f"<{f}>") == "with token 5 ('<5>') and source=web"
+    assert describe_members(group()) == "with token 7, tokens '7 9', label=1"  # kind "slice" (and older groups)

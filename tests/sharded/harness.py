@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from torch import nn
+
+from tests import launch
 
 _REPO = Path(__file__).resolve().parents[2]
 if str(_REPO) not in sys.path:
@@ -261,8 +262,8 @@ def run_sharded(root: Path, mode: str = "fsdp2", timeout: float = 300, **config:
     path.write_text(json.dumps({"root": str(root), "mode": mode, **config}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))}
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, timeout=timeout, env=env, cwd=root
+    proc = launch.run(
+        [sys.executable, str(SCRIPT), str(path)], timeout=timeout, env=env, cwd=root
     )
     if proc.returncode != 0:
         raise RuntimeError(f"sharded run {mode} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")

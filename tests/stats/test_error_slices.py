@@ -1,6 +1,8 @@
 """Slice search (stats.error_slices, stats.error_clusters): features, the test against scipy's Fisher exact test,
 the correction, merging, and quiet uniform noise."""
 
+import math
+
 import numpy as np
 import pytest
 from scipy.stats import fisher_exact
@@ -14,6 +16,7 @@ from lightning_diag.stats.error_slices import (
     token_features,
     value_features,
 )
+from lightning_diag.stats.slice_groups import find_groups
 
 
 def test_token_features_are_presence_of_unigrams_and_bigrams_with_support():
@@ -113,3 +116,90 @@ def test_embedding_clusters_give_a_small_hard_region_its_own_slice():
     slices, _ = find_slices(f, wrong.astype(float), wrong, min_count=30)
     best = merge_slices(slices, f, wrong, keep=ErrorClusterRule().qualifies)[0]
     assert abs(best.size - 60) <= 5 and best.lift >= 3
+
+
+def _markers(n=600, markers=8, per=10, rate=0.7, seed=0):
+    """``markers`` tags of ``per`` samples each (``tag=m<i>``, the hard group) failing at ``rate``, 5% elsewhere."""
+    rng = np.random.default_rng(seed)
+    tag = [f"m{i % markers}" if i < markers * per else None for i in range(n)]
+    hard = np.arange(n) < markers * per
+    wrong = np.where(hard, rng.random(n) < rate, rng.random(n) < 0.05)
+    return tag, hard, wrong
+
+
+def test_disjoint_markers_too_small_to_be_slices_are_one_disjunction_with_the_union_numbers():
+    tag, hard, wrong = _markers()
+    words = value_features(rng_words(len(tag)), "word")
+    f = stack_features([value_features(tag, "tag"), words])
+    singles, _ = find_slices(f, wrong.astype(float), wrong, min_count=30)
+    assert not any(s.features[0].startswith("tag=") for s in singles)  # each marker (10 samples) is below support
+    groups = find_groups(f, wrong.astype(float), wrong, min_count=30, ratio=3.0, member_min=5)
+    [group] = [g for g in groups.findings if ErrorClusterRule().qualifies(g)]
+    assert group.kind == "disjunction"
+    assert sorted(m.features[0] for m in group.members) == [f"tag=m{i}" for i in range(8)]
+    assert group.size == 80 == hard.sum() and group.share == group.union_share == pytest.approx(80 / 600)
+    assert group.error_rate == group.union_error_rate == pytest.approx(wrong[hard].mean())
+    assert group.rest_error_rate == pytest.approx(wrong[~hard].mean())
+    table = [[int((wrong & hard).sum()), int((~wrong & hard).sum())],
+             [int((wrong & ~hard).sum()), int((~wrong & ~hard).sum())]]
+    assert group.p_value == pytest.approx(fisher_exact(table, alternative="greater")[1], rel=1e-6)
+    # weighted Bonferroni over every union of m of the P candidates: p * C(P, m) * m (m + 1)
+    p_count, m = groups.hypotheses, len(group.members)
+    assert groups.hypotheses == groups.candidates + groups.conjunctions > 8
+    assert group.p_adjusted == pytest.approx(group.p_value * math.comb(p_count, m) * m * (m + 1), rel=1e-6)
+
+
+def rng_words(n, seed=5):
+    """An unrelated field: one of 12 words per sample."""
+    return [f"w{i}" for i in np.random.default_rng(seed).integers(0, 12, n).tolist()]
+
+
+def test_an_unrelated_failing_field_value_stays_a_separate_finding():
+    tag, _, wrong = _markers()
+    n = len(tag)
+    source = np.where(np.arange(n) >= n - 60, "forum", "news")
+    wrong = wrong | ((np.arange(n) >= n - 60) & (np.random.default_rng(3).random(n) < 0.6))
+    f = stack_features([value_features(tag, "tag"), value_features(source.tolist(), "source")])
+    groups = find_groups(f, wrong.astype(float), wrong, min_count=30, ratio=2.5, member_min=5)
+    found = [g for g in groups.findings if ErrorClusterRule(ratio=2.5).qualifies(g)]
+    assert sorted(g.kind for g in found) == ["disjunction", "slice"]
+    forum = next(g for g in found if g.kind == "slice")
+    assert forum.features == ("source=forum",) and forum.size == 60
+
+
+def test_two_features_that_fail_only_together_are_a_conjunction():
+    rng = np.random.default_rng(2)
+    n = 800
+    a, b = rng.random(n) < 0.5, rng.random(n) < 0.5
+    wrong = np.where(a & b, rng.random(n) < 0.6, rng.random(n) < 0.05)
+    f = stack_features([value_features(np.where(a, "x", "y").tolist(), "a"),
+                        value_features(np.where(b, "web", "news").tolist(), "source")])
+    singles, _ = find_slices(f, wrong.astype(float), wrong, min_count=40)
+    assert all(s.lift < 3 for s in singles)  # neither feature qualifies alone
+    groups = find_groups(f, wrong.astype(float), wrong, min_count=40, ratio=3.0)
+    assert groups.conjunctions >= 4  # a=x & source=web, a=x & source=news, ...: every eligible pair is counted
+    [group] = [g for g in groups.findings if ErrorClusterRule().qualifies(g)]
+    assert group.kind == "conjunction" and group.features[0] == "a=x & source=web"
+    assert group.size == int((a & b).sum()) and group.lift >= 3
+
+
+@pytest.mark.slow
+def test_uniform_noise_yields_no_significant_group_after_the_correction():
+    """Errors independent of the features (tokens, two fields): across 40 random validation sets, the greedy union
+    finds chance groups whose own p-value is below 0.01 in most sets, but the corrected p-value of a group is
+    within 0.01 at most twice (the family-wise level allows 0.4), and none qualifies for error_cluster."""
+    rng = np.random.default_rng(4)
+    rule = ErrorClusterRule()
+    raw = corrected = qualifying = 0
+    for _ in range(40):
+        n = 600
+        seqs = [rng.zipf(1.3, 12) % 200 for _ in range(n)]
+        wrong = rng.random(n) < 0.12
+        f = stack_features([token_features(seqs, 5), value_features(rng.integers(0, 8, n).tolist(), "source"),
+                            value_features(rng.integers(0, 3, n).tolist(), "label")])
+        groups = find_groups(f, wrong.astype(float), wrong, min_count=30, ratio=3.0, member_min=5)
+        assert groups.conjunctions > 0 and groups.candidates > 50
+        raw += any(g.p_value <= 0.01 for g in groups.findings)
+        corrected += any(g.p_adjusted <= 0.01 for g in groups.findings)
+        qualifying += any(rule.qualifies(g) for g in groups.findings)
+    assert raw >= 20 and corrected <= 2 and qualifying == 0

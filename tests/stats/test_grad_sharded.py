@@ -102,19 +102,22 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_one_sum_over_ranks_gives_the_full_sums_of_squares(tmp_path):
-    import subprocess
+    import contextlib
+
+    from tests import launch
 
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(tmp_path), str(r)], env=env, stderr=subprocess.PIPE)
-        for r in range(4)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err.decode()[-3000:]
+    with contextlib.ExitStack() as stack:  # every rank's group is killed on leaving, a failed assertion included
+        procs = [
+            stack.enter_context(launch.started([sys.executable, str(script), str(tmp_path), str(r)], env=env))
+            for r in range(4)
+        ]
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["weights"] == [1.0, 0.5, 0.5, 0.5, 0.5, 0.25]
     assert out["got"] == pytest.approx(out["want"], rel=1e-6)

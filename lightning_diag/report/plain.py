@@ -1,0 +1,402 @@
+"""Diagnosing a plain Lightning run: one trained without lightning_diag callbacks, from its own logged losses.
+
+Such a run has only what the user logged (TensorBoard event files or a ``CSVLogger``'s ``metrics.csv``): the
+training loss (per step, or its epoch mean), the validation loss, ``LearningRateMonitor``'s learning rates and the
+epoch. :func:`map_plain_run` finds them (:func:`~lightning_diag.report.tag_map.auto_map`, or the user's
+``--map ROLE=TAG``) and :func:`diagnose_plain` replays the library's rules that need only those series, built with
+``Rule.from_settings`` over the library's default thresholds as :mod:`lightning_diag.report.replay` does:
+
+* ``nonfinite`` (``nonfinite_loss``): a NaN/Inf logged training or validation loss (the non-finite policy's latch:
+  one alert per episode);
+* ``loss_swing`` and ``loss_stagnant``: over the training loss's epoch means when logged (``train_loss_epoch``,
+  what AnomalyAlarm feeds them), else over means of windows of logged steps: for ``loss_swing`` windows long
+  enough that one logged step's noise (a single batch's loss) cannot make a swing (:func:`step_noise`), for
+  ``loss_stagnant`` (whose trend test weighs the noise itself) of :data:`WINDOW_POINTS` steps;
+  ``loss_stagnant``'s initial loss is the mean of the losses logged in the first ``loss_stagnant.baseline_steps``
+  steps (not measured when none were);
+* ``val_decline`` and ``val_fluctuation``: over the validation loss, with the mean logged training loss since the
+  previous validation;
+* ``loss_outlier``: over the logged per-step training losses.
+
+Their alerts are the run's findings (its alert timeline). Every other row is ``not measured``, naming the
+callback that measures it. Imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import itertools
+import math
+import statistics
+from collections.abc import Mapping
+
+from lightning_diag.core.alerts import Alert
+from lightning_diag.core.registry import CHECKS, RULES, default_thresholds
+from lightning_diag.core.tags import loss_tag
+from lightning_diag.report.checks import Check, RunReport, finish_check
+from lightning_diag.report.load import RunData, Series
+from lightning_diag.report.rows import CHECKLIST_LAYERS, fmt
+from lightning_diag.report.tag_map import ROLES, auto_map
+from lightning_diag.report.text import clean
+from lightning_diag.rules.anomaly import (
+    STAGNANT_BASELINE_STEPS_KEY,
+    LossStagnantRule,
+    LossSwingRule,
+    ValDeclineRule,
+    ValFluctuationRule,
+)
+from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.catalog import (
+    ALL_RULES,
+    LOSS_OUTLIER,
+    LOSS_STAGNANT,
+    LOSS_SWING,
+    NONFINITE_GRAD,
+    NONFINITE_LOSS,
+    VAL_DECLINE,
+    VAL_FLUCTUATION,
+)
+from lightning_diag.rules.nonfinite import NonFinitePolicy, StepFindings
+from lightning_diag.rules.runtime import LossOutlierRule
+
+__all__ = ["PLAIN_SOURCE", "WINDOW_POINTS", "diagnose_plain", "map_plain_run", "step_noise"]
+
+#: Logged training-loss steps averaged into one point of ``loss_swing`` / ``loss_stagnant`` when the run logged
+#: no epoch mean.
+WINDOW_POINTS = 8
+#: :attr:`RunData.threshold_source` of a plain run.
+PLAIN_SOURCE = "the library's defaults (a plain Lightning run logs no thresholds)"
+_NONFINITE = "nonfinite"
+#: The checklist rows a plain run measures, and the "Other" rows it adds.
+_MEASURED_ROWS = (_NONFINITE, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION)
+_OTHER_RULES = (LOSS_STAGNANT, LOSS_OUTLIER)
+
+
+def map_plain_run(run: RunData, overrides: Mapping[str, str] | None = None) -> bool:
+    """Map a run's own tags to the roles (:data:`~lightning_diag.report.tag_map.ROLES`); whether it has a loss to
+    judge. Then it becomes a plain run (``kind="plain"``, the library's default thresholds).
+
+    An override naming a tag the run did not log is said in its problems (with the loss tags it did log) and
+    that role is left to the automatic mapping.
+    """
+    mapping = auto_map(run.user)
+    for role, tag in (overrides or {}).items():
+        if tag in run.user:
+            mapping[role] = tag
+        else:
+            logged = ", ".join(sorted(t for t in run.user if "loss" in t.lower())[:10]) or "none"
+            run.problems.append(
+                f"{run.name}: --map {role}={clean(tag)}: no such scalar in this run (its loss tags: {logged}); "
+                "the automatic mapping is used"
+            )
+    if not {"train_loss", "train_loss_epoch", "val_loss"} & set(mapping):
+        return False
+    run.mapping = {role: mapping[role] for role in ROLES if role in mapping}
+    run.kind = "plain"
+    run.thresholds = default_thresholds()
+    run.threshold_source = PLAIN_SOURCE
+    return True
+
+
+@dataclasses.dataclass
+class _Series:
+    """A plain run's series by role (empty when not mapped)."""
+
+    train: Series
+    train_epoch: Series
+    val: Series
+    epochs: Series
+    lr: Series
+
+    @classmethod
+    def of(cls, run: RunData) -> _Series:
+        def get(role: str) -> Series:
+            tag = run.mapping.get(role)
+            return run.user.get(tag, []) if tag is not None else []
+
+        return cls(get("train_loss"), get("train_loss_epoch"), get("val_loss"), get("epoch"), get("lr"))
+
+    def epoch_at(self, step: int) -> int:
+        """The epoch logged at or before ``step`` (0 when none was)."""
+        at = bisect.bisect_right(self.epochs, (step, math.inf)) - 1
+        value = self.epochs[at][1] if at >= 0 else 0.0
+        return int(value) if math.isfinite(value) else 0
+
+    def lr_at(self, step: int) -> float | None:
+        at = bisect.bisect_right(self.lr, (step, math.inf)) - 1
+        return self.lr[at][1] if at >= 0 else None
+
+
+def _windows(finite: Series, size: int) -> Series:
+    """Means of consecutive windows of ``size`` points, each at its last step (a shorter rest is left out)."""
+    chunks = [finite[i : i + size] for i in range(0, len(finite) - size + 1, size)]
+    return [(w[-1][0], statistics.fmean(v for _, v in w)) for w in chunks]
+
+
+def step_noise(values: list[float]) -> float:
+    """The relative noise of one logged loss: a robust standard deviation (1.4826 MAD) of the relative changes
+    between consecutive values, over sqrt(2) (a change holds the noise of two values); ``nan`` for fewer than 3.
+
+    Example:
+        >>> round(step_noise([1.0, 1.1, 0.9, 1.05, 0.95, 1.2, 0.85, 1.0]), 2)
+        0.17
+    """
+    changes = [(b - a) / abs(a) for a, b in itertools.pairwise(values) if a != 0]
+    if len(changes) < 2:
+        return math.nan
+    mid = statistics.median(changes)
+    return 1.4826 * statistics.median(abs(c - mid) for c in changes) / math.sqrt(2)
+
+
+def _loss_points(s: _Series) -> tuple[Series, str]:
+    """The points ``loss_stagnant`` judges (its trend test weighs their noise), and what one point is."""
+    if s.train_epoch:
+        return [p for p in s.train_epoch if math.isfinite(p[1])], "epoch"
+    finite = [p for p in s.train if math.isfinite(p[1])]
+    return _windows(finite, WINDOW_POINTS), f"window of {WINDOW_POINTS} logged step"
+
+
+def _swing_points(s: _Series, threshold: float) -> tuple[Series, str, str]:
+    """The points ``loss_swing`` judges, what one point is, and a note on how they were chosen.
+
+    Epoch means when the run logged them (what AnomalyAlarm feeds the rule). Else means of windows of logged
+    steps, long enough that the noise of one logged step (a single batch's loss, :func:`step_noise`) cannot make a
+    swing: the change between two window means has a standard deviation of ``sqrt(2) * noise / sqrt(n)``, which
+    must stay below a third of the threshold (``n >= 18 * (noise / threshold) ** 2``, at least
+    :data:`WINDOW_POINTS`).
+    """
+    if s.train_epoch:
+        return [p for p in s.train_epoch if math.isfinite(p[1])], "epoch", ""
+    finite = [p for p in s.train if math.isfinite(p[1])]
+    noise = step_noise([v for _, v in finite])
+    size = WINDOW_POINTS
+    if math.isfinite(noise) and threshold > 0:
+        size = max(size, math.ceil(18 * (noise / threshold) ** 2))
+    note = (
+        f"no epoch mean was logged: judged on means of {size} logged steps (one logged loss varies by "
+        f"{noise:.0%} from step to step); log the loss with on_epoch=True for epoch means"
+        if math.isfinite(noise)
+        else ""
+    )
+    return _windows(finite, size), f"window of {size} logged step", note
+
+
+@dataclasses.dataclass
+class _Found:
+    """What the replay found: alerts per check row, and the measured text of each row."""
+
+    alerts: dict[str, list[Alert]] = dataclasses.field(default_factory=dict)
+    measured: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def add(self, row: str, alerts: list[Alert]) -> None:
+        self.alerts.setdefault(row, []).extend(alerts)
+
+
+def _nonfinite(run: RunData, s: _Series, found: _Found) -> None:
+    thresholds = run.thresholds
+    bad: list[str] = []
+    for role, series in (("train_loss", s.train), ("train_loss_epoch", s.train_epoch), ("val_loss", s.val)):
+        tag = run.mapping.get(role, "")
+        policy = NonFinitePolicy.from_settings(thresholds, action="warn")  # decides and latches: one per episode
+        last = math.nan
+        for step, v in series:
+            if math.isfinite(v):
+                last = v
+                policy.decide(StepFindings(False, False), StepContext(s.epoch_at(step), step))
+                continue
+            bad.append(f"{tag} at step {step}")
+            decision = policy.decide(StepFindings(True, False), StepContext(s.epoch_at(step), step))
+            lr = s.lr_at(step)
+            found.add(
+                _NONFINITE,
+                [
+                    dataclasses.replace(
+                        a,
+                        source=tag,
+                        message=f"the logged loss `{tag}` ({role}) is {v} at step {step} (epoch {a.epoch}); last "
+                        f"finite value {last:.6g}"
+                        + (f"; learning rate {lr:.3g}" if lr is not None else "")
+                        + ". Attach AnomalyAlarm to stop (or skip) such a step and to find the first non-finite "
+                        "value",
+                    )
+                    for a in decision.alerts
+                ],
+            )
+    first = f"; first: {bad[0]}" if bad else ""
+    found.measured[_NONFINITE] = f"{len(bad)} non-finite logged loss value(s){first}"
+    found.notes[_NONFINITE] = f"gradients are not logged: {ALL_RULES[NONFINITE_GRAD]} checks them at every step"
+
+
+def _trend(run: RunData, s: _Series, found: _Found) -> None:
+    """``loss_swing``, ``loss_stagnant``, ``val_decline`` and ``val_fluctuation`` in step order."""
+    source = run.mapping.get("train_loss_epoch") or run.mapping.get("train_loss", "train_loss")
+    swing = LossSwingRule.from_settings(run.thresholds, source=source)
+    swing_points, swing.unit, swing_note = _swing_points(s, swing.threshold)
+    points, unit = _loss_points(s)
+    stagnant = LossStagnantRule.from_settings(run.thresholds, unit=unit, source=source)
+    baseline_steps = int(run.thresholds[STAGNANT_BASELINE_STEPS_KEY])
+    early = [v for step, v in s.train if step < baseline_steps and math.isfinite(v)]
+    if early:
+        stagnant.set_baseline(statistics.fmean(early))
+    monitor = run.mapping.get("val_loss", "val_loss")
+    decline = ValDeclineRule.from_settings(run.thresholds, monitor=monitor)
+    fluctuation = ValFluctuationRule.from_settings(run.thresholds, monitor=monitor)
+    train_steps = [step for step, _ in s.train]
+    changes: list[float] = []
+    longest = 0
+    ratios: list[float] = []
+    previous_val = -1
+    # validation after the loss point of the same step: the point closes the period the validation follows
+    events = sorted(
+        [(step, 0, v) for step, v in swing_points]
+        + [(step, 1, v) for step, v in points]
+        + [(step, 2, v) for step, v in s.val if math.isfinite(v)]
+    )
+    for step, kind, v in events:
+        ctx = StepContext(s.epoch_at(step), step)
+        if kind == 0:
+            found.add(LOSS_SWING, swing.update(v, ctx))
+            change = getattr(swing, "last_change", math.nan)
+            if math.isfinite(change) and (not changes or changes[-1] != change):
+                changes.append(change)
+            continue
+        if kind == 1:
+            found.add(LOSS_STAGNANT, stagnant.update(v, ctx))
+            continue
+        lo, hi = bisect.bisect_right(train_steps, previous_val), bisect.bisect_right(train_steps, step)
+        since = [x for _, x in s.train[lo:hi] if math.isfinite(x)]
+        train_mean = statistics.fmean(since) if since else None
+        previous_val = step
+        stagnant.observe_validation(v)
+        found.add(VAL_DECLINE, decline.update(v, ctx, train_mean))
+        longest = max(longest, int(getattr(decline, "streak", 0)))
+        if train_mean is not None:
+            found.add(VAL_FLUCTUATION, fluctuation.update(train_mean, v, ctx))
+            ratio = getattr(fluctuation, "last_ratio", math.nan)
+            if math.isfinite(ratio):
+                ratios.append(ratio)
+    if changes:
+        found.measured[LOSS_SWING] = (
+            f"relative change between {swing.unit}s {min(changes):+.1%} .. {max(changes):+.1%} over "
+            f"{len(swing_points)} points"
+        )
+    else:
+        found.notes[LOSS_SWING] = f"needs at least two points ({swing.unit}s spanning {swing.min_steps} steps); " + (
+            f"the run has {len(swing_points)}" if swing_points else f"the run logged {len(s.train)} training losses"
+        )
+    if swing_note:
+        found.notes[LOSS_SWING] = f"{found.notes.get(LOSS_SWING, '')} {swing_note}".strip()
+    if s.val:
+        found.measured[VAL_DECLINE] = f"longest run of worse validations: {longest} (of {len(s.val)} validations)"
+    else:
+        found.notes[VAL_DECLINE] = "no validation loss was logged (map one with --map val_loss=TAG)"
+    if ratios:
+        found.measured[VAL_FLUCTUATION] = f"val / train fluctuation up to {fmt(max(ratios))}"
+    else:
+        found.notes[VAL_FLUCTUATION] = (
+            f"needs {fluctuation.window} validation runs spanning {fluctuation.min_steps} steps, with the training "
+            "loss logged between them"
+        )
+    if stagnant.baseline is None:
+        found.notes[LOSS_STAGNANT] = (
+            f"needs the training loss of the first {baseline_steps} steps (the untrained model's level); the first "
+            f"logged is at step {s.train[0][0]}: log with log_every_n_steps=1, or attach AnomalyAlarm"
+            if s.train
+            else "no per-step training loss was logged"
+        )
+    elif math.isfinite(level := getattr(stagnant, "level", math.nan)) and stagnant.baseline:
+        found.measured[LOSS_STAGNANT] = (
+            f"level {fmt(level)}, {1 - level / stagnant.baseline:.1%} below the initial {fmt(stagnant.baseline)}"
+        )
+    else:
+        found.notes[LOSS_STAGNANT] = f"needs {stagnant.patience} points over {stagnant.min_steps} steps"
+
+
+def _outliers(run: RunData, s: _Series, found: _Found) -> None:
+    rule = LossOutlierRule.from_settings(run.thresholds)
+    if len(s.train) < rule.window // 2 + 1:
+        found.notes[LOSS_OUTLIER] = (
+            f"needs more than {rule.window // 2} logged training losses, the run has {len(s.train)}"
+        )
+        return
+    chunk: Series = []
+    for i, (step, v) in enumerate(s.train):  # an epoch's logged steps at a time, as the alarm feeds its pending losses
+        chunk.append((step, v))
+        if i + 1 == len(s.train) or s.epoch_at(s.train[i + 1][0]) != s.epoch_at(step):
+            ctx = StepContext(s.epoch_at(step), step)
+            found.add(LOSS_OUTLIER, rule.update([x for _, x in chunk], [t for t, _ in chunk], ctx))
+            chunk = []
+    found.measured[LOSS_OUTLIER] = (
+        f"{len(found.alerts.get(LOSS_OUTLIER, []))} outlier alert(s) over {len(s.train)} logged training losses"
+    )
+
+
+def _not_measured(check: Check) -> Check:
+    owners = sorted({ALL_RULES[r] for r in check.rules if r in ALL_RULES})
+    if owners:
+        check.add_note(f"not logged by a plain Lightning run: {', '.join(owners)} measures it")
+    else:
+        check.add_note("outside what a training callback sees; no lightning_diag callback measures it")
+    return check
+
+
+@functools.lru_cache(maxsize=1)
+def _checklist() -> tuple[Check, ...]:
+    """The rows of every plain run, before judging: titles and thresholds from the registry's defaults (the same
+    for every plain run, so described once), the rows a plain run cannot measure already marked."""
+    thresholds = default_thresholds()
+    specs = sorted(CHECKS.values(), key=lambda spec: CHECKLIST_LAYERS.index(spec.layer))
+    checks = [Check(spec.check_id, spec.layer, spec.describe(thresholds), spec.rules) for spec in specs]
+    checks += [
+        Check(rule, "Other", (t := RULES[rule].describe(thresholds))[:1].upper() + t[1:], (rule,))
+        for rule in _OTHER_RULES
+    ]
+    for check in checks:
+        if check.id not in _MEASURED_ROWS and check.id not in _OTHER_RULES:
+            _not_measured(check)
+            continue
+        check.threshold = "; ".join(RULES[r].describe(thresholds) for r in check.rules if r in RULES)
+        if check.id == _NONFINITE:
+            check.threshold = "no non-finite value"
+            check.rules = (NONFINITE_LOSS,)
+    return tuple(checks)
+
+
+def diagnose_plain(run: RunData) -> RunReport:
+    """The checklist of a plain run (:func:`map_plain_run` first): the loss rows replayed, the rest not measured.
+
+    The replayed rules' warning and critical alerts become the run's alerts (its timeline and ``--fail-on``), and
+    the mapped losses its ``diag/loss/*`` series (the report's loss plot).
+    """
+    s = _Series.of(run)
+    found = _Found()
+    _nonfinite(run, s, found)
+    _trend(run, s, found)
+    _outliers(run, s, found)
+    run.alerts = sorted((a for alerts in found.alerts.values() for a in alerts), key=lambda a: a.global_step)
+    # the judged series under the tags the report's loss plot draws (a plain run has no diag/ series of its own)
+    for tag, points in (
+        (loss_tag("train_step"), s.train),
+        (loss_tag("train_epoch"), s.train_epoch),
+        (loss_tag("val"), s.val),
+    ):
+        if points:
+            run.scalars[tag] = points
+    out: list[Check] = []
+    for template in _checklist():
+        check = dataclasses.replace(template, measured_value={}, threshold_value=dict(template.threshold_value))
+        row = check.id
+        if row not in _MEASURED_ROWS and row not in _OTHER_RULES:
+            out.append(check)
+            continue
+        check.measured = found.measured.get(row)
+        if row in found.notes:
+            check.add_note(found.notes[row])
+        measured = row in found.measured
+        out.append(finish_check(check, run, measured, [], name_owners=False))
+        if not measured and check.status == "not measured":
+            check.measured = None
+    return RunReport(run, out)
