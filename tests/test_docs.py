@@ -5,11 +5,13 @@ import lightning_diag.callbacks.anomaly_alarm as alarm_module
 import lightning_diag.callbacks.attention_entropy as attention_module
 import lightning_diag.callbacks.data_diagnostics as data_module
 import lightning_diag.rules.anomaly as anomaly_rules
+import lightning_diag.rules.attention_logits as attention_logit_rules
 import lightning_diag.rules.attention_specs as attention_rules
 import lightning_diag.rules.data as data_rules
 import lightning_diag.rules.data_sequences as sequence_rules
 import lightning_diag.rules.errors as error_rules
 import lightning_diag.rules.grad as grad_rules
+import lightning_diag.rules.output_collapse as output_rules
 import lightning_diag.rules.probes as probe_rules
 import lightning_diag.rules.replicas as replica_rules
 import lightning_diag.rules.robustness as robustness_rules
@@ -22,6 +24,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODULES = (
     anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, probe_rules,
     system_rules, error_rules, robustness_rules, update_rules, replica_rules, sequence_rules, runtime_rules,
+    output_rules, attention_logit_rules,
 )
 
 

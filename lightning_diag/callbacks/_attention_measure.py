@@ -58,11 +58,14 @@ def reduce_stats(
     loss: torch.Tensor | None,
     notice: Callable[[str, str], None],
     filtered: bool = False,
+    peaks: dict[str, float] | None = None,
 ) -> tuple[dict[str, LayerStats], float] | None:
     """One host copy of every module's statistics, averaged over ranks (weighted by valid rows), and of the
     sampled batch's training loss (averaged over the ranks that have one; ``nan`` when none has).
 
-    ``notice(key, message)`` says once what is not measured; ``filtered``: the monitor watches only some modules.
+    ``notice(key, message)`` says once what is not measured; ``filtered``: the monitor watches only some modules;
+    ``peaks``, if given, receives each module's peak attention logit (``recorder.logit_peaks``, averaged over the
+    ranks that saw it) in the same copy.
     """
     names = list(recorder.stats)
     distributed = trainer.world_size > 1
@@ -105,8 +108,14 @@ def reduce_stats(
         parts += [place(s.entropy * rows), place(s.uniform * rows), place(s.special_mass * rows)]
         parts += [place(s.special_share * rows), place(first * rows), place(coverage * rows)]
         parts += [causal.reshape(1) * rows, rows, place(rows.expand(local))]
-    # the loss rides along in the same copy: [loss, 1] where it is known, [0, 0] where not
+    # the peak logits and the loss ride along in the same copy: [value, 1] where known, [0, 0] where not
     device = parts[0].device if parts else trainer.strategy.root_device
+    for n in names:
+        peak = recorder.logit_peaks.get(n) if peaks is not None else None
+        if peak is None:
+            parts.append(torch.zeros(2, device=device))
+        else:
+            parts.append(torch.stack([peak.float().reshape(()).to(device), torch.ones((), device=device)]))
     if loss is not None:
         parts.append(torch.stack([loss.detach().float().reshape(()).to(device), torch.ones((), device=device)]))
     else:
@@ -131,6 +140,12 @@ def reduce_stats(
         is_causal = chunk[6 * h] / rows > 1 - 1e-6
         entropy, uniform, mass, share, first_mass, cover = cols
         layers[name] = LayerStats(entropy, uniform, mass, share, first_mass, is_causal, cover)
+    if peaks is not None:
+        for name in names:
+            total, seen = host[i], host[i + 1]
+            i += 2
+            if seen > 0 and name in layers:
+                peaks[name] = total / seen
     return layers, batch_loss
 
 

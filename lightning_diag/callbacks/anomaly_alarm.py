@@ -103,6 +103,11 @@ class AnomalyAlarm(QuietLossKeeping):
       ``eval_before_training`` (warning): the run-time checks of the set-up (:mod:`lightning_diag.rules.runtime`,
       measured by :class:`~lightning_diag.callbacks.runtime_checks.RuntimeChecks`); ``amp_not_applied.threshold``,
       ``loss_outlier.threshold``, ``loss_outlier.ratio`` and ``loss_outlier.window`` are set with ``rules=``.
+    * ``zero_output`` (warning): a module whose outputs had both signs returns all zeros on a sampled step (a copy
+      that arrived as zeros); ``output_collapse`` (warning): the model's outputs no longer depend on the input,
+      their spread across the batch below ``output_collapse.threshold`` of their level on
+      ``output_collapse.patience`` sampled steps (:mod:`lightning_diag.rules.output_collapse`; not measured at batch
+      size 1).
 
     Logged metrics (TensorBoard, global rank zero):
 

@@ -24,6 +24,7 @@ from lightning_diag.instrument.attention_record import AttentionRecorder
 from lightning_diag.instrument.batches import token_ids as find_token_ids
 from lightning_diag.instrument.sharding import TP_DIM_NAME
 from lightning_diag.rules.attention_entropy import AttentionEntropyRule
+from lightning_diag.rules.attention_logits import ATTN_LOGIT_GROWTH, AttentionLogitRule
 from lightning_diag.rules.attention_sink import AttentionSinkRule
 from lightning_diag.rules.attention_specs import (
     ATTN_ENTROPY_HIGH,
@@ -78,7 +79,11 @@ class AttentionEntropyMonitor(DiagCallback):
     * ``diag/attn_entropy/<module>/uniform``: entropy uniform attention over the same keys would have (the
       ceiling; ``attn_entropy_high`` compares with it).
     * ``diag/attn_sink/<module>``: the smallest attention mass any head puts on the special tokens.
-    * ``diag/threshold/attn_entropy_low``, ``.../attn_entropy_high``, ``.../attn_sink``: the thresholds, as
+    * ``diag/attn_logit_growth/<module>``: the largest attention logit ``|q.k| * scale`` among the sampled queries'
+      allowed keys (where the logits are seen: ``scaled_dot_product_attention``, ``nn.MultiheadAttention``,
+      hand-written softmax attention; not for probabilities handed over by ``record_attention``).
+    * ``diag/threshold/attn_entropy_low``, ``.../attn_entropy_high``, ``.../attn_sink``,
+      ``.../attn_logit_growth``: the thresholds, as
       reference series for the dashboard's charts.
     * ``diag/attn_map/<module>`` (image, every ``image_every_n_steps``): each head's attention map of the first
       sampled sequence (query rows x keys, padding cut off), heads side by side, coloured from 0 (dark) to the
@@ -98,6 +103,10 @@ class AttentionEntropyMonitor(DiagCallback):
       nats and above ``attn_entropy_high.uniform_fraction`` of uniform.
     * ``attn_sink``: every head of a module puts more than ``attn_sink.threshold`` of its attention (and twice its
       uniform share) on special tokens.
+    * ``attn_logit_growth`` (its own ``patience``): a module's largest attention logit above
+      ``attn_logit_growth.threshold`` (50) and grown on each of its last ``attn_logit_growth.patience`` (2)
+      measurements: attention-logit growth towards one-hot attention, usually seen before the entropy collapses
+      (:mod:`lightning_diag.rules.attention_logits`).
 
     Args:
         log_every_n_steps: Sample every this many optimizer steps; defaults to the trainer's interval.
@@ -165,6 +174,8 @@ class AttentionEntropyMonitor(DiagCallback):
         self.image_every_n_steps = image_every_n_steps
         self.entropy_rule = self.add_rule("entropy_rule", AttentionEntropyRule.from_settings, state_key="entropy")
         self.sink_rule = self.add_rule("sink_rule", AttentionSinkRule.from_settings, state_key="sink")
+        self.logit_rule = self.add_rule("logit_rule", AttentionLogitRule.from_settings, state_key="logits")
+        self._logit_peaks: dict[str, float] = {}
         self._recorder: AttentionRecorder | None = None
         self._handles: list[Any] = []
         self._mha: list[tuple[str, nn.Module]] | None = None
@@ -325,6 +336,7 @@ class AttentionEntropyMonitor(DiagCallback):
         if reduced is None:
             return
         layers, batch_loss = reduced
+        peaks, self._logit_peaks = self._logit_peaks, {}
         step = self._sampled_step
         values: dict[str, float] = {}
         for name, stats in layers.items():
@@ -333,12 +345,15 @@ class AttentionEntropyMonitor(DiagCallback):
             values[attn_entropy_tag(name, "mean")] = sum(stats.entropy) / len(stats.entropy)
             values[attn_uniform_tag(name)] = max(stats.uniform)
             values[tag(ATTN_SINK, name)] = min(stats.special_mass)
+            if name in peaks:
+                values[tag(ATTN_LOGIT_GROWTH, name)] = peaks[name]
         distributed = trainer.world_size > 1 and "ranks-differ" not in self._notices  # the same on every rank
         values.update(reduce_distances(trainer, recorder, [n for n in layers if n in recorder.stats], distributed))
-        values.update(self.threshold_lines(ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK))
+        values.update(self.threshold_lines(ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH, ATTN_SINK, ATTN_LOGIT_GROWTH))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
         ctx = type(ctx)(epoch=ctx.epoch, global_step=step)
+        self.record(self.logit_rule.update(peaks, ctx))  # the growth first: it comes before the collapse
         self.record(self.entropy_rule.update(layers, ctx, loss=batch_loss) + self.sink_rule.update(layers, ctx))
         if recorder.keep_maps:
             draw_images(self.writer, recorder, step)
@@ -347,6 +362,12 @@ class AttentionEntropyMonitor(DiagCallback):
         self, trainer: pl.Trainer, recorder: AttentionRecorder, loss: torch.Tensor | None = None
     ) -> tuple[dict[str, LayerStats], float] | None:
         """The sampled step's statistics and loss in one host copy (:func:`._attention_measure.reduce_stats`)."""
+        self._logit_peaks = {}
         return reduce_stats(
-            trainer, recorder, loss, lambda key, message: self.notice(trainer, key, message), self.modules is not None
+            trainer,
+            recorder,
+            loss,
+            lambda key, message: self.notice(trainer, key, message),
+            self.modules is not None,
+            self._logit_peaks,
         )

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import pytorch_lightning as pl
 import torch
 
+from lightning_diag.callbacks.output_collapse_check import RULE_ATTRIBUTE as COLLAPSE_RULE_ATTRIBUTE
+from lightning_diag.callbacks.output_collapse_check import OutputCollapseCheck
 from lightning_diag.callbacks.zero_output_check import RULE_ATTRIBUTE as ZERO_RULE_ATTRIBUTE
 from lightning_diag.callbacks.zero_output_check import ZeroOutputCheck
 from lightning_diag.instrument.runtime_probes import (
@@ -28,6 +30,7 @@ from lightning_diag.instrument.runtime_probes import (
     unconverged_spectral_norms,
 )
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.output_collapse import OutputCollapseRule
 from lightning_diag.rules.runtime import (
     TRAIN_OVERRIDE_BYPASSED,
     AmpRule,
@@ -114,6 +117,9 @@ class RuntimeChecks:
         owner.add_rule(ZERO_RULE_ATTRIBUTE, ZeroOutputRule.from_settings)
         #: ``zero_output``'s watch of the modules' outputs on sampled steps.
         self.zero_outputs = ZeroOutputCheck(owner)
+        owner.add_rule(COLLAPSE_RULE_ATTRIBUTE, OutputCollapseRule.from_settings)
+        #: ``output_collapse``'s watch of the model's output on sampled steps.
+        self.outputs = OutputCollapseCheck(owner)
         owner.add_state("pending_losses", PendingLosses, state_key="runtime_pending")
         self.reset()
 
@@ -126,8 +132,9 @@ class RuntimeChecks:
         # The owner's declared pending losses of this fit (restored in place at a resume).
         self._pending: PendingLosses = self._rule("pending_losses")
         self.zero_outputs.reset()
+        self.outputs.reset()
         #: The global step from which :meth:`on_train_batch_start` has something to do (the fit's first batch, then
-        #: ``zero_output``'s next sampled step): the owner does not call it before.
+        #: the next sampled step of ``zero_output`` or ``output_collapse``): the owner does not call it before.
         self.start_due: float = 0
         #: What :meth:`on_train_batch_end` does on a batch whose start did not call :meth:`on_train_batch_start` and
         #: that logs nothing (the owner calls this instead then): ``keep_loss(loss, step)`` keeps a reference to the
@@ -143,7 +150,8 @@ class RuntimeChecks:
         """On the fit's first training batch: compare ``train()`` overrides with what is in effect, and watch the
         matmul layers' dtypes under mixed precision."""
         self.zero_outputs.on_batch_start(trainer, pl_module)
-        self.start_due = self.zero_outputs.next_step
+        self.outputs.on_batch_start(trainer, pl_module)
+        self.start_due = min(self.zero_outputs.next_step, self.outputs.next_step)
         if self._first_batch_done:
             return
         self._first_batch_done = True
@@ -173,6 +181,7 @@ class RuntimeChecks:
         judge the mixed-precision probe; on logging steps judge the losses."""
         self._trained_forward = True
         self.zero_outputs.on_batch_end(trainer, pl_module)
+        self.outputs.on_batch_end(trainer, pl_module)
         if self._amp is not None:
             probe, self._amp = self._amp, None
             probe.stop()
@@ -221,3 +230,4 @@ class RuntimeChecks:
                 probe.stop()
         self._amp = self._dropout = None
         self.zero_outputs.stop()
+        self.outputs.stop()

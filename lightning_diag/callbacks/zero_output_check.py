@@ -5,8 +5,9 @@ A thin adapter over :class:`~lightning_diag.instrument.output_watch.ZeroOutputWa
 :class:`~lightning_diag.callbacks.runtime_checks.RuntimeChecks`).
 
 Cost: on a sampled step (the owner's logging interval, the first micro-batch of the optimizer step) a forward hook on
-every module (installed for that batch) computes ``output.any()`` per call on the device, and the flags are read in one
-transfer at the batch's end (after one all-reduce of ``2 x modules`` numbers under data parallelism). Other steps:
+every module (installed for that batch) computes ``output.any()`` and ``(output < 0).any()`` per call on the device,
+and the flags are read in one transfer at the batch's end (after one all-reduce of ``3 x modules`` numbers under data
+parallelism). Other steps:
 nothing (the owner calls :meth:`ZeroOutputCheck.on_batch_start` from :attr:`ZeroOutputCheck.next_step` on).
 """
 
@@ -70,19 +71,20 @@ class ZeroOutputCheck:
         if watch is None or not watch.active:
             return
         watch.stop()
-        counts = watch.counts()
+        counts = watch.counts(signs=True)
         if trainer.world_size > 1:  # every rank judges the same numbers: on how many ranks each module was zero
             if counts is None:
-                counts = torch.zeros(2, len(watch.order), device=pl_module.device)
+                counts = torch.zeros(3, len(watch.order), device=pl_module.device)
             counts = trainer.strategy.reduce(counts, reduce_op="sum")
         if counts is None:
             return
-        ran_n, zero_n = counts.tolist()
+        ran_n, zero_n, signed_n = counts.tolist()
         ran = [name for name, r in zip(watch.order, ran_n, strict=True) if r > 0]
         zeros = [name for name, z in zip(watch.order, zero_n, strict=True) if z > 0]
+        signed = [name for name, g in zip(watch.order, signed_n, strict=True) if g > 0]
         ctx = StepContext(trainer.current_epoch, self._step)  # the measured step (global_step has moved on)
         rule: ZeroOutputRule = getattr(self.owner, RULE_ATTRIBUTE)  # rebuilt by the owner at each fit
-        self.owner.record(rule.update(ran, zeros, ctx))
+        self.owner.record(rule.update(ran, zeros, ctx, signed))
 
     def stop(self) -> None:
         """Remove the hook if installed (the end of a fit, or an exception in the middle of a batch)."""

@@ -22,10 +22,12 @@ from typing import Any
 import pytorch_lightning as pl
 
 from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
+from lightning_diag.demo.output_models import OUTPUT_SHAPES
 from lightning_diag.demo.synthetic import DATA_MODULES
 from lightning_diag.rules.catalog import (
     AMP_NOT_APPLIED,
     ATTN_ENTROPY_LOW,
+    ATTN_LOGIT_GROWTH,
     BATCH_SIZE_MISMATCH,
     DATA_LEAKAGE,
     EVAL_MODE_IN_TRAINING,
@@ -40,6 +42,7 @@ from lightning_diag.rules.catalog import (
     LOSS_STAGNANT,
     LOSS_SWING,
     NONFINITE_LOSS,
+    OUTPUT_COLLAPSE,
     POSITION_OVERFLOW,
     STEP_TIME_PERIODIC,
     TRAIN_OVERRIDE_BYPASSED,
@@ -449,6 +452,106 @@ FAULTS: dict[str, Fault] = {
             data={"jitter": 0.1, "num_workers": 2, "reseed_workers": True},
             callbacks=(("DataDiagnostics", {}),),
         ),
+        # -- the published problem classes of the outputs (issue 45) ---------------------------------------
+        Fault(
+            "label_scale",
+            "a softmax classifier trained under an MSE against the class ids divided by 255: its units die and it "
+            "predicts the same near-uniform output for every input, accuracy at chance",
+            (OUTPUT_COLLAPSE,),
+            onset_step=40,
+            window=15,  # measured every 5 steps: constant from step 45, 3 measurements in a row by step 55
+            max_epochs=4,
+            config={"model": "blobs_label_scale", "d_model": 64, "head_depth": 2, "lr": 3e-2},
+        ),
+        Fault(
+            "healthy_onehot_mse",
+            "healthy counterpart of `label_scale`: the same softmax classifier under an MSE against one-hot labels",
+            (),
+            max_epochs=4,
+            config={"model": "blobs_onehot_mse", "d_model": 64, "head_depth": 2, "lr": 3e-3},
+        ),
+        Fault(
+            "single_softmax",
+            "a binary classifier whose one output unit goes through a softmax: every prediction is exactly 1",
+            (OUTPUT_COLLAPSE,),
+            onset_step=0,
+            window=10,  # measured at steps 0, 5, 10
+            max_epochs=2,
+            config={"model": "blobs_single_softmax", "d_model": 64, "head_depth": 2},
+        ),
+        Fault(
+            "healthy_sigmoid",
+            "healthy counterpart of `single_softmax`: the one output unit goes through a sigmoid",
+            (),
+            max_epochs=4,
+            config={"model": "blobs_sigmoid", "d_model": 64, "head_depth": 2},
+        ),
+        Fault(
+            "healthy_confident",
+            "healthy baseline: an MLP classifier trained to confidence near convergence (10 epochs)",
+            (),
+            max_epochs=10,
+            config={"model": "blobs", "d_model": 64, "head_depth": 2},
+        ),
+        Fault(
+            "healthy_denoiser",
+            "healthy baseline: a generative model whose outputs vary little across a batch (a denoiser of a narrow "
+            "cloud around a large offset)",
+            (),
+            max_epochs=4,
+            config={"model": "blobs_denoiser", "d_model": 64, "head_depth": 2},
+        ),
+        Fault(
+            "oscillation_bs1",
+            "batch size 1, SGD with momentum 0.9 at a learning rate far too high (0.1) on a tanh MLP classifier: the "
+            "loss and the accuracy swing from epoch to epoch",
+            (LOSS_SWING,),
+            onset_epoch=0,
+            window=5,  # loss_swing needs 3 swinging epoch means in a row: 4 epochs at the earliest
+            max_epochs=6,
+            config={
+                "model": "blobs",
+                "d_model": 64,
+                "head_depth": 2,
+                "hidden_activation": "tanh",
+                "optimizer": "sgd_momentum",
+                "lr": 0.1,
+            },
+            data={"n_train": 64, "batch_size": 1},
+        ),
+        Fault(
+            "healthy_bs1",
+            "healthy counterpart of `oscillation_bs1`: batch size 1, SGD with momentum 0.9 at a learning rate of "
+            "1e-3",
+            (),
+            max_epochs=6,
+            config={
+                "model": "blobs",
+                "d_model": 64,
+                "head_depth": 2,
+                "hidden_activation": "tanh",
+                "optimizer": "sgd_momentum",
+                "lr": 1e-3,
+            },
+            data={"n_train": 64, "batch_size": 1},
+        ),
+        Fault(
+            "attn_logit_growth",
+            "a causal transformer LM without qk-layernorm at a learning rate of 0.1: the attention logits grow "
+            "into the hundreds and the attention turns one-hot",
+            (ATTN_LOGIT_GROWTH,),
+            onset_step=0,
+            window=15,
+            max_epochs=2,
+            config={"model": "lm_no_qk_norm", "lr": 0.1},
+        ),
+        Fault(
+            "healthy_qk_norm",
+            "healthy counterpart of `attn_logit_growth`: the same LM and learning rate with qk-layernorm",
+            (),
+            max_epochs=2,
+            config={"model": "lm_qk_norm", "lr": 0.1},
+        ),
     )
 }
 
@@ -463,4 +566,7 @@ def build_fault(name: str, seed: int = 0) -> tuple[DemoModule, pl.LightningDataM
         raise ValueError(f"Expected argument `fault` to be one of {sorted(FAULTS)}, but got {name!r}")
     fault = FAULTS[name]
     config = dataclasses.replace(DemoConfig(seed=seed), **fault.config)
+    if config.model in OUTPUT_SHAPES:  # the shapes of demo/output_models.py
+        model_class, data_class = OUTPUT_SHAPES[config.model]
+        return model_class(config), data_class(seed=seed, **fault.data), fault
     return build_model(config), DATA_MODULES[config.model](seed=seed, **fault.data), fault

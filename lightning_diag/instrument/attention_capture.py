@@ -44,7 +44,7 @@ from lightning_diag.instrument.attention_softmax import FOLLOWED, MASKED_SCORE, 
 from lightning_diag.instrument.sharding import head_shard
 from lightning_diag.stats.grad import is_dtensor, local_tensor
 
-__all__ = ["AttentionCapture", "is_compiled", "sdpa_probabilities", "softmax_probabilities"]
+__all__ = ["AttentionCapture", "is_compiled", "logit_peak", "sdpa_probabilities", "softmax_probabilities"]
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 Probabilities = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -60,6 +60,18 @@ def _valid_positions(allowed_full: torch.Tensor, length: int, source_len: int, r
     key_valid = allowed_full.reshape(allowed_full.shape[0], -1, source_len).any(1)
     query_valid = key_valid[:, rows] if length == source_len else None
     return key_valid, query_valid
+
+
+def logit_peak(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The largest ``|score|`` among the allowed entries (``allowed`` broadcasts to ``scores``), as a 0-d float32
+    tensor on the device; 0 where none is allowed, NaN if a score is NaN.
+
+    Example:
+        >>> logit_peak(torch.tensor([[3.0, -7.0, -1e9]]), torch.tensor([[True, True, False]])).item()
+        7.0
+    """
+    with torch.no_grad():
+        return scores.detach().float().abs().masked_fill(~allowed, 0.0).amax()
 
 
 def _to_4d(x: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -81,6 +93,7 @@ def sdpa_probabilities(
     enable_gqa: bool = False,
     sample_size: int = 8,
     max_queries: int = 64,
+    peaks: list[torch.Tensor] | None = None,
 ) -> Probabilities:
     """The attention probabilities a ``scaled_dot_product_attention`` call implies, for a subsample, no gradient.
 
@@ -98,6 +111,8 @@ def sdpa_probabilities(
         enable_gqa: As passed to the call.
         sample_size: The first this many batch rows are used.
         max_queries: At most this many query rows, evenly spaced.
+        peaks: If given, the largest ``|score|`` among the allowed keys of the subsample (a 0-d float32 tensor on
+            the device: the peak attention logit, masks' additive biases included) is appended to it.
 
     Returns:
         ``(probs [b, H, q, S], allowed [b, H or 1, q, S], key_valid [b, S], query_valid [b, q] or None)``. A key is
@@ -142,6 +157,8 @@ def sdpa_probabilities(
             allowed_full = allowed_full & ok
         allowed_full = allowed_full.expand(-1, -1, length, -1)
         allowed = allowed_full[:, :, rows]
+        if peaks is not None:
+            peaks.append(logit_peak(scores, allowed))
         scores = scores.masked_fill(~allowed, -math.inf)
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         if allowed_full.shape[0] < b:
@@ -151,14 +168,18 @@ def sdpa_probabilities(
 
 
 def softmax_probabilities(
-    scores: torch.Tensor, probs: torch.Tensor, sample_size: int = 8, max_queries: int = 64
+    scores: torch.Tensor,
+    probs: torch.Tensor,
+    sample_size: int = 8,
+    max_queries: int = 64,
+    peaks: list[torch.Tensor] | None = None,
 ) -> Probabilities:
     """Subsample an attention softmax ``probs = softmax(scores, -1)`` (both ``[B, H, L, S]``); masks from scores.
 
     A key is masked for a query where its score is ``-inf``, NaN or at most ``-1e4``
     (:data:`~lightning_diag.instrument.attention_softmax.MASKED_SCORE`: the ``-1e4``, ``-1e9`` and
     ``finfo(dtype).min`` additive masks of common code and Hugging Face models). Returns the same tuple as
-    :func:`sdpa_probabilities`.
+    :func:`sdpa_probabilities`; ``peaks`` as there.
     """
     with torch.no_grad():
         b = min(sample_size, scores.shape[0])
@@ -169,6 +190,8 @@ def softmax_probabilities(
         allowed = allowed_full[:, :, rows]
         p = probs.detach()[:b, :, rows].float()
         key_valid, query_valid = _valid_positions(allowed_full, length, source_len, rows)
+        if peaks is not None:
+            peaks.append(logit_peak(s[:, :, rows].float(), allowed))
     return p, allowed, key_valid, query_valid
 
 
@@ -240,6 +263,8 @@ class AttentionCapture:
         self.calls: dict[str, int] = {}
         self.softmaxes = SoftmaxAttention(self._record, recorder.sample_size, recorder.max_queries)
         self._invocations = 0
+        #: ``id(probs)`` of a measured call -> its peak logit, until the call is recorded
+        self._peaks: dict[int, torch.Tensor] = {}
         self._mode: _Mode | None = None
         self._handles: list[Any] = []
 
@@ -274,6 +299,7 @@ class AttentionCapture:
             self.recorder.problems.setdefault("softmax attention", f"{type(err).__name__}: {err}")
         for name, reason in self.softmaxes.unrecognised.items():
             self.recorder.unrecognised.setdefault(name, reason)
+        self._peaks.clear()
 
     def _push(self, module: nn.Module, args: Any) -> None:
         self._invocations += 1
@@ -336,6 +362,7 @@ class AttentionCapture:
                     return
             else:
                 bound = dict(zip(_SDPA_ARGS, _locals(args), strict=False)) | _locals(kwargs)
+                peaks: list[torch.Tensor] = []
                 measured = sdpa_probabilities(
                     bound["query"],
                     bound["key"],
@@ -345,7 +372,9 @@ class AttentionCapture:
                     bool(bound.get("enable_gqa", False)),
                     self.recorder.sample_size,
                     self.recorder.max_queries,
+                    peaks,
                 )
+                self._peaks[id(measured[0])] = peaks[0]
         except Exception as err:  # a call we do not understand must never break training
             self.recorder.problems[base] = f"{func}: {type(err).__name__}: {err}"
             return
@@ -353,7 +382,10 @@ class AttentionCapture:
             self._record(base, measured, shard)
 
     def _measure_softmax(self, scores: torch.Tensor, probs: torch.Tensor) -> Probabilities:
-        return softmax_probabilities(scores, probs, self.recorder.sample_size, self.recorder.max_queries)
+        peaks: list[torch.Tensor] = []
+        measured = softmax_probabilities(scores, probs, self.recorder.sample_size, self.recorder.max_queries, peaks)
+        self._peaks[id(measured[0])] = peaks[0]
+        return measured
 
     def _record(self, base: str, measured: Probabilities, shard: tuple[int, int] | None) -> None:
         """Record one attention call of the module named ``base`` (``.call_<i>`` from its second call on)."""
@@ -363,7 +395,8 @@ class AttentionCapture:
         if shard is not None:
             self.recorder.head_shards[name] = shard
         self.recorder.captured.add(name)
-        self.recorder.add(name, *measured)
+        # the peak logit of a call measured whole (per-head calls grouped into one record have none)
+        self.recorder.add(name, *measured, logit_peak=self._peaks.pop(id(measured[0]), None))
 
     def _softmax(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Probabilities | None:
         """Hugging Face eager attention: a 4-D last-dim softmax called by a module named ``...Attention``."""
@@ -373,4 +406,4 @@ class AttentionCapture:
             return None
         if not scores.dtype.is_floating_point or out.shape != scores.shape:
             return None
-        return softmax_probabilities(scores, out, self.recorder.sample_size, self.recorder.max_queries)
+        return self._measure_softmax(scores, out)

@@ -151,6 +151,7 @@ def mha_probabilities(
     is_causal: bool = False,
     sample_size: int = 8,
     max_queries: int = 64,
+    peaks: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Recompute, without gradient, the attention probabilities an ``nn.MultiheadAttention`` call produces.
 
@@ -167,6 +168,8 @@ def mha_probabilities(
         is_causal: The call's causal hint; used only when ``attn_mask`` is ``None``.
         sample_size: The first this many sequences of the batch are used.
         max_queries: At most this many query rows per sequence, evenly spaced.
+        peaks: If given, the largest ``|score|`` among the allowed keys of the subsample (the peak attention
+            logit, a 0-d float32 device tensor) is appended to it.
 
     Returns:
         ``(probs [b, H, q, S'], allowed [b, H or 1, q, S'], key_valid [b, S], query_valid [b, q] or None)``:
@@ -229,6 +232,8 @@ def mha_probabilities(
                 scores = scores + F.pad(mask.float().masked_fill(~ok, 0.0), (0, extra))
             ok = F.pad(ok, (0, extra), value=True)
             allowed = allowed & (ok if ok.dim() == 4 else ok[None, None])
+        if peaks is not None:
+            peaks.append(scores.abs().masked_fill(~allowed, 0.0).amax())
         scores = scores.masked_fill(~allowed, -math.inf)
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         query_valid = key_valid[:, rows] if self_attention and length == source_len else None
@@ -284,6 +289,9 @@ class AttentionRecorder:
         self.unrecognised: dict[str, str] = {}
         #: name -> (tp_rank, tp_size) for modules whose heads are split over tensor-parallel ranks.
         self.head_shards: dict[str, tuple[int, int]] = {}
+        #: name -> the largest attention logit ``|q.k| * scale`` of its sampled queries (a 0-d device tensor), for
+        #: the modules whose logits were seen (not for probabilities handed over by :func:`record_attention`).
+        self.logit_peaks: dict[str, torch.Tensor] = {}
 
     def activate(self) -> None:
         """Make this the recorder :func:`record_attention` feeds."""
@@ -344,10 +352,14 @@ class AttentionRecorder:
         allowed: torch.Tensor,
         key_valid: torch.Tensor,
         query_valid: torch.Tensor | None,
+        logit_peak: torch.Tensor | None = None,
     ) -> None:
-        """Reduce one module's sampled probabilities to per-head statistics (the first call per step wins)."""
+        """Reduce one module's sampled probabilities to per-head statistics (the first call per step wins);
+        ``logit_peak``: the largest attention logit of the sample, where the logits were seen."""
         if name in self.stats:
             return
+        if logit_peak is not None:
+            self.logit_peaks[name] = logit_peak
         source_len = key_valid.shape[1]
         token_ids = self.token_ids
         if token_ids is not None and tuple(token_ids.shape[-1:]) == (source_len,):
@@ -374,6 +386,7 @@ class AttentionRecorder:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if name in self.stats or name in self.problems:
                 return
+            peaks: list[torch.Tensor] = []
             try:
                 bound = _MHA_SIGNATURE.bind(module, *args, **kwargs).arguments
                 probs, allowed, key_valid, query_valid = mha_probabilities(
@@ -385,10 +398,11 @@ class AttentionRecorder:
                     bool(bound.get("is_causal", False)),
                     self.sample_size,
                     self.max_queries,
+                    peaks,
                 )
             except Exception as err:  # a call shape we do not understand must never break training
                 self.problems[name] = f"{type(err).__name__}: {err}"
                 return
-            self.add(name, probs, allowed, key_valid, query_valid)
+            self.add(name, probs, allowed, key_valid, query_valid, peaks[0] if peaks else None)
 
         return hook

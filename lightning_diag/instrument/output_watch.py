@@ -16,6 +16,7 @@ output is taken).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,7 +26,19 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_diag.stats.grad import local_tensor
 
-__all__ = ["ZeroOutputWatch", "first_tensor"]
+__all__ = [
+    "MAX_SPREAD_ELEMENTS",
+    "OutputSpreadWatch",
+    "ZeroOutputWatch",
+    "first_tensor",
+    "output_spread",
+    "prediction_tensor",
+]
+
+#: Elements of one sample's output read by :func:`output_spread` at most (an evenly strided subset beyond).
+MAX_SPREAD_ELEMENTS = 65536
+#: Keys of a mapping output that hold the predictions, in the order they are looked for.
+_PREDICTION_KEYS = ("logits", "preds", "predictions")
 
 
 def first_tensor(output: Any) -> torch.Tensor | None:
@@ -67,7 +80,7 @@ class ZeroOutputWatch:
         #: The watched modules' names, in module order, and their positions in :meth:`counts`.
         self.order = [n for n, _ in self.modules]
         self.index = {name: i for i, name in enumerate(self.order)}
-        self._calls: list[tuple[str, torch.Tensor]] = []
+        self._calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self._handles: list[RemovableHandle] = []
 
     @property
@@ -98,18 +111,134 @@ class ZeroOutputWatch:
         if out is None or not out.is_floating_point() or out.numel() == 0:
             return
         with torch.no_grad():
-            self._calls.append((name, local_tensor(out).detach().any()))
+            local = local_tensor(out).detach()
+            self._calls.append((name, local.any(), (local < 0).any()))
 
-    def counts(self) -> torch.Tensor | None:
+    def counts(self, signs: bool = False) -> torch.Tensor | None:
         """Per module of ``root`` (in :attr:`order`): ``[ran, all_zero]`` as a ``(2, modules)`` float tensor on the
         device (1 where it ran, 1 where every call returned zeros), ``None`` if no watched module ran. Summed over
-        ranks it says on how many ranks each module ran and returned zeros. Clears what was seen."""
+        ranks it says on how many ranks each module ran and returned zeros. With ``signs``, a third row ``signed``:
+        1 where a call returned a negative value (a rectifier's output never does). Clears what was seen."""
         calls, self._calls = self._calls, []
         if not calls:
             return None
-        flags = torch.stack([flag for _, flag in calls]).float()
-        index = torch.tensor([self.index[name] for name, _ in calls], device=flags.device)
+        flags = torch.stack([flag for _, flag, _ in calls]).float()
+        index = torch.tensor([self.index[name] for name, _, _ in calls], device=flags.device)
         n = len(self.order)
         ran = torch.zeros(n, device=flags.device).index_add_(0, index, torch.ones_like(flags))
         nonzero = torch.zeros(n, device=flags.device).index_add_(0, index, flags)
-        return torch.stack([(ran > 0).float(), ((ran > 0) & (nonzero == 0)).float()])
+        rows = [(ran > 0).float(), ((ran > 0) & (nonzero == 0)).float()]
+        if signs:
+            negative = torch.stack([neg for _, _, neg in calls]).float()
+            rows.append((torch.zeros(n, device=flags.device).index_add_(0, index, negative) > 0).float())
+        return torch.stack(rows)
+
+
+def prediction_tensor(output: Any) -> torch.Tensor | None:
+    """The predictions in a module's output: a ``logits`` / ``preds`` / ``predictions`` entry of a mapping (a Hugging
+    Face ``ModelOutput``), else the first tensor with a batch dimension (a 0-d loss is skipped); ``None`` if none.
+
+    Example:
+        >>> prediction_tensor({"loss": torch.tensor(1.0), "logits": torch.ones(2, 3)}).shape
+        torch.Size([2, 3])
+        >>> prediction_tensor((torch.tensor(0.5), torch.zeros(4))).shape
+        torch.Size([4])
+    """
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() else None
+    if isinstance(output, Mapping):
+        for key in _PREDICTION_KEYS:
+            value = output.get(key)
+            if isinstance(value, torch.Tensor) and value.dim():
+                return value
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            if isinstance(item, torch.Tensor) and item.dim():
+                return item
+    return None
+
+
+def output_spread(output: torch.Tensor, max_elements: int = MAX_SPREAD_ELEMENTS) -> torch.Tensor:
+    """``[spread, level, batch]`` of one output ``[B, ...]`` on its device (no host read): ``spread`` is the
+    standard deviation across the batch of each output element, averaged over the elements, ``level`` the mean
+    absolute value across the batch of each element, averaged likewise; ``batch`` is ``B``. Of a sample with more
+    than ``max_elements`` elements (a language model's logits) an evenly strided subset of about that many is read,
+    so the float32 copy stays small.
+
+    Example:
+        >>> output_spread(torch.tensor([[1.0, 2.0], [3.0, 2.0]])).tolist()
+        [0.5, 2.0, 2.0]
+    """
+    with torch.no_grad():
+        flat = local_tensor(output).detach().reshape(output.shape[0], -1)
+        if flat.shape[1] > max_elements:
+            flat = flat[:, :: -(-flat.shape[1] // max_elements)]
+        flat = flat.float()
+        spread = flat.std(0, unbiased=False).mean() if flat.shape[0] > 1 else flat.new_zeros(())
+        level = flat.mean(0).abs().mean()
+        return torch.stack([spread, level, flat.new_tensor(float(flat.shape[0]))])
+
+
+class OutputSpreadWatch:
+    """The model's output on one sampled training batch: the ``LightningModule``'s own forward output, or, when
+    the step does not call the ``LightningModule`` itself (``self.model(x)`` in ``training_step``), the output of
+    the last of its direct children that ran (loss modules left out).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 3))
+        >>> watch = OutputSpreadWatch(net)
+        >>> watch.start(); _ = net(torch.ones(4, 2)); watch.stop()
+        >>> name, stats = watch.take()
+        >>> name, stats.tolist()[1:] == [stats.tolist()[1], 4.0], stats[0].item()  # four equal inputs
+        ('<root>', True, 0.0)
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.children = [(n, m) for n, m in root.named_children() if not isinstance(m, _Loss)]
+        self._root_output: torch.Tensor | None = None
+        self._child_output: tuple[str, torch.Tensor] | None = None
+        self._handles: list[RemovableHandle] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are installed."""
+        return bool(self._handles)
+
+    def start(self) -> None:
+        """Hook the root and its direct children for one batch."""
+        self._root_output = self._child_output = None
+        if not self._handles:
+            self._handles = [self.root.register_forward_hook(self._seen_root)]
+            self._handles += [m.register_forward_hook(self._child_hook(n)) for n, m in self.children]
+
+    def stop(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _seen_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        out = prediction_tensor(output)
+        if out is not None:
+            self._root_output = out.detach()  # a view: no kernel, and the graph is not held
+
+    def _child_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            out = prediction_tensor(output)
+            if out is not None:
+                self._child_output = (name, out.detach())
+
+        return hook
+
+    def take(self) -> tuple[str, torch.Tensor] | None:
+        """``(module name, output_spread(...))`` of the output seen (``"<root>"`` for the ``LightningModule``),
+        ``None`` if no watched module returned predictions. Forgets the output."""
+        root, child = self._root_output, self._child_output
+        self._root_output = self._child_output = None
+        if root is not None:
+            return "<root>", output_spread(root)
+        if child is not None:
+            return child[0], output_spread(child[1])
+        return None

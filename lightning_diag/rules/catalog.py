@@ -31,6 +31,7 @@ from lightning_diag.rules.anomaly import (
     VAL_FLUCTUATION,
     VAL_FLUCTUATION_CHECK,
 )
+from lightning_diag.rules.attention_logits import ATTN_LOGIT_GROWTH
 from lightning_diag.rules.attention_specs import (
     ATTN_ENTROPY_BAND_CHECK,
     ATTN_ENTROPY_HIGH,
@@ -61,6 +62,7 @@ from lightning_diag.rules.grad import (
 )
 from lightning_diag.rules.grad_frozen import GRAD_FROZEN
 from lightning_diag.rules.nonfinite import NONFINITE_GRAD, NONFINITE_LOSS
+from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE
 from lightning_diag.rules.probes import LOSS_SURFACE_CHECK, QUANTIZATION_CHECK, QUANTIZATION_ERROR, SHARP_MINIMUM
 from lightning_diag.rules.replicas import DDP_DESYNC, REPLICAS_AGREE_CHECK
 from lightning_diag.rules.robustness import ROBUSTNESS_CHECK, ROBUSTNESS_DROP
@@ -88,6 +90,7 @@ __all__ = [
     "AMP_NOT_APPLIED",
     "ATTN_ENTROPY_HIGH",
     "ATTN_ENTROPY_LOW",
+    "ATTN_LOGIT_GROWTH",
     "ATTN_SINK",
     "BATCH_SIZE_MISMATCH",
     "DATALOADER_BOUND",
@@ -114,6 +117,7 @@ __all__ = [
     "NONFINITE_GRAD",
     "NONFINITE_LOSS",
     "NONFINITE_ROLLBACK",
+    "OUTPUT_COLLAPSE",
     "POSITION_OVERFLOW",
     "QUANTIZATION_ERROR",
     "ROBUSTNESS_DROP",

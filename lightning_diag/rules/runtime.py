@@ -21,9 +21,12 @@ Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.run
   the steps since the last one.
 * ``zero_output`` (warning): a module's output is all zeros on a sampled training step while it was non-zero on
   each of its (at least ``threshold``) measurements before and never zero: a copy between devices or ranks that
-  arrived as zeros (a faulty link, a failed transfer), or a layer whose every unit just died. Transitions are
-  judged, not the state: a module whose output was ever zero before (a ReLU dead from the start, a zero-initialised
-  adapter) never fires, and each module fires once per fit.
+  arrived as zeros (a faulty link, a failed transfer). Transitions are judged, not the state: a module whose output
+  was ever zero before (a ReLU dead from the start, a zero-initialised adapter) never fires, and each module fires
+  once per fit. Only modules whose output took negative values on an earlier measurement are judged: a rectifier
+  (or a block ending in one) returns all zeros whenever no unit responds to the input, which one sample (batch size
+  1) or a layer whose units died does legitimately (``dead_units``' concern, not a corrupted copy); an exact zero
+  from a module whose outputs had both signs is implausible at any batch size.
 * ``eval_before_training`` (warning; ``info`` in the sanity check): a validation runs before the first training
   forward of a component whose state only training updates (an ``nn.utils.spectral_norm`` whose power iteration
   never ran: its weight is divided by a norm estimated from random vectors), so the validation computes nonsense.
@@ -513,7 +516,7 @@ class ZeroOutputRule(Rule):
     """
 
     specs = (ZERO_OUTPUT_SPEC,)
-    state_keys = ("nonzero", "zeroed", "checks")
+    state_keys = ("nonzero", "zeroed", "checks", "signed")
 
     def __init__(self, history: int = DEFAULT_ZERO_OUTPUT_HISTORY) -> None:
         super().__init__()
@@ -524,18 +527,30 @@ class ZeroOutputRule(Rule):
         self.zeroed: list[str] = []
         #: Sampled steps judged.
         self.checks = 0
+        #: The modules seen returning a negative value (only they are judged, when signs are fed).
+        self.signed: list[str] = []
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> ZeroOutputRule:
         """The rule with the threshold in effect (see :meth:`Rule.from_settings`)."""
         return cls(int(ZERO_OUTPUT_SPEC.value(thresholds)))
 
-    def update(self, ran: Sequence[str], zeros: Sequence[str], ctx: StepContext) -> list[Alert]:
-        """Feed one sampled step: the modules that ran and those among them whose every output was all zeros."""
+    def update(
+        self, ran: Sequence[str], zeros: Sequence[str], ctx: StepContext, signed: Sequence[str] | None = None
+    ) -> list[Alert]:
+        """Feed one sampled step: the modules that ran, those among them whose every output was all zeros and,
+        when known, those that returned a negative value (``None``: signs not measured, every module judged)."""
         self.checks += 1
         zero_set = set(zeros)
         known = set(self.zeroed)
-        found = [n for n in zeros if n not in known and self.nonzero.get(n, 0) >= self.history]
+        judged = None if signed is None else set(self.signed)
+        found = [
+            n
+            for n in zeros
+            if n not in known and self.nonzero.get(n, 0) >= self.history and (judged is None or n in judged)
+        ]
+        if signed is not None:
+            self.signed += [n for n in signed if judged is not None and n not in judged]
         for name in ran:
             if name in zero_set:
                 if name not in known:
@@ -551,11 +566,11 @@ class ZeroOutputRule(Rule):
         return [
             self._alert(
                 ctx,
-                f"the output of {shown} is all zeros on this step, after non-zero outputs on each of its "
-                f"{self.history} or more earlier measurements: a copy between devices or ranks that arrived as zeros "
-                "(a faulty link or transfer: pytorch #84803, #96600), or a layer whose every unit just died. A "
-                f"transient corruption comes and goes (look for `{LOSS_OUTLIER}` at other steps); a dead layer stays "
-                f"zero and `{GRAD_COLLAPSE}` follows",
+                f"the output of {shown} is all zeros on this step, after non-zero outputs of both signs on each of "
+                f"its {self.history} or more earlier measurements: a copy between devices or ranks that arrived as "
+                "zeros (a faulty link or transfer: pytorch #84803, #96600), or a layer whose weights were zeroed. A "
+                f"transient corruption comes and goes (look for `{LOSS_OUTLIER}` at other steps); a layer that stays "
+                f"zero is followed by `{GRAD_COLLAPSE}`",
                 source=found[0] or "<root>",
                 value=float(len(found)),
                 threshold=float(self.history),

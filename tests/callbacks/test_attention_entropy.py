@@ -85,11 +85,13 @@ def test_tags_images_and_steps_in_the_event_file(tmp_path):
         "diag/threshold/attn_entropy_low": 0.5,
         "diag/threshold/attn_entropy_high": 2.5,
         "diag/threshold/attn_sink": 0.5,
+        "diag/threshold/attn_logit_growth": 50.0,
     }
     expected = {f"diag/attn_entropy/{h}" for h in HEADS}
     expected |= {f"diag/attn_distance/{h}" for h in HEADS} | {f"diag/attn_distance_relative/{h}" for h in HEADS}
     for layer in ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn"):
         expected |= {f"diag/attn_entropy/{layer}/mean", f"diag/attn_entropy/{layer}/uniform", f"diag/attn_sink/{layer}"}
+        expected.add(f"diag/attn_logit_growth/{layer}")  # the peak attention logit (issue 45)
     assert scalars == expected
     # on the user's cadence: the batches whose `self.log` values Lightning writes, (step + 1) % 5 == 0
     assert [e.step for e in acc.Scalars("diag/attn_entropy/encoder.layers.0.self_attn/mean")] == [4, 9, 14]
@@ -279,7 +281,7 @@ def test_resume_keeps_streaks_and_latches(tmp_path):
 
 def test_load_state_dict_names_a_missing_rule_key():
     state = AttentionEntropyMonitor().state_dict()
-    assert set(state) == {"entropy", "sink"}
+    assert set(state) == {"entropy", "sink", "logits"}
     del state["sink"]
     with pytest.raises(KeyError, match="sink"):
         AttentionEntropyMonitor().load_state_dict(state)

@@ -1,0 +1,146 @@
+"""``output_collapse``: predictions that no longer depend on the input (framework-free).
+
+Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.output_collapse_check` measures) on
+its sampled training steps. The model's output ``[B, ...]`` (the ``LightningModule``'s forward output, its
+``logits`` entry for a mapping; see :class:`~lightning_diag.instrument.output_watch.OutputSpreadWatch`) gives, per
+output element, its standard deviation across the ``B`` samples and its mean; ``spread`` and ``level`` average them
+over the elements. The relative spread ``spread / (spread + |level|)`` is 0 when every sample gets the same output
+and about 1 for outputs centred on zero. Below ``threshold`` (``1e-3``) on ``patience`` (3) consecutive sampled
+steps, the outputs no longer depend on the input: labels scaled wrongly for the loss (class ids divided by 255
+under an MSE), a softmax over a single output unit, every unit of a layer dead. A generative model whose outputs
+vary little around a large level (a denoiser of a narrow cloud: about ``1e-2``) or a classifier confident near
+convergence (``0.5`` and more) stays well above it. An all-zero output (a zero-initialised last layer) says
+nothing and is not judged. A batch of one sample has no spread: it is not measured (said once).
+
+The validation predictions are not judged: "every prediction the same class" cannot be told from a
+generative or regression output ``[B, C]`` whose largest element is always the same one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from lightning_diag.core.record import Alert
+from lightning_diag.core.registry import COUNT, FRACTION, RuleSpec, register
+from lightning_diag.rules.base import Rule, StepContext
+
+__all__ = [
+    "DEFAULT_OUTPUT_COLLAPSE_PATIENCE",
+    "DEFAULT_OUTPUT_COLLAPSE_THRESHOLD",
+    "OUTPUT_COLLAPSE",
+    "OUTPUT_COLLAPSE_SPEC",
+    "OutputCollapseRule",
+    "relative_spread",
+]
+
+OUTPUT_COLLAPSE_SPEC = register(
+    RuleSpec(
+        "output_collapse",
+        "AnomalyAlarm",
+        "warning",
+        1e-3,
+        "the model's outputs spread across the batch less than {threshold:g} of their level on {patience:g} "
+        "consecutive sampled steps: predictions no longer depend on the input",
+        settings={"patience": 3},
+        limits={"threshold": FRACTION, "patience": COUNT},
+    )
+)
+OUTPUT_COLLAPSE = OUTPUT_COLLAPSE_SPEC.rule_id
+
+#: ``output_collapse``: relative spread across the batch below which the outputs are taken as constant.
+DEFAULT_OUTPUT_COLLAPSE_THRESHOLD: float = float(OUTPUT_COLLAPSE_SPEC.threshold or 1e-3)
+#: ``output_collapse``: consecutive sampled steps the spread must stay below it.
+DEFAULT_OUTPUT_COLLAPSE_PATIENCE: int = int(OUTPUT_COLLAPSE_SPEC.settings["patience"])
+
+#: The first measurements whose largest relative spread the message quotes as the early value.
+_EARLY = 3
+
+
+def relative_spread(spread: float, level: float) -> float:
+    """``spread / (spread + |level|)``: 0 for outputs equal across the batch; ``nan`` where both are 0 (an
+    all-zero output, e.g. a zero-initialised last layer, says nothing) or not finite.
+
+    Example:
+        >>> relative_spread(0.0, 1.0), relative_spread(1.0, 0.0), math.isnan(relative_spread(0.0, 0.0))
+        (0.0, 1.0, True)
+    """
+    total = spread + abs(level)
+    if not (math.isfinite(spread) and math.isfinite(level)) or total <= 0:
+        return math.nan
+    return spread / total
+
+
+class OutputCollapseRule(Rule):
+    """``output_collapse``: the spread of the outputs across sampled batches, and the validation predictions.
+
+    Example:
+        >>> rule = OutputCollapseRule(threshold=1e-3, patience=2)
+        >>> [rule.update(s, 0.25, 32, "<root>", StepContext(0, t)) for s, t in ((0.1, 0), (0.0, 5))]
+        [[], []]
+        >>> [(a.rule, a.global_step) for a in rule.update(0.0, 0.25, 32, "<root>", StepContext(0, 10))]
+        [('output_collapse', 10)]
+        >>> rule.update(0.0, 0.25, 1, "<root>", StepContext(0, 15)), rule.unmeasured  # one sample: no spread
+        ([], 1)
+    """
+
+    specs = (OUTPUT_COLLAPSE_SPEC,)
+    state_keys = ("streak", "early", "checks", "last", "unmeasured")
+
+    def __init__(
+        self, threshold: float = DEFAULT_OUTPUT_COLLAPSE_THRESHOLD, patience: int = DEFAULT_OUTPUT_COLLAPSE_PATIENCE
+    ) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.patience = max(int(patience), 1)
+        #: Consecutive sampled steps with the relative spread below the threshold.
+        self.streak = 0
+        #: The largest relative spread of the first measurements (``nan`` before any).
+        self.early = math.nan
+        #: Sampled steps measured (batch of 2 or more, outputs not all zero).
+        self.checks = 0
+        #: The last relative spread measured.
+        self.last = math.nan
+        #: Sampled steps not measured (a batch of one sample, no output seen, an all-zero output).
+        self.unmeasured = 0
+
+    @classmethod
+    def from_settings(cls, thresholds: Mapping[str, float | None]) -> OutputCollapseRule:
+        """The rule with the threshold and settings in effect (see :meth:`Rule.from_settings`)."""
+        spec = OUTPUT_COLLAPSE_SPEC
+        return cls(spec.value(thresholds), int(spec.value(thresholds, "patience")))
+
+    def update(self, spread: float, level: float, batch: int, source: str, ctx: StepContext) -> list[Alert]:
+        """Feed one sampled training step: the output's mean spread across the batch, its mean level, the batch
+        size and the module that returned it (``"<root>"``: the ``LightningModule``)."""
+        relative = relative_spread(spread, level) if batch >= 2 else math.nan
+        if math.isnan(relative):
+            self.unmeasured += 1
+            return []
+        self.checks += 1
+        self.last = relative
+        if self.checks <= _EARLY and not relative <= self.early:
+            self.early = relative
+        self.observe(relative, self.threshold, above=False)
+        self.streak = self.streak + 1 if relative < self.threshold else 0
+        if not self.latch.update("spread", self.streak >= self.patience):
+            return []
+        early = (
+            f"from the first measurement on ({self.early:.2g})"
+            if self.early < self.threshold
+            else f"against {self.early:.2g} on the first measurements"
+        )
+        return [
+            self._alert(
+                ctx,
+                f"the model's outputs (`{source}`) no longer depend on the input: their spread across the batch is "
+                f"{relative:.2g} of their level (std across the batch {spread:.3g}, mean level {abs(level):.3g}) on "
+                f"{self.streak} consecutive sampled steps, {early} (threshold {self.threshold:g}): every input gets "
+                "the same prediction. Usual causes: labels scaled "
+                "wrongly for the loss (class ids divided by 255 under an MSE), a softmax over a single output unit "
+                "(always 1), every unit of a layer dead. Compare a few predictions with their targets",
+                source=source,
+                value=relative,
+                threshold=self.threshold,
+            )
+        ]
