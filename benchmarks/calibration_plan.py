@@ -111,11 +111,21 @@ class RunSpec:
 # ------------------------------------------------------------------------------------------------ the plan
 
 
-def _data_defaults(model: str) -> tuple[int, int]:
-    """``(n_train, batch_size)`` defaults of the fault library's data module for ``model``."""
+def _shape(model: str) -> tuple[Any, Any]:
+    """The fault library's ``(model builder, data module class)`` for the model shape ``model`` (as
+    :func:`lightning_diag.demo.faults.build_fault` chooses them)."""
+    from lightning_diag.demo.models import build_model
+    from lightning_diag.demo.output_models import OUTPUT_SHAPES
     from lightning_diag.demo.synthetic import DATA_MODULES
 
-    params = inspect.signature(DATA_MODULES[model].__init__).parameters
+    if model in OUTPUT_SHAPES:
+        return OUTPUT_SHAPES[model]
+    return build_model, DATA_MODULES[model]
+
+
+def _data_defaults(model: str) -> tuple[int, int]:
+    """``(n_train, batch_size)`` defaults of the fault library's data module for ``model``."""
+    params = inspect.signature(_shape(model)[1].__init__).parameters
     return int(params["n_train"].default), int(params["batch_size"].default)
 
 
@@ -460,9 +470,8 @@ def _run_fault(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
     import pytorch_lightning as pl
 
     from lightning_diag.demo.faults import FAULTS
-    from lightning_diag.demo.models import DemoConfig, build_model
+    from lightning_diag.demo.models import DemoConfig
     from lightning_diag.demo.run import default_callbacks
-    from lightning_diag.demo.synthetic import DATA_MODULES
 
     fault = FAULTS[spec.name]
     config = dataclasses.replace(DemoConfig(seed=spec.seed), **{**fault.config, **spec.overrides})
@@ -471,8 +480,9 @@ def _run_fault(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
         data_kwargs["batch_size"] = spec.batch_size
     if spec.n_train is not None:
         data_kwargs["n_train"] = spec.n_train
-    data = DATA_MODULES[config.model](seed=spec.seed, **data_kwargs)
-    model = build_model(config)
+    build, data_class = _shape(config.model)
+    data = data_class(seed=spec.seed, **data_kwargs)
+    model = build(config)
     cbs = [*default_callbacks(), *_entry_callbacks(fault.callbacks), *_callbacks(list(spec.optin), fault.model)]
     kwargs = {
         **_trainer_base(root),
