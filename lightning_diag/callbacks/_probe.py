@@ -20,6 +20,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.trainer.states import TrainerFn
 
+from lightning_diag.callbacks._unlogged import unlogged_copy
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.validation import check_int
@@ -39,10 +40,6 @@ def uses_deepspeed(trainer: pl.Trainer) -> bool:
 
 class ProbeError(RuntimeError):
     """The probe cannot measure this model (the message says why and what to do)."""
-
-
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def _as_loss(out: Any, where: str) -> torch.Tensor:
@@ -99,7 +96,8 @@ class ValidationProbe(DiagCallback):
 
     # -- what subclasses implement ----------------------------------------------------------------------
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]) -> Any:
-        """Measure on rank zero inside the sandbox; the result goes to :meth:`decide`. Raise ProbeError to skip."""
+        """Measure on rank zero inside the sandbox; the result goes to :meth:`decide`. Raise ProbeError to skip.
+        A user step runs on an :func:`unlogged_copy` of ``pl_module`` (as :meth:`loss_on` does), never on it."""
         raise NotImplementedError
 
     def decide(self, trainer: pl.Trainer, result: Any) -> list[Alert]:
@@ -223,19 +221,14 @@ class ValidationProbe(DiagCallback):
     # -- helpers --------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def sandbox(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
-        """Eval mode, ``self.log`` silenced, autograd enabled; training flags and every RNG restored after."""
+        """Eval mode, autograd enabled; training flags and every RNG restored after (the user's steps run on an
+        :func:`unlogged_copy`, see :meth:`loss_on`)."""
         modes = [(m, m.training) for m in pl_module.modules()]
-        had_log = {name: name in pl_module.__dict__ for name in ("log", "log_dict")}
         pl_module.eval()
-        pl_module.__dict__["log"] = _no_log
-        pl_module.__dict__["log_dict"] = _no_log
         try:
             with preserved_rng(), torch.inference_mode(False), torch.enable_grad():
                 yield
         finally:
-            for name, had in had_log.items():
-                if not had:
-                    pl_module.__dict__.pop(name, None)
             for module, training in modes:
                 module.training = training
 
@@ -245,11 +238,15 @@ class ValidationProbe(DiagCallback):
         return apply_to_collection(batch, torch.Tensor, lambda t: t.clone())
 
     def loss_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor:
-        """The module's loss on one batch (``loss_fn`` or ``training_step``), under the trainer's precision."""
+        """The module's loss on one batch (``loss_fn`` or ``training_step``), under the trainer's precision; both
+        run on an :func:`unlogged_copy` of the module, so its ``self.log`` calls reach no logged value (the copy
+        is made here, not in :meth:`sandbox`: FSDP2 and the like know the live module only, and :meth:`measure`
+        reshards or gathers through it)."""
+        quiet = unlogged_copy(pl_module)
         with trainer.precision_plugin.forward_context():
             if self.loss_fn is not None:
-                return _as_loss(self.loss_fn(pl_module, batch), "`loss_fn`")
-            return _as_loss(pl_module.training_step(batch, batch_idx), "`training_step`")
+                return _as_loss(self.loss_fn(quiet, batch), "`loss_fn`")
+            return _as_loss(quiet.training_step(batch, batch_idx), "`training_step`")
 
     def mean_loss(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]

@@ -35,6 +35,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from lightning_diag.callbacks._unlogged import unlogged_copy
 from lightning_diag.callbacks.base import extract_loss
 from lightning_diag.core.validation import check_choice, check_int, check_number
 from lightning_diag.instrument.nonfinite_locate import (
@@ -58,8 +59,6 @@ from lightning_diag.rules.rollback import (
 from lightning_diag.stats.grad import is_dtensor
 
 __all__ = ["NonFiniteRecovery", "RollbackSettings"]
-
-_LOG_METHODS = ("log", "log_dict")
 
 
 def _ignore(state: dict[str, Any]) -> None:
@@ -443,14 +442,8 @@ def _reshard(pl_module: pl.LightningModule) -> None:
 
 
 def _training_step_loss(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor | None:
-    """``training_step`` once more, with ``self.log`` silenced (the replay must not log or sync)."""
-    for name in _LOG_METHODS:
-        setattr(pl_module, name, lambda *args, **kwargs: None)
-    try:
-        outputs = pl_module.training_step(batch, batch_idx)
-    finally:
-        for name in _LOG_METHODS:
-            pl_module.__dict__.pop(name, None)
+    """``training_step`` once more, on an :func:`unlogged_copy` of the module (the replay must not log or sync)."""
+    outputs = unlogged_copy(pl_module).training_step(batch, batch_idx)
     if isinstance(outputs, torch.Tensor):
         return outputs
     if isinstance(outputs, dict) and isinstance(outputs.get("loss"), torch.Tensor):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
+from lightning_diag.callbacks._unlogged import unlogged_copy
 from lightning_diag.callbacks.base import AlertHandler, RuleChoices
 from lightning_diag.callbacks.error_samples import default_predictions
 from lightning_diag.core.alerts import Alert
@@ -144,8 +145,9 @@ class RobustnessProbe(ValidationProbe):
 
     @staticmethod
     def _accuracy(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> tuple[int, int] | None:
-        outputs = pl_module.validation_step(batch, batch_idx)
-        found = default_predictions(pl_module, batch, outputs)
+        quiet = unlogged_copy(pl_module)  # its self.log reaches no logged value
+        outputs = quiet.validation_step(batch, batch_idx)
+        found = default_predictions(quiet, batch, outputs)
         if found is None:
             return None
         preds, labels = found
