@@ -80,8 +80,9 @@ def test_fail_on_default_is_never(tmp_path, capsys):
 def test_a_fail_row_without_a_logged_alert_gates(tmp_path, capsys):
     # No alert in the log, but the replayed rule fails the row: a FAIL row at warning level.
     run = _run(tmp_path / "run")
-    # epoch points 20 optimizer steps apart: each is a loss_swing point (loss_swing.min_steps)
+    # epoch points 20 optimizer steps apart whose step losses spread by 0.01: each change is far above its noise
     _events(run, {"diag/loss/train_epoch": [(20 * i, 1.25**i) for i in range(7)],
+                  "diag/loss/train_spread": [(20 * i, 0.01) for i in range(7)],
                   "diag/loss/swing": [(20 * i, 0.25) for i in range(1, 7)]})
     (report,) = build_report(tmp_path)
     failed = [c for c in report.checks if c.status == "fail"]

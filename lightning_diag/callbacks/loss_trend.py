@@ -21,6 +21,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
+from lightning_diag.callbacks.lr_logging import learning_rates
 from lightning_diag.callbacks.reduction import reduce_state
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import value_of
@@ -36,9 +37,15 @@ from lightning_diag.rules.anomaly import (
     ValFluctuationRule,
 )
 from lightning_diag.rules.base import StepContext
-from lightning_diag.stats.loss_sums import LossSums
+from lightning_diag.stats.loss_sums import LOSS_PERIODS, LossSums
 
-__all__ = ["LossTrend", "TrendOutput", "build_loss_sums", "check_swing_window", "trend_unit"]
+__all__ = ["LossTrend", "TrendOutput", "build_loss_sums", "check_swing_window", "mean_lr", "trend_unit"]
+
+
+def mean_lr(trainer: pl.Trainer) -> float:
+    """The mean learning rate over every optimizer's parameter groups (``nan`` without any)."""
+    rates = list(learning_rates(trainer).values())
+    return sum(rates) / len(rates) if rates else math.nan
 
 
 def build_loss_sums(thresholds: Mapping[str, float]) -> LossSums:
@@ -126,9 +133,16 @@ class LossTrend:
         self.loss_sums = loss_sums
         self.swing_window = swing_window
         self.monitor = monitor
+        #: The mean learning rate in effect at the current period's first step (read when the last one closed, or
+        #: at the start of training; ``nan``: none).
+        self.lr_start = math.nan
+        #: The monitored metric's running ``(sum, count)`` after each batch of the current validation run
+        #: (references to Lightning's own accumulators: no copy, no host read until the run ends).
+        self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def start(self, trainer: pl.Trainer) -> None:
         """Start the step window, and share restored all-rank loss sums out over this run's ranks."""
+        self.lr_start = mean_lr(trainer)
         sums = self.loss_sums
         if sums.window_start is None:
             sums.window_start = trainer.global_step
@@ -166,37 +180,102 @@ class LossTrend:
 
     def take_mean(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> float:
         """The mean loss of a period over all ranks; the period starts again."""
-        names = LossSums.names(prefix)
+        return self.take_stats(trainer, pl_module, prefix)[0]
+
+    def take_stats(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str
+    ) -> tuple[float, float, float]:
+        """``(mean, variance, count)`` of a period's step losses over all ranks (the variance ``nan`` for
+        ``initial`` and below 2 losses); the period starts again."""
+        names = LossSums.spread_names(prefix) if prefix in LOSS_PERIODS else LossSums.names(prefix)
         totals = reduce_state(trainer, self.loss_sums, names, device=pl_module.device)
         self.loss_sums.reset(names)
-        return LossSums.mean(totals, prefix)
+        variance = LossSums.variance(totals, prefix) if prefix in LOSS_PERIODS else math.nan
+        return LossSums.mean(totals, prefix), variance, totals[names[1]]
 
     def close_period(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> TrendOutput:
         """Close the epoch (``prefix="epoch"``) or step window (``"window"``): log its mean over all ranks, and
         feed ``loss_swing`` and ``loss_stagnant`` when it is the period ``swing_window`` names.
 
-        Logged tags: ``diag/loss/train_epoch`` or ``diag/loss/train_window``; ``diag/loss/swing`` and
+        Logged tags: ``diag/loss/train_epoch`` or ``diag/loss/train_window``; ``diag/loss/train_spread`` (the
+        standard deviation of the period's step losses, when it has two or more), ``diag/loss/swing`` and
         ``diag/threshold/loss_swing``.
         """
         out = TrendOutput(step=trainer.global_step)
-        mean = self.take_mean(trainer, pl_module, prefix)
+        mean, variance, count = self.take_stats(trainer, pl_module, prefix)
         if not math.isfinite(mean):
             return out
         out.scalars[loss_tag("train_epoch" if prefix == "epoch" else "train_window")] = mean
         if (prefix == "epoch") != (self.swing_window == "epoch"):
             return out
+        if math.isfinite(variance):  # the noise loss_swing judged the point against (the report replays it)
+            out.scalars[loss_tag("train_spread")] = math.sqrt(variance)
+        lr = self.period_lr(trainer)
         if self.stagnant_rule.baseline is None and self.loss_sums.initial_batches > 0:
             self.stagnant_rule.set_baseline(self.take_mean(trainer, pl_module, "initial"))
         ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
-        out.alerts += self.swing_rule.update(mean, ctx) + self.stagnant_rule.update(mean, ctx)
+        out.alerts += self.swing_rule.update(mean, ctx, steps=count, variance=variance, lr=lr)
+        out.alerts += self.stagnant_rule.update(mean, ctx)
         if math.isfinite(self.swing_rule.last_change):
             out.scalars[loss_tag("swing")] = self.swing_rule.last_change
             out.scalars[threshold_tag(LOSS_SWING)] = self.swing_rule.threshold
         return out
 
+    def period_lr(self, trainer: pl.Trainer) -> float:
+        """The learning rate of the period that closes now, and the start of the next one's.
+
+        The mean over every optimizer's parameter groups. A scheduler stepped by epoch has already stepped when a
+        callback's ``on_train_epoch_end`` runs (Lightning steps it after the epoch's last batch), so the period's
+        rate is the one read at its start; with a scheduler stepped by step, the mean of its start and its end.
+        """
+        start, end = self.lr_start, mean_lr(trainer)
+        self.lr_start = end
+        by_step = any(config.interval == "step" for config in trainer.lr_scheduler_configs)
+        if by_step and math.isfinite(start) and math.isfinite(end):
+            return 0.5 * (start + end)
+        return start
+
     # -- validation trend --------------------------------------------------------------------------------
+    def on_validation_batch_end(self, trainer: pl.Trainer) -> None:
+        """Keep the monitored metric's running sum and count after this batch, when it is logged in
+        ``validation_step`` with a mean over the epoch (Lightning's accumulators, held by reference), for the
+        standard error of the validation value (:meth:`validation_se`)."""
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        results = getattr(trainer, "_results", None)
+        metric = results.get(f"validation_step.{self.monitor}") if isinstance(results, dict) else None
+        if metric is None or not getattr(metric.meta, "is_mean_reduction", False) or not metric.meta.on_epoch:
+            return
+        total, count = metric.value, metric.cumulated_batch_size
+        if isinstance(total, torch.Tensor) and isinstance(count, torch.Tensor) and total.dim() == 0:
+            self.val_batches.append((total, count))
+
+    def validation_se(self) -> float:
+        """The standard error of this validation run's value from its batches' values (``nan`` below 2 batches
+        or when the metric's batches were not seen); the kept batches are dropped.
+
+        With ``m_i`` the mean of batch ``i`` over ``b_i`` samples and ``m`` the run's mean, the variance of ``m``
+        is ``n / (n - 1) * sum(b_i^2 (m_i - m)^2) / (sum b_i)^2`` over its ``n`` batches (the batches as the
+        samples of the run: it holds whatever the spread within a batch).
+        """
+        kept, self.val_batches = self.val_batches, []
+        if len(kept) < 2:
+            return math.nan
+        totals = torch.stack([t.detach().double() for t, _ in kept]).cpu().tolist()
+        counts = torch.stack([c.detach().double() for _, c in kept]).cpu().tolist()
+        sums = [b - a for a, b in zip([0.0, *totals[:-1]], totals, strict=True)]
+        sizes = [b - a for a, b in zip([0.0, *counts[:-1]], counts, strict=True)]
+        batches = [(s_i / b_i, b_i) for s_i, b_i in zip(sums, sizes, strict=True) if b_i > 0]
+        n, whole = len(batches), sum(b for _, b in batches)
+        if n < 2 or whole <= 0:
+            return math.nan
+        mean = sum(m * b for m, b in batches) / whole
+        variance = n / (n - 1) * sum((b * (m - mean)) ** 2 for m, b in batches) / (whole * whole)
+        return math.sqrt(variance)
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrendOutput:
-        """Feed the monitored validation value to ``val_decline`` and ``val_fluctuation``.
+        """Feed the monitored validation value (with its standard error, :meth:`validation_se`) to ``val_decline``,
+        and to ``val_fluctuation``.
 
         Logged tags: ``diag/loss/val``; ``diag/loss/train_fluctuation`` and ``diag/loss/val_fluctuation`` once
         the window is full.
@@ -219,9 +298,12 @@ class LossTrend:
             return out
         value = torch.as_tensor(raw, dtype=torch.float32, device=pl_module.device).detach().mean()
         val = float(trainer.strategy.reduce(value, reduce_op="mean"))
+        # the value's standard error over all ranks (each rank's own batches; nan where one is unknown)
+        se_local = torch.tensor(self.validation_se() ** 2, dtype=torch.float64, device=pl_module.device)
+        se = math.sqrt(float(trainer.strategy.reduce(se_local, reduce_op="mean")) / max(trainer.world_size, 1))
         ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
         self.stagnant_rule.observe_validation(val, self.val_decline_rule.mode)
-        out.alerts += self.val_decline_rule.update(val, ctx, train_mean)
+        out.alerts += self.val_decline_rule.update(val, ctx, train_mean, se=se)
         out.alerts += self.val_fluctuation_rule.update(train_mean, val, ctx)
         out.scalars[loss_tag("val")] = val
         train_f, val_f = self.val_fluctuation_rule.measures()

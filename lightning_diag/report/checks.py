@@ -63,7 +63,7 @@ from lightning_diag.report.rows import (
 )
 from lightning_diag.report.text import clean, display
 from lightning_diag.rules.catalog import ALL_RULES, AMP_NOT_APPLIED, LOSS_OUTLIER
-from lightning_diag.rules.runtime import LOSS_OUTLIER_WINDOW_KEY
+from lightning_diag.rules.runtime import LOSS_OUTLIER_WINDOW_KEY, loss_outlier_min_history
 
 __all__ = [
     "MEASURES",
@@ -170,10 +170,10 @@ def _amp_measured(run: RunData, check: Check) -> bool:
 
 
 def _loss_outlier_measured(run: RunData, check: Check) -> bool:
-    """``loss_outlier`` judges a step only after ``window / 2`` steps of history."""
+    """``loss_outlier`` judges a step only after ``window / 4`` steps of history."""
     if LOSS_OUTLIER not in run.thresholds:
         return False
-    need = int(value_of(run.thresholds, LOSS_OUTLIER_WINDOW_KEY)) // 2
+    need = loss_outlier_min_history(int(value_of(run.thresholds, LOSS_OUTLIER_WINDOW_KEY)))
     steps = [step for step, _ in run.scalars.get(loss_tag("train_step"), [])]
     if steps and max(steps) >= need:
         return True

@@ -181,8 +181,13 @@ def _loss_points(run: RunData) -> Series:
 def _replay_loss_swing(run: RunData) -> list[Alert]:
     rule = LossSwingRule.from_settings(run.thresholds)
     alerts: list[Alert] = []
+    spread = dict(run.scalars.get(loss_tag("train_spread"), []))
+    previous = 0
     for step, v in _loss_points(run):
-        alerts += rule.update(v, StepContext(0, step))
+        sd = spread.get(step)  # the step losses' spread (a run from before it was logged: pooled from the points)
+        variance = sd * sd if sd is not None and math.isfinite(sd) else None
+        alerts += rule.update(v, StepContext(0, step), steps=max(step - previous, 1), variance=variance)
+        previous = step
     return alerts
 
 

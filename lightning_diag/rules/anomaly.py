@@ -3,13 +3,16 @@
 Exact definitions (also in ``docs/anomaly_alarm.md``):
 
 * ``loss_swing``: for consecutive loss points ``L[k-1], L[k]`` (epoch means, or means over windows of steps),
-  the relative change is ``r = (L[k] - L[k-1]) / |L[k-1]|``. A point *swings* when ``|r| > threshold`` and
-  ``|L[k] - L[k-1]| > min_delta``, and it is either a rise (``r > 0``) or a fall that reverses a swinging
+  the relative change is ``r = (L[k] - L[k-1]) / |L[k-1]|``. A point *swings* when ``|r| > threshold``,
+  ``|L[k] - L[k-1]| > min_delta``, the change is more than ``z`` standard errors of the two points' step-loss noise
+  (Welch; one-step points pool the run's recent noise) and it is not a move with the learning rate by a factor of
+  at most ``lr_ratio`` (the user's schedule), and it is either a rise (``r > 0``) or a fall that reverses a swinging
   rise just before it. Falls that follow falls never swing, so a loss that drops steadily, however fast,
   is healthy. The rule fires when ``patience`` consecutive points swing.
 * ``val_decline``: a validation value is *worse* than the one before it when it is larger by more than
   ``min_delta`` (mode ``"min"``) or smaller by more than ``min_delta`` (mode ``"max"``). Fires when
-  ``patience`` consecutive validation runs are worse.
+  ``patience`` consecutive validation runs are worse and, where the values' standard errors are known, the whole
+  worsening of the streak is more than ``z`` standard errors of that difference.
 * ``val_fluctuation``: over the last ``window`` validation runs, the fluctuation of a series is the RMS of its
   residuals around a least-squares line or parabola fitted to its logarithm
   (:func:`~lightning_diag.stats.fluctuation`). Fires when the validation fluctuation exceeds ``ratio`` times
@@ -56,13 +59,15 @@ __all__ = [
     "DEFAULT_STAGNANT_MIN_TREND",
     "DEFAULT_STAGNANT_PATIENCE",
     "DEFAULT_STAGNANT_THRESHOLD",
+    "DEFAULT_SWING_LR_RATIO",
     "DEFAULT_SWING_MIN_DELTA",
-    "DEFAULT_SWING_MIN_STEPS",
     "DEFAULT_SWING_PATIENCE",
     "DEFAULT_SWING_THRESHOLD",
+    "DEFAULT_SWING_Z",
     "DEFAULT_VAL_DECLINE_MIN_DELTA",
     "DEFAULT_VAL_DECLINE_MIN_STEPS",
     "DEFAULT_VAL_DECLINE_THRESHOLD",
+    "DEFAULT_VAL_DECLINE_Z",
     "DEFAULT_VAL_FLUCTUATION_MIN",
     "DEFAULT_VAL_FLUCTUATION_MIN_RANGE",
     "DEFAULT_VAL_FLUCTUATION_MIN_RISE",
@@ -90,6 +95,7 @@ __all__ = [
     "LossSwingRule",
     "ValDeclineRule",
     "ValFluctuationRule",
+    "welch_z",
 ]
 
 # -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
@@ -97,13 +103,14 @@ _ALARM = "AnomalyAlarm"
 LOSS_SWING_SPEC = register(RuleSpec(
     "loss_swing", _ALARM, "warning", 0.10,
     "training loss swings by more than {threshold:.0%} on {patience:g} consecutive epochs",
-    settings={"patience": 3, "min_delta": 1e-3, "min_steps": 20}, check="loss_swing", source="seed 001 §1.2",
-    limits={"threshold": POSITIVE, "patience": COUNT, "min_steps": STEPS},
+    settings={"patience": 3, "min_delta": 1e-3, "z": 2.0, "lr_ratio": 10.0}, check="loss_swing",
+    source="seed 001 §1.2",
+    limits={"threshold": POSITIVE, "patience": COUNT, "z": POSITIVE, "lr_ratio": Limit(low=1.0, low_inclusive=True)},
 ))
 VAL_DECLINE_SPEC = register(RuleSpec(
     "val_decline", _ALARM, "warning", 5.0, "validation metric worsens on {threshold:g} consecutive validation runs",
-    settings={"min_delta": 0.0, "min_steps": 20}, check="val_decline", source="seed 001 §1.2",
-    limits={"threshold": COUNT, "min_steps": STEPS},
+    settings={"min_delta": 0.0, "min_steps": 20, "z": 2.0}, check="val_decline", source="seed 001 §1.2",
+    limits={"threshold": COUNT, "min_steps": STEPS, "z": POSITIVE},
 ))
 VAL_FLUCTUATION_SPEC = register(RuleSpec(
     "val_fluctuation", _ALARM, "warning", 2.0,
@@ -183,8 +190,18 @@ DEFAULT_STAGNANT_MIN_STEPS = int(default(LOSS_STAGNANT_SPEC.key("min_steps")))
 DEFAULT_STAGNANT_ALPHA = default(LOSS_STAGNANT_SPEC.key("alpha"))
 #: ``loss_stagnant``: the Theil-Sen fall over the points, as a fraction of the loss's level, that is progress.
 DEFAULT_STAGNANT_MIN_TREND = default(LOSS_STAGNANT_SPEC.key("min_trend"))
-#: ``loss_swing``: optimizer steps a loss point must span (shorter epochs are merged).
-DEFAULT_SWING_MIN_STEPS = int(default(LOSS_SWING_SPEC.key("min_steps")))
+#: ``loss_swing``: standard errors of the step losses' noise a change must exceed to swing.
+DEFAULT_SWING_Z = default(LOSS_SWING_SPEC.key("z"))
+#: ``loss_swing``: the largest learning-rate factor between two points that is the user's schedule.
+DEFAULT_SWING_LR_RATIO = default(LOSS_SWING_SPEC.key("lr_ratio"))
+#: ``loss_swing``: the recent points whose step-to-step differences pool the noise of one-step points.
+_POOL_POINTS = 16
+#: ``loss_swing``: the fewest successive differences the pooled noise is taken from.
+_POOL_MIN_PAIRS = 4
+#: ``loss_swing``: a learning rate that changes by less than this fraction did not move.
+_LR_MOVES = 0.01
+#: ``val_decline``: standard errors of the validation means the streak's whole worsening must exceed.
+DEFAULT_VAL_DECLINE_Z = default(VAL_DECLINE_SPEC.key("z"))
 #: ``val_decline``: optimizer steps the worsening streak must span.
 DEFAULT_VAL_DECLINE_MIN_STEPS = int(default(VAL_DECLINE_SPEC.key("min_steps")))
 #: ``val_fluctuation``: optimizer steps the window must span.
@@ -195,8 +212,52 @@ def _pct(x: float) -> str:
     return f"{x * 100:+.1f}%"
 
 
+def welch_z(delta: float, first: list[float] | None, second: list[float] | None) -> float:
+    """A difference of two means over its standard error (Welch's ``t``), as a standard normal deviate.
+
+    ``first`` and ``second`` are ``[variance of the mean, degrees of freedom]``; the degrees of freedom of the
+    difference are Welch-Satterthwaite's, and ``t`` becomes the normal deviate of the same tail probability by
+    ``z = t (1 - 1 / (4 df)) / sqrt(1 + t^2 / (2 df))`` (so a bound on ``z`` means the same significance for
+    epochs of 4 steps or of 4000). ``nan`` when a noise is unknown; ``inf`` for a change against no noise at all.
+
+    Example:
+        >>> round(welch_z(1.0, [0.1, 1000.0], [0.1, 1000.0]), 2), round(welch_z(1.0, [0.1, 3.0], [0.1, 3.0]), 2)
+        (2.23, 1.8)
+    """
+    if first is None or second is None:
+        return math.nan
+    (v1, df1), (v2, df2) = first, second
+    variance = v1 + v2
+    if not math.isfinite(variance):
+        return 0.0 if math.isinf(variance) else math.nan
+    if variance <= 0:
+        return math.inf if delta > 0 else math.nan
+    t = delta / math.sqrt(variance)
+    denominator = (v1 * v1 / max(df1, 1.0) if v1 > 0 else 0.0) + (v2 * v2 / max(df2, 1.0) if v2 > 0 else 0.0)
+    df = variance * variance / denominator if denominator > 0 else math.inf
+    if math.isinf(df):
+        return t
+    return t * (1.0 - 1.0 / (4.0 * df)) / math.sqrt(1.0 + t * t / (2.0 * df))
+
+
 class LossSwingRule(Rule):
     """``loss_swing``: the training loss swings by more than ``threshold`` on ``patience`` consecutive points.
+
+    A point is the mean step loss of an epoch (or window). Its change from the point before swings when it is
+    above ``threshold`` (relative) and ``min_delta`` (absolute) **and** significant against the noise of the two
+    points: ``|L[k] - L[k-1]|`` over ``sqrt(s[k-1]^2 / n[k-1] + s[k]^2 / n[k])`` above ``z`` (Welch's statistic as a
+    normal deviate, :func:`welch_z`; ``s^2``: the noise variance of a point's ``n`` step losses, passed as
+    ``variance`` and ``steps``). A point of one step (one-batch epochs) has no spread of its own: its step
+    variance is pooled, from the recent multi-step points' variances or, when there are none, from the step-to-step
+    differences of the last :data:`_POOL_POINTS` points (the mean squared
+    successive difference, which a smooth trend barely moves); with fewer than 4 such differences no change is
+    significant.
+
+    A change in the direction the learning rate moved between the two points (``lr``: the period's mean rate) is
+    the user's schedule, not a swing, when the rate changed by a factor of at most ``lr_ratio`` (cyclic rates,
+    one-cycle, warm restarts: the loss rises with the rate); a larger factor between two consecutive points is
+    no schedule people train with (an oscillating or mis-set rate): a change that comes with it is the rate's
+    doing rather than chance, and is significant from ``z / 2`` standard errors on.
 
     Args:
         threshold: Relative change that counts as a swing.
@@ -204,15 +265,23 @@ class LossSwingRule(Rule):
         min_delta: Absolute change below which a point never swings.
         unit: What one point is, for messages (``"epoch"`` or ``"window of N steps"``).
 
+    Attributes:
+        z: Standard errors of the change a swing must exceed (``loss_swing.z``).
+        lr_ratio: Largest learning-rate factor between two points that is a schedule (``loss_swing.lr_ratio``).
+
     Example:
         >>> rule = LossSwingRule()
-        >>> fired = [rule.update(v, StepContext(e, 20 * e + 20)) for e, v in enumerate([1.0, 0.8, 1.0, 0.8, 1.0])]
-        >>> [len(a) for a in fired]
+        >>> points = [1.0, 0.8, 1.0, 0.8, 1.0]  # epochs of 16 steps whose losses spread by 0.05
+        >>> [len(rule.update(v, StepContext(e, 16 * e), steps=16, variance=0.05**2)) for e, v in enumerate(points)]
         [0, 0, 0, 0, 1]
+        >>> rule = LossSwingRule()  # the same means, but the step losses spread by 0.5: noise
+        >>> [len(rule.update(v, StepContext(e, 16 * e), steps=16, variance=0.5**2)) for e, v in enumerate(points)]
+        [0, 0, 0, 0, 0]
     """
 
     specs = (LOSS_SWING_SPEC,)
-    state_keys = ("previous", "previous_rise", "streak", "last_change", "history", "pending")
+    state_keys = ("previous", "previous_rise", "streak", "last_change", "history", "previous_noise", "previous_lr",
+                  "recent", "excesses")
 
     def __init__(
         self,
@@ -229,30 +298,30 @@ class LossSwingRule(Rule):
         self.min_delta = min_delta
         self.unit = unit
         self.source = source
+        self.z = DEFAULT_SWING_Z
+        self.lr_ratio = DEFAULT_SWING_LR_RATIO
         self.previous: float | None = None
         self.previous_rise = False
         self.streak = 0
         self.last_change = math.nan
+        #: The last change over its standard error (``nan`` before two points).
+        self.last_t = math.nan
         self.history: list[float] = []
-        #: Optimizer steps a point must span (``loss_swing.min_steps``): shorter points (one-batch epochs) are
-        #: merged, step-weighted, with the next ones until they do.
-        self.min_steps = DEFAULT_SWING_MIN_STEPS
-        #: ``[step-weighted sum, steps, global step of the last point fed]`` of the points being merged.
-        self.pending: list[float] = [0.0, 0.0, 0.0]
+        #: ``[variance of the previous point's mean, its degrees of freedom]`` (``None``: unknown).
+        self.previous_noise: list[float] | None = None
+        #: The previous point's learning rate (``None``: unknown).
+        self.previous_lr: float | None = None
+        #: ``[value, steps, step variance or None]`` of the last points, for the pooled noise of one-step points.
+        self.recent: list[list[float | None]] = []
+        #: How close each of the last ``patience`` points came to swinging (``min(|r| / threshold, t / z)``, 0 for
+        #: one that cannot), for :meth:`Rule.observe`.
+        self.excesses: list[float] = []
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before point merging loads with nothing pending."""
-        super().load_state_dict({"pending": [0.0, 0.0, 0.0], **state})
-
-    def merge(self, value: float, ctx: StepContext) -> float | None:
-        """Add a point to the merge; the step-weighted mean once it spans ``min_steps`` steps, else ``None``."""
-        steps = max(float(ctx.global_step) - self.pending[2], 1.0)
-        self.pending = [self.pending[0] + value * steps, self.pending[1] + steps, float(ctx.global_step)]
-        if self.pending[1] < self.min_steps:
-            return None
-        merged = self.pending[0] / self.pending[1]
-        self.pending = [0.0, 0.0, float(ctx.global_step)]
-        return merged
+        """Restore :meth:`state_dict` output; a checkpoint from before the noise test loads with the previous
+        point's noise and rate unknown."""
+        defaults: dict[str, Any] = {"previous_noise": None, "previous_lr": None, "recent": [], "excesses": []}
+        super().load_state_dict({**defaults, **state})
 
     @classmethod
     def from_settings(
@@ -265,33 +334,89 @@ class LossSwingRule(Rule):
             spec.value(thresholds), int(spec.value(thresholds, "patience")), spec.value(thresholds, "min_delta"),
             unit=unit, source=source,
         )
-        rule.min_steps = int(spec.value(thresholds, "min_steps"))
+        rule.z = spec.value(thresholds, "z")
+        rule.lr_ratio = spec.value(thresholds, "lr_ratio")
         return rule
 
-    def update(self, value: float, ctx: StepContext) -> list[Alert]:
+    def pooled_step_variance(self) -> tuple[float, float]:
+        """The step variance of a point without its own spread, with its degrees of freedom: the median of the
+        recent points' own step variances (the fewest steps among them, less one), else half the mean squared
+        successive difference of the recent points scaled by their steps (one per difference); ``inf`` (no change
+        significant) with neither."""
+        own = [(float(v), float(n or 1.0)) for _, n, v in self.recent if v is not None]
+        if own:
+            return statistics.median(v for v, _ in own), min(n for _, n in own) - 1.0
+        pairs = [
+            (float(b[0] or 0.0) - float(a[0] or 0.0)) ** 2 / (1.0 / float(a[1] or 1.0) + 1.0 / float(b[1] or 1.0))
+            for a, b in itertools.pairwise(self.recent)
+        ]
+        if len(pairs) < _POOL_MIN_PAIRS:
+            return math.inf, 1.0
+        return sum(pairs) / (2.0 * len(pairs)), float(len(pairs))
+
+    def scheduled(self, change: float, lr: float | None) -> bool:
+        """Whether a change moves with the learning rate by a factor of at most ``lr_ratio`` (the schedule)."""
+        if lr is None or self.previous_lr is None or not (lr > 0 and self.previous_lr > 0):
+            return False
+        factor = lr / self.previous_lr
+        if max(factor, 1.0 / factor) < 1.0 + _LR_MOVES:
+            return False  # the rate did not move
+        return (factor > 1.0) == (change > 0) and max(factor, 1.0 / factor) <= self.lr_ratio
+
+    def lr_jump(self, lr: float | None) -> bool:
+        """Whether the learning rate changed by more than ``lr_ratio`` since the previous point: no schedule's
+        step, so a change of the loss with it is the rate's doing, not chance (judged against half of ``z``)."""
+        if lr is None or self.previous_lr is None or not (lr > 0 and self.previous_lr > 0):
+            return False
+        return max(lr / self.previous_lr, self.previous_lr / lr) > self.lr_ratio
+
+    def update(
+        self,
+        value: float,
+        ctx: StepContext,
+        *,
+        steps: float = 1.0,
+        variance: float | None = None,
+        lr: float | None = None,
+    ) -> list[Alert]:
         """Feed the next loss point; return the alerts it raises.
 
-        A point spanning fewer than ``min_steps`` optimizer steps since the last one (``ctx.global_step``) is
-        merged with the next ones: the rule judges step windows of at least that length when epochs are short.
+        Args:
+            value: The point (mean step loss of the epoch or window).
+            ctx: Where it closed.
+            steps: The step losses it is the mean of.
+            variance: Their sample variance (``None`` or ``nan``: unknown, or one step: pooled).
+            lr: The point's learning rate (``None`` or ``nan``: unknown, no change is a schedule).
         """
         if not math.isfinite(value):
             return []  # non-finite losses are AnomalyAlarm's nonfinite_loss, not a trend
-        merged = self.merge(value, ctx)
-        if merged is None:
-            return []
-        value = merged
+        count = max(float(steps), 1.0) if math.isfinite(steps) else 1.0
+        own = float(variance) if variance is not None and count >= 2 and math.isfinite(variance) else None
+        self.recent = [*self.recent[-(_POOL_POINTS - 1) :], [float(value), count, own]]
+        step_variance, df = (own, count - 1.0) if own is not None else self.pooled_step_variance()
+        noise = [step_variance / count, df]
+        lr = float(lr) if lr is not None and math.isfinite(lr) else None
         self.history = [*self.history[-(self.patience) :], value]
         if self.previous is None:
-            self.previous = value
+            self.previous, self.previous_noise, self.previous_lr = value, noise, lr
             return []
         change = relative_change(self.previous, value)
         delta = abs(value - self.previous)
-        significant = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
-        rise = significant and change > 0
-        reversal = significant and change < 0 and self.previous_rise
+        self.last_t = welch_z(delta, self.previous_noise, noise)
+        large = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
+        bound = self.z / 2.0 if self.lr_jump(lr) else self.z
+        significant = large and self.last_t > bound
+        swing = significant and not self.scheduled(change, lr)
+        rise = swing and change > 0
+        reversal = swing and change < 0 and self.previous_rise
+        counts = math.isfinite(change) and (change > 0 or self.previous_rise) and not self.scheduled(change, lr)
+        near = min(abs(change) / self.threshold, self.last_t / bound) if counts and math.isfinite(self.last_t) else 0.0
+        self.excesses = [*self.excesses[-(self.patience - 1) :], near]
+        if len(self.excesses) >= self.patience:
+            self.observe(min(self.excesses), 1.0)
         self.streak = self.streak + 1 if (rise or reversal) else 0
         self.previous_rise = rise
-        self.previous = value
+        self.previous, self.previous_noise, self.previous_lr = value, noise, lr
         self.last_change = change
         active = self.streak >= self.patience
         if not self.latch.update(self.source, active):
@@ -301,8 +426,8 @@ class LossSwingRule(Rule):
             self._alert(
                 ctx,
                 f"training loss swung by more than {self.threshold:.0%} on {self.streak} consecutive "
-                f"{self.unit}s (last change {_pct(change)}; recent values {points}): the learning rate may be "
-                "too high or the data order unstable",
+                f"{self.unit}s (last change {_pct(change)}, {self.last_t:.1f} standard errors of the step losses' "
+                f"noise; recent values {points}): the learning rate may be too high or the data order unstable",
                 source=self.source,
                 value=change,
                 threshold=self.threshold,
@@ -312,6 +437,13 @@ class LossSwingRule(Rule):
 
 class ValDeclineRule(Rule):
     """``val_decline``: the monitored validation value worsens on ``patience`` consecutive runs.
+
+    When the standard error of each validation value is known (``se``: the spread of its batches' values, see
+    :meth:`~lightning_diag.callbacks.loss_trend.LossTrend.on_validation_batch_end`), the streak's whole worsening,
+    from the run it worsens from to the last, must also exceed ``z`` standard errors of that difference
+    (``sqrt(se_start^2 + se^2)``): a validation loss worse by 0.15% over five runs on thousands of samples is the
+    validation set's noise, not a decline. Without it (a metric logged only at the epoch's end), any worsening
+    counts, as before.
 
     Args:
         monitor: Name of the metric, for messages and the alert's ``source``.
@@ -326,7 +458,7 @@ class ValDeclineRule(Rule):
     """
 
     specs = (VAL_DECLINE_SPEC,)
-    state_keys = ("previous", "streak", "history", "streak_start", "train_start")
+    state_keys = ("previous", "streak", "history", "streak_start", "train_start", "start", "previous_se")
 
     def __init__(
         self,
@@ -351,11 +483,19 @@ class ValDeclineRule(Rule):
         self.streak_start = 0
         #: The mean training loss before that run (``None``: not known).
         self.train_start: float | None = None
+        #: ``[value, standard error or None]`` of the run the current streak worsens from.
+        self.start: list[float | None] = []
+        #: The standard error of the previous value (``None``: unknown).
+        self.previous_se: float | None = None
+        #: Standard errors the streak's worsening must exceed (``val_decline.z``).
+        self.z = DEFAULT_VAL_DECLINE_Z
+        #: The last streak's worsening over its standard error (``nan``: unknown).
+        self.last_z = math.nan
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before ``min_steps`` loads with the streak
         starting at step 0."""
-        super().load_state_dict({"streak_start": 0, "train_start": None, **state})
+        super().load_state_dict({"streak_start": 0, "train_start": None, "start": [], "previous_se": None, **state})
 
     @classmethod
     def from_settings(
@@ -366,18 +506,32 @@ class ValDeclineRule(Rule):
         spec = VAL_DECLINE_SPEC
         rule = cls(monitor, mode, int(spec.value(thresholds)), spec.value(thresholds, "min_delta"))
         rule.min_steps = int(spec.value(thresholds, "min_steps"))
+        rule.z = spec.value(thresholds, "z")
         return rule
 
-    def update(self, value: float, ctx: StepContext, train: float | None = None) -> list[Alert]:
+    def significance(self, value: float, se: float | None) -> float:
+        """The worsening from the streak's start to ``value`` over its standard error (``inf`` when either
+        standard error is unknown: the test is not made)."""
+        if len(self.start) < 2 or self.start[1] is None or se is None:
+            return math.inf
+        first = float(self.start[0] or 0.0)
+        worse = value - first if self.mode == "min" else first - value
+        noise = math.sqrt(float(self.start[1]) ** 2 + se * se)
+        return worse / noise if noise > 0 else (math.inf if worse > 0 else 0.0)
+
+    def update(
+        self, value: float, ctx: StepContext, train: float | None = None, se: float | None = None
+    ) -> list[Alert]:
         """Feed the next validation value (and the mean training loss since the previous run, when known);
         return the alerts it raises.
 
         With ``train`` given, a streak over which the training loss rose too is a schedule (a KL weight warming
         up raises both), not overfitting: the rule stays quiet while the training loss is above its value at the
-        run the streak worsens from.
+        run the streak worsens from. ``se`` is the value's standard error (``None``: unknown).
         """
         if not math.isfinite(value):
             return []
+        se = float(se) if se is not None and math.isfinite(se) and se >= 0 else None
         self.history = [*self.history[-self.patience :], value]
         if self.previous is not None:
             worse = (
@@ -388,10 +542,16 @@ class ValDeclineRule(Rule):
         if self.streak == 0:
             self.streak_start = ctx.global_step
             self.train_start = train
-        self.previous = value
+            self.start = [value, se]
+        self.previous, self.previous_se = value, se
         spanned = ctx.global_step - self.streak_start
         scheduled = train is not None and self.train_start is not None and train > self.train_start
-        active = self.streak >= self.patience and spanned >= self.min_steps and not scheduled
+        self.last_z = self.significance(value, se) if self.streak else math.nan
+        significant = not self.last_z <= self.z  # nan (no streak) is judged by the streak
+        if not scheduled and spanned >= self.min_steps:
+            streak_part = self.streak / self.patience
+            self.observe(min(streak_part, self.last_z / self.z) if self.streak else 0.0, 1.0)
+        active = self.streak >= self.patience and spanned >= self.min_steps and not scheduled and significant
         if not self.latch.update(self.monitor, active):
             return []
         points = ", ".join(f"{v:.4g}" for v in self.history)

@@ -13,12 +13,14 @@ Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.run
   ``share`` of the matmul layers' parameters (``nn.Linear``, ``nn.Conv*``) computed in float32 on a sampled
   training step: the forward escapes autocast (an ``autocast(enabled=False)`` block, inputs cast after it), so
   the run pays for float32. Judged once per fit, on its first training batch.
-* ``loss_outlier`` (warning): a training step's loss jumps back to the level of the untrained model: more than
-  ``threshold`` robust standard deviations (1.4826 x the median absolute deviation) and more than ``ratio`` times
-  above the median of the (up to) ``window`` steps before it, and at least half the median loss of the fit's first
-  ``window / 2`` steps. A transient corruption (a batch copied as zeros, a bad shard) looks so; a healthy run's
-  hard batch near convergence rises far less. Needs ``window / 2`` steps of history; judged on logging steps over
-  the steps since the last one.
+* ``loss_outlier`` (warning): a training step's loss jumps back to the level of the untrained model: on a log scale
+  (all losses positive; their own scale otherwise) more than ``threshold`` robust standard deviations (1.4826 x
+  the median absolute deviation) above the median of the (up to) ``window`` steps before it, that bound times
+  ``sqrt((window / 2) / n)`` while only ``n < window / 2`` steps are known; more than ``ratio`` times their
+  median; and at least half the median loss of the fit's first ``window / 4`` steps. A transient corruption (a
+  batch copied as zeros, a bad shard) looks so; a healthy run's hard batch near convergence, a heavy-tailed
+  regression batch or a single sample's loss at batch size 1 rises far less on the log scale, where its spread
+  is measured. Needs ``window / 4`` steps of history; judged on logging steps over the steps since the last one.
 * ``zero_output`` (warning): a module's output is all zeros on a sampled training step while it was non-zero on
   each of its (at least ``threshold``) measurements before and never zero: a copy between devices or ranks that
   arrived as zeros (a faulty link, a failed transfer). Transitions are judged, not the state: a module whose output
@@ -34,8 +36,10 @@ Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.run
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import FRACTION, POSITIVE, Limit, RuleSpec, register
@@ -66,7 +70,10 @@ __all__ = [
     "LossOutlierRule",
     "TrainOverrideRule",
     "ZeroOutputRule",
+    "judge_losses",
+    "loss_outlier_min_history",
     "loss_outliers",
+    "outlier_excess",
 ]
 
 _ALARM = "AnomalyAlarm"
@@ -113,7 +120,7 @@ LOSS_OUTLIER_SPEC = register(
         "loss_outlier",
         _ALARM,
         "warning",
-        10.0,
+        8.0,
         "a training step's loss more than {threshold:g} robust standard deviations and {ratio:g}x above the median "
         "of the {window:g} steps before it, back at the untrained model's level",
         settings={"ratio": 2.0, "window": 32},
@@ -152,7 +159,7 @@ ZERO_OUTPUT = ZERO_OUTPUT_SPEC.rule_id
 #: ``amp_not_applied``: share of the matmul layers' parameters computing in float32 above which it fires.
 DEFAULT_AMP_SHARE: float = float(AMP_NOT_APPLIED_SPEC.threshold or 0.5)
 #: ``loss_outlier``: robust standard deviations above the median of the window.
-DEFAULT_LOSS_OUTLIER_THRESHOLD: float = float(LOSS_OUTLIER_SPEC.threshold or 10.0)
+DEFAULT_LOSS_OUTLIER_THRESHOLD: float = float(LOSS_OUTLIER_SPEC.threshold or 8.0)
 #: ``loss_outlier``: ... and this factor above that median.
 DEFAULT_LOSS_OUTLIER_RATIO: float = float(LOSS_OUTLIER_SPEC.settings["ratio"])
 #: ``loss_outlier``: the steps the median and MAD are taken over.
@@ -343,39 +350,97 @@ def loss_outliers(
 ) -> list[tuple[int, float, float]]:
     """The steps of ``new`` whose loss is an upward outlier against the (up to) ``window`` losses before it.
 
-    A loss ``x`` is an outlier when ``x - m > threshold * 1.4826 * MAD``, ``x > ratio * m`` and ``x >= floor``
-    (``m``, ``MAD``: median and median absolute deviation of the finite losses before it, at least ``window // 2``
-    of them; ``floor``: half the untrained model's loss, ``None`` for no floor). Outliers do not enter the
-    reference; non-finite losses (the non-finite rules' concern) are not judged.
+    See :func:`outlier_excess` for the test; outliers do not enter the reference, and non-finite losses (the
+    non-finite rules' concern) are not judged.
 
     Returns:
         ``(index into new, loss, median)`` of each outlier.
 
     Example:
-        >>> hist = [0.25 + 0.125 * (i % 5) for i in range(32)]
-        >>> loss_outliers(hist, [0.25, 4.0, 0.5], 10.0, 2.0, 32, floor=0.7)
+        >>> hist = [0.4 + 0.05 * (i % 5) for i in range(32)]
+        >>> loss_outliers(hist, [0.45, 4.0, 0.5], 10.0, 2.0, 32, floor=0.7)
         [(1, 4.0, 0.5)]
-        >>> loss_outliers(hist, [0.25, 0.6, 0.5], 10.0, 2.0, 32, floor=0.7)  # a hard batch, not the untrained level
+        >>> loss_outliers(hist, [0.45, 0.9, 0.5], 10.0, 2.0, 32, floor=0.7)  # a hard batch, not the untrained level
         []
-        >>> loss_outliers(hist[:10], [2.0], 10.0, 2.0, 32)  # not enough history
+        >>> loss_outliers(hist[:7], [4.0], 10.0, 2.0, 32)  # not enough history (8 steps)
         []
     """
+    judged = judge_losses(history, new, threshold, ratio, window, floor)
+    return [(i, x, med) for i, x, excess, med in judged if excess > 1.0]
+
+
+def judge_losses(
+    history: Sequence[float],
+    new: Sequence[float],
+    threshold: float,
+    ratio: float,
+    window: int,
+    floor: float | None = None,
+) -> list[tuple[int, float, float, float]]:
+    """``(index into new, loss, excess, median)`` of every finite loss of ``new`` (:func:`outlier_excess` against
+    the up to ``window`` losses before it that were not outliers)."""
     past = [v for v in history if math.isfinite(v)][-window:]
     out = []
     for i, x in enumerate(new):
         if not math.isfinite(x):
             continue
-        if len(past) >= max(window // 2, 1):
-            ordered = sorted(past)
-            med = _median(ordered)
-            sigma = 1.4826 * _median(sorted(abs(v - med) for v in ordered))
-            if x - med > threshold * sigma and x > ratio * med and (floor is None or x >= floor):
-                out.append((i, float(x), float(med)))
-                continue  # an outlier does not enter the reference
+        excess, med = outlier_excess(past, x, threshold, ratio, window, floor)
+        out.append((i, float(x), excess, med))
+        if excess > 1.0:
+            continue  # an outlier does not enter the reference
         past.append(float(x))
         if len(past) > window:
             past.pop(0)
     return out
+
+
+def loss_outlier_min_history(window: int) -> int:
+    """The steps of history ``loss_outlier`` needs before it judges a step: ``window // 4`` (at least 2).
+
+    Example:
+        >>> loss_outlier_min_history(32)
+        8
+    """
+    return max(int(window) // 4, 2)
+
+
+def outlier_excess(
+    past: Sequence[float], x: float, threshold: float, ratio: float, window: int, floor: float | None = None
+) -> tuple[float, float]:
+    """How far loss ``x`` is past ``loss_outlier``'s bound against the losses ``past`` before it, with their
+    median: ``(excess, median)``; an excess above 1 is an outlier, ``nan`` means not judged.
+
+    The losses are compared on a log scale when they are all positive (a loss's spread grows with its level, and
+    batch losses near convergence are heavy-tailed: a few confidently wrong samples in a small batch multiply it),
+    on their own scale otherwise. With ``m`` and ``s`` the median and robust deviation (1.4826 x the median absolute
+    deviation) of the past on that scale, ``x`` is an outlier when ``(f(x) - m) / s`` is above ``threshold`` times
+    ``sqrt(max(1, (window / 2) / n))`` (``n`` past losses, at least ``window // 4``: a shorter history is judged
+    against a correspondingly stricter bound), ``x`` is above ``ratio`` times the past's median and at least
+    ``floor``. The excess is the smallest of the three ratios to their bounds.
+
+    Example:
+        >>> past = [0.1, 0.12, 0.09, 0.11, 0.1, 0.13, 0.1, 0.08]  # 8 steps: judged against 10 * sqrt(16 / 8)
+        >>> [(round(excess, 2), med) for excess, med in (outlier_excess(past, x, 10.0, 2.0, 32) for x in (0.3, 4.0))]
+        [(0.33, 0.1), (1.12, 0.1)]
+    """
+    n = len(past)
+    if n < loss_outlier_min_history(window):
+        return math.nan, math.nan
+    ordered = sorted(past)
+    med = _median(ordered)
+    log_scale = ordered[0] > 0 and x > 0
+    scaled = [math.log(v) for v in past] if log_scale else list(past)
+    centre = _median(sorted(scaled))
+    # the spread from one step to the next (a falling loss's trend is not spread): the median absolute successive
+    # difference, over sqrt(2), times 1.4826 (a standard deviation for Gaussian noise)
+    sigma = 1.4826 * _median(sorted(abs(b - a) for a, b in itertools.pairwise(scaled))) / math.sqrt(2.0)
+    bound = threshold * math.sqrt(max(1.0, (window / 2) / n))
+    rise = (math.log(x) if log_scale else x) - centre
+    z = rise / sigma if sigma > 0 else (math.inf if rise > 0 else 0.0)
+    parts = [z / bound, x / (ratio * med) if med > 0 else (math.inf if x > 0 else 0.0)]
+    if floor is not None and floor > 0:
+        parts.append(x / floor)
+    return min(parts), med
 
 
 def _median(ordered: Sequence[float]) -> float:
@@ -389,14 +454,14 @@ class LossOutlierRule(Rule):
 
     Example:
         >>> rule = LossOutlierRule(window=8)
-        >>> rule.update([2.0, 1.5, 1.0, 0.6, 0.3, 0.2, 0.21, 0.19], list(range(1, 9)), StepContext(0, 8))
+        >>> rule.update([1.4, 0.3, 0.2, 0.21, 0.19, 0.2, 0.22, 0.18], list(range(1, 9)), StepContext(0, 8))
         []
         >>> [(a.rule, a.global_step) for a in rule.update([0.2, 2.1, 0.2], [9, 10, 11], StepContext(0, 11))]
         [('loss_outlier', 10)]
     """
 
     specs = (LOSS_OUTLIER_SPEC,)
-    state_keys = ("history", "initial", "outliers")
+    state_keys = ("history", "initial", "outliers", "first")
 
     def __init__(
         self,
@@ -405,16 +470,21 @@ class LossOutlierRule(Rule):
         window: int = DEFAULT_LOSS_OUTLIER_WINDOW,
     ) -> None:
         super().__init__()
-        self.threshold, self.ratio, self.window = threshold, ratio, max(int(window), 2)
+        self.threshold, self.ratio, self.window = threshold, ratio, max(int(window), 4)
         # Repeated corruptions are one event: it ends after 10 judgments (logging steps) without an outlier.
         self.latch = Latch(clear_after=_OUTLIER_CLEAR_AFTER)
         #: The last ``window`` finite losses judged normal.
         self.history: list[float] = []
-        #: The median loss of the fit's first ``window // 2`` finite steps (the untrained model's level).
+        #: The median loss of the fit's first ``window // 4`` finite steps (the untrained model's level).
         self.initial: float | None = None
-        self._first: list[float] = []
+        #: The fit's first finite losses, until ``initial`` is taken from them.
+        self.first: list[float] = []
         #: Outliers found so far in this fit.
         self.outliers = 0
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before ``first`` was saved loads with none."""
+        super().load_state_dict({"first": [], **state})
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> LossOutlierRule:
@@ -425,12 +495,16 @@ class LossOutlierRule(Rule):
     def update(self, losses: Sequence[float], steps: Sequence[int], ctx: StepContext) -> list[Alert]:
         """Feed the per-step losses since the last call (``steps``: their global steps); return the alerts."""
         if self.initial is None:
-            self._first += [float(v) for v in losses if math.isfinite(v)]
-            if len(self._first) >= self.window // 2:
-                self.initial = _median(sorted(self._first[: self.window // 2]))
-                self._first = []
+            self.first = self.first + [float(v) for v in losses if math.isfinite(v)]
+            need = loss_outlier_min_history(self.window)
+            if len(self.first) >= need:
+                self.initial = _median(sorted(self.first[:need]))
+                self.first = []
         floor = None if self.initial is None else 0.5 * self.initial
-        found = loss_outliers(self.history, losses, self.threshold, self.ratio, self.window, floor)
+        judged = judge_losses(self.history, losses, self.threshold, self.ratio, self.window, floor)
+        for _, _, excess, _ in judged:
+            self.observe(excess, 1.0)
+        found = [(i, x, med) for i, x, excess, med in judged if excess > 1.0]
         bad = {i for i, _, _ in found}
         self.history = (self.history + [float(v) for i, v in enumerate(losses) if i not in bad and math.isfinite(v)])[
             -self.window :

@@ -27,7 +27,9 @@ FOLD_EVERY = 64
 
 
 class LossSums(ReducedState):
-    """``<period>_sum`` and ``<period>_count`` for each of :data:`LOSS_PERIODS` and ``initial``, the last
+    """``<period>_sum`` and ``<period>_count`` for each of :data:`LOSS_PERIODS` and ``initial``; ``<period>_dsq`` and
+    ``<period>_dn`` (the sum and count of the squared differences between successive step losses: their step-to-step
+    noise, which a trend within the period barely moves) for each of :data:`LOSS_PERIODS`; the last
     finite loss, and where the periods stand (the batches of ``initial``, the first step of the step window).
 
     Non-finite losses add nothing to the sums or the counts (they are the non-finite guard's business).
@@ -55,6 +57,13 @@ class LossSums(ReducedState):
         for prefix in (*LOSS_PERIODS, "initial"):
             self.add_state(prefix + "_sum", 0.0, Reduction.SUM)
             self.add_state(prefix + "_count", 0.0, Reduction.SUM)
+        for prefix in LOSS_PERIODS:  # the step-to-step noise of the losses within a period (the loss rules')
+            self.add_state(prefix + "_dsq", 0.0, Reduction.SUM)
+            self.add_state(prefix + "_dn", 0.0, Reduction.SUM)
+        # The last loss folded in (the predecessor of the next fold's first), and the periods it belongs to (a period
+        # just reset has none: its first difference is with its own first loss).
+        self._previous: torch.Tensor | None = None
+        self._continues: set[str] = set()
         self.baseline_steps = baseline_steps
         #: Batches counted into the ``initial`` sums so far (the same on every rank: not reduced).
         self.initial_batches = 0
@@ -74,6 +83,11 @@ class LossSums(ReducedState):
     def names(prefix: str) -> tuple[str, str]:
         """``(sum, count)`` state names of a period."""
         return prefix + "_sum", prefix + "_count"
+
+    @staticmethod
+    def spread_names(prefix: str) -> tuple[str, str, str, str]:
+        """``(sum, count, squared differences, their count)`` state names of one of :data:`LOSS_PERIODS`."""
+        return prefix + "_sum", prefix + "_count", prefix + "_dsq", prefix + "_dn"
 
     def add(self, loss: torch.Tensor, copy: bool = True) -> torch.Tensor:
         """Add a 0-d loss to every open period (and to the baseline while it is filling): a copy is kept,
@@ -133,12 +147,34 @@ class LossSums(ReducedState):
             total, count = self.names(prefix)
             self._values[total] = self._values[total] + totals[prefix][0]
             self._values[count] = self._values[count] + totals[prefix][1]
+        self._fold_differences(values, finite)
         # The last finite value: the largest 1-based position of a finite one (0: none of them is finite).
         position = (weight * torch.arange(1, len(held) + 1, device=values.device, dtype=values.dtype)).max()
         latest = values.gather(0, (position.long() - 1).clamp(min=0).reshape(1)).reshape(())
         last = self._last_finite
         last = last.to(latest) if isinstance(last, torch.Tensor) else torch.full_like(latest, last)
         self._last_finite = torch.where(position > 0, latest, last)
+
+    def _fold_differences(self, values: torch.Tensor, finite: torch.Tensor) -> None:
+        """Add the squared differences between successive finite losses (with the last loss of the fold before for
+        the periods it belongs to) to each period's ``_dsq`` and ``_dn`` (no host read)."""
+        inner = (values[1:] - values[:-1]) ** 2
+        inner_ok = finite[1:] & finite[:-1]
+        inner_sum = torch.where(inner_ok, inner, 0.0).sum()
+        inner_n = inner_ok.to(values.dtype).sum()
+        with_edge = (inner_sum, inner_n)
+        if self._previous is not None:
+            previous = self._previous.to(values)
+            edge_ok = finite[0] & ((previous * 0) == 0)
+            edge = torch.where(edge_ok, (values[0] - previous) ** 2, 0.0)
+            with_edge = (inner_sum + edge, inner_n + edge_ok.to(values.dtype))
+        for prefix in LOSS_PERIODS:
+            dsq, dn = prefix + "_dsq", prefix + "_dn"
+            squares, count = with_edge if prefix in self._continues else (inner_sum, inner_n)
+            self._values[dsq] = self._values[dsq] + squares
+            self._values[dn] = self._values[dn] + count
+        self._previous = values[-1]
+        self._continues = set(LOSS_PERIODS)
 
     def __getitem__(self, name: str) -> Any:
         self._fold()
@@ -148,6 +184,8 @@ class LossSums(ReducedState):
         """Put the named values (all by default) back to their defaults, after folding the held losses in."""
         self._fold()
         super().reset(names)
+        restarted = {p for p in LOSS_PERIODS if names is None or p + "_sum" in set(names)}
+        self._continues -= restarted  # a period's first difference is within it
 
     def merge(self, other: ReducedState) -> ReducedState:
         """As :meth:`ReducedState.merge`, with the held losses of both folded in first."""
@@ -163,19 +201,31 @@ class LossSums(ReducedState):
 
     def state_dict(self) -> dict[str, Any]:
         """The sums (as :meth:`ReducedState.state_dict`, the held losses folded in first), ``last_finite``,
-        ``initial_batches`` and ``window_start``: one host read for all."""
+        ``initial_batches``, ``window_start``, and the last loss folded in with the periods it continues
+        (``previous_loss``, ``continues``: the next step-to-step difference): one host read for all."""
         self._fold()
-        state = host_values({**{name: self._values[name] for name in self.specs}, "last_finite": self._last_finite})
+        previous = math.nan if self._previous is None else self._previous
+        state = host_values(
+            {**{name: self._values[name] for name in self.specs}, "last_finite": self._last_finite,
+             "previous_loss": previous}
+        )
         state["initial_batches"] = float(self.initial_batches)
         state["window_start"] = self.window_start
+        state["continues"] = sorted(self._continues) if self._previous is not None else []
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Restore :meth:`state_dict` output (as :meth:`ReducedState.load_state_dict` for the sums; a missing
-        ``last_finite``, ``initial_batches`` or ``window_start`` is nan, 0 and ``None``); the held losses are dropped
+        ``last_finite``, ``initial_batches`` or ``window_start`` is nan, 0 and ``None``, a missing ``previous_loss``
+        starts the step-to-step differences afresh); the held losses are dropped
         (the restored sums replace them: a resume, or a rollback that undoes their steps). Sets :attr:`all_ranks`."""
         self._held, self._held_initial = [], 0
-        super().load_state_dict(state, strict)
+        previous = float(state.get("previous_loss", math.nan))
+        self._previous = torch.tensor(previous, dtype=torch.float64) if math.isfinite(previous) else None
+        self._continues = set(state.get("continues", [])) & set(LOSS_PERIODS) if self._previous is not None else set()
+        # a checkpoint from before the step-to-step noise: unknown (nan) until the periods restart
+        legacy = {p + "_dsq": math.nan for p in LOSS_PERIODS} | {p + "_dn": 0.0 for p in LOSS_PERIODS}
+        super().load_state_dict({**legacy, **state}, strict)
         self._last_finite = float(state.get("last_finite", math.nan))
         self.initial_batches = int(state.get("initial_batches", 0))
         start = state.get("window_start")
@@ -187,3 +237,17 @@ class LossSums(ReducedState):
         """The mean loss of a period from (reduced) sums; ``nan`` if it counted nothing."""
         total, count = LossSums.names(prefix)
         return totals[total] / totals[count] if totals[count] > 0 else math.nan
+
+    @staticmethod
+    def variance(totals: Mapping[str, float], prefix: str) -> float:
+        """The step losses' noise variance of a period from (reduced) sums: half the mean squared difference between
+        successive losses (von Neumann's estimator: a smooth trend within the period barely adds to it); ``nan``
+        without a difference.
+
+        Example:
+            >>> LossSums.variance({"epoch_dsq": 8.0, "epoch_dn": 2.0}, "epoch")
+            2.0
+        """
+        _, _, squares, count = LossSums.spread_names(prefix)
+        n = totals[count]
+        return totals[squares] / (2.0 * n) if n >= 1 else math.nan

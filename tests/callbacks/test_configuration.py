@@ -112,7 +112,8 @@ RULE_INVALID = [
     (AnomalyAlarm, "loss_stagnant", "alpha", 0.0, ValueError, "a number > 0 and < 1"),
     (AnomalyAlarm, "loss_stagnant", "min_steps", -1, ValueError, "an int >= 0"),
     (AnomalyAlarm, "loss_stagnant", "min_trend", -0.1, ValueError, "a number >= 0"),
-    (AnomalyAlarm, "loss_swing", "min_steps", 2.5, TypeError, "an int >= 0"),
+    (AnomalyAlarm, "loss_swing", "z", 0, ValueError, "a number > 0"),
+    (AnomalyAlarm, "loss_swing", "lr_ratio", 0.5, ValueError, "a number >= 1"),
     (GradientFlowMonitor, "update_stale", "threshold", 1.5, ValueError, "a number >= 0 and < 1"),
     (GradientFlowMonitor, "update_none", "sample_size", -1, ValueError, "an int >= 0"),
     (GradientFlowMonitor, "grad_vanish", "threshold", 0, ValueError, "a number > 0"),
@@ -247,14 +248,16 @@ def test_run_time_checks_and_trend_evidence_are_set_like_every_rule():
     alarm = AnomalyAlarm(
         rules={"loss_outlier": {"threshold": 8, "ratio": 3.0, "window": 16}, "amp_not_applied": {"threshold": 0.25},
                "loss_stagnant": {"min_steps": 200, "alpha": 0.01, "min_trend": 0.05},
-               "loss_swing": {"min_steps": 40}, "val_decline": {"min_steps": 30}, "val_fluctuation": {"min_steps": 0},
+               "loss_swing": {"z": 3.0, "lr_ratio": 4.0}, "val_decline": {"min_steps": 30},
+               "val_fluctuation": {"min_steps": 0},
                "eval_randomness": False}
     )
     assert (alarm.outlier_rule.threshold, alarm.outlier_rule.ratio, alarm.outlier_rule.window) == (8.0, 3.0, 16)
     assert alarm.amp_rule.share == 0.25
     stagnant = alarm.trend.stagnant_rule
     assert (stagnant.min_steps, stagnant.alpha, stagnant.min_trend) == (200, 0.01, 0.05)
-    assert alarm.trend.swing_rule.min_steps == 40 and alarm.trend.val_decline_rule.min_steps == 30
+    assert (alarm.trend.swing_rule.z, alarm.trend.swing_rule.lr_ratio) == (3.0, 4.0)
+    assert alarm.trend.val_decline_rule.min_steps == 30
     assert alarm.trend.val_fluctuation_rule.min_steps == 0
     values = alarm.thresholds()
     assert values["loss_outlier"] == 8.0 and values["loss_outlier.window"] == 16.0

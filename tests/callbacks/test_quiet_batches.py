@@ -159,7 +159,7 @@ def test_system_monitor_closes_every_batch_when_a_switching_callback_is_last(tmp
 
 # -- AnomalyAlarm: its batch end off on the batches where it would only keep the loss --------------------------
 class _Trending(pl.LightningModule):
-    """A regression whose loss level doubles every other window of 8 optimizer steps (``loss_swing``), with one
+    """A regression whose loss level is 4x every other window of 8 optimizer steps (``loss_swing``), with one
     spike (``loss_outlier``) and a learning rate of zero (``loss_stagnant``); ``kind="double"`` returns it in float64
     (the batch end's own path), ``kind="none"`` returns None on two quiet batches of each epoch."""
 
@@ -174,8 +174,8 @@ class _Trending(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = (self.net(x) - y).pow(2).mean() * (2.0 if (self.global_step // 8) % 2 else 1.0)
-        loss = loss * 100.0 if self.global_step == 37 else loss
+        loss = (self.net(x) - y).pow(2).mean() * (4.0 if (self.global_step // 8) % 2 else 1.0)
+        loss = loss * 1e6 if self.global_step == 37 else loss
         loss = loss * math.nan if self.kind == "nan" and self.global_step == 43 else loss
         if self.kind == "none" and batch_idx in (12, 33):
             return None

@@ -175,16 +175,17 @@ def test_loss_outliers_need_history_and_the_untrained_level():
     ((index, loss, median),) = loss_outliers(steady, [1.5], 10.0, 2.0, 32, floor=0.7)
     assert (index, loss) == (0, 1.5) and median == pytest.approx(0.06)
     assert loss_outliers(steady, [0.4], 10.0, 2.0, 32, floor=0.7) == []  # a hard batch near convergence
-    assert loss_outliers(steady[:15], [1.5], 10.0, 2.0, 32, floor=0.7) == []  # fewer than window / 2 before it
+    assert loss_outliers(steady[:7], [1.5], 10.0, 2.0, 32, floor=0.7) == []  # fewer than window / 4 before it
+    assert loss_outliers(steady[:8], [1.5], 10.0, 2.0, 32, floor=0.7) != []  # 8: judged, against a stricter bound
     assert loss_outliers(steady, [float("nan"), 0.06], 10.0, 2.0, 32) == []  # non-finite: other rules' concern
     falling = [2.0 * 0.9**i for i in range(32)]
     assert loss_outliers(falling, [falling[-1] * 0.9], 10.0, 2.0, 32, floor=0.7) == []
 
 
 def test_loss_outlier_rule_state_round_trips():
-    rule = LossOutlierRule(window=4)
+    rule = LossOutlierRule(window=8)  # the untrained level: the median of the first window / 4 = 2 steps
     rule.update([1.0, 0.5, 0.4, 0.3, 0.3], [1, 2, 3, 4, 5], _ctx(5))
-    copy = LossOutlierRule(window=4)
+    copy = LossOutlierRule(window=8)
     copy.load_state_dict(rule.state_dict())
     assert copy.history == rule.history and copy.initial == rule.initial == 0.75
 

@@ -44,6 +44,6 @@ def test_amp_row_is_not_measured_without_mixed_precision(tmp_path):
 
 
 def test_loss_outlier_row_is_not_measured_before_its_history_is_full(tmp_path):
-    status, note = _rows(_run(tmp_path / "short", "32-true", 10))["loss_outlier"]
-    assert status == "not measured" and "logged to step 10" in note and "16 steps of history" in note
+    status, note = _rows(_run(tmp_path / "short", "32-true", 5))["loss_outlier"]
+    assert status == "not measured" and "logged to step 5" in note and "8 steps of history" in note
     assert _rows(_run(tmp_path / "long", "32-true", 20))["loss_outlier"][0] == "pass"

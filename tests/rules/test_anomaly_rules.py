@@ -3,8 +3,11 @@ import pytest
 from lightning_diag.rules import Latch, LossSwingRule, StepContext, ValDeclineRule, ValFluctuationRule
 
 
-def feed(rule, values):
-    return [len(rule.update(v, StepContext(i, 20 * (i + 1)))) for i, v in enumerate(values)]
+def feed(rule, values, spread=(0.01**2, 20)):
+    """Feed the values; to ``loss_swing``, as epoch means of 20 steps whose step losses spread by 0.01 (far below
+    the changes judged)."""
+    noise = {"steps": spread[1], "variance": spread[0]} if isinstance(rule, LossSwingRule) else {}
+    return [len(rule.update(v, StepContext(i, 20 * (i + 1)), **noise)) for i, v in enumerate(values)]
 
 
 @pytest.mark.parametrize(
@@ -35,7 +38,11 @@ def test_loss_swing_latches_and_rearms():
 
 def test_loss_swing_alert_content():
     rule = LossSwingRule()
-    alerts = [a for i, v in enumerate([1.0, 1.2, 1.44, 1.8]) for a in rule.update(v, StepContext(i, 20 * (i + 1)))]
+    alerts = [
+        a
+        for i, v in enumerate([1.0, 1.2, 1.44, 1.8])
+        for a in rule.update(v, StepContext(i, 20 * (i + 1)), steps=20, variance=0.01**2)
+    ]
     (a,) = alerts
     assert (a.rule, a.severity, a.epoch, a.global_step, a.source) == (
         "loss_swing",

@@ -58,7 +58,11 @@ def test_loss_sums_merge_equals_the_union_including_non_finite_losses(seed):
         parts[i >= cut].add(torch.tensor(loss))
         union.add(torch.tensor(loss))
     merged = parts[0].merge(parts[1]).state_dict()
-    close(merged, {name: value for name, value in union.state_dict().items() if name in union.specs})
+    # the step-to-step differences are each rank's own: the pair across the cut is in the union only
+    noise = {name for name in union.specs if name.endswith(("_dsq", "_dn"))}
+    close({k: v for k, v in merged.items() if k not in noise},
+          {name: value for name, value in union.state_dict().items() if name in union.specs and name not in noise})
+    assert 0 <= union.state_dict()["epoch_dn"] - merged["epoch_dn"] <= 1
     finite = [v for v in losses if math.isfinite(v)]
     expected = sum(finite) / len(finite) if finite else math.nan
     assert LossSums.mean(merged, "epoch") == pytest.approx(expected, nan_ok=True)
