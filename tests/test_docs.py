@@ -18,12 +18,15 @@ import lightning_diag.rules.robustness as robustness_rules
 import lightning_diag.rules.rollback as rollback_rules
 import lightning_diag.rules.runtime as runtime_rules
 import lightning_diag.rules.system as system_rules
+import lightning_diag.rules.update_size as update_size_rules
 import lightning_diag.rules.updates as update_rules
+from lightning_diag.rules import activations as activation_rules
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODULES = (
     anomaly_rules, alarm_module, grad_rules, attention_rules, attention_module, data_rules, data_module, probe_rules,
     system_rules, error_rules, robustness_rules, update_rules, replica_rules, sequence_rules, runtime_rules,
+    activation_rules, update_size_rules,
     output_rules, attention_logit_rules,
 )
 

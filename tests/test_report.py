@@ -33,10 +33,15 @@ CHECK_IDS = [
     "replicas_agree",
     "deploy_quantization_error",
     "deploy_latency_fluctuation",
-    # no check row of their own: listed from AnomalyAlarm.thresholds() under "Other"
+    # no check row of their own: listed from the callbacks' thresholds() under "Other"
+    "activation_saturation",
     "amp_not_applied",
+    "attn_logit_growth",
+    "dead_units",
     "loss_outlier",
     "loss_stagnant",
+    "output_collapse",
+    "update_too_small",
     "zero_output",
 ]
 

@@ -510,10 +510,10 @@ class AnomalyAlarm(QuietLossKeeping):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        """Judge the dropout watch of the first batch; keep the monitored metric's running sum for its standard
-        error."""
+        """Judge the dropout watch of the first batch; keep the monitored metric's value of the batch (from
+        ``outputs``) for its standard error."""
         self.runtime.on_validation_batch_end(trainer)
-        self.trend.on_validation_batch_end(trainer)
+        self.trend.on_validation_batch_end(trainer, outputs)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Feed the monitored validation value to ``val_decline`` and ``val_fluctuation``."""

@@ -35,10 +35,14 @@ from lightning_diag.callbacks.silent_updates import (
     SilentUpdateChecks,
     optimizer_position,
 )
-from lightning_diag.core.tags import act_grad_norm_tag
+from lightning_diag.core.tags import act_grad_norm_tag, dead_units_tag, saturation_tag, zero_grad_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.act_grads import ActivationGradients
+from lightning_diag.instrument.activation_watch import MIN_ROWS, ActivationWatch
+from lightning_diag.instrument.attention_capture import is_compiled
 from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step
+from lightning_diag.rules.activations import ACTIVATION_SATURATION, DEAD_UNITS, ActivationRule
+from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.grad import (
     GRAD_EXPLODE,
     GRAD_VANISH,
@@ -47,6 +51,7 @@ from lightning_diag.rules.grad import (
     GradSpreadRule,
 )
 from lightning_diag.rules.grad_frozen import GradFrozenRule
+from lightning_diag.rules.update_size import UpdateSizeRule
 from lightning_diag.rules.updates import UPDATE_SAMPLE_SIZE_KEY, GradNotZeroedRule, UpdateRule
 from lightning_diag.stats.grad import local_tensor
 
@@ -88,6 +93,11 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
       ``diag/grad_norm/total`` (the dashboard's reference lines beside ``grad_rms`` and ``grad_relative``).
     * ``diag/updates/<layer>``: share of the layer's sampled elements with a non-zero gradient that the measured
       optimizer step left unchanged (``update_none`` / ``update_stale``'s quantity; 0 in a healthy fp32 run).
+    * ``diag/act_dead/<layer>``: share of the layer's units inactive for every sample of the measured batch, for a
+      layer followed by a ReLU-family activation (``dead_units``' quantity); ``diag/grad_zero/<layer>``: share of
+      exactly-zero entries of its weight gradient.
+    * ``diag/act_saturated/<layer>``: share of the inputs of the bounded activation after the layer beyond its
+      linear range (``activation_saturation``'s quantity).
 
     Rules (exact meaning in :mod:`lightning_diag.rules.grad` and ``docs/gradient_flow.md``):
     ``grad_explode`` (a layer's RMS gradient per element above ``grad_explode.threshold``), ``grad_vanish`` (a weight
@@ -118,6 +128,16 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     around every backward (``on_before_backward`` / ``on_after_backward``), the verdict read with the next
     measurement (see :mod:`lightning_diag.callbacks.silent_updates`). On a quiet step with no watch open the
     three hooks test an empty dictionary and return.
+
+    The published training problems (issue 45; exact meaning in :mod:`lightning_diag.rules.activations`,
+    :mod:`lightning_diag.rules.update_size` and ``docs/gradient_flow.md``): ``dead_units`` (more than
+    ``dead_units.threshold`` of a layer's units inactive for every sample of the measured batch; ``grad_vanish``
+    defers to it), ``activation_saturation`` (more than ``activation_saturation.threshold`` of a bounded
+    activation's inputs beyond its linear range; the likely cause named), both read by forward pre-hooks attached
+    for measured forwards only (:mod:`lightning_diag.instrument.activation_watch`; not on a compiled model), and
+    ``update_too_small`` (the median ``||ΔW||/||W||`` below ``update_too_small.threshold`` at every measurement
+    since the fit began while the loss does not fall). ``grad_vanish`` also catches a plain deep stack whose
+    relative gradient decays with depth whatever an adaptive optimizer's update.
 
     Args:
         log_every_n_steps: Measure every this many optimizer steps; defaults to the trainer's interval.
@@ -208,6 +228,11 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self.frozen_rule = self.add_rule("frozen_rule", GradFrozenRule.from_settings, state_key="frozen")
         self.update_rule = self.add_rule("update_rule", UpdateRule.from_settings, state_key="updates")
         self.not_zeroed_rule = self.add_rule("not_zeroed_rule", GradNotZeroedRule.from_settings, state_key="not_zeroed")
+        self.activation_rule = self.add_rule("activation_rule", ActivationRule.from_settings, state_key="activations")
+        self.update_size_rule = self.add_rule("update_size_rule", UpdateSizeRule.from_settings, state_key="update_size")
+        self._watch = ActivationWatch()
+        self._compiled: bool | None = None  # whether the model runs through torch.compile (known at its first batch)
+        self._measured_loss: float | None = None  # the training loss of the step whose update is pending
         self._index: ParamIndex | None = None
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
         self._before: list[tuple[list[int], list[torch.Tensor]]] = []
@@ -223,6 +248,10 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             self._before = []
             self._measured_interval = {}
             self._loss = None
+            self._measured_loss = None
+            self._compiled = None
+            self._watch.detach()
+            self._watch.readings({})  # drop what an earlier fit left
             self._past_initial = False
             self._idle = False
             self._reset_update_state()
@@ -247,6 +276,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove activation-gradient hooks a fit that raised mid-step left on the model, then release the session."""
         self._act.detach()
+        self._watch.detach()
         super().teardown(trainer, pl_module, stage)
 
     def _build_index(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ParamIndex:
@@ -285,6 +315,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             or self._zero_undecided
             or self._zero_restored is not None
             or self._act.attached
+            or self._watch.attached
+            or self._watch.pending
             or self._stepped
             or self._before
         )
@@ -321,18 +353,42 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Attach the activation-gradient hooks when the coming optimizer step is a measured one."""
+        """Attach the activation-gradient hooks and the activation watch (``dead_units``,
+        ``activation_saturation``) when the coming optimizer step is a measured one."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if not self.activation_grads or self._act.attached or not self._measuring(trainer):
+        if not self._measuring(trainer):
+            return
+        if self._watching(trainer, pl_module):
+            self._watch.attach(pl_module)
+        if not self.activation_grads or self._act.attached:
             return
         self._act.attach(pl_module, self.activation_grads, lambda key, message: self.notice(trainer, key, message))
+
+    def _watching(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Whether the activation watch runs: ``dead_units`` or ``activation_saturation`` is on, and the model does
+        not run through ``torch.compile`` (hooks attached and removed every measured step would recompile it)."""
+        if {DEAD_UNITS, ACTIVATION_SATURATION} <= set(self.rule_choices.off):
+            return False
+        if self._compiled is None:
+            self._compiled = is_compiled(pl_module)
+            if self._compiled:
+                self.notice(
+                    trainer,
+                    "compiled-activations",
+                    f"the model runs through torch.compile: its activations are not watched ({DEAD_UNITS} and "
+                    f"{ACTIVATION_SATURATION} are not measured)",
+                )
+        return not self._compiled
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """On measured steps: keep the loss (a device tensor, summed over micro-batches) for ``grad_collapse``.
 
         While an optimizer's measured step is watched (until that optimizer's next step): read a few elements of
-        its parameters' ``.grad`` (``grad_not_zeroed``; device only).
+        its parameters' ``.grad`` (``grad_not_zeroed``; device only). The activation watch's hooks come off here:
+        its forward is over.
         """
+        if self._watch.attached:
+            self._watch.detach()
         if self._zero_restored is not None or self._zero.watches:
             self._zero_before_backward(lambda: self._build_index(trainer, pl_module))
         if not (self.on_cadence or self._initial(trainer)):
@@ -381,12 +437,15 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
+        if self._watch.pending or self._watch.too_few_rows:
+            self._judge_activations(trainer, pl_module, ctx, m.loss if position == 0 else None)
         self.record(
-            self.band_rule.update(m.rms, ctx, m.relative, index.block_layers)
+            self.band_rule.update(m.rms, ctx, m.relative, index.block_layers, index.roles)
             + self.spread_rule.update(m.relative, ctx, index.roles)
         )
         if position == 0:  # one baseline of one quantity: the first optimizer's
             self.record(self.collapse_rule.update(m.blocks, ctx, m.loss))
+            self._measured_loss = m.loss
         zero = zero_gradient_ids(index, chosen, m.norms)
         stuck = stuck_parameters(trainer, pl_module, self.params, self.expect_frozen, in_opt, zero)
         names = [n for n, _ in pl_module.named_parameters()]
@@ -403,6 +462,36 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             write_histograms(self.writer, index, chosen, m.norms, step)
         if self.log_weight_norms:
             self._before.append((chosen, [local_tensor(index.params[i]).detach().clone() for i in chosen]))
+
+    def _judge_activations(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext, loss: float | None
+    ) -> None:
+        """The activation watch's readings of the measured forward (one host read), written and judged with the
+        step's training loss; the layers whose units are dead now make ``grad_vanish`` defer."""
+        readings, input_rms = self._watch.readings(dict(pl_module.named_modules()))
+        if self._watch.too_few_rows:
+            self._watch.too_few_rows = False
+            self.notice(
+                trainer,
+                "dead-units-rows",
+                f"dead units are not counted on batches with fewer than {MIN_ROWS} rows per unit (batch size 1): a "
+                "unit inactive for one sample is not dead",
+            )
+        values = {}
+        for r in readings:
+            if r.dead is not None:
+                values[dead_units_tag(r.layer)] = r.dead
+            if r.zero_grad is not None:
+                values[zero_grad_tag(r.layer)] = r.zero_grad
+            if r.saturated is not None:
+                values[saturation_tag(r.layer)] = r.saturated
+        if values:
+            self.writer.scalars(values, trainer.global_step)
+        self.record(self.activation_rule.update(readings, ctx, input_rms, loss))
+        if DEAD_UNITS not in self.rule_choices.off:
+            certain = self.activation_rule.certain
+            now = {r.layer for r in readings if r.dead is not None and r.dead > certain}
+            self.band_rule.observe_dead(now | self.activation_rule.dead_layers())
 
     def _measure_initial(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -432,6 +521,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
 
     def _end_batch(self, trainer: pl.Trainer) -> None:
         """The work of :meth:`on_train_batch_end`."""
+        if self._watch.attached:  # a batch without a backward (training_step returned None): no hook past it
+            self._watch.detach()
         if self._stepped and self._index is not None:
             self._stepped = False
             self._judge_updates(trainer)
@@ -445,3 +536,6 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self.band_rule.observe_updates(ratios)
         self.spread_rule.observe_updates(ratios)  # grad_layer_spread: the slow side's update must be starved too
         self.collapse_rule.observe_updates(ratios)  # grad_collapse: "vanished" needs the updates to stop too
+        loss, self._measured_loss = self._measured_loss, None
+        measured = StepContext(trainer.current_epoch, max(trainer.global_step - 1, 0))  # the step of the ratios
+        self.record(self.update_size_rule.update(ratios, measured, loss))

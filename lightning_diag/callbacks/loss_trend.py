@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import pytorch_lightning as pl
 import torch
@@ -136,9 +136,9 @@ class LossTrend:
         #: The mean learning rate in effect at the current period's first step (read when the last one closed, or
         #: at the start of training; ``nan``: none).
         self.lr_start = math.nan
-        #: The monitored metric's running ``(sum, count)`` after each batch of the current validation run
-        #: (references to Lightning's own accumulators: no copy, no host read until the run ends).
-        self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: The monitored metric's value of each batch of the current validation run, as ``validation_step``
+        #: returned it (references: no copy, no host read until the run ends).
+        self.val_batches: list[torch.Tensor] = []
 
     def start(self, trainer: pl.Trainer) -> None:
         """Start the step window, and share restored all-rank loss sums out over this run's ranks."""
@@ -236,42 +236,48 @@ class LossTrend:
         return start
 
     # -- validation trend --------------------------------------------------------------------------------
-    def on_validation_batch_end(self, trainer: pl.Trainer) -> None:
-        """Keep the monitored metric's running sum and count after this batch, when it is logged in
-        ``validation_step`` with a mean over the epoch (Lightning's accumulators, held by reference), for the
-        standard error of the validation value (:meth:`validation_se`)."""
+    def on_validation_batch_end(self, trainer: pl.Trainer, outputs: Any) -> None:
+        """Keep this batch's value of the monitored metric, from what ``validation_step`` returned (a scalar
+        tensor, or a mapping holding the monitored name or ``"loss"``), for the standard error of the validation
+        value (:meth:`validation_se`). A step that returns nothing gives no standard error: ``val_decline`` then
+        judges without it. The tensor is kept by reference (no copy, no host read until the run ends)."""
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
-        results = getattr(trainer, "_results", None)
-        metric = results.get(f"validation_step.{self.monitor}") if isinstance(results, dict) else None
-        if metric is None or not getattr(metric.meta, "is_mean_reduction", False) or not metric.meta.on_epoch:
-            return
-        total, count = metric.value, metric.cumulated_batch_size
-        if isinstance(total, torch.Tensor) and isinstance(count, torch.Tensor) and total.dim() == 0:
-            self.val_batches.append((total, count))
+        value = self.batch_value(outputs)
+        if value is not None:
+            self.val_batches.append(value)
+
+    def batch_value(self, outputs: Any) -> torch.Tensor | None:
+        """The monitored metric's value in one ``validation_step``'s return, or ``None``: a mapping's entry under
+        :attr:`monitor` (else ``"loss"`` when the monitored name is a loss), or the returned tensor itself when
+        the monitored name is a loss; only a one-element tensor counts."""
+        is_loss = "loss" in self.monitor
+        if isinstance(outputs, Mapping):
+            value = outputs.get(self.monitor, outputs.get("loss") if is_loss else None)
+        else:
+            value = outputs if is_loss else None
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            return None
+        return value.detach()
 
     def validation_se(self) -> float:
         """The standard error of this validation run's value from its batches' values (``nan`` below 2 batches
-        or when the metric's batches were not seen); the kept batches are dropped.
+        or when the step returned no value); the kept batches are dropped.
 
-        With ``m_i`` the mean of batch ``i`` over ``b_i`` samples and ``m`` the run's mean, the variance of ``m``
-        is ``n / (n - 1) * sum(b_i^2 (m_i - m)^2) / (sum b_i)^2`` over its ``n`` batches (the batches as the
-        samples of the run: it holds whatever the spread within a batch).
+        The batches are the samples of the run (equal weights): with ``m_i`` the value of batch ``i`` and ``m``
+        their mean over ``n`` batches, the variance of ``m`` is ``sum((m_i - m)^2) / (n (n - 1))``, which holds
+        whatever the spread within a batch.
         """
         kept, self.val_batches = self.val_batches, []
         if len(kept) < 2:
             return math.nan
-        totals = torch.stack([t.detach().double() for t, _ in kept]).cpu().tolist()
-        counts = torch.stack([c.detach().double() for _, c in kept]).cpu().tolist()
-        sums = [b - a for a, b in zip([0.0, *totals[:-1]], totals, strict=True)]
-        sizes = [b - a for a, b in zip([0.0, *counts[:-1]], counts, strict=True)]
-        batches = [(s_i / b_i, b_i) for s_i, b_i in zip(sums, sizes, strict=True) if b_i > 0]
-        n, whole = len(batches), sum(b for _, b in batches)
-        if n < 2 or whole <= 0:
+        values = torch.stack([v.reshape(()).double() for v in kept]).cpu().tolist()
+        finite = [v for v in values if math.isfinite(v)]
+        n = len(finite)
+        if n < 2:
             return math.nan
-        mean = sum(m * b for m, b in batches) / whole
-        variance = n / (n - 1) * sum((b * (m - mean)) ** 2 for m, b in batches) / (whole * whole)
-        return math.sqrt(variance)
+        mean = sum(finite) / n
+        return math.sqrt(sum((v - mean) ** 2 for v in finite) / (n * (n - 1)))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrendOutput:
         """Feed the monitored validation value (with its standard error, :meth:`validation_se`) to ``val_decline``,

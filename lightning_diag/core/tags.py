@@ -10,7 +10,8 @@ Families (``<layer>`` is a parameter group's module name, ``<module>`` an attent
   ``diag/grad_norm/total/optimizer_<i>`` (the ``i``-th optimizer, ``i >= 1``): gradient L2 norms. Totals are
   never layers (:func:`grad_layer` returns ``None`` for them).
 * ``diag/update_ratio/<layer>``, ``diag/weight_norm/<layer>``, ``diag/grad_hist/<param>``,
-  ``diag/act_grad_norm/<module>``.
+  ``diag/act_grad_norm/<module>``, ``diag/act_dead/<layer>``, ``diag/act_saturated/<layer>``,
+  ``diag/grad_zero/<layer>``.
 * ``diag/attn_entropy/<module>/mean``, ``.../head_<h>``, ``.../uniform``; ``diag/attn_sink/<module>`` (named after its
   rule: ``tag(ATTN_SINK, module)``);
   images ``diag/attn_map/<module>``, ``diag/attn_heads/similarity|pca``.
@@ -53,6 +54,7 @@ __all__ = [
     "attn_mean",
     "attn_uniform_tag",
     "data_tag",
+    "dead_units_tag",
     "errors_tag",
     "family_tag",
     "grad_blocks_tag",
@@ -69,11 +71,13 @@ __all__ = [
     "prefix",
     "robustness_tag",
     "sanitize_tag",
+    "saturation_tag",
     "tag",
     "threshold_rule",
     "threshold_tag",
     "update_ratio_tag",
     "weight_norm_tag",
+    "zero_grad_tag",
 ]
 
 TAG_PREFIX = "diag"
@@ -157,6 +161,21 @@ def grad_hist_tag(param: str) -> str:
 def act_grad_norm_tag(module: str) -> str:
     """The gradient norm of a module's output (activation gradient)."""
     return tag("act_grad_norm", module)
+
+
+def dead_units_tag(layer: str) -> str:
+    """Share of a layer's units inactive for every sample of a measured batch (ReLU family)."""
+    return tag("act_dead", layer)
+
+
+def saturation_tag(layer: str) -> str:
+    """Share of a bounded activation's inputs beyond its linear range, after ``layer``."""
+    return tag("act_saturated", layer)
+
+
+def zero_grad_tag(layer: str) -> str:
+    """Share of exactly-zero entries of a layer's weight gradient (layers followed by a ReLU)."""
+    return tag("grad_zero", layer)
 
 
 def attn_entropy_tag(module: str, head: int | Literal["mean", "uniform"]) -> str:

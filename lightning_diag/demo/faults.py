@@ -21,15 +21,18 @@ from typing import Any
 
 import pytorch_lightning as pl
 
+from lightning_diag.demo import problem_models  # noqa: F401  (registers the shapes of the published problems)
 from lightning_diag.demo.models import DemoConfig, DemoModule, build_model
 from lightning_diag.demo.output_models import OUTPUT_SHAPES
 from lightning_diag.demo.synthetic import DATA_MODULES
 from lightning_diag.rules.catalog import (
+    ACTIVATION_SATURATION,
     AMP_NOT_APPLIED,
     ATTN_ENTROPY_LOW,
     ATTN_LOGIT_GROWTH,
     BATCH_SIZE_MISMATCH,
     DATA_LEAKAGE,
+    DEAD_UNITS,
     EVAL_MODE_IN_TRAINING,
     EVAL_RANDOMNESS,
     GRAD_COLLAPSE,
@@ -48,6 +51,7 @@ from lightning_diag.rules.catalog import (
     TRAIN_OVERRIDE_BYPASSED,
     UPDATE_NONE,
     UPDATE_STALE,
+    UPDATE_TOO_SMALL,
     VAL_DECLINE,
     WORKER_RNG_SHARED,
     ZERO_OUTPUT,
@@ -451,6 +455,83 @@ FAULTS: dict[str, Fault] = {
             config={"model": "mlp", "d_model": 64, "head_depth": 2},
             data={"jitter": 0.1, "num_workers": 2, "reseed_workers": True},
             callbacks=(("DataDiagnostics", {}),),
+        ),
+        # -- training problems of the published detectors (issue 45, items 1-4) -----------------------------
+        Fault(
+            "vanish_plain",
+            "a plain stack of 8 narrow sigmoid layers (width 16) on a binary task, AdamW at 1e-3: the first layer's "
+            "relative gradient is 1e-7 of the last's, accuracy stays at the majority class",
+            (GRAD_VANISH,),
+            onset_step=0,
+            window=20,
+            max_epochs=2,
+            config={"model": "plain_mlp", "head_depth": 8, "d_model": 16, "hidden_activation": "sigmoid", "lr": 1e-3},
+        ),
+        Fault(
+            "healthy_plain_deep",
+            "healthy counterpart of `vanish_plain`: the same 8 narrow layers with tanh",
+            (),
+            max_epochs=3,
+            config={"model": "plain_mlp", "head_depth": 8, "d_model": 16, "hidden_activation": "tanh", "lr": 1e-3},
+        ),
+        Fault(
+            "dead_relu",
+            "a 34-layer ReLU MLP whose hidden biases start at -1: most units are inactive for every input and the "
+            "gradient of most weights is exactly zero; accuracy stays at the majority class",
+            (DEAD_UNITS,),
+            onset_step=0,
+            window=20,
+            max_epochs=2,
+            config={"model": "dead_relu_mlp", "head_depth": 34, "d_model": 32, "hidden_activation": "relu"},
+        ),
+        Fault(
+            "healthy_deep_relu",
+            "healthy counterpart of `dead_relu`: 34 residual ReLU blocks of the same width",
+            (),
+            max_epochs=2,
+            config={"model": "residual_mlp", "head_depth": 34, "d_model": 32, "hidden_activation": "relu"},
+        ),
+        Fault(
+            "healthy_sparse_relu",
+            "healthy counterpart of `dead_relu`: a 4-layer ReLU MLP (width 64) whose activations are 30-50% zero",
+            (),
+            max_epochs=3,
+            config={"model": "plain_mlp", "head_depth": 4, "d_model": 64, "hidden_activation": "relu"},
+        ),
+        Fault(
+            "saturated_tanh",
+            "a 3-layer tanh MLP fed inputs on a scale of 100 (not standardized): over 90% of the first tanh's inputs "
+            "are beyond ±5",
+            (ACTIVATION_SATURATION,),
+            onset_step=0,
+            window=20,
+            max_epochs=2,
+            config={"model": "plain_mlp", "head_depth": 3, "d_model": 32, "hidden_activation": "tanh"},
+            data={"scale": 100.0},
+        ),
+        Fault(
+            "healthy_tanh",
+            "healthy counterpart of `saturated_tanh`: the same tanh MLP on standardized inputs",
+            (),
+            max_epochs=3,
+            config={"model": "plain_mlp", "head_depth": 3, "d_model": 32, "hidden_activation": "tanh"},
+        ),
+        Fault(
+            "tiny_lr",
+            "a 2-layer ReLU MLP trained by AdamW at a learning rate of 1e-7 where it learns at 1e-3: each step moves "
+            "the weights by 1e-7 of their norm, the loss does not fall",
+            (UPDATE_TOO_SMALL,),
+            onset_step=0,
+            window=30,
+            max_epochs=2,
+            config={"model": "plain_mlp", "head_depth": 2, "d_model": 32, "hidden_activation": "relu", "lr": 1e-7},
+        ),
+        Fault(
+            "healthy_lr",
+            "healthy counterpart of `tiny_lr`: the same MLP at a learning rate of 1e-3",
+            (),
+            max_epochs=3,
+            config={"model": "plain_mlp", "head_depth": 2, "d_model": 32, "hidden_activation": "relu", "lr": 1e-3},
         ),
         # -- the published problem classes of the outputs (issue 45) ---------------------------------------
         Fault(

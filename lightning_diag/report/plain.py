@@ -284,7 +284,7 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
             f"{len(swing_points)} points"
         )
     else:
-        found.notes[LOSS_SWING] = f"needs at least two points ({swing.unit}s spanning {swing.min_steps} steps); " + (
+        found.notes[LOSS_SWING] = f"needs at least two points ({swing.unit}s); " + (
             f"the run has {len(swing_points)}" if swing_points else f"the run logged {len(s.train)} training losses"
         )
     if swing_note:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lightning_diag.core.registry import OWNERS, CheckSpec, register_check
+from lightning_diag.rules.activations import ACTIVATION_SATURATION, DEAD_UNITS
 from lightning_diag.rules.anomaly import (
     LOSS_STAGNANT,
     LOSS_SWING,
@@ -83,9 +84,11 @@ from lightning_diag.rules.system import (
     STEP_TIME_PERIODIC,
 )
 from lightning_diag.rules.train_mode import EVAL_MODE_IN_TRAINING
+from lightning_diag.rules.update_size import UPDATE_TOO_SMALL
 from lightning_diag.rules.updates import GRAD_NOT_ZEROED, UPDATE_NONE, UPDATE_STALE, UPDATES_APPLIED_CHECK
 
 __all__ = [
+    "ACTIVATION_SATURATION",
     "ALL_RULES",
     "AMP_NOT_APPLIED",
     "ATTN_ENTROPY_HIGH",
@@ -98,6 +101,7 @@ __all__ = [
     "DATA_NONFINITE",
     "DATA_VOCAB_SHIFT",
     "DDP_DESYNC",
+    "DEAD_UNITS",
     "ERROR_CLUSTER",
     "EVAL_BEFORE_TRAINING",
     "EVAL_MODE_IN_TRAINING",
@@ -127,6 +131,7 @@ __all__ = [
     "TRAIN_OVERRIDE_BYPASSED",
     "UPDATE_NONE",
     "UPDATE_STALE",
+    "UPDATE_TOO_SMALL",
     "VAL_DECLINE",
     "VAL_FLUCTUATION",
     "WORKER_RNG_SHARED",

@@ -19,6 +19,11 @@ faults rather than architecture (the measurements behind each choice are in ``do
   partner of a LoRA pair) wait for the warm-up.
   Attention query/key projections are not compared (their gradient flows only through the softmax and is 1e-5
   at initialisation, attention being uniform), nor are embeddings (sparse rows).
+  A matrix whose update the optimizer keeps normal-sized (Adam rescales a small gradient) is cleared, except in a
+  plain deep stack whose relative gradient decays with depth (:meth:`GradBandRule.depth_decay`: a role in at least
+  :data:`DEPTH_CHAIN` blocks spanning ``relative`` x 1000 and falling towards the input). While some layer's units
+  are dead (``dead_units``' condition, :meth:`GradBandRule.observe_dead`) nothing is raised: the gradient stops at
+  dead units, a different repair.
 * ``grad_layer_spread``: between comparable matrices **of the same role in different blocks** (``layers.*.fc1``
   against ``layers.*.fc1``), largest / smallest relative gradient above ``spread_ratio`` on ``patience``
   consecutive measurements after ``warmup_steps`` (during the warm-up: above ``spread_ratio`` x 1000). A LayerNorm
@@ -70,6 +75,8 @@ __all__ = [
     "DEFAULT_LAYER_SPREAD_THRESHOLD",
     "DEFAULT_VANISH_RELATIVE",
     "DEFAULT_VANISH_THRESHOLD",
+    "DEPTH_CHAIN",
+    "DEPTH_CORRELATION",
     "GRAD_COLLAPSE",
     "GRAD_COLLAPSE_BASELINE_KEY",
     "GRAD_COLLAPSE_CHECK",
@@ -87,6 +94,8 @@ __all__ = [
     "GradBandRule",
     "GradCollapseRule",
     "GradSpreadRule",
+    "block_position",
+    "rank_correlation",
     "role_of",
 ]
 
@@ -185,6 +194,50 @@ DEFAULT_GRAD_WARMUP_STEPS = int(GRAD_WARMUP_SETTING.default)
 DEFAULT_COLLAPSE_CONVERGED_FRACTION = default(GRAD_COLLAPSE_SPEC.key("converged_fraction"))
 #: ``grad_collapse``: a loss that has not fallen this fraction below its initial value is stuck (dead network).
 _STUCK_FALL = 0.1
+#: ``grad_vanish``'s depth test: a role repeated in at least this many blocks is a stack whose decay can be read.
+DEPTH_CHAIN = 4
+#: ``grad_vanish``'s depth test: the rank correlation between a matrix's block position and its relative gradient
+#: at least this (the gradient falls, block after block, towards the input).
+DEPTH_CORRELATION = 0.8
+
+
+def block_position(layer: str) -> tuple[int, ...]:
+    """A layer's block indices, in the order of its name (the order of a stack).
+
+    Example:
+        >>> sorted(["net.10", "net.2", "net.0"], key=block_position)
+        ['net.0', 'net.2', 'net.10']
+    """
+    return tuple(int(part) for part in layer.split(".") if part.isdigit())
+
+
+def rank_correlation(values: list[float]) -> float:
+    """Spearman's rank correlation between position (0, 1, ...) and ``values`` (1: strictly increasing); tied
+    values share their average rank, so a flat run of equal values is no trend.
+
+    Example:
+        >>> rank_correlation([1e-7, 1e-5, 1e-3, 1e-1]), rank_correlation([4.0, 3.0, 2.0, 1.0])
+        (1.0, -1.0)
+        >>> round(rank_correlation([1e-7, 0.1, 0.1, 0.1, 0.1, 0.1]), 2)
+        0.65
+    """
+    n = len(values)
+    if n < 2:
+        return 0.0
+    order = sorted(range(n), key=values.__getitem__)
+    rank = [0.0] * n
+    start = 0
+    while start < n:
+        end = start
+        while end + 1 < n and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for j in range(start, end + 1):
+            rank[order[j]] = (start + end) / 2
+        start = end + 1
+    mean = (n - 1) / 2
+    cov = sum((r - mean) * (i - mean) for i, r in enumerate(rank))
+    spread = sum((r - mean) ** 2 for r in rank) * sum((i - mean) ** 2 for i in range(n))
+    return cov / spread**0.5 if spread > 0 else 0.0
 
 
 def role_of(layer: str) -> str:
@@ -233,6 +286,9 @@ class GradBandRule(Rule):
         #: Matrices whose relative gradient has been exactly 0 at every measurement since the first one (``None``
         #: before it): the loss never reached them (``grad_frozen``'s information), so they are not vanishing.
         self.unreached: list[str] | None = None
+        #: Layers whose units are dead at the current measurement (:meth:`observe_dead`): ``grad_vanish`` defers to
+        #: ``dead_units`` while any is (dead units pass no gradient; a different repair).
+        self.dead: list[str] = []
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known,
@@ -257,6 +313,36 @@ class GradBandRule(Rule):
         """Note the relative update ``||W_after - W_before|| / ||W_before||`` each layer got at the last measured
         optimizer step; ``grad_vanish`` then also needs the layer's *update* to be starved."""
         self.updates = {k: float(v) for k, v in ratios.items() if math.isfinite(v)}
+
+    def observe_dead(self, layers: Collection[str]) -> None:
+        """Note the layers whose units are dead at this measurement (``dead_units``' condition); while any is,
+        ``grad_vanish`` raises nothing: the gradient stops at dead units, not at depth."""
+        self.dead = sorted(layers)
+
+    def depth_decay(self, relative: Mapping[str, float], roles: Mapping[str, str]) -> dict[str, str]:
+        """``{matrix: role}`` of the stacks whose relative gradient decays with depth: a role repeated in at least
+        :data:`DEPTH_CHAIN` blocks, its relative gradients spanning more than ``relative`` x
+        :data:`~lightning_diag.rules.base.OVERWHELMING` (1e5) from its best-fed to its least-fed block, and falling
+        towards the input (rank correlation of block position and relative gradient at least
+        :data:`DEPTH_CORRELATION`). The textbook vanishing gradient of a plain deep stack (8 sigmoid layers: the
+        first at 1e-7 of the last); an adaptive optimizer rescales such a gradient into a normal-sized update, so
+        the update test does not clear these matrices.
+        """
+        chains: dict[str, list[str]] = {}
+        for layer, v in relative.items():
+            if v > 0 and layer in roles:
+                chains.setdefault(roles[layer], []).append(layer)
+        out: dict[str, str] = {}
+        for role, members in chains.items():
+            if len(members) < DEPTH_CHAIN:
+                continue
+            members.sort(key=block_position)
+            values = [relative[k] for k in members]
+            if max(values) < self.relative * OVERWHELMING * min(values):
+                continue
+            if rank_correlation(values) >= DEPTH_CORRELATION:
+                out.update(dict.fromkeys(members, role))
+        return out
 
     def update_starved(self, starved: Mapping[str, float], blocks: Collection[str] | None) -> dict[str, float]:
         """The gradient-starved layers whose last update is starved too (more than ``relative`` times below the
@@ -308,6 +394,7 @@ class GradBandRule(Rule):
         ctx: StepContext,
         relative: Mapping[str, float] | None = None,
         blocks: Collection[str] | None = None,
+        roles: Mapping[str, str] | None = None,
     ) -> list[Alert]:
         """Feed one measurement; return the alerts raised.
 
@@ -318,6 +405,7 @@ class GradBandRule(Rule):
                 or empty: no vanishing check.
             blocks: The matrices of the repeated blocks, whose largest relative gradient is the reference a
                 starved matrix is compared with (``None``: every matrix of ``relative``).
+            roles: ``{matrix: role}`` (:func:`role_of`) for the depth test (:meth:`depth_decay`); ``None``: none.
         """
         exploding = {k: v for k, v in rms.items() if math.isfinite(v) and v > self.explode_threshold}
         self.observe(max(rms.values(), default=math.nan), self.explode_threshold, rule=GRAD_EXPLODE)
@@ -329,7 +417,8 @@ class GradBandRule(Rule):
         reference = max((v for k, v in rel.items() if blocks is None or k in blocks), default=0.0)
         early = ctx.global_step < self.warmup_steps
         # a reference that is itself below the threshold is a converged or dead model: grad_collapse's question
-        if rel and reference >= self.vanish_threshold:
+        decaying: dict[str, str] = {}
+        if rel and reference >= self.vanish_threshold and not self.dead:
             # during the warm-up only overwhelming evidence counts (OVERWHELMING past both thresholds)
             factor = OVERWHELMING if early else 1.0
             self.observe(self.vanish_excess(rel, reference, factor, blocks), 1.0, rule=GRAD_VANISH)
@@ -340,7 +429,9 @@ class GradBandRule(Rule):
                 and v * self.relative * factor < reference
                 and (v > 0 or not early)
             }
-            starved = self.update_starved(starved, blocks)
+            # a gradient that decays with depth down a stack is vanishing whatever the update (Adam rescales it)
+            decaying = {k: r for k, r in self.depth_decay(rel, roles).items() if k in starved} if roles else {}
+            starved = {**self.update_starved(starved, blocks), **{k: starved[k] for k in decaying}}
         alerts = []
         explode_new = self._trip(GRAD_EXPLODE, exploding, set(rms), needed=1)
         if explode_new:
@@ -369,10 +460,11 @@ class GradBandRule(Rule):
                     f"relative gradient ||g||/||W|| below {self.vanish_threshold:g} and over "
                     f"{self.relative:g}x below the best-fed block matrix ({reference:.3g}){during} on "
                     f"{self.patience} consecutive measurements in {name_layers(vanish_new, worst_first=False)}"
+                    + self._depth_text(worst, decaying, rel)
                     + (
                         f", and their last update ||ΔW||/||W|| ({self.updates[worst]:.3g}) over {self.relative:g}x "
                         "below the blocks' largest too"
-                        if worst in self.updates
+                        if worst in self.updates and worst not in decaying
                         else ""
                     )
                     + ": gradients vanish "
@@ -385,6 +477,22 @@ class GradBandRule(Rule):
                 )
             )
         return alerts
+
+    @staticmethod
+    def _depth_text(worst: str, decaying: Mapping[str, str], rel: Mapping[str, float]) -> str:
+        """How the gradient of the worst matrix's stack decays with depth, for the message (empty if it does not)."""
+        role = decaying.get(worst)
+        if role is None:
+            return ""
+        starved = sum(1 for r in decaying.values() if r == role)
+        chain = sorted((k for k in rel if role_of(k) == role and rel[k] > 0), key=block_position)
+        first, last = chain[0], chain[-1]
+        return (
+            f"; along the stack `{role}` ({len(chain)} blocks, {starved} starved) the relative gradient falls "
+            f"{rel[last] / rel[first]:.3g}x from `{last}` ({rel[last]:.3g}) to `{first}` ({rel[first]:.3g}): it "
+            "vanishes with depth (an adaptive optimizer rescales it into normal-sized updates, but of a gradient "
+            "that carries almost no signal)"
+        )
 
     def _trip(
         self,

@@ -116,17 +116,19 @@ class _Drifting(ClusterMLP):
 
     def __init__(self, drift: float) -> None:
         super().__init__(lr=1e-3)
-        self.drift, self.runs = drift, 0
+        self.drift, self.runs, self.returns = drift, 0, True
 
     def on_validation_epoch_end(self) -> None:
         self.runs += 1
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         x, y = batch
         with torch.no_grad():
             per_sample = nn.functional.cross_entropy(self.net(x), y, reduction="none")
         # a fixed reference loss (weights held still: lr 0), drifting by `drift` per run
-        self.log("val_loss", per_sample.mean() * (1.0 + self.drift * self.runs), on_epoch=True)
+        loss = per_sample.mean() * (1.0 + self.drift * self.runs)
+        self.log("val_loss", loss, on_epoch=True)
+        return loss if self.returns else None
 
 
 @pytest.mark.parametrize(("drift", "fires"), [(0.0003, False), (0.05, True)])
@@ -140,6 +142,18 @@ def test_val_decline_compares_the_worsening_with_the_standard_error(tmp_path, dr
     assert rule.streak >= 5  # worse on every run
     assert [r for r, _ in _serious(alarm) if r == "val_decline"] == (["val_decline"] if fires else [])
     assert math.isfinite(rule.previous_se or math.nan) and (rule.previous_se or 0) > 0
+
+
+def test_val_decline_without_returned_values_counts_every_worsening(tmp_path):
+    """A `validation_step` that only logs gives no standard error: the streak alone decides (the rule as before)."""
+    model = _Drifting(0.0003)
+    model.lr, model.returns = 0.0, False
+    alarm = AnomalyAlarm()
+    _fit(model, tmp_path, alarm, 8, train_dataloaders=cluster_loader(4 * 32),
+         val_dataloaders=cluster_loader(4096, batch_size=64, seed=1))
+    assert alarm.val_decline_rule.streak >= 5
+    assert not math.isfinite(alarm.val_decline_rule.previous_se or math.nan)
+    assert [r for r, _ in _serious(alarm) if r == "val_decline"] == ["val_decline"]
 
 
 # -- loss_outlier --------------------------------------------------------------------------------------------------

@@ -1,0 +1,215 @@
+"""What the activation modules saw in one measured forward: dead ReLU units and saturated bounded activations.
+
+:class:`ActivationWatch` attaches forward pre-hooks for one measured step (GradientFlowMonitor attaches them at the
+start of a batch on its cadence and removes them before the backward): on every activation module it knows
+(:data:`RELU_FAMILY`, :data:`LINEAR_RANGES`) and on every module that owns parameters, whose calls say which layer
+an activation follows (the layer reported) and whether anything trainable runs after it. Each activation call
+reduces its input on the device to one number; after the backward :meth:`ActivationWatch.readings` adds the share
+of exactly-zero gradient entries of the layers' weights and copies everything to the host at once. Quiet steps
+have no hook attached and cost nothing.
+
+Exact quantities:
+
+* ReLU family (``nn.ReLU``, ``nn.ReLU6``): the share of *units* whose input is ``<= 0`` (output exactly 0) for
+  every row of the batch. A unit is a channel (dimension 1) of a 4-D or 5-D input, and of a 3-D one after a
+  convolution or a norm over channels (``BatchNorm``, ``GroupNorm``, ``InstanceNorm``); otherwise an output
+  feature (the last dimension). The rows are all other positions of all samples. With fewer than
+  :data:`MIN_ROWS` rows (batch size 1 on a plain MLP) the share is not measured: a unit inactive for one sample is
+  not dead.
+* Bounded activations: the share of input elements beyond the linear range of :data:`LINEAR_RANGES` (``nn.Tanh``
+  ``|x| > 5``: slope below 1.8e-4; ``nn.Sigmoid`` ``|x| > 10``, the same point as ``tanh(x) = 2 sigmoid(2x) - 1``;
+  ``nn.Hardsigmoid`` ``|x| >= 3`` and ``nn.Hardtanh`` outside ``[min_val, max_val]``: slope exactly 0). Measured
+  only where a trainable layer runs after the activation: an output head's sigmoid saturates when the model is
+  confident, which is not a fault.
+
+Activations after a frozen layer (no parameter requiring a gradient), with no layer before them, or on distributed
+tensors (``DTensor``) are not measured; nor is a model that runs through ``torch.compile`` (the callback does not
+attach the watch: hooks added and removed every measured step would recompile it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_diag.rules.activations import ActivationReading
+from lightning_diag.stats.grad import is_dtensor
+
+__all__ = ["LINEAR_RANGES", "MIN_ROWS", "RELU_FAMILY", "ActivationWatch"]
+
+#: Activations whose dead units are counted (output exactly 0 below 0).
+RELU_FAMILY: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6)
+#: Bounded activations and ``|x|`` beyond which the input is saturated (``nn.Hardtanh`` uses its own range).
+LINEAR_RANGES: dict[type[nn.Module], float] = {nn.Tanh: 5.0, nn.Sigmoid: 10.0, nn.Hardsigmoid: 3.0}
+#: Rows (samples times positions) per unit below which dead units are not counted.
+MIN_ROWS = 16
+
+#: Layers whose outputs hold channels in dimension 1 (a 3-D output after them is ``(N, C, L)``, not ``(N, L, C)``).
+_CHANNELS_FIRST = (
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+)  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Call:
+    """One activation call of the measured forward (its statistic still on the device)."""
+
+    name: str
+    layer: str
+    activation: str
+    dead: bool  # True: ``stat`` is a dead share; False: a saturated share
+    stat: torch.Tensor
+    order: int
+    limit: float | None
+    first: bool
+
+
+def _bounds(module: nn.Module) -> tuple[float, float] | None:
+    """The linear range ``(low, high)`` of a bounded activation module, ``None`` for any other module."""
+    if type(module) is nn.Hardtanh:  # not ReLU6 (a Hardtanh subclass): its lower side is the ReLU family's
+        return float(module.min_val), float(module.max_val)
+    for kind, bound in LINEAR_RANGES.items():
+        if type(module) is kind:
+            return -bound, bound
+    return None
+
+
+class ActivationWatch:
+    """The hooks and device statistics of one measured forward.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+        >>> with torch.no_grad():
+        ...     _ = net[0].bias.fill_(-100.0)
+        >>> watch = ActivationWatch()
+        >>> watch.attach(net)
+        >>> net(torch.randn(32, 4)).sum().backward()
+        >>> watch.detach()
+        >>> readings, rms = watch.readings(dict(net.named_modules()))
+        >>> [(r.layer, r.activation, r.dead, r.saturated) for r in readings]
+        [('0', 'ReLU', 1.0, None), ('2', 'Tanh', None, 0.0)]
+    """
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+        self._calls: list[_Call] = []
+        self._layers: list[tuple[str, bool]] = []  # (module name, trainable) of each parameter-owning call
+        self._input_sq: torch.Tensor | None = None
+        #: Whether a ReLU-family call of the last forward had too few rows to count dead units.
+        self.too_few_rows = False
+
+    @property
+    def attached(self) -> bool:
+        """Whether hooks are attached (a measured forward is under way)."""
+        return bool(self._handles)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a measured forward left statistics that :meth:`readings` has not read."""
+        return bool(self._calls)
+
+    def attach(self, module: nn.Module) -> None:
+        """Attach the pre-hooks for the next forward (nothing when the model has no activation module watched)."""
+        self.detach()
+        self._calls, self._layers, self._input_sq, self.too_few_rows = [], [], None, False
+        watched = [
+            (name, sub) for name, sub in module.named_modules() if isinstance(sub, RELU_FAMILY) or _bounds(sub)
+        ]
+        if not watched:
+            return
+        for name, sub in module.named_modules():
+            params = list(sub.parameters(recurse=False))
+            if params:
+                trainable = any(p.requires_grad for p in params)
+                self._handles.append(sub.register_forward_pre_hook(self._layer_hook(name, trainable)))
+        convs = frozenset(name for name, sub in module.named_modules() if isinstance(sub, _CHANNELS_FIRST))
+        for name, sub in watched:
+            self._handles.append(sub.register_forward_pre_hook(self._activation_hook(name, convs)))
+
+    def detach(self) -> None:
+        """Remove the hooks (the statistics stay until :meth:`readings`)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _layer_hook(self, name: str, trainable: bool) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, inputs: Any) -> None:
+            if not self._layers:
+                x = inputs[0] if isinstance(inputs, tuple) and inputs else None
+                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() and not is_dtensor(x):
+                    self._input_sq = x.detach().float().pow(2).mean()
+            self._layers.append((name, trainable))
+
+        return pre_hook
+
+    def _activation_hook(self, name: str, convs: frozenset[str]) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, inputs: Any) -> None:
+            x = inputs[0] if isinstance(inputs, tuple) and inputs else None
+            if not self._layers or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                return
+            layer, trainable = self._layers[-1]
+            if not trainable or is_dtensor(x) or x.ndim < 2 or x.numel() == 0:
+                return
+            first = not self._calls and len(self._layers) == 1
+            x = x.detach()
+            bounds = _bounds(module)
+            if bounds is None:
+                # images and volumes (N, C, H, W...) hold channels in dimension 1; a 3-D tensor does after a
+                # convolution or a norm over channels, else it is (N, L, C) (a sequence through a linear layer)
+                dim = 1 if x.ndim >= 4 or (x.ndim == 3 and layer in convs) else x.ndim - 1
+                units = x.shape[dim]
+                if x.numel() // units < MIN_ROWS:
+                    self.too_few_rows = True
+                    return
+                alive = (x > 0).movedim(dim, -1).reshape(-1, units).any(0)
+                stat = 1.0 - alive.float().mean()
+                kind = type(module).__name__
+                self._calls.append(_Call(name, layer, kind, True, stat, len(self._layers), None, first))
+                return
+            low, high = bounds
+            stat = ((x < low) | (x > high)).float().mean()
+            limit = high if -low == high else None
+            self._calls.append(
+                _Call(name, layer, type(module).__name__, False, stat, len(self._layers), limit, first)
+            )
+
+        return pre_hook
+
+    def readings(self, modules: dict[str, nn.Module]) -> tuple[list[ActivationReading], float | None]:
+        """The readings of the measured forward (after its backward: the layers' weight gradients are read too)
+        and the RMS of the model's inputs, with one host copy; the statistics are consumed.
+
+        Args:
+            modules: ``{name: module}`` of the model (``named_modules()``), to find each layer's weight.
+        """
+        calls, self._calls = self._calls, []
+        layers, self._layers = self._layers, []
+        input_sq, self._input_sq = self._input_sq, None
+        if not calls:
+            return [], None
+        stats = [c.stat.reshape(()).float() for c in calls]
+        grad_layers = sorted({c.layer for c in calls if c.dead})
+        zero: list[str] = []
+        for layer in grad_layers:
+            weight = getattr(modules.get(layer), "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.grad is not None and not is_dtensor(weight.grad):
+                zero.append(layer)
+                stats.append((weight.grad.detach() == 0).float().mean().to(stats[0].device))
+        if input_sq is not None:
+            stats.append(input_sq.to(stats[0].device))
+        host = torch.stack(stats).tolist()
+        zero_shares = dict(zip(zero, host[len(calls) : len(calls) + len(zero)], strict=True))
+        input_rms = host[-1] ** 0.5 if input_sq is not None else None
+        out = []
+        for c, value in zip(calls, host[: len(calls)], strict=True):
+            if c.dead:
+                out.append(ActivationReading(c.layer, c.activation, dead=value, zero_grad=zero_shares.get(c.layer),
+                                             first=c.first))
+            elif any(trainable for _, trainable in layers[c.order :]):  # a trainable layer runs after it
+                out.append(ActivationReading(c.layer, c.activation, saturated=value, limit=c.limit, first=c.first))
+        return out, input_rms
