@@ -123,6 +123,14 @@ def _shape(model: str) -> tuple[Any, Any]:
     return build_model, DATA_MODULES[model]
 
 
+def _shapes() -> set[str]:
+    """The model shapes of the fault library."""
+    from lightning_diag.demo.output_models import OUTPUT_SHAPES
+    from lightning_diag.demo.synthetic import DATA_MODULES
+
+    return {*OUTPUT_SHAPES, *DATA_MODULES}
+
+
 def _data_defaults(model: str) -> tuple[int, int]:
     """``(n_train, batch_size)`` defaults of the fault library's data module for ``model``."""
     params = inspect.signature(_shape(model)[1].__init__).parameters
@@ -427,14 +435,16 @@ def plan(subset: str = "full") -> list[RunSpec]:
 
 def _callbacks(names: list[str], model: str) -> list[Any]:
     """The named callbacks, without duplicate classes, built with their defaults, except where the fault library
-    declares settings for ``model``'s data (its language-model task repeats its training sequences in validation
-    by construction: ``data_leakage`` counts exact copies only there)."""
+    declares settings for ``model``'s data (a shape with the same data module counts: its language-model task
+    repeats its training sequences in validation by construction, ``data_leakage`` counts exact copies only
+    there)."""
     import lightning_diag
     from lightning_diag.demo.faults import FAULTS
 
     declared: dict[str, dict[str, Any]] = {}
+    data = _shape(model)[1] if model in _shapes() else None
     for fault in FAULTS.values():
-        if fault.model == model:
+        if fault.model == model or (data is not None and _shape(fault.model)[1] is data):
             for name, kwargs in fault.callbacks:
                 declared.setdefault(name, kwargs)
     seen: set[str] = set()
