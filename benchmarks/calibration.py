@@ -268,7 +268,8 @@ def _init_worker() -> None:
 
 def run_all(specs: Sequence[RunSpec], cache: str, jobs: int, log: Any = sys.stderr) -> list[dict[str, Any]]:
     """The records of ``specs``: those in ``cache`` as they are, the others run ``jobs`` at a time and appended."""
-    done = load_cache(cache)
+    # a record of a worker that died (the pool broke) says nothing about its run: it runs again
+    done = {k: r for k, r in load_cache(cache).items() if not r.get("worker_died")}
     todo = [s for s in specs if s.key not in done]
     log.write(f"calibration: {len(specs)} runs, {len(specs) - len(todo)} cached, {len(todo)} to run\n")
     start = time.perf_counter()
@@ -285,7 +286,7 @@ def run_all(specs: Sequence[RunSpec], cache: str, jobs: int, log: Any = sys.stde
                 try:
                     record = fut.result()
                 except Exception as err:  # a worker that died: the record says so
-                    record = {"spec": spec_dict(spec), "error": f"{type(err).__name__}: {err}"}
+                    record = {"spec": spec_dict(spec), "error": f"{type(err).__name__}: {err}", "worker_died": True}
                 out.write(json.dumps(record) + "\n")
                 out.flush()
                 done[spec.key] = record
