@@ -157,6 +157,7 @@ class AttentionEntropyRule(Rule):
                 aligned = low and not sink and cover >= ALIGNED_COVERAGE
                 low = low and not (sink or aligned)
                 high = judge_high and ent > self.high and ent > self.uniform_fraction * uni
+                self.observe(ent if room and not (sink or aligned) else math.nan, self.low, above=False)
                 kind = self._track(source, ent, mean_loss, room, low, whole_layer)
                 checks = ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high), (_SINK, sink), (_ALIGNED, aligned))
                 for rule, bad in checks:

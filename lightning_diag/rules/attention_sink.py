@@ -15,7 +15,7 @@ from lightning_diag.rules.attention_specs import (
     LayerStats,
     first_mass,
 )
-from lightning_diag.rules.base import Latch, Rule, StepContext, name_layers
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
 
 __all__ = ["SINK_HOLD_MARGIN", "AttentionSinkRule"]
 
@@ -71,6 +71,7 @@ class AttentionSinkRule(Rule):
             if self.latch.is_active(module):  # hysteresis: a sinking layer stays in its event on a looser bound
                 sunk = sunk or all(m > self.sink_mass - SINK_HOLD_MARGIN and m > 2 * s for m, s in pairs)
             least = min(m for m, _ in pairs)
+            self.observe(min(min(excess(m, self.sink_mass), excess(m, 2 * s)) for m, s in pairs), 1.0)
             self.streaks[module] = self.streaks.get(module, 0) + 1 if sunk else 0
             if self.latch.update(module, self.streaks[module] >= self.patience):
                 first = first_mass(stats)

@@ -316,6 +316,7 @@ class DataRules(Rule):
         alerts += self._vocab(m, ctx)
         alerts += self._leakage(m, ctx)
         for split, std in m.label_std.items():
+            self.observe(std, self.label_std, rule=LABEL_IMBALANCE)
             bad = math.isfinite(std) and std > self.label_std
             if self.latch.update(f"{LABEL_IMBALANCE}:{split}", bad):
                 counts = list(m.label_counts.get(split, ()))
@@ -343,6 +344,7 @@ class DataRules(Rule):
         return alerts
 
     def _vocab(self, m: DataMeasurement, ctx: StepContext) -> list[Alert]:
+        self.observe(m.vocab_kl, self.vocab_kl, rule=DATA_VOCAB_SHIFT)
         bad = math.isfinite(m.vocab_kl) and m.vocab_kl > self.vocab_kl
         if not self.latch.update(f"{DATA_VOCAB_SHIFT}:tokens", bad):
             return []
@@ -367,6 +369,7 @@ class DataRules(Rule):
     def _leakage(self, m: DataMeasurement, ctx: StepContext) -> list[Alert]:
         if not math.isfinite(m.leaked_fraction):
             return []
+        self.observe(m.leaked_fraction, self.leakage, rule=DATA_LEAKAGE)
         warn = m.leaked_fraction >= self.leakage
         hint = m.leaked > 0 and not warn
         out = []

@@ -125,6 +125,7 @@ class SequenceRules(Rule):
         seen = max(earlier, train)
         val = m.extent.get("val")
         if val is not None and seen:
+            self.observe(val / seen, self.length_ratio, rule=POSITION_OVERFLOW)
             bad = val > self.length_ratio * seen
             if self.latch.update(f"{POSITION_OVERFLOW}:val", bad):
                 alerts.append(
@@ -180,6 +181,7 @@ class SequenceRules(Rule):
         share = m.padded_share
         if share is None:
             return []
+        self.observe(share, self.padding_labels, rule=LOSS_ON_PADDING)
         if not self.latch.update(f"{LOSS_ON_PADDING}:train", share > self.padding_labels):
             return []
         examples = ", ".join(str(i) for i in list(m.padded_examples)[:5])

@@ -163,6 +163,7 @@ class ErrorClusterRule(Rule):
         """Judge the findings of the ``analysis``-th analysed validation; ``decode`` turns a token feature
         (``"12 57"``) into text."""
         hits = self.qualifying(groups, analysis)
+        self.observe(max((g.lift for g in groups if g.share >= self.min_share), default=float("nan")), self.ratio)
         if not self.latch.update("validation", bool(hits)):
             return []
         parts = [describe_group(g, decode) for g in hits[:_SHOWN]]

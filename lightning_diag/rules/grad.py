@@ -360,6 +360,23 @@ class GradBandRule(Rule):
             k: v for k, v in starved.items() if k not in self.updates or self.updates[k] * self.relative < reference
         }
 
+    def vanish_excess(
+        self, rel: Mapping[str, float], reference: float, factor: float, blocks: Collection[str] | None
+    ) -> float:
+        """How far the most starved matrix is past all of ``grad_vanish``'s bounds at once (the smallest of its
+        excesses past the absolute threshold, the gap to ``reference`` and, when known, the gap of its update to
+        the blocks' largest): above 1 on a measurement that counts toward the alarm; ``nan`` when none is known."""
+        top = max((v for k, v in self.updates.items() if blocks is None or k in blocks), default=0.0)
+        worst = math.nan
+        for k, v in rel.items():
+            x = excess(v * factor, self.vanish_threshold, False)
+            x = min(x, excess(v * self.relative * factor, reference, False))
+            if k in self.updates and top > 0:
+                x = min(x, excess(self.updates[k] * self.relative, top, False))
+            if x > worst or math.isnan(worst):
+                worst = x
+        return worst
+
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradBandRule:
         """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
@@ -391,6 +408,7 @@ class GradBandRule(Rule):
             roles: ``{matrix: role}`` (:func:`role_of`) for the depth test (:meth:`depth_decay`); ``None``: none.
         """
         exploding = {k: v for k, v in rms.items() if math.isfinite(v) and v > self.explode_threshold}
+        self.observe(max(rms.values(), default=math.nan), self.explode_threshold, rule=GRAD_EXPLODE)
         starved: dict[str, float] = {}
         rel = {k: v for k, v in (relative or {}).items() if math.isfinite(v)}
         if rel:
@@ -403,6 +421,7 @@ class GradBandRule(Rule):
         if rel and reference >= self.vanish_threshold and not self.dead:
             # during the warm-up only overwhelming evidence counts (OVERWHELMING past both thresholds)
             factor = OVERWHELMING if early else 1.0
+            self.observe(self.vanish_excess(rel, reference, factor, blocks), 1.0, rule=GRAD_VANISH)
             starved = {
                 k: v
                 for k, v in rel.items()
@@ -598,6 +617,7 @@ class GradSpreadRule(Rule):
             return []
         ratio, role, high, low = worst
         # during the warm-up only overwhelming evidence counts
+        self.observe(ratio, self.spread_ratio * (OVERWHELMING if early else 1.0))
         self.streak = self.streak + 1 if ratio > self.spread_ratio * (OVERWHELMING if early else 1.0) else 0
         if not self.latch.update("model", self.streak >= self.patience, excess(ratio, self.spread_ratio)):
             return []
@@ -720,6 +740,7 @@ class GradCollapseRule(Rule):
                 self.baseline = statistics.median(self.early)
             return []
         limit = self.collapse_ratio * self.baseline
+        self.observe(norm, limit, above=False)
         self.streak = self.streak + 1 if norm < limit else 0
         recent = statistics.mean(self.recent_losses) if self.recent_losses and loss is not None else None
         kind = self.verdict(recent)

@@ -121,6 +121,7 @@ class SharpMinimumRule(Rule):
         """Feed one probe's gap; return the alert when the streak reaches ``patience`` (latched)."""
         if not math.isfinite(gap):
             return []
+        self.observe(gap, self.threshold)
         self.streak = self.streak + 1 if gap > self.threshold else 0
         if not self.latch.update("model", self.streak >= self.patience, excess(gap, self.threshold)):
             return []
@@ -202,6 +203,7 @@ class QuantizationErrorRule(Rule):
         words on a named layer (its outlier ratios)."""
         alerts: list[Alert] = []
         measured = end_to_end is not None and math.isfinite(end_to_end)
+        self.observe(math.nan if end_to_end is None else end_to_end, self.threshold)
         if measured and self.latch.update("end_to_end", float(end_to_end or 0.0) > self.threshold):
             alerts.append(
                 self._alert(

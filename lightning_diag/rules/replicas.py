@@ -212,6 +212,7 @@ class DesyncRule(Rule):
         self.checks += 1
         n = len(names) if compared is None else compared
         self.last_max_diff = max(per_param, default=0.0)
+        self.observe(self.last_max_diff, self.tolerance)
         bad = [i for i, v in enumerate(per_param) if v > self.tolerance]
         if not self.latch.update("replicas", bool(bad)):
             return []

@@ -72,6 +72,7 @@ class RobustnessDropRule(Rule):
 
     def update(self, drops: Mapping[str, float], ctx: StepContext) -> list[Alert]:
         """Feed one probe's relative drops by perturbation kind; return the new alert, if any."""
+        self.observe(max((d for d in drops.values() if math.isfinite(d)), default=math.nan), self.threshold)
         fresh = {k: d for k, d in drops.items() if self.latch.update(k, math.isfinite(d) and d > self.threshold)}
         if not fresh:
             return []

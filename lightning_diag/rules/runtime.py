@@ -322,6 +322,7 @@ class AmpRule(Rule):
             return []
         self.checks += 1
         self.last_share = sum(float32.values()) / total
+        self.observe(self.last_share, self.share)
         if not self.latch.update("amp", self.last_share > self.share):
             return []
         names = sorted(float32, key=lambda n: -float32[n])

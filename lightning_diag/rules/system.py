@@ -317,6 +317,7 @@ class DataloaderBoundRule(Rule):
         if steps <= 0 or not (step_s > 0) or not math.isfinite(wait_s):
             return []
         share = wait_s / step_s
+        self.observe(min(excess(share, self.threshold), excess(wait_s / steps, self.min_wait_s)), 1.0)
         active = share > self.threshold and wait_s / steps > self.min_wait_s
         self.streak = self.streak + 1 if active else 0
         if not self.latch.update(source, self.streak >= self.patience):
@@ -411,6 +412,7 @@ class StepPeriodicRule(Rule):
 
     def _judge(self, ctx: StepContext, found: Periodicity, times: Series, source: str) -> list[Alert]:
         """Latch and word the alert for ``found``, a pattern in ``times``."""
+        self.observe(found.share if found.found else math.nan, self.threshold)
         active = found.found and found.share > self.threshold
         if not self.latch.update(source, active, excess(found.share, self.threshold)):
             return []
@@ -482,6 +484,7 @@ class StepFluctuationRule(Rule):
         if len(times) < MIN_BLOCKS * self.block_steps:
             return float("nan"), []
         value = block_fluctuation(times, self.block_steps)
+        self.observe(value, self.threshold)
         active = math.isfinite(value) and value > self.threshold
         self.streak = self.streak + 1 if active else 0
         if not self.latch.update(source, self.streak >= self.patience, excess(value, self.threshold)):
@@ -539,6 +542,7 @@ class MemoryGrowthRule(Rule):
             if len(series) < self.window:
                 continue
             rel, rising = growth(series)
+            self.observe(min(excess(rel, self.threshold), excess(rising, self.rising_fraction)), 1.0)
             active = rel > self.threshold and rising >= self.rising_fraction
             if self.latch.update(source, active):
                 mib = (series[-1] - series[0]) / 2**20

@@ -164,6 +164,11 @@ class UpdateRule(Rule):
         none = {
             k: v for k, v in measured.items() if v.unchanged == v.counted and (not v.low_precision or v.cause)
         }
+        self.observe(
+            max((v.share for v in measured.values() if v.low_precision and not v.cause), default=float("nan")),
+            self.stale_fraction,
+            rule=UPDATE_STALE,
+        )
         stale = {
             k: v
             for k, v in measured.items()

@@ -57,6 +57,8 @@ class ForeignResult:
     poisoned: str | None = None
     params_unchanged: bool | None = None
     params_finite: bool | None = None
+    #: The callbacks the trainer ran (the library's copies where it deep-copies them): their ``rule_peaks()``.
+    trainer_callbacks: list[Any] = dataclasses.field(default_factory=list)
 
     @property
     def serious(self) -> list[Any]:
@@ -559,6 +561,7 @@ def run_entry(
     seconds = time.perf_counter() - start
     alerts = run_alerts(root)
     result = ForeignResult(name, alerts, losses, state["trainer"].global_step, attention_tags(root), seconds)
+    result.trainer_callbacks = list(state["trainer"].callbacks)
     if nan_step is not None:
         result.poisoned = state.get("poisoned")
         before = state.get("before", {})

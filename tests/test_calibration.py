@@ -1,0 +1,186 @@
+"""The calibration harness (benchmarks/calibration.py, issue 44): the table's maths on synthetic records, the plan,
+the cache, and the CI subset run for real (its healthy runs quiet, its faults caught, its table well-formed)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from benchmarks import calibration as cal
+from benchmarks.calibration_plan import EPOCH_LENGTHS, plan, twin_of
+from tests.foreign.corpus import TIMING_RULES
+
+
+def _record(
+    key: str,
+    expected: tuple[str, ...] = (),
+    alerts: tuple[tuple[str, str, int, int], ...] = (),
+    peaks: dict[str, float] | None = None,
+    watched: tuple[str, ...] = ("grad_explode", "loss_swing"),
+    **spec: Any,
+) -> dict[str, Any]:
+    base = {"key": key, "kind": "fault", "name": "none", "family": "baselines", "expected": list(expected),
+            "onset_step": None, "onset_epoch": None, "epoch_len": None, "length_check": False}  # fmt: skip
+    return {
+        "spec": {**base, **spec},
+        "measure_every": 5,
+        "alerts": [{"rule": r, "severity": s, "step": st, "epoch": ep, "value": 1.0} for r, s, st, ep in alerts],
+        "peaks": peaks or {},
+        "watched": list(watched),
+    }
+
+
+def test_delay_counts_measurements_from_the_onset_both_included() -> None:
+    step = _record("f", onset_step=30)
+    assert cal.delay(step, {"step": 30, "epoch": 0}) == (1, "measurements")
+    assert cal.delay(step, {"step": 34, "epoch": 0}) == (1, "measurements")
+    assert cal.delay(step, {"step": 35, "epoch": 0}) == (2, "measurements")
+    assert cal.delay(_record("g", onset_step=0), {"step": 4, "epoch": 0}) == (1, "measurements")
+    assert cal.delay(_record("e", onset_epoch=1), {"step": 90, "epoch": 4}) == (4, "epochs")
+    assert cal.delay(_record("h"), {"step": 3, "epoch": 0}) is None
+
+
+def test_rule_row_counts_false_alarms_catches_delays_and_the_margin() -> None:
+    records = [
+        _record("h1", peaks={"grad_explode": 0.4}),
+        _record("h2", peaks={"grad_explode": 0.7}, alerts=(("grad_explode", "info", 10, 0),)),  # info: no alarm
+        _record("h3", peaks={"grad_explode": 1.5}, alerts=(("grad_explode", "warning", 12, 0),)),
+        _record("h4", watched=("loss_swing",)),  # the rule's callback not attached: not seen
+        _record("f1", ("grad_explode",), (("grad_explode", "warning", 44, 1),), onset_step=30, family="faults"),
+        _record("f2", ("grad_explode",), (("grad_explode", "warning", 20, 0),), onset_step=30, family="faults"),
+        _record("f3", ("grad_explode",), (("grad_explode", "warning", 30, 0),), onset_step=30, family="faults"),
+        {"spec": {"key": "crash", "expected": [], "family": "baselines"}, "error": "RuntimeError: boom"},
+    ]
+    row = cal.rule_row("grad_explode", records)
+    assert row["healthy"] == 3 and row["measured"] == 3
+    assert row["false_alarm_runs"] == ["h3"]
+    # f2's alert came before the onset: not a catch
+    assert (row["faults"], row["caught"], row["missed"]) == (3, 2, ["f2"])
+    assert (row["delay_median"], row["delay_worst"], row["delay_unit"]) == (2.0, 3, "measurements")
+    assert (row["margin"], row["margin_run"]) == (1.5, "h3")
+
+
+def test_rule_row_without_runs_reports_nothing_measured() -> None:
+    row = cal.rule_row("loss_swing", [_record("h1", peaks={"grad_explode": 0.2})])
+    assert row["healthy"] == 1 and row["measured"] == 0 and row["margin"] is None
+    assert row["faults"] == 0 and row["delay_median"] is None
+
+
+def test_length_check_needs_the_fault_caught_and_its_twin_quiet() -> None:
+    twin = twin_of("explode")
+    assert twin == "healthy_sgd"  # its description names `explode`
+    assert twin_of("swing") == "healthy_regression"  # no named twin: the plainest healthy MLP
+    records = [
+        _record("t4", name=twin, epoch_len=4, length_check=True),
+        _record(
+            "f4",
+            ("grad_explode",),
+            (("grad_explode", "warning", 5, 0),),
+            onset_step=0,
+            name="explode",
+            epoch_len=4,
+            length_check=True,
+        ),
+        _record("t16", name=twin, epoch_len=16, length_check=True, alerts=(("grad_explode", "warning", 9, 0),)),
+        _record("f16", ("grad_explode",), onset_step=0, name="explode", epoch_len=16, length_check=True),
+        _record(
+            "f64",
+            ("grad_explode",),
+            (("grad_explode", "critical", 5, 0),),
+            onset_step=0,
+            name="explode",
+            epoch_len=64,
+            length_check=True,
+        ),
+    ]
+    check = cal.length_check("grad_explode", records)
+    assert check == {"1": "-", "4": "ok", "16": "missed, twin fired", "64": "no twin", "256": "-"}
+
+
+def test_render_is_a_well_formed_table_with_the_reasons() -> None:
+    records = [
+        _record("h1", peaks={"grad_explode": 0.25}),
+        _record("f1", ("grad_explode",), (("grad_explode", "warning", 34, 1),), onset_step=30, family="faults"),
+    ]
+    rows = cal.table(records, ["grad_explode", "grad_frozen"])
+    text = cal.render(rows, {"grad_explode": 10.0, "grad_frozen": None})
+    lines = text.splitlines()
+    columns = 7 + len(EPOCH_LENGTHS)
+    assert all(cal.is_table_line(line, columns) for line in lines), text
+    assert "0.25 (`h1`)" in lines[2] and "1 / 1" in lines[2] and "1 / 1 measurements" in lines[2]
+    assert f"n/a: {cal.NO_THRESHOLD}" in lines[3] and "no fault in the matrices" in lines[3]
+    assert not cal.is_table_line("| a | b", 2) and not cal.is_table_line("| a | b |", 3)
+
+
+def test_load_cache_resumes_and_ignores_a_torn_line(tmp_path: Any) -> None:
+    path = tmp_path / "runs.jsonl"
+    path.write_text(json.dumps(_record("a")) + "\n" + json.dumps(_record("b")) + "\n" + '{"spec": {"ke')
+    assert sorted(cal.load_cache(str(path))) == ["a", "b"]
+    assert cal.load_cache(str(tmp_path / "missing.jsonl")) == {}
+
+
+def test_plan_enumerates_the_libraries_and_rejects_an_unknown_subset() -> None:
+    from lightning_diag.demo.corpus import CORPUS
+    from lightning_diag.demo.faults import FAULTS
+    from lightning_diag.demo.schedules import SCENARIOS
+    from tests.foreign.corpus import ENTRIES
+
+    full = plan("full")
+    names = {(s.kind, s.name) for s in full}
+    assert {("fault", f) for f in FAULTS} <= names
+    assert {("corpus", c) for c in CORPUS} <= names
+    assert {("schedule", s) for s in SCENARIOS} <= names and {("foreign", e) for e in ENTRIES} <= names
+    assert sum(s.healthy for s in full) >= 200
+    lengths = {s.epoch_len for s in full if s.healthy and s.family == "baselines"}
+    assert set(EPOCH_LENGTHS) <= lengths
+    ci = plan("ci")
+    assert {s.key for s in ci} < {s.key for s in full} and any(s.healthy for s in ci) and any(s.expected for s in ci)
+    with pytest.raises(ValueError, match="subset"):
+        plan("most")
+
+
+@pytest.mark.slow
+def test_ci_subset_runs_quiet_healthy_runs_and_catches_its_faults(tmp_path: Any) -> None:
+    cache, page, summary = tmp_path / "ci.jsonl", tmp_path / "calibration.md", tmp_path / "ci.json"
+    assert cal.main(["--subset", "ci", "--cache", str(cache), "--write", str(page), "--json", str(summary)]) == 0
+    records = [json.loads(line) for line in cache.read_text().splitlines()]
+    assert len(records) == len(plan("ci")) and not [r["spec"]["key"] for r in records if "error" in r]
+    healthy = [r for r in records if not r["spec"]["expected"]]
+    # SystemMonitor's wall-clock rules follow the machine's load, not the model: listed, not asserted
+    alarms = {r["spec"]["key"]: [a["rule"] for a in cal.serious(r) if a["rule"] not in TIMING_RULES] for r in healthy}
+    assert not any(alarms.values()), alarms
+    missed = [
+        (r["spec"]["key"], rule) for r in records for rule in r["spec"]["expected"] if not cal.first_alert(r, rule)
+    ]
+    assert not missed
+    text = page.read_text()
+    assert text.startswith(cal.START) and text.rstrip().endswith(cal.END)
+    tables = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(tables) == len(json.loads(summary.read_text())["rules"])
+    assert all(cal.is_table_line(line, 7 + len(EPOCH_LENGTHS)) for line in tables)
+
+
+def test_rules_note_their_statistic_against_their_threshold() -> None:
+    """The margin's source: a rule's ``peaks`` hold its statistic's largest excess (``Rule.observe``), 1.0 at the
+    threshold, whether or not it alerted."""
+    from lightning_diag.rules.base import StepContext
+    from lightning_diag.rules.grad import GradBandRule, GradCollapseRule
+    from lightning_diag.rules.system import MemoryGrowthRule
+
+    band = GradBandRule(patience=3, warmup_steps=0)
+    band.update({"w1": 5.0, "w2": 0.5}, StepContext(0, 60), relative={"w1": 1e-2, "w2": 5e-4})
+    # explode: 5 against 10; vanish: w2 is 2x below 1e-3 but only 0.2 of the way to 100x below the best-fed 1e-2
+    assert band.peaks == {"grad_explode": pytest.approx(0.5), "grad_vanish": pytest.approx(0.2)}
+    starved = GradBandRule(patience=3, warmup_steps=0)
+    starved.observe_updates({"w1": 1e-3, "w2": 1e-3})  # w2's update keeps pace: far from a vanishing gradient
+    starved.update({"w1": 1.0}, StepContext(0, 60), relative={"w1": 1e-2, "w2": 5e-4})
+    assert starved.peaks["grad_vanish"] == pytest.approx(0.01)  # its update 100x short of 100x below the top
+    collapse = GradCollapseRule(patience=3, baseline_measurements=1)
+    assert collapse.update(1.0, StepContext(0, 0)) == [] and collapse.update(0.005, StepContext(0, 5)) == []
+    assert collapse.peaks == {"grad_collapse": pytest.approx(2.0)}  # past its threshold once: patience holds it
+    memory = MemoryGrowthRule(threshold=0.1, window=3, rising_fraction=0.5)
+    for i, value in enumerate([100.0, 102.0, 104.0]):
+        memory.update(StepContext(0, i), {"host_rss": value})
+    assert memory.peaks["memory_growth"] == pytest.approx(0.4, rel=0.05)  # grew 4% against 10%
