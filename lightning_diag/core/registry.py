@@ -441,7 +441,7 @@ def rules_of(owner: str) -> tuple[RuleSpec, ...]:
 
     Example:
         >>> [s.rule_id for s in rules_of("AttentionEntropyMonitor")]
-        ['attn_entropy_low', 'attn_entropy_high', 'attn_sink']
+        ['attn_logit_growth', 'attn_entropy_low', 'attn_entropy_high', 'attn_sink']
     """
     return tuple(s for s in _RULES.values() if s.owner == owner)
 

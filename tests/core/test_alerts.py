@@ -91,6 +91,11 @@ def test_rule_ids_are_the_contract():
         "batch_size_mismatch",
         "worker_rng_shared",
         "zero_output",
+        "dead_units",
+        "activation_saturation",
+        "update_too_small",
+        "output_collapse",
+        "attn_logit_growth",
     }
 
 

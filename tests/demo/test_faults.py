@@ -113,7 +113,20 @@ def _callback_present(rule, fault=None):
     return ALL_RULES[rule] in {type(cb).__name__ for cb in default_callbacks()} | extra
 
 
-@pytest.mark.parametrize("name", ANOMALY_FAULTS)
+#: Faults the rules do not catch yet, each with the reason; the test fails when one starts to be caught (strict).
+KNOWN_MISSES = {
+    "oscillation_bs1": "open (issues 44/45): loss_swing judged against the step losses' noise does not see the "
+    "batch-size-1 oscillation (epoch means move 50% against a step spread of 2x the mean); docs/calibration.md",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n])) if n in KNOWN_MISSES else n
+        for n in ANOMALY_FAULTS
+    ],
+)
 def test_every_fault_fires_its_expected_rules_within_its_window(tmp_path, name):
     fault = FAULTS[name]
     missing = [r for r in fault.expected_rules if not _callback_present(r, fault)]
