@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_diag.instrument.attention_softmax import MASKED_SCORE
 from lightning_diag.stats.attention_probs import HeadStats, head_stats, special_key_mask
 
 __all__ = [
@@ -217,7 +218,7 @@ def mha_probabilities(
             if kpm.dtype == torch.bool:
                 key_valid = ~kpm
             else:
-                key_valid = kpm.float() != -math.inf
+                key_valid = kpm.float() > MASKED_SCORE  # -inf, finfo.min and -1e9 masks alike
                 scores = scores + F.pad(kpm.float().masked_fill(~key_valid, 0.0), (0, extra))[:, None, None, :]
             allowed = F.pad(key_valid, (0, extra), value=True)[:, None, None, :]
         if attn_mask is None and is_causal and length == source_len:
@@ -228,7 +229,7 @@ def mha_probabilities(
             if mask.dtype == torch.bool:
                 ok = ~mask
             else:
-                ok = mask.float() != -math.inf
+                ok = mask.float() > MASKED_SCORE
                 scores = scores + F.pad(mask.float().masked_fill(~ok, 0.0), (0, extra))
             ok = F.pad(ok, (0, extra), value=True)
             allowed = allowed & (ok if ok.dim() == 4 else ok[None, None])

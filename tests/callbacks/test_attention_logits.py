@@ -74,6 +74,27 @@ def test_mha_peak_follows_the_modules_projections_and_padding():
     assert peaks[0].item() == pytest.approx(scores[..., :-1].abs().max().item(), rel=1e-5)
 
 
+
+@pytest.mark.parametrize("fill", [-math.inf, torch.finfo(torch.float32).min, -1e9])
+def test_mha_peak_leaves_out_keys_masked_by_any_additive_mask(fill):
+    """A float causal mask of -inf, finfo.min (nn.Transformer and darts' decoders) or -1e9: the masked keys are not
+    logits (a peak of 3.4e38 read the mask itself, seen on darts' TransformerModel in the calibration)."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(3, 5, 16)
+    causal = torch.zeros(5, 5).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), fill)
+    peaks: list[torch.Tensor] = []
+    probs, allowed, *_ = mha_probabilities(mha, x, x, attn_mask=causal, peaks=peaks)
+    w_q, w_k = mha.in_proj_weight[:16], mha.in_proj_weight[16:32]
+    b_q, b_k = mha.in_proj_bias[:16], mha.in_proj_bias[16:32]
+    q = (x @ w_q.T + b_q).reshape(3, 5, 2, 8).transpose(1, 2)
+    k = (x @ w_k.T + b_k).reshape(3, 5, 2, 8).transpose(1, 2)
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(8)).detach()
+    lower = torch.ones(5, 5, dtype=torch.bool).tril()
+    assert peaks[0].item() == pytest.approx(scores.abs().masked_fill(~lower, 0).max().item(), rel=1e-5)
+    assert not allowed[..., 0, 1:].any()  # the first query sees only the first key
+    assert torch.allclose(probs.sum(-1), torch.ones(()))
+
 class _HandWritten(nn.Module):
     """Attention written out by hand: a softmax of q @ k^T weighting the values."""
 
