@@ -44,10 +44,11 @@ _SECOND_SEED = (
     "healthy_dropout",
 )
 #: Opt-in probes attached to the healthy runs of the demo models at 16 steps an epoch and to the first seed of
-#: each schedule (DataDiagnostics and SystemMonitor go on every healthy run). RobustnessProbe is left out: every
-#: token task here is decided by exact tokens (the most frequent marker, the next number of a sequence), so a 5%
-#: typo changing the answer is the task, not a fragile model; ErrorAnalysis needs ``validation_step`` to return
-#: predictions, which no model here does.
+#: each schedule (DataDiagnostics and SystemMonitor go on every healthy run). RobustnessProbe and ErrorAnalysis are
+#: calibrated on the text classifiers of :mod:`benchmarks.calibration_probes` instead: every token task of the
+#: fault library is decided by exact tokens (the most frequent marker, the next number of a sequence), so a 5%
+#: typo changing the answer is the task, not a fragile model, and no model there returns predictions from
+#: ``validation_step``.
 PROBES = ["SharpnessProbe", "QuantizationProbe"]
 #: The healthy families, in the order the docs describe them.
 FAMILIES = {
@@ -55,6 +56,7 @@ FAMILIES = {
     "corpus": "the real-architecture corpus (Hugging Face models from configs, CNN, LSTM, frozen fine-tune)",
     "foreign": "the foreign corpus (other projects' LightningModules, fitted through their own entry points)",
     "schedules": "long runs with the schedules people use (lightning_diag/demo/schedules.py)",
+    "probes": "text classifiers for the opt-in probes that read predictions (benchmarks/calibration_probes.py)",
 }
 
 
@@ -64,7 +66,8 @@ class RunSpec:
 
     Attributes:
         key: Unique id (the cache key).
-        kind: ``"fault"`` (fault library), ``"corpus"``, ``"foreign"`` or ``"schedule"``.
+        kind: ``"fault"`` (fault library), ``"corpus"``, ``"foreign"``, ``"schedule"`` or ``"probe"``
+            (:mod:`benchmarks.calibration_probes`).
         name: The entry's name in its library.
         family: The healthy family (a key of :data:`FAMILIES`), or ``"faults"``.
         seed: Seed of data, model and trainer.
@@ -393,6 +396,33 @@ def _schedule_runs(subset: str) -> list[RunSpec]:
     return specs
 
 
+def _probe_runs(subset: str) -> list[RunSpec]:
+    from benchmarks.calibration_probes import PROBE_CALLBACKS, TASKS
+
+    specs = []
+    for task in TASKS.values():
+        if subset == "ci" and task.net == "bert":  # the CI subset: the fast bag-of-words and order tasks
+            continue
+        seeds = (0,) if subset == "ci" else (0, 1) if task.expected else (0, 1, 2)
+        for seed in seeds:
+            family = "faults" if task.expected else "probes"
+            onset = 0 if task.expected else None  # wrong from the first epoch
+            specs.append(
+                RunSpec(
+                    f"probe:{task.name}:s{seed}",
+                    "probe",
+                    task.name,
+                    family,
+                    seed,
+                    task.expected,
+                    onset_epoch=onset,
+                    max_epochs=task.epochs,
+                    optin=PROBE_CALLBACKS,
+                )
+            )
+    return specs
+
+
 def priority(spec: RunSpec) -> int:
     """The order runs start in, so that a set cut short still has each fault and each healthy family: the faults
     at their own settings (0), the healthy runs at 16 steps an epoch or at their own settings (1), the
@@ -423,6 +453,7 @@ def plan(subset: str = "full") -> list[RunSpec]:
         *_schedule_runs(subset),
         *_healthy_baselines(subset),
         *_fault_runs(subset),
+        *_probe_runs(subset),
     ]
     specs.sort(key=priority)
     keys = [s.key for s in specs]
@@ -571,7 +602,22 @@ def _run_foreign(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
     return result.trainer_callbacks, result
 
 
-_RUNNERS = {"fault": _run_fault, "corpus": _run_corpus, "schedule": _run_schedule, "foreign": _run_foreign}
+def _run_probe(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
+    from benchmarks.calibration_probes import run_task
+    from lightning_diag.demo.run import default_callbacks
+
+    cbs = [*default_callbacks(), *_callbacks(list(spec.optin), "probe")]
+    trainer = run_task(spec.name, cbs, {**_trainer_base(root), "num_sanity_val_steps": 0}, spec.seed)
+    return cbs, trainer
+
+
+_RUNNERS = {
+    "fault": _run_fault,
+    "corpus": _run_corpus,
+    "schedule": _run_schedule,
+    "foreign": _run_foreign,
+    "probe": _run_probe,
+}
 
 
 def _owners(callbacks: list[Any]) -> set[str]:

@@ -122,6 +122,7 @@ def test_load_cache_resumes_and_ignores_a_torn_line(tmp_path: Any) -> None:
 
 
 def test_plan_enumerates_the_libraries_and_rejects_an_unknown_subset() -> None:
+    from benchmarks.calibration_probes import TASKS
     from lightning_diag.demo.corpus import CORPUS
     from lightning_diag.demo.faults import FAULTS
     from lightning_diag.demo.schedules import SCENARIOS
@@ -132,6 +133,11 @@ def test_plan_enumerates_the_libraries_and_rejects_an_unknown_subset() -> None:
     assert {("fault", f) for f in FAULTS} <= names
     assert {("corpus", c) for c in CORPUS} <= names
     assert {("schedule", s) for s in SCENARIOS} <= names and {("foreign", e) for e in ENTRIES} <= names
+    assert {("probe", t) for t in TASKS} <= names
+    # the opt-in probes that read predictions have healthy runs and faults of their own
+    probed = [s for s in full if "ErrorAnalysis" in s.optin and "RobustnessProbe" in s.optin]
+    assert sum(s.healthy for s in probed) >= 9
+    assert {r for s in probed for r in s.expected} == {"error_cluster", "robustness_drop"}
     assert sum(s.healthy for s in full) >= 200
     lengths = {s.epoch_len for s in full if s.healthy and s.family == "baselines"}
     assert set(EPOCH_LENGTHS) <= lengths

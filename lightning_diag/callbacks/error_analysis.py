@@ -314,6 +314,7 @@ class ErrorAnalysis(DiagCallback):
         if classification:
             report.update(self._per_class(labels, preds, values))
         findings: list[Any] = []
+        candidates: list[Any] = []
         slices: list[Any] = []
         decode = self._decode if self.tokenizer is not None else None
         if int(wrong.sum()) >= self.min_errors and overall > 0:
@@ -325,7 +326,8 @@ class ErrorAnalysis(DiagCallback):
                     features, errors, wrong, min_count, self.rule.ratio, member_min=member_min,
                     labels=labels if classification else None, predictions=preds if classification else None,
                 )
-                findings = self.rule.qualifying(groups.findings, analysis)
+                candidates = groups.findings
+                findings = self.rule.qualifying(candidates, analysis)
                 report.update(
                     slices_tested=tested, member_min=member_min, member_candidates=groups.candidates,
                     conjunctions_tested=groups.conjunctions, hypotheses=groups.hypotheses,
@@ -344,7 +346,7 @@ class ErrorAnalysis(DiagCallback):
                 errors_tag("clusters"), _table(findings, slices[:_TABLE_SLICES], self.top_tokens, decode), step
             )
         self._write_json(report)
-        self.record(self.rule.update(findings, overall, self.context(trainer), decode, analysis))
+        self.record(self.rule.update(candidates, overall, self.context(trainer), decode, analysis))
 
     def _per_class(self, labels: np.ndarray, preds: np.ndarray, values: dict[str, float]) -> dict[str, Any]:
         from torchmetrics.functional.classification import (

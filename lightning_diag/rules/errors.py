@@ -160,10 +160,13 @@ class ErrorClusterRule(Rule):
         decode: Callable[[str], str] | None = None,
         analysis: int = 1,
     ) -> list[Alert]:
-        """Judge the findings of the ``analysis``-th analysed validation; ``decode`` turns a token feature
-        (``"12 57"``) into text."""
+        """Judge the candidate groups of the ``analysis``-th analysed validation (those that qualify alert);
+        ``decode`` turns a token feature (``"12 57"``) into text."""
         hits = self.qualifying(groups, analysis)
-        self.observe(max((g.lift for g in groups if g.share >= self.min_share), default=float("nan")), self.ratio)
+        # the margin: the largest lift of a group large and significant enough to count (0: none is)
+        level = self.level(analysis)
+        counted = [g.lift for g in groups if g.share >= self.min_share and g.p_adjusted <= level]
+        self.observe(max(counted, default=0.0), self.ratio)
         if not self.latch.update("validation", bool(hits)):
             return []
         parts = [describe_group(g, decode) for g in hits[:_SHOWN]]
