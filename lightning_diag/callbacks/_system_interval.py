@@ -20,10 +20,12 @@ from lightning_diag.rules.system import STEP_TIME_FLUCTUATION
 
 __all__ = ["HEADER", "Mark", "Step", "gather_ranks", "interval_values", "judged_waits", "resolve_steps"]
 
-#: Per-interval numbers every rank contributes (gathered on logging steps under DDP); ``judged_wait`` is the data
-#: waiting ``dataloader_bound`` judges (:func:`judged_waits`).
+#: Per-interval numbers every rank contributes (gathered on logging steps under DDP); ``loader_wait`` and
+#: ``loader_step`` are the data waiting and the step time ``dataloader_bound`` judges (:func:`judged_waits` of the
+#: steps after a validation run inside an epoch; without the diagnostics' own hooks).
 HEADER = (
-    "wait", "forward_backward", "optimizer", "validation", "checkpoint", "samples", "tokens", "rss", "judged_wait"
+    "wait", "forward_backward", "optimizer", "validation", "checkpoint", "samples", "tokens", "rss", "loader_wait",
+    "loader_step",
 )
 #: A ``(start, end, "fb" | "opt")`` pair of clock marks.
 Mark = tuple[Any, Any, str]
@@ -66,13 +68,14 @@ def resolve_steps(
 
 
 def judged_waits(waits: np.ndarray, explained: Sequence[bool], wait_explained: Sequence[bool]) -> np.ndarray:
-    """The data waiting of each step as the wall-clock rules judge it.
+    """The data waiting of each step as a wall-clock rule judges it.
 
-    A step whose wait has a known cause (``wait_explained``: an epoch's first step waits for a fresh dataloader
-    iterator and the epoch-start hooks of the callbacks listed after ``SystemMonitor``; the step after a validation
-    run, for the validation-end hooks of those callbacks) takes the median wait of the interval's steps without a
-    known cause, or of all its steps when every one has one (one-step epochs: every step waits alike). Its compute
-    is judged as measured: a stall inside the training step is still seen on an epoch's first step.
+    A step whose wait has a known cause (``wait_explained``; for ``step_time_periodic`` an epoch's first step,
+    which waits for a fresh dataloader iterator and the epoch-start hooks of the callbacks listed after
+    ``SystemMonitor``, and the step after a validation run, which waits for the validation-end hooks of those
+    callbacks) takes the median wait of the interval's steps without a known cause (``explained``), or of all its
+    steps when every one has one (one-step epochs: every step waits alike). Its compute is judged as measured: a
+    stall inside the training step is still seen on an epoch's first step.
     """
     out = np.asarray(waits, dtype=float).copy()
     boundary = np.asarray(wait_explained, dtype=bool)

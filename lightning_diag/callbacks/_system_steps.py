@@ -32,6 +32,9 @@ class Interval:
             fresh dataloader iterator and the epoch-start hooks of the callbacks after ``SystemMonitor``; the step
             after a validation run: the validation-end hooks of the callbacks after it): its compute is still the
             step's own.
+        mid_validation: Per step, whether its wait spans the end of a validation run inside an epoch (the one
+            that ends an epoch is no step's): it holds the validation-end hooks of the callbacks after
+            ``SystemMonitor``, not only data waiting.
         sums: The interval's :data:`~lightning_diag.callbacks._system_interval.HEADER` numbers so far
             (validation, checkpoint, samples, tokens; the caller adds the rest).
         wall: Wall seconds since the previous interval.
@@ -51,6 +54,7 @@ class Interval:
     diagnostics: list[float]
     logging: list[float] = dataclasses.field(default_factory=list)
     wait_explained: list[bool] = dataclasses.field(default_factory=list)
+    mid_validation: list[bool] = dataclasses.field(default_factory=list)
 
 
 class StepRecorder:
@@ -88,6 +92,7 @@ class StepRecorder:
         self._step_ckpt: list[float] = []  # checkpoint seconds inside each step's batch
         self._step_flags: list[bool] = []
         self._step_wait_flags: list[bool] = []
+        self._step_val_flags: list[bool] = []
         self._step_diag: list[float] = []
         self._step_logging: list[float] = []
         self._cur_logging = 0.0
@@ -168,6 +173,7 @@ class StepRecorder:
         at_boundary = self._after_validation or self._epoch_start
         self._step_flags.append(at_boundary or self._first_of_run or in_batch > 0)
         self._step_wait_flags.append(at_boundary and not self._first_of_run and in_batch == 0)
+        self._step_val_flags.append(self._step_wait_flags[-1] and not self._epoch_start)
         self._step_diag.append(self._cur_diag)
         self._step_logging.append(self._cur_logging)
         self._cur_cpu = self._cur_wait = self._cur_diag = self._cur_logging = 0.0
@@ -246,6 +252,7 @@ class StepRecorder:
         self._step_waits, self._step_pending, self._step_cpu, self._step_ckpt = [], [], [], []
         flags, self._step_flags = self._step_flags, []
         wait_flags, self._step_wait_flags = self._step_wait_flags, []
+        val_flags, self._step_val_flags = self._step_val_flags, []
         diag, self._step_diag = self._step_diag, []
         logging, self._step_logging = self._step_logging, []
         if not steps:
@@ -256,4 +263,4 @@ class StepRecorder:
             self._tokens_dev = None
         now = self.time_source.wall()
         wall, self._wall_start = now - self._wall_start, now
-        return Interval(steps, flags, sums, wall, diag, logging, wait_flags)
+        return Interval(steps, flags, sums, wall, diag, logging, wait_flags, val_flags)

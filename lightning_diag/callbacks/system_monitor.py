@@ -57,10 +57,11 @@ class SystemMonitor(DiagCallback):
     r"""Where each optimizer step's time goes, periodic stalls, memory growth, and what the diagnostics cost.
 
     Every optimizer step is split into **waiting for data** (from the end of one training batch, or an epoch's
-    start, to the start of the next batch, without validation and checkpoint saving), **forward + backward** (batch start to
-    ``on_before_optimizer_step``; with gradient accumulation, every micro-batch) and the **optimizer step**
-    (``on_before_optimizer_step`` to batch end). On CPU the marks are ``time.perf_counter`` readings; on CUDA
-    the compute marks are CUDA events read on logging steps only, so quiet steps never synchronise. Validation
+    start, to the start of the next batch, without validation and checkpoint saving), **forward + backward**
+    (batch start to ``on_before_optimizer_step``; with gradient accumulation, every micro-batch) and the
+    **optimizer step** (``on_before_optimizer_step`` to batch end). On CPU the marks are ``time.perf_counter``
+    readings; on CUDA the compute marks are CUDA events read on logging steps only, so quiet steps never
+    synchronise. Validation
     and ``trainer.save_checkpoint`` are timed on the host. Aggregated and logged every ``log_every_n_steps``
     optimizer steps.
 
@@ -372,16 +373,20 @@ class SystemMonitor(DiagCallback):
         acc["optimizer"] = float(sum(s[2] for s in steps))
         busy = np.array([s[1] + s[2] + s[4] for s in steps], dtype=float)
         totals = waits + busy
-        # the rules judge a step whose wait has a known cause (an epoch's first, the one after a validation run)
-        # on its compute and the interval's typical wait: what other callbacks do at those boundaries is no stall
+        # the periodic test judges a step whose wait has a known cause (an epoch's first, the one after a validation
+        # run) on its compute and the interval's typical wait: what other callbacks do at those boundaries is no
+        # stall; `dataloader_bound` counts an epoch's fresh iterator (worker start-up is data waiting), not the
+        # validation-end hooks of the callbacks after this one inside an epoch
         waits_judged = judged_waits(waits, flags, interval.wait_explained)
-        acc["judged_wait"] = float(waits_judged.sum())
+        loader_waits = judged_waits(waits, flags, interval.mid_validation)
         compute = np.array([s[3] for s in steps], dtype=float)
-        header = np.array([acc[k] for k in HEADER], dtype=float)
         # the diagnostics' own hooks are their cost (diag/overhead/...), not a stall of the training; they and
         # the loggers' writes are the scheduled work whose after-effects are no stall either
         diagnostics = np.array(interval.diagnostics, dtype=float)
         judged = np.clip(waits_judged + busy - diagnostics, 0.0, None)
+        acc["loader_wait"] = float(loader_waits.sum())
+        acc["loader_step"] = float(np.clip(loader_waits + busy - diagnostics, 0.0, None).sum())
+        header = np.array([acc[k] for k in HEADER], dtype=float)
         work = diagnostics + np.array(interval.logging or [0.0] * len(steps), dtype=float)
         header, totals, compute, per_rank, both = gather_ranks(
             trainer, device, header, totals, compute, np.concatenate([judged, work])
@@ -405,7 +410,7 @@ class SystemMonitor(DiagCallback):
         alerts = []
         step_total = float(totals.sum())
         # the share of the training's time: the diagnostics' own (a heavy logging step) would dilute it
-        alerts += self.dataloader_rule.update(ctx, merged["judged_wait"], float(judged.sum()), n)
+        alerts += self.dataloader_rule.update(ctx, merged["loader_wait"], merged["loader_step"], n)
         alerts += self.periodic_rule.update(
             ctx,
             [t for t, _, _, _ in self.step_window],
