@@ -7,6 +7,7 @@ rules; these functions turn the interval's marks into numbers and the numbers in
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,10 +18,15 @@ from lightning_diag.core.tags import family_tag
 from lightning_diag.instrument.clocks import CudaClock, HostClock
 from lightning_diag.rules.system import STEP_TIME_FLUCTUATION
 
-__all__ = ["HEADER", "Mark", "Step", "gather_ranks", "interval_values", "resolve_steps"]
+__all__ = ["HEADER", "Mark", "Step", "gather_ranks", "interval_values", "judged_waits", "resolve_steps"]
 
-#: Per-interval numbers every rank contributes (gathered on logging steps under DDP).
-HEADER = ("wait", "forward_backward", "optimizer", "validation", "checkpoint", "samples", "tokens", "rss")
+#: Per-interval numbers every rank contributes (gathered on logging steps under DDP); ``loader_wait`` and
+#: ``loader_step`` are the data waiting and the step time ``dataloader_bound`` judges (:func:`judged_waits` of the
+#: steps after a validation run inside an epoch; without the diagnostics' own hooks).
+HEADER = (
+    "wait", "forward_backward", "optimizer", "validation", "checkpoint", "samples", "tokens", "rss", "loader_wait",
+    "loader_step",
+)
 #: A ``(start, end, "fb" | "opt")`` pair of clock marks.
 Mark = tuple[Any, Any, str]
 #: (wait, forward+backward, optimizer, compute for the fluctuation test, checkpoint) seconds of one step.
@@ -59,6 +65,25 @@ def resolve_steps(
         begin = stop
     # keep the marks of a step still in progress (gradient accumulation across a logging boundary)
     return steps, pending[begin:]
+
+
+def judged_waits(waits: np.ndarray, explained: Sequence[bool], wait_explained: Sequence[bool]) -> np.ndarray:
+    """The data waiting of each step as a wall-clock rule judges it.
+
+    A step whose wait has a known cause (``wait_explained``; for ``step_time_periodic`` an epoch's first step,
+    which waits for a fresh dataloader iterator and the epoch-start hooks of the callbacks listed after
+    ``SystemMonitor``, and the step after a validation run, which waits for the validation-end hooks of those
+    callbacks) takes the median wait of the interval's steps without a known cause (``explained``), or of all its
+    steps when every one has one (one-step epochs: every step waits alike). Its compute is judged as measured: a
+    stall inside the training step is still seen on an epoch's first step.
+    """
+    out = np.asarray(waits, dtype=float).copy()
+    boundary = np.asarray(wait_explained, dtype=bool)
+    if out.size == 0 or boundary.shape != out.shape or not boundary.any():
+        return out
+    plain = out[~np.asarray(explained, dtype=bool)] if len(explained) == out.size else out[:0]
+    out[boundary] = float(np.median(plain if plain.size else out))
+    return out
 
 
 def gather_ranks(

@@ -28,6 +28,13 @@ class Interval:
         steps: The seconds of each step (:data:`~lightning_diag.callbacks._system_interval.Step`).
         explained: Per step, whether it has a known one-time cause (the run's first step, an epoch's first step,
             the step after a validation run, a step that saved a checkpoint).
+        wait_explained: Per step, whether that cause lies in its data waiting only (an epoch's first step: a
+            fresh dataloader iterator and the epoch-start hooks of the callbacks after ``SystemMonitor``; the step
+            after a validation run: the validation-end hooks of the callbacks after it): its compute is still the
+            step's own.
+        mid_validation: Per step, whether its wait spans the end of a validation run inside an epoch (the one
+            that ends an epoch is no step's): it holds the validation-end hooks of the callbacks after
+            ``SystemMonitor``, not only data waiting.
         sums: The interval's :data:`~lightning_diag.callbacks._system_interval.HEADER` numbers so far
             (validation, checkpoint, samples, tokens; the caller adds the rest).
         wall: Wall seconds since the previous interval.
@@ -46,13 +53,16 @@ class Interval:
     wall: float
     diagnostics: list[float]
     logging: list[float] = dataclasses.field(default_factory=list)
+    wait_explained: list[bool] = dataclasses.field(default_factory=list)
+    mid_validation: list[bool] = dataclasses.field(default_factory=list)
 
 
 class StepRecorder:
     """The per-step marks of one fit: fed by the callback's hooks, emptied by :meth:`take` at each logging step.
 
     Data waiting runs from the end of one training batch to the start of the next, without the validation and
-    checkpoint seconds in between; the compute marks come from ``clock`` (host readings, or CUDA events read only
+    checkpoint seconds in between; an epoch's first batch waits from the epoch's start (what happened between
+    the epochs belongs to no step). The compute marks come from ``clock`` (host readings, or CUDA events read only
     in :meth:`take`).
     """
 
@@ -81,6 +91,8 @@ class StepRecorder:
         self._step_cpu: list[float] = []
         self._step_ckpt: list[float] = []  # checkpoint seconds inside each step's batch
         self._step_flags: list[bool] = []
+        self._step_wait_flags: list[bool] = []
+        self._step_val_flags: list[bool] = []
         self._step_diag: list[float] = []
         self._step_logging: list[float] = []
         self._cur_logging = 0.0
@@ -158,7 +170,10 @@ class StepRecorder:
         self._step_waits.append(self._cur_wait)
         self._step_cpu.append(self._cur_cpu)
         self._step_ckpt.append(in_batch)
-        self._step_flags.append(self._after_validation or self._first_of_run or self._epoch_start or in_batch > 0)
+        at_boundary = self._after_validation or self._epoch_start
+        self._step_flags.append(at_boundary or self._first_of_run or in_batch > 0)
+        self._step_wait_flags.append(at_boundary and not self._first_of_run and in_batch == 0)
+        self._step_val_flags.append(self._step_wait_flags[-1] and not self._epoch_start)
         self._step_diag.append(self._cur_diag)
         self._step_logging.append(self._cur_logging)
         self._cur_cpu = self._cur_wait = self._cur_diag = self._cur_logging = 0.0
@@ -170,7 +185,18 @@ class StepRecorder:
         self._prev_end = self.time_source.wall()
 
     def epoch_start(self) -> None:
-        """The epoch's first step waits for a fresh dataloader iterator (worker start-up): a known cause."""
+        """A training epoch starts: the data wait of its first batch runs from here.
+
+        The time since the last batch's end (validation, every callback's and Lightning's epoch-end work,
+        checkpoint saving) is no step's: Lightning creates the epoch's dataloader iterator after the epoch-start
+        hooks, so what follows is the first batch's waiting. That wait (a fresh iterator: worker start-up) is a
+        known cause."""
+        now = self.time_source.wall()
+        self._settle_checkpoint(now)
+        if self._prev_end is not None:
+            self._prev_end = now
+        self._outside = self._logging = 0.0
+        self._fetched = None
         self._epoch_start = True
 
     def validation_start(self) -> None:
@@ -225,6 +251,8 @@ class StepRecorder:
         )
         self._step_waits, self._step_pending, self._step_cpu, self._step_ckpt = [], [], [], []
         flags, self._step_flags = self._step_flags, []
+        wait_flags, self._step_wait_flags = self._step_wait_flags, []
+        val_flags, self._step_val_flags = self._step_val_flags, []
         diag, self._step_diag = self._step_diag, []
         logging, self._step_logging = self._step_logging, []
         if not steps:
@@ -235,4 +263,4 @@ class StepRecorder:
             self._tokens_dev = None
         now = self.time_source.wall()
         wall, self._wall_start = now - self._wall_start, now
-        return Interval(steps, flags, sums, wall, diag, logging)
+        return Interval(steps, flags, sums, wall, diag, logging, wait_flags, val_flags)

@@ -13,7 +13,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks._system_hooks import HookTimer
-from lightning_diag.callbacks._system_interval import HEADER, gather_ranks, interval_values
+from lightning_diag.callbacks._system_interval import HEADER, gather_ranks, interval_values, judged_waits
 from lightning_diag.callbacks._system_profiler import SystemProfiler
 from lightning_diag.callbacks._system_steps import StepRecorder
 from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
@@ -56,11 +56,12 @@ class _ProfilerEvents:
 class SystemMonitor(DiagCallback):
     r"""Where each optimizer step's time goes, periodic stalls, memory growth, and what the diagnostics cost.
 
-    Every optimizer step is split into **waiting for data** (from the end of one training batch to the start of
-    the next, without validation and checkpoint saving), **forward + backward** (batch start to
-    ``on_before_optimizer_step``; with gradient accumulation, every micro-batch) and the **optimizer step**
-    (``on_before_optimizer_step`` to batch end). On CPU the marks are ``time.perf_counter`` readings; on CUDA
-    the compute marks are CUDA events read on logging steps only, so quiet steps never synchronise. Validation
+    Every optimizer step is split into **waiting for data** (from the end of one training batch, or an epoch's
+    start, to the start of the next batch, without validation and checkpoint saving), **forward + backward**
+    (batch start to ``on_before_optimizer_step``; with gradient accumulation, every micro-batch) and the
+    **optimizer step** (``on_before_optimizer_step`` to batch end). On CPU the marks are ``time.perf_counter``
+    readings; on CUDA the compute marks are CUDA events read on logging steps only, so quiet steps never
+    synchronise. Validation
     and ``trainer.save_checkpoint`` are timed on the host. Aggregated and logged every ``log_every_n_steps``
     optimizer steps.
 
@@ -343,8 +344,10 @@ class SystemMonitor(DiagCallback):
         self._diag_mark = self._hooks.step_wall_seconds
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The epoch's first step waits for a fresh dataloader iterator: a known cause."""
+        """The epoch's first step waits from here (for a fresh dataloader iterator: a known cause); the time since
+        the last batch (validation, the epoch-end hooks, checkpoint saving) is no step's."""
         super().on_train_epoch_start(trainer, pl_module)
+        self._diag_mark = self._hooks.step_wall_seconds  # the diagnostics' epoch-end hooks are no step's work either
         self._steps.epoch_start()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -368,13 +371,22 @@ class SystemMonitor(DiagCallback):
         acc["wait"] = float(waits.sum())
         acc["forward_backward"] = float(sum(s[1] for s in steps))
         acc["optimizer"] = float(sum(s[2] for s in steps))
-        totals = waits + np.array([s[1] + s[2] + s[4] for s in steps])
+        busy = np.array([s[1] + s[2] + s[4] for s in steps], dtype=float)
+        totals = waits + busy
+        # the periodic test judges a step whose wait has a known cause (an epoch's first, the one after a validation
+        # run) on its compute and the interval's typical wait: what other callbacks do at those boundaries is no
+        # stall; `dataloader_bound` counts an epoch's fresh iterator (worker start-up is data waiting), not the
+        # validation-end hooks of the callbacks after this one inside an epoch
+        waits_judged = judged_waits(waits, flags, interval.wait_explained)
+        loader_waits = judged_waits(waits, flags, interval.mid_validation)
         compute = np.array([s[3] for s in steps], dtype=float)
-        header = np.array([acc[k] for k in HEADER], dtype=float)
         # the diagnostics' own hooks are their cost (diag/overhead/...), not a stall of the training; they and
         # the loggers' writes are the scheduled work whose after-effects are no stall either
         diagnostics = np.array(interval.diagnostics, dtype=float)
-        judged = np.clip(totals - diagnostics, 0.0, None)
+        judged = np.clip(waits_judged + busy - diagnostics, 0.0, None)
+        acc["loader_wait"] = float(loader_waits.sum())
+        acc["loader_step"] = float(np.clip(loader_waits + busy - diagnostics, 0.0, None).sum())
+        header = np.array([acc[k] for k in HEADER], dtype=float)
         work = diagnostics + np.array(interval.logging or [0.0] * len(steps), dtype=float)
         header, totals, compute, per_rank, both = gather_ranks(
             trainer, device, header, totals, compute, np.concatenate([judged, work])
@@ -385,18 +397,20 @@ class SystemMonitor(DiagCallback):
         ctx = self.context(trainer)
         step = trainer.global_step
 
-        for t, c, flag, w in zip(judged.tolist(), compute.tolist(), flags, work.tolist(), strict=True):
+        # a step with a known cause in its wait only is judged (above) and is no longer neutral in the early test
+        whole = [f and not b for f, b in zip(flags, interval.wait_explained or [False] * n, strict=True)]
+        for t, c, flag, one_time, w in zip(judged.tolist(), compute.tolist(), flags, whole, work.tolist(), strict=True):
             self.steps_seen += 1
             if self.steps_seen > self.warmup_steps:
                 self.step_window.append((float(t), float(c), bool(flag), float(w)))
             if self.steps_seen < self.warmup_steps + MIN_STEPS:
-                self.run_window.append((float(t), bool(flag), float(w)))
+                self.run_window.append((float(t), bool(one_time), float(w)))
         if self.steps_seen >= self.warmup_steps + MIN_STEPS:
             self.run_window = []  # the window after the warm-up is long enough for the ordinary test
         alerts = []
         step_total = float(totals.sum())
         # the share of the training's time: the diagnostics' own (a heavy logging step) would dilute it
-        alerts += self.dataloader_rule.update(ctx, merged["wait"], float(judged.sum()), n)
+        alerts += self.dataloader_rule.update(ctx, merged["loader_wait"], merged["loader_step"], n)
         alerts += self.periodic_rule.update(
             ctx,
             [t for t, _, _, _ in self.step_window],

@@ -20,8 +20,9 @@ Adding a row (issues adding callbacks):
    each rule's described threshold and its last alert's value;
 3. where the row can show a measured value from the logged series, add one function decorated with
    ``@measure(id)`` (from :mod:`lightning_diag.report.rows`) to a row module of this package that this one
-   imports (``measures.py`` holds the built-in Model, Training and Deployment rows, ``data_checks.py`` and
-   ``probe_checks.py`` the others; they import the row machinery from ``rows.py``, never this module): it
+   imports (``measures.py`` holds the built-in Model, Training and Deployment rows, ``data_checks.py``,
+   ``probe_checks.py``, ``silent_checks.py`` and ``problem_checks.py`` the others; they import the row
+   machinery from ``rows.py``, never this module): it
    fills ``check.measured`` / ``measured_value`` (and ``threshold`` / ``threshold_value`` if the generic text is
    not enough) and returns whether the series was measured. A ``@replay(id)`` function in
    :mod:`lightning_diag.report.replay` may also re-run the row's pure rules.
@@ -45,6 +46,7 @@ from lightning_diag.report import attention_range as _attention_range  # noqa: F
 from lightning_diag.report import data_checks as _data_checks  # noqa: F401  (registers the Data rows)
 from lightning_diag.report import measures as _measures  # noqa: F401  (the Model, Training, Deployment rows)
 from lightning_diag.report import probe_checks as _probe_checks  # noqa: F401  (registers the probes' rows)
+from lightning_diag.report import problem_checks as _problem_checks  # noqa: F401  (the training-problem rows)
 from lightning_diag.report import silent_checks as _silent_checks  # noqa: F401  (the silent-error rows)
 from lightning_diag.report.load import RunData, read_json
 from lightning_diag.report.replay import REPLAYS, replay

@@ -1,5 +1,6 @@
 """One row of the ``lightning-diag report`` checklist: :class:`Check`, the registry of measure functions
-(:func:`measure`) and the helpers the row modules (``measures.py``, ``data_checks.py``, ``probe_checks.py``) share.
+(:func:`measure`) and the helpers the row modules (``measures.py``, ``data_checks.py``, ``probe_checks.py``,
+``silent_checks.py``, ``problem_checks.py``) share.
 
 :mod:`lightning_diag.report.checks` imports the row modules and judges the rows; the row modules import this
 module, never ``checks``, so the import graph has no cycle. Imports neither torch nor Lightning.

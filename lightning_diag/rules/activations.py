@@ -38,12 +38,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import FRACTION, RuleSpec, default, register
+from lightning_diag.core.registry import FRACTION, CheckSpec, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.loss_windows import LossWindows
 
 __all__ = [
+    "ACTIVATIONS_IN_RANGE_CHECK",
     "ACTIVATION_SATURATION",
     "ACTIVATION_SATURATION_SPEC",
     "DEAD_UNITS",
@@ -52,6 +53,7 @@ __all__ = [
     "DEFAULT_DEAD_UNITS_LOSS_FALL",
     "DEFAULT_DEAD_UNITS_THRESHOLD",
     "DEFAULT_SATURATION_THRESHOLD",
+    "UNITS_ALIVE_CHECK",
     "UNSCALED_INPUT_RMS",
     "ActivationReading",
     "ActivationRule",
@@ -63,17 +65,24 @@ DEAD_UNITS_SPEC = register(RuleSpec(
     "a layer followed by a ReLU-family activation with more than {threshold:.0%} of its units inactive for every "
     "sample of the measured batch on {patience:g} consecutive measurements, while the loss has fallen less than "
     "{loss_fall:.0%} below its initial value (more than {certain:.0%}: whatever the loss)",
-    settings={"certain": 0.95, "loss_fall": 0.1}, source="AUTOTRAINER (ICSE'21), DeepDiagnosis",
+    settings={"certain": 0.95, "loss_fall": 0.1}, source="AUTOTRAINER (ICSE'21), DeepDiagnosis", check="units_alive",
     limits={"threshold": FRACTION, "certain": FRACTION, "loss_fall": FRACTION},
 ))
 ACTIVATION_SATURATION_SPEC = register(RuleSpec(
     "activation_saturation", GRADIENT_FLOW, "warning", 0.5,
     "more than {threshold:.0%} of a bounded activation's inputs beyond its linear range (|x| > 5 for tanh, > 10 "
     "for sigmoid), on {patience:g} consecutive measurements",
-    source="DeepDiagnosis, UMLAUT (CHI'21)", limits={"threshold": FRACTION},
+    source="DeepDiagnosis, UMLAUT (CHI'21)", limits={"threshold": FRACTION}, check="activations_in_range",
 ))
 DEAD_UNITS = DEAD_UNITS_SPEC.rule_id
 ACTIVATION_SATURATION = ACTIVATION_SATURATION_SPEC.rule_id
+#: The rules' rows of the ``lightning-diag report`` checklist (registered in report order by
+#: :mod:`lightning_diag.rules.catalog`).
+UNITS_ALIVE_CHECK = CheckSpec("units_alive", "Model", "Units alive: no ReLU layer with more than {dead_units:.0%} dead")
+ACTIVATIONS_IN_RANGE_CHECK = CheckSpec(
+    "activations_in_range", "Model",
+    "Bounded activations in their linear range: no more than {activation_saturation:.0%} of a layer's inputs saturated",
+)
 
 #: ``dead_units``: share of a layer's units inactive for every sample above this ("most units").
 DEFAULT_DEAD_UNITS_THRESHOLD = default(DEAD_UNITS)

@@ -21,10 +21,11 @@ import math
 from collections.abc import Mapping
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, POSITIVE, Limit, RuleSpec, register
+from lightning_diag.core.registry import COUNT, POSITIVE, CheckSpec, Limit, RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext
 
 __all__ = [
+    "ATTN_LOGITS_CHECK",
     "ATTN_LOGIT_GROWTH",
     "ATTN_LOGIT_GROWTH_SPEC",
     "DEFAULT_LOGIT_GROWTH_FACTOR",
@@ -43,9 +44,15 @@ ATTN_LOGIT_GROWTH_SPEC = register(
         "{patience:g} measurement(s)",
         settings={"growth": 1.5, "patience": 1},
         limits={"threshold": POSITIVE, "growth": Limit(low=1.0), "patience": COUNT},
+        check="attn_logits_bounded",
     )
 )
 ATTN_LOGIT_GROWTH = ATTN_LOGIT_GROWTH_SPEC.rule_id
+#: The rule's row of the ``lightning-diag report`` checklist (registered by :mod:`lightning_diag.rules.catalog`).
+ATTN_LOGITS_CHECK = CheckSpec(
+    "attn_logits_bounded", "Model", "Attention logits not growing: no module's largest logit above "
+    "{attn_logit_growth:g} and growing"
+)
 
 #: ``attn_logit_growth``: the peak attention logit above which growth is judged.
 DEFAULT_LOGIT_GROWTH_THRESHOLD: float = float(ATTN_LOGIT_GROWTH_SPEC.threshold or 50.0)

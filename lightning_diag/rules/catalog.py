@@ -22,7 +22,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lightning_diag.core.registry import OWNERS, CheckSpec, register_check
-from lightning_diag.rules.activations import ACTIVATION_SATURATION, DEAD_UNITS
+from lightning_diag.rules.activations import (
+    ACTIVATION_SATURATION,
+    ACTIVATIONS_IN_RANGE_CHECK,
+    DEAD_UNITS,
+    UNITS_ALIVE_CHECK,
+)
 from lightning_diag.rules.anomaly import (
     LOSS_STAGNANT,
     LOSS_SWING,
@@ -32,7 +37,7 @@ from lightning_diag.rules.anomaly import (
     VAL_FLUCTUATION,
     VAL_FLUCTUATION_CHECK,
 )
-from lightning_diag.rules.attention_logits import ATTN_LOGIT_GROWTH
+from lightning_diag.rules.attention_logits import ATTN_LOGIT_GROWTH, ATTN_LOGITS_CHECK
 from lightning_diag.rules.attention_specs import (
     ATTN_ENTROPY_BAND_CHECK,
     ATTN_ENTROPY_HIGH,
@@ -63,7 +68,7 @@ from lightning_diag.rules.grad import (
 )
 from lightning_diag.rules.grad_frozen import GRAD_FROZEN
 from lightning_diag.rules.nonfinite import NONFINITE_GRAD, NONFINITE_LOSS
-from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE
+from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OUTPUTS_VARY_CHECK
 from lightning_diag.rules.probes import LOSS_SURFACE_CHECK, QUANTIZATION_CHECK, QUANTIZATION_ERROR, SHARP_MINIMUM
 from lightning_diag.rules.replicas import DDP_DESYNC, REPLICAS_AGREE_CHECK
 from lightning_diag.rules.robustness import ROBUSTNESS_CHECK, ROBUSTNESS_DROP
@@ -84,7 +89,7 @@ from lightning_diag.rules.system import (
     STEP_TIME_PERIODIC,
 )
 from lightning_diag.rules.train_mode import EVAL_MODE_IN_TRAINING
-from lightning_diag.rules.update_size import UPDATE_TOO_SMALL
+from lightning_diag.rules.update_size import UPDATE_SIZE_CHECK, UPDATE_TOO_SMALL
 from lightning_diag.rules.updates import GRAD_NOT_ZEROED, UPDATE_NONE, UPDATE_STALE, UPDATES_APPLIED_CHECK
 
 __all__ = [
@@ -153,8 +158,12 @@ for _row in (
     GRAD_NORM_BAND_CHECK,
     GRAD_SPREAD_CHECK,
     GRAD_COLLAPSE_CHECK,
+    UNITS_ALIVE_CHECK,
+    ACTIVATIONS_IN_RANGE_CHECK,
+    OUTPUTS_VARY_CHECK,
     ATTN_ENTROPY_BAND_CHECK,
     ATTN_SINK_CHECK,
+    ATTN_LOGITS_CHECK,
     CheckSpec(
         "attn_range", "Model", "Attention range: the heads that read long-range and the purely local ones (information)"
     ),
@@ -162,6 +171,7 @@ for _row in (
     LOSS_SWING_CHECK,
     VAL_DECLINE_CHECK,
     VAL_FLUCTUATION_CHECK,
+    UPDATE_SIZE_CHECK,
     QUANTIZATION_CHECK,
     LATENCY_FLUCTUATION_CHECK,
     LOSS_SURFACE_CHECK,

@@ -22,12 +22,13 @@ import math
 from collections.abc import Mapping
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, FRACTION, RuleSpec, register
+from lightning_diag.core.registry import COUNT, FRACTION, CheckSpec, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 
 __all__ = [
     "DEFAULT_OUTPUT_COLLAPSE_PATIENCE",
     "DEFAULT_OUTPUT_COLLAPSE_THRESHOLD",
+    "OUTPUTS_VARY_CHECK",
     "OUTPUT_COLLAPSE",
     "OUTPUT_COLLAPSE_SPEC",
     "OutputCollapseRule",
@@ -44,9 +45,15 @@ OUTPUT_COLLAPSE_SPEC = register(
         "consecutive sampled steps: predictions no longer depend on the input",
         settings={"patience": 3},
         limits={"threshold": FRACTION, "patience": COUNT},
+        check="outputs_vary",
     )
 )
 OUTPUT_COLLAPSE = OUTPUT_COLLAPSE_SPEC.rule_id
+#: The rule's row of the ``lightning-diag report`` checklist (registered by :mod:`lightning_diag.rules.catalog`).
+OUTPUTS_VARY_CHECK = CheckSpec(
+    "outputs_vary", "Model", "Outputs depend on the input: their spread across a batch above {output_collapse:g} of "
+    "their level"
+)
 
 #: ``output_collapse``: relative spread across the batch below which the outputs are taken as constant.
 DEFAULT_OUTPUT_COLLAPSE_THRESHOLD: float = float(OUTPUT_COLLAPSE_SPEC.threshold or 1e-3)

@@ -14,7 +14,9 @@ Exact meaning:
   except for a pattern seen enough times to be certain: at least :data:`CERTAIN_OCCURRENCES` slow steps, every
   position of the pattern slow and no slow step off it (a stall every 10 steps is named after its third
   occurrence past the warm-up, at step 50, instead of at step 80). The warm-up gives way to a pattern in every
-  step since the fit's start (:func:`pattern_from_start`, steps with a known one-time cause left neutral):
+  step since the fit's start (:func:`pattern_from_start`, steps with a known one-time cause left neutral; a step
+  whose only known cause is in its data waiting, an epoch's first or the one after a validation run, is judged
+  by :class:`~lightning_diag.SystemMonitor` on its compute and a typical wait instead):
   three stalls in step with the run's start, or two, half a period or more after it, each at least
   :data:`OVERWHELMING_FACTOR` times the median step and together costing above
   :data:`OVERWHELMING_SHARE_FACTOR` times the threshold (a 70% stall every 10 steps is named at step 20 with the
@@ -210,8 +212,9 @@ def pattern_from_start(
 ) -> Periodicity:
     """A stall pattern certain enough to name during the warm-up, in every step time since the fit's start.
 
-    Steps with a known one-time cause (``explained``: the run's first step, the first step of an epoch, the step
-    after a validation run, a step that saved a checkpoint) are neutral: they take the median of the others, so
+    Steps with a known one-time cause (``explained``: the run's first step, a step that saved a checkpoint;
+    :class:`~lightning_diag.SystemMonitor` judges an epoch's first step and the step after a validation run on
+    their compute and a typical wait, and does not flag them) are neutral: they take the median of the others, so
     compilation, worker start-up, autotuning, validation and checkpoint saving are never evidence. The slow
     steps (:func:`~lightning_diag.stats.timing.slow_mask`) must then be exactly one period apart, and every
     position of the pattern before the first and after the last must be neutral (every position slow, none off

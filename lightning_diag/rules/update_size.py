@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import FRACTION, POSITIVE, RuleSpec, default, register
+from lightning_diag.core.registry import FRACTION, POSITIVE, CheckSpec, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.loss_windows import LossWindows
@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_UPDATE_LOSS_FALL",
     "DEFAULT_UPDATE_TOO_SMALL_THRESHOLD",
     "GROWTH",
+    "UPDATE_SIZE_CHECK",
     "UPDATE_TOO_SMALL",
     "UPDATE_TOO_SMALL_SPEC",
     "UpdateSizeRule",
@@ -47,9 +48,13 @@ UPDATE_TOO_SMALL_SPEC = register(RuleSpec(
     "median over layers of ||ΔW||/||W|| below {threshold:g} on {patience:g} consecutive measurements and at "
     "every one since the fit began, while the loss has fallen less than {loss_fall:.0%} below its initial value",
     settings={"loss_fall": 0.1}, source="AUTOTRAINER (ICSE'21); the 1e-3 rule of thumb",
-    limits={"threshold": POSITIVE, "loss_fall": FRACTION},
+    limits={"threshold": POSITIVE, "loss_fall": FRACTION}, check="update_size",
 ))
 UPDATE_TOO_SMALL = UPDATE_TOO_SMALL_SPEC.rule_id
+#: The rule's row of the ``lightning-diag report`` checklist (registered by :mod:`lightning_diag.rules.catalog`).
+UPDATE_SIZE_CHECK = CheckSpec(
+    "update_size", "Training", "Updates large enough to matter: median ||ΔW||/||W|| above {update_too_small:g}"
+)
 
 #: ``update_too_small``: the median update ratio below this (two orders of magnitude under the healthy 1e-3).
 DEFAULT_UPDATE_TOO_SMALL_THRESHOLD = default(UPDATE_TOO_SMALL)
