@@ -97,7 +97,7 @@ def _leaked_split(kwargs: dict[str, Any], seed: int) -> pl.Trainer:
 
     xt, yt, xv, yv = tokens(3000, seed + 1), labels(3000, seed + 1), tokens(600, seed + 2), labels(600, seed + 2)
     copied = torch.randperm(3000, generator=torch.Generator().manual_seed(seed))[:180]
-    xv[:180], yv[:180] = xt[copied], yt[copied]  # 30% of validation copies training samples (split after dedup-less merge)
+    xv[:180], yv[:180] = xt[copied], yt[copied]  # 30% copies (a split made before deduplication)
     return _token_fit(kwargs, seed, xt, yt, xv, yv)
 
 
@@ -201,9 +201,7 @@ def _library(name: str, **settings: Any) -> Runner:
         from lightning_diag.demo.faults import build_fault
 
         model, data, entry = build_fault(name, seed=seed)
-        return _fit(
-            {**kwargs, "max_epochs": entry.max_epochs, **entry.trainer}, seed, model, data, **settings
-        )
+        return _fit({**kwargs, "max_epochs": entry.max_epochs, **entry.trainer}, seed, model, data, **settings)
 
     return run
 
@@ -221,7 +219,9 @@ def _keras_batchnorm(kwargs: dict[str, Any], seed: int) -> pl.Trainer:
     from tests.callbacks.probe_models import ReluNet, dataset
 
     model = ReluNet(lr=3e-3, batchnorm=True, seed=seed)
-    model.net[1].momentum = 0.99  # Keras' momentum=0.99 keeps 99% of the running mean; PyTorch's takes 99% of the batch
+    norm = model.net[1]
+    assert isinstance(norm, nn.BatchNorm1d)
+    norm.momentum = 0.99  # Keras' momentum=0.99 keeps 99% of the running mean; PyTorch's takes 99% of the batch
     train = DataLoader(dataset(512, seed), batch_size=8, shuffle=True)
     return _fit(kwargs, seed, model, train, DataLoader(dataset(256, seed + 1), batch_size=256), max_epochs=8)
 
@@ -271,47 +271,128 @@ def _kept_graphs(kwargs: dict[str, Any], seed: int) -> pl.Trainer:
     return trainer
 
 
-_DATA = (("DataDiagnostics", {}),)
-_SYSTEM = (("SystemMonitor", {}),)
-_ROLLBACK = (("AnomalyAlarm", {"on_nonfinite": "rollback"}),)
+_DATA: tuple[tuple[str, dict[str, Any]], ...] = (("DataDiagnostics", {}),)
+_SYSTEM: tuple[tuple[str, dict[str, Any]], ...] = (("SystemMonitor", {}),)
+_ROLLBACK: tuple[tuple[str, dict[str, Any]], ...] = (("AnomalyAlarm", {"on_nonfinite": "rollback"}),)
 
 FAULTS: dict[str, RuleFault] = {
     f.name: f
     for f in (
-        RuleFault("leaked_split", "30% of the validation samples are copies of training samples", ("data_leakage",),
-                  _leaked_split, onset_step=0, callbacks=_DATA),
-        RuleFault("imbalanced_labels", "95/5 labels (a rare-event task)", ("label_imbalance",), _imbalanced,
-                  onset_step=0, callbacks=_DATA),
-        RuleFault("missing_values", "NaN readings in a feature column of 8 training rows", ("data_nonfinite",),
-                  _missing_values, onset_step=0, callbacks=_DATA),
-        RuleFault("vocab_shift", "a validation set from another domain: half the vocabulary and unseen ids",
-                  ("data_vocab_shift",), _vocab_shift, onset_step=0, callbacks=_DATA),
-        RuleFault("nan_gradients", f"a custom backward returns NaN gradients from step {_NAN_GRAD_FROM}, the loss "
-                  "stays finite", ("nonfinite_grad",), _nan_gradients, onset_step=_NAN_GRAD_FROM),
-        RuleFault("burst_rollback", f"huge batches at steps {_BURST} send plain SGD to NaN; "
-                  "`on_nonfinite='rollback'` restores a snapshot", ("nonfinite_rollback",), _burst_rollback,
-                  onset_step=_BURST[0], callbacks=_ROLLBACK),
-        RuleFault("validate_before_fit", "a spectral-norm critic validated before its first training step",
-                  ("eval_before_training",), _validate_first, onset_step=0),
-        RuleFault("cls_sink", "every head of a bidirectional encoder puts its attention on [CLS] (the fault "
-                  "library's `attention`)", ("attn_sink",), _library("attention"),
-                  onset_step=LIBRARY["attention"].onset_step),
-        RuleFault("deep_sigmoid", "a regression MLP of 8 sigmoid layers: the first layers' gradients vanish "
-                  "relative to the last's", ("grad_layer_spread",), _deep_sigmoid, onset_step=0),
-        RuleFault("keras_batchnorm", "BatchNorm with Keras' momentum (0.99) and batches of 8: validation uses the "
-                  "last batch's statistics", ("val_fluctuation",), _keras_batchnorm, onset_epoch=0),
-        RuleFault("rescaled_minimum", "a checkpoint whose first layer is x100 and second /100 (the same function, a "
-                  "far sharper minimum)", ("sharp_minimum",), _sharp, onset_epoch=0,
-                  callbacks=(("SharpnessProbe", {}),)),
-        RuleFault("outlier_weight", "one weight 200x its layer's largest: per-tensor INT8 loses the layer",
-                  ("quantization_error",), _outlier_weight, onset_epoch=0,
-                  callbacks=(("QuantizationProbe", {}),)),
-        RuleFault("sleepy_dataset", "the dataset sleeps 5 ms a sample (no workers)", ("dataloader_bound",),
-                  _sleepy_loader, onset_step=0, callbacks=_SYSTEM),
-        RuleFault("compute_blocks", "every 10 steps the step's compute changes (0 to 40 ms more)",
-                  ("step_time_fluctuation",), _compute_blocks, onset_step=0, callbacks=_SYSTEM),
-        RuleFault("kept_graphs", "a loss kept with its graph every step (`.item()` forgotten)", ("memory_growth",),
-                  _kept_graphs, onset_step=0, callbacks=_SYSTEM),
+        RuleFault(
+            "leaked_split",
+            "30% of the validation samples are copies of training samples",
+            ("data_leakage",),
+            _leaked_split,
+            onset_step=0,
+            callbacks=_DATA,
+        ),
+        RuleFault(
+            "imbalanced_labels",
+            "95/5 labels (a rare-event task)",
+            ("label_imbalance",),
+            _imbalanced,
+            onset_step=0,
+            callbacks=_DATA,
+        ),
+        RuleFault(
+            "missing_values",
+            "NaN readings in a feature column of 8 training rows",
+            ("data_nonfinite",),
+            _missing_values,
+            onset_step=0,
+            callbacks=_DATA,
+        ),
+        RuleFault(
+            "vocab_shift",
+            "a validation set from another domain: half the vocabulary and unseen ids",
+            ("data_vocab_shift",),
+            _vocab_shift,
+            onset_step=0,
+            callbacks=_DATA,
+        ),
+        RuleFault(
+            "nan_gradients",
+            f"a custom backward returns NaN gradients from step {_NAN_GRAD_FROM}, the loss stays finite",
+            ("nonfinite_grad",),
+            _nan_gradients,
+            onset_step=_NAN_GRAD_FROM,
+        ),
+        RuleFault(
+            "burst_rollback",
+            f"huge batches at steps {_BURST} send plain SGD to NaN; `on_nonfinite='rollback'` restores a snapshot",
+            ("nonfinite_rollback",),
+            _burst_rollback,
+            onset_step=_BURST[0],
+            callbacks=_ROLLBACK,
+        ),
+        RuleFault(
+            "validate_before_fit",
+            "a spectral-norm critic validated before its first training step",
+            ("eval_before_training",),
+            _validate_first,
+            onset_step=0,
+        ),
+        RuleFault(
+            "cls_sink",
+            "every head of a bidirectional encoder puts its attention on [CLS] (the fault library's `attention`)",
+            ("attn_sink",),
+            _library("attention"),
+            onset_step=LIBRARY["attention"].onset_step,
+        ),
+        RuleFault(
+            "deep_sigmoid",
+            "a regression MLP of 8 sigmoid layers: the first layers' gradients vanish relative to the last's",
+            ("grad_layer_spread",),
+            _deep_sigmoid,
+            onset_step=0,
+        ),
+        RuleFault(
+            "keras_batchnorm",
+            "BatchNorm with Keras' momentum (0.99) and batches of 8: validation uses the last batch's statistics",
+            ("val_fluctuation",),
+            _keras_batchnorm,
+            onset_epoch=0,
+        ),
+        RuleFault(
+            "rescaled_minimum",
+            "a checkpoint whose first layer is x100 and second /100 (the same function, a far sharper minimum)",
+            ("sharp_minimum",),
+            _sharp,
+            onset_epoch=0,
+            callbacks=(("SharpnessProbe", {}),),
+        ),
+        RuleFault(
+            "outlier_weight",
+            "one weight 200x its layer's largest: per-tensor INT8 loses the layer",
+            ("quantization_error",),
+            _outlier_weight,
+            onset_epoch=0,
+            callbacks=(("QuantizationProbe", {}),),
+        ),
+        RuleFault(
+            "sleepy_dataset",
+            "the dataset sleeps 5 ms a sample (no workers)",
+            ("dataloader_bound",),
+            _sleepy_loader,
+            onset_step=0,
+            callbacks=_SYSTEM,
+        ),
+        RuleFault(
+            "compute_blocks",
+            "every 10 steps the step's compute changes (0 to 40 ms more)",
+            ("step_time_fluctuation",),
+            _compute_blocks,
+            onset_step=0,
+            callbacks=_SYSTEM,
+        ),
+        RuleFault(
+            "kept_graphs",
+            "a loss kept with its graph every step (`.item()` forgotten)",
+            ("memory_growth",),
+            _kept_graphs,
+            onset_step=0,
+            callbacks=_SYSTEM,
+        ),
     )
 }
 
