@@ -182,7 +182,8 @@ def critic_loader(seed: int = 0, n: int = 32) -> DataLoader:
 def _validate_first(kwargs: dict[str, Any], seed: int) -> pl.Trainer:
     model, loader = SpectralCritic(seed), critic_loader(seed, 256)
     pl.seed_everything(seed, verbose=False)
-    pl.Trainer(**kwargs).validate(model, loader)  # a baseline before training: the power iteration never ran
+    # a baseline before training: the power iteration has never run
+    pl.Trainer(**kwargs).validate(model, loader, verbose=False)
     seen = {id(cb): list(getattr(cb, "alerts", [])) for cb in kwargs["callbacks"]}
     trainer = _fit(kwargs, seed, model, loader, loader, max_epochs=1)
     for cb in kwargs["callbacks"]:  # a fit starts with no alerts: the record keeps the validation's in front
