@@ -261,12 +261,9 @@ def _compute_blocks(kwargs: dict[str, Any], seed: int) -> pl.Trainer:
 
 
 def _kept_graphs(kwargs: dict[str, Any], seed: int) -> pl.Trainer:
-    from lightning_diag.instrument.memory import host_rss_bytes
-    from tests.callbacks.system_models import MLP
+    from tests.callbacks.system_models import MLP, leak_batch
 
-    # each step keeps ~1.2% of the process's memory (two saved activations of 256 floats per sample)
-    batch = int(min(max(host_rss_bytes() * 0.024 / (4 * 256 * 4), 512), 16384))
-    model = MLP(features=64, hidden=256, batch=batch, leak=True, samples=16384)
+    model = MLP(features=64, hidden=256, batch=leak_batch(), leak=True, samples=16384)  # ~1.2% of the RSS a step
     trainer = _fit(kwargs, seed, model, max_steps=50, max_epochs=-1, limit_val_batches=0)
     model.kept.clear()
     return trainer
