@@ -150,7 +150,7 @@ def test_plan_enumerates_the_libraries_and_rejects_an_unknown_subset() -> None:
 def test_every_rule_of_the_registry_has_a_fault_in_the_full_plan() -> None:
     """Issue 44's "every fault caught, with its delay" needs a fault per rule: the matrices' faults, the probes'
     and the rule faults of ``benchmarks/calibration_faults.py``; the rules without one say why."""
-    from benchmarks.calibration_faults import FAULTS, NO_FAULT
+    from benchmarks.calibration_faults import FAULTS, NO_FAULT, callbacks_for
     from lightning_diag.rules.catalog import ALL_RULES
 
     full = plan("full")
@@ -165,6 +165,10 @@ def test_every_rule_of_the_registry_has_a_fault_in_the_full_plan() -> None:
     assert all((s.onset_step is None) != (s.onset_epoch is None) for s in rulefaults)
     assert all(s.family == "faults" and s.expected for s in rulefaults)
     assert 1 <= sum(s.kind == "rulefault" for s in plan("ci")) <= 2
+    # each attaches the callback that owns its rule (a subclass counts, as in the harness's `watched`)
+    for name, fault in FAULTS.items():
+        owners = {k.__name__ for cb in callbacks_for(name) for k in type(cb).__mro__}
+        assert {ALL_RULES[rule] for rule in fault.expected} <= owners, name
 
 
 @pytest.mark.slow
