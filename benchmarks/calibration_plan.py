@@ -66,8 +66,8 @@ class RunSpec:
 
     Attributes:
         key: Unique id (the cache key).
-        kind: ``"fault"`` (fault library), ``"corpus"``, ``"foreign"``, ``"schedule"`` or ``"probe"``
-            (:mod:`benchmarks.calibration_probes`).
+        kind: ``"fault"`` (fault library), ``"corpus"``, ``"foreign"``, ``"schedule"``, ``"probe"``
+            (:mod:`benchmarks.calibration_probes`) or ``"rulefault"`` (:mod:`benchmarks.calibration_faults`).
         name: The entry's name in its library.
         family: The healthy family (a key of :data:`FAMILIES`), or ``"faults"``.
         seed: Seed of data, model and trainer.
@@ -423,6 +423,34 @@ def _probe_runs(subset: str) -> list[RunSpec]:
     return specs
 
 
+#: The rule faults of the CI subset: one data fault and one step fault (each a few seconds).
+_CI_RULEFAULTS = ("leaked_split", "nan_gradients")
+
+
+def _rulefault_runs(subset: str) -> list[RunSpec]:
+    """The faults of the rules the matrices do not exercise (:mod:`benchmarks.calibration_faults`)."""
+    from benchmarks.calibration_faults import FAULTS
+
+    specs = []
+    for fault in FAULTS.values():
+        if subset == "ci" and fault.name not in _CI_RULEFAULTS:
+            continue
+        for seed in (0,) if subset == "ci" else (0, 1):
+            specs.append(
+                RunSpec(
+                    f"rulefault:{fault.name}:s{seed}",
+                    "rulefault",
+                    fault.name,
+                    "faults",
+                    seed,
+                    fault.expected,
+                    onset_step=fault.onset_step,
+                    onset_epoch=fault.onset_epoch,
+                )
+            )
+    return specs
+
+
 def priority(spec: RunSpec) -> int:
     """The order runs start in, so that a set cut short still has each fault and each healthy family: the faults
     at their own settings (0), the healthy runs at 16 steps an epoch or at their own settings (1), the
@@ -454,6 +482,7 @@ def plan(subset: str = "full") -> list[RunSpec]:
         *_healthy_baselines(subset),
         *_fault_runs(subset),
         *_probe_runs(subset),
+        *_rulefault_runs(subset),
     ]
     specs.sort(key=priority)
     keys = [s.key for s in specs]
@@ -611,12 +640,21 @@ def _run_probe(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
     return cbs, trainer
 
 
+def _run_rulefault(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
+    from benchmarks.calibration_faults import callbacks_for, run_fault
+
+    cbs = callbacks_for(spec.name)
+    trainer = run_fault(spec.name, cbs, {**_trainer_base(root), "num_sanity_val_steps": 0}, spec.seed)
+    return cbs, trainer
+
+
 _RUNNERS = {
     "fault": _run_fault,
     "corpus": _run_corpus,
     "schedule": _run_schedule,
     "foreign": _run_foreign,
     "probe": _run_probe,
+    "rulefault": _run_rulefault,
 }
 
 

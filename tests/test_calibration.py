@@ -147,6 +147,30 @@ def test_plan_enumerates_the_libraries_and_rejects_an_unknown_subset() -> None:
         plan("most")
 
 
+def test_every_rule_of_the_registry_has_a_fault_in_the_full_plan() -> None:
+    """Issue 44's "every fault caught, with its delay" needs a fault per rule: the matrices' faults, the probes'
+    and the rule faults of ``benchmarks/calibration_faults.py``; the rules without one say why."""
+    from benchmarks.calibration_faults import FAULTS, NO_FAULT, callbacks_for
+    from lightning_diag.rules.catalog import ALL_RULES
+
+    full = plan("full")
+    faulted = {rule for s in full for rule in s.expected}
+    assert faulted <= set(ALL_RULES)
+    assert set(ALL_RULES) - faulted == set(NO_FAULT), sorted(set(ALL_RULES) - faulted - set(NO_FAULT))
+    assert all(reason for reason in NO_FAULT.values()) and not set(NO_FAULT) & faulted
+    rulefaults = [s for s in full if s.kind == "rulefault"]
+    assert {s.name for s in rulefaults} == set(FAULTS)
+    assert {(s.name, s.seed) for s in rulefaults} == {(name, seed) for name in FAULTS for seed in (0, 1)}
+    # each has an onset (its delay is measured), is a fault of the "faults" family and expects a registry rule
+    assert all((s.onset_step is None) != (s.onset_epoch is None) for s in rulefaults)
+    assert all(s.family == "faults" and s.expected for s in rulefaults)
+    assert 1 <= sum(s.kind == "rulefault" for s in plan("ci")) <= 2
+    # each attaches the callback that owns its rule (a subclass counts, as in the harness's `watched`)
+    for name, fault in FAULTS.items():
+        owners = {k.__name__ for cb in callbacks_for(name) for k in type(cb).__mro__}
+        assert {ALL_RULES[rule] for rule in fault.expected} <= owners, name
+
+
 @pytest.mark.slow
 def test_ci_subset_runs_quiet_healthy_runs_and_catches_its_faults(tmp_path: Any) -> None:
     cache, page, summary = tmp_path / "ci.jsonl", tmp_path / "calibration.md", tmp_path / "ci.json"

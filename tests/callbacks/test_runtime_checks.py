@@ -8,8 +8,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.calibration_faults import SpectralCritic, critic_loader
 from lightning_diag import AnomalyAlarm
 from lightning_diag.demo import build_fault, run_demo
 from lightning_diag.instrument.runtime_probes import (
@@ -197,51 +197,23 @@ def _ctx(step):
 
 
 # -- spectral norm evaluated before training ---------------------------------------------------------------------
-class _Critic(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.utils.spectral_norm(nn.Linear(8, 8))
-        self.out = nn.Linear(8, 1)
-
-    def forward(self, x):
-        return self.out(torch.relu(self.fc(x)))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self(x), y)
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self(x), y))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def _loader():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(32, 8, generator=g)
-    return DataLoader(TensorDataset(x, x[:, :1]), batch_size=8)
-
-
 def test_validation_before_the_first_training_forward_of_a_spectral_norm_is_flagged(tmp_path):
-    model = _Critic()
+    model = SpectralCritic()
     assert unconverged_spectral_norms(model) == ["fc"]
     alarm = AnomalyAlarm()
-    pl.Trainer(default_root_dir=tmp_path, callbacks=[alarm], **FAST).validate(model, _loader())
+    pl.Trainer(default_root_dir=tmp_path, callbacks=[alarm], **FAST).validate(model, critic_loader())
     hits = [a for a in alarm.alerts if a.rule == "eval_before_training"]
     assert [(a.severity, a.source) for a in hits] == [("warning", "fc")]
 
     alarm = AnomalyAlarm()  # in fit, the sanity check sees it first: information only
     trainer = pl.Trainer(max_steps=4, default_root_dir=tmp_path, callbacks=[alarm], **FAST)
-    trainer.fit(model, _loader(), _loader())
+    trainer.fit(model, critic_loader(), critic_loader())
     hits = [a for a in alarm.alerts if a.rule == "eval_before_training"]
     assert [a.severity for a in hits] == ["info"]
     assert unconverged_spectral_norms(model) == []  # trained: quiet from now on
 
     alarm = AnomalyAlarm()
-    pl.Trainer(default_root_dir=tmp_path, callbacks=[alarm], **FAST).validate(model, _loader())
+    pl.Trainer(default_root_dir=tmp_path, callbacks=[alarm], **FAST).validate(model, critic_loader())
     assert [a for a in alarm.alerts if a.rule == "eval_before_training"] == []
 
 

@@ -14,7 +14,7 @@ import torch
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor, SystemProfiler
 from lightning_diag.callbacks.base import DiagCallback
-from tests.callbacks.system_models import FAST, MLP, Encoder, FakeTime, Recorder, StallEvery, Tick
+from tests.callbacks.system_models import FAST, MLP, Encoder, FakeTime, Recorder, StallEvery, Tick, leak_batch
 from tests.output.logger_models import MemoryLogger
 
 
@@ -168,12 +168,7 @@ def test_a_healthy_30_step_run_with_validation_and_checkpoints_is_quiet(monkeypa
 
 def test_a_loss_kept_with_its_graph_is_a_memory_leak(monkeypatch, tmp_path):
     spy(monkeypatch)
-    from lightning_diag.instrument.memory import host_rss_bytes
-
-    # The leak is sized against the process's RSS (larger late in a long pytest session), so it grows ~30% over
-    # the default 8-interval window whatever the base: each step keeps ~1.2% of the RSS (two saved activations
-    # of 256 floats per sample; measured 15% growth at half this size).
-    batch = int(min(max(host_rss_bytes() * 0.024 / (4 * 256 * 4), 512), 16384))
+    batch = leak_batch()  # sized against the process's RSS (larger late in a long pytest session)
     monitor = SystemMonitor(log_every_n_steps=3)
     model = MLP(features=64, hidden=256, batch=batch, leak=True, samples=16384)
     fit(model, [monitor], 30, default_root_dir=tmp_path)
