@@ -8,7 +8,8 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   (Welch; one-step points pool the run's recent noise) and it is not a move with the learning rate by a factor of
   at most ``lr_ratio`` (the user's schedule), and it is either a rise (``r > 0``) or a fall that reverses a swinging
   rise just before it. Falls that follow falls never swing, so a loss that drops steadily, however fast,
-  is healthy. The rule fires when ``patience`` consecutive points swing.
+  is healthy; between one-step points (single samples) a rise does not swing right after a swinging rise either.
+  The rule fires when ``patience`` consecutive points swing.
 * ``val_decline``: a validation value is *worse* than the one before it when it is larger by more than
   ``min_delta`` (mode ``"min"``) or smaller by more than ``min_delta`` (mode ``"max"``). Fires when
   ``patience`` consecutive validation runs are worse and, where the values' standard errors are known, the whole
@@ -20,7 +21,8 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   validation window (loss units) is above ``min_range``, **and** the validation value's rises over the window (the
   sum of its increases from one run to the next) are above ``min_rise`` of its *scale*, the first validation value
   of the fit (the loss at the start of training), **and** it rises at least twice (once for a window of 3): a rise
-  counts when it is at least a quarter of the window's largest rise. Relative fluctuations blow up near zero: a
+  counts when it is at least a quarter of the window's largest rise (the validation fluctuation: the part its runs'
+  standard errors do not explain, :func:`noise_fluctuation`). Relative fluctuations blow up near zero: a
   converged fine-tune whose validation loss wanders 0.097 -> 0.167 -> 0.024 reads 50% in log units against 7% for
   its training loss, yet it rises once, by 0.07, 7% of its initial 0.96 (a bump, not a fluctuation); a validation
   loss that zig-zags by 40% of its level rises twice, by 150% of it.
@@ -261,9 +263,11 @@ class LossSwingRule(Rule):
     normal deviate, :func:`welch_z`; ``s^2``: the noise variance of a point's ``n`` step losses, passed as
     ``variance`` and ``steps``). A point of one step (one-batch epochs) has no spread of its own: its step
     variance is pooled, from the recent multi-step points' variances or, when there are none, from the step-to-step
-    differences of the last :data:`_POOL_POINTS` points (the mean squared
+    differences of the last :data:`_POOL_POINTS` points (half the mean squared
     successive difference, which a smooth trend barely moves); with fewer than 4 such differences no change is
-    significant.
+    significant. Two one-step points are judged against the pool as it stands at the second, with its degrees of
+    freedom, and, being single samples (two outlying batches in a row rise, rise and fall back), swing only
+    up-and-down: a rise there does not count right after a swinging rise.
 
     A change in the direction the learning rate moved between the two points (``lr``: the period's mean rate) is
     the user's schedule, not a swing, when the rate changed by a factor of at most ``lr_ratio`` (cyclic rates,
@@ -802,7 +806,9 @@ class LossStagnantRule(Rule):
     * a loss that does **not move** and is not ``min_drop`` below its initial value is stagnant.
 
     No verdict (settled or stagnant) is taken before the evidence is there: a chance "trend" among a few noisy
-    points settles nothing. A positive initial loss is needed; with zero or negative losses the rule stays quiet.
+    points settles nothing. Before ``min_steps`` only the memorising verdict is taken, once the validation value
+    has been noted (:meth:`observe_validation`) on as many runs as the trend test needs points. A positive initial
+    loss is needed; with zero or negative losses the rule stays quiet.
     It clears when the loss moves or falls below the level. The points cover the whole run: beyond 256, pairs are
     averaged.
 
@@ -849,7 +855,8 @@ class LossStagnantRule(Rule):
         self.best = math.inf
         self.history: list[float] = []
         self.settled = False
-        #: ``[first, best]`` validation values, oriented so that lower is better (empty before the first run).
+        #: ``[first, best, runs]``: the first and best validation values, oriented so that lower is better, and
+        #: how many were noted (empty before the first run; a checkpoint's ``[first, best]`` counts as 2 runs).
         self.validation: list[float] = []
         self.last_p = math.nan
         self.last_trend = math.nan
