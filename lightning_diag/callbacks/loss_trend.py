@@ -139,6 +139,8 @@ class LossTrend:
         #: The monitored metric's value of each batch of the current validation run, as ``validation_step``
         #: returned it (references: no copy, no host read until the run ends).
         self.val_batches: list[torch.Tensor] = []
+        #: The batches of the current validation run (whatever ``validation_step`` returned).
+        self.val_batch_count = 0
 
     def start(self, trainer: pl.Trainer) -> None:
         """Start the step window, and share restored all-rank loss sums out over this run's ranks."""
@@ -243,6 +245,7 @@ class LossTrend:
         judges without it. The tensor is kept by reference (no copy, no host read until the run ends)."""
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
+        self.val_batch_count += 1
         value = self.batch_value(outputs)
         if value is not None:
             self.val_batches.append(value)
@@ -283,13 +286,19 @@ class LossTrend:
         """Feed the monitored validation value (with its standard error, :meth:`validation_se`) to ``val_decline``,
         and to ``val_fluctuation``.
 
+        Where ``validation_step`` returns no value, ``val_fluctuation`` takes the standard error of a mean over the
+        run's validation batches each as noisy as a training step: ``sqrt(s^2 / b)``, ``s^2`` the step-to-step
+        noise variance of the training losses since the last validation run, ``b`` the validation batches over all
+        ranks (a validation batch larger than a training batch is less noisy: the rule is then the more lenient).
+
         Logged tags: ``diag/loss/val``; ``diag/loss/train_fluctuation`` and ``diag/loss/val_fluctuation`` once
         the window is full.
         """
         out = TrendOutput(step=trainer.global_step)
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return out
-        train_mean = self.take_mean(trainer, pl_module, "since_val")
+        train_mean, train_variance, _ = self.take_stats(trainer, pl_module, "since_val")
+        batches, self.val_batch_count = self.val_batch_count * max(trainer.world_size, 1), 0
         raw = trainer.callback_metrics.get(self.monitor)
         # Every rank must take part in the reduce below, so they first agree that the value exists everywhere.
         if not trainer.strategy.reduce_boolean_decision(raw is not None, all=True):
@@ -310,7 +319,10 @@ class LossTrend:
         ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
         self.stagnant_rule.observe_validation(val, self.val_decline_rule.mode)
         out.alerts += self.val_decline_rule.update(val, ctx, train_mean, se=se)
-        out.alerts += self.val_fluctuation_rule.update(train_mean, val, ctx)
+        fluctuation_se = se
+        if not math.isfinite(se) and batches > 0 and math.isfinite(train_variance):
+            fluctuation_se = math.sqrt(train_variance / batches)  # no batch values: as noisy as training steps
+        out.alerts += self.val_fluctuation_rule.update(train_mean, val, ctx, se=fluctuation_se)
         out.scalars[loss_tag("val")] = val
         train_f, val_f = self.val_fluctuation_rule.measures()
         if math.isfinite(train_f) and math.isfinite(val_f):

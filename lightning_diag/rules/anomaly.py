@@ -8,7 +8,8 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   (Welch; one-step points pool the run's recent noise) and it is not a move with the learning rate by a factor of
   at most ``lr_ratio`` (the user's schedule), and it is either a rise (``r > 0``) or a fall that reverses a swinging
   rise just before it. Falls that follow falls never swing, so a loss that drops steadily, however fast,
-  is healthy. The rule fires when ``patience`` consecutive points swing.
+  is healthy; between one-step points (single samples) a rise does not swing right after a swinging rise either.
+  The rule fires when ``patience`` consecutive points swing.
 * ``val_decline``: a validation value is *worse* than the one before it when it is larger by more than
   ``min_delta`` (mode ``"min"``) or smaller by more than ``min_delta`` (mode ``"max"``). Fires when
   ``patience`` consecutive validation runs are worse and, where the values' standard errors are known, the whole
@@ -20,7 +21,8 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   validation window (loss units) is above ``min_range``, **and** the validation value's rises over the window (the
   sum of its increases from one run to the next) are above ``min_rise`` of its *scale*, the first validation value
   of the fit (the loss at the start of training), **and** it rises at least twice (once for a window of 3): a rise
-  counts when it is at least a quarter of the window's largest rise. Relative fluctuations blow up near zero: a
+  counts when it is at least a quarter of the window's largest rise (the validation fluctuation: the part its runs'
+  standard errors do not explain, :func:`noise_fluctuation`). Relative fluctuations blow up near zero: a
   converged fine-tune whose validation loss wanders 0.097 -> 0.167 -> 0.024 reads 50% in log units against 7% for
   its training loss, yet it rises once, by 0.07, 7% of its initial 0.96 (a bump, not a fluctuation); a validation
   loss that zig-zags by 40% of its level rises twice, by 150% of it.
@@ -95,6 +97,7 @@ __all__ = [
     "LossSwingRule",
     "ValDeclineRule",
     "ValFluctuationRule",
+    "normal_deviate",
     "welch_z",
 ]
 
@@ -234,9 +237,20 @@ def welch_z(delta: float, first: list[float] | None, second: list[float] | None)
         return math.inf if delta > 0 else math.nan
     t = delta / math.sqrt(variance)
     denominator = (v1 * v1 / max(df1, 1.0) if v1 > 0 else 0.0) + (v2 * v2 / max(df2, 1.0) if v2 > 0 else 0.0)
-    df = variance * variance / denominator if denominator > 0 else math.inf
-    if math.isinf(df):
+    return normal_deviate(t, variance * variance / denominator if denominator > 0 else math.inf)
+
+
+def normal_deviate(t: float, df: float) -> float:
+    """Student's ``t`` with ``df`` degrees of freedom as the standard normal deviate of about the same tail
+    probability: ``z = t (1 - 1 / (4 df)) / sqrt(1 + t^2 / (2 df))`` (``t`` itself for infinite ``df``).
+
+    Example:
+        >>> round(normal_deviate(3.0, 4.0), 2), normal_deviate(2.0, math.inf)
+        (1.93, 2.0)
+    """
+    if math.isinf(df) or not math.isfinite(t):
         return t
+    df = max(df, 1.0)
     return t * (1.0 - 1.0 / (4.0 * df)) / math.sqrt(1.0 + t * t / (2.0 * df))
 
 
@@ -249,9 +263,11 @@ class LossSwingRule(Rule):
     normal deviate, :func:`welch_z`; ``s^2``: the noise variance of a point's ``n`` step losses, passed as
     ``variance`` and ``steps``). A point of one step (one-batch epochs) has no spread of its own: its step
     variance is pooled, from the recent multi-step points' variances or, when there are none, from the step-to-step
-    differences of the last :data:`_POOL_POINTS` points (the mean squared
+    differences of the last :data:`_POOL_POINTS` points (half the mean squared
     successive difference, which a smooth trend barely moves); with fewer than 4 such differences no change is
-    significant.
+    significant. Two one-step points are judged against the pool as it stands at the second, with its degrees of
+    freedom, and, being single samples (two outlying batches in a row rise, rise and fall back), swing only
+    up-and-down: a rise there does not count right after a swinging rise.
 
     A change in the direction the learning rate moved between the two points (``lr``: the period's mean rate) is
     the user's schedule, not a swing, when the rate changed by a factor of at most ``lr_ratio`` (cyclic rates,
@@ -352,7 +368,7 @@ class LossSwingRule(Rule):
         ]
         if len(pairs) < _POOL_MIN_PAIRS:
             return math.inf, 1.0
-        return sum(pairs) / (2.0 * len(pairs)), float(len(pairs))
+        return sum(pairs) / len(pairs), float(len(pairs))
 
     def scheduled(self, change: float, lr: float | None) -> bool:
         """Whether a change moves with the learning rate by a factor of at most ``lr_ratio`` (the schedule)."""
@@ -402,14 +418,27 @@ class LossSwingRule(Rule):
             return []
         change = relative_change(self.previous, value)
         delta = abs(value - self.previous)
-        self.last_t = welch_z(delta, self.previous_noise, noise)
+        single = own is None and len(self.recent) >= 2 and self.recent[-2][2] is None
+        if single:
+            # two points without their own spread: one yardstick for both, the run's pooled noise as it stands now
+            # (this change in it), with that estimate's degrees of freedom
+            spread = math.sqrt(step_variance / float(self.recent[-2][1] or 1.0) + step_variance / count)
+            self.last_t = normal_deviate(delta / spread, df) if spread > 0 else math.inf
+        else:
+            self.last_t = welch_z(delta, self.previous_noise, noise)
         large = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
         bound = self.z / 2.0 if self.lr_jump(lr) else self.z
         significant = large and self.last_t > bound
         swing = significant and not self.scheduled(change, lr)
-        rise = swing and change > 0
+        # one-step points are single samples: two outlying batches in a row rise, rise and fall back; only an
+        # up-and-down of the loss swings there (a rise counts after a fall, not after a swinging rise)
+        turns = not (single and self.previous_rise)
+        rise = swing and change > 0 and turns
         reversal = swing and change < 0 and self.previous_rise
-        counts = math.isfinite(change) and (change > 0 or self.previous_rise) and not self.scheduled(change, lr)
+        counts = (
+            math.isfinite(change) and ((change > 0 and turns) or (change < 0 and self.previous_rise))
+            and not self.scheduled(change, lr)
+        )
         near = min(abs(change) / self.threshold, self.last_t / bound) if counts and math.isfinite(self.last_t) else 0.0
         self.excesses = [*self.excesses[-(self.patience - 1) :], near]
         if len(self.excesses) >= self.patience:
@@ -581,6 +610,26 @@ def repeated_rises(steps_up: list[float]) -> int:
     return sum(1 for rise in steps_up if rise >= 0.25 * largest)
 
 
+def noise_fluctuation(values: list[float], ses: list[float]) -> float:
+    """The fluctuation (:func:`~lightning_diag.stats.trend.fluctuation`) that independent sampling errors alone
+    leave in ``values`` around their fit: ``sqrt(mean((se / value)^2) (n - p) / n)`` in log units for positive
+    values (``mean(se^2) (n - p) / n`` over the mean absolute level otherwise), ``p`` the fit's coefficients (2
+    below 5 values, 3 from 5 on). ``nan`` when a standard error is unknown.
+
+    Example:
+        >>> round(noise_fluctuation([1.0, 1.0, 1.0, 1.0, 1.0], [0.1] * 5), 4)
+        0.0632
+    """
+    n = len(values)
+    if n < 3 or len(ses) != n or not all(math.isfinite(e) for e in ses):
+        return math.nan
+    kept = (n - (2 if n < 5 else 3)) / n
+    if all(v > 0 for v in values):
+        return math.sqrt(sum((e / v) ** 2 for e, v in zip(ses, values, strict=True)) / n * kept)
+    level = sum(abs(v) for v in values) / n
+    return math.sqrt(sum(e * e for e in ses) / n * kept) / level if level > 0 else math.nan
+
+
 class ValFluctuationRule(Rule):
     """``val_fluctuation``: validation-loss fluctuation above ``ratio`` times the training-loss fluctuation.
 
@@ -593,6 +642,13 @@ class ValFluctuationRule(Rule):
         min_rise: The window's rises (sum of increases between consecutive runs), as a fraction of the first
             validation value, below which the rule never fires.
 
+    The validation fluctuation judged is the part the validation set's own sampling noise does not explain: with
+    ``se`` (each run's standard error, :meth:`update`) known, the residual mean square of the fit, in log units,
+    less what independent errors of relative size ``se / value`` leave in it (their mean square over the window
+    times ``(n - p) / n`` for ``n`` runs and a fit of ``p`` coefficients), floored at 0, under the square root
+    (:func:`noise_fluctuation`). A validation set of two batches wanders by its standard error from run to run: that
+    is the set's noise, not a model that fluctuates.
+
     Example:
         >>> rule = ValFluctuationRule()
         >>> train = [1.29, 0.52, 0.19, 0.10, 0.079, 0.041]  # a converged fine-tune (corpus BERT at lr 2e-3)
@@ -604,7 +660,7 @@ class ValFluctuationRule(Rule):
     """
 
     specs = (VAL_FLUCTUATION_SPEC,)
-    state_keys = ("train", "val", "last_ratio", "scale", "steps")
+    state_keys = ("train", "val", "last_ratio", "scale", "steps", "ses")
 
     def __init__(
         self,
@@ -631,6 +687,10 @@ class ValFluctuationRule(Rule):
         #: The global step of each run of ``train`` / ``val`` (the runs kept: the window and those before it that
         #: ``min_steps`` needs).
         self.steps: list[int] = []
+        #: The standard error of each run of ``val`` (``nan``: unknown).
+        self.ses: list[float] = []
+        #: The validation fluctuation the window's standard errors explain (``nan``: unknown, judged as 0).
+        self.last_noise = math.nan
         #: Optimizer steps the window must span (``val_fluctuation.min_steps``): with short epochs the window
         #: takes in earlier runs until it does.
         self.min_steps = DEFAULT_VAL_FLUCTUATION_MIN_STEPS
@@ -640,7 +700,9 @@ class ValFluctuationRule(Rule):
         """Restore :meth:`state_dict` output; a checkpoint from before ``min_steps`` loads with its runs' steps
         unknown (read as far apart)."""
         runs = len(state.get("val", []))
-        super().load_state_dict({"steps": [-self.min_steps * (runs - i) for i in range(runs)], **state})
+        super().load_state_dict(
+            {"steps": [-self.min_steps * (runs - i) for i in range(runs)], "ses": [math.nan] * runs, **state}
+        )
 
     def window_runs(self) -> int:
         """Runs in the judged window: the last ``window``, and earlier ones until it spans ``min_steps`` steps."""
@@ -669,8 +731,9 @@ class ValFluctuationRule(Rule):
             return math.nan, math.nan
         return fluctuation(self.train[-count:]), fluctuation(self.val[-count:])
 
-    def update(self, train_loss: float, val_loss: float, ctx: StepContext) -> list[Alert]:
-        """Feed the mean training loss since the last validation run and the validation value."""
+    def update(self, train_loss: float, val_loss: float, ctx: StepContext, se: float | None = None) -> list[Alert]:
+        """Feed the mean training loss since the last validation run and the validation value (with its standard
+        error ``se`` when known: the spread of its batches' values)."""
         if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
             return []
         if self.scale is None:
@@ -679,21 +742,33 @@ class ValFluctuationRule(Rule):
         self.train = list(deque([*self.train, train_loss], maxlen=keep))
         self.val = list(deque([*self.val, val_loss], maxlen=keep))
         self.steps = list(deque([*self.steps, ctx.global_step], maxlen=keep))
-        train_f, val_f = self.measures()
-        if not (math.isfinite(train_f) and math.isfinite(val_f)):
+        error = float(se) if se is not None and math.isfinite(se) and se >= 0 else math.nan
+        self.ses = list(deque([*self.ses, error], maxlen=keep))
+        train_f, raw_f = self.measures()
+        if not (math.isfinite(train_f) and math.isfinite(raw_f)):
             return []
+        count = self.window_runs()
+        window = self.val[-count:]
+        self.last_noise = noise_fluctuation(window, self.ses[-count:])
+        noise = self.last_noise if math.isfinite(self.last_noise) else 0.0
+        val_f = math.sqrt(max(raw_f * raw_f - noise * noise, 0.0))  # the part the validation set's noise leaves
         self.last_ratio = val_f / train_f if train_f > 0 else math.inf
-        window = self.val[-self.window_runs() :]
         val_abs = max(window) - min(window)
         steps_up = [b - a for a, b in itertools.pairwise(window) if b > a]
         self.last_rise = sum(steps_up) / self.scale if self.scale > 0 else math.inf
         self.last_rises = repeated_rises(steps_up)
+        rises_needed = min(2, len(window) // 2)
+        # how close every condition came (the nearest to failing decides), for the calibration's margin
+        self.observe(min(
+            excess(self.last_ratio, self.ratio), excess(val_f, self.min_fluctuation), excess(val_abs, self.min_range),
+            excess(self.last_rise, self.min_rise), 1.0 if self.last_rises >= rises_needed else 0.0,
+        ), 1.0)
         active = (
             val_f > self.min_fluctuation
             and val_abs > self.min_range
             and val_f > self.ratio * train_f
             and self.last_rise > self.min_rise
-            and self.last_rises >= min(2, len(window) // 2)
+            and self.last_rises >= rises_needed
         )
         if not self.latch.update(self.monitor, active, excess(self.last_ratio, self.ratio)):
             return []
@@ -731,7 +806,9 @@ class LossStagnantRule(Rule):
     * a loss that does **not move** and is not ``min_drop`` below its initial value is stagnant.
 
     No verdict (settled or stagnant) is taken before the evidence is there: a chance "trend" among a few noisy
-    points settles nothing. A positive initial loss is needed; with zero or negative losses the rule stays quiet.
+    points settles nothing. Before ``min_steps`` only the memorising verdict is taken, once the validation value
+    has been noted (:meth:`observe_validation`) on as many runs as the trend test needs points. A positive initial
+    loss is needed; with zero or negative losses the rule stays quiet.
     It clears when the loss moves or falls below the level. The points cover the whole run: beyond 256, pairs are
     averaged.
 
@@ -778,7 +855,8 @@ class LossStagnantRule(Rule):
         self.best = math.inf
         self.history: list[float] = []
         self.settled = False
-        #: ``[first, best]`` validation values, oriented so that lower is better (empty before the first run).
+        #: ``[first, best, runs]``: the first and best validation values, oriented so that lower is better, and
+        #: how many were noted (empty before the first run; a checkpoint's ``[first, best]`` counts as 2 runs).
         self.validation: list[float] = []
         self.last_p = math.nan
         self.last_trend = math.nan
@@ -811,16 +889,20 @@ class LossStagnantRule(Rule):
         if not math.isfinite(value):
             return
         oriented = value if mode == "min" else -value
-        first, best = self.validation or (oriented, oriented)
-        self.validation = [first, min(best, oriented)]
+        first, best, runs = [*self.validation, 2.0][:3] if self.validation else (oriented, oriented, 0.0)
+        self.validation = [first, min(best, oriented), runs + 1.0]
 
     def validation_improved(self) -> bool | None:
         """Whether the best validation value is ``min_trend`` (of its first value) better than the first;
         ``None`` before two runs."""
         if len(self.validation) < 2:
             return None
-        first, best = self.validation
+        first, best = self.validation[:2]
         return first - best > self.min_trend * abs(first)
+
+    def validation_runs(self) -> int:
+        """The validation values noted so far (:meth:`observe_validation`)."""
+        return int(self.validation[2]) if len(self.validation) > 2 else len(self.validation)
 
     def update(self, value: float, ctx: StepContext) -> list[Alert]:
         """Feed the next loss point; return the alerts it raises."""
@@ -837,7 +919,7 @@ class LossStagnantRule(Rule):
         if self.baseline is None or self.baseline <= 0:
             return []
         needed = max(self.patience, mann_kendall_min_points(self.alpha))  # "no trend" only where one could show
-        if len(self.history) < needed or ctx.global_step < self.min_steps:
+        if len(self.history) < needed:
             return []  # no verdict either way without the evidence (a chance "trend" in 5 noisy points settles nothing)
         _, self.last_p = mann_kendall(self.history)
         slope = theil_sen_slope(self.history)
@@ -852,6 +934,10 @@ class LossStagnantRule(Rule):
         above = self.level > limit
         moves = self.last_p < self.alpha and abs(self.last_trend) >= self.min_trend
         memorising = moves and self.last_trend < 0 and above and self.validation_improved() is False
+        if ctx.global_step < self.min_steps and not (memorising and self.validation_runs() >= needed):
+            # a flat loss, or a trend that settles it, is judged once the model had min_steps to learn; before, only
+            # a memorising loss is, once validation has not improved over as many runs as the trend has points
+            return []
         if moves and not memorising:
             self.settled = True  # the loss moves with the parameters: learning, or a schedule; not stagnation
         if not above:

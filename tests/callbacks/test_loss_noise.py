@@ -80,6 +80,46 @@ def test_loss_swing_is_quiet_on_hundreds_of_one_batch_epochs(tmp_path):
     assert _serious(alarm) == []
 
 
+def test_loss_swing_is_quiet_on_fresh_one_batch_epochs(tmp_path):
+    """The calibration's ``one_batch_epochs`` schedule: 300 epochs of one batch drawn from 4096 examples (a fresh,
+    noisy batch every epoch, unlike the memorised single batch above); its first seed fired at epoch 184."""
+    from lightning_diag.demo.schedules import run_scenario
+
+    alarm = AnomalyAlarm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_scenario("one_batch_epochs", callbacks=[alarm], root=str(tmp_path), seed=0)
+    assert len(alarm.swing_rule.recent) == 16 and math.isfinite(alarm.swing_rule.last_t)
+    assert [r for r, _ in _serious(alarm) if r == "loss_swing"] == []
+
+
+def test_one_step_points_pool_the_step_variance_of_the_run():
+    from lightning_diag.rules import LossSwingRule, StepContext
+
+    rule = LossSwingRule()
+    for e, v in enumerate([1.0, 1.2, 1.0, 1.2, 1.0]):
+        rule.update(v, StepContext(e, e))
+    # successive one-step points differ by 0.2: var(L[k] - L[k-1]) = 2 s^2, so the step variance is 0.04 / 2
+    assert rule.pooled_step_variance() == pytest.approx((0.02, 4.0))
+
+
+@pytest.mark.parametrize(
+    ("tail", "fires"),
+    [([1.0, 1.6, 2.6, 1.0], False), ([1.0, 2.6, 1.0, 2.6], True)],
+    ids=["two-outlying-batches", "up-and-down"],
+)
+def test_one_step_points_swing_only_up_and_down(tail, fires):
+    """One-batch points are single samples: two outlying batches in a row rise, rise and fall back; an up-and-down
+    of the same size against the same calm noise is a swing."""
+    from lightning_diag.rules import LossSwingRule, StepContext
+
+    calm = [1.0 + 0.05 * (-1) ** i for i in range(14)]
+    rule, fired = LossSwingRule(), []
+    for e, v in enumerate([*calm, *tail]):
+        fired += rule.update(v, StepContext(e, e))
+    assert bool(fired) is fires
+
+
 # -- the schedules people train with -------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("schedule", "kwargs"),
@@ -154,6 +194,55 @@ def test_val_decline_without_returned_values_counts_every_worsening(tmp_path):
     assert alarm.val_decline_rule.streak >= 5
     assert not math.isfinite(alarm.val_decline_rule.previous_se or math.nan)
     assert [r for r, _ in _serious(alarm) if r == "val_decline"] == ["val_decline"]
+
+
+# -- loss_stagnant at short epochs ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fault", "fires"), [("shuffled_labels", True), ("none", False)])
+def test_loss_stagnant_sees_memorisation_at_four_steps_an_epoch(tmp_path, fault, fires):
+    """The fault library's shuffled labels (and its healthy twin) at 4 steps an epoch: 5 epochs are 20 steps, fewer
+    than ``loss_stagnant.min_steps``; the training loss falls while validation does not improve on 5 runs."""
+    model, data, _ = build_fault(fault)
+    alarm = AnomalyAlarm()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_epochs=5, limit_train_batches=4, default_root_dir=tmp_path, callbacks=[alarm],
+                         logger=False, log_every_n_steps=5, **FAST)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=data)
+    assert trainer.global_step == 20
+    assert [r for r, _ in _serious(alarm) if r == "loss_stagnant"] == (["loss_stagnant"] if fires else [])
+
+
+# -- val_fluctuation against the validation noise ------------------------------------------------------------------
+@pytest.mark.parametrize(("relative_se", "fires"), [(0.3, False), (0.01, True)])
+def test_val_fluctuation_discounts_the_validation_noise(relative_se, fires):
+    """A validation loss zig-zagging by 40% of its level fires when its standard error is 1% of it, not when it is
+    30%: then the zig-zag is the validation set's own noise."""
+    from lightning_diag.rules import StepContext, ValFluctuationRule
+
+    rule, fired = ValFluctuationRule(), []
+    train = [1.0, 0.9, 0.8, 0.72, 0.65]
+    val = [1.0, 1.4, 0.9, 1.5, 0.9]
+    for i, (t, v) in enumerate(zip(train, val, strict=True)):
+        fired += rule.update(t, v, StepContext(i, 10 * i), se=relative_se * v)
+    assert bool(fired) is fires
+    assert math.isfinite(rule.last_noise) and rule.peaks["val_fluctuation"] > 0  # judged, and its margin noted
+
+
+def test_val_fluctuation_is_quiet_on_two_batch_validations_at_four_steps_an_epoch(tmp_path):
+    """The fault library's healthy deep tanh head at 4 steps an epoch, validated 20 times on 2 batches that its
+    ``validation_step`` does not return: each validation batch is taken to be as noisy as a training step."""
+    model, data, _ = build_fault("healthy_deep")
+    alarm = AnomalyAlarm()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_epochs=20, limit_train_batches=4, default_root_dir=tmp_path, callbacks=[alarm],
+                         logger=False, log_every_n_steps=5, **FAST)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=data)
+    rule = alarm.val_fluctuation_rule
+    assert math.isfinite(rule.last_noise) and rule.last_noise > 0  # the validation noise was known
+    assert [r for r, _ in _serious(alarm) if r == "val_fluctuation"] == []
 
 
 # -- loss_outlier --------------------------------------------------------------------------------------------------
