@@ -190,7 +190,8 @@ class QuantizationProbe(ValidationProbe):
 
     Logged (TensorBoard, step = global step): ``diag/quant/end_to_end``, ``diag/quant/loss_float``,
     ``diag/quant/loss_int8``, ``diag/quant/worst_layer_ratio`` (largest relative MSE / median),
-    ``diag/quant/max_error_pct`` (largest over the layers), and per layer ``diag/quant/layer/<layer>/
+    ``diag/quant/max_error_pct`` (largest over the layers), ``diag/quant/change_noise`` (the standard error of the
+    end-to-end change, with 2 or more batches), and per layer ``diag/quant/layer/<layer>/
     relative_mse``, ``.../relative_mse_per_channel``, ``.../output_mse``, ``.../max_error_pct``,
     ``.../outlier_ratio``, ``.../input_outlier_ratio``; ``diag/threshold/quantization_error``.
 
@@ -361,6 +362,8 @@ class QuantizationProbe(ValidationProbe):
             quant_tag("max_error_pct"): max(result.max_error_pct.values()),
             **self.threshold_lines(QUANTIZATION_ERROR),
         }
+        if math.isfinite(result.change_noise):  # the report replays the rule with it
+            values[quant_tag("change_noise")] = result.change_noise
         per_layer = {
             "relative_mse": result.relative_mse,
             "relative_mse_per_channel": result.relative_mse_per_channel,
