@@ -24,9 +24,11 @@ Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.run
   or a single sample's loss at batch size 1 rises far less on the log scale, where its spread is measured, and stays
   below the untrained level; an optimisation spike (SGD's catapult at a large learning rate, Adam's loss spike on a
   converged model) rises and decays over several steps, so its neighbours are elevated too. Needs ``window / 4``
-  steps of history; judged on logging steps over the steps since the last one, each step once its successor is known
-  (the last step of a chunk at the next call). Several corrupted batches in a row are not isolated and not judged
-  outliers (``zero_output`` sees a corrupted copy on sampled steps).
+  steps of history; judged on logging steps over the steps since the last one, each step once its successor is
+  known (the last step of a chunk at the next call). Under gradient accumulation a step is its micro-batches (the
+  most losses fed for one global step): the neighbours are the losses just outside them. Corrupted batches on
+  several steps in a row are not isolated and not judged outliers (``zero_output`` sees a corrupted copy on sampled
+  steps).
 * ``zero_output`` (warning): a module's output is all zeros on a sampled training step while it was non-zero on
   each of its (at least ``threshold``) measurements before and never zero: a copy between devices or ranks that
   arrived as zeros (a faulty link, a failed transfer). Transitions are judged, not the state: a module whose output
@@ -42,6 +44,7 @@ Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.run
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -353,8 +356,9 @@ def loss_outliers(
     ratio: float,
     window: int,
     floor: float | None = None,
-    before: float | None = None,
-    after: float | None = None,
+    before: Sequence[float] = (),
+    after: Sequence[float] = (),
+    span: int = 1,
 ) -> list[tuple[int, float, float]]:
     """The steps of ``new`` whose loss is an upward outlier against the (up to) ``window`` losses before it.
 
@@ -375,7 +379,7 @@ def loss_outliers(
         >>> loss_outliers(hist[:7], [4.0], 10.0, 2.0, 32)  # not enough history (8 steps)
         []
     """
-    judged = judge_losses(history, new, threshold, ratio, window, floor, before, after)
+    judged = judge_losses(history, new, threshold, ratio, window, floor, before, after, span)
     return [(i, x, med) for i, x, excess, med in judged if excess > 1.0]
 
 
@@ -386,22 +390,28 @@ def judge_losses(
     ratio: float,
     window: int,
     floor: float | None = None,
-    before: float | None = None,
-    after: float | None = None,
+    before: Sequence[float] = (),
+    after: Sequence[float] = (),
+    span: int = 1,
 ) -> list[tuple[int, float, float, float]]:
     """``(index into new, loss, excess, median)`` of every finite loss of ``new``: :func:`outlier_excess` against
     the up to ``window`` losses before it that were not outliers, with its neighbours in the finite sequence
-    ``before, *new, after`` (``None``: unknown, not required)."""
+    ``*before, *new, *after``: the losses just outside a run of ``span`` consecutive losses that holds it (the
+    micro-batches of one optimizer step under gradient accumulation: ``span`` of them), the run whose larger
+    outside neighbour is the smallest. A neighbour beyond the sequence is unknown, not required."""
     past = [v for v in history if math.isfinite(v)][-window:]
     finite = [(i, float(x)) for i, x in enumerate(new) if math.isfinite(x)]
-    sequence = [
-        None if before is None or not math.isfinite(before) else float(before),
-        *(x for _, x in finite),
-        None if after is None or not math.isfinite(after) else float(after),
-    ]
+    head = [float(v) for v in before if math.isfinite(v)]
+    sequence = [*head, *(x for _, x in finite), *(float(v) for v in after if math.isfinite(v))]
+    span = max(int(span), 1)
     out = []
     for k, (i, x) in enumerate(finite):
-        neighbours = [v for v in (sequence[k], sequence[k + 2]) if v is not None]
+        at = len(head) + k
+        runs = [
+            [sequence[n] for n in (start - 1, start + span) if 0 <= n < len(sequence)]
+            for start in range(at - span + 1, at + 1)
+        ]
+        neighbours = min(runs, key=lambda nb: max(nb, default=-math.inf))
         excess, med = outlier_excess(past, x, threshold, ratio, window, floor, neighbours)
         out.append((i, x, excess, med))
         if excess > 1.0:
@@ -495,11 +505,11 @@ class LossOutlierRule(Rule):
         >>> [(a.rule, a.global_step) for a in rule.update([0.2, 2.1, 0.2], [9, 10, 11], StepContext(0, 11))]
         [('loss_outlier', 10)]
         >>> rule.update([0.2, 2.1], [12, 13], StepContext(0, 13)), rule.pending  # step 13 waits for step 14
-        ([], [13.0, 2.1])
+        ([], [[13.0, 2.1]])
     """
 
     specs = (LOSS_OUTLIER_SPEC,)
-    state_keys = ("history", "initial", "outliers", "first", "pending", "before")
+    state_keys = ("history", "initial", "outliers", "first", "pending", "before", "span")
 
     def __init__(
         self,
@@ -519,15 +529,17 @@ class LossOutlierRule(Rule):
         self.first: list[float] = []
         #: Outliers found so far in this fit.
         self.outliers = 0
-        #: ``[global step, loss]`` of the last finite loss fed, judged when the next one arrives (empty: none).
-        self.pending: list[float] = []
-        #: The finite loss before the pending one (its predecessor), ``None`` before the second.
-        self.before: float | None = None
+        #: ``[global step, loss]`` of the last ``span`` finite losses fed, judged when as many after them are known.
+        self.pending: list[list[float]] = []
+        #: The last ``span`` losses judged (the neighbours before the pending ones).
+        self.before: list[float] = []
+        #: Losses a step: 1, or the micro-batches of an optimizer step under gradient accumulation.
+        self.span = 1
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before ``first`` / ``pending`` were saved loads
         with none."""
-        super().load_state_dict({"first": [], "pending": [], "before": None, **state})
+        super().load_state_dict({"first": [], "pending": [], "before": [], "span": 1, **state})
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> LossOutlierRule:
@@ -537,7 +549,9 @@ class LossOutlierRule(Rule):
 
     def update(self, losses: Sequence[float], steps: Sequence[int], ctx: StepContext) -> list[Alert]:
         """Feed the per-step losses since the last call (``steps``: their global steps); return the alerts. Each
-        finite loss is judged when its successor is known: the last one fed waits for the next call."""
+        finite loss is judged when the ``span`` losses after it are known (one, or the micro-batches of a step
+        under gradient accumulation: the most losses fed for one global step): the last ones wait for the next
+        call."""
         fed = [(int(t), float(v)) for t, v in zip(steps, losses, strict=False) if math.isfinite(v)]
         if self.initial is None:
             self.first = self.first + [v for _, v in fed]
@@ -545,23 +559,30 @@ class LossOutlierRule(Rule):
             if len(self.first) >= need:
                 self.initial = _median(sorted(self.first[:need]))
                 self.first = []
-        floor = self.initial
-        sequence = ([(int(self.pending[0]), float(self.pending[1]))] if self.pending else []) + fed
-        if not sequence:
-            return []
-        judged_now, last = sequence[:-1], sequence[-1]
+        per_step = collections.Counter(t for t, _ in fed)
+        self.span = max(self.span, *per_step.values()) if per_step else self.span
+        sequence = [(int(t), float(v)) for t, v in self.pending] + fed
+        cut = max(len(sequence) - self.span, 0)
+        judged_now, waiting = sequence[:cut], sequence[cut:]
         values = [v for _, v in judged_now]
         judged = judge_losses(
-            self.history, values, self.threshold, self.ratio, self.window, floor, self.before, last[1]
+            self.history,
+            values,
+            self.threshold,
+            self.ratio,
+            self.window,
+            self.initial,
+            self.before,
+            [v for _, v in waiting],
+            self.span,
         )
         for _, _, excess, _ in judged:
             self.observe(excess, 1.0)
         found = [(i, x, med) for i, x, excess, med in judged if excess > 1.0]
         bad = {i for i, _, _ in found}
         self.history = (self.history + [v for i, v in enumerate(values) if i not in bad])[-self.window :]
-        if judged_now:
-            self.before = judged_now[-1][1]
-        self.pending = [float(last[0]), last[1]]
+        self.before = (self.before + values)[-self.span :]
+        self.pending = [[float(t), v] for t, v in waiting]
         self.outliers += len(found)
         if not self.latch.update("loss", bool(found)) or not found:
             return []

@@ -93,7 +93,7 @@ def test_the_last_loss_of_a_call_is_judged_at_the_next_and_survives_a_checkpoint
     hist = [1.4] * 8 + _steady(30, 0.1)
     rule.update(hist, list(range(len(hist))), StepContext(0, len(hist)))
     assert rule.update([0.1, 3.0], [38, 39], StepContext(0, 39)) == []  # step 39 waits for its successor
-    assert rule.pending == [39.0, 3.0] and rule.before == 0.1
+    assert rule.pending == [[39.0, 3.0]] and rule.before == [0.1]
     resumed = LossOutlierRule()
     resumed.load_state_dict(rule.state_dict())
     (alert,) = resumed.update([0.1], [40], StepContext(1, 40))
@@ -101,7 +101,7 @@ def test_the_last_loss_of_a_call_is_judged_at_the_next_and_survives_a_checkpoint
     old = {k: v for k, v in rule.state_dict().items() if k not in ("pending", "before")}
     legacy = LossOutlierRule()
     legacy.load_state_dict(old)  # a checkpoint from before the pending loss was kept
-    assert legacy.pending == [] and legacy.before is None
+    assert legacy.pending == [] and legacy.before == [] and legacy.span == 1
 
 
 @pytest.mark.slow
@@ -133,3 +133,24 @@ def test_healthy_sgd_at_64_steps_an_epoch_stays_quiet_and_the_zeroed_batch_is_ca
     assert 0 < healthy.outlier_rule.peaks["loss_outlier"] < 1.0
     fault = run("zero_input")
     assert [a.global_step for a in fault.alerts if a.rule == "loss_outlier"][:1] == [61]
+
+
+def test_under_gradient_accumulation_a_step_is_its_micro_batches():
+    # two micro-batches an optimizer step; the alarm labels a step's second one with the next global step
+    steady = [1.4] * 16 + _steady(60, 0.1)
+    labels = [(n + 1) // 2 for n in range(len(steady))]
+
+    def fed(losses: list[float]) -> list[int]:
+        rule, found = LossOutlierRule(), []
+        for start in range(0, len(losses), 10):
+            chunk = slice(start, start + 10)
+            found += [a.global_step for a in rule.update(losses[chunk], labels[chunk], StepContext(0, start))]
+        assert rule.span == 2
+        return found
+
+    corrupted = list(steady)
+    corrupted[51:53] = [3.0, 3.0]  # both micro-batches of one optimizer step
+    assert fed(corrupted) == [labels[51]]
+    catapult = list(steady)
+    catapult[51:55] = [1.2, 2.1, 1.9, 1.1]  # a spike over two optimizer steps
+    assert fed(catapult) == []
