@@ -11,8 +11,8 @@ itself (``self.model(x)``), the output of the last of its direct children that r
 
 Cost: on a sampled training step (the owner's logging interval, the first micro-batch of the optimizer step) a
 forward hook on the ``LightningModule`` and its direct children keeps a reference to their outputs; at the batch's
-end three numbers of the chosen output (spread, level, batch size) are computed on the device and read in one
-transfer. Other steps: nothing.
+end five numbers (the chosen output's spread, level and batch size, its module's floating-point input's spread and
+level) are computed on the device and read in one transfer. Other steps: nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytorch_lightning as pl
 
 from lightning_diag.instrument.output_watch import OutputSpreadWatch
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OutputCollapseRule
+from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OutputCollapseRule, relative_spread
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.callbacks.base import DiagCallback
@@ -95,7 +95,7 @@ class OutputCollapseCheck:
             )
             return
         source, stats = seen
-        spread, level, batch = stats.tolist()
+        spread, level, batch, input_spread, input_level = stats.tolist()
         if batch < 2:
             self.owner.notice(
                 trainer,
@@ -103,7 +103,8 @@ class OutputCollapseCheck:
                 f"`{OUTPUT_COLLAPSE}` is not measured on batches of one sample: one output has no spread across "
                 "the batch",
             )
-        self.owner.record(rule.update(spread, level, int(batch), source, ctx))
+        inputs = relative_spread(input_spread, input_level)
+        self.owner.record(rule.update(spread, level, int(batch), source, ctx, inputs))
 
     def stop(self) -> None:
         """Remove any hook (the end of a fit, or an exception in the middle of a batch)."""

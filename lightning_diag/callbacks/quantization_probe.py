@@ -46,7 +46,7 @@ __all__ = ["QuantizationProbe", "QuantizationResult", "torchao_available"]
 
 Backend = Literal["auto", "fake", "torchao"]
 #: A loss below this counts as this small when the end-to-end change is made relative to it.
-LOSS_FLOOR = 0.01
+LOSS_FLOOR = 0.05
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _TORCHAO: Any = None
 
@@ -78,7 +78,7 @@ class QuantizationResult:
     Attributes:
         loss: The float validation loss (mean over the probe's batches).
         quantized_loss: The loss with every measured layer quantized.
-        end_to_end: ``|quantized_loss - loss| / max(|loss|, 0.01)``.
+        end_to_end: ``|quantized_loss - loss| / max(|loss|, LOSS_FLOOR)`` (0.05).
         relative_mse: Layer -> relative output MSE under the judged scheme.
         relative_mse_per_channel: Layer -> relative output MSE with per-channel weight scales.
         output_mse: Layer -> output MSE under the judged scheme.
@@ -87,6 +87,9 @@ class QuantizationResult:
         input_outliers: Layer -> the largest over the batches of its input's loudest channel maximum over the
             median channel maximum (what a per-tensor activation scale has to cover).
         backend: ``"torchao"`` or ``"fake"`` (the engine of the Linear layers; Conv layers are always fake).
+        change_noise: The standard error of the loss change, relative like ``end_to_end``: the standard deviation
+            of the per-batch changes ``quantized - float`` over the square root of the batch count (``nan`` with
+            one batch, or sharded, where the batches are the ranks').
     """
 
     loss: float
@@ -99,6 +102,7 @@ class QuantizationResult:
     outliers: dict[str, float]
     input_outliers: dict[str, float]
     backend: str
+    change_noise: float = math.nan
 
 
 def _quantized(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
@@ -186,7 +190,8 @@ class QuantizationProbe(ValidationProbe):
 
     Logged (TensorBoard, step = global step): ``diag/quant/end_to_end``, ``diag/quant/loss_float``,
     ``diag/quant/loss_int8``, ``diag/quant/worst_layer_ratio`` (largest relative MSE / median),
-    ``diag/quant/max_error_pct`` (largest over the layers), and per layer ``diag/quant/layer/<layer>/
+    ``diag/quant/max_error_pct`` (largest over the layers), ``diag/quant/change_noise`` (the standard error of the
+    end-to-end change, with 2 or more batches), and per layer ``diag/quant/layer/<layer>/
     relative_mse``, ``.../relative_mse_per_channel``, ``.../output_mse``, ``.../max_error_pct``,
     ``.../outlier_ratio``, ``.../input_outlier_ratio``; ``diag/threshold/quantization_error``.
 
@@ -297,9 +302,15 @@ class QuantizationProbe(ValidationProbe):
             # tensor parallelism turns the output DTensor into a local tensor.
             first = self.all_ranks
             with _hooks(layers, compare, first):
-                loss = self.mean_over_ranks(trainer, self.mean_loss(trainer, pl_module, owned))
+                float_losses = self._batch_losses(trainer, pl_module, owned)
             with _hooks(layers, replace, first):
-                quantized_loss = self.mean_over_ranks(trainer, self.mean_loss(trainer, pl_module, owned))
+                quantized_losses = self._batch_losses(trainer, pl_module, owned)
+            loss = self.mean_over_ranks(trainer, float_losses.mean())
+            quantized_loss = self.mean_over_ranks(trainer, quantized_losses.mean())
+            noise = math.nan
+            if not self.all_ranks and float_losses.numel() >= 2:  # the spread of the per-batch changes
+                changes = (quantized_losses - float_losses).double()
+                noise = float(changes.std() / math.sqrt(changes.numel())) / max(abs(loss), LOSS_FLOOR)
             if self.all_ranks:
                 _sum_over_ranks(trainer, [*acc.values(), *([] if channel is judged else acc_channel.values())])
                 names = sorted(layers)
@@ -328,7 +339,14 @@ class QuantizationProbe(ValidationProbe):
             outliers=outliers,
             input_outliers={n: input_outliers.get(n, 0.0) for n in rel},
             backend=self.engine,
+            change_noise=noise,
         )
+
+    def _batch_losses(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
+    ) -> torch.Tensor:
+        """The loss of each of ``batches`` (already owned), stacked (what ``mean_loss`` averages)."""
+        return torch.stack([self.loss_on(trainer, pl_module, b, i).detach().float().reshape(()) for i, b in batches])
 
     def decide(self, trainer: pl.Trainer, result: QuantizationResult) -> list[Alert]:
         """Log the measurement and feed ``quantization_error``."""
@@ -344,6 +362,8 @@ class QuantizationProbe(ValidationProbe):
             quant_tag("max_error_pct"): max(result.max_error_pct.values()),
             **self.threshold_lines(QUANTIZATION_ERROR),
         }
+        if math.isfinite(result.change_noise):  # the report replays the rule with it
+            values[quant_tag("change_noise")] = result.change_noise
         per_layer = {
             "relative_mse": result.relative_mse,
             "relative_mse_per_channel": result.relative_mse_per_channel,
@@ -363,7 +383,7 @@ class QuantizationProbe(ValidationProbe):
         }
         return self.rule.update(
             result.end_to_end, result.relative_mse, result.relative_mse_per_channel, self.context(trainer), scheme,
-            notes,
+            notes, change_noise=result.change_noise,
         )
 
 

@@ -16,6 +16,7 @@ output is taken).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -190,8 +191,8 @@ class OutputSpreadWatch:
         >>> watch = OutputSpreadWatch(net)
         >>> watch.start(); _ = net(torch.ones(4, 2)); watch.stop()
         >>> name, stats = watch.take()
-        >>> name, stats.tolist()[1:] == [stats.tolist()[1], 4.0], stats[0].item()  # four equal inputs
-        ('<root>', True, 0.0)
+        >>> name, stats[0].item(), stats[2:].tolist()  # four equal inputs: no spread; the input's spread, level
+        ('<root>', 0.0, [4.0, 0.0, 1.0])
     """
 
     def __init__(self, root: nn.Module) -> None:
@@ -199,6 +200,8 @@ class OutputSpreadWatch:
         self.children = [(n, m) for n, m in root.named_children() if not isinstance(m, _Loss)]
         self._root_output: torch.Tensor | None = None
         self._child_output: tuple[str, torch.Tensor] | None = None
+        self._root_input: torch.Tensor | None = None
+        self._child_input: torch.Tensor | None = None
         self._handles: list[RemovableHandle] = []
 
     @property
@@ -208,7 +211,7 @@ class OutputSpreadWatch:
 
     def start(self) -> None:
         """Hook the root and its direct children for one batch."""
-        self._root_output = self._child_output = None
+        self._root_output = self._child_output = self._root_input = self._child_input = None
         if not self._handles:
             self._handles = [self.root.register_forward_hook(self._seen_root)]
             self._handles += [m.register_forward_hook(self._child_hook(n)) for n, m in self.children]
@@ -223,22 +226,40 @@ class OutputSpreadWatch:
         out = prediction_tensor(output)
         if out is not None:
             self._root_output = out.detach()  # a view: no kernel, and the graph is not held
+            self._root_input = _float_input(args, out)
 
     def _child_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             out = prediction_tensor(output)
             if out is not None:
                 self._child_output = (name, out.detach())
+                self._child_input = _float_input(args, out)
 
         return hook
 
     def take(self) -> tuple[str, torch.Tensor] | None:
-        """``(module name, output_spread(...))`` of the output seen (``"<root>"`` for the ``LightningModule``),
-        ``None`` if no watched module returned predictions. Forgets the output."""
+        """``(module name, stats)`` of the output seen (``"<root>"`` for the ``LightningModule``), ``None`` if no
+        watched module returned predictions: ``stats`` is ``output_spread`` of the output followed by the spread
+        and level of the module's floating-point input of the same batch (``nan`` where its first argument is no
+        such tensor: token ids, a mapping), five numbers. Forgets what it saw."""
         root, child = self._root_output, self._child_output
-        self._root_output = self._child_output = None
+        inputs = (self._root_input, self._child_input)
+        self._root_output = self._child_output = self._root_input = self._child_input = None
         if root is not None:
-            return "<root>", output_spread(root)
+            return "<root>", _with_input(output_spread(root), inputs[0])
         if child is not None:
-            return child[0], output_spread(child[1])
+            return child[0], _with_input(output_spread(child[1]), inputs[1])
         return None
+
+
+def _float_input(args: Any, output: torch.Tensor) -> torch.Tensor | None:
+    """The module call's first argument when it is a floating-point tensor with the output's batch size."""
+    first = args[0] if isinstance(args, tuple) and args else None
+    usable = isinstance(first, torch.Tensor) and first.is_floating_point() and first.dim() and output.dim()
+    return first.detach() if usable and first.shape[0] == output.shape[0] else None  # type: ignore[union-attr]
+
+
+def _with_input(stats: torch.Tensor, inputs: torch.Tensor | None) -> torch.Tensor:
+    """``stats`` and the input's spread and level (``nan`` without one), on the device."""
+    tail = output_spread(inputs)[:2] if inputs is not None else stats.new_full((2,), math.nan)
+    return torch.cat([stats, tail.to(stats.device, stats.dtype)])

@@ -86,8 +86,12 @@ def _replay_quantization(run: RunData) -> list[Alert]:
     rule = QuantizationErrorRule.from_settings(run.thresholds)
     layers = layer_series(run, "relative_mse")
     per_channel = layer_series(run, "relative_mse_per_channel")
+    noise = dict(run.scalars.get(quant_tag("change_noise"), []))
     alerts: list[Alert] = []
     for step, value in run.scalars.get(quant_tag("end_to_end"), []):
         end_to_end = value if math.isfinite(value) else None
-        alerts += rule.update(end_to_end, layers.get(step, {}), per_channel.get(step, {}), StepContext(0, step))
+        ctx = StepContext(0, step)
+        alerts += rule.update(
+            end_to_end, layers.get(step, {}), per_channel.get(step, {}), ctx, change_noise=noise.get(step, math.nan)
+        )
     return alerts

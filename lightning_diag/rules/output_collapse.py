@@ -5,12 +5,18 @@ its sampled training steps. The model's output ``[B, ...]`` (the ``LightningModu
 ``logits`` entry for a mapping; see :class:`~lightning_diag.instrument.output_watch.OutputSpreadWatch`) gives, per
 output element, its standard deviation across the ``B`` samples and its mean; ``spread`` and ``level`` average them
 over the elements. The relative spread ``spread / (spread + |level|)`` is 0 when every sample gets the same output
-and about 1 for outputs centred on zero. Below ``threshold`` (``1e-3``) on ``patience`` (3) consecutive sampled
+and about 1 for outputs centred on zero. The judged statistic is the output's relative spread **over the input's**
+(the same measure of the module's floating-point input of that batch; the output's alone where the input is token
+ids or no tensor): about 1 when the outputs vary as much as the inputs do, whatever their scale. Below
+``threshold`` (``1e-2``: outputs 100 times more alike than their inputs) on ``patience`` (3) consecutive sampled
 steps, the outputs no longer depend on the input: labels scaled wrongly for the loss (class ids divided by 255
-under an MSE), a softmax over a single output unit, every unit of a layer dead. A generative model whose outputs
-vary little around a large level (a denoiser of a narrow cloud: about ``1e-2``) or a classifier confident near
-convergence (``0.5`` and more) stays well above it. An all-zero output (a zero-initialised last layer) says
-nothing and is not judged. A batch of one sample has no spread: it is not measured (said once).
+under an MSE: near-uniform softmax outputs, 0.003 to 0 of their level against inputs spread 0.75 of theirs), a
+softmax over a single output unit, every unit of a layer dead. A generative model whose outputs vary little around
+a large level because its inputs do (a denoiser of a narrow cloud: outputs about 0.009, inputs 0.023, the statistic
+about 0.4) or a classifier confident near convergence (0.5 and more) stays well above it. An all-zero output (a
+zero-initialised last layer) says nothing and is not judged. A batch of one sample has no spread: it is not measured
+(said once). The margin noted (:meth:`~lightning_diag.rules.base.Rule.observe`) is the statistic that decides: the
+largest of the last ``patience`` measurements.
 
 The validation predictions are not judged: "every prediction the same class" cannot be told from a
 generative or regression output ``[B, C]`` whose largest element is always the same one.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, FRACTION, CheckSpec, RuleSpec, register
@@ -40,9 +47,9 @@ OUTPUT_COLLAPSE_SPEC = register(
         "output_collapse",
         "AnomalyAlarm",
         "warning",
-        1e-3,
-        "the model's outputs spread across the batch less than {threshold:g} of their level on {patience:g} "
-        "consecutive sampled steps: predictions no longer depend on the input",
+        1e-2,
+        "the model's outputs spread across the batch, relative to their level, less than {threshold:g} times as "
+        "much as its inputs on {patience:g} consecutive sampled steps: predictions no longer depend on the input",
         settings={"patience": 3},
         limits={"threshold": FRACTION, "patience": COUNT},
         check="outputs_vary",
@@ -55,8 +62,9 @@ OUTPUTS_VARY_CHECK = CheckSpec(
     "their level"
 )
 
-#: ``output_collapse``: relative spread across the batch below which the outputs are taken as constant.
-DEFAULT_OUTPUT_COLLAPSE_THRESHOLD: float = float(OUTPUT_COLLAPSE_SPEC.threshold or 1e-3)
+#: ``output_collapse``: the outputs' relative spread across the batch over the inputs' below which the outputs are
+#: taken as independent of the input.
+DEFAULT_OUTPUT_COLLAPSE_THRESHOLD: float = float(OUTPUT_COLLAPSE_SPEC.threshold or 1e-2)
 #: ``output_collapse``: consecutive sampled steps the spread must stay below it.
 DEFAULT_OUTPUT_COLLAPSE_PATIENCE: int = int(OUTPUT_COLLAPSE_SPEC.settings["patience"])
 
@@ -79,20 +87,23 @@ def relative_spread(spread: float, level: float) -> float:
 
 
 class OutputCollapseRule(Rule):
-    """``output_collapse``: the spread of the outputs across sampled batches, and the validation predictions.
+    """``output_collapse``: the spread of the outputs across sampled batches, relative to the inputs'.
 
     Example:
-        >>> rule = OutputCollapseRule(threshold=1e-3, patience=2)
-        >>> [rule.update(s, 0.25, 32, "<root>", StepContext(0, t)) for s, t in ((0.1, 0), (0.0, 5))]
+        >>> rule = OutputCollapseRule(threshold=1e-2, patience=2)
+        >>> [rule.update(s, 0.25, 32, "<root>", StepContext(0, t), 0.5) for s, t in ((0.1, 0), (0.0, 5))]
         [[], []]
-        >>> [(a.rule, a.global_step) for a in rule.update(0.0, 0.25, 32, "<root>", StepContext(0, 10))]
+        >>> [(a.rule, a.global_step) for a in rule.update(0.0, 0.25, 32, "<root>", StepContext(0, 10), 0.5)]
         [('output_collapse', 10)]
         >>> rule.update(0.0, 0.25, 1, "<root>", StepContext(0, 15)), rule.unmeasured  # one sample: no spread
         ([], 1)
+        >>> quiet = OutputCollapseRule(threshold=1e-2, patience=2)  # a denoiser: outputs as narrow as its inputs
+        >>> [quiet.update(0.027, 3.0, 32, "<root>", StepContext(0, t), 0.023) for t in (0, 5, 10)]
+        [[], [], []]
     """
 
     specs = (OUTPUT_COLLAPSE_SPEC,)
-    state_keys = ("streak", "early", "checks", "last", "unmeasured")
+    state_keys = ("streak", "early", "checks", "last", "unmeasured", "recent")
 
     def __init__(
         self, threshold: float = DEFAULT_OUTPUT_COLLAPSE_THRESHOLD, patience: int = DEFAULT_OUTPUT_COLLAPSE_PATIENCE
@@ -100,16 +111,22 @@ class OutputCollapseRule(Rule):
         super().__init__()
         self.threshold = threshold
         self.patience = max(int(patience), 1)
-        #: Consecutive sampled steps with the relative spread below the threshold.
+        #: Consecutive sampled steps with the statistic below the threshold.
         self.streak = 0
-        #: The largest relative spread of the first measurements (``nan`` before any).
+        #: The largest statistic of the first measurements (``nan`` before any).
         self.early = math.nan
         #: Sampled steps measured (batch of 2 or more, outputs not all zero).
         self.checks = 0
-        #: The last relative spread measured.
+        #: The last statistic measured (the output's relative spread, over the input's where known).
         self.last = math.nan
         #: Sampled steps not measured (a batch of one sample, no output seen, an all-zero output).
         self.unmeasured = 0
+        #: The last ``patience`` statistics (the largest decides).
+        self.recent: list[float] = []
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before ``recent`` was saved loads with none."""
+        super().load_state_dict({"recent": [], **state})
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> OutputCollapseRule:
@@ -117,19 +134,32 @@ class OutputCollapseRule(Rule):
         spec = OUTPUT_COLLAPSE_SPEC
         return cls(spec.value(thresholds), int(spec.value(thresholds, "patience")))
 
-    def update(self, spread: float, level: float, batch: int, source: str, ctx: StepContext) -> list[Alert]:
+    def update(
+        self,
+        spread: float,
+        level: float,
+        batch: int,
+        source: str,
+        ctx: StepContext,
+        input_relative: float = math.nan,
+    ) -> list[Alert]:
         """Feed one sampled training step: the output's mean spread across the batch, its mean level, the batch
-        size and the module that returned it (``"<root>"``: the ``LightningModule``)."""
+        size, the module that returned it (``"<root>"``: the ``LightningModule``) and the relative spread of its
+        floating-point input (``nan``: unknown, the output's own relative spread is judged)."""
         relative = relative_spread(spread, level) if batch >= 2 else math.nan
         if math.isnan(relative):
             self.unmeasured += 1
             return []
+        against_input = math.isfinite(input_relative) and input_relative > 0
+        value = relative / input_relative if against_input else relative
         self.checks += 1
-        self.last = relative
-        if self.checks <= _EARLY and not relative <= self.early:
-            self.early = relative
-        self.observe(relative, self.threshold, above=False)
-        self.streak = self.streak + 1 if relative < self.threshold else 0
+        self.last = value
+        if self.checks <= _EARLY and not value <= self.early:
+            self.early = value
+        self.recent = [*self.recent, value][-self.patience :]
+        if len(self.recent) == self.patience:
+            self.observe(max(self.recent), self.threshold, above=False)  # the statistic that decides
+        self.streak = self.streak + 1 if value < self.threshold else 0
         if not self.latch.update("spread", self.streak >= self.patience):
             return []
         early = (
@@ -137,17 +167,22 @@ class OutputCollapseRule(Rule):
             if self.early < self.threshold
             else f"against {self.early:.2g} on the first measurements"
         )
+        which = (
+            f"{relative:.2g} of their level, {value:.2g} times the relative spread of the inputs ({input_relative:.2g})"
+            if against_input
+            else f"{relative:.2g} of their level (the inputs' spread not known: token ids or no tensor input)"
+        )
         return [
             self._alert(
                 ctx,
                 f"the model's outputs (`{source}`) no longer depend on the input: their spread across the batch is "
-                f"{relative:.2g} of their level (std across the batch {spread:.3g}, mean level {abs(level):.3g}) on "
-                f"{self.streak} consecutive sampled steps, {early} (threshold {self.threshold:g}): every input gets "
+                f"{which} (std across the batch {spread:.3g}, mean level {abs(level):.3g}) on {self.streak} "
+                f"consecutive sampled steps, {early} (threshold {self.threshold:g}): every input gets "
                 "the same prediction. Usual causes: labels scaled "
                 "wrongly for the loss (class ids divided by 255 under an MSE), a softmax over a single output unit "
                 "(always 1), every unit of a layer dead. Compare a few predictions with their targets",
                 source=source,
-                value=relative,
+                value=value,
                 threshold=self.threshold,
             )
         ]

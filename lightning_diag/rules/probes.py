@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, CheckSpec, Limit, RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 
 __all__ = [
+    "CHANGE_SIGNIFICANCE",
     "DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO",
     "DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR",
     "DEFAULT_QUANTIZATION_ERROR_THRESHOLD",
@@ -79,22 +82,29 @@ DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO: float = float(_QUANT.settings["layer_rat
 DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR: float = float(_QUANT.settings["min_layer_error"])
 #: The median comparison needs at least this many quantized layers.
 MIN_LAYERS_FOR_MEDIAN = 3
+#: ``quantization_error``: standard errors of the loss change (the spread of its per-batch changes) it must exceed.
+CHANGE_SIGNIFICANCE = 2.0
 _WORST_NAMED = 3
 
 
 class SharpMinimumRule(Rule):
     """``sharp_minimum``: the SAM gap above ``threshold`` on ``patience`` consecutive probes.
 
-    A non-finite gap is skipped (the streak neither grows nor resets). The alert's source is ``"model"``.
+    A non-finite gap is skipped (the streak neither grows nor resets). The alert's source is ``"model"``. The
+    margin noted (:meth:`~lightning_diag.rules.base.Rule.observe`) is the statistic that decides: the smallest gap of
+    the last ``patience`` probes (from the ``patience``-th probe on), so a single sharp probe is not "close to an
+    alert".
 
     Example:
         >>> rule = SharpMinimumRule(threshold=0.3, patience=2)
         >>> [bool(rule.update(g, StepContext(i, i))) for i, g in enumerate([0.5, 0.1, 0.5, 0.6, 0.7])]
         [False, False, False, True, False]
+        >>> round(rule.peaks["sharp_minimum"], 3)  # min(0.6, 0.7) / 0.3
+        2.0
     """
 
     specs = (SHARP_MINIMUM_SPEC,)
-    state_keys = ("streak",)
+    state_keys = ("streak", "recent")
 
     def __init__(
         self, threshold: float = DEFAULT_SHARP_MINIMUM_THRESHOLD, patience: int = DEFAULT_SHARP_MINIMUM_PATIENCE
@@ -104,6 +114,12 @@ class SharpMinimumRule(Rule):
         self.patience = patience
         self.latch = Latch.for_patience(patience)
         self.streak = 0
+        #: The last ``patience`` finite gaps (the smallest decides).
+        self.recent: list[float] = []
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before ``recent`` was saved loads with none."""
+        super().load_state_dict({"recent": [], **state})
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> SharpMinimumRule:
@@ -121,7 +137,9 @@ class SharpMinimumRule(Rule):
         """Feed one probe's gap; return the alert when the streak reaches ``patience`` (latched)."""
         if not math.isfinite(gap):
             return []
-        self.observe(gap, self.threshold)
+        self.recent = [*self.recent, float(gap)][-max(int(self.patience), 1) :]
+        if len(self.recent) >= self.patience:
+            self.observe(min(self.recent), self.threshold)  # the statistic that decides
         self.streak = self.streak + 1 if gap > self.threshold else 0
         if not self.latch.update("model", self.streak >= self.patience, excess(gap, self.threshold)):
             return []
@@ -142,11 +160,24 @@ class SharpMinimumRule(Rule):
 class QuantizationErrorRule(Rule):
     """``quantization_error``: INT8 ruins the model end to end, or one layer far more than the others.
 
-    Two conditions: source ``"end_to_end"`` when the relative change of the loss is above ``threshold``; a
-    layer's name when its relative output MSE is above ``layer_ratio`` times the median layer's and above
-    ``min_layer_error`` (needs at least 3 layers), latched per layer. Layers that trip at once make one alert
-    (source: the worst of them) naming the count and the worst few, each with the suggested fix: per-channel
-    scales where they bring the layer back in line, else keeping it in higher precision (mixed precision).
+    Two conditions, each judged against the noise of what it compares:
+
+    * source ``"end_to_end"``: the relative change of the loss is above ``threshold`` and above
+      :data:`CHANGE_SIGNIFICANCE` (2) times its own standard error (``change_noise``: the spread of the per-batch
+      changes, relative like the change; not required when unknown). A loss whose batches INT8 moves up and down
+      (a contrastive loss over in-batch negatives) has a mean change that is noise;
+    * a layer's name: its relative output MSE is above ``layer_ratio`` times the median layer's and above
+      ``min_layer_error`` (needs at least 3 layers), and it stands apart from the others: between the median and
+      it, the layer errors in ascending order make a jump of at least ``sqrt(layer_ratio)`` (3.2x) from one to
+      the next. The end of a continuous tail (a deep ReLU stack whose deeper layers see sparser inputs: 70
+      layers rising by 1.1 to 1.6x from one to the next up to 11x the median) is the spread of the model, not a
+      layer out of line; an outlier weight's layer sits far above the next one. Latched per layer.
+
+    Layers that trip at once make one alert (source: the worst of them) naming the count and the worst few, each
+    with the suggested fix: per-channel scales where they bring the layer back in line, else keeping it in higher
+    precision (mixed precision). The margin noted (:meth:`~lightning_diag.rules.base.Rule.observe`) is the
+    end-to-end statistic that decides: the smaller of the change over ``threshold`` and over twice its standard
+    error.
 
     Example:
         >>> rule = QuantizationErrorRule()
@@ -178,14 +209,25 @@ class QuantizationErrorRule(Rule):
         )
 
     def outlier_layers(self, layer_errors: Mapping[str, float]) -> dict[str, float]:
-        """The layers out of line: name -> their error over the median layer's, worst first."""
+        """The layers out of line: name -> their error over the median layer's, worst first.
+
+        Example:
+            >>> rule = QuantizationErrorRule()
+            >>> list(rule.outlier_layers({"a": 1e-4, "b": 2e-4, "c": 1e-4, "d": 0.5}))
+            ['d']
+            >>> tail = {f"l{i}": 1e-4 * 1.1**i for i in range(30)}  # rising 1.1x a layer to 1.6e-3, 11x the median
+            >>> rule.outlier_layers(tail)  # the end of a continuous tail, not a layer out of line
+            {}
+        """
         finite = [v for v in layer_errors.values() if math.isfinite(v)]
         if len(layer_errors) < MIN_LAYERS_FOR_MEDIAN:
             return {}
         median = statistics.median(finite) if finite else 0.0
+        apart = _above_a_jump(sorted(v for v in finite if v >= median), math.sqrt(self.layer_ratio))
         out: dict[str, float] = {}
         for name, err in layer_errors.items():
-            if err > self.min_layer_error and (not math.isfinite(err) or err > self.layer_ratio * median):
+            out_of_line = err > self.layer_ratio * median and err >= apart
+            if err > self.min_layer_error and (not math.isfinite(err) or out_of_line):
                 out[name] = err / median if median > 0 else math.inf
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
@@ -197,20 +239,31 @@ class QuantizationErrorRule(Rule):
         ctx: StepContext,
         scheme: str = "per-tensor",
         notes: Mapping[str, str] | None = None,
+        change_noise: float = math.nan,
     ) -> list[Alert]:
         """Feed one probe: the end-to-end relative loss change (``None`` when unmeasured) and each layer's
         relative output MSE under the judged scheme and under per-channel weight scales; ``notes`` adds a few
-        words on a named layer (its outlier ratios)."""
+        words on a named layer (its outlier ratios); ``change_noise`` is the standard error of the end-to-end
+        change, relative like it (``nan``: unknown)."""
         alerts: list[Alert] = []
         measured = end_to_end is not None and math.isfinite(end_to_end)
-        self.observe(math.nan if end_to_end is None else end_to_end, self.threshold)
-        if measured and self.latch.update("end_to_end", float(end_to_end or 0.0) > self.threshold):
+        change = float(end_to_end) if end_to_end is not None and measured else math.nan
+        decides = change / self.threshold
+        if math.isfinite(change_noise) and change_noise > 0:
+            decides = min(decides, change / (CHANGE_SIGNIFICANCE * change_noise))
+        self.observe(decides, 1.0)  # the statistic that decides, as a fraction of its bound
+        if measured and self.latch.update("end_to_end", decides > 1.0):
+            noise = (
+                f" ({change / change_noise:.1f} standard errors of the per-batch changes)"
+                if math.isfinite(change_noise) and change_noise > 0
+                else ""
+            )
             alerts.append(
                 self._alert(
                     ctx,
-                    f"INT8 ({scheme}) changes the validation loss by {end_to_end:.1%}, above {self.threshold:.0%}: "
-                    "quantize with per-channel scales, or keep the layers named by diag/quant/layer/* in higher "
-                    "precision (mixed-precision quantization)",
+                    f"INT8 ({scheme}) changes the validation loss by {end_to_end:.1%}{noise}, above "
+                    f"{self.threshold:.0%}: quantize with per-channel scales, or keep the layers named by "
+                    "diag/quant/layer/* in higher precision (mixed-precision quantization)",
                     "end_to_end",
                     end_to_end,
                     self.threshold,
@@ -248,3 +301,16 @@ class QuantizationErrorRule(Rule):
                 )
             )
         return alerts
+
+
+def _above_a_jump(ascending: Sequence[float], jump: float) -> float:
+    """The first value of ``ascending`` at least ``jump`` times the one before it (``inf`` if none).
+
+    Example:
+        >>> _above_a_jump([1.0, 1.2, 1.5, 90.0, 100.0], 3.0), _above_a_jump([1.0, 1.2, 1.5], 3.0)
+        (90.0, inf)
+    """
+    for low, high in itertools.pairwise(ascending):
+        if high > 0 and high >= jump * low:
+            return float(high)
+    return math.inf

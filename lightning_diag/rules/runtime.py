@@ -13,14 +13,22 @@ Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.run
   ``share`` of the matmul layers' parameters (``nn.Linear``, ``nn.Conv*``) computed in float32 on a sampled
   training step: the forward escapes autocast (an ``autocast(enabled=False)`` block, inputs cast after it), so
   the run pays for float32. Judged once per fit, on its first training batch.
-* ``loss_outlier`` (warning): a training step's loss jumps back to the level of the untrained model: on a log scale
-  (all losses positive; their own scale otherwise) more than ``threshold`` robust standard deviations (1.4826 x
-  the median absolute deviation) above the median of the (up to) ``window`` steps before it, that bound times
-  ``sqrt((window / 2) / n)`` while only ``n < window / 2`` steps are known; more than ``ratio`` times their
-  median; and at least half the median loss of the fit's first ``window / 4`` steps. A transient corruption (a
-  batch copied as zeros, a bad shard) looks so; a healthy run's hard batch near convergence, a heavy-tailed
-  regression batch or a single sample's loss at batch size 1 rises far less on the log scale, where its spread
-  is measured. Needs ``window / 4`` steps of history; judged on logging steps over the steps since the last one.
+* ``loss_outlier`` (warning): a training step's loss jumps back to the level of the untrained model for that step
+  alone: on a log scale (all losses positive; their own scale otherwise) more than ``threshold`` robust standard
+  deviations (1.4826 x the median absolute deviation) above the median of the (up to) ``window`` steps before it,
+  that bound times ``sqrt((window / 2) / n)`` while only ``n < window / 2`` steps are known; more than ``ratio``
+  times their median; at least the median loss of the fit's first ``window / 4`` steps (the untrained level); and
+  **isolated**: the losses of the steps just before and just after it are at most ``ratio`` times that median and at
+  most its own loss over ``ratio``. A transient corruption (a batch copied as zeros, a bad record) looks so: one
+  step, its neighbours normal batches. A healthy run's hard batch near convergence, a heavy-tailed regression batch
+  or a single sample's loss at batch size 1 rises far less on the log scale, where its spread is measured, and stays
+  below the untrained level; an optimisation spike (SGD's catapult at a large learning rate, Adam's loss spike on a
+  converged model) rises and decays over several steps, so its neighbours are elevated too. Needs ``window / 4``
+  steps of history; judged on logging steps over the steps since the last one, each step once its successor is
+  known (the last step of a chunk at the next call). Under gradient accumulation a step is its micro-batches (the
+  most losses fed for one global step): the neighbours are the losses just outside them. Corrupted batches on
+  several steps in a row are not isolated and not judged outliers (``zero_output`` sees a corrupted copy on sampled
+  steps).
 * ``zero_output`` (warning): a module's output is all zeros on a sampled training step while it was non-zero on
   each of its (at least ``threshold``) measurements before and never zero: a copy between devices or ranks that
   arrived as zeros (a faulty link, a failed transfer). Transitions are judged, not the state: a module whose output
@@ -36,6 +44,7 @@ Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.run
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -122,7 +131,7 @@ LOSS_OUTLIER_SPEC = register(
         "warning",
         8.0,
         "a training step's loss more than {threshold:g} robust standard deviations and {ratio:g}x above the median "
-        "of the {window:g} steps before it, back at the untrained model's level",
+        "of the {window:g} steps before it, back at the untrained model's level, the steps around it normal",
         settings={"ratio": 2.0, "window": 32},
         limits={"threshold": POSITIVE, "ratio": Limit(low=1.0), "window": Limit(low=4, integer=True)},
     )
@@ -347,11 +356,14 @@ def loss_outliers(
     ratio: float,
     window: int,
     floor: float | None = None,
+    before: Sequence[float] = (),
+    after: Sequence[float] = (),
+    span: int = 1,
 ) -> list[tuple[int, float, float]]:
     """The steps of ``new`` whose loss is an upward outlier against the (up to) ``window`` losses before it.
 
-    See :func:`outlier_excess` for the test; outliers do not enter the reference, and non-finite losses (the
-    non-finite rules' concern) are not judged.
+    See :func:`judge_losses` (the neighbours) and :func:`outlier_excess` (the test); outliers do not enter the
+    reference, and non-finite losses (the non-finite rules' concern) are not judged.
 
     Returns:
         ``(index into new, loss, median)`` of each outlier.
@@ -362,10 +374,12 @@ def loss_outliers(
         [(1, 4.0, 0.5)]
         >>> loss_outliers(hist, [0.45, 0.9, 0.5], 10.0, 2.0, 32, floor=0.7)  # a hard batch, not the untrained level
         []
+        >>> loss_outliers(hist, [0.45, 4.0, 3.0], 10.0, 2.0, 32, floor=0.7)  # not isolated: a spike of the run
+        []
         >>> loss_outliers(hist[:7], [4.0], 10.0, 2.0, 32)  # not enough history (8 steps)
         []
     """
-    judged = judge_losses(history, new, threshold, ratio, window, floor)
+    judged = judge_losses(history, new, threshold, ratio, window, floor, before, after, span)
     return [(i, x, med) for i, x, excess, med in judged if excess > 1.0]
 
 
@@ -376,19 +390,33 @@ def judge_losses(
     ratio: float,
     window: int,
     floor: float | None = None,
+    before: Sequence[float] = (),
+    after: Sequence[float] = (),
+    span: int = 1,
 ) -> list[tuple[int, float, float, float]]:
-    """``(index into new, loss, excess, median)`` of every finite loss of ``new`` (:func:`outlier_excess` against
-    the up to ``window`` losses before it that were not outliers)."""
+    """``(index into new, loss, excess, median)`` of every finite loss of ``new``: :func:`outlier_excess` against
+    the up to ``window`` losses before it that were not outliers, with its neighbours in the finite sequence
+    ``*before, *new, *after``: the losses just outside a run of ``span`` consecutive losses that holds it (the
+    micro-batches of one optimizer step under gradient accumulation: ``span`` of them), the run whose larger
+    outside neighbour is the smallest. A neighbour beyond the sequence is unknown, not required."""
     past = [v for v in history if math.isfinite(v)][-window:]
+    finite = [(i, float(x)) for i, x in enumerate(new) if math.isfinite(x)]
+    head = [float(v) for v in before if math.isfinite(v)]
+    sequence = [*head, *(x for _, x in finite), *(float(v) for v in after if math.isfinite(v))]
+    span = max(int(span), 1)
     out = []
-    for i, x in enumerate(new):
-        if not math.isfinite(x):
-            continue
-        excess, med = outlier_excess(past, x, threshold, ratio, window, floor)
-        out.append((i, float(x), excess, med))
+    for k, (i, x) in enumerate(finite):
+        at = len(head) + k
+        runs = [
+            [sequence[n] for n in (start - 1, start + span) if 0 <= n < len(sequence)]
+            for start in range(at - span + 1, at + 1)
+        ]
+        neighbours = min(runs, key=lambda nb: max(nb, default=-math.inf))
+        excess, med = outlier_excess(past, x, threshold, ratio, window, floor, neighbours)
+        out.append((i, x, excess, med))
         if excess > 1.0:
             continue  # an outlier does not enter the reference
-        past.append(float(x))
+        past.append(x)
         if len(past) > window:
             past.pop(0)
     return out
@@ -405,7 +433,13 @@ def loss_outlier_min_history(window: int) -> int:
 
 
 def outlier_excess(
-    past: Sequence[float], x: float, threshold: float, ratio: float, window: int, floor: float | None = None
+    past: Sequence[float],
+    x: float,
+    threshold: float,
+    ratio: float,
+    window: int,
+    floor: float | None = None,
+    neighbours: Sequence[float] = (),
 ) -> tuple[float, float]:
     """How far loss ``x`` is past ``loss_outlier``'s bound against the losses ``past`` before it, with their
     median: ``(excess, median)``; an excess above 1 is an outlier, ``nan`` means not judged.
@@ -416,12 +450,17 @@ def outlier_excess(
     deviation) of the past on that scale, ``x`` is an outlier when ``(f(x) - m) / s`` is above ``threshold`` times
     ``sqrt(max(1, (window / 2) / n))`` (``n`` past losses, at least ``window // 4``: a shorter history is judged
     against a correspondingly stricter bound), ``x`` is above ``ratio`` times the past's median and at least
-    ``floor``. The excess is the smallest of the three ratios to their bounds.
+    ``floor``, and it is isolated: each of its ``neighbours`` (the losses of the steps just before and after it)
+    is at most ``ratio`` times that median and at most ``x / ratio`` (with a median of 0 or below: rises above it
+    at most half as much as ``x``). The excess is the smallest of the ratios to their bounds (the isolation's: the
+    smaller of ``ratio x median`` and ``x / ratio`` over the larger neighbour), the statistic that decides.
 
     Example:
         >>> past = [0.1, 0.12, 0.09, 0.11, 0.1, 0.13, 0.1, 0.08]  # 8 steps: judged against 10 * sqrt(16 / 8)
         >>> [(round(excess, 2), med) for excess, med in (outlier_excess(past, x, 10.0, 2.0, 32) for x in (0.3, 4.0))]
         [(0.33, 0.1), (1.12, 0.1)]
+        >>> round(outlier_excess(past, 4.0, 10.0, 2.0, 32, neighbours=[0.1, 0.8])[0], 2)  # the step after: 8x
+        0.25
     """
     n = len(past)
     if n < loss_outlier_min_history(window):
@@ -440,6 +479,12 @@ def outlier_excess(
     parts = [z / bound, x / (ratio * med) if med > 0 else (math.inf if x > 0 else 0.0)]
     if floor is not None and floor > 0:
         parts.append(x / floor)
+    if neighbours:
+        top = max(neighbours)
+        if med > 0:  # each neighbour at most ratio x the median, and x at least ratio x each neighbour
+            parts.append(min(ratio * med, x / ratio) / top if top > 0 else math.inf)
+        else:
+            parts.append(0.5 * (x - med) / (top - med) if top > med else math.inf)
     return min(parts), med
 
 
@@ -450,7 +495,8 @@ def _median(ordered: Sequence[float]) -> float:
 
 
 class LossOutlierRule(Rule):
-    """``loss_outlier``: per-step training losses judged against their own recent median and spread.
+    """``loss_outlier``: per-step training losses judged against their own recent median and spread, each once the
+    step after it is known (it must be isolated: see :func:`outlier_excess`).
 
     Example:
         >>> rule = LossOutlierRule(window=8)
@@ -458,10 +504,12 @@ class LossOutlierRule(Rule):
         []
         >>> [(a.rule, a.global_step) for a in rule.update([0.2, 2.1, 0.2], [9, 10, 11], StepContext(0, 11))]
         [('loss_outlier', 10)]
+        >>> rule.update([0.2, 2.1], [12, 13], StepContext(0, 13)), rule.pending  # step 13 waits for step 14
+        ([], [[13.0, 2.1]])
     """
 
     specs = (LOSS_OUTLIER_SPEC,)
-    state_keys = ("history", "initial", "outliers", "first")
+    state_keys = ("history", "initial", "outliers", "first", "pending", "before", "span")
 
     def __init__(
         self,
@@ -481,10 +529,17 @@ class LossOutlierRule(Rule):
         self.first: list[float] = []
         #: Outliers found so far in this fit.
         self.outliers = 0
+        #: ``[global step, loss]`` of the last ``span`` finite losses fed, judged when as many after them are known.
+        self.pending: list[list[float]] = []
+        #: The last ``span`` losses judged (the neighbours before the pending ones).
+        self.before: list[float] = []
+        #: Losses a step: 1, or the micro-batches of an optimizer step under gradient accumulation.
+        self.span = 1
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before ``first`` was saved loads with none."""
-        super().load_state_dict({"first": [], **state})
+        """Restore :meth:`state_dict` output; a checkpoint from before ``first`` / ``pending`` were saved loads
+        with none."""
+        super().load_state_dict({"first": [], "pending": [], "before": [], "span": 1, **state})
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> LossOutlierRule:
@@ -493,34 +548,54 @@ class LossOutlierRule(Rule):
         return cls(spec.value(thresholds), spec.value(thresholds, "ratio"), int(spec.value(thresholds, "window")))
 
     def update(self, losses: Sequence[float], steps: Sequence[int], ctx: StepContext) -> list[Alert]:
-        """Feed the per-step losses since the last call (``steps``: their global steps); return the alerts."""
+        """Feed the per-step losses since the last call (``steps``: their global steps); return the alerts. Each
+        finite loss is judged when the ``span`` losses after it are known (one, or the micro-batches of a step
+        under gradient accumulation: the most losses fed for one global step): the last ones wait for the next
+        call."""
+        fed = [(int(t), float(v)) for t, v in zip(steps, losses, strict=False) if math.isfinite(v)]
         if self.initial is None:
-            self.first = self.first + [float(v) for v in losses if math.isfinite(v)]
+            self.first = self.first + [v for _, v in fed]
             need = loss_outlier_min_history(self.window)
             if len(self.first) >= need:
                 self.initial = _median(sorted(self.first[:need]))
                 self.first = []
-        floor = None if self.initial is None else 0.5 * self.initial
-        judged = judge_losses(self.history, losses, self.threshold, self.ratio, self.window, floor)
+        per_step = collections.Counter(t for t, _ in fed)
+        self.span = max(self.span, *per_step.values()) if per_step else self.span
+        sequence = [(int(t), float(v)) for t, v in self.pending] + fed
+        cut = max(len(sequence) - self.span, 0)
+        judged_now, waiting = sequence[:cut], sequence[cut:]
+        values = [v for _, v in judged_now]
+        judged = judge_losses(
+            self.history,
+            values,
+            self.threshold,
+            self.ratio,
+            self.window,
+            self.initial,
+            self.before,
+            [v for _, v in waiting],
+            self.span,
+        )
         for _, _, excess, _ in judged:
             self.observe(excess, 1.0)
         found = [(i, x, med) for i, x, excess, med in judged if excess > 1.0]
         bad = {i for i, _, _ in found}
-        self.history = (self.history + [float(v) for i, v in enumerate(losses) if i not in bad and math.isfinite(v)])[
-            -self.window :
-        ]
+        self.history = (self.history + [v for i, v in enumerate(values) if i not in bad])[-self.window :]
+        self.before = (self.before + values)[-self.span :]
+        self.pending = [[float(t), v] for t, v in waiting]
         self.outliers += len(found)
         if not self.latch.update("loss", bool(found)) or not found:
             return []
         i, x, med = found[0]
-        at = [int(steps[j]) for j, _, _ in found]
+        at = [judged_now[j][0] for j, _, _ in found]
         where = ", ".join(map(str, at[:_SHOWN])) + (f" and {len(at) - _SHOWN} more" if len(at) > _SHOWN else "")
         alert = self._alert(
-            StepContext(ctx.epoch, int(steps[i])),
+            StepContext(ctx.epoch, judged_now[i][0]),
             f"the training loss of step(s) {where} jumps back to the untrained model's level: {x:.4g} against a "
             f"median of {med:.4g} over the steps before (more than {self.threshold:g} robust standard deviations "
-            f"and {self.ratio:g}x above). Single steps like this point to a corrupted batch or transfer (inputs "
-            "copied as zeros, a broken shard or record) rather than to optimisation: check the data of that step",
+            f"and {self.ratio:g}x above), while the steps just before and after it are normal. Single steps like "
+            "this point to a corrupted batch or transfer (inputs copied as zeros, a broken shard or record) rather "
+            "than to optimisation: check the data of that step",
             source="loss",
             value=x,
             threshold=self.threshold,

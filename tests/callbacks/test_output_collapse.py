@@ -71,7 +71,7 @@ def _fit(tmp_path, model, alarm, max_steps=30, batch_size=8, **kwargs):
 
 
 # -- the faults of the library and their healthy twins -------------------------------------------------------------
-def test_label_scale_oracle_predictions_are_constant_from_the_onset(tmp_path):
+def test_label_scale_oracle_predictions_collapse_from_the_start(tmp_path):
     model, data, fault = build_fault("label_scale")
     spreads: dict[int, float] = {}
 
@@ -83,17 +83,18 @@ def test_label_scale_oracle_predictions_are_constant_from_the_onset(tmp_path):
     pl.seed_everything(0, verbose=False)  # as run_demo
     trainer = pl.Trainer(max_steps=60, default_root_dir=tmp_path, deterministic=True, **FAST)
     trainer.fit(model, datamodule=data)
-    assert fault.onset_step == 40 and spreads[0] > 1e-2
+    assert fault.onset_step == 0 and spreads[0] > 1e-2  # wrong labels from the first step; the output varies there
     late = [spreads[s] for s in range(45, 60)]
     assert max(late) < 1e-3 and late.count(0.0) >= 12  # every input gets the same output from step 45
 
 
-@pytest.mark.parametrize(("fault", "step"), [("label_scale", 55), ("single_softmax", 10)])
-def test_collapse_faults_are_named_at_their_first_eligible_measurements(tmp_path, fault, step):
+@pytest.mark.parametrize(("fault", "step", "value"), [("label_scale", 40, 0.01), ("single_softmax", 10, 0.0)])
+def test_collapse_faults_are_named_at_their_first_eligible_measurements(tmp_path, fault, step, value):
     result = run_demo(fault, root=str(tmp_path))
     hits = _warnings(result.alerts, "output_collapse")
     assert [(a.global_step, a.source) for a in hits] == [(step, "<root>")]  # patience 3, measured every 5 steps
-    assert "no longer depend on the input" in hits[0].message and hits[0].value == 0.0
+    assert "no longer depend on the input" in hits[0].message and "relative spread of the inputs" in hits[0].message
+    assert hits[0].value is not None and hits[0].value <= value  # label_scale: still narrowing at its 3rd step
     assert _warnings(result.alerts, "zero_output") == []  # dead ReLU units are not a corrupted copy
 
 
@@ -131,11 +132,32 @@ def test_watch_prefers_the_lightning_modules_own_output_and_its_logits():
     net = Wrapped()
     watch = OutputSpreadWatch(net)
     watch.start()
-    net(torch.randn(5, 3))
+    x = torch.randn(5, 3)
+    net(x)
     watch.stop()
     name, stats = watch.take()
-    assert name == "<root>" and stats.tolist() == [0.0, 1.0, 5.0]  # the constant logits, not body's output
+    assert name == "<root>" and stats[:3].tolist() == [0.0, 1.0, 5.0]  # the constant logits, not body's output
+    assert stats[3:].tolist() == pytest.approx(output_spread(x)[:2].tolist())  # and the input's spread and level
     assert watch.take() is None and not any(m._forward_hooks for m in net.modules())
+
+
+def test_the_input_spread_is_unknown_for_token_ids_and_the_output_is_judged_alone():
+    embed = nn.Embedding(10, 4)
+    watch = OutputSpreadWatch(embed)
+    watch.start()
+    embed(torch.tensor([[1, 2], [3, 4]]))
+    watch.stop()
+    _, stats = watch.take()
+    assert all(v != v for v in stats[3:].tolist())  # nan: no floating-point input
+    from lightning_diag.rules.base import StepContext
+    from lightning_diag.rules.output_collapse import OutputCollapseRule
+
+    alone, against = OutputCollapseRule(patience=1), OutputCollapseRule(patience=1)
+    (alert,) = alone.update(0.005, 1.0, 8, "<root>", StepContext(0, 0))  # 0.005 of the level, inputs unknown
+    assert alert.value == pytest.approx(0.005 / 1.005) and "inputs' spread not known" in alert.message
+    # the same outputs from inputs that are as narrow (a denoiser's cloud): they follow their inputs
+    assert against.update(0.005, 1.0, 8, "<root>", StepContext(0, 0), 0.02) == []
+    assert against.last == pytest.approx(0.005 / 1.005 / 0.02)
     assert output_spread(torch.tensor([2.0])).tolist() == [0.0, 2.0, 1.0]
 
 

@@ -1,6 +1,7 @@
 """sharp_minimum and quantization_error: table-driven, framework-free."""
 
 import math
+import statistics
 
 import pytest
 
@@ -89,3 +90,44 @@ def test_quantization_layer_table(name, errors, per_channel, named, fix):
     assert alert.source == named[0] and alert.severity == "warning", name
     assert f"{len(named)} layer(s)" in alert.message and all(n in alert.message for n in named), name
     assert fix in alert.message, name
+
+
+# -- calibration (issue 44): each statistic judged against the noise of what it compares ------------------------
+def test_an_end_to_end_change_within_its_own_noise_is_not_an_alert():
+    ok = {"a": 1e-4, "b": 1e-4, "c": 2e-4}
+    # a contrastive loss INT8 moves up on one batch and down on the other: 6% on average, 5% standard error
+    noisy = QuantizationErrorRule()
+    assert noisy.update(0.06, ok, ok, StepContext(0, 0), change_noise=0.05) == []
+    assert noisy.peaks["quantization_error"] == pytest.approx(0.06 / (2 * 0.05))  # the bound that decided
+    # the same change, consistent over the batches: an alert that quotes its significance
+    (alert,) = QuantizationErrorRule().update(0.06, ok, ok, StepContext(0, 0), change_noise=0.005)
+    assert alert.source == "end_to_end" and "12.0 standard errors" in alert.message
+
+
+def test_a_continuous_tail_of_layer_errors_is_not_a_layer_out_of_line():
+    # a deep ReLU stack (calibration's healthy_deep_relu): 70 layers, the deepest rising to 11x the median
+    errors = [1e-4 * 1.01**i for i in range(35)] + [1.5e-4 * 1.08**j for j in range(35)]  # 1.1x steps at most
+    tail = {f"net.{i}.fc1": e for i, e in enumerate(errors)}
+    assert max(errors) > 10 * statistics.median(errors) and max(errors) > 1e-3
+    assert QuantizationErrorRule().update(0.001, tail, tail, StepContext(0, 0)) == []
+    # one of them with an outlier weight stands far above the tail: named
+    broken = {**tail, "net.40.fc1": 0.5}
+    (alert,) = QuantizationErrorRule().update(0.001, broken, tail, StepContext(0, 0))
+    assert alert.source == "net.40.fc1" and "1 layer(s)" in alert.message
+
+
+def test_an_outlier_layer_and_the_layer_it_feeds_two_bad_of_five():
+    # the probe test's broken ReluNet: the outlier weight's layer and the next one both lose precision
+    errors = {"net.0": 7e-5, "net.3": 1.3e-4, "net.5": 0.83, "net.7": 3e-3, "net.9": 7.7e-3}
+    (alert,) = QuantizationErrorRule().update(0.0, errors, errors, StepContext(0, 0))
+    assert alert.source == "net.5" and "1 layer(s)" in alert.message  # net.9 (2.6x the median) is not
+
+
+def test_the_sharp_minimum_margin_is_the_statistic_that_decides():
+    rule = SharpMinimumRule(threshold=0.3, patience=3)
+    for i, gap in enumerate([0.67, 0.21, 0.13, 0.09, 0.09]):  # calibration's healthy_denoiser: one sharp probe
+        assert rule.update(gap, StepContext(i, i)) == []
+    assert rule.peaks["sharp_minimum"] == pytest.approx(0.13 / 0.3)  # the smallest of 3 probes, at its largest
+    resumed = SharpMinimumRule(threshold=0.3, patience=3)
+    resumed.load_state_dict(rule.state_dict())
+    assert resumed.recent == rule.recent == [0.13, 0.09, 0.09]
