@@ -33,7 +33,9 @@ faults rather than architecture (the measurements behind each choice are in ``do
   loss known, the verdict names the cause: loss at most ``converged_fraction`` of its initial value: the model
   **converged** (an ``info``); loss not 10% below its initial value: a **dead network** (a warning: typically a
   learning rate far too high or dead ReLUs); otherwise the gradients **vanished** while the loss is far from its
-  floor (a warning).
+  floor (a warning). Its margin (:attr:`Rule.peaks`) is that of the warning: the limit over the largest norm of the
+  latest ``patience`` measurements where the verdict is not **converged** (0 where it is, or while the model is
+  still learning), so a converged run's ``info`` does not count.
 * ``grad_frozen``: see :class:`~lightning_diag.rules.grad_frozen.GradFrozenRule` (in ``rules/grad_frozen.py``).
 
 When several layers cross one threshold at the same measurement they make one alert naming them (count and the
@@ -740,7 +742,6 @@ class GradCollapseRule(Rule):
                 self.baseline = statistics.median(self.early)
             return []
         limit = self.collapse_ratio * self.baseline
-        self.observe(norm, limit, above=False)
         self.streak = self.streak + 1 if norm < limit else 0
         recent = statistics.mean(self.recent_losses) if self.recent_losses and loss is not None else None
         kind = self.verdict(recent)
@@ -751,6 +752,10 @@ class GradCollapseRule(Rule):
         # weight decay keeps the weights moving).
         learning = kind == "vanished" and recent is not None and self.still_learning()
         collapsed = self.streak >= self.patience and (not learning or "global" in self.latch.active)
+        # the margin of the warning: the largest norm of the latest `patience` against the limit, where the loss
+        # says neither converged (an info) nor still learning
+        warns = kind != "converged" and (not learning or "global" in self.latch.active)
+        self.observe_held("global", excess(norm, limit, above=False), self.patience, math.inf if warns else 0.0)
         if not self.latch.update("global", collapsed, excess(norm, limit, above=False)):
             return []
         initial = self.initial_loss

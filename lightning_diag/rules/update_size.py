@@ -18,6 +18,9 @@ out: a learning rate of 0 or a part kept still on purpose, ``update_none`` / ``g
   measurements has fallen less than ``loss_fall`` below the median of the first ``grad.patience`` (the initial
   loss); judged from the ``2 x grad.patience``-th measurement with a loss on (the two windows apart). Without a
   loss (none reached the monitor) nothing is judged.
+
+Margin (:attr:`Rule.peaks`): the threshold over the largest median of the latest ``grad.patience`` measurements
+while the other conditions hold (0 where one does not): above 1 exactly where the rule fires.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import FRACTION, POSITIVE, RuleSpec, default, register
-from lightning_diag.rules.base import Latch, Rule, StepContext, name_layers
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.loss_windows import LossWindows
 
@@ -127,7 +130,6 @@ class UpdateSizeRule(Rule):
         if not moving:
             return []
         median = statistics.median(moving.values())
-        self.observe(median, self.threshold, above=False)
         small = median < self.threshold
         if not small:
             self.moved = True
@@ -139,10 +141,12 @@ class UpdateSizeRule(Rule):
             self.streak, self.streak_start = 0, None
         start = self.streak_start or median
         growing = median > GROWTH * start
-        tripped = (
-            small and self.streak >= self.patience and not self.moved and not growing
-            and self.losses.not_learning(self.loss_fall)
-        )  # fmt: skip
+        gates = not self.moved and not growing and self.losses.not_learning(self.loss_fall)
+        # the margin: the largest median of the streak against the threshold, while the other conditions hold
+        self.observe_held(
+            "model", excess(median, self.threshold, above=False), self.patience, math.inf if gates else 0.0
+        )
+        tripped = small and self.streak >= self.patience and gates
         if not self.latch.update("model", tripped):
             return []
         initial, recent = self.losses.initial, self.losses.latest

@@ -175,6 +175,16 @@ def test_collapse_verdict_table(late_loss, severity, word):
     assert word in out[0][2]
 
 
+@pytest.mark.parametrize(("late_loss", "margin"), [(0.01, 0.01), (1.5, 1e4 / 100)])
+def test_collapse_margin_is_the_warnings(late_loss, margin):
+    # a converged model's collapse is an info: its margin stays that of the healthy norms before it (limit 0.01 / 1);
+    # a dead one's is the limit over the streak's norm
+    rule = GradCollapseRule()
+    for i, (n, loss) in enumerate(zip([1.0] * 8 + [1e-4] * 5, [1.4] * 8 + [late_loss] * 5, strict=True)):
+        rule.update(n, StepContext(0, i), loss)
+    assert rule.peaks["grad_collapse"] == pytest.approx(margin)
+
+
 def collapse_with_updates(updates, late_loss, norms=None):
     """The blocks' gradient falls 1e4x at measurement 8 while the loss falls to ``late_loss``; ``updates[i]`` is the
     model's relative update observed after measurement ``i`` (every layer alike)."""
