@@ -37,8 +37,10 @@ in training (a frozen layer whose outputs are all zero is the model's design, or
 
 Margin (:attr:`Rule.peaks`, for the calibration harness): per layer, the smallest share over the latest
 ``grad.patience`` measurements as a fraction of ``threshold``, and for ``dead_units`` at most the share as a fraction
-of ``certain`` where the loss does not confirm; above 1 exactly where the layer's condition held. Each layer is latched until it clears; layers that
-trip while others of the same rule are in alarm join that event without a new alert.
+of ``certain`` where the loss does not confirm; above 1 exactly where the layer's condition held.
+
+Each layer is latched until it clears; layers that trip while others of the same rule are in alarm join that event
+without a new alert.
 """
 
 from __future__ import annotations
