@@ -211,7 +211,7 @@ def test_switched_off_activation_rules_attach_no_hook(tmp_path):
 
 # -- resume -----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("fault", "rule", "stop"), [("tiny_lr", "update_too_small", 20), ("dead_relu", "dead_units", 10)]
+    ("fault", "rule", "stop"), [("tiny_lr", "update_too_small", 10), ("dead_relu", "dead_units", 10)]
 )
 def test_a_resumed_fit_alerts_at_the_same_step_as_an_uninterrupted_one(tmp_path, fault, rule, stop):
     def fit(max_steps, monitor, ckpt=None):

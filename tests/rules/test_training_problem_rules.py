@@ -127,7 +127,9 @@ def _feed(rule, ratios, losses):
 def test_tiny_updates_with_a_flat_loss_alert_once_the_loss_trend_is_known():
     rule = UpdateSizeRule(patience=3)
     alerts = _feed(rule, [{"a": 1e-7, "b": 3e-7, "c": 2e-7}] * 8, [0.69, 0.691, 0.689, 0.69, 0.69, 0.688, 0.69, 0.69])
-    assert [(a.rule, a.global_step) for a in alerts] == [("update_too_small", 5)]  # the 6th: two windows of 3
+    # the third measurement: the first eligible one (the ratios' streak of 3 and the loss's trend over 3 points)
+    assert [(a.rule, a.global_step) for a in alerts] == [("update_too_small", 2)]
+    assert "while the loss is not falling (its trend over 3 measurements: 0.689, from 0.69)" in alerts[0].message
     assert "2e-07" in alerts[0].message and "learning rate is far too small" in alerts[0].message
 
 
@@ -157,7 +159,7 @@ def test_layers_kept_still_are_left_out_of_the_median():
     # the head's 1e-3 is the median: the model moved, so the rule can no longer fire and its margin is 0
     assert rule.peaks["update_too_small"] == 0.0
     still = UpdateSizeRule(patience=1)
-    alerts = _feed(still, [{"backbone.0": 0.0, "head": 1e-7}] * 2, [0.69] * 2)
+    alerts = _feed(still, [{"backbone.0": 0.0, "head": 1e-7}] * 3, [0.69] * 3)
     assert [a.value for a in alerts] == [pytest.approx(1e-7)]
 
 
