@@ -13,7 +13,8 @@ faults rather than architecture (the measurements behind each choice are in ``do
   ``k`` steps of at most ``lr / (1 - momentum)`` times a gradient each, so some gradient since the fit began had an
   RMS per element of at least ``| ||W_b|| - ||W_a|| | (1 - momentum) / (lr k sqrt(numel))``. That lower bound
   above ``explode_threshold`` is an explosion the measurements fell between (the fault library's ``explode`` with
-  seed 1: RMS 46 and 20550 at steps 2 and 3, every unit of the head dead by the measurement at step 4).
+  seed 1: RMS 46 and 20550 at steps 2 and 3, every unit of the head dead by the measurement at step 4). Weights
+  changed outside the optimizer between two readings (pruning, a reload) count as a move.
 * ``grad_vanish``: a **weight matrix's relative gradient** ``||g_W|| / ||W||`` below ``vanish_threshold`` *and*
   more than ``relative`` times below the largest relative gradient of the blocks' matrices (the best-fed block),
   on ``patience`` consecutive measurements after ``warmup_steps``, while that block itself is above
