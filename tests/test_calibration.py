@@ -208,8 +208,10 @@ def test_rules_note_their_statistic_against_their_threshold() -> None:
     starved.update({"w1": 1.0}, StepContext(0, 60), relative={"w1": 1e-2, "w2": 5e-4})
     assert starved.peaks["grad_vanish"] == pytest.approx(0.01)  # its update 100x short of 100x below the top
     collapse = GradCollapseRule(patience=3, baseline_measurements=1)
-    assert collapse.update(1.0, StepContext(0, 0)) == [] and collapse.update(0.005, StepContext(0, 5)) == []
-    assert collapse.peaks == {"grad_collapse": pytest.approx(2.0)}  # past its threshold once: patience holds it
+    assert collapse.update(1.0, StepContext(0, 0)) == []
+    assert [a for i, n in enumerate((0.005, 0.005, 0.02)) for a in collapse.update(n, StepContext(0, 5 + i))] == []
+    # past its threshold twice, not on 3 consecutive measurements: the margin is the window's weakest, 0.01 / 0.02
+    assert collapse.peaks == {"grad_collapse": pytest.approx(0.5)}
     memory = MemoryGrowthRule(threshold=0.1, window=3, rising_fraction=0.5)
     for i, value in enumerate([100.0, 102.0, 104.0]):
         memory.update(StepContext(0, i), {"host_rss": value})

@@ -36,7 +36,13 @@ from lightning_diag.callbacks.silent_updates import (
     SilentUpdateChecks,
     optimizer_position,
 )
-from lightning_diag.core.tags import act_grad_norm_tag, dead_units_tag, saturation_tag, zero_grad_tag
+from lightning_diag.core.tags import (
+    act_grad_norm_tag,
+    dead_units_tag,
+    saturation_tag,
+    weight_norm_tag,
+    zero_grad_tag,
+)
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.act_grads import ActivationGradients
 from lightning_diag.instrument.activation_watch import MIN_ROWS, ActivationWatch
@@ -50,6 +56,7 @@ from lightning_diag.rules.grad import (
     GradBandRule,
     GradCollapseRule,
     GradSpreadRule,
+    sgd_step_scale,
 )
 from lightning_diag.rules.grad_frozen import GradFrozenRule
 from lightning_diag.rules.update_size import UpdateSizeRule
@@ -514,6 +521,14 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             return
         m = measure_step(index, chosen, loss, self._reduce(trainer))
         self.record(self.collapse_rule.update(m.blocks, self.context(trainer), m.loss))
+        if m.weight_squares is not None:  # grad_explode between measurements: the weights' norms at step 0
+            sizes = _layer_sizes(index, chosen)
+            squares = dict.fromkeys(sizes, 0.0)
+            for i, sq in zip(chosen, m.weight_squares.tolist(), strict=True):  # once per fit
+                squares[index.layers[index.layer_of[i]]] += sq
+            norms = {k: v**0.5 for k, v in squares.items()}
+            self.record(self.band_rule.observe_weights(
+                norms, sizes, self.context(trainer), sgd_step_scale(optimizer.param_groups)))  # fmt: skip
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -537,9 +552,24 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
         # grad_vanish also asks whether the layer's update is starved (an adaptive optimizer rescales gradients)
         ratios = layer_update_ratios(self._index, values)
+        if len(trainer.optimizers) == 1:  # grad_explode between measurements: the weights against the last reading
+            sizes = _layer_sizes(self._index, [i for chosen, _, _ in pending for i in chosen])
+            norms = {k: values[weight_norm_tag(k)] for k in sizes if weight_norm_tag(k) in values}
+            at = StepContext(trainer.current_epoch, max(trainer.global_step - 1, 0))  # the measured step
+            sgd = sgd_step_scale(trainer.optimizers[0].param_groups)
+            self.record(self.band_rule.observe_weights(norms, sizes, at, sgd))
         self.band_rule.observe_updates(ratios)
         self.spread_rule.observe_updates(ratios)  # grad_layer_spread: the slow side's update must be starved too
         self.collapse_rule.observe_updates(ratios)  # grad_collapse: "vanished" needs the updates to stop too
         loss, self._measured_loss = self._measured_loss, None
         measured = StepContext(trainer.current_epoch, max(trainer.global_step - 1, 0))  # the step of the ratios
         self.record(self.update_size_rule.update(ratios, measured, loss))
+
+
+def _layer_sizes(index: ParamIndex, chosen: list[int]) -> dict[str, int]:
+    """``{layer: elements}`` of the ``chosen`` parameters (measured steps only)."""
+    sizes: dict[str, int] = {}
+    for i in chosen:
+        layer = index.layers[index.layer_of[i]]
+        sizes[layer] = sizes.get(layer, 0) + index.numel[i]
+    return sizes

@@ -153,11 +153,13 @@ class ZeroGradWatch:
 class SilentUpdateChecks:
     """The update sampling and ``grad_not_zeroed`` watch of :class:`~lightning_diag.GradientFlowMonitor`.
 
-    A mixin: the host class provides ``_index``, ``update_sample_size``, ``writer``, ``record``,
+    A mixin: the host class provides ``_index``, ``_measured_loss`` (the measured step's training loss),
+    ``update_sample_size``, ``writer``, ``record``,
     ``threshold_lines``, ``update_rule`` and ``not_zeroed_rule``.
     """
 
     _index: ParamIndex | None
+    _measured_loss: float | None
     update_sample_size: int
     update_rule: UpdateRule
     not_zeroed_rule: GradNotZeroedRule
@@ -351,7 +353,9 @@ class SilentUpdateChecks:
             }
             shares = {updates_unchanged_tag(k): v.share for k, v in updates.items() if v.counted}
             self.writer.scalars({**shares, **self.threshold_lines(UPDATE_STALE)}, step)
-            self.record(self.update_rule.update(updates, ctx))
+            # the measured step's training loss (the first optimizer's; GradientFlowMonitor keeps it until the
+            # update ratios are judged, after this)
+            self.record(self.update_rule.update(updates, ctx, self._measured_loss))
         if verdicts:
             stale: set[str] = set()
             optimizers: set[str] = set()

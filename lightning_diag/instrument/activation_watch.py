@@ -22,6 +22,9 @@ Exact quantities:
   only where a trainable layer runs after the activation: an output head's sigmoid saturates when the model is
   confident, which is not a fault.
 
+A dead share also says whether a frozen layer ran before the activation's own layer in the forward (the layer
+reads a frozen part's fixed features; ``dead_units`` then needs nearly every unit dead).
+
 Activations after a frozen layer (no parameter requiring a gradient), with no layer before them, or on distributed
 tensors (``DTensor``) are not measured; nor is a model that runs through ``torch.compile`` (the callback does not
 attach the watch: hooks added and removed every measured step would recompile it).
@@ -67,6 +70,7 @@ class _Call:
     order: int
     limit: float | None
     first: bool
+    after_frozen: bool = False  # a frozen layer ran before this activation's layer in the forward
 
 
 def _bounds(module: nn.Module) -> tuple[float, float] | None:
@@ -169,7 +173,10 @@ class ActivationWatch:
                 alive = (x > 0).movedim(dim, -1).reshape(-1, units).any(0)
                 stat = 1.0 - alive.float().mean()
                 kind = type(module).__name__
-                self._calls.append(_Call(name, layer, kind, True, stat, len(self._layers), None, first))
+                after_frozen = not all(t for _, t in self._layers)
+                self._calls.append(
+                    _Call(name, layer, kind, True, stat, len(self._layers), None, first, after_frozen)
+                )
                 return
             low, high = bounds
             stat = ((x < low) | (x > high)).float().mean()
@@ -209,7 +216,7 @@ class ActivationWatch:
         for c, value in zip(calls, host[: len(calls)], strict=True):
             if c.dead:
                 out.append(ActivationReading(c.layer, c.activation, dead=value, zero_grad=zero_shares.get(c.layer),
-                                             first=c.first))
+                                             first=c.first, after_frozen=c.after_frozen))
             elif any(trainable for _, trainable in layers[c.order :]):  # a trainable layer runs after it
                 out.append(ActivationReading(c.layer, c.activation, saturated=value, limit=c.limit, first=c.first))
         return out, input_rms

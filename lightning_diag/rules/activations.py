@@ -12,7 +12,12 @@ own rule id and ``grad_vanish`` defers to ``dead_units``. Exact meaning:
   measurements, while the training loss does not fall (its median over the latest ``grad.patience`` measurements
   less than ``loss_fall`` below that of the first ``grad.patience``; judged from the ``2 x grad.patience``-th
   measurement), or, whatever the loss, with more than ``certain`` of the units dead. A healthy net's batch of
-  correlated rows (windows of one series) can leave 75% of a layer's units idle while it learns. One alert
+  correlated rows (windows of one series) can leave 75% of a layer's units idle while it learns. A layer that a
+  frozen part feeds (a frozen layer ran before it in the forward: a head on a frozen encoder, progressive
+  unfreezing) is judged on ``certain`` alone: its inputs are fixed features that may barely vary across the batch
+  (a frozen randomly initialised encoder maps a batch to nearly one row, so about half of the head's units are
+  inactive for every sample from the first step), and a mostly frozen model's loss falls slowly by construction.
+  Units of the frozen layers themselves are not counted (below). One alert
   names every layer tripping at once (count and the worst few), how the worst layer's
   share moved since its first measurement, and the share of exactly-zero gradient entries of those layers'
   weights. A batch with fewer than
@@ -27,19 +32,27 @@ own rule id and ``grad_vanish`` defers to ``dead_units``. Exact meaning:
   saturated on standardized inputs (its initialisation is too large), or deeper layers only (weights too large:
   initialisation or a learning rate that grew them).
 
-Layers of a frozen part (no trainable parameter) are not judged. Each layer is latched until it clears; layers that
-trip while others of the same rule are in alarm join that event without a new alert.
+Layers of a frozen part (no trainable parameter) are not judged: their units do not train, so they cannot die
+in training (a frozen layer whose outputs are all zero is the model's design, or a fault of the weights loaded).
+
+Margin (:attr:`Rule.peaks`, for the calibration harness): per layer, the smallest share over the latest
+``grad.patience`` measurements as a fraction of ``threshold``, and for ``dead_units`` at most the share as a fraction
+of ``certain`` where the loss does not confirm; above 1 exactly where the layer's condition held.
+
+Each layer is latched until it clears; layers that trip while others of the same rule are in alarm join that event
+without a new alert.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import FRACTION, CheckSpec, RuleSpec, default, register
-from lightning_diag.rules.base import Latch, Rule, StepContext, name_layers
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.loss_windows import LossWindows
 
@@ -114,6 +127,8 @@ class ActivationReading:
         limit: The linear range's bound (``5`` for tanh), ``None`` for the ReLU family.
         first: Whether this is the first activation of the forward, right after the first trainable layer (the one
             that reads the model's inputs).
+        after_frozen: Whether a frozen layer (no parameter requiring a gradient) ran before this layer in the
+            forward: the layer reads a frozen part's fixed features.
     """
 
     layer: str
@@ -123,6 +138,7 @@ class ActivationReading:
     saturated: float | None = None
     limit: float | None = None
     first: bool = False
+    after_frozen: bool = False
 
 
 class ActivationRule(Rule):
@@ -206,13 +222,20 @@ class ActivationRule(Rule):
         """Feed the readings of one measured forward (``input_rms``: RMS of the model's inputs, as the first
         trainable layer saw them; ``loss``: the step's training loss); return the alerts raised."""
         self.losses.add(loss)
-        dead = self._shares(readings, "dead", DEAD_UNITS, self.dead_threshold, ctx)
+        # below `certain`, most units inactive for a batch matter only while the loss does not fall (a healthy
+        # net's batch of correlated rows, windows of one series, leaves many units idle while it learns), and
+        # never in a layer fed by a frozen part: its inputs are fixed features that may barely vary across the
+        # batch (a frozen encoder maps a batch to nearly one row), and the loss of a mostly frozen model falls slowly
+        stuck = self.losses.not_learning(self.loss_fall)
+        frozen_fed = {r.layer for r in readings if r.dead is not None and r.after_frozen}
+
+        def confirmed(layer: str, share: float) -> bool:
+            return (stuck and layer not in frozen_fed) or share > self.certain
+
+        dead = self._shares(readings, "dead", DEAD_UNITS, self.dead_threshold, ctx, confirmed, self.certain)
         saturated = self._shares(readings, "saturated", ACTIVATION_SATURATION, self.saturation_threshold, ctx)
         alerts = []
-        # below `certain`, most units inactive for a batch matter only while the loss does not fall (a healthy
-        # net's batch of correlated rows, windows of one series, leaves many units idle while it learns)
-        stuck = self.losses.not_learning(self.loss_fall)
-        new = self._trip(DEAD_UNITS, dead, lambda share: stuck or share > self.certain)
+        new = self._trip(DEAD_UNITS, dead, confirmed)
         if new:
             alerts.append(self._dead_alert(ctx, new, readings))
         new = self._trip(ACTIVATION_SATURATION, saturated)
@@ -221,17 +244,27 @@ class ActivationRule(Rule):
         return alerts
 
     def _shares(
-        self, readings: Sequence[ActivationReading], field: str, rule: str, threshold: float, ctx: StepContext
+        self,
+        readings: Sequence[ActivationReading],
+        field: str,
+        rule: str,
+        threshold: float,
+        ctx: StepContext,
+        confirmed: Callable[[str, float], bool] | None = None,
+        certain: float = math.inf,
     ) -> dict[str, tuple[float, bool]]:
         """``{layer: (share, over the threshold)}`` of the readings that measure ``field`` (the largest share of a
-        layer read twice); notes each layer's first share and the rule's peak."""
+        layer read twice); notes each layer's first share and the rule's peak: the smallest share over the latest
+        ``patience`` measurements against ``threshold``, at most the share against ``certain`` where the loss
+        does not confirm (``confirmed``), the statistic that decides the alert."""
         shares: dict[str, float] = {}
         for r in readings:
             value = getattr(r, field)
             if value is not None:
                 shares[r.layer] = max(value, shares.get(r.layer, 0.0))
         for layer, share in shares.items():
-            self.observe(share, threshold, rule=rule)
+            cap = math.inf if confirmed is None or confirmed(layer, 0.0) else excess(share, certain)
+            self.observe_held(f"{rule}:{layer}", excess(share, threshold), self.patience, cap, rule=rule)
             self.first_seen.setdefault(f"{rule}:{layer}", [share, float(ctx.global_step)])
         return {k: (v, v > threshold) for k, v in shares.items()}
 
@@ -239,7 +272,7 @@ class ActivationRule(Rule):
         self,
         rule: str,
         shares: Mapping[str, tuple[float, bool]],
-        confirmed: Callable[[float], bool] = lambda share: True,
+        confirmed: Callable[[str, float], bool] = lambda layer, share: True,
     ) -> dict[str, float]:
         """Advance the streaks of ``rule``; return the layers whose alarm has just begun (a layer tripping while
         others are in alarm joins their event), with their shares. A layer over its threshold on ``patience``
@@ -252,7 +285,7 @@ class ActivationRule(Rule):
                 self.streaks[key] = self.streaks.get(key, 0) + 1
             else:
                 self.streaks.pop(key, None)
-            held = self.streaks.get(key, 0) >= self.patience and (self.latch.is_active(key) or confirmed(share))
+            held = self.streaks.get(key, 0) >= self.patience and (self.latch.is_active(key) or confirmed(layer, share))
             if self.latch.update(key, held) and not ongoing:
                 new[layer] = share
         return new

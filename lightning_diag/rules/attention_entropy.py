@@ -157,8 +157,17 @@ class AttentionEntropyRule(Rule):
                 aligned = low and not sink and cover >= ALIGNED_COVERAGE
                 low = low and not (sink or aligned)
                 high = judge_high and ent > self.high and ent > self.uniform_fraction * uni
-                self.observe(ent if room and not (sink or aligned) else math.nan, self.low, above=False)
                 kind = self._track(source, ent, mean_loss, room, low, whole_layer)
+                # the margin of the warning: the largest entropy of the latest measurements it needs, where the
+                # head's fall is a collapse (a learned sharp head is an info, a sink or an alignment a note)
+                need_low = self.patience + (START_HOLD if kind == _COLLAPSE and self._from_start(source) else 0)
+                self.observe_held(
+                    source,
+                    excess(ent, self.low, above=False) if room and not (sink or aligned) else math.nan,
+                    need_low,
+                    math.inf if kind == _COLLAPSE else 0.0,
+                    rule=ATTN_ENTROPY_LOW,
+                )
                 checks = ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high), (_SINK, sink), (_ALIGNED, aligned))
                 for rule, bad in checks:
                     key = f"{rule}:{source}"
@@ -175,9 +184,8 @@ class AttentionEntropyRule(Rule):
                         else:
                             bad = bad or (judge_high and ent > (self.uniform_fraction - HIGH_HOLD_MARGIN) * uni)
                     self.streaks[key] = self.streaks.get(key, 0) + 1 if bad else 0
-                    need = self.patience
-                    if rule == ATTN_ENTROPY_LOW and kind == _COLLAPSE and self._from_start(source):
-                        need += START_HOLD  # peaked from the start: give the loss time to show it learns
+                    # peaked from the start: give the loss time to show it learns
+                    need = need_low if rule == ATTN_ENTROPY_LOW else self.patience
                     over = excess(ent, self.low, above=False) if rule == ATTN_ENTROPY_LOW else None
                     if self.latch.update(key, self.streaks[key] >= need, excess=over):
                         tripped[kind if rule == ATTN_ENTROPY_LOW else rule][source] = (ent, uni)

@@ -25,6 +25,10 @@ Fed, at each measured step, with every attention module's per-head statistics
   - otherwise (a gradual descent, or an abrupt one while the loss fell: an induction head forming, a learned phase
     change): an ``info`` alert, a learned sharp head.
 
+  Its margin (:attr:`~lightning_diag.rules.base.Rule.peaks`, for the calibration harness) is that of the warning:
+  ``low`` over the largest entropy of the head's latest measurements the warning needs, where the head is judged a
+  collapse (0 for a learned sharp head, a sink or an alignment).
+
   Measured: the nanoGPT-style model of the tests (2 layers, d 64) learning two interleaved counters sharpens its
   heads over 35 measurements while its loss falls 3.3 -> 0.2; the head that ends in the band (0.44 .. 0.54 nats,
   not a one-to-one alignment: coverage 0.55) enters it at 1.16x per measurement: one ``info`` alert, where the

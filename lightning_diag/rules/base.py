@@ -171,6 +171,8 @@ class Rule:
         #: below 1: that fraction of the way). A reading for the calibration harness (its *margin*), filled by
         #: :meth:`observe`; not checkpoint state and never part of a decision.
         self.peaks: dict[str, float] = {}
+        #: ``{source: excesses}``: each source's latest excesses, for :meth:`observe_held` (margins only).
+        self.held: dict[str, list[float]] = {}
 
     def observe(self, value: float, threshold: float, *, above: bool = True, rule: str | None = None) -> None:
         """Note how close the statistic ``value`` came to ``threshold`` (a bound from above or below), for
@@ -191,6 +193,34 @@ class Rule:
         key = rule or self.rule_id
         if not x <= self.peaks.get(key, -math.inf):
             self.peaks[key] = x
+
+    def observe_held(
+        self, source: str, x: float, patience: int, cap: float = math.inf, rule: str | None = None
+    ) -> None:
+        """Note, for :attr:`peaks`, the excess that decides a rule needing ``patience`` consecutive measurements
+        past its threshold: the smallest :func:`excess` ``x`` of ``source`` over its latest ``patience``
+        measurements (0 before there are as many), at most ``cap``: the excess of the rule's other condition (0
+        where a gate such as the warm-up or the loss's verdict does not hold; ``inf``: none). Its peak is above 1
+        exactly where the rule's condition held; below 1 it is the room left. A ``nan`` excess (not judged)
+        counts as 0.
+
+        Example:
+            >>> class _R(Rule):
+            ...     rule_id = "demo"
+            >>> r = _R()
+            >>> for x in (2.0, 0.5, 3.0, 4.0):
+            ...     r.observe_held("fc", x, 2)
+            >>> r.peaks
+            {'demo': 3.0}
+            >>> r.observe_held("fc", 9.0, 2, cap=0.0); r.peaks
+            {'demo': 3.0}
+        """
+        window = [*self.held.get(source, []), 0.0 if math.isnan(x) else x][-patience:]
+        self.held[source] = window
+        decided = min(min(window), cap) if len(window) >= patience else 0.0
+        key = rule or self.rule_id
+        if not decided <= self.peaks.get(key, -math.inf):
+            self.peaks[key] = decided
 
     def _alert(
         self,

@@ -7,6 +7,14 @@ faults rather than architecture (the measurements behind each choice are in ``do
 * ``grad_explode``: a layer's **RMS gradient per element** (``||g|| / sqrt(numel)``) above ``explode_threshold``
   on one measurement. Raw L2 norms grow with the number of positions a layer is summed over (a ViT patch
   embedding reaches 21, BERT's token-type embedding 12, in healthy runs); per element they stay below 1.1.
+  Between two measurements, under plain SGD (a parameter group with ``momentum``, ``dampening`` and
+  ``nesterov``: ``torch.optim.SGD``, no weight decay), the weights' norms bound the gradient the steps in between
+  applied (:meth:`GradBandRule.observe_weights`): a layer's weights moved by at least ``| ||W_b|| - ||W_a|| |`` over
+  ``k`` steps of at most ``lr / (1 - momentum)`` times a gradient each, so some gradient since the fit began had an
+  RMS per element of at least ``| ||W_b|| - ||W_a|| | (1 - momentum) / (lr k sqrt(numel))``. That lower bound
+  above ``explode_threshold`` is an explosion the measurements fell between (the fault library's ``explode`` with
+  seed 1: RMS 46 and 20550 at steps 2 and 3, every unit of the head dead by the measurement at step 4). Weights
+  changed outside the optimizer between two readings (pruning, a reload) count as a move.
 * ``grad_vanish``: a **weight matrix's relative gradient** ``||g_W|| / ||W||`` below ``vanish_threshold`` *and*
   more than ``relative`` times below the largest relative gradient of the blocks' matrices (the best-fed block),
   on ``patience`` consecutive measurements after ``warmup_steps``, while that block itself is above
@@ -33,7 +41,9 @@ faults rather than architecture (the measurements behind each choice are in ``do
   loss known, the verdict names the cause: loss at most ``converged_fraction`` of its initial value: the model
   **converged** (an ``info``); loss not 10% below its initial value: a **dead network** (a warning: typically a
   learning rate far too high or dead ReLUs); otherwise the gradients **vanished** while the loss is far from its
-  floor (a warning).
+  floor (a warning). Its margin (:attr:`Rule.peaks`) is that of the warning: the limit over the largest norm of the
+  latest ``patience`` measurements where the verdict is not **converged** (0 where it is, or while the model is
+  still learning), so a converged run's ``info`` does not count.
 * ``grad_frozen``: see :class:`~lightning_diag.rules.grad_frozen.GradFrozenRule` (in ``rules/grad_frozen.py``).
 
 When several layers cross one threshold at the same measurement they make one alert naming them (count and the
@@ -45,7 +55,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lightning_diag.core.record import Alert, Severity
@@ -97,6 +107,7 @@ __all__ = [
     "block_position",
     "rank_correlation",
     "role_of",
+    "sgd_step_scale",
 ]
 
 # -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
@@ -201,6 +212,32 @@ DEPTH_CHAIN = 4
 DEPTH_CORRELATION = 0.8
 
 
+def sgd_step_scale(groups: Sequence[Mapping[str, Any]]) -> tuple[float, float] | None:
+    """``(lr, momentum)`` of an optimizer whose parameter groups are all plain SGD (``momentum``, ``dampening`` and
+    ``nesterov`` keys, as ``torch.optim.SGD`` has) with one learning rate and momentum and no weight decay, else
+    ``None``: an adaptive optimizer (Adam rescales each element) or weight decay does not bound the update by the
+    gradient alone.
+
+    Example:
+        >>> sgd_step_scale([{"lr": 6.0, "momentum": 0.0, "dampening": 0, "nesterov": False, "weight_decay": 0}])
+        (6.0, 0.0)
+        >>> sgd_step_scale([{"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.01}]) is None
+        True
+    """
+    scales = set()
+    for g in groups:
+        if not {"momentum", "dampening", "nesterov"} <= set(g) or g.get("weight_decay", 0) or g.get("maximize"):
+            return None
+        lr, momentum = g.get("lr"), g.get("momentum")
+        if not isinstance(lr, (int, float)) or not isinstance(momentum, (int, float)) or lr <= 0:
+            return None
+        scales.add((float(lr), float(momentum)))
+    if len(scales) != 1:
+        return None
+    lr, momentum = scales.pop()
+    return (lr, momentum) if 0 <= momentum < 1 else None
+
+
 def block_position(layer: str) -> tuple[int, ...]:
     """A layer's block indices, in the order of its name (the order of a stack).
 
@@ -262,7 +299,7 @@ class GradBandRule(Rule):
     """
 
     specs = (GRAD_VANISH_SPEC, GRAD_EXPLODE_SPEC)
-    state_keys = ("streaks", "updates", "unreached")
+    state_keys = ("streaks", "updates", "unreached", "weights")
 
     def __init__(
         self,
@@ -289,11 +326,60 @@ class GradBandRule(Rule):
         #: Layers whose units are dead at the current measurement (:meth:`observe_dead`): ``grad_vanish`` defers to
         #: ``dead_units`` while any is (dead units pass no gradient; a different repair).
         self.dead: list[str] = []
+        #: ``{layer: [||W||, step]}`` at the last measurement whose weights were read (:meth:`observe_weights`).
+        self.weights: dict[str, list[float]] = {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known,
         one from before the unreached-layer check starts it at the next measurement."""
-        super().load_state_dict({"updates": {}, "unreached": None, **state})
+        super().load_state_dict({"updates": {}, "unreached": None, "weights": {}, **state})
+
+    def observe_weights(
+        self,
+        norms: Mapping[str, float],
+        sizes: Mapping[str, int],
+        ctx: StepContext,
+        sgd: tuple[float, float] | None,
+    ) -> list[Alert]:
+        """Feed each layer's weight norm before the optimizer step of a measurement (``sizes``: its elements;
+        ``sgd``: :func:`sgd_step_scale` of its optimizer, ``None``: not plain SGD); return a ``grad_explode`` alert
+        when the weights moved since the last reading by more than a gradient of RMS ``explode_threshold`` could
+        have moved them (see the module's docstring): an explosion between two measurements.
+
+        Example:
+            >>> rule = GradBandRule()
+            >>> rule.observe_weights({"fc": 8.0}, {"fc": 64}, StepContext(0, 0), (6.0, 0.0))
+            []
+            >>> [a.rule for a in rule.observe_weights({"fc": 9e5}, {"fc": 64}, StepContext(0, 4), (6.0, 0.0))]
+            ['grad_explode']
+        """
+        bounds: dict[str, float] = {}
+        for layer, norm in norms.items():
+            last, size = self.weights.get(layer), sizes.get(layer, 0)
+            if sgd is not None and last is not None and ctx.global_step > last[1] and size > 0:
+                lr, momentum = sgd
+                steps = ctx.global_step - last[1]
+                bounds[layer] = abs(norm - last[0]) * (1.0 - momentum) / (lr * steps * math.sqrt(size))
+        self.weights = {k: [float(v), float(ctx.global_step)] for k, v in norms.items() if math.isfinite(v)}
+        self.observe(max(bounds.values(), default=math.nan), self.explode_threshold, rule=GRAD_EXPLODE)
+        exploding = {k: v for k, v in bounds.items() if math.isfinite(v) and v > self.explode_threshold}
+        new = self._trip(GRAD_EXPLODE, exploding, set(exploding), needed=1)  # clean layers: the measured path's
+        if not new:
+            return []
+        worst = max(new, key=new.__getitem__)
+        return [
+            self._alert(
+                ctx,
+                f"exploding gradients between two measurements: the weights of {name_layers(new)} moved since the "
+                f"last reading by more than plain SGD at learning rate {sgd[0] if sgd else 0:g} can move them with "
+                f"gradients of RMS {self.explode_threshold:g} per element (the value: the smallest RMS gradient that "
+                "explains the move, at some step in between): lower the learning rate or clip gradients",
+                source=worst,
+                value=new[worst],
+                threshold=self.explode_threshold,
+                rule=GRAD_EXPLODE,
+            )
+        ]
 
     def observe_reached(self, relative: Mapping[str, float]) -> set[str]:
         """Advance the never-reached bookkeeping with one measurement; return the layers never reached so far.
@@ -740,7 +826,6 @@ class GradCollapseRule(Rule):
                 self.baseline = statistics.median(self.early)
             return []
         limit = self.collapse_ratio * self.baseline
-        self.observe(norm, limit, above=False)
         self.streak = self.streak + 1 if norm < limit else 0
         recent = statistics.mean(self.recent_losses) if self.recent_losses and loss is not None else None
         kind = self.verdict(recent)
@@ -751,6 +836,10 @@ class GradCollapseRule(Rule):
         # weight decay keeps the weights moving).
         learning = kind == "vanished" and recent is not None and self.still_learning()
         collapsed = self.streak >= self.patience and (not learning or "global" in self.latch.active)
+        # the margin of the warning: the largest norm of the latest `patience` against the limit, where the loss
+        # says neither converged (an info) nor still learning
+        warns = kind != "converged" and (not learning or "global" in self.latch.active)
+        self.observe_held("global", excess(norm, limit, above=False), self.patience, math.inf if warns else 0.0)
         if not self.latch.update("global", collapsed, excess(norm, limit, above=False)):
             return []
         initial = self.initial_loss

@@ -14,10 +14,16 @@ out: a learning rate of 0 or a part kept still on purpose, ``update_none`` / ``g
   then decayed (the end of a cosine schedule, a model that converged) is never judged;
 * it is not growing: the last of those measurements is at most :data:`GROWTH` times the first of the streak (a
   learning-rate warm-up from 0 grows it step by step);
-* the run's own loss agrees that the model is not learning: the median loss of the last ``grad.patience``
-  measurements has fallen less than ``loss_fall`` below the median of the first ``grad.patience`` (the initial
-  loss); judged from the ``2 x grad.patience``-th measurement with a loss on (the two windows apart). Without a
-  loss (none reached the monitor) nothing is judged.
+* the run's own loss agrees that the model is not learning: the Theil-Sen line (the median of the pairwise
+  slopes, robust to one odd batch) of the losses measured since the fit began (the latest :data:`TREND_POINTS`)
+  falls by less than ``loss_fall`` of its value at the first of them over ``grad.patience`` measurements, or over
+  all of them when there are more (the horizon of the former test: the medians of the first and latest
+  ``grad.patience`` losses, ``grad.patience`` measurements apart). Judged from the ``grad.patience``-th measurement
+  (and at least :data:`MIN_TREND_POINTS` losses): the first eligible one, where the ratios' streak is complete.
+  Without a loss (none reached the monitor) nothing is judged.
+
+Margin (:attr:`Rule.peaks`): the threshold over the largest median of the latest ``grad.patience`` measurements
+while the other conditions hold (0 where one does not): above 1 exactly where the rule fires.
 """
 
 from __future__ import annotations
@@ -29,14 +35,16 @@ from typing import Any
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import FRACTION, POSITIVE, CheckSpec, RuleSpec, default, register
-from lightning_diag.rules.base import Latch, Rule, StepContext, name_layers
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
-from lightning_diag.rules.loss_windows import LossWindows
+from lightning_diag.stats.trend import theil_sen_slope
 
 __all__ = [
     "DEFAULT_UPDATE_LOSS_FALL",
     "DEFAULT_UPDATE_TOO_SMALL_THRESHOLD",
     "GROWTH",
+    "MIN_TREND_POINTS",
+    "TREND_POINTS",
     "UPDATE_SIZE_CHECK",
     "UPDATE_TOO_SMALL",
     "UPDATE_TOO_SMALL_SPEC",
@@ -62,6 +70,11 @@ DEFAULT_UPDATE_TOO_SMALL_THRESHOLD = default(UPDATE_TOO_SMALL)
 DEFAULT_UPDATE_LOSS_FALL = default(UPDATE_TOO_SMALL_SPEC.key("loss_fall"))
 #: A streak whose last median is more than this times its first is a growing learning rate (a warm-up): not judged.
 GROWTH = 2.0
+#: The latest measured losses whose trend confirms (a run this long whose updates were always too small is judged on
+#: its recent trend).
+TREND_POINTS = 64
+#: The fewest measured losses whose trend is judged (two points are one batch against another).
+MIN_TREND_POINTS = 3
 _PATIENCE = int(GRAD_PATIENCE_SETTING.default)
 
 
@@ -79,7 +92,7 @@ class UpdateSizeRule(Rule):
     """
 
     specs = (UPDATE_TOO_SMALL_SPEC,)
-    state_keys = ("streak", "moved", "streak_start")
+    state_keys = ("streak", "moved", "streak_start", "trend")
 
     def __init__(
         self,
@@ -95,8 +108,8 @@ class UpdateSizeRule(Rule):
         self.streak = 0
         #: Whether the median ratio has been at or above ``threshold`` at some measurement of this fit.
         self.moved = False
-        #: The first and latest ``patience`` training losses (the loss's own verdict).
-        self.losses = LossWindows(patience)
+        #: The measured training losses since the fit began (the latest :data:`TREND_POINTS`): the loss's verdict.
+        self.trend: list[float] = []
         #: The median ratio at the first measurement of the current streak.
         self.streak_start: float | None = None
 
@@ -109,30 +122,39 @@ class UpdateSizeRule(Rule):
             int(GRAD_PATIENCE_SETTING.value(thresholds)),
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """The declared state, the latch and the loss windows."""
-        return {**super().state_dict(), "losses": self.losses.state_dict()}
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output.
+        """Restore :meth:`state_dict` output; a checkpoint from before the loss trend starts it empty."""
+        super().load_state_dict({"trend": [], **state})
 
-        Raises:
-            KeyError: If a key is missing; the message names every missing key.
-        """
-        if "losses" not in state:
-            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys ['losses']")
-        super().load_state_dict(state)
-        self.losses.load_state_dict(state["losses"])
+    def trend_ends(self) -> tuple[float, float]:
+        """The Theil-Sen line of the measured losses at their first and last point (``nan`` without two)."""
+        slope = theil_sen_slope(self.trend)
+        if not math.isfinite(slope):
+            return math.nan, math.nan
+        start = statistics.median(v - slope * i for i, v in enumerate(self.trend))
+        return start, start + slope * (len(self.trend) - 1)
+
+    def not_learning(self) -> bool:
+        """Whether the loss's trend over the measured losses (``patience`` of them at least) has fallen less than
+        ``loss_fall`` of its start (``False`` before)."""
+        if len(self.trend) < max(self.patience, MIN_TREND_POINTS):
+            return False
+        slope = theil_sen_slope(self.trend)
+        start, _ = self.trend_ends()
+        # the fall over `patience` measurements at least, as the two windows of the first and latest `patience`
+        # losses (their medians `patience` measurements apart) judged it from the `2 x patience`-th measurement
+        horizon = max(len(self.trend) - 1, self.patience)
+        return start > 0 and -slope * horizon < self.loss_fall * start
 
     def update(self, ratios: Mapping[str, float], ctx: StepContext, loss: float | None = None) -> list[Alert]:
         """Feed the update ratios ``{layer: ||ΔW||/||W||}`` of one measured step and its training loss; return the
         alerts raised."""
-        self.losses.add(loss)
+        if loss is not None and math.isfinite(loss):
+            self.trend = [*self.trend, float(loss)][-TREND_POINTS:]
         moving = {k: float(v) for k, v in ratios.items() if math.isfinite(v) and v > 0}
         if not moving:
             return []
         median = statistics.median(moving.values())
-        self.observe(median, self.threshold, above=False)
         small = median < self.threshold
         if not small:
             self.moved = True
@@ -144,22 +166,24 @@ class UpdateSizeRule(Rule):
             self.streak, self.streak_start = 0, None
         start = self.streak_start or median
         growing = median > GROWTH * start
-        tripped = (
-            small and self.streak >= self.patience and not self.moved and not growing
-            and self.losses.not_learning(self.loss_fall)
-        )  # fmt: skip
+        gates = not self.moved and not growing and self.not_learning()
+        # the margin: the largest median of the streak against the threshold, while the other conditions hold
+        self.observe_held(
+            "model", excess(median, self.threshold, above=False), self.patience, math.inf if gates else 0.0
+        )
+        tripped = small and self.streak >= self.patience and gates
         if not self.latch.update("model", tripped):
             return []
-        initial, recent = self.losses.initial, self.losses.latest
+        start, recent = self.trend_ends()
         return [
             self._alert(
                 ctx,
                 f"updates far too small: the median update ||ΔW||/||W|| over {len(moving)} layers is {median:.3g}, "
                 f"below {self.threshold:g} (healthy: around 1e-3) on {self.streak} consecutive measurements and at "
-                f"every one since the fit began, while the loss is not falling ({recent:.4g}, initial "
-                f"{initial:.4g}); smallest: {name_layers(moving, worst_first=False)}. The learning rate is far too "
-                "small (or the gradients are): raise it, check the scheduler's start value and the optimizer's "
-                "parameter groups",
+                f"every one since the fit began, while the loss is not falling (its trend over {len(self.trend)} "
+                f"measurements: {recent:.4g}, from {start:.4g}); smallest: {name_layers(moving, worst_first=False)}. "
+                "The learning rate is far too small (or the gradients are): raise it, check the scheduler's start "
+                "value and the optimizer's parameter groups",
                 source="model",
                 value=median,
                 threshold=self.threshold,

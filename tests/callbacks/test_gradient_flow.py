@@ -264,3 +264,21 @@ def test_overwhelming_vanishing_is_named_on_a_30_step_run(tmp_path):
     assert "warm-up" in first["grad_vanish"].message and first["grad_vanish"].source == "net.0"
     assert first["grad_layer_spread"].global_step == 14
     assert len([a for a in monitor.alerts if a.rule == "grad_vanish"]) == 1  # one event, one alert
+
+
+@pytest.mark.parametrize(("name", "expected"), [("explode", [4]), ("healthy_sgd", [])])
+def test_an_explosion_between_two_measurements_is_grad_explode(tmp_path, name, expected):
+    # the fault library's `explode` with seed 1: SGD at lr 6, gradient RMS 46 and 2e4 at steps 2 and 3, every unit of
+    # the head dead by the measurement at step 4, whose gradients are small: the weights' move since step 0 tells.
+    # Its twin (SGD at 0.05) moves its weights by what gradients of RMS 0.1 explain
+    model, data, _ = build_fault(name, seed=1)
+    pl.seed_everything(1)
+    monitor = GradientFlowMonitor()
+    pl.Trainer(default_root_dir=tmp_path, logger=False, max_steps=30, limit_val_batches=0, **FAST,
+               callbacks=[monitor]).fit(model, datamodule=data)  # fmt: skip
+    hits = [a for a in monitor.alerts if a.rule == "grad_explode"]
+    assert [a.global_step for a in hits] == expected
+    if hits:
+        assert "between two measurements" in hits[0].message and hits[0].value > 10
+    else:
+        assert monitor.band_rule.peaks["grad_explode"] < 0.1

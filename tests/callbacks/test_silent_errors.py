@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
+from lightning_diag.demo import build_fault
 from tests import launch
 
 FAST = dict(
@@ -151,6 +152,25 @@ def test_bf16_weights_with_a_usual_learning_rate_are_healthy():
     cbs = [GradientFlowMonitor(), AnomalyAlarm()]
     _fit(_Net(lr=1e-2, dropout=0.0), cbs, precision="bf16-true")
     assert _new(cbs) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "steps", "expected"), [("healthy_bf16", 120, []), ("bf16_tiny_lr", 20, [14])])
+def test_a_converging_bf16_run_loses_half_its_updates_and_stays_quiet(tmp_path, name, steps, expected):
+    # the fault library's healthy bf16 MLP (AdamW 3e-3) over 120 steps of 16 an epoch: from about step 45 on, more
+    # than half of a layer's sampled elements stay unchanged while its loss keeps falling (Adam's steps for the
+    # noise-dominated elements round away); at 1e-6 every update rounds away from the start
+    model, data, fault = build_fault(name)
+    cbs = [GradientFlowMonitor()]
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, log_every_n_steps=5, max_steps=steps, limit_train_batches=16,
+        limit_val_batches=0, callbacks=cbs, **fault.trainer,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    assert [a.global_step for a in cbs[0].alerts if a.rule == "update_stale"] == expected, _serious(cbs)
+    if name == "healthy_bf16":  # a share above 50% was judged (against `certain`: the loss falls), and quiet
+        assert 0.5 / 0.95 < cbs[0].update_rule.peaks["update_stale"] < 1
 
 
 def test_manual_optimization_without_zero_grad_is_grad_not_zeroed():

@@ -13,6 +13,7 @@ from lightning_diag.demo import run_demo
 from lightning_diag.demo.faults import build_fault
 from lightning_diag.demo.models import DemoConfig
 from lightning_diag.demo.problem_models import BinaryDataModule, PlainMLP, make_binary_dataset
+from lightning_diag.demo.schedules import run_scenario
 
 FAST = dict(
     accelerator="cpu",
@@ -141,6 +142,26 @@ def test_a_frozen_part_is_not_judged(tmp_path):
     assert "backbone.2" not in monitor.activation_rule.first_seen and monitor.activation_rule.first_seen
 
 
+@pytest.mark.slow
+def test_a_head_on_a_frozen_encoder_is_judged_on_nearly_every_unit_dead(tmp_path):
+    # progressive unfreezing (the calibration's schedule): the randomly initialised encoder stays frozen for two
+    # epochs, so the head's inputs barely vary across a batch: about half of its first layer's units are inactive
+    # for all 32 samples from the first measurement, while the mostly frozen model's loss falls slowly
+    monitor = GradientFlowMonitor()
+    run_scenario("unfreezing", [monitor], root=str(tmp_path), seed=0, max_steps=40, limit_val_batches=0)
+    assert [a for a in monitor.alerts if a.rule == "dead_units"] == []
+    assert monitor.activation_rule.first_seen["dead_units:net.head.0"][0] > 0.3  # measured, not skipped
+    # the same frozen backbone with a head whose units are all dead: reported
+    dead = _Backbone()
+    with torch.no_grad():
+        dead.head[0].bias.fill_(-100.0)
+    monitor = GradientFlowMonitor(expect_frozen=["backbone.*"])
+    pl.Trainer(default_root_dir=tmp_path, max_steps=20, callbacks=[monitor], **FAST).fit(
+        dead, DataLoader(make_binary_dataset(512, 0), batch_size=32, shuffle=True)
+    )
+    assert [(a.rule, a.source) for a in monitor.alerts if a.rule == "dead_units"] == [("dead_units", "head.0")]
+
+
 def test_batch_size_one_counts_no_dead_units_and_says_so(tmp_path, caplog):
     model, _, _ = build_fault("healthy_sparse_relu")
     monitor = GradientFlowMonitor()
@@ -190,7 +211,7 @@ def test_switched_off_activation_rules_attach_no_hook(tmp_path):
 
 # -- resume -----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("fault", "rule", "stop"), [("tiny_lr", "update_too_small", 20), ("dead_relu", "dead_units", 10)]
+    ("fault", "rule", "stop"), [("tiny_lr", "update_too_small", 10), ("dead_relu", "dead_units", 10)]
 )
 def test_a_resumed_fit_alerts_at_the_same_step_as_an_uninterrupted_one(tmp_path, fault, rule, stop):
     def fit(max_steps, monitor, ckpt=None):

@@ -280,6 +280,16 @@ def test_collapse_is_a_change_table(entropies, losses, expected):
     assert severities(AttentionEntropyRule(warmup_steps=0), entropies, losses) == expected
 
 
+def test_entropy_low_margin_is_the_warnings():
+    # a learned sharp head (gradual, info) is quiet with room: margin 0; an abrupt collapse's margin is low / entropy
+    learned = AttentionEntropyRule(warmup_steps=0)
+    severities(learned, GRADUAL, FALLING_LOSS)
+    assert learned.peaks["attn_entropy_low"] == 0.0
+    collapsed = AttentionEntropyRule(warmup_steps=0)
+    severities(collapsed, [1.8, 1.8, 0.05, 0.05, 0.05], [2.0, 1.9, 2.6, 2.8, 2.9])
+    assert collapsed.peaks["attn_entropy_low"] == pytest.approx(0.5 / 0.05)
+
+
 def test_every_head_of_a_layer_low_is_a_collapse_even_gradually():
     rule = AttentionEntropyRule(warmup_steps=0)
     got = [rule.update(modules(a=[e, e]), StepContext(0, i), loss=loss) for i, (e, loss) in enumerate(

@@ -1,7 +1,7 @@
 import pytest
 
 from lightning_diag.rules.base import StepContext, name_layers
-from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule
+from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule, sgd_step_scale
 from lightning_diag.rules.grad_frozen import GradFrozenRule
 
 
@@ -175,6 +175,16 @@ def test_collapse_verdict_table(late_loss, severity, word):
     assert word in out[0][2]
 
 
+@pytest.mark.parametrize(("late_loss", "margin"), [(0.01, 0.01), (1.5, 1e4 / 100)])
+def test_collapse_margin_is_the_warnings(late_loss, margin):
+    # a converged model's collapse is an info: its margin stays that of the healthy norms before it (limit 0.01 / 1);
+    # a dead one's is the limit over the streak's norm
+    rule = GradCollapseRule()
+    for i, (n, loss) in enumerate(zip([1.0] * 8 + [1e-4] * 5, [1.4] * 8 + [late_loss] * 5, strict=True)):
+        rule.update(n, StepContext(0, i), loss)
+    assert rule.peaks["grad_collapse"] == pytest.approx(margin)
+
+
 def collapse_with_updates(updates, late_loss, norms=None):
     """The blocks' gradient falls 1e4x at measurement 8 while the loss falls to ``late_loss``; ``updates[i]`` is the
     model's relative update observed after measurement ``i`` (every layer alike)."""
@@ -268,3 +278,48 @@ def test_grad_rules_state_roundtrip():
         clone = type(rule)()
         clone.load_state_dict(rule.state_dict())
         assert clone.state_dict() == rule.state_dict()
+
+
+# -- grad_explode between two measurements: the weights' move bounds the gradient under plain SGD ------------------
+SGD_GROUP = {"lr": 0.1, "momentum": 0.9, "dampening": 0, "nesterov": False, "weight_decay": 0}
+
+
+@pytest.mark.parametrize(
+    ("groups", "scale"),
+    [
+        ([SGD_GROUP], (0.1, 0.9)),
+        ([SGD_GROUP, {**SGD_GROUP, "lr": 0.2}], None),  # two learning rates: no one bound
+        ([{**SGD_GROUP, "weight_decay": 1e-4}], None),  # decay moves the weights without a gradient
+        ([{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0}], None),  # Adam rescales
+    ],
+)
+def test_sgd_step_scale_table(groups, scale):
+    assert sgd_step_scale(groups) == scale
+
+
+def test_weights_moved_beyond_what_small_gradients_explain_is_grad_explode():
+    rule = GradBandRule()
+    ctx = StepContext(0, 0)
+    assert rule.observe_weights({"fc": 10.0}, {"fc": 100}, ctx, (0.1, 0.9)) == []
+    # 5 steps at lr 0.1 with momentum 0.9: a move of 600 needs a gradient of RMS >= 600 * 0.1 / (0.1 * 5 * 10) = 12
+    (alert,) = rule.observe_weights({"fc": 610.0}, {"fc": 100}, StepContext(0, 5), (0.1, 0.9))
+    assert alert.rule == "grad_explode" and alert.value == pytest.approx(12.0) and alert.global_step == 5
+    # a move of 400 is explained by gradients of RMS 8: quiet, its margin noted
+    calm = GradBandRule()
+    calm.observe_weights({"fc": 10.0}, {"fc": 100}, ctx, (0.1, 0.9))
+    assert calm.observe_weights({"fc": 410.0}, {"fc": 100}, StepContext(0, 5), (0.1, 0.9)) == []
+    assert calm.peaks["grad_explode"] == pytest.approx(0.8)
+    # not plain SGD: nothing is inferred, whatever the move
+    adam = GradBandRule()
+    adam.observe_weights({"fc": 10.0}, {"fc": 100}, ctx, None)
+    assert adam.observe_weights({"fc": 1e9}, {"fc": 100}, StepContext(0, 5), None) == []
+
+
+def test_the_last_weight_reading_survives_a_round_trip():
+    rule = GradBandRule()
+    rule.observe_weights({"fc": 10.0}, {"fc": 100}, StepContext(0, 0), (0.1, 0.0))
+    restored = GradBandRule()
+    restored.load_state_dict(rule.state_dict())
+    assert [a.rule for a in restored.observe_weights({"fc": 1e4}, {"fc": 100}, StepContext(0, 5), (0.1, 0.0))] == [
+        "grad_explode"
+    ]

@@ -24,7 +24,8 @@ def _ctx(step=0):
         (LayerUpdate(32, 32, cause="no_optimizer"), "update_none"),
         (LayerUpdate(32, 32, low_precision=True, cause="lr_zero"), "update_none"),
         (LayerUpdate(32, 32, low_precision=True), "update_stale"),
-        (LayerUpdate(32, 20, low_precision=True), "update_stale"),
+        (LayerUpdate(32, 31, low_precision=True), "update_stale"),  # 97%: nearly every update lost
+        (LayerUpdate(32, 20, low_precision=True), None),  # 62% with no loss to confirm: a converging bf16 run
         (LayerUpdate(32, 10, low_precision=True), None),
         (LayerUpdate(32, 31), None),  # one element moved: fp32 updates are applied
         (LayerUpdate(0, 0), None),  # nothing with a gradient: nothing to judge
@@ -46,6 +47,25 @@ def test_update_rule_latches_clears_and_survives_its_state():
     restored.load_state_dict(r.state_dict())
     assert restored.update(stuck, _ctx(2)) == []  # still latched after a resume
     assert restored.update(moving, _ctx(3)) == [] and len(restored.update(stuck, _ctx(4))) == 1
+
+
+@pytest.mark.parametrize(
+    ("losses", "fired", "margin"),
+    [
+        ([0.69] * 6, ["update_stale"], 20 / 32 / 0.5),  # the loss flat: the updates that round away matter
+        ([1.0, 0.8, 0.6, 0.5, 0.4, 0.3], [], 20 / 32 / 0.95),  # the loss falls: converging, judged on `certain`
+    ],
+)
+def test_update_stale_below_certain_needs_a_flat_loss(losses, fired, margin):
+    r = UpdateRule(patience=2)
+    half = {"fc": LayerUpdate(32, 20, low_precision=True)}
+    alerts = [a for step, loss in enumerate(losses) for a in r.update(half, _ctx(step), loss)]
+    assert [a.rule for a in alerts] == fired
+    assert all("while the loss is not falling (0.69, initial 0.69)" in a.message for a in alerts)
+    assert r.peaks["update_stale"] == pytest.approx(margin)
+    restored = UpdateRule(patience=2)
+    restored.load_state_dict(r.state_dict())
+    assert restored.losses.state_dict() == r.losses.state_dict()
 
 
 def test_grad_not_zeroed_rule_alerts_once_and_rearms():

@@ -57,6 +57,29 @@ def test_a_sparse_healthy_relu_layer_is_quiet_and_its_margin_is_noted():
     assert rule.peaks["dead_units"] == pytest.approx(0.35 / 0.5)
 
 
+def test_a_layer_fed_by_a_frozen_part_needs_nearly_every_unit_dead():
+    # a head on a frozen encoder (progressive unfreezing): its inputs barely vary across the batch, so about half of
+    # its units are inactive for every sample while the slowly learning model's loss looks flat
+    rule = ActivationRule(patience=2)
+    head = [ActivationReading("head.0", "ReLU", dead=0.59, after_frozen=True)]
+    assert [a for i in range(8) for a in rule.update(head, _ctx(i), loss=1.3)] == []
+    assert rule.peaks["dead_units"] == pytest.approx(0.59 / 0.95)  # against `certain`: the loss does not count
+    dead = [ActivationReading("head.0", "ReLU", dead=1.0, after_frozen=True)]
+    assert [a.rule for i in range(8, 10) for a in rule.update(dead, _ctx(i), loss=1.3)] == ["dead_units"]
+    # the same share in a layer that nothing frozen feeds, with the loss flat: dead units
+    trained = ActivationRule(patience=2)
+    fc = [ActivationReading("fc", "ReLU", dead=0.59)]
+    assert [a.rule for i in range(4) for a in trained.update(fc, _ctx(i), loss=1.3)] == ["dead_units"]
+    assert trained.peaks["dead_units"] == pytest.approx(0.59 / 0.5)
+
+
+def test_dead_units_margin_is_the_smallest_share_of_the_patience_window():
+    rule = ActivationRule(patience=3)
+    for i, share in enumerate((0.9, 0.2, 0.9, 0.9)):  # over the threshold three times, never three in a row
+        assert rule.update([ActivationReading("fc", "ReLU", dead=share)], _ctx(i), loss=0.69) == []
+    assert rule.peaks["dead_units"] == pytest.approx(0.2 / 0.5)
+
+
 def test_a_layer_that_recovers_is_not_dead():
     rule = ActivationRule(patience=3)
     shares = (1.0, 1.0, 0.2, 1.0, 1.0, 0.2)
@@ -104,7 +127,9 @@ def _feed(rule, ratios, losses):
 def test_tiny_updates_with_a_flat_loss_alert_once_the_loss_trend_is_known():
     rule = UpdateSizeRule(patience=3)
     alerts = _feed(rule, [{"a": 1e-7, "b": 3e-7, "c": 2e-7}] * 8, [0.69, 0.691, 0.689, 0.69, 0.69, 0.688, 0.69, 0.69])
-    assert [(a.rule, a.global_step) for a in alerts] == [("update_too_small", 5)]  # the 6th: two windows of 3
+    # the third measurement: the first eligible one (the ratios' streak of 3 and the loss's trend over 3 points)
+    assert [(a.rule, a.global_step) for a in alerts] == [("update_too_small", 2)]
+    assert "while the loss is not falling (its trend over 3 measurements: 0.689, from 0.69)" in alerts[0].message
     assert "2e-07" in alerts[0].message and "learning rate is far too small" in alerts[0].message
 
 
@@ -131,7 +156,22 @@ def test_layers_kept_still_are_left_out_of_the_median():
     rule = UpdateSizeRule(patience=1)
     ratios = [{"backbone.0": 0.0, "backbone.1": 0.0, "head": 1e-3}] * 4
     assert _feed(rule, ratios, [0.69] * 4) == []
-    assert rule.peaks["update_too_small"] == pytest.approx(1e-5 / 1e-3)
+    # the head's 1e-3 is the median: the model moved, so the rule can no longer fire and its margin is 0
+    assert rule.peaks["update_too_small"] == 0.0
+    still = UpdateSizeRule(patience=1)
+    alerts = _feed(still, [{"backbone.0": 0.0, "head": 1e-7}] * 3, [0.69] * 3)
+    assert [a.value for a in alerts] == [pytest.approx(1e-7)]
+
+
+def test_update_too_small_margin_is_the_gated_statistic():
+    # tiny updates while the loss falls: quiet, and the margin says so (below 1) although the ratio is 100x below
+    falling = UpdateSizeRule(patience=2)
+    assert _feed(falling, [{"a": 1e-7}] * 6, [1.0, 0.9, 0.7, 0.6, 0.5, 0.4]) == []
+    assert falling.peaks["update_too_small"] == 0.0
+    # the same updates with a flat loss fire: the margin is the threshold over the streak's largest median
+    flat = UpdateSizeRule(patience=2)
+    assert len(_feed(flat, [{"a": 2e-7}, {"a": 1e-7}, {"a": 2e-7}, {"a": 1e-7}], [0.69] * 4)) == 1
+    assert flat.peaks["update_too_small"] == pytest.approx(1e-5 / 2e-7)
 
 
 def test_without_a_loss_nothing_is_judged():
@@ -206,7 +246,7 @@ def test_watch_counts_units_dead_for_every_sample_not_zeros_of_one_sample():
         net[0].bias[:6] = -100.0  # 6 of 8 units dead for any input
     readings, rms = _forward(net, torch.randn(32, 4), ActivationWatch())
     (reading,) = readings
-    assert reading.layer == "0" and reading.dead == pytest.approx(6 / 8)
+    assert reading.layer == "0" and reading.dead == pytest.approx(6 / 8) and not reading.after_frozen
     assert reading.zero_grad == pytest.approx(6 / 8)  # their rows of the weight gradient are exactly 0
     assert rms == pytest.approx(1.0, rel=0.3)
 
@@ -238,7 +278,7 @@ def test_watch_skips_activations_after_a_frozen_layer_and_leaves_no_hook():
     net[0].requires_grad_(False)
     watch = ActivationWatch()
     readings, _ = _forward(net, torch.randn(32, 4), watch)
-    assert [r.layer for r in readings] == ["2"]
+    assert [(r.layer, r.after_frozen) for r in readings] == [("2", True)]  # layer 2 reads the frozen part
     assert not watch.attached and not watch.pending
     assert all(not m._forward_pre_hooks for m in net.modules())
 
