@@ -48,12 +48,13 @@ def test_constant_from_the_first_measurement_fires_and_says_so():
     assert "from the first measurement on" in alert.message
 
 
-@pytest.mark.parametrize("spread", [0.009, 0.5])
+@pytest.mark.parametrize("spread", [0.011, 0.5])
 def test_outputs_that_vary_a_little_or_a_lot_stay_quiet_and_report_their_margin(spread):
     rule = OutputCollapseRule()
+    assert rule.threshold == 0.01  # the documented default
     for i in range(10):
         assert rule.update(spread, 1.0 - spread, 32, "<root>", _ctx(i)) == []
-    assert rule.peaks[OUTPUT_COLLAPSE] == pytest.approx(1e-3 / spread)  # the calibration harness's margin
+    assert rule.peaks[OUTPUT_COLLAPSE] == pytest.approx(0.01 / spread)  # the calibration harness's margin
 
 
 def test_batch_of_one_and_all_zero_outputs_are_not_measured():
