@@ -43,11 +43,11 @@ def _fit(model: pl.LightningModule, tmp_path: Any, alarm: AnomalyAlarm, max_epoc
         trainer.fit(model, **loaders)
 
 
-def _swing_run(tmp_path: Any, steps: int, factor: float, epochs: int = 8) -> AnomalyAlarm:
-    """The demo's regression MLP (AdamW 1e-3, batch 32) with epochs of ``steps`` steps; the rate ``factor`` times
-    higher every other epoch (1: the healthy twin)."""
+def _swing_run(tmp_path: Any, steps: int, factor: float, epochs: int = 8, lr: float = 1e-3) -> AnomalyAlarm:
+    """The demo's regression MLP (AdamW at ``lr``, batch 32) with epochs of ``steps`` steps; the rate ``factor``
+    times higher every other epoch (1: the healthy twin)."""
     config = dataclasses.replace(
-        DemoConfig(seed=0), model="mlp", d_model=64, head_depth=2, optimizer="adamw", lr=1e-3,
+        DemoConfig(seed=0), model="mlp", d_model=64, head_depth=2, optimizer="adamw", lr=lr,
         lr_schedule="oscillate" if factor > 1 else "constant", oscillate_factor=factor,
     )
     alarm = AnomalyAlarm()
@@ -71,6 +71,16 @@ def test_loss_swing_fires_on_the_alternating_rate_at_each_epoch_length(tmp_path,
     twin = _swing_run(tmp_path, steps, 1.0, epochs)
     assert _serious(twin) == []
     assert math.isfinite(twin.swing_rule.last_t)  # judged against its noise, and quiet
+
+
+def test_loss_swing_fires_at_4_steps_an_epoch_where_the_loss_swings(tmp_path):
+    """At 4 steps an epoch the 40x rate over a base of 1e-3 barely moves the epoch means (one excursion in 24
+    epochs, no 3 swinging points: nothing to fire on); over 3e-3 the means rise and fall by 20-60% from epoch to
+    epoch, and the seed's 3-point contract fires."""
+    alarm = _swing_run(tmp_path, 4, 40.0, 24, lr=3e-3)
+    assert [rule for rule, _ in _serious(alarm)] == ["loss_swing"]
+    twin = _swing_run(tmp_path, 4, 1.0, 24, lr=3e-3)
+    assert _serious(twin) == []
 
 
 def test_loss_swing_is_quiet_on_hundreds_of_one_batch_epochs(tmp_path):
