@@ -276,9 +276,11 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self._idle = False  # the restored watches decide at the next batch's end
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Remove activation-gradient hooks a fit that raised mid-step left on the model, then release the session."""
+        """Remove activation-gradient hooks a fit that raised mid-step left on the model, drop the reused weight
+        buffers, then release the session."""
         self._act.detach()
         self._watch.detach()
+        self._copies.clear()
         super().teardown(trainer, pl_module, stage)
 
     def _build_index(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ParamIndex:
