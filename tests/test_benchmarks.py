@@ -236,3 +236,19 @@ def test_hook_aftereffect_quick_mode_reports_each_hook(capsys):
     assert [row.split(" | ")[1] for row in rows] == ["none", "store"]
     assert rows[0].split(" | ")[2] == "0.0"  # no hook: nothing of its own
     assert all("±" in row for row in rows)
+
+
+def test_measuring_step_quick_mode_times_the_defaults_and_restores_every_class(capsys):
+    from lightning_diag import AnomalyAlarm, GradientFlowMonitor
+    from lightning_diag.callbacks import gradient_flow
+
+    before = (dict(vars(GradientFlowMonitor)), dict(vars(AnomalyAlarm)), gradient_flow.measure_step)
+    assert _load("measuring_step").main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = {
+        line.split("|")[1].strip(" `"): int(line.split("|")[2]) for line in out.splitlines() if line.startswith("| `")
+    }
+    assert rows["GradientFlowMonitor.on_before_optimizer_step"] >= 1
+    assert rows["AnomalyAlarm.on_before_optimizer_step"] == 30  # the guard: every step
+    assert rows["gradient_flow.measure_step"] >= 1
+    assert (dict(vars(GradientFlowMonitor)), dict(vars(AnomalyAlarm)), gradient_flow.measure_step) == before

@@ -47,7 +47,7 @@ from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.act_grads import ActivationGradients
 from lightning_diag.instrument.activation_watch import MIN_ROWS, ActivationWatch
 from lightning_diag.instrument.attention_capture import is_compiled
-from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, measure_step
+from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, WeightCopies, measure_step
 from lightning_diag.rules.activations import ACTIVATION_SATURATION, DEAD_UNITS, ActivationRule
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.grad import (
@@ -61,7 +61,6 @@ from lightning_diag.rules.grad import (
 from lightning_diag.rules.grad_frozen import GradFrozenRule
 from lightning_diag.rules.update_size import UpdateSizeRule
 from lightning_diag.rules.updates import UPDATE_SAMPLE_SIZE_KEY, GradNotZeroedRule, UpdateRule
-from lightning_diag.stats.grad import local_tensor
 
 __all__ = ["GradientFlowMonitor"]
 
@@ -244,6 +243,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self._index: ParamIndex | None = None
         # (chosen parameter positions, their values before the optimizer step) of each step measured in this batch
         self._before: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]] = []
+        self._copies = WeightCopies()  # the buffers of those values, filled again at each measured step
         self._measured_interval: dict[int, int] = {}
         self._past_initial = False  # past the first optimizer step of the fit (or its baseline is known)
         self._idle = False  # whether the next batch off the cadence has nothing to do (see `quiet_batch`)
@@ -254,6 +254,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         if stage == TrainerFn.FITTING:
             self._index = None
             self._before = []
+            self._copies.clear()
             self._measured_interval = {}
             self._loss = None
             self._measured_loss = None
@@ -282,9 +283,11 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self._idle = False  # the restored watches decide at the next batch's end
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Remove activation-gradient hooks a fit that raised mid-step left on the model, then release the session."""
+        """Remove activation-gradient hooks a fit that raised mid-step left on the model, drop the reused weight
+        buffers, then release the session."""
         self._act.detach()
         self._watch.detach()
+        self._copies.clear()
         super().teardown(trainer, pl_module, stage)
 
     def _build_index(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ParamIndex:
@@ -471,7 +474,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         elif on_hist and self.writer.active:
             write_histograms(self.writer, index, chosen, m.norms, step)
         if self.log_weight_norms:
-            copies = [local_tensor(index.params[i]).detach().clone() for i in chosen]
+            copies = self._copies.take((position, *chosen), [index.params[i] for i in chosen])
             self._before.append((chosen, copies, m.weight_squares))  # the weights' norms: measured already
 
     def _judge_activations(
@@ -549,6 +552,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             return
         pending, self._before = self._before, []
         values = update_values(self._index, pending, self._reduce(trainer))
+        self._copies.release()
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
         # grad_vanish also asks whether the layer's update is starved (an adaptive optimizer rescales gradients)
         ratios = layer_update_ratios(self._index, values)

@@ -64,13 +64,17 @@ class ElementSample:
 
     def gather(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The sampled elements of ``tensors`` (``None`` reads as zeros), as one float32 vector."""
+        device = self.segment.device
         parts = []
         for t, pos in zip(tensors, self.positions, strict=True):
             if t is None:
-                parts.append(torch.zeros(len(pos), device=self.segment.device))
-            else:
-                parts.append(detached_local(t).reshape(-1).index_select(0, pos).float().to(self.segment.device))
-        return torch.cat(parts) if parts else torch.zeros(0, device=self.segment.device)
+                parts.append(torch.zeros(len(pos), device=device))
+                continue
+            # take: the elements of the flattened tensor, one operator (a third of reshape + index_select +
+            # float + to on the measuring step's 10 tensors of the 1.1M MLP)
+            part = torch.take(detached_local(t), pos)
+            parts.append(part if part.dtype is torch.float32 and part.device == device else part.float().to(device))
+        return torch.cat(parts) if parts else torch.zeros(0, device=device)
 
 
 def unchanged_counts(

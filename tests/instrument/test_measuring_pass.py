@@ -1,0 +1,94 @@
+"""The measuring step's reused buffers and index tensors (issue 43): the same values as fresh ones, never shared
+between two uses at once."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_diag.instrument.grad_measure import ParamIndex, WeightCopies, measure_step, update_ratios
+from lightning_diag.stats.updates import ElementSample
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _index(net: nn.Module) -> ParamIndex:
+    named = list(net.named_parameters())
+    return ParamIndex([n for n, _ in named], [p for _, p in named], False, dict(net.named_modules()))
+
+
+def test_weight_copies_refill_the_same_buffers_and_lend_each_once() -> None:
+    w = [torch.randn(4, 3), torch.randn(3)]
+    copies = WeightCopies()
+    first = copies.take("a", w)
+    assert all(torch.equal(c, t) for c, t in zip(first, w, strict=True))
+    # not released yet: a second take under the same key must not overwrite the lent buffers
+    second = copies.take("a", w)
+    assert all(s is not f for s, f in zip(second, first, strict=True))
+    copies.release()
+    w[0].add_(1.0)
+    third = copies.take("a", w)
+    assert third[0] is first[0] and torch.equal(third[0], w[0])
+    copies.release()
+    # another layout under the key (a parameter replaced by one of another shape): fresh copies of the new one
+    changed = [torch.randn(5, 3), w[1]]
+    fourth = copies.take("a", changed)
+    assert fourth[0] is not first[0] and torch.equal(fourth[0], changed[0])
+
+
+def test_weight_copies_are_never_the_weights_themselves() -> None:
+    w = [torch.ones(3)]
+    copies = WeightCopies()
+    taken = copies.take(0, w)
+    w[0].add_(1.0)
+    assert taken[0].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_update_ratios_from_reused_buffers_equal_those_from_fresh_copies() -> None:
+    net = _net()
+    index = _index(net)
+    chosen = list(range(len(index.params)))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    copies = WeightCopies()
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(32, 8)).pow(2).mean().backward()
+        m = measure_step(index, chosen, None)
+        fresh = [p.detach().clone() for p in index.params]
+        reused = copies.take(0, index.params)
+        opt.step()
+        expected = update_ratios(index, chosen, fresh, None, m.weight_squares)
+        assert update_ratios(index, chosen, reused, None, m.weight_squares) == expected
+        copies.release()
+
+
+def test_measure_step_reuses_its_index_tensors_with_the_same_results() -> None:
+    net = _net()
+    index = _index(net)
+    net(torch.randn(32, 8)).pow(2).mean().backward()
+    chosen = list(range(len(index.params)))
+    first = measure_step(index, chosen, torch.tensor(0.5))
+    layout = index.layout(chosen, torch.device("cpu"))
+    second = measure_step(index, chosen, torch.tensor(0.5))
+    assert index.layout(chosen, torch.device("cpu")) is layout
+    assert (first.total, first.norms, first.rms, first.relative, first.blocks, first.loss) == (
+        second.total, second.norms, second.rms, second.relative, second.blocks, second.loss,
+    )  # fmt: skip
+    # a subset (a parameter without a gradient this step) has a layout of its own
+    part = measure_step(index, chosen[2:], None)
+    assert set(part.norms) == {"2", "4"} and part.norms["2"] == first.norms["2"]
+
+
+def test_element_sample_reads_the_flattened_elements_of_non_contiguous_tensors() -> None:
+    base = torch.arange(60.0).reshape(6, 10)
+    tensors = [base.t(), base[:, ::2], torch.arange(5, dtype=torch.float16)]
+    sample = ElementSample(tensors, size=4)
+    expected = torch.cat(
+        [t.reshape(-1).index_select(0, pos).float() for t, pos in zip(tensors, sample.positions, strict=True)]
+    )
+    got = sample.gather(tensors)
+    assert got.dtype is torch.float32 and torch.equal(got, expected)
+    assert sample.gather([None, tensors[1], None])[:4].tolist() == [0.0] * 4
