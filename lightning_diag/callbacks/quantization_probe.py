@@ -88,8 +88,8 @@ class QuantizationResult:
             median channel maximum (what a per-tensor activation scale has to cover).
         backend: ``"torchao"`` or ``"fake"`` (the engine of the Linear layers; Conv layers are always fake).
         change_noise: The standard error of the loss change, relative like ``end_to_end``: the standard deviation
-            of the per-batch changes ``quantized - float`` over the square root of the batch count (``nan`` with
-            one batch, or sharded, where the batches are the ranks').
+            of the per-batch changes ``quantized - float`` over the square root of the batch count, over every
+            rank's batches when sharded (``nan`` with one batch).
     """
 
     loss: float
@@ -307,10 +307,7 @@ class QuantizationProbe(ValidationProbe):
                 quantized_losses = self._batch_losses(trainer, pl_module, owned)
             loss = self.mean_over_ranks(trainer, float_losses.mean())
             quantized_loss = self.mean_over_ranks(trainer, quantized_losses.mean())
-            noise = math.nan
-            if not self.all_ranks and float_losses.numel() >= 2:  # the spread of the per-batch changes
-                changes = (quantized_losses - float_losses).double()
-                noise = float(changes.std() / math.sqrt(changes.numel())) / max(abs(loss), LOSS_FLOOR)
+            noise = _change_noise(trainer, quantized_losses - float_losses, self.all_ranks, loss)
             if self.all_ranks:
                 _sum_over_ranks(trainer, [*acc.values(), *([] if channel is judged else acc_channel.values())])
                 names = sorted(layers)
@@ -401,6 +398,30 @@ def _full_weights(module: nn.Module, deepspeed: bool = False) -> contextlib.Abst
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return FullyShardedDataParallel.summon_full_params(module, writeback=False)
+
+
+def _change_noise(trainer: pl.Trainer, changes: torch.Tensor, all_ranks: bool, loss: float) -> float:
+    """The standard error of the mean per-batch loss change ``quantized - float``, relative to ``loss``: the changes'
+    sample standard deviation over the square root of their count; ``nan`` with fewer than 2 batches.
+
+    When every rank measures, the batches are every data-parallel replica's: the ranks' mean change and mean squared
+    change are averaged over the ranks (tensor-parallel ranks hold the same batches, so the mean over all ranks is
+    the mean over the replicas) and the count is the local one times the replicas (``num_replicas`` of the
+    strategy's ``distributed_sampler_kwargs``)."""
+    c = changes.detach().double().reshape(-1)
+    if c.numel() == 0:
+        return math.nan
+    n = float(c.numel())
+    moments = torch.stack([c.mean(), (c * c).mean()])
+    if all_ranks:
+        moments = trainer.strategy.reduce(moments, reduce_op="mean")
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        n *= int(kwargs.get("num_replicas", trainer.world_size))
+    if n < 2:
+        return math.nan
+    mean, square = (float(v) for v in moments.tolist())
+    variance = max(square - mean * mean, 0.0) * n / (n - 1)
+    return math.sqrt(variance / n) / max(abs(loss), LOSS_FLOOR)
 
 
 def _max_error_pct(w: torch.Tensor, granularity: Granularity) -> float:
