@@ -203,6 +203,9 @@ _POOL_POINTS = 16
 _POOL_MIN_PAIRS = 4
 #: ``loss_swing``: a learning rate that changes by less than this fraction did not move.
 _LR_MOVES = 0.01
+#: ``loss_swing``: a point whose step count differs from the previous one's by more than this factor is a mean over
+#: other data (a curriculum that adds examples, a batch-size ramp): its change is the data's, not a swing.
+_DATA_CHANGE = 1.25
 #: ``val_decline``: standard errors of the validation means the streak's whole worsening must exceed.
 DEFAULT_VAL_DECLINE_Z = default(VAL_DECLINE_SPEC.key("z"))
 #: ``val_decline``: optimizer steps the worsening streak must span.
@@ -379,6 +382,16 @@ class LossSwingRule(Rule):
             return False  # the rate did not move
         return (factor > 1.0) == (change > 0) and max(factor, 1.0 / factor) <= self.lr_ratio
 
+    def resized(self, count: float) -> bool:
+        """Whether the newest point (``count`` step losses) is a mean over other data than the point before: its
+        step count changed by more than :data:`_DATA_CHANGE` (a curriculum that adds examples, a batch-size ramp),
+        so the two means are not of one training set and their change is the data's (a level shift), not a swing.
+        Called after the point joined ``recent``."""
+        if len(self.recent) < 2:
+            return False
+        before = float(self.recent[-2][1] or 1.0)
+        return max(count / before, before / count) > _DATA_CHANGE
+
     def lr_jump(self, lr: float | None) -> bool:
         """Whether the learning rate changed by more than ``lr_ratio`` since the previous point: no schedule's
         step, so a change of the loss with it is the rate's doing, not chance (judged against half of ``z``)."""
@@ -429,15 +442,15 @@ class LossSwingRule(Rule):
         large = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
         bound = self.z / 2.0 if self.lr_jump(lr) else self.z
         significant = large and self.last_t > bound
-        swing = significant and not self.scheduled(change, lr)
+        excused = self.scheduled(change, lr) or self.resized(count)
+        swing = significant and not excused
         # one-step points are single samples: two outlying batches in a row rise, rise and fall back; only an
         # up-and-down of the loss swings there (a rise counts after a fall, not after a swinging rise)
         turns = not (single and self.previous_rise)
         rise = swing and change > 0 and turns
         reversal = swing and change < 0 and self.previous_rise
         counts = (
-            math.isfinite(change) and ((change > 0 and turns) or (change < 0 and self.previous_rise))
-            and not self.scheduled(change, lr)
+            math.isfinite(change) and ((change > 0 and turns) or (change < 0 and self.previous_rise)) and not excused
         )
         near = min(abs(change) / self.threshold, self.last_t / bound) if counts and math.isfinite(self.last_t) else 0.0
         self.excesses = [*self.excesses[-(self.patience - 1) :], near]
