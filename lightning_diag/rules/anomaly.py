@@ -9,6 +9,8 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   at most ``lr_ratio`` (the user's schedule), and it is either a rise (``r > 0``) or a fall that reverses a swinging
   rise just before it. Falls that follow falls never swing, so a loss that drops steadily, however fast,
   is healthy; between one-step points (single samples) a rise does not swing right after a swinging rise either.
+  A point whose step count changed by more than a factor 1.25 is a mean over other data (a curriculum, a batch-size
+  ramp): its change is a level shift of the data and never swings.
   The rule fires when ``patience`` consecutive points swing.
 * ``val_decline``: a validation value is *worse* than the one before it when it is larger by more than
   ``min_delta`` (mode ``"min"``) or smaller by more than ``min_delta`` (mode ``"max"``). Fires when
@@ -276,7 +278,9 @@ class LossSwingRule(Rule):
     the user's schedule, not a swing, when the rate changed by a factor of at most ``lr_ratio`` (cyclic rates,
     one-cycle, warm restarts: the loss rises with the rate); a larger factor between two consecutive points is
     no schedule people train with (an oscillating or mis-set rate): a change that comes with it is the rate's
-    doing rather than chance, and is significant from ``z / 2`` standard errors on.
+    doing rather than chance, and is significant from ``z / 2`` standard errors on. A point whose step count
+    differs from the previous one's by more than :data:`_DATA_CHANGE` is a mean over other data (a curriculum that
+    adds examples, a batch-size ramp): its change is the data's level shift and never swings (:meth:`resized`).
 
     Args:
         threshold: Relative change that counts as a swing.
