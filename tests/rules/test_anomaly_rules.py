@@ -53,6 +53,9 @@ def test_loss_swing_a_larger_training_set_is_a_level_shift_not_a_swing():
     # an oscillation on the new data still fires once the set stays the same size
     after = [*CURRICULUM[:5], (0.02, 32, 0.002), (0.03, 32, 0.002), (0.02, 32, 0.002), (0.03, 32, 0.002)]
     assert feed_points(LossSwingRule(), after) == [0, 0, 0, 0, 0, 0, 0, 1, 0]
+    # fewer steps are no other data: an epoch cut short (a stop, non-finite losses left out) still swings
+    cut = [(1.0, 32, 0.01), (1.2, 32, 0.01), (1.0, 32, 0.01), (1.2, 10, 0.01)]
+    assert feed_points(LossSwingRule(), cut) == [0, 0, 0, 1]
 
 
 def test_loss_swing_latches_and_rearms():
