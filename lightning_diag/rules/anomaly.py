@@ -9,6 +9,8 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   at most ``lr_ratio`` (the user's schedule), and it is either a rise (``r > 0``) or a fall that reverses a swinging
   rise just before it. Falls that follow falls never swing, so a loss that drops steadily, however fast,
   is healthy; between one-step points (single samples) a rise does not swing right after a swinging rise either.
+  A point with more than 1.25 times the previous point's steps is a mean over a larger training set (a curriculum
+  that adds examples): its change is a level shift of the data and never swings.
   The rule fires when ``patience`` consecutive points swing.
 * ``val_decline``: a validation value is *worse* than the one before it when it is larger by more than
   ``min_delta`` (mode ``"min"``) or smaller by more than ``min_delta`` (mode ``"max"``). Fires when
@@ -203,6 +205,10 @@ _POOL_POINTS = 16
 _POOL_MIN_PAIRS = 4
 #: ``loss_swing``: a learning rate that changes by less than this fraction did not move.
 _LR_MOVES = 0.01
+#: ``loss_swing``: a point with more than this factor of the previous point's steps is a mean over a larger training
+#: set (a curriculum that adds examples): its change is the data's, not a swing. (Fewer steps are no evidence: an
+#: epoch cut short by a stop or by non-finite losses left out has fewer.)
+_DATA_CHANGE = 1.25
 #: ``val_decline``: standard errors of the validation means the streak's whole worsening must exceed.
 DEFAULT_VAL_DECLINE_Z = default(VAL_DECLINE_SPEC.key("z"))
 #: ``val_decline``: optimizer steps the worsening streak must span.
@@ -273,7 +279,9 @@ class LossSwingRule(Rule):
     the user's schedule, not a swing, when the rate changed by a factor of at most ``lr_ratio`` (cyclic rates,
     one-cycle, warm restarts: the loss rises with the rate); a larger factor between two consecutive points is
     no schedule people train with (an oscillating or mis-set rate): a change that comes with it is the rate's
-    doing rather than chance, and is significant from ``z / 2`` standard errors on.
+    doing rather than chance, and is significant from ``z / 2`` standard errors on. A point with more than
+    :data:`_DATA_CHANGE` times the previous point's steps is a mean over a larger training set (a curriculum that
+    adds examples): its change is the data's level shift and never swings (:meth:`resized`).
 
     Args:
         threshold: Relative change that counts as a swing.
@@ -379,6 +387,16 @@ class LossSwingRule(Rule):
             return False  # the rate did not move
         return (factor > 1.0) == (change > 0) and max(factor, 1.0 / factor) <= self.lr_ratio
 
+    def resized(self, count: float) -> bool:
+        """Whether the newest point (``count`` step losses) is a mean over a larger training set than the point
+        before: more than :data:`_DATA_CHANGE` times its steps (a curriculum that adds examples), so the two means
+        are not of one training set and their change is the data's (a level shift), not a swing. Fewer steps are
+        not: an epoch cut short (a stop, non-finite losses left out) is still the same data, and its change is
+        judged. Called after the point joined ``recent``."""
+        if len(self.recent) < 2:
+            return False
+        return count > _DATA_CHANGE * float(self.recent[-2][1] or 1.0)
+
     def lr_jump(self, lr: float | None) -> bool:
         """Whether the learning rate changed by more than ``lr_ratio`` since the previous point: no schedule's
         step, so a change of the loss with it is the rate's doing, not chance (judged against half of ``z``)."""
@@ -429,15 +447,15 @@ class LossSwingRule(Rule):
         large = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
         bound = self.z / 2.0 if self.lr_jump(lr) else self.z
         significant = large and self.last_t > bound
-        swing = significant and not self.scheduled(change, lr)
+        excused = self.scheduled(change, lr) or self.resized(count)
+        swing = significant and not excused
         # one-step points are single samples: two outlying batches in a row rise, rise and fall back; only an
         # up-and-down of the loss swings there (a rise counts after a fall, not after a swinging rise)
         turns = not (single and self.previous_rise)
         rise = swing and change > 0 and turns
         reversal = swing and change < 0 and self.previous_rise
         counts = (
-            math.isfinite(change) and ((change > 0 and turns) or (change < 0 and self.previous_rise))
-            and not self.scheduled(change, lr)
+            math.isfinite(change) and ((change > 0 and turns) or (change < 0 and self.previous_rise)) and not excused
         )
         near = min(abs(change) / self.threshold, self.last_t / bound) if counts and math.isfinite(self.last_t) else 0.0
         self.excesses = [*self.excesses[-(self.patience - 1) :], near]

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_diag import AnomalyAlarm
 from lightning_diag.demo.faults import build_fault
 from lightning_diag.demo.models import DemoConfig, build_model
+from lightning_diag.demo.schedules import SCENARIOS, run_scenario
 from lightning_diag.demo.synthetic import RegressionDataModule
 from tests.callbacks.loss_noise_models import ClusterMLP, cluster_loader
 from tests.callbacks.tiny import FAST
@@ -88,6 +89,19 @@ def test_loss_swing_is_quiet_on_hundreds_of_one_batch_epochs(tmp_path):
     _fit(ClusterMLP(lr=3e-3), tmp_path, alarm, 300, train_dataloaders=cluster_loader(32))
     assert alarm.swing_rule.last_t == alarm.swing_rule.last_t  # judged (not nan): the pooled noise was known
     assert _serious(alarm) == []
+
+
+@pytest.mark.slow
+def test_loss_swing_is_quiet_when_a_curriculum_adds_harder_data(tmp_path):
+    # the demo curriculum (seed 3): from epoch 4 the set adds sequences twice as long, 16 -> 32 steps an epoch; the
+    # loss rises on the new data (0.005 -> 0.012 -> 0.080) and falls back: one change of the data, not a swing
+    alarm = AnomalyAlarm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = run_scenario("curriculum", [alarm], root=str(tmp_path), seed=3)
+    assert result.global_step == SCENARIOS["curriculum"].total_steps
+    assert max(result.epoch_losses[4:]) > 2 * result.epoch_losses[3], result.epoch_losses  # the loss did rise
+    assert [r for r, _ in _serious(alarm) if r == "loss_swing"] == []
 
 
 def test_loss_swing_is_quiet_on_fresh_one_batch_epochs(tmp_path):

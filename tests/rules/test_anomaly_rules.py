@@ -28,6 +28,36 @@ def test_loss_swing_table(name, losses, fires_at):
     assert [i for i, n in enumerate(fired) if n] == fires_at, name
 
 
+# The demo curriculum (lightning_diag/demo/schedules.py, seed 3) as measured: epochs of 16 steps, then from epoch 4
+# sequences twice as long join the set (32 steps an epoch): the loss rises twice on the harder data and falls back.
+CURRICULUM = [  # (epoch mean, steps, step-loss standard deviation)
+    (1.0065, 16, 0.0497), (0.2663, 16, 0.0357), (0.0293, 16, 0.0042), (0.0048, 16, 0.0009),
+    (0.0117, 32, 0.0131), (0.0795, 32, 0.0868), (0.0231, 32, 0.0606), (0.0145, 32, 0.0287),
+]
+
+
+def feed_points(rule, points):
+    return [
+        len(rule.update(v, StepContext(i, 16 * (i + 1)), steps=n, variance=sd**2))
+        for i, (v, n, sd) in enumerate(points)
+    ]
+
+
+def test_loss_swing_a_larger_training_set_is_a_level_shift_not_a_swing():
+    # the epoch where the step count doubles is a mean over other data: its rise is the data's, so the rise and the
+    # fall after it are two swinging points at most (the measured healthy false alarm of 6 December 2026)
+    assert feed_points(LossSwingRule(), CURRICULUM) == [0] * len(CURRICULUM)
+    # the same means over one unchanged training set are "rise, rise, crash": they swing
+    same_data = [(v, 32, sd) for v, _, sd in CURRICULUM]
+    assert feed_points(LossSwingRule(), same_data) == [0, 0, 0, 0, 0, 0, 1, 0]
+    # an oscillation on the new data still fires once the set stays the same size
+    after = [*CURRICULUM[:5], (0.02, 32, 0.002), (0.03, 32, 0.002), (0.02, 32, 0.002), (0.03, 32, 0.002)]
+    assert feed_points(LossSwingRule(), after) == [0, 0, 0, 0, 0, 0, 0, 1, 0]
+    # fewer steps are no other data: an epoch cut short (a stop, non-finite losses left out) still swings
+    cut = [(1.0, 32, 0.01), (1.2, 32, 0.01), (1.0, 32, 0.01), (1.2, 10, 0.01)]
+    assert feed_points(LossSwingRule(), cut) == [0, 0, 0, 1]
+
+
 def test_loss_swing_latches_and_rearms():
     rule = LossSwingRule()
     # swing 3 times (fires), keep swinging (quiet), calm down (clears), swing again (fires again)
