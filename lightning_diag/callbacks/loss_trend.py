@@ -314,9 +314,9 @@ class LossTrend:
         and to ``val_fluctuation``.
 
         Where ``validation_step`` returns no value, ``val_fluctuation`` takes the standard error of a mean over the
-        run's validation batches each as noisy as a training step: ``sqrt(s^2 / b)``, ``s^2`` the step-to-step
-        noise variance of the training losses since the last validation run, ``b`` the validation batches over all
-        ranks (a validation batch larger than a training batch is less noisy: the rule is then the more lenient).
+        run's validation batches, each validation sample as noisy as a training sample: ``sqrt(s^2 r / b)``,
+        ``s^2`` the step-to-step noise variance of the training losses since the last validation run, ``b`` the
+        validation batches over all ranks, ``r`` the training over the validation batch size (:func:`batch_ratio`).
 
         Logged tags: ``diag/loss/val``; ``diag/loss/train_fluctuation`` and ``diag/loss/val_fluctuation`` once
         the window is full.

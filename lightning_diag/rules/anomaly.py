@@ -16,8 +16,9 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   worsening of the streak is more than ``z`` standard errors of that difference.
 * ``val_fluctuation``: over the last ``window`` validation runs, the fluctuation of a series is the RMS of its
   residuals around a least-squares line or parabola fitted to its logarithm
-  (:func:`~lightning_diag.stats.fluctuation`). Fires when the validation fluctuation exceeds ``ratio`` times
-  the training-loss fluctuation over the same runs, is itself above ``min_fluctuation`` and the range of the
+  (:func:`~lightning_diag.stats.fluctuation`). A window is judged at the run after it. Fires when the validation
+  fluctuation exceeds ``ratio`` times the training-loss fluctuation (the larger of the training periods' before
+  and after the window's runs), is itself above ``min_fluctuation`` and the range of the
   validation window (loss units) is above ``min_range``, **and** the validation value's rises over the window (the
   sum of its increases from one run to the next) are above ``min_rise`` of its *scale*, the first validation value
   of the fit (the loss at the start of training), **and** it rises at least twice (once for a window of 3): a rise

@@ -256,6 +256,32 @@ def test_val_fluctuation_is_quiet_on_two_batch_validations_at_four_steps_an_epoc
     assert [r for r, _ in _serious(alarm) if r == "val_fluctuation"] == []
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("momentum", "fires"), [(0.99, True), (0.1, False)])
+def test_val_fluctuation_catches_keras_momentum_batchnorm_against_a_large_validation_batch(tmp_path, momentum, fires):
+    """BatchNorm with Keras's momentum 0.99 (PyTorch keeps 1% of its running statistics: they follow the last
+    batch of 8) makes validation on one batch of 256 jump; its ``validation_step`` returns nothing, so each
+    validation sample is taken to be as noisy as a training sample (not a whole training step of 8). Caught at the
+    run after the first full window (the sixth, step 384); PyTorch's own momentum is quiet."""
+    from tests.callbacks.probe_models import ReluNet, dataset
+
+    model = ReluNet(lr=3e-3, batchnorm=True, seed=0)
+    norm = model.net[1]
+    assert isinstance(norm, nn.BatchNorm1d)
+    norm.momentum = momentum
+    alarm = AnomalyAlarm()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_epochs=6, default_root_dir=tmp_path, callbacks=[alarm], logger=False,
+                         log_every_n_steps=50, **FAST)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(dataset(512, 0), batch_size=8, shuffle=True),
+                    DataLoader(dataset(256, 1), batch_size=256))
+    steps = [step for rule, step in _serious(alarm) if rule == "val_fluctuation"]
+    assert steps == ([384] if fires else [])
+    assert alarm.val_fluctuation_rule.last_noise < 0.2  # the noise of 256 samples, not of a step of 8
+
+
 # -- loss_outlier --------------------------------------------------------------------------------------------------
 def test_loss_outlier_catches_the_first_or_second_of_five_scattered_zeroed_batches(tmp_path):
     """The fault library's transformer, its tokens zeroed at steps 44, 55, 66, 77 and 88 (once it has learned)."""
