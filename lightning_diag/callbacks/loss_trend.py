@@ -48,6 +48,33 @@ def mean_lr(trainer: pl.Trainer) -> float:
     return sum(rates) / len(rates) if rates else math.nan
 
 
+def loader_batch_size(loaders: Any) -> int | None:
+    """The ``batch_size`` of a data loader (the first of a list or mapping of them), or ``None`` when unknown
+    (a batch sampler, an iterable without one)."""
+    if isinstance(loaders, Mapping):
+        loaders = next(iter(loaders.values()), None)
+    elif isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    size = getattr(loaders, "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def batch_ratio(trainer: pl.Trainer) -> float:
+    """The training batch size over the validation batch size, from the trainer's data loaders (1 where either
+    is unknown): the variance of a validation batch's mean is a training step's times this.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> from torch.utils.data import DataLoader
+        >>> batch_ratio(SimpleNamespace(train_dataloader=DataLoader(range(64), batch_size=8),
+        ...                             val_dataloaders=[DataLoader(range(256), batch_size=256)]))
+        0.03125
+    """
+    train = loader_batch_size(getattr(trainer, "train_dataloader", None))
+    val = loader_batch_size(getattr(trainer, "val_dataloaders", None))
+    return train / val if train is not None and val is not None else 1.0
+
+
 def build_loss_sums(thresholds: Mapping[str, float]) -> LossSums:
     """The loss sums of a fit, their ``initial`` period ``loss_stagnant.baseline_steps`` batches long (the builder
     the alarm declares)."""
@@ -287,9 +314,9 @@ class LossTrend:
         and to ``val_fluctuation``.
 
         Where ``validation_step`` returns no value, ``val_fluctuation`` takes the standard error of a mean over the
-        run's validation batches each as noisy as a training step: ``sqrt(s^2 / b)``, ``s^2`` the step-to-step
-        noise variance of the training losses since the last validation run, ``b`` the validation batches over all
-        ranks (a validation batch larger than a training batch is less noisy: the rule is then the more lenient).
+        run's validation batches, each validation sample as noisy as a training sample: ``sqrt(s^2 r / b)``,
+        ``s^2`` the step-to-step noise variance of the training losses since the last validation run, ``b`` the
+        validation batches over all ranks, ``r`` the training over the validation batch size (:func:`batch_ratio`).
 
         Logged tags: ``diag/loss/val``; ``diag/loss/train_fluctuation`` and ``diag/loss/val_fluctuation`` once
         the window is full.
@@ -321,7 +348,8 @@ class LossTrend:
         out.alerts += self.val_decline_rule.update(val, ctx, train_mean, se=se)
         fluctuation_se = se
         if not math.isfinite(se) and batches > 0 and math.isfinite(train_variance):
-            fluctuation_se = math.sqrt(train_variance / batches)  # no batch values: as noisy as training steps
+            # no batch values: each validation sample as noisy as a training sample
+            fluctuation_se = math.sqrt(train_variance / batches * batch_ratio(trainer))
         out.alerts += self.val_fluctuation_rule.update(train_mean, val, ctx, se=fluctuation_se)
         out.scalars[loss_tag("val")] = val
         train_f, val_f = self.val_fluctuation_rule.measures()

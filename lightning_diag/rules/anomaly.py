@@ -18,8 +18,9 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   worsening of the streak is more than ``z`` standard errors of that difference.
 * ``val_fluctuation``: over the last ``window`` validation runs, the fluctuation of a series is the RMS of its
   residuals around a least-squares line or parabola fitted to its logarithm
-  (:func:`~lightning_diag.stats.fluctuation`). Fires when the validation fluctuation exceeds ``ratio`` times
-  the training-loss fluctuation over the same runs, is itself above ``min_fluctuation`` and the range of the
+  (:func:`~lightning_diag.stats.fluctuation`). A window is judged at the run after it. Fires when the validation
+  fluctuation exceeds ``ratio`` times the training-loss fluctuation (the larger of the training periods' before
+  and after the window's runs), is itself above ``min_fluctuation`` and the range of the
   validation window (loss units) is above ``min_range``, **and** the validation value's rises over the window (the
   sum of its increases from one run to the next) are above ``min_rise`` of its *scale*, the first validation value
   of the fit (the loss at the start of training), **and** it rises at least twice (once for a window of 3): a rise
@@ -674,7 +675,7 @@ class ValFluctuationRule(Rule):
         >>> [len(rule.update(t, v, StepContext(i, 10 * i))) for i, (t, v) in enumerate(zip(train, val))]
         [0, 0, 0, 0, 0, 0]
         >>> round(rule.last_rise, 3)
-        0.074
+        0.073
     """
 
     specs = (VAL_FLUCTUATION_SPEC,)
@@ -723,9 +724,11 @@ class ValFluctuationRule(Rule):
         )
 
     def window_runs(self) -> int:
-        """Runs in the judged window: the last ``window``, and earlier ones until it spans ``min_steps`` steps."""
-        count = min(self.window, len(self.val))
-        while count < len(self.val) and self.steps[-1] - self.steps[-count] < self.min_steps:
+        """Runs in the judged window, which ends at the run before the newest (whose following training period is
+        only now known): the last ``window`` of them, and earlier ones until it spans ``min_steps`` steps."""
+        judged = len(self.val) - 1
+        count = min(self.window, max(judged, 0))
+        while count < judged and self.steps[-2] - self.steps[-1 - count] < self.min_steps:
             count += 1
         return count
 
@@ -742,12 +745,19 @@ class ValFluctuationRule(Rule):
         return rule
 
     def measures(self) -> tuple[float, float]:
-        """``(train_fluctuation, val_fluctuation)`` over the current window (``nan`` until it is full: ``window``
-        runs spanning ``min_steps`` steps)."""
+        """``(train_fluctuation, val_fluctuation)`` over the judged window (``nan`` until it is full: ``window``
+        runs spanning ``min_steps`` steps, and the run after them).
+
+        The training fluctuation is the larger of the training loss's over the periods that end at the window's
+        validation runs and over those that start at them: a validation run is a snapshot of the model between
+        the two, and with short epochs the model moves a lot within one (a training spike the validation follows
+        shows in the period after it)."""
         count = self.window_runs()
-        if count < self.window or self.steps[-1] - self.steps[-count] < self.min_steps:
+        if count < self.window or self.steps[-2] - self.steps[-1 - count] < self.min_steps:
             return math.nan, math.nan
-        return fluctuation(self.train[-count:]), fluctuation(self.val[-count:])
+        before, after = self.train[-1 - count : -1], self.train[-count:]
+        finite = [f for f in (fluctuation(before), fluctuation(after)) if math.isfinite(f)]
+        return max(finite) if finite else math.nan, fluctuation(self.val[-1 - count : -1])
 
     def update(self, train_loss: float, val_loss: float, ctx: StepContext, se: float | None = None) -> list[Alert]:
         """Feed the mean training loss since the last validation run and the validation value (with its standard
@@ -756,7 +766,7 @@ class ValFluctuationRule(Rule):
             return []
         if self.scale is None:
             self.scale = abs(float(val_loss))  # the validation loss at the start of training
-        keep = max(self.window, _VAL_RUNS_KEPT)
+        keep = max(self.window, _VAL_RUNS_KEPT) + 1  # the judged window, and the run after it
         self.train = list(deque([*self.train, train_loss], maxlen=keep))
         self.val = list(deque([*self.val, val_loss], maxlen=keep))
         self.steps = list(deque([*self.steps, ctx.global_step], maxlen=keep))
@@ -766,8 +776,8 @@ class ValFluctuationRule(Rule):
         if not (math.isfinite(train_f) and math.isfinite(raw_f)):
             return []
         count = self.window_runs()
-        window = self.val[-count:]
-        self.last_noise = noise_fluctuation(window, self.ses[-count:])
+        window = self.val[-1 - count : -1]
+        self.last_noise = noise_fluctuation(window, self.ses[-1 - count : -1])
         noise = self.last_noise if math.isfinite(self.last_noise) else 0.0
         val_f = math.sqrt(max(raw_f * raw_f - noise * noise, 0.0))  # the part the validation set's noise leaves
         self.last_ratio = val_f / train_f if train_f > 0 else math.inf
@@ -776,18 +786,15 @@ class ValFluctuationRule(Rule):
         self.last_rise = sum(steps_up) / self.scale if self.scale > 0 else math.inf
         self.last_rises = repeated_rises(steps_up)
         rises_needed = min(2, len(window) // 2)
-        # how close every condition came (the nearest to failing decides), for the calibration's margin
-        self.observe(min(
-            excess(self.last_ratio, self.ratio), excess(val_f, self.min_fluctuation), excess(val_abs, self.min_range),
-            excess(self.last_rise, self.min_rise), 1.0 if self.last_rises >= rises_needed else 0.0,
-        ), 1.0)
-        active = (
+        # the other conditions; the margin is the ratio's excess where they hold (0 where one does not)
+        gates = (
             val_f > self.min_fluctuation
             and val_abs > self.min_range
-            and val_f > self.ratio * train_f
             and self.last_rise > self.min_rise
             and self.last_rises >= rises_needed
         )
+        self.observe(excess(self.last_ratio, self.ratio) if gates else 0.0, 1.0)
+        active = gates and val_f > self.ratio * train_f
         if not self.latch.update(self.monitor, active, excess(self.last_ratio, self.ratio)):
             return []
         return [

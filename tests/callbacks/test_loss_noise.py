@@ -245,12 +245,13 @@ def test_val_fluctuation_discounts_the_validation_noise(relative_se, fires):
     from lightning_diag.rules import StepContext, ValFluctuationRule
 
     rule, fired = ValFluctuationRule(), []
-    train = [1.0, 0.9, 0.8, 0.72, 0.65]
-    val = [1.0, 1.4, 0.9, 1.5, 0.9]
+    train = [1.0, 0.9, 0.8, 0.72, 0.65, 0.59]
+    val = [1.0, 1.4, 0.9, 1.5, 0.9, 1.4]  # the window of the first five is judged at the sixth
     for i, (t, v) in enumerate(zip(train, val, strict=True)):
         fired += rule.update(t, v, StepContext(i, 10 * i), se=relative_se * v)
     assert bool(fired) is fires
-    assert math.isfinite(rule.last_noise) and rule.peaks["val_fluctuation"] > 0  # judged, and its margin noted
+    assert math.isfinite(rule.last_noise)  # judged, and its margin noted: the ratio's excess where the rest holds
+    assert (rule.peaks["val_fluctuation"] > 1) is fires
 
 
 def test_val_fluctuation_is_quiet_on_two_batch_validations_at_four_steps_an_epoch(tmp_path):
@@ -267,6 +268,32 @@ def test_val_fluctuation_is_quiet_on_two_batch_validations_at_four_steps_an_epoc
     rule = alarm.val_fluctuation_rule
     assert math.isfinite(rule.last_noise) and rule.last_noise > 0  # the validation noise was known
     assert [r for r, _ in _serious(alarm) if r == "val_fluctuation"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("momentum", "fires"), [(0.99, True), (0.1, False)])
+def test_val_fluctuation_catches_keras_momentum_batchnorm_against_a_large_validation_batch(tmp_path, momentum, fires):
+    """BatchNorm with Keras's momentum 0.99 (PyTorch keeps 1% of its running statistics: they follow the last
+    batch of 8) makes validation on one batch of 256 jump; its ``validation_step`` returns nothing, so each
+    validation sample is taken to be as noisy as a training sample (not a whole training step of 8). Caught at the
+    run after the first full window (the sixth, step 384); PyTorch's own momentum is quiet."""
+    from tests.callbacks.probe_models import ReluNet, dataset
+
+    model = ReluNet(lr=3e-3, batchnorm=True, seed=0)
+    norm = model.net[1]
+    assert isinstance(norm, nn.BatchNorm1d)
+    norm.momentum = momentum
+    alarm = AnomalyAlarm()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_epochs=6, default_root_dir=tmp_path, callbacks=[alarm], logger=False,
+                         log_every_n_steps=50, **FAST)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(dataset(512, 0), batch_size=8, shuffle=True),
+                    DataLoader(dataset(256, 1), batch_size=256))
+    steps = [step for rule, step in _serious(alarm) if rule == "val_fluctuation"]
+    assert steps == ([384] if fires else [])
+    assert alarm.val_fluctuation_rule.last_noise < 0.2  # the noise of 256 samples, not of a step of 8
 
 
 # -- loss_outlier --------------------------------------------------------------------------------------------------
