@@ -16,15 +16,7 @@ from lightning_diag import AnomalyAlarm
 from lightning_diag.demo import build_fault
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.runtime import LossOutlierRule, outlier_excess
-
-FAST = {
-    "accelerator": "cpu",
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "enable_checkpointing": False,
-    "logger": False,
-    "deterministic": True,
-}
+from tests.callbacks.tiny import FAST
 
 
 def _steady(n: int, level: float, seed: int = 0) -> list[float]:
@@ -120,6 +112,8 @@ def test_healthy_sgd_at_64_steps_an_epoch_stays_quiet_and_the_zeroed_batch_is_ca
             log_every_n_steps=5,
             default_root_dir=tmp_path,
             callbacks=[alarm],
+            logger=False,
+            deterministic=True,
             **FAST,
         )
         with warnings.catch_warnings():
