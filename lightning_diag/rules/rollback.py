@@ -13,9 +13,10 @@ Policy:
 * on a non-finite step the newest trusted snapshot is restored (the oldest kept one when none is trusted);
   snapshots newer than it are dropped (they belong to the trajectory that failed);
 * a non-finite step within ``repeat_window`` steps of the last rollback goes further back: the snapshot that
-  rollback restored is dropped too;
+  rollback restored is dropped too, unless it is the oldest kept (a burst of bad batches longer than one step):
+  then it is restored again, at the lower learning rate;
 * every rollback multiplies the learning rates by ``lr_factor`` for the rest of the run;
-* after ``max_rollbacks`` rollbacks (or with no snapshot left) the next non-finite step stops training.
+* after ``max_rollbacks`` rollbacks (or before the first snapshot) the next non-finite step stops training.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ class RollbackRule(Rule):
         0.5
         >>> rule.choose([0, 50], [True, True], now=130).step  # again within 50 steps: further back
         0
+        >>> rule.record(restored=0, now=130)
+        0.25
+        >>> rule.choose([0], [True], now=131).step  # again, and no older one: the same snapshot again
+        0
     """
 
     specs = (NONFINITE_ROLLBACK_SPEC,)
@@ -127,17 +132,23 @@ class RollbackRule(Rule):
         if self.exhausted:
             return RollbackChoice(None, None, f"{self.rollbacks} rollbacks made already (max_rollbacks)")
         pairs = sorted(zip(steps, trusted, strict=True))
-        repeat = self.last_rollback_step is not None and now - self.last_rollback_step <= self.repeat_window
-        if repeat and self.last_restored_step is not None:
-            pairs = [(s, t) for s, t in pairs if s < self.last_restored_step]
         if not pairs:
-            why = "no older snapshot is left" if repeat else "no snapshot was taken yet"
-            return RollbackChoice(None, None, why)
-        good = [s for s, t in pairs if t]
-        step = good[-1] if good else pairs[0][0]
+            return RollbackChoice(None, None, "no snapshot was taken yet")
+        repeat = self.last_rollback_step is not None and now - self.last_rollback_step <= self.repeat_window
         how = []
         if repeat:
             how.append(f"non-finite again {now - (self.last_rollback_step or 0)} steps after the last rollback")
+            older = [(s, t) for s, t in pairs if self.last_restored_step is None or s < self.last_restored_step]
+            if older:
+                pairs = older
+            else:
+                # a burst of bad batches longer than one step fails again right after the rollback: the
+                # snapshot is the oldest there is, so it is restored again, at the lower learning rate
+                # (max_rollbacks bounds the retries of a snapshot that is itself ruined)
+                pairs = pairs[:1]
+                how.append("no older snapshot is kept: the same one again")
+        good = [s for s, t in pairs if t]
+        step = good[-1] if good else pairs[0][0]
         if not good:
             how.append("no snapshot is trusted (the loss was spiking at each): the oldest kept")
         elif step != pairs[-1][0]:

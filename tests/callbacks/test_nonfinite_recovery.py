@@ -158,6 +158,20 @@ def test_rollback_limit_stops_with_a_critical_alert(tmp_path):
     assert trainer.global_step < 40 and _finite(model)
 
 
+def test_a_three_step_burst_survives_with_the_default_snapshots(tmp_path):
+    # defaults: one snapshot every 50 steps, the first at step 0; a non-finite step right after a rollback used
+    # to drop that only snapshot and stop the fit ("no older snapshot is left")
+    model = Regression(fault="loss", fault_steps=(30, 31, 32))
+    alarm = AnomalyAlarm(on_nonfinite="rollback")
+    trainer = _fit(model, alarm, tmp_path, max_steps=60)
+    rollbacks = [a for a in alarm.alerts if a.rule == "nonfinite_rollback"]
+    assert [a.global_step for a in rollbacks] == [30, 31, 32]
+    assert all("snapshot of step 0" in a.message for a in rollbacks)
+    assert "the same one again" in rollbacks[1].message and "the same one again" in rollbacks[2].message
+    assert not [a for a in alarm.alerts if a.severity == "critical"]
+    assert trainer.global_step == 60 and _finite(model) and alarm.lr_scale == 0.5**3
+
+
 def test_resume_keeps_the_rollback_count_and_factor(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=50, save_top_k=-1)
     model = Regression(burst=(20, 21))
