@@ -41,6 +41,18 @@ def test_a_spread_that_recovers_resets_the_streak():
     assert rule.streak == 2
 
 
+def test_a_spread_hovering_at_the_threshold_is_one_event_until_it_clearly_recovers():
+    rule = OutputCollapseRule(threshold=1e-2, patience=3)
+    # a batch of two samples: alike outputs whose spread flickers just above the threshold now and then
+    hovering = [0.005, 0.004, 0.006, 0.02, 0.003, 0.012, 0.004, 0.005, 0.015, 0.002, 0.003, 0.004]
+    fired = [i for i, v in enumerate(hovering) if rule.update(v, 1.0, 2, "<root>", _ctx(i))]
+    assert fired == [2]
+    recovered = [rule.update(0.5, 1.0, 2, "<root>", _ctx(20 + i)) for i in range(5)]  # 2 x patience - 1 above
+    assert recovered == [[]] * 5
+    again = [i for i in range(3) if rule.update(0.001, 1.0, 2, "<root>", _ctx(30 + i))]
+    assert again == [2]  # a new event after a clear recovery
+
+
 def test_constant_from_the_first_measurement_fires_and_says_so():
     rule = OutputCollapseRule(threshold=1e-3, patience=2)
     rule.update(0.0, 1.0, 8, "<root>", _ctx(0))
