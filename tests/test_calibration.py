@@ -201,11 +201,20 @@ def test_rules_note_their_statistic_against_their_threshold() -> None:
 
     band = GradBandRule(patience=3, warmup_steps=0)
     band.update({"w1": 5.0, "w2": 0.5}, StepContext(0, 60), relative={"w1": 1e-2, "w2": 5e-4})
-    # explode: 5 against 10; vanish: w2 is 2x below 1e-3 but only 0.2 of the way to 100x below the best-fed 1e-2
+    # explode: 5 against 10; vanish needs 3 measurements: none decided yet
+    assert band.peaks == {"grad_explode": pytest.approx(0.5), "grad_vanish": 0.0}
+    for step in (65, 70):
+        band.update({"w1": 5.0, "w2": 0.5}, StepContext(0, step), relative={"w1": 1e-2, "w2": 5e-4})
+    # vanish: w2 is 2x below 1e-3 but only 0.2 of the way to 100x below the best-fed 1e-2, on all 3
     assert band.peaks == {"grad_explode": pytest.approx(0.5), "grad_vanish": pytest.approx(0.2)}
+    fed = [(1e-7, 75), (5e-4, 80)]
+    alerts = [a for w2, t in fed for a in band.update({"w1": 5.0}, StepContext(0, t), relative={"w1": 1e-2, "w2": w2})]
+    # one measurement past every bound (1e-7: 1e4x below 1e-3) among ones that are not: the window's weakest decides
+    assert alerts == [] and band.peaks["grad_vanish"] == pytest.approx(0.2)
     starved = GradBandRule(patience=3, warmup_steps=0)
     starved.observe_updates({"w1": 1e-3, "w2": 1e-3})  # w2's update keeps pace: far from a vanishing gradient
-    starved.update({"w1": 1.0}, StepContext(0, 60), relative={"w1": 1e-2, "w2": 5e-4})
+    for step in (60, 65, 70):
+        starved.update({"w1": 1.0}, StepContext(0, step), relative={"w1": 1e-2, "w2": 5e-4})
     assert starved.peaks["grad_vanish"] == pytest.approx(0.01)  # its update 100x short of 100x below the top
     collapse = GradCollapseRule(patience=3, baseline_measurements=1)
     assert collapse.update(1.0, StepContext(0, 0)) == []

@@ -113,7 +113,9 @@ class AttentionLogitRule(Rule):
             self.history[module] = seen
             rising = len(seen) > self.patience and all(b > a for a, b in itertools.pairwise(seen))
             grown = rising and peak >= self.growth * seen[0]
-            self.observe(peak, self.threshold)
+            # the margin: the weaker of the two conditions (0 while the peak is not rising), above 1 where both hold
+            ratio = peak / seen[0] if seen[0] > 0 else math.inf
+            self.observe(min(peak / self.threshold, ratio / self.growth) if rising else 0.0, 1.0)
             bad = peak > self.threshold and grown
             if self.latch.update(module, bad) and bad:
                 tripped.append((module, peak, seen[0]))

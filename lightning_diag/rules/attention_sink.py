@@ -71,7 +71,9 @@ class AttentionSinkRule(Rule):
             if self.latch.is_active(module):  # hysteresis: a sinking layer stays in its event on a looser bound
                 sunk = sunk or all(m > self.sink_mass - SINK_HOLD_MARGIN and m > 2 * s for m, s in pairs)
             least = min(m for m, _ in pairs)
-            self.observe(min(min(excess(m, self.sink_mass), excess(m, 2 * s)) for m, s in pairs), 1.0)
+            # the margin: the least-sinking head's excess, held over `patience` measurements
+            self.observe_held(module, min(min(excess(m, self.sink_mass), excess(m, 2 * s)) for m, s in pairs),
+                              self.patience)
             self.streaks[module] = self.streaks.get(module, 0) + 1 if sunk else 0
             if self.latch.update(module, self.streaks[module] >= self.patience):
                 first = first_mass(stats)

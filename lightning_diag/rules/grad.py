@@ -504,10 +504,14 @@ class GradBandRule(Rule):
         early = ctx.global_step < self.warmup_steps
         # a reference that is itself below the threshold is a converged or dead model: grad_collapse's question
         decaying: dict[str, str] = {}
-        if rel and reference >= self.vanish_threshold and not self.dead:
-            # during the warm-up only overwhelming evidence counts (OVERWHELMING past both thresholds)
-            factor = OVERWHELMING if early else 1.0
-            self.observe(self.vanish_excess(rel, reference, factor, blocks), 1.0, rule=GRAD_VANISH)
+        judged = bool(rel) and reference >= self.vanish_threshold and not self.dead
+        # during the warm-up only overwhelming evidence counts (OVERWHELMING past both thresholds)
+        factor = OVERWHELMING if early else 1.0
+        if rel:
+            # the margin: the most starved matrix's excess, held over `patience` measurements (0 where not judged)
+            held = self.vanish_excess(rel, reference, factor, blocks) if judged else 0.0
+            self.observe_held("vanish", held, self.patience, rule=GRAD_VANISH)
+        if judged:
             starved = {
                 k: v
                 for k, v in rel.items()
