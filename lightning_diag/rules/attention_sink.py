@@ -71,13 +71,15 @@ class AttentionSinkRule(Rule):
             if self.latch.is_active(module):  # hysteresis: a sinking layer stays in its event on a looser bound
                 sunk = sunk or all(m > self.sink_mass - SINK_HOLD_MARGIN and m > 2 * s for m, s in pairs)
             least = min(m for m, _ in pairs)
-            # the margin: the least-sinking head's excess, held over `patience` measurements
-            self.observe_held(module, min(min(excess(m, self.sink_mass), excess(m, 2 * s)) for m, s in pairs),
-                              self.patience)
+            # the margin: the least-sinking head's excess, held over `patience` measurements; a causal layer of
+            # attention-sink heads is an `info` note, not the warning: 0
+            first = first_mass(stats)
+            resting = stats.causal and all(f > self.sink_mass for f in first)  # NaN (unknown) compares False
+            x = 0.0 if resting else min(min(excess(m, self.sink_mass), excess(m, 2 * s)) for m, s in pairs)
+            self.observe_held(module, x, self.patience)
             self.streaks[module] = self.streaks.get(module, 0) + 1 if sunk else 0
             if self.latch.update(module, self.streaks[module] >= self.patience):
-                first = first_mass(stats)
-                if stats.causal and all(f > self.sink_mass for f in first):  # NaN (unknown) compares False
+                if resting:
                     causal[module] = least
                     first_least[module] = min(first)
                 else:
