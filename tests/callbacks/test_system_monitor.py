@@ -13,7 +13,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor, SystemProfiler
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.common.base import DiagCallback
 from tests.callbacks.system_models import FAST, MLP, Encoder, FakeTime, Recorder, StallEvery, Tick, leak_batch
 from tests.output.logger_models import MemoryLogger
 

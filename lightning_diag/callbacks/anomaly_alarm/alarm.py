@@ -2,9 +2,9 @@
 
 A thin adapter over three helpers it owns: the non-finite decisions are
 :class:`~lightning_diag.rules.nonfinite.NonFinitePolicy` (pure), found and carried out by
-:class:`~lightning_diag.callbacks.nonfinite_guard.NonFiniteGuard`; localisation and rollback are
-:class:`~lightning_diag.callbacks.nonfinite_recovery.NonFiniteRecovery`; the training-loss periods and the trend
-rules of :mod:`lightning_diag.rules.anomaly` are :class:`~lightning_diag.callbacks.loss_trend.LossTrend`.
+:class:`~lightning_diag.callbacks.anomaly_alarm.nonfinite_guard.NonFiniteGuard`; localisation and rollback are
+:class:`~.nonfinite_recovery.NonFiniteRecovery`; the training-loss periods and the trend
+rules of :mod:`lightning_diag.rules.anomaly` are :class:`~lightning_diag.callbacks.anomaly_alarm.loss_trend.LossTrend`.
 """
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.alarm_quiet import QuietLossKeeping
-from lightning_diag.callbacks.base import AlertHandler, RuleChoices, extract_loss
-from lightning_diag.callbacks.loss_trend import (
+from lightning_diag.callbacks.anomaly_alarm.loss_trend import (
     LossTrend,
     TrendOutput,
     build_loss_sums,
     check_swing_window,
     trend_unit,
 )
-from lightning_diag.callbacks.lr_logging import lr_scalars
-from lightning_diag.callbacks.nonfinite_guard import DeferredFindings, NonFiniteError, NonFiniteGuard
-from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
-from lightning_diag.callbacks.runtime_checks import RuntimeChecks
-from lightning_diag.callbacks.silent_checks import ReplicaCheck, TrainModeCheck
+from lightning_diag.callbacks.anomaly_alarm.lr_logging import lr_scalars
+from lightning_diag.callbacks.anomaly_alarm.nonfinite_guard import DeferredFindings, NonFiniteError, NonFiniteGuard
+from lightning_diag.callbacks.anomaly_alarm.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
+from lightning_diag.callbacks.anomaly_alarm.quiet import QuietLossKeeping
+from lightning_diag.callbacks.anomaly_alarm.runtime_checks import RuntimeChecks
+from lightning_diag.callbacks.anomaly_alarm.silent_checks import ReplicaCheck, TrainModeCheck
+from lightning_diag.callbacks.common.base import AlertHandler, RuleChoices, extract_loss
 from lightning_diag.core.alerts import NonFiniteAction
 from lightning_diag.core.registry import RuleSpec
 from lightning_diag.core.tags import loss_tag
@@ -101,7 +101,7 @@ class AnomalyAlarm(QuietLossKeeping):
       the modules' flags). A BatchNorm with frozen parameters in eval mode is one ``info``.
     * ``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``, ``loss_outlier``,
       ``eval_before_training`` (warning): the run-time checks of the set-up (:mod:`lightning_diag.rules.runtime`,
-      measured by :class:`~lightning_diag.callbacks.runtime_checks.RuntimeChecks`); ``amp_not_applied.threshold``,
+      measured by :class:`~.runtime_checks.RuntimeChecks`); ``amp_not_applied.threshold``,
       ``loss_outlier.threshold``, ``loss_outlier.ratio`` and ``loss_outlier.window`` are set with ``rules=``.
     * ``zero_output`` (warning): a module whose outputs had both signs returns all zeros on a sampled step (a copy
       that arrived as zeros); ``output_collapse`` (warning): the model's outputs no longer depend on the input,

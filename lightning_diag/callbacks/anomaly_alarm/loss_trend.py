@@ -2,7 +2,7 @@
 
 :class:`LossTrend` keeps the training-loss sums of the open periods (the epoch, the step window, the run since
 the last validation, the initial batches) on the device as :class:`~lightning_diag.stats.loss_sums.LossSums`,
-takes their means over all ranks when a period closes (:func:`~lightning_diag.callbacks.reduction.reduce_state`)
+takes their means over all ranks when a period closes (:func:`~lightning_diag.callbacks.common.reduction.reduce_state`)
 and feeds them, with the monitored validation value, to the trend rules of :mod:`lightning_diag.rules.anomaly`
 (``loss_swing``, ``loss_stagnant``, ``val_decline``, ``val_fluctuation``). The alarm declares the rules and the
 sums (so their state follows its checkpoint), hands them to one :class:`LossTrend` per fit and calls it from its
@@ -21,8 +21,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.lr_logging import learning_rates
-from lightning_diag.callbacks.reduction import reduce_state
+from lightning_diag.callbacks.anomaly_alarm.lr_logging import learning_rates
+from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import value_of
 from lightning_diag.core.tags import LossSeries, loss_tag, threshold_tag

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag.callbacks.guard_pass import OptimizerPass
-from lightning_diag.callbacks.lr_logging import learning_rates
-from lightning_diag.callbacks.reduction import reduce_state
-from lightning_diag.callbacks.session import gradient_squares_key, step_cache
+from lightning_diag.callbacks.anomaly_alarm.guard_pass import OptimizerPass
+from lightning_diag.callbacks.anomaly_alarm.lr_logging import learning_rates
+from lightning_diag.callbacks.common.reduction import reduce_state
+from lightning_diag.callbacks.common.session import gradient_squares_key, step_cache
 from lightning_diag.core.alerts import Alert
 from lightning_diag.rules.nonfinite import (
     NONFINITE_LOSS,
@@ -38,8 +38,8 @@ from lightning_diag.stats.norms import finite_probe, nonfinite_flag
 from lightning_diag.stats.reduced import ReducedState, Reduction
 
 if TYPE_CHECKING:
-    from lightning_diag.callbacks.base import DiagCallback
-    from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
+    from lightning_diag.callbacks.anomaly_alarm.nonfinite_recovery import NonFiniteRecovery
+    from lightning_diag.callbacks.common.base import DiagCallback
 
 __all__ = [
     "NO_STEP",

@@ -35,8 +35,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag.callbacks._unlogged import unlogged_copy
-from lightning_diag.callbacks.base import extract_loss
+from lightning_diag.callbacks.common.base import extract_loss
+from lightning_diag.callbacks.common.unlogged import unlogged_copy
 from lightning_diag.core.validation import check_choice, check_int, check_number
 from lightning_diag.instrument.nonfinite_locate import (
     NOT_FOUND,

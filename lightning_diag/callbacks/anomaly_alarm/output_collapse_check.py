@@ -2,7 +2,7 @@
 
 A thin adapter over :class:`~lightning_diag.instrument.output_watch.OutputSpreadWatch` (the measurement) and
 :class:`~lightning_diag.rules.output_collapse.OutputCollapseRule` (the judgment, declared on the owner by
-:class:`~lightning_diag.callbacks.runtime_checks.RuntimeChecks`).
+:class:`~lightning_diag.callbacks.anomaly_alarm.runtime_checks.RuntimeChecks`).
 
 Where the outputs come from: a Lightning step has no notion of "the model's output", so the check takes the
 ``LightningModule``'s own forward output (``self(x)`` in ``training_step``; a mapping's ``logits`` / ``preds``
@@ -27,7 +27,7 @@ from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OutputCollapseRule, relative_spread
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_diag.callbacks.base import DiagCallback
+    from lightning_diag.callbacks.common.base import DiagCallback
 
 __all__ = ["RULE_ATTRIBUTE", "OutputCollapseCheck"]
 

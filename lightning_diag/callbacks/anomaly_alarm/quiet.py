@@ -16,10 +16,10 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag.callbacks.base import DiagCallback, extract_loss
-from lightning_diag.callbacks.nonfinite_guard import NonFiniteGuard
-from lightning_diag.callbacks.nonfinite_recovery import NonFiniteRecovery
-from lightning_diag.callbacks.runtime_checks import RuntimeChecks
+from lightning_diag.callbacks.anomaly_alarm.nonfinite_guard import NonFiniteGuard
+from lightning_diag.callbacks.anomaly_alarm.nonfinite_recovery import NonFiniteRecovery
+from lightning_diag.callbacks.anomaly_alarm.runtime_checks import RuntimeChecks
+from lightning_diag.callbacks.common.base import DiagCallback, extract_loss
 from lightning_diag.stats.loss_sums import LossSums
 
 __all__ = ["HAND_ON_EVERY", "QuietLossKeeping"]
@@ -29,7 +29,7 @@ HAND_ON_EVERY = 64
 
 
 class QuietLossKeeping(DiagCallback):
-    """A :class:`~lightning_diag.callbacks.base.DiagCallback` (the alarm) whose quiet batches keep their loss at
+    """A :class:`~lightning_diag.callbacks.common.base.DiagCallback` (the alarm) whose quiet batches keep their loss at
     ``on_before_backward``: the loss sums and ``loss_outlier`` get what the batch end would have given them, in
     the same order, by :meth:`_hand_on`.
 

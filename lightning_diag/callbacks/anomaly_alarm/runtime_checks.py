@@ -3,7 +3,7 @@ evaluation, mixed precision not applied, per-step loss outliers, and components 
 
 A thin adapter over :mod:`lightning_diag.rules.runtime` (the rules) and
 :mod:`lightning_diag.instrument.runtime_probes` (the probes); the rules are declared on the owning callback
-(:meth:`~lightning_diag.callbacks.base.DiagCallback.add_rule`), so their state follows the declared path.
+(:meth:`~lightning_diag.callbacks.common.base.DiagCallback.add_rule`), so their state follows the declared path.
 
 Cost: the probes run on one training batch per fit (the first) and on the first batch of each validation run; per
 training step a reference to the 0-d loss the loss sums already keep is appended to a list (no kernel, no host
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag.callbacks.output_collapse_check import RULE_ATTRIBUTE as COLLAPSE_RULE_ATTRIBUTE
-from lightning_diag.callbacks.output_collapse_check import OutputCollapseCheck
-from lightning_diag.callbacks.zero_output_check import RULE_ATTRIBUTE as ZERO_RULE_ATTRIBUTE
-from lightning_diag.callbacks.zero_output_check import ZeroOutputCheck
+from lightning_diag.callbacks.anomaly_alarm.output_collapse_check import RULE_ATTRIBUTE as COLLAPSE_RULE_ATTRIBUTE
+from lightning_diag.callbacks.anomaly_alarm.output_collapse_check import OutputCollapseCheck
+from lightning_diag.callbacks.anomaly_alarm.zero_output_check import RULE_ATTRIBUTE as ZERO_RULE_ATTRIBUTE
+from lightning_diag.callbacks.anomaly_alarm.zero_output_check import ZeroOutputCheck
 from lightning_diag.instrument.runtime_probes import (
     DropoutWatch,
     MatmulDtypeProbe,
@@ -42,7 +42,7 @@ from lightning_diag.rules.runtime import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_diag.callbacks.base import DiagCallback
+    from lightning_diag.callbacks.common.base import DiagCallback
 
 __all__ = ["MIXED_PRECISIONS", "PendingLosses", "RuntimeChecks"]
 

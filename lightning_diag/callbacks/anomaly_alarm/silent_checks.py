@@ -24,7 +24,7 @@ from lightning_diag.stats.grad import is_dtensor, local_tensor
 from lightning_diag.stats.updates import parameter_checksums
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_diag.callbacks.base import DiagCallback
+    from lightning_diag.callbacks.common.base import DiagCallback
 
 __all__ = ["ReplicaCheck", "TrainModeCheck"]
 

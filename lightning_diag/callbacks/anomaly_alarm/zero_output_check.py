@@ -2,7 +2,7 @@
 
 A thin adapter over :class:`~lightning_diag.instrument.output_watch.ZeroOutputWatch` (the measurement) and
 :class:`~lightning_diag.rules.runtime.ZeroOutputRule` (the judgment, declared on the owner by
-:class:`~lightning_diag.callbacks.runtime_checks.RuntimeChecks`).
+:class:`~lightning_diag.callbacks.anomaly_alarm.runtime_checks.RuntimeChecks`).
 
 Cost: on a sampled step (the owner's logging interval, the first micro-batch of the optimizer step) a forward hook on
 every module (installed for that batch) computes ``output.any()`` and ``(output < 0).any()`` per call on the device,
@@ -24,7 +24,7 @@ from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.runtime import ZERO_OUTPUT, ZeroOutputRule
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_diag.callbacks.base import DiagCallback
+    from lightning_diag.callbacks.common.base import DiagCallback
 
 __all__ = ["RULE_ATTRIBUTE", "ZeroOutputCheck"]
 

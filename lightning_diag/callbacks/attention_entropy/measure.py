@@ -1,6 +1,6 @@
 """What AttentionEntropyMonitor does with a sampled step's records: one host copy of every module's per-head
 statistics (reduced over ranks, heads placed at their global index under tensor parallelism), the head distances,
-and the images. The monitor itself (:mod:`lightning_diag.callbacks.attention_entropy`) sets the capture up."""
+and the images. The monitor itself (:mod:`lightning_diag.callbacks.attention_entropy.monitor`) sets the capture up."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_diag.callbacks._attention_measure import draw_images, reduce_distances, reduce_stats
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices, extract_loss
+from lightning_diag.callbacks.attention_entropy.measure import draw_images, reduce_distances, reduce_stats
+from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices, extract_loss
 from lightning_diag.core.tags import (
     attn_entropy_tag,
     attn_uniform_tag,

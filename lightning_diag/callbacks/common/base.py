@@ -1,7 +1,7 @@
 """DiagCallback, the base of every lightning_diag callback: declared rules, their checkpoint state, alerts, notices.
 
-The per-trainer session (writer, alert log, run folder) is :mod:`lightning_diag.callbacks.session`, the user's
-step axis :mod:`lightning_diag.callbacks.step_axis`.
+The per-trainer session (writer, alert log, run folder) is :mod:`lightning_diag.callbacks.common.session`, the user's
+step axis :mod:`lightning_diag.callbacks.common.step_axis`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.batch_hooks import switch_off, switch_on
-from lightning_diag.callbacks.reduction import reduce_state
-from lightning_diag.callbacks.session import DiagSession
-from lightning_diag.callbacks.session import acquire_session as _acquire_session
-from lightning_diag.callbacks.session import release_session as _release_session
-from lightning_diag.callbacks.step_axis import STEP_AXIS_KEY, StepAxis
+from lightning_diag.callbacks.common.batch_hooks import switch_off, switch_on
+from lightning_diag.callbacks.common.reduction import reduce_state
+from lightning_diag.callbacks.common.session import DiagSession
+from lightning_diag.callbacks.common.session import acquire_session as _acquire_session
+from lightning_diag.callbacks.common.session import release_session as _release_session
+from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY, StepAxis
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.log_handler import ensure_handler
 from lightning_diag.core.registry import ParsedRules, RuleChoices, default, owner_name, parse_rules, registry_thresholds
@@ -312,7 +312,7 @@ class DiagCallback(pl.Callback):
         logging cadence (:attr:`on_cadence`), and switch :attr:`batch_hooks` off for a quiet batch.
 
         On a batch :meth:`quiet_batch` calls quiet, each of :attr:`batch_hooks` is ``None`` on the instance, so
-        Lightning runs neither the hook nor its dispatch of it (:mod:`lightning_diag.callbacks.batch_hooks`); the
+        Lightning runs neither the hook nor its dispatch of it (:mod:`lightning_diag.callbacks.common.batch_hooks`); the
         next batch that needs them gets them back. Only the first and last batch of a quiet run switch;
         ``teardown`` switches them back on.
         """
@@ -337,7 +337,7 @@ class DiagCallback(pl.Callback):
 
     def switch_batch_hooks(self, *, off: bool) -> None:
         """Switch :attr:`batch_hooks` off (``None`` on the instance, which Lightning skips) or back on
-        (:mod:`lightning_diag.callbacks.batch_hooks`)."""
+        (:mod:`lightning_diag.callbacks.common.batch_hooks`)."""
         if off == self._hooks_off:
             return
         if off:
@@ -463,14 +463,14 @@ class DiagCallback(pl.Callback):
 
     def cadence_step(self, trainer: pl.Trainer) -> int:
         """The count the logging interval divides on the user's cadence
-        (:attr:`StepAxis.cadence_step <lightning_diag.callbacks.step_axis.StepAxis.cadence_step>`): measuring
+        (:attr:`StepAxis.cadence_step <lightning_diag.callbacks.common.step_axis.StepAxis.cadence_step>`): measuring
         when ``cadence_step(trainer) % every_n_steps(trainer) == 0`` writes on the steps of the user's
         ``self.log`` values, whatever the optimizers or accumulation. ``trainer.global_step`` outside a session."""
         return self._session.step_axis.cadence_step if self._session is not None else trainer.global_step
 
     def is_logging_step(self, trainer: pl.Trainer) -> bool:
         """Whether the current batch (at its end) is one to log, once per batch: one Lightning writes the user's
-        step metrics at (:meth:`StepAxis.logs <lightning_diag.callbacks.step_axis.StepAxis.logs>`)."""
+        step metrics at (:meth:`StepAxis.logs <lightning_diag.callbacks.common.step_axis.StepAxis.logs>`)."""
         if self._session is None:
             step = trainer.global_step
             if step == self._last_logged_step or step % self.every_n_steps(trainer) != 0:

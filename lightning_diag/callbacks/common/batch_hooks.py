@@ -2,7 +2,7 @@
 
 Lightning calls a callback's hook only when ``getattr(callback, hook)`` is callable (its ``_call_callback_hooks``):
 a hook set to ``None`` on the instance is skipped, and so is Lightning's dispatch of it (the profiler label and
-context it opens around every call). :class:`~lightning_diag.callbacks.base.DiagCallback` uses this for the hooks a
+context it opens around every call). :class:`~lightning_diag.callbacks.DiagCallback` uses this for the hooks a
 subclass declares in ``batch_hooks``: on a quiet batch they are ``None`` from its ``on_train_batch_start`` until the
 next batch that needs them, which gets back what the instance held (the class's method, or ``SystemMonitor``'s
 timing wrapper of it).

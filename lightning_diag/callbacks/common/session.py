@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 import pytorch_lightning as pl
 
-from lightning_diag.callbacks.provenance import write_run_record
-from lightning_diag.callbacks.step_axis import StepAxis
+from lightning_diag.callbacks.common.provenance import write_run_record
+from lightning_diag.callbacks.common.step_axis import StepAxis
 from lightning_diag.core.alerts import Alert, AlertLog
 from lightning_diag.core.files import ALERTS_FILE, THRESHOLDS_FILE, write_json
 from lightning_diag.core.tags import ALERTS_TAG, THRESHOLDS_TAG, sanitize_tag
@@ -173,7 +173,7 @@ class DiagSession:
     def start_fit(self, trainer: pl.Trainer, callbacks: Iterable[ThresholdSource]) -> None:
         """Once per fit, on rank zero: record the thresholds in effect and write the dashboard layout.
 
-        The thresholds of ``callbacks`` (every :class:`~lightning_diag.callbacks.base.DiagCallback` on the
+        The thresholds of ``callbacks`` (every :class:`~lightning_diag.callbacks.common.base.DiagCallback` on the
         trainer) go to ``<log_dir>/diag/thresholds.json`` and to TensorBoard text under ``diag/thresholds``; the
         custom-scalars layout covers their rules.
         """
@@ -202,7 +202,7 @@ class DiagSession:
 
     def record_run(self, trainer: pl.Trainer) -> None:
         """Once per fit, on rank zero, when training starts (the loaders are set up): ``<log_dir>/diag/run.json``,
-        the run's provenance (:mod:`lightning_diag.callbacks.provenance`)."""
+        the run's provenance (:mod:`lightning_diag.callbacks.common.provenance`)."""
         if self._run_recorded or not self.is_global_zero:
             return
         self._run_recorded = True

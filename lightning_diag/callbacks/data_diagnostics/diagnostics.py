@@ -14,9 +14,14 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
-from lightning_diag.callbacks.data_batch import UninterpretableBatch, interpret, read_sample, shape_signature
-from lightning_diag.callbacks.data_sample import Measured, SplitSample, measure
+from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.data_diagnostics.batch import (
+    UninterpretableBatch,
+    interpret,
+    read_sample,
+    shape_signature,
+)
+from lightning_diag.callbacks.data_diagnostics.sample import Measured, SplitSample, measure
 from lightning_diag.core.registry import default
 from lightning_diag.core.tags import data_tag
 from lightning_diag.core.validation import check_int
@@ -130,7 +135,7 @@ class DataDiagnostics(DiagCallback):
       so nothing runs during training steps.
     * ``batch_size_mismatch`` (warning): the tensors of a sampled batch, or of a batch the trainer produced (checked
       from ``on_train_batch_start`` until one is reported; shapes only: a batch whose structure and shapes equal
-      the last one checked, :func:`~lightning_diag.callbacks.data_batch.shape_signature`, is not checked again),
+      the last one checked, :func:`~.batch.shape_signature`, is not checked again),
       disagree on the batch dimension (:func:`~lightning_diag.instrument.batches.size_mismatch`).
     * ``worker_rng_shared`` (warning): the training loader has ``num_workers > 0``, a generator the dataset or its
       ``collate_fn`` holds drew while the sample was read, and no ``worker_init_fn`` (or only Lightning's)

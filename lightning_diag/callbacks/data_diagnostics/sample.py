@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_diag.callbacks.data_batch import BatchView
+from lightning_diag.callbacks.data_diagnostics.batch import BatchView
 from lightning_diag.rules.data import DataMeasurement, InputProblem
 from lightning_diag.rules.data_sequences import SequenceMeasurement
 from lightning_diag.stats import token_stats as ds

@@ -1,6 +1,6 @@
 """ErrorAnalysis: the groups of validation inputs (slices sharing a feature) the model gets wrong far more often.
 
-The samples are read from the validation batches and kept by :mod:`lightning_diag.callbacks.error_samples`; this
+The samples are read from the validation batches and kept by :mod:`.samples`; this
 module searches their slices, logs, writes ``errors.json`` and judges the rule.
 """
 
@@ -16,8 +16,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
-from lightning_diag.callbacks.error_samples import (
+from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.error_analysis.samples import (
     Predictions,
     SampleBuffer,
     Samples,

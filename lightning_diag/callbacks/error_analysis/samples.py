@@ -53,7 +53,7 @@ def default_predictions(pl_module: pl.LightningModule, batch: Any, outputs: Any)
     """What ``validation_step`` returned, read as predictions, and the labels.
 
     ``outputs`` is a logits tensor, or a dict with ``"logits"`` or ``"preds"`` (and optionally ``"labels"`` /
-    ``"target"``, and ``"metadata"``, read by :class:`~lightning_diag.callbacks.error_analysis.ErrorAnalysis`
+    ``"target"``, and ``"metadata"``, read by :class:`~lightning_diag.callbacks.error_analysis.analysis.ErrorAnalysis`
     itself); the labels default to the batch's (``batch["labels"]`` and the other usual keys, or the last element
     of a tuple batch). Logits ``[B, T, V]`` against labels that are the batch's own ``input_ids`` (a causal LM,
     which Hugging Face shifts itself) are compared one position ahead.

@@ -1,8 +1,8 @@
 """GradientFlowMonitor: per-layer gradient norms, weight norms and update ratios; vanishing/exploding alerts.
 
 The callback's settings, declared rules, cadence and hooks. Which parameters it measures (and which cannot learn) is
-:mod:`~lightning_diag.callbacks.grad_params`, what it writes from a measurement
-:mod:`~lightning_diag.callbacks.grad_logging`, its silent-update checks :mod:`~lightning_diag.callbacks.silent_updates`.
+:mod:`~lightning_diag.callbacks.gradient_flow.params`, what it writes from a measurement
+:mod:`~.writes`, its silent-update checks :mod:`~.silent_updates`.
 """
 
 from __future__ import annotations
@@ -15,26 +15,26 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
-from lightning_diag.callbacks.grad_logging import (
-    histogram_due,
-    layer_update_ratios,
-    step_scalars,
-    update_values,
-    write_histograms,
-)
-from lightning_diag.callbacks.grad_params import (
+from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.common.session import gradient_squares_key, step_cache
+from lightning_diag.callbacks.gradient_flow.params import (
     ParamSelector,
     build_param_index,
     check_param_selector,
     stuck_parameters,
     zero_gradient_ids,
 )
-from lightning_diag.callbacks.session import gradient_squares_key, step_cache
-from lightning_diag.callbacks.silent_updates import (
+from lightning_diag.callbacks.gradient_flow.silent_updates import (
     ZEROED_STATE_KEY,
     SilentUpdateChecks,
     optimizer_position,
+)
+from lightning_diag.callbacks.gradient_flow.writes import (
+    histogram_due,
+    layer_update_ratios,
+    step_scalars,
+    update_values,
+    write_histograms,
 )
 from lightning_diag.core.tags import (
     act_grad_norm_tag,
@@ -133,7 +133,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     optimizers whose parameters keep their gradients through the other's backward are healthy). Watched from
     each measured step of an optimizer to its next step: 8 elements per parameter of ``.grad`` read on the device
     around every backward (``on_before_backward`` / ``on_after_backward``), the verdict read with the next
-    measurement (see :mod:`lightning_diag.callbacks.silent_updates`). On a quiet step with no watch open the
+    measurement (see :mod:`.silent_updates`). On a quiet step with no watch open the
     three hooks test an empty dictionary and return.
 
     The published training problems (issue 45; exact meaning in :mod:`lightning_diag.rules.activations`,

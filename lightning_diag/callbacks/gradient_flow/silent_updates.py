@@ -1,6 +1,6 @@
 """GradientFlowMonitor's silent-error sampling: ``update_none`` / ``update_stale`` and ``grad_not_zeroed``.
 
-Split out of :mod:`lightning_diag.callbacks.gradient_flow` (which mixes :class:`SilentUpdateChecks` into
+Split out of :mod:`lightning_diag.callbacks.gradient_flow.monitor` (which mixes :class:`SilentUpdateChecks` into
 :class:`~lightning_diag.GradientFlowMonitor`). Everything here runs on measured steps, or, for
 ``grad_not_zeroed``, between a measured optimizer step and the same optimizer's next step; on any other step each
 hook is one empty-container test.

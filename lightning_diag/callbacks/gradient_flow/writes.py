@@ -1,6 +1,6 @@
 """What :class:`~lightning_diag.GradientFlowMonitor` writes from its measurements.
 
-Split out of :mod:`lightning_diag.callbacks.gradient_flow`: a measured step's scalars under their ``diag/`` tags
+Split out of :mod:`lightning_diag.callbacks.gradient_flow.monitor`: a measured step's scalars under their ``diag/`` tags
 (``grad_norm``, ``grad_rms``, ``grad_relative``, ``grad_blocks``), its gradient histograms (``grad_hist``,
 counted on the device off the CPU) and, after the optimizer step, the weight norms and update ratios and the
 ``{layer: update ratio}`` the gradient rules observe. The callback decides when; nothing here runs on a quiet

@@ -20,8 +20,8 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks._unlogged import unlogged_copy
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.common.unlogged import unlogged_copy
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.rng import preserved_rng

@@ -15,8 +15,8 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
-from lightning_diag.callbacks.base import AlertHandler, RuleChoices
+from lightning_diag.callbacks.common.base import AlertHandler, RuleChoices
+from lightning_diag.callbacks.probes.probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import quant_layer_tag, quant_tag
 from lightning_diag.core.validation import check_choice

@@ -11,10 +11,10 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe
-from lightning_diag.callbacks._unlogged import unlogged_copy
-from lightning_diag.callbacks.base import AlertHandler, RuleChoices
-from lightning_diag.callbacks.error_samples import default_predictions
+from lightning_diag.callbacks.common.base import AlertHandler, RuleChoices
+from lightning_diag.callbacks.common.unlogged import unlogged_copy
+from lightning_diag.callbacks.error_analysis.samples import default_predictions
+from lightning_diag.callbacks.probes.probe import LossFn, ProbeError, ValidationProbe
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import robustness_tag
 from lightning_diag.core.validation import check_int

@@ -7,8 +7,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag.callbacks._probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
-from lightning_diag.callbacks.base import AlertHandler, RuleChoices
+from lightning_diag.callbacks.common.base import AlertHandler, RuleChoices
+from lightning_diag.callbacks.probes.probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import sharpness_layer_tag, sharpness_tag
 from lightning_diag.core.validation import check_int

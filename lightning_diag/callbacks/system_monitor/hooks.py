@@ -1,7 +1,7 @@
 """How SystemMonitor times the diagnostics' own hooks: timers on the lightning_diag callbacks' instances (their
 hooks, and the attention recorders they create). Nothing else is wrapped: no Lightning object, no user callback,
 no class (the trainer's checkpointing and logging are timed through Lightning's profiler interface,
-:mod:`lightning_diag.callbacks._system_profiler`)."""
+:mod:`lightning_diag.callbacks.system_monitor.profiler`)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ class HookTimer:
 
     :meth:`attach` puts a timing wrapper on each lightning_diag callback instance (an instance attribute shadowing
     the class's hook, so Lightning's ``getattr(callback, hook)`` finds it; only on
-    :class:`~lightning_diag.callbacks.base.DiagCallback` instances, whose hook attributes their base class manages)
+    :class:`~lightning_diag.callbacks.DiagCallback` instances, whose hook attributes their base class manages)
     and hands the callbacks that create attention recorders a wrapper for the recorders' methods (on each recorder
     instance, :class:`~lightning_diag.instrument.attention_record.AttentionRecorder`'s ``timed``); :meth:`detach`
     removes them all. No class is changed: two trainers in one process have timers of their own.

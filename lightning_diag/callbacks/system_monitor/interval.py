@@ -1,6 +1,6 @@
 """One logging interval of SystemMonitor: per-step seconds from the clock marks, the DDP merge, the logged values.
 
-:class:`~lightning_diag.callbacks.system_monitor.SystemMonitor` records marks during the steps and judges its
+:class:`~lightning_diag.callbacks.system_monitor.monitor.SystemMonitor` records marks during the steps and judges its
 rules; these functions turn the interval's marks into numbers and the numbers into ``diag/system/...`` scalars.
 """
 

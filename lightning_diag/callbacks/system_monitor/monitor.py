@@ -12,11 +12,11 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks._system_hooks import HookTimer
-from lightning_diag.callbacks._system_interval import HEADER, gather_ranks, interval_values, judged_waits
-from lightning_diag.callbacks._system_profiler import SystemProfiler
-from lightning_diag.callbacks._system_steps import StepRecorder
-from lightning_diag.callbacks.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.system_monitor.hooks import HookTimer
+from lightning_diag.callbacks.system_monitor.interval import HEADER, gather_ranks, interval_values, judged_waits
+from lightning_diag.callbacks.system_monitor.profiler import SystemProfiler
+from lightning_diag.callbacks.system_monitor.steps import StepRecorder
 from lightning_diag.core.tags import family_tag, overhead_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource

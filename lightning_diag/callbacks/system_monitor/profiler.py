@@ -4,7 +4,7 @@ Lightning's own profiler interface (``Trainer(profiler=...)``), so that nothing 
 Lightning opens a profiler action around every callback hook, every ``LightningModule`` hook, the fetch of each
 training batch (``[_TrainingEpochLoop].train_dataloader_next``) and ``trainer.save_checkpoint``
 (``save_checkpoint``). With this profiler on the trainer,
-:class:`~lightning_diag.callbacks.system_monitor.SystemMonitor` learns from those actions:
+:class:`~lightning_diag.callbacks.system_monitor.monitor.SystemMonitor` learns from those actions:
 
 * the end of a batch's callback hooks (the start of the ``LightningModule``'s ``on_train_batch_end``, which
   Lightning calls after every callback's): the step ends there, whatever the callbacks' order;
@@ -49,7 +49,7 @@ class ProfilerListener(Protocol):
 
 
 class SystemProfiler(Profiler):
-    """A Lightning profiler that tells :class:`~lightning_diag.callbacks.system_monitor.SystemMonitor` where the
+    """A Lightning profiler that tells :class:`~lightning_diag.callbacks.system_monitor.monitor.SystemMonitor` where the
     trainer's own time goes: ``Trainer(profiler=SystemProfiler(), callbacks=[SystemMonitor(), ...])``.
 
     It records nothing of its own (an empty summary) and forwards every action to ``inner``, a profiler of the

@@ -1,9 +1,9 @@
 """What SystemMonitor records during the steps: the clock marks of each optimizer step, its data waiting, CPU
 time and checkpoint saving, whether it has a known one-time cause, and the interval's sums.
 
-:class:`~lightning_diag.callbacks.system_monitor.SystemMonitor` calls these from its hooks; at a logging step
+:class:`~lightning_diag.callbacks.system_monitor.monitor.SystemMonitor` calls these from its hooks; at a logging step
 :meth:`StepRecorder.take` hands over the interval (resolved by
-:func:`~lightning_diag.callbacks._system_interval.resolve_steps`), which the callback judges and logs.
+:func:`~lightning_diag.callbacks.system_monitor.interval.resolve_steps`), which the callback judges and logs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_diag.callbacks._system_interval import HEADER, Mark, Step, resolve_steps
+from lightning_diag.callbacks.system_monitor.interval import HEADER, Mark, Step, resolve_steps
 from lightning_diag.instrument.batches import batch_size_and_tokens
 from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
 
@@ -25,7 +25,7 @@ class Interval:
     """The optimizer steps closed since the last logging step.
 
     Attributes:
-        steps: The seconds of each step (:data:`~lightning_diag.callbacks._system_interval.Step`).
+        steps: The seconds of each step (:data:`~lightning_diag.callbacks.system_monitor.interval.Step`).
         explained: Per step, whether it has a known one-time cause (the run's first step, an epoch's first step,
             the step after a validation run, a step that saved a checkpoint).
         wait_explained: Per step, whether that cause lies in its data waiting only (an epoch's first step: a
@@ -35,7 +35,7 @@ class Interval:
         mid_validation: Per step, whether its wait spans the end of a validation run inside an epoch (the one
             that ends an epoch is no step's): it holds the validation-end hooks of the callbacks after
             ``SystemMonitor``, not only data waiting.
-        sums: The interval's :data:`~lightning_diag.callbacks._system_interval.HEADER` numbers so far
+        sums: The interval's :data:`~lightning_diag.callbacks.system_monitor.interval.HEADER` numbers so far
             (validation, checkpoint, samples, tokens; the caller adds the rest).
         wall: Wall seconds since the previous interval.
         diagnostics: Per step, the wall seconds spent in the lightning_diag callbacks' step hooks (their cost,
@@ -43,7 +43,7 @@ class Interval:
         logging: Per step, the wall seconds of scheduled work between its batch and the previous one, left out of
             the step's data waiting: the lightning_diag callbacks' hooks that ran there (after ``SystemMonitor``'s
             end of the batch, or before its start), and with
-            :class:`~lightning_diag.callbacks._system_profiler.SystemProfiler` everything Lightning did there
+            :class:`~lightning_diag.callbacks.system_monitor.profiler.SystemProfiler` everything Lightning did there
             but fetch the batch (its loggers' writes, the other callbacks' hooks).
     """
 
