@@ -312,7 +312,8 @@ def test_the_page_lists_every_tag_rule_and_argument():
     for name in inspect.signature(SystemMonitor).parameters:
         if name not in ("log_every_n_steps", "nvml", "time_callbacks"):
             assert f"`{name}`" in page, name
-    source = (Path(__file__).resolve().parents[2] / "lightning_diag" / "callbacks" / "system_monitor.py").read_text()
+    package = Path(__file__).resolve().parents[2] / "lightning_diag" / "callbacks" / "system_monitor"
+    source = (package / "monitor.py").read_text()
     for tag in re.findall(r'family_tag\("system", "(\w+)"\)', source):
         assert f"diag/system/{tag}" in page, tag
     assert "diag/overhead/<CallbackName>" in page and "Not run on hardware" in page
