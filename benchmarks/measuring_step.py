@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         owner: Any = importlib.import_module(module)
         if cls:
             owner = getattr(owner, cls)
-        label = f"{cls or module.rsplit('.', 1)[-1]}.{name}"
+        label = f"{cls or module.removeprefix('lightning_diag.callbacks.')}.{name}"
         originals.append((owner, name, vars(owner).get(name, _INHERITED)))
         setattr(owner, name, _timed(getattr(owner, name), label, seconds, calls))
     try:

@@ -250,5 +250,5 @@ def test_measuring_step_quick_mode_times_the_defaults_and_restores_every_class(c
     }
     assert rows["GradientFlowMonitor.on_before_optimizer_step"] >= 1
     assert rows["AnomalyAlarm.on_before_optimizer_step"] == 30  # the guard: every step
-    assert rows["gradient_flow.measure_step"] >= 1
+    assert rows["gradient_flow.monitor.measure_step"] >= 1
     assert (dict(vars(GradientFlowMonitor)), dict(vars(AnomalyAlarm)), gradient_flow.measure_step) == before
