@@ -52,8 +52,8 @@ from lightning_diag import (
     GradientFlowMonitor,
     SystemMonitor,
 )
-from lightning_diag.callbacks._system_hooks import HookTimer
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.common.base import DiagCallback
+from lightning_diag.callbacks.system_monitor.hooks import HookTimer
 from lightning_diag.demo.run import default_callbacks, quiet
 
 COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/cost_table.py"

@@ -37,28 +37,28 @@ from lightning_diag.demo.run import default_callbacks, quiet
 
 #: ``module[:Class] function``: what is timed.
 TARGETS = """
-lightning_diag.callbacks.gradient_flow:GradientFlowMonitor on_before_optimizer_step
-lightning_diag.callbacks.gradient_flow:GradientFlowMonitor on_train_batch_end
-lightning_diag.callbacks.gradient_flow:GradientFlowMonitor on_train_batch_start
-lightning_diag.callbacks.gradient_flow:GradientFlowMonitor on_before_backward
-lightning_diag.callbacks.gradient_flow:GradientFlowMonitor on_after_backward
-lightning_diag.callbacks.gradient_flow measure_step
-lightning_diag.callbacks.gradient_flow write_histograms
-lightning_diag.callbacks.gradient_flow update_values
-lightning_diag.callbacks.gradient_flow stuck_parameters
-lightning_diag.callbacks.gradient_flow:GradientFlowMonitor _judge_activations
-lightning_diag.callbacks.gradient_flow:GradientFlowMonitor _judge_updates
-lightning_diag.callbacks.gradient_flow:GradientFlowMonitor _sample_updates
-lightning_diag.callbacks.gradient_flow:GradientFlowMonitor _zero_arm
+lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor on_before_optimizer_step
+lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor on_train_batch_end
+lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor on_train_batch_start
+lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor on_before_backward
+lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor on_after_backward
+lightning_diag.callbacks.gradient_flow.monitor measure_step
+lightning_diag.callbacks.gradient_flow.monitor write_histograms
+lightning_diag.callbacks.gradient_flow.monitor update_values
+lightning_diag.callbacks.gradient_flow.monitor stuck_parameters
+lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor _judge_activations
+lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor _judge_updates
+lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor _sample_updates
+lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor _zero_arm
 lightning_diag.instrument.activation_watch:ActivationWatch readings
 lightning_diag.stats.updates:ElementSample gather
 lightning_diag.output.writer:DiagWriter scalars
-lightning_diag.callbacks.anomaly_alarm:AnomalyAlarm on_before_optimizer_step
-lightning_diag.callbacks.anomaly_alarm:AnomalyAlarm on_train_batch_start
-lightning_diag.callbacks.anomaly_alarm:AnomalyAlarm on_train_batch_end
-lightning_diag.callbacks.anomaly_alarm:AnomalyAlarm on_train_epoch_end
-lightning_diag.callbacks.attention_entropy:AttentionEntropyMonitor on_train_batch_start
-lightning_diag.callbacks.attention_entropy:AttentionEntropyMonitor on_train_batch_end
+lightning_diag.callbacks.anomaly_alarm.alarm:AnomalyAlarm on_before_optimizer_step
+lightning_diag.callbacks.anomaly_alarm.alarm:AnomalyAlarm on_train_batch_start
+lightning_diag.callbacks.anomaly_alarm.alarm:AnomalyAlarm on_train_batch_end
+lightning_diag.callbacks.anomaly_alarm.alarm:AnomalyAlarm on_train_epoch_end
+lightning_diag.callbacks.attention_entropy.monitor:AttentionEntropyMonitor on_train_batch_start
+lightning_diag.callbacks.attention_entropy.monitor:AttentionEntropyMonitor on_train_batch_end
 """
 
 #: A method the class inherits (its wrapper is removed again, not replaced).
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         owner: Any = importlib.import_module(module)
         if cls:
             owner = getattr(owner, cls)
-        label = f"{cls or module.rsplit('.', 1)[-1]}.{name}"
+        label = f"{cls or module.removeprefix('lightning_diag.callbacks.')}.{name}"
         originals.append((owner, name, vars(owner).get(name, _INHERITED)))
         setattr(owner, name, _timed(getattr(owner, name), label, seconds, calls))
     try:

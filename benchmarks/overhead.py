@@ -38,7 +38,7 @@ from pytorch_lightning.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
+from lightning_diag.callbacks.gradient_flow.monitor import GradientFlowMonitor
 from lightning_diag.demo.run import default_callbacks, quiet
 
 COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/overhead.py"
@@ -366,7 +366,7 @@ def memory_growth(args: argparse.Namespace, root: str) -> str:
 
 
 def _warn_mode_defaults() -> list[pl.Callback]:
-    from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm
+    from lightning_diag.callbacks.anomaly_alarm.alarm import AnomalyAlarm
 
     return [AnomalyAlarm(on_nonfinite="warn") if isinstance(cb, AnomalyAlarm) else cb for cb in default_callbacks()]
 

@@ -35,7 +35,7 @@ from cost_table import MLP, demo_data, demo_transformer, mlp_data
 from paired_share import SKIP, StepClock, Switched, is_on
 
 from lightning_diag import SystemMonitor
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.common.base import DiagCallback
 from lightning_diag.demo.run import default_callbacks, quiet
 
 MODELS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[int], DataLoader]]] = {

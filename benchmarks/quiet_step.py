@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cost_table import MLP, mlp_data
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, DataDiagnostics, GradientFlowMonitor, SystemMonitor
-from lightning_diag.callbacks import nonfinite_guard
+from lightning_diag.callbacks.anomaly_alarm import nonfinite_guard
 from lightning_diag.demo.run import default_callbacks, quiet
 
 COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/quiet_step.py"
@@ -216,7 +216,8 @@ def inside(
     # What is timed as the pass: the fused kernels alone (`finite_probe`, where the guard and its pass call it), or
     # the pass as GradScaler makes its own (`OptimizerPass.clean`: list the gradients, the kernels, one read of the
     # flag).
-    kernels_in = [m for m in (nonfinite_guard, sys.modules.get("lightning_diag.callbacks.guard_pass")) if m is not None]
+    guard_pass = sys.modules.get("lightning_diag.callbacks.anomaly_alarm.guard_pass")
+    kernels_in = [m for m in (nonfinite_guard, guard_pass) if m is not None]
     targets: list[tuple[Any, str]] = {
         "kernels": [(m, "finite_probe") for m in kernels_in],
         "pass": [(getattr(nonfinite_guard, "OptimizerPass", None), "clean")],

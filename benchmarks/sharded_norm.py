@@ -153,7 +153,7 @@ def _mlp() -> nn.Module:
 def finite_check(reps: int, fit_steps: int) -> str:
     import pytorch_lightning as pl
 
-    import lightning_diag.callbacks.nonfinite_guard as guard
+    import lightning_diag.callbacks.anomaly_alarm.nonfinite_guard as guard
     from lightning_diag import AnomalyAlarm
 
     torch.set_num_threads(1)

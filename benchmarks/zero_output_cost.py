@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from lightning_diag import AnomalyAlarm
-from lightning_diag.callbacks.zero_output_check import ZeroOutputCheck
+from lightning_diag.callbacks.anomaly_alarm.zero_output_check import ZeroOutputCheck
 from lightning_diag.demo.corpus import build_corpus
 from lightning_diag.demo.faults import build_fault
 from lightning_diag.demo.run import quiet

@@ -26,17 +26,17 @@ _LAZY: dict[str, str] = {
     "attention_requested": "lightning_diag.instrument.attention_record",
     "record_attention": "lightning_diag.instrument.attention_record",
     "record_hf_attentions": "lightning_diag.instrument.attention_record",
-    "AnomalyAlarm": "lightning_diag.callbacks.anomaly_alarm",
-    "NonFiniteError": "lightning_diag.callbacks.anomaly_alarm",
-    "AttentionEntropyMonitor": "lightning_diag.callbacks.attention_entropy",
-    "DataDiagnostics": "lightning_diag.callbacks.data_diagnostics",
-    "ErrorAnalysis": "lightning_diag.callbacks.error_analysis",
-    "GradientFlowMonitor": "lightning_diag.callbacks.gradient_flow",
-    "QuantizationProbe": "lightning_diag.callbacks.quantization_probe",
-    "RobustnessProbe": "lightning_diag.callbacks.robustness_probe",
-    "SharpnessProbe": "lightning_diag.callbacks.sharpness_probe",
-    "SystemMonitor": "lightning_diag.callbacks.system_monitor",
-    "SystemProfiler": "lightning_diag.callbacks.system_monitor",
+    "AnomalyAlarm": "lightning_diag.callbacks.anomaly_alarm.alarm",
+    "NonFiniteError": "lightning_diag.callbacks.anomaly_alarm.alarm",
+    "AttentionEntropyMonitor": "lightning_diag.callbacks.attention_entropy.monitor",
+    "DataDiagnostics": "lightning_diag.callbacks.data_diagnostics.diagnostics",
+    "ErrorAnalysis": "lightning_diag.callbacks.error_analysis.analysis",
+    "GradientFlowMonitor": "lightning_diag.callbacks.gradient_flow.monitor",
+    "QuantizationProbe": "lightning_diag.callbacks.probes.quantization",
+    "RobustnessProbe": "lightning_diag.callbacks.probes.robustness",
+    "SharpnessProbe": "lightning_diag.callbacks.probes.sharpness",
+    "SystemMonitor": "lightning_diag.callbacks.system_monitor.monitor",
+    "SystemProfiler": "lightning_diag.callbacks.system_monitor.monitor",
 }
 
 __all__ = [
@@ -62,15 +62,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm, NonFiniteError
-    from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
-    from lightning_diag.callbacks.data_diagnostics import DataDiagnostics
-    from lightning_diag.callbacks.error_analysis import ErrorAnalysis
-    from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
-    from lightning_diag.callbacks.quantization_probe import QuantizationProbe
-    from lightning_diag.callbacks.robustness_probe import RobustnessProbe
-    from lightning_diag.callbacks.sharpness_probe import SharpnessProbe
-    from lightning_diag.callbacks.system_monitor import SystemMonitor, SystemProfiler
+    from lightning_diag.callbacks.anomaly_alarm.alarm import AnomalyAlarm, NonFiniteError
+    from lightning_diag.callbacks.attention_entropy.monitor import AttentionEntropyMonitor
+    from lightning_diag.callbacks.data_diagnostics.diagnostics import DataDiagnostics
+    from lightning_diag.callbacks.error_analysis.analysis import ErrorAnalysis
+    from lightning_diag.callbacks.gradient_flow.monitor import GradientFlowMonitor
+    from lightning_diag.callbacks.probes.quantization import QuantizationProbe
+    from lightning_diag.callbacks.probes.robustness import RobustnessProbe
+    from lightning_diag.callbacks.probes.sharpness import SharpnessProbe
+    from lightning_diag.callbacks.system_monitor.monitor import SystemMonitor, SystemProfiler
     from lightning_diag.core.alerts import Alert, AlertLog, Severity, read_alerts
     from lightning_diag.instrument.attention_record import attention_requested, record_attention, record_hf_attentions
 

@@ -5,7 +5,7 @@
 checks, ``LightningCLI``'s ``trainer.callbacks`` and the mixed-import check reject it). This module offers every
 callback of the library as a class that is both: the same class, with ``lightning.pytorch.Callback`` added as a
 second base. No code is duplicated; the classes are made on first access and cached, so any
-:class:`~lightning_diag.callbacks.base.DiagCallback` exported by :mod:`lightning_diag`, now or later, is here too.
+:class:`~lightning_diag.callbacks.DiagCallback` exported by :mod:`lightning_diag`, now or later, is here too.
 
 Example:
     >>> import lightning.pytorch as L
@@ -34,7 +34,7 @@ except ModuleNotFoundError as err:  # pragma: no cover - depends on the environm
     ) from err
 
 import lightning_diag
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.common.base import DiagCallback
 
 __all__ = ["for_lightning"]
 
@@ -49,7 +49,7 @@ def for_lightning(callback_class: type[_C]) -> type[_C]:
     with one package resumes with the other.
 
     Args:
-        callback_class: A subclass of :class:`~lightning_diag.callbacks.base.DiagCallback`.
+        callback_class: A subclass of :class:`~lightning_diag.callbacks.common.base.DiagCallback`.
 
     Raises:
         TypeError: If ``callback_class`` is not a ``DiagCallback`` subclass.

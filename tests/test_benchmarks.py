@@ -240,7 +240,7 @@ def test_hook_aftereffect_quick_mode_reports_each_hook(capsys):
 
 def test_measuring_step_quick_mode_times_the_defaults_and_restores_every_class(capsys):
     from lightning_diag import AnomalyAlarm, GradientFlowMonitor
-    from lightning_diag.callbacks import gradient_flow
+    from lightning_diag.callbacks.gradient_flow import monitor as gradient_flow
 
     before = (dict(vars(GradientFlowMonitor)), dict(vars(AnomalyAlarm)), gradient_flow.measure_step)
     assert _load("measuring_step").main(["--quick"]) == 0
@@ -250,5 +250,5 @@ def test_measuring_step_quick_mode_times_the_defaults_and_restores_every_class(c
     }
     assert rows["GradientFlowMonitor.on_before_optimizer_step"] >= 1
     assert rows["AnomalyAlarm.on_before_optimizer_step"] == 30  # the guard: every step
-    assert rows["gradient_flow.measure_step"] >= 1
+    assert rows["gradient_flow.monitor.measure_step"] >= 1
     assert (dict(vars(GradientFlowMonitor)), dict(vars(AnomalyAlarm)), gradient_flow.measure_step) == before

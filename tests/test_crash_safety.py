@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     import torch
 
     from lightning_diag import Alert, GradientFlowMonitor
-    from lightning_diag.callbacks.base import DiagCallback
+    from lightning_diag.callbacks.common.base import DiagCallback
     from lightning_diag.core.record import Severity
 
     class Flood(DiagCallback):

@@ -1,9 +1,9 @@
 import re
 from pathlib import Path
 
-import lightning_diag.callbacks.anomaly_alarm as alarm_module
-import lightning_diag.callbacks.attention_entropy as attention_module
-import lightning_diag.callbacks.data_diagnostics as data_module
+import lightning_diag.callbacks.anomaly_alarm.alarm as alarm_module
+import lightning_diag.callbacks.attention_entropy.monitor as attention_module
+import lightning_diag.callbacks.data_diagnostics.diagnostics as data_module
 import lightning_diag.rules.anomaly as anomaly_rules
 import lightning_diag.rules.attention_logits as attention_logit_rules
 import lightning_diag.rules.attention_specs as attention_rules

@@ -137,3 +137,30 @@ PRIVATE_IMPORTS_ALLOWED = 5
 def test_private_names_are_not_imported_across_modules():
     found = _private_imports()
     assert len(found) <= PRIVATE_IMPORTS_ALLOWED, found
+
+
+# -- callbacks/: one subpackage per callback, common/ for what they all share ---------------------------------------
+#: Imports between two callbacks' subpackages, each with its reason.
+CALLBACK_CROSS_IMPORTS = {
+    # RobustnessProbe reads a validation batch's predictions the way ErrorAnalysis does.
+    ("probes/robustness.py", "lightning_diag.callbacks.error_analysis.samples"),
+}
+
+
+def test_each_callback_subpackage_imports_only_common_and_itself():
+    """``callbacks/<callback>/`` holds what only that callback uses: it imports ``callbacks/common/`` and its own
+    modules; ``common/`` imports no callback's subpackage. No module sits flat in ``callbacks/`` but ``__init__``."""
+    callbacks = PACKAGE / "callbacks"
+    assert [p.name for p in callbacks.glob("*.py")] == ["__init__.py"]
+    wrong = []
+    for path in sorted(callbacks.rglob("*.py")):
+        here = path.relative_to(callbacks)
+        if len(here.parts) == 1:
+            continue
+        allowed = {"common"} | {here.parts[0]}
+        for name in _imports(path):
+            parts = name.split(".")
+            crosses = parts[:2] == ["lightning_diag", "callbacks"] and len(parts) > 2 and parts[2] not in allowed
+            if crosses and (str(here), name) not in CALLBACK_CROSS_IMPORTS:
+                wrong.append(f"callbacks/{here} imports {name}")
+    assert wrong == []

@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import lightning_diag
 import lightning_diag.lightning as unified
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.common.base import DiagCallback
 
 LIBRARY_CALLBACKS = [
     name

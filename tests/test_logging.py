@@ -45,7 +45,7 @@ def test_an_application_that_configured_logging_keeps_control():
 
 
 def test_callback_setup_makes_alerts_visible(monkeypatch):
-    import lightning_diag.callbacks.base as base
+    import lightning_diag.callbacks.common.base as base
 
     calls = []
     monkeypatch.setattr(base, "ensure_handler", lambda: calls.append(1))

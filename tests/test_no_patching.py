@@ -33,14 +33,14 @@ _DICT_METHODS = frozenset({"update", "pop", "setdefault", "clear", "__setitem__"
 
 #: ``(file, enclosing function, what)`` -> why it is not a patch. Reviewed: add an entry only with a reason.
 ALLOWED: dict[tuple[str, str, str], str] = {
-    ("callbacks/_unlogged.py", "unlogged_copy", "vars(copy).update"):
+    ("callbacks/common/unlogged.py", "unlogged_copy", "vars(copy).update"):
         "the shallow copy of the module that the function itself creates (object.__new__) and owns",
-    ("callbacks/_unlogged.py", "unlogged_copy", "vars(copy)[]="):
+    ("callbacks/common/unlogged.py", "unlogged_copy", "vars(copy)[]="):
         "silences log/log_dict on that copy only; the user's module and class are untouched",
-    ("callbacks/_system_hooks.py", "attach", "setattr(cb)"):
+    ("callbacks/system_monitor/hooks.py", "attach", "setattr(cb)"):
         "SystemMonitor times the hooks of lightning_diag callbacks only (DiagCallback instances): the library's "
         "own objects, restored by detach()",
-    ("callbacks/_system_hooks.py", "detach", "vars(cb).pop"):
+    ("callbacks/system_monitor/hooks.py", "detach", "vars(cb).pop"):
         "detach() takes those timers off the lightning_diag callbacks again (the class's hooks show through)",
     ("instrument/rng.py", "restore", "setattr(obj)"):
         "puts back the binding the user's dataset/collate_fn held before our bounded read ran its code: assigns "
@@ -50,10 +50,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("repro.py", "run_repro", "setattr(trainer)"):
         "limit_*_batches of the Trainer the repro command itself builds from the config, before its fit: "
         "the tool's own trainer, set through the Trainer's public attributes",
-    ("callbacks/_probe.py", "sandbox", "module.training"):
+    ("callbacks/probes/probe.py", "sandbox", "module.training"):
         "restores each module's training flag the probe's eval() changed, to the value it had (the flag "
         "nn.Module.train() itself assigns; calling train() would run the user's override)",
-    ("callbacks/nonfinite_guard.py", "perform", "trainer.should_stop"):
+    ("callbacks/anomaly_alarm/nonfinite_guard.py", "perform", "trainer.should_stop"):
         "Lightning's documented way for a callback to end the fit (what EarlyStopping does): on_nonfinite='stop'",
     ("core/log_handler.py", "ensure_handler", "logger.propagate"):
         "the library's own 'lightning_diag' logging.Logger, and only when the user configured no handler",

@@ -22,7 +22,7 @@ from lightning_diag import (
     SystemMonitor,
     SystemProfiler,
 )
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.common.base import DiagCallback
 from lightning_diag.instrument.attention_record import AttentionRecorder
 from tests.callbacks.system_models import Encoder, FakeTime, StallEvery, Tick
 from tests.output.logger_models import MemoryLogger

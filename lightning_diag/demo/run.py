@@ -14,7 +14,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import TensorBoardLogger
 
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.common.base import DiagCallback
 from lightning_diag.core.alerts import Alert
 from lightning_diag.demo.faults import Fault, build_fault
 
@@ -23,9 +23,9 @@ __all__ = ["DemoResult", "default_callbacks", "fault_callbacks", "quiet", "run_d
 
 def default_callbacks() -> list[DiagCallback]:
     """One instance of every callback the library has, with default settings."""
-    from lightning_diag.callbacks.anomaly_alarm import AnomalyAlarm
-    from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
-    from lightning_diag.callbacks.gradient_flow import GradientFlowMonitor
+    from lightning_diag.callbacks.anomaly_alarm.alarm import AnomalyAlarm
+    from lightning_diag.callbacks.attention_entropy.monitor import AttentionEntropyMonitor
+    from lightning_diag.callbacks.gradient_flow.monitor import GradientFlowMonitor
 
     return [GradientFlowMonitor(), AnomalyAlarm(), AttentionEntropyMonitor()]
 

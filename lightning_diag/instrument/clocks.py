@@ -15,7 +15,7 @@ __all__ = ["CudaClock", "HostClock", "TimeSource"]
 class TimeSource:
     """Where host time comes from: ``wall()`` (``time.perf_counter``) and ``cpu()`` (``time.process_time``).
 
-    The injection point of :class:`~lightning_diag.callbacks.system_monitor.SystemMonitor`'s clocks: tests set
+    The injection point of :class:`~lightning_diag.callbacks.system_monitor.monitor.SystemMonitor`'s clocks: tests set
     ``monitor.time_source`` to a fake whose readings they advance themselves, so that what is timed is exact.
 
     Example:

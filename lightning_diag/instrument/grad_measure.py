@@ -1,4 +1,4 @@
-"""What :class:`~lightning_diag.callbacks.gradient_flow.GradientFlowMonitor` measures and how: the parameter
+"""What :class:`~lightning_diag.callbacks.gradient_flow.monitor.GradientFlowMonitor` measures and how: the parameter
 index (which parameters are measured, the layer each belongs to, which layers are comparable weight matrices,
 their blocks and roles), the device computation of a measured step that ends in its one host copy, and the
 update-to-weight ratios after the optimizer step.

@@ -1,8 +1,8 @@
 """Alerts where the user looks: what the W&B and MLflow loggers get beyond scalars.
 
 A :class:`LoggerSink` is built for each logger of the trainer that has a richer place for alerts than a scalar
-series (:func:`sinks_for`); the per-trainer session (:class:`~lightning_diag.callbacks.session.DiagSession`) calls it
-on global rank zero:
+series (:func:`sinks_for`); the per-trainer session (:class:`~lightning_diag.callbacks.common.session.DiagSession`)
+calls it on global rank zero:
 
 * ``WandbLogger``: the run's diag folder goes into the run config (``lightning_diag/diag_dir``); every alert of
   the fit goes into a ``wandb.Table`` under ``diag/alerts_table`` (logged at fit end and at every critical

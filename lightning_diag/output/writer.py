@@ -1,7 +1,7 @@
 """Where the library's output goes: every logger of the trainer for scalars, a TensorBoard writer for the rest.
 
 :class:`DiagWriter` is what callbacks write through (``self.writer`` of a
-:class:`~lightning_diag.callbacks.base.DiagCallback`). For a trainer (:meth:`DiagWriter.for_trainer`):
+:class:`~lightning_diag.callbacks.common.base.DiagCallback`). For a trainer (:meth:`DiagWriter.for_trainer`):
 
 * **Scalars** reach every logger the user configured. The TensorBoard writer gets them with ``add_scalar``
   under their exact ``diag/...`` tags (the dashboard layout and ``lightning-diag report`` select by them);
@@ -20,8 +20,8 @@
   first ``TensorBoardLogger`` (of ``pytorch_lightning``, or of ``lightning`` once it is imported), or else one
   the library opens at ``<log_dir>/diag`` (which also gets the scalars: the report reads it).
 * **Steps** are on the user's axis: a trainer's writer maps the ``trainer.global_step`` a callback writes at to
-  the number of batches that stepped (:class:`~lightning_diag.callbacks.step_axis.StepAxis`), the step Lightning logs
-  ``self.log`` values at, so diag series and the user's metrics share one x-axis in every logger, also under
+  the number of batches that stepped (:class:`~lightning_diag.callbacks.common.step_axis.StepAxis`), the step Lightning
+  logs ``self.log`` values at, so diag series and the user's metrics share one x-axis in every logger, also under
   manual optimization with several optimizers (where ``global_step`` counts every ``optimizer.step()``).
 * :meth:`DiagWriter.flush` flushes the TensorBoard writer and calls every other logger's ``save()``, so
   buffering loggers (``CSVLogger`` writes ``metrics.csv`` on ``save``) hold nothing of ours past an alert or

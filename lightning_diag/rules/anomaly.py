@@ -487,8 +487,8 @@ class ValDeclineRule(Rule):
     """``val_decline``: the monitored validation value worsens on ``patience`` consecutive runs.
 
     When the standard error of each validation value is known (``se``: the spread of its batches' values, see
-    :meth:`~lightning_diag.callbacks.loss_trend.LossTrend.on_validation_batch_end`), the streak's whole worsening,
-    from the run it worsens from to the last, must also exceed ``z`` standard errors of that difference
+    :meth:`~lightning_diag.callbacks.anomaly_alarm.loss_trend.LossTrend.on_validation_batch_end`), the streak's whole
+    worsening, from the run it worsens from to the last, must also exceed ``z`` standard errors of that difference
     (``sqrt(se_start^2 + se^2)``): a validation loss worse by 0.15% over five runs on thousands of samples is the
     validation set's noise, not a decline. Without it (a metric logged only at the epoch's end), any worsening
     counts, as before.

@@ -1,7 +1,7 @@
 """``output_collapse``: predictions that no longer depend on the input (framework-free).
 
-Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.output_collapse_check` measures) on
-its sampled training steps. The model's output ``[B, ...]`` (the ``LightningModule``'s forward output, its
+Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.anomaly_alarm.output_collapse_check`
+measures) on its sampled training steps. The model's output ``[B, ...]`` (the ``LightningModule``'s forward output, its
 ``logits`` entry for a mapping; see :class:`~lightning_diag.instrument.output_watch.OutputSpreadWatch`) gives, per
 output element, its standard deviation across the ``B`` samples and its mean; ``spread`` and ``level`` average them
 over the elements. The relative spread ``spread / (spread + |level|)`` is 0 when every sample gets the same output

@@ -1,6 +1,6 @@
 """Silent errors of the run's set-up, judged on what the model did (framework-free).
 
-Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.runtime_checks` measures):
+Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.anomaly_alarm.runtime_checks` measures):
 
 * ``train_override_bypassed`` (warning): a module overrides ``train()`` and what the override does (modules it puts
   in eval mode, parameters it freezes) is not in effect during training: Lightning never calls ``train()``

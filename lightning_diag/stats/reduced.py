@@ -4,7 +4,7 @@ A :class:`ReducedState` holds named values (Python numbers, 0-d tensors kept on 
 ``CAT``), each declared with the :class:`Reduction` that merges the values of several processes. Everything that
 has to agree over ranks derives from the declaration: :meth:`ReducedState.merge` (two ranks' states into the
 state over their union), :meth:`ReducedState.share` (a restored all-rank state split so that merging the
-shares gives it back, whatever the world size) and the DDP adapter in ``lightning_diag.callbacks.reduction``.
+shares gives it back, whatever the world size) and the DDP adapter in ``lightning_diag.callbacks.common.reduction``.
 Never imports Lightning.
 """
 

@@ -6,7 +6,7 @@ import collections
 import pytest
 import torch
 
-from lightning_diag.callbacks.attention_entropy import AttentionEntropyMonitor
+from lightning_diag.callbacks.attention_entropy.monitor import AttentionEntropyMonitor
 from lightning_diag.demo.corpus import run_corpus
 
 

@@ -307,7 +307,7 @@ def test_defaults_are_the_registry_defaults():
 
 
 def test_loss_trend_does_not_read_its_owner():
-    from lightning_diag.callbacks.loss_trend import LossTrend
+    from lightning_diag.callbacks.anomaly_alarm.loss_trend import LossTrend
 
     assert "owner" not in inspect.signature(LossTrend).parameters
     alarm = AnomalyAlarm(monitor="val_acc", mode="max", rules={"val_fluctuation": {"min_range": 0.5}})

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
 from lightning_diag import DataDiagnostics
-from lightning_diag.callbacks.data_batch import shape_signature
+from lightning_diag.callbacks.data_diagnostics.batch import shape_signature
 from lightning_diag.demo import FAULTS, build_fault, run_demo
 from lightning_diag.instrument.batches import size_mismatch
 
@@ -144,7 +144,7 @@ def test_a_batch_broken_after_the_loader_is_caught_on_the_trainer_batch(tmp_path
 def test_batches_shaped_like_the_last_checked_one_are_not_checked_again(tmp_path, monkeypatch):
     # the quiet step compares a shape signature; the full check runs on the first batch and on a batch whose
     # structure or shapes changed (the break at step 4 is still caught at step 4)
-    import lightning_diag.callbacks.data_diagnostics as module
+    import lightning_diag.callbacks.data_diagnostics.diagnostics as module
 
     checked = []
 

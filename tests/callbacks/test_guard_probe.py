@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_diag import AnomalyAlarm
-from lightning_diag.callbacks import nonfinite_guard
+from lightning_diag.callbacks.anomaly_alarm import nonfinite_guard
 from lightning_diag.stats.norms import SUM_MIN_ELEMENTS
 from tests.output.logger_models import FAST
 

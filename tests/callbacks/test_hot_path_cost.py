@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_diag import AnomalyAlarm, NonFiniteError
-from lightning_diag.callbacks import guard_pass
+from lightning_diag.callbacks.anomaly_alarm import guard_pass
 from lightning_diag.stats.loss_sums import LossSums
 from tests.callbacks.nonfinite_models import Regression
 from tests.callbacks.tiny import FAST

@@ -14,7 +14,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_diag import QuantizationProbe, SharpnessProbe
-from lightning_diag.callbacks.quantization_probe import torchao_available
+from lightning_diag.callbacks.probes.quantization import torchao_available
 from tests.callbacks.probe_models import FAST, ReluNet, pretrained, reparametrise, with_outlier
 
 
@@ -44,7 +44,7 @@ def require_torchao() -> None:
 
 
 def test_a_broken_torchao_fails_in_ci_and_skips_elsewhere(monkeypatch):
-    import lightning_diag.callbacks.quantization_probe as qp
+    import lightning_diag.callbacks.probes.quantization as qp
 
     monkeypatch.setattr(qp, "_TORCHAO", False)  # as after a failed import
     monkeypatch.setattr("tests.callbacks.test_probes.torchao_available", qp.torchao_available)

@@ -13,7 +13,7 @@ import pytest
 import pytorch_lightning as pl
 
 from lightning_diag import AnomalyAlarm
-from lightning_diag.callbacks.provenance import REDACTED, is_secret_key, redact_command
+from lightning_diag.callbacks.common.provenance import REDACTED, is_secret_key, redact_command
 from tests.output.logger_models import FAST, Regression
 
 R = REDACTED

@@ -20,7 +20,7 @@ from pytorch_lightning.loggers import Logger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_diag import AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.common.base import DiagCallback
 from tests.callbacks.test_step_axis import Attention
 from tests.output.logger_models import FAST, MemoryLogger, TwoOptimizers
 
@@ -296,7 +296,7 @@ def test_anomaly_alarm_hands_on_quiet_losses_in_bounded_batches(
     ``HAND_ON_EVERY`` (16 here, for a 60-batch epoch), and every loss reaches the loss sums (the epoch's mean is
     that of the always-on alarm)."""
     from lightning_diag import AnomalyAlarm
-    from lightning_diag.callbacks import alarm_quiet
+    from lightning_diag.callbacks.anomaly_alarm import quiet as alarm_quiet
 
     monkeypatch.setattr(alarm_quiet, "HAND_ON_EVERY", 16)
 

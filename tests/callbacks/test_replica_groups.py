@@ -6,7 +6,7 @@ import pytest
 from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 
-from lightning_diag.callbacks.silent_checks import ReplicaCheck
+from lightning_diag.callbacks.anomaly_alarm.silent_checks import ReplicaCheck
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.replicas import DesyncRule, first_differences, member_differences
 

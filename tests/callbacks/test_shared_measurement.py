@@ -10,8 +10,8 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
-from lightning_diag.callbacks import guard_pass
-from lightning_diag.callbacks.session import StepCache, gradient_squares_key, step_cache
+from lightning_diag.callbacks.anomaly_alarm import guard_pass
+from lightning_diag.callbacks.common.session import StepCache, gradient_squares_key, step_cache
 from lightning_diag.instrument.grad_measure import GradientSquares
 from tests.callbacks.nonfinite_models import Regression
 from tests.callbacks.test_guard_probe import HugeGradients

@@ -489,7 +489,7 @@ def test_a_latched_grad_not_zeroed_is_not_released_by_the_reload(tmp_path):
 
 
 def test_zero_grad_watch_criterion_on_tensors():
-    from lightning_diag.callbacks.silent_updates import ZeroGradWatch
+    from lightning_diag.callbacks.gradient_flow.silent_updates import ZeroGradWatch
 
     def run(steps):
         w = nn.Parameter(torch.ones(16))

@@ -24,7 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
-from lightning_diag.callbacks.step_axis import StepAxis
+from lightning_diag.callbacks.common.step_axis import StepAxis
 from lightning_diag.output.writer import SUMMARY_SERIES
 from tests.output.logger_models import FAST, Regression, TwoOptimizers
 

@@ -13,7 +13,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor, SystemProfiler
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.common.base import DiagCallback
 from tests.callbacks.system_models import FAST, MLP, Encoder, FakeTime, Recorder, StallEvery, Tick, leak_batch
 from tests.output.logger_models import MemoryLogger
 
@@ -312,7 +312,8 @@ def test_the_page_lists_every_tag_rule_and_argument():
     for name in inspect.signature(SystemMonitor).parameters:
         if name not in ("log_every_n_steps", "nvml", "time_callbacks"):
             assert f"`{name}`" in page, name
-    source = (Path(__file__).resolve().parents[2] / "lightning_diag" / "callbacks" / "system_monitor.py").read_text()
+    package = Path(__file__).resolve().parents[2] / "lightning_diag" / "callbacks" / "system_monitor"
+    source = (package / "monitor.py").read_text()
     for tag in re.findall(r'family_tag\("system", "(\w+)"\)', source):
         assert f"diag/system/{tag}" in page, tag
     assert "diag/overhead/<CallbackName>" in page and "Not run on hardware" in page

@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_diag import SystemMonitor
-from lightning_diag.callbacks.base import DiagCallback
+from lightning_diag.callbacks.common.base import DiagCallback
 from tests.callbacks.system_models import FAST, MLP, FakeTime, Tick
 
 STEP_S = 0.01  # the training's own (fake) time per batch

@@ -6,7 +6,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag.callbacks._system_hooks import HookTimer
+from lightning_diag.callbacks.system_monitor.hooks import HookTimer
 from lightning_diag.instrument.batches import batch_size_and_tokens
 from lightning_diag.instrument.clocks import CudaClock
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_diag import AnomalyAlarm, SharpnessProbe
-from lightning_diag.callbacks._unlogged import unlogged_copy
+from lightning_diag.callbacks.common.unlogged import unlogged_copy
 from tests.callbacks.nonfinite_models import Regression
 from tests.output.logger_models import MemoryLogger
 

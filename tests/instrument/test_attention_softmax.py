@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_diag.callbacks._attention_measure import no_attention_message
+from lightning_diag.callbacks.attention_entropy.measure import no_attention_message
 from lightning_diag.instrument.attention_capture import AttentionCapture
 from lightning_diag.instrument.attention_record import AttentionRecorder
 

@@ -107,10 +107,11 @@ def test_rng_state_rewinds_torch_and_optionally_python():
 def test_the_three_former_copies_use_the_helper():
     import inspect
 
-    from lightning_diag.callbacks import _probe, data_batch
+    from lightning_diag.callbacks.data_diagnostics import batch as data_batch
+    from lightning_diag.callbacks.probes import probe
     from lightning_diag.instrument import nonfinite_locate
 
-    for module in (_probe, data_batch, nonfinite_locate):
+    for module in (probe, data_batch, nonfinite_locate):
         source = inspect.getsource(module)
         assert "preserved_rng" in source, module.__name__
         assert "get_rng_state" not in source and "random.getstate" not in source, module.__name__

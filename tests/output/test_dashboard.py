@@ -8,8 +8,8 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
-from lightning_diag.callbacks.base import DiagCallback
-from lightning_diag.callbacks.session import DiagSession
+from lightning_diag.callbacks.common.base import DiagCallback
+from lightning_diag.callbacks.common.session import DiagSession
 from lightning_diag.core.alerts import Alert, Severity
 from lightning_diag.demo.run import run_demo
 from lightning_diag.output.dashboard import dashboard_layout

@@ -43,7 +43,7 @@ from lightning_diag import (  # noqa: E402
     SharpnessProbe,
     SystemMonitor,
 )
-from lightning_diag.callbacks.base import DiagCallback  # noqa: E402
+from lightning_diag.callbacks.common.base import DiagCallback  # noqa: E402
 from lightning_diag.output.writer import set_logger_series  # noqa: E402
 from tests.sharded.harness import MODES, Block, _Logger  # noqa: E402
 

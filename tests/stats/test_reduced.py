@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_diag.callbacks.reduction import reduce_state
+from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.stats.loss_sums import LossSums
 from lightning_diag.stats.reduced import ReducedState, Reduction, combine
 

@@ -1,0 +1,233 @@
+"""AnomalyAlarm's checks of what the model does at run time: ``train()`` overrides Lightning bypasses, dropout in
+evaluation, mixed precision not applied, per-step loss outliers, and components evaluated before training.
+
+A thin adapter over :mod:`lightning_diag.rules.runtime` (the rules) and
+:mod:`lightning_diag.instrument.runtime_probes` (the probes); the rules are declared on the owning callback
+(:meth:`~lightning_diag.callbacks.common.base.DiagCallback.add_rule`), so their state follows the declared path.
+
+Cost: the probes run on one training batch per fit (the first) and on the first batch of each validation run; per
+training step a reference to the 0-d loss the loss sums already keep is appended to a list (no kernel, no host
+read), and the losses since the last logging step are read in one transfer on logging steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_diag.callbacks.anomaly_alarm.output_collapse_check import RULE_ATTRIBUTE as COLLAPSE_RULE_ATTRIBUTE
+from lightning_diag.callbacks.anomaly_alarm.output_collapse_check import OutputCollapseCheck
+from lightning_diag.callbacks.anomaly_alarm.zero_output_check import RULE_ATTRIBUTE as ZERO_RULE_ATTRIBUTE
+from lightning_diag.callbacks.anomaly_alarm.zero_output_check import ZeroOutputCheck
+from lightning_diag.instrument.runtime_probes import (
+    DropoutWatch,
+    MatmulDtypeProbe,
+    train_override_effects,
+    train_overriders,
+    unconverged_spectral_norms,
+)
+from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.output_collapse import OutputCollapseRule
+from lightning_diag.rules.runtime import (
+    TRAIN_OVERRIDE_BYPASSED,
+    AmpRule,
+    EvalBeforeTrainingRule,
+    EvalRandomnessRule,
+    LossOutlierRule,
+    TrainOverrideRule,
+    ZeroOutputRule,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_diag.callbacks.common.base import DiagCallback
+
+__all__ = ["MIXED_PRECISIONS", "PendingLosses", "RuntimeChecks"]
+
+#: The ``Trainer(precision=...)`` values under which the matmul layers should compute in half precision.
+MIXED_PRECISIONS = ("16-mixed", "bf16-mixed")
+
+
+class PendingLosses:
+    """The per-step training losses ``loss_outlier`` has not judged yet, with their global steps: references to
+    0-d device copies (no kernel, no host read), after the host floats a checkpoint brought back.
+
+    Declared on the alarm (``add_state``): a checkpoint saves them as host floats, the mean over ranks under DDP.
+    """
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.steps: list[int] = []
+        self.restored: list[float] = []
+
+    def add(self, loss: torch.Tensor, step: int) -> None:
+        """Keep a reference to a 0-d loss of ``step``."""
+        self.losses.append(loss)
+        self.steps.append(step)
+
+    def __bool__(self) -> bool:
+        return bool(self.losses or self.restored)
+
+    def values(self, trainer: pl.Trainer | None = None) -> torch.Tensor:
+        """The losses, restored ones first, as one float tensor (with ``trainer`` under DDP, the mean over ranks:
+        every rank must call it)."""
+        device = self.losses[0].device if self.losses else torch.device("cpu")
+        parts = [torch.tensor(self.restored, dtype=torch.float32, device=device)] if self.restored else []
+        if self.losses:
+            parts.append(torch.stack(self.losses).float())
+        stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if trainer is not None and trainer.world_size > 1:  # every rank judges the same numbers
+            stacked = trainer.strategy.reduce(stacked, reduce_op="mean")
+        return stacked
+
+    def take(self, trainer: pl.Trainer) -> tuple[list[float], list[int]]:
+        """The losses (one host read, the mean over ranks) and their steps; none are pending after."""
+        values = self.values(trainer).tolist()
+        steps, self.losses, self.steps, self.restored = self.steps, [], [], []
+        return values, steps
+
+    def state_dict(self) -> dict[str, list[float] | list[int]]:
+        """``losses`` (host floats, one read) and ``steps``."""
+        return {"losses": self.values().tolist() if self else [], "steps": list(self.steps)}
+
+    def all_ranks_state_dict(self, trainer: pl.Trainer, device: torch.device) -> dict[str, list[float] | list[int]]:
+        """:meth:`state_dict` with the mean of the losses over ranks (a collective: every rank calls it)."""
+        return {"losses": self.values(trainer).tolist() if self else [], "steps": list(self.steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output: those steps are judged at the next logging step."""
+        self.restored = [float(v) for v in state["losses"]]
+        self.steps = [int(v) for v in state["steps"]]
+        self.losses = []
+
+
+class RuntimeChecks:
+    """The run-time checks an :class:`~lightning_diag.AnomalyAlarm` owns; it calls the hooks below."""
+
+    def __init__(self, owner: DiagCallback) -> None:
+        self.owner = owner
+        # Declared on the owner: rebuilt at each fit, saved and restored with its checkpoint state.
+        owner.add_rule("override_rule", TrainOverrideRule.from_settings)
+        owner.add_rule("eval_random_rule", EvalRandomnessRule.from_settings)
+        owner.add_rule("amp_rule", AmpRule.from_settings)
+        owner.add_rule("outlier_rule", LossOutlierRule.from_settings)
+        owner.add_rule("eval_before_rule", EvalBeforeTrainingRule.from_settings)
+        owner.add_rule(ZERO_RULE_ATTRIBUTE, ZeroOutputRule.from_settings)
+        #: ``zero_output``'s watch of the modules' outputs on sampled steps.
+        self.zero_outputs = ZeroOutputCheck(owner)
+        owner.add_rule(COLLAPSE_RULE_ATTRIBUTE, OutputCollapseRule.from_settings)
+        #: ``output_collapse``'s watch of the model's output on sampled steps.
+        self.outputs = OutputCollapseCheck(owner)
+        owner.add_state("pending_losses", PendingLosses, state_key="runtime_pending")
+        self.reset()
+
+    def reset(self) -> None:
+        """The start of a fit (the rules are rebuilt by the owner)."""
+        self._first_batch_done = False
+        self._trained_forward = False
+        self._amp: MatmulDtypeProbe | None = None
+        self._dropout: DropoutWatch | None = None
+        # The owner's declared pending losses of this fit (restored in place at a resume).
+        self._pending: PendingLosses = self._rule("pending_losses")
+        self.zero_outputs.reset()
+        self.outputs.reset()
+        #: The global step from which :meth:`on_train_batch_start` has something to do (the fit's first batch, then
+        #: the next sampled step of ``zero_output`` or ``output_collapse``): the owner does not call it before.
+        self.start_due: float = 0
+        #: What :meth:`on_train_batch_end` does on a batch whose start did not call :meth:`on_train_batch_start` and
+        #: that logs nothing (the owner calls this instead then): ``keep_loss(loss, step)`` keeps a reference to the
+        #: batch's 0-d loss of global step ``step`` for ``loss_outlier`` (the pending losses' own ``add``).
+        self.keep_loss = self._pending.add
+
+    def _rule(self, name: str) -> Any:
+        """One of the owner's rules, as rebuilt at each fit."""
+        return getattr(self.owner, name)
+
+    # -- training ------------------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """On the fit's first training batch: compare ``train()`` overrides with what is in effect, and watch the
+        matmul layers' dtypes under mixed precision."""
+        self.zero_outputs.on_batch_start(trainer, pl_module)
+        self.outputs.on_batch_start(trainer, pl_module)
+        self.start_due = min(self.zero_outputs.next_step, self.outputs.next_step)
+        if self._first_batch_done:
+            return
+        self._first_batch_done = True
+        ctx = self.owner.context(trainer)
+        overriders = train_overriders(pl_module)
+        if overriders:
+            notes: list[str] = []
+            to_eval, frozen = train_override_effects(pl_module, notes)
+            for note in notes:  # once per fit: the check runs on the first batch only
+                logging.getLogger("lightning_diag").warning(
+                    "%s not checked for %s: %s", TRAIN_OVERRIDE_BYPASSED, ", ".join(overriders), note
+                )
+            self.owner.record(self._rule("override_rule").update(overriders, to_eval, frozen, ctx))
+        if str(trainer.precision) in MIXED_PRECISIONS:
+            self._amp = MatmulDtypeProbe(pl_module)
+            self._amp.start()
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        loss: torch.Tensor | None,
+        step: int,
+        logging: bool,
+    ) -> None:
+        """Keep a reference to the batch's 0-d loss of global step ``step`` (the loss sums' own: no new kernel);
+        judge the mixed-precision probe; on logging steps judge the losses."""
+        self._trained_forward = True
+        self.zero_outputs.on_batch_end(trainer, pl_module)
+        self.outputs.on_batch_end(trainer, pl_module)
+        if self._amp is not None:
+            probe, self._amp = self._amp, None
+            probe.stop()
+            self.owner.record(
+                self._rule("amp_rule").update(
+                    probe.layers, probe.float32, str(trainer.precision), self.owner.context(trainer)
+                )
+            )
+        pending = self._pending
+        if loss is not None:
+            pending.add(loss, step)
+        if logging and pending:
+            values, steps = pending.take(trainer)  # the one host read, on a logging step
+            ctx = StepContext(trainer.current_epoch, trainer.global_step)
+            self.owner.record(self._rule("outlier_rule").update(values, steps, ctx))
+
+    # -- validation ----------------------------------------------------------------------------------------
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Before any training forward: components whose state only training updates (spectral norm)."""
+        if self._trained_forward or trainer.global_step > 0:
+            return
+        modules = unconverged_spectral_norms(pl_module)
+        if modules:
+            self.owner.record(
+                self._rule("eval_before_rule").update(modules, trainer.sanity_checking, self.owner.context(trainer))
+            )
+
+    def on_validation_batch_start(self, pl_module: pl.LightningModule, batch_idx: int, dataloader_idx: int) -> None:
+        """On the first batch of a validation run: watch for dropouts applied in training mode."""
+        if batch_idx == 0 and dataloader_idx == 0 and self._dropout is None:
+            self._dropout = DropoutWatch(pl_module)
+            self._dropout.start()
+
+    def on_validation_batch_end(self, trainer: pl.Trainer) -> None:
+        """Judge what the dropout watch saw."""
+        if self._dropout is None:
+            return
+        watch, self._dropout = self._dropout, None
+        watch.stop()
+        self.owner.record(self._rule("eval_random_rule").update(watch.found, self.owner.context(trainer)))
+
+    def stop(self) -> None:
+        """Remove whatever is installed (the end of a fit, or an exception in the middle of a batch)."""
+        for probe in (self._amp, self._dropout):
+            if probe is not None:
+                probe.stop()
+        self._amp = self._dropout = None
+        self.zero_outputs.stop()
+        self.outputs.stop()

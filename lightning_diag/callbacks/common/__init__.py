@@ -1,0 +1,12 @@
+"""The machinery every lightning_diag callback shares (imported by every callback's subpackage, never the reverse).
+
+* ``base.py``: :class:`DiagCallback`, the base of every callback: declared rules and state, the session, alerts,
+  the per-batch decision.
+* ``session.py``: the per-trainer ``DiagSession`` (the run's folder, writer, alert log, ``StepCache``).
+* ``step_axis.py``: ``StepAxis``, the user's step axis, one per trainer.
+* ``batch_hooks.py``: switching a callback's per-batch hooks off on quiet batches.
+* ``reduction.py``: the DDP adapter of the declared state's reduction across ranks.
+* ``provenance.py``: ``diag/run.json``, what a run was.
+* ``unlogged.py``: running the user's ``training_step`` again without its ``self.log`` reaching the results (the
+  alarm's replay and the probes).
+"""

@@ -1,0 +1,484 @@
+"""DiagCallback, the base of every lightning_diag callback: declared rules, their checkpoint state, alerts, notices.
+
+The per-trainer session (writer, alert log, run folder) is :mod:`lightning_diag.callbacks.common.session`, the user's
+step axis :mod:`lightning_diag.callbacks.common.step_axis`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import operator
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.trainer.states import TrainerFn
+
+from lightning_diag.callbacks.common.batch_hooks import switch_off, switch_on
+from lightning_diag.callbacks.common.reduction import reduce_state
+from lightning_diag.callbacks.common.session import DiagSession
+from lightning_diag.callbacks.common.session import acquire_session as _acquire_session
+from lightning_diag.callbacks.common.session import release_session as _release_session
+from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY, StepAxis
+from lightning_diag.core.alerts import Alert
+from lightning_diag.core.log_handler import ensure_handler
+from lightning_diag.core.registry import ParsedRules, RuleChoices, default, owner_name, parse_rules, registry_thresholds
+from lightning_diag.core.tags import threshold_tag
+from lightning_diag.core.validation import check_int
+from lightning_diag.output.writer import DiagWriter
+from lightning_diag.rules.base import StepContext
+from lightning_diag.stats.reduced import ReducedState
+
+__all__ = ["AlertHandler", "DiagCallback", "RuleChoices", "StatefulRule", "extract_loss"]
+
+#: ``on_alert=``: called with each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global rank zero).
+AlertHandler = Callable[[Alert], object]
+
+log = logging.getLogger("lightning_diag")
+
+
+class StatefulRule(Protocol):
+    """What :meth:`DiagCallback.add_rule` declares: a rule (or policy) whose state survives a resume."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+RuleT = TypeVar("RuleT", bound=StatefulRule)
+
+
+def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
+    """The loss tensor in what ``training_step`` returned, or ``(None, reason)``.
+
+    Accepts a tensor or a mapping with a ``"loss"`` tensor (Lightning's two forms). A non-scalar loss is
+    reduced with its mean and reported.
+    """
+    # Lightning hands callbacks `{}` for a `training_step` that returned None under automatic optimization.
+    if outputs is None or (isinstance(outputs, dict) and not outputs):
+        return (
+            None,
+            "`training_step` returned None (a skipped batch): the batch is not counted in the loss trend",
+        )
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if not isinstance(loss, torch.Tensor):
+        kind = "a dict without a 'loss' tensor" if isinstance(outputs, dict) else type(outputs).__name__
+        return None, f"`training_step` returned {kind}: the loss trend needs a tensor or a dict with 'loss'"
+    if loss.numel() != 1:
+        return loss.detach().float().mean(), (
+            f"`training_step` returned a loss of shape {tuple(loss.shape)}: its mean is used for the loss trend"
+        )
+    loss = loss.detach().float()
+    return (loss if loss.dim() == 0 else loss.reshape(())), None
+
+
+def _build_without_thresholds(factory: Callable[[], RuleT], thresholds: Mapping[str, float]) -> RuleT:
+    """The builder :meth:`DiagCallback.add_state` declares: ``factory()`` (module level: the callback pickles)."""
+    return factory()
+
+
+class _StateKey:
+    """:attr:`DiagCallback.state_key`: :meth:`DiagCallback.checkpoint_key`, unless the instance holds the key (a
+    non-data descriptor: an instance attribute of the same name wins, with no call)."""
+
+    def __get__(self, obj: DiagCallback | None, objtype: type | None = None) -> Any:
+        return self if obj is None else obj.checkpoint_key()
+
+
+class DiagCallback(pl.Callback):
+    """Base of the library's callbacks.
+
+    A subclass declares its rules once, in its constructor::
+
+        self.band_rule = self.add_rule("band_rule", GradBandRule.from_settings, state_key="band")
+
+    (the torchmetrics ``add_state`` pattern, one level up). From that declaration the base class derives:
+    :meth:`state_dict` / :meth:`load_state_dict` (each rule's state under its ``state_key``, a missing key
+    named), the fresh rules of a new fit (rebuilt from :meth:`thresholds` in :meth:`setup`), and
+    :attr:`state_key` (from :attr:`state_key_arguments`). :meth:`thresholds` comes from the rule registry.
+    State beyond the rules is added by extending :meth:`state_dict` / :meth:`load_state_dict` and listing its
+    keys in :attr:`extra_state_keys`. One that overrides ``on_fit_start`` calls
+    ``super().on_fit_start(trainer, pl_module)``, which writes the thresholds and the dashboard layout.
+
+    Series are written on the user's step axis (:class:`StepAxis`: the step Lightning logs ``self.log`` values
+    at), which this base class counts in ``on_train_epoch_start`` / ``on_train_batch_start`` and saves in
+    ``on_save_checkpoint`` / ``on_load_checkpoint``: a subclass that overrides one of these hooks calls ``super()``
+    first, as with every hook of this class.
+
+    Args:
+        rules: The thresholds and settings of this callback's rules, by rule id, and switches: ``{"grad_vanish":
+            {"threshold": 1e-4}, "grad_explode": False}``; a family of shared settings by its name
+            (``{"grad": {"patience": 5}}``). ``False`` or ``None`` switches a rule off (its alerts are not raised);
+            a field not given keeps its default. The nested form of the ``thresholds.json`` keys
+            (docs/thresholds.md lists every rule's fields, defaults and allowed values).
+        log_every_n_steps: The logging interval (default: the trainer's ``log_every_n_steps``).
+        on_alert: A callable receiving each :class:`~lightning_diag.core.alerts.Alert` as it is recorded, on
+            global rank zero, after it is written to ``alerts.jsonl`` (Slack, e-mail, a pager). A handler that
+            raises is reported once per fit through the ``lightning_diag`` logger and never stops training.
+
+    Attributes:
+        alerts: The alerts this callback raised in the current fit, in order.
+
+    Raises:
+        TypeError: If ``rules`` or one of its values has the wrong type, or ``on_alert`` is not callable.
+        ValueError: If ``rules`` names a rule or field this callback does not have, or a value out of its range.
+    """
+
+    #: Constructor arguments (attributes, or ``"<argument>.<field>"`` of a settings object) that tell two
+    #: instances' checkpoint state apart (``state_key``, keyed by the last name); empty:
+    #: the class name.
+    state_key_arguments: ClassVar[tuple[str, ...]] = ()
+    #: Checkpoint keys a subclass saves besides its declared rules (checked by :meth:`load_state_dict`).
+    extra_state_keys: ClassVar[tuple[str, ...]] = ()
+    #: Per-batch hooks this callback needs only on the batches it works in: on a batch :meth:`quiet_batch` calls
+    #: quiet they are switched off until the next batch's start (see :meth:`on_train_batch_start`).
+    batch_hooks: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        *,
+        rules: RuleChoices | None = None,
+        log_every_n_steps: int | None = None,
+        on_alert: AlertHandler | None = None,
+    ) -> None:
+        super().__init__()
+        #: ``rules=``, checked against the declarations: the values set and the rules switched off.
+        self.rule_choices: ParsedRules = parse_rules(owner_name(type(self)), rules)
+        if log_every_n_steps is not None:
+            check_int("log_every_n_steps", log_every_n_steps, low=1)
+        if on_alert is not None and not callable(on_alert):
+            raise TypeError(f"Expected argument `on_alert` to be a callable taking an Alert, but got {on_alert!r}")
+        self.log_every_n_steps = log_every_n_steps
+        self.on_alert = on_alert
+        self._on_alert_failed = False
+        self.alerts: list[Alert] = []
+        self._session: DiagSession | None = None
+        self._step_axis: StepAxis | None = None
+        self._notices: set[str] = set()
+        self._last_logged_step = -1
+        #: Whether the current training batch is on this callback's logging cadence (``cadence_step(trainer) %
+        #: every_n_steps(trainer) == 0``), decided once per batch in ``on_train_batch_start``: the one test a
+        #: quiet step's later hooks make.
+        self.on_cadence = False
+        self._cadence_every: int | None = None  # every_n_steps(trainer), read once per fit
+        self._hooks_off = False  # whether the batch hooks are switched off (a quiet batch)
+        self._hooks_saved: dict[str, Any] = {}  # what the instance held for them (another's wrappers)
+        #: Declared rules: attribute name -> (builder from thresholds, checkpoint key).
+        self._rule_declarations: dict[str, tuple[Callable[[Mapping[str, float]], StatefulRule], str]] = {}
+
+    # -- declared rules ------------------------------------------------------------------------------------
+    def add_rule(
+        self, name: str, build: Callable[[Mapping[str, float]], RuleT], *, state_key: str | None = None
+    ) -> RuleT:
+        """Declare a rule: ``build(self.thresholds())`` now and at every new fit, kept as attribute ``name``,
+        its state saved under ``state_key`` (default ``name``). Returns the rule built.
+
+        ``build`` is the rule class's ``from_settings`` (or a ``functools.partial`` of it with the context a
+        rule needs besides its thresholds, such as the unit of its messages).
+        """
+        self._rule_declarations[name] = (build, state_key or name)
+        rule = build(self.thresholds())
+        setattr(self, name, rule)
+        return rule
+
+    def add_state(self, name: str, factory: Callable[[], RuleT], *, state_key: str | None = None) -> RuleT:
+        """Declare state that no threshold builds (counters, pending findings): as :meth:`add_rule`, with
+        ``factory()`` now and at every new fit, its state saved under ``state_key`` (default ``name``).
+
+        What is declared here or with :meth:`add_rule` and is a
+        :class:`~lightning_diag.stats.reduced.ReducedState`, or has an ``all_ranks_state_dict(trainer, device)``
+        method, is saved merged over every rank (see :meth:`on_save_checkpoint`).
+        """
+        return self.add_rule(name, functools.partial(_build_without_thresholds, factory), state_key=state_key)
+
+    def reset_rules(self) -> None:
+        """Build every declared rule afresh from :meth:`thresholds` (a new fit; a resume then loads their state)."""
+        values = self.thresholds()
+        for name, (build, _key) in self._rule_declarations.items():
+            setattr(self, name, build(values))
+
+    @property
+    def rule_state_keys(self) -> tuple[str, ...]:
+        """The checkpoint keys of the declared rules, in declaration order."""
+        return tuple(key for _build, key in self._rule_declarations.values())
+
+    def checkpoint_key(self) -> str:
+        """The checkpoint key (:attr:`state_key`): the class name, with the :attr:`state_key_arguments` values
+        when it declares some."""
+        if not self.state_key_arguments:
+            return pl.Callback.state_key.fget(self)  # type: ignore[attr-defined]
+        # "loss_trend.swing_window": a settings field, keyed by its name
+        current = tuple(operator.attrgetter(path)(self) for path in self.state_key_arguments)
+        names = [path.rsplit(".", 1)[-1] for path in self.state_key_arguments]
+        return self._generate_state_key(**dict(zip(names, current, strict=True)))
+
+    #: The checkpoint key, :meth:`checkpoint_key`. Lightning reads it at every hook call of every callback (its
+    #: profiler's label), about twenty times a step: from a fit's ``setup`` to its ``teardown`` it is a plain
+    #: instance attribute (this class attribute is a non-data descriptor, which an instance attribute shadows).
+    state_key = _StateKey()
+
+    def rules_state_dict(self) -> dict[str, Any]:
+        """Each declared rule's state under its ``state_key``."""
+        return {key: getattr(self, name).state_dict() for name, (_b, key) in self._rule_declarations.items()}
+
+    def load_rules_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`rules_state_dict` output.
+
+        Raises:
+            KeyError: If a declared rule's key is missing; the message names every missing key.
+        """
+        self.check_state_keys(dict(state), self.rule_state_keys)
+        for name, (_build, key) in self._rule_declarations.items():
+            getattr(self, name).load_state_dict(state[key])
+
+    def rule_peaks(self) -> dict[str, float]:
+        """The largest excess each rule id's statistic reached in this fit, over the declared rules
+        (:attr:`Rule.peaks <lightning_diag.rules.base.Rule.peaks>`: 1.0 is the threshold): the calibration
+        harness's margin. Rules that note no statistic are absent."""
+        peaks: dict[str, float] = {}
+        for name in self._rule_declarations:
+            for rule_id, value in getattr(getattr(self, name), "peaks", {}).items():
+                peaks[rule_id] = max(value, peaks.get(rule_id, value))
+        return peaks
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each declared rule's state under its ``state_key`` (a subclass adds its :attr:`extra_state_keys`)."""
+        return self.rules_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            KeyError: If a key is missing; the message names every missing one.
+        """
+        self.check_state_keys(state_dict, (*self.rule_state_keys, *self.extra_state_keys))
+        self.load_rules_state_dict(state_dict)
+
+    # -- session ---------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Attach to the trainer's diagnostics session; a new fit starts with no alerts."""
+        ensure_handler()
+        self._session = _acquire_session(trainer)
+        if self._session is not None:
+            self._step_axis = self._session.step_axis
+        if stage == TrainerFn.FITTING:
+            self.switch_batch_hooks(off=False)
+            self.alerts = []
+            self._on_alert_failed = False
+            self._notices = set()
+            self._last_logged_step = -1
+            self.on_cadence = False
+            self._cadence_every = None
+            self.reset_rules()
+            # Lightning reads `state_key` at every hook call of every callback: fixed for the fit from here
+            self.__dict__["state_key"] = self.checkpoint_key()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Flush and release the session."""
+        self.__dict__.pop("state_key", None)
+        self.switch_batch_hooks(off=False)
+        if self._session is not None:
+            self._session.writer.flush()
+            _release_session(trainer, self._session)
+            self._session = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Lightning skips ``teardown`` when ``fit`` raises: flush and release the session here."""
+        self.teardown(trainer, pl_module, "exception")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Record the thresholds in effect and write the dashboard layout (once per fit, rank zero)."""
+        if self._session is not None:
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]
+            self._session.start_fit(trainer, [cb for cb in callbacks if isinstance(cb, DiagCallback)])
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the run's provenance, ``diag/run.json`` (once per fit, rank zero)."""
+        if self._session is not None:
+            self._session.record_run(trainer)
+
+    # -- the step axis ---------------------------------------------------------------------------------------
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Move the user's step axis past the previous epoch's last batch."""
+        if self._session is not None:
+            self._session.step_axis.epoch_started(trainer)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Count the batch on the user's step axis, decide once for the batch whether it is on this callback's
+        logging cadence (:attr:`on_cadence`), and switch :attr:`batch_hooks` off for a quiet batch.
+
+        On a batch :meth:`quiet_batch` calls quiet, each of :attr:`batch_hooks` is ``None`` on the instance, so
+        Lightning runs neither the hook nor its dispatch of it (:mod:`lightning_diag.callbacks.common.batch_hooks`); the
+        next batch that needs them gets them back. Only the first and last batch of a quiet run switch;
+        ``teardown`` switches them back on.
+        """
+        every = self._cadence_every
+        if every is None:
+            every = self._cadence_every = self.every_n_steps(trainer)
+        if self._session is not None:
+            axis = self._session.step_axis
+            axis.batch_started(trainer, pl_module, batch_idx)
+            self.on_cadence = (axis.stepped + 1) % every == 0  # `axis.cadence_step`, without the property
+        else:
+            self.on_cadence = trainer.global_step % every == 0
+        if self.batch_hooks:
+            off = self.quiet_batch(trainer)
+            if off is not self._hooks_off:
+                self.switch_batch_hooks(off=off)
+
+    def quiet_batch(self, trainer: pl.Trainer) -> bool:
+        """Whether the current batch needs none of :attr:`batch_hooks` (asked at its start, after the step axis
+        moved). Default: it is off this callback's logging cadence."""
+        return not self.on_cadence
+
+    def switch_batch_hooks(self, *, off: bool) -> None:
+        """Switch :attr:`batch_hooks` off (``None`` on the instance, which Lightning skips) or back on
+        (:mod:`lightning_diag.callbacks.common.batch_hooks`)."""
+        if off == self._hooks_off:
+            return
+        if off:
+            self._hooks_saved = switch_off(self, self.batch_hooks)
+        else:
+            switch_on(self, self.batch_hooks, self._hooks_saved)
+            self._hooks_saved = {}
+        self._hooks_off = off
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Save the step axis (checkpoint key :data:`STEP_AXIS_KEY`); with several ranks, save what all ranks know
+        of the declared state, not rank zero's part: a :class:`~lightning_diag.stats.reduced.ReducedState`'s values
+        merged by their declared reductions, and the ``all_ranks_state_dict(trainer, device)`` of one that has it.
+
+        Lightning builds the checkpoint on every rank (only rank zero writes it), so the reductions run on all.
+        """
+        # The session's, or the last fit's after teardown (`trainer.save_checkpoint` after `fit`).
+        axis = self._session.step_axis if self._session is not None else self._step_axis
+        if axis is not None:
+            checkpoint[STEP_AXIS_KEY] = axis.state_dict()
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if state is None or trainer.world_size <= 1:
+            return
+        for name, (_build, key) in self._rule_declarations.items():
+            declared = getattr(self, name)
+            if isinstance(declared, ReducedState):
+                state[key] = {**state[key], **reduce_state(trainer, declared, device=pl_module.device)}
+            elif hasattr(declared, "all_ranks_state_dict"):
+                state[key] = declared.all_ranks_state_dict(trainer, pl_module.device)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Resume the step axis."""
+        if self._session is not None and STEP_AXIS_KEY in checkpoint:
+            self._session.step_axis.load_state_dict(checkpoint[STEP_AXIS_KEY])
+
+    def thresholds(self) -> dict[str, float]:
+        """The thresholds this callback judges by: rule id -> threshold, and ``"<rule>.<setting>"`` -> value.
+
+        A rule id maps to the number its alerts carry as ``threshold``; dotted keys are the settings that
+        qualify it (patience, windows). Written once per fit to ``<log_dir>/diag/thresholds.json`` and the
+        ``diag/thresholds`` text; ``lightning-diag report`` judges the run against them.
+
+        Built from the rule registry (:mod:`lightning_diag.core.registry`): every rule and shared setting the
+        registry declares for this class (by class name, then its bases'), with the values ``rules=`` set (the
+        defaults elsewhere); a rule switched off has no entry. A subclass adds entries the registry cannot know
+        (conditional ones) by extending ``super().thresholds()``.
+        """
+        return registry_thresholds(self, self.rule_choices)
+
+    def setting(self, key: str) -> float:
+        """The value in effect of one ``thresholds()`` key (``"grad.warmup_steps"``), set or default, whether or
+        not its rule is switched off: for the callback's own measuring."""
+        given = self.rule_choices.values.get(key)
+        return default(key) if given is None else given
+
+    def threshold_lines(self, *rules: str) -> dict[str, float]:
+        """``diag/threshold/<rule>`` reference values to write beside a series, for the dashboard's charts."""
+        values = self.thresholds()
+        return {threshold_tag(rule): values[rule] for rule in rules if rule in values}
+
+    @property
+    def writer(self) -> DiagWriter:
+        """The writer of the current session (a no-op outside one): ``scalar``/``scalars`` reach every logger of
+        the trainer; ``text``, ``image``, ``histogram`` and ``custom_scalars`` its TensorBoard writer."""
+        return self._session.writer if self._session is not None else DiagWriter(None)
+
+    # -- helpers for subclasses --------------------------------------------------------------------------
+    @staticmethod
+    def context(trainer: pl.Trainer) -> StepContext:
+        """The trainer's epoch and global step."""
+        return StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
+
+    def record(self, alerts: Iterable[Alert]) -> list[Alert]:
+        """Keep alerts in :attr:`alerts`, write them to the alert log and hand each to ``on_alert`` (rank zero
+        only). Alerts of rules switched off by ``rules=`` are dropped."""
+        batch = [a for a in alerts if a.rule not in self.rule_choices.off]
+        if batch:
+            self.alerts.extend(batch)
+            if self._session is not None:
+                self._session.alert_log.write(batch)
+                if self.on_alert is not None and self._session.is_global_zero:
+                    for alert in batch:
+                        self._call_on_alert(alert)
+        return batch
+
+    def _call_on_alert(self, alert: Alert) -> None:
+        # A failing handler (a Slack outage) must never stop training: reported once per fit, then kept quiet.
+        assert self.on_alert is not None
+        try:
+            self.on_alert(alert)
+        except Exception as err:  # any error of user code
+            if not self._on_alert_failed:
+                self._on_alert_failed = True
+                log.warning(
+                    "%s: the on_alert handler raised %r on %s; training goes on (reported once per fit)",
+                    type(self).__name__,
+                    err,
+                    alert.rule,
+                )
+
+    def check_state_keys(self, state_dict: dict[str, Any], keys: Iterable[str]) -> None:
+        """Raise ``KeyError`` naming every key of ``keys`` missing from a checkpointed ``state_dict``."""
+        missing = [k for k in keys if k not in state_dict]
+        if missing:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys {missing}")
+
+    def notice(self, trainer: pl.Trainer, key: str, message: str) -> None:
+        """Log an informational message once per fit (rank zero only)."""
+        if key in self._notices:
+            return
+        self._notices.add(key)
+        if trainer.is_global_zero:
+            log.info("%s: %s", type(self).__name__, message)
+
+    def every_n_steps(self, trainer: pl.Trainer) -> int:
+        """The logging interval: this callback's own, or the trainer's ``log_every_n_steps``."""
+        # Lightning sets `log_every_n_steps` on the trainer at init (0 with barebones=True).
+        return self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 0) or 50)
+
+    def cadence_step(self, trainer: pl.Trainer) -> int:
+        """The count the logging interval divides on the user's cadence
+        (:attr:`StepAxis.cadence_step <lightning_diag.callbacks.common.step_axis.StepAxis.cadence_step>`): measuring
+        when ``cadence_step(trainer) % every_n_steps(trainer) == 0`` writes on the steps of the user's
+        ``self.log`` values, whatever the optimizers or accumulation. ``trainer.global_step`` outside a session."""
+        return self._session.step_axis.cadence_step if self._session is not None else trainer.global_step
+
+    def is_logging_step(self, trainer: pl.Trainer) -> bool:
+        """Whether the current batch (at its end) is one to log, once per batch: one Lightning writes the user's
+        step metrics at (:meth:`StepAxis.logs <lightning_diag.callbacks.common.step_axis.StepAxis.logs>`)."""
+        if self._session is None:
+            step = trainer.global_step
+            if step == self._last_logged_step or step % self.every_n_steps(trainer) != 0:
+                return False
+            self._last_logged_step = step
+            return True
+        axis = self._session.step_axis
+        if axis.step == self._last_logged_step or not axis.logs(self.every_n_steps(trainer)):
+            return False
+        self._last_logged_step = axis.step
+        return True

@@ -1,0 +1,45 @@
+"""Switching a callback's per-batch hooks off on the batches it has nothing to do in.
+
+Lightning calls a callback's hook only when ``getattr(callback, hook)`` is callable (its ``_call_callback_hooks``):
+a hook set to ``None`` on the instance is skipped, and so is Lightning's dispatch of it (the profiler label and
+context it opens around every call). :class:`~lightning_diag.callbacks.DiagCallback` uses this for the hooks a
+subclass declares in ``batch_hooks``: on a quiet batch they are ``None`` from its ``on_train_batch_start`` until the
+next batch that needs them, which gets back what the instance held (the class's method, or ``SystemMonitor``'s
+timing wrapper of it).
+
+Only lightning_diag's own callback instances are switched (their hooks are theirs); nothing of another callback's
+is touched. Code that forwards hooks to these callbacks itself must skip a hook that is ``None``, as Lightning does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["switch_off", "switch_on"]
+
+
+def switch_off(callback: object, hooks: Iterable[str]) -> dict[str, Any]:
+    """Set each of ``hooks`` to ``None`` on ``callback``.
+
+    Returns:
+        What the instance held for the hooks switched off (wrappers), for :func:`switch_on`.
+    """
+    state = vars(callback)
+    switched = list(hooks)
+    held = {hook: state[hook] for hook in switched if hook in state}
+    for hook in switched:
+        state[hook] = None
+    return held
+
+
+def switch_on(callback: object, hooks: Iterable[str], held: dict[str, Any]) -> None:
+    """Undo :func:`switch_off`: put back what the instance ``held``, or the class's method. A hook no longer
+    ``None`` (another piece removed or replaced it since) is left as it is."""
+    state = vars(callback)
+    for hook in hooks:
+        if hook in state and state[hook] is None:
+            if hook in held:
+                state[hook] = held[hook]
+            else:
+                del state[hook]

@@ -1,0 +1,113 @@
+"""What :class:`~lightning_diag.GradientFlowMonitor` writes from its measurements.
+
+Split out of :mod:`lightning_diag.callbacks.gradient_flow.monitor`: a measured step's scalars under their ``diag/`` tags
+(``grad_norm``, ``grad_rms``, ``grad_relative``, ``grad_blocks``), its gradient histograms (``grad_hist``,
+counted on the device off the CPU) and, after the optimizer step, the weight norms and update ratios and the
+``{layer: update ratio}`` the gradient rules observe. The callback decides when; nothing here runs on a quiet
+step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from lightning_diag.core.tags import (
+    grad_blocks_tag,
+    grad_hist_tag,
+    grad_norm_tag,
+    grad_relative_tag,
+    grad_rms_tag,
+    grad_total_tag,
+    update_ratio_tag,
+)
+from lightning_diag.instrument.grad_measure import ParamIndex, StepMeasurement, update_ratios
+from lightning_diag.output.writer import DiagWriter
+from lightning_diag.stats.histogram import cpu_histogram, tensorboard_histogram
+
+__all__ = [
+    "histogram_due",
+    "layer_update_ratios",
+    "step_scalars",
+    "update_values",
+    "write_histogram",
+    "write_histograms",
+]
+
+
+def step_scalars(m: StepMeasurement, position: int) -> dict[str, float]:
+    """The scalars of one measured step of the optimizer at ``position``, by tag.
+
+    With several optimizers ``diag/grad_norm/total`` is the first optimizer's (the others' get their own tags), and
+    ``diag/grad_blocks/norm`` is the first optimizer's only.
+    """
+    values = {grad_total_tag(position): m.total}
+    values.update({grad_norm_tag(layer): v for layer, v in m.norms.items()})
+    values.update({grad_rms_tag(layer): v for layer, v in m.rms.items()})
+    values.update({grad_relative_tag(layer): v for layer, v in m.relative.items()})
+    if position == 0 and m.has_matrices:
+        values[grad_blocks_tag()] = m.blocks
+    return values
+
+
+def histogram_due(histogram_every_n_steps: int | None, every_n_steps: int, cadence_step: int) -> bool:
+    """Whether a measured step at ``cadence_step`` writes histograms: every ``histogram_every_n_steps`` steps
+    (``None``: 10 measuring intervals of ``every_n_steps``; ``0``: never).
+
+    Example:
+        >>> histogram_due(None, 5, 50), histogram_due(None, 5, 45), histogram_due(0, 5, 50)
+        (True, False, False)
+    """
+    every = histogram_every_n_steps
+    if every is None:
+        every = 10 * every_n_steps
+    return bool(every) and cadence_step % every == 0
+
+
+def write_histograms(
+    writer: DiagWriter, index: ParamIndex, chosen: list[int], norms: dict[str, float], step: int
+) -> None:
+    """``diag/grad_hist/<parameter>`` of the ``chosen`` parameters (each with a gradient) whose layer's norm is
+    finite (TensorBoard cannot bin NaN/Inf: ``AnomalyAlarm``'s business)."""
+    for i in chosen:
+        if not math.isfinite(norms[index.layers[index.layer_of[i]]]):
+            continue
+        write_histogram(writer, grad_hist_tag(index.names[i]), index.params[i].grad.detach(), step)  # type: ignore[union-attr]
+
+
+def write_histogram(writer: DiagWriter, tag: str, grad: torch.Tensor, step: int) -> None:
+    """One gradient histogram, as ``SummaryWriter.add_histogram`` writes it."""
+    # On an accelerator the buckets are counted on the device (no copy of the gradient to the host, no host
+    # sort); on the CPU a float32 gradient's buckets come from a table of its bits (no sort, the same fields as
+    # add_histogram's), any other add_histogram itself.
+    if grad.device.type == "cpu":
+        data = cpu_histogram(grad)
+        if data is None:
+            writer.histogram(tag, grad, step)
+            return
+    else:
+        data = tensorboard_histogram(grad)
+    if data is not None:
+        writer.histogram_raw(tag, data, step)
+
+
+def update_values(
+    index: ParamIndex,
+    pending: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> dict[str, float]:
+    """``diag/weight_norm/<layer>`` and ``diag/update_ratio/<layer>`` of the steps measured in a batch, from
+    their (chosen positions, values before the step, their squared norms when measured) copies, which it
+    consumes."""
+    values: dict[str, float] = {}
+    for chosen, before, weight_squares in pending:
+        values.update(update_ratios(index, chosen, before, reduce, weight_squares))
+    return values
+
+
+def layer_update_ratios(index: ParamIndex, values: dict[str, float]) -> dict[str, float]:
+    """``{layer: update ratio}`` from :func:`update_values`' output (the layers that have one)."""
+    tags = {update_ratio_tag(layer): layer for layer in index.layers}
+    return {tags[k]: v for k, v in values.items() if k in tags}
