@@ -198,7 +198,8 @@ class Rule(abc.ABC):
         """Judge the measurements ``m`` taken at ``ctx``; return the alerts raised. Every rule has this signature.
 
         Raises:
-            ValueError: If ``m`` lacks a measurement the rule :attr:`needs` (a caller's programming error).
+            ValueError: If ``m`` lacks a measurement the rule :attr:`needs`, or, for a rule that needs none, holds
+                none of its :attr:`optional` ones (a caller's programming error).
         """
 
     @classmethod

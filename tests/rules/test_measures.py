@@ -9,6 +9,7 @@ import pytest
 
 import lightning_diag.rules
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.data import LoaderRules
 from lightning_diag.rules.grad import GradBandRule
 from lightning_diag.rules.measures import LossWindow, Measure, Measures
 from lightning_diag.rules.update_size import UpdateSizeRule
@@ -47,8 +48,10 @@ def test_every_rule_has_the_one_judgment_signature_and_names_what_it_reads():
 def test_a_missing_measurement_is_a_value_error_naming_the_rule_and_the_measure():
     with pytest.raises(ValueError, match=r"UpdateSizeRule\.judge: the measures lack \['update_ratios'\]"):
         UpdateSizeRule().judge(StepContext(0, 0), Measures(loss=0.5))
-    with pytest.raises(ValueError, match="grad_rms"):
+    with pytest.raises(ValueError, match=r"GradBandRule\.judge: the measures hold none of \[.*'grad_rms'"):
         GradBandRule().judge(StepContext(0, 0), Measures(loss_window=LossWindow(1.0)))
+    with pytest.raises(ValueError, match=r"LoaderRules\.judge: the measures hold none of"):
+        LoaderRules().judge(StepContext(0, 0), Measures(loss=1.0))
 
 
 def test_one_measures_object_feeds_every_rule_that_reads_it():
