@@ -17,8 +17,9 @@ about 0.4) or a classifier confident near convergence (0.5 and more) stays well 
 zero-initialised last layer) says nothing and is not judged. A batch of one sample has no spread: it is not measured
 (said once). One event alerts once: after the alert, every measurement below ``threshold`` keeps it alive, and
 it ends only after ``2 x patience - 1`` measurements above it in a row (a batch of two samples gives a spread that
-hovers around the threshold while the outputs stay alike: 5 alerts in 1,900 steps instead of 20). The margin noted (:meth:`~lightning_diag.rules.base.Rule.observe`) is the statistic that decides: the
-largest of the last ``patience`` measurements.
+hovers around the threshold while the outputs stay alike: 5 alerts in 1,900 steps instead of 20). The margin
+noted (:meth:`~lightning_diag.rules.base.Rule.observe`) is the statistic that decides: the largest of the last
+``patience`` measurements.
 
 The validation predictions are not judged: "every prediction the same class" cannot be told from a
 generative or regression output ``[B, C]`` whose largest element is always the same one.
