@@ -47,9 +47,6 @@ _CHUNK = 1 << 22
 _DROPPED_BITS = 12
 #: The prefix of a float32 value: its bits shifted right by :data:`_DROPPED_BITS`, the sign bit's copies masked off.
 _PREFIX_MASK = (1 << (32 - _DROPPED_BITS)) - 1
-#: The table's mark of a prefix that straddles an edge, counted past the last bucket: ``n + _STRADDLING`` with
-#: ``n`` buckets (``n`` itself marks the values left out).
-_STRADDLING = 1
 
 
 @functools.lru_cache(maxsize=1)
@@ -155,15 +152,15 @@ def tensorboard_histogram(values: torch.Tensor) -> HistogramData | None:
 def _prefix_table() -> tuple[np.ndarray, torch.Tensor]:
     """The default edges as float64, and for each 20-bit float32 prefix its bucket (int16, indexed by the prefix):
     ``len(edges) - 1`` (one past the last bucket) where the prefix's values lie outside the edges' range (NaN,
-    infinities, magnitudes beyond 1e20), which ``numpy.histogram`` leaves out, and ``len(edges)`` (:data:`_STRADDLING`
-    buckets past the last) where they straddle an edge (those values are searched one by one)."""
+    infinities, magnitudes beyond 1e20), which ``numpy.histogram`` leaves out, and ``len(edges)`` (two past the last)
+    where they straddle an edge (those values are searched one by one)."""
     edges = np.asarray(default_edges(), dtype=np.float64)
     keys = np.arange(1 << (32 - _DROPPED_BITS), dtype=np.uint32) << _DROPPED_BITS
     with np.errstate(invalid="ignore"):  # the NaN prefixes
         low = keys.view(np.float32).astype(np.float64)  # the prefix's smallest magnitude
         high = (keys | ((1 << _DROPPED_BITS) - 1)).view(np.float32).astype(np.float64)  # and its largest
     low_bucket = _buckets(low, edges)  # each searched once (the table costs 45 ms instead of 73 once a process)
-    table = np.where(low_bucket == _buckets(high, edges), low_bucket, len(edges) - 1 + _STRADDLING)
+    table = np.where(low_bucket == _buckets(high, edges), low_bucket, len(edges))
     return edges, torch.from_numpy(table.astype(np.int16))
 
 
@@ -193,15 +190,16 @@ def cpu_histogram(values: torch.Tensor) -> HistogramData | None:
         return None
     edges, table = _prefix_table()
     n = len(edges) - 1
+    straddle = n + 1  # the table's mark of a prefix that straddles an edge (n: the values left out)
     single = values.detach().reshape(-1)
     # the bucket of each value from its 20-bit prefix: a shift, a mask, a gather and a count (torch's int32 index
     # and int16 bincount, without NumPy's conversions of both to intp)
     prefix = single.view(torch.int32).bitwise_right_shift(_DROPPED_BITS).bitwise_and_(_PREFIX_MASK)
     bucket = table.index_select(0, prefix)
-    counts = torch.bincount(bucket, minlength=n + 1 + _STRADDLING).numpy()
+    counts = torch.bincount(bucket, minlength=straddle + 1).numpy()
     flat = single.numpy().astype(np.float64)  # what add_histogram bins and sums
-    if counts[n + _STRADDLING]:  # the few values whose prefix straddles an edge, placed by a binary search
-        straddling = np.flatnonzero(bucket.numpy() == n + _STRADDLING)
+    if counts[straddle]:  # the few values whose prefix straddles an edge, placed by a binary search
+        straddling = np.flatnonzero(bucket.numpy() == straddle)
         counts = counts[:n] + np.bincount(_buckets(flat[straddling], edges), minlength=n + 1)[:n]
     else:
         counts = counts[:n]
