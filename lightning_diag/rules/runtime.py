@@ -44,6 +44,7 @@ Fed by :class:`~lightning_diag.AnomalyAlarm` (:mod:`lightning_diag.callbacks.ano
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import math
@@ -400,7 +401,7 @@ def judge_losses(
     ``*before, *new, *after``: the losses just outside a run of ``span`` consecutive losses that holds it (the
     micro-batches of one optimizer step under gradient accumulation: ``span`` of them), the run whose larger
     outside neighbour is the smallest. A neighbour beyond the sequence is unknown, not required."""
-    past = [v for v in history if math.isfinite(v)][-window:]
+    past = _LossWindow([v for v in history if math.isfinite(v)][-window:])
     finite = [(i, float(x)) for i, x in enumerate(new) if math.isfinite(x)]
     head = [float(v) for v in before if math.isfinite(v)]
     sequence = [*head, *(x for _, x in finite), *(float(v) for v in after if math.isfinite(v))]
@@ -413,14 +414,104 @@ def judge_losses(
             for start in range(at - span + 1, at + 1)
         ]
         neighbours = min(runs, key=lambda nb: max(nb, default=-math.inf))
-        excess, med = outlier_excess(past, x, threshold, ratio, window, floor, neighbours)
+        excess, med = past.excess(x, threshold, ratio, window, floor, neighbours)
         out.append((i, x, excess, med))
         if excess > 1.0:
             continue  # an outlier does not enter the reference
         past.append(x)
         if len(past) > window:
-            past.pop(0)
+            past.pop_oldest()
     return out
+
+
+class _LossWindow:
+    """The losses :func:`judge_losses` judges against, in order, kept sorted between judgments: their values, their
+    logarithms and the absolute differences of successive logarithms (the three sorts of :func:`outlier_excess`,
+    each updated by one insertion and one removal per loss instead of sorted again). The statistics are the same
+    numbers as :func:`outlier_excess`'s (the same floats, sorted); a window with a loss at or below 0, or a loss
+    ``x`` at or below 0, is judged by :func:`outlier_excess` itself (on its own scale).
+
+    Example:
+        >>> window = _LossWindow([0.1, 0.12, 0.09, 0.11, 0.1, 0.13, 0.1, 0.08])
+        >>> window.excess(4.0, 10.0, 2.0, 32) == outlier_excess(window.values, 4.0, 10.0, 2.0, 32)
+        True
+    """
+
+    def __init__(self, past: Sequence[float]) -> None:
+        #: The losses, oldest first.
+        self.values = collections.deque(past)
+        #: Their logarithms (``None`` for a loss at or below 0), oldest first.
+        self.log_values = collections.deque(math.log(v) if v > 0 else None for v in past)
+        #: The losses, sorted.
+        self.ordered = sorted(past)
+        #: Losses at or below 0 in the window (none: the log scale).
+        self.nonpositive = bisect.bisect_right(self.ordered, 0.0)
+        #: The logarithms of the positive ones, sorted.
+        self.logs = sorted(v for v in self.log_values if v is not None)
+        #: ``|log b - log a|`` of each two successive positive losses ``a, b``, sorted.
+        self.spreads = sorted(
+            abs(b - a) for a, b in itertools.pairwise(self.log_values) if a is not None and b is not None
+        )
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def append(self, v: float) -> None:
+        """Add the newest loss."""
+        log_v = math.log(v) if v > 0 else None
+        last = self.log_values[-1] if self.log_values else None
+        if log_v is not None and last is not None:
+            bisect.insort(self.spreads, abs(log_v - last))
+        self.values.append(v)
+        self.log_values.append(log_v)
+        bisect.insort(self.ordered, v)
+        if log_v is None:
+            self.nonpositive += 1
+        else:
+            bisect.insort(self.logs, log_v)
+
+    def pop_oldest(self) -> None:
+        """Drop the oldest loss."""
+        _remove(self.ordered, self.values.popleft())
+        log_v = self.log_values.popleft()
+        if log_v is None:
+            self.nonpositive -= 1
+            return
+        _remove(self.logs, log_v)
+        following = self.log_values[0] if self.log_values else None
+        if following is not None:
+            _remove(self.spreads, abs(following - log_v))
+
+    def excess(
+        self,
+        x: float,
+        threshold: float,
+        ratio: float,
+        window: int,
+        floor: float | None = None,
+        neighbours: Sequence[float] = (),
+    ) -> tuple[float, float]:
+        """:func:`outlier_excess` of ``x`` against the window's losses."""
+        n = len(self.values)
+        if n < loss_outlier_min_history(window) or self.nonpositive or x <= 0:
+            return outlier_excess(list(self.values), x, threshold, ratio, window, floor, neighbours)
+        return _excess(
+            n,
+            _median(self.ordered),
+            math.log(x) - _median(self.logs),
+            self.spreads,
+            x,
+            threshold,
+            ratio,
+            window,
+            floor,
+            neighbours,
+        )
+
+
+def _remove(ordered: list[float], v: float) -> None:
+    """Remove one value equal to ``v`` from the sorted list ``ordered``, which holds it."""
+    del ordered[bisect.bisect_left(ordered, v)]
 
 
 def loss_outlier_min_history(window: int) -> int:
@@ -467,15 +558,31 @@ def outlier_excess(
     if n < loss_outlier_min_history(window):
         return math.nan, math.nan
     ordered = sorted(past)
-    med = _median(ordered)
     log_scale = ordered[0] > 0 and x > 0
     scaled = [math.log(v) for v in past] if log_scale else list(past)
-    centre = _median(sorted(scaled))
+    rise = (math.log(x) if log_scale else x) - _median(sorted(scaled))
+    spreads = sorted(abs(b - a) for a, b in itertools.pairwise(scaled))
+    return _excess(n, _median(ordered), rise, spreads, x, threshold, ratio, window, floor, neighbours)
+
+
+def _excess(
+    n: int,
+    med: float,
+    rise: float,
+    spreads: Sequence[float],
+    x: float,
+    threshold: float,
+    ratio: float,
+    window: int,
+    floor: float | None,
+    neighbours: Sequence[float],
+) -> tuple[float, float]:
+    """:func:`outlier_excess` from the statistics of ``n`` past losses: their median ``med``, ``x``'s rise above
+    their median on the scale compared, and the sorted absolute differences of successive past losses on it."""
     # the spread from one step to the next (a falling loss's trend is not spread): the median absolute successive
     # difference, over sqrt(2), times 1.4826 (a standard deviation for Gaussian noise)
-    sigma = 1.4826 * _median(sorted(abs(b - a) for a, b in itertools.pairwise(scaled))) / math.sqrt(2.0)
+    sigma = 1.4826 * _median(spreads) / math.sqrt(2.0)
     bound = threshold * math.sqrt(max(1.0, (window / 2) / n))
-    rise = (math.log(x) if log_scale else x) - centre
     z = rise / sigma if sigma > 0 else (math.inf if rise > 0 else 0.0)
     parts = [z / bound, x / (ratio * med) if med > 0 else (math.inf if x > 0 else 0.0)]
     if floor is not None and floor > 0:

@@ -63,6 +63,9 @@ def test_nonfinite_or_empty_is_none(bad):
 
 
 _F32 = torch.tensor(EDGES, dtype=torch.float64).float()
+_DECADES = (torch.rand(100_000, generator=torch.Generator().manual_seed(9)) - 0.5) * 10.0 ** torch.randint(
+    -20, 10, (100_000,), generator=torch.Generator().manual_seed(10)
+)
 
 
 @pytest.mark.parametrize(
@@ -78,6 +81,15 @@ _F32 = torch.tensor(EDGES, dtype=torch.float64).float()
         torch.tensor([1.0, math.nan, -math.inf, 2.0]),  # NumPy leaves NaN and infinities out of every bucket
         torch.zeros(10),
         torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(6)).transpose(0, 2),  # not contiguous
+        torch.full((1_000,), 0.37),  # all equal
+        torch.full((7, 9), -3.0e-5),
+        torch.tensor([0.0, 2.0, 1.0, 0.0, -0.0]),  # a zero minimum: NumPy's own zero
+        torch.tensor([-0.0, -2.0, -1.0, 0.0]),  # a zero maximum
+        torch.tensor([-0.0] * 5),
+        torch.randn(4_000, generator=torch.Generator().manual_seed(7)) * 1e18,  # beyond 1e20 in part: left out
+        torch.randn(4_000, generator=torch.Generator().manual_seed(8)) * 1e-38,  # float32 denormals
+        torch.tensor([3e38, -3e38, 1e-30, -1e-30]),  # the largest float32 magnitudes (their squares overflow float32)
+        _DECADES,  # 30 decades, both signs
     ],
 )
 def test_cpu_histogram_writes_what_add_histogram_writes(values):
@@ -96,3 +108,23 @@ def test_cpu_histogram_writes_what_add_histogram_writes(values):
 )
 def test_cpu_histogram_leaves_other_tensors_to_add_histogram(values):
     assert cpu_histogram(values) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cpu_histogram_on_a_trained_mlps_gradients(seed):
+    """A real gradient (the weights of a trained 64 -> 600 -> 600 layer pair, a few SGD steps): every field equal to
+    ``add_histogram``'s, the sums included."""
+    g = torch.Generator().manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 600), torch.nn.ReLU(), torch.nn.Linear(600, 600))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    for _ in range(3):
+        optimizer.zero_grad()
+        net(torch.randn(32, 64, generator=g)).square().mean().backward()
+        optimizer.step()
+    for p in net.parameters():
+        got = cpu_histogram(p.grad)
+        assert got is not None
+        raw = histogram_raw(
+            "t", got.min, got.max, got.num, got.sum, got.sum_squares, got.bucket_limits, got.bucket_counts
+        )
+        assert raw.SerializeToString() == histogram("t", p.grad, EDGES).SerializeToString()
