@@ -8,6 +8,7 @@ import pytest
 
 import lightning_diag.rules.runtime as runtime
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import Measures, StepLosses
 from lightning_diag.rules.runtime import LossOutlierRule, judge_losses, outlier_excess
 
 
@@ -106,7 +107,8 @@ def test_rule_alerts_and_margins_unchanged(monkeypatch):
         losses = _losses(rng, 2_000, "lognormal")
         for start in range(0, len(losses), 10):
             steps = list(range(start, start + 10))
-            alerts += rule.update(losses[start : start + 10], steps, StepContext(start // 20, start + 9))
+            fed = Measures(step_losses=StepLosses(losses[start : start + 10], steps))
+            alerts += rule.judge(StepContext(start // 20, start + 9), fed)
         return [(a.rule, a.global_step, a.value, a.message) for a in alerts], rule.peaks, rule.outliers
 
     got = run()
