@@ -103,17 +103,47 @@ def test_large_but_stable_or_slowly_drifting_logits_stay_quiet():
     rule = AttentionLogitRule(threshold=50.0, growth=1.5, patience=1)
     for s, p in enumerate((60.0, 70.0, 65.0, 80.0, 75.0, 90.0, math.nan, 100.0)):
         assert rule.update({"sharp": p}, _ctx(s)) == []
-    # the margin is the weaker condition while rising: the largest rise, 65 -> 80, is 1.23x against 1.5x
-    assert rule.peaks[ATTN_LOGIT_GROWTH] == pytest.approx(80.0 / 65.0 / 1.5)
+    # the margin is the weaker condition while rising, the growth over the largest recent peak: 60 -> 70, 1.17x
+    assert rule.peaks[ATTN_LOGIT_GROWTH] == pytest.approx(70.0 / 60.0 / 1.5)
+
+
+def test_a_scattering_peak_is_judged_against_its_recent_largest_not_the_one_before():
+    # Lightning's demo transformer (foreign corpus), encoder layer 0, seed 0, steps 444-484: one-hot attention from
+    # init and logits of 450-780 that scatter from batch to batch; the last one is 1.5x the one before it
+    scatter = (550.9, 587.4, 473.5, 490.2, 485.8, 497.3, 522.2, 446.6, 670.0)
+    quiet = AttentionLogitRule(threshold=50.0)
+    assert [quiet.update({"enc": p}, _ctx(s)) for s, p in enumerate(scatter)] == [[]] * len(scatter)
+    assert quiet.peaks[ATTN_LOGIT_GROWTH] == pytest.approx(670.0 / 587.4 / 1.5)  # 0.76
+    # the former judgement, over the one measurement before (a window of 1), called that scatter a growth
+    old = AttentionLogitRule(threshold=50.0, window=1)
+    out = [old.update({"enc": p}, _ctx(s)) for s, p in enumerate(scatter)]
+    assert [len(a) for a in out] == [0] * 8 + [1] and "1.5x the largest of its 1" in out[-1][0].message
+    # a real growth over the same history fires at once: 3.2x the largest of the 8 before
+    grown = AttentionLogitRule(threshold=50.0)
+    out = [grown.update({"enc": p}, _ctx(s)) for s, p in enumerate((*scatter[:-1], 1900.0))]
+    assert [len(a) for a in out] == [0] * 8 + [1] and out[-1][0].value == 1900.0
+
+
+def test_the_window_forgets_a_high_start():
+    # logits that fell from 60 to 20 and then grow: the reference is the largest of the last `window` peaks only
+    rule = AttentionLogitRule(threshold=50.0, window=4)
+    feed = (60.0, 40.0, 20.0, 21.0, 20.0, 19.0, 70.0)
+    out = [rule.update({"m": p}, _ctx(s)) for s, p in enumerate(feed)]
+    assert [len(a) for a in out] == [0] * 6 + [1]
+    assert "3.33x the largest of its 4 measurement(s) up to 1 before (21;" in out[-1][0].message
+    sticky = AttentionLogitRule(threshold=50.0, window=8)  # 60 is still within its window: 70 is 1.17x it
+    assert [sticky.update({"m": p}, _ctx(s)) for s, p in enumerate(feed)] == [[]] * len(feed)
 
 
 def test_growth_below_the_level_stays_quiet_and_patience_needs_steady_growth():
     rule = AttentionLogitRule(threshold=50.0)
     assert all(rule.update({"m": p}, _ctx(s)) == [] for s, p in enumerate((1.0, 4.0, 16.0, 40.0)))
     slow = AttentionLogitRule(threshold=50.0, growth=2.0, patience=2)
-    feed = (30.0, 70.0, 60.0, 90.0, 130.0)  # a dip breaks the run; 60 -> 90 -> 130 grows 2.17x over 2
+    feed = (30.0, 50.0, 45.0, 90.0, 130.0)  # a dip breaks the run; 45 -> 90 -> 130 is 2.6x the 50 before it
     out = [slow.update({"m": p}, _ctx(s)) for s, p in enumerate(feed)]
     assert [len(a) for a in out] == [0, 0, 0, 0, 1]
+    higher = AttentionLogitRule(threshold=50.0, growth=2.0, patience=2)  # 70 before the dip: 130 is 1.86x it
+    assert [higher.update({"m": p}, _ctx(s)) for s, p in enumerate((30.0, 70.0, 45.0, 90.0, 130.0))] == [[]] * 5
 
 
 def test_logit_rule_state_round_trips():
