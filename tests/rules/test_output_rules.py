@@ -135,6 +135,14 @@ def test_the_window_forgets_a_high_start():
     assert [sticky.update({"m": p}, _ctx(s)) for s, p in enumerate(feed)] == [[]] * len(feed)
 
 
+def test_the_window_is_a_declared_setting():
+    built = AttentionLogitRule.from_settings({ATTN_LOGIT_GROWTH: 50.0, f"{ATTN_LOGIT_GROWTH}.window": 3})
+    assert (built.window, built.patience, built.growth) == (3, 1, 1.5)
+    assert AttentionLogitRule.from_settings({ATTN_LOGIT_GROWTH: 50.0}).window == 8
+    with pytest.raises(ValueError, match="window"):
+        parse_rules("AttentionEntropyMonitor", {ATTN_LOGIT_GROWTH: {"window": 0}})
+
+
 def test_growth_below_the_level_stays_quiet_and_patience_needs_steady_growth():
     rule = AttentionLogitRule(threshold=50.0)
     assert all(rule.update({"m": p}, _ctx(s)) == [] for s, p in enumerate((1.0, 4.0, 16.0, 40.0)))
