@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import logging
 import os
 import sys
 import tempfile
@@ -352,7 +353,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         from lightning_diag.demo.run import run_demo
 
-        result = run_demo(fault=args.fault, max_epochs=args.max_epochs, root=args.root, seed=args.seed)
+        # Lightning's start-up notes (the accelerators found, an advertisement for a cloud logger) are not the
+        # demo's output; its warnings still show, and the level is put back after the demo
+        notes = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+        level = notes.level
+        notes.setLevel(logging.WARNING)
+        try:
+            result = run_demo(fault=args.fault, max_epochs=args.max_epochs, root=args.root, seed=args.seed)
+        finally:
+            notes.setLevel(level)
         print(result.summary())
         return 0
     if args.command == "report":

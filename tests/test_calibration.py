@@ -197,31 +197,36 @@ def test_rules_note_their_statistic_against_their_threshold() -> None:
     threshold, whether or not it alerted."""
     from lightning_diag.rules.base import StepContext
     from lightning_diag.rules.grad import GradBandRule, GradCollapseRule
+    from lightning_diag.rules.measures import Measures
     from lightning_diag.rules.system import MemoryGrowthRule
 
     band = GradBandRule(patience=3, warmup_steps=0)
-    band.update({"w1": 5.0, "w2": 0.5}, StepContext(0, 60), relative={"w1": 1e-2, "w2": 5e-4})
+    def grads(rms: dict[str, float], w2: float) -> Measures:
+        return Measures(grad_rms=rms, grad_relative={"w1": 1e-2, "w2": w2})
+
+    band.judge(StepContext(0, 60), grads({"w1": 5.0, "w2": 0.5}, 5e-4))
     # explode: 5 against 10; vanish needs 3 measurements: none decided yet
     assert band.peaks == {"grad_explode": pytest.approx(0.5), "grad_vanish": 0.0}
     for step in (65, 70):
-        band.update({"w1": 5.0, "w2": 0.5}, StepContext(0, step), relative={"w1": 1e-2, "w2": 5e-4})
+        band.judge(StepContext(0, step), grads({"w1": 5.0, "w2": 0.5}, 5e-4))
     # vanish: w2 is 2x below 1e-3 but only 0.2 of the way to 100x below the best-fed 1e-2, on all 3
     assert band.peaks == {"grad_explode": pytest.approx(0.5), "grad_vanish": pytest.approx(0.2)}
     fed = [(1e-7, 75), (5e-4, 80)]
-    alerts = [a for w2, t in fed for a in band.update({"w1": 5.0}, StepContext(0, t), relative={"w1": 1e-2, "w2": w2})]
+    alerts = [a for w2, t in fed for a in band.judge(StepContext(0, t), grads({"w1": 5.0}, w2))]
     # one measurement past every bound (1e-7: 1e4x below 1e-3) among ones that are not: the window's weakest decides
     assert alerts == [] and band.peaks["grad_vanish"] == pytest.approx(0.2)
     starved = GradBandRule(patience=3, warmup_steps=0)
     starved.observe_updates({"w1": 1e-3, "w2": 1e-3})  # w2's update keeps pace: far from a vanishing gradient
     for step in (60, 65, 70):
-        starved.update({"w1": 1.0}, StepContext(0, step), relative={"w1": 1e-2, "w2": 5e-4})
+        starved.judge(StepContext(0, step), grads({"w1": 1.0}, 5e-4))
     assert starved.peaks["grad_vanish"] == pytest.approx(0.01)  # its update 100x short of 100x below the top
     collapse = GradCollapseRule(patience=3, baseline_measurements=1)
-    assert collapse.update(1.0, StepContext(0, 0)) == []
-    assert [a for i, n in enumerate((0.005, 0.005, 0.02)) for a in collapse.update(n, StepContext(0, 5 + i))] == []
+    assert collapse.judge(StepContext(0, 0), Measures(grad_norm=1.0)) == []
+    norms = [Measures(grad_norm=n) for n in (0.005, 0.005, 0.02)]
+    assert [a for i, m in enumerate(norms) for a in collapse.judge(StepContext(0, 5 + i), m)] == []
     # past its threshold twice, not on 3 consecutive measurements: the margin is the window's weakest, 0.01 / 0.02
     assert collapse.peaks == {"grad_collapse": pytest.approx(0.5)}
     memory = MemoryGrowthRule(threshold=0.1, window=3, rising_fraction=0.5)
     for i, value in enumerate([100.0, 102.0, 104.0]):
-        memory.update(StepContext(0, i), {"host_rss": value})
+        memory.judge(StepContext(0, i), Measures(memory={"host_rss": value}))
     assert memory.peaks["memory_growth"] == pytest.approx(0.4, rel=0.05)  # grew 4% against 10%

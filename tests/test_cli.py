@@ -18,6 +18,18 @@ def test_demo_nan_stops_with_critical_alert(tmp_path, capsys):
     assert record["rule"] == "nonfinite_loss" and record["global_step"] == 30
 
 
+def test_demo_leaves_out_lightnings_start_up_notes_and_restores_their_level(tmp_path, caplog):
+    import logging
+
+    notes = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    before = notes.level
+    with caplog.at_level(logging.INFO):
+        assert main(["demo", "--fault", "none", "--max-epochs", "1", "--root", str(tmp_path)]) == 0
+    lightning = [r.getMessage() for r in caplog.records if r.name.startswith("pytorch_lightning")]
+    assert not [m for m in lightning if "GPU available" in m or "litlogger" in m], lightning
+    assert notes.level == before
+
+
 def test_demo_none_has_no_alerts(tmp_path, capsys):
     assert main(["demo", "--fault", "none", "--max-epochs", "2", "--root", str(tmp_path)]) == 0
     assert "alerts: none" in capsys.readouterr().out

@@ -8,6 +8,7 @@ from torch import nn
 
 from lightning_diag.instrument.snapshots import SnapshotStore
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import Measures, Rollback
 from lightning_diag.rules.rollback import RollbackRule
 
 
@@ -79,7 +80,7 @@ def test_rollback_policy_goes_further_back_and_gives_up():
     rule.record(0, now=30)
     assert rule.lr_scale == 0.25 and rule.exhausted
     assert rule.choose([0], [True], now=100).step is None
-    alert = rule.alert(StepContext(1, 30), 0, "NaN in the loss", "net.4", "")
+    (alert,) = rule.judge(StepContext(1, 30), Measures(rollback=Rollback(0, "NaN in the loss", "net.4", "")))
     assert alert.rule == "nonfinite_rollback" and alert.severity == "warning" and alert.source == "net.4"
     assert "step 0" in alert.message and "x0.25" in alert.message
     restored = RollbackRule(lr_factor=0.5, max_rollbacks=2, repeat_window=10)

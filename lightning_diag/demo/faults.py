@@ -232,6 +232,16 @@ FAULTS: dict[str, Fault] = {
             config={"model": "mlp", "d_model": 64, "head_depth": 2},
         ),
         Fault(
+            "target_drift",
+            "the regression MLP's training targets drift by 0.5 more every epoch (a target transform that changes "
+            "between epochs): validation, on the clean targets, worsens at every epoch at any epoch length",
+            (VAL_DECLINE,),
+            onset_epoch=1,
+            window=7,  # 5 worsening validation runs after the first drifted epoch
+            max_epochs=8,
+            config={"model": "mlp", "d_model": 64, "head_depth": 2, "target_drift": 0.5},
+        ),
+        Fault(
             "healthy_lm",
             "healthy baseline: a 2-layer causal transformer language model on modular-arithmetic sequences",
             (),

@@ -90,6 +90,9 @@ class DemoConfig:
         zero_transfer_from: The first global step ``zero_transfer_every`` may hit.
         zero_init_adapter: The transformer classifier adds a bottleneck adapter after its encoder whose
             up-projection starts at zero (LoRA-style): its output is all zeros until the first update.
+        target_drift: The regression MLP's training targets are offset by this times the epoch (0 in the first
+            epoch): a training pipeline whose target transform drifts from epoch to epoch. Validation, on the
+            clean targets, worsens at every epoch while the training loss keeps up.
         seed: Seed of the model's initialisation.
     """
 
@@ -125,6 +128,7 @@ class DemoConfig:
     zero_transfer_every: int = 0
     zero_transfer_from: int = 0
     zero_init_adapter: bool = False
+    target_drift: float = 0.0
     seed: int = 0
 
 
@@ -345,6 +349,8 @@ class RegressionMLP(DemoModule):
 
     def compute_loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
+        if self.training and self.config.target_drift:
+            y = y + self.config.target_drift * self.current_epoch  # the fault: only the training targets drift
         return nn.functional.mse_loss(self(x), y)
 
 

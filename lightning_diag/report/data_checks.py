@@ -21,6 +21,7 @@ from lightning_diag.report.replay import replay, run_setting
 from lightning_diag.report.rows import Check, measure
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.data import DATA_LEAKAGE, LABEL_IMBALANCE, DataMeasurement, DataRules
+from lightning_diag.rules.measures import Measures
 
 __all__: list[str] = []
 
@@ -76,7 +77,7 @@ def _replay_label_balance(run: RunData) -> list[Alert]:
         return []
     step = max(s for s, _ in stds.values())
     m = DataMeasurement(label_std={k: v for k, (_, v) in stds.items()})
-    return [a for a in _rules(run).update(m, StepContext(0, step)) if a.rule == LABEL_IMBALANCE]
+    return [a for a in _rules(run).judge(StepContext(0, step), Measures(data=m)) if a.rule == LABEL_IMBALANCE]
 
 
 @replay("data_train_test_overlap")
@@ -85,4 +86,4 @@ def _replay_overlap(run: RunData) -> list[Alert]:
     if leaked is None:
         return []
     m = DataMeasurement(leaked_fraction=leaked[1], leaked=1 if leaked[1] > 0 else 0)
-    return [a for a in _rules(run).update(m, StepContext(0, leaked[0])) if a.rule == DATA_LEAKAGE]
+    return [a for a in _rules(run).judge(StepContext(0, leaked[0]), Measures(data=m)) if a.rule == DATA_LEAKAGE]

@@ -58,6 +58,7 @@ from lightning_diag.rules.catalog import (
     VAL_DECLINE,
     VAL_FLUCTUATION,
 )
+from lightning_diag.rules.measures import LossWindow, Measures, StepLosses, Validation
 from lightning_diag.rules.nonfinite import NonFinitePolicy, StepFindings
 from lightning_diag.rules.runtime import LossOutlierRule
 
@@ -278,23 +279,23 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
         ctx = StepContext(s.epoch_at(step), step)
         if kind == 0:
             count, variance = spread[step]
-            found.add(LOSS_SWING, swing.update(v, ctx, steps=max(count, 1), variance=variance))
+            found.add(LOSS_SWING, swing.judge(ctx, Measures(loss_window=LossWindow(v, max(count, 1), variance))))
             change = getattr(swing, "last_change", math.nan)
             if math.isfinite(change) and (not changes or changes[-1] != change):
                 changes.append(change)
             continue
         if kind == 1:
-            found.add(LOSS_STAGNANT, stagnant.update(v, ctx))
+            found.add(LOSS_STAGNANT, stagnant.judge(ctx, Measures(loss_window=LossWindow(v))))
             continue
         lo, hi = bisect.bisect_right(train_steps, previous_val), bisect.bisect_right(train_steps, step)
         since = [x for _, x in s.train[lo:hi] if math.isfinite(x)]
         train_mean = statistics.fmean(since) if since else None
         previous_val = step
         stagnant.observe_validation(v)
-        found.add(VAL_DECLINE, decline.update(v, ctx, train_mean))
+        found.add(VAL_DECLINE, decline.judge(ctx, Measures(validation=Validation(v, train=train_mean))))
         longest = max(longest, int(getattr(decline, "streak", 0)))
         if train_mean is not None:
-            found.add(VAL_FLUCTUATION, fluctuation.update(train_mean, v, ctx))
+            found.add(VAL_FLUCTUATION, fluctuation.judge(ctx, Measures(validation=Validation(v, train=train_mean))))
             ratio = getattr(fluctuation, "last_ratio", math.nan)
             if math.isfinite(ratio):
                 ratios.append(ratio)
@@ -347,7 +348,8 @@ def _outliers(run: RunData, s: _Series, found: _Found) -> None:
         chunk.append((step, v))
         if i + 1 == len(s.train) or s.epoch_at(s.train[i + 1][0]) != s.epoch_at(step):
             ctx = StepContext(s.epoch_at(step), step)
-            found.add(LOSS_OUTLIER, rule.update([x for _, x in chunk], [t for t, _ in chunk], ctx))
+            losses = StepLosses([x for _, x in chunk], [t for t, _ in chunk])
+            found.add(LOSS_OUTLIER, rule.judge(ctx, Measures(step_losses=losses)))
             chunk = []
     found.measured[LOSS_OUTLIER] = (
         f"{len(found.alerts.get(LOSS_OUTLIER, []))} outlier alert(s) over {len(s.train)} logged training losses"

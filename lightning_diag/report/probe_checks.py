@@ -16,6 +16,7 @@ from lightning_diag.report.replay import replay, run_setting
 from lightning_diag.report.rows import Check, finite_values, fmt, measure
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.catalog import QUANTIZATION_ERROR, SHARP_MINIMUM
+from lightning_diag.rules.measures import Measures, QuantizationReading, SharpnessReading
 from lightning_diag.rules.probes import (
     QUANTIZATION_LAYER_RATIO_KEY,
     SHARP_MINIMUM_PATIENCE_KEY,
@@ -48,7 +49,7 @@ def _replay_loss_surface(run: RunData) -> list[Alert]:
     rule = SharpMinimumRule.from_settings(run.thresholds)
     alerts: list[Alert] = []
     for step, gap in run.scalars.get(sharpness_tag("gap"), []):
-        alerts += rule.update(gap, StepContext(0, step))
+        alerts += rule.judge(StepContext(0, step), Measures(sharpness=SharpnessReading(gap)))
     return alerts
 
 
@@ -91,7 +92,8 @@ def _replay_quantization(run: RunData) -> list[Alert]:
     for step, value in run.scalars.get(quant_tag("end_to_end"), []):
         end_to_end = value if math.isfinite(value) else None
         ctx = StepContext(0, step)
-        alerts += rule.update(
-            end_to_end, layers.get(step, {}), per_channel.get(step, {}), ctx, change_noise=noise.get(step, math.nan)
+        reading = QuantizationReading(
+            end_to_end, layers.get(step, {}), per_channel.get(step, {}), change_noise=noise.get(step, math.nan)
         )
+        alerts += rule.judge(ctx, Measures(quantization=reading))
     return alerts

@@ -35,6 +35,7 @@ from lightning_diag.rules.catalog import (
     VAL_DECLINE,
 )
 from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule, role_of
+from lightning_diag.rules.measures import LossWindow, Measures, Validation
 
 __all__ = ["REPLAYS", "Replay", "layer_series", "per_layer_series", "replay", "run_setting", "values_by_step"]
 
@@ -107,7 +108,8 @@ def _replay_grad_band(run: RunData) -> list[Alert]:
     updates = _updates(run)
     alerts: list[Alert] = []
     for step in sorted(set(rms) | set(relative)):
-        alerts += rule.update(rms.get(step, {}), StepContext(0, step), relative.get(step), blocks)
+        grads = Measures(grad_rms=rms.get(step, {}), grad_relative=relative.get(step), blocks=blocks)
+        alerts += rule.judge(StepContext(0, step), grads)
         if step in updates:
             rule.observe_updates(updates[step])
     return alerts
@@ -119,7 +121,8 @@ def _replay_grad_spread(run: RunData) -> list[Alert]:
     updates = _updates(run)
     alerts: list[Alert] = []
     for step, values in values_by_step(layer_series(run, "grad_relative").items()).items():
-        alerts += rule.update(values, StepContext(0, step), {layer: role_of(layer) for layer in values})
+        grads = Measures(grad_relative=values, layer_roles={layer: role_of(layer) for layer in values})
+        alerts += rule.judge(StepContext(0, step), grads)
         if step in updates:
             rule.observe_updates(updates[step])
     return alerts
@@ -135,7 +138,7 @@ def _replay_grad_collapse(run: RunData) -> list[Alert]:
     for step, norm in run.scalars.get(grad_blocks_tag(), []):
         # the training loss of the measured step, or the last one logged before it (a logger's own cadence)
         at = bisect.bisect_right(steps, step) - 1
-        alerts += rule.update(norm, StepContext(0, step), losses[at][1] if at >= 0 else None)
+        alerts += rule.judge(StepContext(0, step), Measures(grad_norm=norm, loss=losses[at][1] if at >= 0 else None))
         if step in updates:
             rule.observe_updates(updates[step])
     return alerts
@@ -168,7 +171,7 @@ def _replay_attn_band(run: RunData) -> list[Alert]:
     # the training loss at the measured steps tells a collapse from learned sharpness, as in the run
     losses = dict(run.scalars.get(loss_tag("train_step"), []))
     for step, layers in sorted(by_step.items()):
-        alerts += rule.update(layers, StepContext(0, step), loss=losses.get(step))
+        alerts += rule.judge(StepContext(0, step), Measures(attention=layers, loss=losses.get(step)))
     # the replay's own notes on those modules restate the run's: not returned
     return [a for a in alerts if not (a.rule == ATTN_ENTROPY_LOW and a.severity == Severity.INFO)]
 
@@ -186,7 +189,8 @@ def _replay_loss_swing(run: RunData) -> list[Alert]:
     for step, v in _loss_points(run):
         sd = spread.get(step)  # the step losses' spread (a run from before it was logged: pooled from the points)
         variance = sd * sd if sd is not None and math.isfinite(sd) else None
-        alerts += rule.update(v, StepContext(0, step), steps=max(step - previous, 1), variance=variance)
+        window = LossWindow(v, steps=max(step - previous, 1), variance=variance)
+        alerts += rule.judge(StepContext(0, step), Measures(loss_window=window))
         previous = step
     return alerts
 
@@ -198,5 +202,5 @@ def _replay_val_decline(run: RunData) -> list[Alert]:
     alerts: list[Alert] = []
     for step, v in run.scalars.get(loss_tag("val"), []):
         if math.isfinite(v):
-            alerts += rule.update(v, StepContext(0, step))
+            alerts += rule.judge(StepContext(0, step), Measures(validation=Validation(v)))
     return alerts

@@ -1,4 +1,4 @@
-"""Stateful detectors in plain Python: feed values in, get Alerts out. Never imports Lightning.
+"""Stateful detectors in plain Python: judge measurements (:class:`Measures`), get Alerts out. Never imports Lightning.
 
 Lazy (PEP 562): importing ``lightning_diag.core.registry`` (the report does) loads no rule module.
 """
@@ -12,17 +12,30 @@ _LAZY: dict[str, str] = {
     "Latch": "lightning_diag.rules.base",
     "Rule": "lightning_diag.rules.base",
     "StepContext": "lightning_diag.rules.base",
+    "Measure": "lightning_diag.rules.measures",
+    "Measures": "lightning_diag.rules.measures",
     "LossStagnantRule": "lightning_diag.rules.anomaly",
     "LossSwingRule": "lightning_diag.rules.anomaly",
     "ValDeclineRule": "lightning_diag.rules.anomaly",
     "ValFluctuationRule": "lightning_diag.rules.anomaly",
 }
 
-__all__ = ["Latch", "LossStagnantRule", "LossSwingRule", "Rule", "StepContext", "ValDeclineRule", "ValFluctuationRule"]
+__all__ = [
+    "Latch",
+    "LossStagnantRule",
+    "LossSwingRule",
+    "Measure",
+    "Measures",
+    "Rule",
+    "StepContext",
+    "ValDeclineRule",
+    "ValFluctuationRule",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.rules.anomaly import LossStagnantRule, LossSwingRule, ValDeclineRule, ValFluctuationRule
     from lightning_diag.rules.base import Latch, Rule, StepContext
+    from lightning_diag.rules.measures import Measure, Measures
 
 
 def __getattr__(name: str) -> Any:

@@ -55,6 +55,7 @@ from lightning_diag.core.registry import FRACTION, CheckSpec, RuleSpec, default,
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.loss_windows import LossWindows
+from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = [
     "ACTIVATIONS_IN_RANGE_CHECK",
@@ -147,15 +148,17 @@ class ActivationRule(Rule):
     Example:
         >>> rule = ActivationRule(patience=2)
         >>> dead = [ActivationReading("net.0", "ReLU", dead=1.0, zero_grad=1.0)]
-        >>> [a.rule for i in range(3) for a in rule.update(dead, StepContext(0, i))]
+        >>> [a.rule for i in range(3) for a in rule.judge(StepContext(0, i), Measures(activations=dead))]
         ['dead_units']
         >>> hot = [ActivationReading("net.0", "Tanh", saturated=0.91, limit=5.0, first=True)]
         >>> rule = ActivationRule(patience=1)
-        >>> "unscaled inputs" in rule.update(hot, StepContext(0, 5), input_rms=57.0)[0].message
+        >>> "unscaled inputs" in rule.judge(StepContext(0, 5), Measures(activations=hot, input_rms=57.0))[0].message
         True
     """
 
     specs = (DEAD_UNITS_SPEC, ACTIVATION_SATURATION_SPEC)
+    needs = frozenset({Measure.ACTIVATIONS})
+    optional = frozenset({Measure.INPUT_RMS, Measure.LOSS})
     state_keys = ("streaks", "first_seen")
 
     def __init__(
@@ -212,15 +215,10 @@ class ActivationRule(Rule):
         prefix = f"{DEAD_UNITS}:"
         return {k[len(prefix) :] for k in self.latch.active if k.startswith(prefix)}
 
-    def update(
-        self,
-        readings: Sequence[ActivationReading],
-        ctx: StepContext,
-        input_rms: float | None = None,
-        loss: float | None = None,
-    ) -> list[Alert]:
-        """Feed the readings of one measured forward (``input_rms``: RMS of the model's inputs, as the first
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge the readings of one measured forward (``input_rms``: RMS of the model's inputs, as the first
         trainable layer saw them; ``loss``: the step's training loss); return the alerts raised."""
+        readings, input_rms, loss = m.activations or (), m.input_rms, m.loss
         self.losses.add(loss)
         # below `certain`, most units inactive for a batch matter only while the loss does not fall (a healthy
         # net's batch of correlated rows, windows of one series, leaves many units idle while it learns), and

@@ -49,6 +49,7 @@ from typing import Any, Literal
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, FRACTION, POSITIVE, STEPS, CheckSpec, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
+from lightning_diag.rules.measures import Measure, Measures
 from lightning_diag.stats.trend import (
     fluctuation,
     mann_kendall,
@@ -295,15 +296,19 @@ class LossSwingRule(Rule):
         lr_ratio: Largest learning-rate factor between two points that is a schedule (``loss_swing.lr_ratio``).
 
     Example:
+        >>> from lightning_diag.rules.measures import LossWindow
         >>> rule = LossSwingRule()
         >>> points = [1.0, 0.8, 1.0, 0.8, 1.0]  # epochs of 16 steps whose losses spread by 0.05
-        >>> [len(rule.update(v, StepContext(e, 16 * e), steps=16, variance=0.05**2)) for e, v in enumerate(points)]
+        >>> ms = [Measures(loss_window=LossWindow(v, steps=16, variance=0.05**2)) for v in points]
+        >>> [len(rule.judge(StepContext(e, 16 * e), m)) for e, m in enumerate(ms)]
         [0, 0, 0, 0, 1]
         >>> rule = LossSwingRule()  # the same means, but the step losses spread by 0.5: noise
-        >>> [len(rule.update(v, StepContext(e, 16 * e), steps=16, variance=0.5**2)) for e, v in enumerate(points)]
+        >>> ms = [Measures(loss_window=LossWindow(v, steps=16, variance=0.5**2)) for v in points]
+        >>> [len(rule.judge(StepContext(e, 16 * e), m)) for e, m in enumerate(ms)]
         [0, 0, 0, 0, 0]
     """
 
+    needs = frozenset({Measure.LOSS_WINDOW})
     specs = (LOSS_SWING_SPEC,)
     state_keys = ("previous", "previous_rise", "streak", "last_change", "history", "previous_noise", "previous_lr",
                   "recent", "excesses")
@@ -405,24 +410,16 @@ class LossSwingRule(Rule):
             return False
         return max(lr / self.previous_lr, self.previous_lr / lr) > self.lr_ratio
 
-    def update(
-        self,
-        value: float,
-        ctx: StepContext,
-        *,
-        steps: float = 1.0,
-        variance: float | None = None,
-        lr: float | None = None,
-    ) -> list[Alert]:
-        """Feed the next loss point; return the alerts it raises.
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge the next loss point, ``m.loss_window``; return the alerts it raises.
 
-        Args:
-            value: The point (mean step loss of the epoch or window).
-            ctx: Where it closed.
-            steps: The step losses it is the mean of.
-            variance: Their sample variance (``None`` or ``nan``: unknown, or one step: pooled).
-            lr: The point's learning rate (``None`` or ``nan``: unknown, no change is a schedule).
+        Its parts: ``mean``, the point (mean step loss of the epoch or window); ``steps``, the step losses it is
+        the mean of; ``variance``, their sample variance (``None`` or ``nan``: unknown, or one step: pooled);
+        ``lr``, the point's learning rate (``None`` or ``nan``: unknown, no change is a schedule). ``ctx`` is where
+        it closed.
         """
+        assert m.loss_window is not None  # checked against `needs`
+        value, steps, variance, lr = m.loss_window.mean, m.loss_window.steps, m.loss_window.variance, m.loss_window.lr
         if not math.isfinite(value):
             return []  # non-finite losses are AnomalyAlarm's nonfinite_loss, not a trend
         count = max(float(steps), 1.0) if math.isfinite(steps) else 1.0
@@ -500,11 +497,14 @@ class ValDeclineRule(Rule):
         min_delta: Change that counts as worse.
 
     Example:
+        >>> from lightning_diag.rules.measures import Validation
         >>> rule = ValDeclineRule(patience=2)
-        >>> [len(rule.update(v, StepContext(i, 10 * i))) for i, v in enumerate([1.0, 1.1, 1.2, 1.3])]
+        >>> ms = [Measures(validation=Validation(v)) for v in (1.0, 1.1, 1.2, 1.3)]
+        >>> [len(rule.judge(StepContext(i, 10 * i), m)) for i, m in enumerate(ms)]
         [0, 0, 1, 0]
     """
 
+    needs = frozenset({Measure.VALIDATION})
     specs = (VAL_DECLINE_SPEC,)
     state_keys = ("previous", "streak", "history", "streak_start", "train_start", "start", "previous_se")
 
@@ -567,16 +567,16 @@ class ValDeclineRule(Rule):
         noise = math.sqrt(float(self.start[1]) ** 2 + se * se)
         return worse / noise if noise > 0 else (math.inf if worse > 0 else 0.0)
 
-    def update(
-        self, value: float, ctx: StepContext, train: float | None = None, se: float | None = None
-    ) -> list[Alert]:
-        """Feed the next validation value (and the mean training loss since the previous run, when known);
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge the next validation value (and the mean training loss since the previous run, when known);
         return the alerts it raises.
 
         With ``train`` given, a streak over which the training loss rose too is a schedule (a KL weight warming
         up raises both), not overfitting: the rule stays quiet while the training loss is above its value at the
         run the streak worsens from. ``se`` is the value's standard error (``None``: unknown).
         """
+        assert m.validation is not None  # checked against `needs`
+        value, train, se = m.validation.value, m.validation.train, m.validation.se
         if not math.isfinite(value):
             return []
         se = float(se) if se is not None and math.isfinite(se) and se >= 0 else None
@@ -669,15 +669,18 @@ class ValFluctuationRule(Rule):
     is the set's noise, not a model that fluctuates.
 
     Example:
+        >>> from lightning_diag.rules.measures import Validation
         >>> rule = ValFluctuationRule()
         >>> train = [1.29, 0.52, 0.19, 0.10, 0.079, 0.041]  # a converged fine-tune (corpus BERT at lr 2e-3)
         >>> val = [0.964, 0.237, 0.097, 0.167, 0.024, 0.025]
-        >>> [len(rule.update(t, v, StepContext(i, 10 * i))) for i, (t, v) in enumerate(zip(train, val))]
+        >>> ms = [Measures(validation=Validation(v, train=t)) for t, v in zip(train, val)]
+        >>> [len(rule.judge(StepContext(i, 10 * i), m)) for i, m in enumerate(ms)]
         [0, 0, 0, 0, 0, 0]
         >>> round(rule.last_rise, 3)
         0.073
     """
 
+    needs = frozenset({Measure.VALIDATION})
     specs = (VAL_FLUCTUATION_SPEC,)
     state_keys = ("train", "val", "last_ratio", "scale", "steps", "ses")
 
@@ -759,9 +762,13 @@ class ValFluctuationRule(Rule):
         finite = [f for f in (fluctuation(before), fluctuation(after)) if math.isfinite(f)]
         return max(finite) if finite else math.nan, fluctuation(self.val[-1 - count : -1])
 
-    def update(self, train_loss: float, val_loss: float, ctx: StepContext, se: float | None = None) -> list[Alert]:
-        """Feed the mean training loss since the last validation run and the validation value (with its standard
-        error ``se`` when known: the spread of its batches' values)."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge the mean training loss since the last validation run and the validation value (with its standard
+        error when known: ``noise_se``, else ``se``, the spread of its batches' values)."""
+        assert m.validation is not None  # checked against `needs`
+        v = m.validation
+        train_loss = math.nan if v.train is None else v.train
+        val_loss, se = v.value, v.se if v.noise_se is None else v.noise_se
         if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
             return []
         if self.scale is None:
@@ -850,13 +857,15 @@ class LossStagnantRule(Rule):
             the training trend (Theil-Sen size over the points) and the validation improvement alike.
 
     Example:
+        >>> from lightning_diag.rules.measures import LossWindow
         >>> rule = LossStagnantRule(patience=2)
         >>> rule.set_baseline(1.39)
         >>> losses = [1.38, 1.39, 1.37, 1.38, 1.37, 0.9]
-        >>> [len(rule.update(v, StepContext(e, 20 * e))) for e, v in enumerate(losses)]
+        >>> [len(rule.judge(StepContext(e, 20 * e), Measures(loss_window=LossWindow(v)))) for e, v in enumerate(losses)]
         [0, 0, 0, 0, 1, 0]
     """
 
+    needs = frozenset({Measure.LOSS_WINDOW})
     specs = (LOSS_STAGNANT_SPEC,)
     state_keys = ("baseline", "points", "best", "history", "settled", "validation")
 
@@ -929,8 +938,10 @@ class LossStagnantRule(Rule):
         """The validation values noted so far (:meth:`observe_validation`)."""
         return int(self.validation[2]) if len(self.validation) > 2 else len(self.validation)
 
-    def update(self, value: float, ctx: StepContext) -> list[Alert]:
-        """Feed the next loss point; return the alerts it raises."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge the next loss point (the window's mean); return the alerts it raises."""
+        assert m.loss_window is not None  # checked against `needs`
+        value = m.loss_window.mean
         if not math.isfinite(value):
             return []
         self.points += 1

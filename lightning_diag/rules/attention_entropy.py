@@ -24,11 +24,11 @@ from lightning_diag.rules.attention_specs import (
     DEFAULT_SINK_THRESHOLD,
     ENTROPY_HIGH_UNIFORM_FRACTION_KEY,
     ENTROPY_HIGH_WARMUP_STEPS_KEY,
-    LayerStats,
     first_mass,
     per_head,
 )
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
+from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = [
     "ABRUPT_FALL",
@@ -71,16 +71,19 @@ class AttentionEntropyRule(Rule):
     """``attn_entropy_low`` and ``attn_entropy_high``, per head.
 
     Example:
+        >>> from lightning_diag.rules.attention_specs import LayerStats
         >>> rule = AttentionEntropyRule(patience=2, warmup_steps=0)
         >>> spread = {"attn": LayerStats([1.8, 1.5], [2.7, 2.7], [0.0, 0.0], [0.1, 0.1])}
         >>> collapsed = {"attn": LayerStats([0.1, 1.5], [2.7, 2.7], [0.0, 0.0], [0.1, 0.1])}
         >>> feed = [(spread, 2.0), (collapsed, 2.5), (collapsed, 2.6), (collapsed, 2.6)]
-        >>> [[(a.source, a.severity.value) for a in rule.update(x, StepContext(0, s), loss=loss)]
+        >>> [[(a.source, a.severity.value) for a in rule.judge(StepContext(0, s), Measures(attention=x, loss=loss))]
         ...  for s, (x, loss) in enumerate(feed)]
         [[], [], [('attn/head_0', 'warning')], []]
     """
 
     specs = (ATTN_ENTROPY_LOW_SPEC, ATTN_ENTROPY_HIGH_SPEC)
+    needs = frozenset({Measure.ATTENTION})
+    optional = frozenset({Measure.LOSS})
     state_keys = ("streaks", "heads", "losses")
 
     def __init__(
@@ -117,14 +120,15 @@ class AttentionEntropyRule(Rule):
             ATTN_SINK_SPEC.value(thresholds),
         )
 
-    def update(self, layers: Mapping[str, LayerStats], ctx: StepContext, loss: float | None = None) -> list[Alert]:
-        """Feed one measurement of every module's heads (and the training loss of the measured batch, when
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one measurement of every module's heads (and the training loss of the measured batch, when
         known); return the alerts raised.
 
         Latching and streaks are per (rule, module, head); the heads newly tripping one rule at this measurement
         make one alert naming them (count and the worst few), whose ``source`` is the worst head. Low heads are
         split into collapses (warnings) and learned sharp heads (``info``), see the module's docstring.
         """
+        layers, loss = m.attention or {}, m.loss
         known = loss is not None and math.isfinite(loss)
         if known:
             self.losses = [*self.losses, float(loss)][-LOSS_POINTS:]  # type: ignore[arg-type]

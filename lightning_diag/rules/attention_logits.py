@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, CheckSpec, Limit, RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext
+from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = [
     "ATTN_LOGITS_CHECK",
@@ -81,16 +82,19 @@ class AttentionLogitRule(Rule):
 
     Example:
         >>> rule = AttentionLogitRule(threshold=50.0)
-        >>> [rule.update({"attn": p}, StepContext(0, s)) for s, p in enumerate((2.0, 40.0))]
+        >>> def peaks(p):
+        ...     return Measures(attention_logit_peaks={"attn": p})
+        >>> [rule.judge(StepContext(0, s), peaks(p)) for s, p in enumerate((2.0, 40.0))]
         [[], []]
-        >>> [(a.rule, a.source) for a in rule.update({"attn": 110.0}, StepContext(0, 2))]
+        >>> [(a.rule, a.source) for a in rule.judge(StepContext(0, 2), peaks(110.0))]
         [('attn_logit_growth', 'attn')]
         >>> stable = AttentionLogitRule(threshold=50.0)
-        >>> [stable.update({"attn": p}, StepContext(0, s)) for s, p in enumerate((80.0, 95.0, 79.0, 100.5))]
+        >>> [stable.judge(StepContext(0, s), peaks(p)) for s, p in enumerate((80.0, 95.0, 79.0, 100.5))]
         [[], [], [], []]
     """
 
     specs = (ATTN_LOGIT_GROWTH_SPEC,)
+    needs = frozenset({Measure.ATTENTION_LOGIT_PEAKS})
     state_keys = ("history", "first")
 
     def __init__(
@@ -123,8 +127,9 @@ class AttentionLogitRule(Rule):
             int(spec.value(thresholds, "window")),
         )
 
-    def update(self, peaks: Mapping[str, float], ctx: StepContext) -> list[Alert]:
-        """Feed one measurement: ``{module: its peak attention logit}`` (``nan``: not measured)."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one measurement: ``{module: its peak attention logit}`` (``nan``: not measured)."""
+        peaks = m.attention_logit_peaks or {}
         tripped: list[tuple[str, float, float, float]] = []
         for module, peak in peaks.items():
             if not math.isfinite(peak):

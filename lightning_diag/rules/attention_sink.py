@@ -12,10 +12,10 @@ from lightning_diag.rules.attention_specs import (
     ATTN_SINK_SPEC,
     DEFAULT_ATTN_PATIENCE,
     DEFAULT_SINK_THRESHOLD,
-    LayerStats,
     first_mass,
 )
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
+from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = ["SINK_HOLD_MARGIN", "AttentionSinkRule"]
 
@@ -28,13 +28,15 @@ class AttentionSinkRule(Rule):
     """``attn_sink``: every head of a layer puts most of its mass on the special tokens.
 
     Example:
+        >>> from lightning_diag.rules.attention_specs import LayerStats
         >>> rule = AttentionSinkRule(patience=1)
         >>> sink = {"attn": LayerStats([0.2, 0.3], [2.7, 2.7], [0.9, 0.8], [0.13, 0.13])}
-        >>> [a.rule for a in rule.update(sink, StepContext(0, 5))]
+        >>> [a.rule for a in rule.judge(StepContext(0, 5), Measures(attention=sink))]
         ['attn_sink']
     """
 
     specs = (ATTN_SINK_SPEC,)
+    needs = frozenset({Measure.ATTENTION})
     state_keys = ("streaks",)
 
     def __init__(self, sink_mass: float = DEFAULT_SINK_THRESHOLD, patience: int = DEFAULT_ATTN_PATIENCE) -> None:
@@ -49,13 +51,14 @@ class AttentionSinkRule(Rule):
         """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
         return cls(ATTN_SINK_SPEC.value(thresholds), int(ATTN_PATIENCE_SETTING.value(thresholds)))
 
-    def update(self, layers: Mapping[str, LayerStats], ctx: StepContext) -> list[Alert]:
-        """Feed one measurement of every module's heads; return the alerts raised.
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one measurement of every module's heads; return the alerts raised.
 
         Latching and streaks are per module; the modules newly sinking at this measurement make one alert naming
         them (one for causal layers of attention-sink heads, ``info``; one for the others), whose ``source`` is
         the module whose heads sink most (largest least-mass).
         """
+        layers = m.attention or {}
         causal: dict[str, float] = {}
         sunk_modules: dict[str, float] = {}
         first_least: dict[str, float] = {}

@@ -3,13 +3,18 @@ from settings (:meth:`Rule.from_settings`) that the callbacks and the report's r
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import functools
 import math
-from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = ["OVERWHELMING", "WORSEN_FACTOR", "Latch", "Rule", "StepContext", "excess", "list_names", "name_layers"]
 
@@ -138,23 +143,64 @@ class Latch:
         self._active = {str(k): [math.nan if v[0] is None else float(v[0]), float(v[1])] for k, v in state.items()}
 
 
-class Rule:
+#: The judgment signature every rule shares.
+_Judge = Callable[["Rule", StepContext, "Measures"], list[Alert]]
+
+
+def _checked(judge: _Judge) -> _Judge:
+    """``judge`` preceded by the check that the measures hold every measurement the rule needs."""
+
+    @functools.wraps(judge)
+    def checked(self: Rule, ctx: StepContext, m: Measures) -> list[Alert]:
+        missing = m.missing(self.needs)
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__}.judge: the measures lack {missing}; it needs "
+                f"{sorted(n.value for n in self.needs)}"
+            )
+        if not self.needs and len(m.missing(self.optional)) == len(self.optional):
+            raise ValueError(
+                f"{type(self).__name__}.judge: the measures hold none of {sorted(n.value for n in self.optional)}"
+            )
+        return judge(self, ctx, m)
+
+    return checked
+
+
+class Rule(abc.ABC):
     """Base class of the stateful detectors.
 
     Subclasses set :attr:`specs` (the declarations of the rule ids they raise, the first being
-    :attr:`rule_id`), :attr:`severity` and :attr:`state_keys`, and implement :meth:`from_settings`; their state is
-    the attributes named by ``state_keys`` plus the latch. :meth:`load_state_dict` names any key that is missing.
+    :attr:`rule_id`), :attr:`severity` and :attr:`state_keys`, name the measurements they read in :attr:`needs`
+    and :attr:`optional`, and implement :meth:`from_settings` and :meth:`judge`; their state is the attributes
+    named by ``state_keys`` plus the latch. :meth:`load_state_dict` names any key that is missing.
     """
 
     specs: ClassVar[tuple[RuleSpec, ...]] = ()
     rule_id: ClassVar[str]
     severity: ClassVar[Severity] = Severity.WARNING
     state_keys: ClassVar[tuple[str, ...]] = ()
+    #: The measurements (:class:`~lightning_diag.rules.measures.Measure`) :meth:`judge` cannot do without.
+    needs: ClassVar[frozenset[Measure]] = frozenset()
+    #: The measurements :meth:`judge` also reads where they were measured.
+    optional: ClassVar[frozenset[Measure]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.specs and "rule_id" not in cls.__dict__:
             cls.rule_id = cls.specs[0].rule_id
+        own = cls.__dict__.get("judge")
+        if own is not None and not getattr(own, "__isabstractmethod__", False):
+            cls.judge = _checked(own)  # type: ignore[method-assign,assignment]
+
+    @abc.abstractmethod
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge the measurements ``m`` taken at ``ctx``; return the alerts raised. Every rule has this signature.
+
+        Raises:
+            ValueError: If ``m`` lacks a measurement the rule :attr:`needs`, or, for a rule that needs none, holds
+                none of its :attr:`optional` ones (a caller's programming error).
+        """
 
     @classmethod
     def from_settings(cls: type[RuleT], thresholds: Mapping[str, float | None]) -> RuleT:
@@ -182,6 +228,7 @@ class Rule:
         Example:
             >>> class _R(Rule):
             ...     rule_id = "demo"
+            ...     def judge(self, ctx, m): return []
             >>> r = _R()
             >>> r.observe(4.0, 10.0); r.observe(0.5, 0.25, above=False); r.observe(float("nan"), 1.0)
             >>> r.peaks
@@ -207,6 +254,7 @@ class Rule:
         Example:
             >>> class _R(Rule):
             ...     rule_id = "demo"
+            ...     def judge(self, ctx, m): return []
             >>> r = _R()
             >>> for x in (2.0, 0.5, 3.0, 4.0):
             ...     r.observe_held("fc", x, 2)

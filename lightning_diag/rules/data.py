@@ -45,6 +45,7 @@ from lightning_diag.core.registry import (
     register_setting,
 )
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.measures import BatchSizes, LoaderStreams, Measure, Measures
 
 __all__ = [
     "BATCH_SIZE_MISMATCH",
@@ -203,22 +204,34 @@ class LoaderRules(Rule):
 
     Example:
         >>> rules = LoaderRules()
-        >>> alerts = rules.batch_sizes({"input_ids": 1, "pixel_values": 16, "labels": 16}, "train", StepContext(0, 0))
-        >>> [(a.rule, a.source) for a in alerts]
+        >>> sizes = BatchSizes({"input_ids": 1, "pixel_values": 16, "labels": 16}, "train")
+        >>> [(a.rule, a.source) for a in rules.judge(StepContext(0, 0), Measures(batch_sizes=sizes))]
         [('batch_size_mismatch', 'train')]
-        >>> rules.batch_sizes({"input_ids": 1, "labels": 16}, "train", StepContext(0, 1))  # latched
+        >>> rules.judge(StepContext(0, 1), Measures(batch_sizes=BatchSizes({"input_ids": 1, "labels": 16}, "train")))
         []
     """
 
     specs = (BATCH_SIZE_MISMATCH_SPEC, WORKER_RNG_SHARED_SPEC)
+    optional = frozenset({Measure.BATCH_SIZES, Measure.LOADER_STREAMS})
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> LoaderRules:
         """The rules (they have no threshold; see :meth:`Rule.from_settings`)."""
         return cls()
 
-    def batch_sizes(self, sizes: Mapping[str, int], split: str, ctx: StepContext, where: str = "") -> list[Alert]:
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge what was measured of the loaders: one batch's leading dimensions (``m.batch_sizes``), the training
+        loader's random streams (``m.loader_streams``), or both."""
+        alerts: list[Alert] = []
+        if m.batch_sizes is not None:
+            alerts += self._batch_sizes(m.batch_sizes, ctx)
+        if m.loader_streams is not None:
+            alerts += self._shared_stream(m.loader_streams, ctx)
+        return alerts
+
+    def _batch_sizes(self, batch: BatchSizes, ctx: StepContext) -> list[Alert]:
         """Judge one batch's leading dimensions (``{key: rows}`` of its tensors); ``where`` says which batch."""
+        sizes, split, where = batch.sizes, batch.split, batch.where
         counts: dict[int, list[str]] = {}
         for key, rows in sizes.items():
             counts.setdefault(int(rows), []).append(key)
@@ -243,11 +256,10 @@ class LoaderRules(Rule):
             )
         ]
 
-    def shared_stream(
-        self, paths: Sequence[str], num_workers: int, worker_init: str, ctx: StepContext
-    ) -> list[Alert]:
+    def _shared_stream(self, streams: LoaderStreams, ctx: StepContext) -> list[Alert]:
         """Judge the training loader: ``paths`` of the dataset's own generators that reading a sample drew from,
         its ``num_workers``, and its ``worker_init_fn`` (``""``: none; else a description)."""
+        paths, num_workers, worker_init = streams.paths, streams.num_workers, streams.worker_init
         if not paths or num_workers <= 0 or not self.latch.update(f"{WORKER_RNG_SHARED}:train", True):
             return []
         init = f"its worker_init_fn ({worker_init}) reseeds only the global generators" if worker_init else (
@@ -280,14 +292,15 @@ class DataRules(Rule):
     Example:
         >>> rules = DataRules()
         >>> m = DataMeasurement(vocab_kl=0.5, label_std={"train": 0.02})
-        >>> [a.rule for a in rules.update(m, StepContext(0, 0))]
+        >>> [a.rule for a in rules.judge(StepContext(0, 0), Measures(data=m))]
         ['data_vocab_shift']
-        >>> rules.update(m, StepContext(1, 10))  # latched: a second measurement repeats nothing
+        >>> rules.judge(StepContext(1, 10), Measures(data=m))  # latched: a second measurement repeats nothing
         []
     """
 
     specs = (DATA_VOCAB_SHIFT_SPEC, DATA_LEAKAGE_SPEC, LABEL_IMBALANCE_SPEC, DATA_NONFINITE_SPEC)
     state_keys = ("measurements",)
+    needs = frozenset({Measure.DATA})
 
     def __init__(
         self,
@@ -309,8 +322,12 @@ class DataRules(Rule):
             LABEL_IMBALANCE_SPEC.value(thresholds),
         )
 
-    def update(self, m: DataMeasurement, ctx: StepContext) -> list[Alert]:
-        """Judge one measurement; return the alerts that just became active."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one measurement, ``m.data``; return the alerts that just became active."""
+        assert m.data is not None  # checked against `needs`
+        return self._judge(m.data, ctx)
+
+    def _judge(self, m: DataMeasurement, ctx: StepContext) -> list[Alert]:
         self.measurements += 1
         alerts: list[Alert] = []
         alerts += self._vocab(m, ctx)

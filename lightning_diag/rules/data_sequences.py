@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = [
     "DEFAULT_LENGTH_RATIO",
@@ -97,12 +98,13 @@ class SequenceRules(Rule):
     Example:
         >>> rules = SequenceRules()
         >>> m = SequenceMeasurement(label_positions=100, padded_labels=20, extent={"train": 24, "val": 40})
-        >>> sorted((a.rule, a.source) for a in rules.update(m, StepContext(0, 0)))
+        >>> sorted((a.rule, a.source) for a in rules.judge(StepContext(0, 0), Measures(sequences=m)))
         [('loss_on_padding', 'train'), ('position_overflow', 'val')]
     """
 
     specs = (LOSS_ON_PADDING_SPEC, POSITION_OVERFLOW_SPEC)
     state_keys = ("train_extent",)
+    needs = frozenset({Measure.SEQUENCES})
 
     def __init__(
         self, padding_labels: float = DEFAULT_PADDING_LABELS, length_ratio: float = DEFAULT_LENGTH_RATIO
@@ -117,8 +119,12 @@ class SequenceRules(Rule):
         """The rules with the thresholds in effect (see :meth:`Rule.from_settings`)."""
         return cls(LOSS_ON_PADDING_SPEC.value(thresholds), POSITION_OVERFLOW_SPEC.value(thresholds))
 
-    def update(self, m: SequenceMeasurement, ctx: StepContext) -> list[Alert]:
-        """Judge one measurement; return the alerts that just became active."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one measurement, ``m.sequences``; return the alerts that just became active."""
+        assert m.sequences is not None  # checked against `needs`
+        return self._judge(m.sequences, ctx)
+
+    def _judge(self, m: SequenceMeasurement, ctx: StepContext) -> list[Alert]:
         alerts = self._padding(m, ctx)
         earlier = self.train_extent
         train = int(m.extent.get("train", 0))

@@ -10,6 +10,7 @@ from typing import Protocol, TypeVar
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import CheckSpec, Limit, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.measures import Measure, Measures
 from lightning_diag.stats.slice_groups import CONJUNCTION as _CONJUNCTION
 
 __all__ = [
@@ -104,18 +105,21 @@ class ErrorClusterRule(Rule):
     fires.
 
     Example:
+        >>> from lightning_diag.rules.measures import ErrorGroups
         >>> from types import SimpleNamespace as G
         >>> hard = G(features=("7", "7 9"), size=140, share=0.14, error_rate=0.51, rest_error_rate=0.04,
         ...          lift=4.9, p_adjusted=1e-30, majority_label=1, majority_prediction=0, slices=2)
         >>> rule = ErrorClusterRule()
-        >>> [a.rule for a in rule.update([hard], overall_rate=0.105, ctx=StepContext(0, 10))]
+        >>> m = Measures(error_groups=ErrorGroups([hard], overall_rate=0.105))
+        >>> [a.rule for a in rule.judge(StepContext(0, 10), m)]
         ['error_cluster']
-        >>> rule.update([hard], overall_rate=0.105, ctx=StepContext(1, 20))  # the same condition: latched
+        >>> rule.judge(StepContext(1, 20), m)  # the same condition: latched
         []
     """
 
     specs = (ERROR_CLUSTER_SPEC,)
     state_keys = ()
+    needs = frozenset({Measure.ERROR_GROUPS})
 
     def __init__(
         self, ratio: float = DEFAULT_ERROR_RATIO, min_share: float = DEFAULT_MIN_SHARE, alpha: float = ALPHA
@@ -152,16 +156,12 @@ class ErrorClusterRule(Rule):
         """The groups that trip the rule, most significant first (then highest lift)."""
         return sorted((g for g in groups if self.qualifies(g, analysis)), key=lambda g: (g.p_adjusted, -g.lift))
 
-    def update(
-        self,
-        groups: Sequence[Group],
-        overall_rate: float,
-        ctx: StepContext,
-        decode: Callable[[str], str] | None = None,
-        analysis: int = 1,
-    ) -> list[Alert]:
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge the candidate groups of the ``analysis``-th analysed validation (those that qualify alert);
         ``decode`` turns a token feature (``"12 57"``) into text."""
+        assert m.error_groups is not None  # checked against `needs`
+        groups, overall_rate = m.error_groups.groups, m.error_groups.overall_rate
+        decode, analysis = m.error_groups.decode, m.error_groups.analysis
         hits = self.qualifying(groups, analysis)
         # the margin: the largest lift of a group large and significant enough to count (0: none is)
         level = self.level(analysis)

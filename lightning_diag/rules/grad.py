@@ -7,14 +7,14 @@ faults rather than architecture (the measurements behind each choice are in ``do
 * ``grad_explode``: a layer's **RMS gradient per element** (``||g|| / sqrt(numel)``) above ``explode_threshold``
   on one measurement. Raw L2 norms grow with the number of positions a layer is summed over (a ViT patch
   embedding reaches 21, BERT's token-type embedding 12, in healthy runs); per element they stay below 1.1.
-  Between two measurements, under plain SGD (a parameter group with ``momentum``, ``dampening`` and
-  ``nesterov``: ``torch.optim.SGD``, no weight decay), the weights' norms bound the gradient the steps in between
-  applied (:meth:`GradBandRule.observe_weights`): a layer's weights moved by at least ``| ||W_b|| - ||W_a|| |`` over
-  ``k`` steps of at most ``lr / (1 - momentum)`` times a gradient each, so some gradient since the fit began had an
-  RMS per element of at least ``| ||W_b|| - ||W_a|| | (1 - momentum) / (lr k sqrt(numel))``. That lower bound
-  above ``explode_threshold`` is an explosion the measurements fell between (the fault library's ``explode`` with
-  seed 1: RMS 46 and 20550 at steps 2 and 3, every unit of the head dead by the measurement at step 4). Weights
-  changed outside the optimizer between two readings (pruning, a reload) count as a move.
+  Between two measurements, under plain SGD (a parameter group with ``momentum``, ``dampening`` and ``nesterov``:
+  ``torch.optim.SGD``, no weight decay), the weights' norms bound the gradient the steps in between applied (the
+  measure ``weight_norms``, judged by :meth:`GradBandRule.judge`): a layer's weights moved by at least ``| ||W_b|| -
+  ||W_a|| |`` over ``k`` steps of at most ``lr / (1 - momentum)`` times a gradient each, so some gradient since the
+  fit began had an RMS per element of at least ``| ||W_b|| - ||W_a|| | (1 - momentum) / (lr k sqrt(numel))``. That
+  lower bound above ``explode_threshold`` is an explosion the measurements fell between (the fault library's
+  ``explode`` with seed 1: RMS 46 and 20550 at steps 2 and 3, every unit of the head dead by the measurement at step
+  4). Weights changed outside the optimizer between two readings (pruning, a reload) count as a move.
 * ``grad_vanish``: a **weight matrix's relative gradient** ``||g_W|| / ||W||`` below ``vanish_threshold`` *and*
   more than ``relative`` times below the largest relative gradient of the blocks' matrices (the best-fed block),
   on ``patience`` consecutive measurements after ``warmup_steps``, while that block itself is above
@@ -74,6 +74,7 @@ from lightning_diag.core.registry import (
 )
 from lightning_diag.rules.base import OVERWHELMING, Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
+from lightning_diag.rules.measures import Measure, Measures, WeightNorms
 
 __all__ = [
     "DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS",
@@ -294,11 +295,15 @@ class GradBandRule(Rule):
 
     Example:
         >>> rule = GradBandRule(patience=2, warmup_steps=0)
-        >>> [len(rule.update({"fc": r}, StepContext(0, i))) for i, r in enumerate([1.0, 50.0, 60.0, 70.0])]
+        >>> ms = [Measures(grad_rms={"fc": r}) for r in (1.0, 50.0, 60.0, 70.0)]
+        >>> [len(rule.judge(StepContext(0, i), m)) for i, m in enumerate(ms)]
         [0, 1, 0, 0]
     """
 
     specs = (GRAD_VANISH_SPEC, GRAD_EXPLODE_SPEC)
+    optional = frozenset(
+        {Measure.GRAD_RMS, Measure.GRAD_RELATIVE, Measure.BLOCKS, Measure.LAYER_ROLES, Measure.WEIGHT_NORMS}
+    )
     state_keys = ("streaks", "updates", "unreached", "weights")
 
     def __init__(
@@ -326,7 +331,7 @@ class GradBandRule(Rule):
         #: Layers whose units are dead at the current measurement (:meth:`observe_dead`): ``grad_vanish`` defers to
         #: ``dead_units`` while any is (dead units pass no gradient; a different repair).
         self.dead: list[str] = []
-        #: ``{layer: [||W||, step]}`` at the last measurement whose weights were read (:meth:`observe_weights`).
+        #: ``{layer: [||W||, step]}`` at the last measurement whose weights were read (``weight_norms``).
         self.weights: dict[str, list[float]] = {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -334,25 +339,22 @@ class GradBandRule(Rule):
         one from before the unreached-layer check starts it at the next measurement."""
         super().load_state_dict({"updates": {}, "unreached": None, "weights": {}, **state})
 
-    def observe_weights(
-        self,
-        norms: Mapping[str, float],
-        sizes: Mapping[str, int],
-        ctx: StepContext,
-        sgd: tuple[float, float] | None,
-    ) -> list[Alert]:
-        """Feed each layer's weight norm before the optimizer step of a measurement (``sizes``: its elements;
+    def _weights(self, ctx: StepContext, w: WeightNorms) -> list[Alert]:
+        """Judge each layer's weight norm before the optimizer step of a measurement (``sizes``: its elements;
         ``sgd``: :func:`sgd_step_scale` of its optimizer, ``None``: not plain SGD); return a ``grad_explode`` alert
         when the weights moved since the last reading by more than a gradient of RMS ``explode_threshold`` could
         have moved them (see the module's docstring): an explosion between two measurements.
 
         Example:
+            >>> from lightning_diag.rules.measures import WeightNorms
             >>> rule = GradBandRule()
-            >>> rule.observe_weights({"fc": 8.0}, {"fc": 64}, StepContext(0, 0), (6.0, 0.0))
+            >>> rule.judge(StepContext(0, 0), Measures(weight_norms=WeightNorms({"fc": 8.0}, {"fc": 64}, (6.0, 0.0))))
             []
-            >>> [a.rule for a in rule.observe_weights({"fc": 9e5}, {"fc": 64}, StepContext(0, 4), (6.0, 0.0))]
+            >>> moved = Measures(weight_norms=WeightNorms({"fc": 9e5}, {"fc": 64}, (6.0, 0.0)))
+            >>> [a.rule for a in rule.judge(StepContext(0, 4), moved)]
             ['grad_explode']
         """
+        norms, sizes, sgd = w.norms, w.sizes, w.sgd
         bounds: dict[str, float] = {}
         for layer, norm in norms.items():
             last, size = self.weights.get(layer), sizes.get(layer, 0)
@@ -474,25 +476,28 @@ class GradBandRule(Rule):
             int(GRAD_WARMUP_SETTING.value(thresholds)),
         )
 
-    def update(
-        self,
-        rms: Mapping[str, float],
-        ctx: StepContext,
-        relative: Mapping[str, float] | None = None,
-        blocks: Collection[str] | None = None,
-        roles: Mapping[str, str] | None = None,
-    ) -> list[Alert]:
-        """Feed one measurement; return the alerts raised.
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one measurement of the gradients (``m.grad_rms`` and what comes with it, below) or of the weights
+        before a measured step (``m.weight_norms``: an explosion between two measurements, see :meth:`_weights`);
+        return the alerts raised."""
+        alerts = [] if m.weight_norms is None else self._weights(ctx, m.weight_norms)
+        if m.grad_rms is not None:
+            alerts += self._gradients(ctx, m)
+        return alerts
+
+    def _gradients(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one measurement of the gradients; return the alerts raised.
 
         Args:
-            rms: ``{layer: RMS gradient per element}`` of every measured layer (``grad_explode``).
             ctx: Where the measurement was taken.
-            relative: ``{layer: ||g_W|| / ||W||}`` of the comparable weight matrices (``grad_vanish``); ``None``
-                or empty: no vanishing check.
-            blocks: The matrices of the repeated blocks, whose largest relative gradient is the reference a
-                starved matrix is compared with (``None``: every matrix of ``relative``).
-            roles: ``{matrix: role}`` (:func:`role_of`) for the depth test (:meth:`depth_decay`); ``None``: none.
+            m: ``grad_rms``: ``{layer: RMS gradient per element}`` of every measured layer (``grad_explode``);
+                ``grad_relative``: ``{layer: ||g_W|| / ||W||}`` of the comparable weight matrices
+                (``grad_vanish``; ``None`` or empty: no vanishing check); ``blocks``: the matrices of the repeated
+                blocks, whose largest relative gradient is the reference a starved matrix is compared with
+                (``None``: every matrix of ``grad_relative``); ``layer_roles``: ``{matrix: role}``
+                (:func:`role_of`) for the depth test (:meth:`depth_decay`; ``None``: none).
         """
+        rms, relative, blocks, roles = m.grad_rms or {}, m.grad_relative, m.blocks, m.layer_roles
         exploding = {k: v for k, v in rms.items() if math.isfinite(v) and v > self.explode_threshold}
         self.observe(max(rms.values(), default=math.nan), self.explode_threshold, rule=GRAD_EXPLODE)
         starved: dict[str, float] = {}
@@ -629,11 +634,14 @@ class GradSpreadRule(Rule):
     Example:
         >>> rule = GradSpreadRule(patience=1, warmup_steps=0)
         >>> roles = {"h.0.fc": "h.*.fc", "h.1.fc": "h.*.fc", "head": "head"}
-        >>> [a.source for a in rule.update({"h.0.fc": 1e-4, "h.1.fc": 0.1, "head": 1.0}, StepContext(0, 0), roles)]
+        >>> m = Measures(grad_relative={"h.0.fc": 1e-4, "h.1.fc": 0.1, "head": 1.0}, layer_roles=roles)
+        >>> [a.source for a in rule.judge(StepContext(0, 0), m)]
         ['h.*.fc']
     """
 
     specs = (GRAD_LAYER_SPREAD_SPEC,)
+    needs = frozenset({Measure.GRAD_RELATIVE})
+    optional = frozenset({Measure.LAYER_ROLES})
     state_keys = ("streak", "updates")
 
     def __init__(
@@ -678,11 +686,10 @@ class GradSpreadRule(Rule):
             int(GRAD_WARMUP_SETTING.value(thresholds)),
         )
 
-    def update(
-        self, values: Mapping[str, float], ctx: StepContext, roles: Mapping[str, str] | None = None
-    ) -> list[Alert]:
-        """Feed one measurement of the comparable layers' relative gradients and their roles (``None``: one
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one measurement of the comparable layers' relative gradients and their roles (``None``: one
         role for all); return the alerts raised."""
+        values, roles = m.grad_relative or {}, m.layer_roles
         early = ctx.global_step < self.warmup_steps
         groups: dict[str, dict[str, float]] = {}
         for layer, v in values.items():
@@ -731,16 +738,18 @@ class GradCollapseRule(Rule):
 
     Example:
         >>> rule = GradCollapseRule(patience=1, baseline_measurements=2)
-        >>> [len(rule.update(n, StepContext(0, i))) for i, n in enumerate([1.0, 1.2, 0.5, 0.001])]
+        >>> [len(rule.judge(StepContext(0, i), Measures(grad_norm=n))) for i, n in enumerate([1.0, 1.2, 0.5, 0.001])]
         [0, 0, 0, 1]
         >>> rule = GradCollapseRule(patience=1, baseline_measurements=1)
-        >>> rule.update(1.0, StepContext(0, 0), loss=2.0)
+        >>> rule.judge(StepContext(0, 0), Measures(grad_norm=1.0, loss=2.0))
         []
-        >>> [a.severity.value for a in rule.update(1e-3, StepContext(0, 1), loss=0.05)]
+        >>> [a.severity.value for a in rule.judge(StepContext(0, 1), Measures(grad_norm=1e-3, loss=0.05))]
         ['info']
     """
 
     specs = (GRAD_COLLAPSE_SPEC,)
+    needs = frozenset({Measure.GRAD_NORM})
+    optional = frozenset({Measure.LOSS})
     state_keys = (
         "early", "baseline", "streak", "early_losses", "initial_loss", "recent_losses", "early_updates",
         "update_baseline", "update_level",
@@ -814,8 +823,10 @@ class GradCollapseRule(Rule):
             return "dead"
         return "vanished"
 
-    def update(self, norm: float, ctx: StepContext, loss: float | None = None) -> list[Alert]:
-        """Feed one measurement of the blocks' gradient norm (and the training loss, when known)."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one measurement of the blocks' gradient norm (and the training loss, when known)."""
+        assert m.grad_norm is not None  # checked against `needs`
+        norm, loss = m.grad_norm, m.loss
         if loss is not None and math.isfinite(loss):
             if self.initial_loss is None:
                 self.early_losses.append(loss)

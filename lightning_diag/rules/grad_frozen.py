@@ -11,6 +11,7 @@ from typing import Any
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, RuleSpec, SettingSpec, register, register_setting
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = [
     "FROZEN_REASONS",
@@ -84,13 +85,16 @@ class GradFrozenRule(Rule):
         >>> rule = GradFrozenRule(patience=2)
         >>> names = ["enc.0.weight", "enc.1.lin.weight", "enc.1.norm.weight", "head.weight"]
         >>> stuck = {"enc.1.lin.weight": "frozen", "enc.1.norm.weight": "frozen"}
-        >>> [(a.rule, a.source) for a in rule.update(stuck, StepContext(0, 0), names)]
+        >>> m = Measures(stuck_params=stuck, param_names=names)
+        >>> [(a.rule, a.source) for a in rule.judge(StepContext(0, 0), m)]
         [('grad_frozen', 'enc.1')]
-        >>> rule.update(stuck, StepContext(0, 5), names)
+        >>> rule.judge(StepContext(0, 5), m)
         []
     """
 
     specs = (GRAD_FROZEN_SPEC,)
+    needs = frozenset({Measure.STUCK_PARAMS})
+    optional = frozenset({Measure.PARAM_NAMES})
     state_keys = ("streaks", "unused", "unreached")
 
     def __init__(self, patience: int = _PATIENCE) -> None:
@@ -150,9 +154,10 @@ class GradFrozenRule(Rule):
             groups[name] = whole[0] if whole else self.layer_of(name)
         return groups
 
-    def update(self, stuck: Mapping[str, str], ctx: StepContext, names: Sequence[str] = ()) -> list[Alert]:
-        """Feed the parameters that cannot learn at this measurement and all parameter names; return the alerts."""
-        stuck = self.observe_reached(stuck)
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge the parameters that cannot learn at this measurement and all parameter names; return the alerts."""
+        names = m.param_names or ()
+        stuck = self.observe_reached(m.stuck_params or {})
         group = self.group_of(stuck, list(names) or list(stuck))
         layers: dict[str, dict[str, list[str]]] = {}
         for name, reason in stuck.items():

@@ -17,8 +17,9 @@ about 0.4) or a classifier confident near convergence (0.5 and more) stays well 
 zero-initialised last layer) says nothing and is not judged. A batch of one sample has no spread: it is not measured
 (said once). One event alerts once: after the alert, every measurement below ``threshold`` keeps it alive, and
 it ends only after ``2 x patience - 1`` measurements above it in a row (a batch of two samples gives a spread that
-hovers around the threshold while the outputs stay alike: 5 alerts in 1,900 steps instead of 20). The margin noted (:meth:`~lightning_diag.rules.base.Rule.observe`) is the statistic that decides: the
-largest of the last ``patience`` measurements.
+hovers around the threshold while the outputs stay alike: 5 alerts in 1,900 steps instead of 20). The margin
+noted (:meth:`~lightning_diag.rules.base.Rule.observe`) is the statistic that decides: the largest of the last
+``patience`` measurements.
 
 The validation predictions are not judged: "every prediction the same class" cannot be told from a
 generative or regression output ``[B, C]`` whose largest element is always the same one.
@@ -33,6 +34,7 @@ from typing import Any
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, FRACTION, CheckSpec, RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext
+from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = [
     "DEFAULT_OUTPUT_COLLAPSE_PATIENCE",
@@ -92,20 +94,24 @@ class OutputCollapseRule(Rule):
     """``output_collapse``: the spread of the outputs across sampled batches, relative to the inputs'.
 
     Example:
+        >>> from lightning_diag.rules.measures import OutputSpread
         >>> rule = OutputCollapseRule(threshold=1e-2, patience=2)
-        >>> [rule.update(s, 0.25, 32, "<root>", StepContext(0, t), 0.5) for s, t in ((0.1, 0), (0.0, 5))]
+        >>> def spread(s, level=0.25, batch=32, inputs=0.5):
+        ...     return Measures(output_spread=OutputSpread(s, level, batch, "<root>", inputs))
+        >>> [rule.judge(StepContext(0, t), spread(s)) for s, t in ((0.1, 0), (0.0, 5))]
         [[], []]
-        >>> [(a.rule, a.global_step) for a in rule.update(0.0, 0.25, 32, "<root>", StepContext(0, 10), 0.5)]
+        >>> [(a.rule, a.global_step) for a in rule.judge(StepContext(0, 10), spread(0.0))]
         [('output_collapse', 10)]
-        >>> rule.update(0.0, 0.25, 1, "<root>", StepContext(0, 15)), rule.unmeasured  # one sample: no spread
+        >>> rule.judge(StepContext(0, 15), spread(0.0, batch=1)), rule.unmeasured  # one sample: no spread
         ([], 1)
         >>> quiet = OutputCollapseRule(threshold=1e-2, patience=2)  # a denoiser: outputs as narrow as its inputs
-        >>> [quiet.update(0.027, 3.0, 32, "<root>", StepContext(0, t), 0.023) for t in (0, 5, 10)]
+        >>> [quiet.judge(StepContext(0, t), spread(0.027, 3.0, inputs=0.023)) for t in (0, 5, 10)]
         [[], [], []]
     """
 
     specs = (OUTPUT_COLLAPSE_SPEC,)
     state_keys = ("streak", "early", "checks", "last", "unmeasured", "recent")
+    needs = frozenset({Measure.OUTPUT_SPREAD})
 
     def __init__(
         self, threshold: float = DEFAULT_OUTPUT_COLLAPSE_THRESHOLD, patience: int = DEFAULT_OUTPUT_COLLAPSE_PATIENCE
@@ -137,18 +143,13 @@ class OutputCollapseRule(Rule):
         spec = OUTPUT_COLLAPSE_SPEC
         return cls(spec.value(thresholds), int(spec.value(thresholds, "patience")))
 
-    def update(
-        self,
-        spread: float,
-        level: float,
-        batch: int,
-        source: str,
-        ctx: StepContext,
-        input_relative: float = math.nan,
-    ) -> list[Alert]:
-        """Feed one sampled training step: the output's mean spread across the batch, its mean level, the batch
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one sampled training step: the output's mean spread across the batch, its mean level, the batch
         size, the module that returned it (``"<root>"``: the ``LightningModule``) and the relative spread of its
         floating-point input (``nan``: unknown, the output's own relative spread is judged)."""
+        o = m.output_spread
+        assert o is not None  # checked against `needs`
+        spread, level, batch, source, input_relative = o.spread, o.level, o.batch, o.source, o.input_relative
         relative = relative_spread(spread, level) if batch >= 2 else math.nan
         if math.isnan(relative):
             self.unmeasured += 1

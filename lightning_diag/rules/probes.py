@@ -12,6 +12,7 @@ from typing import Any
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, CheckSpec, Limit, RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
+from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = [
     "CHANGE_SIGNIFICANCE",
@@ -96,14 +97,17 @@ class SharpMinimumRule(Rule):
     alert".
 
     Example:
+        >>> from lightning_diag.rules.measures import SharpnessReading
         >>> rule = SharpMinimumRule(threshold=0.3, patience=2)
-        >>> [bool(rule.update(g, StepContext(i, i))) for i, g in enumerate([0.5, 0.1, 0.5, 0.6, 0.7])]
+        >>> ms = [Measures(sharpness=SharpnessReading(g)) for g in (0.5, 0.1, 0.5, 0.6, 0.7)]
+        >>> [bool(rule.judge(StepContext(i, i), m)) for i, m in enumerate(ms)]
         [False, False, False, True, False]
         >>> round(rule.peaks["sharp_minimum"], 3)  # min(0.6, 0.7) / 0.3
         2.0
     """
 
     specs = (SHARP_MINIMUM_SPEC,)
+    needs = frozenset({Measure.SHARPNESS})
     state_keys = ("streak", "recent")
 
     def __init__(
@@ -126,15 +130,11 @@ class SharpMinimumRule(Rule):
         """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
         return cls(_SHARP.value(thresholds), int(_SHARP.value(thresholds, "patience")))
 
-    def update(
-        self,
-        gap: float,
-        ctx: StepContext,
-        relative_gap: float | None = None,
-        rho: float | None = None,
-        worst_layers: Sequence[tuple[str, float]] = (),
-    ) -> list[Alert]:
-        """Feed one probe's gap; return the alert when the streak reaches ``patience`` (latched)."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one probe's gap; return the alert when the streak reaches ``patience`` (latched)."""
+        s = m.sharpness
+        assert s is not None  # checked against `needs`
+        gap, relative_gap, rho, worst_layers = s.gap, s.relative_gap, s.rho, s.worst_layers
         if not math.isfinite(gap):
             return []
         self.recent = [*self.recent, float(gap)][-max(int(self.patience), 1) :]
@@ -180,13 +180,16 @@ class QuantizationErrorRule(Rule):
     error.
 
     Example:
+        >>> from lightning_diag.rules.measures import QuantizationReading
         >>> rule = QuantizationErrorRule()
         >>> errs = {"a": 1e-4, "b": 2e-4, "c": 0.5}
-        >>> [a.source for a in rule.update(0.01, errs, {"a": 1e-4, "b": 1e-4, "c": 1e-4}, StepContext(0, 0))]
+        >>> m = Measures(quantization=QuantizationReading(0.01, errs, {"a": 1e-4, "b": 1e-4, "c": 1e-4}))
+        >>> [a.source for a in rule.judge(StepContext(0, 0), m)]
         ['c']
     """
 
     specs = (QUANTIZATION_ERROR_SPEC,)
+    needs = frozenset({Measure.QUANTIZATION})
     state_keys = ()
 
     def __init__(
@@ -231,20 +234,15 @@ class QuantizationErrorRule(Rule):
                 out[name] = err / median if median > 0 else math.inf
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
-    def update(
-        self,
-        end_to_end: float | None,
-        layer_errors: Mapping[str, float],
-        per_channel_errors: Mapping[str, float],
-        ctx: StepContext,
-        scheme: str = "per-tensor",
-        notes: Mapping[str, str] | None = None,
-        change_noise: float = math.nan,
-    ) -> list[Alert]:
-        """Feed one probe: the end-to-end relative loss change (``None`` when unmeasured) and each layer's
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one probe: the end-to-end relative loss change (``None`` when unmeasured) and each layer's
         relative output MSE under the judged scheme and under per-channel weight scales; ``notes`` adds a few
         words on a named layer (its outlier ratios); ``change_noise`` is the standard error of the end-to-end
         change, relative like it (``nan``: unknown)."""
+        q = m.quantization
+        assert q is not None  # checked against `needs`
+        end_to_end, layer_errors, per_channel_errors = q.end_to_end, q.layer_errors, q.per_channel_errors
+        scheme, notes, change_noise = q.scheme, q.notes, q.change_noise
         alerts: list[Alert] = []
         measured = end_to_end is not None and math.isfinite(end_to_end)
         change = float(end_to_end) if end_to_end is not None and measured else math.nan

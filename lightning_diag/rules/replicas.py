@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, CheckSpec, RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.measures import Measure, Measures, ReplicaDifferences
 
 __all__ = [
     "DDP_DESYNC",
@@ -30,6 +31,7 @@ __all__ = [
     "REPLICAS_AGREE_CHECK",
     "DesyncRule",
     "check_due",
+    "compare_replicas",
     "first_differences",
     "member_differences",
     "replica_differences",
@@ -142,22 +144,44 @@ def first_differences(
     return out
 
 
+def compare_replicas(
+    checksums: Sequence[Sequence[float]],
+    names: Sequence[str],
+    ranks: Sequence[int] | None = None,
+    tolerance: float = DEFAULT_DESYNC_TOLERANCE,
+) -> ReplicaDifferences:
+    """The comparison of a single replica group (every rank under DDP), for :meth:`DesyncRule.judge`.
+
+    Args:
+        checksums: ``[member][2 * n]``: each member's norms of the ``n`` parameters, then their sums.
+        names: The ``n`` parameter names, in the model's order.
+        ranks: The members' global ranks (default ``0 .. len(checksums) - 1``).
+        tolerance: Relative difference above which a member differs (the rule's).
+    """
+    ranks = list(range(len(checksums))) if ranks is None else list(ranks)
+    diffs = member_differences(checksums)
+    per_param = [max((d[i] for d in diffs), default=0.0) for i in range(len(names))]
+    return ReplicaDifferences(per_param, names, first_differences(diffs, ranks, range(len(names)), tolerance))
+
+
 class DesyncRule(Rule):
     """``ddp_desync``: one comparison of every rank's parameter checksums.
 
     Example:
         >>> rule = DesyncRule()
         >>> same = [[1.0, 2.0, 1.0, 2.0]] * 2  # two ranks, norms then sums of two parameters
-        >>> rule.update(same, ["a", "b"], StepContext(0, 100))
+        >>> rule.judge(StepContext(0, 100), Measures(replica_differences=compare_replicas(same, ["a", "b"])))
         []
-        >>> drift = [[1.0, 2.0, 1.0, 2.0], [1.0, 2.1, 1.0, 2.0]]
-        >>> [(a.rule, a.source, a.severity) for a in rule.update(drift, ["a", "b"], StepContext(0, 200))]
+        >>> drifted = [[1.0, 2.0, 1.0, 2.0], [1.0, 2.1, 1.0, 2.0]]
+        >>> drift = Measures(replica_differences=compare_replicas(drifted, ["a", "b"]))
+        >>> [(a.rule, a.source, a.severity) for a in rule.judge(StepContext(0, 200), drift)]
         [('ddp_desync', 'b', <Severity.CRITICAL: 'critical'>)]
     """
 
     specs = (DDP_DESYNC_SPEC,)
     severity = Severity.CRITICAL
     state_keys = ("checks", "last_max_diff")
+    needs = frozenset({Measure.REPLICA_DIFFERENCES})
 
     def __init__(self, tolerance: float = DEFAULT_DESYNC_TOLERANCE) -> None:
         super().__init__()
@@ -170,45 +194,12 @@ class DesyncRule(Rule):
         """The rule with the threshold in effect (see :meth:`Rule.from_settings`)."""
         return cls(DDP_DESYNC_SPEC.value(thresholds))
 
-    def update(
-        self,
-        checksums: Sequence[Sequence[float]],
-        names: Sequence[str],
-        ctx: StepContext,
-        ranks: Sequence[int] | None = None,
-    ) -> list[Alert]:
-        """Judge one comparison within a single replica group (every rank under DDP).
-
-        Args:
-            checksums: ``[member][2 * n]``: each member's norms of the ``n`` parameters, then their sums.
-            names: The ``n`` parameter names, in the model's order.
-            ctx: Where the comparison was made.
-            ranks: The members' global ranks (default ``0 .. len(checksums) - 1``).
-        """
-        ranks = list(range(len(checksums))) if ranks is None else list(ranks)
-        diffs = member_differences(checksums)
-        per_param = [max((d[i] for d in diffs), default=0.0) for i in range(len(names))]
-        return self.judge(per_param, names, first_differences(diffs, ranks, range(len(names)), self.tolerance), ctx)
-
-    def judge(
-        self,
-        per_param: Sequence[float],
-        names: Sequence[str],
-        first: Mapping[int, tuple[int, int]],
-        ctx: StepContext,
-        compared: int | None = None,
-    ) -> list[Alert]:
-        """Judge one comparison over every replica group (the same inputs on every rank: the same decision).
-
-        Args:
-            per_param: Per parameter (model order), the largest relative checksum difference among its replicas
-                (0 for a parameter with no replica).
-            names: The parameter names, in the model's order.
-            first: ``{global rank: (parameter index, reference rank)}``: every rank that differs from its group's
-                first member, with the first parameter on which it does (:func:`first_differences`).
-            ctx: Where the comparison was made.
-            compared: How many of the parameters have replicas (default: all).
-        """
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one comparison over every replica group, ``m.replica_differences`` (the same inputs on every rank:
+        the same decision; :func:`compare_replicas` makes it from a single group's checksums)."""
+        d = m.replica_differences
+        assert d is not None  # checked against `needs`
+        per_param, names, first, compared = d.per_param, d.names, d.first, d.compared
         self.checks += 1
         n = len(names) if compared is None else compared
         self.last_max_diff = max(per_param, default=0.0)

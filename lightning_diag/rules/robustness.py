@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import CheckSpec, Limit, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = [
     "DEFAULT_PERTURB_RATE", "DEFAULT_ROBUSTNESS_DROP", "ROBUSTNESS_CHECK", "ROBUSTNESS_DROP",
@@ -51,14 +52,16 @@ class RobustnessDropRule(Rule):
 
     Example:
         >>> rule = RobustnessDropRule(threshold=0.15)
-        >>> [a.source for a in rule.update({"replace": 0.4, "swap": 0.02}, StepContext(0, 10))]
+        >>> m = Measures(robustness_drops={"replace": 0.4, "swap": 0.02})
+        >>> [a.source for a in rule.judge(StepContext(0, 10), m)]
         ['replace']
-        >>> rule.update({"replace": 0.5, "swap": 0.02}, StepContext(1, 20))  # still brittle: latched
+        >>> rule.judge(StepContext(1, 20), Measures(robustness_drops={"replace": 0.5, "swap": 0.02}))  # latched
         []
     """
 
     specs = (ROBUSTNESS_DROP_SPEC,)
     state_keys = ()
+    needs = frozenset({Measure.ROBUSTNESS_DROPS})
 
     def __init__(self, threshold: float = DEFAULT_ROBUSTNESS_DROP, rate: float = DEFAULT_PERTURB_RATE) -> None:
         super().__init__()
@@ -70,8 +73,9 @@ class RobustnessDropRule(Rule):
         """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
         return cls(_SPEC.value(thresholds), _SPEC.value(thresholds, "rate"))
 
-    def update(self, drops: Mapping[str, float], ctx: StepContext) -> list[Alert]:
-        """Feed one probe's relative drops by perturbation kind; return the new alert, if any."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one probe's relative drops by perturbation kind; return the new alert, if any."""
+        drops = m.robustness_drops or {}
         self.observe(max((d for d in drops.values() if math.isfinite(d)), default=math.nan), self.threshold)
         fresh = {k: d for k, d in drops.items() if self.latch.update(k, math.isfinite(d) and d > self.threshold)}
         if not fresh:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, FRACTION, STEPS, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = [
     "DEFAULT_MAX_ROLLBACKS",
@@ -100,6 +101,7 @@ class RollbackRule(Rule):
     """
 
     specs = (NONFINITE_ROLLBACK_SPEC,)
+    needs = frozenset({Measure.ROLLBACK})
     severity: ClassVar[Severity] = Severity.WARNING
     state_keys: ClassVar[tuple[str, ...]] = ("rollbacks", "lr_scale", "last_rollback_step", "last_restored_step")
 
@@ -163,18 +165,22 @@ class RollbackRule(Rule):
         self.last_restored_step = restored
         return self.lr_scale
 
-    def alert(self, ctx: StepContext, restored: int, found: str, source: str, reason: str) -> Alert:
-        """The ``nonfinite_rollback`` warning of the rollback just recorded."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """The ``nonfinite_rollback`` warning of the rollback just recorded (``m.rollback``)."""
+        assert m.rollback is not None  # checked against `needs`
+        restored, found, source, reason = m.rollback.restored, m.rollback.found, m.rollback.source, m.rollback.reason
         why = f" ({reason})" if reason else ""
-        return self._alert(
-            ctx,
-            f"non-finite values at global step {ctx.global_step} ({found}): rolled back to the snapshot of step "
-            f"{restored}{why}; learning rates now x{self.lr_scale:.4g} (rollback {self.rollbacks} of "
-            f"{self.max_rollbacks}); the batches in between are not replayed",
-            source=source,
-            value=float(self.rollbacks),
-            threshold=float(self.max_rollbacks),
-        )
+        return [
+            self._alert(
+                ctx,
+                f"non-finite values at global step {ctx.global_step} ({found}): rolled back to the snapshot of step "
+                f"{restored}{why}; learning rates now x{self.lr_scale:.4g} (rollback {self.rollbacks} of "
+                f"{self.max_rollbacks}); the batches in between are not replayed",
+                source=source,
+                value=float(self.rollbacks),
+                threshold=float(self.max_rollbacks),
+            )
+        ]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (see :meth:`Rule.load_state_dict`)."""

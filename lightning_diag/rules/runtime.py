@@ -54,6 +54,10 @@ from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import FRACTION, POSITIVE, Limit, RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, list_names
 from lightning_diag.rules.grad import GRAD_COLLAPSE
+from lightning_diag.rules.measures import (
+    Measure,
+    Measures,
+)
 
 __all__ = [
     "AMP_NOT_APPLIED",
@@ -186,16 +190,18 @@ class TrainOverrideRule(Rule):
     """``train_override_bypassed``: one comparison of what ``train()`` overrides would do with what is in effect.
 
     Example:
+        >>> from lightning_diag.rules.measures import TrainOverrides
         >>> rule = TrainOverrideRule()
-        >>> alerts = rule.update(["Net"], ["backbone.bn"], ["backbone.conv.weight"], StepContext(0, 0))
-        >>> [(a.rule, a.source) for a in alerts]
+        >>> m = Measures(train_overrides=TrainOverrides(["Net"], ["backbone.bn"], ["backbone.conv.weight"]))
+        >>> [(a.rule, a.source) for a in rule.judge(StepContext(0, 0), m)]
         [('train_override_bypassed', 'Net')]
-        >>> rule.update(["Net"], [], [], StepContext(0, 0))
+        >>> rule.judge(StepContext(0, 0), Measures(train_overrides=TrainOverrides(["Net"], [], [])))
         []
     """
 
     specs = (TRAIN_OVERRIDE_BYPASSED_SPEC,)
     state_keys = ("checks",)
+    needs = frozenset({Measure.TRAIN_OVERRIDES})
 
     def __init__(self) -> None:
         super().__init__()
@@ -207,17 +213,13 @@ class TrainOverrideRule(Rule):
         del thresholds
         return cls()
 
-    def update(
-        self, overriders: Sequence[str], to_eval: Sequence[str], to_freeze: Sequence[str], ctx: StepContext
-    ) -> list[Alert]:
-        """Feed one comparison.
-
-        Args:
-            overriders: The classes whose ``train()`` override was tried.
-            to_eval: Modules the overrides would put in eval mode that are in training mode.
-            to_freeze: Parameters the overrides would freeze (``requires_grad=False``) that train.
-            ctx: Where it was judged.
-        """
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one comparison, ``m.train_overrides``: the classes whose ``train()`` override was tried, the
+        modules the overrides would put in eval mode that are in training mode, and the parameters they would
+        freeze (``requires_grad=False``) that train."""
+        o = m.train_overrides
+        assert o is not None  # checked against `needs`
+        overriders, to_eval, to_freeze = o.overriders, o.to_eval, o.to_freeze
         self.checks += 1
         bypassed = bool(to_eval or to_freeze)
         if not self.latch.update("override", bypassed) or not overriders:
@@ -248,14 +250,15 @@ class EvalRandomnessRule(Rule):
 
     Example:
         >>> rule = EvalRandomnessRule()
-        >>> [(a.rule, a.source) for a in rule.update({"encoder": 0.1}, StepContext(0, 10))]
+        >>> [(a.rule, a.source) for a in rule.judge(StepContext(0, 10), Measures(eval_dropouts={"encoder": 0.1}))]
         [('eval_randomness', 'encoder')]
-        >>> rule.update({"encoder": 0.1}, StepContext(1, 20))  # the same condition: latched
+        >>> rule.judge(StepContext(1, 20), Measures(eval_dropouts={"encoder": 0.1}))  # the same condition: latched
         []
     """
 
     specs = (EVAL_RANDOMNESS_SPEC,)
     state_keys = ("checks",)
+    needs = frozenset({Measure.EVAL_DROPOUTS})
 
     def __init__(self) -> None:
         super().__init__()
@@ -267,8 +270,9 @@ class EvalRandomnessRule(Rule):
         del thresholds
         return cls()
 
-    def update(self, found: Mapping[str, float], ctx: StepContext) -> list[Alert]:
-        """Feed one validation batch's findings: ``{module name: dropout probability}``."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one validation batch's findings: ``{module name: dropout probability}``."""
+        found = m.eval_dropouts or {}
         self.checks += 1
         if not self.latch.update("eval", bool(found)):
             return []
@@ -293,16 +297,19 @@ class AmpRule(Rule):
     """``amp_not_applied``: one sampled step's matmul layers and the dtype they computed in.
 
     Example:
+        >>> from lightning_diag.rules.measures import AmpLayers
         >>> rule = AmpRule(0.5)
-        >>> alerts = rule.update({"fc1": 100, "fc2": 100}, {"fc1": 100, "fc2": 100}, "bf16-mixed", StepContext(0, 1))
-        >>> [(a.rule, a.value) for a in alerts]
+        >>> m = Measures(amp=AmpLayers({"fc1": 100, "fc2": 100}, {"fc1": 100, "fc2": 100}, "bf16-mixed"))
+        >>> [(a.rule, a.value) for a in rule.judge(StepContext(0, 1), m)]
         [('amp_not_applied', 1.0)]
-        >>> AmpRule(0.5).update({"fc1": 100, "fc2": 100}, {"fc2": 10}, "bf16-mixed", StepContext(0, 1))
+        >>> m = Measures(amp=AmpLayers({"fc1": 100, "fc2": 100}, {"fc2": 10}, "bf16-mixed"))
+        >>> AmpRule(0.5).judge(StepContext(0, 1), m)
         []
     """
 
     specs = (AMP_NOT_APPLIED_SPEC,)
     state_keys = ("checks", "last_share")
+    needs = frozenset({Measure.AMP})
 
     def __init__(self, share: float = DEFAULT_AMP_SHARE) -> None:
         super().__init__()
@@ -315,17 +322,11 @@ class AmpRule(Rule):
         """The rule with the threshold in effect (see :meth:`Rule.from_settings`)."""
         return cls(AMP_NOT_APPLIED_SPEC.value(thresholds))
 
-    def update(
-        self, layers: Mapping[str, int], float32: Mapping[str, int], precision: str, ctx: StepContext
-    ) -> list[Alert]:
-        """Feed one sampled step.
-
-        Args:
-            layers: ``{layer: parameter count}`` of every matmul layer that ran.
-            float32: The same for those whose output was float32.
-            precision: The trainer's precision setting.
-            ctx: Where it was measured.
-        """
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one sampled step, ``m.amp``: ``{layer: parameter count}`` of every matmul layer that ran, the same
+        for those whose output was float32, and the trainer's precision setting."""
+        assert m.amp is not None  # checked against `needs`
+        layers, float32, precision = m.amp.layers, m.amp.float32, m.amp.precision
         total = sum(layers.values())
         if not total:
             return []
@@ -499,17 +500,21 @@ class LossOutlierRule(Rule):
     step after it is known (it must be isolated: see :func:`outlier_excess`).
 
     Example:
+        >>> from lightning_diag.rules.measures import StepLosses
         >>> rule = LossOutlierRule(window=8)
-        >>> rule.update([1.4, 0.3, 0.2, 0.21, 0.19, 0.2, 0.22, 0.18], list(range(1, 9)), StepContext(0, 8))
+        >>> def losses(values, steps):
+        ...     return Measures(step_losses=StepLosses(values, steps))
+        >>> rule.judge(StepContext(0, 8), losses([1.4, 0.3, 0.2, 0.21, 0.19, 0.2, 0.22, 0.18], list(range(1, 9))))
         []
-        >>> [(a.rule, a.global_step) for a in rule.update([0.2, 2.1, 0.2], [9, 10, 11], StepContext(0, 11))]
+        >>> [(a.rule, a.global_step) for a in rule.judge(StepContext(0, 11), losses([0.2, 2.1, 0.2], [9, 10, 11]))]
         [('loss_outlier', 10)]
-        >>> rule.update([0.2, 2.1], [12, 13], StepContext(0, 13)), rule.pending  # step 13 waits for step 14
+        >>> rule.judge(StepContext(0, 13), losses([0.2, 2.1], [12, 13])), rule.pending  # step 13 waits for step 14
         ([], [[13.0, 2.1]])
     """
 
     specs = (LOSS_OUTLIER_SPEC,)
     state_keys = ("history", "initial", "outliers", "first", "pending", "before", "span")
+    needs = frozenset({Measure.STEP_LOSSES})
 
     def __init__(
         self,
@@ -547,11 +552,13 @@ class LossOutlierRule(Rule):
         spec = LOSS_OUTLIER_SPEC
         return cls(spec.value(thresholds), spec.value(thresholds, "ratio"), int(spec.value(thresholds, "window")))
 
-    def update(self, losses: Sequence[float], steps: Sequence[int], ctx: StepContext) -> list[Alert]:
-        """Feed the per-step losses since the last call (``steps``: their global steps); return the alerts. Each
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge the per-step losses since the last call (``steps``: their global steps); return the alerts. Each
         finite loss is judged when the ``span`` losses after it are known (one, or the micro-batches of a step
         under gradient accumulation: the most losses fed for one global step): the last ones wait for the next
         call."""
+        assert m.step_losses is not None  # checked against `needs`
+        losses, steps = m.step_losses.values, m.step_losses.steps
         fed = [(int(t), float(v)) for t, v in zip(steps, losses, strict=False) if math.isfinite(v)]
         if self.initial is None:
             self.first = self.first + [v for _, v in fed]
@@ -607,15 +614,18 @@ class EvalBeforeTrainingRule(Rule):
     """``eval_before_training``: components evaluated before any training forward updated their state.
 
     Example:
+        >>> from lightning_diag.rules.measures import UntrainedInEval
         >>> rule = EvalBeforeTrainingRule()
-        >>> [(a.rule, a.severity.value) for a in rule.update(["disc.conv"], False, StepContext(0, 0))]
+        >>> m = Measures(untrained_in_eval=UntrainedInEval(["disc.conv"], sanity=False))
+        >>> [(a.rule, a.severity.value) for a in rule.judge(StepContext(0, 0), m)]
         [('eval_before_training', 'warning')]
-        >>> rule.update(["disc.conv"], False, StepContext(0, 0))
+        >>> rule.judge(StepContext(0, 0), m)
         []
     """
 
     specs = (EVAL_BEFORE_TRAINING_SPEC,)
     state_keys = ("checks",)
+    needs = frozenset({Measure.UNTRAINED_IN_EVAL})
 
     def __init__(self) -> None:
         super().__init__()
@@ -627,8 +637,10 @@ class EvalBeforeTrainingRule(Rule):
         del thresholds
         return cls()
 
-    def update(self, modules: Sequence[str], sanity: bool, ctx: StepContext) -> list[Alert]:
-        """Feed one validation run's untrained components (``sanity``: it is Lightning's sanity check)."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one validation run's untrained components (``sanity``: it is Lightning's sanity check)."""
+        assert m.untrained_in_eval is not None  # checked against `needs`
+        modules, sanity = m.untrained_in_eval.modules, m.untrained_in_eval.sanity
         self.checks += 1
         key = "sanity" if sanity else "eval"
         if not modules or not self.latch.update(key, True):
@@ -653,19 +665,23 @@ class ZeroOutputRule(Rule):
     """``zero_output``: modules whose output turned all-zero on a sampled step after non-zero measurements.
 
     Example:
+        >>> from lightning_diag.rules.measures import ZeroOutputs
         >>> rule = ZeroOutputRule(history=2)
-        >>> [rule.update(["enc", "enc.act"], ["enc.act"], StepContext(0, s)) for s in (0, 5)]  # dead from the start
+        >>> def zeros(names):
+        ...     return Measures(zero_outputs=ZeroOutputs(["enc", "enc.act"], names))
+        >>> [rule.judge(StepContext(0, s), zeros(["enc.act"])) for s in (0, 5)]  # dead from the start
         [[], []]
-        >>> rule.update(["enc", "enc.act"], [], StepContext(0, 10))
+        >>> rule.judge(StepContext(0, 10), zeros([]))
         []
-        >>> [(a.rule, a.source) for a in rule.update(["enc", "enc.act"], ["enc"], StepContext(0, 15))]
+        >>> [(a.rule, a.source) for a in rule.judge(StepContext(0, 15), zeros(["enc"]))]
         [('zero_output', 'enc')]
-        >>> rule.update(["enc", "enc.act"], ["enc"], StepContext(0, 20))  # once per module and fit
+        >>> rule.judge(StepContext(0, 20), zeros(["enc"]))  # once per module and fit
         []
     """
 
     specs = (ZERO_OUTPUT_SPEC,)
     state_keys = ("nonzero", "zeroed", "checks", "signed")
+    needs = frozenset({Measure.ZERO_OUTPUTS})
 
     def __init__(self, history: int = DEFAULT_ZERO_OUTPUT_HISTORY) -> None:
         super().__init__()
@@ -684,11 +700,11 @@ class ZeroOutputRule(Rule):
         """The rule with the threshold in effect (see :meth:`Rule.from_settings`)."""
         return cls(int(ZERO_OUTPUT_SPEC.value(thresholds)))
 
-    def update(
-        self, ran: Sequence[str], zeros: Sequence[str], ctx: StepContext, signed: Sequence[str] | None = None
-    ) -> list[Alert]:
-        """Feed one sampled step: the modules that ran, those among them whose every output was all zeros and,
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one sampled step: the modules that ran, those among them whose every output was all zeros and,
         when known, those that returned a negative value (``None``: signs not measured, every module judged)."""
+        assert m.zero_outputs is not None  # checked against `needs`
+        ran, zeros, signed = m.zero_outputs.ran, m.zero_outputs.zeros, m.zero_outputs.signed
         self.checks += 1
         zero_set = set(zeros)
         known = set(self.zeroed)

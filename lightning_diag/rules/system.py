@@ -47,6 +47,7 @@ import numpy as np
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, STEPS, CheckSpec, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
+from lightning_diag.rules.measures import Measure, Measures, StepTimes
 from lightning_diag.stats.timing import (
     Periodicity,
     Series,
@@ -290,6 +291,7 @@ class DataloaderBoundRule(Rule):
 
     specs = (DATALOADER_BOUND_SPEC,)
     state_keys = ("streak",)
+    needs = frozenset({Measure.LOADER_WAIT})
 
     def __init__(
         self,
@@ -312,11 +314,11 @@ class DataloaderBoundRule(Rule):
             spec.value(thresholds), int(spec.value(thresholds, "patience")), spec.value(thresholds, "min_wait_s")
         )
 
-    def update(
-        self, ctx: StepContext, wait_s: float, step_s: float, steps: int, source: str = "dataloader"
-    ) -> list[Alert]:
-        """Judge one interval: ``wait_s`` and ``step_s`` (without the diagnostics' own time) summed over its
-        ``steps`` optimizer steps."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one interval, ``m.loader_wait``: ``wait_s`` and ``step_s`` (without the diagnostics' own time)
+        summed over its ``steps`` optimizer steps."""
+        assert m.loader_wait is not None  # checked against `needs`
+        wait_s, step_s, steps, source = m.loader_wait.wait_s, m.loader_wait.step_s, m.loader_wait.steps, "dataloader"
         if steps <= 0 or not (step_s > 0) or not math.isfinite(wait_s):
             return []
         share = wait_s / step_s
@@ -344,6 +346,7 @@ class StepPeriodicRule(Rule):
 
     specs = (STEP_TIME_PERIODIC_SPEC,)
     state_keys = ()
+    optional = frozenset({Measure.STEP_TIMES, Measure.GPU_UTILIZATION})
 
     def __init__(
         self,
@@ -362,30 +365,24 @@ class StepPeriodicRule(Rule):
         spec = STEP_TIME_PERIODIC_SPEC
         return cls(spec.value(thresholds), spec.value(thresholds, "slow_ratio"))
 
-    def update(
-        self,
-        ctx: StepContext,
-        times: Series,
-        source: str = "step_time",
-        *,
-        run_times: Series | None = None,
-        explained: Sequence[bool] | None = None,
-        work: Series | None = None,
-        run_work: Series | None = None,
-    ) -> list[Alert]:
-        """Judge the window of step times (seconds, oldest first, after the warm-up).
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge the window of step times (``m.step_times``), a window of GPU utilisation samples
+        (``m.gpu_utilization``: periodic dips, see :meth:`_utilization`), or both."""
+        alerts = [] if m.step_times is None else self._step_times(ctx, m.step_times)
+        if m.gpu_utilization is not None:
+            alerts += self._utilization(ctx, m.gpu_utilization)
+        return alerts
 
-        Args:
-            ctx: The step.
-            times: The window of step times after the warm-up.
-            source: The alert's source.
-            run_times: Every step time since the fit's start, warm-up included, while the window is shorter than
-                :data:`MIN_STEPS` (judged by :func:`pattern_from_start`).
-            explained: Which of ``run_times`` have a known one-time cause.
-            work: The trainer's scheduled work measured on each step of ``times`` (seconds, already left out of
-                them): a step explained by it (:func:`explained_by_work`) takes the median.
-            run_work: The same for ``run_times``: a step explained by it is neutral.
+    def _step_times(self, ctx: StepContext, t: StepTimes) -> list[Alert]:
+        """Judge the window of step times ``t`` (seconds, oldest first, after the warm-up; :class:`StepTimes`).
+
+        ``t.run_times``, every step time since the fit's start while the window is shorter than :data:`MIN_STEPS`,
+        is judged by :func:`pattern_from_start`. A step of ``t.times`` explained by the trainer's scheduled work
+        ``t.work`` (:func:`explained_by_work`) takes the median; one of ``t.run_times`` explained by ``t.run_work``
+        is neutral.
         """
+        times, run_times, explained, work, run_work = t.times, t.run_times, t.explained, t.work, t.run_work
+        source = "step_time"
         if work is not None:
             by_work = explained_by_work(times, work)
             if by_work.any():
@@ -434,7 +431,7 @@ class StepPeriodicRule(Rule):
             )
         ]
 
-    def update_utilization(self, ctx: StepContext, utilization: Series, dip: float = 20.0) -> list[Alert]:
+    def _utilization(self, ctx: StepContext, utilization: Series, dip: float = 20.0) -> list[Alert]:
         """Judge a window of GPU utilisation samples (percent): periodic dips ``dip`` points below the median."""
         if len(utilization) < MIN_STEPS:
             return []
@@ -460,6 +457,7 @@ class StepFluctuationRule(Rule):
 
     specs = (STEP_TIME_FLUCTUATION_SPEC,)
     state_keys = ("streak",)
+    needs = frozenset({Measure.COMPUTE_TIMES})
 
     def __init__(
         self,
@@ -473,6 +471,8 @@ class StepFluctuationRule(Rule):
         self.latch = Latch.for_patience(patience)
         self.block_steps = block_steps
         self.streak = 0
+        #: The fluctuation of the last window judged (``nan``: too short), for the logs; not checkpoint state.
+        self.last_value = math.nan
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> StepFluctuationRule:
@@ -482,17 +482,21 @@ class StepFluctuationRule(Rule):
             spec.value(thresholds), int(spec.value(thresholds, "patience")), int(spec.value(thresholds, "block_steps"))
         )
 
-    def update(self, ctx: StepContext, times: Series, source: str = "step_time") -> tuple[float, list[Alert]]:
-        """Judge a window of step times already cleared of warm-up, validation and periodic steps."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge a window of step times already cleared of warm-up, validation and periodic steps
+        (``m.compute_times``); the fluctuation it measured is :attr:`last_value`."""
+        times, source = m.compute_times, "step_time"
+        assert times is not None  # checked against `needs`
+        self.last_value = math.nan
         if len(times) < MIN_BLOCKS * self.block_steps:
-            return float("nan"), []
-        value = block_fluctuation(times, self.block_steps)
+            return []
+        value = self.last_value = block_fluctuation(times, self.block_steps)
         self.observe(value, self.threshold)
         active = math.isfinite(value) and value > self.threshold
         self.streak = self.streak + 1 if active else 0
         if not self.latch.update(source, self.streak >= self.patience, excess(value, self.threshold)):
-            return value, []
-        return value, [
+            return []
+        return [
             self._alert(
                 ctx,
                 f"step time fluctuates by {value:.0%} (median absolute deviation / median of the medians of"
@@ -512,6 +516,7 @@ class MemoryGrowthRule(Rule):
 
     specs = (MEMORY_GROWTH_SPEC,)
     state_keys = ("history",)
+    needs = frozenset({Measure.MEMORY})
 
     def __init__(
         self,
@@ -533,8 +538,9 @@ class MemoryGrowthRule(Rule):
             spec.value(thresholds), int(spec.value(thresholds, "window")), spec.value(thresholds, "rising_fraction")
         )
 
-    def update(self, ctx: StepContext, values: Mapping[str, float]) -> list[Alert]:
-        """Judge the latest value of each series (``{"host_rss": bytes, ...}``)."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge the latest value of each series (``m.memory``: ``{"host_rss": bytes, ...}``)."""
+        values = m.memory or {}
         alerts = []
         for source, value in values.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

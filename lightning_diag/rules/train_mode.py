@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = ["EVAL_MODE_IN_TRAINING", "EVAL_MODE_IN_TRAINING_SPEC", "EVAL_MODE_KINDS", "EvalModeRule"]
 
@@ -48,14 +49,16 @@ class EvalModeRule(Rule):
 
     Example:
         >>> rule = EvalModeRule()
-        >>> [(a.rule, a.severity) for a in rule.update({"head.drop": "dropout"}, StepContext(1, 40))]
+        >>> m = Measures(eval_mode={"head.drop": "dropout"})
+        >>> [(a.rule, a.severity) for a in rule.judge(StepContext(1, 40), m)]
         [('eval_mode_in_training', <Severity.WARNING: 'warning'>)]
-        >>> rule.update({"head.drop": "dropout"}, StepContext(1, 45))  # still in eval mode: latched
+        >>> rule.judge(StepContext(1, 45), m)  # still in eval mode: latched
         []
     """
 
     specs = (EVAL_MODE_IN_TRAINING_SPEC,)
     state_keys = ("checks",)
+    needs = frozenset({Measure.EVAL_MODE})
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,8 +70,9 @@ class EvalModeRule(Rule):
         del thresholds
         return cls()
 
-    def update(self, found: Mapping[str, str], ctx: StepContext) -> list[Alert]:
-        """Feed one check (``{module name: kind}`` of the modules in eval mode); return the alerts raised."""
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one check (``{module name: kind}`` of the modules in eval mode); return the alerts raised."""
+        found = m.eval_mode or {}
         self.checks += 1
         trained = sorted(k for k, v in found.items() if v in ("dropout", "batchnorm"))
         frozen = sorted(k for k, v in found.items() if v == "batchnorm_frozen")

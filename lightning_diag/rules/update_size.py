@@ -37,6 +37,7 @@ from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import FRACTION, POSITIVE, CheckSpec, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
+from lightning_diag.rules.measures import Measure, Measures
 from lightning_diag.stats.trend import theil_sen_slope
 
 __all__ = [
@@ -84,15 +85,18 @@ class UpdateSizeRule(Rule):
     Example:
         >>> rule = UpdateSizeRule(patience=2)
         >>> tiny = {"fc1": 1e-7, "fc2": 2e-7}
-        >>> [a.rule for i in range(5) for a in rule.update(tiny, StepContext(0, i), loss=0.69)]
+        >>> [a.rule for i in range(5) for a in rule.judge(StepContext(0, i), Measures(update_ratios=tiny, loss=0.69))]
         ['update_too_small']
         >>> healthy = UpdateSizeRule(patience=2)
-        >>> [a for r in (1e-3, 1e-7, 1e-7, 1e-7) for a in healthy.update({"fc": r}, StepContext(0, 0), loss=0.69)]
+        >>> ms = [Measures(update_ratios={"fc": r}, loss=0.69) for r in (1e-3, 1e-7, 1e-7, 1e-7)]
+        >>> [a for m in ms for a in healthy.judge(StepContext(0, 0), m)]
         []
     """
 
     specs = (UPDATE_TOO_SMALL_SPEC,)
     state_keys = ("streak", "moved", "streak_start", "trend")
+    needs = frozenset({Measure.UPDATE_RATIOS})
+    optional = frozenset({Measure.LOSS})
 
     def __init__(
         self,
@@ -146,9 +150,10 @@ class UpdateSizeRule(Rule):
         horizon = max(len(self.trend) - 1, self.patience)
         return start > 0 and -slope * horizon < self.loss_fall * start
 
-    def update(self, ratios: Mapping[str, float], ctx: StepContext, loss: float | None = None) -> list[Alert]:
-        """Feed the update ratios ``{layer: ||ΔW||/||W||}`` of one measured step and its training loss; return the
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge the update ratios ``{layer: ||ΔW||/||W||}`` of one measured step and its training loss; return the
         alerts raised."""
+        ratios, loss = m.update_ratios or {}, m.loss
         if loss is not None and math.isfinite(loss):
             self.trend = [*self.trend, float(loss)][-TREND_POINTS:]
         moving = {k: float(v) for k, v in ratios.items() if math.isfinite(v) and v > 0}

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from lightning_diag.core.record import Alert
@@ -46,6 +46,7 @@ from lightning_diag.core.registry import COUNT, FRACTION, STEPS, CheckSpec, Limi
 from lightning_diag.rules.base import Rule, StepContext, excess, list_names, name_layers
 from lightning_diag.rules.grad_frozen import GRADIENT_FLOW
 from lightning_diag.rules.loss_windows import LossWindows
+from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = [
     "DEFAULT_STALE_CERTAIN",
@@ -159,20 +160,23 @@ class UpdateRule(Rule):
     Example:
         >>> rule = UpdateRule(patience=2)
         >>> stuck = {"fc": LayerUpdate(32, 32)}
-        >>> [a.rule for i in range(3) for a in rule.update(stuck, StepContext(0, i))]
+        >>> [a.rule for i in range(3) for a in rule.judge(StepContext(0, i), Measures(layer_updates=stuck))]
         ['update_none']
         >>> bf16 = {"fc": LayerUpdate(32, 31, low_precision=True)}
         >>> stale = UpdateRule(patience=2)
-        >>> [a.rule for i in range(2) for a in stale.update(bf16, StepContext(0, i))]
+        >>> [a.rule for i in range(2) for a in stale.judge(StepContext(0, i), Measures(layer_updates=bf16))]
         ['update_stale']
         >>> half = {"fc": LayerUpdate(32, 20, low_precision=True)}  # 62% unchanged while the loss falls: converging
         >>> converging = UpdateRule(patience=2)
-        >>> [a.rule for i in range(6) for a in converging.update(half, StepContext(0, i), loss=1.0 - 0.1 * i)]
+        >>> ms = [Measures(layer_updates=half, loss=1.0 - 0.1 * i) for i in range(6)]
+        >>> [a.rule for i, m in enumerate(ms) for a in converging.judge(StepContext(0, i), m)]
         []
     """
 
     specs = (UPDATE_NONE_SPEC, UPDATE_STALE_SPEC)
     state_keys = ("streaks",)
+    needs = frozenset({Measure.LAYER_UPDATES})
+    optional = frozenset({Measure.LOSS})
 
     def __init__(
         self,
@@ -210,9 +214,10 @@ class UpdateRule(Rule):
         if "losses" in state:
             self.losses.load_state_dict(state["losses"])
 
-    def update(self, layers: Mapping[str, LayerUpdate], ctx: StepContext, loss: float | None = None) -> list[Alert]:
-        """Feed one measured step (``{layer: LayerUpdate}``) and its training loss (``None``: unknown); return the
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one measured step (``{layer: LayerUpdate}``) and its training loss (``None``: unknown); return the
         alerts raised."""
+        layers, loss = m.layer_updates or {}, m.loss
         self.losses.add(loss)
         measured = {k: v for k, v in layers.items() if v.counted > 0}
         none = {
@@ -301,15 +306,18 @@ class GradNotZeroedRule(Rule):
     Latched as one source (``optimizer``): it alerts once, and again only after a check found the gradients zeroed.
 
     Example:
+        >>> from lightning_diag.rules.measures import StaleGrads
         >>> rule = GradNotZeroedRule()
-        >>> [a.rule for a in rule.update(["fc"], StepContext(0, 6), optimizers=["optimizer 0 (SGD)"])]
+        >>> m = Measures(stale_grads=StaleGrads(["fc"], optimizers=["optimizer 0 (SGD)"]))
+        >>> [a.rule for a in rule.judge(StepContext(0, 6), m)]
         ['grad_not_zeroed']
-        >>> rule.update(["fc"], StepContext(0, 11))
+        >>> rule.judge(StepContext(0, 11), Measures(stale_grads=StaleGrads(["fc"])))
         []
     """
 
     specs = (GRAD_NOT_ZEROED_SPEC,)
     state_keys = ("checks",)
+    needs = frozenset({Measure.STALE_GRADS})
 
     def __init__(self) -> None:
         super().__init__()
@@ -321,11 +329,11 @@ class GradNotZeroedRule(Rule):
         del thresholds
         return cls()
 
-    def update(
-        self, stale_layers: Collection[str], ctx: StepContext, optimizers: Sequence[str] = ()
-    ) -> list[Alert]:
-        """Feed one check (the layers whose gradients were not zeroed, empty: all were; ``optimizers``: the names
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge one check (the layers whose gradients were not zeroed, empty: all were; ``optimizers``: the names
         of the optimizers holding them); return the alerts."""
+        assert m.stale_grads is not None  # checked against `needs`
+        stale_layers, optimizers = m.stale_grads.layers, m.stale_grads.optimizers
         self.checks += 1
         layers = sorted(stale_layers)
         if not self.latch.update("optimizer", bool(layers)):

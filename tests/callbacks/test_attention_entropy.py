@@ -318,14 +318,14 @@ def test_nanogpt_learning_a_copy_task_is_quiet_and_one_alert_per_event(tmp_path,
 
     monitor = AttentionEntropyMonitor(log_every_n_steps=1)
     losses, hovering = [], []
-    update = AttentionEntropyRule.update
+    judge = AttentionEntropyRule.judge
 
-    def spy(rule, layers, ctx, loss=None):
-        if "h.1.attn" in layers:
-            hovering.append((ctx.global_step, layers["h.1.attn"].entropy[2]))
-        return update(rule, layers, ctx, loss=loss)
+    def spy(rule, ctx, m):
+        if "h.1.attn" in m.attention:
+            hovering.append((ctx.global_step, m.attention["h.1.attn"].entropy[2]))
+        return judge(rule, ctx, m)
 
-    monkeypatch.setattr(AttentionEntropyRule, "update", spy)
+    monkeypatch.setattr(AttentionEntropyRule, "judge", spy)
 
     class Losses(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

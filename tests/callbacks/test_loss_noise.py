@@ -119,10 +119,11 @@ def test_loss_swing_is_quiet_on_fresh_one_batch_epochs(tmp_path):
 
 def test_one_step_points_pool_the_step_variance_of_the_run():
     from lightning_diag.rules import LossSwingRule, StepContext
+    from lightning_diag.rules.measures import LossWindow, Measures
 
     rule = LossSwingRule()
     for e, v in enumerate([1.0, 1.2, 1.0, 1.2, 1.0]):
-        rule.update(v, StepContext(e, e))
+        rule.judge(StepContext(e, e), Measures(loss_window=LossWindow(v)))
     # successive one-step points differ by 0.2: var(L[k] - L[k-1]) = 2 s^2, so the step variance is 0.04 / 2
     assert rule.pooled_step_variance() == pytest.approx((0.02, 4.0))
 
@@ -136,11 +137,12 @@ def test_one_step_points_swing_only_up_and_down(tail, fires):
     """One-batch points are single samples: two outlying batches in a row rise, rise and fall back; an up-and-down
     of the same size against the same calm noise is a swing."""
     from lightning_diag.rules import LossSwingRule, StepContext
+    from lightning_diag.rules.measures import LossWindow, Measures
 
     calm = [1.0 + 0.05 * (-1) ** i for i in range(14)]
     rule, fired = LossSwingRule(), []
     for e, v in enumerate([*calm, *tail]):
-        fired += rule.update(v, StepContext(e, e))
+        fired += rule.judge(StepContext(e, e), Measures(loss_window=LossWindow(v)))
     assert bool(fired) is fires
 
 
@@ -161,12 +163,13 @@ def test_scheduled_learning_rates_are_no_swing(tmp_path, schedule, kwargs):
 
 def test_a_rise_with_the_rate_within_lr_ratio_is_the_schedule():
     from lightning_diag.rules import LossSwingRule, StepContext
+    from lightning_diag.rules.measures import LossWindow, Measures
 
     def run(factor: float) -> list[int]:
         rule, fired = LossSwingRule(), []
         points = [1.0, 1.3, 1.0, 1.3, 1.0, 1.3]
         for e, (v, lr) in enumerate(zip(points, [1.0, factor] * 3, strict=True)):
-            if rule.update(v, StepContext(e, 16 * e), steps=16, variance=0.01, lr=lr):
+            if rule.judge(StepContext(e, 16 * e), Measures(loss_window=LossWindow(v, steps=16, variance=0.01, lr=lr))):
                 fired.append(e)
         return fired
 
@@ -243,12 +246,13 @@ def test_val_fluctuation_discounts_the_validation_noise(relative_se, fires):
     """A validation loss zig-zagging by 40% of its level fires when its standard error is 1% of it, not when it is
     30%: then the zig-zag is the validation set's own noise."""
     from lightning_diag.rules import StepContext, ValFluctuationRule
+    from lightning_diag.rules.measures import Measures, Validation
 
     rule, fired = ValFluctuationRule(), []
     train = [1.0, 0.9, 0.8, 0.72, 0.65, 0.59]
     val = [1.0, 1.4, 0.9, 1.5, 0.9, 1.4]  # the window of the first five is judged at the sixth
     for i, (t, v) in enumerate(zip(train, val, strict=True)):
-        fired += rule.update(t, v, StepContext(i, 10 * i), se=relative_se * v)
+        fired += rule.judge(StepContext(i, 10 * i), Measures(validation=Validation(v, train=t, se=relative_se * v)))
     assert bool(fired) is fires
     assert math.isfinite(rule.last_noise)  # judged, and its margin noted: the ratio's excess where the rest holds
     assert (rule.peaks["val_fluctuation"] > 1) is fires

@@ -15,6 +15,7 @@ import torch
 from lightning_diag import AnomalyAlarm
 from lightning_diag.demo import build_fault
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import Measures, StepLosses
 from lightning_diag.rules.runtime import LossOutlierRule, outlier_excess
 from tests.callbacks.tiny import FAST
 
@@ -34,7 +35,8 @@ def _feed(losses: list[float], every: int = 5, untrained: float = 1.4) -> tuple[
     found = []
     for start in range(0, len(series), every):
         chunk = slice(start, start + every)
-        found += [a.global_step for a in rule.update(series[chunk], steps[chunk], StepContext(0, steps[chunk][-1]))]
+        losses = Measures(step_losses=StepLosses(series[chunk], steps[chunk]))
+        found += [a.global_step for a in rule.judge(StepContext(0, steps[chunk][-1]), losses)]
     return rule, found
 
 
@@ -83,12 +85,13 @@ def test_the_excess_is_the_statistic_that_decides():
 def test_the_last_loss_of_a_call_is_judged_at_the_next_and_survives_a_checkpoint():
     rule = LossOutlierRule()
     hist = [1.4] * 8 + _steady(30, 0.1)
-    rule.update(hist, list(range(len(hist))), StepContext(0, len(hist)))
-    assert rule.update([0.1, 3.0], [38, 39], StepContext(0, 39)) == []  # step 39 waits for its successor
+    rule.judge(StepContext(0, len(hist)), Measures(step_losses=StepLosses(hist, list(range(len(hist))))))
+    # step 39 waits for its successor
+    assert rule.judge(StepContext(0, 39), Measures(step_losses=StepLosses([0.1, 3.0], [38, 39]))) == []
     assert rule.pending == [[39.0, 3.0]] and rule.before == [0.1]
     resumed = LossOutlierRule()
     resumed.load_state_dict(rule.state_dict())
-    (alert,) = resumed.update([0.1], [40], StepContext(1, 40))
+    (alert,) = resumed.judge(StepContext(1, 40), Measures(step_losses=StepLosses([0.1], [40])))
     assert (alert.global_step, alert.value) == (39, 3.0)
     old = {k: v for k, v in rule.state_dict().items() if k not in ("pending", "before")}
     legacy = LossOutlierRule()
@@ -138,7 +141,8 @@ def test_under_gradient_accumulation_a_step_is_its_micro_batches():
         rule, found = LossOutlierRule(), []
         for start in range(0, len(losses), 10):
             chunk = slice(start, start + 10)
-            found += [a.global_step for a in rule.update(losses[chunk], labels[chunk], StepContext(0, start))]
+            measured = Measures(step_losses=StepLosses(losses[chunk], labels[chunk]))
+            found += [a.global_step for a in rule.judge(StepContext(0, start), measured)]
         assert rule.span == 2
         return found
 

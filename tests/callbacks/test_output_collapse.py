@@ -150,13 +150,15 @@ def test_the_input_spread_is_unknown_for_token_ids_and_the_output_is_judged_alon
     _, stats = watch.take()
     assert all(v != v for v in stats[3:].tolist())  # nan: no floating-point input
     from lightning_diag.rules.base import StepContext
+    from lightning_diag.rules.measures import Measures, OutputSpread
     from lightning_diag.rules.output_collapse import OutputCollapseRule
 
     alone, against = OutputCollapseRule(patience=1), OutputCollapseRule(patience=1)
-    (alert,) = alone.update(0.005, 1.0, 8, "<root>", StepContext(0, 0))  # 0.005 of the level, inputs unknown
+    # 0.005 of the level, inputs unknown
+    (alert,) = alone.judge(StepContext(0, 0), Measures(output_spread=OutputSpread(0.005, 1.0, 8, "<root>")))
     assert alert.value == pytest.approx(0.005 / 1.005) and "inputs' spread not known" in alert.message
     # the same outputs from inputs that are as narrow (a denoiser's cloud): they follow their inputs
-    assert against.update(0.005, 1.0, 8, "<root>", StepContext(0, 0), 0.02) == []
+    assert against.judge(StepContext(0, 0), Measures(output_spread=OutputSpread(0.005, 1.0, 8, "<root>", 0.02))) == []
     assert against.last == pytest.approx(0.005 / 1.005 / 0.02)
     assert output_spread(torch.tensor([2.0])).tolist() == [0.0, 2.0, 1.0]
 

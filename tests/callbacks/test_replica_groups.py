@@ -8,7 +8,13 @@ from torch import nn
 
 from lightning_diag.callbacks.anomaly_alarm.silent_checks import ReplicaCheck
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import Measures, ReplicaDifferences
 from lightning_diag.rules.replicas import DesyncRule, first_differences, member_differences
+
+
+def _differences(per_param, names, first, compared=None):
+    """The measures of one comparison of the replicas' checksums."""
+    return Measures(replica_differences=ReplicaDifferences(per_param, names, first, compared))
 
 
 def test_two_groups_judged_together_name_the_first_parameter_and_only_its_ranks() -> None:
@@ -20,12 +26,12 @@ def test_two_groups_judged_together_name_the_first_parameter_and_only_its_ranks(
     per_param = [0.0, 0.5, 0.0, 0.0, 1.0]  # parameters 2 and 3 have no replica (pure shards)
     rule = DesyncRule(1e-6)
     names = [f"p{i}" for i in range(5)]
-    (alert,) = rule.judge(per_param, names, first, StepContext(0, 10), compared=3)
+    (alert,) = rule.judge(StepContext(0, 10), _differences(per_param, names, first, compared=3))
     assert alert.source == "p1" and alert.value == 0.5
     assert "rank(s) 3 differs from its replica(s) on rank(s) 1" in alert.message
     assert "2 of 3 replicated" in alert.message
-    assert rule.judge(per_param, names, first, StepContext(0, 20)) == []  # latched
-    assert rule.judge([0.0] * 5, names, {}, StepContext(0, 30)) == []
+    assert rule.judge(StepContext(0, 20), _differences(per_param, names, first)) == []  # latched
+    assert rule.judge(StepContext(0, 30), _differences([0.0] * 5, names, {})) == []
     assert rule.checks == 3 and rule.last_max_diff == 0.0
 
 

@@ -18,6 +18,7 @@ from lightning_diag.instrument.runtime_probes import (
     train_override_effects,
     unconverged_spectral_norms,
 )
+from lightning_diag.rules.measures import Measures, StepLosses
 from lightning_diag.rules.runtime import LossOutlierRule, loss_outliers
 
 FAST = {
@@ -184,7 +185,7 @@ def test_loss_outliers_need_history_and_the_untrained_level():
 
 def test_loss_outlier_rule_state_round_trips():
     rule = LossOutlierRule(window=8)  # the untrained level: the median of the first window / 4 = 2 steps
-    rule.update([1.0, 0.5, 0.4, 0.3, 0.3], [1, 2, 3, 4, 5], _ctx(5))
+    rule.judge(_ctx(5), Measures(step_losses=StepLosses([1.0, 0.5, 0.4, 0.3, 0.3], [1, 2, 3, 4, 5])))
     copy = LossOutlierRule(window=8)
     copy.load_state_dict(rule.state_dict())
     assert copy.history == rule.history and copy.initial == rule.initial == 0.75

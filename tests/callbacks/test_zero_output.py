@@ -14,6 +14,7 @@ from lightning_diag import AnomalyAlarm
 from lightning_diag.demo import build_fault, run_demo
 from lightning_diag.instrument.output_watch import ZeroOutputWatch
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import Measures, ZeroOutputs
 from lightning_diag.rules.runtime import ZeroOutputRule
 from tests import launch
 
@@ -207,14 +208,14 @@ def test_watch_reads_tuple_outputs_and_skips_losses_integers_and_empty_outputs()
 def test_rule_judges_transitions_and_round_trips_its_state():
     rule = ZeroOutputRule(history=2)
     ctx = StepContext(0, 0)
-    assert rule.update(["a", "b"], ["b"], ctx) == []  # b zero from the start
-    assert rule.update(["a", "b"], [], ctx) == []
-    assert rule.update(["a", "b"], [], ctx) == []
-    alerts = rule.update(["a", "b"], ["a", "b"], StepContext(1, 30))
+    assert rule.judge(ctx, Measures(zero_outputs=ZeroOutputs(["a", "b"], ["b"]))) == []  # b zero from the start
+    assert rule.judge(ctx, Measures(zero_outputs=ZeroOutputs(["a", "b"], []))) == []
+    assert rule.judge(ctx, Measures(zero_outputs=ZeroOutputs(["a", "b"], []))) == []
+    alerts = rule.judge(StepContext(1, 30), Measures(zero_outputs=ZeroOutputs(["a", "b"], ["a", "b"])))
     assert [(a.source, a.global_step, a.value) for a in alerts] == [("a", 30, 1.0)]
     copy = ZeroOutputRule(history=2)
     copy.load_state_dict(rule.state_dict())
-    assert copy.zeroed == ["b", "a"] and copy.update(["a"], ["a"], ctx) == []
+    assert copy.zeroed == ["b", "a"] and copy.judge(ctx, Measures(zero_outputs=ZeroOutputs(["a"], ["a"]))) == []
 
 
 # -- under DDP: a zero on one rank is judged on every rank ----------------------------------------------------------

@@ -1,13 +1,28 @@
 import pytest
 
 from lightning_diag.rules import Latch, LossSwingRule, StepContext, ValDeclineRule, ValFluctuationRule
+from lightning_diag.rules.measures import LossWindow, Measures, Validation
+
+
+def _val(train, val):
+    """The measures of one validation run of value `val` after a mean training loss of `train`."""
+    return Measures(validation=Validation(val, train=train))
+
+
+def _validate(rule, i, train, val):
+    """`rule`'s alerts on the `i`-th validation run (epoch `i`, 20 steps an epoch)."""
+    return rule.judge(StepContext(i, 20 * (i + 1)), _val(train, val))
 
 
 def feed(rule, values, spread=(0.01**2, 20)):
     """Feed the values; to ``loss_swing``, as epoch means of 20 steps whose step losses spread by 0.01 (far below
     the changes judged)."""
-    noise = {"steps": spread[1], "variance": spread[0]} if isinstance(rule, LossSwingRule) else {}
-    return [len(rule.update(v, StepContext(i, 20 * (i + 1)), **noise)) for i, v in enumerate(values)]
+    def measures(v):
+        if isinstance(rule, LossSwingRule):
+            return Measures(loss_window=LossWindow(v, steps=spread[1], variance=spread[0]))
+        return Measures(validation=Validation(v))
+
+    return [len(rule.judge(StepContext(i, 20 * (i + 1)), measures(v))) for i, v in enumerate(values)]
 
 
 @pytest.mark.parametrize(
@@ -38,7 +53,7 @@ CURRICULUM = [  # (epoch mean, steps, step-loss standard deviation)
 
 def feed_points(rule, points):
     return [
-        len(rule.update(v, StepContext(i, 16 * (i + 1)), steps=n, variance=sd**2))
+        len(rule.judge(StepContext(i, 16 * (i + 1)), Measures(loss_window=LossWindow(v, steps=n, variance=sd**2))))
         for i, (v, n, sd) in enumerate(points)
     ]
 
@@ -71,7 +86,7 @@ def test_loss_swing_alert_content():
     alerts = [
         a
         for i, v in enumerate([1.0, 1.2, 1.44, 1.8])
-        for a in rule.update(v, StepContext(i, 20 * (i + 1)), steps=20, variance=0.01**2)
+        for a in rule.judge(StepContext(i, 20 * (i + 1)), Measures(loss_window=LossWindow(v, 20, 0.01**2)))
     ]
     (a,) = alerts
     assert (a.rule, a.severity, a.epoch, a.global_step, a.source) == (
@@ -104,13 +119,13 @@ def test_val_fluctuation():
     train = [1.0 * 0.8**k for k in range(6)]
     val = [1.0, 1.4, 0.9, 1.5, 0.9, 1.4]
     fired = [
-        len(rule.update(t, v, StepContext(i, 20 * (i + 1)))) for i, (t, v) in enumerate(zip(train, val, strict=False))
+        len(_validate(rule, i, t, v)) for i, (t, v) in enumerate(zip(train, val, strict=False))
     ]
     assert fired == [0, 0, 0, 0, 0, 1]  # the first 5 runs are judged once the training period after them is known
     quiet = ValFluctuationRule()
     smooth_val = [1.2 * 0.85**k for k in range(6)]
     pairs = enumerate(zip(train, smooth_val, strict=True))
-    assert all(not quiet.update(t, v, StepContext(i, 20 * (i + 1))) for i, (t, v) in pairs)
+    assert all(not quiet.judge(StepContext(i, 20 * (i + 1)), _val(t, v)) for i, (t, v) in pairs)
 
 
 @pytest.mark.parametrize(
@@ -135,7 +150,7 @@ def test_val_fluctuation():
 def test_val_fluctuation_is_judged_against_the_initial_scale(train, val, fires_at):
     rule = ValFluctuationRule()
     fired = [
-        len(rule.update(t, v, StepContext(i, 20 * (i + 1)))) for i, (t, v) in enumerate(zip(train, val, strict=True))
+        len(_validate(rule, i, t, v)) for i, (t, v) in enumerate(zip(train, val, strict=True))
     ]
     assert [i for i, n in enumerate(fired) if n] == fires_at
 
@@ -145,7 +160,7 @@ def test_val_fluctuation_quiet_near_zero():
     train = [0.001] * 6
     val = [0.002, 0.004, 0.002, 0.004, 0.002, 0.004]
     assert all(
-        not rule.update(t, v, StepContext(i, 20 * (i + 1))) for i, (t, v) in enumerate(zip(train, val, strict=False))
+        not _validate(rule, i, t, v) for i, (t, v) in enumerate(zip(train, val, strict=False))
     )
 
 
@@ -154,9 +169,11 @@ def test_state_roundtrip_and_missing_keys(factory):
     rule = factory()
     for i, v in enumerate([1.0, 1.3, 1.0, 1.3]):
         if isinstance(rule, ValFluctuationRule):
-            rule.update(v, v, StepContext(i, 20 * (i + 1)))
+            rule.judge(StepContext(i, 20 * (i + 1)), _val(v, v))
+        elif isinstance(rule, ValDeclineRule):
+            rule.judge(StepContext(i, 20 * (i + 1)), Measures(validation=Validation(v)))
         else:
-            rule.update(v, StepContext(i, 20 * (i + 1)))
+            rule.judge(StepContext(i, 20 * (i + 1)), Measures(loss_window=LossWindow(v)))
     clone = factory()
     clone.load_state_dict(rule.state_dict())
     assert clone.state_dict() == rule.state_dict()

@@ -4,6 +4,7 @@ from lightning_diag.rules.attention_entropy import START_HOLD, AttentionEntropyR
 from lightning_diag.rules.attention_sink import AttentionSinkRule
 from lightning_diag.rules.attention_specs import LayerStats
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import Measures
 
 
 def layer(entropy, uniform=2.7, mass=0.1, share=0.15, first=(), causal=False):
@@ -20,9 +21,14 @@ def layer(entropy, uniform=2.7, mass=0.1, share=0.15, first=(), causal=False):
     }
 
 
+def _attn(stats):
+    """The measures of one attention module `attn` measured as `stats`."""
+    return Measures(attention={"attn": stats})
+
+
 def fired(rule, feed, start=0):
     return [
-        [(a.rule, a.source, a.severity.value) for a in rule.update(x, StepContext(0, start + i))]
+        [(a.rule, a.source, a.severity.value) for a in rule.judge(StepContext(0, start + i), Measures(attention=x))]
         for i, x in enumerate(feed)
     ]
 
@@ -72,13 +78,14 @@ def test_sink_needs_every_head_and_twice_the_uniform_share():
 def test_state_round_trip_continues_the_streak(factory):
     bad = layer([0.1, 0.2], mass=[0.9, 0.9])
     first = factory()
-    first.update(bad, StepContext(0, 0))
+    first.judge(StepContext(0, 0), Measures(attention=bad))
     second = factory()
     second.load_state_dict(first.state_dict())
-    assert second.update(bad, StepContext(0, 1))  # the streak survived: alerts on the second measurement
+    # the streak survived: alerts on the second measurement
+    assert second.judge(StepContext(0, 1), Measures(attention=bad))
     third = factory()
     third.load_state_dict(second.state_dict())
-    assert third.update(bad, StepContext(0, 2)) == []  # and so did the latch
+    assert third.judge(StepContext(0, 2), Measures(attention=bad)) == []  # and so did the latch
     state = third.state_dict()
     del state["latch"]
     with pytest.raises(KeyError, match="latch"):
@@ -133,10 +140,10 @@ def test_causal_sink_heads_get_one_info_note_per_module():
     got = fired(rule, [SINK] * 3 + [CONTENT] + [SINK] * 3)
     notes = [(i, x) for i, step in enumerate(got) for x in step if x[2] == "info"]
     assert notes == [(1, ("attn_entropy_low", "enc.attn", "info"))]  # once, after `patience`, never again
-    note = rule.update(SINK, StepContext(0, 99))
+    note = rule.judge(StepContext(0, 99), Measures(attention=SINK))
     assert note == []
     fresh = AttentionEntropyRule(warmup_steps=0, patience=1)
-    got = {a.severity.value: a for a in fresh.update(MIXED, StepContext(0, 0))}
+    got = {a.severity.value: a for a in fresh.judge(StepContext(0, 0), Measures(attention=MIXED))}
     assert set(got) == {"info", "warning"}  # head 0 is a sink (note), head 1 collapsed on content (warning)
     assert got["warning"].source == "enc.attn/head_1"
     assert "1 of 2 heads" in got["info"].message and "head_0" in got["info"].message
@@ -144,7 +151,7 @@ def test_causal_sink_heads_get_one_info_note_per_module():
 
 def test_causal_layer_of_sink_heads_is_info_for_the_sink_rule():
     rule = AttentionSinkRule(patience=1)
-    (alert,) = rule.update(SINK, StepContext(0, 0))
+    (alert,) = rule.judge(StepContext(0, 0), Measures(attention=SINK))
     assert (alert.rule, alert.severity) == ("attn_sink", "info")
     assert "first key" in alert.message
     # causal, but the special mass sits on the last key (EOS), not the first one: still a warning
@@ -154,13 +161,13 @@ def test_causal_layer_of_sink_heads_is_info_for_the_sink_rule():
 
 def test_sink_state_survives_a_round_trip():
     first = AttentionEntropyRule(warmup_steps=0)
-    first.update(SINK, StepContext(0, 0))
+    first.judge(StepContext(0, 0), Measures(attention=SINK))
     second = AttentionEntropyRule(warmup_steps=0)
     second.load_state_dict(first.state_dict())
-    assert [a.severity for a in second.update(SINK, StepContext(0, 1))] == ["info"]
+    assert [a.severity for a in second.judge(StepContext(0, 1), Measures(attention=SINK))] == ["info"]
     third = AttentionEntropyRule(warmup_steps=0)
     third.load_state_dict(second.state_dict())
-    assert third.update(SINK, StepContext(0, 2)) == []
+    assert third.judge(StepContext(0, 2), Measures(attention=SINK)) == []
 
 
 def modules(**entropy):
@@ -204,7 +211,7 @@ HEALTHY8, COLLAPSED8 = [1.5] * 8, [0.3, 0.1, 0.2, 0.05, 0.4, 0.3, 0.2, 0.1]
 )
 def test_heads_tripping_together_make_one_alert_table(feed, expected):
     rule = AttentionEntropyRule(warmup_steps=0)
-    got = [rule.update(x, StepContext(0, i)) for i, x in enumerate(feed)]
+    got = [rule.judge(StepContext(0, i), Measures(attention=x)) for i, x in enumerate(feed)]
     assert [[(a.source, a.value) for a in step] for step in got] == [[x[:2] for x in step] for step in expected]
     for step, want in zip(got, expected, strict=True):
         for alert, (_, _, text) in zip(step, want, strict=True):
@@ -213,7 +220,7 @@ def test_heads_tripping_together_make_one_alert_table(feed, expected):
 
 def test_diffuse_heads_at_one_step_make_one_info_alert():
     diffuse = {m: LayerStats([4.7, 4.6, 3.0], [4.85] * 3, [0.1] * 3, [0.15] * 3) for m in ("a", "b")}
-    (alert,) = AttentionEntropyRule(warmup_steps=0, patience=1).update(diffuse, StepContext(0, 0))
+    (alert,) = AttentionEntropyRule(warmup_steps=0, patience=1).judge(StepContext(0, 0), Measures(attention=diffuse))
     assert (alert.rule, alert.severity, alert.source, alert.value) == ("attn_entropy_high", "info", "a/head_0", 4.7)
     assert "4 heads in 2 modules" in alert.message
 
@@ -224,12 +231,12 @@ def test_modules_sinking_at_one_step_make_one_alert():
         m: LayerStats([0.2, 0.3], [2.7, 2.7], mass, [0.13, 0.13])
         for m, mass in (("a", [0.9, 0.8]), ("b", [0.95, 0.92]))
     }
-    (alert,) = rule.update(sunk, StepContext(0, 0))
+    (alert,) = rule.judge(StepContext(0, 0), Measures(attention=sunk))
     assert (alert.rule, alert.severity, alert.source, alert.value) == ("attn_sink", "warning", "b", 0.92)
     assert "2 layers: `b` 0.92, `a` 0.8" in alert.message
-    assert rule.update(sunk, StepContext(0, 1)) == []  # latched per module
+    assert rule.judge(StepContext(0, 1), Measures(attention=sunk)) == []  # latched per module
     third = {**sunk, "c": sunk["a"]}
-    assert [a.source for a in rule.update(third, StepContext(0, 2))] == ["c"]
+    assert [a.source for a in rule.judge(StepContext(0, 2), Measures(attention=third))] == ["c"]
 
 
 # Sharp by learning is not a collapse (issue 23): the alarm's beginning is judged by how the head got there.
@@ -244,7 +251,7 @@ FALLING_LOSS = [3.4 - 0.3 * i for i in range(len(GRADUAL))]
 
 def severities(rule, entropies, losses, other=1.8):
     got = [
-        rule.update(two_heads(e, other), StepContext(0, i * 5), loss=loss)
+        rule.judge(StepContext(0, i * 5), Measures(attention=two_heads(e, other), loss=loss))
         for i, (e, loss) in enumerate(zip(entropies, losses, strict=True))
     ]
     return [(i, a.severity.value) for i, step in enumerate(got) for a in step if a.rule == "attn_entropy_low"]
@@ -292,8 +299,8 @@ def test_entropy_low_margin_is_the_warnings():
 
 def test_every_head_of_a_layer_low_is_a_collapse_even_gradually():
     rule = AttentionEntropyRule(warmup_steps=0)
-    got = [rule.update(modules(a=[e, e]), StepContext(0, i), loss=loss) for i, (e, loss) in enumerate(
-        zip(GRADUAL, FALLING_LOSS, strict=True))]  # fmt: skip
+    feed = [Measures(attention=modules(a=[e, e]), loss=loss) for e, loss in zip(GRADUAL, FALLING_LOSS, strict=True)]
+    got = [rule.judge(StepContext(0, i), m) for i, m in enumerate(feed)]
     alerts = [(i, a) for i, step in enumerate(got) for a in step]
     assert [(i, a.severity.value) for i, a in alerts] == [(6, "warning")]
     assert "2 heads in 1 module" in alerts[0][1].message and "every head of the layer" in alerts[0][1].message
@@ -314,7 +321,8 @@ def test_a_whole_layer_peaked_from_its_first_measurement_is_a_collapse_only_whil
     # Lightning's demo transformer scales its embeddings by sqrt(200): every head near one-hot from step 0 while
     # the model learns (info); the same picture with a flat loss stays a warning
     rule = AttentionEntropyRule(warmup_steps=0)
-    got = [rule.update(modules(a=[0.05, 0.08]), StepContext(0, 5 * i), loss=loss) for i, loss in enumerate(losses)]
+    feed = [Measures(attention=modules(a=[0.05, 0.08]), loss=loss) for loss in losses]
+    got = [rule.judge(StepContext(0, 5 * i), m) for i, m in enumerate(feed)]
     assert [(i, a.severity.value) for i, step in enumerate(got) for a in step] == expected
 
 
@@ -337,10 +345,10 @@ def test_clearly_worse_alerts_again_once():
 def test_history_and_losses_survive_a_round_trip():
     first = AttentionEntropyRule(warmup_steps=0)
     for i, (e, loss) in enumerate([(1.8, 2.0), (0.05, 2.6)]):
-        first.update(two_heads(e), StepContext(0, i), loss=loss)
+        first.judge(StepContext(0, i), Measures(attention=two_heads(e), loss=loss))
     second = AttentionEntropyRule(warmup_steps=0)
     second.load_state_dict(first.state_dict())
-    (alert,) = second.update(two_heads(0.05), StepContext(0, 2), loss=2.7)
+    (alert,) = second.judge(StepContext(0, 2), Measures(attention=two_heads(0.05), loss=2.7))
     assert alert.severity == "warning"  # the abrupt fall and the rising loss were remembered
 
 
@@ -351,7 +359,7 @@ def test_entropy_high_holds_its_event_while_the_batch_room_moves_around_the_boun
     fired = []
     for step, u in enumerate(uniforms):
         stats = {"attn": LayerStats([u], [u], [0.0], [0.1])}
-        fired += [a.rule for a in rule.update(stats, StepContext(0, step))]
+        fired += [a.rule for a in rule.judge(StepContext(0, step), Measures(attention=stats))]
     assert fired == ["attn_entropy_high"]
 
 
@@ -359,7 +367,7 @@ def test_entropy_high_clears_when_the_head_focuses_and_alerts_the_next_event():
     rule = AttentionEntropyRule(patience=2, warmup_steps=0)
     ents = [2.6, 2.6, 2.6, 1.5, 1.5, 1.5, 2.6, 2.6]  # diffuse, focused for 3 measurements, diffuse again
     fired = [
-        [a.rule for a in rule.update({"attn": LayerStats([e], [2.6], [0.0], [0.1])}, StepContext(0, s))]
+        [a.rule for a in rule.judge(StepContext(0, s), _attn(LayerStats([e], [2.6], [0.0], [0.1])))]
         for s, e in enumerate(ents)
     ]
     assert [s for s, f in enumerate(fired) if f] == [1, 7]
@@ -370,7 +378,7 @@ def test_entropy_low_hovering_around_the_bound_is_one_event():
     ents = [1.5, 0.45, 0.48, 0.55, 0.52, 0.58, 0.47, 0.53, 0.56, 0.49, 0.46]
     alerts = []
     for step, e in enumerate(ents):
-        alerts += rule.update({"attn": LayerStats([e, 1.5], [2.7, 2.7], [0.0, 0.0], [0.1, 0.1])}, StepContext(0, step))
+        alerts += rule.judge(StepContext(0, step), _attn(LayerStats([e, 1.5], [2.7, 2.7], [0.0, 0.0], [0.1, 0.1])))
     assert [a.rule for a in alerts] == ["attn_entropy_low"]
 
 
@@ -378,7 +386,7 @@ def test_sink_hovering_around_its_mass_is_one_event():
     rule = AttentionSinkRule(patience=2)
     masses = [0.6, 0.6, 0.48, 0.47, 0.46, 0.6, 0.6, 0.45, 0.6]  # three below 0.5 would clear a plain latch
     fired = [
-        len(rule.update({"attn": LayerStats([0.3], [2.7], [m], [0.13])}, StepContext(0, s)))
+        len(rule.judge(StepContext(0, s), _attn(LayerStats([0.3], [2.7], [m], [0.13]))))
         for s, m in enumerate(masses)
     ]
     assert sum(fired) == 1

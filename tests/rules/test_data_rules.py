@@ -8,6 +8,7 @@ import pytest
 
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.data import DataMeasurement, DataRules, InputProblem
+from lightning_diag.rules.measures import Measures
 
 CTX = StepContext(0, 0)
 
@@ -35,28 +36,28 @@ CTX = StepContext(0, 0)
     ],
 )
 def test_rules_fire_at_their_thresholds(measurement, expected):
-    alerts = DataRules().update(measurement, CTX)
+    alerts = DataRules().judge(CTX, Measures(data=measurement))
     assert [(a.rule, a.severity.value, a.source) for a in alerts] == expected
 
 
 def test_latched_until_cleared_and_state_round_trip():
     rules = DataRules()
     bad = DataMeasurement(label_std={"train": 0.3}, label_counts={"train": [90, 10]})
-    (alert,) = rules.update(bad, CTX)
+    (alert,) = rules.judge(CTX, Measures(data=bad))
     assert "0: 90%, 1: 10%" in alert.message and alert.threshold == 0.1
-    assert rules.update(bad, CTX) == []
+    assert rules.judge(CTX, Measures(data=bad)) == []
     restored = DataRules()
     restored.load_state_dict(rules.state_dict())
-    assert restored.update(bad, CTX) == [] and restored.measurements == 3
-    assert restored.update(DataMeasurement(label_std={"train": 0.0}), CTX) == []
-    assert [a.rule for a in restored.update(bad, CTX)] == ["label_imbalance"]  # cleared, then again
+    assert restored.judge(CTX, Measures(data=bad)) == [] and restored.measurements == 3
+    assert restored.judge(CTX, Measures(data=DataMeasurement(label_std={"train": 0.0}))) == []
+    assert [a.rule for a in restored.judge(CTX, Measures(data=bad))] == ["label_imbalance"]  # cleared, then again
 
 
 def test_nonfinite_message_names_key_and_indices_and_clears():
     rules = DataRules()
     problem = InputProblem("train", "pixel_values", "nonfinite", 7, (1, 5, 8, 13, 21))
-    (alert,) = rules.update(DataMeasurement(problems=[problem]), CTX)
+    (alert,) = rules.judge(CTX, Measures(data=DataMeasurement(problems=[problem])))
     assert "`pixel_values`" in alert.message and "1, 5, 8, 13, 21, ..." in alert.message
-    assert rules.update(DataMeasurement(problems=[problem]), CTX) == []
-    rules.update(DataMeasurement(), CTX)
-    assert len(rules.update(DataMeasurement(problems=[problem]), CTX)) == 1
+    assert rules.judge(CTX, Measures(data=DataMeasurement(problems=[problem]))) == []
+    rules.judge(CTX, Measures(data=DataMeasurement()))
+    assert len(rules.judge(CTX, Measures(data=DataMeasurement(problems=[problem])))) == 1

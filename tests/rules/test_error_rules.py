@@ -6,7 +6,12 @@ import pytest
 
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.errors import ErrorClusterRule, describe_members, token_ranges
+from lightning_diag.rules.measures import ErrorGroups, Measures
 
+
+def _groups(groups, overall_rate, **parts):
+    """The measures of one error analysis: its candidate `groups` and the overall error rate."""
+    return Measures(error_groups=ErrorGroups(groups, overall_rate, **parts))
 
 def group(**changes):
     values = dict(features=("7", "7 9", "label=1"), size=140, share=0.14, error_rate=0.51, rest_error_rate=0.04,
@@ -39,16 +44,16 @@ def test_the_level_is_spent_over_the_validations_of_a_fit():
 def test_the_message_names_features_size_rates_lift_and_p_worst_first():
     rule = ErrorClusterRule()
     weaker = group(features=("source=forum",), share=0.06, size=60, lift=3.5, p_adjusted=1e-5)
-    [alert] = rule.update([weaker, group()], 0.105, StepContext(0, 10), decode=lambda f: f"<{f}>")
+    [alert] = rule.judge(StepContext(0, 10), _groups([weaker, group()], 0.105, decode=lambda f: f"<{f}>"))
     message = alert.message
     assert message.startswith("2 group(s) of validation samples fail far more often than the rest (overall error "
                               "rate 10.5%): samples with token 7 ('<7>'), tokens '7 9' ('<7 9>'), label=1: 140 "
                               "samples (14%), error rate 51.0% against 4.0% for the rest (4.9x overall), p = 1e-30 "
                               "corrected, mostly label 1 predicted as 0; samples with source=forum")
     assert alert.value == pytest.approx(4.9) and alert.threshold == 3.0
-    assert rule.update([group()], 0.105, StepContext(0, 20)) == []  # latched
-    assert rule.update([group(lift=1.0)], 0.105, StepContext(0, 30)) == []  # cleared
-    assert len(rule.update([group()], 0.105, StepContext(0, 40))) == 1  # a new event
+    assert rule.judge(StepContext(0, 20), _groups([group()], 0.105)) == []  # latched
+    assert rule.judge(StepContext(0, 30), _groups([group(lift=1.0)], 0.105)) == []  # cleared
+    assert len(rule.judge(StepContext(0, 40), _groups([group()], 0.105))) == 1  # a new event
 
 
 def member(name, size=14):
@@ -66,7 +71,7 @@ def test_a_disjunction_is_described_by_token_ranges_and_other_members_with_the_u
     g = group(features=tuple(m.features[0] for m in members), kind="disjunction", members=members, size=150,
               share=0.15, error_rate=0.45, alternates=("180 181",))
     assert describe_members(g) == "holding any of tokens 180–189, source=forum (also tokens '180 181')"
-    [alert] = ErrorClusterRule().update([g], 0.1, StepContext(0, 10))
+    [alert] = ErrorClusterRule().judge(StepContext(0, 10), _groups([g], 0.1))
     assert ("samples holding any of tokens 180–189, source=forum (also tokens '180 181'): 150 samples (15%), error "
             "rate 45.0% against 4.0% for the rest (4.9x overall), p = 1e-30 corrected, 11 slices that fail "
             "together") in alert.message

@@ -3,10 +3,15 @@ import pytest
 from lightning_diag.rules.base import StepContext, name_layers
 from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule, sgd_step_scale
 from lightning_diag.rules.grad_frozen import GradFrozenRule
+from lightning_diag.rules.measures import Measures, WeightNorms
 
 
-def run(rule, series, step0=0, **kw):
-    return [[(a.rule, a.source) for a in rule.update(x, StepContext(0, step0 + i), **kw)] for i, x in enumerate(series)]
+def run(rule, field, series, step0=0, **kw):
+    """Judge each of `series` as the measure `field` (with the measures `kw`); the alerts of each step."""
+    out = []
+    for i, x in enumerate(series):
+        out.append([(a.rule, a.source) for a in rule.judge(StepContext(0, step0 + i), Measures(**{field: x}, **kw))])
+    return out
 
 
 def fired(out):
@@ -35,19 +40,19 @@ def fired(out):
     ],
 )
 def test_explode_table(series, expected):
-    assert fired(run(GradBandRule(), series)) == expected
+    assert fired(run(GradBandRule(), "grad_rms", series)) == expected
 
 
 def test_many_layers_exploding_together_are_one_alert_naming_them():
     rule = GradBandRule()
     layers = {f"h.{i}.fc": 11.0 + i for i in range(12)}
-    alerts = rule.update(layers, StepContext(0, 0))
+    alerts = rule.judge(StepContext(0, 0), Measures(grad_rms=layers))
     assert [(a.rule, a.source) for a in alerts] == [("grad_explode", "h.11.fc")]  # the worst
     assert "12 layers" in alerts[0].message and "and 9 more" in alerts[0].message
-    assert rule.update(layers, StepContext(0, 1)) == []  # latched
+    assert rule.judge(StepContext(0, 1), Measures(grad_rms=layers)) == []  # latched
     layers["h.0.fc"] = 1.0
     layers["h.0.fc"] = 30.0  # a layer that was never cleared does not re-alert
-    assert rule.update(layers, StepContext(0, 2)) == []
+    assert rule.judge(StepContext(0, 2), Measures(grad_rms=layers)) == []
 
 
 # -- grad_vanish: ||g||/||W|| of comparable matrices, starved against the best-fed block, after the warm-up -----
@@ -67,7 +72,7 @@ HEALTHY_REL = {"h.0.fc": 0.02, "h.1.fc": 0.03, "h.0.out": 0.05, "h.1.out": 0.04}
 )
 def test_vanish_table(relative, step0, expected_at):
     rule = GradBandRule()
-    out = run(rule, [{k: 0.01 for k in relative}] * 6, step0=step0, relative=relative)
+    out = run(rule, "grad_rms", [{k: 0.01 for k in relative}] * 6, step0=step0, grad_relative=relative)
     expected = [] if expected_at is None else [(expected_at, [("grad_vanish", "h.0.fc")])]
     assert fired(out) == expected
 
@@ -75,7 +80,8 @@ def test_vanish_table(relative, step0, expected_at):
 def vanish_series(series):
     rule = GradBandRule(warmup_steps=0)
     return fired(
-        [[(a.rule, a.source) for a in rule.update({}, StepContext(0, i), rel)] for i, rel in enumerate(series)]
+        [[(a.rule, a.source) for a in rule.judge(StepContext(0, i), Measures(grad_rms={}, grad_relative=rel))]
+         for i, rel in enumerate(series)]
     )
 
 
@@ -91,7 +97,7 @@ def test_vanishing_layers_at_one_step_make_one_alert():
     # a deep stack where most matrices starve: the reference is the best-fed block, not the (vanished) median
     relative = {f"enc.{i}.fc": 1e-6 * (i + 1) for i in range(8)} | {f"head.{i}": 0.05 for i in range(3)}
     rule = GradBandRule(patience=1, warmup_steps=0)
-    alerts = rule.update({}, StepContext(0, 0), relative=relative)
+    alerts = rule.judge(StepContext(0, 0), Measures(grad_rms={}, grad_relative=relative))
     assert len(alerts) == 1 and alerts[0].source == "enc.0.fc" and "8 layers" in alerts[0].message
 
 
@@ -100,19 +106,20 @@ def test_a_starved_layer_realerts_only_when_its_gap_to_the_best_fed_block_grows(
     # behind the best-fed block has clearly worsened
     rule = GradBandRule(patience=1, warmup_steps=0)
     base = {**HEALTHY_REL, "h.0.fc": 1e-6}
-    assert [a.source for a in rule.update({}, StepContext(0, 0), relative=base)] == ["h.0.fc"]
+    assert [a.source for a in rule.judge(StepContext(0, 0), Measures(grad_rms={}, grad_relative=base))] == ["h.0.fc"]
     quiet = {k: v / 16 for k, v in base.items()}
-    assert rule.update({}, StepContext(0, 1), relative=quiet) == []
-    assert rule.update({}, StepContext(0, 2), relative=base) == []
+    assert rule.judge(StepContext(0, 1), Measures(grad_rms={}, grad_relative=quiet)) == []
+    assert rule.judge(StepContext(0, 2), Measures(grad_rms={}, grad_relative=base)) == []
     worse = {**HEALTHY_REL, "h.0.fc": 5e-8}
-    assert [a.source for a in rule.update({}, StepContext(0, 3), relative=worse)] == ["h.0.fc"]
+    assert [a.source for a in rule.judge(StepContext(0, 3), Measures(grad_rms={}, grad_relative=worse))] == ["h.0.fc"]
 
 
 def test_dead_blocks_are_not_vanishing_against_a_head_outside_the_blocks():
     # BERT at a 100x learning rate: every block matrix ~0, only the classifier (no block) learns: grad_collapse's
     relative = {"enc.0.fc": 0.0, "enc.1.fc": 1e-12, "classifier": 0.5}
     rule = GradBandRule(patience=1, warmup_steps=0)
-    assert rule.update({}, StepContext(0, 0), relative=relative, blocks={"enc.0.fc", "enc.1.fc"}) == []
+    m = Measures(grad_rms={}, grad_relative=relative, blocks={"enc.0.fc", "enc.1.fc"})
+    assert rule.judge(StepContext(0, 0), m) == []
 
 
 # -- grad_layer_spread: one role across blocks -------------------------------------------------------------------
@@ -128,7 +135,7 @@ ROLES = {"h.0.fc": "h.*.fc", "h.1.fc": "h.*.fc", "norm": "norm", "head": "head"}
     ],
 )
 def test_spread_table(values, expected):
-    assert fired(run(GradSpreadRule(), [values] * 5, step0=100, roles=ROLES)) == expected
+    assert fired(run(GradSpreadRule(), "grad_relative", [values] * 5, step0=100, layer_roles=ROLES)) == expected
 
 
 def test_spread_needs_the_slow_side_update_to_be_starved_too():
@@ -137,16 +144,17 @@ def test_spread_needs_the_slow_side_update_to_be_starved_too():
     values = {"h.0.fc": 1e-6, "h.1.fc": 0.5}
     rule = GradSpreadRule()
     rule.observe_updates({"h.0.fc": 0.37, "h.1.fc": 0.12})
-    assert fired(run(rule, [values] * 5, step0=100, roles=ROLES)) == []
+    assert fired(run(rule, "grad_relative", [values] * 5, step0=100, layer_roles=ROLES)) == []
     rule = GradSpreadRule()
     rule.observe_updates({"h.0.fc": 1e-5, "h.1.fc": 0.12})  # starved update: the slow block does not learn
-    assert fired(run(rule, [values] * 5, step0=100, roles=ROLES)) == [(2, [("grad_layer_spread", "h.*.fc")])]
+    out = run(rule, "grad_relative", [values] * 5, step0=100, layer_roles=ROLES)
+    assert fired(out) == [(2, [("grad_layer_spread", "h.*.fc")])]
 
 
 def test_spread_waits_for_the_warm_up():
     values = {"h.0.fc": 1e-4, "h.1.fc": 0.5}
-    assert fired(run(GradSpreadRule(), [values] * 10, step0=0, roles=ROLES)) == []
-    assert fired(run(GradSpreadRule(warmup_steps=0), [values] * 4, roles=None))[0][0] == 2
+    assert fired(run(GradSpreadRule(), "grad_relative", [values] * 10, step0=0, layer_roles=ROLES)) == []
+    assert fired(run(GradSpreadRule(warmup_steps=0), "grad_relative", [values] * 4, layer_roles=None))[0][0] == 2
 
 
 # -- grad_collapse: the loss tells converged from dead from vanished ---------------------------------------------
@@ -154,7 +162,8 @@ def collapse(norms, losses, **kw):
     rule = GradCollapseRule(**kw)
     out = []
     for i, (n, loss) in enumerate(zip(norms, losses, strict=True)):
-        out += [(i, a.severity.value, a.message) for a in rule.update(n, StepContext(0, i), loss)]
+        alerts = rule.judge(StepContext(0, i), Measures(grad_norm=n, loss=loss))
+        out += [(i, a.severity.value, a.message) for a in alerts]
     return out
 
 
@@ -181,7 +190,7 @@ def test_collapse_margin_is_the_warnings(late_loss, margin):
     # a dead one's is the limit over the streak's norm
     rule = GradCollapseRule()
     for i, (n, loss) in enumerate(zip([1.0] * 8 + [1e-4] * 5, [1.4] * 8 + [late_loss] * 5, strict=True)):
-        rule.update(n, StepContext(0, i), loss)
+        rule.judge(StepContext(0, i), Measures(grad_norm=n, loss=loss))
     assert rule.peaks["grad_collapse"] == pytest.approx(margin)
 
 
@@ -193,7 +202,8 @@ def collapse_with_updates(updates, late_loss, norms=None):
     out = []
     for i, n in enumerate(norms):
         loss = 1.4 if i < 8 else late_loss
-        out += [(i, a.severity.value, a.message) for a in rule.update(n, StepContext(0, i), loss)]
+        alerts = rule.judge(StepContext(0, i), Measures(grad_norm=n, loss=loss))
+        out += [(i, a.severity.value, a.message) for a in alerts]
         rule.observe_updates({"a": updates[i], "b": updates[i], "c": float("nan")})
     return out
 
@@ -232,7 +242,7 @@ def test_collapse_slow_convergence_is_quiet():
 )
 def test_frozen_on_purpose_is_info_and_excluded_is_a_warning(reason, severity):
     names = ["emb.weight", "enc.0.w", "head.w"]
-    alerts = GradFrozenRule().update({"emb.weight": reason}, StepContext(0, 0), names)
+    alerts = GradFrozenRule().judge(StepContext(0, 0), Measures(stuck_params={"emb.weight": reason}, param_names=names))
     assert [(a.source, a.severity.value) for a in alerts] == [("emb", severity)]
 
 
@@ -248,17 +258,20 @@ def test_never_reached_is_an_info_and_a_gradient_that_became_zero_a_warning(reas
     names = ["a.w", "b.w"]
     rule = GradFrozenRule(patience=2)
     if reached_first:
-        assert rule.update({}, StepContext(0, 0), names) == []  # a.w had a gradient at the first measurement
-    out = [rule.update({"a.w": reason}, StepContext(0, i), names) for i in range(1, 4)]
+        # a.w had a gradient at the first measurement
+        assert rule.judge(StepContext(0, 0), Measures(stuck_params={}, param_names=names)) == []
+    stuck = Measures(stuck_params={"a.w": reason}, param_names=names)
+    out = [rule.judge(StepContext(0, i), stuck) for i in range(1, 4)]
     assert [len(x) for x in out] == [0, 1, 0] and (out[1][0].severity, out[1][0].source) == (severity, source)
 
 
 def test_a_never_reached_parameter_that_gets_a_gradient_is_judged_again():
     names = ["a.w", "b.w"]
     rule = GradFrozenRule(patience=2)
-    rule.update({"a.w": "zero_grad"}, StepContext(0, 0), names)
-    rule.update({}, StepContext(0, 1), names)  # reached once: never "unreached" again
-    out = [rule.update({"a.w": "zero_grad"}, StepContext(0, i), names) for i in range(2, 4)]
+    rule.judge(StepContext(0, 0), Measures(stuck_params={"a.w": "zero_grad"}, param_names=names))
+    rule.judge(StepContext(0, 1), Measures(stuck_params={}, param_names=names))  # reached once: never "unreached" again
+    stuck = Measures(stuck_params={"a.w": "zero_grad"}, param_names=names)
+    out = [rule.judge(StepContext(0, i), stuck) for i in range(2, 4)]
     assert [(a.severity, a.source) for x in out for a in x] == [("warning", "a")]
 
 
@@ -268,13 +281,13 @@ def test_name_layers():
 
 
 def test_grad_rules_state_roundtrip():
-    for rule, feed, kw in (
-        (GradBandRule(), {"a": 20.0}, {}),
-        (GradSpreadRule(warmup_steps=0), {"a": 1e-4, "b": 1.0}, {}),
-        (GradCollapseRule(), 1.0, {"loss": 2.0}),
+    for rule, feed in (
+        (GradBandRule(), {"grad_rms": {"a": 20.0}}),
+        (GradSpreadRule(warmup_steps=0), {"grad_relative": {"a": 1e-4, "b": 1.0}}),
+        (GradCollapseRule(), {"grad_norm": 1.0, "loss": 2.0}),
     ):
         for i in range(6):
-            rule.update(feed, StepContext(0, i), **kw)
+            rule.judge(StepContext(0, i), Measures(**feed))
         clone = type(rule)()
         clone.load_state_dict(rule.state_dict())
         assert clone.state_dict() == rule.state_dict()
@@ -297,29 +310,34 @@ def test_sgd_step_scale_table(groups, scale):
     assert sgd_step_scale(groups) == scale
 
 
+def _weights(norms, sizes, sgd):
+    """The measures of the weights' norms before a measured step (``sgd``: (lr, momentum) of plain SGD, or None)."""
+    return Measures(weight_norms=WeightNorms(norms, sizes, sgd))
+
+
 def test_weights_moved_beyond_what_small_gradients_explain_is_grad_explode():
     rule = GradBandRule()
     ctx = StepContext(0, 0)
-    assert rule.observe_weights({"fc": 10.0}, {"fc": 100}, ctx, (0.1, 0.9)) == []
+    assert rule.judge(ctx, _weights({"fc": 10.0}, {"fc": 100}, (0.1, 0.9))) == []
     # 5 steps at lr 0.1 with momentum 0.9: a move of 600 needs a gradient of RMS >= 600 * 0.1 / (0.1 * 5 * 10) = 12
-    (alert,) = rule.observe_weights({"fc": 610.0}, {"fc": 100}, StepContext(0, 5), (0.1, 0.9))
+    (alert,) = rule.judge(StepContext(0, 5), _weights({"fc": 610.0}, {"fc": 100}, (0.1, 0.9)))
     assert alert.rule == "grad_explode" and alert.value == pytest.approx(12.0) and alert.global_step == 5
     # a move of 400 is explained by gradients of RMS 8: quiet, its margin noted
     calm = GradBandRule()
-    calm.observe_weights({"fc": 10.0}, {"fc": 100}, ctx, (0.1, 0.9))
-    assert calm.observe_weights({"fc": 410.0}, {"fc": 100}, StepContext(0, 5), (0.1, 0.9)) == []
+    calm.judge(ctx, _weights({"fc": 10.0}, {"fc": 100}, (0.1, 0.9)))
+    assert calm.judge(StepContext(0, 5), _weights({"fc": 410.0}, {"fc": 100}, (0.1, 0.9))) == []
     assert calm.peaks["grad_explode"] == pytest.approx(0.8)
     # not plain SGD: nothing is inferred, whatever the move
     adam = GradBandRule()
-    adam.observe_weights({"fc": 10.0}, {"fc": 100}, ctx, None)
-    assert adam.observe_weights({"fc": 1e9}, {"fc": 100}, StepContext(0, 5), None) == []
+    adam.judge(ctx, _weights({"fc": 10.0}, {"fc": 100}, None))
+    assert adam.judge(StepContext(0, 5), _weights({"fc": 1e9}, {"fc": 100}, None)) == []
 
 
 def test_the_last_weight_reading_survives_a_round_trip():
     rule = GradBandRule()
-    rule.observe_weights({"fc": 10.0}, {"fc": 100}, StepContext(0, 0), (0.1, 0.0))
+    rule.judge(StepContext(0, 0), _weights({"fc": 10.0}, {"fc": 100}, (0.1, 0.0)))
     restored = GradBandRule()
     restored.load_state_dict(rule.state_dict())
-    assert [a.rule for a in restored.observe_weights({"fc": 1e4}, {"fc": 100}, StepContext(0, 5), (0.1, 0.0))] == [
+    assert [a.rule for a in restored.judge(StepContext(0, 5), _weights({"fc": 1e4}, {"fc": 100}, (0.1, 0.0)))] == [
         "grad_explode"
     ]

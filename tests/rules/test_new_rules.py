@@ -7,13 +7,23 @@ import pytest
 from lightning_diag.rules import LossStagnantRule, StepContext
 from lightning_diag.rules.anomaly import DEFAULT_STAGNANT_PATIENCE, DEFAULT_STAGNANT_THRESHOLD
 from lightning_diag.rules.grad_frozen import GradFrozenRule
+from lightning_diag.rules.measures import LossWindow, Measures
 
+
+def _point(value):
+    """The measures of one closed window whose mean training loss is `value`."""
+    return Measures(loss_window=LossWindow(value))
+
+
+def _stuck(stuck):
+    """The measures of one gradient measurement whose stuck parameters are `stuck` (of the model :data:`NAMES`)."""
+    return Measures(stuck_params=stuck, param_names=NAMES)
 
 def stagnant_fires(baseline, points, **kwargs):
     rule = LossStagnantRule(**kwargs)
     if baseline is not None:
         rule.set_baseline(baseline)
-    return [i for i, v in enumerate(points) if rule.update(v, StepContext(i, 20 * (i + 1)))]
+    return [i for i, v in enumerate(points) if rule.judge(StepContext(i, 20 * (i + 1)), _point(v))]
 
 
 @pytest.mark.parametrize(
@@ -48,14 +58,14 @@ def test_loss_stagnant_needs_steps_of_evidence_not_only_points():
     # one-batch epochs: 30 flat points are 30 steps, not enough; the rule waits for 50 optimizer steps
     rule = LossStagnantRule()
     rule.set_baseline(1.0)
-    fired = [i for i in range(60) if rule.update(1.0 + 0.01 * (-1) ** i, StepContext(i, i + 1))]
+    fired = [i for i in range(60) if rule.judge(StepContext(i, i + 1), _point(1.0 + 0.01 * (-1) ** i))]
     assert fired == [49]
 
 
 def test_loss_stagnant_fires_once_then_clears_when_learning_starts():
     rule = LossStagnantRule(patience=2)
     rule.set_baseline(1.0)
-    out = [rule.update(v, StepContext(i, 30 * (i + 1))) for i, v in enumerate([1.0] * 5 + [0.5] * 3)]
+    out = [rule.judge(StepContext(i, 30 * (i + 1)), _point(v)) for i, v in enumerate([1.0] * 5 + [0.5] * 3)]
     assert [len(a) for a in out] == [0, 0, 0, 0, 1, 0, 0, 0]
     alert = out[4][0]
     assert alert.rule == "loss_stagnant" and alert.severity == "warning" and alert.source == "train_loss"
@@ -77,7 +87,7 @@ def test_loss_stagnant_state_roundtrip_and_missing_keys():
     rule = LossStagnantRule()
     rule.set_baseline(1.4)
     for i, v in enumerate([1.39, 1.38, 1.39, 1.37, 1.38]):
-        rule.update(v, StepContext(i, 20 * (i + 1)))
+        rule.judge(StepContext(i, 20 * (i + 1)), _point(v))
     clone = LossStagnantRule()
     clone.load_state_dict(rule.state_dict())
     assert clone.state_dict() == rule.state_dict() and clone.latch.active == {"train_loss"}
@@ -110,7 +120,7 @@ NAMES = [
     ],
 )
 def test_grad_frozen_groups_by_outermost_fully_stuck_module(stuck, sources):
-    alerts = GradFrozenRule().update(stuck, StepContext(0, 0), NAMES)
+    alerts = GradFrozenRule().judge(StepContext(0, 0), _stuck(stuck))
     assert [a.source for a in alerts] == sources
     # requires_grad=False is deliberate freezing (info); a trainable parameter in no optimizer is a warning.
     reasons = {a.source: {r for name, r in stuck.items() if name.startswith(a.source)} for a in alerts}
@@ -122,47 +132,46 @@ def test_grad_frozen_groups_by_outermost_fully_stuck_module(stuck, sources):
 def test_grad_frozen_zero_grad_in_the_graph_needs_patience_and_latches():
     rule = GradFrozenRule(patience=3)
     stuck = {"enc.0.lin.weight": "zero_grad", "enc.0.lin.bias": "zero_grad"}
-    rule.update({}, StepContext(0, -1), NAMES)  # it had a gradient at the first measurement, then lost it
-    out = [rule.update(stuck, StepContext(0, i), NAMES) for i in range(5)]
+    rule.judge(StepContext(0, -1), _stuck({}))  # it had a gradient at the first measurement, then lost it
+    out = [rule.judge(StepContext(0, i), _stuck(stuck)) for i in range(5)]
     assert [len(a) for a in out] == [0, 0, 1, 0, 0]
     assert out[2][0].severity == "warning" and "exactly zero" in out[2][0].message
-    assert rule.update({}, StepContext(0, 5), NAMES) == [] and not rule.latch.active  # it learns again: cleared
-    assert [len(rule.update(stuck, StepContext(0, 6 + i), NAMES)) for i in range(3)] == [0, 0, 1]
+    assert rule.judge(StepContext(0, 5), _stuck({})) == [] and not rule.latch.active  # it learns again: cleared
+    assert [len(rule.judge(StepContext(0, 6 + i), _stuck(stuck))) for i in range(3)] == [0, 0, 1]
 
 
 def test_grad_frozen_parameters_outside_the_graph_are_one_info_listing_them():
     # modules built but never called (an optional head, an encoder this configuration skips): nothing to fix
     rule = GradFrozenRule(patience=3)
     stuck = {"enc.0.lin.weight": "no_grad", "enc.0.lin.bias": "no_grad", "head.weight": "no_grad"}
-    out = [rule.update(stuck, StepContext(0, i), NAMES) for i in range(6)]
+    out = [rule.judge(StepContext(0, i), _stuck(stuck)) for i in range(6)]
     assert [len(a) for a in out] == [0, 0, 1, 0, 0, 0]
     (alert,) = out[2]
     assert (alert.rule, alert.severity, alert.source) == ("grad_frozen", "info", "unused")
     assert "`enc.0`" in alert.message and "`head`" in alert.message and "never ran" in alert.message
     assert alert.value == 3.0
     # once: gone and back, it is not repeated; a state round trip keeps that
-    rule.update({}, StepContext(0, 6), NAMES)
+    rule.judge(StepContext(0, 6), _stuck({}))
     clone = GradFrozenRule(patience=3)
     clone.load_state_dict(rule.state_dict())
-    assert [len(clone.update(stuck, StepContext(0, 7 + i), NAMES)) for i in range(4)] == [0, 0, 0, 0]
+    assert [len(clone.judge(StepContext(0, 7 + i), _stuck(stuck))) for i in range(4)] == [0, 0, 0, 0]
     old = rule.state_dict()
     del old["unused"]  # a checkpoint from before the info: loads with nothing listed
     GradFrozenRule().load_state_dict(old)
 
 
 def test_grad_frozen_message_names_parameters_and_reason():
-    (alert,) = GradFrozenRule().update(
-        {"enc.1.lin.weight": "frozen", "enc.1.norm.weight": "frozen"}, StepContext(0, 0), NAMES
-    )
+    stuck = _stuck({"enc.1.lin.weight": "frozen", "enc.1.norm.weight": "frozen"})
+    (alert,) = GradFrozenRule().judge(StepContext(0, 0), stuck)
     assert "`enc.1.lin.weight`" in alert.message and "requires_grad" in alert.message
     assert "expect_frozen" in alert.message
-    (alert,) = GradFrozenRule().update({"head.weight": "excluded"}, StepContext(0, 0), NAMES)
+    (alert,) = GradFrozenRule().judge(StepContext(0, 0), _stuck({"head.weight": "excluded"}))
     assert "optimizer" in alert.message
 
 
 def test_grad_frozen_state_roundtrip():
     rule = GradFrozenRule()
-    rule.update({"enc.0.lin.weight": "no_grad"}, StepContext(0, 0), NAMES)
+    rule.judge(StepContext(0, 0), _stuck({"enc.0.lin.weight": "no_grad"}))
     clone = GradFrozenRule()
     clone.load_state_dict(rule.state_dict())
     assert clone.state_dict() == rule.state_dict()

@@ -7,7 +7,8 @@ from torch import nn
 from lightning_diag.instrument.positions import position_capacity
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.data_sequences import SequenceMeasurement, SequenceRules
-from lightning_diag.rules.replicas import DesyncRule, replica_differences
+from lightning_diag.rules.measures import Measures, StaleGrads
+from lightning_diag.rules.replicas import DesyncRule, compare_replicas, replica_differences
 from lightning_diag.rules.train_mode import EvalModeRule
 from lightning_diag.rules.updates import GradNotZeroedRule, LayerUpdate, UpdateRule
 from lightning_diag.stats.updates import ElementSample, parameter_checksums, sample_positions, unchanged_counts
@@ -15,6 +16,11 @@ from lightning_diag.stats.updates import ElementSample, parameter_checksums, sam
 
 def _ctx(step=0):
     return StepContext(0, step)
+
+
+def _stale(layers):
+    """The measures of one check whose gradients of `layers` were not zeroed."""
+    return Measures(stale_grads=StaleGrads(layers))
 
 
 @pytest.mark.parametrize(
@@ -33,20 +39,21 @@ def _ctx(step=0):
 )
 def test_update_rule_table(update, rule):
     r = UpdateRule(patience=2)
-    fired = [a.rule for step in range(3) for a in r.update({"fc": update}, _ctx(step))]
+    fired = [a.rule for step in range(3) for a in r.judge(_ctx(step), Measures(layer_updates={"fc": update}))]
     assert fired == ([rule] if rule else [])
 
 
 def test_update_rule_latches_clears_and_survives_its_state():
     r = UpdateRule(patience=1)
     stuck, moving = {"a": LayerUpdate(4, 4), "b": LayerUpdate(4, 4)}, {"a": LayerUpdate(4, 0), "b": LayerUpdate(4, 0)}
-    (alert,) = r.update(stuck, _ctx(0))
+    (alert,) = r.judge(_ctx(0), Measures(layer_updates=stuck))
     assert "2 layers: `a`, `b`" in alert.message and alert.source == "a"
-    assert r.update(stuck, _ctx(1)) == []
+    assert r.judge(_ctx(1), Measures(layer_updates=stuck)) == []
     restored = UpdateRule(patience=1)
     restored.load_state_dict(r.state_dict())
-    assert restored.update(stuck, _ctx(2)) == []  # still latched after a resume
-    assert restored.update(moving, _ctx(3)) == [] and len(restored.update(stuck, _ctx(4))) == 1
+    assert restored.judge(_ctx(2), Measures(layer_updates=stuck)) == []  # still latched after a resume
+    assert restored.judge(_ctx(3), Measures(layer_updates=moving)) == []
+    assert len(restored.judge(_ctx(4), Measures(layer_updates=stuck))) == 1
 
 
 @pytest.mark.parametrize(
@@ -59,7 +66,8 @@ def test_update_rule_latches_clears_and_survives_its_state():
 def test_update_stale_below_certain_needs_a_flat_loss(losses, fired, margin):
     r = UpdateRule(patience=2)
     half = {"fc": LayerUpdate(32, 20, low_precision=True)}
-    alerts = [a for step, loss in enumerate(losses) for a in r.update(half, _ctx(step), loss)]
+    feed = [Measures(layer_updates=half, loss=loss) for loss in losses]
+    alerts = [a for step, m in enumerate(feed) for a in r.judge(_ctx(step), m)]
     assert [a.rule for a in alerts] == fired
     assert all("while the loss is not falling (0.69, initial 0.69)" in a.message for a in alerts)
     assert r.peaks["update_stale"] == pytest.approx(margin)
@@ -70,39 +78,44 @@ def test_update_stale_below_certain_needs_a_flat_loss(losses, fired, margin):
 
 def test_grad_not_zeroed_rule_alerts_once_and_rearms():
     r = GradNotZeroedRule()
-    assert len(r.update(["fc"], _ctx(1))) == 1
-    assert r.update(["fc"], _ctx(2)) == [] and r.update([], _ctx(3)) == [] and len(r.update(["fc"], _ctx(4))) == 1
+    assert len(r.judge(_ctx(1), _stale(["fc"]))) == 1
+    assert r.judge(_ctx(2), _stale(["fc"])) == [] and r.judge(_ctx(3), _stale([])) == []
+    assert len(r.judge(_ctx(4), _stale(["fc"]))) == 1
 
 
 def test_desync_rule_names_the_first_parameter_and_the_ranks():
     same = [1.0, 2.0, 3.0, 5.0, 6.0, 7.0]  # norms of a, b, c, then sums
     bad = [1.0, 2.0, 3.1, 5.0, 6.0, 7.0]
     r = DesyncRule(tolerance=1e-6)
-    assert r.update([same, same, same], ["a", "b", "c"], _ctx(100)) == [] and r.last_max_diff == 0.0
-    (alert,) = r.update([same, same, bad], ["a", "b", "c"], _ctx(200))
+    def checksums(*ranks):
+        return Measures(replica_differences=compare_replicas(ranks, ["a", "b", "c"], tolerance=r.tolerance))
+
+    assert r.judge(_ctx(100), checksums(same, same, same)) == [] and r.last_max_diff == 0.0
+    (alert,) = r.judge(_ctx(200), checksums(same, same, bad))
     assert alert.source == "c" and "rank(s) 2" in alert.message and alert.severity == "critical"
-    assert r.update([same, same, bad], ["a", "b", "c"], _ctx(300)) == []
+    assert r.judge(_ctx(300), checksums(same, same, bad)) == []
     assert replica_differences([[0.0], [float("nan")]]) == [[0.0], [float("inf")]]
 
 
 def test_eval_mode_rule_warns_for_trained_modules_and_informs_once_for_frozen_batchnorm():
     r = EvalModeRule()
-    alerts = r.update({"bn": "batchnorm_frozen", "drop": "dropout"}, _ctx(0))
+    alerts = r.judge(_ctx(0), Measures(eval_mode={"bn": "batchnorm_frozen", "drop": "dropout"}))
     assert [(a.severity, a.source) for a in alerts] == [("warning", "drop"), ("info", "bn")]
-    assert r.update({"bn": "batchnorm_frozen"}, _ctx(5)) == []
+    assert r.judge(_ctx(5), Measures(eval_mode={"bn": "batchnorm_frozen"})) == []
 
 
 def test_sequence_rules_table():
     r = SequenceRules()
     healthy = SequenceMeasurement(label_positions=100, padded_labels=0, extent={"train": 20, "val": 20}, capacity=32)
-    assert r.update(healthy, _ctx()) == []
+    assert r.judge(_ctx(), Measures(sequences=healthy)) == []
     over = SequenceMeasurement(extent={"train": 20, "val": 20}, capacity=16, capacity_source="`wpe`")
-    (alert,) = r.update(over, _ctx(1))
+    (alert,) = r.judge(_ctx(1), Measures(sequences=over))
     assert alert.source == "capacity" and "`wpe`" in alert.message
     longer = SequenceMeasurement(extent={"train": 30})
-    assert [a.source for a in r.update(longer, _ctx(2))] == ["train"]
+    assert [a.source for a in r.judge(_ctx(2), Measures(sequences=longer))] == ["train"]
     assert r.train_extent == 30
-    assert SequenceRules().update(SequenceMeasurement(extent={"val": 40}), _ctx()) == []  # no training length
+    no_training_length = Measures(sequences=SequenceMeasurement(extent={"val": 40}))
+    assert SequenceRules().judge(_ctx(), no_training_length) == []
 
 
 def test_sampling_and_counting_on_tensors():

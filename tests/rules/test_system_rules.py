@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import LoaderWait, Measures, StepTimes
 from lightning_diag.rules.system import (
     DataloaderBoundRule,
     MemoryGrowthRule,
@@ -12,6 +13,16 @@ from lightning_diag.rules.system import (
 )
 
 CTX = StepContext(epoch=0, global_step=100)
+
+
+def _wait(wait_s, step_s, steps):
+    """The measures of one interval's loader wait."""
+    return Measures(loader_wait=LoaderWait(wait_s, step_s, steps))
+
+
+def _times(times, **parts):
+    """The measures of a window of step times (and the ``parts`` that explain some)."""
+    return Measures(step_times=StepTimes(times, **parts))
 
 
 @pytest.mark.parametrize(
@@ -25,7 +36,7 @@ CTX = StepContext(epoch=0, global_step=100)
 )
 def test_dataloader_bound(intervals, fires_at):
     rule = DataloaderBoundRule()
-    fired = [i for i, (w, s) in enumerate(intervals) if rule.update(CTX, w * 10, s * 10, 10)]
+    fired = [i for i, (w, s) in enumerate(intervals) if rule.judge(CTX, _wait(w * 10, s * 10, 10))]
     assert fired == ([] if fires_at is None else [fires_at])
 
 
@@ -33,37 +44,37 @@ def test_periodic_rule_names_the_period_and_latches():
     rule = StepPeriodicRule()
     t = np.full(100, 0.02)
     t[4::10] = 0.2
-    (alert,) = rule.update(CTX, t)
+    (alert,) = rule.judge(CTX, _times(t))
     assert alert.value == 10.0 and "every 10 steps" in alert.message and alert.threshold == 0.05
-    assert rule.update(CTX, t) == []  # latched
-    assert rule.update(CTX, np.full(100, 0.02)) == []  # missed once: the same event
-    assert rule.update(CTX, t) == []
-    assert all(rule.update(CTX, np.full(100, 0.02)) == [] for _ in range(3))  # cleared on 3 checks
-    assert len(rule.update(CTX, t)) == 1
+    assert rule.judge(CTX, _times(t)) == []  # latched
+    assert rule.judge(CTX, _times(np.full(100, 0.02))) == []  # missed once: the same event
+    assert rule.judge(CTX, _times(t)) == []
+    assert all(rule.judge(CTX, _times(np.full(100, 0.02))) == [] for _ in range(3))  # cleared on 3 checks
+    assert len(rule.judge(CTX, _times(t))) == 1
 
 
 def test_periodic_rule_ignores_a_cheap_pattern_and_short_windows():
     rule = StepPeriodicRule()
     t = np.full(200, 0.02)
     t[::50] = 0.04  # 2x slow once every 50 steps: 1% of the time
-    assert rule.update(CTX, t) == []
+    assert rule.judge(CTX, _times(t)) == []
     t = np.full(40, 0.02)
     t[::5] = 0.2
     t[12] = 0.2  # fewer than MIN_STEPS and one slow step off the pattern: not certain
-    assert rule.update(CTX, t) == []
+    assert rule.judge(CTX, _times(t)) == []
     t = np.full(40, 0.02)
     t[::10] = 0.2
     t[20] = 0.02  # a position of the pattern not slow: not certain
-    assert rule.update(CTX, t) == []
+    assert rule.judge(CTX, _times(t)) == []
 
 
 def test_periodic_rule_names_a_certain_pattern_in_a_short_window():
     # issue 23: a stall costing 70% of the time every 10 steps, three times in the 30 steps after the warm-up
     t = np.full(30, 0.01)
     t[9::10] = 0.3
-    (alert,) = StepPeriodicRule().update(CTX, t)
+    (alert,) = StepPeriodicRule().judge(CTX, _times(t))
     assert alert.value == 10.0 and "3 times in the last 30 steps" in alert.message
-    assert StepPeriodicRule().update(CTX, t[:20]) == []  # twice is not certain
+    assert StepPeriodicRule().judge(CTX, _times(t[:20])) == []  # twice is not certain
 
 
 def test_the_warm_up_gives_way_to_an_overwhelming_stall_pattern():
@@ -72,12 +83,12 @@ def test_the_warm_up_gives_way_to_an_overwhelming_stall_pattern():
     run = np.full(20, 0.02)
     run[9::10] = 0.49
     explained = [i == 0 for i in range(20)]
-    (alert,) = StepPeriodicRule().update(CTX, [], run_times=run, explained=explained)
+    (alert,) = StepPeriodicRule().judge(CTX, _times([], run_times=run, explained=explained))
     assert alert.value == 10.0 and "2 times in the last 20 steps" in alert.message and "70%" in alert.message
     rule = StepPeriodicRule()
-    rule.update(CTX, run[:0], run_times=run, explained=explained)
+    rule.judge(CTX, _times(run[:0], run_times=run, explained=explained))
     assert rule.last.period == 10
-    assert StepPeriodicRule().update(CTX, []) == []  # without the run's steps: nothing to judge
+    assert StepPeriodicRule().judge(CTX, _times([])) == []  # without the run's steps: nothing to judge
 
 
 @pytest.mark.parametrize(
@@ -118,31 +129,31 @@ def test_utilization_dips():
     rule = StepPeriodicRule()
     u = np.full(120, 95.0)
     u[7::12] = 10.0
-    (alert,) = rule.update_utilization(CTX, u)
+    (alert,) = rule.judge(CTX, Measures(gpu_utilization=u))
     assert alert.source == "gpu_utilization" and alert.value == 12.0
 
 
 def test_fluctuation_needs_patience_and_ignores_step_jitter():
     rule = StepFluctuationRule()
     jitter = np.tile([0.01, 0.03], 50)  # single steps vary 3x; every 10-step block is the same
-    assert [rule.update(CTX, jitter)[1] for _ in range(5)] == [[]] * 5
+    assert [rule.judge(CTX, Measures(compute_times=jitter)) for _ in range(5)] == [[]] * 5
     drifting = np.repeat([0.01, 0.02] * 5, 10)
-    results = [rule.update(CTX, drifting) for _ in range(3)]
-    assert [len(a) for _, a in results] == [0, 0, 1]
-    assert results[-1][0] == pytest.approx(1 / 3) and results[-1][1][0].threshold == 0.15
+    results = [rule.judge(CTX, Measures(compute_times=drifting)) for _ in range(3)]
+    assert [len(a) for a in results] == [0, 0, 1]
+    assert rule.last_value == pytest.approx(1 / 3) and results[-1][0].threshold == 0.15
 
 
 def test_memory_growth_fires_on_a_leak_not_on_a_plateau():
     rule = MemoryGrowthRule()
     for i in range(7):
-        assert rule.update(CTX, {"host_rss": 1e9 + i * 5e7, "cuda_allocated": 2e9}) == []
-    (alert,) = rule.update(CTX, {"host_rss": 1e9 + 7 * 5e7, "cuda_allocated": 2e9})
+        assert rule.judge(CTX, Measures(memory={"host_rss": 1e9 + i * 5e7, "cuda_allocated": 2e9})) == []
+    (alert,) = rule.judge(CTX, Measures(memory={"host_rss": 1e9 + 7 * 5e7, "cuda_allocated": 2e9}))
     assert alert.source == "host_rss" and alert.value == pytest.approx(0.35)
 
 
 def test_rule_state_round_trips():
     rule = MemoryGrowthRule()
-    rule.update(CTX, {"host_rss": 1e9})
+    rule.judge(CTX, Measures(memory={"host_rss": 1e9}))
     other = MemoryGrowthRule()
     other.load_state_dict(rule.state_dict())
     assert other.history == {"host_rss": [1e9]}
@@ -155,7 +166,7 @@ def test_dataloader_bound_alerts_once_per_fit_when_the_share_hovers_around_the_t
     # step, a busy machine): one condition, one alert, however long the dips between
     rule = DataloaderBoundRule()
     shares = [0.27] * 4 + [0.2] * 6 + [0.28] * 4 + [0.1] * 10 + [0.3] * 4
-    fired = [i for i, s in enumerate(shares) if rule.update(CTX, s * 0.05 * 5, 0.05 * 5, 5)]
+    fired = [i for i, s in enumerate(shares) if rule.judge(CTX, _wait(s * 0.05 * 5, 0.05 * 5, 5))]
     assert fired == [2]
 
 
@@ -176,6 +187,6 @@ def test_the_logging_cadence_is_no_period_unless_a_stall_outgrows_the_work(stall
     times[4::5] += 0.005 + stall
     work = np.full(100, 0.0002)
     work[4::5] = 0.006
-    alerts = StepPeriodicRule().update(CTX, times, work=work)
+    alerts = StepPeriodicRule().judge(CTX, _times(times, work=work))
     assert [a.value for a in alerts] == ([5.0] if fires else [])
-    assert StepPeriodicRule().update(CTX, times), "without the work measured, the cadence is a period"
+    assert StepPeriodicRule().judge(CTX, _times(times)), "without the work measured, the cadence is a period"

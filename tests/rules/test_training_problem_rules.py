@@ -9,11 +9,22 @@ from lightning_diag.instrument.activation_watch import MIN_ROWS, ActivationWatch
 from lightning_diag.rules.activations import ActivationReading, ActivationRule
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.grad import GradBandRule, rank_correlation, role_of
+from lightning_diag.rules.measures import Measures
 from lightning_diag.rules.update_size import UpdateSizeRule
 
 
 def _ctx(step):
     return StepContext(0, step)
+
+
+def _band(relative, roles=None):
+    """The measures of a gradient measurement with relative gradients only, every matrix in the blocks."""
+    return Measures(grad_rms={}, grad_relative=relative, blocks=set(relative), layer_roles=roles)
+
+
+def _act(rule, readings, step, **measures):
+    """The activation rule judging `readings` at `step` (with the other `measures`)."""
+    return rule.judge(_ctx(step), Measures(activations=readings, **measures))
 
 
 # -- dead_units ---------------------------------------------------------------------------------------------------
@@ -23,7 +34,7 @@ def test_dead_units_is_one_alert_naming_every_dead_layer_and_how_the_share_moved
     for step, share in ((5, 0.12), (10, 0.75), (15, 0.81), (20, 0.81)):
         readings = [ActivationReading(f"net.{2 * i}", "ReLU", dead=share, zero_grad=share) for i in range(5)]
         readings.append(ActivationReading("net.10", "ReLU", dead=0.3, zero_grad=0.3))
-        alerts += rule.update(readings, _ctx(step), loss=0.693)
+        alerts += _act(rule, readings, step, loss=0.693)
     # most units dead from step 10, the loss flat: judged once two windows of 2 losses are known (step 20)
     assert [(a.rule, a.global_step) for a in alerts] == [("dead_units", 20)]
     message = alerts[0].message
@@ -33,27 +44,27 @@ def test_dead_units_is_one_alert_naming_every_dead_layer_and_how_the_share_moved
     assert "not a vanishing gradient" in message and "the loss is not falling" in message
     assert rule.dead_layers() == {f"net.{2 * i}" for i in range(5)}
     # latched: the same event does not alert again
-    assert rule.update([ActivationReading("net.0", "ReLU", dead=0.9)], _ctx(25), loss=0.693) == []
+    assert _act(rule, [ActivationReading("net.0", "ReLU", dead=0.9)], 25, loss=0.693) == []
 
 
 def test_most_units_idle_while_the_loss_falls_is_not_dead_units():
     # a healthy net fed correlated rows (windows of one series) leaves 60-75% of a layer's units idle for a batch
     rule = ActivationRule(patience=2)
     losses = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5]
-    assert [a for i, loss in enumerate(losses) for a in rule.update(
-        [ActivationReading("fc", "ReLU", dead=0.75)], _ctx(i), loss=loss)] == []
+    reading = [ActivationReading("fc", "ReLU", dead=0.75)]
+    assert [a for i, loss in enumerate(losses) for a in _act(rule, reading, i, loss=loss)] == []
 
 
 def test_nearly_every_unit_dead_needs_no_loss():
     rule = ActivationRule(patience=2)
-    alerts = [a for i in range(2) for a in rule.update([ActivationReading("fc", "ReLU", dead=1.0)], _ctx(i))]
+    alerts = [a for i in range(2) for a in _act(rule, [ActivationReading("fc", "ReLU", dead=1.0)], i)]
     assert [(a.rule, a.global_step) for a in alerts] == [("dead_units", 1)]
 
 
 def test_a_sparse_healthy_relu_layer_is_quiet_and_its_margin_is_noted():
     rule = ActivationRule(patience=1)
     for step in range(10):
-        assert rule.update([ActivationReading("fc", "ReLU", dead=0.35)], _ctx(step), loss=0.69) == []
+        assert _act(rule, [ActivationReading("fc", "ReLU", dead=0.35)], step, loss=0.69) == []
     assert rule.peaks["dead_units"] == pytest.approx(0.35 / 0.5)
 
 
@@ -62,21 +73,21 @@ def test_a_layer_fed_by_a_frozen_part_needs_nearly_every_unit_dead():
     # its units are inactive for every sample while the slowly learning model's loss looks flat
     rule = ActivationRule(patience=2)
     head = [ActivationReading("head.0", "ReLU", dead=0.59, after_frozen=True)]
-    assert [a for i in range(8) for a in rule.update(head, _ctx(i), loss=1.3)] == []
+    assert [a for i in range(8) for a in _act(rule, head, i, loss=1.3)] == []
     assert rule.peaks["dead_units"] == pytest.approx(0.59 / 0.95)  # against `certain`: the loss does not count
     dead = [ActivationReading("head.0", "ReLU", dead=1.0, after_frozen=True)]
-    assert [a.rule for i in range(8, 10) for a in rule.update(dead, _ctx(i), loss=1.3)] == ["dead_units"]
+    assert [a.rule for i in range(8, 10) for a in _act(rule, dead, i, loss=1.3)] == ["dead_units"]
     # the same share in a layer that nothing frozen feeds, with the loss flat: dead units
     trained = ActivationRule(patience=2)
     fc = [ActivationReading("fc", "ReLU", dead=0.59)]
-    assert [a.rule for i in range(4) for a in trained.update(fc, _ctx(i), loss=1.3)] == ["dead_units"]
+    assert [a.rule for i in range(4) for a in _act(trained, fc, i, loss=1.3)] == ["dead_units"]
     assert trained.peaks["dead_units"] == pytest.approx(0.59 / 0.5)
 
 
 def test_dead_units_margin_is_the_smallest_share_of_the_patience_window():
     rule = ActivationRule(patience=3)
     for i, share in enumerate((0.9, 0.2, 0.9, 0.9)):  # over the threshold three times, never three in a row
-        assert rule.update([ActivationReading("fc", "ReLU", dead=share)], _ctx(i), loss=0.69) == []
+        assert _act(rule, [ActivationReading("fc", "ReLU", dead=share)], i, loss=0.69) == []
     assert rule.peaks["dead_units"] == pytest.approx(0.2 / 0.5)
 
 
@@ -84,7 +95,7 @@ def test_a_layer_that_recovers_is_not_dead():
     rule = ActivationRule(patience=3)
     shares = (1.0, 1.0, 0.2, 1.0, 1.0, 0.2)
     readings = [[ActivationReading("fc", "ReLU", dead=s)] for s in shares]
-    assert [a for i, r in enumerate(readings) for a in rule.update(r, _ctx(i))] == []
+    assert [a for i, r in enumerate(readings) for a in _act(rule, r, i)] == []
 
 
 # -- activation_saturation --------------------------------------------------------------------------------------------
@@ -99,29 +110,30 @@ def test_a_layer_that_recovers_is_not_dead():
 def test_saturation_names_the_likely_cause(first, rms, cause):
     rule = ActivationRule(patience=2)
     reading = [ActivationReading("net.0", "Tanh", saturated=0.91, limit=5.0, first=first)]
-    alerts = [a for step in (5, 10) for a in rule.update(reading, _ctx(step), input_rms=rms)]
+    alerts = [a for step in (5, 10) for a in _act(rule, reading, step, input_rms=rms)]
     assert [a.rule for a in alerts] == ["activation_saturation"]
     assert cause in alerts[0].message and "Tanh beyond ±5" in alerts[0].message and "`net.0`" in alerts[0].message
 
 
 def test_half_saturated_is_below_the_threshold():
     rule = ActivationRule(patience=1)
-    assert rule.update([ActivationReading("net.0", "Tanh", saturated=0.4, limit=5.0)], _ctx(0)) == []
+    assert _act(rule, [ActivationReading("net.0", "Tanh", saturated=0.4, limit=5.0)], 0) == []
 
 
 def test_activation_rule_state_round_trips():
     rule = ActivationRule(patience=2)
-    rule.update([ActivationReading("fc", "ReLU", dead=1.0)], _ctx(5))
+    _act(rule, [ActivationReading("fc", "ReLU", dead=1.0)], 5)
     restored = ActivationRule(patience=2)
     restored.load_state_dict(rule.state_dict())
-    assert [a.rule for a in restored.update([ActivationReading("fc", "ReLU", dead=1.0)], _ctx(10))] == ["dead_units"]
+    assert [a.rule for a in _act(restored, [ActivationReading("fc", "ReLU", dead=1.0)], 10)] == ["dead_units"]
     with pytest.raises(KeyError, match="first_seen"):
         ActivationRule().load_state_dict({"streaks": {}, "latch": {}})
 
 
 # -- update_too_small --------------------------------------------------------------------------------------------------
 def _feed(rule, ratios, losses):
-    return [a for i, (r, loss) in enumerate(zip(ratios, losses, strict=True)) for a in rule.update(r, _ctx(i), loss)]
+    measures = [Measures(update_ratios=r, loss=loss) for r, loss in zip(ratios, losses, strict=True)]
+    return [a for i, m in enumerate(measures) for a in rule.judge(_ctx(i), m)]
 
 
 def test_tiny_updates_with_a_flat_loss_alert_once_the_loss_trend_is_known():
@@ -189,13 +201,13 @@ def test_a_plain_stack_whose_gradient_decays_with_depth_vanishes_whatever_adam_d
     roles = {k: role_of(k) for k in rel}
     rule = GradBandRule(patience=2, warmup_steps=50)
     rule.observe_updates(dict.fromkeys(rel, 2e-3))  # Adam: every layer moves alike
-    alerts = [a for step in (4, 9) for a in rule.update({}, _ctx(step), rel, set(rel), roles)]
+    alerts = [a for step in (4, 9) for a in rule.judge(_ctx(step), _band(rel, roles))]
     assert [a.rule for a in alerts] == ["grad_vanish"]
     assert alerts[0].source == "net.0" and "along the stack `net.*`" in alerts[0].message
     # the same values without the roles: the update test clears them (the old verdict)
     old = GradBandRule(patience=2, warmup_steps=50)
     old.observe_updates(dict.fromkeys(rel, 2e-3))
-    assert [a for step in (4, 9) for a in old.update({}, _ctx(step), rel, set(rel))] == []
+    assert [a for step in (4, 9) for a in old.judge(_ctx(step), _band(rel))] == []
 
 
 def test_a_small_matrix_without_a_decay_is_not_a_stack_that_vanishes():
@@ -218,9 +230,9 @@ def test_grad_vanish_defers_to_dead_units():
     roles = {k: role_of(k) for k in rel}
     rule = GradBandRule(patience=1, warmup_steps=0)
     rule.observe_dead(["net.4"])
-    assert rule.update({}, _ctx(60), rel, set(rel), roles) == []
+    assert rule.judge(_ctx(60), _band(rel, roles)) == []
     rule.observe_dead([])
-    assert [a.rule for a in rule.update({}, _ctx(65), rel, set(rel), roles)] == ["grad_vanish"]
+    assert [a.rule for a in rule.judge(_ctx(65), _band(rel, roles))] == ["grad_vanish"]
 
 
 def test_rank_correlation():

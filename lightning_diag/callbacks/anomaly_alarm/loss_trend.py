@@ -37,6 +37,7 @@ from lightning_diag.rules.anomaly import (
     ValFluctuationRule,
 )
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import LossWindow, Measures, Validation
 from lightning_diag.stats.loss_sums import LOSS_PERIODS, LossSums
 
 __all__ = ["LossTrend", "TrendOutput", "build_loss_sums", "check_swing_window", "mean_lr", "trend_unit"]
@@ -243,8 +244,9 @@ class LossTrend:
         if self.stagnant_rule.baseline is None and self.loss_sums.initial_batches > 0:
             self.stagnant_rule.set_baseline(self.take_mean(trainer, pl_module, "initial"))
         ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
-        out.alerts += self.swing_rule.update(mean, ctx, steps=count, variance=variance, lr=lr)
-        out.alerts += self.stagnant_rule.update(mean, ctx)
+        window = Measures(loss_window=LossWindow(mean, steps=count, variance=variance, lr=lr))
+        out.alerts += self.swing_rule.judge(ctx, window)
+        out.alerts += self.stagnant_rule.judge(ctx, window)
         if math.isfinite(self.swing_rule.last_change):
             out.scalars[loss_tag("swing")] = self.swing_rule.last_change
             out.scalars[threshold_tag(LOSS_SWING)] = self.swing_rule.threshold
@@ -345,12 +347,13 @@ class LossTrend:
         se = math.sqrt(float(trainer.strategy.reduce(se_local, reduce_op="mean")) / max(trainer.world_size, 1))
         ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
         self.stagnant_rule.observe_validation(val, self.val_decline_rule.mode)
-        out.alerts += self.val_decline_rule.update(val, ctx, train_mean, se=se)
         fluctuation_se = se
         if not math.isfinite(se) and batches > 0 and math.isfinite(train_variance):
             # no batch values: each validation sample as noisy as a training sample
             fluctuation_se = math.sqrt(train_variance / batches * batch_ratio(trainer))
-        out.alerts += self.val_fluctuation_rule.update(train_mean, val, ctx, se=fluctuation_se)
+        m = Measures(validation=Validation(val, train=train_mean, se=se, noise_se=fluctuation_se))
+        out.alerts += self.val_decline_rule.judge(ctx, m)
+        out.alerts += self.val_fluctuation_rule.judge(ctx, m)
         out.scalars[loss_tag("val")] = val
         train_f, val_f = self.val_fluctuation_rule.measures()
         if math.isfinite(train_f) and math.isfinite(val_f):

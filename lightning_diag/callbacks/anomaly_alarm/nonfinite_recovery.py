@@ -47,6 +47,7 @@ from lightning_diag.instrument.nonfinite_locate import (
 from lightning_diag.instrument.rng import RngState, device_generators
 from lightning_diag.instrument.snapshots import RollbackDevice, SnapshotStore
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import Measures, Rollback
 from lightning_diag.rules.rollback import (
     DEFAULT_MAX_ROLLBACKS,
     DEFAULT_ROLLBACK_EVERY_N_STEPS,
@@ -426,7 +427,9 @@ class NonFiniteRecovery:
 
     def rollback_alert(self, ctx: StepContext, choice: RollbackChoice, found: str, source: str) -> Any:
         """The ``nonfinite_rollback`` warning of the rollback just made."""
-        return self.rule.alert(ctx, choice.step if choice.step is not None else -1, found, source, choice.reason)
+        restored = choice.step if choice.step is not None else -1
+        (alert,) = self.rule.judge(ctx, Measures(rollback=Rollback(restored, found, source, choice.reason)))
+        return alert
 
 
 def _reshard(pl_module: pl.LightningModule) -> None:

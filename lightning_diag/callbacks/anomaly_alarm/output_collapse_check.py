@@ -24,6 +24,7 @@ import pytorch_lightning as pl
 
 from lightning_diag.instrument.output_watch import OutputSpreadWatch
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import Measures, OutputSpread
 from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OutputCollapseRule, relative_spread
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,7 +105,8 @@ class OutputCollapseCheck:
                 "the batch",
             )
         inputs = relative_spread(input_spread, input_level)
-        self.owner.record(rule.update(spread, level, int(batch), source, ctx, inputs))
+        measured = OutputSpread(spread, level, int(batch), source, inputs)
+        self.owner.record(rule.judge(ctx, Measures(output_spread=measured)))
 
     def stop(self) -> None:
         """Remove any hook (the end of a fit, or an exception in the middle of a batch)."""

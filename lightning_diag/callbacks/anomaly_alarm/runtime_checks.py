@@ -30,6 +30,7 @@ from lightning_diag.instrument.runtime_probes import (
     unconverged_spectral_norms,
 )
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import AmpLayers, Measures, StepLosses, TrainOverrides, UntrainedInEval
 from lightning_diag.rules.output_collapse import OutputCollapseRule
 from lightning_diag.rules.runtime import (
     TRAIN_OVERRIDE_BYPASSED,
@@ -164,7 +165,8 @@ class RuntimeChecks:
                 logging.getLogger("lightning_diag").warning(
                     "%s not checked for %s: %s", TRAIN_OVERRIDE_BYPASSED, ", ".join(overriders), note
                 )
-            self.owner.record(self._rule("override_rule").update(overriders, to_eval, frozen, ctx))
+            overrides = TrainOverrides(overriders, to_eval, frozen)
+            self.owner.record(self._rule("override_rule").judge(ctx, Measures(train_overrides=overrides)))
         if str(trainer.precision) in MIXED_PRECISIONS:
             self._amp = MatmulDtypeProbe(pl_module)
             self._amp.start()
@@ -185,18 +187,15 @@ class RuntimeChecks:
         if self._amp is not None:
             probe, self._amp = self._amp, None
             probe.stop()
-            self.owner.record(
-                self._rule("amp_rule").update(
-                    probe.layers, probe.float32, str(trainer.precision), self.owner.context(trainer)
-                )
-            )
+            amp = AmpLayers(probe.layers, probe.float32, str(trainer.precision))
+            self.owner.record(self._rule("amp_rule").judge(self.owner.context(trainer), Measures(amp=amp)))
         pending = self._pending
         if loss is not None:
             pending.add(loss, step)
         if logging and pending:
             values, steps = pending.take(trainer)  # the one host read, on a logging step
             ctx = StepContext(trainer.current_epoch, trainer.global_step)
-            self.owner.record(self._rule("outlier_rule").update(values, steps, ctx))
+            self.owner.record(self._rule("outlier_rule").judge(ctx, Measures(step_losses=StepLosses(values, steps))))
 
     # -- validation ----------------------------------------------------------------------------------------
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -205,9 +204,8 @@ class RuntimeChecks:
             return
         modules = unconverged_spectral_norms(pl_module)
         if modules:
-            self.owner.record(
-                self._rule("eval_before_rule").update(modules, trainer.sanity_checking, self.owner.context(trainer))
-            )
+            untrained = Measures(untrained_in_eval=UntrainedInEval(modules, trainer.sanity_checking))
+            self.owner.record(self._rule("eval_before_rule").judge(self.owner.context(trainer), untrained))
 
     def on_validation_batch_start(self, pl_module: pl.LightningModule, batch_idx: int, dataloader_idx: int) -> None:
         """On the first batch of a validation run: watch for dropouts applied in training mode."""
@@ -221,7 +219,8 @@ class RuntimeChecks:
             return
         watch, self._dropout = self._dropout, None
         watch.stop()
-        self.owner.record(self._rule("eval_random_rule").update(watch.found, self.owner.context(trainer)))
+        found = Measures(eval_dropouts=watch.found)
+        self.owner.record(self._rule("eval_random_rule").judge(self.owner.context(trainer), found))
 
     def stop(self) -> None:
         """Remove whatever is installed (the end of a fit, or an exception in the middle of a batch)."""

@@ -18,6 +18,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from lightning_diag.core.tags import replicas_tag
 from lightning_diag.instrument.sharding import mesh_dim_ranks, replica_dims
+from lightning_diag.rules.measures import Measures, ReplicaDifferences
 from lightning_diag.rules.replicas import DDP_DESYNC, DesyncRule, check_due, first_differences, member_differences
 from lightning_diag.rules.train_mode import EvalModeRule
 from lightning_diag.stats.grad import is_dtensor, local_tensor
@@ -163,7 +164,8 @@ class ReplicaCheck:
             per_param = flat[:n]
             first = {r: (n - int(flat[n + r]), int(flat[n + world + r]) - 1) for r in range(world) if flat[n + r] > 0}
         ctx = self.owner.context(trainer)
-        self.owner.record(self.rule.judge(per_param, [name for name, _ in named], first, ctx, compared=len(compared)))
+        differences = ReplicaDifferences(per_param, [name for name, _ in named], first, compared=len(compared))
+        self.owner.record(self.rule.judge(ctx, Measures(replica_differences=differences)))
         self.owner.writer.scalars(
             {
                 replicas_tag("max_rel_diff"): self.rule.last_max_diff,
@@ -236,7 +238,7 @@ class TrainModeCheck:
             kind = self._kind(module, parent)
             if kind is not None:
                 found[name] = kind
-        self.owner.record(self.rule.update(found, self.owner.context(trainer)))
+        self.owner.record(self.rule.judge(self.owner.context(trainer), Measures(eval_mode=found)))
 
     def state_dict(self) -> dict[str, Any]:
         """The rule's state."""

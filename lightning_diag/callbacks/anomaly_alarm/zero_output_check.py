@@ -21,6 +21,7 @@ import torch
 
 from lightning_diag.instrument.output_watch import ZeroOutputWatch
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import Measures, ZeroOutputs
 from lightning_diag.rules.runtime import ZERO_OUTPUT, ZeroOutputRule
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,7 +85,7 @@ class ZeroOutputCheck:
         signed = [name for name, g in zip(watch.order, signed_n, strict=True) if g > 0]
         ctx = StepContext(trainer.current_epoch, self._step)  # the measured step (global_step has moved on)
         rule: ZeroOutputRule = getattr(self.owner, RULE_ATTRIBUTE)  # rebuilt by the owner at each fit
-        self.owner.record(rule.update(ran, zeros, ctx, signed))
+        self.owner.record(rule.judge(ctx, Measures(zero_outputs=ZeroOutputs(ran, zeros, signed))))
 
     def stop(self) -> None:
         """Remove the hook if installed (the end of a fit, or an exception in the middle of a batch)."""

@@ -34,6 +34,7 @@ from lightning_diag.rules.attention_specs import (
     ATTN_SINK,
     LayerStats,
 )
+from lightning_diag.rules.measures import Measures
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonitor"]
 
@@ -353,8 +354,9 @@ class AttentionEntropyMonitor(DiagCallback):
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
         ctx = type(ctx)(epoch=ctx.epoch, global_step=step)
-        self.record(self.logit_rule.update(peaks, ctx))  # the growth first: it comes before the collapse
-        self.record(self.entropy_rule.update(layers, ctx, loss=batch_loss) + self.sink_rule.update(layers, ctx))
+        m = Measures(attention=layers, attention_logit_peaks=peaks, loss=batch_loss)
+        self.record(self.logit_rule.judge(ctx, m))  # the growth first: it comes before the collapse
+        self.record(self.entropy_rule.judge(ctx, m) + self.sink_rule.judge(ctx, m))
         if recorder.keep_maps:
             draw_images(self.writer, recorder, step)
 

@@ -43,6 +43,7 @@ from lightning_diag.rules.data import (
     LoaderRules,
 )
 from lightning_diag.rules.data_sequences import SequenceRules
+from lightning_diag.rules.measures import BatchSizes, LoaderStreams, Measures
 
 __all__ = [
     "DEFAULT_LEAKAGE_SHINGLE_SIZE",
@@ -256,7 +257,8 @@ class DataDiagnostics(DiagCallback):
             self._checked_signature = signature
             return
         where = f" (training step {trainer.global_step})"
-        self.record(self.loader_rules.batch_sizes(sizes, "train", self.context(trainer), where))
+        sized = Measures(batch_sizes=BatchSizes(sizes, "train", where))
+        self.record(self.loader_rules.judge(self.context(trainer), sized))
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """With ``every_n_epochs``: measure again at the start of every n-th epoch."""
@@ -338,8 +340,9 @@ class DataDiagnostics(DiagCallback):
         self.last = {k: float(v) for k, v in measured.scalars.items()}
         if self.writer.active:
             self._draw(train, val, measured, step)
-        self.record(self.data_rules.update(measured.measurement, self.context(trainer)))
-        self.record(self.sequence_rules.update(measured.sequences, self.context(trainer)))
+        m = Measures(data=measured.measurement, sequences=measured.sequences)
+        self.record(self.data_rules.judge(self.context(trainer), m))
+        self.record(self.sequence_rules.judge(self.context(trainer), m))
 
     def _judge_loaders(self, trainer: pl.Trainer, mine: list[SplitSample | None]) -> None:
         """``batch_size_mismatch`` on the sampled batches, ``worker_rng_shared`` on the training loader."""
@@ -348,7 +351,8 @@ class DataDiagnostics(DiagCallback):
             if sample is not None and sample.mismatch is not None:
                 shown = ", ".join(str(i) for i in sample.mismatch_indices)
                 where = f" (dataset indices {shown})" if shown else ""
-                self.record(self.loader_rules.batch_sizes(sample.mismatch, sample.split, ctx, where))
+                sized = Measures(batch_sizes=BatchSizes(sample.mismatch, sample.split, where))
+                self.record(self.loader_rules.judge(ctx, sized))
         train = mine[0]
         loader, _ = _first_loader(trainer.train_dataloader)
         workers = int(getattr(loader, "num_workers", 0) or 0)
@@ -356,7 +360,8 @@ class DataDiagnostics(DiagCallback):
             return
         init = _lightning_worker_init(getattr(loader, "worker_init_fn", None))
         if init is not None:
-            self.record(self.loader_rules.shared_stream(train.advanced, workers, init, ctx))
+            streams = LoaderStreams(train.advanced, workers, init)
+            self.record(self.loader_rules.judge(ctx, Measures(loader_streams=streams)))
 
     def _draw(self, train: SplitSample | None, val: SplitSample | None, measured: Measured, step: int) -> None:
         for s in (train, val):

@@ -38,6 +38,7 @@ from lightning_diag.rules.errors import (
     describe_feature,
     describe_members,
 )
+from lightning_diag.rules.measures import ErrorGroups, Measures
 
 __all__ = ["DEFAULT_MAX_SAMPLES", "ERRORS_FILE", "ErrorAnalysis", "Predictions"]
 
@@ -346,7 +347,8 @@ class ErrorAnalysis(DiagCallback):
                 errors_tag("clusters"), _table(findings, slices[:_TABLE_SLICES], self.top_tokens, decode), step
             )
         self._write_json(report)
-        self.record(self.rule.update(candidates, overall, self.context(trainer), decode, analysis))
+        found = ErrorGroups(candidates, overall, decode, analysis)
+        self.record(self.rule.judge(self.context(trainer), Measures(error_groups=found)))
 
     def _per_class(self, labels: np.ndarray, preds: np.ndarray, values: dict[str, float]) -> dict[str, Any]:
         from torchmetrics.functional.classification import (

@@ -59,6 +59,7 @@ from lightning_diag.rules.grad import (
     sgd_step_scale,
 )
 from lightning_diag.rules.grad_frozen import GradFrozenRule
+from lightning_diag.rules.measures import Measures, WeightNorms
 from lightning_diag.rules.update_size import UpdateSizeRule
 from lightning_diag.rules.updates import UPDATE_SAMPLE_SIZE_KEY, GradNotZeroedRule, UpdateRule
 
@@ -452,17 +453,15 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         ctx = self.context(trainer)
         if self._watch.pending or self._watch.too_few_rows:
             self._judge_activations(trainer, pl_module, ctx, m.loss if position == 0 else None)
-        self.record(
-            self.band_rule.update(m.rms, ctx, m.relative, index.block_layers, index.roles)
-            + self.spread_rule.update(m.relative, ctx, index.roles)
-        )
+        grads = Measures(grad_rms=m.rms, grad_relative=m.relative, blocks=index.block_layers, layer_roles=index.roles)
+        self.record(self.band_rule.judge(ctx, grads) + self.spread_rule.judge(ctx, grads))
         if position == 0:  # one baseline of one quantity: the first optimizer's
-            self.record(self.collapse_rule.update(m.blocks, ctx, m.loss))
+            self.record(self.collapse_rule.judge(ctx, Measures(grad_norm=m.blocks, loss=m.loss)))
             self._measured_loss = m.loss
         zero = zero_gradient_ids(index, chosen, m.norms)
         stuck = stuck_parameters(trainer, pl_module, self.params, self.expect_frozen, in_opt, zero)
         names = [n for n, _ in pl_module.named_parameters()]
-        self.record(self.frozen_rule.update(stuck, ctx, names))
+        self.record(self.frozen_rule.judge(ctx, Measures(stuck_params=stuck, param_names=names)))
         on_hist = histogram_due(self.histogram_every_n_steps, self.every_n_steps(trainer), self.cadence_step(trainer))
         if on_hist and self.writer.active and index.sharded:
             # A histogram of a local shard would misrepresent the gradient, and binning the full one needs a gather.
@@ -501,7 +500,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
                 values[saturation_tag(r.layer)] = r.saturated
         if values:
             self.writer.scalars(values, trainer.global_step)
-        self.record(self.activation_rule.update(readings, ctx, input_rms, loss))
+        self.record(self.activation_rule.judge(ctx, Measures(activations=readings, input_rms=input_rms, loss=loss)))
         if DEAD_UNITS not in self.rule_choices.off:
             certain = self.activation_rule.certain
             now = {r.layer for r in readings if r.dead is not None and r.dead > certain}
@@ -523,15 +522,15 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         if not chosen:
             return
         m = measure_step(index, chosen, loss, self._reduce(trainer))
-        self.record(self.collapse_rule.update(m.blocks, self.context(trainer), m.loss))
+        self.record(self.collapse_rule.judge(self.context(trainer), Measures(grad_norm=m.blocks, loss=m.loss)))
         if m.weight_squares is not None:  # grad_explode between measurements: the weights' norms at step 0
             sizes = _layer_sizes(index, chosen)
             squares = dict.fromkeys(sizes, 0.0)
             for i, sq in zip(chosen, m.weight_squares.tolist(), strict=True):  # once per fit
                 squares[index.layers[index.layer_of[i]]] += sq
             norms = {k: v**0.5 for k, v in squares.items()}
-            self.record(self.band_rule.observe_weights(
-                norms, sizes, self.context(trainer), sgd_step_scale(optimizer.param_groups)))  # fmt: skip
+            weights = WeightNorms(norms, sizes, sgd_step_scale(optimizer.param_groups))
+            self.record(self.band_rule.judge(self.context(trainer), Measures(weight_norms=weights)))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -561,13 +560,13 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             norms = {k: values[weight_norm_tag(k)] for k in sizes if weight_norm_tag(k) in values}
             at = StepContext(trainer.current_epoch, max(trainer.global_step - 1, 0))  # the measured step
             sgd = sgd_step_scale(trainer.optimizers[0].param_groups)
-            self.record(self.band_rule.observe_weights(norms, sizes, at, sgd))
+            self.record(self.band_rule.judge(at, Measures(weight_norms=WeightNorms(norms, sizes, sgd))))
         self.band_rule.observe_updates(ratios)
         self.spread_rule.observe_updates(ratios)  # grad_layer_spread: the slow side's update must be starved too
         self.collapse_rule.observe_updates(ratios)  # grad_collapse: "vanished" needs the updates to stop too
         loss, self._measured_loss = self._measured_loss, None
         measured = StepContext(trainer.current_epoch, max(trainer.global_step - 1, 0))  # the step of the ratios
-        self.record(self.update_size_rule.update(ratios, measured, loss))
+        self.record(self.update_size_rule.judge(measured, Measures(update_ratios=ratios, loss=loss)))
 
 
 def _layer_sizes(index: ParamIndex, chosen: list[int]) -> dict[str, int]:

@@ -23,6 +23,7 @@ import torch
 from lightning_diag.core.tags import updates_unchanged_tag
 from lightning_diag.instrument.grad_measure import ParamIndex
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.measures import Measures, StaleGrads
 from lightning_diag.rules.updates import UPDATE_STALE, GradNotZeroedRule, LayerUpdate, UpdateRule
 from lightning_diag.stats.updates import ElementSample, segment_any, unchanged_counts
 
@@ -355,7 +356,7 @@ class SilentUpdateChecks:
             self.writer.scalars({**shares, **self.threshold_lines(UPDATE_STALE)}, step)
             # the measured step's training loss (the first optimizer's; GradientFlowMonitor keeps it until the
             # update ratios are judged, after this)
-            self.record(self.update_rule.update(updates, ctx, self._measured_loss))
+            self.record(self.update_rule.judge(ctx, Measures(layer_updates=updates, loss=self._measured_loss)))
         if verdicts:
             stale: set[str] = set()
             optimizers: set[str] = set()
@@ -366,7 +367,7 @@ class SilentUpdateChecks:
                 if hit:
                     stale.update(index.layers[index.layer_of[i]] for i in hit)
                     optimizers.add(self._zero_names.get(k, f"optimizer {k}"))
-            self.record(self.not_zeroed_rule.update(stale, ctx, optimizers=sorted(optimizers)))
+            self.record(self.not_zeroed_rule.judge(ctx, Measures(stale_grads=StaleGrads(stale, sorted(optimizers)))))
 
 
 def _unwrap(optimizer: Any) -> Any:

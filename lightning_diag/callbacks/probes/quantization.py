@@ -27,6 +27,7 @@ from lightning_diag.instrument.sharded_quant import (
     sharded_outlier_ratio,
 )
 from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
+from lightning_diag.rules.measures import Measures, QuantizationReading
 from lightning_diag.rules.probes import (
     QUANTIZATION_ERROR,
     QuantizationErrorRule,
@@ -378,10 +379,10 @@ class QuantizationProbe(ValidationProbe):
             f"input channels max/median {result.input_outliers[name]:.3g}"
             for name in result.relative_mse
         }
-        return self.rule.update(
-            result.end_to_end, result.relative_mse, result.relative_mse_per_channel, self.context(trainer), scheme,
-            notes, change_noise=result.change_noise,
+        reading = QuantizationReading(
+            result.end_to_end, result.relative_mse, result.relative_mse_per_channel, scheme, notes, result.change_noise
         )
+        return self.rule.judge(self.context(trainer), Measures(quantization=reading))
 
 
 def _full_weights(module: nn.Module, deepspeed: bool = False) -> contextlib.AbstractContextManager[Any]:

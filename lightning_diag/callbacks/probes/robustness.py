@@ -19,6 +19,7 @@ from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import robustness_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.batches import token_ids
+from lightning_diag.rules.measures import Measures
 from lightning_diag.rules.robustness import (
     ROBUSTNESS_DROP,
     ROBUSTNESS_RATE_KEY,
@@ -204,4 +205,4 @@ class RobustnessProbe(ValidationProbe):
             values[robustness_tag(kind, "metric")] = value
             values[robustness_tag(kind, "drop")] = result.drops[kind]
         self.writer.scalars({k: v for k, v in values.items() if math.isfinite(v)}, trainer.global_step)
-        return self.rule.update(result.drops, self.context(trainer))
+        return self.rule.judge(self.context(trainer), Measures(robustness_drops=result.drops))

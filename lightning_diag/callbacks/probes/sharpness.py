@@ -13,6 +13,7 @@ from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import sharpness_layer_tag, sharpness_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
+from lightning_diag.rules.measures import Measures, SharpnessReading
 from lightning_diag.rules.probes import (
     SHARP_MINIMUM,
     SHARP_MINIMUM_PATIENCE_KEY,
@@ -159,5 +160,6 @@ class SharpnessProbe(ValidationProbe):
         }
         self.writer.scalars(values, step)
         worst = sorted(result.layers.items(), key=lambda kv: -kv[1])
-        return self.rule.update(result.gap, self.context(trainer), result.relative_gap, self.rho, worst)
+        reading = SharpnessReading(result.gap, result.relative_gap, self.rho, worst)
+        return self.rule.judge(self.context(trainer), Measures(sharpness=reading))
 

@@ -21,6 +21,7 @@ from lightning_diag.core.tags import family_tag, overhead_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
+from lightning_diag.rules.measures import LoaderWait, Measures, StepTimes
 from lightning_diag.rules.system import (
     DATALOADER_BOUND,
     MIN_STEPS,
@@ -410,25 +411,26 @@ class SystemMonitor(DiagCallback):
         alerts = []
         step_total = float(totals.sum())
         # the share of the training's time: the diagnostics' own (a heavy logging step) would dilute it
-        alerts += self.dataloader_rule.update(ctx, merged["loader_wait"], merged["loader_step"], n)
-        alerts += self.periodic_rule.update(
-            ctx,
+        wait = LoaderWait(merged["loader_wait"], merged["loader_step"], n)
+        alerts += self.dataloader_rule.judge(ctx, Measures(loader_wait=wait))
+        times = StepTimes(
             [t for t, _, _, _ in self.step_window],
             run_times=[t for t, _, _ in self.run_window],
             explained=[f for _, f, _ in self.run_window],
             work=[w for _, _, _, w in self.step_window],
             run_work=[w for _, _, w in self.run_window],
         )
+        alerts += self.periodic_rule.judge(ctx, Measures(step_times=times))
         pattern = self.periodic_rule.last
         keep = [
             c
             for i, (_, c, flag, _) in enumerate(self.step_window)
             if not flag and not (pattern.found and i >= pattern.phase and (i - pattern.phase) % pattern.period == 0)
         ]
-        fluctuation, found = self.fluctuation_rule.update(ctx, keep)
-        alerts += found
+        alerts += self.fluctuation_rule.judge(ctx, Measures(compute_times=keep))
+        fluctuation = self.fluctuation_rule.last_value
         memory = {"host_rss": merged["rss"], **{k: v for k, v in cuda.items() if k == "cuda_allocated"}}
-        alerts += self.memory_rule.update(ctx, memory)
+        alerts += self.memory_rule.judge(ctx, Measures(memory=memory))
 
         values = interval_values(
             merged,
@@ -446,7 +448,7 @@ class SystemMonitor(DiagCallback):
             if math.isfinite(util):
                 self.util_window.append(util)
                 values[family_tag("system", "gpu_utilization")] = util
-                alerts += self.periodic_rule.update_utilization(ctx, list(self.util_window))
+                alerts += self.periodic_rule.judge(ctx, Measures(gpu_utilization=list(self.util_window)))
         # the hooks' seconds over the same clock's seconds since the last report: the share of the interval
         now = self._overhead_clock()
         span, self._overhead_mark = now - self._overhead_mark, now
