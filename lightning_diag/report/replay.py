@@ -188,7 +188,14 @@ def _replay_loss_swing(run: RunData) -> list[Alert]:
         variance = sd * sd if sd is not None and math.isfinite(sd) else None
         alerts += rule.update(v, StepContext(0, step), steps=max(step - previous, 1), variance=variance)
         previous = step
-    return alerts
+    # the validation view, where the run logged the standard errors it judged the validation loss with (a run from
+    # before them is replayed on the training points alone, as it was judged)
+    se = dict(run.scalars.get(loss_tag("val_se"), []))
+    if se:
+        monitor = run.mapping.get("val_loss", "val_loss")
+        for step, v in run.scalars.get(loss_tag("val"), []):
+            alerts += rule.update_validation(v, StepContext(0, step), se=se.get(step), source=monitor)
+    return sorted(alerts, key=lambda a: a.global_step)
 
 
 @replay(VAL_DECLINE)

@@ -306,7 +306,7 @@ class LossSwingRule(Rule):
 
     specs = (LOSS_SWING_SPEC,)
     state_keys = ("previous", "previous_rise", "streak", "last_change", "history", "previous_noise", "previous_lr",
-                  "recent", "excesses")
+                  "recent", "excesses", "val_previous", "val_rise", "val_streak", "val_history", "val_excesses")
 
     def __init__(
         self,
@@ -341,11 +341,27 @@ class LossSwingRule(Rule):
         #: How close each of the last ``patience`` points came to swinging (``min(|r| / threshold, t / z)``, 0 for
         #: one that cannot), for :meth:`Rule.observe`.
         self.excesses: list[float] = []
+        #: The validation view (:meth:`update_validation`): ``[value, variance of the value, its degrees of freedom,
+        #: learning rate or nan]`` of the previous validation run (``None``: none yet).
+        self.val_previous: list[float] | None = None
+        #: Whether the last validation change was a swinging rise.
+        self.val_rise = False
+        #: ``[consecutive swinging validation changes, how many of them are falls]``.
+        self.val_streak: list[int] = [0, 0]
+        #: The last validation values, for messages.
+        self.val_history: list[float] = []
+        #: ``[how close, is a fall]`` of each of the last ``patience`` validation changes, for the margin.
+        self.val_excesses: list[list[float]] = []
+        #: The last validation change over its standard error (``nan``: not judged).
+        self.val_last_z = math.nan
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before the noise test loads with the previous
         point's noise and rate unknown."""
-        defaults: dict[str, Any] = {"previous_noise": None, "previous_lr": None, "recent": [], "excesses": []}
+        defaults: dict[str, Any] = {
+            "previous_noise": None, "previous_lr": None, "recent": [], "excesses": [], "val_previous": None,
+            "val_rise": False, "val_streak": [0, 0], "val_history": [], "val_excesses": [],
+        }
         super().load_state_dict({**defaults, **state})
 
     @classmethod
@@ -379,11 +395,13 @@ class LossSwingRule(Rule):
             return math.inf, 1.0
         return sum(pairs) / len(pairs), float(len(pairs))
 
-    def scheduled(self, change: float, lr: float | None) -> bool:
-        """Whether a change moves with the learning rate by a factor of at most ``lr_ratio`` (the schedule)."""
-        if lr is None or self.previous_lr is None or not (lr > 0 and self.previous_lr > 0):
+    def scheduled(self, change: float, lr: float | None, previous: float | None = math.nan) -> bool:
+        """Whether a change moves with the learning rate by a factor of at most ``lr_ratio`` (the schedule), from
+        ``previous`` (the previous point's rate when left out)."""
+        before = self.previous_lr if previous is not None and math.isnan(previous) else previous
+        if lr is None or before is None or not (lr > 0 and before > 0):
             return False
-        factor = lr / self.previous_lr
+        factor = lr / before
         if max(factor, 1.0 / factor) < 1.0 + _LR_MOVES:
             return False  # the rate did not move
         return (factor > 1.0) == (change > 0) and max(factor, 1.0 / factor) <= self.lr_ratio
@@ -398,12 +416,14 @@ class LossSwingRule(Rule):
             return False
         return count > _DATA_CHANGE * float(self.recent[-2][1] or 1.0)
 
-    def lr_jump(self, lr: float | None) -> bool:
-        """Whether the learning rate changed by more than ``lr_ratio`` since the previous point: no schedule's
-        step, so a change of the loss with it is the rate's doing, not chance (judged against half of ``z``)."""
-        if lr is None or self.previous_lr is None or not (lr > 0 and self.previous_lr > 0):
+    def lr_jump(self, lr: float | None, previous: float | None = math.nan) -> bool:
+        """Whether the learning rate changed by more than ``lr_ratio`` since ``previous`` (the previous point's rate
+        when left out): no schedule's step, so a change of the loss with it is the rate's doing, not chance (judged
+        against half of ``z``)."""
+        before = self.previous_lr if previous is not None and math.isnan(previous) else previous
+        if lr is None or before is None or not (lr > 0 and before > 0):
             return False
-        return max(lr / self.previous_lr, self.previous_lr / lr) > self.lr_ratio
+        return max(lr / before, before / lr) > self.lr_ratio
 
     def update(
         self,
@@ -477,6 +497,73 @@ class LossSwingRule(Rule):
                 f"{self.unit}s (last change {_pct(change)}, {self.last_t:.1f} standard errors of the step losses' "
                 f"noise; recent values {points}): the learning rate may be too high or the data order unstable",
                 source=self.source,
+                value=change,
+                threshold=self.threshold,
+            )
+        ]
+
+    def update_validation(
+        self, value: float, ctx: StepContext, *, se: float | None = None, df: float = math.inf,
+        lr: float | None = None, source: str = "val_loss",
+    ) -> list[Alert]:
+        """Feed the next validation loss (the same samples at every run); return the alerts it raises.
+
+        The validation view of the swing: the change between two consecutive runs swings when it is above
+        ``threshold`` (relative) and ``min_delta``, more than ``z`` standard errors of the difference
+        (``sqrt(se[k-1]^2 + se[k]^2)``, Welch's degrees of freedom from ``df``; ``z / 2`` after a rate jump of more
+        than ``lr_ratio``), not the schedule, and a rise or a fall that reverses a swinging rise. The rule fires
+        when ``patience`` consecutive changes swing **and at least one of them is a fall**: an oscillation. A
+        validation loss that only climbs is ``val_decline``'s, not a swing.
+
+        Args:
+            value: The validation loss of this run.
+            ctx: Where it closed.
+            se: Its standard error (``None`` or ``nan``: unknown, no change is significant).
+            df: The degrees of freedom of ``se``.
+            lr: The learning rate at this run (``None`` or ``nan``: unknown).
+            source: The validation metric's name, for the alert.
+        """
+        if not math.isfinite(value):
+            return []
+        variance = float(se) ** 2 if se is not None and math.isfinite(se) else math.inf
+        rate = float(lr) if lr is not None and math.isfinite(lr) else math.nan
+        previous, self.val_previous = self.val_previous, [float(value), variance, float(df), rate]
+        self.val_history = [*self.val_history[-self.patience :], float(value)]
+        if previous is None:
+            return []
+        before, before_variance, before_df, before_rate = previous
+        change = relative_change(before, value)
+        delta = abs(value - before)
+        prior = None if math.isnan(before_rate) else before_rate
+        now = None if math.isnan(rate) else rate
+        self.val_last_z = welch_z(delta, [before_variance, before_df], [variance, float(df)])
+        bound = self.z / 2.0 if self.lr_jump(now, prior) else self.z
+        large = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
+        excused = self.scheduled(change, now, prior)
+        counts = math.isfinite(change) and (change > 0 or self.val_rise) and not excused
+        swing = counts and large and self.val_last_z > bound
+        judged = counts and not math.isnan(self.val_last_z)
+        near = min(abs(change) / self.threshold, self.val_last_z / bound) if judged else 0.0
+        fall = change < 0
+        self.val_excesses = [*self.val_excesses[-(self.patience - 1) :], [near if math.isfinite(near) else 0.0,
+                                                                          float(fall and counts)]]
+        if len(self.val_excesses) >= self.patience and any(f for _, f in self.val_excesses):
+            self.observe(min(x for x, _ in self.val_excesses), 1.0)
+        streak, falls = self.val_streak
+        self.val_streak = [streak + 1, falls + int(fall)] if swing else [0, 0]
+        self.val_rise = swing and change > 0
+        active = self.val_streak[0] >= self.patience and self.val_streak[1] > 0
+        if not self.latch.update(source, active):
+            return []
+        values = ", ".join(f"{v:.4g}" for v in self.val_history)
+        return [
+            self._alert(
+                ctx,
+                f"validation loss `{source}` swung up and down by more than {self.threshold:.0%} on "
+                f"{self.val_streak[0]} consecutive validation runs (last change {_pct(change)}, "
+                f"{self.val_last_z:.1f} standard errors; recent values {values}): the model jumps between "
+                "validations, the learning rate may be too high for the batch size (momentum, batch size 1)",
+                source=source,
                 value=change,
                 threshold=self.threshold,
             )
