@@ -344,8 +344,8 @@ class LossSwingRule(Rule):
         #: The validation view (:meth:`update_validation`): ``[value, variance of the value, its degrees of freedom,
         #: learning rate or nan]`` of the previous validation run (``None``: none yet).
         self.val_previous: list[float] | None = None
-        #: Whether the last validation change was a swinging rise.
-        self.val_rise = False
+        #: The last validation change: 2 a swinging rise, 1 a rise that does not swing, 0 neither.
+        self.val_rise = 0
         #: ``[consecutive swinging validation changes, how many of them are falls]``.
         self.val_streak: list[int] = [0, 0]
         #: The last validation values, for messages.
@@ -360,7 +360,7 @@ class LossSwingRule(Rule):
         point's noise and rate unknown."""
         defaults: dict[str, Any] = {
             "previous_noise": None, "previous_lr": None, "recent": [], "excesses": [], "val_previous": None,
-            "val_rise": False, "val_streak": [0, 0], "val_history": [], "val_excesses": [],
+            "val_rise": 0, "val_streak": [0, 0], "val_history": [], "val_excesses": [],
         }
         super().load_state_dict({**defaults, **state})
 
@@ -540,18 +540,20 @@ class LossSwingRule(Rule):
         bound = self.z / 2.0 if self.lr_jump(now, prior) else self.z
         large = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
         excused = self.scheduled(change, now, prior)
-        counts = math.isfinite(change) and (change > 0 or self.val_rise) and not excused
-        swing = counts and large and self.val_last_z > bound
+        # a rise counts; a fall counts after a rise (for the margin), and swings after a swinging rise
+        counts = math.isfinite(change) and (change > 0 or self.val_rise > 0) and not excused
+        swing = counts and large and self.val_last_z > bound and (change > 0 or self.val_rise > 1)
         judged = counts and not math.isnan(self.val_last_z)
         near = min(abs(change) / self.threshold, self.val_last_z / bound) if judged else 0.0
         fall = change < 0
         self.val_excesses = [*self.val_excesses[-(self.patience - 1) :], [near if math.isfinite(near) else 0.0,
                                                                           float(fall and counts)]]
-        if len(self.val_excesses) >= self.patience and any(f for _, f in self.val_excesses):
-            self.observe(min(x for x, _ in self.val_excesses), 1.0)
+        if len(self.val_excesses) >= self.patience:  # an oscillation needs a fall among them
+            fell = any(f for _, f in self.val_excesses)
+            self.observe(min(x for x, _ in self.val_excesses) if fell else 0.0, 1.0)
         streak, falls = self.val_streak
         self.val_streak = [streak + 1, falls + int(fall)] if swing else [0, 0]
-        self.val_rise = swing and change > 0
+        self.val_rise = (2 if swing else 1) if counts and change > 0 else 0
         active = self.val_streak[0] >= self.patience and self.val_streak[1] > 0
         if not self.latch.update(source, active):
             return []
