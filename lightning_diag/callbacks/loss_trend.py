@@ -354,10 +354,12 @@ class LossTrend:
         out.alerts += self.val_fluctuation_rule.update(train_mean, val, ctx, se=fluctuation_se)
         if self.val_decline_rule.mode == "min" and "loss" in self.monitor:  # the swing's validation view
             out.alerts += self.swing_rule.update_validation(
-                val, ctx, se=fluctuation_se, df=max(se_df, 1.0), lr=mean_lr(trainer), source=self.monitor
+                val, ctx, se=fluctuation_se, df=max(se_df, 1.0), lr=mean_lr(trainer),
+                scale=self.stagnant_rule.baseline, source=self.monitor,
             )
-            if math.isfinite(fluctuation_se):  # the standard error it judged the value with (the report replays it)
-                out.scalars[loss_tag("val_se")] = fluctuation_se
+            judged = self.swing_rule.val_previous
+            if judged is not None and math.isfinite(judged[1]):  # the (pooled) standard error it judged the value
+                out.scalars[loss_tag("val_se")] = math.sqrt(judged[1])  # with: the report replays it
         out.scalars[loss_tag("val")] = val
         train_f, val_f = self.val_fluctuation_rule.measures()
         if math.isfinite(train_f) and math.isfinite(val_f):

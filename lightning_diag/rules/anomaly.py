@@ -204,6 +204,8 @@ DEFAULT_SWING_LR_RATIO = default(LOSS_SWING_SPEC.key("lr_ratio"))
 _POOL_POINTS = 16
 #: ``loss_swing``: the fewest successive differences the pooled noise is taken from.
 _POOL_MIN_PAIRS = 4
+#: ``loss_swing``: the degrees of freedom the validation view pools the standard errors of recent runs up to.
+_VAL_POOL_DF = 30.0
 #: ``loss_swing``: a learning rate that changes by less than this fraction did not move.
 _LR_MOVES = 0.01
 #: ``loss_swing``: a point with more than this factor of the previous point's steps is a mean over a larger training
@@ -306,7 +308,8 @@ class LossSwingRule(Rule):
 
     specs = (LOSS_SWING_SPEC,)
     state_keys = ("previous", "previous_rise", "streak", "last_change", "history", "previous_noise", "previous_lr",
-                  "recent", "excesses", "val_previous", "val_rise", "val_streak", "val_history", "val_excesses")
+                  "recent", "excesses", "val_previous", "val_rise", "val_streak", "val_history", "val_excesses",
+                  "val_noise", "val_first")
 
     def __init__(
         self,
@@ -354,13 +357,19 @@ class LossSwingRule(Rule):
         self.val_excesses: list[list[float]] = []
         #: The last validation change over its standard error (``nan``: not judged).
         self.val_last_z = math.nan
+        #: ``[squared standard error, degrees of freedom]`` of the last validation runs whose standard error was
+        #: known, newest last (pooled by :meth:`pooled_val_variance`).
+        self.val_noise: list[list[float]] = []
+        #: The first validation value (the scale of the changes when the initial training loss is not known).
+        self.val_first: float | None = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before the noise test loads with the previous
         point's noise and rate unknown."""
         defaults: dict[str, Any] = {
             "previous_noise": None, "previous_lr": None, "recent": [], "excesses": [], "val_previous": None,
-            "val_rise": 0, "val_streak": [0, 0], "val_history": [], "val_excesses": [],
+            "val_rise": 0, "val_streak": [0, 0], "val_history": [], "val_excesses": [], "val_noise": [],
+            "val_first": None,
         }
         super().load_state_dict({**defaults, **state})
 
@@ -394,6 +403,20 @@ class LossSwingRule(Rule):
         if len(pairs) < _POOL_MIN_PAIRS:
             return math.inf, 1.0
         return sum(pairs) / len(pairs), float(len(pairs))
+
+    def pooled_val_variance(self) -> tuple[float, float]:
+        """The squared standard error of a validation value, pooled over the newest runs until they hold
+        :data:`_VAL_POOL_DF` degrees of freedom (at most :data:`_POOL_POINTS` runs), weighted by them: with a few
+        training steps between two runs (one-batch or 4-step epochs), one run's estimate of the noise is too
+        uncertain to judge a change by. ``(inf, 1)`` when none is known."""
+        total, weighted = 0.0, 0.0
+        for variance, df in reversed(self.val_noise):
+            if math.isinf(df):
+                return (variance, df) if total == 0 else (weighted / total, total)
+            total, weighted = total + df, weighted + df * variance
+            if total >= _VAL_POOL_DF:
+                break
+        return (weighted / total, total) if total > 0 else (math.inf, 1.0)
 
     def scheduled(self, change: float, lr: float | None, previous: float | None = math.nan) -> bool:
         """Whether a change moves with the learning rate by a factor of at most ``lr_ratio`` (the schedule), from
@@ -504,14 +527,16 @@ class LossSwingRule(Rule):
 
     def update_validation(
         self, value: float, ctx: StepContext, *, se: float | None = None, df: float = math.inf,
-        lr: float | None = None, source: str = "val_loss",
+        lr: float | None = None, scale: float | None = None, source: str = "val_loss",
     ) -> list[Alert]:
         """Feed the next validation loss (the same samples at every run); return the alerts it raises.
 
         The validation view of the swing: the change between two consecutive runs swings when it is above
-        ``threshold`` (relative) and ``min_delta``, more than ``z`` standard errors of the difference
-        (``sqrt(se[k-1]^2 + se[k]^2)``, Welch's degrees of freedom from ``df``; ``z / 2`` after a rate jump of more
-        than ``lr_ratio``), not the schedule, and a rise or a fall that reverses a swinging rise. The rule fires
+        ``threshold`` (relative), ``min_delta`` and ``threshold`` times the loss's scale (``scale``: the initial
+        training loss, the untrained model's; else the first validation value), more than ``z`` standard errors of the difference
+        (``sqrt(se[k-1]^2 + se[k]^2)``, each pooled over the recent runs by :meth:`pooled_val_variance`, Welch's
+        degrees of freedom; ``z / 2`` after a rate jump of more than ``lr_ratio``), not the schedule, and a rise or a
+        fall that reverses a swinging rise. The rule fires
         when ``patience`` consecutive changes swing **and at least one of them is a fall**: an oscillation. A
         validation loss that only climbs is ``val_decline``'s, not a swing.
 
@@ -519,15 +544,21 @@ class LossSwingRule(Rule):
             value: The validation loss of this run.
             ctx: Where it closed.
             se: Its standard error (``None`` or ``nan``: unknown, no change is significant).
-            df: The degrees of freedom of ``se``.
+            df: The degrees of freedom of ``se`` (``inf``: known exactly, not pooled with earlier runs).
             lr: The learning rate at this run (``None`` or ``nan``: unknown).
+            scale: The initial training loss (``None``: unknown, the first validation value is the scale).
             source: The validation metric's name, for the alert.
         """
         if not math.isfinite(value):
             return []
-        variance = float(se) ** 2 if se is not None and math.isfinite(se) else math.inf
+        if se is not None and math.isfinite(se):
+            self.val_noise = [*self.val_noise[-(_POOL_POINTS - 1) :], [float(se) ** 2, max(float(df), 1.0)]]
+        variance, pooled_df = self.pooled_val_variance() if se is not None and math.isfinite(se) else (math.inf, 1.0)
         rate = float(lr) if lr is not None and math.isfinite(lr) else math.nan
-        previous, self.val_previous = self.val_previous, [float(value), variance, float(df), rate]
+        previous, self.val_previous = self.val_previous, [float(value), variance, pooled_df, rate]
+        if self.val_first is None:
+            self.val_first = float(value)
+        level = abs(float(scale)) if scale is not None and math.isfinite(scale) and scale != 0 else abs(self.val_first)
         self.val_history = [*self.val_history[-self.patience :], float(value)]
         if previous is None:
             return []
@@ -536,15 +567,18 @@ class LossSwingRule(Rule):
         delta = abs(value - before)
         prior = None if math.isnan(before_rate) else before_rate
         now = None if math.isnan(rate) else rate
-        self.val_last_z = welch_z(delta, [before_variance, before_df], [variance, float(df)])
+        self.val_last_z = welch_z(delta, [before_variance, before_df], [variance, pooled_df])
         bound = self.z / 2.0 if self.lr_jump(now, prior) else self.z
-        large = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
+        # near a loss's floor a small move is a large fraction of it: the change must also be a fraction of the
+        # loss's scale (a converged model's validation loss moving 0.03 -> 0.05 -> 0.02 does not swing)
+        size = min(abs(change), delta / level) if level > 0 else abs(change)
+        large = math.isfinite(change) and size > self.threshold and delta > self.min_delta
         excused = self.scheduled(change, now, prior)
         # a rise counts; a fall counts after a rise (for the margin), and swings after a swinging rise
         counts = math.isfinite(change) and (change > 0 or self.val_rise > 0) and not excused
         swing = counts and large and self.val_last_z > bound and (change > 0 or self.val_rise > 1)
         judged = counts and not math.isnan(self.val_last_z)
-        near = min(abs(change) / self.threshold, self.val_last_z / bound) if judged else 0.0
+        near = min(size / self.threshold, self.val_last_z / bound) if judged else 0.0
         fall = change < 0
         self.val_excesses = [*self.val_excesses[-(self.patience - 1) :], [near if math.isfinite(near) else 0.0,
                                                                           float(fall and counts)]]
