@@ -533,10 +533,10 @@ class LossSwingRule(Rule):
 
         The validation view of the swing: the change between two consecutive runs swings when it is above
         ``threshold`` (relative), ``min_delta`` and ``threshold`` times the loss's scale (``scale``: the initial
-        training loss, the untrained model's; else the first validation value), more than ``z`` standard errors of the difference
-        (``sqrt(se[k-1]^2 + se[k]^2)``, each pooled over the recent runs by :meth:`pooled_val_variance`, Welch's
-        degrees of freedom; ``z / 2`` after a rate jump of more than ``lr_ratio``), not the schedule, and a rise or a
-        fall that reverses a swinging rise. The rule fires
+        training loss, the untrained model's; else the first validation value), more than ``z`` standard errors of
+        the difference (``sqrt(se[k-1]^2 + se[k]^2)``, each pooled over the recent runs by
+        :meth:`pooled_val_variance`, Welch's degrees of freedom; ``z / 2`` after a rate jump of more than
+        ``lr_ratio``), not the schedule, and a rise or a fall that reverses a swinging rise. The rule fires
         when ``patience`` consecutive changes swing **and at least one of them is a fall**: an oscillation. A
         validation loss that only climbs is ``val_decline``'s, not a swing.
 
