@@ -11,7 +11,10 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   is healthy; between one-step points (single samples) a rise does not swing right after a swinging rise either.
   A point with more than 1.25 times the previous point's steps is a mean over a larger training set (a curriculum
   that adds examples): its change is a level shift of the data and never swings.
-  The rule fires when ``patience`` consecutive points swing.
+  The rule fires when ``patience`` consecutive points swing. The validation loss (the same samples at every run) is
+  judged as a second series (:meth:`LossSwingRule.update_validation`): each change must also be ``threshold`` of
+  the loss's scale (the initial training loss) and significant against the two runs' standard errors (pooled over
+  the recent runs); the rule fires when ``patience`` consecutive changes swing and one of them is a fall.
 * ``val_decline``: a validation value is *worse* than the one before it when it is larger by more than
   ``min_delta`` (mode ``"min"``) or smaller by more than ``min_delta`` (mode ``"max"``). Fires when
   ``patience`` consecutive validation runs are worse and, where the values' standard errors are known, the whole
