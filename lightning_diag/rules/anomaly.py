@@ -12,9 +12,9 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   A point with more than 1.25 times the previous point's steps is a mean over a larger training set (a curriculum
   that adds examples): its change is a level shift of the data and never swings.
   The rule fires when ``patience`` consecutive points swing. The validation loss (the same samples at every run) is
-  judged as a second series (:meth:`LossSwingRule.update_validation`): each change must also be ``threshold`` of
-  the loss's scale (the initial training loss) and significant against the two runs' standard errors (pooled over
-  the recent runs); the rule fires when ``patience`` consecutive changes swing and one of them is a fall.
+  judged as a second series (:meth:`LossSwingRule.update_validation`): each change must also be significant against
+  the two runs' standard errors (pooled over the recent runs), and a rise must end above the loss's scale (the
+  initial training loss); the rule fires when ``patience`` consecutive changes swing and one of them is a fall.
 * ``val_decline``: a validation value is *worse* than the one before it when it is larger by more than
   ``min_delta`` (mode ``"min"``) or smaller by more than ``min_delta`` (mode ``"max"``). Fires when
   ``patience`` consecutive validation runs are worse and, where the values' standard errors are known, the whole
@@ -535,12 +535,12 @@ class LossSwingRule(Rule):
         """Feed the next validation loss (the same samples at every run); return the alerts it raises.
 
         The validation view of the swing: the change between two consecutive runs swings when it is above
-        ``threshold`` (relative), ``min_delta`` and ``threshold`` times the loss's scale (``scale``: the initial
-        training loss, the untrained model's; else the first validation value), more than ``z`` standard errors of
-        the difference (``sqrt(se[k-1]^2 + se[k]^2)``, each pooled over the recent runs by
-        :meth:`pooled_val_variance`, Welch's degrees of freedom; ``z / 2`` after a rate jump of more than
-        ``lr_ratio``), not the schedule, and a rise or a fall that reverses a swinging rise. The rule fires
-        when ``patience`` consecutive changes swing **and at least one of them is a fall**: an oscillation. A
+        ``threshold`` (relative) and ``min_delta``, more than ``z`` standard errors of the difference
+        (``sqrt(se[k-1]^2 + se[k]^2)``, each pooled over the recent runs by :meth:`pooled_val_variance`, Welch's
+        degrees of freedom; ``z / 2`` after a rate jump of more than ``lr_ratio``), not the schedule, and a rise to
+        above the loss's scale (``scale``: the initial training loss, the untrained model's; else the first
+        validation value) or a fall that reverses a swinging rise. The rule fires when ``patience`` consecutive
+        changes swing **and at least one of them is a fall**: an oscillation. A
         validation loss that only climbs is ``val_decline``'s, not a swing.
 
         Args:
@@ -572,16 +572,16 @@ class LossSwingRule(Rule):
         now = None if math.isnan(rate) else rate
         self.val_last_z = welch_z(delta, [before_variance, before_df], [variance, pooled_df])
         bound = self.z / 2.0 if self.lr_jump(now, prior) else self.z
-        # near a loss's floor a small move is a large fraction of it: the change must also be a fraction of the
-        # loss's scale (a converged model's validation loss moving 0.03 -> 0.05 -> 0.02 does not swing)
-        size = min(abs(change), delta / level) if level > 0 else abs(change)
-        large = math.isfinite(change) and size > self.threshold and delta > self.min_delta
+        large = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
         excused = self.scheduled(change, now, prior)
-        # a rise counts; a fall counts after a rise (for the margin), and swings after a swinging rise
+        # a rise counts; a fall counts after a rise (for the margin), and swings after a swinging rise. A rise swings
+        # only to above the loss's scale, the untrained model's loss: a model that learns jumps below it (a small
+        # batch's steps, a spike after convergence); one driven past it at every other run oscillates
         counts = math.isfinite(change) and (change > 0 or self.val_rise > 0) and not excused
-        swing = counts and large and self.val_last_z > bound and (change > 0 or self.val_rise > 1)
+        height = value / level if change > 0 and level > 0 else math.inf
+        swing = counts and large and self.val_last_z > bound and (height > 1.0 if change > 0 else self.val_rise > 1)
         judged = counts and not math.isnan(self.val_last_z)
-        near = min(size / self.threshold, self.val_last_z / bound) if judged else 0.0
+        near = min(abs(change) / self.threshold, self.val_last_z / bound, height) if judged else 0.0
         fall = change < 0
         self.val_excesses = [*self.val_excesses[-(self.patience - 1) :], [near if math.isfinite(near) else 0.0,
                                                                           float(fall and counts)]]
