@@ -121,6 +121,20 @@ def test_loss_swing_validation_view_judges_the_change_against_the_standard_error
     assert feed_validation(LossSwingRule(), values, se=0.05, lr=cyclic) == [0] * 5
 
 
+def test_loss_swing_validation_view_rises_above_the_untrained_loss():
+    # the calibration's one-step epochs of batch 8 (healthy): significant jumps, all below the initial loss of 1.38
+    jumps = [0.16, 0.12, 0.82, 0.12, 1.03, 0.22]
+    rule = LossSwingRule()
+    fired = [len(rule.update_validation(v, StepContext(i, 4 * i), se=0.04, df=30.0, scale=1.38))
+             for i, v in enumerate(jumps)]
+    assert fired == [0] * 6 and rule.peaks["loss_swing"] == pytest.approx(0.75, abs=0.01)  # 1.03 of 1.38
+    # the same jumps past a model's initial loss of 0.5: worse than untrained at every other run, an oscillation
+    rule = LossSwingRule()
+    fired = [len(rule.update_validation(v, StepContext(i, 4 * i), se=0.04, df=30.0, scale=0.5))
+             for i, v in enumerate(jumps)]
+    assert fired == [0, 0, 0, 0, 1, 0]
+
+
 def test_loss_swing_validation_view_alert_and_margin():
     rule = LossSwingRule()
     alerts = [
