@@ -55,6 +55,20 @@ _SECOND_SEED = (
 #: typo changing the answer is the task, not a fragile model, and no model there returns predictions from
 #: ``validation_step``.
 PROBES = ["SharpnessProbe", "QuantizationProbe"]
+#: A fault's recipe at one epoch length where the library's own does not produce its condition there: overrides
+#: of its config, the epochs to run, and of its data settings.
+#:
+#: * ``swing`` at 4 steps: the 40x rate alternation over plain SGD at 0.01, in 4 batches of 128 an epoch, barely
+#:   moves the epoch means (-11%, -21%, -18%, -28%, -27%, -4%, +93%: a loss falling steadily, one excursion at the
+#:   end, never 3 swinging epochs); over AdamW at 3e-3 the same alternation swings them by 30-330% from epoch to
+#:   epoch (the seed's condition), as in tests/callbacks/test_loss_noise.py.
+#: * ``oscillation_bs1`` at 4 steps: its 64 samples in 4 batches of 16 are no batch-size-1 fault (the loss falls
+#:   1.18 -> 0.15 in 6 epochs, accuracy 72-81%: nothing swings); batch size 1 kept, 4 batches drawn an epoch
+#:   (the validation loss swings 10 -> 19 -> 20 -> 7 ...), over 12 epochs.
+LENGTH_RECIPES: dict[tuple[str, int], tuple[dict[str, Any], int, dict[str, Any]]] = {
+    ("swing", 4): ({"optimizer": "adamw", "lr": 3e-3, "oscillate_factor": 40.0}, 12, {}),
+    ("oscillation_bs1", 4): ({}, 12, {"n_train": 64, "batch_size": 1, "limit_batches": 4}),
+}
 #: The healthy families, in the order the docs describe them.
 FAMILIES = {
     "baselines": "the fault library's healthy baselines over epoch lengths, seeds and batch sizes",
@@ -282,7 +296,8 @@ def _fault_runs(subset: str) -> list[RunSpec]:
                 continue  # an event judged where it happens (a NaN, a frozen layer): no threshold to hold
             if fault.onset_epoch is not None and length == 1 and fault.name not in ONE_STEP_EPOCH_FAULTS:
                 continue  # an epoch fault over one-step epochs: the healthy one-batch epochs are the check there
-            settings = _length_settings(fault, length)
+            recipe, recipe_epochs, recipe_data = LENGTH_RECIPES.get((fault.name, length), ({}, 0, {}))
+            settings = {**(_length_settings(fault, length) or {}), **recipe_data} or None
             if settings is None:
                 continue
             if fault.onset_step is not None:
@@ -292,6 +307,8 @@ def _fault_runs(subset: str) -> list[RunSpec]:
             else:
                 run = {"max_epochs": fault.max_epochs, "max_steps": None}
                 val_every = 1
+            if recipe_epochs:
+                run["max_epochs"] = recipe_epochs
             specs.append(
                 RunSpec(
                     f"length:{fault.name}:L{length}",
@@ -305,6 +322,7 @@ def _fault_runs(subset: str) -> list[RunSpec]:
                     epoch_len=length,
                     val_every=val_every,
                     length_check=True,
+                    overrides=recipe,
                     **settings,
                     **run,
                 )

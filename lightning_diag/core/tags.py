@@ -91,7 +91,8 @@ FAMILIES: tuple[str, ...] = ("data", "system", "overhead", "sharpness", "quant",
 
 #: The names of the ``diag/loss/<name>`` series.
 LossSeries = Literal[
-    "train_step", "train_epoch", "train_window", "train_spread", "swing", "val", "train_fluctuation", "val_fluctuation"
+    "train_step", "train_epoch", "train_window", "train_spread", "swing", "val", "val_se", "train_fluctuation",
+    "val_fluctuation",
 ]
 
 

@@ -24,7 +24,12 @@ from lightning_diag.core.tags import (
     prefix,
 )
 from lightning_diag.report.load import RunData, Series
-from lightning_diag.rules.anomaly import VAL_DECLINE_HIGHER_IS_BETTER_KEY, LossSwingRule, ValDeclineRule
+from lightning_diag.rules.anomaly import (
+    STAGNANT_BASELINE_STEPS_KEY,
+    VAL_DECLINE_HIGHER_IS_BETTER_KEY,
+    LossSwingRule,
+    ValDeclineRule,
+)
 from lightning_diag.rules.attention_entropy import AttentionEntropyRule
 from lightning_diag.rules.attention_specs import LayerStats
 from lightning_diag.rules.base import StepContext
@@ -192,7 +197,22 @@ def _replay_loss_swing(run: RunData) -> list[Alert]:
         window = LossWindow(v, steps=max(step - previous, 1), variance=variance)
         alerts += rule.judge(StepContext(0, step), Measures(loss_window=window))
         previous = step
-    return alerts
+    # the validation view, where the run logged the standard errors it judged the validation loss with (a run from
+    # before them is replayed on the training points alone, as it was judged)
+    se = dict(run.scalars.get(loss_tag("val_se"), []))
+    if se:
+        monitor = run.mapping.get("val_loss", "val_loss")
+        # the scale a rise must end above: the untrained model's loss, from the first logged training losses (the
+        # alarm takes the mean of the first steps, of which the logging steps are a sample)
+        baseline = int(_threshold(run, STAGNANT_BASELINE_STEPS_KEY) or 1)
+        logged = [v for _, v in run.scalars.get(loss_tag("train_step"), []) if math.isfinite(v)]
+        early = [v for step, v in run.scalars.get(loss_tag("train_step"), []) if step < baseline and math.isfinite(v)]
+        sample = early or logged[:1]
+        scale = sum(sample) / len(sample) if sample else None
+        for step, v in run.scalars.get(loss_tag("val"), []):
+            logged = Validation(v, noise_se=se.get(step), baseline=scale, metric=monitor)
+            alerts += rule.judge(StepContext(0, step), Measures(validation=logged))
+    return sorted(alerts, key=lambda a: a.global_step)
 
 
 @replay(VAL_DECLINE)

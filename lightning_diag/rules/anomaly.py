@@ -11,7 +11,10 @@ Exact definitions (also in ``docs/anomaly_alarm.md``):
   is healthy; between one-step points (single samples) a rise does not swing right after a swinging rise either.
   A point with more than 1.25 times the previous point's steps is a mean over a larger training set (a curriculum
   that adds examples): its change is a level shift of the data and never swings.
-  The rule fires when ``patience`` consecutive points swing.
+  The rule fires when ``patience`` consecutive points swing. The validation loss (the same samples at every run) is
+  judged as a second series (:meth:`LossSwingRule.judge_validation`): each change must also be significant against
+  the two runs' standard errors (pooled over the recent runs), and a rise must end above the loss's scale (the
+  initial training loss); the rule fires when ``patience`` consecutive changes swing and one of them is a fall.
 * ``val_decline``: a validation value is *worse* than the one before it when it is larger by more than
   ``min_delta`` (mode ``"min"``) or smaller by more than ``min_delta`` (mode ``"max"``). Fires when
   ``patience`` consecutive validation runs are worse and, where the values' standard errors are known, the whole
@@ -49,7 +52,7 @@ from typing import Any, Literal
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, FRACTION, POSITIVE, STEPS, CheckSpec, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
-from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.measures import LossWindow, Measure, Measures, Validation
 from lightning_diag.stats.trend import (
     fluctuation,
     mann_kendall,
@@ -205,6 +208,8 @@ DEFAULT_SWING_LR_RATIO = default(LOSS_SWING_SPEC.key("lr_ratio"))
 _POOL_POINTS = 16
 #: ``loss_swing``: the fewest successive differences the pooled noise is taken from.
 _POOL_MIN_PAIRS = 4
+#: ``loss_swing``: the degrees of freedom the validation view pools the standard errors of recent runs up to.
+_VAL_POOL_DF = 30.0
 #: ``loss_swing``: a learning rate that changes by less than this fraction did not move.
 _LR_MOVES = 0.01
 #: ``loss_swing``: a point with more than this factor of the previous point's steps is a mean over a larger training
@@ -308,10 +313,12 @@ class LossSwingRule(Rule):
         [0, 0, 0, 0, 0]
     """
 
-    needs = frozenset({Measure.LOSS_WINDOW})
+    # the training view, the loss points (`loss_window`), or the validation view (`validation`): whichever is given
+    optional = frozenset({Measure.LOSS_WINDOW, Measure.VALIDATION})
     specs = (LOSS_SWING_SPEC,)
     state_keys = ("previous", "previous_rise", "streak", "last_change", "history", "previous_noise", "previous_lr",
-                  "recent", "excesses")
+                  "recent", "excesses", "val_previous", "val_rise", "val_streak", "val_history", "val_excesses",
+                  "val_noise", "val_first")
 
     def __init__(
         self,
@@ -346,11 +353,33 @@ class LossSwingRule(Rule):
         #: How close each of the last ``patience`` points came to swinging (``min(|r| / threshold, t / z)``, 0 for
         #: one that cannot), for :meth:`Rule.observe`.
         self.excesses: list[float] = []
+        #: The validation view (:meth:`judge_validation`): ``[value, variance of the value, its degrees of freedom,
+        #: learning rate or nan]`` of the previous validation run (``None``: none yet).
+        self.val_previous: list[float] | None = None
+        #: The last validation change: 2 a swinging rise, 1 a rise that does not swing, 0 neither.
+        self.val_rise = 0
+        #: ``[consecutive swinging validation changes, how many of them are falls]``.
+        self.val_streak: list[int] = [0, 0]
+        #: The last validation values, for messages.
+        self.val_history: list[float] = []
+        #: ``[how close, is a fall]`` of each of the last ``patience`` validation changes, for the margin.
+        self.val_excesses: list[list[float]] = []
+        #: The last validation change over its standard error (``nan``: not judged).
+        self.val_last_z = math.nan
+        #: ``[squared standard error, degrees of freedom]`` of the last validation runs whose standard error was
+        #: known, newest last (pooled by :meth:`pooled_val_variance`).
+        self.val_noise: list[list[float]] = []
+        #: The first validation value (the scale of the changes when the initial training loss is not known).
+        self.val_first: float | None = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before the noise test loads with the previous
         point's noise and rate unknown."""
-        defaults: dict[str, Any] = {"previous_noise": None, "previous_lr": None, "recent": [], "excesses": []}
+        defaults: dict[str, Any] = {
+            "previous_noise": None, "previous_lr": None, "recent": [], "excesses": [], "val_previous": None,
+            "val_rise": 0, "val_streak": [0, 0], "val_history": [], "val_excesses": [], "val_noise": [],
+            "val_first": None,
+        }
         super().load_state_dict({**defaults, **state})
 
     @classmethod
@@ -384,11 +413,27 @@ class LossSwingRule(Rule):
             return math.inf, 1.0
         return sum(pairs) / len(pairs), float(len(pairs))
 
-    def scheduled(self, change: float, lr: float | None) -> bool:
-        """Whether a change moves with the learning rate by a factor of at most ``lr_ratio`` (the schedule)."""
-        if lr is None or self.previous_lr is None or not (lr > 0 and self.previous_lr > 0):
+    def pooled_val_variance(self) -> tuple[float, float]:
+        """The squared standard error of a validation value, pooled over the newest runs until they hold
+        :data:`_VAL_POOL_DF` degrees of freedom (at most :data:`_POOL_POINTS` runs), weighted by them: with a few
+        training steps between two runs (one-batch or 4-step epochs), one run's estimate of the noise is too
+        uncertain to judge a change by. ``(inf, 1)`` when none is known."""
+        total, weighted = 0.0, 0.0
+        for variance, df in reversed(self.val_noise):
+            if math.isinf(df):
+                return (variance, df) if total == 0 else (weighted / total, total)
+            total, weighted = total + df, weighted + df * variance
+            if total >= _VAL_POOL_DF:
+                break
+        return (weighted / total, total) if total > 0 else (math.inf, 1.0)
+
+    def scheduled(self, change: float, lr: float | None, previous: float | None = math.nan) -> bool:
+        """Whether a change moves with the learning rate by a factor of at most ``lr_ratio`` (the schedule), from
+        ``previous`` (the previous point's rate when left out)."""
+        before = self.previous_lr if previous is not None and math.isnan(previous) else previous
+        if lr is None or before is None or not (lr > 0 and before > 0):
             return False
-        factor = lr / self.previous_lr
+        factor = lr / before
         if max(factor, 1.0 / factor) < 1.0 + _LR_MOVES:
             return False  # the rate did not move
         return (factor > 1.0) == (change > 0) and max(factor, 1.0 / factor) <= self.lr_ratio
@@ -403,23 +448,32 @@ class LossSwingRule(Rule):
             return False
         return count > _DATA_CHANGE * float(self.recent[-2][1] or 1.0)
 
-    def lr_jump(self, lr: float | None) -> bool:
-        """Whether the learning rate changed by more than ``lr_ratio`` since the previous point: no schedule's
-        step, so a change of the loss with it is the rate's doing, not chance (judged against half of ``z``)."""
-        if lr is None or self.previous_lr is None or not (lr > 0 and self.previous_lr > 0):
+    def lr_jump(self, lr: float | None, previous: float | None = math.nan) -> bool:
+        """Whether the learning rate changed by more than ``lr_ratio`` since ``previous`` (the previous point's rate
+        when left out): no schedule's step, so a change of the loss with it is the rate's doing, not chance (judged
+        against half of ``z``)."""
+        before = self.previous_lr if previous is not None and math.isnan(previous) else previous
+        if lr is None or before is None or not (lr > 0 and before > 0):
             return False
-        return max(lr / self.previous_lr, self.previous_lr / lr) > self.lr_ratio
+        return max(lr / before, before / lr) > self.lr_ratio
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
-        """Judge the next loss point, ``m.loss_window``; return the alerts it raises.
+        """Judge the next training loss point (``m.loss_window``, :meth:`judge_window`) and/or the next validation
+        loss (``m.validation``, :meth:`judge_validation`); return the alerts raised."""
+        alerts = self.judge_window(ctx, m.loss_window) if m.loss_window is not None else []
+        if m.validation is not None:
+            alerts += self.judge_validation(ctx, m.validation)
+        return alerts
+
+    def judge_window(self, ctx: StepContext, window: LossWindow) -> list[Alert]:
+        """The training view: judge the next loss point; return the alerts it raises.
 
         Its parts: ``mean``, the point (mean step loss of the epoch or window); ``steps``, the step losses it is
         the mean of; ``variance``, their sample variance (``None`` or ``nan``: unknown, or one step: pooled);
         ``lr``, the point's learning rate (``None`` or ``nan``: unknown, no change is a schedule). ``ctx`` is where
         it closed.
         """
-        assert m.loss_window is not None  # checked against `needs`
-        value, steps, variance, lr = m.loss_window.mean, m.loss_window.steps, m.loss_window.variance, m.loss_window.lr
+        value, steps, variance, lr = window.mean, window.steps, window.variance, window.lr
         if not math.isfinite(value):
             return []  # non-finite losses are AnomalyAlarm's nonfinite_loss, not a trend
         count = max(float(steps), 1.0) if math.isfinite(steps) else 1.0
@@ -474,6 +528,81 @@ class LossSwingRule(Rule):
                 f"{self.unit}s (last change {_pct(change)}, {self.last_t:.1f} standard errors of the step losses' "
                 f"noise; recent values {points}): the learning rate may be too high or the data order unstable",
                 source=self.source,
+                value=change,
+                threshold=self.threshold,
+            )
+        ]
+
+    def judge_validation(self, ctx: StepContext, run: Validation) -> list[Alert]:
+        """The validation view: judge the next validation loss (the same samples at every run); return the alerts it
+        raises.
+
+        The change between two consecutive runs swings when it is above ``threshold`` (relative) and
+        ``min_delta``, more than ``z`` standard errors of the difference (``sqrt(se[k-1]^2 + se[k]^2)``, each
+        pooled over the recent runs by :meth:`pooled_val_variance`, Welch's degrees of freedom; ``z / 2`` after a
+        rate jump of more than ``lr_ratio``), not the schedule, and a rise to above the loss's scale (``baseline``:
+        the initial training loss, the untrained model's; else the first validation value) or a fall that reverses
+        a swinging rise. The rule fires when ``patience`` consecutive changes swing **and at least one of them is a
+        fall**: an oscillation. A validation loss that only climbs is ``val_decline``'s, not a swing.
+
+        ``run``'s parts read: ``value``; ``noise_se``, its standard error (else ``se``; ``None`` or ``nan``:
+        unknown, no change is significant) with ``df`` degrees of freedom (``inf``: known exactly, not pooled with
+        earlier runs); ``lr`` (``None`` or ``nan``: unknown); ``baseline`` (``None``: the first validation value is
+        the scale); ``metric``, the alert's source.
+        """
+        value, df, lr, scale, source = run.value, run.df, run.lr, run.baseline, run.metric
+        se = run.noise_se if run.noise_se is not None else run.se
+        if not math.isfinite(value):
+            return []
+        if se is not None and math.isfinite(se):
+            self.val_noise = [*self.val_noise[-(_POOL_POINTS - 1) :], [float(se) ** 2, max(float(df), 1.0)]]
+        variance, pooled_df = self.pooled_val_variance() if se is not None and math.isfinite(se) else (math.inf, 1.0)
+        rate = float(lr) if lr is not None and math.isfinite(lr) else math.nan
+        previous, self.val_previous = self.val_previous, [float(value), variance, pooled_df, rate]
+        if self.val_first is None:
+            self.val_first = float(value)
+        level = abs(float(scale)) if scale is not None and math.isfinite(scale) and scale != 0 else abs(self.val_first)
+        self.val_history = [*self.val_history[-self.patience :], float(value)]
+        if previous is None:
+            return []
+        before, before_variance, before_df, before_rate = previous
+        change = relative_change(before, value)
+        delta = abs(value - before)
+        prior = None if math.isnan(before_rate) else before_rate
+        now = None if math.isnan(rate) else rate
+        self.val_last_z = welch_z(delta, [before_variance, before_df], [variance, pooled_df])
+        bound = self.z / 2.0 if self.lr_jump(now, prior) else self.z
+        large = math.isfinite(change) and abs(change) > self.threshold and delta > self.min_delta
+        excused = self.scheduled(change, now, prior)
+        # a rise counts; a fall counts after a rise (for the margin), and swings after a swinging rise. A rise swings
+        # only to above the loss's scale, the untrained model's loss: a model that learns jumps below it (a small
+        # batch's steps, a spike after convergence); one driven past it at every other run oscillates
+        counts = math.isfinite(change) and (change > 0 or self.val_rise > 0) and not excused
+        height = value / level if change > 0 and level > 0 else math.inf
+        swing = counts and large and self.val_last_z > bound and (height > 1.0 if change > 0 else self.val_rise > 1)
+        judged = counts and not math.isnan(self.val_last_z)
+        near = min(abs(change) / self.threshold, self.val_last_z / bound, height) if judged else 0.0
+        fall = change < 0
+        self.val_excesses = [*self.val_excesses[-(self.patience - 1) :], [near if math.isfinite(near) else 0.0,
+                                                                          float(fall and counts)]]
+        if len(self.val_excesses) >= self.patience:  # an oscillation needs a fall among them
+            fell = any(f for _, f in self.val_excesses)
+            self.observe(min(x for x, _ in self.val_excesses) if fell else 0.0, 1.0)
+        streak, falls = self.val_streak
+        self.val_streak = [streak + 1, falls + int(fall)] if swing else [0, 0]
+        self.val_rise = (2 if swing else 1) if counts and change > 0 else 0
+        active = self.val_streak[0] >= self.patience and self.val_streak[1] > 0
+        if not self.latch.update(source, active):
+            return []
+        values = ", ".join(f"{v:.4g}" for v in self.val_history)
+        return [
+            self._alert(
+                ctx,
+                f"validation loss `{source}` swung up and down by more than {self.threshold:.0%} on "
+                f"{self.val_streak[0]} consecutive validation runs (last change {_pct(change)}, "
+                f"{self.val_last_z:.1f} standard errors; recent values {values}): the model jumps between "
+                "validations, the learning rate may be too high for the batch size (momentum, batch size 1)",
+                source=source,
                 value=change,
                 threshold=self.threshold,
             )

@@ -145,14 +145,23 @@ class Validation:
         value: The monitored validation value.
         train: The mean training loss of the period before it (``None``: unknown).
         se: The value's standard error from the validation batches (``None``: unknown).
-        noise_se: The standard error ``val_fluctuation`` judges against where ``se`` is unknown (an estimate from
-            the training noise; ``None``: ``se``).
+        noise_se: The standard error ``val_fluctuation`` and ``loss_swing``'s validation view judge against where
+            ``se`` is unknown (an estimate from the training noise; ``None``: ``se``).
+        df: The degrees of freedom of ``noise_se`` (``inf``: known exactly).
+        lr: The learning rate at this run (``None``: unknown).
+        baseline: The untrained model's loss, the scale a swinging rise must reach (``None``: unknown, the first
+            validation value).
+        metric: The validation metric's name, for messages and alerts.
     """
 
     value: float
     train: float | None = None
     se: float | None = None
     noise_se: float | None = None
+    df: float = math.inf
+    lr: float | None = None
+    baseline: float | None = None
+    metric: str = "val_loss"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,10 +114,7 @@ def _callback_present(rule, fault=None):
 
 
 #: Faults the rules do not catch yet, each with the reason; the test fails when one starts to be caught (strict).
-KNOWN_MISSES = {
-    "oscillation_bs1": "open (issues 44/45): loss_swing judged against the step losses' noise does not see the "
-    "batch-size-1 oscillation (epoch means move 50% against a step spread of 2x the mean); docs/calibration.md",
-}
+KNOWN_MISSES: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(

@@ -99,6 +99,81 @@ def test_loss_swing_alert_content():
     assert a.threshold == 0.1 and a.value == pytest.approx(0.25)
 
 
+def validation(v, se, df, lr=None, scale=None, source="val_loss"):
+    """The measures of one validation run for loss_swing's validation view."""
+    return Measures(validation=Validation(v, noise_se=se, df=df, lr=lr, baseline=scale, metric=source))
+
+
+def feed_validation(rule, values, se=0.01, lr=None):
+    """Feed validation losses, each with standard error ``se`` (from 127 degrees of freedom)."""
+    rates = lr or [None] * len(values)
+    return [
+        len(rule.judge(StepContext(i, 20 * (i + 1)), validation(v, se, 127.0, lr=r)))
+        for i, (v, r) in enumerate(zip(values, rates, strict=True))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "values", "fires_at"),
+    [
+        # the batch-size-1 oscillation as measured (seed 1): rise, fall, rise after a first fall
+        ("up and down", [8.5, 6.5, 13.0, 7.6, 13.8, 5.9], [4]),
+        ("rise, rise, fall", [4.2, 10.8, 21.1, 12.9], [3]),
+        # a validation loss that only climbs is val_decline's (overfitting), not an oscillation
+        ("climb", [1.0, 1.2, 1.45, 1.8, 2.2, 2.7], []),
+        ("steady fall", [1.0, 0.8, 0.64, 0.51, 0.41], []),
+        ("small wobble", [1.0, 1.05, 1.0, 1.05, 1.0, 1.05], []),
+        ("near zero jitter", [0.0010, 0.0005, 0.0012, 0.0006, 0.0013], []),
+    ],
+)
+def test_loss_swing_validation_view_table(name, values, fires_at):
+    fired = feed_validation(LossSwingRule(), values, se=0.0001)
+    assert [i for i, n in enumerate(fired) if n] == fires_at, name
+
+
+def test_loss_swing_validation_view_judges_the_change_against_the_standard_errors():
+    values = [1.0, 1.3, 1.0, 1.3, 1.0]
+    assert feed_validation(LossSwingRule(), values, se=0.05) == [0, 0, 0, 1, 0]  # 0.3 is 4.2 standard errors
+    assert feed_validation(LossSwingRule(), values, se=0.12) == [0] * 5  # 1.8: the validation set's noise
+    assert feed_validation(LossSwingRule(), values, se=None) == [0] * 5  # unknown noise: never significant
+    # the rate moving with the loss by at most lr_ratio is the schedule (a cyclic rate), not a swing
+    cyclic = [1e-3, 3e-3, 1e-3, 3e-3, 1e-3]
+    assert feed_validation(LossSwingRule(), values, se=0.05, lr=cyclic) == [0] * 5
+
+
+def test_loss_swing_validation_view_rises_above_the_untrained_loss():
+    # the calibration's one-step epochs of batch 8 (healthy): significant jumps, all below the initial loss of 1.38
+    jumps = [0.16, 0.12, 0.82, 0.12, 1.03, 0.22]
+    rule = LossSwingRule()
+    fired = [len(rule.judge(StepContext(i, 4 * i), validation(v, 0.04, 30.0, scale=1.38)))
+             for i, v in enumerate(jumps)]
+    assert fired == [0] * 6 and rule.peaks["loss_swing"] == pytest.approx(0.75, abs=0.01)  # 1.03 of 1.38
+    # the same jumps past a model's initial loss of 0.5: worse than untrained at every other run, an oscillation
+    rule = LossSwingRule()
+    fired = [len(rule.judge(StepContext(i, 4 * i), validation(v, 0.04, 30.0, scale=0.5)))
+             for i, v in enumerate(jumps)]
+    assert fired == [0, 0, 0, 0, 1, 0]
+
+
+def test_loss_swing_validation_view_alert_and_margin():
+    rule = LossSwingRule()
+    alerts = [
+        a
+        for i, v in enumerate([4.2, 10.8, 21.1, 12.9])
+        for a in rule.judge(StepContext(i, 64 * (i + 1)), validation(v, 1.5, 63.0, source="val_loss"))
+    ]
+    (a,) = alerts
+    assert (a.rule, a.source, a.global_step, a.threshold) == ("loss_swing", "val_loss", 256, 0.1)
+    assert a.value == pytest.approx(12.9 / 21.1 - 1) and "up and down" in a.message
+    assert rule.peaks["loss_swing"] > 1.0
+    quiet = LossSwingRule()
+    feed_validation(quiet, [1.0, 1.05, 1.0, 1.05, 1.0], se=0.01)
+    assert quiet.peaks["loss_swing"] == pytest.approx(0.476, abs=0.01)  # 4.8% against 10%: half-way
+    climb = LossSwingRule()
+    feed_validation(climb, [1.0, 1.2, 1.45, 1.8, 2.2], se=0.01)
+    assert climb.peaks["loss_swing"] == 0.0  # no fall: however steep, never an oscillation
+
+
 @pytest.mark.parametrize(
     ("mode", "values", "fires_at"),
     [
@@ -174,6 +249,8 @@ def test_state_roundtrip_and_missing_keys(factory):
             rule.judge(StepContext(i, 20 * (i + 1)), Measures(validation=Validation(v)))
         else:
             rule.judge(StepContext(i, 20 * (i + 1)), Measures(loss_window=LossWindow(v)))
+        if isinstance(rule, LossSwingRule):
+            rule.judge(StepContext(i, 20 * (i + 1)), Measures(validation=Validation(v, noise_se=0.01)))
     clone = factory()
     clone.load_state_dict(rule.state_dict())
     assert clone.state_dict() == rule.state_dict()

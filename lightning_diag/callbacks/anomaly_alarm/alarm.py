@@ -82,7 +82,8 @@ class AnomalyAlarm(QuietLossKeeping):
     * ``nonfinite_rollback`` (warning, ``on_nonfinite="rollback"``): a non-finite step restored an in-memory
       snapshot and lowered the learning rates; names the step restored, the factor in force and the source.
     * ``loss_swing`` (warning): the training loss swings by more than ``loss_swing.threshold`` on
-      ``loss_swing.patience`` consecutive epochs (or windows of ``swing_window`` steps); the fields named here are
+      ``loss_swing.patience`` consecutive epochs (or windows of ``swing_window`` steps), or the monitored validation
+      loss swings up and down by as much on as many consecutive validation runs; the fields named here are
       set with ``rules=`` (docs/thresholds.md).
     * ``loss_stagnant`` (warning): after ``loss_stagnant.patience`` epochs (or windows) the training loss is not
       ``loss_stagnant.threshold`` below its initial level (the mean of the first ``loss_stagnant.baseline_steps``
@@ -115,7 +116,8 @@ class AnomalyAlarm(QuietLossKeeping):
     * ``diag/loss/train_step``: the training loss (logging steps).
     * ``diag/loss/train_epoch``: mean training loss of the epoch (or window) over all ranks.
     * ``diag/loss/swing``: relative change of that mean from the previous epoch (or window).
-    * ``diag/loss/val``: the monitored validation value.
+    * ``diag/loss/val``: the monitored validation value; ``diag/loss/val_se``: the standard error ``loss_swing``
+      judged it with.
     * ``diag/loss/train_fluctuation``, ``diag/loss/val_fluctuation``: the two fluctuations once the window is full.
     * ``diag/threshold/loss_swing``: ``loss_swing.threshold``, at the steps of ``diag/loss/swing``
       (dashboard line).

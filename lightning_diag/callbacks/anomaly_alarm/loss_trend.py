@@ -326,7 +326,7 @@ class LossTrend:
         out = TrendOutput(step=trainer.global_step)
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return out
-        train_mean, train_variance, _ = self.take_stats(trainer, pl_module, "since_val")
+        train_mean, train_variance, train_count = self.take_stats(trainer, pl_module, "since_val")
         batches, self.val_batch_count = self.val_batch_count * max(trainer.world_size, 1), 0
         raw = trainer.callback_metrics.get(self.monitor)
         # Every rank must take part in the reduce below, so they first agree that the value exists everywhere.
@@ -347,13 +347,23 @@ class LossTrend:
         se = math.sqrt(float(trainer.strategy.reduce(se_local, reduce_op="mean")) / max(trainer.world_size, 1))
         ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
         self.stagnant_rule.observe_validation(val, self.val_decline_rule.mode)
-        fluctuation_se = se
+        fluctuation_se, se_df = se, batches - 1.0
         if not math.isfinite(se) and batches > 0 and math.isfinite(train_variance):
             # no batch values: each validation sample as noisy as a training sample
             fluctuation_se = math.sqrt(train_variance / batches * batch_ratio(trainer))
-        m = Measures(validation=Validation(val, train=train_mean, se=se, noise_se=fluctuation_se))
+            se_df = train_count - 1.0
+        run = Validation(
+            val, train=train_mean, se=se, noise_se=fluctuation_se, df=max(se_df, 1.0), lr=mean_lr(trainer),
+            baseline=self.stagnant_rule.baseline, metric=self.monitor,
+        )
+        m = Measures(validation=run)
         out.alerts += self.val_decline_rule.judge(ctx, m)
         out.alerts += self.val_fluctuation_rule.judge(ctx, m)
+        if self.val_decline_rule.mode == "min" and "loss" in self.monitor:  # the swing's validation view
+            out.alerts += self.swing_rule.judge(ctx, m)
+            judged = self.swing_rule.val_previous
+            if judged is not None and math.isfinite(judged[1]):  # the (pooled) standard error it judged the value
+                out.scalars[loss_tag("val_se")] = math.sqrt(judged[1])  # with: the report replays it
         out.scalars[loss_tag("val")] = val
         train_f, val_f = self.val_fluctuation_rule.measures()
         if math.isfinite(train_f) and math.isfinite(val_f):
