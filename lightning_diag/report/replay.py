@@ -210,8 +210,8 @@ def _replay_loss_swing(run: RunData) -> list[Alert]:
         sample = early or logged[:1]
         scale = sum(sample) / len(sample) if sample else None
         for step, v in run.scalars.get(loss_tag("val"), []):
-            logged = Validation(v, noise_se=se.get(step), baseline=scale, metric=monitor)
-            alerts += rule.judge(StepContext(0, step), Measures(validation=logged))
+            judged = Validation(v, noise_se=se.get(step), baseline=scale, metric=monitor)
+            alerts += rule.judge(StepContext(0, step), Measures(validation=judged))
     return sorted(alerts, key=lambda a: a.global_step)
 
 
