@@ -48,6 +48,8 @@ REAL_START, REAL_END = "<!-- real-corpus:start -->", "<!-- real-corpus:end -->"
 FOREIGN_START, FOREIGN_END = "<!-- foreign-corpus:start -->", "<!-- foreign-corpus:end -->"
 #: The two-process rows (benchmarks/multiprocess_matrix.py writes them): kept as they are by --write.
 MP_START, MP_END = "<!-- multiprocess:start -->", "<!-- multiprocess:end -->"
+#: Marks the tables of the published training problems (issue 45), written by hand from the faults' runs: kept.
+PROBLEMS_START, PROBLEMS_END = "<!-- problems:start -->", "<!-- problems:end -->"
 
 
 @dataclasses.dataclass
@@ -697,6 +699,13 @@ def _main(args: argparse.Namespace) -> int:
         existing = _read(args.write)
         with open(args.write, "w") as f:
             f.write(page(rows, time.perf_counter() - t0))
+        if PROBLEMS_START in existing and PROBLEMS_END in existing:  # the training problems' tables, before the rest
+            kept = PROBLEMS_START + existing.split(PROBLEMS_START, 1)[1].split(PROBLEMS_END, 1)[0] + PROBLEMS_END
+            text = _read(args.write)
+            marker = "## Reading the comparison columns"
+            text = text.replace(marker, kept + "\n\n" + marker, 1) if marker in text else text + "\n" + kept + "\n"
+            with open(args.write, "w") as f:
+                f.write(text)
         if REAL_START in existing and REAL_END in existing:  # keep the real-architecture matrix
             _splice(args.write, REAL_START + existing.split(REAL_START, 1)[1].split(REAL_END, 1)[0] + REAL_END + "\n")
         if MP_START in existing and MP_END in existing:  # and the two-process rows, in place
