@@ -9,11 +9,14 @@ from typing import Any
 
 import torch
 
+from lightning_diag.instrument.cpu_pressure import CpuPressure
+
 __all__ = ["CudaClock", "HostClock", "TimeSource"]
 
 
 class TimeSource:
-    """Where host time comes from: ``wall()`` (``time.perf_counter``) and ``cpu()`` (``time.process_time``).
+    """Where host time comes from: ``wall()`` (``time.perf_counter``), ``cpu()`` (``time.process_time``) and
+    ``pressure()`` (the machine's CPU pressure, :class:`~lightning_diag.instrument.cpu_pressure.CpuPressure`).
 
     The injection point of :class:`~lightning_diag.callbacks.system_monitor.monitor.SystemMonitor`'s clocks: tests set
     ``monitor.time_source`` to a fake whose readings they advance themselves, so that what is timed is exact.
@@ -23,6 +26,9 @@ class TimeSource:
         >>> source.wall() <= source.wall()
         True
     """
+
+    def __init__(self) -> None:
+        self._pressure = CpuPressure()
 
     def wall(self) -> float:
         """Seconds of a monotonic wall clock."""
@@ -35,6 +41,11 @@ class TimeSource:
     def thread(self) -> float:
         """Seconds of CPU time of the calling thread (the training loop's, when it calls)."""
         return time.thread_time()
+
+    def pressure(self) -> float | None:
+        """Seconds during which some runnable task of the machine waited for a CPU, since boot (``None``: the
+        system keeps no such count)."""
+        return self._pressure.read()
 
 
 class HostClock:

@@ -97,6 +97,7 @@ class Measure(str, enum.Enum):
     STEP_TIMES = "step_times"
     COMPUTE_TIMES = "compute_times"
     GPU_UTILIZATION = "gpu_utilization"
+    CPU_PRESSURE = "cpu_pressure"
     MEMORY = "memory"
     # data
     DATA = "data"
@@ -404,6 +405,8 @@ class Measures:
         step_times: The step times' window.
         compute_times: Step times without the loader's wait, their periodic slow steps left out (seconds).
         gpu_utilization: A window of GPU utilisation samples (percent), oldest first.
+        cpu_pressure: The share of the step-time window's wall time during which some runnable task waited for a
+            CPU (:mod:`~lightning_diag.instrument.cpu_pressure`; the busiest rank's).
         memory: ``{memory kind: bytes}`` (``"host_rss"``, ``"cuda_allocated"``).
         data: One data measurement.
         sequences: One sequence-length measurement.
@@ -447,6 +450,7 @@ class Measures:
     step_times: StepTimes | None = None
     compute_times: Series | None = None
     gpu_utilization: Series | None = None
+    cpu_pressure: float | None = None
     memory: Mapping[str, float] | None = None
     data: DataMeasurement | None = None
     sequences: SequenceMeasurement | None = None

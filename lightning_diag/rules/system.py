@@ -30,6 +30,12 @@ Exact meaning:
   validation run, an epoch's first step, a step that saved a checkpoint and without the steps of a periodic
   pattern) are cut into blocks of ``block_steps``; the relative median absolute deviation of the block medians
   is above ``threshold`` on ``patience`` consecutive evaluations (at least :data:`MIN_BLOCKS` blocks).
+* Both step-time rules, on a machine where more tasks want to run than there are CPUs: when some runnable task
+  waited for a CPU during more than :data:`CONTENDED_PRESSURE` of the window's wall time (Linux CPU pressure,
+  ``/proc/pressure/cpu``; the busiest rank's under DDP), the step times measure the machine's load as much as the
+  run, so the alert is an ``info`` naming that pressure (source ``step_time_contended``) instead of a warning. A
+  condition that persists once the machine is no longer contended is then a warning (source ``step_time``). Where
+  the system keeps no CPU pressure (another OS, an older kernel) the rules judge as they would on a free machine.
 * ``memory_growth``: a memory series (host RSS, CUDA allocated) that grew by more than ``threshold`` of its
   first value over the last ``window`` intervals (Theil–Sen slope), rising on at least ``rising_fraction`` of
   them.
@@ -44,7 +50,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from lightning_diag.core.record import Alert
+from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, POSITIVE, STEPS, CheckSpec, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.rules.measures import Measure, Measures, StepTimes
@@ -58,6 +64,7 @@ from lightning_diag.stats.timing import (
 )
 
 __all__ = [
+    "CONTENDED_PRESSURE",
     "DATALOADER_BOUND",
     "DATALOADER_BOUND_SPEC",
     "DEFAULT_DATALOADER_BOUND_MIN_WAIT_S",
@@ -86,6 +93,7 @@ __all__ = [
     "MemoryGrowthRule",
     "StepFluctuationRule",
     "StepPeriodicRule",
+    "contended",
     "explained_by_work",
     "pattern_from_start",
 ]
@@ -179,9 +187,28 @@ OVERWHELMING_SHARE_FACTOR = 10.0
 MIN_OVERWHELMING_PERIOD = 4
 #: Fewest blocks the fluctuation test judges.
 MIN_BLOCKS = 5
+#: The step-time rules: a share of the window's wall time with some runnable task waiting for a CPU above this
+#: makes the machine contended (an ``info``, not a warning). A machine the run has to itself stays at a few
+#: percent; three CPU-bound processes on two cores, near 50%.
+CONTENDED_PRESSURE = 0.10
 #: ``step_time_periodic``: a step above the median by at most this many times the scheduled work measured on it
 #: (the diagnostics' hooks and the loggers' writes, already taken out of its time) is that work's after-effect.
 WORK_FACTOR = 1.0
+
+
+def contended(pressure: float | None) -> bool:
+    """Whether a CPU pressure (:attr:`~lightning_diag.rules.measures.Measures.cpu_pressure`, ``None``: not known)
+    makes the machine contended (above :data:`CONTENDED_PRESSURE`)."""
+    return pressure is not None and math.isfinite(pressure) and pressure > CONTENDED_PRESSURE
+
+
+def _contention(pressure: float | None) -> str:
+    return (
+        f" while the machine was contended (some runnable task waited for a CPU {pressure:.0%} of the time:"
+        " other processes, or more dataloader workers than cores): the step times follow the machine's load;"
+        " judged as a warning when the CPU pressure is below"
+        f" {CONTENDED_PRESSURE:.0%}"
+    )
 
 
 def explained_by_work(times: Series, work: Series, factor: float = WORK_FACTOR) -> np.ndarray:
@@ -346,7 +373,7 @@ class StepPeriodicRule(Rule):
 
     specs = (STEP_TIME_PERIODIC_SPEC,)
     state_keys = ()
-    optional = frozenset({Measure.STEP_TIMES, Measure.GPU_UTILIZATION})
+    optional = frozenset({Measure.STEP_TIMES, Measure.GPU_UTILIZATION, Measure.CPU_PRESSURE})
 
     def __init__(
         self,
@@ -358,6 +385,7 @@ class StepPeriodicRule(Rule):
         self.threshold = threshold
         self.slow_ratio = slow_ratio
         self.last = Periodicity(0)
+        self._pressure: float | None = None  # the CPU pressure of the window being judged
 
     @classmethod
     def from_settings(cls, thresholds: Mapping[str, float | None]) -> StepPeriodicRule:
@@ -368,6 +396,7 @@ class StepPeriodicRule(Rule):
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge the window of step times (``m.step_times``), a window of GPU utilisation samples
         (``m.gpu_utilization``: periodic dips, see :meth:`_utilization`), or both."""
+        self._pressure = m.cpu_pressure
         alerts = [] if m.step_times is None else self._step_times(ctx, m.step_times)
         if m.gpu_utilization is not None:
             alerts += self._utilization(ctx, m.gpu_utilization)
@@ -411,19 +440,34 @@ class StepPeriodicRule(Rule):
         return self._judge(ctx, found, times, source)
 
     def _judge(self, ctx: StepContext, found: Periodicity, times: Series, source: str) -> list[Alert]:
-        """Latch and word the alert for ``found``, a pattern in ``times``."""
-        self.observe(found.share if found.found else math.nan, self.threshold)
+        """Latch and word the alert for ``found``, a pattern in ``times`` (an ``info`` on a contended machine)."""
+        busy = contended(self._pressure)
+        if not busy:
+            self.observe(found.share if found.found else math.nan, self.threshold)
         active = found.found and found.share > self.threshold
-        if not self.latch.update(source, active, excess(found.share, self.threshold)):
+        # both latches see every check: a pattern that outlasts the contention is then a warning of its own
+        fired = self.latch.update(source, active and not busy, excess(found.share, self.threshold))
+        fired_busy = self.latch.update(f"{source}_contended", active and busy, excess(found.share, self.threshold))
+        if not (fired or fired_busy):
             return []
         median = float(np.median(np.asarray(times, dtype=float)))
         slow = float(np.mean(np.asarray(times, dtype=float)[found.phase :: found.period]))
+        message = (
+            f"every {found.period} steps a step is slow ({_seconds(slow)} against a median of {_seconds(median)};"
+            f" {found.occurrences} times in the last {len(times)} steps), costing {found.share:.0%} of the time"
+        )
+        if busy:
+            assert self._pressure is not None  # contended
+            return [
+                self._alert(
+                    ctx, message + _contention(self._pressure), f"{source}_contended", float(found.period),
+                    self.threshold, severity=Severity.INFO,
+                )
+            ]
         return [
             self._alert(
                 ctx,
-                f"every {found.period} steps a step is slow ({_seconds(slow)} against a median of {_seconds(median)};"
-                f" {found.occurrences} times in the last {len(times)} steps), costing {found.share:.0%} of the time:"
-                " look for work done every"
+                message + ": look for work done every"
                 f" {found.period} steps (logging, checkpointing, evaluation, garbage collection, a callback)",
                 source,
                 float(found.period),
@@ -458,6 +502,7 @@ class StepFluctuationRule(Rule):
     specs = (STEP_TIME_FLUCTUATION_SPEC,)
     state_keys = ("streak",)
     needs = frozenset({Measure.COMPUTE_TIMES})
+    optional = frozenset({Measure.CPU_PRESSURE})
 
     def __init__(
         self,
@@ -484,26 +529,43 @@ class StepFluctuationRule(Rule):
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge a window of step times already cleared of warm-up, validation and periodic steps
-        (``m.compute_times``); the fluctuation it measured is :attr:`last_value`."""
-        times, source = m.compute_times, "step_time"
+        (``m.compute_times``), an ``info`` when the window's CPU pressure (``m.cpu_pressure``) makes the machine
+        contended; the fluctuation it measured is :attr:`last_value`."""
+        times, source, pressure = m.compute_times, "step_time", m.cpu_pressure
         assert times is not None  # checked against `needs`
         self.last_value = math.nan
         if len(times) < MIN_BLOCKS * self.block_steps:
             return []
         value = self.last_value = block_fluctuation(times, self.block_steps)
-        self.observe(value, self.threshold)
+        busy = contended(pressure)
+        if not busy:
+            self.observe(value, self.threshold)
         active = math.isfinite(value) and value > self.threshold
         self.streak = self.streak + 1 if active else 0
-        if not self.latch.update(source, self.streak >= self.patience, excess(value, self.threshold)):
+        persists = self.streak >= self.patience
+        # both latches see every check: a fluctuation that outlasts the contention is then a warning of its own
+        fired = self.latch.update(source, persists and not busy, excess(value, self.threshold))
+        fired_busy = self.latch.update(f"{source}_contended", persists and busy, excess(value, self.threshold))
+        if not (fired or fired_busy):
             return []
+        message = (
+            f"step time fluctuates by {value:.0%} (median absolute deviation / median of the medians of"
+            f" {self.block_steps}-step blocks over the last {len(times)} steps, warm-up, validation and periodic"
+            f" steps left out) on {self.streak} consecutive checks, above {self.threshold:.0%}"
+        )
+        if busy:
+            assert pressure is not None  # contended
+            return [
+                self._alert(
+                    ctx, message + _contention(pressure), f"{source}_contended", value, self.threshold,
+                    severity=Severity.INFO,
+                )
+            ]
         return [
             self._alert(
                 ctx,
-                f"step time fluctuates by {value:.0%} (median absolute deviation / median of the medians of"
-                f" {self.block_steps}-step blocks over the last {len(times)} steps, warm-up, validation and periodic"
-                f" steps left out) on {self.streak} consecutive checks,"
-                f" above {self.threshold:.0%}: look for contention (other jobs on the machine, thermal throttling),"
-                " variable batch shapes or irregular host work",
+                message + ": look for contention (other jobs on the machine, thermal throttling), variable batch"
+                " shapes or irregular host work",
                 source,
                 value,
                 self.threshold,

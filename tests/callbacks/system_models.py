@@ -27,15 +27,21 @@ class FakeTime:
     ``advance(seconds, cpu=False)`` moves the wall clock only (sleeping, waiting).
     """
 
-    def __init__(self) -> None:
-        self.now = 1000.0
+    def __init__(self, pressure: float | None = None) -> None:
+        self.now = self.start = 1000.0
         self.cpu_now = 10.0
+        #: The machine's CPU pressure: the share of the wall time with some task waiting for a CPU (``None``: the
+        #: machine keeps none).
+        self.share = pressure
 
     def wall(self) -> float:
         return self.now
 
     def cpu(self) -> float:
         return self.cpu_now
+
+    def pressure(self) -> float | None:
+        return None if self.share is None else self.share * (self.now - self.start)
 
     def advance(self, seconds: float, cpu: bool = True) -> None:
         self.now += seconds

@@ -333,6 +333,31 @@ def test_sustained_step_time_changes_are_a_fluctuation(monkeypatch, tmp_path):
     assert "step_time_periodic" not in rules(monitor)
 
 
+@pytest.mark.parametrize(("pressure", "severity"), [(0.5, "info"), (0.02, "warning")])
+def test_a_fluctuation_while_the_machine_is_contended_is_an_info_naming_the_cpu_pressure(
+    monkeypatch, tmp_path, pressure, severity
+):
+    from tests.callbacks.system_models import BusyBlocks
+
+    rec = spy(monkeypatch)
+    monitor = SystemMonitor(log_every_n_steps=10, rules={"step_time_fluctuation": {"warmup_steps": 0}})
+    clock = FakeTime(pressure)
+    monitor.time_source = clock
+    fit(MLP(), [monitor, Tick(clock, 0.001), BusyBlocks(clock=clock)], 80, default_root_dir=tmp_path)
+    (alert,) = [a for a in monitor.alerts if a.rule == "step_time_fluctuation"]
+    assert (alert.global_step, alert.severity) == (80, severity)
+    assert alert.source == ("step_time_contended" if severity == "info" else "step_time")
+    assert [v for _, v in rec.values["diag/system/cpu_pressure"]] == pytest.approx([pressure] * 8)
+
+
+def test_a_machine_without_cpu_pressure_logs_none(monkeypatch, tmp_path):
+    rec = spy(monkeypatch)
+    monitor = SystemMonitor(log_every_n_steps=5)
+    clock = on_fake_time(monitor)
+    fit(MLP(), [monitor, Tick(clock, 0.001)], 10, default_root_dir=tmp_path)
+    assert "diag/system/cpu_pressure" not in rec.values and len(rec.values["diag/system/step_time_s"]) == 2
+
+
 class Burn(DiagCallback):
     """A diagnostics callback whose every training batch end burns ``seconds`` of the training thread's CPU time."""
 

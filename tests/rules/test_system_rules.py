@@ -190,3 +190,41 @@ def test_the_logging_cadence_is_no_period_unless_a_stall_outgrows_the_work(stall
     alerts = StepPeriodicRule().judge(CTX, _times(times, work=work))
     assert [a.value for a in alerts] == ([5.0] if fires else [])
     assert StepPeriodicRule().judge(CTX, _times(times)), "without the work measured, the cadence is a period"
+
+
+def test_a_fluctuation_on_a_contended_machine_is_an_info_and_a_warning_once_it_outlasts_the_contention():
+    rule = StepFluctuationRule()
+    drifting = np.repeat([0.01, 0.02] * 5, 10)
+
+    def judge(pressure):
+        return rule.judge(CTX, Measures(compute_times=drifting, cpu_pressure=pressure))
+
+    assert [judge(0.5) for _ in range(2)] == [[], []]  # patience holds under contention too
+    (info,) = judge(0.5)
+    assert (info.severity, info.source) == ("info", "step_time_contended")
+    assert "waited for a CPU 50% of the time" in info.message and "look for" not in info.message
+    assert judge(0.4) == []  # the same contended event
+    (warning,) = judge(0.02)  # the machine is free again and the steps still fluctuate: the run's own
+    assert (warning.severity, warning.source) == ("warning", "step_time")
+    assert judge(None) == []  # latched; no pressure known judges as on a free machine
+
+
+@pytest.mark.parametrize(
+    ("pressure", "severity"), [(None, "warning"), (0.0, "warning"), (0.1, "warning"), (0.11, "info")]
+)
+def test_the_contention_line_is_a_share_above_ten_percent(pressure, severity):
+    rule = StepFluctuationRule(patience=1)
+    (alert,) = rule.judge(CTX, Measures(compute_times=np.repeat([0.01, 0.02] * 5, 10), cpu_pressure=pressure))
+    assert alert.severity == severity
+
+
+def test_a_periodic_stall_on_a_contended_machine_is_an_info_and_its_margin_is_not_recorded():
+    rule = StepPeriodicRule()
+    t = np.full(100, 0.02)
+    t[4::10] = 0.2
+    (info,) = rule.judge(CTX, Measures(step_times=StepTimes(t), cpu_pressure=0.6))
+    assert (info.severity, info.source, info.value) == ("info", "step_time_contended", 10.0)
+    assert "waited for a CPU 60% of the time" in info.message
+    assert rule.peaks == {}  # the warning's statistic was not in force
+    (warning,) = rule.judge(CTX, Measures(step_times=StepTimes(t), cpu_pressure=0.01))
+    assert (warning.severity, warning.source) == ("warning", "step_time")

@@ -173,6 +173,8 @@ class SystemMonitor(DiagCallback):
         # time) per optimizer step after warm-up
         self.step_window: deque[tuple[float, float, bool, float]] = deque(maxlen=self.window)
         self.util_window: deque[float] = deque(maxlen=self.window)
+        # the CPU pressure of each step of `step_window` (its interval's share; -1: not known)
+        self.pressure_window: deque[float] = deque(maxlen=self.window)
         # (wall step time, known one-time cause, scheduled work) of every step since the fit's start, warm-up
         # included, until the window after the warm-up is long enough for the ordinary periodic test
         self.run_window: list[tuple[float, bool, float]] = []
@@ -185,6 +187,7 @@ class SystemMonitor(DiagCallback):
 
     def _reset_run(self, clock: HostClock | CudaClock | None = None) -> None:
         self._steps = StepRecorder(self.time_source, clock)
+        self._pressure_mark = (self.time_source.wall(), self.time_source.pressure())
         self._diag_mark = self._hooks.step_wall_seconds if hasattr(self, "_hooks") else 0.0
         clock = getattr(self, "_overhead_clock", None)
         self._overhead_mark = clock() if clock is not None else 0.0
@@ -200,6 +203,7 @@ class SystemMonitor(DiagCallback):
             "utilization": list(self.util_window),
             "steps_seen": self.steps_seen,
             "run_window": [[t, bool(f), w] for t, f, w in self.run_window],
+            "pressure": list(self.pressure_window),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -217,6 +221,10 @@ class SystemMonitor(DiagCallback):
         self.util_window = deque((float(u) for u in state_dict["utilization"]), maxlen=self.window)
         self.steps_seen = int(state_dict["steps_seen"])
         self.run_window = [(float(t), bool(f), float(w[0]) if w else 0.0) for t, f, *w in state_dict["run_window"]]
+        # a checkpoint of an earlier version kept no CPU pressure: not known
+        pressure = [float(p) for p in state_dict.get("pressure", [])]
+        pressure = [-1.0] * (len(self.step_window) - len(pressure)) + pressure[-len(self.step_window) :]
+        self.pressure_window = deque(pressure if self.step_window else [], maxlen=self.window)
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -360,12 +368,27 @@ class SystemMonitor(DiagCallback):
         self._steps.validation_end(trainer.sanity_checking)
 
     # -- reporting -------------------------------------------------------------------------------------------
+    def _interval_pressure(self) -> float:
+        """The share of the wall time since the last report during which some runnable task waited for a CPU
+        (-1: the system keeps no CPU pressure)."""
+        wall, stall = self.time_source.wall(), self.time_source.pressure()
+        (wall_then, stall_then), self._pressure_mark = self._pressure_mark, (wall, stall)
+        if stall is None or stall_then is None or not wall > wall_then:
+            return -1.0
+        return min(1.0, max(0.0, (stall - stall_then) / (wall - wall_then)))
+
+    def _window_pressure(self) -> float | None:
+        """The mean CPU pressure over the step-time window's steps whose pressure is known (``None``: none is)."""
+        known = [p for p in self.pressure_window if p >= 0]
+        return float(np.mean(known)) if known else None
+
     def _report(self, trainer: pl.Trainer) -> None:
         interval = self._steps.take()
         if interval is None:
             return
         steps, flags, acc = interval.steps, interval.explained, interval.sums
         acc["rss"] = host_rss_bytes()
+        acc["cpu_pressure"] = self._interval_pressure()
         device = getattr(self, "_device", None)
         cuda = cuda_memory(device) if device is not None else {}
         waits = np.array([s[0] for s in steps], dtype=float)
@@ -404,6 +427,7 @@ class SystemMonitor(DiagCallback):
             self.steps_seen += 1
             if self.steps_seen > self.warmup_steps:
                 self.step_window.append((float(t), float(c), bool(flag), float(w)))
+                self.pressure_window.append(merged["cpu_pressure"])
             if self.steps_seen < self.warmup_steps + MIN_STEPS:
                 self.run_window.append((float(t), bool(one_time), float(w)))
         if self.steps_seen >= self.warmup_steps + MIN_STEPS:
@@ -420,14 +444,15 @@ class SystemMonitor(DiagCallback):
             work=[w for _, _, _, w in self.step_window],
             run_work=[w for _, _, w in self.run_window],
         )
-        alerts += self.periodic_rule.judge(ctx, Measures(step_times=times))
+        pressure = self._window_pressure()
+        alerts += self.periodic_rule.judge(ctx, Measures(step_times=times, cpu_pressure=pressure))
         pattern = self.periodic_rule.last
         keep = [
             c
             for i, (_, c, flag, _) in enumerate(self.step_window)
             if not flag and not (pattern.found and i >= pattern.phase and (i - pattern.phase) % pattern.period == 0)
         ]
-        alerts += self.fluctuation_rule.judge(ctx, Measures(compute_times=keep))
+        alerts += self.fluctuation_rule.judge(ctx, Measures(compute_times=keep, cpu_pressure=pressure))
         fluctuation = self.fluctuation_rule.last_value
         memory = {"host_rss": merged["rss"], **{k: v for k, v in cuda.items() if k == "cuda_allocated"}}
         alerts += self.memory_rule.judge(ctx, Measures(memory=memory))
