@@ -371,6 +371,7 @@ def findings(
             if a["rule"] not in wanted:
                 continue
             value = "" if a.get("value") is None else f", value {a['value']:.4g}"
+            pressure = r.get("cpu_pressure")
             thr = thresholds.get(a["rule"])
             peak = r.get("peaks", {}).get(a["rule"])
             lines.append(
@@ -378,6 +379,7 @@ def findings(
                 + value
                 + ("" if thr is None else f" against {thr:g}")
                 + ("" if peak is None else f"; peak excess on the run {peak:.3g}")
+                + ("" if pressure is None else f"; CPU pressure over the run {pressure:.0%}")
             )
     for r in records:
         if "error" in r:
@@ -385,8 +387,12 @@ def findings(
         for rule in r["spec"]["expected"]:
             if rule in wanted and first_alert(r, rule) is None:
                 fired = sorted({a["rule"] for a in serious(r)})
+                noted = sorted({a["rule"] for a in r.get("alerts", []) if a["severity"] == "info"} & {rule})
+                pressure = r.get("cpu_pressure")
                 lines.append(
                     f"- missed: `{rule}` on `{r['spec']['key']}` (fired instead: {', '.join(fired) or 'nothing'})"
+                    + ("; an info instead (the machine was contended)" if noted else "")
+                    + ("" if pressure is None else f"; CPU pressure over the run {pressure:.0%}")
                 )
     return ["Every false alarm and every missed fault:", "", *lines, ""] if lines else []
 

@@ -692,9 +692,12 @@ def _owners(callbacks: list[Any]) -> set[str]:
 def execute(spec: RunSpec) -> dict[str, Any]:
     """Train ``spec`` and return its record (an ``error`` field instead of alerts if the run raised)."""
     from lightning_diag.demo.run import quiet
+    from lightning_diag.instrument.cpu_pressure import CpuPressure
     from lightning_diag.rules.catalog import ALL_RULES
 
     record: dict[str, Any] = {"spec": dataclasses.asdict(spec), "measure_every": MEASURE_EVERY}
+    pressure = CpuPressure()
+    stall_start = pressure.read()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as root, quiet(1), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -734,4 +737,8 @@ def execute(spec: RunSpec) -> dict[str, Any]:
         steps_per_epoch=per_epoch if isinstance(per_epoch, int) else None,
         seconds=time.perf_counter() - start,
     )
+    stall_end = pressure.read()
+    if stall_start is not None and stall_end is not None and record["seconds"] > 0:
+        # the machine's CPU pressure over the run: what the wall-clock rules' verdicts depend on
+        record["cpu_pressure"] = min(1.0, (stall_end - stall_start) / record["seconds"])
     return record
