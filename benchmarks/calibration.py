@@ -42,6 +42,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.calibration_plan import EPOCH_LENGTHS, FAMILIES, RunSpec, execute, plan, twin_of
+from tests.foreign.corpus import TIMING_RULES
 
 START, END = "<!-- calibration:start -->", "<!-- calibration:end -->"
 SERIOUS = ("warning", "critical")
@@ -266,36 +267,51 @@ def _init_worker() -> None:
     torch.set_num_threads(1)
 
 
+def solo(spec: RunSpec) -> bool:
+    """Whether ``spec`` runs alone: a fault of a wall-clock rule (``TIMING_RULES``), measured as a user's run
+    would be, with no other run of the harness on the machine (on a contended machine those rules say so in an
+    ``info`` instead of a warning)."""
+    return any(rule in TIMING_RULES for rule in spec.expected)
+
+
 def run_all(specs: Sequence[RunSpec], cache: str, jobs: int, log: Any = sys.stderr) -> list[dict[str, Any]]:
-    """The records of ``specs``: those in ``cache`` as they are, the others run ``jobs`` at a time and appended."""
+    """The records of ``specs``: those in ``cache`` as they are, the others run ``jobs`` at a time and appended;
+    the :func:`solo` runs after them, one at a time."""
     # a record of a worker that died (the pool broke) says nothing about its run: it runs again
     done = {k: r for k, r in load_cache(cache).items() if not r.get("worker_died")}
     todo = [s for s in specs if s.key not in done]
     log.write(f"calibration: {len(specs)} runs, {len(specs) - len(todo)} cached, {len(todo)} to run\n")
     start = time.perf_counter()
-    if todo:
-        os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
-        ctx = multiprocessing.get_context("spawn")
-        with (
-            open(cache, "a", encoding="utf-8") as out,
-            concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker) as pool,
-        ):
-            futures = {pool.submit(execute, s): s for s in todo}
-            for i, fut in enumerate(concurrent.futures.as_completed(futures), 1):
-                spec = futures[fut]
-                try:
-                    record = fut.result()
-                except Exception as err:  # a worker that died: the record says so
-                    record = {"spec": spec_dict(spec), "error": f"{type(err).__name__}: {err}", "worker_died": True}
-                out.write(json.dumps(record) + "\n")
-                out.flush()
-                done[spec.key] = record
-                serious = [a["rule"] for a in record.get("alerts", []) if a["severity"] in SERIOUS]
-                log.write(
-                    f"[{i}/{len(todo)} {time.perf_counter() - start:.0f}s] {spec.key} "
-                    f"{record.get('seconds', 0):.1f}s {record.get('error') or serious}\n"
-                )
-                log.flush()
+    if not todo:
+        return [done[s.key] for s in specs]
+    os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
+    ctx = multiprocessing.get_context("spawn")
+    count = 0
+    with open(cache, "a", encoding="utf-8") as out:
+        for batch, workers in (([s for s in todo if not solo(s)], jobs), ([s for s in todo if solo(s)], 1)):
+            if not batch:
+                continue
+            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker) as pool:
+                futures = {pool.submit(execute, s): s for s in batch}
+                for fut in concurrent.futures.as_completed(futures):
+                    spec = futures[fut]
+                    try:
+                        record = fut.result()
+                    except Exception as err:  # a worker that died: the record says so
+                        record = {
+                            "spec": spec_dict(spec), "error": f"{type(err).__name__}: {err}", "worker_died": True
+                        }
+                    out.write(json.dumps(record) + "\n")
+                    out.flush()
+                    done[spec.key] = record
+                    count += 1
+                    serious = [a["rule"] for a in record.get("alerts", []) if a["severity"] in SERIOUS]
+                    log.write(
+                        f"[{count}/{len(todo)} {time.perf_counter() - start:.0f}s] {spec.key}"
+                        f"{' (alone)' if workers == 1 and jobs > 1 else ''} "
+                        f"{record.get('seconds', 0):.1f}s {record.get('error') or serious}\n"
+                    )
+                    log.flush()
     return [done[s.key] for s in specs]
 
 
