@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, CheckSpec, Limit, RuleSpec, register
@@ -115,17 +114,6 @@ class AttentionLogitRule(Rule):
         self.history: dict[str, list[float]] = {}
         #: Per module, its peak logit at its first measurement.
         self.first: dict[str, float] = {}
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> AttentionLogitRule:
-        """The rule with the threshold and settings in effect (see :meth:`Rule.from_settings`)."""
-        spec = ATTN_LOGIT_GROWTH_SPEC
-        return cls(
-            spec.value(thresholds),
-            spec.value(thresholds, "growth"),
-            int(spec.value(thresholds, "patience")),
-            int(spec.value(thresholds, "window")),
-        )
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measurement: ``{module: its peak attention logit}`` (``nan``: not measured)."""

@@ -125,11 +125,6 @@ class SharpMinimumRule(Rule):
         """Restore :meth:`state_dict` output; a checkpoint from before ``recent`` was saved loads with none."""
         super().load_state_dict({"recent": [], **state})
 
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> SharpMinimumRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(_SHARP.value(thresholds), int(_SHARP.value(thresholds, "patience")))
-
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one probe's gap; return the alert when the streak reaches ``patience`` (latched)."""
         s = m.sharpness
@@ -202,14 +197,6 @@ class QuantizationErrorRule(Rule):
         self.threshold = threshold
         self.layer_ratio = layer_ratio
         self.min_layer_error = min_layer_error
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> QuantizationErrorRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(
-            _QUANT.value(thresholds), _QUANT.value(thresholds, "layer_ratio"),
-            _QUANT.value(thresholds, "min_layer_error"),
-        )
 
     def outlier_layers(self, layer_errors: Mapping[str, float]) -> dict[str, float]:
         """The layers out of line: name -> their error over the median layer's, worst first.
