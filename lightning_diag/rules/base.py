@@ -154,21 +154,29 @@ class Latch:
         self._active = {str(k): [math.nan if v[0] is None else float(v[0]), float(v[1])] for k, v in state.items()}
 
 
-def _declared(key: str) -> tuple[float, Limit]:
-    """The default and allowed values of one ``thresholds()`` key, from its declaration.
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """A ``thresholds()`` key that sets a parameter, with its declared default and allowed values."""
+
+    key: str
+    default: float
+    limit: Limit
+
+
+def _declared(key: str) -> _Field:
+    """The declaration of a ``thresholds()`` key named in :attr:`FromSettings.setting_keys`.
 
     Raises:
         KeyError: If no rule or shared setting declares ``key``.
     """
     setting = SETTINGS.get(key)
     if setting is not None:
-        return float(setting.default), setting.limit
+        return _Field(key, float(setting.default), setting.limit)
     rule_id, _, name = key.partition(".")
     spec = RULES.get(rule_id)
     if spec is None or (name and name not in spec.settings) or (not name and spec.threshold is None):
         raise KeyError(f"no rule or setting declares {key!r}")
-    fallback = spec.settings[name] if name else spec.threshold
-    return float(fallback or 0.0), spec.limit(name or "threshold")
+    return _Field(key, spec.value({}, name or "threshold"), spec.limit(name or "threshold"))
 
 
 class FromSettings:
@@ -202,15 +210,22 @@ class FromSettings:
             >>> SharpMinimumRule.settings_map()
             {'threshold': 'sharp_minimum', 'patience': 'sharp_minimum.patience'}
         """
-        found: dict[str, str] = {}
+        return {name: field.key for name, field in cls._fields().items()}
+
+    @classmethod
+    def _fields(cls) -> dict[str, _Field]:
+        """:meth:`settings_map` with each key's default and allowed values."""
+        found: dict[str, _Field] = {}
         for name in inspect.signature(cls).parameters:
-            key = cls.setting_keys.get(name)
-            if key is None and name == "threshold" and cls.specs and cls.specs[0].threshold is not None:
-                key = cls.specs[0].rule_id
-            if key is None:
-                key = next((s.key(name) for s in cls.specs if name in s.settings), None)
-            if key is not None:
-                found[name] = key
+            if name in cls.setting_keys:
+                found[name] = _declared(cls.setting_keys[name])
+                continue
+            if name == "threshold":
+                spec = cls.specs[0] if cls.specs and cls.specs[0].threshold is not None else None
+            else:
+                spec = next((s for s in cls.specs if name in s.settings), None)
+            if spec is not None:
+                found[name] = _Field(spec.key(name), spec.value({}, name), spec.limit(name))
         return found
 
     @classmethod
@@ -228,19 +243,17 @@ class FromSettings:
         if args:
             raise TypeError(f"{cls.__name__}.from_settings takes the thresholds and keyword arguments only")
         parameters = inspect.signature(cls).parameters
-        mapped = cls.settings_map()
+        fields = cls._fields()
         for name in extra:
-            if name not in parameters or name in mapped:
-                free = [p for p in parameters if p not in mapped]
-                reason = f"it is set by {mapped[name]!r}" if name in mapped else f"it takes {free or 'none'}"
+            if name not in parameters or name in fields:
+                free = [p for p in parameters if p not in fields]
+                reason = f"it is set by {fields[name].key!r}" if name in fields else f"it takes {free or 'none'}"
                 raise TypeError(f"{cls.__name__}.from_settings got an unexpected keyword argument {name!r}; {reason}")
         kwargs: dict[str, Any] = dict(extra)
-        for name, key in mapped.items():
-            default, limit = _declared(key)
-            given = thresholds.get(key)
-            value = default if given is None else float(given)
-            parameter = parameters[name]
-            kwargs[name] = int(value) if _is_int(parameter, limit) else value
+        for name, field in fields.items():
+            given = thresholds.get(field.key)
+            value = field.default if given is None else float(given)
+            kwargs[name] = int(value) if _is_int(parameters[name], field.limit) else value
         unset = [n for n, p in parameters.items() if n not in kwargs and p.default is inspect.Parameter.empty]
         if unset:
             raise TypeError(f"{cls.__name__}.from_settings needs the keyword arguments {unset}")
