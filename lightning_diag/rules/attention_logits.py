@@ -65,7 +65,7 @@ ATTN_LOGITS_CHECK = CheckSpec(
 )
 
 #: ``attn_logit_growth``: the peak attention logit above which growth is judged.
-DEFAULT_LOGIT_GROWTH_THRESHOLD: float = float(ATTN_LOGIT_GROWTH_SPEC.threshold or 50.0)
+DEFAULT_LOGIT_GROWTH_THRESHOLD: float = ATTN_LOGIT_GROWTH_SPEC.value({})
 #: ``attn_logit_growth``: the factor the peak must have grown by over its reference (the largest peak of the
 #: ``window`` measurements ending ``patience`` measurements before).
 DEFAULT_LOGIT_GROWTH_FACTOR: float = float(ATTN_LOGIT_GROWTH_SPEC.settings["growth"])

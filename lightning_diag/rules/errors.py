@@ -50,7 +50,7 @@ ERROR_CONCENTRATION_CHECK = CheckSpec(
 ERROR_CLUSTER_MIN_ERRORS_KEY = ERROR_CLUSTER_SPEC.key("min_errors")
 _SPEC = ERROR_CLUSTER_SPEC
 #: A group's error rate must be at least this many times the overall rate (its lift).
-DEFAULT_ERROR_RATIO: float = float(_SPEC.threshold or 3.0)
+DEFAULT_ERROR_RATIO: float = _SPEC.value({})
 #: ... the group must hold at least this share of the validation samples (the support of the slice search).
 DEFAULT_MIN_SHARE: float = float(_SPEC.settings["min_share"])
 #: ... and its one-sided Fisher exact p-value, corrected for the slices tested (Bonferroni), within the

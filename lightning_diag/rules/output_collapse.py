@@ -67,7 +67,7 @@ OUTPUTS_VARY_CHECK = CheckSpec(
 
 #: ``output_collapse``: the outputs' relative spread across the batch over the inputs' below which the outputs are
 #: taken as independent of the input.
-DEFAULT_OUTPUT_COLLAPSE_THRESHOLD: float = float(OUTPUT_COLLAPSE_SPEC.threshold or 1e-2)
+DEFAULT_OUTPUT_COLLAPSE_THRESHOLD: float = OUTPUT_COLLAPSE_SPEC.value({})
 #: ``output_collapse``: consecutive sampled steps the spread must stay below it.
 DEFAULT_OUTPUT_COLLAPSE_PATIENCE: int = int(OUTPUT_COLLAPSE_SPEC.settings["patience"])
 

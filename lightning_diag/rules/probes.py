@@ -70,13 +70,13 @@ QUANTIZATION_LAYER_RATIO_KEY = QUANTIZATION_ERROR_SPEC.key("layer_ratio")
 _SHARP = SHARP_MINIMUM_SPEC
 _QUANT = QUANTIZATION_ERROR_SPEC
 #: SAM gap above which a probe counts as sharp (seed 000 §4.1).
-DEFAULT_SHARP_MINIMUM_THRESHOLD: float = float(_SHARP.threshold or 0.3)
+DEFAULT_SHARP_MINIMUM_THRESHOLD: float = _SHARP.value({})
 #: SAM's perturbation radius (Foret et al. 2021).
 DEFAULT_SHARP_MINIMUM_RHO: float = float(_SHARP.settings["rho"])
 #: Consecutive sharp probes before ``sharp_minimum`` fires ("persistently").
 DEFAULT_SHARP_MINIMUM_PATIENCE: int = int(_SHARP.settings["patience"])
 #: End-to-end relative change of the loss above which INT8 is judged too lossy (seed 000 §7.1).
-DEFAULT_QUANTIZATION_ERROR_THRESHOLD: float = float(_QUANT.threshold or 0.05)
+DEFAULT_QUANTIZATION_ERROR_THRESHOLD: float = _QUANT.value({})
 #: A layer whose relative output MSE is above this many times the median layer's (seed 000 §5.1).
 DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO: float = float(_QUANT.settings["layer_ratio"])
 #: ... and above this absolute relative output MSE (noise power / signal power), so tiny errors never alert.

@@ -33,7 +33,7 @@ ROBUSTNESS_CHECK = CheckSpec("robustness", "Model",
 ROBUSTNESS_RATE_KEY = ROBUSTNESS_DROP_SPEC.key("rate")
 _SPEC = ROBUSTNESS_DROP_SPEC
 #: Relative drop of the metric above which the model is judged brittle: three times the perturbed share.
-DEFAULT_ROBUSTNESS_DROP: float = float(_SPEC.threshold or 0.15)
+DEFAULT_ROBUSTNESS_DROP: float = _SPEC.value({})
 #: Share of the real tokens each perturbation changes (seed 000 §2.1: 5% typos or shuffled words).
 DEFAULT_PERTURB_RATE: float = float(_SPEC.settings["rate"])
 
