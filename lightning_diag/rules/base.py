@@ -203,7 +203,8 @@ class FromSettings:
     @classmethod
     def settings_map(cls) -> dict[str, str]:
         """``{parameter: thresholds() key}``: the parameters of ``__init__`` that :meth:`from_settings` reads from
-        the thresholds in effect, in the order of the signature.
+        the thresholds in effect, in the order of the signature (for a class with a ``from_settings`` of its own:
+        the ones the generated one would read).
 
         Example:
             >>> from lightning_diag.rules.probes import SharpMinimumRule
@@ -234,7 +235,8 @@ class FromSettings:
         (``"grad_vanish"``, ``"grad_vanish.relative"``, ``"grad.patience"``); a key it lacks (or maps to ``None``)
         takes its declared default. The callbacks build their rules with it from ``thresholds()``, the report's
         replay from the run's ``thresholds.json``: this is the one mapping from keys to parameters
-        (:meth:`settings_map`). ``extra`` sets the parameters no setting sets (``unit="step"``).
+        (:meth:`settings_map`). ``extra`` sets the parameters no setting sets (``unit="step"``); ``*args`` is in the
+        signature only so that a subclass's own ``from_settings`` with other keywords type-checks as an override.
 
         Raises:
             TypeError: If ``extra`` names a parameter ``__init__`` lacks or one a setting sets, an argument is
@@ -254,7 +256,11 @@ class FromSettings:
             given = thresholds.get(field.key)
             value = field.default if given is None else float(given)
             kwargs[name] = int(value) if _is_int(parameters[name], field.limit) else value
-        unset = [n for n, p in parameters.items() if n not in kwargs and p.default is inspect.Parameter.empty]
+        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        unset = [
+            n for n, p in parameters.items()
+            if n not in kwargs and p.default is inspect.Parameter.empty and p.kind not in variadic
+        ]
         if unset:
             raise TypeError(f"{cls.__name__}.from_settings needs the keyword arguments {unset}")
         return cls(**kwargs)
