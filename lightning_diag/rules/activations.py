@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import FRACTION, CheckSpec, RuleSpec, default, register
@@ -157,6 +157,10 @@ class ActivationRule(Rule):
     """
 
     specs = (DEAD_UNITS_SPEC, ACTIVATION_SATURATION_SPEC)
+    setting_keys: ClassVar[Mapping[str, str]] = {
+        "dead_threshold": DEAD_UNITS, "saturation_threshold": ACTIVATION_SATURATION,
+        "patience": GRAD_PATIENCE_SETTING.key,
+    }
     needs = frozenset({Measure.ACTIVATIONS})
     optional = frozenset({Measure.INPUT_RMS, Measure.LOSS})
     state_keys = ("streaks", "first_seen")
@@ -182,17 +186,6 @@ class ActivationRule(Rule):
         #: ``{"<rule>:<layer>": [share, step]}``: each layer's share at its first measurement (the message says
         #: how it moved).
         self.first_seen: dict[str, list[float]] = {}
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> ActivationRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(
-            DEAD_UNITS_SPEC.value(thresholds),
-            ACTIVATION_SATURATION_SPEC.value(thresholds),
-            int(GRAD_PATIENCE_SETTING.value(thresholds)),
-            DEAD_UNITS_SPEC.value(thresholds, "certain"),
-            DEAD_UNITS_SPEC.value(thresholds, "loss_fall"),
-        )
 
     def state_dict(self) -> dict[str, Any]:
         """The declared state, the latch and the loss windows."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import ClassVar
 
 from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import value_of
 from lightning_diag.rules.attention_specs import (
     ATTN_ENTROPY_HIGH,
     ATTN_ENTROPY_HIGH_SPEC,
@@ -15,15 +15,12 @@ from lightning_diag.rules.attention_specs import (
     ATTN_ENTROPY_LOW_SPEC,
     ATTN_PATIENCE_SETTING,
     ATTN_SINK,
-    ATTN_SINK_SPEC,
     DEFAULT_ATTN_PATIENCE,
     DEFAULT_ENTROPY_HIGH_THRESHOLD,
     DEFAULT_ENTROPY_HIGH_UNIFORM_FRACTION,
     DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
     DEFAULT_ENTROPY_LOW_THRESHOLD,
     DEFAULT_SINK_THRESHOLD,
-    ENTROPY_HIGH_UNIFORM_FRACTION_KEY,
-    ENTROPY_HIGH_WARMUP_STEPS_KEY,
     first_mass,
     per_head,
 )
@@ -82,6 +79,10 @@ class AttentionEntropyRule(Rule):
     """
 
     specs = (ATTN_ENTROPY_LOW_SPEC, ATTN_ENTROPY_HIGH_SPEC)
+    setting_keys: ClassVar[Mapping[str, str]] = {
+        "low": ATTN_ENTROPY_LOW, "high": ATTN_ENTROPY_HIGH, "patience": ATTN_PATIENCE_SETTING.key,
+        "sink_mass": ATTN_SINK,
+    }
     needs = frozenset({Measure.ATTENTION})
     optional = frozenset({Measure.LOSS})
     state_keys = ("streaks", "heads", "losses")
@@ -107,18 +108,6 @@ class AttentionEntropyRule(Rule):
         # module/head_h -> [entropy and mean loss at its last measurement above the band, fall into the band]
         self.heads: dict[str, list[float]] = {}
         self.losses: list[float] = []
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> AttentionEntropyRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(
-            ATTN_ENTROPY_LOW_SPEC.value(thresholds),
-            ATTN_ENTROPY_HIGH_SPEC.value(thresholds),
-            value_of(thresholds, ENTROPY_HIGH_UNIFORM_FRACTION_KEY),
-            int(value_of(thresholds, ENTROPY_HIGH_WARMUP_STEPS_KEY)),
-            int(ATTN_PATIENCE_SETTING.value(thresholds)),
-            ATTN_SINK_SPEC.value(thresholds),
-        )
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measurement of every module's heads (and the training loss of the measured batch, when

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, CheckSpec, Limit, RuleSpec, register
@@ -66,7 +65,7 @@ ATTN_LOGITS_CHECK = CheckSpec(
 )
 
 #: ``attn_logit_growth``: the peak attention logit above which growth is judged.
-DEFAULT_LOGIT_GROWTH_THRESHOLD: float = float(ATTN_LOGIT_GROWTH_SPEC.threshold or 50.0)
+DEFAULT_LOGIT_GROWTH_THRESHOLD: float = ATTN_LOGIT_GROWTH_SPEC.value({})
 #: ``attn_logit_growth``: the factor the peak must have grown by over its reference (the largest peak of the
 #: ``window`` measurements ending ``patience`` measurements before).
 DEFAULT_LOGIT_GROWTH_FACTOR: float = float(ATTN_LOGIT_GROWTH_SPEC.settings["growth"])
@@ -115,17 +114,6 @@ class AttentionLogitRule(Rule):
         self.history: dict[str, list[float]] = {}
         #: Per module, its peak logit at its first measurement.
         self.first: dict[str, float] = {}
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> AttentionLogitRule:
-        """The rule with the threshold and settings in effect (see :meth:`Rule.from_settings`)."""
-        spec = ATTN_LOGIT_GROWTH_SPEC
-        return cls(
-            spec.value(thresholds),
-            spec.value(thresholds, "growth"),
-            int(spec.value(thresholds, "patience")),
-            int(spec.value(thresholds, "window")),
-        )
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measurement: ``{module: its peak attention logit}`` (``nan``: not measured)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import ClassVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.rules.attention_specs import (
@@ -36,6 +37,9 @@ class AttentionSinkRule(Rule):
     """
 
     specs = (ATTN_SINK_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {
+        "sink_mass": ATTN_SINK_SPEC.rule_id, "patience": ATTN_PATIENCE_SETTING.key,
+    }
     needs = frozenset({Measure.ATTENTION})
     state_keys = ("streaks",)
 
@@ -45,11 +49,6 @@ class AttentionSinkRule(Rule):
         self.patience = patience
         self.latch = Latch.for_patience(patience)
         self.streaks: dict[str, int] = {}
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> AttentionSinkRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(ATTN_SINK_SPEC.value(thresholds), int(ATTN_PATIENCE_SETTING.value(thresholds)))
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measurement of every module's heads; return the alerts raised.

@@ -6,20 +6,31 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import RuleSpec
+from lightning_diag.core.registry import RULES, SETTINGS, Limit, RuleSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.rules.measures import Measure, Measures
 
-__all__ = ["OVERWHELMING", "WORSEN_FACTOR", "Latch", "Rule", "StepContext", "excess", "list_names", "name_layers"]
+__all__ = [
+    "OVERWHELMING",
+    "WORSEN_FACTOR",
+    "FromSettings",
+    "Latch",
+    "Rule",
+    "StepContext",
+    "excess",
+    "list_names",
+    "name_layers",
+]
 
-#: A rule class (the return type of :meth:`Rule.from_settings`).
-RuleT = TypeVar("RuleT", bound="Rule")
+#: A class built from the settings (the return type of :meth:`FromSettings.from_settings`).
+BuiltT = TypeVar("BuiltT", bound="FromSettings")
 
 #: Sources named in an alert that groups several.
 _SHOWN = 3
@@ -143,6 +154,128 @@ class Latch:
         self._active = {str(k): [math.nan if v[0] is None else float(v[0]), float(v[1])] for k, v in state.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """A ``thresholds()`` key that sets a parameter, with its declared default and allowed values."""
+
+    key: str
+    default: float
+    limit: Limit
+
+
+def _declared(key: str) -> _Field:
+    """The declaration of a ``thresholds()`` key named in :attr:`FromSettings.setting_keys`.
+
+    Raises:
+        KeyError: If no rule or shared setting declares ``key``.
+    """
+    setting = SETTINGS.get(key)
+    if setting is not None:
+        return _Field(key, float(setting.default), setting.limit)
+    rule_id, _, name = key.partition(".")
+    spec = RULES.get(rule_id)
+    if spec is None or (name and name not in spec.settings) or (not name and spec.threshold is None):
+        raise KeyError(f"no rule or setting declares {key!r}")
+    return _Field(key, spec.value({}, name or "threshold"), spec.limit(name or "threshold"))
+
+
+class FromSettings:
+    """What is built from its declarations: :meth:`from_settings` reads each ``__init__`` parameter that a
+    declared threshold or setting sets from the thresholds in effect.
+
+    Which ``thresholds()`` key sets which parameter (:meth:`settings_map`), in this order:
+
+    1. :attr:`setting_keys`, where the class names the key of a parameter itself (a parameter named otherwise than
+       its field, a setting shared by several rules such as ``grad.patience``, another rule's threshold);
+    2. a parameter named ``threshold``: the threshold of the first spec of :attr:`specs`;
+    3. a parameter named like a setting of a spec of :attr:`specs`: that setting of the first spec declaring it.
+
+    A parameter set this way is an ``int`` where its default or annotation is (or its field's :class:`Limit` is
+    integer), else a ``float``. Every other parameter (``unit``, ``monitor``, ``action``) takes the keyword
+    argument of that name given to :meth:`from_settings`, else its default.
+    """
+
+    specs: ClassVar[tuple[RuleSpec, ...]] = ()
+    #: ``{parameter: thresholds() key}`` for the parameters of ``__init__`` that rules 2 and 3 of the class
+    #: docstring do not name (the key from the declaring module's constants: ``GRAD_PATIENCE_SETTING.key``).
+    setting_keys: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def settings_map(cls) -> dict[str, str]:
+        """``{parameter: thresholds() key}``: the parameters of ``__init__`` that :meth:`from_settings` reads from
+        the thresholds in effect, in the order of the signature (for a class with a ``from_settings`` of its own:
+        the ones the generated one would read).
+
+        Example:
+            >>> from lightning_diag.rules.probes import SharpMinimumRule
+            >>> SharpMinimumRule.settings_map()
+            {'threshold': 'sharp_minimum', 'patience': 'sharp_minimum.patience'}
+        """
+        return {name: field.key for name, field in cls._fields().items()}
+
+    @classmethod
+    def _fields(cls) -> dict[str, _Field]:
+        """:meth:`settings_map` with each key's default and allowed values."""
+        found: dict[str, _Field] = {}
+        for name in inspect.signature(cls).parameters:
+            if name in cls.setting_keys:
+                found[name] = _declared(cls.setting_keys[name])
+                continue
+            if name == "threshold":
+                spec = cls.specs[0] if cls.specs and cls.specs[0].threshold is not None else None
+            else:
+                spec = next((s for s in cls.specs if name in s.settings), None)
+            if spec is not None:
+                found[name] = _Field(spec.key(name), spec.value({}, name), spec.limit(name))
+        return found
+
+    @classmethod
+    def from_settings(cls: type[BuiltT], thresholds: Mapping[str, float | None], *args: Any, **extra: Any) -> BuiltT:
+        """The object with the thresholds and settings in effect: ``thresholds`` holds ``thresholds()`` keys
+        (``"grad_vanish"``, ``"grad_vanish.relative"``, ``"grad.patience"``); a key it lacks (or maps to ``None``)
+        takes its declared default. The callbacks build their rules with it from ``thresholds()``, the report's
+        replay from the run's ``thresholds.json``: this is the one mapping from keys to parameters
+        (:meth:`settings_map`). ``extra`` sets the parameters no setting sets (``unit="step"``); ``*args`` is in the
+        signature only so that a subclass's own ``from_settings`` with other keywords type-checks as an override.
+
+        Raises:
+            TypeError: If ``extra`` names a parameter ``__init__`` lacks or one a setting sets, an argument is
+                given by position, or a parameter without default is neither.
+        """
+        if args:
+            raise TypeError(f"{cls.__name__}.from_settings takes the thresholds and keyword arguments only")
+        parameters = inspect.signature(cls).parameters
+        fields = cls._fields()
+        for name in extra:
+            if name not in parameters or name in fields:
+                free = [p for p in parameters if p not in fields]
+                reason = f"it is set by {fields[name].key!r}" if name in fields else f"it takes {free or 'none'}"
+                raise TypeError(f"{cls.__name__}.from_settings got an unexpected keyword argument {name!r}; {reason}")
+        kwargs: dict[str, Any] = dict(extra)
+        for name, field in fields.items():
+            given = thresholds.get(field.key)
+            value = field.default if given is None else float(given)
+            kwargs[name] = int(value) if _is_int(parameters[name], field.limit) else value
+        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        unset = [
+            n for n, p in parameters.items()
+            if n not in kwargs and p.default is inspect.Parameter.empty and p.kind not in variadic
+        ]
+        if unset:
+            raise TypeError(f"{cls.__name__}.from_settings needs the keyword arguments {unset}")
+        return cls(**kwargs)
+
+
+def _is_int(parameter: inspect.Parameter, limit: Limit) -> bool:
+    """Whether the parameter takes an ``int`` (its default, annotation or field's limit says so)."""
+    default = parameter.default
+    return (
+        limit.integer
+        or parameter.annotation in (int, "int")
+        or (isinstance(default, int) and not isinstance(default, bool))
+    )
+
+
 #: The judgment signature every rule shares.
 _Judge = Callable[["Rule", StepContext, "Measures"], list[Alert]]
 
@@ -167,16 +300,17 @@ def _checked(judge: _Judge) -> _Judge:
     return checked
 
 
-class Rule(abc.ABC):
+class Rule(FromSettings, abc.ABC):
     """Base class of the stateful detectors.
 
     Subclasses set :attr:`specs` (the declarations of the rule ids they raise, the first being
     :attr:`rule_id`), :attr:`severity` and :attr:`state_keys`, name the measurements they read in :attr:`needs`
-    and :attr:`optional`, and implement :meth:`from_settings` and :meth:`judge`; their state is the attributes
-    named by ``state_keys`` plus the latch. :meth:`load_state_dict` names any key that is missing.
+    and :attr:`optional`, and implement :meth:`judge`; :meth:`~FromSettings.from_settings` builds them from their
+    declarations (:class:`FromSettings`, with :attr:`~FromSettings.setting_keys` for the parameters their names do
+    not tie to a field). Their state is the attributes named by ``state_keys`` plus the latch.
+    :meth:`load_state_dict` names any key that is missing.
     """
 
-    specs: ClassVar[tuple[RuleSpec, ...]] = ()
     rule_id: ClassVar[str]
     severity: ClassVar[Severity] = Severity.WARNING
     state_keys: ClassVar[tuple[str, ...]] = ()
@@ -201,15 +335,6 @@ class Rule(abc.ABC):
             ValueError: If ``m`` lacks a measurement the rule :attr:`needs`, or, for a rule that needs none, holds
                 none of its :attr:`optional` ones (a caller's programming error).
         """
-
-    @classmethod
-    def from_settings(cls: type[RuleT], thresholds: Mapping[str, float | None]) -> RuleT:
-        """The rule with the thresholds and settings in effect: ``thresholds`` holds ``thresholds()`` keys
-        (``"grad_vanish"``, ``"grad_vanish.relative"``, ``"grad.patience"``); a key it lacks (or maps to
-        ``None``) takes its declared default. The callbacks build their rules with it from ``thresholds()``, the
-        report's replay from the run's ``thresholds.json``: this is the one mapping from keys to parameters.
-        """
-        raise NotImplementedError(f"{cls.__name__} declares no from_settings")
 
     def __init__(self) -> None:
         self.latch = Latch()

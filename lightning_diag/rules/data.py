@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import (
@@ -214,11 +215,6 @@ class LoaderRules(Rule):
     specs = (BATCH_SIZE_MISMATCH_SPEC, WORKER_RNG_SHARED_SPEC)
     optional = frozenset({Measure.BATCH_SIZES, Measure.LOADER_STREAMS})
 
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> LoaderRules:
-        """The rules (they have no threshold; see :meth:`Rule.from_settings`)."""
-        return cls()
-
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge what was measured of the loaders: one batch's leading dimensions (``m.batch_sizes``), the training
         loader's random streams (``m.loader_streams``), or both."""
@@ -299,6 +295,9 @@ class DataRules(Rule):
     """
 
     specs = (DATA_VOCAB_SHIFT_SPEC, DATA_LEAKAGE_SPEC, LABEL_IMBALANCE_SPEC, DATA_NONFINITE_SPEC)
+    setting_keys: ClassVar[Mapping[str, str]] = {
+        "vocab_kl": DATA_VOCAB_SHIFT, "leakage": DATA_LEAKAGE, "label_std": LABEL_IMBALANCE,
+    }
     state_keys = ("measurements",)
     needs = frozenset({Measure.DATA})
 
@@ -313,14 +312,6 @@ class DataRules(Rule):
         self.leakage = leakage
         self.label_std = label_std
         self.measurements = 0
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> DataRules:
-        """The rules with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(
-            DATA_VOCAB_SHIFT_SPEC.value(thresholds), DATA_LEAKAGE_SPEC.value(thresholds),
-            LABEL_IMBALANCE_SPEC.value(thresholds),
-        )
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measurement, ``m.data``; return the alerts that just became active."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import Limit, RuleSpec, default, register
@@ -103,6 +104,7 @@ class SequenceRules(Rule):
     """
 
     specs = (LOSS_ON_PADDING_SPEC, POSITION_OVERFLOW_SPEC)
+    setting_keys: ClassVar[Mapping[str, str]] = {"padding_labels": LOSS_ON_PADDING, "length_ratio": POSITION_OVERFLOW}
     state_keys = ("train_extent",)
     needs = frozenset({Measure.SEQUENCES})
 
@@ -113,11 +115,6 @@ class SequenceRules(Rule):
         self.padding_labels = padding_labels
         self.length_ratio = length_ratio
         self.train_extent = 0
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> SequenceRules:
-        """The rules with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(LOSS_ON_PADDING_SPEC.value(thresholds), POSITION_OVERFLOW_SPEC.value(thresholds))
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measurement, ``m.sequences``; return the alerts that just became active."""

@@ -5,7 +5,7 @@ more often than the rest (seed 001 §2.2; slices as in SliceFinder). Plain Pytho
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import CheckSpec, Limit, RuleSpec, register
@@ -50,7 +50,7 @@ ERROR_CONCENTRATION_CHECK = CheckSpec(
 ERROR_CLUSTER_MIN_ERRORS_KEY = ERROR_CLUSTER_SPEC.key("min_errors")
 _SPEC = ERROR_CLUSTER_SPEC
 #: A group's error rate must be at least this many times the overall rate (its lift).
-DEFAULT_ERROR_RATIO: float = float(_SPEC.threshold or 3.0)
+DEFAULT_ERROR_RATIO: float = _SPEC.value({})
 #: ... the group must hold at least this share of the validation samples (the support of the slice search).
 DEFAULT_MIN_SHARE: float = float(_SPEC.settings["min_share"])
 #: ... and its one-sided Fisher exact p-value, corrected for the slices tested (Bonferroni), within the
@@ -118,6 +118,7 @@ class ErrorClusterRule(Rule):
     """
 
     specs = (ERROR_CLUSTER_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {"ratio": ERROR_CLUSTER}
     state_keys = ()
     needs = frozenset({Measure.ERROR_GROUPS})
 
@@ -128,12 +129,6 @@ class ErrorClusterRule(Rule):
         self.ratio = ratio
         self.min_share = min_share
         self.alpha = alpha
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None], alpha: float = ALPHA) -> ErrorClusterRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`) and significance level
-        ``alpha``."""
-        return cls(_SPEC.value(thresholds), _SPEC.value(thresholds, "min_share"), alpha)
 
     def level(self, analysis: int = 1) -> float:
         """The significance level at the ``analysis``-th analysed validation of a fit (1-based).

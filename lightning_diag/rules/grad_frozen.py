@@ -6,7 +6,7 @@ Re-exported by :mod:`lightning_diag.rules.grad` with the other gradient-flow rul
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, RuleSpec, SettingSpec, register, register_setting
@@ -93,6 +93,7 @@ class GradFrozenRule(Rule):
     """
 
     specs = (GRAD_FROZEN_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {"patience": GRAD_PATIENCE_SETTING.key}
     needs = frozenset({Measure.STUCK_PARAMS})
     optional = frozenset({Measure.PARAM_NAMES})
     state_keys = ("streaks", "unused", "unreached")
@@ -122,11 +123,6 @@ class GradFrozenRule(Rule):
             self.unreached = [name for name in self.unreached if name in zeros]
         unreached = set(self.unreached)
         return {name: "unreached" if name in unreached else reason for name, reason in stuck.items()}
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradFrozenRule:
-        """The rule with ``grad.patience`` in effect (see :meth:`Rule.from_settings`)."""
-        return cls(int(GRAD_PATIENCE_SETTING.value(thresholds)))
 
     @staticmethod
     def layer_of(name: str) -> str:

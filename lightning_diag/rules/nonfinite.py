@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert, NonFiniteAction, Severity
 from lightning_diag.core.registry import COUNT, STEPS, RuleSpec, register
-from lightning_diag.rules.base import Latch, StepContext
+from lightning_diag.rules.base import FromSettings, Latch, StepContext
 
 __all__ = [
     "ACTION_TEXT",
@@ -156,7 +156,7 @@ class Decision:
 _APPLY = Decision(Verdict.APPLY)
 
 
-class NonFinitePolicy:
+class NonFinitePolicy(FromSettings):
     """Decides what a non-finite step leads to, and keeps the counts and latch that span steps.
 
     Args:
@@ -192,18 +192,6 @@ class NonFinitePolicy:
         self.latch = Latch()
         self.skips = 0
         self.scaler_overflows = 0
-
-    @classmethod
-    def from_settings(
-        cls, thresholds: Mapping[str, float | None], *, action: NonFiniteAction = "stop"
-    ) -> NonFinitePolicy:
-        """The policy with the settings in effect (as :meth:`Rule.from_settings`); ``action`` as for the
-        constructor."""
-        return cls(
-            action,
-            int(NONFINITE_LOSS_SPEC.value(thresholds, "max_skips")),
-            int(NONFINITE_GRAD_SPEC.value(thresholds, "max_scaler_overflows")),
-        )
 
     def decide(
         self,

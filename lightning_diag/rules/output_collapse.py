@@ -28,7 +28,6 @@ generative or regression output ``[B, C]`` whose largest element is always the s
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 from lightning_diag.core.record import Alert
@@ -68,7 +67,7 @@ OUTPUTS_VARY_CHECK = CheckSpec(
 
 #: ``output_collapse``: the outputs' relative spread across the batch over the inputs' below which the outputs are
 #: taken as independent of the input.
-DEFAULT_OUTPUT_COLLAPSE_THRESHOLD: float = float(OUTPUT_COLLAPSE_SPEC.threshold or 1e-2)
+DEFAULT_OUTPUT_COLLAPSE_THRESHOLD: float = OUTPUT_COLLAPSE_SPEC.value({})
 #: ``output_collapse``: consecutive sampled steps the spread must stay below it.
 DEFAULT_OUTPUT_COLLAPSE_PATIENCE: int = int(OUTPUT_COLLAPSE_SPEC.settings["patience"])
 
@@ -136,12 +135,6 @@ class OutputCollapseRule(Rule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before ``recent`` was saved loads with none."""
         super().load_state_dict({"recent": [], **state})
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> OutputCollapseRule:
-        """The rule with the threshold and settings in effect (see :meth:`Rule.from_settings`)."""
-        spec = OUTPUT_COLLAPSE_SPEC
-        return cls(spec.value(thresholds), int(spec.value(thresholds, "patience")))
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one sampled training step: the output's mean spread across the batch, its mean level, the batch

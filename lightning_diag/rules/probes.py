@@ -70,13 +70,13 @@ QUANTIZATION_LAYER_RATIO_KEY = QUANTIZATION_ERROR_SPEC.key("layer_ratio")
 _SHARP = SHARP_MINIMUM_SPEC
 _QUANT = QUANTIZATION_ERROR_SPEC
 #: SAM gap above which a probe counts as sharp (seed 000 §4.1).
-DEFAULT_SHARP_MINIMUM_THRESHOLD: float = float(_SHARP.threshold or 0.3)
+DEFAULT_SHARP_MINIMUM_THRESHOLD: float = _SHARP.value({})
 #: SAM's perturbation radius (Foret et al. 2021).
 DEFAULT_SHARP_MINIMUM_RHO: float = float(_SHARP.settings["rho"])
 #: Consecutive sharp probes before ``sharp_minimum`` fires ("persistently").
 DEFAULT_SHARP_MINIMUM_PATIENCE: int = int(_SHARP.settings["patience"])
 #: End-to-end relative change of the loss above which INT8 is judged too lossy (seed 000 §7.1).
-DEFAULT_QUANTIZATION_ERROR_THRESHOLD: float = float(_QUANT.threshold or 0.05)
+DEFAULT_QUANTIZATION_ERROR_THRESHOLD: float = _QUANT.value({})
 #: A layer whose relative output MSE is above this many times the median layer's (seed 000 §5.1).
 DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO: float = float(_QUANT.settings["layer_ratio"])
 #: ... and above this absolute relative output MSE (noise power / signal power), so tiny errors never alert.
@@ -124,11 +124,6 @@ class SharpMinimumRule(Rule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before ``recent`` was saved loads with none."""
         super().load_state_dict({"recent": [], **state})
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> SharpMinimumRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(_SHARP.value(thresholds), int(_SHARP.value(thresholds, "patience")))
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one probe's gap; return the alert when the streak reaches ``patience`` (latched)."""
@@ -202,14 +197,6 @@ class QuantizationErrorRule(Rule):
         self.threshold = threshold
         self.layer_ratio = layer_ratio
         self.min_layer_error = min_layer_error
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> QuantizationErrorRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(
-            _QUANT.value(thresholds), _QUANT.value(thresholds, "layer_ratio"),
-            _QUANT.value(thresholds, "min_layer_error"),
-        )
 
     def outlier_layers(self, layer_errors: Mapping[str, float]) -> dict[str, float]:
         """The layers out of line: name -> their error over the median layer's, worst first.

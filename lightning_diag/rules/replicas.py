@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, CheckSpec, RuleSpec, default, register
@@ -179,6 +180,7 @@ class DesyncRule(Rule):
     """
 
     specs = (DDP_DESYNC_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {"tolerance": DDP_DESYNC}
     severity = Severity.CRITICAL
     state_keys = ("checks", "last_max_diff")
     needs = frozenset({Measure.REPLICA_DIFFERENCES})
@@ -188,11 +190,6 @@ class DesyncRule(Rule):
         self.tolerance = tolerance
         self.checks = 0
         self.last_max_diff = 0.0
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> DesyncRule:
-        """The rule with the threshold in effect (see :meth:`Rule.from_settings`)."""
-        return cls(DDP_DESYNC_SPEC.value(thresholds))
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one comparison over every replica group, ``m.replica_differences`` (the same inputs on every rank:

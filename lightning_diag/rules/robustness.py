@@ -4,7 +4,6 @@ small perturbation changes (seed 000 §2.1). Plain Python; the rule's declaratio
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import CheckSpec, Limit, RuleSpec, register
@@ -34,7 +33,7 @@ ROBUSTNESS_CHECK = CheckSpec("robustness", "Model",
 ROBUSTNESS_RATE_KEY = ROBUSTNESS_DROP_SPEC.key("rate")
 _SPEC = ROBUSTNESS_DROP_SPEC
 #: Relative drop of the metric above which the model is judged brittle: three times the perturbed share.
-DEFAULT_ROBUSTNESS_DROP: float = float(_SPEC.threshold or 0.15)
+DEFAULT_ROBUSTNESS_DROP: float = _SPEC.value({})
 #: Share of the real tokens each perturbation changes (seed 000 §2.1: 5% typos or shuffled words).
 DEFAULT_PERTURB_RATE: float = float(_SPEC.settings["rate"])
 
@@ -67,11 +66,6 @@ class RobustnessDropRule(Rule):
         super().__init__()
         self.threshold = threshold
         self.rate = rate
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> RobustnessDropRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(_SPEC.value(thresholds), _SPEC.value(thresholds, "rate"))
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one probe's relative drops by perturbation kind; return the new alert, if any."""

@@ -101,11 +101,17 @@ class RollbackRule(Rule):
     """
 
     specs = (NONFINITE_ROLLBACK_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {"repeat_window": _SPEC.key("every_n_steps")}
     needs = frozenset({Measure.ROLLBACK})
     severity: ClassVar[Severity] = Severity.WARNING
     state_keys: ClassVar[tuple[str, ...]] = ("rollbacks", "lr_scale", "last_rollback_step", "last_restored_step")
 
-    def __init__(self, lr_factor: float, max_rollbacks: int, repeat_window: int) -> None:
+    def __init__(
+        self,
+        lr_factor: float = DEFAULT_ROLLBACK_LR_FACTOR,
+        max_rollbacks: int = DEFAULT_MAX_ROLLBACKS,
+        repeat_window: int = DEFAULT_ROLLBACK_EVERY_N_STEPS,
+    ) -> None:
         super().__init__()
         self.lr_factor = float(lr_factor)
         self.max_rollbacks = int(max_rollbacks)
@@ -114,15 +120,6 @@ class RollbackRule(Rule):
         self.lr_scale = 1.0
         self.last_rollback_step: int | None = None
         self.last_restored_step: int | None = None
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> RollbackRule:
-        """The rule with the rollback settings in effect (see :meth:`Rule.from_settings`); a non-finite step within
-        ``every_n_steps`` of the last rollback goes further back."""
-        return cls(
-            _SPEC.value(thresholds, "lr_factor"), int(_SPEC.value(thresholds, "max_rollbacks")),
-            repeat_window=int(_SPEC.value(thresholds, "every_n_steps")),
-        )
 
     @property
     def exhausted(self) -> bool:

@@ -16,8 +16,6 @@ make one ``info`` per fit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
@@ -63,12 +61,6 @@ class EvalModeRule(Rule):
     def __init__(self) -> None:
         super().__init__()
         self.checks = 0
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> EvalModeRule:
-        """The rule (it has no thresholds; see :meth:`Rule.from_settings`)."""
-        del thresholds
-        return cls()
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one check (``{module name: kind}`` of the modules in eval mode); return the alerts raised."""

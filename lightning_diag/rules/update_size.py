@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import FRACTION, POSITIVE, CheckSpec, RuleSpec, default, register
@@ -94,6 +94,7 @@ class UpdateSizeRule(Rule):
     """
 
     specs = (UPDATE_TOO_SMALL_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {"patience": GRAD_PATIENCE_SETTING.key}
     state_keys = ("streak", "moved", "streak_start", "trend")
     needs = frozenset({Measure.UPDATE_RATIOS})
     optional = frozenset({Measure.LOSS})
@@ -116,15 +117,6 @@ class UpdateSizeRule(Rule):
         self.trend: list[float] = []
         #: The median ratio at the first measurement of the current streak.
         self.streak_start: float | None = None
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> UpdateSizeRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(
-            UPDATE_TOO_SMALL_SPEC.value(thresholds),
-            UPDATE_TOO_SMALL_SPEC.value(thresholds, "loss_fall"),
-            int(GRAD_PATIENCE_SETTING.value(thresholds)),
-        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before the loss trend starts it empty."""

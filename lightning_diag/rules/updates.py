@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, FRACTION, STEPS, CheckSpec, Limit, RuleSpec, default, register
@@ -174,6 +174,7 @@ class UpdateRule(Rule):
     """
 
     specs = (UPDATE_NONE_SPEC, UPDATE_STALE_SPEC)
+    setting_keys: ClassVar[Mapping[str, str]] = {"stale_fraction": UPDATE_STALE}
     state_keys = ("streaks",)
     needs = frozenset({Measure.LAYER_UPDATES})
     optional = frozenset({Measure.LOSS})
@@ -193,16 +194,6 @@ class UpdateRule(Rule):
         self.streaks: dict[str, int] = {}
         #: The first and latest ``patience`` training losses (``update_stale`` below ``certain`` needs them flat).
         self.losses = LossWindows(patience)
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> UpdateRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(
-            UPDATE_STALE_SPEC.value(thresholds),
-            int(UPDATE_NONE_SPEC.value(thresholds, "patience")),
-            UPDATE_STALE_SPEC.value(thresholds, "certain"),
-            UPDATE_STALE_SPEC.value(thresholds, "loss_fall"),
-        )
 
     def state_dict(self) -> dict[str, Any]:
         """The declared state, the latch and the loss windows."""
@@ -322,12 +313,6 @@ class GradNotZeroedRule(Rule):
     def __init__(self) -> None:
         super().__init__()
         self.checks = 0
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradNotZeroedRule:
-        """The rule (it has no thresholds; see :meth:`Rule.from_settings`)."""
-        del thresholds
-        return cls()
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one check (the layers whose gradients were not zeroed, empty: all were; ``optimizers``: the names
