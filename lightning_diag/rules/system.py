@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -333,14 +333,6 @@ class DataloaderBoundRule(Rule):
         self.min_wait_s = min_wait_s
         self.streak = 0
 
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> DataloaderBoundRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        spec = DATALOADER_BOUND_SPEC
-        return cls(
-            spec.value(thresholds), int(spec.value(thresholds, "patience")), spec.value(thresholds, "min_wait_s")
-        )
-
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one interval, ``m.loader_wait``: ``wait_s`` and ``step_s`` (without the diagnostics' own time)
         summed over its ``steps`` optimizer steps."""
@@ -386,12 +378,6 @@ class StepPeriodicRule(Rule):
         self.slow_ratio = slow_ratio
         self.last = Periodicity(0)
         self._pressure: float | None = None  # the CPU pressure of the window being judged
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> StepPeriodicRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        spec = STEP_TIME_PERIODIC_SPEC
-        return cls(spec.value(thresholds), spec.value(thresholds, "slow_ratio"))
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge the window of step times (``m.step_times``), a window of GPU utilisation samples
@@ -519,14 +505,6 @@ class StepFluctuationRule(Rule):
         #: The fluctuation of the last window judged (``nan``: too short), for the logs; not checkpoint state.
         self.last_value = math.nan
 
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> StepFluctuationRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        spec = STEP_TIME_FLUCTUATION_SPEC
-        return cls(
-            spec.value(thresholds), int(spec.value(thresholds, "patience")), int(spec.value(thresholds, "block_steps"))
-        )
-
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge a window of step times already cleared of warm-up, validation and periodic steps
         (``m.compute_times``), an ``info`` when the window's CPU pressure (``m.cpu_pressure``) makes the machine
@@ -591,14 +569,6 @@ class MemoryGrowthRule(Rule):
         self.window = window
         self.rising_fraction = rising_fraction
         self.history: dict[str, list[float]] = {}
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> MemoryGrowthRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        spec = MEMORY_GROWTH_SPEC
-        return cls(
-            spec.value(thresholds), int(spec.value(thresholds, "window")), spec.value(thresholds, "rising_fraction")
-        )
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge the latest value of each series (``m.memory``: ``{"host_rss": bytes, ...}``)."""
