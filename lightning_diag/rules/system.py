@@ -28,8 +28,10 @@ Exact meaning:
   utilisation when NVML is present (source ``gpu_utilization``).
 * ``step_time_fluctuation``: the step times of the window (after ``warmup_steps``, without the step after a
   validation run, an epoch's first step, a step that saved a checkpoint and without the steps of a periodic
-  pattern) are cut into blocks of ``block_steps``; the relative median absolute deviation of the block medians
-  is above ``threshold`` on ``patience`` consecutive evaluations (at least :data:`MIN_BLOCKS` blocks).
+  pattern) are cut into blocks of ``block_steps``; the median change between consecutive block medians, over
+  ``sqrt(2)`` times their median (:func:`~lightning_diag.stats.timing.block_fluctuation`: a level that moves once
+  or drifts slowly is no fluctuation), is above ``threshold`` on ``patience`` consecutive evaluations (at least
+  :data:`MIN_BLOCKS` blocks).
 * Both step-time rules, on a machine where more tasks want to run than there are CPUs: when some runnable task
   waited for a CPU during more than :data:`CONTENDED_PRESSURE` of the window's wall time (Linux CPU pressure,
   ``/proc/pressure/cpu``; the busiest rank's under DDP), the step times measure the machine's load as much as the
@@ -116,8 +118,8 @@ STEP_TIME_PERIODIC_SPEC = register(RuleSpec(
 ))
 STEP_TIME_FLUCTUATION_SPEC = register(RuleSpec(
     "step_time_fluctuation", _SYSTEM, "warning", 0.15,
-    "step-time fluctuation (median absolute deviation / median of {block_steps:g}-step block medians) above "
-    "{threshold:.0%}",
+    "step-time fluctuation (median change between consecutive {block_steps:g}-step block medians / (sqrt 2 x their "
+    "median)) above {threshold:.0%}",
     settings={"patience": 3, "warmup_steps": 20, "block_steps": 10}, check="deploy_latency_fluctuation",
     source="seed 000 §7.1",
     limits={"threshold": POSITIVE, "patience": COUNT, "warmup_steps": STEPS, "block_steps": COUNT},
@@ -158,7 +160,7 @@ DEFAULT_STEP_TIME_PERIODIC_THRESHOLD = _default(STEP_TIME_PERIODIC)
 DEFAULT_STEP_TIME_PERIODIC_SLOW_RATIO = _default(STEP_TIME_PERIODIC, "slow_ratio")
 #: Optimizer steps of step times the periodic and fluctuation tests look at.
 DEFAULT_STEP_TIME_WINDOW = int(_default(STEP_TIME_PERIODIC, "window"))
-#: ``step_time_fluctuation``: relative median absolute deviation above this (seed 000 §7.1: 15%).
+#: ``step_time_fluctuation``: block-to-block fluctuation above this (seed 000 §7.1: 15%).
 DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD = _default(STEP_TIME_FLUCTUATION)
 #: ``step_time_fluctuation``: consecutive evaluations it must hold.
 DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE = int(_default(STEP_TIME_FLUCTUATION, "patience"))
@@ -483,7 +485,7 @@ class StepPeriodicRule(Rule):
 
 
 class StepFluctuationRule(Rule):
-    """``step_time_fluctuation``: relative median absolute deviation of the step times above the threshold."""
+    """``step_time_fluctuation``: the block-to-block fluctuation of the step times above the threshold."""
 
     specs = (STEP_TIME_FLUCTUATION_SPEC,)
     state_keys = ("streak",)
@@ -527,9 +529,9 @@ class StepFluctuationRule(Rule):
         if not (fired or fired_busy):
             return []
         message = (
-            f"step time fluctuates by {value:.0%} (median absolute deviation / median of the medians of"
-            f" {self.block_steps}-step blocks over the last {len(times)} steps, warm-up, validation and periodic"
-            f" steps left out) on {self.streak} consecutive checks, above {self.threshold:.0%}"
+            f"step time fluctuates by {value:.0%} (median change between consecutive medians of"
+            f" {self.block_steps}-step blocks / (sqrt 2 x their median) over the last {len(times)} steps, warm-up,"
+            f" validation and periodic steps left out) on {self.streak} consecutive checks, above {self.threshold:.0%}"
         )
         if busy:
             assert pressure is not None  # contended

@@ -1,4 +1,5 @@
-"""Pure maths on step-time and memory series: robust fluctuation, periodic slow steps, monotone growth.
+"""Pure maths on step-time and memory series: robust spread, block-to-block fluctuation, periodic slow steps,
+monotone growth.
 
 Everything here takes plain sequences of floats (seconds, bytes, percent) and returns floats; nothing imports
 Lightning or torch, so the functions are tested against brute force on synthetic series.
@@ -44,21 +45,35 @@ def relative_mad(values: Series) -> float:
 
 
 def block_fluctuation(values: Series, block: int) -> float:
-    """:func:`relative_mad` of the medians of consecutive blocks of ``block`` values (a partial last block is
-    dropped; ``nan`` with fewer than 3 blocks).
+    """How much the medians of consecutive blocks of ``block`` values change from one block to the next: the
+    median of their absolute successive differences over ``sqrt(2)`` times their median (a partial last block
+    is dropped; ``nan`` with fewer than 3 blocks).
 
     A block median ignores the jitter of single steps (a preempted step, a batch of a longer sequence) and
-    follows sustained changes of the step time, which is what a training run's latency fluctuation is.
+    follows sustained changes of the step time. Judging the change between *neighbouring* blocks (the median
+    successive difference, as von Neumann's successive-difference estimator of a spread) measures how the step
+    time goes up and down, which is what a fluctuation is: a level that moves once (a batch-size ramp, layers
+    unfrozen, another job starting on the machine) or drifts slowly changes few neighbouring pairs, and leaves
+    it where the noise puts it. ``sqrt(2)`` puts independent block-to-block noise on the scale of
+    :func:`relative_mad` (the difference of two independent values spreads ``sqrt(2)`` times more than one).
 
     Example:
-        >>> block_fluctuation([1.0, 9.0] * 10 + [1.0] * 10, block=10)  # one slow step in two is steady
+        >>> block_fluctuation([1.0, 9.0] * 15, block=10)  # one slow step in two is steady
         0.0
+        >>> block_fluctuation([1.0] * 30 + [2.0] * 30, block=10)  # one level shift: no fluctuation
+        0.0
+        >>> round(block_fluctuation([1.0] * 10 + [2.0] * 10 + [1.0] * 10 + [2.0] * 10, block=10), 3)  # up, down, up
+        0.471
     """
     x = np.asarray(values, dtype=float)
     blocks = x.size // block
     if blocks < 3:
         return float("nan")
-    return relative_mad(np.median(x[: blocks * block].reshape(blocks, block), axis=1))
+    medians = np.median(x[: blocks * block].reshape(blocks, block), axis=1)
+    level = float(np.median(medians))
+    if not (level > 0 and np.all(np.isfinite(medians))):
+        return float("nan")
+    return float(np.median(np.abs(np.diff(medians))) / (np.sqrt(2.0) * level))
 
 
 def slow_mask(values: Series, slow_ratio: float, mad_factor: float = 5.0) -> np.ndarray:

@@ -140,7 +140,15 @@ def test_fluctuation_needs_patience_and_ignores_step_jitter():
     drifting = np.repeat([0.01, 0.02] * 5, 10)
     results = [rule.judge(CTX, Measures(compute_times=drifting)) for _ in range(3)]
     assert [len(a) for a in results] == [0, 0, 1]
-    assert rule.last_value == pytest.approx(1 / 3) and results[-1][0].threshold == 0.15
+    # every block moves by 0.01 s around a median of 0.015 s
+    assert rule.last_value == pytest.approx(0.01 / (np.sqrt(2) * 0.015)) and results[-1][0].threshold == 0.15
+
+
+def test_a_step_time_that_changes_level_once_is_no_fluctuation():
+    rule = StepFluctuationRule()
+    ramped = np.repeat([0.01] * 10 + [0.02] * 10, 10)  # the batch size doubled half-way through the window
+    assert [rule.judge(CTX, Measures(compute_times=ramped)) for _ in range(5)] == [[]] * 5
+    assert rule.last_value == 0.0
 
 
 def test_memory_growth_fires_on_a_leak_not_on_a_plateau():

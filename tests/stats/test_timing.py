@@ -46,8 +46,29 @@ def test_relative_mad_and_block_fluctuation_against_brute_force():
     steady = np.tile([0.01, 0.03], 50)  # alternating steps: the blocks are identical
     assert block_fluctuation(steady, 10) == 0.0
     drifting = np.repeat([0.01, 0.02, 0.01, 0.02, 0.01, 0.02], 10)
-    assert block_fluctuation(drifting, 10) == pytest.approx(1 / 3)
+    assert block_fluctuation(drifting, 10) == pytest.approx(0.01 / (np.sqrt(2) * 0.015))
     assert np.isnan(block_fluctuation([1.0] * 20, 10))
+    rng = np.random.default_rng(0)
+    medians = 1.0 + rng.random(9)
+    blocks = np.repeat(medians, 10)
+    brute = np.median(np.abs(np.diff(medians))) / (np.sqrt(2) * np.median(medians))
+    assert block_fluctuation(blocks, 10) == pytest.approx(brute)
+
+
+def test_block_fluctuation_ignores_level_shifts_and_slow_drift_but_not_ups_and_downs():
+    shift = np.repeat([1.0] * 10 + [1.5] * 10, 10)  # one 50% step up (a batch-size ramp, layers unfrozen)
+    assert block_fluctuation(shift, 10) == 0.0
+    ramp = np.repeat(np.linspace(1.0, 2.0, 20), 10)  # the step time doubling slowly over the window
+    assert block_fluctuation(ramp, 10) < 0.05
+    bouncing = np.repeat([1.0, 1.5] * 10, 10)  # the same two levels, alternating block by block
+    assert block_fluctuation(bouncing, 10) > 0.25
+
+
+def test_block_fluctuation_of_independent_block_noise_is_on_the_relative_mad_scale():
+    rng = np.random.default_rng(1)
+    medians = 1.0 + 0.1 * rng.standard_normal(20_000)
+    x = np.repeat(medians, 3)
+    assert block_fluctuation(x, 3) == pytest.approx(relative_mad(medians), rel=0.05)
 
 
 def test_growth_of_a_leak_and_of_a_cache_that_fills_once():
