@@ -32,12 +32,14 @@ Exact meaning:
   ``sqrt(2)`` times their median (:func:`~lightning_diag.stats.timing.block_fluctuation`: a level that moves once
   or drifts slowly is no fluctuation), is above ``threshold`` on ``patience`` consecutive evaluations (at least
   :data:`MIN_BLOCKS` blocks).
-* Both step-time rules, on a machine where more tasks want to run than there are CPUs: when some runnable task
-  waited for a CPU during more than :data:`CONTENDED_PRESSURE` of the window's wall time (Linux CPU pressure,
-  ``/proc/pressure/cpu``; the busiest rank's under DDP), the step times measure the machine's load as much as the
-  run, so the alert is an ``info`` naming that pressure (source ``step_time_contended``) instead of a warning. A
-  condition that persists once the machine is no longer contended is then a warning (source ``step_time``). Where
-  the system keeps no CPU pressure (another OS, an older kernel) the rules judge as they would on a free machine.
+* The three wall-clock rules, on a machine where more tasks want to run than there are CPUs: when some runnable
+  task waited for a CPU during more than :data:`CONTENDED_PRESSURE` of the wall time judged (Linux CPU pressure,
+  ``/proc/pressure/cpu``; the busiest rank's under DDP; the step-time window's mean for the step-time rules, the
+  interval's for ``dataloader_bound``), the timings measure the machine's load as much as the run, so the alert is
+  an ``info`` naming that pressure (source ``step_time_contended``, ``dataloader_contended``) instead of a
+  warning. A condition that persists once the machine is no longer contended is then a warning of its own (source
+  ``step_time``, ``dataloader``). Where the system keeps no CPU pressure (another OS, an older kernel) the rules
+  judge as they would on a free machine.
 * ``memory_growth``: a memory series (host RSS, CUDA allocated) that grew by more than ``threshold`` of its
   first value over the last ``window`` intervals (Theil–Sen slope), rising on at least ``rising_fraction`` of
   them.
@@ -207,7 +209,7 @@ def contended(pressure: float | None) -> bool:
 def _contention(pressure: float | None) -> str:
     return (
         f" while the machine was contended (some runnable task waited for a CPU {pressure:.0%} of the time:"
-        " other processes, or more dataloader workers than cores): the step times follow the machine's load;"
+        " other processes, or more dataloader workers than cores): the timings follow the machine's load;"
         " judged as a warning when the CPU pressure is below"
         f" {CONTENDED_PRESSURE:.0%}"
     )
@@ -321,6 +323,7 @@ class DataloaderBoundRule(Rule):
     specs = (DATALOADER_BOUND_SPEC,)
     state_keys = ("streak",)
     needs = frozenset({Measure.LOADER_WAIT})
+    optional = frozenset({Measure.CPU_PRESSURE})
 
     def __init__(
         self,
@@ -337,24 +340,40 @@ class DataloaderBoundRule(Rule):
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one interval, ``m.loader_wait``: ``wait_s`` and ``step_s`` (without the diagnostics' own time)
-        summed over its ``steps`` optimizer steps."""
+        summed over its ``steps`` optimizer steps; an ``info`` when the interval's CPU pressure (``m.cpu_pressure``)
+        makes the machine contended (a loader starved of CPU by other processes waits too)."""
         assert m.loader_wait is not None  # checked against `needs`
         wait_s, step_s, steps, source = m.loader_wait.wait_s, m.loader_wait.step_s, m.loader_wait.steps, "dataloader"
         if steps <= 0 or not (step_s > 0) or not math.isfinite(wait_s):
             return []
         share = wait_s / step_s
-        self.observe(min(excess(share, self.threshold), excess(wait_s / steps, self.min_wait_s)), 1.0)
+        busy = contended(m.cpu_pressure)
+        if not busy:
+            self.observe(min(excess(share, self.threshold), excess(wait_s / steps, self.min_wait_s)), 1.0)
         active = share > self.threshold and wait_s / steps > self.min_wait_s
         self.streak = self.streak + 1 if active else 0
-        if not self.latch.update(source, self.streak >= self.patience):
+        persists = self.streak >= self.patience
+        fired = self.latch.update(source, persists and not busy)
+        fired_busy = self.latch.update(f"{source}_contended", persists and busy)
+        if not (fired or fired_busy):
             return []
+        message = (
+            f"the training loop waits for data {share:.0%} of the step time ({_seconds(wait_s / steps)} per step)"
+            f" on {self.streak} consecutive intervals"
+        )
+        if busy:
+            assert m.cpu_pressure is not None  # contended
+            return [
+                self._alert(
+                    ctx, message + _contention(m.cpu_pressure), f"{source}_contended", share, self.threshold,
+                    severity=Severity.INFO,
+                )
+            ]
         return [
             self._alert(
                 ctx,
-                f"the training loop waits for data {share:.0%} of the step time ({_seconds(wait_s / steps)} per step)"
-                f" on {self.streak} consecutive intervals: raise the DataLoader's `num_workers`, set"
-                " `pin_memory=True` and `persistent_workers=True`, raise `prefetch_factor`, or move preprocessing"
-                " out of `__getitem__`",
+                message + ": raise the DataLoader's `num_workers`, set `pin_memory=True` and"
+                " `persistent_workers=True`, raise `prefetch_factor`, or move preprocessing out of `__getitem__`",
                 source,
                 share,
                 self.threshold,

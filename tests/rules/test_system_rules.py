@@ -236,3 +236,19 @@ def test_a_periodic_stall_on_a_contended_machine_is_an_info_and_its_margin_is_no
     assert rule.peaks == {}  # the warning's statistic was not in force
     (warning,) = rule.judge(CTX, Measures(step_times=StepTimes(t), cpu_pressure=0.01))
     assert (warning.severity, warning.source) == ("warning", "step_time")
+
+
+def test_waiting_for_data_on_a_contended_machine_is_an_info_then_a_warning_of_its_own():
+    rule = DataloaderBoundRule()
+
+    def judge(pressure):
+        return rule.judge(CTX, Measures(loader_wait=LoaderWait(5.0, 10.0, 10), cpu_pressure=pressure))
+
+    assert [judge(0.3), judge(0.3)] == [[], []]
+    (info,) = judge(0.3)
+    assert (info.severity, info.source) == ("info", "dataloader_contended")
+    assert "waited for a CPU 30% of the time" in info.message and "num_workers" not in info.message
+    assert rule.peaks == {}
+    (warning,) = judge(None)  # the waiting goes on without contention: the loader's own
+    assert (warning.severity, warning.source) == ("warning", "dataloader") and "num_workers" in warning.message
+    assert judge(0.0) == []  # once per fit

@@ -436,7 +436,10 @@ class SystemMonitor(DiagCallback):
         step_total = float(totals.sum())
         # the share of the training's time: the diagnostics' own (a heavy logging step) would dilute it
         wait = LoaderWait(merged["loader_wait"], merged["loader_step"], n)
-        alerts += self.dataloader_rule.judge(ctx, Measures(loader_wait=wait))
+        known = merged["cpu_pressure"] >= 0
+        alerts += self.dataloader_rule.judge(
+            ctx, Measures(loader_wait=wait, cpu_pressure=merged["cpu_pressure"] if known else None)
+        )
         times = StepTimes(
             [t for t, _, _, _ in self.step_window],
             run_times=[t for t, _, _ in self.run_window],
