@@ -1,7 +1,7 @@
 """AnomalyAlarm's ``zero_output`` check: modules whose output turned all-zero on a sampled training step.
 
 A thin adapter over :class:`~lightning_diag.instrument.output_watch.ZeroOutputWatch` (the measurement) and
-:class:`~lightning_diag.rules.runtime.ZeroOutputRule` (the judgment, declared on the owner by
+:class:`~lightning_diag.rules.zero_output.ZeroOutputRule` (the judgment, declared on the owner by
 :class:`~lightning_diag.callbacks.anomaly_alarm.runtime_checks.RuntimeChecks`).
 
 Cost: on a sampled step (the owner's logging interval, the first micro-batch of the optimizer step) a forward hook on
@@ -22,7 +22,7 @@ import torch
 from lightning_diag.instrument.output_watch import ZeroOutputWatch
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures, ZeroOutputs
-from lightning_diag.rules.runtime import ZERO_OUTPUT, ZeroOutputRule
+from lightning_diag.rules.zero_output import ZERO_OUTPUT, ZeroOutputRule
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.callbacks.common.base import DiagCallback
