@@ -96,7 +96,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_module_and_function_level_imports():
     graph = _import_graph()
-    assert "lightning_diag.core.registry" in graph["lightning_diag.rules.grad"]
+    assert "lightning_diag.core.registry" in graph["lightning_diag.rules.grad_norm_band"]
     assert "lightning_diag.report.compare" in graph["lightning_diag.cli"]  # imported inside a function
     # imported in a method
     assert "lightning_diag.stats.error_clusters" in graph["lightning_diag.callbacks.error_analysis.analysis"]
@@ -265,7 +265,7 @@ def test_every_rule_id_and_setting_name_is_spelled_in_its_declaring_module_only(
 def test_the_spelling_check_finds_a_misspelling(tmp_path, monkeypatch):
     """The checker sees each form it looks for (a literal id, a key, a declaration's key, a nested mapping)."""
     source = (
-        "from lightning_diag.rules.anomaly import LOSS_SWING, LOSS_SWING_SPEC\n"
+        "from lightning_diag.rules.loss_swing import LOSS_SWING, LOSS_SWING_SPEC\n"
         "A = 'loss_swing'\nB = f'{p}/threshold/loss_swing$'\nC = 'grad.patience'\n"
         "D = LOSS_SWING_SPEC.key('patience')\nE = {LOSS_SWING: {'patience': 3}}\nF = {'grad': {'patience': 5}}\n"
         "G = f'{LOSS_SWING}.patience'\nH = fields(LOSS_SWING_SPEC)\nI = H['patience']\n"

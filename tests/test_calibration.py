@@ -196,7 +196,8 @@ def test_rules_note_their_statistic_against_their_threshold() -> None:
     """The margin's source: a rule's ``peaks`` hold its statistic's largest excess (``Rule.observe``), 1.0 at the
     threshold, whether or not it alerted."""
     from lightning_diag.rules.base import StepContext
-    from lightning_diag.rules.grad import GradBandRule, GradCollapseRule
+    from lightning_diag.rules.grad_collapse import GradCollapseRule
+    from lightning_diag.rules.grad_norm_band import GradBandRule
     from lightning_diag.rules.measures import Measures
     from lightning_diag.rules.system import MemoryGrowthRule
 

@@ -5,7 +5,7 @@ The :class:`AlertLog` appends each alert as one JSON object per line to ``<log_d
 (flushed at once, so a killed run leaves only whole lines), logs it through the ``lightning_diag`` logger and
 hands it to TensorBoard as text under ``diag/alerts``.
 
-The rule ids live with their declarations in ``lightning_diag.rules`` (``LOSS_SWING`` in ``rules/anomaly.py``);
+The rule ids live with their declarations in ``lightning_diag.rules`` (``LOSS_SWING`` in ``rules/loss_swing.py``);
 :data:`lightning_diag.rules.catalog.ALL_RULES` lists them all.
 
 Example:

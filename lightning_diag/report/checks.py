@@ -65,7 +65,7 @@ from lightning_diag.report.rows import (
 )
 from lightning_diag.report.text import clean, display
 from lightning_diag.rules.catalog import ALL_RULES, AMP_NOT_APPLIED, LOSS_OUTLIER
-from lightning_diag.rules.runtime import LOSS_OUTLIER_WINDOW_KEY, loss_outlier_min_history
+from lightning_diag.rules.loss_outlier import LOSS_OUTLIER_WINDOW_KEY, loss_outlier_min_history
 
 __all__ = [
     "MEASURES",

@@ -37,12 +37,6 @@ from lightning_diag.report.rows import (
     run_threshold,
     serious_alerts,
 )
-from lightning_diag.rules.anomaly import (
-    LOSS_SWING_PATIENCE_KEY,
-    VAL_DECLINE_HIGHER_IS_BETTER_KEY,
-    VAL_DECLINE_MIN_DELTA_KEY,
-    VAL_FLUCTUATION_WINDOW_KEY,
-)
 from lightning_diag.rules.catalog import (
     ATTN_ENTROPY_HIGH,
     ATTN_ENTROPY_LOW,
@@ -57,7 +51,11 @@ from lightning_diag.rules.catalog import (
     VAL_DECLINE,
     VAL_FLUCTUATION,
 )
-from lightning_diag.rules.grad import GRAD_COLLAPSE_BASELINE_KEY, role_of
+from lightning_diag.rules.grad_collapse import GRAD_COLLAPSE_BASELINE_KEY
+from lightning_diag.rules.layer_roles import role_of
+from lightning_diag.rules.loss_swing import LOSS_SWING_PATIENCE_KEY
+from lightning_diag.rules.val_decline import VAL_DECLINE_HIGHER_IS_BETTER_KEY, VAL_DECLINE_MIN_DELTA_KEY
+from lightning_diag.rules.val_fluctuation import VAL_FLUCTUATION_WINDOW_KEY
 
 __all__: list[str] = []
 

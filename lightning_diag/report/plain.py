@@ -40,13 +40,6 @@ from lightning_diag.report.load import RunData, Series
 from lightning_diag.report.rows import CHECKLIST_LAYERS, fmt
 from lightning_diag.report.tag_map import ROLES, auto_map
 from lightning_diag.report.text import clean
-from lightning_diag.rules.anomaly import (
-    STAGNANT_BASELINE_STEPS_KEY,
-    LossStagnantRule,
-    LossSwingRule,
-    ValDeclineRule,
-    ValFluctuationRule,
-)
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.catalog import (
     ALL_RULES,
@@ -58,9 +51,13 @@ from lightning_diag.rules.catalog import (
     VAL_DECLINE,
     VAL_FLUCTUATION,
 )
+from lightning_diag.rules.loss_outlier import LossOutlierRule
+from lightning_diag.rules.loss_stagnant import STAGNANT_BASELINE_STEPS_KEY, LossStagnantRule
+from lightning_diag.rules.loss_swing import LossSwingRule
 from lightning_diag.rules.measures import LossWindow, Measures, StepLosses, Validation
 from lightning_diag.rules.nonfinite import NonFinitePolicy, StepFindings
-from lightning_diag.rules.runtime import LossOutlierRule
+from lightning_diag.rules.val_decline import ValDeclineRule
+from lightning_diag.rules.val_fluctuation import ValFluctuationRule
 
 __all__ = ["PLAIN_SOURCE", "WINDOW_POINTS", "diagnose_plain", "map_plain_run", "step_noise"]
 

@@ -24,12 +24,6 @@ from lightning_diag.core.tags import (
     prefix,
 )
 from lightning_diag.report.load import RunData, Series
-from lightning_diag.rules.anomaly import (
-    STAGNANT_BASELINE_STEPS_KEY,
-    VAL_DECLINE_HIGHER_IS_BETTER_KEY,
-    LossSwingRule,
-    ValDeclineRule,
-)
 from lightning_diag.rules.attention_entropy import AttentionEntropyRule
 from lightning_diag.rules.attention_specs import LayerStats
 from lightning_diag.rules.base import StepContext
@@ -39,8 +33,14 @@ from lightning_diag.rules.catalog import (
     LOSS_SWING,
     VAL_DECLINE,
 )
-from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule, role_of
+from lightning_diag.rules.grad_collapse import GradCollapseRule
+from lightning_diag.rules.grad_layer_spread import GradSpreadRule
+from lightning_diag.rules.grad_norm_band import GradBandRule
+from lightning_diag.rules.layer_roles import role_of
+from lightning_diag.rules.loss_stagnant import STAGNANT_BASELINE_STEPS_KEY
+from lightning_diag.rules.loss_swing import LossSwingRule
 from lightning_diag.rules.measures import LossWindow, Measures, Validation
+from lightning_diag.rules.val_decline import VAL_DECLINE_HIGHER_IS_BETTER_KEY, ValDeclineRule
 
 __all__ = ["REPLAYS", "Replay", "layer_series", "per_layer_series", "replay", "run_setting", "values_by_step"]
 

@@ -14,10 +14,10 @@ _LAZY: dict[str, str] = {
     "StepContext": "lightning_diag.rules.base",
     "Measure": "lightning_diag.rules.measures",
     "Measures": "lightning_diag.rules.measures",
-    "LossStagnantRule": "lightning_diag.rules.anomaly",
-    "LossSwingRule": "lightning_diag.rules.anomaly",
-    "ValDeclineRule": "lightning_diag.rules.anomaly",
-    "ValFluctuationRule": "lightning_diag.rules.anomaly",
+    "LossStagnantRule": "lightning_diag.rules.loss_stagnant",
+    "LossSwingRule": "lightning_diag.rules.loss_swing",
+    "ValDeclineRule": "lightning_diag.rules.val_decline",
+    "ValFluctuationRule": "lightning_diag.rules.val_fluctuation",
 }
 
 __all__ = [
@@ -33,9 +33,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_diag.rules.anomaly import LossStagnantRule, LossSwingRule, ValDeclineRule, ValFluctuationRule
     from lightning_diag.rules.base import Latch, Rule, StepContext
+    from lightning_diag.rules.loss_stagnant import LossStagnantRule
+    from lightning_diag.rules.loss_swing import LossSwingRule
     from lightning_diag.rules.measures import Measure, Measures
+    from lightning_diag.rules.val_decline import ValDeclineRule
+    from lightning_diag.rules.val_fluctuation import ValFluctuationRule
 
 
 def __getattr__(name: str) -> Any:

@@ -28,15 +28,7 @@ from lightning_diag.rules.activations import (
     DEAD_UNITS,
     UNITS_ALIVE_CHECK,
 )
-from lightning_diag.rules.anomaly import (
-    LOSS_STAGNANT,
-    LOSS_SWING,
-    LOSS_SWING_CHECK,
-    VAL_DECLINE,
-    VAL_DECLINE_CHECK,
-    VAL_FLUCTUATION,
-    VAL_FLUCTUATION_CHECK,
-)
+from lightning_diag.rules.amp_not_applied import AMP_NOT_APPLIED
 from lightning_diag.rules.attention_logits import ATTN_LOGIT_GROWTH, ATTN_LOGITS_CHECK
 from lightning_diag.rules.attention_specs import (
     ATTN_ENTROPY_BAND_CHECK,
@@ -57,30 +49,21 @@ from lightning_diag.rules.data import (
 )
 from lightning_diag.rules.data_sequences import LOSS_ON_PADDING, POSITION_OVERFLOW
 from lightning_diag.rules.errors import ERROR_CLUSTER, ERROR_CONCENTRATION_CHECK
-from lightning_diag.rules.grad import (
-    GRAD_COLLAPSE,
-    GRAD_COLLAPSE_CHECK,
-    GRAD_EXPLODE,
-    GRAD_LAYER_SPREAD,
-    GRAD_NORM_BAND_CHECK,
-    GRAD_SPREAD_CHECK,
-    GRAD_VANISH,
-)
+from lightning_diag.rules.eval_before_training import EVAL_BEFORE_TRAINING
+from lightning_diag.rules.eval_randomness import EVAL_RANDOMNESS
+from lightning_diag.rules.grad_collapse import GRAD_COLLAPSE, GRAD_COLLAPSE_CHECK
 from lightning_diag.rules.grad_frozen import GRAD_FROZEN
+from lightning_diag.rules.grad_layer_spread import GRAD_LAYER_SPREAD, GRAD_SPREAD_CHECK
+from lightning_diag.rules.grad_norm_band import GRAD_EXPLODE, GRAD_NORM_BAND_CHECK, GRAD_VANISH
+from lightning_diag.rules.loss_outlier import LOSS_OUTLIER
+from lightning_diag.rules.loss_stagnant import LOSS_STAGNANT
+from lightning_diag.rules.loss_swing import LOSS_SWING, LOSS_SWING_CHECK
 from lightning_diag.rules.nonfinite import NONFINITE_GRAD, NONFINITE_LOSS
 from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OUTPUTS_VARY_CHECK
 from lightning_diag.rules.probes import LOSS_SURFACE_CHECK, QUANTIZATION_CHECK, QUANTIZATION_ERROR, SHARP_MINIMUM
 from lightning_diag.rules.replicas import DDP_DESYNC, REPLICAS_AGREE_CHECK
 from lightning_diag.rules.robustness import ROBUSTNESS_CHECK, ROBUSTNESS_DROP
 from lightning_diag.rules.rollback import NONFINITE_ROLLBACK
-from lightning_diag.rules.runtime import (
-    AMP_NOT_APPLIED,
-    EVAL_BEFORE_TRAINING,
-    EVAL_RANDOMNESS,
-    LOSS_OUTLIER,
-    TRAIN_OVERRIDE_BYPASSED,
-    ZERO_OUTPUT,
-)
 from lightning_diag.rules.system import (
     DATALOADER_BOUND,
     LATENCY_FLUCTUATION_CHECK,
@@ -89,8 +72,12 @@ from lightning_diag.rules.system import (
     STEP_TIME_PERIODIC,
 )
 from lightning_diag.rules.train_mode import EVAL_MODE_IN_TRAINING
+from lightning_diag.rules.train_override_bypassed import TRAIN_OVERRIDE_BYPASSED
 from lightning_diag.rules.update_size import UPDATE_SIZE_CHECK, UPDATE_TOO_SMALL
 from lightning_diag.rules.updates import GRAD_NOT_ZEROED, UPDATE_NONE, UPDATE_STALE, UPDATES_APPLIED_CHECK
+from lightning_diag.rules.val_decline import VAL_DECLINE, VAL_DECLINE_CHECK
+from lightning_diag.rules.val_fluctuation import VAL_FLUCTUATION, VAL_FLUCTUATION_CHECK
+from lightning_diag.rules.zero_output import ZERO_OUTPUT
 
 __all__ = [
     "ACTIVATION_SATURATION",

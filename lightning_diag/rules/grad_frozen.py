@@ -1,6 +1,5 @@
 """``grad_frozen`` (framework-free): parameters that cannot learn while the rest of the model trains.
 
-Re-exported by :mod:`lightning_diag.rules.grad` with the other gradient-flow rules.
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ GRAD_FROZEN_SPEC = register(
 )
 GRAD_FROZEN = GRAD_FROZEN_SPEC.rule_id
 #: ``grad.patience``: consecutive measurements a gradient condition must hold before it alerts, shared by every
-#: gradient-flow rule (declared here, the first gradient module to load; :mod:`lightning_diag.rules.grad`
-#: re-exports it as ``DEFAULT_GRAD_PATIENCE``).
+#: gradient-flow rule (declared here, the first gradient module to load;
+#: :mod:`lightning_diag.rules.grad_settings` reads its default as ``DEFAULT_GRAD_PATIENCE``).
 GRAD_PATIENCE_SETTING = register_setting(SettingSpec("grad.patience", GRADIENT_FLOW, 3, limit=COUNT))
 _PATIENCE = int(GRAD_PATIENCE_SETTING.default)
 

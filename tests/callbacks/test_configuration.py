@@ -244,7 +244,7 @@ def test_a_value_set_reaches_the_rule_and_the_thresholds():
 
 
 def test_run_time_checks_and_trend_evidence_are_set_like_every_rule():
-    """AnomalyAlarm's run-time rules (rules/runtime.py) and the trend rules' evidence settings reach their rules."""
+    """AnomalyAlarm's run-time rules (one module each) and the trend rules' evidence settings reach their rules."""
     alarm = AnomalyAlarm(
         rules={"loss_outlier": {"threshold": 8, "ratio": 3.0, "window": 16}, "amp_not_applied": {"threshold": 0.25},
                "loss_stagnant": {"min_steps": 200, "alpha": 0.01, "min_trend": 0.05},

@@ -15,8 +15,8 @@ import torch
 from lightning_diag import AnomalyAlarm
 from lightning_diag.demo import build_fault
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.loss_outlier import LossOutlierRule, outlier_excess
 from lightning_diag.rules.measures import Measures, StepLosses
-from lightning_diag.rules.runtime import LossOutlierRule, outlier_excess
 from tests.callbacks.tiny import FAST
 
 

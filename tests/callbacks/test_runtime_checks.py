@@ -18,8 +18,8 @@ from lightning_diag.instrument.runtime_probes import (
     train_override_effects,
     unconverged_spectral_norms,
 )
+from lightning_diag.rules.loss_outlier import LossOutlierRule, loss_outliers
 from lightning_diag.rules.measures import Measures, StepLosses
-from lightning_diag.rules.runtime import LossOutlierRule, loss_outliers
 
 FAST = {
     "accelerator": "cpu",

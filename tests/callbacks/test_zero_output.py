@@ -15,7 +15,7 @@ from lightning_diag.demo import build_fault, run_demo
 from lightning_diag.instrument.output_watch import ZeroOutputWatch
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures, ZeroOutputs
-from lightning_diag.rules.runtime import ZeroOutputRule
+from lightning_diag.rules.zero_output import ZeroOutputRule
 from tests import launch
 
 FAST = {

@@ -1,8 +1,10 @@
 import pytest
 
 from lightning_diag.rules.base import StepContext, name_layers
-from lightning_diag.rules.grad import GradBandRule, GradCollapseRule, GradSpreadRule, sgd_step_scale
+from lightning_diag.rules.grad_collapse import GradCollapseRule
 from lightning_diag.rules.grad_frozen import GradFrozenRule
+from lightning_diag.rules.grad_layer_spread import GradSpreadRule
+from lightning_diag.rules.grad_norm_band import GradBandRule, sgd_step_scale
 from lightning_diag.rules.measures import Measures, WeightNorms
 
 

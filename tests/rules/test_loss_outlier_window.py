@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-import lightning_diag.rules.runtime as runtime
+import lightning_diag.rules.loss_outlier as loss_outlier
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.loss_outlier import LossOutlierRule, judge_losses, outlier_excess
 from lightning_diag.rules.measures import Measures, StepLosses
-from lightning_diag.rules.runtime import LossOutlierRule, judge_losses, outlier_excess
 
 
 def reference_judge_losses(history, new, threshold, ratio, window, floor=None, before=(), after=(), span=1):
@@ -83,7 +83,7 @@ def test_judge_losses_equals_sorting_afresh(kind, window, span, floor):
 def test_window_statistics_follow_the_losses():
     """After every insertion and removal, the sorted lists are those of the losses in the window."""
     rng = random.Random(0)
-    window = runtime._LossWindow([0.5, 0.4, 0.6])
+    window = loss_outlier._LossWindow([0.5, 0.4, 0.6])
     for v in _losses(rng, 300, "zeros"):
         window.append(v)
         if len(window) > 16:
@@ -112,7 +112,7 @@ def test_rule_alerts_and_margins_unchanged(monkeypatch):
         return [(a.rule, a.global_step, a.value, a.message) for a in alerts], rule.peaks, rule.outliers
 
     got = run()
-    monkeypatch.setattr(runtime, "judge_losses", reference_judge_losses)
+    monkeypatch.setattr(loss_outlier, "judge_losses", reference_judge_losses)
     want = run()
     assert got == want
     assert got[0], "the losses hold isolated spikes: some alert"

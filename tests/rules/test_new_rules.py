@@ -5,8 +5,8 @@ import math
 import pytest
 
 from lightning_diag.rules import LossStagnantRule, StepContext
-from lightning_diag.rules.anomaly import DEFAULT_STAGNANT_PATIENCE, DEFAULT_STAGNANT_THRESHOLD
 from lightning_diag.rules.grad_frozen import GradFrozenRule
+from lightning_diag.rules.loss_stagnant import DEFAULT_STAGNANT_PATIENCE, DEFAULT_STAGNANT_THRESHOLD
 from lightning_diag.rules.measures import LossWindow, Measures
 
 

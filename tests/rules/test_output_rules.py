@@ -10,7 +10,7 @@ from lightning_diag.rules.attention_logits import ATTN_LOGIT_GROWTH, AttentionLo
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures, OutputSpread, ZeroOutputs
 from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OutputCollapseRule, relative_spread
-from lightning_diag.rules.runtime import ZeroOutputRule
+from lightning_diag.rules.zero_output import ZeroOutputRule
 
 
 def _ctx(step):

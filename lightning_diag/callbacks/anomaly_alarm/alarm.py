@@ -4,7 +4,8 @@ A thin adapter over three helpers it owns: the non-finite decisions are
 :class:`~lightning_diag.rules.nonfinite.NonFinitePolicy` (pure), found and carried out by
 :class:`~lightning_diag.callbacks.anomaly_alarm.nonfinite_guard.NonFiniteGuard`; localisation and rollback are
 :class:`~.nonfinite_recovery.NonFiniteRecovery`; the training-loss periods and the trend
-rules of :mod:`lightning_diag.rules.anomaly` are :class:`~lightning_diag.callbacks.anomaly_alarm.loss_trend.LossTrend`.
+rules (``rules/loss_swing.py``, ``loss_stagnant.py``, ``val_decline.py``, ``val_fluctuation.py``) are
+:class:`~lightning_diag.callbacks.anomaly_alarm.loss_trend.LossTrend`.
 """
 
 from __future__ import annotations
@@ -35,16 +36,9 @@ from lightning_diag.core.alerts import NonFiniteAction
 from lightning_diag.core.registry import RuleSpec
 from lightning_diag.core.tags import loss_tag
 from lightning_diag.core.validation import check_choice
-from lightning_diag.rules.anomaly import (
-    LOSS_SWING_WINDOW_STEPS_KEY,
-    VAL_DECLINE_HIGHER_IS_BETTER_KEY,
-    VAL_FLUCTUATION,
-    LossStagnantRule,
-    LossSwingRule,
-    ValDeclineRule,
-    ValFluctuationRule,
-)
 from lightning_diag.rules.catalog import NONFINITE_ROLLBACK, VAL_DECLINE
+from lightning_diag.rules.loss_stagnant import LossStagnantRule
+from lightning_diag.rules.loss_swing import LOSS_SWING_WINDOW_STEPS_KEY, LossSwingRule
 from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
     DEFAULT_MAX_SKIPS,
@@ -54,6 +48,8 @@ from lightning_diag.rules.nonfinite import (
 )
 from lightning_diag.rules.replicas import DDP_DESYNC, DESYNC_EVERY_N_STEPS_KEY
 from lightning_diag.rules.rollback import NONFINITE_ROLLBACK_SPEC, RollbackRule
+from lightning_diag.rules.val_decline import VAL_DECLINE_HIGHER_IS_BETTER_KEY, ValDeclineRule
+from lightning_diag.rules.val_fluctuation import VAL_FLUCTUATION, ValFluctuationRule
 from lightning_diag.stats.loss_sums import LossSums
 
 __all__ = [
@@ -101,7 +97,7 @@ class AnomalyAlarm(QuietLossKeeping):
       trainable parameters) or a BatchNorm whose parameters train is in eval mode during training (a host read of
       the modules' flags). A BatchNorm with frozen parameters in eval mode is one ``info``.
     * ``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``, ``loss_outlier``,
-      ``eval_before_training`` (warning): the run-time checks of the set-up (:mod:`lightning_diag.rules.runtime`,
+      ``eval_before_training`` (warning): the run-time checks of the set-up (one module each in ``rules/``,
       measured by :class:`~.runtime_checks.RuntimeChecks`); ``amp_not_applied.threshold``,
       ``loss_outlier.threshold``, ``loss_outlier.ratio`` and ``loss_outlier.window`` are set with ``rules=``.
     * ``zero_output`` (warning): a module whose outputs had both signs returns all zeros on a sampled step (a copy

@@ -3,10 +3,10 @@
 :class:`LossTrend` keeps the training-loss sums of the open periods (the epoch, the step window, the run since
 the last validation, the initial batches) on the device as :class:`~lightning_diag.stats.loss_sums.LossSums`,
 takes their means over all ranks when a period closes (:func:`~lightning_diag.callbacks.common.reduction.reduce_state`)
-and feeds them, with the monitored validation value, to the trend rules of :mod:`lightning_diag.rules.anomaly`
-(``loss_swing``, ``loss_stagnant``, ``val_decline``, ``val_fluctuation``). The alarm declares the rules and the
-sums (so their state follows its checkpoint), hands them to one :class:`LossTrend` per fit and calls it from its
-hooks; each call returns the alerts and scalars (:class:`TrendOutput`) for the alarm to send out, so nothing here
+and feeds them, with the monitored validation value, to the trend rules (``loss_swing``, ``loss_stagnant``,
+``val_decline``, ``val_fluctuation``: one module each in :mod:`lightning_diag.rules`). The alarm declares the rules
+and the sums (so their state follows its checkpoint), hands them to one :class:`LossTrend` per fit and calls it from
+its hooks; each call returns the alerts and scalars (:class:`TrendOutput`) for the alarm to send out, so nothing here
 reaches back into the alarm.
 """
 
@@ -26,18 +26,12 @@ from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import value_of
 from lightning_diag.core.tags import LossSeries, loss_tag, threshold_tag
-from lightning_diag.rules.anomaly import (
-    LOSS_SWING,
-    STAGNANT_BASELINE_STEPS_KEY,
-    VAL_DECLINE,
-    VAL_FLUCTUATION,
-    LossStagnantRule,
-    LossSwingRule,
-    ValDeclineRule,
-    ValFluctuationRule,
-)
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.loss_stagnant import STAGNANT_BASELINE_STEPS_KEY, LossStagnantRule
+from lightning_diag.rules.loss_swing import LOSS_SWING, LossSwingRule
 from lightning_diag.rules.measures import LossWindow, Measures, Validation
+from lightning_diag.rules.val_decline import VAL_DECLINE, ValDeclineRule
+from lightning_diag.rules.val_fluctuation import VAL_FLUCTUATION, ValFluctuationRule
 from lightning_diag.stats.loss_sums import LOSS_PERIODS, LossSums
 
 __all__ = ["LossTrend", "TrendOutput", "build_loss_sums", "check_swing_window", "mean_lr", "trend_unit"]

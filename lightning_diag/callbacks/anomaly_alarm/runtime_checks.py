@@ -1,7 +1,7 @@
 """AnomalyAlarm's checks of what the model does at run time: ``train()`` overrides Lightning bypasses, dropout in
 evaluation, mixed precision not applied, per-step loss outliers, and components evaluated before training.
 
-A thin adapter over :mod:`lightning_diag.rules.runtime` (the rules) and
+A thin adapter over the rules (one module each in :mod:`lightning_diag.rules`, named after the rule id) and
 :mod:`lightning_diag.instrument.runtime_probes` (the probes); the rules are declared on the owning callback
 (:meth:`~lightning_diag.callbacks.common.base.DiagCallback.add_rule`), so their state follows the declared path.
 
@@ -29,18 +29,15 @@ from lightning_diag.instrument.runtime_probes import (
     train_overriders,
     unconverged_spectral_norms,
 )
+from lightning_diag.rules.amp_not_applied import AmpRule
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.eval_before_training import EvalBeforeTrainingRule
+from lightning_diag.rules.eval_randomness import EvalRandomnessRule
+from lightning_diag.rules.loss_outlier import LossOutlierRule
 from lightning_diag.rules.measures import AmpLayers, Measures, StepLosses, TrainOverrides, UntrainedInEval
 from lightning_diag.rules.output_collapse import OutputCollapseRule
-from lightning_diag.rules.runtime import (
-    TRAIN_OVERRIDE_BYPASSED,
-    AmpRule,
-    EvalBeforeTrainingRule,
-    EvalRandomnessRule,
-    LossOutlierRule,
-    TrainOverrideRule,
-    ZeroOutputRule,
-)
+from lightning_diag.rules.train_override_bypassed import TRAIN_OVERRIDE_BYPASSED, TrainOverrideRule
+from lightning_diag.rules.zero_output import ZeroOutputRule
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.callbacks.common.base import DiagCallback

@@ -2,7 +2,7 @@
 
 A :class:`~lightning_diag.callbacks.anomaly_alarm.sampled_check.SampledCheck` (the sampling, the hooks' removal) over
 :class:`~lightning_diag.instrument.output_watch.ZeroOutputWatch` (the measurement) and
-:class:`~lightning_diag.rules.runtime.ZeroOutputRule` (the judgment, declared on the owner by
+:class:`~lightning_diag.rules.zero_output.ZeroOutputRule` (the judgment, declared on the owner by
 :class:`~lightning_diag.callbacks.anomaly_alarm.runtime_checks.RuntimeChecks`).
 
 Cost: on a sampled step (the owner's logging interval, the first micro-batch of the optimizer step) a forward hook on
@@ -20,7 +20,7 @@ import torch
 from lightning_diag.callbacks.anomaly_alarm.sampled_check import SampledCheck
 from lightning_diag.instrument.output_watch import ZeroOutputWatch
 from lightning_diag.rules.measures import Measures, ZeroOutputs
-from lightning_diag.rules.runtime import ZERO_OUTPUT, ZeroOutputRule
+from lightning_diag.rules.zero_output import ZERO_OUTPUT, ZeroOutputRule
 
 __all__ = ["RULE_ATTRIBUTE", "ZeroOutputCheck"]
 

@@ -50,15 +50,10 @@ from lightning_diag.instrument.attention_capture import is_compiled
 from lightning_diag.instrument.grad_measure import DEFAULT_LOGIT_PROJECTIONS, ParamIndex, WeightCopies, measure_step
 from lightning_diag.rules.activations import ACTIVATION_SATURATION, DEAD_UNITS, ActivationRule
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.grad import (
-    GRAD_EXPLODE,
-    GRAD_VANISH,
-    GradBandRule,
-    GradCollapseRule,
-    GradSpreadRule,
-    sgd_step_scale,
-)
+from lightning_diag.rules.grad_collapse import GradCollapseRule
 from lightning_diag.rules.grad_frozen import GradFrozenRule
+from lightning_diag.rules.grad_layer_spread import GradSpreadRule
+from lightning_diag.rules.grad_norm_band import GRAD_EXPLODE, GRAD_VANISH, GradBandRule, sgd_step_scale
 from lightning_diag.rules.measures import Measures, WeightNorms
 from lightning_diag.rules.update_size import UpdateSizeRule
 from lightning_diag.rules.updates import UPDATE_SAMPLE_SIZE_KEY, GradNotZeroedRule, UpdateRule
@@ -107,7 +102,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     * ``diag/act_saturated/<layer>``: share of the inputs of the bounded activation after the layer beyond its
       linear range (``activation_saturation``'s quantity).
 
-    Rules (exact meaning in :mod:`lightning_diag.rules.grad` and ``docs/gradient_flow.md``):
+    Rules (exact meaning in :mod:`lightning_diag.rules.grad_norm_band`, ``grad_layer_spread``, ``grad_collapse``,
+    ``grad_frozen`` and ``docs/gradient_flow.md``):
     ``grad_explode`` (a layer's RMS gradient per element above ``grad_explode.threshold``), ``grad_vanish`` (a weight
     matrix's ``||g||/||W||`` below ``grad_vanish.threshold`` and 100x below the best-fed block matrix, after
     ``grad.warmup_steps``), ``grad_layer_spread`` (largest / smallest ``||g||/||W||`` of one role across blocks

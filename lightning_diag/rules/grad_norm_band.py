@@ -1,8 +1,8 @@
-"""Gradient-flow rules (framework-free): ``grad_vanish``, ``grad_explode``, ``grad_layer_spread``,
-``grad_collapse``, ``grad_frozen``.
+"""``grad_explode`` and ``grad_vanish`` (framework-free): one detector, the band every layer's gradient should stay
+in (the ``grad_norm_band`` row of the report), fed by :class:`~lightning_diag.GradientFlowMonitor`.
 
-The seed's numbers (band 1e-3 .. 1e1, spread 100x, collapse 1/100) are applied to quantities where they detect
-faults rather than architecture (the measurements behind each choice are in ``docs/gradient_flow.md``):
+The seed's band (1e-3 .. 1e1) is applied to quantities where it detects faults rather than architecture (the
+measurements behind each choice are in ``docs/gradient_flow.md``):
 
 * ``grad_explode``: a layer's **RMS gradient per element** (``||g|| / sqrt(numel)``) above ``explode_threshold``
   on one measurement. Raw L2 norms grow with the number of positions a layer is summed over (a ViT patch
@@ -32,19 +32,6 @@ faults rather than architecture (the measurements behind each choice are in ``do
   :data:`DEPTH_CHAIN` blocks spanning ``relative`` x 1000 and falling towards the input). While some layer's units
   are dead (``dead_units``' condition, :meth:`GradBandRule.observe_dead`) nothing is raised: the gradient stops at
   dead units, a different repair.
-* ``grad_layer_spread``: between comparable matrices **of the same role in different blocks** (``layers.*.fc1``
-  against ``layers.*.fc1``), largest / smallest relative gradient above ``spread_ratio`` on ``patience``
-  consecutive measurements after ``warmup_steps`` (during the warm-up: above ``spread_ratio`` x 1000). A LayerNorm
-  against the LM head is architecture; block 0 against block 11 of the same kind is gradient flow.
-* ``grad_collapse``: the L2 norm of the blocks' weight-matrix gradients below ``collapse_ratio`` times its
-  baseline (median of the first ``baseline_measurements``), on ``patience`` consecutive measurements. With the
-  loss known, the verdict names the cause: loss at most ``converged_fraction`` of its initial value: the model
-  **converged** (an ``info``); loss not 10% below its initial value: a **dead network** (a warning: typically a
-  learning rate far too high or dead ReLUs); otherwise the gradients **vanished** while the loss is far from its
-  floor (a warning). Its margin (:attr:`Rule.peaks`) is that of the warning: the limit over the largest norm of the
-  latest ``patience`` measurements where the verdict is not **converged** (0 where it is, or while the model is
-  still learning), so a converged run's ``info`` does not count.
-* ``grad_frozen``: see :class:`~lightning_diag.rules.grad_frozen.GradFrozenRule` (in ``rules/grad_frozen.py``).
 
 When several layers cross one threshold at the same measurement they make one alert naming them (count and the
 worst few); a layer crossing it later, while others are still in alarm, joins that event silently. Non-finite
@@ -54,64 +41,33 @@ values are AnomalyAlarm's business and are skipped.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import (
-    COUNT,
-    FRACTION,
-    POSITIVE,
-    STEPS,
-    CheckSpec,
-    Limit,
-    RuleSpec,
-    SettingSpec,
-    default,
-    register,
-    register_setting,
-)
+from lightning_diag.core.record import Alert
+from lightning_diag.core.registry import POSITIVE, CheckSpec, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import OVERWHELMING, Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
+from lightning_diag.rules.grad_settings import DEFAULT_GRAD_PATIENCE, DEFAULT_GRAD_WARMUP_STEPS, GRAD_WARMUP_SETTING
+from lightning_diag.rules.layer_roles import block_position, role_of
 from lightning_diag.rules.measures import Measure, Measures, WeightNorms
 
 __all__ = [
-    "DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS",
-    "DEFAULT_COLLAPSE_CONVERGED_FRACTION",
-    "DEFAULT_COLLAPSE_THRESHOLD",
     "DEFAULT_EXPLODE_THRESHOLD",
-    "DEFAULT_GRAD_PATIENCE",
-    "DEFAULT_GRAD_WARMUP_STEPS",
-    "DEFAULT_LAYER_SPREAD_THRESHOLD",
     "DEFAULT_VANISH_RELATIVE",
     "DEFAULT_VANISH_THRESHOLD",
     "DEPTH_CHAIN",
     "DEPTH_CORRELATION",
-    "GRAD_COLLAPSE",
-    "GRAD_COLLAPSE_BASELINE_KEY",
-    "GRAD_COLLAPSE_CHECK",
-    "GRAD_COLLAPSE_SPEC",
     "GRAD_EXPLODE",
     "GRAD_EXPLODE_SPEC",
-    "GRAD_LAYER_SPREAD",
-    "GRAD_LAYER_SPREAD_SPEC",
     "GRAD_NORM_BAND_CHECK",
-    "GRAD_PATIENCE_SETTING",
-    "GRAD_SPREAD_CHECK",
     "GRAD_VANISH",
     "GRAD_VANISH_SPEC",
-    "GRAD_WARMUP_SETTING",
     "GradBandRule",
-    "GradCollapseRule",
-    "GradSpreadRule",
-    "block_position",
     "rank_correlation",
-    "role_of",
     "sgd_step_scale",
 ]
 
-# -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
 GRAD_VANISH_SPEC = register(
     RuleSpec(
         "grad_vanish",
@@ -138,53 +94,13 @@ GRAD_EXPLODE_SPEC = register(
         limits={"threshold": POSITIVE},
     )
 )
-GRAD_LAYER_SPREAD_SPEC = register(
-    RuleSpec(
-        "grad_layer_spread",
-        GRADIENT_FLOW,
-        "warning",
-        100.0,
-        "largest / smallest ||g||/||W|| of one role across blocks above {threshold:g}",
-        check="grad_spread",
-        source="seed 000 §3.1",
-        limits={"threshold": Limit(low=1.0)},
-    )
-)
-GRAD_COLLAPSE_SPEC = register(
-    RuleSpec(
-        "grad_collapse",
-        GRADIENT_FLOW,
-        "warning",
-        0.01,
-        "blocks' gradient norm below {threshold:g} of its early baseline (converged: info; dead or vanished: warning)",
-        settings={"baseline_measurements": 5, "converged_fraction": 0.1},
-        check="grad_collapse",
-        source="seed 001 §1.2",
-        limits={"threshold": FRACTION, "baseline_measurements": COUNT, "converged_fraction": FRACTION},
-    )
-)
 GRAD_VANISH = GRAD_VANISH_SPEC.rule_id
 GRAD_EXPLODE = GRAD_EXPLODE_SPEC.rule_id
-GRAD_LAYER_SPREAD = GRAD_LAYER_SPREAD_SPEC.rule_id
-GRAD_COLLAPSE = GRAD_COLLAPSE_SPEC.rule_id
-#: Their rows of the ``lightning-diag report`` checklist (registered in report order by
+#: Its row of the ``lightning-diag report`` checklist (registered in report order by
 #: :mod:`lightning_diag.rules.catalog`).
 GRAD_NORM_BAND_CHECK = CheckSpec("grad_norm_band", "Model",
                                  "Gradient of every layer within {grad_vanish:g} (||g||/||W||) .. {grad_explode:g} "
                                  "(RMS per element)")
-GRAD_SPREAD_CHECK = CheckSpec(
-    "grad_spread", "Model",
-    "Relative gradients of one role across blocks within a ratio of {grad_layer_spread:g}",
-)
-GRAD_COLLAPSE_CHECK = CheckSpec(GRAD_COLLAPSE, "Model",
-                                "Blocks' gradient norm above {grad_collapse:g} of its early baseline")
-#: ``thresholds()`` key of ``grad_collapse``'s baseline length (read back by the report).
-GRAD_COLLAPSE_BASELINE_KEY = GRAD_COLLAPSE_SPEC.key("baseline_measurements")
-#: ``grad.warmup_steps``: ``grad_vanish`` / ``grad_layer_spread`` are not evaluated before this global step
-#: (initialisation transients); one setting for both rules.
-GRAD_WARMUP_SETTING = register_setting(
-    SettingSpec("grad.warmup_steps", GRADIENT_FLOW, 50, None, (GRAD_VANISH, GRAD_LAYER_SPREAD), STEPS)
-)
 
 #: ``grad_vanish``: a weight matrix's ``||g|| / ||W||`` below this (seed 000 §3.1's 1e-3).
 DEFAULT_VANISH_THRESHOLD = default(GRAD_VANISH)
@@ -192,20 +108,6 @@ DEFAULT_VANISH_THRESHOLD = default(GRAD_VANISH)
 DEFAULT_VANISH_RELATIVE = default(GRAD_VANISH_SPEC.key("relative"))
 #: ``grad_explode``: a layer's RMS gradient per element above this (seed 000 §3.1's 1e1).
 DEFAULT_EXPLODE_THRESHOLD = default(GRAD_EXPLODE)
-#: ``grad_layer_spread``: largest / smallest relative gradient of one role across blocks (seed 000 §3.1).
-DEFAULT_LAYER_SPREAD_THRESHOLD = default(GRAD_LAYER_SPREAD)
-#: ``grad_collapse``: blocks' gradient norm below this fraction of its baseline (seed 001 §1.2).
-DEFAULT_COLLAPSE_THRESHOLD = default(GRAD_COLLAPSE)
-#: Consecutive measurements a gradient condition must hold before it alerts.
-DEFAULT_GRAD_PATIENCE = int(GRAD_PATIENCE_SETTING.default)
-#: ``grad_collapse``: measurements whose median is the baseline (and whose median loss is the initial loss).
-DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS = int(default(GRAD_COLLAPSE_SPEC.key("baseline_measurements")))
-#: ``grad_vanish`` / ``grad_layer_spread`` are not evaluated before this global step (initialisation transients).
-DEFAULT_GRAD_WARMUP_STEPS = int(GRAD_WARMUP_SETTING.default)
-#: ``grad_collapse``: a loss at most this fraction of its initial value is a converged model (``info``).
-DEFAULT_COLLAPSE_CONVERGED_FRACTION = default(GRAD_COLLAPSE_SPEC.key("converged_fraction"))
-#: ``grad_collapse``: a loss that has not fallen this fraction below its initial value is stuck (dead network).
-_STUCK_FALL = 0.1
 #: ``grad_vanish``'s depth test: a role repeated in at least this many blocks is a stack whose decay can be read.
 DEPTH_CHAIN = 4
 #: ``grad_vanish``'s depth test: the rank correlation between a matrix's block position and its relative gradient
@@ -239,16 +141,6 @@ def sgd_step_scale(groups: Sequence[Mapping[str, Any]]) -> tuple[float, float] |
     return (lr, momentum) if 0 <= momentum < 1 else None
 
 
-def block_position(layer: str) -> tuple[int, ...]:
-    """A layer's block indices, in the order of its name (the order of a stack).
-
-    Example:
-        >>> sorted(["net.10", "net.2", "net.0"], key=block_position)
-        ['net.0', 'net.2', 'net.10']
-    """
-    return tuple(int(part) for part in layer.split(".") if part.isdigit())
-
-
 def rank_correlation(values: list[float]) -> float:
     """Spearman's rank correlation between position (0, 1, ...) and ``values`` (1: strictly increasing); tied
     values share their average rank, so a flat run of equal values is no trend.
@@ -276,16 +168,6 @@ def rank_correlation(values: list[float]) -> float:
     cov = sum((r - mean) * (i - mean) for i, r in enumerate(rank))
     spread = sum((r - mean) ** 2 for r in rank) * sum((i - mean) ** 2 for i in range(n))
     return cov / spread**0.5 if spread > 0 else 0.0
-
-
-def role_of(layer: str) -> str:
-    """A layer's role: its name with block indices replaced by ``*``.
-
-    Example:
-        >>> role_of("h.3.mlp.fc")
-        'h.*.mlp.fc'
-    """
-    return ".".join("*" if part.isdigit() else part for part in layer.split("."))
 
 
 class GradBandRule(Rule):
@@ -626,268 +508,3 @@ class GradBandRule(Rule):
                     continue  # joins the event in progress
                 new[layer] = bad[layer]
         return new
-
-
-class GradSpreadRule(Rule):
-    """``grad_layer_spread``: largest / smallest relative gradient among the matrices of one role, across blocks.
-
-    Example:
-        >>> rule = GradSpreadRule(patience=1, warmup_steps=0)
-        >>> roles = {"h.0.fc": "h.*.fc", "h.1.fc": "h.*.fc", "head": "head"}
-        >>> m = Measures(grad_relative={"h.0.fc": 1e-4, "h.1.fc": 0.1, "head": 1.0}, layer_roles=roles)
-        >>> [a.source for a in rule.judge(StepContext(0, 0), m)]
-        ['h.*.fc']
-    """
-
-    specs = (GRAD_LAYER_SPREAD_SPEC,)
-    needs = frozenset({Measure.GRAD_RELATIVE})
-    optional = frozenset({Measure.LAYER_ROLES})
-    state_keys = ("streak", "updates")
-
-    def __init__(
-        self,
-        spread_ratio: float = DEFAULT_LAYER_SPREAD_THRESHOLD,
-        patience: int = DEFAULT_GRAD_PATIENCE,
-        warmup_steps: int = DEFAULT_GRAD_WARMUP_STEPS,
-    ) -> None:
-        super().__init__()
-        self.spread_ratio = spread_ratio
-        self.patience = patience
-        self.latch = Latch.for_patience(patience)
-        self.warmup_steps = warmup_steps
-        self.streak = 0
-        #: ``{layer: ||ΔW|| / ||W||}`` at the last measured step (:meth:`observe_updates`); empty when unknown.
-        self.updates: dict[str, float] = {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known."""
-        super().load_state_dict({"updates": {}, **state})
-
-    def observe_updates(self, ratios: Mapping[str, float]) -> None:
-        """Note the relative update ``||ΔW|| / ||W||`` each layer got at the last measured optimizer step: a
-        matrix whose gradient is far below its peers' but whose update is not is not a slow learner."""
-        self.updates = {k: float(v) for k, v in ratios.items() if math.isfinite(v)}
-
-    def starved(self, members: Mapping[str, float]) -> dict[str, float]:
-        """The members of one role whose last update is more than ``spread_ratio`` times below the role's largest
-        (all of them when the updates are not known; a member whose update is not known counts as starved)."""
-        known = [self.updates[k] for k in members if k in self.updates]
-        if not known:
-            return dict(members)
-        top = max(known)
-        return {k: v for k, v in members.items() if k not in self.updates or self.updates[k] * self.spread_ratio < top}
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradSpreadRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(
-            GRAD_LAYER_SPREAD_SPEC.value(thresholds),
-            int(GRAD_PATIENCE_SETTING.value(thresholds)),
-            int(GRAD_WARMUP_SETTING.value(thresholds)),
-        )
-
-    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
-        """Judge one measurement of the comparable layers' relative gradients and their roles (``None``: one
-        role for all); return the alerts raised."""
-        values, roles = m.grad_relative or {}, m.layer_roles
-        early = ctx.global_step < self.warmup_steps
-        groups: dict[str, dict[str, float]] = {}
-        for layer, v in values.items():
-            if math.isfinite(v) and v > 0:
-                role = roles.get(layer, layer) if roles is not None else "model"
-                groups.setdefault(role, {})[layer] = v
-        worst: tuple[float, str, str, str] | None = None
-        for role, members in groups.items():
-            if len(members) < 2:
-                continue
-            high = max(members, key=members.__getitem__)
-            # the slow side: a matrix whose update is not starved moves as fast as its peers (Adam rescales a
-            # small gradient; L2 weight decay keeps shrinking a block the loss no longer needs)
-            slow = self.starved(members)
-            if not slow:
-                continue
-            low = min(slow, key=slow.__getitem__)
-            ratio = members[high] / members[low]
-            if worst is None or ratio > worst[0]:
-                worst = (ratio, role, high, low)
-        if worst is None:
-            return []
-        ratio, role, high, low = worst
-        # during the warm-up only overwhelming evidence counts
-        self.observe(ratio, self.spread_ratio * (OVERWHELMING if early else 1.0))
-        self.streak = self.streak + 1 if ratio > self.spread_ratio * (OVERWHELMING if early else 1.0) else 0
-        if not self.latch.update("model", self.streak >= self.patience, excess(ratio, self.spread_ratio)):
-            return []
-        members = groups[role]
-        return [
-            self._alert(
-                ctx,
-                f"relative gradients of `{role}` span {ratio:.3g}x across blocks (`{high}` {members[high]:.3g}, "
-                f"`{low}` {members[low]:.3g}), more than {self.spread_ratio:g}x: blocks of one kind learn at very "
-                "different speeds; check normalisation, residual paths, initialisation and per-layer learning rates",
-                source=role,
-                value=ratio,
-                threshold=self.spread_ratio,
-            )
-        ]
-
-
-class GradCollapseRule(Rule):
-    """``grad_collapse``: the blocks' gradient norm falls below ``collapse_ratio`` times its early baseline;
-    the loss tells converged (``info``) from dead or vanished (warnings).
-
-    Example:
-        >>> rule = GradCollapseRule(patience=1, baseline_measurements=2)
-        >>> [len(rule.judge(StepContext(0, i), Measures(grad_norm=n))) for i, n in enumerate([1.0, 1.2, 0.5, 0.001])]
-        [0, 0, 0, 1]
-        >>> rule = GradCollapseRule(patience=1, baseline_measurements=1)
-        >>> rule.judge(StepContext(0, 0), Measures(grad_norm=1.0, loss=2.0))
-        []
-        >>> [a.severity.value for a in rule.judge(StepContext(0, 1), Measures(grad_norm=1e-3, loss=0.05))]
-        ['info']
-    """
-
-    specs = (GRAD_COLLAPSE_SPEC,)
-    needs = frozenset({Measure.GRAD_NORM})
-    optional = frozenset({Measure.LOSS})
-    state_keys = (
-        "early", "baseline", "streak", "early_losses", "initial_loss", "recent_losses", "early_updates",
-        "update_baseline", "update_level",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        collapse_ratio: float = DEFAULT_COLLAPSE_THRESHOLD,
-        patience: int = DEFAULT_GRAD_PATIENCE,
-        baseline_measurements: int = DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS,
-        converged_fraction: float = DEFAULT_COLLAPSE_CONVERGED_FRACTION,
-    ) -> None:
-        super().__init__()
-        self.collapse_ratio = collapse_ratio
-        self.patience = patience
-        self.latch = Latch.for_patience(patience)
-        self.baseline_measurements = baseline_measurements
-        self.converged_fraction = converged_fraction
-        self.early: list[float] = []
-        self.baseline: float | None = None
-        self.streak = 0
-        self.early_losses: list[float] = []
-        self.initial_loss: float | None = None
-        self.recent_losses: list[float] = []
-        #: The model's update level (median over its layers of ``||ΔW|| / ||W||``) at the first measured steps,
-        #: their median (the update baseline), and the level at the last measured step (``None``: unknown).
-        self.early_updates: list[float] = []
-        self.update_baseline: float | None = None
-        self.update_level: float | None = None
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known."""
-        super().load_state_dict({"early_updates": [], "update_baseline": None, "update_level": None, **state})
-
-    def observe_updates(self, ratios: Mapping[str, float]) -> None:
-        """Note the relative update ``||ΔW|| / ||W||`` of each layer at the last measured optimizer step; their
-        median is the model's update level, whose baseline is the median of the first ``baseline_measurements``."""
-        values = [float(v) for v in ratios.values() if math.isfinite(v)]
-        if not values:
-            return
-        self.update_level = statistics.median(values)
-        if self.update_baseline is None:
-            self.early_updates.append(self.update_level)
-            if len(self.early_updates) >= self.baseline_measurements:
-                self.update_baseline = statistics.median(self.early_updates)
-
-    def still_learning(self) -> bool:
-        """Whether the model's parameters still move: its update level is at least ``collapse_ratio`` times its
-        baseline (``False`` when either is not known)."""
-        if self.update_level is None or self.update_baseline is None or self.update_baseline <= 0:
-            return False
-        return self.update_level >= self.collapse_ratio * self.update_baseline
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradCollapseRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(
-            GRAD_COLLAPSE_SPEC.value(thresholds),
-            int(GRAD_PATIENCE_SETTING.value(thresholds)),
-            int(GRAD_COLLAPSE_SPEC.value(thresholds, "baseline_measurements")),
-            GRAD_COLLAPSE_SPEC.value(thresholds, "converged_fraction"),
-        )
-
-    def verdict(self, loss: float | None) -> str:
-        """``"converged"``, ``"dead"`` or ``"vanished"`` for a collapse at this loss (``"vanished"`` without one)."""
-        if loss is None or self.initial_loss is None or not math.isfinite(loss) or self.initial_loss <= 0:
-            return "vanished"
-        if loss <= self.converged_fraction * self.initial_loss:
-            return "converged"
-        if loss >= (1.0 - _STUCK_FALL) * self.initial_loss:
-            return "dead"
-        return "vanished"
-
-    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
-        """Judge one measurement of the blocks' gradient norm (and the training loss, when known)."""
-        assert m.grad_norm is not None  # checked against `needs`
-        norm, loss = m.grad_norm, m.loss
-        if loss is not None and math.isfinite(loss):
-            if self.initial_loss is None:
-                self.early_losses.append(loss)
-                if len(self.early_losses) >= self.baseline_measurements:
-                    self.initial_loss = statistics.median(self.early_losses)
-            self.recent_losses = ([*self.recent_losses, loss])[-self.patience :]
-        if not math.isfinite(norm):
-            return []
-        if self.baseline is None:
-            self.early.append(norm)
-            if len(self.early) >= self.baseline_measurements:
-                self.baseline = statistics.median(self.early)
-            return []
-        limit = self.collapse_ratio * self.baseline
-        self.streak = self.streak + 1 if norm < limit else 0
-        recent = statistics.mean(self.recent_losses) if self.recent_losses and loss is not None else None
-        kind = self.verdict(recent)
-        # The loss has fallen and the model's parameters still move at a rate comparable with its early one: the
-        # blocks' gradient shrank (a gated branch, attention that settled), the model did not stop learning.
-        # Waits (the streak goes on) until the updates collapse too or the loss says otherwise. A collapse already
-        # reported stays one (a dead network's loss may dip below 90% of its initial value while the optimizer's
-        # weight decay keeps the weights moving).
-        learning = kind == "vanished" and recent is not None and self.still_learning()
-        collapsed = self.streak >= self.patience and (not learning or "global" in self.latch.active)
-        # the margin of the warning: the largest norm of the latest `patience` against the limit, where the loss
-        # says neither converged (an info) nor still learning
-        warns = kind != "converged" and (not learning or "global" in self.latch.active)
-        self.observe_held("global", excess(norm, limit, above=False), self.patience, math.inf if warns else 0.0)
-        if not self.latch.update("global", collapsed, excess(norm, limit, above=False)):
-            return []
-        initial = self.initial_loss
-        if kind == "converged":
-            cause = (
-                f"the model converged: the loss {recent:.3g} is at most {self.converged_fraction:g} of its initial "
-                f"{initial:.3g}; nothing is wrong (consider stopping earlier)"
-            )
-        elif kind == "dead":
-            cause = (
-                f"dead network: the loss {recent:.3g} is stuck at its initial {initial:.3g} while every block's "
-                "gradient is ~0; typical after a learning rate far too high, or units that died (ReLU)"
-            )
-        else:
-            where = f" ({recent:.3g}, initial {initial:.3g})" if recent is not None and initial is not None else ""
-            moved = ""
-            if self.update_level is not None and self.update_baseline:
-                moved = (
-                    f", and the model's updates ||ΔW||/||W|| (median over its layers) are at "
-                    f"{self.update_level / self.update_baseline:.3g} of their early level"
-                )
-            cause = (
-                f"the gradients vanished while the loss is still far from its floor{where}{moved}: saturated "
-                "activations, dead units or a cut graph"
-            )
-        return [
-            self._alert(
-                ctx,
-                f"gradient norm of the blocks' weight matrices {norm:.3g} is below {self.collapse_ratio:g} x its "
-                f"baseline {self.baseline:.3g} on {self.patience} consecutive measurements: {cause}",
-                source="global",
-                value=norm / self.baseline if self.baseline > 0 else norm,
-                threshold=self.collapse_ratio,
-                severity=Severity.INFO if kind == "converged" else None,
-            )
-        ]
