@@ -12,6 +12,7 @@ the run pays for float32. Judged once per fit, on its first training batch.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import FRACTION, RuleSpec, register
@@ -61,6 +62,7 @@ class AmpRule(Rule):
     """
 
     specs = (AMP_NOT_APPLIED_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {"share": AMP_NOT_APPLIED}
     state_keys = ("checks", "last_share")
     needs = frozenset({Measure.AMP})
 
@@ -69,11 +71,6 @@ class AmpRule(Rule):
         self.share = share
         self.checks = 0
         self.last_share = 0.0
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> AmpRule:
-        """The rule with the threshold in effect (see :meth:`Rule.from_settings`)."""
-        return cls(AMP_NOT_APPLIED_SPEC.value(thresholds))
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one sampled step, ``m.amp``: ``{layer: parameter count}`` of every matmul layer that ran, the same

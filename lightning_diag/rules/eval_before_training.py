@@ -10,8 +10,6 @@ never ran: its weight is divided by a norm estimated from random vectors), so th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext, list_names
@@ -62,12 +60,6 @@ class EvalBeforeTrainingRule(Rule):
     def __init__(self) -> None:
         super().__init__()
         self.checks = 0
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> EvalBeforeTrainingRule:
-        """The rule (it has no thresholds; see :meth:`Rule.from_settings`)."""
-        del thresholds
-        return cls()
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one validation run's untrained components (``sanity``: it is Lightning's sanity check)."""

@@ -10,8 +10,6 @@ Judged on the first batch of every validation run.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
@@ -59,12 +57,6 @@ class EvalRandomnessRule(Rule):
     def __init__(self) -> None:
         super().__init__()
         self.checks = 0
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> EvalRandomnessRule:
-        """The rule (it has no thresholds; see :meth:`Rule.from_settings`)."""
-        del thresholds
-        return cls()
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one validation batch's findings: ``{module name: dropout probability}``."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, FRACTION, CheckSpec, RuleSpec, default, register
@@ -86,6 +86,7 @@ class GradCollapseRule(Rule):
     """
 
     specs = (GRAD_COLLAPSE_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {"collapse_ratio": GRAD_COLLAPSE, "patience": GRAD_PATIENCE_SETTING.key}
     needs = frozenset({Measure.GRAD_NORM})
     optional = frozenset({Measure.LOSS})
     state_keys = (
@@ -140,16 +141,6 @@ class GradCollapseRule(Rule):
         if self.update_level is None or self.update_baseline is None or self.update_baseline <= 0:
             return False
         return self.update_level >= self.collapse_ratio * self.update_baseline
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradCollapseRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(
-            GRAD_COLLAPSE_SPEC.value(thresholds),
-            int(GRAD_PATIENCE_SETTING.value(thresholds)),
-            int(GRAD_COLLAPSE_SPEC.value(thresholds, "baseline_measurements")),
-            GRAD_COLLAPSE_SPEC.value(thresholds, "converged_fraction"),
-        )
 
     def verdict(self, loss: float | None) -> str:
         """``"converged"``, ``"dead"`` or ``"vanished"`` for a collapse at this loss (``"vanished"`` without one)."""

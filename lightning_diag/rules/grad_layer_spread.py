@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import CheckSpec, Limit, RuleSpec, default, register
@@ -67,6 +67,11 @@ class GradSpreadRule(Rule):
     """
 
     specs = (GRAD_LAYER_SPREAD_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {
+        "spread_ratio": GRAD_LAYER_SPREAD,
+        "patience": GRAD_PATIENCE_SETTING.key,
+        "warmup_steps": GRAD_WARMUP_SETTING.key,
+    }
     needs = frozenset({Measure.GRAD_RELATIVE})
     optional = frozenset({Measure.LAYER_ROLES})
     state_keys = ("streak", "updates")
@@ -103,15 +108,6 @@ class GradSpreadRule(Rule):
             return dict(members)
         top = max(known)
         return {k: v for k, v in members.items() if k not in self.updates or self.updates[k] * self.spread_ratio < top}
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradSpreadRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(
-            GRAD_LAYER_SPREAD_SPEC.value(thresholds),
-            int(GRAD_PATIENCE_SETTING.value(thresholds)),
-            int(GRAD_WARMUP_SETTING.value(thresholds)),
-        )
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measurement of the comparable layers' relative gradients and their roles (``None``: one

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import POSITIVE, CheckSpec, Limit, RuleSpec, default, register
@@ -183,6 +183,12 @@ class GradBandRule(Rule):
     """
 
     specs = (GRAD_VANISH_SPEC, GRAD_EXPLODE_SPEC)
+    setting_keys: ClassVar[Mapping[str, str]] = {
+        "vanish_threshold": GRAD_VANISH,
+        "explode_threshold": GRAD_EXPLODE,
+        "patience": GRAD_PATIENCE_SETTING.key,
+        "warmup_steps": GRAD_WARMUP_SETTING.key,
+    }
     optional = frozenset(
         {Measure.GRAD_RMS, Measure.GRAD_RELATIVE, Measure.BLOCKS, Measure.LAYER_ROLES, Measure.WEIGHT_NORMS}
     )
@@ -346,17 +352,6 @@ class GradBandRule(Rule):
             if x > worst or math.isnan(worst):
                 worst = x
         return worst
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> GradBandRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`)."""
-        return cls(
-            GRAD_VANISH_SPEC.value(thresholds),
-            GRAD_EXPLODE_SPEC.value(thresholds),
-            int(GRAD_PATIENCE_SETTING.value(thresholds)),
-            GRAD_VANISH_SPEC.value(thresholds, "relative"),
-            int(GRAD_WARMUP_SETTING.value(thresholds)),
-        )
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measurement of the gradients (``m.grad_rms`` and what comes with it, below) or of the weights

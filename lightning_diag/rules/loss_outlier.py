@@ -27,7 +27,7 @@ import bisect
 import collections
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from lightning_diag.core.record import Alert
@@ -380,12 +380,6 @@ class LossOutlierRule(Rule):
         """Restore :meth:`state_dict` output; a checkpoint from before ``first`` / ``pending`` were saved loads
         with none."""
         super().load_state_dict({"first": [], "pending": [], "before": [], "span": 1, **state})
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> LossOutlierRule:
-        """The rule with the threshold and settings in effect (see :meth:`Rule.from_settings`)."""
-        spec = LOSS_OUTLIER_SPEC
-        return cls(spec.value(thresholds), spec.value(thresholds, "ratio"), int(spec.value(thresholds, "window")))
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge the per-step losses since the last call (``steps``: their global steps); return the alerts. Each

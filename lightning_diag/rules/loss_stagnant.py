@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, FRACTION, STEPS, Limit, RuleSpec, default, register
@@ -97,8 +97,6 @@ class LossStagnantRule(Rule):
         patience: Loss points (epochs or windows) before the rule can fire.
         unit: What one point is, for messages.
         source: The alert's ``source``.
-
-    Attributes:
         min_steps: Optimizer steps before the rule can fire (``loss_stagnant.min_steps``).
         alpha: Significance level of the trend test (``loss_stagnant.alpha``).
         min_trend: The least movement that counts, relative to the level (``loss_stagnant.min_trend``, 2%): for
@@ -115,6 +113,7 @@ class LossStagnantRule(Rule):
 
     needs = frozenset({Measure.LOSS_WINDOW})
     specs = (LOSS_STAGNANT_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {"min_drop": LOSS_STAGNANT}
     state_keys = ("baseline", "points", "best", "history", "settled", "validation")
 
     def __init__(
@@ -123,15 +122,18 @@ class LossStagnantRule(Rule):
         patience: int = DEFAULT_STAGNANT_PATIENCE,
         unit: str = "epoch",
         source: str = "train_loss",
+        min_steps: int = DEFAULT_STAGNANT_MIN_STEPS,
+        alpha: float = DEFAULT_STAGNANT_ALPHA,
+        min_trend: float = DEFAULT_STAGNANT_MIN_TREND,
     ) -> None:
         super().__init__()
         self.min_drop = min_drop
         self.patience = patience
         self.unit = unit
         self.source = source
-        self.min_steps = DEFAULT_STAGNANT_MIN_STEPS
-        self.alpha = DEFAULT_STAGNANT_ALPHA
-        self.min_trend = DEFAULT_STAGNANT_MIN_TREND
+        self.min_steps = min_steps
+        self.alpha = alpha
+        self.min_trend = min_trend
         self.baseline: float | None = None
         self.points = 0
         self.best = math.inf
@@ -143,19 +145,6 @@ class LossStagnantRule(Rule):
         self.last_p = math.nan
         self.last_trend = math.nan
         self.level = math.nan
-
-    @classmethod
-    def from_settings(
-        cls, thresholds: Mapping[str, float | None], *, unit: str = "epoch", source: str = "train_loss"
-    ) -> LossStagnantRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`); ``unit`` and ``source`` as
-        for the constructor. ``loss_stagnant.baseline_steps`` is the owner's (it averages the first losses)."""
-        spec = LOSS_STAGNANT_SPEC
-        rule = cls(spec.value(thresholds), int(spec.value(thresholds, "patience")), unit=unit, source=source)
-        rule.min_steps = int(spec.value(thresholds, "min_steps"))
-        rule.alpha = spec.value(thresholds, "alpha")
-        rule.min_trend = spec.value(thresholds, "min_trend")
-        return rule
 
     def set_baseline(self, initial_loss: float) -> None:
         """Set the initial loss once (later calls, and non-finite values, are ignored)."""

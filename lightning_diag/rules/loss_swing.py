@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Mapping
 from typing import Any
 
 from lightning_diag.core.record import Alert
@@ -164,8 +163,7 @@ class LossSwingRule(Rule):
         patience: Consecutive swinging points before the rule fires.
         min_delta: Absolute change below which a point never swings.
         unit: What one point is, for messages (``"epoch"`` or ``"window of N steps"``).
-
-    Attributes:
+        source: The alert's ``source``.
         z: Standard errors of the change a swing must exceed (``loss_swing.z``).
         lr_ratio: Largest learning-rate factor between two points that is a schedule (``loss_swing.lr_ratio``).
 
@@ -196,6 +194,8 @@ class LossSwingRule(Rule):
         min_delta: float = DEFAULT_SWING_MIN_DELTA,
         unit: str = "epoch",
         source: str = "train_loss",
+        z: float = DEFAULT_SWING_Z,
+        lr_ratio: float = DEFAULT_SWING_LR_RATIO,
     ) -> None:
         super().__init__()
         self.threshold = threshold
@@ -204,8 +204,8 @@ class LossSwingRule(Rule):
         self.min_delta = min_delta
         self.unit = unit
         self.source = source
-        self.z = DEFAULT_SWING_Z
-        self.lr_ratio = DEFAULT_SWING_LR_RATIO
+        self.z = z
+        self.lr_ratio = lr_ratio
         self.previous: float | None = None
         self.previous_rise = False
         self.streak = 0
@@ -250,21 +250,6 @@ class LossSwingRule(Rule):
             "val_first": None,
         }
         super().load_state_dict({**defaults, **state})
-
-    @classmethod
-    def from_settings(
-        cls, thresholds: Mapping[str, float | None], *, unit: str = "epoch", source: str = "train_loss"
-    ) -> LossSwingRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`); ``unit`` and ``source`` as
-        for the constructor."""
-        spec = LOSS_SWING_SPEC
-        rule = cls(
-            spec.value(thresholds), int(spec.value(thresholds, "patience")), spec.value(thresholds, "min_delta"),
-            unit=unit, source=source,
-        )
-        rule.z = spec.value(thresholds, "z")
-        rule.lr_ratio = spec.value(thresholds, "lr_ratio")
-        return rule
 
     def pooled_step_variance(self) -> tuple[float, float]:
         """The step variance of a point without its own spread, with its degrees of freedom: the median of the

@@ -11,8 +11,6 @@ happens. Judged once, at the first training batch of a fit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext, list_names
@@ -63,12 +61,6 @@ class TrainOverrideRule(Rule):
     def __init__(self) -> None:
         super().__init__()
         self.checks = 0
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> TrainOverrideRule:
-        """The rule (it has no thresholds; see :meth:`Rule.from_settings`)."""
-        del thresholds
-        return cls()
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one comparison, ``m.train_overrides``: the classes whose ``train()`` override was tried, the

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, STEPS, CheckSpec, RuleSpec, default, register
@@ -73,8 +73,10 @@ class ValDeclineRule(Rule):
     Args:
         monitor: Name of the metric, for messages and the alert's ``source``.
         mode: ``"min"`` if lower is better, ``"max"`` if higher is better.
-        patience: Consecutive worsening runs before the rule fires.
+        patience: Consecutive worsening runs before the rule fires (the rule's threshold).
         min_delta: Change that counts as worse.
+        min_steps: Optimizer steps the streak must span (``val_decline.min_steps``).
+        z: Standard errors of the difference the streak's worsening must exceed (``val_decline.z``).
 
     Example:
         >>> from lightning_diag.rules.measures import Validation
@@ -86,6 +88,7 @@ class ValDeclineRule(Rule):
 
     needs = frozenset({Measure.VALIDATION})
     specs = (VAL_DECLINE_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {"patience": VAL_DECLINE}
     state_keys = ("previous", "streak", "history", "streak_start", "train_start", "start", "previous_se")
 
     def __init__(
@@ -94,6 +97,8 @@ class ValDeclineRule(Rule):
         mode: Literal["min", "max"] = "min",
         patience: int = DEFAULT_VAL_DECLINE_THRESHOLD,
         min_delta: float = DEFAULT_VAL_DECLINE_MIN_DELTA,
+        min_steps: int = DEFAULT_VAL_DECLINE_MIN_STEPS,
+        z: float = DEFAULT_VAL_DECLINE_Z,
     ) -> None:
         super().__init__()
         self.monitor = monitor
@@ -106,7 +111,7 @@ class ValDeclineRule(Rule):
         self.history: list[float] = []
         #: Optimizer steps the worsening streak must span (``val_decline.min_steps``): with one-batch epochs,
         #: ``patience`` validation runs are a handful of steps.
-        self.min_steps = DEFAULT_VAL_DECLINE_MIN_STEPS
+        self.min_steps = min_steps
         #: The global step of the run the current streak worsens from.
         self.streak_start = 0
         #: The mean training loss before that run (``None``: not known).
@@ -116,7 +121,7 @@ class ValDeclineRule(Rule):
         #: The standard error of the previous value (``None``: unknown).
         self.previous_se: float | None = None
         #: Standard errors the streak's worsening must exceed (``val_decline.z``).
-        self.z = DEFAULT_VAL_DECLINE_Z
+        self.z = z
         #: The last streak's worsening over its standard error (``nan``: unknown).
         self.last_z = math.nan
 
@@ -124,18 +129,6 @@ class ValDeclineRule(Rule):
         """Restore :meth:`state_dict` output; a checkpoint from before ``min_steps`` loads with the streak
         starting at step 0."""
         super().load_state_dict({"streak_start": 0, "train_start": None, "start": [], "previous_se": None, **state})
-
-    @classmethod
-    def from_settings(
-        cls, thresholds: Mapping[str, float | None], *, monitor: str = "val_loss", mode: Literal["min", "max"] = "min"
-    ) -> ValDeclineRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`); ``monitor`` and ``mode`` as
-        for the constructor."""
-        spec = VAL_DECLINE_SPEC
-        rule = cls(monitor, mode, int(spec.value(thresholds)), spec.value(thresholds, "min_delta"))
-        rule.min_steps = int(spec.value(thresholds, "min_steps"))
-        rule.z = spec.value(thresholds, "z")
-        return rule
 
     def significance(self, value: float, se: float | None) -> float:
         """The worsening from the streak's start to ``value`` over its standard error (``inf`` when either

@@ -24,7 +24,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import POSITIVE, STEPS, CheckSpec, Limit, RuleSpec, default, register
@@ -125,6 +125,7 @@ class ValFluctuationRule(Rule):
         monitor: Name of the validation metric, for messages and the alert's ``source``.
         min_rise: The window's rises (sum of increases between consecutive runs), as a fraction of the first
             validation value, below which the rule never fires.
+        min_steps: Optimizer steps the window must span (``val_fluctuation.min_steps``).
 
     The validation fluctuation judged is the part the validation set's own sampling noise does not explain: with
     ``se`` (each run's standard error, :meth:`update`) known, the residual mean square of the fit, in log units,
@@ -147,6 +148,9 @@ class ValFluctuationRule(Rule):
 
     needs = frozenset({Measure.VALIDATION})
     specs = (VAL_FLUCTUATION_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {
+        "ratio": VAL_FLUCTUATION, "min_fluctuation": VAL_FLUCTUATION_SPEC.key("min")
+    }
     state_keys = ("train", "val", "last_ratio", "scale", "steps", "ses")
 
     def __init__(
@@ -157,6 +161,7 @@ class ValFluctuationRule(Rule):
         monitor: str = "val_loss",
         min_range: float = DEFAULT_VAL_FLUCTUATION_MIN_RANGE,
         min_rise: float = DEFAULT_VAL_FLUCTUATION_MIN_RISE,
+        min_steps: int = DEFAULT_VAL_FLUCTUATION_MIN_STEPS,
     ) -> None:
         super().__init__()
         self.latch = Latch(clear_after=2)  # one calm validation run between two fluctuating ones: one event
@@ -180,7 +185,7 @@ class ValFluctuationRule(Rule):
         self.last_noise = math.nan
         #: Optimizer steps the window must span (``val_fluctuation.min_steps``): with short epochs the window
         #: takes in earlier runs until it does.
-        self.min_steps = DEFAULT_VAL_FLUCTUATION_MIN_STEPS
+        self.min_steps = min_steps
         self.last_ratio = math.nan
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -199,18 +204,6 @@ class ValFluctuationRule(Rule):
         while count < judged and self.steps[-2] - self.steps[-1 - count] < self.min_steps:
             count += 1
         return count
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None], *, monitor: str = "val_loss") -> ValFluctuationRule:
-        """The rule with the thresholds in effect (see :meth:`Rule.from_settings`); ``monitor`` as for the
-        constructor."""
-        spec = VAL_FLUCTUATION_SPEC
-        rule = cls(
-            spec.value(thresholds), int(spec.value(thresholds, "window")), spec.value(thresholds, "min"),
-            monitor=monitor, min_range=spec.value(thresholds, "min_range"), min_rise=spec.value(thresholds, "min_rise"),
-        )
-        rule.min_steps = int(spec.value(thresholds, "min_steps"))
-        return rule
 
     def measures(self) -> tuple[float, float]:
         """``(train_fluctuation, val_fluctuation)`` over the judged window (``nan`` until it is full: ``window``

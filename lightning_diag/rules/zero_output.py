@@ -16,6 +16,7 @@ from a module whose outputs had both signs is implausible at any batch size.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import Limit, RuleSpec, register
@@ -71,6 +72,7 @@ class ZeroOutputRule(Rule):
     """
 
     specs = (ZERO_OUTPUT_SPEC,)
+    setting_keys: ClassVar[Mapping[str, str]] = {"history": ZERO_OUTPUT}
     state_keys = ("nonzero", "zeroed", "checks", "signed")
     needs = frozenset({Measure.ZERO_OUTPUTS})
 
@@ -85,11 +87,6 @@ class ZeroOutputRule(Rule):
         self.checks = 0
         #: The modules seen returning a negative value (only they are judged, when signs are fed).
         self.signed: list[str] = []
-
-    @classmethod
-    def from_settings(cls, thresholds: Mapping[str, float | None]) -> ZeroOutputRule:
-        """The rule with the threshold in effect (see :meth:`Rule.from_settings`)."""
-        return cls(int(ZERO_OUTPUT_SPEC.value(thresholds)))
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one sampled step: the modules that ran, those among them whose every output was all zeros and,
