@@ -2,9 +2,13 @@
 ``step_time_fluctuation``), framework-free.
 
 On a machine where more tasks want to run than there are CPUs, when some runnable task waited for a CPU during more
-than :data:`CONTENDED_PRESSURE` of the wall time judged (Linux CPU pressure, ``/proc/pressure/cpu``), the timings
-measure the machine's load as much as the run: those rules then alert as an ``info`` naming that pressure
-(:func:`contention_note`) instead of a warning. :func:`format_seconds` words a duration in their messages.
+than :data:`CONTENDED_PRESSURE` of the wall time judged (Linux CPU pressure, ``/proc/pressure/cpu``; the busiest
+rank's under DDP; the step-time window's mean for the step-time rules, the interval's for ``dataloader_bound``), the
+timings measure the machine's load as much as the run, so the alert is an ``info`` naming that pressure
+(:func:`contention_note`; source ``step_time_contended``, ``dataloader_contended``) instead of a warning. A
+condition that persists once the machine is no longer contended is then a warning of its own (source
+``step_time``, ``dataloader``). Where the system keeps no CPU pressure (another OS, an older kernel) the rules judge
+as they would on a free machine. :func:`format_seconds` words a duration in their messages.
 """
 
 from __future__ import annotations

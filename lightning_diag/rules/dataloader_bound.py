@@ -6,13 +6,9 @@ step time (without the lightning_diag callbacks' own hooks, whose cost is not th
 is a property of its settings, and a share that hovers around the threshold is the same condition, not a new one
 each time it comes back.
 
-On a machine where more tasks want to run than there are CPUs: when some runnable task waited for a CPU during more
-than :data:`~lightning_diag.rules.contention.CONTENDED_PRESSURE` of the wall time judged (Linux CPU pressure,
-``/proc/pressure/cpu``; the busiest rank's under DDP; the interval's), the timings measure the machine's load as
-much as the run, so the alert is an ``info`` naming that pressure (source ``dataloader_contended``) instead of a
-warning. A condition that persists once the machine is no longer contended is then a warning of its own (source
-``dataloader``). Where the system keeps no CPU pressure (another OS, an older kernel) the rule judges as it would on
-a free machine.
+On a contended machine (CPU pressure above :data:`~lightning_diag.rules.contention.CONTENDED_PRESSURE`,
+:mod:`lightning_diag.rules.contention`) the alert is an ``info`` (source ``dataloader_contended``); a condition that
+persists once the machine is free again is a warning of its own (source ``dataloader``).
 """
 
 from __future__ import annotations

@@ -7,13 +7,9 @@ pattern) are cut into blocks of ``block_steps``; the median change between conse
 or drifts slowly is no fluctuation), is above ``threshold`` on ``patience`` consecutive evaluations (at least
 :data:`MIN_BLOCKS` blocks).
 
-On a machine where more tasks want to run than there are CPUs: when some runnable task waited for a CPU during more
-than :data:`~lightning_diag.rules.contention.CONTENDED_PRESSURE` of the wall time judged (Linux CPU pressure,
-``/proc/pressure/cpu``; the busiest rank's under DDP; the step-time window's mean), the timings measure the
-machine's load as much as the run, so the alert is an ``info`` naming that pressure (source ``step_time_contended``)
-instead of a warning. A condition that persists once the machine is no longer contended is then a warning of its own
-(source ``step_time``). Where the system keeps no CPU pressure (another OS, an older kernel) the rule judges as it
-would on a free machine.
+On a contended machine (CPU pressure above :data:`~lightning_diag.rules.contention.CONTENDED_PRESSURE`,
+:mod:`lightning_diag.rules.contention`) the alert is an ``info`` (source ``step_time_contended``); a condition that
+persists once the machine is free again is a warning of its own (source ``step_time``).
 """
 
 from __future__ import annotations
