@@ -199,7 +199,7 @@ def test_rules_note_their_statistic_against_their_threshold() -> None:
     from lightning_diag.rules.grad_collapse import GradCollapseRule
     from lightning_diag.rules.grad_norm_band import GradBandRule
     from lightning_diag.rules.measures import Measures
-    from lightning_diag.rules.system import MemoryGrowthRule
+    from lightning_diag.rules.memory_growth import MemoryGrowthRule
 
     band = GradBandRule(patience=3, warmup_steps=0)
     def grads(rms: dict[str, float], w2: float) -> Measures:

@@ -6,20 +6,21 @@ import lightning_diag.callbacks.attention_entropy.monitor as attention_module
 import lightning_diag.callbacks.data_diagnostics.diagnostics as data_module
 import lightning_diag.rules.attention_logits as attention_logit_rules
 import lightning_diag.rules.attention_specs as attention_rules
-import lightning_diag.rules.data as data_rules
+import lightning_diag.rules.data_sample as data_rules
 import lightning_diag.rules.data_sequences as sequence_rules
 import lightning_diag.rules.errors as error_rules
 import lightning_diag.rules.output_collapse as output_rules
-import lightning_diag.rules.probes as probe_rules
+import lightning_diag.rules.quantization_error as quantization_rules
 import lightning_diag.rules.replicas as replica_rules
 import lightning_diag.rules.robustness as robustness_rules
 import lightning_diag.rules.rollback as rollback_rules
-import lightning_diag.rules.system as system_rules
+import lightning_diag.rules.sharp_minimum as sharp_rules
 import lightning_diag.rules.update_size as update_size_rules
-import lightning_diag.rules.updates as update_rules
+import lightning_diag.rules.updates_applied as update_rules
 from lightning_diag.rules import activations as activation_rules
 from lightning_diag.rules import (
     amp_not_applied,
+    dataloader_bound,
     grad_collapse,
     grad_layer_spread,
     grad_norm_band,
@@ -27,6 +28,9 @@ from lightning_diag.rules import (
     loss_outlier,
     loss_stagnant,
     loss_swing,
+    memory_growth,
+    step_time_fluctuation,
+    step_time_periodic,
     val_decline,
     val_fluctuation,
     zero_output,
@@ -37,10 +41,10 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 #: ``train_override_bypassed``, ``eval_randomness`` and ``eval_before_training``, have none).
 MODULES = (
     loss_swing, val_decline, val_fluctuation, loss_stagnant, alarm_module, grad_norm_band, grad_layer_spread,
-    grad_collapse, grad_settings, attention_rules, attention_module, data_rules, data_module, probe_rules,
-    system_rules, error_rules, robustness_rules, update_rules, replica_rules, sequence_rules, amp_not_applied,
-    loss_outlier, zero_output, activation_rules, update_size_rules,
-    output_rules, attention_logit_rules,
+    grad_collapse, grad_settings, attention_rules, attention_module, data_rules, data_module, sharp_rules,
+    quantization_rules, dataloader_bound, step_time_periodic, step_time_fluctuation, memory_growth, error_rules,
+    robustness_rules, update_rules, replica_rules, sequence_rules, amp_not_applied, loss_outlier, zero_output,
+    activation_rules, update_size_rules, output_rules, attention_logit_rules,
 )
 
 

@@ -5,9 +5,9 @@ of each split against ``label_imbalance``. * ``data_train_test_overlap`` ("train
 the latest ``diag/data/leaked_fraction`` (the Jaccard containment of the validation set in the training set,
 docs/data_diagnostics.md) against ``data_leakage``.
 
-Both rows are replayed with :class:`~lightning_diag.rules.data.DataRules`, the code the callback runs. Registered on
-import by :mod:`lightning_diag.report.checks` (the row machinery comes from :mod:`lightning_diag.report.rows`).
-Imports neither torch nor Lightning.
+Both rows are replayed with :class:`~lightning_diag.rules.data_sample.DataRules`, the code the callback runs.
+Registered on import by :mod:`lightning_diag.report.checks` (the row machinery comes from
+:mod:`lightning_diag.report.rows`). Imports neither torch nor Lightning.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lightning_diag.report.load import RunData
 from lightning_diag.report.replay import replay, run_setting
 from lightning_diag.report.rows import Check, measure
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.data import DATA_LEAKAGE, LABEL_IMBALANCE, DataMeasurement, DataRules
+from lightning_diag.rules.data_sample import DATA_LEAKAGE, LABEL_IMBALANCE, DataMeasurement, DataRules
 from lightning_diag.rules.measures import Measures
 
 __all__: list[str] = []

@@ -17,12 +17,8 @@ from lightning_diag.report.rows import Check, finite_values, fmt, measure
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.catalog import QUANTIZATION_ERROR, SHARP_MINIMUM
 from lightning_diag.rules.measures import Measures, QuantizationReading, SharpnessReading
-from lightning_diag.rules.probes import (
-    QUANTIZATION_LAYER_RATIO_KEY,
-    SHARP_MINIMUM_PATIENCE_KEY,
-    QuantizationErrorRule,
-    SharpMinimumRule,
-)
+from lightning_diag.rules.quantization_error import QUANTIZATION_LAYER_RATIO_KEY, QuantizationErrorRule
+from lightning_diag.rules.sharp_minimum import SHARP_MINIMUM_PATIENCE_KEY, SharpMinimumRule
 
 __all__: list[str] = []
 

@@ -207,7 +207,7 @@ class FromSettings:
         the ones the generated one would read).
 
         Example:
-            >>> from lightning_diag.rules.probes import SharpMinimumRule
+            >>> from lightning_diag.rules.sharp_minimum import SharpMinimumRule
             >>> SharpMinimumRule.settings_map()
             {'threshold': 'sharp_minimum', 'patience': 'sharp_minimum.patience'}
         """

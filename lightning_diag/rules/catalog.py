@@ -37,17 +37,17 @@ from lightning_diag.rules.attention_specs import (
     ATTN_SINK,
     ATTN_SINK_CHECK,
 )
-from lightning_diag.rules.data import (
-    BATCH_SIZE_MISMATCH,
+from lightning_diag.rules.data_loader import BATCH_SIZE_MISMATCH, WORKER_RNG_SHARED
+from lightning_diag.rules.data_sample import (
     DATA_LEAKAGE,
     DATA_NONFINITE,
     DATA_VOCAB_SHIFT,
     LABEL_BALANCE_CHECK,
     LABEL_IMBALANCE,
     TRAIN_TEST_OVERLAP_CHECK,
-    WORKER_RNG_SHARED,
 )
 from lightning_diag.rules.data_sequences import LOSS_ON_PADDING, POSITION_OVERFLOW
+from lightning_diag.rules.dataloader_bound import DATALOADER_BOUND
 from lightning_diag.rules.errors import ERROR_CLUSTER, ERROR_CONCENTRATION_CHECK
 from lightning_diag.rules.eval_before_training import EVAL_BEFORE_TRAINING
 from lightning_diag.rules.eval_randomness import EVAL_RANDOMNESS
@@ -55,26 +55,24 @@ from lightning_diag.rules.grad_collapse import GRAD_COLLAPSE, GRAD_COLLAPSE_CHEC
 from lightning_diag.rules.grad_frozen import GRAD_FROZEN
 from lightning_diag.rules.grad_layer_spread import GRAD_LAYER_SPREAD, GRAD_SPREAD_CHECK
 from lightning_diag.rules.grad_norm_band import GRAD_EXPLODE, GRAD_NORM_BAND_CHECK, GRAD_VANISH
+from lightning_diag.rules.grad_not_zeroed import GRAD_NOT_ZEROED
 from lightning_diag.rules.loss_outlier import LOSS_OUTLIER
 from lightning_diag.rules.loss_stagnant import LOSS_STAGNANT
 from lightning_diag.rules.loss_swing import LOSS_SWING, LOSS_SWING_CHECK
+from lightning_diag.rules.memory_growth import MEMORY_GROWTH
 from lightning_diag.rules.nonfinite import NONFINITE_GRAD, NONFINITE_LOSS
 from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OUTPUTS_VARY_CHECK
-from lightning_diag.rules.probes import LOSS_SURFACE_CHECK, QUANTIZATION_CHECK, QUANTIZATION_ERROR, SHARP_MINIMUM
+from lightning_diag.rules.quantization_error import QUANTIZATION_CHECK, QUANTIZATION_ERROR
 from lightning_diag.rules.replicas import DDP_DESYNC, REPLICAS_AGREE_CHECK
 from lightning_diag.rules.robustness import ROBUSTNESS_CHECK, ROBUSTNESS_DROP
 from lightning_diag.rules.rollback import NONFINITE_ROLLBACK
-from lightning_diag.rules.system import (
-    DATALOADER_BOUND,
-    LATENCY_FLUCTUATION_CHECK,
-    MEMORY_GROWTH,
-    STEP_TIME_FLUCTUATION,
-    STEP_TIME_PERIODIC,
-)
+from lightning_diag.rules.sharp_minimum import LOSS_SURFACE_CHECK, SHARP_MINIMUM
+from lightning_diag.rules.step_time_fluctuation import LATENCY_FLUCTUATION_CHECK, STEP_TIME_FLUCTUATION
+from lightning_diag.rules.step_time_periodic import STEP_TIME_PERIODIC
 from lightning_diag.rules.train_mode import EVAL_MODE_IN_TRAINING
 from lightning_diag.rules.train_override_bypassed import TRAIN_OVERRIDE_BYPASSED
 from lightning_diag.rules.update_size import UPDATE_SIZE_CHECK, UPDATE_TOO_SMALL
-from lightning_diag.rules.updates import GRAD_NOT_ZEROED, UPDATE_NONE, UPDATE_STALE, UPDATES_APPLIED_CHECK
+from lightning_diag.rules.updates_applied import UPDATE_NONE, UPDATE_STALE, UPDATES_APPLIED_CHECK
 from lightning_diag.rules.val_decline import VAL_DECLINE, VAL_DECLINE_CHECK
 from lightning_diag.rules.val_fluctuation import VAL_FLUCTUATION, VAL_FLUCTUATION_CHECK
 from lightning_diag.rules.zero_output import ZERO_OUTPUT

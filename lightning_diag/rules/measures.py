@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.rules.activations import ActivationReading
     from lightning_diag.rules.attention_specs import LayerStats
-    from lightning_diag.rules.data import DataMeasurement
+    from lightning_diag.rules.data_sample import DataMeasurement
     from lightning_diag.rules.data_sequences import SequenceMeasurement
     from lightning_diag.rules.errors import Group
-    from lightning_diag.rules.updates import LayerUpdate
+    from lightning_diag.rules.updates_applied import LayerUpdate
     from lightning_diag.stats.timing import Series
 
 __all__ = [

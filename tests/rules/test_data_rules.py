@@ -1,4 +1,4 @@
-"""rules/data.py: thresholds, latching, state, messages (table-driven)."""
+"""rules/data_sample.py and rules/data_loader.py: thresholds, latching, state, messages (table-driven)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.data import DataMeasurement, DataRules, InputProblem
+from lightning_diag.rules.data_sample import DataMeasurement, DataRules, InputProblem
 from lightning_diag.rules.measures import Measures
 
 CTX = StepContext(0, 0)

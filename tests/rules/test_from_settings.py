@@ -16,8 +16,8 @@ from lightning_diag.rules.base import FromSettings, Latch
 from lightning_diag.rules.errors import ErrorClusterRule
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING
 from lightning_diag.rules.nonfinite import NONFINITE_GRAD_SPEC, NONFINITE_LOSS_SPEC, NonFinitePolicy
-from lightning_diag.rules.probes import SHARP_MINIMUM_SPEC, SharpMinimumRule
-from lightning_diag.rules.updates import UPDATE_NONE_SPEC, UPDATE_STALE, UPDATE_STALE_SPEC, UpdateRule
+from lightning_diag.rules.sharp_minimum import SHARP_MINIMUM_SPEC, SharpMinimumRule
+from lightning_diag.rules.updates_applied import UPDATE_NONE_SPEC, UPDATE_STALE, UPDATE_STALE_SPEC, UpdateRule
 
 _RULES_DIR = Path(lightning_diag.__file__).parent / "rules"
 

@@ -9,7 +9,7 @@ import pytest
 
 import lightning_diag.rules
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.data import LoaderRules
+from lightning_diag.rules.data_loader import LoaderRules
 from lightning_diag.rules.grad_norm_band import GradBandRule
 from lightning_diag.rules.measures import LossWindow, Measure, Measures
 from lightning_diag.rules.update_size import UpdateSizeRule

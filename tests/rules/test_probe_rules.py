@@ -7,12 +7,14 @@ import pytest
 
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures, QuantizationReading, SharpnessReading
-from lightning_diag.rules.probes import (
+from lightning_diag.rules.quantization_error import (
     DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO,
     DEFAULT_QUANTIZATION_ERROR_THRESHOLD,
+    QuantizationErrorRule,
+)
+from lightning_diag.rules.sharp_minimum import (
     DEFAULT_SHARP_MINIMUM_PATIENCE,
     DEFAULT_SHARP_MINIMUM_THRESHOLD,
-    QuantizationErrorRule,
     SharpMinimumRule,
 )
 

@@ -2,15 +2,11 @@ import numpy as np
 import pytest
 
 from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.dataloader_bound import DataloaderBoundRule
 from lightning_diag.rules.measures import LoaderWait, Measures, StepTimes
-from lightning_diag.rules.system import (
-    DataloaderBoundRule,
-    MemoryGrowthRule,
-    StepFluctuationRule,
-    StepPeriodicRule,
-    explained_by_work,
-    pattern_from_start,
-)
+from lightning_diag.rules.memory_growth import MemoryGrowthRule
+from lightning_diag.rules.step_time_fluctuation import StepFluctuationRule
+from lightning_diag.rules.step_time_periodic import StepPeriodicRule, explained_by_work, pattern_from_start
 
 CTX = StepContext(epoch=0, global_step=100)
 

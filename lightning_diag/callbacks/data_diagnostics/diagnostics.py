@@ -28,8 +28,8 @@ from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.batches import size_mismatch
 from lightning_diag.instrument.positions import position_capacity
 from lightning_diag.output.images import heatmap
-from lightning_diag.rules.data import (
-    BATCH_SIZE_MISMATCH,
+from lightning_diag.rules.data_loader import BATCH_SIZE_MISMATCH, LoaderRules
+from lightning_diag.rules.data_sample import (
     DATA_LEAKAGE,
     DATA_MAX_BATCHES_SETTING,
     DATA_VOCAB_SHIFT,
@@ -40,7 +40,6 @@ from lightning_diag.rules.data import (
     LEAKAGE_SHINGLE_SIZE_KEY,
     VOCAB_SHIFT_MIN_COUNT_KEY,
     DataRules,
-    LoaderRules,
 )
 from lightning_diag.rules.data_sequences import SequenceRules
 from lightning_diag.rules.measures import BatchSizes, LoaderStreams, Measures
@@ -114,7 +113,8 @@ class DataDiagnostics(DiagCallback):
     * ``diag/data/seconds``: what the measurement cost; ``diag/data/summary`` (text): class table, leak examples,
       broken inputs; ``diag/threshold/data_vocab_shift``, ``.../data_leakage``, ``.../label_imbalance``.
 
-    Rules (exact meaning in :mod:`lightning_diag.rules.data` and docs/data_diagnostics.md):
+    Rules (exact meaning in :mod:`lightning_diag.rules.data_sample`, :mod:`lightning_diag.rules.data_loader` and
+    docs/data_diagnostics.md):
 
     * ``data_vocab_shift`` (warning): smoothed ``KL(P_val || P_train)`` of the token frequencies above
       ``data_vocab_shift.threshold`` nats.

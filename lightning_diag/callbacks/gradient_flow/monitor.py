@@ -54,9 +54,10 @@ from lightning_diag.rules.grad_collapse import GradCollapseRule
 from lightning_diag.rules.grad_frozen import GradFrozenRule
 from lightning_diag.rules.grad_layer_spread import GradSpreadRule
 from lightning_diag.rules.grad_norm_band import GRAD_EXPLODE, GRAD_VANISH, GradBandRule, sgd_step_scale
+from lightning_diag.rules.grad_not_zeroed import GradNotZeroedRule
 from lightning_diag.rules.measures import Measures, WeightNorms
 from lightning_diag.rules.update_size import UpdateSizeRule
-from lightning_diag.rules.updates import UPDATE_SAMPLE_SIZE_KEY, GradNotZeroedRule, UpdateRule
+from lightning_diag.rules.updates_applied import UPDATE_SAMPLE_SIZE_KEY, UpdateRule
 
 __all__ = ["GradientFlowMonitor"]
 

@@ -28,10 +28,7 @@ from lightning_diag.instrument.sharded_quant import (
 )
 from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.measures import Measures, QuantizationReading
-from lightning_diag.rules.probes import (
-    QUANTIZATION_ERROR,
-    QuantizationErrorRule,
-)
+from lightning_diag.rules.quantization_error import QUANTIZATION_ERROR, QuantizationErrorRule
 from lightning_diag.stats.grad import is_dtensor
 from lightning_diag.stats.quantization import (
     Granularity,

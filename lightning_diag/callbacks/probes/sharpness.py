@@ -14,7 +14,7 @@ from lightning_diag.core.tags import sharpness_layer_tag, sharpness_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.measures import Measures, SharpnessReading
-from lightning_diag.rules.probes import (
+from lightning_diag.rules.sharp_minimum import (
     SHARP_MINIMUM,
     SHARP_MINIMUM_PATIENCE_KEY,
     SHARP_MINIMUM_RHO_KEY,

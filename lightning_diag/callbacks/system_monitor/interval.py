@@ -16,7 +16,7 @@ import torch
 
 from lightning_diag.core.tags import family_tag
 from lightning_diag.instrument.clocks import CudaClock, HostClock
-from lightning_diag.rules.system import STEP_TIME_FLUCTUATION
+from lightning_diag.rules.step_time_fluctuation import STEP_TIME_FLUCTUATION
 
 __all__ = ["HEADER", "Mark", "Step", "gather_ranks", "interval_values", "judged_waits", "resolve_steps"]
 

@@ -21,18 +21,15 @@ from lightning_diag.core.tags import family_tag, overhead_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
+from lightning_diag.rules.dataloader_bound import DATALOADER_BOUND, DataloaderBoundRule
 from lightning_diag.rules.measures import LoaderWait, Measures, StepTimes
-from lightning_diag.rules.system import (
-    DATALOADER_BOUND,
-    MIN_STEPS,
+from lightning_diag.rules.memory_growth import MemoryGrowthRule
+from lightning_diag.rules.step_time_fluctuation import (
     STEP_TIME_FLUCTUATION,
     STEP_TIME_WARMUP_STEPS_KEY,
-    STEP_TIME_WINDOW_KEY,
-    DataloaderBoundRule,
-    MemoryGrowthRule,
     StepFluctuationRule,
-    StepPeriodicRule,
 )
+from lightning_diag.rules.step_time_periodic import MIN_STEPS, STEP_TIME_WINDOW_KEY, StepPeriodicRule
 
 __all__ = ["SystemMonitor", "SystemProfiler"]
 
@@ -100,10 +97,10 @@ class SystemMonitor(DiagCallback):
       ``diag/system/overhead_timed_batches``: the share of the interval's batches whose hooks were timed.
     * ``diag/threshold/dataloader_bound``, ``diag/threshold/step_time_fluctuation``: reference lines.
 
-    Rules (see :mod:`lightning_diag.rules.system` for the exact meaning): ``dataloader_bound``,
-    ``step_time_periodic``, ``step_time_fluctuation``, ``memory_growth``. Under DDP the rules judge the
-    elementwise maximum over ranks (a synchronous step is as slow as its slowest rank), so every rank decides
-    the same; the NVML utilisation test judges each rank's own device.
+    Rules (see their modules in :mod:`lightning_diag.rules`, each named after its rule, for the exact meaning):
+    ``dataloader_bound``, ``step_time_periodic``, ``step_time_fluctuation``, ``memory_growth``. Under DDP the rules
+    judge the elementwise maximum over ranks (a synchronous step is as slow as its slowest rank), so every rank
+    decides the same; the NVML utilisation test judges each rank's own device.
 
     Args:
         log_every_n_steps: Aggregate, log and judge every this many optimizer steps; defaults to the trainer's.

@@ -1,4 +1,5 @@
-"""Update rules (framework-free): ``update_none``, ``update_stale``, ``grad_not_zeroed``.
+"""Update rules (framework-free): ``update_none``, ``update_stale`` (one class, one report row,
+``updates_applied``).
 
 Fed by :class:`~lightning_diag.GradientFlowMonitor` on its measured steps with what a small fixed sample of each
 parameter's elements did across the optimizer step (:mod:`lightning_diag.stats.updates`). Exact meaning:
@@ -22,14 +23,6 @@ parameter's elements did across the optimizer step (:mod:`lightning_diag.stats.u
   0.12 and stays within 0.5% of the same run with fp32 master weights (``bf16-mixed``) at every 16-step window;
   60% to 93% of its elements would move at Adam's full step (``lr >= |w| * 2**-8``), against 0% to 1% under
   ``bf16_tiny_lr`` (1e-6), whose every sampled element stays unchanged from the first measurement.
-* ``grad_not_zeroed`` (warning): a parameter's ``.grad`` still held a non-zero gradient left from before its own
-  optimizer's last ``step()`` at a backward, that backward added to it, and the optimizer's next ``step()``
-  applied the sum (nothing set it to ``None`` or zero in between): manual optimization without ``zero_grad``, or
-  an ``optimizer_zero_grad`` overridden with a no-op, so every step applies the sum of all earlier gradients.
-  Watched from each measured step of an optimizer to that optimizer's next step. Deliberate accumulation (several
-  backward passes, then the step, then ``zero_grad``), ``accumulate_grad_batches``, and GAN-style optimizers
-  whose parameters keep the last step's gradients during the other optimizer's backward (``toggle_optimizer``,
-  parameters outside its graph, or ``zero_grad`` right before each optimizer's own backward) never trip it.
 
 Layers tripping one rule at one measurement make one alert naming them; each layer is latched until it clears.
 """
@@ -54,8 +47,6 @@ __all__ = [
     "DEFAULT_STALE_LOSS_FALL",
     "DEFAULT_UPDATE_PATIENCE",
     "DEFAULT_UPDATE_SAMPLE_SIZE",
-    "GRAD_NOT_ZEROED",
-    "GRAD_NOT_ZEROED_SPEC",
     "UPDATES_APPLIED_CHECK",
     "UPDATE_CAUSES",
     "UPDATE_NONE",
@@ -63,7 +54,6 @@ __all__ = [
     "UPDATE_SAMPLE_SIZE_KEY",
     "UPDATE_STALE",
     "UPDATE_STALE_SPEC",
-    "GradNotZeroedRule",
     "LayerUpdate",
     "UpdateRule",
 ]
@@ -88,14 +78,8 @@ UPDATE_STALE_SPEC = register(RuleSpec(
         "certain": FRACTION, "loss_fall": FRACTION,
     },
 ))
-GRAD_NOT_ZEROED_SPEC = register(RuleSpec(
-    "grad_not_zeroed", GRADIENT_FLOW, "warning", None,
-    "a backward adds to gradients left in `.grad` from before their optimizer's last step, and that "
-    "optimizer's next step applies the sum (no `zero_grad` between the steps)",
-))
 UPDATE_NONE = UPDATE_NONE_SPEC.rule_id
 UPDATE_STALE = UPDATE_STALE_SPEC.rule_id
-GRAD_NOT_ZEROED = GRAD_NOT_ZEROED_SPEC.rule_id
 #: The ``lightning-diag report`` checklist row of both rules (registered in report order by
 #: :mod:`lightning_diag.rules.catalog`).
 UPDATES_APPLIED_CHECK = CheckSpec("updates_applied", "Training",
@@ -289,50 +273,3 @@ class UpdateRule(Rule):
             if self.latch.update(key, held):
                 new.append(layer)
         return new
-
-
-class GradNotZeroedRule(Rule):
-    """``grad_not_zeroed``: the layers whose left-over gradients a backward added to and the next step applied.
-
-    Latched as one source (``optimizer``): it alerts once, and again only after a check found the gradients zeroed.
-
-    Example:
-        >>> from lightning_diag.rules.measures import StaleGrads
-        >>> rule = GradNotZeroedRule()
-        >>> m = Measures(stale_grads=StaleGrads(["fc"], optimizers=["optimizer 0 (SGD)"]))
-        >>> [a.rule for a in rule.judge(StepContext(0, 6), m)]
-        ['grad_not_zeroed']
-        >>> rule.judge(StepContext(0, 11), Measures(stale_grads=StaleGrads(["fc"])))
-        []
-    """
-
-    specs = (GRAD_NOT_ZEROED_SPEC,)
-    state_keys = ("checks",)
-    needs = frozenset({Measure.STALE_GRADS})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.checks = 0
-
-    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
-        """Judge one check (the layers whose gradients were not zeroed, empty: all were; ``optimizers``: the names
-        of the optimizers holding them); return the alerts."""
-        assert m.stale_grads is not None  # checked against `needs`
-        stale_layers, optimizers = m.stale_grads.layers, m.stale_grads.optimizers
-        self.checks += 1
-        layers = sorted(stale_layers)
-        if not self.latch.update("optimizer", bool(layers)):
-            return []
-        owner = f" (parameters of {', '.join(optimizers)})" if optimizers else ""
-        return [
-            self._alert(
-                ctx,
-                f"a backward added to the gradients left in `.grad` from before the last optimizer step in "
-                f"{list_names(layers)}{owner}, and the next step applied the sum: nothing zeroed them, so every "
-                "step applies the sum of all earlier gradients; call `optimizer.zero_grad()` after "
-                "`optimizer.step()` (manual optimization), or do not override `optimizer_zero_grad` with a no-op",
-                source=layers[0],
-                value=float(len(layers)),
-                threshold=None,
-            )
-        ]

@@ -1,5 +1,6 @@
-"""Rules of the validation-end probes: ``sharp_minimum`` (SharpnessProbe) and ``quantization_error``
-(QuantizationProbe). Plain Python; defaults read from the rule registry."""
+"""``quantization_error``, the rule of :class:`~lightning_diag.QuantizationProbe` (validation end). Plain
+Python; defaults read from the rule registry.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ import itertools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, POSITIVE, CheckSpec, Limit, RuleSpec, register
-from lightning_diag.rules.base import Latch, Rule, StepContext, excess
+from lightning_diag.core.registry import POSITIVE, CheckSpec, Limit, RuleSpec, register
+from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = [
@@ -19,30 +19,17 @@ __all__ = [
     "DEFAULT_QUANTIZATION_ERROR_LAYER_RATIO",
     "DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR",
     "DEFAULT_QUANTIZATION_ERROR_THRESHOLD",
-    "DEFAULT_SHARP_MINIMUM_PATIENCE",
-    "DEFAULT_SHARP_MINIMUM_RHO",
-    "DEFAULT_SHARP_MINIMUM_THRESHOLD",
-    "LOSS_SURFACE_CHECK",
     "MIN_LAYERS_FOR_MEDIAN",
     "QUANTIZATION_CHECK",
     "QUANTIZATION_ERROR",
     "QUANTIZATION_ERROR_SPEC",
     "QUANTIZATION_LAYER_RATIO_KEY",
-    "SHARP_MINIMUM",
-    "SHARP_MINIMUM_PATIENCE_KEY",
-    "SHARP_MINIMUM_RHO_KEY",
-    "SHARP_MINIMUM_SPEC",
     "QuantizationErrorRule",
-    "SharpMinimumRule",
 ]
 
-# -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
-SHARP_MINIMUM_SPEC = register(RuleSpec(
-    "sharp_minimum", "SharpnessProbe", "warning", 0.3,
-    "SAM gap L(w+ε) − L(w) above {threshold:g} (rho {rho:g}) on {patience:g} consecutive probes",
-    settings={"rho": 0.05, "patience": 3}, check="loss_surface", source="seed 000 §4.1",
-    limits={"threshold": POSITIVE, "rho": POSITIVE, "patience": COUNT},
-))
+_WORST_NAMED = 3
+
+# -- declaration (the docs' thresholds table and the report read it) ---------------------------------------------
 QUANTIZATION_ERROR_SPEC = register(RuleSpec(
     "quantization_error", "QuantizationProbe", "warning", 0.05,
     "INT8 end-to-end relative loss change above {threshold:.0%}, or a layer's output MSE above {layer_ratio:g}x "
@@ -51,30 +38,15 @@ QUANTIZATION_ERROR_SPEC = register(RuleSpec(
     source="seed 000 §5.1, §7.1",
     limits={"threshold": POSITIVE, "layer_ratio": Limit(low=1.0, low_inclusive=True)},
 ))
-SHARP_MINIMUM = SHARP_MINIMUM_SPEC.rule_id
 QUANTIZATION_ERROR = QUANTIZATION_ERROR_SPEC.rule_id
-#: Their rows of the ``lightning-diag report`` checklist (registered in report order by
+#: Its row of the ``lightning-diag report`` checklist (registered in report order by
 #: :mod:`lightning_diag.rules.catalog`).
 QUANTIZATION_CHECK = CheckSpec("deploy_quantization_error", "Deployment",
                                "Quantization error < {quantization_error:.0%} (INT8 end-to-end loss change; no "
                                "layer's output MSE above {quantization_error__layer_ratio:g}x the median layer's)")
-LOSS_SURFACE_CHECK = CheckSpec("loss_surface", "Training",
-                               "Loss surface: SAM gap L(w+ε) − L(w) not above {sharp_minimum:g} on "
-                               "{sharp_minimum__patience:g} consecutive probes (rho {sharp_minimum__rho:g})")
-#: ``thresholds()`` keys of the settings SharpnessProbe reads for its own measuring.
-SHARP_MINIMUM_PATIENCE_KEY = SHARP_MINIMUM_SPEC.key("patience")
-SHARP_MINIMUM_RHO_KEY = SHARP_MINIMUM_SPEC.key("rho")
 #: ``thresholds()`` key of ``quantization_error``'s per-layer ratio (read back by the report).
 QUANTIZATION_LAYER_RATIO_KEY = QUANTIZATION_ERROR_SPEC.key("layer_ratio")
-
-_SHARP = SHARP_MINIMUM_SPEC
 _QUANT = QUANTIZATION_ERROR_SPEC
-#: SAM gap above which a probe counts as sharp (seed 000 §4.1).
-DEFAULT_SHARP_MINIMUM_THRESHOLD: float = _SHARP.value({})
-#: SAM's perturbation radius (Foret et al. 2021).
-DEFAULT_SHARP_MINIMUM_RHO: float = float(_SHARP.settings["rho"])
-#: Consecutive sharp probes before ``sharp_minimum`` fires ("persistently").
-DEFAULT_SHARP_MINIMUM_PATIENCE: int = int(_SHARP.settings["patience"])
 #: End-to-end relative change of the loss above which INT8 is judged too lossy (seed 000 §7.1).
 DEFAULT_QUANTIZATION_ERROR_THRESHOLD: float = _QUANT.value({})
 #: A layer whose relative output MSE is above this many times the median layer's (seed 000 §5.1).
@@ -85,71 +57,6 @@ DEFAULT_QUANTIZATION_ERROR_MIN_LAYER_ERROR: float = float(_QUANT.settings["min_l
 MIN_LAYERS_FOR_MEDIAN = 3
 #: ``quantization_error``: standard errors of the loss change (the spread of its per-batch changes) it must exceed.
 CHANGE_SIGNIFICANCE = 2.0
-_WORST_NAMED = 3
-
-
-class SharpMinimumRule(Rule):
-    """``sharp_minimum``: the SAM gap above ``threshold`` on ``patience`` consecutive probes.
-
-    A non-finite gap is skipped (the streak neither grows nor resets). The alert's source is ``"model"``. The
-    margin noted (:meth:`~lightning_diag.rules.base.Rule.observe`) is the statistic that decides: the smallest gap of
-    the last ``patience`` probes (from the ``patience``-th probe on), so a single sharp probe is not "close to an
-    alert".
-
-    Example:
-        >>> from lightning_diag.rules.measures import SharpnessReading
-        >>> rule = SharpMinimumRule(threshold=0.3, patience=2)
-        >>> ms = [Measures(sharpness=SharpnessReading(g)) for g in (0.5, 0.1, 0.5, 0.6, 0.7)]
-        >>> [bool(rule.judge(StepContext(i, i), m)) for i, m in enumerate(ms)]
-        [False, False, False, True, False]
-        >>> round(rule.peaks["sharp_minimum"], 3)  # min(0.6, 0.7) / 0.3
-        2.0
-    """
-
-    specs = (SHARP_MINIMUM_SPEC,)
-    needs = frozenset({Measure.SHARPNESS})
-    state_keys = ("streak", "recent")
-
-    def __init__(
-        self, threshold: float = DEFAULT_SHARP_MINIMUM_THRESHOLD, patience: int = DEFAULT_SHARP_MINIMUM_PATIENCE
-    ) -> None:
-        super().__init__()
-        self.threshold = threshold
-        self.patience = patience
-        self.latch = Latch.for_patience(patience)
-        self.streak = 0
-        #: The last ``patience`` finite gaps (the smallest decides).
-        self.recent: list[float] = []
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before ``recent`` was saved loads with none."""
-        super().load_state_dict({"recent": [], **state})
-
-    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
-        """Judge one probe's gap; return the alert when the streak reaches ``patience`` (latched)."""
-        s = m.sharpness
-        assert s is not None  # checked against `needs`
-        gap, relative_gap, rho, worst_layers = s.gap, s.relative_gap, s.rho, s.worst_layers
-        if not math.isfinite(gap):
-            return []
-        self.recent = [*self.recent, float(gap)][-max(int(self.patience), 1) :]
-        if len(self.recent) >= self.patience:
-            self.observe(min(self.recent), self.threshold)  # the statistic that decides
-        self.streak = self.streak + 1 if gap > self.threshold else 0
-        if not self.latch.update("model", self.streak >= self.patience, excess(gap, self.threshold)):
-            return []
-        parts = [f"SAM gap L(w+ε) − L(w) = {gap:.3g} above {self.threshold:g} on {self.streak} consecutive probes"]
-        if rho is not None:
-            parts[0] += f" (rho {rho:g})"
-        if relative_gap is not None and math.isfinite(relative_gap):
-            parts.append(f"{relative_gap:.0%} of the loss")
-        if worst_layers:
-            parts.append("most sensitive: " + ", ".join(f"{n} (+{g:.3g})" for n, g in worst_layers[:_WORST_NAMED]))
-        message = "; ".join(parts) + (
-            ": the minimum is sharp, which tends to generalise poorly; consider SAM/ASAM, a lower learning rate "
-            "late in training, weight decay, or a larger batch-noise scale"
-        )
-        return [self._alert(ctx, message, "model", gap, self.threshold)]
 
 
 class QuantizationErrorRule(Rule):

@@ -1,0 +1,46 @@
+"""The CPU-pressure helpers of the three wall-clock rules (``dataloader_bound``, ``step_time_periodic``,
+``step_time_fluctuation``), framework-free.
+
+On a machine where more tasks want to run than there are CPUs, when some runnable task waited for a CPU during more
+than :data:`CONTENDED_PRESSURE` of the wall time judged (Linux CPU pressure, ``/proc/pressure/cpu``; the busiest
+rank's under DDP; the step-time window's mean for the step-time rules, the interval's for ``dataloader_bound``), the
+timings measure the machine's load as much as the run, so the alert is an ``info`` naming that pressure
+(:func:`contention_note`; source ``step_time_contended``, ``dataloader_contended``) instead of a warning. A
+condition that persists once the machine is no longer contended is then a warning of its own (source
+``step_time``, ``dataloader``). Where the system keeps no CPU pressure (another OS, an older kernel) the rules judge
+as they would on a free machine. :func:`format_seconds` words a duration in their messages.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = [
+    "CONTENDED_PRESSURE",
+    "contended",
+    "contention_note",
+    "format_seconds",
+]
+#: The step-time rules: a share of the window's wall time with some runnable task waiting for a CPU above this
+#: makes the machine contended (an ``info``, not a warning). A machine the run has to itself stays at a few
+#: percent; three CPU-bound processes on two cores, near 50%.
+CONTENDED_PRESSURE = 0.10
+
+
+def contended(pressure: float | None) -> bool:
+    """Whether a CPU pressure (:attr:`~lightning_diag.rules.measures.Measures.cpu_pressure`, ``None``: not known)
+    makes the machine contended (above :data:`CONTENDED_PRESSURE`)."""
+    return pressure is not None and math.isfinite(pressure) and pressure > CONTENDED_PRESSURE
+
+
+def contention_note(pressure: float | None) -> str:
+    return (
+        f" while the machine was contended (some runnable task waited for a CPU {pressure:.0%} of the time:"
+        " other processes, or more dataloader workers than cores): the timings follow the machine's load;"
+        " judged as a warning when the CPU pressure is below"
+        f" {CONTENDED_PRESSURE:.0%}"
+    )
+
+
+def format_seconds(value: float) -> str:
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"

@@ -1,0 +1,132 @@
+"""``step_time_fluctuation`` (framework-free), fed by :class:`~lightning_diag.SystemMonitor` at its logging steps.
+
+Exact meaning: the step times of the window (after ``warmup_steps``, without the step after a
+validation run, an epoch's first step, a step that saved a checkpoint and without the steps of a periodic
+pattern) are cut into blocks of ``block_steps``; the median change between consecutive block medians, over
+``sqrt(2)`` times their median (:func:`~lightning_diag.stats.timing.block_fluctuation`: a level that moves once
+or drifts slowly is no fluctuation), is above ``threshold`` on ``patience`` consecutive evaluations (at least
+:data:`MIN_BLOCKS` blocks).
+
+On a contended machine (CPU pressure above :data:`~lightning_diag.rules.contention.CONTENDED_PRESSURE`,
+:mod:`lightning_diag.rules.contention`) the alert is an ``info`` (source ``step_time_contended``); a condition that
+persists once the machine is free again is a warning of its own (source ``step_time``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from lightning_diag.core.record import Alert, Severity
+from lightning_diag.core.registry import COUNT, POSITIVE, STEPS, CheckSpec, RuleSpec, default, register
+from lightning_diag.rules.base import Latch, Rule, StepContext, excess
+from lightning_diag.rules.contention import contended, contention_note
+from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.stats.timing import block_fluctuation
+
+__all__ = [
+    "DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS",
+    "DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE",
+    "DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD",
+    "DEFAULT_STEP_TIME_WARMUP_STEPS",
+    "LATENCY_FLUCTUATION_CHECK",
+    "MIN_BLOCKS",
+    "STEP_TIME_FLUCTUATION",
+    "STEP_TIME_FLUCTUATION_SPEC",
+    "STEP_TIME_WARMUP_STEPS_KEY",
+    "StepFluctuationRule",
+]
+
+_SYSTEM = "SystemMonitor"
+STEP_TIME_FLUCTUATION_SPEC = register(RuleSpec(
+    "step_time_fluctuation", _SYSTEM, "warning", 0.15,
+    "step-time fluctuation (median change between consecutive {block_steps:g}-step block medians / (sqrt 2 x their "
+    "median)) above {threshold:.0%}",
+    settings={"patience": 3, "warmup_steps": 20, "block_steps": 10}, check="deploy_latency_fluctuation",
+    source="seed 000 §7.1",
+    limits={"threshold": POSITIVE, "patience": COUNT, "warmup_steps": STEPS, "block_steps": COUNT},
+))
+STEP_TIME_FLUCTUATION = STEP_TIME_FLUCTUATION_SPEC.rule_id
+#: ``step_time_fluctuation``'s row of the ``lightning-diag report`` checklist (registered in report order by
+#: :mod:`lightning_diag.rules.catalog`).
+LATENCY_FLUCTUATION_CHECK = CheckSpec("deploy_latency_fluctuation", "Deployment",
+                                      "Latency fluctuation < {step_time_fluctuation:.0%}")
+STEP_TIME_WARMUP_STEPS_KEY = STEP_TIME_FLUCTUATION_SPEC.key("warmup_steps")
+#: ``step_time_fluctuation``: block-to-block fluctuation above this (seed 000 §7.1: 15%).
+DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD = default(STEP_TIME_FLUCTUATION)
+#: ``step_time_fluctuation``: consecutive evaluations it must hold.
+DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE = int(default(STEP_TIME_FLUCTUATION_SPEC.key("patience")))
+#: Optimizer steps at the start of a fit left out of the step-time tests.
+DEFAULT_STEP_TIME_WARMUP_STEPS = int(default(STEP_TIME_FLUCTUATION_SPEC.key("warmup_steps")))
+#: ``step_time_fluctuation``: optimizer steps per block whose median is one point of the fluctuation.
+DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS = int(default(STEP_TIME_FLUCTUATION_SPEC.key("block_steps")))
+#: Fewest blocks the fluctuation test judges.
+MIN_BLOCKS = 5
+
+
+class StepFluctuationRule(Rule):
+    """``step_time_fluctuation``: the block-to-block fluctuation of the step times above the threshold."""
+
+    specs = (STEP_TIME_FLUCTUATION_SPEC,)
+    state_keys = ("streak",)
+    needs = frozenset({Measure.COMPUTE_TIMES})
+    optional = frozenset({Measure.CPU_PRESSURE})
+
+    def __init__(
+        self,
+        threshold: float = DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD,
+        patience: int = DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE,
+        block_steps: int = DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS,
+    ) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.patience = patience
+        self.latch = Latch.for_patience(patience)
+        self.block_steps = block_steps
+        self.streak = 0
+        #: The fluctuation of the last window judged (``nan``: too short), for the logs; not checkpoint state.
+        self.last_value = math.nan
+
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge a window of step times already cleared of warm-up, validation and periodic steps
+        (``m.compute_times``), an ``info`` when the window's CPU pressure (``m.cpu_pressure``) makes the machine
+        contended; the fluctuation it measured is :attr:`last_value`."""
+        times, source, pressure = m.compute_times, "step_time", m.cpu_pressure
+        assert times is not None  # checked against `needs`
+        self.last_value = math.nan
+        if len(times) < MIN_BLOCKS * self.block_steps:
+            return []
+        value = self.last_value = block_fluctuation(times, self.block_steps)
+        busy = contended(pressure)
+        if not busy:
+            self.observe(value, self.threshold)
+        active = math.isfinite(value) and value > self.threshold
+        self.streak = self.streak + 1 if active else 0
+        persists = self.streak >= self.patience
+        # both latches see every check: a fluctuation that outlasts the contention is then a warning of its own
+        fired = self.latch.update(source, persists and not busy, excess(value, self.threshold))
+        fired_busy = self.latch.update(f"{source}_contended", persists and busy, excess(value, self.threshold))
+        if not (fired or fired_busy):
+            return []
+        message = (
+            f"step time fluctuates by {value:.0%} (median change between consecutive medians of"
+            f" {self.block_steps}-step blocks / (sqrt 2 x their median) over the last {len(times)} steps, warm-up,"
+            f" validation and periodic steps left out) on {self.streak} consecutive checks, above {self.threshold:.0%}"
+        )
+        if busy:
+            assert pressure is not None  # contended
+            return [
+                self._alert(
+                    ctx, message + contention_note(pressure), f"{source}_contended", value, self.threshold,
+                    severity=Severity.INFO,
+                )
+            ]
+        return [
+            self._alert(
+                ctx,
+                message + ": look for contention (other jobs on the machine, thermal throttling), variable batch"
+                " shapes or irregular host work",
+                source,
+                value,
+                self.threshold,
+            )
+        ]
