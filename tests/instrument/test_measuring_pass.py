@@ -92,3 +92,26 @@ def test_element_sample_reads_the_flattened_elements_of_non_contiguous_tensors()
     got = sample.gather(tensors)
     assert got.dtype is torch.float32 and torch.equal(got, expected)
     assert sample.gather([None, tensors[1], None])[:4].tolist() == [0.0] * 4
+
+
+def test_zero_gradient_shares_equal_the_float_mean_of_the_zero_mask() -> None:
+    """``diag/grad_zero/<layer>``: the watch's count of exactly-zero weight-gradient entries gives, bit for bit,
+    ``(grad == 0).float().mean()``, with dead units (zero rows), -0.0, NaN and infinities among the entries."""
+    from lightning_diag.instrument.activation_watch import ActivationWatch
+
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(8, 300), nn.ReLU(), nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 1))
+    with torch.no_grad():
+        net[0].bias[:120] = -100.0  # 120 dead units: their weight-gradient rows are exactly 0
+    watch = ActivationWatch()
+    watch.attach(net)
+    net(torch.randn(64, 8)).sum().backward()
+    watch.detach()
+    grad = net[2].weight.grad
+    assert grad is not None
+    grad[0, :4] = torch.tensor([-0.0, float("nan"), float("inf"), float("-inf")])
+    expected = {name: (net.get_submodule(name).weight.grad == 0).float().mean().item() for name in ("0", "2")}
+    readings, _ = watch.readings(dict(net.named_modules()))
+    shares = {r.layer: r.zero_grad for r in readings if r.zero_grad is not None}
+    assert shares == expected
+    assert 0.0 < shares["0"] < 1.0 and shares["2"] > 0.4  # the dead rows' zeros are counted, +-0 alike
