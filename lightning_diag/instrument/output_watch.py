@@ -2,10 +2,11 @@
 
 A transient corruption (a copy between devices or ranks that arrives as zeros) shows as a module whose output is exactly
 zero on one step and non-zero on the others. :class:`ZeroOutputWatch` installs a forward hook on every module for one
-training batch (after the module's own hooks, so it sees what they return): each call of a module of the model computes
-``output.any()`` on the device (one reduction kernel, no host read), and :meth:`ZeroOutputWatch.counts` combines them
-per module on the device, ready for one transfer (after a sum over ranks under data parallelism). Nothing is installed
-on other steps.
+training batch (after the module's own hooks, so it sees what they return): each call of a module of the model takes
+the minimum and maximum of its output on the device (NaN read as 1: one fused pass, no host read), which say whether it
+is all zero (``not output.any()``) and whether it holds a negative value (``(output < 0).any()``), and
+:meth:`ZeroOutputWatch.counts` combines them per module on the device, ready for one transfer (after a sum over ranks
+under data parallelism). Nothing is installed on other steps.
 
 Every module is watched, not only the leaves: a hand-off between two halves of a model (a pipeline stage, a
 ``.to(device)`` in a parent's ``forward``) is the output of the parent, whose children all returned non-zero tensors.
