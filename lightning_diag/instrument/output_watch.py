@@ -157,7 +157,8 @@ def _extremes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (False, True)
     """
     if values.numel() <= EXTREMES_MAX_ELEMENTS:
-        return torch.aminmax(torch.nan_to_num(values, nan=1.0))  # type: ignore[return-value]
+        low, high = torch.aminmax(torch.nan_to_num(values, nan=1.0))
+        return low, high
     return -(values < 0).any().float(), values.any().float()
 
 

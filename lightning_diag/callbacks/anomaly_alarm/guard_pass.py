@@ -4,7 +4,7 @@ one fused check of them and the step's losses, one read of its flag, as ``GradSc
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -111,7 +111,8 @@ def _sums_prove_finite(tensors: list[torch.Tensor]) -> bool:
         if not t.is_cpu:  # a model across devices: no host read of another device's sum here
             return False
         try:
-            total += abs(t.sum(dtype=torch.float32).tolist())  # `tolist`: no operator (no stack, no dispatched item)
+            # `tolist` of a 0-d tensor: its float, read without an operator (no stack, no dispatched `item`)
+            total += abs(cast(float, t.sum(dtype=torch.float32).tolist()))
         except RuntimeError:  # a sum refuses the tensor (of a dtype it does not take)
             return False
     return total < _NO_OVERFLOW  # NaN and inf compare False
