@@ -12,9 +12,10 @@ is run several times, and on its *quiet* steps (neither they nor their neighbour
   empty hook reads 2-5 µs, more than some hooks' own work);
 * **beyond the pass**, two ways: per quiet step, the CPU time of all its hooks minus that of the non-finite guard's
   pass (timed the same way, in fits of their own) and minus the empty hooks' timing floor, the median over the
-  quiet steps, then over the repetitions. The pass is either the **fused kernels** alone (``finite_probe``), or
-  the **pass as ``GradScaler`` makes its own** before every update (``OptimizerPass.clean``: the gradients listed
-  from the parameters, the fused kernels, one read of the flag on the host). The second is the floor of an exact
+  quiet steps, then over the repetitions. The pass is either the **fused kernels** alone (``finite_probe``; for
+  large CPU gradients also their sums decided on the host, ``guard_pass._sums_prove_finite``), or the **pass as
+  ``GradScaler`` makes its own** before every update (``OptimizerPass.clean``: the gradients listed from the
+  parameters, the fused kernels, one read of the flag on the host). The second is the floor of an exact
   check before every update (issue 37 §4: a quiet step at most 30 µs beyond it); the first also counts the
   listing and the read as beyond. Both are also net of the nested window's own cost (its two clock reads, about
   1.2 µs warm on this VM, and its bookkeeping): an empty hook that calls an empty pass (:class:`NoOpPass`), timed
@@ -213,37 +214,41 @@ def inside(
 
         setattr(cb, hook, timed)
 
-    # What is timed as the pass: the fused kernels alone (`finite_probe`, where the guard and its pass call it), or
-    # the pass as GradScaler makes its own (`OptimizerPass.clean`: list the gradients, the kernels, one read of the
-    # flag).
+    # What is timed as the pass: the fused kernels alone (`finite_probe`, where the guard and its pass call it, and
+    # the sums of large CPU gradients decided on the host, `_sums_prove_finite`, where the pass has it), or the pass
+    # as GradScaler makes its own (`OptimizerPass.clean`: list the gradients, the kernels, one read of the flag).
     guard_pass = sys.modules.get("lightning_diag.callbacks.anomaly_alarm.guard_pass")
     kernels_in = [m for m in (nonfinite_guard, guard_pass) if m is not None]
+    host_sums = [(guard_pass, "_sums_prove_finite")] if hasattr(guard_pass, "_sums_prove_finite") else []
     targets: list[tuple[Any, str]] = {
-        "kernels": [(m, "finite_probe") for m in kernels_in],
+        "kernels": [(m, "finite_probe") for m in kernels_in] + host_sums,
         "pass": [(getattr(nonfinite_guard, "OptimizerPass", None), "clean")],
         "empty": [(EmptyPass, "run")],
     }[pass_of]
-    probe = getattr(*targets[0])
+    originals = [(owner, attr, getattr(owner, attr)) for owner, attr in targets]
 
-    def timed_probe(*args: Any, **kwargs: Any) -> Any:
-        start = time.thread_time()
-        try:
-            return probe(*args, **kwargs)
-        finally:
-            if current[0] >= 0:
-                passes[current[0]] += time.thread_time() - start
+    def timed(probe: Callable[..., Any]) -> Callable[..., Any]:
+        def timed_probe(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return probe(*args, **kwargs)
+            finally:
+                if current[0] >= 0:
+                    passes[current[0]] += time.thread_time() - start
+
+        return timed_probe
 
     for hook in HOOKS:
         if getattr(type(cb), hook) is not getattr(pl.Callback, hook):  # a hook the callback implements
             wrap(hook)
     for method in EXTRA.get(name, ()):
         wrap(method)
-    for owner, attr in targets:
-        setattr(owner, attr, timed_probe)
+    for owner, attr, probe in originals:
+        setattr(owner, attr, timed(probe))
     try:
         _trainer(root, [cb], steps).fit(MLP(width), mlp_data(steps))
     finally:
-        for owner, attr in targets:
+        for owner, attr, probe in originals:
             setattr(owner, attr, probe)
     medians = {hook: statistics.median(v) for hook, v in seconds.items() if v}
     left = [t - passes[s] - timed_floor[s] - (nested if s in passes else 0.0) for s, t in per_step.items()]

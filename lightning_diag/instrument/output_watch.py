@@ -2,10 +2,11 @@
 
 A transient corruption (a copy between devices or ranks that arrives as zeros) shows as a module whose output is exactly
 zero on one step and non-zero on the others. :class:`ZeroOutputWatch` installs a forward hook on every module for one
-training batch (after the module's own hooks, so it sees what they return): each call of a module of the model computes
-``output.any()`` on the device (one reduction kernel, no host read), and :meth:`ZeroOutputWatch.counts` combines them
-per module on the device, ready for one transfer (after a sum over ranks under data parallelism). Nothing is installed
-on other steps.
+training batch (after the module's own hooks, so it sees what they return): each call of a module of the model takes
+the minimum and maximum of its output on the device (NaN read as 1: one fused pass, no host read), which say whether it
+is all zero (``not output.any()``) and whether it holds a negative value (``(output < 0).any()``), and
+:meth:`ZeroOutputWatch.counts` combines them per module on the device, ready for one transfer (after a sum over ranks
+under data parallelism). Nothing is installed on other steps.
 
 Every module is watched, not only the leaves: a hand-off between two halves of a model (a pipeline stage, a
 ``.to(device)`` in a parent's ``forward``) is the output of the parent, whose children all returned non-zero tensors.
@@ -28,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_diag.stats.grad import local_tensor
 
 __all__ = [
+    "EXTREMES_MAX_ELEMENTS",
     "MAX_SPREAD_ELEMENTS",
     "OutputSpreadWatch",
     "ZeroOutputWatch",
@@ -38,6 +40,9 @@ __all__ = [
 
 #: Elements of one sample's output read by :func:`output_spread` at most (an evenly strided subset beyond).
 MAX_SPREAD_ELEMENTS = 65536
+#: Elements of a module's output up to which :class:`ZeroOutputWatch` reads its extremes (a copy of the output)
+#: rather than two boolean reductions (a temporary of one byte per element).
+EXTREMES_MAX_ELEMENTS = 1 << 20
 #: Keys of a mapping output that hold the predictions, in the order they are looked for.
 _PREDICTION_KEYS = ("logits", "preds", "predictions")
 
@@ -81,7 +86,7 @@ class ZeroOutputWatch:
         #: The watched modules' names, in module order, and their positions in :meth:`counts`.
         self.order = [n for n, _ in self.modules]
         self.index = {name: i for i, name in enumerate(self.order)}
-        self._calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (module, low, high): see `_extremes`
         self._handles: list[RemovableHandle] = []
 
     @property
@@ -112,8 +117,7 @@ class ZeroOutputWatch:
         if out is None or not out.is_floating_point() or out.numel() == 0:
             return
         with torch.no_grad():
-            local = local_tensor(out).detach()
-            self._calls.append((name, local.any(), (local < 0).any()))
+            self._calls.append((name, *_extremes(local_tensor(out).detach())))
 
     def counts(self, signs: bool = False) -> torch.Tensor | None:
         """Per module of ``root`` (in :attr:`order`): ``[ran, all_zero]`` as a ``(2, modules)`` float tensor on the
@@ -123,16 +127,39 @@ class ZeroOutputWatch:
         calls, self._calls = self._calls, []
         if not calls:
             return None
-        flags = torch.stack([flag for _, flag, _ in calls]).float()
+        lows = torch.stack([low for _, low, _ in calls])
+        flags = ((lows != 0) | (torch.stack([high for _, _, high in calls]) != 0)).float()  # a nonzero value (or NaN)
         index = torch.tensor([self.index[name] for name, _, _ in calls], device=flags.device)
         n = len(self.order)
         ran = torch.zeros(n, device=flags.device).index_add_(0, index, torch.ones_like(flags))
         nonzero = torch.zeros(n, device=flags.device).index_add_(0, index, flags)
         rows = [(ran > 0).float(), ((ran > 0) & (nonzero == 0)).float()]
         if signs:
-            negative = torch.stack([neg for _, _, neg in calls]).float()
+            negative = (lows < 0).float()
             rows.append((torch.zeros(n, device=flags.device).index_add_(0, index, negative) > 0).float())
         return torch.stack(rows)
+
+
+def _extremes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d device tensors ``(low, high)`` of a floating-point output, no host read: ``low < 0`` exactly when a value
+    is negative (``(values < 0).any()``), and ``low`` or ``high`` nonzero exactly when a value is nonzero or NaN
+    (``values.any()``).
+
+    Up to :data:`EXTREMES_MAX_ELEMENTS` elements: the minimum and maximum of the values with NaN read as 1 (nonzero,
+    not negative; an infinity becomes the dtype's largest finite value of its sign), one fused pass over a copy
+    (13 against 80 µs for a 64 x 600 float32 output on one CPU thread: ``any`` reads a float tensor slowly). Larger
+    outputs (a language model's logits): ``-(values < 0).any()`` and ``values.any()`` as floats, whose temporary is
+    one byte per element instead of the copy's.
+
+    Example:
+        >>> low, high = _extremes(torch.tensor([0.0, -0.0, float("nan")]))
+        >>> bool(low < 0), bool((low != 0) | (high != 0))
+        (False, True)
+    """
+    if values.numel() <= EXTREMES_MAX_ELEMENTS:
+        low, high = torch.aminmax(torch.nan_to_num(values, nan=1.0))
+        return low, high
+    return -(values < 0).any().float(), values.any().float()
 
 
 def prediction_tensor(output: Any) -> torch.Tensor | None:

@@ -197,3 +197,52 @@ def test_the_replay_keeps_exactly_the_micro_batches_of_the_step_being_checked(tm
 
     _fit_weights(tmp_path, [Inspect(), alarm], max_steps=7, accumulate_grad_batches=3)
     assert kept == [[3 * k, 3 * k + 1, 3 * k + 2] for k in range(7)]
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[str(func).removeprefix("aten.")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["finite", "nan", "inf", "sum_overflows", "large_sums", "loss_nan"])
+def test_the_large_gradients_pass_decides_as_the_probe(case):
+    """Gradients large enough to be summed: the pass decides on the host from the sums when they prove every value
+    finite, and otherwise as ``finite_probe`` does (NaN/Inf, or a float32 total that overflows: the full check then
+    decides); a clean step dispatches the sums only, and leaves the flag at 0."""
+    from lightning_diag.stats.norms import SUM_MIN_ELEMENTS, finite_probe
+
+    n = 2 * SUM_MIN_ELEMENTS  # the step's loss counts as one more tensor
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn(n)
+    losses = [torch.tensor(0.5)]
+    if case == "nan":
+        params[1].grad[7] = float("nan")
+    elif case == "inf":
+        params[0].grad[3] = float("-inf")
+    elif case == "sum_overflows":  # each sum finite (3e38), their float32 total not
+        for p in params:
+            p.grad.fill_(3e38 / n)
+    elif case == "large_sums":  # a total of 1.8e38, finite, past the host's margin: the probe decides
+        for p in params:
+            p.grad.fill_(9e37 / n)
+    elif case == "loss_nan":
+        losses = [torch.tensor(float("nan"))]
+    expected = finite_probe([p.grad for p in params] + losses).item() == 0
+    assert expected == (case in ("finite", "large_sums"))
+    guard = guard_pass.OptimizerPass([{"params": params}])
+    assert guard.sums
+    with _OpNames() as ops:
+        clean = guard.clean(losses)
+    assert clean == expected
+    if case == "finite":
+        assert ops.names == {"sum.default": 3}, ops.names
+        assert guard.found.item() == 0.0
+    else:  # the probe ran on the flag, as before
+        assert "mul_.Tensor" in ops.names

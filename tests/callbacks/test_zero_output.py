@@ -238,3 +238,52 @@ def test_a_zero_output_on_one_ddp_rank_is_one_alert_on_every_rank(tmp_path, mode
         hits = [(a["rule"], a["global_step"], a["source"]) for a in rank["alerts"] if a["rule"] == "zero_output"]
         assert hits == ([("zero_output", 20, "first")] if mode == "zero" else [])
         assert rank["checks"] == 6  # steps 0, 5, ..., 25
+
+
+@pytest.mark.parametrize("threshold", [None, 0], ids=["extremes", "boolean-reductions"])
+def test_the_watch_flags_equal_any_and_any_negative_of_every_output(threshold, monkeypatch):
+    """``[ran, all_zero, signed]`` per module, read from each output's extremes (or, past the size limit, from two
+    boolean reductions), equal those of ``values.any()`` and ``(values < 0).any()``: with +-0, NaN, infinities,
+    denormals, half precision and a 0-d output, and with one module called several times."""
+    import lightning_diag.instrument.output_watch as output_watch
+
+    if threshold is not None:
+        monkeypatch.setattr(output_watch, "EXTREMES_MAX_ELEMENTS", threshold)
+    nan, inf = float("nan"), float("inf")
+    outputs = {
+        "zeros": [torch.tensor([0.0, -0.0])],
+        "nan_zero": [torch.tensor([nan, 0.0])],
+        "nan_negative": [torch.tensor([nan, -1.0, 0.0])],
+        "nan_only": [torch.tensor([nan, nan])],
+        "infinities": [torch.tensor([inf, 0.0]), torch.tensor([-inf, -0.0])],
+        "denormal": [torch.tensor([-1e-45, 0.0])],
+        "low_precision": [torch.tensor([0.0, -2.0], dtype=torch.float16), torch.tensor([0.0], dtype=torch.bfloat16)],
+        "scalar": [torch.tensor(3.0)],
+        "twice_zero_then_positive": [torch.zeros(4), torch.ones(4)],
+        "relu": [torch.relu(torch.randn(64, 600))],
+        "signed": [torch.randn(64, 600)],
+    }
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = nn.ModuleDict({name: nn.Identity() for name in outputs})
+
+        def forward(self, x):
+            for name, values in outputs.items():
+                for v in values:
+                    self.parts[name](v)
+            return x
+
+    net = Net()
+    watch = ZeroOutputWatch(net)
+    watch.start()
+    net(torch.ones(2))
+    watch.stop()
+    ran, zero, signed = watch.counts(signs=True).tolist()
+    got = dict(zip(watch.order, zip(ran, zero, signed, strict=True), strict=True))
+    for name, values in outputs.items():
+        all_zero = float(not any(bool(v.any()) for v in values))
+        negative = float(any(bool((v < 0).any()) for v in values))
+        assert got[f"parts.{name}"] == (1.0, all_zero, negative), name
+    assert got["parts.zeros"] == (1.0, 1.0, 0.0) and got["parts.nan_negative"] == (1.0, 0.0, 1.0)

@@ -3,9 +3,11 @@ between two uses at once."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+from lightning_diag.instrument.activation_watch import ActivationWatch
 from lightning_diag.instrument.grad_measure import ParamIndex, WeightCopies, measure_step, update_ratios
 from lightning_diag.stats.updates import ElementSample
 
@@ -92,3 +94,65 @@ def test_element_sample_reads_the_flattened_elements_of_non_contiguous_tensors()
     got = sample.gather(tensors)
     assert got.dtype is torch.float32 and torch.equal(got, expected)
     assert sample.gather([None, tensors[1], None])[:4].tolist() == [0.0] * 4
+
+
+def test_zero_gradient_shares_equal_the_float_mean_of_the_zero_mask() -> None:
+    """``diag/grad_zero/<layer>``: the watch's count of exactly-zero weight-gradient entries gives, bit for bit,
+    ``(grad == 0).float().mean()``, with dead units (zero rows), -0.0, NaN and infinities among the entries."""
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(8, 300), nn.ReLU(), nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 1))
+    with torch.no_grad():
+        net[0].bias[:120] = -100.0  # 120 dead units: their weight-gradient rows are exactly 0
+    watch = ActivationWatch()
+    watch.attach(net)
+    net(torch.randn(64, 8)).sum().backward()
+    watch.detach()
+    grad = net[2].weight.grad
+    assert grad is not None
+    grad[0, :4] = torch.tensor([-0.0, float("nan"), float("inf"), float("-inf")])
+    expected = {name: (net.get_submodule(name).weight.grad == 0).float().mean().item() for name in ("0", "2")}
+    readings, _ = watch.readings(dict(net.named_modules()))
+    shares = {r.layer: r.zero_grad for r in readings if r.zero_grad is not None}
+    assert shares == expected
+    assert 0.0 < shares["0"] < 1.0 and shares["2"] > 0.4  # the dead rows' zeros are counted, +-0 alike
+
+
+@pytest.mark.parametrize("threshold", [None, 0], ids=["maxima", "boolean"])
+def test_dead_unit_shares_equal_those_of_the_boolean_any(threshold, monkeypatch):
+    """``dead_units``' share of units that never respond, read from the input's maxima (or, past the size limit, from
+    the boolean tensor), equals ``1 - (x > 0).any(over rows).float().mean()``: linear, sequence and convolution
+    layouts, with NaN, infinities and -0.0 in the input."""
+    import lightning_diag.instrument.activation_watch as activation_watch
+
+    if threshold is not None:
+        monkeypatch.setattr(activation_watch, "ALIVE_MAX_ELEMENTS", threshold)
+    torch.manual_seed(1)
+    nets = {
+        1: nn.Sequential(nn.Linear(8, 40), nn.ReLU(), nn.Linear(40, 1)),  # (N, C): units in the last dimension
+        2: nn.Sequential(nn.Linear(8, 40), nn.ReLU(), nn.Linear(40, 1)),  # (N, L, C)
+        3: nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.Conv2d(6, 1, 1)),  # (N, C, H, W): units in dimension 1
+    }
+    inputs = {1: torch.randn(32, 8), 2: torch.randn(4, 8, 8), 3: torch.randn(4, 3, 6, 6)}
+    for case, net in nets.items():
+        with torch.no_grad():
+            net[0].bias[:5] = -100.0  # five dead units
+        seen: list[torch.Tensor] = []
+
+        def plant(module, args, seen=seen):
+            x = args[0].clone()
+            x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0])
+            x.view(-1)[-1] = float("nan")  # in a unit that responds elsewhere: still alive
+            seen.append(x)
+            return (x,)
+
+        net[1].register_forward_pre_hook(plant)  # before the watch's own pre-hook: it sees the planted values
+        watch = ActivationWatch()
+        watch.attach(net)
+        net(inputs[case]).sum().backward()
+        watch.detach()
+        readings, _ = watch.readings(dict(net.named_modules()))
+        x = seen[0]
+        dim = 1 if x.ndim >= 4 else x.ndim - 1
+        alive = (x > 0).movedim(dim, -1).reshape(-1, x.shape[dim]).any(0)
+        assert [r.dead for r in readings if r.dead is not None] == [(1.0 - alive.float().mean()).item()], case
+        assert readings[0].dead > 3.5 / x.shape[dim]  # four dead units: the planted +inf revives one

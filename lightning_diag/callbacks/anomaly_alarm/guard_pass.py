@@ -4,7 +4,7 @@ one fused check of them and the step's losses, one read of its flag, as ``GradSc
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -51,11 +51,15 @@ class OptimizerPass:
         """The pass of a quiet step, as ``GradScaler`` makes its own (list the gradients, one fused check, one read
         of its flag), for parameters that are not sharded: whether every gradient and each of ``losses`` is finite.
         ``False`` also when no parameter has a gradient or the pass failed (its flag is then left set): the full
-        check finds out which."""
+        check finds out which. Large CPU gradients (:attr:`sums`) are decided from their sums on the host when these
+        prove them finite (:func:`_sums_prove_finite`), the flag left at 0."""
         grads = self.gradients()
         if not grads:
             return False
-        return self._read(finite_probe(grads + losses if losses else grads, self.found, self.sums))
+        tensors = grads + losses if losses else grads
+        if self.sums and self._view is not None and _sums_prove_finite(tensors):
+            return True
+        return self._read(finite_probe(tensors, self.found, self.sums))
 
     def clean_measured(self, losses: list[torch.Tensor], known: GradientSquares) -> bool | None:
         """:meth:`clean` on a step whose gradients' squared norms were measured already (a measuring step of
@@ -88,6 +92,30 @@ class OptimizerPass:
             group["params"] is params and len(params) == n
             for group, (params, n) in zip(groups, self.lists, strict=True)
         )
+
+
+#: A sum of float32 values whose magnitudes add up to less than this is finite in float32, in whatever order it is
+#: added (the largest float32 is 3.4e38; each rounding of a partial sum adds at most a relative 2**-24).
+_NO_OVERFLOW = 1e38
+
+
+def _sums_prove_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether the CPU ``tensors``' float32 sums (``finite_probe``'s) prove every element finite, decided on the
+    host: their magnitudes add up to less than :data:`_NO_OVERFLOW`, so their float32 total, which ``finite_probe``
+    multiplies by 0, is finite too. ``False`` (a NaN/Inf, a total that might overflow, tensors a sum refuses):
+    ``finite_probe`` decides, as before. The same answer as ``finite_probe`` whenever this says ``True``, without its
+    three operators on the sums (stack, total, times 0: a few µs each warm, 20-50 µs in a fit, where the pass over
+    the gradients has just pushed the dispatcher's code out of the caches)."""
+    total = 0.0
+    for t in tensors:
+        if not t.is_cpu:  # a model across devices: no host read of another device's sum here
+            return False
+        try:
+            # `tolist` of a 0-d tensor: its float, read without an operator (no stack, no dispatched `item`)
+            total += abs(cast(float, t.sum(dtype=torch.float32).tolist()))
+        except RuntimeError:  # a sum refuses the tensor (of a dtype it does not take)
+            return False
+    return total < _NO_OVERFLOW  # NaN and inf compare False
 
 
 def _view(flag: torch.Tensor) -> memoryview | None:

@@ -6,7 +6,8 @@ A :class:`~lightning_diag.callbacks.anomaly_alarm.sampled_check.SampledCheck` (t
 :class:`~lightning_diag.callbacks.anomaly_alarm.runtime_checks.RuntimeChecks`).
 
 Cost: on a sampled step (the owner's logging interval, the first micro-batch of the optimizer step) a forward hook on
-every module (installed for that batch) computes ``output.any()`` and ``(output < 0).any()`` per call on the device,
+every module (installed for that batch) computes ``output.any()`` and ``(output < 0).any()`` per call on the device
+(from the output's minimum and maximum, NaN read as 1),
 and the flags are read in one transfer at the batch's end (after one all-reduce of ``3 x modules`` numbers under data
 parallelism). Other steps:
 nothing (the owner calls :meth:`ZeroOutputCheck.on_batch_start` from :attr:`ZeroOutputCheck.next_step` on).
