@@ -107,6 +107,10 @@ class Latch:
         """
         return cls(clear_after=2 * max(1, int(patience)) - 1, worsen_factor=worsen_factor)
 
+    def holds(self, source: str) -> bool:
+        """Whether an event of ``source`` has alerted and not cleared yet."""
+        return source in self._active
+
     def update(self, source: str, active: bool, excess: float | None = None) -> bool:
         """Record the condition for ``source``; return ``True`` when it has just become active, or has clearly
         worsened (``excess`` grew by ``worsen_factor`` since the last alert)."""

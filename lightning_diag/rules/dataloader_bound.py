@@ -19,7 +19,7 @@ import sys
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
-from lightning_diag.rules.contention import contended, contention_note, format_seconds
+from lightning_diag.rules.contention import contended, contention_note, format_seconds, judged_once
 from lightning_diag.rules.measures import Measure, Measures
 
 __all__ = [
@@ -87,9 +87,7 @@ class DataloaderBoundRule(Rule):
         active = share > self.threshold and wait_s / steps > self.min_wait_s
         self.streak = self.streak + 1 if active else 0
         persists = self.streak >= self.patience
-        fired = self.latch.update(source, persists and not busy)
-        fired_busy = self.latch.update(f"{source}_contended", persists and busy)
-        if not (fired or fired_busy):
+        if not judged_once(self.latch, source, busy, persists):
             return []
         message = (
             f"the training loop waits for data {share:.0%} of the step time ({format_seconds(wait_s / steps)} per step)"

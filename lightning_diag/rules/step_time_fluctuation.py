@@ -19,7 +19,7 @@ import math
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, POSITIVE, STEPS, CheckSpec, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
-from lightning_diag.rules.contention import contended, contention_note
+from lightning_diag.rules.contention import contended, contention_note, judged_once
 from lightning_diag.rules.measures import Measure, Measures
 from lightning_diag.stats.timing import block_fluctuation
 
@@ -102,10 +102,7 @@ class StepFluctuationRule(Rule):
         active = math.isfinite(value) and value > self.threshold
         self.streak = self.streak + 1 if active else 0
         persists = self.streak >= self.patience
-        # both latches see every check: a fluctuation that outlasts the contention is then a warning of its own
-        fired = self.latch.update(source, persists and not busy, excess(value, self.threshold))
-        fired_busy = self.latch.update(f"{source}_contended", persists and busy, excess(value, self.threshold))
-        if not (fired or fired_busy):
+        if not judged_once(self.latch, source, busy, persists, excess(value, self.threshold)):
             return []
         message = (
             f"step time fluctuates by {value:.0%} (median change between consecutive medians of"

@@ -35,7 +35,7 @@ import numpy as np
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import POSITIVE, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
-from lightning_diag.rules.contention import contended, contention_note, format_seconds
+from lightning_diag.rules.contention import contended, contention_note, format_seconds, judged_once
 from lightning_diag.rules.measures import Measure, Measures, StepTimes
 from lightning_diag.stats.timing import Periodicity, Series, detect_period, slow_mask
 
@@ -261,10 +261,7 @@ class StepPeriodicRule(Rule):
         if not busy:
             self.observe(found.share if found.found else math.nan, self.threshold)
         active = found.found and found.share > self.threshold
-        # both latches see every check: a pattern that outlasts the contention is then a warning of its own
-        fired = self.latch.update(source, active and not busy, excess(found.share, self.threshold))
-        fired_busy = self.latch.update(f"{source}_contended", active and busy, excess(found.share, self.threshold))
-        if not (fired or fired_busy):
+        if not judged_once(self.latch, source, busy, active, excess(found.share, self.threshold)):
             return []
         median = float(np.median(np.asarray(times, dtype=float)))
         slow = float(np.mean(np.asarray(times, dtype=float)[found.phase :: found.period]))
