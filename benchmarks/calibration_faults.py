@@ -257,7 +257,9 @@ def _compute_blocks(kwargs: dict[str, Any], seed: int) -> pl.Trainer:
     from tests.callbacks.system_models import MLP, BusyBlocks
 
     kwargs = {**kwargs, "callbacks": [*kwargs["callbacks"], BusyBlocks(seed=seed)]}  # 0-40 ms, per block of 10
-    return _fit(kwargs, seed, MLP(), max_steps=100, max_epochs=-1, limit_val_batches=0)
+    # 160 steps: the rule counts a check toward its patience only a block (10 steps) after the last, so its
+    # earliest alert is at step 90-100 after the 20 warm-up steps; a shorter run would cut its delay short
+    return _fit(kwargs, seed, MLP(), max_steps=160, max_epochs=-1, limit_val_batches=0)
 
 
 def _kept_graphs(kwargs: dict[str, Any], seed: int) -> pl.Trainer:

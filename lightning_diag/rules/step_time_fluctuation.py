@@ -15,6 +15,7 @@ persists once the machine is free again is a warning of its own (source ``step_t
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, POSITIVE, STEPS, CheckSpec, RuleSpec, default, register
@@ -61,13 +62,14 @@ DEFAULT_STEP_TIME_WARMUP_STEPS = int(default(STEP_TIME_FLUCTUATION_SPEC.key("war
 DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS = int(default(STEP_TIME_FLUCTUATION_SPEC.key("block_steps")))
 #: Fewest blocks the fluctuation test judges.
 MIN_BLOCKS = 5
+_NEVER = -(2**62)  # no check counted yet
 
 
 class StepFluctuationRule(Rule):
     """``step_time_fluctuation``: the block-to-block fluctuation of the step times above the threshold."""
 
     specs = (STEP_TIME_FLUCTUATION_SPEC,)
-    state_keys = ("streak",)
+    state_keys = ("streak", "counted_at")
     needs = frozenset({Measure.COMPUTE_TIMES})
     optional = frozenset({Measure.CPU_PRESSURE})
 
@@ -83,8 +85,16 @@ class StepFluctuationRule(Rule):
         self.latch = Latch.for_patience(patience)
         self.block_steps = block_steps
         self.streak = 0
+        #: The global step of the last check counted in :attr:`streak`: a check counts when it brings at least one
+        #: block of new steps (``block_steps`` optimizer steps later), so ``patience`` does not depend on how often
+        #: the owner logs (at ``log_every_n_steps=5`` three consecutive checks share 90% of their window).
+        self.counted_at = _NEVER
         #: The fluctuation of the last window judged (``nan``: too short), for the logs; not checkpoint state.
         self.last_value = math.nan
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; a checkpoint from before ``counted_at`` counts its next check."""
+        super().load_state_dict({"counted_at": _NEVER, **state})
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge a window of step times already cleared of warm-up, validation and periodic steps
@@ -100,14 +110,18 @@ class StepFluctuationRule(Rule):
         if not busy:
             self.observe(value, self.threshold)
         active = math.isfinite(value) and value > self.threshold
-        self.streak = self.streak + 1 if active else 0
+        if not active:
+            self.streak = 0
+        elif ctx.global_step >= self.counted_at + self.block_steps:  # a block of new evidence
+            self.streak, self.counted_at = self.streak + 1, ctx.global_step
         persists = self.streak >= self.patience
         if not judged_once(self.latch, source, busy, persists, excess(value, self.threshold)):
             return []
         message = (
             f"step time fluctuates by {value:.0%} (median change between consecutive medians of"
             f" {self.block_steps}-step blocks / (sqrt 2 x their median) over the last {len(times)} steps, warm-up,"
-            f" validation and periodic steps left out) on {self.streak} consecutive checks, above {self.threshold:.0%}"
+            f" validation and periodic steps left out) on {self.streak} consecutive checks a block apart, above"
+            f" {self.threshold:.0%}"
         )
         if busy:
             assert pressure is not None  # contended

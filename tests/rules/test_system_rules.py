@@ -134,10 +134,31 @@ def test_fluctuation_needs_patience_and_ignores_step_jitter():
     jitter = np.tile([0.01, 0.03], 50)  # single steps vary 3x; every 10-step block is the same
     assert [rule.judge(CTX, Measures(compute_times=jitter)) for _ in range(5)] == [[]] * 5
     drifting = np.repeat([0.01, 0.02] * 5, 10)
-    results = [rule.judge(CTX, Measures(compute_times=drifting)) for _ in range(3)]
+    results = [rule.judge(StepContext(0, 100 + 10 * i), Measures(compute_times=drifting)) for i in range(3)]
     assert [len(a) for a in results] == [0, 0, 1]
     # every block moves by 0.01 s around a median of 0.015 s
     assert rule.last_value == pytest.approx(0.01 / (np.sqrt(2) * 0.015)) and results[-1][0].threshold == 0.15
+
+
+def test_patience_counts_checks_a_block_apart_whatever_the_logging_interval():
+    rule = StepFluctuationRule()
+    drifting = np.repeat([0.01, 0.02] * 5, 10)
+    # logging every 5 steps: checks at 100, 105, ..., the streak grows at 100, 110, 120
+    fired = [s for s in range(100, 130, 5) if rule.judge(StepContext(0, s), Measures(compute_times=drifting))]
+    assert fired == [120] and rule.streak == 3
+    calm = np.repeat([0.01] * 10, 10)
+    assert rule.judge(StepContext(0, 125), Measures(compute_times=calm)) == [] and rule.streak == 0
+
+
+def test_fluctuation_state_round_trips_and_loads_an_older_checkpoint():
+    rule = StepFluctuationRule()
+    rule.judge(StepContext(0, 100), Measures(compute_times=np.repeat([0.01, 0.02] * 5, 10)))
+    again = StepFluctuationRule()
+    again.load_state_dict(rule.state_dict())
+    assert (again.streak, again.counted_at) == (1, 100)
+    older = {k: v for k, v in rule.state_dict().items() if k != "counted_at"}
+    again.load_state_dict(older)
+    assert again.streak == 1 and again.counted_at < 0
 
 
 def test_a_step_time_that_changes_level_once_is_no_fluctuation():
@@ -200,8 +221,10 @@ def test_a_fluctuation_on_a_contended_machine_is_an_info_and_a_warning_once_it_o
     rule = StepFluctuationRule()
     drifting = np.repeat([0.01, 0.02] * 5, 10)
 
+    step = iter(range(100, 1000, 10))
+
     def judge(pressure):
-        return rule.judge(CTX, Measures(compute_times=drifting, cpu_pressure=pressure))
+        return rule.judge(StepContext(0, next(step)), Measures(compute_times=drifting, cpu_pressure=pressure))
 
     assert [judge(0.5) for _ in range(2)] == [[], []]  # patience holds under contention too
     (info,) = judge(0.5)
