@@ -50,7 +50,13 @@ def judged_once(latch: Latch, source: str, busy: bool, active: bool, excess: flo
     return latch.update(source, active, excess)
 
 
-def contention_note(pressure: float | None) -> str:
+def contention_note(pressure: float) -> str:
+    """The words a contended finding's message ends with: the CPU pressure (a share) and what it means.
+
+    Example:
+        >>> contention_note(0.4).startswith(" while the machine was contended (some runnable task waited for a CPU 40%")
+        True
+    """
     return (
         f" while the machine was contended (some runnable task waited for a CPU {pressure:.0%} of the time:"
         " other processes, or more dataloader workers than cores): the timings follow the machine's load;"
@@ -60,4 +66,10 @@ def contention_note(pressure: float | None) -> str:
 
 
 def format_seconds(value: float) -> str:
+    """A duration in a message: milliseconds below a second, else seconds.
+
+    Example:
+        >>> format_seconds(0.0042), format_seconds(2.5)
+        ('4.2 ms', '2.50 s')
+    """
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
