@@ -2,10 +2,11 @@
 
 Exact meaning: the step times of the window (after ``warmup_steps``, without the step after a
 validation run, an epoch's first step, a step that saved a checkpoint and without the steps of a periodic
-pattern) are cut into blocks of ``block_steps``; the median change between consecutive block medians, over
-``sqrt(2)`` times their median (:func:`~lightning_diag.stats.timing.block_fluctuation`: a level that moves once
-or drifts slowly is no fluctuation), is above ``threshold`` on ``patience`` consecutive evaluations (at least
-:data:`MIN_BLOCKS` blocks).
+pattern) are cut into blocks of ``block_steps``; the median change between consecutive block medians beyond ``z``
+standard errors of the difference (the noise of the steps inside the two blocks), over ``sqrt(2)`` times their
+median (:func:`~lightning_diag.stats.timing.block_fluctuation`: a level that moves once or drifts slowly is no
+fluctuation, and neither is the chance difference of two blocks of jittering steps), is above ``threshold`` on
+``patience`` consecutive evaluations a block apart (at least :data:`MIN_BLOCKS` blocks).
 
 On a contended machine (CPU pressure above :data:`~lightning_diag.rules.contention.CONTENDED_PRESSURE`,
 :mod:`lightning_diag.rules.contention`) the alert is an ``info`` (source ``step_time_contended``); a condition that
@@ -18,7 +19,16 @@ import math
 from typing import Any
 
 from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import COUNT, POSITIVE, STEPS, CheckSpec, RuleSpec, default, register
+from lightning_diag.core.registry import (
+    ANY_NON_NEGATIVE,
+    COUNT,
+    POSITIVE,
+    STEPS,
+    CheckSpec,
+    RuleSpec,
+    default,
+    register,
+)
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.rules.contention import contended, contention_note, judged_once
 from lightning_diag.rules.measures import Measure, Measures
@@ -28,6 +38,7 @@ __all__ = [
     "DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS",
     "DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE",
     "DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD",
+    "DEFAULT_STEP_TIME_FLUCTUATION_Z",
     "DEFAULT_STEP_TIME_WARMUP_STEPS",
     "LATENCY_FLUCTUATION_CHECK",
     "MIN_BLOCKS",
@@ -40,11 +51,13 @@ __all__ = [
 _SYSTEM = "SystemMonitor"
 STEP_TIME_FLUCTUATION_SPEC = register(RuleSpec(
     "step_time_fluctuation", _SYSTEM, "warning", 0.15,
-    "step-time fluctuation (median change between consecutive {block_steps:g}-step block medians / (sqrt 2 x their "
-    "median)) above {threshold:.0%}",
-    settings={"patience": 3, "warmup_steps": 20, "block_steps": 10}, check="deploy_latency_fluctuation",
+    "step-time fluctuation (median change between consecutive {block_steps:g}-step block medians beyond {z:g} "
+    "standard errors / (sqrt 2 x their median)) above {threshold:.0%}",
+    settings={"patience": 3, "warmup_steps": 20, "block_steps": 10, "z": 2.0}, check="deploy_latency_fluctuation",
     source="seed 000 §7.1",
-    limits={"threshold": POSITIVE, "patience": COUNT, "warmup_steps": STEPS, "block_steps": COUNT},
+    limits={
+        "threshold": POSITIVE, "patience": COUNT, "warmup_steps": STEPS, "block_steps": COUNT, "z": ANY_NON_NEGATIVE,
+    },
 ))
 STEP_TIME_FLUCTUATION = STEP_TIME_FLUCTUATION_SPEC.rule_id
 #: ``step_time_fluctuation``'s row of the ``lightning-diag report`` checklist (registered in report order by
@@ -60,6 +73,10 @@ DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE = int(default(STEP_TIME_FLUCTUATION_SPEC.
 DEFAULT_STEP_TIME_WARMUP_STEPS = int(default(STEP_TIME_FLUCTUATION_SPEC.key("warmup_steps")))
 #: ``step_time_fluctuation``: optimizer steps per block whose median is one point of the fluctuation.
 DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS = int(default(STEP_TIME_FLUCTUATION_SPEC.key("block_steps")))
+#: ``step_time_fluctuation``: standard errors of the difference of two block medians a change must exceed to count
+#: (run alone on this VM, the 1-10 ms steps of healthy runs jitter 7-23% inside a block, and their neighbouring block
+#: medians differ by 0.5-1.4 standard errors; the step-time blocks fault's by about 100).
+DEFAULT_STEP_TIME_FLUCTUATION_Z = default(STEP_TIME_FLUCTUATION_SPEC.key("z"))
 #: Fewest blocks the fluctuation test judges: the median of 7 neighbouring differences (with 5 blocks, of 4, a healthy
 #: run alone on this VM read up to 2.2x the threshold at its first checks; with 8, 1.35x).
 MIN_BLOCKS = 8
@@ -79,12 +96,14 @@ class StepFluctuationRule(Rule):
         threshold: float = DEFAULT_STEP_TIME_FLUCTUATION_THRESHOLD,
         patience: int = DEFAULT_STEP_TIME_FLUCTUATION_PATIENCE,
         block_steps: int = DEFAULT_STEP_TIME_FLUCTUATION_BLOCK_STEPS,
+        z: float = DEFAULT_STEP_TIME_FLUCTUATION_Z,
     ) -> None:
         super().__init__()
         self.threshold = threshold
         self.patience = patience
         self.latch = Latch.for_patience(patience)
         self.block_steps = block_steps
+        self.z = z
         self.streak = 0
         #: The global step of the last check counted in :attr:`streak`: a check counts when it brings at least one
         #: block of new steps (``block_steps`` optimizer steps later), so ``patience`` does not depend on how often
@@ -106,7 +125,7 @@ class StepFluctuationRule(Rule):
         self.last_value = math.nan
         if len(times) < MIN_BLOCKS * self.block_steps:
             return []
-        value = self.last_value = block_fluctuation(times, self.block_steps)
+        value = self.last_value = block_fluctuation(times, self.block_steps, self.z)
         busy = contended(pressure)
         if not busy:
             self.observe(value, self.threshold)
@@ -120,7 +139,8 @@ class StepFluctuationRule(Rule):
             return []
         message = (
             f"step time fluctuates by {value:.0%} (median change between consecutive medians of"
-            f" {self.block_steps}-step blocks / (sqrt 2 x their median) over the last {len(times)} steps, warm-up,"
+            f" {self.block_steps}-step blocks beyond {self.z:g} standard errors / (sqrt 2 x their median) over the"
+            f" last {len(times)} steps, warm-up,"
             f" validation and periodic steps left out) on {self.streak} consecutive checks a block apart, above"
             f" {self.threshold:.0%}"
         )

@@ -71,6 +71,26 @@ def test_block_fluctuation_of_independent_block_noise_is_on_the_relative_mad_sca
     assert block_fluctuation(x, 3) == pytest.approx(relative_mad(medians), rel=0.05)
 
 
+def test_block_fluctuation_discounts_the_chance_difference_of_jittering_blocks():
+    rng = np.random.default_rng(2)
+    jitter = 1.0 + 0.15 * rng.standard_normal(400)  # i.i.d. steps spread by 15%: blocks differ by chance only
+    raw, discounted = block_fluctuation(jitter, 10), block_fluctuation(jitter, 10, z=2.0)
+    assert raw > 0.03  # the chance differences of 10-step medians, several percent of the level
+    assert discounted < raw / 4
+    # brute force: one pair's change beyond z standard errors of the difference of two medians
+    grid = jitter.reshape(40, 10)
+    med = np.median(grid, axis=1)
+    se = 1.2533 * 1.4826 * np.median(np.abs(grid - med[:, None]), axis=1) / np.sqrt(10)
+    beyond = np.maximum(0.0, np.abs(np.diff(med)) - 2.0 * np.hypot(se[1:], se[:-1]))
+    assert discounted == pytest.approx(np.median(beyond) / (np.sqrt(2) * np.median(med)))
+    # steps just as noisy inside blocks whose levels bounce by 50%: the bounce stands above the noise
+    bouncing = np.repeat([1.0, 1.5] * 20, 10) * (1.0 + 0.15 * rng.standard_normal(400))
+    assert block_fluctuation(bouncing, 10, z=2.0) > 0.15  # above the default threshold
+    # steady blocks (no spread): z changes nothing
+    exact = np.repeat([1.0, 1.5] * 5, 10)
+    assert block_fluctuation(exact, 10, z=2.0) == block_fluctuation(exact, 10)
+
+
 def test_growth_of_a_leak_and_of_a_cache_that_fills_once():
     rel, rising = growth(100 + 5 * np.arange(8.0))
     assert rel == pytest.approx(35 / 100) and rising == 1.0
