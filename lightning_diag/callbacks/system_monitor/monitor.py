@@ -83,7 +83,8 @@ class SystemMonitor(DiagCallback):
     * ``diag/system/validation_s``, ``diag/system/checkpoint_s``: seconds spent in the interval.
     * ``diag/system/samples_per_s``, ``diag/system/tokens_per_s`` (when the batch has ``attention_mask`` /
       ``input_ids`` or is 2-D integer token ids).
-    * ``diag/system/step_time_fluctuation`` (relative median absolute deviation of the window),
+    * ``diag/system/step_time_fluctuation`` (the block-to-block fluctuation of the window beyond its noise,
+      :func:`~lightning_diag.stats.timing.block_fluctuation`),
       ``diag/system/step_time_period`` (steps; 0 when none).
     * ``diag/system/host_rss_mib``; on CUDA ``diag/system/cuda_allocated_mib``, ``cuda_reserved_mib``,
       ``cuda_peak_mib`` (peak over the interval); with NVML ``diag/system/gpu_utilization``,
