@@ -8,8 +8,10 @@ SCENARIOS`) and the rule registry (:data:`lightning_diag.rules.catalog.ALL_RULES
 
 A run is a :class:`RunSpec`; :func:`execute` trains it with the default callbacks, the callbacks its entry needs
 and the opt-in callbacks the spec names, and returns a record: the warning/critical alerts, each rule's peak
-excess (:meth:`DiagCallback.rule_peaks`), the rules watched (those of the attached callbacks), the steps, and
-the steps of an epoch.
+excess (:meth:`DiagCallback.rule_peaks`), the rules watched (those of the attached callbacks), the steps, the
+steps of an epoch, and on a healthy run (or a fault of the rule) what the oracles of
+:mod:`benchmarks.calibration_oracle` measured after the fit (``oracle``: the real share of the step spent waiting
+for data, for ``dataloader_bound``).
 """
 
 from __future__ import annotations

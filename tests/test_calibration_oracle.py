@@ -61,9 +61,19 @@ def test_the_oracle_reads_a_slow_collation_loader_as_loader_bound(tmp_path: Any)
     assert "error" not in measured, measured
     assert measured["batches"] == 8 and measured["workers"] == 0  # an epoch of 8 batches: all of it read
     assert measured["data_s"] >= 0.02  # the sleep is a floor of the collation, whatever the machine's load
-    assert measured["share"] > 0.6, measured
+    assert measured["share"] > 0.5, measured
     record = {"oracle": {DATALOADER_BOUND: measured}}
     assert oracle.verdict(record, DATALOADER_BOUND, THR) == oracle.TRUE_FINDING
+
+
+def test_the_oracle_lets_workers_prefetch_while_the_step_computes(tmp_path: Any) -> None:
+    """With workers the loader is read again with the step's compute time between two batches: two workers that
+    each take 20 ms a batch still cannot feed a 1 ms step (about 10 ms a batch, plus their start each epoch)."""
+    loader = torch.utils.data.DataLoader(_data(), batch_size=32, collate_fn=_slow_collate, num_workers=2)
+    measured = oracle.data_share(_fitted(loader, tmp_path))
+    assert "error" not in measured, measured
+    assert measured["workers"] == 2 and measured["batches"] == 8
+    assert measured["data_s"] >= 0.005 and measured["share"] > 0.5, measured
 
 
 def test_the_oracle_reads_an_in_memory_loader_as_not_loader_bound(tmp_path: Any) -> None:
