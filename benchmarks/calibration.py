@@ -230,6 +230,8 @@ def _oracle_cell(row: Mapping[str, Any]) -> str:
     if not oracle or not oracle["measured"]:
         return ""
     found = len(oracle["caught"]) + len(oracle["missed"])
+    if not found:
+        return "; no healthy run the oracle finds"
     text = f"{len(oracle['caught'])} / {found} healthy runs the oracle finds"
     if oracle["missed"]:
         text = f"**{text}** (missed: {', '.join(f'`{k}`' for k in oracle['missed'][:3])})"

@@ -138,6 +138,8 @@ def test_the_table_and_the_findings_show_the_oracle() -> None:
     line = cal.render(rows, {DATALOADER_BOUND: THR}).splitlines()[2]
     assert cal.is_table_line(line, 7 + len(cal.EPOCH_LENGTHS))
     assert "**1**: `quiet`" in line and "**1 / 2 healthy runs the oracle finds** (missed: `found_missed`)" in line
+    quiet_only = cal.render(cal.table(records[3:], [DATALOADER_BOUND]), {DATALOADER_BOUND: THR})
+    assert "; no healthy run the oracle finds" in quiet_only
     note = "\n".join(cal.oracle_note(rows, records))
     assert "4 of 4 healthy runs measured" in note and "`found_caught` (oracle 2.40: share 60%" in note
     assert "ambiguous, counted neither way): 1: `near`" in note
