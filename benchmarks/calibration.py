@@ -14,7 +14,10 @@ Per rule:
 
 * **healthy runs**: the healthy runs whose callbacks include the rule's owner (and how many of them measured its
   statistic);
-* **false alarms**: the healthy runs where it raised a warning or a critical;
+* **false alarms**: the healthy runs where it raised a warning or a critical; for a rule with an oracle
+  (:mod:`benchmarks.calibration_oracle`: ``dataloader_bound``, whose alarm on a healthy run may be true), only
+  those the oracle measured quiet; the runs it measured past the threshold by a clear margin are findings to catch
+  (caught or missed, in the faults-caught cell and a note under the table), those near it count neither way;
 * **faults caught**: the fault runs that expect it, and those where it fired at or after the onset;
 * **delay**: median and worst, in the rule's measurements from the onset to its first alert. Step faults count
   the logging steps (``log_every_n_steps=5``: the gradient, attention, update and data rules measure there) from
@@ -41,6 +44,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.calibration_oracle import AMBIGUOUS, ORACLES, TRUE_FACTOR, TRUE_FINDING, oracle_excess, verdict
 from benchmarks.calibration_plan import EPOCH_LENGTHS, FAMILIES, RunSpec, execute, plan, twin_of
 from tests.foreign.corpus import TIMING_RULES
 
@@ -97,12 +101,30 @@ def false_alarms(record: Mapping[str, Any], rule: str) -> list[Mapping[str, Any]
     return [a for a in serious(record) if a["rule"] == rule]
 
 
-def rule_row(rule: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The table row of ``rule`` over ``records`` (crashed runs excluded; they are listed apart)."""
+def _threshold(rule: str) -> float | None:
+    from lightning_diag.core.registry import RULES
+
+    return RULES[rule].threshold if rule in RULES else None
+
+
+def rule_row(rule: str, records: Sequence[Mapping[str, Any]], threshold: float | None = None) -> dict[str, Any]:
+    """The table row of ``rule`` over ``records`` (crashed runs excluded; they are listed apart).
+
+    For a rule with an oracle (:mod:`benchmarks.calibration_oracle`), the healthy runs it measured loader-bound by
+    a clear margin (``true finding``) are findings: an alarm there is a detection (``oracle_caught``), no alarm a
+    miss (``oracle_missed``); the ``ambiguous`` ones count neither way; both are left out of the false alarms and
+    of the margin. ``threshold``: the rule's (default: the registry's).
+    """
     done = [r for r in records if "error" not in r]
     healthy = [r for r in done if not r["spec"]["expected"] and rule in r.get("watched", [])]
+    if threshold is None:
+        threshold = _threshold(rule)
+    verdicts = {r["spec"]["key"]: verdict(r, rule, threshold) for r in healthy}
+    found = [r for r in healthy if verdicts[r["spec"]["key"]] == TRUE_FINDING]
+    unclear = [r for r in healthy if verdicts[r["spec"]["key"]] == AMBIGUOUS]
+    quiet = [r for r in healthy if r not in found and r not in unclear]
     measured = [r for r in healthy if rule in r.get("peaks", {})]
-    alarms = [r for r in healthy if false_alarms(r, rule)]
+    alarms = [r for r in quiet if false_alarms(r, rule)]
     faults = [r for r in done if rule in r["spec"]["expected"]]
     delays: list[int] = []
     units: set[str] = set()
@@ -116,7 +138,7 @@ def rule_row(rule: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if d is not None:
             delays.append(d[0])
             units.add(d[1])
-    margin = max(((r["peaks"][rule], r["spec"]["key"]) for r in measured), default=None)
+    margin = max(((r["peaks"][rule], r["spec"]["key"]) for r in measured if r in quiet), default=None)
     return {
         "rule": rule,
         "healthy": len(healthy),
@@ -132,6 +154,26 @@ def rule_row(rule: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "margin": None if margin is None else margin[0],
         "margin_run": None if margin is None else margin[1],
         "lengths": length_check(rule, done),
+        "oracle": None if rule not in ORACLES else oracle_counts(rule, threshold, found, unclear, verdicts, healthy),
+    }
+
+
+def oracle_counts(
+    rule: str,
+    threshold: float | None,
+    found: Sequence[Mapping[str, Any]],
+    unclear: Sequence[Mapping[str, Any]],
+    verdicts: Mapping[str, str | None],
+    healthy: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    """The oracle's part of a row: the healthy runs it measured, its true findings caught and missed, its
+    ambiguous runs, and its excess per measured run."""
+    return {
+        "measured": sum(verdicts[r["spec"]["key"]] is not None for r in healthy),
+        "caught": [r["spec"]["key"] for r in found if false_alarms(r, rule)],
+        "missed": [r["spec"]["key"] for r in found if not false_alarms(r, rule)],
+        "ambiguous": [r["spec"]["key"] for r in unclear],
+        "excess": {r["spec"]["key"]: oracle_excess(r, rule, threshold) for r in healthy if verdicts[r["spec"]["key"]]},
     }
 
 
@@ -182,6 +224,59 @@ def _delay_cell(row: Mapping[str, Any]) -> str:
     return f"{row['delay_median']:g} / {row['delay_worst']} {unit}"
 
 
+def _oracle_cell(row: Mapping[str, Any]) -> str:
+    """What the faults-caught cell adds for a rule with an oracle: its true findings on healthy runs caught."""
+    oracle = row.get("oracle")
+    if not oracle or not oracle["measured"]:
+        return ""
+    found = len(oracle["caught"]) + len(oracle["missed"])
+    if not found:
+        return "; no healthy run the oracle finds"
+    text = f"{len(oracle['caught'])} / {found} healthy runs the oracle finds"
+    if oracle["missed"]:
+        text = f"**{text}** (missed: {', '.join(f'`{k}`' for k in oracle['missed'][:3])})"
+    return f"; {text}"
+
+
+def _oracle_runs(
+    keys: Sequence[str], rule: str, excess: Mapping[str, float], by_key: Mapping[str, Mapping[str, Any]]
+) -> str:
+    """The runs ``keys``, each with the oracle's excess and share and the rule's own peak excess."""
+    out = []
+    for key in keys:
+        measured = by_key[key]["oracle"][rule]
+        peak = by_key[key].get("peaks", {}).get(rule)
+        out.append(
+            f"`{key}` (oracle {excess[key]:.2f}: share {measured['share']:.0%}, {measured['data_s'] * 1e3:.1f} ms"
+            " of data a step; the rule's peak " + ("not measured" if peak is None else f"{peak:.2f}") + ")"
+        )
+    return ", ".join(out) or "none"
+
+
+def oracle_note(rows: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A paragraph per rule of ``rows`` with an oracle: how many healthy runs it measured, its true findings (caught
+    or missed) and its ambiguous runs, each with the oracle's share and the rule's own peak excess."""
+    by_key = {r["spec"]["key"]: r for r in records}
+    lines: list[str] = []
+    for row in rows:
+        oracle = row.get("oracle")
+        if not oracle or not oracle["measured"]:
+            continue
+        rule = row["rule"]
+        found = [*oracle["caught"], *oracle["missed"]]
+        lines += [
+            f"Oracle of `{rule}` (`benchmarks/calibration_oracle.py`, measured without lightning_diag after each"
+            f" fit): {oracle['measured']} of {row['healthy']} healthy runs measured. Above {TRUE_FACTOR:g}x the"
+            f" threshold (a true finding: an alarm is a detection, no alarm a miss): {len(found)}, caught"
+            f" {len(oracle['caught'])}: {_oracle_runs(found, rule, oracle['excess'], by_key)}. Within"
+            f" {TRUE_FACTOR:g}x of it either way (ambiguous, counted neither way): {len(oracle['ambiguous'])}:"
+            f" {_oracle_runs(oracle['ambiguous'], rule, oracle['excess'], by_key)}. The others are quiet by the"
+            " oracle: an alarm there is a false alarm, and the margin is theirs.",
+            "",
+        ]
+    return lines
+
+
 def render(rows: Sequence[Mapping[str, Any]], thresholds: Mapping[str, float | None]) -> str:
     """The markdown table of ``rows`` (``thresholds``: each rule's default, ``None`` for a rule without one)."""
     head = [
@@ -206,6 +301,7 @@ def render(rows: Sequence[Mapping[str, Any]], thresholds: Mapping[str, float | N
         caught = f"{row['caught']} / {row['faults']}" if row["faults"] else "no fault in the matrices"
         if row["missed"]:
             caught = f"**{caught}** (missed: {', '.join(f'`{k}`' for k in row['missed'][:3])})"
+        caught += _oracle_cell(row)
         cells = [
             f"`{rule}`",
             "-" if thr is None else f"{thr:g}",
@@ -364,6 +460,7 @@ def section(
         owners.setdefault(ALL_RULES[row["rule"]], []).append(row)
     for owner, owned in owners.items():
         lines += [f"### {owner}", "", render(owned, thresholds), ""]
+        lines += oracle_note(owned, records)
     lines += findings(records, rules, thresholds)
     if info["crashed"]:
         lines += ["Runs that raised (left out of the tables):", ""]
@@ -383,6 +480,13 @@ def findings(
     for r in records:
         if "error" in r or r["spec"]["expected"]:
             continue
+        for rule in sorted(wanted & set(ORACLES)):
+            found = rule in r.get("watched", []) and verdict(r, rule, thresholds.get(rule)) == TRUE_FINDING
+            if found and not false_alarms(r, rule):
+                lines.append(
+                    f"- missed: `{rule}` on `{r['spec']['key']}` (healthy, but its oracle reads"
+                    f" {oracle_excess(r, rule, thresholds.get(rule)):.2f} of the threshold)"
+                )
         for a in serious(r):
             if a["rule"] not in wanted:
                 continue
@@ -390,12 +494,18 @@ def findings(
             pressure = r.get("cpu_pressure")
             thr = thresholds.get(a["rule"])
             peak = r.get("peaks", {}).get(a["rule"])
+            said = verdict(r, a["rule"], thr)
+            kind = {TRUE_FINDING: "detection (the oracle agrees)", AMBIGUOUS: "ambiguous alarm"}.get(
+                str(said), "false alarm"
+            )
+            oracle = "" if said is None else f"; oracle {oracle_excess(r, a['rule'], thr):.2f} of the threshold"
             lines.append(
-                f"- false alarm: `{a['rule']}` on `{r['spec']['key']}` at step {a['step']} (epoch {a['epoch']})"
+                f"- {kind}: `{a['rule']}` on `{r['spec']['key']}` at step {a['step']} (epoch {a['epoch']})"
                 + value
                 + ("" if thr is None else f" against {thr:g}")
                 + ("" if peak is None else f"; peak excess on the run {peak:.3g}")
                 + ("" if pressure is None else f"; CPU pressure over the run {pressure:.0%}")
+                + oracle
             )
     for r in records:
         if "error" in r:
@@ -410,7 +520,7 @@ def findings(
                     + ("; an info instead (the machine was contended)" if noted else "")
                     + ("" if pressure is None else f"; CPU pressure over the run {pressure:.0%}")
                 )
-    return ["Every false alarm and every missed fault:", "", *lines, ""] if lines else []
+    return ["Every alarm on a healthy run and every missed fault:", "", *lines, ""] if lines else []
 
 
 def write_page(path: str, text: str) -> None:

@@ -8,8 +8,10 @@ SCENARIOS`) and the rule registry (:data:`lightning_diag.rules.catalog.ALL_RULES
 
 A run is a :class:`RunSpec`; :func:`execute` trains it with the default callbacks, the callbacks its entry needs
 and the opt-in callbacks the spec names, and returns a record: the warning/critical alerts, each rule's peak
-excess (:meth:`DiagCallback.rule_peaks`), the rules watched (those of the attached callbacks), the steps, and
-the steps of an epoch.
+excess (:meth:`DiagCallback.rule_peaks`), the rules watched (those of the attached callbacks), the steps, the
+steps of an epoch, and on a healthy run (or a fault of the rule) what the oracles of
+:mod:`benchmarks.calibration_oracle` measured after the fit (``oracle``: the real share of the step spent waiting
+for data, for ``dataloader_bound``).
 """
 
 from __future__ import annotations
@@ -635,11 +637,25 @@ def _run_corpus(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
     return cbs, _fit(kwargs, model, data)
 
 
+def _trainer_ref() -> Any:
+    """A callback that only keeps a reference to the trainer it runs in (for :func:`trainer_of`)."""
+    import pytorch_lightning as pl
+
+    class TrainerRef(pl.Callback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.trainer: Any = None
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.trainer = trainer
+
+    return TrainerRef()
+
+
 def _run_schedule(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
     from lightning_diag.demo.run import default_callbacks
     from lightning_diag.demo.schedules import SCENARIOS, run_scenario
 
-    cbs = [*default_callbacks(), *_callbacks(list(spec.optin), SCENARIOS[spec.name].model)]
+    cbs = [*default_callbacks(), *_callbacks(list(spec.optin), SCENARIOS[spec.name].model), _trainer_ref()]
     result = run_scenario(spec.name, cbs, root=root, seed=spec.seed)
     return result.callbacks, result
 
@@ -679,6 +695,29 @@ _RUNNERS = {
     "probe": _run_probe,
     "rulefault": _run_rulefault,
 }
+
+
+def trainer_of(callbacks: list[Any], result: Any) -> Any:
+    """The fitted trainer of a run (``None`` where the runner does not expose it): the result itself, the
+    foreign result's ``trainer``, or the one a schedule's trainer reference kept."""
+    for cb in callbacks:
+        if type(cb).__name__ == "TrainerRef":
+            return cb.trainer
+    return result if hasattr(result, "fit_loop") else getattr(result, "trainer", None)
+
+
+def _oracle(spec: RunSpec, callbacks: list[Any], result: Any, watched: list[str]) -> dict[str, Any] | None:
+    """The oracles (:mod:`benchmarks.calibration_oracle`) of the rules a run watches, on a healthy run or a fault
+    of those rules; ``None`` where none applies."""
+    from benchmarks.calibration_oracle import ORACLES, measure
+
+    rules = [r for r in ORACLES if r in watched and (spec.healthy or r in spec.expected)]
+    if not rules:
+        return None
+    trainer = trainer_of(callbacks, result)
+    if trainer is None:
+        return {r: {"error": "the runner does not expose its trainer"} for r in rules}
+    return measure(trainer, rules)
 
 
 def _owners(callbacks: list[Any]) -> set[str]:
@@ -741,4 +780,9 @@ def execute(spec: RunSpec) -> dict[str, Any]:
     if stall_start is not None and stall_end is not None and record["seconds"] > 0:
         # the machine's CPU pressure over the run: what the wall-clock rules' verdicts depend on
         record["cpu_pressure"] = min(1.0, (stall_end - stall_start) / record["seconds"])
+    with quiet(1), warnings.catch_warnings():  # after the record's measures: the oracle trains the module on
+        warnings.simplefilter("ignore")
+        oracle = _oracle(spec, cbs, result, record["watched"])
+    if oracle is not None:
+        record["oracle"] = oracle
     return record

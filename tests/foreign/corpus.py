@@ -59,6 +59,8 @@ class ForeignResult:
     params_finite: bool | None = None
     #: The callbacks the trainer ran (the library's copies where it deep-copies them): their ``rule_peaks()``.
     trainer_callbacks: list[Any] = dataclasses.field(default_factory=list)
+    #: The trainer that ran the fit (the library's own; the harness's oracles read its module and data).
+    trainer: Any = None
 
     @property
     def serious(self) -> list[Any]:
@@ -562,6 +564,7 @@ def run_entry(
     alerts = run_alerts(root)
     result = ForeignResult(name, alerts, losses, state["trainer"].global_step, attention_tags(root), seconds)
     result.trainer_callbacks = list(state["trainer"].callbacks)
+    result.trainer = state["trainer"]
     if nan_step is not None:
         result.poisoned = state.get("poisoned")
         before = state.get("before", {})
