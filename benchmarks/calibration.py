@@ -470,6 +470,15 @@ def section(
     return "\n".join(lines)
 
 
+def load_note(record: Mapping[str, Any]) -> str:
+    """The machine's load over a run, for a line of the findings: its CPU pressure and the CPUs other processes
+    used (what the wall-clock rules' verdicts depend on); empty where the record has neither."""
+    pressure, others = record.get("cpu_pressure"), record.get("cpu_others")
+    return ("" if pressure is None else f"; CPU pressure over the run {pressure:.0%}") + (
+        "" if others is None else f", other processes {others:.2f} CPUs"
+    )
+
+
 def findings(
     records: Sequence[Mapping[str, Any]], rules: Sequence[str], thresholds: Mapping[str, float | None]
 ) -> list[str]:
@@ -485,13 +494,12 @@ def findings(
             if found and not false_alarms(r, rule):
                 lines.append(
                     f"- missed: `{rule}` on `{r['spec']['key']}` (healthy, but its oracle reads"
-                    f" {oracle_excess(r, rule, thresholds.get(rule)):.2f} of the threshold)"
+                    f" {oracle_excess(r, rule, thresholds.get(rule)):.2f} of the threshold{load_note(r)})"
                 )
         for a in serious(r):
             if a["rule"] not in wanted:
                 continue
             value = "" if a.get("value") is None else f", value {a['value']:.4g}"
-            pressure = r.get("cpu_pressure")
             thr = thresholds.get(a["rule"])
             peak = r.get("peaks", {}).get(a["rule"])
             said = verdict(r, a["rule"], thr)
@@ -504,7 +512,7 @@ def findings(
                 + value
                 + ("" if thr is None else f" against {thr:g}")
                 + ("" if peak is None else f"; peak excess on the run {peak:.3g}")
-                + ("" if pressure is None else f"; CPU pressure over the run {pressure:.0%}")
+                + load_note(r)
                 + oracle
             )
     for r in records:
@@ -514,11 +522,10 @@ def findings(
             if rule in wanted and first_alert(r, rule) is None:
                 fired = sorted({a["rule"] for a in serious(r)})
                 noted = sorted({a["rule"] for a in r.get("alerts", []) if a["severity"] == "info"} & {rule})
-                pressure = r.get("cpu_pressure")
                 lines.append(
                     f"- missed: `{rule}` on `{r['spec']['key']}` (fired instead: {', '.join(fired) or 'nothing'})"
                     + ("; an info instead (the machine was contended)" if noted else "")
-                    + ("" if pressure is None else f"; CPU pressure over the run {pressure:.0%}")
+                    + load_note(r)
                 )
     return ["Every alarm on a healthy run and every missed fault:", "", *lines, ""] if lines else []
 

@@ -731,12 +731,12 @@ def _owners(callbacks: list[Any]) -> set[str]:
 def execute(spec: RunSpec) -> dict[str, Any]:
     """Train ``spec`` and return its record (an ``error`` field instead of alerts if the run raised)."""
     from lightning_diag.demo.run import quiet
-    from lightning_diag.instrument.cpu_pressure import CpuPressure
+    from lightning_diag.instrument.cpu_pressure import CpuPressure, OtherCpu
     from lightning_diag.rules.catalog import ALL_RULES
 
     record: dict[str, Any] = {"spec": dataclasses.asdict(spec), "measure_every": MEASURE_EVERY}
-    pressure = CpuPressure()
-    stall_start = pressure.read()
+    pressure, other = CpuPressure(), OtherCpu()
+    stall_start, other_start = pressure.read(), other.read()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as root, quiet(1), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -776,10 +776,13 @@ def execute(spec: RunSpec) -> dict[str, Any]:
         steps_per_epoch=per_epoch if isinstance(per_epoch, int) else None,
         seconds=time.perf_counter() - start,
     )
-    stall_end = pressure.read()
+    stall_end, other_end = pressure.read(), other.read()
     if stall_start is not None and stall_end is not None and record["seconds"] > 0:
         # the machine's CPU pressure over the run: what the wall-clock rules' verdicts depend on
         record["cpu_pressure"] = min(1.0, (stall_end - stall_start) / record["seconds"])
+    if other_start is not None and other_end is not None and record["seconds"] > 0:
+        # and the CPUs the machine's other processes used meanwhile (who made the pressure)
+        record["cpu_others"] = max(0.0, (other_end - other_start) / record["seconds"])
     with quiet(1), warnings.catch_warnings():  # after the record's measures: the oracle trains the module on
         warnings.simplefilter("ignore")
         oracle = _oracle(spec, cbs, result, record["watched"])

@@ -9,14 +9,16 @@ from typing import Any
 
 import torch
 
-from lightning_diag.instrument.cpu_pressure import CpuPressure
+from lightning_diag.instrument.cpu_pressure import CpuPressure, OtherCpu
 
 __all__ = ["CudaClock", "HostClock", "TimeSource"]
 
 
 class TimeSource:
     """Where host time comes from: ``wall()`` (``time.perf_counter``), ``cpu()`` (``time.process_time``) and
-    ``pressure()`` (the machine's CPU pressure, :class:`~lightning_diag.instrument.cpu_pressure.CpuPressure`).
+    ``pressure()`` (the machine's CPU pressure, :class:`~lightning_diag.instrument.cpu_pressure.CpuPressure`) and
+    ``other_cpu()`` (the CPU time of the machine's other processes,
+    :class:`~lightning_diag.instrument.cpu_pressure.OtherCpu`).
 
     The injection point of :class:`~lightning_diag.callbacks.system_monitor.monitor.SystemMonitor`'s clocks: tests set
     ``monitor.time_source`` to a fake whose readings they advance themselves, so that what is timed is exact.
@@ -29,6 +31,7 @@ class TimeSource:
 
     def __init__(self) -> None:
         self._pressure = CpuPressure()
+        self._other = OtherCpu()
 
     def wall(self) -> float:
         """Seconds of a monotonic wall clock."""
@@ -46,6 +49,11 @@ class TimeSource:
         """Seconds during which some runnable task of the machine waited for a CPU, since boot (``None``: the
         system keeps no such count)."""
         return self._pressure.read()
+
+    def other_cpu(self) -> float | None:
+        """CPU seconds the machine's other processes (not this one, its threads or its children) used since boot
+        (``None``: the system keeps no such count)."""
+        return self._other.read()
 
 
 class HostClock:

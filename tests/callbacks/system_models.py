@@ -27,12 +27,15 @@ class FakeTime:
     ``advance(seconds, cpu=False)`` moves the wall clock only (sleeping, waiting).
     """
 
-    def __init__(self, pressure: float | None = None) -> None:
+    def __init__(self, pressure: float | None = None, others: float | None = None) -> None:
         self.now = self.start = 1000.0
         self.cpu_now = 10.0
         #: The machine's CPU pressure: the share of the wall time with some task waiting for a CPU (``None``: the
         #: machine keeps none).
         self.share = pressure
+        #: The CPUs the machine's other processes use (``None``: the machine keeps no count).
+        self.others = others
+        self._other_total, self._other_at = 0.0, self.now
 
     def wall(self) -> float:
         return self.now
@@ -42,6 +45,13 @@ class FakeTime:
 
     def pressure(self) -> float | None:
         return None if self.share is None else self.share * (self.now - self.start)
+
+    def other_cpu(self) -> float | None:
+        if self.others is None:
+            return None
+        self._other_total += self.others * (self.now - self._other_at)  # at the rate set since the last read
+        self._other_at = self.now
+        return self._other_total
 
     def advance(self, seconds: float, cpu: bool = True) -> None:
         self.now += seconds

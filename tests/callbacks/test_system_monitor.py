@@ -333,21 +333,49 @@ def test_sustained_step_time_changes_are_a_fluctuation(monkeypatch, tmp_path):
     assert "step_time_periodic" not in rules(monitor)
 
 
-@pytest.mark.parametrize(("pressure", "severity"), [(0.5, "info"), (0.02, "warning")])
+@pytest.mark.parametrize(
+    ("pressure", "others", "severity"),
+    [
+        (0.5, None, "info"),  # who made the pressure is not known: the pressure decides
+        (0.5, 1.0, "info"),  # another process used a CPU: the machine is contended
+        (0.5, 0.05, "warning"),  # the machine's other processes idle: the run's own tasks made the pressure
+        (0.02, None, "warning"),
+    ],
+)
 def test_a_fluctuation_while_the_machine_is_contended_is_an_info_naming_the_cpu_pressure(
-    monkeypatch, tmp_path, pressure, severity
+    monkeypatch, tmp_path, pressure, others, severity
 ):
     from tests.callbacks.system_models import BusyBlocks
 
     rec = spy(monkeypatch)
     monitor = SystemMonitor(log_every_n_steps=10, rules={"step_time_fluctuation": {"warmup_steps": 0}})
-    clock = FakeTime(pressure)
+    clock = FakeTime(pressure, others=others)
     monitor.time_source = clock
     fit(MLP(), [monitor, Tick(clock, 0.001), BusyBlocks(clock=clock)], 110, default_root_dir=tmp_path)
     (alert,) = [a for a in monitor.alerts if a.rule == "step_time_fluctuation"]
     assert (alert.global_step, alert.severity) == (110, severity)
     assert alert.source == ("step_time_contended" if severity == "info" else "step_time")
     assert [v for _, v in rec.values["diag/system/cpu_pressure"]] == pytest.approx([pressure] * 11)
+    logged = [v for _, v in rec.values.get("diag/system/cpu_others", [])]
+    assert logged == ([] if others is None else pytest.approx([others] * 11))
+
+
+def test_the_other_processes_cpus_are_read_over_spans_of_a_second():
+    from lightning_diag.callbacks.system_monitor.load import MachineLoad
+
+    clock = FakeTime(0.1, others=0.5)
+    load = MachineLoad(clock)
+    clock.advance(0.1)
+    assert load.take() == pytest.approx((0.1, -1.0))  # 0.1 s: too short a span to read the counters
+    clock.advance(0.2)
+    assert load.take() == pytest.approx((0.1, 0.5))  # the span so far, in the fit's first second
+    clock.others = 2.0  # from now on, other processes use 2 CPUs: the span's figure is their mean
+    clock.advance(0.7)
+    assert load.take()[1] == pytest.approx((0.5 * 0.3 + 2.0 * 0.7) / 1.0)  # the first full span, [0, 1 s]
+    clock.advance(0.5)
+    assert load.take()[1] == pytest.approx(1.55)  # half a span: the last full span's figure stands
+    clock.advance(0.5)
+    assert load.take()[1] == pytest.approx(2.0)
 
 
 def test_a_machine_without_cpu_pressure_logs_none(monkeypatch, tmp_path):
@@ -356,6 +384,7 @@ def test_a_machine_without_cpu_pressure_logs_none(monkeypatch, tmp_path):
     clock = on_fake_time(monitor)
     fit(MLP(), [monitor, Tick(clock, 0.001)], 10, default_root_dir=tmp_path)
     assert "diag/system/cpu_pressure" not in rec.values and len(rec.values["diag/system/step_time_s"]) == 2
+    assert "diag/system/cpu_others" not in rec.values
 
 
 class Burn(DiagCallback):

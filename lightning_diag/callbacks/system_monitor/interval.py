@@ -23,10 +23,12 @@ __all__ = ["HEADER", "Mark", "Step", "gather_ranks", "interval_values", "judged_
 #: Per-interval numbers every rank contributes (gathered on logging steps under DDP); ``loader_wait`` and
 #: ``loader_step`` are the data waiting and the step time ``dataloader_bound`` judges (:func:`judged_waits` of the
 #: steps after a validation run inside an epoch; without the diagnostics' own hooks); ``cpu_pressure`` is the share
-#: of the interval's wall time with some runnable task waiting for a CPU (-1: not known; the busiest rank's).
+#: of the interval's wall time with some runnable task waiting for a CPU, ``cpu_others`` the CPUs the machine's
+#: other processes used (:class:`~lightning_diag.callbacks.system_monitor.load.MachineLoad`; each -1: not known; the
+#: busiest rank's).
 HEADER = (
     "wait", "forward_backward", "optimizer", "validation", "checkpoint", "samples", "tokens", "rss", "loader_wait",
-    "loader_step", "cpu_pressure",
+    "loader_step", "cpu_pressure", "cpu_others",
 )
 #: A ``(start, end, "fb" | "opt")`` pair of clock marks.
 Mark = tuple[Any, Any, str]
@@ -155,8 +157,9 @@ def interval_values(
         values[family_tag("system", "samples_per_s")] = merged["samples"] / step_total
         if merged["tokens"] > 0:
             values[family_tag("system", "tokens_per_s")] = merged["tokens"] / step_total
-    if merged["cpu_pressure"] >= 0:
-        values[family_tag("system", "cpu_pressure")] = merged["cpu_pressure"]
+    for load in ("cpu_pressure", "cpu_others"):
+        if merged[load] >= 0:
+            values[family_tag("system", load)] = merged[load]
     if math.isfinite(fluctuation):
         values[family_tag("system", STEP_TIME_FLUCTUATION)] = fluctuation
     if per_rank is not None:

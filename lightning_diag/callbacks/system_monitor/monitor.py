@@ -15,12 +15,14 @@ from pytorch_lightning.trainer.states import TrainerFn
 from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.callbacks.system_monitor.hooks import HookTimer
 from lightning_diag.callbacks.system_monitor.interval import HEADER, gather_ranks, interval_values, judged_waits
+from lightning_diag.callbacks.system_monitor.load import MachineLoad
 from lightning_diag.callbacks.system_monitor.profiler import SystemProfiler
 from lightning_diag.callbacks.system_monitor.steps import StepRecorder
 from lightning_diag.core.tags import family_tag, overhead_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
+from lightning_diag.rules.contention import machine_pressure
 from lightning_diag.rules.dataloader_bound import DATALOADER_BOUND, DataloaderBoundRule
 from lightning_diag.rules.measures import LoaderWait, Measures, StepTimes
 from lightning_diag.rules.memory_growth import MemoryGrowthRule
@@ -185,7 +187,7 @@ class SystemMonitor(DiagCallback):
 
     def _reset_run(self, clock: HostClock | CudaClock | None = None) -> None:
         self._steps = StepRecorder(self.time_source, clock)
-        self._pressure_mark = (self.time_source.wall(), self.time_source.pressure())
+        self._load = MachineLoad(self.time_source)
         self._diag_mark = self._hooks.step_wall_seconds if hasattr(self, "_hooks") else 0.0
         clock = getattr(self, "_overhead_clock", None)
         self._overhead_mark = clock() if clock is not None else 0.0
@@ -366,15 +368,6 @@ class SystemMonitor(DiagCallback):
         self._steps.validation_end(trainer.sanity_checking)
 
     # -- reporting -------------------------------------------------------------------------------------------
-    def _interval_pressure(self) -> float:
-        """The share of the wall time since the last report during which some runnable task waited for a CPU
-        (-1: the system keeps no CPU pressure)."""
-        wall, stall = self.time_source.wall(), self.time_source.pressure()
-        (wall_then, stall_then), self._pressure_mark = self._pressure_mark, (wall, stall)
-        if stall is None or stall_then is None or not wall > wall_then:
-            return -1.0
-        return min(1.0, max(0.0, (stall - stall_then) / (wall - wall_then)))
-
     def _window_pressure(self) -> float | None:
         """The mean CPU pressure over the step-time window's steps whose pressure is known (``None``: none is)."""
         known = [p for p in self.pressure_window if p >= 0]
@@ -386,7 +379,7 @@ class SystemMonitor(DiagCallback):
             return
         steps, flags, acc = interval.steps, interval.explained, interval.sums
         acc["rss"] = host_rss_bytes()
-        acc["cpu_pressure"] = self._interval_pressure()
+        acc["cpu_pressure"], acc["cpu_others"] = self._load.take()
         device = getattr(self, "_device", None)
         cuda = cuda_memory(device) if device is not None else {}
         waits = np.array([s[0] for s in steps], dtype=float)
@@ -415,6 +408,8 @@ class SystemMonitor(DiagCallback):
         )
         judged, work = both[: len(steps)], both[len(steps) :]
         merged = dict(zip(HEADER, header.tolist(), strict=True))
+        # the pressure the rules blame on the machine: none where the run's own tasks (its workers) made it
+        machine = machine_pressure(merged["cpu_pressure"], merged["cpu_others"])
         n = len(steps)
         ctx = self.context(trainer)
         step = trainer.global_step
@@ -425,7 +420,7 @@ class SystemMonitor(DiagCallback):
             self.steps_seen += 1
             if self.steps_seen > self.warmup_steps:
                 self.step_window.append((float(t), float(c), bool(flag), float(w)))
-                self.pressure_window.append(merged["cpu_pressure"])
+                self.pressure_window.append(machine)
             if self.steps_seen < self.warmup_steps + MIN_STEPS:
                 self.run_window.append((float(t), bool(one_time), float(w)))
         if self.steps_seen >= self.warmup_steps + MIN_STEPS:
@@ -434,9 +429,8 @@ class SystemMonitor(DiagCallback):
         step_total = float(totals.sum())
         # the share of the training's time: the diagnostics' own (a heavy logging step) would dilute it
         wait = LoaderWait(merged["loader_wait"], merged["loader_step"], n)
-        known = merged["cpu_pressure"] >= 0
         alerts += self.dataloader_rule.judge(
-            ctx, Measures(loader_wait=wait, cpu_pressure=merged["cpu_pressure"] if known else None)
+            ctx, Measures(loader_wait=wait, cpu_pressure=machine if machine >= 0 else None)
         )
         times = StepTimes(
             [t for t, _, _, _ in self.step_window],

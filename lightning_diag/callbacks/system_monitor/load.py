@@ -1,0 +1,81 @@
+"""The machine's load over each logging interval of :class:`~lightning_diag.SystemMonitor`: the CPU pressure, and
+the CPUs the machine's other processes used (who made the pressure).
+
+:class:`MachineLoad` keeps the cumulative readings of its time source between two reports and turns them into the
+interval's figures; :func:`~lightning_diag.rules.contention.machine_pressure` then decides whether the pressure is
+the machine's (other processes busy) or the run's own (its dataloader workers).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+__all__ = ["FIRST_SPAN_S", "OTHER_SPAN_S", "LoadSource", "MachineLoad"]
+
+#: Seconds of wall time, at least, over which the other processes' CPU use is measured: the kernel counts CPU time
+#: in hundredths of a second, so a span of a second reads it to about 0.02 CPUs; shorter intervals reuse the last
+#: span's figure.
+OTHER_SPAN_S = 1.0
+#: Until the fit's first full span, the other processes' CPUs are read over the span so far once it is this long
+#: (to about 0.1 CPUs); before, they are not known.
+FIRST_SPAN_S = 0.2
+
+
+class LoadSource(Protocol):
+    """What :class:`MachineLoad` reads (:class:`~lightning_diag.instrument.clocks.TimeSource`, or a test's fake)."""
+
+    def wall(self) -> float:
+        """Seconds of a monotonic wall clock."""
+
+    def pressure(self) -> float | None:
+        """Cumulative seconds with some runnable task waiting for a CPU (``None``: not kept)."""
+
+    def other_cpu(self) -> float | None:
+        """Cumulative CPU seconds of the machine's other processes (``None``: not kept)."""
+
+
+class MachineLoad:
+    """The CPU pressure and the other processes' CPUs of each interval between two :meth:`take` calls.
+
+    Args:
+        source: Where the readings come from.
+
+    Example:
+        >>> class Fixed:
+        ...     now = 0.0
+        ...     def wall(self): return self.now
+        ...     def pressure(self): return 0.1 * self.now  # some task waited 10% of the time
+        ...     def other_cpu(self): return 0.5 * self.now  # other processes used half a CPU
+        >>> source = Fixed(); load = MachineLoad(source)
+        >>> source.now = 2.0; load.take()
+        (0.1, 0.5)
+    """
+
+    def __init__(self, source: LoadSource) -> None:
+        self.source = source
+        wall = source.wall()
+        self._pressure_mark = (wall, source.pressure())
+        self._other_mark = (wall, source.other_cpu())
+        self._other_cpus = -1.0
+
+    def take(self) -> tuple[float, float]:
+        """``(pressure, other_cpus)`` since the last call: the share of the wall time during which some runnable
+        task waited for a CPU, and the CPUs the machine's other processes used over the last span of at least
+        :data:`OTHER_SPAN_S` (over the span so far during a fit's first second, from :data:`FIRST_SPAN_S` on;
+        each -1 where not known)."""
+        wall, stall, other = self.source.wall(), self.source.pressure(), self.source.other_cpu()
+        (wall_then, stall_then), self._pressure_mark = self._pressure_mark, (wall, stall)
+        pressure = -1.0
+        if stall is not None and stall_then is not None and wall > wall_then:
+            pressure = min(1.0, max(0.0, (stall - stall_then) / (wall - wall_then)))
+        other_wall, other_then = self._other_mark
+        if other is None or other_then is None:
+            self._other_mark, self._other_cpus = (wall, other), -1.0
+            return pressure, -1.0
+        span = wall - other_wall
+        if span >= OTHER_SPAN_S:  # a full span: its figure stands until the next one
+            self._other_cpus = max(0.0, (other - other_then) / span)
+            self._other_mark = (wall, other)
+        elif self._other_cpus < 0 and span >= FIRST_SPAN_S:  # the fit's first second: the span so far
+            return pressure, max(0.0, (other - other_then) / span)
+        return pressure, self._other_cpus
