@@ -57,25 +57,28 @@ class MachineLoad:
         self._pressure_mark = (wall, source.pressure())
         self._other_mark = (wall, source.other_cpu())
         self._other_cpus = -1.0
+        self._read_at = wall  # the other processes' CPU time is read at most every FIRST_SPAN_S (files of /proc)
+        self._full = False  # whether a full span was read
 
     def take(self) -> tuple[float, float]:
         """``(pressure, other_cpus)`` since the last call: the share of the wall time during which some runnable
         task waited for a CPU, and the CPUs the machine's other processes used over the last span of at least
         :data:`OTHER_SPAN_S` (over the span so far during a fit's first second, from :data:`FIRST_SPAN_S` on;
-        each -1 where not known)."""
-        wall, stall, other = self.source.wall(), self.source.pressure(), self.source.other_cpu()
+        each -1 where not known). The other processes' CPU time is read at most every :data:`FIRST_SPAN_S`."""
+        wall, stall = self.source.wall(), self.source.pressure()
         (wall_then, stall_then), self._pressure_mark = self._pressure_mark, (wall, stall)
         pressure = -1.0
         if stall is not None and stall_then is not None and wall > wall_then:
             pressure = min(1.0, max(0.0, (stall - stall_then) / (wall - wall_then)))
         other_wall, other_then = self._other_mark
-        if other is None or other_then is None:
-            self._other_mark, self._other_cpus = (wall, other), -1.0
-            return pressure, -1.0
-        span = wall - other_wall
-        if span >= OTHER_SPAN_S:  # a full span: its figure stands until the next one
-            self._other_cpus = max(0.0, (other - other_then) / span)
+        if other_then is None or wall - self._read_at < FIRST_SPAN_S:
+            return pressure, self._other_cpus
+        self._read_at, other = wall, self.source.other_cpu()
+        if other is None:
+            self._other_mark, self._other_cpus = (wall, None), -1.0
+        elif wall - other_wall >= OTHER_SPAN_S:  # a full span: its figure stands until the next one
+            self._other_cpus, self._full = max(0.0, (other - other_then) / (wall - other_wall)), True
             self._other_mark = (wall, other)
-        elif self._other_cpus < 0 and span >= FIRST_SPAN_S:  # the fit's first second: the span so far
-            return pressure, max(0.0, (other - other_then) / span)
+        elif not self._full:  # the fit's first second: the span so far
+            self._other_cpus = max(0.0, (other - other_then) / (wall - other_wall))
         return pressure, self._other_cpus
