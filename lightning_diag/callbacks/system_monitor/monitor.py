@@ -173,7 +173,8 @@ class SystemMonitor(DiagCallback):
         # time) per optimizer step after warm-up
         self.step_window: deque[tuple[float, float, bool, float]] = deque(maxlen=self.window)
         self.util_window: deque[float] = deque(maxlen=self.window)
-        # the CPU pressure of each step of `step_window` (its interval's share; -1: not known)
+        # the CPU pressure blamed on the machine at each step of `step_window` (its interval's share, 0 where the
+        # run's own tasks made it: `machine_pressure`; -1: not known)
         self.pressure_window: deque[float] = deque(maxlen=self.window)
         # (wall step time, known one-time cause, scheduled work) of every step since the fit's start, warm-up
         # included, until the window after the warm-up is long enough for the ordinary periodic test
