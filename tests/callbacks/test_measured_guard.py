@@ -81,7 +81,8 @@ def test_the_measured_pass_decides_as_the_flag(case):
     m = measure_step(index, list(range(len(params))), None)
     known = m.gradients
     assert known is not None and known.covers([p.grad for p in params])
-    assert known.total == m.total or (math.isnan(known.total) and math.isnan(m.total))  # the host total of the step's one copy
+    # the host total of the step's one copy
+    assert known.total == m.total or (math.isnan(known.total) and math.isnan(m.total))
     # the verdict before this change: 0 times the squares' float32 sum, plus the losses' probe, read from the flag
     flag = torch.sum(known.squares, 0, True).mul_(0)
     if losses:
