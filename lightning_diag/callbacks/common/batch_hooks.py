@@ -43,8 +43,9 @@ def inherited_batch_hooks(callback: object) -> list[str]:
     Example:
         >>> class Start(pl.Callback):
         ...     def on_train_batch_start(self, *args): ...
-        >>> inherited_batch_hooks(Start())
-        ['on_before_backward', 'on_after_backward', 'on_before_optimizer_step', 'on_before_zero_grad', 'on_train_batch_end']
+        >>> hooks = inherited_batch_hooks(Start())
+        >>> "on_train_batch_start" in hooks, "on_before_zero_grad" in hooks, len(hooks)
+        (False, True, 5)
     """
     cls, state = type(callback), vars(callback)
     return [
