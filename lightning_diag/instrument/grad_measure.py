@@ -133,7 +133,9 @@ class _Layout:
         self.matrix_index = torch.tensor(self.matrix, dtype=torch.long, device=device)
         self.matrix_groups = torch.tensor([index.layer_of[chosen[k]] for k in self.matrix], device=device)
         self.matrix_layer_index = torch.tensor(self.matrix_layers, dtype=torch.long, device=device)
-        self.in_block = torch.tensor(index.in_block, device=device, dtype=torch.bool)
+        #: the blocks' layers, as positions (a boolean mask would index through a nonzero: one more operator, and
+        #: a host synchronisation on an accelerator)
+        self.in_block = torch.tensor([g for g, b in enumerate(index.in_block) if b], dtype=torch.long, device=device)
         #: the layers with a measured parameter
         self.present = sorted(set(layer_of))
 
@@ -276,7 +278,7 @@ def measure_step(
         relative = parts[1].sqrt() / parts[2].sqrt().clamp_min(1e-12)
         extra = [
             relative[layout.matrix_layer_index],
-            parts[1][layout.in_block].sum().sqrt().reshape(1),
+            parts[1].index_select(0, layout.in_block).sum().sqrt().reshape(1),
         ]
     present = layout.present
     host = torch.cat([total.reshape(1), layer_norms, rms, *extra, loss_t]).tolist()  # the one copy of this step

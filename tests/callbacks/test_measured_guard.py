@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_diag.callbacks.anomaly_alarm import guard_pass
 from lightning_diag.instrument.grad_measure import GradientSquares, ParamIndex, measure_step
-from lightning_diag.stats.grad import per_tensor_norms
+from lightning_diag.stats.grad import grouped_squares, per_tensor_norms
 from lightning_diag.stats.norms import finite_probe
 
 
@@ -136,3 +136,27 @@ def test_per_tensor_norms_one_bucket_or_several(dtypes):
         got, want = norms[i].item(), ref.item()
         assert got == want or (math.isnan(got) and math.isnan(want)), (i, got, want)
     assert math.isnan(norms[0].item())
+
+
+@pytest.mark.parametrize("poison", [None, float("nan"), float("inf")])
+def test_the_blocks_norm_is_the_masked_sum_of_the_block_layers(poison):
+    """``measure_step``'s blocks' gradient norm picks the blocks' layers by position (no boolean mask): the same
+    float as the sum over the mask."""
+    torch.manual_seed(2)
+    names = ["embed.weight", "blocks.0.fc.weight", "blocks.0.fc.bias", "blocks.1.fc.weight", "head.weight"]
+    shapes = [(10, 6), (6, 6), (6,), (6, 6), (3, 6)]
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    if poison is not None:
+        params[3].grad[0, 0] = poison
+    index = ParamIndex(names, params, False)
+    assert index.block_layers == {"blocks.0.fc", "blocks.1.fc"}
+    m = measure_step(index, list(range(len(params))), None)
+    # the computation before: the same primitives, the blocks' layers picked by a boolean mask
+    squares = per_tensor_norms([p.grad for p in params]).pow(2)
+    matrix = [i for i in range(len(params)) if index.is_matrix[i]]
+    groups = torch.tensor([index.layer_of[i] for i in matrix])
+    per_layer = grouped_squares(squares[torch.tensor(matrix)], groups, len(index.layers))
+    expected = per_layer[torch.tensor(index.in_block)].sum().sqrt().item()
+    assert m.blocks == expected or (math.isnan(m.blocks) and math.isnan(expected))
