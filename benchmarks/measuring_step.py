@@ -59,6 +59,11 @@ lightning_diag.callbacks.anomaly_alarm.alarm:AnomalyAlarm on_train_batch_end
 lightning_diag.callbacks.anomaly_alarm.alarm:AnomalyAlarm on_train_epoch_end
 lightning_diag.callbacks.attention_entropy.monitor:AttentionEntropyMonitor on_train_batch_start
 lightning_diag.callbacks.attention_entropy.monitor:AttentionEntropyMonitor on_train_batch_end
+lightning_diag.callbacks.anomaly_alarm.guard_pass:OptimizerPass clean
+lightning_diag.callbacks.anomaly_alarm.guard_pass:OptimizerPass clean_measured
+lightning_diag.instrument.grad_measure:WeightCopies take
+lightning_diag.callbacks.gradient_flow.writes cpu_histogram
+lightning_diag.output.writer:DiagWriter histogram_raw
 """
 
 #: A method the class inherits (its wrapper is removed again, not replaced).

@@ -47,6 +47,11 @@ DEFAULT_LOGIT_PROJECTIONS = ("q", "k", "query", "key", "q_proj", "k_proj", "q_li
 _EMBEDDING = re.compile(r".*embed.*|pos|pos_emb|wte|wpe|cls_token|mask_token|dist_token")
 
 
+#: A host total of gradient norms below this proves their squares' float32 sum finite in any order
+#: (:meth:`GradientSquares.proves_finite`).
+_PROVEN_TOTAL = 1e19
+
+
 class ParamIndex:
     """Which parameters are measured, the layer each belongs to, and which layers are comparable weight
     matrices (built once per fit).
@@ -128,7 +133,9 @@ class _Layout:
         self.matrix_index = torch.tensor(self.matrix, dtype=torch.long, device=device)
         self.matrix_groups = torch.tensor([index.layer_of[chosen[k]] for k in self.matrix], device=device)
         self.matrix_layer_index = torch.tensor(self.matrix_layers, dtype=torch.long, device=device)
-        self.in_block = torch.tensor(index.in_block, device=device, dtype=torch.bool)
+        #: the blocks' layers, as positions (a boolean mask would index through a nonzero: one more operator, and
+        #: a host synchronisation on an accelerator)
+        self.in_block = torch.tensor([g for g, b in enumerate(index.in_block) if b], dtype=torch.long, device=device)
         #: the layers with a measured parameter
         self.present = sorted(set(layer_of))
 
@@ -141,6 +148,8 @@ class GradientSquares:
     Attributes:
         versions: ``{id(gradient): its version counter when measured}``.
         squares: The squared norms, float32, on the gradients' device (an overflow reads as a non-finite value).
+        total: The L2 norm of all of them on the host (the square root of a float32 sum of ``squares``, in another
+            order), read back with the step's other values; NaN when not read.
 
     Example:
         >>> g = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])]
@@ -154,11 +163,25 @@ class GradientSquares:
 
     versions: dict[int, int]
     squares: torch.Tensor
+    total: float = math.nan
 
     @classmethod
     def of(cls, grads: Sequence[torch.Tensor], squares: torch.Tensor) -> GradientSquares:
         """The squares ``squares`` of ``grads``, with the gradients' identities and versions now."""
         return cls({id(g): g._version for g in grads}, squares)
+
+    def proves_finite(self) -> bool:
+        """Whether :attr:`total` proves every square finite, and their float32 sum finite in whatever order it is
+        added: a finite total below 1e19 (its square below 1e38, the float32 maximum being 3.4e38; a NaN or an
+        infinity in any gradient makes its norm, and so the total, non-finite).
+
+        Example:
+            >>> GradientSquares({}, torch.tensor([25.0]), 5.0).proves_finite()
+            True
+            >>> GradientSquares({}, torch.tensor([float("inf")]), float("inf")).proves_finite()
+            False
+        """
+        return self.total < _PROVEN_TOTAL  # NaN compares False
 
     def covers(self, grads: Sequence[torch.Tensor]) -> bool:
         """Whether these are the squares of exactly ``grads`` (the same tensors, in any order, unchanged since)."""
@@ -255,10 +278,12 @@ def measure_step(
         relative = parts[1].sqrt() / parts[2].sqrt().clamp_min(1e-12)
         extra = [
             relative[layout.matrix_layer_index],
-            parts[1][layout.in_block].sum().sqrt().reshape(1),
+            parts[1].index_select(0, layout.in_block).sum().sqrt().reshape(1),
         ]
     present = layout.present
     host = torch.cat([total.reshape(1), layer_norms, rms, *extra, loss_t]).tolist()  # the one copy of this step
+    if shared is not None:  # the guard's pass at this step reads the total on the host (no operator)
+        shared = dataclasses.replace(shared, total=host[0])
     return StepMeasurement(
         total=host[0],
         norms={index.layers[g]: host[1 + g] for g in present},

@@ -108,14 +108,24 @@ def per_tensor_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, t in enumerate(local):
         buckets[(t.device, t.dtype)].append(i)
+    stacks = [
+        (indices, _stacked_norms([local[i] for i in indices], dtype, device)) for (_, dtype), indices in buckets.items()
+    ]
+    if len(stacks) == 1:  # one (device, dtype), the usual case: the norms are in order already, no scatter
+        return stacks[0][1]
     out = torch.empty(len(local), dtype=torch.float32, device=device)
-    for (_, dtype), indices in buckets.items():
-        # 16-bit tensors accumulate in float32: a float16 norm overflows past 65504.
-        accumulate = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
-        norms = torch._foreach_norm([local[i] for i in indices], 2, dtype=accumulate)
-        stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    for indices, stacked in stacks:
         out[torch.tensor(indices, device=device)] = stacked
     return out
+
+
+def _stacked_norms(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The L2 norms of ``tensors`` (one device and dtype) by one multi-tensor kernel, as a float32 vector on
+    ``device``."""
+    # 16-bit tensors accumulate in float32: a float16 norm overflows past 65504.
+    accumulate = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+    norms = torch._foreach_norm(tensors, 2, dtype=accumulate)
+    return torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
 
 
 def grouped_norms(norms: torch.Tensor, group_of: torch.Tensor, num_groups: int) -> torch.Tensor:

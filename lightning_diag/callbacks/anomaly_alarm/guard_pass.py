@@ -66,10 +66,16 @@ class OptimizerPass:
         ``GradientFlowMonitor``): when ``known`` covers exactly these gradients, unchanged, on the flag's device,
         their sum stands for the pass over the gradients (0 times it is 0 only when every gradient is finite; an
         overflow fails it, and the full check decides) and only ``losses`` are read. ``None`` when ``known`` does
-        not cover them: :meth:`clean` then makes its own pass."""
+        not cover them: :meth:`clean` then makes its own pass.
+
+        When the host total read with them proves their sum finite (:meth:`GradientSquares.proves_finite`) and the
+        losses' sums prove them finite (CPU losses, as in :meth:`clean`), the step is clean without an operator on
+        the squares (the flag left as it is, as there): the answer the flag would give. Otherwise the flag decides."""
         grads = self.gradients()
         if not grads or known.squares.device != self.found.device or not known.covers(grads):
             return None
+        if known.proves_finite() and (not losses or _sums_prove_finite(losses)):
+            return True
         flag = torch.sum(known.squares, 0, True, out=self.found).mul_(0)
         if losses:
             flag.add_(finite_probe(losses).to(flag.device))

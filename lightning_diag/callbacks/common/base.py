@@ -16,7 +16,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
-from lightning_diag.callbacks.common.batch_hooks import switch_off, switch_on
+from lightning_diag.callbacks.common.batch_hooks import inherited_batch_hooks, switch_off, switch_on
 from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.callbacks.common.session import DiagSession
 from lightning_diag.callbacks.common.session import acquire_session as _acquire_session
@@ -165,6 +165,7 @@ class DiagCallback(pl.Callback):
         self._cadence_every: int | None = None  # every_n_steps(trainer), read once per fit
         self._hooks_off = False  # whether the batch hooks are switched off (a quiet batch)
         self._hooks_saved: dict[str, Any] = {}  # what the instance held for them (another's wrappers)
+        self._idle_hooks: list[str] = []  # the inherited no-op batch hooks, None on the instance during a fit
         #: Declared rules: attribute name -> (builder from thresholds, checkpoint key).
         self._rule_declarations: dict[str, tuple[Callable[[Mapping[str, float]], StatefulRule], str]] = {}
 
@@ -265,6 +266,9 @@ class DiagCallback(pl.Callback):
             self._step_axis = self._session.step_axis
         if stage == TrainerFn.FITTING:
             self.switch_batch_hooks(off=False)
+            # the per-batch hooks it inherits as no-ops: not dispatched by Lightning during the fit
+            self._idle_hooks = [h for h in inherited_batch_hooks(self) if h not in self.batch_hooks]
+            switch_off(self, self._idle_hooks)
             self.alerts = []
             self._on_alert_failed = False
             self._notices = set()
@@ -279,6 +283,8 @@ class DiagCallback(pl.Callback):
         """Flush and release the session."""
         self.__dict__.pop("state_key", None)
         self.switch_batch_hooks(off=False)
+        switch_on(self, self._idle_hooks, {})
+        self._idle_hooks = []
         if self._session is not None:
             self._session.writer.flush()
             _release_session(trainer, self._session)
