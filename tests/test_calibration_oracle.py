@@ -95,11 +95,13 @@ def test_the_oracle_reports_what_it_cannot_measure(tmp_path: Any) -> None:
     assert "not one train dataloader" in oracle.data_share(_NoLoader())["error"]
 
 
-def _record(key: str, share: float | None, alarm: bool, peak: float, data_s: float = 0.02) -> dict[str, Any]:
+def _record(
+    key: str, share: float | None, alarm: bool, peak: float, data_s: float = 0.02, severity: str = "warning"
+) -> dict[str, Any]:
     record: dict[str, Any] = {
         "spec": {"key": key, "kind": "fault", "name": "none", "family": "baselines", "expected": [],
                  "onset_step": None, "onset_epoch": None, "epoch_len": None, "length_check": False},
-        "alerts": [{"rule": DATALOADER_BOUND, "severity": "warning", "step": 15, "epoch": 0, "value": 0.5}]
+        "alerts": [{"rule": DATALOADER_BOUND, "severity": severity, "step": 15, "epoch": 0, "value": 0.5}]
         if alarm else [],
         "peaks": {DATALOADER_BOUND: peak},
         "watched": [DATALOADER_BOUND],
@@ -113,16 +115,18 @@ def test_rule_row_counts_the_oracles_findings_as_detections_and_misses() -> None
     records = [
         _record("found_caught", 0.6, True, 2.4),  # oracle 2.4x the threshold, the rule fired: a detection
         _record("found_missed", 0.5, False, 0.9),  # oracle 2x, the rule quiet: a miss
+        _record("found_contended", 0.5, True, 0.0, severity="info"),  # an info on a busy machine: neither
         _record("near", 0.27, True, 1.1),  # oracle 1.08x: ambiguous, neither a false alarm nor a detection
         _record("tiny_wait", 0.6, True, 1.3, data_s=0.001),  # under the rule's min_wait_s: quiet by contract
         _record("quiet", 0.05, False, 0.4),
         _record("unmeasured", None, False, 0.3),  # an older record: judged by its label, as before
     ]
     row = cal.rule_row(DATALOADER_BOUND, records)
-    assert row["healthy"] == 6 and row["measured"] == 6
+    assert row["healthy"] == 7 and row["measured"] == 7
     assert row["false_alarm_runs"] == ["tiny_wait"]
-    assert row["oracle"]["measured"] == 5
+    assert row["oracle"]["measured"] == 6
     assert (row["oracle"]["caught"], row["oracle"]["missed"]) == (["found_caught"], ["found_missed"])
+    assert row["oracle"]["contended"] == ["found_contended"]
     assert row["oracle"]["ambiguous"] == ["near"]
     assert row["oracle"]["excess"]["found_caught"] == pytest.approx(0.6 / THR)
     # the margin is the quiet runs' only: the findings' and the ambiguous run's peaks are not a healthy margin
@@ -133,20 +137,26 @@ def test_rule_row_counts_the_oracles_findings_as_detections_and_misses() -> None
 
 def test_the_table_and_the_findings_show_the_oracle() -> None:
     records = [_record("found_caught", 0.6, True, 2.4), _record("found_missed", 0.5, False, 0.9),
-               _record("near", 0.27, True, 1.1), _record("quiet", 0.05, True, 1.2)]  # fmt: skip
+               _record("near", 0.27, True, 1.1), _record("quiet", 0.05, True, 1.2),
+               _record("found_contended", 0.5, True, 0.0, severity="info")]  # fmt: skip
     rows = cal.table(records, [DATALOADER_BOUND])
     line = cal.render(rows, {DATALOADER_BOUND: THR}).splitlines()[2]
     assert cal.is_table_line(line, 7 + len(cal.EPOCH_LENGTHS))
-    assert "**1**: `quiet`" in line and "**1 / 2 healthy runs the oracle finds** (missed: `found_missed`)" in line
-    quiet_only = cal.render(cal.table(records[3:], [DATALOADER_BOUND]), {DATALOADER_BOUND: THR})
+    assert "**1**: `quiet`" in line
+    assert (
+        "**1 / 3 healthy runs the oracle finds (1 said as an info on a contended machine)** (missed: `found_missed`)"
+        in line
+    )
+    quiet_only = cal.render(cal.table(records[3:4], [DATALOADER_BOUND]), {DATALOADER_BOUND: THR})
     assert "; no healthy run the oracle finds" in quiet_only
     note = "\n".join(cal.oracle_note(rows, records))
-    assert "4 of 4 healthy runs measured" in note and "`found_caught` (oracle 2.40: share 60%" in note
+    assert "5 of 5 healthy runs measured" in note and "`found_caught` (oracle 2.40: share 60%" in note
     assert "ambiguous, counted neither way): 1: `near`" in note
     found = "\n".join(cal.findings(records, [DATALOADER_BOUND], {DATALOADER_BOUND: THR}))
     assert "- detection (the oracle agrees): `dataloader_bound` on `found_caught`" in found
     assert "- missed: `dataloader_bound` on `found_missed` (healthy, but its oracle reads 2.00" in found
     assert "- ambiguous alarm: `dataloader_bound` on `near`" in found
+    assert "- said as an info on a contended machine: `dataloader_bound` on `found_contended`" in found
     assert "- false alarm: `dataloader_bound` on `quiet`" in found and "oracle 0.20 of the threshold" in found
 
 
