@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.calibration_oracle import AMBIGUOUS, ORACLES, TRUE_FACTOR, TRUE_FINDING, oracle_excess, verdict
 from benchmarks.calibration_plan import EPOCH_LENGTHS, FAMILIES, RunSpec, execute, plan, twin_of
+from lightning_diag.rules.dataloader_bound import DATALOADER_BOUND
 from tests.foreign.corpus import TIMING_RULES
 
 START, END = "<!-- calibration:start -->", "<!-- calibration:end -->"
@@ -377,6 +378,31 @@ def _init_worker() -> None:
     torch.set_num_threads(1)
 
 
+#: Optimizer steps a healthy run needs for the step-time rules to judge it (20 of warm-up, 8 blocks of 10, and a
+#: block for the patience to count a second check): the quiet run's healthy runs have at least these.
+QUIET_MIN_STEPS = 70
+
+
+def quiet_set(records: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The run keys of the quiet run of the wall-clock rules, from a full run's records: every healthy run the
+    step-time rules judge (:data:`QUIET_MIN_STEPS` steps or more), every healthy run whose ``dataloader_bound``
+    oracle is above the quiet band (a finding to catch, or ambiguous: judged on a free machine), and every fault
+    of a wall-clock rule (``TIMING_RULES``)."""
+    keys = []
+    for r in records:
+        if "error" in r:
+            continue
+        spec = r["spec"]
+        if spec["expected"]:
+            if any(rule in TIMING_RULES for rule in spec["expected"]):
+                keys.append(spec["key"])
+            continue
+        excess = oracle_excess(r, DATALOADER_BOUND, _threshold(DATALOADER_BOUND))
+        if (r.get("steps") or 0) >= QUIET_MIN_STEPS or (excess is not None and excess >= 1 / TRUE_FACTOR):
+            keys.append(spec["key"])
+    return keys
+
+
 def solo(spec: RunSpec) -> bool:
     """Whether ``spec`` runs alone: a fault of a wall-clock rule (``TIMING_RULES``), measured as a user's run
     would be, with no other run of the harness on the machine (on a contended machine those rules say so in an
@@ -569,6 +595,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated texts: run only the runs whose key has one")
     parser.add_argument("--first", type=int, default=None, help="run only the first N runs (priority order)")
     parser.add_argument(
+        "--quiet-from",
+        default=None,
+        help="a full run's cache: run only its quiet set (quiet_set: the runs the wall-clock rules judge), one at a"
+        " time on an otherwise idle machine",
+    )
+    parser.add_argument(
         "--render-only", action="store_true", help="tabulate the cached records without running the missing runs"
     )
     args = parser.parse_args(argv)
@@ -579,6 +611,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.only:
         parts = [p for p in args.only.split(",") if p]
         specs = [s for s in specs if any(p in s.key for p in parts)]
+    if args.quiet_from:
+        chosen = set(quiet_set(load_cache(args.quiet_from).values()))
+        specs = [s for s in specs if s.key in chosen]
     if args.first is not None:
         specs = specs[: args.first]
     cache = args.cache or os.path.join("diag_runs", "calibration", f"{args.subset}.jsonl")

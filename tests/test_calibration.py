@@ -231,3 +231,16 @@ def test_rules_note_their_statistic_against_their_threshold() -> None:
     for i, value in enumerate([100.0, 102.0, 104.0]):
         memory.judge(StepContext(0, i), Measures(memory={"host_rss": value}))
     assert memory.peaks["memory_growth"] == pytest.approx(0.4, rel=0.05)  # grew 4% against 10%
+
+
+def test_the_quiet_set_holds_what_the_wall_clock_rules_judge() -> None:
+    long_run = {**_record("long"), "steps": cal.QUIET_MIN_STEPS}
+    short_run = {**_record("short"), "steps": cal.QUIET_MIN_STEPS - 1}
+    loader_bound = {**_record("loader"), "steps": 10, "oracle": {"dataloader_bound": {"share": 0.8, "data_s": 0.02}}}
+    loader_near = {**_record("near"), "steps": 10, "oracle": {"dataloader_bound": {"share": 0.22, "data_s": 0.02}}}
+    loader_quiet = {**_record("fast"), "steps": 10, "oracle": {"dataloader_bound": {"share": 0.1, "data_s": 0.02}}}
+    timing_fault = _record("stall", (sorted(TIMING_RULES)[0],), family="faults")
+    other_fault = _record("nan", ("nonfinite_loss",), family="faults")
+    crashed = {**_record("crashed"), "steps": 500, "error": "RuntimeError"}
+    records = [long_run, short_run, loader_bound, loader_near, loader_quiet, timing_fault, other_fault, crashed]
+    assert cal.quiet_set(records) == ["long", "loader", "near", "stall"]
