@@ -82,8 +82,12 @@ class DataloaderBoundRule(Rule):
             return []
         share = wait_s / step_s
         busy = contended(m.cpu_pressure)
+        # the margin: the smallest excess over the latest `patience` intervals (what the streak needs), recorded
+        # on a free machine only (where a warning can come)
+        latest = min(excess(share, self.threshold), excess(wait_s / steps, self.min_wait_s))
+        window = self.held["interval"] = [*self.held.get("interval", []), latest][-self.patience :]
         if not busy:
-            self.observe(min(excess(share, self.threshold), excess(wait_s / steps, self.min_wait_s)), 1.0)
+            self.observe(min(window) if len(window) >= self.patience else 0.0, 1.0)
         active = share > self.threshold and wait_s / steps > self.min_wait_s
         self.streak = self.streak + 1 if active else 0
         persists = self.streak >= self.patience

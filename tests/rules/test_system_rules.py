@@ -282,3 +282,20 @@ def test_waiting_for_data_on_a_contended_machine_is_an_info_then_a_warning_of_it
     (warning,) = judge(None)  # the waiting goes on without contention: the loader's own
     assert (warning.severity, warning.source) == ("warning", "dataloader") and "num_workers" in warning.message
     assert judge(0.0) == []  # once per fit
+
+
+def test_the_loader_margin_is_what_held_over_the_patience_not_one_interval():
+    rule = DataloaderBoundRule()  # patience 3
+
+    def judge(wait_s, pressure=None):
+        return rule.judge(CTX, Measures(loader_wait=LoaderWait(wait_s, 10.0, 10), cpu_pressure=pressure))
+
+    judge(9.0)  # one interval waiting 90% (a burst: a collection, another job's start)
+    judge(0.5)
+    judge(0.5)
+    assert rule.peaks["dataloader_bound"] == pytest.approx(0.5 / 10.0 / 0.25)  # 20%: the held excess, not 3.6
+    judge(6.0, pressure=0.3)  # contended: in the streak, but its excess not recorded
+    judge(6.0)
+    assert rule.peaks["dataloader_bound"] == pytest.approx(0.2)  # two intervals of the three held
+    (alert,) = judge(6.0)  # the third: the streak holds, and so does the margin
+    assert rule.peaks["dataloader_bound"] == pytest.approx(0.6 / 0.25) and alert.severity == "warning"
