@@ -38,18 +38,12 @@ from pytorch_lightning.utilities import grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_diag.callbacks.common.batch_hooks import TRAIN_BATCH_HOOKS
 from lightning_diag.callbacks.gradient_flow.monitor import GradientFlowMonitor
 from lightning_diag.demo.run import default_callbacks, quiet
 
 COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/overhead.py"
-_HOOKS = (
-    "on_train_batch_start",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_before_zero_grad",
-    "on_train_batch_end",
-)
+_HOOKS = TRAIN_BATCH_HOOKS
 
 
 # -- models ----------------------------------------------------------------------------------------------------

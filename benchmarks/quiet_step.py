@@ -53,19 +53,12 @@ from cost_table import MLP, mlp_data
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, DataDiagnostics, GradientFlowMonitor, SystemMonitor
 from lightning_diag.callbacks.anomaly_alarm import nonfinite_guard
+from lightning_diag.callbacks.common.batch_hooks import TRAIN_BATCH_HOOKS
 from lightning_diag.demo.run import default_callbacks, quiet
 
 COMMAND = "PYTHONPATH=. .venv/bin/python benchmarks/quiet_step.py"
 INTERVAL = 50
-HOOKS = (
-    "on_train_epoch_start",
-    "on_train_batch_start",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_before_zero_grad",
-    "on_train_batch_end",
-)
+HOOKS = ("on_train_epoch_start", *TRAIN_BATCH_HOOKS)
 
 
 class NoOp(pl.Callback):

@@ -15,6 +15,7 @@ from lightning_diag import AnomalyAlarm, NonFiniteError
 from lightning_diag.callbacks.anomaly_alarm import guard_pass
 from lightning_diag.stats.loss_sums import LossSums
 from tests.callbacks.nonfinite_models import Regression
+from tests.callbacks.op_names import OpNames
 from tests.callbacks.tiny import FAST
 
 
@@ -199,16 +200,6 @@ def test_the_replay_keeps_exactly_the_micro_batches_of_the_step_being_checked(tm
     assert kept == [[3 * k, 3 * k + 1, 3 * k + 2] for k in range(7)]
 
 
-class _OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names[str(func).removeprefix("aten.")] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("case", ["finite", "nan", "inf", "sum_overflows", "large_sums", "loss_nan"])
 def test_the_large_gradients_pass_decides_as_the_probe(case):
     """Gradients large enough to be summed: the pass decides on the host from the sums when they prove every value
@@ -238,7 +229,7 @@ def test_the_large_gradients_pass_decides_as_the_probe(case):
     assert expected == (case in ("finite", "large_sums"))
     guard = guard_pass.OptimizerPass([{"params": params}])
     assert guard.sums
-    with _OpNames() as ops:
+    with OpNames() as ops:
         clean = guard.clean(losses)
     assert clean == expected
     if case == "finite":

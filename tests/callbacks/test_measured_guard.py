@@ -6,27 +6,16 @@ stacked norms themselves, without the scatter into a fresh vector: the same valu
 
 from __future__ import annotations
 
-import collections
 import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_diag.callbacks.anomaly_alarm import guard_pass
 from lightning_diag.instrument.grad_measure import GradientSquares, ParamIndex, measure_step
 from lightning_diag.stats.grad import grouped_squares, per_tensor_norms
 from lightning_diag.stats.norms import finite_probe
-
-
-class _OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names[str(func).removeprefix("aten.")] += 1
-        return func(*args, **(kwargs or {}))
+from tests.callbacks.op_names import OpNames
 
 
 def _model(case: str) -> tuple[list[str], list[torch.nn.Parameter], list[torch.Tensor]]:
@@ -91,7 +80,7 @@ def test_the_measured_pass_decides_as_the_flag(case):
     proven = case in ("finite", "total_below_margin", "no_loss")
     assert expected == (proven or case == "total_past_margin")
     guard = guard_pass.OptimizerPass([{"params": params}])
-    with _OpNames() as ops:
+    with OpNames() as ops:
         assert guard.clean_measured(list(losses), known) is expected
     if proven:  # proven on the host: the losses' sums at most, no operator on the squares
         assert set(ops.names) <= {"sum.default"} and ops.names["sum.default"] == len(losses), ops.names
