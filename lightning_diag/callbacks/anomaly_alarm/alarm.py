@@ -10,8 +10,8 @@ rules (``rules/loss_swing.py``, ``loss_stagnant.py``, ``val_decline.py``, ``val_
 
 from __future__ import annotations
 
-import functools
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -32,11 +32,16 @@ from lightning_diag.callbacks.anomaly_alarm.quiet import QuietLossKeeping
 from lightning_diag.callbacks.anomaly_alarm.runtime_checks import RuntimeChecks
 from lightning_diag.callbacks.anomaly_alarm.silent_checks import ReplicaCheck, TrainModeCheck
 from lightning_diag.callbacks.common.base import AlertHandler, RuleChoices, extract_loss
+from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.core.alerts import NonFiniteAction
 from lightning_diag.core.registry import RuleSpec
 from lightning_diag.core.tags import loss_tag
 from lightning_diag.core.validation import check_choice
+from lightning_diag.rules.amp_not_applied import AmpRule
 from lightning_diag.rules.catalog import NONFINITE_ROLLBACK, VAL_DECLINE
+from lightning_diag.rules.eval_before_training import EvalBeforeTrainingRule
+from lightning_diag.rules.eval_randomness import EvalRandomnessRule
+from lightning_diag.rules.loss_outlier import LossOutlierRule
 from lightning_diag.rules.loss_stagnant import LossStagnantRule
 from lightning_diag.rules.loss_swing import LOSS_SWING_WINDOW_STEPS_KEY, LossSwingRule
 from lightning_diag.rules.nonfinite import (
@@ -46,10 +51,14 @@ from lightning_diag.rules.nonfinite import (
     NONFINITE_LOSS_MAX_SKIPS_KEY,
     NonFinitePolicy,
 )
-from lightning_diag.rules.replicas import DDP_DESYNC, DESYNC_EVERY_N_STEPS_KEY
+from lightning_diag.rules.output_collapse import OutputCollapseRule
+from lightning_diag.rules.replicas import DDP_DESYNC, DESYNC_EVERY_N_STEPS_KEY, DesyncRule
 from lightning_diag.rules.rollback import NONFINITE_ROLLBACK_SPEC, RollbackRule
+from lightning_diag.rules.train_mode import EvalModeRule
+from lightning_diag.rules.train_override_bypassed import TrainOverrideRule
 from lightning_diag.rules.val_decline import VAL_DECLINE_HIGHER_IS_BETTER_KEY, ValDeclineRule
 from lightning_diag.rules.val_fluctuation import VAL_FLUCTUATION, ValFluctuationRule
+from lightning_diag.rules.zero_output import ZeroOutputRule
 from lightning_diag.stats.loss_sums import LossSums
 
 __all__ = [
@@ -174,6 +183,39 @@ class AnomalyAlarm(QuietLossKeeping):
 
     #: Alarms with another monitored metric or swing window are checkpointed apart.
     state_key_arguments = ("monitor", "swing_window")
+    preset = Preset(
+        "AnomalyAlarm",
+        (
+            Detector(LossSwingRule, "swing_rule", "swing", context=(("unit", "trend_unit"),)),
+            Detector(LossStagnantRule, "stagnant_rule", "stagnant", context=(("unit", "trend_unit"),)),
+            Detector(
+                ValDeclineRule, "val_decline_rule", VAL_DECLINE, context=(("monitor", "monitor"), ("mode", "mode"))
+            ),
+            Detector(
+                ValFluctuationRule, "val_fluctuation_rule", VAL_FLUCTUATION, context=(("monitor", "monitor"),)
+            ),
+            Detector(NonFinitePolicy, "policy", "nonfinite", context=(("action", "on_nonfinite"),)),
+            Detector(RollbackRule, "rollback_rule", "rollback", build="new_rollback_rule"),
+            Detector(DesyncRule, "replicas", build="new_replica_check"),
+            Detector(EvalModeRule, "train_mode", build="new_train_mode_check"),
+            Detector(TrainOverrideRule, "override_rule"),
+            Detector(EvalRandomnessRule, "eval_random_rule"),
+            Detector(AmpRule, "amp_rule"),
+            Detector(LossOutlierRule, "outlier_rule"),
+            Detector(EvalBeforeTrainingRule, "eval_before_rule"),
+            Detector(ZeroOutputRule, "zero_rule"),
+            Detector(OutputCollapseRule, "collapse_rule"),
+        ),
+    )
+    # the detectors, built by add_preset (ddp_desync's and eval_mode_in_training's held by the checks feeding them)
+    swing_rule: LossSwingRule
+    stagnant_rule: LossStagnantRule
+    val_decline_rule: ValDeclineRule
+    val_fluctuation_rule: ValFluctuationRule
+    policy: NonFinitePolicy
+    rollback_rule: RollbackRule
+    replicas: ReplicaCheck
+    train_mode: TrainModeCheck
 
     def __init__(
         self,
@@ -208,39 +250,12 @@ class AnomalyAlarm(QuietLossKeeping):
             rollback=self.on_nonfinite == "rollback",
             settings=self.rollback,
         )
-        # The declared state: built now and afresh at every fit, saved and restored by the base class.
-        unit = trend_unit(self.swing_window)
-        self.swing_rule: LossSwingRule = self.add_rule(
-            "swing_rule", functools.partial(LossSwingRule.from_settings, unit=unit), state_key="swing"
-        )
-        self.stagnant_rule: LossStagnantRule = self.add_rule(
-            "stagnant_rule", functools.partial(LossStagnantRule.from_settings, unit=unit), state_key="stagnant"
-        )
-        self.val_decline_rule: ValDeclineRule = self.add_rule(
-            "val_decline_rule",
-            functools.partial(ValDeclineRule.from_settings, monitor=monitor, mode=self.mode),
-            state_key=VAL_DECLINE,
-        )
-        self.val_fluctuation_rule: ValFluctuationRule = self.add_rule(
-            "val_fluctuation_rule",
-            functools.partial(ValFluctuationRule.from_settings, monitor=monitor),
-            state_key=VAL_FLUCTUATION,
-        )
+        #: The unit of the loss trend's messages (a step or an epoch, from ``swing_window``).
+        self.trend_unit = trend_unit(self.swing_window)
+        # The declared detectors and state: built now and afresh at every fit, saved and restored by the base class.
+        self.add_preset()
         self.loss_sums: LossSums = self.add_rule("loss_sums", build_loss_sums, state_key="accumulators")
-        self.policy: NonFinitePolicy = self.add_rule(
-            "policy", functools.partial(NonFinitePolicy.from_settings, action=self.on_nonfinite), state_key="nonfinite"
-        )
         self.deferred: DeferredFindings = self.add_state("deferred", DeferredFindings, state_key="pending_nonfinite")
-        self.rollback_rule: RollbackRule = self.add_state("rollback_rule", self.recovery.new_rule, state_key="rollback")
-        #: ``ddp_desync``'s comparisons of the replicas.
-        self.replicas: ReplicaCheck = self.add_state(
-            "replicas",
-            functools.partial(
-                ReplicaCheck, self, int(self.setting(DESYNC_EVERY_N_STEPS_KEY)), self.setting(DDP_DESYNC)
-            ),
-        )
-        #: ``eval_mode_in_training``'s look at the Dropout and BatchNorm modules.
-        self.train_mode: TrainModeCheck = self.add_state("train_mode", functools.partial(TrainModeCheck, self))
         #: The run-time checks (``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``,
         #: ``loss_outlier``, ``eval_before_training``); their rules and pending losses are declared on this callback.
         self.runtime = RuntimeChecks(self)
@@ -270,6 +285,19 @@ class AnomalyAlarm(QuietLossKeeping):
             for name in spec.fields
             for value in [self.setting(spec.key(name))]
         }
+
+    # -- the preset's detectors that from_settings cannot build ------------------------------------------------
+    def new_rollback_rule(self, thresholds: Mapping[str, float]) -> RollbackRule:
+        """``nonfinite_rollback``'s rule, from the recovery's settings (read at construction)."""
+        return self.recovery.new_rule()
+
+    def new_replica_check(self, thresholds: Mapping[str, float]) -> ReplicaCheck:
+        """``ddp_desync``'s comparisons of the replicas, holding its rule."""
+        return ReplicaCheck(self, int(self.setting(DESYNC_EVERY_N_STEPS_KEY)), self.setting(DDP_DESYNC))
+
+    def new_train_mode_check(self, thresholds: Mapping[str, float]) -> TrainModeCheck:
+        """``eval_mode_in_training``'s look at the Dropout and BatchNorm modules, holding its rule."""
+        return TrainModeCheck(self)
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds in effect (see :meth:`DiagCallback.thresholds`).

@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag.callbacks.anomaly_alarm.output_collapse_check import RULE_ATTRIBUTE as COLLAPSE_RULE_ATTRIBUTE
 from lightning_diag.callbacks.anomaly_alarm.output_collapse_check import OutputCollapseCheck
-from lightning_diag.callbacks.anomaly_alarm.zero_output_check import RULE_ATTRIBUTE as ZERO_RULE_ATTRIBUTE
 from lightning_diag.callbacks.anomaly_alarm.zero_output_check import ZeroOutputCheck
 from lightning_diag.instrument.runtime_probes import (
     DropoutWatch,
@@ -35,14 +33,15 @@ from lightning_diag.rules.eval_before_training import EvalBeforeTrainingRule
 from lightning_diag.rules.eval_randomness import EvalRandomnessRule
 from lightning_diag.rules.loss_outlier import LossOutlierRule
 from lightning_diag.rules.measures import AmpLayers, Measures, StepLosses, TrainOverrides, UntrainedInEval
-from lightning_diag.rules.output_collapse import OutputCollapseRule
 from lightning_diag.rules.train_override_bypassed import TRAIN_OVERRIDE_BYPASSED, TrainOverrideRule
-from lightning_diag.rules.zero_output import ZeroOutputRule
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.callbacks.common.base import DiagCallback
 
 __all__ = ["MIXED_PRECISIONS", "PendingLosses", "RuntimeChecks"]
+
+#: The owner's attribute holding ``loss_outlier``'s pending losses (state the checks declare on it).
+PENDING_ATTRIBUTE = "pending_losses"
 
 #: The ``Trainer(precision=...)`` values under which the matmul layers should compute in half precision.
 MIXED_PRECISIONS = ("16-mixed", "bf16-mixed")
@@ -106,19 +105,12 @@ class RuntimeChecks:
 
     def __init__(self, owner: DiagCallback) -> None:
         self.owner = owner
-        # Declared on the owner: rebuilt at each fit, saved and restored with its checkpoint state.
-        owner.add_rule("override_rule", TrainOverrideRule.from_settings)
-        owner.add_rule("eval_random_rule", EvalRandomnessRule.from_settings)
-        owner.add_rule("amp_rule", AmpRule.from_settings)
-        owner.add_rule("outlier_rule", LossOutlierRule.from_settings)
-        owner.add_rule("eval_before_rule", EvalBeforeTrainingRule.from_settings)
-        owner.add_rule(ZERO_RULE_ATTRIBUTE, ZeroOutputRule.from_settings)
+        # The rules are the owner's preset's detectors (rebuilt at each fit): read through owner.detector().
         #: ``zero_output``'s watch of the modules' outputs on sampled steps.
         self.zero_outputs = ZeroOutputCheck(owner)
-        owner.add_rule(COLLAPSE_RULE_ATTRIBUTE, OutputCollapseRule.from_settings)
         #: ``output_collapse``'s watch of the model's output on sampled steps.
         self.outputs = OutputCollapseCheck(owner)
-        owner.add_state("pending_losses", PendingLosses, state_key="runtime_pending")
+        owner.add_state(PENDING_ATTRIBUTE, PendingLosses, state_key="runtime_pending")
         self.reset()
 
     def reset(self) -> None:
@@ -128,7 +120,7 @@ class RuntimeChecks:
         self._amp: MatmulDtypeProbe | None = None
         self._dropout: DropoutWatch | None = None
         # The owner's declared pending losses of this fit (restored in place at a resume).
-        self._pending: PendingLosses = self._rule("pending_losses")
+        self._pending: PendingLosses = getattr(self.owner, PENDING_ATTRIBUTE)
         self.zero_outputs.reset()
         self.outputs.reset()
         #: The global step from which :meth:`on_train_batch_start` has something to do (the fit's first batch, then
@@ -138,10 +130,6 @@ class RuntimeChecks:
         #: that logs nothing (the owner calls this instead then): ``keep_loss(loss, step)`` keeps a reference to the
         #: batch's 0-d loss of global step ``step`` for ``loss_outlier`` (the pending losses' own ``add``).
         self.keep_loss = self._pending.add
-
-    def _rule(self, name: str) -> Any:
-        """One of the owner's rules, as rebuilt at each fit."""
-        return getattr(self.owner, name)
 
     # -- training ------------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -163,7 +151,7 @@ class RuntimeChecks:
                     "%s not checked for %s: %s", TRAIN_OVERRIDE_BYPASSED, ", ".join(overriders), note
                 )
             overrides = TrainOverrides(overriders, to_eval, frozen)
-            self.owner.record(self._rule("override_rule").judge(ctx, Measures(train_overrides=overrides)))
+            self.owner.record(self.owner.detector(TrainOverrideRule).judge(ctx, Measures(train_overrides=overrides)))
         if str(trainer.precision) in MIXED_PRECISIONS:
             self._amp = MatmulDtypeProbe(pl_module)
             self._amp.start()
@@ -185,14 +173,15 @@ class RuntimeChecks:
             probe, self._amp = self._amp, None
             probe.stop()
             amp = AmpLayers(probe.layers, probe.float32, str(trainer.precision))
-            self.owner.record(self._rule("amp_rule").judge(self.owner.context(trainer), Measures(amp=amp)))
+            self.owner.record(self.owner.detector(AmpRule).judge(self.owner.context(trainer), Measures(amp=amp)))
         pending = self._pending
         if loss is not None:
             pending.add(loss, step)
         if logging and pending:
             values, steps = pending.take(trainer)  # the one host read, on a logging step
             ctx = StepContext(trainer.current_epoch, trainer.global_step)
-            self.owner.record(self._rule("outlier_rule").judge(ctx, Measures(step_losses=StepLosses(values, steps))))
+            losses = Measures(step_losses=StepLosses(values, steps))
+            self.owner.record(self.owner.detector(LossOutlierRule).judge(ctx, losses))
 
     # -- validation ----------------------------------------------------------------------------------------
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -202,7 +191,7 @@ class RuntimeChecks:
         modules = unconverged_spectral_norms(pl_module)
         if modules:
             untrained = Measures(untrained_in_eval=UntrainedInEval(modules, trainer.sanity_checking))
-            self.owner.record(self._rule("eval_before_rule").judge(self.owner.context(trainer), untrained))
+            self.owner.record(self.owner.detector(EvalBeforeTrainingRule).judge(self.owner.context(trainer), untrained))
 
     def on_validation_batch_start(self, pl_module: pl.LightningModule, batch_idx: int, dataloader_idx: int) -> None:
         """On the first batch of a validation run: watch for dropouts applied in training mode."""
@@ -217,7 +206,7 @@ class RuntimeChecks:
         watch, self._dropout = self._dropout, None
         watch.stop()
         found = Measures(eval_dropouts=watch.found)
-        self.owner.record(self._rule("eval_random_rule").judge(self.owner.context(trainer), found))
+        self.owner.record(self.owner.detector(EvalRandomnessRule).judge(self.owner.context(trainer), found))
 
     def stop(self) -> None:
         """Remove whatever is installed (the end of a fit, or an exception in the middle of a batch)."""

@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_diag.callbacks.attention_entropy.measure import draw_images, reduce_distances, reduce_stats
 from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices, extract_loss
+from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.core.tags import (
     attn_entropy_tag,
     attn_uniform_tag,
@@ -141,6 +142,18 @@ class AttentionEntropyMonitor(DiagCallback):
 
     #: Switched off on quiet batches (:meth:`quiet_batch`): Lightning then skips them.
     batch_hooks = ("on_before_backward", "on_train_batch_end")
+    preset = Preset(
+        "AttentionEntropyMonitor",
+        (
+            Detector(AttentionEntropyRule, "entropy_rule", "entropy"),
+            Detector(AttentionSinkRule, "sink_rule", "sink"),
+            Detector(AttentionLogitRule, "logit_rule", "logits"),
+        ),
+    )
+    # the detectors, built by add_preset
+    entropy_rule: AttentionEntropyRule
+    sink_rule: AttentionSinkRule
+    logit_rule: AttentionLogitRule
     #: Wraps the attention recorders' methods in ``SystemMonitor``'s timer of this trainer (set on the instance
     #: while one times it), else ``None``.
     recorder_timing: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
@@ -173,9 +186,7 @@ class AttentionEntropyMonitor(DiagCallback):
         if image_every_n_steps is not None:
             check_int("image_every_n_steps", image_every_n_steps, low=0)
         self.image_every_n_steps = image_every_n_steps
-        self.entropy_rule = self.add_rule("entropy_rule", AttentionEntropyRule.from_settings, state_key="entropy")
-        self.sink_rule = self.add_rule("sink_rule", AttentionSinkRule.from_settings, state_key="sink")
-        self.logit_rule = self.add_rule("logit_rule", AttentionLogitRule.from_settings, state_key="logits")
+        self.add_preset()
         self._logit_peaks: dict[str, float] = {}
         self._recorder: AttentionRecorder | None = None
         self._handles: list[Any] = []

@@ -17,6 +17,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.common.batch_hooks import inherited_batch_hooks, switch_off, switch_on
+from lightning_diag.callbacks.common.preset import Preset
 from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.callbacks.common.session import DiagSession
 from lightning_diag.callbacks.common.session import acquire_session as _acquire_session
@@ -28,7 +29,7 @@ from lightning_diag.core.registry import ParsedRules, RuleChoices, default, owne
 from lightning_diag.core.tags import threshold_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.output.writer import DiagWriter
-from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.base import FromSettings, StepContext
 from lightning_diag.stats.reduced import ReducedState
 
 __all__ = ["AlertHandler", "DiagCallback", "RuleChoices", "StatefulRule", "extract_loss"]
@@ -48,6 +49,7 @@ class StatefulRule(Protocol):
 
 
 RuleT = TypeVar("RuleT", bound=StatefulRule)
+DetectorT = TypeVar("DetectorT", bound=FromSettings)
 
 
 def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
@@ -135,6 +137,9 @@ class DiagCallback(pl.Callback):
     #: Per-batch hooks this callback needs only on the batches it works in: on a batch :meth:`quiet_batch` calls
     #: quiet they are switched off until the next batch's start (see :meth:`on_train_batch_start`).
     batch_hooks: ClassVar[tuple[str, ...]] = ()
+    #: The detectors this callback runs (:mod:`lightning_diag.callbacks.common.preset`), built by
+    #: :meth:`add_preset`: the rule ids it owns are theirs.
+    preset: ClassVar[Preset] = Preset("DiagCallback", ())
 
     def __init__(
         self,
@@ -183,6 +188,26 @@ class DiagCallback(pl.Callback):
         rule = build(self.thresholds())
         setattr(self, name, rule)
         return rule
+
+    def add_preset(self) -> None:
+        """Declare every detector of :attr:`preset` with :meth:`add_rule`, in its order (call it once the
+        attributes its detectors' ``context`` names are set)."""
+        for entry in self.preset.detectors:
+            self.add_rule(entry.attribute, entry.builder(self), state_key=entry.key)
+
+    def detector(self, rule: type[DetectorT]) -> DetectorT:
+        """The detector of class ``rule`` that :attr:`preset` declares (rebuilt at every fit: look it up when
+        used, do not keep it).
+
+        Raises:
+            KeyError: If the preset has no detector of that class, or a part of the callback holds it (built by
+                the entry's ``build`` method: ask that part).
+        """
+        entry = self.preset.find(rule)
+        found = getattr(self, entry.attribute)
+        if not isinstance(found, rule):
+            raise KeyError(f"{type(self).__name__} holds its {rule.__name__} in `{entry.attribute}`")
+        return found
 
     def add_state(self, name: str, factory: Callable[[], RuleT], *, state_key: str | None = None) -> RuleT:
         """Declare state that no threshold builds (counters, pending findings): as :meth:`add_rule`, with

@@ -15,6 +15,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.callbacks.data_diagnostics.batch import (
     UninterpretableBatch,
     interpret,
@@ -166,6 +167,18 @@ class DataDiagnostics(DiagCallback):
     """
 
     extra_state_keys = ("last_epoch", "last")
+    preset = Preset(
+        "DataDiagnostics",
+        (
+            Detector(DataRules, "data_rules", "rules"),
+            Detector(SequenceRules, "sequence_rules", "sequences"),
+            Detector(LoaderRules, "loader_rules", "loaders"),
+        ),
+    )
+    # the detectors, built by add_preset
+    data_rules: DataRules
+    sequence_rules: SequenceRules
+    loader_rules: LoaderRules
 
     def __init__(
         self,
@@ -194,9 +207,7 @@ class DataDiagnostics(DiagCallback):
         self.leakage_near_duplicate = self.setting(LEAKAGE_NEAR_DUPLICATE_KEY)
         self.min_leaks = int(self.setting(LEAKAGE_MIN_LEAKS_KEY))
         self.vocab_shift_min_count = int(self.setting(VOCAB_SHIFT_MIN_COUNT_KEY))
-        self.data_rules = self.add_rule("data_rules", DataRules.from_settings, state_key="rules")
-        self.sequence_rules = self.add_rule("sequence_rules", SequenceRules.from_settings, state_key="sequences")
-        self.loader_rules = self.add_rule("loader_rules", LoaderRules.from_settings, state_key="loaders")
+        self.add_preset()
         self.last_epoch = -1
         self.last: dict[str, float] = {}
         # the shape signature of the last training batch found consistent (``batch_size_mismatch``)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.callbacks.error_analysis.samples import (
     Predictions,
     SampleBuffer,
@@ -119,6 +120,14 @@ class ErrorAnalysis(DiagCallback):
     """
 
     extra_state_keys = ("validations",)
+    preset = Preset(
+        "ErrorAnalysis",
+        (
+            Detector(ErrorClusterRule, "rule", "rule", context=(("alpha", "alpha"),)),
+        ),
+    )
+    # the detectors, built by add_preset
+    rule: ErrorClusterRule
     _alpha: float = ALPHA
 
     def __init__(
@@ -156,7 +165,7 @@ class ErrorAnalysis(DiagCallback):
         self.embed, self.predict, self.tokenizer = embed, predict, tokenizer
         self.top_tokens = check_int("top_tokens", top_tokens, low=1)
         self.seed = check_int("seed", seed, low=0)
-        self.rule = self.add_rule("rule", self._build_rule)
+        self.add_preset()
         self.validations = 0
         self.last: dict[str, Any] | None = None
         self._samples = SampleBuffer()
@@ -171,9 +180,6 @@ class ErrorAnalysis(DiagCallback):
     def alpha(self, value: float) -> None:
         self._alpha = check_number("alpha", value, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         self.rule.alpha = self._alpha
-
-    def _build_rule(self, thresholds: Mapping[str, float | None]) -> ErrorClusterRule:
-        return ErrorClusterRule.from_settings(thresholds, alpha=self._alpha)
 
     # -- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.callbacks.common.session import gradient_squares_key, step_cache
 from lightning_diag.callbacks.gradient_flow.params import (
     ParamSelector,
@@ -177,6 +178,28 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
 
     #: Switched off on quiet batches (:meth:`quiet_batch`): Lightning then skips them.
     batch_hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_train_batch_end")
+    preset = Preset(
+        "GradientFlowMonitor",
+        (
+            Detector(GradBandRule, "band_rule", "band"),
+            Detector(GradSpreadRule, "spread_rule", "spread"),
+            Detector(GradCollapseRule, "collapse_rule", "collapse"),
+            Detector(GradFrozenRule, "frozen_rule", "frozen"),
+            Detector(UpdateRule, "update_rule", "updates"),
+            Detector(GradNotZeroedRule, "not_zeroed_rule", "not_zeroed"),
+            Detector(ActivationRule, "activation_rule", "activations"),
+            Detector(UpdateSizeRule, "update_size_rule", "update_size"),
+        ),
+    )
+    # the detectors, built by add_preset
+    band_rule: GradBandRule
+    spread_rule: GradSpreadRule
+    collapse_rule: GradCollapseRule
+    frozen_rule: GradFrozenRule
+    update_rule: UpdateRule
+    not_zeroed_rule: GradNotZeroedRule
+    activation_rule: ActivationRule
+    update_size_rule: UpdateSizeRule
 
     def __init__(
         self,
@@ -227,14 +250,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self.update_sample_size = int(self.setting(UPDATE_SAMPLE_SIZE_KEY))
         self._reset_update_state()
         self._loss: torch.Tensor | None = None
-        self.band_rule = self.add_rule("band_rule", GradBandRule.from_settings, state_key="band")
-        self.spread_rule = self.add_rule("spread_rule", GradSpreadRule.from_settings, state_key="spread")
-        self.collapse_rule = self.add_rule("collapse_rule", GradCollapseRule.from_settings, state_key="collapse")
-        self.frozen_rule = self.add_rule("frozen_rule", GradFrozenRule.from_settings, state_key="frozen")
-        self.update_rule = self.add_rule("update_rule", UpdateRule.from_settings, state_key="updates")
-        self.not_zeroed_rule = self.add_rule("not_zeroed_rule", GradNotZeroedRule.from_settings, state_key="not_zeroed")
-        self.activation_rule = self.add_rule("activation_rule", ActivationRule.from_settings, state_key="activations")
-        self.update_size_rule = self.add_rule("update_size_rule", UpdateSizeRule.from_settings, state_key="update_size")
+        self.add_preset()
         self._watch = ActivationWatch()
         self._compiled: bool | None = None  # whether the model runs through torch.compile (known at its first batch)
         self._measured_loss: float | None = None  # the training loss of the step whose update is pending

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_diag.callbacks.common.base import AlertHandler, RuleChoices
+from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.callbacks.probes.probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import quant_layer_tag, quant_tag
@@ -204,6 +205,14 @@ class QuantizationProbe(ValidationProbe):
 
     #: Unique per configuration, so several probes can sit on one trainer and be checkpointed.
     state_key_arguments = ("granularity", "activations", "backend", "every_n_epochs")
+    preset = Preset(
+        "QuantizationProbe",
+        (
+            Detector(QuantizationErrorRule, "rule", "rules"),
+        ),
+    )
+    # the detectors, built by add_preset
+    rule: QuantizationErrorRule
 
     def __init__(
         self,
@@ -231,7 +240,7 @@ class QuantizationProbe(ValidationProbe):
             raise ValueError("Expected argument `backend` to be 'auto' or 'fake' when torchao is not installed "
                              "(pip install 'lightning-diag[quant]'), but got 'torchao'")
         # the probe's one rule, checkpointed under "rules"
-        self.rule = self.add_rule("rule", QuantizationErrorRule.from_settings, state_key="rules")
+        self.add_preset()
         self.last_result: QuantizationResult | None = None
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_diag.callbacks.common.base import AlertHandler, RuleChoices
+from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.callbacks.common.unlogged import unlogged_copy
 from lightning_diag.callbacks.error_analysis.samples import default_predictions
 from lightning_diag.callbacks.probes.probe import LossFn, ProbeError, ValidationProbe
@@ -96,6 +97,10 @@ class RobustnessProbe(ValidationProbe):
         ValueError: If an argument is out of range.
     """
 
+    preset = Preset("RobustnessProbe", (Detector(RobustnessDropRule, "rule", "rules"),))
+    # the detector, built by add_preset
+    rule: RobustnessDropRule
+
     def __init__(
         self,
         *,
@@ -124,7 +129,7 @@ class RobustnessProbe(ValidationProbe):
             raise TypeError(f"Expected argument `perturb` to be a callable or None, but got {perturb!r}")
         self.perturb = perturb
         self.seed = check_int("seed", seed, low=0)
-        self.rule = self.add_rule("rule", RobustnessDropRule.from_settings, state_key="rules")
+        self.add_preset()
         self.last_result: RobustnessResult | None = None
 
     # -- measuring --------------------------------------------------------------------------------------------

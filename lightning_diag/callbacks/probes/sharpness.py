@@ -8,6 +8,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_diag.callbacks.common.base import AlertHandler, RuleChoices
+from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.callbacks.probes.probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import sharpness_layer_tag, sharpness_tag
@@ -82,6 +83,14 @@ class SharpnessProbe(ValidationProbe):
 
     #: Unique per configuration, so several probes can sit on one trainer and be checkpointed.
     state_key_arguments = ("rho", "threshold", "patience", "every_n_epochs", "num_batches")
+    preset = Preset(
+        "SharpnessProbe",
+        (
+            Detector(SharpMinimumRule, "rule", "rules"),
+        ),
+    )
+    # the detectors, built by add_preset
+    rule: SharpMinimumRule
 
     def __init__(
         self,
@@ -106,7 +115,7 @@ class SharpnessProbe(ValidationProbe):
         self.per_layer = per_layer
         self.max_layers = check_int("max_layers", max_layers, low=1)
         # the probe's one rule, checkpointed under "rules"
-        self.rule = self.add_rule("rule", SharpMinimumRule.from_settings, state_key="rules")
+        self.add_preset()
         self.last_result: SharpnessResult | None = None
 
 

@@ -13,6 +13,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.callbacks.system_monitor.hooks import HookTimer
 from lightning_diag.callbacks.system_monitor.interval import HEADER, gather_ranks, interval_values, judged_waits
 from lightning_diag.callbacks.system_monitor.load import MachineLoad
@@ -125,6 +126,20 @@ class SystemMonitor(DiagCallback):
     """
 
     extra_state_keys = ("window", "utilization", "steps_seen", "run_window")
+    preset = Preset(
+        "SystemMonitor",
+        (
+            Detector(DataloaderBoundRule, "dataloader_rule", "dataloader"),
+            Detector(StepPeriodicRule, "periodic_rule", "periodic"),
+            Detector(StepFluctuationRule, "fluctuation_rule", "fluctuation"),
+            Detector(MemoryGrowthRule, "memory_rule", "memory"),
+        ),
+    )
+    # the detectors, built by add_preset
+    dataloader_rule: DataloaderBoundRule
+    periodic_rule: StepPeriodicRule
+    fluctuation_rule: StepFluctuationRule
+    memory_rule: MemoryGrowthRule
 
     def __init__(
         self,
@@ -150,14 +165,7 @@ class SystemMonitor(DiagCallback):
         self.overhead_sample_every = overhead_sample_every
         #: Where host time comes from (the injection point for tests: a fake with ``wall()`` and ``cpu()``).
         self.time_source = TimeSource()
-        self.dataloader_rule = self.add_rule(
-            "dataloader_rule", DataloaderBoundRule.from_settings, state_key="dataloader"
-        )
-        self.periodic_rule = self.add_rule("periodic_rule", StepPeriodicRule.from_settings, state_key="periodic")
-        self.fluctuation_rule = self.add_rule(
-            "fluctuation_rule", StepFluctuationRule.from_settings, state_key="fluctuation"
-        )
-        self.memory_rule = self.add_rule("memory_rule", MemoryGrowthRule.from_settings, state_key="memory")
+        self.add_preset()
         self._reset_windows()
         self._overhead_clock = self.time_source.cpu
         self._hooks = HookTimer(self._overhead_clock)
