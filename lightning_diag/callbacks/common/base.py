@@ -6,18 +6,17 @@ step axis :mod:`lightning_diag.callbacks.common.step_axis`.
 
 from __future__ import annotations
 
-import functools
 import logging
 import operator
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar, Protocol, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.common.batch_hooks import inherited_batch_hooks, switch_off, switch_on
-from lightning_diag.callbacks.common.preset import Preset
+from lightning_diag.callbacks.common.preset import DeclaredDetectors
 from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.callbacks.common.session import DiagSession
 from lightning_diag.callbacks.common.session import acquire_session as _acquire_session
@@ -29,27 +28,15 @@ from lightning_diag.core.registry import ParsedRules, RuleChoices, default, owne
 from lightning_diag.core.tags import threshold_tag
 from lightning_diag.core.validation import check_int
 from lightning_diag.output.writer import DiagWriter
-from lightning_diag.rules.base import FromSettings, StepContext
+from lightning_diag.rules.base import StepContext
 from lightning_diag.stats.reduced import ReducedState
 
-__all__ = ["AlertHandler", "DiagCallback", "RuleChoices", "StatefulRule", "extract_loss"]
+__all__ = ["AlertHandler", "DiagCallback", "RuleChoices", "extract_loss"]
 
 #: ``on_alert=``: called with each :class:`~lightning_diag.core.alerts.Alert` as it is recorded (global rank zero).
 AlertHandler = Callable[[Alert], object]
 
 log = logging.getLogger("lightning_diag")
-
-
-class StatefulRule(Protocol):
-    """What :meth:`DiagCallback.add_rule` declares: a rule (or policy) whose state survives a resume."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> None: ...
-
-
-RuleT = TypeVar("RuleT", bound=StatefulRule)
-DetectorT = TypeVar("DetectorT", bound=FromSettings)
 
 
 def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
@@ -76,11 +63,6 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
     return (loss if loss.dim() == 0 else loss.reshape(())), None
 
 
-def _build_without_thresholds(factory: Callable[[], RuleT], thresholds: Mapping[str, float]) -> RuleT:
-    """The builder :meth:`DiagCallback.add_state` declares: ``factory()`` (module level: the callback pickles)."""
-    return factory()
-
-
 class _StateKey:
     """:attr:`DiagCallback.state_key`: :meth:`DiagCallback.checkpoint_key`, unless the instance holds the key (a
     non-data descriptor: an instance attribute of the same name wins, with no call)."""
@@ -89,14 +71,16 @@ class _StateKey:
         return self if obj is None else obj.checkpoint_key()
 
 
-class DiagCallback(pl.Callback):
+class DiagCallback(DeclaredDetectors, pl.Callback):
     """Base of the library's callbacks.
 
-    A subclass declares its rules once, in its constructor::
+    A subclass declares its detectors once, as its :attr:`preset` (:mod:`lightning_diag.callbacks.common.preset`)::
 
-        self.band_rule = self.add_rule("band_rule", GradBandRule.from_settings, state_key="band")
+        preset = Preset("GradientFlowMonitor", (Detector(GradBandRule, "band_rule", "band"), ...))
 
-    (the torchmetrics ``add_state`` pattern, one level up). From that declaration the base class derives:
+    and builds them in its constructor with ``self.add_preset()`` (the torchmetrics ``add_state`` pattern, one
+    level up; :class:`~lightning_diag.callbacks.common.preset.DeclaredDetectors`). From that declaration the base
+    class derives:
     :meth:`state_dict` / :meth:`load_state_dict` (each rule's state under its ``state_key``, a missing key
     named), the fresh rules of a new fit (rebuilt from :meth:`thresholds` in :meth:`setup`), and
     :attr:`state_key` (from :attr:`state_key_arguments`). :meth:`thresholds` comes from the rule registry.
@@ -137,9 +121,6 @@ class DiagCallback(pl.Callback):
     #: Per-batch hooks this callback needs only on the batches it works in: on a batch :meth:`quiet_batch` calls
     #: quiet they are switched off until the next batch's start (see :meth:`on_train_batch_start`).
     batch_hooks: ClassVar[tuple[str, ...]] = ()
-    #: The detectors this callback runs (:mod:`lightning_diag.callbacks.common.preset`), built by
-    #: :meth:`add_preset`: the rule ids it owns are theirs.
-    preset: ClassVar[Preset] = Preset("DiagCallback", ())
 
     def __init__(
         self,
@@ -171,65 +152,8 @@ class DiagCallback(pl.Callback):
         self._hooks_off = False  # whether the batch hooks are switched off (a quiet batch)
         self._hooks_saved: dict[str, Any] = {}  # what the instance held for them (another's wrappers)
         self._idle_hooks: list[str] = []  # the inherited no-op batch hooks, None on the instance during a fit
-        #: Declared rules: attribute name -> (builder from thresholds, checkpoint key).
-        self._rule_declarations: dict[str, tuple[Callable[[Mapping[str, float]], StatefulRule], str]] = {}
 
-    # -- declared rules ------------------------------------------------------------------------------------
-    def add_rule(
-        self, name: str, build: Callable[[Mapping[str, float]], RuleT], *, state_key: str | None = None
-    ) -> RuleT:
-        """Declare a rule: ``build(self.thresholds())`` now and at every new fit, kept as attribute ``name``,
-        its state saved under ``state_key`` (default ``name``). Returns the rule built.
-
-        ``build`` is the rule class's ``from_settings`` (or a ``functools.partial`` of it with the context a
-        rule needs besides its thresholds, such as the unit of its messages).
-        """
-        self._rule_declarations[name] = (build, state_key or name)
-        rule = build(self.thresholds())
-        setattr(self, name, rule)
-        return rule
-
-    def add_preset(self) -> None:
-        """Declare every detector of :attr:`preset` with :meth:`add_rule`, in its order (call it once the
-        attributes its detectors' ``context`` names are set)."""
-        for entry in self.preset.detectors:
-            self.add_rule(entry.attribute, entry.builder(self), state_key=entry.key)
-
-    def detector(self, rule: type[DetectorT]) -> DetectorT:
-        """The detector of class ``rule`` that :attr:`preset` declares (rebuilt at every fit: look it up when
-        used, do not keep it).
-
-        Raises:
-            KeyError: If the preset has no detector of that class, or a part of the callback holds it (built by
-                the entry's ``build`` method: ask that part).
-        """
-        entry = self.preset.find(rule)
-        found = getattr(self, entry.attribute)
-        if not isinstance(found, rule):
-            raise KeyError(f"{type(self).__name__} holds its {rule.__name__} in `{entry.attribute}`")
-        return found
-
-    def add_state(self, name: str, factory: Callable[[], RuleT], *, state_key: str | None = None) -> RuleT:
-        """Declare state that no threshold builds (counters, pending findings): as :meth:`add_rule`, with
-        ``factory()`` now and at every new fit, its state saved under ``state_key`` (default ``name``).
-
-        What is declared here or with :meth:`add_rule` and is a
-        :class:`~lightning_diag.stats.reduced.ReducedState`, or has an ``all_ranks_state_dict(trainer, device)``
-        method, is saved merged over every rank (see :meth:`on_save_checkpoint`).
-        """
-        return self.add_rule(name, functools.partial(_build_without_thresholds, factory), state_key=state_key)
-
-    def reset_rules(self) -> None:
-        """Build every declared rule afresh from :meth:`thresholds` (a new fit; a resume then loads their state)."""
-        values = self.thresholds()
-        for name, (build, _key) in self._rule_declarations.items():
-            setattr(self, name, build(values))
-
-    @property
-    def rule_state_keys(self) -> tuple[str, ...]:
-        """The checkpoint keys of the declared rules, in declaration order."""
-        return tuple(key for _build, key in self._rule_declarations.values())
-
+    # -- checkpoint state --------------------------------------------------------------------------------
     def checkpoint_key(self) -> str:
         """The checkpoint key (:attr:`state_key`): the class name, with the :attr:`state_key_arguments` values
         when it declares some."""
@@ -244,30 +168,6 @@ class DiagCallback(pl.Callback):
     #: profiler's label), about twenty times a step: from a fit's ``setup`` to its ``teardown`` it is a plain
     #: instance attribute (this class attribute is a non-data descriptor, which an instance attribute shadows).
     state_key = _StateKey()
-
-    def rules_state_dict(self) -> dict[str, Any]:
-        """Each declared rule's state under its ``state_key``."""
-        return {key: getattr(self, name).state_dict() for name, (_b, key) in self._rule_declarations.items()}
-
-    def load_rules_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`rules_state_dict` output.
-
-        Raises:
-            KeyError: If a declared rule's key is missing; the message names every missing key.
-        """
-        self.check_state_keys(dict(state), self.rule_state_keys)
-        for name, (_build, key) in self._rule_declarations.items():
-            getattr(self, name).load_state_dict(state[key])
-
-    def rule_peaks(self) -> dict[str, float]:
-        """The largest excess each rule id's statistic reached in this fit, over the declared rules
-        (:attr:`Rule.peaks <lightning_diag.rules.base.Rule.peaks>`: 1.0 is the threshold): the calibration
-        harness's margin. Rules that note no statistic are absent."""
-        peaks: dict[str, float] = {}
-        for name in self._rule_declarations:
-            for rule_id, value in getattr(getattr(self, name), "peaks", {}).items():
-                peaks[rule_id] = max(value, peaks.get(rule_id, value))
-        return peaks
 
     def state_dict(self) -> dict[str, Any]:
         """Each declared rule's state under its ``state_key`` (a subclass adds its :attr:`extra_state_keys`)."""
@@ -472,12 +372,6 @@ class DiagCallback(pl.Callback):
                     err,
                     alert.rule,
                 )
-
-    def check_state_keys(self, state_dict: dict[str, Any], keys: Iterable[str]) -> None:
-        """Raise ``KeyError`` naming every key of ``keys`` missing from a checkpointed ``state_dict``."""
-        missing = [k for k in keys if k not in state_dict]
-        if missing:
-            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys {missing}")
 
     def notice(self, trainer: pl.Trainer, key: str, message: str) -> None:
         """Log an informational message once per fit (rank zero only)."""

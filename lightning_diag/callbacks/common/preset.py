@@ -1,4 +1,4 @@
-"""Presets: a callback is a named list of detectors (issue 43).
+"""Presets: a callback is a named list of detectors (issue 43); the detectors and state a callback declares.
 
 Each public callback declares, in its main module, one :class:`Preset`: the detector classes it runs (each a
 :class:`~lightning_diag.rules.base.FromSettings` whose ``specs`` declare its rule ids), the attribute that keeps
@@ -7,18 +7,34 @@ each one on the callback and the checkpoint key of its state. :meth:`DiagCallbac
 again at every fit); :meth:`DiagCallback.detector <lightning_diag.callbacks.common.base.DiagCallback.detector>`
 hands the one of a class to the parts of the callback that feed it. The rule ids a callback owns are those of its
 preset's detectors (``tests/callbacks/test_presets.py`` checks them against the registry and the docs).
+
+:class:`DeclaredDetectors`, a base of every callback, keeps what it declares (the preset's detectors with
+:meth:`~DeclaredDetectors.add_rule`, other state with :meth:`~DeclaredDetectors.add_state`): built now and afresh
+at every fit, saved and restored under their checkpoint keys (the torchmetrics ``add_state`` pattern, one level up).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from lightning_diag.rules.base import FromSettings
 
-__all__ = ["Detector", "Preset"]
+__all__ = ["DeclaredDetectors", "Detector", "Preset", "StatefulRule"]
+
+
+class StatefulRule(Protocol):
+    """What :meth:`DiagCallback.add_rule` declares: a rule (or policy) whose state survives a resume."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+RuleT = TypeVar("RuleT", bound=StatefulRule)
+DetectorT = TypeVar("DetectorT", bound=FromSettings)
 
 
 @dataclass(frozen=True)
@@ -97,3 +113,112 @@ class Preset:
             if detector.rule is rule:
                 return detector
         raise KeyError(f"{self.name}'s preset has no {rule.__name__}")
+
+
+def _build_without_thresholds(factory: Callable[[], RuleT], thresholds: Mapping[str, float]) -> RuleT:
+    """The builder :meth:`DiagCallback.add_state` declares: ``factory()`` (module level: the callback pickles)."""
+    return factory()
+
+
+class DeclaredDetectors:
+    """The detectors and state a callback declares, rebuilt at every fit and saved under their keys.
+
+    A subclass provides :meth:`thresholds` (the values in effect) and sets :attr:`preset`.
+    """
+
+    #: The detectors this callback runs, built by :meth:`add_preset`: the rule ids it owns are theirs.
+    preset: ClassVar[Preset] = Preset("DiagCallback", ())
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Declared rules and state: attribute name -> (builder from thresholds, checkpoint key).
+        self._rule_declarations: dict[str, tuple[Callable[[Mapping[str, float]], StatefulRule], str]] = {}
+
+    def thresholds(self) -> dict[str, float]:
+        """The thresholds in effect, which build the declared rules (the callback's)."""
+        raise NotImplementedError
+
+    def add_rule(
+        self, name: str, build: Callable[[Mapping[str, float]], RuleT], *, state_key: str | None = None
+    ) -> RuleT:
+        """Declare a rule: ``build(self.thresholds())`` now and at every new fit, kept as attribute ``name``,
+        its state saved under ``state_key`` (default ``name``). Returns the rule built.
+
+        ``build`` is the rule class's ``from_settings`` (or a ``functools.partial`` of it with the context a
+        rule needs besides its thresholds, such as the unit of its messages).
+        """
+        self._rule_declarations[name] = (build, state_key or name)
+        rule = build(self.thresholds())
+        setattr(self, name, rule)
+        return rule
+
+    def add_preset(self) -> None:
+        """Declare every detector of :attr:`preset` with :meth:`add_rule`, in its order (call it once the
+        attributes its detectors' ``context`` names are set)."""
+        for entry in self.preset.detectors:
+            self.add_rule(entry.attribute, entry.builder(self), state_key=entry.key)
+
+    def detector(self, rule: type[DetectorT]) -> DetectorT:
+        """The detector of class ``rule`` that :attr:`preset` declares (rebuilt at every fit: look it up when
+        used, do not keep it).
+
+        Raises:
+            KeyError: If the preset has no detector of that class, or a part of the callback holds it (built by
+                the entry's ``build`` method: ask that part).
+        """
+        entry = self.preset.find(rule)
+        found = getattr(self, entry.attribute)
+        if not isinstance(found, rule):
+            raise KeyError(f"{type(self).__name__} holds its {rule.__name__} in `{entry.attribute}`")
+        return found
+
+    def add_state(self, name: str, factory: Callable[[], RuleT], *, state_key: str | None = None) -> RuleT:
+        """Declare state that no threshold builds (counters, pending findings): as :meth:`add_rule`, with
+        ``factory()`` now and at every new fit, its state saved under ``state_key`` (default ``name``).
+
+        What is declared here or with :meth:`add_rule` and is a
+        :class:`~lightning_diag.stats.reduced.ReducedState`, or has an ``all_ranks_state_dict(trainer, device)``
+        method, is saved merged over every rank (see :meth:`on_save_checkpoint`).
+        """
+        return self.add_rule(name, functools.partial(_build_without_thresholds, factory), state_key=state_key)
+
+    def reset_rules(self) -> None:
+        """Build every declared rule afresh from :meth:`thresholds` (a new fit; a resume then loads their state)."""
+        values = self.thresholds()
+        for name, (build, _key) in self._rule_declarations.items():
+            setattr(self, name, build(values))
+
+    @property
+    def rule_state_keys(self) -> tuple[str, ...]:
+        """The checkpoint keys of the declared rules, in declaration order."""
+        return tuple(key for _build, key in self._rule_declarations.values())
+
+    def rules_state_dict(self) -> dict[str, Any]:
+        """Each declared rule's state under its ``state_key``."""
+        return {key: getattr(self, name).state_dict() for name, (_b, key) in self._rule_declarations.items()}
+
+    def load_rules_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`rules_state_dict` output.
+
+        Raises:
+            KeyError: If a declared rule's key is missing; the message names every missing key.
+        """
+        self.check_state_keys(dict(state), self.rule_state_keys)
+        for name, (_build, key) in self._rule_declarations.items():
+            getattr(self, name).load_state_dict(state[key])
+
+    def rule_peaks(self) -> dict[str, float]:
+        """The largest excess each rule id's statistic reached in this fit, over the declared rules
+        (:attr:`Rule.peaks <lightning_diag.rules.base.Rule.peaks>`: 1.0 is the threshold): the calibration
+        harness's margin. Rules that note no statistic are absent."""
+        peaks: dict[str, float] = {}
+        for name in self._rule_declarations:
+            for rule_id, value in getattr(getattr(self, name), "peaks", {}).items():
+                peaks[rule_id] = max(value, peaks.get(rule_id, value))
+        return peaks
+
+    def check_state_keys(self, state_dict: dict[str, Any], keys: Iterable[str]) -> None:
+        """Raise ``KeyError`` naming every key of ``keys`` missing from a checkpointed ``state_dict``."""
+        missing = [k for k in keys if k not in state_dict]
+        if missing:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys {missing}")
