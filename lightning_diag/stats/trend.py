@@ -5,6 +5,7 @@ The definitions here are the ones documented in ``docs/anomaly_alarm.md``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -109,9 +110,11 @@ def theil_sen_slope(series: Sequence[float]) -> float:
     return float(np.median((y[j] - y[i]) / (x[j] - x[i])))
 
 
+@functools.lru_cache(maxsize=16)
 def mann_kendall_min_points(alpha: float) -> int:
     """The fewest points with which :func:`mann_kendall` can find a trend at significance ``alpha`` (a strictly
-    monotone series): with fewer, "no trend found" is no evidence of a flat series.
+    monotone series): with fewer, "no trend found" is no evidence of a flat series. Kept per ``alpha`` (a pure
+    function of it; ``loss_stagnant`` asks at every epoch's end).
 
     Example:
         >>> mann_kendall_min_points(0.05), mann_kendall_min_points(0.01)
