@@ -193,7 +193,6 @@ class _Recorder:
         self.module_out: dict[nn.Module, list[int]] = {}
         self.module_in: dict[nn.Module, list[int]] = {}
         self.handles: list[Any] = []
-        self.root_out: list[int] = []
         self.root = module
 
     def _slot(self, t: torch.Tensor) -> int | None:
