@@ -45,7 +45,6 @@ __all__ = [
     "INPUT_SOURCE",
     "LOSS_SOURCE",
     "Localisation",
-    "RngState",
     "find_nonfinite_in_batch",
     "locate",
 ]
