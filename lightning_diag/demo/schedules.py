@@ -431,6 +431,11 @@ class ScenarioResult:
         """Warning and critical alerts."""
         return [a for a in self.alerts if a.severity != "info"]
 
+    @property
+    def converged(self) -> bool:
+        """The last epoch's mean training loss is below the first's."""
+        return len(self.epoch_losses) >= 2 and self.epoch_losses[-1] < self.epoch_losses[0]
+
 
 def run_scenario(
     name: str,
