@@ -566,7 +566,7 @@ def _run_fault(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
 
     from lightning_diag.demo.faults import FAULTS
     from lightning_diag.demo.models import DemoConfig
-    from lightning_diag.demo.run import default_callbacks
+    from lightning_diag.demo.run import default_callbacks, fault_callbacks
 
     fault = FAULTS[spec.name]
     config = dataclasses.replace(DemoConfig(seed=spec.seed), **{**fault.config, **spec.overrides})
@@ -578,7 +578,7 @@ def _run_fault(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
     build, data_class = _shape(config.model)
     data = data_class(seed=spec.seed, **data_kwargs)
     model = build(config)
-    cbs = [*default_callbacks(), *_entry_callbacks(fault.callbacks), *_callbacks(list(spec.optin), fault.model)]
+    cbs = [*default_callbacks(), *fault_callbacks(fault), *_callbacks(list(spec.optin), fault.model)]
     kwargs = {
         **_trainer_base(root),
         "deterministic": True,
@@ -594,18 +594,12 @@ def _run_fault(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
     return cbs, _fit({**kwargs, "callbacks": cbs}, model, data)
 
 
-def _entry_callbacks(pairs: tuple[tuple[str, dict[str, Any]], ...]) -> list[Any]:
-    import lightning_diag
-
-    return [getattr(lightning_diag, name)(**kwargs) for name, kwargs in pairs]
-
-
 def _run_corpus(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
     import pytorch_lightning as pl
 
     from lightning_diag.demo.corpus import ARCHITECTURES, CORPUS, TRAINER_SETTINGS, CorpusModule
     from lightning_diag.demo.corpus_data import CorpusDataModule
-    from lightning_diag.demo.run import default_callbacks
+    from lightning_diag.demo.run import default_callbacks, fault_callbacks
 
     entry = CORPUS[spec.name]
     if spec.overrides:
@@ -623,7 +617,7 @@ def _run_corpus(spec: RunSpec, root: str) -> tuple[list[Any], Any]:
     )
     model = CorpusModule(entry, seed=spec.seed)
     model_shape = {"lm": "causal_lm", "classify": "transformer"}.get(ARCHITECTURES[entry.arch], entry.arch)
-    cbs = [*default_callbacks(), *_entry_callbacks(entry.callbacks), *_callbacks(list(spec.optin), model_shape)]
+    cbs = [*default_callbacks(), *fault_callbacks(entry), *_callbacks(list(spec.optin), model_shape)]
     pl.seed_everything(spec.seed, verbose=False)
     kwargs = {
         **_trainer_base(root),

@@ -31,7 +31,7 @@ from typing import Any
 import pytorch_lightning as pl
 
 from lightning_diag.core.alerts import Alert
-from lightning_diag.demo.corpus import CORPUS, TRAINER_SETTINGS, CorpusEntry, entry_callbacks, run_corpus
+from lightning_diag.demo.corpus import CORPUS, TRAINER_SETTINGS, CorpusEntry, run_corpus
 from lightning_diag.demo.faults import FAULTS, Fault, build_fault
 from lightning_diag.demo.run import default_callbacks, fault_callbacks, quiet, run_demo
 from lightning_diag.rules.catalog import ALL_RULES
@@ -275,7 +275,7 @@ def run_entry(name: str, root: str, max_epochs: int | None, comparisons: bool) -
 
 def run_real_entry(name: str, root: str, comparisons: bool) -> Row:
     """Run one corpus entry with the default callbacks (and those the entry needs), then each comparison tool."""
-    callbacks = [*default_callbacks(), *entry_callbacks(CORPUS[name])]
+    callbacks = [*default_callbacks(), *fault_callbacks(CORPUS[name])]
     result = run_corpus(name, root=os.path.join(root, "diag"), callbacks=callbacks)
     outcomes = {}
     if comparisons:

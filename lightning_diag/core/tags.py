@@ -322,7 +322,7 @@ def threshold_rule(name: str) -> str | None:
 # -- probes (SharpnessProbe, QuantizationProbe) -------------------------------------------------------------
 # diag/sharpness/<measure>, diag/sharpness/layer/<layer>; diag/quant/<measure>, diag/quant/layer/<layer>/<measure>
 
-__all__ += ["quant_layer", "quant_layer_tag", "quant_tag", "sharpness_layer", "sharpness_layer_tag", "sharpness_tag"]
+__all__ += ["quant_layer", "quant_layer_tag", "quant_tag", "sharpness_layer_tag", "sharpness_tag"]
 
 _QUANT_LAYER = re.compile(r"^diag/quant/layer/(?P<layer>.+)/(?P<measure>[a-z_]+)$")
 
@@ -351,12 +351,6 @@ def quant_layer_tag(layer: str, measure: str) -> str:
         ('encoder.0', 'relative_mse')
     """
     return family_tag("quant", "layer", layer, measure)
-
-
-def sharpness_layer(name: str) -> str | None:
-    """The layer of a ``diag/sharpness/layer/<layer>`` tag, else ``None``."""
-    p = prefix("sharpness") + "layer/"
-    return name[len(p) :] if name.startswith(p) else None
 
 
 def quant_layer(name: str) -> tuple[str, str] | None:

@@ -66,7 +66,6 @@ __all__ = [
     "CorpusModule",
     "CorpusResult",
     "build_corpus",
-    "entry_callbacks",
     "run_corpus",
 ]
 
@@ -488,13 +487,6 @@ def build_corpus(name: str, seed: int = 0) -> tuple[CorpusModule, CorpusDataModu
     return CorpusModule(entry, seed=seed), data, entry
 
 
-def entry_callbacks(entry: CorpusEntry) -> list[Any]:
-    """The callbacks an entry needs beyond the defaults (its ``callbacks`` field), built."""
-    import lightning_diag
-
-    return [getattr(lightning_diag, name)(**kwargs) for name, kwargs in entry.callbacks]
-
-
 @dataclasses.dataclass
 class CorpusResult:
     """What a corpus run produced."""
@@ -538,11 +530,11 @@ def run_corpus(
     """
     from pytorch_lightning.loggers import TensorBoardLogger
 
-    from lightning_diag.demo.run import default_callbacks
+    from lightning_diag.demo.run import default_callbacks, fault_callbacks
 
     model, data, entry = build_corpus(name, seed=seed)
     root = root or os.path.join(os.getcwd(), "diag_runs")
-    cbs = [*default_callbacks(), *entry_callbacks(entry)] if callbacks is None else callbacks
+    cbs = [*default_callbacks(), *fault_callbacks(entry)] if callbacks is None else callbacks
     losses: list[float] = []
 
     class _Losses(pl.Callback):

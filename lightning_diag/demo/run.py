@@ -8,7 +8,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
@@ -17,6 +17,9 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from lightning_diag.callbacks.common.base import DiagCallback
 from lightning_diag.core.alerts import Alert
 from lightning_diag.demo.faults import Fault, build_fault
+
+if TYPE_CHECKING:
+    from lightning_diag.demo.corpus import CorpusEntry
 
 __all__ = ["DemoResult", "default_callbacks", "fault_callbacks", "quiet", "run_demo"]
 
@@ -30,8 +33,9 @@ def default_callbacks() -> list[DiagCallback]:
     return [GradientFlowMonitor(), AnomalyAlarm(), AttentionEntropyMonitor()]
 
 
-def fault_callbacks(entry: Fault) -> list[DiagCallback]:
-    """The callbacks a fault needs beyond :func:`default_callbacks` (its ``callbacks`` field), built."""
+def fault_callbacks(entry: Fault | CorpusEntry) -> list[DiagCallback]:
+    """The callbacks a fault or corpus entry needs beyond :func:`default_callbacks` (its ``callbacks`` field),
+    built."""
     import lightning_diag
 
     return [getattr(lightning_diag, name)(**kwargs) for name, kwargs in entry.callbacks]

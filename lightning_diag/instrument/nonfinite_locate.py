@@ -45,7 +45,6 @@ __all__ = [
     "INPUT_SOURCE",
     "LOSS_SOURCE",
     "Localisation",
-    "RngState",
     "find_nonfinite_in_batch",
     "locate",
 ]
@@ -193,7 +192,6 @@ class _Recorder:
         self.module_out: dict[nn.Module, list[int]] = {}
         self.module_in: dict[nn.Module, list[int]] = {}
         self.handles: list[Any] = []
-        self.root_out: list[int] = []
         self.root = module
 
     def _slot(self, t: torch.Tensor) -> int | None:

@@ -46,17 +46,12 @@ from lightning_diag.rules.catalog import (
     UPDATE_STALE,
 )
 
-__all__ = ["MAX_ALERT_ROWS", "alert_markdown", "alerts_markdown", "dashboard_layout", "thresholds_markdown"]
+__all__ = ["MAX_ALERT_ROWS", "alerts_markdown", "dashboard_layout", "thresholds_markdown"]
 
 log = logging.getLogger("lightning_diag")
 
 #: Rows of the alert table shown in TensorBoard; older alerts stay in ``alerts.jsonl``.
 MAX_ALERT_ROWS = 200
-
-
-def alert_markdown(alert: Alert) -> str:
-    """A markdown table of one alert, as shown in TensorBoard's Text tab."""
-    return "\n".join(alert_table_markdown([alert]))
 
 
 def alerts_markdown(alerts: Sequence[Alert], max_rows: int = MAX_ALERT_ROWS) -> str:

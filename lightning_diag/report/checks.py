@@ -49,17 +49,15 @@ from lightning_diag.report import probe_checks as _probe_checks  # noqa: F401  (
 from lightning_diag.report import problem_checks as _problem_checks  # noqa: F401  (the training-problem rows)
 from lightning_diag.report import silent_checks as _silent_checks  # noqa: F401  (the silent-error rows)
 from lightning_diag.report.load import RunData, read_json
-from lightning_diag.report.replay import REPLAYS, replay
+from lightning_diag.report.replay import REPLAYS
 from lightning_diag.report.rows import (
     CHECKLIST_LAYERS,
     MEASURES,
     Check,
-    Measure,
     Status,
     fmt,
     is_attached,
     json_safe,
-    measure,
     run_threshold,
     serious_alerts,
 )
@@ -68,16 +66,11 @@ from lightning_diag.rules.catalog import ALL_RULES, AMP_NOT_APPLIED, LOSS_OUTLIE
 from lightning_diag.rules.loss_outlier import LOSS_OUTLIER_WINDOW_KEY, loss_outlier_min_history
 
 __all__ = [
-    "MEASURES",
-    "REPLAYS",
     "Check",
-    "Measure",
     "RunReport",
     "Status",
     "diagnose",
     "finish_check",
-    "measure",
-    "replay",
 ]
 
 

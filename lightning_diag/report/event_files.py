@@ -33,7 +33,6 @@ __all__ = [
     "is_event_file",
     "merge_files",
     "read_event_files",
-    "read_events",
     "split_fits",
     "written_order",
 ]
@@ -180,16 +179,6 @@ def merge_files(files: list[EventFile], problems: list[str]) -> EventData:
                 "earlier files' points from that step on are left out, as TensorBoard does"
             )
     return out
-
-
-def read_events(directory: Path, found: EventData, problems: list[str]) -> None:
-    """Add the ``diag/`` scalars and thresholds texts of the event files in ``directory`` to ``found``, all
-    files taken as one fit (:func:`read_event_files` and :func:`split_fits` tell fits apart)."""
-    merged = merge_files(read_event_files(directory, problems), problems)
-    for name, series in merged.scalars.items():
-        found.scalars[name] = sorted(found.scalars.get(name, []) + series, key=lambda p: p[0])
-    found.texts += merged.texts
-    found.has_layout = found.has_layout or merged.has_layout
 
 
 def _read_event_file(fh: BinaryIO, path: Path, found: EventData, problems: list[str], keep: TagFilter) -> None:

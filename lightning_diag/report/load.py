@@ -33,7 +33,7 @@ from lightning_diag.report.event_files import (
     read_event_files,
     split_fits,
 )
-from lightning_diag.report.safe_read import NotRegularFileError, loads, read_json, read_regular
+from lightning_diag.report.safe_read import loads, read_json, read_regular
 from lightning_diag.report.tag_map import is_candidate
 from lightning_diag.report.text import clean, display
 from lightning_diag.rules.catalog import ALL_RULES
@@ -42,7 +42,6 @@ __all__ = [
     "ALERTS_FILE",
     "THRESHOLDS_FILE",
     "NoDiagnosticsError",
-    "NotRegularFileError",
     "RunData",
     "Series",
     "find_runs",

@@ -17,7 +17,6 @@ __all__ = [
     "GRAD_FROZEN",
     "GRAD_FROZEN_SPEC",
     "GRAD_PATIENCE_SETTING",
-    "INFO_REASONS",
     "GradFrozenRule",
 ]
 
@@ -53,10 +52,6 @@ FROZEN_REASONS: dict[str, str] = {
     "the loss does not depend on it in this configuration (an input that is always zero or empty, an output "
     "nothing downstream uses, such as a softmax over one element)",
 }
-#: Reasons that are information, not warnings: deliberate freezing, and parameters the loss never reached
-#: (outside the graph, or in it with a gradient of exactly zero since the first measurement: optional heads,
-#: encoders or inputs a configuration never uses; nothing the user needs to fix).
-INFO_REASONS = frozenset({"frozen", "no_grad", "unreached"})
 #: The reasons listed together in the one ``unused`` information.
 _UNUSED = frozenset({"no_grad", "unreached"})
 

@@ -21,7 +21,7 @@ from lightning_diag.core.registry import RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
 
-__all__ = ["EVAL_MODE_IN_TRAINING", "EVAL_MODE_IN_TRAINING_SPEC", "EVAL_MODE_KINDS", "EvalModeRule"]
+__all__ = ["EVAL_MODE_IN_TRAINING", "EVAL_MODE_IN_TRAINING_SPEC", "EvalModeRule"]
 
 # -- declaration (the docs' thresholds table and the report read it) -------------------------------------------
 EVAL_MODE_IN_TRAINING_SPEC = register(RuleSpec(
@@ -31,8 +31,6 @@ EVAL_MODE_IN_TRAINING_SPEC = register(RuleSpec(
 ))
 EVAL_MODE_IN_TRAINING = EVAL_MODE_IN_TRAINING_SPEC.rule_id
 
-#: The kinds of module :class:`EvalModeRule` is fed.
-EVAL_MODE_KINDS = ("dropout", "batchnorm", "batchnorm_frozen")
 _SHOWN = 4
 _KIND_NAMES = {"dropout": "Dropout", "batchnorm": "BatchNorm"}
 

@@ -255,12 +255,12 @@ def test_dashboard_probes_section_follows_the_rules_in_effect():
 
 
 def test_probe_tags_round_trip():
-    from lightning_diag.core.tags import quant_layer, quant_layer_tag, quant_tag, sharpness_layer, sharpness_layer_tag
+    from lightning_diag.core.tags import quant_layer, quant_layer_tag, quant_tag, sharpness_layer_tag
 
     assert quant_tag("end_to_end") == "diag/quant/end_to_end"
     assert quant_layer(quant_layer_tag("blocks.0.mlp.fc", "outlier_ratio")) == ("blocks.0.mlp.fc", "outlier_ratio")
     assert quant_layer("diag/quant/end_to_end") is None
-    assert sharpness_layer(sharpness_layer_tag("net.3")) == "net.3" and sharpness_layer("diag/sharpness/gap") is None
+    assert sharpness_layer_tag("net.3") == "diag/sharpness/layer/net.3"
 
 
 def test_a_failing_or_unusable_loss_is_one_clear_message_and_training_goes_on(tmp_path, caplog):
