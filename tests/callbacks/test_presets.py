@@ -1,5 +1,7 @@
 """Every callback is a preset: a named list of detectors whose rule ids are the ones it owns (issue 43)."""
 
+import copy
+import pickle
 import re
 from pathlib import Path
 
@@ -131,3 +133,17 @@ def test_a_preset_without_the_class_raises() -> None:
     assert preset.detectors[0].key == "band"
     with pytest.raises(KeyError, match="X's preset has no LossOutlierRule"):
         preset.find(LossOutlierRule)
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))], ids=["deepcopy", "pickle"])
+def test_a_copied_callback_builds_from_its_own_attributes(copier) -> None:
+    """Pickled or deep-copied (a LightningCLI config, a hyper-parameter search), a callback's declarations build
+    its detectors from the copy's attributes, not the original's."""
+    original = AnomalyAlarm(monitor="val_acc", mode="max")
+    copied = copier(original)
+    copied.monitor = "val_f1"
+    copied.reset_rules()
+    assert copied.detector(ValDeclineRule).monitor == "val_f1"
+    assert original.detector(ValDeclineRule).monitor == "val_acc"
+    for entry in AnomalyAlarm.preset.detectors:
+        assert getattr(copied, entry.attribute) is not getattr(original, entry.attribute)
