@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_diag.instrument.activation_watch import ActivationWatch
 from lightning_diag.instrument.grad_measure import WeightCopies
+from lightning_diag.instrument.output_watch import ZeroOutputWatch
 from lightning_diag.stats.updates import ElementSample, unchanged_counts
 from tests.callbacks.op_names import OpNames
 
@@ -140,3 +141,41 @@ def test_activation_watch_hooks_dispatch_no_detach() -> None:
     grad = first.weight.grad
     assert grad is not None
     assert [r.zero_grad for r in readings if r.dead is not None] == [(grad == 0).float().mean().item()]
+
+
+def _former_zero_counts(
+    watch: ZeroOutputWatch, calls: list[tuple[str, torch.Tensor, torch.Tensor]], signs: bool
+) -> torch.Tensor:
+    """``ZeroOutputWatch.counts`` as it was: one ``index_add_`` per row, the index built at every call."""
+    lows = torch.stack([low for _, low, _ in calls])
+    flags = ((lows != 0) | (torch.stack([high for _, _, high in calls]) != 0)).float()
+    index = torch.tensor([watch.index[name] for name, _, _ in calls])
+    n = len(watch.order)
+    ran = torch.zeros(n).index_add_(0, index, torch.ones_like(flags))
+    nonzero = torch.zeros(n).index_add_(0, index, flags)
+    rows = [(ran > 0).float(), ((ran > 0) & (nonzero == 0)).float()]
+    if signs:
+        rows.append((torch.zeros(n).index_add_(0, index, (lows < 0).float()) > 0).float())
+    return torch.stack(rows)
+
+
+def test_zero_output_counts_as_before() -> None:
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4), nn.Tanh())
+    watch = ZeroOutputWatch(net)
+    gen = torch.Generator().manual_seed(2)
+    specials = [0.0, -0.0, math.nan, math.inf, -math.inf, -1.0, 2.0]
+    for trial in range(60):
+        names = [watch.order[int(i)] for i in torch.randint(0, 3, (1 + trial % 7,), generator=gen)]  # some repeat
+        outputs = []
+        for _ in names:
+            values = torch.zeros(5) if torch.rand(1, generator=gen) < 0.4 else torch.randn(5, generator=gen).relu()
+            if torch.rand(1, generator=gen) < 0.5:
+                values[int(torch.randint(0, 5, (1,), generator=gen))] = specials[trial % len(specials)]
+            outputs.append(values)
+        for signs in (False, True):
+            for name, out in zip(names, outputs, strict=True):
+                watch._seen(name, out)
+            calls = list(watch._calls)
+            now = watch.counts(signs=signs)
+            assert now is not None and torch.equal(now, _former_zero_counts(watch, calls, signs)), (names, signs)
+    assert len(watch._layouts) <= 8  # many call sequences: the cache does not grow past its bound
