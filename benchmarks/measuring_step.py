@@ -9,6 +9,12 @@ set-up (the histogram table: about 45 ms once a process) and is included.
 
     PYTHONPATH=. .venv/bin/python benchmarks/measuring_step.py              # 600 steps, about 30 s
     PYTHONPATH=. .venv/bin/python benchmarks/measuring_step.py --quick      # smoke test (seconds)
+    PYTHONPATH=. .venv/bin/python benchmarks/measuring_step.py --ops --steps 100   # aten operators per call
+
+With ``--ops`` the fit runs under a ``TorchDispatchMode`` that counts the aten operators dispatched inside each
+function (nested functions count in their callers too; the activation watch's forward pre-hooks are counted as
+``ActivationWatch hooks``) and the table gives operators per call instead of times (the mode slows every operator
+down: times are not printed then).
 
 The wrappers replace attributes of lightning_diag's modules and classes in this benchmark's process, and are taken
 off after the fit; the library itself patches nothing.
@@ -28,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,17 +77,55 @@ lightning_diag.output.writer:DiagWriter histogram_raw
 _INHERITED = object()
 
 
-def _timed(fn: Callable[..., Any], label: str, seconds: dict[str, float], calls: collections.Counter[str]) -> Any:
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operators dispatched while it is entered, for every label on :attr:`stack`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.names: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for label in set(self.stack):
+            self.ops[label] += 1
+            self.names[label][str(func).removeprefix("aten.")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _timed(
+    fn: Callable[..., Any],
+    label: str,
+    seconds: dict[str, float],
+    calls: collections.Counter[str],
+    counter: _OpCounter | None = None,
+) -> Any:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if counter is not None:
+            counter.stack.append(label)
         start = time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
             seconds[label] += time.thread_time() - start
             calls[label] += 1
+            if counter is not None:
+                counter.stack.pop()
 
     return wrapper
+
+
+def _hook_factory(
+    factory: Callable[..., Any], seconds: dict[str, float], calls: collections.Counter[str], counter: _OpCounter | None
+) -> Any:
+    """``ActivationWatch``'s hook factories, whose hooks are timed (and counted) under one label."""
+
+    @functools.wraps(factory)
+    def make(*args: Any, **kwargs: Any) -> Any:
+        return _timed(factory(*args, **kwargs), "ActivationWatch hooks", seconds, calls, counter)
+
+    return make
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,11 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=600, help="steps of the fit (default 600)")
     parser.add_argument("--width", type=int, default=600, help="MLP width (default 600: 1.1M parameters)")
     parser.add_argument("--quick", action="store_true", help="a small MLP, few steps: a smoke test")
+    parser.add_argument("--ops", action="store_true", help="count aten operators per call instead of timing")
     args = parser.parse_args(argv)
     steps, width = (30, 32) if args.quick else (args.steps, args.width)
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
     originals: list[tuple[Any, str, Any]] = []
+    counter = _OpCounter() if args.ops else None
+    from lightning_diag.instrument.activation_watch import ActivationWatch
+
+    for hook in ("_layer_hook", "_activation_hook"):
+        originals.append((ActivationWatch, hook, vars(ActivationWatch)[hook]))
+        setattr(ActivationWatch, hook, _hook_factory(getattr(ActivationWatch, hook), seconds, calls, counter))
     for line in TARGETS.strip().splitlines():
         where, name = line.split()
         module, _, cls = where.partition(":")
@@ -101,15 +153,29 @@ def main(argv: list[str] | None = None) -> int:
             owner = getattr(owner, cls)
         label = f"{cls or module.removeprefix('lightning_diag.callbacks.')}.{name}"
         originals.append((owner, name, vars(owner).get(name, _INHERITED)))
-        setattr(owner, name, _timed(getattr(owner, name), label, seconds, calls))
+        setattr(owner, name, _timed(getattr(owner, name), label, seconds, calls, counter))
     try:
-        total = _fit(steps, width)
+        if counter is not None:
+            with counter:
+                total = _fit(steps, width)
+        else:
+            total = _fit(steps, width)
     finally:
         for owner, name, original in originals:  # the process's classes and modules as they were
             if original is _INHERITED:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
+    if counter is not None:
+        print(f"{steps} steps; aten operators dispatched inside each function (nested ones included)")
+        print()
+        print("| function | calls | operators per call | operators per step | most dispatched (per call) |")
+        print("|---|---|---|---|---|")
+        for label in sorted(calls, key=lambda k: -counter.ops[k]):
+            ops, n = counter.ops[label], calls[label]
+            top = ", ".join(f"{name} {c / n:.1f}" for name, c in counter.names[label].most_common(5))
+            print(f"| `{label}` | {n} | {ops / n:.1f} | {ops / steps:.1f} | {top} |")
+        return 0
     print(f"{steps} steps, {total / steps * 1e3:.2f} ms of CPU a step (timers included), load {os.getloadavg()[0]:.1f}")
     print()
     print("| function | calls | µs per call | µs per step |")

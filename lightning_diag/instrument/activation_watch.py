@@ -149,7 +149,8 @@ class ActivationWatch:
             if not self._layers:
                 x = inputs[0] if isinstance(inputs, tuple) and inputs else None
                 if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() and not is_dtensor(x):
-                    self._input_sq = x.detach().float().pow(2).mean()
+                    with torch.no_grad():  # outside autograd, not detach()-ed: one operator fewer
+                        self._input_sq = x.float().pow(2).mean()
             self._layers.append((name, trainable))
 
         return pre_hook
@@ -163,31 +164,37 @@ class ActivationWatch:
             if not trainable or is_dtensor(x) or x.ndim < 2 or x.numel() == 0:
                 return
             first = not self._calls and len(self._layers) == 1
-            x = x.detach()
-            bounds = _bounds(module)
-            if bounds is None:
-                # images and volumes (N, C, H, W...) hold channels in dimension 1; a 3-D tensor does after a
-                # convolution or a norm over channels, else it is (N, L, C) (a sequence through a linear layer)
-                dim = 1 if x.ndim >= 4 or (x.ndim == 3 and layer in convs) else x.ndim - 1
-                units = x.shape[dim]
-                if x.numel() // units < MIN_ROWS:
-                    self.too_few_rows = True
-                    return
-                stat = 1.0 - _alive(x, dim).float().mean()
-                kind = type(module).__name__
-                after_frozen = not all(t for _, t in self._layers)
-                self._calls.append(
-                    _Call(name, layer, kind, True, stat, len(self._layers), None, first, after_frozen)
-                )
-                return
-            low, high = bounds
-            stat = ((x < low) | (x > high)).float().mean()
-            limit = high if -low == high else None
-            self._calls.append(
-                _Call(name, layer, type(module).__name__, False, stat, len(self._layers), limit, first)
-            )
+            with torch.no_grad():  # the statistics read x outside autograd (not from a detach()-ed view)
+                self._measure(module, name, layer, x, first, convs)
 
         return pre_hook
+
+    def _measure(
+        self, module: nn.Module, name: str, layer: str, x: torch.Tensor, first: bool, convs: frozenset[str]
+    ) -> None:
+        """One activation call's statistic (on the device), kept for :meth:`readings`."""
+        bounds = _bounds(module)
+        if bounds is None:
+            # images and volumes (N, C, H, W...) hold channels in dimension 1; a 3-D tensor does after a
+            # convolution or a norm over channels, else it is (N, L, C) (a sequence through a linear layer)
+            dim = 1 if x.ndim >= 4 or (x.ndim == 3 and layer in convs) else x.ndim - 1
+            units = x.shape[dim]
+            if x.numel() // units < MIN_ROWS:
+                self.too_few_rows = True
+                return
+            stat = 1.0 - _alive(x, dim).float().mean()
+            kind = type(module).__name__
+            after_frozen = not all(t for _, t in self._layers)
+            self._calls.append(
+                _Call(name, layer, kind, True, stat, len(self._layers), None, first, after_frozen)
+            )
+            return
+        low, high = bounds
+        stat = ((x < low) | (x > high)).float().mean()
+        limit = high if -low == high else None
+        self._calls.append(
+            _Call(name, layer, type(module).__name__, False, stat, len(self._layers), limit, first)
+        )
 
     def readings(self, modules: dict[str, nn.Module]) -> tuple[list[ActivationReading], float | None]:
         """The readings of the measured forward (after its backward: the layers' weight gradients are read too)
@@ -201,14 +208,17 @@ class ActivationWatch:
         input_sq, self._input_sq = self._input_sq, None
         if not calls:
             return [], None
-        stats = [c.stat.reshape(()).float() for c in calls]
+        # each statistic is a float32 0-d tensor already (a mean): no reshape or conversion dispatched for it
+        stats = [c.stat if c.stat.ndim == 0 and c.stat.dtype is torch.float32 else c.stat.reshape(()).float()
+                 for c in calls]
         grad_layers = sorted({c.layer for c in calls if c.dead})
         zero: list[str] = []
-        for layer in grad_layers:
-            weight = getattr(modules.get(layer), "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.grad is not None and not is_dtensor(weight.grad):
-                zero.append(layer)
-                stats.append(_zero_share(weight.grad.detach()).to(stats[0].device))
+        with torch.no_grad():  # the gradients read outside autograd (not from detach()-ed views)
+            for layer in grad_layers:
+                weight = getattr(modules.get(layer), "weight", None)
+                if isinstance(weight, torch.Tensor) and weight.grad is not None and not is_dtensor(weight.grad):
+                    zero.append(layer)
+                    stats.append(_zero_share(weight.grad).to(stats[0].device))
         if input_sq is not None:
             stats.append(input_sq.to(stats[0].device))
         host = torch.stack(stats).tolist()

@@ -325,15 +325,17 @@ class WeightCopies:
     def take(self, key: object, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors`` (their local shards), the caller's until :meth:`release`; ``key`` names the list
         (the same key, the same tensors: the buffers of the last take under it are filled again)."""
-        sources = [local_tensor(t).detach() for t in tensors]
+        # outside autograd rather than from detach()-ed views: the same copies, one operator fewer per tensor
+        sources = [local_tensor(t) for t in tensors]
         buffers = self._buffers.get(key)
-        if key in self._lent or buffers is None or not _same_layout(buffers, sources):
-            copies = [s.clone() for s in sources]
-            if key not in self._lent and sources and all(s.device.type == "cpu" for s in sources):
-                self._buffers[key] = copies
-                self._lent.add(key)
-            return copies
-        torch._foreach_copy_(buffers, sources)
+        with torch.no_grad():
+            if key in self._lent or buffers is None or not _same_layout(buffers, sources):
+                copies = [s.clone() for s in sources]
+                if key not in self._lent and sources and all(s.device.type == "cpu" for s in sources):
+                    self._buffers[key] = copies
+                    self._lent.add(key)
+                return copies
+            torch._foreach_copy_(buffers, sources)
         self._lent.add(key)
         return buffers
 
@@ -371,12 +373,13 @@ def update_ratios(
     device = before[0].device
     layout = index.layout(chosen, device)
     group_of = layout.group_of
-    after = [local_tensor(index.params[i]).detach() for i in chosen]  # DTensor.detach() is slow: local first
+    after = [local_tensor(index.params[i]) for i in chosen]  # read outside autograd below, not detach()-ed
     n = len(index.layers)
-    weight_sq = weight_squares if weight_squares is not None else per_tensor_norms(before).pow(2)
-    # The copies are this function's to consume: W_before - W_after in place (the norm of -dW), no second copy.
-    torch._foreach_sub_(before, after)
-    update_sq = per_tensor_norms(before).pow(2)
+    with torch.no_grad():
+        weight_sq = weight_squares if weight_squares is not None else per_tensor_norms(before).pow(2)
+        # The copies are this function's to consume: W_before - W_after in place (the norm of -dW), no second copy.
+        torch._foreach_sub_(before, after)
+        update_sq = per_tensor_norms(before).pow(2)
     if index.sharded:
         weights = torch.tensor([index.weights[i] for i in chosen], device=device)
         weight_sq, update_sq = weight_sq * weights, update_sq * weights

@@ -88,6 +88,8 @@ class ZeroOutputWatch:
         self.index = {name: i for i, name in enumerate(self.order)}
         self._calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (module, low, high): see `_extremes`
         self._handles: list[RemovableHandle] = []
+        # by the modules' calls in order (the same every sampled step of a fit): their positions, and which ran
+        self._layouts: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def active(self) -> bool:
@@ -116,8 +118,8 @@ class ZeroOutputWatch:
         out = first_tensor(output)
         if out is None or not out.is_floating_point() or out.numel() == 0:
             return
-        with torch.no_grad():
-            self._calls.append((name, *_extremes(local_tensor(out).detach())))
+        with torch.no_grad():  # outside autograd: no detach() needed (one operator fewer a call)
+            self._calls.append((name, *_extremes(local_tensor(out))))
 
     def counts(self, signs: bool = False) -> torch.Tensor | None:
         """Per module of ``root`` (in :attr:`order`): ``[ran, all_zero]`` as a ``(2, modules)`` float tensor on the
@@ -129,15 +131,32 @@ class ZeroOutputWatch:
             return None
         lows = torch.stack([low for _, low, _ in calls])
         flags = ((lows != 0) | (torch.stack([high for _, _, high in calls]) != 0)).float()  # a nonzero value (or NaN)
-        index = torch.tensor([self.index[name] for name, _, _ in calls], device=flags.device)
+        index, ran, ran_row = self._layout(tuple(name for name, _, _ in calls), flags.device)
         n = len(self.order)
-        ran = torch.zeros(n, device=flags.device).index_add_(0, index, torch.ones_like(flags))
-        nonzero = torch.zeros(n, device=flags.device).index_add_(0, index, flags)
-        rows = [(ran > 0).float(), ((ran > 0) & (nonzero == 0)).float()]
-        if signs:
-            negative = (lows < 0).float()
-            rows.append((torch.zeros(n, device=flags.device).index_add_(0, index, negative) > 0).float())
-        return torch.stack(rows)
+        if not signs:
+            nonzero = torch.zeros(n, device=flags.device).index_add_(0, index, flags)
+            return torch.stack([ran_row, (ran & (nonzero == 0)).float()])
+        # both per-module sums in one index_add over the stacked flags (sums of ones: exact in any order)
+        sums = torch.zeros(2, n, device=flags.device).index_add_(1, index, torch.stack([flags, (lows < 0).float()]))
+        nonzero, negative = sums.unbind()
+        return torch.stack([ran_row, (ran & (nonzero == 0)).float(), (negative > 0).float()])
+
+    def _layout(self, names: tuple[str, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The modules' positions of the calls ``names``, whether each module ran (bool) and that as a float row:
+        built once per sequence of calls and device, not at every sampled step."""
+        layout = self._layouts.get(names)
+        if layout is None or layout[0].device != device:
+            if len(self._layouts) >= _MAX_LAYOUTS:  # a model whose calls vary from step to step: no growing cache
+                self._layouts.clear()
+            index = torch.tensor([self.index[name] for name in names], device=device)
+            ran = torch.zeros(len(self.order), dtype=torch.bool, device=device)
+            ran[index] = True
+            layout = self._layouts[names] = (index, ran, ran.float())
+        return layout
+
+
+#: Sequences of module calls whose layout :class:`ZeroOutputWatch` keeps (a fit has one, or a few).
+_MAX_LAYOUTS = 8
 
 
 def _extremes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,18 +63,28 @@ class ElementSample:
         self.count = len(counts)
 
     def gather(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """The sampled elements of ``tensors`` (``None`` reads as zeros), as one float32 vector."""
+        """The sampled elements of ``tensors`` (``None`` reads as zeros), as one float32 vector.
+
+        Read outside autograd rather than from ``detach()``-ed views: the same values, one dispatched operator fewer
+        per tensor (a tenth of a measuring step's operators on the 1.1M MLP). When every tensor is ``None`` (the
+        gradients after ``zero_grad(set_to_none=True)``) the zeros are one tensor, not one per tensor.
+        """
         device = self.segment.device
+        if all(t is None for t in tensors):
+            if len(tensors) != len(self.positions):
+                raise ValueError(f"expected {len(self.positions)} tensors, got {len(tensors)}")
+            return torch.zeros(len(self.segment), device=device)
         parts = []
-        for t, pos in zip(tensors, self.positions, strict=True):
-            if t is None:
-                parts.append(torch.zeros(len(pos), device=device))
-                continue
-            # take: the elements of the flattened tensor, one operator (a third of reshape + index_select +
-            # float + to on the measuring step's 10 tensors of the 1.1M MLP)
-            part = torch.take(detached_local(t), pos)
-            parts.append(part if part.dtype is torch.float32 and part.device == device else part.float().to(device))
-        return torch.cat(parts) if parts else torch.zeros(0, device=device)
+        with torch.no_grad():
+            for t, pos in zip(tensors, self.positions, strict=True):
+                if t is None:
+                    parts.append(torch.zeros(len(pos), device=device))
+                    continue
+                # take: the elements of the flattened tensor, one operator (a third of reshape + index_select +
+                # float + to on the measuring step's 10 tensors of the 1.1M MLP)
+                part = torch.take(grad_local_tensor(t), pos)
+                parts.append(part if part.dtype is torch.float32 and part.device == device else part.float().to(device))
+            return torch.cat(parts) if parts else torch.zeros(0, device=device)
 
 
 def unchanged_counts(
@@ -90,10 +100,8 @@ def unchanged_counts(
     """
     live = torch.isfinite(grads) & (grads != 0)
     same = live & (after == before)
-    out = torch.zeros(2, count, device=before.device)
-    out[0].index_add_(0, segment, live.float())
-    out[1].index_add_(0, segment, same.float())
-    return out
+    # both counts in one index_add over the stacked flags (sums of ones: exact in any order)
+    return torch.zeros(2, count, device=before.device).index_add_(1, segment, torch.stack([live, same]).float())
 
 
 def parameter_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
