@@ -10,6 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 from lightning_diag import AttentionEntropyMonitor, attention_requested, record_attention
+from lightning_diag.callbacks.attention_entropy.monitor import NO_ATTENTION_SAMPLES
 from lightning_diag.demo import FAULTS, build_fault, run_demo
 from lightning_diag.rules.attention_entropy import AttentionEntropyRule
 
@@ -205,6 +206,43 @@ def test_model_without_attention_gets_one_info_message(tmp_path, caplog):
     assert len(messages) == 1 and "no attention recognised: looked for nn.MultiheadAttention" in messages[0]
     assert "softmax-weighted matmuls" in messages[0]
     assert monitor.alerts == []
+
+
+class RequestCounter(pl.Callback):
+    """Counts the batches during which the monitor asked for attention (its capture was on)."""
+
+    def __init__(self):
+        self.requested = 0
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.requested += attention_requested()
+
+
+def test_model_without_attention_stops_being_looked_at(tmp_path, caplog):
+    """A single-process fit whose sampled steps show no attention stops capturing after NO_ATTENTION_SAMPLES of
+    them, says so once, and looks again at the next fit."""
+    monitor, counter = AttentionEntropyMonitor(log_every_n_steps=1), RequestCounter()
+    trainer_args = dict(max_steps=8, callbacks=[monitor, counter], enable_checkpointing=False, **FAST)
+    with caplog.at_level(logging.INFO, logger="lightning_diag"):
+        pl.Trainer(default_root_dir=tmp_path, **trainer_args).fit(NoAttention())
+    assert counter.requested == NO_ATTENTION_SAMPLES  # 8 sampled steps, the first 3 looked at
+    stops = [r.getMessage() for r in caplog.records if "stops looking" in r.getMessage()]
+    assert len(stops) == 1 and f"no attention in {NO_ATTENTION_SAMPLES} sampled steps" in stops[0]
+    assert monitor.alerts == []
+    counter.requested = 0
+    pl.Trainer(default_root_dir=tmp_path / "again", **trainer_args).fit(NoAttention())
+    assert counter.requested == NO_ATTENTION_SAMPLES
+
+
+def test_a_model_with_attention_is_looked_at_on_every_sampled_step(tmp_path):
+    counter = RequestCounter()
+    model, data, _ = build_fault("none")
+    trainer = pl.Trainer(
+        max_steps=10, default_root_dir=tmp_path, callbacks=[AttentionEntropyMonitor(log_every_n_steps=1), counter],
+        logger=False, **{**FAST, "log_every_n_steps": 1}, **NO_VAL,
+    )
+    trainer.fit(model, datamodule=data)
+    assert counter.requested == 10
 
 
 class CustomAttention(nn.Module):

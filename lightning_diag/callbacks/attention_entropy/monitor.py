@@ -37,7 +37,11 @@ from lightning_diag.rules.attention_specs import (
 )
 from lightning_diag.rules.measures import Measures
 
-__all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "AttentionEntropyMonitor"]
+__all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "NO_ATTENTION_SAMPLES", "AttentionEntropyMonitor"]
+
+#: Sampled steps in a row without attention after which a single-process fit stops looking (a model without
+#: attention then pays nothing more for the monitor).
+NO_ATTENTION_SAMPLES = 3
 
 #: Sequences of the batch measured on a sampled step (``attn.sample_size``).
 DEFAULT_SAMPLE_SIZE = int(ATTN_SAMPLE_SIZE_SETTING.default)
@@ -194,6 +198,9 @@ class AttentionEntropyMonitor(DiagCallback):
         self._names: dict[int, str] = {}
         self._sampled_step = -1
         self._capture: AttentionCapture | None = None
+        #: Sampled steps in a row that showed no attention (single process), and whether the fit stopped looking.
+        self._empty_samples = 0
+        self._stopped = False
         self._compiled: bool | None = None
 
     @staticmethod
@@ -209,6 +216,8 @@ class AttentionEntropyMonitor(DiagCallback):
             self._mha = None
             self._compiled = None
             self._sampled_step = -1
+            self._empty_samples = 0
+            self._stopped = False
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove any hook still attached, then release the session."""
@@ -239,7 +248,7 @@ class AttentionEntropyMonitor(DiagCallback):
     ) -> None:
         """On the first micro-batch of a sampled step: attach the measuring hooks and open the recorder."""
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if not self.on_cadence:
+        if not self.on_cadence or self._stopped:
             return
         step = trainer.global_step
         if step == self._sampled_step:
@@ -309,7 +318,8 @@ class AttentionEntropyMonitor(DiagCallback):
 
     def quiet_batch(self, trainer: pl.Trainer) -> bool:
         """Off the sampling cadence, with nothing attached: the batch's backward and end have nothing to do."""
-        return not self.on_cadence and self._recorder is None and self._capture is None and not self._handles
+        idle = not self.on_cadence or self._stopped
+        return idle and self._recorder is None and self._capture is None and not self._handles
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         """The sampled forward is over: leave the function mode before backward (and any recomputation) runs."""
@@ -346,7 +356,9 @@ class AttentionEntropyMonitor(DiagCallback):
         loss, _ = extract_loss(outputs)
         reduced = self._reduce(trainer, recorder, loss)
         if reduced is None:
+            self._no_attention(trainer, recorder)
             return
+        self._empty_samples = 0
         layers, batch_loss = reduced
         peaks, self._logit_peaks = self._logit_peaks, {}
         step = self._sampled_step
@@ -370,6 +382,23 @@ class AttentionEntropyMonitor(DiagCallback):
         self.record(self.entropy_rule.judge(ctx, m) + self.sink_rule.judge(ctx, m))
         if recorder.keep_maps:
             draw_images(self.writer, recorder, step)
+
+    def _no_attention(self, trainer: pl.Trainer, recorder: AttentionRecorder) -> None:
+        """A sampled step showed no attention: after :data:`NO_ATTENTION_SAMPLES` of them in a row, a single
+        process stops looking for the rest of the fit (one notice). Under several processes every rank keeps
+        looking: the ranks decide each sampled step together (``reduce_stats``), and one that stopped alone would
+        leave the others waiting."""
+        if trainer.world_size > 1 or recorder.problems:
+            return
+        self._empty_samples += 1
+        if self._empty_samples >= NO_ATTENTION_SAMPLES:
+            self._stopped = True
+            self.notice(
+                trainer,
+                "no-attention-stop",
+                f"no attention in {NO_ATTENTION_SAMPLES} sampled steps in a row: AttentionEntropyMonitor stops "
+                "looking for the rest of this fit (it costs nothing from here; the next fit looks again)",
+            )
 
     def _reduce(
         self, trainer: pl.Trainer, recorder: AttentionRecorder, loss: torch.Tensor | None = None
