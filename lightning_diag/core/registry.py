@@ -26,7 +26,7 @@ those values (the callbacks and the report's replay alike).
 ``check`` puts the rule in a checklist row (:data:`CHECKS`); a new row is a :class:`CheckSpec` declared beside its
 rules and registered (:func:`register_check`) in report order by :mod:`lightning_diag.rules.catalog`, and where
 its status needs more than "did its rules raise a warning" it gets a measure function in
-:mod:`lightning_diag.report`.
+the same module (:mod:`lightning_diag.rules.rows`).
 
 This module imports nothing but the standard library and no declaring module (they import it), so the report
 can read it without torch or Lightning.

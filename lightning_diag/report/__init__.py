@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_diag.report.checks import Check, RunReport, Status, diagnose
+from lightning_diag.report.checks import RunReport, diagnose
 from lightning_diag.report.load import (
     ALERTS_FILE,
     THRESHOLDS_FILE,
@@ -40,6 +40,7 @@ from lightning_diag.report.load import (
 from lightning_diag.report.plain import diagnose_plain, map_plain_run
 from lightning_diag.report.render import FORMATS, Format, render, render_stream
 from lightning_diag.report.tag_map import is_candidate
+from lightning_diag.rules.rows import Check, Status
 
 __all__ = [
     "ALERTS_FILE",

@@ -5,8 +5,7 @@ Lightning."""
 from __future__ import annotations
 
 from lightning_diag.core.tags import prefix
-from lightning_diag.report.load import RunData
-from lightning_diag.report.rows import Check, measure
+from lightning_diag.rules.rows import Check, LoggedRun, measure
 
 __all__ = ["LOCAL_TOKENS", "LONG_RANGE_SHARE", "head_ranges"]
 
@@ -17,7 +16,7 @@ LOCAL_TOKENS = 1.5
 _SHOWN = 6
 
 
-def _last(run: RunData, family: str) -> dict[str, float]:
+def _last(run: LoggedRun, family: str) -> dict[str, float]:
     out = {}
     for tag in run.tags(prefix(family)):
         points = run.scalars[tag]
@@ -26,7 +25,7 @@ def _last(run: RunData, family: str) -> dict[str, float]:
     return out
 
 
-def head_ranges(run: RunData) -> tuple[dict[str, float], dict[str, float]]:
+def head_ranges(run: LoggedRun) -> tuple[dict[str, float], dict[str, float]]:
     """``(long_range, local)``: ``module/head_<h>`` -> its last relative (long-range) or absolute (local) mean
     attention distance."""
     relative, absolute = _last(run, "attn_distance_relative"), _last(run, "attn_distance")
@@ -43,7 +42,7 @@ def _names(heads: dict[str, float], unit: str) -> str:
 
 
 @measure("attn_range")
-def _measure_attention_range(run: RunData, check: Check) -> bool:
+def _measure_attention_range(run: LoggedRun, check: Check) -> bool:
     """Informational: names the long-range and the purely local heads; it never fails."""
     if not run.tags(prefix("attn_distance")):
         return False

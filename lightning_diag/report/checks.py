@@ -19,13 +19,13 @@ Adding a row (issues adding callbacks):
    warning/critical alert of its rules, passes when its callback logged thresholds and raised none, and shows
    each rule's described threshold and its last alert's value;
 3. where the row can show a measured value from the logged series, add one function decorated with
-   ``@measure(id)`` (from :mod:`lightning_diag.report.rows`) to a row module of this package that this one
-   imports (``measures.py`` holds the built-in Model, Training and Deployment rows, ``data_checks.py``,
-   ``probe_checks.py``, ``silent_checks.py`` and ``problem_checks.py`` the others; they import the row
-   machinery from ``rows.py``, never this module): it
-   fills ``check.measured`` / ``measured_value`` (and ``threshold`` / ``threshold_value`` if the generic text is
-   not enough) and returns whether the series was measured. A ``@replay(id)`` function in
-   :mod:`lightning_diag.report.replay` may also re-run the row's pure rules.
+   ``@measure(id)`` (from :mod:`lightning_diag.rules.rows`) to the rule module that declares the row's
+   ``CheckSpec``: it fills ``check.measured`` / ``measured_value`` (and ``threshold`` / ``threshold_value`` if the
+   generic text is not enough) and returns whether the series was measured. A ``@replay(id)`` function beside it
+   may also re-run the row's pure rules. The registries are filled when :mod:`lightning_diag.rules.catalog` imports
+   the rule modules; this module looks the functions up by check id (by rule id for an "Other" row: a rule with no
+   check). The rows over several rule modules' rules and the rows of no rule are measured in this package
+   (:mod:`~lightning_diag.report.measures`, :mod:`~lightning_diag.report.attention_range`).
 
 Example:
     >>> check = Check("nonfinite", "Training", "No NaN/Inf in loss or gradients", ("nonfinite_loss",))
@@ -36,39 +36,29 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 from lightning_diag.core.alerts import Alert
-from lightning_diag.core.registry import CHECKS, RULES, CheckSpec, value_of
-from lightning_diag.core.tags import loss_tag
+from lightning_diag.core.registry import CHECKS, RULES, CheckSpec
 from lightning_diag.report import attention_range as _attention_range  # noqa: F401  (the attention range row)
-from lightning_diag.report import data_checks as _data_checks  # noqa: F401  (registers the Data rows)
-from lightning_diag.report import measures as _measures  # noqa: F401  (the Model, Training, Deployment rows)
-from lightning_diag.report import probe_checks as _probe_checks  # noqa: F401  (registers the probes' rows)
-from lightning_diag.report import problem_checks as _problem_checks  # noqa: F401  (the training-problem rows)
-from lightning_diag.report import silent_checks as _silent_checks  # noqa: F401  (the silent-error rows)
-from lightning_diag.report.load import RunData, read_json
-from lightning_diag.report.replay import REPLAYS
-from lightning_diag.report.rows import (
+from lightning_diag.report import measures as _measures  # noqa: F401  (the rows over several rule modules)
+from lightning_diag.report.load import RunData
+from lightning_diag.report.text import clean, display
+from lightning_diag.rules.catalog import ALL_RULES
+from lightning_diag.rules.rows import (
     CHECKLIST_LAYERS,
     MEASURES,
+    REPLAYS,
     Check,
-    Status,
     fmt,
     is_attached,
     json_safe,
     run_threshold,
     serious_alerts,
 )
-from lightning_diag.report.text import clean, display
-from lightning_diag.rules.catalog import ALL_RULES, AMP_NOT_APPLIED, LOSS_OUTLIER
-from lightning_diag.rules.loss_outlier import LOSS_OUTLIER_WINDOW_KEY, loss_outlier_min_history
 
 __all__ = [
-    "Check",
     "RunReport",
-    "Status",
     "diagnose",
     "finish_check",
 ]
@@ -131,58 +121,6 @@ def _measure_generic(run: RunData, check: Check) -> bool:
         last = alerts[-1]
         check.measured = f"{fmt(last.value) if last.value is not None else '-'} at step {last.global_step}"
     return any(r in run.thresholds for r in check.rules) or is_attached(run, check.rules)
-
-
-# -- "Other" rows whose rule measures only in some runs ---------------------------------------------------------
-
-#: The run's provenance file (``diag/run.json``, written by every fit's session): the trainer's settings.
-_RUN_FILE = "run.json"
-#: The ``Trainer(precision=...)`` values under which ``amp_not_applied`` looks at the compute dtype.
-_MIXED = ("16-mixed", "bf16-mixed")
-
-
-def _trainer_precision(run: RunData) -> str | None:
-    """The ``precision`` in the run's ``diag/run.json`` (``None`` when the file or the value is missing)."""
-    try:
-        data = read_json(run.path / "diag" / _RUN_FILE)
-    except (OSError, ValueError):
-        return None
-    trainer = data.get("trainer") if isinstance(data, dict) else None
-    precision = trainer.get("precision") if isinstance(trainer, dict) else None
-    return str(precision) if precision is not None else None
-
-
-def _amp_measured(run: RunData, check: Check) -> bool:
-    """``amp_not_applied`` looks at one training batch, and only under mixed precision."""
-    precision = _trainer_precision(run)
-    if precision in _MIXED:
-        return AMP_NOT_APPLIED in run.thresholds
-    if precision is None:
-        check.add_note("the run's precision is not recorded (no diag/run.json): nothing to say it was checked")
-    else:
-        check.add_note(f"precision={precision!r}: no mixed precision to check")
-    return False
-
-
-def _loss_outlier_measured(run: RunData, check: Check) -> bool:
-    """``loss_outlier`` judges a step only after ``window / 4`` steps of history."""
-    if LOSS_OUTLIER not in run.thresholds:
-        return False
-    need = loss_outlier_min_history(int(value_of(run.thresholds, LOSS_OUTLIER_WINDOW_KEY)))
-    steps = [step for step, _ in run.scalars.get(loss_tag("train_step"), [])]
-    if steps and max(steps) >= need:
-        return True
-    logged = f"the training loss was logged to step {max(steps)}" if steps else "no training loss was logged"
-    check.add_note(f"{logged}; the check needs {need} steps of history before it judges a step")
-    return False
-
-
-#: ``rule -> measured(run, check)`` for the "Other" rows whose rule measures only in some runs; the others are
-#: measured when their callback logged their thresholds.
-_OTHER_MEASURED: dict[str, Callable[[RunData, Check], bool]] = {
-    AMP_NOT_APPLIED: _amp_measured,
-    LOSS_OUTLIER: _loss_outlier_measured,
-}
 
 
 # -- judging ----------------------------------------------------------------------------------------------
@@ -273,7 +211,9 @@ def diagnose(run: RunData) -> RunReport:
         if alerts:
             last = alerts[-1]
             check.measured = f"{fmt(last.value) if last.value is not None else '-'} at step {last.global_step}"
-        measured_fn = _OTHER_MEASURED.get(rule)
+        # a rule that measures only in some runs says when (its module's `@measure(rule)`); the others are measured
+        # when their callback logged their thresholds
+        measured_fn = MEASURES.get(rule)
         measured = measured_fn(run, check) if measured_fn is not None else rule in run.thresholds
         checks.append(finish_check(check, run, measured, []))
     return RunReport(run, checks)

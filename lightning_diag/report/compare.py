@@ -21,8 +21,8 @@ from typing import Any
 from lightning_diag.core.tags import LossSeries, loss_tag, prefix
 from lightning_diag.report.checks import RunReport, diagnose
 from lightning_diag.report.load import RunData, Series, load_run, read_json
-from lightning_diag.report.rows import json_safe
 from lightning_diag.report.text import clean, display, md
+from lightning_diag.rules.rows import json_safe
 
 __all__ = ["RUN_FILE", "Comparison", "compare_runs", "divergence_step", "flatten", "render_comparison"]
 

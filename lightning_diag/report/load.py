@@ -112,6 +112,15 @@ class RunData:
         """Scalar tags starting with ``prefix``, sorted."""
         return sorted(t for t in self.scalars if t.startswith(prefix))
 
+    def diag_json(self, name: str) -> Any:
+        """The JSON file ``diag/<name>`` of the run, read with :func:`read_json`.
+
+        Raises:
+            OSError: If it is not a regular file or cannot be read.
+            ValueError: If it is not valid UTF-8 or JSON.
+        """
+        return read_json(self.path / "diag" / name)
+
 
 # -- finding and loading runs ---------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ Such a run has only what the user logged (TensorBoard event files or a ``CSVLogg
 training loss (per step, or its epoch mean), the validation loss, ``LearningRateMonitor``'s learning rates and the
 epoch. :func:`map_plain_run` finds them (:func:`~lightning_diag.report.tag_map.auto_map`, or the user's
 ``--map ROLE=TAG``) and :func:`diagnose_plain` replays the library's rules that need only those series, built with
-``Rule.from_settings`` over the library's default thresholds as :mod:`lightning_diag.report.replay` does:
+``Rule.from_settings`` over the library's default thresholds as the rows' replays do (:mod:`lightning_diag.rules.rows`):
 
 * ``nonfinite`` (``nonfinite_loss``): a NaN/Inf logged training or validation loss (the non-finite policy's latch:
   one alert per episode);
@@ -35,9 +35,8 @@ from collections.abc import Mapping
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.registry import CHECKS, RULES, default_thresholds
 from lightning_diag.core.tags import loss_tag
-from lightning_diag.report.checks import Check, RunReport, finish_check
+from lightning_diag.report.checks import RunReport, finish_check
 from lightning_diag.report.load import RunData, Series
-from lightning_diag.report.rows import CHECKLIST_LAYERS, fmt
 from lightning_diag.report.tag_map import ROLES, auto_map
 from lightning_diag.report.text import clean
 from lightning_diag.rules.base import StepContext
@@ -56,6 +55,7 @@ from lightning_diag.rules.loss_stagnant import STAGNANT_BASELINE_STEPS_KEY, Loss
 from lightning_diag.rules.loss_swing import LossSwingRule
 from lightning_diag.rules.measures import LossWindow, Measures, StepLosses, Validation
 from lightning_diag.rules.nonfinite import NonFinitePolicy, StepFindings
+from lightning_diag.rules.rows import CHECKLIST_LAYERS, Check, fmt
 from lightning_diag.rules.val_decline import ValDeclineRule
 from lightning_diag.rules.val_fluctuation import ValFluctuationRule
 

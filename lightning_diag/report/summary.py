@@ -8,7 +8,8 @@ alerts, then the path. Imports neither torch nor Lightning.
 Example:
     >>> from pathlib import Path
     >>> from lightning_diag.report.load import RunData
-    >>> from lightning_diag.report.checks import Check, RunReport
+    >>> from lightning_diag.report.checks import RunReport
+    >>> from lightning_diag.rules.rows import Check
     >>> bad = RunReport(RunData(Path("b")), [Check("x", "Training", "t", (), status="fail", severity="warning")])
     >>> good = RunReport(RunData(Path("a")), [Check("y", "Training", "t", (), status="pass")])
     >>> [(line.run, line.verdict) for line in sorted([summarize(good), summarize(bad)], key=SummaryLine.key)]

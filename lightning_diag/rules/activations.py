@@ -51,11 +51,22 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import FRACTION, CheckSpec, RuleSpec, default, register
+from lightning_diag.core.registry import FRACTION, RULES, CheckSpec, RuleSpec, default, register
+from lightning_diag.core.tags import dead_units_tag, saturation_tag, zero_grad_tag
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.loss_windows import LossWindows
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import (
+    Check,
+    LayerPoints,
+    LoggedRun,
+    finite_family,
+    last_point,
+    measure,
+    run_setting,
+    worst_point,
+)
 
 __all__ = [
     "ACTIVATIONS_IN_RANGE_CHECK",
@@ -347,3 +358,47 @@ class ActivationRule(Rule):
             threshold=self.saturation_threshold,
             rule=ACTIVATION_SATURATION,
         )
+
+
+# -- the report's units_alive and activations_in_range rows ----------------------------------------------------
+# GradientFlowMonitor's ``diag/act_dead/<layer>``, ``diag/grad_zero/<layer>`` and ``diag/act_saturated/<layer>``.
+# The rows pass or fail on the rules' alerts: the rules also judge what the series do not hold (the loss's fall since
+# the fit began, the activation each layer feeds), so nothing is replayed.
+
+
+def _share_row(check: Check, series: LayerPoints, what: str) -> None:
+    layer, step, peak = worst_point(series)
+    last_layer, last = last_point(series)
+    measurements = max(len(p) for p in series.values())
+    check.measured = (
+        f"largest share of {what}: {peak:.1%} (`{layer}`, step {step}); {last:.1%} (`{last_layer}`) at the last "
+        f"measurement, over {len(series)} layers and {measurements} measurements"
+    )
+    check.measured_value = {"max": peak, "last": last, "layers": float(len(series))}
+
+
+@measure("units_alive")
+def _measure_dead_units(run: LoggedRun, check: Check) -> bool:
+    check.threshold = RULES[DEAD_UNITS].describe(run.thresholds)
+    check.threshold_value = {"value": run_setting(run, DEAD_UNITS)}
+    dead = finite_family(run, dead_units_tag)
+    if not dead:
+        return False
+    _share_row(check, dead, "units inactive for every sample of the measured batch")
+    zero = finite_family(run, zero_grad_tag)
+    if zero:
+        layer, _, peak = worst_point(zero)
+        check.measured = f"{check.measured}; exactly-zero gradient entries up to {peak:.1%} (`{layer}`)"
+        check.measured_value["zero_grad_max"] = peak
+    return True
+
+
+@measure("activations_in_range")
+def _measure_saturation(run: LoggedRun, check: Check) -> bool:
+    check.threshold = RULES[ACTIVATION_SATURATION].describe(run.thresholds)
+    check.threshold_value = {"value": run_setting(run, ACTIVATION_SATURATION)}
+    saturated = finite_family(run, saturation_tag)
+    if not saturated:
+        return False
+    _share_row(check, saturated, "a bounded activation's inputs beyond its linear range")
+    return True

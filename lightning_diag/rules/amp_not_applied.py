@@ -18,6 +18,7 @@ from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import FRACTION, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext, list_names
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import Check, LoggedRun, measure
 
 __all__ = [
     "AMP_NOT_APPLIED",
@@ -98,3 +99,35 @@ class AmpRule(Rule):
                 threshold=self.share,
             )
         ]
+
+
+# -- the report's amp_not_applied row (an "Other" row: the rule has no check) ----------------------------------
+
+#: The run's provenance file (``diag/run.json``, written by every fit's session): the trainer's settings.
+_RUN_FILE = "run.json"
+#: The ``Trainer(precision=...)`` values under which ``amp_not_applied`` looks at the compute dtype.
+_MIXED = ("16-mixed", "bf16-mixed")
+
+
+def _trainer_precision(run: LoggedRun) -> str | None:
+    """The ``precision`` in the run's ``diag/run.json`` (``None`` when the file or the value is missing)."""
+    try:
+        data = run.diag_json(_RUN_FILE)
+    except (OSError, ValueError):
+        return None
+    trainer = data.get("trainer") if isinstance(data, dict) else None
+    precision = trainer.get("precision") if isinstance(trainer, dict) else None
+    return str(precision) if precision is not None else None
+
+
+@measure(AMP_NOT_APPLIED)
+def _amp_measured(run: LoggedRun, check: Check) -> bool:
+    """``amp_not_applied`` looks at one training batch, and only under mixed precision."""
+    precision = _trainer_precision(run)
+    if precision in _MIXED:
+        return AMP_NOT_APPLIED in run.thresholds
+    if precision is None:
+        check.add_note("the run's precision is not recorded (no diag/run.json): nothing to say it was checked")
+    else:
+        check.add_note(f"precision={precision!r}: no mixed precision to check")
+    return False

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from lightning_diag.core.record import Alert, Severity
+from lightning_diag.core.registry import RULES
+from lightning_diag.core.tags import attn_head, attn_mean, attn_uniform_tag, loss_tag
 from lightning_diag.rules.attention_specs import (
     ATTN_ENTROPY_HIGH,
     ATTN_ENTROPY_HIGH_SPEC,
@@ -21,11 +23,23 @@ from lightning_diag.rules.attention_specs import (
     DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
     DEFAULT_ENTROPY_LOW_THRESHOLD,
     DEFAULT_SINK_THRESHOLD,
+    LayerStats,
     first_mass,
     per_head,
 )
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import (
+    Check,
+    LoggedRun,
+    Series,
+    band_threshold,
+    finite_values,
+    fmt,
+    measure,
+    replay,
+    values_by_step,
+)
 
 __all__ = [
     "ABRUPT_FALL",
@@ -302,3 +316,60 @@ def _name_heads(values: Mapping[str, float], worst_first: bool) -> str:
     """``"8 heads in 1 module: `m/head_3` 0.01, ... and 5 more"`` (:func:`~lightning_diag.rules.base.name_layers`)."""
     n = _modules(values)
     return name_layers(values, worst_first=worst_first, noun=f"heads in {n} module{'s' if n > 1 else ''}")
+
+
+# -- the report's attn_entropy_band row (declared in attention_specs.py, which this module imports) --------------
+
+
+@measure("attn_entropy_band")
+def _measure_attn_band(run: LoggedRun, check: Check) -> bool:
+    low, high = band_threshold(check, run, ATTN_ENTROPY_LOW, ATTN_ENTROPY_HIGH)
+    check.threshold = "; ".join(RULES[r].describe(run.thresholds) for r in check.rules)
+    heads = [t for t in run.scalars if attn_head(t)] or [t for t in run.scalars if attn_mean(t)]
+    values = [v for t in heads for v in finite_values(run.scalars[t])]
+    if values:
+        what = "heads" if attn_head(heads[0]) else "layer means"
+        check.measured = f"entropy {fmt(min(values))} .. {fmt(max(values))} nats over {len(heads)} {what}"
+        check.measured_value = {"min": min(values), "max": max(values)}
+        above = sum(1 for v in values if high is not None and v > high)
+        if above and high is not None:
+            check.add_note(
+                f"{above} measurements above {fmt(high)} nats ({ATTN_ENTROPY_HIGH}): an info hint at most, and only "
+                "when near uniform after warm-up, since diffuse attention can be a learned solution"
+            )
+    missing = [rule for rule, v in ((ATTN_ENTROPY_LOW, low), (ATTN_ENTROPY_HIGH, high)) if v is None]
+    if values and missing:
+        check.add_note(f"the run logged no {' or '.join(missing)} threshold")
+    return bool(values)
+
+
+@replay("attn_entropy_band")
+def _replay_attn_band(run: LoggedRun) -> list[Alert]:
+    rule = AttentionEntropyRule.from_settings(run.thresholds)
+    heads: dict[str, dict[int, Series]] = {}
+    for name, points in run.scalars.items():
+        parsed = attn_head(name)
+        if parsed is not None:
+            heads.setdefault(parsed[0], {})[parsed[1]] = points
+    # The first-key mass and key coverage that explain an attention sink or an alignment are not logged: a module
+    # the run's own rule explained (its `info` note) is fed as explained (full key coverage), so the replay does not
+    # fail it on its low-entropy heads, before the heads tripping together are grouped into one alert.
+    explained = {a.source for a in run.alerts if a.rule == ATTN_ENTROPY_LOW and a.severity == Severity.INFO}
+    alerts: list[Alert] = []
+    by_step: dict[int, dict[str, LayerStats]] = {}
+    for module, head_points in heads.items():
+        uniform = dict(run.scalars.get(attn_uniform_tag(module), []))
+        n = max(head_points) + 1
+        for step, values in values_by_step((str(h), s) for h, s in head_points.items()).items():
+            entropy = [values.get(str(h), math.nan) for h in range(n)]
+            uni = uniform.get(step, math.inf)  # not logged: the low rule judges alone
+            cover = [1.0] * n if module in explained else ()
+            by_step.setdefault(step, {})[module] = LayerStats(
+                entropy, [uni] * n, [math.nan] * n, [math.nan] * n, coverage=cover
+            )
+    # the training loss at the measured steps tells a collapse from learned sharpness, as in the run
+    losses = dict(run.scalars.get(loss_tag("train_step"), []))
+    for step, layers in sorted(by_step.items()):
+        alerts += rule.judge(StepContext(0, step), Measures(attention=layers, loss=losses.get(step)))
+    # the replay's own notes on those modules restate the run's: not returned
+    return [a for a in alerts if not (a.rule == ATTN_ENTROPY_LOW and a.severity == Severity.INFO)]

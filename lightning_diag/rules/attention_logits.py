@@ -29,9 +29,20 @@ import itertools
 import math
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, POSITIVE, CheckSpec, Limit, RuleSpec, register
+from lightning_diag.core.registry import COUNT, POSITIVE, RULES, CheckSpec, Limit, RuleSpec, register
+from lightning_diag.core.tags import tag
 from lightning_diag.rules.base import Latch, Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import (
+    Check,
+    LoggedRun,
+    finite_family,
+    fmt,
+    last_point,
+    measure,
+    run_setting,
+    worst_point,
+)
 
 __all__ = [
     "ATTN_LOGITS_CHECK",
@@ -155,3 +166,25 @@ class AttentionLogitRule(Rule):
                 threshold=self.threshold,
             )
         ]
+
+
+# -- the report's attn_logits_bounded row ----------------------------------------------------------------------
+# AttentionEntropyMonitor's ``diag/attn_logit_growth/<module>``. The row passes or fails on the rule's alerts (the
+# rule judges the growth since the start, which the series do not hold), so nothing is replayed.
+
+
+@measure("attn_logits_bounded")
+def _measure_attn_logits(run: LoggedRun, check: Check) -> bool:
+    check.threshold = RULES[ATTN_LOGIT_GROWTH].describe(run.thresholds)
+    check.threshold_value = {"value": run_setting(run, ATTN_LOGIT_GROWTH)}
+    peaks = finite_family(run, lambda module: tag(ATTN_LOGIT_GROWTH, module))
+    if not peaks:
+        return False
+    module, step, peak = worst_point(peaks)
+    last_module, last = last_point(peaks)
+    check.measured = (
+        f"largest attention logit {fmt(peak)} (`{module}`, step {step}); {fmt(last)} (`{last_module}`) at the last "
+        f"measurement, over {len(peaks)} modules"
+    )
+    check.measured_value = {"max": peak, "last": last, "modules": float(len(peaks))}
+    return True

@@ -86,6 +86,8 @@ from lightning_diag.core.registry import (
     register,
     register_setting,
 )
+from lightning_diag.core.tags import prefix
+from lightning_diag.rules.rows import Check, LoggedRun, finite_values, fmt, measure, run_threshold
 
 __all__ = [
     "ATTN_ENTROPY_BAND_CHECK",
@@ -194,3 +196,18 @@ def per_head(stats: LayerStats, values: Sequence[float]) -> list[float]:
 def first_mass(stats: LayerStats) -> list[float]:
     """The mass on the first key each query may see, one per head (NaN where unknown)."""
     return per_head(stats, stats.first_mass)
+
+
+# -- the report's attn_sink row -----------------------------------------------------------------------------------
+
+
+@measure(ATTN_SINK)
+def _measure_attn_sink(run: LoggedRun, check: Check) -> bool:
+    mass = run_threshold(run, ATTN_SINK)
+    check.threshold = f"smallest head's special-token mass <= {fmt(mass)}" if mass is not None else "not logged"
+    check.threshold_value = {"value": mass} if mass is not None else {}
+    values = [v for t in run.tags(prefix(ATTN_SINK)) for v in finite_values(run.scalars[t])]
+    if values:
+        check.measured = f"special-token mass up to {fmt(max(values))}"
+        check.measured_value = {"max": max(values)}
+    return bool(values)

@@ -8,7 +8,9 @@ declaring modules' names, then the declaration order inside each module (:mod:`l
 does not depend on which module the process imported first (``tests/test_registry_order.py``). It then
 registers the checklist rows of ``lightning-diag report`` in report order: a row that rules decide is declared
 beside them (``*_CHECK`` in their module, its title a template over their thresholds), the rows no rule decides
-here.
+here. Importing the rule modules also registers their rows' measure and replay functions
+(:mod:`lightning_diag.rules.rows`): ``attn_entropy_band``'s are in :mod:`lightning_diag.rules.attention_entropy`,
+beside the rule they replay (its row is declared in ``attention_specs``, which that module imports).
 
 No module below it imports it (the registry does not): the import graph has no cycle. Neither torch nor Lightning
 is imported (the rules modules import the standard library, numpy and scipy only).
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lightning_diag.core.registry import OWNERS, CheckSpec, register_check
+from lightning_diag.rules import attention_entropy as _attention_entropy  # noqa: F401  (attn_entropy_band's row)
 from lightning_diag.rules.activations import (
     ACTIVATION_SATURATION,
     ACTIVATIONS_IN_RANGE_CHECK,

@@ -37,8 +37,10 @@ from lightning_diag.core.registry import (
     register,
     register_setting,
 )
+from lightning_diag.core.tags import family_tag
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import Check, LoggedRun, measure, replay, run_setting
 
 __all__ = [
     "DATA_LEAKAGE",
@@ -368,3 +370,71 @@ class DataRules(Rule):
             if key.startswith(f"{DATA_NONFINITE}:") and key not in seen:
                 self.latch.update(key, False)
         return out
+
+
+# -- the report's two Data rows --------------------------------------------------------------------------------
+# ``data_label_balance`` ("label distribution standard deviation < 0.1"): the latest ``diag/data/<split>/label_std``
+# of each split against ``label_imbalance``; ``data_train_test_overlap`` ("train/test Jaccard similarity < 0.15"):
+# the latest ``diag/data/leaked_fraction`` (the Jaccard containment of the validation set in the training set,
+# docs/data_diagnostics.md) against ``data_leakage``. Both are replayed with :class:`DataRules`.
+
+_SPLITS = ("train", "val")
+
+
+def _latest(run: LoggedRun, *parts: str) -> tuple[int, float] | None:
+    points = [(s, v) for s, v in run.scalars.get(family_tag("data", *parts), []) if math.isfinite(v)]
+    return points[-1] if points else None
+
+
+def _label_std(run: LoggedRun) -> dict[str, tuple[int, float]]:
+    return {split: p for split in _SPLITS if (p := _latest(run, split, "label_std")) is not None}
+
+
+@measure("data_label_balance")
+def _measure_label_balance(run: LoggedRun, check: Check) -> bool:
+    limit = run_setting(run, LABEL_IMBALANCE)
+    check.threshold = f"std of class proportions <= {limit:.3g}"
+    check.threshold_value = {"value": limit}
+    stds = _label_std(run)
+    if stds:
+        check.measured = "std of class proportions: " + ", ".join(f"{k} {v:.3g}" for k, (_, v) in stds.items())
+        check.measured_value = {k: v for k, (_, v) in stds.items()}
+    return bool(stds)
+
+
+@measure("data_train_test_overlap")
+def _measure_overlap(run: LoggedRun, check: Check) -> bool:
+    limit = run_setting(run, DATA_LEAKAGE)
+    check.threshold = f"share of validation samples copying a training sample < {limit:.3g}"
+    check.threshold_value = {"value": limit}
+    leaked = _latest(run, "leaked_fraction")
+    if leaked is not None:
+        extra = [
+            (name, p[1]) for name in ("exact_copies", "near_copies", "train_coverage") if (p := _latest(run, name))
+        ]
+        check.measured = f"{leaked[1]:.1%} of validation samples" + (
+            " (" + ", ".join(f"{n.replace('_', ' ')} {v:.1%}" for n, v in extra) + ")" if extra else ""
+        )
+        check.measured_value = {"value": leaked[1], **dict(extra)}
+    return leaked is not None
+
+
+@replay("data_label_balance")
+def _replay_label_balance(run: LoggedRun) -> list[Alert]:
+    stds = _label_std(run)
+    if not stds:
+        return []
+    step = max(s for s, _ in stds.values())
+    m = DataMeasurement(label_std={k: v for k, (_, v) in stds.items()})
+    rules = DataRules.from_settings(run.thresholds)
+    return [a for a in rules.judge(StepContext(0, step), Measures(data=m)) if a.rule == LABEL_IMBALANCE]
+
+
+@replay("data_train_test_overlap")
+def _replay_overlap(run: LoggedRun) -> list[Alert]:
+    leaked = _latest(run, "leaked_fraction")
+    if leaked is None:
+        return []
+    m = DataMeasurement(leaked_fraction=leaked[1], leaked=1 if leaked[1] > 0 else 0)
+    rules = DataRules.from_settings(run.thresholds)
+    return [a for a in rules.judge(StepContext(0, leaked[0]), Measures(data=m)) if a.rule == DATA_LEAKAGE]

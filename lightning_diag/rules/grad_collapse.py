@@ -16,6 +16,7 @@ still learning), so a converged run's ``info`` does not count.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Mapping
@@ -23,10 +24,22 @@ from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, FRACTION, CheckSpec, RuleSpec, default, register
+from lightning_diag.core.tags import grad_blocks_tag, grad_total_tag, loss_tag
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.grad_settings import DEFAULT_GRAD_PATIENCE
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import (
+    Check,
+    LoggedRun,
+    finite_values,
+    fmt,
+    measure,
+    replay,
+    run_setting,
+    run_threshold,
+    updates_by_step,
+)
 
 __all__ = [
     "DEFAULT_COLLAPSE_BASELINE_MEASUREMENTS",
@@ -220,3 +233,41 @@ class GradCollapseRule(Rule):
                 severity=Severity.INFO if kind == "converged" else None,
             )
         ]
+
+
+# -- the report's grad_collapse row ----------------------------------------------------------------------------
+
+
+@measure(GRAD_COLLAPSE)
+def _measure_grad_collapse(run: LoggedRun, check: Check) -> bool:
+    ratio = run_threshold(run, GRAD_COLLAPSE)
+    n = int(run_setting(run, GRAD_COLLAPSE_BASELINE_KEY))
+    check.threshold = f"norm / baseline >= {fmt(ratio)}" if ratio is not None else "not logged"
+    check.threshold_value = {"value": ratio} if ratio is not None else {}
+    series = run.scalars.get(grad_blocks_tag()) or run.scalars.get(grad_total_tag(), [])
+    totals = [v for v in finite_values(series) if v >= 0]
+    if len(totals) > n:
+        baseline = statistics.median(totals[:n])
+        lowest = min(totals[n:]) / baseline if baseline > 0 else math.nan
+        check.measured = f"lowest norm / baseline {fmt(lowest)} (baseline {fmt(baseline)})"
+        check.measured_value = {"min": lowest, "baseline": baseline}
+        return True
+    if totals:
+        check.add_note(f"needs more than {n} measurements of the blocks' norm, the run has {len(totals)}")
+    return False
+
+
+@replay(GRAD_COLLAPSE)
+def _replay_grad_collapse(run: LoggedRun) -> list[Alert]:
+    rule = GradCollapseRule.from_settings(run.thresholds)
+    losses = sorted(run.scalars.get(loss_tag("train_step"), []))
+    steps = [step for step, _ in losses]
+    updates = updates_by_step(run)
+    alerts: list[Alert] = []
+    for step, norm in run.scalars.get(grad_blocks_tag(), []):
+        # the training loss of the measured step, or the last one logged before it (a logger's own cadence)
+        at = bisect.bisect_right(steps, step) - 1
+        alerts += rule.judge(StepContext(0, step), Measures(grad_norm=norm, loss=losses[at][1] if at >= 0 else None))
+        if step in updates:
+            rule.observe_updates(updates[step])
+    return alerts

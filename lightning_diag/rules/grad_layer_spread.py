@@ -21,7 +21,20 @@ from lightning_diag.core.registry import CheckSpec, Limit, RuleSpec, default, re
 from lightning_diag.rules.base import OVERWHELMING, Latch, Rule, StepContext, excess
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.grad_settings import DEFAULT_GRAD_PATIENCE, DEFAULT_GRAD_WARMUP_STEPS, GRAD_WARMUP_SETTING
+from lightning_diag.rules.layer_roles import role_of
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import (
+    Check,
+    LoggedRun,
+    fmt,
+    layer_series,
+    measure,
+    per_layer_series,
+    replay,
+    run_threshold,
+    updates_by_step,
+    values_by_step,
+)
 
 __all__ = [
     "DEFAULT_LAYER_SPREAD_THRESHOLD",
@@ -153,3 +166,45 @@ class GradSpreadRule(Rule):
                 threshold=self.spread_ratio,
             )
         ]
+
+
+# -- the report's grad_spread row ------------------------------------------------------------------------------
+
+
+@measure("grad_spread")
+def _measure_grad_spread(run: LoggedRun, check: Check) -> bool:
+    ratio = run_threshold(run, GRAD_LAYER_SPREAD)
+    check.threshold = f"largest / smallest <= {fmt(ratio)}" if ratio is not None else "not logged"
+    check.threshold_value = {"value": ratio} if ratio is not None else {}
+    spreads = []
+    for values in values_by_step(layer_series(run, "grad_relative").items()).values():
+        roles: dict[str, list[float]] = {}
+        for layer, v in values.items():
+            if math.isfinite(v) and v > 0:
+                roles.setdefault(role_of(layer), []).append(v)
+        spreads += [max(vs) / min(vs) for vs in roles.values() if len(vs) > 1]
+    what = "||g||/||W|| within a role"
+    if not spreads:  # a run logged before the scale-free tags: raw layer norms, for information
+        what = "layer L2 norm"
+        spreads = [
+            max(vs) / min(vs)
+            for norms in values_by_step(per_layer_series(run).items()).values()
+            if len(vs := [v for v in norms.values() if math.isfinite(v) and v > 0]) > 1
+        ]
+    if spreads:
+        check.measured = f"largest / smallest {what} up to {fmt(max(spreads))}"
+        check.measured_value = {"max": max(spreads)}
+    return bool(spreads)
+
+
+@replay("grad_spread")
+def _replay_grad_spread(run: LoggedRun) -> list[Alert]:
+    rule = GradSpreadRule.from_settings(run.thresholds)
+    updates = updates_by_step(run)
+    alerts: list[Alert] = []
+    for step, values in values_by_step(layer_series(run, "grad_relative").items()).items():
+        grads = Measures(grad_relative=values, layer_roles={layer: role_of(layer) for layer in values})
+        alerts += rule.judge(StepContext(0, step), grads)
+        if step in updates:
+            rule.observe_updates(updates[step])
+    return alerts

@@ -41,16 +41,29 @@ values are AnomalyAlarm's business and are skipped.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import POSITIVE, CheckSpec, Limit, RuleSpec, default, register
+from lightning_diag.core.registry import POSITIVE, RULES, CheckSpec, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import OVERWHELMING, Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.grad_settings import DEFAULT_GRAD_PATIENCE, DEFAULT_GRAD_WARMUP_STEPS, GRAD_WARMUP_SETTING
 from lightning_diag.rules.layer_roles import block_position, role_of
 from lightning_diag.rules.measures import Measure, Measures, WeightNorms
+from lightning_diag.rules.rows import (
+    Check,
+    LoggedRun,
+    band_threshold,
+    finite_values,
+    fmt,
+    layer_series,
+    measure,
+    per_layer_series,
+    replay,
+    updates_by_step,
+    values_by_step,
+)
 
 __all__ = [
     "DEFAULT_EXPLODE_THRESHOLD",
@@ -503,3 +516,54 @@ class GradBandRule(Rule):
                     continue  # joins the event in progress
                 new[layer] = bad[layer]
         return new
+
+
+# -- the report's grad_norm_band row ---------------------------------------------------------------------------
+
+
+@measure("grad_norm_band")
+def _measure_grad_band(run: LoggedRun, check: Check) -> bool:
+    band_threshold(check, run, GRAD_VANISH, GRAD_EXPLODE)
+    check.threshold = "; ".join(RULES[r].describe(run.thresholds) for r in check.rules)
+    rms = [v for series in layer_series(run, "grad_rms").values() for v in finite_values(series)]
+    relative = [v for series in layer_series(run, "grad_relative").values() for v in finite_values(series)]
+    if rms or relative:  # the scale-free quantities the rules judge (issue 11)
+        parts = []
+        if rms:
+            parts.append(f"RMS gradient per element up to {fmt(max(rms))}")
+        if relative:
+            parts.append(f"||g||/||W|| of the matrices down to {fmt(min(relative))}")
+        check.measured = "; ".join(parts)
+        check.measured_value = {
+            k: v for k, v in (("max", max(rms, default=None)), ("min", min(relative, default=None))) if v is not None
+        }
+        return True
+    layers = per_layer_series(run)  # a run logged before the scale-free tags: raw L2 norms, for information
+    values = [v for series in layers.values() for v in finite_values(series)]
+    if values:
+        lo, hi = min(values), max(values)
+        check.measured = f"layer L2 norms {fmt(lo)} .. {fmt(hi)} over {len(layers)} layers (not what the rules judge)"
+        check.measured_value = {"min": lo, "max": hi}
+    return bool(values)
+
+
+def _blocks(layers: Iterable[str]) -> set[str] | None:
+    """The layers inside repeated blocks (an index in the name), or ``None`` (all) when there are none."""
+    inside = {layer for layer in layers if role_of(layer) != layer}
+    return inside or None
+
+
+@replay("grad_norm_band")
+def _replay_grad_band(run: LoggedRun) -> list[Alert]:
+    rule = GradBandRule.from_settings(run.thresholds)
+    rms = values_by_step(layer_series(run, "grad_rms").items())
+    relative = values_by_step(layer_series(run, "grad_relative").items())
+    blocks = _blocks(layer_series(run, "grad_relative"))
+    updates = updates_by_step(run)
+    alerts: list[Alert] = []
+    for step in sorted(set(rms) | set(relative)):
+        grads = Measures(grad_rms=rms.get(step, {}), grad_relative=relative.get(step), blocks=blocks)
+        alerts += rule.judge(StepContext(0, step), grads)
+        if step in updates:
+            rule.observe_updates(updates[step])
+    return alerts

@@ -31,9 +31,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import POSITIVE, Limit, RuleSpec, register
+from lightning_diag.core.registry import POSITIVE, Limit, RuleSpec, register, value_of
+from lightning_diag.core.tags import loss_tag
 from lightning_diag.rules.base import Latch, Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import Check, LoggedRun, measure
 
 __all__ = [
     "DEFAULT_LOSS_OUTLIER_RATIO",
@@ -437,3 +439,20 @@ class LossOutlierRule(Rule):
             threshold=self.threshold,
         )
         return [alert]
+
+
+# -- the report's loss_outlier row (an "Other" row: the rule has no check) -------------------------------------
+
+
+@measure(LOSS_OUTLIER)
+def _loss_outlier_measured(run: LoggedRun, check: Check) -> bool:
+    """``loss_outlier`` judges a step only after ``window / 4`` steps of history."""
+    if LOSS_OUTLIER not in run.thresholds:
+        return False
+    need = loss_outlier_min_history(int(value_of(run.thresholds, LOSS_OUTLIER_WINDOW_KEY)))
+    steps = [step for step, _ in run.scalars.get(loss_tag("train_step"), [])]
+    if steps and max(steps) >= need:
+        return True
+    logged = f"the training loss was logged to step {max(steps)}" if steps else "no training loss was logged"
+    check.add_note(f"{logged}; the check needs {need} steps of history before it judges a step")
+    return False

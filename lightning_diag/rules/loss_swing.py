@@ -27,8 +27,11 @@ from typing import Any
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, CheckSpec, Limit, RuleSpec, default, register
+from lightning_diag.core.tags import loss_tag
 from lightning_diag.rules.base import Latch, Rule, StepContext
+from lightning_diag.rules.loss_stagnant import STAGNANT_BASELINE_STEPS_KEY
 from lightning_diag.rules.measures import LossWindow, Measure, Measures, Validation
+from lightning_diag.rules.rows import Check, LoggedRun, Series, finite_values, fmt, measure, replay, run_threshold
 from lightning_diag.stats.trend import relative_change
 
 __all__ = [
@@ -461,3 +464,61 @@ class LossSwingRule(Rule):
                 threshold=self.threshold,
             )
         ]
+
+
+# -- the report's loss_swing row -------------------------------------------------------------------------------
+
+
+@measure(LOSS_SWING)
+def _measure_loss_swing(run: LoggedRun, check: Check) -> bool:
+    threshold = run_threshold(run, LOSS_SWING)
+    patience = run_threshold(run, LOSS_SWING_PATIENCE_KEY)
+    check.threshold = (
+        f"rise > {fmt(threshold * 100)}% on {int(patience) if patience else '?'} consecutive points"
+        if threshold is not None
+        else "not logged"
+    )
+    check.threshold_value = {"value": threshold} if threshold is not None else {}
+    if patience:
+        check.threshold_value["patience"] = patience
+    swings = finite_values(run.scalars.get(loss_tag("swing"), []))
+    if swings:
+        check.measured = f"relative change of the mean loss {min(swings):+.1%} .. {max(swings):+.1%}"
+        check.measured_value = {"max": max(swings), "min": min(swings)}
+    elif run.scalars.get(loss_tag("train_epoch")):
+        check.add_note("needs at least two epochs (or step windows) of training loss")
+    return bool(swings)
+
+
+def _loss_points(run: LoggedRun) -> Series:
+    return run.scalars.get(loss_tag("train_epoch")) or run.scalars.get(loss_tag("train_window")) or []
+
+
+@replay(LOSS_SWING)
+def _replay_loss_swing(run: LoggedRun) -> list[Alert]:
+    rule = LossSwingRule.from_settings(run.thresholds)
+    alerts: list[Alert] = []
+    spread = dict(run.scalars.get(loss_tag("train_spread"), []))
+    previous = 0
+    for step, v in _loss_points(run):
+        sd = spread.get(step)  # the step losses' spread (a run from before it was logged: pooled from the points)
+        variance = sd * sd if sd is not None and math.isfinite(sd) else None
+        window = LossWindow(v, steps=max(step - previous, 1), variance=variance)
+        alerts += rule.judge(StepContext(0, step), Measures(loss_window=window))
+        previous = step
+    # the validation view, where the run logged the standard errors it judged the validation loss with (a run from
+    # before them is replayed on the training points alone, as it was judged)
+    se = dict(run.scalars.get(loss_tag("val_se"), []))
+    if se:
+        monitor = run.mapping.get("val_loss", "val_loss")
+        # the scale a rise must end above: the untrained model's loss, from the first logged training losses (the
+        # alarm takes the mean of the first steps, of which the logging steps are a sample)
+        baseline = int(run_threshold(run, STAGNANT_BASELINE_STEPS_KEY) or 1)
+        logged = [v for _, v in run.scalars.get(loss_tag("train_step"), []) if math.isfinite(v)]
+        early = [v for step, v in run.scalars.get(loss_tag("train_step"), []) if step < baseline and math.isfinite(v)]
+        sample = early or logged[:1]
+        scale = sum(sample) / len(sample) if sample else None
+        for step, v in run.scalars.get(loss_tag("val"), []):
+            judged = Validation(v, noise_se=se.get(step), baseline=scale, metric=monitor)
+            alerts += rule.judge(StepContext(0, step), Measures(validation=judged))
+    return sorted(alerts, key=lambda a: a.global_step)

@@ -31,9 +31,10 @@ import math
 from typing import Any
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, FRACTION, CheckSpec, RuleSpec, register
+from lightning_diag.core.registry import COUNT, FRACTION, RULES, CheckSpec, RuleSpec, register
 from lightning_diag.rules.base import Latch, Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import Check, LoggedRun, fmt, measure, run_setting, serious_alerts
 
 __all__ = [
     "DEFAULT_OUTPUT_COLLAPSE_PATIENCE",
@@ -188,3 +189,23 @@ class OutputCollapseRule(Rule):
                 threshold=self.threshold,
             )
         ]
+
+
+# -- the report's outputs_vary row -----------------------------------------------------------------------------
+# ``output_collapse`` logs no series (its spread is judged on sampled steps only): the row shows the alert's value,
+# or says the rule was judged without a logged value. Nothing is replayed.
+
+
+@measure("outputs_vary")
+def _measure_output_spread(run: LoggedRun, check: Check) -> bool:
+    check.threshold = RULES[OUTPUT_COLLAPSE].describe(run.thresholds)
+    check.threshold_value = {"value": run_setting(run, OUTPUT_COLLAPSE)}
+    alerts = serious_alerts(run.alerts, (OUTPUT_COLLAPSE,))
+    if alerts:
+        last = alerts[-1]
+        value = fmt(last.value) if last.value is not None else "-"
+        check.measured = f"outputs' spread {value} of their level at step {last.global_step} (`{last.source}`)"
+    measured = OUTPUT_COLLAPSE in run.thresholds
+    if measured and not alerts:
+        check.add_note("judged on AnomalyAlarm's sampled steps; the spread is not logged as a series")
+    return measured

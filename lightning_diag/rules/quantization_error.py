@@ -10,9 +10,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import POSITIVE, CheckSpec, Limit, RuleSpec, register
+from lightning_diag.core.registry import POSITIVE, RULES, CheckSpec, Limit, RuleSpec, register
+from lightning_diag.core.tags import quant_layer, quant_tag
 from lightning_diag.rules.base import Rule, StepContext
-from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.measures import Measure, Measures, QuantizationReading
+from lightning_diag.rules.rows import Check, LoggedRun, finite_values, fmt, measure, replay, run_setting
 
 __all__ = [
     "CHANGE_SIGNIFICANCE",
@@ -206,3 +208,52 @@ def _above_a_jump(ascending: Sequence[float], jump: float) -> float:
         if high > 0 and high >= jump * low:
             return float(high)
     return math.inf
+
+
+# -- the report's deploy_quantization_error row (QuantizationProbe's ``diag/quant/...``) ------------------------
+
+
+def _quant_layers(run: LoggedRun, measure_name: str) -> dict[int, dict[str, float]]:
+    by_step: dict[int, dict[str, float]] = {}
+    for name, points in run.scalars.items():
+        parsed = quant_layer(name)
+        if parsed is not None and parsed[1] == measure_name:
+            for step, value in points:
+                by_step.setdefault(step, {})[parsed[0]] = value
+    return by_step
+
+
+@measure("deploy_quantization_error")
+def _measure_quantization(run: LoggedRun, check: Check) -> bool:
+    check.threshold = RULES[QUANTIZATION_ERROR].describe(run.thresholds)
+    check.threshold_value = {
+        "value": run_setting(run, QUANTIZATION_ERROR),
+        "layer_ratio": run_setting(run, QUANTIZATION_LAYER_RATIO_KEY),
+    }
+    errors = finite_values(run.scalars.get(quant_tag("end_to_end"), []))
+    if not errors:
+        return False
+    ratios = finite_values(run.scalars.get(quant_tag("worst_layer_ratio"), []))
+    check.measured = f"INT8 end-to-end loss change up to {max(errors):.2%} (last {errors[-1]:.2%})"
+    check.measured_value = {"max": max(errors), "last": errors[-1]}
+    if ratios:
+        check.measured += f"; worst layer up to {fmt(max(ratios))}x the median layer's output MSE"
+        check.measured_value["worst_layer_ratio"] = max(ratios)
+    return True
+
+
+@replay("deploy_quantization_error")
+def _replay_quantization(run: LoggedRun) -> list[Alert]:
+    rule = QuantizationErrorRule.from_settings(run.thresholds)
+    layers = _quant_layers(run, "relative_mse")
+    per_channel = _quant_layers(run, "relative_mse_per_channel")
+    noise = dict(run.scalars.get(quant_tag("change_noise"), []))
+    alerts: list[Alert] = []
+    for step, value in run.scalars.get(quant_tag("end_to_end"), []):
+        end_to_end = value if math.isfinite(value) else None
+        ctx = StepContext(0, step)
+        reading = QuantizationReading(
+            end_to_end, layers.get(step, {}), per_channel.get(step, {}), change_noise=noise.get(step, math.nan)
+        )
+        alerts += rule.judge(ctx, Measures(quantization=reading))
+    return alerts

@@ -19,9 +19,11 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from lightning_diag.core.record import Alert, Severity
-from lightning_diag.core.registry import COUNT, CheckSpec, RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, RULES, CheckSpec, RuleSpec, default, register
+from lightning_diag.core.tags import replicas_tag
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures, ReplicaDifferences
+from lightning_diag.rules.rows import Check, LoggedRun, finite_values, fmt, measure, run_setting
 
 __all__ = [
     "DDP_DESYNC",
@@ -222,3 +224,20 @@ class DesyncRule(Rule):
                 threshold=self.tolerance,
             )
         ]
+
+
+# -- the report's replicas_agree row ---------------------------------------------------------------------------
+# AnomalyAlarm's ``diag/replicas/...``. The row passes or fails on ``ddp_desync``'s alerts, which need every rank's
+# checksums (not in the series), so nothing is replayed.
+
+
+@measure("replicas_agree")
+def _measure_replicas(run: LoggedRun, check: Check) -> bool:
+    check.threshold = RULES[DDP_DESYNC].describe(run.thresholds)
+    check.threshold_value = {"value": run_setting(run, DDP_DESYNC)}
+    diffs = finite_values(run.scalars.get(replicas_tag("max_rel_diff"), []))
+    if not diffs:
+        return False
+    check.measured = f"largest relative checksum difference across ranks {fmt(max(diffs))} over {len(diffs)} checks"
+    check.measured_value = {"max": max(diffs), "checks": float(len(diffs))}
+    return True

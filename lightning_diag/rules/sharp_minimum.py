@@ -8,9 +8,11 @@ import math
 from typing import Any
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, POSITIVE, CheckSpec, RuleSpec, register
+from lightning_diag.core.registry import COUNT, POSITIVE, RULES, CheckSpec, RuleSpec, register
+from lightning_diag.core.tags import sharpness_tag
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
-from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.measures import Measure, Measures, SharpnessReading
+from lightning_diag.rules.rows import Check, LoggedRun, finite_values, fmt, measure, replay, run_setting
 
 __all__ = [
     "DEFAULT_SHARP_MINIMUM_PATIENCE",
@@ -113,3 +115,32 @@ class SharpMinimumRule(Rule):
             "late in training, weight decay, or a larger batch-noise scale"
         )
         return [self._alert(ctx, message, "model", gap, self.threshold)]
+
+
+# -- the report's loss_surface row (SharpnessProbe's ``diag/sharpness/...``) -------------------------------------
+
+
+@measure("loss_surface")
+def _measure_loss_surface(run: LoggedRun, check: Check) -> bool:
+    check.threshold = RULES[SHARP_MINIMUM].describe(run.thresholds)
+    check.threshold_value = {
+        "value": run_setting(run, SHARP_MINIMUM),
+        "patience": run_setting(run, SHARP_MINIMUM_PATIENCE_KEY),
+    }
+    gaps = finite_values(run.scalars.get(sharpness_tag("gap"), []))
+    if not gaps:
+        return False
+    relative = finite_values(run.scalars.get(sharpness_tag("relative_gap"), []))
+    check.measured = f"SAM gap {fmt(min(gaps))} .. {fmt(max(gaps))} over {len(gaps)} probes (last {fmt(gaps[-1])}"
+    check.measured += f", {relative[-1]:.0%} of the loss)" if relative else ")"
+    check.measured_value = {"min": min(gaps), "max": max(gaps), "last": gaps[-1]}
+    return True
+
+
+@replay("loss_surface")
+def _replay_loss_surface(run: LoggedRun) -> list[Alert]:
+    rule = SharpMinimumRule.from_settings(run.thresholds)
+    alerts: list[Alert] = []
+    for step, gap in run.scalars.get(sharpness_tag("gap"), []):
+        alerts += rule.judge(StepContext(0, step), Measures(sharpness=SharpnessReading(gap)))
+    return alerts

@@ -29,9 +29,11 @@ from lightning_diag.core.registry import (
     default,
     register,
 )
+from lightning_diag.core.tags import family_tag
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.rules.contention import contended, contention_note, judged_once
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import Check, LoggedRun, finite_values, fmt, measure, run_threshold
 from lightning_diag.stats.timing import block_fluctuation
 
 __all__ = [
@@ -162,3 +164,21 @@ class StepFluctuationRule(Rule):
                 self.threshold,
             )
         ]
+
+
+# -- the report's deploy_latency_fluctuation row ---------------------------------------------------------------
+
+
+@measure("deploy_latency_fluctuation")
+def _measure_latency(run: LoggedRun, check: Check) -> bool:
+    # SystemMonitor's step-time fluctuation (relative MAD of block medians), judged by its rule's patience
+    values = finite_values(run.scalars.get(family_tag("system", STEP_TIME_FLUCTUATION), []))
+    limit = run_threshold(run, STEP_TIME_FLUCTUATION)
+    check.threshold = f"step-time fluctuation <= {fmt(limit)}" if limit is not None else "not logged"
+    check.threshold_value = {"value": limit} if limit is not None else {}
+    if values:
+        check.measured = f"step-time fluctuation up to {fmt(max(values))} (last {fmt(values[-1])})"
+        check.measured_value = {"max": max(values), "last": values[-1]}
+        if limit is not None and max(values) > limit:
+            check.add_note(f"above the threshold on fewer consecutive checks than {STEP_TIME_FLUCTUATION}'s patience")
+    return bool(values)

@@ -34,10 +34,12 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import FRACTION, POSITIVE, CheckSpec, RuleSpec, default, register
+from lightning_diag.core.registry import FRACTION, POSITIVE, RULES, CheckSpec, RuleSpec, default, register
+from lightning_diag.core.tags import update_ratio_tag
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import Check, LoggedRun, finite_family, fmt, measure, run_setting, worst_point
 from lightning_diag.stats.trend import theil_sen_slope
 
 __all__ = [
@@ -186,3 +188,31 @@ class UpdateSizeRule(Rule):
                 threshold=self.threshold,
             )
         ]
+
+
+# -- the report's update_size row ------------------------------------------------------------------------------
+# GradientFlowMonitor's ``diag/update_ratio/<layer>``. The row passes or fails on the rule's alerts: the rule also
+# judges the measurements since the start, which the series do not hold, so nothing is replayed.
+
+
+@measure("update_size")
+def _measure_update_size(run: LoggedRun, check: Check) -> bool:
+    check.threshold = RULES[UPDATE_TOO_SMALL].describe(run.thresholds)
+    check.threshold_value = {"value": run_setting(run, UPDATE_TOO_SMALL)}
+    ratios = finite_family(run, update_ratio_tag)
+    by_step: dict[int, list[float]] = {}
+    for points in ratios.values():
+        for step, value in points:
+            by_step.setdefault(step, []).append(value)
+    if not by_step:
+        return False
+    medians = {step: statistics.median(values) for step, values in sorted(by_step.items())}
+    low_step = min(medians, key=medians.__getitem__)
+    last_step = max(medians)
+    layer, step, lowest = worst_point(ratios, lowest=True)
+    check.measured = (
+        f"lowest median ||ΔW||/||W|| over layers {fmt(medians[low_step])} (step {low_step}), {fmt(medians[last_step])}"
+        f" at the last of {len(medians)} measurements; lowest layer {fmt(lowest)} (`{layer}`, step {step})"
+    )
+    check.measured_value = {"min_median": medians[low_step], "last_median": medians[last_step], "min_layer": lowest}
+    return True

@@ -35,11 +35,13 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import COUNT, FRACTION, STEPS, CheckSpec, Limit, RuleSpec, default, register
+from lightning_diag.core.registry import COUNT, FRACTION, RULES, STEPS, CheckSpec, Limit, RuleSpec, default, register
+from lightning_diag.core.tags import updates_layer
 from lightning_diag.rules.base import Rule, StepContext, excess, list_names, name_layers
 from lightning_diag.rules.grad_frozen import GRADIENT_FLOW
 from lightning_diag.rules.loss_windows import LossWindows
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import Check, LoggedRun, finite_values, measure, run_setting
 
 __all__ = [
     "DEFAULT_STALE_CERTAIN",
@@ -273,3 +275,31 @@ class UpdateRule(Rule):
             if self.latch.update(key, held):
                 new.append(layer)
         return new
+
+
+# -- the report's updates_applied row --------------------------------------------------------------------------
+# GradientFlowMonitor's ``diag/updates/<layer>``. The row passes or fails on the rules' alerts, which need what the
+# series do not hold (parameter dtypes, optimizer membership), so nothing is replayed.
+
+
+@measure("updates_applied")
+def _measure_updates(run: LoggedRun, check: Check) -> bool:
+    check.threshold = RULES[UPDATE_STALE].describe(run.thresholds)
+    check.threshold_value = {"stale_fraction": run_setting(run, UPDATE_STALE)}
+    worst: dict[str, float] = {}
+    measurements = 0
+    for name, points in run.scalars.items():
+        layer = updates_layer(name)
+        values = finite_values(points) if layer is not None else []
+        if values:
+            worst[layer] = max(values)  # type: ignore[index]
+            measurements = max(measurements, len(values))
+    if not worst:
+        return False
+    top = max(worst, key=worst.__getitem__)
+    check.measured = (
+        f"largest share of sampled elements left unchanged by a step: {worst[top]:.1%} (`{top}`), over "
+        f"{len(worst)} layers and {measurements} measured steps"
+    )
+    check.measured_value = {"max": worst[top], "layers": float(len(worst))}
+    return True

@@ -11,14 +11,17 @@ worsening of the streak is more than ``z`` standard errors of that difference.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, STEPS, CheckSpec, RuleSpec, default, register
+from lightning_diag.core.tags import loss_tag
 from lightning_diag.rules.base import Latch, Rule, StepContext
-from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.measures import Measure, Measures, Validation
+from lightning_diag.rules.rows import Check, LoggedRun, finite_values, measure, replay, run_threshold
 
 __all__ = [
     "DEFAULT_VAL_DECLINE_MIN_DELTA",
@@ -187,3 +190,36 @@ class ValDeclineRule(Rule):
                 threshold=float(self.patience),
             )
         ]
+
+
+# -- the report's val_decline row ------------------------------------------------------------------------------
+
+
+@measure(VAL_DECLINE)
+def _measure_val_decline(run: LoggedRun, check: Check) -> bool:
+    patience = run_threshold(run, VAL_DECLINE)
+    min_delta = run_threshold(run, VAL_DECLINE_MIN_DELTA_KEY) or 0.0
+    higher = bool(run_threshold(run, VAL_DECLINE_HIGHER_IS_BETTER_KEY))
+    check.threshold = f"fewer than {int(patience)} consecutive worse runs" if patience is not None else "not logged"
+    check.threshold_value = {"value": patience} if patience is not None else {}
+    values = finite_values(run.scalars.get(loss_tag("val"), []))
+    longest = streak = 0
+    for prev, cur in itertools.pairwise(values):
+        worse = (cur < prev - min_delta) if higher else (cur > prev + min_delta)
+        streak = streak + 1 if worse else 0
+        longest = max(longest, streak)
+    if values:
+        check.measured = f"longest run of worse validations: {longest} (of {len(values)} validations)"
+        check.measured_value = {"max": float(longest)}
+    return bool(values)
+
+
+@replay(VAL_DECLINE)
+def _replay_val_decline(run: LoggedRun) -> list[Alert]:
+    mode: Literal["min", "max"] = "max" if run_threshold(run, VAL_DECLINE_HIGHER_IS_BETTER_KEY) else "min"
+    rule = ValDeclineRule.from_settings(run.thresholds, mode=mode)
+    alerts: list[Alert] = []
+    for step, v in run.scalars.get(loss_tag("val"), []):
+        if math.isfinite(v):
+            alerts += rule.judge(StepContext(0, step), Measures(validation=Validation(v)))
+    return alerts

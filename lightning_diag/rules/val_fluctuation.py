@@ -24,12 +24,14 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import POSITIVE, STEPS, CheckSpec, Limit, RuleSpec, default, register
+from lightning_diag.core.tags import LossSeries, loss_tag
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.rows import Check, LoggedRun, fmt, measure, run_threshold
 from lightning_diag.stats.trend import fluctuation
 
 __all__ = [
@@ -274,3 +276,26 @@ class ValFluctuationRule(Rule):
                 threshold=self.ratio,
             )
         ]
+
+
+# -- the report's val_fluctuation row (it compares the two fluctuations the alarm logged; nothing is replayed) ---
+
+
+@measure(VAL_FLUCTUATION)
+def _measure_val_fluctuation(run: LoggedRun, check: Check) -> bool:
+    ratio = run_threshold(run, VAL_FLUCTUATION)
+    check.threshold = f"val / train fluctuation <= {fmt(ratio)}" if ratio is not None else "not logged"
+    check.threshold_value = {"value": ratio} if ratio is not None else {}
+    train = dict(run.scalars.get(loss_tag("train_fluctuation"), []))
+    ratios = [
+        v / train[s]
+        for s, v in run.scalars.get(loss_tag(cast(LossSeries, VAL_FLUCTUATION)), [])
+        if s in train and train[s] > 0 and math.isfinite(v / train[s])
+    ]
+    if ratios:
+        check.measured = f"val / train fluctuation up to {fmt(max(ratios))}"
+        check.measured_value = {"max": max(ratios)}
+    elif run.scalars.get(loss_tag("val")):
+        window = run_threshold(run, VAL_FLUCTUATION_WINDOW_KEY)
+        check.add_note(f"needs {int(window) if window else 'more'} validation runs")
+    return bool(ratios)

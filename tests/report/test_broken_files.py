@@ -222,7 +222,7 @@ def test_compare_json_is_valid_json_without_nan(tmp_path, capsys):
 
 
 def test_a_check_the_logged_values_break_is_one_row_not_the_report(tmp_path, capsys, monkeypatch):
-    from lightning_diag.report.rows import MEASURES
+    from lightning_diag.rules.rows import MEASURES
 
     def broken(run, check):
         raise ZeroDivisionError("hostile values")
