@@ -161,7 +161,7 @@ class AnomalyAlarm(QuietLossKeeping):
         loss_sums: The training-loss sums of the open periods, with declared (SUM) reductions.
         swing_rule, stagnant_rule, val_decline_rule, val_fluctuation_rule: The loss and validation trend rules.
 
-    Its checkpoint state is what it declares (``add_rule``/``add_state``, saved by
+    Its checkpoint state is what it declares (its :attr:`preset` and ``add_rule``/``add_state``, saved by
     :meth:`DiagCallback.state_dict`): the rules above and the run-time checks' rules, the loss sums
     (``accumulators``), the policy (``nonfinite``), warn mode's pending findings (``pending_nonfinite``), the
     rollback count (``rollback``), the replica and train-mode checks, and the losses ``loss_outlier`` has not

@@ -2,8 +2,8 @@
 
 A :class:`~lightning_diag.callbacks.anomaly_alarm.sampled_check.SampledCheck` (the sampling, the hooks' removal) over
 :class:`~lightning_diag.instrument.output_watch.OutputSpreadWatch` (the measurement) and
-:class:`~lightning_diag.rules.output_collapse.OutputCollapseRule` (the judgment, declared on the owner by
-:class:`~lightning_diag.callbacks.anomaly_alarm.runtime_checks.RuntimeChecks`).
+:class:`~lightning_diag.rules.output_collapse.OutputCollapseRule` (the judgment, a detector of
+:class:`~lightning_diag.AnomalyAlarm`'s preset).
 
 Where the outputs come from: a Lightning step has no notion of "the model's output", so the check takes the
 ``LightningModule``'s own forward output (``self(x)`` in ``training_step``; a mapping's ``logits`` / ``preds``
@@ -25,17 +25,15 @@ from lightning_diag.instrument.output_watch import OutputSpreadWatch
 from lightning_diag.rules.measures import Measures, OutputSpread
 from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OutputCollapseRule, relative_spread
 
-__all__ = ["RULE_ATTRIBUTE", "OutputCollapseCheck"]
+__all__ = ["OutputCollapseCheck"]
 
-#: The owner's attribute holding ``output_collapse``'s rule (declared with ``add_rule`` by ``RuntimeChecks``).
-RULE_ATTRIBUTE = "collapse_rule"
 
 
 class OutputCollapseCheck(SampledCheck[OutputSpreadWatch, OutputCollapseRule]):
     """Watches the model's output on sampled steps; feeds the owner's rule."""
 
     rule_id = OUTPUT_COLLAPSE
-    rule_attribute = RULE_ATTRIBUTE
+    rule_class = OutputCollapseRule
 
     def new_watch(self, pl_module: pl.LightningModule) -> OutputSpreadWatch:
         """The watch of the ``LightningModule``'s output and its direct children's."""

@@ -2,8 +2,9 @@
 evaluation, mixed precision not applied, per-step loss outliers, and components evaluated before training.
 
 A thin adapter over the rules (one module each in :mod:`lightning_diag.rules`, named after the rule id) and
-:mod:`lightning_diag.instrument.runtime_probes` (the probes); the rules are declared on the owning callback
-(:meth:`~lightning_diag.callbacks.common.base.DiagCallback.add_rule`), so their state follows the declared path.
+:mod:`lightning_diag.instrument.runtime_probes` (the probes); the rules are detectors of the owning callback's preset
+(read with :meth:`~lightning_diag.callbacks.common.preset.DeclaredDetectors.detector`), so their state follows the
+declared path.
 
 Cost: the probes run on one training batch per fit (the first) and on the first batch of each validation run; per
 training step a reference to the 0-d loss the loss sums already keep is appended to a list (no kernel, no host

@@ -3,8 +3,7 @@
 
 On the first batch of a sampled optimizer step (the owner's logging interval) such a check installs its watch (forward
 hooks, :mod:`lightning_diag.instrument.output_watch`); at that batch's end it removes the watch, reads what the watch
-saw once, and judges it with the owner's rule (declared on the owner with ``add_rule`` by
-:class:`~lightning_diag.callbacks.anomaly_alarm.runtime_checks.RuntimeChecks`, rebuilt at each fit). A subclass says
+saw once, and judges it with the owner's rule (a detector of the owner's preset, rebuilt at each fit). A subclass says
 which rule, how to build its watch and how to turn what the watch saw into :class:`Measures`; the sampling, the
 switch-off and the hooks' removal are here. Other steps cost one integer comparison: the owner calls
 :meth:`SampledCheck.on_batch_start` from :attr:`SampledCheck.next_step` on.
@@ -49,12 +48,12 @@ class SampledCheck(abc.ABC, Generic[WatchT, RuleT]):
     """Installs a watch on sampled steps and feeds what it saw to the owner's rule.
 
     Subclasses set :attr:`rule_id` (the rule judged: switched off by the owner's ``rules=``, the check watches
-    nothing) and :attr:`rule_attribute` (the owner's attribute holding that rule), and implement :meth:`new_watch`
-    and :meth:`measure`.
+    nothing) and :attr:`rule_class` (that rule's class, a detector of the owner's preset), and implement
+    :meth:`new_watch` and :meth:`measure`.
     """
 
     rule_id: ClassVar[str]
-    rule_attribute: ClassVar[str]
+    rule_class: ClassVar[type[Rule]]
 
     def __init__(self, owner: DiagCallback) -> None:
         self.owner = owner
@@ -72,8 +71,7 @@ class SampledCheck(abc.ABC, Generic[WatchT, RuleT]):
     @property
     def rule(self) -> RuleT:
         """The owner's rule (rebuilt by the owner at each fit)."""
-        rule: RuleT = getattr(self.owner, self.rule_attribute)
-        return rule
+        return self.owner.detector(self.rule_class)  # type: ignore[return-value]
 
     @abc.abstractmethod
     def new_watch(self, pl_module: pl.LightningModule) -> WatchT:

@@ -2,8 +2,8 @@
 
 A :class:`~lightning_diag.callbacks.anomaly_alarm.sampled_check.SampledCheck` (the sampling, the hooks' removal) over
 :class:`~lightning_diag.instrument.output_watch.ZeroOutputWatch` (the measurement) and
-:class:`~lightning_diag.rules.zero_output.ZeroOutputRule` (the judgment, declared on the owner by
-:class:`~lightning_diag.callbacks.anomaly_alarm.runtime_checks.RuntimeChecks`).
+:class:`~lightning_diag.rules.zero_output.ZeroOutputRule` (the judgment, a detector of
+:class:`~lightning_diag.AnomalyAlarm`'s preset).
 
 Cost: on a sampled step (the owner's logging interval, the first micro-batch of the optimizer step) a forward hook on
 every module (installed for that batch) computes ``output.any()`` and ``(output < 0).any()`` per call on the device
@@ -23,17 +23,15 @@ from lightning_diag.instrument.output_watch import ZeroOutputWatch
 from lightning_diag.rules.measures import Measures, ZeroOutputs
 from lightning_diag.rules.zero_output import ZERO_OUTPUT, ZeroOutputRule
 
-__all__ = ["RULE_ATTRIBUTE", "ZeroOutputCheck"]
+__all__ = ["ZeroOutputCheck"]
 
-#: The owner's attribute holding ``zero_output``'s rule (declared with ``add_rule`` by ``RuntimeChecks``).
-RULE_ATTRIBUTE = "zero_rule"
 
 
 class ZeroOutputCheck(SampledCheck[ZeroOutputWatch, ZeroOutputRule]):
     """Installs the watch on sampled steps and feeds the owner's ``zero_rule``."""
 
     rule_id = ZERO_OUTPUT
-    rule_attribute = RULE_ATTRIBUTE
+    rule_class = ZeroOutputRule
 
     def new_watch(self, pl_module: pl.LightningModule) -> ZeroOutputWatch:
         """The watch of every module's output."""
