@@ -96,6 +96,7 @@ if rank == 0:
     out = {"got": squares.tolist(), "want": [float(t.pow(2).sum()) for t in full], "weights": weights.tolist(),
            "flag": flag.item()}
     json.dump(out, open(sys.argv[1] + "/out.json", "w"))
+dist.barrier()  # every rank is done before any tears its group down (gloo aborts a rank whose peer left early)
 dist.destroy_process_group()
 """
 
