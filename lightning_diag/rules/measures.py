@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.stats.timing import Series
 
 __all__ = [
+    "ALONGSIDE",
     "AmpLayers",
     "BatchSizes",
     "ErrorGroups",
@@ -56,6 +57,7 @@ __all__ = [
     "Validation",
     "WeightNorms",
     "ZeroOutputs",
+    "fed_by",
 ]
 
 
@@ -111,6 +113,29 @@ class Measure(str, enum.Enum):
     ERROR_GROUPS = "error_groups"
     REPLICA_DIFFERENCES = "replica_differences"
     ROLLBACK = "rollback"
+
+
+#: The measurements read alongside others (the step's loss, the layers' roles, the CPU's contention): a detector
+#: that needs nothing and names one of these as optional is not fed a :class:`Measures` that holds only these.
+ALONGSIDE: frozenset[Measure] = frozenset(
+    {Measure.LOSS, Measure.LAYER_ROLES, Measure.BLOCKS, Measure.PARAM_NAMES, Measure.INPUT_RMS, Measure.CPU_PRESSURE}
+)
+
+
+def fed_by(needs: frozenset[Measure], optional: frozenset[Measure], present: frozenset[Measure]) -> bool:
+    """Whether a detector that ``needs`` and reads ``optional`` measurements is judged on measures holding
+    ``present``: all it needs, or, where it needs none, one of its optional measurements that is not only read
+    alongside others (:data:`ALONGSIDE`).
+
+    Example:
+        >>> fed_by(frozenset({Measure.GRAD_NORM}), frozenset({Measure.LOSS}), frozenset({Measure.LOSS}))
+        False
+        >>> fed_by(frozenset(), frozenset({Measure.LOSS_WINDOW, Measure.VALIDATION}), frozenset({Measure.VALIDATION}))
+        True
+    """
+    if needs:
+        return needs <= present
+    return not (optional - ALONGSIDE).isdisjoint(present)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,6 +487,10 @@ class Measures:
     error_groups: ErrorGroups | None = None
     replica_differences: ReplicaDifferences | None = None
     rollback: Rollback | None = None
+
+    def present(self) -> frozenset[Measure]:
+        """The measurements this holds a value for."""
+        return frozenset(name for name in Measure if getattr(self, name.value) is not None)
 
     def missing(self, needs: Collection[Measure]) -> list[str]:
         """The names of the measurements of ``needs`` this holds no value for, sorted."""

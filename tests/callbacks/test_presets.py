@@ -147,3 +147,51 @@ def test_a_copied_callback_builds_from_its_own_attributes(copier) -> None:
     assert original.detector(ValDeclineRule).monitor == "val_acc"
     for entry in AnomalyAlarm.preset.detectors:
         assert getattr(copied, entry.attribute) is not getattr(original, entry.attribute)
+
+
+def test_feed_judges_the_detectors_the_measurements_feed_in_preset_order() -> None:
+    from lightning_diag.rules.base import StepContext
+    from lightning_diag.rules.grad_collapse import GradCollapseRule
+    from lightning_diag.rules.grad_layer_spread import GradSpreadRule
+    from lightning_diag.rules.measures import Measures
+
+    monitor = GradientFlowMonitor()
+    called: list[str] = []
+    for entry in GradientFlowMonitor.preset.detectors:
+        rule = getattr(monitor, entry.attribute)
+        judge = rule.judge
+
+        def spy(ctx, m, _judge=judge, _name=entry.rule.__name__):
+            called.append(_name)
+            return _judge(ctx, m)
+
+        rule.judge = spy  # the test's own detector instances
+    ctx = StepContext(epoch=0, global_step=5)
+    # the step's loss alone feeds nobody: it is read alongside other measurements
+    assert monitor.feed(ctx, Measures(loss=1.0)) == []
+    assert called == []
+    # the global gradient norm feeds the collapse rule only
+    monitor.feed(ctx, Measures(grad_norm=1.0, loss=1.0))
+    assert called == [GradCollapseRule.__name__]
+    called.clear()
+    # the per-layer gradients feed the band (which needs none of them) and the spread, in preset order
+    monitor.feed(ctx, Measures(grad_rms={"a": 1e-3}, grad_relative={"a": 1e-3}, layer_roles={"a": "linear"}))
+    assert called == [GradBandRule.__name__, GradSpreadRule.__name__]
+
+
+def test_feed_refuses_a_detector_held_by_a_part_of_the_callback() -> None:
+    from lightning_diag.rules.base import StepContext
+    from lightning_diag.rules.measures import Measures, ReplicaDifferences
+
+    class Held(DiagCallback):
+        preset = Preset("Held", (Detector(DesyncRule, "replicas", build="new_holder"),))
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_preset()
+
+        def new_holder(self, thresholds):
+            return object()
+
+    with pytest.raises(TypeError, match="holds its DesyncRule in `replicas`"):
+        Held().feed(StepContext(0, 1), Measures(replica_differences=ReplicaDifferences([], [], {})))

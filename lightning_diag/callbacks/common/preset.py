@@ -20,7 +20,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from lightning_diag.rules.base import FromSettings
+from lightning_diag.core.record import Alert
+from lightning_diag.rules.base import FromSettings, StepContext
+from lightning_diag.rules.measures import Measure, Measures, fed_by
 
 __all__ = ["DeclaredDetectors", "Detector", "Preset", "StatefulRule"]
 
@@ -114,6 +116,21 @@ class Preset:
                 return detector
         raise KeyError(f"{self.name}'s preset has no {rule.__name__}")
 
+    def fed_by(self, present: frozenset[Measure]) -> tuple[Detector, ...]:
+        """The detectors judged on measures holding ``present``, in preset order (see
+        :func:`~lightning_diag.rules.measures.fed_by`; kept per set of measurements)."""
+        return _fed_by(self, present)
+
+
+@functools.lru_cache(maxsize=256)
+def _fed_by(preset: Preset, present: frozenset[Measure]) -> tuple[Detector, ...]:
+    """:meth:`Preset.fed_by`, kept per preset and set of measurements (a few of each per callback)."""
+    return tuple(
+        entry
+        for entry in preset.detectors
+        if fed_by(getattr(entry.rule, "needs", frozenset()), getattr(entry.rule, "optional", frozenset()), present)
+    )
+
 
 def _build_without_thresholds(factory: Callable[[], RuleT], thresholds: Mapping[str, float]) -> RuleT:
     """The builder :meth:`DiagCallback.add_state` declares: ``factory()`` (module level: the callback pickles)."""
@@ -171,6 +188,24 @@ class DeclaredDetectors:
         if not isinstance(found, rule):
             raise KeyError(f"{type(self).__name__} holds its {rule.__name__} in `{entry.attribute}`")
         return found
+
+    def feed(self, ctx: StepContext, m: Measures) -> list[Alert]:
+        """Judge ``m`` with every detector of :attr:`preset` that it feeds (all the measurements it needs, or for
+        one that needs none, one it reads), in preset order; return their alerts (the caller records them).
+
+        The part of a callback that measures names what it measured, not who reads it: a detector added to the
+        preset that reads these measurements is judged with no change to that part.
+
+        Raises:
+            TypeError: If a part of the callback holds a detector this feeds (built by its entry's ``build``).
+        """
+        alerts: list[Alert] = []
+        for entry in self.preset.fed_by(m.present()):
+            found: Any = getattr(self, entry.attribute)
+            if not isinstance(found, entry.rule):
+                raise TypeError(f"{type(self).__name__} holds its {entry.rule.__name__} in `{entry.attribute}`")
+            alerts += found.judge(ctx, m)
+        return alerts
 
     def add_state(self, name: str, factory: Callable[[], RuleT], *, state_key: str | None = None) -> RuleT:
         """Declare state that no threshold builds (counters, pending findings): as :meth:`add_rule`, with
