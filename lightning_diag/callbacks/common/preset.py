@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 from lightning_diag.core.record import Alert
 from lightning_diag.rules.base import FromSettings, StepContext
@@ -33,6 +33,12 @@ class StatefulRule(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> None: ...
+
+
+class Judging(Protocol):
+    """What :meth:`DeclaredDetectors.feed` calls: the judgment every detector shares."""
+
+    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]: ...
 
 
 RuleT = TypeVar("RuleT", bound=StatefulRule)
@@ -201,10 +207,10 @@ class DeclaredDetectors:
         """
         alerts: list[Alert] = []
         for entry in self.preset.fed_by(m.present()):
-            found: Any = getattr(self, entry.attribute)
+            found = getattr(self, entry.attribute)
             if not isinstance(found, entry.rule):
                 raise TypeError(f"{type(self).__name__} holds its {entry.rule.__name__} in `{entry.attribute}`")
-            alerts += found.judge(ctx, m)
+            alerts += cast(Judging, found).judge(ctx, m)
         return alerts
 
     def add_state(self, name: str, factory: Callable[[], RuleT], *, state_key: str | None = None) -> RuleT:
