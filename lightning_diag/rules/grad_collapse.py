@@ -100,8 +100,8 @@ class GradCollapseRule(Rule):
 
     specs = (GRAD_COLLAPSE_SPEC,)
     setting_keys: ClassVar[Mapping[str, str]] = {"collapse_ratio": GRAD_COLLAPSE, "patience": GRAD_PATIENCE_SETTING.key}
-    needs = frozenset({Measure.GRAD_NORM})
-    optional = frozenset({Measure.LOSS})
+    # the blocks' gradient norm is judged (with the loss); the update ratios of a measured step are noted
+    optional = frozenset({Measure.GRAD_NORM, Measure.LOSS, Measure.UPDATE_RATIOS})
     state_keys = (
         "early", "baseline", "streak", "early_losses", "initial_loss", "recent_losses", "early_updates",
         "update_baseline", "update_level",
@@ -166,8 +166,13 @@ class GradCollapseRule(Rule):
         return "vanished"
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
-        """Judge one measurement of the blocks' gradient norm (and the training loss, when known)."""
-        assert m.grad_norm is not None  # checked against `needs`
+        """Judge one measurement of the blocks' gradient norm (and the training loss, when known). The update
+        ratios of a measured step (``m.update_ratios``) are noted first (:meth:`observe_updates`); measures without
+        ``grad_norm`` raise nothing and leave the loss unread."""
+        if m.update_ratios is not None:
+            self.observe_updates(m.update_ratios)
+        if m.grad_norm is None:
+            return []
         norm, loss = m.grad_norm, m.loss
         if loss is not None and math.isfinite(loss):
             if self.initial_loss is None:

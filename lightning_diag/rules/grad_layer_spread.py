@@ -85,8 +85,8 @@ class GradSpreadRule(Rule):
         "patience": GRAD_PATIENCE_SETTING.key,
         "warmup_steps": GRAD_WARMUP_SETTING.key,
     }
-    needs = frozenset({Measure.GRAD_RELATIVE})
-    optional = frozenset({Measure.LAYER_ROLES})
+    # the relative gradients are judged; the update ratios of a measured step are noted for the next judgment
+    optional = frozenset({Measure.GRAD_RELATIVE, Measure.LAYER_ROLES, Measure.UPDATE_RATIOS})
     state_keys = ("streak", "updates")
 
     def __init__(
@@ -124,8 +124,13 @@ class GradSpreadRule(Rule):
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measurement of the comparable layers' relative gradients and their roles (``None``: one
-        role for all); return the alerts raised."""
-        values, roles = m.grad_relative or {}, m.layer_roles
+        role for all); return the alerts raised. The update ratios of a measured step (``m.update_ratios``) are
+        noted first (:meth:`observe_updates`); measures without ``grad_relative`` raise nothing."""
+        if m.update_ratios is not None:
+            self.observe_updates(m.update_ratios)
+        if m.grad_relative is None:
+            return []
+        values, roles = m.grad_relative, m.layer_roles
         early = ctx.global_step < self.warmup_steps
         groups: dict[str, dict[str, float]] = {}
         for layer, v in values.items():

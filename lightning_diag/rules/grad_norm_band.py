@@ -203,7 +203,14 @@ class GradBandRule(Rule):
         "warmup_steps": GRAD_WARMUP_SETTING.key,
     }
     optional = frozenset(
-        {Measure.GRAD_RMS, Measure.GRAD_RELATIVE, Measure.BLOCKS, Measure.LAYER_ROLES, Measure.WEIGHT_NORMS}
+        {
+            Measure.GRAD_RMS,
+            Measure.GRAD_RELATIVE,
+            Measure.BLOCKS,
+            Measure.LAYER_ROLES,
+            Measure.WEIGHT_NORMS,
+            Measure.UPDATE_RATIOS,
+        }
     )
     state_keys = ("streaks", "updates", "unreached", "weights")
 
@@ -369,8 +376,11 @@ class GradBandRule(Rule):
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measurement of the gradients (``m.grad_rms`` and what comes with it, below) or of the weights
         before a measured step (``m.weight_norms``: an explosion between two measurements, see :meth:`_weights`);
-        return the alerts raised."""
+        return the alerts raised. The update ratios of a measured step (``m.update_ratios``) are noted after the
+        weights are judged (:meth:`observe_updates`)."""
         alerts = [] if m.weight_norms is None else self._weights(ctx, m.weight_norms)
+        if m.update_ratios is not None:
+            self.observe_updates(m.update_ratios)
         if m.grad_rms is not None:
             alerts += self._gradients(ctx, m)
         return alerts

@@ -62,10 +62,13 @@ class GradNotZeroedRule(Rule):
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one check (the layers whose gradients were not zeroed, empty: all were; ``optimizers``: the names
-        of the optimizers holding them); return the alerts."""
+        of the optimizers holding them; not ``decided``: the watches closed without a verdict, counted as a check
+        that leaves the latch as it is); return the alerts."""
         assert m.stale_grads is not None  # checked against `needs`
         stale_layers, optimizers = m.stale_grads.layers, m.stale_grads.optimizers
         self.checks += 1
+        if not m.stale_grads.decided:
+            return []
         layers = sorted(stale_layers)
         if not self.latch.update("optimizer", bool(layers)):
             return []

@@ -207,10 +207,17 @@ class WeightNorms:
 
 @dataclasses.dataclass(frozen=True)
 class StaleGrads:
-    """Layers whose gradient was not zeroed between optimizer steps, and the optimizers stepping them."""
+    """Layers whose gradient was not zeroed between optimizer steps, and the optimizers stepping them.
+
+    Attributes:
+        layers: The layers whose gradient was not zeroed (empty: all were).
+        optimizers: The names of the optimizers stepping them.
+        decided: ``False``: the watches closed without a verdict (a check that leaves the alarm as it is).
+    """
 
     layers: Collection[str]
     optimizers: Sequence[str] = ()
+    decided: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,3 +139,16 @@ def test_position_capacity_finds_the_tightest_limit():
     net.rotary = nn.Module()
     net.rotary.register_buffer("cos_cached", torch.zeros(128, 4))
     assert position_capacity(net) == (64, "`pos_embed` (learned positions)")
+
+
+def test_grad_not_zeroed_an_undecided_check_counts_and_leaves_the_alarm_as_it_is():
+    undecided = Measures(stale_grads=StaleGrads((), decided=False))
+    r = GradNotZeroedRule()
+    assert len(r.judge(_ctx(1), _stale(["fc"]))) == 1
+    assert r.judge(_ctx(2), undecided) == [] and r.checks == 2
+    assert r.judge(_ctx(3), _stale(["fc"])) == []  # still in alarm: the undecided check did not clear it
+    assert r.judge(_ctx(4), _stale([])) == [] and r.judge(_ctx(5), undecided) == []
+    assert len(r.judge(_ctx(6), _stale(["fc"]))) == 1  # cleared by the clean check at step 4
+    fresh = GradNotZeroedRule()
+    assert fresh.judge(_ctx(1), undecided) == [] and fresh.checks == 1
+    assert len(fresh.judge(_ctx(2), _stale(["fc"]))) == 1

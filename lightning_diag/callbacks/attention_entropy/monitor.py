@@ -154,10 +154,6 @@ class AttentionEntropyMonitor(DiagCallback):
             Detector(AttentionLogitRule, "logit_rule", "logits"),
         ),
     )
-    # the detectors, built by add_preset
-    entropy_rule: AttentionEntropyRule
-    sink_rule: AttentionSinkRule
-    logit_rule: AttentionLogitRule
     #: Wraps the attention recorders' methods in ``SystemMonitor``'s timer of this trainer (set on the instance
     #: while one times it), else ``None``.
     recorder_timing: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
@@ -377,9 +373,9 @@ class AttentionEntropyMonitor(DiagCallback):
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
         ctx = type(ctx)(epoch=ctx.epoch, global_step=step)
-        m = Measures(attention=layers, attention_logit_peaks=peaks, loss=batch_loss)
-        self.record(self.logit_rule.judge(ctx, m))  # the growth first: it comes before the collapse
-        self.record(self.entropy_rule.judge(ctx, m) + self.sink_rule.judge(ctx, m))
+        # the logits' growth first (it comes before the collapse), then the heads' statistics
+        self.record(self.feed(ctx, Measures(attention_logit_peaks=peaks)))
+        self.record(self.feed(ctx, Measures(attention=layers, loss=batch_loss)))
         if recorder.keep_maps:
             draw_images(self.writer, recorder, step)
 

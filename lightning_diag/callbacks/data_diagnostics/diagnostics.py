@@ -175,9 +175,7 @@ class DataDiagnostics(DiagCallback):
             Detector(LoaderRules, "loader_rules", "loaders"),
         ),
     )
-    # the detectors, built by add_preset
-    data_rules: DataRules
-    sequence_rules: SequenceRules
+    # the detector whose latch ends the per-batch check once it reported (the others: fed, see `feed`)
     loader_rules: LoaderRules
 
     def __init__(
@@ -269,7 +267,7 @@ class DataDiagnostics(DiagCallback):
             return
         where = f" (training step {trainer.global_step})"
         sized = Measures(batch_sizes=BatchSizes(sizes, "train", where))
-        self.record(self.loader_rules.judge(self.context(trainer), sized))
+        self.record(self.feed(self.context(trainer), sized))
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """With ``every_n_epochs``: measure again at the start of every n-th epoch."""
@@ -352,8 +350,7 @@ class DataDiagnostics(DiagCallback):
         if self.writer.active:
             self._draw(train, val, measured, step)
         m = Measures(data=measured.measurement, sequences=measured.sequences)
-        self.record(self.data_rules.judge(self.context(trainer), m))
-        self.record(self.sequence_rules.judge(self.context(trainer), m))
+        self.record(self.feed(self.context(trainer), m))
 
     def _judge_loaders(self, trainer: pl.Trainer, mine: list[SplitSample | None]) -> None:
         """``batch_size_mismatch`` on the sampled batches, ``worker_rng_shared`` on the training loader."""
@@ -363,7 +360,7 @@ class DataDiagnostics(DiagCallback):
                 shown = ", ".join(str(i) for i in sample.mismatch_indices)
                 where = f" (dataset indices {shown})" if shown else ""
                 sized = Measures(batch_sizes=BatchSizes(sample.mismatch, sample.split, where))
-                self.record(self.loader_rules.judge(ctx, sized))
+                self.record(self.feed(ctx, sized))
         train = mine[0]
         loader, _ = _first_loader(trainer.train_dataloader)
         workers = int(getattr(loader, "num_workers", 0) or 0)
@@ -372,7 +369,7 @@ class DataDiagnostics(DiagCallback):
         init = _lightning_worker_init(getattr(loader, "worker_init_fn", None))
         if init is not None:
             streams = LoaderStreams(train.advanced, workers, init)
-            self.record(self.loader_rules.judge(ctx, Measures(loader_streams=streams)))
+            self.record(self.feed(ctx, Measures(loader_streams=streams)))
 
     def _draw(self, train: SplitSample | None, val: SplitSample | None, measured: Measured, step: int) -> None:
         for s in (train, val):

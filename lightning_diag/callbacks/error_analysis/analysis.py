@@ -354,7 +354,7 @@ class ErrorAnalysis(DiagCallback):
             )
         self._write_json(report)
         found = ErrorGroups(candidates, overall, decode, analysis)
-        self.record(self.rule.judge(self.context(trainer), Measures(error_groups=found)))
+        self.record(self.feed(self.context(trainer), Measures(error_groups=found)))
 
     def _per_class(self, labels: np.ndarray, preds: np.ndarray, values: dict[str, float]) -> dict[str, Any]:
         from torchmetrics.functional.classification import (

@@ -191,15 +191,11 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             Detector(UpdateSizeRule, "update_size_rule", "update_size"),
         ),
     )
-    # the detectors, built by add_preset
+    # the detectors whose state this reads (whether step 0 is measured for grad_collapse's baseline; the dead
+    # layers grad_vanish defers to); every detector is fed, see `feed`
     band_rule: GradBandRule
-    spread_rule: GradSpreadRule
     collapse_rule: GradCollapseRule
-    frozen_rule: GradFrozenRule
-    update_rule: UpdateRule
-    not_zeroed_rule: GradNotZeroedRule
     activation_rule: ActivationRule
-    update_size_rule: UpdateSizeRule
 
     def __init__(
         self,
@@ -467,14 +463,14 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         if self._watch.pending or self._watch.too_few_rows:
             self._judge_activations(trainer, pl_module, ctx, m.loss if position == 0 else None)
         grads = Measures(grad_rms=m.rms, grad_relative=m.relative, blocks=index.block_layers, layer_roles=index.roles)
-        self.record(self.band_rule.judge(ctx, grads) + self.spread_rule.judge(ctx, grads))
+        self.record(self.feed(ctx, grads))
         if position == 0:  # one baseline of one quantity: the first optimizer's
-            self.record(self.collapse_rule.judge(ctx, Measures(grad_norm=m.blocks, loss=m.loss)))
+            self.record(self.feed(ctx, Measures(grad_norm=m.blocks, loss=m.loss)))
             self._measured_loss = m.loss
         zero = zero_gradient_ids(index, chosen, m.norms)
         stuck = stuck_parameters(trainer, pl_module, self.params, self.expect_frozen, in_opt, zero)
         names = [n for n, _ in pl_module.named_parameters()]
-        self.record(self.frozen_rule.judge(ctx, Measures(stuck_params=stuck, param_names=names)))
+        self.record(self.feed(ctx, Measures(stuck_params=stuck, param_names=names)))
         on_hist = histogram_due(self.histogram_every_n_steps, self.every_n_steps(trainer), self.cadence_step(trainer))
         if on_hist and self.writer.active and index.sharded:
             # A histogram of a local shard would misrepresent the gradient, and binning the full one needs a gather.
@@ -513,7 +509,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
                 values[saturation_tag(r.layer)] = r.saturated
         if values:
             self.writer.scalars(values, trainer.global_step)
-        self.record(self.activation_rule.judge(ctx, Measures(activations=readings, input_rms=input_rms, loss=loss)))
+        self.record(self.feed(ctx, Measures(activations=readings, input_rms=input_rms, loss=loss)))
         if DEAD_UNITS not in self.rule_choices.off:
             certain = self.activation_rule.certain
             now = {r.layer for r in readings if r.dead is not None and r.dead > certain}
@@ -535,7 +531,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         if not chosen:
             return
         m = measure_step(index, chosen, loss, self._reduce(trainer))
-        self.record(self.collapse_rule.judge(self.context(trainer), Measures(grad_norm=m.blocks, loss=m.loss)))
+        self.record(self.feed(self.context(trainer), Measures(grad_norm=m.blocks, loss=m.loss)))
         if m.weight_squares is not None:  # grad_explode between measurements: the weights' norms at step 0
             sizes = _layer_sizes(index, chosen)
             squares = dict.fromkeys(sizes, 0.0)
@@ -543,7 +539,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
                 squares[index.layers[index.layer_of[i]]] += sq
             norms = {k: v**0.5 for k, v in squares.items()}
             weights = WeightNorms(norms, sizes, sgd_step_scale(optimizer.param_groups))
-            self.record(self.band_rule.judge(self.context(trainer), Measures(weight_norms=weights)))
+            self.record(self.feed(self.context(trainer), Measures(weight_norms=weights)))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -566,20 +562,17 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         values = update_values(self._index, pending, self._reduce(trainer))
         self._copies.release()
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
-        # grad_vanish also asks whether the layer's update is starved (an adaptive optimizer rescales gradients)
+        # the update ratios: grad_vanish, grad_layer_spread and grad_collapse also ask whether the layers' updates
+        # are starved (an adaptive optimizer rescales gradients), update_size judges them
         ratios = layer_update_ratios(self._index, values)
+        weights = None
         if len(trainer.optimizers) == 1:  # grad_explode between measurements: the weights against the last reading
             sizes = _layer_sizes(self._index, [i for chosen, _, _ in pending for i in chosen])
             norms = {k: values[weight_norm_tag(k)] for k in sizes if weight_norm_tag(k) in values}
-            at = StepContext(trainer.current_epoch, max(trainer.global_step - 1, 0))  # the measured step
-            sgd = sgd_step_scale(trainer.optimizers[0].param_groups)
-            self.record(self.band_rule.judge(at, Measures(weight_norms=WeightNorms(norms, sizes, sgd))))
-        self.band_rule.observe_updates(ratios)
-        self.spread_rule.observe_updates(ratios)  # grad_layer_spread: the slow side's update must be starved too
-        self.collapse_rule.observe_updates(ratios)  # grad_collapse: "vanished" needs the updates to stop too
+            weights = WeightNorms(norms, sizes, sgd_step_scale(trainer.optimizers[0].param_groups))
         loss, self._measured_loss = self._measured_loss, None
         measured = StepContext(trainer.current_epoch, max(trainer.global_step - 1, 0))  # the step of the ratios
-        self.record(self.update_size_rule.judge(measured, Measures(update_ratios=ratios, loss=loss)))
+        self.record(self.feed(measured, Measures(weight_norms=weights, update_ratios=ratios, loss=loss)))
 
 
 def _layer_sizes(index: ParamIndex, chosen: list[int]) -> dict[str, int]:

@@ -20,12 +20,12 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import updates_unchanged_tag
 from lightning_diag.instrument.grad_measure import ParamIndex
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.grad_not_zeroed import GradNotZeroedRule
 from lightning_diag.rules.measures import Measures, StaleGrads
-from lightning_diag.rules.updates_applied import UPDATE_STALE, LayerUpdate, UpdateRule
+from lightning_diag.rules.updates_applied import UPDATE_STALE, LayerUpdate
 from lightning_diag.stats.updates import ElementSample, segment_any, unchanged_counts
 
 __all__ = ["ZEROED_SAMPLE_SIZE", "PendingUpdate", "SilentUpdateChecks", "ZeroGradWatch", "optimizer_position"]
@@ -157,16 +157,15 @@ class SilentUpdateChecks:
 
     A mixin: the host class provides ``_index``, ``_measured_loss`` (the measured step's training loss),
     ``update_sample_size``, ``writer``, ``record``,
-    ``threshold_lines``, ``update_rule`` and ``not_zeroed_rule``.
+    ``threshold_lines`` and ``feed`` (which judges what this measured with the preset's detectors).
     """
 
     _index: ParamIndex | None
     _measured_loss: float | None
     update_sample_size: int
-    update_rule: UpdateRule
-    not_zeroed_rule: GradNotZeroedRule
     writer: Any
     record: Callable[..., Any]
+    feed: Callable[[StepContext, Measures], list[Alert]]
     threshold_lines: Callable[..., dict[str, float]]
     every_n_steps: Callable[[pl.Trainer], int]
 
@@ -317,8 +316,10 @@ class SilentUpdateChecks:
         pending, self._pending_updates = self._pending_updates, []
         verdicts = self._zero.take_verdicts()
         undecided, self._zero_undecided_closed = self._zero_undecided_closed, 0
+        step = max(trainer.global_step - 1, 0)  # the step that was measured
+        ctx = StepContext(trainer.current_epoch, step)
         if undecided and not verdicts:  # one check per read, as with verdicts (the rule counts its updates)
-            self.not_zeroed_rule.checks += 1  # closed without a verdict: the latch is left as it is
+            self.record(self.feed(ctx, Measures(stale_grads=StaleGrads((), decided=False))))  # the latch as it is
         self._zero.expire(trainer.global_step - ZEROED_WATCH_INTERVALS * self.every_n_steps(trainer))
         parts = [
             unchanged_counts(u.before, u.sample.gather([index.params[i] for i in u.positions]), u.grads,
@@ -333,8 +334,6 @@ class SilentUpdateChecks:
         if trainer.world_size > 1:  # sharded parameters: every rank counts its own shard; all decide on the sum
             values = trainer.strategy.reduce(values, reduce_op="sum")
         host = values.tolist()  # the one host read of the update rules at this step
-        step = max(trainer.global_step - 1, 0)  # the step that was measured
-        ctx = StepContext(trainer.current_epoch, step)
         offset = 0
         layers: dict[str, list[Any]] = {}
         for u in pending:
@@ -357,7 +356,7 @@ class SilentUpdateChecks:
             self.writer.scalars({**shares, **self.threshold_lines(UPDATE_STALE)}, step)
             # the measured step's training loss (the first optimizer's; GradientFlowMonitor keeps it until the
             # update ratios are judged, after this)
-            self.record(self.update_rule.judge(ctx, Measures(layer_updates=updates, loss=self._measured_loss)))
+            self.record(self.feed(ctx, Measures(layer_updates=updates, loss=self._measured_loss)))
         if verdicts:
             stale: set[str] = set()
             optimizers: set[str] = set()
@@ -368,7 +367,7 @@ class SilentUpdateChecks:
                 if hit:
                     stale.update(index.layers[index.layer_of[i]] for i in hit)
                     optimizers.add(self._zero_names.get(k, f"optimizer {k}"))
-            self.record(self.not_zeroed_rule.judge(ctx, Measures(stale_grads=StaleGrads(stale, sorted(optimizers)))))
+            self.record(self.feed(ctx, Measures(stale_grads=StaleGrads(stale, sorted(optimizers)))))
 
 
 def _unwrap(optimizer: Any) -> Any:

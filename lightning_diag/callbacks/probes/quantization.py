@@ -211,8 +211,6 @@ class QuantizationProbe(ValidationProbe):
             Detector(QuantizationErrorRule, "rule", "rules"),
         ),
     )
-    # the detectors, built by add_preset
-    rule: QuantizationErrorRule
 
     def __init__(
         self,
@@ -388,7 +386,7 @@ class QuantizationProbe(ValidationProbe):
         reading = QuantizationReading(
             result.end_to_end, result.relative_mse, result.relative_mse_per_channel, scheme, notes, result.change_noise
         )
-        return self.rule.judge(self.context(trainer), Measures(quantization=reading))
+        return self.feed(self.context(trainer), Measures(quantization=reading))
 
 
 def _full_weights(module: nn.Module, deepspeed: bool = False) -> contextlib.AbstractContextManager[Any]:

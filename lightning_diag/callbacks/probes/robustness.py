@@ -98,8 +98,6 @@ class RobustnessProbe(ValidationProbe):
     """
 
     preset = Preset("RobustnessProbe", (Detector(RobustnessDropRule, "rule", "rules"),))
-    # the detector, built by add_preset
-    rule: RobustnessDropRule
 
     def __init__(
         self,
@@ -210,4 +208,4 @@ class RobustnessProbe(ValidationProbe):
             values[robustness_tag(kind, "metric")] = value
             values[robustness_tag(kind, "drop")] = result.drops[kind]
         self.writer.scalars({k: v for k, v in values.items() if math.isfinite(v)}, trainer.global_step)
-        return self.rule.judge(self.context(trainer), Measures(robustness_drops=result.drops))
+        return self.feed(self.context(trainer), Measures(robustness_drops=result.drops))

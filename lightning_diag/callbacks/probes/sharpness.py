@@ -89,8 +89,6 @@ class SharpnessProbe(ValidationProbe):
             Detector(SharpMinimumRule, "rule", "rules"),
         ),
     )
-    # the detectors, built by add_preset
-    rule: SharpMinimumRule
 
     def __init__(
         self,
@@ -170,5 +168,5 @@ class SharpnessProbe(ValidationProbe):
         self.writer.scalars(values, step)
         worst = sorted(result.layers.items(), key=lambda kv: -kv[1])
         reading = SharpnessReading(result.gap, result.relative_gap, self.rho, worst)
-        return self.rule.judge(self.context(trainer), Measures(sharpness=reading))
+        return self.feed(self.context(trainer), Measures(sharpness=reading))
 

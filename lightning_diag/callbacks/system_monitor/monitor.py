@@ -135,11 +135,10 @@ class SystemMonitor(DiagCallback):
             Detector(MemoryGrowthRule, "memory_rule", "memory"),
         ),
     )
-    # the detectors, built by add_preset
-    dataloader_rule: DataloaderBoundRule
+    # the detectors whose results this reads (the periodic pattern's steps are left out of the fluctuation's
+    # compute times; the fluctuation is written); all are fed, see `feed`
     periodic_rule: StepPeriodicRule
     fluctuation_rule: StepFluctuationRule
-    memory_rule: MemoryGrowthRule
 
     def __init__(
         self,
@@ -438,9 +437,7 @@ class SystemMonitor(DiagCallback):
         step_total = float(totals.sum())
         # the share of the training's time: the diagnostics' own (a heavy logging step) would dilute it
         wait = LoaderWait(merged["loader_wait"], merged["loader_step"], n)
-        alerts += self.dataloader_rule.judge(
-            ctx, Measures(loader_wait=wait, cpu_pressure=machine if machine >= 0 else None)
-        )
+        alerts += self.feed(ctx, Measures(loader_wait=wait, cpu_pressure=machine if machine >= 0 else None))
         times = StepTimes(
             [t for t, _, _, _ in self.step_window],
             run_times=[t for t, _, _ in self.run_window],
@@ -449,17 +446,17 @@ class SystemMonitor(DiagCallback):
             run_work=[w for _, _, w in self.run_window],
         )
         pressure = self._window_pressure()
-        alerts += self.periodic_rule.judge(ctx, Measures(step_times=times, cpu_pressure=pressure))
+        alerts += self.feed(ctx, Measures(step_times=times, cpu_pressure=pressure))
         pattern = self.periodic_rule.last
         keep = [
             c
             for i, (_, c, flag, _) in enumerate(self.step_window)
             if not flag and not (pattern.found and i >= pattern.phase and (i - pattern.phase) % pattern.period == 0)
         ]
-        alerts += self.fluctuation_rule.judge(ctx, Measures(compute_times=keep, cpu_pressure=pressure))
+        alerts += self.feed(ctx, Measures(compute_times=keep, cpu_pressure=pressure))
         fluctuation = self.fluctuation_rule.last_value
         memory = {"host_rss": merged["rss"], **{k: v for k, v in cuda.items() if k == "cuda_allocated"}}
-        alerts += self.memory_rule.judge(ctx, Measures(memory=memory))
+        alerts += self.feed(ctx, Measures(memory=memory))
 
         values = interval_values(
             merged,
@@ -477,7 +474,7 @@ class SystemMonitor(DiagCallback):
             if math.isfinite(util):
                 self.util_window.append(util)
                 values[family_tag("system", "gpu_utilization")] = util
-                alerts += self.periodic_rule.judge(ctx, Measures(gpu_utilization=list(self.util_window)))
+                alerts += self.feed(ctx, Measures(gpu_utilization=list(self.util_window)))
         # the hooks' seconds over the same clock's seconds since the last report: the share of the interval
         now = self._overhead_clock()
         span, self._overhead_mark = now - self._overhead_mark, now
