@@ -188,7 +188,7 @@ class LossSwingRule(Rule):
     specs = (LOSS_SWING_SPEC,)
     state_keys = ("previous", "previous_rise", "streak", "last_change", "history", "previous_noise", "previous_lr",
                   "recent", "excesses", "val_previous", "val_rise", "val_streak", "val_history", "val_excesses",
-                  "val_noise", "val_first", "scale")
+                  "val_noise", "val_first")
 
     def __init__(
         self,
@@ -243,9 +243,6 @@ class LossSwingRule(Rule):
         self.val_noise: list[list[float]] = []
         #: The first validation value (the scale of the changes when the initial training loss is not known).
         self.val_first: float | None = None
-        #: The initial training loss (the untrained model's), the scale a swinging validation rise must reach: the
-        #: first finite ``initial`` of the loss windows (``None``: not given yet).
-        self.scale: float | None = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before the noise test loads with the previous
@@ -253,7 +250,7 @@ class LossSwingRule(Rule):
         defaults: dict[str, Any] = {
             "previous_noise": None, "previous_lr": None, "recent": [], "excesses": [], "val_previous": None,
             "val_rise": 0, "val_streak": [0, 0], "val_history": [], "val_excesses": [], "val_noise": [],
-            "val_first": None, "scale": None,
+            "val_first": None,
         }
         super().load_state_dict({**defaults, **state})
 
@@ -318,15 +315,9 @@ class LossSwingRule(Rule):
         return max(lr / before, before / lr) > self.lr_ratio
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
-        """Judge the next training loss point (``m.loss_window``, :meth:`judge_window`; its ``initial`` loss, given
-        once, is the validation view's scale) and/or the next validation loss (``m.validation``, where it is a loss:
-        :meth:`judge_validation`); return the alerts raised."""
-        window = m.loss_window
-        alerts: list[Alert] = []
-        if window is not None:
-            if self.scale is None and window.initial is not None and math.isfinite(window.initial):
-                self.scale = float(window.initial)
-            alerts += self.judge_window(ctx, window)
+        """Judge the next training loss point (``m.loss_window``, :meth:`judge_window`) and/or the next validation
+        loss (``m.validation``, where it is a loss: :meth:`judge_validation`); return the alerts raised."""
+        alerts = self.judge_window(ctx, m.loss_window) if m.loss_window is not None else []
         if m.validation is not None and m.validation.is_loss:
             alerts += self.judge_validation(ctx, m.validation)
         return alerts
@@ -413,11 +404,10 @@ class LossSwingRule(Rule):
 
         ``run``'s parts read: ``value``; ``noise_se``, its standard error (else ``se``; ``None`` or ``nan``:
         unknown, no change is significant) with ``df`` degrees of freedom (``inf``: known exactly, not pooled with
-        earlier runs); ``lr`` (``None`` or ``nan``: unknown); ``baseline`` (``None``: :attr:`scale`, the initial
-        loss the loss windows gave, else the first validation value is the scale); ``metric``, the alert's source.
+        earlier runs); ``lr`` (``None`` or ``nan``: unknown); ``baseline`` (``None``: the first validation value is
+        the scale); ``metric``, the alert's source.
         """
-        value, df, lr, source = run.value, run.df, run.lr, run.metric
-        scale = run.baseline if run.baseline is not None else self.scale
+        value, df, lr, scale, source = run.value, run.df, run.lr, run.baseline, run.metric
         se = run.noise_se if run.noise_se is not None else run.se
         if not math.isfinite(value):
             return []

@@ -147,9 +147,9 @@ class LossWindow:
         steps: How many step losses the mean is over.
         variance: The variance of those step losses (``None``: unknown).
         lr: The learning rate of the window (``None``: unknown).
-        initial: The mean loss of the run's first steps (the untrained model's loss, ``loss_stagnant``'s baseline
-            and the scale of ``loss_swing``'s validation view), given with the first window that closes after them
-            (``None``: not given; the detectors keep the first finite value).
+        initial: The mean loss of the run's first steps (the untrained model's loss, ``loss_stagnant``'s baseline),
+            given with a window that closes after them until the detector has one (``None``: not given; the first
+            finite value is kept).
     """
 
     mean: float
@@ -179,8 +179,8 @@ class Validation:
             ``se`` is unknown (an estimate from the training noise; ``None``: ``se``).
         df: The degrees of freedom of ``noise_se`` (``inf``: known exactly).
         lr: The learning rate at this run (``None``: unknown).
-        baseline: The untrained model's loss, the scale a swinging rise must reach (``None``: the initial loss
-            ``loss_swing`` was given with a loss window, else the first validation value).
+        baseline: The untrained model's loss, the scale a swinging rise must reach (``None``: unknown, the first
+            validation value).
         metric: The validation metric's name, for messages and alerts.
         higher_is_better: Whether a higher value is better (``mode="max"``): how ``loss_stagnant`` orients it.
         is_loss: Whether the value is a loss (lower is better and its name says so): only a loss's swings are

@@ -214,6 +214,7 @@ class AnomalyAlarm(QuietLossKeeping):
     )
     # the detectors that parts of the alarm read besides feeding them, built by add_preset
     swing_rule: LossSwingRule
+    stagnant_rule: LossStagnantRule
     val_fluctuation_rule: ValFluctuationRule
     policy: NonFinitePolicy
     rollback_rule: RollbackRule
@@ -328,6 +329,7 @@ class AnomalyAlarm(QuietLossKeeping):
             self.feed,
             self.loss_sums,
             swing=self.swing_rule,
+            stagnant=self.stagnant_rule,
             fluctuation=self.val_fluctuation_rule,
             swing_window=self.swing_window,
             monitor=self.monitor,
@@ -391,15 +393,6 @@ class AnomalyAlarm(QuietLossKeeping):
         for name, value in state.items():
             getattr(self, name).load_state_dict(value)
         self.loss_sums.all_ranks = False  # this rank's own sums, not a checkpoint's all-rank ones
-        self.trend.initial_due = True  # the restored sums may hold the initial period again
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before ``loss_swing`` kept the initial loss itself
-        (its validation view's scale) gives it ``loss_stagnant``'s baseline, the same value."""
-        swing, stagnant = state_dict.get("swing"), state_dict.get("stagnant")
-        if isinstance(swing, dict) and "scale" not in swing and isinstance(stagnant, dict):
-            state_dict = {**state_dict, "swing": {**swing, "scale": stagnant.get("baseline")}}
-        super().load_state_dict(state_dict)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Start a fit with fresh rules (a resume then loads their state)."""

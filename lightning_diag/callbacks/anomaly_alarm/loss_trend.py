@@ -38,6 +38,7 @@ from lightning_diag.stats.loss_sums import LOSS_PERIODS, LossSums
 __all__ = [
     "FluctuationReadings",
     "LossTrend",
+    "StagnantReadings",
     "SwingReadings",
     "TrendOutput",
     "build_loss_sums",
@@ -57,6 +58,14 @@ class SwingReadings(Protocol):
     threshold: float
     last_change: float
     val_previous: list[float] | None
+
+
+class StagnantReadings(Protocol):
+    """What is read of ``loss_stagnant``'s detector: the initial loss it holds (``None``: none yet), which decides
+    whether the initial period's mean is taken and is the scale of ``loss_swing``'s validation view (kept there:
+    a checkpoint holds it only in that detector's state)."""
+
+    baseline: float | None
 
 
 class FluctuationReadings(Protocol):
@@ -166,6 +175,7 @@ class LossTrend:
         loss_sums: The training-loss sums of the open periods, on the device, SUM-declared (merged over ranks),
             with the first step of the step window.
         swing: ``loss_swing``'s detector, read for the logged scalars after it judged.
+        stagnant: ``loss_stagnant``'s detector, whose initial loss is read (:class:`StagnantReadings`).
         fluctuation: ``val_fluctuation``'s detector, read for the logged scalars after it judged.
         swing_window: ``"epoch"``, or the optimizer steps of one loss window (checked by the alarm).
         monitor: The validation metric read from ``trainer.callback_metrics``.
@@ -178,6 +188,7 @@ class LossTrend:
         loss_sums: LossSums,
         *,
         swing: SwingReadings,
+        stagnant: StagnantReadings,
         fluctuation: FluctuationReadings,
         swing_window: Literal["epoch"] | int,
         monitor: str,
@@ -185,15 +196,12 @@ class LossTrend:
     ) -> None:
         self.feed = feed
         self.swing = swing
+        self.stagnant = stagnant
         self.fluctuation = fluctuation
         self.loss_sums = loss_sums
         self.swing_window = swing_window
         self.monitor = monitor
         self.higher_is_better = higher_is_better
-        #: Whether the initial loss (the mean of the ``initial`` period) is still to be taken: until a period closes
-        #: with a finite one (again after a rollback restored the sums; once more after a resume, where the
-        #: detectors keep the first one they were given).
-        self.initial_due = True
         #: The mean learning rate in effect at the current period's first step (read when the last one closed, or
         #: at the start of training; ``nan``: none).
         self.lr_start = math.nan
@@ -274,10 +282,9 @@ class LossTrend:
         if math.isfinite(variance):  # the noise loss_swing judged the point against (the report replays it)
             out.scalars[loss_tag("train_spread")] = math.sqrt(variance)
         lr = self.period_lr(trainer)
-        initial = None
-        if self.initial_due and self.loss_sums.initial_batches > 0:
+        initial = None  # the initial loss, until loss_stagnant holds one
+        if self.stagnant.baseline is None and self.loss_sums.initial_batches > 0:
             initial = self.take_mean(trainer, pl_module, "initial")
-            self.initial_due = not math.isfinite(initial)
         ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
         out.alerts += self.feed(
             ctx, Measures(loss_window=LossWindow(mean, steps=count, variance=variance, lr=lr, initial=initial))
@@ -390,7 +397,8 @@ class LossTrend:
         higher = self.higher_is_better
         run = Validation(
             val, train=train_mean, se=se, noise_se=fluctuation_se, df=max(se_df, 1.0), lr=mean_lr(trainer),
-            metric=self.monitor, higher_is_better=higher, is_loss=not higher and "loss" in self.monitor,
+            baseline=self.stagnant.baseline, metric=self.monitor, higher_is_better=higher,
+            is_loss=not higher and "loss" in self.monitor,
         )
         out.alerts += self.feed(ctx, Measures(validation=run))
         if run.is_loss:  # the swing judged the value: the (pooled) standard error it judged it with
