@@ -29,7 +29,6 @@ from lightning_diag.rules.nonfinite import (
     NONFINITE_LOSS,
     Decision,
     NonFiniteDetails,
-    NonFinitePolicy,
     StepFindings,
     Verdict,
 )
@@ -41,6 +40,7 @@ from lightning_diag.stats.reduced import ReducedState, Reduction
 if TYPE_CHECKING:
     from lightning_diag.callbacks.anomaly_alarm.nonfinite_recovery import NonFiniteRecovery
     from lightning_diag.callbacks.common.base import DiagCallback
+    from lightning_diag.rules.nonfinite import NonFinitePolicy  # the owner's detector, whose verdicts it performs
 
 __all__ = [
     "NO_STEP",
