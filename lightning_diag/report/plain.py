@@ -18,8 +18,11 @@ epoch. :func:`map_plain_run` finds them (:func:`~lightning_diag.report.tag_map.a
   previous validation;
 * ``loss_outlier``: over the logged per-step training losses.
 
-Their alerts are the run's findings (its alert timeline). Every other row is ``not measured``, naming the
-callback that measures it. Imports neither torch nor Lightning.
+The replay is a preset (:data:`PRESET`, the detector classes it builds): what it measures from the log (a loss
+point, a validation value, the logged step losses) is fed to every detector it feeds (:func:`feed`, the
+measurement names of :mod:`lightning_diag.rules.measures`), as AnomalyAlarm feeds its own. Their alerts are the
+run's findings (its alert timeline). Every other row is ``not measured``, naming the callback that measures it.
+Imports neither torch nor Lightning.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import functools
 import itertools
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.registry import CHECKS, RULES, default_thresholds
@@ -39,7 +42,7 @@ from lightning_diag.report.checks import RunReport, finish_check
 from lightning_diag.report.load import RunData, Series
 from lightning_diag.report.tag_map import ROLES, auto_map
 from lightning_diag.report.text import clean
-from lightning_diag.rules.base import StepContext
+from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.catalog import (
     ALL_RULES,
     LOSS_OUTLIER,
@@ -53,13 +56,19 @@ from lightning_diag.rules.catalog import (
 from lightning_diag.rules.loss_outlier import LossOutlierRule
 from lightning_diag.rules.loss_stagnant import STAGNANT_BASELINE_STEPS_KEY, LossStagnantRule
 from lightning_diag.rules.loss_swing import LossSwingRule
-from lightning_diag.rules.measures import LossWindow, Measures, StepLosses, Validation
+from lightning_diag.rules.measures import LossWindow, Measures, StepLosses, Validation, fed_by
 from lightning_diag.rules.nonfinite import NonFinitePolicy, StepFindings
 from lightning_diag.rules.rows import CHECKLIST_LAYERS, Check, fmt
 from lightning_diag.rules.val_decline import ValDeclineRule
 from lightning_diag.rules.val_fluctuation import ValFluctuationRule
 
-__all__ = ["PLAIN_SOURCE", "WINDOW_POINTS", "diagnose_plain", "map_plain_run", "step_noise"]
+__all__ = ["PLAIN_SOURCE", "PRESET", "WINDOW_POINTS", "diagnose_plain", "feed", "map_plain_run", "step_noise"]
+
+#: The detectors a plain run's logged losses feed (the replay's preset), in the order AnomalyAlarm's preset judges
+#: them; each raises the rule id of its row.
+PRESET: tuple[type[Rule], ...] = (
+    ValDeclineRule, ValFluctuationRule, LossSwingRule, LossStagnantRule, LossOutlierRule
+)
 
 #: Logged training-loss steps averaged into one point of ``loss_swing`` / ``loss_stagnant`` when the run logged
 #: no epoch mean.
@@ -198,6 +207,24 @@ def _swing_points(s: _Series, threshold: float) -> tuple[Series, str, str]:
     return _windows(finite, size), f"window of {size} logged step", note
 
 
+def feed(detectors: Iterable[Rule], ctx: StepContext, m: Measures) -> dict[str, list[Alert]]:
+    """Judge ``m`` with every one of ``detectors`` it feeds (all it needs, or for one that needs none, one it
+    reads: :func:`~lightning_diag.rules.measures.fed_by`), in their order: ``{rule id: its alerts}``.
+
+    Example:
+        >>> from lightning_diag.rules.measures import LossWindow
+        >>> swing, decline = LossSwingRule(), ValDeclineRule()
+        >>> list(feed((decline, swing), StepContext(0, 10), Measures(loss_window=LossWindow(1.0))))
+        ['loss_swing']
+    """
+    present = m.present()
+    return {
+        detector.rule_id: detector.judge(ctx, m)
+        for detector in detectors
+        if fed_by(detector.needs, detector.optional, present)
+    }
+
+
 @dataclasses.dataclass
 class _Found:
     """What the replay found: alerts per check row, and the measured text of each row."""
@@ -208,6 +235,11 @@ class _Found:
 
     def add(self, row: str, alerts: list[Alert]) -> None:
         self.alerts.setdefault(row, []).extend(alerts)
+
+    def fed(self, judged: Mapping[str, list[Alert]]) -> None:
+        """Add what :func:`feed` returned (each detector's row is its rule id)."""
+        for row, alerts in judged.items():
+            self.add(row, alerts)
 
 
 def _nonfinite(run: RunData, s: _Series, found: _Found) -> None:
@@ -247,18 +279,22 @@ def _nonfinite(run: RunData, s: _Series, found: _Found) -> None:
 
 def _trend(run: RunData, s: _Series, found: _Found) -> None:
     """``loss_swing``, ``loss_stagnant``, ``val_decline`` and ``val_fluctuation`` in step order."""
-    source = run.mapping.get("train_loss_epoch") or run.mapping.get("train_loss", "train_loss")
-    swing = LossSwingRule.from_settings(run.thresholds, source=source)
+    detectors = _detectors(run, s)
+    swing, stagnant = detectors[LossSwingRule], detectors[LossStagnantRule]
+    decline, fluctuation = detectors[ValDeclineRule], detectors[ValFluctuationRule]
+    assert isinstance(swing, LossSwingRule) and isinstance(stagnant, LossStagnantRule)
+    assert isinstance(fluctuation, ValFluctuationRule)
     swing_points, swing.unit, swing_note = _swing_points(s, swing.threshold)
-    points, unit = _loss_points(s)
-    stagnant = LossStagnantRule.from_settings(run.thresholds, unit=unit, source=source)
+    points, _ = _loss_points(s)
     baseline_steps = int(run.thresholds[STAGNANT_BASELINE_STEPS_KEY])
     early = [v for step, v in s.train if step < baseline_steps and math.isfinite(v)]
     if early:
         stagnant.set_baseline(statistics.fmean(early))
-    monitor = run.mapping.get("val_loss", "val_loss")
-    decline = ValDeclineRule.from_settings(run.thresholds, monitor=monitor)
-    fluctuation = ValFluctuationRule.from_settings(run.thresholds, monitor=monitor)
+    judging = list(detectors.values())
+    # the swing's points and the stagnant rule's are one series where the run logged epoch means; else each is
+    # fed its own (the swing's windows are sized to the step noise)
+    apart = swing_points != points
+    by_kind = ((swing,), (stagnant,)) if apart else (tuple(judging), ())
     train_steps = [step for step, _ in s.train]
     finite_train = [p for p in s.train if math.isfinite(p[1])]
     changes: list[float] = []
@@ -276,26 +312,24 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
         ctx = StepContext(s.epoch_at(step), step)
         if kind == 0:
             count, variance = spread[step]
-            found.add(LOSS_SWING, swing.judge(ctx, Measures(loss_window=LossWindow(v, max(count, 1), variance))))
+            found.fed(feed(by_kind[0], ctx, Measures(loss_window=LossWindow(v, max(count, 1), variance))))
             change = getattr(swing, "last_change", math.nan)
             if math.isfinite(change) and (not changes or changes[-1] != change):
                 changes.append(change)
             continue
         if kind == 1:
-            found.add(LOSS_STAGNANT, stagnant.judge(ctx, Measures(loss_window=LossWindow(v))))
+            found.fed(feed(by_kind[1], ctx, Measures(loss_window=LossWindow(v))))
             continue
         lo, hi = bisect.bisect_right(train_steps, previous_val), bisect.bisect_right(train_steps, step)
         since = [x for _, x in s.train[lo:hi] if math.isfinite(x)]
         train_mean = statistics.fmean(since) if since else None
         previous_val = step
-        stagnant.observe_validation(v)
-        found.add(VAL_DECLINE, decline.judge(ctx, Measures(validation=Validation(v, train=train_mean))))
+        # val_fluctuation judges nothing without the training loss since the last run (train None)
+        found.fed(feed(judging, ctx, Measures(validation=Validation(v, train=train_mean))))
         longest = max(longest, int(getattr(decline, "streak", 0)))
-        if train_mean is not None:
-            found.add(VAL_FLUCTUATION, fluctuation.judge(ctx, Measures(validation=Validation(v, train=train_mean))))
-            ratio = getattr(fluctuation, "last_ratio", math.nan)
-            if math.isfinite(ratio):
-                ratios.append(ratio)
+        ratio = getattr(fluctuation, "last_ratio", math.nan)
+        if train_mean is not None and math.isfinite(ratio):
+            ratios.append(ratio)
     if changes:
         found.measured[LOSS_SWING] = (
             f"relative change between {swing.unit}s {min(changes):+.1%} .. {max(changes):+.1%} over "
@@ -333,8 +367,23 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
         found.notes[LOSS_STAGNANT] = f"needs {stagnant.patience} points over {stagnant.min_steps} steps"
 
 
+def _detectors(run: RunData, s: _Series) -> dict[type[Rule], Rule]:
+    """:data:`PRESET` built from the run's thresholds, with the sources and units of the run's mapped series."""
+    source = run.mapping.get("train_loss_epoch") or run.mapping.get("train_loss", "train_loss")
+    monitor = run.mapping.get("val_loss", "val_loss")
+    context: dict[type[Rule], dict[str, str]] = {
+        LossSwingRule: {"source": source},
+        LossStagnantRule: {"source": source, "unit": _loss_points(s)[1]},
+        ValDeclineRule: {"monitor": monitor},
+        ValFluctuationRule: {"monitor": monitor},
+    }
+    return {rule: rule.from_settings(run.thresholds, **context.get(rule, {})) for rule in PRESET}
+
+
 def _outliers(run: RunData, s: _Series, found: _Found) -> None:
-    rule = LossOutlierRule.from_settings(run.thresholds)
+    detectors = _detectors(run, s)
+    rule = detectors[LossOutlierRule]
+    assert isinstance(rule, LossOutlierRule)
     if len(s.train) < rule.window // 2 + 1:
         found.notes[LOSS_OUTLIER] = (
             f"needs more than {rule.window // 2} logged training losses, the run has {len(s.train)}"
@@ -346,7 +395,7 @@ def _outliers(run: RunData, s: _Series, found: _Found) -> None:
         if i + 1 == len(s.train) or s.epoch_at(s.train[i + 1][0]) != s.epoch_at(step):
             ctx = StepContext(s.epoch_at(step), step)
             losses = StepLosses([x for _, x in chunk], [t for t, _ in chunk])
-            found.add(LOSS_OUTLIER, rule.judge(ctx, Measures(step_losses=losses)))
+            found.fed(feed(detectors.values(), ctx, Measures(step_losses=losses)))
             chunk = []
     found.measured[LOSS_OUTLIER] = (
         f"{len(found.alerts.get(LOSS_OUTLIER, []))} outlier alert(s) over {len(s.train)} logged training losses"

@@ -111,7 +111,9 @@ class LossStagnantRule(Rule):
         [0, 0, 0, 0, 1, 0]
     """
 
-    needs = frozenset({Measure.LOSS_WINDOW})
+    # the loss points (`loss_window`, with the initial loss once) and the validation values it tells learning from
+    # memorising by (`validation`): whichever is given
+    optional = frozenset({Measure.LOSS_WINDOW, Measure.VALIDATION})
     specs = (LOSS_STAGNANT_SPEC,)
     setting_keys: ClassVar[Mapping[str, str]] = {"min_drop": LOSS_STAGNANT}
     state_keys = ("baseline", "points", "best", "history", "settled", "validation")
@@ -176,9 +178,17 @@ class LossStagnantRule(Rule):
         return int(self.validation[2]) if len(self.validation) > 2 else len(self.validation)
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
-        """Judge the next loss point (the window's mean); return the alerts it raises."""
-        assert m.loss_window is not None  # checked against `needs`
-        value = m.loss_window.mean
+        """Note a validation value (``m.validation``, oriented by its ``higher_is_better``:
+        :meth:`observe_validation`), and judge the next loss point (``m.loss_window``: its mean, after taking its
+        ``initial`` loss as the baseline, :meth:`set_baseline`); return the alerts the point raises."""
+        if m.validation is not None:
+            self.observe_validation(m.validation.value, "max" if m.validation.higher_is_better else "min")
+        window = m.loss_window
+        if window is None:
+            return []
+        if window.initial is not None:
+            self.set_baseline(window.initial)
+        value = window.mean
         if not math.isfinite(value):
             return []
         self.points += 1

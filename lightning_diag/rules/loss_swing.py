@@ -316,9 +316,9 @@ class LossSwingRule(Rule):
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge the next training loss point (``m.loss_window``, :meth:`judge_window`) and/or the next validation
-        loss (``m.validation``, :meth:`judge_validation`); return the alerts raised."""
+        loss (``m.validation``, where it is a loss: :meth:`judge_validation`); return the alerts raised."""
         alerts = self.judge_window(ctx, m.loss_window) if m.loss_window is not None else []
-        if m.validation is not None:
+        if m.validation is not None and m.validation.is_loss:
             alerts += self.judge_validation(ctx, m.validation)
         return alerts
 

@@ -147,12 +147,16 @@ class LossWindow:
         steps: How many step losses the mean is over.
         variance: The variance of those step losses (``None``: unknown).
         lr: The learning rate of the window (``None``: unknown).
+        initial: The mean loss of the run's first steps (the untrained model's loss, ``loss_stagnant``'s baseline),
+            given with a window that closes after them until the detector has one (``None``: not given; the first
+            finite value is kept).
     """
 
     mean: float
     steps: float = 1.0
     variance: float | None = None
     lr: float | None = None
+    initial: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +182,9 @@ class Validation:
         baseline: The untrained model's loss, the scale a swinging rise must reach (``None``: unknown, the first
             validation value).
         metric: The validation metric's name, for messages and alerts.
+        higher_is_better: Whether a higher value is better (``mode="max"``): how ``loss_stagnant`` orients it.
+        is_loss: Whether the value is a loss (lower is better and its name says so): only a loss's swings are
+            ``loss_swing``'s (its validation view judges no other value).
     """
 
     value: float
@@ -188,6 +195,8 @@ class Validation:
     lr: float | None = None
     baseline: float | None = None
     metric: str = "val_loss"
+    higher_is_better: bool = False
+    is_loss: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,8 +81,8 @@ if __name__ == "__main__":
     trainer.fit(Net(), DataLoader(TensorDataset(x, x[:, :1] * 0.5), batch_size=8))
     out = {
         "alerts": [a.to_dict() for a in alarm.alerts + gfm.alerts if a.severity != "info"],
-        "checks": alarm.replicas.rule.checks,
-        "max_diff": alarm.replicas.rule.last_max_diff,
+        "checks": alarm.desync_rule.checks,
+        "max_diff": alarm.desync_rule.last_max_diff,
     }
     (root / f"{mode}{trainer.global_rank}.json").write_text(json.dumps(out))
     if torch.distributed.is_initialized():

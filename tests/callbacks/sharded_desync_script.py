@@ -108,8 +108,8 @@ if __name__ == "__main__":
     trainer.fit(model, DataLoader(TensorDataset(x, x * 0.5), batch_size=8))
     out = {
         "alerts": [a.to_dict() for a in alarm.alerts if a.severity != "info"],
-        "checks": alarm.replicas.rule.checks,
-        "max_diff": alarm.replicas.rule.last_max_diff,
+        "checks": alarm.desync_rule.checks,
+        "max_diff": alarm.desync_rule.last_max_diff,
         "groups": [list(g) for g in alarm.replicas.last_groups],
         "placements": {n: [str(q) for q in getattr(p, "placements", ())] for n, p in model.named_parameters()},
     }

@@ -239,7 +239,7 @@ def test_a_value_set_reaches_the_rule_and_the_thresholds():
     assert values["val_decline"] == 2.0
     assert values["nonfinite_rollback.every_n_steps"] == 100.0 and values["nonfinite_rollback.lr_factor"] == 0.25
     assert alarm.recovery.every_n_steps == 100 and alarm.recovery.rule.lr_factor == 0.25
-    assert alarm.trend.swing_rule.threshold == 0.2 and alarm.trend.val_decline_rule.patience == 2
+    assert alarm.swing_rule.threshold == 0.2 and alarm.val_decline_rule.patience == 2
     assert alarm.state_key == "AnomalyAlarm{'monitor': 'val_loss', 'swing_window': 100}"
 
 
@@ -254,11 +254,11 @@ def test_run_time_checks_and_trend_evidence_are_set_like_every_rule():
     )
     assert (alarm.outlier_rule.threshold, alarm.outlier_rule.ratio, alarm.outlier_rule.window) == (8.0, 3.0, 16)
     assert alarm.amp_rule.share == 0.25
-    stagnant = alarm.trend.stagnant_rule
+    stagnant = alarm.stagnant_rule
     assert (stagnant.min_steps, stagnant.alpha, stagnant.min_trend) == (200, 0.01, 0.05)
-    assert (alarm.trend.swing_rule.z, alarm.trend.swing_rule.lr_ratio) == (3.0, 4.0)
-    assert alarm.trend.val_decline_rule.min_steps == 30
-    assert alarm.trend.val_fluctuation_rule.min_steps == 0
+    assert (alarm.swing_rule.z, alarm.swing_rule.lr_ratio) == (3.0, 4.0)
+    assert alarm.val_decline_rule.min_steps == 30
+    assert alarm.val_fluctuation_rule.min_steps == 0
     values = alarm.thresholds()
     assert values["loss_outlier"] == 8.0 and values["loss_outlier.window"] == 16.0
     assert values["loss_stagnant.alpha"] == 0.01 and alarm.rule_choices.off == {"eval_randomness"}
@@ -311,7 +311,8 @@ def test_loss_trend_does_not_read_its_owner():
 
     assert "owner" not in inspect.signature(LossTrend).parameters
     alarm = AnomalyAlarm(monitor="val_acc", mode="max", rules={"val_fluctuation": {"min_range": 0.5}})
-    trend = alarm.trend  # handed the alarm's declared rules and sums, whose state the alarm saves
-    assert trend.val_fluctuation_rule is alarm.val_fluctuation_rule and trend.loss_sums is alarm.loss_sums
-    assert trend.val_fluctuation_rule.min_range == 0.5 and trend.val_decline_rule.monitor == "val_acc"
-    assert not hasattr(trend, "owner")
+    trend = alarm.trend  # handed the alarm's feed and declared sums, whose state the alarm saves
+    assert trend.feed == alarm.feed and trend.loss_sums is alarm.loss_sums
+    assert trend.fluctuation is alarm.val_fluctuation_rule  # read for the logged scalars only
+    assert alarm.val_fluctuation_rule.min_range == 0.5 and alarm.val_decline_rule.monitor == "val_acc"
+    assert trend.higher_is_better and not hasattr(trend, "owner")

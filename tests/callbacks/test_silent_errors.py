@@ -320,7 +320,7 @@ def test_latched_silent_alerts_are_not_repeated_after_a_resume(tmp_path):
     trainer = pl.Trainer(max_steps=8, callbacks=[gfm2, alarm2], default_root_dir=tmp_path, **FAST)
     trainer.fit(Both(bug="no_zero_grad"), _data(), ckpt_path=tmp_path / "mid.ckpt")
     assert [a.rule for a in gfm2.alerts + alarm2.alerts if a.rule in NEW_RULES] == []
-    assert alarm2.train_mode.rule.latch.active == {"trained"} and gfm2.not_zeroed_rule.latch.active
+    assert alarm2.train_mode_rule.latch.active == {"trained"} and gfm2.not_zeroed_rule.latch.active
 
 
 class _GAN(pl.LightningModule):

@@ -11,7 +11,6 @@ rules (``rules/loss_swing.py``, ``loss_stagnant.py``, ``val_decline.py``, ``val_
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -160,12 +159,16 @@ class AnomalyAlarm(QuietLossKeeping):
         guard: Finds non-finite steps on the device and carries out the policy's verdicts.
         loss_sums: The training-loss sums of the open periods, with declared (SUM) reductions.
         swing_rule, stagnant_rule, val_decline_rule, val_fluctuation_rule: The loss and validation trend rules.
+        desync_rule, train_mode_rule, rollback_rule: ``ddp_desync``'s, ``eval_mode_in_training``'s and
+            ``nonfinite_rollback``'s detectors (fed by :attr:`replicas`, :attr:`train_mode` and the guard).
+        replicas, train_mode: The comparisons of the replicas and the look at the modules' modes, which feed them.
 
     Its checkpoint state is what it declares (its :attr:`preset` and ``add_rule``/``add_state``, saved by
     :meth:`DiagCallback.state_dict`): the rules above and the run-time checks' rules, the loss sums
     (``accumulators``), the policy (``nonfinite``), warn mode's pending findings (``pending_nonfinite``), the
-    rollback count (``rollback``), the replica and train-mode checks, and the losses ``loss_outlier`` has not
-    judged yet (``runtime_pending``); the sums and pending findings are saved merged over every rank.
+    rollback count (``rollback``), the replica and train-mode rules (``replicas``, ``train_mode``), and the
+    losses ``loss_outlier`` has not judged yet (``runtime_pending``); the sums and pending findings are saved merged
+    over every rank.
 
     Raises:
         TypeError: If an argument has the wrong type.
@@ -183,21 +186,23 @@ class AnomalyAlarm(QuietLossKeeping):
 
     #: Alarms with another monitored metric or swing window are checkpointed apart.
     state_key_arguments = ("monitor", "swing_window")
+    # In this order a validation run's alerts come as val_decline's, val_fluctuation's, then loss_swing's (its
+    # validation view), and a closed period's as loss_swing's, then loss_stagnant's.
     preset = Preset(
         "AnomalyAlarm",
         (
-            Detector(LossSwingRule, "swing_rule", "swing", context=(("unit", "trend_unit"),)),
-            Detector(LossStagnantRule, "stagnant_rule", "stagnant", context=(("unit", "trend_unit"),)),
             Detector(
                 ValDeclineRule, "val_decline_rule", VAL_DECLINE, context=(("monitor", "monitor"), ("mode", "mode"))
             ),
             Detector(
                 ValFluctuationRule, "val_fluctuation_rule", VAL_FLUCTUATION, context=(("monitor", "monitor"),)
             ),
+            Detector(LossSwingRule, "swing_rule", "swing", context=(("unit", "trend_unit"),)),
+            Detector(LossStagnantRule, "stagnant_rule", "stagnant", context=(("unit", "trend_unit"),)),
             Detector(NonFinitePolicy, "policy", "nonfinite", context=(("action", "on_nonfinite"),)),
-            Detector(RollbackRule, "rollback_rule", "rollback", build="new_rollback_rule"),
-            Detector(DesyncRule, "replicas", build="new_replica_check"),
-            Detector(EvalModeRule, "train_mode", build="new_train_mode_check"),
+            Detector(RollbackRule, "rollback_rule", "rollback"),
+            Detector(DesyncRule, "desync_rule", "replicas"),
+            Detector(EvalModeRule, "train_mode_rule", "train_mode"),
             Detector(TrainOverrideRule, "override_rule"),
             Detector(EvalRandomnessRule, "eval_random_rule"),
             Detector(AmpRule, "amp_rule"),
@@ -207,15 +212,12 @@ class AnomalyAlarm(QuietLossKeeping):
             Detector(OutputCollapseRule, "collapse_rule"),
         ),
     )
-    # the detectors, built by add_preset (ddp_desync's and eval_mode_in_training's held by the checks feeding them)
+    # the detectors that parts of the alarm read besides feeding them, built by add_preset
     swing_rule: LossSwingRule
     stagnant_rule: LossStagnantRule
-    val_decline_rule: ValDeclineRule
     val_fluctuation_rule: ValFluctuationRule
     policy: NonFinitePolicy
     rollback_rule: RollbackRule
-    replicas: ReplicaCheck
-    train_mode: TrainModeCheck
 
     def __init__(
         self,
@@ -259,6 +261,10 @@ class AnomalyAlarm(QuietLossKeeping):
         #: The run-time checks (``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``,
         #: ``loss_outlier``, ``eval_before_training``); their rules and pending losses are declared on this callback.
         self.runtime = RuntimeChecks(self)
+        #: ``ddp_desync``'s comparisons of the replicas, fed to :attr:`desync_rule`.
+        self.replicas = ReplicaCheck(self, int(self.setting(DESYNC_EVERY_N_STEPS_KEY)), self.setting(DDP_DESYNC))
+        #: ``eval_mode_in_training``'s look at the Dropout and BatchNorm modules, fed to :attr:`train_mode_rule`.
+        self.train_mode = TrainModeCheck(self)
         # What the quiet path reads instead of asking the trainer at every batch (set again at every fit's start):
         # whether Lightning hands on_train_batch_end its own detached clone of the loss (automatic optimization),
         # and whether several ranks train.
@@ -285,19 +291,6 @@ class AnomalyAlarm(QuietLossKeeping):
             for name in spec.fields
             for value in [self.setting(spec.key(name))]
         }
-
-    # -- the preset's detectors that from_settings cannot build ------------------------------------------------
-    def new_rollback_rule(self, thresholds: Mapping[str, float]) -> RollbackRule:
-        """``nonfinite_rollback``'s rule, from the recovery's settings (read at construction)."""
-        return self.recovery.new_rule()
-
-    def new_replica_check(self, thresholds: Mapping[str, float]) -> ReplicaCheck:
-        """``ddp_desync``'s comparisons of the replicas, holding its rule."""
-        return ReplicaCheck(self, int(self.setting(DESYNC_EVERY_N_STEPS_KEY)), self.setting(DDP_DESYNC))
-
-    def new_train_mode_check(self, thresholds: Mapping[str, float]) -> TrainModeCheck:
-        """``eval_mode_in_training``'s look at the Dropout and BatchNorm modules, holding its rule."""
-        return TrainModeCheck(self)
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds in effect (see :meth:`DiagCallback.thresholds`).
@@ -331,17 +324,20 @@ class AnomalyAlarm(QuietLossKeeping):
     def _wire(self) -> None:
         """Connect the helpers to this fit's declared state (rebuilt by the base class at every fit; a resume then
         loads it in place)."""
-        #: The training-loss periods and the loss and validation trend rules.
+        #: The training-loss periods and the validation values, fed to the loss and validation trend rules.
         self.trend = LossTrend(
-            self.swing_rule,
-            self.stagnant_rule,
-            self.val_decline_rule,
-            self.val_fluctuation_rule,
+            self.feed,
             self.loss_sums,
+            swing=self.swing_rule,
+            stagnant=self.stagnant_rule,
+            fluctuation=self.val_fluctuation_rule,
             swing_window=self.swing_window,
             monitor=self.monitor,
+            higher_is_better=self.mode == "max",
         )
         self.recovery.reset(self.rollback_rule)
+        self.replicas.reset()
+        self.train_mode.reset()
         #: Finds the non-finite steps and carries out :attr:`policy`'s verdicts.
         self.guard = NonFiniteGuard(self, self.policy, self.recovery, losses=self.loss_sums, deferred=self.deferred)
         self._note_loss = self.guard.note_loss

@@ -3,19 +3,20 @@
 :class:`LossTrend` keeps the training-loss sums of the open periods (the epoch, the step window, the run since
 the last validation, the initial batches) on the device as :class:`~lightning_diag.stats.loss_sums.LossSums`,
 takes their means over all ranks when a period closes (:func:`~lightning_diag.callbacks.common.reduction.reduce_state`)
-and feeds them, with the monitored validation value, to the trend rules (``loss_swing``, ``loss_stagnant``,
-``val_decline``, ``val_fluctuation``: one module each in :mod:`lightning_diag.rules`). The alarm declares the rules
-and the sums (so their state follows its checkpoint), hands them to one :class:`LossTrend` per fit and calls it from
-its hooks; each call returns the alerts and scalars (:class:`TrendOutput`) for the alarm to send out, so nothing here
-reaches back into the alarm.
+and feeds them, with the monitored validation value, to the alarm's preset (its ``feed``: the trend rules
+``loss_swing``, ``loss_stagnant``, ``val_decline``, ``val_fluctuation``, one module each in
+:mod:`lightning_diag.rules`, judge what they read). The alarm declares the rules and the sums (so their state
+follows its checkpoint), hands its ``feed``, the sums and what the logged scalars read to one :class:`LossTrend` per
+fit and calls it from its hooks; each call returns the alerts and scalars (:class:`TrendOutput`) for the alarm to
+send out, so nothing here reaches back into the alarm.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any, Literal, cast
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Protocol, cast
 
 import pytorch_lightning as pl
 import torch
@@ -27,14 +28,52 @@ from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import value_of
 from lightning_diag.core.tags import LossSeries, loss_tag, threshold_tag
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.loss_stagnant import STAGNANT_BASELINE_STEPS_KEY, LossStagnantRule
-from lightning_diag.rules.loss_swing import LOSS_SWING, LossSwingRule
+from lightning_diag.rules.loss_stagnant import STAGNANT_BASELINE_STEPS_KEY
+from lightning_diag.rules.loss_swing import LOSS_SWING
 from lightning_diag.rules.measures import LossWindow, Measures, Validation
-from lightning_diag.rules.val_decline import VAL_DECLINE, ValDeclineRule
-from lightning_diag.rules.val_fluctuation import VAL_FLUCTUATION, ValFluctuationRule
+from lightning_diag.rules.val_decline import VAL_DECLINE
+from lightning_diag.rules.val_fluctuation import VAL_FLUCTUATION
 from lightning_diag.stats.loss_sums import LOSS_PERIODS, LossSums
 
-__all__ = ["LossTrend", "TrendOutput", "build_loss_sums", "check_swing_window", "mean_lr", "trend_unit"]
+__all__ = [
+    "FluctuationReadings",
+    "LossTrend",
+    "StagnantReadings",
+    "SwingReadings",
+    "TrendOutput",
+    "build_loss_sums",
+    "check_swing_window",
+    "mean_lr",
+    "trend_unit",
+]
+
+#: What feeds the alarm's preset: ``feed(ctx, measures)`` judges the measures with every detector they feed and
+#: returns the alerts (:meth:`DeclaredDetectors.feed <lightning_diag.callbacks.common.preset.DeclaredDetectors.feed>`).
+Feed = Callable[[StepContext, Measures], list[Alert]]
+
+
+class SwingReadings(Protocol):
+    """What the logged scalars read of ``loss_swing``'s detector after it judged (never a decision)."""
+
+    threshold: float
+    last_change: float
+    val_previous: list[float] | None
+
+
+class StagnantReadings(Protocol):
+    """What is read of ``loss_stagnant``'s detector: the initial loss it holds (``None``: none yet), which decides
+    whether the initial period's mean is taken and is the scale of ``loss_swing``'s validation view (kept there:
+    a checkpoint holds it only in that detector's state)."""
+
+    baseline: float | None
+
+
+class FluctuationReadings(Protocol):
+    """What the logged scalars read of ``val_fluctuation``'s detector after it judged (never a decision)."""
+
+    def measures(self) -> tuple[float, float]:
+        """The training and validation fluctuations of the last full window (``nan`` before)."""
+        ...
 
 
 def mean_lr(trainer: pl.Trainer) -> float:
@@ -123,38 +162,46 @@ class TrendOutput:
 
 
 class LossTrend:
-    """Training-loss periods and the four trend rules, for one fit of an :class:`~lightning_diag.AnomalyAlarm`.
+    """Training-loss periods and what the trend rules read, for one fit of an :class:`~lightning_diag.AnomalyAlarm`.
 
-    Nothing here reads the alarm: the rules and the loss sums come in (declared on the alarm, which saves and
-    restores their state), and every call returns a :class:`TrendOutput` (alerts, scalars, notices) that the
-    caller sends out.
+    Nothing here reads the alarm: its ``feed`` and the loss sums come in (the rules and the sums are declared on the
+    alarm, which saves and restores their state), and every call returns a :class:`TrendOutput` (alerts, scalars,
+    notices) that the caller sends out. What is measured is named, not who reads it: a closed period is a
+    :class:`~lightning_diag.rules.measures.LossWindow` (with the initial loss, once), a validation run a
+    :class:`~lightning_diag.rules.measures.Validation` (with its orientation and whether it is a loss).
 
     Args:
-        swing_rule, stagnant_rule, val_decline_rule, val_fluctuation_rule: The rules (fresh ones per fit).
+        feed: Judges measures with the alarm's detectors that they feed, returns the alerts.
         loss_sums: The training-loss sums of the open periods, on the device, SUM-declared (merged over ranks),
             with the first step of the step window.
+        swing: ``loss_swing``'s detector, read for the logged scalars after it judged.
+        stagnant: ``loss_stagnant``'s detector, whose initial loss is read (:class:`StagnantReadings`).
+        fluctuation: ``val_fluctuation``'s detector, read for the logged scalars after it judged.
         swing_window: ``"epoch"``, or the optimizer steps of one loss window (checked by the alarm).
         monitor: The validation metric read from ``trainer.callback_metrics``.
+        higher_is_better: Whether a higher ``monitor`` is better (the alarm's ``mode="max"``).
     """
 
     def __init__(
         self,
-        swing_rule: LossSwingRule,
-        stagnant_rule: LossStagnantRule,
-        val_decline_rule: ValDeclineRule,
-        val_fluctuation_rule: ValFluctuationRule,
+        feed: Feed,
         loss_sums: LossSums,
         *,
+        swing: SwingReadings,
+        stagnant: StagnantReadings,
+        fluctuation: FluctuationReadings,
         swing_window: Literal["epoch"] | int,
         monitor: str,
+        higher_is_better: bool = False,
     ) -> None:
-        self.swing_rule = swing_rule
-        self.stagnant_rule = stagnant_rule
-        self.val_decline_rule = val_decline_rule
-        self.val_fluctuation_rule = val_fluctuation_rule
+        self.feed = feed
+        self.swing = swing
+        self.stagnant = stagnant
+        self.fluctuation = fluctuation
         self.loss_sums = loss_sums
         self.swing_window = swing_window
         self.monitor = monitor
+        self.higher_is_better = higher_is_better
         #: The mean learning rate in effect at the current period's first step (read when the last one closed, or
         #: at the start of training; ``nan``: none).
         self.lr_start = math.nan
@@ -235,15 +282,17 @@ class LossTrend:
         if math.isfinite(variance):  # the noise loss_swing judged the point against (the report replays it)
             out.scalars[loss_tag("train_spread")] = math.sqrt(variance)
         lr = self.period_lr(trainer)
-        if self.stagnant_rule.baseline is None and self.loss_sums.initial_batches > 0:
-            self.stagnant_rule.set_baseline(self.take_mean(trainer, pl_module, "initial"))
+        initial = None  # the initial loss, until loss_stagnant holds one
+        if self.stagnant.baseline is None and self.loss_sums.initial_batches > 0:
+            initial = self.take_mean(trainer, pl_module, "initial")
         ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
-        window = Measures(loss_window=LossWindow(mean, steps=count, variance=variance, lr=lr))
-        out.alerts += self.swing_rule.judge(ctx, window)
-        out.alerts += self.stagnant_rule.judge(ctx, window)
-        if math.isfinite(self.swing_rule.last_change):
-            out.scalars[loss_tag("swing")] = self.swing_rule.last_change
-            out.scalars[threshold_tag(LOSS_SWING)] = self.swing_rule.threshold
+        out.alerts += self.feed(
+            ctx, Measures(loss_window=LossWindow(mean, steps=count, variance=variance, lr=lr, initial=initial))
+        )
+        swing = self.swing
+        if math.isfinite(swing.last_change):
+            out.scalars[loss_tag("swing")] = swing.last_change
+            out.scalars[threshold_tag(LOSS_SWING)] = swing.threshold
         return out
 
     def period_lr(self, trainer: pl.Trainer) -> float:
@@ -306,8 +355,8 @@ class LossTrend:
         return math.sqrt(sum((v - mean) ** 2 for v in finite) / (n * (n - 1)))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrendOutput:
-        """Feed the monitored validation value (with its standard error, :meth:`validation_se`) to ``val_decline``,
-        and to ``val_fluctuation``.
+        """Feed the monitored validation value (with its standard error, :meth:`validation_se`): ``val_decline``,
+        ``val_fluctuation``, ``loss_swing`` (a loss only) and ``loss_stagnant`` (the learning it tells) read it.
 
         Where ``validation_step`` returns no value, ``val_fluctuation`` takes the standard error of a mean over the
         run's validation batches, each validation sample as noisy as a training sample: ``sqrt(s^2 r / b)``,
@@ -340,26 +389,24 @@ class LossTrend:
         se_local = torch.tensor(self.validation_se() ** 2, dtype=torch.float64, device=pl_module.device)
         se = math.sqrt(float(trainer.strategy.reduce(se_local, reduce_op="mean")) / max(trainer.world_size, 1))
         ctx = StepContext(epoch=trainer.current_epoch, global_step=trainer.global_step)
-        self.stagnant_rule.observe_validation(val, self.val_decline_rule.mode)
         fluctuation_se, se_df = se, batches - 1.0
         if not math.isfinite(se) and batches > 0 and math.isfinite(train_variance):
             # no batch values: each validation sample as noisy as a training sample
             fluctuation_se = math.sqrt(train_variance / batches * batch_ratio(trainer))
             se_df = train_count - 1.0
+        higher = self.higher_is_better
         run = Validation(
             val, train=train_mean, se=se, noise_se=fluctuation_se, df=max(se_df, 1.0), lr=mean_lr(trainer),
-            baseline=self.stagnant_rule.baseline, metric=self.monitor,
+            baseline=self.stagnant.baseline, metric=self.monitor, higher_is_better=higher,
+            is_loss=not higher and "loss" in self.monitor,
         )
-        m = Measures(validation=run)
-        out.alerts += self.val_decline_rule.judge(ctx, m)
-        out.alerts += self.val_fluctuation_rule.judge(ctx, m)
-        if self.val_decline_rule.mode == "min" and "loss" in self.monitor:  # the swing's validation view
-            out.alerts += self.swing_rule.judge(ctx, m)
-            judged = self.swing_rule.val_previous
-            if judged is not None and math.isfinite(judged[1]):  # the (pooled) standard error it judged the value
-                out.scalars[loss_tag("val_se")] = math.sqrt(judged[1])  # with: the report replays it
+        out.alerts += self.feed(ctx, Measures(validation=run))
+        if run.is_loss:  # the swing judged the value: the (pooled) standard error it judged it with
+            judged = self.swing.val_previous
+            if judged is not None and math.isfinite(judged[1]):
+                out.scalars[loss_tag("val_se")] = math.sqrt(judged[1])  # the report replays it
         out.scalars[loss_tag("val")] = val
-        train_f, val_f = self.val_fluctuation_rule.measures()
+        train_f, val_f = self.fluctuation.measures()
         if math.isfinite(train_f) and math.isfinite(val_f):
             out.scalars[loss_tag("train_fluctuation")] = train_f
             out.scalars[loss_tag(cast(LossSeries, VAL_FLUCTUATION))] = val_f  # the series is named after its rule

@@ -24,11 +24,11 @@ from lightning_diag.callbacks.anomaly_alarm.lr_logging import learning_rates
 from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.callbacks.common.session import gradient_squares_key, step_cache
 from lightning_diag.core.alerts import Alert
+from lightning_diag.rules.measures import Measures, Rollback
 from lightning_diag.rules.nonfinite import (
     NONFINITE_LOSS,
     Decision,
     NonFiniteDetails,
-    NonFinitePolicy,
     StepFindings,
     Verdict,
 )
@@ -40,6 +40,7 @@ from lightning_diag.stats.reduced import ReducedState, Reduction
 if TYPE_CHECKING:
     from lightning_diag.callbacks.anomaly_alarm.nonfinite_recovery import NonFiniteRecovery
     from lightning_diag.callbacks.common.base import DiagCallback
+    from lightning_diag.rules.nonfinite import NonFinitePolicy  # the owner's detector, whose verdicts it performs
 
 __all__ = [
     "NO_STEP",
@@ -322,8 +323,8 @@ class NonFiniteGuard:
         located = alert.message.split(" First non-finite value: ", 1)
         if len(located) == 2:
             what += "; " + located[1].rstrip(".")
-        ctx = self.owner.context(trainer)
-        return Decision(Verdict.SKIP, (self.recovery.rollback_alert(ctx, choice, what, alert.source),))
+        made = Rollback(choice.step, what, alert.source, choice.reason)  # the owner's preset judges the rollback
+        return Decision(Verdict.SKIP, tuple(self.owner.feed(self.owner.context(trainer), Measures(rollback=made))))
 
     def perform(self, decision: Decision, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
         """Carry out a verdict on the step ``optimizer`` is about to take, and record the decision's alerts.

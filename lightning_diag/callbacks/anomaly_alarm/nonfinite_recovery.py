@@ -30,7 +30,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
@@ -46,8 +46,6 @@ from lightning_diag.instrument.nonfinite_locate import (
 )
 from lightning_diag.instrument.rng import RngState, device_generators
 from lightning_diag.instrument.snapshots import RollbackDevice, SnapshotStore
-from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.measures import Measures, Rollback
 from lightning_diag.rules.rollback import (
     DEFAULT_MAX_ROLLBACKS,
     DEFAULT_ROLLBACK_EVERY_N_STEPS,
@@ -55,9 +53,11 @@ from lightning_diag.rules.rollback import (
     DEFAULT_ROLLBACK_SNAPSHOTS,
     DEFAULT_SPIKE_FACTOR,
     RollbackChoice,
-    RollbackRule,
 )
 from lightning_diag.stats.grad import is_dtensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_diag.rules.rollback import RollbackRule
 
 __all__ = ["NonFiniteRecovery", "RollbackSettings"]
 
@@ -126,6 +126,10 @@ class RollbackSettings:
 class NonFiniteRecovery:
     """Batch keeping, replay, snapshots and learning-rate scaling for one :class:`~lightning_diag.AnomalyAlarm`.
 
+    Which snapshot to restore, the rollback count and the learning-rate factor in force are the owner's rollback
+    detector's (``nonfinite_rollback``, a detector of its preset handed in by :meth:`reset`); its alert is judged
+    by the owner's preset, fed the :class:`~lightning_diag.rules.measures.Rollback` made.
+
     Args:
         locate: Replay the failing step to localise the first non-finite value.
         rollback: Keep snapshots and roll back on a non-finite step.
@@ -146,7 +150,8 @@ class NonFiniteRecovery:
         self.settings = settings
         self.every_n_steps = settings.every_n_steps
         self.spike_factor = spike_factor
-        self.rule = self.new_rule()
+        #: The owner's rollback detector (its policy: :meth:`rollback` asks it), set by :meth:`reset`.
+        self.rule: RollbackRule
         self.store = SnapshotStore(keep=settings.snapshots, device=settings.device, spike_factor=spike_factor)
         self._batches: collections.deque[tuple[Any, int, RngState | None]] = collections.deque(maxlen=1)
         self._hooks: list[Any] = []
@@ -168,14 +173,9 @@ class NonFiniteRecovery:
         self._load_extra: Callable[[dict[str, Any]], None] = _ignore
 
     # -- lifecycle ----------------------------------------------------------------------------------------
-    def new_rule(self) -> RollbackRule:
-        """A fresh rollback rule with these settings (the alarm declares it, so its state follows the checkpoint)."""
-        settings = self.settings
-        return RollbackRule(settings.lr_factor, settings.max_rollbacks, repeat_window=settings.every_n_steps)
-
-    def reset(self, rule: RollbackRule | None = None) -> None:
-        """Start a fit afresh with ``rule`` (the owner's declared one, restored at a resume; default: a new one)."""
-        self.rule = rule if rule is not None else self.new_rule()
+    def reset(self, rule: RollbackRule) -> None:
+        """Start a fit afresh with ``rule``, the owner's rollback detector (restored in place at a resume)."""
+        self.rule = rule
         self.store = SnapshotStore(
             keep=self.settings.snapshots, device=self.settings.device, spike_factor=self.spike_factor
         )
@@ -424,12 +424,6 @@ class NonFiniteRecovery:
         self.rule.record(choice.step, now)
         self._last_snapshot = now  # no snapshot of the failed step: the next one is due in every_n_steps
         return choice
-
-    def rollback_alert(self, ctx: StepContext, choice: RollbackChoice, found: str, source: str) -> Any:
-        """The ``nonfinite_rollback`` warning of the rollback just made."""
-        restored = choice.step if choice.step is not None else -1
-        (alert,) = self.rule.judge(ctx, Measures(rollback=Rollback(restored, found, source, choice.reason)))
-        return alert
 
 
 def _reshard(pl_module: pl.LightningModule) -> None:

@@ -18,39 +18,44 @@ level) are computed on the device and read in one transfer. Other steps: nothing
 
 from __future__ import annotations
 
+import math
+
 import pytorch_lightning as pl
 
 from lightning_diag.callbacks.anomaly_alarm.sampled_check import SampledCheck
 from lightning_diag.instrument.output_watch import OutputSpreadWatch
 from lightning_diag.rules.measures import Measures, OutputSpread
-from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OutputCollapseRule, relative_spread
+from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, relative_spread
 
 __all__ = ["OutputCollapseCheck"]
 
 
 
-class OutputCollapseCheck(SampledCheck[OutputSpreadWatch, OutputCollapseRule]):
-    """Watches the model's output on sampled steps; feeds the owner's rule."""
+#: What a sampled step where no output was seen measured: no spread (the rule counts the step as not measured).
+_NOTHING_SEEN = Measures(output_spread=OutputSpread(math.nan, math.nan, 0, ""))
+
+
+class OutputCollapseCheck(SampledCheck[OutputSpreadWatch]):
+    """Watches the model's output on sampled steps; feeds its spread (:class:`OutputSpread`) to the owner's preset."""
 
     rule_id = OUTPUT_COLLAPSE
-    rule_class = OutputCollapseRule
 
     def new_watch(self, pl_module: pl.LightningModule) -> OutputSpreadWatch:
         """The watch of the ``LightningModule``'s output and its direct children's."""
         return OutputSpreadWatch(pl_module)
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: OutputSpreadWatch) -> Measures | None:
-        """The spread of the output seen (one host read); ``None``, with a notice, where none was seen."""
+        """The spread of the output seen (one host read); none (a step not measured), with a notice, where no
+        output was seen."""
         seen = watch.take()
         if seen is None:
-            self.rule.unmeasured += 1
             self.owner.notice(
                 trainer,
                 "output-collapse:none",
                 f"`{OUTPUT_COLLAPSE}` is not measured: neither the LightningModule's forward nor one of its direct "
                 "children returned a tensor with a batch dimension on a sampled step",
             )
-            return None
+            return _NOTHING_SEEN
         source, stats = seen
         spread, level, batch, input_spread, input_level = stats.tolist()
         if batch < 2:

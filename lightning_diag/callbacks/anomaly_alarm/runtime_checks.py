@@ -1,10 +1,9 @@
 """AnomalyAlarm's checks of what the model does at run time: ``train()`` overrides Lightning bypasses, dropout in
 evaluation, mixed precision not applied, per-step loss outliers, and components evaluated before training.
 
-A thin adapter over the rules (one module each in :mod:`lightning_diag.rules`, named after the rule id) and
-:mod:`lightning_diag.instrument.runtime_probes` (the probes); the rules are detectors of the owning callback's preset
-(read with :meth:`~lightning_diag.callbacks.common.preset.DeclaredDetectors.detector`), so their state follows the
-declared path.
+Measures with :mod:`lightning_diag.instrument.runtime_probes` (the probes) and feeds what it measured to the owning
+callback's preset (:meth:`~lightning_diag.callbacks.common.preset.DeclaredDetectors.feed`), whose detectors (one
+module each in :mod:`lightning_diag.rules`, named after the rule id) judge it; their state follows the declared path.
 
 Cost: the probes run on one training batch per fit (the first) and on the first batch of each validation run; per
 training step a reference to the 0-d loss the loss sums already keep is appended to a list (no kernel, no host
@@ -28,13 +27,9 @@ from lightning_diag.instrument.runtime_probes import (
     train_overriders,
     unconverged_spectral_norms,
 )
-from lightning_diag.rules.amp_not_applied import AmpRule
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.eval_before_training import EvalBeforeTrainingRule
-from lightning_diag.rules.eval_randomness import EvalRandomnessRule
-from lightning_diag.rules.loss_outlier import LossOutlierRule
 from lightning_diag.rules.measures import AmpLayers, Measures, StepLosses, TrainOverrides, UntrainedInEval
-from lightning_diag.rules.train_override_bypassed import TRAIN_OVERRIDE_BYPASSED, TrainOverrideRule
+from lightning_diag.rules.train_override_bypassed import TRAIN_OVERRIDE_BYPASSED
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.callbacks.common.base import DiagCallback
@@ -106,7 +101,7 @@ class RuntimeChecks:
 
     def __init__(self, owner: DiagCallback) -> None:
         self.owner = owner
-        # The rules are the owner's preset's detectors (rebuilt at each fit): read through owner.detector().
+        # What is measured feeds the owner's preset (owner.feed): its detectors judge it.
         #: ``zero_output``'s watch of the modules' outputs on sampled steps.
         self.zero_outputs = ZeroOutputCheck(owner)
         #: ``output_collapse``'s watch of the model's output on sampled steps.
@@ -152,7 +147,7 @@ class RuntimeChecks:
                     "%s not checked for %s: %s", TRAIN_OVERRIDE_BYPASSED, ", ".join(overriders), note
                 )
             overrides = TrainOverrides(overriders, to_eval, frozen)
-            self.owner.record(self.owner.detector(TrainOverrideRule).judge(ctx, Measures(train_overrides=overrides)))
+            self.owner.record(self.owner.feed(ctx, Measures(train_overrides=overrides)))
         if str(trainer.precision) in MIXED_PRECISIONS:
             self._amp = MatmulDtypeProbe(pl_module)
             self._amp.start()
@@ -174,7 +169,7 @@ class RuntimeChecks:
             probe, self._amp = self._amp, None
             probe.stop()
             amp = AmpLayers(probe.layers, probe.float32, str(trainer.precision))
-            self.owner.record(self.owner.detector(AmpRule).judge(self.owner.context(trainer), Measures(amp=amp)))
+            self.owner.record(self.owner.feed(self.owner.context(trainer), Measures(amp=amp)))
         pending = self._pending
         if loss is not None:
             pending.add(loss, step)
@@ -182,7 +177,7 @@ class RuntimeChecks:
             values, steps = pending.take(trainer)  # the one host read, on a logging step
             ctx = StepContext(trainer.current_epoch, trainer.global_step)
             losses = Measures(step_losses=StepLosses(values, steps))
-            self.owner.record(self.owner.detector(LossOutlierRule).judge(ctx, losses))
+            self.owner.record(self.owner.feed(ctx, losses))
 
     # -- validation ----------------------------------------------------------------------------------------
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -192,7 +187,7 @@ class RuntimeChecks:
         modules = unconverged_spectral_norms(pl_module)
         if modules:
             untrained = Measures(untrained_in_eval=UntrainedInEval(modules, trainer.sanity_checking))
-            self.owner.record(self.owner.detector(EvalBeforeTrainingRule).judge(self.owner.context(trainer), untrained))
+            self.owner.record(self.owner.feed(self.owner.context(trainer), untrained))
 
     def on_validation_batch_start(self, pl_module: pl.LightningModule, batch_idx: int, dataloader_idx: int) -> None:
         """On the first batch of a validation run: watch for dropouts applied in training mode."""
@@ -207,7 +202,7 @@ class RuntimeChecks:
         watch, self._dropout = self._dropout, None
         watch.stop()
         found = Measures(eval_dropouts=watch.found)
-        self.owner.record(self.owner.detector(EvalRandomnessRule).judge(self.owner.context(trainer), found))
+        self.owner.record(self.owner.feed(self.owner.context(trainer), found))
 
     def stop(self) -> None:
         """Remove whatever is installed (the end of a fit, or an exception in the middle of a batch)."""

@@ -3,8 +3,8 @@
 
 On the first batch of a sampled optimizer step (the owner's logging interval) such a check installs its watch (forward
 hooks, :mod:`lightning_diag.instrument.output_watch`); at that batch's end it removes the watch, reads what the watch
-saw once, and judges it with the owner's rule (a detector of the owner's preset, rebuilt at each fit). A subclass says
-which rule, how to build its watch and how to turn what the watch saw into :class:`Measures`; the sampling, the
+saw once, and feeds it to the owner's preset (whose detector of the rule judges it). A subclass says which rule
+switches it off, how to build its watch and how to turn what the watch saw into :class:`Measures`; the sampling, the
 switch-off and the hooks' removal are here. Other steps cost one integer comparison: the owner calls
 :meth:`SampledCheck.on_batch_start` from :attr:`SampledCheck.next_step` on.
 """
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 
 import pytorch_lightning as pl
 
-from lightning_diag.rules.base import Rule, StepContext
+from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,19 +41,16 @@ class Watch(Protocol):
 
 
 WatchT = TypeVar("WatchT", bound=Watch)
-RuleT = TypeVar("RuleT", bound=Rule)
 
 
-class SampledCheck(abc.ABC, Generic[WatchT, RuleT]):
-    """Installs a watch on sampled steps and feeds what it saw to the owner's rule.
+class SampledCheck(abc.ABC, Generic[WatchT]):
+    """Installs a watch on sampled steps and feeds what it saw to the owner's preset.
 
-    Subclasses set :attr:`rule_id` (the rule judged: switched off by the owner's ``rules=``, the check watches
-    nothing) and :attr:`rule_class` (that rule's class, a detector of the owner's preset), and implement
-    :meth:`new_watch` and :meth:`measure`.
+    Subclasses set :attr:`rule_id` (the rule that reads what they measure: switched off by the owner's ``rules=``,
+    the check watches nothing), and implement :meth:`new_watch` and :meth:`measure`.
     """
 
     rule_id: ClassVar[str]
-    rule_class: ClassVar[type[Rule]]
 
     def __init__(self, owner: DiagCallback) -> None:
         self.owner = owner
@@ -68,19 +65,14 @@ class SampledCheck(abc.ABC, Generic[WatchT, RuleT]):
         #: The global step from which :meth:`on_batch_start` may have something to do (the next sampled one).
         self.next_step: float = 0
 
-    @property
-    def rule(self) -> RuleT:
-        """The owner's rule (rebuilt by the owner at each fit)."""
-        return self.owner.detector(self.rule_class)  # type: ignore[return-value]
-
     @abc.abstractmethod
     def new_watch(self, pl_module: pl.LightningModule) -> WatchT:
         """The watch of ``pl_module`` (built once a fit, on the first sampled step)."""
 
     @abc.abstractmethod
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: WatchT) -> Measures | None:
-        """What the stopped ``watch`` saw on the sampled batch, as the rule's measures (one host read); ``None``:
-        nothing to judge."""
+        """What the stopped ``watch`` saw on the sampled batch, as measures (one host read); ``None``: nothing to
+        judge."""
 
     def on_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """On the first batch of a sampled optimizer step: install the watch."""
@@ -101,7 +93,7 @@ class SampledCheck(abc.ABC, Generic[WatchT, RuleT]):
         self._watch.start()
 
     def on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Remove the watch and judge what it saw."""
+        """Remove the watch and feed what it saw to the owner's preset."""
         watch = self._watch
         if watch is None or not watch.active:
             return
@@ -109,7 +101,7 @@ class SampledCheck(abc.ABC, Generic[WatchT, RuleT]):
         measures = self.measure(trainer, pl_module, watch)
         if measures is not None:
             ctx = StepContext(trainer.current_epoch, self.step)  # the measured step (global_step has moved on)
-            self.owner.record(self.rule.judge(ctx, measures))
+            self.owner.record(self.owner.feed(ctx, measures))
 
     def stop(self) -> None:
         """Remove any hook (the end of a fit, or an exception in the middle of a batch)."""

@@ -1,8 +1,9 @@
 """AnomalyAlarm's checks of silent errors: replicas that drift apart (``ddp_desync``) and modules left in eval
 mode while they train (``eval_mode_in_training``).
 
-Two helpers :class:`~lightning_diag.AnomalyAlarm` owns, thin adapters over :mod:`lightning_diag.rules.replicas`
-and :mod:`lightning_diag.rules.train_mode`.
+Two helpers :class:`~lightning_diag.AnomalyAlarm` owns: each measures (the replicas' checksum differences, the
+modules in eval mode) and feeds its owner's preset, whose detectors (:mod:`lightning_diag.rules.replicas`,
+:mod:`lightning_diag.rules.train_mode`) judge; a helper keeps only where it stands in the fit.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from lightning_diag.core.tags import replicas_tag
 from lightning_diag.instrument.sharding import mesh_dim_ranks, replica_dims
 from lightning_diag.rules.measures import Measures, ReplicaDifferences
-from lightning_diag.rules.replicas import DDP_DESYNC, DesyncRule, check_due, first_differences, member_differences
-from lightning_diag.rules.train_mode import EvalModeRule
+from lightning_diag.rules.replicas import DDP_DESYNC, check_due, first_differences, member_differences
 from lightning_diag.stats.grad import is_dtensor, local_tensor
 from lightning_diag.stats.updates import parameter_checksums
 
@@ -71,21 +71,25 @@ class ReplicaCheck:
     (``2 * k`` numbers per rank), and one host read each. When the groups do not span every rank (HSDP with
     several shards, TP x DP), one more ``all_reduce`` of ``n + 2 * world`` numbers over all ranks makes every rank
     take the same decision. Global rank zero writes.
+
+    Args:
+        owner: The callback whose preset judges the comparisons (``ddp_desync``'s detector) and that writes.
+        every_n_steps: ``ddp_desync.every_n_steps``.
+        tolerance: ``ddp_desync.threshold``: the relative difference above which a rank differs (the first
+            differing parameter of each rank is found with it, and the logged ``agree`` reads it).
     """
 
     def __init__(self, owner: DiagCallback, every_n_steps: int, tolerance: float) -> None:
         self.owner = owner
         self.every_n_steps = every_n_steps
-        self.rule = DesyncRule(tolerance)
+        self.tolerance = tolerance
+        self.reset()
+
+    def reset(self) -> None:
+        """The start of a fit: nothing compared yet."""
         self._last_step = -1
         #: The replica groups this rank took part in at the last check (their global ranks), for tests and docs.
         self.last_groups: list[tuple[int, ...]] = []
-
-    def reset(self) -> None:
-        """A fresh rule: the start of a fit."""
-        self.rule = DesyncRule(self.rule.tolerance)
-        self._last_step = -1
-        self.last_groups = []
 
     def _groups(self, trainer: pl.Trainer, named: Sequence[tuple[str, torch.Tensor]]) -> dict[tuple[int, ...], _Group]:
         """This rank's replica groups, in an order every rank shares (that of the first parameter each holds)."""
@@ -137,7 +141,7 @@ class ReplicaCheck:
             return
         import torch.distributed as dist
 
-        world, me, n, tol = trainer.world_size, trainer.global_rank, len(named), self.rule.tolerance
+        world, me, n, tol = trainer.world_size, trainer.global_rank, len(named), self.tolerance
         per_param = [0.0] * n
         first: dict[int, tuple[int, int]] = {}
         for g in groups.values():  # the same order on every member of a group: no crossed collectives
@@ -165,39 +169,29 @@ class ReplicaCheck:
             first = {r: (n - int(flat[n + r]), int(flat[n + world + r]) - 1) for r in range(world) if flat[n + r] > 0}
         ctx = self.owner.context(trainer)
         differences = ReplicaDifferences(per_param, [name for name, _ in named], first, compared=len(compared))
-        self.owner.record(self.rule.judge(ctx, Measures(replica_differences=differences)))
+        self.owner.record(self.owner.feed(ctx, Measures(replica_differences=differences)))
+        largest = max(per_param, default=0.0)
         self.owner.writer.scalars(
             {
-                replicas_tag("max_rel_diff"): self.rule.last_max_diff,
-                replicas_tag("agree"): float(self.rule.last_max_diff <= self.rule.tolerance),
+                replicas_tag("max_rel_diff"): largest,
+                replicas_tag("agree"): float(largest <= tol),
                 **self.owner.threshold_lines(DDP_DESYNC),
             },
             step,
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """The rule's state."""
-        return self.rule.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self.rule.load_state_dict(state)
-
 
 class TrainModeCheck:
     """``eval_mode_in_training``: on logging steps, the train/eval flags of the model's Dropout and BatchNorm
-    modules (found once per fit) are read on the host; nothing runs on other steps."""
+    modules (found once per fit) are read on the host and fed to the owner's preset; nothing runs on other steps."""
 
     def __init__(self, owner: DiagCallback) -> None:
         self.owner = owner
-        self.rule = EvalModeRule()
-        self._modules: list[tuple[str, torch.nn.Module, torch.nn.Module]] | None = None
-        self._last_step = -1
+        self.reset()
 
     def reset(self) -> None:
-        """A fresh rule: the start of a fit."""
-        self.rule = EvalModeRule()
-        self._modules = None
+        """The start of a fit: the modules are found again."""
+        self._modules: list[tuple[str, torch.nn.Module, torch.nn.Module]] | None = None
         self._last_step = -1
 
     def _find(self, pl_module: pl.LightningModule) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
@@ -238,12 +232,4 @@ class TrainModeCheck:
             kind = self._kind(module, parent)
             if kind is not None:
                 found[name] = kind
-        self.owner.record(self.rule.judge(self.owner.context(trainer), Measures(eval_mode=found)))
-
-    def state_dict(self) -> dict[str, Any]:
-        """The rule's state."""
-        return self.rule.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self.rule.load_state_dict(state)
+        self.owner.record(self.owner.feed(self.owner.context(trainer), Measures(eval_mode=found)))
