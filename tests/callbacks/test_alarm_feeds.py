@@ -133,7 +133,6 @@ def test_the_detectors_helpers_held_are_the_presets_attributes_under_their_old_k
     ):
         assert alarm.detector(rule) is getattr(alarm, attribute)
         assert AnomalyAlarm.preset.find(rule).key == key
-        assert all(not entry.build for entry in AnomalyAlarm.preset.detectors)
     # the recovery asks the preset's rollback detector, built from the thresholds in effect
     assert alarm.recovery.rule is alarm.rollback_rule and alarm.rollback_rule.lr_factor == 0.25
     assert alarm.replicas.tolerance == alarm.desync_rule.tolerance

@@ -78,11 +78,8 @@ def test_the_detectors_are_built_and_saved_under_their_keys(callback: type[DiagC
     state = instance.state_dict()
     for entry in callback.preset.detectors:
         built = getattr(instance, entry.attribute)
-        if entry.build and not isinstance(built, entry.rule):  # held by a part that saves it with its own state
-            assert isinstance(built.rule, entry.rule)
-        else:
-            assert isinstance(built, entry.rule)
-            assert instance.detector(entry.rule) is built
+        assert isinstance(built, entry.rule)
+        assert instance.detector(entry.rule) is built
         assert entry.key in state
 
 
@@ -177,20 +174,3 @@ def test_feed_judges_the_detectors_the_measurements_feed_in_preset_order() -> No
     monitor.feed(ctx, Measures(grad_rms={"a": 1e-3}, grad_relative={"a": 1e-3}, layer_roles={"a": "linear"}))
     assert called == [GradBandRule.__name__, GradSpreadRule.__name__]
 
-
-def test_feed_refuses_a_detector_held_by_a_part_of_the_callback() -> None:
-    from lightning_diag.rules.base import StepContext
-    from lightning_diag.rules.measures import Measures, ReplicaDifferences
-
-    class Held(DiagCallback):
-        preset = Preset("Held", (Detector(DesyncRule, "replicas", build="new_holder"),))
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.add_preset()
-
-        def new_holder(self, thresholds):
-            return object()
-
-    with pytest.raises(TypeError, match="holds its DesyncRule in `replicas`"):
-        Held().feed(StepContext(0, 1), Measures(replica_differences=ReplicaDifferences([], [], {})))

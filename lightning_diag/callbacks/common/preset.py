@@ -56,16 +56,12 @@ class Detector:
         context: ``(keyword, attribute)`` pairs: ``from_settings`` gets the callback's ``attribute`` (read when
             the preset is added) as ``keyword``: what the detector needs besides its thresholds (the unit of its
             messages, the monitored metric, the non-finite action).
-        build: The name of a callback method building the detector, with the thresholds, where
-            ``from_settings`` cannot (a detector held by a part of the callback that carries more state than its
-            rule's, or built from the callback's own arguments).
     """
 
     rule: type[FromSettings]
     attribute: str
     state_key: str = ""
     context: tuple[tuple[str, str], ...] = ()
-    build: str = ""
 
     @property
     def key(self) -> str:
@@ -80,9 +76,6 @@ class Detector:
     def builder(self, callback: object) -> Callable[[Mapping[str, float]], Any]:
         """What builds the detector from the thresholds in effect, for ``callback`` (a partial, not a closure:
         the callback pickles, its declarations with it)."""
-        if self.build:
-            method: Callable[[Mapping[str, float]], Any] = getattr(callback, self.build)
-            return method
         return functools.partial(_build, self.rule, callback, self.context)
 
 
@@ -186,14 +179,9 @@ class DeclaredDetectors:
         used, do not keep it).
 
         Raises:
-            KeyError: If the preset has no detector of that class, or a part of the callback holds it (built by
-                the entry's ``build`` method: ask that part).
+            KeyError: If the preset has no detector of that class.
         """
-        entry = self.preset.find(rule)
-        found = getattr(self, entry.attribute)
-        if not isinstance(found, rule):
-            raise KeyError(f"{type(self).__name__} holds its {rule.__name__} in `{entry.attribute}`")
-        return found
+        return cast(DetectorT, getattr(self, self.preset.find(rule).attribute))
 
     def feed(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge ``m`` with every detector of :attr:`preset` that it feeds (all the measurements it needs, or for
@@ -201,16 +189,10 @@ class DeclaredDetectors:
 
         The part of a callback that measures names what it measured, not who reads it: a detector added to the
         preset that reads these measurements is judged with no change to that part.
-
-        Raises:
-            TypeError: If a part of the callback holds a detector this feeds (built by its entry's ``build``).
         """
         alerts: list[Alert] = []
         for entry in self.preset.fed_by(m.present()):
-            found = getattr(self, entry.attribute)
-            if not isinstance(found, entry.rule):
-                raise TypeError(f"{type(self).__name__} holds its {entry.rule.__name__} in `{entry.attribute}`")
-            alerts += cast(Judging, found).judge(ctx, m)
+            alerts += cast(Judging, getattr(self, entry.attribute)).judge(ctx, m)
         return alerts
 
     def add_state(self, name: str, factory: Callable[[], RuleT], *, state_key: str | None = None) -> RuleT:
