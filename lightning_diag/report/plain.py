@@ -325,7 +325,7 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
         train_mean = statistics.fmean(since) if since else None
         previous_val = step
         # val_fluctuation judges nothing without the training loss since the last run (train None)
-        found.fed(feed(judging, ctx, Measures(validation=Validation(v, train=train_mean))))
+        found.fed(feed(judging, ctx, Measures(validation=Validation(v, train=train_mean, is_loss=False))))
         longest = max(longest, int(getattr(decline, "streak", 0)))
         ratio = getattr(fluctuation, "last_ratio", math.nan)
         if train_mean is not None and math.isfinite(ratio):

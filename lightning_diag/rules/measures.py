@@ -506,8 +506,12 @@ class Measures:
 
     def present(self) -> frozenset[Measure]:
         """The measurements this holds a value for."""
-        return frozenset(name for name in Measure if getattr(self, name.value) is not None)
+        return frozenset(_MEASURE_OF[name] for name, value in self.__dict__.items() if value is not None)
 
     def missing(self, needs: Collection[Measure]) -> list[str]:
         """The names of the measurements of ``needs`` this holds no value for, sorted."""
         return sorted(n.value for n in needs if getattr(self, n.value) is None)
+
+
+#: ``{field name: its Measure}``, for :meth:`Measures.present` (every field of :class:`Measures` is one).
+_MEASURE_OF: dict[str, Measure] = {name.value: name for name in Measure}

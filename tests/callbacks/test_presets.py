@@ -163,8 +163,9 @@ def test_feed_judges_the_detectors_the_measurements_feed_in_preset_order() -> No
 
         rule.judge = spy  # the test's own detector instances
     ctx = StepContext(epoch=0, global_step=5)
-    # the step's loss alone feeds nobody: it is read alongside other measurements
-    assert monitor.feed(ctx, Measures(loss=1.0)) == []
+    # the step's loss alone feeds nobody (it is read alongside other measurements): a measuring part's error
+    with pytest.raises(ValueError, match=r"no detector of its preset reads \['loss'\]"):
+        monitor.feed(ctx, Measures(loss=1.0))
     assert called == []
     # the global gradient norm feeds the collapse rule only
     monitor.feed(ctx, Measures(grad_norm=1.0, loss=1.0))
@@ -174,3 +175,18 @@ def test_feed_judges_the_detectors_the_measurements_feed_in_preset_order() -> No
     monitor.feed(ctx, Measures(grad_rms={"a": 1e-3}, grad_relative={"a": 1e-3}, layer_roles={"a": "linear"}))
     assert called == [GradBandRule.__name__, GradSpreadRule.__name__]
 
+
+
+@pytest.mark.parametrize("callback", list(PAGES), ids=lambda c: c.__name__)
+def test_every_detector_reads_a_measurement_that_feeds_it(callback: type[DiagCallback]) -> None:
+    from lightning_diag.rules.measures import ALONGSIDE
+    from lightning_diag.rules.nonfinite import NonFinitePolicy
+
+    for entry in callback.preset.detectors:
+        needs = getattr(entry.rule, "needs", frozenset())
+        optional = getattr(entry.rule, "optional", frozenset())
+        if entry.rule is NonFinitePolicy:  # the guard carries out its verdicts; it raises no alert through judge
+            assert not needs and not optional
+            continue
+        assert needs or optional - ALONGSIDE, f"nothing feeds {entry.rule.__name__}: it reads only {optional}"
+        assert entry in callback.preset.fed_by(frozenset(needs or optional - ALONGSIDE))

@@ -87,9 +87,10 @@ def _build(
     return rule.from_settings(thresholds, **{keyword: getattr(callback, name) for keyword, name in context})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Preset:
-    """A callback's named list of detectors, in the order they are built and saved.
+    """A callback's named list of detectors, in the order they are built and saved (compared and hashed as
+    itself: each is one class attribute, and :meth:`fed_by`'s table is kept per preset).
 
     Args:
         name: The callback's class name (the ``owner`` of its rules' declarations).
@@ -189,9 +190,18 @@ class DeclaredDetectors:
 
         The part of a callback that measures names what it measured, not who reads it: a detector added to the
         preset that reads these measurements is judged with no change to that part.
+
+        Raises:
+            ValueError: If ``m`` feeds no detector of the preset (a measuring part's programming error, as a
+                missing measurement is for ``judge``).
         """
+        fed = self.preset.fed_by(m.present())
+        if not fed:
+            raise ValueError(
+                f"{type(self).__name__}.feed: no detector of its preset reads {sorted(n.value for n in m.present())}"
+            )
         alerts: list[Alert] = []
-        for entry in self.preset.fed_by(m.present()):
+        for entry in fed:
             alerts += cast(Judging, getattr(self, entry.attribute)).judge(ctx, m)
         return alerts
 
