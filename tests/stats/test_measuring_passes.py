@@ -1,6 +1,7 @@
-"""The measuring step's passes cut in issue 43's eighth pass give the values of the former computations, bit for
-bit: the zero-gradient share from an int32 sum instead of ``count_nonzero``, and ``measure_step``'s gradient and
-weight norms from one multi-tensor pass instead of two (NaN, Inf, -0, bfloat16 and float16 included)."""
+"""The measuring step's passes in issue 43's eighth pass give the values of the former computations, bit for bit:
+``measure_step``'s gradient and weight norms from one multi-tensor pass instead of two, and the zero-gradient share
+of ``ActivationWatch.readings`` (a guard for any later change of its count; NaN, Inf, -0, bfloat16 and float16
+included)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _former_zero_share(grad: torch.Tensor) -> torch.Tensor:
-    """``_zero_share`` as it was: the nonzero entries counted by ``count_nonzero`` of the boolean tensor."""
+    """The zero-gradient share as ``readings`` computes it on main: ``count_nonzero`` of the boolean tensor."""
     n = grad.numel()
     if n == 0 or n >= 1 << 24:
         return (grad == 0).float().mean()
@@ -45,12 +46,12 @@ def _special(n: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Te
 
 def _zero_shares(grads: list[torch.Tensor]) -> list[float | None]:
     """``diag/grad_zero`` of a watched ``Linear -> ReLU -> Linear`` whose first weight gradient is set to each of
-    ``grads`` (its shape and dtype) after the backward."""
+    ``grads`` (its shape and dtype) after the backward; one watch for all (larger and smaller gradients in turn)."""
     out = []
+    watch = ActivationWatch()
     for grad in grads:
         net = nn.Sequential(nn.Linear(grad.shape[1], grad.shape[0]), nn.ReLU(), nn.Linear(grad.shape[0], 1))
         net = net.to(grad.dtype)
-        watch = ActivationWatch()
         watch.attach(net)
         net(torch.randn(32, grad.shape[1], dtype=grad.dtype)).sum().backward()
         watch.detach()
@@ -67,6 +68,7 @@ def test_zero_share_as_before(dtype: torch.dtype) -> None:
     grads = [_special(rows * cols, g, dtype).reshape(rows, cols) for rows, cols in sizes]
     grads += [torch.zeros(5, 3, dtype=dtype), torch.full((3, 4), -0.0, dtype=dtype), torch.ones(7, 2, dtype=dtype)]
     grads += [torch.full((4, 4), math.nan, dtype=dtype), _special(64 * 600, g, dtype).reshape(64, 600).t()]
+    grads = [grads[-1], *grads[:-1]]  # the largest first
     former = [_former_zero_share(grad).item() for grad in grads]
     assert _zero_shares(grads) == former
     assert former == [(grad == 0).float().mean().item() for grad in grads]  # the quantity it stands for
