@@ -240,7 +240,14 @@ def measure_step(
     n_layers = len(index.layers)
     layout = index.layout(chosen, device)
     group_of = layout.group_of
-    squares = per_tensor_norms(grads).pow(2)  # type: ignore[arg-type]
+    if index.sharded:
+        squares = per_tensor_norms(grads).pow(2)  # type: ignore[arg-type]
+        weight_squares = None
+    else:
+        # every measured parameter's weight norm with the gradients' in one pass (the update ratios reuse them after
+        # the step): one multi-tensor kernel and one stack for both lists, each norm the same as on its own
+        both = per_tensor_norms([*grads, *(index.params[i] for i in chosen)]).pow(2)  # type: ignore[list-item]
+        squares, weight_squares = both[: len(chosen)], both[len(chosen) :]
     shared = None if index.sharded else GradientSquares.of(grads, squares)  # type: ignore[arg-type]
     if index.sharded:
         squares = squares * torch.tensor([index.weights[i] for i in chosen], device=device)
@@ -248,9 +255,7 @@ def measure_step(
     # comparable weight matrices: ||g_W|| / ||W|| per layer, and the blocks' gradient norm
     matrix = layout.matrix
     matrix_layers = layout.matrix_layers
-    # Every measured parameter's weight norm in one pass (the update ratios reuse them after the step); under
-    # sharded training the matrices' only, as before.
-    weight_squares = None if index.sharded else per_tensor_norms([index.params[i] for i in chosen]).pow(2)
+    # under sharded training the matrices' weight norms only (below)
     if matrix:
         m_groups = layout.matrix_groups
         if weight_squares is not None:

@@ -125,6 +125,8 @@ def _stacked_norms(tensors: list[torch.Tensor], dtype: torch.dtype, device: torc
     # 16-bit tensors accumulate in float32: a float16 norm overflows past 65504.
     accumulate = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
     norms = torch._foreach_norm(tensors, 2, dtype=accumulate)
+    if norms and norms[0].dtype is torch.float32 and norms[0].device == device:  # one bucket: on the device already
+        return torch.stack(norms)
     return torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
 
 
