@@ -217,7 +217,8 @@ def test_rules_note_their_statistic_against_their_threshold() -> None:
     # one measurement past every bound (1e-7: 1e4x below 1e-3) among ones that are not: the window's weakest decides
     assert alerts == [] and band.peaks["grad_vanish"] == pytest.approx(0.2)
     starved = GradBandRule(patience=3, warmup_steps=0)
-    starved.observe_updates({"w1": 1e-3, "w2": 1e-3})  # w2's update keeps pace: far from a vanishing gradient
+    # w2's update keeps pace: far from a vanishing gradient
+    starved.judge(StepContext(0, 55), Measures(update_ratios={"w1": 1e-3, "w2": 1e-3}))
     for step in (60, 65, 70):
         starved.judge(StepContext(0, step), grads({"w1": 1.0}, 5e-4))
     assert starved.peaks["grad_vanish"] == pytest.approx(0.01)  # its update 100x short of 100x below the top

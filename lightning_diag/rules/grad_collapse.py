@@ -136,7 +136,7 @@ class GradCollapseRule(Rule):
         """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known."""
         super().load_state_dict({"early_updates": [], "update_baseline": None, "update_level": None, **state})
 
-    def observe_updates(self, ratios: Mapping[str, float]) -> None:
+    def _observe_updates(self, ratios: Mapping[str, float]) -> None:
         """Note the relative update ``||ΔW|| / ||W||`` of each layer at the last measured optimizer step; their
         median is the model's update level, whose baseline is the median of the first ``baseline_measurements``."""
         values = [float(v) for v in ratios.values() if math.isfinite(v)]
@@ -167,10 +167,10 @@ class GradCollapseRule(Rule):
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measurement of the blocks' gradient norm (and the training loss, when known). The update
-        ratios of a measured step (``m.update_ratios``) are noted first (:meth:`observe_updates`); measures without
+        ratios of a measured step (``m.update_ratios``) are noted first (:meth:`_observe_updates`); measures without
         ``grad_norm`` raise nothing and leave the loss unread."""
         if m.update_ratios is not None:
-            self.observe_updates(m.update_ratios)
+            self._observe_updates(m.update_ratios)
         if m.grad_norm is None:
             return []
         norm, loss = m.grad_norm, m.loss
@@ -274,5 +274,5 @@ def _replay_grad_collapse(run: LoggedRun) -> list[Alert]:
         at = bisect.bisect_right(steps, step) - 1
         alerts += rule.judge(StepContext(0, step), Measures(grad_norm=norm, loss=losses[at][1] if at >= 0 else None))
         if step in updates:
-            rule.observe_updates(updates[step])
+            alerts += rule.judge(StepContext(0, step), Measures(update_ratios=updates[step]))
     return alerts

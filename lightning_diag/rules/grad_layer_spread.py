@@ -101,14 +101,14 @@ class GradSpreadRule(Rule):
         self.latch = Latch.for_patience(patience)
         self.warmup_steps = warmup_steps
         self.streak = 0
-        #: ``{layer: ||ΔW|| / ||W||}`` at the last measured step (:meth:`observe_updates`); empty when unknown.
+        #: ``{layer: ||ΔW|| / ||W||}`` at the last measured step (:meth:`_observe_updates`); empty when unknown.
         self.updates: dict[str, float] = {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known."""
         super().load_state_dict({"updates": {}, **state})
 
-    def observe_updates(self, ratios: Mapping[str, float]) -> None:
+    def _observe_updates(self, ratios: Mapping[str, float]) -> None:
         """Note the relative update ``||ΔW|| / ||W||`` each layer got at the last measured optimizer step: a
         matrix whose gradient is far below its peers' but whose update is not is not a slow learner."""
         self.updates = {k: float(v) for k, v in ratios.items() if math.isfinite(v)}
@@ -125,9 +125,9 @@ class GradSpreadRule(Rule):
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measurement of the comparable layers' relative gradients and their roles (``None``: one
         role for all); return the alerts raised. The update ratios of a measured step (``m.update_ratios``) are
-        noted first (:meth:`observe_updates`); measures without ``grad_relative`` raise nothing."""
+        noted first (:meth:`_observe_updates`); measures without ``grad_relative`` raise nothing."""
         if m.update_ratios is not None:
-            self.observe_updates(m.update_ratios)
+            self._observe_updates(m.update_ratios)
         if m.grad_relative is None:
             return []
         values, roles = m.grad_relative, m.layer_roles
@@ -211,5 +211,5 @@ def _replay_grad_spread(run: LoggedRun) -> list[Alert]:
         grads = Measures(grad_relative=values, layer_roles={layer: role_of(layer) for layer in values})
         alerts += rule.judge(StepContext(0, step), grads)
         if step in updates:
-            rule.observe_updates(updates[step])
+            alerts += rule.judge(StepContext(0, step), Measures(update_ratios=updates[step]))
     return alerts

@@ -231,7 +231,7 @@ class GradBandRule(Rule):
         self.warmup_steps = warmup_steps
         self.streaks: dict[str, int] = {}
         #: ``{layer: ||ΔW|| / ||W||}``: the relative update the optimizer applied at the last measured step
-        #: (:meth:`observe_updates`); empty when the owner does not measure updates.
+        #: (:meth:`_observe_updates`); empty when the owner does not measure updates.
         self.updates: dict[str, float] = {}
         #: Matrices whose relative gradient has been exactly 0 at every measurement since the first one (``None``
         #: before it): the loss never reached them (``grad_frozen``'s information), so they are not vanishing.
@@ -305,7 +305,7 @@ class GradBandRule(Rule):
             self.unreached = [k for k in self.unreached if k in zeros or k not in relative]
         return set(self.unreached)
 
-    def observe_updates(self, ratios: Mapping[str, float]) -> None:
+    def _observe_updates(self, ratios: Mapping[str, float]) -> None:
         """Note the relative update ``||W_after - W_before|| / ||W_before||`` each layer got at the last measured
         optimizer step; ``grad_vanish`` then also needs the layer's *update* to be starved."""
         self.updates = {k: float(v) for k, v in ratios.items() if math.isfinite(v)}
@@ -377,10 +377,10 @@ class GradBandRule(Rule):
         """Judge one measurement of the gradients (``m.grad_rms`` and what comes with it, below) or of the weights
         before a measured step (``m.weight_norms``: an explosion between two measurements, see :meth:`_weights`);
         return the alerts raised. The update ratios of a measured step (``m.update_ratios``) are noted after the
-        weights are judged (:meth:`observe_updates`)."""
+        weights are judged (:meth:`_observe_updates`)."""
         alerts = [] if m.weight_norms is None else self._weights(ctx, m.weight_norms)
         if m.update_ratios is not None:
-            self.observe_updates(m.update_ratios)
+            self._observe_updates(m.update_ratios)
         if m.grad_rms is not None:
             alerts += self._gradients(ctx, m)
         return alerts
@@ -575,5 +575,5 @@ def _replay_grad_band(run: LoggedRun) -> list[Alert]:
         grads = Measures(grad_rms=rms.get(step, {}), grad_relative=relative.get(step), blocks=blocks)
         alerts += rule.judge(StepContext(0, step), grads)
         if step in updates:
-            rule.observe_updates(updates[step])
+            alerts += rule.judge(StepContext(0, step), Measures(update_ratios=updates[step]))
     return alerts

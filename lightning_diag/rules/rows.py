@@ -241,7 +241,8 @@ def values_by_step(series: Iterable[tuple[str, Series]]) -> dict[int, dict[str, 
 
 def updates_by_step(run: LoggedRun) -> dict[int, dict[str, float]]:
     """``diag/update_ratio/<layer>`` by measured step: the gradient rules read the update of a measured step at the
-    next measurement, as in the run (``GradBandRule.observe_updates`` and its peers)."""
+    next measurement, as in the run (a replay judges them as ``Measures(update_ratios=...)`` after the step's
+    gradients, as the live monitor feeds them)."""
     return values_by_step(layer_series(run, "update_ratio").items())
 
 

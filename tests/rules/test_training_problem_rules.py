@@ -201,13 +201,13 @@ def test_a_plain_stack_whose_gradient_decays_with_depth_vanishes_whatever_adam_d
     rel = _stack(1e-7, 7.0)  # 1e-7 .. 0.58 from the first layer to the last
     roles = {k: role_of(k) for k in rel}
     rule = GradBandRule(patience=2, warmup_steps=50)
-    rule.observe_updates(dict.fromkeys(rel, 2e-3))  # Adam: every layer moves alike
+    rule.judge(_ctx(0), Measures(update_ratios=dict.fromkeys(rel, 2e-3)))  # Adam: every layer moves alike
     alerts = [a for step in (4, 9) for a in rule.judge(_ctx(step), _band(rel, roles))]
     assert [a.rule for a in alerts] == ["grad_vanish"]
     assert alerts[0].source == "net.0" and "along the stack `net.*`" in alerts[0].message
     # the same values without the roles: the update test clears them (the old verdict)
     old = GradBandRule(patience=2, warmup_steps=50)
-    old.observe_updates(dict.fromkeys(rel, 2e-3))
+    old.judge(_ctx(0), Measures(update_ratios=dict.fromkeys(rel, 2e-3)))
     assert [a for step in (4, 9) for a in old.judge(_ctx(step), _band(rel))] == []
 
 
@@ -216,7 +216,7 @@ def test_a_small_matrix_without_a_decay_is_not_a_stack_that_vanishes():
     rel = {**dict.fromkeys([f"h.{i}.fc" for i in range(1, 6)], 1e-1), "h.0.fc": 1e-7}
     roles = {k: role_of(k) for k in rel}
     rule = GradBandRule(patience=1, warmup_steps=0)
-    rule.observe_updates(dict.fromkeys(rel, 2e-3))
+    rule.judge(_ctx(0), Measures(update_ratios=dict.fromkeys(rel, 2e-3)))
     assert rule.depth_decay(rel, roles) == {}  # rank correlation 0.65: the first block alone is no decay
     flat = {**dict.fromkeys([f"h.{i}.fc" for i in range(0, 5)], 1e-1), "h.5.fc": 1e-7}
     assert rule.depth_decay(flat, {k: role_of(k) for k in flat}) == {}  # the weakest is the last block
