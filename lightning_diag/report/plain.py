@@ -279,17 +279,19 @@ def _nonfinite(run: RunData, s: _Series, found: _Found) -> None:
 
 def _trend(run: RunData, s: _Series, found: _Found) -> None:
     """``loss_swing``, ``loss_stagnant``, ``val_decline`` and ``val_fluctuation`` in step order."""
-    detectors = _detectors(run, s)
+    points, unit = _loss_points(s)
+    detectors = _trend_detectors(run, unit)
     swing, stagnant = detectors[LossSwingRule], detectors[LossStagnantRule]
     decline, fluctuation = detectors[ValDeclineRule], detectors[ValFluctuationRule]
     assert isinstance(swing, LossSwingRule) and isinstance(stagnant, LossStagnantRule)
     assert isinstance(fluctuation, ValFluctuationRule)
     swing_points, swing.unit, swing_note = _swing_points(s, swing.threshold)
-    points, _ = _loss_points(s)
     baseline_steps = int(run.thresholds[STAGNANT_BASELINE_STEPS_KEY])
     early = [v for step, v in s.train if step < baseline_steps and math.isfinite(v)]
-    if early:
-        stagnant.set_baseline(statistics.fmean(early))
+    # the initial loss, handed with the loss points until loss_stagnant holds it (as AnomalyAlarm hands it)
+    initial = statistics.fmean(early) if early else None
+    if initial is not None and not math.isfinite(initial):
+        initial = None
     judging = list(detectors.values())
     # the swing's points and the stagnant rule's are one series where the run logged epoch means; else each is
     # fed its own (the swing's windows are sized to the step noise)
@@ -312,13 +314,15 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
         ctx = StepContext(s.epoch_at(step), step)
         if kind == 0:
             count, variance = spread[step]
-            found.fed(feed(by_kind[0], ctx, Measures(loss_window=LossWindow(v, max(count, 1), variance))))
+            window = LossWindow(v, max(count, 1), variance, initial=initial if stagnant.baseline is None else None)
+            found.fed(feed(by_kind[0], ctx, Measures(loss_window=window)))
             change = getattr(swing, "last_change", math.nan)
             if math.isfinite(change) and (not changes or changes[-1] != change):
                 changes.append(change)
             continue
         if kind == 1:
-            found.fed(feed(by_kind[1], ctx, Measures(loss_window=LossWindow(v))))
+            window = LossWindow(v, initial=initial if stagnant.baseline is None else None)
+            found.fed(feed(by_kind[1], ctx, Measures(loss_window=window)))
             continue
         lo, hi = bisect.bisect_right(train_steps, previous_val), bisect.bisect_right(train_steps, step)
         since = [x for _, x in s.train[lo:hi] if math.isfinite(x)]
@@ -352,7 +356,7 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
             f"needs {fluctuation.window} validation runs spanning {fluctuation.min_steps} steps, with the training "
             "loss logged between them"
         )
-    if stagnant.baseline is None:
+    if initial is None:
         found.notes[LOSS_STAGNANT] = (
             f"needs the training loss of the first {baseline_steps} steps (the untrained model's level); the first "
             f"logged is at step {s.train[0][0]}: log with log_every_n_steps=1, or attach AnomalyAlarm"
@@ -367,23 +371,22 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
         found.notes[LOSS_STAGNANT] = f"needs {stagnant.patience} points over {stagnant.min_steps} steps"
 
 
-def _detectors(run: RunData, s: _Series) -> dict[type[Rule], Rule]:
-    """:data:`PRESET` built from the run's thresholds, with the sources and units of the run's mapped series."""
+def _trend_detectors(run: RunData, unit: str) -> dict[type[Rule], Rule]:
+    """:data:`PRESET` but ``loss_outlier`` (fed apart, by :func:`_outliers`), built from the run's thresholds with
+    the sources of the run's mapped series; ``unit``: what one of ``loss_stagnant``'s points is."""
     source = run.mapping.get("train_loss_epoch") or run.mapping.get("train_loss", "train_loss")
     monitor = run.mapping.get("val_loss", "val_loss")
     context: dict[type[Rule], dict[str, str]] = {
         LossSwingRule: {"source": source},
-        LossStagnantRule: {"source": source, "unit": _loss_points(s)[1]},
+        LossStagnantRule: {"source": source, "unit": unit},
         ValDeclineRule: {"monitor": monitor},
         ValFluctuationRule: {"monitor": monitor},
     }
-    return {rule: rule.from_settings(run.thresholds, **context.get(rule, {})) for rule in PRESET}
+    return {rule: rule.from_settings(run.thresholds, **context[rule]) for rule in PRESET if rule in context}
 
 
 def _outliers(run: RunData, s: _Series, found: _Found) -> None:
-    detectors = _detectors(run, s)
-    rule = detectors[LossOutlierRule]
-    assert isinstance(rule, LossOutlierRule)
+    rule = LossOutlierRule.from_settings(run.thresholds)
     if len(s.train) < rule.window // 2 + 1:
         found.notes[LOSS_OUTLIER] = (
             f"needs more than {rule.window // 2} logged training losses, the run has {len(s.train)}"
@@ -395,7 +398,7 @@ def _outliers(run: RunData, s: _Series, found: _Found) -> None:
         if i + 1 == len(s.train) or s.epoch_at(s.train[i + 1][0]) != s.epoch_at(step):
             ctx = StepContext(s.epoch_at(step), step)
             losses = StepLosses([x for _, x in chunk], [t for t, _ in chunk])
-            found.fed(feed(detectors.values(), ctx, Measures(step_losses=losses)))
+            found.fed(feed((rule,), ctx, Measures(step_losses=losses)))
             chunk = []
     found.measured[LOSS_OUTLIER] = (
         f"{len(found.alerts.get(LOSS_OUTLIER, []))} outlier alert(s) over {len(s.train)} logged training losses"

@@ -49,3 +49,28 @@ def test_step_noise_is_that_of_one_value():
     values = [rng.lognormvariate(0, 0.2) for _ in range(4000)]
     assert step_noise(values) == pytest.approx(0.2, rel=0.15)
     assert math.isnan(step_noise([1.0, 2.0]))
+
+
+def _stagnant_row(train: list[float], every: int):
+    rep = diagnose_plain(_run(train, every))
+    return next(c for c in rep.checks if c.id == "loss_stagnant"), {a.rule for a in rep.run.alerts}
+
+
+def test_the_initial_loss_is_the_mean_of_the_first_logged_steps_handed_with_the_loss_points():
+    # logged at steps 0, 1, 2, ...: the first 5 steps (loss_stagnant.baseline_steps) average 2.0, then a flat 1.9
+    rng = random.Random(2)
+    train = [2.0] * 5 + [1.9 * rng.lognormvariate(0, 0.01) for _ in range(195)]
+    row, rules = _stagnant_row(train, every=1)
+    assert row.status == "fail" and "loss_stagnant" in rules
+    assert row.measured is not None and "below the initial 2" in row.measured
+    # the same loss falling to a tenth of its initial level learned: no alert, measured against the same baseline
+    falling = [2.0] * 5 + [2.0 * math.exp(-i / 30) for i in range(195)]
+    row, rules = _stagnant_row(falling, every=1)
+    assert row.status == "pass" and "loss_stagnant" not in rules and "below the initial 2" in row.measured
+
+
+def test_without_loss_points_or_the_first_steps_loss_stagnant_says_which_is_missing():
+    row, _ = _stagnant_row([1.0, 0.9, 0.8, 0.7, 0.6], every=1)  # an initial loss, no full window of points
+    assert row.measured is None and "needs 4 points" in row.note
+    row, _ = _stagnant_row([1.0] * 100, every=10)  # first logged at step 9: past the first 5 steps
+    assert row.measured is None and "needs the training loss of the first 5 steps" in row.note
