@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal, Protocol, cast
 
 import pytorch_lightning as pl
@@ -23,6 +23,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.anomaly_alarm.lr_logging import learning_rates
+from lightning_diag.callbacks.common.preset import Feed
 from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import value_of
@@ -46,10 +47,6 @@ __all__ = [
     "mean_lr",
     "trend_unit",
 ]
-
-#: What feeds the alarm's preset: ``feed(ctx, measures)`` judges the measures with every detector they feed and
-#: returns the alerts (:meth:`DeclaredDetectors.feed <lightning_diag.callbacks.common.preset.DeclaredDetectors.feed>`).
-Feed = Callable[[StepContext, Measures], list[Alert]]
 
 
 class SwingReadings(Protocol):

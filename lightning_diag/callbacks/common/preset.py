@@ -24,7 +24,7 @@ from lightning_diag.core.record import Alert
 from lightning_diag.rules.base import FromSettings, StepContext
 from lightning_diag.rules.measures import Measure, Measures, fed_by
 
-__all__ = ["DeclaredDetectors", "Detector", "Preset", "StatefulRule"]
+__all__ = ["DeclaredDetectors", "Detector", "Feed", "Preset", "StatefulRule"]
 
 
 class StatefulRule(Protocol):
@@ -35,10 +35,9 @@ class StatefulRule(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
-class Judging(Protocol):
-    """What :meth:`DeclaredDetectors.feed` calls: the judgment every detector shares."""
-
-    def judge(self, ctx: StepContext, m: Measures) -> list[Alert]: ...
+#: The judgment every detector shares (its ``judge``), and what a measuring part calls to have its measurements
+#: judged (:meth:`DeclaredDetectors.feed`): ``feed(ctx, m)`` judges ``m`` and returns the alerts.
+Feed = Callable[[StepContext, Measures], list[Alert]]
 
 
 RuleT = TypeVar("RuleT", bound=StatefulRule)
@@ -202,7 +201,8 @@ class DeclaredDetectors:
             )
         alerts: list[Alert] = []
         for entry in fed:
-            alerts += cast(Judging, getattr(self, entry.attribute)).judge(ctx, m)
+            judge: Feed = getattr(self, entry.attribute).judge
+            alerts += judge(ctx, m)
         return alerts
 
     def add_state(self, name: str, factory: Callable[[], RuleT], *, state_key: str | None = None) -> RuleT:

@@ -20,7 +20,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_diag.core.alerts import Alert
+from lightning_diag.callbacks.common.preset import Feed
 from lightning_diag.core.tags import updates_unchanged_tag
 from lightning_diag.instrument.grad_measure import ParamIndex
 from lightning_diag.rules.base import StepContext
@@ -165,7 +165,7 @@ class SilentUpdateChecks:
     update_sample_size: int
     writer: Any
     record: Callable[..., Any]
-    feed: Callable[[StepContext, Measures], list[Alert]]
+    feed: Feed
     threshold_lines: Callable[..., dict[str, float]]
     every_n_steps: Callable[[pl.Trainer], int]
 
