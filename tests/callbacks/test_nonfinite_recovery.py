@@ -205,6 +205,27 @@ def test_invalid_rollback_configuration(kwargs, error, name):
         AnomalyAlarm(on_nonfinite="rollback", locate_nonfinite="yes")
 
 
+def test_a_recovery_used_alone_has_a_rollback_detector_from_its_settings():
+    # benchmarks/rollback_overhead.py builds one without an alarm: its policy is in place before any fit
+    from lightning_diag.callbacks.anomaly_alarm.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
+
+    settings = RollbackSettings(every_n_steps=7, lr_factor=0.25, max_rollbacks=2)
+    alone = NonFiniteRecovery(locate=True, rollback=True, settings=settings)
+    assert alone.lr_scale == 1.0 and alone.rule.rollbacks == 0 and not alone.rule.exhausted
+    # the detector the alarm's preset builds from the same settings
+    rules = {"nonfinite_rollback": {"every_n_steps": 7, "lr_factor": 0.25, "max_rollbacks": 2}}
+    alarm = AnomalyAlarm(on_nonfinite="rollback", rules=rules)
+    assert alone.rule.state_dict() == alarm.rollback_rule.state_dict()
+    assert (alone.rule.lr_factor, alone.rule.max_rollbacks, alone.rule.repeat_window) == (0.25, 2, 7)
+    assert (alarm.rollback_rule.lr_factor, alarm.rollback_rule.max_rollbacks, alarm.rollback_rule.repeat_window) == (
+        0.25, 2, 7
+    )
+    # the owner's detector, handed in, is the one asked
+    alarm.rollback_rule.record(3, now=5)
+    alone.reset(alarm.rollback_rule)
+    assert alone.rule is alarm.rollback_rule and alone.lr_scale == 0.25
+
+
 def test_rollback_needs_automatic_optimization(tmp_path):
     with pytest.raises(ValueError, match="on_nonfinite"):
         _fit(TinyAttention(returns="vector"), AnomalyAlarm(on_nonfinite="rollback"), tmp_path, max_steps=2)

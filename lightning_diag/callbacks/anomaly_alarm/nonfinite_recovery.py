@@ -30,7 +30,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -53,13 +53,19 @@ from lightning_diag.rules.rollback import (
     DEFAULT_ROLLBACK_SNAPSHOTS,
     DEFAULT_SPIKE_FACTOR,
     RollbackChoice,
+    RollbackRule,
 )
 from lightning_diag.stats.grad import is_dtensor
 
-if TYPE_CHECKING:  # pragma: no cover
-    from lightning_diag.rules.rollback import RollbackRule
-
 __all__ = ["NonFiniteRecovery", "RollbackSettings"]
+
+
+def _own_rule(settings: RollbackSettings) -> RollbackRule:
+    """A rollback detector of a recovery used without an owner's (the owner's preset builds the same from its
+    thresholds: ``repeat_window`` is ``every_n_steps``)."""
+    return RollbackRule(
+        lr_factor=settings.lr_factor, max_rollbacks=settings.max_rollbacks, repeat_window=settings.every_n_steps
+    )
 
 
 def _ignore(state: dict[str, Any]) -> None:
@@ -127,14 +133,21 @@ class NonFiniteRecovery:
     """Batch keeping, replay, snapshots and learning-rate scaling for one :class:`~lightning_diag.AnomalyAlarm`.
 
     Which snapshot to restore, the rollback count and the learning-rate factor in force are the owner's rollback
-    detector's (``nonfinite_rollback``, a detector of its preset handed in by :meth:`reset`); its alert is judged
-    by the owner's preset, fed the :class:`~lightning_diag.rules.measures.Rollback` made.
+    detector's (``nonfinite_rollback``, a detector of its preset handed in at construction or by :meth:`reset`);
+    its alert is judged by the owner's preset, fed the :class:`~lightning_diag.rules.measures.Rollback` made.
 
     Args:
         locate: Replay the failing step to localise the first non-finite value.
         rollback: Keep snapshots and roll back on a non-finite step.
         settings: Snapshot interval, learning-rate factor, rollback budget, snapshot device and count.
         spike_factor: Trust test of the snapshots (see :class:`~lightning_diag.instrument.snapshots.SnapshotStore`).
+        rule: The owner's rollback detector; ``None``: one of its own, built from ``settings`` (a recovery used
+            alone, as a benchmark does: no rollback made, learning-rate scale 1.0).
+
+    Example:
+        >>> recovery = NonFiniteRecovery(locate=True, rollback=True, settings=RollbackSettings(lr_factor=0.25))
+        >>> recovery.lr_scale, recovery.rule.lr_factor, recovery.rule.rollbacks
+        (1.0, 0.25, 0)
     """
 
     def __init__(
@@ -144,14 +157,16 @@ class NonFiniteRecovery:
         rollback: bool,
         settings: RollbackSettings,
         spike_factor: float = DEFAULT_SPIKE_FACTOR,
+        rule: RollbackRule | None = None,
     ) -> None:
         self.locate_enabled = locate
         self.rollback_enabled = rollback
         self.settings = settings
         self.every_n_steps = settings.every_n_steps
         self.spike_factor = spike_factor
-        #: The owner's rollback detector (its policy: :meth:`rollback` asks it), set by :meth:`reset`.
-        self.rule: RollbackRule
+        #: The owner's rollback detector (its policy: :meth:`rollback` asks it), handed in again by :meth:`reset`
+        #: at every fit.
+        self.rule: RollbackRule = rule if rule is not None else _own_rule(settings)
         self.store = SnapshotStore(keep=settings.snapshots, device=settings.device, spike_factor=spike_factor)
         self._batches: collections.deque[tuple[Any, int, RngState | None]] = collections.deque(maxlen=1)
         self._hooks: list[Any] = []
