@@ -62,8 +62,12 @@ class GradNotZeroedRule(Rule):
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one check (the layers whose gradients were not zeroed, empty: all were; ``optimizers``: the names
-        of the optimizers holding them; not ``decided``: the watches closed without a verdict, counted as a check
-        that leaves the latch as it is); return the alerts."""
+        of the optimizers holding them); return the alerts.
+
+        ``StaleGrads(decided=False)`` stands for "nothing measured": the watches closed without a verdict (after
+        a resume, a watch whose parameters lost their left-over gradients in the reload: whether the user's code
+        would have zeroed them cannot be told). It is counted in :attr:`checks`, as in the uninterrupted run, and
+        raises nothing; the latch is left as it is (an alert in force stays in force, none is released)."""
         assert m.stale_grads is not None  # checked against `needs`
         stale_layers, optimizers = m.stale_grads.layers, m.stale_grads.optimizers
         self.checks += 1

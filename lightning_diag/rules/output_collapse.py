@@ -140,7 +140,12 @@ class OutputCollapseRule(Rule):
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one sampled training step: the output's mean spread across the batch, its mean level, the batch
         size, the module that returned it (``"<root>"``: the ``LightningModule``) and the relative spread of its
-        floating-point input (``nan``: unknown, the output's own relative spread is judged)."""
+        floating-point input (``nan``: unknown, the output's own relative spread is judged).
+
+        A step whose relative spread is ``nan`` (:func:`relative_spread`: a spread or level not finite, an all-zero
+        output) or whose batch has fewer than 2 samples stands for "nothing measured"; a sampled step where no
+        output was seen is fed as such, ``OutputSpread(nan, nan, 0, "")``. It is counted in :attr:`unmeasured`
+        and raises nothing; the streak, the latch and the early statistic are left as they are."""
         o = m.output_spread
         assert o is not None  # checked against `needs`
         spread, level, batch, source, input_relative = o.spread, o.level, o.batch, o.source, o.input_relative
