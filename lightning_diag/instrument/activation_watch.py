@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_diag.rules.activations import ActivationReading
+from lightning_diag.rules.records import ActivationReading
 from lightning_diag.stats.grad import is_dtensor
 
 __all__ = ["ALIVE_MAX_ELEMENTS", "LINEAR_RANGES", "MIN_ROWS", "RELU_FAMILY", "ActivationWatch"]

@@ -45,7 +45,6 @@ without a new alert.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -57,6 +56,7 @@ from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_lay
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.loss_windows import LossWindows
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.records import ActivationReading
 from lightning_diag.rules.rows import (
     Check,
     LayerPoints,
@@ -80,7 +80,6 @@ __all__ = [
     "DEFAULT_SATURATION_THRESHOLD",
     "UNITS_ALIVE_CHECK",
     "UNSCALED_INPUT_RMS",
-    "ActivationReading",
     "ActivationRule",
 ]
 
@@ -121,36 +120,6 @@ DEFAULT_SATURATION_THRESHOLD = default(ACTIVATION_SATURATION)
 #: inputs have an RMS of 1; pixel values in 0..255 about 120).
 UNSCALED_INPUT_RMS = 5.0
 _PATIENCE = int(GRAD_PATIENCE_SETTING.default)
-
-
-@dataclasses.dataclass(frozen=True)
-class ActivationReading:
-    """What one call of an activation module saw in a measured forward.
-
-    Attributes:
-        layer: The layer reported: the trainable module that ran just before the activation (``net.3``), else the
-            activation module's own name.
-        activation: The activation's class name (``"ReLU"``, ``"Tanh"``).
-        dead: Share of the layer's units inactive for every sample of the batch (ReLU family with enough rows),
-            else ``None``.
-        zero_grad: Share of exactly-zero entries of the layer's weight gradient, ``None`` when unknown.
-        saturated: Share of the activation's inputs beyond its linear range (bounded activations followed by a
-            trainable layer), else ``None``.
-        limit: The linear range's bound (``5`` for tanh), ``None`` for the ReLU family.
-        first: Whether this is the first activation of the forward, right after the first trainable layer (the one
-            that reads the model's inputs).
-        after_frozen: Whether a frozen layer (no parameter requiring a gradient) ran before this layer in the
-            forward: the layer reads a frozen part's fixed features.
-    """
-
-    layer: str
-    activation: str
-    dead: float | None = None
-    zero_grad: float | None = None
-    saturated: float | None = None
-    limit: float | None = None
-    first: bool = False
-    after_frozen: bool = False
 
 
 class ActivationRule(Rule):

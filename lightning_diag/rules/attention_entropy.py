@@ -23,12 +23,12 @@ from lightning_diag.rules.attention_specs import (
     DEFAULT_ENTROPY_HIGH_WARMUP_STEPS,
     DEFAULT_ENTROPY_LOW_THRESHOLD,
     DEFAULT_SINK_THRESHOLD,
-    LayerStats,
     first_mass,
     per_head,
 )
 from lightning_diag.rules.base import Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.records import LayerStats
 from lightning_diag.rules.rows import (
     Check,
     LoggedRun,

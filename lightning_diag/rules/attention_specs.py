@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from lightning_diag.core.registry import (
     COUNT,
@@ -87,6 +86,7 @@ from lightning_diag.core.registry import (
     register_setting,
 )
 from lightning_diag.core.tags import prefix
+from lightning_diag.rules.records import LayerStats
 from lightning_diag.rules.rows import Check, LoggedRun, finite_values, fmt, measure, run_threshold
 
 __all__ = [
@@ -109,7 +109,6 @@ __all__ = [
     "DEFAULT_SINK_THRESHOLD",
     "ENTROPY_HIGH_UNIFORM_FRACTION_KEY",
     "ENTROPY_HIGH_WARMUP_STEPS_KEY",
-    "LayerStats",
     "first_mass",
     "per_head",
 ]
@@ -168,22 +167,6 @@ DEFAULT_ENTROPY_HIGH_WARMUP_STEPS = int(default(ENTROPY_HIGH_WARMUP_STEPS_KEY))
 DEFAULT_SINK_THRESHOLD = default(ATTN_SINK)
 #: Consecutive measurements an attention condition must hold before it alerts.
 DEFAULT_ATTN_PATIENCE = int(ATTN_PATIENCE_SETTING.default)
-
-
-class LayerStats(NamedTuple):
-    """One attention module's per-head statistics at one measured step (host floats, one per head).
-
-    ``first_mass`` (mass on the first key each query may see; empty when unknown) and ``causal`` (whether the
-    module's mask is causal) tell an attention sink of causal attention from a collapse.
-    """
-
-    entropy: Sequence[float]
-    uniform: Sequence[float]
-    special_mass: Sequence[float]
-    special_share: Sequence[float]
-    first_mass: Sequence[float] = ()
-    causal: bool = False
-    coverage: Sequence[float] = ()
 
 
 def per_head(stats: LayerStats, values: Sequence[float]) -> list[float]:

@@ -20,9 +20,8 @@ a resumed run (which measures again) does not repeat what it already reported.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import ClassVar
 
 from lightning_diag.core.record import Alert, Severity
@@ -40,6 +39,7 @@ from lightning_diag.core.registry import (
 from lightning_diag.core.tags import family_tag
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.records import DataMeasurement
 from lightning_diag.rules.rows import Check, LoggedRun, measure, replay, run_setting
 
 __all__ = [
@@ -63,9 +63,7 @@ __all__ = [
     "LEAKAGE_SHINGLE_SIZE_KEY",
     "TRAIN_TEST_OVERLAP_CHECK",
     "VOCAB_SHIFT_MIN_COUNT_KEY",
-    "DataMeasurement",
     "DataRules",
-    "InputProblem",
 ]
 
 # -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
@@ -122,58 +120,6 @@ DEFAULT_LEAKAGE_NEAR_DUPLICATE = default(LEAKAGE_NEAR_DUPLICATE_KEY)
 DEFAULT_LABEL_IMBALANCE_THRESHOLD = default(LABEL_IMBALANCE)
 
 _EXAMPLES = 5
-
-
-@dataclasses.dataclass(frozen=True)
-class InputProblem:
-    """Something wrong with the inputs of one split: a non-finite tensor, constant features, empty sequences.
-
-    Attributes:
-        split: ``"train"`` or ``"val"``.
-        key: Where in the batch: ``"input_ids"``, ``"[0]"``, ``"[0].pixel_values"``...
-        kind: ``"nonfinite"`` (critical), ``"constant"`` or ``"empty"`` (info).
-        count: Samples concerned (for ``constant``: features).
-        examples: Dataset indices of a few samples concerned (for ``constant``: feature indices).
-    """
-
-    split: str
-    key: str
-    kind: str
-    count: int
-    examples: tuple[int, ...] = ()
-
-
-@dataclasses.dataclass
-class DataMeasurement:
-    """One measurement of the sampled data (host floats; ``nan`` where not measured).
-
-    Attributes:
-        vocab_kl: Smoothed ``KL(P_val || P_train)`` of the token frequencies.
-        oov_share: Share of validation tokens never seen in the training sample.
-        leaked_fraction: Estimated share of validation samples copying a training sample.
-        leaked: Validation samples found leaked in the sample.
-        val_samples: Validation samples compared.
-        leak_examples: ``(val index, train index, similarity)`` of a few leaked samples.
-        leak_parts: What the leakage search compared: ``("token ids",)``, ``("token ids", "pixel_values")`` (a
-            multimodal sample matches only when its other parts are equal too), ``("input features",)``.
-        text_only_leaks: Multimodal samples: validation samples whose text copies a training sample's while their
-            other parts differ (not leaks; an ``info`` alert).
-        label_std: Standard deviation of the class proportions, per split.
-        label_counts: Samples per class, per split.
-        problems: Broken inputs found.
-    """
-
-    vocab_kl: float = math.nan
-    oov_share: float = math.nan
-    leaked_fraction: float = math.nan
-    leaked: int = 0
-    val_samples: int = 0
-    leak_examples: Sequence[tuple[int, int, float]] = ()
-    leak_parts: Sequence[str] = ()
-    text_only_leaks: int = 0
-    label_std: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    label_counts: Mapping[str, Sequence[int]] = dataclasses.field(default_factory=dict)
-    problems: Sequence[InputProblem] = ()
 
 
 class DataRules(Rule):

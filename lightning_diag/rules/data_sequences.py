@@ -21,14 +21,14 @@ Each (rule, source) pair is latched; a later measurement that finds the conditio
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.records import SequenceMeasurement
 
 __all__ = [
     "DEFAULT_LENGTH_RATIO",
@@ -37,7 +37,6 @@ __all__ = [
     "LOSS_ON_PADDING_SPEC",
     "POSITION_OVERFLOW",
     "POSITION_OVERFLOW_SPEC",
-    "SequenceMeasurement",
     "SequenceRules",
 ]
 
@@ -62,33 +61,6 @@ POSITION_OVERFLOW = POSITION_OVERFLOW_SPEC.rule_id
 DEFAULT_PADDING_LABELS = default(LOSS_ON_PADDING)
 #: ``position_overflow``: a sample longer than this many times the longest training sample seen.
 DEFAULT_LENGTH_RATIO = default(POSITION_OVERFLOW)
-
-
-@dataclasses.dataclass(frozen=True)
-class SequenceMeasurement:
-    """What one measurement found about the sampled sequences.
-
-    Attributes:
-        label_positions: Token-level label positions (label other than -100) of the sampled training batches
-            that have a padding mask.
-        padded_labels: Of those, the positions that are padding.
-        padded_examples: Dataset indices of a few training samples with labelled padding.
-        extent: ``{split: positions the longest sampled sample uses}`` (last non-padding token + 1).
-        capacity: The model's position capacity, or ``None`` when none was found.
-        capacity_source: Where the capacity comes from (``config.max_position_embeddings``, a module name).
-    """
-
-    label_positions: int = 0
-    padded_labels: int = 0
-    padded_examples: Sequence[int] = ()
-    extent: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    capacity: int | None = None
-    capacity_source: str = ""
-
-    @property
-    def padded_share(self) -> float | None:
-        """Share of the label positions that are padding (``None`` when no label position was measured)."""
-        return self.padded_labels / self.label_positions if self.label_positions else None
 
 
 class SequenceRules(Rule):

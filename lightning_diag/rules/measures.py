@@ -26,12 +26,14 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_diag.rules.activations import ActivationReading
-    from lightning_diag.rules.attention_specs import LayerStats
-    from lightning_diag.rules.data_sample import DataMeasurement
-    from lightning_diag.rules.data_sequences import SequenceMeasurement
     from lightning_diag.rules.errors import Group
-    from lightning_diag.rules.updates_applied import LayerUpdate
+    from lightning_diag.rules.records import (
+        ActivationReading,
+        DataMeasurement,
+        LayerStats,
+        LayerUpdate,
+        SequenceMeasurement,
+    )
     from lightning_diag.stats.timing import Series
 
 __all__ = [

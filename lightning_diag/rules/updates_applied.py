@@ -29,7 +29,6 @@ Layers tripping one rule at one measurement make one alert naming them; each lay
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, ClassVar
@@ -41,6 +40,7 @@ from lightning_diag.rules.base import Rule, StepContext, excess, list_names, nam
 from lightning_diag.rules.grad_frozen import GRADIENT_FLOW
 from lightning_diag.rules.loss_windows import LossWindows
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.records import LayerUpdate
 from lightning_diag.rules.rows import Check, LoggedRun, finite_values, measure, run_setting
 
 __all__ = [
@@ -56,7 +56,6 @@ __all__ = [
     "UPDATE_SAMPLE_SIZE_KEY",
     "UPDATE_STALE",
     "UPDATE_STALE_SPEC",
-    "LayerUpdate",
     "UpdateRule",
 ]
 
@@ -115,29 +114,6 @@ UPDATE_CAUSES: dict[str, str] = {
         "zero, or parameters the optimizer updates out of place"
     ),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerUpdate:
-    """What one measured optimizer step did to a layer's sampled elements.
-
-    Attributes:
-        counted: Sampled elements with a finite, non-zero gradient.
-        unchanged: Of those, the elements the step left bit-for-bit unchanged.
-        low_precision: Whether the layer's parameters are bf16 or fp16.
-        cause: A key of :data:`UPDATE_CAUSES` known before looking (``"no_optimizer"``, ``"lr_zero"``), else
-            ``None``.
-    """
-
-    counted: int
-    unchanged: int
-    low_precision: bool = False
-    cause: str | None = None
-
-    @property
-    def share(self) -> float:
-        """Share of the counted elements left unchanged (0 when none was counted)."""
-        return self.unchanged / self.counted if self.counted else 0.0
 
 
 class UpdateRule(Rule):

@@ -22,7 +22,7 @@ from lightning_diag import (
     SystemMonitor,
 )
 from lightning_diag.callbacks.common.base import DiagCallback
-from lightning_diag.rules.activations import ActivationReading, ActivationRule
+from lightning_diag.rules.activations import ActivationRule
 from lightning_diag.rules.attention_entropy import AttentionEntropyRule
 from lightning_diag.rules.attention_logits import AttentionLogitRule
 from lightning_diag.rules.attention_sink import AttentionSinkRule
@@ -49,12 +49,13 @@ from lightning_diag.rules.measures import (
 )
 from lightning_diag.rules.memory_growth import MemoryGrowthRule
 from lightning_diag.rules.quantization_error import QuantizationErrorRule
+from lightning_diag.rules.records import ActivationReading, LayerUpdate
 from lightning_diag.rules.robustness import RobustnessDropRule
 from lightning_diag.rules.sharp_minimum import SharpMinimumRule
 from lightning_diag.rules.step_time_fluctuation import StepFluctuationRule
 from lightning_diag.rules.step_time_periodic import StepPeriodicRule
 from lightning_diag.rules.update_size import UpdateSizeRule
-from lightning_diag.rules.updates_applied import LayerUpdate, UpdateRule
+from lightning_diag.rules.updates_applied import UpdateRule
 from tests.callbacks.system_models import Encoder, FakeTime, Tick
 
 #: Per callback: (the measurement that names a call site, the detectors that call site judged before, in order).

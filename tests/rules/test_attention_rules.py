@@ -2,9 +2,9 @@ import pytest
 
 from lightning_diag.rules.attention_entropy import START_HOLD, AttentionEntropyRule
 from lightning_diag.rules.attention_sink import AttentionSinkRule
-from lightning_diag.rules.attention_specs import LayerStats
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures
+from lightning_diag.rules.records import LayerStats
 
 
 def layer(entropy, uniform=2.7, mass=0.1, share=0.15, first=(), causal=False):

@@ -7,8 +7,9 @@ import math
 import pytest
 
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.data_sample import DataMeasurement, DataRules, InputProblem
+from lightning_diag.rules.data_sample import DataRules
 from lightning_diag.rules.measures import Measures
+from lightning_diag.rules.records import DataMeasurement, InputProblem
 
 CTX = StepContext(0, 0)
 

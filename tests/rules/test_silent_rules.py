@@ -6,12 +6,13 @@ from torch import nn
 
 from lightning_diag.instrument.positions import position_capacity
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.data_sequences import SequenceMeasurement, SequenceRules
+from lightning_diag.rules.data_sequences import SequenceRules
 from lightning_diag.rules.grad_not_zeroed import GradNotZeroedRule
 from lightning_diag.rules.measures import Measures, StaleGrads
+from lightning_diag.rules.records import LayerUpdate, SequenceMeasurement
 from lightning_diag.rules.replicas import DesyncRule, compare_replicas, replica_differences
 from lightning_diag.rules.train_mode import EvalModeRule
-from lightning_diag.rules.updates_applied import LayerUpdate, UpdateRule
+from lightning_diag.rules.updates_applied import UpdateRule
 from lightning_diag.stats.updates import ElementSample, parameter_checksums, sample_positions, unchanged_counts
 
 

@@ -15,7 +15,7 @@ from lightning_diag.core.tags import attn_distance_tag, attn_heads_tag, attn_map
 from lightning_diag.instrument.attention_record import AttentionRecorder
 from lightning_diag.output.images import heatmap, scatter, tile
 from lightning_diag.output.writer import DiagWriter
-from lightning_diag.rules.attention_specs import LayerStats
+from lightning_diag.rules.records import LayerStats
 from lightning_diag.stats.attention_probs import head_pca, head_similarity
 
 __all__ = ["IMAGE_KEYS", "draw_images", "no_attention_message", "reduce_distances", "reduce_stats"]

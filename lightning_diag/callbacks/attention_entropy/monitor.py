@@ -33,9 +33,9 @@ from lightning_diag.rules.attention_specs import (
     ATTN_MAX_QUERIES_SETTING,
     ATTN_SAMPLE_SIZE_SETTING,
     ATTN_SINK,
-    LayerStats,
 )
 from lightning_diag.rules.measures import Measures
+from lightning_diag.rules.records import LayerStats
 
 __all__ = ["DEFAULT_MAX_QUERIES", "DEFAULT_SAMPLE_SIZE", "NO_ATTENTION_SAMPLES", "AttentionEntropyMonitor"]
 

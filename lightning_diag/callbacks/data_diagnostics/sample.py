@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from lightning_diag.callbacks.data_diagnostics.batch import BatchView
-from lightning_diag.rules.data_sample import DataMeasurement, InputProblem
-from lightning_diag.rules.data_sequences import SequenceMeasurement
+from lightning_diag.rules.records import DataMeasurement, InputProblem, SequenceMeasurement
 from lightning_diag.stats import token_stats as ds
 
 __all__ = ["Measured", "SplitSample", "measure"]

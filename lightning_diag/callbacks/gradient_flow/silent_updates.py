@@ -25,7 +25,8 @@ from lightning_diag.core.tags import updates_unchanged_tag
 from lightning_diag.instrument.grad_measure import ParamIndex
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures, StaleGrads
-from lightning_diag.rules.updates_applied import UPDATE_STALE, LayerUpdate
+from lightning_diag.rules.records import LayerUpdate
+from lightning_diag.rules.updates_applied import UPDATE_STALE
 from lightning_diag.stats.updates import ElementSample, segment_any, unchanged_counts
 
 __all__ = ["ZEROED_SAMPLE_SIZE", "PendingUpdate", "SilentUpdateChecks", "ZeroGradWatch", "optimizer_position"]
