@@ -82,7 +82,7 @@ class AttentionEntropyRule(Rule):
     """``attn_entropy_low`` and ``attn_entropy_high``, per head.
 
     Example:
-        >>> from lightning_diag.rules.attention_specs import LayerStats
+        >>> from lightning_diag.rules.records import LayerStats
         >>> rule = AttentionEntropyRule(patience=2, warmup_steps=0)
         >>> spread = {"attn": LayerStats([1.8, 1.5], [2.7, 2.7], [0.0, 0.0], [0.1, 0.1])}
         >>> collapsed = {"attn": LayerStats([0.1, 1.5], [2.7, 2.7], [0.0, 0.0], [0.1, 0.1])}

@@ -29,7 +29,7 @@ class AttentionSinkRule(Rule):
     """``attn_sink``: every head of a layer puts most of its mass on the special tokens.
 
     Example:
-        >>> from lightning_diag.rules.attention_specs import LayerStats
+        >>> from lightning_diag.rules.records import LayerStats
         >>> rule = AttentionSinkRule(patience=1)
         >>> sink = {"attn": LayerStats([0.2, 0.3], [2.7, 2.7], [0.9, 0.8], [0.13, 0.13])}
         >>> [a.rule for a in rule.judge(StepContext(0, 5), Measures(attention=sink))]

@@ -35,6 +35,7 @@ from lightning_diag.core.registry import COUNT, FRACTION, RULES, CheckSpec, Rule
 from lightning_diag.rules.base import Latch, Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
 from lightning_diag.rules.rows import Check, LoggedRun, fmt, measure, run_setting, serious_alerts
+from lightning_diag.stats.spread import relative_spread
 
 __all__ = [
     "DEFAULT_OUTPUT_COLLAPSE_PATIENCE",
@@ -43,7 +44,6 @@ __all__ = [
     "OUTPUT_COLLAPSE",
     "OUTPUT_COLLAPSE_SPEC",
     "OutputCollapseRule",
-    "relative_spread",
 ]
 
 OUTPUT_COLLAPSE_SPEC = register(
@@ -74,20 +74,6 @@ DEFAULT_OUTPUT_COLLAPSE_PATIENCE: int = int(OUTPUT_COLLAPSE_SPEC.settings["patie
 
 #: The first measurements whose largest relative spread the message quotes as the early value.
 _EARLY = 3
-
-
-def relative_spread(spread: float, level: float) -> float:
-    """``spread / (spread + |level|)``: 0 for outputs equal across the batch; ``nan`` where both are 0 (an
-    all-zero output, e.g. a zero-initialised last layer, says nothing) or not finite.
-
-    Example:
-        >>> relative_spread(0.0, 1.0), relative_spread(1.0, 0.0), math.isnan(relative_spread(0.0, 0.0))
-        (0.0, 1.0, True)
-    """
-    total = spread + abs(level)
-    if not (math.isfinite(spread) and math.isfinite(level)) or total <= 0:
-        return math.nan
-    return spread / total
 
 
 class OutputCollapseRule(Rule):
@@ -142,10 +128,11 @@ class OutputCollapseRule(Rule):
         size, the module that returned it (``"<root>"``: the ``LightningModule``) and the relative spread of its
         floating-point input (``nan``: unknown, the output's own relative spread is judged).
 
-        A step whose relative spread is ``nan`` (:func:`relative_spread`: a spread or level not finite, an all-zero
-        output) or whose batch has fewer than 2 samples stands for "nothing measured"; a sampled step where no
-        output was seen is fed as such, ``OutputSpread(nan, nan, 0, "")``. It is counted in :attr:`unmeasured`
-        and raises nothing; the streak, the latch and the early statistic are left as they are."""
+        A step whose relative spread is ``nan`` (:func:`~lightning_diag.stats.spread.relative_spread`: a spread or
+        level not finite, an all-zero output) or whose batch has fewer than 2 samples stands for "nothing
+        measured"; a sampled step where no output was seen is fed as such, ``OutputSpread(nan, nan, 0, "")``. It
+        is counted in :attr:`unmeasured` and raises nothing; the streak, the latch and the early statistic are left
+        as they are."""
         o = m.output_spread
         assert o is not None  # checked against `needs`
         spread, level, batch, source, input_relative = o.spread, o.level, o.batch, o.source, o.input_relative

@@ -2,19 +2,18 @@
 
 Fed by :class:`~lightning_diag.AnomalyAlarm` early (after optimizer steps 1, 2, 4, 8, ... below the interval: a run
 is compared within its first steps, whatever its length) and then every ``ddp_desync.every_n_steps`` optimizer steps
-(:func:`check_due`). A *replica group* is a set of ranks that must hold identical copies of a parameter's local
-tensor: every rank under DDP (plain tensors); for a DTensor, the ranks along one of its mesh dimensions with a
-``Replicate`` placement (HSDP's replicate dimension, a ``RowwiseParallel`` bias or a norm on the tensor-parallel
-dimension). Shards are never compared. Each rank's checksums (two numbers per parameter: its L2 norm and its sum,
-:func:`lightning_diag.stats.updates.parameter_checksums`) are gathered within each group; a member whose checksum
-differs from the group's first member's by more than ``tolerance`` (relative) is out of sync
-(:func:`member_differences`, :func:`first_differences`). The alert (critical) names the first such parameter in the
-model's order, the global ranks that differ and the ranks they were compared with. Latched: the run alerts once, and
-again only after a check found the replicas in agreement."""
+(:func:`lightning_diag.stats.replicas.check_due`). A *replica group* is a set of ranks that must hold identical
+copies of a parameter's local tensor: every rank under DDP (plain tensors); for a DTensor, the ranks along one of
+its mesh dimensions with a ``Replicate`` placement (HSDP's replicate dimension, a ``RowwiseParallel`` bias or a norm
+on the tensor-parallel dimension). Shards are never compared. Each rank's checksums (two numbers per parameter: its
+L2 norm and its sum, :func:`lightning_diag.stats.updates.parameter_checksums`) are gathered within each group; a
+member whose checksum differs from the group's first member's by more than ``tolerance`` (relative) is out of sync
+(:mod:`lightning_diag.stats.replicas`). The alert (critical) names the first such parameter in the model's order,
+the global ranks that differ and the ranks they were compared with. Latched: the run alerts once, and again only
+after a check found the replicas in agreement."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
@@ -24,6 +23,7 @@ from lightning_diag.core.tags import replicas_tag
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures, ReplicaDifferences
 from lightning_diag.rules.rows import Check, LoggedRun, finite_values, fmt, measure, run_setting
+from lightning_diag.stats.replicas import first_differences, member_differences
 
 __all__ = [
     "DDP_DESYNC",
@@ -33,11 +33,7 @@ __all__ = [
     "DESYNC_EVERY_N_STEPS_KEY",
     "REPLICAS_AGREE_CHECK",
     "DesyncRule",
-    "check_due",
     "compare_replicas",
-    "first_differences",
-    "member_differences",
-    "replica_differences",
 ]
 
 # -- declaration (the docs' thresholds table and the report read it) -------------------------------------------
@@ -62,89 +58,6 @@ DEFAULT_DESYNC_TOLERANCE = default(DDP_DESYNC)
 DESYNC_EVERY_N_STEPS_KEY = DDP_DESYNC_SPEC.key("every_n_steps")
 #: ``ddp_desync``: optimizer steps between two comparisons.
 DEFAULT_DESYNC_EVERY_N_STEPS = int(default(DESYNC_EVERY_N_STEPS_KEY))
-
-
-def check_due(step: int, every_n_steps: int) -> bool:
-    """Whether the replicas are compared after optimizer step ``step``: at the powers of two below
-    ``every_n_steps`` (1, 2, 4, 8, ...: a fault present from the start, a model never wrapped or a lossy
-    all-reduce, shows within the first steps of even a short run), then at every multiple of ``every_n_steps``.
-
-    Example:
-        >>> [s for s in range(1, 301) if check_due(s, 100)]
-        [1, 2, 4, 8, 16, 32, 64, 100, 200, 300]
-        >>> [s for s in range(0, 9) if check_due(s, 2)]
-        [1, 2, 4, 6, 8]
-    """
-    if step <= 0:
-        return False
-    if step % every_n_steps == 0:
-        return True
-    return step < every_n_steps and step & (step - 1) == 0
-
-
-def replica_differences(checksums: Sequence[Sequence[float]]) -> list[list[float]]:
-    """``[rank][value]``: each rank's relative difference from rank zero, value by value.
-
-    A value that is NaN on both ranks is no difference (every replica holds the same non-finite weights: the
-    non-finite rules' finding, not a desync); NaN on one of them is an infinite one.
-
-    Example:
-        >>> replica_differences([[2.0, 1.0], [2.0, 1.5]])
-        [[0.0, 0.0], [0.0, 0.5]]
-        >>> replica_differences([[float("nan"), 1.0], [float("nan"), 1.0], [1.0, 1.0]])
-        [[0.0, 0.0], [0.0, 0.0], [inf, 0.0]]
-    """
-    ref = checksums[0]
-    out = []
-    for row in checksums:
-        diffs = []
-        for a, b in zip(row, ref, strict=True):
-            if a == b or (math.isnan(a) and math.isnan(b)):
-                diffs.append(0.0)
-            elif not (math.isfinite(a) and math.isfinite(b)):
-                diffs.append(math.inf)
-            else:
-                diffs.append(abs(a - b) / max(abs(b), 1e-12))
-        out.append(diffs)
-    return out
-
-
-def member_differences(checksums: Sequence[Sequence[float]]) -> list[list[float]]:
-    """``[member][parameter]``: each group member's relative difference from the first member, per parameter
-    (the larger of its norm's and its sum's), from ``[member][2 * n]`` checksums (``n`` norms, then ``n`` sums).
-
-    Example:
-        >>> member_differences([[1.0, 2.0, 1.0, 2.0], [1.0, 2.0, 1.0, 3.0]])
-        [[0.0, 0.0], [0.0, 0.5]]
-    """
-    diffs = replica_differences(checksums)
-    n = len(checksums[0]) // 2 if checksums else 0
-    return [[max(d[i], d[n + i]) for i in range(n)] for d in diffs]
-
-
-def first_differences(
-    diffs: Sequence[Sequence[float]], ranks: Sequence[int], params: Sequence[int], tolerance: float
-) -> dict[int, tuple[int, int]]:
-    """``{global rank: (parameter index, reference rank)}``: for each member of one replica group that differs from
-    the group's first member by more than ``tolerance``, the first parameter on which it does.
-
-    Args:
-        diffs: ``[member][k]`` (:func:`member_differences`).
-        ranks: The members' global ranks (the first is the reference).
-        params: The model-order indices of the group's ``k`` parameters (ascending).
-        tolerance: Relative difference above which a member differs.
-
-    Example:
-        >>> first_differences([[0.0, 0.0], [0.0, 0.5]], [2, 6], [3, 7], 1e-6)
-        {6: (7, 2)}
-    """
-    out: dict[int, tuple[int, int]] = {}
-    for rank, row in zip(ranks, diffs, strict=True):
-        for index, value in zip(params, row, strict=True):
-            if value > tolerance:
-                out[rank] = (index, ranks[0])
-                break
-    return out
 
 
 def compare_replicas(

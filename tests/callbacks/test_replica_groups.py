@@ -9,7 +9,8 @@ from torch import nn
 from lightning_diag.callbacks.anomaly_alarm.silent_checks import ReplicaCheck
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures, ReplicaDifferences
-from lightning_diag.rules.replicas import DesyncRule, first_differences, member_differences
+from lightning_diag.rules.replicas import DesyncRule
+from lightning_diag.stats.replicas import first_differences, member_differences
 
 
 def _differences(per_param, names, first, compared=None):

@@ -9,8 +9,9 @@ from lightning_diag.core.registry import parse_rules
 from lightning_diag.rules.attention_logits import ATTN_LOGIT_GROWTH, AttentionLogitRule
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures, OutputSpread, ZeroOutputs
-from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OutputCollapseRule, relative_spread
+from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OutputCollapseRule
 from lightning_diag.rules.zero_output import ZeroOutputRule
+from lightning_diag.stats.spread import relative_spread
 
 
 def _ctx(step):

@@ -10,9 +10,10 @@ from lightning_diag.rules.data_sequences import SequenceRules
 from lightning_diag.rules.grad_not_zeroed import GradNotZeroedRule
 from lightning_diag.rules.measures import Measures, StaleGrads
 from lightning_diag.rules.records import LayerUpdate, SequenceMeasurement
-from lightning_diag.rules.replicas import DesyncRule, compare_replicas, replica_differences
+from lightning_diag.rules.replicas import DesyncRule, compare_replicas
 from lightning_diag.rules.train_mode import EvalModeRule
 from lightning_diag.rules.updates_applied import UpdateRule
+from lightning_diag.stats.replicas import replica_differences
 from lightning_diag.stats.updates import ElementSample, parameter_checksums, sample_positions, unchanged_counts
 
 

@@ -25,7 +25,8 @@ import pytorch_lightning as pl
 from lightning_diag.callbacks.anomaly_alarm.sampled_check import SampledCheck
 from lightning_diag.instrument.output_watch import OutputSpreadWatch
 from lightning_diag.rules.measures import Measures, OutputSpread
-from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, relative_spread
+from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE
+from lightning_diag.stats.spread import relative_spread
 
 __all__ = ["OutputCollapseCheck"]
 

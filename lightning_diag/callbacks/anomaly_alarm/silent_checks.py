@@ -20,8 +20,9 @@ from torch.nn.modules.dropout import _DropoutNd
 from lightning_diag.core.tags import replicas_tag
 from lightning_diag.instrument.sharding import mesh_dim_ranks, replica_dims
 from lightning_diag.rules.measures import Measures, ReplicaDifferences
-from lightning_diag.rules.replicas import DDP_DESYNC, check_due, first_differences, member_differences
+from lightning_diag.rules.replicas import DDP_DESYNC
 from lightning_diag.stats.grad import is_dtensor, local_tensor
+from lightning_diag.stats.replicas import check_due, first_differences, member_differences
 from lightning_diag.stats.updates import parameter_checksums
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,7 +53,7 @@ class _Group:
 
 class ReplicaCheck:
     """``ddp_desync``: after optimizer steps 1, 2, 4, ... below ``every_n_steps`` and then every ``every_n_steps``
-    (:func:`~lightning_diag.rules.replicas.check_due`), the parameters' checksums compared within each replica
+    (:func:`~lightning_diag.stats.replicas.check_due`), the parameters' checksums compared within each replica
     group; nothing runs on other steps.
 
     A replica group is a set of ranks that must hold identical copies of a parameter's local tensor:
@@ -126,7 +127,7 @@ class ReplicaCheck:
         return groups
 
     def on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After an optimizer step that :func:`~lightning_diag.rules.replicas.check_due` names: compare the
+        """After an optimizer step that :func:`~lightning_diag.stats.replicas.check_due` names: compare the
         replicas."""
         step = trainer.global_step
         if trainer.world_size <= 1 or not check_due(step, self.every_n_steps) or step == self._last_step:
