@@ -56,7 +56,7 @@ def test_plain_tensors_are_replicas_under_ddp_and_model_parallel_not_fsdp1(
     strategy: object, compared: list[int], notice: str | None
 ) -> None:
     owner = _Owner()
-    check = ReplicaCheck(owner, 2, 1e-6)  # type: ignore[arg-type]
+    check = ReplicaCheck(owner, DesyncRule.rule_id, 2, 1e-6)  # type: ignore[arg-type]
     trainer = SimpleNamespace(world_size=2, strategy=strategy)
     groups = check._groups(trainer, list(nn.Linear(2, 2).named_parameters()))  # type: ignore[arg-type]
     assert [i for g in groups.values() for i in g.params] == compared

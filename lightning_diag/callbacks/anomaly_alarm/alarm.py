@@ -10,6 +10,7 @@ rules (``rules/loss_swing.py``, ``loss_stagnant.py``, ``val_decline.py``, ``val_
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal
 
@@ -41,8 +42,8 @@ from lightning_diag.rules.catalog import NONFINITE_ROLLBACK, VAL_DECLINE
 from lightning_diag.rules.eval_before_training import EvalBeforeTrainingRule
 from lightning_diag.rules.eval_randomness import EvalRandomnessRule
 from lightning_diag.rules.loss_outlier import LossOutlierRule
-from lightning_diag.rules.loss_stagnant import LossStagnantRule
-from lightning_diag.rules.loss_swing import LOSS_SWING_WINDOW_STEPS_KEY, LossSwingRule
+from lightning_diag.rules.loss_stagnant import STAGNANT_BASELINE_STEPS_KEY, LossStagnantRule
+from lightning_diag.rules.loss_swing import LOSS_SWING, LOSS_SWING_WINDOW_STEPS_KEY, LossSwingRule
 from lightning_diag.rules.nonfinite import (
     DEFAULT_MAX_SCALER_OVERFLOWS,
     DEFAULT_MAX_SKIPS,
@@ -50,14 +51,14 @@ from lightning_diag.rules.nonfinite import (
     NONFINITE_LOSS_MAX_SKIPS_KEY,
     NonFinitePolicy,
 )
-from lightning_diag.rules.output_collapse import OutputCollapseRule
+from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OutputCollapseRule
 from lightning_diag.rules.replicas import DDP_DESYNC, DESYNC_EVERY_N_STEPS_KEY, DesyncRule
 from lightning_diag.rules.rollback import NONFINITE_ROLLBACK_SPEC, RollbackRule
 from lightning_diag.rules.train_mode import EvalModeRule
-from lightning_diag.rules.train_override_bypassed import TrainOverrideRule
+from lightning_diag.rules.train_override_bypassed import TRAIN_OVERRIDE_BYPASSED, TrainOverrideRule
 from lightning_diag.rules.val_decline import VAL_DECLINE_HIGHER_IS_BETTER_KEY, ValDeclineRule
 from lightning_diag.rules.val_fluctuation import VAL_FLUCTUATION, ValFluctuationRule
-from lightning_diag.rules.zero_output import ZeroOutputRule
+from lightning_diag.rules.zero_output import ZERO_OUTPUT, ZeroOutputRule
 from lightning_diag.stats.loss_sums import LossSums
 
 __all__ = [
@@ -256,13 +257,18 @@ class AnomalyAlarm(QuietLossKeeping):
         self.trend_unit = trend_unit(self.swing_window)
         # The declared detectors and state: built now and afresh at every fit, saved and restored by the base class.
         self.add_preset()
-        self.loss_sums: LossSums = self.add_rule("loss_sums", build_loss_sums, state_key="accumulators")
+        loss_sums = functools.partial(build_loss_sums, baseline_key=STAGNANT_BASELINE_STEPS_KEY)
+        self.loss_sums: LossSums = self.add_rule("loss_sums", loss_sums, state_key="accumulators")
         self.deferred: DeferredFindings = self.add_state("deferred", DeferredFindings, state_key="pending_nonfinite")
         #: The run-time checks (``train_override_bypassed``, ``eval_randomness``, ``amp_not_applied``,
         #: ``loss_outlier``, ``eval_before_training``); their rules and pending losses are declared on this callback.
-        self.runtime = RuntimeChecks(self)
+        self.runtime = RuntimeChecks(
+            self, override_id=TRAIN_OVERRIDE_BYPASSED, zero_id=ZERO_OUTPUT, collapse_id=OUTPUT_COLLAPSE
+        )
         #: ``ddp_desync``'s comparisons of the replicas, fed to :attr:`desync_rule`.
-        self.replicas = ReplicaCheck(self, int(self.setting(DESYNC_EVERY_N_STEPS_KEY)), self.setting(DDP_DESYNC))
+        self.replicas = ReplicaCheck(
+            self, DDP_DESYNC, int(self.setting(DESYNC_EVERY_N_STEPS_KEY)), self.setting(DDP_DESYNC)
+        )
         #: ``eval_mode_in_training``'s look at the Dropout and BatchNorm modules, fed to :attr:`train_mode_rule`.
         self.train_mode = TrainModeCheck(self)
         # What the quiet path reads instead of asking the trainer at every batch (set again at every fit's start):
@@ -334,6 +340,9 @@ class AnomalyAlarm(QuietLossKeeping):
             swing_window=self.swing_window,
             monitor=self.monitor,
             higher_is_better=self.mode == "max",
+            swing_id=LOSS_SWING,
+            decline_id=VAL_DECLINE,
+            fluctuation_id=VAL_FLUCTUATION,
         )
         self.recovery.reset(self.rollback_rule)
         self.replicas.reset()

@@ -29,11 +29,7 @@ from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import value_of
 from lightning_diag.core.tags import LossSeries, loss_tag, threshold_tag
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.loss_stagnant import STAGNANT_BASELINE_STEPS_KEY
-from lightning_diag.rules.loss_swing import LOSS_SWING
 from lightning_diag.rules.measures import LossWindow, Measures, Validation
-from lightning_diag.rules.val_decline import VAL_DECLINE
-from lightning_diag.rules.val_fluctuation import VAL_FLUCTUATION
 from lightning_diag.stats.loss_sums import LOSS_PERIODS, LossSums
 
 __all__ = [
@@ -106,10 +102,10 @@ def batch_ratio(trainer: pl.Trainer) -> float:
     return train / val if train is not None and val is not None else 1.0
 
 
-def build_loss_sums(thresholds: Mapping[str, float]) -> LossSums:
-    """The loss sums of a fit, their ``initial`` period ``loss_stagnant.baseline_steps`` batches long (the builder
-    the alarm declares)."""
-    return LossSums(int(value_of(thresholds, STAGNANT_BASELINE_STEPS_KEY)))
+def build_loss_sums(thresholds: Mapping[str, float], *, baseline_key: str) -> LossSums:
+    """The loss sums of a fit, their ``initial`` period ``thresholds[baseline_key]`` batches long (the builder the
+    alarm declares, with ``loss_stagnant.baseline_steps``'s key from its preset module)."""
+    return LossSums(int(value_of(thresholds, baseline_key)))
 
 
 def trend_unit(swing_window: Literal["epoch"] | int) -> str:
@@ -177,6 +173,11 @@ class LossTrend:
         swing_window: ``"epoch"``, or the optimizer steps of one loss window (checked by the alarm).
         monitor: The validation metric read from ``trainer.callback_metrics``.
         higher_is_better: Whether a higher ``monitor`` is better (the alarm's ``mode="max"``).
+        swing_id: ``loss_swing``'s id (its threshold is logged beside the swing).
+        decline_id: ``val_decline``'s id, named with ``fluctuation_id`` where ``monitor`` was not logged.
+        fluctuation_id: ``val_fluctuation``'s id, the name of its logged series.
+
+    The ids are handed in by the alarm's preset module, which names the detectors; nothing here imports a rule.
     """
 
     def __init__(
@@ -190,8 +191,12 @@ class LossTrend:
         swing_window: Literal["epoch"] | int,
         monitor: str,
         higher_is_better: bool = False,
+        swing_id: str,
+        decline_id: str,
+        fluctuation_id: str,
     ) -> None:
         self.feed = feed
+        self.swing_id, self.decline_id, self.fluctuation_id = swing_id, decline_id, fluctuation_id
         self.swing = swing
         self.stagnant = stagnant
         self.fluctuation = fluctuation
@@ -289,7 +294,7 @@ class LossTrend:
         swing = self.swing
         if math.isfinite(swing.last_change):
             out.scalars[loss_tag("swing")] = swing.last_change
-            out.scalars[threshold_tag(LOSS_SWING)] = swing.threshold
+            out.scalars[threshold_tag(self.swing_id)] = swing.threshold
         return out
 
     def period_lr(self, trainer: pl.Trainer) -> float:
@@ -375,8 +380,9 @@ class LossTrend:
             out.notices.append(
                 (
                     "monitor-missing",
-                    f"`{self.monitor}` was not logged during validation, so {VAL_DECLINE} and {VAL_FLUCTUATION} are"
-                    f" off; log it with self.log({self.monitor!r}, ...) or pass monitor=... (logged: {available})",
+                    f"`{self.monitor}` was not logged during validation, so {self.decline_id} and "
+                    f"{self.fluctuation_id} are off; log it with self.log({self.monitor!r}, ...) or pass monitor=... "
+                    f"(logged: {available})",
                 )
             )
             return out
@@ -406,5 +412,5 @@ class LossTrend:
         train_f, val_f = self.fluctuation.measures()
         if math.isfinite(train_f) and math.isfinite(val_f):
             out.scalars[loss_tag("train_fluctuation")] = train_f
-            out.scalars[loss_tag(cast(LossSeries, VAL_FLUCTUATION))] = val_f  # the series is named after its rule
+            out.scalars[loss_tag(cast(LossSeries, self.fluctuation_id))] = val_f  # the series is named after its rule
         return out

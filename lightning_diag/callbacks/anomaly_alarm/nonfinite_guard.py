@@ -26,7 +26,6 @@ from lightning_diag.callbacks.common.session import gradient_squares_key, step_c
 from lightning_diag.core.alerts import Alert
 from lightning_diag.rules.measures import Measures, Rollback
 from lightning_diag.rules.nonfinite import (
-    NONFINITE_LOSS,
     Decision,
     NonFiniteDetails,
     StepFindings,
@@ -295,15 +294,18 @@ class NonFiniteGuard:
                     findings, self.owner.context(trainer), lambda: self.details(trainer, pl_module)
                 )
                 if decision.verdict is Verdict.ROLLBACK:
-                    decision = self.roll_back(decision, trainer, pl_module)
+                    decision = self.roll_back(decision, findings, trainer, pl_module)
                 self.perform(decision, trainer, optimizer)
         finally:
             if self.recovery is not None:
                 self.recovery.on_step_checked()
 
-    def roll_back(self, decision: Decision, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
-        """Carry out a ``ROLLBACK`` verdict: restore a snapshot (the ``nonfinite_rollback`` warning), or, when
-        the rollback rule has none left, turn it into a ``STOP`` with a ``rollback_limit`` critical alert."""
+    def roll_back(
+        self, decision: Decision, findings: StepFindings, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> Decision:
+        """Carry out a ``ROLLBACK`` verdict on a step that showed ``findings``: restore a snapshot (the
+        ``nonfinite_rollback`` warning), or, when the rollback rule has none left, turn it into a ``STOP`` with a
+        ``rollback_limit`` critical alert."""
         alert = decision.error
         if self.recovery is None or alert is None:  # pragma: no cover - the alarm always wires both
             return Decision(Verdict.STOP, decision.alerts)
@@ -319,7 +321,7 @@ class NonFiniteGuard:
                 threshold=float(self.recovery.rule.max_rollbacks),
             )
             return Decision(Verdict.STOP, (limit,))
-        what = "NaN/Inf in the loss" if alert.rule == NONFINITE_LOSS else "NaN/Inf in a gradient"
+        what = "NaN/Inf in the loss" if findings.loss_bad else "NaN/Inf in a gradient"  # as the policy's alert
         located = alert.message.split(" First non-finite value: ", 1)
         if len(located) == 2:
             what += "; " + located[1].rstrip(".")

@@ -25,7 +25,6 @@ import pytorch_lightning as pl
 from lightning_diag.callbacks.anomaly_alarm.sampled_check import SampledCheck
 from lightning_diag.instrument.output_watch import OutputSpreadWatch
 from lightning_diag.rules.measures import Measures, OutputSpread
-from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE
 from lightning_diag.stats.spread import relative_spread
 
 __all__ = ["OutputCollapseCheck"]
@@ -39,8 +38,6 @@ _NOTHING_SEEN = Measures(output_spread=OutputSpread(math.nan, math.nan, 0, ""))
 class OutputCollapseCheck(SampledCheck[OutputSpreadWatch]):
     """Watches the model's output on sampled steps; feeds its spread (:class:`OutputSpread`) to the owner's preset."""
 
-    rule_id = OUTPUT_COLLAPSE
-
     def new_watch(self, pl_module: pl.LightningModule) -> OutputSpreadWatch:
         """The watch of the ``LightningModule``'s output and its direct children's."""
         return OutputSpreadWatch(pl_module)
@@ -53,7 +50,7 @@ class OutputCollapseCheck(SampledCheck[OutputSpreadWatch]):
             self.owner.notice(
                 trainer,
                 "output-collapse:none",
-                f"`{OUTPUT_COLLAPSE}` is not measured: neither the LightningModule's forward nor one of its direct "
+                f"`{self.rule_id}` is not measured: neither the LightningModule's forward nor one of its direct "
                 "children returned a tensor with a batch dimension on a sampled step",
             )
             return _NOTHING_SEEN
@@ -63,7 +60,7 @@ class OutputCollapseCheck(SampledCheck[OutputSpreadWatch]):
             self.owner.notice(
                 trainer,
                 "output-collapse:batch1",
-                f"`{OUTPUT_COLLAPSE}` is not measured on batches of one sample: one output has no spread across "
+                f"`{self.rule_id}` is not measured on batches of one sample: one output has no spread across "
                 "the batch",
             )
         inputs = relative_spread(input_spread, input_level)

@@ -29,7 +29,6 @@ from lightning_diag.instrument.runtime_probes import (
 )
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import AmpLayers, Measures, StepLosses, TrainOverrides, UntrainedInEval
-from lightning_diag.rules.train_override_bypassed import TRAIN_OVERRIDE_BYPASSED
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.callbacks.common.base import DiagCallback
@@ -97,15 +96,26 @@ class PendingLosses:
 
 
 class RuntimeChecks:
-    """The run-time checks an :class:`~lightning_diag.AnomalyAlarm` owns; it calls the hooks below."""
+    """The run-time checks an :class:`~lightning_diag.AnomalyAlarm` owns; it calls the hooks below.
 
-    def __init__(self, owner: DiagCallback) -> None:
+    Args:
+        owner: The callback whose preset judges what the checks measure, and that records.
+        override_id: The id of the rule judging the ``train()`` overrides (named in the warning of an override
+            that could not be checked).
+        zero_id: The id of the rule judging the sampled all-zero outputs.
+        collapse_id: The id of the rule judging the sampled outputs' spread.
+
+    The ids are handed in by the owner's preset module, which names the detectors; nothing here imports a rule.
+    """
+
+    def __init__(self, owner: DiagCallback, *, override_id: str, zero_id: str, collapse_id: str) -> None:
         self.owner = owner
+        self.override_id = override_id
         # What is measured feeds the owner's preset (owner.feed): its detectors judge it.
         #: ``zero_output``'s watch of the modules' outputs on sampled steps.
-        self.zero_outputs = ZeroOutputCheck(owner)
+        self.zero_outputs = ZeroOutputCheck(owner, zero_id)
         #: ``output_collapse``'s watch of the model's output on sampled steps.
-        self.outputs = OutputCollapseCheck(owner)
+        self.outputs = OutputCollapseCheck(owner, collapse_id)
         owner.add_state(PENDING_ATTRIBUTE, PendingLosses, state_key="runtime_pending")
         self.reset()
 
@@ -144,7 +154,7 @@ class RuntimeChecks:
             to_eval, frozen = train_override_effects(pl_module, notes)
             for note in notes:  # once per fit: the check runs on the first batch only
                 logging.getLogger("lightning_diag").warning(
-                    "%s not checked for %s: %s", TRAIN_OVERRIDE_BYPASSED, ", ".join(overriders), note
+                    "%s not checked for %s: %s", self.override_id, ", ".join(overriders), note
                 )
             overrides = TrainOverrides(overriders, to_eval, frozen)
             self.owner.record(self.owner.feed(ctx, Measures(train_overrides=overrides)))

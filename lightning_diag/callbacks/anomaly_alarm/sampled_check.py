@@ -3,17 +3,17 @@
 
 On the first batch of a sampled optimizer step (the owner's logging interval) such a check installs its watch (forward
 hooks, :mod:`lightning_diag.instrument.output_watch`); at that batch's end it removes the watch, reads what the watch
-saw once, and feeds it to the owner's preset (whose detector of the rule judges it). A subclass says which rule
-switches it off, how to build its watch and how to turn what the watch saw into :class:`Measures`; the sampling, the
-switch-off and the hooks' removal are here. Other steps cost one integer comparison: the owner calls
-:meth:`SampledCheck.on_batch_start` from :attr:`SampledCheck.next_step` on.
+saw once, and feeds it to the owner's preset (whose detector of the rule judges it). The owner says which rule
+switches it off (its id, at construction); a subclass says how to build its watch and how to turn what the watch
+saw into :class:`Measures`; the sampling, the switch-off and the hooks' removal are here. Other steps cost one
+integer comparison: the owner calls :meth:`SampledCheck.on_batch_start` from :attr:`SampledCheck.next_step` on.
 """
 
 from __future__ import annotations
 
 import abc
 import math
-from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import pytorch_lightning as pl
 
@@ -46,14 +46,17 @@ WatchT = TypeVar("WatchT", bound=Watch)
 class SampledCheck(abc.ABC, Generic[WatchT]):
     """Installs a watch on sampled steps and feeds what it saw to the owner's preset.
 
-    Subclasses set :attr:`rule_id` (the rule that reads what they measure: switched off by the owner's ``rules=``,
-    the check watches nothing), and implement :meth:`new_watch` and :meth:`measure`.
+    Subclasses implement :meth:`new_watch` and :meth:`measure`.
+
+    Args:
+        owner: The callback whose preset judges what the check measures, and that records and writes.
+        rule_id: The rule that reads what the check measures, handed in by the owner's preset module (switched off
+            by the owner's ``rules=``, the check watches nothing; its notices name it).
     """
 
-    rule_id: ClassVar[str]
-
-    def __init__(self, owner: DiagCallback) -> None:
+    def __init__(self, owner: DiagCallback, rule_id: str) -> None:
         self.owner = owner
+        self.rule_id = rule_id
         self.reset()
 
     def reset(self) -> None:

@@ -20,7 +20,6 @@ from torch.nn.modules.dropout import _DropoutNd
 from lightning_diag.core.tags import replicas_tag
 from lightning_diag.instrument.sharding import mesh_dim_ranks, replica_dims
 from lightning_diag.rules.measures import Measures, ReplicaDifferences
-from lightning_diag.rules.replicas import DDP_DESYNC
 from lightning_diag.stats.grad import is_dtensor, local_tensor
 from lightning_diag.stats.replicas import check_due, first_differences, member_differences
 from lightning_diag.stats.updates import parameter_checksums
@@ -75,13 +74,16 @@ class ReplicaCheck:
 
     Args:
         owner: The callback whose preset judges the comparisons (``ddp_desync``'s detector) and that writes.
+        rule_id: The id of the rule judging the comparisons, handed in by the owner's preset module: its notices
+            name it, and its threshold is written beside the logged differences.
         every_n_steps: ``ddp_desync.every_n_steps``.
         tolerance: ``ddp_desync.threshold``: the relative difference above which a rank differs (the first
             differing parameter of each rank is found with it, and the logged ``agree`` reads it).
     """
 
-    def __init__(self, owner: DiagCallback, every_n_steps: int, tolerance: float) -> None:
+    def __init__(self, owner: DiagCallback, rule_id: str, every_n_steps: int, tolerance: float) -> None:
         self.owner = owner
+        self.rule_id = rule_id
         self.every_n_steps = every_n_steps
         self.tolerance = tolerance
         self.reset()
@@ -113,7 +115,7 @@ class ReplicaCheck:
             self.owner.notice(
                 trainer,
                 "desync-plain-sharded",
-                f"`{DDP_DESYNC}` does not compare {len(plain)} parameter(s) under {type(trainer.strategy).__name__} "
+                f"`{self.rule_id}` does not compare {len(plain)} parameter(s) under {type(trainer.strategy).__name__} "
                 f"(first: `{plain[0]}`): they are plain tensors, not DTensors, under a sharded strategy (FSDP1 flat "
                 "parameters, DeepSpeed partitions), so nothing says which ranks hold copies and which hold shards",
             )
@@ -121,7 +123,7 @@ class ReplicaCheck:
             self.owner.notice(
                 trainer,
                 "desync-no-replicas",
-                f"`{DDP_DESYNC}` has nothing to compare under {type(trainer.strategy).__name__}: no parameter has a "
+                f"`{self.rule_id}` has nothing to compare under {type(trainer.strategy).__name__}: no parameter has a "
                 "replica on another rank (every DTensor mesh dimension is a Shard; shards are not replicas)",
             )
         return groups
@@ -176,7 +178,7 @@ class ReplicaCheck:
             {
                 replicas_tag("max_rel_diff"): largest,
                 replicas_tag("agree"): float(largest <= tol),
-                **self.owner.threshold_lines(DDP_DESYNC),
+                **self.owner.threshold_lines(self.rule_id),
             },
             step,
         )

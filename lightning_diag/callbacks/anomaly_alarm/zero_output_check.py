@@ -21,7 +21,6 @@ import torch
 from lightning_diag.callbacks.anomaly_alarm.sampled_check import SampledCheck
 from lightning_diag.instrument.output_watch import ZeroOutputWatch
 from lightning_diag.rules.measures import Measures, ZeroOutputs
-from lightning_diag.rules.zero_output import ZERO_OUTPUT
 
 __all__ = ["ZeroOutputCheck"]
 
@@ -29,8 +28,6 @@ __all__ = ["ZeroOutputCheck"]
 
 class ZeroOutputCheck(SampledCheck[ZeroOutputWatch]):
     """Installs the watch on sampled steps and feeds what it saw (:class:`ZeroOutputs`) to the owner's preset."""
-
-    rule_id = ZERO_OUTPUT
 
     def new_watch(self, pl_module: pl.LightningModule) -> ZeroOutputWatch:
         """The watch of every module's output."""

@@ -58,7 +58,7 @@ from lightning_diag.rules.grad_norm_band import GRAD_EXPLODE, GRAD_VANISH, GradB
 from lightning_diag.rules.grad_not_zeroed import GradNotZeroedRule
 from lightning_diag.rules.measures import Measures, WeightNorms
 from lightning_diag.rules.update_size import UpdateSizeRule
-from lightning_diag.rules.updates_applied import UPDATE_SAMPLE_SIZE_KEY, UpdateRule
+from lightning_diag.rules.updates_applied import UPDATE_SAMPLE_SIZE_KEY, UPDATE_STALE, UpdateRule
 
 __all__ = ["GradientFlowMonitor"]
 
@@ -191,6 +191,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             Detector(UpdateSizeRule, "update_size_rule", "update_size"),
         ),
     )
+    #: The rule whose threshold the update sampling writes beside its shares (:class:`SilentUpdateChecks`).
+    stale_rule = UPDATE_STALE
     # the detectors whose state this reads (whether step 0 is measured for grad_collapse's baseline; the dead
     # layers grad_vanish defers to); every detector is fed, see `feed`
     band_rule: GradBandRule

@@ -15,7 +15,7 @@ on the device: a parameter whose sampled elements all have a zero gradient is no
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pytorch_lightning as pl
 import torch
@@ -26,7 +26,6 @@ from lightning_diag.instrument.grad_measure import ParamIndex
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures, StaleGrads
 from lightning_diag.rules.records import LayerUpdate
-from lightning_diag.rules.updates_applied import UPDATE_STALE
 from lightning_diag.stats.updates import ElementSample, segment_any, unchanged_counts
 
 __all__ = ["ZEROED_SAMPLE_SIZE", "PendingUpdate", "SilentUpdateChecks", "ZeroGradWatch", "optimizer_position"]
@@ -158,7 +157,8 @@ class SilentUpdateChecks:
 
     A mixin: the host class provides ``_index``, ``_measured_loss`` (the measured step's training loss),
     ``update_sample_size``, ``writer``, ``record``,
-    ``threshold_lines`` and ``feed`` (which judges what this measured with the preset's detectors).
+    ``threshold_lines`` and ``feed`` (which judges what this measured with the preset's detectors), and its preset
+    module sets :attr:`stale_rule` (``update_stale``'s id: its threshold is written beside the logged shares).
     """
 
     _index: ParamIndex | None
@@ -168,6 +168,7 @@ class SilentUpdateChecks:
     record: Callable[..., Any]
     feed: Feed
     threshold_lines: Callable[..., dict[str, float]]
+    stale_rule: ClassVar[str]
     every_n_steps: Callable[[pl.Trainer], int]
 
     def _reset_update_state(self) -> None:
@@ -354,7 +355,7 @@ class SilentUpdateChecks:
                 for layer, (c, s, low, causes) in layers.items()
             }
             shares = {updates_unchanged_tag(k): v.share for k, v in updates.items() if v.counted}
-            self.writer.scalars({**shares, **self.threshold_lines(UPDATE_STALE)}, step)
+            self.writer.scalars({**shares, **self.threshold_lines(self.stale_rule)}, step)
             # the measured step's training loss (the first optimizer's; GradientFlowMonitor keeps it until the
             # update ratios are judged, after this)
             self.record(self.feed(ctx, Measures(layer_updates=updates, loss=self._measured_loss)))

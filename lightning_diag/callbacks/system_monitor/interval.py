@@ -16,7 +16,6 @@ import torch
 
 from lightning_diag.core.tags import family_tag
 from lightning_diag.instrument.clocks import CudaClock, HostClock
-from lightning_diag.rules.step_time_fluctuation import STEP_TIME_FLUCTUATION
 
 __all__ = ["HEADER", "Mark", "Step", "gather_ranks", "interval_values", "judged_waits", "resolve_steps"]
 
@@ -123,6 +122,7 @@ def interval_values(
     n: int,
     period: int,
     fluctuation: float,
+    fluctuation_rule: str,
     cuda: dict[str, float],
     per_rank: tuple[np.ndarray, np.ndarray] | None,
     reference_lines: dict[str, float],
@@ -135,6 +135,8 @@ def interval_values(
         n: Optimizer steps in the interval.
         period: The periodic slow steps' period (0 when none).
         fluctuation: The step-time fluctuation (NaN when not measured yet).
+        fluctuation_rule: The id of the rule that judges it, whose name its series takes
+            (``diag/system/<rule>``; handed in by the monitor's preset module).
         cuda: CUDA memory in bytes by name (empty off CUDA).
         per_rank: Each rank's summed step time and data waiting under DDP, else ``None``.
         reference_lines: ``diag/threshold/...`` values to write beside the series.
@@ -161,7 +163,7 @@ def interval_values(
         if merged[load] >= 0:
             values[family_tag("system", load)] = merged[load]
     if math.isfinite(fluctuation):
-        values[family_tag("system", STEP_TIME_FLUCTUATION)] = fluctuation
+        values[family_tag("system", fluctuation_rule)] = fluctuation
     if per_rank is not None:
         rank_totals, rank_waits = per_rank
         # The gradient all-reduce makes every rank's step as long as the slowest one's, so the step times

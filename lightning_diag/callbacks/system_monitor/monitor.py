@@ -463,6 +463,7 @@ class SystemMonitor(DiagCallback):
             n,
             pattern.period,
             fluctuation,
+            STEP_TIME_FLUCTUATION,
             cuda,
             per_rank,
             self.threshold_lines(DATALOADER_BOUND, STEP_TIME_FLUCTUATION),
