@@ -104,9 +104,7 @@ class HookClock:
 
 def per_step_work_us(device: str, iterations: int = 20000) -> float:
     """Microseconds of the per-step bookkeeping of rollback and localisation, outside any Trainer."""
-    from lightning_diag.callbacks.anomaly_alarm.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
-
-    recovery = NonFiniteRecovery(locate=True, rollback=True, settings=RollbackSettings())
+    recovery = AnomalyAlarm(on_nonfinite="rollback").recovery  # the alarm's, with its rollback detector
     batch, loss = object(), torch.tensor(1.0, device=device)
     times = []
     for _ in range(5):

@@ -57,10 +57,11 @@ from lightning_diag.rules.loss_outlier import LossOutlierRule
 from lightning_diag.rules.loss_stagnant import STAGNANT_BASELINE_STEPS_KEY, LossStagnantRule
 from lightning_diag.rules.loss_swing import LossSwingRule
 from lightning_diag.rules.measures import LossWindow, Measures, StepLosses, Validation, fed_by
-from lightning_diag.rules.nonfinite import NonFinitePolicy, StepFindings
+from lightning_diag.rules.nonfinite import NonFinitePolicy
 from lightning_diag.rules.rows import CHECKLIST_LAYERS, Check, fmt
 from lightning_diag.rules.val_decline import ValDeclineRule
 from lightning_diag.rules.val_fluctuation import ValFluctuationRule
+from lightning_diag.rules.verdicts import StepFindings
 
 __all__ = ["PLAIN_SOURCE", "PRESET", "WINDOW_POINTS", "diagnose_plain", "feed", "map_plain_run", "step_noise"]
 

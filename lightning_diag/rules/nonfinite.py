@@ -24,14 +24,13 @@ Extending it: a new action adds a :class:`Verdict` member, its settings and coun
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert, NonFiniteAction, Severity
 from lightning_diag.core.registry import COUNT, STEPS, RuleSpec, register
 from lightning_diag.rules.base import FromSettings, Latch, StepContext
+from lightning_diag.rules.verdicts import Decision, NonFiniteDetails, StepFindings, Verdict
 
 __all__ = [
     "ACTION_TEXT",
@@ -43,11 +42,7 @@ __all__ = [
     "NONFINITE_LOSS",
     "NONFINITE_LOSS_MAX_SKIPS_KEY",
     "NONFINITE_LOSS_SPEC",
-    "Decision",
-    "NonFiniteDetails",
     "NonFinitePolicy",
-    "StepFindings",
-    "Verdict",
 ]
 
 # -- declarations (one per rule id; the docs' thresholds table and the report read them) -----------------------
@@ -79,78 +74,6 @@ ACTION_TEXT: dict[str, str] = {
     "warn": "the update was applied (on_nonfinite='warn')",
     "rollback": "the update was not applied",
 }
-
-
-class Verdict(str, enum.Enum):
-    """What the callback does with the optimizer step it asked about."""
-
-    #: Let the optimizer apply the update (nothing wrong, the scaler's own overflow, or ``"warn"``).
-    APPLY = "apply"
-    #: Drop this step's gradients (no parameter or optimizer state changes) and go on.
-    SKIP = "skip"
-    #: Drop the gradients and stop training (``trainer.should_stop``).
-    STOP = "stop"
-    #: Drop the gradients and raise ``NonFiniteError`` carrying :attr:`Decision.error`.
-    RAISE = "raise"
-    #: Drop the gradients and restore a snapshot (``on_nonfinite="rollback"``); the callback's rollback rule
-    #: decides which one, or turns it into a stop when none is left. :attr:`Decision.error` is the critical
-    #: alert the stop would write.
-    ROLLBACK = "rollback"
-
-
-@dataclasses.dataclass(frozen=True)
-class StepFindings:
-    """What one optimizer step looked like, agreed over all ranks.
-
-    Attributes:
-        loss_bad: A micro-batch loss since the previous optimizer step was NaN/Inf (on any rank).
-        grad_bad: A gradient about to be applied is NaN/Inf (on any rank).
-        scaler_active: An AMP ``GradScaler`` manages the step (it skips overflow steps by itself).
-    """
-
-    loss_bad: bool
-    grad_bad: bool
-    scaler_active: bool = False
-
-    @property
-    def bad(self) -> bool:
-        """Whether anything was non-finite."""
-        return self.loss_bad or self.grad_bad
-
-
-@dataclasses.dataclass(frozen=True)
-class NonFiniteDetails:
-    """What an alert tells about a bad step; gathered by the callback only when there is one.
-
-    Attributes:
-        learning_rates: ``"<Optimizer>/group_<j>" -> lr``.
-        bad_parameters: Names of parameters with a non-finite gradient (a few, then ``"..."``).
-        last_finite_loss: The last finite training loss seen (``nan`` if none).
-        source: Where the first non-finite value appeared (``"input"``, a module's qualified name, ``"loss"``), or
-            ``""`` when not localised (the alert then says ``loss`` or ``gradients``).
-        located: What the localisation found, one sentence for the message (``""`` if nothing).
-    """
-
-    learning_rates: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    bad_parameters: Sequence[str] = ()
-    last_finite_loss: float = float("nan")
-    source: str = ""
-    located: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """The policy's answer for one step.
-
-    Attributes:
-        verdict: What to do with the update.
-        alerts: The alerts to record (already latched: an episode alerts once where the action says so).
-        error: With :attr:`Verdict.RAISE`, the alert the exception carries.
-    """
-
-    verdict: Verdict
-    alerts: tuple[Alert, ...] = ()
-    error: Alert | None = None
 
 
 _APPLY = Decision(Verdict.APPLY)

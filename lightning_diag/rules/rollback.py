@@ -21,7 +21,6 @@ Policy:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -29,6 +28,7 @@ from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, FRACTION, STEPS, RuleSpec, register
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
+from lightning_diag.rules.verdicts import RollbackChoice
 
 __all__ = [
     "DEFAULT_MAX_ROLLBACKS",
@@ -38,7 +38,6 @@ __all__ = [
     "DEFAULT_SPIKE_FACTOR",
     "NONFINITE_ROLLBACK",
     "NONFINITE_ROLLBACK_SPEC",
-    "RollbackChoice",
     "RollbackRule",
 ]
 
@@ -61,21 +60,6 @@ DEFAULT_MAX_ROLLBACKS = int(_SPEC.settings["max_rollbacks"])
 DEFAULT_ROLLBACK_SNAPSHOTS = int(_SPEC.settings["snapshots"])
 #: A snapshot is not trusted when the loss before it was above this multiple of its running median.
 DEFAULT_SPIKE_FACTOR = 3.0
-
-
-@dataclasses.dataclass(frozen=True)
-class RollbackChoice:
-    """The answer of :meth:`RollbackRule.choose`.
-
-    Attributes:
-        step: The snapshot step to restore, or ``None`` to stop training.
-        drop_after: Snapshots taken after this step are discarded (``None``: keep all).
-        reason: Why this snapshot (or why none), for the alert message.
-    """
-
-    step: int | None
-    drop_after: int | None
-    reason: str
 
 
 class RollbackRule(Rule):

@@ -205,25 +205,34 @@ def test_invalid_rollback_configuration(kwargs, error, name):
         AnomalyAlarm(on_nonfinite="rollback", locate_nonfinite="yes")
 
 
-def test_a_recovery_used_alone_has_a_rollback_detector_from_its_settings():
-    # benchmarks/rollback_overhead.py builds one without an alarm: its policy is in place before any fit
+def test_the_recovery_asks_the_rollback_detector_of_the_alarms_preset():
+    # the alarm reads the rollback settings (defaults included) from the rule's declaration and hands the recovery
+    # its preset's detector; benchmarks/rollback_overhead.py times the alarm's recovery alone
     from lightning_diag.callbacks.anomaly_alarm.nonfinite_recovery import NonFiniteRecovery, RollbackSettings
+    from lightning_diag.rules.rollback import DEFAULT_MAX_ROLLBACKS, DEFAULT_ROLLBACK_SNAPSHOTS
 
-    settings = RollbackSettings(every_n_steps=7, lr_factor=0.25, max_rollbacks=2)
-    alone = NonFiniteRecovery(locate=True, rollback=True, settings=settings)
-    assert alone.lr_scale == 1.0 and alone.rule.rollbacks == 0 and not alone.rule.exhausted
-    # the detector the alarm's preset builds from the same settings
     rules = {"nonfinite_rollback": {"every_n_steps": 7, "lr_factor": 0.25, "max_rollbacks": 2}}
     alarm = AnomalyAlarm(on_nonfinite="rollback", rules=rules)
-    assert alone.rule.state_dict() == alarm.rollback_rule.state_dict()
-    assert (alone.rule.lr_factor, alone.rule.max_rollbacks, alone.rule.repeat_window) == (0.25, 2, 7)
+    assert alarm.rollback == RollbackSettings(every_n_steps=7, lr_factor=0.25, max_rollbacks=2, snapshots=3)
+    assert AnomalyAlarm(on_nonfinite="rollback").rollback.max_rollbacks == DEFAULT_MAX_ROLLBACKS
+    assert AnomalyAlarm(on_nonfinite="rollback").rollback.snapshots == DEFAULT_ROLLBACK_SNAPSHOTS
+    with pytest.raises(TypeError, match="snapshots"):  # no default of its own: the declaration's only
+        RollbackSettings(every_n_steps=7, lr_factor=0.25, max_rollbacks=2)  # type: ignore[call-arg]
+    recovery = alarm.recovery
+    assert recovery.rule is alarm.rollback_rule and recovery.lr_scale == 1.0 and recovery.rule.rollbacks == 0
     assert (alarm.rollback_rule.lr_factor, alarm.rollback_rule.max_rollbacks, alarm.rollback_rule.repeat_window) == (
         0.25, 2, 7
     )
-    # the owner's detector, handed in, is the one asked
+    # the detector handed in is the one asked, again after a reset (a new fit's)
     alarm.rollback_rule.record(3, now=5)
-    alone.reset(alarm.rollback_rule)
-    assert alone.rule is alarm.rollback_rule and alone.lr_scale == 0.25
+    assert recovery.lr_scale == 0.25
+    other = AnomalyAlarm(on_nonfinite="rollback", rules=rules)
+    recovery = NonFiniteRecovery(
+        locate=True, rollback=True, settings=alarm.rollback, rule=other.rollback_rule, spike_factor=3.0
+    )
+    assert recovery.lr_scale == 1.0
+    recovery.reset(alarm.rollback_rule)
+    assert recovery.rule is alarm.rollback_rule and recovery.lr_scale == 0.25
 
 
 def test_rollback_needs_automatic_optimization(tmp_path):

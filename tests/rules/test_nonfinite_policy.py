@@ -3,7 +3,8 @@
 import pytest
 
 from lightning_diag.rules.base import StepContext
-from lightning_diag.rules.nonfinite import NonFiniteDetails, NonFinitePolicy, StepFindings, Verdict
+from lightning_diag.rules.nonfinite import NonFinitePolicy
+from lightning_diag.rules.verdicts import NonFiniteDetails, StepFindings, Verdict
 
 # ok: clean step; loss / grad: a NaN in the loss / only in a gradient; ovf: a GradScaler overflow (finite loss,
 # bad gradient, scaler active); nan-amp: a NaN loss under a GradScaler; ok-amp: a clean step under a scaler.

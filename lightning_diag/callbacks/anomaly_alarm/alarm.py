@@ -53,7 +53,7 @@ from lightning_diag.rules.nonfinite import (
 )
 from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OutputCollapseRule
 from lightning_diag.rules.replicas import DDP_DESYNC, DESYNC_EVERY_N_STEPS_KEY, DesyncRule
-from lightning_diag.rules.rollback import NONFINITE_ROLLBACK_SPEC, RollbackRule
+from lightning_diag.rules.rollback import DEFAULT_SPIKE_FACTOR, NONFINITE_ROLLBACK_SPEC, RollbackRule
 from lightning_diag.rules.train_mode import EvalModeRule
 from lightning_diag.rules.train_override_bypassed import TRAIN_OVERRIDE_BYPASSED, TrainOverrideRule
 from lightning_diag.rules.val_decline import VAL_DECLINE_HIGHER_IS_BETTER_KEY, ValDeclineRule
@@ -246,17 +246,19 @@ class AnomalyAlarm(QuietLossKeeping):
         check_choice("rollback_device", rollback_device, ("cpu", "device"))
         #: The settings of ``on_nonfinite="rollback"``: ``nonfinite_rollback``'s fields and the snapshot device.
         self.rollback = RollbackSettings(**self._rule_fields(NONFINITE_ROLLBACK_SPEC), device=rollback_device)
+        #: The unit of the loss trend's messages (a step or an epoch, from ``swing_window``).
+        self.trend_unit = trend_unit(self.swing_window)
+        # The declared detectors and state: built now and afresh at every fit, saved and restored by the base class.
+        self.add_preset()
         #: Localisation of non-finite values and, with ``on_nonfinite="rollback"``, the snapshots.
         # (warn mode decides at a later logging step: no step is replayed, no batch kept)
         self.recovery = NonFiniteRecovery(
             locate=locate_nonfinite and self.on_nonfinite != "warn",
             rollback=self.on_nonfinite == "rollback",
             settings=self.rollback,
+            rule=self.rollback_rule,
+            spike_factor=DEFAULT_SPIKE_FACTOR,
         )
-        #: The unit of the loss trend's messages (a step or an epoch, from ``swing_window``).
-        self.trend_unit = trend_unit(self.swing_window)
-        # The declared detectors and state: built now and afresh at every fit, saved and restored by the base class.
-        self.add_preset()
         loss_sums = functools.partial(build_loss_sums, baseline_key=STAGNANT_BASELINE_STEPS_KEY)
         self.loss_sums: LossSums = self.add_rule("loss_sums", loss_sums, state_key="accumulators")
         self.deferred: DeferredFindings = self.add_state("deferred", DeferredFindings, state_key="pending_nonfinite")

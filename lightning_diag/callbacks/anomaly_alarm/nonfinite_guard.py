@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pytorch_lightning as pl
 import torch
@@ -24,13 +24,9 @@ from lightning_diag.callbacks.anomaly_alarm.lr_logging import learning_rates
 from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.callbacks.common.session import gradient_squares_key, step_cache
 from lightning_diag.core.alerts import Alert
+from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures, Rollback
-from lightning_diag.rules.nonfinite import (
-    Decision,
-    NonFiniteDetails,
-    StepFindings,
-    Verdict,
-)
+from lightning_diag.rules.verdicts import Decision, NonFiniteDetails, StepFindings, Verdict
 from lightning_diag.stats.grad import local_tensor
 from lightning_diag.stats.loss_sums import LossSums
 from lightning_diag.stats.norms import finite_probe, nonfinite_flag
@@ -39,13 +35,13 @@ from lightning_diag.stats.reduced import ReducedState, Reduction
 if TYPE_CHECKING:
     from lightning_diag.callbacks.anomaly_alarm.nonfinite_recovery import NonFiniteRecovery
     from lightning_diag.callbacks.common.base import DiagCallback
-    from lightning_diag.rules.nonfinite import NonFinitePolicy  # the owner's detector, whose verdicts it performs
 
 __all__ = [
     "NO_STEP",
     "DeferredFindings",
     "NonFiniteError",
     "NonFiniteGuard",
+    "VerdictPolicy",
     "drop_gradients",
     "is_finite",
     "nonfinite_details",
@@ -60,6 +56,32 @@ _MAX_HELD_LOSSES = 64
 _CLEAN = StepFindings(loss_bad=False, grad_bad=False)
 #: This rank's findings of a clean step.
 _NOTHING_LOCAL = (False, False)
+
+
+class VerdictPolicy(Protocol):
+    """What the guard asks of its owner's non-finite detector (``nonfinite_loss`` / ``nonfinite_grad``'s, a
+    detector of the owner's preset), whose verdicts it carries out."""
+
+    @property
+    def action(self) -> str:
+        """The ``on_nonfinite`` action the verdicts follow."""
+
+    def decide(
+        self, findings: StepFindings, ctx: StepContext, details: Callable[[], NonFiniteDetails] = ...
+    ) -> Decision:
+        """The verdict and alerts for one optimizer step that showed ``findings``."""
+
+    def decide_deferred(
+        self,
+        first_loss_step: int | None,
+        first_grad_step: int | None,
+        ctx: StepContext,
+        details: Callable[[], NonFiniteDetails] = ...,
+    ) -> list[Alert]:
+        """``"warn"`` mode's alerts for the first bad steps since the last read-back."""
+
+    def clear(self) -> None:
+        """A clean step: the episode is over."""
 
 
 class NonFiniteError(RuntimeError):
@@ -155,7 +177,7 @@ class NonFiniteGuard:
     def __init__(
         self,
         owner: DiagCallback,
-        policy: NonFinitePolicy,
+        policy: VerdictPolicy,
         recovery: NonFiniteRecovery | None = None,
         losses: LossSums | None = None,
         deferred: DeferredFindings | None = None,

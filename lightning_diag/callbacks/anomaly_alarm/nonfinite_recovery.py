@@ -30,7 +30,7 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import pytorch_lightning as pl
 import torch
@@ -46,26 +46,33 @@ from lightning_diag.instrument.nonfinite_locate import (
 )
 from lightning_diag.instrument.rng import RngState, device_generators
 from lightning_diag.instrument.snapshots import RollbackDevice, SnapshotStore
-from lightning_diag.rules.rollback import (
-    DEFAULT_MAX_ROLLBACKS,
-    DEFAULT_ROLLBACK_EVERY_N_STEPS,
-    DEFAULT_ROLLBACK_LR_FACTOR,
-    DEFAULT_ROLLBACK_SNAPSHOTS,
-    DEFAULT_SPIKE_FACTOR,
-    RollbackChoice,
-    RollbackRule,
-)
+from lightning_diag.rules.verdicts import RollbackChoice
 from lightning_diag.stats.grad import is_dtensor
 
 __all__ = ["NonFiniteRecovery", "RollbackSettings"]
 
 
-def _own_rule(settings: RollbackSettings) -> RollbackRule:
-    """A rollback detector of a recovery used without an owner's (the owner's preset builds the same from its
-    thresholds: ``repeat_window`` is ``every_n_steps``)."""
-    return RollbackRule(
-        lr_factor=settings.lr_factor, max_rollbacks=settings.max_rollbacks, repeat_window=settings.every_n_steps
-    )
+class RollbackPolicy(Protocol):
+    """What the recovery asks of its owner's rollback detector (``nonfinite_rollback``'s, a detector of the
+    owner's preset): which snapshot to restore, and the count and learning-rate factor it keeps."""
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks made in this fit."""
+
+    @property
+    def max_rollbacks(self) -> int:
+        """Rollbacks allowed in one fit."""
+
+    @property
+    def lr_scale(self) -> float:
+        """The factor on every learning rate now in force."""
+
+    def choose(self, steps: list[int], trusted: list[bool], now: int) -> RollbackChoice:
+        """The snapshot to restore among ``steps`` (oldest first, with their trust) at global step ``now``."""
+
+    def record(self, restored: int, now: int) -> float:
+        """Count a rollback to ``restored`` made at ``now``; the new learning-rate factor."""
 
 
 def _ignore(state: dict[str, Any]) -> None:
@@ -91,7 +98,9 @@ class RollbackSettings:
     ``nonfinite_rollback``'s fields of ``rules=`` and ``rollback_device``).
 
     The fields are the settings of the ``nonfinite_rollback`` rule (registry keys
-    ``nonfinite_rollback.<field>``); they are checked at construction and in force only with that action.
+    ``nonfinite_rollback.<field>``); they are checked at construction and in force only with that action. They
+    have no defaults here: the alarm reads them (defaults included) from the rule's declaration, through its
+    thresholds, so they are written once.
 
     Attributes:
         every_n_steps: Optimizer steps between in-memory snapshots (and the window in which a second non-finite
@@ -108,15 +117,18 @@ class RollbackSettings:
         ValueError: If a value is out of range or not one of its allowed values.
 
     Example:
-        >>> RollbackSettings(every_n_steps=100).lr_factor
-        0.5
+        >>> RollbackSettings(every_n_steps=100, lr_factor=0.5, max_rollbacks=3, snapshots=3).device
+        'cpu'
+        >>> from lightning_diag import AnomalyAlarm
+        >>> AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"every_n_steps": 100}}).rollback
+        RollbackSettings(every_n_steps=100, lr_factor=0.5, max_rollbacks=3, snapshots=3, device='cpu')
     """
 
-    every_n_steps: int = DEFAULT_ROLLBACK_EVERY_N_STEPS
-    lr_factor: float = DEFAULT_ROLLBACK_LR_FACTOR
-    max_rollbacks: int = DEFAULT_MAX_ROLLBACKS
+    every_n_steps: int
+    lr_factor: float
+    max_rollbacks: int
+    snapshots: int
     device: RollbackDevice = "cpu"
-    snapshots: int = DEFAULT_ROLLBACK_SNAPSHOTS
 
     def __post_init__(self) -> None:
         check_int("every_n_steps", self.every_n_steps, low=1)
@@ -133,21 +145,24 @@ class NonFiniteRecovery:
     """Batch keeping, replay, snapshots and learning-rate scaling for one :class:`~lightning_diag.AnomalyAlarm`.
 
     Which snapshot to restore, the rollback count and the learning-rate factor in force are the owner's rollback
-    detector's (``nonfinite_rollback``, a detector of its preset handed in at construction or by :meth:`reset`);
-    its alert is judged by the owner's preset, fed the :class:`~lightning_diag.rules.measures.Rollback` made.
+    detector's (``nonfinite_rollback``, a detector of its preset handed in at construction and again by
+    :meth:`reset`: :class:`RollbackPolicy`); its alert is judged by the owner's preset, fed the
+    :class:`~lightning_diag.rules.measures.Rollback` made. The alarm builds it; a benchmark timing it alone takes
+    the alarm's (``AnomalyAlarm(on_nonfinite="rollback").recovery``).
 
     Args:
         locate: Replay the failing step to localise the first non-finite value.
         rollback: Keep snapshots and roll back on a non-finite step.
         settings: Snapshot interval, learning-rate factor, rollback budget, snapshot device and count.
-        spike_factor: Trust test of the snapshots (see :class:`~lightning_diag.instrument.snapshots.SnapshotStore`).
-        rule: The owner's rollback detector; ``None``: one of its own, built from ``settings`` (a recovery used
-            alone, as a benchmark does: no rollback made, learning-rate scale 1.0).
+        rule: The owner's rollback detector.
+        spike_factor: Trust test of the snapshots (see :class:`~lightning_diag.instrument.snapshots.SnapshotStore`;
+            the rollback rule's, handed in by the owner's preset module).
 
     Example:
-        >>> recovery = NonFiniteRecovery(locate=True, rollback=True, settings=RollbackSettings(lr_factor=0.25))
-        >>> recovery.lr_scale, recovery.rule.lr_factor, recovery.rule.rollbacks
-        (1.0, 0.25, 0)
+        >>> from lightning_diag import AnomalyAlarm
+        >>> alarm = AnomalyAlarm(on_nonfinite="rollback", rules={"nonfinite_rollback": {"lr_factor": 0.25}})
+        >>> alarm.recovery.rule is alarm.rollback_rule, alarm.recovery.lr_scale, alarm.recovery.rule.rollbacks
+        (True, 1.0, 0)
     """
 
     def __init__(
@@ -156,8 +171,8 @@ class NonFiniteRecovery:
         locate: bool,
         rollback: bool,
         settings: RollbackSettings,
-        spike_factor: float = DEFAULT_SPIKE_FACTOR,
-        rule: RollbackRule | None = None,
+        rule: RollbackPolicy,
+        spike_factor: float,
     ) -> None:
         self.locate_enabled = locate
         self.rollback_enabled = rollback
@@ -166,7 +181,7 @@ class NonFiniteRecovery:
         self.spike_factor = spike_factor
         #: The owner's rollback detector (its policy: :meth:`rollback` asks it), handed in again by :meth:`reset`
         #: at every fit.
-        self.rule: RollbackRule = rule if rule is not None else _own_rule(settings)
+        self.rule: RollbackPolicy = rule
         self.store = SnapshotStore(keep=settings.snapshots, device=settings.device, spike_factor=spike_factor)
         self._batches: collections.deque[tuple[Any, int, RngState | None]] = collections.deque(maxlen=1)
         self._hooks: list[Any] = []
@@ -188,7 +203,7 @@ class NonFiniteRecovery:
         self._load_extra: Callable[[dict[str, Any]], None] = _ignore
 
     # -- lifecycle ----------------------------------------------------------------------------------------
-    def reset(self, rule: RollbackRule) -> None:
+    def reset(self, rule: RollbackPolicy) -> None:
         """Start a fit afresh with ``rule``, the owner's rollback detector (restored in place at a resume)."""
         self.rule = rule
         self.store = SnapshotStore(
