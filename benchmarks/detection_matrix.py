@@ -300,7 +300,7 @@ def _margins(log_dir: str) -> dict[str, Any]:
     """Extremes of the gradient quantities of a healthy run, read back from its event file."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lightning_diag.rules.layer_roles import role_of
+    from lightning_diag.stats.layer_roles import role_of
 
     acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
     acc.Reload()

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lightning_diag.core.tags import update_ratio_tag, weight_norm_tag
-from lightning_diag.rules.layer_roles import role_of
 from lightning_diag.stats.grad import copy_weights, grouped_squares, is_dtensor, local_tensor, per_tensor_norms
+from lightning_diag.stats.layer_roles import role_of
 
 __all__ = [
     "DEFAULT_LOGIT_PROJECTIONS",

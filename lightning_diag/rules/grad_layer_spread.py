@@ -21,7 +21,6 @@ from lightning_diag.core.registry import CheckSpec, Limit, RuleSpec, default, re
 from lightning_diag.rules.base import OVERWHELMING, Latch, Rule, StepContext, excess
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.grad_settings import DEFAULT_GRAD_PATIENCE, DEFAULT_GRAD_WARMUP_STEPS, GRAD_WARMUP_SETTING
-from lightning_diag.rules.layer_roles import role_of
 from lightning_diag.rules.measures import Measure, Measures
 from lightning_diag.rules.rows import (
     Check,
@@ -35,6 +34,7 @@ from lightning_diag.rules.rows import (
     updates_by_step,
     values_by_step,
 )
+from lightning_diag.stats.layer_roles import role_of
 
 __all__ = [
     "DEFAULT_LAYER_SPREAD_THRESHOLD",

@@ -49,7 +49,6 @@ from lightning_diag.core.registry import POSITIVE, RULES, CheckSpec, Limit, Rule
 from lightning_diag.rules.base import OVERWHELMING, Latch, Rule, StepContext, excess, name_layers
 from lightning_diag.rules.grad_frozen import GRAD_PATIENCE_SETTING, GRADIENT_FLOW
 from lightning_diag.rules.grad_settings import DEFAULT_GRAD_PATIENCE, DEFAULT_GRAD_WARMUP_STEPS, GRAD_WARMUP_SETTING
-from lightning_diag.rules.layer_roles import block_position, role_of
 from lightning_diag.rules.measures import Measure, Measures, WeightNorms
 from lightning_diag.rules.rows import (
     Check,
@@ -64,6 +63,7 @@ from lightning_diag.rules.rows import (
     updates_by_step,
     values_by_step,
 )
+from lightning_diag.stats.layer_roles import block_position, role_of
 
 __all__ = [
     "DEFAULT_EXPLODE_THRESHOLD",

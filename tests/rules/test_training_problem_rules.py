@@ -9,10 +9,10 @@ from lightning_diag.instrument.activation_watch import MIN_ROWS, ActivationWatch
 from lightning_diag.rules.activations import ActivationRule
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.grad_norm_band import GradBandRule, rank_correlation
-from lightning_diag.rules.layer_roles import role_of
 from lightning_diag.rules.measures import Measures
 from lightning_diag.rules.records import ActivationReading
 from lightning_diag.rules.update_size import UpdateSizeRule
+from lightning_diag.stats.layer_roles import role_of
 
 
 def _ctx(step):
