@@ -339,3 +339,105 @@ def test_nothing_in_the_package_raises_a_deprecation_warning():
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(_public_callbacks()) >= 9
     assert importlib.util.find_spec("lightning_diag.core.deprecation") is None
+
+
+#: The callbacks' main modules (their presets) and the report's replay of a plain run (its ``PRESET``): the only
+#: modules outside rules/ that name detectors.
+PRESET_MODULES = {
+    "lightning_diag.callbacks.anomaly_alarm.alarm",
+    "lightning_diag.callbacks.attention_entropy.monitor",
+    "lightning_diag.callbacks.data_diagnostics.diagnostics",
+    "lightning_diag.callbacks.error_analysis.analysis",
+    "lightning_diag.callbacks.gradient_flow.monitor",
+    "lightning_diag.callbacks.probes.quantization",
+    "lightning_diag.callbacks.probes.robustness",
+    "lightning_diag.callbacks.probes.sharpness",
+    "lightning_diag.callbacks.system_monitor.monitor",
+    "lightning_diag.report.plain",
+}
+#: The modules of rules/ every part may import: the judgment signature (``base``), the closed set of measurements
+#: and its records (``measures``, ``records``), the non-finite and rollback verdicts a part carries out
+#: (``verdicts``), the report rows' machinery (``rows``) and the generic index of every rule (``catalog``).
+SHARED_RULE_MODULES = {
+    "lightning_diag.rules.base",
+    "lightning_diag.rules.catalog",
+    "lightning_diag.rules.measures",
+    "lightning_diag.rules.records",
+    "lightning_diag.rules.rows",
+    "lightning_diag.rules.verdicts",
+}
+
+
+def _rule_module_imports(modules: dict[str, tuple[Path, ast.Module]]) -> list[str]:
+    """``importer -> rules module`` for every import (type-only and function-level ones included) by a module
+    outside rules/, other than a preset, of a module of rules/ that is not shared (a detector's module, a module
+    shared by one family of detectors, or the package, which re-exports rule classes)."""
+    found = []
+    for name, (path, tree) in sorted(modules.items()):
+        if name.startswith("lightning_diag.rules") or name in PRESET_MODULES:
+            continue
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                module = _resolve(name, path.name == "__init__.py", node)
+                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            found += [
+                f"{name} -> {t}" for t in targets
+                if t.split(".")[:2] == ["lightning_diag", "rules"] and t not in SHARED_RULE_MODULES
+            ]
+    return sorted(set(found))
+
+
+def test_no_module_outside_rules_but_a_preset_imports_a_rule_module():
+    """A part (a callback's helper, instrument/, output/, the report's other modules) imports the measurements,
+    records, verdicts, rows and the catalog, never a detector's module: the ids, settings and defaults it needs
+    come from its preset module, at construction."""
+    assert _rule_module_imports(_modules()) == []
+
+
+def test_the_preset_modules_are_those_that_declare_a_preset():
+    """The exception list is exactly the modules assigning a callback's ``preset`` or the report's ``PRESET`` a
+    non-empty list of detectors (the base class's empty ``Preset("DiagCallback", ())`` names none)."""
+
+    def detectors(value: ast.expr | None) -> list[ast.expr]:
+        if isinstance(value, ast.Call) and ast.unparse(value.func) == "Preset" and len(value.args) > 1:
+            value = value.args[1]
+        return value.elts if isinstance(value, ast.Tuple) else []
+
+    declaring = {
+        name for name, (_path, tree) in _modules().items()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and detectors(node.value)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name) and target.id in ("preset", "PRESET")
+    }
+    assert declaring == PRESET_MODULES
+
+
+def test_the_shared_rule_modules_declare_no_rule():
+    """What every part may import holds no declaration (else a part could read a rule through it)."""
+    modules = _modules()
+    declaring = [
+        name for name in sorted(SHARED_RULE_MODULES)
+        for node in ast.walk(modules[name][1])
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("RuleSpec", "SettingSpec", "register")
+    ]
+    assert declaring == []
+
+
+def test_the_rule_module_check_finds_an_import():
+    source = (
+        "from lightning_diag.rules.measures import Measures\n"
+        "from lightning_diag.rules.zero_output import ZERO_OUTPUT\n"
+        "def f():\n    from lightning_diag.rules import LossSwingRule\n"
+    )
+    part = {"lightning_diag.callbacks.some_part": (PACKAGE / "callbacks" / "some_part.py", ast.parse(source))}
+    preset = {"lightning_diag.callbacks.gradient_flow.monitor": (PACKAGE / "x.py", ast.parse(source))}
+    modules = {**_modules(), **part, **preset}
+    found = [f for f in _rule_module_imports(modules) if "some_part" in f or "gradient_flow.monitor" in f]
+    assert found == [
+        "lightning_diag.callbacks.some_part -> lightning_diag.rules",
+        "lightning_diag.callbacks.some_part -> lightning_diag.rules.zero_output",
+    ]
