@@ -89,6 +89,8 @@ class RollbackRule(Rule):
     needs = frozenset({Measure.ROLLBACK})
     severity: ClassVar[Severity] = Severity.WARNING
     state_keys: ClassVar[tuple[str, ...]] = ("rollbacks", "lr_scale", "last_rollback_step", "last_restored_step")
+    #: The trust test of the snapshots it chooses among (the recovery's snapshot store applies it).
+    spike_factor: ClassVar[float] = DEFAULT_SPIKE_FACTOR
 
     def __init__(
         self,

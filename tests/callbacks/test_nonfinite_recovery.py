@@ -227,9 +227,7 @@ def test_the_recovery_asks_the_rollback_detector_of_the_alarms_preset():
     alarm.rollback_rule.record(3, now=5)
     assert recovery.lr_scale == 0.25
     other = AnomalyAlarm(on_nonfinite="rollback", rules=rules)
-    recovery = NonFiniteRecovery(
-        locate=True, rollback=True, settings=alarm.rollback, rule=other.rollback_rule, spike_factor=3.0
-    )
+    recovery = NonFiniteRecovery(locate=True, rollback=True, settings=alarm.rollback, rule=other.rollback_rule)
     assert recovery.lr_scale == 1.0
     recovery.reset(alarm.rollback_rule)
     assert recovery.rule is alarm.rollback_rule and recovery.lr_scale == 0.25

@@ -53,7 +53,7 @@ from lightning_diag.rules.nonfinite import (
 )
 from lightning_diag.rules.output_collapse import OUTPUT_COLLAPSE, OutputCollapseRule
 from lightning_diag.rules.replicas import DDP_DESYNC, DESYNC_EVERY_N_STEPS_KEY, DesyncRule
-from lightning_diag.rules.rollback import DEFAULT_SPIKE_FACTOR, NONFINITE_ROLLBACK_SPEC, RollbackRule
+from lightning_diag.rules.rollback import NONFINITE_ROLLBACK_SPEC, RollbackRule
 from lightning_diag.rules.train_mode import EvalModeRule
 from lightning_diag.rules.train_override_bypassed import TRAIN_OVERRIDE_BYPASSED, TrainOverrideRule
 from lightning_diag.rules.val_decline import VAL_DECLINE_HIGHER_IS_BETTER_KEY, ValDeclineRule
@@ -257,7 +257,6 @@ class AnomalyAlarm(QuietLossKeeping):
             rollback=self.on_nonfinite == "rollback",
             settings=self.rollback,
             rule=self.rollback_rule,
-            spike_factor=DEFAULT_SPIKE_FACTOR,
         )
         loss_sums = functools.partial(build_loss_sums, baseline_key=STAGNANT_BASELINE_STEPS_KEY)
         self.loss_sums: LossSums = self.add_rule("loss_sums", loss_sums, state_key="accumulators")

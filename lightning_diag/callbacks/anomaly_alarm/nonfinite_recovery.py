@@ -68,6 +68,11 @@ class RollbackPolicy(Protocol):
     def lr_scale(self) -> float:
         """The factor on every learning rate now in force."""
 
+    @property
+    def spike_factor(self) -> float:
+        """The snapshots' trust test: a snapshot after a mean loss above this multiple of the running median is
+        not trusted (see :class:`~lightning_diag.instrument.snapshots.SnapshotStore`)."""
+
     def choose(self, steps: list[int], trusted: list[bool], now: int) -> RollbackChoice:
         """The snapshot to restore among ``steps`` (oldest first, with their trust) at global step ``now``."""
 
@@ -154,9 +159,7 @@ class NonFiniteRecovery:
         locate: Replay the failing step to localise the first non-finite value.
         rollback: Keep snapshots and roll back on a non-finite step.
         settings: Snapshot interval, learning-rate factor, rollback budget, snapshot device and count.
-        rule: The owner's rollback detector.
-        spike_factor: Trust test of the snapshots (see :class:`~lightning_diag.instrument.snapshots.SnapshotStore`;
-            the rollback rule's, handed in by the owner's preset module).
+        rule: The owner's rollback detector (its ``spike_factor`` is the snapshots' trust test).
 
     Example:
         >>> from lightning_diag import AnomalyAlarm
@@ -172,17 +175,16 @@ class NonFiniteRecovery:
         rollback: bool,
         settings: RollbackSettings,
         rule: RollbackPolicy,
-        spike_factor: float,
     ) -> None:
         self.locate_enabled = locate
         self.rollback_enabled = rollback
         self.settings = settings
         self.every_n_steps = settings.every_n_steps
-        self.spike_factor = spike_factor
+        self.spike_factor = rule.spike_factor
         #: The owner's rollback detector (its policy: :meth:`rollback` asks it), handed in again by :meth:`reset`
         #: at every fit.
         self.rule: RollbackPolicy = rule
-        self.store = SnapshotStore(keep=settings.snapshots, device=settings.device, spike_factor=spike_factor)
+        self.store = SnapshotStore(keep=settings.snapshots, device=settings.device, spike_factor=self.spike_factor)
         self._batches: collections.deque[tuple[Any, int, RngState | None]] = collections.deque(maxlen=1)
         self._hooks: list[Any] = []
         self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
@@ -206,6 +208,7 @@ class NonFiniteRecovery:
     def reset(self, rule: RollbackPolicy) -> None:
         """Start a fit afresh with ``rule``, the owner's rollback detector (restored in place at a resume)."""
         self.rule = rule
+        self.spike_factor = rule.spike_factor
         self.store = SnapshotStore(
             keep=self.settings.snapshots, device=self.settings.device, spike_factor=self.spike_factor
         )

@@ -192,7 +192,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         ),
     )
     #: The rule whose threshold the update sampling writes beside its shares (:class:`SilentUpdateChecks`).
-    stale_rule = UPDATE_STALE
+    stale_id = UPDATE_STALE
     # the detectors whose state this reads (whether step 0 is measured for grad_collapse's baseline; the dead
     # layers grad_vanish defers to); every detector is fed, see `feed`
     band_rule: GradBandRule

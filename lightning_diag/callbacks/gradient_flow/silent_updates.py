@@ -158,7 +158,7 @@ class SilentUpdateChecks:
     A mixin: the host class provides ``_index``, ``_measured_loss`` (the measured step's training loss),
     ``update_sample_size``, ``writer``, ``record``,
     ``threshold_lines`` and ``feed`` (which judges what this measured with the preset's detectors), and its preset
-    module sets :attr:`stale_rule` (``update_stale``'s id: its threshold is written beside the logged shares).
+    module sets :attr:`stale_id` (``update_stale``'s id: its threshold is written beside the logged shares).
     """
 
     _index: ParamIndex | None
@@ -168,7 +168,7 @@ class SilentUpdateChecks:
     record: Callable[..., Any]
     feed: Feed
     threshold_lines: Callable[..., dict[str, float]]
-    stale_rule: ClassVar[str]
+    stale_id: ClassVar[str]
     every_n_steps: Callable[[pl.Trainer], int]
 
     def _reset_update_state(self) -> None:
@@ -355,7 +355,7 @@ class SilentUpdateChecks:
                 for layer, (c, s, low, causes) in layers.items()
             }
             shares = {updates_unchanged_tag(k): v.share for k, v in updates.items() if v.counted}
-            self.writer.scalars({**shares, **self.threshold_lines(self.stale_rule)}, step)
+            self.writer.scalars({**shares, **self.threshold_lines(self.stale_id)}, step)
             # the measured step's training loss (the first optimizer's; GradientFlowMonitor keeps it until the
             # update ratios are judged, after this)
             self.record(self.feed(ctx, Measures(layer_updates=updates, loss=self._measured_loss)))

@@ -122,7 +122,7 @@ def interval_values(
     n: int,
     period: int,
     fluctuation: float,
-    fluctuation_rule: str,
+    fluctuation_id: str,
     cuda: dict[str, float],
     per_rank: tuple[np.ndarray, np.ndarray] | None,
     reference_lines: dict[str, float],
@@ -135,7 +135,7 @@ def interval_values(
         n: Optimizer steps in the interval.
         period: The periodic slow steps' period (0 when none).
         fluctuation: The step-time fluctuation (NaN when not measured yet).
-        fluctuation_rule: The id of the rule that judges it, whose name its series takes
+        fluctuation_id: The id of the rule that judges it, whose name its series takes
             (``diag/system/<rule>``; handed in by the monitor's preset module).
         cuda: CUDA memory in bytes by name (empty off CUDA).
         per_rank: Each rank's summed step time and data waiting under DDP, else ``None``.
@@ -163,7 +163,7 @@ def interval_values(
         if merged[load] >= 0:
             values[family_tag("system", load)] = merged[load]
     if math.isfinite(fluctuation):
-        values[family_tag("system", fluctuation_rule)] = fluctuation
+        values[family_tag("system", fluctuation_id)] = fluctuation
     if per_rank is not None:
         rank_totals, rank_waits = per_rank
         # The gradient all-reduce makes every rank's step as long as the slowest one's, so the step times
