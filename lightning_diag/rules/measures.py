@@ -7,7 +7,9 @@ those it reads when present in ``optional``, both from :class:`Measure`; the nam
 :class:`Measures` (``Measure.GRAD_RMS.value == "grad_rms"``). A field that was not measured is ``None``.
 
 A measurement of several parts that only make sense together (an output's spread with its level and batch size,
-a probe's result with its settings) is one field holding a small frozen record defined here.
+a probe's result with its settings) is one field holding a small frozen record defined here; the larger records
+of several parts (an activation's reading, a layer's sampled update, the sampled data) are
+in :mod:`lightning_diag.rules.records`.
 
 Example:
     >>> m = Measures(loss=0.69, update_ratios={"fc": 1e-3})
