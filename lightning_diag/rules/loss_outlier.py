@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import POSITIVE, Limit, RuleSpec, register, value_of
+from lightning_diag.core.registry import POSITIVE, Limit, RuleSpec, default, register, value_of
 from lightning_diag.core.tags import loss_tag
 from lightning_diag.rules.base import Latch, Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
@@ -69,7 +69,7 @@ LOSS_OUTLIER = LOSS_OUTLIER_SPEC.rule_id
 LOSS_OUTLIER_WINDOW_KEY = LOSS_OUTLIER_SPEC.key("window")
 
 #: ``loss_outlier``: robust standard deviations above the median of the window.
-DEFAULT_LOSS_OUTLIER_THRESHOLD: float = float(LOSS_OUTLIER_SPEC.threshold or 8.0)
+DEFAULT_LOSS_OUTLIER_THRESHOLD: float = default(LOSS_OUTLIER_SPEC.rule_id)
 #: ``loss_outlier``: ... and this factor above that median.
 DEFAULT_LOSS_OUTLIER_RATIO: float = float(LOSS_OUTLIER_SPEC.settings["ratio"])
 #: ``loss_outlier``: the steps the median and MAD are taken over.
