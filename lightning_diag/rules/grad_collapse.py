@@ -133,7 +133,6 @@ class GradCollapseRule(Rule):
         self.update_baseline: float | None = None
         self.update_level: float | None = None
 
-
     def _observe_updates(self, ratios: Mapping[str, float]) -> None:
         """Note the relative update ``||ΔW|| / ||W||`` of each layer at the last measured optimizer step; their
         median is the model's update level, whose baseline is the median of the first ``baseline_measurements``."""

@@ -103,7 +103,6 @@ class GradFrozenRule(Rule):
         #: it): reason ``"unreached"`` instead of ``"zero_grad"``.
         self.unreached: list[str] | None = None
 
-
     def observe_reached(self, stuck: Mapping[str, str]) -> dict[str, str]:
         """``stuck`` with ``"zero_grad"`` replaced by ``"unreached"`` for the parameters whose gradient has been
         exactly zero at every measurement since the first one (a parameter that had a gradient once never is)."""

@@ -105,7 +105,6 @@ class GradSpreadRule(Rule):
         #: ``{layer: ||ΔW|| / ||W||}`` at the last measured step (:meth:`_observe_updates`); empty when unknown.
         self.updates: dict[str, float] = {}
 
-
     def _observe_updates(self, ratios: Mapping[str, float]) -> None:
         """Note the relative update ``||ΔW|| / ||W||`` each layer got at the last measured optimizer step: a
         matrix whose gradient is far below its peers' but whose update is not is not a slow learner."""

@@ -243,7 +243,6 @@ class GradBandRule(Rule):
         #: ``{layer: [||W||, step]}`` at the last measurement whose weights were read (``weight_norms``).
         self.weights: dict[str, list[float]] = {}
 
-
     def _weights(self, ctx: StepContext, w: WeightNorms) -> list[Alert]:
         """Judge each layer's weight norm before the optimizer step of a measurement (``sizes``: its elements;
         ``sgd``: :func:`sgd_step_scale` of its optimizer, ``None``: not plain SGD); return a ``grad_explode`` alert

@@ -154,7 +154,6 @@ class LossStagnantRule(Rule):
         if self.baseline is None and math.isfinite(initial_loss):
             self.baseline = float(initial_loss)
 
-
     def observe_validation(self, value: float, mode: Literal["min", "max"] = "min") -> None:
         """Note a validation value (``mode="max"``: higher is better), for telling learning from memorising."""
         if not math.isfinite(value):

@@ -135,7 +135,6 @@ class OutputCollapseRule(Rule):
         #: The last ``patience`` statistics (the largest decides).
         self.recent: list[float] = []
 
-
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one sampled training step: the output's mean spread across the batch, its mean level, the batch
         size, the module that returned it (``"<root>"``: the ``LightningModule``) and the relative spread of its

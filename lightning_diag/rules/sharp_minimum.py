@@ -88,7 +88,6 @@ class SharpMinimumRule(Rule):
         #: The last ``patience`` finite gaps (the smallest decides).
         self.recent: list[float] = []
 
-
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one probe's gap; return the alert when the streak reaches ``patience`` (latched)."""
         s = m.sharpness

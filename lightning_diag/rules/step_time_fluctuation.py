@@ -116,7 +116,6 @@ class StepFluctuationRule(Rule):
         #: The fluctuation of the last window judged (``nan``: too short), for the logs; not checkpoint state.
         self.last_value = math.nan
 
-
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge a window of step times already cleared of warm-up, validation and periodic steps
         (``m.compute_times``), an ``info`` when the window's CPU pressure (``m.cpu_pressure``) makes the machine

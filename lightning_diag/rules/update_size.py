@@ -121,7 +121,6 @@ class UpdateSizeRule(Rule):
         #: The median ratio at the first measurement of the current streak.
         self.streak_start: float | None = None
 
-
     def trend_ends(self) -> tuple[float, float]:
         """The Theil-Sen line of the measured losses at their first and last point (``nan`` without two)."""
         slope = theil_sen_slope(self.trend)

@@ -131,7 +131,6 @@ class ValDeclineRule(Rule):
         #: The last streak's worsening over its standard error (``nan``: unknown).
         self.last_z = math.nan
 
-
     def significance(self, value: float, se: float | None) -> float:
         """The worsening from the streak's start to ``value`` over its standard error (``inf`` when either
         standard error is unknown: the test is not made)."""

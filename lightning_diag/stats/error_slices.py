@@ -182,6 +182,7 @@ class SliceStat(_SliceNumbers):
         del out["column"]
         return out
 
+
 def find_slices(
     features: SliceFeatures, errors: np.ndarray, wrong: np.ndarray, min_count: int
 ) -> tuple[list[SliceStat], int]:

@@ -26,7 +26,6 @@ from lightning_diag.rules.zero_output import ZERO_OUTPUT
 __all__ = ["ZeroOutputCheck"]
 
 
-
 class ZeroOutputCheck(SampledCheck[ZeroOutputWatch]):
     """Installs the watch on sampled steps and feeds what it saw (:class:`ZeroOutputs`) to the owner's preset."""
 

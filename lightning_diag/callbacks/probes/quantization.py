@@ -239,8 +239,6 @@ class QuantizationProbe(ValidationProbe):
         self.add_preset()
         self.last_result: QuantizationResult | None = None
 
-
-
     @property
     def engine(self) -> str:
         """The engine of the Linear layers: ``"torchao"`` or ``"fake"``."""

@@ -114,8 +114,6 @@ class SharpnessProbe(ValidationProbe):
         self.add_preset()
         self.last_result: SharpnessResult | None = None
 
-
-
     def measure(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
     ) -> SharpnessResult:
