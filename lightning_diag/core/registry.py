@@ -296,22 +296,6 @@ class CheckSpec:
         return describe(self.title, thresholds)
 
 
-class _Fields(Mapping[str, float]):
-    """Format fields of a title: every rule's threshold, and the settings of one rule and its owner."""
-
-    def __init__(self, values: dict[str, float]) -> None:
-        self._values = values
-
-    def __getitem__(self, key: str) -> float:
-        return self._values[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-
 def describe(template: str, thresholds: Mapping[str, float] | None = None, spec: RuleSpec | None = None) -> str:
     """Fill a title template with the thresholds in effect (the registry's defaults where one is missing).
 
@@ -338,7 +322,7 @@ def describe(template: str, thresholds: Mapping[str, float] | None = None, spec:
                 fields[setting.name] = float(given.get(setting.key, setting.default))
         for name, value in spec.settings.items():
             fields[name] = float(given.get(spec.key(name), value))
-    return string.Formatter().vformat(template, (), _Fields(fields))
+    return string.Formatter().vformat(template, (), fields)
 
 
 _RULES: dict[str, RuleSpec] = {}

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["check_choice", "check_int", "check_number"]
+__all__ = ["check_bool", "check_callable", "check_choice", "check_int", "check_names", "check_number"]
+
+T = TypeVar("T")
 
 
 def check_number(
@@ -67,6 +69,39 @@ def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
     if value not in options:
         raise ValueError(f"Expected argument `{name}` to be one of {text}, but got {value!r}")
     return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Check that ``value`` is ``True`` or ``False`` and return it.
+
+    Raises:
+        TypeError: If it is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"Expected argument `{name}` to be a bool (True or False), but got {value!r}")
+    return value
+
+
+def check_callable(name: str, value: T, what: str = "a callable") -> T:
+    """Check that ``value`` is ``None`` or callable (``what`` says how it is called) and return it.
+
+    Raises:
+        TypeError: If it is neither.
+    """
+    if value is not None and not callable(value):
+        raise TypeError(f"Expected argument `{name}` to be {what} or None, but got {value!r}")
+    return value
+
+
+def check_names(name: str, value: Any, what: str) -> tuple[str, ...]:
+    """Check that ``value`` is a sequence of strings (not one string; ``what`` names them) and return it as a tuple.
+
+    Raises:
+        TypeError: If it is not.
+    """
+    if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+        raise TypeError(f"Expected argument `{name}` to be a list of {what}, but got {value!r}")
+    return tuple(value)
 
 
 def _range_text(low: float | None, high: float | None, low_inclusive: bool, high_inclusive: bool) -> str:

@@ -36,7 +36,6 @@ __all__ = [
     "HeldGenerators",
     "RngState",
     "device_generators",
-    "held_generators",
     "is_global_generator",
     "preserved_rng",
 ]
@@ -137,10 +136,10 @@ class RngState:
             np.random.set_state(self.numpy)
 
 
-#: Objects :func:`held_generators` visits at most per root (a dataset holding a million Python samples is not
+#: Objects :func:`_walk` visits at most per root (a dataset holding a million Python samples is not
 #: walked whole: generators live in attributes and transforms, not among the samples).
 _MAX_VISITED = 20_000
-#: Items of one list, tuple, set or mapping :func:`held_generators` looks into.
+#: Items of one list, tuple, set or mapping :func:`_walk` looks into.
 _MAX_ITEMS = 256
 _MISSING = object()
 _LEAVES = (
@@ -213,8 +212,15 @@ def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
 
 
 def _walk(roots: tuple[tuple[str, Any], ...]) -> tuple[dict[str, Any], list[Any]]:
-    """The generators under ``roots`` by path (each once, under its first path), and the objects visited that
-    have a ``__dict__``."""
+    """The random generators an object graph holds, by the path that reaches each first, and the objects visited
+    that have a ``__dict__``.
+
+    Walks attributes (``__dict__``, ``__slots__``), mappings, lists, tuples, sets, ``functools.partial`` objects,
+    bound methods and closures from each ``(name, root)``, breadth first, each object once, at most
+    :data:`_MAX_VISITED` objects and :data:`_MAX_ITEMS` items per container. Generators: :class:`random.Random`
+    (not :class:`random.SystemRandom`), numpy's ``Generator``, ``RandomState`` and ``BitGenerator``,
+    :class:`torch.Generator`. Modules, classes, tensors and arrays are not entered.
+    """
     found: dict[str, Any] = {}
     holders: list[Any] = []
     seen: set[int] = set()
@@ -234,25 +240,6 @@ def _walk(roots: tuple[tuple[str, Any], ...]) -> tuple[dict[str, Any], list[Any]
         except Exception:  # an exotic object whose attributes cannot be read is left out
             continue
     return found, holders
-
-
-def held_generators(*roots: tuple[str, Any]) -> dict[str, Any]:
-    """The random generators an object graph holds, by the path that reaches each first.
-
-    Walks attributes (``__dict__``, ``__slots__``), mappings, lists, tuples, sets, ``functools.partial`` objects,
-    bound methods and closures from each ``(name, root)``, breadth first, each object once, at most
-    :data:`_MAX_VISITED` objects and :data:`_MAX_ITEMS` items per container. Generators: :class:`random.Random`
-    (not :class:`random.SystemRandom`), numpy's ``Generator``, ``RandomState`` and ``BitGenerator``,
-    :class:`torch.Generator`. Modules, classes, tensors and arrays are not entered.
-
-    Example:
-        >>> class Noisy:
-        ...     def __init__(self):
-        ...         self.rng = np.random.default_rng(0)
-        >>> list(held_generators(("dataset", Noisy())))
-        ['dataset.rng']
-    """
-    return _walk(roots)[0]
 
 
 def _get_state(g: Any) -> Any:
@@ -294,7 +281,7 @@ def _same(a: Any, b: Any) -> bool:
 
 @dataclasses.dataclass
 class HeldGenerators:
-    """The generators an object graph holds (:func:`held_generators`) and a copy of their states.
+    """The generators an object graph holds (see :meth:`capture`) and a copy of their states.
 
     Example:
         >>> rng = np.random.default_rng(0)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import FRACTION, RuleSpec, register
+from lightning_diag.core.registry import FRACTION, RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext, list_names
 from lightning_diag.rules.measures import Measure, Measures
 from lightning_diag.rules.rows import Check, LoggedRun, measure
@@ -43,7 +43,7 @@ AMP_NOT_APPLIED_SPEC = register(
 AMP_NOT_APPLIED = AMP_NOT_APPLIED_SPEC.rule_id
 
 #: ``amp_not_applied``: share of the matmul layers' parameters computing in float32 above which it fires.
-DEFAULT_AMP_SHARE: float = float(AMP_NOT_APPLIED_SPEC.threshold or 0.5)
+DEFAULT_AMP_SHARE: float = default(AMP_NOT_APPLIED_SPEC.rule_id)
 #: Names an alert lists, at most.
 _SHOWN = 4
 

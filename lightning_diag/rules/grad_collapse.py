@@ -106,6 +106,7 @@ class GradCollapseRule(Rule):
         "early", "baseline", "streak", "early_losses", "initial_loss", "recent_losses", "early_updates",
         "update_baseline", "update_level",
     )  # fmt: skip
+    state_defaults: ClassVar[Mapping[str, Any]] = {"early_updates": [], "update_baseline": None, "update_level": None}
 
     def __init__(
         self,
@@ -131,10 +132,6 @@ class GradCollapseRule(Rule):
         self.early_updates: list[float] = []
         self.update_baseline: float | None = None
         self.update_level: float | None = None
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known."""
-        super().load_state_dict({"early_updates": [], "update_baseline": None, "update_level": None, **state})
 
     def _observe_updates(self, ratios: Mapping[str, float]) -> None:
         """Note the relative update ``||ΔW|| / ||W||`` of each layer at the last measured optimizer step; their

@@ -91,6 +91,7 @@ class GradFrozenRule(Rule):
     needs = frozenset({Measure.STUCK_PARAMS})
     optional = frozenset({Measure.PARAM_NAMES})
     state_keys = ("streaks", "unused", "unreached")
+    state_defaults: ClassVar[Mapping[str, Any]] = {"unused": [], "unreached": None}
 
     def __init__(self, patience: int = _PATIENCE) -> None:
         super().__init__()
@@ -101,11 +102,6 @@ class GradFrozenRule(Rule):
         #: Parameters whose gradient has been exactly zero at every measurement since the first (``None`` before
         #: it): reason ``"unreached"`` instead of ``"zero_grad"``.
         self.unreached: list[str] | None = None
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before the unused-module info loads with none
-        listed, one from before the never-reached check starts it at the next measurement."""
-        super().load_state_dict({"unused": [], "unreached": None, **state})
 
     def observe_reached(self, stuck: Mapping[str, str]) -> dict[str, str]:
         """``stuck`` with ``"zero_grad"`` replaced by ``"unreached"`` for the parameters whose gradient has been

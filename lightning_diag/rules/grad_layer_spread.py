@@ -88,6 +88,7 @@ class GradSpreadRule(Rule):
     # the relative gradients are judged; the update ratios of a measured step are noted for the next judgment
     optional = frozenset({Measure.GRAD_RELATIVE, Measure.LAYER_ROLES, Measure.UPDATE_RATIOS})
     state_keys = ("streak", "updates")
+    state_defaults: ClassVar[Mapping[str, Any]] = {"updates": {}}
 
     def __init__(
         self,
@@ -103,10 +104,6 @@ class GradSpreadRule(Rule):
         self.streak = 0
         #: ``{layer: ||ΔW|| / ||W||}`` at the last measured step (:meth:`_observe_updates`); empty when unknown.
         self.updates: dict[str, float] = {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known."""
-        super().load_state_dict({"updates": {}, **state})
 
     def _observe_updates(self, ratios: Mapping[str, float]) -> None:
         """Note the relative update ``||ΔW|| / ||W||`` each layer got at the last measured optimizer step: a

@@ -213,6 +213,7 @@ class GradBandRule(Rule):
         }
     )
     state_keys = ("streaks", "updates", "unreached", "weights")
+    state_defaults: ClassVar[Mapping[str, Any]] = {"updates": {}, "unreached": None, "weights": {}}
 
     def __init__(
         self,
@@ -241,11 +242,6 @@ class GradBandRule(Rule):
         self.dead: list[str] = []
         #: ``{layer: [||W||, step]}`` at the last measurement whose weights were read (``weight_norms``).
         self.weights: dict[str, list[float]] = {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before the update check loads with none known,
-        one from before the unreached-layer check starts it at the next measurement."""
-        super().load_state_dict({"updates": {}, "unreached": None, "weights": {}, **state})
 
     def _weights(self, ctx: StepContext, w: WeightNorms) -> list[Alert]:
         """Judge each layer's weight norm before the optimizer step of a measurement (``sizes``: its elements;

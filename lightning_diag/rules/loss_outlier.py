@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import POSITIVE, Limit, RuleSpec, register, value_of
+from lightning_diag.core.registry import POSITIVE, Limit, RuleSpec, default, register, value_of
 from lightning_diag.core.tags import loss_tag
 from lightning_diag.rules.base import Latch, Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
@@ -47,7 +47,6 @@ __all__ = [
     "LossOutlierRule",
     "judge_losses",
     "loss_outlier_min_history",
-    "loss_outliers",
     "outlier_excess",
 ]
 
@@ -70,7 +69,7 @@ LOSS_OUTLIER = LOSS_OUTLIER_SPEC.rule_id
 LOSS_OUTLIER_WINDOW_KEY = LOSS_OUTLIER_SPEC.key("window")
 
 #: ``loss_outlier``: robust standard deviations above the median of the window.
-DEFAULT_LOSS_OUTLIER_THRESHOLD: float = float(LOSS_OUTLIER_SPEC.threshold or 8.0)
+DEFAULT_LOSS_OUTLIER_THRESHOLD: float = default(LOSS_OUTLIER_SPEC.rule_id)
 #: ``loss_outlier``: ... and this factor above that median.
 DEFAULT_LOSS_OUTLIER_RATIO: float = float(LOSS_OUTLIER_SPEC.settings["ratio"])
 #: ``loss_outlier``: the steps the median and MAD are taken over.
@@ -79,40 +78,6 @@ DEFAULT_LOSS_OUTLIER_WINDOW: int = int(LOSS_OUTLIER_SPEC.settings["window"])
 _SHOWN = 4
 #: ``loss_outlier``: judgments without an outlier after which a new outlier is a new event.
 _OUTLIER_CLEAR_AFTER = 10
-
-
-def loss_outliers(
-    history: Sequence[float],
-    new: Sequence[float],
-    threshold: float,
-    ratio: float,
-    window: int,
-    floor: float | None = None,
-    before: Sequence[float] = (),
-    after: Sequence[float] = (),
-    span: int = 1,
-) -> list[tuple[int, float, float]]:
-    """The steps of ``new`` whose loss is an upward outlier against the (up to) ``window`` losses before it.
-
-    See :func:`judge_losses` (the neighbours) and :func:`outlier_excess` (the test); outliers do not enter the
-    reference, and non-finite losses (the non-finite rules' concern) are not judged.
-
-    Returns:
-        ``(index into new, loss, median)`` of each outlier.
-
-    Example:
-        >>> hist = [0.4 + 0.05 * (i % 5) for i in range(32)]
-        >>> loss_outliers(hist, [0.45, 4.0, 0.5], 10.0, 2.0, 32, floor=0.7)
-        [(1, 4.0, 0.5)]
-        >>> loss_outliers(hist, [0.45, 0.9, 0.5], 10.0, 2.0, 32, floor=0.7)  # a hard batch, not the untrained level
-        []
-        >>> loss_outliers(hist, [0.45, 4.0, 3.0], 10.0, 2.0, 32, floor=0.7)  # not isolated: a spike of the run
-        []
-        >>> loss_outliers(hist[:7], [4.0], 10.0, 2.0, 32)  # not enough history (8 steps)
-        []
-    """
-    judged = judge_losses(history, new, threshold, ratio, window, floor, before, after, span)
-    return [(i, x, med) for i, x, excess, med in judged if excess > 1.0]
 
 
 def judge_losses(
@@ -130,7 +95,18 @@ def judge_losses(
     the up to ``window`` losses before it that were not outliers, with its neighbours in the finite sequence
     ``*before, *new, *after``: the losses just outside a run of ``span`` consecutive losses that holds it (the
     micro-batches of one optimizer step under gradient accumulation: ``span`` of them), the run whose larger
-    outside neighbour is the smallest. A neighbour beyond the sequence is unknown, not required."""
+    outside neighbour is the smallest. A neighbour beyond the sequence is unknown, not required. Outliers
+    (``excess > 1``) do not enter the reference; non-finite losses (the non-finite rules' concern) are not judged.
+
+    Example:
+        >>> hist = [0.4 + 0.05 * (i % 5) for i in range(32)]
+        >>> def outliers(new, **kw):
+        ...     return [(i, x) for i, x, e, _ in judge_losses(hist, new, 10.0, 2.0, 32, **kw) if e > 1]
+        >>> outliers([0.45, 4.0, 0.5], floor=0.7)
+        [(1, 4.0)]
+        >>> outliers([0.45, 0.9, 0.5], floor=0.7), outliers([0.45, 4.0, 3.0], floor=0.7)  # a hard batch; not isolated
+        ([], [])
+    """
     past = _LossWindow([v for v in history if math.isfinite(v)][-window:])
     finite = [(i, float(x)) for i, x in enumerate(new) if math.isfinite(x)]
     head = [float(v) for v in before if math.isfinite(v)]

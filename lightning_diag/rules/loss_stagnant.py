@@ -117,6 +117,7 @@ class LossStagnantRule(Rule):
     specs = (LOSS_STAGNANT_SPEC,)
     setting_keys: ClassVar[Mapping[str, str]] = {"min_drop": LOSS_STAGNANT}
     state_keys = ("baseline", "points", "best", "history", "settled", "validation")
+    state_defaults: ClassVar[Mapping[str, Any]] = {"history": [], "settled": False, "validation": []}
 
     def __init__(
         self,
@@ -152,10 +153,6 @@ class LossStagnantRule(Rule):
         """Set the initial loss once (later calls, and non-finite values, are ignored)."""
         if self.baseline is None and math.isfinite(initial_loss):
             self.baseline = float(initial_loss)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before the trend test loads with no history."""
-        super().load_state_dict({"history": [], "settled": False, "validation": [], **state})
 
     def observe_validation(self, value: float, mode: Literal["min", "max"] = "min") -> None:
         """Note a validation value (``mode="max"``: higher is better), for telling learning from memorising."""

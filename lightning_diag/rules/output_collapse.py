@@ -28,7 +28,8 @@ generative or regression output ``[B, C]`` whose largest element is always the s
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, FRACTION, RULES, CheckSpec, RuleSpec, register
@@ -97,6 +98,7 @@ class OutputCollapseRule(Rule):
 
     specs = (OUTPUT_COLLAPSE_SPEC,)
     state_keys = ("streak", "early", "checks", "last", "unmeasured", "recent")
+    state_defaults: ClassVar[Mapping[str, Any]] = {"recent": []}
     needs = frozenset({Measure.OUTPUT_SPREAD})
 
     def __init__(
@@ -118,10 +120,6 @@ class OutputCollapseRule(Rule):
         self.unmeasured = 0
         #: The last ``patience`` statistics (the largest decides).
         self.recent: list[float] = []
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before ``recent`` was saved loads with none."""
-        super().load_state_dict({"recent": [], **state})
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one sampled training step: the output's mean spread across the batch, its mean level, the batch

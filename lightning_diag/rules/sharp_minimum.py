@@ -5,7 +5,8 @@ read from the rule registry.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, RULES, CheckSpec, RuleSpec, register
@@ -74,6 +75,7 @@ class SharpMinimumRule(Rule):
     specs = (SHARP_MINIMUM_SPEC,)
     needs = frozenset({Measure.SHARPNESS})
     state_keys = ("streak", "recent")
+    state_defaults: ClassVar[Mapping[str, Any]] = {"recent": []}
 
     def __init__(
         self, threshold: float = DEFAULT_SHARP_MINIMUM_THRESHOLD, patience: int = DEFAULT_SHARP_MINIMUM_PATIENCE
@@ -85,10 +87,6 @@ class SharpMinimumRule(Rule):
         self.streak = 0
         #: The last ``patience`` finite gaps (the smallest decides).
         self.recent: list[float] = []
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before ``recent`` was saved loads with none."""
-        super().load_state_dict({"recent": [], **state})
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one probe's gap; return the alert when the streak reaches ``patience`` (latched)."""

@@ -16,7 +16,8 @@ persists once the machine is free again is a warning of its own (source ``step_t
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import (
@@ -90,6 +91,7 @@ class StepFluctuationRule(Rule):
 
     specs = (STEP_TIME_FLUCTUATION_SPEC,)
     state_keys = ("streak", "counted_at")
+    state_defaults: ClassVar[Mapping[str, Any]] = {"counted_at": _NEVER}
     needs = frozenset({Measure.COMPUTE_TIMES})
     optional = frozenset({Measure.CPU_PRESSURE})
 
@@ -113,10 +115,6 @@ class StepFluctuationRule(Rule):
         self.counted_at = _NEVER
         #: The fluctuation of the last window judged (``nan``: too short), for the logs; not checkpoint state.
         self.last_value = math.nan
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before ``counted_at`` counts its next check."""
-        super().load_state_dict({"counted_at": _NEVER, **state})
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge a window of step times already cleared of warm-up, validation and periodic steps

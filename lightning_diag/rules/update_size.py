@@ -98,6 +98,7 @@ class UpdateSizeRule(Rule):
     specs = (UPDATE_TOO_SMALL_SPEC,)
     setting_keys: ClassVar[Mapping[str, str]] = {"patience": GRAD_PATIENCE_SETTING.key}
     state_keys = ("streak", "moved", "streak_start", "trend")
+    state_defaults: ClassVar[Mapping[str, Any]] = {"trend": []}
     needs = frozenset({Measure.UPDATE_RATIOS})
     optional = frozenset({Measure.LOSS})
 
@@ -119,10 +120,6 @@ class UpdateSizeRule(Rule):
         self.trend: list[float] = []
         #: The median ratio at the first measurement of the current streak.
         self.streak_start: float | None = None
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before the loss trend starts it empty."""
-        super().load_state_dict({"trend": [], **state})
 
     def trend_ends(self) -> tuple[float, float]:
         """The Theil-Sen line of the measured losses at their first and last point (``nan`` without two)."""

@@ -93,6 +93,9 @@ class ValDeclineRule(Rule):
     specs = (VAL_DECLINE_SPEC,)
     setting_keys: ClassVar[Mapping[str, str]] = {"patience": VAL_DECLINE}
     state_keys = ("previous", "streak", "history", "streak_start", "train_start", "start", "previous_se")
+    state_defaults: ClassVar[Mapping[str, Any]] = {
+        "streak_start": 0, "train_start": None, "start": [], "previous_se": None
+    }
 
     def __init__(
         self,
@@ -127,11 +130,6 @@ class ValDeclineRule(Rule):
         self.z = z
         #: The last streak's worsening over its standard error (``nan``: unknown).
         self.last_z = math.nan
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before ``min_steps`` loads with the streak
-        starting at step 0."""
-        super().load_state_dict({"streak_start": 0, "train_start": None, "start": [], "previous_se": None, **state})
 
     def significance(self, value: float, se: float | None) -> float:
         """The worsening from the streak's start to ``value`` over its standard error (``inf`` when either

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from lightning_diag.core.record import Alert
-from lightning_diag.core.registry import Limit, RuleSpec, register
+from lightning_diag.core.registry import Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext, list_names
 from lightning_diag.rules.grad_collapse import GRAD_COLLAPSE
 from lightning_diag.rules.loss_outlier import LOSS_OUTLIER
@@ -48,7 +48,7 @@ ZERO_OUTPUT_SPEC = register(
 ZERO_OUTPUT = ZERO_OUTPUT_SPEC.rule_id
 
 #: ``zero_output``: non-zero measurements a module needs before an all-zero output is judged a transition.
-DEFAULT_ZERO_OUTPUT_HISTORY: int = int(ZERO_OUTPUT_SPEC.threshold or 3)
+DEFAULT_ZERO_OUTPUT_HISTORY: int = int(default(ZERO_OUTPUT_SPEC.rule_id))
 #: Names an alert lists, at most.
 _SHOWN = 4
 

@@ -16,9 +16,8 @@ samples that carry it.
    rate; its p-value is the one-sided Fisher exact test (the hypergeometric tail) of its wrong samples against
    the rest's. Features with exactly the same samples are one slice. The p-values are corrected by Bonferroni
    over the number of slices tested.
-3. Merge (:func:`merge_slices`): slices judged worth reporting, most significant first, are merged into the first
-   finding whose samples overlap theirs with a Jaccard index of at least ``jaccard``; a finding keeps the
-   numbers of its most significant slice and lists every merged slice's features.
+3. Grouping (:func:`lightning_diag.stats.slice_groups.find_groups`): slices that fail together become one
+   :class:`Finding`.
 
 Pure numpy and scipy (installed with scikit-learn, the ``errors`` extra), imported when a function runs.
 """
@@ -27,8 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +38,6 @@ __all__ = [
     "SliceFeatures",
     "SliceStat",
     "find_slices",
-    "merge_slices",
     "stack_features",
     "token_features",
     "value_features",
@@ -185,6 +182,7 @@ class SliceStat(_SliceNumbers):
         del out["column"]
         return out
 
+
 def find_slices(
     features: SliceFeatures, errors: np.ndarray, wrong: np.ndarray, min_count: int
 ) -> tuple[list[SliceStat], int]:
@@ -272,9 +270,8 @@ class Finding(_SliceNumbers):
     """Slices that fail together, as one finding (the fields of :class:`_SliceNumbers`; every slice's features,
     the most significant first).
 
-    From :func:`merge_slices`, the numbers are those of its most significant slice; from
-    :func:`lightning_diag.stats.slice_groups.find_groups`, those of the union of its members (then ``share`` and
-    ``error_rate`` equal ``union_share`` and ``union_error_rate``).
+    From :func:`lightning_diag.stats.slice_groups.find_groups`: the numbers are those of the union of its members
+    (``share`` and ``error_rate`` equal ``union_share`` and ``union_error_rate``).
 
     Attributes:
         slices: The number of slices merged (members and alternates).
@@ -283,7 +280,7 @@ class Finding(_SliceNumbers):
         kind: How its members describe it: ``"slice"`` (one feature, and the features of the same samples),
             ``"conjunction"`` (two features that fail together: ``"a & b"``), ``"disjunction"`` (samples holding
             any of several members).
-        members: The member slices whose union it is (empty from :func:`merge_slices`).
+        members: The member slices whose union it is.
         union_share: The share of the samples in the union of its members.
         union_error_rate: The mean error of that union.
         alternates: Features of other slices of largely the same samples (listed in ``features`` too).
@@ -297,48 +294,3 @@ class Finding(_SliceNumbers):
     union_share: float | None = None
     union_error_rate: float | None = None
     alternates: tuple[str, ...] = ()
-
-def merge_slices(
-    slices: Sequence[SliceStat],
-    features: SliceFeatures,
-    wrong: np.ndarray,
-    labels: np.ndarray | None = None,
-    predictions: np.ndarray | None = None,
-    jaccard: float = MERGE_JACCARD,
-    keep: Callable[[SliceStat], bool] | None = None,
-) -> list[Finding]:
-    """Merge ``slices`` (those ``keep`` accepts), most significant first, into findings: a slice joins the first
-    finding whose samples overlap its own with a Jaccard index of at least ``jaccard``, else starts one.
-
-    Example:
-        >>> wrong = np.array([1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0], dtype=bool)
-        >>> f = stack_features([value_features(["a"] * 4 + ["b"] * 8, "x"), value_features(["c"] * 5 + ["d"] * 7, "y")])
-        >>> slices, _ = find_slices(f, wrong.astype(float), wrong, min_count=3)
-        >>> [(m.features, m.size, m.slices) for m in merge_slices(slices, f, wrong)]
-        [(('x=a', 'y=c'), 4, 2)]
-    """
-    members = features.members.tocsc()
-    found: list[tuple[set[int], list[SliceStat]]] = []
-    for s in slices:
-        if keep is not None and not keep(s):
-            continue
-        rows = set(members.indices[members.indptr[s.column]:members.indptr[s.column + 1]].tolist())
-        for group, merged in found:
-            if len(rows & group) / len(rows | group) >= jaccard:
-                merged.append(s)
-                break
-        else:
-            found.append((rows, [s]))
-    out = []
-    for group, merged in found:
-        head = merged[0]
-        label = pred = None
-        bad = np.array(sorted(group), dtype=np.int64)
-        bad = bad[wrong[bad]]
-        if labels is not None and predictions is not None and len(bad):
-            label = int(Counter(labels[bad].tolist()).most_common(1)[0][0])
-            pred = int(Counter(predictions[bad].tolist()).most_common(1)[0][0])
-        names = tuple(dict.fromkeys(n for s in merged for n in s.features))
-        out.append(Finding(names, head.size, head.share, head.error_rate, head.rest_error_rate, head.lift,
-                           head.wrong, head.p_value, head.p_adjusted, len(merged), label, pred))
-    return out

@@ -1,5 +1,4 @@
-"""Pure maths on step-time and memory series: robust spread, block-to-block fluctuation, periodic slow steps,
-monotone growth.
+"""Pure maths on step-time and memory series: block-to-block fluctuation, periodic slow steps, monotone growth.
 
 Everything here takes plain sequences of floats (seconds, bytes, percent) and returns floats; nothing imports
 Lightning or torch, so the functions are tested against brute force on synthetic series.
@@ -11,8 +10,6 @@ Example:
     >>> period = detect_period(times)
     >>> period.period, period.occurrences
     (10, 6)
-    >>> round(relative_mad([1.0, 1.1, 0.9, 1.0, 1.0]), 3)
-    0.0
 """
 
 from __future__ import annotations
@@ -25,23 +22,7 @@ import numpy as np
 #: A series of floats: a sequence or a 1-D array.
 Series = Sequence[float] | np.ndarray
 
-__all__ = ["Periodicity", "block_fluctuation", "detect_period", "growth", "relative_mad", "slow_mask"]
-
-
-def relative_mad(values: Series) -> float:
-    """Median absolute deviation from the median, as a fraction of the median (``nan`` when undefined).
-
-    Half of the values lie within ``median * (1 ± relative_mad)``; a few outliers do not move it, which is
-    why it measures the step-time fluctuation of a run on a shared, noisy machine.
-    """
-    x = np.asarray(values, dtype=float)
-    x = x[np.isfinite(x)]
-    if x.size == 0:
-        return float("nan")
-    med = float(np.median(x))
-    if med <= 0:
-        return float("nan")
-    return float(np.median(np.abs(x - med)) / med)
+__all__ = ["Periodicity", "block_fluctuation", "detect_period", "growth", "slow_mask"]
 
 
 def block_fluctuation(values: Series, block: int, z: float = 0.0) -> float:
@@ -62,8 +43,8 @@ def block_fluctuation(values: Series, block: int, z: float = 0.0) -> float:
     successive difference, as von Neumann's successive-difference estimator of a spread) measures how the step
     time goes up and down, which is what a fluctuation is: a level that moves once (a batch-size ramp, layers
     unfrozen, another job starting on the machine) or drifts slowly changes few neighbouring pairs, and leaves
-    it where the noise puts it. ``sqrt(2)`` puts independent block-to-block noise on the scale of
-    :func:`relative_mad` (the difference of two independent values spreads ``sqrt(2)`` times more than one).
+    it where the noise puts it. ``sqrt(2)`` puts independent block-to-block noise on the scale of the relative
+    median absolute deviation (the difference of two independent values spreads ``sqrt(2)`` times more than one).
 
     Example:
         >>> block_fluctuation([1.0, 9.0] * 15, block=10)  # one slow step in two is steady

@@ -131,8 +131,8 @@ def test_the_detectors_helpers_held_are_the_presets_attributes_under_their_old_k
         ("train_mode_rule", EvalModeRule, "train_mode"),
         ("rollback_rule", RollbackRule, "rollback"),
     ):
-        assert alarm.detector(rule) is getattr(alarm, attribute)
-        assert AnomalyAlarm.preset.find(rule).key == key
+        (entry,) = [d for d in AnomalyAlarm.preset.detectors if d.rule is rule]
+        assert (entry.attribute, entry.key) == (attribute, key) and isinstance(getattr(alarm, attribute), rule)
     # the recovery asks the preset's rollback detector, built from the thresholds in effect
     assert alarm.recovery.rule is alarm.rollback_rule and alarm.rollback_rule.lr_factor == 0.25
     assert alarm.replicas.tolerance == alarm.desync_rule.tolerance

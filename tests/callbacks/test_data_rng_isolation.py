@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_diag
 from lightning_diag import DataDiagnostics
-from lightning_diag.instrument.rng import HeldGenerators, held_generators
+from lightning_diag.instrument.rng import HeldGenerators
 from lightning_diag.output.writer import DiagWriter
 
 FAST = dict(
@@ -186,7 +186,7 @@ def test_held_generators_are_found_through_attributes_closures_and_containers():
             self.global_state = np.random  # the module: not entered
             self.secure = random.SystemRandom()  # no state to copy
 
-    found = held_generators(("dataset", Data()))
+    found = HeldGenerators.capture(("dataset", Data())).generators
     expected = ["dataset.gen", "dataset.pipeline.steps[0].<rng>", "dataset.pipeline.steps[1]['jitter'].rng"]
     assert sorted(found) == expected
 

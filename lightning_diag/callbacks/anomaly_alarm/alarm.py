@@ -36,7 +36,7 @@ from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.core.alerts import NonFiniteAction
 from lightning_diag.core.registry import RuleSpec
 from lightning_diag.core.tags import loss_tag
-from lightning_diag.core.validation import check_choice
+from lightning_diag.core.validation import check_bool, check_choice
 from lightning_diag.rules.amp_not_applied import AmpRule
 from lightning_diag.rules.catalog import NONFINITE_ROLLBACK, VAL_DECLINE
 from lightning_diag.rules.eval_before_training import EvalBeforeTrainingRule
@@ -236,9 +236,7 @@ class AnomalyAlarm(QuietLossKeeping):
         super().__init__(rules=rules, log_every_n_steps=log_every_n_steps, on_alert=on_alert)
         self.on_nonfinite: NonFiniteAction = check_choice("on_nonfinite", on_nonfinite, NONFINITE_ACTIONS)  # type: ignore[assignment]
         self.swing_window = check_swing_window(swing_window)
-        if not isinstance(locate_nonfinite, bool):
-            raise TypeError(f"Expected argument `locate_nonfinite` to be a bool, but got {locate_nonfinite!r}")
-        self.locate_nonfinite = locate_nonfinite
+        self.locate_nonfinite = check_bool("locate_nonfinite", locate_nonfinite)
         if not isinstance(monitor, str) or not monitor:
             raise TypeError(f"Expected argument `monitor` to be a non-empty metric name, but got {monitor!r}")
         self.monitor = monitor

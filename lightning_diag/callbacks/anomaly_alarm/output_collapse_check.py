@@ -30,7 +30,6 @@ from lightning_diag.stats.spread import relative_spread
 __all__ = ["OutputCollapseCheck"]
 
 
-
 #: What a sampled step where no output was seen measured: no spread (the rule counts the step as not measured).
 _NOTHING_SEEN = Measures(output_spread=OutputSpread(math.nan, math.nan, 0, ""))
 

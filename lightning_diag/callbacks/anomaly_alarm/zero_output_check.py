@@ -25,7 +25,6 @@ from lightning_diag.rules.measures import Measures, ZeroOutputs
 __all__ = ["ZeroOutputCheck"]
 
 
-
 class ZeroOutputCheck(SampledCheck[ZeroOutputWatch]):
     """Installs the watch on sampled steps and feeds what it saw (:class:`ZeroOutputs`) to the owner's preset."""
 

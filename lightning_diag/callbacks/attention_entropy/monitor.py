@@ -19,7 +19,7 @@ from lightning_diag.core.tags import (
     attn_uniform_tag,
     tag,
 )
-from lightning_diag.core.validation import check_int
+from lightning_diag.core.validation import check_callable, check_int
 from lightning_diag.instrument.attention_capture import AttentionCapture, is_compiled
 from lightning_diag.instrument.attention_record import AttentionRecorder
 from lightning_diag.instrument.batches import token_ids as find_token_ids
@@ -180,9 +180,7 @@ class AttentionEntropyMonitor(DiagCallback):
         self.max_queries = check_int("max_queries", max_queries, low=1)
         self.special_positions = self._int_tuple("special_positions", special_positions)
         self.special_token_ids = self._int_tuple("special_token_ids", special_token_ids or ())
-        if input_ids is not None and not callable(input_ids):
-            raise TypeError(f"Expected argument `input_ids` to be a callable batch -> tensor, but got {input_ids!r}")
-        self.input_ids = input_ids
+        self.input_ids = check_callable("input_ids", input_ids, "a callable batch -> tensor")
         if image_every_n_steps is not None:
             check_int("image_every_n_steps", image_every_n_steps, low=0)
         self.image_every_n_steps = image_every_n_steps

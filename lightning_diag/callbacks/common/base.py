@@ -26,7 +26,7 @@ from lightning_diag.core.alerts import Alert
 from lightning_diag.core.log_handler import ensure_handler
 from lightning_diag.core.registry import ParsedRules, RuleChoices, default, owner_name, parse_rules, registry_thresholds
 from lightning_diag.core.tags import threshold_tag
-from lightning_diag.core.validation import check_int
+from lightning_diag.core.validation import check_callable, check_int
 from lightning_diag.output.writer import DiagWriter
 from lightning_diag.rules.base import StepContext
 from lightning_diag.stats.reduced import ReducedState
@@ -134,8 +134,7 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         self.rule_choices: ParsedRules = parse_rules(owner_name(type(self)), rules)
         if log_every_n_steps is not None:
             check_int("log_every_n_steps", log_every_n_steps, low=1)
-        if on_alert is not None and not callable(on_alert):
-            raise TypeError(f"Expected argument `on_alert` to be a callable taking an Alert, but got {on_alert!r}")
+        check_callable("on_alert", on_alert, "a callable taking an Alert")
         self.log_every_n_steps = log_every_n_steps
         self.on_alert = on_alert
         self._on_alert_failed = False

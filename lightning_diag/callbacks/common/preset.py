@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar, cast
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.rules.base import FromSettings, StepContext
@@ -41,7 +41,6 @@ Feed = Callable[[StepContext, Measures], list[Alert]]
 
 
 RuleT = TypeVar("RuleT", bound=StatefulRule)
-DetectorT = TypeVar("DetectorT", bound=FromSettings)
 
 
 @dataclass(frozen=True)
@@ -104,17 +103,6 @@ class Preset:
         """Every rule id the preset's detectors raise, in preset order."""
         return tuple(rule_id for detector in self.detectors for rule_id in detector.rule_ids)
 
-    def find(self, rule: type[FromSettings]) -> Detector:
-        """The entry of ``rule``'s class.
-
-        Raises:
-            KeyError: If the preset has no detector of that class.
-        """
-        for detector in self.detectors:
-            if detector.rule is rule:
-                return detector
-        raise KeyError(f"{self.name}'s preset has no {rule.__name__}")
-
     def fed_by(self, present: frozenset[Measure]) -> tuple[Detector, ...]:
         """The detectors judged on measures holding ``present``, in preset order (see
         :func:`~lightning_diag.rules.measures.fed_by`; kept per set of measurements)."""
@@ -173,15 +161,6 @@ class DeclaredDetectors:
         attributes its detectors' ``context`` names are set)."""
         for entry in self.preset.detectors:
             self.add_rule(entry.attribute, entry.builder(self), state_key=entry.key)
-
-    def detector(self, rule: type[DetectorT]) -> DetectorT:
-        """The detector of class ``rule`` that :attr:`preset` declares (rebuilt at every fit: look it up when
-        used, do not keep it).
-
-        Raises:
-            KeyError: If the preset has no detector of that class.
-        """
-        return cast(DetectorT, getattr(self, self.preset.find(rule).attribute))
 
     def feed(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge ``m`` with every detector of :attr:`preset` that it feeds (all the measurements it needs, or for

@@ -25,7 +25,7 @@ from lightning_diag.callbacks.data_diagnostics.batch import (
 from lightning_diag.callbacks.data_diagnostics.sample import Measured, SplitSample, measure
 from lightning_diag.core.registry import default
 from lightning_diag.core.tags import data_tag
-from lightning_diag.core.validation import check_int
+from lightning_diag.core.validation import check_callable, check_int
 from lightning_diag.instrument.batches import size_mismatch
 from lightning_diag.instrument.positions import position_capacity
 from lightning_diag.output.images import heatmap
@@ -195,9 +195,7 @@ class DataDiagnostics(DiagCallback):
         self.every_n_epochs = None if every_n_epochs is None else check_int("every_n_epochs", every_n_epochs, low=1)
         self.num_classes = None if num_classes is None else check_int("num_classes", num_classes, low=2)
         self.pad_token_id = None if pad_token_id is None else check_int("pad_token_id", pad_token_id, low=0)
-        if extract is not None and not callable(extract):
-            raise TypeError(f"Expected argument `extract` to be a callable batch -> mapping, but got {extract!r}")
-        self.extract = extract
+        self.extract = check_callable("extract", extract, "a callable batch -> mapping")
         self.seed = check_int("seed", seed, low=0)
         # what the measurement needs of the rules' settings (``rules=``)
         self.leakage_shingle_size = int(self.setting(LEAKAGE_SHINGLE_SIZE_KEY))

@@ -31,7 +31,7 @@ from lightning_diag.callbacks.error_analysis.samples import (
 )
 from lightning_diag.core.files import write_json
 from lightning_diag.core.tags import errors_tag
-from lightning_diag.core.validation import check_int, check_number
+from lightning_diag.core.validation import check_callable, check_int, check_number
 from lightning_diag.rules.errors import (
     ALPHA,
     ERROR_CLUSTER_MIN_ERRORS_KEY,
@@ -157,9 +157,8 @@ class ErrorAnalysis(DiagCallback):
         ):
             raise ValueError(f"Expected argument `k_range` to be a pair of ints 2 <= low <= high, but got {k_range!r}")
         self.k_range = (int(k_range[0]), int(k_range[1]))
-        for name, fn in (("embed", embed), ("predict", predict)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"Expected argument `{name}` to be a callable or None, but got {fn!r}")
+        check_callable("embed", embed)
+        check_callable("predict", predict)
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise TypeError(f"Expected argument `tokenizer` to have a `decode` method, but got {tokenizer!r}")
         self.embed, self.predict, self.tokenizer = embed, predict, tokenizer

@@ -44,7 +44,7 @@ from lightning_diag.core.tags import (
     weight_norm_tag,
     zero_grad_tag,
 )
-from lightning_diag.core.validation import check_int
+from lightning_diag.core.validation import check_bool, check_int, check_names
 from lightning_diag.instrument.act_grads import ActivationGradients
 from lightning_diag.instrument.activation_watch import MIN_ROWS, ActivationWatch
 from lightning_diag.instrument.attention_capture import is_compiled
@@ -216,10 +216,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         super().__init__(rules=rules, log_every_n_steps=log_every_n_steps, on_alert=on_alert)
         check_param_selector(params)
         self.params = params
-        for name, flag in (("per_parameter", per_parameter), ("log_weight_norms", log_weight_norms)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"Expected argument `{name}` to be True or False, but got {flag!r}")
-        self.per_parameter = per_parameter
+        self.per_parameter = check_bool("per_parameter", per_parameter)
         if not isinstance(activation_grads, bool) and (
             isinstance(activation_grads, str) or not all(isinstance(p, str) for p in activation_grads)
         ):
@@ -228,22 +225,15 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
                 f" but got {activation_grads!r}"
             )
         self.activation_grads = activation_grads
-        if isinstance(expect_frozen, str) or not all(isinstance(p, str) for p in expect_frozen):
-            raise TypeError(
-                f"Expected argument `expect_frozen` to be a list of parameter-name patterns, but got {expect_frozen!r}"
-            )
-        self.expect_frozen = tuple(expect_frozen)
+        self.expect_frozen = check_names("expect_frozen", expect_frozen, "parameter-name patterns")
         self._act = ActivationGradients()
-        self.log_weight_norms = log_weight_norms
+        self.log_weight_norms = check_bool("log_weight_norms", log_weight_norms)
         if histogram_every_n_steps is not None:
             check_int("histogram_every_n_steps", histogram_every_n_steps, low=0)
         self.histogram_every_n_steps = histogram_every_n_steps
-        if isinstance(logit_projections, str) or not all(isinstance(p, str) for p in logit_projections):
-            raise TypeError(
-                "Expected argument `logit_projections` to be a list of module names (last name component),"
-                f" but got {logit_projections!r}"
-            )
-        self.logit_projections = tuple(logit_projections)
+        self.logit_projections = check_names(
+            "logit_projections", logit_projections, "module names (last name component)"
+        )
         #: Elements sampled per parameter for ``update_none`` / ``update_stale`` (``update_none.sample_size``).
         self.update_sample_size = int(self.setting(UPDATE_SAMPLE_SIZE_KEY))
         self._reset_update_state()

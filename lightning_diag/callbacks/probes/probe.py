@@ -23,7 +23,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
 from lightning_diag.callbacks.common.unlogged import unlogged_copy
 from lightning_diag.core.alerts import Alert
-from lightning_diag.core.validation import check_int
+from lightning_diag.core.validation import check_callable, check_int
 from lightning_diag.instrument.rng import preserved_rng
 from lightning_diag.instrument.sharding import is_sharded_module, reshard_fsdp
 
@@ -85,9 +85,7 @@ class ValidationProbe(DiagCallback):
         super().__init__(rules=rules, on_alert=on_alert)
         self.every_n_epochs = check_int("every_n_epochs", every_n_epochs, low=1)
         self.num_batches = check_int("num_batches", num_batches, low=1)
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"Expected argument `loss_fn` to be a callable (pl_module, batch) -> loss or None, "
-                            f"but got {loss_fn!r}")
+        check_callable("loss_fn", loss_fn, "a callable (pl_module, batch) -> loss")
         self.loss_fn = loss_fn
         self._batches: list[tuple[int, Any]] = []
         self._last_probed_epoch = -1

@@ -20,7 +20,7 @@ from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.callbacks.probes.probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import quant_layer_tag, quant_tag
-from lightning_diag.core.validation import check_choice
+from lightning_diag.core.validation import check_bool, check_choice
 from lightning_diag.instrument.sharded_quant import (
     global_batch_fake_quantize,
     sharded_fake_quantize,
@@ -230,9 +230,7 @@ class QuantizationProbe(ValidationProbe):
         self.granularity: Granularity = check_choice(  # type: ignore[assignment]
             "granularity", granularity, ("per_tensor", "per_channel")
         )
-        if not isinstance(activations, bool):
-            raise TypeError(f"Expected argument `activations` to be True or False, but got {activations!r}")
-        self.activations = activations
+        self.activations = check_bool("activations", activations)
         self.backend: Backend = check_choice("backend", backend, ("auto", "fake", "torchao"))  # type: ignore[assignment]
         if backend == "torchao" and not torchao_available():
             raise ValueError("Expected argument `backend` to be 'auto' or 'fake' when torchao is not installed "
@@ -240,8 +238,6 @@ class QuantizationProbe(ValidationProbe):
         # the probe's one rule, checkpointed under "rules"
         self.add_preset()
         self.last_result: QuantizationResult | None = None
-
-
 
     @property
     def engine(self) -> str:

@@ -18,7 +18,7 @@ from lightning_diag.callbacks.error_analysis.samples import default_predictions
 from lightning_diag.callbacks.probes.probe import LossFn, ProbeError, ValidationProbe
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import robustness_tag
-from lightning_diag.core.validation import check_int
+from lightning_diag.core.validation import check_callable, check_int
 from lightning_diag.instrument.batches import token_ids
 from lightning_diag.rules.measures import Measures
 from lightning_diag.rules.robustness import (
@@ -123,9 +123,7 @@ class RobustnessProbe(ValidationProbe):
                              f"but got {perturbations!r}")
         self.perturbations: tuple[str, ...] = kinds
         self.vocab_size = None if vocab_size is None else check_int("vocab_size", vocab_size, low=2)
-        if perturb is not None and not callable(perturb):
-            raise TypeError(f"Expected argument `perturb` to be a callable or None, but got {perturb!r}")
-        self.perturb = perturb
+        self.perturb = check_callable("perturb", perturb)
         self.seed = check_int("seed", seed, low=0)
         self.add_preset()
         self.last_result: RobustnessResult | None = None

@@ -12,7 +12,7 @@ from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.callbacks.probes.probe import LossFn, ProbeError, ValidationProbe, uses_deepspeed
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import sharpness_layer_tag, sharpness_tag
-from lightning_diag.core.validation import check_int
+from lightning_diag.core.validation import check_bool, check_int
 from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
 from lightning_diag.rules.measures import Measures, SharpnessReading
 from lightning_diag.rules.sharp_minimum import (
@@ -108,15 +108,11 @@ class SharpnessProbe(ValidationProbe):
         self.threshold = self.setting(SHARP_MINIMUM_SPEC.key("threshold"))
         self.patience = int(self.setting(SHARP_MINIMUM_PATIENCE_KEY))
         self.rho = self.setting(SHARP_MINIMUM_RHO_KEY)
-        if not isinstance(per_layer, bool):
-            raise TypeError(f"Expected argument `per_layer` to be True or False, but got {per_layer!r}")
-        self.per_layer = per_layer
+        self.per_layer = check_bool("per_layer", per_layer)
         self.max_layers = check_int("max_layers", max_layers, low=1)
         # the probe's one rule, checkpointed under "rules"
         self.add_preset()
         self.last_result: SharpnessResult | None = None
-
-
 
     def measure(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]

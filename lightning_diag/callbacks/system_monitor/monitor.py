@@ -20,7 +20,7 @@ from lightning_diag.callbacks.system_monitor.load import MachineLoad
 from lightning_diag.callbacks.system_monitor.profiler import SystemProfiler
 from lightning_diag.callbacks.system_monitor.steps import StepRecorder
 from lightning_diag.core.tags import family_tag, overhead_tag
-from lightning_diag.core.validation import check_int
+from lightning_diag.core.validation import check_bool, check_int
 from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 from lightning_diag.rules.contention import machine_pressure
@@ -155,9 +155,8 @@ class SystemMonitor(DiagCallback):
         self.window = int(self.setting(STEP_TIME_WINDOW_KEY))
         #: First optimizer steps of a fit left out of the step-time tests (``step_time_fluctuation.warmup_steps``).
         self.warmup_steps = int(self.setting(STEP_TIME_WARMUP_STEPS_KEY))
-        for name, flag in (("nvml", nvml), ("time_callbacks", time_callbacks)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"Expected argument `{name}` to be a bool, but got {flag!r}")
+        check_bool("nvml", nvml)
+        check_bool("time_callbacks", time_callbacks)
         check_int("overhead_sample_every", overhead_sample_every)
         self.nvml = nvml
         self.time_callbacks = time_callbacks
