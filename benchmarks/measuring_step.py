@@ -60,6 +60,10 @@ lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor _zero_arm
 lightning_diag.instrument.activation_watch:ActivationWatch readings
 lightning_diag.stats.updates:ElementSample gather
 lightning_diag.output.writer:DiagWriter scalars
+lightning_diag.output.writer:DiagWriter _send_pending
+lightning_diag.instrument.activation_watch:ActivationWatch attach
+lightning_diag.callbacks.common.base:DiagCallback threshold_lines
+lightning_diag.callbacks.anomaly_alarm.loss_trend:LossTrend close_period
 lightning_diag.callbacks.anomaly_alarm.alarm:AnomalyAlarm on_before_optimizer_step
 lightning_diag.callbacks.anomaly_alarm.alarm:AnomalyAlarm on_train_batch_start
 lightning_diag.callbacks.anomaly_alarm.alarm:AnomalyAlarm on_train_batch_end

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Literal
 
@@ -106,6 +107,7 @@ def sanitize_tag(part: str) -> str:
     return _BAD_TAG_CHARS.sub("_", part) or "_"
 
 
+@functools.lru_cache(maxsize=8192)  # a fit asks for the same few hundred tags at every measuring step
 def tag(*parts: str) -> str:
     """Build a ``diag/...`` tag from components.
 

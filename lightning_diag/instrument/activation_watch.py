@@ -107,6 +107,7 @@ class ActivationWatch:
         self._calls: list[_Call] = []
         self._layers: list[tuple[str, bool]] = []  # (module name, trainable) of each parameter-owning call
         self._input_sq: torch.Tensor | None = None
+        self._modules: dict[str, nn.Module] = {}  # {name: module} of the model the hooks were attached to
         #: Whether a ReLU-family call of the last forward had too few rows to count dead units.
         self.too_few_rows = False
 
@@ -124,17 +125,17 @@ class ActivationWatch:
         """Attach the pre-hooks for the next forward (nothing when the model has no activation module watched)."""
         self.detach()
         self._calls, self._layers, self._input_sq, self.too_few_rows = [], [], None, False
-        watched = [
-            (name, sub) for name, sub in module.named_modules() if isinstance(sub, RELU_FAMILY) or _bounds(sub)
-        ]
+        named = list(module.named_modules())  # one walk of the model per measured step
+        self._modules = dict(named)
+        watched = [(name, sub) for name, sub in named if isinstance(sub, RELU_FAMILY) or _bounds(sub)]
         if not watched:
             return
-        for name, sub in module.named_modules():
+        for name, sub in named:
             params = list(sub.parameters(recurse=False))
             if params:
                 trainable = any(p.requires_grad for p in params)
                 self._handles.append(sub.register_forward_pre_hook(self._layer_hook(name, trainable)))
-        convs = frozenset(name for name, sub in module.named_modules() if isinstance(sub, _CHANNELS_FIRST))
+        convs = frozenset(name for name, sub in named if isinstance(sub, _CHANNELS_FIRST))
         for name, sub in watched:
             self._handles.append(sub.register_forward_pre_hook(self._activation_hook(name, convs)))
 
@@ -196,16 +197,20 @@ class ActivationWatch:
             _Call(name, layer, type(module).__name__, False, stat, len(self._layers), limit, first)
         )
 
-    def readings(self, modules: dict[str, nn.Module]) -> tuple[list[ActivationReading], float | None]:
+    def readings(self, modules: dict[str, nn.Module] | None = None) -> tuple[list[ActivationReading], float | None]:
         """The readings of the measured forward (after its backward: the layers' weight gradients are read too)
         and the RMS of the model's inputs, with one host copy; the statistics are consumed.
 
         Args:
-            modules: ``{name: module}`` of the model (``named_modules()``), to find each layer's weight.
+            modules: ``{name: module}`` of the model (``named_modules()``), to find each layer's weight; ``None``:
+                those of the model :meth:`attach` walked (the same forward's).
         """
         calls, self._calls = self._calls, []
         layers, self._layers = self._layers, []
         input_sq, self._input_sq = self._input_sq, None
+        if modules is None:
+            modules = self._modules
+        self._modules = {}
         if not calls:
             return [], None
         # each statistic is a float32 0-d tensor already (a mean): no reshape or conversion dispatched for it

@@ -207,8 +207,11 @@ class DiagWriter:
         self._event_file = _guard_event_file(experiment) if owned else None
         # A SummaryWriter's scalars of the step being written, held until another step or any other write: one
         # event per step for every callback's scalars (each event is a hand-over to TensorBoard's writer thread).
-        self._pending: list[Any] = []
+        # The step's `Summary` itself, its values added in place (no list of values copied into it at the send).
+        self._pending: Any | None = None
         self._pending_step = 0
+        # Whether `experiment` is a SummaryWriter (its scalars join the pending event), decided at the first write.
+        self._summary_writer: bool | None = None
 
     @classmethod
     def for_trainer(
@@ -283,27 +286,37 @@ class DiagWriter:
     def _tensorboard(self, values: Mapping[str, float], step: int) -> None:
         """Scalars to the TensorBoard writer: a ``SummaryWriter``'s join the step's pending event (sent when
         another step is written, anything else is, or on :meth:`flush`); any other writer's are written now."""
-        from torch.utils.tensorboard import SummaryWriter
+        summary_writer = self._summary_writer
+        if summary_writer is None:
+            from torch.utils.tensorboard import SummaryWriter
 
-        if not isinstance(self.experiment, SummaryWriter):
+            summary_writer = self._summary_writer = isinstance(self.experiment, SummaryWriter)
+        if not summary_writer:
             _tensorboard_scalars(self.experiment, values, step)
             return
-        if self._pending and step != self._pending_step:
+        pending = self._pending
+        if pending is not None and step != self._pending_step:
             self._send_pending()
+            pending = None
+        if pending is None:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            pending = self._pending = Summary()
         self._pending_step = step
-        self._pending += _summary_values(values)
+        add = pending.value.add
+        for name, v in values.items():
+            add(tag=name, simple_value=float(v))
 
     def _send_pending(self) -> None:
         """Write the pending scalars as one event (what ``add_scalar`` writes, one summary value per tag)."""
-        if not self._pending:
+        pending = self._pending
+        if pending is None:
             return
-        pending, self._pending = self._pending, []
-        if self.experiment is None:
+        self._pending = None
+        if self.experiment is None or not pending.value:
             return
         try:
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
-            self.experiment._get_file_writer().add_summary(Summary(value=pending), self._pending_step)
+            self.experiment._get_file_writer().add_summary(pending, self._pending_step)
         except Exception as err:
             self._drop_experiment(err)
 
@@ -427,7 +440,7 @@ class DiagWriter:
     def _drop_experiment(self, err: BaseException) -> None:
         """Stop writing to the TensorBoard writer after a failure: reported once (naming its event file or folder),
         closed if the library opened it, never raised."""
-        self._pending = []
+        self._pending = None
         experiment, self.experiment = self.experiment, None
         if experiment is None:
             return

@@ -180,6 +180,31 @@ class LossSums(ReducedState):
         self._fold()
         return super().__getitem__(name)
 
+    def local_totals(self, names: Iterable[str]) -> dict[str, float] | None:
+        """This process's named values on the host, in one stacked copy (the held losses folded in first), when
+        each is a float64 0-d tensor and all are on one device: the floats a one-process reduction gives (it
+        converts each value to float64 and stacks them; here they are float64 already). ``None`` otherwise (a
+        period that has counted nothing yet holds its Python default; float32 sums on MPS).
+
+        Example:
+            >>> sums = LossSums(baseline_steps=0)
+            >>> sums.local_totals(LossSums.names("epoch")) is None  # nothing added: the defaults
+            True
+            >>> _ = sums.add(torch.tensor(2.0))
+            >>> sums.local_totals(LossSums.names("epoch"))
+            {'epoch_sum': 2.0, 'epoch_count': 1.0}
+        """
+        self._fold()
+        names = list(names)
+        values = [self._values[name] for name in names]
+        if not values:
+            return {}
+        device = values[0].device if isinstance(values[0], torch.Tensor) else None
+        for v in values:
+            if type(v) is not torch.Tensor or v.dtype is not torch.float64 or v.dim() or v.device != device:
+                return None
+        return dict(zip(names, torch.stack(values).tolist(), strict=True))
+
     def reset(self, names: Iterable[str] | None = None) -> None:
         """Put the named values (all by default) back to their defaults, after folding the held losses in."""
         self._fold()

@@ -261,7 +261,10 @@ class LossTrend:
         """``(mean, variance, count)`` of a period's step losses over all ranks (the variance ``nan`` for
         ``initial`` and below 2 losses); the period starts again."""
         names = LossSums.spread_names(prefix) if prefix in LOSS_PERIODS else LossSums.names(prefix)
-        totals = reduce_state(trainer, self.loss_sums, names, device=pl_module.device)
+        # one process: the sums' own float64 values in one stacked read (no conversion operator per value)
+        totals = self.loss_sums.local_totals(names) if trainer.world_size <= 1 else None
+        if totals is None:
+            totals = reduce_state(trainer, self.loss_sums, names, device=pl_module.device)
         self.loss_sums.reset(names)
         variance = LossSums.variance(totals, prefix) if prefix in LOSS_PERIODS else math.nan
         return LossSums.mean(totals, prefix), variance, totals[names[1]]

@@ -151,6 +151,9 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         self._hooks_off = False  # whether the batch hooks are switched off (a quiet batch)
         self._hooks_saved: dict[str, Any] = {}  # what the instance held for them (another's wrappers)
         self._idle_hooks: list[str] = []  # the inherited no-op batch hooks, None on the instance during a fit
+        # threshold_lines' values by the rules asked, kept from a fit's setup to its teardown (thresholds() is fixed
+        # for a fit: thresholds.json records it once at its start)
+        self._lines: dict[tuple[str, ...], dict[str, float]] = {}
 
     # -- checkpoint state --------------------------------------------------------------------------------
     def checkpoint_key(self) -> str:
@@ -185,6 +188,7 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Attach to the trainer's diagnostics session; a new fit starts with no alerts."""
         ensure_handler()
+        self._lines = {}
         self._session = _acquire_session(trainer)
         if self._session is not None:
             self._step_axis = self._session.step_axis
@@ -206,6 +210,7 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Flush and release the session."""
         self.__dict__.pop("state_key", None)
+        self._lines = {}
         self.switch_batch_hooks(off=False)
         switch_on(self, self._idle_hooks, {})
         self._idle_hooks = []
@@ -328,9 +333,16 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         return default(key) if given is None else given
 
     def threshold_lines(self, *rules: str) -> dict[str, float]:
-        """``diag/threshold/<rule>`` reference values to write beside a series, for the dashboard's charts."""
-        values = self.thresholds()
-        return {threshold_tag(rule): values[rule] for rule in rules if rule in values}
+        """``diag/threshold/<rule>`` reference values to write beside a series, for the dashboard's charts.
+
+        Built from :meth:`thresholds` once per fit for each set of ``rules`` (a measuring step asks for the same
+        ones every time; ``setup`` and ``teardown`` forget them).
+        """
+        lines = self._lines.get(rules)
+        if lines is None:
+            values = self.thresholds()
+            lines = self._lines[rules] = {threshold_tag(rule): values[rule] for rule in rules if rule in values}
+        return dict(lines)
 
     @property
     def writer(self) -> DiagWriter:

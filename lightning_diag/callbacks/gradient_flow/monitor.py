@@ -482,7 +482,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     ) -> None:
         """The activation watch's readings of the measured forward (one host read), written and judged with the
         step's training loss; the layers whose units are dead now make ``grad_vanish`` defer."""
-        readings, input_rms = self._watch.readings(dict(pl_module.named_modules()))
+        readings, input_rms = self._watch.readings()  # the modules its attach walked
         if self._watch.too_few_rows:
             self._watch.too_few_rows = False
             self.notice(
