@@ -19,6 +19,8 @@ import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+from lightning_diag.report import FAIL_ON
+from lightning_diag.report.render import FORMATS
 from lightning_diag.report.text import clean, display
 
 __all__ = ["main"]
@@ -75,14 +77,14 @@ def _parser(fault_names: Sequence[str] | None = None) -> argparse.ArgumentParser
         "logged losses. html, and any format with --out, also draws PNG plots (needs matplotlib).",
     )
     report.add_argument("logdir", metavar="LOGDIR", help="a run's log directory, or a directory of runs")
-    report.add_argument("--format", default="md", choices=["md", "json", "html"], help="output format (default: md)")
+    report.add_argument("--format", default="md", choices=FORMATS, help="output format (default: md)")
     report.add_argument(
         "--out", default=None, metavar="DIR", help="write report.<format> and the plots into DIR instead of stdout"
     )
     report.add_argument(
         "--fail-on",
         default="never",
-        choices=["never", "warning", "critical"],
+        choices=FAIL_ON,
         help="exit 1 when a run has an alert or a FAIL row at this level or above, for CI (default: never)",
     )
     report.add_argument(
@@ -107,7 +109,7 @@ def _parser(fault_names: Sequence[str] | None = None) -> argparse.ArgumentParser
         "final and best loss values, and the step where the training-loss curves first diverge beyond noise.",
     )
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run log directories (at least two)")
-    compare.add_argument("--format", default="md", choices=["md", "json", "html"], help="output format (default: md)")
+    compare.add_argument("--format", default="md", choices=FORMATS, help="output format (default: md)")
     repro = sub.add_parser(
         "repro",
         help="re-run a LightningCLI config on a fraction of the data with every lightning_diag callback",

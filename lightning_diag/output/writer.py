@@ -349,14 +349,22 @@ class DiagWriter:
                 out[k] = v
         return out
 
+    def _tensorboard_call(self, method: str, *args: Any, step: int | None = None, **kwargs: Any) -> None:
+        """Send the pending scalars, then ``experiment.<method>(*args, **kwargs)``, with ``global_step`` from
+        ``step`` when given (TensorBoard only); a failure drops the writer (:meth:`_drop_experiment`)."""
+        self._send_pending()
+        if self.experiment is None:
+            return
+        try:
+            if step is not None:
+                kwargs["global_step"] = self._step(step)
+            getattr(self.experiment, method)(*args, **kwargs)
+        except Exception as err:
+            self._drop_experiment(err)
+
     def text(self, name: str, text: str, step: int) -> None:
         """Write markdown text (TensorBoard only)."""
-        self._send_pending()
-        if self.experiment is not None:
-            try:
-                self.experiment.add_text(name, text, global_step=self._step(step))
-            except Exception as err:
-                self._drop_experiment(err)
+        self._tensorboard_call("add_text", name, text, step=step)
 
     def custom_scalars(self, layout: dict[str, dict[str, list[Any]]]) -> None:
         """Write a custom-scalars layout (TensorBoard only; see
@@ -370,41 +378,17 @@ class DiagWriter:
 
     def histogram(self, name: str, values: Any, step: int) -> None:
         """Write a histogram of a tensor or array (TensorBoard only)."""
-        self._send_pending()
-        if self.experiment is not None:
-            try:
-                self.experiment.add_histogram(name, values, global_step=self._step(step))
-            except Exception as err:
-                self._drop_experiment(err)
+        self._tensorboard_call("add_histogram", name, values, step=step)
 
     def histogram_raw(self, name: str, data: Any, step: int) -> None:
         """Write a histogram computed elsewhere (TensorBoard only): ``data`` has the fields of
         :class:`~lightning_diag.stats.histogram.HistogramData`."""
-        self._send_pending()
-        if self.experiment is not None:
-            try:
-                self.experiment.add_histogram_raw(
-                    name,
-                    min=data.min,
-                    max=data.max,
-                    num=data.num,
-                    sum=data.sum,
-                    sum_squares=data.sum_squares,
-                    bucket_limits=data.bucket_limits,
-                    bucket_counts=data.bucket_counts,
-                    global_step=self._step(step),
-                )
-            except Exception as err:
-                self._drop_experiment(err)
+        fields = ("min", "max", "num", "sum", "sum_squares", "bucket_limits", "bucket_counts")
+        self._tensorboard_call("add_histogram_raw", name, step=step, **{f: getattr(data, f) for f in fields})
 
     def image(self, name: str, image: Any, step: int, dataformats: str = "HWC") -> None:
         """Write an image, uint8 or float array (TensorBoard only)."""
-        self._send_pending()
-        if self.experiment is not None:
-            try:
-                self.experiment.add_image(name, image, global_step=self._step(step), dataformats=dataformats)
-            except Exception as err:
-                self._drop_experiment(err)
+        self._tensorboard_call("add_image", name, image, step=step, dataformats=dataformats)
 
     def flush(self) -> None:
         """Flush the TensorBoard writer and ``save()`` the other loggers (``CSVLogger`` writes its file)."""
