@@ -17,8 +17,8 @@ Exact behaviour of each action (also in ``docs/anomaly_alarm.md``):
 * With a GradScaler, a step whose loss is finite but whose gradients overflow is the scaler's business (it
   skips the step and lowers its scale): only the ``max_scaler_overflows``-th consecutive one is a fault.
 
-Extending it: a new action adds a :class:`Verdict` member, its settings and counters (declared in
-:attr:`NonFinitePolicy.state_keys`), a branch in :meth:`NonFinitePolicy.decide` and a line of
+Extending it: a new action adds a :class:`Verdict` member (in :mod:`lightning_diag.rules.verdicts`), its settings
+and counters (declared in :attr:`NonFinitePolicy.state_keys`), a branch in :meth:`NonFinitePolicy.decide` and a line of
 ``ACTION_TEXT``; the callback adds the handler that performs the verdict.
 """
 

@@ -1,9 +1,9 @@
 """The Lightning side of the non-finite policy: find what an optimizer step looks like, carry out the verdict.
 
 :class:`NonFiniteGuard` turns the micro-batch losses and the gradients about to be applied into
-:class:`~lightning_diag.rules.nonfinite.StepFindings` agreed over all ranks (one exact fused pass, one
+:class:`~lightning_diag.rules.verdicts.StepFindings` agreed over all ranks (one exact fused pass, one
 1-element read and, with several ranks, one collective per optimizer step), asks the policy
-(:mod:`lightning_diag.rules.nonfinite`) and performs its :class:`~lightning_diag.rules.nonfinite.Decision`
+(:mod:`lightning_diag.rules.nonfinite`) and performs its :class:`~lightning_diag.rules.verdicts.Decision`
 (:meth:`NonFiniteGuard.perform`). In ``"warn"`` mode it keeps
 the first bad steps on the device until a logging step reads them back (:meth:`NonFiniteGuard.read_back`).
 :class:`~lightning_diag.AnomalyAlarm` owns one and calls it from its hooks.
