@@ -130,7 +130,12 @@ class LossSums(ReducedState):
             return
         held, self._held = self._held, []
         initial, self._held_initial = self._held_initial, 0
-        values = torch.stack([v.reshape(()) for v in held]) if len(held) > 1 else held[0].reshape(1)
+        if len(held) == 1:
+            values = held[0].reshape(1)
+        elif all(v.dim() == 0 for v in held):  # the usual case: stacked as they are (a reshape each: 2 us apiece)
+            values = torch.stack(held)
+        else:
+            values = torch.stack([v.reshape(()) for v in held])
         # float64 (MPS has none): the sums of float32 losses are then exact whatever the grouping of the folds
         # (a checkpoint's read folds early), and a long epoch's sum does not drift.
         values = values.to(torch.float32 if values.device.type == "mps" else torch.float64)

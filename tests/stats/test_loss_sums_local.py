@@ -41,3 +41,17 @@ def test_local_totals_fall_back_for_what_is_not_a_float64_tensor_of_one_device()
     sums["epoch_sum"] = torch.tensor(1.0, dtype=torch.float32)  # float32 sums (MPS)
     assert sums.local_totals(names) is None
     assert sums.local_totals([]) == {}
+
+
+def test_a_fold_of_0d_losses_equals_one_of_reshaped_ones():
+    """The held losses are stacked as they are when all are 0-d (no reshape each), else reshaped: the same sums."""
+    gen = torch.Generator().manual_seed(7)
+    losses = (torch.randn(100, generator=gen) * 3).exp().tolist()
+    plain, shaped = LossSums(baseline_steps=5), LossSums(baseline_steps=5)
+    for i, v in enumerate(losses):
+        value = math.nan if i % 13 == 4 else v
+        plain.add(torch.tensor(value))
+        shaped.add(torch.tensor([value]) if i % 2 else torch.tensor(value))  # some 1-element, not 0-d
+    a, b = plain.state_dict(), shaped.state_dict()
+    assert a.keys() == b.keys()
+    assert all(a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]) for k in a)
