@@ -349,15 +349,14 @@ class DiagWriter:
                 out[k] = v
         return out
 
-    def _tensorboard_call(self, method: str, *args: Any, step: int | None = None, **kwargs: Any) -> None:
-        """Send the pending scalars, then ``experiment.<method>(*args, **kwargs)``, with ``global_step`` from
-        ``step`` when given (TensorBoard only); a failure drops the writer (:meth:`_drop_experiment`)."""
+    def _tensorboard_call(self, method: str, *args: Any, step: int, **kwargs: Any) -> None:
+        """Send the pending scalars, then ``experiment.<method>(*args, **kwargs)`` with ``global_step`` from
+        ``step`` (TensorBoard only); a failure drops the writer (:meth:`_drop_experiment`)."""
         self._send_pending()
         if self.experiment is None:
             return
         try:
-            if step is not None:
-                kwargs["global_step"] = self._step(step)
+            kwargs["global_step"] = self._step(step)
             getattr(self.experiment, method)(*args, **kwargs)
         except Exception as err:
             self._drop_experiment(err)
@@ -521,22 +520,7 @@ def _guard_event_file(experiment: Any) -> _GuardedEventFile | None:
 
 
 def _tensorboard_scalars(experiment: Any, values: Mapping[str, float], step: int) -> None:
-    """Write ``values`` to a TensorBoard writer: as one event with one summary value per tag for a
-    ``SummaryWriter`` (what ``add_scalar`` writes, once per step instead of once per tag: 35 tags cost 0.3 ms
-    instead of 3.2 ms on one CPU thread), else ``add_scalar`` per tag."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    if not isinstance(experiment, SummaryWriter):
-        for name, value in values.items():
-            experiment.add_scalar(name, value, global_step=step)
-        return
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    experiment._get_file_writer().add_summary(Summary(value=_summary_values(values)), step)
-
-
-def _summary_values(values: Mapping[str, float]) -> list[Any]:
-    """One TensorBoard summary value per tag, as ``add_scalar`` writes it."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    return [Summary.Value(tag=name, simple_value=float(v)) for name, v in values.items()]
+    """Write ``values`` to a TensorBoard writer that is not a ``SummaryWriter`` (whose scalars
+    :meth:`DiagWriter._tensorboard` gathers into one event a step): ``add_scalar`` per tag."""
+    for name, value in values.items():
+        experiment.add_scalar(name, value, global_step=step)
