@@ -23,7 +23,7 @@ import pytorch_lightning as pl
 from lightning_diag.callbacks.common.session import DiagSession, ThresholdSource, run_log_dir
 from lightning_diag.callbacks.common.step_axis import StepAxis
 
-__all__ = ["AttachedCallback", "Driver", "StepCache", "attach", "gradient_squares_key"]
+__all__ = ["AttachedCallback", "Driver", "StepCache", "attach", "driver_of", "gradient_squares_key"]
 
 
 class StepCache:
@@ -147,14 +147,19 @@ class Driver:
         self.leader = self.callbacks[0] if self.callbacks else None
         self._cadence = None
 
-    def batch_started(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        """A training batch starts (the leader's ``on_train_batch_start``): move the step axis (once per batch:
-        a second call in the same batch leaves it) and set every attached callback's ``on_cadence``: whether
-        :attr:`StepAxis.cadence_step <lightning_diag.callbacks.common.step_axis.StepAxis.cadence_step>` is a
-        multiple of its logging interval (``every_n_steps(trainer)``, read once per fit)."""
+    def batch_started(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> bool:
+        """A training batch starts (the leader's ``on_train_batch_start``): move the step axis and set every
+        attached callback's ``on_cadence``: whether :attr:`StepAxis.cadence_step
+        <lightning_diag.callbacks.common.step_axis.StepAxis.cadence_step>` is a multiple of its logging interval
+        (``every_n_steps(trainer)``, read once per fit).
+
+        Returns:
+            Whether this call decided (``False``: a second call in the same batch, which changes nothing).
+        """
         axis = self.step_axis
-        axis.batch_started(trainer, pl_module, batch_idx)
         cadence = self._cadence
+        if not axis.batch_started(trainer, pl_module, batch_idx) and cadence is not None:
+            return False
         if cadence is None:
             groups: dict[int, list[AttachedCallback]] = {}
             for cb in self.callbacks:
@@ -165,6 +170,7 @@ class Driver:
             on = count % every == 0
             for cb in callbacks:
                 cb.on_cadence = on
+        return True
 
     def epoch_started(self, trainer: pl.Trainer) -> None:
         """A training epoch starts (the leader's ``on_train_epoch_start``): move the step axis past the previous
@@ -173,6 +179,11 @@ class Driver:
 
 
 _DRIVERS: weakref.WeakKeyDictionary[pl.Trainer, Driver] = weakref.WeakKeyDictionary()
+
+
+def driver_of(trainer: pl.Trainer) -> Driver | None:
+    """The trainer's driver, once a lightning_diag callback attached to it; else ``None``."""
+    return _DRIVERS.get(trainer)
 
 
 def attach(trainer: pl.Trainer, callback: AttachedCallback) -> Driver:
