@@ -62,11 +62,11 @@ def test_one_decision_per_batch_however_many_callbacks(tmp_path, monkeypatch, al
     if alarm_first:
         ours.insert(0, AnomalyAlarm())
     trainer = _fit([pl.Callback(), *ours], tmp_path)
-    assert answers.count(True) == STEPS  # one decision per batch, by the leader
+    assert answers.count(True) == STEPS  # one decision per batch, by the first callback
     if not alarm_first:  # the alarm's short start asks again when it then takes the full one: answered False
         assert answers == [True] * STEPS
     driver = driver_of(trainer)
-    assert driver is not None and driver.leader is None and driver.callbacks == []  # all detached at teardown
+    assert driver is not None and driver.callbacks == [] and driver.batches == STEPS  # all detached at teardown
     assert driver.session is None and driver.step_axis.state_dict() == {"stepped": STEPS}
 
 
@@ -84,19 +84,32 @@ def test_callbacks_with_their_own_intervals_on_one_trainer(tmp_path):
     assert [a.rule for a in alarm.alerts + flow.alerts if a.severity.value in ("warning", "critical")] == []
 
 
-def test_the_leader_is_the_first_in_the_trainers_list(tmp_path):
-    flow, alarm = GradientFlowMonitor(), AnomalyAlarm()
-    leaders: list[object] = []
+class _Silent(DiagCallback):
+    """A lightning_diag callback whose batch and epoch starts do not call ``super()`` (as a user's subclass may)."""
 
-    class Leader(pl.Callback):
+    def on_train_epoch_start(self, *args: Any) -> None:
+        pass
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        pass
+
+
+def test_the_first_callback_that_starts_the_batch_decides(tmp_path):
+    # the first lightning_diag callback in the list never starts a batch: the next one decides for every callback
+    silent, flow, alarm = _Silent(log_every_n_steps=4), GradientFlowMonitor(log_every_n_steps=2), AnomalyAlarm()
+    order: list[list[DiagCallback]] = []
+
+    class Order(pl.Callback):
         def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
             driver = driver_of(trainer)
             assert driver is not None
-            leaders.append(driver.leader)
-            assert driver.callbacks == [alarm, flow]
+            order.append(list(driver.callbacks))  # type: ignore[arg-type]
 
-    _fit([Leader(), alarm, pl.Callback(), flow], tmp_path, steps=3)
-    assert leaders == [alarm] * 3
+    cadence = _Cadence([silent, flow, alarm])
+    _fit([silent, Order(), alarm, pl.Callback(), flow, cadence], tmp_path, steps=6)
+    assert order == [[silent, alarm, flow]] * 6  # `trainer.callbacks` order
+    expected = [(count, (count % 4 == 0, count % 2 == 0, count % 5 == 0)) for count in range(1, 7)]
+    assert cadence.rows == expected
 
 
 def test_a_resume_keeps_the_step_axis(tmp_path):
@@ -153,12 +166,12 @@ def test_attach_and_detach_count_the_sessions_users(tmp_path):
     driver = Driver()
     first = driver.attach(trainer, flow)
     assert driver.attach(trainer, alarm) is first and driver.attach(trainer, flow) is first  # one session
-    assert driver.callbacks == [flow, alarm] and driver.leader is flow and first.users == 3
+    assert driver.callbacks == [flow, alarm] and first.users == 3
     driver.detach(flow, first)
-    assert driver.callbacks == [alarm] and driver.leader is alarm and driver.session is first
+    assert driver.callbacks == [alarm] and driver.session is first
     driver.detach(alarm, first)
     driver.detach(flow, first)
-    assert driver.callbacks == [] and driver.leader is None and driver.session is None and first.users == 0
+    assert driver.callbacks == [] and driver.session is None and first.users == 0
 
 
 def test_hooks_called_without_a_session_use_the_global_step():

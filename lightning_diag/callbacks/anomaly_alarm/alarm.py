@@ -423,8 +423,7 @@ class AnomalyAlarm(QuietLossKeeping):
         other batch takes the full start, which decides (:meth:`quiet_batch`); counting it again is a no-op."""
         driver = self._driver
         if self._hooks_off and self._kept and driver is not None:  # after a quiet batch: the short start if quiet too
-            if driver.leader is self:  # the driver's decision for the batch (see the base's batch start)
-                driver.batch_started(trainer, pl_module, batch_idx)
+            self.start_batch(trainer, pl_module, batch_idx)  # the driver's decision for the batch
             start = driver.step_axis.started_at
             if not self.on_cadence and start + 1 < self._due and start < self.runtime.start_due:
                 self._start_step = start

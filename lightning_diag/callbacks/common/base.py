@@ -152,6 +152,7 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         #: test a quiet step's later hooks make.
         self.on_cadence = False
         self._cadence_every: int | None = None  # every_n_steps(trainer) outside a session, read once per fit
+        self._batches_seen = -1  # the driver's count of decided batches at this callback's last batch start
         self._hooks_off = False  # whether the batch hooks are switched off (a quiet batch)
         self._hooks_saved: dict[str, Any] = {}  # what the instance held for them (another's wrappers)
         self._idle_hooks: list[str] = []  # the inherited no-op batch hooks, None on the instance during a fit
@@ -195,6 +196,7 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         self._lines = {}
         driver = self._driver = _attach(trainer, self)
         self._session = driver.session if driver is not None else None
+        self._batches_seen = driver.batches if driver is not None else -1
         if stage == TrainerFn.FITTING:
             self.switch_batch_hooks(off=False)
             # the per-batch hooks it inherits as no-ops: not dispatched by Lightning during the fit
@@ -240,28 +242,25 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
 
     # -- the step axis ---------------------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Move the user's step axis past the previous epoch's last batch (the driver's leader, once per epoch)."""
-        driver = self._driver
-        if self._session is not None and driver is not None and driver.leader is self:
-            driver.epoch_started(trainer)
+        """Move the user's step axis past the previous epoch's last batch (the driver's, once per epoch)."""
+        if self._session is not None and self._driver is not None:
+            self._driver.epoch_started(trainer)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """On the driver's leader (the first lightning_diag callback in ``trainer.callbacks``), count the batch on the
-        user's step axis and decide, once for the batch, whether it is on each callback's logging cadence
-        (:attr:`on_cadence`); on every callback, switch :attr:`batch_hooks` off for a quiet batch. Outside a
-        session (hooks called directly), the cadence is ``trainer.global_step``'s.
+        """On the first lightning_diag callback of the batch, let the driver count the batch on the user's step
+        axis and decide, once for the batch, whether it is on each callback's logging cadence (:attr:`on_cadence`,
+        :meth:`start_batch`); on every callback, switch :attr:`batch_hooks` off for a quiet batch. Outside a session
+        (hooks called directly), the cadence is ``trainer.global_step``'s.
 
         On a batch :meth:`quiet_batch` calls quiet, each of :attr:`batch_hooks` is ``None`` on the instance, so
         Lightning runs neither the hook nor its dispatch of it (:mod:`lightning_diag.callbacks.common.batch_hooks`); the
         next batch that needs them gets them back. Only the first and last batch of a quiet run switch;
         ``teardown`` switches them back on.
         """
-        driver = self._driver
-        if self._session is not None and driver is not None:
-            if driver.leader is self:  # Lightning calls it first: the others read the decision
-                driver.batch_started(trainer, pl_module, batch_idx)
+        if self._session is not None and self._driver is not None:
+            self.start_batch(trainer, pl_module, batch_idx)
         else:
             every = self._cadence_every
             if every is None:
@@ -271,6 +270,16 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
             off = self.quiet_batch(trainer)
             if off is not self._hooks_off:
                 self.switch_batch_hooks(off=off)
+
+    def start_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+        """During a session: have the driver decide the batch (:meth:`Driver.batch_started
+        <lightning_diag.callbacks.common.driver.Driver.batch_started>`) unless another callback did already, which
+        its count of decided batches tells (moved since this callback's last batch start)."""
+        driver = self._driver
+        assert driver is not None
+        if driver.batches == self._batches_seen:  # the first of the batch: the others read its decision
+            driver.batch_started(trainer, pl_module, batch_idx)
+        self._batches_seen = driver.batches
 
     def quiet_batch(self, trainer: pl.Trainer) -> bool:
         """Whether the current batch needs none of :attr:`batch_hooks` (asked at its start, after the step axis

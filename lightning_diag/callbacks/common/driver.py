@@ -8,8 +8,10 @@ trainer (a second ``fit`` on the same trainer continues its step axis).
 
 Once per training batch the driver moves the step axis and decides, for every attached callback, whether the batch
 is on its logging cadence (:meth:`Driver.batch_started`, set as each callback's ``on_cadence``): the first attached
-callback in ``trainer.callbacks`` (:attr:`Driver.leader`, whose ``on_train_batch_start`` Lightning calls before the
-others') triggers it, the others read the decision.
+callback whose ``on_train_batch_start`` runs in the batch (Lightning calls them in ``trainer.callbacks`` order)
+triggers it, and the others read the decision: a callback whose :attr:`Driver.batches` count has moved since its
+last batch start knows the batch is decided. The epoch's start is the same (:meth:`Driver.epoch_started`, once per
+epoch).
 """
 
 from __future__ import annotations
@@ -89,8 +91,8 @@ class Driver:
         session: The session of the current run folder, while a callback is attached; else ``None``.
         callbacks: The attached callbacks, in ``trainer.callbacks`` order from ``on_fit_start`` (before: the order
             they attached in, which is Lightning's ``setup`` order, the same).
-        leader: The first of :attr:`callbacks` (``None`` when none is attached): its batch start moves the axis
-            and decides every callback's cadence.
+        batches: The training batches decided so far (:meth:`batch_started`): a callback that finds it where it
+            was at its own last batch start is the first of the batch, and calls :meth:`batch_started`.
     """
 
     def __init__(self) -> None:
@@ -98,7 +100,8 @@ class Driver:
         self.step_cache = StepCache()
         self.session: DiagSession | None = None
         self.callbacks: list[AttachedCallback] = []
-        self.leader: AttachedCallback | None = None
+        self.batches = 0
+        self._epoch: tuple[int, int] | None = None  # (epoch, global step) of the last epoch start
         # the attached callbacks grouped by logging interval, read at the fit's first batch
         self._cadence: list[tuple[int, list[AttachedCallback]]] | None = None
 
@@ -144,14 +147,14 @@ class Driver:
             self.session.start_fit(trainer, self.callbacks)
 
     def _changed(self) -> None:
-        self.leader = self.callbacks[0] if self.callbacks else None
         self._cadence = None
+        self._epoch = None
 
     def batch_started(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> bool:
-        """A training batch starts (the leader's ``on_train_batch_start``): move the step axis and set every
-        attached callback's ``on_cadence``: whether :attr:`StepAxis.cadence_step
-        <lightning_diag.callbacks.common.step_axis.StepAxis.cadence_step>` is a multiple of its logging interval
-        (``every_n_steps(trainer)``, read once per fit).
+        """A training batch starts (the first attached callback's ``on_train_batch_start`` in the batch): move the
+        step axis, count the batch in :attr:`batches` and set every attached callback's ``on_cadence``: whether
+        :attr:`StepAxis.cadence_step <lightning_diag.callbacks.common.step_axis.StepAxis.cadence_step>` is a
+        multiple of its logging interval (``every_n_steps(trainer)``, read once per fit).
 
         Returns:
             Whether this call decided (``False``: a second call in the same batch, which changes nothing).
@@ -165,6 +168,7 @@ class Driver:
             for cb in self.callbacks:
                 groups.setdefault(cb.every_n_steps(trainer), []).append(cb)
             cadence = self._cadence = list(groups.items())
+        self.batches += 1
         count = axis.stepped + 1  # `axis.cadence_step`, without the property
         for every, callbacks in cadence:
             on = count % every == 0
@@ -173,9 +177,12 @@ class Driver:
         return True
 
     def epoch_started(self, trainer: pl.Trainer) -> None:
-        """A training epoch starts (the leader's ``on_train_epoch_start``): move the step axis past the previous
-        epoch's last batch."""
-        self.step_axis.epoch_started(trainer)
+        """A training epoch starts (every attached callback's ``on_train_epoch_start``; the first call of the epoch
+        does the work): move the step axis past the previous epoch's last batch."""
+        epoch = (trainer.current_epoch, trainer.global_step)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self.step_axis.epoch_started(trainer)
 
 
 _DRIVERS: weakref.WeakKeyDictionary[pl.Trainer, Driver] = weakref.WeakKeyDictionary()
