@@ -259,8 +259,13 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         next batch that needs them gets them back. Only the first and last batch of a quiet run switch;
         ``teardown`` switches them back on.
         """
-        if self._session is not None and self._driver is not None:
-            self.start_batch(trainer, pl_module, batch_idx)
+        driver = self._driver
+        if driver is not None and self._session is not None:  # `start_batch`, inlined (every batch)
+            batches = driver.batches
+            if batches == self._batches_seen:  # the first of the batch: the others read its decision
+                driver.batch_started(trainer, pl_module, batch_idx)
+                batches = driver.batches
+            self._batches_seen = batches
         else:
             every = self._cadence_every
             if every is None:
@@ -277,9 +282,11 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         its count of decided batches tells (moved since this callback's last batch start)."""
         driver = self._driver
         assert driver is not None
-        if driver.batches == self._batches_seen:  # the first of the batch: the others read its decision
+        batches = driver.batches
+        if batches == self._batches_seen:
             driver.batch_started(trainer, pl_module, batch_idx)
-        self._batches_seen = driver.batches
+            batches = driver.batches
+        self._batches_seen = batches
 
     def quiet_batch(self, trainer: pl.Trainer) -> bool:
         """Whether the current batch needs none of :attr:`batch_hooks` (asked at its start, after the step axis

@@ -103,7 +103,7 @@ class Driver:
         self.batches = 0
         self._epoch: tuple[int, int] | None = None  # (epoch, global step) of the last epoch start
         # the attached callbacks grouped by logging interval, read at the fit's first batch
-        self._cadence: list[tuple[int, list[AttachedCallback]]] | None = None
+        self._cadence: list[_Interval] | None = None
 
     def attach(self, trainer: pl.Trainer, callback: AttachedCallback) -> DiagSession:
         """Attach ``callback`` (from its ``setup``, on every rank: :func:`run_log_dir` broadcasts from rank zero).
@@ -163,17 +163,19 @@ class Driver:
         cadence = self._cadence
         if not axis.batch_started(trainer, pl_module, batch_idx) and cadence is not None:
             return False
+        self.batches += 1
         if cadence is None:
             groups: dict[int, list[AttachedCallback]] = {}
             for cb in self.callbacks:
                 groups.setdefault(cb.every_n_steps(trainer), []).append(cb)
-            cadence = self._cadence = list(groups.items())
-        self.batches += 1
+            cadence = self._cadence = [_Interval(every, callbacks) for every, callbacks in groups.items()]
         count = axis.stepped + 1  # `axis.cadence_step`, without the property
-        for every, callbacks in cadence:
-            on = count % every == 0
-            for cb in callbacks:
-                cb.on_cadence = on
+        for interval in cadence:
+            on = count % interval.every == 0
+            if on is not interval.on:  # set only when it changes (a quiet run's batches leave it)
+                interval.on = on
+                for cb in interval.callbacks:
+                    cb.on_cadence = on
         return True
 
     def epoch_started(self, trainer: pl.Trainer) -> None:
@@ -183,6 +185,17 @@ class Driver:
         if epoch != self._epoch:
             self._epoch = epoch
             self.step_axis.epoch_started(trainer)
+
+
+class _Interval:
+    """The attached callbacks of one logging interval, and the cadence last set on them (``None``: not yet)."""
+
+    __slots__ = ("callbacks", "every", "on")
+
+    def __init__(self, every: int, callbacks: list[AttachedCallback]) -> None:
+        self.every = every
+        self.callbacks = callbacks
+        self.on: bool | None = None
 
 
 _DRIVERS: weakref.WeakKeyDictionary[pl.Trainer, Driver] = weakref.WeakKeyDictionary()
