@@ -49,6 +49,6 @@ def test_callback_setup_makes_alerts_visible(monkeypatch):
 
     calls = []
     monkeypatch.setattr(base, "ensure_handler", lambda: calls.append(1))
-    monkeypatch.setattr(base, "_acquire_session", lambda trainer: None)
+    monkeypatch.setattr(base, "_attach", lambda trainer, callback: None)
     base.DiagCallback().setup(None, None, "validate")  # type: ignore[arg-type]
     assert calls == [1]

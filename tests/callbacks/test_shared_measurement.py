@@ -11,7 +11,7 @@ import torch
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
 from lightning_diag.callbacks.anomaly_alarm import guard_pass
-from lightning_diag.callbacks.common.session import StepCache, gradient_squares_key, step_cache
+from lightning_diag.callbacks.common.driver import StepCache, gradient_squares_key
 from lightning_diag.instrument.grad_measure import GradientSquares
 from tests.callbacks.nonfinite_models import Regression
 from tests.callbacks.test_guard_probe import HugeGradients
@@ -117,6 +117,3 @@ def test_the_step_cache_keeps_one_step():
     assert cache.get(3, gradient_squares_key(object())) is None
     cache.put(4, "other", "b")
     assert cache.get(3, gradient_squares_key(opt)) is None and cache.get(4, "other") == "b"
-    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
-    assert step_cache(trainer) is step_cache(trainer)
-    assert step_cache(trainer) is not step_cache(pl.Trainer(logger=False, enable_progress_bar=False))

@@ -421,17 +421,16 @@ class AnomalyAlarm(QuietLossKeeping):
         quiet batch after the fit's first is never watched by the recovery (the watched batches are the first and
         the logging ones), and nothing between two batches changes what makes one quiet but the step axis. Any
         other batch takes the full start, which decides (:meth:`quiet_batch`); counting it again is a no-op."""
-        if self._hooks_off and self._kept:  # the batch follows a quiet one: the short start when it is quiet too
-            axis, every = self._step_axis, self._cadence_every
-            if axis is not None and every is not None:
-                axis.batch_started(trainer, pl_module, batch_idx)
-                start = axis.started_at
-                if (axis.stepped + 1) % every and start + 1 < self._due and start < self.runtime.start_due:
-                    self._start_step = start
-                    self._kept_step = start + 1 if axis.pending else start
-                    self._kept = False  # kept at its backward
-                    self.recovery.on_batch_start(batch, batch_idx, False)  # never watched (see `quiet_batch`)
-                    return
+        driver = self._driver
+        if self._hooks_off and self._kept and driver is not None:  # after a quiet batch: the short start if quiet too
+            self.start_batch(trainer, pl_module, batch_idx)  # the driver's decision for the batch
+            start = driver.step_axis.started_at
+            if not self.on_cadence and start + 1 < self._due and start < self.runtime.start_due:
+                self._start_step = start
+                self._kept_step = start + 1 if driver.step_axis.pending else start
+                self._kept = False  # kept at its backward
+                self.recovery.on_batch_start(batch, batch_idx, False)  # never watched (see `quiet_batch`)
+                return
         self._hand_on()
         if not self._kept:  # the last batch was quiet and had no backward
             self._missed_loss(trainer)

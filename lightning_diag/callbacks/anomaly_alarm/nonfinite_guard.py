@@ -21,8 +21,8 @@ import torch
 
 from lightning_diag.callbacks.anomaly_alarm.guard_pass import OptimizerPass
 from lightning_diag.callbacks.anomaly_alarm.lr_logging import learning_rates
+from lightning_diag.callbacks.common.driver import gradient_squares_key
 from lightning_diag.callbacks.common.reduction import reduce_state
-from lightning_diag.callbacks.common.session import gradient_squares_key, step_cache
 from lightning_diag.core.alerts import Alert
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures, Rollback
@@ -287,7 +287,8 @@ class NonFiniteGuard:
         if params is not None and params.matches(optimizer.param_groups):
             losses = self.held
             # on a measuring step the gradients' squared norms are measured already (one read of them per step)
-            known = step_cache(trainer).get(trainer.global_step, gradient_squares_key(optimizer))
+            cache = self.owner.step_cache
+            known = cache.get(trainer.global_step, gradient_squares_key(optimizer)) if cache is not None else None
             clean = params.clean_measured(losses, known) if known is not None else None
             if clean if clean is not None else params.clean(losses):
                 if losses:

@@ -1,9 +1,11 @@
 """The machinery every lightning_diag callback shares (imported by every callback's subpackage, never the reverse).
 
-* ``base.py``: :class:`DiagCallback`, the base of every callback: declared rules and state, the session, alerts,
-  the per-batch decision.
-* ``session.py``: the per-trainer ``DiagSession`` (the run's folder, writer, alert log, ``StepCache``).
-* ``step_axis.py``: ``StepAxis``, the user's step axis, one per trainer.
+* ``base.py``: :class:`DiagCallback`, the base of every callback: declared rules and state, attaching to the
+  driver, alerts, the quiet switch.
+* ``driver.py``: the per-trainer ``Driver``: its session, step axis, ``StepCache``, the attached callbacks and the
+  once-per-batch cadence decision.
+* ``session.py``: ``DiagSession``, the driver's session of a run folder (writer, alert log, the run's files).
+* ``step_axis.py``: ``StepAxis``, the user's step axis, one per trainer (the driver's).
 * ``batch_hooks.py``: switching a callback's per-batch hooks off on quiet batches.
 * ``reduction.py``: the DDP adapter of the declared state's reduction across ranks.
 * ``provenance.py``: ``diag/run.json``, what a run was.

@@ -1,7 +1,7 @@
 """DiagCallback, the base of every lightning_diag callback: declared rules, their checkpoint state, alerts, notices.
 
-The per-trainer session (writer, alert log, run folder) is :mod:`lightning_diag.callbacks.common.session`, the user's
-step axis :mod:`lightning_diag.callbacks.common.step_axis`.
+What is per trainer (the session: writer, alert log, run folder; the user's step axis; the step's measurements; the
+per-batch cadence decision) is the trainer's driver, :mod:`lightning_diag.callbacks.common.driver`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.common.batch_hooks import inherited_batch_hooks, switch_off, switch_on
+from lightning_diag.callbacks.common.driver import Driver, StepCache
+from lightning_diag.callbacks.common.driver import attach as _attach
 from lightning_diag.callbacks.common.preset import DeclaredDetectors
 from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.callbacks.common.session import DiagSession
-from lightning_diag.callbacks.common.session import acquire_session as _acquire_session
-from lightning_diag.callbacks.common.session import release_session as _release_session
-from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY, StepAxis
+from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.log_handler import ensure_handler
 from lightning_diag.core.registry import ParsedRules, RuleChoices, default, owner_name, parse_rules, registry_thresholds
@@ -88,10 +88,12 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
     keys in :attr:`extra_state_keys`. One that overrides ``on_fit_start`` calls
     ``super().on_fit_start(trainer, pl_module)``, which writes the thresholds and the dashboard layout.
 
-    Series are written on the user's step axis (:class:`StepAxis`: the step Lightning logs ``self.log`` values
-    at), which this base class counts in ``on_train_epoch_start`` / ``on_train_batch_start`` and saves in
-    ``on_save_checkpoint`` / ``on_load_checkpoint``: a subclass that overrides one of these hooks calls ``super()``
-    first, as with every hook of this class.
+    Series are written on the user's step axis (:class:`~lightning_diag.callbacks.common.step_axis.StepAxis`: the
+    step Lightning logs ``self.log`` values at), which the trainer's driver
+    (:class:`~lightning_diag.callbacks.common.driver.Driver`) moves from the first attached callback's
+    ``on_train_epoch_start`` / ``on_train_batch_start`` and this base class saves in ``on_save_checkpoint`` /
+    ``on_load_checkpoint``: a subclass that overrides one of these hooks calls ``super()`` first, as with every hook
+    of this class.
 
     Args:
         rules: The thresholds and settings of this callback's rules, by rule id, and switches: ``{"grad_vanish":
@@ -140,14 +142,17 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         self._on_alert_failed = False
         self.alerts: list[Alert] = []
         self._session: DiagSession | None = None
-        self._step_axis: StepAxis | None = None
+        # the trainer's driver, from `setup` on (kept after `teardown`: `trainer.save_checkpoint` after `fit`)
+        self._driver: Driver | None = None
         self._notices: set[str] = set()
         self._last_logged_step = -1
         #: Whether the current training batch is on this callback's logging cadence (``cadence_step(trainer) %
-        #: every_n_steps(trainer) == 0``), decided once per batch in ``on_train_batch_start``: the one test a
-        #: quiet step's later hooks make.
+        #: every_n_steps(trainer) == 0``), decided once per batch for every callback of the trainer by its driver
+        #: (:meth:`Driver.batch_started <lightning_diag.callbacks.common.driver.Driver.batch_started>`): the one
+        #: test a quiet step's later hooks make.
         self.on_cadence = False
-        self._cadence_every: int | None = None  # every_n_steps(trainer), read once per fit
+        self._cadence_every: int | None = None  # every_n_steps(trainer) outside a session, read once per fit
+        self._batches_seen = -1  # the driver's count of decided batches at this callback's last batch start
         self._hooks_off = False  # whether the batch hooks are switched off (a quiet batch)
         self._hooks_saved: dict[str, Any] = {}  # what the instance held for them (another's wrappers)
         self._idle_hooks: list[str] = []  # the inherited no-op batch hooks, None on the instance during a fit
@@ -186,12 +191,12 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
 
     # -- session ---------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Attach to the trainer's diagnostics session; a new fit starts with no alerts."""
+        """Attach to the trainer's driver and its diagnostics session; a new fit starts with no alerts."""
         ensure_handler()
         self._lines = {}
-        self._session = _acquire_session(trainer)
-        if self._session is not None:
-            self._step_axis = self._session.step_axis
+        driver = self._driver = _attach(trainer, self)
+        self._session = driver.session if driver is not None else None
+        self._batches_seen = driver.batches if driver is not None else -1
         if stage == TrainerFn.FITTING:
             self.switch_batch_hooks(off=False)
             # the per-batch hooks it inherits as no-ops: not dispatched by Lightning during the fit
@@ -208,7 +213,7 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
             self.__dict__["state_key"] = self.checkpoint_key()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Flush and release the session."""
+        """Flush the session and detach from the trainer's driver."""
         self.__dict__.pop("state_key", None)
         self._lines = {}
         self.switch_batch_hooks(off=False)
@@ -216,7 +221,8 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         self._idle_hooks = []
         if self._session is not None:
             self._session.writer.flush()
-            _release_session(trainer, self._session)
+            if self._driver is not None:
+                self._driver.detach(self, self._session)
             self._session = None
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -224,10 +230,10 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         self.teardown(trainer, pl_module, "exception")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Record the thresholds in effect and write the dashboard layout (once per fit, rank zero)."""
-        if self._session is not None:
-            callbacks = trainer.callbacks  # type: ignore[attr-defined]
-            self._session.start_fit(trainer, [cb for cb in callbacks if isinstance(cb, DiagCallback)])
+        """Fix the order of the trainer's lightning_diag callbacks (``trainer.callbacks``'), record the thresholds in
+        effect and write the dashboard layout (once per fit, rank zero)."""
+        if self._session is not None and self._driver is not None:
+            self._driver.start_fit(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the run's provenance, ``diag/run.json`` (once per fit, rank zero)."""
@@ -236,34 +242,51 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
 
     # -- the step axis ---------------------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Move the user's step axis past the previous epoch's last batch."""
-        if self._session is not None:
-            self._session.step_axis.epoch_started(trainer)
+        """Move the user's step axis past the previous epoch's last batch (the driver's, once per epoch)."""
+        if self._session is not None and self._driver is not None:
+            self._driver.epoch_started(trainer)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """Count the batch on the user's step axis, decide once for the batch whether it is on this callback's
-        logging cadence (:attr:`on_cadence`), and switch :attr:`batch_hooks` off for a quiet batch.
+        """On the first lightning_diag callback of the batch, let the driver count the batch on the user's step
+        axis and decide, once for the batch, whether it is on each callback's logging cadence (:attr:`on_cadence`,
+        :meth:`start_batch`); on every callback, switch :attr:`batch_hooks` off for a quiet batch. Outside a session
+        (hooks called directly), the cadence is ``trainer.global_step``'s.
 
         On a batch :meth:`quiet_batch` calls quiet, each of :attr:`batch_hooks` is ``None`` on the instance, so
         Lightning runs neither the hook nor its dispatch of it (:mod:`lightning_diag.callbacks.common.batch_hooks`); the
         next batch that needs them gets them back. Only the first and last batch of a quiet run switch;
         ``teardown`` switches them back on.
         """
-        every = self._cadence_every
-        if every is None:
-            every = self._cadence_every = self.every_n_steps(trainer)
-        if self._session is not None:
-            axis = self._session.step_axis
-            axis.batch_started(trainer, pl_module, batch_idx)
-            self.on_cadence = (axis.stepped + 1) % every == 0  # `axis.cadence_step`, without the property
+        driver = self._driver
+        if driver is not None and self._session is not None:  # `start_batch`, inlined (every batch)
+            batches = driver.batches
+            if batches == self._batches_seen:  # the first of the batch: the others read its decision
+                driver.batch_started(trainer, pl_module, batch_idx)
+                batches = driver.batches
+            self._batches_seen = batches
         else:
+            every = self._cadence_every
+            if every is None:
+                every = self._cadence_every = self.every_n_steps(trainer)
             self.on_cadence = trainer.global_step % every == 0
         if self.batch_hooks:
             off = self.quiet_batch(trainer)
             if off is not self._hooks_off:
                 self.switch_batch_hooks(off=off)
+
+    def start_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+        """During a session: have the driver decide the batch (:meth:`Driver.batch_started
+        <lightning_diag.callbacks.common.driver.Driver.batch_started>`) unless another callback did already, which
+        its count of decided batches tells (moved since this callback's last batch start)."""
+        driver = self._driver
+        assert driver is not None
+        batches = driver.batches
+        if batches == self._batches_seen:
+            driver.batch_started(trainer, pl_module, batch_idx)
+            batches = driver.batches
+        self._batches_seen = batches
 
     def quiet_batch(self, trainer: pl.Trainer) -> bool:
         """Whether the current batch needs none of :attr:`batch_hooks` (asked at its start, after the step axis
@@ -291,10 +314,9 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
 
         Lightning builds the checkpoint on every rank (only rank zero writes it), so the reductions run on all.
         """
-        # The session's, or the last fit's after teardown (`trainer.save_checkpoint` after `fit`).
-        axis = self._session.step_axis if self._session is not None else self._step_axis
-        if axis is not None:
-            checkpoint[STEP_AXIS_KEY] = axis.state_dict()
+        # The driver's, also after teardown (`trainer.save_checkpoint` after `fit`).
+        if self._driver is not None:
+            checkpoint[STEP_AXIS_KEY] = self._driver.step_axis.state_dict()
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is None or trainer.world_size <= 1:
             return
@@ -309,8 +331,8 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Resume the step axis."""
-        if self._session is not None and STEP_AXIS_KEY in checkpoint:
-            self._session.step_axis.load_state_dict(checkpoint[STEP_AXIS_KEY])
+        if self._session is not None and self._driver is not None and STEP_AXIS_KEY in checkpoint:
+            self._driver.step_axis.load_state_dict(checkpoint[STEP_AXIS_KEY])
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds this callback judges by: rule id -> threshold, and ``"<rule>.<setting>"`` -> value.
@@ -343,6 +365,12 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
             values = self.thresholds()
             lines = self._lines[rules] = {threshold_tag(rule): values[rule] for rule in rules if rule in values}
         return dict(lines)
+
+    @property
+    def step_cache(self) -> StepCache | None:
+        """What the current optimizer step measured, shared by the trainer's callbacks (its driver's
+        :class:`~lightning_diag.callbacks.common.driver.StepCache`); ``None`` before ``setup``."""
+        return self._driver.step_cache if self._driver is not None else None
 
     @property
     def writer(self) -> DiagWriter:

@@ -1,8 +1,10 @@
-"""The per-trainer diagnostics session: the run's folder, the writer, the alert log and the step axis.
+"""The diagnostics session of a trainer's run folder: the folder, the writer and the alert log.
 
-Every lightning_diag callback attached to one trainer shares one :class:`DiagSession` (acquired in ``setup``,
-released in ``teardown``): rank zero writes ``<run_log_dir>/diag`` (``alerts.jsonl``, ``thresholds.json``,
-``run.json``) and every logger's series through one :class:`~lightning_diag.output.writer.DiagWriter`.
+Every lightning_diag callback attached to one trainer shares one :class:`DiagSession`, held by the trainer's
+driver (:mod:`lightning_diag.callbacks.common.driver`, which opens it when the first callback attaches in ``setup``
+and closes it when the last detaches in ``teardown``): rank zero writes ``<run_log_dir>/diag`` (``alerts.jsonl``,
+``thresholds.json``, ``run.json``) and every logger's series through one
+:class:`~lightning_diag.output.writer.DiagWriter`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import pytorch_lightning as pl
@@ -23,15 +25,7 @@ from lightning_diag.core.tags import ALERTS_TAG, THRESHOLDS_TAG, sanitize_tag
 from lightning_diag.output.dashboard import alerts_markdown, dashboard_layout, thresholds_markdown
 from lightning_diag.output.writer import DiagWriter, per_version_logger_types
 
-__all__ = [
-    "DiagSession",
-    "StepCache",
-    "acquire_session",
-    "gradient_squares_key",
-    "release_session",
-    "run_log_dir",
-    "step_cache",
-]
+__all__ = ["DiagSession", "ThresholdSource", "run_log_dir"]
 
 log = logging.getLogger("lightning_diag")
 
@@ -65,65 +59,20 @@ def run_log_dir(trainer: pl.Trainer) -> str:
     return os.path.join(base, *parts) if parts else base
 
 
-class StepCache:
-    """What one optimizer step measured, computed once by the first callback that needs it and read by the others
-    (issue 43: one read of the gradients per measuring step, however many callbacks use it).
-
-    Entries live for one step: an entry put at another ``global_step`` is gone. A reader checks that an entry
-    describes what it would have measured itself (the same tensors, unchanged) before using it.
-
-    Example:
-        >>> cache = StepCache()
-        >>> cache.put(10, "grad_squares", 1.0)
-        >>> cache.get(10, "grad_squares"), cache.get(11, "grad_squares")
-        (1.0, None)
-    """
-
-    def __init__(self) -> None:
-        self._step: int | None = None
-        self._values: dict[Hashable, Any] = {}
-
-    def put(self, step: int, name: Hashable, value: Any) -> None:
-        """Keep ``value`` under ``name`` for ``step`` (the entries of an earlier step are dropped)."""
-        if step != self._step:
-            self._step = step
-            self._values = {}
-        self._values[name] = value
-
-    def get(self, step: int, name: Hashable) -> Any | None:
-        """The value put under ``name`` at ``step``, else ``None``."""
-        return self._values.get(name) if step == self._step else None
-
-    def clear(self) -> None:
-        """Drop every entry."""
-        self._step = None
-        self._values = {}
-
-
-def gradient_squares_key(optimizer: Any) -> tuple[str, int]:
-    """The :class:`StepCache` entry of the squared gradient norms measured at an ``optimizer``'s step (a
-    :class:`~lightning_diag.instrument.grad_measure.GradientSquares`)."""
-    return ("grad_squares", id(optimizer))
-
-
-def step_cache(trainer: pl.Trainer) -> StepCache:
-    """The trainer's :class:`StepCache` (one per trainer, shared by every lightning_diag callback on it)."""
-    cache = _STEP_CACHES.get(trainer)
-    if cache is None:
-        cache = _STEP_CACHES[trainer] = StepCache()
-    return cache
-
-
 class DiagSession:
-    """The writer, alert log and step axis shared by every lightning_diag callback attached to one trainer.
+    """The writer and alert log shared by every lightning_diag callback attached to one trainer.
 
     Args:
         log_dir: The run's folder (:func:`run_log_dir`); files go to ``<log_dir>/diag``.
         trainer: The trainer; used lazily to find its loggers and TensorBoard writer.
         is_global_zero: Only global rank zero writes anything.
+        step_axis: The trainer's step axis (its driver's), which the writer writes on during a fit; a new one when
+            not given.
     """
 
-    def __init__(self, log_dir: str, trainer: pl.Trainer, is_global_zero: bool) -> None:
+    def __init__(
+        self, log_dir: str, trainer: pl.Trainer, is_global_zero: bool, step_axis: StepAxis | None = None
+    ) -> None:
         self.log_dir = log_dir
         self.diag_dir = os.path.join(log_dir, "diag")
         self.is_global_zero = is_global_zero
@@ -132,9 +81,9 @@ class DiagSession:
         self._alerts: list[Alert] = []
         self._fit_started = False
         self._sinks: list[Any] = []
-        # Per trainer, not per session: a second `trainer.fit` on the same trainer continues Lightning's count.
-        self.step_axis = _STEP_AXES.setdefault(trainer, StepAxis())
+        self.step_axis = step_axis if step_axis is not None else StepAxis()
         self._run_recorded = False
+        #: The callbacks writing to this session (counted by the driver: the last one's detach closes it).
         self.users = 0
         self.alert_log = AlertLog(
             os.path.join(self.diag_dir, ALERTS_FILE) if is_global_zero else None,
@@ -224,29 +173,3 @@ class DiagSession:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-
-
-_SESSIONS: weakref.WeakKeyDictionary[pl.Trainer, DiagSession] = weakref.WeakKeyDictionary()
-_STEP_AXES: weakref.WeakKeyDictionary[pl.Trainer, StepAxis] = weakref.WeakKeyDictionary()
-_STEP_CACHES: weakref.WeakKeyDictionary[pl.Trainer, StepCache] = weakref.WeakKeyDictionary()
-
-
-def acquire_session(trainer: pl.Trainer) -> DiagSession:
-    """The trainer's session for its current run folder (a new one when there is none or the folder changed),
-    with one more user. ``run_log_dir`` broadcasts from rank zero: every rank calls this from ``setup``."""
-    log_dir = run_log_dir(trainer)
-    session = _SESSIONS.get(trainer)
-    if session is None or session.log_dir != log_dir:
-        session = DiagSession(log_dir, trainer, trainer.is_global_zero)
-        _SESSIONS[trainer] = session
-    session.users += 1
-    return session
-
-
-def release_session(trainer: pl.Trainer, session: DiagSession) -> None:
-    """One user fewer; the last one closes the session."""
-    session.users -= 1
-    if session.users <= 0:
-        session.close()
-        if _SESSIONS.get(trainer) is session:
-            del _SESSIONS[trainer]

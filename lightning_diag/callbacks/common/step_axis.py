@@ -1,4 +1,5 @@
-"""The user's step axis (:class:`StepAxis`): one per trainer, shared by every lightning_diag callback on it."""
+"""The user's step axis (:class:`StepAxis`): one per trainer, held by its driver and shared by every lightning_diag
+callback on it."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ class StepAxis:
     batches whose optimizer stepped (one per batch under manual optimization, whatever the number of optimizers;
     one per ``accumulate_grad_batches`` batches, and the last of an epoch, under automatic optimization), not at
     ``trainer.global_step``, which counts ``optimizer.step()`` calls (two per batch in a two-optimizer GAN). This
-    counts those batches from public hooks and attributes only: :meth:`batch_started` is called at every
-    ``on_train_batch_start`` of a lightning_diag callback (once per batch, whatever the number of callbacks).
+    counts those batches from public hooks and attributes only: :meth:`batch_started` is called by the trainer's
+    driver from the first lightning_diag callback's ``on_train_batch_start`` (once per batch, whatever the number of
+    callbacks).
 
     :attr:`step` is what a series written now is logged at: during a batch, the number of stepping batches
     before it (the step Lightning logs that batch's ``self.log`` values at); between batches (validation, epoch
@@ -61,9 +63,13 @@ class StepAxis:
         ``every``: it steps (:attr:`pending`) and :attr:`cadence_step` is a multiple of ``every``."""
         return self.pending and self.cadence_step % every == 0
 
-    def batch_started(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        """A training batch starts (idempotent within one batch: the first callback's call counts it, the others'
-        cost one comparison).
+    def batch_started(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> bool:
+        """A training batch starts (idempotent within one batch: a second call in the batch costs one comparison).
+        Called by the trainer's driver (:meth:`Driver.batch_started
+        <lightning_diag.callbacks.common.driver.Driver.batch_started>`), once per batch.
+
+        Returns:
+            Whether the call counted a new batch (``False``: the batch was counted already).
 
         Runs on every batch, after the optimizer step has pushed the callbacks' code and data out of the caches,
         where each Lightning property in a chain costs about a microsecond: what does not change within an epoch
@@ -74,7 +80,7 @@ class StepAxis:
         except AttributeError:
             key = (trainer.current_epoch, batch_idx, trainer.global_step)
         if key == self._batch:
-            return
+            return False
         self._batch = key
         if self.pending:
             self.stepped += 1
@@ -87,6 +93,7 @@ class StepAxis:
         counter = rule.step_counter
         global_step = self.started_at = counter.completed if counter is not None else trainer.global_step
         self._global_steps.append((global_step, self.stepped))
+        return True
 
     def epoch_started(self, trainer: pl.Trainer) -> None:
         """A training epoch starts: the last batch of the previous one is counted now (Lightning's count has

@@ -16,8 +16,8 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.common.driver import gradient_squares_key
 from lightning_diag.callbacks.common.preset import Detector, Preset
-from lightning_diag.callbacks.common.session import gradient_squares_key, step_cache
 from lightning_diag.callbacks.gradient_flow.params import (
     ParamSelector,
     build_param_index,
@@ -445,8 +445,9 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             return
         m = measure_step(index, chosen, self._loss, self._reduce(trainer))
         self._loss = None
-        if m.gradients is not None:  # the guard's pass at this step reads these instead of the gradients
-            step_cache(trainer).put(trainer.global_step, gradient_squares_key(optimizer), m.gradients)
+        cache = self.step_cache
+        if m.gradients is not None and cache is not None:  # the guard's pass at this step reads these instead
+            cache.put(trainer.global_step, gradient_squares_key(optimizer), m.gradients)
         step = trainer.global_step
         values = step_scalars(m, position)
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))

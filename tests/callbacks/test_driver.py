@@ -1,0 +1,188 @@
+"""The driver, one per trainer (issue 43, step 1): it holds the session, the step axis and the step cache, moves the
+axis once per batch and decides every attached callback's logging cadence, whatever the number of callbacks and
+their intervals; the axis survives a resume and two trainers keep their own drivers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
+from lightning_diag.callbacks.common.base import DiagCallback
+from lightning_diag.callbacks.common.driver import Driver, driver_of
+from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY
+from tests.output.logger_models import FAST, Regression
+
+STEPS = 12
+
+
+class _Cadence(pl.Callback):
+    """Placed after the library's callbacks: records, at every batch start, each one's ``on_cadence`` (decided
+    before this hook runs) and the user-axis count the interval divides."""
+
+    def __init__(self, watched: list[DiagCallback]) -> None:
+        self.watched = watched
+        self.rows: list[tuple[int, tuple[bool, ...]]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        driver = driver_of(trainer)
+        assert driver is not None
+        self.rows.append((driver.step_axis.cadence_step, tuple(cb.on_cadence for cb in self.watched)))
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """What each call of ``Driver.batch_started`` answered (``True``: it decided for a new batch)."""
+    answers: list[bool] = []
+    original = Driver.batch_started
+
+    def counted(self: Driver, *args: Any) -> bool:
+        answer = original(self, *args)
+        answers.append(answer)
+        return answer
+
+    monkeypatch.setattr(Driver, "batch_started", counted)
+    return answers
+
+
+def _fit(callbacks: list[pl.Callback], root: Any, steps: int = STEPS, **kwargs: Any) -> pl.Trainer:
+    trainer = pl.Trainer(
+        default_root_dir=root, max_steps=steps, log_every_n_steps=5, logger=False, callbacks=callbacks, **FAST
+    )
+    trainer.fit(Regression(), **kwargs)
+    return trainer
+
+
+@pytest.mark.parametrize("alarm_first", [False, True], ids=["monitors", "alarm-leads"])
+def test_one_decision_per_batch_however_many_callbacks(tmp_path, monkeypatch, alarm_first):
+    answers = _count_calls(monkeypatch)
+    ours: list[DiagCallback] = [GradientFlowMonitor(), AttentionEntropyMonitor(), SystemMonitor()]
+    if alarm_first:
+        ours.insert(0, AnomalyAlarm())
+    trainer = _fit([pl.Callback(), *ours], tmp_path)
+    assert answers.count(True) == STEPS  # one decision per batch, by the first callback
+    if not alarm_first:  # the alarm's short start asks again when it then takes the full one: answered False
+        assert answers == [True] * STEPS
+    driver = driver_of(trainer)
+    assert driver is not None and driver.callbacks == [] and driver.batches == STEPS  # all detached at teardown
+    assert driver.session is None and driver.step_axis.state_dict() == {"stepped": STEPS}
+
+
+def test_callbacks_with_their_own_intervals_on_one_trainer(tmp_path):
+    flow, alarm, attention = GradientFlowMonitor(log_every_n_steps=2), AnomalyAlarm(), AttentionEntropyMonitor(
+        log_every_n_steps=3
+    )
+    ours: list[DiagCallback] = [flow, alarm, attention]
+    cadence = _Cadence(ours)
+    trainer = _fit([*ours, cadence], tmp_path)  # alarm: the trainer's 5
+    assert [count for count, _ in cadence.rows] == list(range(1, STEPS + 1))
+    expected = [(count, (count % 2 == 0, count % 5 == 0, count % 3 == 0)) for count in range(1, STEPS + 1)]
+    assert cadence.rows == expected
+    assert trainer.global_step == STEPS
+    assert [a.rule for a in alarm.alerts + flow.alerts if a.severity.value in ("warning", "critical")] == []
+
+
+class _Silent(DiagCallback):
+    """A lightning_diag callback whose batch and epoch starts do not call ``super()`` (as a user's subclass may)."""
+
+    def on_train_epoch_start(self, *args: Any) -> None:
+        pass
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        pass
+
+
+def test_the_first_callback_that_starts_the_batch_decides(tmp_path):
+    # the first lightning_diag callback in the list never starts a batch: the next one decides for every callback
+    silent, flow, alarm = _Silent(log_every_n_steps=4), GradientFlowMonitor(log_every_n_steps=2), AnomalyAlarm()
+    order: list[list[DiagCallback]] = []
+
+    class Order(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            driver = driver_of(trainer)
+            assert driver is not None
+            order.append(list(driver.callbacks))  # type: ignore[arg-type]
+
+    cadence = _Cadence([silent, flow, alarm])
+    _fit([silent, Order(), alarm, pl.Callback(), flow, cadence], tmp_path, steps=6)
+    assert order == [[silent, alarm, flow]] * 6  # `trainer.callbacks` order
+    expected = [(count, (count % 4 == 0, count % 2 == 0, count % 5 == 0)) for count in range(1, 7)]
+    assert cadence.rows == expected
+
+
+def test_a_resume_keeps_the_step_axis(tmp_path):
+    # uninterrupted: 12 batches, intervals 4 (the monitor) and 5 (the trainer's, the alarm)
+    whole = [GradientFlowMonitor(log_every_n_steps=4), AnomalyAlarm()]
+    whole_cadence = _Cadence(whole)
+    _fit([*whole, whole_cadence], tmp_path / "whole")
+    # the same run stopped after 7 batches and resumed through `Trainer.fit(ckpt_path=...)` with new callbacks
+    first = [GradientFlowMonitor(log_every_n_steps=4), AnomalyAlarm()]
+    stopped = _fit(first, tmp_path / "first", steps=7)
+    ckpt = tmp_path / "mid.ckpt"
+    stopped.save_checkpoint(ckpt)
+    assert torch.load(ckpt, weights_only=False)[STEP_AXIS_KEY] == {"stepped": 7}
+    second = [GradientFlowMonitor(log_every_n_steps=4), AnomalyAlarm()]
+    resumed_cadence = _Cadence(second)
+    resumed = _fit([*second, resumed_cadence], tmp_path / "second", ckpt_path=str(ckpt))
+    assert resumed_cadence.rows == whole_cadence.rows[7:]
+    assert [count for count, _ in resumed_cadence.rows] == list(range(8, STEPS + 1))
+    driver = driver_of(resumed)
+    assert driver is not None and driver.step_axis.state_dict() == {"stepped": STEPS}
+
+
+def test_two_trainers_have_their_own_drivers(tmp_path):
+    a_callbacks, b_callbacks = [GradientFlowMonitor(), AnomalyAlarm()], [GradientFlowMonitor(log_every_n_steps=3)]
+    a = pl.Trainer(default_root_dir=tmp_path / "a", max_steps=6, logger=False, callbacks=a_callbacks, **FAST)
+    b = pl.Trainer(default_root_dir=tmp_path / "b", max_steps=4, logger=False, callbacks=b_callbacks, **FAST)
+    seen: list[tuple[int, int]] = []
+
+    class FitsB(pl.Callback):
+        """Fits trainer ``b`` from inside ``a``'s third batch (a search run from a callback)."""
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 3 and not seen:
+                b.fit(Regression())
+                da, db = driver_of(a), driver_of(b)
+                assert da is not None and db is not None
+                seen.append((da.step_axis.state_dict()["stepped"], db.step_axis.state_dict()["stepped"]))
+
+    a.callbacks.append(FitsB())
+    a.fit(Regression())
+    assert seen == [(3, 4)]  # b's fit neither moved a's axis nor read it
+    da, db = driver_of(a), driver_of(b)
+    assert da is not None and db is not None and da is not db
+    assert da.step_axis.state_dict() == {"stepped": 6} and db.step_axis.state_dict() == {"stepped": 4}
+    # a second fit on the same trainer continues its axis
+    b.fit_loop.epoch_loop.max_steps = 6
+    b.fit(Regression())
+    assert db.step_axis.state_dict() == {"stepped": 6} and driver_of(b) is db
+
+
+def test_attach_and_detach_count_the_sessions_users(tmp_path):
+    trainer = pl.Trainer(default_root_dir=tmp_path, logger=False, **FAST)
+    flow, alarm = GradientFlowMonitor(), AnomalyAlarm()
+    driver = Driver()
+    first = driver.attach(trainer, flow)
+    assert driver.attach(trainer, alarm) is first and driver.attach(trainer, flow) is first  # one session
+    assert driver.callbacks == [flow, alarm] and first.users == 3
+    driver.detach(flow, first)
+    assert driver.callbacks == [alarm] and driver.session is first
+    driver.detach(alarm, first)
+    driver.detach(flow, first)
+    assert driver.callbacks == [] and driver.session is None and first.users == 0
+
+
+def test_hooks_called_without_a_session_use_the_global_step():
+    flow = DiagCallback(log_every_n_steps=3)
+
+    class Stub:
+        global_step = 6
+        log_every_n_steps = 50
+
+    flow.on_train_batch_start(Stub(), None, None, 0)  # type: ignore[arg-type]
+    assert flow.on_cadence
+    Stub.global_step = 7
+    flow.on_train_batch_start(Stub(), None, None, 0)  # type: ignore[arg-type]
+    assert not flow.on_cadence
