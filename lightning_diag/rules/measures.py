@@ -510,8 +510,8 @@ class Measures:
     rollback: Rollback | None = None
 
     def present(self) -> frozenset[Measure]:
-        """The measurements this holds a value for (the same set object for the same fields: its hash is kept)."""
-        return _measures_named(tuple([name for name, value in self.__dict__.items() if value is not None]))
+        """The measurements this holds a value for."""
+        return frozenset(_MEASURE_OF[name] for name, value in self.__dict__.items() if value is not None)
 
     def missing(self, needs: Collection[Measure]) -> list[str]:
         """The names of the measurements of ``needs`` this holds no value for, sorted."""
@@ -530,12 +530,6 @@ class Measures:
 
 #: ``{field name: its Measure}``, for :meth:`Measures.present` (every field of :class:`Measures` is one).
 _MEASURE_OF: dict[str, Measure] = {name.value: name for name in Measure}
-
-
-@functools.lru_cache(maxsize=1024)
-def _measures_named(names: tuple[str, ...]) -> frozenset[Measure]:
-    """The measurements of the fields ``names`` (:meth:`Measures.present`), one set object per tuple of names."""
-    return frozenset(_MEASURE_OF[name] for name in names)
 
 
 @functools.lru_cache(maxsize=1024)
