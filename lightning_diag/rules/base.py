@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import RULES, SETTINGS, Limit, RuleSpec
+from lightning_diag.rules.measures import field_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.rules.measures import Measure, Measures
@@ -289,13 +290,13 @@ def _checked(judge: _Judge) -> _Judge:
 
     @functools.wraps(judge)
     def checked(self: Rule, ctx: StepContext, m: Measures) -> list[Alert]:
-        missing = m.missing(self.needs)
-        if missing:
+        needs = self.needs
+        if not m.holds_all(field_names(needs)):
             raise ValueError(
-                f"{type(self).__name__}.judge: the measures lack {missing}; it needs "
-                f"{sorted(n.value for n in self.needs)}"
+                f"{type(self).__name__}.judge: the measures lack {m.missing(needs)}; it needs "
+                f"{sorted(n.value for n in needs)}"
             )
-        if not self.needs and len(m.missing(self.optional)) == len(self.optional):
+        if not needs and not m.holds_any(field_names(self.optional)):
             raise ValueError(
                 f"{type(self).__name__}.judge: the measures hold none of {sorted(n.value for n in self.optional)}"
             )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -516,6 +517,23 @@ class Measures:
         """The names of the measurements of ``needs`` this holds no value for, sorted."""
         return sorted(n.value for n in needs if getattr(self, n.value) is None)
 
+    def holds_all(self, names: Collection[str]) -> bool:
+        """Whether every field of ``names`` holds a value (:meth:`missing` is empty; a judgment's check, per call)."""
+        fields = self.__dict__
+        return all(fields[name] is not None for name in names)
+
+    def holds_any(self, names: Collection[str]) -> bool:
+        """Whether a field of ``names`` holds a value."""
+        fields = self.__dict__
+        return any(fields[name] is not None for name in names)
+
 
 #: ``{field name: its Measure}``, for :meth:`Measures.present` (every field of :class:`Measures` is one).
 _MEASURE_OF: dict[str, Measure] = {name.value: name for name in Measure}
+
+
+@functools.lru_cache(maxsize=1024)
+def field_names(measures: frozenset[Measure]) -> tuple[str, ...]:
+    """The :class:`Measures` field names of ``measures`` (for :meth:`Measures.holds_all` / :meth:`Measures.holds_any`;
+    kept per set: a rule's ``needs`` and ``optional`` are class constants)."""
+    return tuple(sorted(n.value for n in measures))
