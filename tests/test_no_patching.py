@@ -57,6 +57,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "Lightning's documented way for a callback to end the fit (what EarlyStopping does): on_nonfinite='stop'",
     ("core/log_handler.py", "ensure_handler", "logger.propagate"):
         "the library's own 'lightning_diag' logging.Logger, and only when the user configured no handler",
+    ("callbacks/common/driver.py", "batch_started", "cb.on_cadence"):
+        "the trainer's driver sets the cadence flag of the lightning_diag callbacks attached to it (only "
+        "DiagCallback.setup attaches, with itself): the library's own objects and their own attribute",
     ("demo/loader_faults.py", "reseed_jitter", "dataset.rng"):
         "the demo's worker_init_fn reseeding the demo's own JitteredInputs in each worker",
 }
