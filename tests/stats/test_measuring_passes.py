@@ -67,6 +67,8 @@ def test_zero_share_as_before(dtype: torch.dtype) -> None:
     sizes = torch.randint(1, 60, (40, 2), generator=g).tolist()
     grads = [_special(rows * cols, g, dtype).reshape(rows, cols) for rows, cols in sizes]
     grads += [torch.zeros(5, 3, dtype=dtype), torch.full((3, 4), -0.0, dtype=dtype), torch.ones(7, 2, dtype=dtype)]
+    tiny = torch.finfo(dtype).smallest_normal / 4  # a denormal: nonzero
+    grads += [torch.tensor([[tiny, -tiny, 0.0], [-0.0, tiny, math.nan]], dtype=dtype)]
     grads += [torch.full((4, 4), math.nan, dtype=dtype), _special(64 * 600, g, dtype).reshape(64, 600).t()]
     grads = [grads[-1], *grads[:-1]]  # the largest first
     former = [_former_zero_share(grad).item() for grad in grads]
