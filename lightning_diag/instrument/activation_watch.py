@@ -42,7 +42,7 @@ from torch import nn
 from lightning_diag.rules.records import ActivationReading
 from lightning_diag.stats.grad import is_dtensor
 
-__all__ = ["ALIVE_MAX_ELEMENTS", "LINEAR_RANGES", "MIN_ROWS", "RELU_FAMILY", "ActivationWatch"]
+__all__ = ["ALIVE_MAX_ELEMENTS", "LINEAR_RANGES", "MIN_ROWS", "RELU_FAMILY", "ActivationWatch", "WatchStats"]
 
 #: Activations whose dead units are counted (output exactly 0 below 0).
 RELU_FAMILY: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6)
@@ -201,9 +201,21 @@ class ActivationWatch:
         """The readings of the measured forward (after its backward: the layers' weight gradients are read too)
         and the RMS of the model's inputs, with one host copy; the statistics are consumed.
 
+        :meth:`take` and :meth:`finish` in one: a caller with a host copy of its own reads ``take().values`` in it.
+
         Args:
             modules: ``{name: module}`` of the model (``named_modules()``), to find each layer's weight; ``None``:
                 those of the model :meth:`attach` walked (the same forward's).
+        """
+        taken = self.take(modules)
+        return self.finish(taken, taken.values.tolist() if taken.values is not None else [])
+
+    def take(self, modules: dict[str, nn.Module] | None = None) -> WatchStats:
+        """The measured forward's statistics on the device, with the layers' zero-gradient shares (after the
+        backward), as one float32 vector to read on the host with the caller's other values; consumed here.
+
+        Args:
+            modules: As for :meth:`readings`.
         """
         calls, self._calls = self._calls, []
         layers, self._layers = self._layers, []
@@ -212,7 +224,7 @@ class ActivationWatch:
             modules = self._modules
         self._modules = {}
         if not calls:
-            return [], None
+            return WatchStats(calls, layers, [], False, None)
         # each statistic is a float32 0-d tensor already (a mean): no reshape or conversion dispatched for it
         stats = [c.stat if c.stat.ndim == 0 and c.stat.dtype is torch.float32 else c.stat.reshape(()).float()
                  for c in calls]
@@ -226,9 +238,17 @@ class ActivationWatch:
                     stats.append(_zero_share(weight.grad).to(stats[0].device))
         if input_sq is not None:
             stats.append(input_sq.to(stats[0].device))
-        host = torch.stack(stats).tolist()
+        return WatchStats(calls, layers, zero, input_sq is not None, torch.stack(stats))
+
+    @staticmethod
+    def finish(taken: WatchStats, host: list[float]) -> tuple[list[ActivationReading], float | None]:
+        """The readings and the inputs' RMS from :meth:`take`'s statistics and their host values ``host`` (of
+        ``taken.values``, in order)."""
+        calls, layers, zero = taken.calls, taken.layers, taken.zero
+        if not calls:
+            return [], None
         zero_shares = dict(zip(zero, host[len(calls) : len(calls) + len(zero)], strict=True))
-        input_rms = host[-1] ** 0.5 if input_sq is not None else None
+        input_rms = host[-1] ** 0.5 if taken.has_input else None
         out = []
         for c, value in zip(calls, host[: len(calls)], strict=True):
             if c.dead:
@@ -237,6 +257,19 @@ class ActivationWatch:
             elif any(trainable for _, trainable in layers[c.order :]):  # a trainable layer runs after it
                 out.append(ActivationReading(c.layer, c.activation, saturated=value, limit=c.limit, first=c.first))
         return out, input_rms
+
+
+@dataclasses.dataclass
+class WatchStats:
+    """What :meth:`ActivationWatch.take` consumed: the calls and layers of the measured forward, the layers whose
+    zero-gradient share was measured, and all statistics as one float32 vector on the device (``None`` when the
+    forward left none): each call's, then the zero shares, then the inputs' mean square when ``has_input``."""
+
+    calls: list[_Call]
+    layers: list[tuple[str, bool]]
+    zero: list[str]
+    has_input: bool
+    values: torch.Tensor | None
 
 
 def _alive(x: torch.Tensor, dim: int) -> torch.Tensor:

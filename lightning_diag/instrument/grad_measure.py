@@ -205,6 +205,7 @@ class StepMeasurement:
             where they are weighted shares of the full tensors).
         weight_squares: The squared norms of the measured parameters before the optimizer step, on the device, in
             the order of ``chosen`` (``None`` under sharded training): :func:`update_ratios` reuses them.
+        extra: The host values of :func:`measure_step`'s ``extra`` tensor, read in the same copy.
     """
 
     total: float
@@ -216,6 +217,7 @@ class StepMeasurement:
     loss: float | None
     gradients: GradientSquares | None = None
     weight_squares: torch.Tensor | None = None
+    extra: list[float] = dataclasses.field(default_factory=list)
 
 
 def measure_step(
@@ -223,6 +225,7 @@ def measure_step(
     chosen: list[int],
     loss: torch.Tensor | None,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    extra: torch.Tensor | None = None,
 ) -> StepMeasurement:
     """Per-layer norms, RMS and relative gradients of the ``chosen`` parameters (positions in ``index``, each
     with a gradient), computed on their device and copied to the host once.
@@ -234,6 +237,8 @@ def measure_step(
         reduce: A SUM over all ranks (``None`` in a single process): the one collective of the step. Under DDP
             it carries the loss alone (whose mean over the ranks makes the collapse verdict the same everywhere);
             under sharded training the weighted per-layer sums of squares of the local shards too.
+        extra: A 1-D float32 tensor of the caller's to read in the step's one host copy (not reduced across ranks):
+            the activation watch's statistics of the same step. Its values are :attr:`StepMeasurement.extra`.
     """
     grads = [index.params[i].grad for i in chosen]
     device = local_tensor(grads[0]).device  # type: ignore[arg-type]
@@ -278,15 +283,18 @@ def measure_step(
     layer_norms = parts[0].sqrt()
     total = parts[0].sum().sqrt()
     rms = layer_norms / layout.numel_root
-    extra: list[torch.Tensor] = []
+    derived: list[torch.Tensor] = []
     if matrix:
         relative = parts[1].sqrt() / parts[2].sqrt().clamp_min(1e-12)
-        extra = [
+        derived = [
             relative[layout.matrix_layer_index],
             parts[1].index_select(0, layout.in_block).sum().sqrt().reshape(1),
         ]
     present = layout.present
-    host = torch.cat([total.reshape(1), layer_norms, rms, *extra, loss_t]).tolist()  # the one copy of this step
+    tail = [] if extra is None else [extra if extra.device == device else extra.to(device)]
+    host = torch.cat([total.reshape(1), layer_norms, rms, *derived, loss_t, *tail]).tolist()  # the one copy
+    n_extra = 0 if extra is None else extra.numel()
+    host, extra_host = host[: len(host) - n_extra], host[len(host) - n_extra :]
     if shared is not None:  # the guard's pass at this step reads the total on the host (no operator)
         shared = dataclasses.replace(shared, total=host[0])
     return StepMeasurement(
@@ -299,6 +307,7 @@ def measure_step(
         loss=host[-1] if math.isfinite(host[-1]) else None,
         gradients=shared,
         weight_squares=weight_squares,
+        extra=extra_host,
     )
 
 

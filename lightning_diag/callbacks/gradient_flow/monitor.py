@@ -57,6 +57,7 @@ from lightning_diag.rules.grad_layer_spread import GradSpreadRule
 from lightning_diag.rules.grad_norm_band import GRAD_EXPLODE, GRAD_VANISH, GradBandRule, sgd_step_scale
 from lightning_diag.rules.grad_not_zeroed import GradNotZeroedRule
 from lightning_diag.rules.measures import Measures, WeightNorms
+from lightning_diag.rules.records import ActivationReading
 from lightning_diag.rules.update_size import UpdateSizeRule
 from lightning_diag.rules.updates_applied import UPDATE_SAMPLE_SIZE_KEY, UPDATE_STALE, UpdateRule
 
@@ -443,7 +444,9 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self._zero_arm(trainer, position, chosen)
         if not chosen:
             return
-        m = measure_step(index, chosen, self._loss, self._reduce(trainer))
+        # the activation watch's statistics of this step ride in the measurement's one host copy
+        act = self._watch.take() if self._watch.pending or self._watch.too_few_rows else None
+        m = measure_step(index, chosen, self._loss, self._reduce(trainer), None if act is None else act.values)
         self._loss = None
         cache = self.step_cache
         if m.gradients is not None and cache is not None:  # the guard's pass at this step reads these instead
@@ -453,8 +456,9 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))
         self.writer.scalars(values, step)
         ctx = self.context(trainer)
-        if self._watch.pending or self._watch.too_few_rows:
-            self._judge_activations(trainer, pl_module, ctx, m.loss if position == 0 else None)
+        if act is not None:
+            found = ActivationWatch.finish(act, m.extra)
+            self._judge_activations(trainer, found, ctx, m.loss if position == 0 else None)
         grads = Measures(grad_rms=m.rms, grad_relative=m.relative, blocks=index.block_layers, layer_roles=index.roles)
         self.record(self.feed(ctx, grads))
         if position == 0:  # one baseline of one quantity: the first optimizer's
@@ -479,11 +483,16 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             self._before.append((chosen, copies, m.weight_squares))  # the weights' norms: measured already
 
     def _judge_activations(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext, loss: float | None
+        self,
+        trainer: pl.Trainer,
+        found: tuple[list[ActivationReading], float | None],
+        ctx: StepContext,
+        loss: float | None,
     ) -> None:
-        """The activation watch's readings of the measured forward (one host read), written and judged with the
-        step's training loss; the layers whose units are dead now make ``grad_vanish`` defer."""
-        readings, input_rms = self._watch.readings()  # the modules its attach walked
+        """The activation watch's readings of the measured forward and the inputs' RMS (``found``, read with the
+        step's measurement), written and judged with the step's training loss; the layers whose units are dead now
+        make ``grad_vanish`` defer."""
+        readings, input_rms = found
         if self._watch.too_few_rows:
             self._watch.too_few_rows = False
             self.notice(

@@ -1,0 +1,120 @@
+"""Issue 43's eleventh pass: a measuring step reads its gradient measurement and the activation watch's statistics
+(the dead and saturated shares, the zero-gradient shares, the inputs' RMS) in one host copy, with every value the
+same as when each was read on its own."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_diag import GradientFlowMonitor
+from lightning_diag.demo import build_fault
+from lightning_diag.instrument.activation_watch import ActivationWatch
+from lightning_diag.instrument.grad_measure import ParamIndex, measure_step
+
+
+def _watched_net(seed: int) -> tuple[nn.Sequential, ActivationWatch, torch.Tensor]:
+    """A watched forward and backward: dead units, a saturated tanh before a trainable layer, zero gradients."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    with torch.no_grad():
+        net[0].bias[:5] = -100.0  # five of sixteen units dead: zero rows in the first weight gradient
+        net[2].weight.mul_(20.0)  # the tanh saturates
+    watch = ActivationWatch()
+    watch.attach(net)
+    loss = net(torch.randn(32, 6)).square().mean()
+    watch.detach()
+    loss.backward()
+    return net, watch, loss.detach()
+
+
+def _fields(m: Any) -> tuple[Any, ...]:
+    return (m.total, m.norms, m.rms, m.relative, m.blocks, m.has_matrices, m.loss)
+
+
+def test_measurement_and_watch_in_one_copy_the_same_values() -> None:
+    for seed, special in ((0, False), (1, True)):
+        net, watch, loss = _watched_net(seed)
+        _, reference, _ = _watched_net(seed)
+        if special:  # a NaN gradient, an infinite weight and a NaN loss: carried through the same copy
+            with torch.no_grad():
+                net[4].weight.grad[0, 0] = math.nan  # type: ignore[index]
+                net[2].bias[0] = math.inf
+            loss = torch.tensor(math.nan)
+        named = list(net.named_parameters())
+        index = ParamIndex([n for n, _ in named], [p for _, p in named], False, dict(net.named_modules()))
+        chosen = list(range(len(named)))
+        alone = measure_step(index, chosen, loss)
+        taken = watch.take()
+        assert taken.values is not None and taken.values.ndim == 1
+        together = measure_step(index, chosen, loss, None, taken.values)
+        got = ActivationWatch.finish(taken, together.extra)
+        expected = reference.readings(dict(net.named_modules()))
+        # a twin net's watch read on its own (the changes above come after the forward and do not touch the first
+        # layer's gradient): the same readings
+        assert together.extra == taken.values.tolist()
+        assert got == expected
+        assert [r.layer for r in got[0]] == ["0", "2"] and got[1] is not None
+        assert got[0][0].dead == 5 / 16 and got[0][0].zero_grad is not None and got[0][0].zero_grad > 0
+        same = [a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(_flat(together), _flat(alone), strict=True)]
+        assert all(same)
+        assert alone.extra == []
+
+
+def _flat(m: Any) -> list[float]:
+    values = [m.total, m.blocks, math.nan if m.loss is None else m.loss]
+    for d in (m.norms, m.rms, m.relative):
+        values += [d[k] for k in sorted(d)]
+    return values
+
+
+def test_readings_are_take_then_finish() -> None:
+    net, watch, _ = _watched_net(2)
+    _, twin, _ = _watched_net(2)
+    taken = watch.take(dict(net.named_modules()))
+    assert taken.values is not None
+    assert ActivationWatch.finish(taken, taken.values.tolist()) == twin.readings()
+    assert watch.take().values is None and watch.readings() == ([], None)  # consumed
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts ``Tensor.tolist`` calls (host copies of a vector)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.tolist:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _CountingMonitor(GradientFlowMonitor):
+    """Counts the host copies of each measuring step's ``on_before_optimizer_step``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.copies: list[int] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        with _HostReads() as reads:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        if self.on_cadence:
+            self.copies.append(reads.count)
+
+
+def test_a_measuring_step_reads_the_host_once_before_the_step(tmp_path: Any) -> None:
+    model, data, _ = build_fault("none")
+    monitor = _CountingMonitor(histogram_every_n_steps=0)
+    trainer = pl.Trainer(
+        max_steps=15, default_root_dir=tmp_path, callbacks=[monitor], enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", log_every_n_steps=5, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    assert monitor.copies == [1, 1, 1]  # the norms and the activation watch's statistics together
