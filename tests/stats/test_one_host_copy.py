@@ -21,10 +21,11 @@ from lightning_diag.instrument.grad_measure import ParamIndex, measure_step
 def _watched_net(seed: int) -> tuple[nn.Sequential, ActivationWatch, torch.Tensor]:
     """A watched forward and backward: dead units, a saturated tanh before a trainable layer, zero gradients."""
     torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    first, second = nn.Linear(6, 16), nn.Linear(16, 16)
+    net = nn.Sequential(first, nn.ReLU(), second, nn.Tanh(), nn.Linear(16, 1))
     with torch.no_grad():
-        net[0].bias[:5] = -100.0  # five of sixteen units dead: zero rows in the first weight gradient
-        net[2].weight.mul_(20.0)  # the tanh saturates
+        first.bias[:5] = -100.0  # five of sixteen units dead: zero rows in the first weight gradient
+        second.weight.mul_(20.0)  # the tanh saturates
     watch = ActivationWatch()
     watch.attach(net)
     loss = net(torch.randn(32, 6)).square().mean()
@@ -42,9 +43,12 @@ def test_measurement_and_watch_in_one_copy_the_same_values() -> None:
         net, watch, loss = _watched_net(seed)
         _, reference, _ = _watched_net(seed)
         if special:  # a NaN gradient, an infinite weight and a NaN loss: carried through the same copy
+            params = list(net.parameters())
             with torch.no_grad():
-                net[4].weight.grad[0, 0] = math.nan  # type: ignore[index]
-                net[2].bias[0] = math.inf
+                grad = params[4].grad
+                assert grad is not None
+                grad[0, 0] = math.nan
+                params[3][0] = math.inf
             loss = torch.tensor(math.nan)
         named = list(net.named_parameters())
         index = ParamIndex([n for n, _ in named], [p for _, p in named], False, dict(net.named_modules()))
