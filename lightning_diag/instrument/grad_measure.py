@@ -31,6 +31,8 @@ __all__ = [
     "StepMeasurement",
     "WeightCopies",
     "measure_step",
+    "update_norms",
+    "update_ratio_values",
     "update_ratios",
 ]
 
@@ -381,6 +383,22 @@ def update_ratios(
     optimizer step, and ``||W_after - W_before|| / ||W_before||``, from the ``before`` copies of ``chosen`` (which
     it overwrites: they are the caller's throw-away copies).
 
+    :func:`update_norms` then :func:`update_ratio_values`: a caller with a host copy of its own reads the device
+    vector in it.
+    """
+    return update_ratio_values(index, chosen, update_norms(index, chosen, before, reduce, weight_squares).tolist())
+
+
+def update_norms(
+    index: ParamIndex,
+    chosen: list[int],
+    before: list[torch.Tensor],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    weight_squares: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The device half of :func:`update_ratios`: one float32 vector of ``2 * len(index.layers)`` values, the layers'
+    weight norms before the step then their update ratios (layers without a measured parameter hold 0 and NaN).
+
     Under sharded training ``before`` holds local shards and ``reduce`` (a SUM over all ranks) makes the sums of
     squares those of the full tensors, in one all-reduce; without sharding ``reduce`` is not used.
     """
@@ -401,10 +419,14 @@ def update_ratios(
     if index.sharded and reduce is not None:
         both = reduce(both)
     weight, update = both.sqrt().split(n)
-    ratio = update / weight.clamp_min(1e-12)
-    w_host, r_host = torch.stack([weight, ratio]).tolist()
+    return torch.cat([weight, update / weight.clamp_min(1e-12)])
+
+
+def update_ratio_values(index: ParamIndex, chosen: list[int], host: Sequence[float]) -> dict[str, float]:
+    """:func:`update_ratios`' values by tag, from the host values ``host`` of :func:`update_norms`' vector."""
+    n = len(index.layers)
     values = {}
-    for g in layout.present:
-        values[weight_norm_tag(index.layers[g])] = w_host[g]
-        values[update_ratio_tag(index.layers[g])] = r_host[g]
+    for g in sorted({index.layer_of[i] for i in chosen}):  # the layers with a measured parameter
+        values[weight_norm_tag(index.layers[g])] = host[g]
+        values[update_ratio_tag(index.layers[g])] = host[n + g]
     return values

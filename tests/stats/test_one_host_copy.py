@@ -1,6 +1,6 @@
 """Issue 43's eleventh pass: a measuring step reads its gradient measurement and the activation watch's statistics
-(the dead and saturated shares, the zero-gradient shares, the inputs' RMS) in one host copy, with every value the
-same as when each was read on its own."""
+(the dead and saturated shares, the zero-gradient shares, the inputs' RMS) in one host copy, and its batch end the
+update ratios with the update rules' counts in one, with every value the same as when each was read on its own."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_diag import GradientFlowMonitor
+from lightning_diag.callbacks.gradient_flow.writes import update_values, update_values_from, update_vector
 from lightning_diag.demo import build_fault
 from lightning_diag.instrument.activation_watch import ActivationWatch
 from lightning_diag.instrument.grad_measure import ParamIndex, measure_step
@@ -105,12 +106,20 @@ class _CountingMonitor(GradientFlowMonitor):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.copies: list[int] = []
+        self.end_copies: list[int] = []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         with _HostReads() as reads:
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
         if self.on_cadence:
             self.copies.append(reads.count)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        measured = self.on_cadence
+        with _HostReads() as reads:
+            super().on_train_batch_end(trainer, pl_module, *args)
+        if measured:
+            self.end_copies.append(reads.count)
 
 
 def test_a_measuring_step_reads_the_host_once_before_the_step(tmp_path: Any) -> None:
@@ -122,3 +131,30 @@ def test_a_measuring_step_reads_the_host_once_before_the_step(tmp_path: Any) -> 
     )  # fmt: skip
     trainer.fit(model, datamodule=data)
     assert monitor.copies == [1, 1, 1]  # the norms and the activation watch's statistics together
+    assert monitor.end_copies == [1, 1, 1]  # the update ratios and the update rules' counts together
+
+
+def test_update_values_in_the_batch_end_copy_as_read_alone() -> None:
+    """``update_vector`` read with other values gives what ``update_values`` gives on its own, bit for bit."""
+    net, _, _ = _watched_net(3)
+    named = list(net.named_parameters())
+    params = [p for _, p in named]
+    index = ParamIndex([n for n, _ in named], params, False, dict(net.named_modules()))
+    pending_sets = []
+    for chosen in ([0, 1, 2, 3, 4, 5], [0, 2, 4]):
+        before = [params[i].detach().clone() for i in chosen]
+        pending_sets.append((chosen, before))
+    with torch.no_grad():
+        params[0].add_(1e-3)
+        params[3][0] = math.nan  # a NaN update
+        params[4].mul_(1.0 + 2.0**-20)  # a tiny one
+    pending = [(chosen, [b.clone() for b in before], None) for chosen, before in pending_sets]
+    alone = update_values(index, [(c, [b.clone() for b in bs], None) for c, bs in pending_sets], None)
+    chosen, vector = update_vector(index, pending, None)
+    assert vector is not None
+    counts = torch.tensor([3.0, 1.0])  # what the update rules read in the same copy
+    host = torch.cat([counts, vector]).tolist()[2:]
+    together = update_values_from(index, chosen, host)
+    assert together.keys() == alone.keys() and len(alone) == 6
+    for key, value in alone.items():
+        assert together[key] == value or (math.isnan(value) and math.isnan(together[key])), key

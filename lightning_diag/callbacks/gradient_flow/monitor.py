@@ -34,7 +34,8 @@ from lightning_diag.callbacks.gradient_flow.writes import (
     histogram_due,
     layer_update_ratios,
     step_scalars,
-    update_values,
+    update_values_from,
+    update_vector,
     write_histograms,
 )
 from lightning_diag.core.tags import (
@@ -555,21 +556,26 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         """The work of :meth:`on_train_batch_end`."""
         if self._watch.attached:  # a batch without a backward (training_step returned None): no hook past it
             self._watch.detach()
+        chosen: list[list[int]] = []
+        vector = None  # the update ratios on the device: read with the update rules' counts, in one host copy
+        if self._before and self._index is not None:
+            pending, self._before = self._before, []
+            chosen, vector = update_vector(self._index, pending, self._reduce(trainer))
+            self._copies.release()
+        host = None
         if self._stepped and self._index is not None:
             self._stepped = False
-            self._judge_updates(trainer)
-        if not self._before or self._index is None:
+            host = self._judge_updates(trainer, vector)
+        if vector is None or self._index is None:
             return
-        pending, self._before = self._before, []
-        values = update_values(self._index, pending, self._reduce(trainer))
-        self._copies.release()
+        values = update_values_from(self._index, chosen, vector.tolist() if host is None else host)
         self.writer.scalars(values, max(trainer.global_step - 1, 0))  # the step that was measured
         # the update ratios: grad_vanish, grad_layer_spread and grad_collapse also ask whether the layers' updates
         # are starved (an adaptive optimizer rescales gradients), update_size judges them
         ratios = layer_update_ratios(self._index, values)
         weights = None
         if len(trainer.optimizers) == 1:  # grad_explode between measurements: the weights against the last reading
-            sizes = _layer_sizes(self._index, [i for chosen, _, _ in pending for i in chosen])
+            sizes = _layer_sizes(self._index, [i for positions in chosen for i in positions])
             norms = {k: values[weight_norm_tag(k)] for k in sizes if weight_norm_tag(k) in values}
             weights = WeightNorms(norms, sizes, sgd_step_scale(trainer.optimizers[0].param_groups))
         loss, self._measured_loss = self._measured_loss, None

@@ -310,9 +310,10 @@ class SilentUpdateChecks:
         low = [p.dtype in _LOW_PRECISION for p in params]
         self._pending_updates.append(PendingUpdate(positions, sample, before, grads, low, causes))
 
-    def _judge_updates(self, trainer: pl.Trainer) -> None:
+    def _judge_updates(self, trainer: pl.Trainer, extra: torch.Tensor | None = None) -> list[float] | None:
         """Compare the sampled elements after the step, read the ``grad_not_zeroed`` verdicts, judge (one host
-        read for both)."""
+        read for both, and for ``extra``: a 1-D float32 tensor of the caller's, read in the same copy after the
+        counts' reduction across ranks, not reduced; its host values are returned, ``None`` without it)."""
         assert self._index is not None
         index = self._index
         pending, self._pending_updates = self._pending_updates, []
@@ -330,12 +331,16 @@ class SilentUpdateChecks:
         ]
         parts += [flags.float() for _, _, flags in verdicts]
         if not parts:
-            return
+            return None if extra is None else extra.tolist()
         device = parts[0].device
         values = torch.cat([p.to(device) for p in parts])
         if trainer.world_size > 1:  # sharded parameters: every rank counts its own shard; all decide on the sum
             values = trainer.strategy.reduce(values, reduce_op="sum")
-        host = values.tolist()  # the one host read of the update rules at this step
+        n_extra = 0 if extra is None else extra.numel()
+        if extra is not None:
+            values = torch.cat([values, extra if extra.device == values.device else extra.to(values.device)])
+        host = values.tolist()  # the one host read of the update rules at this step (and of the caller's extra)
+        host, extra_host = host[: len(host) - n_extra], host[len(host) - n_extra :]
         offset = 0
         layers: dict[str, list[Any]] = {}
         for u in pending:
@@ -370,6 +375,7 @@ class SilentUpdateChecks:
                     stale.update(index.layers[index.layer_of[i]] for i in hit)
                     optimizers.add(self._zero_names.get(k, f"optimizer {k}"))
             self.record(self.feed(ctx, Measures(stale_grads=StaleGrads(stale, sorted(optimizers)))))
+        return None if extra is None else extra_host
 
 
 def _unwrap(optimizer: Any) -> Any:

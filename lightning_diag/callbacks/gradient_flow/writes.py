@@ -23,7 +23,7 @@ from lightning_diag.core.tags import (
     grad_total_tag,
     update_ratio_tag,
 )
-from lightning_diag.instrument.grad_measure import ParamIndex, StepMeasurement, update_ratios
+from lightning_diag.instrument.grad_measure import ParamIndex, StepMeasurement, update_norms, update_ratio_values
 from lightning_diag.output.writer import DiagWriter
 from lightning_diag.stats.histogram import cpu_histogram, tensorboard_histogram
 
@@ -32,6 +32,8 @@ __all__ = [
     "layer_update_ratios",
     "step_scalars",
     "update_values",
+    "update_values_from",
+    "update_vector",
     "write_histogram",
     "write_histograms",
 ]
@@ -100,10 +102,33 @@ def update_values(
 ) -> dict[str, float]:
     """``diag/weight_norm/<layer>`` and ``diag/update_ratio/<layer>`` of the steps measured in a batch, from
     their (chosen positions, values before the step, their squared norms when measured) copies, which it
-    consumes."""
+    consumes: :func:`update_vector`, read, then :func:`update_values_from`."""
+    chosen, vector = update_vector(index, pending, reduce)
+    return update_values_from(index, chosen, vector.tolist() if vector is not None else [])
+
+
+def update_vector(
+    index: ParamIndex,
+    pending: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> tuple[list[list[int]], torch.Tensor | None]:
+    """The device half of :func:`update_values`: the chosen positions of each pending step and one float32 vector
+    of their :func:`~lightning_diag.instrument.grad_measure.update_norms`, in order (``None`` when none is pending),
+    to read on the host with the batch end's other values."""
+    parts = [update_norms(index, chosen, before, reduce, squares) for chosen, before, squares in pending]
+    if not parts:
+        return [], None
+    device = parts[0].device
+    vector = parts[0] if len(parts) == 1 else torch.cat([p.to(device) for p in parts])
+    return [chosen for chosen, _, _ in pending], vector
+
+
+def update_values_from(index: ParamIndex, chosen: list[list[int]], host: list[float]) -> dict[str, float]:
+    """:func:`update_values`' values from the host values ``host`` of :func:`update_vector`'s vector."""
+    size = 2 * len(index.layers)
     values: dict[str, float] = {}
-    for chosen, before, weight_squares in pending:
-        values.update(update_ratios(index, chosen, before, reduce, weight_squares))
+    for k, positions in enumerate(chosen):
+        values.update(update_ratio_values(index, positions, host[k * size : (k + 1) * size]))
     return values
 
 
