@@ -148,13 +148,15 @@ def test_update_values_in_the_batch_end_copy_as_read_alone() -> None:
         params[0].add_(1e-3)
         params[3][0] = math.nan  # a NaN update
         params[4].mul_(1.0 + 2.0**-20)  # a tiny one
-    pending = [(chosen, [b.clone() for b in before], None) for chosen, before in pending_sets]
-    alone = update_values(index, [(c, [b.clone() for b in bs], None) for c, bs in pending_sets], None)
-    chosen, vector = update_vector(index, pending, None)
+    copies: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]]
+    copies = [(chosen, [b.clone() for b in before], None) for chosen, before in pending_sets]
+    alone = update_values(index, copies, None)
+    copies = [(chosen, [b.clone() for b in before], None) for chosen, before in pending_sets]
+    positions, vector = update_vector(index, copies, None)
     assert vector is not None
     counts = torch.tensor([3.0, 1.0])  # what the update rules read in the same copy
     host = torch.cat([counts, vector]).tolist()[2:]
-    together = update_values_from(index, chosen, host)
+    together = update_values_from(index, positions, host)
     assert together.keys() == alone.keys() and len(alone) == 6
     for key, value in alone.items():
         assert together[key] == value or (math.isnan(value) and math.isnan(together[key])), key
