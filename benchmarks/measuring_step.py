@@ -52,12 +52,17 @@ lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor on_after_back
 lightning_diag.callbacks.gradient_flow.monitor measure_step
 lightning_diag.callbacks.gradient_flow.monitor write_histograms
 lightning_diag.callbacks.gradient_flow.monitor update_values
+lightning_diag.callbacks.gradient_flow.monitor update_vector
+lightning_diag.callbacks.gradient_flow.monitor update_values_from
+lightning_diag.instrument.grad_measure per_tensor_norms
+lightning_diag.instrument.activation_watch _zero_share
 lightning_diag.callbacks.gradient_flow.monitor stuck_parameters
 lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor _judge_activations
 lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor _judge_updates
 lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor _sample_updates
 lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor _zero_arm
 lightning_diag.instrument.activation_watch:ActivationWatch readings
+lightning_diag.instrument.activation_watch:ActivationWatch take
 lightning_diag.stats.updates:ElementSample gather
 lightning_diag.output.writer:DiagWriter scalars
 lightning_diag.output.writer:DiagWriter _send_pending
@@ -155,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         owner: Any = importlib.import_module(module)
         if cls:
             owner = getattr(owner, cls)
+        if not hasattr(owner, name):  # a function another tree has (the targets span the trees compared)
+            continue
         label = f"{cls or module.removeprefix('lightning_diag.callbacks.')}.{name}"
         originals.append((owner, name, vars(owner).get(name, _INHERITED)))
         setattr(owner, name, _timed(getattr(owner, name), label, seconds, calls, counter))
