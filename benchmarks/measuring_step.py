@@ -75,6 +75,14 @@ lightning_diag.callbacks.anomaly_alarm.guard_pass:OptimizerPass clean_measured
 lightning_diag.instrument.grad_measure:WeightCopies take
 lightning_diag.callbacks.gradient_flow.writes cpu_histogram
 lightning_diag.output.writer:DiagWriter histogram_raw
+lightning_diag.callbacks.anomaly_alarm.runtime_checks:RuntimeChecks on_train_batch_end
+lightning_diag.callbacks.anomaly_alarm.sampled_check:SampledCheck on_batch_end
+lightning_diag.callbacks.anomaly_alarm.zero_output_check:ZeroOutputCheck measure
+lightning_diag.callbacks.anomaly_alarm.output_collapse_check:OutputCollapseCheck measure
+lightning_diag.callbacks.anomaly_alarm.runtime_checks:RuntimeChecks judge_sampled
+lightning_diag.rules.loss_outlier:LossOutlierRule judge
+lightning_diag.rules.loss_stagnant:LossStagnantRule judge
+lightning_diag.rules.loss_swing:LossSwingRule judge
 """
 
 #: A method the class inherits (its wrapper is removed again, not replaced).
@@ -155,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         owner: Any = importlib.import_module(module)
         if cls:
             owner = getattr(owner, cls)
+        if not hasattr(owner, name):  # a target of another version of the library (before / after a change)
+            continue
         label = f"{cls or module.removeprefix('lightning_diag.callbacks.')}.{name}"
         originals.append((owner, name, vars(owner).get(name, _INHERITED)))
         setattr(owner, name, _timed(getattr(owner, name), label, seconds, calls, counter))

@@ -5,7 +5,9 @@ On the first batch of a sampled optimizer step (the owner's logging interval) su
 hooks, :mod:`lightning_diag.instrument.output_watch`); at that batch's end it removes the watch, reads what the watch
 saw once, and feeds it to the owner's preset (whose detector of the rule judges it). The owner says which rule
 switches it off (its id, at construction); a subclass says how to build its watch and how to turn what the watch
-saw into :class:`Measures`; the sampling, the switch-off and the hooks' removal are here. Other steps cost one
+saw into :class:`Measures` (:meth:`SampledCheck.gather` on the device, :meth:`SampledCheck.measure` once read); the
+sampling, the switch-off, the hooks' removal and the host read are here: :func:`end_sampled_batch` reads what several
+checks saw on one batch in one transfer. Other steps cost one
 integer comparison: the owner calls :meth:`SampledCheck.on_batch_start` from :attr:`SampledCheck.next_step` on.
 """
 
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import pytorch_lightning as pl
+import torch
 
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures
@@ -23,7 +27,7 @@ from lightning_diag.rules.measures import Measures
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.callbacks.common.base import DiagCallback
 
-__all__ = ["SampledCheck", "Watch"]
+__all__ = ["SampledCheck", "Watch", "end_sampled_batch", "read_together"]
 
 
 class Watch(Protocol):
@@ -73,9 +77,17 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
         """The watch of ``pl_module`` (built once a fit, on the first sampled step)."""
 
     @abc.abstractmethod
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: WatchT) -> Measures | None:
-        """What the stopped ``watch`` saw on the sampled batch, as measures (one host read); ``None``: nothing to
-        judge."""
+    def gather(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: WatchT
+    ) -> tuple[torch.Tensor | None, Any] | None:
+        """What the stopped ``watch`` saw on the sampled batch, before the host read: a 1-d float32 device tensor of
+        the numbers to read (``None``: none) and what :meth:`measure` needs with them; ``None``: nothing to judge.
+        A collective (a sum over ranks) goes here: every rank calls it on the same steps."""
+
+    @abc.abstractmethod
+    def measure(self, trainer: pl.Trainer, watch: WatchT, seen: Any, values: list[float]) -> Measures | None:
+        """What :meth:`gather` gave (``seen``, and its tensor read to the host: ``values``) as measures; ``None``:
+        nothing to judge."""
 
     def on_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """On the first batch of a sampled optimizer step: install the watch."""
@@ -96,12 +108,21 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
         self._watch.start()
 
     def on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Remove the watch and feed what it saw to the owner's preset."""
+        """Remove the watch and feed what it saw to the owner's preset (one host read)."""
+        end_sampled_batch((self,), trainer, pl_module)
+
+    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[torch.Tensor | None, Any] | None:
+        """Remove the watch of a sampled batch and :meth:`gather` what it saw; ``None`` on other batches."""
         watch = self._watch
         if watch is None or not watch.active:
-            return
+            return None
         watch.stop()
-        measures = self.measure(trainer, pl_module, watch)
+        return self.gather(trainer, pl_module, watch)
+
+    def judge(self, trainer: pl.Trainer, seen: Any, values: list[float]) -> None:
+        """Feed :meth:`measure` of what :meth:`take` gave (its tensor read: ``values``) to the owner's preset."""
+        assert self._watch is not None  # take() gave something
+        measures = self.measure(trainer, self._watch, seen, values)
         if measures is not None:
             ctx = StepContext(trainer.current_epoch, self.step)  # the measured step (global_step has moved on)
             self.owner.record(self.owner.feed(ctx, measures))
@@ -111,3 +132,34 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
         watch = getattr(self, "_watch", None)
         if watch is not None:
             watch.stop()
+
+
+def end_sampled_batch(checks: Sequence[SampledCheck[Any]], trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """At a training batch's end: remove the watches of ``checks`` that sampled it, read what they saw in one host
+    transfer (their tensors concatenated, where they share a device), and feed it to the owner's preset, check by
+    check in the order given."""
+    taken = [(check, seen) for check in checks if (seen := check.take(trainer, pl_module)) is not None]
+    if not taken:
+        return
+    values = read_together([tensor for _, (tensor, _) in taken if tensor is not None])
+    for check, (tensor, seen) in taken:
+        check.judge(trainer, seen, values.pop(0) if tensor is not None else [])
+
+
+def read_together(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
+    """Each of the 1-d ``tensors`` as a host list: one transfer for all where they share a device and dtype (one
+    concatenation), one each otherwise.
+
+    Example:
+        >>> read_together([torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
+        [[1.0, 2.0], [3.0]]
+    """
+    if len(tensors) < 2 or any(t.device != tensors[0].device or t.dtype != tensors[0].dtype for t in tensors):
+        return [t.tolist() for t in tensors]
+    flat = torch.cat(list(tensors)).tolist()
+    out, start = [], 0
+    for t in tensors:
+        n = t.numel()
+        out.append(flat[start : start + n])
+        start += n
+    return out
