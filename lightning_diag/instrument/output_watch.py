@@ -140,12 +140,10 @@ class ZeroOutputWatch:
         nonzero, negative = sums.unbind()
         return torch.stack([ran_row, (ran & (nonzero == 0)).float(), (negative > 0).float()])
 
-    def extremes(self) -> tuple[tuple[str, ...], torch.Tensor] | None:
+    def extremes(self) -> tuple[tuple[str, ...], list[torch.Tensor]] | None:
         """What the calls seen returned, for :meth:`counts_of` once read to the host: the calls' module names (in
-        call order) and one 1-d float32 device tensor of their lows, then their highs (see :func:`_extremes`; for an
-        output of another dtype their signs, -1, 0 or 1: the flags read nothing else), one operator for the stack,
-        ready to be read with other numbers in one transfer. ``None`` if no watched module ran. Clears what was
-        seen.
+        call order) and their 0-d device extremes, the lows then the highs (see :func:`_extremes`), to be read with
+        other numbers in one transfer (no operator here). ``None`` if no watched module ran. Clears what was seen.
 
         Example:
             >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
@@ -154,21 +152,18 @@ class ZeroOutputWatch:
             >>> watch = ZeroOutputWatch(net)
             >>> watch.start(); _ = net(torch.ones(1, 2)); watch.stop()
             >>> names, values = watch.extremes()
-            >>> watch.counts_of(names, values.tolist())  # ran, all zero, signed: as ``counts(signs=True)``
+            >>> watch.counts_of(names, torch.stack(values).tolist())  # ran, all zero, signed: ``counts(signs=True)``
             [[1.0, 1.0, 1.0], [1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]
         """
         calls, self._calls = self._calls, []
         if not calls:
             return None
-        values = torch.stack([low for _, low, _ in calls] + [high for _, _, high in calls])
-        if values.dtype != torch.float32:  # a float64 low of 1e-300 is 0 in float32: keep its sign, exactly
-            values = values.sign().float()
-        return tuple(name for name, _, _ in calls), values
+        return tuple(name for name, _, _ in calls), [low for _, low, _ in calls] + [high for _, _, high in calls]
 
     def counts_of(self, names: Sequence[str], values: Sequence[float]) -> list[list[float]]:
-        """:meth:`counts` with ``signs`` from :meth:`extremes`'s ``names`` and its ``values`` read to the host (the
-        lows, then the highs, of each call): the rows ``[ran, all_zero, signed]`` per module of :attr:`order`, as
-        host lists (the same numbers: flags of one process)."""
+        """:meth:`counts` with ``signs`` from :meth:`extremes`'s ``names`` and its values read to the host exactly
+        (the lows, then the highs, of each call: a stack of them promotes to a dtype that holds each): the rows
+        ``[ran, all_zero, signed]`` per module of :attr:`order`, as host lists (the same numbers)."""
         n = len(self.order)
         ran, nonzero, negative = [0.0] * n, [0.0] * n, [0.0] * n
         calls = len(names)
@@ -263,8 +258,8 @@ def output_spread(output: torch.Tensor, max_elements: int = MAX_SPREAD_ELEMENTS)
 
 def _spread_level(output: torch.Tensor, max_elements: int = MAX_SPREAD_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`output_spread`'s ``spread`` and ``level``: 0-d float32 tensors on the output's device."""
-    with torch.no_grad():
-        flat = local_tensor(output).detach().reshape(output.shape[0], -1)
+    with torch.no_grad():  # no graph: no detach() needed (one operator fewer)
+        flat = local_tensor(output).reshape(output.shape[0], -1)
         if flat.shape[1] > max_elements:
             flat = flat[:, :: -(-flat.shape[1] // max_elements)]
         flat = flat.float()
@@ -282,7 +277,7 @@ class OutputSpreadWatch:
         >>> watch = OutputSpreadWatch(net)
         >>> watch.start(); _ = net(torch.ones(4, 2)); watch.stop()
         >>> name, batch, stats = watch.take()
-        >>> name, batch, stats[0].item(), stats[2:].tolist()  # four equal inputs: no spread; the input's spread, level
+        >>> name, batch, stats[0].item(), [v.item() for v in stats[2:]]  # equal inputs: no spread; the input's stats
         ('<root>', 4, 0.0, [0.0, 1.0])
     """
 
@@ -328,12 +323,12 @@ class OutputSpreadWatch:
 
         return hook
 
-    def take(self) -> tuple[str, int, torch.Tensor] | None:
+    def take(self) -> tuple[str, int, list[torch.Tensor]] | None:
         """``(module name, batch, stats)`` of the output seen (``"<root>"`` for the ``LightningModule``), ``None``
-        if no watched module returned predictions: ``batch`` is the output's batch size and ``stats`` a float32
-        device tensor of the output's spread and level (:func:`output_spread`), followed by the spread and level of
+        if no watched module returned predictions: ``batch`` is the output's batch size and ``stats`` 0-d float32
+        device tensors, the output's spread and level (:func:`output_spread`), followed by the spread and level of
         the module's floating-point input of the same batch where its first argument is such a tensor (not token
-        ids, not a mapping): two or four numbers, one operator for their stack. Forgets what it saw."""
+        ids, not a mapping): two or four numbers, to be read with others in one transfer. Forgets what it saw."""
         root, child = self._root_output, self._child_output
         inputs = (self._root_input, self._child_input)
         self._root_output = self._child_output = self._root_input = self._child_input = None
@@ -351,10 +346,10 @@ def _float_input(args: Any, output: torch.Tensor) -> torch.Tensor | None:
     return first.detach() if usable and first.shape[0] == output.shape[0] else None  # type: ignore[union-attr]
 
 
-def _with_input(output: torch.Tensor, inputs: torch.Tensor | None) -> torch.Tensor:
-    """The spread and level of ``output`` and, with ``inputs``, of ``inputs`` (moved to the output's device), as
-    one float32 tensor on the output's device."""
+def _with_input(output: torch.Tensor, inputs: torch.Tensor | None) -> list[torch.Tensor]:
+    """The spread and level of ``output`` and, with ``inputs``, of ``inputs`` (moved to the output's device): 0-d
+    float32 tensors on the output's device."""
     parts = list(_spread_level(output))
     if inputs is not None:
         parts += [part.to(parts[0].device) for part in _spread_level(inputs)]
-    return torch.stack(parts)
+    return parts

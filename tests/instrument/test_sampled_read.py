@@ -39,9 +39,9 @@ def test_counts_read_on_the_host_equal_the_device_counts() -> None:
         for name, out in zip(names, outputs, strict=True):
             watch._seen(name, out)
         seen = watch.extremes()
-        assert expected is not None and seen is not None
-        assert seen[0] == tuple(names) and seen[1].dtype == torch.float32 and seen[1].dim() == 1
-        assert watch.counts_of(seen[0], seen[1].tolist()) == expected.tolist(), (trial, names, outputs)
+        assert expected is not None and seen is not None and seen[0] == tuple(names)
+        (values,) = read_together([seen[1]])  # one stack: the dtypes promoted, each value exact
+        assert watch.counts_of(seen[0], values) == expected.tolist(), (trial, names, outputs)
     assert tiny_seen > 5  # float64 values that float32 reads as 0 were among them (their sign is kept)
     assert watch.extremes() is None  # cleared
 
@@ -53,13 +53,37 @@ def test_a_module_that_ran_and_returned_zeros_once_of_two_calls_is_not_zero() ->
     watch._seen("0", torch.tensor([0.0, -2.0, 0.0]))
     watch._seen("1", torch.zeros(2))
     names, values = watch.extremes()  # type: ignore[misc]
-    ran, zero, signed = watch.counts_of(names, values.tolist())
+    ran, zero, signed = watch.counts_of(names, torch.stack(values).tolist())
     assert watch.order == ["", "0", "1"]
     assert (ran, zero, signed) == ([0.0, 1.0, 1.0], [0.0, 0.0, 1.0], [0.0, 1.0, 0.0])
 
 
-def test_read_together_splits_one_transfer_and_reads_apart_what_differs() -> None:
-    a, b, c = torch.tensor([1.5, -2.0]), torch.tensor([3.0]), torch.arange(4, dtype=torch.float32)
-    assert read_together([a, b, c]) == [[1.5, -2.0], [3.0], [0.0, 1.0, 2.0, 3.0]]
-    assert read_together([a, torch.tensor([7.0], dtype=torch.float64)]) == [[1.5, -2.0], [7.0]]
-    assert read_together([b]) == [[3.0]] and read_together([]) == []
+def test_read_together_splits_one_transfer_exactly() -> None:
+    a, b = [torch.tensor(1.5), torch.tensor(-2.0)], [torch.tensor(1e-300, dtype=torch.float64)]
+    c = [torch.tensor(0.1, dtype=torch.bfloat16), torch.tensor(-0.0)]
+    tenth = c[0].item()  # 0.1 in bfloat16
+    assert read_together([a, [], b, c]) == [[1.5, -2.0], [], [1e-300], [tenth, -0.0]]
+    assert math.copysign(1.0, read_together([c])[0][1]) == -1.0
+    counts = torch.arange(6, dtype=torch.float32)  # 1-d (the counts summed over ranks) with 0-d ones: concatenated
+    assert read_together([[counts], a]) == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [1.5, -2.0]]
+    assert read_together([]) == [] and read_together([[]]) == [[]]
+
+
+def test_the_spread_read_in_the_one_transfer_is_output_spread_to_the_bit() -> None:
+    """The four numbers ``output_collapse`` reads are ``output_spread``'s spread and level of the output and of its
+    input, as they were read when the watch returned them stacked with the batch size."""
+    from lightning_diag.instrument.output_watch import OutputSpreadWatch, output_spread
+
+    gen = torch.Generator().manual_seed(1)
+    for batch, width in ((64, 1), (7, 33), (2, 5), (1, 4)):
+        net = nn.Sequential(nn.Linear(width, 3))
+        watch = OutputSpreadWatch(net)
+        x = torch.randn(batch, width, generator=gen) * 3.0
+        watch.start()
+        out = net(x)
+        watch.stop()
+        name, size, stats = watch.take()  # type: ignore[misc]
+        (values,) = read_together([stats])
+        assert name == "<root>" and size == batch
+        want = output_spread(out.detach())[:2].tolist() + output_spread(x)[:2].tolist()
+        assert [v.hex() for v in values] == [v.hex() for v in want]

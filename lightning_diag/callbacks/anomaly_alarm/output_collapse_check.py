@@ -45,11 +45,11 @@ class OutputCollapseCheck(SampledCheck[OutputSpreadWatch]):
 
     def gather(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: OutputSpreadWatch
-    ) -> tuple[torch.Tensor | None, Any] | None:
+    ) -> tuple[list[torch.Tensor], Any] | None:
         """The spread and level of the output seen and of its input (:meth:`OutputSpreadWatch.take`), with its
         module and batch size; nothing to read where no output was seen."""
         seen = watch.take()
-        return (None, None) if seen is None else (seen[2], seen[:2])
+        return ([], None) if seen is None else (seen[2], seen[:2])
 
     def measure(
         self, trainer: pl.Trainer, watch: OutputSpreadWatch, seen: tuple[str, int] | None, values: list[float]

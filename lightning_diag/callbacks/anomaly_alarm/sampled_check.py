@@ -79,15 +79,16 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
     @abc.abstractmethod
     def gather(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: WatchT
-    ) -> tuple[torch.Tensor | None, Any] | None:
-        """What the stopped ``watch`` saw on the sampled batch, before the host read: a 1-d float32 device tensor of
-        the numbers to read (``None``: none) and what :meth:`measure` needs with them; ``None``: nothing to judge.
-        A collective (a sum over ranks) goes here: every rank calls it on the same steps."""
+    ) -> tuple[list[torch.Tensor], Any] | None:
+        """What the stopped ``watch`` saw on the sampled batch, before the host read: the floating-point device
+        tensors (0-d or 1-d) of the numbers to read (:func:`read_together`) and what :meth:`measure` needs with
+        them; ``None``: nothing to judge. A collective (a sum over ranks) goes here: every rank calls it on the
+        same steps."""
 
     @abc.abstractmethod
     def measure(self, trainer: pl.Trainer, watch: WatchT, seen: Any, values: list[float]) -> Measures | None:
-        """What :meth:`gather` gave (``seen``, and its tensor read to the host: ``values``) as measures; ``None``:
-        nothing to judge."""
+        """What :meth:`gather` gave (``seen``, and its tensors' numbers read to the host, in order: ``values``) as
+        measures; ``None``: nothing to judge."""
 
     def on_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """On the first batch of a sampled optimizer step: install the watch."""
@@ -111,7 +112,7 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
         """Remove the watch and feed what it saw to the owner's preset (one host read)."""
         end_sampled_batch((self,), trainer, pl_module)
 
-    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[torch.Tensor | None, Any] | None:
+    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[list[torch.Tensor], Any] | None:
         """Remove the watch of a sampled batch and :meth:`gather` what it saw; ``None`` on other batches."""
         watch = self._watch
         if watch is None or not watch.active:
@@ -120,7 +121,7 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
         return self.gather(trainer, pl_module, watch)
 
     def judge(self, trainer: pl.Trainer, seen: Any, values: list[float]) -> None:
-        """Feed :meth:`measure` of what :meth:`take` gave (its tensor read: ``values``) to the owner's preset."""
+        """Feed :meth:`measure` of what :meth:`take` gave (its tensors read: ``values``) to the owner's preset."""
         assert self._watch is not None  # take() gave something
         measures = self.measure(trainer, self._watch, seen, values)
         if measures is not None:
@@ -136,30 +137,36 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
 
 def end_sampled_batch(checks: Sequence[SampledCheck[Any]], trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """At a training batch's end: remove the watches of ``checks`` that sampled it, read what they saw in one host
-    transfer (their tensors concatenated, where they share a device), and feed it to the owner's preset, check by
-    check in the order given."""
+    transfer (:func:`read_together`), and feed it to the owner's preset, check by check in the order given."""
     taken = [(check, seen) for check in checks if (seen := check.take(trainer, pl_module)) is not None]
     if not taken:
         return
-    values = read_together([tensor for _, (tensor, _) in taken if tensor is not None])
-    for check, (tensor, seen) in taken:
-        check.judge(trainer, seen, values.pop(0) if tensor is not None else [])
+    values = read_together([tensors for _, (tensors, _) in taken])
+    for (check, (_, seen)), read in zip(taken, values, strict=True):
+        check.judge(trainer, seen, read)
 
 
-def read_together(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
-    """Each of the 1-d ``tensors`` as a host list: one transfer for all where they share a device and dtype (one
-    concatenation), one each otherwise.
+def read_together(groups: Sequence[Sequence[torch.Tensor]]) -> list[list[float]]:
+    """The numbers of each group of floating-point tensors (0-d or 1-d) as one host list per group, exactly, in one
+    transfer where they share a device: one stack of 0-d tensors (or one concatenation), whose dtype promotion
+    holds each value exactly (bfloat16 and float16 in float32, float32 in float64); one read each otherwise.
 
     Example:
-        >>> read_together([torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
-        [[1.0, 2.0], [3.0]]
+        >>> read_together([[torch.tensor(1.5), torch.tensor(-2.0)], [], [torch.tensor(3.0, dtype=torch.bfloat16)]])
+        [[1.5, -2.0], [], [3.0]]
     """
-    if len(tensors) < 2 or any(t.device != tensors[0].device or t.dtype != tensors[0].dtype for t in tensors):
-        return [t.tolist() for t in tensors]
-    flat = torch.cat(list(tensors)).tolist()
+    flat = [t for group in groups for t in group]
+    if not flat:
+        values: list[float] = []
+    elif any(t.device != flat[0].device for t in flat):  # outputs on several devices: one read each
+        values = [v for t in flat for v in t.reshape(-1).tolist()]
+    elif all(t.dim() == 0 for t in flat):
+        values = torch.stack(flat).tolist()
+    else:
+        values = torch.cat([t.reshape(-1) for t in flat]).tolist()
     out, start = [], 0
-    for t in tensors:
-        n = t.numel()
-        out.append(flat[start : start + n])
+    for group in groups:
+        n = sum(t.numel() for t in group)
+        out.append(values[start : start + n])
         start += n
     return out

@@ -8,8 +8,8 @@ A :class:`~lightning_diag.callbacks.anomaly_alarm.sampled_check.SampledCheck` (t
 Cost: on a sampled step (the owner's logging interval, the first micro-batch of the optimizer step) a forward hook on
 every module (installed for that batch) computes ``output.any()`` and ``(output < 0).any()`` per call on the device
 (from the output's minimum and maximum, NaN read as 1),
-and the calls' extremes are stacked (one operator) and read at the batch's end in the transfer of ``output_collapse``'s
-numbers (per module counts, after one all-reduce of ``3 x modules`` numbers, under data parallelism). Other steps:
+and the calls' extremes are read at the batch's end in one transfer with ``output_collapse``'s numbers (per module
+counts, after one all-reduce of ``3 x modules`` numbers, under data parallelism). Other steps:
 nothing (the owner calls :meth:`ZeroOutputCheck.on_batch_start` from :attr:`ZeroOutputCheck.next_step` on).
 """
 
@@ -36,15 +36,15 @@ class ZeroOutputCheck(SampledCheck[ZeroOutputWatch]):
 
     def gather(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: ZeroOutputWatch
-    ) -> tuple[torch.Tensor | None, Any] | None:
-        """The calls' extremes (:meth:`ZeroOutputWatch.extremes`, one operator); under data parallelism the counts
+    ) -> tuple[list[torch.Tensor], Any] | None:
+        """The calls' extremes (:meth:`ZeroOutputWatch.extremes`: no operator); under data parallelism the counts
         per module summed over ranks instead (one all-reduce: every rank judges on how many ranks each module was
         zero); ``None`` where none ran."""
         if trainer.world_size > 1:
             counts = watch.counts(signs=True)
             if counts is None:
                 counts = torch.zeros(3, len(watch.order), device=pl_module.device)
-            return trainer.strategy.reduce(counts, reduce_op="sum").flatten(), None
+            return [trainer.strategy.reduce(counts, reduce_op="sum").flatten()], None
         seen = watch.extremes()
         return None if seen is None else (seen[1], seen[0])
 
