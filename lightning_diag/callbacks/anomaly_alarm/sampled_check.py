@@ -108,10 +108,6 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
             self._watch = self.new_watch(pl_module)
         self._watch.start()
 
-    def on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Remove the watch and feed what it saw to the owner's preset (one host read)."""
-        end_sampled_batch((self,), trainer, pl_module)
-
     def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[list[torch.Tensor], Any] | None:
         """Remove the watch of a sampled batch and :meth:`gather` what it saw; ``None`` on other batches."""
         watch = self._watch
