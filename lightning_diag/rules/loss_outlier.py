@@ -137,11 +137,14 @@ def _judge_against(
     out = []
     for k, (i, x) in enumerate(finite):
         at = len(head) + k
-        runs = [
-            [sequence[n] for n in (start - 1, start + span) if 0 <= n < len(sequence)]
-            for start in range(at - span + 1, at + 1)
-        ]
-        neighbours = min(runs, key=lambda nb: max(nb, default=-math.inf))
+        if span == 1:  # one run holds the loss: its neighbours are the losses just before and after it
+            neighbours = [sequence[n] for n in (at - 1, at + 1) if 0 <= n < len(sequence)]
+        else:
+            runs = [
+                [sequence[n] for n in (start - 1, start + span) if 0 <= n < len(sequence)]
+                for start in range(at - span + 1, at + 1)
+            ]
+            neighbours = min(runs, key=lambda nb: max(nb, default=-math.inf))
         excess, med = past.excess(x, threshold, ratio, window, floor, neighbours)
         out.append((i, x, excess, med))
         if excess > 1.0:
