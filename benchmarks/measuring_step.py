@@ -80,6 +80,16 @@ lightning_diag.callbacks.anomaly_alarm.guard_pass:OptimizerPass clean_measured
 lightning_diag.instrument.grad_measure:WeightCopies take
 lightning_diag.callbacks.gradient_flow.writes cpu_histogram
 lightning_diag.output.writer:DiagWriter histogram_raw
+lightning_diag.callbacks.anomaly_alarm.runtime_checks:RuntimeChecks on_train_batch_end
+lightning_diag.callbacks.anomaly_alarm.sampled_check:SampledCheck on_batch_end
+lightning_diag.callbacks.anomaly_alarm.zero_output_check:ZeroOutputCheck measure
+lightning_diag.callbacks.anomaly_alarm.output_collapse_check:OutputCollapseCheck measure
+lightning_diag.callbacks.anomaly_alarm.runtime_checks end_sampled_batch
+lightning_diag.callbacks.anomaly_alarm.zero_output_check:ZeroOutputCheck gather
+lightning_diag.callbacks.anomaly_alarm.output_collapse_check:OutputCollapseCheck gather
+lightning_diag.rules.loss_outlier:LossOutlierRule judge
+lightning_diag.rules.loss_stagnant:LossStagnantRule judge
+lightning_diag.rules.loss_swing:LossSwingRule judge
 """
 
 #: A method the class inherits (its wrapper is removed again, not replaced).

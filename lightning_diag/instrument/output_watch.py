@@ -17,8 +17,7 @@ output is taken).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -141,6 +140,42 @@ class ZeroOutputWatch:
         nonzero, negative = sums.unbind()
         return torch.stack([ran_row, (ran & (nonzero == 0)).float(), (negative > 0).float()])
 
+    def extremes(self) -> tuple[tuple[str, ...], list[torch.Tensor]] | None:
+        """What the calls seen returned, for :meth:`counts_of` once read to the host: the calls' module names (in
+        call order) and their 0-d device extremes, the lows then the highs (see :func:`_extremes`), to be read with
+        other numbers in one transfer (no operator here). ``None`` if no watched module ran. Clears what was seen.
+
+        Example:
+            >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+            >>> with torch.no_grad():
+            ...     _ = net[0].bias.fill_(-10.0)
+            >>> watch = ZeroOutputWatch(net)
+            >>> watch.start(); _ = net(torch.ones(1, 2)); watch.stop()
+            >>> names, values = watch.extremes()
+            >>> watch.counts_of(names, torch.stack(values).tolist())  # ran, all zero, signed: ``counts(signs=True)``
+            [[1.0, 1.0, 1.0], [1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]
+        """
+        calls, self._calls = self._calls, []
+        if not calls:
+            return None
+        return tuple(name for name, _, _ in calls), [low for _, low, _ in calls] + [high for _, _, high in calls]
+
+    def counts_of(self, names: Sequence[str], values: Sequence[float]) -> list[list[float]]:
+        """:meth:`counts` with ``signs`` from :meth:`extremes`'s ``names`` and its values read to the host exactly
+        (the lows, then the highs, of each call: a stack of them promotes to a dtype that holds each): the rows
+        ``[ran, all_zero, signed]`` per module of :attr:`order`, as host lists (the same numbers)."""
+        n = len(self.order)
+        ran, nonzero, negative = [0.0] * n, [0.0] * n, [0.0] * n
+        calls = len(names)
+        for name, low, high in zip(names, values[:calls], values[calls:], strict=True):
+            i = self.index[name]
+            ran[i] = 1.0
+            if low != 0 or high != 0:  # a nonzero value (or NaN, read as 1)
+                nonzero[i] = 1.0
+            if low < 0:
+                negative[i] = 1.0
+        return [ran, [r if not z else 0.0 for r, z in zip(ran, nonzero, strict=True)], negative]
+
     def _layout(self, names: tuple[str, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The modules' positions of the calls ``names``, whether each module ran (bool) and that as a float row:
         built once per sequence of calls and device, not at every sampled step."""
@@ -217,14 +252,19 @@ def output_spread(output: torch.Tensor, max_elements: int = MAX_SPREAD_ELEMENTS)
         >>> output_spread(torch.tensor([[1.0, 2.0], [3.0, 2.0]])).tolist()
         [0.5, 2.0, 2.0]
     """
-    with torch.no_grad():
-        flat = local_tensor(output).detach().reshape(output.shape[0], -1)
+    spread, level = _spread_level(output, max_elements)
+    return torch.stack([spread, level, spread.new_tensor(float(output.shape[0]))])
+
+
+def _spread_level(output: torch.Tensor, max_elements: int = MAX_SPREAD_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`output_spread`'s ``spread`` and ``level``: 0-d float32 tensors on the output's device."""
+    with torch.no_grad():  # no graph: no detach() needed (one operator fewer)
+        flat = local_tensor(output).reshape(output.shape[0], -1)
         if flat.shape[1] > max_elements:
             flat = flat[:, :: -(-flat.shape[1] // max_elements)]
         flat = flat.float()
         spread = flat.std(0, unbiased=False).mean() if flat.shape[0] > 1 else flat.new_zeros(())
-        level = flat.mean(0).abs().mean()
-        return torch.stack([spread, level, flat.new_tensor(float(flat.shape[0]))])
+        return spread, flat.mean(0).abs().mean()
 
 
 class OutputSpreadWatch:
@@ -236,9 +276,9 @@ class OutputSpreadWatch:
         >>> net = nn.Sequential(nn.Linear(2, 3))
         >>> watch = OutputSpreadWatch(net)
         >>> watch.start(); _ = net(torch.ones(4, 2)); watch.stop()
-        >>> name, stats = watch.take()
-        >>> name, stats[0].item(), stats[2:].tolist()  # four equal inputs: no spread; the input's spread, level
-        ('<root>', 0.0, [4.0, 0.0, 1.0])
+        >>> name, batch, stats = watch.take()
+        >>> name, batch, stats[0].item(), [v.item() for v in stats[2:]]  # equal inputs: no spread; the input's stats
+        ('<root>', 4, 0.0, [0.0, 1.0])
     """
 
     def __init__(self, root: nn.Module) -> None:
@@ -283,18 +323,19 @@ class OutputSpreadWatch:
 
         return hook
 
-    def take(self) -> tuple[str, torch.Tensor] | None:
-        """``(module name, stats)`` of the output seen (``"<root>"`` for the ``LightningModule``), ``None`` if no
-        watched module returned predictions: ``stats`` is ``output_spread`` of the output followed by the spread
-        and level of the module's floating-point input of the same batch (``nan`` where its first argument is no
-        such tensor: token ids, a mapping), five numbers. Forgets what it saw."""
+    def take(self) -> tuple[str, int, list[torch.Tensor]] | None:
+        """``(module name, batch, stats)`` of the output seen (``"<root>"`` for the ``LightningModule``), ``None``
+        if no watched module returned predictions: ``batch`` is the output's batch size and ``stats`` 0-d float32
+        device tensors, the output's spread and level (:func:`output_spread`), followed by the spread and level of
+        the module's floating-point input of the same batch where its first argument is such a tensor (not token
+        ids, not a mapping): two or four numbers, to be read with others in one transfer. Forgets what it saw."""
         root, child = self._root_output, self._child_output
         inputs = (self._root_input, self._child_input)
         self._root_output = self._child_output = self._root_input = self._child_input = None
         if root is not None:
-            return "<root>", _with_input(output_spread(root), inputs[0])
+            return "<root>", int(root.shape[0]), _with_input(root, inputs[0])
         if child is not None:
-            return child[0], _with_input(output_spread(child[1]), inputs[1])
+            return child[0], int(child[1].shape[0]), _with_input(child[1], inputs[1])
         return None
 
 
@@ -305,7 +346,10 @@ def _float_input(args: Any, output: torch.Tensor) -> torch.Tensor | None:
     return first.detach() if usable and first.shape[0] == output.shape[0] else None  # type: ignore[union-attr]
 
 
-def _with_input(stats: torch.Tensor, inputs: torch.Tensor | None) -> torch.Tensor:
-    """``stats`` and the input's spread and level (``nan`` without one), on the device."""
-    tail = output_spread(inputs)[:2] if inputs is not None else stats.new_full((2,), math.nan)
-    return torch.cat([stats, tail.to(stats.device, stats.dtype)])
+def _with_input(output: torch.Tensor, inputs: torch.Tensor | None) -> list[torch.Tensor]:
+    """The spread and level of ``output`` and, with ``inputs``, of ``inputs`` (moved to the output's device): 0-d
+    float32 tensors on the output's device."""
+    parts = list(_spread_level(output))
+    if inputs is not None:
+        parts += [part.to(parts[0].device) for part in _spread_level(inputs)]
+    return parts

@@ -107,7 +107,29 @@ def judge_losses(
         >>> outliers([0.45, 0.9, 0.5], floor=0.7), outliers([0.45, 4.0, 3.0], floor=0.7)  # a hard batch; not isolated
         ([], [])
     """
-    past = _LossWindow([v for v in history if math.isfinite(v)][-window:])
+    return _judge_against(
+        _window_of(history, window), new, threshold, ratio, window, floor, before, after, span
+    )
+
+
+def _window_of(history: Sequence[float], window: int) -> _LossWindow:
+    """The window :func:`judge_losses` judges against, from the losses ``history``: its last ``window`` finite ones."""
+    return _LossWindow([v for v in history if math.isfinite(v)][-window:])
+
+
+def _judge_against(
+    past: _LossWindow,
+    new: Sequence[float],
+    threshold: float,
+    ratio: float,
+    window: int,
+    floor: float | None,
+    before: Sequence[float],
+    after: Sequence[float],
+    span: int,
+) -> list[tuple[int, float, float, float]]:
+    """:func:`judge_losses` against the window ``past``, which it updates in place (the losses judged normal
+    appended, trimmed to ``window``)."""
     finite = [(i, float(x)) for i, x in enumerate(new) if math.isfinite(x)]
     head = [float(v) for v in before if math.isfinite(v)]
     sequence = [*head, *(x for _, x in finite), *(float(v) for v in after if math.isfinite(v))]
@@ -115,11 +137,14 @@ def judge_losses(
     out = []
     for k, (i, x) in enumerate(finite):
         at = len(head) + k
-        runs = [
-            [sequence[n] for n in (start - 1, start + span) if 0 <= n < len(sequence)]
-            for start in range(at - span + 1, at + 1)
-        ]
-        neighbours = min(runs, key=lambda nb: max(nb, default=-math.inf))
+        if span == 1:  # one run holds the loss: its neighbours are the losses just before and after it
+            neighbours = [sequence[n] for n in (at - 1, at + 1) if 0 <= n < len(sequence)]
+        else:
+            runs = [
+                [sequence[n] for n in (start - 1, start + span) if 0 <= n < len(sequence)]
+                for start in range(at - span + 1, at + 1)
+            ]
+            neighbours = min(runs, key=lambda nb: max(nb, default=-math.inf))
         excess, med = past.excess(x, threshold, ratio, window, floor, neighbours)
         out.append((i, x, excess, med))
         if excess > 1.0:
@@ -353,6 +378,18 @@ class LossOutlierRule(Rule):
         self.before: list[float] = []
         #: Losses a step: 1, or the micro-batches of an optimizer step under gradient accumulation.
         self.span = 1
+        # the window judged against last, with the history it then held (not state: rebuilt from `history`)
+        self._kept: tuple[_LossWindow, list[float]] | None = None
+
+    def _past(self) -> _LossWindow:
+        """The window of :attr:`history` to judge against: the one kept from the last judgment while it still holds
+        this history (the same list, the same losses), else built from it (the first judgment, a state load or a
+        resume, a history set from outside): the same window either way, without three sorts and ``window``
+        logarithms a call."""
+        kept = self._kept
+        if kept is not None and kept[1] is self.history and list(kept[0].values) == self.history:
+            return kept[0]
+        return _window_of(self.history, self.window)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; a checkpoint from before ``first`` / ``pending`` were saved loads
@@ -379,8 +416,9 @@ class LossOutlierRule(Rule):
         cut = max(len(sequence) - self.span, 0)
         judged_now, waiting = sequence[:cut], sequence[cut:]
         values = [v for _, v in judged_now]
-        judged = judge_losses(
-            self.history,
+        past = self._past()
+        judged = _judge_against(
+            past,
             values,
             self.threshold,
             self.ratio,
@@ -395,6 +433,7 @@ class LossOutlierRule(Rule):
         found = [(i, x, med) for i, x, excess, med in judged if excess > 1.0]
         bad = {i for i, _, _ in found}
         self.history = (self.history + [v for i, v in enumerate(values) if i not in bad])[-self.window :]
+        self._kept = (past, self.history)  # the window now holds this history (judge_losses' own updates)
         self.before = (self.before + values)[-self.span :]
         self.pending = [[float(t), v] for t, v in waiting]
         self.outliers += len(found)

@@ -22,7 +22,7 @@ from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, FRACTION, STEPS, Limit, RuleSpec, default, register
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.measures import Measure, Measures
-from lightning_diag.stats.trend import mann_kendall, mann_kendall_min_points, theil_sen_slope
+from lightning_diag.stats.trend import mann_kendall, mann_kendall_min_points, mann_kendall_z_p, theil_sen_slope
 
 __all__ = [
     "DEFAULT_STAGNANT_ALPHA",
@@ -64,6 +64,70 @@ DEFAULT_STAGNANT_ALPHA = default(LOSS_STAGNANT_SPEC.key("alpha"))
 DEFAULT_STAGNANT_MIN_TREND = default(LOSS_STAGNANT_SPEC.key("min_trend"))
 #: ``loss_stagnant``: the points its trend test reads, at most (beyond, pairs are averaged: the whole run stays).
 _TREND_POINTS = 256
+
+
+class _KeptTrend:
+    """:func:`~lightning_diag.stats.trend.mann_kendall` and :func:`~lightning_diag.stats.trend.theil_sen_slope` of a
+    growing series, from sums kept between calls: Mann-Kendall's ``S`` (an integer), the counts of equal values and
+    their ties' sum (integers), and the pairwise slopes, sorted. A point appended adds its pairs with the points
+    before it (``n`` comparisons and slopes, one merge) instead of all ``n^2 / 2`` pairs again; the numbers are
+    the functions' own (the same integers, the same slopes as IEEE divisions, the same median). A series that is
+    not the last one extended by a point (the first call, a state load, pairs averaged past the points kept) is
+    summed afresh; one with a non-finite value is left to the functions.
+
+    Example:
+        >>> kept, series = _KeptTrend(), [5.0, 4.0, 4.0, 2.0, 3.0, 0.5]
+        >>> [kept.of(series[:n]) == (*mann_kendall(series[:n]), theil_sen_slope(series[:n])) for n in (5, 6)]
+        [True, True]
+    """
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self.s = 0
+        self.counts: dict[float, int] = {}
+        self.ties = 0
+        self.slopes: list[float] = []
+
+    def of(self, series: list[float]) -> tuple[float, float, float]:
+        """``(*mann_kendall(series), theil_sen_slope(series))``."""
+        if not all(map(math.isfinite, series)) or len(series) < 3:
+            return (*mann_kendall(series), theil_sen_slope(series))
+        if self.values != series:
+            if len(self.values) + 1 == len(series) and self.values == series[:-1]:
+                self._append(series[-1])
+            else:
+                self._rebuild(series)
+        n = len(self.values)
+        z, p = mann_kendall_z_p(float(self.s), n, float(self.ties))
+        slopes, mid = self.slopes, len(self.slopes) // 2
+        slope = slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2  # np.median's arithmetic
+        return z, p, slope
+
+    def _append(self, v: float) -> None:
+        n = len(self.values)
+        self.s += sum((v > u) - (v < u) for u in self.values)
+        count = self.counts.get(v, 0)
+        self.counts[v] = count + 1
+        self.ties += _tie_term(count + 1) - _tie_term(count)
+        self.slopes += [(v - u) / (n - i) for i, u in enumerate(self.values)]
+        self.slopes.sort()  # two sorted runs: a merge
+        self.values.append(v)
+
+    def _rebuild(self, series: list[float]) -> None:
+        self.values, self.s, self.counts, self.ties, self.slopes = [], 0, {}, 0, []
+        for v in series:
+            n = len(self.values)
+            self.s += sum((v > u) - (v < u) for u in self.values)
+            self.counts[v] = self.counts.get(v, 0) + 1
+            self.slopes += [(v - u) / (n - i) for i, u in enumerate(self.values)]
+            self.values.append(v)
+        self.ties = sum(_tie_term(c) for c in self.counts.values())
+        self.slopes.sort()
+
+
+def _tie_term(count: int) -> int:
+    """A group of ``count`` equal values' share of Mann-Kendall's variance (times 18)."""
+    return count * (count - 1) * (2 * count + 5)
 
 
 class LossStagnantRule(Rule):
@@ -148,6 +212,8 @@ class LossStagnantRule(Rule):
         self.last_p = math.nan
         self.last_trend = math.nan
         self.level = math.nan
+        # the trend test's sums over `history`, kept as it grows (not state: rebuilt from `history` when it differs)
+        self._trend = _KeptTrend()
 
     def set_baseline(self, initial_loss: float) -> None:
         """Set the initial loss once (later calls, and non-finite values, are ignored)."""
@@ -201,8 +267,7 @@ class LossStagnantRule(Rule):
         needed = max(self.patience, mann_kendall_min_points(self.alpha))  # "no trend" only where one could show
         if len(self.history) < needed:
             return []  # no verdict either way without the evidence (a chance "trend" in 5 noisy points settles nothing)
-        _, self.last_p = mann_kendall(self.history)
-        slope = theil_sen_slope(self.history)
+        _, self.last_p, slope = self._trend.of(self.history)
         mean = sum(abs(v) for v in self.history) / len(self.history)
         self.last_trend = slope * (len(self.history) - 1) / mean if mean > 0 else 0.0
         # where the loss is now: the Theil-Sen line at the last point (the best point of one-batch epochs is one

@@ -11,7 +11,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["fluctuation", "mann_kendall", "mann_kendall_min_points", "relative_change", "theil_sen_slope"]
+__all__ = [
+    "fluctuation",
+    "mann_kendall",
+    "mann_kendall_min_points",
+    "mann_kendall_z_p",
+    "relative_change",
+    "theil_sen_slope",
+]
 
 
 def relative_change(previous: float, current: float) -> float:
@@ -86,7 +93,19 @@ def mann_kendall(series: Sequence[float]) -> tuple[float, float]:
         return 0.0, 1.0
     s = float(np.sign(y[None, :] - y[:, None])[np.triu_indices(n, 1)].sum())
     _, counts = np.unique(y, return_counts=True)
-    var = (n * (n - 1) * (2 * n + 5) - float(np.sum(counts * (counts - 1) * (2 * counts + 5)))) / 18.0
+    return mann_kendall_z_p(s, n, float(np.sum(counts * (counts - 1) * (2 * counts + 5))))
+
+
+def mann_kendall_z_p(s: float, n: int, ties: float) -> tuple[float, float]:
+    """:func:`mann_kendall`'s ``(z, p)`` from its statistic ``s`` over ``n`` (at least 3) finite values, ``ties``
+    being the sum of ``c (c - 1) (2c + 5)`` over the counts ``c`` of equal values (for a caller that keeps ``s``
+    and the counts as a series grows).
+
+    Example:
+        >>> mann_kendall_z_p(-15.0, 6, 0.0) == mann_kendall([5.0, 4.0, 3.0, 2.0, 1.0, 0.5])
+        True
+    """
+    var = (n * (n - 1) * (2 * n + 5) - ties) / 18.0
     if var <= 0.0 or s == 0.0:
         return 0.0, 1.0
     z = (s - math.copysign(1.0, s)) / math.sqrt(var)

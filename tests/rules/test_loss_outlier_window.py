@@ -112,7 +112,9 @@ def test_rule_alerts_and_margins_unchanged(monkeypatch):
         return [(a.rule, a.global_step, a.value, a.message) for a in alerts], rule.peaks, rule.outliers
 
     got = run()
-    monkeypatch.setattr(loss_outlier, "judge_losses", reference_judge_losses)
+    monkeypatch.setattr(  # the rule's judgment against its kept window: the reference, on the window's losses
+        loss_outlier, "_judge_against", lambda past, *args: reference_judge_losses(list(past.values), *args)
+    )
     want = run()
     assert got == want
     assert got[0], "the losses hold isolated spikes: some alert"

@@ -12,15 +12,17 @@ itself (``self.model(x)``), the output of the last of its direct children that r
 
 Cost: on a sampled training step (the owner's logging interval, the first micro-batch of the optimizer step) a
 forward hook on the ``LightningModule`` and its direct children keeps a reference to their outputs; at the batch's
-end five numbers (the chosen output's spread, level and batch size, its module's floating-point input's spread and
-level) are computed on the device and read in one transfer. Other steps: nothing.
+end four numbers (the chosen output's spread and level, its module's floating-point input's spread and level) are
+computed on the device and read in one transfer, with ``zero_output``'s. Other steps: nothing.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytorch_lightning as pl
+import torch
 
 from lightning_diag.callbacks.anomaly_alarm.sampled_check import SampledCheck
 from lightning_diag.instrument.output_watch import OutputSpreadWatch
@@ -41,10 +43,18 @@ class OutputCollapseCheck(SampledCheck[OutputSpreadWatch]):
         """The watch of the ``LightningModule``'s output and its direct children's."""
         return OutputSpreadWatch(pl_module)
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: OutputSpreadWatch) -> Measures | None:
-        """The spread of the output seen (one host read); none (a step not measured), with a notice, where no
-        output was seen."""
+    def gather(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: OutputSpreadWatch
+    ) -> tuple[list[torch.Tensor], Any] | None:
+        """The spread and level of the output seen and of its input (:meth:`OutputSpreadWatch.take`), with its
+        module and batch size; nothing to read where no output was seen."""
         seen = watch.take()
+        return ([], None) if seen is None else (seen[2], seen[:2])
+
+    def measure(
+        self, trainer: pl.Trainer, watch: OutputSpreadWatch, seen: tuple[str, int] | None, values: list[float]
+    ) -> Measures | None:
+        """The spread of the output seen; none (a step not measured), with a notice, where no output was seen."""
         if seen is None:
             self.owner.notice(
                 trainer,
@@ -53,8 +63,9 @@ class OutputCollapseCheck(SampledCheck[OutputSpreadWatch]):
                 "children returned a tensor with a batch dimension on a sampled step",
             )
             return _NOTHING_SEEN
-        source, stats = seen
-        spread, level, batch, input_spread, input_level = stats.tolist()
+        source, batch = seen
+        spread, level = values[:2]
+        input_spread, input_level = values[2:] if len(values) > 2 else (math.nan, math.nan)
         if batch < 2:
             self.owner.notice(
                 trainer,
@@ -63,4 +74,4 @@ class OutputCollapseCheck(SampledCheck[OutputSpreadWatch]):
                 "the batch",
             )
         inputs = relative_spread(input_spread, input_level)
-        return Measures(output_spread=OutputSpread(spread, level, int(batch), source, inputs))
+        return Measures(output_spread=OutputSpread(spread, level, batch, source, inputs))

@@ -19,6 +19,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_diag.callbacks.anomaly_alarm.output_collapse_check import OutputCollapseCheck
+from lightning_diag.callbacks.anomaly_alarm.sampled_check import end_sampled_batch
 from lightning_diag.callbacks.anomaly_alarm.zero_output_check import ZeroOutputCheck
 from lightning_diag.instrument.runtime_probes import (
     DropoutWatch,
@@ -173,8 +174,7 @@ class RuntimeChecks:
         """Keep a reference to the batch's 0-d loss of global step ``step`` (the loss sums' own: no new kernel);
         judge the mixed-precision probe; on logging steps judge the losses."""
         self._trained_forward = True
-        self.zero_outputs.on_batch_end(trainer, pl_module)
-        self.outputs.on_batch_end(trainer, pl_module)
+        end_sampled_batch((self.zero_outputs, self.outputs), trainer, pl_module)  # one host read for both
         if self._amp is not None:
             probe, self._amp = self._amp, None
             probe.stop()

@@ -5,7 +5,9 @@ On the first batch of a sampled optimizer step (the owner's logging interval) su
 hooks, :mod:`lightning_diag.instrument.output_watch`); at that batch's end it removes the watch, reads what the watch
 saw once, and feeds it to the owner's preset (whose detector of the rule judges it). The owner says which rule
 switches it off (its id, at construction); a subclass says how to build its watch and how to turn what the watch
-saw into :class:`Measures`; the sampling, the switch-off and the hooks' removal are here. Other steps cost one
+saw into :class:`Measures` (:meth:`SampledCheck.gather` on the device, :meth:`SampledCheck.measure` once read); the
+sampling, the switch-off, the hooks' removal and the host read are here: :func:`end_sampled_batch` reads what several
+checks saw on one batch in one transfer. Other steps cost one
 integer comparison: the owner calls :meth:`SampledCheck.on_batch_start` from :attr:`SampledCheck.next_step` on.
 """
 
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import pytorch_lightning as pl
+import torch
 
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures
@@ -23,7 +27,7 @@ from lightning_diag.rules.measures import Measures
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_diag.callbacks.common.base import DiagCallback
 
-__all__ = ["SampledCheck", "Watch"]
+__all__ = ["SampledCheck", "Watch", "end_sampled_batch", "read_together"]
 
 
 class Watch(Protocol):
@@ -73,9 +77,18 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
         """The watch of ``pl_module`` (built once a fit, on the first sampled step)."""
 
     @abc.abstractmethod
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: WatchT) -> Measures | None:
-        """What the stopped ``watch`` saw on the sampled batch, as measures (one host read); ``None``: nothing to
-        judge."""
+    def gather(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: WatchT
+    ) -> tuple[list[torch.Tensor], Any] | None:
+        """What the stopped ``watch`` saw on the sampled batch, before the host read: the floating-point device
+        tensors (0-d or 1-d) of the numbers to read (:func:`read_together`) and what :meth:`measure` needs with
+        them; ``None``: nothing to judge. A collective (a sum over ranks) goes here: every rank calls it on the
+        same steps."""
+
+    @abc.abstractmethod
+    def measure(self, trainer: pl.Trainer, watch: WatchT, seen: Any, values: list[float]) -> Measures | None:
+        """What :meth:`gather` gave (``seen``, and its tensors' numbers read to the host, in order: ``values``) as
+        measures; ``None``: nothing to judge."""
 
     def on_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """On the first batch of a sampled optimizer step: install the watch."""
@@ -95,13 +108,18 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
             self._watch = self.new_watch(pl_module)
         self._watch.start()
 
-    def on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Remove the watch and feed what it saw to the owner's preset."""
+    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[list[torch.Tensor], Any] | None:
+        """Remove the watch of a sampled batch and :meth:`gather` what it saw; ``None`` on other batches."""
         watch = self._watch
         if watch is None or not watch.active:
-            return
+            return None
         watch.stop()
-        measures = self.measure(trainer, pl_module, watch)
+        return self.gather(trainer, pl_module, watch)
+
+    def judge(self, trainer: pl.Trainer, seen: Any, values: list[float]) -> None:
+        """Feed :meth:`measure` of what :meth:`take` gave (its tensors read: ``values``) to the owner's preset."""
+        assert self._watch is not None  # take() gave something
+        measures = self.measure(trainer, self._watch, seen, values)
         if measures is not None:
             ctx = StepContext(trainer.current_epoch, self.step)  # the measured step (global_step has moved on)
             self.owner.record(self.owner.feed(ctx, measures))
@@ -111,3 +129,40 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
         watch = getattr(self, "_watch", None)
         if watch is not None:
             watch.stop()
+
+
+def end_sampled_batch(checks: Sequence[SampledCheck[Any]], trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """At a training batch's end: remove the watches of ``checks`` that sampled it, read what they saw in one host
+    transfer (:func:`read_together`), and feed it to the owner's preset, check by check in the order given."""
+    taken = [(check, seen) for check in checks if (seen := check.take(trainer, pl_module)) is not None]
+    if not taken:
+        return
+    values = read_together([tensors for _, (tensors, _) in taken])
+    for (check, (_, seen)), read in zip(taken, values, strict=True):
+        check.judge(trainer, seen, read)
+
+
+def read_together(groups: Sequence[Sequence[torch.Tensor]]) -> list[list[float]]:
+    """The numbers of each group of floating-point tensors (0-d or 1-d) as one host list per group, exactly, in one
+    transfer where they share a device: one stack of 0-d tensors (or one concatenation), whose dtype promotion
+    holds each value exactly (bfloat16 and float16 in float32, float32 in float64); one read each otherwise.
+
+    Example:
+        >>> read_together([[torch.tensor(1.5), torch.tensor(-2.0)], [], [torch.tensor(3.0, dtype=torch.bfloat16)]])
+        [[1.5, -2.0], [], [3.0]]
+    """
+    flat = [t for group in groups for t in group]
+    if not flat:
+        values: list[float] = []
+    elif any(t.device != flat[0].device for t in flat):  # outputs on several devices: one read each
+        values = [v for t in flat for v in t.reshape(-1).tolist()]
+    elif all(t.dim() == 0 for t in flat):
+        values = torch.stack(flat).tolist()
+    else:
+        values = torch.cat([t.reshape(-1) for t in flat]).tolist()
+    out, start = [], 0
+    for group in groups:
+        n = sum(t.numel() for t in group)
+        out.append(values[start : start + n])
+        start += n
+    return out

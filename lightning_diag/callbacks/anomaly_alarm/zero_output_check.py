@@ -8,12 +8,14 @@ A :class:`~lightning_diag.callbacks.anomaly_alarm.sampled_check.SampledCheck` (t
 Cost: on a sampled step (the owner's logging interval, the first micro-batch of the optimizer step) a forward hook on
 every module (installed for that batch) computes ``output.any()`` and ``(output < 0).any()`` per call on the device
 (from the output's minimum and maximum, NaN read as 1),
-and the flags are read in one transfer at the batch's end (after one all-reduce of ``3 x modules`` numbers under data
-parallelism). Other steps:
+and the calls' extremes are read at the batch's end in one transfer with ``output_collapse``'s numbers (per module
+counts, after one all-reduce of ``3 x modules`` numbers, under data parallelism). Other steps:
 nothing (the owner calls :meth:`ZeroOutputCheck.on_batch_start` from :attr:`ZeroOutputCheck.next_step` on).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -32,17 +34,30 @@ class ZeroOutputCheck(SampledCheck[ZeroOutputWatch]):
         """The watch of every module's output."""
         return ZeroOutputWatch(pl_module)
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: ZeroOutputWatch) -> Measures | None:
-        """Which modules ran, returned all zeros or a signed output (one host read, after one all-reduce under data
-        parallelism: every rank judges on how many ranks each module was zero); ``None`` where none ran."""
-        counts = watch.counts(signs=True)
+    def gather(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, watch: ZeroOutputWatch
+    ) -> tuple[list[torch.Tensor], Any] | None:
+        """The calls' extremes (:meth:`ZeroOutputWatch.extremes`: no operator); under data parallelism the counts
+        per module summed over ranks instead (one all-reduce: every rank judges on how many ranks each module was
+        zero); ``None`` where none ran."""
         if trainer.world_size > 1:
+            counts = watch.counts(signs=True)
             if counts is None:
                 counts = torch.zeros(3, len(watch.order), device=pl_module.device)
-            counts = trainer.strategy.reduce(counts, reduce_op="sum")
-        if counts is None:
-            return None
-        ran_n, zero_n, signed_n = counts.tolist()
+            return [trainer.strategy.reduce(counts, reduce_op="sum").flatten()], None
+        seen = watch.extremes()
+        return None if seen is None else (seen[1], seen[0])
+
+    def measure(
+        self, trainer: pl.Trainer, watch: ZeroOutputWatch, seen: tuple[str, ...] | None, values: list[float]
+    ) -> Measures | None:
+        """Which modules ran, returned all zeros or a signed output: from the calls' extremes (``seen``: their
+        modules) or from the counts summed over ranks (``seen`` ``None``)."""
+        if seen is None:
+            n = len(watch.order)
+            ran_n, zero_n, signed_n = values[:n], values[n : 2 * n], values[2 * n :]
+        else:
+            ran_n, zero_n, signed_n = watch.counts_of(seen, values)
         ran = [name for name, r in zip(watch.order, ran_n, strict=True) if r > 0]
         zeros = [name for name, z in zip(watch.order, zero_n, strict=True) if z > 0]
         signed = [name for name, g in zip(watch.order, signed_n, strict=True) if g > 0]
