@@ -325,7 +325,8 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         :data:`~lightning_diag.callbacks.common.step_axis.STEP_AXIS_KEY` once,
         :meth:`Driver.save_axis <lightning_diag.callbacks.common.driver.Driver.save_axis>`); with several ranks, save
         what all ranks know of the declared state, not rank zero's part: a
-        :class:`~lightning_diag.stats.reduced.ReducedState`'s values merged by their declared reductions, and the ``all_ranks_state_dict(trainer, device)`` of one that has it.
+        :class:`~lightning_diag.stats.reduced.ReducedState`'s values merged by their declared reductions, and the
+        ``all_ranks_state_dict(trainer, device)`` of one that has it.
 
         Lightning builds the checkpoint on every rank (only rank zero writes it), so the reductions run on all.
         """
