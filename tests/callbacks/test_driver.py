@@ -355,3 +355,44 @@ def test_a_resume_with_hosted_callbacks_continues_as_one_fit(tmp_path, count):
     assert resumed_cadence.rows == whole_cadence.rows[7:]
     for cb in second:
         assert not set(vars(cb)) & set(DISPATCHED_HOOKS)
+
+
+def test_the_axis_is_written_and_resumed_once_per_checkpoint(tmp_path):
+    # the checkpoint layout of every version: one top-level `lightning_diag_step_axis` beside each callback's state
+    # under its `state_key` (main wrote the same key from every callback); one write, one resume, however many
+    callbacks = [GradientFlowMonitor(), AnomalyAlarm(), SystemMonitor()]
+    stopped = _fit(callbacks, tmp_path / "first", steps=5)
+    driver = driver_of(stopped)
+    assert driver is not None
+    writes: list[dict[str, Any]] = []
+    original = driver.step_axis.state_dict
+
+    def counted() -> dict[str, Any]:
+        state = original()
+        writes.append(state)
+        return state
+
+    driver.step_axis.state_dict = counted  # type: ignore[method-assign]
+    ckpt = tmp_path / "mid.ckpt"
+    stopped.save_checkpoint(ckpt)
+    assert writes == [{"stepped": 5}]
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved[STEP_AXIS_KEY] == {"stepped": 5}
+    assert {cb.state_key for cb in callbacks} <= set(saved["callbacks"])
+    # a checkpoint as an earlier version wrote it (the same keys, the state of each callback untouched) resumes
+    old = tmp_path / "old.ckpt"
+    torch.save({**saved, STEP_AXIS_KEY: {"stepped": 5}}, old)
+    resumed_callbacks = [GradientFlowMonitor(), AnomalyAlarm(), SystemMonitor()]
+    cadence = _Cadence(resumed_callbacks)
+    resumed = _fit([*resumed_callbacks, cadence], tmp_path / "second", steps=8, ckpt_path=str(old))
+    assert [count for count, _ in cadence.rows] == [6, 7, 8]
+    driver = driver_of(resumed)
+    assert driver is not None and driver.step_axis.state_dict() == {"stepped": 8}
+    # resumed once: a second load of the same state (the next callback's) changes nothing
+    loaded = {STEP_AXIS_KEY: {"stepped": 3}}
+    driver.load_axis(loaded)
+    assert driver.step_axis.state_dict() == {"stepped": 3}
+    driver.step_axis.load_state_dict({"stepped": 4})
+    driver.load_axis(loaded)
+    assert driver.step_axis.state_dict() == {"stepped": 4}
+    assert driver.load_axis({}) is None and driver.step_axis.state_dict() == {"stepped": 4}
