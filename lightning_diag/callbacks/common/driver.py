@@ -101,8 +101,8 @@ class Driver:
     """What is per trainer: the session, the step axis, the step's measurements and the attached callbacks.
 
     Attributes:
-        step_axis: The user's step axis (one per trainer, kept across fits; saved by the callbacks' checkpoint
-            hooks under :data:`~lightning_diag.callbacks.common.step_axis.STEP_AXIS_KEY`).
+        step_axis: The user's step axis (one per trainer, kept across fits; saved once per checkpoint under
+            :data:`~lightning_diag.callbacks.common.step_axis.STEP_AXIS_KEY`, :meth:`save_axis`).
         step_cache: What the current optimizer step measured (:class:`StepCache`).
         session: The session of the current run folder, while a callback is attached; else ``None``.
         callbacks: The attached callbacks, in ``trainer.callbacks`` order from ``on_fit_start`` (before: the order
@@ -177,7 +177,9 @@ class Driver:
         if any(a is not b for a, b in zip(ordered, self.callbacks, strict=True)):
             self.callbacks = ordered
             self._changed()
-        if self.host is not self.callbacks[0] or any(id(cb) not in self._held for cb in self.callbacks):
+        if self.callbacks and (
+            self.host is not self.callbacks[0] or any(id(cb) not in self._held for cb in self.callbacks)
+        ):
             self._unhost()
             self._host()
         if self.session is not None:
