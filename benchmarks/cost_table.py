@@ -53,6 +53,7 @@ from lightning_diag import (
     SystemMonitor,
 )
 from lightning_diag.callbacks.common.base import DiagCallback
+from lightning_diag.callbacks.common.driver import driver_of
 from lightning_diag.callbacks.system_monitor.hooks import HookTimer
 from lightning_diag.demo.run import default_callbacks, quiet
 
@@ -183,15 +184,26 @@ class PerStep(pl.Callback):
         self._step = None
 
 
-def _owned(timer: HookTimer, reads: ReadCounter, callbacks: list[DiagCallback]) -> None:
-    """Hook timers (HookTimer, as SystemMonitor's) on every callback, and the read counter's owner around them."""
-    timer.attach(callbacks)
-    for cb in callbacks:
-        name = type(cb).__name__
-        for hook, wrapped in list(vars(cb).items()):
-            if not hook.startswith("on_") or not callable(wrapped):
-                continue
-            setattr(cb, hook, _owning(reads, name, wrapped))
+class Owned(pl.Callback):
+    """Hook timers (HookTimer, as SystemMonitor's) on every callback's hooks, through the trainer's driver, and the
+    read counter's owner around them."""
+
+    def __init__(self, timer: HookTimer, reads: ReadCounter, callbacks: list[DiagCallback]) -> None:
+        self.timer = timer
+        self.reads = reads
+        self.callbacks = callbacks
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        driver = driver_of(trainer)
+        assert driver is not None
+        timed = self.timer.part_wrap(self.callbacks)
+        reads = self.reads
+
+        def wrap(cb: Any, hook: str, part: Callable[..., Any]) -> Callable[..., Any]:
+            inner = timed(cb, hook, part)
+            return part if inner is part else _owning(reads, type(cb).__name__, inner)
+
+        driver.time_parts(wrap, self.timer.recorder_timed)
 
 
 def _owning(reads: ReadCounter, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -247,15 +259,13 @@ def per_callback(
     ]
     timer, reads = HookTimer(CLOCK), ReadCounter()
     per_step = PerStep(timer, reads)
-    trainer = _trainer(root, [per_step, *callbacks], steps, k)
+    trainer = _trainer(root, [per_step, *callbacks, Owned(timer, reads, callbacks)], steps, k)
     monitor = callbacks[-1]
     # SystemMonitor closes each step in its own step-boundary wrapper, set up at `setup`: time that too
     monitor._close_batch = timer.timed("SystemMonitor", monitor._close_batch)  # type: ignore[method-assign]
     monitor._close_batch = _owning(reads, "SystemMonitor", monitor._close_batch)  # type: ignore[method-assign]
-    _owned(timer, reads, callbacks)
     with reads.patched():
         trainer.fit(model(), data)
-    timer.detach()
     names = [type(cb).__name__ for cb in callbacks]
     # The measuring group: the step whose batch end logs (k - 1), the step that measures (0) and the one after it,
     # whose backward checks the measured step's gradients were zeroed (1). Every other step is quiet.

@@ -97,7 +97,8 @@ def paired(model: str, steps: int, root: str) -> float:
         # inside Switched the monitor does not see the callbacks on the trainer: time them (and itself) as in a
         # normal run, so that the timing's own cost is part of the marginal cost measured
         original(trainer, pl_module, stage)
-        monitor._hooks.attach(cbs)
+        if monitor._driver is not None:  # the driver calls every callback's hooks through the monitor's timer
+            monitor._driver.time_parts(monitor._hooks.part_wrap(cbs), monitor._hooks.recorder_timed)
         monitor._intervals = {cb.every_n_steps(trainer) for cb in cbs if isinstance(cb, DiagCallback)}
 
     monitor.setup = setup  # type: ignore[method-assign]

@@ -37,11 +37,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "the shallow copy of the module that the function itself creates (object.__new__) and owns",
     ("callbacks/common/unlogged.py", "unlogged_copy", "vars(copy)[]="):
         "silences log/log_dict on that copy only; the user's module and class are untouched",
-    ("callbacks/system_monitor/hooks.py", "attach", "setattr(cb)"):
-        "SystemMonitor times the hooks of lightning_diag callbacks only (DiagCallback instances): the library's "
-        "own objects, restored by detach()",
-    ("callbacks/system_monitor/hooks.py", "detach", "vars(cb).pop"):
-        "detach() takes those timers off the lightning_diag callbacks again (the class's hooks show through)",
     ("instrument/rng.py", "restore", "setattr(obj)"):
         "puts back the binding the user's dataset/collate_fn held before our bounded read ran its code: assigns "
         "only values the object held at capture",

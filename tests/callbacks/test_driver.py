@@ -1,6 +1,8 @@
-"""The driver, one per trainer (issue 43, step 1): it holds the session, the step axis and the step cache, moves the
-axis once per batch and decides every attached callback's logging cadence, whatever the number of callbacks and
-their intervals; the axis survives a resume and two trainers keep their own drivers."""
+"""The driver, one per trainer (issue 43): it holds the session, the step axis and the step cache, moves the axis once
+per batch and decides every attached callback's logging cadence, whatever the number of callbacks and their
+intervals; the axis survives a resume and two trainers keep their own drivers. During a fit it owns the Lightning
+hooks (step 2): Lightning dispatches the training and validation hooks to the first attached callback only, which
+runs every attached callback's own in list order; everything is given back at the end."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
 from lightning_diag.callbacks.common.base import DiagCallback
+from lightning_diag.callbacks.common.batch_hooks import DISPATCHED_HOOKS
 from lightning_diag.callbacks.common.driver import Driver, driver_of
 from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY
 from tests.output.logger_models import FAST, Regression
@@ -186,3 +189,210 @@ def test_hooks_called_without_a_session_use_the_global_step():
     Stub.global_step = 7
     flow.on_train_batch_start(Stub(), None, None, 0)  # type: ignore[arg-type]
     assert not flow.on_cadence
+
+
+# -- step 2: the driver owns the hooks ----------------------------------------------------------------------------
+class _Recorder(DiagCallback):
+    """A lightning_diag callback that records, in a shared list, each training and validation hook it runs."""
+
+    def __init__(self, name: str, calls: list[tuple[str, str]], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.name = name
+        self.calls = calls
+
+    def checkpoint_key(self) -> str:
+        return f"_Recorder[{self.name}]"
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        super().on_train_batch_start(trainer, pl_module, *args)
+        self.calls.append((self.name, "on_train_batch_start"))
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.calls.append((self.name, "on_train_batch_end"))
+
+    def on_validation_batch_end(self, *args: Any) -> None:
+        self.calls.append((self.name, "on_validation_batch_end"))
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        self.calls.append((self.name, "on_train_epoch_end"))
+
+
+class _User(pl.Callback):
+    """A user's callback placed between two of ours: records its hooks, and what Lightning would call on ours."""
+
+    def __init__(self, calls: list[tuple[str, str]], ours: list[DiagCallback]) -> None:
+        self.calls = calls
+        self.ours = ours
+        self.callable: list[tuple[bool, ...]] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.calls.append(("user", "on_train_batch_start"))
+        self.callable.append(tuple(callable(getattr(cb, hook)) for cb in self.ours for hook in DISPATCHED_HOOKS))
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.calls.append(("user", "on_train_batch_end"))
+
+    def on_validation_batch_end(self, *args: Any) -> None:
+        self.calls.append(("user", "on_validation_batch_end"))
+
+
+class _Validated(Regression):
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(batch)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self.train_dataloader()
+
+
+class _CountingProfiler(pl.profilers.PassThroughProfiler):
+    """Counts Lightning's callback hook dispatches (one profiler action per call of a callback's hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actions: dict[str, int] = {}
+
+    def start(self, action_name: str) -> None:
+        if action_name.startswith("[Callback]"):
+            self.actions[action_name] = self.actions.get(action_name, 0) + 1
+
+
+def test_the_first_callback_hosts_the_hooks_and_ours_run_together_at_its_place(tmp_path):
+    calls: list[tuple[str, str]] = []
+    a, b, c = (_Recorder(name, calls, log_every_n_steps=2) for name in "abc")
+    user = _User(calls, [b, c])
+    profiler = _CountingProfiler()
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, max_steps=4, logger=False, callbacks=[a, user, b, c], profiler=profiler,
+        limit_val_batches=2, val_check_interval=4, **FAST,
+    )
+    trainer.fit(_Validated())
+    starts = [name for name, hook in calls if hook == "on_train_batch_start"]
+    assert starts == ["a", "b", "c", "user"] * 4  # our hooks together, at the host's place in the list
+    ends = [name for name, hook in calls if hook == "on_train_batch_end"]
+    assert ends == ["a", "b", "c", "user"] * 4
+    assert [name for name, hook in calls if hook == "on_validation_batch_end"] == ["a", "b", "c", "user"] * 2
+    assert [name for name, hook in calls if hook == "on_train_epoch_end"] == ["a", "b", "c"]
+    # during the fit Lightning finds none of the others' dispatched hooks callable: it dispatches them to `a` only
+    assert user.callable == [(False,) * (2 * len(DISPATCHED_HOOKS))] * 4
+    dispatched = {
+        (name.split("[")[2][0], name.rsplit(".", 1)[1]): n
+        for name, n in profiler.actions.items()
+        if name.startswith("[Callback]_Recorder[") and name.rsplit(".", 1)[1] in DISPATCHED_HOOKS
+    }
+    assert {who for who, _ in dispatched} == {"a"}
+    assert dispatched["a", "on_train_batch_start"] == dispatched["a", "on_train_batch_end"] == 4
+    assert profiler.actions["[Callback]_Recorder[b].on_fit_start"] == 1  # lifecycle hooks stay each callback's
+    # given back: nothing of the driver's left on any instance, and the trainer's callbacks untouched
+    assert trainer.callbacks[:4] == [a, user, b, c]
+    for cb in (a, b, c):
+        assert not set(vars(cb)) & set(DISPATCHED_HOOKS), cb.name
+    driver = driver_of(trainer)
+    assert driver is not None and driver.host is None and not driver.hosts(a)
+
+
+def test_a_callback_used_alone_is_its_own_host(tmp_path):
+    calls: list[tuple[str, str]] = []
+    alone = _Recorder("alone", calls)
+    hosted: list[bool] = []
+
+    class Check(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            driver = driver_of(trainer)
+            hosted.append(driver is not None and driver.host is alone)
+
+    _fit([alone, Check()], tmp_path, steps=3)
+    assert hosted == [True] * 3
+    assert [hook for _, hook in calls].count("on_train_batch_end") == 3
+    assert not set(vars(alone)) & set(DISPATCHED_HOOKS)
+
+
+def test_a_callback_detached_mid_fit_hands_the_hosting_on(tmp_path):
+    calls: list[tuple[str, str]] = []
+    a, b = _Recorder("a", calls), _Recorder("b", calls)
+
+    class Detach(pl.Callback):
+        """Tears ``a`` (the host) down after the second batch, as an exception path of its own would."""
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            if trainer.global_step == 2:
+                a.teardown(trainer, pl_module, "fit")
+                driver = driver_of(trainer)
+                assert driver is not None and driver.host is b and driver.callbacks == [b]
+                assert not driver.hosts(a) and "on_train_batch_end" not in vars(a)
+                hosted.append(vars(b)["on_train_batch_end"])
+
+    hosted: list[Any] = []
+    _fit([a, b, Detach()], tmp_path, steps=5)
+    # `a`, detached, is dispatched by Lightning itself again (its class's hooks, as before the driver); `b` hosts
+    # its own: each runs once a batch, in list order
+    ends = [name for name, hook in calls if hook == "on_train_batch_end"]
+    assert ends == ["a", "b"] * 5
+    assert hosted and hosted[0] is not None and hosted[0].__self__ is b  # b's own part, its only one
+    for cb in (a, b):
+        assert not set(vars(cb)) & set(DISPATCHED_HOOKS)
+
+
+@pytest.mark.parametrize("count", [1, 2, 4], ids=["one", "two", "all"])
+def test_a_resume_with_hosted_callbacks_continues_as_one_fit(tmp_path, count):
+    def ours() -> list[DiagCallback]:
+        every: list[DiagCallback] = [GradientFlowMonitor(log_every_n_steps=4), AnomalyAlarm(), SystemMonitor(),
+                                     AttentionEntropyMonitor()]
+        return every[:count]
+
+    whole = ours()
+    whole_cadence = _Cadence(whole)
+    _fit([*whole, whole_cadence], tmp_path / "whole")
+    first = ours()
+    stopped = _fit(first, tmp_path / "first", steps=7)
+    ckpt = tmp_path / "mid.ckpt"
+    stopped.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved[STEP_AXIS_KEY] == {"stepped": 7}
+    assert set(saved["callbacks"]) >= {cb.state_key for cb in first}
+    second = ours()
+    resumed_cadence = _Cadence(second)
+    _fit([*second, resumed_cadence], tmp_path / "second", ckpt_path=str(ckpt))
+    assert resumed_cadence.rows == whole_cadence.rows[7:]
+    for cb in second:
+        assert not set(vars(cb)) & set(DISPATCHED_HOOKS)
+
+
+def test_the_axis_is_written_and_resumed_once_per_checkpoint(tmp_path):
+    # the checkpoint layout of every version: one top-level `lightning_diag_step_axis` beside each callback's state
+    # under its `state_key` (main wrote the same key from every callback); one write, one resume, however many
+    callbacks = [GradientFlowMonitor(), AnomalyAlarm(), SystemMonitor()]
+    stopped = _fit(callbacks, tmp_path / "first", steps=5)
+    driver = driver_of(stopped)
+    assert driver is not None
+    writes: list[dict[str, Any]] = []
+    original = driver.step_axis.state_dict
+
+    def counted() -> dict[str, Any]:
+        state = original()
+        writes.append(state)
+        return state
+
+    driver.step_axis.state_dict = counted  # type: ignore[method-assign]
+    ckpt = tmp_path / "mid.ckpt"
+    stopped.save_checkpoint(ckpt)
+    assert writes == [{"stepped": 5}]
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved[STEP_AXIS_KEY] == {"stepped": 5}
+    assert {cb.state_key for cb in callbacks} <= set(saved["callbacks"])
+    # a checkpoint as an earlier version wrote it (the same keys, the state of each callback untouched) resumes
+    old = tmp_path / "old.ckpt"
+    torch.save({**saved, STEP_AXIS_KEY: {"stepped": 5}}, old)
+    resumed_callbacks = [GradientFlowMonitor(), AnomalyAlarm(), SystemMonitor()]
+    cadence = _Cadence(resumed_callbacks)
+    resumed = _fit([*resumed_callbacks, cadence], tmp_path / "second", steps=8, ckpt_path=str(old))
+    assert [count for count, _ in cadence.rows] == [6, 7, 8]
+    driver = driver_of(resumed)
+    assert driver is not None and driver.step_axis.state_dict() == {"stepped": 8}
+    # resumed once: a second load of the same state (the next callback's) changes nothing
+    loaded = {STEP_AXIS_KEY: {"stepped": 3}}
+    driver.load_axis(loaded)
+    assert driver.step_axis.state_dict() == {"stepped": 3}
+    driver.step_axis.load_state_dict({"stepped": 4})
+    driver.load_axis(loaded)
+    assert driver.step_axis.state_dict() == {"stepped": 4}
+    assert driver.load_axis({}) is None and driver.step_axis.state_dict() == {"stepped": 4}

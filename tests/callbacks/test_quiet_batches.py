@@ -1,7 +1,7 @@
 """Quiet batches switch a callback's batch hooks off (issue 37 §4): Lightning skips a hook that is not callable.
 
 ``GradientFlowMonitor`` and ``AttentionEntropyMonitor`` declare ``batch_hooks``: on a batch with nothing to measure
-they are ``None`` on the instance until the next batch that needs them. Real fits check that the hooks really are
+the trainer's driver skips them until the next batch that needs them. Real fits check that the hooks really are
 skipped, that what is written and alerted is exactly what the same callbacks write with the hooks always on, that
 ``SystemMonitor``'s timers around those hooks survive the switching, and that nothing is left on the instance.
 """
@@ -21,6 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_diag import AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
 from lightning_diag.callbacks.common.base import DiagCallback
+from lightning_diag.callbacks.common.driver import driver_of
 from tests.callbacks.test_step_axis import Attention
 from tests.output.logger_models import FAST, MemoryLogger, TwoOptimizers
 
@@ -123,7 +124,9 @@ class _Spy(pl.Callback):
         self.off: dict[int, bool] = {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.off[batch_idx] = vars(self.monitor).get("on_before_optimizer_step", "absent") is None
+        driver = driver_of(trainer)
+        assert driver is not None and driver.hosts(self.monitor)
+        self.off[batch_idx] = not driver.runs(self.monitor, "on_before_optimizer_step")
 
 
 def test_system_monitor_times_the_hooks_through_the_switching_and_both_leave_nothing(tmp_path: Path) -> None:

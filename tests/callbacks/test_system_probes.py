@@ -101,16 +101,19 @@ class Slow(pl.Callback):
         return "done"
 
 
-def test_hook_timer_wraps_and_unwraps_instances_only():
-    cb, other = Slow(), Slow()
+def test_hook_timer_times_the_parts_the_driver_calls_and_touches_no_instance():
+    cb, second = Slow(), Slow()
     timer = HookTimer()
-    assert timer.attach([cb, Slow()], recorder=False) == ["Slow", "Slow_2"]
-    assert "on_train_batch_start" in vars(cb) and "on_train_batch_end" not in vars(cb)
-    assert cb.on_train_batch_start(None, None, None, 0) == "done"
-    assert other.on_train_batch_start(None, None, None, 0) == "done" and "on_train_batch_start" not in vars(other)
+    wrap = timer.part_wrap([cb, second], skip=[(second, "on_train_batch_end")])
+    assert set(timer.seconds) == {"Slow", "Slow_2"}
+    part = cb.on_train_batch_start
+    timed = wrap(cb, "on_train_batch_start", part)
+    assert timed is not part and timed(None, None, None, 0) == "done"
+    assert wrap(second, "on_train_batch_end", part) is part  # skipped
+    assert wrap(Slow(), "on_train_batch_start", part) is part  # not named: not timed
+    assert wrap(cb, "on_fit_start", part) is part  # not a timed hook
     assert timer.take().seconds["Slow"] > 0 and timer.take().seconds["Slow"] == 0.0
-    timer.detach()
-    assert "on_train_batch_start" not in vars(cb)
+    assert "on_train_batch_start" not in vars(cb) and "on_train_batch_start" not in vars(second)
 
 
 class _Events:

@@ -154,9 +154,12 @@ class AttentionEntropyMonitor(DiagCallback):
             Detector(AttentionLogitRule, "logit_rule", "logits"),
         ),
     )
-    #: Wraps the attention recorders' methods in ``SystemMonitor``'s timer of this trainer (set on the instance
-    #: while one times it), else ``None``.
-    recorder_timing: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+    @property
+    def recorder_timing(self) -> Callable[[Callable[..., Any]], Callable[..., Any]] | None:
+        """Wraps the attention recorders' methods in ``SystemMonitor``'s timer of this trainer (its driver's, while
+        one times it), else ``None``."""
+        driver = self._driver
+        return driver.recorder_timing if driver is not None else None
 
     def __init__(
         self,

@@ -21,7 +21,6 @@ from lightning_diag.callbacks.common.driver import attach as _attach
 from lightning_diag.callbacks.common.preset import DeclaredDetectors
 from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.callbacks.common.session import DiagSession
-from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.log_handler import ensure_handler
 from lightning_diag.core.registry import ParsedRules, RuleChoices, default, owner_name, parse_rules, registry_thresholds
@@ -91,7 +90,7 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
     Series are written on the user's step axis (:class:`~lightning_diag.callbacks.common.step_axis.StepAxis`: the
     step Lightning logs ``self.log`` values at), which the trainer's driver
     (:class:`~lightning_diag.callbacks.common.driver.Driver`) moves from the first attached callback's
-    ``on_train_epoch_start`` / ``on_train_batch_start`` and this base class saves in ``on_save_checkpoint`` /
+    ``on_train_epoch_start`` / ``on_train_batch_start`` and this base class saves in ``save_checkpoint_state`` /
     ``on_load_checkpoint``: a subclass that overrides one of these hooks calls ``super()`` first, as with every hook
     of this class.
 
@@ -213,15 +212,15 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
             self.__dict__["state_key"] = self.checkpoint_key()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Flush the session and detach from the trainer's driver."""
+        """Detach from the trainer's driver (the last callback's detach flushes and closes the session, once per
+        trainer)."""
         self.__dict__.pop("state_key", None)
         self._lines = {}
         self.switch_batch_hooks(off=False)
         switch_on(self, self._idle_hooks, {})
         self._idle_hooks = []
         if self._session is not None:
-            self._session.writer.flush()
-            if self._driver is not None:
+            if self._driver is not None:  # the last callback of the trainer to detach flushes and closes the session
                 self._driver.detach(self, self._session)
             self._session = None
 
@@ -294,29 +293,46 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         return not self.on_cadence
 
     def switch_batch_hooks(self, *, off: bool) -> None:
-        """Switch :attr:`batch_hooks` off (``None`` on the instance, which Lightning skips) or back on
-        (:mod:`lightning_diag.callbacks.common.batch_hooks`)."""
+        """Switch :attr:`batch_hooks` off or back on: in the trainer's driver while it dispatches this callback's
+        hooks (:meth:`Driver.switch <lightning_diag.callbacks.common.driver.Driver.switch>`), else ``None`` on the
+        instance, which Lightning skips (:mod:`lightning_diag.callbacks.common.batch_hooks`)."""
         if off == self._hooks_off:
             return
-        if off:
-            self._hooks_saved = switch_off(self, self.batch_hooks)
-        else:
-            switch_on(self, self.batch_hooks, self._hooks_saved)
-            self._hooks_saved = {}
+        driver = self._driver
+        if driver is None or not driver.switch(self, self.batch_hooks, off=off):
+            if off:
+                self._hooks_saved = switch_off(self, self.batch_hooks)
+            else:
+                switch_on(self, self.batch_hooks, self._hooks_saved)
+                self._hooks_saved = {}
         self._hooks_off = off
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Save the step axis (checkpoint key :data:`STEP_AXIS_KEY`); with several ranks, save what all ranks know
-        of the declared state, not rank zero's part: a :class:`~lightning_diag.stats.reduced.ReducedState`'s values
-        merged by their declared reductions, and the ``all_ranks_state_dict(trainer, device)`` of one that has it.
+        """Save this callback's part of the checkpoint (:meth:`save_checkpoint_state`), through the driver's
+        :attr:`~lightning_diag.callbacks.common.driver.Driver.part_wrap` (``SystemMonitor``'s timer) when it has
+        one."""
+        driver = self._driver
+        wrap = driver.part_wrap if driver is not None else None
+        save = self.save_checkpoint_state
+        (save if wrap is None else wrap(self, "on_save_checkpoint", save))(trainer, pl_module, checkpoint)
+
+    def save_checkpoint_state(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Save the step axis (the trainer's driver writes the checkpoint's top-level
+        :data:`~lightning_diag.callbacks.common.step_axis.STEP_AXIS_KEY` once,
+        :meth:`Driver.save_axis <lightning_diag.callbacks.common.driver.Driver.save_axis>`); with several ranks, save
+        what all ranks know of the declared state, not rank zero's part: a
+        :class:`~lightning_diag.stats.reduced.ReducedState`'s values merged by their declared reductions, and the
+        ``all_ranks_state_dict(trainer, device)`` of one that has it.
 
         Lightning builds the checkpoint on every rank (only rank zero writes it), so the reductions run on all.
         """
-        # The driver's, also after teardown (`trainer.save_checkpoint` after `fit`).
+        # The driver's, once per checkpoint, also after teardown (`trainer.save_checkpoint` after `fit`).
         if self._driver is not None:
-            checkpoint[STEP_AXIS_KEY] = self._driver.step_axis.state_dict()
+            self._driver.save_axis(checkpoint)
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is None or trainer.world_size <= 1:
             return
@@ -330,9 +346,9 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Resume the step axis."""
-        if self._session is not None and self._driver is not None and STEP_AXIS_KEY in checkpoint:
-            self._driver.step_axis.load_state_dict(checkpoint[STEP_AXIS_KEY])
+        """Resume the step axis (the driver's, once per checkpoint)."""
+        if self._session is not None and self._driver is not None:
+            self._driver.load_axis(checkpoint)
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds this callback judges by: rule id -> threshold, and ``"<rule>.<setting>"`` -> value.

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-__all__ = ["TRAIN_BATCH_HOOKS", "inherited_batch_hooks", "switch_off", "switch_on"]
+__all__ = ["DISPATCHED_HOOKS", "TRAIN_BATCH_HOOKS", "inherited_batch_hooks", "switch_off", "switch_on"]
 
 #: The callback hooks Lightning calls on every training batch.
 TRAIN_BATCH_HOOKS = (
@@ -33,6 +33,23 @@ TRAIN_BATCH_HOOKS = (
     "on_before_optimizer_step",
     "on_before_zero_grad",
     "on_train_batch_end",
+)
+
+#: The hooks the trainer's driver dispatches during a fit (:meth:`Driver.host
+#: <lightning_diag.callbacks.common.driver.Driver.host>`): Lightning calls them on the first attached callback only,
+#: which runs every attached callback's own, in ``trainer.callbacks`` order. The lifecycle and state hooks
+#: (``setup``, ``teardown``, ``on_fit_start``, ``on_train_start``, checkpoint hooks, ``on_exception``) stay each
+#: callback's.
+DISPATCHED_HOOKS = (
+    *TRAIN_BATCH_HOOKS,
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_validation_start",
+    "on_validation_end",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
 )
 
 

@@ -12,20 +12,36 @@ callback whose ``on_train_batch_start`` runs in the batch (Lightning calls them 
 triggers it, and the others read the decision: a callback whose :attr:`Driver.batches` count has moved since its
 last batch start knows the batch is decided. The epoch's start is the same (:meth:`Driver.epoch_started`, once per
 epoch).
+
+During a fit the driver owns the Lightning hooks of
+:data:`~lightning_diag.callbacks.common.batch_hooks.DISPATCHED_HOOKS` (the training batch, epoch and validation
+hooks): from ``on_fit_start`` the first attached callback in
+``trainer.callbacks`` order is the *host* (:attr:`Driver.host`). Lightning dispatches those hooks to the host only
+(each one it holds on its instance is the driver's call of every attached callback's own hook, in list order);
+on the other attached callbacks they are ``None`` on their own instances, which Lightning skips
+(:mod:`lightning_diag.callbacks.common.batch_hooks`). A callback's quiet batches switch its part off in the driver
+(:meth:`Driver.switch`), and a hook no callback runs in the batch is ``None`` on the host too. ``SystemMonitor``
+times each part the driver calls (:meth:`Driver.time_parts`): no timer is put on any instance. The hooks are
+given back at ``teardown``; a callback detached in the middle of a fit hands the hosting to the next one.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Protocol
 
 import pytorch_lightning as pl
 
+from lightning_diag.callbacks.common.batch_hooks import DISPATCHED_HOOKS
 from lightning_diag.callbacks.common.session import DiagSession, ThresholdSource, run_log_dir
-from lightning_diag.callbacks.common.step_axis import StepAxis
+from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY, StepAxis
 
-__all__ = ["AttachedCallback", "Driver", "StepCache", "attach", "driver_of", "gradient_squares_key"]
+__all__ = ["AttachedCallback", "Driver", "PartWrap", "StepCache", "attach", "driver_of", "gradient_squares_key"]
+
+#: What the driver calls for one callback's hook: ``wrap(callback, hook, part)`` returns the callable to call in
+#: place of ``part`` (``SystemMonitor``'s timer of it, or ``part`` itself).
+PartWrap = Callable[[Any, str, Callable[..., Any]], Callable[..., Any]]
 
 
 class StepCache:
@@ -85,8 +101,8 @@ class Driver:
     """What is per trainer: the session, the step axis, the step's measurements and the attached callbacks.
 
     Attributes:
-        step_axis: The user's step axis (one per trainer, kept across fits; saved by the callbacks' checkpoint
-            hooks under :data:`~lightning_diag.callbacks.common.step_axis.STEP_AXIS_KEY`).
+        step_axis: The user's step axis (one per trainer, kept across fits; saved once per checkpoint under
+            :data:`~lightning_diag.callbacks.common.step_axis.STEP_AXIS_KEY`, :meth:`save_axis`).
         step_cache: What the current optimizer step measured (:class:`StepCache`).
         session: The session of the current run folder, while a callback is attached; else ``None``.
         callbacks: The attached callbacks, in ``trainer.callbacks`` order from ``on_fit_start`` (before: the order
@@ -102,6 +118,19 @@ class Driver:
         self.callbacks: list[AttachedCallback] = []
         self.batches = 0
         self._epoch: tuple[int, int] | None = None  # (epoch, global step) of the last epoch start
+        #: The callback Lightning dispatches the :data:`DISPATCHED_HOOKS` to during a fit (``None``: no fit).
+        self.host: AttachedCallback | None = None
+        #: What ``SystemMonitor`` wraps each part in (its timer), or ``None``.
+        self.part_wrap: PartWrap | None = None
+        #: What an attention recorder's methods are wrapped in (``SystemMonitor``'s timer), or ``None``.
+        self.recorder_timing: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+        # while hosting: each attached callback, with the dispatched hooks its instance held (a callable put there
+        # by someone else: it runs in place of the class's hook) ...
+        self._held: dict[int, tuple[AttachedCallback, dict[str, Any]]] = {}
+        # ... each callback's part of each hook (built when first needed), and the hooks switched off by callback
+        self._parts: dict[tuple[int, str], Callable[..., Any]] | None = None
+        self._off: dict[int, frozenset[str]] = {}
+        self._loaded_axis: dict[str, Any] | None = None  # the axis state last resumed from (once per checkpoint)
         # the attached callbacks grouped by logging interval, read at the fit's first batch
         self._cadence: list[_Interval] | None = None
 
@@ -126,8 +155,13 @@ class Driver:
         """Detach ``callback``, a user of ``session`` (from its ``teardown``); the last user closes the session."""
         kept = [cb for cb in self.callbacks if cb is not callback]
         if len(kept) != len(self.callbacks):
+            hosting = self.host is not None
+            self._unhost()
             self.callbacks = kept
+            self._off.pop(id(callback), None)
             self._changed()
+            if hosting and kept:  # detached in the middle of a fit: the next callback hosts the others
+                self._host()
         session.users -= 1
         if session.users <= 0:
             session.close()
@@ -143,8 +177,131 @@ class Driver:
         if any(a is not b for a, b in zip(ordered, self.callbacks, strict=True)):
             self.callbacks = ordered
             self._changed()
+        if self.callbacks and (
+            self.host is not self.callbacks[0] or any(id(cb) not in self._held for cb in self.callbacks)
+        ):
+            self._unhost()
+            self._host()
         if self.session is not None:
             self.session.start_fit(trainer, self.callbacks)
+
+    # -- checkpoint state -----------------------------------------------------------------------------------
+    def save_axis(self, checkpoint: dict[str, Any]) -> None:
+        """Write the step axis into ``checkpoint`` under its top-level :data:`STEP_AXIS_KEY`, once (the first
+        attached callback's ``on_save_checkpoint`` of the checkpoint; the others find it written)."""
+        if STEP_AXIS_KEY not in checkpoint:
+            checkpoint[STEP_AXIS_KEY] = self.step_axis.state_dict()
+
+    def load_axis(self, checkpoint: dict[str, Any]) -> None:
+        """Resume the step axis from ``checkpoint``'s :data:`STEP_AXIS_KEY`, once per checkpoint (nothing when it
+        has none: a checkpoint written without lightning_diag)."""
+        state = checkpoint.get(STEP_AXIS_KEY)
+        if state is not None and state is not self._loaded_axis:
+            self._loaded_axis = state
+            self.step_axis.load_state_dict(state)
+
+    # -- the hooks -------------------------------------------------------------------------------------------
+    def hosts(self, callback: AttachedCallback) -> bool:
+        """Whether the driver dispatches ``callback``'s hooks (from ``on_fit_start`` to its ``teardown``)."""
+        return id(callback) in self._held
+
+    def runs(self, callback: AttachedCallback, hook: str) -> bool:
+        """Whether the driver calls ``callback``'s ``hook`` on the current batch (not switched off, and defined)."""
+        if not self.hosts(callback):
+            return False
+        parts = self._built_parts()
+        return hook not in self._off.get(id(callback), ()) and (id(callback), hook) in parts
+
+    def switch(self, callback: AttachedCallback, hooks: Iterable[str], *, off: bool) -> bool:
+        """Switch ``callback``'s part of ``hooks`` off (a quiet batch: the driver skips it) or back on.
+
+        Returns:
+            ``False`` when the driver does not dispatch ``callback``'s hooks (the callback switches its own).
+        """
+        if not self.hosts(callback):
+            return False
+        hooks = tuple(hooks)
+        current = self._off.get(id(callback), frozenset())
+        self._off[id(callback)] = current | frozenset(hooks) if off else current - frozenset(hooks)
+        self._refresh(hooks)
+        return True
+
+    def time_parts(
+        self,
+        wrap: PartWrap | None,
+        recorder: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+    ) -> None:
+        """Call each part through ``wrap(callback, hook, part)`` from now on (``SystemMonitor``'s timer; ``None``:
+        the parts themselves), and have the attention recorders timed by ``recorder``."""
+        self.part_wrap = wrap
+        self.recorder_timing = recorder
+        self._parts = None
+        if self.host is not None:
+            self._refresh(DISPATCHED_HOOKS)
+
+    def _host(self) -> None:
+        """Make the first attached callback the host: every attached callback's dispatched hooks ``None`` on its
+        instance (what it held kept for :meth:`_unhost`), the host's set to the driver's calls."""
+        if not self.callbacks:
+            return
+        for cb in self.callbacks:
+            state = vars(cb)
+            self._held[id(cb)] = (cb, {h: state[h] for h in DISPATCHED_HOOKS if state.get(h) is not None})
+            for hook in DISPATCHED_HOOKS:
+                state[hook] = None
+        self.host = self.callbacks[0]
+        self._parts = None
+        self._refresh(DISPATCHED_HOOKS)
+
+    def _unhost(self) -> None:
+        """Give every callback its hooks back (what its instance held, else its class's)."""
+        for cb, held in self._held.values():
+            state = vars(cb)
+            for hook in DISPATCHED_HOOKS:
+                if hook in held:
+                    state[hook] = held[hook]
+                else:
+                    state.pop(hook, None)
+        self._held = {}
+        self._parts = None
+        self.host = None
+
+    def _built_parts(self) -> dict[tuple[int, str], Callable[..., Any]]:
+        """Each hosted callback's part of each dispatched hook it defines: a callable its instance held, else its
+        class's own hook (not one inherited from Lightning's ``Callback``, a no-op), through :attr:`part_wrap`."""
+        parts = self._parts
+        if parts is None:
+            parts = self._parts = {}
+            wrap = self.part_wrap
+            for cb, held in self._held.values():
+                for hook in DISPATCHED_HOOKS:
+                    part = held.get(hook)
+                    if part is None:
+                        impl = getattr(type(cb), hook, None)
+                        if impl is None or impl is getattr(pl.Callback, hook):
+                            continue
+                        part = impl.__get__(cb, type(cb))
+                        if wrap is not None:
+                            part = wrap(cb, hook, part)
+                    parts[(id(cb), hook)] = part
+        return parts
+
+    def _refresh(self, hooks: Iterable[str]) -> None:
+        """Set each of ``hooks`` on the host: ``None`` when no callback runs it, the one part that runs, or a call
+        of every part that runs in list order."""
+        host = self.host
+        if host is None:
+            return
+        parts = self._built_parts()
+        off = self._off
+        state = vars(host)
+        for hook in hooks:
+            calls = tuple(
+                part
+                for cb in self.callbacks
+                if hook not in off.get(id(cb), ()) and (part := parts.get((id(cb), hook))) is not None
+            )
+            state[hook] = None if not calls else calls[0] if len(calls) == 1 else _dispatch(calls)
 
     def _changed(self) -> None:
         self._cadence = None
@@ -185,6 +342,16 @@ class Driver:
         if epoch != self._epoch:
             self._epoch = epoch
             self.step_axis.epoch_started(trainer)
+
+
+def _dispatch(calls: tuple[Callable[..., Any], ...]) -> Callable[..., None]:
+    """One hook's call of ``calls``, in order (what Lightning calls on the host)."""
+
+    def dispatch(*args: Any, **kwargs: Any) -> None:
+        for call in calls:
+            call(*args, **kwargs)
+
+    return dispatch
 
 
 class _Interval:

@@ -1,7 +1,9 @@
-"""How SystemMonitor times the diagnostics' own hooks: timers on the lightning_diag callbacks' instances (their
-hooks, and the attention recorders they create). Nothing else is wrapped: no Lightning object, no user callback,
-no class (the trainer's checkpointing and logging are timed through Lightning's profiler interface,
-:mod:`lightning_diag.callbacks.system_monitor.profiler`)."""
+"""How SystemMonitor times the diagnostics' own hooks: the trainer's driver calls each lightning_diag callback's
+hook through a timer (:meth:`HookTimer.part_wrap`, handed to
+:meth:`Driver.time_parts <lightning_diag.callbacks.common.driver.Driver.time_parts>`), and the attention recorders
+the callbacks create wrap their methods in one. Nothing is assigned on any object for the timing: no Lightning
+object, no user callback, no class, no callback instance (the trainer's checkpointing and logging are timed through
+Lightning's profiler interface, :mod:`lightning_diag.callbacks.system_monitor.profiler`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import pytorch_lightning as pl
+from lightning_diag.callbacks.common.batch_hooks import DISPATCHED_HOOKS
+from lightning_diag.callbacks.common.driver import PartWrap
 
 __all__ = [
     "BATCH_HOOKS",
@@ -27,24 +30,9 @@ __all__ = [
 
 
 # -- the diagnostics' own cost ------------------------------------------------------------------------------
-#: Hooks whose time is counted: every per-step, per-epoch and validation hook a callback may override.
-TIMED_HOOKS = (
-    "on_train_batch_start",
-    "on_train_batch_end",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_before_zero_grad",
-    "on_train_epoch_start",
-    "on_train_epoch_end",
-    "on_validation_start",
-    "on_validation_end",
-    "on_validation_epoch_start",
-    "on_validation_epoch_end",
-    "on_validation_batch_start",
-    "on_validation_batch_end",
-    "on_save_checkpoint",
-)
+#: Hooks whose time is counted: every per-step, per-epoch and validation hook a callback may override (those the
+#: driver dispatches), and the checkpoint's.
+TIMED_HOOKS = (*DISPATCHED_HOOKS, "on_save_checkpoint")
 
 #: The hooks inside the training steps (not validation, not checkpoint saving): their time is the diagnostics'
 #: share of a step's time (:attr:`HookTimer.step_wall_seconds`).
@@ -52,8 +40,8 @@ STEP_HOOKS = frozenset(TIMED_HOOKS[:8])
 #: The hooks Lightning calls once per training batch: timed on sampled batches only (:class:`HookTimer`).
 BATCH_HOOKS = frozenset(TIMED_HOOKS[:6])
 
-#: The attribute of a callback that creates attention recorders: a function that wraps a recorder's method in a
-#: timer (:meth:`HookTimer.attach` sets it on the instance, :meth:`HookTimer.detach` removes it).
+#: The attribute of a callback that creates attention recorders (it reads the driver's
+#: :attr:`~lightning_diag.callbacks.common.driver.Driver.recorder_timing`).
 RECORDER_TIMING = "recorder_timing"
 #: The most one wrapper call's own time outside its window counts (a call the scheduler interrupted is not the
 #: timing's cost).
@@ -113,12 +101,11 @@ def _estimate(own: list[float], pool: list[float], quiet: int) -> tuple[float, f
 class HookTimer:
     """Time spent inside the hooks of given callbacks, and in the attention recorder, by name.
 
-    :meth:`attach` puts a timing wrapper on each lightning_diag callback instance (an instance attribute shadowing
-    the class's hook, so Lightning's ``getattr(callback, hook)`` finds it; only on
-    :class:`~lightning_diag.callbacks.DiagCallback` instances, whose hook attributes their base class manages)
-    and hands the callbacks that create attention recorders a wrapper for the recorders' methods (on each recorder
-    instance, :class:`~lightning_diag.instrument.attention_record.AttentionRecorder`'s ``timed``); :meth:`detach`
-    removes them all. No class is changed: two trainers in one process have timers of their own.
+    :meth:`part_wrap` names the callbacks and returns what the trainer's driver calls each of their hooks through
+    (:meth:`Driver.time_parts <lightning_diag.callbacks.common.driver.Driver.time_parts>`: the driver keeps the
+    timed callables, nothing is set on an instance); :meth:`recorder_timed` wraps an attention recorder's methods
+    (on each recorder instance, :class:`~lightning_diag.instrument.attention_record.AttentionRecorder`'s ``timed``).
+    No class is changed: two trainers in one process have timers of their own.
     Nested calls (a recorder call inside a callback's hook) count once, for the innermost owner only.
 
     Reading ``clock`` is what timing costs, so the per-batch hooks (:data:`BATCH_HOOKS` and the recorder) are
@@ -176,7 +163,6 @@ class HookTimer:
         #: Wall seconds the wrappers spent outside their windows since the last :meth:`take`, measured in the fit
         #: (where a first touch after the step's compute costs several times the calibration's warm loop).
         self.outside = 0.0
-        self._wrapped: list[tuple[Any, str]] = []
         self._stack: list[list[float]] = []
         self._current: dict[str, float] = {}
         self._samples: list[dict[str, float]] = []
@@ -314,43 +300,34 @@ class HookTimer:
             for name, value in walls.items():
                 self.seconds[name] = self.seconds.get(name, 0.0) + value * hooks / total
 
-    def attach(
-        self, callbacks: Iterable[pl.Callback], recorder: bool = True, skip: Iterable[tuple[Any, str]] = ()
-    ) -> list[str]:
-        """Wrap the overridden hooks of ``callbacks`` (but the ``(callback, hook)`` pairs in ``skip``), and hand
-        the callbacks that create attention recorders (an attribute :data:`RECORDER_TIMING`) the recorders' timer;
-        returns the names they are counted under."""
-        names: list[str] = []
-        skipped = {(id(cb), hook) for cb, hook in skip}
+    def part_wrap(self, callbacks: Iterable[Any], skip: Iterable[tuple[Any, str]] = ()) -> PartWrap:
+        """Name ``callbacks`` (the class name, ``_2``, ``_3``... for a second one of a class) and return the driver's
+        wrap of their parts: each :data:`TIMED_HOOKS` part of one of them is timed under its name, but the
+        ``(callback, hook)`` pairs in ``skip``; the attention recorder's name is counted when one of them creates
+        recorders (an attribute :data:`RECORDER_TIMING`)."""
+        names: dict[int, str] = {}
         for cb in callbacks:
             base = type(cb).__name__
             name, n = base, 2
-            while name in names:
+            while name in names.values():
                 name, n = f"{base}_{n}", n + 1
-            names.append(name)
+            names[id(cb)] = name
             self.seconds.setdefault(name, 0.0)
-            for hook in TIMED_HOOKS:
-                impl = getattr(type(cb), hook, None)
-                if impl is None or impl is getattr(pl.Callback, hook) or hook in vars(cb) or (id(cb), hook) in skipped:
-                    continue
-                wrapped = self.timed(name, getattr(cb, hook), step=hook in STEP_HOOKS, batch=hook in BATCH_HOOKS)
-                setattr(cb, hook, wrapped)
-                self._wrapped.append((cb, hook))
-            if recorder and hasattr(cb, RECORDER_TIMING):
+            if hasattr(cb, RECORDER_TIMING):
                 self.seconds.setdefault(self.RECORDER, 0.0)
-                setattr(cb, RECORDER_TIMING, self.recorder_timed)
-                self._wrapped.append((cb, RECORDER_TIMING))
-        return names
+        skipped = {(id(cb), hook) for cb, hook in skip}
+
+        def wrap(callback: Any, hook: str, part: Callable[..., Any]) -> Callable[..., Any]:
+            name = names.get(id(callback))
+            if name is None or hook not in TIMED_HOOKS or (id(callback), hook) in skipped:
+                return part
+            return self.timed(name, part, step=hook in STEP_HOOKS, batch=hook in BATCH_HOOKS)
+
+        return wrap
 
     def recorder_timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` (an attention recorder's method) timed under :attr:`RECORDER`, as a per-batch step hook."""
         return self.timed(self.RECORDER, fn, step=True, batch=True)
-
-    def detach(self) -> None:
-        """Remove every wrapper."""
-        for cb, attr in self._wrapped:
-            vars(cb).pop(attr, None)
-        self._wrapped = []
 
     def take(self) -> Taken:
         """The seconds since the last call by name, the quiet batches extrapolated (:class:`Taken`); then start

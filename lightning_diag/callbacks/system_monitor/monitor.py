@@ -242,7 +242,6 @@ class SystemMonitor(DiagCallback):
             return
         self._reset_windows()
         self._reset_run()
-        self._hooks.detach()
         # what the hooks cost is counted in CPU time on CPU (as benchmarks/paired_share.py measures it), in host
         # wall time on CUDA (the step's time is the events'; the hooks' kernels run asynchronously)
         on_cuda = trainer.strategy.root_device.type == "cuda"
@@ -257,8 +256,11 @@ class SystemMonitor(DiagCallback):
         if self.time_callbacks:
             # the timing's own cost per call, outside the windows it measures: SystemMonitor's, added to its share
             self._hooks.calibrate()
-            # the batch's end is timed here, apart: it picks which batch is timed next (`_next_batch`)
-            self._hooks.attach(diagnostics, skip=[(self, "on_train_batch_end")])
+            # the driver calls every diagnostic's hooks through the timer; the batch's end is timed here, apart: it
+            # picks which batch is timed next (`_next_batch`)
+            if self._driver is not None:
+                wrap = self._hooks.part_wrap(diagnostics, skip=[(self, "on_train_batch_end")])
+                self._driver.time_parts(wrap, self._hooks.recorder_timed)
             self._timed_close = self._hooks.timed(type(self).__name__, self._close_batch, step=True, batch=True)
         # the trainer's own work (checkpoint saving, the batch fetch, the end of the callbacks' hooks) through its
         # profiler, when it is ours; else the batch ends at this callback's `on_train_batch_end`
@@ -291,8 +293,9 @@ class SystemMonitor(DiagCallback):
         self._hooks.next_batch(exact)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Remove the timers and stop listening to the profiler, then release the session."""
-        self._hooks.detach()
+        """Stop timing the driver's parts and listening to the profiler, then release the session."""
+        if self._driver is not None and self.time_callbacks:
+            self._driver.time_parts(None)
         self._timed_close = None
         self._listen(None)
         if self._nvml_probe is not None and self._nvml_probe.nvml is not None:
@@ -339,11 +342,11 @@ class SystemMonitor(DiagCallback):
         if self._profiler is None:
             self.end_batch(trainer)
 
-    def on_save_checkpoint(
+    def save_checkpoint_state(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Without a :class:`SystemProfiler`: a checkpoint is being saved (its file is written after the hooks)."""
-        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        super().save_checkpoint_state(trainer, pl_module, checkpoint)
         if self._profiler is None and trainer.state.fn == TrainerFn.FITTING:
             self._steps.checkpoint_mark()
 
