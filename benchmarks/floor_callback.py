@@ -168,8 +168,11 @@ def time_ops(width: int = 600, repeats: int = 7, calls: int = 50) -> list[tuple[
     """(operator, µs per call) of :func:`floor_ops` on the parameters and gradients of ``cost_table.MLP(width)``
     after one backward pass: warm (one call first), best of ``repeats`` rounds of ``calls`` calls each, CPU time of
     this thread (``time.thread_time``)."""
+    import os
+    import sys
     import time
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from cost_table import MLP, mlp_data
 
     model = MLP(width)
@@ -192,9 +195,7 @@ def time_ops(width: int = 600, repeats: int = 7, calls: int = 50) -> list[tuple[
 
 if __name__ == "__main__":
     import os
-    import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, MLP(600) (1.1M parameters); load average {os.getloadavg()[0]:.1f}")
     print("| operator | µs per call (best of 7) |\n|---|---|")
