@@ -10,16 +10,19 @@ with no rule, no judgment, no logging and no Python bookkeeping beyond one caden
 
   - before the optimizer step, the gradients' and the weights' norms in one multi-tensor kernel
     (``torch._foreach_norm``, as ``instrument/grad_measure.measure_step``), squared; the zero-gradient share of
-    each weight matrix after a rectifier (``instrument/activation_watch._zero_share``); the weights copied into
-    reused buffers (``torch._foreach_copy_``, as ``grad_measure.CopyBuffers``); one host read of the squares and
-    shares (the guard reads the gradients' total from it: no separate pass that step, as ``clean_measured``);
+    the weight of each layer that feeds a rectifier (``instrument/activation_watch._zero_share``); the weights
+    copied into reused buffers (``torch._foreach_copy_``, as ``grad_measure.CopyBuffers``); one host read of the
+    squares and shares (the guard reads the gradients' total from it: no separate pass then, as ``clean_measured``);
   - after the optimizer step, the updates' norms (``torch._foreach_sub_`` into the copies, one
     ``torch._foreach_norm``, as ``grad_measure.update_norms``) and one host read;
 
 * with ``sampled`` (the second variant), every ``sampled``-th step the forward hooks of the sampled checks
   (``instrument/output_watch``: each module's output's ``aminmax`` over a NaN-free copy), and on the measuring
-  step the activation watch's forward pre-hooks on the modules after a rectifier (the share of dead units of
-  each input, ``activation_watch._alive``), their statistics read with the measuring step's one host copy.
+  step the activation watch's forward pre-hooks on the rectifiers (the share of dead units of each input,
+  ``activation_watch._alive``), their statistics read with the measuring step's one host copy.
+
+Left out: the sampled reads of 8 or 32 elements (``update_none``, ``update_stale``, ``grad_not_zeroed``; no pass
+over a tensor), the histograms (every 10th measuring step), the first layer's input mean square (64 x 64).
 
 What it computes is thrown away: it exists to be timed (``benchmarks/paired_share.py --variants floor``).
 """
@@ -71,9 +74,10 @@ class FloorCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.params = [p for p in pl_module.parameters() if p.requires_grad]
         modules = [m for m in pl_module.modules() if not list(m.children())]
-        # the layers whose input is a rectifier's output: their weight gradient's zero share, their input's dead units
-        self.relu_inputs = [b for a, b in itertools.pairwise(modules) if isinstance(a, nn.ReLU)]
-        weights = (getattr(m, "weight", None) for m in self.relu_inputs)
+        # as the activation watch: the rectifiers' inputs (their dead units), the weight gradient of the layer that
+        # feeds each (its zero share)
+        self.relu_inputs = [b for b in modules if isinstance(b, nn.ReLU)]
+        weights = (getattr(a, "weight", None) for a, b in itertools.pairwise(modules) if isinstance(b, nn.ReLU))
         self.after_relu = [w for w in weights if isinstance(w, nn.Parameter)]
         self.copies = [p.detach().clone() for p in self.params]
         self.leaves = modules
@@ -139,7 +143,7 @@ class FloorCallback(pl.Callback):
 def floor_ops(params: list[torch.Tensor], grads: list[torch.Tensor]) -> dict[str, Any]:
     """Each operator of the floor as a zero-argument function on ``params`` and ``grads`` (same shapes), to time."""
     copies = [p.detach().clone() for p in params]
-    matrices = [g for g in grads if g.ndim == 2][1:]  # those after a rectifier in the MLP
+    matrices = [g for g in grads if g.ndim == 2][:-1]  # those of the layers feeding a rectifier in the MLP
     loss = torch.tensor(1.0)
 
     def guard() -> float:
@@ -154,7 +158,7 @@ def floor_ops(params: list[torch.Tensor], grads: list[torch.Tensor]) -> dict[str
         "_foreach_norm of gradients and weights, stacked, squared": lambda: torch.stack(
             torch._foreach_norm([*grads, *params])
         ).pow_(2),
-        "zero-gradient shares of the weight matrices after a ReLU": lambda: [_zero_share(g) for g in matrices],
+        "zero-gradient shares of the 4 weight matrices feeding a ReLU": lambda: [_zero_share(g) for g in matrices],
         "_foreach_copy_ of the weights into reused buffers": lambda: torch._foreach_copy_(copies, params),
         "_foreach_sub_ then _foreach_norm of the updates, stacked": lambda: (
             torch._foreach_sub_(copies, params),
