@@ -54,7 +54,8 @@ class FloorCallback(pl.Callback):
     """The default detectors' tensor work on a step (see the module's docstring).
 
     Args:
-        every: The measuring steps' period (the trainer's ``log_every_n_steps``).
+        every: The measuring steps' period (the trainer's ``log_every_n_steps``); 0: none (the guard's pass alone,
+            every step: the variant "floor guard").
         sampled: The sampled checks' period (their forward hooks); 0: none (the variant "floor").
     """
 
@@ -84,7 +85,7 @@ class FloorCallback(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
-        self.measuring = step % self.every == 0
+        self.measuring = bool(self.every) and step % self.every == 0
         if self.sampled and step % self.sampled == 0:
             self.handles = [m.register_forward_hook(self._output_hook) for m in self.leaves]
         if self.sampled and self.measuring:

@@ -60,8 +60,10 @@ VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
     "SystemMonitor": lambda: [SystemMonitor()],
     "all defaults": lambda: list(default_callbacks()),
     # the default detectors' tensor work alone (issue 43's floor): its measuring steps every 10 steps, as the
-    # defaults at --log-every 10; "floor+rules" adds the sampled checks' forward hooks every 5th step
+    # defaults at --log-every 10; "floor guard" is the guard's pass alone, every step; "floor+rules" adds the
+    # sampled checks' forward hooks every 5th step
     "floor": lambda: [FloorCallback(every=10)],
+    "floor guard": lambda: [FloorCallback(every=0)],
     "floor+rules": lambda: [FloorCallback(every=10, sampled=5)],
 }
 MODELS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[int, int | None], DataLoader]]] = {

@@ -259,7 +259,7 @@ def test_measuring_step_quick_mode_times_the_defaults_and_restores_every_class(c
 def test_floor_callback_reads_the_gradients_and_leaves_the_run_unchanged(tmp_path):
     bench = _load("paired_share")
     floor = _load("floor_callback")
-    assert {"floor", "floor+rules"} <= set(bench.VARIANTS)
+    assert {"floor", "floor guard", "floor+rules"} <= set(bench.VARIANTS)
 
     def weights(callbacks, model=None):
         model = model or bench.MLP(16)
@@ -289,9 +289,16 @@ def test_floor_callback_reads_the_gradients_and_leaves_the_run_unchanged(tmp_pat
         def training_step(self, batch, batch_idx):
             return super().training_step(batch, batch_idx) * float("nan")
 
-    # the guard's pass reads every gradient: a NaN in them ends this (benchmark-only) fit
-    with pytest.raises(FloatingPointError, match="non-finite"):
-        weights([floor.FloorCallback(every=10)], Broken(16))
+    # the guard's pass (every=0: on every step) and the measuring step's norms (step 0 of every=10) read every
+    # gradient: a NaN in them ends this (benchmark-only) fit
+    for every in (0, 10):
+        with pytest.raises(FloatingPointError, match="non-finite gradient"):
+            weights([floor.FloorCallback(every=every)], Broken(16))
+    # without measuring steps, the weights are never copied: the buffers keep the weights the fit started from
+    guard_only = floor.FloorCallback(every=0)
+    start = [p.detach().clone() for p in bench.MLP(16).parameters()]
+    weights([guard_only])
+    assert all(bench.torch.equal(a, b) for a, b in zip(guard_only.copies, start, strict=True))
 
     rows = floor.time_ops(width=16, repeats=1, calls=2)
     assert [name for name, _ in rows] == list(floor.floor_ops([bench.torch.ones(2)], [bench.torch.ones(2)]))
