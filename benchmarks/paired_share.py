@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cost_table import MLP, demo_data, demo_transformer, mlp_data
+from floor_callback import FloorCallback
 from quiet_step import HOOKS
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
@@ -58,6 +59,12 @@ VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
     "AttentionEntropyMonitor": lambda: [AttentionEntropyMonitor()],
     "SystemMonitor": lambda: [SystemMonitor()],
     "all defaults": lambda: list(default_callbacks()),
+    # the default detectors' tensor work alone (issue 43's floor): its measuring steps every 10 steps, as the
+    # defaults at --log-every 10; "floor guard" is the guard's pass alone, every step; "floor+rules" adds the
+    # sampled checks' forward hooks on the same steps (the sampled checks run on the logging interval)
+    "floor": lambda: [FloorCallback(every=10)],
+    "floor guard": lambda: [FloorCallback(every=0)],
+    "floor+rules": lambda: [FloorCallback(every=10, sampled=10)],
 }
 MODELS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[int, int | None], DataLoader]]] = {
     "mlp1e5": (lambda: MLP(176), lambda steps, batches: mlp_data(steps, batches or 32)),

@@ -2,6 +2,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -252,3 +254,52 @@ def test_measuring_step_quick_mode_times_the_defaults_and_restores_every_class(c
     assert rows["AnomalyAlarm.on_before_optimizer_step"] == 30  # the guard: every step
     assert rows["gradient_flow.monitor.measure_step"] >= 1
     assert (dict(vars(GradientFlowMonitor)), dict(vars(AnomalyAlarm)), gradient_flow.measure_step) == before
+
+
+def test_floor_callback_reads_the_gradients_and_leaves_the_run_unchanged(tmp_path):
+    bench = _load("paired_share")
+    floor = _load("floor_callback")
+    assert {"floor", "floor guard", "floor+rules"} <= set(bench.VARIANTS)
+
+    def weights(callbacks, model=None):
+        model = model or bench.MLP(16)
+        trainer = bench.pl.Trainer(
+            default_root_dir=tmp_path,
+            max_steps=12,
+            accelerator="cpu",
+            logger=False,
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            limit_val_batches=0,
+        )
+        trainer.fit(model, bench.mlp_data(12, 6))
+        return model
+
+    cb = floor.FloorCallback(every=3, sampled=2)
+    watched = weights([cb])
+    plain = weights([])
+    assert all(bench.torch.equal(a, b) for a, b in zip(watched.parameters(), plain.parameters(), strict=True))
+    # the sampled hooks are gone after the fit; the measuring step's copies hold the weights of a measured step
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in watched.modules())
+    assert len(cb.after_relu) == 4 and len(cb.copies) == len(list(watched.parameters()))
+
+    class Broken(bench.MLP):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) * float("nan")
+
+    # the guard's pass (every=0: on every step) and the measuring step's norms (step 0 of every=10) read every
+    # gradient: a NaN in them ends this (benchmark-only) fit
+    for every in (0, 10):
+        with pytest.raises(FloatingPointError, match="non-finite gradient"):
+            weights([floor.FloorCallback(every=every)], Broken(16))
+    # without measuring steps, the weights are never copied: the buffers keep the weights the fit started from
+    guard_only = floor.FloorCallback(every=0)
+    start = [p.detach().clone() for p in bench.MLP(16).parameters()]
+    weights([guard_only])
+    assert all(bench.torch.equal(a, b) for a, b in zip(guard_only.copies, start, strict=True))
+
+    rows = floor.time_ops(width=16, repeats=1, calls=2)
+    assert [name for name, _ in rows] == list(floor.floor_ops([bench.torch.ones(2)], [bench.torch.ones(2)]))
+    assert all(us >= 0 for _, us in rows)
