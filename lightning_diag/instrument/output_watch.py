@@ -102,7 +102,7 @@ class ZeroOutputWatch:
             self._handles = [m.register_forward_hook(self._hook(n)) for n, m in self.modules]
 
     def stop(self) -> None:
-        """Remove the hooks; :meth:`counts` reads what they saw."""
+        """Remove the hooks; :meth:`counts` or :meth:`extremes` reads what they saw."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
