@@ -31,6 +31,7 @@ __all__ = [
     "StepMeasurement",
     "WeightCopies",
     "measure_step",
+    "read_with",
     "update_norms",
     "update_ratio_values",
 ]
@@ -292,10 +293,7 @@ def measure_step(
             parts[1].index_select(0, layout.in_block).sum().sqrt().reshape(1),
         ]
     present = layout.present
-    tail = [] if extra is None else [extra if extra.device == device else extra.to(device)]
-    host = torch.cat([total.reshape(1), layer_norms, rms, *derived, loss_t, *tail]).tolist()  # the one copy
-    n_extra = 0 if extra is None else extra.numel()
-    host, extra_host = host[: len(host) - n_extra], host[len(host) - n_extra :]
+    host, extra_host = read_with([total.reshape(1), layer_norms, rms, *derived, loss_t], extra)  # the one copy
     if shared is not None:  # the guard's pass at this step reads the total on the host (no operator)
         shared = dataclasses.replace(shared, total=host[0])
     return StepMeasurement(
@@ -310,6 +308,22 @@ def measure_step(
         weight_squares=weight_squares,
         extra=extra_host,
     )
+
+
+def read_with(parts: Sequence[torch.Tensor], extra: torch.Tensor | None) -> tuple[list[float], list[float]]:
+    """The host values of the 1-d tensors ``parts`` (on one device) and of a caller's ``extra`` 1-d tensor (moved
+    there), in one host copy of their concatenation: ``(values of parts, values of extra)``, the second empty when
+    ``extra`` is ``None``.
+
+    Example:
+        >>> read_with([torch.tensor([1.0]), torch.tensor([2.0, 3.0])], torch.tensor([4.0]))
+        ([1.0, 2.0, 3.0], [4.0])
+    """
+    device = parts[0].device
+    tensors = [*parts] if extra is None else [*parts, extra if extra.device == device else extra.to(device)]
+    host = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).tolist()
+    n = len(host) - (0 if extra is None else extra.numel())
+    return host[:n], host[n:]
 
 
 class WeightCopies:
