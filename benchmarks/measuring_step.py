@@ -51,7 +51,6 @@ lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor on_before_bac
 lightning_diag.callbacks.gradient_flow.monitor:GradientFlowMonitor on_after_backward
 lightning_diag.callbacks.gradient_flow.monitor measure_step
 lightning_diag.callbacks.gradient_flow.monitor write_histograms
-lightning_diag.callbacks.gradient_flow.monitor update_values
 lightning_diag.callbacks.gradient_flow.monitor update_vector
 lightning_diag.callbacks.gradient_flow.monitor update_values_from
 lightning_diag.instrument.grad_measure per_tensor_norms
@@ -81,7 +80,6 @@ lightning_diag.instrument.grad_measure:WeightCopies take
 lightning_diag.callbacks.gradient_flow.writes cpu_histogram
 lightning_diag.output.writer:DiagWriter histogram_raw
 lightning_diag.callbacks.anomaly_alarm.runtime_checks:RuntimeChecks on_train_batch_end
-lightning_diag.callbacks.anomaly_alarm.sampled_check:SampledCheck on_batch_end
 lightning_diag.callbacks.anomaly_alarm.zero_output_check:ZeroOutputCheck measure
 lightning_diag.callbacks.anomaly_alarm.output_collapse_check:OutputCollapseCheck measure
 lightning_diag.callbacks.anomaly_alarm.runtime_checks end_sampled_batch
@@ -90,6 +88,13 @@ lightning_diag.callbacks.anomaly_alarm.output_collapse_check:OutputCollapseCheck
 lightning_diag.rules.loss_outlier:LossOutlierRule judge
 lightning_diag.rules.loss_stagnant:LossStagnantRule judge
 lightning_diag.rules.loss_swing:LossSwingRule judge
+"""
+
+#: Functions of main ``83654a2`` that this tree replaced, timed where a tree still has them (before/after runs):
+#: ``update_values`` by ``update_vector`` + ``update_values_from``, ``on_batch_end`` by ``end_sampled_batch``.
+FORMER_TARGETS = """
+lightning_diag.callbacks.gradient_flow.monitor update_values
+lightning_diag.callbacks.anomaly_alarm.sampled_check:SampledCheck on_batch_end
 """
 
 #: A method the class inherits (its wrapper is removed again, not replaced).
@@ -164,17 +169,27 @@ def main(argv: list[str] | None = None) -> int:
     for hook in ("_layer_hook", "_activation_hook"):
         originals.append((ActivationWatch, hook, vars(ActivationWatch)[hook]))
         setattr(ActivationWatch, hook, _hook_factory(getattr(ActivationWatch, hook), seconds, calls, counter))
-    for line in TARGETS.strip().splitlines():
+    skipped: dict[bool, list[str]] = {False: [], True: []}
+    former = set(FORMER_TARGETS.strip().splitlines())
+    for line in TARGETS.strip().splitlines() + sorted(former):
         where, name = line.split()
         module, _, cls = where.partition(":")
         owner: Any = importlib.import_module(module)
         if cls:
             owner = getattr(owner, cls)
         if not hasattr(owner, name):  # a function another tree has (the targets span the trees compared)
+            skipped[line in former].append(f"{cls or module}.{name}")
             continue
         label = f"{cls or module.removeprefix('lightning_diag.callbacks.')}.{name}"
         originals.append((owner, name, vars(owner).get(name, _INHERITED)))
         setattr(owner, name, _timed(getattr(owner, name), label, seconds, calls, counter))
+    if skipped[True] or skipped[False]:
+        former_note = f"; former functions of main 83654a2 (kept for before/after runs): {', '.join(skipped[True])}"
+        print(
+            f"measuring_step: not in this tree, not timed: {', '.join(skipped[False]) or 'none'}"
+            + (former_note if skipped[True] else ""),
+            file=sys.stderr,
+        )
     try:
         if counter is not None:
             with counter:

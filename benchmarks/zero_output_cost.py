@@ -8,7 +8,7 @@ A *sampled step* (every ``log_every_n_steps``): the watch's forward hooks instal
 forward and backward with them (each call computes ``output.any()`` on the device), the hooks removed, the flags
 combined per module and read in one transfer. Its cost is the difference with the same forward and backward bare
 (medians over ``--reps``). A *quiet step*: :meth:`ZeroOutputCheck.on_batch_start` deciding not to watch (one integer
-comparison) and ``on_batch_end`` finding nothing installed.
+comparison) and :func:`end_sampled_batch` finding nothing installed (``take`` returns ``None``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lightning_diag import AnomalyAlarm
+from lightning_diag.callbacks.anomaly_alarm.sampled_check import end_sampled_batch
 from lightning_diag.demo.corpus import build_corpus
 from lightning_diag.demo.faults import build_fault
 from lightning_diag.demo.run import quiet
@@ -43,7 +44,7 @@ def _cpu(fn: Callable[[], Any], reps: int) -> float:
 
 
 def _models() -> list[tuple[str, Any, Callable[[Any], torch.Tensor], Any]]:
-    out = []
+    out: list[tuple[str, Any, Callable[[Any], torch.Tensor], Any]] = []
     model, data, _ = build_fault("none")
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
@@ -96,7 +97,7 @@ def measure(reps: int) -> list[dict[str, Any]]:
         n = 20000
         for _ in range(n):
             check.on_batch_start(trainer, model)
-            check.on_batch_end(trainer, model)
+            end_sampled_batch((check,), trainer, model)
         quiet_us = 1e6 * (time.thread_time() - t0) / n
         rows.append(
             {

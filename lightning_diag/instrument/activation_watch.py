@@ -42,7 +42,15 @@ from torch import nn
 from lightning_diag.rules.records import ActivationReading
 from lightning_diag.stats.grad import is_dtensor
 
-__all__ = ["ALIVE_MAX_ELEMENTS", "LINEAR_RANGES", "MIN_ROWS", "RELU_FAMILY", "ActivationWatch", "WatchStats"]
+__all__ = [
+    "ALIVE_MAX_ELEMENTS",
+    "LINEAR_RANGES",
+    "MIN_ROWS",
+    "RELU_FAMILY",
+    "ActivationWatch",
+    "WatchCall",
+    "WatchStats",
+]
 
 #: Activations whose dead units are counted (output exactly 0 below 0).
 RELU_FAMILY: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6)
@@ -62,7 +70,7 @@ _CHANNELS_FIRST = (
 
 
 @dataclasses.dataclass
-class _Call:
+class WatchCall:
     """One activation call of the measured forward (its statistic still on the device)."""
 
     name: str
@@ -104,7 +112,7 @@ class ActivationWatch:
 
     def __init__(self) -> None:
         self._handles: list[Any] = []
-        self._calls: list[_Call] = []
+        self._calls: list[WatchCall] = []
         self._layers: list[tuple[str, bool]] = []  # (module name, trainable) of each parameter-owning call
         self._input_sq: torch.Tensor | None = None
         self._modules: dict[str, nn.Module] = {}  # {name: module} of the model the hooks were attached to
@@ -187,14 +195,14 @@ class ActivationWatch:
             kind = type(module).__name__
             after_frozen = not all(t for _, t in self._layers)
             self._calls.append(
-                _Call(name, layer, kind, True, stat, len(self._layers), None, first, after_frozen)
+                WatchCall(name, layer, kind, True, stat, len(self._layers), None, first, after_frozen)
             )
             return
         low, high = bounds
         stat = ((x < low) | (x > high)).float().mean()
         limit = high if -low == high else None
         self._calls.append(
-            _Call(name, layer, type(module).__name__, False, stat, len(self._layers), limit, first)
+            WatchCall(name, layer, type(module).__name__, False, stat, len(self._layers), limit, first)
         )
 
     def readings(self, modules: dict[str, nn.Module] | None = None) -> tuple[list[ActivationReading], float | None]:
@@ -265,7 +273,7 @@ class WatchStats:
     zero-gradient share was measured, and all statistics as one float32 vector on the device (``None`` when the
     forward left none): each call's, then the zero shares, then the inputs' mean square when ``has_input``."""
 
-    calls: list[_Call]
+    calls: list[WatchCall]
     layers: list[tuple[str, bool]]
     zero: list[str]
     has_input: bool

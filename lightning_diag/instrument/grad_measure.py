@@ -31,9 +31,9 @@ __all__ = [
     "StepMeasurement",
     "WeightCopies",
     "measure_step",
+    "read_with",
     "update_norms",
     "update_ratio_values",
-    "update_ratios",
 ]
 
 #: Wrapper components that torch.compile (``_orig_mod``), FSDP1 (``_fsdp_wrapped_module``) and activation
@@ -206,7 +206,7 @@ class StepMeasurement:
         gradients: The squared norms of the measured gradients, on the device (``None`` under sharded training,
             where they are weighted shares of the full tensors).
         weight_squares: The squared norms of the measured parameters before the optimizer step, on the device, in
-            the order of ``chosen`` (``None`` under sharded training): :func:`update_ratios` reuses them.
+            the order of ``chosen`` (``None`` under sharded training): :func:`update_norms` reuses them.
         extra: The host values of :func:`measure_step`'s ``extra`` tensor, read in the same copy.
     """
 
@@ -293,10 +293,7 @@ def measure_step(
             parts[1].index_select(0, layout.in_block).sum().sqrt().reshape(1),
         ]
     present = layout.present
-    tail = [] if extra is None else [extra if extra.device == device else extra.to(device)]
-    host = torch.cat([total.reshape(1), layer_norms, rms, *derived, loss_t, *tail]).tolist()  # the one copy
-    n_extra = 0 if extra is None else extra.numel()
-    host, extra_host = host[: len(host) - n_extra], host[len(host) - n_extra :]
+    host, extra_host = read_with([total.reshape(1), layer_norms, rms, *derived, loss_t], extra)  # the one copy
     if shared is not None:  # the guard's pass at this step reads the total on the host (no operator)
         shared = dataclasses.replace(shared, total=host[0])
     return StepMeasurement(
@@ -313,8 +310,24 @@ def measure_step(
     )
 
 
+def read_with(parts: Sequence[torch.Tensor], extra: torch.Tensor | None) -> tuple[list[float], list[float]]:
+    """The host values of the 1-d tensors ``parts`` (on one device) and of a caller's ``extra`` 1-d tensor (moved
+    there), in one host copy of their concatenation: ``(values of parts, values of extra)``, the second empty when
+    ``extra`` is ``None``.
+
+    Example:
+        >>> read_with([torch.tensor([1.0]), torch.tensor([2.0, 3.0])], torch.tensor([4.0]))
+        ([1.0, 2.0, 3.0], [4.0])
+    """
+    device = parts[0].device
+    tensors = [*parts] if extra is None else [*parts, extra if extra.device == device else extra.to(device)]
+    host = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).tolist()
+    n = len(host) - (0 if extra is None else extra.numel())
+    return host[:n], host[n:]
+
+
 class WeightCopies:
-    """The copies of the measured weights before an optimizer step (read by :func:`update_ratios` after it), made
+    """The copies of the measured weights before an optimizer step (read by :func:`update_norms` after it), made
     into the same buffers at every measured step on the CPU.
 
     A fresh copy of the 1.1M-parameter MLP's weights costs 0.4-2.3 ms on one CPU thread, most of it the kernel
@@ -372,23 +385,6 @@ def _same_layout(buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> bo
     )
 
 
-def update_ratios(
-    index: ParamIndex,
-    chosen: list[int],
-    before: list[torch.Tensor],
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    weight_squares: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """``diag/weight_norm/<layer>`` and ``diag/update_ratio/<layer>`` values: the layers' weight norms before the
-    optimizer step, and ``||W_after - W_before|| / ||W_before||``, from the ``before`` copies of ``chosen`` (which
-    it overwrites: they are the caller's throw-away copies).
-
-    :func:`update_norms` then :func:`update_ratio_values`: a caller with a host copy of its own reads the device
-    vector in it.
-    """
-    return update_ratio_values(index, chosen, update_norms(index, chosen, before, reduce, weight_squares).tolist())
-
-
 def update_norms(
     index: ParamIndex,
     chosen: list[int],
@@ -396,7 +392,8 @@ def update_norms(
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     weight_squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The device half of :func:`update_ratios`: one float32 vector of ``2 * len(index.layers)`` values, the layers'
+    """The weight norms and update ratios of ``chosen`` (their values by tag: :func:`update_ratio_values` of the
+    vector's host values), on the device: one float32 vector of ``2 * len(index.layers)`` values, the layers'
     weight norms before the step then their update ratios (layers without a measured parameter hold 0 and NaN).
 
     Under sharded training ``before`` holds local shards and ``reduce`` (a SUM over all ranks) makes the sums of
@@ -423,7 +420,9 @@ def update_norms(
 
 
 def update_ratio_values(index: ParamIndex, chosen: list[int], host: Sequence[float]) -> dict[str, float]:
-    """:func:`update_ratios`' values by tag, from the host values ``host`` of :func:`update_norms`' vector."""
+    """``diag/weight_norm/<layer>`` and ``diag/update_ratio/<layer>`` values (the layers' weight norms before the
+    optimizer step, and ``||W_after - W_before|| / ||W_before||``) from the host values ``host`` of
+    :func:`update_norms`' vector."""
     n = len(index.layers)
     values = {}
     for g in sorted({index.layer_of[i] for i in chosen}):  # the layers with a measured parameter

@@ -33,11 +33,11 @@ __all__ = [
     "OutputSpreadWatch",
     "ZeroOutputWatch",
     "first_tensor",
-    "output_spread",
     "prediction_tensor",
+    "spread_level",
 ]
 
-#: Elements of one sample's output read by :func:`output_spread` at most (an evenly strided subset beyond).
+#: Elements of one sample's output read by :func:`spread_level` at most (an evenly strided subset beyond).
 MAX_SPREAD_ELEMENTS = 65536
 #: Elements of a module's output up to which :class:`ZeroOutputWatch` reads its extremes (a copy of the output)
 #: rather than two boolean reductions (a temporary of one byte per element).
@@ -102,7 +102,7 @@ class ZeroOutputWatch:
             self._handles = [m.register_forward_hook(self._hook(n)) for n, m in self.modules]
 
     def stop(self) -> None:
-        """Remove the hooks; :meth:`counts` reads what they saw."""
+        """Remove the hooks; :meth:`counts` or :meth:`extremes` reads what they saw."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -241,23 +241,17 @@ def prediction_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
-def output_spread(output: torch.Tensor, max_elements: int = MAX_SPREAD_ELEMENTS) -> torch.Tensor:
-    """``[spread, level, batch]`` of one output ``[B, ...]`` on its device (no host read): ``spread`` is the
-    standard deviation across the batch of each output element, averaged over the elements, ``level`` the mean
-    absolute value across the batch of each element, averaged likewise; ``batch`` is ``B``. Of a sample with more
-    than ``max_elements`` elements (a language model's logits) an evenly strided subset of about that many is read,
-    so the float32 copy stays small.
+def spread_level(output: torch.Tensor, max_elements: int = MAX_SPREAD_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(spread, level)`` of one output ``[B, ...]``, 0-d float32 tensors on its device (no host read): ``spread``
+    is the standard deviation across the batch of each output element, averaged over the elements, ``level`` the
+    mean absolute value across the batch of each element, averaged likewise. Of a sample with more than
+    ``max_elements`` elements (a language model's logits) an evenly strided subset of about that many is read, so
+    the float32 copy stays small.
 
     Example:
-        >>> output_spread(torch.tensor([[1.0, 2.0], [3.0, 2.0]])).tolist()
-        [0.5, 2.0, 2.0]
+        >>> [t.item() for t in spread_level(torch.tensor([[1.0, 2.0], [3.0, 2.0]]))]
+        [0.5, 2.0]
     """
-    spread, level = _spread_level(output, max_elements)
-    return torch.stack([spread, level, spread.new_tensor(float(output.shape[0]))])
-
-
-def _spread_level(output: torch.Tensor, max_elements: int = MAX_SPREAD_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`output_spread`'s ``spread`` and ``level``: 0-d float32 tensors on the output's device."""
     with torch.no_grad():  # no graph: no detach() needed (one operator fewer)
         flat = local_tensor(output).reshape(output.shape[0], -1)
         if flat.shape[1] > max_elements:
@@ -326,7 +320,7 @@ class OutputSpreadWatch:
     def take(self) -> tuple[str, int, list[torch.Tensor]] | None:
         """``(module name, batch, stats)`` of the output seen (``"<root>"`` for the ``LightningModule``), ``None``
         if no watched module returned predictions: ``batch`` is the output's batch size and ``stats`` 0-d float32
-        device tensors, the output's spread and level (:func:`output_spread`), followed by the spread and level of
+        device tensors, the output's spread and level (:func:`spread_level`), followed by the spread and level of
         the module's floating-point input of the same batch where its first argument is such a tensor (not token
         ids, not a mapping): two or four numbers, to be read with others in one transfer. Forgets what it saw."""
         root, child = self._root_output, self._child_output
@@ -349,7 +343,7 @@ def _float_input(args: Any, output: torch.Tensor) -> torch.Tensor | None:
 def _with_input(output: torch.Tensor, inputs: torch.Tensor | None) -> list[torch.Tensor]:
     """The spread and level of ``output`` and, with ``inputs``, of ``inputs`` (moved to the output's device): 0-d
     float32 tensors on the output's device."""
-    parts = list(_spread_level(output))
+    parts = list(spread_level(output))
     if inputs is not None:
-        parts += [part.to(parts[0].device) for part in _spread_level(inputs)]
+        parts += [part.to(parts[0].device) for part in spread_level(inputs)]
     return parts

@@ -109,20 +109,14 @@ class _KeptTrend:
         count = self.counts.get(v, 0)
         self.counts[v] = count + 1
         self.ties += _tie_term(count + 1) - _tie_term(count)
-        self.slopes += [(v - u) / (n - i) for i, u in enumerate(self.values)]
-        self.slopes.sort()  # two sorted runs: a merge
+        self.slopes += sorted([(v - u) / (n - i) for i, u in enumerate(self.values)])
+        self.slopes.sort()  # two sorted runs: a merge (equal slopes keep the order they came in, as in one sort)
         self.values.append(v)
 
     def _rebuild(self, series: list[float]) -> None:
         self.values, self.s, self.counts, self.ties, self.slopes = [], 0, {}, 0, []
         for v in series:
-            n = len(self.values)
-            self.s += sum((v > u) - (v < u) for u in self.values)
-            self.counts[v] = self.counts.get(v, 0) + 1
-            self.slopes += [(v - u) / (n - i) for i, u in enumerate(self.values)]
-            self.values.append(v)
-        self.ties = sum(_tie_term(c) for c in self.counts.values())
-        self.slopes.sort()
+            self._append(v)
 
 
 def _tie_term(count: int) -> int:

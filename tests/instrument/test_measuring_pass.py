@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 from lightning_diag.instrument.activation_watch import ActivationWatch
-from lightning_diag.instrument.grad_measure import ParamIndex, WeightCopies, measure_step, update_ratios
+from lightning_diag.instrument.grad_measure import (
+    ParamIndex,
+    WeightCopies,
+    measure_step,
+    update_norms,
+    update_ratio_values,
+)
 from lightning_diag.stats.updates import ElementSample
 
 
@@ -62,8 +68,13 @@ def test_update_ratios_from_reused_buffers_equal_those_from_fresh_copies() -> No
         fresh = [p.detach().clone() for p in index.params]
         reused = copies.take(0, index.params)
         opt.step()
-        expected = update_ratios(index, chosen, fresh, None, m.weight_squares)
-        assert update_ratios(index, chosen, reused, None, m.weight_squares) == expected
+        expected = update_ratio_values(
+            index, chosen, update_norms(index, chosen, fresh, None, m.weight_squares).tolist()
+        )
+        assert (
+            update_ratio_values(index, chosen, update_norms(index, chosen, reused, None, m.weight_squares).tolist())
+            == expected
+        )
         copies.release()
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_diag.instrument.activation_watch import ActivationWatch
-from lightning_diag.instrument.grad_measure import ParamIndex, measure_step, update_ratios
+from lightning_diag.instrument.grad_measure import ParamIndex, measure_step, update_norms, update_ratio_values
 from lightning_diag.stats.grad import per_tensor_norms
 
 
@@ -110,8 +110,12 @@ def test_measure_step_norms_as_two_passes(dtype: torch.dtype, special: bool) -> 
     with torch.no_grad():
         for p in params:
             p.add_(0.125)
-    got = update_ratios(index, chosen, [b.clone() for b in before], None, m.weight_squares)
-    expected = update_ratios(index, chosen, [b.clone() for b in before], None, former_weight)
+    got = update_ratio_values(
+        index, chosen, update_norms(index, chosen, [b.clone() for b in before], None, m.weight_squares).tolist()
+    )
+    expected = update_ratio_values(
+        index, chosen, update_norms(index, chosen, [b.clone() for b in before], None, former_weight).tolist()
+    )
     assert got.keys() == expected.keys() and len(got) == 6
     for key in got:
         assert got[key] == expected[key] or (math.isnan(got[key]) and math.isnan(expected[key])), key

@@ -13,10 +13,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_diag import GradientFlowMonitor
-from lightning_diag.callbacks.gradient_flow.writes import update_values, update_values_from, update_vector
+from lightning_diag.callbacks.gradient_flow.writes import update_values_from, update_vector
+from lightning_diag.core.tags import update_ratio_tag, weight_norm_tag
 from lightning_diag.demo import build_fault
-from lightning_diag.instrument.activation_watch import ActivationWatch
+from lightning_diag.instrument.activation_watch import ActivationReading, ActivationWatch
 from lightning_diag.instrument.grad_measure import ParamIndex, measure_step
+from lightning_diag.stats.grad import grouped_squares, is_dtensor, local_tensor, per_tensor_norms
 
 
 def _watched_net(seed: int) -> tuple[nn.Sequential, ActivationWatch, torch.Tensor]:
@@ -78,26 +80,87 @@ def _flat(m: Any) -> list[float]:
     return values
 
 
+def _former_zero_share(grad: torch.Tensor) -> torch.Tensor:
+    """``activation_watch._zero_share`` as main ``83654a2`` had it (frozen)."""
+    n = grad.numel()
+    if n == 0 or n >= 1 << 24:
+        return (grad == 0).float().mean()
+    return (n - torch.count_nonzero(grad.bool())).float().div_(n)
+
+
+def _former_readings(
+    watch: ActivationWatch, modules: dict[str, nn.Module] | None = None
+) -> tuple[list[ActivationReading], float | None]:
+    """``ActivationWatch.readings`` as main ``83654a2`` had it (frozen): one stack, one ``tolist``."""
+    calls, watch._calls = watch._calls, []
+    layers, watch._layers = watch._layers, []
+    input_sq, watch._input_sq = watch._input_sq, None
+    if modules is None:
+        modules = watch._modules
+    watch._modules = {}
+    if not calls:
+        return [], None
+    stats = [c.stat if c.stat.ndim == 0 and c.stat.dtype is torch.float32 else c.stat.reshape(()).float()
+             for c in calls]  # fmt: skip
+    grad_layers = sorted({c.layer for c in calls if c.dead})
+    zero: list[str] = []
+    with torch.no_grad():
+        for layer in grad_layers:
+            weight = getattr(modules.get(layer), "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.grad is not None and not is_dtensor(weight.grad):
+                zero.append(layer)
+                stats.append(_former_zero_share(weight.grad).to(stats[0].device))
+    if input_sq is not None:
+        stats.append(input_sq.to(stats[0].device))
+    host = torch.stack(stats).tolist()
+    zero_shares = dict(zip(zero, host[len(calls) : len(calls) + len(zero)], strict=True))
+    input_rms = host[-1] ** 0.5 if input_sq is not None else None
+    out = []
+    for c, value in zip(calls, host[: len(calls)], strict=True):
+        if c.dead:
+            out.append(ActivationReading(c.layer, c.activation, dead=value, zero_grad=zero_shares.get(c.layer),
+                                         first=c.first, after_frozen=c.after_frozen))  # fmt: skip
+        elif any(trainable for _, trainable in layers[c.order :]):
+            out.append(ActivationReading(c.layer, c.activation, saturated=value, limit=c.limit, first=c.first))
+    return out, input_rms
+
+
 def test_readings_are_take_then_finish() -> None:
-    net, watch, _ = _watched_net(2)
-    _, twin, _ = _watched_net(2)
-    taken = watch.take(dict(net.named_modules()))
-    assert taken.values is not None
-    assert ActivationWatch.finish(taken, taken.values.tolist()) == twin.readings()
+    """``take`` then ``finish`` give what the former one-call ``readings`` gave, bit for bit."""
+    for seed in (2, 4):
+        net, watch, _ = _watched_net(seed)
+        _, twin, _ = _watched_net(seed)
+        taken = watch.take(dict(net.named_modules()))
+        assert taken.values is not None
+        got = ActivationWatch.finish(taken, taken.values.tolist())
+        assert got == _former_readings(twin) and got[0]
     assert watch.take().values is None and watch.readings() == ([], None)  # consumed
 
 
+#: The tensor methods that copy values to the host (``float(t)``, ``bool(t)``, ``int(t)`` included).
+_READS = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__float__,
+          torch.Tensor.__bool__, torch.Tensor.__int__)  # fmt: skip
+
+
 class _HostReads(TorchFunctionMode):
-    """Counts ``Tensor.tolist`` calls (host copies of a vector)."""
+    """Counts host reads: ``tolist``, ``item``, ``cpu``, ``numpy``, ``float(t)``, ``bool(t)``, ``int(t)``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.Tensor.tolist:
+        if func in _READS:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+def test_host_reads_counts_every_kind_of_read() -> None:
+    t = torch.tensor([1.5])
+    with _HostReads() as reads:
+        t.tolist(), t.item(), t.cpu(), t.numpy(), float(t), bool(t), int(t)
+        _ = t + 1  # not a read
+    assert reads.count == 7
 
 
 class _CountingMonitor(GradientFlowMonitor):
@@ -135,7 +198,7 @@ def test_a_measuring_step_reads_the_host_once_before_the_step(tmp_path: Any) -> 
 
 
 def test_update_values_in_the_batch_end_copy_as_read_alone() -> None:
-    """``update_vector`` read with other values gives what ``update_values`` gives on its own, bit for bit."""
+    """``update_vector`` read with other values gives what the former ``update_values`` gave, bit for bit."""
     net, _, _ = _watched_net(3)
     named = list(net.named_parameters())
     params = [p for _, p in named]
@@ -150,7 +213,9 @@ def test_update_values_in_the_batch_end_copy_as_read_alone() -> None:
         params[4].mul_(1.0 + 2.0**-20)  # a tiny one
     copies: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]]
     copies = [(chosen, [b.clone() for b in before], None) for chosen, before in pending_sets]
-    alone = update_values(index, copies, None)
+    alone: dict[str, float] = {}
+    for chosen, before, weight_squares in copies:
+        alone.update(_former_update_ratios(index, chosen, before, weight_squares))
     copies = [(chosen, [b.clone() for b in before], None) for chosen, before in pending_sets]
     positions, vector = update_vector(index, copies, None)
     assert vector is not None
@@ -160,3 +225,25 @@ def test_update_values_in_the_batch_end_copy_as_read_alone() -> None:
     assert together.keys() == alone.keys() and len(alone) == 6
     for key, value in alone.items():
         assert together[key] == value or (math.isnan(value) and math.isnan(together[key])), key
+
+
+def _former_update_ratios(
+    index: ParamIndex, chosen: list[int], before: list[torch.Tensor], weight_squares: torch.Tensor | None
+) -> dict[str, float]:
+    """``grad_measure.update_ratios`` as main ``83654a2`` had it (frozen; unsharded), read on its own."""
+    layout = index.layout(chosen, before[0].device)
+    after = [local_tensor(index.params[i]) for i in chosen]
+    n = len(index.layers)
+    with torch.no_grad():
+        weight_sq = weight_squares if weight_squares is not None else per_tensor_norms(before).pow(2)
+        torch._foreach_sub_(before, after)
+        update_sq = per_tensor_norms(before).pow(2)
+    both = torch.cat([grouped_squares(weight_sq, layout.group_of, n), grouped_squares(update_sq, layout.group_of, n)])
+    weight, update = both.sqrt().split(n)
+    ratio = update / weight.clamp_min(1e-12)
+    w_host, r_host = torch.stack([weight, ratio]).tolist()
+    values = {}
+    for g in layout.present:
+        values[weight_norm_tag(index.layers[g])] = w_host[g]
+        values[update_ratio_tag(index.layers[g])] = r_host[g]
+    return values

@@ -50,7 +50,7 @@ WatchT = TypeVar("WatchT", bound=Watch)
 class SampledCheck(abc.ABC, Generic[WatchT]):
     """Installs a watch on sampled steps and feeds what it saw to the owner's preset.
 
-    Subclasses implement :meth:`new_watch` and :meth:`measure`.
+    Subclasses implement :meth:`new_watch`, :meth:`gather` and :meth:`measure`.
 
     Args:
         owner: The callback whose preset judges what the check measures, and that records and writes.

@@ -22,7 +22,7 @@ import torch
 
 from lightning_diag.callbacks.common.preset import Feed
 from lightning_diag.core.tags import updates_unchanged_tag
-from lightning_diag.instrument.grad_measure import ParamIndex
+from lightning_diag.instrument.grad_measure import ParamIndex, read_with
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures, StaleGrads
 from lightning_diag.rules.records import LayerUpdate
@@ -336,11 +336,7 @@ class SilentUpdateChecks:
         values = torch.cat([p.to(device) for p in parts])
         if trainer.world_size > 1:  # sharded parameters: every rank counts its own shard; all decide on the sum
             values = trainer.strategy.reduce(values, reduce_op="sum")
-        n_extra = 0 if extra is None else extra.numel()
-        if extra is not None:
-            values = torch.cat([values, extra if extra.device == values.device else extra.to(values.device)])
-        host = values.tolist()  # the one host read of the update rules at this step (and of the caller's extra)
-        host, extra_host = host[: len(host) - n_extra], host[len(host) - n_extra :]
+        host, extra_host = read_with([values], extra)  # the one host read of the update rules (and the extra)
         offset = 0
         layers: dict[str, list[Any]] = {}
         for u in pending:

@@ -31,7 +31,6 @@ __all__ = [
     "histogram_due",
     "layer_update_ratios",
     "step_scalars",
-    "update_values",
     "update_values_from",
     "update_vector",
     "write_histogram",
@@ -95,24 +94,12 @@ def write_histogram(writer: DiagWriter, tag: str, grad: torch.Tensor, step: int)
         writer.histogram_raw(tag, data, step)
 
 
-def update_values(
-    index: ParamIndex,
-    pending: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]],
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
-) -> dict[str, float]:
-    """``diag/weight_norm/<layer>`` and ``diag/update_ratio/<layer>`` of the steps measured in a batch, from
-    their (chosen positions, values before the step, their squared norms when measured) copies, which it
-    consumes: :func:`update_vector`, read, then :func:`update_values_from`."""
-    chosen, vector = update_vector(index, pending, reduce)
-    return update_values_from(index, chosen, vector.tolist() if vector is not None else [])
-
-
 def update_vector(
     index: ParamIndex,
     pending: list[tuple[list[int], list[torch.Tensor], torch.Tensor | None]],
     reduce: Callable[[torch.Tensor], torch.Tensor] | None,
 ) -> tuple[list[list[int]], torch.Tensor | None]:
-    """The device half of :func:`update_values`: the chosen positions of each pending step and one float32 vector
+    """The device half of the update values: the chosen positions of each pending step and one float32 vector
     of their :func:`~lightning_diag.instrument.grad_measure.update_norms`, in order (``None`` when none is pending),
     to read on the host with the batch end's other values."""
     parts = [update_norms(index, chosen, before, reduce, squares) for chosen, before, squares in pending]
@@ -124,7 +111,8 @@ def update_vector(
 
 
 def update_values_from(index: ParamIndex, chosen: list[list[int]], host: list[float]) -> dict[str, float]:
-    """:func:`update_values`' values from the host values ``host`` of :func:`update_vector`'s vector."""
+    """``diag/weight_norm/<layer>`` and ``diag/update_ratio/<layer>`` of the steps measured in a batch, from the
+    host values ``host`` of :func:`update_vector`'s vector."""
     size = 2 * len(index.layers)
     values: dict[str, float] = {}
     for k, positions in enumerate(chosen):
@@ -133,6 +121,6 @@ def update_values_from(index: ParamIndex, chosen: list[list[int]], host: list[fl
 
 
 def layer_update_ratios(index: ParamIndex, values: dict[str, float]) -> dict[str, float]:
-    """``{layer: update ratio}`` from :func:`update_values`' output (the layers that have one)."""
+    """``{layer: update ratio}`` from :func:`update_values_from`' output (the layers that have one)."""
     tags = {update_ratio_tag(layer): layer for layer in index.layers}
     return {tags[k]: v for k, v in values.items() if k in tags}
