@@ -22,11 +22,15 @@ on the other attached callbacks they are ``None`` on their own instances, which 
 (:mod:`lightning_diag.callbacks.common.batch_hooks`). A callback's quiet batches switch its part off in the driver
 (:meth:`Driver.switch`), and a hook no callback runs in the batch is ``None`` on the host too. ``SystemMonitor``
 times each part the driver calls (:meth:`Driver.time_parts`): no timer is put on any instance. The hooks are
-given back at ``teardown``; a callback detached in the middle of a fit hands the hosting to the next one.
+given back at ``teardown`` (and at the first ``on_exception``, for every callback; a driver that still hosts a callback
+set up on another trainer gives them back then, :meth:`Driver.release`); a callback detached in the middle of a fit
+hands the hosting to the next one. A hook set to ``None`` on an instance before the fit has no part. User code must
+not read, call or wrap these hook attributes of ours during a fit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Protocol
@@ -378,10 +382,8 @@ _DRIVER_CALLS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 def _mark(call: Callable[..., Any]) -> Callable[..., Any]:
     """``call``, known as a driver's from now on (when it can be referenced weakly: a bound method is told apart by
     :func:`_is_driver_call` otherwise)."""
-    try:
+    with contextlib.suppress(TypeError):
         _DRIVER_CALLS.add(call)
-    except TypeError:
-        pass
     return call
 
 
