@@ -23,7 +23,14 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-__all__ = ["DISPATCHED_HOOKS", "TRAIN_BATCH_HOOKS", "TRAIN_EPOCH_HOOKS", "inherited_batch_hooks", "switch_off", "switch_on"]
+__all__ = [
+    "DISPATCHED_HOOKS",
+    "TRAIN_BATCH_HOOKS",
+    "TRAIN_EPOCH_HOOKS",
+    "inherited_batch_hooks",
+    "switch_off",
+    "switch_on",
+]
 
 #: The callback hooks Lightning calls on every training batch.
 TRAIN_BATCH_HOOKS = (
