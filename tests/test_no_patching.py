@@ -55,6 +55,16 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("callbacks/common/driver.py", "batch_started", "cb.on_cadence"):
         "the trainer's driver sets the cadence flag of the lightning_diag callbacks attached to it (only "
         "DiagCallback.setup attaches, with itself): the library's own objects and their own attribute",
+    ("callbacks/common/driver.py", "_host", "vars(cb)[]="):
+        "our own callbacks' hook attributes (DiagCallback instances attached to the driver): the driver's calls on "
+        "the host, None on the others during a fit, given back at unhost",
+    ("callbacks/common/driver.py", "_unhost", "vars(cb)[]="):
+        "our own callbacks' hook attributes, given back at unhost: what each instance held before the fit",
+    ("callbacks/common/driver.py", "_unhost", "vars(cb).pop"):
+        "our own callbacks' hook attributes, given back at unhost: the driver's entry removed, the class's hook again",
+    ("callbacks/common/driver.py", "_refresh", "vars(host)[]="):
+        "our own host callback's hook attributes (a DiagCallback the driver hosts): the driver's call of every "
+        "attached callback's part, given back at unhost",
     ("demo/loader_faults.py", "reseed_jitter", "dataset.rng"):
         "the demo's worker_init_fn reseeding the demo's own JitteredInputs in each worker",
 }

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
 from lightning_diag.callbacks.common.base import DiagCallback
@@ -396,3 +397,106 @@ def test_the_axis_is_written_and_resumed_once_per_checkpoint(tmp_path):
     driver.load_axis(loaded)
     assert driver.step_axis.state_dict() == {"stepped": 4}
     assert driver.load_axis({}) is None and driver.step_axis.state_dict() == {"stepped": 4}
+
+
+# -- a fit that ends without our teardown, hooks switched off on an instance, the writer at each detach ---------------
+class _FailingOnException(pl.Callback):
+    """A user's callback whose ``on_exception`` raises: placed first, Lightning runs no other ``on_exception``."""
+
+    def on_exception(self, *args: Any) -> None:
+        raise ValueError("the user's on_exception fails")
+
+
+class _NoTeardown(_Recorder):
+    """A subclass whose ``teardown`` forgets ``super()``: it never detaches."""
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        pass
+
+
+class _FailsAtStep(Regression):
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.at:
+            raise RuntimeError("the model fails")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("ending", ["user_on_exception_raises", "teardown_without_super"])
+def test_instances_a_fit_left_hosted_run_each_hook_once_on_a_new_trainer(tmp_path, ending):
+    calls: list[tuple[str, str]] = []
+    if ending == "user_on_exception_raises":
+        a, b = _Recorder("a", calls), _Recorder("b", calls)
+        first = pl.Trainer(default_root_dir=tmp_path / "1", max_steps=6, logger=False,
+                           callbacks=[_FailingOnException(), a, b], **FAST)
+        with pytest.raises(ValueError, match="on_exception fails"):
+            first.fit(_FailsAtStep(2))
+    else:
+        a, b = _Recorder("a", calls), _NoTeardown("b", calls)
+        first = _fit([b, a], tmp_path / "1", steps=3)  # `b` hosts, and never gives the hooks back
+    old = driver_of(first)
+    assert old is not None and old.hosts(b)  # what the first fit left: the driver's calls on the instances
+    calls.clear()
+    second = _fit([a, b], tmp_path / "2", steps=3)
+    assert [name for name, hook in calls if hook == "on_train_batch_start"] == ["a", "b"] * 3
+    assert [name for name, hook in calls if hook == "on_train_batch_end"] == ["a", "b"] * 3
+    assert [name for name, hook in calls if hook == "on_train_epoch_end"] == ["a", "b"]
+    assert old.host is None and not old.hosts(a) and not old.hosts(b)  # the stale driver gave the hooks back
+    new = driver_of(second)
+    assert new is not None and new is not old
+    if ending == "user_on_exception_raises":  # both tore down: nothing of either driver's left on the instances
+        for cb in (a, b):
+            assert not set(vars(cb)) & set(DISPATCHED_HOOKS), cb.name
+    else:  # `b` never detaches from the new driver either; `a`, given back, is clean
+        assert not set(vars(a)) & set(DISPATCHED_HOOKS)
+
+
+def test_our_on_exception_gives_every_callbacks_hooks_back(tmp_path):
+    calls: list[tuple[str, str]] = []
+    a, b = _Recorder("a", calls), _Recorder("b", calls)
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=6, logger=False,
+                         callbacks=[a, _FailingOnException(), b], **FAST)
+    with pytest.raises(ValueError, match="on_exception fails"):  # `b`'s on_exception never runs
+        trainer.fit(_FailsAtStep(2))
+    driver = driver_of(trainer)
+    assert driver is not None and driver.host is None and not driver.hosts(b)
+    assert not set(vars(a)) & set(DISPATCHED_HOOKS)
+    # no call of the driver's left on `b` (only its own idle hooks, `None` until its next setup)
+    assert "on_train_batch_end" not in vars(b) and "on_train_epoch_end" not in vars(b)
+    assert all(vars(b)[hook] is None for hook in set(vars(b)) & set(DISPATCHED_HOOKS))
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["on_the_host", "on_another"])
+def test_a_hook_set_to_none_on_an_instance_stays_off_and_none(tmp_path, host):
+    calls: list[tuple[str, str]] = []
+    a, b = _Recorder("a", calls), _Recorder("b", calls)
+    off = a if host else b
+    off.on_train_batch_end = None  # type: ignore[assignment]  # the library's own way of switching a hook off
+    off.on_before_zero_grad = None  # type: ignore[assignment]  # an inherited no-op hook, switched off by the user
+    _fit([a, b], tmp_path, steps=3)
+    ends = [name for name, hook in calls if hook == "on_train_batch_end"]
+    assert ends == [cb.name for cb in (a, b) if cb is not off] * 3
+    assert [name for name, hook in calls if hook == "on_train_batch_start"] == ["a", "b"] * 3
+    assert vars(off)["on_train_batch_end"] is None and vars(off)["on_before_zero_grad"] is None  # kept
+    assert set(vars(off)) & set(DISPATCHED_HOOKS) == {"on_train_batch_end", "on_before_zero_grad"}
+    other = b if host else a
+    assert not set(vars(other)) & set(DISPATCHED_HOOKS)  # its idle hooks (inherited no-ops) given back
+
+
+def test_each_detach_flushes_the_writer(tmp_path):
+    """A callback that never detaches keeps the session open: the others' detach writes the run's events out."""
+    calls: list[tuple[str, str]] = []
+    flow = GradientFlowMonitor(log_every_n_steps=2)
+    trainer = _fit([flow, _NoTeardown("stuck", calls)], tmp_path, steps=6)
+    driver = driver_of(trainer)
+    assert driver is not None and driver.session is not None  # still open: `stuck` is a user
+    steps: set[int] = set()
+    for folder in {p.parent for p in tmp_path.rglob("events.out.tfevents.*")}:
+        acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            steps |= {e.step for e in acc.Scalars(tag)}
+    assert steps and max(steps) >= 4  # the fit's last logged steps are in the file

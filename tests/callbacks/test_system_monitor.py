@@ -14,6 +14,7 @@ import torch
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor, SystemProfiler
 from lightning_diag.callbacks.common.base import DiagCallback
+from lightning_diag.callbacks.system_monitor.hooks import BATCH_HOOKS, STEP_HOOKS
 from tests.callbacks.system_models import FAST, MLP, Encoder, FakeTime, Recorder, StallEvery, Tick, leak_batch
 from tests.output.logger_models import MemoryLogger
 
@@ -599,3 +600,11 @@ def test_work_at_a_validation_inside_an_epoch_is_no_data_waiting(monkeypatch, tm
     assert rules(monitor) == []
     # the measured gap is still logged as it is (without SystemProfiler, nothing tells the fetch apart)
     assert max(v for _, v in rec.values["diag/system/data_wait_s"]) == pytest.approx(0.3 / 4)
+
+
+def test_the_timed_hook_sets_are_named():
+    """The hooks timed per batch and counted in a step's share, by name (the overhead figures depend on them)."""
+    expected = {"on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+             "on_before_zero_grad", "on_train_batch_end"}
+    assert set(BATCH_HOOKS) == expected
+    assert set(STEP_HOOKS) == expected | {"on_train_epoch_start", "on_train_epoch_end"}

@@ -193,13 +193,20 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         """Attach to the trainer's driver and its diagnostics session; a new fit starts with no alerts."""
         ensure_handler()
         self._lines = {}
+        stale = self._driver
         driver = self._driver = _attach(trainer, self)
+        if stale is not None and stale is not driver and stale.hosts(self):
+            stale.release()  # a fit on another trainer ended without our teardown: its driver gives the hooks back
+        switch_on(self, self._idle_hooks, {})  # left `None` by such a fit
+        self._idle_hooks = []
         self._session = driver.session if driver is not None else None
         self._batches_seen = driver.batches if driver is not None else -1
         if stage == TrainerFn.FITTING:
             self.switch_batch_hooks(off=False)
             # the per-batch hooks it inherits as no-ops: not dispatched by Lightning during the fit
-            self._idle_hooks = [h for h in inherited_batch_hooks(self) if h not in self.batch_hooks]
+            self._idle_hooks = [
+                h for h in inherited_batch_hooks(self) if h not in self.batch_hooks and h not in vars(self)
+            ]
             switch_off(self, self._idle_hooks)
             self.alerts = []
             self._on_alert_failed = False
@@ -217,15 +224,20 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         self.__dict__.pop("state_key", None)
         self._lines = {}
         self.switch_batch_hooks(off=False)
-        switch_on(self, self._idle_hooks, {})
-        self._idle_hooks = []
         if self._session is not None:
             if self._driver is not None:  # the last callback of the trainer to detach flushes and closes the session
                 self._driver.detach(self, self._session)
             self._session = None
+        # after the driver gave the hooks back (it keeps the idle hooks' `None` while it hosts)
+        switch_on(self, self._idle_hooks, {})
+        self._idle_hooks = []
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Lightning skips ``teardown`` when ``fit`` raises: flush and release the session here."""
+        """Lightning skips ``teardown`` when ``fit`` raises: give back every callback's hooks (the first of the
+        trainer's lightning_diag callbacks to see the exception: the others' ``on_exception`` may not run), flush and
+        release the session here."""
+        if self._driver is not None:
+            self._driver.release()
         self.teardown(trainer, pl_module, "exception")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -23,7 +23,14 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-__all__ = ["DISPATCHED_HOOKS", "TRAIN_BATCH_HOOKS", "inherited_batch_hooks", "switch_off", "switch_on"]
+__all__ = [
+    "DISPATCHED_HOOKS",
+    "TRAIN_BATCH_HOOKS",
+    "TRAIN_EPOCH_HOOKS",
+    "inherited_batch_hooks",
+    "switch_off",
+    "switch_on",
+]
 
 #: The callback hooks Lightning calls on every training batch.
 TRAIN_BATCH_HOOKS = (
@@ -35,6 +42,9 @@ TRAIN_BATCH_HOOKS = (
     "on_train_batch_end",
 )
 
+#: The callback hooks Lightning calls at a training epoch's start and end.
+TRAIN_EPOCH_HOOKS = ("on_train_epoch_start", "on_train_epoch_end")
+
 #: The hooks the trainer's driver dispatches during a fit (:meth:`Driver.host
 #: <lightning_diag.callbacks.common.driver.Driver.host>`): Lightning calls them on the first attached callback only,
 #: which runs every attached callback's own, in ``trainer.callbacks`` order. The lifecycle and state hooks
@@ -42,8 +52,7 @@ TRAIN_BATCH_HOOKS = (
 #: callback's.
 DISPATCHED_HOOKS = (
     *TRAIN_BATCH_HOOKS,
-    "on_train_epoch_start",
-    "on_train_epoch_end",
+    *TRAIN_EPOCH_HOOKS,
     "on_validation_start",
     "on_validation_end",
     "on_validation_epoch_start",

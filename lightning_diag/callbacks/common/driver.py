@@ -22,11 +22,15 @@ on the other attached callbacks they are ``None`` on their own instances, which 
 (:mod:`lightning_diag.callbacks.common.batch_hooks`). A callback's quiet batches switch its part off in the driver
 (:meth:`Driver.switch`), and a hook no callback runs in the batch is ``None`` on the host too. ``SystemMonitor``
 times each part the driver calls (:meth:`Driver.time_parts`): no timer is put on any instance. The hooks are
-given back at ``teardown``; a callback detached in the middle of a fit hands the hosting to the next one.
+given back at ``teardown`` (and at the first ``on_exception``, for every callback; a driver that still hosts a callback
+set up on another trainer gives them back then, :meth:`Driver.release`); a callback detached in the middle of a fit
+hands the hosting to the next one. A hook set to ``None`` on an instance before the fit has no part. User code must
+not read, call or wrap these hook attributes of ours during a fit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Protocol
@@ -152,7 +156,8 @@ class Driver:
         return session
 
     def detach(self, callback: AttachedCallback, session: DiagSession) -> None:
-        """Detach ``callback``, a user of ``session`` (from its ``teardown``); the last user closes the session."""
+        """Detach ``callback``, a user of ``session`` (from its ``teardown``): each detach flushes the session's
+        writer, the last user closes the session."""
         kept = [cb for cb in self.callbacks if cb is not callback]
         if len(kept) != len(self.callbacks):
             hosting = self.host is not None
@@ -167,6 +172,8 @@ class Driver:
             session.close()
             if self.session is session:
                 self.session = None
+        else:
+            session.flush()
 
     def start_fit(self, trainer: pl.Trainer) -> None:
         """A fit starts (every attached callback's ``on_fit_start``; the first call does the work): fix the order
@@ -206,7 +213,9 @@ class Driver:
         return id(callback) in self._held
 
     def runs(self, callback: AttachedCallback, hook: str) -> bool:
-        """Whether the driver calls ``callback``'s ``hook`` on the current batch (not switched off, and defined)."""
+        """Whether the driver calls ``callback``'s ``hook`` on the current batch (not switched off, and defined).
+
+        Read by the tests and benchmarks (what a quiet batch runs); the fit itself never asks."""
         if not self.hosts(callback):
             return False
         parts = self._built_parts()
@@ -239,16 +248,28 @@ class Driver:
         if self.host is not None:
             self._refresh(DISPATCHED_HOOKS)
 
+    def release(self) -> None:
+        """Give every hosted callback its dispatched hooks back (what its instance held before, else its class's).
+
+        ``teardown`` and ``on_exception`` do it; a callback set up on another trainer calls it on the driver that
+        still hosts it (a fit that ended without either: a user callback's ``on_exception`` raised before ours, a
+        subclass's ``teardown`` without ``super()``), so that no call of this driver stays on an instance.
+        """
+        self._unhost()
+
     def _host(self) -> None:
         """Make the first attached callback the host: every attached callback's dispatched hooks ``None`` on its
-        instance (what it held kept for :meth:`_unhost`), the host's set to the driver's calls."""
+        instance (what it held kept for :meth:`_unhost`, a ``None`` included: that hook has no part), the host's
+        set to the driver's calls. A call this or another driver put there (a stale one) is not kept."""
         if not self.callbacks:
             return
         for cb in self.callbacks:
-            state = vars(cb)
-            self._held[id(cb)] = (cb, {h: state[h] for h in DISPATCHED_HOOKS if state.get(h) is not None})
+            self._held[id(cb)] = (
+                cb,
+                {h: vars(cb)[h] for h in DISPATCHED_HOOKS if h in vars(cb) and not _is_driver_call(vars(cb)[h], h)},
+            )
             for hook in DISPATCHED_HOOKS:
-                state[hook] = None
+                vars(cb)[hook] = None
         self.host = self.callbacks[0]
         self._parts = None
         self._refresh(DISPATCHED_HOOKS)
@@ -256,12 +277,11 @@ class Driver:
     def _unhost(self) -> None:
         """Give every callback its hooks back (what its instance held, else its class's)."""
         for cb, held in self._held.values():
-            state = vars(cb)
             for hook in DISPATCHED_HOOKS:
                 if hook in held:
-                    state[hook] = held[hook]
+                    vars(cb)[hook] = held[hook]
                 else:
-                    state.pop(hook, None)
+                    vars(cb).pop(hook, None)
         self._held = {}
         self._parts = None
         self.host = None
@@ -275,6 +295,8 @@ class Driver:
             wrap = self.part_wrap
             for cb, held in self._held.values():
                 for hook in DISPATCHED_HOOKS:
+                    if hook in held and held[hook] is None:  # switched off on the instance: no part
+                        continue
                     part = held.get(hook)
                     if part is None:
                         impl = getattr(type(cb), hook, None)
@@ -282,7 +304,7 @@ class Driver:
                             continue
                         part = impl.__get__(cb, type(cb))
                         if wrap is not None:
-                            part = wrap(cb, hook, part)
+                            part = _mark(wrap(cb, hook, part))
                     parts[(id(cb), hook)] = part
         return parts
 
@@ -294,14 +316,13 @@ class Driver:
             return
         parts = self._built_parts()
         off = self._off
-        state = vars(host)
         for hook in hooks:
             calls = tuple(
                 part
                 for cb in self.callbacks
                 if hook not in off.get(id(cb), ()) and (part := parts.get((id(cb), hook))) is not None
             )
-            state[hook] = None if not calls else calls[0] if len(calls) == 1 else _dispatch(calls)
+            vars(host)[hook] = None if not calls else calls[0] if len(calls) == 1 else _dispatch(calls)
 
     def _changed(self) -> None:
         self._cadence = None
@@ -351,7 +372,30 @@ def _dispatch(calls: tuple[Callable[..., Any], ...]) -> Callable[..., None]:
         for call in calls:
             call(*args, **kwargs)
 
-    return dispatch
+    return _mark(dispatch)
+
+
+#: The callables a driver put on a host's instance (:func:`_dispatch`'s, the timed parts), held weakly.
+_DRIVER_CALLS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
+def _mark(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call``, known as a driver's from now on (when it can be referenced weakly: a bound method is told apart by
+    :func:`_is_driver_call` otherwise)."""
+    with contextlib.suppress(TypeError):
+        _DRIVER_CALLS.add(call)
+    return call
+
+
+def _is_driver_call(value: Any, hook: str) -> bool:
+    """Whether ``value``, found on an instance's ``hook``, is a call a driver put there: a known one, or an attached
+    callback's own class hook ``hook`` bound to it (a host's single part). Never kept as held by :meth:`Driver._host`.
+    """
+    if value in _DRIVER_CALLS:
+        return True
+    owner = getattr(value, "__self__", None)
+    func = getattr(value, "__func__", None)
+    return owner is not None and func is not None and func is getattr(type(owner), hook, None)
 
 
 class _Interval:

@@ -159,6 +159,12 @@ class DiagSession:
         if problem is not None:
             log.warning("lightning_diag: %s", problem)
 
+    def flush(self) -> None:
+        """Write out what the writer holds (if it was opened): a callback's detach, so that a run whose other
+        callbacks never detach loses none of its last events."""
+        if self._writer is not None:
+            self._writer.flush()
+
     def close(self) -> None:
         """Hand the fit's alerts to the loggers' sinks (W&B, MLflow), close the alert log and the writer (if the
         library opened it)."""

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from lightning_diag.callbacks.common.batch_hooks import DISPATCHED_HOOKS
+from lightning_diag.callbacks.common.batch_hooks import DISPATCHED_HOOKS, TRAIN_BATCH_HOOKS, TRAIN_EPOCH_HOOKS
 from lightning_diag.callbacks.common.driver import PartWrap
 
 __all__ = [
@@ -36,9 +36,9 @@ TIMED_HOOKS = (*DISPATCHED_HOOKS, "on_save_checkpoint")
 
 #: The hooks inside the training steps (not validation, not checkpoint saving): their time is the diagnostics'
 #: share of a step's time (:attr:`HookTimer.step_wall_seconds`).
-STEP_HOOKS = frozenset(TIMED_HOOKS[:8])
+STEP_HOOKS = frozenset((*TRAIN_BATCH_HOOKS, *TRAIN_EPOCH_HOOKS))
 #: The hooks Lightning calls once per training batch: timed on sampled batches only (:class:`HookTimer`).
-BATCH_HOOKS = frozenset(TIMED_HOOKS[:6])
+BATCH_HOOKS = frozenset(TRAIN_BATCH_HOOKS)
 
 #: The attribute of a callback that creates attention recorders (it reads the driver's
 #: :attr:`~lightning_diag.callbacks.common.driver.Driver.recorder_timing`).
