@@ -63,7 +63,7 @@ class FloorCallback(pl.Callback):
         self.every = every
         self.sampled = sampled
         self.params: list[torch.Tensor] = []
-        self.after_relu: list[torch.Tensor] = []
+        self.feeding_relu: list[torch.Tensor] = []
         self.relu_inputs: list[nn.Module] = []
         self.copies: list[torch.Tensor] = []
         self.weight_sq: torch.Tensor | None = None
@@ -79,7 +79,7 @@ class FloorCallback(pl.Callback):
         # feeds each (its zero share)
         self.relu_inputs = [b for b in modules if isinstance(b, nn.ReLU)]
         weights = (getattr(a, "weight", None) for a, b in itertools.pairwise(modules) if isinstance(b, nn.ReLU))
-        self.after_relu = [w for w in weights if isinstance(w, nn.Parameter)]
+        self.feeding_relu = [w for w in weights if isinstance(w, nn.Parameter)]
         self.copies = [p.detach().clone() for p in self.params]
         self.leaves = modules
 
@@ -119,7 +119,7 @@ class FloorCallback(pl.Callback):
             return
         n = len(grads)
         both = torch.stack(torch._foreach_norm([*grads, *self.params])).pow_(2)
-        shares = [_zero_share(p.grad) for p in self.after_relu if p.grad is not None]
+        shares = [_zero_share(p.grad) for p in self.feeding_relu if p.grad is not None]
         torch._foreach_copy_(self.copies, self.params)
         self.weight_sq = both[n:]
         host = torch.cat([both[:n], torch.stack(shares + self.stats)]).tolist()  # the one copy before the step

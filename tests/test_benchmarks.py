@@ -287,7 +287,7 @@ def test_floor_callback_reads_the_gradients_and_leaves_the_run_unchanged(tmp_pat
     assert all(bench.torch.equal(a, b) for a, b in zip(watched.parameters(), plain.parameters(), strict=True))
     # the sampled hooks are gone after the fit; the measuring step's copies hold the weights of a measured step
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in watched.modules())
-    assert len(cb.after_relu) == 4 and len(cb.copies) == len(list(watched.parameters()))
+    assert len(cb.feeding_relu) == 4 and len(cb.copies) == len(list(watched.parameters()))
 
     class Broken(bench.MLP):
         def training_step(self, batch, batch_idx):

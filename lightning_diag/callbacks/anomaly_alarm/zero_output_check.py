@@ -39,7 +39,8 @@ class ZeroOutputCheck(SampledCheck[ZeroOutputWatch]):
     ) -> tuple[list[torch.Tensor], Any] | None:
         """The calls' extremes (:meth:`ZeroOutputWatch.extremes`: no operator); under data parallelism the counts
         per module summed over ranks instead (one all-reduce: every rank judges on how many ranks each module was
-        zero); ``None`` where none ran."""
+        zero); ``None`` where none ran (one process; with several ranks the counts are summed even where none ran
+        here, so that every rank joins the reduction)."""
         if trainer.world_size > 1:
             counts = watch.counts(signs=True)
             if counts is None:

@@ -265,9 +265,11 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         :meth:`start_batch`); on every callback, switch :attr:`batch_hooks` off for a quiet batch. Outside a session
         (hooks called directly), the cadence is ``trainer.global_step``'s.
 
-        On a batch :meth:`quiet_batch` calls quiet, each of :attr:`batch_hooks` is ``None`` on the instance, so
-        Lightning runs neither the hook nor its dispatch of it (:mod:`lightning_diag.callbacks.common.batch_hooks`); the
-        next batch that needs them gets them back. Only the first and last batch of a quiet run switch;
+        On a batch :meth:`quiet_batch` calls quiet, each of :attr:`batch_hooks` is switched off
+        (:meth:`switch_batch_hooks`: skipped by the trainer's driver during a fit, else ``None`` on the instance),
+        so neither the hook nor Lightning's dispatch of it runs
+        (:mod:`lightning_diag.callbacks.common.batch_hooks`); the next batch that needs them gets them back. Only the
+        first and last batch of a quiet run switch;
         ``teardown`` switches them back on.
         """
         driver = self._driver

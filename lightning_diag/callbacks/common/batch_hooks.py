@@ -3,9 +3,10 @@
 Lightning calls a callback's hook only when ``getattr(callback, hook)`` is callable (its ``_call_callback_hooks``):
 a hook set to ``None`` on the instance is skipped, and so is Lightning's dispatch of it (the profiler label and
 context it opens around every call). :class:`~lightning_diag.callbacks.DiagCallback` uses this for the hooks a
-subclass declares in ``batch_hooks``: on a quiet batch they are ``None`` from its ``on_train_batch_start`` until the
-next batch that needs them, which gets back what the instance held (the class's method, or ``SystemMonitor``'s
-timing wrapper of it).
+subclass declares in ``batch_hooks``: on a quiet batch they do not run from its ``on_train_batch_start`` until the
+next batch that needs them. During a fit the trainer's driver skips them
+(:meth:`Driver.switch <lightning_diag.callbacks.common.driver.Driver.switch>`); outside one they are ``None`` on the
+instance, and the next batch gets back what the instance held (the class's method, or a callable set on it).
 
 The per-batch hooks a callback inherits from Lightning's ``Callback`` (no-ops: ``on_before_zero_grad`` for every
 callback of the library, ``on_after_backward`` for most) are ``None`` on the instance for the whole fit

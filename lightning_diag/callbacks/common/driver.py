@@ -8,10 +8,10 @@ trainer (a second ``fit`` on the same trainer continues its step axis).
 
 Once per training batch the driver moves the step axis and decides, for every attached callback, whether the batch
 is on its logging cadence (:meth:`Driver.batch_started`, set as each callback's ``on_cadence``): the first attached
-callback whose ``on_train_batch_start`` runs in the batch (Lightning calls them in ``trainer.callbacks`` order)
-triggers it, and the others read the decision: a callback whose :attr:`Driver.batches` count has moved since its
-last batch start knows the batch is decided. The epoch's start is the same (:meth:`Driver.epoch_started`, once per
-epoch).
+callback whose ``on_train_batch_start`` runs in the batch (the driver calls them in ``trainer.callbacks`` order
+during a fit) triggers it, and the others read the decision: a callback whose :attr:`Driver.batches` count has
+moved since its last batch start knows the batch is decided. The epoch's start is the same
+(:meth:`Driver.epoch_started`, once per epoch).
 
 During a fit the driver owns the Lightning hooks of
 :data:`~lightning_diag.callbacks.common.batch_hooks.DISPATCHED_HOOKS` (the training batch, epoch and validation
