@@ -142,16 +142,19 @@ class _Layout:
         self.present = sorted(set(layer_of))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class GradientSquares:
-    """The squared L2 norm of each gradient a measured step read, kept on the device for the step's other readers
-    (the non-finite guard's pass: 0 times their sum is 0 only when every gradient is finite).
+    """The squared L2 norm of each gradient a measured step read (and of its parameter), kept on the device for the
+    step's readers (the non-finite guard's pass: 0 times their sum is 0 only when every gradient is finite; the
+    gradient-flow measurement: its layers' sums).
 
     Attributes:
-        versions: ``{id(gradient): its version counter when measured}``.
+        versions: ``{id(gradient): its version counter when measured}``, in the order of :attr:`squares`.
         squares: The squared norms, float32, on the gradients' device (an overflow reads as a non-finite value).
         total: The L2 norm of all of them on the host (the square root of a float32 sum of ``squares``, in another
-            order), read back with the step's other values; NaN when not read.
+            order), set by the reader that reads it back with its step's other values; NaN until then.
+        weights: The squared norms of the gradients' parameters, row by row with :attr:`squares` (``None``: not
+            measured).
 
     Example:
         >>> g = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])]
@@ -166,11 +169,54 @@ class GradientSquares:
     versions: dict[int, int]
     squares: torch.Tensor
     total: float = math.nan
+    weights: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, grads: Sequence[torch.Tensor], squares: torch.Tensor) -> GradientSquares:
-        """The squares ``squares`` of ``grads``, with the gradients' identities and versions now."""
-        return cls({id(g): g._version for g in grads}, squares)
+    def of(
+        cls, grads: Sequence[torch.Tensor], squares: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> GradientSquares:
+        """The squares ``squares`` of ``grads`` (and ``weights`` of their parameters), with the gradients'
+        identities and versions now."""
+        return cls({id(g): g._version for g in grads}, squares, weights=weights)
+
+    @classmethod
+    def measure(cls, params: Sequence[torch.Tensor], weights: bool) -> GradientSquares | None:
+        """The squared norms of the gradients of ``params`` (those that have one, in order) and, with ``weights``, of
+        those parameters, in one fused pass (:func:`~lightning_diag.stats.grad.per_tensor_norms`, each norm the same
+        as on its own). ``None`` when no parameter has a gradient or one is a ``DTensor`` (sharded training: a local
+        shard's norm is not the tensor's; each reader measures its own).
+
+        Example:
+            >>> w = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
+            >>> w.grad = torch.tensor([1.0, 0.0])
+            >>> found = GradientSquares.measure([w], weights=True)
+            >>> found.squares.tolist(), found.weights.tolist()
+            ([1.0], [25.0])
+        """
+        with_grad = [p for p in params if p.grad is not None]
+        if not with_grad or any(is_dtensor(p) for p in with_grad):
+            return None
+        grads: list[torch.Tensor] = [p.grad for p in with_grad]  # type: ignore[misc]
+        if not weights:
+            return cls.of(grads, per_tensor_norms(grads).pow(2))
+        both = per_tensor_norms([*grads, *with_grad]).pow(2)
+        return cls.of(grads, both[: len(grads)], both[len(grads) :])
+
+    def rows_of(self, grads: Sequence[torch.Tensor]) -> list[int] | None:
+        """The rows of :attr:`squares` that hold ``grads``' squares, in their order, when every one of them was
+        measured here and is unchanged since; else ``None``.
+
+        Example:
+            >>> g = [torch.ones(2), torch.ones(3), torch.ones(1)]
+            >>> known = GradientSquares.of(g, torch.tensor([2.0, 3.0, 1.0]))
+            >>> known.rows_of([g[2], g[0]]), known.rows_of([torch.ones(1)])
+            ([2, 0], None)
+        """
+        versions = self.versions
+        if any(versions.get(id(g)) != g._version for g in grads):
+            return None
+        positions = {key: row for row, key in enumerate(versions)}
+        return [positions[id(g)] for g in grads]
 
     def proves_finite(self) -> bool:
         """Whether :attr:`total` proves every square finite, and their float32 sum finite in whatever order it is
@@ -203,8 +249,9 @@ class StepMeasurement:
         blocks: L2 norm of the blocks' weight-matrix gradients (``total`` when there is no matrix).
         has_matrices: Whether any comparable weight matrix has a gradient.
         loss: The step's training loss, ``None`` when unknown or not finite.
-        gradients: The squared norms of the measured gradients, on the device (``None`` under sharded training,
-            where they are weighted shares of the full tensors).
+        gradients: The squared norms of the measured gradients, on the device: ``known`` when they came from it (it
+            may hold more gradients), else this step's own (``None`` under sharded training, where they are
+            weighted shares of the full tensors).
         weight_squares: The squared norms of the measured parameters before the optimizer step, on the device, in
             the order of ``chosen`` (``None`` under sharded training): :func:`update_norms` reuses them.
         extra: The host values of :func:`measure_step`'s ``extra`` tensor, read in the same copy.
@@ -228,6 +275,7 @@ def measure_step(
     loss: torch.Tensor | None,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     extra: torch.Tensor | None = None,
+    known: GradientSquares | None = None,
 ) -> StepMeasurement:
     """Per-layer norms, RMS and relative gradients of the ``chosen`` parameters (positions in ``index``, each
     with a gradient), computed on their device and copied to the host once.
@@ -241,21 +289,30 @@ def measure_step(
             under sharded training the weighted per-layer sums of squares of the local shards too.
         extra: A 1-D float32 tensor of the caller's to read in the step's one host copy (not reduced across ranks):
             the activation watch's statistics of the same step. Its values are :attr:`StepMeasurement.extra`.
+        known: The squared norms of the step's gradients and weights measured already (the driver's, read by every
+            callback of the step): used when they hold every chosen gradient, unchanged (the same values as measured
+            here: each norm is its own tensor's), else measured here. Its :attr:`~GradientSquares.total` is set
+            from this step's host copy when the chosen gradients are all of it.
     """
     grads = [index.params[i].grad for i in chosen]
     device = local_tensor(grads[0]).device  # type: ignore[arg-type]
     n_layers = len(index.layers)
     layout = index.layout(chosen, device)
     group_of = layout.group_of
-    if index.sharded:
+    rows = None if known is None or index.sharded else known.rows_of(grads)  # type: ignore[arg-type]
+    if known is not None and rows is not None and known.weights is not None:
+        squares, weight_squares = _take_rows(known.squares, rows), _take_rows(known.weights, rows)
+        shared: GradientSquares | None = known
+    elif index.sharded:
         squares = per_tensor_norms(grads).pow(2)  # type: ignore[arg-type]
         weight_squares = None
+        shared = None
     else:
         # every measured parameter's weight norm with the gradients' in one pass (the update ratios reuse them after
         # the step): one multi-tensor kernel and one stack for both lists, each norm the same as on its own
         both = per_tensor_norms([*grads, *(index.params[i] for i in chosen)]).pow(2)  # type: ignore[list-item]
         squares, weight_squares = both[: len(chosen)], both[len(chosen) :]
-    shared = None if index.sharded else GradientSquares.of(grads, squares)  # type: ignore[arg-type]
+        shared = GradientSquares.of(grads, squares)  # type: ignore[arg-type]
     if index.sharded:
         squares = squares * torch.tensor([index.weights[i] for i in chosen], device=device)
     parts = [grouped_squares(squares, group_of, n_layers)]
@@ -294,8 +351,8 @@ def measure_step(
         ]
     present = layout.present
     host, extra_host = read_with([total.reshape(1), layer_norms, rms, *derived, loss_t], extra)  # the one copy
-    if shared is not None:  # the guard's pass at this step reads the total on the host (no operator)
-        shared = dataclasses.replace(shared, total=host[0])
+    if shared is not None and len(chosen) == len(shared.versions):  # every gradient of it: the total is theirs
+        shared.total = host[0]  # the guard's pass at this step reads it on the host (no operator)
     return StepMeasurement(
         total=host[0],
         norms={index.layers[g]: host[1 + g] for g in present},
@@ -308,6 +365,14 @@ def measure_step(
         weight_squares=weight_squares,
         extra=extra_host,
     )
+
+
+def _take_rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``values[rows]``: the vector itself when ``rows`` are all of it in order (the usual case: the measured
+    parameters are the optimizer's, in its order), else an exact gather."""
+    if len(rows) == values.numel() and rows == list(range(len(rows))):
+        return values
+    return values[torch.tensor(rows, dtype=torch.long, device=values.device)]
 
 
 def read_with(parts: Sequence[torch.Tensor], extra: torch.Tensor | None) -> tuple[list[float], list[float]]:

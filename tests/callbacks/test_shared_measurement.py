@@ -1,6 +1,7 @@
-"""Issue 43: a measuring step reads the gradients once. ``GradientFlowMonitor``'s squared gradient norms stand for
-the non-finite guard's pass at that step (through the trainer's step cache), and the guard stays exact: a NaN
-gradient on a measuring step is still caught before the update, and huge finite gradients whose squared norms
+"""Issue 43: a measuring step reads the gradients once. The driver measures the squared gradient (and weight) norms
+that ``GradientFlowMonitor`` requests on its measuring steps, once, for whichever callback reads them first: they
+stand for the non-finite guard's pass at that step in either order of the callbacks, and the guard stays exact: a
+NaN gradient on a measuring step is still caught before the update, and huge finite gradients whose squared norms
 overflow are still applied."""
 
 from __future__ import annotations
@@ -11,11 +12,18 @@ import torch
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
 from lightning_diag.callbacks.anomaly_alarm import guard_pass
-from lightning_diag.callbacks.common.driver import StepCache, gradient_squares_key
+from lightning_diag.callbacks.common.shared import Shared, SharedMeasurements
+from lightning_diag.instrument import grad_measure
 from lightning_diag.instrument.grad_measure import GradientSquares
 from tests.callbacks.nonfinite_models import Regression
 from tests.callbacks.test_guard_probe import HugeGradients
-from tests.output.logger_models import FAST
+from tests.output.logger_models import FAST, MemoryLogger
+
+ORDERS = ("flow first", "alarm first")
+
+
+def _ordered(order: str, flow: GradientFlowMonitor, alarm: AnomalyAlarm) -> list[pl.Callback]:
+    return [flow, alarm] if order == "flow first" else [alarm, flow]
 
 
 class _Step(pl.Callback):
@@ -47,17 +55,41 @@ def _count_passes(monkeypatch: pytest.MonkeyPatch, clock: _Step) -> dict[str, li
     return seen
 
 
-def test_a_measuring_step_reads_the_gradients_once(tmp_path, monkeypatch):
+def _count_norms(monkeypatch: pytest.MonkeyPatch, clock: _Step, model: pl.LightningModule) -> list[tuple[int, int]]:
+    """``(step, gradients in the list)`` of each multi-tensor norm call of ``grad_measure`` that reads a gradient
+    of ``model`` (the driver's measurement, or a callback's own one)."""
+    calls: list[tuple[int, int]] = []
+    norms = grad_measure.per_tensor_norms
+
+    def counted(tensors):
+        grads = {id(p.grad) for p in model.parameters() if p.grad is not None}
+        read = sum(id(t) in grads for t in tensors)
+        if read:
+            calls.append((clock.step, read))
+        return norms(tensors)
+
+    monkeypatch.setattr(grad_measure, "per_tensor_norms", counted)
+    return calls
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_measuring_step_reads_the_gradients_once(tmp_path, monkeypatch, order):
     clock = _Step()
     seen = _count_passes(monkeypatch, clock)
+    model = Regression()
+    norms = _count_norms(monkeypatch, clock, model)
     flow, alarm = GradientFlowMonitor(), AnomalyAlarm()
-    callbacks = [clock, flow, alarm]
+    callbacks = [clock, *_ordered(order, flow, alarm)]
     trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=20, log_every_n_steps=5, callbacks=callbacks, **FAST)
-    trainer.fit(Regression())
+    trainer.fit(model)
     # the guard's quick path starts at the second step (the first takes the full check); the measuring steps
-    # (every 5th) use the squares GradientFlowMonitor measured, the others make their own pass
+    # (every 5th) use the squares the driver measured, the others make their own pass
     assert seen["measured"] == [4, 9, 14, 19]
     assert seen["own"] == [s for s in range(1, 20) if s not in (4, 9, 14, 19)]
+    # one read of the gradients' norms per measuring step, every gradient of the model at once, whichever callback
+    # reads first (step 0: GradientFlowMonitor's baseline of the untrained model, no request)
+    n_grads = len(list(model.parameters()))
+    assert norms == [(0, n_grads), (4, n_grads), (9, n_grads), (14, n_grads), (19, n_grads)]
     assert [a.rule for a in alarm.alerts if a.severity.value in ("warning", "critical")] == []
 
 
@@ -70,11 +102,11 @@ def test_without_gradient_flow_every_step_makes_its_own_pass(tmp_path, monkeypat
     assert seen["measured"] == [] and seen["own"] == list(range(1, 12))
 
 
-@pytest.mark.parametrize("order", ["flow first", "alarm first"])
+@pytest.mark.parametrize("order", ORDERS)
 def test_a_nan_gradient_on_a_measuring_step_is_stopped_before_the_update(tmp_path, order):
     flow, alarm = GradientFlowMonitor(), AnomalyAlarm()
     model = Regression(fault="backward", fault_steps=(9,))
-    callbacks = [flow, alarm] if order == "flow first" else [alarm, flow]
+    callbacks = _ordered(order, flow, alarm)
     trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=30, log_every_n_steps=5, callbacks=callbacks, **FAST)
     trainer.fit(model)
     assert [(a.rule, a.global_step) for a in alarm.alerts if a.severity.value == "critical"] == [("nonfinite_grad", 9)]
@@ -109,11 +141,60 @@ def test_measured_squares_of_changed_or_other_gradients_are_not_used():
     assert not known.covers(grads)
 
 
-def test_the_step_cache_keeps_one_step():
-    cache = StepCache()
-    opt = object()
-    cache.put(3, gradient_squares_key(opt), "a")
-    assert cache.get(3, gradient_squares_key(opt)) == "a"
-    assert cache.get(3, gradient_squares_key(object())) is None
-    cache.put(4, "other", "b")
-    assert cache.get(3, gradient_squares_key(opt)) is None and cache.get(4, "other") == "b"
+#: The learning rate's factor from step 20: the loss overflows at step 27, a step no callback measures (on a measuring
+#: step that fails, the alarm placed first stops the update before GradientFlowMonitor measures it: the order of the
+#: hooks, not of a measurement).
+SPIKE = 15.0
+
+
+def _fit_in_order(root, order: str, every: int = 5) -> tuple[list, list, list[torch.Tensor]]:
+    """A fit with both callbacks in ``order`` (a fault: a learning-rate spike at step 20)."""
+    flow, alarm = GradientFlowMonitor(), AnomalyAlarm()
+    logger = MemoryLogger()
+    model = Regression(spike=(20, SPIKE))
+    trainer = pl.Trainer(
+        default_root_dir=root,
+        max_steps=40,
+        log_every_n_steps=every,
+        logger=logger,
+        callbacks=_ordered(order, flow, alarm),
+        **FAST,
+    )
+    trainer.fit(model)
+    alerts = [(a.rule, a.global_step, a.severity, a.value) for a in (*flow.alerts, *alarm.alerts)]
+    # every logged value (the user's and the diagnostics'), as (step, tag, value): the callbacks' writes of one step
+    # reach the logger in their order
+    values = sorted((step if step is not None else -1, k, v) for step, m in logger.calls for k, v in m.items())
+    return alerts, values, [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_order_of_the_callbacks_changes_no_value_alert_or_weight(tmp_path):
+    first = _fit_in_order(tmp_path / "a", "flow first")
+    second = _fit_in_order(tmp_path / "b", "alarm first")
+    alerts, values, weights = first
+    assert alerts and any("grad_norm" in tag for _, tag, _ in values)  # something to compare
+    assert alerts == second[0]
+    assert values == second[1]  # bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(weights, second[2], strict=True))
+
+
+def test_shared_measurements_are_measured_once_a_step_and_only_when_requested():
+    w = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
+    v = torch.nn.Parameter(torch.tensor([1.0]))
+    opt = torch.optim.SGD([w, v], lr=0.1)
+    w.grad, v.grad = torch.tensor([1.0, 0.0]), torch.tensor([2.0])
+    shared = SharedMeasurements()
+    assert shared.gradient_squares(opt, 3) is None  # nothing requested: the reader measures its own
+    shared.decide(frozenset({Shared.GRADIENT_SQUARES, Shared.WEIGHT_SQUARES}))
+    found = shared.gradient_squares(opt, 3)
+    assert found is not None and shared.gradient_squares(opt, 3) is found  # the same object for every reader
+    assert found.squares.tolist() == [1.0, 4.0] and found.weights is not None and found.weights.tolist() == [25.0, 1.0]
+    assert found.rows_of([v.grad, w.grad]) == [1, 0] and found.covers([w.grad, v.grad])
+    assert shared.gradient_squares(opt, 4) is not found  # another step: measured again
+    shared.decide(frozenset({Shared.GRADIENT_SQUARES}))
+    assert shared.gradient_squares(opt, 5).weights is None  # the weights only when requested
+    w.grad = None
+    v.grad = None
+    assert shared.gradient_squares(opt, 6) is None  # no gradient: nothing to share
+    shared.decide(frozenset())
+    assert shared.gradient_squares(opt, 7) is None

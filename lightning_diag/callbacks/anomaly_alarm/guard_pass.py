@@ -62,8 +62,9 @@ class OptimizerPass:
         return self._read(finite_probe(tensors, self.found, self.sums))
 
     def clean_measured(self, losses: list[torch.Tensor], known: GradientSquares) -> bool | None:
-        """:meth:`clean` on a step whose gradients' squared norms were measured already (a measuring step of
-        ``GradientFlowMonitor``): when ``known`` covers exactly these gradients, unchanged, on the flag's device,
+        """:meth:`clean` on a step whose gradients' squared norms the driver measures for every reader (a measuring
+        step of ``GradientFlowMonitor``, which requests them): when ``known`` covers exactly these gradients,
+        unchanged, on the flag's device,
         their sum stands for the pass over the gradients (0 times it is 0 only when every gradient is finite; an
         overflow fails it, and the full check decides) and only ``losses`` are read. ``None`` when ``known`` does
         not cover them: :meth:`clean` then makes its own pass.

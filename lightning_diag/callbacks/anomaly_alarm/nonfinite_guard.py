@@ -21,7 +21,6 @@ import torch
 
 from lightning_diag.callbacks.anomaly_alarm.guard_pass import OptimizerPass
 from lightning_diag.callbacks.anomaly_alarm.lr_logging import learning_rates
-from lightning_diag.callbacks.common.driver import gradient_squares_key
 from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.core.alerts import Alert
 from lightning_diag.rules.base import StepContext
@@ -286,9 +285,9 @@ class NonFiniteGuard:
         params = self._quick.get(id(optimizer))
         if params is not None and params.matches(optimizer.param_groups):
             losses = self.held
-            # on a measuring step the gradients' squared norms are measured already (one read of them per step)
-            cache = self.owner.step_cache
-            known = cache.get(trainer.global_step, gradient_squares_key(optimizer)) if cache is not None else None
+            # on a step where they are requested the gradients' squared norms are the driver's, measured once for
+            # every reader (whichever reads first): one read of the gradients per step
+            known = self.owner.shared_gradient_squares(trainer, optimizer)
             clean = params.clean_measured(losses, known) if known is not None else None
             if clean if clean is not None else params.clean(losses):
                 if losses:

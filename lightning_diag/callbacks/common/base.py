@@ -16,16 +16,18 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.common.batch_hooks import inherited_batch_hooks, switch_off, switch_on
-from lightning_diag.callbacks.common.driver import Driver, StepCache
+from lightning_diag.callbacks.common.driver import Driver
 from lightning_diag.callbacks.common.driver import attach as _attach
 from lightning_diag.callbacks.common.preset import DeclaredDetectors
 from lightning_diag.callbacks.common.reduction import reduce_state
 from lightning_diag.callbacks.common.session import DiagSession
+from lightning_diag.callbacks.common.shared import NOTHING, Shared
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.log_handler import ensure_handler
 from lightning_diag.core.registry import ParsedRules, RuleChoices, default, owner_name, parse_rules, registry_thresholds
 from lightning_diag.core.tags import threshold_tag
 from lightning_diag.core.validation import check_callable, check_int
+from lightning_diag.instrument.grad_measure import GradientSquares
 from lightning_diag.output.writer import DiagWriter
 from lightning_diag.rules.base import StepContext
 from lightning_diag.stats.reduced import ReducedState
@@ -122,6 +124,9 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
     #: Per-batch hooks this callback needs only on the batches it works in: on a batch :meth:`quiet_batch` calls
     #: quiet they are switched off until the next batch's start (see :meth:`on_train_batch_start`).
     batch_hooks: ClassVar[tuple[str, ...]] = ()
+    #: The shared measurements this callback reads on the steps of its logging cadence: its driver computes each
+    #: once a step for every reader (:meth:`shared_gradient_squares`).
+    shared_requests: ClassVar[frozenset[Shared]] = NOTHING
 
     def __init__(
         self,
@@ -396,11 +401,13 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
             lines = self._lines[rules] = {threshold_tag(rule): values[rule] for rule in rules if rule in values}
         return dict(lines)
 
-    @property
-    def step_cache(self) -> StepCache | None:
-        """What the current optimizer step measured, shared by the trainer's callbacks (its driver's
-        :class:`~lightning_diag.callbacks.common.driver.StepCache`); ``None`` before ``setup``."""
-        return self._driver.step_cache if self._driver is not None else None
+    def shared_gradient_squares(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> GradientSquares | None:
+        """The squared norms of ``optimizer``'s gradients at the current step, computed once by the driver for every
+        callback that reads them (:meth:`SharedMeasurements.gradient_squares
+        <lightning_diag.callbacks.common.shared.SharedMeasurements.gradient_squares>`); ``None`` when no attached
+        callback on its cadence requested them in this batch, or before ``setup``."""
+        driver = self._driver
+        return driver.shared.gradient_squares(optimizer, trainer.global_step) if driver is not None else None
 
     @property
     def writer(self) -> DiagWriter:

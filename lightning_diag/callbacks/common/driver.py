@@ -2,16 +2,19 @@
 
 A :class:`Driver` holds the trainer's session (:class:`~lightning_diag.callbacks.common.session.DiagSession`: the
 run's folder, writer, alert log), its step axis (:class:`~lightning_diag.callbacks.common.step_axis.StepAxis`), the
-measurements of the current optimizer step (:class:`StepCache`) and the ordered list of the callbacks attached to
-it. A callback attaches in ``setup`` (:func:`attach`) and detaches in ``teardown``; the driver lives as long as the
-trainer (a second ``fit`` on the same trainer continues its step axis).
+measurements the attached callbacks requested for the current step
+(:class:`~lightning_diag.callbacks.common.shared.SharedMeasurements`: computed once, whichever callback reads them
+first) and the ordered list of the callbacks attached to it. A callback attaches in ``setup`` (:func:`attach`) and
+detaches in ``teardown``; the driver lives as long as the trainer (a second ``fit`` on the same trainer continues
+its step axis).
 
 Once per training batch the driver moves the step axis and decides, for every attached callback, whether the batch
 is on its logging cadence (:meth:`Driver.batch_started`, set as each callback's ``on_cadence``): the first attached
 callback whose ``on_train_batch_start`` runs in the batch (the driver calls them in ``trainer.callbacks`` order
 during a fit) triggers it, and the others read the decision: a callback whose :attr:`Driver.batches` count has
-moved since its last batch start knows the batch is decided. The epoch's start is the same
-(:meth:`Driver.epoch_started`, once per epoch).
+moved since its last batch start knows the batch is decided. The same decision names the shared measurements
+requested for the batch: those of the callbacks on their cadence (their ``shared_requests``). The epoch's start is
+the same (:meth:`Driver.epoch_started`, once per epoch).
 
 During a fit the driver owns the Lightning hooks of
 :data:`~lightning_diag.callbacks.common.batch_hooks.DISPATCHED_HOOKS` (the training batch, epoch and validation
@@ -32,61 +35,21 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Hashable, Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, Protocol
 
 import pytorch_lightning as pl
 
 from lightning_diag.callbacks.common.batch_hooks import DISPATCHED_HOOKS
 from lightning_diag.callbacks.common.session import DiagSession, ThresholdSource, run_log_dir
+from lightning_diag.callbacks.common.shared import NOTHING, Shared, SharedMeasurements
 from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY, StepAxis
 
-__all__ = ["AttachedCallback", "Driver", "PartWrap", "StepCache", "attach", "driver_of", "gradient_squares_key"]
+__all__ = ["AttachedCallback", "Driver", "PartWrap", "attach", "driver_of"]
 
 #: What the driver calls for one callback's hook: ``wrap(callback, hook, part)`` returns the callable to call in
 #: place of ``part`` (``SystemMonitor``'s timer of it, or ``part`` itself).
 PartWrap = Callable[[Any, str, Callable[..., Any]], Callable[..., Any]]
-
-
-class StepCache:
-    """What one optimizer step measured, computed once by the first callback that needs it and read by the others
-    (issue 43: one read of the gradients per measuring step, however many callbacks use it).
-
-    Entries live for one step: an entry put at another ``global_step`` is gone. A reader checks that an entry
-    describes what it would have measured itself (the same tensors, unchanged) before using it.
-
-    Example:
-        >>> cache = StepCache()
-        >>> cache.put(10, "grad_squares", 1.0)
-        >>> cache.get(10, "grad_squares"), cache.get(11, "grad_squares")
-        (1.0, None)
-    """
-
-    def __init__(self) -> None:
-        self._step: int | None = None
-        self._values: dict[Hashable, Any] = {}
-
-    def put(self, step: int, name: Hashable, value: Any) -> None:
-        """Keep ``value`` under ``name`` for ``step`` (the entries of an earlier step are dropped)."""
-        if step != self._step:
-            self._step = step
-            self._values = {}
-        self._values[name] = value
-
-    def get(self, step: int, name: Hashable) -> Any | None:
-        """The value put under ``name`` at ``step``, else ``None``."""
-        return self._values.get(name) if step == self._step else None
-
-    def clear(self) -> None:
-        """Drop every entry."""
-        self._step = None
-        self._values = {}
-
-
-def gradient_squares_key(optimizer: Any) -> tuple[str, int]:
-    """The :class:`StepCache` entry of the squared gradient norms measured at an ``optimizer``'s step (a
-    :class:`~lightning_diag.instrument.grad_measure.GradientSquares`)."""
-    return ("grad_squares", id(optimizer))
 
 
 class AttachedCallback(ThresholdSource, Protocol):
@@ -95,6 +58,8 @@ class AttachedCallback(ThresholdSource, Protocol):
 
     #: Whether the current training batch is on the callback's logging cadence: set by :meth:`Driver.batch_started`.
     on_cadence: bool
+    #: The shared measurements the callback reads on the steps of its cadence (computed once for every reader).
+    shared_requests: ClassVar[frozenset[Shared]]
 
     def every_n_steps(self, trainer: pl.Trainer) -> int:
         """The callback's logging interval."""
@@ -107,7 +72,8 @@ class Driver:
     Attributes:
         step_axis: The user's step axis (one per trainer, kept across fits; saved once per checkpoint under
             :data:`~lightning_diag.callbacks.common.step_axis.STEP_AXIS_KEY`, :meth:`save_axis`).
-        step_cache: What the current optimizer step measured (:class:`StepCache`).
+        shared: The shared measurements requested for the current batch, and their values once computed
+            (:class:`~lightning_diag.callbacks.common.shared.SharedMeasurements`).
         session: The session of the current run folder, while a callback is attached; else ``None``.
         callbacks: The attached callbacks, in ``trainer.callbacks`` order from ``on_fit_start`` (before: the order
             they attached in, which is Lightning's ``setup`` order, the same).
@@ -117,7 +83,7 @@ class Driver:
 
     def __init__(self) -> None:
         self.step_axis = StepAxis()
-        self.step_cache = StepCache()
+        self.shared = SharedMeasurements()
         self.session: DiagSession | None = None
         self.callbacks: list[AttachedCallback] = []
         self.batches = 0
@@ -189,6 +155,7 @@ class Driver:
         ):
             self._unhost()
             self._host()
+        self.shared.clear()
         if self.session is not None:
             self.session.start_fit(trainer, self.callbacks)
 
@@ -332,7 +299,8 @@ class Driver:
         """A training batch starts (the first attached callback's ``on_train_batch_start`` in the batch): move the
         step axis, count the batch in :attr:`batches` and set every attached callback's ``on_cadence``: whether
         :attr:`StepAxis.cadence_step <lightning_diag.callbacks.common.step_axis.StepAxis.cadence_step>` is a
-        multiple of its logging interval (``every_n_steps(trainer)``, read once per fit).
+        multiple of its logging interval (``every_n_steps(trainer)``, read once per fit); the batch's requested
+        shared measurements are those of the callbacks on their cadence (:attr:`shared`).
 
         Returns:
             Whether this call decided (``False``: a second call in the same batch, which changes nothing).
@@ -348,12 +316,17 @@ class Driver:
                 groups.setdefault(cb.every_n_steps(trainer), []).append(cb)
             cadence = self._cadence = [_Interval(every, callbacks) for every, callbacks in groups.items()]
         count = axis.stepped + 1  # `axis.cadence_step`, without the property
+        requested = NOTHING
         for interval in cadence:
             on = count % interval.every == 0
             if on is not interval.on:  # set only when it changes (a quiet run's batches leave it)
                 interval.on = on
                 for cb in interval.callbacks:
                     cb.on_cadence = on
+            if on and interval.requests:
+                requested = requested | interval.requests if requested else interval.requests
+        if requested is not self.shared.requested:
+            self.shared.decide(requested)
         return True
 
     def epoch_started(self, trainer: pl.Trainer) -> None:
@@ -399,13 +372,15 @@ def _is_driver_call(value: Any, hook: str) -> bool:
 
 
 class _Interval:
-    """The attached callbacks of one logging interval, and the cadence last set on them (``None``: not yet)."""
+    """The attached callbacks of one logging interval, the shared measurements they request on it, and the cadence
+    last set on them (``None``: not yet)."""
 
-    __slots__ = ("callbacks", "every", "on")
+    __slots__ = ("callbacks", "every", "on", "requests")
 
     def __init__(self, every: int, callbacks: list[AttachedCallback]) -> None:
         self.every = every
         self.callbacks = callbacks
+        self.requests = frozenset().union(*(cb.shared_requests for cb in callbacks))
         self.on: bool | None = None
 
 

@@ -16,8 +16,8 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
-from lightning_diag.callbacks.common.driver import gradient_squares_key
 from lightning_diag.callbacks.common.preset import Detector, Preset
+from lightning_diag.callbacks.common.shared import Shared
 from lightning_diag.callbacks.gradient_flow.params import (
     ParamSelector,
     build_param_index,
@@ -180,6 +180,9 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
 
     #: Switched off on quiet batches (:meth:`quiet_batch`): Lightning then skips them.
     batch_hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_train_batch_end")
+    #: A measured step reads the squared norms of the gradients and the weights from the driver (measured once, also
+    #: for the non-finite guard's check of that step).
+    shared_requests = frozenset({Shared.GRADIENT_SQUARES, Shared.WEIGHT_SQUARES})
     preset = Preset(
         "GradientFlowMonitor",
         (
@@ -447,11 +450,10 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             return
         # the activation watch's statistics of this step ride in the measurement's one host copy
         act = self._watch.take() if self._watch.pending or self._watch.too_few_rows else None
-        m = measure_step(index, chosen, self._loss, self._reduce(trainer), None if act is None else act.values)
+        # the squared norms of the gradients and weights: the driver's, measured once for every reader of the step
+        known = self.shared_gradient_squares(trainer, optimizer)
+        m = measure_step(index, chosen, self._loss, self._reduce(trainer), None if act is None else act.values, known)
         self._loss = None
-        cache = self.step_cache
-        if m.gradients is not None and cache is not None:  # the guard's pass at this step reads these instead
-            cache.put(trainer.global_step, gradient_squares_key(optimizer), m.gradients)
         step = trainer.global_step
         values = step_scalars(m, position)
         values.update(self.threshold_lines(GRAD_VANISH, GRAD_EXPLODE))

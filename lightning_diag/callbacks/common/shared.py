@@ -1,0 +1,87 @@
+"""The measurements the driver computes once a step for every callback that reads them (issue 43).
+
+A callback names what it needs from the closed set :class:`Shared` (its class attribute ``shared_requests``): the
+driver asks for them on the steps of that callback's logging cadence (:meth:`SharedMeasurements.decide`, from
+:meth:`~lightning_diag.callbacks.common.driver.Driver.batch_started`). On such a step the first reader, whichever
+callback's part runs first in ``trainer.callbacks`` order, computes them (:meth:`SharedMeasurements.gradient_squares`)
+and every reader of the step gets the same object; on a step where nothing is requested a reader gets ``None`` and
+measures what it needs itself (one set lookup: the quiet step does no more work).
+
+The set holds what several callbacks read on one step today: the squared norms of an optimizer's gradients
+(``GradientFlowMonitor``'s layer norms, and the non-finite guard's check of every gradient, which reads them in place of
+its own pass) and of its parameters (``GradientFlowMonitor``'s relative gradients and update ratios), computed together
+in one fused pass when both are requested.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from lightning_diag.instrument.grad_measure import GradientSquares
+
+__all__ = ["NOTHING", "Shared", "SharedMeasurements"]
+
+
+class Shared(enum.Enum):
+    """The closed set of measurements a callback may request from the driver."""
+
+    #: The squared L2 norm of each gradient of an optimizer's parameters (a
+    #: :class:`~lightning_diag.instrument.grad_measure.GradientSquares`).
+    GRADIENT_SQUARES = "gradient_squares"
+    #: The squared L2 norm of each of those parameters, in the same record (its ``weights``); measured with the
+    #: gradients' in one pass, so it implies :attr:`GRADIENT_SQUARES`.
+    WEIGHT_SQUARES = "weight_squares"
+
+
+#: No measurement requested.
+NOTHING: frozenset[Shared] = frozenset()
+
+#: What the memo holds for an optimizer whose gradients could not be measured (no gradient, sharded parameters).
+_UNMEASURED = object()
+
+
+class SharedMeasurements:
+    """The driver's requested measurements of the current training batch and its memo of the values computed.
+
+    Attributes:
+        requested: What the callbacks on their cadence in the current batch requested (:meth:`decide`).
+    """
+
+    def __init__(self) -> None:
+        self.requested: frozenset[Shared] = NOTHING
+        self._step: int | None = None
+        self._values: dict[int, Any] = {}  # id(optimizer) -> its GradientSquares (or _UNMEASURED) at `_step`
+
+    def decide(self, requested: frozenset[Shared]) -> None:
+        """The requests of a new training batch (the union of those of the callbacks on their cadence)."""
+        self.requested = requested
+
+    def clear(self) -> None:
+        """Drop the requests and every value computed (a new fit)."""
+        self.requested = NOTHING
+        self._step = None
+        self._values = {}
+
+    def gradient_squares(self, optimizer: torch.optim.Optimizer, step: int) -> GradientSquares | None:
+        """The squared norms of ``optimizer``'s gradients at global ``step`` (with its parameters' when
+        :attr:`Shared.WEIGHT_SQUARES` is requested), computed at the step's first call and the same object at the
+        others. ``None`` when not requested in this batch, or when they cannot be measured (no gradient, sharded
+        parameters): the caller measures its own.
+
+        A reader checks that the record still describes its gradients (``GradientSquares.covers`` /
+        ``rows_of``: a gradient dropped or changed in place since is not in it)."""
+        requested = self.requested
+        if not requested:
+            return None
+        if step != self._step:
+            self._step = step
+            self._values = {}
+        found = self._values.get(id(optimizer))
+        if found is None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            found = GradientSquares.measure(params, weights=Shared.WEIGHT_SQUARES in requested)
+            self._values[id(optimizer)] = _UNMEASURED if found is None else found
+        return None if found is _UNMEASURED else found
