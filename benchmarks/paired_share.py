@@ -59,6 +59,9 @@ VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
     "AttentionEntropyMonitor": lambda: [AttentionEntropyMonitor()],
     "SystemMonitor": lambda: [SystemMonitor()],
     "all defaults": lambda: list(default_callbacks()),
+    # the defaults with AnomalyAlarm before GradientFlowMonitor (the order in which the guard's check runs first on a
+    # measuring step: before the driver's shared measurements, it then made its own pass over the gradients)
+    "defaults, alarm first": lambda: [AnomalyAlarm(), GradientFlowMonitor(), AttentionEntropyMonitor()],
     # the default detectors' tensor work alone (issue 43's floor): its measuring steps every 10 steps, as the
     # defaults at --log-every 10; "floor guard" is the guard's pass alone, every step; "floor+rules" adds the
     # sampled checks' forward hooks on the same steps (the sampled checks run on the logging interval)
