@@ -12,6 +12,7 @@ import torch
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
 from lightning_diag.callbacks.anomaly_alarm import guard_pass
+from lightning_diag.callbacks.common.driver import driver_of
 from lightning_diag.callbacks.common.shared import Shared, SharedMeasurements
 from lightning_diag.instrument import grad_measure
 from lightning_diag.instrument.grad_measure import GradientSquares
@@ -198,3 +199,26 @@ def test_shared_measurements_are_measured_once_a_step_and_only_when_requested():
     assert shared.gradient_squares(opt, 6) is None  # no gradient: nothing to share
     shared.decide(frozenset())
     assert shared.gradient_squares(opt, 7) is None
+
+
+class _Requests(pl.Callback):
+    """The driver's requested measurements at each optimizer step."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, frozenset[Shared]] = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        driver = driver_of(trainer)
+        assert driver is not None
+        self.seen[trainer.global_step] = driver.shared.requested
+
+
+def test_the_requests_follow_the_requesting_callbacks_own_cadence(tmp_path):
+    seen = _Requests()
+    flow, alarm = GradientFlowMonitor(log_every_n_steps=4), AnomalyAlarm(log_every_n_steps=3)
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=12, logger=False, callbacks=[alarm, flow, seen], **FAST)
+    trainer.fit(Regression())
+    both = frozenset({Shared.GRADIENT_SQUARES, Shared.WEIGHT_SQUARES})
+    # GradientFlowMonitor's cadence steps (global steps 3, 7, 11); the alarm requests nothing, whatever its cadence
+    assert {step for step, requested in seen.seen.items() if requested} == {3, 7, 11}
+    assert all(requested == both for requested in seen.seen.values() if requested)
