@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import pytorch_lightning as pl
@@ -112,6 +113,7 @@ class Open(pl.Callback):
         self.local = copy.deepcopy(checkpoint["callbacks"])
         trainer.strategy.calls = []
         trainer.strategy.counting = True
+        self.started = time.perf_counter()
 
 
 class Close(pl.Callback):
@@ -122,19 +124,24 @@ class Close(pl.Callback):
         self.records: list[dict[str, Any]] = []
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        saving = time.perf_counter() - self.opened.started  # every lightning_diag callback's save
         strategy = trainer.strategy
         strategy.counting = False
         calls = strategy.calls
         expected = copy.deepcopy(self.opened.local)
         strategy.calls = []
         strategy.counting = True
+        started = time.perf_counter()
         legacy_save(trainer, pl_module.device, expected)
+        legacy = time.perf_counter() - started
         strategy.counting = False
         alarms = [cb for cb in trainer.callbacks if isinstance(cb, AnomalyAlarm)]
         self.records.append({
             "step": trainer.global_step,
             "calls": calls,
             "legacy_calls": strategy.calls,
+            "seconds": saving,
+            "legacy_seconds": legacy,
             "pending": [bool(alarm.pending_losses) for alarm in alarms],
             "local": dumps(self.opened.local),
             "saved": dumps(checkpoint["callbacks"]),
