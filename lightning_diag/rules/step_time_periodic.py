@@ -222,7 +222,9 @@ class StepPeriodicRule(Rule):
         """Judge the window of step times ``t`` (seconds, oldest first, after the warm-up; :class:`StepTimes`).
 
         ``t.run_times``, every step time since the fit's start while the window is shorter than :data:`MIN_STEPS`,
-        is judged by :func:`pattern_from_start`. A step of ``t.times`` explained by the trainer's scheduled work
+        is judged by :func:`pattern_from_start`, and whether the machine is contended is then read from the CPU
+        pressure over those same steps (``t.run_pressure``; ``m.cpu_pressure`` is the window's, which leaves out the
+        warm-up: before its end it is not known). A step of ``t.times`` explained by the trainer's scheduled work
         ``t.work`` (:func:`explained_by_work`) takes the median; one of ``t.run_times`` explained by ``t.run_work``
         is neutral.
         """
@@ -244,6 +246,7 @@ class StepPeriodicRule(Rule):
                 if not (found.found and found.coverage >= 1.0 and found.precision >= 1.0):
                     found = Periodicity(0)
             if not found.found and run_times is not None and explained is not None:
+                self._pressure = t.run_pressure  # the steps judged are the run's since its start
                 early = pattern_from_start(run_times, explained, self.slow_ratio, self.threshold)
                 if early.found:
                     # ``last`` indexes ``times`` (the caller leaves the pattern's steps out of other tests)
