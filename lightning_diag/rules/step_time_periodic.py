@@ -19,7 +19,8 @@ neutral (:func:`explained_by_work`), so a logging cadence is no period while a s
 logging work on the same steps still is. ``value`` is the period in steps. The same test runs on dips of GPU
 utilisation when NVML is present (source ``gpu_utilization``).
 
-On a contended machine (CPU pressure above :data:`~lightning_diag.rules.contention.CONTENDED_PRESSURE`,
+On a contended machine (CPU pressure above :data:`~lightning_diag.rules.contention.CONTENDED_PRESSURE` over the
+steps judged: the window's, or every step's since the fit's start during the warm-up;
 :mod:`lightning_diag.rules.contention`) the alert is an ``info`` (source ``step_time_contended``); a condition that
 persists once the machine is free again is a warning of its own (source ``step_time``).
 """
