@@ -3,7 +3,8 @@
 
 On a machine where more tasks want to run than there are CPUs, when some runnable task waited for a CPU during more
 than :data:`CONTENDED_PRESSURE` of the wall time judged (Linux CPU pressure, ``/proc/pressure/cpu``; the busiest
-rank's under DDP; the step-time window's mean for the step-time rules, the interval's for ``dataloader_bound``), the
+rank's under DDP; the step-time window's mean for the step-time rules, the mean over every step since the fit's
+start when ``step_time_periodic`` judges those during the warm-up, the interval's for ``dataloader_bound``), the
 timings measure the machine's load as much as the run, so the alert is an ``info`` naming that pressure
 (when other processes used at least :data:`OTHER_CPUS_BUSY` CPUs meanwhile, :func:`machine_pressure`: the
 pressure that the run's own dataloader workers make is the run's)

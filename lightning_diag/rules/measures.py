@@ -315,6 +315,8 @@ class StepTimes:
         explained: Which of ``run_times`` have a known one-time cause.
         work: The trainer's scheduled work measured on each step of ``times`` (seconds).
         run_work: The same for ``run_times``.
+        run_pressure: The CPU pressure blamed on the machine over the steps of ``run_times`` (their mean, as
+            :attr:`Measures.cpu_pressure` is the window's; ``None``: not known).
     """
 
     times: Series
@@ -322,6 +324,7 @@ class StepTimes:
     explained: Sequence[bool] | None = None
     work: Series | None = None
     run_work: Series | None = None
+    run_pressure: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

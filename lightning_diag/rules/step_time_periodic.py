@@ -19,7 +19,8 @@ neutral (:func:`explained_by_work`), so a logging cadence is no period while a s
 logging work on the same steps still is. ``value`` is the period in steps. The same test runs on dips of GPU
 utilisation when NVML is present (source ``gpu_utilization``).
 
-On a contended machine (CPU pressure above :data:`~lightning_diag.rules.contention.CONTENDED_PRESSURE`,
+On a contended machine (CPU pressure above :data:`~lightning_diag.rules.contention.CONTENDED_PRESSURE` over the
+steps judged: the window's, or every step's since the fit's start during the warm-up;
 :mod:`lightning_diag.rules.contention`) the alert is an ``info`` (source ``step_time_contended``); a condition that
 persists once the machine is free again is a warning of its own (source ``step_time``).
 """
@@ -222,7 +223,9 @@ class StepPeriodicRule(Rule):
         """Judge the window of step times ``t`` (seconds, oldest first, after the warm-up; :class:`StepTimes`).
 
         ``t.run_times``, every step time since the fit's start while the window is shorter than :data:`MIN_STEPS`,
-        is judged by :func:`pattern_from_start`. A step of ``t.times`` explained by the trainer's scheduled work
+        is judged by :func:`pattern_from_start`, and whether the machine is contended is then read from the CPU
+        pressure over those same steps (``t.run_pressure``; ``m.cpu_pressure`` is the window's, which leaves out the
+        warm-up: before its end it is not known). A step of ``t.times`` explained by the trainer's scheduled work
         ``t.work`` (:func:`explained_by_work`) takes the median; one of ``t.run_times`` explained by ``t.run_work``
         is neutral.
         """
@@ -244,6 +247,7 @@ class StepPeriodicRule(Rule):
                 if not (found.found and found.coverage >= 1.0 and found.precision >= 1.0):
                     found = Periodicity(0)
             if not found.found and run_times is not None and explained is not None:
+                self._pressure = t.run_pressure  # the steps judged are the run's since its start
                 early = pattern_from_start(run_times, explained, self.slow_ratio, self.threshold)
                 if early.found:
                     # ``last`` indexes ``times`` (the caller leaves the pattern's steps out of other tests)

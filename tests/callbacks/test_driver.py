@@ -6,6 +6,8 @@ runs every attached callback's own in list order; everything is given back at th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from lightning_diag.callbacks.common.base import DiagCallback
 from lightning_diag.callbacks.common.batch_hooks import DISPATCHED_HOOKS
 from lightning_diag.callbacks.common.driver import Driver, driver_of
 from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY
+from lightning_diag.stats.reduced import ReducedState, Reduction
 from tests.output.logger_models import FAST, Regression
 
 STEPS = 12
@@ -397,6 +400,59 @@ def test_the_axis_is_written_and_resumed_once_per_checkpoint(tmp_path):
     driver.load_axis(loaded)
     assert driver.step_axis.state_dict() == {"stepped": 4}
     assert driver.load_axis({}) is None and driver.step_axis.state_dict() == {"stepped": 4}
+
+
+class _AsIfTwinRank:
+    """`trainer.strategy` of rank 0 of two whose twin holds the same values: notes each collective."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        self.calls.append(reduce_op)
+        return tensor * 2 if reduce_op == "sum" else tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.calls.append("all_gather")
+        return torch.stack([tensor, tensor])
+
+
+def test_the_declared_state_is_reduced_once_per_checkpoint_for_every_callback():
+    # the first callback's save reduces every callback's declared state (one collective per kind for all of them)
+    # into its entry; the others' saves of the same checkpoint find it done, a new checkpoint is reduced again
+    states = []
+    for total, first in ((1.5, 7), (2.0, 3)):
+        state = ReducedState()
+        state.add_state("total", 0.0, Reduction.SUM)
+        state.add_state("first", float("inf"), Reduction.MIN)
+        state.add_state("seen", [], Reduction.CAT)
+        state["total"], state["first"], state["seen"] = total, first, [total]
+        states.append(state)
+    strategy = _AsIfTwinRank()
+    trainer: Any = SimpleNamespace(world_size=2, strategy=strategy)
+    driver = Driver()
+    read: list[str] = []
+
+    def parts() -> Iterator[tuple[str, str, Any]]:
+        for key, state in zip("AB", states, strict=True):
+            read.append(key)
+            yield key, "sums", state
+
+    def checkpoint() -> dict[str, Any]:
+        entries = {key: {"sums": {**state.state_dict(), "kept": 1}} for key, state in zip("AB", states, strict=True)}
+        return {"callbacks": entries}
+
+    saved = checkpoint()
+    for _ in range(3):  # three callbacks save
+        driver.save_reduced(trainer, saved, parts(), torch.device("cpu"))
+    assert strategy.calls == ["sum", "min", "all_gather", "all_gather"] and read == ["A", "B"]
+    assert saved["callbacks"] == {
+        "A": {"sums": {"total": 3.0, "first": 7.0, "seen": [1.5, 1.5], "kept": 1}},
+        "B": {"sums": {"total": 4.0, "first": 3.0, "seen": [2.0, 2.0], "kept": 1}},
+    }
+    again = checkpoint()
+    driver.save_reduced(trainer, again, parts(), torch.device("cpu"))
+    assert len(strategy.calls) == 8 and again["callbacks"] == saved["callbacks"]
 
 
 # -- a fit that ends without our teardown, hooks switched off on an instance, the writer at each detach ---------------

@@ -104,6 +104,32 @@ def test_a_70_percent_stall_is_named_within_a_30_step_run_with_the_default_warm_
     assert "70% of the time" in monitor.alerts[0].message
 
 
+@pytest.mark.parametrize(
+    ("pressure", "others", "severity", "source"),
+    [
+        (0.27, 1.24, "info", "step_time_contended"),  # the calibration's false alarm: 27%, other processes 1.24 CPUs
+        (0.27, 0.05, "warning", "step_time"),  # the run's own tasks made the pressure
+        (0.01, 1.24, "warning", "step_time"),  # a free machine
+    ],
+)
+def test_a_stall_pattern_named_during_the_warm_up_reads_the_warm_ups_cpu_pressure(
+    monkeypatch, tmp_path, pressure, others, severity, source
+):
+    # the 70% stall of the test above, named at step 20 from the steps since the fit's start: nothing after the
+    # 20-step warm-up is in the window yet, so the window's pressure is not known; the warm-up's is
+    rec = spy(monkeypatch)
+    monitor = SystemMonitor()
+    clock = FakeTime(pressure, others=others)
+    monitor.time_source = clock
+    fit(Encoder(), [monitor, Tick(clock, 0.02), StallEvery(10, 0.47, clock)], 30, log_every_n_steps=5,
+        default_root_dir=tmp_path, profiler=SystemProfiler())
+    assert [(a.rule, a.global_step, a.value, a.severity, a.source) for a in monitor.alerts] == [
+        ("step_time_periodic", 20, 10.0, severity, source)
+    ]
+    assert ("waited for a CPU 27% of the time" in monitor.alerts[0].message) == (severity == "info")
+    assert [v for _, v in rec.values["diag/system/cpu_pressure"]] == pytest.approx([pressure] * 6)
+
+
 class OneTimeCosts(pl.Callback):
     """The one-time costs of a healthy run on the fake clock: compilation in the first step, a first-batch
     autotune in the second, dataloader workers started at every epoch and after every validation run (listed
@@ -268,6 +294,7 @@ def test_state_survives_a_resume(tmp_path):
     assert seen["steps_seen"] == 8 and seen["window"] == state["window"]
     assert seen["memory"] == state["memory"] and seen["dataloader"] == state["dataloader"]
     assert seen["run_window"] == state["run_window"] and len(state["run_window"]) == 8  # the warm-up bypass's steps
+    assert seen["run_pressure"] == state["run_pressure"] and len(state["run_pressure"]) == 8  # and their pressure
     assert resumed.steps_seen == 12  # steps 11-14 were added to the restored window
     assert [round(t, 9) for t, *_ in list(resumed.step_window)[:8]] == [round(w[0], 9) for w in state["window"]]
     # the scheduled work of each step is kept, and a checkpoint written before it was saved loads with none
@@ -275,6 +302,10 @@ def test_state_survives_a_resume(tmp_path):
     older = {**state, "window": [w[:3] for w in state["window"]], "run_window": [w[:2] for w in state["run_window"]]}
     resumed.load_state_dict(older)
     assert [w for *_, w in resumed.step_window] == [0.0] * 8 and [w for *_, w in resumed.run_window] == [0.0] * 8
+    # ... and with no CPU pressure of the run's steps: not known
+    older.pop("run_pressure")
+    resumed.load_state_dict(older)
+    assert resumed.run_pressure == [-1.0] * 8
 
 
 @pytest.mark.parametrize(

@@ -268,6 +268,43 @@ def test_a_periodic_stall_on_a_contended_machine_is_an_info_and_its_margin_is_no
     assert (warning.severity, warning.source) == ("warning", "step_time")
 
 
+#: What ``step_time_periodic`` judged at step 20 of ``baseline:healthy_train_override:L1:s0`` (one step an epoch,
+#: a validation run every 4) while another process pinned to the run's CPU burned 0.1 s every 4th step (CPU
+#: pressure 99.8%, other processes 1.57 CPUs): the 20 steps since the fit's start (ms), the scheduled work measured
+#: on each (ms), nothing after the 20-step warm-up yet. Before the fix it warned: the window's pressure was not
+#: known before the warm-up's end.
+CONTENDED_RUN_MS = [30.2, 41.4, 26.1, 31.8, 47.5, 36.0, 36.6, 31.6, 74.9, 30.9,
+                    32.2, 32.1, 62.2, 39.8, 33.0, 37.5, 57.3, 32.4, 28.7, 26.0]  # fmt: skip
+CONTENDED_WORK_MS = [12.44, 1.0, 0.55, 0.66, 100.9, 12.64, 6.51, 3.32, 0.47, 57.47,
+                     11.43, 0.63, 0.4, 0.37, 36.35, 6.88, 20.1, 4.88, 4.59, 44.48]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("run_pressure", "window_pressure", "severity", "source"),
+    [
+        (0.998, None, "info", "step_time_contended"),  # the warm-up's pressure is the run's: contended
+        (0.998, 0.01, "info", "step_time_contended"),  # a later window's pressure does not judge the run's steps
+        (0.02, None, "warning", "step_time"),  # the same pattern on a free machine still warns
+        (0.02, 0.6, "warning", "step_time"),
+        (None, None, "warning", "step_time"),  # no pressure known: judged as on a free machine
+    ],
+)
+def test_a_pattern_since_the_fit_start_is_judged_by_the_pressure_over_those_steps(
+    run_pressure, window_pressure, severity, source
+):
+    run = np.array(CONTENDED_RUN_MS) / 1e3
+    times = StepTimes(
+        [], run_times=run, explained=[i == 0 for i in range(20)], work=[],
+        run_work=np.array(CONTENDED_WORK_MS) / 1e3, run_pressure=run_pressure,
+    )  # fmt: skip
+    rule = StepPeriodicRule()
+    (alert,) = rule.judge(StepContext(19, 20), Measures(step_times=times, cpu_pressure=window_pressure))
+    assert (alert.severity, alert.source, alert.value) == (severity, source, 4.0)
+    assert "3 times in the last 20 steps" in alert.message
+    assert ("waited for a CPU 100% of the time" in alert.message) == (severity == "info")
+    assert (rule.peaks == {}) == (severity == "info")  # a contended judgment records no margin
+
+
 def test_waiting_for_data_on_a_contended_machine_is_an_info_then_a_warning_of_its_own():
     rule = DataloaderBoundRule()
 

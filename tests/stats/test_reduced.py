@@ -2,12 +2,14 @@
 
 import math
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lightning_diag.callbacks.common.reduction import reduce_state
+from lightning_diag.callbacks.common.reduction import reduce_state, reduce_states
 from lightning_diag.stats.loss_sums import LossSums
 from lightning_diag.stats.reduced import ReducedState, Reduction, combine
 
@@ -107,6 +109,74 @@ def test_ddp_adapter_reduces_by_the_declaration(rank0, rank1):
     close(reduce_state(trainer, mine), mine.merge(theirs).state_dict())
     single = SimpleNamespace(world_size=1, strategy=_TwoRankStrategy(theirs))
     close(reduce_state(single, mine, ["total", "seen"]), {k: mine.state_dict()[k] for k in ("total", "seen")})
+
+
+class _ThreadRank:
+    """`trainer.strategy` of one of several ranks run as threads: each collective exchanges the ranks' tensors (the
+    shapes must agree, as under DDP) and is noted in :attr:`calls`."""
+
+    def __init__(self, rank, slots, barrier):
+        self.rank, self.slots, self.barrier = rank, slots, barrier
+        self.root_device = torch.device("cpu")
+        self.calls = []
+
+    def all_gather(self, tensor):
+        self.calls.append("all_gather")
+        return self._exchange(tensor)
+
+    def reduce(self, tensor, reduce_op):
+        self.calls.append(reduce_op)
+        stacked = self._exchange(tensor)
+        return {"sum": stacked.sum(0), "min": stacked.min(0).values, "max": stacked.max(0).values}[reduce_op]
+
+    def _exchange(self, tensor):
+        self.slots[self.rank] = tensor.clone()
+        self.barrier.wait()
+        shapes = {t.shape for t in self.slots}
+        stacked = torch.stack(self.slots)
+        self.barrier.wait()
+        assert len(shapes) == 1, shapes
+        return stacked
+
+
+def _ranks_reduce(states_of_rank):
+    """`reduce_states` on each rank's states at once (threads), and each rank's collectives."""
+    slots = [None] * len(states_of_rank)
+    barrier = threading.Barrier(len(states_of_rank), timeout=30)
+    strategies = [_ThreadRank(rank, slots, barrier) for rank in range(len(states_of_rank))]
+    trainers = [SimpleNamespace(world_size=len(states_of_rank), strategy=s) for s in strategies]
+    with ThreadPoolExecutor(len(states_of_rank)) as pool:
+        futures = [
+            pool.submit(reduce_states, trainer, [(state, None) for state in states])
+            for trainer, states in zip(trainers, states_of_rank, strict=True)
+        ]
+        results = [future.result() for future in futures]
+    return results, [s.calls for s in strategies]
+
+
+@pytest.mark.parametrize("as_tensors", [False, True])
+def test_several_states_reduce_in_one_collective_per_kind(as_tensors):
+    """The checkpoint's reduction of every callback's state: each state merged over the ranks as alone, with one
+    reduce per kind and one gather of the lengths and one of the values for all the CAT values together."""
+    values = [
+        [([0.25, 4.0], [7.0]), ([], [-2.0, 3.0]), ([1.5], [])],
+        [([1e-8], []), ([], []), ([5.0, 6.0, 7.0], [8.0])],
+    ]
+    states_of_rank = [[fill(declared(), part[rank], as_tensors) for part in values[0]] for rank in (0, 1)]
+    results, calls = _ranks_reduce(states_of_rank)
+    for rank in (0, 1):
+        for index in range(3):
+            merged = states_of_rank[0][index].merge(states_of_rank[1][index]).state_dict()
+            close(results[rank][index], merged)
+        assert sorted(calls[rank]) == ["all_gather", "all_gather", "max", "min", "sum"]
+    # no CAT value anywhere: the lengths tell every rank, and no value is gathered
+    empty = [[fill(declared(), part[rank], as_tensors) for part in values[1]] for rank in (0, 1)]
+    for states in empty:
+        for state in states:
+            state["seen"] = []
+    results, calls = _ranks_reduce(empty)
+    assert all(result["seen"] == [] for result in results[0])
+    assert sorted(calls[0]) == ["all_gather", "max", "min", "sum"]
 
 
 def test_declaration_errors_name_the_state():

@@ -19,7 +19,7 @@ from lightning_diag.callbacks.common.batch_hooks import inherited_batch_hooks, s
 from lightning_diag.callbacks.common.driver import Driver
 from lightning_diag.callbacks.common.driver import attach as _attach
 from lightning_diag.callbacks.common.preset import DeclaredDetectors
-from lightning_diag.callbacks.common.reduction import reduce_state
+from lightning_diag.callbacks.common.reduction import SavedPart, reduce_saved
 from lightning_diag.callbacks.common.session import DiagSession
 from lightning_diag.callbacks.common.shared import NOTHING, Shared
 from lightning_diag.core.alerts import Alert
@@ -343,24 +343,38 @@ class DiagCallback(DeclaredDetectors, pl.Callback):
         """Save the step axis (the trainer's driver writes the checkpoint's top-level
         :data:`~lightning_diag.callbacks.common.step_axis.STEP_AXIS_KEY` once,
         :meth:`Driver.save_axis <lightning_diag.callbacks.common.driver.Driver.save_axis>`); with several ranks, save
-        what all ranks know of the declared state, not rank zero's part: a
+        what all ranks know of the declared state, not rank zero's part (:meth:`saved_parts`): a
         :class:`~lightning_diag.stats.reduced.ReducedState`'s values merged by their declared reductions, and the
         ``all_ranks_state_dict(trainer, device)`` of one that has it.
 
-        Lightning builds the checkpoint on every rank (only rank zero writes it), so the reductions run on all.
+        The trainer's driver does it once per checkpoint for every lightning_diag callback of the trainer it serves
+        (:meth:`Driver.save_reduced <lightning_diag.callbacks.common.driver.Driver.save_reduced>`: one collective
+        per reduction kind for all of them), also after ``teardown`` (``trainer.save_checkpoint`` after ``fit``); a
+        callback never set up reduces its own. Lightning builds the checkpoint on every rank (only rank zero writes
+        it), so the reductions run on all.
         """
-        # The driver's, once per checkpoint, also after teardown (`trainer.save_checkpoint` after `fit`).
-        if self._driver is not None:
-            self._driver.save_axis(checkpoint)
-        state = checkpoint.get("callbacks", {}).get(self.state_key)
-        if state is None or trainer.world_size <= 1:
+        driver = self._driver
+        if driver is not None:
+            driver.save_axis(checkpoint)
+        if trainer.world_size <= 1:
             return
+        if driver is None:
+            reduce_saved(trainer, checkpoint.get("callbacks", {}), self.saved_parts(), pl_module.device)
+            return
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        served = (cb for cb in callbacks if isinstance(cb, DiagCallback) and cb._driver is driver)
+        driver.save_reduced(trainer, checkpoint, (part for cb in served for part in cb.saved_parts()), pl_module.device)
+
+    def saved_parts(self) -> list[SavedPart]:
+        """The declared objects whose checkpoint state is merged over the ranks: ``(state_key, key, object)`` of
+        each declared :class:`~lightning_diag.stats.reduced.ReducedState` and each one with an
+        ``all_ranks_state_dict(trainer, device)``, in declaration order."""
+        parts: list[SavedPart] = []
         for name, (_build, key) in self._rule_declarations.items():
             declared = getattr(self, name)
-            if isinstance(declared, ReducedState):
-                state[key] = {**state[key], **reduce_state(trainer, declared, device=pl_module.device)}
-            elif hasattr(declared, "all_ranks_state_dict"):
-                state[key] = declared.all_ranks_state_dict(trainer, pl_module.device)
+            if isinstance(declared, ReducedState) or hasattr(declared, "all_ranks_state_dict"):
+                parts.append((self.state_key, key, declared))
+        return parts
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

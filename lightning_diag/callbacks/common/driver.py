@@ -39,8 +39,10 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Protocol
 
 import pytorch_lightning as pl
+import torch
 
 from lightning_diag.callbacks.common.batch_hooks import DISPATCHED_HOOKS
+from lightning_diag.callbacks.common.reduction import SavedPart, reduce_saved
 from lightning_diag.callbacks.common.session import DiagSession, ThresholdSource, run_log_dir
 from lightning_diag.callbacks.common.shared import NOTHING, Shared, SharedMeasurements
 from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY, StepAxis
@@ -101,6 +103,9 @@ class Driver:
         self._parts: dict[tuple[int, str], Callable[..., Any]] | None = None
         self._off: dict[int, frozenset[str]] = {}
         self._loaded_axis: dict[str, Any] | None = None  # the axis state last resumed from (once per checkpoint)
+        # the callback entries of the checkpoint last reduced (once per checkpoint; held, so that no later
+        # checkpoint's entries can be taken for it)
+        self._reduced: dict[str, Any] | None = None
         # the attached callbacks grouped by logging interval, read at the fit's first batch
         self._cadence: list[_Interval] | None = None
 
@@ -165,6 +170,29 @@ class Driver:
         attached callback's ``on_save_checkpoint`` of the checkpoint; the others find it written)."""
         if STEP_AXIS_KEY not in checkpoint:
             checkpoint[STEP_AXIS_KEY] = self.step_axis.state_dict()
+
+    def save_reduced(
+        self, trainer: pl.Trainer, checkpoint: dict[str, Any], parts: Iterable[SavedPart], device: torch.device
+    ) -> None:
+        """Write what all ranks know of the declared state of the trainer's callbacks into ``checkpoint``, once (the
+        first of them whose ``on_save_checkpoint`` runs with several ranks; the others find it done).
+
+        Lightning fills ``checkpoint["callbacks"]`` from every callback's ``state_dict()`` before it calls any
+        ``on_save_checkpoint``, so the first call merges every callback's part together
+        (:func:`~lightning_diag.callbacks.common.reduction.reduce_saved`: one collective per reduction kind for all
+        of them).
+
+        Args:
+            trainer: Its strategy communicates.
+            checkpoint: The checkpoint being built.
+            parts: The declared objects of every callback this driver serves (read only by the first call).
+            device: Where the collectives run (the module's device).
+        """
+        saved = checkpoint.get("callbacks")
+        if saved is None or saved is self._reduced:
+            return
+        self._reduced = saved
+        reduce_saved(trainer, saved, parts, device)
 
     def load_axis(self, checkpoint: dict[str, Any]) -> None:
         """Resume the step axis from ``checkpoint``'s :data:`STEP_AXIS_KEY`, once per checkpoint (nothing when it

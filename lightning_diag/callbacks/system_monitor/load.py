@@ -60,6 +60,12 @@ class MachineLoad:
         self._read_at = wall  # the other processes' CPU time is read at most every FIRST_SPAN_S (files of /proc)
         self._full = False  # whether a full span was read
 
+    @property
+    def counts_others(self) -> bool:
+        """Whether the source keeps the other processes' CPU time (a -1 from :meth:`take` then means: not read
+        yet, in a fit's first :data:`FIRST_SPAN_S`)."""
+        return self._other_mark[1] is not None
+
     def take(self) -> tuple[float, float]:
         """``(pressure, other_cpus)`` since the last call: the share of the wall time during which some runnable
         task waited for a CPU, and the CPUs the machine's other processes used over the last span of at least

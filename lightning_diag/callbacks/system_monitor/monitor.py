@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -185,6 +186,8 @@ class SystemMonitor(DiagCallback):
         # (wall step time, known one-time cause, scheduled work) of every step since the fit's start, warm-up
         # included, until the window after the warm-up is long enough for the ordinary periodic test
         self.run_window: list[tuple[float, bool, float]] = []
+        # the CPU pressure blamed on the machine at each step of `run_window` (as `pressure_window`)
+        self.run_pressure: list[float] = []
         self.steps_seen = 0
 
     @property
@@ -211,6 +214,7 @@ class SystemMonitor(DiagCallback):
             "steps_seen": self.steps_seen,
             "run_window": [[t, bool(f), w] for t, f, w in self.run_window],
             "pressure": list(self.pressure_window),
+            "run_pressure": list(self.run_pressure),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -232,6 +236,9 @@ class SystemMonitor(DiagCallback):
         pressure = [float(p) for p in state_dict.get("pressure", [])]
         pressure = [-1.0] * (len(self.step_window) - len(pressure)) + pressure[-len(self.step_window) :]
         self.pressure_window = deque(pressure if self.step_window else [], maxlen=self.window)
+        run = len(self.run_window)
+        run_pressure = [-1.0] * run + [float(p) for p in state_dict.get("run_pressure", [])]
+        self.run_pressure = run_pressure[-run:] if run else []
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -378,9 +385,10 @@ class SystemMonitor(DiagCallback):
         self._steps.validation_end(trainer.sanity_checking)
 
     # -- reporting -------------------------------------------------------------------------------------------
-    def _window_pressure(self) -> float | None:
-        """The mean CPU pressure over the step-time window's steps whose pressure is known (``None``: none is)."""
-        known = [p for p in self.pressure_window if p >= 0]
+    @staticmethod
+    def _mean_pressure(pressures: Iterable[float]) -> float | None:
+        """The mean CPU pressure over the steps whose pressure is known (``None``: none is)."""
+        known = [p for p in pressures if p >= 0]
         return float(np.mean(known)) if known else None
 
     def _report(self, trainer: pl.Trainer) -> None:
@@ -420,6 +428,9 @@ class SystemMonitor(DiagCallback):
         merged = dict(zip(HEADER, header.tolist(), strict=True))
         # the pressure the rules blame on the machine: none where the run's own tasks (its workers) made it
         machine = machine_pressure(merged["cpu_pressure"], merged["cpu_others"])
+        # the step-time tests' pressure per step: not known while the other processes' CPUs are not read yet (a
+        # fit's first 0.2 s, where its own start-up makes the pressure) on a machine that counts them
+        per_step = -1.0 if merged["cpu_others"] < 0 and self._load.counts_others else machine
         n = len(steps)
         ctx = self.context(trainer)
         step = trainer.global_step
@@ -430,11 +441,13 @@ class SystemMonitor(DiagCallback):
             self.steps_seen += 1
             if self.steps_seen > self.warmup_steps:
                 self.step_window.append((float(t), float(c), bool(flag), float(w)))
-                self.pressure_window.append(machine)
+                self.pressure_window.append(per_step)
             if self.steps_seen < self.warmup_steps + MIN_STEPS:
                 self.run_window.append((float(t), bool(one_time), float(w)))
+                self.run_pressure.append(per_step)
         if self.steps_seen >= self.warmup_steps + MIN_STEPS:
-            self.run_window = []  # the window after the warm-up is long enough for the ordinary test
+            # the window after the warm-up is long enough for the ordinary test
+            self.run_window, self.run_pressure = [], []
         alerts = []
         step_total = float(totals.sum())
         # the share of the training's time: the diagnostics' own (a heavy logging step) would dilute it
@@ -446,8 +459,9 @@ class SystemMonitor(DiagCallback):
             explained=[f for _, f, _ in self.run_window],
             work=[w for _, _, _, w in self.step_window],
             run_work=[w for _, _, w in self.run_window],
+            run_pressure=self._mean_pressure(self.run_pressure),
         )
-        pressure = self._window_pressure()
+        pressure = self._mean_pressure(self.pressure_window)
         alerts += self.feed(ctx, Measures(step_times=times, cpu_pressure=pressure))
         pattern = self.periodic_rule.last
         keep = [
