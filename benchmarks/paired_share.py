@@ -45,7 +45,28 @@ from floor_callback import FloorCallback
 from quiet_step import HOOKS
 
 from lightning_diag import AnomalyAlarm, AttentionEntropyMonitor, GradientFlowMonitor, SystemMonitor
+from lightning_diag.callbacks.common.driver import driver_of
 from lightning_diag.demo.run import default_callbacks, quiet
+from lightning_diag.output.writer import DiagWriter
+
+
+def _defaults(gradient_flow: dict[str, Any] | None = None, alarm: dict[str, Any] | None = None) -> list[pl.Callback]:
+    """The three defaults (as :func:`default_callbacks`), with these arguments of two of them."""
+    return [GradientFlowMonitor(**(gradient_flow or {})), AnomalyAlarm(**(alarm or {})), AttentionEntropyMonitor()]
+
+
+class NoWrites(pl.Callback):
+    """Gives the trainer's diagnostics session a writer that writes nothing, at the first batch (after the set-up's
+    writes): what the defaults cost without their scalars and histograms reaching TensorBoard. A benchmark's switch
+    on the library's own session object; the tags are still built, the values still measured."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        driver = driver_of(trainer)
+        session = driver.session if driver is not None else None
+        if session is not None and session.writer.active:
+            session.writer.flush()
+            session._writer = DiagWriter(None)
+
 
 #: The hooks Lightning calls once per batch (those ``quiet_step.py`` times, less the epoch's): skipped together on
 #: the "off" steps.
@@ -68,6 +89,14 @@ VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
     "floor": lambda: [FloorCallback(every=10)],
     "floor guard": lambda: [FloorCallback(every=0)],
     "floor+rules": lambda: [FloorCallback(every=10, sampled=10)],
+    # the ablation of the defaults (issue 43, session 10): each drops one part, so one run tells what each costs
+    "all defaults, no histograms": lambda: _defaults(gradient_flow={"histogram_every_n_steps": 0}),
+    "all defaults, no sampled checks": lambda: _defaults(
+        alarm={"rules": dict.fromkeys(("zero_output", "output_collapse"), False)}
+    ),
+    "all defaults, no update sampling": lambda: _defaults(gradient_flow={"rules": {"update_none": {"sample_size": 0}}}),
+    "all defaults, no weight norms": lambda: _defaults(gradient_flow={"log_weight_norms": False}),
+    "all defaults, no writes": lambda: [*default_callbacks(), NoWrites()],
 }
 MODELS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[int, int | None], DataLoader]]] = {
     "mlp1e5": (lambda: MLP(176), lambda steps, batches: mlp_data(steps, batches or 32)),

@@ -317,4 +317,35 @@ def _zero_share(grad: torch.Tensor) -> torch.Tensor:
     n = grad.numel()
     if n == 0 or n >= 1 << 24:
         return (grad == 0).float().mean()
-    return (n - torch.count_nonzero(grad.bool())).float().div_(n)  # bool(): False for +-0 only (NaN is True)
+    return (n - _count_true(grad.bool().reshape(-1))).float().div_(n)  # bool(): False for +-0 only (NaN is True)
+
+
+#: Words of 8 flags added together in one group by :func:`_count_true`: each byte of their sum stays at most 255.
+_WORDS_PER_GROUP = 255
+
+
+def _count_true(flags: torch.Tensor) -> torch.Tensor:
+    """The number of ``True`` entries of a 1-D contiguous bool tensor, as an int64 0-d tensor: ``count_nonzero``'s
+    integer, counted 8 flags at a time.
+
+    A bool is one byte, 0 or 1: the flags' bytes are read as int64 words, and the words are added in groups of
+    :data:`_WORDS_PER_GROUP` (255: each byte of a group's sum counts at most 255 flags, so no byte carries into the
+    next), then the bytes of the groups' sums are added; the few flags left over are summed plainly. Integer sums,
+    so exactly ``count_nonzero``'s count, with no copy of the flags (on the CPU 20-30 µs instead of about 100 for a
+    600 x 600 gradient's flags; ``sum()`` of a bool tensor first converts it to int64). Flags that cannot be read as
+    whole words (not contiguous, or starting inside a word) are counted by ``count_nonzero``.
+
+    Example:
+        >>> flags = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) < 0.3
+        >>> _count_true(flags).item() == torch.count_nonzero(flags).item()
+        True
+    """
+    groups = flags.numel() // (8 * _WORDS_PER_GROUP)
+    if groups == 0 or not flags.is_contiguous() or flags.storage_offset() % 8:  # not readable as whole words
+        return torch.count_nonzero(flags)
+    grouped = groups * 8 * _WORDS_PER_GROUP
+    words = flags[:grouped].view(torch.uint8).view(torch.int64).view(_WORDS_PER_GROUP, groups)
+    total = words.sum(0).view(torch.uint8).sum()
+    if grouped < flags.numel():
+        total += torch.count_nonzero(flags[grouped:])
+    return total

@@ -5,6 +5,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_diag import AnomalyAlarm, GradientFlowMonitor
+from lightning_diag.callbacks.gradient_flow.writes import HISTOGRAM_MIN_STEPS, histogram_due, histogram_interval
 from lightning_diag.demo import FAULTS, build_fault, run_demo
 
 FAST = dict(enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", log_every_n_steps=5)
@@ -75,6 +76,39 @@ def test_tags_steps_and_values(tmp_path):
     hist = set(acc.Tags()["histograms"])
     assert "diag/grad_hist/encoder.layers.0.linear1.weight" in hist
     assert [e.step for e in acc.Histograms("diag/grad_hist/head.0.weight")] == list(range(9, result.global_step, 10))
+
+
+@pytest.mark.parametrize(
+    ("given", "every", "expected"),
+    [
+        (None, 50, 500),  # Lightning's default interval: 10 intervals, as before
+        (None, 10, 500),  # was 100
+        (None, 1, 500),  # was 10
+        (None, 30, 510),  # the smallest multiple of 30 from 500 on: a measuring step
+        (None, 7, 504),
+        (None, 100, 1000),  # above 50: 10 intervals, as before
+        (None, 499, 4990),
+        (10, 5, 10),  # given: its meaning kept
+        (100, 10, 100),
+        (7, 10, 7),
+        (0, 10, 0),
+    ],
+)
+def test_histogram_interval(given, every, expected):
+    assert histogram_interval(given, every) == expected
+
+
+@pytest.mark.parametrize("every", [1, 7, 10, 30, 50, 64])
+def test_default_histograms_fall_on_measuring_steps(every):
+    measuring = [s for s in range(1, 5001) if s % every == 0]
+    due = [s for s in measuring if histogram_due(None, every, s)]
+    gaps = {b - a for a, b in zip([0, *due], due, strict=False)}
+    assert len(due) >= 2 and len(gaps) == 1  # evenly spaced from the start
+    gap = gaps.pop()
+    # the fewest measuring intervals that span both 10 intervals and 500 steps
+    assert gap % every == 0 and gap >= 10 * every and gap >= HISTOGRAM_MIN_STEPS
+    assert gap - every < max(10 * every, HISTOGRAM_MIN_STEPS)
+    assert not any(histogram_due(0, every, s) for s in measuring)
 
 
 def test_layer_norms_match_brute_force(tmp_path):

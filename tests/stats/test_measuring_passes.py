@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_diag.instrument.activation_watch import ActivationWatch
+from lightning_diag.instrument.activation_watch import ActivationWatch, _count_true
 from lightning_diag.instrument.grad_measure import ParamIndex, measure_step, update_norms, update_ratio_values
 from lightning_diag.stats.grad import per_tensor_norms
 
@@ -74,6 +74,26 @@ def test_zero_share_as_before(dtype: torch.dtype) -> None:
     former = [_former_zero_share(grad).item() for grad in grads]
     assert _zero_shares(grads) == former
     assert former == [(grad == 0).float().mean().item() for grad in grads]  # the quantity it stands for
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 2039, 2040, 2041, 2 * 2040 + 9, 255 * 2040, 255 * 2040 + 2047, 360_000])
+def test_count_true_is_count_nonzero(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    patterns = {
+        "all": torch.ones(n, dtype=torch.bool),  # every byte of a group's sum at its largest (255): no carry
+        "none": torch.zeros(n, dtype=torch.bool),
+        "random": torch.rand(n, generator=g) < 0.3,
+        "every other": torch.arange(n) % 2 == 0,
+        "sparse": torch.rand(n, generator=g) < 0.001,
+    }
+    for name, flags in patterns.items():
+        got = _count_true(flags)
+        assert got.dtype == torch.int64 and got.ndim == 0, name
+        assert got.item() == torch.count_nonzero(flags).item(), name
+    # a view that does not start on a word, and one that is not contiguous: counted all the same
+    flags = patterns["random"]
+    for view in (flags[3:], flags[8:], flags[::2]):
+        assert _count_true(view).item() == torch.count_nonzero(view).item()
 
 
 def _net(dtype: torch.dtype) -> nn.Sequential:

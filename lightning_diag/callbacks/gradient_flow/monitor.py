@@ -153,7 +153,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
             ``(name, parameter) -> bool``; default: every trainable parameter.
         per_parameter: Report each parameter instead of each owning module.
         histogram_every_n_steps: Interval of gradient histograms; ``None`` (default) is 10 times the
-            measuring interval, ``0`` turns them off.
+            measuring interval and at least 500 steps (the smallest multiple of the measuring interval that is
+            both: 500 at ``log_every_n_steps`` 10 or 50, 510 at 30, 1000 at 100), ``0`` turns them off.
         activation_grads: Opt-in activation-gradient norms (seed 000 §3.1): ``True`` for every module that owns
             parameters, or a list of module-name patterns. Hooks are attached only for measured steps and
             removed before the optimizer step.
