@@ -223,11 +223,11 @@ class StepPeriodicRule(Rule):
         """Judge the window of step times ``t`` (seconds, oldest first, after the warm-up; :class:`StepTimes`).
 
         ``t.run_times``, every step time since the fit's start while the window is shorter than :data:`MIN_STEPS`,
-        is judged by :func:`pattern_from_start`, and whether the machine is contended is then read from the CPU
-        pressure over those same steps (``t.run_pressure``; ``m.cpu_pressure`` is the window's, which leaves out the
-        warm-up: before its end it is not known). A step of ``t.times`` explained by the trainer's scheduled work
-        ``t.work`` (:func:`explained_by_work`) takes the median; one of ``t.run_times`` explained by ``t.run_work``
-        is neutral.
+        is judged by :func:`pattern_from_start`, and whether the machine is contended, when it finds a pattern, is
+        then read from the CPU pressure over those same steps (``t.run_pressure``; ``m.cpu_pressure`` is the
+        window's, which leaves out the warm-up: before its end it is not known). A step of ``t.times`` explained by
+        the trainer's scheduled work ``t.work`` (:func:`explained_by_work`) takes the median; one of ``t.run_times``
+        explained by ``t.run_work`` is neutral.
         """
         times, run_times, explained, work, run_work = t.times, t.run_times, t.explained, t.work, t.run_work
         source = "step_time"
@@ -247,9 +247,11 @@ class StepPeriodicRule(Rule):
                 if not (found.found and found.coverage >= 1.0 and found.precision >= 1.0):
                     found = Periodicity(0)
             if not found.found and run_times is not None and explained is not None:
-                self._pressure = t.run_pressure  # the steps judged are the run's since its start
                 early = pattern_from_start(run_times, explained, self.slow_ratio, self.threshold)
                 if early.found:
+                    # the steps judged are the run's since its start: their pressure decides whether the machine is
+                    # contended (without a pattern, the window's: what latches the condition's end is unchanged)
+                    self._pressure = t.run_pressure
                     # ``last`` indexes ``times`` (the caller leaves the pattern's steps out of other tests)
                     offset = len(run_times) - len(times)
                     found = dataclasses.replace(early, phase=(early.phase - offset) % early.period)

@@ -305,6 +305,27 @@ def test_a_pattern_since_the_fit_start_is_judged_by_the_pressure_over_those_step
     assert (rule.peaks == {}) == (severity == "info")  # a contended judgment records no margin
 
 
+def test_without_an_early_pattern_the_run_pressure_does_not_decide_where_its_end_is_latched():
+    """A warning on a free machine, then judgments that find no pattern since the fit's start while the run's
+    pressure is high (the window's unknown): the condition's end is latched on ``step_time`` (the run's pressure
+    judges only the steps of a pattern it found), so the pattern found again on a free machine warns again."""
+    run = np.array(CONTENDED_RUN_MS) / 1e3
+    flat = np.full(20, 0.033)
+
+    def judge(rule, step, times, run_pressure):
+        t = StepTimes(
+            [], run_times=times, explained=[i == 0 for i in range(20)], work=[],
+            run_work=np.array(CONTENDED_WORK_MS) / 1e3, run_pressure=run_pressure,
+        )  # fmt: skip
+        return [(a.severity, a.source) for a in rule.judge(StepContext(step, step + 1), Measures(step_times=t))]
+
+    rule = StepPeriodicRule()
+    assert judge(rule, 19, run, 0.02) == [("warning", "step_time")]
+    assert [judge(rule, 20 + k, flat, 0.9) for k in range(6)] == [[]] * 6
+    assert not rule.latch.holds("step_time")  # the warning's condition ended
+    assert judge(rule, 29, run, 0.02) == [("warning", "step_time")]
+
+
 def test_waiting_for_data_on_a_contended_machine_is_an_info_then_a_warning_of_its_own():
     rule = DataloaderBoundRule()
 
