@@ -106,6 +106,7 @@ class ParamIndex:
         self.roles = {layer: role_of(layer) for layer in matrix_layers}
         self.in_block = [layer in self.block_layers for layer in self.layers]
         self._layouts: dict[tuple[torch.device, tuple[int, ...]], _Layout] = {}
+        self._rows: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
 
     def layout(self, chosen: list[int], device: torch.device) -> _Layout:
         """The index tensors of a measurement of ``chosen`` on ``device`` (made at its first measurement, then
@@ -114,6 +115,22 @@ class ParamIndex:
         found = self._layouts.get(key)
         if found is None:
             found = self._layouts[key] = _Layout(self, chosen, device)
+        return found
+
+    def rows_index(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        """``rows`` as an index tensor on ``device`` (made at its first measurement, then reused: the rows of the
+        measured gradients in the shared squares are the same at every measured step, so no host-to-device copy
+        is made after the first).
+
+        Example:
+            >>> index = ParamIndex(["w"], [torch.nn.Parameter(torch.ones(1))], False)
+            >>> index.rows_index([1, 0], torch.device("cpu")) is index.rows_index([1, 0], torch.device("cpu"))
+            True
+        """
+        key = (device, tuple(rows))
+        found = self._rows.get(key)
+        if found is None:
+            found = self._rows[key] = torch.tensor(rows, dtype=torch.long, device=device)
         return found
 
 
@@ -233,8 +250,7 @@ class GradientSquares:
 
     def covers(self, grads: Sequence[torch.Tensor]) -> bool:
         """Whether these are the squares of exactly ``grads`` (the same tensors, in any order, unchanged since)."""
-        versions = self.versions
-        return len(grads) == len(versions) and all(versions.get(id(g)) == g._version for g in grads)
+        return len(grads) == len(self.versions) and self.rows_of(grads) is not None
 
 
 @dataclasses.dataclass
@@ -249,9 +265,6 @@ class StepMeasurement:
         blocks: L2 norm of the blocks' weight-matrix gradients (``total`` when there is no matrix).
         has_matrices: Whether any comparable weight matrix has a gradient.
         loss: The step's training loss, ``None`` when unknown or not finite.
-        gradients: The squared norms of the measured gradients, on the device: ``known`` when they came from it (it
-            may hold more gradients), else this step's own (``None`` under sharded training, where they are
-            weighted shares of the full tensors).
         weight_squares: The squared norms of the measured parameters before the optimizer step, on the device, in
             the order of ``chosen`` (``None`` under sharded training): :func:`update_norms` reuses them.
         extra: The host values of :func:`measure_step`'s ``extra`` tensor, read in the same copy.
@@ -264,7 +277,6 @@ class StepMeasurement:
     blocks: float
     has_matrices: bool
     loss: float | None
-    gradients: GradientSquares | None = None
     weight_squares: torch.Tensor | None = None
     extra: list[float] = dataclasses.field(default_factory=list)
 
@@ -290,18 +302,24 @@ def measure_step(
         extra: A 1-D float32 tensor of the caller's to read in the step's one host copy (not reduced across ranks):
             the activation watch's statistics of the same step. Its values are :attr:`StepMeasurement.extra`.
         known: The squared norms of the step's gradients and weights measured already (the driver's, read by every
-            callback of the step): used when they hold every chosen gradient, unchanged (the same values as measured
-            here: each norm is its own tensor's), else measured here. Its :attr:`~GradientSquares.total` is set
-            from this step's host copy when the chosen gradients are all of it.
+            callback of the step): used when they hold every chosen gradient, unchanged, on the gradients' device
+            (the same values as measured here: each norm is its own tensor's), else measured here. Its
+            :attr:`~GradientSquares.total` is set from this step's host copy when the chosen gradients are all of it.
     """
     grads = [index.params[i].grad for i in chosen]
     device = local_tensor(grads[0]).device  # type: ignore[arg-type]
     n_layers = len(index.layers)
     layout = index.layout(chosen, device)
     group_of = layout.group_of
-    rows = None if known is None or index.sharded else known.rows_of(grads)  # type: ignore[arg-type]
+    usable = known is not None and not index.sharded and known.squares.device == device
+    rows = known.rows_of(grads) if usable else None  # type: ignore[union-attr, arg-type]
     if known is not None and rows is not None and known.weights is not None:
-        squares, weight_squares = _take_rows(known.squares, rows), _take_rows(known.weights, rows)
+        if len(rows) == known.squares.numel() and rows == list(range(len(rows))):
+            # the usual case: the measured parameters are the optimizer's, in its order
+            squares, weight_squares = known.squares, known.weights
+        else:  # an exact gather (two parameter groups: decay/no-decay), its index made once
+            at = index.rows_index(rows, device)
+            squares, weight_squares = known.squares[at], known.weights[at]
         shared: GradientSquares | None = known
     elif index.sharded:
         squares = per_tensor_norms(grads).pow(2)  # type: ignore[arg-type]
@@ -361,18 +379,9 @@ def measure_step(
         blocks=host[1 + 2 * n_layers + len(matrix_layers)] if matrix else host[0],
         has_matrices=bool(matrix),
         loss=host[-1] if math.isfinite(host[-1]) else None,
-        gradients=shared,
         weight_squares=weight_squares,
         extra=extra_host,
     )
-
-
-def _take_rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``values[rows]``: the vector itself when ``rows`` are all of it in order (the usual case: the measured
-    parameters are the optimizer's, in its order), else an exact gather."""
-    if len(rows) == values.numel() and rows == list(range(len(rows))):
-        return values
-    return values[torch.tensor(rows, dtype=torch.long, device=values.device)]
 
 
 def read_with(parts: Sequence[torch.Tensor], extra: torch.Tensor | None) -> tuple[list[float], list[float]]:

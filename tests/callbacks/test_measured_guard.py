@@ -67,9 +67,9 @@ CASES = [
 def test_the_measured_pass_decides_as_the_flag(case):
     names, params, losses = _model(case)
     index = ParamIndex(names, params, False)
-    m = measure_step(index, list(range(len(params))), None)
-    known = m.gradients
+    known = GradientSquares.measure(params, weights=True)
     assert known is not None and known.covers([p.grad for p in params])
+    m = measure_step(index, list(range(len(params))), None, known=known)
     # the host total of the step's one copy
     assert known.total == m.total or (math.isnan(known.total) and math.isnan(m.total))
     # the verdict before this change: 0 times the squares' float32 sum, plus the losses' probe, read from the flag
@@ -98,10 +98,12 @@ def test_the_total_proves_finite_only_below_the_margin():
 
 def test_changed_gradients_are_not_read_from_the_total():
     names, params, losses = _model("finite")
-    m = measure_step(ParamIndex(names, params, False), [0, 1, 2], None)
+    known = GradientSquares.measure(params, weights=True)
+    assert known is not None
+    measure_step(ParamIndex(names, params, False), [0, 1, 2], None, known=known)
     params[0].grad[0, 0] = float("nan")  # changed in place after the measurement
     guard = guard_pass.OptimizerPass([{"params": params}])
-    assert guard.clean_measured(losses, m.gradients) is None  # the guard makes its own pass
+    assert guard.clean_measured(losses, known) is None  # the guard makes its own pass
     assert guard.clean(losses) is False
 
 

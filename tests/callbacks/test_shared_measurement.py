@@ -6,6 +6,8 @@ overflow are still applied."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -142,17 +144,104 @@ def test_measured_squares_of_changed_or_other_gradients_are_not_used():
     assert not known.covers(grads)
 
 
+def _two_layers() -> tuple[grad_measure.ParamIndex, list[torch.nn.Parameter]]:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    named = list(net.named_parameters())
+    params = [p for _, p in named]
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    return grad_measure.ParamIndex([n for n, _ in named], params, False, dict(net.named_modules())), params
+
+
+def test_a_gather_of_the_shared_squares_makes_its_index_once(monkeypatch):
+    """Two parameter groups (decay: the weights, no decay: the biases): the optimizer's order is not the
+    monitor's, so its rows are gathered; the index tensor (a host-to-device copy on an accelerator) is made at
+    the first measuring step and reused at the next, with the values of the monitor's own measurement."""
+    index, params = _two_layers()
+    chosen = list(range(len(params)))
+    optimizer_order = [params[0], params[2], params[1], params[3]]
+    made: list[torch.Tensor] = []
+    rows_index = grad_measure.ParamIndex.rows_index
+
+    def spy(self, rows, device):
+        made.append(rows_index(self, rows, device))
+        return made[-1]
+
+    monkeypatch.setattr(grad_measure.ParamIndex, "rows_index", spy)
+    for _ in range(2):  # two measuring steps, each with the driver's new record
+        known = GradientSquares.measure(optimizer_order, weights=True)
+        m = grad_measure.measure_step(index, chosen, None, known=known)
+        own = grad_measure.measure_step(index, chosen, None)
+        assert (m.total, m.norms, m.rms, m.relative, m.blocks) == (
+            own.total, own.norms, own.rms, own.relative, own.blocks,
+        )  # fmt: skip
+        assert m.weight_squares is not None and own.weight_squares is not None
+        assert torch.equal(m.weight_squares, own.weight_squares)
+    assert len(made) == 2 and made[0] is made[1]
+    assert made[0].tolist() == [0, 2, 1, 3]
+
+
+def test_shared_squares_on_another_device_are_not_used():
+    """A record whose squares are on another device than the measured gradients (faked with the meta device) is
+    measured again on the gradients' device, as the guard's pass does, and its total is left unset."""
+    index, params = _two_layers()
+    grads = [p.grad for p in params]
+    n = len(grads)
+    other = GradientSquares.of(grads, torch.ones(n, device="meta"), torch.ones(n, device="meta"))  # type: ignore[arg-type]
+    m = grad_measure.measure_step(index, list(range(n)), None, known=other)
+    own = grad_measure.measure_step(index, list(range(n)), None)
+    assert (m.total, m.norms, m.relative) == (own.total, own.norms, own.relative)
+    assert math.isnan(other.total)
+
+
 #: The learning rate's factor from step 20: the loss overflows at step 27, a step no callback measures (on a measuring
 #: step that fails, the alarm placed first stops the update before GradientFlowMonitor measures it: the order of the
 #: hooks, not of a measurement).
 SPIKE = 15.0
 
 
-def _fit_in_order(root, order: str, every: int = 5) -> tuple[list, list, list[torch.Tensor]]:
-    """A fit with both callbacks in ``order`` (a fault: a learning-rate spike at step 20)."""
-    flow, alarm = GradientFlowMonitor(), AnomalyAlarm()
+class _OwnFlow(GradientFlowMonitor):
+    """``GradientFlowMonitor`` measuring its own squared norms (as before the driver shared them)."""
+
+    def shared_gradient_squares(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
+        return None
+
+
+class _OwnAlarm(AnomalyAlarm):
+    """``AnomalyAlarm`` whose guard makes its own pass over the gradients at every step."""
+
+    def shared_gradient_squares(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
+        return None
+
+
+class _TwoGroups(Regression):
+    """:class:`Regression` with the usual AdamW-style split: the weights in one parameter group, the biases in
+    another (the optimizer's order of the parameters is not the model's)."""
+
+    def configure_optimizers(self):
+        named = list(self.named_parameters())
+        opt = torch.optim.SGD(
+            [
+                {"params": [p for n, p in named if n.endswith("weight")]},
+                {"params": [p for n, p in named if not n.endswith("weight")], "lr": self.lr / 2},
+            ],
+            lr=self.lr,
+        )
+        assert self.spike is not None
+        at, factor = self.spike
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: factor if s >= at else 1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _fit_in_order(
+    root, order: str, every: int = 5, own: bool = False, groups: int = 1
+) -> tuple[list, list, list[torch.Tensor]]:
+    """A fit with both callbacks in ``order`` (a fault: a learning-rate spike at step 20); with ``own``, each
+    callback measures its own squared norms; ``groups``: the optimizer's parameter groups (1 or 2)."""
+    flow, alarm = (_OwnFlow(), _OwnAlarm()) if own else (GradientFlowMonitor(), AnomalyAlarm())
     logger = MemoryLogger()
-    model = Regression(spike=(20, SPIKE))
+    model = (Regression if groups == 1 else _TwoGroups)(spike=(20, SPIKE))
     trainer = pl.Trainer(
         default_root_dir=root,
         max_steps=40,
@@ -177,6 +266,33 @@ def test_the_order_of_the_callbacks_changes_no_value_alert_or_weight(tmp_path):
     assert alerts == second[0]
     assert values == second[1]  # bit for bit
     assert all(torch.equal(a, b) for a, b in zip(weights, second[2], strict=True))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_the_shared_record_changes_no_value_alert_or_weight_against_own_measurements(tmp_path, monkeypatch, groups):
+    """The driver's one record read by both callbacks against each callback measuring its own squared norms (the
+    guard's own pass at every step, ``GradientFlowMonitor``'s own norms), with one parameter group and with two
+    (the monitor then gathers its rows from the record): every alert, logged value and final weight is identical."""
+    gathers: list[list[int]] = []
+    rows_index = grad_measure.ParamIndex.rows_index
+
+    def spy(self, rows, device):
+        gathers.append(rows)
+        return rows_index(self, rows, device)
+
+    monkeypatch.setattr(grad_measure.ParamIndex, "rows_index", spy)
+    shared = _fit_in_order(tmp_path / "shared", "alarm first", groups=groups)
+    # one parameter group: the record's rows are the monitor's; two: gathered at each measuring step
+    if groups == 2:
+        assert len(gathers) >= 5 and all(rows == gathers[0] != sorted(rows) for rows in gathers)
+    else:
+        assert not gathers
+    own = _fit_in_order(tmp_path / "own", "alarm first", own=True, groups=groups)
+    alerts, values, weights = shared
+    assert alerts and any("grad_norm" in tag for _, tag, _ in values)  # something to compare
+    assert alerts == own[0]
+    assert values == own[1]  # bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(weights, own[2], strict=True))
 
 
 def test_shared_measurements_are_measured_once_a_step_and_only_when_requested():

@@ -12,7 +12,13 @@ import torch
 from torch import nn
 
 from lightning_diag.instrument.activation_watch import ActivationWatch, _count_true
-from lightning_diag.instrument.grad_measure import ParamIndex, measure_step, update_norms, update_ratio_values
+from lightning_diag.instrument.grad_measure import (
+    GradientSquares,
+    ParamIndex,
+    measure_step,
+    update_norms,
+    update_ratio_values,
+)
 from lightning_diag.stats.grad import per_tensor_norms
 
 
@@ -121,10 +127,17 @@ def test_measure_step_norms_as_two_passes(dtype: torch.dtype, special: bool) -> 
     grads = [params[i].grad for i in chosen]
     former_grad = per_tensor_norms(grads).pow(2)  # type: ignore[arg-type]
     former_weight = per_tensor_norms([params[i] for i in chosen]).pow(2)
-    assert m.gradients is not None and m.weight_squares is not None
-    _same(m.gradients.squares, former_grad)
+    assert m.weight_squares is not None
     _same(m.weight_squares, former_weight)
-    assert m.gradients.covers(grads)  # type: ignore[arg-type]
+    # the driver's shared measurement of the same parameters: the same squares, and the step measured from them
+    known = GradientSquares.measure([params[i] for i in chosen], weights=True)
+    assert known is not None and known.weights is not None
+    _same(known.squares, former_grad)
+    _same(known.weights, former_weight)
+    assert known.covers(grads)  # type: ignore[arg-type]
+    from_known = measure_step(index, chosen, torch.tensor(0.5), known=known)
+    assert from_known.weight_squares is not None
+    _same(from_known.weight_squares, former_weight)
     # the update ratios from these squares: what they were from the separately measured ones
     before = [params[i].detach().clone() for i in chosen]
     with torch.no_grad():
@@ -151,7 +164,9 @@ def test_measure_step_norms_mixed_dtypes() -> None:
     index = ParamIndex([n for n, _ in named], params, False, dict(net.named_modules()))
     chosen = list(range(len(params)))
     m = measure_step(index, chosen, None)
-    assert m.gradients is not None and m.weight_squares is not None
-    _same(m.gradients.squares, per_tensor_norms([p.grad for p in params]).pow(2))  # type: ignore[misc]
+    known = GradientSquares.measure(params, weights=True)
+    assert m.weight_squares is not None and known is not None and known.weights is not None
+    _same(known.squares, per_tensor_norms([p.grad for p in params]).pow(2))  # type: ignore[misc]
+    _same(known.weights, per_tensor_norms(params).pow(2))
     _same(m.weight_squares, per_tensor_norms(params).pow(2))
-    assert m.weight_squares.dtype is torch.float32 and m.gradients.squares.dtype is torch.float32
+    assert m.weight_squares.dtype is torch.float32 and known.squares.dtype is torch.float32

@@ -104,7 +104,8 @@ class Driver:
         self._off: dict[int, frozenset[str]] = {}
         self._loaded_axis: dict[str, Any] | None = None  # the axis state last resumed from (once per checkpoint)
         # the callback entries of the checkpoint last reduced (once per checkpoint; held, so that no later
-        # checkpoint's entries can be taken for it)
+        # checkpoint's entries can be taken for it): by design this keeps the last checkpoint's callbacks dict
+        # alive until the next checkpoint (or the driver) replaces it
         self._reduced: dict[str, Any] | None = None
         # the attached callbacks grouped by logging interval, read at the fit's first batch
         self._cadence: list[_Interval] | None = None
