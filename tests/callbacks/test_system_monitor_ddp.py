@@ -21,7 +21,12 @@ def test_straggler_is_named_and_every_rank_decides_the_same(tmp_path):
     ranks = [json.loads((tmp_path / f"sys{r}.json").read_text()) for r in (0, 1)]
     # decisions come from the gathered (slowest-rank) timings: identical on both ranks
     assert ranks[0]["alerts"] == ranks[1]["alerts"]
-    assert [a["rule"] for a in ranks[0]["alerts"]] == ["dataloader_bound"]
+    # one event per kind of machine: a loader-bound run is a warning; on a contended machine (CI's other processes,
+    # CPU pressure above 5%) an info first, and a warning once the condition persists on a free machine
+    alerts = ranks[0]["alerts"]
+    assert {a["rule"] for a in alerts} == {"dataloader_bound"}, alerts
+    sources = sorted(a["source"] for a in alerts)
+    assert sources in (["dataloader"], ["dataloader_contended"], ["dataloader", "dataloader_contended"]), alerts
     assert ranks[0]["state"]["window"] == ranks[1]["state"]["window"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
