@@ -33,6 +33,7 @@ from lightning_diag.callbacks.anomaly_alarm.runtime_checks import RuntimeChecks
 from lightning_diag.callbacks.anomaly_alarm.silent_checks import ReplicaCheck, TrainModeCheck
 from lightning_diag.callbacks.common.base import AlertHandler, RuleChoices, extract_loss
 from lightning_diag.callbacks.common.preset import Detector, Preset
+from lightning_diag.callbacks.common.shared import Shared
 from lightning_diag.core.alerts import NonFiniteAction
 from lightning_diag.core.registry import RuleSpec
 from lightning_diag.core.tags import loss_tag
@@ -185,6 +186,8 @@ class AnomalyAlarm(QuietLossKeeping):
         100
     """
 
+    #: Its logging batches read the step loss on the host (``diag/loss/train_step``): once for every reader.
+    shared_requests = frozenset({Shared.STEP_LOSS})
     #: Alarms with another monitored metric or swing window are checkpointed apart.
     state_key_arguments = ("monitor", "swing_window")
     # In this order a validation run's alerts come as val_decline's, val_fluctuation's, then loss_swing's (its
@@ -478,10 +481,11 @@ class AnomalyAlarm(QuietLossKeeping):
             if problem is not None:
                 self.notice(trainer, "loss:" + problem.split(":")[0], problem)
             private = False
+        handed = private  # the loss as Lightning handed it: the batch's step loss others may have read already
         if loss is not None:
             if self._private_losses and trainer.accumulate_grad_batches > 1:
                 loss = loss * trainer.accumulate_grad_batches  # Lightning hands callbacks the divided loss
-                private = True
+                private, handed = True, False
             loss = self.loss_sums.add(loss, not private)
         step = trainer.global_step
         if step >= self._due:
@@ -506,7 +510,9 @@ class AnomalyAlarm(QuietLossKeeping):
         scale = self.recovery.lr_scale  # the rate the optimizer uses: the scheduler's times the rollback factor
         values = {name: lr * scale for name, lr in lr_scalars(trainer).items()}
         if loss is not None:
-            values[loss_tag("train_step")] = float(loss)
+            # the batch's loss read on the host once: GradientFlowMonitor's measurement copy, offered to the driver
+            known = self._driver.step_loss() if handed and self._driver is not None else None
+            values[loss_tag("train_step")] = float(loss) if known is None else known
         self.writer.scalars(values, trainer.global_step)
         if self.on_nonfinite == "warn":
             self.guard.read_back(trainer, pl_module)

@@ -44,7 +44,7 @@ import torch
 from lightning_diag.callbacks.common.batch_hooks import DISPATCHED_HOOKS
 from lightning_diag.callbacks.common.reduction import SavedPart, reduce_saved
 from lightning_diag.callbacks.common.session import DiagSession, ThresholdSource, run_log_dir
-from lightning_diag.callbacks.common.shared import NOTHING, Shared, SharedMeasurements
+from lightning_diag.callbacks.common.shared import NOTHING, Shared, SharedMeasurements, step_loss_shared
 from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY, StepAxis
 
 __all__ = ["AttachedCallback", "Driver", "PartWrap", "attach", "driver_of"]
@@ -162,8 +162,20 @@ class Driver:
             self._unhost()
             self._host()
         self.shared.clear()
+        self.shared.loss_shared = step_loss_shared(trainer)
         if self.session is not None:
             self.session.start_fit(trainer, self.callbacks)
+
+    # -- the step loss ---------------------------------------------------------------------------------------
+    def offer_loss(self, value: float) -> None:
+        """The current batch's training loss on the host, read by a callback in a host copy it made anyway (see
+        :meth:`SharedMeasurements.offer_loss`): its later readers in the batch take it (:meth:`step_loss`)."""
+        self.shared.offer_loss(self.batches, value)
+
+    def step_loss(self) -> float | None:
+        """The current batch's training loss on the host when a callback offered it (:meth:`offer_loss`), else
+        ``None`` (the caller reads its own)."""
+        return self.shared.step_loss(self.batches)
 
     # -- checkpoint state -----------------------------------------------------------------------------------
     def save_axis(self, checkpoint: dict[str, Any]) -> None:

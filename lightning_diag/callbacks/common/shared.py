@@ -10,7 +10,10 @@ measures what it needs itself (one set lookup: the quiet step does no more work)
 The set holds what several callbacks read on one step today: the squared norms of an optimizer's gradients
 (``GradientFlowMonitor``'s layer norms, and the non-finite guard's check of every gradient, which reads them in place of
 its own pass) and of its parameters (``GradientFlowMonitor``'s relative gradients and update ratios), computed together
-in one fused pass when both are requested.
+in one fused pass when both are requested; and the step's training loss on the host (``STEP_LOSS``:
+``GradientFlowMonitor``'s measurement copies it to the host with its norms, for ``grad_collapse``; ``AnomalyAlarm``
+logs it as ``diag/loss/train_step`` at the batch's end), read once when both read the same quantity
+(:meth:`SharedMeasurements.offer_loss`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from lightning_diag.instrument.grad_measure import GradientSquares
 
-__all__ = ["NOTHING", "Shared", "SharedMeasurements"]
+__all__ = ["NOTHING", "Shared", "SharedMeasurements", "step_loss_shared"]
 
 
 class Shared(enum.Enum):
@@ -34,6 +37,10 @@ class Shared(enum.Enum):
     #: The squared L2 norm of each of those parameters, in the same record (its ``weights``); measured with the
     #: gradients' in one pass, so it implies :attr:`GRADIENT_SQUARES`.
     WEIGHT_SQUARES = "weight_squares"
+    #: The training loss of the batch on the host, as a ``float``: the first reader whose host copy carries it offers
+    #: it (:meth:`SharedMeasurements.offer_loss`), the later readers of the batch take it
+    #: (:meth:`SharedMeasurements.step_loss`) in place of their own read.
+    STEP_LOSS = "step_loss"
 
 
 #: No measurement requested.
@@ -48,12 +55,16 @@ class SharedMeasurements:
 
     Attributes:
         requested: What the callbacks on their cadence in the current batch requested (:meth:`decide`).
+        loss_shared: Whether the fit's step loss is one quantity for every reader (:func:`step_loss_shared`, set by
+            the driver at the fit's start): else no loss is offered, each reader reads its own.
     """
 
     def __init__(self) -> None:
         self.requested: frozenset[Shared] = NOTHING
+        self.loss_shared = False
         self._step: int | None = None
         self._values: dict[int, Any] = {}  # id(optimizer) -> its GradientSquares (or _UNMEASURED) at `_step`
+        self._loss: tuple[int, float] | None = None  # (the driver's batch count, the loss read in that batch)
 
     def decide(self, requested: frozenset[Shared]) -> None:
         """The requests of a new training batch (the union of those of the callbacks on their cadence)."""
@@ -64,6 +75,23 @@ class SharedMeasurements:
         self.requested = NOTHING
         self._step = None
         self._values = {}
+        self._loss = None
+
+    def offer_loss(self, batch: int, value: float) -> None:
+        """The host value of the training loss of the driver's ``batch`` (its count of decided batches), read by a
+        callback in a host copy it made anyway: kept for the batch's later readers when :attr:`Shared.STEP_LOSS` is
+        requested in the batch and the fit's loss is one quantity for every reader (:attr:`loss_shared`).
+
+        The offerer guarantees ``value`` is the batch's one micro-batch loss, as Lightning hands the hooks a
+        ``float32`` 0-d tensor, on this rank, converted to ``float`` exactly (``float(loss)``'s value)."""
+        if self.loss_shared and Shared.STEP_LOSS in self.requested:
+            self._loss = (batch, value)
+
+    def step_loss(self, batch: int) -> float | None:
+        """The training loss of the driver's ``batch`` that a reader offered (:meth:`offer_loss`), or ``None``: the
+        caller reads its own (no loss offered in that batch, a loss that was not finite, or several quantities)."""
+        loss = self._loss
+        return loss[1] if loss is not None and loss[0] == batch else None
 
     def gradient_squares(self, optimizer: torch.optim.Optimizer, step: int) -> GradientSquares | None:
         """The squared norms of ``optimizer``'s gradients at global ``step`` (with its parameters' when
@@ -74,7 +102,7 @@ class SharedMeasurements:
         A reader checks that the record still describes its gradients (``GradientSquares.covers`` /
         ``rows_of``: a gradient dropped or changed in place since is not in it)."""
         requested = self.requested
-        if not requested:
+        if Shared.GRADIENT_SQUARES not in requested and Shared.WEIGHT_SQUARES not in requested:
             return None
         if step != self._step:
             self._step = step
@@ -85,3 +113,24 @@ class SharedMeasurements:
             found = GradientSquares.measure(params, weights=Shared.WEIGHT_SQUARES in requested)
             self._values[id(optimizer)] = _UNMEASURED if found is None else found
         return None if found is _UNMEASURED else found
+
+
+def step_loss_shared(trainer: Any) -> bool:
+    """Whether a fit's step loss is one quantity for the callbacks that read it on the host: the loss
+    ``on_before_backward`` gets is the one Lightning hands ``on_train_batch_end`` (``outputs["loss"]``, its detached
+    clone), on one rank. That needs automatic optimization (Lightning's own ``closure_loss``), no gradient
+    accumulation (the batch end's loss is the last micro-batch's, the measurement's their sum), no gradient scaler
+    (``on_before_backward`` would get the scaled loss) and one process (the measurement's loss is the mean over the
+    ranks, the logged one this rank's).
+
+    Args:
+        trainer: The fitting trainer.
+    """
+    module = trainer.lightning_module
+    return (
+        module is not None
+        and bool(module.automatic_optimization)
+        and trainer.accumulate_grad_batches == 1
+        and trainer.world_size == 1
+        and getattr(trainer.precision_plugin, "scaler", None) is None
+    )

@@ -183,7 +183,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
     batch_hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_train_batch_end")
     #: A measured step reads the squared norms of the gradients and the weights from the driver (measured once, also
     #: for the non-finite guard's check of that step).
-    shared_requests = frozenset({Shared.GRADIENT_SQUARES, Shared.WEIGHT_SQUARES})
+    #: Its measurement's host copy carries the step's loss, which it offers to the batch's later readers.
+    shared_requests = frozenset({Shared.GRADIENT_SQUARES, Shared.WEIGHT_SQUARES, Shared.STEP_LOSS})
     preset = Preset(
         "GradientFlowMonitor",
         (
@@ -244,6 +245,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         self.update_sample_size = int(self.setting(UPDATE_SAMPLE_SIZE_KEY))
         self._reset_update_state()
         self._loss: torch.Tensor | None = None
+        self._loss_exact = False  # whether `_loss` is one micro-batch's float32 0-d loss, as Lightning handed it
         self.add_preset()
         self._watch = ActivationWatch()
         self._compiled: bool | None = None  # whether the model runs through torch.compile (known at its first batch)
@@ -415,6 +417,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             return
         value = loss.detach().float().reshape(())
+        self._loss_exact = self._loss is None and loss.dtype is torch.float32 and not loss.dim()
         self._loss = value if self._loss is None else self._loss + value
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -454,6 +457,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         # the squared norms of the gradients and weights: the driver's, measured once for every reader of the step
         known = self.shared_gradient_squares(trainer, optimizer)
         m = measure_step(index, chosen, self._loss, self._reduce(trainer), None if act is None else act.values, known)
+        exact = self._loss_exact and self._loss is not None
         self._loss = None
         step = trainer.global_step
         values = step_scalars(m, position)
@@ -468,6 +472,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         if position == 0:  # one baseline of one quantity: the first optimizer's
             self.record(self.feed(ctx, Measures(grad_norm=m.blocks, loss=m.loss)))
             self._measured_loss = m.loss
+            if exact and m.loss is not None and self._driver is not None:  # the batch's loss, read in the host copy
+                self._driver.offer_loss(m.loss)
         zero = zero_gradient_ids(index, chosen, m.norms)
         stuck = stuck_parameters(trainer, pl_module, self.params, self.expect_frozen, in_opt, zero)
         names = [n for n, _ in pl_module.named_parameters()]
