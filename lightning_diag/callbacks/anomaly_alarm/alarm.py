@@ -33,6 +33,7 @@ from lightning_diag.callbacks.anomaly_alarm.runtime_checks import RuntimeChecks
 from lightning_diag.callbacks.anomaly_alarm.silent_checks import ReplicaCheck, TrainModeCheck
 from lightning_diag.callbacks.common.base import AlertHandler, RuleChoices, extract_loss
 from lightning_diag.callbacks.common.preset import Detector, Preset
+from lightning_diag.callbacks.common.reduction import FitReduction, Reduced
 from lightning_diag.callbacks.common.shared import Shared
 from lightning_diag.core.alerts import NonFiniteAction
 from lightning_diag.core.registry import RuleSpec
@@ -489,7 +490,11 @@ class AnomalyAlarm(QuietLossKeeping):
             loss = self.loss_sums.add(loss, not private)
         step = trainer.global_step
         if step >= self._due:
-            out = self.trend.close_window(trainer, pl_module, step)
+            trend = self.trend
+            if self._several_ranks and trend.reductions(trainer, "window"):  # the window closes: the driver reduces
+                trend.reduced = self._reduced_at(trainer, pl_module, "window")
+            out = trend.close_window(trainer, pl_module, step)
+            trend.reduced = None
             if out is not None:
                 self._send(trainer, out)
             if self.recovery.rollback_enabled:
@@ -522,9 +527,13 @@ class AnomalyAlarm(QuietLossKeeping):
         self._hand_on()
         if not self._kept:
             self._missed_loss(trainer)
+        reduced = self._reduced_at(trainer, pl_module, "epoch_end")  # the findings and the sums: one call
         if self.on_nonfinite == "warn":
-            self.guard.read_back(trainer, pl_module)
-        self._send(trainer, self.trend.close_period(trainer, pl_module, "epoch"))
+            self.guard.read_back(trainer, pl_module, reduced)
+        self.trend.reduced = reduced
+        out = self.trend.close_period(trainer, pl_module, "epoch")
+        self.trend.reduced = None
+        self._send(trainer, out)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Before the first training forward: look for components whose state only training updates."""
@@ -553,7 +562,32 @@ class AnomalyAlarm(QuietLossKeeping):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Feed the monitored validation value to ``val_decline`` and ``val_fluctuation``."""
         self._hand_on()
-        self._send(trainer, self.trend.on_validation_end(trainer, pl_module))
+        self.trend.reduced = self._reduced_at(trainer, pl_module, "validation_end")
+        out = self.trend.on_validation_end(trainer, pl_module)
+        self.trend.reduced = None
+        self._send(trainer, out)
+
+    # -- reductions over the ranks during the fit ------------------------------------------------------------
+    def fit_reductions(self, trainer: pl.Trainer, point: str) -> list[FitReduction]:
+        """What the alarm reduces over the ranks at ``point`` of the fit, for the driver to reduce with every
+        callback's (``Driver.reduce_at``): at the epoch's end warn mode's findings (when steps were checked since
+        the last read-back) and the epoch's loss sums; at a step window's close its sums; at a validation's end the
+        sums since the last one (with the initial period's where its mean may be taken). The quiet batches' losses
+        are handed on first."""
+        self._hand_on()
+        out: list[FitReduction] = []
+        deferred = self.deferred
+        if point == "epoch_end" and self.on_nonfinite == "warn" and deferred.steps:
+            out.append((deferred, tuple(deferred)))
+        return out + self.trend.reductions(trainer, point)
+
+    def _reduced_at(self, trainer: pl.Trainer, pl_module: pl.LightningModule, point: str) -> Reduced | None:
+        """The driver's values over all ranks at ``point`` for every callback (``None``: one process, or no driver:
+        each part reduces its own)."""
+        driver = self._driver
+        if driver is None or not self._several_ranks:
+            return None
+        return driver.reduce_at(trainer, point, pl_module.device)
 
     def _send(self, trainer: pl.Trainer, out: TrendOutput) -> None:
         """Send out what :attr:`trend` produced: notices, alerts, then scalars."""

@@ -24,7 +24,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.anomaly_alarm.lr_logging import learning_rates
 from lightning_diag.callbacks.common.preset import Feed
-from lightning_diag.callbacks.common.reduction import reduce_state
+from lightning_diag.callbacks.common.reduction import FitReduction, Reduced, reduce_state
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import value_of
 from lightning_diag.core.tags import LossSeries, loss_tag, threshold_tag
@@ -212,6 +212,9 @@ class LossTrend:
         self.val_batches: list[torch.Tensor] = []
         #: The batches of the current validation run (whatever ``validation_step`` returned).
         self.val_batch_count = 0
+        #: The values over all ranks the driver reduced at the current point of the fit for every callback
+        #: (``Driver.reduce_at``, by ``(id(state), names)``), set by the alarm around a call; ``None``: reduce here.
+        self.reduced: Reduced | None = None
 
     def start(self, trainer: pl.Trainer) -> None:
         """Start the step window, and share restored all-rank loss sums out over this run's ranks."""
@@ -251,6 +254,35 @@ class LossTrend:
             return self.close_period(trainer, pl_module, "window")
         return None
 
+    def reductions(self, trainer: pl.Trainer, point: str) -> list[FitReduction]:
+        """What :meth:`close_period` (``point``: ``"epoch_end"``, or ``"window"`` when the step window closes at
+        this batch's end, :meth:`close_window`) and :meth:`on_validation_end` (``"validation_end"``) reduce over
+        the ranks: the period's sums, with the initial period's when its mean may be taken (reduced with them; the
+        initial sums start again only when it is). Decided from what every rank knows alike."""
+        sums = self.loss_sums
+        if point == "validation_end":
+            if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+                return []
+            return [(sums, self.period_names("since_val"))]
+        if point == "epoch_end":
+            prefix = "epoch"
+        elif point == "window" and isinstance(self.swing_window, int) and sums.window_start is not None:
+            if trainer.global_step - sums.window_start < self.swing_window:
+                return []
+            prefix = "window"
+        else:
+            return []
+        out: list[FitReduction] = [(sums, self.period_names(prefix))]
+        swing_period = (prefix == "epoch") == (self.swing_window == "epoch")
+        if swing_period and self.stagnant.baseline is None and sums.initial_batches > 0:
+            out.append((sums, self.period_names("initial")))
+        return out
+
+    @staticmethod
+    def period_names(prefix: str) -> tuple[str, ...]:
+        """The names of a period's sums that :meth:`take_stats` reads."""
+        return tuple(LossSums.spread_names(prefix) if prefix in LOSS_PERIODS else LossSums.names(prefix))
+
     def take_mean(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> float:
         """The mean loss of a period over all ranks; the period starts again."""
         return self.take_stats(trainer, pl_module, prefix)[0]
@@ -260,9 +292,11 @@ class LossTrend:
     ) -> tuple[float, float, float]:
         """``(mean, variance, count)`` of a period's step losses over all ranks (the variance ``nan`` for
         ``initial`` and below 2 losses); the period starts again."""
-        names = LossSums.spread_names(prefix) if prefix in LOSS_PERIODS else LossSums.names(prefix)
+        names = self.period_names(prefix)
         # one process: the sums' own float64 values in one stacked read (no conversion operator per value)
         totals = self.loss_sums.local_totals(names) if trainer.world_size <= 1 else None
+        if totals is None and self.reduced is not None:  # reduced by the driver with every callback's at this point
+            totals = self.reduced.get((id(self.loss_sums), names))
         if totals is None:
             totals = reduce_state(trainer, self.loss_sums, names, device=pl_module.device)
         self.loss_sums.reset(names)

@@ -21,7 +21,7 @@ import torch
 
 from lightning_diag.callbacks.anomaly_alarm.guard_pass import OptimizerPass
 from lightning_diag.callbacks.anomaly_alarm.lr_logging import learning_rates
-from lightning_diag.callbacks.common.reduction import reduce_state
+from lightning_diag.callbacks.common.reduction import Reduced, reduce_state
 from lightning_diag.core.alerts import Alert
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures, Rollback
@@ -130,16 +130,21 @@ class DeferredFindings(ReducedState):
                 current = torch.full((), int(current), dtype=torch.long, device=bad.device)
             self[name] = torch.where(bad, current.clamp(max=step), current)
 
-    def read(self, trainer: pl.Trainer, device: torch.device) -> tuple[int | None, int | None] | None:
+    def read(
+        self, trainer: pl.Trainer, device: torch.device, reduced: Reduced | None = None
+    ) -> tuple[int | None, int | None] | None:
         """The first bad loss and gradient steps over all ranks since the last read-back.
 
         ``None`` when no step was checked since then (no news); otherwise ``(loss_step, grad_step)``, each
-        ``None`` if there was none. Every rank calls this at the same steps (it is a collective).
+        ``None`` if there was none. Every rank calls this at the same steps (it is a collective), unless the driver
+        reduced them already with every callback's values at this point (``reduced``, by ``(id(state), names)``).
         """
         if not self.steps:
             return None
         self.steps = 0
-        first = reduce_state(trainer, self, device=device)
+        first = reduced.get((id(self), tuple(self))) if reduced else None
+        if first is None:
+            first = reduce_state(trainer, self, device=device)
         # Back to "none" as device tensors: the next steps update them without a copy from the host.
         for name in ("loss_step", "grad_step"):
             self[name] = torch.full((), NO_STEP, dtype=torch.long, device=device)
@@ -370,9 +375,15 @@ class NonFiniteGuard:
                 drop_gradients(opt)
         self.owner.record(decision.alerts)
 
-    def read_back(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """``"warn"`` mode: read the deferred findings back and record what the policy makes of them."""
-        found = self.deferred.read(trainer, pl_module.device)
+    def read_back(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        reduced: Reduced | None = None,
+    ) -> None:
+        """``"warn"`` mode: read the deferred findings back (over all ranks: ``reduced``, the driver's values of
+        this point, or reduced here) and record what the policy makes of them."""
+        found = self.deferred.read(trainer, pl_module.device, reduced)
         if found is not None:
             self._policy_dirty = True
             details = lambda: self.details(trainer, pl_module)  # noqa: E731

@@ -42,7 +42,13 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_diag.callbacks.common.batch_hooks import DISPATCHED_HOOKS
-from lightning_diag.callbacks.common.reduction import SavedPart, reduce_saved
+from lightning_diag.callbacks.common.reduction import (
+    FitReduction,
+    Reduced,
+    SavedPart,
+    reduce_saved,
+    reduce_states,
+)
 from lightning_diag.callbacks.common.session import DiagSession, ThresholdSource, run_log_dir
 from lightning_diag.callbacks.common.shared import NOTHING, Shared, SharedMeasurements, step_loss_shared
 from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY, StepAxis
@@ -107,6 +113,8 @@ class Driver:
         # checkpoint's entries can be taken for it): by design this keeps the last checkpoint's callbacks dict
         # alive until the next checkpoint (or the driver) replaces it
         self._reduced: dict[str, Any] | None = None
+        # the point of the fit last reduced (`reduce_at`) and its merged values: once per point for every callback
+        self._point: tuple[tuple[str, int, int, int], Reduced] | None = None
         # the attached callbacks grouped by logging interval, read at the fit's first batch
         self._cadence: list[_Interval] | None = None
 
@@ -162,6 +170,7 @@ class Driver:
             self._unhost()
             self._host()
         self.shared.clear()
+        self._point = None
         self.shared.loss_shared = step_loss_shared(trainer)
         if self.session is not None:
             self.session.start_fit(trainer, self.callbacks)
@@ -206,6 +215,36 @@ class Driver:
             return
         self._reduced = saved
         reduce_saved(trainer, saved, parts, device)
+
+    # -- reductions during the fit ----------------------------------------------------------------------------
+    def reduce_at(self, trainer: pl.Trainer, point: str, device: torch.device) -> Reduced:
+        """The values over all ranks of what every attached callback reduces at one ``point`` of the fit
+        (``"epoch_end"``, ``"window"``, ``"validation_end"``), in one collective per reduction kind for all of them
+        (:func:`~lightning_diag.callbacks.common.reduction.reduce_states`); the first callback asking at the point
+        reduces, the others get the same results.
+
+        Each attached callback with a ``fit_reductions(trainer, point)`` method names its ``(state, names)`` pairs
+        there (it must hand on anything it still holds first: another callback may reduce for it). Every rank
+        decides them from what all ranks know alike (counts, steps, settings), so every rank runs the same
+        collectives. With one process nothing is asked or reduced (each callback reads its own values).
+
+        Returns:
+            The merged values of each pair by ``(id(state), names)`` (an empty mapping with one process).
+        """
+        if trainer.world_size <= 1:
+            return {}
+        key = (point, self.batches, trainer.global_step, trainer.current_epoch)
+        if self._point is not None and self._point[0] == key:
+            return self._point[1]
+        requests: list[FitReduction] = []
+        for cb in self.callbacks:
+            ask = getattr(cb, "fit_reductions", None)
+            if ask is not None:
+                requests += ask(trainer, point)
+        merged = reduce_states(trainer, [(state, names) for state, names in requests], device) if requests else []
+        values = {(id(state), tuple(names)): value for (state, names), value in zip(requests, merged, strict=True)}
+        self._point = (key, values)
+        return values
 
     def load_axis(self, checkpoint: dict[str, Any]) -> None:
         """Resume the step axis from ``checkpoint``'s :data:`STEP_AXIS_KEY`, once per checkpoint (nothing when it

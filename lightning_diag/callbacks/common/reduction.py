@@ -2,7 +2,8 @@
 
 One collective per reduction kind (and one read back to the host), through ``trainer.strategy``, so it works
 for every Lightning strategy; with one process nothing is communicated. :func:`reduce_states` merges the values of
-several states in those same collectives (the driver's checkpoint: every callback's declared state together), and
+several states in those same collectives (the driver's checkpoint, and each point of the fit where callbacks
+reduce, ``Driver.reduce_at``: every callback's declared state together), and
 :func:`reduce_saved` writes what all ranks know of the declared state into a checkpoint's callback entries.
 """
 
@@ -16,11 +17,19 @@ import torch
 
 from lightning_diag.stats.reduced import ReducedState, Reduction
 
-__all__ = ["SavedPart", "reduce_saved", "reduce_state", "reduce_states"]
+__all__ = ["FitReduction", "Reduced", "SavedPart", "reduce_saved", "reduce_state", "reduce_states"]
 
 #: One declared object of a callback's checkpoint entry: ``(the callback's state_key, the object's key in its entry,
 #: the object)``, the object a :class:`ReducedState` or one with an ``all_ranks_state_dict(trainer, device)``.
 SavedPart = tuple[str, str, Any]
+
+#: What a callback reduces at one point of the fit (``Driver.reduce_at``): a declared state and the names of the
+#: values to reduce (each name's declared reduction).
+FitReduction = tuple[ReducedState, tuple[str, ...]]
+
+#: The values a point of the fit reduced (``Driver.reduce_at``): each request's merged values, by ``(id(state),
+#: names)``.
+Reduced = Mapping[tuple[int, tuple[str, ...]], dict[str, Any]]
 
 
 def reduce_state(
