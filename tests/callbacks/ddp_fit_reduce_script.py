@@ -17,10 +17,10 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.loggers import Logger
 from pytorch_lightning.strategies import DDPStrategy
 
 from lightning_diag import AnomalyAlarm
+from tests.output.logger_models import MemoryLogger
 
 
 class Model(pl.LightningModule):
@@ -72,30 +72,6 @@ class CountingDDP(DDPStrategy):
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
 
-class Memory(Logger):
-    """Every diag/ value logged, in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.values: list[list[Any]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        for key in sorted(metrics):
-            if key.startswith("diag/") and not key.startswith("diag/overhead"):
-                self.values.append([step, key, repr(float(metrics[key]))])
-
-
 class OwnReductions(AnomalyAlarm):
     """The alarm as before the driver reduced during the fit: each part runs its own collectives."""
 
@@ -113,14 +89,20 @@ def fit(root: str, alarm_class: type[AnomalyAlarm]) -> dict[str, Any]:
             on_alert=lambda a: alerts.append(["window", a.to_dict()]),
         ),
     ]
-    strategy, logger = CountingDDP(), Memory()
+    strategy, logger = CountingDDP(), MemoryLogger()
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, default_root_dir=root,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, logger=logger,
         num_sanity_val_steps=0, log_every_n_steps=4, callbacks=alarms,
     )
     trainer.fit(Model())
-    return {"calls": strategy.calls, "values": logger.values, "alerts": alerts, "rank": trainer.global_rank}
+    values = [  # every diag/ value logged, in order (the floats' repr: compared to the bit)
+        [step, key, repr(float(metrics[key]))]
+        for step, metrics in logger.calls
+        for key in sorted(metrics)
+        if key.startswith("diag/") and not key.startswith("diag/overhead")
+    ]
+    return {"calls": strategy.calls, "values": values, "alerts": alerts, "rank": trainer.global_rank}
 
 
 if __name__ == "__main__":
