@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from torch.overrides import TorchFunctionMode
@@ -104,9 +105,11 @@ def test_a_cadence_batch_reads_the_step_loss_on_the_host_once(tmp_path):
     assert _series(both_log, "diag/grad/") == _series(flow_log, "diag/grad/")
 
 
-def test_both_readers_get_the_value_the_batch_end_would_read(tmp_path):
+@pytest.mark.parametrize("flow_first", [False, True])
+def test_both_readers_get_the_value_the_batch_end_would_read(tmp_path, flow_first):
     offered = _Offered()
-    _fit(tmp_path, "both", [AnomalyAlarm(), GradientFlowMonitor(), offered])
+    ours: list[pl.Callback] = [AnomalyAlarm(), GradientFlowMonitor()]
+    _fit(tmp_path, "both", [*(ours[::-1] if flow_first else ours), offered])
     for step, (held, handed) in offered.seen.items():
         if step % EVERY == 0:  # a cadence batch (global step after it): the measurement's copy, float(loss)'s value
             assert held is not None and held == handed, step
