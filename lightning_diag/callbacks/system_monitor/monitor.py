@@ -125,7 +125,7 @@ class SystemMonitor(DiagCallback):
         ValueError: If an argument is out of range.
     """
 
-    extra_state_keys = ("window", "utilization", "steps_seen", "run_window")
+    extra_state_keys = ("window", "utilization", "steps_seen", "run_window", "pressure", "run_pressure")
     preset = Preset(
         "SystemMonitor",
         (

@@ -63,21 +63,14 @@ class StepWindows:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (the caller checked its keys)."""
-        # a checkpoint of an earlier version has no scheduled work per step: none known
         self.step_window = deque(
-            ((float(t), float(c), bool(f), float(w[0]) if w else 0.0) for t, c, f, *w in state_dict["window"]),
-            maxlen=self.window,
+            ((float(t), float(c), bool(f), float(w)) for t, c, f, w in state_dict["window"]), maxlen=self.window
         )
         self.util_window = deque((float(u) for u in state_dict["utilization"]), maxlen=self.window)
         self.steps_seen = int(state_dict["steps_seen"])
-        self.run_window = [(float(t), bool(f), float(w[0]) if w else 0.0) for t, f, *w in state_dict["run_window"]]
-        # a checkpoint of an earlier version kept no CPU pressure: not known
-        pressure = [float(p) for p in state_dict.get("pressure", [])]
-        pressure = [-1.0] * (len(self.step_window) - len(pressure)) + pressure[-len(self.step_window) :]
-        self.pressure_window = deque(pressure if self.step_window else [], maxlen=self.window)
-        run = len(self.run_window)
-        run_pressure = [-1.0] * run + [float(p) for p in state_dict.get("run_pressure", [])]
-        self.run_pressure = run_pressure[-run:] if run else []
+        self.run_window = [(float(t), bool(f), float(w)) for t, f, w in state_dict["run_window"]]
+        self.pressure_window = deque((float(p) for p in state_dict["pressure"]), maxlen=self.window)
+        self.run_pressure = [float(p) for p in state_dict["run_pressure"]]
 
     def add(
         self,
