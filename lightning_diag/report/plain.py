@@ -3,8 +3,9 @@
 Such a run has only what the user logged (TensorBoard event files or a ``CSVLogger``'s ``metrics.csv``): the
 training loss (per step, or its epoch mean), the validation loss, ``LearningRateMonitor``'s learning rates and the
 epoch. :func:`map_plain_run` finds them (:func:`~lightning_diag.report.tag_map.auto_map`, or the user's
-``--map ROLE=TAG``) and :func:`diagnose_plain` replays the library's rules that need only those series, built with
-``Rule.from_settings`` over the library's default thresholds as the rows' replays do (:mod:`lightning_diag.rules.rows`):
+``--map ROLE=TAG``; the series and the points judged: :mod:`lightning_diag.report.plain_series`) and
+:func:`diagnose_plain` replays the library's rules that need only those series, built with ``Rule.from_settings``
+over the library's default thresholds as the rows' replays do (:mod:`lightning_diag.rules.rows`):
 
 * ``nonfinite`` (``nonfinite_loss``): a NaN/Inf logged training or validation loss (the non-finite policy's latch:
   one alert per episode);
@@ -30,7 +31,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import itertools
 import math
 import statistics
 from collections.abc import Iterable, Mapping
@@ -40,8 +40,16 @@ from lightning_diag.core.registry import CHECKS, RULES, default_thresholds
 from lightning_diag.core.tags import loss_tag
 from lightning_diag.report.checks import RunReport, finish_check
 from lightning_diag.report.load import RunData, Series
-from lightning_diag.report.tag_map import ROLES, auto_map
-from lightning_diag.report.text import clean
+from lightning_diag.report.plain_series import (
+    PLAIN_SOURCE,
+    WINDOW_POINTS,
+    PlainSeries,
+    loss_points,
+    map_plain_run,
+    spreads,
+    step_noise,
+    swing_window_points,
+)
 from lightning_diag.rules.base import Rule, StepContext
 from lightning_diag.rules.catalog import (
     ALL_RULES,
@@ -71,141 +79,10 @@ PRESET: tuple[type[Rule], ...] = (
     ValDeclineRule, ValFluctuationRule, LossSwingRule, LossStagnantRule, LossOutlierRule
 )
 
-#: Logged training-loss steps averaged into one point of ``loss_swing`` / ``loss_stagnant`` when the run logged
-#: no epoch mean.
-WINDOW_POINTS = 8
-#: :attr:`RunData.threshold_source` of a plain run.
-PLAIN_SOURCE = "the library's defaults (a plain Lightning run logs no thresholds)"
 _NONFINITE = "nonfinite"
 #: The checklist rows a plain run measures, and the "Other" rows it adds.
 _MEASURED_ROWS = (_NONFINITE, LOSS_SWING, VAL_DECLINE, VAL_FLUCTUATION)
 _OTHER_RULES = (LOSS_STAGNANT, LOSS_OUTLIER)
-
-
-def map_plain_run(run: RunData, overrides: Mapping[str, str] | None = None) -> bool:
-    """Map a run's own tags to the roles (:data:`~lightning_diag.report.tag_map.ROLES`); whether it has a loss to
-    judge. Then it becomes a plain run (``kind="plain"``, the library's default thresholds).
-
-    An override naming a tag the run did not log is said in its problems (with the loss tags it did log) and
-    that role is left to the automatic mapping.
-    """
-    mapping = auto_map(run.user)
-    for role, tag in (overrides or {}).items():
-        if tag in run.user:
-            mapping[role] = tag
-        else:
-            logged = ", ".join(sorted(t for t in run.user if "loss" in t.lower())[:10]) or "none"
-            run.problems.append(
-                f"{run.name}: --map {role}={clean(tag)}: no such scalar in this run (its loss tags: {logged}); "
-                "the automatic mapping is used"
-            )
-    if not {"train_loss", "train_loss_epoch", "val_loss"} & set(mapping):
-        return False
-    run.mapping = {role: mapping[role] for role in ROLES if role in mapping}
-    run.kind = "plain"
-    run.thresholds = default_thresholds()
-    run.threshold_source = PLAIN_SOURCE
-    return True
-
-
-@dataclasses.dataclass
-class _Series:
-    """A plain run's series by role (empty when not mapped)."""
-
-    train: Series
-    train_epoch: Series
-    val: Series
-    epochs: Series
-    lr: Series
-
-    @classmethod
-    def of(cls, run: RunData) -> _Series:
-        def get(role: str) -> Series:
-            tag = run.mapping.get(role)
-            return run.user.get(tag, []) if tag is not None else []
-
-        return cls(get("train_loss"), get("train_loss_epoch"), get("val_loss"), get("epoch"), get("lr"))
-
-    def epoch_at(self, step: int) -> int:
-        """The epoch logged at or before ``step`` (0 when none was)."""
-        at = bisect.bisect_right(self.epochs, (step, math.inf)) - 1
-        value = self.epochs[at][1] if at >= 0 else 0.0
-        return int(value) if math.isfinite(value) else 0
-
-    def lr_at(self, step: int) -> float | None:
-        at = bisect.bisect_right(self.lr, (step, math.inf)) - 1
-        return self.lr[at][1] if at >= 0 else None
-
-
-def _windows(finite: Series, size: int) -> Series:
-    """Means of consecutive windows of ``size`` points, each at its last step (a shorter rest is left out)."""
-    chunks = [finite[i : i + size] for i in range(0, len(finite) - size + 1, size)]
-    return [(w[-1][0], statistics.fmean(v for _, v in w)) for w in chunks]
-
-
-def _spreads(points: Series, losses: Series) -> list[tuple[int, float | None]]:
-    """For each point, the logged step losses of its span (after the previous point, up to its step): their count
-    and their noise variance (``None`` below 2): half the mean squared difference of successive losses, which a
-    loss still falling within the span barely raises, as AnomalyAlarm's loss sums measure it from every step (the
-    noise ``loss_swing`` judges a change against)."""
-    out: list[tuple[int, float | None]] = []
-    steps = [step for step, _ in losses]
-    previous = -1
-    for step, _ in points:
-        lo, hi = bisect.bisect_right(steps, previous), bisect.bisect_right(steps, step)
-        span = [v for _, v in losses[lo:hi]]
-        diffs = [(b - a) ** 2 for a, b in itertools.pairwise(span)]
-        out.append((len(span), 0.5 * statistics.fmean(diffs) if diffs else None))
-        previous = step
-    return out
-
-
-def step_noise(values: list[float]) -> float:
-    """The relative noise of one logged loss: a robust standard deviation (1.4826 MAD) of the relative changes
-    between consecutive values, over sqrt(2) (a change holds the noise of two values); ``nan`` for fewer than 3.
-
-    Example:
-        >>> round(step_noise([1.0, 1.1, 0.9, 1.05, 0.95, 1.2, 0.85, 1.0]), 2)
-        0.17
-    """
-    changes = [(b - a) / abs(a) for a, b in itertools.pairwise(values) if a != 0]
-    if len(changes) < 2:
-        return math.nan
-    mid = statistics.median(changes)
-    return 1.4826 * statistics.median(abs(c - mid) for c in changes) / math.sqrt(2)
-
-
-def _loss_points(s: _Series) -> tuple[Series, str]:
-    """The points ``loss_stagnant`` judges (its trend test weighs their noise), and what one point is."""
-    if s.train_epoch:
-        return [p for p in s.train_epoch if math.isfinite(p[1])], "epoch"
-    finite = [p for p in s.train if math.isfinite(p[1])]
-    return _windows(finite, WINDOW_POINTS), f"window of {WINDOW_POINTS} logged step"
-
-
-def _swing_points(s: _Series, threshold: float) -> tuple[Series, str, str]:
-    """The points ``loss_swing`` judges, what one point is, and a note on how they were chosen.
-
-    Epoch means when the run logged them (what AnomalyAlarm feeds the rule). Else means of windows of logged
-    steps, long enough that the noise of one logged step (a single batch's loss, :func:`step_noise`) cannot make a
-    swing: the change between two window means has a standard deviation of ``sqrt(2) * noise / sqrt(n)``, which
-    must stay below a third of the threshold (``n >= 18 * (noise / threshold) ** 2``, at least
-    :data:`WINDOW_POINTS`).
-    """
-    if s.train_epoch:
-        return [p for p in s.train_epoch if math.isfinite(p[1])], "epoch", ""
-    finite = [p for p in s.train if math.isfinite(p[1])]
-    noise = step_noise([v for _, v in finite])
-    size = WINDOW_POINTS
-    if math.isfinite(noise) and threshold > 0:
-        size = max(size, math.ceil(18 * (noise / threshold) ** 2))
-    note = (
-        f"no epoch mean was logged: judged on means of {size} logged steps (one logged loss varies by "
-        f"{noise:.0%} from step to step); log the loss with on_epoch=True for epoch means"
-        if math.isfinite(noise)
-        else ""
-    )
-    return _windows(finite, size), f"window of {size} logged step", note
 
 
 def feed(detectors: Iterable[Rule], ctx: StepContext, m: Measures) -> dict[str, list[Alert]]:
@@ -243,7 +120,7 @@ class _Found:
             self.add(row, alerts)
 
 
-def _nonfinite(run: RunData, s: _Series, found: _Found) -> None:
+def _nonfinite(run: RunData, s: PlainSeries, found: _Found) -> None:
     thresholds = run.thresholds
     bad: list[str] = []
     for role, series in (("train_loss", s.train), ("train_loss_epoch", s.train_epoch), ("val_loss", s.val)):
@@ -278,15 +155,15 @@ def _nonfinite(run: RunData, s: _Series, found: _Found) -> None:
     found.notes[_NONFINITE] = f"gradients are not logged: {ALL_RULES[NONFINITE_GRAD]} checks them at every step"
 
 
-def _trend(run: RunData, s: _Series, found: _Found) -> None:
+def _trend(run: RunData, s: PlainSeries, found: _Found) -> None:
     """``loss_swing``, ``loss_stagnant``, ``val_decline`` and ``val_fluctuation`` in step order."""
-    points, unit = _loss_points(s)
+    points, unit = loss_points(s)
     detectors = _trend_detectors(run, unit)
     swing, stagnant = detectors[LossSwingRule], detectors[LossStagnantRule]
     decline, fluctuation = detectors[ValDeclineRule], detectors[ValFluctuationRule]
     assert isinstance(swing, LossSwingRule) and isinstance(stagnant, LossStagnantRule)
     assert isinstance(fluctuation, ValFluctuationRule)
-    swing_points, swing.unit, swing_note = _swing_points(s, swing.threshold)
+    swing_points, swing.unit, swing_note = swing_window_points(s, swing.threshold)
     baseline_steps = int(run.thresholds[STAGNANT_BASELINE_STEPS_KEY])
     early = [v for step, v in s.train if step < baseline_steps and math.isfinite(v)]
     # the initial loss, handed with the loss points until loss_stagnant holds it (as AnomalyAlarm hands it)
@@ -310,7 +187,7 @@ def _trend(run: RunData, s: _Series, found: _Found) -> None:
         + [(step, 1, v) for step, v in points]
         + [(step, 2, v) for step, v in s.val if math.isfinite(v)]
     )
-    spread = dict(zip((step for step, _ in swing_points), _spreads(swing_points, finite_train), strict=True))
+    spread = dict(zip((step for step, _ in swing_points), spreads(swing_points, finite_train), strict=True))
     for step, kind, v in events:
         ctx = StepContext(s.epoch_at(step), step)
         if kind == 0:
@@ -386,7 +263,7 @@ def _trend_detectors(run: RunData, unit: str) -> dict[type[Rule], Rule]:
     return {rule: rule.from_settings(run.thresholds, **context[rule]) for rule in PRESET if rule in context}
 
 
-def _outliers(run: RunData, s: _Series, found: _Found) -> None:
+def _outliers(run: RunData, s: PlainSeries, found: _Found) -> None:
     rule = LossOutlierRule.from_settings(run.thresholds)
     if len(s.train) < rule.window // 2 + 1:
         found.notes[LOSS_OUTLIER] = (
@@ -443,7 +320,7 @@ def diagnose_plain(run: RunData) -> RunReport:
     The replayed rules' warning and critical alerts become the run's alerts (its timeline and ``--fail-on``), and
     the mapped losses its ``diag/loss/*`` series (the report's loss plot).
     """
-    s = _Series.of(run)
+    s = PlainSeries.of(run)
     found = _Found()
     _nonfinite(run, s, found)
     _trend(run, s, found)

@@ -313,14 +313,12 @@ class Rule(FromSettings, abc.ABC):
     and :attr:`optional`, and implement :meth:`judge`; :meth:`~FromSettings.from_settings` builds them from their
     declarations (:class:`FromSettings`, with :attr:`~FromSettings.setting_keys` for the parameters their names do
     not tie to a field). Their state is the attributes named by ``state_keys`` plus the latch.
-    :meth:`load_state_dict` names any key that is missing and not in :attr:`state_defaults`.
+    :meth:`load_state_dict` names any key that is missing.
     """
 
     rule_id: ClassVar[str]
     severity: ClassVar[Severity] = Severity.WARNING
     state_keys: ClassVar[tuple[str, ...]] = ()
-    #: The value a state key takes when a checkpoint lacks it: one saved before the key existed (copied on load).
-    state_defaults: ClassVar[Mapping[str, Any]] = {}
     #: The measurements (:class:`~lightning_diag.rules.measures.Measure`) :meth:`judge` cannot do without.
     needs: ClassVar[frozenset[Measure]] = frozenset()
     #: The measurements :meth:`judge` also reads where they were measured.
@@ -433,10 +431,8 @@ class Rule(FromSettings, abc.ABC):
         """Restore :meth:`state_dict` output.
 
         Raises:
-            KeyError: If a declared key without a :attr:`state_defaults` entry is missing; the message names every
-                missing key.
+            KeyError: If a declared key is missing; the message names every missing key.
         """
-        state = {**self.state_defaults, **state}
         missing = [k for k in (*self.state_keys, "latch") if k not in state]
         if missing:
             raise KeyError(f"{type(self).__name__}.load_state_dict: missing state keys {missing}")

@@ -20,7 +20,7 @@ import bisect
 import math
 import statistics
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, FRACTION, CheckSpec, RuleSpec, default, register
@@ -106,7 +106,6 @@ class GradCollapseRule(Rule):
         "early", "baseline", "streak", "early_losses", "initial_loss", "recent_losses", "early_updates",
         "update_baseline", "update_level",
     )  # fmt: skip
-    state_defaults: ClassVar[Mapping[str, Any]] = {"early_updates": [], "update_baseline": None, "update_level": None}
 
     def __init__(
         self,

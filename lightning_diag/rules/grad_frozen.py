@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import COUNT, RuleSpec, SettingSpec, register, register_setting
@@ -91,7 +91,6 @@ class GradFrozenRule(Rule):
     needs = frozenset({Measure.STUCK_PARAMS})
     optional = frozenset({Measure.PARAM_NAMES})
     state_keys = ("streaks", "unused", "unreached")
-    state_defaults: ClassVar[Mapping[str, Any]] = {"unused": [], "unreached": None}
 
     def __init__(self, patience: int = _PATIENCE) -> None:
         super().__init__()

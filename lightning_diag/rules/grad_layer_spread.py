@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import CheckSpec, Limit, RuleSpec, default, register
@@ -88,7 +88,6 @@ class GradSpreadRule(Rule):
     # the relative gradients are judged; the update ratios of a measured step are noted for the next judgment
     optional = frozenset({Measure.GRAD_RELATIVE, Measure.LAYER_ROLES, Measure.UPDATE_RATIOS})
     state_keys = ("streak", "updates")
-    state_defaults: ClassVar[Mapping[str, Any]] = {"updates": {}}
 
     def __init__(
         self,

@@ -213,7 +213,6 @@ class GradBandRule(Rule):
         }
     )
     state_keys = ("streaks", "updates", "unreached", "weights")
-    state_defaults: ClassVar[Mapping[str, Any]] = {"updates": {}, "unreached": None, "weights": {}}
 
     def __init__(
         self,

@@ -28,7 +28,6 @@ import collections
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import POSITIVE, Limit, RuleSpec, default, register, value_of
@@ -390,11 +389,6 @@ class LossOutlierRule(Rule):
         if kept is not None and kept[1] is self.history and list(kept[0].values) == self.history:
             return kept[0]
         return _window_of(self.history, self.window)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before ``first`` / ``pending`` were saved loads
-        with none."""
-        super().load_state_dict({"first": [], "pending": [], "before": [], "span": 1, **state})
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge the per-step losses since the last call (``steps``: their global steps); return the alerts. Each

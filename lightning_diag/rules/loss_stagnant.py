@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, FRACTION, STEPS, Limit, RuleSpec, default, register
@@ -175,7 +175,6 @@ class LossStagnantRule(Rule):
     specs = (LOSS_STAGNANT_SPEC,)
     setting_keys: ClassVar[Mapping[str, str]] = {"min_drop": LOSS_STAGNANT}
     state_keys = ("baseline", "points", "best", "history", "settled", "validation")
-    state_defaults: ClassVar[Mapping[str, Any]] = {"history": [], "settled": False, "validation": []}
 
     def __init__(
         self,

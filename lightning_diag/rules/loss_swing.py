@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from typing import Any
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, CheckSpec, Limit, RuleSpec, default, register
@@ -243,16 +242,6 @@ class LossSwingRule(Rule):
         self.val_noise: list[list[float]] = []
         #: The first validation value (the scale of the changes when the initial training loss is not known).
         self.val_first: float | None = None
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before the noise test loads with the previous
-        point's noise and rate unknown."""
-        defaults: dict[str, Any] = {
-            "previous_noise": None, "previous_lr": None, "recent": [], "excesses": [], "val_previous": None,
-            "val_rise": 0, "val_streak": [0, 0], "val_history": [], "val_excesses": [], "val_noise": [],
-            "val_first": None,
-        }
-        super().load_state_dict({**defaults, **state})
 
     def pooled_step_variance(self) -> tuple[float, float]:
         """The step variance of a point without its own spread, with its degrees of freedom: the median of the

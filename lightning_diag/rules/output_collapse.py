@@ -28,8 +28,6 @@ generative or regression output ``[B, C]`` whose largest element is always the s
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, FRACTION, RULES, CheckSpec, RuleSpec, register
@@ -98,7 +96,6 @@ class OutputCollapseRule(Rule):
 
     specs = (OUTPUT_COLLAPSE_SPEC,)
     state_keys = ("streak", "early", "checks", "last", "unmeasured", "recent")
-    state_defaults: ClassVar[Mapping[str, Any]] = {"recent": []}
     needs = frozenset({Measure.OUTPUT_SPREAD})
 
     def __init__(

@@ -5,8 +5,6 @@ read from the rule registry.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, RULES, CheckSpec, RuleSpec, register
@@ -75,7 +73,6 @@ class SharpMinimumRule(Rule):
     specs = (SHARP_MINIMUM_SPEC,)
     needs = frozenset({Measure.SHARPNESS})
     state_keys = ("streak", "recent")
-    state_defaults: ClassVar[Mapping[str, Any]] = {"recent": []}
 
     def __init__(
         self, threshold: float = DEFAULT_SHARP_MINIMUM_THRESHOLD, patience: int = DEFAULT_SHARP_MINIMUM_PATIENCE

@@ -16,8 +16,6 @@ persists once the machine is free again is a warning of its own (source ``step_t
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, ClassVar
 
 from lightning_diag.core.record import Alert, Severity
 from lightning_diag.core.registry import (
@@ -91,7 +89,6 @@ class StepFluctuationRule(Rule):
 
     specs = (STEP_TIME_FLUCTUATION_SPEC,)
     state_keys = ("streak", "counted_at")
-    state_defaults: ClassVar[Mapping[str, Any]] = {"counted_at": _NEVER}
     needs = frozenset({Measure.COMPUTE_TIMES})
     optional = frozenset({Measure.CPU_PRESSURE})
 

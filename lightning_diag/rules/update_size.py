@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import FRACTION, POSITIVE, RULES, CheckSpec, RuleSpec, default, register
@@ -98,7 +98,6 @@ class UpdateSizeRule(Rule):
     specs = (UPDATE_TOO_SMALL_SPEC,)
     setting_keys: ClassVar[Mapping[str, str]] = {"patience": GRAD_PATIENCE_SETTING.key}
     state_keys = ("streak", "moved", "streak_start", "trend")
-    state_defaults: ClassVar[Mapping[str, Any]] = {"trend": []}
     needs = frozenset({Measure.UPDATE_RATIOS})
     optional = frozenset({Measure.LOSS})
 

@@ -162,10 +162,9 @@ class UpdateRule(Rule):
         return {**super().state_dict(), "losses": self.losses.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before the loss windows loads with none known."""
+        """Restore :meth:`state_dict` output."""
         super().load_state_dict(state)
-        if "losses" in state:
-            self.losses.load_state_dict(state["losses"])
+        self.losses.load_state_dict(state["losses"])
 
     def judge(self, ctx: StepContext, m: Measures) -> list[Alert]:
         """Judge one measured step (``{layer: LayerUpdate}``) and its training loss (``None``: unknown); return the

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import COUNT, POSITIVE, STEPS, CheckSpec, RuleSpec, default, register
@@ -93,9 +93,6 @@ class ValDeclineRule(Rule):
     specs = (VAL_DECLINE_SPEC,)
     setting_keys: ClassVar[Mapping[str, str]] = {"patience": VAL_DECLINE}
     state_keys = ("previous", "streak", "history", "streak_start", "train_start", "start", "previous_se")
-    state_defaults: ClassVar[Mapping[str, Any]] = {
-        "streak_start": 0, "train_start": None, "start": [], "previous_se": None
-    }
 
     def __init__(
         self,

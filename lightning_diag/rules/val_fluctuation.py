@@ -24,7 +24,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, ClassVar, cast
+from typing import ClassVar, cast
 
 from lightning_diag.core.record import Alert
 from lightning_diag.core.registry import POSITIVE, STEPS, CheckSpec, Limit, RuleSpec, default, register
@@ -189,14 +189,6 @@ class ValFluctuationRule(Rule):
         #: takes in earlier runs until it does.
         self.min_steps = min_steps
         self.last_ratio = math.nan
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a checkpoint from before ``min_steps`` loads with its runs' steps
-        unknown (read as far apart)."""
-        runs = len(state.get("val", []))
-        super().load_state_dict(
-            {"steps": [-self.min_steps * (runs - i) for i in range(runs)], "ses": [math.nan] * runs, **state}
-        )
 
     def window_runs(self) -> int:
         """Runs in the judged window, which ends at the run before the newest (whose following training period is

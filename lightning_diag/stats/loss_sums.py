@@ -253,9 +253,7 @@ class LossSums(ReducedState):
         previous = float(state.get("previous_loss", math.nan))
         self._previous = torch.tensor(previous, dtype=torch.float64) if math.isfinite(previous) else None
         self._continues = set(state.get("continues", [])) & set(LOSS_PERIODS) if self._previous is not None else set()
-        # a checkpoint from before the step-to-step noise: unknown (nan) until the periods restart
-        legacy = {p + "_dsq": math.nan for p in LOSS_PERIODS} | {p + "_dn": 0.0 for p in LOSS_PERIODS}
-        super().load_state_dict({**legacy, **state}, strict)
+        super().load_state_dict(state, strict)
         self._last_finite = float(state.get("last_finite", math.nan))
         self.initial_batches = int(state.get("initial_batches", 0))
         start = state.get("window_start")

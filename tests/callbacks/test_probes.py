@@ -45,8 +45,9 @@ def require_torchao() -> None:
 
 def test_a_broken_torchao_fails_in_ci_and_skips_elsewhere(monkeypatch):
     import lightning_diag.callbacks.probes.quantization as qp
+    import lightning_diag.instrument.int8_layers as engines
 
-    monkeypatch.setattr(qp, "_TORCHAO", False)  # as after a failed import
+    monkeypatch.setattr(engines, "_TORCHAO", False)  # as after a failed import
     monkeypatch.setattr("tests.callbacks.test_probes.torchao_available", qp.torchao_available)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # "installed"
     monkeypatch.setitem(__import__("sys").modules, "torchao.quantization", None)  # its import raises

@@ -155,7 +155,7 @@ def test_system_monitor_closes_every_batch_when_a_switching_callback_is_last(tmp
         gfm, monitor = GradientFlowMonitor(), SystemMonitor()
         callbacks: list[pl.Callback] = [gfm, monitor] if order == "first" else [monitor, gfm]
         _fit(tmp_path / order, Attention(), callbacks)
-        seen[order] = monitor.steps_seen
+        seen[order] = monitor.windows.steps_seen
         assert not set(vars(gfm)) & set(GradientFlowMonitor.batch_hooks)
     assert seen["last"] == seen["first"] >= BATCHES - EVERY
 

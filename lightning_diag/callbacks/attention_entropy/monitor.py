@@ -12,7 +12,8 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_diag.callbacks.attention_entropy.measure import draw_images, reduce_distances, reduce_stats
-from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices, extract_loss
+from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.common.outputs import extract_loss
 from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.core.tags import (
     attn_entropy_tag,

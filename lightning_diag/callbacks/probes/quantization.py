@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import logging
 import math
 import statistics
 from collections.abc import Callable, Iterator, Mapping
@@ -21,25 +19,19 @@ from lightning_diag.callbacks.probes.probe import LossFn, ProbeError, Validation
 from lightning_diag.core.alerts import Alert
 from lightning_diag.core.tags import quant_layer_tag, quant_tag
 from lightning_diag.core.validation import check_bool, check_choice
-from lightning_diag.instrument.sharded_quant import (
-    global_batch_fake_quantize,
-    sharded_fake_quantize,
-    sharded_max_error_pct,
-    sharded_outlier_ratio,
+from lightning_diag.instrument.int8_layers import (
+    fake_layer,
+    full_activation,
+    full_weights,
+    max_error_pct,
+    torchao_available,
+    torchao_layer,
+    weight_outlier_ratio,
 )
-from lightning_diag.instrument.sharding import reshard_fsdp, uses_fsdp1
+from lightning_diag.instrument.sharding import reshard_fsdp
 from lightning_diag.rules.measures import Measures, QuantizationReading
 from lightning_diag.rules.quantization_error import QUANTIZATION_ERROR, QuantizationErrorRule
-from lightning_diag.stats.grad import is_dtensor
-from lightning_diag.stats.quantization import (
-    Granularity,
-    LayerErrorAccumulator,
-    channel_outlier_ratio,
-    fake_quantize,
-    max_error_pct_of_scale,
-    outlier_ratio,
-    relative_error,
-)
+from lightning_diag.stats.quantization import Granularity, LayerErrorAccumulator, channel_outlier_ratio, relative_error
 
 __all__ = ["QuantizationProbe", "QuantizationResult", "torchao_available"]
 
@@ -47,29 +39,6 @@ Backend = Literal["auto", "fake", "torchao"]
 #: A loss below this counts as this small when the end-to-end change is made relative to it.
 LOSS_FLOOR = 0.05
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_TORCHAO: Any = None
-
-
-def torchao_available() -> bool:
-    """Whether ``torchao`` imports (its import messages about optional GPU kernels are silenced)."""
-    global _TORCHAO
-    if _TORCHAO is None:
-        loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-        levels = [lg.level for lg in loggers]
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        try:
-            import torchao.quantization as tq
-
-            _TORCHAO = tq
-        except Exception:  # an optional extra that fails to import (any error) is simply not used
-            _TORCHAO = False
-        finally:
-            for lg, level in zip(loggers, levels, strict=True):
-                lg.setLevel(level)
-    return _TORCHAO is not False
-
-
 @dataclasses.dataclass(frozen=True)
 class QuantizationResult:
     """One probe: per-layer measures under the judged scheme and per-channel, and the end-to-end change.
@@ -102,47 +71,6 @@ class QuantizationResult:
     input_outliers: dict[str, float]
     backend: str
     change_noise: float = math.nan
-
-
-def _quantized(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
-    """INT8 round trip; a DTensor (a tensor-parallel weight or activation) with the full tensor's scale."""
-    return sharded_fake_quantize(x, granularity) if is_dtensor(x) else fake_quantize(x, granularity)
-
-
-def _full(t: Any) -> Any:
-    """A tensor-parallel layer's output (or input) as the full activation; any other value as it is."""
-    return t.full_tensor() if is_dtensor(t) else t
-
-
-def _fake_layer(
-    module: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d, granularity: Granularity, activations: bool,
-    all_ranks: bool = False,
-) -> Callable[[torch.Tensor], Any]:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        # Quantized at each call, never stored: at most one layer's quantized weight exists at a time.
-        weight = _quantized(module.weight, granularity)
-        if not activations:
-            xq = x
-        elif all_ranks:  # the activation scale of the global batch, as one process would take it
-            xq = global_batch_fake_quantize(x)
-        else:
-            xq = _quantized(x, "per_tensor")
-        if isinstance(module, nn.Linear):
-            return nn.functional.linear(xq, weight, module.bias)
-        return module._conv_forward(xq, weight, module.bias)
-
-    return forward
-
-
-def _torchao_layer(module: nn.Linear, granularity: Granularity, activations: bool) -> Callable[[torch.Tensor], Any]:
-    tq = _TORCHAO
-    gran = tq.PerTensor() if granularity == "per_tensor" else tq.PerRow()
-    kind = tq.Int8DynamicActivationInt8WeightConfig if activations else tq.Int8WeightOnlyConfig
-    # set_inductor_config=False: torchao would otherwise change torch._inductor's global config for the whole run
-    config = kind(granularity=gran, set_inductor_config=False)
-    layer = copy.deepcopy(module)
-    tq.quantize_(layer, config)
-    return layer
 
 
 class QuantizationProbe(ValidationProbe):
@@ -250,8 +178,8 @@ class QuantizationProbe(ValidationProbe):
         self, module: nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d, granularity: Granularity
     ) -> Callable[[torch.Tensor], Any]:
         if isinstance(module, nn.Linear) and self.engine == "torchao":
-            return _torchao_layer(module, granularity, self.activations)
-        return _fake_layer(module, granularity, self.activations, self.all_ranks)
+            return torchao_layer(module, granularity, self.activations)
+        return fake_layer(module, granularity, self.activations, self.all_ranks)
 
     def measure(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[int, Any]]
@@ -281,12 +209,12 @@ class QuantizationProbe(ValidationProbe):
             def compare(name: str) -> Callable[..., None]:
                 def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
                     if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
-                        reference = _full(output)
-                        acc[name].add(reference, _full(judged[name](args[0])))
-                        ratio = channel_outlier_ratio(_full(args[0]), acc[name].channel_dim, reduce_max)
+                        reference = full_activation(output)
+                        acc[name].add(reference, full_activation(judged[name](args[0])))
+                        ratio = channel_outlier_ratio(full_activation(args[0]), acc[name].channel_dim, reduce_max)
                         input_outliers[name] = max(input_outliers.get(name, 0.0), ratio)
                         if channel is not judged:
-                            acc_channel[name].add(reference, _full(channel[name](args[0])))
+                            acc_channel[name].add(reference, full_activation(channel[name](args[0])))
 
                 return hook
 
@@ -321,9 +249,9 @@ class QuantizationProbe(ValidationProbe):
         rel = {n: a.relative_mse for n, a in acc.items() if a.count}
         if self.all_ranks:
             reshard_fsdp(pl_module)  # weigh the shards, not the root's gathered copies of the last forward
-        with _full_weights(pl_module, uses_deepspeed(trainer)):
-            max_error = {n: _max_error_pct(layers[n].weight, self.granularity) for n in rel}
-            outliers = {n: _outlier_ratio(layers[n].weight) for n in rel}
+        with full_weights(pl_module, uses_deepspeed(trainer)):
+            max_error = {n: max_error_pct(layers[n].weight, self.granularity) for n in rel}
+            outliers = {n: weight_outlier_ratio(layers[n].weight) for n in rel}
         if not rel:
             raise ProbeError("no nn.Linear/nn.Conv layer ran on a tensor input during the loss computation")
         return QuantizationResult(
@@ -385,22 +313,6 @@ class QuantizationProbe(ValidationProbe):
         return self.feed(self.context(trainer), Measures(quantization=reading))
 
 
-def _full_weights(module: nn.Module, deepspeed: bool = False) -> contextlib.AbstractContextManager[Any]:
-    """FSDP1 keeps flat local shards outside forward: its documented ``summon_full_params`` (read-only) gives the
-    weight-only measures the layers' real weights; DeepSpeed ZeRO-3 likewise with ``deepspeed.zero.
-    GatheredParameters`` (a no-op below stage 3). Neither is run here (both need CUDA in Lightning). FSDP2 and
-    tensor parallelism need nothing: their DTensor weights are measured from the shards."""
-    if deepspeed:
-        import deepspeed as ds
-
-        return ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-    if not uses_fsdp1(module):
-        return contextlib.nullcontext()
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return FullyShardedDataParallel.summon_full_params(module, writeback=False)
-
-
 def _change_noise(trainer: pl.Trainer, changes: torch.Tensor, all_ranks: bool, loss: float) -> float:
     """The standard error of the mean per-batch loss change ``quantized - float``, relative to ``loss``: the changes'
     sample standard deviation over the square root of their count; ``nan`` with fewer than 2 batches.
@@ -423,14 +335,6 @@ def _change_noise(trainer: pl.Trainer, changes: torch.Tensor, all_ranks: bool, l
     mean, square = (float(v) for v in moments.tolist())
     variance = max(square - mean * mean, 0.0) * n / (n - 1)
     return math.sqrt(variance / n) / max(abs(loss), LOSS_FLOOR)
-
-
-def _max_error_pct(w: torch.Tensor, granularity: Granularity) -> float:
-    return sharded_max_error_pct(w, granularity) if is_dtensor(w) else max_error_pct_of_scale(w, granularity)
-
-
-def _outlier_ratio(w: torch.Tensor) -> float:
-    return sharded_outlier_ratio(w) if is_dtensor(w) else outlier_ratio(w)
 
 
 def _sum_over_ranks(trainer: pl.Trainer, accumulators: list[LayerErrorAccumulator]) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import deque
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -20,13 +18,14 @@ from lightning_diag.callbacks.system_monitor.interval import HEADER, gather_rank
 from lightning_diag.callbacks.system_monitor.load import MachineLoad
 from lightning_diag.callbacks.system_monitor.profiler import SystemProfiler
 from lightning_diag.callbacks.system_monitor.steps import StepRecorder
+from lightning_diag.callbacks.system_monitor.windows import StepWindows
 from lightning_diag.core.tags import family_tag, overhead_tag
 from lightning_diag.core.validation import check_bool, check_int
 from lightning_diag.instrument.clocks import CudaClock, HostClock, TimeSource
 from lightning_diag.instrument.memory import NvmlProbe, cuda_memory, host_rss_bytes
 from lightning_diag.rules.contention import machine_pressure
 from lightning_diag.rules.dataloader_bound import DATALOADER_BOUND, DataloaderBoundRule
-from lightning_diag.rules.measures import LoaderWait, Measures, StepTimes
+from lightning_diag.rules.measures import LoaderWait, Measures
 from lightning_diag.rules.memory_growth import MemoryGrowthRule
 from lightning_diag.rules.step_time_fluctuation import (
     STEP_TIME_FLUCTUATION,
@@ -126,7 +125,7 @@ class SystemMonitor(DiagCallback):
         ValueError: If an argument is out of range.
     """
 
-    extra_state_keys = ("window", "utilization", "steps_seen", "run_window")
+    extra_state_keys = ("window", "utilization", "steps_seen", "run_window", "pressure", "run_pressure")
     preset = Preset(
         "SystemMonitor",
         (
@@ -176,19 +175,8 @@ class SystemMonitor(DiagCallback):
         self._reset_run()
 
     def _reset_windows(self) -> None:
-        # (wall step time, compute time, excluded from the fluctuation test, scheduled work left out of the step
-        # time) per optimizer step after warm-up
-        self.step_window: deque[tuple[float, float, bool, float]] = deque(maxlen=self.window)
-        self.util_window: deque[float] = deque(maxlen=self.window)
-        # the CPU pressure blamed on the machine at each step of `step_window` (its interval's share, 0 where the
-        # run's own tasks made it: `machine_pressure`; -1: not known)
-        self.pressure_window: deque[float] = deque(maxlen=self.window)
-        # (wall step time, known one-time cause, scheduled work) of every step since the fit's start, warm-up
-        # included, until the window after the warm-up is long enough for the ordinary periodic test
-        self.run_window: list[tuple[float, bool, float]] = []
-        # the CPU pressure blamed on the machine at each step of `run_window` (as `pressure_window`)
-        self.run_pressure: list[float] = []
-        self.steps_seen = 0
+        #: The step-time tests' evidence, kept across logging intervals and checkpoints.
+        self.windows = StepWindows(self.window, self.warmup_steps, MIN_STEPS)
 
     @property
     def steps(self) -> StepRecorder:
@@ -207,15 +195,7 @@ class SystemMonitor(DiagCallback):
     # -- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The rules' state (the base class), the step-time and utilisation windows and the steps seen."""
-        return {
-            **super().state_dict(),
-            "window": [[t, c, bool(f), w] for t, c, f, w in self.step_window],
-            "utilization": list(self.util_window),
-            "steps_seen": self.steps_seen,
-            "run_window": [[t, bool(f), w] for t, f, w in self.run_window],
-            "pressure": list(self.pressure_window),
-            "run_pressure": list(self.run_pressure),
-        }
+        return {**super().state_dict(), **self.windows.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output.
@@ -224,21 +204,7 @@ class SystemMonitor(DiagCallback):
             KeyError: If a key is missing; the message names every missing key.
         """
         super().load_state_dict(state_dict)
-        # a checkpoint of an earlier version has no scheduled work per step: none known
-        self.step_window = deque(
-            ((float(t), float(c), bool(f), float(w[0]) if w else 0.0) for t, c, f, *w in state_dict["window"]),
-            maxlen=self.window,
-        )
-        self.util_window = deque((float(u) for u in state_dict["utilization"]), maxlen=self.window)
-        self.steps_seen = int(state_dict["steps_seen"])
-        self.run_window = [(float(t), bool(f), float(w[0]) if w else 0.0) for t, f, *w in state_dict["run_window"]]
-        # a checkpoint of an earlier version kept no CPU pressure: not known
-        pressure = [float(p) for p in state_dict.get("pressure", [])]
-        pressure = [-1.0] * (len(self.step_window) - len(pressure)) + pressure[-len(self.step_window) :]
-        self.pressure_window = deque(pressure if self.step_window else [], maxlen=self.window)
-        run = len(self.run_window)
-        run_pressure = [-1.0] * run + [float(p) for p in state_dict.get("run_pressure", [])]
-        self.run_pressure = run_pressure[-run:] if run else []
+        self.windows.load_state_dict(state_dict)
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -385,12 +351,6 @@ class SystemMonitor(DiagCallback):
         self._steps.validation_end(trainer.sanity_checking)
 
     # -- reporting -------------------------------------------------------------------------------------------
-    @staticmethod
-    def _mean_pressure(pressures: Iterable[float]) -> float | None:
-        """The mean CPU pressure over the steps whose pressure is known (``None``: none is)."""
-        known = [p for p in pressures if p >= 0]
-        return float(np.mean(known)) if known else None
-
     def _report(self, trainer: pl.Trainer) -> None:
         interval = self._steps.take()
         if interval is None:
@@ -437,38 +397,16 @@ class SystemMonitor(DiagCallback):
 
         # a step with a known cause in its wait only is judged (above) and is no longer neutral in the early test
         whole = [f and not b for f, b in zip(flags, interval.wait_explained or [False] * n, strict=True)]
-        for t, c, flag, one_time, w in zip(judged.tolist(), compute.tolist(), flags, whole, work.tolist(), strict=True):
-            self.steps_seen += 1
-            if self.steps_seen > self.warmup_steps:
-                self.step_window.append((float(t), float(c), bool(flag), float(w)))
-                self.pressure_window.append(per_step)
-            if self.steps_seen < self.warmup_steps + MIN_STEPS:
-                self.run_window.append((float(t), bool(one_time), float(w)))
-                self.run_pressure.append(per_step)
-        if self.steps_seen >= self.warmup_steps + MIN_STEPS:
-            # the window after the warm-up is long enough for the ordinary test
-            self.run_window, self.run_pressure = [], []
+        self.windows.add(judged.tolist(), compute.tolist(), flags, whole, work.tolist(), per_step)
         alerts = []
         step_total = float(totals.sum())
         # the share of the training's time: the diagnostics' own (a heavy logging step) would dilute it
         wait = LoaderWait(merged["loader_wait"], merged["loader_step"], n)
         alerts += self.feed(ctx, Measures(loader_wait=wait, cpu_pressure=machine if machine >= 0 else None))
-        times = StepTimes(
-            [t for t, _, _, _ in self.step_window],
-            run_times=[t for t, _, _ in self.run_window],
-            explained=[f for _, f, _ in self.run_window],
-            work=[w for _, _, _, w in self.step_window],
-            run_work=[w for _, _, w in self.run_window],
-            run_pressure=self._mean_pressure(self.run_pressure),
-        )
-        pressure = self._mean_pressure(self.pressure_window)
-        alerts += self.feed(ctx, Measures(step_times=times, cpu_pressure=pressure))
+        pressure = self.windows.pressure()
+        alerts += self.feed(ctx, Measures(step_times=self.windows.step_times(), cpu_pressure=pressure))
         pattern = self.periodic_rule.last
-        keep = [
-            c
-            for i, (_, c, flag, _) in enumerate(self.step_window)
-            if not flag and not (pattern.found and i >= pattern.phase and (i - pattern.phase) % pattern.period == 0)
-        ]
+        keep = self.windows.compute_times(pattern)
         alerts += self.feed(ctx, Measures(compute_times=keep, cpu_pressure=pressure))
         fluctuation = self.fluctuation_rule.last_value
         memory = {"host_rss": merged["rss"], **{k: v for k, v in cuda.items() if k == "cuda_allocated"}}
@@ -489,9 +427,9 @@ class SystemMonitor(DiagCallback):
             values.update({family_tag("system", k): v for k, v in self._nvml_probe.snapshot().items()})
             util = self._nvml_probe.utilization()
             if math.isfinite(util):
-                self.util_window.append(util)
+                self.windows.util_window.append(util)
                 values[family_tag("system", "gpu_utilization")] = util
-                alerts += self.feed(ctx, Measures(gpu_utilization=list(self.util_window)))
+                alerts += self.feed(ctx, Measures(gpu_utilization=list(self.windows.util_window)))
         # the hooks' seconds over the same clock's seconds since the last report: the share of the interval
         now = self._overhead_clock()
         span, self._overhead_mark = now - self._overhead_mark, now
