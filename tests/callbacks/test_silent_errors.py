@@ -524,6 +524,56 @@ def test_zero_grad_watch_criterion_on_tensors():
     assert watch.watches == {} and watch.verdicts == []
 
 
+def test_zero_grad_watch_reads_nothing_once_every_gradient_was_none():
+    """``zero_grad(set_to_none=True)`` before a backward (Lightning's loop): the watch's flags are set without reading
+    the gradients, and no later backward of the watch is read; the flags and the verdict are those of reading them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_diag.callbacks.gradient_flow.silent_updates import ZeroGradWatch
+    from lightning_diag.stats.updates import segment_any
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    params = [nn.Parameter(torch.ones(16)), nn.Parameter(torch.ones(3))]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    watch = ZeroGradWatch()
+    watch.arm(0, [0, 1], params)
+    w = watch.watches[0]
+    # what reading them computes: no sampled element of a None gradient is non-zero
+    expected = w.stale & segment_any(w.sample.gather([None, None]) != 0, w.sample.segment, w.sample.count)
+    for p in params:
+        p.grad = None
+    with Ops() as ops:
+        watch.before_backward(params)
+    assert ops.names == ["aten.zero_.default"]
+    assert torch.equal(w.stale, expected) and w.stale.tolist() == [False, False]
+    for p in params:
+        p.grad = torch.full_like(p, 2.0)
+    with Ops() as ops:
+        watch.after_backward(params)
+        watch.before_backward(params)  # an accumulated micro-batch: its gradients are not read either
+        watch.after_backward(params)
+    assert ops.names == []
+    watch.before_step(0)
+    assert [flags.tolist() for _, _, flags in watch.verdicts] == [[False, False]]
+    # one gradient still set: read as before (a GAN's other optimizer left its gradients)
+    params[0].grad = None
+    watch.arm(0, [0, 1], params)
+    watch.before_backward(params)
+    params[1].grad = params[1].grad + 1
+    watch.after_backward(params)
+    watch.before_step(0)
+    assert watch.verdicts[-1][2].tolist() == [False, True]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["no_zero_grad", "healthy"])
 def test_grad_not_zeroed_under_ddp_every_rank_decides_together(tmp_path, mode):

@@ -68,6 +68,9 @@ class _Watch:
         #: a backward added to the left-over gradient
         self.added = added
         self.before: torch.Tensor | None = None
+        #: every watched ``.grad`` was ``None`` at a backward since the step (``zero_grad``'s default), known on the
+        #: host: nothing is left over, :attr:`stale` is all false for good and no later backward is read
+        self.cleared = False
 
 
 class ZeroGradWatch:
@@ -122,7 +125,18 @@ class ZeroGradWatch:
     def before_backward(self, params: Sequence[torch.Tensor]) -> None:
         """A backward starts: a gradient set to ``None`` or zero since the step is no longer left over."""
         for w in self.watches.values():
-            grads = w.sample.gather([params[i].grad for i in w.positions])
+            if w.cleared:
+                continue
+            found = [params[i].grad for i in w.positions]
+            if all(g is None for g in found):
+                # every gradient set to None: the flags the device would compute (no sampled element non-zero) are
+                # known here; one operator instead of reading this backward and the next (a measuring step's
+                # following backward in the usual loop)
+                w.stale.zero_()
+                w.cleared = True
+                w.before = None
+                continue
+            grads = w.sample.gather(found)
             w.stale &= segment_any(grads != 0, w.sample.segment, w.sample.count)
             w.before = grads
 
