@@ -1,12 +1,14 @@
-"""What a ``training_step`` returned, as the callbacks read it: the loss tensor, or why there is none."""
+"""What a ``training_step`` returned, as the callbacks read it: the loss tensor, or why there is none; and the
+scale a mixed-precision gradient scaler put on the loss that ``on_before_backward`` receives."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 
-__all__ = ["extract_loss"]
+__all__ = ["extract_loss", "loss_scale"]
 
 
 def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
@@ -31,3 +33,18 @@ def extract_loss(outputs: Any) -> tuple[torch.Tensor | None, str | None]:
         )
     loss = loss.detach().float()
     return (loss if loss.dim() == 0 else loss.reshape(())), None
+
+
+def loss_scale(trainer: pl.Trainer) -> float | None:
+    """The factor a gradient scaler multiplied the current optimizer step's losses by, or ``None`` without one.
+
+    Lightning's ``MixedPrecision`` plugin (``precision="16-mixed"``) scales the loss before it calls
+    ``on_before_backward``: a callback that keeps that loss divides it by this factor (a power of two: the division
+    gives the loss back bit for bit). The scaler changes its scale only in its ``update()`` after the optimizer
+    step, so the factor read before the step (``on_before_optimizer_step``) is the one its backwards used. Reading
+    it is one host read (``GradScaler.get_scale``): call it only on a step that measures.
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return float(scaler.get_scale())

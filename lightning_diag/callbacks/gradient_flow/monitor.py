@@ -16,6 +16,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.common.outputs import loss_scale
 from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.callbacks.common.shared import Shared
 from lightning_diag.callbacks.gradient_flow.params import (
@@ -456,7 +457,8 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         act = self._watch.take() if self._watch.pending or self._watch.too_few_rows else None
         # the squared norms of the gradients and weights: the driver's, measured once for every reader of the step
         known = self.shared_gradient_squares(trainer, optimizer)
-        m = measure_step(index, chosen, self._loss, self._reduce(trainer), None if act is None else act.values, known)
+        loss = _unscaled(trainer, self._loss)
+        m = measure_step(index, chosen, loss, self._reduce(trainer), None if act is None else act.values, known)
         exact = self._loss_exact and self._loss is not None
         self._loss = None
         step = trainer.global_step
@@ -542,7 +544,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         loss, self._loss = self._loss, None
         if not chosen:
             return
-        m = measure_step(index, chosen, loss, self._reduce(trainer))
+        m = measure_step(index, chosen, _unscaled(trainer, loss), self._reduce(trainer))
         self.record(self.feed(self.context(trainer), Measures(grad_norm=m.blocks, loss=m.loss)))
         if m.weight_squares is not None:  # grad_explode between measurements: the weights' norms at step 0
             sizes = _layer_sizes(index, chosen)
@@ -599,3 +601,11 @@ def _layer_sizes(index: ParamIndex, chosen: list[int]) -> dict[str, int]:
         layer = index.layers[index.layer_of[i]]
         sizes[layer] = sizes.get(layer, 0) + index.numel[i]
     return sizes
+
+
+def _unscaled(trainer: pl.Trainer, loss: torch.Tensor | None) -> torch.Tensor | None:
+    """The step's kept loss without a gradient scaler's factor (``on_before_backward`` hands it scaled)."""
+    if loss is None:
+        return None
+    scale = loss_scale(trainer)
+    return loss if scale is None else loss / scale
