@@ -11,6 +11,13 @@ The set holds what several callbacks read on one step today: the squared norms o
 (``GradientFlowMonitor``'s layer norms, and the non-finite guard's check of every gradient, which reads them in place of
 its own pass) and of its parameters (``GradientFlowMonitor``'s relative gradients and update ratios), computed together
 in one fused pass when both are requested.
+
+The driver also owns the forward hooks of a hooked step (:attr:`SharedMeasurements.hooks`, a
+:class:`~lightning_diag.instrument.forward_hooks.ForwardHooks`): the watches that read the model's forward
+(``GradientFlowMonitor``'s activation watch: the modules' inputs; ``AnomalyAlarm``'s ``zero_output`` and
+``output_collapse`` watches: the modules' outputs, on the same cadence steps) ask it for the modules they read, and each
+module gets at most one pre-hook and one forward hook, dispatching to every watch that asked; the hooks come off when
+the watches leave after the step's forward (none on a quiet step).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 
 import torch
 
+from lightning_diag.instrument.forward_hooks import ForwardHooks
 from lightning_diag.instrument.grad_measure import GradientSquares
 
 __all__ = ["NOTHING", "Shared", "SharedMeasurements"]
@@ -48,10 +56,13 @@ class SharedMeasurements:
 
     Attributes:
         requested: What the callbacks on their cadence in the current batch requested (:meth:`decide`).
+        hooks: The forward hooks of the trainer's hooked steps: one pre-hook and one forward hook per module at
+            most, shared by every watch of the step.
     """
 
     def __init__(self) -> None:
         self.requested: frozenset[Shared] = NOTHING
+        self.hooks = ForwardHooks()
         self._step: int | None = None
         self._values: dict[int, Any] = {}  # id(optimizer) -> its GradientSquares (or _UNMEASURED) at `_step`
 
@@ -60,8 +71,9 @@ class SharedMeasurements:
         self.requested = requested
 
     def clear(self) -> None:
-        """Drop the requests and every value computed (a new fit)."""
+        """Drop the requests and every value computed, and any forward hook left (a new fit)."""
         self.requested = NOTHING
+        self.hooks.clear()
         self._step = None
         self._values = {}
 
