@@ -16,16 +16,9 @@ from lightning_diag import AnomalyAlarm, GradientFlowMonitor
 from lightning_diag.instrument.activation_watch import ActivationWatch
 from lightning_diag.instrument.forward_hooks import ForwardHooks, ModuleHook
 from lightning_diag.instrument.output_watch import OutputSpreadWatch, ZeroOutputWatch
+from tests.output.logger_models import FAST
 
-FAST = {
-    "accelerator": "cpu",
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "enable_checkpointing": False,
-    "logger": False,
-    "log_every_n_steps": 5,
-    "limit_val_batches": 0,
-}
+RUN = {**FAST, "logger": False, "log_every_n_steps": 5, "limit_val_batches": 0}
 STEPS = 20
 
 
@@ -63,7 +56,7 @@ def _fit(root: Any, callbacks: list[pl.Callback]) -> _Net:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 8, generator=g)
     model = _Net()
-    trainer = pl.Trainer(default_root_dir=root, max_steps=STEPS, callbacks=callbacks, deterministic=True, **FAST)
+    trainer = pl.Trainer(default_root_dir=root, max_steps=STEPS, callbacks=callbacks, deterministic=True, **RUN)
     trainer.fit(model, DataLoader(TensorDataset(x, x[:, :1]), batch_size=32))
     return model
 
