@@ -408,7 +408,7 @@ def _entries() -> list[CorpusEntry]:
             "between devices)",
             (ZERO_OUTPUT,),
             onset_step=102,
-            window=15,  # sampled every 5 steps: the corrupted steps 102, 105 (sampled)
+            window=15,  # sampled every 5 steps (104, 109, ...): corrupted 102, 105, 108, 111 are not, 114 is
             max_steps=130,
             fault={"zero_transfer_every": 3, "zero_transfer_from": 102},
         ),

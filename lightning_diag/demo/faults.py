@@ -376,7 +376,7 @@ FAULTS: dict[str, Fault] = {
             "between two devices) arrives as zeros: the module's output is all zeros on those steps only",
             (ZERO_OUTPUT,),
             onset_step=63,
-            window=15,  # measured every 5 steps: the corrupted steps 63, 66, 69, 72 are not sampled, 75 is
+            window=15,  # measured every 5 steps (4, 9, ...): the corrupted steps 63, 66 are not sampled, 69 is
             max_epochs=5,
             config={"zero_transfer_every": 3, "zero_transfer_from": 63},
         ),
@@ -566,7 +566,7 @@ FAULTS: dict[str, Fault] = {
             "a binary classifier whose one output unit goes through a softmax: every prediction is exactly 1",
             (OUTPUT_COLLAPSE,),
             onset_step=0,
-            window=10,  # measured at steps 0, 5, 10
+            window=14,  # measured at steps 4, 9, 14 (the logging cadence's; 0, 5, 10 before issue 43's hook set)
             max_epochs=2,
             config={"model": "blobs_single_softmax", "d_model": 64, "head_depth": 2},
         ),

@@ -1,7 +1,9 @@
 """What the activation modules saw in one measured forward: dead ReLU units and saturated bounded activations.
 
-:class:`ActivationWatch` attaches forward pre-hooks for one measured step (GradientFlowMonitor attaches them at the
-start of a batch on its cadence and removes them before the backward): on every activation module it knows
+:class:`ActivationWatch` asks for forward pre-hooks for one measured step (GradientFlowMonitor attaches it at the
+start of a batch on its cadence and detaches it before the backward), through the trainer's driver's
+:class:`~lightning_diag.instrument.forward_hooks.ForwardHooks` (one pre-hook per module, shared with any other watch
+of the step): on every activation module it knows
 (:data:`RELU_FAMILY`, :data:`LINEAR_RANGES`) and on every module that owns parameters, whose calls say which layer
 an activation follows (the layer reported) and whether anything trainable runs after it. Each activation call
 reduces its input on the device to one number; after the backward :meth:`ActivationWatch.readings` adds the share
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_diag.instrument.forward_hooks import ForwardHooks, ModuleHook
 from lightning_diag.rules.records import ActivationReading
 from lightning_diag.stats.grad import is_dtensor
 
@@ -111,7 +114,8 @@ class ActivationWatch:
     """
 
     def __init__(self) -> None:
-        self._handles: list[Any] = []
+        self._hooks: ForwardHooks | None = None  # the set this watch asked, while attached
+        self._own: ForwardHooks | None = None  # the set of a watch attached without one (built when first needed)
         self._calls: list[WatchCall] = []
         self._layers: list[tuple[str, bool]] = []  # (module name, trainable) of each parameter-owning call
         self._input_sq: torch.Tensor | None = None
@@ -122,15 +126,20 @@ class ActivationWatch:
     @property
     def attached(self) -> bool:
         """Whether hooks are attached (a measured forward is under way)."""
-        return bool(self._handles)
+        return self._hooks is not None
 
     @property
     def pending(self) -> bool:
         """Whether a measured forward left statistics that :meth:`readings` has not read."""
         return bool(self._calls)
 
-    def attach(self, module: nn.Module) -> None:
-        """Attach the pre-hooks for the next forward (nothing when the model has no activation module watched)."""
+    def attach(self, module: nn.Module, hooks: ForwardHooks | None = None) -> None:
+        """Attach the pre-hooks for the next forward (nothing when the model has no activation module watched).
+
+        Args:
+            module: The model.
+            hooks: The set whose one pre-hook per module calls this watch's (the driver's); ``None``: one of its own.
+        """
         self.detach()
         self._calls, self._layers, self._input_sq, self.too_few_rows = [], [], None, False
         named = list(module.named_modules())  # one walk of the model per measured step
@@ -138,20 +147,23 @@ class ActivationWatch:
         watched = [(name, sub) for name, sub in named if isinstance(sub, RELU_FAMILY) or _bounds(sub)]
         if not watched:
             return
+        if hooks is None:
+            hooks = self._own = self._own or ForwardHooks()
+        self._hooks = hooks
         for name, sub in named:
             params = list(sub.parameters(recurse=False))
             if params:
                 trainable = any(p.requires_grad for p in params)
-                self._handles.append(sub.register_forward_pre_hook(self._layer_hook(name, trainable)))
+                hooks.ask(self, ModuleHook.INPUTS, sub, self._layer_hook(name, trainable))
         convs = frozenset(name for name, sub in named if isinstance(sub, _CHANNELS_FIRST))
         for name, sub in watched:
-            self._handles.append(sub.register_forward_pre_hook(self._activation_hook(name, convs)))
+            hooks.ask(self, ModuleHook.INPUTS, sub, self._activation_hook(name, convs))
 
     def detach(self) -> None:
         """Remove the hooks (the statistics stay until :meth:`readings`)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.leave(self)
 
     def _layer_hook(self, name: str, trainable: bool) -> Callable[..., None]:
         def pre_hook(module: nn.Module, inputs: Any) -> None:

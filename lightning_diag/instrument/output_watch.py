@@ -1,8 +1,10 @@
 """Which modules returned an all-zero output on one sampled step, measured on the device without changing it.
 
 A transient corruption (a copy between devices or ranks that arrives as zeros) shows as a module whose output is exactly
-zero on one step and non-zero on the others. :class:`ZeroOutputWatch` installs a forward hook on every module for one
-training batch (after the module's own hooks, so it sees what they return): each call of a module of the model takes
+zero on one step and non-zero on the others. :class:`ZeroOutputWatch` asks for a forward hook on every module for one
+training batch (after the module's own hooks, so it sees what they return), through the trainer's driver's
+:class:`~lightning_diag.instrument.forward_hooks.ForwardHooks` (one hook per module, shared with the other watches of
+the step): each call of a module of the model takes
 the minimum and maximum of its output on the device (NaN read as 1: one fused pass, no host read), which say whether it
 is all zero (``not output.any()``) and whether it holds a negative value (``(output < 0).any()``), and
 :meth:`ZeroOutputWatch.counts` combines them per module on the device, ready for one transfer (after a sum over ranks
@@ -23,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.loss import _Loss
-from torch.utils.hooks import RemovableHandle
 
+from lightning_diag.instrument.forward_hooks import ForwardHooks, ModuleHook
 from lightning_diag.stats.grad import local_tensor
 
 __all__ = [
@@ -86,26 +88,33 @@ class ZeroOutputWatch:
         self.order = [n for n, _ in self.modules]
         self.index = {name: i for i, name in enumerate(self.order)}
         self._calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (module, low, high): see `_extremes`
-        self._handles: list[RemovableHandle] = []
+        self._hooks: ForwardHooks | None = None  # the set this watch asked, while active
         # by the modules' calls in order (the same every sampled step of a fit): their positions, and which ran
         self._layouts: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def active(self) -> bool:
         """Whether the hooks are installed."""
-        return bool(self._handles)
+        return self._hooks is not None
 
-    def start(self) -> None:
-        """Install a forward hook on every watched module, after its own hooks (it sees the output they return)."""
+    def start(self, hooks: ForwardHooks | None = None) -> None:
+        """Watch every watched module's output, after its own hooks (it sees the output they return).
+
+        Args:
+            hooks: The set whose one forward hook per module calls this watch's (the driver's); ``None``: one of its
+                own.
+        """
         self._calls = []
-        if not self._handles:
-            self._handles = [m.register_forward_hook(self._hook(n)) for n, m in self.modules]
+        if self._hooks is None:
+            self._hooks = hooks = ForwardHooks() if hooks is None else hooks
+            for n, m in self.modules:
+                hooks.ask(self, ModuleHook.OUTPUTS, m, self._hook(n))
 
     def stop(self) -> None:
         """Remove the hooks; :meth:`counts` or :meth:`extremes` reads what they saw."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.leave(self)
 
     def _hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -282,25 +291,32 @@ class OutputSpreadWatch:
         self._child_output: tuple[str, torch.Tensor] | None = None
         self._root_input: torch.Tensor | None = None
         self._child_input: torch.Tensor | None = None
-        self._handles: list[RemovableHandle] = []
+        self._hooks: ForwardHooks | None = None  # the set this watch asked, while active
 
     @property
     def active(self) -> bool:
         """Whether the hooks are installed."""
-        return bool(self._handles)
+        return self._hooks is not None
 
-    def start(self) -> None:
-        """Hook the root and its direct children for one batch."""
+    def start(self, hooks: ForwardHooks | None = None) -> None:
+        """Hook the root and its direct children for one batch.
+
+        Args:
+            hooks: The set whose one forward hook per module calls this watch's (the driver's); ``None``: one of its
+                own.
+        """
         self._root_output = self._child_output = self._root_input = self._child_input = None
-        if not self._handles:
-            self._handles = [self.root.register_forward_hook(self._seen_root)]
-            self._handles += [m.register_forward_hook(self._child_hook(n)) for n, m in self.children]
+        if self._hooks is None:
+            self._hooks = hooks = ForwardHooks() if hooks is None else hooks
+            hooks.ask(self, ModuleHook.OUTPUTS, self.root, self._seen_root)
+            for n, m in self.children:
+                hooks.ask(self, ModuleHook.OUTPUTS, m, self._child_hook(n))
 
     def stop(self) -> None:
         """Remove the hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.leave(self)
 
     def _seen_root(self, module: nn.Module, args: Any, output: Any) -> None:
         out = prediction_tensor(output)

@@ -57,7 +57,8 @@ class _Split(pl.LightningModule):
 
     def _transfer(self, module, args, output):
         step = self.global_step
-        if self.corrupt_every and self.training and step >= self.corrupt_from and step % self.corrupt_every == 0:
+        every, start = self.corrupt_every, self.corrupt_from
+        if every and self.training and step >= start and (step - start) % every == 0:
             return torch.zeros_like(output)
         return output
 
@@ -102,7 +103,8 @@ def test_zero_transfer_fault_zeroes_the_hand_off_on_its_steps_only(tmp_path):
 def test_zero_transfer_is_one_alert_at_the_first_sampled_corrupted_step(tmp_path):
     result = run_demo("zero_transfer", root=str(tmp_path))
     hits = _warnings(result.alerts)
-    assert [(a.global_step, a.source) for a in hits] == [(75, "encoder.layers.0")]
+    # sampled every 5 steps on the logging cadence (4, 9, ...): the corrupted steps 63 and 66 are not, 69 is
+    assert [(a.global_step, a.source) for a in hits] == [(69, "encoder.layers.0")]
     assert "arrived as zeros" in hits[0].message
     assert [a.global_step for a in _warnings(result.alerts, "loss_outlier")]  # the steps in between: loss_outlier
 
@@ -112,7 +114,8 @@ def test_zero_initialised_adapter_is_a_healthy_zero_to_nonzero_transition(tmp_pa
     seen: list[bool] = []
     model.adapter[2].register_forward_hook(lambda m, a, o: seen.append(bool(o.any())) if m.training else None)
     alarm = AnomalyAlarm()
-    pl.Trainer(max_steps=20, default_root_dir=tmp_path, callbacks=[alarm], limit_val_batches=0, **FAST).fit(
+    every_step = {**FAST, "log_every_n_steps": 1}  # sampled from step 0 (the only one whose output is zero)
+    pl.Trainer(max_steps=20, default_root_dir=tmp_path, callbacks=[alarm], limit_val_batches=0, **every_step).fit(
         model, datamodule=data
     )
     assert seen[0] is False and all(seen[1:])  # zero until the first update, then non-zero
@@ -128,8 +131,8 @@ def test_a_relu_dead_from_the_start_never_fires_a_transient_zero_does(tmp_path):
     assert _warnings(healthy.alerts) == []
 
     faulty = AnomalyAlarm()
-    _fit(tmp_path, _Split(corrupt_every=10, corrupt_from=20), faulty)
-    assert [(a.global_step, a.source) for a in _warnings(faulty.alerts)] == [(20, "first")]  # once per module
+    _fit(tmp_path, _Split(corrupt_every=10, corrupt_from=19), faulty)  # sampled steps 4, 9, 14, 19, ...
+    assert [(a.global_step, a.source) for a in _warnings(faulty.alerts)] == [(19, "first")]  # once per module
 
 
 def test_switched_off_installs_nothing(tmp_path):
@@ -150,7 +153,7 @@ def test_threshold_sets_the_measurements_needed_before_a_transition(tmp_path):
 # -- no change to the run, and nothing left installed ---------------------------------------------------------------
 def test_the_watch_leaves_the_trained_weights_bitwise_identical_and_removes_its_hooks(tmp_path):
     def train(callbacks):
-        model = _Split(corrupt_every=10, corrupt_from=20)
+        model = _Split(corrupt_every=10, corrupt_from=19)
         pl.seed_everything(0, verbose=False)
         trainer = pl.Trainer(max_steps=25, default_root_dir=tmp_path, callbacks=callbacks, deterministic=True, **FAST)
         trainer.fit(model, _loader())
@@ -163,7 +166,7 @@ def test_the_watch_leaves_the_trained_weights_bitwise_identical_and_removes_its_
 
 
 def test_state_survives_a_resume(tmp_path):
-    # threshold 10: 8 measurements before the checkpoint (steps 0..35) and 7 after it (40..70) reach it only together
+    # threshold 10: 8 measurements before the checkpoint (steps 4..39) and 7 after it (44..74) reach it only together
     settings = {"zero_output": {"threshold": 10}}
     alarm = AnomalyAlarm(rules=settings)
     trainer = _fit(tmp_path, _Split(), alarm, max_steps=40)
@@ -173,8 +176,8 @@ def test_state_survives_a_resume(tmp_path):
 
     resumed = AnomalyAlarm(rules=settings)
     trainer2 = pl.Trainer(max_steps=80, default_root_dir=tmp_path, callbacks=[resumed], **FAST)
-    trainer2.fit(_Split(corrupt_every=75, corrupt_from=75), _loader(), ckpt_path=str(ckpt))
-    assert [a.global_step for a in _warnings(resumed.alerts)] == [75]
+    trainer2.fit(_Split(corrupt_every=79, corrupt_from=79), _loader(), ckpt_path=str(ckpt))
+    assert [a.global_step for a in _warnings(resumed.alerts)] == [79]
     assert resumed.zero_rule.nonzero["second"] == 16  # 8 measurements before the checkpoint, 8 after it
 
 
@@ -236,7 +239,7 @@ def test_a_zero_output_on_one_ddp_rank_is_one_alert_on_every_rank(tmp_path, mode
     ranks = [json.loads((tmp_path / f"zero-{mode}{r}.json").read_text()) for r in (0, 1)]
     for rank in ranks:
         hits = [(a["rule"], a["global_step"], a["source"]) for a in rank["alerts"] if a["rule"] == "zero_output"]
-        assert hits == ([("zero_output", 20, "first")] if mode == "zero" else [])
+        assert hits == ([("zero_output", 19, "first")] if mode == "zero" else [])
         assert rank["checks"] == 6  # steps 0, 5, ..., 25
 
 

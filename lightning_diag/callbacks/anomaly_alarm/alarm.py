@@ -453,8 +453,9 @@ class AnomalyAlarm(QuietLossKeeping):
             self._kept_step = start + 1 if axis.pending else start  # the global step at the batch's end
         else:
             start = self._start_step = trainer.global_step
-        # the first batch, zero_output's sampled steps (their batch end is due then)
-        self._runtime_end = first or start >= runtime.start_due
+        # the first batch, the cadence batches (zero_output's and output_collapse's sampled steps: their batch end
+        # is due then)
+        self._runtime_end = first or logging_step or start >= runtime.start_due
         if self._runtime_end:
             runtime.on_train_batch_start(trainer, pl_module)
         self._decide_quiet(trainer)

@@ -10,8 +10,9 @@ Where the outputs come from: a Lightning step has no notion of "the model's outp
 entry, else its first tensor with a batch dimension), or, when the step does not call the ``LightningModule``
 itself (``self.model(x)``), the output of the last of its direct children that ran (loss modules left out).
 
-Cost: on a sampled training step (the owner's logging interval, the first micro-batch of the optimizer step) a
-forward hook on the ``LightningModule`` and its direct children keeps a reference to their outputs; at the batch's
+Cost: on a sampled training step (the first micro-batch of an optimizer step on the owner's logging cadence) a
+forward hook on the ``LightningModule`` and its direct children (the driver's one hook per module, shared with
+``zero_output``'s) keeps a reference to their outputs; at the batch's
 end four numbers (the chosen output's spread and level, its module's floating-point input's spread and level) are
 computed on the device and read in one transfer, with ``zero_output``'s. Other steps: nothing.
 """

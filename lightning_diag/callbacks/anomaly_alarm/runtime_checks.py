@@ -13,6 +13,7 @@ read), and the losses since the last logging step are read in one transfer on lo
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
@@ -130,8 +131,9 @@ class RuntimeChecks:
         self._pending: PendingLosses = getattr(self.owner, PENDING_ATTRIBUTE)
         self.zero_outputs.reset()
         self.outputs.reset()
-        #: The global step from which :meth:`on_train_batch_start` has something to do (the fit's first batch, then
-        #: the next sampled step of ``zero_output`` or ``output_collapse``): the owner does not call it before.
+        #: The global step from which :meth:`on_train_batch_start` has something to do besides the owner's cadence
+        #: batches (which it calls it on: ``zero_output``'s and ``output_collapse``'s sampled steps): the fit's first
+        #: batch, then none. The owner does not call it on other batches.
         self.start_due: float = 0
         #: What :meth:`on_train_batch_end` does on a batch whose start did not call :meth:`on_train_batch_start` and
         #: that logs nothing (the owner calls this instead then): ``keep_loss(loss, step)`` keeps a reference to the
@@ -140,11 +142,12 @@ class RuntimeChecks:
 
     # -- training ------------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """On the fit's first training batch: compare ``train()`` overrides with what is in effect, and watch the
-        matmul layers' dtypes under mixed precision."""
+        """On the owner's cadence batches: start the sampled checks' watches. On the fit's first training batch:
+        compare ``train()`` overrides with what is in effect, and watch the matmul layers' dtypes under mixed
+        precision."""
         self.zero_outputs.on_batch_start(trainer, pl_module)
         self.outputs.on_batch_start(trainer, pl_module)
-        self.start_due = min(self.zero_outputs.next_step, self.outputs.next_step)
+        self.start_due = math.inf
         if self._first_batch_done:
             return
         self._first_batch_done = True

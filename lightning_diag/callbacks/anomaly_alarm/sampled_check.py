@@ -1,26 +1,31 @@
 """The base of AnomalyAlarm's checks that watch the model on sampled training steps only (``zero_output``,
 ``output_collapse``).
 
-On the first batch of a sampled optimizer step (the owner's logging interval) such a check installs its watch (forward
-hooks, :mod:`lightning_diag.instrument.output_watch`); at that batch's end it removes the watch, reads what the watch
-saw once, and feeds it to the owner's preset (whose detector of the rule judges it). The owner says which rule
-switches it off (its id, at construction); a subclass says how to build its watch and how to turn what the watch
-saw into :class:`Measures` (:meth:`SampledCheck.gather` on the device, :meth:`SampledCheck.measure` once read); the
-sampling, the switch-off, the hooks' removal and the host read are here: :func:`end_sampled_batch` reads what several
-checks saw on one batch in one transfer. Other steps cost one
-integer comparison: the owner calls :meth:`SampledCheck.on_batch_start` from :attr:`SampledCheck.next_step` on.
+A sampled step is the first batch of an optimizer step on the owner's logging cadence (``on_cadence``, decided by the
+trainer's driver: the same steps ``GradientFlowMonitor``'s activation watch reads at the same interval, global steps
+9, 19, 29, ... at ``log_every_n_steps=10``, so that one hooked forward serves both). There such a check starts its
+watch (:mod:`lightning_diag.instrument.output_watch`), which asks the driver's forward hooks
+(:class:`~lightning_diag.instrument.forward_hooks.ForwardHooks`: one hook per module for every watch of the step) for
+the modules it reads; at that batch's end it stops the watch (its hooks come off), reads what the watch saw once, and
+feeds it to the owner's preset (whose detector of the rule judges it). The owner says which rule switches it off (its
+id, at construction); a subclass says how to build its watch and how to turn what the watch saw into
+:class:`Measures` (:meth:`SampledCheck.gather` on the device, :meth:`SampledCheck.measure` once read); the sampling,
+the switch-off, the hooks' removal and the host read are here: :func:`end_sampled_batch` reads what several checks
+saw on one batch in one transfer. Other steps cost nothing: the owner calls :meth:`SampledCheck.on_batch_start` on
+its cadence batches only.
 """
 
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import pytorch_lightning as pl
 import torch
 
+from lightning_diag.callbacks.common.driver import forward_hooks_of
+from lightning_diag.instrument.forward_hooks import ForwardHooks
 from lightning_diag.rules.base import StepContext
 from lightning_diag.rules.measures import Measures
 
@@ -37,8 +42,8 @@ class Watch(Protocol):
     def active(self) -> bool:
         """Whether the hooks are installed."""
 
-    def start(self) -> None:
-        """Install the hooks."""
+    def start(self, hooks: ForwardHooks | None = None) -> None:
+        """Install the hooks (through ``hooks``, the driver's, when given)."""
 
     def stop(self) -> None:
         """Remove the hooks."""
@@ -69,8 +74,6 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
         self._watch: WatchT | None = None
         #: The global step measured last (the one the alerts of its batch's end name).
         self.step = -1
-        #: The global step from which :meth:`on_batch_start` may have something to do (the next sampled one).
-        self.next_step: float = 0
 
     @abc.abstractmethod
     def new_watch(self, pl_module: pl.LightningModule) -> WatchT:
@@ -91,22 +94,17 @@ class SampledCheck(abc.ABC, Generic[WatchT]):
         measures; ``None``: nothing to judge."""
 
     def on_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """On the first batch of a sampled optimizer step: install the watch."""
+        """On the first batch of an optimizer step on the owner's logging cadence: start the watch, through the
+        driver's forward hooks (shared with the other watches of the step)."""
+        if not self.owner.on_cadence:
+            return
         step = trainer.global_step
-        if step < self.next_step:
-            return
-        if self.rule_id in self.owner.rule_choices.off:
-            self.next_step = math.inf
-            return
-        every = self.owner.every_n_steps(trainer)
-        if step == self.step or step % every:
-            self.next_step = step - step % every + every
+        if step == self.step or self.rule_id in self.owner.rule_choices.off:  # a later micro-batch, or switched off
             return
         self.step = step
-        self.next_step = step + every
         if self._watch is None:
             self._watch = self.new_watch(pl_module)
-        self._watch.start()
+        self._watch.start(forward_hooks_of(trainer))
 
     def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[list[torch.Tensor], Any] | None:
         """Remove the watch of a sampled batch and :meth:`gather` what it saw; ``None`` on other batches."""

@@ -5,12 +5,13 @@ A :class:`~lightning_diag.callbacks.anomaly_alarm.sampled_check.SampledCheck` (t
 :class:`~lightning_diag.rules.zero_output.ZeroOutputRule` (the judgment, a detector of
 :class:`~lightning_diag.AnomalyAlarm`'s preset).
 
-Cost: on a sampled step (the owner's logging interval, the first micro-batch of the optimizer step) a forward hook on
-every module (installed for that batch) computes ``output.any()`` and ``(output < 0).any()`` per call on the device
-(from the output's minimum and maximum, NaN read as 1),
-and the calls' extremes are read at the batch's end in one transfer with ``output_collapse``'s numbers (per module
-counts, after one all-reduce of ``3 x modules`` numbers, under data parallelism). Other steps:
-nothing (the owner calls :meth:`ZeroOutputCheck.on_batch_start` from :attr:`ZeroOutputCheck.next_step` on).
+Cost: on a sampled step (the first micro-batch of an optimizer step on the owner's logging cadence, the steps
+``GradientFlowMonitor``'s activation watch reads) a forward hook on every module (the driver's one hook per module,
+shared with the other watches of the step, for that batch) computes ``output.any()`` and ``(output < 0).any()`` per
+call on the device (from the output's minimum and maximum, NaN read as 1), and the calls' extremes are read at the
+batch's end in one transfer with ``output_collapse``'s numbers (per module counts, after one all-reduce of
+``3 x modules`` numbers, under data parallelism). Other steps: nothing (the owner calls
+:meth:`ZeroOutputCheck.on_batch_start` on its cadence batches only).
 """
 
 from __future__ import annotations

@@ -52,8 +52,9 @@ from lightning_diag.callbacks.common.reduction import (
 from lightning_diag.callbacks.common.session import DiagSession, ThresholdSource, run_log_dir
 from lightning_diag.callbacks.common.shared import NOTHING, Shared, SharedMeasurements, step_loss_shared
 from lightning_diag.callbacks.common.step_axis import STEP_AXIS_KEY, StepAxis
+from lightning_diag.instrument.forward_hooks import ForwardHooks
 
-__all__ = ["AttachedCallback", "Driver", "PartWrap", "attach", "driver_of"]
+__all__ = ["AttachedCallback", "Driver", "PartWrap", "attach", "driver_of", "forward_hooks_of"]
 
 #: What the driver calls for one callback's hook: ``wrap(callback, hook, part)`` returns the callable to call in
 #: place of ``part`` (``SystemMonitor``'s timer of it, or ``part`` itself).
@@ -470,6 +471,13 @@ _DRIVERS: weakref.WeakKeyDictionary[pl.Trainer, Driver] = weakref.WeakKeyDiction
 def driver_of(trainer: pl.Trainer) -> Driver | None:
     """The trainer's driver, once a lightning_diag callback attached to it; else ``None``."""
     return _DRIVERS.get(trainer)
+
+
+def forward_hooks_of(trainer: pl.Trainer) -> ForwardHooks | None:
+    """The forward hooks the trainer's driver owns (one pre-hook and one forward hook per module for every watch of a
+    hooked step); ``None`` without a driver (a watch then hooks the modules through a set of its own)."""
+    driver = _DRIVERS.get(trainer)
+    return None if driver is None else driver.shared.hooks
 
 
 def attach(trainer: pl.Trainer, callback: AttachedCallback) -> Driver:

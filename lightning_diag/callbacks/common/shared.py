@@ -14,6 +14,13 @@ in one fused pass when both are requested; and the step's training loss on the h
 ``GradientFlowMonitor``'s measurement copies it to the host with its norms, for ``grad_collapse``; ``AnomalyAlarm``
 logs it as ``diag/loss/train_step`` at the batch's end), read once when both read the same quantity
 (:meth:`SharedMeasurements.offer_loss`).
+
+The driver also owns the forward hooks of a hooked step (:attr:`SharedMeasurements.hooks`, a
+:class:`~lightning_diag.instrument.forward_hooks.ForwardHooks`): the watches that read the model's forward
+(``GradientFlowMonitor``'s activation watch: the modules' inputs; ``AnomalyAlarm``'s ``zero_output`` and
+``output_collapse`` watches: the modules' outputs, on the same cadence steps) ask it for the modules they read, and each
+module gets at most one pre-hook and one forward hook, dispatching to every watch that asked; the hooks come off when
+the watches leave after the step's forward (none on a quiet step).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 
 import torch
 
+from lightning_diag.instrument.forward_hooks import ForwardHooks
 from lightning_diag.instrument.grad_measure import GradientSquares
 
 __all__ = ["NOTHING", "Shared", "SharedMeasurements", "step_loss_shared"]
@@ -57,11 +65,14 @@ class SharedMeasurements:
         requested: What the callbacks on their cadence in the current batch requested (:meth:`decide`).
         loss_shared: Whether the fit's step loss is one quantity for every reader (:func:`step_loss_shared`, set by
             the driver at the fit's start): else no loss is offered, each reader reads its own.
+        hooks: The forward hooks of the trainer's hooked steps: one pre-hook and one forward hook per module at
+            most, shared by every watch of the step.
     """
 
     def __init__(self) -> None:
         self.requested: frozenset[Shared] = NOTHING
         self.loss_shared = False
+        self.hooks = ForwardHooks()
         self._step: int | None = None
         self._values: dict[int, Any] = {}  # id(optimizer) -> its GradientSquares (or _UNMEASURED) at `_step`
         self._loss: tuple[int, float] | None = None  # (the driver's batch count, the loss read in that batch)
@@ -71,8 +82,9 @@ class SharedMeasurements:
         self.requested = requested
 
     def clear(self) -> None:
-        """Drop the requests and every value computed (a new fit)."""
+        """Drop the requests and every value computed, and any forward hook left (a new fit)."""
         self.requested = NOTHING
+        self.hooks.clear()
         self._step = None
         self._values = {}
         self._loss = None

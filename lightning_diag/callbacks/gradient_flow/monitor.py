@@ -16,6 +16,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_diag.callbacks.common.base import AlertHandler, DiagCallback, RuleChoices
+from lightning_diag.callbacks.common.driver import forward_hooks_of
 from lightning_diag.callbacks.common.outputs import loss_scale
 from lightning_diag.callbacks.common.preset import Detector, Preset
 from lightning_diag.callbacks.common.shared import Shared
@@ -381,7 +382,7 @@ class GradientFlowMonitor(SilentUpdateChecks, DiagCallback):
         if not self._measuring(trainer):
             return
         if self._watching(trainer, pl_module):
-            self._watch.attach(pl_module)
+            self._watch.attach(pl_module, forward_hooks_of(trainer))  # the driver's hooks: one per module
         if not self.activation_grads or self._act.attached:
             return
         self._act.attach(pl_module, self.activation_grads, lambda key, message: self.notice(trainer, key, message))
