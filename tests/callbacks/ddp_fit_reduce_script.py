@@ -5,19 +5,22 @@ point of the fit together, ``Driver.reduce_at``) and as each reduced its own bef
 rank 1 at step 6 gives warn-mode alerts; each epoch (8 steps) ends between two of each alarm's logging steps (5
 and 3 apart) but the last, so both alarms' findings are read back at the first two epochs' ends.
 
-Usage: ``ddp_fit_reduce_script.py ROOT``. Each rank writes ``fit_reduce<rank>.json``: for each way, the collectives
-the strategy ran during the fit (reduce and all_gather, with their op or shape), every diag/ value logged and every
-alert.
+Usage: ``ddp_fit_reduce_script.py ROOT [windows]``. Each rank writes ``fit_reduce<rank>.json``: for each way, the
+collectives the strategy ran during the fit (reduce and all_gather, with their op or shape), every diag/ value logged
+and every alert.
 """
 
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.strategies import DDPStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `tests` is importable
 
 from lightning_diag import AnomalyAlarm
 from tests.output.logger_models import MemoryLogger
@@ -39,6 +42,7 @@ class Model(pl.LightningModule):
         x, y = batch
         loss = (self.layer(x) - y).pow(2).mean()
         self.log("val_loss", loss, sync_dist=True)
+        self.log("val_b", loss, sync_dist=True)  # a second monitored quantity (the two-window alarms)
         return loss
 
     def _data(self, seed: int):
@@ -79,11 +83,17 @@ class OwnReductions(AnomalyAlarm):
         return None
 
 
-def fit(root: str, alarm_class: type[AnomalyAlarm]) -> dict[str, Any]:
+def fit(root: str, alarm_class: type[AnomalyAlarm], windows: bool) -> dict[str, Any]:
+    """Two alarms: one on epochs and one on 3-step windows, or (``windows``) both on 3-step windows, closing at the
+    same batch's end (the first closes before the second has the batch's loss)."""
     torch.manual_seed(0)
     alerts: list[list[Any]] = []
+    first = {"swing_window": 3, "monitor": "val_b"} if windows else {}
     alarms = [
-        alarm_class(on_nonfinite="warn", log_every_n_steps=5, on_alert=lambda a: alerts.append(["epoch", a.to_dict()])),
+        alarm_class(
+            on_nonfinite="warn", log_every_n_steps=5, **first,
+            on_alert=lambda a: alerts.append(["epoch", a.to_dict()]),
+        ),
         alarm_class(
             on_nonfinite="warn", swing_window=3, log_every_n_steps=3,
             on_alert=lambda a: alerts.append(["window", a.to_dict()]),
@@ -106,9 +116,9 @@ def fit(root: str, alarm_class: type[AnomalyAlarm]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    root = sys.argv[1]
+    root, windows = sys.argv[1], sys.argv[2:] == ["windows"]
     torch.set_num_threads(1)
-    driven = fit(os.path.join(root, "driven"), AnomalyAlarm)
-    own = fit(os.path.join(root, "own"), OwnReductions)
+    driven = fit(os.path.join(root, "driven"), AnomalyAlarm, windows)
+    own = fit(os.path.join(root, "own"), OwnReductions, windows)
     with open(os.path.join(root, f"fit_reduce{driven['rank']}.json"), "w") as fh:
         json.dump({"driven": driven, "own": own}, fh, default=repr)

@@ -48,3 +48,25 @@ def test_the_driver_runs_fewer_collectives(ranks):
         # close one SUM for its sums and the initial period's (1 fewer)
         assert saved == Counter({("reduce", "sum", "torch.float64"): 8, ("reduce", "min", "torch.float64"): 2})
     assert ranks[0]["driven"]["calls"] == ranks[1]["driven"]["calls"]  # every rank ran the same collectives
+
+
+@pytest.fixture(scope="module")
+def two_windows(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fit_reduce_windows")
+    proc = launch.run([sys.executable, str(SCRIPT), str(root), "windows"], timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((root / f"fit_reduce{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_two_step_windows_closing_at_one_batch_end_keep_their_values(two_windows):
+    """The first alarm's window closes before the second alarm's batch end has added the batch's loss: the second's
+    window is not reduced then (it would lose that loss), but at its own close, as before."""
+    for rank in two_windows:
+        driven, own = rank["driven"], rank["own"]
+        assert driven["values"] == own["values"]
+        assert driven["alerts"] == own["alerts"]
+        assert not Counter(map(tuple, driven["calls"])) - Counter(map(tuple, own["calls"]))
+    logged = {key for _step, key, _value in two_windows[0]["driven"]["values"]}
+    assert {"diag/loss/train_window", "diag/loss/swing"} <= logged
+    assert two_windows[0]["driven"]["calls"] == two_windows[1]["driven"]["calls"]

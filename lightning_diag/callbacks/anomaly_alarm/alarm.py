@@ -279,6 +279,9 @@ class AnomalyAlarm(QuietLossKeeping):
         # and whether several ranks train.
         self._private_losses = False
         self._several_ranks = False
+        # The driver's batch count at this alarm's last training batch end: a step window closing in another
+        # callback's batch end before this one's has not got this batch's loss yet (see `fit_reductions`).
+        self._ended_batch = -1
         # Whether the current batch is one of the user's logging batches (found at its start, on the cadence axis).
         self._log_batch = True
         # Whether the recovery watches the current batch (its end then compares the RNG state), and whether the
@@ -474,6 +477,8 @@ class AnomalyAlarm(QuietLossKeeping):
         """Keep the loss for the loss sums and ``loss_outlier`` (a reference: no kernel, no host read); close the
         step window when it is due; on logging steps write the loss and learning rates."""
         self._hand_on()  # the quiet batches' losses first, in their order
+        if self._several_ranks and self._driver is not None:
+            self._ended_batch = self._driver.batches
         loss = outputs.get("loss") if type(outputs) is dict else outputs
         # Lightning's own detached clone under automatic optimization: kept by reference. Any other form is
         # reduced, converted and copied (and told once when it is not a 0-d tensor).
@@ -576,6 +581,11 @@ class AnomalyAlarm(QuietLossKeeping):
         sums since the last one (with the initial period's where its mean may be taken). The quiet batches' losses
         are handed on first."""
         self._hand_on()
+        driver = self._driver
+        if point == "window" and (driver is None or self._ended_batch != driver.batches):
+            # asked from another alarm's batch end before this one's: this batch's loss is not in its window yet,
+            # so the window reduces its own sums at its own close (every rank decides this alike)
+            return []
         out: list[FitReduction] = []
         deferred = self.deferred
         if point == "epoch_end" and self.on_nonfinite == "warn" and deferred.steps:

@@ -101,7 +101,8 @@ class SharedMeasurements:
 
     def step_loss(self, batch: int) -> float | None:
         """The training loss of the driver's ``batch`` that a reader offered (:meth:`offer_loss`), or ``None``: the
-        caller reads its own (no loss offered in that batch, a loss that was not finite, or several quantities)."""
+        caller reads its own (no loss offered in that batch, or several quantities). A loss that was not finite is
+        offered as it was read (``nan`` or ``inf``, the value ``float(loss)`` gives)."""
         loss = self._loss
         return loss[1] if loss is not None and loss[0] == batch else None
 
