@@ -137,15 +137,19 @@ def test_a_relu_dead_from_the_start_never_fires_a_transient_zero_does(tmp_path):
 
 def test_switched_off_installs_nothing(tmp_path):
     alarm = AnomalyAlarm(rules={"zero_output": False})
-    _fit(tmp_path, _Split(corrupt_every=10, corrupt_from=20), alarm, max_steps=25)
+    _fit(tmp_path, _Split(corrupt_every=10, corrupt_from=19), alarm, max_steps=25)  # 19: a sampled step
     assert alarm.runtime.zero_outputs._watch is None and _warnings(alarm.alerts) == []
     assert alarm.zero_rule.checks == 0
 
 
 def test_threshold_sets_the_measurements_needed_before_a_transition(tmp_path):
+    # sampled steps 4, 9, 14, 19, 24, ...: 4 measurements with both signs before the corrupted step 24
     alarm = AnomalyAlarm(rules={"zero_output": {"threshold": 5}})
-    _fit(tmp_path, _Split(corrupt_every=10, corrupt_from=20), alarm)  # steps 0..15: 4 measurements before 20
+    _fit(tmp_path, _Split(corrupt_every=10, corrupt_from=24), alarm)
     assert _warnings(alarm.alerts) == []
+    enough = AnomalyAlarm(rules={"zero_output": {"threshold": 4}})
+    _fit(tmp_path, _Split(corrupt_every=10, corrupt_from=24), enough)
+    assert [(a.rule, a.global_step) for a in _warnings(enough.alerts)] == [("zero_output", 24)]
     with pytest.raises(ValueError, match="zero_output"):
         AnomalyAlarm(rules={"zero_output": {"threshold": 0}})
 
@@ -240,7 +244,7 @@ def test_a_zero_output_on_one_ddp_rank_is_one_alert_on_every_rank(tmp_path, mode
     for rank in ranks:
         hits = [(a["rule"], a["global_step"], a["source"]) for a in rank["alerts"] if a["rule"] == "zero_output"]
         assert hits == ([("zero_output", 19, "first")] if mode == "zero" else [])
-        assert rank["checks"] == 6  # steps 0, 5, ..., 25
+        assert rank["checks"] == 6  # steps 4, 9, ..., 29
 
 
 @pytest.mark.parametrize("threshold", [None, 0], ids=["extremes", "boolean-reductions"])
